@@ -1,0 +1,169 @@
+"""Runs test bodies on every rank of a real process group.
+
+A pool of W worker processes per (backend, world size) is spawned once and
+reused by every test; ``pool.run(fn, *args)`` calls the module-level function
+``fn(*args)`` on all ranks and returns their results, or raises with the
+traceback of each rank that failed. A call that does not finish in time kills
+the pool (the next test gets a fresh one) and fails, so a hang is a failure,
+not a stuck CI. The host backend's workers set TRITON_INTERPRET=1 before
+anything imports triton.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+ERROR_GRACE_S = 30.0
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def gpu_count() -> int:
+    """GPUs visible, without initialising CUDA in this (parent) process."""
+    try:
+        import subprocess
+
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+    except (OSError, subprocess.SubprocessError):
+        return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, backend: str, port: int, conn) -> None:
+    if backend == "host":
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
+        for k, v in GPU_ENV.items():
+            os.environ.setdefault(k, v)
+    for p in (ROOT, HERE):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "host":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        module, name, args = msg
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            conn.send(("ok", fn(*args)))
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            conn.send(("err", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, backend: str, world: int, start_timeout: float = 300.0):
+        self.backend, self.world = backend, world
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.conns, self.procs = [], []
+        # the environment must be right from the child's first import (spawn re-imports __main__)
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if backend == "host" else "0"
+        try:
+            for r in range(world):
+                parent, child = ctx.Pipe()
+                p = ctx.Process(target=_worker, args=(r, world, backend, port, child), daemon=True)
+                p.start()
+                self.conns.append(parent)
+                self.procs.append(p)
+        finally:
+            if saved is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+        for r, c in enumerate(self.conns):
+            if not c.poll(start_timeout):
+                self.kill()
+                raise RuntimeError(f"rank {r} of the {backend} pool did not start in {start_timeout} s")
+            c.recv()
+
+    def run(self, fn, *args, timeout: float = float(os.environ.get("TRITON_OVERLAP_TEST_TIMEOUT", "300"))):
+        """Call ``fn(*args)`` on every rank; return the list of results (rank order)."""
+        msg = (fn.__module__, fn.__name__, args)
+        for c in self.conns:
+            c.send(msg)
+        replies: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        while len(replies) < self.world:
+            if any(status == "err" for status, _ in replies.values()):
+                # a rank failed: the others may be blocked in a collective it never joined
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
+            for r, c in enumerate(self.conns):
+                if r not in replies and c.poll(0.05):
+                    replies[r] = c.recv()
+            if time.monotonic() > deadline and len(replies) < self.world:
+                self.kill()
+                missing = [r for r in range(self.world) if r not in replies]
+                errors = [f"--- rank {r} ---\n{v}" for r, (st, v) in sorted(replies.items()) if st == "err"]
+                raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish (pool killed)\n" + "\n".join(errors))
+        errors = [f"--- rank {r} ---\n{v}" for r, (st, v) in sorted(replies.items()) if st == "err"]
+        if errors:
+            raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        return [replies[r][1] for r in range(self.world)]
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=10)
+
+    def close(self):
+        for c in self.conns:
+            try:
+                c.send(None)
+            except (OSError, BrokenPipeError):
+                pass
+        for p in self.procs:
+            p.join(timeout=30)
+        self.kill()
+
+
+_pools: dict[tuple[str, int], RankPool] = {}
+
+
+def get_pool(backend: str, world: int) -> RankPool:
+    key = (backend, world)
+    pool = _pools.get(key)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _pools[key] = RankPool(backend, world)
+    return pool
+
+
+@atexit.register
+def _close_all():
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()

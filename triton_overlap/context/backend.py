@@ -1,0 +1,116 @@
+"""The runtime interface every backend implements.
+
+A backend knows how to allocate memory that peers can map, how to open a
+peer's allocation, and how to build streams on which copies, flag writes and
+flag waits run in order. Everything above it (the Context, symmetric tensors,
+producers, ops) is shared by all backends.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import torch
+
+
+class Stream(abc.ABC):
+    """An in-order queue of copy-engine work on one rank.
+
+    Every method enqueues and returns at once; the work runs later, in the
+    order it was enqueued. ``flag`` arguments are one-element int32 tensor
+    views (local or a peer's) inside symmetric memory.
+    """
+
+    @abc.abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy ``src`` into ``dst`` (same shape and dtype) with a copy engine."""
+
+    @abc.abstractmethod
+    def write_value(self, flag: torch.Tensor, value: int) -> None:
+        """Write a 32-bit constant into ``flag`` after all earlier work on this stream."""
+
+    @abc.abstractmethod
+    def copy_value(self, flag: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy 4 bytes from ``src`` (a device int32 that holds e.g. an epoch) into ``flag``.
+
+        Unlike ``write_value`` the value is read when the stream reaches this
+        point, so nothing is baked in on the host and a CUDA graph replay
+        writes the value current at replay time.
+        """
+
+    @abc.abstractmethod
+    def wait_value(self, flag: torch.Tensor, value: int, what: str) -> None:
+        """Block this stream until ``(int32)(*flag - value) >= 0``.
+
+        Only ever used on flags that a local kernel is guaranteed to advance
+        (it never waits on a peer), so it cannot hang on a dead peer.
+        ``what`` names the op and chunk for error messages where the backend
+        can time out (host).
+        """
+
+    @abc.abstractmethod
+    def wait_stream(self, other: "Stream") -> None:
+        """Work enqueued on this stream later runs after all work enqueued on ``other`` so far."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block the host until this stream's work is done (raises errors it recorded)."""
+
+    def jitter(self, max_s: float) -> None:
+        """Testing aid: delay this stream by a random time up to ``max_s`` seconds."""
+
+
+class Backend(abc.ABC):
+    name: str = "?"
+    #: Triton wait helpers use this clock: 0 counts spins, 1 CUDA %globaltimer (ns), 2 AMD s_memrealtime (100 MHz)
+    clock: int = 0
+    #: False where kernels cannot run on side streams (the host interpreter runs them on the calling thread)
+    kernels_on_streams: bool = True
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+
+    @property
+    @abc.abstractmethod
+    def device(self) -> torch.device: ...
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> tuple[torch.Tensor, Any]:
+        """Allocate ``nbytes`` of zeroed shareable memory; return (uint8 tensor, picklable handle)."""
+
+    @abc.abstractmethod
+    def open(self, handle: Any, nbytes: int) -> torch.Tensor:
+        """Map a peer's allocation from its handle; return a uint8 tensor over it."""
+
+    @abc.abstractmethod
+    def release(self, local: torch.Tensor, handle: Any, peers: list[torch.Tensor | None]) -> None:
+        """Unmap peers' allocations and free the local one."""
+
+    def after_exchange(self, handle: Any) -> None:
+        """Called once every peer has opened ``handle`` (the host backend unlinks its file here)."""
+
+    @abc.abstractmethod
+    def new_stream(self) -> Stream:
+        """A new high-priority stream for producers."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Stream:
+        """The stream kernels are launched on right now (the caller's compute stream)."""
+
+    def use_stream(self, stream: Stream):
+        """Context manager making ``stream`` current for kernel launches."""
+        raise NotImplementedError
+
+    def timeout_budget(self, timeout_s: float) -> int:
+        """Convert a timeout into the unit the kernels' wait loops count in (see ``clock``)."""
+        raise NotImplementedError
+
+    def num_compute_units(self) -> int:
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Block until all work on this rank's device is done."""
+
+    def close(self) -> None:
+        """Free backend-wide resources (streams)."""

@@ -1,0 +1,195 @@
+"""CUDA backend, on cuda-python (``cuda.bindings``).
+
+* Memory: cudaMalloc, shared with cudaIpcGetMemHandle / cudaIpcOpenMemHandle
+  (lazy peer access); handles travel over torch.distributed.
+* Copies: cudaMemcpyAsync / cudaMemcpy2DAsync device to device, which run on
+  the copy engines and take no SMs.
+* Flags: cuStreamWriteValue32 and cuStreamWaitValue32 (cyclic >=).
+* Streams are torch streams of high priority, so ordering with the caller's
+  stream uses torch's events and everything can be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import random
+
+import torch
+
+from .backend import Backend, Stream
+
+_IPC_HANDLE_BYTES = 64
+
+
+def _rt():
+    try:
+        from cuda.bindings import runtime
+    except ImportError:  # cuda-python < 12.6 spelled it cuda.cudart
+        from cuda import cudart as runtime  # type: ignore
+    return runtime
+
+
+def _drv():
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        from cuda import cuda as driver  # type: ignore
+    return driver
+
+
+def check(result, what: str):
+    """cuda-python returns (err, *values); raise on a non-zero error and return the values."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise RuntimeError(f"{what} failed: {err!r}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+class _DeviceArray:
+    """Exposes a raw device pointer to torch through __cuda_array_interface__ (no copy)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (int(ptr), False),
+            "version": 2,
+        }
+
+
+def wrap_pointer(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    return torch.as_tensor(_DeviceArray(ptr, nbytes), device=device)
+
+
+def rows_view(t: torch.Tensor):
+    """Describe ``t`` as ``height`` rows of ``width`` bytes ``pitch`` bytes apart, or None."""
+    es = t.element_size()
+    if t.is_contiguous():
+        return 1, t.numel() * es, t.numel() * es
+    # collapse the trailing dims that are contiguous into one row
+    inner = 1
+    d = t.dim() - 1
+    while d >= 0 and (t.size(d) == 1 or t.stride(d) == inner):
+        inner *= t.size(d)
+        d -= 1
+    outer = t.shape[: d + 1]
+    if len([s for s in outer if s != 1]) > 1:
+        return None
+    height = max(1, max(outer, default=1))
+    pitch = next((t.stride(i) for i in range(d + 1) if t.size(i) != 1), inner) * es
+    return height, inner * es, pitch
+
+
+def memcpy_plan(dst: torch.Tensor, src: torch.Tensor):
+    """Split a copy between two equal-shaped views into 2-D pieces (dst_ptr, dpitch, src_ptr, spitch, width, height)."""
+    if dst.shape != src.shape or dst.dtype != src.dtype:
+        raise ValueError(f"copy: shape/dtype differ: {tuple(dst.shape)} {dst.dtype} vs {tuple(src.shape)} {src.dtype}")
+    dv, sv = rows_view(dst), rows_view(src)
+    if dv is not None and sv is not None and dv[:2] == sv[:2]:
+        h, w, dp = dv
+        return [(dst.data_ptr(), dp, src.data_ptr(), sv[2], w, h)]
+    if dst.dim() <= 1:
+        raise ValueError("copy: views are not expressible as 2-D copies")
+    plan = []
+    for i in range(dst.size(0)):
+        plan += memcpy_plan(dst[i], src[i])
+    return plan
+
+
+class CudaStream(Stream):
+    def __init__(self, stream: torch.cuda.Stream):
+        self.torch_stream = stream
+        self.handle = stream.cuda_stream
+
+    def copy(self, dst, src):
+        rt = _rt()
+        d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        for dptr, dp, sptr, sp, w, h in memcpy_plan(dst, src):
+            if h == 1:
+                check(rt.cudaMemcpyAsync(dptr, sptr, w, d2d, self.handle), "cudaMemcpyAsync")
+            else:
+                check(rt.cudaMemcpy2DAsync(dptr, dp, sptr, sp, w, h, d2d, self.handle), "cudaMemcpy2DAsync")
+
+    def write_value(self, flag, value):
+        drv = _drv()
+        flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        check(drv.cuStreamWriteValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, flags), "cuStreamWriteValue32")
+
+    def copy_value(self, flag, src):
+        rt = _rt()
+        check(rt.cudaMemcpyAsync(flag.data_ptr(), src.data_ptr(), 4, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
+                                 self.handle), "cudaMemcpyAsync(flag)")
+
+    def wait_value(self, flag, value, what):
+        drv = _drv()
+        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        check(drv.cuStreamWaitValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, geq), f"cuStreamWaitValue32 ({what})")
+
+    def wait_stream(self, other):
+        self.torch_stream.wait_stream(other.torch_stream)
+
+    def synchronize(self):
+        self.torch_stream.synchronize()
+
+    def jitter(self, max_s):
+        with torch.cuda.stream(self.torch_stream):
+            torch.cuda._sleep(int(random.uniform(0.0, max_s) * 1.5e9))
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    clock = 1
+
+    def __init__(self, rank: int, world_size: int):
+        super().__init__(rank, world_size)
+        self._device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def device(self):
+        return self._device
+
+    def alloc(self, nbytes):
+        rt = _rt()
+        ptr = int(check(rt.cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
+        check(rt.cudaMemset(ptr, 0, max(nbytes, 1)), "cudaMemset")
+        handle = check(rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
+        raw = ctypes.string_at(int(handle.getPtr()), _IPC_HANDLE_BYTES)
+        return wrap_pointer(ptr, nbytes, self._device), (raw, ptr)
+
+    def open(self, handle, nbytes):
+        rt = _rt()
+        raw, _ = handle
+        h = rt.cudaIpcMemHandle_t()
+        ctypes.memmove(int(h.getPtr()), raw, _IPC_HANDLE_BYTES)
+        ptr = int(check(rt.cudaIpcOpenMemHandle(h, rt.cudaIpcMemLazyEnablePeerAccess), "cudaIpcOpenMemHandle"))
+        return wrap_pointer(ptr, nbytes, self._device)
+
+    def release(self, local, handle, peers):
+        rt = _rt()
+        torch.cuda.synchronize(self._device)
+        for p in peers:
+            if p is not None:
+                check(rt.cudaIpcCloseMemHandle(p.data_ptr()), "cudaIpcCloseMemHandle")
+        check(rt.cudaFree(handle[1]), "cudaFree")
+
+    def new_stream(self):
+        return CudaStream(torch.cuda.Stream(device=self._device, priority=-1))
+
+    def current_stream(self):
+        return CudaStream(torch.cuda.current_stream(self._device))
+
+    @contextlib.contextmanager
+    def use_stream(self, stream):
+        with torch.cuda.stream(stream.torch_stream):
+            yield
+
+    def timeout_budget(self, timeout_s):
+        return int(timeout_s * 1e9)  # %globaltimer counts nanoseconds
+
+    def num_compute_units(self):
+        return torch.cuda.get_device_properties(self._device).multi_processor_count
+
+    def synchronize(self):
+        torch.cuda.synchronize(self._device)

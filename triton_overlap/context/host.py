@@ -1,0 +1,213 @@
+"""Host (CPU) backend: the whole protocol on processes of one machine.
+
+* Symmetric memory is a file per allocation in /dev/shm, mapped by every rank
+  with ``torch.from_file(shared=True)``. The owner unlinks the file as soon as
+  every peer has mapped it, so nothing is left behind by a crash after set-up;
+  files still pending are unlinked at interpreter exit.
+* A stream is a worker thread that runs copies, flag writes and flag waits in
+  the order they were enqueued.
+* Kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by the
+  launcher and the test harness before triton is imported) on the calling
+  thread; the interpreter is not thread-safe, so kernels never run on workers.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import queue
+import random
+import threading
+import time
+
+import torch
+
+from .backend import Backend, Stream
+
+_pending_files: set[str] = set()
+
+
+@atexit.register
+def _unlink_pending() -> None:
+    for path in list(_pending_files):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    _pending_files.clear()
+
+
+def _reached(current: int, target: int) -> bool:
+    """The wrap-around int32 comparison used everywhere: (int32)(current - target) >= 0."""
+    diff = (int(current) - int(target)) & 0xFFFFFFFF
+    return diff < 0x80000000
+
+
+def spin_until(flag: torch.Tensor, target: int, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    pause = 0.0
+    while not _reached(int(flag.item()), target):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: flag stayed at {int(flag.item())}, waited for {target} for {timeout_s:.1f} s")
+        time.sleep(pause)
+        pause = min(pause * 2 + 1e-5, 1e-3)
+
+
+class _Main(Stream):
+    """The caller's own thread: everything runs at once, in program order."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+
+    def copy(self, dst, src):
+        dst.copy_(src)
+
+    def write_value(self, flag, value):
+        flag.fill_(_as_int32(value))
+
+    def copy_value(self, flag, src):
+        flag.copy_(src)
+
+    def wait_value(self, flag, value, what):
+        spin_until(flag, value, self.timeout_s, what)
+
+    def wait_stream(self, other):
+        if isinstance(other, HostStream):
+            other.synchronize()
+
+    def synchronize(self):
+        pass
+
+    def jitter(self, max_s):
+        time.sleep(random.uniform(0.0, max_s))
+
+
+def _as_int32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= (1 << 31) else value
+
+
+class HostStream(Stream):
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._q: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="triton_overlap-stream", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            try:
+                if fn is None:
+                    return
+                if self._error is None:  # after an error the rest of the queue is dropped
+                    fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the host in synchronize()
+                self._error = e
+            finally:
+                self._q.task_done()
+
+    def copy(self, dst, src):
+        self._q.put(lambda: dst.copy_(src))
+
+    def write_value(self, flag, value):
+        v = _as_int32(value)
+        self._q.put(lambda: flag.fill_(v))
+
+    def copy_value(self, flag, src):
+        self._q.put(lambda: flag.copy_(src))
+
+    def wait_value(self, flag, value, what):
+        self._q.put(lambda: spin_until(flag, value, self.timeout_s, what))
+
+    def wait_stream(self, other):
+        if not isinstance(other, HostStream) or other is self:
+            return  # the caller's thread has already done its work by the time it enqueues
+        done = threading.Event()
+        other._q.put(done.set)
+
+        def wait():
+            if not done.wait(self.timeout_s):
+                raise TimeoutError(f"host stream: waited {self.timeout_s:.1f} s for another stream")
+
+        self._q.put(wait)
+
+    def synchronize(self):
+        self._q.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def jitter(self, max_s):
+        d = random.uniform(0.0, max_s)
+        self._q.put(lambda: time.sleep(d))
+
+    def close(self):
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+
+class HostBackend(Backend):
+    name = "host"
+    clock = 0
+    kernels_on_streams = False
+
+    def __init__(self, rank: int, world_size: int, session: str, timeout_s: float):
+        super().__init__(rank, world_size)
+        self._session = session
+        self._count = 0
+        self._timeout_s = timeout_s
+        self._main = _Main(timeout_s)
+        self._streams: list[HostStream] = []
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def alloc(self, nbytes):
+        self._count += 1
+        path = f"/dev/shm/triton_overlap-{self._session}-r{self.rank}-{self._count}"
+        _pending_files.add(path)
+        t = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+        return t, path
+
+    def open(self, handle, nbytes):
+        return torch.from_file(handle, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+
+    def after_exchange(self, handle):
+        with contextlib.suppress(OSError):
+            os.unlink(handle)
+        _pending_files.discard(handle)
+
+    def release(self, local, handle, peers):
+        self.after_exchange(handle)  # the mapping itself goes with the last tensor that views it
+
+    def new_stream(self):
+        s = HostStream(self._timeout_s)
+        self._streams.append(s)
+        return s
+
+    def current_stream(self):
+        return self._main
+
+    @contextlib.contextmanager
+    def use_stream(self, stream):
+        if isinstance(stream, HostStream):
+            stream.synchronize()  # kernels run on this thread once the stream has caught up
+        yield
+
+    def timeout_budget(self, timeout_s):
+        from ..kernels.signal import interpreter_spins_per_second
+
+        return max(1, int(timeout_s * interpreter_spins_per_second()))
+
+    def num_compute_units(self):
+        return int(os.environ.get("TRITON_OVERLAP_HOST_PROGRAMS", "4"))
+
+    def synchronize(self):
+        for s in self._streams:
+            s.synchronize()
+
+    def close(self):
+        for s in self._streams:
+            s.close()
+        self._streams.clear()
