@@ -122,6 +122,7 @@ class Context:
         self.budget = self._backend.timeout_budget(self.timeout_s)
         self.clock = self._backend.clock
         self._allocs: dict[str, _Allocation] = {}
+        self._last: dict[str, SymmetricTensor] = {}
         self._streams: list[Stream] = []
         self._closed = False
         self.err = torch.zeros(8, dtype=torch.int32, device=self.device)
@@ -172,6 +173,9 @@ class Context:
         """
         self._check_open()
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)))
+        cached = self._last.get(name)
+        if cached is not None and cached.shape == shape and cached.dtype == dtype:
+            return cached  # same request as last time: agreed then, no collective now (ops ask every call)
         if any(s < 0 for s in shape):
             raise ValueError(f"symmetric({name!r}): negative size in {shape}")
         mine = (name, shape, str(dtype))
@@ -189,7 +193,8 @@ class Context:
                 self._free(alloc)
             alloc = self._allocate(max(nbytes, 16))
             self._allocs[name] = alloc
-        return SymmetricTensor(name, shape, dtype, self.rank, alloc)
+        self._last[name] = SymmetricTensor(name, shape, dtype, self.rank, alloc)
+        return self._last[name]
 
     def _allocate(self, nbytes: int) -> _Allocation:
         b = self._backend
@@ -283,6 +288,7 @@ class Context:
             for alloc in self._allocs.values():
                 self._backend.release(alloc.local, alloc.handle, alloc.peers)
             self._allocs.clear()
+            self._last.clear()
             self._streams.clear()
             self._backend.close()
 

@@ -1,0 +1,27 @@
+"""Inputs every rank can rebuild for every other rank, and the plain-torch references."""
+import zlib
+
+import torch
+
+#: ||out - ref|| / ||ref|| allowed against a float32 reference (one rounding of the output
+#: to 8 (bf16) or 11 (fp16) mantissa bits dominates; float32 accumulation adds far less)
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+
+
+def rand(shape, dtype, device, *seed):
+    g = torch.Generator().manual_seed(zlib.crc32(repr(seed).encode()))  # same on every rank
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def rel_err(out, ref):
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any(), "output has NaN: an element was not written or read poison"
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def poison(t):
+    if t.dtype.is_floating_point:
+        t.fill_(float("nan"))
+    else:
+        t.random_(-(2**31), 2**31 - 1)
+    return t

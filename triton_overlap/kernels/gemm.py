@@ -1,0 +1,125 @@
+"""The persistent Triton GEMM every matrix op here is built on.
+
+One program per SM (CU) walks the output tiles ``pid, pid + P, ...``. The m-tiles
+are visited in the order of ``tile_order`` (a permutation prepared on the host
+from the chunk schedule), grouped by GROUP_M for L2 reuse.
+
+Switches (constexpr), so one source serves every op:
+
+* GATHER: AllGather consumer. Rows of this rank's own block are read in place
+  from ``a_ptr`` (the user's shard); all other rows from the workspace
+  ``ws_ptr``, after the tile has waited for the flag of every chunk it covers.
+* NOTIFY: ReduceScatter producer. After a tile is stored, the counter of every
+  chunk it covers is bumped with release semantics; copy engines wait on them.
+* HANDSHAKE: program 0 first relays, for every peer q, "q is ready to receive"
+  (``ack[q]``, written by q's copy stream) to this rank's copy stream
+  (``go[q]``). Copy streams thus only ever wait on flags that a local kernel
+  sets, always, even when its own wait timed out, so they cannot hang.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .chunks import chunk_of_row
+from .signal import add_release, notify, wait_flag
+
+
+@triton.jit
+def remap_xcd(pid, NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr):
+    """AMD: workgroups are dealt round-robin to XCDs; renumber so that neighbouring
+    program ids (neighbouring tiles, shared operands) share an XCD and its L2."""
+    if NUM_XCDS == 1:
+        out = pid
+    else:
+        per_xcd = NUM_PROGRAMS // NUM_XCDS
+        out = tl.where(pid < per_xcd * NUM_XCDS, (pid % NUM_XCDS) * per_xcd + pid // NUM_XCDS, pid)
+    return out
+
+
+@triton.jit
+def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    width = GROUP_M * num_pid_n
+    group = tile // width
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
+    vm = first_m + (tile % width) % group_size
+    pid_n = (tile % width) // group_size
+    return vm, pid_n
+
+
+@triton.jit
+def handshake(ack_ptr, go_ptr, err_ptr, budget, rank, world, op, CLOCK: tl.constexpr):
+    for q in range(0, world):
+        if q != rank:
+            wait_flag(ack_ptr + q, 1, err_ptr, budget, rank, op, q, CLOCK)
+            tl.store(ack_ptr + q, 0)  # consumed; q writes it again only after our go below has moved data
+            notify(go_ptr + q, 1)  # set even after a timeout, so our copy stream never hangs
+
+
+@triton.jit
+def persistent_gemm(
+    a_ptr, ws_ptr, b_ptr, c_ptr, bias_ptr,
+    M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
+    stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
+    tile_order_ptr, flags_ptr, ack_ptr, go_ptr, err_ptr, budget, rank, world, op, op_hs,
+    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, NOTIFY: tl.constexpr, HANDSHAKE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
+    DOT_F32: tl.constexpr = False,
+):
+    pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
+    if HANDSHAKE:
+        if pid == 0:
+            handshake(ack_ptr, go_ptr, err_ptr, budget, rank, world, op_hs, CLOCK)
+
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in range(pid, num_tiles, NUM_PROGRAMS):
+        vm, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        pid_m = tl.load(tile_order_ptr + vm)
+        row0 = pid_m * BLOCK_M
+        c_first = chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
+        c_last = chunk_of_row(tl.minimum(row0 + BLOCK_M, M) - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
+        if GATHER:
+            for c in range(c_first, c_last + 1):
+                if c // CHUNKS_PER_RANK != rank:  # our own rows are read in place: nothing to wait for
+                    wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK)
+
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rows = tl.where(rows < M, rows, M - 1)  # clamp instead of masking the loads
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols_ld = tl.where(cols < N, cols, N - 1)
+        if GATHER:
+            mine = (rows // M_LOCAL) == rank
+            a_rows = tl.where(mine, a_ptr + (rows - rank * M_LOCAL) * stride_am, ws_ptr + rows * stride_wm)
+        else:
+            a_rows = a_ptr + rows * stride_am
+        a_ptrs = a_rows[:, None] + offs_k[None, :]
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_ld[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+            else:
+                k_left = K - k * BLOCK_K
+                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K * stride_bk
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols_ld).to(tl.float32)[None, :]
+        out_rows = row0 + tl.arange(0, BLOCK_M)
+        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & (cols[None, :] < N))
+        if NOTIFY:
+            tl.debug_barrier()  # every thread's stores precede the release below
+            for c in range(c_first, c_last + 1):
+                add_release(flags_ptr + c, 1)

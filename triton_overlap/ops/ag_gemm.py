@@ -1,0 +1,136 @@
+"""AllGather + GEMM: ``all_gather(a) @ w`` with the gather hidden behind the GEMM.
+
+Copy engines push this rank's rows into every peer's workspace chunk by
+chunk (producers.allgather); one persistent Triton GEMM computes tiles of the
+local rows first and then the remote ones in the order they arrive, each tile
+waiting only for the chunks it reads (kernels.gemm, GATHER=True).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..context import op_id
+from ..kernels.chunks import ChunkLayout
+from ..producers.allgather import join, peers_in_send_order, push_rows
+from .common import GemmConfig, agree_across_ranks, check_operands, default_config, launch_gemm, with_overrides
+
+OP = op_id("ag_gemm")
+OP_HS = op_id("ag_gemm.handshake")
+
+#: Below this many bytes per rank shard the transfer is too short to hide anything
+#: and the handshake is pure cost: ``fallback="auto"`` uses NCCL + torch.matmul instead.
+FALLBACK_SHARD_BYTES = 1 << 20
+
+
+class AllGatherGEMM:
+    """Reusable AllGather-GEMM bound to a Context: holds its workspace, flags and config.
+
+    ``op(a, w, bias=None, return_gathered=False)``: ``a`` is this rank's row
+    shard [M/W, K]; ``w`` is [K, N_local], any 2-D strided view; returns
+    [M, N_local] with rank 0's rows first (and the gathered [M, K] when asked).
+
+    ``fallback``: "auto" (NCCL all_gather + torch.matmul when the shard is under
+    FALLBACK_SHARD_BYTES or W == 1), "never", or "always".
+    ``max_m``: largest gathered M accepted (None: the workspace grows as needed).
+    """
+
+    def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
+                 name: str = "ag_gemm"):
+        if fallback not in ("auto", "never", "always"):
+            raise ValueError(f"fallback must be 'auto', 'never' or 'always', got {fallback!r}")
+        self.ctx = ctx
+        self.config = config or default_config(ctx)
+        self.fallback = fallback
+        self.max_m = max_m
+        self.name = name
+        self._agreed: set = set()
+        self._orders: dict = {}
+        self._go = torch.zeros(ctx.world_size, dtype=torch.int32, device=ctx.device)
+        self._ack = ctx.symmetric(f"{name}.ack", (ctx.world_size,), torch.int32)
+        self.last_path = None
+
+    # -------------------------------------------------------------- checks
+    def _check(self, a, w, bias):
+        ctx = self.ctx
+        check_operands("ag_gemm", ctx, a, w, bias)
+        m = a.shape[0] * ctx.world_size
+        if self.max_m is not None and m > self.max_m:
+            raise ValueError(f"ag_gemm: gathered M = {m} exceeds this op's max_m = {self.max_m}")
+        agree_across_ranks("ag_gemm", ctx, (tuple(a.shape), str(a.dtype)), self._agreed)
+
+    def _use_fallback(self, a) -> bool:
+        if self.fallback != "auto":
+            return self.fallback == "always"
+        return self.ctx.world_size == 1 or a.numel() * a.element_size() < FALLBACK_SHARD_BYTES
+
+    # ----------------------------------------------------------------- run
+    def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 return_gathered: bool = False, out: torch.Tensor | None = None, **overrides):
+        ctx = self.ctx
+        ctx._check_open()
+        self._check(a, w, bias)
+        want = (a.shape[0] * ctx.world_size, w.shape[1])
+        if out is not None and (tuple(out.shape) != want or out.dtype != a.dtype or out.device != a.device):
+            raise ValueError(f"ag_gemm: out must be {a.dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
+        a = a.contiguous()
+        if self._use_fallback(a):
+            self.last_path = "fallback"
+            return self._fallback(a, w, bias, return_gathered, out)
+        self.last_path = "overlap"
+        cfg = with_overrides(self.config, **overrides)
+        W, r = ctx.world_size, ctx.rank
+        m_local, K = a.shape
+        N = w.shape[1]
+        M = m_local * W
+        layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local))
+        ws = ctx.symmetric(f"{self.name}.ws", (M, K), a.dtype)
+        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+        order = self._tile_order(layout, cfg)
+        out = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
+        streams = ctx.streams(cfg.streams_for(W))
+
+        push_rows(ctx, streams, layout, a, ws, flags, self._ack, self._go, "ag_gemm")
+        launch_gemm(ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=bias, M=M, N=N, K=K, m_local=m_local,
+                    m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
+                    flags=flags.local, ack=self._ack.local, go=self._go, op=OP, op_hs=OP_HS,
+                    gather=True, notify=False, handshake=True, stride_wm=ws.local.stride(0))
+        join(ctx, streams)
+        flags.local.zero_()  # every flag was seen by the kernel; peers set them again only after our next ack
+        if not return_gathered:
+            return out
+        gathered = ws.local.clone()
+        gathered[r * m_local:(r + 1) * m_local].copy_(a)
+        return out, gathered
+
+    def _tile_order(self, layout: ChunkLayout, cfg: GemmConfig) -> torch.Tensor:
+        key = (layout, cfg.block_m, cfg.streams_for(layout.world))
+        order = self._orders.get(key)
+        if order is None:
+            W, r = layout.world, self.ctx.rank
+            # chunks from peer (r - i) % W arrive on the stream that peer uses for us at its step i
+            sources = [(r - i) % W for i in range(1, W)]
+            when = layout.stream_schedule(r, cfg.streams_for(W), sources)
+            order = torch.tensor(layout.tile_order(cfg.block_m, when), dtype=torch.int32, device=self.ctx.device)
+            self._orders[key] = order
+        return order
+
+    def _fallback(self, a, w, bias, return_gathered, out):
+        ctx = self.ctx
+        gathered = torch.empty((a.shape[0] * ctx.world_size, a.shape[1]), dtype=a.dtype, device=a.device)
+        dist.all_gather_into_tensor(gathered, a, group=ctx.group)
+        res = gathered @ w if bias is None else torch.addmm(bias, gathered, w)
+        out = res if out is None else out.copy_(res)
+        return (out, gathered) if return_gathered else out
+
+
+def ag_gemm(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None = None, return_gathered: bool = False,
+            out: torch.Tensor | None = None, **overrides):
+    """Functional form: uses one AllGatherGEMM cached on the Context."""
+    op = ctx.__dict__.setdefault("_ops", {}).get("ag_gemm")
+    if op is None:
+        op = ctx._ops["ag_gemm"] = AllGatherGEMM(ctx)
+    return op(a, w, bias, return_gathered=return_gathered, out=out, **overrides)
+
+
+__all__ = ["AllGatherGEMM", "ag_gemm", "peers_in_send_order"]

@@ -1,0 +1,106 @@
+"""What the GEMM ops share: configuration, input checks, kernel launch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..kernels.chunks import cdiv
+from ..kernels.gemm import persistent_gemm
+
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and chunking of an overlapped GEMM.
+
+    ``m_per_chunk=None`` picks about ``chunks_per_rank`` chunks per rank, each a
+    multiple of ``block_m``; ``num_streams=None`` uses one stream per peer.
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    m_per_chunk: int | None = None
+    chunks_per_rank: int = 4
+    num_streams: int | None = None
+    num_xcds: int = 1
+
+    def chunk_rows(self, m_local: int) -> int:
+        if self.m_per_chunk is not None:
+            return max(1, min(self.m_per_chunk, m_local))
+        rows = cdiv(cdiv(m_local, self.chunks_per_rank), self.block_m) * self.block_m
+        return max(1, min(rows, m_local))
+
+    def streams_for(self, world: int) -> int:
+        return max(1, min(self.num_streams or (world - 1), max(world - 1, 1)))
+
+
+def default_config(ctx) -> GemmConfig:
+    """Defaults: H100/H200-class tiles on GPUs; small tiles for the interpreter."""
+    if ctx.backend == "host":
+        return GemmConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=1, num_stages=1, chunks_per_rank=3)
+    if ctx.backend == "hip":
+        return GemmConfig(block_m=256, block_n=256, block_k=64, num_warps=8, num_stages=2, num_xcds=8)
+    return GemmConfig()
+
+
+def with_overrides(cfg: GemmConfig, **kw) -> GemmConfig:
+    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})
+
+
+def check_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """Shape/dtype/device checks that need no communication; raise ValueError before any launch."""
+    for name, t in (("a", a), ("w", w)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{op}: {name} must be float16 or bfloat16, got {t.dtype}")
+        if t.device != ctx.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, the Context is on {ctx.device}")
+    if a.dtype != w.dtype:
+        raise ValueError(f"{op}: a and w have different dtypes ({a.dtype} vs {w.dtype})")
+    if a.shape[1] != w.shape[0]:
+        raise ValueError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, w is {tuple(w.shape)}")
+    if a.shape[0] == 0 or a.shape[1] == 0 or w.shape[1] == 0:
+        raise ValueError(f"{op}: empty operand: a {tuple(a.shape)}, w {tuple(w.shape)}")
+    if bias is not None:
+        if bias.dim() != 1 or bias.shape[0] != w.shape[1]:
+            raise ValueError(f"{op}: bias must have shape ({w.shape[1]},), got {tuple(bias.shape)}")
+        if bias.dtype != a.dtype or bias.device != a.device:
+            raise ValueError(f"{op}: bias must be {a.dtype} on {a.device}, got {bias.dtype} on {bias.device}")
+
+
+def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
+    """Check once per distinct ``key`` that every rank passes the same key (a collective)."""
+    if key in seen:
+        return
+    everyone = ctx._gather(key)
+    if any(k != key for k in everyone):
+        raise ValueError(f"{op}: ranks disagree on shapes/dtypes: "
+                         + ", ".join(f"rank {r}: {k}" for r, k in enumerate(everyone)))
+    seen.add(key)
+
+
+def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
+                tile_order, flags, ack, go, op, op_hs, gather, notify, handshake, stride_wm=0):
+    num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
+    programs = max(1, min(ctx.num_compute_units(), num_tiles))
+    persistent_gemm[(programs,)](
+        a, ws if ws is not None else a, b, c, bias if bias is not None else c,
+        M, N, K, m_local, m_per_chunk, chunks_per_rank,
+        a.stride(0), stride_wm, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        tile_order, flags, ack, go, ctx.err, ctx.budget, ctx.rank, ctx.world_size, op, op_hs,
+        HAS_BIAS=bias is not None, GATHER=gather, NOTIFY=notify, HANDSHAKE=handshake,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        NUM_PROGRAMS=programs, NUM_XCDS=cfg.num_xcds, EVEN_K=(K % cfg.block_k == 0), CLOCK=ctx.clock,
+        DOT_F32=ctx.backend == "host",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    ctx.after_launch()
