@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# What one call on a lent multi-GPU machine runs: environment, GPU test suite, benchmarks.
+# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests|bench|all]
+set -uo pipefail
+what="${1:-all}"
+OUT="${OUT:-.out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+{ nvidia-smi -L; nvidia-smi topo -m; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; \
+  python3 -m pip show cuda-bindings 2>/dev/null | head -2; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh -x ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  for op in ${BENCH_OPS:-ag_gemm}; do
+    timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh scripts/bench.py "$op" 2>&1 | tee "$OUT/bench_$op.log" | tail -15
+  done
+  cp benchmarks/results/* "$OUT/" 2>/dev/null
+fi
