@@ -76,10 +76,9 @@ def consumer_only(ctx, cfg, a_full, w, out):
     """Our persistent GEMM on the already gathered rows: no waits, no communication."""
     M, K = a_full.shape
     order = torch.arange(triton.cdiv(M, cfg.block_m), dtype=torch.int32, device=a_full.device)
-    z = torch.zeros(max(ctx.world_size, 1), dtype=torch.int32, device=a_full.device)
+    z = torch.zeros(1, dtype=torch.int32, device=a_full.device)
     return lambda: launch_gemm(ctx, cfg, a=a_full, ws=None, b=w, c=out, bias=None, M=M, N=w.shape[1], K=K, m_local=M,
-                               m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=z, ack=z, go=z, op=0, op_hs=0,
-                               gather=False, notify=False, handshake=False)
+                               m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=z, op=0, gather=False)
 
 
 def bench_ag_gemm(ctx, shapes, iters):

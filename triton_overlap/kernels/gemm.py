@@ -9,12 +9,8 @@ Switches (constexpr), so one source serves every op:
 * GATHER: AllGather consumer. Rows of this rank's own block are read in place
   from ``a_ptr`` (the user's shard); all other rows from the workspace
   ``ws_ptr``, after the tile has waited for the flag of every chunk it covers.
-* NOTIFY: ReduceScatter producer. After a tile is stored, the counter of every
-  chunk it covers is bumped with release semantics; copy engines wait on them.
-* HANDSHAKE: program 0 first relays, for every peer q, "q is ready to receive"
-  (``ack[q]``, written by q's copy stream) to this rank's copy stream
-  (``go[q]``). Copy streams thus only ever wait on flags that a local kernel
-  sets, always, even when its own wait timed out, so they cannot hang.
+
+Without GATHER it is a plain persistent GEMM (the "consumer alone" benchmark).
 """
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_row
-from .signal import add_release, notify, wait_flag
+from .signal import wait_flag
 
 
 @triton.jit
@@ -49,29 +45,17 @@ def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def handshake(ack_ptr, go_ptr, err_ptr, budget, rank, world, op, CLOCK: tl.constexpr):
-    for q in range(0, world):
-        if q != rank:
-            wait_flag(ack_ptr + q, 1, err_ptr, budget, rank, op, q, CLOCK)
-            tl.store(ack_ptr + q, 0)  # consumed; q writes it again only after our go below has moved data
-            notify(go_ptr + q, 1)  # set even after a timeout, so our copy stream never hangs
-
-
-@triton.jit
 def persistent_gemm(
     a_ptr, ws_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
-    tile_order_ptr, flags_ptr, ack_ptr, go_ptr, err_ptr, budget, rank, world, op, op_hs,
-    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, NOTIFY: tl.constexpr, HANDSHAKE: tl.constexpr,
+    tile_order_ptr, flags_ptr, err_ptr, budget, rank, op,
+    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
     DOT_F32: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
-    if HANDSHAKE:
-        if pid == 0:
-            handshake(ack_ptr, go_ptr, err_ptr, budget, rank, world, op_hs, CLOCK)
 
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -119,7 +103,3 @@ def persistent_gemm(
         out_rows = row0 + tl.arange(0, BLOCK_M)
         c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & (cols[None, :] < N))
-        if NOTIFY:
-            tl.debug_barrier()  # every thread's stores precede the release below
-            for c in range(c_first, c_last + 1):
-                add_release(flags_ptr + c, 1)

@@ -16,7 +16,6 @@ from ..producers.allgather import join, peers_in_send_order, push_rows
 from .common import GemmConfig, agree_across_ranks, check_operands, default_config, launch_gemm, with_overrides
 
 OP = op_id("ag_gemm")
-OP_HS = op_id("ag_gemm.handshake")
 
 #: Below this many bytes per rank shard the transfer is too short to hide anything
 #: and the handshake is pure cost: ``fallback="auto"`` uses NCCL + torch.matmul instead.
@@ -46,8 +45,6 @@ class AllGatherGEMM:
         self.name = name
         self._agreed: set = set()
         self._orders: dict = {}
-        self._go = torch.zeros(ctx.world_size, dtype=torch.int32, device=ctx.device)
-        self._ack = ctx.symmetric(f"{name}.ack", (ctx.world_size,), torch.int32)
         self.last_path = None
 
     # -------------------------------------------------------------- checks
@@ -90,13 +87,12 @@ class AllGatherGEMM:
         out = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
         streams = ctx.streams(cfg.streams_for(W))
 
-        push_rows(ctx, streams, layout, a, ws, flags, self._ack, self._go, "ag_gemm")
+        push_rows(ctx, streams, layout, a, ws, flags)
         launch_gemm(ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=bias, M=M, N=N, K=K, m_local=m_local,
                     m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
-                    flags=flags.local, ack=self._ack.local, go=self._go, op=OP, op_hs=OP_HS,
-                    gather=True, notify=False, handshake=True, stride_wm=ws.local.stride(0))
+                    flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0))
         join(ctx, streams)
-        flags.local.zero_()  # every flag was seen by the kernel; peers set them again only after our next ack
+        flags.local.zero_()  # every flag was seen by the kernel; peers set them again only after the next barrier
         if not return_gathered:
             return out
         gathered = ws.local.clone()

@@ -89,15 +89,20 @@ def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
 
 
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
-                tile_order, flags, ack, go, op, op_hs, gather, notify, handshake, stride_wm=0):
+                tile_order, flags, op, gather, stride_wm=0):
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-    programs = max(1, min(ctx.num_compute_units(), num_tiles))
+    units = ctx.num_compute_units()
+    if gather and ctx.backend != "host":
+        # leave one SM (CU) free: the producers' barrier kernel must always find room
+        # beside this persistent kernel, or both ranks could wait on each other
+        units -= 1
+    programs = max(1, min(units, num_tiles))
     persistent_gemm[(programs,)](
         a, ws if ws is not None else a, b, c, bias if bias is not None else c,
         M, N, K, m_local, m_per_chunk, chunks_per_rank,
         a.stride(0), stride_wm, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        tile_order, flags, ack, go, ctx.err, ctx.budget, ctx.rank, ctx.world_size, op, op_hs,
-        HAS_BIAS=bias is not None, GATHER=gather, NOTIFY=notify, HANDSHAKE=handshake,
+        tile_order, flags, ctx.err, ctx.budget, ctx.rank, op,
+        HAS_BIAS=bias is not None, GATHER=gather,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, NUM_XCDS=cfg.num_xcds, EVEN_K=(K % cfg.block_k == 0), CLOCK=ctx.clock,
         DOT_F32=ctx.backend == "host",

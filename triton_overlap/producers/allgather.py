@@ -7,14 +7,18 @@ same stream, so a flag can only be seen after its data. Peer
 several links carry data at once. The local shard is never copied.
 
 Protocol per call, all on streams (no host synchronisation, nothing baked in
-that a CUDA-graph replay would get wrong: every value written is a constant
-and every flag is reset before it can be set again):
+that a CUDA-graph replay would get wrong: every value written is a constant,
+every flag is reset before it can be set again, and the barrier keeps its
+count in device memory):
 
-1. each stream waits for the caller's stream (inputs ready, this rank's
-   previous consumer finished and its flags reset);
-2. ``ack`` of every peer, slot r, := 1: "r may be written to again";
-3. wait ``go[d] >= 1`` (set by this rank's consumer kernel once it saw ``ack[d]``
-   from d), reset it, then push chunks and flags to d.
+1. the streams wait for the caller's stream: inputs are ready, and this
+   rank's previous consumer has finished and reset its flags;
+2. the device-side barrier (Context.barrier) on the first stream: every peer
+   has reached step 1 too, so its workspace and flags may be written;
+3. chunks and flags go to every peer.
+
+Copy streams never wait on a memory value (cuStreamWaitValue32): on the
+H200s such a wait blocked work on the caller's stream that it depended on.
 """
 from __future__ import annotations
 
@@ -27,19 +31,17 @@ def peers_in_send_order(rank: int, world: int) -> list[int]:
     return [(rank + i) % world for i in range(1, world)]
 
 
-def push_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags, ack, go: torch.Tensor, what: str):
+def push_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags):
     """Enqueue the push of ``src`` (this rank's [m_local, ...] rows) to every peer. Returns at once."""
     r = ctx.rank
     peers = peers_in_send_order(r, ctx.world_size)
-    cur = ctx.current_stream()
-    for s in streams:
-        s.wait_stream(cur)
-    for i, d in enumerate(peers):
-        streams[i % len(streams)].write_value(ack.peer(d)[r:r + 1], 1)
+    first = streams[0]
+    first.wait_stream(ctx.current_stream())
+    ctx.barrier(first)
+    for s in streams[1:]:
+        s.wait_stream(first)
     for i, d in enumerate(peers):
         s = streams[i % len(streams)]
-        s.wait_value(go[d:d + 1], 1, f"rank {r}: {what}: go to push to rank {d}")
-        s.write_value(go[d:d + 1], 0)
         for j in range(layout.chunks_per_rank):
             ctx.jitter(s)
             c = layout.chunk_id(r, j)
