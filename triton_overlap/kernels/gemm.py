@@ -74,24 +74,24 @@ def persistent_gemm(
 
         rows = row0 + tl.arange(0, BLOCK_M)
         rows = tl.where(rows < M, rows, M - 1)  # clamp instead of masking the loads
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        cols_ld = tl.where(cols < N, cols, N - 1)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # not clamped: clamping hides contiguity, so B would load scalar
+        col_ok = cols < N
         if GATHER:
             mine = (rows // M_LOCAL) == rank
             a_rows = tl.where(mine, a_ptr + (rows - rank * M_LOCAL) * stride_am, ws_ptr + rows * stride_wm)
         else:
             a_rows = a_ptr + rows * stride_am
         a_ptrs = a_rows[:, None] + offs_k[None, :]
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_ld[None, :] * stride_bn
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
+                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
             else:
                 k_left = K - k * BLOCK_K
                 a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
             if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -99,7 +99,7 @@ def persistent_gemm(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols_ld).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out_rows = row0 + tl.arange(0, BLOCK_M)
         c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & (cols[None, :] < N))
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
