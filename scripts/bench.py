@@ -1,6 +1,8 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
-    bash scripts/launch.sh scripts/bench.py ag_gemm [--shapes M,K,N ...] [--iters 30]
+    bash scripts/launch.sh scripts/bench.py ag_gemm|gemm_rs [--shapes M,K,N ...] [--iters 30]
+
+(for gemm_rs, K is this rank's K_local and the output is [M/W, N])
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS
 (sequential); torch's fused symm_mem op; the bound (torch.matmul of the same
@@ -147,6 +149,49 @@ def bench_ag_gemm(ctx, shapes, iters):
     return records
 
 
+def bench_gemm_rs(ctx, shapes, iters):
+    W = ctx.world_size
+    records = []
+    op = to.GEMMReduceScatter(ctx, fallback="never")
+    group = dist.group.WORLD.group_name
+    for M, K, N in shapes:
+        torch.manual_seed(ctx.rank)
+        a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
+        full = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
+        rec["ours_us"] = time_dist(lambda: op(a, w, out=out), iters)
+        ctx.check()
+        if M * N <= (1 << 26):  # a correctness spot check on the benchmarked shape
+            ref = (a.float() @ w.float())
+            dist.all_reduce(ref)
+            ref = ref[ctx.rank * (M // W):(ctx.rank + 1) * (M // W)]
+            rec["rel_err"] = float(((out.float() - ref).norm() / ref.norm()).item())
+
+        def nccl():
+            torch.matmul(a, w, out=full)
+            dist.reduce_scatter_tensor(out, full)
+
+        rec["nccl_us"] = time_dist(nccl, iters)
+        rec["ours_graph_us"], note = try_time(graphed(lambda: op(a, w, out=out)), iters)
+        if note:
+            rec["note"] += f"ours graph: {note}; "
+        rec["nccl_graph_us"], note = try_time(graphed(nccl), iters)
+        if note:
+            rec["note"] += f"nccl graph: {note}; "
+        rec["torch_fused_us"], note = try_time(
+            lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, group), iters)
+        if note:
+            rec["note"] += f"torch fused: {note}; "
+        ctx.check()
+        rec["bound_us"] = time_local(lambda: torch.matmul(a, w, out=full))
+        rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config, a, w, full))
+        records.append(rec)
+        say(_row(rec))
+    return records
+
+
 def _gather(a):
     parts = [torch.empty_like(a) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, a)
@@ -212,7 +257,7 @@ def write(op_name, records, W):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("op", choices=["ag_gemm"])
+    p.add_argument("op", choices=["ag_gemm", "gemm_rs"])
     p.add_argument("--shapes", nargs="*", help="M,K,N triples (default: the issue's list)")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
@@ -223,7 +268,10 @@ def main():
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
     with to.Context() as ctx:
         say(HEADER)
-        records = bench_ag_gemm(ctx, shapes or AG_SHAPES, args.iters)
+        if args.op == "ag_gemm":
+            records = bench_ag_gemm(ctx, shapes or AG_SHAPES, args.iters)
+        else:
+            records = bench_gemm_rs(ctx, shapes or RS_SHAPES, args.iters)
         if ctx.rank == 0:
             geo = write(args.op, records, ctx.world_size)
             say(f"geometric-mean speed-up over NCCL + cuBLAS: {geo:.3f}x")

@@ -117,7 +117,11 @@ class RankPool:
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
             for r, c in enumerate(self.conns):
                 if r not in replies and c.poll(0.05):
-                    replies[r] = c.recv()
+                    try:
+                        replies[r] = c.recv()
+                    except EOFError:
+                        self.procs[r].join(timeout=5)
+                        replies[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
             if time.monotonic() > deadline and len(replies) < self.world:
                 self.kill()
                 missing = [r for r in range(self.world) if r not in replies]

@@ -3,6 +3,7 @@ from . import ops
 from .context import Context, SymmetricTensor
 from .ops.ag_gemm import AllGatherGEMM, ag_gemm
 from .ops.common import GemmConfig
+from .ops.gemm_rs import GEMMReduceScatter, gemm_rs
 
-__all__ = ["Context", "SymmetricTensor", "AllGatherGEMM", "ag_gemm", "GemmConfig", "ops"]
+__all__ = ["Context", "SymmetricTensor", "AllGatherGEMM", "ag_gemm", "GemmConfig", "GEMMReduceScatter", "gemm_rs", "ops"]
 __version__ = "0.1.0"

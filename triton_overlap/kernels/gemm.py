@@ -9,8 +9,14 @@ Switches (constexpr), so one source serves every op:
 * GATHER: AllGather consumer. Rows of this rank's own block are read in place
   from ``a_ptr`` (the user's shard); all other rows from the workspace
   ``ws_ptr``, after the tile has waited for the flag of every chunk it covers.
+* SCATTER: ReduceScatter producer. Row ``r`` of the output belongs to rank
+  ``r // M_LOCAL``; the tile is stored straight into that owner's receive slot
+  for this rank (``scatter_ptrs[owner]`` + row ``rank * M_LOCAL + r % M_LOCAL``),
+  over NVLink for peers, and then the owner's counter of every chunk the tile
+  covers (``counter_ptrs[owner]`` + ``rank * CHUNKS_PER_RANK + j``) is bumped
+  with release semantics. The owner's reduction waits on those counters.
 
-Without GATHER it is a plain persistent GEMM (the "consumer alone" benchmark).
+Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_row
-from .signal import wait_flag
+from .signal import add_release, wait_flag
 
 
 @triton.jit
@@ -49,8 +55,8 @@ def persistent_gemm(
     a_ptr, ws_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
-    tile_order_ptr, flags_ptr, err_ptr, budget, rank, op,
-    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr,
+    tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
+    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
     DOT_F32: tl.constexpr = False,
@@ -101,5 +107,16 @@ def persistent_gemm(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out_rows = row0 + tl.arange(0, BLOCK_M)
-        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        if SCATTER:
+            owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
+            base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+            c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+        else:
+            c_rows = c_ptr + out_rows * stride_cm
+        c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+        if SCATTER:
+            tl.debug_barrier()  # every thread's stores of this tile come before the release below
+            for c in range(c_first, c_last + 1):
+                counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
+                add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)

@@ -89,7 +89,7 @@ def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
 
 
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
-                tile_order, flags, op, gather, stride_wm=0):
+                tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None):
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if gather and ctx.backend != "host":
@@ -102,7 +102,8 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         M, N, K, m_local, m_per_chunk, chunks_per_rank,
         a.stride(0), stride_wm, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         tile_order, flags, ctx.err, ctx.budget, ctx.rank, op,
-        HAS_BIAS=bias is not None, GATHER=gather,
+        scatter_ptrs if scatter_ptrs is not None else flags, counter_ptrs if counter_ptrs is not None else flags,
+        HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, NUM_XCDS=cfg.num_xcds, EVEN_K=(K % cfg.block_k == 0), CLOCK=ctx.clock,
         DOT_F32=ctx.backend == "host",

@@ -1,0 +1,151 @@
+"""GEMM + ReduceScatter: rows ``rank*M/W ... (rank+1)*M/W`` of ``sum over ranks of a @ w``.
+
+One persistent Triton GEMM computes this rank's partial product, tiles of
+peers' rows first in send order and its own rows last, and stores every tile
+straight into its owner's receive slot (NVLink stores for peers), bumping the
+owner's per-chunk counter after each tile (kernels.gemm, SCATTER=True). Each
+owner's reduction kernel waits per chunk and sums the W partials in float32
+(kernels.reduce).
+
+Protocol per call, on the caller's stream only: barrier (every owner has
+finished its previous reduction and reset its counters, so its receive slots
+may be written) -> GEMM -> reduction -> counters reset. Every value is a
+constant or lives in device memory, so the op can be captured in a CUDA graph.
+
+The variant in which copy engines move finished chunks (waiting on the GEMM's
+counters with cuStreamWaitValue32) is not built: on the H200s a stream
+wait-value blocked later work on the caller's stream (README).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..context import op_id
+from ..kernels.chunks import ChunkLayout, cdiv
+from ..kernels.reduce import reduce_partials
+from .common import GemmConfig, agree_across_ranks, check_operands, default_config, launch_gemm, with_overrides
+
+OP = op_id("gemm_rs")
+
+#: Below this many bytes of partial output per rank the scatter is too short to hide anything:
+#: ``fallback="auto"`` uses torch.matmul + NCCL reduce_scatter_tensor instead.
+FALLBACK_PARTIAL_BYTES = 1 << 20
+
+
+class GEMMReduceScatter:
+    """Reusable GEMM-ReduceScatter bound to a Context.
+
+    ``op(a, w, bias=None)``: ``a`` is [M, K_local] (this rank's slice of the
+    contraction dimension), ``w`` is [K_local, N], any 2-D strided view;
+    returns [M/W, N]. Bias is added once. fp16/bf16 in, partials summed in fp32.
+    """
+
+    def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
+                 name: str = "gemm_rs"):
+        if fallback not in ("auto", "never", "always"):
+            raise ValueError(f"fallback must be 'auto', 'never' or 'always', got {fallback!r}")
+        self.ctx = ctx
+        self.config = config or default_config(ctx)
+        self.fallback = fallback
+        self.max_m = max_m
+        self.name = name
+        self._agreed: set = set()
+        self._plans: dict = {}
+        self.last_path = None
+
+    def _check(self, a, w, bias, out):
+        ctx = self.ctx
+        check_operands("gemm_rs", ctx, a, w, bias)
+        M, W = a.shape[0], ctx.world_size
+        if M % W:
+            raise ValueError(f"gemm_rs: M = {M} rows is not divisible by the world size {W}")
+        if self.max_m is not None and M > self.max_m:
+            raise ValueError(f"gemm_rs: M = {M} exceeds this op's max_m = {self.max_m}")
+        want = (M // W, w.shape[1])
+        if out is not None and (tuple(out.shape) != want or out.dtype != a.dtype or out.device != a.device):
+            raise ValueError(f"gemm_rs: out must be {a.dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
+        agree_across_ranks("gemm_rs", ctx, (tuple(a.shape), w.shape[1], str(a.dtype)), self._agreed)
+
+    def _use_fallback(self, a, w) -> bool:
+        if self.fallback != "auto":
+            return self.fallback == "always"
+        partial = a.shape[0] // self.ctx.world_size * w.shape[1] * a.element_size()
+        return self.ctx.world_size == 1 or partial < FALLBACK_PARTIAL_BYTES
+
+    def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 out: torch.Tensor | None = None, **overrides):
+        ctx = self.ctx
+        ctx._check_open()
+        self._check(a, w, bias, out)
+        a = a.contiguous()
+        if self._use_fallback(a, w):
+            self.last_path = "fallback"
+            return self._fallback(a, w, bias, out)
+        self.last_path = "overlap"
+        cfg = with_overrides(self.config, **overrides)
+        W, r = ctx.world_size, ctx.rank
+        M, K = a.shape
+        N = w.shape[1]
+        m_local = M // W
+        layout, order, expected = self._plan(m_local, N, cfg)
+        recv = ctx.symmetric(f"{self.name}.recv", (W, m_local, N), a.dtype)
+        counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
+        out = torch.empty((m_local, N), dtype=a.dtype, device=a.device) if out is None else out
+
+        ctx.barrier()  # owners have reduced the previous call and reset their counters
+        launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m_local, N), bias=None, M=M, N=N, K=K, m_local=m_local,
+                    m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
+                    flags=counters.local, op=OP, gather=False, scatter_ptrs=recv.ptrs, counter_ptrs=counters.ptrs)
+        block_m, block_n = (32, 32) if ctx.backend == "host" else (64, 128)
+        programs = max(1, min(ctx.num_compute_units(), cdiv(m_local, block_m) * cdiv(N, block_n)))
+        reduce_partials[(programs,)](recv.local, out, bias if bias is not None else out, counters.local, expected,
+                                     ctx.err, ctx.budget, r, W, OP, m_local, N, layout.m_per_chunk,
+                                     layout.chunks_per_rank, out.stride(0), HAS_BIAS=bias is not None,
+                                     BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs, CLOCK=ctx.clock,
+                                     num_warps=4)
+        ctx.after_launch()
+        counters.local.zero_()  # every count was seen; peers add again only after the next barrier
+        return out
+
+    def _plan(self, m_local: int, n: int, cfg: GemmConfig):
+        """Chunk layout, GEMM tile order and the count each chunk's counter reaches, per shape."""
+        key = (m_local, n, cfg.block_m, cfg.block_n, cfg.chunk_rows(m_local))
+        plan = self._plans.get(key)
+        if plan is None:
+            ctx = self.ctx
+            W, r = ctx.world_size, ctx.rank
+            layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local))
+            # peers' rows in send order (r+1, r+2, ...), chunk by chunk; our own rows last
+            when = {layout.chunk_id((r + i) % W, j): (i, j) for i in range(1, W) for j in range(layout.chunks_per_rank)}
+            order = torch.tensor(layout.tile_order(cfg.block_m, when, last=True), dtype=torch.int32, device=ctx.device)
+            # stores each of our chunks gets from one source: the m-tiles over it, times the n-tiles
+            per_j = [0] * layout.chunks_per_rank
+            for t in range(cdiv(W * m_local, cfg.block_m)):
+                for c in layout.tile_chunks(t, cfg.block_m):
+                    if c // layout.chunks_per_rank == r:
+                        per_j[c % layout.chunks_per_rank] += cdiv(n, cfg.block_n)
+            expected = torch.tensor(per_j, dtype=torch.int32, device=ctx.device)
+            plan = self._plans[key] = (layout, order, expected)
+        return plan
+
+    def _fallback(self, a, w, bias, out):
+        ctx = self.ctx
+        full = a @ w
+        res = torch.empty((a.shape[0] // ctx.world_size, w.shape[1]), dtype=a.dtype, device=a.device)
+        dist.reduce_scatter_tensor(res, full, group=ctx.group)
+        if bias is not None:
+            res += bias
+        return res if out is None else out.copy_(res)
+
+
+def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None = None,
+            out: torch.Tensor | None = None, **overrides):
+    """Functional form: uses one GEMMReduceScatter cached on the Context."""
+    op = ctx.__dict__.setdefault("_ops", {}).get("gemm_rs")
+    if op is None:
+        op = ctx._ops["gemm_rs"] = GEMMReduceScatter(ctx)
+    return op(a, w, bias, out=out, **overrides)
+
+
+__all__ = ["GEMMReduceScatter", "gemm_rs"]
