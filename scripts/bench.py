@@ -152,6 +152,8 @@ def bench_ag_gemm(ctx, shapes, iters):
 def bench_gemm_rs(ctx, shapes, iters):
     W = ctx.world_size
     records = []
+    import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
+
     op = to.GEMMReduceScatter(ctx, fallback="never")
     group = dist.group.WORLD.group_name
     for M, K, N in shapes:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one call on a lent multi-GPU machine runs: environment, GPU test suite, benchmarks.
-# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests|bench|all]
+# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests|bench|tutorial|all]
 set -uo pipefail
 what="${1:-all}"
 OUT="${OUT:-.out}"; mkdir -p "$OUT"
@@ -13,7 +13,11 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   for op in ${BENCH_OPS:-ag_gemm}; do
-    timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh scripts/bench.py "$op" 2>&1 | tee "$OUT/bench_$op.log" | tail -15
+    timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh scripts/bench.py "$op" 2>&1 | tee "$OUT/bench_$op.log" \
+      | grep -E '^\||geometric' | tail -12
   done
-  cp benchmarks/results/* "$OUT/" 2>/dev/null
+  tar czf "$OUT/results.tgz" -C benchmarks results  # one file: the device tool returns at most 8
+fi
+if [ "$what" = tutorial ] || [ "$what" = all ]; then
+  timeout "${TUTORIAL_TIMEOUT:-60}" bash scripts/launch.sh tutorials/01_context_and_signals.py 2>&1 | tee "$OUT/tutorial01.log" | tail -2
 fi

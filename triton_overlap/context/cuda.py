@@ -4,7 +4,8 @@
   (lazy peer access); handles travel over torch.distributed.
 * Copies: cudaMemcpyAsync / cudaMemcpy2DAsync device to device, which run on
   the copy engines and take no SMs.
-* Flags: cuStreamWriteValue32 and cuStreamWaitValue32 (cyclic >=).
+* Flags: cuStreamWriteValue32 on the same stream as the data, so a flag lands
+  after its chunk.
 * Streams are torch streams of high priority, so ordering with the caller's
   stream uses torch's events and everything can be captured in a CUDA graph.
 """
@@ -112,20 +113,19 @@ class CudaStream(Stream):
             else:
                 check(rt.cudaMemcpy2DAsync(dptr, dp, sptr, sp, w, h, d2d, self.handle), "cudaMemcpy2DAsync")
 
-    def write_value(self, flag, value):
+    def copy_bytes(self, dst_ptr, src_ptr, nbytes):
+        rt = _rt()
+        check(rt.cudaMemcpyAsync(dst_ptr, src_ptr, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.handle),
+              "cudaMemcpyAsync")
+
+    def write_value_at(self, ptr, value):
         drv = _drv()
-        flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        check(drv.cuStreamWriteValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, flags), "cuStreamWriteValue32")
+        check(drv.cuStreamWriteValue32(self.handle, ptr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
 
     def copy_value(self, flag, src):
         rt = _rt()
         check(rt.cudaMemcpyAsync(flag.data_ptr(), src.data_ptr(), 4, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
                                  self.handle), "cudaMemcpyAsync(flag)")
-
-    def wait_value(self, flag, value, what):
-        drv = _drv()
-        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
-        check(drv.cuStreamWaitValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, geq), f"cuStreamWaitValue32 ({what})")
 
     def wait_stream(self, other):
         self.torch_stream.wait_stream(other.torch_stream)

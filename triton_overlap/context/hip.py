@@ -7,8 +7,8 @@ code the CUDA backend runs.
 * Memory: hipMalloc, hipIpcGetMemHandle / hipIpcOpenMemHandle.
 * Copies: hipMemcpyAsync / hipMemcpy2DAsync with hipMemcpyDeviceToDeviceNoCU,
   so the SDMA engines move the data and no compute unit is taken.
-* Flags: hipStreamWriteValue32 and hipStreamWaitValue32 (>=). The epoch flag
-  is a 4-byte copy on the same stream, so it lands after the data.
+* Flags: hipStreamWriteValue32 on the same stream as the data, so a flag lands
+  after its chunk.
 * torch on ROCm exposes HIP streams through the torch.cuda API.
 """
 from __future__ import annotations
@@ -40,19 +40,19 @@ class HipStream(CudaStream):
             else:
                 check(hip.hipMemcpy2DAsync(dptr, dp, sptr, sp, w, h, kind, self.handle), "hipMemcpy2DAsync")
 
-    def write_value(self, flag, value):
+    def copy_bytes(self, dst_ptr, src_ptr, nbytes):
         hip = _hip()
-        check(hip.hipStreamWriteValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, 0), "hipStreamWriteValue32")
+        check(hip.hipMemcpyAsync(dst_ptr, src_ptr, nbytes, hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU, self.handle),
+              "hipMemcpyAsync")
+
+    def write_value_at(self, ptr, value):
+        hip = _hip()
+        check(hip.hipStreamWriteValue32(self.handle, ptr, value & 0xFFFFFFFF, 0), "hipStreamWriteValue32")
 
     def copy_value(self, flag, src):
         hip = _hip()
         kind = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
         check(hip.hipMemcpyAsync(flag.data_ptr(), src.data_ptr(), 4, kind, self.handle), "hipMemcpyAsync(flag)")
-
-    def wait_value(self, flag, value, what):
-        hip = _hip()
-        check(hip.hipStreamWaitValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF,
-                                       hip.hipStreamWaitValueGte, 0xFFFFFFFF), f"hipStreamWaitValue32 ({what})")
 
 
 class HipBackend(CudaBackend):

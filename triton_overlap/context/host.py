@@ -4,8 +4,8 @@
   with ``torch.from_file(shared=True)``. The owner unlinks the file as soon as
   every peer has mapped it, so nothing is left behind by a crash after set-up;
   files still pending are unlinked at interpreter exit.
-* A stream is a worker thread that runs copies, flag writes and flag waits in
-  the order they were enqueued.
+* A stream is a worker thread that runs copies and flag writes in the order
+  they were enqueued.
 * Kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by the
   launcher and the test harness before triton is imported) on the calling
   thread; the interpreter is not thread-safe, so kernels never run on workers.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import queue
 import random
@@ -35,20 +36,8 @@ def _unlink_pending() -> None:
     _pending_files.clear()
 
 
-def _reached(current: int, target: int) -> bool:
-    """The wrap-around int32 comparison used everywhere: (int32)(current - target) >= 0."""
-    diff = (int(current) - int(target)) & 0xFFFFFFFF
-    return diff < 0x80000000
-
-
-def spin_until(flag: torch.Tensor, target: int, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    pause = 0.0
-    while not _reached(int(flag.item()), target):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: flag stayed at {int(flag.item())}, waited for {target} for {timeout_s:.1f} s")
-        time.sleep(pause)
-        pause = min(pause * 2 + 1e-5, 1e-3)
+def _store32(ptr: int, value: int) -> None:
+    ctypes.c_int32.from_address(ptr).value = _as_int32(value)
 
 
 class _Main(Stream):
@@ -60,14 +49,14 @@ class _Main(Stream):
     def copy(self, dst, src):
         dst.copy_(src)
 
-    def write_value(self, flag, value):
-        flag.fill_(_as_int32(value))
+    def copy_bytes(self, dst_ptr, src_ptr, nbytes):
+        ctypes.memmove(dst_ptr, src_ptr, nbytes)
+
+    def write_value_at(self, ptr, value):
+        _store32(ptr, value)
 
     def copy_value(self, flag, src):
         flag.copy_(src)
-
-    def wait_value(self, flag, value, what):
-        spin_until(flag, value, self.timeout_s, what)
 
     def wait_stream(self, other):
         if isinstance(other, HostStream):
@@ -109,15 +98,14 @@ class HostStream(Stream):
     def copy(self, dst, src):
         self._q.put(lambda: dst.copy_(src))
 
-    def write_value(self, flag, value):
-        v = _as_int32(value)
-        self._q.put(lambda: flag.fill_(v))
+    def copy_bytes(self, dst_ptr, src_ptr, nbytes):
+        self._q.put(lambda: ctypes.memmove(dst_ptr, src_ptr, nbytes))
+
+    def write_value_at(self, ptr, value):
+        self._q.put(lambda: _store32(ptr, value))
 
     def copy_value(self, flag, src):
         self._q.put(lambda: flag.copy_(src))
-
-    def wait_value(self, flag, value, what):
-        self._q.put(lambda: spin_until(flag, value, self.timeout_s, what))
 
     def wait_stream(self, other):
         if not isinstance(other, HostStream) or other is self:

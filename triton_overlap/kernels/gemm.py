@@ -59,7 +59,7 @@ def persistent_gemm(
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
-    DOT_F32: tl.constexpr = False,
+    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
 
@@ -111,6 +111,8 @@ def persistent_gemm(
             owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
             base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
             c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+            if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
+                c_rows = tl.multiple_of(c_rows, 16)
         else:
             c_rows = c_ptr + out_rows * stride_cm
         c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn

@@ -107,6 +107,8 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, NUM_XCDS=cfg.num_xcds, EVEN_K=(K % cfg.block_k == 0), CLOCK=ctx.clock,
         DOT_F32=ctx.backend == "host",
+        # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
+        ALIGN_C=scatter_ptrs is not None and N % 16 == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     ctx.after_launch()
