@@ -26,25 +26,8 @@ class Stream(abc.ABC):
         """Copy ``src`` into ``dst`` (same shape and dtype) with a copy engine."""
 
     @abc.abstractmethod
-    def copy_bytes(self, dst_ptr: int, src_ptr: int, nbytes: int) -> None:
-        """Copy ``nbytes`` between two raw addresses (the hot path of the ops: no tensor views)."""
-
-    @abc.abstractmethod
-    def write_value_at(self, ptr: int, value: int) -> None:
-        """Write a 32-bit constant at ``ptr`` after all earlier work on this stream."""
-
     def write_value(self, flag: torch.Tensor, value: int) -> None:
         """Write a 32-bit constant into ``flag`` after all earlier work on this stream."""
-        self.write_value_at(flag.data_ptr(), value)
-
-    @abc.abstractmethod
-    def copy_value(self, flag: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy 4 bytes from ``src`` (a device int32 that holds e.g. an epoch) into ``flag``.
-
-        Unlike ``write_value`` the value is read when the stream reaches this
-        point, so nothing is baked in on the host and a CUDA graph replay
-        writes the value current at replay time.
-        """
 
     @abc.abstractmethod
     def wait_stream(self, other: "Stream") -> None:

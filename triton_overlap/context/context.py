@@ -226,11 +226,6 @@ class Context:
     def use_stream(self, stream: Stream):
         return self._backend.use_stream(stream)
 
-    @property
-    def kernels_on_streams(self) -> bool:
-        """False on the host backend, whose kernels run on (and block) the calling thread."""
-        return self._backend.kernels_on_streams
-
     def num_compute_units(self) -> int:
         return self._backend.num_compute_units()
 

@@ -113,19 +113,10 @@ class CudaStream(Stream):
             else:
                 check(rt.cudaMemcpy2DAsync(dptr, dp, sptr, sp, w, h, d2d, self.handle), "cudaMemcpy2DAsync")
 
-    def copy_bytes(self, dst_ptr, src_ptr, nbytes):
-        rt = _rt()
-        check(rt.cudaMemcpyAsync(dst_ptr, src_ptr, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.handle),
-              "cudaMemcpyAsync")
-
-    def write_value_at(self, ptr, value):
+    def write_value(self, flag, value):
         drv = _drv()
-        check(drv.cuStreamWriteValue32(self.handle, ptr, value & 0xFFFFFFFF, 0), "cuStreamWriteValue32")
-
-    def copy_value(self, flag, src):
-        rt = _rt()
-        check(rt.cudaMemcpyAsync(flag.data_ptr(), src.data_ptr(), 4, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
-                                 self.handle), "cudaMemcpyAsync(flag)")
+        flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        check(drv.cuStreamWriteValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, flags), "cuStreamWriteValue32")
 
     def wait_stream(self, other):
         self.torch_stream.wait_stream(other.torch_stream)

@@ -40,19 +40,9 @@ class HipStream(CudaStream):
             else:
                 check(hip.hipMemcpy2DAsync(dptr, dp, sptr, sp, w, h, kind, self.handle), "hipMemcpy2DAsync")
 
-    def copy_bytes(self, dst_ptr, src_ptr, nbytes):
+    def write_value(self, flag, value):
         hip = _hip()
-        check(hip.hipMemcpyAsync(dst_ptr, src_ptr, nbytes, hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU, self.handle),
-              "hipMemcpyAsync")
-
-    def write_value_at(self, ptr, value):
-        hip = _hip()
-        check(hip.hipStreamWriteValue32(self.handle, ptr, value & 0xFFFFFFFF, 0), "hipStreamWriteValue32")
-
-    def copy_value(self, flag, src):
-        hip = _hip()
-        kind = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
-        check(hip.hipMemcpyAsync(flag.data_ptr(), src.data_ptr(), 4, kind, self.handle), "hipMemcpyAsync(flag)")
+        check(hip.hipStreamWriteValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, 0), "hipStreamWriteValue32")
 
 
 class HipBackend(CudaBackend):

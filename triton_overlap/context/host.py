@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import os
 import queue
 import random
@@ -36,10 +35,6 @@ def _unlink_pending() -> None:
     _pending_files.clear()
 
 
-def _store32(ptr: int, value: int) -> None:
-    ctypes.c_int32.from_address(ptr).value = _as_int32(value)
-
-
 class _Main(Stream):
     """The caller's own thread: everything runs at once, in program order."""
 
@@ -49,14 +44,8 @@ class _Main(Stream):
     def copy(self, dst, src):
         dst.copy_(src)
 
-    def copy_bytes(self, dst_ptr, src_ptr, nbytes):
-        ctypes.memmove(dst_ptr, src_ptr, nbytes)
-
-    def write_value_at(self, ptr, value):
-        _store32(ptr, value)
-
-    def copy_value(self, flag, src):
-        flag.copy_(src)
+    def write_value(self, flag, value):
+        flag.fill_(_as_int32(value))
 
     def wait_stream(self, other):
         if isinstance(other, HostStream):
@@ -98,14 +87,9 @@ class HostStream(Stream):
     def copy(self, dst, src):
         self._q.put(lambda: dst.copy_(src))
 
-    def copy_bytes(self, dst_ptr, src_ptr, nbytes):
-        self._q.put(lambda: ctypes.memmove(dst_ptr, src_ptr, nbytes))
-
-    def write_value_at(self, ptr, value):
-        self._q.put(lambda: _store32(ptr, value))
-
-    def copy_value(self, flag, src):
-        self._q.put(lambda: flag.copy_(src))
+    def write_value(self, flag, value):
+        v = _as_int32(value)
+        self._q.put(lambda: flag.fill_(v))
 
     def wait_stream(self, other):
         if not isinstance(other, HostStream) or other is self:

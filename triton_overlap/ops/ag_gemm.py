@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout
-from ..producers.allgather import depend_on_caller, join, peers_in_send_order, plan_push, push
+from ..producers.allgather import join, peers_in_send_order, push_rows
 from .common import GemmConfig, agree_across_ranks, check_operands, default_config, launch_gemm, with_overrides
 
 OP = op_id("ag_gemm")
@@ -75,26 +75,22 @@ class AllGatherGEMM:
             self.last_path = "fallback"
             return self._fallback(a, w, bias, return_gathered, out)
         self.last_path = "overlap"
-        cfg = with_overrides(self.config, **overrides) if overrides else self.config
+        cfg = with_overrides(self.config, **overrides)
         W, r = ctx.world_size, ctx.rank
         m_local, K = a.shape
         N = w.shape[1]
         M = m_local * W
-        layout, ws, flags, order, streams, work = self._plan(m_local, K, a.dtype, cfg)
+        layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local))
+        ws = ctx.symmetric(f"{self.name}.ws", (M, K), a.dtype)
+        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+        order = self._tile_order(layout, cfg)
         out = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
+        streams = ctx.streams(cfg.streams_for(W))
 
-        def consume():
-            launch_gemm(ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=bias, M=M, N=N, K=K, m_local=m_local,
-                        m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
-                        flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0))
-
-        depend_on_caller(ctx, streams)  # recorded before the GEMM is enqueued: producers never wait for it
-        if ctx.kernels_on_streams:
-            consume()  # GPUs: local tiles start while the host is still enqueueing copies
-            push(ctx, streams, work, a.data_ptr())
-        else:
-            push(ctx, streams, work, a.data_ptr())  # host: kernels block the caller, so producers go first
-            consume()
+        push_rows(ctx, streams, layout, a, ws, flags)
+        launch_gemm(ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=bias, M=M, N=N, K=K, m_local=m_local,
+                    m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
+                    flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0))
         join(ctx, streams)
         flags.local.zero_()  # every flag was seen by the kernel; peers set them again only after the next barrier
         if not return_gathered:
@@ -103,26 +99,17 @@ class AllGatherGEMM:
         gathered[r * m_local:(r + 1) * m_local].copy_(a)
         return out, gathered
 
-    def _plan(self, m_local: int, K: int, dtype: torch.dtype, cfg: GemmConfig):
-        """Everything a call needs that depends only on the shape: buffers, tile order, copy plan."""
-        ctx = self.ctx
-        W = ctx.world_size
-        layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local))
-        ws = ctx.symmetric(f"{self.name}.ws", (m_local * W, K), dtype)
-        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
-        n_streams = cfg.streams_for(W)
-        key = (layout, cfg.block_m, n_streams, K, ws.local.data_ptr(), flags.local.data_ptr())
-        plan = self._orders.get(key)
-        if plan is None:
-            r = ctx.rank
+    def _tile_order(self, layout: ChunkLayout, cfg: GemmConfig) -> torch.Tensor:
+        key = (layout, cfg.block_m, cfg.streams_for(layout.world))
+        order = self._orders.get(key)
+        if order is None:
+            W, r = layout.world, self.ctx.rank
             # chunks from peer (r - i) % W arrive on the stream that peer uses for us at its step i
             sources = [(r - i) % W for i in range(1, W)]
-            when = layout.stream_schedule(r, n_streams, sources)
-            order = torch.tensor(layout.tile_order(cfg.block_m, when), dtype=torch.int32, device=ctx.device)
-            work = plan_push(ctx, n_streams, layout, K * ws.local.element_size(), ws, flags)
-            plan = self._orders[key] = (order, work)
-        order, work = plan
-        return layout, ws, flags, order, ctx.streams(n_streams), work
+            when = layout.stream_schedule(r, cfg.streams_for(W), sources)
+            order = torch.tensor(layout.tile_order(cfg.block_m, when), dtype=torch.int32, device=self.ctx.device)
+            self._orders[key] = order
+        return order
 
     def _fallback(self, a, w, bias, return_gathered, out):
         ctx = self.ctx

@@ -22,6 +22,8 @@ H200s such a wait blocked work on the caller's stream that it depended on.
 """
 from __future__ import annotations
 
+import torch
+
 from ..kernels.chunks import ChunkLayout
 
 
@@ -29,38 +31,22 @@ def peers_in_send_order(rank: int, world: int) -> list[int]:
     return [(rank + i) % world for i in range(1, world)]
 
 
-def plan_push(ctx, n_streams: int, layout: ChunkLayout, row_bytes: int, ws, flags) -> list[list[tuple]]:
-    """Per stream, the copies of one call as raw numbers: (dst address, offset in the source, bytes, flag address).
-
-    Built once per shape, so a call only adds the source's address and issues the copies.
-    """
+def push_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags):
+    """Enqueue the push of ``src`` (this rank's [m_local, ...] rows) to every peer. Returns at once."""
     r = ctx.rank
-    work: list[list[tuple]] = [[] for _ in range(n_streams)]
-    for i, d in enumerate(peers_in_send_order(r, ctx.world_size)):
-        dst, flag = ws.peer(d).data_ptr(), flags.peer(d).data_ptr()
-        for j in range(layout.chunks_per_rank):
-            rows, mine = layout.rows(r, j), layout.local_rows(j)
-            work[i % n_streams].append((dst + rows.start * row_bytes, mine.start * row_bytes,
-                                        (mine.stop - mine.start) * row_bytes, flag + 4 * layout.chunk_id(r, j)))
-    return work
-
-
-def depend_on_caller(ctx, streams) -> None:
-    """The producers start after what the caller's stream holds now (inputs, our previous consumer, flag reset)."""
-    streams[0].wait_stream(ctx.current_stream())
-
-
-def push(ctx, streams, work: list[list[tuple]], src_ptr: int) -> None:
-    """Enqueue the barrier, then every chunk and its flag. Returns at once."""
+    peers = peers_in_send_order(r, ctx.world_size)
     first = streams[0]
+    first.wait_stream(ctx.current_stream())
     ctx.barrier(first)
     for s in streams[1:]:
         s.wait_stream(first)
-    for s, items in zip(streams, work):
-        for dst, offset, nbytes, flag in items:
+    for i, d in enumerate(peers):
+        s = streams[i % len(streams)]
+        for j in range(layout.chunks_per_rank):
             ctx.jitter(s)
-            s.copy_bytes(dst, src_ptr + offset, nbytes)
-            s.write_value_at(flag, 1)
+            c = layout.chunk_id(r, j)
+            s.copy(ws.peer(d)[layout.rows(r, j)], src[layout.local_rows(j)])
+            s.write_value(flags.peer(d)[c:c + 1], 1)
 
 
 def join(ctx, streams) -> None:
