@@ -75,6 +75,14 @@ def graphed(fn):
     return g.replay
 
 
+def time_graphs(rec, ours, nccl, iters):
+    """ours_graph_us and nccl_graph_us: both captured in CUDA graphs, so the launch cost of Python drops out."""
+    for key, fn in (("ours_graph_us", ours), ("nccl_graph_us", nccl)):
+        rec[key], note = try_time(graphed(fn), iters)
+        if note:
+            rec["note"] += f"{key}: {note}; "
+
+
 def try_time(fn, iters):
     try:
         return time_dist(fn, iters), None
@@ -126,13 +134,7 @@ def bench_ag_gemm(ctx, shapes, iters):
             torch.matmul(gathered, w, out=out)
 
         rec["nccl_us"] = time_dist(nccl, iters)
-        # the same two, captured in CUDA graphs: the launch cost of the Python host code drops out
-        rec["ours_graph_us"], note = try_time(graphed(lambda: op(a, w, out=out)), iters)
-        if note:
-            rec["note"] += f"ours graph: {note}; "
-        rec["nccl_graph_us"], note = try_time(graphed(nccl), iters)
-        if note:
-            rec["note"] += f"nccl graph: {note}; "
+        time_graphs(rec, lambda: op(a, w, out=out), nccl, iters)
         ctx.check()
         if fused_ok is None:
             rec["torch_fused_us"], note = try_time(
@@ -176,12 +178,7 @@ def bench_gemm_rs(ctx, shapes, iters):
             dist.reduce_scatter_tensor(out, full)
 
         rec["nccl_us"] = time_dist(nccl, iters)
-        rec["ours_graph_us"], note = try_time(graphed(lambda: op(a, w, out=out)), iters)
-        if note:
-            rec["note"] += f"ours graph: {note}; "
-        rec["nccl_graph_us"], note = try_time(graphed(nccl), iters)
-        if note:
-            rec["note"] += f"nccl graph: {note}; "
+        time_graphs(rec, lambda: op(a, w, out=out), nccl, iters)
         rec["torch_fused_us"], note = try_time(
             lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, group), iters)
         if note:

@@ -1,11 +1,10 @@
-"""Staged diagnostic of the AllGather-GEMM protocol on GPUs: which step stalls, if any.
+"""Staged diagnostic of the stream/kernel signalling on GPUs: which step stalls, if any.
     bash scripts/launch.sh scripts/diag_ag.py"""
 import os, sys, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch, torch.distributed as dist
 import triton_overlap as to
 from triton_overlap.launch import init, say
-from triton_overlap.kernels.chunks import ChunkLayout
 
 def stamp(msg):
     torch.cuda.synchronize(); print(f"[rank {dist.get_rank()} {time.strftime('%X')}] {msg}", flush=True)
@@ -26,21 +25,22 @@ with to.Context(timeout_s=5) as ctx:
     s.copy(ws.peer(d)[r * m:(r + 1) * m], a)
     s.write_value(flags.peer(d)[r:r + 1], 1)
     s.synchronize(); dist.barrier(); stamp(f"A push ok: flags {flags.local.tolist()} ws ok {bool(torch.isfinite(ws.local.float()).all())}")
-    # B: a stream wait on a local flag set from the host side (torch fill on current stream)
+    # B: a stream wait-value on a local flag that a later fill on the caller's stream sets.
+    # On 2xH200 (2026-11-22) this stalled: the reason the library never waits on a memory value in a stream.
+    from cuda.bindings import driver as drv
     go = torch.zeros(4, dtype=torch.int32, device="cuda")
-    s.wait_value(go[1:2], 1, "diag B")
+    drv.cuStreamWaitValue32(s.handle, go[1:2].data_ptr(), 1, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
     s.write_value(go[2:3], 7)
     go[1:2].fill_(1)
     s.synchronize(); stamp(f"B stream wait ok: go {go.tolist()}")
     # C: a Triton kernel notify releases a stream wait
-    from triton_overlap.kernels.signal import wait_kernel
-    import triton, triton.language as tl
+    import triton
     from triton_overlap.kernels.signal import notify
     @triton.jit
     def _notify(p):
         notify(p, 1)
     go.zero_()
-    s.wait_value(go[0:1], 1, "diag C")
+    drv.cuStreamWaitValue32(s.handle, go[0:1].data_ptr(), 1, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
     _notify[(1,)](go)
     s.synchronize(); stamp(f"C kernel->stream ok {go.tolist()}")
     # D: the op with a short timeout

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout
 from ..producers.allgather import join, peers_in_send_order, push_rows
-from .common import GemmConfig, agree_across_ranks, check_operands, default_config, launch_gemm, with_overrides
+from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
 
 OP = op_id("ag_gemm")
 
@@ -22,7 +22,7 @@ OP = op_id("ag_gemm")
 FALLBACK_SHARD_BYTES = 1 << 20
 
 
-class AllGatherGEMM:
+class AllGatherGEMM(OverlapOp):
     """Reusable AllGather-GEMM bound to a Context: holds its workspace, flags and config.
 
     ``op(a, w, bias=None, return_gathered=False)``: ``a`` is this rank's row
@@ -36,16 +36,7 @@ class AllGatherGEMM:
 
     def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
                  name: str = "ag_gemm"):
-        if fallback not in ("auto", "never", "always"):
-            raise ValueError(f"fallback must be 'auto', 'never' or 'always', got {fallback!r}")
-        self.ctx = ctx
-        self.config = config or default_config(ctx)
-        self.fallback = fallback
-        self.max_m = max_m
-        self.name = name
-        self._agreed: set = set()
-        self._orders: dict = {}
-        self.last_path = None
+        super().__init__(ctx, config, fallback, max_m, name)
 
     # -------------------------------------------------------------- checks
     def _check(self, a, w, bias):
@@ -101,14 +92,14 @@ class AllGatherGEMM:
 
     def _tile_order(self, layout: ChunkLayout, cfg: GemmConfig) -> torch.Tensor:
         key = (layout, cfg.block_m, cfg.streams_for(layout.world))
-        order = self._orders.get(key)
+        order = self._plans.get(key)
         if order is None:
             W, r = layout.world, self.ctx.rank
             # chunks from peer (r - i) % W arrive on the stream that peer uses for us at its step i
             sources = [(r - i) % W for i in range(1, W)]
             when = layout.stream_schedule(r, cfg.streams_for(W), sources)
             order = torch.tensor(layout.tile_order(cfg.block_m, when), dtype=torch.int32, device=self.ctx.device)
-            self._orders[key] = order
+            self._plans[key] = order
         return order
 
     def _fallback(self, a, w, bias, return_gathered, out):

@@ -40,6 +40,22 @@ class GemmConfig:
         return max(1, min(self.num_streams or (world - 1), max(world - 1, 1)))
 
 
+class OverlapOp:
+    """What every overlapped op holds: its Context, config, fallback rule, shape checks done, plans."""
+
+    def __init__(self, ctx, config: GemmConfig | None, fallback: str, max_m: int | None, name: str):
+        if fallback not in ("auto", "never", "always"):
+            raise ValueError(f"fallback must be 'auto', 'never' or 'always', got {fallback!r}")
+        self.ctx = ctx
+        self.config = config or default_config(ctx)
+        self.fallback = fallback
+        self.max_m = max_m
+        self.name = name
+        self._agreed: set = set()  # shape keys every rank has been seen to agree on
+        self._plans: dict = {}  # per-shape state built on first use
+        self.last_path = None  # "overlap" or "fallback", for tests and curious users
+
+
 def default_config(ctx) -> GemmConfig:
     """Defaults: H100/H200-class tiles on GPUs; small tiles for the interpreter."""
     if ctx.backend == "host":

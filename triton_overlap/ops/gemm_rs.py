@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout, cdiv
 from ..kernels.reduce import reduce_partials
-from .common import GemmConfig, agree_across_ranks, check_operands, default_config, launch_gemm, with_overrides
+from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
 
 OP = op_id("gemm_rs")
 
@@ -33,7 +33,7 @@ OP = op_id("gemm_rs")
 FALLBACK_PARTIAL_BYTES = 1 << 20
 
 
-class GEMMReduceScatter:
+class GEMMReduceScatter(OverlapOp):
     """Reusable GEMM-ReduceScatter bound to a Context.
 
     ``op(a, w, bias=None)``: ``a`` is [M, K_local] (this rank's slice of the
@@ -43,16 +43,7 @@ class GEMMReduceScatter:
 
     def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
                  name: str = "gemm_rs"):
-        if fallback not in ("auto", "never", "always"):
-            raise ValueError(f"fallback must be 'auto', 'never' or 'always', got {fallback!r}")
-        self.ctx = ctx
-        self.config = config or default_config(ctx)
-        self.fallback = fallback
-        self.max_m = max_m
-        self.name = name
-        self._agreed: set = set()
-        self._plans: dict = {}
-        self.last_path = None
+        super().__init__(ctx, config, fallback, max_m, name)
 
     def _check(self, a, w, bias, out):
         ctx = self.ctx
