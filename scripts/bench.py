@@ -18,7 +18,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -28,32 +27,13 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
+from triton_overlap.timing import time_dist  # noqa: E402
 from triton_overlap.ops.common import launch_gemm  # noqa: E402
 
 AG_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 14336), (8192, 8192, 3584),
              (4096, 8192, 1792)]
 RS_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 7168, 8192), (8192, 1792, 8192)]
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
-
-
-def time_dist(fn, iters: int, warmup: int = 5) -> float:
-    """Median µs per call over ``iters`` aligned iterations, max over ranks."""
-    tiny = torch.zeros(1, device="cuda")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        dist.all_reduce(tiny)  # the ranks leave this together: an aligned start on the device
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    med = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med.item())
 
 
 def time_local(fn) -> float:

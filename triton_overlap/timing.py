@@ -1,0 +1,31 @@
+"""Timing a collective op the way the benchmarks report it."""
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+
+def time_dist(fn, iters: int, warmup: int = 5) -> float:
+    """Median µs per call of ``fn`` over ``iters`` iterations, max over ranks (GPUs only).
+
+    Before each iteration a one-element all_reduce on the stream lines the ranks
+    up on the device; CUDA events time the call alone.
+    """
+    tiny = torch.zeros(1, device="cuda")
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.all_reduce(tiny)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3)
+    med = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return float(med.item())
