@@ -31,8 +31,17 @@ def peers_in_send_order(rank: int, world: int) -> list[int]:
     return [(rank + i) % world for i in range(1, world)]
 
 
-def push_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags):
-    """Enqueue the push of ``src`` (this rank's [m_local, ...] rows) to every peer. Returns at once."""
+def push_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags, dim: int = 0):
+    """Enqueue the push of ``src`` (this rank's block of ``layout.m_local`` rows along ``dim``) to every peer."""
+    push_chunks(ctx, streams, layout, [(src, ws)], flags, dim)
+
+
+def push_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0):
+    """Enqueue, for every peer, each chunk of every (source, symmetric workspace) pair, then that chunk's flag.
+
+    Sources hold this rank's ``layout.m_local`` rows along ``dim``; the
+    workspaces hold ``W * m_local`` rows along ``dim``. Returns at once.
+    """
     r = ctx.rank
     peers = peers_in_send_order(r, ctx.world_size)
     first = streams[0]
@@ -44,8 +53,11 @@ def push_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags):
         s = streams[i % len(streams)]
         for j in range(layout.chunks_per_rank):
             ctx.jitter(s)
+            rows, mine = layout.rows(r, j), layout.local_rows(j)
+            for src, ws in pairs:
+                s.copy(ws.peer(d).narrow(dim, rows.start, rows.stop - rows.start),
+                       src.narrow(dim, mine.start, mine.stop - mine.start))
             c = layout.chunk_id(r, j)
-            s.copy(ws.peer(d)[layout.rows(r, j)], src[layout.local_rows(j)])
             s.write_value(flags.peer(d)[c:c + 1], 1)
 
 

@@ -1,0 +1,98 @@
+"""Context-parallel attention forward against full-sequence attention in float32."""
+import math
+
+import pytest
+import torch
+
+import triton_overlap as to
+from refs import TOL, poison, rand, rel_err
+
+
+def reference(q, k, v, causal, scale):
+    """Plain attention on the full sequence, float32; returns (out, lse) with lse [B, Hq, S]."""
+    B, S, Hq, D = q.shape
+    g = Hq // k.shape[2]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    s = qf @ kf.transpose(-1, -2) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    return (torch.softmax(s, dim=-1) @ vf).transpose(1, 2), lse
+
+
+def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0.0):
+    dtype = getattr(torch, dtype_name)
+    with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
+        dev = ctx.device
+        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
+        worst = (0.0, 0.0)
+        for it in range(iters):
+            q, k, v = (rand((B, S, h, D), dtype, dev, name, it) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
+            scale = 1.0 / math.sqrt(D)
+            ref_out, ref_lse = reference(q, k, v, causal, scale)
+            if it:
+                for name in ("k", "v"):  # stale garbage where peers write
+                    ws = ctx.symmetric(f"cp_attention.{name}", (B, S, Hkv, D), dtype)
+                    ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))
+            qs = to.cp.shard(q, ctx)
+            out = poison(torch.empty_like(qs))
+            lse = poison(torch.empty((B, Hq, qs.shape[1]), dtype=torch.float32, device=dev))
+            got_out, got_lse = op(qs, to.cp.shard(k, ctx), to.cp.shard(v, ctx), causal=causal, out=out, lse=lse)
+            ctx.check()
+            assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+            got = to.cp.unshard(out, ctx)
+            got_lse = to.cp.unshard(lse, ctx, dim=2)
+            e_out, e_lse = rel_err(got, ref_out), rel_err(got_lse, ref_lse)
+            assert e_out < TOL[dtype], f"out rel err {e_out:.2e}"
+            assert e_lse < 1e-3, f"lse rel err {e_lse:.2e}"
+            worst = (max(worst[0], e_out), max(worst[1], e_lse))
+        return worst
+
+
+# B, S (global), Hq, Hkv, D, causal, dtype, iters, chunks_per_rank[, producer jitter s]; 24 | S (W = 2, 3, 4)
+HOST_CASES = [
+    (1, 96, 4, 1, 64, True, "bfloat16", 2, 2, 0.005),  # MQA, causal, producers delayed at random
+    (2, 72, 4, 2, 64, False, "float16", 1, 2),  # GQA 2:1, not causal, B = 2
+    (1, 144, 8, 2, 128, True, "bfloat16", 1, 6),  # GQA 4:1, D = 128, finer chunks
+]
+GPU_CASES = [
+    (1, 4096, 32, 8, 128, True, "bfloat16", 2, 2),
+    (2, 2048, 8, 8, 64, False, "float16", 2, 4),
+    (1, 8192, 16, 1, 128, True, "bfloat16", 2, 8),
+]
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_cp_attention_matches_full_sequence(pool, case):
+    cases = HOST_CASES if pool.backend == "host" else GPU_CASES
+    pool.run(_case, *cases[case])
+
+
+def _bad_inputs():
+    with to.Context(timeout_s=30) as ctx:
+        dev = ctx.device
+        with pytest.raises(ValueError, match="chunks_per_rank"):
+            to.ContextParallelAttention(ctx, chunks_per_rank=3)
+        op = to.ContextParallelAttention(ctx)
+        q = rand((1, 16, 4, 64), torch.bfloat16, dev, "q")
+        kv = rand((1, 16, 2, 64), torch.bfloat16, dev, "k")
+        cases = {
+            "multiple of Hkv": (rand((1, 16, 3, 64), torch.bfloat16, dev, "q"), kv, kv),
+            "head dim": (rand((1, 16, 4, 32), torch.bfloat16, dev, "q"), rand((1, 16, 2, 32), torch.bfloat16, dev, "k"),
+                         rand((1, 16, 2, 32), torch.bfloat16, dev, "k")),
+            "different dtypes": (q, kv.half(), kv),
+            "zigzag": (rand((1, 15, 4, 64), torch.bfloat16, dev, "q"), rand((1, 15, 2, 64), torch.bfloat16, dev, "k"),
+                       rand((1, 15, 2, 64), torch.bfloat16, dev, "k")),
+            "4-D": (q[0], kv, kv),
+            "float16 or bfloat16": (q.float(), kv.float(), kv.float()),
+        }
+        for msg, args in cases.items():
+            with pytest.raises(ValueError, match=msg):
+                op(*args)
+        return True
+
+
+def test_cp_attention_bad_input_raises_before_launch(pool):
+    assert all(pool.run(_bad_inputs))

@@ -1,0 +1,118 @@
+"""Context-parallel attention, forward: K/V gathered by copy engines, consumed chunk by chunk.
+
+Every rank holds its zigzag shard of q, k and v (triton_overlap.cp). Copy
+engines push this rank's K and V, chunk by chunk, into every peer's
+workspaces with one flag per chunk (producers.allgather.push_chunks, the
+AllGather-GEMM producer); one flash-attention kernel per call folds its own
+K/V in first and each peer's chunk as soon as its flag is up
+(kernels.attention). K/V move at Hkv heads, never expanded for GQA/MQA.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..context import op_id
+from ..kernels.attention import cp_attention_fwd
+from ..kernels.chunks import ChunkLayout, cdiv
+from ..producers.allgather import join, push_chunks
+from .common import DTYPES, agree_across_ranks
+
+OP = op_id("cp_attention")
+HEAD_DIMS = (64, 128)
+
+
+class ContextParallelAttention:
+    """Reusable context-parallel attention bound to a Context (forward only for now).
+
+    ``op(q, k, v, causal=True, softmax_scale=None) -> (out, lse)``: q is
+    [B, S_local, Hq, D], k and v [B, S_local, Hkv, D] in the zigzag layout;
+    out is like q, lse is [B, Hq, S_local] float32 (natural log).
+    ``chunks_per_rank`` sets how finely each rank's K/V is cut for the flags
+    (a multiple of 2: the two zigzag halves are never mixed in one chunk).
+    """
+
+    def __init__(self, ctx, *, chunks_per_rank: int = 2, block_m: int | None = None, block_n: int | None = None,
+                 name: str = "cp_attention"):
+        if chunks_per_rank < 2 or chunks_per_rank % 2:
+            raise ValueError(f"chunks_per_rank must be an even number >= 2, got {chunks_per_rank}")
+        self.ctx = ctx
+        self.name = name
+        self.chunks_per_rank = chunks_per_rank
+        host = ctx.backend == "host"
+        self.block_m = block_m or (16 if host else 128)
+        self.block_n = block_n or (16 if host else 64)
+        self._agreed: set = set()
+
+    def _check(self, q, k, v):
+        ctx = self.ctx
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"cp_attention: {name} must be a 4-D tensor [B, S_local, H, D]")
+            if t.dtype not in DTYPES:
+                raise ValueError(f"cp_attention: {name} must be float16 or bfloat16, got {t.dtype}")
+            if t.device != ctx.device:
+                raise ValueError(f"cp_attention: {name} is on {t.device}, the Context is on {ctx.device}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"cp_attention: q, k, v have different dtypes ({q.dtype}, {k.dtype}, {v.dtype})")
+        B, S, Hq, D = q.shape
+        if k.shape != v.shape or k.shape[0] != B or k.shape[1] != S or k.shape[3] != D:
+            raise ValueError(f"cp_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must be [B, S_local, Hkv, D] "
+                             f"with q {tuple(q.shape)}")
+        if Hq % k.shape[2]:
+            raise ValueError(f"cp_attention: Hq = {Hq} is not a multiple of Hkv = {k.shape[2]}")
+        if D not in HEAD_DIMS:
+            raise ValueError(f"cp_attention: head dim {D} is not supported (use one of {HEAD_DIMS})")
+        if S % self.chunks_per_rank:
+            raise ValueError(f"cp_attention: S_local = {S} does not split into the zigzag halves and "
+                             f"{self.chunks_per_rank} chunks per rank")
+        agree_across_ranks("cp_attention", ctx, (tuple(q.shape), tuple(k.shape), str(q.dtype)), self._agreed)
+
+    def __call__(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
+                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        ctx = self.ctx
+        ctx._check_open()
+        self._check(q, k, v)
+        B, S, Hq, D = q.shape
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+            raise ValueError(f"cp_attention: out must be {q.dtype} {tuple(q.shape)} on {q.device}")
+        if lse is not None and (tuple(lse.shape) != (B, Hq, S) or lse.dtype != torch.float32 or lse.device != q.device):
+            raise ValueError(f"cp_attention: lse must be float32 {(B, Hq, S)} on {q.device}")
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        W, r = ctx.world_size, ctx.rank
+        Hkv = k.shape[2]
+        layout = ChunkLayout(W, S, S // self.chunks_per_rank)
+        kws = ctx.symmetric(f"{self.name}.k", (B, W * S, Hkv, D), k.dtype)
+        vws = ctx.symmetric(f"{self.name}.v", (B, W * S, Hkv, D), v.dtype)
+        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+        out = torch.empty_like(q) if out is None else out
+        lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
+        streams = ctx.streams(max(1, min(W - 1, 2)))
+
+        push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1)
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+        kw = kws.local
+        cp_attention_fwd[(cdiv(S, self.block_m), B * Hq)](
+            q, k, v, kw, vws.local, out, lse, flags.local, ctx.err, ctx.budget, r, W, OP,
+            S, Hq, Hq // Hkv, layout.m_per_chunk, layout.chunks_per_rank, scale,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1), out.stride(2),
+            CAUSAL=causal, BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_D=D, CLOCK=ctx.clock,
+            DOT_F32=ctx.backend == "host", num_warps=4 if D <= 64 else 8, num_stages=2,
+        )
+        ctx.after_launch()
+        join(ctx, streams)
+        flags.local.zero_()  # every needed flag was seen; peers set them again only after the next barrier
+        return out, lse
+
+
+def cp_attention(q, k, v, *, ctx, causal: bool = True, softmax_scale: float | None = None, out=None, lse=None):
+    """Functional form: uses one ContextParallelAttention cached on the Context."""
+    op = ctx.__dict__.setdefault("_ops", {}).get("cp_attention")
+    if op is None:
+        op = ctx._ops["cp_attention"] = ContextParallelAttention(ctx)
+    return op(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse)
+
+
+__all__ = ["ContextParallelAttention", "cp_attention"]
