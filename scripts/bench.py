@@ -1,6 +1,6 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
-    bash scripts/launch.sh scripts/bench.py ag_gemm|gemm_rs [--shapes M,K,N ...] [--iters 30]
+    bash scripts/launch.sh scripts/bench.py ag_gemm|gemm_rs|cp_attention [--shapes M,K,N ...] [--iters 30]
 
 (for gemm_rs, K is this rank's K_local and the output is [M/W, N])
 
@@ -171,6 +171,72 @@ def bench_gemm_rs(ctx, shapes, iters):
     return records
 
 
+CP_SHAPES = [(1, 16384, 32, 8, 128, True), (1, 32768, 32, 8, 128, True), (1, 65536, 32, 8, 128, True),
+             (1, 131072, 32, 8, 128, True), (1, 32768, 32, 8, 128, False)]
+
+
+def bench_cp_attention(ctx, shapes, iters):
+    """ours; NCCL all_gather of K/V then our kernel (not overlapped); SDPA flash on the full sequence on one
+    GPU; our kernel alone on this rank's data (as one rank of one)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from triton_overlap.kernels.attention import cp_attention_fwd
+    from triton_overlap.ops.cp_attention import OP
+
+    W, r = ctx.world_size, ctx.rank
+    records = []
+    for B, S, Hq, Hkv, D, causal in shapes:
+        S_loc = S // W
+        op = to.ContextParallelAttention(ctx, chunks_per_rank=4)
+        g = torch.Generator(device="cuda").manual_seed(0)
+        qf, kf, vf = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))
+        q, k, v = (to.cp.shard(t, ctx) for t in (qf, kf, vf))
+        rec = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "causal": causal, "world_size": W, "gpu": gpu_name(),
+               "note": ""}
+        rec["ours_us"] = time_dist(lambda: op(q, k, v, causal=causal), iters)
+        ctx.check()
+        kg = torch.empty(W * B, S_loc, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        vg = torch.empty_like(kg)
+        ones = torch.ones(W * op.chunks_per_rank, dtype=torch.int32, device="cuda")
+        out = torch.empty_like(q)
+        lse = torch.empty(B, Hq, S_loc, device="cuda", dtype=torch.float32)
+
+        def kernel(kk, vv, kw, vw, rank, world, seq, flags):
+            cp_attention_fwd[(triton.cdiv(seq, op.block_m), B * Hq)](
+                q, kk, vv, kw, vw, out, lse, flags, ctx.err, ctx.budget, rank, world, OP, seq, Hq, Hq // Hkv,
+                seq // op.chunks_per_rank, op.chunks_per_rank, 1.0 / D ** 0.5,
+                q.stride(0), q.stride(1), q.stride(2), kk.stride(0), kk.stride(1), kk.stride(2),
+                kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1), out.stride(2),
+                CAUSAL=causal, BLOCK_M=op.block_m, BLOCK_N=op.block_n, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=False,
+                num_warps=4 if D <= 64 else 8, num_stages=2)
+
+        def nccl_then_kernel():  # B = 1: [W*B, S_loc, ...] is the workspace layout [B, W*S_loc, ...]
+            dist.all_gather_into_tensor(kg, k)
+            dist.all_gather_into_tensor(vg, v)
+            kernel(k, v, kg.view(B, W * S_loc, Hkv, D), vg.view(B, W * S_loc, Hkv, D), r, W, S_loc, ones)
+
+        if B == 1:
+            rec["nccl_ag_us"] = time_dist(nccl_then_kernel, iters)
+        else:
+            rec["nccl_ag_us"], rec["note"] = None, "nccl_ag: B > 1 needs a re-layout; not timed"
+        qt, kt, vt = (t.transpose(1, 2) for t in (qf, kf, vf))
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rec["single_gpu_us"] = time_local(lambda: torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, is_causal=causal, enable_gqa=True))
+        rec["kernel_only_us"] = time_local(lambda: kernel(k, v, k, v, 0, 1, S_loc, ones))
+        flops = 4 * B * Hq * S * S * D / (2 if causal else 1)
+        rec["tflops_per_gpu"] = flops / W / rec["ours_us"] / 1e6
+        rec["efficiency"] = rec["single_gpu_us"] / (W * rec["ours_us"])
+        records.append(rec)
+        say(f"| {B} | {S} | {Hq} | {Hkv} | {D} | {causal} | {rec['ours_us']:.1f} | {rec['nccl_ag_us'] or float('nan'):.1f} | "
+            f"{rec['single_gpu_us']:.1f} | {rec['kernel_only_us']:.1f} | {rec['tflops_per_gpu']:.0f} | {rec['efficiency']:.2f} |")
+    return records
+
+
+CP_HEADER = ("| B | S | Hq | Hkv | D | causal | ours µs | NCCL all_gather + kernel µs | SDPA flash, 1 GPU, full S µs | "
+             "kernel alone, local µs | TFLOP/s per GPU | efficiency |\n|" + "---|" * 12)
+
+
 def _gather(a):
     parts = [torch.empty_like(a) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, a)
@@ -236,7 +302,7 @@ def write(op_name, records, W):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("op", choices=["ag_gemm", "gemm_rs"])
+    p.add_argument("op", choices=["ag_gemm", "gemm_rs", "cp_attention"])
     p.add_argument("--shapes", nargs="*", help="M,K,N triples (default: the issue's list)")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
@@ -246,6 +312,17 @@ def main():
         return
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
     with to.Context() as ctx:
+        if args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)
+            say(CP_HEADER)
+            records = bench_cp_attention(ctx, [(*s[:5], bool(s[5])) for s in shapes] if shapes else CP_SHAPES,
+                                         args.iters)
+            if ctx.rank == 0:
+                os.makedirs(RESULTS, exist_ok=True)
+                base = os.path.join(RESULTS, f"cp_attention-{records[0]['gpu']}x{ctx.world_size}")
+                with open(base + ".json", "w") as f:
+                    json.dump(records, f, indent=1)
+            dist.destroy_process_group()
+            return
         say(HEADER)
         if args.op == "ag_gemm":
             records = bench_ag_gemm(ctx, shapes or AG_SHAPES, args.iters)
