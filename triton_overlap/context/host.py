@@ -72,6 +72,9 @@ class HostStream(Stream):
         self._thread.start()
 
     def _run(self) -> None:
+        # grad mode is per thread: copies on a stream are never part of autograd, and the views they write
+        # may have been made under no_grad on the caller's thread
+        torch.set_grad_enabled(False)
         while True:
             fn = self._q.get()
             try:

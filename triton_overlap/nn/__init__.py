@@ -1,1 +1,134 @@
-"""torch.nn layers built on the ops (tensor-parallel linear layers land here; see the issue tracker)."""
+"""Tensor-parallel linear layers (sequence parallel) built on the overlapped ops, with autograd.
+
+Activations are sequence-first, ``[S, *, features]``, and sharded along S
+between the layers: ``ColumnParallelLinear`` takes ``[S/W, *, in]`` and gives
+``[S, *, out/W]`` (AllGather-GEMM); ``RowParallelLinear`` takes
+``[S, *, in/W]`` and gives ``[S/W, *, out]`` (GEMM-ReduceScatter). Each
+backward uses the other op: the pair is closed under differentiation.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops.ag_gemm import AllGatherGEMM
+from ..ops.gemm_rs import GEMMReduceScatter
+
+
+def _ops(layer):
+    """One AllGatherGEMM and one GEMMReduceScatter per (Context, fallback rule), shared by the layers using them."""
+    ctx, fallback = layer.ctx, layer.fallback
+    ops = ctx.__dict__.setdefault("_nn_ops", {})
+    if fallback not in ops:
+        ops[fallback] = (AllGatherGEMM(ctx, fallback=fallback, name=f"nn.ag.{fallback}"),
+                         GEMMReduceScatter(ctx, fallback=fallback, name=f"nn.rs.{fallback}"))
+    return ops[fallback]
+
+
+class _ColumnFn(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, weight, bias, layer):
+        ag, rs = _ops(layer)
+        out, gathered = ag(x, weight.t(), bias, return_gathered=True)
+        fctx.save_for_backward(gathered, weight)
+        fctx.layer, fctx.has_bias = layer, bias is not None
+        return out
+
+    @staticmethod
+    def backward(fctx, grad_out):
+        gathered, weight = fctx.saved_tensors
+        ag, rs = _ops(fctx.layer)
+        grad_out = grad_out.contiguous()
+        grad_x = rs(grad_out, weight)  # [S, out/W] @ [out/W, in], summed over ranks, this rank's rows
+        grad_w = grad_out.t() @ gathered
+        grad_b = grad_out.sum(0) if fctx.has_bias else None
+        return grad_x, grad_w, grad_b, None
+
+
+class _RowFn(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, x, weight, bias, layer):
+        ag, rs = _ops(layer)
+        out = rs(x, weight.t(), bias)
+        fctx.save_for_backward(x, weight)
+        fctx.layer, fctx.has_bias = layer, bias is not None
+        return out
+
+    @staticmethod
+    def backward(fctx, grad_out):
+        x, weight = fctx.saved_tensors
+        ag, rs = _ops(fctx.layer)
+        grad_x, grad_full = ag(grad_out.contiguous(), weight, return_gathered=True)  # [S, out] @ [out, in/W]
+        grad_w = grad_full.t() @ x
+        grad_b = grad_full.sum(0) if fctx.has_bias else None  # the bias is replicated: its gradient sees all rows
+        return grad_x, grad_w, grad_b, None
+
+
+class _TPLinear(nn.Module):
+    def __init__(self, in_features, out_features, ctx, bias, dtype, device, shard_out, fallback):
+        super().__init__()
+        self.fallback = fallback
+        W = ctx.world_size
+        dim = out_features if shard_out else in_features
+        if dim % W:
+            raise ValueError(f"{type(self).__name__}: {'out' if shard_out else 'in'}_features = {dim} "
+                             f"is not divisible by the world size {W}")
+        self.ctx, self.in_features, self.out_features = ctx, in_features, out_features
+        shape = (out_features // W, in_features) if shard_out else (out_features, in_features // W)
+        kw = {"dtype": dtype or torch.bfloat16, "device": device or ctx.device}
+        self.weight = nn.Parameter(torch.empty(shape, **kw))
+        n_bias = out_features // W if shard_out else out_features
+        self.bias = nn.Parameter(torch.zeros(n_bias, **kw)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    @classmethod
+    def from_full_weight(cls, linear: nn.Linear, ctx, **kw):
+        """Shard an unsharded ``nn.Linear`` (same on every rank) into this layer."""
+        layer = cls(linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None,
+                    dtype=kw.get("dtype", linear.weight.dtype), device=kw.get("device", ctx.device),
+                    fallback=kw.get("fallback", "auto"))
+        with torch.no_grad():
+            layer.weight.copy_(layer._shard(linear.weight, 0 if layer._shard_out else 1))
+            if linear.bias is not None:
+                layer.bias.copy_(layer._shard(linear.bias, 0) if layer._shard_out else linear.bias)
+        return layer
+
+    def _shard(self, t, dim):
+        W, r = self.ctx.world_size, self.ctx.rank
+        n = t.shape[dim] // W
+        return t.narrow(dim, r * n, n)
+
+    def forward(self, x):
+        # [S, *rest, features] flattens sequence-first, so gathering or scattering rows moves whole positions
+        y = self._fn.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self)
+        return y.reshape(-1, *x.shape[1:-1], y.shape[-1])
+
+
+class ColumnParallelLinear(_TPLinear):
+    """``[S/W, *, in]`` -> AllGather-GEMM -> ``[S, *, out/W]``. The weight holds rows ``r*out/W ...``.
+
+    Backward: grad of the input through GEMM-ReduceScatter; grad of the weight
+    from the gathered input kept from forward (``[S, in]`` per layer: the
+    memory cost of not gathering again).
+    """
+
+    _fn, _shard_out = _ColumnFn, True
+
+    def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto"):
+        super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=True, fallback=fallback)
+
+
+class RowParallelLinear(_TPLinear):
+    """``[S, *, in/W]`` -> GEMM-ReduceScatter -> ``[S/W, *, out]``. The weight holds columns ``r*in/W ...``.
+
+    Backward: grad of the input through AllGather-GEMM, whose gathered grad
+    output also gives the grads of the weight and of the (replicated) bias.
+    """
+
+    _fn, _shard_out = _RowFn, False
+
+    def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto"):
+        super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=False, fallback=fallback)
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]

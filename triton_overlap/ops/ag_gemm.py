@@ -53,6 +53,7 @@ class AllGatherGEMM(OverlapOp):
         return self.ctx.world_size == 1 or a.numel() * a.element_size() < FALLBACK_SHARD_BYTES
 
     # ----------------------------------------------------------------- run
+    @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  return_gathered: bool = False, out: torch.Tensor | None = None, **overrides):
         ctx = self.ctx

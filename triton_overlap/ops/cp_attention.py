@@ -69,6 +69,7 @@ class ContextParallelAttention:
                              f"{self.chunks_per_rank} chunks per rank")
         agree_across_ranks("cp_attention", ctx, (tuple(q.shape), tuple(k.shape), str(q.dtype)), self._agreed)
 
+    @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
     def __call__(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         ctx = self.ctx

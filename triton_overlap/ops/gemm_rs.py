@@ -64,6 +64,7 @@ class GEMMReduceScatter(OverlapOp):
         partial = a.shape[0] // self.ctx.world_size * w.shape[1] * a.element_size()
         return self.ctx.world_size == 1 or partial < FALLBACK_PARTIAL_BYTES
 
+    @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, **overrides):
         ctx = self.ctx

@@ -1,0 +1,94 @@
+"""Tensor-parallel layers: outputs and gradients equal the unsharded single-process module's."""
+import pytest
+import torch
+from torch import nn
+
+import triton_overlap as to
+from triton_overlap.nn import ColumnParallelLinear, RowParallelLinear
+from refs import rel_err
+
+TOL_OUT, TOL_GRAD = 1e-2, 2e-2  # bf16 layers against float32 on the same (bf16-rounded) values
+
+
+def _bf16_rounded_linear(i, o, seed):
+    torch.manual_seed(seed)
+    lin = nn.Linear(i, o)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.bfloat16().float())
+        lin.bias.copy_(lin.bias.bfloat16().float())
+    return lin
+
+
+def _layers(S, B, d_in, d_out, fallback):
+    with to.Context(timeout_s=120) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        g = torch.Generator().manual_seed(7)
+        x_full = torch.randn(S, B, d_in, generator=g).bfloat16().float()
+        gy_col = torch.randn(S, B, d_out, generator=g)
+        gy_row = torch.randn(S, B, d_out, generator=g)
+        rows = slice(r * S // W, (r + 1) * S // W)
+
+        # column-parallel: [S/W, B, in] -> [S, B, out/W]
+        full = _bf16_rounded_linear(d_in, d_out, 1)
+        x_ref = x_full.clone().requires_grad_()
+        y_ref = full(x_ref)
+        (y_ref * gy_col).sum().backward()
+        col = ColumnParallelLinear.from_full_weight(full, ctx, dtype=torch.bfloat16, fallback=fallback)
+        outs = slice(r * d_out // W, (r + 1) * d_out // W)
+        x = x_full[rows].to(dev, torch.bfloat16).requires_grad_()
+        y = col(x)
+        assert y.shape == (S, B, d_out // W)
+        (y.float() * gy_col[..., outs].to(dev)).sum().backward()
+        errs = {
+            "col.out": rel_err(y, y_ref[..., outs].detach()),
+            "col.grad_x": rel_err(x.grad, x_ref.grad[rows]),
+            "col.grad_w": rel_err(col.weight.grad, full.weight.grad[outs]),
+            "col.grad_b": rel_err(col.bias.grad, full.bias.grad[outs]),
+        }
+
+        # row-parallel: [S, B, in/W] -> [S/W, B, out]
+        full2 = _bf16_rounded_linear(d_in, d_out, 2)
+        x_ref2 = x_full.clone().requires_grad_()
+        y_ref2 = full2(x_ref2)
+        (y_ref2 * gy_row).sum().backward()
+        row = RowParallelLinear.from_full_weight(full2, ctx, dtype=torch.bfloat16, fallback=fallback)
+        ins = slice(r * d_in // W, (r + 1) * d_in // W)
+        x2 = x_full[..., ins].to(dev, torch.bfloat16).requires_grad_()
+        y2 = row(x2)
+        assert y2.shape == (S // W, B, d_out)
+        (y2.float() * gy_row[rows].to(dev)).sum().backward()
+        errs.update({
+            "row.out": rel_err(y2, y_ref2[rows].detach()),
+            "row.grad_x": rel_err(x2.grad, x_ref2.grad[..., ins]),
+            "row.grad_w": rel_err(row.weight.grad, full2.weight.grad[:, ins]),
+            "row.grad_b": rel_err(row.bias.grad, full2.bias.grad),
+        })
+        ctx.check()
+        bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k.endswith("out") else TOL_GRAD)}
+        assert not bad, f"rank {r}: {bad}"
+        used = {k: op.last_path for k, op in zip(("ag", "rs"), ctx._nn_ops[fallback])}
+        return errs, used
+
+
+@pytest.mark.parametrize("fallback", ["never", "always"])
+def test_linear_layers_match_unsharded_module(pool, fallback):
+    if pool.backend == "host" and pool.world == 4:
+        pytest.skip("W = 2, 3 on the host backend")
+    S, B, d_in, d_out = (24, 2, 48, 36) if pool.backend == "host" else (1024, 2, 1024, 1536)
+    results = pool.run(_layers, S, B, d_in, d_out, fallback)
+    want = "overlap" if fallback == "never" else "fallback"
+    assert all(used == {"ag": want, "rs": want} for _, used in results)
+
+
+def _bad_features():
+    with to.Context(timeout_s=30) as ctx:
+        W = ctx.world_size
+        with pytest.raises(ValueError, match="out_features"):
+            ColumnParallelLinear(8, 3 * W + 1, ctx=ctx)
+        with pytest.raises(ValueError, match="in_features"):
+            RowParallelLinear(3 * W + 1, 8, ctx=ctx)
+        return True
+
+
+def test_layers_reject_unshardable_features(pool):
+    assert all(pool.run(_bad_features))
