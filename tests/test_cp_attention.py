@@ -51,10 +51,10 @@ def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0
         return worst
 
 
-# B, S (global), Hq, Hkv, D, causal, dtype, iters, chunks_per_rank[, producer jitter s]; 24 | S (W = 2, 3, 4)
+# B, S (global), Hq, Hkv, D, causal, dtype, iters, chunks_per_rank[, producer jitter s]; 48 | S (W = 2, 3, 4, 8)
 HOST_CASES = [
     (1, 96, 4, 1, 64, True, "bfloat16", 2, 2, 0.005),  # MQA, causal, producers delayed at random
-    (2, 72, 4, 2, 64, False, "float16", 1, 2),  # GQA 2:1, not causal, B = 2
+    (2, 96, 4, 2, 64, False, "float16", 1, 2),  # GQA 2:1, not causal, B = 2
     (1, 144, 8, 2, 128, True, "bfloat16", 1, 6),  # GQA 4:1, D = 128, finer chunks
 ]
 GPU_CASES = [

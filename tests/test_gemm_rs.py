@@ -41,10 +41,10 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters):
 
 
 HOST_CASES = [
-    # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters
-    (37 * 4 * 3, 48, 40, "bfloat16", True, False, 16, 2),  # divisible by W = 2, 3, 4
-    (29 * 12, 64, 33, "float16", False, True, 7, 2),
-    (64 * 12, 40, 24, "bfloat16", False, False, None, 1),
+    # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters; 24 | m: W = 2, 3, 4, 8
+    (37 * 24, 48, 40, "bfloat16", True, False, 16, 2),
+    (29 * 24, 64, 33, "float16", False, True, 7, 2),
+    (32 * 24, 40, 24, "bfloat16", False, False, None, 1),
 ]
 GPU_CASES = [
     (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3),
@@ -79,7 +79,7 @@ def _back_to_back(n_calls, m, k, n):
 
 
 def test_gemm_rs_100_back_to_back_calls(pool):
-    shape = (12 * 8, 32, 32) if pool.backend == "host" else (2048, 1024, 1024)
+    shape = (24 * 4, 32, 32) if pool.backend == "host" else (2048, 1024, 1024)
     pool.run(_back_to_back, 100, *shape)
 
 
