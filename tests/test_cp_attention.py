@@ -96,3 +96,38 @@ def _bad_inputs():
 
 def test_cp_attention_bad_input_raises_before_launch(pool):
     assert all(pool.run(_bad_inputs))
+
+
+GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}  # grads are rounded to the input dtype once
+
+
+def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank):
+    dtype = getattr(torch, dtype_name)
+    with to.Context(timeout_s=120) as ctx:
+        dev = ctx.device
+        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
+        q, k, v = (rand((B, S, h, D), dtype, dev, name, "g") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
+        dout = rand((B, S, Hq, D), dtype, dev, "do")
+        ref = [t.float().requires_grad_() for t in (q, k, v)]
+        out_ref, _ = reference(*ref, causal, 1.0 / math.sqrt(D))
+        (out_ref * dout.float()).sum().backward()
+        mine = [to.cp.shard(t, ctx).requires_grad_() for t in (q, k, v)]
+        out, lse = op(*mine, causal=causal)
+        assert not lse.requires_grad
+        (out.float() * to.cp.shard(dout, ctx).float()).sum().backward()
+        ctx.check()
+        errs = {name: rel_err(to.cp.unshard(m.grad, ctx), r.grad) for name, m, r in zip("qkv", mine, ref)}
+        bad = {n: e for n, e in errs.items() if e > GRAD_TOL[dtype]}
+        assert not bad, f"rank {ctx.rank}: gradient rel err {bad}"
+        return errs
+
+
+GRAD_CASES = {
+    "host": [(1, 48, 4, 1, 64, True, "bfloat16", 2), (2, 48, 4, 2, 64, False, "float16", 4)],
+    "cuda": [(1, 4096, 16, 4, 128, True, "bfloat16", 2), (1, 2048, 8, 8, 64, False, "float16", 4)],
+}
+
+
+@pytest.mark.parametrize("case", range(2))
+def test_cp_attention_gradients_match_full_sequence(pool, case):
+    pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])

@@ -15,6 +15,7 @@ import torch
 
 from ..context import op_id
 from ..kernels.attention import cp_attention_fwd
+from ..kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq, reduce_dkdv
 from ..kernels.chunks import ChunkLayout, cdiv
 from ..producers.allgather import join, push_chunks
 from .common import DTYPES, agree_across_ranks
@@ -24,7 +25,7 @@ HEAD_DIMS = (64, 128)
 
 
 class ContextParallelAttention:
-    """Reusable context-parallel attention bound to a Context (forward only for now).
+    """Reusable context-parallel attention bound to a Context, with autograd.
 
     ``op(q, k, v, causal=True, softmax_scale=None) -> (out, lse)``: q is
     [B, S_local, Hq, D], k and v [B, S_local, Hkv, D] in the zigzag layout;
@@ -69,9 +70,18 @@ class ContextParallelAttention:
                              f"{self.chunks_per_rank} chunks per rank")
         agree_across_ranks("cp_attention", ctx, (tuple(q.shape), tuple(k.shape), str(q.dtype)), self._agreed)
 
-    @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
     def __call__(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        """(out, lse); differentiable in q, k, v when grad is enabled and any of them requires it (out= not allowed then)."""
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            if out is not None or lse is not None:
+                raise ValueError("cp_attention: out= and lse= are for calls without autograd")
+            return _CPAttention.apply(q, k, v, self, causal, scale)
+        return self.forward(q, k, v, causal, scale, out, lse)
+
+    @torch.no_grad()  # workspaces are reset in place; autograd goes through _CPAttention
+    def forward(self, q, k, v, causal, scale, out=None, lse=None):
         ctx = self.ctx
         ctx._check_open()
         self._check(q, k, v)
@@ -92,7 +102,6 @@ class ContextParallelAttention:
         streams = ctx.streams(max(1, min(W - 1, 2)))
 
         push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1)
-        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
         kw = kws.local
         cp_attention_fwd[(cdiv(S, self.block_m), B * Hq)](
             q, k, v, kw, vws.local, out, lse, flags.local, ctx.err, ctx.budget, r, W, OP,
@@ -106,6 +115,68 @@ class ContextParallelAttention:
         join(ctx, streams)
         flags.local.zero_()  # every needed flag was seen; peers set them again only after the next barrier
         return out, lse
+
+    @torch.no_grad()
+    def backward(self, q, k, v, out, lse, dout, causal, scale):
+        """dq, dk, dv for this rank's shards. K/V are gathered again (not kept from forward: no [B, S, Hkv, D]
+        per layer held between the passes). Partial dK/dV go straight to their owners, who sum them in fp32."""
+        ctx = self.ctx
+        W, r = ctx.world_size, ctx.rank
+        B, S, Hq, D = q.shape
+        Hkv = k.shape[2]
+        layout = ChunkLayout(W, S, S // self.chunks_per_rank)
+        kws = ctx.symmetric(f"{self.name}.k", (B, W * S, Hkv, D), k.dtype)
+        vws = ctx.symmetric(f"{self.name}.v", (B, W * S, Hkv, D), v.dtype)
+        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+        recv = ctx.symmetric(f"{self.name}.dkv", (W, 2, B, S, Hkv, D), torch.float32)
+        counters = ctx.symmetric(f"{self.name}.dkv_count", (W,), torch.int32)
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, S]
+        streams = ctx.streams(max(1, min(W - 1, 2)))
+        host = ctx.backend == "host"
+
+        push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1)
+        kw = kws.local
+        common = (r, W, OP, S)
+        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   kw.stride(0), kw.stride(1), kw.stride(2))
+        meta = dict(CAUSAL=causal, BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_D=D, CLOCK=ctx.clock,
+                    DOT_F32=host, num_warps=4 if D <= 64 else 8, num_stages=1)
+        dq = torch.empty_like(q)
+        cp_attention_dq[(cdiv(S, self.block_m), B * Hq)](
+            q, k, v, kw, vws.local, dout, lse, delta, dq, flags.local, ctx.err, ctx.budget, *common, Hq, Hq // Hkv,
+            layout.m_per_chunk, layout.chunks_per_rank, scale, *strides, **meta)
+        ctx.after_launch()
+        cp_attention_dkdv[(cdiv(S, self.block_n), B * Hkv, W)](
+            q, k, v, kw, vws.local, dout, lse, delta, recv.ptrs, counters.ptrs, flags.local, ctx.err, ctx.budget,
+            *common, Hq, Hkv, Hq // Hkv, layout.m_per_chunk, layout.chunks_per_rank, scale, *strides, **meta)
+        ctx.after_launch()
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        n = B * S * Hkv * D
+        block = 1024 if host else 2048
+        reduce_dkdv[(cdiv(n, block),)](recv.local, dk, dv, counters.local, cdiv(S, self.block_n) * B * Hkv, ctx.err,
+                                       ctx.budget, r, W, OP, n, BLOCK=block, CLOCK=ctx.clock)
+        ctx.after_launch()
+        join(ctx, streams)
+        flags.local.zero_()  # every flag was waited for by the kernels above
+        counters.local.zero_()  # every count was seen; peers add again only after the next call's barrier
+        return dq, dk, dv
+
+
+class _CPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, op, causal, scale):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = op.forward(q, k, v, causal, scale)
+        fctx.save_for_backward(q, k, v, out, lse)
+        fctx.op, fctx.causal, fctx.scale = op, causal, scale
+        fctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(fctx, dout, _dlse):
+        q, k, v, out, lse = fctx.saved_tensors
+        dq, dk, dv = fctx.op.backward(q, k, v, out, lse, dout.contiguous(), fctx.causal, fctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def cp_attention(q, k, v, *, ctx, causal: bool = True, softmax_scale: float | None = None, out=None, lse=None):
