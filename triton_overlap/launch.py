@@ -31,3 +31,11 @@ def say(*args) -> None:
     """Print from rank 0 only."""
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, flush=True)
+
+
+def verdict(ok: bool, detail: str = "") -> bool:
+    """Gather every rank's ``ok``, print one PASS/FAIL line (rank 0), and return whether all passed."""
+    oks = [None] * dist.get_world_size()
+    dist.all_gather_object(oks, bool(ok))
+    say(f"verdict: {'PASS' if all(oks) else 'FAIL'}{' — ' + detail if detail else ''} ({sum(oks)}/{len(oks)} ranks)")
+    return all(oks)

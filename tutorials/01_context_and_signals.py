@@ -22,7 +22,7 @@ import triton.language as tl
 import triton_overlap as to
 from triton_overlap.context import op_id
 from triton_overlap.kernels.signal import wait_flag
-from triton_overlap.launch import backend_name, init, say
+from triton_overlap.launch import backend_name, init, say, verdict
 
 
 # %% The consumer: one program per chunk; each waits for its chunk, then reads it.
@@ -65,12 +65,7 @@ def main():
 
         # %% Verdict against what the previous rank sent.
         want = torch.arange(n_chunks * chunk, dtype=torch.float32) + 1e5 * prv + 1.0
-        ok = torch.equal(out.cpu(), want)
-        oks = [None] * w
-        dist.all_gather_object(oks, ok)
-        say(f"verdict: {'PASS' if all(oks) else 'FAIL'} — every rank read exactly what its predecessor sent "
-            f"({sum(oks)}/{w} ranks correct)")
-        if not all(oks):
+        if not verdict(torch.equal(out.cpu(), want), "every rank read exactly what its predecessor sent"):
             raise SystemExit(1)
     dist.destroy_process_group()
 

@@ -25,6 +25,26 @@ def zigzag_pos(idx, src, world, C):
 
 
 @triton.jit
+def kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h):
+    """Where source ``src``'s K (or V) block lives: our own tensor, or its slot in the gathered workspace."""
+    if src == rank:
+        base = k_ptr + b * sk_b + hk * sk_h
+    else:
+        base = kws_ptr + b * sw_b + hk * sw_h + (src * S_LOCAL) * sw_s
+    return base
+
+
+@triton.jit
+def wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, S_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
+             BLOCK_N: tl.constexpr, CLOCK: tl.constexpr):
+    if src != rank:
+        j_hi = (tl.minimum(n0 + BLOCK_N, S_LOCAL) - 1) // M_PER_CHUNK
+        for j in range(n0 // M_PER_CHUNK, j_hi + 1):
+            c = src * CHUNKS_PER_RANK + j
+            wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK)
+
+
+@triton.jit
 def cp_attention_fwd(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, o_ptr, lse_ptr, flags_ptr, err_ptr, budget, rank, world, op,
     S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
@@ -64,19 +84,11 @@ def cp_attention_fwd(
             if CAUSAL:
                 needed = k_first <= q_last  # a block wholly above the diagonal is neither waited for nor read
             if needed:
-                if step > 0:
-                    j_lo = n0 // M_PER_CHUNK
-                    j_hi = tl.minimum(n0 + BLOCK_N, S_LOCAL) - 1
-                    for j in range(j_lo, j_hi // M_PER_CHUNK + 1):
-                        c = src * CHUNKS_PER_RANK + j
-                        wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK)
-                    kb = kws_ptr + b * sw_b + hk * sw_h + (src * S_LOCAL) * sw_s
-                    vb = vws_ptr + b * sw_b + hk * sw_h + (src * S_LOCAL) * sw_s
-                    stride_s = sw_s
-                else:
-                    kb = k_ptr + b * sk_b + hk * sk_h
-                    vb = v_ptr + b * sk_b + hk * sk_h
-                    stride_s = sk_s
+                wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, S_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
+                        BLOCK_N, CLOCK)
+                kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
+                vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
+                stride_s = tl.where(src == rank, sk_s, sw_s)
                 k = tl.load(kb + offs_n[None, :] * stride_s + offs_d[:, None], mask=n_ok[None, :], other=0.0)
                 v = tl.load(vb + offs_n[:, None] * stride_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
                 if DOT_F32:

@@ -18,28 +18,8 @@ is waited for before the kernels end.
 import triton
 import triton.language as tl
 
-from .attention import zigzag_pos
+from .attention import kv_base, wait_kv, zigzag_pos
 from .signal import add_release, wait_flag
-
-
-@triton.jit
-def _kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h):
-    """Where source ``src``'s K (or V) block lives: our own tensor, or its slot in the gathered workspace."""
-    if src == rank:
-        base = k_ptr + b * sk_b + hk * sk_h
-    else:
-        base = kws_ptr + b * sw_b + hk * sw_h + (src * S_LOCAL) * sw_s
-    return base
-
-
-@triton.jit
-def _wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, S_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
-             BLOCK_N: tl.constexpr, CLOCK: tl.constexpr):
-    if src != rank:
-        j_hi = (tl.minimum(n0 + BLOCK_N, S_LOCAL) - 1) // M_PER_CHUNK
-        for j in range(n0 // M_PER_CHUNK, j_hi + 1):
-            c = src * CHUNKS_PER_RANK + j
-            wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK)
 
 
 @triton.jit
@@ -71,11 +51,11 @@ def cp_attention_dq(
     dq = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
     for step in range(0, world):
         src = (rank - step + world) % world
-        kb = _kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
-        vb = _kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
+        kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
+        vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
         stride_s = tl.where(src == rank, sk_s, sw_s)
         for n0 in range(0, S_LOCAL, BLOCK_N):
-            _wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, S_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
+            wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, S_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
                      BLOCK_N, CLOCK)
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < S_LOCAL
@@ -113,9 +93,9 @@ def cp_attention_dkdv(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     n_ok = offs_n < S_LOCAL
-    _wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, S_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_N, CLOCK)
-    kb = _kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
-    vb = _kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
+    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, S_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_N, CLOCK)
+    kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
+    vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
     stride_s = tl.where(src == rank, sk_s, sw_s)
     k = tl.load(kb + offs_n[:, None] * stride_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     v = tl.load(vb + offs_n[:, None] * stride_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
