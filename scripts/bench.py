@@ -224,17 +224,41 @@ def bench_cp_attention(ctx, shapes, iters):
             rec["single_gpu_us"] = time_local(lambda: torch.nn.functional.scaled_dot_product_attention(
                 qt, kt, vt, is_causal=causal, enable_gqa=True))
         rec["kernel_only_us"] = time_local(lambda: kernel(k, v, k, v, 0, 1, S_loc, ones))
+        # forward + backward through autograd (K/V gathered again in backward, dK/dV partials sent to owners)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        dout = torch.randn_like(q)
+
+        def fwd_bwd():
+            o, _ = op(*leaves, causal=causal)
+            o.backward(dout)
+
+        rec["fwd_bwd_ours_us"] = time_dist(fwd_bwd, iters)
+        ctx.check()
+        full_leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (qf, kf, vf)]
+        dout_full = torch.randn_like(full_leaves[0])
+
+        def sdpa_fwd_bwd():
+            torch.nn.functional.scaled_dot_product_attention(*full_leaves, is_causal=causal,
+                                                             enable_gqa=True).backward(dout_full)
+
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rec["fwd_bwd_single_gpu_us"] = time_local(sdpa_fwd_bwd)
+        rec["fwd_bwd_efficiency"] = rec["fwd_bwd_single_gpu_us"] / (W * rec["fwd_bwd_ours_us"])
+        rec["fwd_bwd_nccl_ag_us"] = None
+        rec["note"] += "fwd_bwd_nccl_ag: not built; "
         flops = 4 * B * Hq * S * S * D / (2 if causal else 1)
         rec["tflops_per_gpu"] = flops / W / rec["ours_us"] / 1e6
         rec["efficiency"] = rec["single_gpu_us"] / (W * rec["ours_us"])
         records.append(rec)
         say(f"| {B} | {S} | {Hq} | {Hkv} | {D} | {causal} | {rec['ours_us']:.1f} | {rec['nccl_ag_us'] or float('nan'):.1f} | "
-            f"{rec['single_gpu_us']:.1f} | {rec['kernel_only_us']:.1f} | {rec['tflops_per_gpu']:.0f} | {rec['efficiency']:.2f} |")
+            f"{rec['single_gpu_us']:.1f} | {rec['kernel_only_us']:.1f} | {rec['tflops_per_gpu']:.0f} | {rec['efficiency']:.2f} | "
+            f"{rec['fwd_bwd_ours_us']:.1f} | {rec['fwd_bwd_single_gpu_us']:.1f} | {rec['fwd_bwd_efficiency']:.2f} |")
     return records
 
 
 CP_HEADER = ("| B | S | Hq | Hkv | D | causal | ours µs | NCCL all_gather + kernel µs | SDPA flash, 1 GPU, full S µs | "
-             "kernel alone, local µs | TFLOP/s per GPU | efficiency |\n|" + "---|" * 12)
+             "kernel alone, local µs | TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd SDPA 1 GPU µs | "
+             "fwd+bwd efficiency |\n|" + "---|" * 15)
 
 
 def _gather(a):
