@@ -12,7 +12,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  for op in ${BENCH_OPS:-ag_gemm}; do
+  for op in ${BENCH_OPS:-ag_gemm gemm_rs cp_attention}; do
     timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh scripts/bench.py "$op" 2>&1 | tee "$OUT/bench_$op.log" \
       | grep -E '^\||geometric' | tail -12
   done
