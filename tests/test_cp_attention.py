@@ -27,6 +27,9 @@ def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         dev = ctx.device
         op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
+        # the zigzag shard of the position sequence is what cp.positions says
+        shard_pos = to.cp.shard(torch.arange(S)[None], ctx)[0]
+        assert torch.equal(shard_pos, to.cp.positions(ctx.rank, ctx.world_size, S // ctx.world_size))
         worst = (0.0, 0.0)
         for it in range(iters):
             q, k, v = (rand((B, S, h, D), dtype, dev, name, it) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))

@@ -45,8 +45,6 @@ class Backend(abc.ABC):
     name: str = "?"
     #: Triton wait helpers use this clock: 0 counts spins, 1 CUDA %globaltimer (ns), 2 AMD s_memrealtime (100 MHz)
     clock: int = 0
-    #: False where kernels cannot run on side streams (the host interpreter runs them on the calling thread)
-    kernels_on_streams: bool = True
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..kernels.signal import ERR_CODE, ERR_INDEX, ERR_OP, ERR_RANK, ERR_SEEN, ERR_WANTED, ERR_WORDS
 from .backend import Backend, Stream
 
 # Names of the ops that can report a timed-out wait, by the id kernels record.
@@ -125,7 +126,7 @@ class Context:
         self._last: dict[str, SymmetricTensor] = {}
         self._streams: list[Stream] = []
         self._closed = False
-        self.err = torch.zeros(8, dtype=torch.int32, device=self.device)
+        self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=self.device)
         self._barrier_slots = self.symmetric("__barrier", (self.world_size,), torch.int32)
         self._barrier_count = torch.zeros(1, dtype=torch.int32, device=self.device)
 
@@ -252,11 +253,11 @@ class Context:
     def check(self) -> None:
         """Raise RuntimeError if a wait of this Context timed out (synchronises with the device)."""
         word = self.err.tolist()
-        if word[0] != 0:
+        if word[ERR_CODE] != 0:
             self.err.zero_()
-            op = OPS.get(word[2], f"op#{word[2]}")
-            raise RuntimeError(f"triton_overlap: rank {word[1]}: {op} timed out after {self.timeout_s:g} s waiting on "
-                               f"signal {word[3]} (saw {word[4]}, waited for {word[5]})")
+            op = OPS.get(word[ERR_OP], f"op#{word[ERR_OP]}")
+            raise RuntimeError(f"triton_overlap: rank {word[ERR_RANK]}: {op} timed out after {self.timeout_s:g} s "
+                               f"waiting on signal {word[ERR_INDEX]} (saw {word[ERR_SEEN]}, waited for {word[ERR_WANTED]})")
 
     def after_launch(self) -> None:
         """Called by ops after each kernel launch: on the host backend kernels are synchronous,

@@ -124,7 +124,6 @@ class HostStream(Stream):
 class HostBackend(Backend):
     name = "host"
     clock = 0
-    kernels_on_streams = False
 
     def __init__(self, rank: int, world_size: int, session: str, timeout_s: float):
         super().__init__(rank, world_size)

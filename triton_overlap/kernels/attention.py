@@ -15,9 +15,6 @@ import triton.language as tl
 
 from .signal import wait_flag
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 
 @triton.jit
 def zigzag_pos(idx, src, world, C):

@@ -19,10 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Layout of the error word (int32[8]) a Context owns.
+# Layout of the error word (int32[ERR_WORDS]) a Context owns; wait_flag writes these slots (1 = timed out).
 ERR_CODE, ERR_RANK, ERR_OP, ERR_INDEX, ERR_SEEN, ERR_WANTED = range(6)
 ERR_WORDS = 8
-ERR_TIMEOUT = 1
 
 
 @triton.jit
