@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # What one call on a lent multi-GPU machine runs: environment, GPU test suite, benchmarks.
-# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests|bench|tutorial|all]
+# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,bench,tutorial | all]
 set -uo pipefail
-what="${1:-all}"
+what="${1:-all}"  # comma-separated parts, or all
+want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
 OUT="${OUT:-.out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; \
   python3 -m pip show cuda-bindings 2>/dev/null | head -2; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
-if [ "$what" = tests ] || [ "$what" = all ]; then
+if want tests; then
   timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if want bench; then
   for op in ${BENCH_OPS:-ag_gemm gemm_rs cp_attention}; do
     timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh scripts/bench.py "$op" 2>&1 | tee "$OUT/bench_$op.log" \
       | grep -E '^\||geometric' | tail -12
   done
   tar czf "$OUT/results.tgz" -C benchmarks results  # one file: the device tool returns at most 8
 fi
-if [ "$what" = tutorial ] || [ "$what" = all ]; then
-  timeout "${TUTORIAL_TIMEOUT:-60}" bash scripts/launch.sh tutorials/01_context_and_signals.py 2>&1 | tee "$OUT/tutorial01.log" | tail -2
+if want tutorial; then
+  for t in ${TUTORIALS:-tutorials/[0-9]*.py}; do
+    echo "== $t" >> "$OUT/tutorials.log"
+    timeout "${TUTORIAL_TIMEOUT:-90}" bash scripts/launch.sh "$t" >> "$OUT/tutorials.log" 2>&1
+    echo "== $t exit $?" | tee -a "$OUT/tutorials.log"
+  done
+  tail -40 "$OUT/tutorials.log"
 fi
