@@ -121,11 +121,34 @@ class HostStream(Stream):
         self._thread.join(timeout=5)
 
 
+def _patch_interpreter_index() -> None:
+    """Let a runtime scalar index a Python ``range`` in Triton 3.6's interpreter.
+
+    Triton <= 3.6 holds a scalar kernel argument as a 1-element array and
+    converts it with ``int(array)``, which NumPy >= 2.4 rejects ("only
+    0-dimensional arrays can be converted"), so ``for p in range(0, world)``
+    fails there. Newer Triton squeezes the array first; this does the same.
+    """
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "triton_overlap_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patched.triton_overlap_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
 class HostBackend(Backend):
     name = "host"
     clock = 0
 
     def __init__(self, rank: int, world_size: int, session: str, timeout_s: float):
+        _patch_interpreter_index()
         super().__init__(rank, world_size)
         self._session = session
         self._count = 0
