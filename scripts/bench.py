@@ -173,57 +173,60 @@ def bench_gemm_rs(ctx, shapes, iters):
 
 CP_SHAPES = [(1, 16384, 32, 8, 128, True), (1, 32768, 32, 8, 128, True), (1, 65536, 32, 8, 128, True),
              (1, 131072, 32, 8, 128, True), (1, 32768, 32, 8, 128, False)]
+CP_BUDGET_S = 1.5  # per timed variant: large shapes take fewer iterations
 
 
-def bench_cp_attention(ctx, shapes, iters):
+def bench_cp_attention(ctx, shapes, iters, write_partial):
     """ours; NCCL all_gather of K/V then our kernel (not overlapped); SDPA flash on the full sequence on one
-    GPU; our kernel alone on this rank's data (as one rank of one)."""
+    GPU; our kernel alone on this rank's data (as one rank of one) and on the full sequence (same shape as SDPA);
+    forward + backward of ours and of SDPA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from triton_overlap.kernels.attention import cp_attention_fwd
-    from triton_overlap.ops.cp_attention import OP
+    from triton_overlap.ops.cp_attention import OP, launch_fwd
 
     W, r = ctx.world_size, ctx.rank
     records = []
+    timed = lambda fn: time_dist(fn, iters, budget_s=CP_BUDGET_S)  # noqa: E731
     for B, S, Hq, Hkv, D, causal in shapes:
         S_loc = S // W
         op = to.ContextParallelAttention(ctx, chunks_per_rank=4)
+        cfg = op.config(D, (S, Hq, Hkv, D, int(causal)))
         g = torch.Generator(device="cuda").manual_seed(0)
         qf, kf, vf = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))
         q, k, v = (to.cp.shard(t, ctx) for t in (qf, kf, vf))
         rec = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "causal": causal, "world_size": W, "gpu": gpu_name(),
-               "note": ""}
-        rec["ours_us"] = time_dist(lambda: op(q, k, v, causal=causal), iters)
+               "config": repr(cfg), "note": ""}
+        rec["ours_us"] = timed(lambda: op(q, k, v, causal=causal))
         ctx.check()
         kg = torch.empty(W * B, S_loc, Hkv, D, device="cuda", dtype=torch.bfloat16)
         vg = torch.empty_like(kg)
         ones = torch.ones(W * op.chunks_per_rank, dtype=torch.int32, device="cuda")
-        out = torch.empty_like(q)
-        lse = torch.empty(B, Hq, S_loc, device="cuda", dtype=torch.float32)
+        out, lse = torch.empty_like(q), torch.empty(B, Hq, S_loc, device="cuda", dtype=torch.float32)
 
-        def kernel(kk, vv, kw, vw, rank, world, seq, flags):
-            cp_attention_fwd[(triton.cdiv(seq, op.block_m), B * Hq)](
-                q, kk, vv, kw, vw, out, lse, flags, ctx.err, ctx.budget, rank, world, OP, seq, Hq, Hq // Hkv,
-                seq // op.chunks_per_rank, op.chunks_per_rank, 1.0 / D ** 0.5,
-                q.stride(0), q.stride(1), q.stride(2), kk.stride(0), kk.stride(1), kk.stride(2),
-                kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                CAUSAL=causal, BLOCK_M=op.block_m, BLOCK_N=op.block_n, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=False,
-                num_warps=4 if D <= 64 else 8, num_stages=2)
+        def kernel(qq, kk, vv, kw, vw, oo, ll, rank, world):
+            launch_fwd(qq, kk, vv, kw, vw, oo, ll, ones, ctx.err, ctx.budget, rank, world, OP,
+                       qq.shape[1] // op.chunks_per_rank, op.chunks_per_rank, 1.0 / D ** 0.5, causal, cfg.fwd,
+                       ctx.clock, False)
 
         def nccl_then_kernel():  # B = 1: [W*B, S_loc, ...] is the workspace layout [B, W*S_loc, ...]
             dist.all_gather_into_tensor(kg, k)
             dist.all_gather_into_tensor(vg, v)
-            kernel(k, v, kg.view(B, W * S_loc, Hkv, D), vg.view(B, W * S_loc, Hkv, D), r, W, S_loc, ones)
+            kernel(q, k, v, kg.view(B, W * S_loc, Hkv, D), vg.view(B, W * S_loc, Hkv, D), out, lse, r, W)
 
         if B == 1:
-            rec["nccl_ag_us"] = time_dist(nccl_then_kernel, iters)
+            rec["nccl_ag_us"] = timed(nccl_then_kernel)
         else:
             rec["nccl_ag_us"], rec["note"] = None, "nccl_ag: B > 1 needs a re-layout; not timed"
         qt, kt, vt = (t.transpose(1, 2) for t in (qf, kf, vf))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
             rec["single_gpu_us"] = time_local(lambda: torch.nn.functional.scaled_dot_product_attention(
                 qt, kt, vt, is_causal=causal, enable_gqa=True))
-        rec["kernel_only_us"] = time_local(lambda: kernel(k, v, k, v, 0, 1, S_loc, ones))
+        rec["kernel_only_us"] = time_local(lambda: kernel(q, k, v, k, v, out, lse, 0, 1))
+        out_full, lse_full = torch.empty_like(qf), torch.empty(B, Hq, S, device="cuda", dtype=torch.float32)
+        rec["kernel_full_us"] = time_local(lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1))
+        rec["kernel_full_err"] = float((out_full.float() - ref.transpose(1, 2).float()).norm()
+                                       / ref.float().norm())
         # forward + backward through autograd (K/V gathered again in backward, dK/dV partials sent to owners)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         dout = torch.randn_like(q)
@@ -232,7 +235,7 @@ def bench_cp_attention(ctx, shapes, iters):
             o, _ = op(*leaves, causal=causal)
             o.backward(dout)
 
-        rec["fwd_bwd_ours_us"] = time_dist(fwd_bwd, iters)
+        rec["fwd_bwd_ours_us"] = timed(fwd_bwd)
         ctx.check()
         full_leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (qf, kf, vf)]
         dout_full = torch.randn_like(full_leaves[0])
@@ -248,17 +251,43 @@ def bench_cp_attention(ctx, shapes, iters):
         rec["note"] += "fwd_bwd_nccl_ag: not built; "
         flops = 4 * B * Hq * S * S * D / (2 if causal else 1)
         rec["tflops_per_gpu"] = flops / W / rec["ours_us"] / 1e6
+        rec["kernel_full_tflops"] = flops / rec["kernel_full_us"] / 1e6
+        rec["single_gpu_tflops"] = flops / rec["single_gpu_us"] / 1e6
         rec["efficiency"] = rec["single_gpu_us"] / (W * rec["ours_us"])
         records.append(rec)
-        say(f"| {B} | {S} | {Hq} | {Hkv} | {D} | {causal} | {rec['ours_us']:.1f} | {rec['nccl_ag_us'] or float('nan'):.1f} | "
-            f"{rec['single_gpu_us']:.1f} | {rec['kernel_only_us']:.1f} | {rec['tflops_per_gpu']:.0f} | {rec['efficiency']:.2f} | "
-            f"{rec['fwd_bwd_ours_us']:.1f} | {rec['fwd_bwd_single_gpu_us']:.1f} | {rec['fwd_bwd_efficiency']:.2f} |")
+        say(_cp_row(rec))
+        write_partial(records)
     return records
 
 
-CP_HEADER = ("| B | S | Hq | Hkv | D | causal | ours µs | NCCL all_gather + kernel µs | SDPA flash, 1 GPU, full S µs | "
-             "kernel alone, local µs | TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd SDPA 1 GPU µs | "
-             "fwd+bwd efficiency |\n|" + "---|" * 15)
+CP_HEADER = ("| B | S | Hq | Hkv | D | causal | ours µs | NCCL all_gather + kernel µs | speed-up vs NCCL | "
+             "SDPA flash, 1 GPU, full S µs | our kernel, 1 GPU, full S µs | kernel alone, local µs | "
+             "TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd SDPA 1 GPU µs | fwd+bwd efficiency |\n|"
+             + "---|" * 17)
+
+
+def _cp_row(r):
+    nccl = r["nccl_ag_us"]
+    sp = None if nccl is None else nccl / r["ours_us"]
+    return (f"| {r['B']} | {r['S']} | {r['Hq']} | {r['Hkv']} | {r['D']} | {r['causal']} | {r['ours_us']:.1f} | "
+            f"{'n/a' if nccl is None else f'{nccl:.1f}'} | {'n/a' if sp is None else f'{sp:.2f}x'} | "
+            f"{r['single_gpu_us']:.1f} | {r['kernel_full_us']:.1f} | {r['kernel_only_us']:.1f} | "
+            f"{r['tflops_per_gpu']:.0f} | {r['efficiency']:.2f} | {r['fwd_bwd_ours_us']:.1f} | "
+            f"{r['fwd_bwd_single_gpu_us']:.1f} | {r['fwd_bwd_efficiency']:.2f} |")
+
+
+def write_cp(records, W):
+    os.makedirs(RESULTS, exist_ok=True)
+    base = os.path.join(RESULTS, f"cp_attention-{records[0]['gpu']}x{W}")
+    with open(base + ".json", "w") as f:
+        json.dump(records, f, indent=1)
+    with open(base + ".md", "w") as f:
+        f.write(f"cp_attention, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks); "
+                f"efficiency = SDPA 1 GPU / (W x ours)\n\n{CP_HEADER}\n")
+        f.write("\n".join(_cp_row(r) for r in records) + "\n")
+        notes = [f"- S={r['S']} causal={r['causal']}: {r['note']}" for r in records if r["note"]]
+        if notes:
+            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
 
 
 def _gather(a):
@@ -338,13 +367,8 @@ def main():
     with to.Context() as ctx:
         if args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)
             say(CP_HEADER)
-            records = bench_cp_attention(ctx, [(*s[:5], bool(s[5])) for s in shapes] if shapes else CP_SHAPES,
-                                         args.iters)
-            if ctx.rank == 0:
-                os.makedirs(RESULTS, exist_ok=True)
-                base = os.path.join(RESULTS, f"cp_attention-{records[0]['gpu']}x{ctx.world_size}")
-                with open(base + ".json", "w") as f:
-                    json.dump(records, f, indent=1)
+            bench_cp_attention(ctx, [(*s[:5], bool(s[5])) for s in shapes] if shapes else CP_SHAPES, args.iters,
+                               lambda recs: ctx.rank == 0 and write_cp(recs, ctx.world_size))
             dist.destroy_process_group()
             return
         say(HEADER)

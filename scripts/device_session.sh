@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one call on a lent multi-GPU machine runs: environment, GPU test suite, benchmarks.
-# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,bench,tutorial | all]
+# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,tune,bench,tutorial | all]
 set -uo pipefail
 what="${1:-all}"  # comma-separated parts, or all
 want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
@@ -11,6 +11,15 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 cat "$OUT/env.txt"
 if want tests; then
   timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+if want tune; then  # TUNE="op shape;op shape"; the table goes to $OUT/tuned.json and is used by later parts
+  export TRITON_OVERLAP_TUNED="$OUT/tuned.json"
+  IFS=';' read -ra jobs <<< "${TUNE:-cp_attention 1,32768,32,8,128,1}"
+  for job in "${jobs[@]}"; do
+    read -r op shape <<< "$job"
+    timeout "${TUNE_TIMEOUT:-200}" bash scripts/launch.sh scripts/tune.py "$op" --shape "$shape" 2>&1 \
+      | tee -a "$OUT/tune.log" | grep -E "^tune|best|skipped" | tail -8
+  done
 fi
 if want bench; then
   for op in ${BENCH_OPS:-ag_gemm gemm_rs cp_attention}; do

@@ -45,6 +45,16 @@ def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0
             got_out, got_lse = op(qs, to.cp.shard(k, ctx), to.cp.shard(v, ctx), causal=causal, out=out, lse=lse)
             ctx.check()
             assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+            # the producers delivered every peer's K/V shard, every batch, into our workspace
+            for name, full in (("k", k), ("v", v)):
+                ws = ctx.symmetric(f"cp_attention.{name}", (B, S, Hkv, D), dtype).local
+                S_loc = S // ctx.world_size  # rank p's shard: global chunks p and 2W-1-p of S_loc/2 rows
+                for p in range(ctx.world_size):
+                    if p != ctx.rank:
+                        want = torch.cat([full[:, p * (S_loc // 2):(p + 1) * (S_loc // 2)],
+                                          full[:, S - (p + 1) * (S_loc // 2):S - p * (S_loc // 2)]], dim=1)
+                        bad = [b for b in range(B) if not torch.equal(ws[b, p * S_loc:(p + 1) * S_loc], want[b])]
+                        assert not bad, f"{name} rows from rank {p} wrong in batch(es) {bad}"
             got = to.cp.unshard(out, ctx)
             got_lse = to.cp.unshard(lse, ctx, dim=2)
             e_out, e_lse = rel_err(got, ref_out), rel_err(got_lse, ref_lse)

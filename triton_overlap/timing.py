@@ -7,16 +7,24 @@ import torch
 import torch.distributed as dist
 
 
-def time_dist(fn, iters: int, warmup: int = 5) -> float:
+def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None) -> float:
     """Median µs per call of ``fn`` over ``iters`` iterations, max over ranks (GPUs only).
 
     Before each iteration a one-element all_reduce on the stream lines the ranks
-    up on the device; CUDA events time the call alone.
+    up on the device; CUDA events time the call alone. ``budget_s`` caps the
+    iterations so that they take about that long (at least 3; the ranks agree).
     """
     tiny = torch.zeros(1, device="cuda")
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
     for _ in range(warmup):
         fn()
+    e.record()
     torch.cuda.synchronize()
+    if budget_s is not None:
+        per_call = torch.tensor([s.elapsed_time(e) / 1e3 / max(warmup, 1)], device="cuda")
+        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
+        iters = max(3, min(iters, int(budget_s / max(float(per_call.item()), 1e-6))))
     times = []
     for _ in range(iters):
         dist.all_reduce(tiny)

@@ -19,7 +19,13 @@ class Stream(abc.ABC):
     Every method enqueues and returns at once; the work runs later, in the
     order it was enqueued. ``flag`` arguments are one-element int32 tensor
     views (local or a peer's) inside symmetric memory.
+
+    A stream with ``raw = True`` also takes pre-resolved addresses
+    (``copy_raw``, ``write_value_ptr``), which producers cache per shape to
+    keep the host's cost per call low.
     """
+
+    raw = False
 
     @abc.abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -100,23 +100,37 @@ def memcpy_plan(dst: torch.Tensor, src: torch.Tensor):
 
 
 class CudaStream(Stream):
+    raw = True  # copy_raw / write_value_ptr: pre-resolved addresses, for producers that cache their plans
+
     def __init__(self, stream: torch.cuda.Stream):
         self.torch_stream = stream
         self.handle = stream.cuda_stream
+        rt, drv = _rt(), _drv()
+        self._memcpy, self._memcpy2d = rt.cudaMemcpyAsync, rt.cudaMemcpy2DAsync
+        self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        self._write32 = drv.cuStreamWriteValue32
+        self._write_flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+
+    def _copy2d(self, dptr, dp, sptr, sp, w, h):
+        if h == 1:
+            check(self._memcpy(dptr, sptr, w, self._d2d, self.handle), "cudaMemcpyAsync")
+        else:
+            check(self._memcpy2d(dptr, dp, sptr, sp, w, h, self._d2d, self.handle), "cudaMemcpy2DAsync")
 
     def copy(self, dst, src):
-        rt = _rt()
-        d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         for dptr, dp, sptr, sp, w, h in memcpy_plan(dst, src):
-            if h == 1:
-                check(rt.cudaMemcpyAsync(dptr, sptr, w, d2d, self.handle), "cudaMemcpyAsync")
-            else:
-                check(rt.cudaMemcpy2DAsync(dptr, dp, sptr, sp, w, h, d2d, self.handle), "cudaMemcpy2DAsync")
+            self._copy2d(dptr, dp, sptr, sp, w, h)
+
+    def copy_raw(self, pieces, src_base: int):
+        """Copy pieces (dst_ptr, dpitch, src_offset, spitch, width, height) of the source at ``src_base``."""
+        for dptr, dp, soff, sp, w, h in pieces:
+            self._copy2d(dptr, dp, src_base + soff, sp, w, h)
+
+    def write_value_ptr(self, ptr: int, value: int):
+        check(self._write32(self.handle, ptr, value & 0xFFFFFFFF, self._write_flags), "stream write-value")
 
     def write_value(self, flag, value):
-        drv = _drv()
-        flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
-        check(drv.cuStreamWriteValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, flags), "cuStreamWriteValue32")
+        self.write_value_ptr(flag.data_ptr(), value)
 
     def wait_stream(self, other):
         self.torch_stream.wait_stream(other.torch_stream)

@@ -17,7 +17,7 @@ import ctypes
 
 import torch
 
-from .cuda import CudaBackend, CudaStream, check, memcpy_plan, wrap_pointer
+from .cuda import CudaBackend, CudaStream, check, wrap_pointer
 
 _IPC_HANDLE_BYTES = 64
 
@@ -31,18 +31,20 @@ def _hip():
 class HipStream(CudaStream):
     """Stream ordering and synchronisation as on CUDA (torch events); the runtime calls are HIP's."""
 
-    def copy(self, dst, src):
+    def __init__(self, stream: torch.cuda.Stream):
+        self.torch_stream = stream
+        self.handle = stream.cuda_stream
         hip = _hip()
-        kind = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
-        for dptr, dp, sptr, sp, w, h in memcpy_plan(dst, src):
-            if h == 1:
-                check(hip.hipMemcpyAsync(dptr, sptr, w, kind, self.handle), "hipMemcpyAsync")
-            else:
-                check(hip.hipMemcpy2DAsync(dptr, dp, sptr, sp, w, h, kind, self.handle), "hipMemcpy2DAsync")
+        self._memcpy, self._memcpy2d = hip.hipMemcpyAsync, hip.hipMemcpy2DAsync
+        self._d2d = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
+        self._write32 = hip.hipStreamWriteValue32
+        self._write_flags = 0
 
-    def write_value(self, flag, value):
-        hip = _hip()
-        check(hip.hipStreamWriteValue32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, 0), "hipStreamWriteValue32")
+    def _copy2d(self, dptr, dp, sptr, sp, w, h):
+        if h == 1:
+            check(self._memcpy(dptr, sptr, w, self._d2d, self.handle), "hipMemcpyAsync")
+        else:
+            check(self._memcpy2d(dptr, dp, sptr, sp, w, h, self._d2d, self.handle), "hipMemcpy2DAsync")
 
 
 class HipBackend(CudaBackend):

@@ -11,22 +11,52 @@
 * ``reduce_dkdv`` (per owner): waits for every source's count and sums the W
   partials.
 
-Causal masks use global zigzag positions as in the forward. No block is
-skipped in backward yet (masked blocks contribute zeros), so every K/V flag
-is waited for before the kernels end.
+Causal masks use global zigzag positions as in the forward, and the same
+split: blocks every row sees run unmasked, blocks on the diagonal masked,
+blocks nobody sees are skipped. ``cp_attention_dq`` waits for a chunk's flag
+only when it reads it; ``cp_attention_dkdv`` waits for its own block's chunk
+(every K/V block has a program), so every flag is seen before the kernels end.
 """
 import triton
 import triton.language as tl
 
-from .attention import kv_base, wait_kv, zigzag_pos
+from .attention import key_span, kv_base, wait_kv, zigzag_pos
 from .signal import add_release, wait_flag
+
+
+@triton.jit
+def _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, lo, hi, src, world, C, qk_scale,
+             MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
+             DOT_F32: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_D)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            n_ok = offs_n < hi
+            kt = tl.load(kb + offs_n[None, :] * s_s + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+            vt = tl.load(vb + offs_n[None, :] * s_s + offs_d[:, None], mask=n_ok[None, :], other=0.0)
+        else:
+            kt = tl.load(kb + offs_n[None, :] * s_s + offs_d[:, None])
+            vt = tl.load(vb + offs_n[None, :] * s_s + offs_d[:, None])
+        if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+        p = tl.exp2(tl.dot(q, kt) * qk_scale - lse2[:, None])
+        if MASKED:
+            keep = n_ok[None, :]
+            if CAUSAL:
+                keep = keep & (zigzag_pos(offs_n, src, world, C)[None, :] <= q_pos[:, None])
+            p = tl.where(keep, p, 0.0)
+        ds = p * (tl.dot(do, vt) - delta[:, None])
+        dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+    return dq
 
 
 @triton.jit
 def cp_attention_dq(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, flags_ptr, err_ptr, budget,
     rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
-    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sw_b, sw_s, sw_h,
+    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
     CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
@@ -42,44 +72,76 @@ def cp_attention_dq(
     row = b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :]  # q, do and dq share the layout
     q = tl.load(q_ptr + row, mask=m_ok[:, None], other=0.0)
     do = tl.load(do_ptr + row, mask=m_ok[:, None], other=0.0)
-    if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
+    if DOT_F32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(lse_ptr + bh * S_LOCAL + offs_m, mask=m_ok, other=0.0)
+    lse2 = tl.load(lse_ptr + bh * S_LOCAL + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + bh * S_LOCAL + offs_m, mask=m_ok, other=0.0)
     q_pos = zigzag_pos(offs_m, rank, world, C)
+    q_first = tl.min(tl.where(m_ok, q_pos, 1 << 30), axis=0)
+    q_last = tl.max(tl.where(m_ok, q_pos, -1), axis=0)
+    qk_scale = sm_scale * 1.4426950408889634
     dq = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
     for step in range(0, world):
         src = (rank - step + world) % world
-        kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
-        vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
-        stride_s = tl.where(src == rank, sk_s, sw_s)
-        for n0 in range(0, S_LOCAL, BLOCK_N):
-            wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, S_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
-                     BLOCK_N, CLOCK)
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < S_LOCAL
-            kt = tl.load(kb + offs_n[None, :] * stride_s + offs_d[:, None], mask=n_ok[None, :], other=0.0)
-            vt = tl.load(vb + offs_n[None, :] * stride_s + offs_d[:, None], mask=n_ok[None, :], other=0.0)
-            if DOT_F32:
-                kt = kt.to(tl.float32)
-                vt = vt.to(tl.float32)
-            keep = m_ok[:, None] & n_ok[None, :]
-            if CAUSAL:
-                keep = keep & (zigzag_pos(offs_n, src, world, C)[None, :] <= q_pos[:, None])
-            s = tl.dot(q, kt) * sm_scale
-            p = tl.where(keep, tl.exp(s - lse[:, None]), 0.0)
-            dp = tl.dot(do, vt)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(kt.dtype), tl.trans(kt))
+        kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
+        vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
+        piece = tl.where(src == rank, C, M_PER_CHUNK)
+        for hh in range(0, 2):
+            need, full = key_span(src, world, C, hh, q_first, q_last, CAUSAL)
+            h0 = hh * C
+            for c0 in range(h0, h0 + need, piece):
+                c1 = tl.minimum(c0 + piece, h0 + need)
+                wait_kv(flags_ptr, err_ptr, budget, rank, op, src, c0, c1, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
+                f1 = tl.minimum(c1, h0 + full)
+                f1 = c0 + tl.maximum(f1 - c0, 0) // BLOCK_N * BLOCK_N
+                dq = _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, c0, f1, src, world, C, qk_scale,
+                              False, CAUSAL, BLOCK_N, HEAD_D, DOT_F32)
+                dq = _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, f1, c1, src, world, C, qk_scale,
+                              True, CAUSAL, BLOCK_N, HEAD_D, DOT_F32)
     tl.store(dq_ptr + row, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+@triton.jit
+def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s, lo, hi, rank, world, C,
+               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    """Add the contributions of local query rows [lo, hi) of one head (q at ``qrow0``, lse at ``lrow0``)."""
+    offs_d = tl.arange(0, HEAD_D)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        at = qrow0 + offs_m[:, None] * sq_s + offs_d[None, :]
+        if MASKED:
+            m_ok = offs_m < hi
+            q = tl.load(q_ptr + at, mask=m_ok[:, None], other=0.0)
+            do = tl.load(do_ptr + at, mask=m_ok[:, None], other=0.0)
+            lse2 = tl.load(lse_ptr + lrow0 + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_ptr + lrow0 + offs_m, mask=m_ok, other=0.0)
+        else:
+            q = tl.load(q_ptr + at)
+            do = tl.load(do_ptr + at)
+            lse2 = tl.load(lse_ptr + lrow0 + offs_m) * 1.4426950408889634
+            delta = tl.load(delta_ptr + lrow0 + offs_m)
+        if DOT_F32:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        pt = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse2[None, :])  # [BLOCK_N, BLOCK_M]: transposed
+        if MASKED:
+            keep = m_ok[None, :]
+            if CAUSAL:
+                keep = keep & (k_pos[:, None] <= zigzag_pos(offs_m, rank, world, C)[None, :])
+            pt = tl.where(keep, pt, 0.0)
+        dv += tl.dot(pt.to(do.dtype), do)
+        dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q)
+    return dk, dv
 
 
 @triton.jit
 def cp_attention_dkdv(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, lse_ptr, delta_ptr, recv_ptrs, counter_ptrs, flags_ptr,
     err_ptr, budget, rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
-    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sw_b, sw_s, sw_h,
+    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
     CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
 ):
@@ -93,48 +155,52 @@ def cp_attention_dkdv(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     n_ok = offs_n < S_LOCAL
-    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, S_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_N, CLOCK)
-    kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
-    vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h)
-    stride_s = tl.where(src == rank, sk_s, sw_s)
-    k = tl.load(kb + offs_n[:, None] * stride_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    v = tl.load(vb + offs_n[:, None] * stride_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, tl.minimum(n0 + BLOCK_N, S_LOCAL), M_PER_CHUNK,
+            CHUNKS_PER_RANK, CLOCK)
+    kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
+    vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
+    k = tl.load(kb + offs_n[:, None] * s_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    v = tl.load(vb + offs_n[:, None] * s_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     if DOT_F32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     k_pos = zigzag_pos(offs_n, src, world, C)
+    k_first = tl.min(tl.where(n_ok, k_pos, 1 << 30), axis=0)
+    k_last = tl.max(tl.where(n_ok, k_pos, -1), axis=0)
+    qk_scale = sm_scale * 1.4426950408889634
     dk = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     for g in range(0, GROUP):  # every query head that reads this K/V head
         h = hk * GROUP + g
-        for m0 in range(0, S_LOCAL, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < S_LOCAL
-            row = b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :]
-            q = tl.load(q_ptr + row, mask=m_ok[:, None], other=0.0)
-            do = tl.load(do_ptr + row, mask=m_ok[:, None], other=0.0)
-            if DOT_F32:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse = tl.load(lse_ptr + (b * HQ + h) * S_LOCAL + offs_m, mask=m_ok, other=0.0)
-            delta = tl.load(delta_ptr + (b * HQ + h) * S_LOCAL + offs_m, mask=m_ok, other=0.0)
-            keep = n_ok[:, None] & m_ok[None, :]
-            if CAUSAL:
-                keep = keep & (k_pos[:, None] <= zigzag_pos(offs_m, rank, world, C)[None, :])
-            st = tl.dot(k, tl.trans(q)) * sm_scale  # [BLOCK_N, BLOCK_M]: scores transposed
-            pt = tl.where(keep, tl.exp(st - lse[None, :]), 0.0)
-            dv += tl.dot(pt.to(do.dtype), do)
-            dpt = tl.dot(v, tl.trans(do))
-            dst = pt * (dpt - delta[None, :])
-            dk += tl.dot(dst.to(q.dtype), q)
+        qrow0 = b * sq_b + h * sq_h
+        lrow0 = (b * HQ + h) * S_LOCAL
+        for qh in range(0, 2):  # this rank's two query halves
+            h0 = qh * C
+            if CAUSAL:  # query rows of the half that see some / every key of the block
+                qpos0 = tl.where(qh == 0, rank, 2 * world - 1 - rank) * C
+                m_need = tl.minimum(tl.maximum(k_first - qpos0, 0), C)
+                m_full = tl.minimum(tl.maximum(k_last - qpos0, 0), C)
+            else:
+                m_need = 0
+                m_full = 0
+            m1 = tl.minimum(m_need + (m_full - m_need + BLOCK_M - 1) // BLOCK_M * BLOCK_M, C)
+            m2 = m1 + (C - m1) // BLOCK_M * BLOCK_M
+            dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
+                                h0 + m_need, h0 + m1, rank, world, C, qk_scale, True, CAUSAL, BLOCK_M, HEAD_D,
+                                DOT_F32)
+            dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
+                                h0 + m1, h0 + m2, rank, world, C, qk_scale, False, CAUSAL, BLOCK_M, HEAD_D,
+                                DOT_F32)
+            dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
+                                h0 + m2, h0 + C, rank, world, C, qk_scale, True, CAUSAL, BLOCK_M, HEAD_D,
+                                DOT_F32)
     # the partials go straight to the owner of this K/V: slot [rank] of its receive buffer [W, 2, B, S, Hkv, D]
     base = tl.load(recv_ptrs + src).to(tl.pointer_type(tl.float32))
     slot = S_LOCAL * HKV * HEAD_D
-    at = (((rank * 2) * (tl.num_programs(1) // HKV)) * slot + b * slot + offs_n[:, None] * (HKV * HEAD_D)
-          + hk * HEAD_D + offs_d[None, :])
-    half = (tl.num_programs(1) // HKV) * slot  # distance from the dK half to the dV half of a slot
+    nb = tl.num_programs(1) // HKV  # B
+    at = (rank * 2 * nb + b) * slot + offs_n[:, None] * (HKV * HEAD_D) + hk * HEAD_D + offs_d[None, :]
     tl.store(base + at, dk * sm_scale, mask=n_ok[:, None])
-    tl.store(base + at + half, dv, mask=n_ok[:, None])
+    tl.store(base + at + nb * slot, dv, mask=n_ok[:, None])  # the dV half of the slot follows the dK half
     tl.debug_barrier()  # every thread's stores come before the release below
     counters = tl.load(counter_ptrs + src).to(tl.pointer_type(tl.int32))
     add_release(counters + rank, 1)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout
-from ..producers.allgather import join, peers_in_send_order, push_rows
+from ..producers.allgather import follow_caller, join, peers_in_send_order, push_rows
 from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
 
 OP = op_id("ag_gemm")
@@ -34,9 +34,12 @@ class AllGatherGEMM(OverlapOp):
     ``max_m``: largest gathered M accepted (None: the workspace grows as needed).
     """
 
+    KIND = "ag_gemm"
+
     def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
                  name: str = "ag_gemm"):
         super().__init__(ctx, config, fallback, max_m, name)
+        self._warm: dict = {}  # layouts called once (producers first), after which gemm_first may apply
 
     # -------------------------------------------------------------- checks
     def _check(self, a, w, bias):
@@ -67,7 +70,7 @@ class AllGatherGEMM(OverlapOp):
             self.last_path = "fallback"
             return self._fallback(a, w, bias, return_gathered, out)
         self.last_path = "overlap"
-        cfg = with_overrides(self.config, **overrides)
+        cfg = with_overrides(self.config_for((a.shape[0] * ctx.world_size, a.shape[1], w.shape[1])), **overrides)
         W, r = ctx.world_size, ctx.rank
         m_local, K = a.shape
         N = w.shape[1]
@@ -79,10 +82,16 @@ class AllGatherGEMM(OverlapOp):
         out = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
         streams = ctx.streams(cfg.streams_for(W))
 
-        push_rows(ctx, streams, layout, a, ws, flags)
+        gemm_first = cfg.gemm_first and ctx.backend != "host" and self._warm.get(layout, False)
+        follow_caller(ctx, streams)  # the streams wait for the caller's stream as it is now, not for the GEMM
+        if not gemm_first:
+            push_rows(ctx, streams, layout, a, ws, flags, follow=False)
         launch_gemm(ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=bias, M=M, N=N, K=K, m_local=m_local,
                     m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
                     flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0))
+        if gemm_first:
+            push_rows(ctx, streams, layout, a, ws, flags, follow=False)
+        self._warm[layout] = True
         join(ctx, streams)
         flags.local.zero_()  # every flag was seen by the kernel; peers set them again only after the next barrier
         if not return_gathered:

@@ -17,6 +17,10 @@ class GemmConfig:
 
     ``m_per_chunk=None`` picks about ``chunks_per_rank`` chunks per rank, each a
     multiple of ``block_m``; ``num_streams=None`` uses one stream per peer.
+    ``gemm_first`` (AllGather-GEMM): launch the consumer before enqueueing the
+    copies, so the GPU computes on the local shard while the host enqueues
+    them (the first call of a shape still goes producers first, so every
+    kernel the producers use is loaded before a persistent kernel spins).
     """
 
     block_m: int = 128
@@ -29,6 +33,7 @@ class GemmConfig:
     chunks_per_rank: int = 4
     num_streams: int | None = None
     num_xcds: int = 1
+    gemm_first: bool = False
 
     def chunk_rows(self, m_local: int) -> int:
         if self.m_per_chunk is not None:
@@ -43,10 +48,13 @@ class GemmConfig:
 class OverlapOp:
     """What every overlapped op holds: its Context, config, fallback rule, shape checks done, plans."""
 
+    KIND = "?"  # the op's key in tuned tables
+
     def __init__(self, ctx, config: GemmConfig | None, fallback: str, max_m: int | None, name: str):
         if fallback not in ("auto", "never", "always"):
             raise ValueError(f"fallback must be 'auto', 'never' or 'always', got {fallback!r}")
         self.ctx = ctx
+        self.user_config = config  # when given, used for every shape
         self.config = config or default_config(ctx)
         self.fallback = fallback
         self.max_m = max_m
@@ -54,6 +62,21 @@ class OverlapOp:
         self._agreed: set = set()  # shape keys every rank has been seen to agree on
         self._plans: dict = {}  # per-shape state built on first use
         self.last_path = None  # "overlap" or "fallback", for tests and curious users
+        self._tuned: dict = {}
+
+    def config_for(self, shape) -> GemmConfig:
+        """The user's config if one was given, else the tuned one for this GPU, world size and shape
+        (triton_overlap.tuning), else the defaults."""
+        if self.user_config is not None:
+            return self.user_config
+        shape = tuple(shape)
+        cfg = self._tuned.get(shape)
+        if cfg is None:
+            from ..tuning import gpu_key, lookup
+
+            found = lookup(self.KIND, gpu_key(self.ctx), self.ctx.world_size, shape)
+            cfg = self._tuned[shape] = GemmConfig(**found) if found else self.config
+        return cfg
 
 
 def default_config(ctx) -> GemmConfig:

@@ -10,6 +10,7 @@ K/V in first and each peer's chunk as soon as its flag is up
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +25,72 @@ OP = op_id("cp_attention")
 HEAD_DIMS = (64, 128)
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """Tile sizes and launch parameters of one attention kernel (``block_m`` query rows, ``block_n`` key rows)."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """``chunks_per_rank``: how finely each rank's K/V is cut for the flags (even: the two zigzag halves are
+    never mixed in one chunk). One ``Blocks`` per kernel: forward, backward dQ, backward dK/dV."""
+    chunks_per_rank: int = 2
+    fwd: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 3))
+    dq: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 2))
+    dkdv: Blocks = field(default_factory=lambda: Blocks(64, 128, 8, 2))
+
+
+def default_attention_config(backend: str, head_dim: int, chunks_per_rank: int = 2) -> AttentionConfig:
+    if backend == "host":  # small tiles keep the interpreter fast; odd sizes still exercise every path
+        small = Blocks(16, 16, 1, 1)
+        return AttentionConfig(chunks_per_rank, small, small, small)
+    if head_dim <= 64:
+        return AttentionConfig(chunks_per_rank, Blocks(128, 64, 4, 3), Blocks(128, 64, 4, 2), Blocks(64, 128, 4, 2))
+    return AttentionConfig(chunks_per_rank)
+
+
+def launch_fwd(q, k, v, kw, vw, out, lse, flags, err, budget, rank, world, op, m_per_chunk, chunks_per_rank,
+               scale, causal, blocks: Blocks, clock: int, dot_f32: bool):
+    """The forward kernel on contiguous q [B, S, Hq, D], k/v [B, S, Hkv, D], workspaces [B, W*S, Hkv, D]."""
+    B, S, Hq, D = q.shape
+    assert k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1), "k, v and workspaces share a sequence stride"
+    cp_attention_fwd[(cdiv(S, blocks.block_m), B * Hq)](
+        q, k, v, kw, vw, out, lse, flags, err, budget, rank, world, op,
+        S, Hq, Hq // k.shape[2], m_per_chunk, chunks_per_rank, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        CAUSAL=causal, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, HEAD_D=D, CLOCK=clock, DOT_F32=dot_f32,
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
+    )
+
+
+def launch_bwd(q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, flags, err, budget, rank, world, op,
+               m_per_chunk, chunks_per_rank, scale, causal, cfg: AttentionConfig, clock: int, dot_f32: bool):
+    """dQ into ``dq``; float32 dK/dV partials into every owner's receive slot [W, 2, B, S, Hkv, D] for this rank,
+    each block bumping the owner's counter for this rank. Returns the count each owner waits for per source."""
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    assert k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1), "k, v and workspaces share a sequence stride"
+    common = (rank, world, op, S)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
+    meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=clock, DOT_F32=dot_f32)
+    b = cfg.dq
+    cp_attention_dq[(cdiv(S, b.block_m), B * Hq)](
+        q, k, v, kw, vw, dout, lse, delta, dq, flags, err, budget, *common, Hq, Hq // Hkv,
+        m_per_chunk, chunks_per_rank, scale, *strides, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
+        num_warps=b.num_warps, num_stages=b.num_stages, **meta)
+    b = cfg.dkdv
+    cp_attention_dkdv[(cdiv(S, b.block_n), B * Hkv, world)](
+        q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, err, budget,
+        *common, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, *strides,
+        BLOCK_M=b.block_m, BLOCK_N=b.block_n, num_warps=b.num_warps, num_stages=b.num_stages, **meta)
+    return cdiv(S, b.block_n) * B * Hkv
+
+
 class ContextParallelAttention:
     """Reusable context-parallel attention bound to a Context, with autograd.
 
@@ -31,20 +98,44 @@ class ContextParallelAttention:
     [B, S_local, Hq, D], k and v [B, S_local, Hkv, D] in the zigzag layout;
     out is like q, lse is [B, Hq, S_local] float32 (natural log).
     ``chunks_per_rank`` sets how finely each rank's K/V is cut for the flags
-    (a multiple of 2: the two zigzag halves are never mixed in one chunk).
+    (a multiple of 2: the two zigzag halves are never mixed in one chunk);
+    ``config`` (an AttentionConfig) overrides it and the kernels' tiles.
     """
 
-    def __init__(self, ctx, *, chunks_per_rank: int = 2, block_m: int | None = None, block_n: int | None = None,
+    def __init__(self, ctx, *, chunks_per_rank: int = 2, config: AttentionConfig | None = None,
                  name: str = "cp_attention"):
+        if config is not None:
+            chunks_per_rank = config.chunks_per_rank
         if chunks_per_rank < 2 or chunks_per_rank % 2:
             raise ValueError(f"chunks_per_rank must be an even number >= 2, got {chunks_per_rank}")
         self.ctx = ctx
         self.name = name
         self.chunks_per_rank = chunks_per_rank
-        host = ctx.backend == "host"
-        self.block_m = block_m or (16 if host else 128)
-        self.block_n = block_n or (16 if host else 64)
+        self._config = config
+        self._configs: dict = {}
         self._agreed: set = set()
+
+    def config(self, head_dim: int, shape=None) -> AttentionConfig:
+        """The config given at construction, else the tuned one for ``shape`` = (S_global, Hq, Hkv, D, causal)
+        on this GPU and world size (triton_overlap.tuning), else the defaults."""
+        if self._config is not None:
+            return self._config
+        if shape in self._configs:
+            return self._configs[shape]
+        cfg = self._configs[shape] = self._find_config(head_dim, shape)
+        return cfg
+
+    def _find_config(self, head_dim, shape):
+        if shape is not None and self.ctx.backend != "host":
+            from ..tuning import gpu_key, lookup
+
+            found = lookup("cp_attention", gpu_key(self.ctx), self.ctx.world_size, shape)
+            if found:
+                return AttentionConfig(self.chunks_per_rank, *(Blocks(**found[k]) for k in ("fwd", "dq", "dkdv")))
+        return default_attention_config(self.ctx.backend, head_dim, self.chunks_per_rank)
+
+    def _shape_key(self, q, k, causal):
+        return (q.shape[1] * self.ctx.world_size, q.shape[2], k.shape[2], q.shape[3], int(causal))
 
     def _check(self, q, k, v):
         ctx = self.ctx
@@ -102,15 +193,9 @@ class ContextParallelAttention:
         streams = ctx.streams(max(1, min(W - 1, 2)))
 
         push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1)
-        kw = kws.local
-        cp_attention_fwd[(cdiv(S, self.block_m), B * Hq)](
-            q, k, v, kw, vws.local, out, lse, flags.local, ctx.err, ctx.budget, r, W, OP,
-            S, Hq, Hq // Hkv, layout.m_per_chunk, layout.chunks_per_rank, scale,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            kw.stride(0), kw.stride(1), kw.stride(2), out.stride(0), out.stride(1), out.stride(2),
-            CAUSAL=causal, BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_D=D, CLOCK=ctx.clock,
-            DOT_F32=ctx.backend == "host", num_warps=4 if D <= 64 else 8, num_stages=2,
-        )
+        cfg = self.config(D, self._shape_key(q, k, causal))
+        launch_fwd(q, k, v, kws.local, vws.local, out, lse, flags.local, ctx.err, ctx.budget, r, W, OP,
+                   layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.fwd, ctx.clock, ctx.backend == "host")
         ctx.after_launch()
         join(ctx, streams)
         flags.local.zero_()  # every needed flag was seen; peers set them again only after the next barrier
@@ -135,25 +220,15 @@ class ContextParallelAttention:
         host = ctx.backend == "host"
 
         push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1)
-        kw = kws.local
-        common = (r, W, OP, S)
-        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   kw.stride(0), kw.stride(1), kw.stride(2))
-        meta = dict(CAUSAL=causal, BLOCK_M=self.block_m, BLOCK_N=self.block_n, HEAD_D=D, CLOCK=ctx.clock,
-                    DOT_F32=host, num_warps=4 if D <= 64 else 8, num_stages=1)
         dq = torch.empty_like(q)
-        cp_attention_dq[(cdiv(S, self.block_m), B * Hq)](
-            q, k, v, kw, vws.local, dout, lse, delta, dq, flags.local, ctx.err, ctx.budget, *common, Hq, Hq // Hkv,
-            layout.m_per_chunk, layout.chunks_per_rank, scale, *strides, **meta)
-        ctx.after_launch()
-        cp_attention_dkdv[(cdiv(S, self.block_n), B * Hkv, W)](
-            q, k, v, kw, vws.local, dout, lse, delta, recv.ptrs, counters.ptrs, flags.local, ctx.err, ctx.budget,
-            *common, Hq, Hkv, Hq // Hkv, layout.m_per_chunk, layout.chunks_per_rank, scale, *strides, **meta)
+        expected = launch_bwd(q, k, v, kws.local, vws.local, dout, lse, delta, dq, recv.ptrs, counters.ptrs,
+                              flags.local, ctx.err, ctx.budget, r, W, OP, layout.m_per_chunk, layout.chunks_per_rank,
+                              scale, causal, self.config(D, self._shape_key(q, k, causal)), ctx.clock, host)
         ctx.after_launch()
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         n = B * S * Hkv * D
         block = 1024 if host else 2048
-        reduce_dkdv[(cdiv(n, block),)](recv.local, dk, dv, counters.local, cdiv(S, self.block_n) * B * Hkv, ctx.err,
+        reduce_dkdv[(cdiv(n, block),)](recv.local, dk, dv, counters.local, expected, ctx.err,
                                        ctx.budget, r, W, OP, n, BLOCK=block, CLOCK=ctx.clock)
         ctx.after_launch()
         join(ctx, streams)
@@ -187,4 +262,4 @@ def cp_attention(q, k, v, *, ctx, causal: bool = True, softmax_scale: float | No
     return op(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse)
 
 
-__all__ = ["ContextParallelAttention", "cp_attention"]
+__all__ = ["AttentionConfig", "Blocks", "ContextParallelAttention", "cp_attention", "default_attention_config"]

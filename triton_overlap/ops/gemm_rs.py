@@ -41,6 +41,8 @@ class GEMMReduceScatter(OverlapOp):
     returns [M/W, N]. Bias is added once. fp16/bf16 in, partials summed in fp32.
     """
 
+    KIND = "gemm_rs"
+
     def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
                  name: str = "gemm_rs"):
         super().__init__(ctx, config, fallback, max_m, name)
@@ -75,7 +77,7 @@ class GEMMReduceScatter(OverlapOp):
             self.last_path = "fallback"
             return self._fallback(a, w, bias, out)
         self.last_path = "overlap"
-        cfg = with_overrides(self.config, **overrides)
+        cfg = with_overrides(self.config_for((a.shape[0], a.shape[1], w.shape[1])), **overrides)
         W, r = ctx.world_size, ctx.rank
         M, K = a.shape
         N = w.shape[1]

@@ -31,34 +31,85 @@ def peers_in_send_order(rank: int, world: int) -> list[int]:
     return [(rank + i) % world for i in range(1, world)]
 
 
-def push_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags, dim: int = 0):
+def push_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags, dim: int = 0, follow: bool = True):
     """Enqueue the push of ``src`` (this rank's block of ``layout.m_local`` rows along ``dim``) to every peer."""
-    push_chunks(ctx, streams, layout, [(src, ws)], flags, dim)
+    push_chunks(ctx, streams, layout, [(src, ws)], flags, dim, follow)
 
 
-def push_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0):
+def follow_caller(ctx, streams) -> None:
+    """Step 1 of the protocol: the producer streams wait for the caller's stream as it is now."""
+    first = streams[0]
+    first.wait_stream(ctx.current_stream())
+    for s in streams[1:]:
+        s.wait_stream(first)
+
+
+def push_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0, follow: bool = True):
     """Enqueue, for every peer, each chunk of every (source, symmetric workspace) pair, then that chunk's flag.
 
     Sources hold this rank's ``layout.m_local`` rows along ``dim``; the
     workspaces hold ``W * m_local`` rows along ``dim``. Returns at once.
+    ``follow=False``: the caller already ran ``follow_caller`` (e.g. before
+    launching the consumer, so the streams do not wait for it).
     """
-    r = ctx.rank
-    peers = peers_in_send_order(r, ctx.world_size)
+    if follow:
+        follow_caller(ctx, streams)
     first = streams[0]
-    first.wait_stream(ctx.current_stream())
     ctx.barrier(first)
     for s in streams[1:]:
         s.wait_stream(first)
-    for i, d in enumerate(peers):
+    if first.raw and ctx.producer_jitter_s == 0:
+        plan = _raw_plan(ctx, streams, layout, pairs, flags, dim)
+        bases = [src.data_ptr() for src, _ in pairs]
+        for s, steps in plan:
+            for pieces, flag_ptr in steps:
+                for p, base in zip(pieces, bases):
+                    s.copy_raw(p, base)
+                s.write_value_ptr(flag_ptr, 1)
+        return
+    for i, d in enumerate(peers_in_send_order(ctx.rank, ctx.world_size)):
         s = streams[i % len(streams)]
         for j in range(layout.chunks_per_rank):
             ctx.jitter(s)
-            rows, mine = layout.rows(r, j), layout.local_rows(j)
             for src, ws in pairs:
-                s.copy(ws.peer(d).narrow(dim, rows.start, rows.stop - rows.start),
-                       src.narrow(dim, mine.start, mine.stop - mine.start))
-            c = layout.chunk_id(r, j)
+                s.copy(*_chunk_views(layout, ctx.rank, j, d, src, ws, dim))
+            c = layout.chunk_id(ctx.rank, j)
             s.write_value(flags.peer(d)[c:c + 1], 1)
+
+
+def _chunk_views(layout, r, j, d, src, ws, dim):
+    rows, mine = layout.rows(r, j), layout.local_rows(j)
+    return (ws.peer(d).narrow(dim, rows.start, rows.stop - rows.start),
+            src.narrow(dim, mine.start, mine.stop - mine.start))
+
+
+def _raw_plan(ctx, streams, layout, pairs, flags, dim):
+    """Per (stream, [(pieces per pair, flag address)]): the copies of one call with the sources' addresses
+    taken out, cached per shape and workspace, so a call only adds each source's base address."""
+    from ..context.cuda import memcpy_plan
+
+    W = ctx.world_size
+    addrs = lambda t: tuple(t.peer(d).data_ptr() for d in range(W))  # noqa: E731 - a grown buffer moves
+    key = (layout, dim, len(streams), addrs(flags),
+           tuple((tuple(src.shape), tuple(src.stride()), src.dtype, addrs(ws)) for src, ws in pairs))
+    cache = ctx.__dict__.setdefault("_copy_plans", {})
+    plan = cache.get(key)
+    if plan is None:
+        per_stream = {}
+        for i, d in enumerate(peers_in_send_order(ctx.rank, ctx.world_size)):
+            s = streams[i % len(streams)]
+            steps = per_stream.setdefault(id(s), (s, []))[1]
+            for j in range(layout.chunks_per_rank):
+                pieces = []
+                for src, ws in pairs:
+                    dst, part = _chunk_views(layout, ctx.rank, j, d, src, ws, dim)
+                    base = src.data_ptr()
+                    pieces.append([(dp_, dpitch, sp_ - base, spitch, w, h)
+                                   for dp_, dpitch, sp_, spitch, w, h in memcpy_plan(dst, part)])
+                c = layout.chunk_id(ctx.rank, j)
+                steps.append((pieces, flags.peer(d)[c:c + 1].data_ptr()))
+        plan = cache[key] = list(per_stream.values())
+    return plan
 
 
 def join(ctx, streams) -> None:

@@ -1,0 +1,226 @@
+"""Sweep configurations of an op on the GPUs at hand and store the best in a tuned table.
+
+    bash scripts/launch.sh scripts/tune.py ag_gemm --shape 8192,4096,4096
+    bash scripts/launch.sh scripts/tune.py gemm_rs --shape 8192,4096,4096
+    bash scripts/launch.sh scripts/tune.py cp_attention --shape 1,32768,32,8,128,1   # B,S,Hq,Hkv,D,causal
+    ... --out PATH      (default: the user cache, triton_overlap.tuning.user_cache())
+    TRITON_OVERLAP_BACKEND=host bash scripts/launch.sh scripts/tune.py ... --dry-run
+                        (host backend, two candidates a stage: checks the script; its times mean nothing)
+
+GEMM ops, two stages: GEMM tiles (block sizes, warps, stages) with the default
+chunking, then chunk size, producer streams and (AllGather-GEMM) launch order
+with the best tiles. Attention: each kernel's tiles (forward, dQ, dK/dV) on
+one GPU, as a rank of one. Every candidate is checked against a torch
+reference first; a failing or uncompilable one is skipped. Times are medians,
+max over ranks. The ops read the table automatically (triton_overlap.tuning).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton_overlap as to  # noqa: E402
+from triton_overlap import tuning  # noqa: E402
+from triton_overlap.launch import backend_name, init, say  # noqa: E402
+from triton_overlap.ops.common import default_config  # noqa: E402
+from triton_overlap.ops.cp_attention import (OP, AttentionConfig, Blocks, default_attention_config,  # noqa: E402
+                                             launch_bwd, launch_fwd)
+
+GEMM_TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
+              (128, 128, 64, 8, 3), (128, 256, 32, 8, 4)]  # block_m, block_n, block_k, warps, stages
+CHUNKS = [2, 4, 8]
+FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
+DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2)]
+DKDV_TILES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2)]
+
+
+def timer(ctx, fn, iters=20) -> float:
+    """Median µs of ``fn``, max over ranks."""
+    if ctx.backend != "host":
+        from triton_overlap.timing import time_dist
+
+        return time_dist(fn, iters, budget_s=1.0)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    t = torch.tensor([statistics.median(times)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
+    return float(t.item())
+
+
+def rel(a, b) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def try_candidate(ctx, name, run, check, tol):
+    """(µs, None) or (None, why). ``run`` launches the candidate once; ``check`` returns its error."""
+    try:
+        run()
+        ctx.synchronize()
+        ctx.check()
+        err = check()
+        bad = torch.tensor([0.0 if err < tol else 1.0], device=ctx.device)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=ctx.group)
+        if bad.item():
+            return None, f"error {err:.2e} over {tol:g} on some rank"
+        return timer(ctx, run), None
+    except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is reported and skipped
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def sweep(ctx, stage, candidates, make_run, check, tol, label=str):
+    best = None
+    for i, cand in enumerate(candidates):
+        run = make_run(cand)
+        us, why = try_candidate(ctx, str(cand), run, check, tol)
+        say(f"  {stage} [{i + 1}/{len(candidates)}] {label(cand)}: " + (f"{us:.1f} µs" if us is not None else f"skipped ({why})"))
+        if us is not None and (best is None or us < best[0]):
+            best = (us, cand)
+    if best is None:
+        raise SystemExit(f"tune: no {stage} candidate ran")
+    return best
+
+
+def tune_gemm(ctx, kind, shape, dry):
+    M, K, N = shape
+    W, r = ctx.world_size, ctx.rank
+    dt = torch.bfloat16
+    g = torch.Generator(device=ctx.device).manual_seed(1234 + r)
+    if kind == "ag_gemm":
+        a = torch.randn(M // W, K, device=ctx.device, dtype=dt, generator=g)
+        w = torch.randn(K, N, device=ctx.device, dtype=dt, generator=g) / K ** 0.5
+        full = torch.empty(M, K, device=ctx.device, dtype=dt)
+        dist.all_gather_into_tensor(full, a, group=ctx.group)
+        ref = full.float() @ w.float()
+        op = to.AllGatherGEMM(ctx, fallback="never")
+    else:
+        a = torch.randn(M, K, device=ctx.device, dtype=dt, generator=g)
+        w = torch.randn(K, N, device=ctx.device, dtype=dt, generator=g) / (K * W) ** 0.5
+        part = a.float() @ w.float()
+        dist.all_reduce(part, group=ctx.group)
+        ref = part[r * (M // W):(r + 1) * (M // W)]
+        op = to.GEMMReduceScatter(ctx, fallback="never")
+    got = {}
+
+    def make_run(cfg):
+        def run():
+            got["out"] = op(a, w, **asdict(cfg))
+        return run
+
+    check = lambda: rel(got["out"], ref)  # noqa: E731
+    base = default_config(ctx)
+    first = (base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages)
+    tiles = [first] + [t for t in GEMM_TILES if t != first]
+    cands = [replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+             for bm, bn, bk, nw, ns in (tiles[:2] if dry else tiles)]
+    say(f"tune {kind} {shape} on {W} rank(s): {len(cands)} tile configs")
+    _, best = sweep(ctx, "tiles", cands, make_run, check, 2e-2)
+    chunk_cands = [replace(best, chunks_per_rank=c) for c in (CHUNKS[:2] if dry else CHUNKS)]
+    if kind == "ag_gemm" and ctx.backend != "host":
+        chunk_cands += [replace(c, gemm_first=True) for c in chunk_cands]
+    us, best = sweep(ctx, "chunking", chunk_cands, make_run, check, 2e-2)
+    return us, asdict(best)
+
+
+def tune_attention(ctx, shape, dry):
+    """Each kernel's tiles, on this rank's GPU alone (world of one), against torch autograd on the full sequence."""
+    B, S, Hq, Hkv, D, causal = shape
+    causal = bool(causal)
+    dev = ctx.device
+    dt = torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(7)
+    q, k, v = (torch.randn(B, S, h, D, device=dev, dtype=dt, generator=g) for h in (Hq, Hkv, Hkv))
+    dout = torch.randn(B, S, Hq, D, device=dev, dtype=dt, generator=g)
+    scale = 1.0 / D ** 0.5
+    leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    if ctx.backend == "host":
+        kk, vv = (t.float().repeat_interleave(Hq // Hkv, 1) for t in leaves[1:])
+        s = leaves[0].float() @ kk.transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
+        ref_out = torch.softmax(s, -1) @ vv
+    else:
+        ref_out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+    ref_out.backward(dout.transpose(1, 2))
+    ref_out = ref_out.transpose(1, 2)
+    ref_dq, ref_dk, ref_dv = (t.grad.transpose(1, 2) for t in leaves)
+
+    base = default_attention_config(ctx.backend, D, 2)
+    cpr = 2
+    flags = torch.ones(cpr, dtype=torch.int32, device=dev)
+    err = torch.zeros(8, dtype=torch.int32, device=dev)
+    out, lse = torch.empty_like(q), torch.empty(B, Hq, S, device=dev, dtype=torch.float32)
+    host = ctx.backend == "host"
+    got = {}
+
+    def fwd_run(blocks):
+        return lambda: launch_fwd(q, k, v, k, v, out, lse, flags, err, ctx.budget, 0, 1, OP, S // cpr, cpr, scale,
+                                  causal, blocks, ctx.clock, host)
+
+    def pick(tiles, basic):
+        cands = [basic] + [Blocks(*t) for t in tiles if Blocks(*t) != basic]
+        return cands[:2] if dry else cands
+
+    say(f"tune cp_attention {shape}: kernel tiles on one GPU")
+    us_f, best_f = sweep(ctx, "forward", pick(FWD_TILES, base.fwd), fwd_run, lambda: rel(out, ref_out), 2e-2)
+    fwd_run(best_f)()
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    recv = torch.zeros(1, 2, B, S, Hkv, D, device=dev, dtype=torch.float32)
+    counters = torch.zeros(1, dtype=torch.int32, device=dev)
+    ptrs = (torch.tensor([recv.data_ptr()], dtype=torch.int64, device=dev),
+            torch.tensor([counters.data_ptr()], dtype=torch.int64, device=dev))
+    dq = torch.empty_like(q)
+
+    def bwd_run(cfg):
+        return lambda: launch_bwd(q, k, v, k, v, dout, lse, delta, dq, *ptrs, flags, err, ctx.budget, 0, 1, OP,
+                                  S // cpr, cpr, scale, causal, cfg, ctx.clock, host)
+
+    us_q, best_q = sweep(ctx, "dq", [replace(base, dq=b) for b in pick(DQ_TILES, base.dq)], bwd_run,
+                         lambda: rel(dq, ref_dq), 3e-2, label=lambda c: str(c.dq))
+    check_kv = lambda: max(rel(recv[0, 0], ref_dk), rel(recv[0, 1], ref_dv))  # noqa: E731
+    us_kv, best_kv = sweep(ctx, "dkdv", [replace(best_q, dkdv=b) for b in pick(DKDV_TILES, base.dkdv)], bwd_run,
+                           check_kv, 3e-2, label=lambda c: str(c.dkdv))
+    cfg = AttentionConfig(2, best_f, best_q.dq, best_kv.dkdv)
+    say(f"  best: forward {us_f:.1f} µs, backward (dq + dkdv) {us_kv:.1f} µs")
+    return us_f, {"fwd": asdict(cfg.fwd), "dq": asdict(cfg.dq), "dkdv": asdict(cfg.dkdv)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("op", choices=["ag_gemm", "gemm_rs", "cp_attention"])
+    p.add_argument("--shape", required=True, help="M,K,N (GEMMs) or B,S,Hq,Hkv,D,causal (attention)")
+    p.add_argument("--out", default=None, help="tuned table to write (default: the user cache)")
+    p.add_argument("--dry-run", action="store_true", help="host backend, two candidates a stage")
+    args = p.parse_args()
+    if args.dry_run and backend_name() != "host":
+        raise SystemExit("tune: --dry-run runs on the host backend: TRITON_OVERLAP_BACKEND=host bash scripts/launch.sh "
+                         "scripts/tune.py ... --dry-run")
+    init()
+    shape = tuple(int(x) for x in args.shape.split(","))
+    with to.Context(backend=backend_name(), timeout_s=60 if args.dry_run else 30) as ctx:
+        if args.op == "cp_attention":
+            us, cfg = tune_attention(ctx, shape, args.dry_run)
+            world = "any"
+        else:
+            us, cfg = tune_gemm(ctx, args.op, shape, args.dry_run)
+            world = ctx.world_size
+        path = args.out or tuning.user_cache()
+        if ctx.rank == 0:
+            tuning.save(path, args.op, tuning.gpu_key(ctx), world, list(shape), cfg)
+        say(f"tune: best {args.op} {shape} ({us:.1f} µs): {cfg}\ntune: written to {path}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
