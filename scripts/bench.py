@@ -18,7 +18,9 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,21 @@ def try_time(fn, iters):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
+def host_enqueue_us(fn, iters: int = 20) -> float:
+    """Median host time to enqueue one call (the GPU idle before it), max over ranks."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def gpu_name() -> str:
     return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "_")
 
@@ -104,6 +121,9 @@ def bench_ag_gemm(ctx, shapes, iters):
 
         rec["ours_us"] = time_dist(lambda: op(a, w, out=out), iters)
         ctx.check()
+        rec["ours_gemm_first_us"] = time_dist(lambda: op(a, w, out=out, gemm_first=True), iters)
+        ctx.check()
+        rec["host_enqueue_us"] = host_enqueue_us(lambda: op(a, w, out=out))
         ref_full = torch.cat([t for t in _gather(a)]).float() if M * K <= (1 << 26) else None
         if ref_full is not None:  # a correctness spot check on the benchmarked shape
             err = float(((out.float() - ref_full @ w.float()).norm() / (ref_full @ w.float()).norm()).item())
@@ -125,7 +145,7 @@ def bench_ag_gemm(ctx, shapes, iters):
             rec["note"] += f"torch fused: {note}; "
         dist.all_gather_into_tensor(gathered, a)
         rec["bound_us"] = time_local(lambda: torch.matmul(gathered, w, out=out))
-        rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config, gathered, w, out))
+        rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config_for((M, K, N)), gathered, w, out))
         records.append(rec)
         say(_row(rec))
     return records
@@ -147,6 +167,7 @@ def bench_gemm_rs(ctx, shapes, iters):
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
         rec["ours_us"] = time_dist(lambda: op(a, w, out=out), iters)
         ctx.check()
+        rec["host_enqueue_us"] = host_enqueue_us(lambda: op(a, w, out=out))
         if M * N <= (1 << 26):  # a correctness spot check on the benchmarked shape
             ref = (a.float() @ w.float())
             dist.all_reduce(ref)
@@ -165,7 +186,7 @@ def bench_gemm_rs(ctx, shapes, iters):
             rec["note"] += f"torch fused: {note}; "
         ctx.check()
         rec["bound_us"] = time_local(lambda: torch.matmul(a, w, out=full))
-        rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config, a, w, full))
+        rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config_for((M, K, N)), a, w, full))
         records.append(rec)
         say(_row(rec))
     return records
@@ -302,15 +323,16 @@ def _row(r):
     vs_bound = r["ours_us"] / r["bound_us"]
     fused = (r["torch_fused_us"] / r["ours_us"]) if r.get("torch_fused_us") else None
     gsp = (r["nccl_graph_us"] / r["ours_graph_us"]) if r.get("ours_graph_us") and r.get("nccl_graph_us") else None
-    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r['ours_us'])} | {f(r['nccl_us'])} | {f(r.get('torch_fused_us'))} | "
+    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r['ours_us'])} | {f(r.get('ours_gemm_first_us'))} | "
+            f"{f(r.get('host_enqueue_us'))} | {f(r['nccl_us'])} | {f(r.get('torch_fused_us'))} | "
             f"{f(r['bound_us'])} | {f(r['consumer_only_us'])} | {sp:.2f}x | {'n/a' if fused is None else f'{fused:.2f}x'} | "
             f"{vs_bound:.2f} | {r['bound_us'] / r['consumer_only_us']:.2f} | {f(r.get('ours_graph_us'))} | "
             f"{f(r.get('nccl_graph_us'))} | {'n/a' if gsp is None else f'{gsp:.2f}x'} |")
 
 
-HEADER = ("| M | K | N | ours µs | NCCL+cuBLAS µs | torch fused µs | bound µs | consumer alone µs | speed-up vs NCCL | "
-          "speed-up vs fused | ours / bound | consumer vs cuBLAS | ours graph µs | NCCL+cuBLAS graph µs | graph speed-up |\n|"
-          + "---|" * 15)
+HEADER = ("| M | K | N | ours µs | ours, GEMM launched first µs | host enqueue µs | NCCL+cuBLAS µs | torch fused µs | "
+          "bound µs | consumer alone µs | speed-up vs NCCL | speed-up vs fused | ours / bound | consumer vs cuBLAS | "
+          "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up |\n|" + "---|" * 17)
 
 
 def write(op_name, records, W):

@@ -111,7 +111,6 @@ def tune_gemm(ctx, kind, shape, dry):
         dist.all_reduce(part, group=ctx.group)
         ref = part[r * (M // W):(r + 1) * (M // W)]
         op = to.GEMMReduceScatter(ctx, fallback="never")
-    got = {}
 
     def make_run(cfg):
         def run():
@@ -162,7 +161,6 @@ def tune_attention(ctx, shape, dry):
     err = torch.zeros(8, dtype=torch.int32, device=dev)
     out, lse = torch.empty_like(q), torch.empty(B, Hq, S, device=dev, dtype=torch.float32)
     host = ctx.backend == "host"
-    got = {}
 
     def fwd_run(blocks):
         return lambda: launch_fwd(q, k, v, k, v, out, lse, flags, err, ctx.budget, 0, 1, OP, S // cpr, cpr, scale,
@@ -211,7 +209,7 @@ def main():
     with to.Context(backend=backend_name(), timeout_s=60 if args.dry_run else 30) as ctx:
         if args.op == "cp_attention":
             us, cfg = tune_attention(ctx, shape, args.dry_run)
-            world = "any"
+            world, shape = "any", shape[1:]  # attention tables are keyed (S, Hq, Hkv, D, causal)
         else:
             us, cfg = tune_gemm(ctx, args.op, shape, args.dry_run)
             world = ctx.world_size

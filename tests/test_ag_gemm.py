@@ -64,10 +64,10 @@ def test_ag_gemm_odd_rows_4091_per_rank(pool):
     pool.run(_case, 4091, 32, 24, "bfloat16", False, False, 1024, None, 0.0, 1)
 
 
-def _back_to_back(n_calls, m_local, k, n):
+def _back_to_back(n_calls, m_local, k, n, gemm_first=False):
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.AllGatherGEMM(ctx, fallback="never")
+        op = to.AllGatherGEMM(ctx, to.GemmConfig(gemm_first=True) if gemm_first else None, fallback="never")
         w = rand((k, n), torch.bfloat16, dev, "w", r)
         outs = []
         for i in range(n_calls):  # no host synchronisation between calls
@@ -82,9 +82,12 @@ def _back_to_back(n_calls, m_local, k, n):
         return worst
 
 
-def test_ag_gemm_100_back_to_back_calls(pool):
+@pytest.mark.parametrize("gemm_first", [False, True], ids=["producers_first", "gemm_first"])
+def test_ag_gemm_100_back_to_back_calls(pool, gemm_first):
+    if gemm_first and pool.backend == "host":
+        pytest.skip("launch order only matters on GPUs (the host backend runs kernels synchronously)")
     shape = (19, 32, 32) if pool.backend == "host" else (1024, 1024, 1024)
-    pool.run(_back_to_back, 100, *shape)
+    pool.run(_back_to_back, 100, *shape, gemm_first)
 
 
 def _bad_inputs():

@@ -192,7 +192,7 @@ class ContextParallelAttention:
         lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
         streams = ctx.streams(max(1, min(W - 1, 2)))
 
-        push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1)
+        push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1, gate=True)
         cfg = self.config(D, self._shape_key(q, k, causal))
         launch_fwd(q, k, v, kws.local, vws.local, out, lse, flags.local, ctx.err, ctx.budget, r, W, OP,
                    layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.fwd, ctx.clock, ctx.backend == "host")
@@ -219,7 +219,7 @@ class ContextParallelAttention:
         streams = ctx.streams(max(1, min(W - 1, 2)))
         host = ctx.backend == "host"
 
-        push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1)
+        push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1, gate=True)
         dq = torch.empty_like(q)
         expected = launch_bwd(q, k, v, kws.local, vws.local, dout, lse, delta, dq, recv.ptrs, counters.ptrs,
                               flags.local, ctx.err, ctx.budget, r, W, OP, layout.m_per_chunk, layout.chunks_per_rank,

@@ -44,18 +44,25 @@ def follow_caller(ctx, streams) -> None:
         s.wait_stream(first)
 
 
-def push_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0, follow: bool = True):
+def push_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0, follow: bool = True,
+                gate: bool = False):
     """Enqueue, for every peer, each chunk of every (source, symmetric workspace) pair, then that chunk's flag.
 
     Sources hold this rank's ``layout.m_local`` rows along ``dim``; the
     workspaces hold ``W * m_local`` rows along ``dim``. Returns at once.
     ``follow=False``: the caller already ran ``follow_caller`` (e.g. before
     launching the consumer, so the streams do not wait for it).
+    ``gate=True``: the caller's stream also waits for the barrier. A consumer
+    that may fill every SM with programs waiting for chunks needs it: the
+    barrier kernel must find an SM, on every rank, or no chunk is ever sent.
+    (The persistent GEMM leaves an SM free instead and starts sooner.)
     """
     if follow:
         follow_caller(ctx, streams)
     first = streams[0]
     ctx.barrier(first)
+    if gate:
+        ctx.current_stream().wait_stream(first)
     for s in streams[1:]:
         s.wait_stream(first)
     if first.raw and ctx.producer_jitter_s == 0:
