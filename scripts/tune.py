@@ -111,6 +111,7 @@ def tune_gemm(ctx, kind, shape, dry):
         dist.all_reduce(part, group=ctx.group)
         ref = part[r * (M // W):(r + 1) * (M // W)]
         op = to.GEMMReduceScatter(ctx, fallback="never")
+    got = {}
 
     def make_run(cfg):
         def run():
