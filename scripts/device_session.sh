@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
   python3 -m pip show cuda-bindings 2>/dev/null | head -2; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 if want tests; then
-  timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh --tb=short ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -25
+  timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh --tb=short ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if want tune; then  # TUNE="op shape;op shape"; the table goes to $OUT/tuned.json and is used by later parts
   export TRITON_OVERLAP_TUNED="$OUT/tuned.json"
