@@ -66,7 +66,7 @@ def _layers(S, B, d_in, d_out, fallback):
         ctx.check()
         bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k.endswith("out") else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad}"
-        used = {k: op.last_path for k, op in zip(("ag", "rs"), ctx._nn_ops[fallback])}
+        used = {k: to.library._OPS[h].last_path for k, h in zip(("ag", "rs"), ctx._nn_ops[fallback])}
         return errs, used
 
 

@@ -4,70 +4,46 @@ Activations are sequence-first, ``[S, *, features]``, and sharded along S
 between the layers: ``ColumnParallelLinear`` takes ``[S/W, *, in]`` and gives
 ``[S, *, out/W]`` (AllGather-GEMM); ``RowParallelLinear`` takes
 ``[S, *, in/W]`` and gives ``[S/W, *, out]`` (GEMM-ReduceScatter). Each
-backward uses the other op: the pair is closed under differentiation.
+backward uses the other op: the pair is closed under differentiation. The
+layers call the custom ops of ``triton_overlap.library``, so ``torch.compile``
+traces them (forward and backward) without graph breaks.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from .. import library
 from ..ops.ag_gemm import AllGatherGEMM
 from ..ops.gemm_rs import GEMMReduceScatter
 
 
 def _ops(layer):
-    """One AllGatherGEMM and one GEMMReduceScatter per (Context, fallback rule), shared by the layers using them."""
+    """Handles of one AllGatherGEMM and one GEMMReduceScatter per (Context, fallback rule), shared by the layers."""
     ctx, fallback = layer.ctx, layer.fallback
     ops = ctx.__dict__.setdefault("_nn_ops", {})
     if fallback not in ops:
-        ops[fallback] = (AllGatherGEMM(ctx, fallback=fallback, name=f"nn.ag.{fallback}"),
-                         GEMMReduceScatter(ctx, fallback=fallback, name=f"nn.rs.{fallback}"))
+        ops[fallback] = (library.handle(AllGatherGEMM(ctx, fallback=fallback, name=f"nn.ag.{fallback}")),
+                         library.handle(GEMMReduceScatter(ctx, fallback=fallback, name=f"nn.rs.{fallback}")))
     return ops[fallback]
 
 
-class _ColumnFn(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x, weight, bias, layer):
-        ag, rs = _ops(layer)
-        out, gathered = ag(x, weight.t(), bias, return_gathered=True)
-        fctx.save_for_backward(gathered, weight)
-        fctx.layer, fctx.has_bias = layer, bias is not None
-        return out
-
-    @staticmethod
-    def backward(fctx, grad_out):
-        gathered, weight = fctx.saved_tensors
-        ag, rs = _ops(fctx.layer)
-        grad_out = grad_out.contiguous()
-        grad_x = rs(grad_out, weight)  # [S, out/W] @ [out/W, in], summed over ranks, this rank's rows
-        grad_w = grad_out.t() @ gathered
-        grad_b = grad_out.sum(0) if fctx.has_bias else None
-        return grad_x, grad_w, grad_b, None
+def _column(x, weight, bias, layer):
+    ag, rs = layer._handles
+    return library.ag_gemm(x, weight.t(), bias, ag, rs, layer.ctx.world_size)[0]
 
 
-class _RowFn(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, x, weight, bias, layer):
-        ag, rs = _ops(layer)
-        out = rs(x, weight.t(), bias)
-        fctx.save_for_backward(x, weight)
-        fctx.layer, fctx.has_bias = layer, bias is not None
-        return out
-
-    @staticmethod
-    def backward(fctx, grad_out):
-        x, weight = fctx.saved_tensors
-        ag, rs = _ops(fctx.layer)
-        grad_x, grad_full = ag(grad_out.contiguous(), weight, return_gathered=True)  # [S, out] @ [out, in/W]
-        grad_w = grad_full.t() @ x
-        grad_b = grad_full.sum(0) if fctx.has_bias else None  # the bias is replicated: its gradient sees all rows
-        return grad_x, grad_w, grad_b, None
+def _row(x, weight, bias, layer):
+    ag, rs = layer._handles
+    return library.gemm_rs(x, weight.t(), bias, rs, ag, layer.ctx.world_size)
 
 
 class _TPLinear(nn.Module):
     def __init__(self, in_features, out_features, ctx, bias, dtype, device, shard_out, fallback):
         super().__init__()
         self.fallback = fallback
+        self.ctx = ctx
+        self._handles = _ops(self)
         W = ctx.world_size
         dim = out_features if shard_out else in_features
         if dim % W:
@@ -100,7 +76,7 @@ class _TPLinear(nn.Module):
 
     def forward(self, x):
         # [S, *rest, features] flattens sequence-first, so gathering or scattering rows moves whole positions
-        y = self._fn.apply(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self)
+        y = self._fn(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self)
         return y.reshape(-1, *x.shape[1:-1], y.shape[-1])
 
 
@@ -112,7 +88,7 @@ class ColumnParallelLinear(_TPLinear):
     memory cost of not gathering again).
     """
 
-    _fn, _shard_out = _ColumnFn, True
+    _fn, _shard_out = staticmethod(_column), True
 
     def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto"):
         super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=True, fallback=fallback)
@@ -125,7 +101,7 @@ class RowParallelLinear(_TPLinear):
     output also gives the grads of the weight and of the (replicated) bias.
     """
 
-    _fn, _shard_out = _RowFn, False
+    _fn, _shard_out = staticmethod(_row), False
 
     def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto"):
         super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=False, fallback=fallback)
@@ -172,4 +148,57 @@ class TPMLP(nn.Module):
         return self.down(nn.functional.silu(gate) * up)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "TPMLP"]
+class ParallelTransformerBlock(nn.Module):
+    """A pre-norm transformer block on a sequence sharded over the Context's ranks (zigzag, ``triton_overlap.cp``).
+
+    ``[B, S/W, dim]`` -> ``[B, S/W, dim]``. Attention is context-parallel
+    (``ContextParallelAttention``: every rank holds every head and the full
+    q/k/v/out projections, and sees the whole sequence's K/V through the copy
+    engines); the MLP is tensor-parallel (``TPMLP``: sharded weights, the
+    sequence gathered by AllGather-GEMM and scattered back by
+    GEMM-ReduceScatter, which works on any row order, zigzag included).
+
+    The replicated parameters (norms, attention projections) get per-rank
+    partial gradients: call ``sync_replicated_grads()`` after backward (a sum
+    over ranks), or wrap them in your data-parallel reducer. No rotary
+    embedding: positions in the zigzag layout come from ``cp.positions``.
+    """
+
+    def __init__(self, dim, n_heads, n_kv_heads, hidden, *, ctx, causal=True, dtype=None, device=None,
+                 fallback="auto", attention_config=None):
+        super().__init__()
+        if dim % n_heads or n_heads % n_kv_heads:
+            raise ValueError(f"ParallelTransformerBlock: dim {dim} must split into n_heads {n_heads}, a multiple "
+                             f"of n_kv_heads {n_kv_heads}")
+        from ..ops.cp_attention import ContextParallelAttention
+
+        kw = {"dtype": dtype or torch.bfloat16, "device": device or ctx.device}
+        self.ctx, self.causal = ctx, causal
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, dim // n_heads
+        self.norm1 = nn.RMSNorm(dim, eps=1e-6, **kw)
+        self.qkv = nn.Linear(dim, (n_heads + 2 * n_kv_heads) * self.head_dim, bias=False, **kw)
+        self.proj = nn.Linear(dim, dim, bias=False, **kw)
+        self.norm2 = nn.RMSNorm(dim, eps=1e-6, **kw)
+        self.mlp = TPMLP(dim, hidden, ctx=ctx, dtype=kw["dtype"], device=kw["device"], fallback=fallback)
+        self.attn = ContextParallelAttention(ctx, config=attention_config)
+
+    def replicated_parameters(self):
+        return [p for m in (self.norm1, self.qkv, self.proj, self.norm2) for p in m.parameters()]
+
+    @torch.no_grad()
+    def sync_replicated_grads(self):
+        for p in self.replicated_parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=self.ctx.group)
+
+    def forward(self, x):
+        B, S, dim = x.shape
+        hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(self.norm1(x)).split([hq * d, hk * d, hk * d], dim=-1)
+        o, _ = self.attn(q.reshape(B, S, hq, d), k.reshape(B, S, hk, d), v.reshape(B, S, hk, d), causal=self.causal)
+        x = x + self.proj(o.reshape(B, S, dim))
+        h = self.norm2(x).transpose(0, 1)  # sequence-first rows for the TP MLP
+        return x + self.mlp(h).transpose(0, 1)
+
+
+__all__ = ["ColumnParallelLinear", "ParallelTransformerBlock", "RowParallelLinear", "TPMLP"]

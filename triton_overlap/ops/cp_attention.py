@@ -114,6 +114,9 @@ class ContextParallelAttention:
         self._config = config
         self._configs: dict = {}
         self._agreed: set = set()
+        from .. import library
+
+        self._handle = library.handle(self)
 
     def config(self, head_dim: int, shape=None) -> AttentionConfig:
         """The config given at construction, else the tuned one for ``shape`` = (S_global, Hq, Hkv, D, causal)
@@ -165,13 +168,15 @@ class ContextParallelAttention:
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """(out, lse); differentiable in q, k, v when grad is enabled and any of them requires it (out= not allowed then)."""
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        if out is None and lse is None:  # through the custom op: autograd, and torch.compile traces it
+            from .. import library
+
+            return library.cp_attention(q, k, v, self._handle, causal, scale)
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            if out is not None or lse is not None:
-                raise ValueError("cp_attention: out= and lse= are for calls without autograd")
-            return _CPAttention.apply(q, k, v, self, causal, scale)
+            raise ValueError("cp_attention: out= and lse= are for calls without autograd")
         return self.forward(q, k, v, causal, scale, out, lse)
 
-    @torch.no_grad()  # workspaces are reset in place; autograd goes through _CPAttention
+    @torch.no_grad()  # workspaces are reset in place; autograd goes through library.cp_attention
     def forward(self, q, k, v, causal, scale, out=None, lse=None):
         ctx = self.ctx
         ctx._check_open()
@@ -235,23 +240,6 @@ class ContextParallelAttention:
         flags.local.zero_()  # every flag was waited for by the kernels above
         counters.local.zero_()  # every count was seen; peers add again only after the next call's barrier
         return dq, dk, dv
-
-
-class _CPAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(fctx, q, k, v, op, causal, scale):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out, lse = op.forward(q, k, v, causal, scale)
-        fctx.save_for_backward(q, k, v, out, lse)
-        fctx.op, fctx.causal, fctx.scale = op, causal, scale
-        fctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(fctx, dout, _dlse):
-        q, k, v, out, lse = fctx.saved_tensors
-        dq, dk, dv = fctx.op.backward(q, k, v, out, lse, dout.contiguous(), fctx.causal, fctx.scale)
-        return dq, dk, dv, None, None, None
 
 
 def cp_attention(q, k, v, *, ctx, causal: bool = True, softmax_scale: float | None = None, out=None, lse=None):

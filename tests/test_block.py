@@ -1,0 +1,111 @@
+"""ParallelTransformerBlock (CP attention + TP MLP) against the same block on the full sequence in float32;
+torch.compile traces it (forward and backward) in one graph."""
+import pytest
+import torch
+from torch import nn
+
+import triton_overlap as to
+from triton_overlap.nn import TPMLP, ParallelTransformerBlock
+from refs import rel_err
+from test_cp_attention import reference as attention_reference
+
+TOL_OUT, TOL_GRAD = 2e-2, 3e-2  # a bf16 block against float32 on the same (bf16-rounded) weights and inputs
+
+
+def _rms(x, w):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _build(ctx, dim, heads, kv_heads, hidden):
+    torch.manual_seed(0)  # the replicated parameters are the same on every rank
+    block = ParallelTransformerBlock(dim, heads, kv_heads, hidden, ctx=ctx, fallback="never")
+    with torch.no_grad():
+        for p in block.replicated_parameters():
+            p.copy_(p + 0.05 * torch.randn_like(p))  # norms away from 1
+    lins = []
+    for i, o, seed in ((dim, hidden, 3), (dim, hidden, 4), (hidden, dim, 5)):
+        torch.manual_seed(seed)
+        lin = nn.Linear(i, o, bias=False)
+        with torch.no_grad():
+            lin.weight.copy_(lin.weight.bfloat16().float())
+        lins.append(lin)
+    block.mlp = TPMLP.from_full(*lins, ctx, dtype=torch.bfloat16, fallback="never")
+    return block, lins
+
+
+def _reference(block, lins, x):
+    """The block on the full sequence, float32, plain torch."""
+    B, S, dim = x.shape
+    hq, hk, d = block.n_heads, block.n_kv_heads, block.head_dim
+    f = lambda t: t.detach().float().cpu().requires_grad_()  # noqa: E731
+    w = {"n1": f(block.norm1.weight), "qkv": f(block.qkv.weight), "proj": f(block.proj.weight),
+         "n2": f(block.norm2.weight)}
+    gate, up, down = lins
+    q, k, v = (_rms(x, w["n1"]) @ w["qkv"].t()).split([hq * d, hk * d, hk * d], dim=-1)
+    o, _ = attention_reference(q.reshape(B, S, hq, d), k.reshape(B, S, hk, d), v.reshape(B, S, hk, d),
+                               block.causal, d ** -0.5)
+    x = x + o.reshape(B, S, dim) @ w["proj"].t()
+    h = _rms(x, w["n2"])
+    return x + down(nn.functional.silu(gate(h)) * up(h)), w
+
+
+def _block_case(B, S, dim, heads, kv_heads, hidden):
+    with to.Context(timeout_s=120) as ctx:
+        dev = ctx.device
+        block, lins = _build(ctx, dim, heads, kv_heads, hidden)
+        g = torch.Generator().manual_seed(9)
+        x_full = torch.randn(B, S, dim, generator=g).bfloat16().float().requires_grad_()
+        gy = torch.randn(B, S, dim, generator=g)
+        y_ref, w = _reference(block, lins, x_full)
+        (y_ref * gy).sum().backward()
+
+        x = to.cp.shard(x_full.detach(), ctx).to(dev, torch.bfloat16).requires_grad_()
+        y = block(x)
+        (y.float() * to.cp.shard(gy, ctx).to(dev)).sum().backward()
+        block.sync_replicated_grads()
+        ctx.check()
+        errs = {"out": rel_err(to.cp.unshard(y.detach(), ctx), y_ref.detach()),
+                "grad_x": rel_err(to.cp.unshard(x.grad, ctx), x_full.grad),
+                "grad_norm1": rel_err(block.norm1.weight.grad, w["n1"].grad),
+                "grad_qkv": rel_err(block.qkv.weight.grad, w["qkv"].grad),
+                "grad_proj": rel_err(block.proj.weight.grad, w["proj"].grad),
+                "grad_norm2": rel_err(block.norm2.weight.grad, w["n2"].grad)}
+        bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k == "out" else TOL_GRAD)}
+        assert not bad, f"rank {ctx.rank}: {bad} (all: {errs})"
+        return errs
+
+
+def test_block_matches_full_sequence(pool):
+    if pool.backend == "host" and pool.world == 4:
+        pytest.skip("W = 2, 3 on the host backend")
+    shape = (1, 96, 128, 2, 1, 96) if pool.backend == "host" else (2, 2048, 1024, 8, 2, 2816)
+    pool.run(_block_case, *shape)
+
+
+def _compiled_case(B, S, dim, heads, kv_heads, hidden, backend):
+    with to.Context(timeout_s=120) as ctx:
+        dev = ctx.device
+        block, _ = _build(ctx, dim, heads, kv_heads, hidden)
+        g = torch.Generator().manual_seed(9)
+        x_full = torch.randn(B, S, dim, generator=g).bfloat16()
+        gy = to.cp.shard(torch.randn(B, S, dim, generator=g), ctx).to(dev)
+        results = []
+        for fn in (block, torch.compile(block, backend=backend, fullgraph=True)):  # fullgraph: a break is an error
+            x = to.cp.shard(x_full, ctx).to(dev).requires_grad_()
+            block.zero_grad(set_to_none=True)
+            y = fn(x)
+            (y.float() * gy).sum().backward()
+            results.append((y.detach().float(), x.grad.float(), block.qkv.weight.grad.float(),
+                            block.mlp.down.weight.grad.float()))
+        ctx.check()
+        errs = [rel_err(a, b) for a, b in zip(results[1], results[0])]
+        assert max(errs) < 1e-2, f"compiled vs eager: {errs}"
+        return errs
+
+
+def test_block_compiles_in_one_graph(pool):
+    if pool.backend == "host" and pool.world != 2:
+        pytest.skip("compiled once on the host backend, at W = 2")
+    backend = "aot_eager" if pool.backend == "host" else "inductor"
+    shape = (1, 96, 128, 2, 1, 96) if pool.backend == "host" else (2, 2048, 1024, 8, 2, 2816)
+    pool.run(_compiled_case, *shape, backend)

@@ -1,0 +1,143 @@
+"""The overlapped ops as torch custom ops, with autograd, so ``torch.compile`` traces models that use them.
+
+``torch.ops.triton_overlap.ag_gemm``, ``.gemm_rs``, ``.cp_attention`` and
+``.cp_attention_bwd`` take an integer ``handle`` naming an op object (an
+AllGatherGEMM, GEMMReduceScatter or ContextParallelAttention bound to a
+Context) registered with :func:`handle`; the graph keeps the integer, the
+object stays in this module. Each has a fake (meta) implementation that gives
+output shapes without running anything, and the GEMM pair and attention have
+backward formulas written with the same custom ops, so forward and backward
+graphs trace without breaks. ``triton_overlap.nn`` goes through these.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+_OPS: dict[int, object] = {}
+_IDS: dict[int, int] = {}
+_next = itertools.count(1)
+
+
+def handle(op) -> int:
+    """The integer a custom op uses to find ``op`` (registered on first use)."""
+    key = id(op)
+    h = _IDS.get(key)
+    if h is None:
+        h = _IDS[key] = next(_next)
+        _OPS[h] = op
+    return h
+
+
+def _op(h: int):
+    return _OPS[h]
+
+
+# ------------------------------------------------------------------ AllGather-GEMM
+@torch.library.custom_op("triton_overlap::ag_gemm", mutates_args=())
+def ag_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ag: int, rs: int,
+            world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather(a) @ w + bias, gather(a)); ``rs`` names the GEMMReduceScatter its backward uses."""
+    return _op(ag)(a.contiguous(), w, bias, return_gathered=True)
+
+
+@ag_gemm.register_fake
+def _(a, w, bias, ag, rs, world):
+    return a.new_empty(a.shape[0] * world, w.shape[1]), a.new_empty(a.shape[0] * world, a.shape[1])
+
+
+def _ag_setup(ctx, inputs, output):
+    a, w, bias, ag, rs, world = inputs
+    ctx.save_for_backward(output[1], w)
+    ctx.handles, ctx.world, ctx.has_bias = (ag, rs), world, bias is not None
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ag_backward(ctx, grad_out, _grad_gathered):
+    gathered, w = ctx.saved_tensors
+    ag, rs = ctx.handles
+    grad_out = grad_out.contiguous()
+    grad_a = gemm_rs(grad_out, w.t(), None, rs, ag, ctx.world)  # rows of this rank of sum_r grad_out @ w^T
+    grad_w = gathered.t() @ grad_out
+    grad_b = grad_out.sum(0) if ctx.has_bias else None
+    return grad_a, grad_w, grad_b, None, None, None
+
+
+ag_gemm.register_autograd(_ag_backward, setup_context=_ag_setup)
+
+
+# ------------------------------------------------------------------ GEMM-ReduceScatter
+@torch.library.custom_op("triton_overlap::gemm_rs", mutates_args=())
+def gemm_rs(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, rs: int, ag: int,
+            world: int) -> torch.Tensor:
+    """This rank's rows of sum over ranks of a @ w, + bias; ``ag`` names the AllGatherGEMM its backward uses."""
+    return _op(rs)(a.contiguous(), w, bias)
+
+
+@gemm_rs.register_fake
+def _(a, w, bias, rs, ag, world):
+    return a.new_empty(a.shape[0] // world, w.shape[1])
+
+
+def _rs_setup(ctx, inputs, output):
+    a, w, bias, rs, ag, world = inputs
+    ctx.save_for_backward(a, w)
+    ctx.handles, ctx.world, ctx.has_bias = (rs, ag), world, bias is not None
+
+
+def _rs_backward(ctx, grad_out):
+    a, w = ctx.saved_tensors
+    rs, ag = ctx.handles
+    grad_a, grad_full = ag_gemm(grad_out.contiguous(), w.t(), None, ag, rs, ctx.world)
+    grad_w = a.t() @ grad_full
+    grad_b = grad_full.sum(0) if ctx.has_bias else None  # the bias is added once: its gradient sees every row
+    return grad_a, grad_w, grad_b, None, None, None
+
+
+gemm_rs.register_autograd(_rs_backward, setup_context=_rs_setup)
+
+
+# ------------------------------------------------------------------ context-parallel attention
+@torch.library.custom_op("triton_overlap::cp_attention", mutates_args=())
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: int, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.no_grad():
+        return _op(op).forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+
+
+@cp_attention.register_fake
+def _(q, k, v, op, causal, scale):
+    B, S, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty(B, Hq, S, dtype=torch.float32)
+
+
+@torch.library.custom_op("triton_overlap::cp_attention_bwd", mutates_args=())
+def cp_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     dout: torch.Tensor, op: int, causal: bool,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _op(op).backward(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, dout.contiguous(), causal,
+                            scale)
+
+
+@cp_attention_bwd.register_fake
+def _(q, k, v, out, lse, dout, op, causal, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _cp_setup(ctx, inputs, output):
+    q, k, v, op, causal, scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1])
+    ctx.op, ctx.causal, ctx.scale = op, causal, scale
+    ctx.mark_non_differentiable(output[1])
+
+
+def _cp_backward(ctx, dout, _dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = cp_attention_bwd(q, k, v, out, lse, dout, ctx.op, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None
+
+
+cp_attention.register_autograd(_cp_backward, setup_context=_cp_setup)
+
+__all__ = ["ag_gemm", "cp_attention", "cp_attention_bwd", "gemm_rs", "handle"]

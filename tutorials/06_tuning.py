@@ -1,0 +1,80 @@
+"""Tutorial 06: tuning chunk sizes and tiles for your GPUs, and how the ops pick the result up.
+
+    bash scripts/launch.sh tutorials/06_tuning.py
+
+The overlapped ops have knobs: GEMM tiles (block sizes, warps, pipeline
+stages), how many chunks each rank's rows are cut into (finer chunks start
+the consumer sooner but cost a flag and a copy each), how many producer
+streams, and for AllGather-GEMM whether the GEMM is launched before the
+copies. ``scripts/tune.py`` sweeps them for one op and shape on the GPUs at
+hand and writes the winner into a tuned table, keyed by GPU name, world size
+and shape:
+
+    bash scripts/launch.sh scripts/tune.py ag_gemm --shape 8192,4096,4096
+    bash scripts/launch.sh scripts/tune.py cp_attention --shape 1,32768,32,8,128,1
+
+The ops read that table on their own (``triton_overlap.tuning``): the user
+cache (``$TRITON_OVERLAP_TUNED``, default ``~/.cache/triton_overlap/tuned.json``)
+first, then the table shipped in the package, then built-in defaults. Tune
+when your shapes differ from the shipped ones by more than a factor of two in
+M, or on a GPU with no entry. This tutorial runs a short sweep (two candidates
+a stage) into a scratch table and checks that the op then uses what it chose.
+"""
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import triton_overlap as to  # noqa: E402
+from triton_overlap import tuning  # noqa: E402
+from triton_overlap.launch import backend_name, init, say, verdict  # noqa: E402
+from triton_overlap.ops.common import GemmConfig  # noqa: E402
+from tune import tune_gemm  # noqa: E402 - scripts/tune.py
+
+
+def main():
+    init()
+    with to.Context(backend=backend_name(), timeout_s=120) as ctx:
+        W, r = ctx.world_size, ctx.rank
+        gpu = ctx.backend != "host"
+        shape = (8192, 4096, 4096) if gpu else (48 * W, 48, 40)  # M, K_local, N for GEMM-ReduceScatter
+        say(f"{ctx}: a short GEMM-ReduceScatter sweep at M, K, N = {shape}")
+
+        # %% A scratch table, so this tutorial leaves your user cache alone.
+        table = [os.path.join(tempfile.gettempdir(), f"triton_overlap_tutorial06_{os.getpid()}.json")]
+        dist.broadcast_object_list(table, src=0)
+        os.environ["TRITON_OVERLAP_TUNED"] = table[0]
+
+        # %% The sweep (what scripts/tune.py runs), shortened to two candidates a stage.
+        us, best = tune_gemm(ctx, "gemm_rs", shape, dry=True)
+        if r == 0:
+            tuning.save(table[0], "gemm_rs", tuning.gpu_key(ctx), W, list(shape), best)
+        dist.barrier()
+        say(f"best: {us:.1f} µs with {best}")
+
+        # %% A new op finds the entry by itself and runs with it.
+        op = to.GEMMReduceScatter(ctx, fallback="never")
+        used = op.config_for(shape)
+        M, K, N = shape
+        g = torch.Generator().manual_seed(r)
+        a = torch.randn(M, K, generator=g).to(ctx.device, torch.bfloat16)
+        w = (torch.randn(K, N, generator=g) / K ** 0.5).to(ctx.device, torch.bfloat16)
+        out = op(a, w)
+        ctx.check()
+        ref = a.float() @ w.float()
+        dist.all_reduce(ref)
+        ref = ref[r * (M // W):(r + 1) * (M // W)]
+        err = float((out.float() - ref).norm() / ref.norm())
+        say(f"the op used {used}; relative error {err:.2e} (tolerance 1e-2)")
+        if r == 0:
+            os.remove(table[0])
+        if not verdict(used == GemmConfig(**best) and err < 1e-2, "the op used the tuned config, result correct"):
+            raise SystemExit(1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
