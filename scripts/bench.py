@@ -29,7 +29,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
-from triton_overlap.timing import time_dist  # noqa: E402
+from triton_overlap.timing import capture, time_dist  # noqa: E402
 from triton_overlap.ops.common import launch_gemm  # noqa: E402
 
 AG_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 14336), (8192, 8192, 3584),
@@ -45,22 +45,10 @@ def time_local(fn) -> float:
     return float(t.item())
 
 
-def graphed(fn):
-    """Capture ``fn`` in a CUDA graph (after a warm-up) and return its replay."""
-    fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g.replay
-
-
 def time_graphs(rec, ours, nccl, iters):
     """ours_graph_us and nccl_graph_us: both captured in CUDA graphs, so the launch cost of Python drops out."""
     for key, fn in (("ours_graph_us", ours), ("nccl_graph_us", nccl)):
-        rec[key], note = try_time(graphed(fn), iters)
+        rec[key], note = try_time(capture(fn).replay, iters)
         if note:
             rec["note"] += f"{key}: {note}; "
 

@@ -63,7 +63,7 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def try_candidate(ctx, name, run, check, tol):
+def try_candidate(ctx, run, check, tol):
     """(µs, None) or (None, why). ``run`` launches the candidate once; ``check`` returns its error."""
     try:
         run()
@@ -83,7 +83,7 @@ def sweep(ctx, stage, candidates, make_run, check, tol, label=str):
     best = None
     for i, cand in enumerate(candidates):
         run = make_run(cand)
-        us, why = try_candidate(ctx, str(cand), run, check, tol)
+        us, why = try_candidate(ctx, run, check, tol)
         say(f"  {stage} [{i + 1}/{len(candidates)}] {label(cand)}: " + (f"{us:.1f} µs" if us is not None else f"skipped ({why})"))
         if us is not None and (best is None or us < best[0]):
             best = (us, cand)

@@ -7,6 +7,19 @@ import torch
 import torch.distributed as dist
 
 
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph, after one eager call (compiles and loads every kernel it launches) and
+    a barrier across ranks (no rank captures while a peer still runs the eager call)."""
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
 def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None) -> float:
     """Median µs per call of ``fn`` over ``iters`` iterations, max over ranks (GPUs only).
 

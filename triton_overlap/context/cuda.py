@@ -107,15 +107,16 @@ class CudaStream(Stream):
         self.handle = stream.cuda_stream
         rt, drv = _rt(), _drv()
         self._memcpy, self._memcpy2d = rt.cudaMemcpyAsync, rt.cudaMemcpy2DAsync
+        self._names = ("cudaMemcpyAsync", "cudaMemcpy2DAsync")
         self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         self._write32 = drv.cuStreamWriteValue32
         self._write_flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
 
     def _copy2d(self, dptr, dp, sptr, sp, w, h):
         if h == 1:
-            check(self._memcpy(dptr, sptr, w, self._d2d, self.handle), "cudaMemcpyAsync")
+            check(self._memcpy(dptr, sptr, w, self._d2d, self.handle), self._names[0])
         else:
-            check(self._memcpy2d(dptr, dp, sptr, sp, w, h, self._d2d, self.handle), "cudaMemcpy2DAsync")
+            check(self._memcpy2d(dptr, dp, sptr, sp, w, h, self._d2d, self.handle), self._names[1])
 
     def copy(self, dst, src):
         for dptr, dp, sptr, sp, w, h in memcpy_plan(dst, src):

@@ -36,15 +36,10 @@ class HipStream(CudaStream):
         self.handle = stream.cuda_stream
         hip = _hip()
         self._memcpy, self._memcpy2d = hip.hipMemcpyAsync, hip.hipMemcpy2DAsync
+        self._names = ("hipMemcpyAsync", "hipMemcpy2DAsync")
         self._d2d = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
         self._write32 = hip.hipStreamWriteValue32
         self._write_flags = 0
-
-    def _copy2d(self, dptr, dp, sptr, sp, w, h):
-        if h == 1:
-            check(self._memcpy(dptr, sptr, w, self._d2d, self.handle), "hipMemcpyAsync")
-        else:
-            check(self._memcpy2d(dptr, dp, sptr, sp, w, h, self._d2d, self.handle), "hipMemcpy2DAsync")
 
 
 class HipBackend(CudaBackend):

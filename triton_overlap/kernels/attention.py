@@ -46,6 +46,18 @@ def wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n1, M_PER_CHUNK, CHUN
 
 
 @triton.jit
+def pos_span(pos, ok):
+    """First and last position among the rows of a block that are in range."""
+    return tl.min(tl.where(ok, pos, 1 << 30), axis=0), tl.max(tl.where(ok, pos, -1), axis=0)
+
+
+@triton.jit
+def unmasked_end(c0, c1, full_end, BLOCK_N: tl.constexpr):
+    """End of the whole blocks from c0 that every query row sees (at most c1)."""
+    return c0 + tl.maximum(tl.minimum(c1, full_end) - c0, 0) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
 def key_span(src, world, C, hh, q_first, q_last, CAUSAL: tl.constexpr):
     """For key half ``hh`` of ``src``: how many of its keys (from the half's start) some row of the
     query block sees, and how many every row sees."""
@@ -121,8 +133,7 @@ def cp_attention_fwd(
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = zigzag_pos(offs_m, rank, world, C)
-    q_first = tl.min(tl.where(m_ok, q_pos, 1 << 30), axis=0)
-    q_last = tl.max(tl.where(m_ok, q_pos, -1), axis=0)
+    q_first, q_last = pos_span(q_pos, m_ok)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
 
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
@@ -141,8 +152,7 @@ def cp_attention_fwd(
             for c0 in range(h0, h0 + need, piece):
                 c1 = tl.minimum(c0 + piece, h0 + need)
                 wait_kv(flags_ptr, err_ptr, budget, rank, op, src, c0, c1, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
-                f1 = tl.minimum(c1, h0 + full)
-                f1 = c0 + tl.maximum(f1 - c0, 0) // BLOCK_N * BLOCK_N
+                f1 = unmasked_end(c0, c1, h0 + full, BLOCK_N)
                 acc, m_i, l_i = _fold(acc, m_i, l_i, q, q_pos, kb, vb, s_s, c0, f1, src, world, C, qk_scale,
                                       False, CAUSAL, BLOCK_N, HEAD_D, DOT_F32)
                 acc, m_i, l_i = _fold(acc, m_i, l_i, q, q_pos, kb, vb, s_s, f1, c1, src, world, C, qk_scale,

@@ -20,7 +20,7 @@ only when it reads it; ``cp_attention_dkdv`` waits for its own block's chunk
 import triton
 import triton.language as tl
 
-from .attention import key_span, kv_base, wait_kv, zigzag_pos
+from .attention import key_span, kv_base, pos_span, unmasked_end, wait_kv, zigzag_pos
 from .signal import add_release, wait_flag
 
 
@@ -78,8 +78,7 @@ def cp_attention_dq(
     lse2 = tl.load(lse_ptr + bh * S_LOCAL + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + bh * S_LOCAL + offs_m, mask=m_ok, other=0.0)
     q_pos = zigzag_pos(offs_m, rank, world, C)
-    q_first = tl.min(tl.where(m_ok, q_pos, 1 << 30), axis=0)
-    q_last = tl.max(tl.where(m_ok, q_pos, -1), axis=0)
+    q_first, q_last = pos_span(q_pos, m_ok)
     qk_scale = sm_scale * 1.4426950408889634
     dq = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
     for step in range(0, world):
@@ -93,8 +92,7 @@ def cp_attention_dq(
             for c0 in range(h0, h0 + need, piece):
                 c1 = tl.minimum(c0 + piece, h0 + need)
                 wait_kv(flags_ptr, err_ptr, budget, rank, op, src, c0, c1, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
-                f1 = tl.minimum(c1, h0 + full)
-                f1 = c0 + tl.maximum(f1 - c0, 0) // BLOCK_N * BLOCK_N
+                f1 = unmasked_end(c0, c1, h0 + full, BLOCK_N)
                 dq = _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, c0, f1, src, world, C, qk_scale,
                               False, CAUSAL, BLOCK_N, HEAD_D, DOT_F32)
                 dq = _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, f1, c1, src, world, C, qk_scale,
@@ -165,8 +163,7 @@ def cp_attention_dkdv(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     k_pos = zigzag_pos(offs_n, src, world, C)
-    k_first = tl.min(tl.where(n_ok, k_pos, 1 << 30), axis=0)
-    k_last = tl.max(tl.where(n_ok, k_pos, -1), axis=0)
+    k_first, k_last = pos_span(k_pos, n_ok)
     qk_scale = sm_scale * 1.4426950408889634
     dk = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_D), tl.float32)

@@ -37,11 +37,9 @@ def push_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags, d
 
 
 def follow_caller(ctx, streams) -> None:
-    """Step 1 of the protocol: the producer streams wait for the caller's stream as it is now."""
-    first = streams[0]
-    first.wait_stream(ctx.current_stream())
-    for s in streams[1:]:
-        s.wait_stream(first)
+    """Step 1 of the protocol: the producer streams wait for the caller's stream as it is now (the first
+    stream directly; the others through it, when they wait for the barrier that push_chunks puts there)."""
+    streams[0].wait_stream(ctx.current_stream())
 
 
 def push_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0, follow: bool = True,
