@@ -191,7 +191,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     forward + backward of ours and of SDPA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from triton_overlap.ops.cp_attention import OP, launch_fwd
+    from triton_overlap.ops.cp_attention import OP, backward_on_gathered, forward_on_gathered, launch_fwd
 
     W, r = ctx.world_size, ctx.rank
     records = []
@@ -224,6 +224,15 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
 
         if B == 1:
             rec["nccl_ag_us"] = timed(nccl_then_kernel)
+            # both in CUDA graphs: the host's enqueue cost drops out
+            for key, fn in (("ours_graph_us", lambda: op(q, k, v, causal=causal, out=out, lse=lse)),
+                            ("nccl_ag_graph_us", nccl_then_kernel)):
+                try:
+                    rec[key] = timed(capture(fn).replay)
+                except Exception as e:  # noqa: BLE001 - recorded in the note
+                    rec[key] = None
+                    rec["note"] += f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+                ctx.check()
         else:
             rec["nccl_ag_us"], rec["note"] = None, "nccl_ag: B > 1 needs a re-layout; not timed"
         qt, kt, vt = (t.transpose(1, 2) for t in (qf, kf, vf))
@@ -246,6 +255,38 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
 
         rec["fwd_bwd_ours_us"] = timed(fwd_bwd)
         ctx.check()
+        # the same with the gathered K/V kept from forward instead of gathered again, and what each holds
+        op_keep = to.ContextParallelAttention(ctx, chunks_per_rank=4, keep_kv=True, config=cfg)
+
+        def fwd_bwd_keep():
+            o, _ = op_keep(*leaves, causal=causal)
+            o.backward(dout)
+
+        rec["fwd_bwd_keep_kv_us"] = timed(fwd_bwd_keep)
+        ctx.check()
+        for key, o in (("saved_mib", op), ("saved_keep_kv_mib", op_keep)):
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            held = o(*leaves, causal=causal)  # autograd holds what backward needs until `held` goes
+            rec[key] = (torch.cuda.memory_allocated() - before) / 2 ** 20
+            del held
+        if B == 1:
+            parts_out = torch.empty(2, B, S_loc, Hkv, D, device="cuda", dtype=torch.float32)
+            scale = 1.0 / D ** 0.5
+
+            def nccl_fwd_bwd():  # gather once (kept), forward, backward, reduce_scatter of the dK/dV partials
+                dist.all_gather_into_tensor(kg, k)
+                dist.all_gather_into_tensor(vg, v)
+                kw, vw = kg.view(B, W * S_loc, Hkv, D), vg.view(B, W * S_loc, Hkv, D)
+                o, lse_ = forward_on_gathered(ctx, q, k, v, kw, vw, r, W, causal, scale, cfg)
+                dq, parts = backward_on_gathered(ctx, q, k, v, kw, vw, o, lse_, dout, r, W, causal, scale, cfg)
+                dist.reduce_scatter_tensor(parts_out, parts)
+                return dq, parts_out[0].to(k.dtype), parts_out[1].to(v.dtype)
+
+            rec["fwd_bwd_nccl_ag_us"] = timed(nccl_fwd_bwd)
+        else:
+            rec["fwd_bwd_nccl_ag_us"] = None
+            rec["note"] += "fwd_bwd_nccl_ag: B > 1 needs a re-layout; not timed; "
         full_leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (qf, kf, vf)]
         dout_full = torch.randn_like(full_leaves[0])
 
@@ -256,8 +297,6 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             rec["fwd_bwd_single_gpu_us"] = time_local(sdpa_fwd_bwd)
         rec["fwd_bwd_efficiency"] = rec["fwd_bwd_single_gpu_us"] / (W * rec["fwd_bwd_ours_us"])
-        rec["fwd_bwd_nccl_ag_us"] = None
-        rec["note"] += "fwd_bwd_nccl_ag: not built; "
         flops = 4 * B * Hq * S * S * D / (2 if causal else 1)
         rec["tflops_per_gpu"] = flops / W / rec["ours_us"] / 1e6
         rec["kernel_full_tflops"] = flops / rec["kernel_full_us"] / 1e6
@@ -270,19 +309,25 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
 
 
 CP_HEADER = ("| B | S | Hq | Hkv | D | causal | ours µs | NCCL all_gather + kernel µs | speed-up vs NCCL | "
+             "ours, graph µs | NCCL + kernel, graph µs | speed-up, graphs | "
              "SDPA flash, 1 GPU, full S µs | our kernel, 1 GPU, full S µs | kernel alone, local µs | "
-             "TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd SDPA 1 GPU µs | fwd+bwd efficiency |\n|"
-             + "---|" * 17)
+             "TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd, K/V kept µs | fwd+bwd NCCL µs | "
+             "fwd+bwd speed-up vs NCCL | fwd+bwd SDPA 1 GPU µs | fwd+bwd efficiency | held for bwd MiB | "
+             "held, K/V kept MiB |\n|" + "---|" * 25)
 
 
 def _cp_row(r):
-    nccl = r["nccl_ag_us"]
-    sp = None if nccl is None else nccl / r["ours_us"]
+    f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
+    ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
     return (f"| {r['B']} | {r['S']} | {r['Hq']} | {r['Hkv']} | {r['D']} | {r['causal']} | {r['ours_us']:.1f} | "
-            f"{'n/a' if nccl is None else f'{nccl:.1f}'} | {'n/a' if sp is None else f'{sp:.2f}x'} | "
+            f"{f(r['nccl_ag_us'])} | {ratio(r['nccl_ag_us'], r['ours_us'])} | {f(r.get('ours_graph_us'))} | "
+            f"{f(r.get('nccl_ag_graph_us'))} | {ratio(r.get('nccl_ag_graph_us'), r.get('ours_graph_us'))} | "
             f"{r['single_gpu_us']:.1f} | {r['kernel_full_us']:.1f} | {r['kernel_only_us']:.1f} | "
             f"{r['tflops_per_gpu']:.0f} | {r['efficiency']:.2f} | {r['fwd_bwd_ours_us']:.1f} | "
-            f"{r['fwd_bwd_single_gpu_us']:.1f} | {r['fwd_bwd_efficiency']:.2f} |")
+            f"{f(r.get('fwd_bwd_keep_kv_us'))} | {f(r.get('fwd_bwd_nccl_ag_us'))} | "
+            f"{ratio(r.get('fwd_bwd_nccl_ag_us'), r['fwd_bwd_ours_us'])} | "
+            f"{r['fwd_bwd_single_gpu_us']:.1f} | {r['fwd_bwd_efficiency']:.2f} | {f(r.get('saved_mib'), 0)} | "
+            f"{f(r.get('saved_keep_kv_mib'), 0)} |")
 
 
 def write_cp(records, W):

@@ -114,11 +114,11 @@ def test_cp_attention_bad_input_raises_before_launch(pool):
 GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}  # grads are rounded to the input dtype once
 
 
-def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank):
+def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, keep_kv=False):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120) as ctx:
         dev = ctx.device
-        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
+        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank, keep_kv=keep_kv)
         q, k, v = (rand((B, S, h, D), dtype, dev, name, "g") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
         dout = rand((B, S, Hq, D), dtype, dev, "do")
         ref = [t.float().requires_grad_() for t in (q, k, v)]
@@ -127,6 +127,9 @@ def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank):
         mine = [to.cp.shard(t, ctx).requires_grad_() for t in (q, k, v)]
         out, lse = op(*mine, causal=causal)
         assert not lse.requires_grad
+        if keep_kv:  # a second call in between overwrites the workspaces: backward must use the kept copies
+            for ws in ("k", "v"):
+                ctx.symmetric(f"{op.name}.{ws}", (B, ctx.world_size * mine[1].shape[1], Hkv, D), dtype).local.normal_()
         (out.float() * to.cp.shard(dout, ctx).float()).sum().backward()
         ctx.check()
         errs = {name: rel_err(to.cp.unshard(m.grad, ctx), r.grad) for name, m, r in zip("qkv", mine, ref)}
@@ -135,12 +138,88 @@ def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank):
         return errs
 
 
-GRAD_CASES = {
-    "host": [(1, 48, 4, 1, 64, True, "bfloat16", 2), (2, 48, 4, 2, 64, False, "float16", 4)],
-    "cuda": [(1, 4096, 16, 4, 128, True, "bfloat16", 2), (1, 2048, 8, 8, 64, False, "float16", 4)],
+GRAD_CASES = {  # the last field: keep the gathered K/V from forward (else gather again in backward)
+    "host": [(1, 48, 4, 1, 64, True, "bfloat16", 2, False), (2, 48, 4, 2, 64, False, "float16", 4, False),
+             (1, 48, 4, 2, 64, True, "bfloat16", 2, True)],
+    "cuda": [(1, 4096, 16, 4, 128, True, "bfloat16", 2, False), (1, 2048, 8, 8, 64, False, "float16", 4, False),
+             (1, 4096, 16, 4, 128, True, "bfloat16", 4, True)],
 }
 
 
-@pytest.mark.parametrize("case", range(2))
+@pytest.mark.parametrize("case", range(3))
 def test_cp_attention_gradients_match_full_sequence(pool, case):
     pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])
+
+
+def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2):
+    """Every rank's share of cp_attention forward and backward for a world of ``world``, run one after another
+    on this process's device with forward_on_gathered / backward_on_gathered (the helpers the NCCL baselines
+    and scripts/grad_error_table.py use). Full-sequence inputs in, full-sequence (out, dq, dk, dv) out."""
+    from triton_overlap.ops.cp_attention import backward_on_gathered, default_attention_config, forward_on_gathered
+
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D)
+    cfg = default_attention_config(ctx.backend, D, chunks_per_rank)
+    sh = lambda t, r: to.cp.shard_for(t, r, world, dim=1)  # noqa: E731
+    kg, vg = (torch.cat([sh(t, r) for r in range(world)], dim=1) for t in (k, v))
+    outs, dqs, parts = [], [], []
+    for r in range(world):
+        qr, kr, vr, dr = (sh(t, r) for t in (q, k, v, dout))
+        o, lse = forward_on_gathered(ctx, qr, kr, vr, kg, vg, r, world, causal, scale, cfg)
+        dq, p = backward_on_gathered(ctx, qr, kr, vr, kg, vg, o, lse, dr, r, world, causal, scale, cfg)
+        outs.append(o)
+        dqs.append(dq)
+        parts.append(p)
+    total = torch.stack(parts).sum(0)  # [owner, 2, B, S_local, Hkv, D]: what the owners' reductions add up
+    unsh = lambda xs: to.cp.unshard_parts(list(xs), dim=1)  # noqa: E731
+    return (unsh(outs), unsh(dqs), unsh(total[:, 0].to(k.dtype)), unsh(total[:, 1].to(v.dtype)))
+
+
+def _simulated_case(world, causal):
+    B, S, Hq, Hkv, D = 1, 24 * world, 4, 2, 64
+    dtype = torch.bfloat16
+    with to.Context(timeout_s=120) as ctx:
+        dev = ctx.device
+        q, k, v = (rand((B, S, h, D), dtype, dev, name, "s") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
+        dout = rand((B, S, Hq, D), dtype, dev, "do")
+        ref = [t.float().requires_grad_() for t in (q, k, v)]
+        out_ref, _ = reference(*ref, causal, 1.0 / math.sqrt(D))
+        (out_ref * dout.float()).sum().backward()
+        got = simulate_ranks(ctx, q, k, v, dout, world, causal)
+        errs = [rel_err(g, r) for g, r in zip(got, (out_ref, *(t.grad for t in ref)))]
+        assert max(errs) < GRAD_TOL[dtype], f"simulated world {world}: rel errs out/dq/dk/dv {errs}"
+        return errs
+
+
+@pytest.mark.parametrize("world,causal", [(3, True), (4, False)])
+def test_on_gathered_helpers_match_full_sequence(pool, world, causal):
+    """The helpers behind the NCCL fwd+bwd baseline and the grad-error table: every simulated rank's share,
+    summed, equals attention on the full sequence."""
+    pool.run(_simulated_case, world, causal)
+
+
+def grad_errors_by_world(worlds, B, S, Hq, Hkv, D, causal, dtype_name):
+    """Rows (W, out, dq, dk, dv) of relative error against float32 attention on the full sequence, each world's
+    ranks simulated on this device (simulate_ranks); W = 1 is the kernel on the whole sequence. Used by
+    scripts/grad_error_table.py."""
+    dtype = getattr(torch, dtype_name)
+    with to.Context(timeout_s=600) as ctx:
+        dev = ctx.device
+        q, k, v = (rand((B, S, h, D), dtype, dev, name, "t") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
+        dout = rand((B, S, Hq, D), dtype, dev, "do")
+        ref = [t.float().requires_grad_() for t in (q, k, v)]
+        out_ref, _ = reference(*ref, causal, 1.0 / math.sqrt(D))
+        (out_ref * dout.float()).sum().backward()
+        want = (out_ref.detach(), *(t.grad for t in ref))
+        rows = [(w, *(rel_err(g, r) for g, r in zip(simulate_ranks(ctx, q, k, v, dout, w, causal), want)))
+                for w in worlds]
+        if dev.type == "cuda":  # torch's flash backend on the same inputs, as a yardstick
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+                o.backward(dout.transpose(1, 2))
+            rows.append(("SDPA flash, 1 GPU", rel_err(o.detach().transpose(1, 2), want[0]),
+                         *(rel_err(t.grad.transpose(1, 2), r.grad) for t, r in zip(leaves, ref))))
+        return rows

@@ -19,7 +19,7 @@ def _bf16_rounded_linear(i, o, seed):
     return lin
 
 
-def _layers(S, B, d_in, d_out, fallback):
+def _layers(S, B, d_in, d_out, fallback, keep=True):
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
         g = torch.Generator().manual_seed(7)
@@ -33,7 +33,9 @@ def _layers(S, B, d_in, d_out, fallback):
         x_ref = x_full.clone().requires_grad_()
         y_ref = full(x_ref)
         (y_ref * gy_col).sum().backward()
-        col = ColumnParallelLinear.from_full_weight(full, ctx, dtype=torch.bfloat16, fallback=fallback)
+        col = ColumnParallelLinear.from_full_weight(full, ctx, dtype=torch.bfloat16, fallback=fallback,
+                                                    keep_gathered_input=keep)
+        assert col.keep_gathered_input is keep
         outs = slice(r * d_out // W, (r + 1) * d_out // W)
         x = x_full[rows].to(dev, torch.bfloat16).requires_grad_()
         y = col(x)
@@ -70,12 +72,13 @@ def _layers(S, B, d_in, d_out, fallback):
         return errs, used
 
 
-@pytest.mark.parametrize("fallback", ["never", "always"])
-def test_linear_layers_match_unsharded_module(pool, fallback):
+@pytest.mark.parametrize("fallback,keep", [("never", True), ("always", True), ("never", False)])
+def test_linear_layers_match_unsharded_module(pool, fallback, keep):
+    """keep=False: the column layer's weight grad comes from the input gathered again in backward."""
     if pool.backend == "host" and pool.world == 4:
         pytest.skip("W = 2, 3 on the host backend")
     S, B, d_in, d_out = (24, 2, 48, 36) if pool.backend == "host" else (1024, 2, 1024, 1536)
-    results = pool.run(_layers, S, B, d_in, d_out, fallback)
+    results = pool.run(_layers, S, B, d_in, d_out, fallback, keep)
     want = "overlap" if fallback == "never" else "fallback"
     assert all(used == {"ag": want, "rs": want} for _, used in results)
 

@@ -17,17 +17,26 @@ def _chunks(length: int, world: int) -> int:
 
 def shard(x: torch.Tensor, ctx, dim: int = 1) -> torch.Tensor:
     """This rank's zigzag shard of the full sequence ``x`` (length S along ``dim``): chunks r and 2W-1-r."""
-    W, r = ctx.world_size, ctx.rank
-    c = _chunks(x.shape[dim], W)
-    return torch.cat([x.narrow(dim, r * c, c), x.narrow(dim, (2 * W - 1 - r) * c, c)], dim=dim).contiguous()
+    return shard_for(x, ctx.rank, ctx.world_size, dim)
+
+
+def shard_for(x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s zigzag shard of ``x`` in a world of ``world`` (no Context needed)."""
+    c = _chunks(x.shape[dim], world)
+    return torch.cat([x.narrow(dim, rank * c, c), x.narrow(dim, (2 * world - 1 - rank) * c, c)], dim=dim).contiguous()
 
 
 def unshard(x: torch.Tensor, ctx, dim: int = 1) -> torch.Tensor:
     """The full sequence from every rank's zigzag shard ``x`` (a collective: all ranks call it)."""
-    W = ctx.world_size
-    c = _chunks(x.shape[dim] * W, W)
-    parts = [torch.empty_like(x) for _ in range(W)]
+    parts = [torch.empty_like(x) for _ in range(ctx.world_size)]
     torch.distributed.all_gather(parts, x.contiguous(), group=ctx.group)
+    return unshard_parts(parts, dim)
+
+
+def unshard_parts(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """The full sequence from the list of every rank's zigzag shard, in rank order."""
+    W = len(parts)
+    c = _chunks(parts[0].shape[dim] * W, W)
     pieces = [None] * (2 * W)
     for r, p in enumerate(parts):
         pieces[r] = p.narrow(dim, 0, c)

@@ -36,32 +36,52 @@ def _op(h: int):
 
 # ------------------------------------------------------------------ AllGather-GEMM
 @torch.library.custom_op("triton_overlap::ag_gemm", mutates_args=())
-def ag_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ag: int, rs: int,
-            world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gather(a) @ w + bias, gather(a)); ``rs`` names the GEMMReduceScatter its backward uses."""
-    return _op(ag)(a.contiguous(), w, bias, return_gathered=True)
+def ag_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ag: int, rs: int, world: int,
+            keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather(a) @ w + bias, gather(a)) with ``keep``, else (gather(a) @ w + bias, an empty tensor);
+    ``rs`` names the GEMMReduceScatter its backward uses."""
+    if keep:
+        return _op(ag)(a.contiguous(), w, bias, return_gathered=True)
+    return _op(ag)(a.contiguous(), w, bias), a.new_empty(0)
 
 
 @ag_gemm.register_fake
-def _(a, w, bias, ag, rs, world):
-    return a.new_empty(a.shape[0] * world, w.shape[1]), a.new_empty(a.shape[0] * world, a.shape[1])
+def _(a, w, bias, ag, rs, world, keep):
+    return a.new_empty(a.shape[0] * world, w.shape[1]), a.new_empty((a.shape[0] * world, a.shape[1]) if keep else 0)
+
+
+@torch.library.custom_op("triton_overlap::all_gather_rows", mutates_args=())
+def all_gather_rows(a: torch.Tensor, ag: int, world: int) -> torch.Tensor:
+    """Every rank's ``a`` stacked along dim 0, in rank order (NCCL/gloo all_gather on the op's group)."""
+    import torch.distributed as dist
+
+    ctx = _op(ag).ctx
+    out = a.new_empty(a.shape[0] * world, *a.shape[1:])
+    dist.all_gather_into_tensor(out, a.contiguous(), group=ctx.group)
+    return out
+
+
+@all_gather_rows.register_fake
+def _(a, ag, world):
+    return a.new_empty(a.shape[0] * world, *a.shape[1:])
 
 
 def _ag_setup(ctx, inputs, output):
-    a, w, bias, ag, rs, world = inputs
-    ctx.save_for_backward(output[1], w)
-    ctx.handles, ctx.world, ctx.has_bias = (ag, rs), world, bias is not None
+    a, w, bias, ag, rs, world, keep = inputs
+    ctx.save_for_backward(output[1] if keep else a, w)
+    ctx.handles, ctx.world, ctx.has_bias, ctx.keep = (ag, rs), world, bias is not None, keep
     ctx.mark_non_differentiable(output[1])
 
 
 def _ag_backward(ctx, grad_out, _grad_gathered):
-    gathered, w = ctx.saved_tensors
+    saved, w = ctx.saved_tensors
     ag, rs = ctx.handles
     grad_out = grad_out.contiguous()
     grad_a = gemm_rs(grad_out, w.t(), None, rs, ag, ctx.world)  # rows of this rank of sum_r grad_out @ w^T
+    gathered = saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)  # kept from forward, or gathered again
     grad_w = gathered.t() @ grad_out
     grad_b = grad_out.sum(0) if ctx.has_bias else None
-    return grad_a, grad_w, grad_b, None, None, None
+    return grad_a, grad_w, grad_b, None, None, None, None
 
 
 ag_gemm.register_autograd(_ag_backward, setup_context=_ag_setup)
@@ -89,7 +109,7 @@ def _rs_setup(ctx, inputs, output):
 def _rs_backward(ctx, grad_out):
     a, w = ctx.saved_tensors
     rs, ag = ctx.handles
-    grad_a, grad_full = ag_gemm(grad_out.contiguous(), w.t(), None, ag, rs, ctx.world)
+    grad_a, grad_full = ag_gemm(grad_out.contiguous(), w.t(), None, ag, rs, ctx.world, True)
     grad_w = a.t() @ grad_full
     grad_b = grad_full.sum(0) if ctx.has_bias else None  # the bias is added once: its gradient sees every row
     return grad_a, grad_w, grad_b, None, None, None
@@ -100,44 +120,53 @@ gemm_rs.register_autograd(_rs_backward, setup_context=_rs_setup)
 
 # ------------------------------------------------------------------ context-parallel attention
 @torch.library.custom_op("triton_overlap::cp_attention", mutates_args=())
-def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: int, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: int, causal: bool, scale: float,
+                 keep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, gathered k, gathered v); the last two are empty unless ``keep`` (for backward)."""
     with torch.no_grad():
-        return _op(op).forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+        res = _op(op).forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, keep=keep)
+    if keep:
+        return res
+    return res[0], res[1], k.new_empty(0), v.new_empty(0)
 
 
 @cp_attention.register_fake
-def _(q, k, v, op, causal, scale):
+def _(q, k, v, op, causal, scale, keep):
     B, S, Hq, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty(B, Hq, S, dtype=torch.float32)
+    W = _op(op).ctx.world_size
+    kept = (B, W * S, k.shape[2], k.shape[3]) if keep else (0,)
+    return (q.new_empty(q.shape), q.new_empty(B, Hq, S, dtype=torch.float32), k.new_empty(kept),
+            v.new_empty(kept))
 
 
 @torch.library.custom_op("triton_overlap::cp_attention_bwd", mutates_args=())
 def cp_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                     dout: torch.Tensor, op: int, causal: bool,
+                     dout: torch.Tensor, kept_k: torch.Tensor, kept_v: torch.Tensor, op: int, causal: bool,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv; K/V from ``kept_k``/``kept_v`` when they are not empty, else gathered again."""
+    keep = kept_k.numel() > 0
     return _op(op).backward(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, dout.contiguous(), causal,
-                            scale)
+                            scale, kept_k if keep else None, kept_v if keep else None)
 
 
 @cp_attention_bwd.register_fake
-def _(q, k, v, out, lse, dout, op, causal, scale):
+def _(q, k, v, out, lse, dout, kept_k, kept_v, op, causal, scale):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _cp_setup(ctx, inputs, output):
-    q, k, v, op, causal, scale = inputs
-    ctx.save_for_backward(q, k, v, output[0], output[1])
+    q, k, v, op, causal, scale, keep = inputs
+    ctx.save_for_backward(q, k, v, *output)
     ctx.op, ctx.causal, ctx.scale = op, causal, scale
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(*output[1:])
 
 
-def _cp_backward(ctx, dout, _dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = cp_attention_bwd(q, k, v, out, lse, dout, ctx.op, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None
+def _cp_backward(ctx, dout, _dlse, _dk, _dv):
+    q, k, v, out, lse, kept_k, kept_v = ctx.saved_tensors
+    dq, dk, dv = cp_attention_bwd(q, k, v, out, lse, dout, kept_k, kept_v, ctx.op, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None, None, None
 
 
 cp_attention.register_autograd(_cp_backward, setup_context=_cp_setup)
 
-__all__ = ["ag_gemm", "cp_attention", "cp_attention_bwd", "gemm_rs", "handle"]
+__all__ = ["ag_gemm", "all_gather_rows", "cp_attention", "cp_attention_bwd", "gemm_rs", "handle"]

@@ -30,7 +30,7 @@ def _ops(layer):
 
 def _column(x, weight, bias, layer):
     ag, rs = layer._handles
-    return library.ag_gemm(x, weight.t(), bias, ag, rs, layer.ctx.world_size)[0]
+    return library.ag_gemm(x, weight.t(), bias, ag, rs, layer.ctx.world_size, layer.keep_gathered_input)[0]
 
 
 def _row(x, weight, bias, layer):
@@ -60,9 +60,10 @@ class _TPLinear(nn.Module):
     @classmethod
     def from_full_weight(cls, linear: nn.Linear, ctx, **kw):
         """Shard an unsharded ``nn.Linear`` (same on every rank) into this layer."""
+        extra = {k: v for k, v in kw.items() if k == "keep_gathered_input" and cls._shard_out}  # column layers
         layer = cls(linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None,
                     dtype=kw.get("dtype", linear.weight.dtype), device=kw.get("device", ctx.device),
-                    fallback=kw.get("fallback", "auto"))
+                    fallback=kw.get("fallback", "auto"), **extra)
         with torch.no_grad():
             layer.weight.copy_(layer._shard(linear.weight, 0 if layer._shard_out else 1))
             if linear.bias is not None:
@@ -84,14 +85,18 @@ class ColumnParallelLinear(_TPLinear):
     """``[S/W, *, in]`` -> AllGather-GEMM -> ``[S, *, out/W]``. The weight holds rows ``r*out/W ...``.
 
     Backward: grad of the input through GEMM-ReduceScatter; grad of the weight
-    from the gathered input kept from forward (``[S, in]`` per layer: the
-    memory cost of not gathering again).
+    from the gathered input. ``keep_gathered_input=True`` (default) keeps the
+    gathered ``[S, in]`` from forward (memory held per layer until backward);
+    ``False`` keeps only this rank's ``[S/W, in]`` and gathers again in
+    backward with one NCCL all_gather, after the input-gradient GEMM-RS.
     """
 
     _fn, _shard_out = staticmethod(_column), True
 
-    def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto"):
+    def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto",
+                 keep_gathered_input: bool = True):
         super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=True, fallback=fallback)
+        self.keep_gathered_input = keep_gathered_input
 
 
 class RowParallelLinear(_TPLinear):
@@ -114,11 +119,12 @@ class TPMLP(nn.Module):
     ``[S/W, *, dim]`` -> ``[S/W, *, dim]``; the hidden activations live as ``[S, *, hidden/W]``.
     """
 
-    def __init__(self, dim, hidden, *, ctx, bias=False, dtype=None, device=None, fallback="auto"):
+    def __init__(self, dim, hidden, *, ctx, bias=False, dtype=None, device=None, fallback="auto",
+                 keep_gathered_input=True):
         super().__init__()
         self.hidden_local = hidden // ctx.world_size
         self.gate_up = ColumnParallelLinear(dim, 2 * hidden, ctx=ctx, bias=bias, dtype=dtype, device=device,
-                                            fallback=fallback)
+                                            fallback=fallback, keep_gathered_input=keep_gathered_input)
         self.down = RowParallelLinear(hidden, dim, ctx=ctx, bias=bias, dtype=dtype, device=device, fallback=fallback)
 
     @classmethod
@@ -138,7 +144,7 @@ class TPMLP(nn.Module):
                 fused.bias.copy_(torch.cat([torch.cat([gate.bias[r * n:(r + 1) * n], up.bias[r * n:(r + 1) * n]])
                                             for r in range(W)]))
         mlp = cls(dim, hidden, ctx=ctx, bias=gate.bias is not None, dtype=kw.get("dtype"), device=kw.get("device"),
-                  fallback=kw.get("fallback", "auto"))
+                  fallback=kw.get("fallback", "auto"), keep_gathered_input=kw.get("keep_gathered_input", True))
         mlp.gate_up = ColumnParallelLinear.from_full_weight(fused, ctx, **kw)
         mlp.down = RowParallelLinear.from_full_weight(down, ctx, **kw)
         return mlp

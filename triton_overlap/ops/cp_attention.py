@@ -10,6 +10,7 @@ K/V in first and each peer's chunk as soon as its flag is up
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from ..context import op_id
 from ..kernels.attention import cp_attention_fwd
 from ..kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq, reduce_dkdv
 from ..kernels.chunks import ChunkLayout, cdiv
-from ..producers.allgather import join, push_chunks
+from ..producers.allgather import enqueue_chunks, join, open_push
 from .common import DTYPES, agree_across_ranks
 
 OP = op_id("cp_attention")
@@ -91,6 +92,21 @@ def launch_bwd(q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, f
     return cdiv(S, b.block_n) * B * Hkv
 
 
+@contextmanager
+def _pushing(ctx, streams, layout, pairs, flags):
+    """Barrier, then the body (the consumer's launch), then the copies: the kernel is queued before the host
+    spends its time enqueueing copies. The caller's stream waits for the barrier (gate): attention programs
+    waiting for chunks can fill every SM, and the barrier kernel must have run on every rank first. On the
+    host backend a launch runs to completion, so the copies go first there."""
+    host = ctx.backend == "host"
+    open_push(ctx, streams, gate=True)
+    if host:
+        enqueue_chunks(ctx, streams, layout, pairs, flags, dim=1)
+    yield
+    if not host:
+        enqueue_chunks(ctx, streams, layout, pairs, flags, dim=1)
+
+
 class ContextParallelAttention:
     """Reusable context-parallel attention bound to a Context, with autograd.
 
@@ -100,10 +116,15 @@ class ContextParallelAttention:
     ``chunks_per_rank`` sets how finely each rank's K/V is cut for the flags
     (a multiple of 2: the two zigzag halves are never mixed in one chunk);
     ``config`` (an AttentionConfig) overrides it and the kernels' tiles.
+
+    ``keep_kv``: backward reads the K/V gathered in forward, kept between the
+    passes (2 x [B, W * S_local, Hkv, D] per call that autograd holds), instead
+    of gathering them again with the copy engines (the default: the gather
+    overlaps the backward kernels, so keeping saves little time; see README).
     """
 
     def __init__(self, ctx, *, chunks_per_rank: int = 2, config: AttentionConfig | None = None,
-                 name: str = "cp_attention"):
+                 keep_kv: bool = False, name: str = "cp_attention"):
         if config is not None:
             chunks_per_rank = config.chunks_per_rank
         if chunks_per_rank < 2 or chunks_per_rank % 2:
@@ -111,6 +132,8 @@ class ContextParallelAttention:
         self.ctx = ctx
         self.name = name
         self.chunks_per_rank = chunks_per_rank
+        self.keep_kv = keep_kv
+        self._ones: dict = {}
         self._config = config
         self._configs: dict = {}
         self._agreed: set = set()
@@ -136,6 +159,13 @@ class ContextParallelAttention:
             if found:
                 return AttentionConfig(self.chunks_per_rank, *(Blocks(**found[k]) for k in ("fwd", "dq", "dkdv")))
         return default_attention_config(self.ctx.backend, head_dim, self.chunks_per_rank)
+
+    def _ready(self, n: int) -> torch.Tensor:
+        """Flags that are all up, for kernels reading K/V that are already in place."""
+        t = self._ones.get(n)
+        if t is None:
+            t = self._ones[n] = torch.ones(n, dtype=torch.int32, device=self.ctx.device)
+        return t
 
     def _shape_key(self, q, k, causal):
         return (q.shape[1] * self.ctx.world_size, q.shape[2], k.shape[2], q.shape[3], int(causal))
@@ -171,13 +201,15 @@ class ContextParallelAttention:
         if out is None and lse is None:  # through the custom op: autograd, and torch.compile traces it
             from .. import library
 
-            return library.cp_attention(q, k, v, self._handle, causal, scale)
+            keep = self.keep_kv and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+            return library.cp_attention(q, k, v, self._handle, causal, scale, keep)[:2]
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
             raise ValueError("cp_attention: out= and lse= are for calls without autograd")
         return self.forward(q, k, v, causal, scale, out, lse)
 
     @torch.no_grad()  # workspaces are reset in place; autograd goes through library.cp_attention
-    def forward(self, q, k, v, causal, scale, out=None, lse=None):
+    def forward(self, q, k, v, causal, scale, out=None, lse=None, keep: bool = False):
+        """(out, lse), and with ``keep`` also copies of the gathered K/V workspaces for ``backward``."""
         ctx = self.ctx
         ctx._check_open()
         self._check(q, k, v)
@@ -197,39 +229,53 @@ class ContextParallelAttention:
         lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
         streams = ctx.streams(max(1, min(W - 1, 2)))
 
-        push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1, gate=True)
         cfg = self.config(D, self._shape_key(q, k, causal))
-        launch_fwd(q, k, v, kws.local, vws.local, out, lse, flags.local, ctx.err, ctx.budget, r, W, OP,
-                   layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.fwd, ctx.clock, ctx.backend == "host")
-        ctx.after_launch()
+        with _pushing(ctx, streams, layout, [(k, kws), (v, vws)], flags):
+            launch_fwd(q, k, v, kws.local, vws.local, out, lse, flags.local, ctx.err, ctx.budget, r, W, OP,
+                       layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.fwd, ctx.clock,
+                       ctx.backend == "host")
+            ctx.after_launch()
         join(ctx, streams)
         flags.local.zero_()  # every needed flag was seen; peers set them again only after the next barrier
+        if keep:  # the gathered K/V for backward (this rank's own rows are read from k and v, not from here)
+            return out, lse, kws.local.clone(), vws.local.clone()
         return out, lse
 
     @torch.no_grad()
-    def backward(self, q, k, v, out, lse, dout, causal, scale):
-        """dq, dk, dv for this rank's shards. K/V are gathered again (not kept from forward: no [B, S, Hkv, D]
-        per layer held between the passes). Partial dK/dV go straight to their owners, who sum them in fp32."""
+    def backward(self, q, k, v, out, lse, dout, causal, scale, kept_k=None, kept_v=None):
+        """dq, dk, dv for this rank's shards. K/V come from ``kept_k``/``kept_v`` (the gathered workspaces
+        that ``forward(keep=True)`` returned) or, when those are None, are gathered again by the copy
+        engines. Partial dK/dV go straight to their owners, who sum them in fp32."""
         ctx = self.ctx
         W, r = ctx.world_size, ctx.rank
         B, S, Hq, D = q.shape
         Hkv = k.shape[2]
         layout = ChunkLayout(W, S, S // self.chunks_per_rank)
-        kws = ctx.symmetric(f"{self.name}.k", (B, W * S, Hkv, D), k.dtype)
-        vws = ctx.symmetric(f"{self.name}.v", (B, W * S, Hkv, D), v.dtype)
-        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
         recv = ctx.symmetric(f"{self.name}.dkv", (W, 2, B, S, Hkv, D), torch.float32)
         counters = ctx.symmetric(f"{self.name}.dkv_count", (W,), torch.int32)
         delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, S]
         streams = ctx.streams(max(1, min(W - 1, 2)))
         host = ctx.backend == "host"
-
-        push_chunks(ctx, streams, layout, [(k, kws), (v, vws)], flags, dim=1, gate=True)
+        cfg = self.config(D, self._shape_key(q, k, causal))
         dq = torch.empty_like(q)
-        expected = launch_bwd(q, k, v, kws.local, vws.local, dout, lse, delta, dq, recv.ptrs, counters.ptrs,
-                              flags.local, ctx.err, ctx.budget, r, W, OP, layout.m_per_chunk, layout.chunks_per_rank,
-                              scale, causal, self.config(D, self._shape_key(q, k, causal)), ctx.clock, host)
-        ctx.after_launch()
+        launch = lambda kw, vw, ready: launch_bwd(  # noqa: E731
+            q, k, v, kw, vw, dout, lse, delta, dq, recv.ptrs, counters.ptrs, ready, ctx.err, ctx.budget, r, W, OP,
+            layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg, ctx.clock, host)
+        if kept_k is not None:
+            # no gather: every chunk is ready. The barrier still orders this call's dK/dV stores into the
+            # peers' receive slots after the peers' previous reductions (which reset their counters).
+            ready = self._ready(layout.num_chunks)
+            ctx.barrier()
+            expected = launch(kept_k, kept_v, ready)
+            ctx.after_launch()
+            streams, flags = [], None
+        else:
+            kws = ctx.symmetric(f"{self.name}.k", (B, W * S, Hkv, D), k.dtype)
+            vws = ctx.symmetric(f"{self.name}.v", (B, W * S, Hkv, D), v.dtype)
+            flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+            with _pushing(ctx, streams, layout, [(k, kws), (v, vws)], flags):
+                expected = launch(kws.local, vws.local, flags.local)
+                ctx.after_launch()
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         n = B * S * Hkv * D
         block = 1024 if host else 2048
@@ -237,9 +283,46 @@ class ContextParallelAttention:
                                        ctx.budget, r, W, OP, n, BLOCK=block, CLOCK=ctx.clock)
         ctx.after_launch()
         join(ctx, streams)
-        flags.local.zero_()  # every flag was waited for by the kernels above
+        if flags is not None:
+            flags.local.zero_()  # every flag was waited for by the kernels above
         counters.local.zero_()  # every count was seen; peers add again only after the next call's barrier
         return dq, dk, dv
+
+
+def forward_on_gathered(ctx, q, k, v, kg, vg, rank, world, causal, scale, cfg: AttentionConfig, out=None, lse=None):
+    """The forward kernel as rank ``rank`` of ``world`` with K/V already gathered (``kg``/``vg``
+    [B, world * S, Hkv, D], rank order; this rank's rows are read from ``k``/``v``): no flags, no
+    communication. For baselines that gather with NCCL, and for running every rank's share on one GPU."""
+    B, S, Hq, _ = q.shape
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
+    cpr = cfg.chunks_per_rank
+    ready = torch.ones(world * cpr, dtype=torch.int32, device=q.device)
+    launch_fwd(q, k, v, kg, vg, out, lse, ready, ctx.err, ctx.budget, rank, world, OP, S // cpr, cpr, scale, causal,
+               cfg.fwd, ctx.clock, ctx.backend == "host")
+    return out, lse
+
+
+def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, causal, scale, cfg: AttentionConfig):
+    """The backward kernels as rank ``rank`` of ``world`` on gathered K/V (see forward_on_gathered).
+    Returns dq and this rank's float32 dK/dV partials for every owner, [world, 2, B, S, Hkv, D]: the sum over
+    ranks of entry o is owner o's (dK, dV), e.g. through reduce_scatter_tensor."""
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    dev = q.device
+    cpr = cfg.chunks_per_rank
+    parts = torch.empty((world, 2, B, S, Hkv, D), dtype=torch.float32, device=dev)
+    # the kernel stores into owner o's receive slot ``rank``; aim each owner's base so that slot is parts[o]
+    shift = rank * parts[0].numel() * parts.element_size()
+    recv_ptrs = torch.tensor([parts[o].data_ptr() - shift for o in range(world)], dtype=torch.int64, device=dev)
+    counters = torch.zeros(world, dtype=torch.int32, device=dev)  # bumped, never waited for
+    counter_ptrs = torch.full((world,), counters.data_ptr(), dtype=torch.int64, device=dev)
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    dq = torch.empty_like(q)
+    ready = torch.ones(world * cpr, dtype=torch.int32, device=dev)
+    launch_bwd(q, k, v, kg, vg, dout, lse, delta, dq, recv_ptrs, counter_ptrs, ready, ctx.err, ctx.budget, rank,
+               world, OP, S // cpr, cpr, scale, causal, cfg, ctx.clock, ctx.backend == "host")
+    return dq, parts
 
 
 def cp_attention(q, k, v, *, ctx, causal: bool = True, softmax_scale: float | None = None, out=None, lse=None):
@@ -250,4 +333,5 @@ def cp_attention(q, k, v, *, ctx, causal: bool = True, softmax_scale: float | No
     return op(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse)
 
 
-__all__ = ["AttentionConfig", "Blocks", "ContextParallelAttention", "cp_attention", "default_attention_config"]
+__all__ = ["AttentionConfig", "Blocks", "ContextParallelAttention", "backward_on_gathered", "cp_attention",
+           "default_attention_config", "forward_on_gathered"]

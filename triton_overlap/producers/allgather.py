@@ -55,6 +55,13 @@ def push_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0, f
     barrier kernel must find an SM, on every rank, or no chunk is ever sent.
     (The persistent GEMM leaves an SM free instead and starts sooner.)
     """
+    open_push(ctx, streams, follow, gate)
+    enqueue_chunks(ctx, streams, layout, pairs, flags, dim)
+
+
+def open_push(ctx, streams, follow: bool = True, gate: bool = False) -> None:
+    """Steps 1 and 2 of the protocol (see push_chunks): after it, a consumer may be launched before the
+    copies are enqueued (``enqueue_chunks``), so the GPU does not wait for the host to enqueue them."""
     if follow:
         follow_caller(ctx, streams)
     first = streams[0]
@@ -63,6 +70,11 @@ def push_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0, f
         ctx.current_stream().wait_stream(first)
     for s in streams[1:]:
         s.wait_stream(first)
+
+
+def enqueue_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0) -> None:
+    """Step 3: every chunk of every (source, workspace) pair to every peer, each followed by its flag."""
+    first = streams[0]
     if first.raw and ctx.producer_jitter_s == 0:
         plan = _raw_plan(ctx, streams, layout, pairs, flags, dim)
         bases = [src.data_ptr() for src, _ in pairs]
