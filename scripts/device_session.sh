@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one call on a lent multi-GPU machine runs: environment, GPU test suite, benchmarks.
-# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,tune,bench,tutorial | all]
+# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,tune,bench,gradtable,tutorial | all]
 set -uo pipefail
 what="${1:-all}"  # comma-separated parts, or all
 want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
@@ -27,6 +27,10 @@ if want bench; then
       | grep -E '^\||geometric' | tail -12
   done
   tar czf "$OUT/results.tgz" -C benchmarks results  # one file: the device tool returns at most 8
+fi
+if want gradtable; then  # cp_attention error by simulated world size, on one GPU (GRAD_WORLDS, GRAD_CASE)
+  timeout "${GRAD_TIMEOUT:-200}" python3 scripts/grad_error_table.py --backend cuda --worlds ${GRAD_WORLDS:-1 2 4 8 16} \
+    ${GRAD_CASE:+--case "$GRAD_CASE"} 2>&1 | grep -v Warning | tee "$OUT/grad_table.md" | tail -9
 fi
 if want tutorial; then
   for t in ${TUTORIALS:-tutorials/[0-9]*.py}; do

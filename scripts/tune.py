@@ -8,8 +8,9 @@
                         (host backend, two candidates a stage: checks the script; its times mean nothing)
 
 GEMM ops, two stages: GEMM tiles (block sizes, warps, stages) with the default
-chunking, then chunk size, producer streams and (AllGather-GEMM) launch order
-with the best tiles. Attention: each kernel's tiles (forward, dQ, dK/dV) on
+chunking, then chunk size, producer streams (one per peer or fewer, W > 2)
+and (AllGather-GEMM) launch order with the best tiles. There is no pull mode
+to choose: the producers push. Attention: each kernel's tiles (forward, dQ, dK/dV) on
 one GPU, as a rank of one. Every candidate is checked against a torch
 reference first; a failing or uncompilable one is skipped. Times are medians,
 max over ranks. The ops read the table automatically (triton_overlap.tuning).
@@ -126,7 +127,10 @@ def tune_gemm(ctx, kind, shape, dry):
              for bm, bn, bk, nw, ns in (tiles[:2] if dry else tiles)]
     say(f"tune {kind} {shape} on {W} rank(s): {len(cands)} tile configs")
     _, best = sweep(ctx, "tiles", cands, make_run, check, 2e-2)
-    chunk_cands = [replace(best, chunks_per_rank=c) for c in (CHUNKS[:2] if dry else CHUNKS)]
+    # producer streams: one per peer (None) or fewer; with W = 2 there is one peer, so nothing to choose
+    streams = [None] + sorted({1, max(1, (W - 1) // 2)} - {W - 1})
+    chunk_cands = [replace(best, chunks_per_rank=c, num_streams=n)
+                   for c in (CHUNKS[:2] if dry else CHUNKS) for n in (streams[:2] if dry else streams)]
     if kind == "ag_gemm" and ctx.backend != "host":
         chunk_cands += [replace(c, gemm_first=True) for c in chunk_cands]
     us, best = sweep(ctx, "chunking", chunk_cands, make_run, check, 2e-2)

@@ -69,6 +69,22 @@ def main():
         ref = ref[r * (M // W):(r + 1) * (M // W)]
         err = float((out.float() - ref).norm() / ref.norm())
         say(f"the op used {used}; relative error {err:.2e} (tolerance 1e-2)")
+
+        # %% On GPUs, the tuned op beside the defaults and NCCL: torch.matmul + reduce_scatter_tensor (eager).
+        if gpu:
+            from triton_overlap.timing import time_dist
+
+            plain = to.GEMMReduceScatter(ctx, fallback="never", name="tutorial06.plain")
+            plain._tuned[shape] = plain.config  # the defaults, whatever the table says
+            part, red = torch.empty(M, N, device=ctx.device, dtype=a.dtype), torch.empty_like(out)
+
+            def nccl():
+                torch.matmul(a, w, out=part)
+                dist.reduce_scatter_tensor(red, part)
+
+            t_tuned, t_plain, t_nccl = (time_dist(fn, 20) for fn in (lambda: op(a, w), lambda: plain(a, w), nccl))
+            say(f"tuned {t_tuned:.1f} µs, defaults {t_plain:.1f} µs, NCCL + cuBLAS {t_nccl:.1f} µs "
+                f"({t_nccl / t_tuned:.2f}x); eager calls pay Python launch cost, see README for CUDA-graph numbers")
         if r == 0:
             os.remove(table[0])
         if not verdict(used == GemmConfig(**best) and err < 1e-2, "the op used the tuned config, result correct"):
