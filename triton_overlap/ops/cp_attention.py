@@ -93,17 +93,17 @@ def launch_bwd(q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, f
 
 
 @contextmanager
-def _pushing(ctx, streams, layout, pairs, flags):
-    """Barrier, then the body (the consumer's launch), then the copies: the kernel is queued before the host
-    spends its time enqueueing copies. The caller's stream waits for the barrier (gate): attention programs
-    waiting for chunks can fill every SM, and the barrier kernel must have run on every rank first. On the
-    host backend a launch runs to completion, so the copies go first there."""
-    host = ctx.backend == "host"
+def _pushing(ctx, streams, layout, pairs, flags, kernel_first: bool):
+    """Barrier, then the body (the consumer's launch) and the copies. ``kernel_first``: the kernel is queued
+    before the host spends its time enqueueing the copies. The caller's stream waits for the barrier (gate):
+    attention programs waiting for chunks can fill every SM, and the barrier kernel must have run on every
+    rank first. On the host backend a launch runs to completion, so the copies always go first there."""
+    kernel_first = kernel_first and ctx.backend != "host"
     open_push(ctx, streams, gate=True)
-    if host:
+    if not kernel_first:
         enqueue_chunks(ctx, streams, layout, pairs, flags, dim=1)
     yield
-    if not host:
+    if kernel_first:
         enqueue_chunks(ctx, streams, layout, pairs, flags, dim=1)
 
 
@@ -133,6 +133,8 @@ class ContextParallelAttention:
         self.name = name
         self.chunks_per_rank = chunks_per_rank
         self.keep_kv = keep_kv
+        self.kernel_first = True  # see _kernel_first
+        self._called: set = set()
         self._ones: dict = {}
         self._config = config
         self._configs: dict = {}
@@ -159,6 +161,14 @@ class ContextParallelAttention:
             if found:
                 return AttentionConfig(self.chunks_per_rank, *(Blocks(**found[k]) for k in ("fwd", "dq", "dkdv")))
         return default_attention_config(self.ctx.backend, head_dim, self.chunks_per_rank)
+
+    def _kernel_first(self, kws, vws, k) -> bool:
+        """Whether to launch the kernel before enqueueing the copies: not on the first call for a shape and
+        workspace (its copies go first, like AllGather-GEMM's first call), and not when ``kernel_first`` is off."""
+        key = (tuple(k.shape), k.dtype, kws.local.data_ptr(), vws.local.data_ptr())
+        seen = key in self._called
+        self._called.add(key)
+        return self.kernel_first and seen
 
     def _ready(self, n: int) -> torch.Tensor:
         """Flags that are all up, for kernels reading K/V that are already in place."""
@@ -230,7 +240,7 @@ class ContextParallelAttention:
         streams = ctx.streams(max(1, min(W - 1, 2)))
 
         cfg = self.config(D, self._shape_key(q, k, causal))
-        with _pushing(ctx, streams, layout, [(k, kws), (v, vws)], flags):
+        with _pushing(ctx, streams, layout, [(k, kws), (v, vws)], flags, self._kernel_first(kws, vws, k)):
             launch_fwd(q, k, v, kws.local, vws.local, out, lse, flags.local, ctx.err, ctx.budget, r, W, OP,
                        layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.fwd, ctx.clock,
                        ctx.backend == "host")
@@ -273,7 +283,9 @@ class ContextParallelAttention:
             kws = ctx.symmetric(f"{self.name}.k", (B, W * S, Hkv, D), k.dtype)
             vws = ctx.symmetric(f"{self.name}.v", (B, W * S, Hkv, D), v.dtype)
             flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
-            with _pushing(ctx, streams, layout, [(k, kws), (v, vws)], flags):
+            # copies first, always: backward launches two kernels, and loading the second (lazily, on its first
+            # launch) while the first spins for chunks not yet enqueued deadlocked on 2xH200
+            with _pushing(ctx, streams, layout, [(k, kws), (v, vws)], flags, False):
                 expected = launch(kws.local, vws.local, flags.local)
                 ctx.after_launch()
         dk, dv = torch.empty_like(k), torch.empty_like(v)
