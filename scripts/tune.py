@@ -13,7 +13,7 @@ and (AllGather-GEMM) launch order with the best tiles. There is no pull mode
 to choose: the producers push. Attention: each kernel's tiles (forward, dQ, dK/dV) on
 one GPU, as a rank of one. Every candidate is checked against a torch
 reference first; a failing or uncompilable one is skipped. Times are medians,
-max over ranks. The ops read the table automatically (triton_overlap.tuning).
+max over ranks; GEMM candidates are timed as CUDA-graph replays. The ops read the table automatically (triton_overlap.tuning).
 """
 from __future__ import annotations
 
@@ -43,12 +43,13 @@ DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (
 DKDV_TILES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2)]
 
 
-def timer(ctx, fn, iters=20) -> float:
-    """Median µs of ``fn``, max over ranks."""
+def timer(ctx, fn, iters=20, graph=False) -> float:
+    """Median µs of ``fn``, max over ranks; ``graph``: of a CUDA-graph replay of ``fn`` (the Python launch cost,
+    a few hundred µs per eager call that does not depend on the config, drops out)."""
     if ctx.backend != "host":
-        from triton_overlap.timing import time_dist
+        from triton_overlap.timing import capture, time_dist
 
-        return time_dist(fn, iters, budget_s=1.0)
+        return time_dist(capture(fn).replay if graph else fn, iters, budget_s=1.0)
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -64,7 +65,7 @@ def rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def try_candidate(ctx, run, check, tol):
+def try_candidate(ctx, run, check, tol, graph=False):
     """(µs, None) or (None, why). ``run`` launches the candidate once; ``check`` returns its error."""
     try:
         run()
@@ -75,16 +76,16 @@ def try_candidate(ctx, run, check, tol):
         dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=ctx.group)
         if bad.item():
             return None, f"error {err:.2e} over {tol:g} on some rank"
-        return timer(ctx, run), None
+        return timer(ctx, run, graph=graph), None
     except Exception as e:  # noqa: BLE001 - a candidate that does not compile or run is reported and skipped
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def sweep(ctx, stage, candidates, make_run, check, tol, label=str):
+def sweep(ctx, stage, candidates, make_run, check, tol, label=str, graph=False):
     best = None
     for i, cand in enumerate(candidates):
         run = make_run(cand)
-        us, why = try_candidate(ctx, run, check, tol)
+        us, why = try_candidate(ctx, run, check, tol, graph)
         say(f"  {stage} [{i + 1}/{len(candidates)}] {label(cand)}: " + (f"{us:.1f} µs" if us is not None else f"skipped ({why})"))
         if us is not None and (best is None or us < best[0]):
             best = (us, cand)
@@ -126,14 +127,16 @@ def tune_gemm(ctx, kind, shape, dry):
     cands = [replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
              for bm, bn, bk, nw, ns in (tiles[:2] if dry else tiles)]
     say(f"tune {kind} {shape} on {W} rank(s): {len(cands)} tile configs")
-    _, best = sweep(ctx, "tiles", cands, make_run, check, 2e-2)
+    # in CUDA graphs: eager times of these ops are dominated by the host's launch cost and picked configs
+    # that were slower in graphs on 2xH200 (benchmarks/results/tune-gemm-H200x2.log)
+    _, best = sweep(ctx, "tiles", cands, make_run, check, 2e-2, graph=True)
     # producer streams: one per peer (None) or fewer; with W = 2 there is one peer, so nothing to choose
     streams = [None] + sorted({1, max(1, (W - 1) // 2)} - {W - 1})
     chunk_cands = [replace(best, chunks_per_rank=c, num_streams=n)
                    for c in (CHUNKS[:2] if dry else CHUNKS) for n in (streams[:2] if dry else streams)]
     if kind == "ag_gemm" and ctx.backend != "host":
         chunk_cands += [replace(c, gemm_first=True) for c in chunk_cands]
-    us, best = sweep(ctx, "chunking", chunk_cands, make_run, check, 2e-2)
+    us, best = sweep(ctx, "chunking", chunk_cands, make_run, check, 2e-2, graph=True)
     return us, asdict(best)
 
 
