@@ -124,6 +124,16 @@ def bench_ag_gemm(ctx, shapes, iters):
         rec["nccl_us"] = time_dist(nccl, iters)
         time_graphs(rec, lambda: op(a, w, out=out), nccl, iters)
         ctx.check()
+        # pull mode: each rank reads its peers' rows (eager and in a graph)
+        rec["ours_pull_us"], note = try_time(lambda: op(a, w, out=out, mode="pull"), iters)
+        if note is None:
+            try:
+                rec["ours_pull_graph_us"] = time_dist(capture(lambda: op(a, w, out=out, mode="pull")).replay, iters)
+            except Exception as e:  # noqa: BLE001 - recorded in the note
+                rec["ours_pull_graph_us"], note = None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        if note:
+            rec["note"] += f"pull: {note}; "
+        ctx.check()
         if fused_ok is None:
             rec["torch_fused_us"], note = try_time(
                 lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [w], 0, dist.group.WORLD.group_name), iters)

@@ -1,13 +1,16 @@
 """AllGather-GEMM against all_gather + matmul in float32."""
+import dataclasses
+
 import pytest
 import torch
 
 import triton_overlap as to
 from refs import TOL, poison, rand, rel_err
+from triton_overlap.ops.common import default_config
 from triton_overlap.timing import capture
 
 
-def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters):
+def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push"):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -23,7 +26,7 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
                 ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))  # stale garbage where peers write
             out = poison(torch.empty((m_local * W, n), dtype=dtype, device=dev))
             got, gathered = op(shards[r], w, b, out=out, return_gathered=True, m_per_chunk=m_per_chunk,
-                               num_streams=streams)
+                               num_streams=streams, mode=mode)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             full = torch.cat(shards).float()
@@ -36,16 +39,19 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
 
 
 HOST_CASES = [
-    # m_local, k, n, dtype, bias, transposed, m_per_chunk, streams, jitter, iters
-    (37, 48, 40, "bfloat16", True, False, 16, None, 0.0, 2),
-    (29, 64, 33, "float16", False, True, 7, 1, 0.003, 2),
-    (64, 40, 24, "bfloat16", False, False, None, None, 0.003, 1),
+    # m_local, k, n, dtype, bias, transposed, m_per_chunk, streams, jitter, iters, mode
+    (37, 48, 40, "bfloat16", True, False, 16, None, 0.0, 2, "push"),
+    (29, 64, 33, "float16", False, True, 7, 1, 0.003, 2, "push"),
+    (64, 40, 24, "bfloat16", False, False, None, None, 0.003, 1, "push"),
+    (37, 48, 40, "bfloat16", True, True, 16, None, 0.003, 2, "pull"),
+    (29, 64, 33, "float16", False, False, 7, 1, 0.0, 2, "pull"),
 ]
 GPU_CASES = [
-    (4091, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3),
-    (4091, 512, 1000, "float16", False, True, 1000, 1, 0.001, 3),
-    (2048, 4096, 4096, "bfloat16", False, True, None, None, 0.0, 3),
-    (128, 256, 512, "bfloat16", True, False, 37, None, 0.0005, 3),
+    (4091, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3, "push"),
+    (4091, 512, 1000, "float16", False, True, 1000, 1, 0.001, 3, "push"),
+    (2048, 4096, 4096, "bfloat16", False, True, None, None, 0.0, 3, "push"),
+    (128, 256, 512, "bfloat16", True, False, 37, None, 0.0005, 3, "push"),
+    (4091, 1024, 1536, "bfloat16", True, True, 512, None, 0.0005, 3, "pull"),
 ]
 
 
@@ -64,10 +70,11 @@ def test_ag_gemm_odd_rows_4091_per_rank(pool):
     pool.run(_case, 4091, 32, 24, "bfloat16", False, False, 1024, None, 0.0, 1)
 
 
-def _back_to_back(n_calls, m_local, k, n, gemm_first=False):
+def _back_to_back(n_calls, m_local, k, n, gemm_first=False, mode="push"):
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.AllGatherGEMM(ctx, to.GemmConfig(gemm_first=True) if gemm_first else None, fallback="never")
+        cfg = dataclasses.replace(default_config(ctx), gemm_first=gemm_first, mode=mode)
+        op = to.AllGatherGEMM(ctx, cfg, fallback="never")
         w = rand((k, n), torch.bfloat16, dev, "w", r)
         outs = []
         for i in range(n_calls):  # no host synchronisation between calls
@@ -82,12 +89,13 @@ def _back_to_back(n_calls, m_local, k, n, gemm_first=False):
         return worst
 
 
-@pytest.mark.parametrize("gemm_first", [False, True], ids=["producers_first", "gemm_first"])
-def test_ag_gemm_100_back_to_back_calls(pool, gemm_first):
+@pytest.mark.parametrize("gemm_first,mode", [(False, "push"), (True, "push"), (False, "pull"), (True, "pull")],
+                         ids=["producers_first", "gemm_first", "pull", "pull_gemm_first"])
+def test_ag_gemm_100_back_to_back_calls(pool, gemm_first, mode):
     if gemm_first and pool.backend == "host":
         pytest.skip("launch order only matters on GPUs (the host backend runs kernels synchronously)")
     shape = (19, 32, 32) if pool.backend == "host" else (1024, 1024, 1024)
-    pool.run(_back_to_back, 100, *shape, gemm_first)
+    pool.run(_back_to_back, 100, *shape, gemm_first, mode)
 
 
 def _bad_inputs():
@@ -141,10 +149,10 @@ def test_ag_gemm_small_shapes_fall_back(pool):
     assert all(pool.run(_fallback_path))
 
 
-def _graph(replays, m_local, k, n):
+def _graph(replays, m_local, k, n, mode="push"):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.AllGatherGEMM(ctx, fallback="never")
+        op = to.AllGatherGEMM(ctx, dataclasses.replace(default_config(ctx), mode=mode), fallback="never")
         a = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
         w = rand((k, n), torch.bfloat16, dev, "w", r)
         out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
@@ -162,7 +170,8 @@ def _graph(replays, m_local, k, n):
         return True
 
 
-def test_ag_gemm_cuda_graph_replay(pool):
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_ag_gemm_cuda_graph_replay(pool, mode):
     if pool.backend == "host":
         pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_graph, 50, 1024, 512, 768))
+    assert all(pool.run(_graph, 50, 1024, 512, 768, mode))

@@ -1,7 +1,8 @@
 """AllGather + GEMM: ``all_gather(a) @ w`` with the gather hidden behind the GEMM.
 
 Copy engines push this rank's rows into every peer's workspace chunk by
-chunk (producers.allgather); one persistent Triton GEMM computes tiles of the
+chunk, or (``mode="pull"``) each rank reads its peers' rows from their
+workspaces (producers.allgather); one persistent Triton GEMM computes tiles of the
 local rows first and then the remote ones in the order they arrive, each tile
 waiting only for the chunks it reads (kernels.gemm, GATHER=True).
 """
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout
-from ..producers.allgather import follow_caller, join, peers_in_send_order, push_rows
+from ..producers.allgather import follow_caller, join, peers_in_send_order, pull_rows, push_rows
 from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
 
 OP = op_id("ag_gemm")
@@ -82,16 +83,17 @@ class AllGatherGEMM(OverlapOp):
         out = torch.empty((M, N), dtype=a.dtype, device=a.device) if out is None else out
         streams = ctx.streams(cfg.streams_for(W))
 
-        gemm_first = cfg.gemm_first and ctx.backend != "host" and self._warm.get(layout, False)
+        gemm_first = cfg.gemm_first and ctx.backend != "host" and self._warm.get((layout, cfg.mode), False)
         follow_caller(ctx, streams)  # the streams wait for the caller's stream as it is now, not for the GEMM
+        produce = pull_rows if cfg.mode == "pull" else push_rows
         if not gemm_first:
-            push_rows(ctx, streams, layout, a, ws, flags, follow=False)
+            produce(ctx, streams, layout, a, ws, flags, follow=False)
         launch_gemm(ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=bias, M=M, N=N, K=K, m_local=m_local,
                     m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
                     flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0))
         if gemm_first:
-            push_rows(ctx, streams, layout, a, ws, flags, follow=False)
-        self._warm[layout] = True
+            produce(ctx, streams, layout, a, ws, flags, follow=False)
+        self._warm[(layout, cfg.mode)] = True
         join(ctx, streams)
         flags.local.zero_()  # every flag was seen by the kernel; peers set them again only after the next barrier
         if not return_gathered:

@@ -21,6 +21,10 @@ class GemmConfig:
     copies, so the GPU computes on the local shard while the host enqueues
     them (the first call of a shape still goes producers first, so every
     kernel the producers use is loaded before a persistent kernel spins).
+    ``mode`` (AllGather-GEMM): "push" (each rank writes its rows into its
+    peers' workspaces and raises their flags) or "pull" (each rank reads its
+    peers' rows from their workspaces and raises its own flags; costs a
+    local copy of the shard and a second barrier per call).
     """
 
     block_m: int = 128
@@ -34,6 +38,11 @@ class GemmConfig:
     num_streams: int | None = None
     num_xcds: int = 1
     gemm_first: bool = False
+    mode: str = "push"
+
+    def __post_init__(self):
+        if self.mode not in ("push", "pull"):
+            raise ValueError(f"GemmConfig.mode must be 'push' or 'pull', got {self.mode!r}")
 
     def chunk_rows(self, m_local: int) -> int:
         if self.m_per_chunk is not None:

@@ -1,4 +1,4 @@
-"""Copy-engine all-gather producer (push).
+"""Copy-engine all-gather producers: push (below) and pull (pull_rows).
 
 Rank r copies its own rows, chunk by chunk, into the same rows of every peer's
 workspace and sets the peer's flag for that chunk after each chunk, on the
@@ -92,6 +92,37 @@ def enqueue_chunks(ctx, streams, layout: ChunkLayout, pairs, flags, dim: int = 0
                 s.copy(*_chunk_views(layout, ctx.rank, j, d, src, ws, dim))
             c = layout.chunk_id(ctx.rank, j)
             s.write_value(flags.peer(d)[c:c + 1], 1)
+
+
+def pull_rows(ctx, streams, layout: ChunkLayout, src: torch.Tensor, ws, flags, dim: int = 0, follow: bool = True):
+    """Pull mode: every peer's rows are read from its workspace into ours, chunk by chunk, and our own flag
+    for each chunk is raised after it, on the same stream. Peers' rows are fetched in the order push mode
+    delivers them (peer ``(r - i) % W`` at step i, on stream ``(i - 1) % n_streams``), so the consumer's
+    tile order is the same.
+
+    Protocol: (1) the streams follow the caller; (2) barrier: every peer has finished reading our
+    workspace's own rows in its previous call (its consumer, which waited for those reads, is done);
+    (3) our shard is copied into our workspace's own rows (the only rows a peer reads); (4) barrier: every
+    rank's own rows are in place; (5) the reads and flags. Flags are only ever written by their owner."""
+    if follow:
+        follow_caller(ctx, streams)
+    first = streams[0]
+    r, W = ctx.rank, ctx.world_size
+    ctx.barrier(first)
+    first.copy(ws.local.narrow(dim, r * layout.m_local, layout.m_local), src)
+    ctx.barrier(first)
+    for s in streams[1:]:
+        s.wait_stream(first)
+    for i in range(1, W):
+        d = (r - i) % W
+        s = streams[(i - 1) % len(streams)]
+        for j in range(layout.chunks_per_rank):
+            ctx.jitter(s)
+            rows = layout.rows(d, j)
+            s.copy(ws.local.narrow(dim, rows.start, rows.stop - rows.start),
+                   ws.peer(d).narrow(dim, rows.start, rows.stop - rows.start))
+            c = layout.chunk_id(d, j)
+            s.write_value(flags.local[c:c + 1], 1)
 
 
 def _chunk_views(layout, r, j, d, src, ws, dim):
