@@ -53,6 +53,20 @@ def time_graphs(rec, ours, nccl, iters):
             rec["note"] += f"{key}: {note}; "
 
 
+def time_variant(rec, name, fn, iters):
+    """``<name>_us`` (eager) and ``<name>_graph_us`` (CUDA-graph replay) of ``fn``; a failure is recorded in the
+    note and leaves None."""
+    rec[f"{name}_us"], note = try_time(fn, iters)
+    rec[f"{name}_graph_us"] = None
+    if note is None:
+        try:
+            rec[f"{name}_graph_us"] = time_dist(capture(fn).replay, iters)
+        except Exception as e:  # noqa: BLE001 - recorded in the note
+            note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    if note:
+        rec["note"] += f"{name}: {note}; "
+
+
 def try_time(fn, iters):
     try:
         return time_dist(fn, iters), None
@@ -124,15 +138,7 @@ def bench_ag_gemm(ctx, shapes, iters):
         rec["nccl_us"] = time_dist(nccl, iters)
         time_graphs(rec, lambda: op(a, w, out=out), nccl, iters)
         ctx.check()
-        # pull mode: each rank reads its peers' rows (eager and in a graph)
-        rec["ours_pull_us"], note = try_time(lambda: op(a, w, out=out, mode="pull"), iters)
-        if note is None:
-            try:
-                rec["ours_pull_graph_us"] = time_dist(capture(lambda: op(a, w, out=out, mode="pull")).replay, iters)
-            except Exception as e:  # noqa: BLE001 - recorded in the note
-                rec["ours_pull_graph_us"], note = None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-        if note:
-            rec["note"] += f"pull: {note}; "
+        time_variant(rec, "ours_pull", lambda: op(a, w, out=out, mode="pull"), iters)  # each rank reads its peers' rows
         ctx.check()
         if fused_ok is None:
             rec["torch_fused_us"], note = try_time(
@@ -178,6 +184,8 @@ def bench_gemm_rs(ctx, shapes, iters):
 
         rec["nccl_us"] = time_dist(nccl, iters)
         time_graphs(rec, lambda: op(a, w, out=out), nccl, iters)
+        time_variant(rec, "ours_copy", lambda: op(a, w, out=out, scatter="copy"), iters)  # copy-engine scatter
+        ctx.check()
         rec["torch_fused_us"], note = try_time(
             lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, group), iters)
         if note:

@@ -9,8 +9,8 @@
 
 GEMM ops, two stages: GEMM tiles (block sizes, warps, stages) with the default
 chunking, then chunk size, producer streams (one per peer or fewer, W > 2)
-and, for AllGather-GEMM, push or pull producers and launch order, with the
-best tiles. Attention: each kernel's tiles (forward, dQ, dK/dV) on
+and, for AllGather-GEMM, push or pull producers and launch order, for
+GEMM-ReduceScatter, stores or copy engines, with the best tiles. Attention: each kernel's tiles (forward, dQ, dK/dV) on
 one GPU, as a rank of one. Every candidate is checked against a torch
 reference first; a failing or uncompilable one is skipped. Times are medians,
 max over ranks; GEMM candidates are timed as CUDA-graph replays. The ops read the table automatically (triton_overlap.tuning).
@@ -134,6 +134,9 @@ def tune_gemm(ctx, kind, shape, dry):
     streams = [None] + sorted({1, max(1, (W - 1) // 2)} - {W - 1})
     chunk_cands = [replace(best, chunks_per_rank=c, num_streams=n)
                    for c in (CHUNKS[:2] if dry else CHUNKS) for n in (streams[:2] if dry else streams)]
+    if kind == "gemm_rs":  # GEMM stores into the owners' slots (no producer streams), or copy engines move the chunks
+        chunk_cands = ([c for c in chunk_cands if c.num_streams is None]
+                       + [replace(c, scatter="copy") for c in chunk_cands])
     if kind == "ag_gemm":  # push or pull producers; launch order (GPUs only)
         chunk_cands += [replace(c, mode="pull") for c in chunk_cands]
         if ctx.backend != "host":

@@ -1,9 +1,12 @@
 """GEMM-ReduceScatter against matmul + reduce_scatter in float32."""
+import dataclasses
+
 import pytest
 import torch
 
 import triton_overlap as to
 from refs import TOL, poison, rand, rel_err
+from triton_overlap.ops.common import default_config
 from triton_overlap.timing import capture
 
 
@@ -19,9 +22,9 @@ def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
     return parts[r], b, rows + (b.float() if bias else 0)
 
 
-def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters):
+def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="store", jitter=0.0):
     dtype = getattr(torch, dtype_name)
-    with to.Context(timeout_s=120) as ctx:
+    with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
         op = to.GEMMReduceScatter(ctx, fallback="never")
         errs = []
@@ -30,8 +33,11 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters):
             if it:
                 recv = ctx.symmetric("gemm_rs.recv", (W, m // W, n), dtype)
                 recv.local.copy_(torch.randn_like(recv.local, dtype=torch.float32))  # stale garbage in our slots
+                for key, plan in op._plans.items():  # and in the copy variant's staging buffer
+                    if key[0] == "staging":
+                        plan[0].copy_(torch.randn_like(plan[0], dtype=torch.float32))
             out = poison(torch.empty((m // W, n), dtype=dtype, device=dev))
-            got = op(a, w, b, out=out, m_per_chunk=m_per_chunk)
+            got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             errs.append(rel_err(got, ref))
@@ -41,16 +47,20 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters):
 
 
 HOST_CASES = [
-    # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters; 24 | m: W = 2, 3, 4, 8
-    (37 * 24, 48, 40, "bfloat16", True, False, 16, 2),
-    (29 * 24, 64, 33, "float16", False, True, 7, 2),
-    (32 * 24, 40, 24, "bfloat16", False, False, None, 1),
+    # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters, scatter, producer jitter (s)
+    # 24 | m: W = 2, 3, 4, 8
+    (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
+    (29 * 24, 64, 33, "float16", False, True, 7, 2, "store", 0.0),
+    (32 * 24, 40, 24, "bfloat16", False, False, None, 1, "store", 0.0),
+    (37 * 24, 48, 40, "bfloat16", True, True, 16, 2, "copy", 0.003),
+    (29 * 24, 64, 33, "float16", False, False, 7, 2, "copy", 0.0),
 ]
 GPU_CASES = [
-    (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3),
-    (4091 * 4, 512, 1000, "float16", False, True, 1000, 3),
-    (2048, 4096, 4096, "bfloat16", False, True, None, 3),
-    (256 * 4, 256, 512, "bfloat16", True, False, 37, 3),
+    (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0),
+    (4091 * 4, 512, 1000, "float16", False, True, 1000, 3, "store", 0.0),
+    (2048, 4096, 4096, "bfloat16", False, True, None, 3, "store", 0.0),
+    (256 * 4, 256, 512, "bfloat16", True, False, 37, 3, "store", 0.0),
+    (4091 * 2 * 2, 1024, 1536, "bfloat16", True, True, 512, 3, "copy", 0.0005),
 ]
 
 
@@ -62,10 +72,10 @@ def test_gemm_rs_matches_reference(pool, case):
     pool.run(_case, *cases[case])
 
 
-def _back_to_back(n_calls, m, k, n):
+def _back_to_back(n_calls, m, k, n, scatter="store"):
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.GEMMReduceScatter(ctx, fallback="never")
+        op = to.GEMMReduceScatter(ctx, dataclasses.replace(default_config(ctx), scatter=scatter), fallback="never")
         outs, refs = [], []
         for i in range(n_calls):  # no host synchronisation between calls
             (a, w), _, ref = _reference(m, k, n, torch.bfloat16, dev, i, W, r, False, False)
@@ -78,9 +88,10 @@ def _back_to_back(n_calls, m, k, n):
         return worst
 
 
-def test_gemm_rs_100_back_to_back_calls(pool):
+@pytest.mark.parametrize("scatter", ["store", "copy"])
+def test_gemm_rs_100_back_to_back_calls(pool, scatter):
     shape = (24 * 4, 32, 32) if pool.backend == "host" else (2048, 1024, 1024)
-    pool.run(_back_to_back, 100, *shape)
+    pool.run(_back_to_back, 100, *shape, scatter)
 
 
 def _bad_inputs():
@@ -127,10 +138,10 @@ def test_gemm_rs_small_shapes_fall_back(pool):
     assert all(pool.run(_fallback_path))
 
 
-def _graph(replays, m, k, n):
+def _graph(replays, m, k, n, scatter="store"):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.GEMMReduceScatter(ctx, fallback="never")
+        op = to.GEMMReduceScatter(ctx, dataclasses.replace(default_config(ctx), scatter=scatter), fallback="never")
         a = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
         w = torch.empty((k, n), dtype=torch.bfloat16, device=dev)
         out = torch.empty((m // W, n), dtype=torch.bfloat16, device=dev)
@@ -149,7 +160,8 @@ def _graph(replays, m, k, n):
         return True
 
 
-def test_gemm_rs_cuda_graph_replay(pool):
+@pytest.mark.parametrize("scatter", ["store", "copy"])
+def test_gemm_rs_cuda_graph_replay(pool, scatter):
     if pool.backend == "host":
         pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_graph, 20, 2048, 512, 768))
+    assert all(pool.run(_graph, 20, 2048, 512, 768, scatter))

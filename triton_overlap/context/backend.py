@@ -35,6 +35,12 @@ class Stream(abc.ABC):
     def write_value(self, flag: torch.Tensor, value: int) -> None:
         """Write a 32-bit constant into ``flag`` after all earlier work on this stream."""
 
+    def wait_value(self, flag: torch.Tensor, value: int, what: str = "") -> None:
+        """Later work on this stream waits until the int32 in ``flag`` reaches ``value`` (``(int32)(*flag -
+        value) >= 0``). On GPUs this is a stream memory wait, which cannot time out: wait only for values that
+        this rank's own kernels, which wait on nothing, are sure to write. ``what`` names the wait in errors."""
+        raise NotImplementedError(f"{type(self).__name__} has no stream wait-value")
+
     @abc.abstractmethod
     def wait_stream(self, other: "Stream") -> None:
         """Work enqueued on this stream later runs after all work enqueued on ``other`` so far."""

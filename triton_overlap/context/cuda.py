@@ -111,6 +111,8 @@ class CudaStream(Stream):
         self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
         self._write32 = drv.cuStreamWriteValue32
         self._write_flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
+        self._wait32 = drv.cuStreamWaitValue32
+        self._wait_flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ  # (int32)(*addr - value) >= 0
 
     def _copy2d(self, dptr, dp, sptr, sp, w, h):
         if h == 1:
@@ -132,6 +134,10 @@ class CudaStream(Stream):
 
     def write_value(self, flag, value):
         self.write_value_ptr(flag.data_ptr(), value)
+
+    def wait_value(self, flag, value, what=""):
+        check(self._wait32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, self._wait_flags),
+              f"stream wait-value {what}")
 
     def wait_stream(self, other):
         self.torch_stream.wait_stream(other.torch_stream)

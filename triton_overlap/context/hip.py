@@ -40,6 +40,10 @@ class HipStream(CudaStream):
         self._d2d = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
         self._write32 = hip.hipStreamWriteValue32
         self._write_flags = 0
+        # hipStreamWaitValue32(stream, ptr, value, flags, mask): Gte compares (*ptr & mask) >= value
+        self._wait32 = lambda stream, ptr, value, flags: hip.hipStreamWaitValue32(stream, ptr, value, flags,
+                                                                                  0xFFFFFFFF)
+        self._wait_flags = hip.hipStreamWaitValueGte
 
 
 class HipBackend(CudaBackend):

@@ -47,6 +47,9 @@ class _Main(Stream):
     def write_value(self, flag, value):
         flag.fill_(_as_int32(value))
 
+    def wait_value(self, flag, value, what=""):
+        _spin_until(flag, value, self.timeout_s, what)
+
     def wait_stream(self, other):
         if isinstance(other, HostStream):
             other.synchronize()
@@ -56,6 +59,16 @@ class _Main(Stream):
 
     def jitter(self, max_s):
         time.sleep(random.uniform(0.0, max_s))
+
+
+def _spin_until(flag, value: int, timeout_s: float, what: str) -> None:
+    """Poll ``flag`` until ``(int32)(flag - value) >= 0``; TimeoutError naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while _as_int32(int(flag.item()) - value) < 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"host stream: {what or 'a flag'} did not reach {value} in {timeout_s:.1f} s "
+                               f"(it holds {int(flag.item())})")
+        time.sleep(1e-4)
 
 
 def _as_int32(value: int) -> int:
@@ -93,6 +106,9 @@ class HostStream(Stream):
     def write_value(self, flag, value):
         v = _as_int32(value)
         self._q.put(lambda: flag.fill_(v))
+
+    def wait_value(self, flag, value, what=""):
+        self._q.put(lambda: _spin_until(flag, value, self.timeout_s, what))
 
     def wait_stream(self, other):
         if not isinstance(other, HostStream) or other is self:

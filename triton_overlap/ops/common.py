@@ -25,6 +25,10 @@ class GemmConfig:
     peers' workspaces and raises their flags) or "pull" (each rank reads its
     peers' rows from their workspaces and raises its own flags; costs a
     local copy of the shard and a second barrier per call).
+    ``scatter`` (GEMM-ReduceScatter): "store" (the GEMM stores peers' tiles
+    straight into their receive slots over NVLink) or "copy" (the GEMM stores
+    them locally; copy engines move each chunk once the GEMM's counter for it
+    is complete, waiting with a stream wait-value).
     """
 
     block_m: int = 128
@@ -39,10 +43,13 @@ class GemmConfig:
     num_xcds: int = 1
     gemm_first: bool = False
     mode: str = "push"
+    scatter: str = "store"
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
             raise ValueError(f"GemmConfig.mode must be 'push' or 'pull', got {self.mode!r}")
+        if self.scatter not in ("store", "copy"):
+            raise ValueError(f"GemmConfig.scatter must be 'store' or 'copy', got {self.scatter!r}")
 
     def chunk_rows(self, m_local: int) -> int:
         if self.m_per_chunk is not None:

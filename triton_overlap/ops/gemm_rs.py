@@ -12,9 +12,13 @@ finished its previous reduction and reset its counters, so its receive slots
 may be written) -> GEMM -> reduction -> counters reset. Every value is a
 constant or lives in device memory, so the op can be captured in a CUDA graph.
 
-The variant in which copy engines move finished chunks (waiting on the GEMM's
-counters with cuStreamWaitValue32) is not built: on the H200s a stream
-wait-value blocked later work on the caller's stream (README).
+``GemmConfig(scatter="copy")``: the copy-engine variant. The GEMM stores
+peers' tiles into a local staging buffer and bumps local per-chunk counters;
+on a stream pool, each peer chunk's copy waits for its counter to be complete
+(a stream wait-value, enqueued after the GEMM is), moves the chunk into the
+owner's receive slot and then writes the owner's counter to its final count,
+so the owner's reduction is the same. The stream waits depend only on this
+rank's GEMM, which waits on nothing.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout, cdiv
 from ..kernels.reduce import reduce_partials
+from ..producers.allgather import join
 from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
 
 OP = op_id("gemm_rs")
@@ -87,10 +92,20 @@ class GEMMReduceScatter(OverlapOp):
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
         out = torch.empty((m_local, N), dtype=a.dtype, device=a.device) if out is None else out
 
+        copy = cfg.scatter == "copy"
         ctx.barrier()  # owners have reduced the previous call and reset their counters
+        if copy:
+            streams = ctx.streams(cfg.streams_for(W))
+            for s in streams:  # the copies come after the barrier; enqueued before the GEMM, they would not wait
+                s.wait_stream(ctx.current_stream())  # for it, only for what the caller's stream holds now
+            staging, done, scatter_ptrs, counter_ptrs = self._staging(recv, counters, layout, a.dtype)
+        else:
+            scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
         launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m_local, N), bias=None, M=M, N=N, K=K, m_local=m_local,
                     m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
-                    flags=counters.local, op=OP, gather=False, scatter_ptrs=recv.ptrs, counter_ptrs=counters.ptrs)
+                    flags=counters.local, op=OP, gather=False, scatter_ptrs=scatter_ptrs, counter_ptrs=counter_ptrs)
+        if copy:
+            self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
         block_m, block_n = (32, 32) if ctx.backend == "host" else (64, 128)
         programs = max(1, min(ctx.num_compute_units(), cdiv(m_local, block_m) * cdiv(N, block_n)))
         reduce_partials[(programs,)](recv.local, out, bias if bias is not None else out, counters.local, expected,
@@ -99,8 +114,59 @@ class GEMMReduceScatter(OverlapOp):
                                      BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs, CLOCK=ctx.clock,
                                      num_warps=4)
         ctx.after_launch()
+        if copy:
+            join(ctx, streams)
+            done.zero_()  # every local count was waited for by the copies just joined
         counters.local.zero_()  # every count was seen; peers add again only after the next barrier
         return out
+
+    def _staging(self, recv, counters, layout, dtype):
+        """Copy variant: the local staging buffer [W, m_local, N] and counters [W * chunks_per_rank], and the
+        GEMM's store and counter address tables: peers' tiles land in staging[owner] (the kernel adds row
+        ``rank * m_local``, so each base is moved back by that much) and bump done[owner * chunks + j];
+        our own rows go to our receive slot and counters, as in the store variant."""
+        ctx = self.ctx
+        W, r = ctx.world_size, ctx.rank
+        m_local, N = recv.local.shape[1], recv.local.shape[2]
+        key = ("staging", m_local, N, dtype, layout.chunks_per_rank, recv.local.data_ptr(), counters.local.data_ptr())
+        got = self._plans.get(key)
+        if got is None:
+            staging = torch.empty((W, m_local, N), dtype=dtype, device=ctx.device)
+            done = torch.zeros(W * layout.chunks_per_rank, dtype=torch.int32, device=ctx.device)
+            shift = r * m_local * N * staging.element_size()
+            cpr4 = layout.chunks_per_rank * done.element_size()
+            ptrs = [recv.local.data_ptr() if o == r else staging[o].data_ptr() - shift for o in range(W)]
+            cptrs = [counters.local.data_ptr() if o == r else done.data_ptr() + (o - r) * cpr4 for o in range(W)]
+            got = self._plans[key] = (staging, done, torch.tensor(ptrs, dtype=torch.int64, device=ctx.device),
+                                      torch.tensor(cptrs, dtype=torch.int64, device=ctx.device))
+        return got
+
+    def _counts(self, layout, n, cfg):
+        """[owner][j]: how many tile stores the GEMM makes into chunk j of each owner's rows."""
+        key = ("counts", layout, n, cfg.block_m, cfg.block_n)
+        counts = self._plans.get(key)
+        if counts is None:
+            counts = [[0] * layout.chunks_per_rank for _ in range(layout.world)]
+            for t in range(cdiv(layout.world * layout.m_local, cfg.block_m)):
+                for c in layout.tile_chunks(t, cfg.block_m):
+                    counts[c // layout.chunks_per_rank][c % layout.chunks_per_rank] += cdiv(n, cfg.block_n)
+            self._plans[key] = counts
+        return counts
+
+    def _copy_chunks(self, streams, layout, staging, done, recv, counters, counts):
+        """Per peer (send order r+1, r+2, ...; peer i on stream (i - 1) % n), per chunk: wait for the GEMM's
+        count, copy the chunk into the owner's slot for this rank, then write the owner's counter."""
+        ctx = self.ctx
+        W, r, cpr = ctx.world_size, ctx.rank, layout.chunks_per_rank
+        for i in range(1, W):
+            d = (r + i) % W
+            s = streams[(i - 1) % len(streams)]
+            for j in range(cpr):
+                rows = layout.local_rows(j)
+                s.wait_value(done[d * cpr + j:d * cpr + j + 1], counts[d][j], f"rank {r} gemm_rs chunk {j} for rank {d}")
+                ctx.jitter(s)
+                s.copy(recv.peer(d)[r, rows], staging[d, rows])
+                s.write_value(counters.peer(d)[r * cpr + j:r * cpr + j + 1], counts[d][j])
 
     def _plan(self, m_local: int, n: int, cfg: GemmConfig):
         """Chunk layout, GEMM tile order and the count each chunk's counter reaches, per shape."""
