@@ -53,18 +53,17 @@ def time_graphs(rec, ours, nccl, iters):
             rec["note"] += f"{key}: {note}; "
 
 
-def time_variant(rec, name, fn, iters):
-    """``<name>_us`` (eager) and ``<name>_graph_us`` (CUDA-graph replay) of ``fn``; a failure is recorded in the
-    note and leaves None."""
-    rec[f"{name}_us"], note = try_time(fn, iters)
-    rec[f"{name}_graph_us"] = None
-    if note is None:
-        try:
-            rec[f"{name}_graph_us"] = time_dist(capture(fn).replay, iters)
-        except Exception as e:  # noqa: BLE001 - recorded in the note
-            note = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    if note:
-        rec["note"] += f"{name}: {note}; "
+def time_variant(ctx, rec, name, fn, iters):
+    """``<name>_us`` (eager) and ``<name>_graph_us`` (CUDA-graph replay) of ``fn``; a failure, or a wait that
+    timed out (ctx.check), is recorded in the note and leaves None, and the benchmark goes on."""
+    rec[f"{name}_us"] = rec[f"{name}_graph_us"] = None
+    try:
+        rec[f"{name}_us"] = time_dist(fn, iters)
+        ctx.check()
+        rec[f"{name}_graph_us"] = time_dist(capture(fn).replay, iters)
+        ctx.check()
+    except Exception as e:  # noqa: BLE001 - recorded in the note
+        rec["note"] += f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
 
 
 def try_time(fn, iters):
@@ -102,7 +101,7 @@ def consumer_only(ctx, cfg, a_full, w, out):
                                m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=z, op=0, gather=False)
 
 
-def bench_ag_gemm(ctx, shapes, iters):
+def bench_ag_gemm(ctx, shapes, iters, write_partial):
     W = ctx.world_size
     records = []
     try:
@@ -138,8 +137,6 @@ def bench_ag_gemm(ctx, shapes, iters):
         rec["nccl_us"] = time_dist(nccl, iters)
         time_graphs(rec, lambda: op(a, w, out=out), nccl, iters)
         ctx.check()
-        time_variant(rec, "ours_pull", lambda: op(a, w, out=out, mode="pull"), iters)  # each rank reads its peers' rows
-        ctx.check()
         if fused_ok is None:
             rec["torch_fused_us"], note = try_time(
                 lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [w], 0, dist.group.WORLD.group_name), iters)
@@ -151,11 +148,14 @@ def bench_ag_gemm(ctx, shapes, iters):
         rec["bound_us"] = time_local(lambda: torch.matmul(gathered, w, out=out))
         rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config_for((M, K, N)), gathered, w, out))
         records.append(rec)
+        write_partial(records)  # the variant below has not run on a GPU before: keep what is measured
+        time_variant(ctx, rec, "ours_pull", lambda: op(a, w, out=out, mode="pull"), iters)  # ranks read peers' rows
+        write_partial(records)
         say(_row(rec))
     return records
 
 
-def bench_gemm_rs(ctx, shapes, iters):
+def bench_gemm_rs(ctx, shapes, iters, write_partial):
     W = ctx.world_size
     records = []
     import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
@@ -184,8 +184,6 @@ def bench_gemm_rs(ctx, shapes, iters):
 
         rec["nccl_us"] = time_dist(nccl, iters)
         time_graphs(rec, lambda: op(a, w, out=out), nccl, iters)
-        time_variant(rec, "ours_copy", lambda: op(a, w, out=out, scatter="copy"), iters)  # copy-engine scatter
-        ctx.check()
         rec["torch_fused_us"], note = try_time(
             lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, group), iters)
         if note:
@@ -194,6 +192,9 @@ def bench_gemm_rs(ctx, shapes, iters):
         rec["bound_us"] = time_local(lambda: torch.matmul(a, w, out=full))
         rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config_for((M, K, N)), a, w, full))
         records.append(rec)
+        write_partial(records)  # the variant below has not run on a GPU before (a stream wait cannot time out)
+        time_variant(ctx, rec, "ours_copy", lambda: op(a, w, out=out, scatter="copy"), iters)  # copy-engine scatter
+        write_partial(records)
         say(_row(rec))
     return records
 
@@ -378,12 +379,15 @@ def _row(r):
             f"{f(r.get('host_enqueue_us'))} | {f(r['nccl_us'])} | {f(r.get('torch_fused_us'))} | "
             f"{f(r['bound_us'])} | {f(r['consumer_only_us'])} | {sp:.2f}x | {'n/a' if fused is None else f'{fused:.2f}x'} | "
             f"{vs_bound:.2f} | {r['bound_us'] / r['consumer_only_us']:.2f} | {f(r.get('ours_graph_us'))} | "
-            f"{f(r.get('nccl_graph_us'))} | {'n/a' if gsp is None else f'{gsp:.2f}x'} |")
+            f"{f(r.get('nccl_graph_us'))} | {'n/a' if gsp is None else f'{gsp:.2f}x'} | "
+            f"{f(r.get('ours_pull_us', r.get('ours_copy_us')))} | "
+            f"{f(r.get('ours_pull_graph_us', r.get('ours_copy_graph_us')))} |")
 
 
 HEADER = ("| M | K | N | ours µs | ours, GEMM launched first µs | host enqueue µs | NCCL+cuBLAS µs | torch fused µs | "
           "bound µs | consumer alone µs | speed-up vs NCCL | speed-up vs fused | ours / bound | consumer vs cuBLAS | "
-          "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up |\n|" + "---|" * 17)
+          "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up | variant µs | variant graph µs |\n|" + "---|" * 19)
+# variant: AllGather-GEMM pull mode (ours_pull_*), GEMM-ReduceScatter copy-engine scatter (ours_copy_*)
 
 
 def write(op_name, records, W):
@@ -445,10 +449,11 @@ def main():
             dist.destroy_process_group()
             return
         say(HEADER)
+        partial = lambda recs: ctx.rank == 0 and write(args.op, recs, ctx.world_size)  # noqa: E731
         if args.op == "ag_gemm":
-            records = bench_ag_gemm(ctx, shapes or AG_SHAPES, args.iters)
+            records = bench_ag_gemm(ctx, shapes or AG_SHAPES, args.iters, partial)
         else:
-            records = bench_gemm_rs(ctx, shapes or RS_SHAPES, args.iters)
+            records = bench_gemm_rs(ctx, shapes or RS_SHAPES, args.iters, partial)
         if ctx.rank == 0:
             geo = write(args.op, records, ctx.world_size)
             say(f"geometric-mean speed-up over NCCL + cuBLAS: {geo:.3f}x")
