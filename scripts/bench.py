@@ -291,6 +291,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             del held
         if B == 1:
             parts_out = torch.empty(2, B, S_loc, Hkv, D, device="cuda", dtype=torch.float32)
+            parts = torch.empty(W, 2, B, S_loc, Hkv, D, device="cuda", dtype=torch.float32)
             scale = 1.0 / D ** 0.5
 
             def nccl_fwd_bwd():  # gather once (kept), forward, backward, reduce_scatter of the dK/dV partials
@@ -298,7 +299,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
                 dist.all_gather_into_tensor(vg, v)
                 kw, vw = kg.view(B, W * S_loc, Hkv, D), vg.view(B, W * S_loc, Hkv, D)
                 o, lse_ = forward_on_gathered(ctx, q, k, v, kw, vw, r, W, causal, scale, cfg)
-                dq, parts = backward_on_gathered(ctx, q, k, v, kw, vw, o, lse_, dout, r, W, causal, scale, cfg)
+                dq, _ = backward_on_gathered(ctx, q, k, v, kw, vw, o, lse_, dout, r, W, causal, scale, cfg, parts)
                 dist.reduce_scatter_tensor(parts_out, parts)
                 return dq, parts_out[0].to(k.dtype), parts_out[1].to(v.dtype)
 

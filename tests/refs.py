@@ -25,3 +25,20 @@ def poison(t):
     else:
         t.random_(-(2**31), 2**31 - 1)
     return t
+
+
+def check_replays(call, out, replays, load):
+    """CUDA-graph replay check: ``load(i)`` writes replay i's inputs into the tensors ``call`` reads and
+    returns the float32 reference; ``call`` (captured once, after ``load(-1)``) writes ``out``, which is
+    poisoned before every replay."""
+    from triton_overlap.timing import capture
+
+    load(-1)
+    g = capture(call)
+    for i in range(replays):
+        ref = load(i)
+        poison(out)
+        g.replay()
+        torch.cuda.synchronize()
+        err = rel_err(out, ref)
+        assert err < TOL[out.dtype], f"replay {i}: rel err {err:.2e}"

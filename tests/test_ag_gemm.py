@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import triton_overlap as to
-from refs import TOL, poison, rand, rel_err
+from refs import TOL, check_replays, poison, rand, rel_err
 from triton_overlap.ops.common import default_config
-from triton_overlap.timing import capture
 
 
 def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push"):
@@ -156,16 +155,12 @@ def _graph(replays, m_local, k, n, mode="push"):
         a = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
         w = rand((k, n), torch.bfloat16, dev, "w", r)
         out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
-        a.copy_(rand((m_local, k), torch.bfloat16, dev, "a", -1, r))
-        g = capture(lambda: op(a, w, out=out))
-        for i in range(replays):
+
+        def load(i):
             a.copy_(rand((m_local, k), torch.bfloat16, dev, "a", i, r))
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            full = torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", i, s) for s in range(W)]).float()
-            err = rel_err(out, full @ w.float())
-            assert err < TOL[torch.bfloat16], f"replay {i}: {err}"
+            return torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", i, s) for s in range(W)]).float() @ w.float()
+
+        check_replays(lambda: op(a, w, out=out), out, replays, load)
         ctx.check()
         return True
 

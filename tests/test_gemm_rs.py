@@ -5,9 +5,8 @@ import pytest
 import torch
 
 import triton_overlap as to
-from refs import TOL, poison, rand, rel_err
+from refs import TOL, check_replays, poison, rand, rel_err
 from triton_overlap.ops.common import default_config
-from triton_overlap.timing import capture
 
 
 def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
@@ -145,17 +144,13 @@ def _graph(replays, m, k, n, scatter="store"):
         a = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
         w = torch.empty((k, n), dtype=torch.bfloat16, device=dev)
         out = torch.empty((m // W, n), dtype=torch.bfloat16, device=dev)
-        (a0, w0), _, _ = _reference(m, k, n, torch.bfloat16, dev, -1, W, r, False, False)
-        a.copy_(a0), w.copy_(w0)
-        g = capture(lambda: op(a, w, out=out))
-        for i in range(replays):
+
+        def load(i):
             (ai, wi), _, ref = _reference(m, k, n, torch.bfloat16, dev, i, W, r, False, False)
             a.copy_(ai), w.copy_(wi)
-            out.fill_(float("nan"))
-            g.replay()
-            torch.cuda.synchronize()
-            err = rel_err(out, ref)
-            assert err < TOL[torch.bfloat16], f"replay {i}: {err}"
+            return ref
+
+        check_replays(lambda: op(a, w, out=out), out, replays, load)
         ctx.check()
         return True
 

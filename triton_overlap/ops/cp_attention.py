@@ -92,6 +92,19 @@ def launch_bwd(q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, f
     return cdiv(S, b.block_n) * B * Hkv
 
 
+_READY: dict = {}
+_TABLES: dict = {}
+
+
+def _all_ready(n: int, device) -> torch.Tensor:
+    """``n`` flags that are all up, for kernels reading K/V that are already in place (one tensor per size)."""
+    key = (n, str(device))
+    t = _READY.get(key)
+    if t is None:
+        t = _READY[key] = torch.ones(n, dtype=torch.int32, device=device)
+    return t
+
+
 @contextmanager
 def _pushing(ctx, streams, layout, pairs, flags, kernel_first: bool):
     """Barrier, then the body (the consumer's launch) and the copies. ``kernel_first``: the kernel is queued
@@ -135,7 +148,6 @@ class ContextParallelAttention:
         self.keep_kv = keep_kv
         self.kernel_first = True  # see _kernel_first
         self._called: set = set()
-        self._ones: dict = {}
         self._config = config
         self._configs: dict = {}
         self._agreed: set = set()
@@ -169,13 +181,6 @@ class ContextParallelAttention:
         seen = key in self._called
         self._called.add(key)
         return self.kernel_first and seen
-
-    def _ready(self, n: int) -> torch.Tensor:
-        """Flags that are all up, for kernels reading K/V that are already in place."""
-        t = self._ones.get(n)
-        if t is None:
-            t = self._ones[n] = torch.ones(n, dtype=torch.int32, device=self.ctx.device)
-        return t
 
     def _shape_key(self, q, k, causal):
         return (q.shape[1] * self.ctx.world_size, q.shape[2], k.shape[2], q.shape[3], int(causal))
@@ -274,7 +279,7 @@ class ContextParallelAttention:
         if kept_k is not None:
             # no gather: every chunk is ready. The barrier still orders this call's dK/dV stores into the
             # peers' receive slots after the peers' previous reductions (which reset their counters).
-            ready = self._ready(layout.num_chunks)
+            ready = _all_ready(layout.num_chunks, q.device)
             ctx.barrier()
             expected = launch(kept_k, kept_v, ready)
             ctx.after_launch()
@@ -309,31 +314,38 @@ def forward_on_gathered(ctx, q, k, v, kg, vg, rank, world, causal, scale, cfg: A
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
     cpr = cfg.chunks_per_rank
-    ready = torch.ones(world * cpr, dtype=torch.int32, device=q.device)
-    launch_fwd(q, k, v, kg, vg, out, lse, ready, ctx.err, ctx.budget, rank, world, OP, S // cpr, cpr, scale, causal,
-               cfg.fwd, ctx.clock, ctx.backend == "host")
+    launch_fwd(q, k, v, kg, vg, out, lse, _all_ready(world * cpr, q.device), ctx.err, ctx.budget, rank, world, OP,
+               S // cpr, cpr, scale, causal, cfg.fwd, ctx.clock, ctx.backend == "host")
     return out, lse
 
 
-def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, causal, scale, cfg: AttentionConfig):
+def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, causal, scale, cfg: AttentionConfig,
+                         parts=None):
     """The backward kernels as rank ``rank`` of ``world`` on gathered K/V (see forward_on_gathered).
-    Returns dq and this rank's float32 dK/dV partials for every owner, [world, 2, B, S, Hkv, D]: the sum over
-    ranks of entry o is owner o's (dK, dV), e.g. through reduce_scatter_tensor."""
+    Returns dq and this rank's float32 dK/dV partials for every owner, [world, 2, B, S, Hkv, D] (into
+    ``parts`` when given): the sum over ranks of entry o is owner o's (dK, dV), e.g. through
+    reduce_scatter_tensor. The address tables are cached per ``parts`` buffer, so a caller that passes the
+    same buffer makes no host-to-device copy per call."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     dev = q.device
     cpr = cfg.chunks_per_rank
-    parts = torch.empty((world, 2, B, S, Hkv, D), dtype=torch.float32, device=dev)
-    # the kernel stores into owner o's receive slot ``rank``; aim each owner's base so that slot is parts[o]
-    shift = rank * parts[0].numel() * parts.element_size()
-    recv_ptrs = torch.tensor([parts[o].data_ptr() - shift for o in range(world)], dtype=torch.int64, device=dev)
-    counters = torch.zeros(world, dtype=torch.int32, device=dev)  # bumped, never waited for
-    counter_ptrs = torch.full((world,), counters.data_ptr(), dtype=torch.int64, device=dev)
+    if parts is None:
+        parts = torch.empty((world, 2, B, S, Hkv, D), dtype=torch.float32, device=dev)
+    key = (parts.data_ptr(), parts[0].numel(), rank, world, str(dev))
+    tables = _TABLES.get(key)
+    if tables is None:
+        # the kernel stores into owner o's receive slot ``rank``; aim each owner's base so that slot is parts[o]
+        shift = rank * parts[0].numel() * parts.element_size()
+        recv_ptrs = torch.tensor([parts[o].data_ptr() - shift for o in range(world)], dtype=torch.int64, device=dev)
+        counters = torch.zeros(world, dtype=torch.int32, device=dev)  # bumped, never waited for
+        counter_ptrs = torch.full((world,), counters.data_ptr(), dtype=torch.int64, device=dev)
+        tables = _TABLES[key] = (recv_ptrs, counters, counter_ptrs)
+    recv_ptrs, _, counter_ptrs = tables
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     dq = torch.empty_like(q)
-    ready = torch.ones(world * cpr, dtype=torch.int32, device=dev)
-    launch_bwd(q, k, v, kg, vg, dout, lse, delta, dq, recv_ptrs, counter_ptrs, ready, ctx.err, ctx.budget, rank,
-               world, OP, S // cpr, cpr, scale, causal, cfg, ctx.clock, ctx.backend == "host")
+    launch_bwd(q, k, v, kg, vg, dout, lse, delta, dq, recv_ptrs, counter_ptrs, _all_ready(world * cpr, dev), ctx.err,
+               ctx.budget, rank, world, OP, S // cpr, cpr, scale, causal, cfg, ctx.clock, ctx.backend == "host")
     return dq, parts
 
 

@@ -142,7 +142,8 @@ class GEMMReduceScatter(OverlapOp):
         return got
 
     def _counts(self, layout, n, cfg):
-        """[owner][j]: how many tile stores the GEMM makes into chunk j of each owner's rows."""
+        """[owner][j]: how many tile stores the GEMM makes into chunk j of each owner's rows (the m-tiles over
+        the chunk, times the n-tiles)."""
         key = ("counts", layout, n, cfg.block_m, cfg.block_n)
         counts = self._plans.get(key)
         if counts is None:
@@ -179,13 +180,8 @@ class GEMMReduceScatter(OverlapOp):
             # peers' rows in send order (r+1, r+2, ...), chunk by chunk; our own rows last
             when = {layout.chunk_id((r + i) % W, j): (i, j) for i in range(1, W) for j in range(layout.chunks_per_rank)}
             order = torch.tensor(layout.tile_order(cfg.block_m, when, last=True), dtype=torch.int32, device=ctx.device)
-            # stores each of our chunks gets from one source: the m-tiles over it, times the n-tiles
-            per_j = [0] * layout.chunks_per_rank
-            for t in range(cdiv(W * m_local, cfg.block_m)):
-                for c in layout.tile_chunks(t, cfg.block_m):
-                    if c // layout.chunks_per_rank == r:
-                        per_j[c % layout.chunks_per_rank] += cdiv(n, cfg.block_n)
-            expected = torch.tensor(per_j, dtype=torch.int32, device=ctx.device)
+            # stores each of our chunks gets from one source (every source tiles the rows the same way)
+            expected = torch.tensor(self._counts(layout, n, cfg)[r], dtype=torch.int32, device=ctx.device)
             plan = self._plans[key] = (layout, order, expected)
         return plan
 
