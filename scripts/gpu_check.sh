@@ -7,6 +7,7 @@ cd "$root"
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}" NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
 unset TRITON_INTERPRET
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+[ -n "${CUDA_VISIBLE_DEVICES:-}" ] && gpus=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
 [ "$gpus" -ge 2 ] || { echo "gpu_check: needs at least 2 GPUs, found $gpus" >&2; exit 1; }
 worlds="cuda:2"
 [ "$gpus" -ge 4 ] && worlds="$worlds,cuda:4"

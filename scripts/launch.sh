@@ -23,6 +23,9 @@ gpus=0
 if [ "${TRITON_OVERLAP_BACKEND:-auto}" != "host" ]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+    if [ -n "${CUDA_VISIBLE_DEVICES:-}" ]; then  # a subset of the GPUs, e.g. CUDA_VISIBLE_DEVICES=0,1
+      gpus=$(echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | grep -c .)
+    fi
   elif command -v rocm-smi >/dev/null 2>&1; then
     gpus=$(rocm-smi --showid 2>/dev/null | grep -c '^GPU\[' || true)
   fi
