@@ -145,9 +145,20 @@ class CudaStream(Stream):
     def synchronize(self):
         self.torch_stream.synchronize()
 
+    #: testing aid: the jitter is a local copy of up to this many bytes, at roughly this many bytes per second
+    JITTER_BYTES, JITTER_RATE = 64 << 20, 2e11
+
     def jitter(self, max_s):
-        with torch.cuda.stream(self.torch_stream):
-            torch.cuda._sleep(int(random.uniform(0.0, max_s) * 1.5e9))
+        """Delay by a local copy-engine copy of random length. Not a sleep kernel: that needs an SM, and a
+        persistent kernel spinning on every SM (a reduction waiting for this very copy) would starve it."""
+        scratch = getattr(self, "_scratch", None)
+        if scratch is None:
+            scratch = self._scratch = torch.empty(2 * self.JITTER_BYTES, dtype=torch.uint8,
+                                                  device=self.torch_stream.device)
+            scratch.record_stream(self.torch_stream)
+        n = min(self.JITTER_BYTES, int(random.uniform(0.0, max_s) * self.JITTER_RATE))
+        if n:
+            self._copy2d(scratch.data_ptr(), n, scratch.data_ptr() + self.JITTER_BYTES, n, n, 1)
 
 
 class CudaBackend(Backend):
