@@ -22,11 +22,15 @@ import triton_overlap as to  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
 
 
-def host_us(fn, iters=20):
+def host_us(fn, iters=20, busy=False):
+    """Median host µs per call, max over ranks; ``busy``: the GPU is kept busy (a sleep kernel) meanwhile, as in
+    a model whose host runs ahead of the GPU, so no call pays for waking an idle device."""
     times = []
     for _ in range(iters):
         torch.cuda.synchronize()
         dist.barrier()
+        if busy:
+            torch.cuda._sleep(20_000_000)
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
@@ -41,14 +45,17 @@ def profile(ctx, name, fn, iters=20):
     for _ in range(iters):
         torch.cuda.synchronize()
         dist.barrier()
+        torch.cuda._sleep(20_000_000)  # GPU busy: the host's own cost, not an idle device's wake-up
         pr.enable()
         fn()
         pr.disable()
     torch.cuda.synchronize()
     if ctx.rank == 0:
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(22)
-        say(f"--- cProfile {name} ({iters} calls), by own time\n" + s.getvalue())
+        st = pstats.Stats(pr, stream=io.StringIO())
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][3])[:30]
+        lines = [f"{ct / iters * 1e6:9.1f} {tt / iters * 1e6:9.1f} {nc / iters:6.1f}  {fn[0].split('/')[-1]}:{fn[1]}({fn[2]})"
+                 for fn, (cc, nc, tt, ct, _) in rows]
+        say(f"--- cProfile {name}: per call µs cumulative, µs own, calls per call, function\n" + "\n".join(lines))
 
 
 def main():
@@ -64,7 +71,11 @@ def main():
             ag(a, w, out=out)
         torch.cuda.synchronize()
         ctx.check()
-        say(f"ag_gemm {M}x{K}x{N} W={W}: whole call {host_us(lambda: ag(a, w, out=out)):.1f} µs host")
+        say(f"ag_gemm {M}x{K}x{N} W={W}: whole call {host_us(lambda: ag(a, w, out=out)):.1f} µs host, "
+            f"{host_us(lambda: ag(a, w, out=out), busy=True):.1f} µs with the GPU busy")
+        say(f"  one barrier launch, GPU busy: {host_us(lambda: ctx.barrier(), busy=True):.1f} µs host")
+        say(f"  torch.matmul, GPU idle / busy: {host_us(lambda: torch.matmul(a, w)):.1f} / "
+            f"{host_us(lambda: torch.matmul(a, w), busy=True):.1f} µs host")
         say(f"  one barrier launch: {host_us(lambda: ctx.barrier()):.1f} µs host")
         say(f"  torch.zeros_ on the stream: {host_us(lambda: out[:1, :1].zero_()):.1f} µs host")
         profile(ctx, "ag_gemm", lambda: ag(a, w, out=out))
@@ -76,7 +87,8 @@ def main():
             rs(a2, w, out=o2)
         torch.cuda.synchronize()
         ctx.check()
-        say(f"gemm_rs {M}x{K}x{N} W={W}: whole call {host_us(lambda: rs(a2, w, out=o2)):.1f} µs host")
+        say(f"gemm_rs {M}x{K}x{N} W={W}: whole call {host_us(lambda: rs(a2, w, out=o2)):.1f} µs host, "
+            f"{host_us(lambda: rs(a2, w, out=o2), busy=True):.1f} µs with the GPU busy")
         profile(ctx, "gemm_rs", lambda: rs(a2, w, out=o2))
         ctx.check()
     dist.destroy_process_group()
