@@ -239,6 +239,7 @@ class Context:
         during, a persistent kernel that occupies every SM.
         """
         self._check_open()
+        from ..kernels.launch import launch
         from ..kernels.signal import barrier_kernel
 
         stream = stream or self.current_stream()
@@ -246,8 +247,9 @@ class Context:
         while block < self.world_size:
             block *= 2
         with self.use_stream(stream):
-            barrier_kernel[(1,)](self._barrier_slots.ptrs, self._barrier_slots.local, self._barrier_count, self.err,
-                                 self.budget, self.rank, self.world_size, OP_BARRIER, BLOCK_W=block, CLOCK=self.clock)
+            launch(barrier_kernel, (1,), (self._barrier_slots.ptrs, self._barrier_slots.local, self._barrier_count,
+                                          self.err, self.budget, self.rank, self.world_size, OP_BARRIER),
+                   dict(BLOCK_W=block, CLOCK=self.clock))
         self.after_launch()
 
     def check(self) -> None:

@@ -140,7 +140,13 @@ class CudaStream(Stream):
               f"stream wait-value {what}")
 
     def wait_stream(self, other):
-        self.torch_stream.wait_stream(other.torch_stream)
+        # one reusable event per stream: a wait takes the event's state when it is enqueued, so recording it
+        # again later does not move an earlier wait (torch's Stream.wait_stream makes a new event every time)
+        ev = other.__dict__.get("_event")
+        if ev is None:
+            ev = other._event = torch.cuda.Event()
+        ev.record(other.torch_stream)
+        self.torch_stream.wait_event(ev)
 
     def synchronize(self):
         self.torch_stream.synchronize()
@@ -165,9 +171,14 @@ class CudaBackend(Backend):
     name = "cuda"
     clock = 1
 
+    stream_class = CudaStream
+
     def __init__(self, rank: int, world_size: int):
         super().__init__(rank, world_size)
-        self._device = torch.device("cuda", torch.cuda.current_device())
+        self._index = torch.cuda.current_device()
+        self._device = torch.device("cuda", self._index)
+        self._units = torch.cuda.get_device_properties(self._device).multi_processor_count
+        self._wrapped: dict = {}  # torch stream id -> our wrapper, so a call does not build wrappers anew
 
     @property
     def device(self):
@@ -198,21 +209,30 @@ class CudaBackend(Backend):
         check(rt.cudaFree(handle[1]), "cudaFree")
 
     def new_stream(self):
-        return CudaStream(torch.cuda.Stream(device=self._device, priority=-1))
+        return self.stream_class(torch.cuda.Stream(device=self._device, priority=-1))
 
     def current_stream(self):
-        return CudaStream(torch.cuda.current_stream(self._device))
+        ts = torch.cuda.current_stream(self._index)  # an int index: torch's cheap path
+        s = self._wrapped.get(ts.stream_id)
+        if s is None:
+            s = self._wrapped[ts.stream_id] = self.stream_class(ts)
+        return s
 
     @contextlib.contextmanager
     def use_stream(self, stream):
-        with torch.cuda.stream(stream.torch_stream):
+        # torch.cuda.stream() does the same plus device bookkeeping that costs tens of µs per call here
+        prev = torch.cuda.current_stream(self._index)
+        torch.cuda.set_stream(stream.torch_stream)
+        try:
             yield
+        finally:
+            torch.cuda.set_stream(prev)
 
     def timeout_budget(self, timeout_s):
         return int(timeout_s * 1e9)  # %globaltimer counts nanoseconds
 
     def num_compute_units(self):
-        return torch.cuda.get_device_properties(self._device).multi_processor_count
+        return self._units
 
     def synchronize(self):
         torch.cuda.synchronize(self._device)

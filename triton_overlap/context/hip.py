@@ -51,6 +51,7 @@ class HipBackend(CudaBackend):
 
     name = "hip"
     clock = 2
+    stream_class = HipStream
 
     def alloc(self, nbytes):
         hip = _hip()
@@ -75,12 +76,6 @@ class HipBackend(CudaBackend):
             if p is not None:
                 check(hip.hipIpcCloseMemHandle(p.data_ptr()), "hipIpcCloseMemHandle")
         check(hip.hipFree(handle[1]), "hipFree")
-
-    def new_stream(self):
-        return HipStream(torch.cuda.Stream(device=self.device, priority=-1))
-
-    def current_stream(self):
-        return HipStream(torch.cuda.current_stream(self.device))
 
     def timeout_budget(self, timeout_s):
         return int(timeout_s * 1e8)  # s_memrealtime ticks at 100 MHz

@@ -7,6 +7,7 @@ import torch
 
 from ..kernels.chunks import cdiv
 from ..kernels.gemm import persistent_gemm
+from ..kernels.launch import launch
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -106,7 +107,8 @@ def default_config(ctx) -> GemmConfig:
 
 
 def with_overrides(cfg: GemmConfig, **kw) -> GemmConfig:
-    return replace(cfg, **{k: v for k, v in kw.items() if v is not None})
+    kw = {k: v for k, v in kw.items() if v is not None}
+    return replace(cfg, **kw) if kw else cfg  # dataclasses.replace costs tens of µs per call
 
 
 def check_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -153,18 +155,18 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         # beside this persistent kernel, or both ranks could wait on each other
         units -= 1
     programs = max(1, min(units, num_tiles))
-    persistent_gemm[(programs,)](
+    launch(persistent_gemm, (programs,), (
         a, ws if ws is not None else a, b, c, bias if bias is not None else c,
         M, N, K, m_local, m_per_chunk, chunks_per_rank,
         a.stride(0), stride_wm, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         tile_order, flags, ctx.err, ctx.budget, ctx.rank, op,
         scatter_ptrs if scatter_ptrs is not None else flags, counter_ptrs if counter_ptrs is not None else flags,
+    ), dict(
         HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, NUM_XCDS=cfg.num_xcds, EVEN_K=(K % cfg.block_k == 0), CLOCK=ctx.clock,
         DOT_F32=ctx.backend == "host",
         # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
         ALIGN_C=scatter_ptrs is not None and N % 16 == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()

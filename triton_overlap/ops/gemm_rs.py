@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout, cdiv
+from ..kernels.launch import launch
 from ..kernels.reduce import reduce_partials
 from ..producers.allgather import join
 from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
@@ -96,8 +97,9 @@ class GEMMReduceScatter(OverlapOp):
         ctx.barrier()  # owners have reduced the previous call and reset their counters
         if copy:
             streams = ctx.streams(cfg.streams_for(W))
+            cur = ctx.current_stream()
             for s in streams:  # the copies come after the barrier; enqueued before the GEMM, they would not wait
-                s.wait_stream(ctx.current_stream())  # for it, only for what the caller's stream holds now
+                s.wait_stream(cur)  # for it, only for what the caller's stream holds now
             staging, done, scatter_ptrs, counter_ptrs = self._staging(recv, counters, layout, a.dtype)
         else:
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
@@ -108,11 +110,11 @@ class GEMMReduceScatter(OverlapOp):
             self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
         block_m, block_n = (32, 32) if ctx.backend == "host" else (64, 128)
         programs = max(1, min(ctx.num_compute_units(), cdiv(m_local, block_m) * cdiv(N, block_n)))
-        reduce_partials[(programs,)](recv.local, out, bias if bias is not None else out, counters.local, expected,
-                                     ctx.err, ctx.budget, r, W, OP, m_local, N, layout.m_per_chunk,
-                                     layout.chunks_per_rank, out.stride(0), HAS_BIAS=bias is not None,
-                                     BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs, CLOCK=ctx.clock,
-                                     num_warps=4)
+        launch(reduce_partials, (programs,), (
+            recv.local, out, bias if bias is not None else out, counters.local, expected, ctx.err, ctx.budget, r, W, OP,
+            m_local, N, layout.m_per_chunk, layout.chunks_per_rank, out.stride(0),
+        ), dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs, CLOCK=ctx.clock),
+            num_warps=4)
         ctx.after_launch()
         if copy:
             join(ctx, streams)

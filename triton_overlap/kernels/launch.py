@@ -1,0 +1,56 @@
+"""Launching a Triton kernel again without Triton's per-call binding.
+
+``fn[grid](*args, **kw)`` binds and specialises every argument, builds a cache
+key and looks the compiled kernel up on every call: tens of µs of host time
+per launch, which an eager call of an overlapped op pays two or three times
+before the GPU has its work. ``launch`` makes the first call of a
+specialisation through Triton and keeps the CompiledKernel it returns; later
+calls with the same specialisation go straight to the compiled kernel's
+launcher (``CompiledKernel[grid](*args)``, the form Triton's own run ends in).
+
+The specialisation key mirrors what Triton specialises on: each tensor's
+dtype and whether its address is 16-byte aligned; each int's value class
+(1, a multiple of 16, 32- or 64-bit); every constexpr and launch option. In
+Triton's interpreter (host backend) kernels are simply called.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+_compiled: dict = {}
+
+
+def _spec(a):
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, bool):
+        return "b", a
+    if isinstance(a, int):
+        return a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)
+    return type(a)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def launch(fn, grid: tuple, args: tuple, consts: dict, **options) -> None:
+    """``fn[grid](*args, **consts, **options)``: ``args`` are the leading runtime arguments in order, ``consts``
+    the constexprs (by name; those left out take their defaults), ``options`` num_warps and the like."""
+    if _interpreting():
+        fn[grid](*args, **consts, **options)
+        return
+    key = (id(fn), grid, tuple(map(_spec, args)), tuple(consts.items()), tuple(options.items()))
+    hit = _compiled.get(key)
+    if hit is None:
+        kernel = fn[grid](*args, **consts, **options)
+        names = fn.arg_names[len(args):]
+        defaults = {n: p.default for n, p in fn.signature.parameters.items()}
+        tail = tuple(consts[n] if n in consts else defaults[n] for n in names)
+        if kernel is not None and hasattr(kernel, "__getitem__"):
+            _compiled[key] = (kernel[tuple(grid) + (1,) * (3 - len(grid))], tail)
+        return
+    runner, tail = hit
+    runner(*args, *tail)
