@@ -192,8 +192,10 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
         rec["bound_us"] = time_local(lambda: torch.matmul(a, w, out=full))
         rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config_for((M, K, N)), a, w, full))
         records.append(rec)
-        write_partial(records)  # the variant below has not run on a GPU before (a stream wait cannot time out)
-        time_variant(ctx, rec, "ours_copy", lambda: op(a, w, out=out, scatter="copy"), iters)  # copy-engine scatter
+        rec["scatter"] = op.scatter_mode(M, N, a.element_size(), op.config_for((M, K, N)))
+        other = "store" if rec["scatter"] == "copy" else "copy"  # the scatter "auto" did not pick, as the variant
+        write_partial(records)
+        time_variant(ctx, rec, f"ours_{other}", lambda: op(a, w, out=out, scatter=other), iters)
         write_partial(records)
         say(_row(rec))
     return records
@@ -381,14 +383,15 @@ def _row(r):
             f"{f(r['bound_us'])} | {f(r['consumer_only_us'])} | {sp:.2f}x | {'n/a' if fused is None else f'{fused:.2f}x'} | "
             f"{vs_bound:.2f} | {r['bound_us'] / r['consumer_only_us']:.2f} | {f(r.get('ours_graph_us'))} | "
             f"{f(r.get('nccl_graph_us'))} | {'n/a' if gsp is None else f'{gsp:.2f}x'} | "
-            f"{f(r.get('ours_pull_us', r.get('ours_copy_us')))} | "
-            f"{f(r.get('ours_pull_graph_us', r.get('ours_copy_graph_us')))} |")
+            f"{f(r.get('ours_pull_us', r.get('ours_copy_us', r.get('ours_store_us'))))} | "
+            f"{f(r.get('ours_pull_graph_us', r.get('ours_copy_graph_us', r.get('ours_store_graph_us'))))} |")
 
 
 HEADER = ("| M | K | N | ours µs | ours, GEMM launched first µs | host enqueue µs | NCCL+cuBLAS µs | torch fused µs | "
           "bound µs | consumer alone µs | speed-up vs NCCL | speed-up vs fused | ours / bound | consumer vs cuBLAS | "
           "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up | variant µs | variant graph µs |\n|" + "---|" * 19)
-# variant: AllGather-GEMM pull mode (ours_pull_*), GEMM-ReduceScatter copy-engine scatter (ours_copy_*)
+# variant: AllGather-GEMM pull mode (ours_pull_*); GEMM-ReduceScatter: the scatter mode "auto" did not pick
+# (ours_copy_* where ours stored, ours_store_* where ours copied; the record's "scatter" names ours)
 
 
 def write(op_name, records, W):

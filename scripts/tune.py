@@ -135,7 +135,7 @@ def tune_gemm(ctx, kind, shape, dry):
     chunk_cands = [replace(best, chunks_per_rank=c, num_streams=n)
                    for c in (CHUNKS[:2] if dry else CHUNKS) for n in (streams[:2] if dry else streams)]
     if kind == "gemm_rs":  # GEMM stores into the owners' slots (no producer streams), or copy engines move the chunks
-        chunk_cands = ([c for c in chunk_cands if c.num_streams is None]
+        chunk_cands = ([replace(c, scatter="store") for c in chunk_cands if c.num_streams is None]
                        + [replace(c, scatter="copy") for c in chunk_cands])
     if kind == "ag_gemm":  # push or pull producers; launch order (GPUs only)
         chunk_cands += [replace(c, mode="pull") for c in chunk_cands]

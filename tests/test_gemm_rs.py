@@ -137,6 +137,25 @@ def test_gemm_rs_small_shapes_fall_back(pool):
     assert all(pool.run(_fallback_path))
 
 
+def test_scatter_auto_rule():
+    """"auto" copies on GPUs from COPY_SCATTER_BYTES of partial output on, stores below and on the host backend;
+    an explicit choice wins; anything else is refused."""
+    from types import SimpleNamespace
+
+    from triton_overlap.ops.common import GemmConfig
+    from triton_overlap.ops.gemm_rs import COPY_SCATTER_BYTES
+
+    rows = COPY_SCATTER_BYTES // (2 * 4096)
+    for backend, big, small in (("cuda", "copy", "store"), ("host", "store", "store")):
+        op = to.GEMMReduceScatter(SimpleNamespace(backend=backend), GemmConfig())
+        assert op.scatter_mode(rows, 4096, 2) == big
+        assert op.scatter_mode(rows - 1, 4096, 2) == small
+    op = to.GEMMReduceScatter(SimpleNamespace(backend="cuda"), GemmConfig(scatter="store"))
+    assert op.scatter_mode(rows * 8, 4096, 2) == "store"
+    with pytest.raises(ValueError, match="scatter"):
+        GemmConfig(scatter="both")
+
+
 def _graph(replays, m, k, n, scatter="store"):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device

@@ -27,9 +27,10 @@ class GemmConfig:
     peers' rows from their workspaces and raises its own flags; costs a
     local copy of the shard and a second barrier per call).
     ``scatter`` (GEMM-ReduceScatter): "store" (the GEMM stores peers' tiles
-    straight into their receive slots over NVLink) or "copy" (the GEMM stores
+    straight into their receive slots over NVLink), "copy" (the GEMM stores
     them locally; copy engines move each chunk once the GEMM's counter for it
-    is complete, waiting with a stream wait-value).
+    is complete, waiting with a stream wait-value), or "auto" (copy on GPUs
+    when the partial output is at least ``gemm_rs.COPY_SCATTER_BYTES``).
     """
 
     block_m: int = 128
@@ -44,13 +45,13 @@ class GemmConfig:
     num_xcds: int = 1
     gemm_first: bool = False
     mode: str = "push"
-    scatter: str = "store"
+    scatter: str = "auto"
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
             raise ValueError(f"GemmConfig.mode must be 'push' or 'pull', got {self.mode!r}")
-        if self.scatter not in ("store", "copy"):
-            raise ValueError(f"GemmConfig.scatter must be 'store' or 'copy', got {self.scatter!r}")
+        if self.scatter not in ("store", "copy", "auto"):
+            raise ValueError(f"GemmConfig.scatter must be 'store', 'copy' or 'auto', got {self.scatter!r}")
 
     def chunk_rows(self, m_local: int) -> int:
         if self.m_per_chunk is not None:
