@@ -18,7 +18,8 @@ on a stream pool, each peer chunk's copy waits for its counter to be complete
 (a stream wait-value, enqueued after the GEMM is), moves the chunk into the
 owner's receive slot and then writes the owner's counter to its final count,
 so the owner's reduction is the same. The stream waits depend only on this
-rank's GEMM, which waits on nothing.
+rank's GEMM, which waits on nothing. ``scatter="auto"`` (the default) picks
+it on GPUs from ``COPY_SCATTER_BYTES`` of partial output on.
 """
 from __future__ import annotations
 
