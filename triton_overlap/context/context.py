@@ -3,7 +3,6 @@ error word, the barrier and the producer stream pool. Ops take a Context;
 nothing else holds global state."""
 from __future__ import annotations
 
-import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..kernels.launch import triton_interprets
 from ..kernels.signal import ERR_CODE, ERR_INDEX, ERR_OP, ERR_RANK, ERR_SEEN, ERR_WANTED, ERR_WORDS
 from .backend import Backend, Stream
 
@@ -29,15 +29,6 @@ def op_id(name: str) -> int:
 
 
 OP_BARRIER = op_id("barrier")
-
-
-def _triton_interprets() -> bool:
-    import triton
-
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None and hasattr(knobs, "runtime") and hasattr(knobs.runtime, "interpret"):
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _pick_backend(name: str) -> str:
@@ -133,7 +124,7 @@ class Context:
     # ------------------------------------------------------------------ set-up
     def _make_backend(self, name: str) -> Backend:
         if name == "host":
-            if not _triton_interprets():
+            if not triton_interprets():
                 raise RuntimeError("the host backend runs kernels in Triton's interpreter: set TRITON_INTERPRET=1 "
                                    "before triton is imported (scripts/launch.sh does this on machines without GPUs)")
             from .host import HostBackend

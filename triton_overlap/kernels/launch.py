@@ -15,6 +15,7 @@ Triton's interpreter (host backend) kernels are simply called.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -32,14 +33,21 @@ def _spec(a):
     return type(a)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+@functools.lru_cache(maxsize=1)
+def triton_interprets() -> bool:
+    """Whether Triton runs kernels in its interpreter (decided when triton is imported, so asked once)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs, "runtime") and hasattr(knobs.runtime, "interpret"):
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def launch(fn, grid: tuple, args: tuple, consts: dict, **options) -> None:
     """``fn[grid](*args, **consts, **options)``: ``args`` are the leading runtime arguments in order, ``consts``
     the constexprs (by name; those left out take their defaults), ``options`` num_warps and the like."""
-    if _interpreting():
+    if triton_interprets():
         fn[grid](*args, **consts, **options)
         return
     key = (id(fn), grid, tuple(map(_spec, args)), tuple(consts.items()), tuple(options.items()))
