@@ -18,9 +18,7 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -29,7 +27,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
-from triton_overlap.timing import capture, time_dist  # noqa: E402
+from triton_overlap.timing import capture, host_us, time_dist  # noqa: E402
 from triton_overlap.ops.common import launch_gemm  # noqa: E402
 
 AG_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 14336), (8192, 8192, 3584),
@@ -73,21 +71,6 @@ def try_time(fn, iters):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
-def host_enqueue_us(fn, iters: int = 20) -> float:
-    """Median host time to enqueue one call (the GPU idle before it), max over ranks."""
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    t = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def gpu_name() -> str:
     return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "_")
 
@@ -124,7 +107,7 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
         ctx.check()
         rec["ours_gemm_first_us"] = time_dist(lambda: op(a, w, out=out, gemm_first=True), iters)
         ctx.check()
-        rec["host_enqueue_us"] = host_enqueue_us(lambda: op(a, w, out=out))
+        rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
         ref_full = torch.cat([t for t in _gather(a)]).float() if M * K <= (1 << 26) else None
         if ref_full is not None:  # a correctness spot check on the benchmarked shape
             err = float(((out.float() - ref_full @ w.float()).norm() / (ref_full @ w.float()).norm()).item())
@@ -171,7 +154,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
         rec["ours_us"] = time_dist(lambda: op(a, w, out=out), iters)
         ctx.check()
-        rec["host_enqueue_us"] = host_enqueue_us(lambda: op(a, w, out=out))
+        rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
         if M * N <= (1 << 26):  # a correctness spot check on the benchmarked shape
             ref = (a.float() @ w.float())
             dist.all_reduce(ref)

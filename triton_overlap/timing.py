@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -50,3 +51,22 @@ def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None) ->
     med = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return float(med.item())
+
+
+def host_us(fn, iters: int = 20, busy: bool = False) -> float:
+    """Median host µs to enqueue one call of ``fn``, max over ranks (GPUs only). Before each call the device
+    is idle and the ranks aligned; ``busy``: a sleep kernel keeps the GPU busy meanwhile, as in a model whose
+    host runs ahead of the GPU, so no call pays for waking an idle device."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        if busy:
+            torch.cuda._sleep(20_000_000)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    t = torch.tensor([statistics.median(times)], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
