@@ -148,10 +148,10 @@ def test_scatter_auto_rule():
     rows = COPY_SCATTER_BYTES // (2 * 4096)
     for backend, big, small in (("cuda", "copy", "store"), ("host", "store", "store")):
         op = to.GEMMReduceScatter(SimpleNamespace(backend=backend), GemmConfig())
-        assert op.scatter_mode(rows, 4096, 2) == big
-        assert op.scatter_mode(rows - 1, 4096, 2) == small
+        assert op.scatter_mode(rows, 4096, 2, op.config) == big
+        assert op.scatter_mode(rows - 1, 4096, 2, op.config) == small
     op = to.GEMMReduceScatter(SimpleNamespace(backend="cuda"), GemmConfig(scatter="store"))
-    assert op.scatter_mode(rows * 8, 4096, 2) == "store"
+    assert op.scatter_mode(rows * 8, 4096, 2, op.config) == "store"
     with pytest.raises(ValueError, match="scatter"):
         GemmConfig(scatter="both")
 

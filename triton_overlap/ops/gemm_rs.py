@@ -40,9 +40,9 @@ OP = op_id("gemm_rs")
 FALLBACK_PARTIAL_BYTES = 1 << 20
 
 #: ``scatter="auto"``: from this many bytes of partial output (M x N) on, the copy-engine scatter. Measured on
-#: H200 (bench.py gemm_rs, W = 2 and 4, CUDA graphs): copy was 4-21% faster on every issue shape of M x N x 2
-#: bytes >= 64 MiB and 7-13% slower on the 16 MiB one (2048 x 4096), where the GEMM is too short to hide the
-#: copies behind.
+#: H200 (bench.py gemm_rs, CUDA graphs, two runs each at W = 2 and W = 4): copy was 4-27% faster on every issue
+#: shape of M x N x 2 bytes >= 64 MiB; on the 16 MiB one (2048 x 4096) it was 7-25% slower in three runs and
+#: 28% faster in one.
 COPY_SCATTER_BYTES = 32 << 20
 
 
@@ -129,9 +129,9 @@ class GEMMReduceScatter(OverlapOp):
         counters.local.zero_()  # every count was seen; peers add again only after the next barrier
         return out
 
-    def scatter_mode(self, m: int, n: int, elsize: int, cfg: GemmConfig | None = None) -> str:
-        """"store" or "copy": the config's choice, or for "auto" the rule above (the host backend stores)."""
-        mode = (cfg or self.config_for((m, 0, n))).scatter
+    def scatter_mode(self, m: int, n: int, elsize: int, cfg: GemmConfig) -> str:
+        """"store" or "copy": ``cfg``'s choice, or for "auto" the rule above (the host backend stores)."""
+        mode = cfg.scatter
         if mode == "auto":
             big = m * n * elsize >= COPY_SCATTER_BYTES
             mode = "copy" if big and self.ctx.backend != "host" else "store"
