@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
 from triton_overlap.timing import capture, host_us, time_dist  # noqa: E402
-from triton_overlap.ops.common import launch_gemm  # noqa: E402
+from triton_overlap.ops.common import plain_gemm  # noqa: E402
 
 AG_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 14336), (8192, 8192, 3584),
              (4096, 8192, 1792)]
@@ -75,15 +75,6 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "_")
 
 
-def consumer_only(ctx, cfg, a_full, w, out):
-    """Our persistent GEMM on the already gathered rows: no waits, no communication."""
-    M, K = a_full.shape
-    order = torch.arange(triton.cdiv(M, cfg.block_m), dtype=torch.int32, device=a_full.device)
-    z = torch.zeros(1, dtype=torch.int32, device=a_full.device)
-    return lambda: launch_gemm(ctx, cfg, a=a_full, ws=None, b=w, c=out, bias=None, M=M, N=w.shape[1], K=K, m_local=M,
-                               m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=z, op=0, gather=False)
-
-
 def bench_ag_gemm(ctx, shapes, iters, write_partial):
     W = ctx.world_size
     records = []
@@ -95,6 +86,7 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
     except Exception as e:  # noqa: BLE001
         fused_ok = f"symm_mem unavailable: {e}"
     op = to.AllGatherGEMM(ctx, fallback="never")
+    auto = to.AllGatherGEMM(ctx, name="ag_gemm.auto")  # what a user gets: fallback="auto" (eager rule included)
     for M, K, N in shapes:
         torch.manual_seed(ctx.rank)
         a = torch.randn(M // W, K, device="cuda", dtype=torch.bfloat16)
@@ -103,7 +95,8 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
         gathered = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
 
-        rec["ours_us"] = time_dist(lambda: op(a, w, out=out), iters)
+        rec["ours_overlap_us"] = time_dist(lambda: op(a, w, out=out), iters)
+        rec["ours_us"], rec["path"] = time_dist(lambda: auto(a, w, out=out), iters), auto.last_path
         ctx.check()
         rec["ours_gemm_first_us"] = time_dist(lambda: op(a, w, out=out, gemm_first=True), iters)
         ctx.check()
@@ -129,7 +122,7 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
             rec["note"] += f"torch fused: {note}; "
         dist.all_gather_into_tensor(gathered, a)
         rec["bound_us"] = time_local(lambda: torch.matmul(gathered, w, out=out))
-        rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config_for((M, K, N)), gathered, w, out))
+        rec["consumer_only_us"] = time_local(plain_gemm(ctx, op.config_for((M, K, N)), gathered, w, out))
         records.append(rec)
         write_partial(records)  # the variant below has not run on a GPU before: keep what is measured
         time_variant(ctx, rec, "ours_pull", lambda: op(a, w, out=out, mode="pull"), iters)  # ranks read peers' rows
@@ -144,6 +137,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
     import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
 
     op = to.GEMMReduceScatter(ctx, fallback="never")
+    auto = to.GEMMReduceScatter(ctx, name="gemm_rs.auto")  # what a user gets: fallback="auto" (eager rule included)
     group = dist.group.WORLD.group_name
     for M, K, N in shapes:
         torch.manual_seed(ctx.rank)
@@ -152,7 +146,8 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
         out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
         full = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
-        rec["ours_us"] = time_dist(lambda: op(a, w, out=out), iters)
+        rec["ours_overlap_us"] = time_dist(lambda: op(a, w, out=out), iters)
+        rec["ours_us"], rec["path"] = time_dist(lambda: auto(a, w, out=out), iters), auto.last_path
         ctx.check()
         rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
         if M * N <= (1 << 26):  # a correctness spot check on the benchmarked shape
@@ -173,7 +168,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
             rec["note"] += f"torch fused: {note}; "
         ctx.check()
         rec["bound_us"] = time_local(lambda: torch.matmul(a, w, out=full))
-        rec["consumer_only_us"] = time_local(consumer_only(ctx, op.config_for((M, K, N)), a, w, full))
+        rec["consumer_only_us"] = time_local(plain_gemm(ctx, op.config_for((M, K, N)), a, w, full))
         records.append(rec)
         rec["scatter"] = op.scatter_mode(M, N, a.element_size(), op.config_for((M, K, N)))
         other = "store" if rec["scatter"] == "copy" else "copy"  # the scatter "auto" did not pick, as the variant
@@ -361,7 +356,9 @@ def _row(r):
     vs_bound = r["ours_us"] / r["bound_us"]
     fused = (r["torch_fused_us"] / r["ours_us"]) if r.get("torch_fused_us") else None
     gsp = (r["nccl_graph_us"] / r["ours_graph_us"]) if r.get("ours_graph_us") and r.get("nccl_graph_us") else None
-    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r['ours_us'])} | {f(r.get('ours_gemm_first_us'))} | "
+    path = " (NCCL)" if r.get("path") == "fallback" else ""
+    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r['ours_us'])}{path} | {f(r.get('ours_overlap_us'))} | "
+            f"{f(r.get('ours_gemm_first_us'))} | "
             f"{f(r.get('host_enqueue_us'))} | {f(r['nccl_us'])} | {f(r.get('torch_fused_us'))} | "
             f"{f(r['bound_us'])} | {f(r['consumer_only_us'])} | {sp:.2f}x | {'n/a' if fused is None else f'{fused:.2f}x'} | "
             f"{vs_bound:.2f} | {r['bound_us'] / r['consumer_only_us']:.2f} | {f(r.get('ours_graph_us'))} | "
@@ -370,9 +367,12 @@ def _row(r):
             f"{f(r.get('ours_pull_graph_us', r.get('ours_copy_graph_us', r.get('ours_store_graph_us'))))} |")
 
 
-HEADER = ("| M | K | N | ours µs | ours, GEMM launched first µs | host enqueue µs | NCCL+cuBLAS µs | torch fused µs | "
+HEADER = ("| M | K | N | ours µs | overlap forced, eager µs | ours, GEMM launched first µs | host enqueue µs | "
+          "NCCL+cuBLAS µs | torch fused µs | "
           "bound µs | consumer alone µs | speed-up vs NCCL | speed-up vs fused | ours / bound | consumer vs cuBLAS | "
-          "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up | variant µs | variant graph µs |\n|" + "---|" * 19)
+          "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up | variant µs | variant graph µs |\n|" + "---|" * 20)
+# ours: fallback="auto", what a user gets; "(NCCL)" where its eager rule (ops.common.eager_host_bound) took
+# NCCL + cuBLAS; overlap forced: fallback="never", eager
 # variant: AllGather-GEMM pull mode (ours_pull_*); GEMM-ReduceScatter: the scatter mode "auto" did not pick
 # (ours_copy_* where ours stored, ours_store_* where ours copied; the record's "scatter" names ours)
 
@@ -387,7 +387,11 @@ def write(op_name, records, W):
     with open(base + ".md", "w") as f:
         f.write(f"{op_name}, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks)\n\n{HEADER}\n")
         f.write("\n".join(_row(r) for r in records))
-        f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager): {geo:.3f}x\n")
+        f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\"): {geo:.3f}x\n")
+        forced = [r["nccl_us"] / r["ours_overlap_us"] for r in records if r.get("ours_overlap_us")]
+        if forced:
+            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, overlap forced): "
+                    f"{math.exp(sum(map(math.log, forced)) / len(forced)):.3f}x\n")
         gs = [r["nccl_graph_us"] / r["ours_graph_us"] for r in records if r.get("ours_graph_us") and r.get("nccl_graph_us")]
         if gs:
             f.write(f"geometric-mean speed-up over NCCL + cuBLAS (both in CUDA graphs): "

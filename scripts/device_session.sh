@@ -12,12 +12,13 @@ cat "$OUT/env.txt"
 if want tests; then
   timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh --tb=short ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
-if want tune; then  # TUNE="op shape;op shape"; the table goes to $OUT/tuned.json and is used by later parts
+if want tune; then  # TUNE="op shape [flags];op shape [flags]"; the table goes to $OUT/tuned.json, used by later parts
   export TRITON_OVERLAP_TUNED="$OUT/tuned.json"
   IFS=';' read -ra jobs <<< "${TUNE:-cp_attention 1,32768,32,8,128,1}"
   for job in "${jobs[@]}"; do
-    read -r op shape <<< "$job"
-    timeout "${TUNE_TIMEOUT:-200}" bash scripts/launch.sh scripts/tune.py "$op" --shape "$shape" 2>&1 \
+    read -r op shape flags <<< "$job"
+    # shellcheck disable=SC2086 # flags (e.g. --tiles-only) split on purpose
+    timeout "${TUNE_TIMEOUT:-200}" bash scripts/launch.sh scripts/tune.py "$op" --shape "$shape" $flags 2>&1 \
       | tee -a "$OUT/tune.log" | grep -E "^tune|best|skipped" | tail -8
   done
 fi

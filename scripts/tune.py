@@ -2,6 +2,7 @@
 
     bash scripts/launch.sh scripts/tune.py ag_gemm --shape 8192,4096,4096
     bash scripts/launch.sh scripts/tune.py gemm_rs --shape 8192,4096,4096
+    bash scripts/launch.sh scripts/tune.py ag_gemm --shape 8192,4096,4096 --tiles-only   # GEMM tiles, any world size
     bash scripts/launch.sh scripts/tune.py cp_attention --shape 1,32768,32,8,128,1   # B,S,Hq,Hkv,D,causal
     ... --out PATH      (default: the user cache, triton_overlap.tuning.user_cache())
     TRITON_OVERLAP_BACKEND=host bash scripts/launch.sh scripts/tune.py ... --dry-run
@@ -31,12 +32,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap import tuning  # noqa: E402
 from triton_overlap.launch import backend_name, init, say  # noqa: E402
-from triton_overlap.ops.common import default_config  # noqa: E402
+from triton_overlap.ops.common import default_config, plain_gemm  # noqa: E402
 from triton_overlap.ops.cp_attention import (OP, AttentionConfig, Blocks, default_attention_config,  # noqa: E402
                                              launch_bwd, launch_fwd)
 
-GEMM_TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 4, 4),
-              (128, 128, 64, 8, 3), (128, 256, 32, 8, 4)]  # block_m, block_n, block_k, warps, stages
+GEMM_TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4),
+              (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 32, 8, 4)]  # block_m, block_n, block_k, warps, stages
 CHUNKS = [2, 4, 8]
 FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2)]
@@ -94,6 +95,33 @@ def sweep(ctx, stage, candidates, make_run, check, tol, label=str, graph=False):
     return best
 
 
+def tile_candidates(base, dry):
+    """GemmConfigs with each of GEMM_TILES on top of ``base``, base's own tiles first."""
+    first = (base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages)
+    tiles = [first] + [t for t in GEMM_TILES if t != first]
+    return [replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
+            for bm, bn, bk, nw, ns in (tiles[:2] if dry else tiles)]
+
+
+def tune_tiles(ctx, kind, shape, dry):
+    """GEMM tiles alone (--tiles-only): our persistent GEMM on the op's per-rank GEMM (M x K x N, with K
+    the local K for gemm_rs), without communication, on each rank's GPU; a world of one is enough. The
+    result is stored under world size "any": the tiles for this GPU and shape at every world size that
+    has no full tuning of its own (chunking stays at the defaults)."""
+    M, K, N = shape
+    dt = torch.bfloat16
+    g = torch.Generator(device=ctx.device).manual_seed(99)
+    a = torch.randn(M, K, device=ctx.device, dtype=dt, generator=g)
+    w = torch.randn(K, N, device=ctx.device, dtype=dt, generator=g) / K ** 0.5
+    out = torch.empty(M, N, device=ctx.device, dtype=dt)
+    ref = a.float() @ w.float()
+    cands = tile_candidates(default_config(ctx), dry)
+    say(f"tune {kind} {shape}, GEMM tiles alone: {len(cands)} tile configs")
+    us, best = sweep(ctx, "tiles", cands, lambda cfg: plain_gemm(ctx, cfg, a, w, out), lambda: rel(out, ref), 2e-2,
+                     graph=ctx.backend != "host")
+    return us, asdict(best)
+
+
 def tune_gemm(ctx, kind, shape, dry):
     M, K, N = shape
     W, r = ctx.world_size, ctx.rank
@@ -121,11 +149,7 @@ def tune_gemm(ctx, kind, shape, dry):
         return run
 
     check = lambda: rel(got["out"], ref)  # noqa: E731
-    base = default_config(ctx)
-    first = (base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages)
-    tiles = [first] + [t for t in GEMM_TILES if t != first]
-    cands = [replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-             for bm, bn, bk, nw, ns in (tiles[:2] if dry else tiles)]
+    cands = tile_candidates(default_config(ctx), dry)
     say(f"tune {kind} {shape} on {W} rank(s): {len(cands)} tile configs")
     # in CUDA graphs: eager times of these ops are dominated by the host's launch cost and picked configs
     # that were slower in graphs on 2xH200 (benchmarks/results/tune-gemm-H200x2.log)
@@ -213,6 +237,9 @@ def main():
     p.add_argument("--shape", required=True, help="M,K,N (GEMMs) or B,S,Hq,Hkv,D,causal (attention)")
     p.add_argument("--out", default=None, help="tuned table to write (default: the user cache)")
     p.add_argument("--dry-run", action="store_true", help="host backend, two candidates a stage")
+    p.add_argument("--tiles-only", action="store_true",
+                   help="GEMM ops: tile sizes of the GEMM alone, no communication (one GPU is enough), "
+                        'stored under world size "any"')
     args = p.parse_args()
     if args.dry_run and backend_name() != "host":
         raise SystemExit("tune: --dry-run runs on the host backend: TRITON_OVERLAP_BACKEND=host bash scripts/launch.sh "
@@ -223,6 +250,9 @@ def main():
         if args.op == "cp_attention":
             us, cfg = tune_attention(ctx, shape, args.dry_run)
             world, shape = "any", shape[1:]  # attention tables are keyed (S, Hq, Hkv, D, causal)
+        elif args.tiles_only:
+            us, cfg = tune_tiles(ctx, args.op, shape, args.dry_run)
+            world = "any"
         else:
             us, cfg = tune_gemm(ctx, args.op, shape, args.dry_run)
             world = ctx.world_size

@@ -170,3 +170,64 @@ def test_ag_gemm_cuda_graph_replay(pool, mode):
     if pool.backend == "host":
         pytest.skip("CUDA graphs need a GPU")
     assert all(pool.run(_graph, 50, 1024, 512, 768, mode))
+
+
+def test_eager_rule_thresholds():
+    """The eager host-cost rule: GPU backends only, scaled by the number of peers, never while capturing."""
+    from triton_overlap.ops.common import EAGER_MIN_FLOP_PER_PEER as T
+    from triton_overlap.ops.common import eager_host_bound
+
+    assert eager_host_bound("cuda", 2, T * 0.99, capturing=False)
+    assert not eager_host_bound("cuda", 2, T, capturing=False)
+    assert eager_host_bound("cuda", 4, T * 2.99, capturing=False)
+    assert not eager_host_bound("cuda", 4, T * 3, capturing=False)
+    assert not eager_host_bound("cuda", 2, 1.0, capturing=True)
+    assert not eager_host_bound("host", 2, 1.0, capturing=False)
+    assert not eager_host_bound("cuda", 1, 1.0, capturing=False)
+
+
+def _eager_rule(m_local, k, n):
+    """Both GEMM ops with fallback="auto" on a GEMM far under the eager threshold: the first call of the shape
+    overlapped (it prepares workspaces and kernels), later eager calls NCCL, the overlap again when captured
+    in a CUDA graph; all correct."""
+    with to.Context(timeout_s=30) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        w = rand((k, n), torch.bfloat16, dev, "w")
+        a = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
+        ag, rs = to.AllGatherGEMM(ctx), to.GEMMReduceScatter(ctx)
+        out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
+        rs_out = torch.empty((m_local, n), dtype=torch.bfloat16, device=dev)
+        a.copy_(rand((m_local, k), torch.bfloat16, dev, "a", r))
+        ref = torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", s) for s in range(W)]).float() @ w.float()
+        for want in ("overlap", "fallback"):
+            poison(out)
+            ag(a, w, out=out)
+            assert ag.last_path == want
+            assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+        def load_ag(i):
+            a.copy_(rand((m_local, k), torch.bfloat16, dev, "a", i, r))
+            return torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", i, s) for s in range(W)]).float() @ w.float()
+
+        check_replays(lambda: ag(a, w, out=out), out, 5, load_ag)
+        assert ag.last_path == "overlap"
+        big = torch.empty((m_local * W, k), dtype=torch.bfloat16, device=dev)
+        for want in ("overlap", "fallback"):
+            rs(big.normal_(), w, out=rs_out)
+            assert rs.last_path == want
+
+        def load_rs(i):
+            big.copy_(rand((m_local * W, k), torch.bfloat16, dev, "rs", i, r))
+            parts = sum(rand((m_local * W, k), torch.bfloat16, dev, "rs", i, s).float() for s in range(W))
+            return (parts @ w.float())[r * m_local:(r + 1) * m_local]
+
+        check_replays(lambda: rs(big, w, out=rs_out), rs_out, 5, load_rs)
+        assert rs.last_path == "overlap"
+        ctx.check()
+        return True
+
+
+def test_eager_rule_on_gpu(pool):
+    if pool.backend == "host":
+        pytest.skip("the eager rule applies on GPUs only (test_eager_rule_thresholds covers its arithmetic)")
+    assert all(pool.run(_eager_rule, 1024, 512, 768))

@@ -6,11 +6,12 @@ written by ``scripts/tune.py``. Two are read, the first match winning:
 1. the user cache, ``$TRITON_OVERLAP_TUNED`` or ``~/.cache/triton_overlap/tuned.json``;
 2. the table shipped in the package (``triton_overlap/configs/tuned.json``).
 
-Kernel-only tunings (attention tiles) are stored under world size "any".
-A shape matches an entry with the same shape, else the entry with the same
-trailing dimensions (K, N for the GEMMs; Hq, Hkv, D, causal for attention)
-whose leading dimension is nearest on a log scale. No match: the op's
-built-in defaults.
+Kernel-only tunings (attention tiles; GEMM tiles from ``tune.py --tiles-only``)
+are stored under world size "any". A shape matches an entry with the same
+shape, else the entry with the same trailing dimensions (K, N for the GEMMs;
+Hq, Hkv, D, causal for attention) whose leading dimension is nearest on a log
+scale; entries for the caller's world size are tried before "any" ones, the
+user cache before the shipped table. No match: the op's built-in defaults.
 """
 from __future__ import annotations
 
@@ -55,13 +56,15 @@ def lookup(op: str, gpu: str, world: int, shape) -> dict | None:
     shape = list(shape)
     for path in (user_cache(), SHIPPED):
         by_world = _load(path).get(gpu, {})
-        entries = by_world.get(str(world), {}).get(op, []) + by_world.get("any", {}).get(op, [])
-        exact = [e for e in entries if e["shape"] == shape]
-        if exact:
-            return exact[-1]["config"]
-        near = [e for e in entries if e["shape"][1:] == shape[1:]]
-        if near:
-            return min(near, key=lambda e: abs(math.log(e["shape"][0] / shape[0])))["config"]
+        tables = [by_world.get(str(world), {}).get(op, []), by_world.get("any", {}).get(op, [])]
+        for entries in tables:  # this world size's tuning before a kernel-only one
+            exact = [e for e in entries if e["shape"] == shape]
+            if exact:
+                return exact[-1]["config"]
+        for entries in tables:
+            near = [e for e in entries if e["shape"][1:] == shape[1:]]
+            if near:
+                return min(near, key=lambda e: abs(math.log(e["shape"][0] / shape[0])))["config"]
     return None
 
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout
 from ..producers.allgather import follow_caller, join, peers_in_send_order, pull_rows, push_rows
-from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
+from .common import (GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm,
+                     with_overrides)
 
 OP = op_id("ag_gemm")
 
@@ -31,7 +32,9 @@ class AllGatherGEMM(OverlapOp):
     [M, N_local] with rank 0's rows first (and the gathered [M, K] when asked).
 
     ``fallback``: "auto" (NCCL all_gather + torch.matmul when the shard is under
-    FALLBACK_SHARD_BYTES or W == 1), "never", or "always".
+    FALLBACK_SHARD_BYTES, when W == 1, or in eager mode when the GEMM is too short
+    to pay for the host's cost of an overlapped call: common.eager_host_bound),
+    "never", or "always".
     ``max_m``: largest gathered M accepted (None: the workspace grows as needed).
     """
 
@@ -51,10 +54,13 @@ class AllGatherGEMM(OverlapOp):
             raise ValueError(f"ag_gemm: gathered M = {m} exceeds this op's max_m = {self.max_m}")
         agree_across_ranks("ag_gemm", ctx, (tuple(a.shape), str(a.dtype)), self._agreed)
 
-    def _use_fallback(self, a) -> bool:
+    def _use_fallback(self, a, w) -> bool:
         if self.fallback != "auto":
             return self.fallback == "always"
-        return self.ctx.world_size == 1 or a.numel() * a.element_size() < FALLBACK_SHARD_BYTES
+        ctx = self.ctx
+        flop = 2 * a.shape[0] * ctx.world_size * a.shape[1] * w.shape[1]
+        return (ctx.world_size == 1 or a.numel() * a.element_size() < FALLBACK_SHARD_BYTES
+                or self.eager_fallback((tuple(a.shape), w.shape[1], a.dtype), flop))
 
     # ----------------------------------------------------------------- run
     @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
@@ -67,7 +73,7 @@ class AllGatherGEMM(OverlapOp):
         if out is not None and (tuple(out.shape) != want or out.dtype != a.dtype or out.device != a.device):
             raise ValueError(f"ag_gemm: out must be {a.dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
         a = a.contiguous()
-        if self._use_fallback(a):
+        if self._use_fallback(a, w):
             self.last_path = "fallback"
             return self._fallback(a, w, bias, return_gathered, out)
         self.last_path = "overlap"

@@ -31,7 +31,8 @@ from ..kernels.chunks import ChunkLayout, cdiv
 from ..kernels.launch import launch
 from ..kernels.reduce import reduce_partials
 from ..producers.allgather import join
-from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
+from .common import (GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm,
+                     with_overrides)
 
 OP = op_id("gemm_rs")
 
@@ -52,6 +53,11 @@ class GEMMReduceScatter(OverlapOp):
     ``op(a, w, bias=None)``: ``a`` is [M, K_local] (this rank's slice of the
     contraction dimension), ``w`` is [K_local, N], any 2-D strided view;
     returns [M/W, N]. Bias is added once. fp16/bf16 in, partials summed in fp32.
+
+    ``fallback``: "auto" (torch.matmul + NCCL reduce_scatter_tensor when each rank's
+    share of the output is under FALLBACK_PARTIAL_BYTES, when W == 1, or in eager
+    mode when the GEMM is too short to pay for the host's cost of an overlapped
+    call: common.eager_host_bound), "never", or "always".
     """
 
     KIND = "gemm_rs"
@@ -76,8 +82,10 @@ class GEMMReduceScatter(OverlapOp):
     def _use_fallback(self, a, w) -> bool:
         if self.fallback != "auto":
             return self.fallback == "always"
-        partial = a.shape[0] // self.ctx.world_size * w.shape[1] * a.element_size()
-        return self.ctx.world_size == 1 or partial < FALLBACK_PARTIAL_BYTES
+        ctx = self.ctx
+        partial = a.shape[0] // ctx.world_size * w.shape[1] * a.element_size()
+        return (ctx.world_size == 1 or partial < FALLBACK_PARTIAL_BYTES
+                or self.eager_fallback((tuple(a.shape), w.shape[1], a.dtype), 2 * a.shape[0] * a.shape[1] * w.shape[1]))
 
     @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -1,0 +1,43 @@
+"""Tuned tables: which entry an op gets, and scripts/tune.py --tiles-only end to end on the host backend."""
+import json
+import os
+import subprocess
+import sys
+
+from triton_overlap import tuning
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_lookup_prefers_world_size_then_any_then_nearest(tmp_path, monkeypatch):
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv("TRITON_OVERLAP_TUNED", str(path))
+    tuning.save(path, "ag_gemm", "GPU", "any", [8192, 4096, 4096], {"tag": "any-exact"})
+    tuning.save(path, "ag_gemm", "GPU", 2, [8192, 4096, 4096], {"tag": "w2-exact"})
+    tuning.save(path, "ag_gemm", "GPU", 2, [2048, 8192, 1024], {"tag": "w2-near"})
+    tuning.save(path, "ag_gemm", "GPU", "any", [4096, 8192, 1024], {"tag": "any-near"})
+    tuning.save(path, "ag_gemm", "GPU", "any", [2048, 8192, 512], {"tag": "any-exact-2"})
+    assert tuning.lookup("ag_gemm", "GPU", 2, (8192, 4096, 4096))["tag"] == "w2-exact"
+    assert tuning.lookup("ag_gemm", "GPU", 4, (8192, 4096, 4096))["tag"] == "any-exact"
+    assert tuning.lookup("ag_gemm", "GPU", 2, (4096, 8192, 1024))["tag"] == "any-near"  # exact "any" before near w2
+    assert tuning.lookup("ag_gemm", "GPU", 2, (16384, 8192, 1024))["tag"] == "w2-near"  # this world's, though farther
+    assert tuning.lookup("ag_gemm", "GPU", 4, (16384, 8192, 1024))["tag"] == "any-near"
+    assert tuning.lookup("ag_gemm", "GPU", 2, (2048, 8192, 512))["tag"] == "any-exact-2"
+    assert tuning.lookup("ag_gemm", "GPU", 2, (2048, 1024, 512)) is None
+    assert tuning.lookup("ag_gemm", "OTHER", 2, (8192, 4096, 4096)) is None
+    assert tuning.lookup("gemm_rs", "GPU", 2, (8192, 4096, 4096)) is None
+    saved = json.loads(path.read_text())
+    assert len(saved["GPU"]["2"]["ag_gemm"]) == 2 and len(saved["GPU"]["any"]["ag_gemm"]) == 3
+
+
+def test_tune_tiles_only_dry_run_writes_an_any_entry(tmp_path):
+    out = tmp_path / "tuned.json"
+    env = dict(os.environ, PYTHON=sys.executable, TRITON_OVERLAP_BACKEND="host", TRITON_OVERLAP_TUNED=str(out))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), os.path.join(ROOT, "scripts", "tune.py"),
+                           "gemm_rs", "--shape", "64,32,48", "--tiles-only", "--dry-run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    table = json.loads(out.read_text())
+    (entry,) = table["host"]["any"]["gemm_rs"]
+    assert entry["shape"] == [64, 32, 48]
+    assert {"block_m", "block_n", "block_k", "num_warps", "num_stages"} <= set(entry["config"])
