@@ -174,16 +174,17 @@ def test_ag_gemm_cuda_graph_replay(pool, mode):
 
 def test_eager_rule_thresholds():
     """The eager host-cost rule: GPU backends only, scaled by the number of peers, never while capturing."""
-    from triton_overlap.ops.common import EAGER_MIN_FLOP_PER_PEER as T
     from triton_overlap.ops.common import eager_host_bound
 
-    assert eager_host_bound("cuda", 2, T * 0.99, capturing=False)
-    assert not eager_host_bound("cuda", 2, T, capturing=False)
-    assert eager_host_bound("cuda", 4, T * 2.99, capturing=False)
-    assert not eager_host_bound("cuda", 4, T * 3, capturing=False)
-    assert not eager_host_bound("cuda", 2, 1.0, capturing=True)
-    assert not eager_host_bound("host", 2, 1.0, capturing=False)
-    assert not eager_host_bound("cuda", 1, 1.0, capturing=False)
+    T = to.AllGatherGEMM.EAGER_MIN_FLOP_PER_PEER
+    assert T > 0 and to.GEMMReduceScatter.EAGER_MIN_FLOP_PER_PEER > 0
+    assert eager_host_bound("cuda", 2, T * 0.99, T, capturing=False)
+    assert not eager_host_bound("cuda", 2, T, T, capturing=False)
+    assert eager_host_bound("cuda", 4, T * 2.99, T, capturing=False)
+    assert not eager_host_bound("cuda", 4, T * 3, T, capturing=False)
+    assert not eager_host_bound("cuda", 2, 1.0, T, capturing=True)
+    assert not eager_host_bound("host", 2, 1.0, T, capturing=False)
+    assert not eager_host_bound("cuda", 1, 1.0, T, capturing=False)
 
 
 def _eager_rule(m_local, k, n):

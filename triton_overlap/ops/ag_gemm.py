@@ -39,6 +39,12 @@ class AllGatherGEMM(OverlapOp):
     """
 
     KIND = "ag_gemm"
+    #: An eager overlapped call costs the host 0.2-0.5 ms at W = 2 (bench.py's host_enqueue_us, 2xH200: barrier,
+    #: copies, flags, the GEMM launch), 0.55-0.7 ms at W = 4, and an idle GPU waits for it. Eager, overlap vs
+    #: NCCL + cuBLAS on 2xH200: 0.59-0.79x at 6.9e10 FLOPs, 0.74-0.85x at 1.2e11, 1.09-1.14x at 2.7e11;
+    #: at W = 4 0.44-0.92x up to 4.8e11. So below 2e11 FLOPs per peer (about 280 µs of cuBLAS on an H200)
+    #: fallback="auto" takes NCCL + cuBLAS in eager mode; captured in a CUDA graph it always overlaps.
+    EAGER_MIN_FLOP_PER_PEER = 2e11
 
     def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
                  name: str = "ag_gemm"):
@@ -124,8 +130,12 @@ class AllGatherGEMM(OverlapOp):
         ctx = self.ctx
         gathered = torch.empty((a.shape[0] * ctx.world_size, a.shape[1]), dtype=a.dtype, device=a.device)
         dist.all_gather_into_tensor(gathered, a, group=ctx.group)
-        res = gathered @ w if bias is None else torch.addmm(bias, gathered, w)
-        out = res if out is None else out.copy_(res)
+        if out is None:
+            out = gathered @ w if bias is None else torch.addmm(bias, gathered, w)
+        elif bias is None:
+            torch.matmul(gathered, w, out=out)
+        else:
+            torch.addmm(bias, gathered, w, out=out)
         return (out, gathered) if return_gathered else out
 
 

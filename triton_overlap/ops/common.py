@@ -11,19 +11,12 @@ from ..kernels.launch import launch
 
 DTYPES = (torch.float16, torch.bfloat16)
 
-#: Eager calls (not captured in a CUDA graph) of an overlapped op cost the host 0.2-0.7 ms at W = 2-4
-#: (bench.py's host_enqueue_us on H200: barrier, copies, flags, the GEMM launch), and the GPU waits for it
-#: when nothing is queued ahead. Below ``EAGER_MIN_FLOP_PER_PEER x (W - 1)`` GEMM FLOPs (about 350 µs of
-#: cuBLAS on an H200 per peer) ``fallback="auto"`` takes NCCL + cuBLAS in eager mode; under CUDA-graph
-#: capture the overlap is always used. Measured on 2xH200, eager: 0.59x and 0.74x of NCCL + cuBLAS at
-#: 6.9e10 and 1.2e11 FLOPs (AllGather-GEMM), 1.14x at 2.7e11; at W = 4 0.44-0.92x up to 4.8e11.
-EAGER_MIN_FLOP_PER_PEER = 2.5e11
-
-
-def eager_host_bound(backend: str, world: int, flop: float, capturing: bool | None = None) -> bool:
-    """Whether an eager call of ``flop`` GEMM FLOPs is too short to pay for the overlap's host cost
-    (never on the host backend, never while a CUDA graph is being captured; ``capturing=None``: ask torch)."""
-    if backend == "host" or world < 2 or flop >= EAGER_MIN_FLOP_PER_PEER * (world - 1):
+def eager_host_bound(backend: str, world: int, flop: float, min_flop_per_peer: float,
+                     capturing: bool | None = None) -> bool:
+    """Whether an eager call of ``flop`` GEMM FLOPs is too short to pay for the host's cost of an overlapped
+    call: under ``min_flop_per_peer x (W - 1)`` FLOPs, never on the host backend, never while a CUDA graph is
+    being captured (``capturing=None``: ask torch). Each op's EAGER_MIN_FLOP_PER_PEER says why its figure."""
+    if backend == "host" or world < 2 or flop >= min_flop_per_peer * (world - 1):
         return False
     if capturing is None:
         capturing = torch.cuda.is_current_stream_capturing()
@@ -85,6 +78,8 @@ class OverlapOp:
     """What every overlapped op holds: its Context, config, fallback rule, shape checks done, plans."""
 
     KIND = "?"  # the op's key in tuned tables
+    #: eager_host_bound's threshold for this op (set by each op from its measurements)
+    EAGER_MIN_FLOP_PER_PEER = 0.0
 
     def __init__(self, ctx, config: GemmConfig | None, fallback: str, max_m: int | None, name: str):
         if fallback not in ("auto", "never", "always"):
@@ -108,7 +103,7 @@ class OverlapOp:
         if key not in self._ran_overlap:
             self._ran_overlap.add(key)
             return False
-        return eager_host_bound(self.ctx.backend, self.ctx.world_size, flop)
+        return eager_host_bound(self.ctx.backend, self.ctx.world_size, flop, self.EAGER_MIN_FLOP_PER_PEER)
 
     def config_for(self, shape) -> GemmConfig:
         """The user's config if one was given, else the tuned one for this GPU, world size and shape

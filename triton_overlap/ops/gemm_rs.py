@@ -61,6 +61,12 @@ class GEMMReduceScatter(OverlapOp):
     """
 
     KIND = "gemm_rs"
+    #: An eager overlapped call costs the host 0.27-0.7 ms at W = 2 (bench.py's host_enqueue_us, 2xH200; the
+    #: copy scatter's waits and copies are most of it), about 1.1 ms at W = 4, and an idle GPU waits for it.
+    #: Eager, overlap vs NCCL + cuBLAS on 2xH200: 0.62-0.83x at 6.9e10 FLOPs, 0.91-1.02x at 2.4e11, 0.84-0.95x
+    #: at 2.7e11, 1.00x at 1.1e12. So below 3e11 FLOPs per peer fallback="auto" takes NCCL + cuBLAS in eager
+    #: mode; captured in a CUDA graph it always overlaps.
+    EAGER_MIN_FLOP_PER_PEER = 3e11
 
     def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
                  name: str = "gemm_rs"):
@@ -213,11 +219,13 @@ class GEMMReduceScatter(OverlapOp):
     def _fallback(self, a, w, bias, out):
         ctx = self.ctx
         full = a @ w
-        res = torch.empty((a.shape[0] // ctx.world_size, w.shape[1]), dtype=a.dtype, device=a.device)
+        direct = out is not None and out.is_contiguous()  # NCCL writes straight into the caller's tensor
+        res = out if direct else torch.empty((a.shape[0] // ctx.world_size, w.shape[1]), dtype=a.dtype,
+                                             device=a.device)
         dist.reduce_scatter_tensor(res, full, group=ctx.group)
         if bias is not None:
             res += bias
-        return res if out is None else out.copy_(res)
+        return res if out is None or direct else out.copy_(res)
 
 
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None = None,
