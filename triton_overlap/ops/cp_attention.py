@@ -19,6 +19,7 @@ from ..context import op_id
 from ..kernels.attention import cp_attention_fwd
 from ..kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq, reduce_dkdv
 from ..kernels.chunks import ChunkLayout, cdiv
+from ..kernels.launch import launch
 from ..producers.allgather import enqueue_chunks, join, open_push
 from .common import DTYPES, agree_across_ranks
 
@@ -59,14 +60,13 @@ def launch_fwd(q, k, v, kw, vw, out, lse, flags, err, budget, rank, world, op, m
     """The forward kernel on contiguous q [B, S, Hq, D], k/v [B, S, Hkv, D], workspaces [B, W*S, Hkv, D]."""
     B, S, Hq, D = q.shape
     assert k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1), "k, v and workspaces share a sequence stride"
-    cp_attention_fwd[(cdiv(S, blocks.block_m), B * Hq)](
+    launch(cp_attention_fwd, (cdiv(S, blocks.block_m), B * Hq), (
         q, k, v, kw, vw, out, lse, flags, err, budget, rank, world, op,
         S, Hq, Hq // k.shape[2], m_per_chunk, chunks_per_rank, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        CAUSAL=causal, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, HEAD_D=D, CLOCK=clock, DOT_F32=dot_f32,
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages,
-    )
+    ), dict(CAUSAL=causal, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, HEAD_D=D, CLOCK=clock, DOT_F32=dot_f32),
+        num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def launch_bwd(q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, flags, err, budget, rank, world, op,
@@ -80,15 +80,15 @@ def launch_bwd(q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, f
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
     meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=clock, DOT_F32=dot_f32)
     b = cfg.dq
-    cp_attention_dq[(cdiv(S, b.block_m), B * Hq)](
+    launch(cp_attention_dq, (cdiv(S, b.block_m), B * Hq), (
         q, k, v, kw, vw, dout, lse, delta, dq, flags, err, budget, *common, Hq, Hq // Hkv,
-        m_per_chunk, chunks_per_rank, scale, *strides, BLOCK_M=b.block_m, BLOCK_N=b.block_n,
-        num_warps=b.num_warps, num_stages=b.num_stages, **meta)
+        m_per_chunk, chunks_per_rank, scale, *strides), dict(BLOCK_M=b.block_m, BLOCK_N=b.block_n, **meta),
+        num_warps=b.num_warps, num_stages=b.num_stages)
     b = cfg.dkdv
-    cp_attention_dkdv[(cdiv(S, b.block_n), B * Hkv, world)](
+    launch(cp_attention_dkdv, (cdiv(S, b.block_n), B * Hkv, world), (
         q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, err, budget,
-        *common, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, *strides,
-        BLOCK_M=b.block_m, BLOCK_N=b.block_n, num_warps=b.num_warps, num_stages=b.num_stages, **meta)
+        *common, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, *strides),
+        dict(BLOCK_M=b.block_m, BLOCK_N=b.block_n, **meta), num_warps=b.num_warps, num_stages=b.num_stages)
     return cdiv(S, b.block_n) * B * Hkv
 
 
