@@ -1,6 +1,6 @@
-"""Diagnostic: where the host time of one eager call goes (AllGather-GEMM and GEMM-ReduceScatter).
+"""Diagnostic: where the host time of one eager call goes (AllGather-GEMM, GEMM-ReduceScatter, CP attention).
 
-    bash scripts/launch.sh scripts/profile_host.py [M,K,N]
+    bash scripts/launch.sh scripts/profile_host.py [M,K,N [S_total]]
 
 For each op: the host time of whole calls with the GPU idle before each, then the same for the parts a call
 is made of (one Triton barrier launch, the GEMM launch alone, the copies alone), then rank 0's cProfile of
@@ -68,6 +68,15 @@ def main():
         rs = to.GEMMReduceScatter(ctx, fallback="never")
         whole_call(ctx, f"gemm_rs {M}x{K}x{N} W={W}", lambda: rs(a2, w, out=o2))
         profile(ctx, "gemm_rs", lambda: rs(a2, w, out=o2))
+        ctx.check()
+
+        S = int(sys.argv[2]) if len(sys.argv) > 2 else 16384  # total sequence; B=1, Hq=32, Hkv=8, D=128, causal
+        q = torch.randn(1, S // W, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, S // W, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        cp = to.ContextParallelAttention(ctx)
+        with torch.no_grad():
+            whole_call(ctx, f"cp_attention S={S} W={W}", lambda: cp(q, k, v))
+            profile(ctx, "cp_attention", lambda: cp(q, k, v))
         ctx.check()
     dist.destroy_process_group()
 
