@@ -213,12 +213,14 @@ class ContextParallelAttention:
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """(out, lse); differentiable in q, k, v when grad is enabled and any of them requires it (out= not allowed then)."""
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        if out is None and lse is None:  # through the custom op: autograd, and torch.compile traces it
+        grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+        if out is None and lse is None and (grad or torch.compiler.is_compiling()):
+            # through the custom op: autograd, and torch.compile traces it. Otherwise the op is called
+            # directly: the dispatcher's round trip costs an eager call about 0.1 ms of host time (H200 host)
             from .. import library
 
-            keep = self.keep_kv and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-            return library.cp_attention(q, k, v, self._handle, causal, scale, keep)[:2]
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return library.cp_attention(q, k, v, self._handle, causal, scale, self.keep_kv and grad)[:2]
+        if grad:
             raise ValueError("cp_attention: out= and lse= are for calls without autograd")
         return self.forward(q, k, v, causal, scale, out, lse)
 
