@@ -37,7 +37,8 @@ from triton_overlap.ops.cp_attention import (OP, AttentionConfig, Blocks, defaul
                                              launch_bwd, launch_fwd)
 
 GEMM_TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4),
-              (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 32, 8, 4)]  # block_m, block_n, block_k, warps, stages
+              (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 32, 8, 4)]
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")  # what a GEMM_TILES entry sets
 CHUNKS = [2, 4, 8]
 FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2)]
@@ -97,17 +98,16 @@ def sweep(ctx, stage, candidates, make_run, check, tol, label=str, graph=False):
 
 def tile_candidates(base, dry):
     """GemmConfigs with each of GEMM_TILES on top of ``base``, base's own tiles first."""
-    first = (base.block_m, base.block_n, base.block_k, base.num_warps, base.num_stages)
+    first = tuple(getattr(base, k) for k in TILE_FIELDS)
     tiles = [first] + [t for t in GEMM_TILES if t != first]
-    return [replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns)
-            for bm, bn, bk, nw, ns in (tiles[:2] if dry else tiles)]
+    return [replace(base, **dict(zip(TILE_FIELDS, t))) for t in (tiles[:2] if dry else tiles)]
 
 
 def tune_tiles(ctx, kind, shape, dry):
     """GEMM tiles alone (--tiles-only): our persistent GEMM on the op's per-rank GEMM (M x K x N, with K
     the local K for gemm_rs), without communication, on each rank's GPU; a world of one is enough. The
-    result is stored under world size "any": the tiles for this GPU and shape at every world size that
-    has no full tuning of its own (chunking stays at the defaults)."""
+    result, the tile fields only, is stored under world size "any": the tiles for this GPU and shape at
+    every world size that has no full tuning of its own (the other fields stay the op's defaults)."""
     M, K, N = shape
     dt = torch.bfloat16
     g = torch.Generator(device=ctx.device).manual_seed(99)
@@ -119,7 +119,7 @@ def tune_tiles(ctx, kind, shape, dry):
     say(f"tune {kind} {shape}, GEMM tiles alone: {len(cands)} tile configs")
     us, best = sweep(ctx, "tiles", cands, lambda cfg: plain_gemm(ctx, cfg, a, w, out), lambda: rel(out, ref), 2e-2,
                      graph=ctx.backend != "host")
-    return us, asdict(best)
+    return us, {k: getattr(best, k) for k in TILE_FIELDS}
 
 
 def tune_gemm(ctx, kind, shape, dry):

@@ -40,4 +40,24 @@ def test_tune_tiles_only_dry_run_writes_an_any_entry(tmp_path):
     table = json.loads(out.read_text())
     (entry,) = table["host"]["any"]["gemm_rs"]
     assert entry["shape"] == [64, 32, 48]
-    assert {"block_m", "block_n", "block_k", "num_warps", "num_stages"} <= set(entry["config"])
+    assert set(entry["config"]) == {"block_m", "block_n", "block_k", "num_warps", "num_stages"}  # tiles only
+
+
+def test_tiles_only_entry_keeps_the_ops_other_defaults(tmp_path, monkeypatch):
+    """An entry naming only the tiles changes only the tiles: chunking, launch order etc. stay the op's."""
+    from types import SimpleNamespace
+
+    import triton_overlap as to
+    from triton_overlap.ops.common import default_config
+
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv("TRITON_OVERLAP_TUNED", str(path))
+    tiles = {"block_m": 64, "block_n": 64, "block_k": 16, "num_warps": 2, "num_stages": 2}
+    tuning.save(path, "ag_gemm", "host", "any", [96, 48, 40], tiles)
+    ctx = SimpleNamespace(backend="host", world_size=2)
+    got = to.AllGatherGEMM(ctx).config_for((96, 48, 40))
+    base = default_config(ctx)
+    assert {k: getattr(got, k) for k in tiles} == tiles
+    assert (got.chunks_per_rank, got.group_m, got.mode, got.gemm_first) == (base.chunks_per_rank, base.group_m,
+                                                                           base.mode, base.gemm_first)
+    assert to.AllGatherGEMM(ctx).config_for((96, 48, 24)) == base  # no entry for these trailing dims

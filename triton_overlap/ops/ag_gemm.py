@@ -14,8 +14,7 @@ import torch.distributed as dist
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout
 from ..producers.allgather import follow_caller, join, peers_in_send_order, pull_rows, push_rows
-from .common import (GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm,
-                     with_overrides)
+from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
 
 OP = op_id("ag_gemm")
 

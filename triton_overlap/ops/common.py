@@ -11,6 +11,7 @@ from ..kernels.launch import launch
 
 DTYPES = (torch.float16, torch.bfloat16)
 
+
 def eager_host_bound(backend: str, world: int, flop: float, min_flop_per_peer: float,
                      capturing: bool | None = None) -> bool:
     """Whether an eager call of ``flop`` GEMM FLOPs is too short to pay for the host's cost of an overlapped
@@ -116,7 +117,8 @@ class OverlapOp:
             from ..tuning import gpu_key, lookup
 
             found = lookup(self.KIND, gpu_key(self.ctx), self.ctx.world_size, shape)
-            cfg = self._tuned[shape] = GemmConfig(**found) if found else self.config
+            # an entry may name only some fields (tune.py --tiles-only: the tiles); the rest stay the op's own
+            cfg = self._tuned[shape] = replace(self.config, **found) if found else self.config
         return cfg
 
 

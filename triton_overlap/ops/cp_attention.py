@@ -332,17 +332,20 @@ def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, caus
     Hkv = k.shape[2]
     dev = q.device
     cpr = cfg.chunks_per_rank
+    cache = parts is not None  # a fresh buffer per call would only fill the cache with one-off addresses
     if parts is None:
         parts = torch.empty((world, 2, B, S, Hkv, D), dtype=torch.float32, device=dev)
     key = (parts.data_ptr(), parts[0].numel(), rank, world, str(dev))
-    tables = _TABLES.get(key)
+    tables = _TABLES.get(key) if cache else None
     if tables is None:
         # the kernel stores into owner o's receive slot ``rank``; aim each owner's base so that slot is parts[o]
         shift = rank * parts[0].numel() * parts.element_size()
         recv_ptrs = torch.tensor([parts[o].data_ptr() - shift for o in range(world)], dtype=torch.int64, device=dev)
         counters = torch.zeros(world, dtype=torch.int32, device=dev)  # bumped, never waited for
         counter_ptrs = torch.full((world,), counters.data_ptr(), dtype=torch.int64, device=dev)
-        tables = _TABLES[key] = (recv_ptrs, counters, counter_ptrs)
+        tables = (recv_ptrs, counters, counter_ptrs)
+        if cache:
+            _TABLES[key] = tables
     recv_ptrs, _, counter_ptrs = tables
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     dq = torch.empty_like(q)

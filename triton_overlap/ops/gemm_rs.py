@@ -31,8 +31,7 @@ from ..kernels.chunks import ChunkLayout, cdiv
 from ..kernels.launch import launch
 from ..kernels.reduce import reduce_partials
 from ..producers.allgather import join
-from .common import (GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm,
-                     with_overrides)
+from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
 
 OP = op_id("gemm_rs")
 
