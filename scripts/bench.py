@@ -85,8 +85,9 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
         fused_ok = None
     except Exception as e:  # noqa: BLE001
         fused_ok = f"symm_mem unavailable: {e}"
-    op = to.AllGatherGEMM(ctx, fallback="never")
-    auto = to.AllGatherGEMM(ctx, name="ag_gemm.auto")  # what a user gets: fallback="auto" (eager rule included)
+    op = to.AllGatherGEMM(ctx, fallback="never", replay=False)  # the overlap, enqueued anew every call
+    auto = to.AllGatherGEMM(ctx, name="ag_gemm.auto")  # what a user gets: fallback="auto", replay on
+    plain = to.AllGatherGEMM(ctx, name="ag_gemm.plain", replay=False)  # fallback="auto", no replay
     for M, K, N in shapes:
         torch.manual_seed(ctx.rank)
         a = torch.randn(M // W, K, device="cuda", dtype=torch.bfloat16)
@@ -97,7 +98,10 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
 
         rec["ours_overlap_us"] = time_dist(lambda: op(a, w, out=out), iters)
         rec["ours_us"], rec["path"] = time_dist(lambda: auto(a, w, out=out), iters), auto.last_path
+        rec["replay_stats"] = dict(auto.replays.stats)
+        rec["ours_no_replay_us"], rec["no_replay_path"] = time_dist(lambda: plain(a, w, out=out), iters), plain.last_path
         ctx.check()
+        rec["host_replay_us"] = host_us(lambda: auto(a, w, out=out))
         rec["ours_gemm_first_us"] = time_dist(lambda: op(a, w, out=out, gemm_first=True), iters)
         ctx.check()
         rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
@@ -136,8 +140,9 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
     records = []
     import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
 
-    op = to.GEMMReduceScatter(ctx, fallback="never")
-    auto = to.GEMMReduceScatter(ctx, name="gemm_rs.auto")  # what a user gets: fallback="auto" (eager rule included)
+    op = to.GEMMReduceScatter(ctx, fallback="never", replay=False)  # the overlap, enqueued anew every call
+    auto = to.GEMMReduceScatter(ctx, name="gemm_rs.auto")  # what a user gets: fallback="auto", replay on
+    plain = to.GEMMReduceScatter(ctx, name="gemm_rs.plain", replay=False)  # fallback="auto", no replay
     group = dist.group.WORLD.group_name
     for M, K, N in shapes:
         torch.manual_seed(ctx.rank)
@@ -148,8 +153,11 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
         rec["ours_overlap_us"] = time_dist(lambda: op(a, w, out=out), iters)
         rec["ours_us"], rec["path"] = time_dist(lambda: auto(a, w, out=out), iters), auto.last_path
+        rec["replay_stats"] = dict(auto.replays.stats)
+        rec["ours_no_replay_us"], rec["no_replay_path"] = time_dist(lambda: plain(a, w, out=out), iters), plain.last_path
         ctx.check()
         rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
+        rec["host_replay_us"] = host_us(lambda: auto(a, w, out=out))
         if M * N <= (1 << 26):  # a correctness spot check on the benchmarked shape
             ref = (a.float() @ w.float())
             dist.all_reduce(ref)
@@ -204,7 +212,12 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         q, k, v = (to.cp.shard(t, ctx) for t in (qf, kf, vf))
         rec = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "causal": causal, "world_size": W, "gpu": gpu_name(),
                "config": repr(cfg), "note": ""}
-        rec["ours_us"] = timed(lambda: op(q, k, v, causal=causal))
+        rec["ours_us"] = timed(lambda: op(q, k, v, causal=causal))  # replay on (ops.replay), as a user gets it
+        rec["replay_stats"] = dict(op.replays.stats)
+        plain = to.ContextParallelAttention(ctx, chunks_per_rank=4, config=cfg, replay=False)
+        rec["ours_no_replay_us"] = timed(lambda: plain(q, k, v, causal=causal))
+        rec["host_no_replay_us"] = host_us(lambda: plain(q, k, v, causal=causal))
+        rec["host_replay_us"] = host_us(lambda: op(q, k, v, causal=causal))
         ctx.check()
         kg = torch.empty(W * B, S_loc, Hkv, D, device="cuda", dtype=torch.bfloat16)
         vg = torch.empty_like(kg)
@@ -308,18 +321,20 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     return records
 
 
-CP_HEADER = ("| B | S | Hq | Hkv | D | causal | ours µs | NCCL all_gather + kernel µs | speed-up vs NCCL | "
+CP_HEADER = ("| B | S | Hq | Hkv | D | causal | ours µs | ours, no replay µs | host µs, no replay / replayed | "
+             "NCCL all_gather + kernel µs | speed-up vs NCCL | "
              "ours, graph µs | NCCL + kernel, graph µs | speed-up, graphs | "
              "SDPA flash, 1 GPU, full S µs | our kernel, 1 GPU, full S µs | kernel alone, local µs | "
              "TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd, K/V kept µs | fwd+bwd NCCL µs | "
              "fwd+bwd speed-up vs NCCL | fwd+bwd SDPA 1 GPU µs | fwd+bwd efficiency | held for bwd MiB | "
-             "held, K/V kept MiB |\n|" + "---|" * 25)
+             "held, K/V kept MiB |\n|" + "---|" * 27)
 
 
 def _cp_row(r):
     f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
     return (f"| {r['B']} | {r['S']} | {r['Hq']} | {r['Hkv']} | {r['D']} | {r['causal']} | {r['ours_us']:.1f} | "
+            f"{f(r.get('ours_no_replay_us'))} | {f(r.get('host_no_replay_us'))} / {f(r.get('host_replay_us'))} | "
             f"{f(r['nccl_ag_us'])} | {ratio(r['nccl_ag_us'], r['ours_us'])} | {f(r.get('ours_graph_us'))} | "
             f"{f(r.get('nccl_ag_graph_us'))} | {ratio(r.get('nccl_ag_graph_us'), r.get('ours_graph_us'))} | "
             f"{r['single_gpu_us']:.1f} | {r['kernel_full_us']:.1f} | {r['kernel_only_us']:.1f} | "
@@ -357,9 +372,10 @@ def _row(r):
     fused = (r["torch_fused_us"] / r["ours_us"]) if r.get("torch_fused_us") else None
     gsp = (r["nccl_graph_us"] / r["ours_graph_us"]) if r.get("ours_graph_us") and r.get("nccl_graph_us") else None
     path = " (NCCL)" if r.get("path") == "fallback" else ""
-    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r['ours_us'])}{path} | {f(r.get('ours_overlap_us'))} | "
-            f"{f(r.get('ours_gemm_first_us'))} | "
-            f"{f(r.get('host_enqueue_us'))} | {f(r['nccl_us'])} | {f(r.get('torch_fused_us'))} | "
+    path0 = " (NCCL)" if r.get("no_replay_path") == "fallback" else ""
+    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r['ours_us'])}{path} | {f(r.get('ours_no_replay_us'))}{path0} | "
+            f"{f(r.get('ours_overlap_us'))} | "
+            f"{f(r.get('host_enqueue_us'))} | {f(r.get('host_replay_us'))} | {f(r['nccl_us'])} | {f(r.get('torch_fused_us'))} | "
             f"{f(r['bound_us'])} | {f(r['consumer_only_us'])} | {sp:.2f}x | {'n/a' if fused is None else f'{fused:.2f}x'} | "
             f"{vs_bound:.2f} | {r['bound_us'] / r['consumer_only_us']:.2f} | {f(r.get('ours_graph_us'))} | "
             f"{f(r.get('nccl_graph_us'))} | {'n/a' if gsp is None else f'{gsp:.2f}x'} | "
@@ -367,12 +383,14 @@ def _row(r):
             f"{f(r.get('ours_pull_graph_us', r.get('ours_copy_graph_us', r.get('ours_store_graph_us'))))} |")
 
 
-HEADER = ("| M | K | N | ours µs | overlap forced, eager µs | ours, GEMM launched first µs | host enqueue µs | "
-          "NCCL+cuBLAS µs | torch fused µs | "
+HEADER = ("| M | K | N | ours µs | ours, no replay µs | overlap forced, no replay µs | host enqueue µs | "
+          "host, replayed µs | NCCL+cuBLAS µs | torch fused µs | "
           "bound µs | consumer alone µs | speed-up vs NCCL | speed-up vs fused | ours / bound | consumer vs cuBLAS | "
-          "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up | variant µs | variant graph µs |\n|" + "---|" * 20)
-# ours: fallback="auto", what a user gets; "(NCCL)" where its eager rule (ops.common.eager_host_bound) took
-# NCCL + cuBLAS; overlap forced: fallback="never", eager
+          "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up | variant µs | variant graph µs |\n|" + "---|" * 21)
+# ours: fallback="auto" and replay on, what a user gets (an eager call that repeats its tensors replays the op's
+# own CUDA graph, ops.replay); "(NCCL)" where the eager rule (ops.common.eager_host_bound) took NCCL + cuBLAS;
+# no replay: the same with replay=False; overlap forced: fallback="never", replay=False; host enqueue: host µs of
+# one forced call, GPU idle; host, replayed: the same for ours
 # variant: AllGather-GEMM pull mode (ours_pull_*); GEMM-ReduceScatter: the scatter mode "auto" did not pick
 # (ours_copy_* where ours stored, ours_store_* where ours copied; the record's "scatter" names ours)
 
@@ -387,7 +405,11 @@ def write(op_name, records, W):
     with open(base + ".md", "w") as f:
         f.write(f"{op_name}, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks)\n\n{HEADER}\n")
         f.write("\n".join(_row(r) for r in records))
-        f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\"): {geo:.3f}x\n")
+        f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", replay on): {geo:.3f}x\n")
+        plain = [r["nccl_us"] / r["ours_no_replay_us"] for r in records if r.get("ours_no_replay_us")]
+        if plain:
+            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", no replay): "
+                    f"{math.exp(sum(map(math.log, plain)) / len(plain)):.3f}x\n")
         forced = [r["nccl_us"] / r["ours_overlap_us"] for r in records if r.get("ours_overlap_us")]
         if forced:
             f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, overlap forced): "

@@ -194,14 +194,14 @@ def test_eager_rule_thresholds():
 
 
 def _eager_rule(m_local, k, n):
-    """Both GEMM ops with fallback="auto" on a GEMM far under the eager threshold: the first call of the shape
-    overlapped (it prepares workspaces and kernels), later eager calls NCCL, the overlap again when captured
-    in a CUDA graph; all correct."""
+    """Both GEMM ops with fallback="auto" (and no replay of their own graphs) on a GEMM far under the eager
+    threshold: the first call of the shape overlapped (it prepares workspaces and kernels), later eager calls
+    NCCL, the overlap again when captured in a CUDA graph; all correct."""
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
         w = rand((k, n), torch.bfloat16, dev, "w")
         a = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
-        ag, rs = to.AllGatherGEMM(ctx), to.GEMMReduceScatter(ctx)
+        ag, rs = to.AllGatherGEMM(ctx, replay=False), to.GEMMReduceScatter(ctx, replay=False)  # test_replay: with
         out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
         rs_out = torch.empty((m_local, n), dtype=torch.bfloat16, device=dev)
 

@@ -114,7 +114,9 @@ class Context:
         self.budget = self._backend.timeout_budget(self.timeout_s)
         self.clock = self._backend.clock
         self._allocs: dict[str, _Allocation] = {}
-        self._last: dict[str, SymmetricTensor] = {}
+        self._views: dict[tuple, SymmetricTensor] = {}  # (name, shape, dtype) -> view agreed on, current buffers
+        #: bumped whenever a symmetric buffer is allocated or freed: what holds addresses (ops.replay) drops them
+        self.generation = 0
         self._streams: list[Stream] = []
         self._closed = False
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=self.device)
@@ -165,9 +167,9 @@ class Context:
         """
         self._check_open()
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)))
-        cached = self._last.get(name)
-        if cached is not None and cached.shape == shape and cached.dtype == dtype:
-            return cached  # same request as last time: agreed then, no collective now (ops ask every call)
+        cached = self._views.get((name, shape, dtype))
+        if cached is not None:
+            return cached  # agreed on before, buffer unchanged since: no collective (ops ask every call)
         if any(s < 0 for s in shape):
             raise ValueError(f"symmetric({name!r}): negative size in {shape}")
         mine = (name, shape, str(dtype))
@@ -183,10 +185,11 @@ class Context:
         if alloc is None or alloc.nbytes < nbytes:
             if alloc is not None:
                 self._free(alloc)
+                self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
             alloc = self._allocate(max(nbytes, 16))
             self._allocs[name] = alloc
-        self._last[name] = SymmetricTensor(name, shape, dtype, self.rank, alloc)
-        return self._last[name]
+        view = self._views[(name, shape, dtype)] = SymmetricTensor(name, shape, dtype, self.rank, alloc)
+        return view
 
     def _allocate(self, nbytes: int) -> _Allocation:
         b = self._backend
@@ -197,11 +200,13 @@ class Context:
         b.after_exchange(handle)
         views = [local if p is None else p for p in peers]
         ptrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
+        self.generation += 1
         return _Allocation(nbytes, local, handle, peers, ptrs)
 
     def _free(self, alloc: _Allocation) -> None:
         self._backend.synchronize()
         dist.barrier(group=self.group)  # no peer still reads or writes it
+        self.generation += 1
         self._backend.release(alloc.local, alloc.handle, alloc.peers)
 
     # ---------------------------------------------------------------- streams
@@ -282,7 +287,8 @@ class Context:
             for alloc in self._allocs.values():
                 self._backend.release(alloc.local, alloc.handle, alloc.peers)
             self._allocs.clear()
-            self._last.clear()
+            self._views.clear()
+            self.generation += 1
             self._streams.clear()
             self._backend.close()
 

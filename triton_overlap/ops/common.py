@@ -82,7 +82,8 @@ class OverlapOp:
     #: eager_host_bound's threshold for this op (set by each op from its measurements)
     EAGER_MIN_FLOP_PER_PEER = 0.0
 
-    def __init__(self, ctx, config: GemmConfig | None, fallback: str, max_m: int | None, name: str):
+    def __init__(self, ctx, config: GemmConfig | None, fallback: str, max_m: int | None, name: str,
+                 replay: bool = True):
         if fallback not in ("auto", "never", "always"):
             raise ValueError(f"fallback must be 'auto', 'never' or 'always', got {fallback!r}")
         self.ctx = ctx
@@ -96,6 +97,9 @@ class OverlapOp:
         self.last_path = None  # "overlap" or "fallback", for tests and curious users
         self._tuned: dict = {}
         self._ran_overlap: set = set()  # shapes whose overlap path has run (workspaces allocated, kernels built)
+        from .replay import ReplayCache
+
+        self.replays = ReplayCache(ctx, enabled=replay)  # eager calls that repeat replay a captured graph
 
     def eager_fallback(self, key, flop: float) -> bool:
         """The eager rule (eager_host_bound) for a call of ``flop`` FLOPs. The first call of each shape ``key``

@@ -22,6 +22,7 @@ from ..kernels.chunks import ChunkLayout, cdiv
 from ..kernels.launch import launch
 from ..producers.allgather import enqueue_chunks, join, open_push
 from .common import DTYPES, agree_across_ranks
+from .replay import ReplayCache, tensor_key
 
 OP = op_id("cp_attention")
 HEAD_DIMS = (64, 128)
@@ -134,10 +135,12 @@ class ContextParallelAttention:
     passes (2 x [B, W * S_local, Hkv, D] per call that autograd holds), instead
     of gathering them again with the copy engines (the default: the gather
     overlaps the backward kernels, so keeping saves little time; see README).
+    ``replay``: a forward that repeats an earlier one's tensors and arguments replays a CUDA graph of it
+    (ops.replay); False: always enqueued anew.
     """
 
     def __init__(self, ctx, *, chunks_per_rank: int = 2, config: AttentionConfig | None = None,
-                 keep_kv: bool = False, name: str = "cp_attention"):
+                 keep_kv: bool = False, name: str = "cp_attention", replay: bool = True):
         if config is not None:
             chunks_per_rank = config.chunks_per_rank
         if chunks_per_rank < 2 or chunks_per_rank % 2:
@@ -151,6 +154,7 @@ class ContextParallelAttention:
         self._config = config
         self._configs: dict = {}
         self._agreed: set = set()
+        self.replays = ReplayCache(ctx, enabled=replay)  # eager forwards that repeat replay a captured graph
         from .. import library
 
         self._handle = library.handle(self)
@@ -236,14 +240,26 @@ class ContextParallelAttention:
         if lse is not None and (tuple(lse.shape) != (B, Hq, S) or lse.dtype != torch.float32 or lse.device != q.device):
             raise ValueError(f"cp_attention: lse must be float32 {(B, Hq, S)} on {q.device}")
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty_like(q) if out is None else out
+        lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
+        if keep:  # the gathered K/V for backward (this rank's own rows are read from k and v, not from here)
+            kws, vws = self._forward(q, k, v, out, lse, causal, scale)
+            return out, lse, kws.local.clone(), vws.local.clone()
+        shape_key = (tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), float(scale))
+        key = (shape_key, tensor_key(q), tensor_key(k), tensor_key(v), tensor_key(out), tensor_key(lse))
+        self.replays.run(key, shape_key, lambda: self._forward(q, k, v, out, lse, causal, scale))
+        return out, lse
+
+    def _forward(self, q, k, v, out, lse, causal, scale):
+        """Enqueue one forward (what ReplayCache captures); returns the K/V workspaces."""
+        ctx = self.ctx
+        B, S, Hq, D = q.shape
         W, r = ctx.world_size, ctx.rank
         Hkv = k.shape[2]
         layout = ChunkLayout(W, S, S // self.chunks_per_rank)
         kws = ctx.symmetric(f"{self.name}.k", (B, W * S, Hkv, D), k.dtype)
         vws = ctx.symmetric(f"{self.name}.v", (B, W * S, Hkv, D), v.dtype)
         flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
-        out = torch.empty_like(q) if out is None else out
-        lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
         streams = ctx.streams(max(1, min(W - 1, 2)))
 
         cfg = self.config(D, self._shape_key(q, k, causal))
@@ -254,9 +270,7 @@ class ContextParallelAttention:
             ctx.after_launch()
         join(ctx, streams)
         flags.local.zero_()  # every needed flag was seen; peers set them again only after the next barrier
-        if keep:  # the gathered K/V for backward (this rank's own rows are read from k and v, not from here)
-            return out, lse, kws.local.clone(), vws.local.clone()
-        return out, lse
+        return kws, vws
 
     @torch.no_grad()
     def backward(self, q, k, v, out, lse, dout, causal, scale, kept_k=None, kept_v=None):

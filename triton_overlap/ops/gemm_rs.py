@@ -32,6 +32,7 @@ from ..kernels.launch import launch
 from ..kernels.reduce import reduce_partials
 from ..producers.allgather import join
 from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
+from .replay import tensor_key
 
 OP = op_id("gemm_rs")
 
@@ -57,6 +58,7 @@ class GEMMReduceScatter(OverlapOp):
     share of the output is under FALLBACK_PARTIAL_BYTES, when W == 1, or in eager
     mode when the GEMM is too short to pay for the host's cost of an overlapped
     call: common.eager_host_bound), "never", or "always".
+    ``replay``: as for AllGatherGEMM (ops.replay).
     """
 
     KIND = "gemm_rs"
@@ -68,8 +70,8 @@ class GEMMReduceScatter(OverlapOp):
     EAGER_MIN_FLOP_PER_PEER = 3e11
 
     def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
-                 name: str = "gemm_rs"):
-        super().__init__(ctx, config, fallback, max_m, name)
+                 name: str = "gemm_rs", replay: bool = True):
+        super().__init__(ctx, config, fallback, max_m, name, replay)
 
     def _check(self, a, w, bias, out):
         ctx = self.ctx
@@ -99,10 +101,20 @@ class GEMMReduceScatter(OverlapOp):
         ctx._check_open()
         self._check(a, w, bias, out)
         a = a.contiguous()
-        if self._use_fallback(a, w):
+        shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(sorted(overrides.items())))
+        if out is None:
+            out = torch.empty((a.shape[0] // ctx.world_size, w.shape[1]), dtype=a.dtype, device=a.device)
+        key = (shape_key, tensor_key(a), tensor_key(w), tensor_key(bias), tensor_key(out))
+        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w):
             self.last_path = "fallback"
             return self._fallback(a, w, bias, out)
         self.last_path = "overlap"
+        self.replays.run(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides))
+        return out
+
+    def _overlap(self, a, w, bias, out, overrides) -> None:
+        """Enqueue one overlapped call (what ReplayCache captures)."""
+        ctx = self.ctx
         cfg = with_overrides(self.config_for((a.shape[0], a.shape[1], w.shape[1])), **overrides)
         W, r = ctx.world_size, ctx.rank
         M, K = a.shape
@@ -111,7 +123,6 @@ class GEMMReduceScatter(OverlapOp):
         layout, order, expected = self._plan(m_local, N, cfg)
         recv = ctx.symmetric(f"{self.name}.recv", (W, m_local, N), a.dtype)
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
-        out = torch.empty((m_local, N), dtype=a.dtype, device=a.device) if out is None else out
 
         copy = self.scatter_mode(M, N, a.element_size(), cfg) == "copy"
         ctx.barrier()  # owners have reduced the previous call and reset their counters
@@ -140,7 +151,6 @@ class GEMMReduceScatter(OverlapOp):
             join(ctx, streams)
             done.zero_()  # every local count was waited for by the copies just joined
         counters.local.zero_()  # every count was seen; peers add again only after the next barrier
-        return out
 
     def scatter_mode(self, m: int, n: int, elsize: int, cfg: GemmConfig) -> str:
         """"store" or "copy": ``cfg``'s choice, or for "auto" the rule above (the host backend stores)."""
@@ -218,13 +228,12 @@ class GEMMReduceScatter(OverlapOp):
     def _fallback(self, a, w, bias, out):
         ctx = self.ctx
         full = a @ w
-        direct = out is not None and out.is_contiguous()  # NCCL writes straight into the caller's tensor
-        res = out if direct else torch.empty((a.shape[0] // ctx.world_size, w.shape[1]), dtype=a.dtype,
-                                             device=a.device)
+        direct = out.is_contiguous()  # NCCL writes straight into the caller's tensor
+        res = out if direct else torch.empty(out.shape, dtype=a.dtype, device=a.device)
         dist.reduce_scatter_tensor(res, full, group=ctx.group)
         if bias is not None:
             res += bias
-        return res if out is None or direct else out.copy_(res)
+        return out if direct else out.copy_(res)
 
 
 def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None = None,

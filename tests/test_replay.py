@@ -1,0 +1,162 @@
+"""Eager calls replayed from the op's own CUDA graphs (ops.replay): same results as enqueued calls, graphs
+captured on a key's second sighting, dropped when a workspace moves, and ranks that replay working with
+ranks that do not (the protocol lives on the device)."""
+import math
+
+import pytest
+import torch
+
+import triton_overlap as to
+from refs import TOL, poison, rand, rel_err
+from test_cp_attention import reference
+from triton_overlap.ops.replay import ReplayCache
+
+
+def test_replay_off_on_host_backend_and_with_jitter():
+    class Ctx:
+        backend, producer_jitter_s, generation = "host", 0.0, 0
+    assert not ReplayCache(Ctx()).enabled
+    Ctx.backend = "cuda"
+    cache = ReplayCache(Ctx())
+    assert cache.enabled
+    Ctx.producer_jitter_s = 0.01
+    assert not cache.will_replay(("k",), ("s",))
+    ran = []
+    assert cache.run(("k",), ("s",), lambda: ran.append(1)) is False and ran == [1]
+
+
+def _ag_rs(m_local, k, n, replay_ranks):
+    with to.Context(timeout_s=30) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        on = r in replay_ranks
+        ag = to.AllGatherGEMM(ctx, fallback="never", replay=on)
+        rs = to.GEMMReduceScatter(ctx, fallback="never", replay=on)
+        a = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
+        big = torch.empty((m_local * W, k), dtype=torch.bfloat16, device=dev)
+        w = rand((k, n), torch.bfloat16, dev, "w", r)
+        bias = rand((n,), torch.bfloat16, dev, "b", r)
+        out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
+        gathered = None
+        rs_out = torch.empty((m_local, n), dtype=torch.bfloat16, device=dev)
+        iters = 8
+        for i in range(iters):
+            shards = [rand((m_local, k), torch.bfloat16, dev, "a", i, s) for s in range(W)]
+            a.copy_(shards[r])  # new values, same address: the key repeats
+            poison(out)
+            got, gathered = ag(a, w, bias, out=out, return_gathered=True)
+            full = torch.cat(shards)
+            err = rel_err(got, full.float() @ w.float() + bias.float())
+            assert err < TOL[torch.bfloat16], f"rank {r} ag call {i}: rel err {err:.2e}"
+            assert torch.equal(gathered.cpu(), full.cpu()), f"rank {r} ag call {i}: gathered rows differ"
+            parts = [rand((m_local * W, k), torch.bfloat16, dev, "rs", i, s) for s in range(W)]
+            big.copy_(parts[r])
+            poison(rs_out)
+            rs(big, w, out=rs_out)
+            ref = (sum(p.float() for p in parts) @ w.float())[r * m_local:(r + 1) * m_local]
+            err = rel_err(rs_out, ref)
+            assert err < TOL[torch.bfloat16], f"rank {r} rs call {i}: rel err {err:.2e}"
+        ctx.check()
+        if on:
+            # call 1 enqueued, call 2 captured, the rest replayed. return_gathered allocates a new gathered
+            # tensor per call, whose address the caching allocator hands out again once the last one is freed
+            assert rs.replays.stats == {"replays": iters - 2, "captures": 1, "dropped": 0}, rs.replays.stats
+            assert ag.replays.stats["captures"] >= 1 and ag.replays.stats["replays"] >= 1, ag.replays.stats
+            # another output tensor: a new key, enqueued (seen once), then captured
+            other = torch.empty_like(rs_out)
+            caps = rs.replays.stats["captures"]
+            rs(big, w, out=other)
+            assert rs.replays.stats["captures"] == caps
+            rs(big, w, out=other)
+            assert rs.replays.stats["captures"] == caps + 1
+            assert torch.equal(other.cpu(), rs_out.cpu())
+        else:
+            rs(big, w, out=rs_out)
+            rs(big, w, out=rs_out)
+            assert rs.replays.stats["captures"] == 0
+        # a larger shape grows the workspaces: every graph of the op holds old addresses and is dropped
+        gen = ctx.generation
+        a2 = rand((2 * m_local, k), torch.bfloat16, dev, "a2", r)
+        ag(a2, w)
+        assert ctx.generation > gen
+        ag.replays._usable()
+        assert not ag.replays._graphs
+        for i in range(3):  # the first shape again, on the new workspace: enqueued, captured, replayed
+            poison(out)
+            got = ag(a, w, bias, out=out)
+            assert rel_err(got, full.float() @ w.float() + bias.float()) < TOL[torch.bfloat16], f"after growth {i}"
+        ctx.check()
+        return True
+
+
+@pytest.mark.parametrize("replay_ranks", [(0, 1, 2, 3), (0,)], ids=["all", "rank0"])
+def test_gemm_ops_replay(pool, replay_ranks):
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    assert all(pool.run(_ag_rs, 1024, 512, 768, replay_ranks))
+
+
+def _small_shape_auto(m_local, k, n):
+    """fallback="auto" on a shape under the eager threshold: repeated tensors overlap by replay; a call
+    with tensors not seen before takes NCCL + cuBLAS."""
+    with to.Context(timeout_s=30) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        ag = to.AllGatherGEMM(ctx)
+        a = rand((m_local, k), torch.bfloat16, dev, "a", r)
+        w = rand((k, n), torch.bfloat16, dev, "w")
+        full = torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", s) for s in range(W)])
+        ref = full.float() @ w.float()
+        out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
+        paths = []
+        for _ in range(4):
+            poison(out)
+            ag(a, w, out=out)
+            paths.append(ag.last_path)
+            assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert paths == ["overlap"] * 4, paths
+        assert ag.replays.stats["captures"] == 1 and ag.replays.stats["replays"] == 2
+        fresh = poison(torch.empty_like(out))
+        ag(a, w, out=fresh)
+        assert ag.last_path == "fallback"
+        assert rel_err(fresh, ref) < TOL[torch.bfloat16]
+        ctx.check()
+        return True
+
+
+def test_small_shape_replays_instead_of_falling_back(pool):
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    assert all(pool.run(_small_shape_auto, 1024, 512, 768))
+
+
+def _cp(B, S, Hq, Hkv, D, causal):
+    with to.Context(timeout_s=30) as ctx:
+        dev = ctx.device
+        op = to.ContextParallelAttention(ctx)
+        W = ctx.world_size
+        S_local = S // W
+        q = torch.empty((B, S_local, Hq, D), dtype=torch.bfloat16, device=dev)
+        k = torch.empty((B, S_local, Hkv, D), dtype=torch.bfloat16, device=dev)
+        v = torch.empty_like(k)
+        out, lse = torch.empty_like(q), torch.empty((B, Hq, S_local), dtype=torch.float32, device=dev)
+        scale = 1.0 / math.sqrt(D)
+        for i in range(5):
+            full = [rand((B, S, h, D), torch.bfloat16, dev, name, i) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv))]
+            ref_out, ref_lse = reference(*full, causal, scale)
+            for dst, src in zip((q, k, v), full):
+                dst.copy_(to.cp.shard(src, ctx))
+            poison(out), poison(lse)
+            op(q, k, v, causal=causal, out=out, lse=lse)
+            err = rel_err(out, to.cp.shard(ref_out, ctx))
+            assert err < TOL[torch.bfloat16], f"call {i}: out rel err {err:.2e}"
+            lse_err = rel_err(lse, to.cp.shard(ref_lse, ctx, dim=2))
+            assert lse_err < 1e-3, f"call {i}: lse rel err {lse_err:.2e}"
+        ctx.check()
+        assert op.replays.stats == {"replays": 3, "captures": 1, "dropped": 0}, op.replays.stats
+        return True
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cp_attention_replay(pool, causal):
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    assert all(pool.run(_cp, 1, 1024, 8, 2, 128, causal))
