@@ -83,20 +83,28 @@ class AllGatherGEMM(OverlapOp):
         a = a.contiguous()
         out = torch.empty(want, dtype=a.dtype, device=a.device) if out is None else out
         gathered = torch.empty((want[0], a.shape[1]), dtype=a.dtype, device=a.device) if return_gathered else None
-        shape_key = (tuple(a.shape), w.shape[1], a.dtype, return_gathered, tuple(sorted(overrides.items())))
-        key = (shape_key, tensor_key(a), tensor_key(w), tensor_key(bias), tensor_key(out), tensor_key(gathered))
+        shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(sorted(overrides.items())))
+        key = (shape_key, tensor_key(a), tensor_key(w), tensor_key(bias), tensor_key(out))
         if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w):
             self.last_path = "fallback"
             return self._fallback(a, w, bias, gathered, out)
         self.last_path = "overlap"
-        self.replays.run(key, shape_key, lambda: self._overlap(a, w, bias, out, gathered, overrides))
-        return (out, gathered) if return_gathered else out
+        self.replays.run(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides))
+        if not return_gathered:
+            return out
+        # outside the replayed part: a fresh tensor per call (autograd keeps it) would make every key new.
+        # Stream order keeps the workspace as it is until these copies have read it: peers write into it
+        # again only after the next call's barrier, which follows this stream.
+        m_local = a.shape[0]
+        gathered.copy_(self.ctx.symmetric(f"{self.name}.ws", (want[0], a.shape[1]), a.dtype).local)
+        gathered[ctx.rank * m_local:(ctx.rank + 1) * m_local].copy_(a)
+        return out, gathered
 
-    def _overlap(self, a, w, bias, out, gathered, overrides) -> None:
+    def _overlap(self, a, w, bias, out, overrides) -> None:
         """Enqueue one overlapped call (what ReplayCache captures)."""
         ctx = self.ctx
         cfg = with_overrides(self.config_for((a.shape[0] * ctx.world_size, a.shape[1], w.shape[1])), **overrides)
-        W, r = ctx.world_size, ctx.rank
+        W = ctx.world_size
         m_local, K = a.shape
         N = w.shape[1]
         M = m_local * W
@@ -119,9 +127,6 @@ class AllGatherGEMM(OverlapOp):
         self._warm[(layout, cfg.mode)] = True
         join(ctx, streams)
         flags.local.zero_()  # every flag was seen by the kernel; peers set them again only after the next barrier
-        if gathered is not None:
-            gathered.copy_(ws.local)
-            gathered[r * m_local:(r + 1) * m_local].copy_(a)
 
     def _tile_order(self, layout: ChunkLayout, cfg: GemmConfig) -> torch.Tensor:
         key = (layout, cfg.block_m, cfg.streams_for(layout.world))

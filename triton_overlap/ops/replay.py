@@ -101,6 +101,9 @@ class ReplayCache:
         if not replay:
             enqueue()
             if usable:
+                if self.ctx.generation != self._generation:  # this call allocated: other graphs hold old addresses
+                    self.clear()
+                    self._generation = self.ctx.generation
                 self._prepared.add(shape_key)
                 self._seen[key] = self._seen.pop(key, 0) + 1
                 while len(self._seen) > self.SEEN_LIMIT:
