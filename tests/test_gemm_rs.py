@@ -21,7 +21,8 @@ def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
     return parts[r], b, rows + (b.float() if bias else 0)
 
 
-def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="store", jitter=0.0):
+def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="store", jitter=0.0, fuse=True,
+          strided_out=False):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -35,8 +36,11 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
                 for key, plan in op._plans.items():  # and in the copy variant's staging buffer
                     if key[0] == "staging":
                         plan[0].copy_(torch.randn_like(plan[0], dtype=torch.float32))
-            out = poison(torch.empty((m // W, n), dtype=dtype, device=dev))
-            got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter)
+            if strided_out:  # a transposed view: columns m // W elements apart
+                out = poison(torch.empty((n, m // W), dtype=dtype, device=dev)).t()
+            else:
+                out = poison(torch.empty((m // W, n), dtype=dtype, device=dev))
+            got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter, fuse_reduce=fuse)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             errs.append(rel_err(got, ref))
@@ -47,12 +51,17 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
 
 HOST_CASES = [
     # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters, scatter, producer jitter (s)
-    # 24 | m: W = 2, 3, 4, 8
+    # [, fuse_reduce, strided out]; 24 | m: W = 2, 3, 4, 8. The reduction is in the GEMM (fuse_reduce) where
+    # every rank's rows are whole 32-row tiles (m = 32 * 24 or 64 * 24), in a separate kernel otherwise
     (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
+    (64 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
+    (32 * 24, 64, 33, "float16", False, True, 7, 2, "copy", 0.003),
     (29 * 24, 64, 33, "float16", False, True, 7, 2, "store", 0.0),
     (32 * 24, 40, 24, "bfloat16", False, False, None, 1, "store", 0.0),
     (37 * 24, 48, 40, "bfloat16", True, True, 16, 2, "copy", 0.003),
     (29 * 24, 64, 33, "float16", False, False, 7, 2, "copy", 0.0),
+    (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0, False),  # separate reduction kernel
+    (29 * 24, 64, 33, "float16", False, False, 7, 1, "copy", 0.0, False, True),  # and a strided out
 ]
 GPU_CASES = [
     (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0),
@@ -60,6 +69,9 @@ GPU_CASES = [
     (2048, 4096, 4096, "bfloat16", False, True, None, 3, "store", 0.0),
     (256 * 4, 256, 512, "bfloat16", True, False, 37, 3, "store", 0.0),
     (4091 * 2 * 2, 1024, 1536, "bfloat16", True, True, 512, 3, "copy", 0.0005),
+    (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0, False),
+    (2048, 1024, 1000, "bfloat16", True, False, None, 2, "copy", 0.0, True, True),
+    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005),
 ]
 
 

@@ -15,6 +15,20 @@ Switches (constexpr), so one source serves every op:
   over NVLink for peers, and then the owner's counter of every chunk the tile
   covers (``counter_ptrs[owner]`` + ``rank * CHUNKS_PER_RANK + j``) is bumped
   with release semantics. The owner's reduction waits on those counters.
+* REDUCE_OWN (with SCATTER; every rank's rows a whole number of tiles): the
+  reduction is this kernel's own. Tiles of this rank's own rows, which the
+  tile order puts last, add the peers' partials in their epilogue: after the
+  K loop such a tile waits for the counters of the chunks it covers from
+  every peer (reaching ``expected_ptr[j]``), adds the peers' partials
+  ``c_ptr[s]`` (this rank's receive slots, [W, M_LOCAL, N]) and the bias to its
+  float32 accumulator, and stores the output dtype into ``out_ptr``: no
+  reduction kernel, and this rank's own partial never goes through memory.
+  Tiles are then handed out in order through an atomic counter (``tick_ptr``,
+  zero at launch) instead of round-robin, and the L2 grouping restarts where
+  the own rows begin (``split_m`` peer m-tiles first), so a program takes an
+  own-row tile only after every peer tile has been taken by a running
+  program. Peer tiles wait on nothing, so every rank's peer tiles finish
+  whichever programs are resident, and no own-row wait can block them.
 
 Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
 """
@@ -56,7 +70,8 @@ def persistent_gemm(
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
     tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
-    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m,
+    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
     DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False,
@@ -67,8 +82,16 @@ def persistent_gemm(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in range(pid, num_tiles, NUM_PROGRAMS):
-        vm, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+    for it in range(pid, num_tiles, NUM_PROGRAMS):  # each program's share of the tiles is counted as before
+        if REDUCE_OWN:
+            tile = tl.atomic_add(tick_ptr, 1)  # ... but which tile comes next is the next in order, from anyone
+            if tile < split_m * num_pid_n:  # peers' rows, then ours: each grouped on its own
+                vm, pid_n = grouped_tile(tile, split_m, num_pid_n, GROUP_M)
+            else:
+                vm, pid_n = grouped_tile(tile - split_m * num_pid_n, num_pid_m - split_m, num_pid_n, GROUP_M)
+                vm += split_m
+        else:
+            vm, pid_n = grouped_tile(it, num_pid_m, num_pid_n, GROUP_M)
         pid_m = tl.load(tile_order_ptr + vm)
         row0 = pid_m * BLOCK_M
         c_first = chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
@@ -104,10 +127,29 @@ def persistent_gemm(
             acc = tl.dot(a, b, acc)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         out_rows = row0 + tl.arange(0, BLOCK_M)
-        if SCATTER:
+        own_tile = False
+        peer_tile = True
+        if REDUCE_OWN:
+            own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
+            peer_tile = (row0 // M_LOCAL) != rank
+        if own_tile:
+            for c in range(c_first, c_last + 1):
+                j = c % CHUNKS_PER_RANK
+                want = tl.load(expected_ptr + j)
+                for s in range(0, world):
+                    if s != rank:
+                        wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
+                                  s * CHUNKS_PER_RANK + j, CLOCK)
+            local = rows - rank * M_LOCAL
+            for s in range(0, world):
+                if s != rank:
+                    part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
+                    acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            c_rows = out_ptr + local * stride_om
+            if ALIGN_C:
+                c_rows = tl.multiple_of(c_rows, 16)
+        elif SCATTER:
             owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
             base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
             c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
@@ -115,10 +157,17 @@ def persistent_gemm(
                 c_rows = tl.multiple_of(c_rows, 16)
         else:
             c_rows = c_ptr + out_rows * stride_cm
+        if HAS_BIAS:
+            if REDUCE_OWN:  # GEMM-RS: the bias once, by the rows' owner
+                if own_tile:
+                    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
         if SCATTER:
-            tl.debug_barrier()  # every thread's stores of this tile come before the release below
-            for c in range(c_first, c_last + 1):
-                counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
-                add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)
+            if peer_tile:
+                tl.debug_barrier()  # every thread's stores of this tile come before the release below
+                for c in range(c_first, c_last + 1):
+                    counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
+                    add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)

@@ -43,6 +43,11 @@ class GemmConfig:
     them locally; copy engines move each chunk once the GEMM's counter for it
     is complete, waiting with a stream wait-value), or "auto" (copy on GPUs
     when the partial output is at least ``gemm_rs.COPY_SCATTER_BYTES``).
+    ``fuse_reduce`` (GEMM-ReduceScatter): the GEMM's tiles of this rank's own
+    rows, computed last, add the peers' partials in their epilogue and store
+    the output (kernels.gemm REDUCE_OWN), when each rank's rows are a whole
+    number of ``block_m`` tiles; otherwise, or with False, every partial goes
+    to memory and a separate kernel sums them.
     """
 
     block_m: int = 128
@@ -58,6 +63,7 @@ class GemmConfig:
     gemm_first: bool = False
     mode: str = "push"
     scatter: str = "auto"
+    fuse_reduce: bool = True
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
@@ -187,7 +193,12 @@ def plain_gemm(ctx, cfg: GemmConfig, a, w, out):
 
 
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
-                tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None):
+                tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
+                expected=None, tick=None, split_m=0):
+    """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
+    the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
+    chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
+    m-tiles of ``tile_order`` come before this rank's own)."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if gather and ctx.backend != "host":
@@ -201,12 +212,15 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         a.stride(0), stride_wm, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
         tile_order, flags, ctx.err, ctx.budget, ctx.rank, op,
         scatter_ptrs if scatter_ptrs is not None else flags, counter_ptrs if counter_ptrs is not None else flags,
+        reduce_into if reduce_into is not None else c, reduce_into.stride(0) if reduce_into is not None else 0,
+        expected if expected is not None else flags, tick if tick is not None else flags, ctx.world_size, split_m,
     ), dict(
-        HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None,
+        HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None, REDUCE_OWN=reduce_into is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, NUM_XCDS=cfg.num_xcds, EVEN_K=(K % cfg.block_k == 0), CLOCK=ctx.clock,
         DOT_F32=ctx.backend == "host",
         # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
-        ALIGN_C=scatter_ptrs is not None and N % 16 == 0,
+        ALIGN_C=scatter_ptrs is not None and N % 16 == 0 and (
+            reduce_into is None or (reduce_into.data_ptr() % 16 == 0 and reduce_into.stride(0) * c.element_size() % 16 == 0)),
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()

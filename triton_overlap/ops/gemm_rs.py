@@ -109,6 +109,12 @@ class GEMMReduceScatter(OverlapOp):
             self.last_path = "fallback"
             return self._fallback(a, w, bias, out)
         self.last_path = "overlap"
+        if out.stride(1) != 1:  # the kernels store unit-stride rows: go through a contiguous tensor
+            res = self._overlap_into(torch.empty(out.shape, dtype=out.dtype, device=out.device), a, w, bias, overrides)
+            return out.copy_(res)
+        return self._overlap_into(out, a, w, bias, overrides, key, shape_key)
+
+    def _overlap_into(self, out, a, w, bias, overrides, key=None, shape_key=None):
         self.replays.run(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides))
         return out
 
@@ -134,23 +140,42 @@ class GEMMReduceScatter(OverlapOp):
             staging, done, scatter_ptrs, counter_ptrs = self._staging(recv, counters, layout, a.dtype)
         else:
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
-        launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m_local, N), bias=None, M=M, N=N, K=K, m_local=m_local,
-                    m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
-                    flags=counters.local, op=OP, gather=False, scatter_ptrs=scatter_ptrs, counter_ptrs=counter_ptrs)
-        if copy:
+        fuse = cfg.fuse_reduce and m_local % cfg.block_m == 0  # own-row tiles hold our rows only
+        tick = self._tick() if fuse else None
+        # On the host backend a launch returns when the kernel has finished, and a fused GEMM waits for the peers'
+        # copies: there the copies (whose streams wait for our counters in worker threads) are enqueued first.
+        copies_first = copy and fuse and ctx.backend == "host"
+        if copies_first:
             self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
-        block_m, block_n = (32, 32) if ctx.backend == "host" else (64, 128)
-        programs = max(1, min(ctx.num_compute_units(), cdiv(m_local, block_m) * cdiv(N, block_n)))
-        launch(reduce_partials, (programs,), (
-            recv.local, out, bias if bias is not None else out, counters.local, expected, ctx.err, ctx.budget, r, W, OP,
-            m_local, N, layout.m_per_chunk, layout.chunks_per_rank, out.stride(0),
-        ), dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs, CLOCK=ctx.clock),
-            num_warps=4)
-        ctx.after_launch()
+        launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m_local, N), bias=bias if fuse else None,
+                    M=M, N=N, K=K, m_local=m_local, m_per_chunk=layout.m_per_chunk,
+                    chunks_per_rank=layout.chunks_per_rank, tile_order=order, flags=counters.local, op=OP, gather=False,
+                    scatter_ptrs=scatter_ptrs, counter_ptrs=counter_ptrs, reduce_into=out if fuse else None,
+                    expected=expected, tick=tick, split_m=(W - 1) * m_local // cfg.block_m)
+        if copy and not copies_first:
+            self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
+        if not fuse:
+            block_m, block_n = (32, 32) if ctx.backend == "host" else (64, 128)
+            programs = max(1, min(ctx.num_compute_units(), cdiv(m_local, block_m) * cdiv(N, block_n)))
+            launch(reduce_partials, (programs,), (
+                recv.local, out, bias if bias is not None else out, counters.local, expected, ctx.err, ctx.budget, r, W,
+                OP, m_local, N, layout.m_per_chunk, layout.chunks_per_rank, out.stride(0),
+            ), dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs,
+                    CLOCK=ctx.clock), num_warps=4)
+            ctx.after_launch()
+        else:
+            tick.zero_()  # the GEMM has taken every tile
         if copy:
             join(ctx, streams)
             done.zero_()  # every local count was waited for by the copies just joined
         counters.local.zero_()  # every count was seen; peers add again only after the next barrier
+
+    def _tick(self):
+        """The fused GEMM's tile counter (zero between calls)."""
+        t = self._plans.get("tick")
+        if t is None:
+            t = self._plans["tick"] = torch.zeros(1, dtype=torch.int32, device=self.ctx.device)
+        return t
 
     def scatter_mode(self, m: int, n: int, elsize: int, cfg: GemmConfig) -> str:
         """"store" or "copy": ``cfg``'s choice, or for "auto" the rule above (the host backend stores)."""
