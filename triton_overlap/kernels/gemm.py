@@ -129,11 +129,9 @@ def persistent_gemm(
             b_ptrs += BLOCK_K * stride_bk
         out_rows = row0 + tl.arange(0, BLOCK_M)
         own_tile = False
-        peer_tile = True
         if REDUCE_OWN:
             own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
-            peer_tile = (row0 // M_LOCAL) != rank
-        if own_tile:
+        if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
             for c in range(c_first, c_last + 1):
                 j = c % CHUNKS_PER_RANK
                 want = tl.load(expected_ptr + j)
@@ -146,27 +144,28 @@ def persistent_gemm(
                 if s != rank:
                     part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
                     acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
-            c_rows = out_ptr + local * stride_om
-            if ALIGN_C:
-                c_rows = tl.multiple_of(c_rows, 16)
-        elif SCATTER:
-            owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
-            base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-            c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
-            if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
-                c_rows = tl.multiple_of(c_rows, 16)
-        else:
-            c_rows = c_ptr + out_rows * stride_cm
-        if HAS_BIAS:
-            if REDUCE_OWN:  # GEMM-RS: the bias once, by the rows' owner
-                if own_tile:
-                    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            else:
+            if HAS_BIAS:
                 acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-        c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
-        if SCATTER:
-            if peer_tile:
+            o_rows = out_ptr + local * stride_om
+            if ALIGN_C:
+                o_rows = tl.multiple_of(o_rows, 16)
+            tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                     mask=(out_rows[:, None] < M) & col_ok[None, :])
+        else:
+            if HAS_BIAS:
+                if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
+                    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if SCATTER:
+                owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
+                base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+                if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
+                    c_rows = tl.multiple_of(c_rows, 16)
+            else:
+                c_rows = c_ptr + out_rows * stride_cm
+            c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+            if SCATTER:
                 tl.debug_barrier()  # every thread's stores of this tile come before the release below
                 for c in range(c_first, c_last + 1):
                     counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))

@@ -43,11 +43,13 @@ class GemmConfig:
     them locally; copy engines move each chunk once the GEMM's counter for it
     is complete, waiting with a stream wait-value), or "auto" (copy on GPUs
     when the partial output is at least ``gemm_rs.COPY_SCATTER_BYTES``).
-    ``fuse_reduce`` (GEMM-ReduceScatter): the GEMM's tiles of this rank's own
-    rows, computed last, add the peers' partials in their epilogue and store
-    the output (kernels.gemm REDUCE_OWN), when each rank's rows are a whole
-    number of ``block_m`` tiles; otherwise, or with False, every partial goes
-    to memory and a separate kernel sums them.
+    ``fuse_reduce`` (GEMM-ReduceScatter): True: the GEMM's tiles of this
+    rank's own rows, computed last, add the peers' partials in their epilogue
+    and store the output (kernels.gemm REDUCE_OWN), when each rank's rows are
+    a whole number of ``block_m`` tiles; False, or rows that are not: every
+    partial goes to memory and a separate kernel sums them; None (default):
+    True on GPUs from ``gemm_rs.FUSE_REDUCE_BYTES`` of partial output, and on
+    the host backend.
     """
 
     block_m: int = 128
@@ -63,7 +65,7 @@ class GemmConfig:
     gemm_first: bool = False
     mode: str = "push"
     scatter: str = "auto"
-    fuse_reduce: bool = True
+    fuse_reduce: bool | None = None
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):

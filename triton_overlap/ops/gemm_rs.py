@@ -46,6 +46,11 @@ FALLBACK_PARTIAL_BYTES = 1 << 20
 #: 28% faster in one.
 COPY_SCATTER_BYTES = 32 << 20
 
+#: ``fuse_reduce=None``: from this many bytes of partial output (M x N) on, the reduction runs in the GEMM's own-row
+#: tiles. Measured on 2xH200 (scripts/diag_rs_fuse.py, CUDA graphs, W = 2): fused 3.5-8% faster at 8192^3 and 4-16%
+#: at 8192 x 1792 x 8192 (128 MiB), 5-20% slower at 2048 x 4096 x 4096 (16 MiB).
+FUSE_REDUCE_BYTES = 32 << 20
+
 
 class GEMMReduceScatter(OverlapOp):
     """Reusable GEMM-ReduceScatter bound to a Context.
@@ -140,7 +145,10 @@ class GEMMReduceScatter(OverlapOp):
             staging, done, scatter_ptrs, counter_ptrs = self._staging(recv, counters, layout, a.dtype)
         else:
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
-        fuse = cfg.fuse_reduce and m_local % cfg.block_m == 0  # own-row tiles hold our rows only
+        fuse = cfg.fuse_reduce
+        if fuse is None:
+            fuse = ctx.backend == "host" or M * N * a.element_size() >= FUSE_REDUCE_BYTES
+        fuse = fuse and m_local % cfg.block_m == 0  # own-row tiles hold our rows only
         tick = self._tick() if fuse else None
         # On the host backend a launch returns when the kernel has finished, and a fused GEMM waits for the peers'
         # copies: there the copies (whose streams wait for our counters in worker threads) are enqueued first.
