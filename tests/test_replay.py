@@ -25,6 +25,63 @@ def test_replay_off_on_host_backend_and_with_jitter():
     assert cache.run(("k",), ("s",), lambda: ran.append(1)) is False and ran == [1]
 
 
+class _FakeGraph:
+    def __init__(self, enqueue):
+        self.enqueue, self.replays = enqueue, 0
+
+    def replay(self):
+        self.replays += 1
+        self.enqueue()
+
+
+def _cpu_cache(**kw):
+    """A ReplayCache whose captures are recorded instead of made (the decisions run on any machine)."""
+    class Ctx:
+        backend, producer_jitter_s, generation = "cuda", 0.0, 0
+    cache = ReplayCache(Ctx(), **kw)
+
+    def usable():  # ReplayCache._usable without asking torch.cuda whether a capture is under way
+        if cache.ctx.generation != cache._generation:
+            cache.clear()
+            cache._generation = cache.ctx.generation
+        return True
+    cache._usable = usable
+
+    def capture(key, enqueue):
+        g = cache._graphs[key] = _FakeGraph(enqueue)
+        cache.stats["captures"] += 1
+        while len(cache._graphs) > cache.capacity:
+            cache._graphs.popitem(last=False)
+            cache.stats["dropped"] += 1
+        return g
+    cache._capture = capture
+    return cache
+
+
+def test_replay_decisions():
+    """When a call is enqueued, captured or replayed: a key's second sighting after its shape ran eagerly is
+    captured, later ones replay; a new generation (a workspace moved) drops everything; the cache holds at most
+    ``capacity`` graphs; an op whose keys never repeat stops capturing."""
+    cache = _cpu_cache(capacity=2)
+    ran = []
+    go = lambda key, shape="s": cache.run(key, shape, lambda: ran.append(key))  # noqa: E731
+    assert [go("a"), go("a"), go("a")] == [False, True, True] and ran == ["a"] * 3  # a replay enqueues the same work
+    assert cache.stats == {"replays": 1, "captures": 1, "dropped": 0}
+    assert not cache.will_replay("b", "other shape")  # never ran eagerly: no capture even when seen often
+    assert go("b", "t") is False and go("b", "t") is True and go("c", "t") is False and go("c", "t") is True
+    assert cache.stats["dropped"] == 1 and "a" not in cache._graphs  # capacity 2: the least recent went
+    cache.ctx.generation += 1  # a workspace moved: all graphs and sightings go
+    assert go("b", "t") is False and not cache._graphs and go("b", "t") is True
+    lonely = _cpu_cache(capacity=1)
+    for i in range(4):  # each key twice, never again: captures that are never replayed
+        lonely.run(i, "s", lambda: None)
+        lonely.run(i, "s", lambda: None)
+    assert lonely.stats["captures"] == 4 and not lonely.will_replay(99, "s")
+    lonely.run(99, "s", lambda: None)
+    assert lonely.run(99, "s", lambda: None) is False  # stopped capturing
+    assert lonely.stats["captures"] == 4
+
+
 def _ag_rs(m_local, k, n, replay_ranks):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
