@@ -12,6 +12,13 @@ from test_cp_attention import reference
 from triton_overlap.ops.replay import ReplayCache
 
 
+@pytest.fixture
+def gpu_pool(pool):
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    return pool
+
+
 def test_replay_off_on_host_backend_and_with_jitter():
     class Ctx:
         backend, producer_jitter_s, generation = "host", 0.0, 0
@@ -35,26 +42,12 @@ class _FakeGraph:
 
 
 def _cpu_cache(**kw):
-    """A ReplayCache whose captures are recorded instead of made (the decisions run on any machine)."""
+    """A ReplayCache whose graphs are recorded calls instead of CUDA graphs (its decisions run anywhere)."""
     class Ctx:
         backend, producer_jitter_s, generation = "cuda", 0.0, 0
     cache = ReplayCache(Ctx(), **kw)
-
-    def usable():  # ReplayCache._usable without asking torch.cuda whether a capture is under way
-        if cache.ctx.generation != cache._generation:
-            cache.clear()
-            cache._generation = cache.ctx.generation
-        return True
-    cache._usable = usable
-
-    def capture(key, enqueue):
-        g = cache._graphs[key] = _FakeGraph(enqueue)
-        cache.stats["captures"] += 1
-        while len(cache._graphs) > cache.capacity:
-            cache._graphs.popitem(last=False)
-            cache.stats["dropped"] += 1
-        return g
-    cache._capture = capture
+    cache._caller_capturing = lambda: False
+    cache._graph_of = _FakeGraph
     return cache
 
 
@@ -148,10 +141,8 @@ def _ag_rs(m_local, k, n, replay_ranks):
 
 
 @pytest.mark.parametrize("replay_ranks", [(0, 1, 2, 3), (0,)], ids=["all", "rank0"])
-def test_gemm_ops_replay(pool, replay_ranks):
-    if pool.backend == "host":
-        pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_ag_rs, 1024, 512, 768, replay_ranks))
+def test_gemm_ops_replay(gpu_pool, replay_ranks):
+    assert all(gpu_pool.run(_ag_rs, 1024, 512, 768, replay_ranks))
 
 
 def _small_shape_auto(m_local, k, n):
@@ -181,10 +172,8 @@ def _small_shape_auto(m_local, k, n):
         return True
 
 
-def test_small_shape_replays_instead_of_falling_back(pool):
-    if pool.backend == "host":
-        pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_small_shape_auto, 1024, 512, 768))
+def test_small_shape_replays_instead_of_falling_back(gpu_pool):
+    assert all(gpu_pool.run(_small_shape_auto, 1024, 512, 768))
 
 
 def _cp(B, S, Hq, Hkv, D, causal):
@@ -215,7 +204,5 @@ def _cp(B, S, Hq, Hkv, D, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_cp_attention_replay(pool, causal):
-    if pool.backend == "host":
-        pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_cp, 1, 1024, 8, 2, 128, causal))
+def test_cp_attention_replay(gpu_pool, causal):
+    assert all(gpu_pool.run(_cp, 1, 1024, 8, 2, 128, causal))

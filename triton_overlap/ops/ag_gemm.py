@@ -96,7 +96,7 @@ class AllGatherGEMM(OverlapOp):
         # Stream order keeps the workspace as it is until these copies have read it: peers write into it
         # again only after the next call's barrier, which follows this stream.
         m_local = a.shape[0]
-        gathered.copy_(self.ctx.symmetric(f"{self.name}.ws", (want[0], a.shape[1]), a.dtype).local)
+        gathered.copy_(self._workspace(a).local)
         gathered[ctx.rank * m_local:(ctx.rank + 1) * m_local].copy_(a)
         return out, gathered
 
@@ -109,7 +109,7 @@ class AllGatherGEMM(OverlapOp):
         N = w.shape[1]
         M = m_local * W
         layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local))
-        ws = ctx.symmetric(f"{self.name}.ws", (M, K), a.dtype)
+        ws = self._workspace(a)
         flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
         order = self._tile_order(layout, cfg)
         streams = ctx.streams(cfg.streams_for(W))
@@ -127,6 +127,10 @@ class AllGatherGEMM(OverlapOp):
         self._warm[(layout, cfg.mode)] = True
         join(ctx, streams)
         flags.local.zero_()  # every flag was seen by the kernel; peers set them again only after the next barrier
+
+    def _workspace(self, a):
+        """The symmetric [M, K] workspace the peers' rows land in (every rank's, in rank order)."""
+        return self.ctx.symmetric(f"{self.name}.ws", (a.shape[0] * self.ctx.world_size, a.shape[1]), a.dtype)
 
     def _tile_order(self, layout: ChunkLayout, cfg: GemmConfig) -> torch.Tensor:
         key = (layout, cfg.block_m, cfg.streams_for(layout.world))

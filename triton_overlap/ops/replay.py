@@ -74,7 +74,11 @@ class ReplayCache:
         if self.ctx.generation != self._generation:
             self.clear()
             self._generation = self.ctx.generation
-        return not torch.cuda.is_current_stream_capturing()
+        return not self._caller_capturing()
+
+    @staticmethod
+    def _caller_capturing() -> bool:
+        return torch.cuda.is_current_stream_capturing()
 
     def will_replay(self, key, shape_key) -> bool:
         """Whether a call with ``key`` will run as a replay (of a graph held, or captured by this call)."""
@@ -118,7 +122,18 @@ class ReplayCache:
         g.replay()  # on the caller's current stream
         return True
 
-    def _capture(self, key, enqueue) -> torch.cuda.CUDAGraph:
+    def _capture(self, key, enqueue):
+        """Capture the call (``_graph_of``) and keep it, least recently used graphs dropped beyond capacity."""
+        g = self._graph_of(enqueue)
+        self._seen.pop(key, None)
+        self._graphs[key] = g
+        self.stats["captures"] += 1
+        while len(self._graphs) > self.capacity:
+            self._graphs.popitem(last=False)
+            self.stats["dropped"] += 1
+        return g
+
+    def _graph_of(self, enqueue) -> torch.cuda.CUDAGraph:
         """Capture ``enqueue()`` on a side stream that follows the caller's (nothing runs: the replay that
         follows does the work). No device synchronisation, no gc: this is an eager call, not a setup step."""
         if self._stream is None:
@@ -139,10 +154,4 @@ class ReplayCache:
                 raise
             g.capture_end()
         caller.wait_stream(self._stream)
-        self._seen.pop(key, None)
-        self._graphs[key] = g
-        self.stats["captures"] += 1
-        while len(self._graphs) > self.capacity:
-            self._graphs.popitem(last=False)
-            self.stats["dropped"] += 1
         return g
