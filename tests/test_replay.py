@@ -75,6 +75,25 @@ def test_replay_decisions():
     assert lonely.stats["captures"] == 4
 
 
+def test_replay_hit():
+    """``hit`` (the unchecked path of a held key) replays only a held key, and not after a workspace moved or
+    while the caller captures; it enqueues nothing when it does not replay."""
+    cache = _cpu_cache()
+    ran = []
+    assert not cache.active and cache.hit("a") is False and ran == []
+    cache.run("a", "s", lambda: ran.append("a"))
+    assert cache.hit("a") is False and ran == ["a"]  # seen once: not held yet
+    cache.run("a", "s", lambda: ran.append("a"))  # captured (and replayed)
+    assert cache.active and cache.hit("a") is True and ran == ["a"] * 3
+    assert cache.hit("b") is False and ran == ["a"] * 3
+    assert cache.stats["replays"] == 1
+    cache._caller_capturing = lambda: True  # inside the caller's capture the call must join the caller's graph
+    assert cache.hit("a") is False
+    cache._caller_capturing = lambda: False
+    cache.ctx.generation += 1
+    assert cache.hit("a") is False and not cache.active and ran == ["a"] * 3
+
+
 def _ag_rs(m_local, k, n, replay_ranks):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -174,6 +193,48 @@ def _small_shape_auto(m_local, k, n):
 
 def test_small_shape_replays_instead_of_falling_back(gpu_pool):
     assert all(gpu_pool.run(_small_shape_auto, 1024, 512, 768))
+
+
+def _unchecked_path(m_local, k):
+    """Once a key is held, calls take ops.replay's unchecked path: a call that differs only in what the key holds
+    (strides of a view at the same address, an output allocated per call) must not replay the wrong graph, and
+    bad input must still raise ValueError."""
+    with to.Context(timeout_s=30) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        ag = to.AllGatherGEMM(ctx, fallback="never")
+        rs = to.GEMMReduceScatter(ctx, fallback="never")
+        a = rand((m_local, k), torch.bfloat16, dev, "a", r)
+        full = torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", s) for s in range(W)])
+        w = rand((k, k), torch.bfloat16, dev, "w")  # square: w.t() has w's address and shape, not its strides
+        for i in range(3):  # out allocated by the op each call (the allocator hands back the same block)
+            got = ag(a, w)
+            assert rel_err(got, full.float() @ w.float()) < TOL[torch.bfloat16], f"ag call {i}"
+            del got
+        assert ag.replays.stats["replays"] >= 1, ag.replays.stats
+        got = ag(a, w.t())
+        assert rel_err(got, full.float() @ w.float().t()) < TOL[torch.bfloat16], "ag with w.t()"
+        with pytest.raises(ValueError, match="out must be"):
+            ag(a, w, out=torch.empty((m_local, k), dtype=torch.bfloat16, device=dev))
+        with pytest.raises(ValueError, match="inner dimensions"):
+            ag(a, w[: k // 2])
+        big = rand((m_local * W, k), torch.bfloat16, dev, "big")  # the same on every rank: the sum is W x
+        ref = (W * (big.float() @ w.float()))[r * m_local:(r + 1) * m_local]
+        for i in range(3):
+            got = rs(big, w)
+            assert rel_err(got, ref) < TOL[torch.bfloat16], f"rs call {i}"
+            del got
+        assert rs.replays.stats["replays"] >= 1, rs.replays.stats
+        got = rs(big, w.t())
+        ref_t = (W * (big.float() @ w.float().t()))[r * m_local:(r + 1) * m_local]
+        assert rel_err(got, ref_t) < TOL[torch.bfloat16], "rs with w.t()"
+        with pytest.raises(ValueError, match="not divisible"):
+            rs(big[1:], w)
+        ctx.check()
+        return True
+
+
+def test_unchecked_replay_path(gpu_pool):
+    assert all(gpu_pool.run(_unchecked_path, 512, 256))
 
 
 def _cp(B, S, Hq, Hkv, D, causal):

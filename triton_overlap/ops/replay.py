@@ -13,7 +13,14 @@ work depends on: the addresses, shapes, strides and dtypes of its tensors and
 the config overrides. The second eager call with a key captures the call on a
 side stream and replays it; later ones replay it (one cudaGraphLaunch). What
 does not repeat costs nothing beyond the key: a call whose key was not seen
-before runs eagerly. Rules:
+before runs eagerly.
+
+A call whose key already has a graph takes ``hit``, before the op's checks:
+every check an op makes depends only on what the key holds (shapes, strides,
+dtypes; the device is implied by the address, since CUDA's unified addressing
+gives every device and the host distinct address ranges), and a call with this
+key passed them when it was captured. The rest of a call's host work is then
+one key and one dictionary lookup (bench.py's host_replay_us). Rules:
 
 * never on the host backend, never while the caller is capturing (the call
   then joins the caller's graph), never with producer jitter (a testing aid
@@ -41,7 +48,15 @@ def tensor_key(t):
     """What a captured call depends on of tensor ``t``: where it is and how it is laid out."""
     if t is None:
         return None
-    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
+
+
+def call_key(args, *tensors):
+    """A call's key: its other arguments (a dict of keyword overrides, or anything hashable) and each tensor's
+    ``tensor_key``. The checked path and ``hit`` build it alike, so a call finds the graph it was captured as."""
+    if isinstance(args, dict):
+        args = tuple(sorted(args.items())) if args else ()
+    return (args, *(tensor_key(t) for t in tensors))
 
 
 class ReplayCache:
@@ -62,6 +77,11 @@ class ReplayCache:
         self._last = None
         self.stats = {"replays": 0, "captures": 0, "dropped": 0}
 
+    @property
+    def active(self) -> bool:
+        """Whether any graph is held (else ``hit`` cannot replay, and an op skips building a key for it)."""
+        return bool(self._graphs)
+
     def clear(self) -> None:
         self.stats["dropped"] += len(self._graphs)
         self._graphs.clear()
@@ -79,6 +99,19 @@ class ReplayCache:
     @staticmethod
     def _caller_capturing() -> bool:
         return torch.cuda.is_current_stream_capturing()
+
+    def hit(self, key) -> bool:
+        """Replay the graph held for ``key`` and return True; False (nothing enqueued) when there is none or
+        replay is off for this call. The op has not checked the call: a held key passed its checks before."""
+        if not self._graphs or not self._usable():
+            return False
+        g = self._graphs.get(key)
+        if g is None:
+            return False
+        self._graphs.move_to_end(key)
+        self.stats["replays"] += 1
+        g.replay()  # on the caller's current stream
+        return True
 
     def will_replay(self, key, shape_key) -> bool:
         """Whether a call with ``key`` will run as a replay (of a graph held, or captured by this call)."""
