@@ -30,6 +30,26 @@ Switches (constexpr), so one source serves every op:
   program. Peer tiles wait on nothing, so every rank's peer tiles finish
   whichever programs are resident, and no own-row wait can block them.
 
+* STREAM_K (not with SCATTER): the tiles that do not fill a last whole wave
+  are shared out by K iterations, not by tiles, so every program does the
+  same amount of work (wave quantization: 224 tiles on 131 programs keep
+  every SM busy for only 224 / 262 of two waves). Programs first take
+  ``num_tiles // NUM_PROGRAMS`` whole tiles round-robin as usual; the
+  remaining tiles' iterations are then cut into NUM_PROGRAMS equal ranges,
+  range ``i`` to program ``NUM_PROGRAMS - 1 - pid``. A range begins with the
+  tail of a tile (its K iterations from some k > 0), may hold whole tiles,
+  and ends with the head of a tile (from k = 0). A tail is a contribution:
+  the float32 partial goes to ``sk_ws_ptr[i]`` and count ``sk_cnt_ptr[i]``
+  is bumped with release semantics. A head owns its tile: it waits for the
+  contribution of every later range that falls in the tile (``sk_cnt[j]``
+  past ``sk_cnt[NUM_PROGRAMS + j]``, the contributions of j already
+  consumed, which the owner then bumps: counts only grow, so a replayed
+  CUDA graph needs no reset), adds them, and runs the epilogue. Owners wait
+  at the end of their ranges for contributions made at the start of later
+  ones: no wait depends on a program that waits first. Ranges are numbered
+  from the last program because Triton's interpreter runs programs in
+  order: the contributors of range i (ranges > i) then run first.
+
 Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
 """
 from __future__ import annotations
@@ -70,11 +90,11 @@ def persistent_gemm(
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
     tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
-    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m,
+    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, sk_ws_ptr, sk_cnt_ptr, sk_op,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
-    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False,
+    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, STREAM_K: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
 
@@ -82,7 +102,28 @@ def persistent_gemm(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     offs_k = tl.arange(0, BLOCK_K)
-    for it in range(pid, num_tiles, NUM_PROGRAMS):  # each program's share of the tiles is counted as before
+    k_iters = tl.cdiv(K, BLOCK_K)
+    if STREAM_K:
+        dp_waves = num_tiles // NUM_PROGRAMS  # whole tiles per program, round-robin
+        dp_tiles = dp_waves * NUM_PROGRAMS
+        sk_total = (num_tiles - dp_tiles) * k_iters  # the rest, shared out by K iterations
+        sk_id = NUM_PROGRAMS - 1 - pid
+        sk_lo = sk_id * sk_total // NUM_PROGRAMS
+        sk_hi = (sk_id + 1) * sk_total // NUM_PROGRAMS
+        n_units = dp_waves + tl.where(sk_hi > sk_lo, (sk_hi - 1) // k_iters - sk_lo // k_iters + 1, 0)
+    else:
+        n_units = tl.cdiv(num_tiles - pid, NUM_PROGRAMS)
+    for u in range(0, n_units):  # each program's share of the tiles is counted as before
+        if STREAM_K:
+            in_dp = u < dp_waves
+            t = sk_lo // k_iters + (u - dp_waves)  # (for a stream-K unit) its tile among the rest
+            it = tl.where(in_dp, pid + u * NUM_PROGRAMS, dp_tiles + t)
+            k_lo = tl.where(in_dp, 0, tl.maximum(sk_lo - t * k_iters, 0))
+            k_hi = tl.where(in_dp, k_iters, tl.minimum(sk_hi - t * k_iters, k_iters))
+        else:
+            it = pid + u * NUM_PROGRAMS
+            k_lo = 0
+            k_hi = k_iters
         if REDUCE_OWN:
             tile = tl.atomic_add(tick_ptr, 1)  # ... but which tile comes next is the next in order, from anyone
             if tile < split_m * num_pid_n:  # peers' rows, then ours: each grouped on its own
@@ -110,10 +151,14 @@ def persistent_gemm(
             a_rows = tl.where(mine, a_ptr + (rows - rank * M_LOCAL) * stride_am, ws_ptr + rows * stride_wm)
         else:
             a_rows = a_ptr + rows * stride_am
-        a_ptrs = a_rows[:, None] + offs_k[None, :]
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+        if STREAM_K:
+            k_offs = k_lo * BLOCK_K + offs_k
+        else:
+            k_offs = offs_k
+        a_ptrs = a_rows[:, None] + k_offs[None, :]
+        b_ptrs = b_ptr + k_offs[:, None] * stride_bk + cols[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
+        for k in range(k_lo, k_hi):
             if EVEN_K:
                 a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
@@ -128,45 +173,62 @@ def persistent_gemm(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         out_rows = row0 + tl.arange(0, BLOCK_M)
-        own_tile = False
-        if REDUCE_OWN:
-            own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
-        if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
-            for c in range(c_first, c_last + 1):
-                j = c % CHUNKS_PER_RANK
-                want = tl.load(expected_ptr + j)
+        if STREAM_K:
+            tile_ms = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+            if k_lo > 0:  # the tail of a tile: leave the partial for the tile's owner
+                tl.store(sk_ws_ptr + sk_id * (BLOCK_M * BLOCK_N) + tile_ms, acc)
+                tl.debug_barrier()  # every thread's stores come before the release below
+                add_release(sk_cnt_ptr + sk_id, 1)
+            elif k_hi < k_iters:  # the head: add the tails of the ranges that follow, up to the tile's end
+                tile_end = (t + 1) * k_iters
+                j = sk_id + 1
+                while (j < NUM_PROGRAMS) & (j * sk_total // NUM_PROGRAMS < tile_end):
+                    if (j + 1) * sk_total // NUM_PROGRAMS > j * sk_total // NUM_PROGRAMS:  # (an empty range: none)
+                        want = tl.load(sk_cnt_ptr + NUM_PROGRAMS + j) + 1
+                        wait_flag(sk_cnt_ptr + j, want, err_ptr, budget, rank, sk_op, j, CLOCK)
+                        acc += tl.load(sk_ws_ptr + j * (BLOCK_M * BLOCK_N) + tile_ms)
+                        tl.store(sk_cnt_ptr + NUM_PROGRAMS + j, want)
+                    j += 1
+        if k_lo == 0:  # the epilogue, for every tile but a stream-K tail
+            own_tile = False
+            if REDUCE_OWN:
+                own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
+            if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
+                for c in range(c_first, c_last + 1):
+                    j = c % CHUNKS_PER_RANK
+                    want = tl.load(expected_ptr + j)
+                    for s in range(0, world):
+                        if s != rank:
+                            wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
+                                      s * CHUNKS_PER_RANK + j, CLOCK)
+                local = rows - rank * M_LOCAL
                 for s in range(0, world):
                     if s != rank:
-                        wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
-                                  s * CHUNKS_PER_RANK + j, CLOCK)
-            local = rows - rank * M_LOCAL
-            for s in range(0, world):
-                if s != rank:
-                    part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
-                    acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            o_rows = out_ptr + local * stride_om
-            if ALIGN_C:
-                o_rows = tl.multiple_of(o_rows, 16)
-            tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-                     mask=(out_rows[:, None] < M) & col_ok[None, :])
-        else:
-            if HAS_BIAS:
-                if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
+                        part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
+                        acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
+                if HAS_BIAS:
                     acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            if SCATTER:
-                owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
-                base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
-                if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
-                    c_rows = tl.multiple_of(c_rows, 16)
+                o_rows = out_ptr + local * stride_om
+                if ALIGN_C:
+                    o_rows = tl.multiple_of(o_rows, 16)
+                tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                         mask=(out_rows[:, None] < M) & col_ok[None, :])
             else:
-                c_rows = c_ptr + out_rows * stride_cm
-            c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
-            if SCATTER:
-                tl.debug_barrier()  # every thread's stores of this tile come before the release below
-                for c in range(c_first, c_last + 1):
-                    counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
-                    add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)
+                if HAS_BIAS:
+                    if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
+                        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                if SCATTER:
+                    owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
+                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                    c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+                    if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
+                        c_rows = tl.multiple_of(c_rows, 16)
+                else:
+                    c_rows = c_ptr + out_rows * stride_cm
+                c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
+                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+                if SCATTER:
+                    tl.debug_barrier()  # every thread's stores of this tile come before the release below
+                    for c in range(c_first, c_last + 1):
+                        counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
+                        add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)
