@@ -206,10 +206,15 @@ def _unchecked_path(m_local, k):
         a = rand((m_local, k), torch.bfloat16, dev, "a", r)
         full = torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", s) for s in range(W)])
         w = rand((k, k), torch.bfloat16, dev, "w")  # square: w.t() has w's address and shape, not its strides
-        for i in range(3):  # out allocated by the op each call (the allocator hands back the same block)
+        for i in range(3):  # out allocated by the op each call (the allocator usually hands back the same block)
             got = ag(a, w)
             assert rel_err(got, full.float() @ w.float()) < TOL[torch.bfloat16], f"ag call {i}"
             del got
+        out = torch.empty((m_local * W, k), dtype=torch.bfloat16, device=dev)
+        for i in range(3):  # an output of the caller's: the key repeats whatever the allocator does
+            poison(out)
+            ag(a, w, out=out)
+            assert rel_err(out, full.float() @ w.float()) < TOL[torch.bfloat16], f"ag call {i} with out="
         assert ag.replays.stats["replays"] >= 1, ag.replays.stats
         got = ag(a, w.t())
         assert rel_err(got, full.float() @ w.float().t()) < TOL[torch.bfloat16], "ag with w.t()"
@@ -219,11 +224,14 @@ def _unchecked_path(m_local, k):
             ag(a, w[: k // 2])
         big = rand((m_local * W, k), torch.bfloat16, dev, "big")  # the same on every rank: the sum is W x
         ref = (W * (big.float() @ w.float()))[r * m_local:(r + 1) * m_local]
-        for i in range(3):
-            got = rs(big, w)
-            assert rel_err(got, ref) < TOL[torch.bfloat16], f"rs call {i}"
-            del got
+        rs_out = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
+        for i in range(3):  # an output of the caller's: the key repeats whatever the allocator does
+            poison(rs_out)
+            assert rs(big, w, out=rs_out) is rs_out
+            assert rel_err(rs_out, ref) < TOL[torch.bfloat16], f"rs call {i}"
         assert rs.replays.stats["replays"] >= 1, rs.replays.stats
+        for i in range(2):  # out allocated by the op: replayed or not (the allocator decides), right either way
+            assert rel_err(rs(big, w), ref) < TOL[torch.bfloat16], f"rs call {i}, out allocated"
         got = rs(big, w.t())
         ref_t = (W * (big.float() @ w.float().t()))[r * m_local:(r + 1) * m_local]
         assert rel_err(got, ref_t) < TOL[torch.bfloat16], "rs with w.t()"

@@ -30,25 +30,24 @@ Switches (constexpr), so one source serves every op:
   program. Peer tiles wait on nothing, so every rank's peer tiles finish
   whichever programs are resident, and no own-row wait can block them.
 
-* STREAM_K (not with SCATTER): the tiles that do not fill a last whole wave
-  are shared out by K iterations, not by tiles, so every program does the
-  same amount of work (wave quantization: 224 tiles on 131 programs keep
-  every SM busy for only 224 / 262 of two waves). Programs first take
-  ``num_tiles // NUM_PROGRAMS`` whole tiles round-robin as usual; the
-  remaining tiles' iterations are then cut into NUM_PROGRAMS equal ranges,
-  range ``i`` to program ``NUM_PROGRAMS - 1 - pid``. A range begins with the
-  tail of a tile (its K iterations from some k > 0), may hold whole tiles,
-  and ends with the head of a tile (from k = 0). A tail is a contribution:
-  the float32 partial goes to ``sk_ws_ptr[i]`` and count ``sk_cnt_ptr[i]``
-  is bumped with release semantics. A head owns its tile: it waits for the
-  contribution of every later range that falls in the tile (``sk_cnt[j]``
-  past ``sk_cnt[NUM_PROGRAMS + j]``, the contributions of j already
-  consumed, which the owner then bumps: counts only grow, so a replayed
-  CUDA graph needs no reset), adds them, and runs the epilogue. Owners wait
-  at the end of their ranges for contributions made at the start of later
-  ones: no wait depends on a program that waits first. Ranges are numbered
-  from the last program because Triton's interpreter runs programs in
-  order: the contributors of range i (ranges > i) then run first.
+* SPLIT_TAIL > 1 (not with SCATTER or REDUCE_OWN): the tiles that do not
+  fill a last whole wave are cut along K into SPLIT_TAIL parts each, so
+  more programs share that wave (wave quantization: 224 tiles on 131
+  programs keep the SMs busy for only 224 / 262 of two waves; cut in 4,
+  the last 93 tiles take 3 rounds of a quarter tile). Programs first take
+  ``num_tiles // NUM_PROGRAMS`` whole tiles round-robin as usual, then the
+  parts round-robin, part slice by part slice: programs that share A rows
+  or B columns read the same K slice at the same time, as in the whole
+  waves, and keep their L2 reuse (a first version, which gave every program
+  an equal run of K iterations starting anywhere in a tile, lost it and
+  was 30% slower than whole tiles). Each part stores its float32 partial
+  in its slot (``split_ws_ptr``, [left tiles, SPLIT_TAIL] tiles) and adds
+  its iteration count to the tile's counter (``split_cnt_ptr``,
+  acquire-release); the part that completes the count sums the slots, adds
+  the bias, stores the tile and zeroes the counter for the next launch
+  (also under CUDA-graph replay). No part waits for another, so no program
+  can block one that is not resident. The sum is made from memory, not
+  into the accumulator, so no second float32 tile is live beside it.
 
 Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
 """
@@ -90,11 +89,11 @@ def persistent_gemm(
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
     tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
-    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, sk_ws_ptr, sk_cnt_ptr, sk_op,
+    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, split_ws_ptr, split_cnt_ptr,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
-    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, STREAM_K: tl.constexpr = False,
+    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, SPLIT_TAIL: tl.constexpr = 1,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
 
@@ -103,23 +102,23 @@ def persistent_gemm(
     num_tiles = num_pid_m * num_pid_n
     offs_k = tl.arange(0, BLOCK_K)
     k_iters = tl.cdiv(K, BLOCK_K)
-    if STREAM_K:
+    if SPLIT_TAIL > 1:
         dp_waves = num_tiles // NUM_PROGRAMS  # whole tiles per program, round-robin
         dp_tiles = dp_waves * NUM_PROGRAMS
-        sk_total = (num_tiles - dp_tiles) * k_iters  # the rest, shared out by K iterations
-        sk_id = NUM_PROGRAMS - 1 - pid
-        sk_lo = sk_id * sk_total // NUM_PROGRAMS
-        sk_hi = (sk_id + 1) * sk_total // NUM_PROGRAMS
-        n_units = dp_waves + tl.where(sk_hi > sk_lo, (sk_hi - 1) // k_iters - sk_lo // k_iters + 1, 0)
+        left = num_tiles - dp_tiles  # the tiles of the last, partial wave, each cut into SPLIT_TAIL parts
+        n_units = dp_waves + tl.cdiv(tl.maximum(left * SPLIT_TAIL - pid, 0), NUM_PROGRAMS)
+        left_ = tl.maximum(left, 1)  # (both sides of a where are evaluated)
     else:
         n_units = tl.cdiv(num_tiles - pid, NUM_PROGRAMS)
     for u in range(0, n_units):  # each program's share of the tiles is counted as before
-        if STREAM_K:
+        if SPLIT_TAIL > 1:
             in_dp = u < dp_waves
-            t = sk_lo // k_iters + (u - dp_waves)  # (for a stream-K unit) its tile among the rest
+            g = pid + (u - dp_waves) * NUM_PROGRAMS  # (for a part) part g: slice g // left of tile g % left
+            part = g // left_
+            t = g % left_
             it = tl.where(in_dp, pid + u * NUM_PROGRAMS, dp_tiles + t)
-            k_lo = tl.where(in_dp, 0, tl.maximum(sk_lo - t * k_iters, 0))
-            k_hi = tl.where(in_dp, k_iters, tl.minimum(sk_hi - t * k_iters, k_iters))
+            k_lo = tl.where(in_dp, 0, part * k_iters // SPLIT_TAIL)
+            k_hi = tl.where(in_dp, k_iters, (part + 1) * k_iters // SPLIT_TAIL)
         else:
             it = pid + u * NUM_PROGRAMS
             k_lo = 0
@@ -151,7 +150,7 @@ def persistent_gemm(
             a_rows = tl.where(mine, a_ptr + (rows - rank * M_LOCAL) * stride_am, ws_ptr + rows * stride_wm)
         else:
             a_rows = a_ptr + rows * stride_am
-        if STREAM_K:
+        if SPLIT_TAIL > 1:
             k_offs = k_lo * BLOCK_K + offs_k
         else:
             k_offs = offs_k
@@ -173,23 +172,22 @@ def persistent_gemm(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         out_rows = row0 + tl.arange(0, BLOCK_M)
-        if STREAM_K:
+        if SPLIT_TAIL > 1 and (u >= dp_waves):  # a part of a tile: the tile is summed by its last part to finish
             tile_ms = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            if k_lo > 0:  # the tail of a tile: leave the partial for the tile's owner
-                tl.store(sk_ws_ptr + sk_id * (BLOCK_M * BLOCK_N) + tile_ms, acc)
-                tl.debug_barrier()  # every thread's stores come before the release below
-                add_release(sk_cnt_ptr + sk_id, 1)
-            elif k_hi < k_iters:  # the head: add the tails of the ranges that follow, up to the tile's end
-                tile_end = (t + 1) * k_iters
-                j = sk_id + 1
-                while (j < NUM_PROGRAMS) & (j * sk_total // NUM_PROGRAMS < tile_end):
-                    if (j + 1) * sk_total // NUM_PROGRAMS > j * sk_total // NUM_PROGRAMS:  # (an empty range: none)
-                        want = tl.load(sk_cnt_ptr + NUM_PROGRAMS + j) + 1
-                        wait_flag(sk_cnt_ptr + j, want, err_ptr, budget, rank, sk_op, j, CLOCK)
-                        acc += tl.load(sk_ws_ptr + j * (BLOCK_M * BLOCK_N) + tile_ms)
-                        tl.store(sk_cnt_ptr + NUM_PROGRAMS + j, want)
-                    j += 1
-        if k_lo == 0:  # the epilogue, for every tile but a stream-K tail
+            tl.store(split_ws_ptr + (t * SPLIT_TAIL + part) * (BLOCK_M * BLOCK_N) + tile_ms, acc)
+            tl.debug_barrier()  # every thread's stores come before the release below
+            done = tl.atomic_add(split_cnt_ptr + t, k_hi - k_lo, sem="acq_rel", scope="gpu") + (k_hi - k_lo)
+            if done == k_iters:  # every other part has landed: sum them in float32, store the tile
+                tl.store(split_cnt_ptr + t, 0)  # (nobody else touches it again in this launch)
+                total = tl.load(split_ws_ptr + t * SPLIT_TAIL * (BLOCK_M * BLOCK_N) + tile_ms, cache_modifier=".cg")
+                for q in range(1, SPLIT_TAIL):
+                    total += tl.load(split_ws_ptr + (t * SPLIT_TAIL + q) * (BLOCK_M * BLOCK_N) + tile_ms,
+                                     cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                tl.store(c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn,
+                         total.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+        else:  # the epilogue of a whole tile
             own_tile = False
             if REDUCE_OWN:
                 own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)

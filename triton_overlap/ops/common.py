@@ -5,14 +5,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..context import op_id
 from ..kernels.chunks import cdiv
 from ..kernels.gemm import persistent_gemm
 from ..kernels.launch import launch
 
 DTYPES = (torch.float16, torch.bfloat16)
-#: what a timed-out wait of a stream-K owner for a later program's partial reports (the signal: that program)
-OP_STREAM_K = op_id("stream-K partial")
 
 
 def eager_host_bound(backend: str, world: int, flop: float, min_flop_per_peer: float,
@@ -53,11 +50,9 @@ class GemmConfig:
     partial goes to memory and a separate kernel sums them; None (default):
     True on GPUs from ``gemm_rs.FUSE_REDUCE_BYTES`` of partial output, and on
     the host backend.
-    ``stream_k`` (AllGather-GEMM and the plain GEMM): share the tiles left
-    over after the last whole wave out by K iterations (kernels.gemm
-    STREAM_K). None (default): when whole tiles would keep the SMs busy for
-    less than ``STREAM_K_BELOW`` of the last wave's time and each program's
-    share is at least ``STREAM_K_MIN_ITERS`` iterations (``use_stream_k``).
+    ``split_tail`` (AllGather-GEMM and the plain GEMM): cut each tile of a
+    last, partial wave into this many parts along K (kernels.gemm
+    SPLIT_TAIL); 1: never; None (default): ``tail_split`` picks it.
     """
 
     block_m: int = 128
@@ -74,7 +69,7 @@ class GemmConfig:
     mode: str = "push"
     scatter: str = "auto"
     fuse_reduce: bool | None = None
-    stream_k: bool | None = None
+    split_tail: int | None = None
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
@@ -193,57 +188,65 @@ def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
     seen.add(key)
 
 
-#: Stream-K (kernels.gemm STREAM_K) when whole tiles keep the SMs busy for less than this share of their waves'
-#: time (4096x8192x1792 in 128x256 tiles: 224 tiles on 131 programs, 0.855) ...
-STREAM_K_BELOW = 0.9
-#: ... and each program's share of the leftover tiles is at least this many K iterations (the partials' fix-up,
-#: a float32 tile written and read once per range, has to be small beside it).
-STREAM_K_MIN_ITERS = 16
+#: The most parts a tail tile is cut into, and the fewest K iterations (of BLOCK_K) a part must keep: each part
+#: costs a float32 tile written and read once, and a pipeline filled and drained.
+SPLIT_TAIL_MAX = 4
+SPLIT_TAIL_MIN_ITERS = 16
+#: Cut the tail only when that saves at least this share of the GEMM's time (in whole-tile rounds).
+SPLIT_TAIL_MIN_GAIN = 0.05
 
 
-def use_stream_k(cfg: GemmConfig, num_tiles: int, programs: int, k_iters: int) -> bool:
-    """Whether a GEMM of ``num_tiles`` tiles on ``programs`` programs shares its last wave out by K iterations."""
-    if cfg.stream_k is not None:
-        return cfg.stream_k
-    waves = cdiv(num_tiles, programs)
-    busy = num_tiles / (waves * programs)
-    share = (num_tiles % programs) * k_iters / programs
-    return busy < STREAM_K_BELOW and share >= STREAM_K_MIN_ITERS
+def tail_split(cfg: GemmConfig, num_tiles: int, programs: int, k_iters: int) -> int:
+    """How many parts each tile of the last, partial wave is cut into (1: none), counted in rounds of whole
+    tiles: the tail of ``left`` tiles takes 1 round whole, ``ceil(left * s / programs) / s`` in ``s`` parts.
+    4096 x 8192 x 1792 in 128 x 256 tiles (AllGather-GEMM, 131 programs): 1 + 1 rounds, or 1 + 3/4 in 4 parts."""
+    if cfg.split_tail is not None:
+        return max(1, cfg.split_tail)
+    left = num_tiles % programs
+    if left == 0:
+        return 1
+    whole = num_tiles // programs + 1
+    best, best_rounds = 1, whole
+    for s in range(2, SPLIT_TAIL_MAX + 1):
+        rounds = num_tiles // programs + cdiv(left * s, programs) / s
+        if k_iters // s >= SPLIT_TAIL_MIN_ITERS and rounds < best_rounds:
+            best, best_rounds = s, rounds
+    return best if whole - best_rounds >= SPLIT_TAIL_MIN_GAIN * whole else 1
 
 
-def stream_k_buffers(cache: dict, programs: int, cfg: GemmConfig, device):
-    """An op's stream-K partials (float32, a tile per program) and counts (published, consumed: 2 per program),
-    made once per (programs, tile) and kept in ``cache`` (the op's own: two GEMMs running at once must not
-    share them). The counts only grow (kernels.gemm), so they are zeroed once, here."""
-    key = ("stream_k", programs, cfg.block_m, cfg.block_n)
+def split_tail_buffers(cache: dict, left: int, parts: int, cfg: GemmConfig, device):
+    """An op's float32 partials ([left tiles, parts] tiles) and per-tile counters for a split tail, made once
+    per shape of the tail and kept in ``cache`` (the op's own: two GEMMs running at once must not share them).
+    The kernel zeroes each counter after use, so they are zeroed once, here."""
+    key = ("split_tail", left, parts, cfg.block_m, cfg.block_n)
     bufs = cache.get(key)
     if bufs is None:
-        bufs = cache[key] = (torch.empty(programs * cfg.block_m * cfg.block_n, dtype=torch.float32, device=device),
-                             torch.zeros(2 * programs, dtype=torch.int32, device=device))
+        bufs = cache[key] = (torch.empty(left * parts * cfg.block_m * cfg.block_n, dtype=torch.float32, device=device),
+                             torch.zeros(left, dtype=torch.int32, device=device))
     return bufs
 
 
-def plain_gemm(ctx, cfg: GemmConfig, a, w, out, stream_k: bool | dict = True):
+def plain_gemm(ctx, cfg: GemmConfig, a, w, out, split_tail: bool | dict = True):
     """A launcher of our persistent GEMM alone, ``out = a @ w``: no waits, no communication
-    (the "consumer alone" of the benchmarks, and what tune.py --tiles-only times). ``stream_k=False``: never
-    stream-K (GEMM-RS's GEMM, which scatters its tiles, does not use it); a dict: where its buffers go."""
+    (the "consumer alone" of the benchmarks, and what tune.py --tiles-only times). ``split_tail=False``: never
+    split the tail (GEMM-RS's GEMM, which scatters its tiles, does not); a dict: where its buffers go."""
     M, K = a.shape
     order = torch.arange(cdiv(M, cfg.block_m), dtype=torch.int32, device=a.device)
     ready = torch.zeros(1, dtype=torch.int32, device=a.device)
-    cache = stream_k if isinstance(stream_k, dict) else {} if stream_k else None
+    cache = split_tail if isinstance(split_tail, dict) else {} if split_tail else None
     return lambda: launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=out, bias=None, M=M, N=w.shape[1], K=K, m_local=M,
                                m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=ready, op=0, gather=False,
-                               stream_k_cache=cache)
+                               split_cache=cache)
 
 
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
-                expected=None, tick=None, split_m=0, stream_k_cache=None):
+                expected=None, tick=None, split_m=0, split_cache=None):
     """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
     the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
     chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
-    m-tiles of ``tile_order`` come before this rank's own). ``stream_k_cache``: the op's dict for stream-K buffers
-    (stream_k_buffers), where ``use_stream_k`` may apply; None: never (the scattering GEMM)."""
+    m-tiles of ``tile_order`` come before this rank's own). ``split_cache``: the op's dict for the buffers of a split
+    tail (split_tail_buffers), where ``tail_split`` may cut it; None: never (the scattering GEMM)."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if gather and ctx.backend != "host":
@@ -251,9 +254,14 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         # beside this persistent kernel, or both ranks could wait on each other
         units -= 1
     programs = max(1, min(units, num_tiles))
-    sk = stream_k_cache is not None and scatter_ptrs is None and use_stream_k(cfg, num_tiles, programs,
-                                                                              cdiv(K, cfg.block_k))
-    sk_ws, sk_cnt = stream_k_buffers(stream_k_cache, programs, cfg, c.device) if sk else (c, flags)
+    parts = 1
+    if split_cache is not None and scatter_ptrs is None:
+        parts = tail_split(cfg, num_tiles, programs, cdiv(K, cfg.block_k))
+    left = num_tiles % programs
+    if parts > 1 and left:
+        split_ws, split_cnt = split_tail_buffers(split_cache, left, parts, cfg, c.device)
+    else:
+        parts, split_ws, split_cnt = 1, c, flags
     launch(persistent_gemm, (programs,), (
         a, ws if ws is not None else a, b, c, bias if bias is not None else c,
         M, N, K, m_local, m_per_chunk, chunks_per_rank,
@@ -262,12 +270,12 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         scatter_ptrs if scatter_ptrs is not None else flags, counter_ptrs if counter_ptrs is not None else flags,
         reduce_into if reduce_into is not None else c, reduce_into.stride(0) if reduce_into is not None else 0,
         expected if expected is not None else flags, tick if tick is not None else flags, ctx.world_size, split_m,
-        sk_ws, sk_cnt, OP_STREAM_K,
+        split_ws, split_cnt,
     ), dict(
         HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None, REDUCE_OWN=reduce_into is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, NUM_XCDS=cfg.num_xcds, EVEN_K=(K % cfg.block_k == 0), CLOCK=ctx.clock,
-        DOT_F32=ctx.backend == "host", STREAM_K=sk,
+        DOT_F32=ctx.backend == "host", SPLIT_TAIL=parts,
         # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
         ALIGN_C=scatter_ptrs is not None and N % 16 == 0 and (
             reduce_into is None or (reduce_into.data_ptr() % 16 == 0 and reduce_into.stride(0) * c.element_size() % 16 == 0)),
