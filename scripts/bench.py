@@ -176,7 +176,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
             rec["note"] += f"torch fused: {note}; "
         ctx.check()
         rec["bound_us"] = time_local(lambda: torch.matmul(a, w, out=full))
-        rec["consumer_only_us"] = time_local(plain_gemm(ctx, op.config_for((M, K, N)), a, w, full, split_tail=False))
+        rec["consumer_only_us"] = time_local(plain_gemm(ctx, op.config_for((M, K, N)), a, w, full))
         records.append(rec)
         rec["scatter"] = op.scatter_mode(M, N, a.element_size(), op.config_for((M, K, N)))
         other = "store" if rec["scatter"] == "copy" else "copy"  # the scatter "auto" did not pick, as the variant

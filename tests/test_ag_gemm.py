@@ -10,8 +10,7 @@ from refs import TOL, check_replays, poison, rand, rel_err
 from triton_overlap.ops.common import default_config
 
 
-def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push",
-          split_tail=None):
+def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push"):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -32,7 +31,7 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
                 ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))  # stale garbage where peers write
             out = poison(torch.empty((m_local * W, n), dtype=dtype, device=dev))
             got, gathered = op(shards[r], w, b, out=out, return_gathered=True, m_per_chunk=m_per_chunk,
-                               num_streams=streams, mode=mode, split_tail=split_tail)
+                               num_streams=streams, mode=mode)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             full = torch.cat(shards).float()
@@ -45,16 +44,12 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
 
 
 HOST_CASES = [
-    # m_local, k, n, dtype, bias, transposed, m_per_chunk, streams, jitter, iters, mode[, split_tail]
+    # m_local, k, n, dtype, bias, transposed, m_per_chunk, streams, jitter, iters, mode
     (37, 48, 40, "bfloat16", True, False, 16, None, 0.0, 2, "push"),
     (29, 64, 33, "float16", False, True, 7, 1, 0.003, 2, "push"),
     (64, 40, 24, "bfloat16", False, False, None, None, 0.003, 1, "push"),
     (37, 48, 40, "bfloat16", True, True, 16, None, 0.003, 2, "pull"),
     (29, 64, 33, "float16", False, False, 7, 1, 0.02, 2, "pull"),  # delays: slow pulls, fast peer
-    # split tail: 3 x 3 tiles (W = 2), 5 x 3 (W = 3) or 6 x 3 (W = 4) on 4 programs, 1-3 tiles left over, each
-    # cut into 3 parts of 2, 2 and 3 K iterations (the last one partial)
-    (45, 200, 70, "bfloat16", True, False, 16, None, 0.0, 2, "push", 3),
-    (45, 200, 70, "float16", False, True, 7, 1, 0.003, 2, "pull", 3),
 ]
 GPU_CASES = [
     (4091, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3, "push"),
@@ -62,10 +57,6 @@ GPU_CASES = [
     (2048, 4096, 4096, "bfloat16", False, True, None, None, 0.0, 3, "push"),
     (128, 256, 512, "bfloat16", True, False, 37, None, 0.0005, 3, "push"),
     (4091, 1024, 1536, "bfloat16", True, True, 512, None, 0.0005, 3, "pull"),
-    # split tail as the rule picks it (W = 2: 224 tiles of 128 x 256 on 131 programs, cut in 4), and forced at an
-    # odd size (256 tiles: 125 left, 3 parts of 5 or 6 of the 16 K iterations, the last one partial)
-    (2048, 8192, 1792, "bfloat16", True, False, None, None, 0.0, 3, "push", None),
-    (4091, 1000, 1000, "float16", False, True, 512, None, 0.0005, 3, "pull", 3),
 ]
 
 
@@ -76,55 +67,6 @@ def test_ag_gemm_matches_reference(pool, case):
         pytest.skip("no such case for this backend")
     errs = pool.run(_case, *cases[case])
     assert max(errs) < 1e-2
-
-
-def test_tail_split_rule():
-    """A partial last wave is cut along K where that saves >= 5% of the rounds and each part keeps >= 16 iterations."""
-    from triton_overlap.ops.common import GemmConfig, tail_split
-
-    cfg = GemmConfig()
-    assert tail_split(cfg, 32 * 7, 131, 128) == 4  # 4096 x 8192 x 1792: 1 + 3/4 rounds instead of 2
-    assert tail_split(cfg, 16 * 16, 131, 64) == 1  # 2048 x 4096 x 4096: 125 left, no cut fills fewer rounds
-    assert tail_split(cfg, 131 * 3, 131, 64) == 1  # whole waves
-    assert tail_split(cfg, 32 * 7, 131, 48) == 1  # 4 parts would keep 12 iterations; 2 or 3 fill no fewer rounds
-    assert tail_split(cfg, 64 * 14, 131, 128) == 1  # 8192 x 8192 x 3584: 6 + 1 rounds; 110 left gain nothing
-    assert tail_split(GemmConfig(split_tail=3), 131 * 3, 131, 64) == 3
-    assert tail_split(GemmConfig(split_tail=1), 32 * 7, 131, 128) == 1
-
-
-def _plain_split_tail(M, K, N):
-    """The plain GEMM (no communication), tail cut in 3, not cut, and as the rule picks, against float32."""
-    from triton_overlap.ops.common import plain_gemm
-
-    with to.Context(timeout_s=60) as ctx:
-        dev = ctx.device
-        a, w = rand((M, K), torch.bfloat16, dev, "a"), rand((K, N), torch.bfloat16, dev, "w")
-        ref = a.float() @ w.float()
-        errs = []
-        for split in (3, 1, None):
-            cfg = dataclasses.replace(default_config(ctx), split_tail=split)
-            out = torch.empty((M, N), dtype=torch.bfloat16, device=dev)
-            bufs = {}
-            run = plain_gemm(ctx, cfg, a, w, out, split_tail=bufs)
-            for i in range(2):  # the second call reuses the counters, which the kernel zeroes after use
-                poison(out)
-                if i and split != 1:  # (the rule cuts the tail for both test shapes)
-                    (parts, counts), = bufs.values()
-                    parts.fill_(float("nan"))
-                run()
-                ctx.check()
-                errs.append(rel_err(out, ref))
-                assert errs[-1] < TOL[torch.bfloat16], f"split_tail={split}: rel err {errs[-1]:.2e}"
-            if split != 1:  # parts were written (so the tail was cut) and every tile's counter is back to zero
-                assert torch.isfinite(parts).all() and not counts.any(), counts
-            else:
-                assert not bufs
-        return max(errs)
-
-
-def test_plain_gemm_split_tail(pool):
-    shape = (60, 1000, 130) if pool.backend == "host" else (4096, 8192, 1792)
-    assert max(pool.run(_plain_split_tail, *shape)) < 1e-2
 
 
 def test_ag_gemm_odd_rows_4091_per_rank(pool):

@@ -30,25 +30,6 @@ Switches (constexpr), so one source serves every op:
   program. Peer tiles wait on nothing, so every rank's peer tiles finish
   whichever programs are resident, and no own-row wait can block them.
 
-* SPLIT_TAIL > 1 (not with SCATTER or REDUCE_OWN): the tiles that do not
-  fill a last whole wave are cut along K into SPLIT_TAIL parts each, so
-  more programs share that wave (wave quantization: 224 tiles on 131
-  programs keep the SMs busy for only 224 / 262 of two waves; cut in 4,
-  the last 93 tiles take 3 rounds of a quarter tile). Programs first take
-  ``num_tiles // NUM_PROGRAMS`` whole tiles round-robin as usual, then the
-  parts round-robin, part slice by part slice: programs that share A rows
-  or B columns read the same K slice at the same time, as in the whole
-  waves, and keep their L2 reuse (a first version, which gave every program
-  an equal run of K iterations starting anywhere in a tile, lost it and
-  was 30% slower than whole tiles). Each part stores its float32 partial
-  in its slot (``split_ws_ptr``, [left tiles, SPLIT_TAIL] tiles) and adds
-  its iteration count to the tile's counter (``split_cnt_ptr``,
-  acquire-release); the part that completes the count sums the slots, adds
-  the bias, stores the tile and zeroes the counter for the next launch
-  (also under CUDA-graph replay). No part waits for another, so no program
-  can block one that is not resident. The sum is made from memory, not
-  into the accumulator, so no second float32 tile is live beside it.
-
 Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
 """
 from __future__ import annotations
@@ -89,11 +70,11 @@ def persistent_gemm(
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
     tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
-    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, split_ws_ptr, split_cnt_ptr,
+    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
-    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, SPLIT_TAIL: tl.constexpr = 1,
+    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
 
@@ -101,28 +82,7 @@ def persistent_gemm(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     offs_k = tl.arange(0, BLOCK_K)
-    k_iters = tl.cdiv(K, BLOCK_K)
-    if SPLIT_TAIL > 1:
-        dp_waves = num_tiles // NUM_PROGRAMS  # whole tiles per program, round-robin
-        dp_tiles = dp_waves * NUM_PROGRAMS
-        left = num_tiles - dp_tiles  # the tiles of the last, partial wave, each cut into SPLIT_TAIL parts
-        n_units = dp_waves + tl.cdiv(tl.maximum(left * SPLIT_TAIL - pid, 0), NUM_PROGRAMS)
-        left_ = tl.maximum(left, 1)  # (both sides of a where are evaluated)
-    else:
-        n_units = tl.cdiv(num_tiles - pid, NUM_PROGRAMS)
-    for u in range(0, n_units):  # each program's share of the tiles is counted as before
-        if SPLIT_TAIL > 1:
-            in_dp = u < dp_waves
-            g = pid + (u - dp_waves) * NUM_PROGRAMS  # (for a part) part g: slice g // left of tile g % left
-            part = g // left_
-            t = g % left_
-            it = tl.where(in_dp, pid + u * NUM_PROGRAMS, dp_tiles + t)
-            k_lo = tl.where(in_dp, 0, part * k_iters // SPLIT_TAIL)
-            k_hi = tl.where(in_dp, k_iters, (part + 1) * k_iters // SPLIT_TAIL)
-        else:
-            it = pid + u * NUM_PROGRAMS
-            k_lo = 0
-            k_hi = k_iters
+    for it in range(pid, num_tiles, NUM_PROGRAMS):  # each program's share of the tiles is counted as before
         if REDUCE_OWN:
             tile = tl.atomic_add(tick_ptr, 1)  # ... but which tile comes next is the next in order, from anyone
             if tile < split_m * num_pid_n:  # peers' rows, then ours: each grouped on its own
@@ -150,14 +110,10 @@ def persistent_gemm(
             a_rows = tl.where(mine, a_ptr + (rows - rank * M_LOCAL) * stride_am, ws_ptr + rows * stride_wm)
         else:
             a_rows = a_ptr + rows * stride_am
-        if SPLIT_TAIL > 1:
-            k_offs = k_lo * BLOCK_K + offs_k
-        else:
-            k_offs = offs_k
-        a_ptrs = a_rows[:, None] + k_offs[None, :]
-        b_ptrs = b_ptr + k_offs[:, None] * stride_bk + cols[None, :] * stride_bn
+        a_ptrs = a_rows[:, None] + offs_k[None, :]
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(k_lo, k_hi):
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
             if EVEN_K:
                 a = tl.load(a_ptrs)
                 b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
@@ -172,61 +128,45 @@ def persistent_gemm(
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K * stride_bk
         out_rows = row0 + tl.arange(0, BLOCK_M)
-        if SPLIT_TAIL > 1 and (u >= dp_waves):  # a part of a tile: the tile is summed by its last part to finish
-            tile_ms = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-            tl.store(split_ws_ptr + (t * SPLIT_TAIL + part) * (BLOCK_M * BLOCK_N) + tile_ms, acc)
-            tl.debug_barrier()  # every thread's stores come before the release below
-            done = tl.atomic_add(split_cnt_ptr + t, k_hi - k_lo, sem="acq_rel", scope="gpu") + (k_hi - k_lo)
-            if done == k_iters:  # every other part has landed: sum them in float32, store the tile
-                tl.store(split_cnt_ptr + t, 0)  # (nobody else touches it again in this launch)
-                total = tl.load(split_ws_ptr + t * SPLIT_TAIL * (BLOCK_M * BLOCK_N) + tile_ms, cache_modifier=".cg")
-                for q in range(1, SPLIT_TAIL):
-                    total += tl.load(split_ws_ptr + (t * SPLIT_TAIL + q) * (BLOCK_M * BLOCK_N) + tile_ms,
-                                     cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn,
-                         total.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
-        else:  # the epilogue of a whole tile
-            own_tile = False
-            if REDUCE_OWN:
-                own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
-            if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
-                for c in range(c_first, c_last + 1):
-                    j = c % CHUNKS_PER_RANK
-                    want = tl.load(expected_ptr + j)
-                    for s in range(0, world):
-                        if s != rank:
-                            wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
-                                      s * CHUNKS_PER_RANK + j, CLOCK)
-                local = rows - rank * M_LOCAL
+        own_tile = False
+        if REDUCE_OWN:
+            own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
+        if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
+            for c in range(c_first, c_last + 1):
+                j = c % CHUNKS_PER_RANK
+                want = tl.load(expected_ptr + j)
                 for s in range(0, world):
                     if s != rank:
-                        part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
-                        acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
-                if HAS_BIAS:
+                        wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
+                                  s * CHUNKS_PER_RANK + j, CLOCK)
+            local = rows - rank * M_LOCAL
+            for s in range(0, world):
+                if s != rank:
+                    part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
+                    acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            o_rows = out_ptr + local * stride_om
+            if ALIGN_C:
+                o_rows = tl.multiple_of(o_rows, 16)
+            tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                     mask=(out_rows[:, None] < M) & col_ok[None, :])
+        else:
+            if HAS_BIAS:
+                if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
                     acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                o_rows = out_ptr + local * stride_om
-                if ALIGN_C:
-                    o_rows = tl.multiple_of(o_rows, 16)
-                tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-                         mask=(out_rows[:, None] < M) & col_ok[None, :])
+            if SCATTER:
+                owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
+                base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+                if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
+                    c_rows = tl.multiple_of(c_rows, 16)
             else:
-                if HAS_BIAS:
-                    if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
-                        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                if SCATTER:
-                    owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
-                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                    c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
-                    if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
-                        c_rows = tl.multiple_of(c_rows, 16)
-                else:
-                    c_rows = c_ptr + out_rows * stride_cm
-                c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
-                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
-                if SCATTER:
-                    tl.debug_barrier()  # every thread's stores of this tile come before the release below
-                    for c in range(c_first, c_last + 1):
-                        counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
-                        add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)
+                c_rows = c_ptr + out_rows * stride_cm
+            c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+            if SCATTER:
+                tl.debug_barrier()  # every thread's stores of this tile come before the release below
+                for c in range(c_first, c_last + 1):
+                    counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
+                    add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)

@@ -137,7 +137,7 @@ class AllGatherGEMM(OverlapOp):
             produce(ctx, streams, layout, a, ws, flags, follow=False)
         launch_gemm(ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=bias, M=M, N=N, K=K, m_local=m_local,
                     m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
-                    flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0), split_cache=self._plans)
+                    flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0))
         if gemm_first:
             produce(ctx, streams, layout, a, ws, flags, follow=False)
         self._warm[(layout, cfg.mode)] = True

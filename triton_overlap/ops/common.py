@@ -50,9 +50,6 @@ class GemmConfig:
     partial goes to memory and a separate kernel sums them; None (default):
     True on GPUs from ``gemm_rs.FUSE_REDUCE_BYTES`` of partial output, and on
     the host backend.
-    ``split_tail`` (AllGather-GEMM and the plain GEMM): cut each tile of a
-    last, partial wave into this many parts along K (kernels.gemm
-    SPLIT_TAIL); 1: never; None (default): ``tail_split`` picks it.
     """
 
     block_m: int = 128
@@ -69,7 +66,6 @@ class GemmConfig:
     mode: str = "push"
     scatter: str = "auto"
     fuse_reduce: bool | None = None
-    split_tail: int | None = None
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
@@ -188,65 +184,23 @@ def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
     seen.add(key)
 
 
-#: The most parts a tail tile is cut into, and the fewest K iterations (of BLOCK_K) a part must keep: each part
-#: costs a float32 tile written and read once, and a pipeline filled and drained.
-SPLIT_TAIL_MAX = 4
-SPLIT_TAIL_MIN_ITERS = 16
-#: Cut the tail only when that saves at least this share of the GEMM's time (in whole-tile rounds).
-SPLIT_TAIL_MIN_GAIN = 0.05
-
-
-def tail_split(cfg: GemmConfig, num_tiles: int, programs: int, k_iters: int) -> int:
-    """How many parts each tile of the last, partial wave is cut into (1: none), counted in rounds of whole
-    tiles: the tail of ``left`` tiles takes 1 round whole, ``ceil(left * s / programs) / s`` in ``s`` parts.
-    4096 x 8192 x 1792 in 128 x 256 tiles (AllGather-GEMM, 131 programs): 1 + 1 rounds, or 1 + 3/4 in 4 parts."""
-    if cfg.split_tail is not None:
-        return max(1, cfg.split_tail)
-    left = num_tiles % programs
-    if left == 0:
-        return 1
-    whole = num_tiles // programs + 1
-    best, best_rounds = 1, whole
-    for s in range(2, SPLIT_TAIL_MAX + 1):
-        rounds = num_tiles // programs + cdiv(left * s, programs) / s
-        if k_iters // s >= SPLIT_TAIL_MIN_ITERS and rounds < best_rounds:
-            best, best_rounds = s, rounds
-    return best if whole - best_rounds >= SPLIT_TAIL_MIN_GAIN * whole else 1
-
-
-def split_tail_buffers(cache: dict, left: int, parts: int, cfg: GemmConfig, device):
-    """An op's float32 partials ([left tiles, parts] tiles) and per-tile counters for a split tail, made once
-    per shape of the tail and kept in ``cache`` (the op's own: two GEMMs running at once must not share them).
-    The kernel zeroes each counter after use, so they are zeroed once, here."""
-    key = ("split_tail", left, parts, cfg.block_m, cfg.block_n)
-    bufs = cache.get(key)
-    if bufs is None:
-        bufs = cache[key] = (torch.empty(left * parts * cfg.block_m * cfg.block_n, dtype=torch.float32, device=device),
-                             torch.zeros(left, dtype=torch.int32, device=device))
-    return bufs
-
-
-def plain_gemm(ctx, cfg: GemmConfig, a, w, out, split_tail: bool | dict = True):
+def plain_gemm(ctx, cfg: GemmConfig, a, w, out):
     """A launcher of our persistent GEMM alone, ``out = a @ w``: no waits, no communication
-    (the "consumer alone" of the benchmarks, and what tune.py --tiles-only times). ``split_tail=False``: never
-    split the tail (GEMM-RS's GEMM, which scatters its tiles, does not); a dict: where its buffers go."""
+    (the "consumer alone" of the benchmarks, and what tune.py --tiles-only times)."""
     M, K = a.shape
     order = torch.arange(cdiv(M, cfg.block_m), dtype=torch.int32, device=a.device)
     ready = torch.zeros(1, dtype=torch.int32, device=a.device)
-    cache = split_tail if isinstance(split_tail, dict) else {} if split_tail else None
     return lambda: launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=out, bias=None, M=M, N=w.shape[1], K=K, m_local=M,
-                               m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=ready, op=0, gather=False,
-                               split_cache=cache)
+                               m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=ready, op=0, gather=False)
 
 
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
-                expected=None, tick=None, split_m=0, split_cache=None):
+                expected=None, tick=None, split_m=0):
     """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
     the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
     chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
-    m-tiles of ``tile_order`` come before this rank's own). ``split_cache``: the op's dict for the buffers of a split
-    tail (split_tail_buffers), where ``tail_split`` may cut it; None: never (the scattering GEMM)."""
+    m-tiles of ``tile_order`` come before this rank's own)."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if gather and ctx.backend != "host":
@@ -254,14 +208,6 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         # beside this persistent kernel, or both ranks could wait on each other
         units -= 1
     programs = max(1, min(units, num_tiles))
-    parts = 1
-    if split_cache is not None and scatter_ptrs is None:
-        parts = tail_split(cfg, num_tiles, programs, cdiv(K, cfg.block_k))
-    left = num_tiles % programs
-    if parts > 1 and left:
-        split_ws, split_cnt = split_tail_buffers(split_cache, left, parts, cfg, c.device)
-    else:
-        parts, split_ws, split_cnt = 1, c, flags
     launch(persistent_gemm, (programs,), (
         a, ws if ws is not None else a, b, c, bias if bias is not None else c,
         M, N, K, m_local, m_per_chunk, chunks_per_rank,
@@ -270,12 +216,11 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         scatter_ptrs if scatter_ptrs is not None else flags, counter_ptrs if counter_ptrs is not None else flags,
         reduce_into if reduce_into is not None else c, reduce_into.stride(0) if reduce_into is not None else 0,
         expected if expected is not None else flags, tick if tick is not None else flags, ctx.world_size, split_m,
-        split_ws, split_cnt,
     ), dict(
         HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None, REDUCE_OWN=reduce_into is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         NUM_PROGRAMS=programs, NUM_XCDS=cfg.num_xcds, EVEN_K=(K % cfg.block_k == 0), CLOCK=ctx.clock,
-        DOT_F32=ctx.backend == "host", SPLIT_TAIL=parts,
+        DOT_F32=ctx.backend == "host",
         # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
         ALIGN_C=scatter_ptrs is not None and N % 16 == 0 and (
             reduce_into is None or (reduce_into.data_ptr() % 16 == 0 and reduce_into.stride(0) * c.element_size() % 16 == 0)),
