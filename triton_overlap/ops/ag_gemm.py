@@ -73,14 +73,13 @@ class AllGatherGEMM(OverlapOp):
     # ----------------------------------------------------------------- run
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  return_gathered: bool = False, out: torch.Tensor | None = None, **overrides):
-        if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == w.dim() == 2:
-            # a call that repeats a captured one replays it, unchecked (ops.replay: it passed the checks before)
-            if out is None:
-                out = torch.empty((a.shape[0] * self.ctx.world_size, w.shape[1]), dtype=a.dtype, device=a.device)
-            if self.replays.hit(call_key(overrides, a, w, bias, out)):
-                self.last_path = "overlap"
-                return self._returned(a, out, return_gathered)
+        replayed, out = self._replayed(a, w, bias, out, overrides)  # a repeat of a captured call, unchecked
+        if replayed:
+            return self._returned(a, out, return_gathered)
         return self._call(a, w, bias, return_gathered, out, overrides)
+
+    def _out_rows(self, m: int) -> int:
+        return m * self.ctx.world_size
 
     @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
     def _call(self, a, w, bias, return_gathered, out, overrides):

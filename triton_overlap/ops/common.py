@@ -8,6 +8,7 @@ import torch
 from ..kernels.chunks import cdiv
 from ..kernels.gemm import persistent_gemm
 from ..kernels.launch import launch
+from .replay import call_key
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -108,6 +109,26 @@ class OverlapOp:
         from .replay import ReplayCache
 
         self.replays = ReplayCache(ctx, enabled=replay)  # eager calls that repeat replay a captured graph
+
+    def _out_rows(self, m: int) -> int | None:
+        """Rows of the output for ``a`` of ``m`` rows (None: not a valid call; the checks will say why)."""
+        raise NotImplementedError
+
+    def _replayed(self, a, w, bias, out, overrides):
+        """ops.replay's unchecked path: ``(True, out)`` when a graph held for this call's key was replayed (``out``
+        allocated here when None), else ``(False, out)`` with nothing enqueued, for the checked path."""
+        if not (self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor)
+                and a.dim() == w.dim() == 2):
+            return False, out
+        if out is None:
+            rows = self._out_rows(a.shape[0])
+            if rows is None:
+                return False, out
+            out = torch.empty((rows, w.shape[1]), dtype=a.dtype, device=a.device)
+        if not self.replays.hit(call_key(overrides, a, w, bias, out)):
+            return False, out
+        self.last_path = "overlap"
+        return True, out
 
     def eager_fallback(self, key, flop: float) -> bool:
         """The eager rule (eager_host_bound) for a call of ``flop`` FLOPs. The first call of each shape ``key``

@@ -101,15 +101,12 @@ class GEMMReduceScatter(OverlapOp):
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, **overrides):
-        if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == w.dim() == 2:
-            # a call that repeats a captured one replays it, unchecked (ops.replay: it passed the checks before)
-            W = self.ctx.world_size
-            if out is None and a.shape[0] % W == 0:
-                out = torch.empty((a.shape[0] // W, w.shape[1]), dtype=a.dtype, device=a.device)
-            if out is not None and self.replays.hit(call_key(overrides, a, w, bias, out)):
-                self.last_path = "overlap"
-                return out
-        return self._call(a, w, bias, out, overrides)
+        replayed, out = self._replayed(a, w, bias, out, overrides)  # a repeat of a captured call, unchecked
+        return out if replayed else self._call(a, w, bias, out, overrides)
+
+    def _out_rows(self, m: int) -> int | None:
+        W = self.ctx.world_size
+        return m // W if m % W == 0 else None
 
     @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
     def _call(self, a, w, bias, out, overrides):

@@ -108,9 +108,7 @@ class ReplayCache:
         g = self._graphs.get(key)
         if g is None:
             return False
-        self._graphs.move_to_end(key)
-        self.stats["replays"] += 1
-        g.replay()  # on the caller's current stream
+        self._replay_held(key, g)
         return True
 
     def will_replay(self, key, shape_key) -> bool:
@@ -148,12 +146,15 @@ class ReplayCache:
             return False
         g = self._graphs.get(key)
         if g is None:
-            g = self._capture(key, enqueue)
+            self._capture(key, enqueue).replay()  # (the capture ran nothing: this replay does the work)
         else:
-            self._graphs.move_to_end(key)
-            self.stats["replays"] += 1
-        g.replay()  # on the caller's current stream
+            self._replay_held(key, g)
         return True
+
+    def _replay_held(self, key, g) -> None:
+        self._graphs.move_to_end(key)
+        self.stats["replays"] += 1
+        g.replay()  # on the caller's current stream
 
     def _capture(self, key, enqueue):
         """Capture the call (``_graph_of``) and keep it, least recently used graphs dropped beyond capacity."""
