@@ -50,6 +50,8 @@ HOST_CASES = [
     (64, 40, 24, "bfloat16", False, False, None, None, 0.003, 1, "push"),
     (37, 48, 40, "bfloat16", True, True, 16, None, 0.003, 2, "pull"),
     (29, 64, 33, "float16", False, False, 7, 1, 0.02, 2, "pull"),  # delays: slow pulls, fast peer
+    # whole tiles of rows per rank: the descriptor (TMA) path, with W's transpose as B
+    (64, 48, 40, "float16", True, True, 32, None, 0.003, 2, "pull"),
 ]
 GPU_CASES = [
     (4091, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3, "push"),

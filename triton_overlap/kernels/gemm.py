@@ -31,6 +31,19 @@ Switches (constexpr), so one source serves every op:
   whichever programs are resident, and no own-row wait can block them.
 
 Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
+
+DESC (Hopper and later, and the interpreter): A and B tiles are loaded through
+tensor descriptors (TMA on the GPU) instead of pointer arithmetic: ``a_desc``
+over A, ``b_desc`` over B as [K, N] or, with B_KMAJOR, over B's transpose
+[N, K] (``linear.weight.t()`` passed as B). Out-of-range rows, columns and K
+are zero-filled by the load, so no masks. With GATHER, ``a_desc`` is 3-D,
+[2, M, K]: plane ``own_plane`` is this rank's shard and plane ``ws_plane`` the
+workspace (the host spans both allocations with the plane stride), so every
+tile runs the same K loop whatever its source: two loops, one per source,
+make ptxas serialise the wgmma pipeline. The host takes this path only when
+M_LOCAL is a multiple of BLOCK_M (no tile covers rows of two ranks). A tile
+that waited on a flag fences the async proxy before its first descriptor
+load, so the loads see what the flag published.
 """
 from __future__ import annotations
 
@@ -65,23 +78,90 @@ def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _fence_async_proxy(CLOCK: tl.constexpr):
+    """Order this thread's earlier acquire (generic proxy) before its later TMA loads (async proxy)."""
+    if CLOCK == 1:
+        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
+def _k_loop_desc(src, plane, row, b_desc, col, K, acc, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
+                 DOT_F32: tl.constexpr, PLANES: tl.constexpr):
+    """acc += A[row:row+BLOCK_M, :] @ B[:, col:col+BLOCK_N], both through descriptors (zero-filled at the edges);
+    PLANES: ``src`` is 3-D, A is its plane ``plane``."""
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if PLANES:
+            a = src.load([plane, row, k * BLOCK_K]).reshape(acc.shape[0], BLOCK_K)
+        else:
+            a = src.load([row, k * BLOCK_K])
+        if B_KMAJOR:
+            b = b_desc.load([col, k * BLOCK_K]).T
+        else:
+            b = b_desc.load([k * BLOCK_K, col])
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, stride_wm, stride_bk,
+                stride_bn, acc, GATHER: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                DOT_F32: tl.constexpr):
+    """acc += A[rows, :] @ B[:, cols] through pointers (rows clamped in range, columns masked)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if GATHER:
+        mine = (rows // M_LOCAL) == rank
+        a_rows = tl.where(mine, a_ptr + (rows - rank * M_LOCAL) * stride_am, ws_ptr + rows * stride_wm)
+    else:
+        a_rows = a_ptr + rows * stride_am
+    a_ptrs = a_rows[:, None] + offs_k[None, :]
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
+        if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def _store_plain(acc, c_ptr, bias_ptr, out_rows, cols, col_ok, M, stride_cm, stride_cn, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+
+
+@triton.jit
 def persistent_gemm(
     a_ptr, ws_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
     tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
-    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m,
+    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, a_desc, own_plane, ws_plane, b_desc,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
-    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False,
+    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
+    B_KMAJOR: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
 
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    offs_k = tl.arange(0, BLOCK_K)
     for it in range(pid, num_tiles, NUM_PROGRAMS):  # each program's share of the tiles is counted as before
         if REDUCE_OWN:
             tile = tl.atomic_add(tick_ptr, 1)  # ... but which tile comes next is the next in order, from anyone
@@ -105,68 +185,63 @@ def persistent_gemm(
         rows = tl.where(rows < M, rows, M - 1)  # clamp instead of masking the loads
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # not clamped: clamping hides contiguity, so B would load scalar
         col_ok = cols < N
-        if GATHER:
-            mine = (rows // M_LOCAL) == rank
-            a_rows = tl.where(mine, a_ptr + (rows - rank * M_LOCAL) * stride_am, ws_ptr + rows * stride_wm)
-        else:
-            a_rows = a_ptr + rows * stride_am
-        a_ptrs = a_rows[:, None] + offs_k[None, :]
-        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            if EVEN_K:
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-            else:
-                k_left = K - k * BLOCK_K
-                a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-                b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
-            if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K * stride_bk
         out_rows = row0 + tl.arange(0, BLOCK_M)
-        own_tile = False
-        if REDUCE_OWN:
-            own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
-        if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
-            for c in range(c_first, c_last + 1):
-                j = c % CHUNKS_PER_RANK
-                want = tl.load(expected_ptr + j)
+        if DESC and GATHER:
+            # one 3-D descriptor over both sources (see the module doc): one K loop, the plane picks the source
+            mine = (row0 // M_LOCAL) == rank
+            if not mine:
+                _fence_async_proxy(CLOCK)
+            plane = tl.where(mine, own_plane, ws_plane)
+            a_row = tl.where(mine, row0 - rank * M_LOCAL, row0)
+            acc = _k_loop_desc(a_desc, plane, a_row, b_desc, pid_n * BLOCK_N, K,
+                               tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, B_KMAJOR, DOT_F32, True)
+            _store_plain(acc, c_ptr, bias_ptr, out_rows, cols, col_ok, M, stride_cm, stride_cn, HAS_BIAS)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if DESC:
+                acc = _k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)
+            else:
+                acc = _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, stride_wm,
+                                  stride_bk, stride_bn, acc, GATHER, BLOCK_K, EVEN_K, DOT_F32)
+            own_tile = False
+            if REDUCE_OWN:
+                own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
+            if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
+                for c in range(c_first, c_last + 1):
+                    j = c % CHUNKS_PER_RANK
+                    want = tl.load(expected_ptr + j)
+                    for s in range(0, world):
+                        if s != rank:
+                            wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
+                                      s * CHUNKS_PER_RANK + j, CLOCK)
+                local = rows - rank * M_LOCAL
                 for s in range(0, world):
                     if s != rank:
-                        wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
-                                  s * CHUNKS_PER_RANK + j, CLOCK)
-            local = rows - rank * M_LOCAL
-            for s in range(0, world):
-                if s != rank:
-                    part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
-                    acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            o_rows = out_ptr + local * stride_om
-            if ALIGN_C:
-                o_rows = tl.multiple_of(o_rows, 16)
-            tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-                     mask=(out_rows[:, None] < M) & col_ok[None, :])
-        else:
-            if HAS_BIAS:
-                if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
+                        part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
+                        acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
+                if HAS_BIAS:
                     acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            if SCATTER:
-                owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
-                base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
-                if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
-                    c_rows = tl.multiple_of(c_rows, 16)
+                o_rows = out_ptr + local * stride_om
+                if ALIGN_C:
+                    o_rows = tl.multiple_of(o_rows, 16)
+                tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+                         mask=(out_rows[:, None] < M) & col_ok[None, :])
             else:
-                c_rows = c_ptr + out_rows * stride_cm
-            c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
-            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
-            if SCATTER:
-                tl.debug_barrier()  # every thread's stores of this tile come before the release below
-                for c in range(c_first, c_last + 1):
-                    counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
-                    add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)
+                if HAS_BIAS:
+                    if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
+                        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+                if SCATTER:
+                    owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
+                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                    c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+                    if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
+                        c_rows = tl.multiple_of(c_rows, 16)
+                else:
+                    c_rows = c_ptr + out_rows * stride_cm
+                c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
+                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+                if SCATTER:
+                    tl.debug_barrier()  # every thread's stores of this tile come before the release below
+                    for c in range(c_first, c_last + 1):
+                        counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
+                        add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)

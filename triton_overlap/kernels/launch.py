@@ -19,6 +19,7 @@ import functools
 import os
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _compiled: dict = {}
 
@@ -26,6 +27,8 @@ _compiled: dict = {}
 def _spec(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, TensorDescriptor):
+        return "desc", a.base.dtype, tuple(a.block_shape), a.padding
     if isinstance(a, bool):
         return "b", a
     if isinstance(a, int):

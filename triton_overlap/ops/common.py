@@ -1,9 +1,11 @@
 """What the GEMM ops share: configuration, input checks, kernel launch."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..kernels.chunks import cdiv
 from ..kernels.gemm import persistent_gemm
@@ -51,6 +53,11 @@ class GemmConfig:
     partial goes to memory and a separate kernel sums them; None (default):
     True on GPUs from ``gemm_rs.FUSE_REDUCE_BYTES`` of partial output, and on
     the host backend.
+    ``tma``: load A and B tiles through tensor descriptors (TMA) rather than
+    pointers. None (default): on NVIDIA GPUs of compute capability 9.0 and
+    later and on the host backend, off on AMD; False: never. Either way a call
+    whose operands a descriptor cannot describe (see ``desc_layout``) uses
+    pointers.
     """
 
     block_m: int = 128
@@ -67,6 +74,7 @@ class GemmConfig:
     mode: str = "push"
     scatter: str = "auto"
     fuse_reduce: bool | None = None
+    tma: bool | None = None
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
@@ -215,6 +223,52 @@ def plain_gemm(ctx, cfg: GemmConfig, a, w, out):
                                m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=ready, op=0, gather=False)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    e = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * e % 16 == 0 for s in strides)
+
+
+def _pair_gap(a, ws) -> int | None:
+    """Elements from the lower of ``a``'s and ``ws``'s addresses to the higher, when one descriptor can span both."""
+    e = a.element_size()
+    gap = abs(ws.data_ptr() - a.data_ptr())
+    return gap // e if gap % 16 == 0 and gap < (1 << 40) and a.stride(0) == ws.stride(0) else None
+
+
+def _pair_desc(a, ws, M, K, bm, bk):
+    """AllGather's A as one 3-D descriptor [2, M, K] whose planes are this rank's shard and the workspace (plane 1
+    lies ``gap`` elements past plane 0, whichever of the two comes first in memory), so the kernel's one K loop
+    reads either by plane index. Only a shard plane's first M_LOCAL rows are real; the kernel reads no others
+    there (whole tiles of rows per rank). Returns the descriptor and (shard's plane, workspace's plane)."""
+    gap = _pair_gap(a, ws)
+    lo, planes = (a, (0, 1)) if a.data_ptr() <= ws.data_ptr() else (ws, (1, 0))
+    return TensorDescriptor(lo, [2, M, K], [gap, a.stride(0), 1], [1, bm, bk]), planes
+
+
+def desc_layout(ctx, cfg: GemmConfig, a, ws, b, m_local: int, gather: bool) -> str | None:
+    """How B can be described for kernels.gemm's DESC path: "kn" ([K, N] rows), "nk" (B's transpose, [N, K] rows:
+    ``linear.weight.t()``), or None: pointers. Descriptors need 16-byte aligned bases and row strides, unit
+    stride in the last dimension, and with GATHER whole tiles of each rank's rows."""
+    if cfg.tma is False or ctx.backend == "hip" or max(cfg.block_m, cfg.block_n, cfg.block_k) > 256:
+        return None
+    if ctx.backend == "cuda" and _capability(a.device.index)[0] < 9:
+        return None
+    if a.stride(1) != 1 or not _aligned(a, a.stride(0)):
+        return None
+    if gather and (m_local % cfg.block_m != 0 or ws.stride(1) != 1 or _pair_gap(a, ws) is None):
+        return None
+    if b.stride(1) == 1 and _aligned(b, b.stride(0)):
+        return "kn"
+    if b.stride(0) == 1 and _aligned(b, b.stride(1)):
+        return "nk"
+    return None
+
+
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
                 expected=None, tick=None, split_m=0):
@@ -229,6 +283,19 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         # beside this persistent kernel, or both ranks could wait on each other
         units -= 1
     programs = max(1, min(units, num_tiles))
+    a_desc = b_desc = None
+    planes = (0, 0)
+    b_layout = desc_layout(ctx, cfg, a, ws, b, m_local, gather)
+    if b_layout is not None:
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        if gather:
+            a_desc, planes = _pair_desc(a, ws, M, K, bm, bk)
+        else:
+            a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
+        if b_layout == "kn":
+            b_desc = TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn])
+        else:
+            b_desc = TensorDescriptor(b.t(), [N, K], [b.stride(1), 1], [bn, bk])
     launch(persistent_gemm, (programs,), (
         a, ws if ws is not None else a, b, c, bias if bias is not None else c,
         M, N, K, m_local, m_per_chunk, chunks_per_rank,
@@ -237,6 +304,7 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         scatter_ptrs if scatter_ptrs is not None else flags, counter_ptrs if counter_ptrs is not None else flags,
         reduce_into if reduce_into is not None else c, reduce_into.stride(0) if reduce_into is not None else 0,
         expected if expected is not None else flags, tick if tick is not None else flags, ctx.world_size, split_m,
+        a_desc, planes[0], planes[1], b_desc,
     ), dict(
         HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None, REDUCE_OWN=reduce_into is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -245,5 +313,6 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
         ALIGN_C=scatter_ptrs is not None and N % 16 == 0 and (
             reduce_into is None or (reduce_into.data_ptr() % 16 == 0 and reduce_into.stride(0) * c.element_size() % 16 == 0)),
+        DESC=b_layout is not None, B_KMAJOR=b_layout == "nk",
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()
