@@ -64,6 +64,15 @@ def time_variant(ctx, rec, name, fn, iters):
         rec["note"] += f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
 
 
+def time_weight_t(rec, ours, nccl, bound, consumer, iters):
+    """The same call with B stored as [N, K] and passed as its transpose (nn.Linear's ``weight.t()``): ours as a
+    user gets it, NCCL + cuBLAS, cuBLAS alone and our GEMM alone (``*_wt_us``)."""
+    rec["ours_wt_us"] = time_dist(ours, iters)
+    rec["nccl_wt_us"] = time_dist(nccl, iters)
+    rec["bound_wt_us"] = time_local(bound)
+    rec["consumer_only_wt_us"] = time_local(consumer)
+
+
 def try_time(fn, iters):
     try:
         return time_dist(fn, iters), None
@@ -127,6 +136,14 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
         dist.all_gather_into_tensor(gathered, a)
         rec["bound_us"] = time_local(lambda: torch.matmul(gathered, w, out=out))
         rec["consumer_only_us"] = time_local(plain_gemm(ctx, op.config_for((M, K, N)), gathered, w, out))
+        wt = torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()  # B as nn.Linear's weight.t()
+
+        def nccl_wt():
+            dist.all_gather_into_tensor(gathered, a)
+            torch.matmul(gathered, wt, out=out)
+
+        time_weight_t(rec, lambda: auto(a, wt, out=out), nccl_wt, lambda: torch.matmul(gathered, wt, out=out),
+                      plain_gemm(ctx, op.config_for((M, K, N)), gathered, wt, out), iters)
         records.append(rec)
         write_partial(records)  # the variant below has not run on a GPU before: keep what is measured
         time_variant(ctx, rec, "ours_pull", lambda: op(a, w, out=out, mode="pull"), iters)  # ranks read peers' rows
@@ -177,6 +194,14 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
         ctx.check()
         rec["bound_us"] = time_local(lambda: torch.matmul(a, w, out=full))
         rec["consumer_only_us"] = time_local(plain_gemm(ctx, op.config_for((M, K, N)), a, w, full))
+        wt = torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()  # B as nn.Linear's weight.t()
+
+        def nccl_wt():
+            torch.matmul(a, wt, out=full)
+            dist.reduce_scatter_tensor(out, full)
+
+        time_weight_t(rec, lambda: auto(a, wt, out=out), nccl_wt, lambda: torch.matmul(a, wt, out=full),
+                      plain_gemm(ctx, op.config_for((M, K, N)), a, wt, full), iters)
         records.append(rec)
         rec["scatter"] = op.scatter_mode(M, N, a.element_size(), op.config_for((M, K, N)))
         other = "store" if rec["scatter"] == "copy" else "copy"  # the scatter "auto" did not pick, as the variant
@@ -395,6 +420,16 @@ HEADER = ("| M | K | N | ours µs | ours, no replay µs | overlap forced, no rep
 # (ours_copy_* where ours stored, ours_store_* where ours copied; the record's "scatter" names ours)
 
 
+WT_HEADER = ("| M | K | N | ours µs | NCCL+cuBLAS µs | speed-up vs NCCL | bound µs | ours / bound | "
+             "consumer alone µs | consumer vs cuBLAS |\n|" + "---|" * 10)
+
+
+def _wt_row(r):
+    return (f"| {r['M']} | {r['K']} | {r['N']} | {r['ours_wt_us']:.1f} | {r['nccl_wt_us']:.1f} | "
+            f"{r['nccl_wt_us'] / r['ours_wt_us']:.2f}x | {r['bound_wt_us']:.1f} | {r['ours_wt_us'] / r['bound_wt_us']:.2f} | "
+            f"{r['consumer_only_wt_us']:.1f} | {r['bound_wt_us'] / r['consumer_only_wt_us']:.2f} |")
+
+
 def write(op_name, records, W):
     os.makedirs(RESULTS, exist_ok=True)
     base = os.path.join(RESULTS, f"{op_name}-{records[0]['gpu']}x{W}")
@@ -418,6 +453,12 @@ def write(op_name, records, W):
         if gs:
             f.write(f"geometric-mean speed-up over NCCL + cuBLAS (both in CUDA graphs): "
                     f"{math.exp(sum(map(math.log, gs)) / len(gs)):.3f}x\n")
+        wt = [r for r in records if r.get("ours_wt_us")]
+        if wt:
+            f.write("\nB stored as [N, K] and passed transposed (nn.Linear's weight.t()), eager, as a user gets it\n\n"
+                    f"{WT_HEADER}\n" + "\n".join(_wt_row(r) for r in wt))
+            g = math.exp(sum(math.log(r["nccl_wt_us"] / r["ours_wt_us"]) for r in wt) / len(wt))
+            f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS, B as weight.t(): {g:.3f}x\n")
         notes = [f"- {r['M']},{r['K']},{r['N']}: {r['note']}" for r in records if r["note"]]
         if notes:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")

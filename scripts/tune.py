@@ -36,9 +36,14 @@ from triton_overlap.ops.common import default_config, plain_gemm  # noqa: E402
 from triton_overlap.ops.cp_attention import (OP, AttentionConfig, Blocks, default_attention_config,  # noqa: E402
                                              launch_bwd, launch_fwd)
 
-GEMM_TILES = [(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4),
-              (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 32, 8, 4)]
-TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages")  # what a GEMM_TILES entry sets
+# block_m, block_n, block_k, num_warps, num_stages, tma (None: descriptors only for B passed as weight.t(); True:
+# for B stored [K, N] too, which the sweep times)
+GEMM_TILES = [(128, 256, 64, 8, 3, None), (128, 256, 64, 8, 4, None), (256, 128, 64, 8, 3, None),
+              (256, 128, 64, 8, 4, None), (128, 128, 64, 4, 4, None), (128, 128, 64, 8, 3, None),
+              (128, 128, 128, 8, 3, None), (128, 256, 32, 8, 4, None),
+              (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (256, 128, 64, 8, 3, True),
+              (256, 128, 64, 8, 4, True)]
+TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")  # what a GEMM_TILES entry sets
 CHUNKS = [2, 4, 8]
 FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2)]

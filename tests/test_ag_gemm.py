@@ -10,7 +10,7 @@ from refs import TOL, check_replays, poison, rand, rel_err
 from triton_overlap.ops.common import default_config
 
 
-def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push"):
+def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push", tma=None):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -31,7 +31,7 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
                 ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))  # stale garbage where peers write
             out = poison(torch.empty((m_local * W, n), dtype=dtype, device=dev))
             got, gathered = op(shards[r], w, b, out=out, return_gathered=True, m_per_chunk=m_per_chunk,
-                               num_streams=streams, mode=mode)
+                               num_streams=streams, mode=mode, tma=tma)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             full = torch.cat(shards).float()
@@ -44,7 +44,7 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
 
 
 HOST_CASES = [
-    # m_local, k, n, dtype, bias, transposed, m_per_chunk, streams, jitter, iters, mode
+    # m_local, k, n, dtype, bias, transposed, m_per_chunk, streams, jitter, iters, mode[, tma]
     (37, 48, 40, "bfloat16", True, False, 16, None, 0.0, 2, "push"),
     (29, 64, 33, "float16", False, True, 7, 1, 0.003, 2, "push"),
     (64, 40, 24, "bfloat16", False, False, None, None, 0.003, 1, "push"),
@@ -52,6 +52,7 @@ HOST_CASES = [
     (29, 64, 33, "float16", False, False, 7, 1, 0.02, 2, "pull"),  # delays: slow pulls, fast peer
     # whole tiles of rows per rank: the descriptor (TMA) path, with W's transpose as B
     (64, 48, 40, "float16", True, True, 32, None, 0.003, 2, "pull"),
+    (64, 48, 40, "bfloat16", True, False, 16, None, 0.0, 1, "push", True),  # descriptors for B stored [K, N]
 ]
 GPU_CASES = [
     (4091, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3, "push"),
@@ -59,6 +60,7 @@ GPU_CASES = [
     (2048, 4096, 4096, "bfloat16", False, True, None, None, 0.0, 3, "push"),
     (128, 256, 512, "bfloat16", True, False, 37, None, 0.0005, 3, "push"),
     (4091, 1024, 1536, "bfloat16", True, True, 512, None, 0.0005, 3, "pull"),
+    (4096, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3, "push", True),  # descriptors, B stored [K, N]
 ]
 
 
@@ -239,3 +241,28 @@ def test_eager_rule_on_gpu(pool):
     if pool.backend == "host":
         pytest.skip("the eager rule applies on GPUs only (test_eager_rule_thresholds covers its arithmetic)")
     assert all(pool.run(_eager_rule, 1024, 512, 768))
+
+
+def test_descriptor_rule():
+    """GemmConfig.tma and desc_layout: when the GEMM loads tiles through descriptors, and how B is described."""
+    from types import SimpleNamespace
+
+    from triton_overlap.ops.common import GemmConfig, desc_layout
+
+    host, hip = SimpleNamespace(backend="host"), SimpleNamespace(backend="hip")
+    auto, on, off = GemmConfig(block_m=32), GemmConfig(block_m=32, tma=True), GemmConfig(block_m=32, tma=False)
+    a = torch.zeros(64, 48, dtype=torch.bfloat16)
+    ws = torch.zeros(128, 48, dtype=torch.bfloat16)
+    kn = torch.zeros(48, 40, dtype=torch.bfloat16)
+    nk = torch.zeros(40, 48, dtype=torch.bfloat16).t()
+    assert desc_layout(host, auto, a, None, kn, 64, False) is None  # [K, N]: pointers unless tma=True
+    assert desc_layout(host, on, a, None, kn, 64, False) == "kn"
+    assert desc_layout(host, auto, a, None, nk, 64, False) == "nk"  # weight.t(): descriptors by default
+    assert desc_layout(host, off, a, None, nk, 64, False) is None
+    assert desc_layout(hip, on, a, None, nk, 64, False) is None  # not on AMD
+    assert desc_layout(host, on, a, ws, nk, 64, True) == "nk"  # gather: whole tiles of rows per rank
+    assert desc_layout(host, on, a[:48], ws[:96], nk, 48, True) is None  # 48 rows per rank: a tile spans two ranks
+    odd = torch.zeros(64, 45, dtype=torch.bfloat16)  # 90-byte rows: no descriptor can step them
+    assert desc_layout(host, on, odd, None, torch.zeros(45, 40, dtype=torch.bfloat16), 64, False) is None
+    wide = torch.zeros(40, 50, dtype=torch.bfloat16)[:, :48].t()  # weight.t() with rows 100 bytes apart
+    assert desc_layout(host, on, a, None, wide, 64, False) is None

@@ -40,7 +40,7 @@ def test_tune_tiles_only_dry_run_writes_an_any_entry(tmp_path):
     table = json.loads(out.read_text())
     (entry,) = table["host"]["any"]["gemm_rs"]
     assert entry["shape"] == [64, 32, 48]
-    assert set(entry["config"]) == {"block_m", "block_n", "block_k", "num_warps", "num_stages"}  # tiles only
+    assert set(entry["config"]) == {"block_m", "block_n", "block_k", "num_warps", "num_stages", "tma"}  # tiles only
 
 
 def test_tiles_only_entry_keeps_the_ops_other_defaults(tmp_path, monkeypatch):

@@ -54,10 +54,15 @@ class GemmConfig:
     True on GPUs from ``gemm_rs.FUSE_REDUCE_BYTES`` of partial output, and on
     the host backend.
     ``tma``: load A and B tiles through tensor descriptors (TMA) rather than
-    pointers. None (default): on NVIDIA GPUs of compute capability 9.0 and
-    later and on the host backend, off on AMD; False: never. Either way a call
-    whose operands a descriptor cannot describe (see ``desc_layout``) uses
-    pointers.
+    pointers, on NVIDIA GPUs of compute capability 9.0 and later and on the
+    host backend (never on AMD). None (default): when B is stored [N, K] and
+    passed transposed (``linear.weight.t()``), where descriptors measured
+    faster on every benchmark shape (H200: 0.97-1.00 of cuBLAS vs 0.85-0.88 on
+    the three largest, ``benchmarks/results/diag_tma-H200.log``); for B stored
+    [K, N] pointers measured as fast or faster with 128x256 tiles. True:
+    descriptors for either layout (tuned entries set it where it won). False:
+    never. A call whose operands a descriptor cannot describe (see
+    ``desc_layout``) uses pointers either way.
     """
 
     block_m: int = 128
@@ -251,9 +256,10 @@ def _pair_desc(a, ws, M, K, bm, bk):
 
 
 def desc_layout(ctx, cfg: GemmConfig, a, ws, b, m_local: int, gather: bool) -> str | None:
-    """How B can be described for kernels.gemm's DESC path: "kn" ([K, N] rows), "nk" (B's transpose, [N, K] rows:
-    ``linear.weight.t()``), or None: pointers. Descriptors need 16-byte aligned bases and row strides, unit
-    stride in the last dimension, and with GATHER whole tiles of each rank's rows."""
+    """How B is described for kernels.gemm's DESC path: "kn" ([K, N] rows; only with ``cfg.tma`` True), "nk"
+    (B's transpose, [N, K] rows: ``linear.weight.t()``), or None: pointers (GemmConfig.tma says when).
+    Descriptors need 16-byte aligned bases and row strides, unit stride in the last dimension, and with
+    GATHER whole tiles of each rank's rows."""
     if cfg.tma is False or ctx.backend == "hip" or max(cfg.block_m, cfg.block_n, cfg.block_k) > 256:
         return None
     if ctx.backend == "cuda" and _capability(a.device.index)[0] < 9:
@@ -262,10 +268,10 @@ def desc_layout(ctx, cfg: GemmConfig, a, ws, b, m_local: int, gather: bool) -> s
         return None
     if gather and (m_local % cfg.block_m != 0 or ws.stride(1) != 1 or _pair_gap(a, ws) is None):
         return None
-    if b.stride(1) == 1 and _aligned(b, b.stride(0)):
-        return "kn"
-    if b.stride(0) == 1 and _aligned(b, b.stride(1)):
+    if b.stride(0) == 1 and b.stride(1) != 1 and _aligned(b, b.stride(1)):
         return "nk"
+    if cfg.tma and b.stride(1) == 1 and _aligned(b, b.stride(0)):
+        return "kn"
     return None
 
 
