@@ -233,6 +233,17 @@ def _eager_rule(m_local, k, n):
 
         check_replays(lambda: rs(big, w, out=rs_out), rs_out, 5, load_rs)
         assert rs.last_path == "overlap"
+        # with replay on: a new key of a prepared shape goes to NCCL once, and its repeat is captured
+        rep = to.AllGatherGEMM(ctx, name="ag_gemm.rep")
+        ref = load_ag(-3)
+        rep(a, w, out=out)
+        assert rep.last_path == "overlap"
+        out2 = torch.empty_like(out)
+        for want in ("fallback", "overlap", "overlap"):
+            rep(a, w, out=poison(out2))
+            assert rep.last_path == want
+            assert rel_err(out2, ref) < TOL[torch.bfloat16]
+        assert rep.replays.stats["captures"] == 1 and rep.replays.stats["replays"] == 2
         ctx.check()
         return True
 

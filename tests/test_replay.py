@@ -94,6 +94,23 @@ def test_replay_hit():
     assert cache.hit("a") is False and not cache.active and ran == ["a"] * 3
 
 
+def test_replay_counts_calls_sent_to_nccl():
+    """A key whose calls the eager rule sends to NCCL (``saw``) is captured on its next sighting, but only once
+    its shape and layout ran the overlap eagerly (kernels built); an unprepared layout is never captured."""
+    cache = _cpu_cache()
+    ran = []
+    cache.saw("k1", "s")  # layout "s" never ran eagerly: not counted
+    assert cache.will_replay("k1", "s") is False
+    cache.run("k0", "s", lambda: ran.append("k0"))  # the layout's first call ran the overlap
+    cache.saw("k1", "s")  # a new key of that layout, sent to NCCL
+    assert cache.will_replay("k1", "s") is True  # its second sighting captures
+    cache.run("k1", "s", lambda: ran.append("k1"))
+    assert cache.stats["captures"] == 1 and cache.hit("k1") is True
+    assert cache.will_replay("k2", "t") is False
+    cache.saw("k2", "t")
+    assert cache.will_replay("k2", "t") is False  # layout "t" never ran
+
+
 def _ag_rs(m_local, k, n, replay_ranks):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device

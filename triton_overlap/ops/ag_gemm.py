@@ -62,13 +62,13 @@ class AllGatherGEMM(OverlapOp):
             raise ValueError(f"ag_gemm: gathered M = {m} exceeds this op's max_m = {self.max_m}")
         agree_across_ranks("ag_gemm", ctx, (tuple(a.shape), str(a.dtype)), self._agreed)
 
-    def _use_fallback(self, a, w) -> bool:
+    def _use_fallback(self, a, w, shape_key) -> bool:
         if self.fallback != "auto":
             return self.fallback == "always"
         ctx = self.ctx
         flop = 2 * a.shape[0] * ctx.world_size * a.shape[1] * w.shape[1]
         return (ctx.world_size == 1 or a.numel() * a.element_size() < FALLBACK_SHARD_BYTES
-                or self.eager_fallback((tuple(a.shape), w.shape[1], a.dtype), flop))
+                or self.eager_fallback(shape_key, flop))
 
     # ----------------------------------------------------------------- run
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -91,9 +91,10 @@ class AllGatherGEMM(OverlapOp):
             raise ValueError(f"ag_gemm: out must be {a.dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
         a = a.contiguous()
         out = torch.empty(want, dtype=a.dtype, device=a.device) if out is None else out
-        shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(sorted(overrides.items())))
+        shape_key = self._shape_key(a, w, bias, overrides)
         key = call_key(overrides, a, w, bias, out)
-        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w):
+        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key):
+            self.replays.saw(key, shape_key)
             self.last_path = "fallback"
             gathered = torch.empty((want[0], a.shape[1]), dtype=a.dtype, device=a.device) if return_gathered else None
             return self._fallback(a, w, bias, gathered, out)

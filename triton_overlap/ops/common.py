@@ -143,6 +143,14 @@ class OverlapOp:
         self.last_path = "overlap"
         return True, out
 
+    @staticmethod
+    def _shape_key(a, w, bias, overrides) -> tuple:
+        """What decides which kernels a call builds and which plans it needs, addresses aside: shapes, dtype, B's
+        strides (pointer or descriptor loads), bias or not, overrides. Keys the eager rule's first-call
+        exception and the replay cache's "ran eagerly" set."""
+        return (tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None,
+                tuple(sorted(overrides.items())) if overrides else ())
+
     def eager_fallback(self, key, flop: float) -> bool:
         """The eager rule (eager_host_bound) for a call of ``flop`` FLOPs. The first call of each shape ``key``
         takes the overlap path anyway: it allocates the workspaces and builds the kernels, which cannot

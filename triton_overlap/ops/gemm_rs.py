@@ -91,13 +91,13 @@ class GEMMReduceScatter(OverlapOp):
             raise ValueError(f"gemm_rs: out must be {a.dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
         agree_across_ranks("gemm_rs", ctx, (tuple(a.shape), w.shape[1], str(a.dtype)), self._agreed)
 
-    def _use_fallback(self, a, w) -> bool:
+    def _use_fallback(self, a, w, shape_key) -> bool:
         if self.fallback != "auto":
             return self.fallback == "always"
         ctx = self.ctx
         partial = a.shape[0] // ctx.world_size * w.shape[1] * a.element_size()
         return (ctx.world_size == 1 or partial < FALLBACK_PARTIAL_BYTES
-                or self.eager_fallback((tuple(a.shape), w.shape[1], a.dtype), 2 * a.shape[0] * a.shape[1] * w.shape[1]))
+                or self.eager_fallback(shape_key, 2 * a.shape[0] * a.shape[1] * w.shape[1]))
 
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, **overrides):
@@ -114,11 +114,12 @@ class GEMMReduceScatter(OverlapOp):
         ctx._check_open()
         self._check(a, w, bias, out)
         a = a.contiguous()
-        shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(sorted(overrides.items())))
+        shape_key = self._shape_key(a, w, bias, overrides)
         if out is None:
             out = torch.empty((a.shape[0] // ctx.world_size, w.shape[1]), dtype=a.dtype, device=a.device)
         key = call_key(overrides, a, w, bias, out)
-        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w):
+        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key):
+            self.replays.saw(key, shape_key)
             self.last_path = "fallback"
             return self._fallback(a, w, bias, out)
         self.last_path = "overlap"

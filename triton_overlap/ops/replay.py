@@ -25,9 +25,13 @@ one key and one dictionary lookup (bench.py's host_replay_us). Rules:
 * never on the host backend, never while the caller is capturing (the call
   then joins the caller's graph), never with producer jitter (a testing aid
   that must vary per call); on hip it is off until it has run on an AMD GPU;
-* a key is captured only after a call of its shape ran eagerly in the current
-  workspace generation (workspaces allocated and agreed on, kernels compiled,
-  plans built: capturing must not need a collective or a compile);
+* a key is captured only after a call of its shape and layout (B's strides,
+  bias or not, overrides) ran the overlap eagerly in the current workspace
+  generation (workspaces allocated and agreed on, kernels compiled, plans
+  built: capturing must not need a collective or a compile); a call the eager
+  rule sent to NCCL counts as a sighting of its key too (``saw``), so a
+  repeating call of a shape under the eager threshold is captured whatever
+  its addresses;
 * when the Context allocates or frees a symmetric buffer (a workspace grew or
   moved) every graph of every op on it is dropped (they hold the old addresses);
 * at most ``capacity`` graphs per op, least recently used dropped first; an op
@@ -125,6 +129,18 @@ class ReplayCache:
             return False  # keys do not repeat here: captures would be pure cost
         return shape_key in self._prepared and self._seen.get(key, 0) + 1 >= self.after
 
+    def saw(self, key, shape_key) -> None:
+        """Count a sighting of ``key`` by a call that did not enqueue the op (an eager call the op's eager rule
+        sent to NCCL): its next sighting captures, once its shape and layout (``shape_key``) have run the
+        overlap eagerly in this generation, so the graph's kernels are built."""
+        if key is not None and self._usable() and shape_key in self._prepared:
+            self._count(key)
+
+    def _count(self, key) -> None:
+        self._seen[key] = self._seen.pop(key, 0) + 1
+        while len(self._seen) > self.SEEN_LIMIT:
+            self._seen.popitem(last=False)
+
     def run(self, key, shape_key, enqueue) -> bool:
         """Enqueue the call: ``enqueue()`` itself, or a replay of its graph. Returns whether it replayed."""
         last, self._last = self._last, None
@@ -140,9 +156,7 @@ class ReplayCache:
                     self.clear()
                     self._generation = self.ctx.generation
                 self._prepared.add(shape_key)
-                self._seen[key] = self._seen.pop(key, 0) + 1
-                while len(self._seen) > self.SEEN_LIMIT:
-                    self._seen.popitem(last=False)
+                self._count(key)
             return False
         g = self._graphs.get(key)
         if g is None:
