@@ -243,7 +243,8 @@ def _eager_rule(m_local, k, n):
             rep(a, w, out=poison(out2))
             assert rep.last_path == want
             assert rel_err(out2, ref) < TOL[torch.bfloat16]
-        assert rep.replays.stats["captures"] == 1 and rep.replays.stats["replays"] == 2
+        # (the capturing call replays the new graph without counting it: held graphs replayed once since)
+        assert rep.replays.stats["captures"] == 1 and rep.replays.stats["replays"] == 1
         ctx.check()
         return True
 
