@@ -10,7 +10,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..kernels.chunks import cdiv
 from ..kernels.gemm import persistent_gemm
 from ..kernels.launch import launch
-from .replay import call_key
+from .replay import ReplayCache, call_key
 
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -119,8 +119,6 @@ class OverlapOp:
         self.last_path = None  # "overlap" or "fallback", for tests and curious users
         self._tuned: dict = {}
         self._ran_overlap: set = set()  # shapes whose overlap path has run (workspaces allocated, kernels built)
-        from .replay import ReplayCache
-
         self.replays = ReplayCache(ctx, enabled=replay)  # eager calls that repeat replay a captured graph
 
     def _out_rows(self, m: int) -> int | None:
