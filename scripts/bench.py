@@ -49,11 +49,12 @@ def time_gemm(rec, key, fn) -> None:
     our GEMM (Python launch, descriptor encoding) reached 100 µs per call with the GPU idle before each
     (2xH200), and which an overlapped call does not pay. The eager timing (time_local) is kept as
     ``<key minus _us>_eager_us``."""
-    rec[key.replace("_us", "_eager_us")] = time_local(fn)
+    eager = key.replace("_us", "_eager_us")
+    rec[eager] = time_local(fn)
     rec[key], note = try_time(capture(fn).replay, 30)
     if note:
         rec["note"] += f"{key}: {note}; "
-        rec[key] = rec[key.replace("_us", "_eager_us")]
+        rec[key] = rec[eager]
 
 
 def time_graphs(rec, ours, nccl, iters):

@@ -15,7 +15,6 @@ from ..context import op_id
 from ..kernels.chunks import ChunkLayout
 from ..producers.allgather import follow_caller, join, peers_in_send_order, pull_rows, push_rows
 from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
-from .replay import call_key
 
 OP = op_id("ag_gemm")
 
@@ -91,8 +90,7 @@ class AllGatherGEMM(OverlapOp):
             raise ValueError(f"ag_gemm: out must be {a.dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
         a = a.contiguous()
         out = torch.empty(want, dtype=a.dtype, device=a.device) if out is None else out
-        shape_key = self._shape_key(a, w, bias, overrides)
-        key = call_key(overrides, a, w, bias, out)
+        shape_key, key = self._keys(a, w, bias, out, overrides)
         if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key):
             self.replays.saw(key, shape_key)
             self.last_path = "fallback"

@@ -59,9 +59,10 @@ class GemmConfig:
     passed transposed (``linear.weight.t()``), where descriptors measured
     faster on every benchmark shape (H200: 0.97-1.00 of cuBLAS vs 0.85-0.88 on
     the three largest, ``benchmarks/results/diag_tma-H200.log``); for B stored
-    [K, N] pointers measured as fast or faster with 128x256 tiles. True:
-    descriptors for either layout (tuned entries set it where it won). False:
-    never. A call whose operands a descriptor cannot describe (see
+    [K, N] pointers, which were within 3% either way (graph-timed tile sweep,
+    ``tune_tiles_tma-H200.log``: descriptors 0.4-3.0% faster on 9 of 11
+    shapes, 6.3% slower on one). True: descriptors for either layout (the
+    tuned entries set it per shape where it won). False: never. A call whose operands a descriptor cannot describe (see
     ``desc_layout``) uses pointers either way.
     """
 
@@ -142,12 +143,14 @@ class OverlapOp:
         return True, out
 
     @staticmethod
-    def _shape_key(a, w, bias, overrides) -> tuple:
-        """What decides which kernels a call builds and which plans it needs, addresses aside: shapes, dtype, B's
-        strides (pointer or descriptor loads), bias or not, overrides. Keys the eager rule's first-call
-        exception and the replay cache's "ran eagerly" set."""
-        return (tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None,
-                tuple(sorted(overrides.items())) if overrides else ())
+    def _keys(a, w, bias, out, overrides) -> tuple:
+        """(shape key, call key). The shape key is what decides which kernels a call builds and which plans it
+        needs, addresses aside: shapes, dtype, B's strides (pointer or descriptor loads), bias or not, overrides;
+        it keys the eager rule's first-call exception and the replay cache's "ran eagerly" set. The call key
+        (replay.call_key) adds every tensor's address and layout. Overrides are sorted once for both."""
+        ov = tuple(sorted(overrides.items())) if overrides else ()
+        return ((tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, ov),
+                call_key(ov, a, w, bias, out))
 
     def eager_fallback(self, key, flop: float) -> bool:
         """The eager rule (eager_host_bound) for a call of ``flop`` FLOPs. The first call of each shape ``key``

@@ -32,7 +32,6 @@ from ..kernels.launch import launch
 from ..kernels.reduce import reduce_partials
 from ..producers.allgather import join
 from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
-from .replay import call_key
 
 OP = op_id("gemm_rs")
 
@@ -114,10 +113,9 @@ class GEMMReduceScatter(OverlapOp):
         ctx._check_open()
         self._check(a, w, bias, out)
         a = a.contiguous()
-        shape_key = self._shape_key(a, w, bias, overrides)
         if out is None:
             out = torch.empty((a.shape[0] // ctx.world_size, w.shape[1]), dtype=a.dtype, device=a.device)
-        key = call_key(overrides, a, w, bias, out)
+        shape_key, key = self._keys(a, w, bias, out, overrides)
         if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key):
             self.replays.saw(key, shape_key)
             self.last_path = "fallback"
