@@ -1,8 +1,10 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
-    bash scripts/launch.sh scripts/bench.py ag_gemm|gemm_rs|cp_attention [--shapes M,K,N ...] [--iters 30]
+    bash scripts/launch.sh scripts/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention [--shapes M,K,N ...] [--iters 30]
 
-(for gemm_rs, K is this rank's K_local and the output is [M/W, N])
+(for gemm_rs, K is this rank's K_local and the output is [M/W, N]; ag_gemm_fp8 is AllGather-GEMM on
+float8_e4m3fn with per-tensor scales and bf16 output, B stored [N, K] as fp8 weights are, against
+all_gather + torch._scaled_mm and torch's fused_all_gather_scaled_matmul)
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS
 (sequential); torch's fused symm_mem op; the bound (torch.matmul of the same
@@ -161,6 +163,79 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
         records.append(rec)
         write_partial(records)  # the variant below has not run on a GPU before: keep what is measured
         time_variant(ctx, rec, "ours_pull", lambda: op(a, w, out=out, mode="pull"), iters)  # ranks read peers' rows
+        write_partial(records)
+        say(_row(rec))
+    return records
+
+
+def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
+    """fp8 (e4m3) AllGather-GEMM with per-tensor scales and bf16 output; B stored [N, K] and passed as its
+    transpose (how fp8 weights are kept, and the layout torch._scaled_mm takes). Ours (replay on, as a user
+    gets it; no replay; overlap forced); NCCL all_gather + torch._scaled_mm; torch's
+    fused_all_gather_scaled_matmul; the bound (torch._scaled_mm on the gathered shape alone, graph-timed); our
+    GEMM alone. Every _scaled_mm with use_fast_accum=False, the precision our kernel has."""
+    W = ctx.world_size
+    f8, bf16, u8 = torch.float8_e4m3fn, torch.bfloat16, torch.uint8
+    records = []
+    group = dist.group.WORLD.group_name
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.enable_symm_mem_for_group(group)
+        fused_ok = None
+    except Exception as e:  # noqa: BLE001
+        fused_ok = f"symm_mem unavailable: {e}"
+    op = to.AllGatherGEMM(ctx, fallback="never", replay=False, name="ag8")
+    auto = to.AllGatherGEMM(ctx, name="ag8.auto")
+    plain = to.AllGatherGEMM(ctx, name="ag8.plain", replay=False)
+    for M, K, N in shapes:
+        torch.manual_seed(ctx.rank)
+        a = torch.randn(M // W, K, device="cuda").to(f8)
+        wt = torch.randn(N, K, device="cuda").to(f8).t()
+        sa, sb = torch.full((1,), 0.05, device="cuda"), torch.full((1,), 0.02, device="cuda")
+        out = torch.empty(M, N, device="cuda", dtype=bf16)
+        gathered = torch.empty(M, K, device="cuda", dtype=f8)
+        kw = dict(out=out, scale_a=sa, scale_b=sb)
+        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "dtype": "float8_e4m3fn", "note": "",
+               "config": repr(op.config_for((M, K, N), fp8=True))}
+        rec["ours_overlap_us"] = time_dist(lambda: op(a, wt, **kw), iters)
+        rec["ours_us"], rec["path"] = time_dist(lambda: auto(a, wt, **kw), iters), auto.last_path
+        rec["replay_stats"] = dict(auto.replays.stats)
+        rec["ours_no_replay_us"], rec["no_replay_path"] = time_dist(lambda: plain(a, wt, **kw), iters), plain.last_path
+        ctx.check()
+        rec["host_enqueue_us"] = host_us(lambda: op(a, wt, **kw))
+        rec["host_replay_us"] = host_us(lambda: auto(a, wt, **kw))
+        dist.all_gather_into_tensor(gathered.view(u8), a.view(u8))
+        if M * K <= (1 << 26):  # a correctness spot check on the benchmarked shape
+            op(a, wt, **kw)
+            ref = (gathered.float() @ wt.float()) * sa * sb
+            rec["rel_err"] = float(((out.float() - ref).norm() / ref.norm()).item())
+
+        def scaled_mm():
+            torch._scaled_mm(gathered, wt, sa, sb, out_dtype=bf16, out=out)
+
+        def nccl():
+            dist.all_gather_into_tensor(gathered.view(u8), a.view(u8))
+            scaled_mm()
+
+        rec["nccl_us"] = time_dist(nccl, iters)
+        time_graphs(rec, lambda: op(a, wt, **kw), nccl, iters)
+        ctx.check()
+        if fused_ok is None:
+            rec["torch_fused_us"], note = try_time(lambda: torch.ops.symm_mem.fused_all_gather_scaled_matmul(
+                a, [wt], sa, [sb], 0, group, [None], [None], [bf16], [False]), iters)
+        else:
+            rec["torch_fused_us"], note = None, fused_ok
+        if note:
+            rec["note"] += f"torch fused: {note}; "
+        dist.all_gather_into_tensor(gathered.view(u8), a.view(u8))
+        time_gemm(rec, "bound_us", scaled_mm)
+        time_gemm(rec, "consumer_only_us", plain_gemm(ctx, op.config_for((M, K, N), fp8=True), gathered, wt, out,
+                                                      scales=(sa, sb)))
+        flop = 2 * M * K * N
+        rec["bound_tflops"] = flop / rec["bound_us"] / 1e6
+        rec["consumer_tflops"] = flop / rec["consumer_only_us"] / 1e6
+        records.append(rec)
         write_partial(records)
         say(_row(rec))
     return records
@@ -452,7 +527,8 @@ def write(op_name, records, W):
     sp = [r["nccl_us"] / r["ours_us"] for r in records]
     geo = math.exp(sum(math.log(s) for s in sp) / len(sp))
     with open(base + ".md", "w") as f:
-        f.write(f"{op_name}, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks); bound and consumer alone "
+        dtype = records[0].get("dtype", "bf16")
+        f.write(f"{op_name}, {records[0]['gpu']} x{W}, {dtype}, median µs (max over ranks); bound and consumer alone "
                 f"timed as CUDA-graph replays (GPU time; eager timings in the JSON as *_eager_us)\n\n{HEADER}\n")
         f.write("\n".join(_row(r) for r in records))
         f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", replay on): {geo:.3f}x\n")
@@ -501,7 +577,7 @@ def write(op_name, records, W):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("op", choices=["ag_gemm", "gemm_rs", "cp_attention"])
+    p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention"])
     p.add_argument("--shapes", nargs="*", help="M,K,N triples (default: the issue's list)")
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
@@ -521,6 +597,8 @@ def main():
         partial = lambda recs: ctx.rank == 0 and write(args.op, recs, ctx.world_size)  # noqa: E731
         if args.op == "ag_gemm":
             records = bench_ag_gemm(ctx, shapes or AG_SHAPES, args.iters, partial)
+        elif args.op == "ag_gemm_fp8":
+            records = bench_ag_gemm_fp8(ctx, shapes or AG_SHAPES, args.iters, partial)
         else:
             records = bench_gemm_rs(ctx, shapes or RS_SHAPES, args.iters, partial)
         if ctx.rank == 0:

@@ -3,6 +3,7 @@
     bash scripts/launch.sh scripts/tune.py ag_gemm --shape 8192,4096,4096
     bash scripts/launch.sh scripts/tune.py gemm_rs --shape 8192,4096,4096
     bash scripts/launch.sh scripts/tune.py ag_gemm --shape 8192,4096,4096 --tiles-only   # GEMM tiles, any world size
+    bash scripts/launch.sh scripts/tune.py ag_gemm_fp8 --shape 8192,4096,4096 --tiles-only   # fp8 tiles (tiles only)
     bash scripts/launch.sh scripts/tune.py cp_attention --shape 1,32768,32,8,128,1   # B,S,Hq,Hkv,D,causal
     ... --out PATH      (default: the user cache, triton_overlap.tuning.user_cache())
     TRITON_OVERLAP_BACKEND=host bash scripts/launch.sh scripts/tune.py ... --dry-run
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap import tuning  # noqa: E402
 from triton_overlap.launch import backend_name, init, say  # noqa: E402
-from triton_overlap.ops.common import default_config, plain_gemm  # noqa: E402
+from triton_overlap.ops.common import default_config, fp8_config, plain_gemm  # noqa: E402
 from triton_overlap.ops.cp_attention import (OP, AttentionConfig, Blocks, default_attention_config,  # noqa: E402
                                              launch_bwd, launch_fwd)
 
@@ -43,6 +44,10 @@ GEMM_TILES = [(128, 256, 64, 8, 3, None), (128, 256, 64, 8, 4, None), (256, 128,
               (128, 128, 128, 8, 3, None), (128, 256, 32, 8, 4, None),
               (128, 256, 64, 8, 3, True), (128, 256, 64, 8, 4, True), (256, 128, 64, 8, 3, True),
               (256, 128, 64, 8, 4, True)]
+# fp8 (e4m3) tiles, B passed as weight.t(): 128-deep K steps are 128 bytes, as 64 are for 16-bit types
+FP8_TILES = [(128, 256, 128, 8, 3, None), (128, 256, 128, 8, 4, None), (256, 128, 128, 8, 3, None),
+             (256, 128, 128, 8, 4, None), (128, 128, 128, 8, 4, None), (128, 128, 128, 4, 4, None),
+             (128, 256, 64, 8, 4, None), (128, 128, 256, 8, 3, None)]
 TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")  # what a GEMM_TILES entry sets
 CHUNKS = [2, 4, 8]
 FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
@@ -101,10 +106,10 @@ def sweep(ctx, stage, candidates, make_run, check, tol, label=str, graph=False):
     return best
 
 
-def tile_candidates(base, dry):
-    """GemmConfigs with each of GEMM_TILES on top of ``base``, base's own tiles first."""
+def tile_candidates(base, dry, table=GEMM_TILES):
+    """GemmConfigs with each of ``table``'s tiles on top of ``base``, base's own tiles first."""
     first = tuple(getattr(base, k) for k in TILE_FIELDS)
-    tiles = [first] + [t for t in GEMM_TILES if t != first]
+    tiles = [first] + [t for t in table if t != first]
     return [replace(base, **dict(zip(TILE_FIELDS, t))) for t in (tiles[:2] if dry else tiles)]
 
 
@@ -119,11 +124,19 @@ def tune_tiles(ctx, kind, shape, dry):
     a = torch.randn(M, K, device=ctx.device, dtype=dt, generator=g)
     w = torch.randn(K, N, device=ctx.device, dtype=dt, generator=g) / K ** 0.5
     out = torch.empty(M, N, device=ctx.device, dtype=dt)
-    ref = a.float() @ w.float()
-    cands = tile_candidates(default_config(ctx), dry)
+    scales = None
+    if kind == "ag_gemm_fp8":  # e4m3 operands, B as weight.t() (fp8 weights' layout), per-tensor scales, bf16 out
+        a = (a * 8).to(torch.float8_e4m3fn)
+        w = (w.t() * 8 * K ** 0.5).to(torch.float8_e4m3fn).contiguous().t()
+        scales = (torch.full((1,), 1 / 8, device=ctx.device), torch.full((1,), 1 / (8 * K ** 0.5), device=ctx.device))
+        ref = (a.float() @ w.float()) * (scales[0] * scales[1])
+        cands = tile_candidates(fp8_config(ctx, default_config(ctx)), dry, FP8_TILES)
+    else:
+        ref = a.float() @ w.float()
+        cands = tile_candidates(default_config(ctx), dry)
     say(f"tune {kind} {shape}, GEMM tiles alone: {len(cands)} tile configs")
-    us, best = sweep(ctx, "tiles", cands, lambda cfg: plain_gemm(ctx, cfg, a, w, out), lambda: rel(out, ref), 2e-2,
-                     graph=ctx.backend != "host")
+    us, best = sweep(ctx, "tiles", cands, lambda cfg: plain_gemm(ctx, cfg, a, w, out, scales=scales),
+                     lambda: rel(out, ref), 2e-2, graph=ctx.backend != "host")
     return us, {k: getattr(best, k) for k in TILE_FIELDS}
 
 
@@ -238,7 +251,7 @@ def tune_attention(ctx, shape, dry):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("op", choices=["ag_gemm", "gemm_rs", "cp_attention"])
+    p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention"])
     p.add_argument("--shape", required=True, help="M,K,N (GEMMs) or B,S,Hq,Hkv,D,causal (attention)")
     p.add_argument("--out", default=None, help="tuned table to write (default: the user cache)")
     p.add_argument("--dry-run", action="store_true", help="host backend, two candidates a stage")
@@ -249,6 +262,8 @@ def main():
     if args.dry_run and backend_name() != "host":
         raise SystemExit("tune: --dry-run runs on the host backend: TRITON_OVERLAP_BACKEND=host bash scripts/launch.sh "
                          "scripts/tune.py ... --dry-run")
+    if args.op == "ag_gemm_fp8" and not args.tiles_only:
+        raise SystemExit("tune: ag_gemm_fp8 is tuned with --tiles-only (chunking stays the op's default)")
     init()
     shape = tuple(int(x) for x in args.shape.split(","))
     with to.Context(backend=backend_name(), timeout_s=60 if args.dry_run else 30) as ctx:

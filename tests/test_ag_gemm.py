@@ -73,6 +73,139 @@ def test_ag_gemm_matches_reference(pool, case):
     assert max(errs) < 1e-2
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def _fp8(shape, device, *seed):
+    """e4m3 values spread over its range (x 8), the same on every rank for the same seed."""
+    return (rand(shape, torch.float32, "cpu", *seed) * 8).to(FP8).to(device)
+
+
+def _fp8_case(m_local, k, n, bias, transposed, m_per_chunk, out_dtype_name, tma, iters, fallback="never"):
+    """fp8 AllGather-GEMM: (all_gather(a) @ w) * scale_a * scale_b (+ bias) against float32 on the dequantised
+    inputs; the scales change every call, the workspace holds random bytes, the output starts as NaN."""
+    out_dtype = getattr(torch, out_dtype_name)
+    with to.Context(timeout_s=120) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        op = to.AllGatherGEMM(ctx, fallback=fallback)
+        errs = []
+        for it in range(iters):
+            shards = [_fp8((m_local, k), dev, "a8", it, s) for s in range(W)]
+            w = _fp8((n, k) if transposed else (k, n), dev, "w8", it, r)
+            w = w.t() if transposed else w
+            b = rand((n,), out_dtype, dev, "b8", it, r) if bias else None
+            sa = torch.tensor([0.25 * (it + 1)], device=dev)
+            sb = rand((1,), torch.float32, dev, "sb", it, r).abs() / 64
+            if it and fallback == "never":
+                ws = ctx.symmetric("ag_gemm.ws", (m_local * W, k), FP8)
+                ctx.synchronize()
+                dist.barrier(group=ctx.group)
+                ws.local.view(torch.uint8).random_(0, 256)  # stale bytes where peers write (NaN codes included)
+            out = poison(torch.empty((m_local * W, n), dtype=out_dtype, device=dev))
+            got, gathered = op(shards[r], w, b, out=out, return_gathered=True, scale_a=sa, scale_b=sb,
+                               out_dtype=out_dtype, m_per_chunk=m_per_chunk, tma=tma)
+            ctx.check()
+            assert got.data_ptr() == out.data_ptr() and got.dtype == out_dtype
+            full = torch.cat(shards).float()
+            ref = (full @ w.float()) * sa * sb + (b.float() if bias else 0)
+            errs.append(rel_err(got, ref))
+            assert errs[-1] < TOL[out_dtype], f"rank {r} iter {it}: rel err {errs[-1]:.2e}"
+            assert torch.equal(gathered.view(torch.uint8).cpu(), torch.cat(shards).view(torch.uint8).cpu())
+        assert op.last_path == ("fallback" if fallback == "always" else "overlap")
+        return max(errs)
+
+
+FP8_HOST_CASES = [
+    # m_local, k, n, bias, transposed, m_per_chunk, out_dtype, tma, iters[, fallback]
+    (37, 48, 40, True, False, 16, "bfloat16", None, 2),  # pointers, odd rows, a tile across two ranks
+    (64, 64, 48, False, True, 32, "float16", None, 2),  # weight.t(): the gather descriptor path
+    (64, 48, 40, True, False, 16, "bfloat16", True, 1),  # descriptors for B stored [K, N]
+    (32, 64, 48, True, True, None, "bfloat16", None, 1, "always"),  # NCCL/Gloo + torch._scaled_mm
+    (29, 40, 24, False, False, None, "float16", None, 1, "always"),  # NCCL/Gloo + our GEMM (layout _scaled_mm refuses)
+]
+FP8_GPU_CASES = [
+    (4096, 1024, 1536, True, True, 512, "bfloat16", None, 3),  # descriptors
+    (4091, 1024, 1536, True, False, 512, "bfloat16", None, 3),  # pointers, B [K, N]
+    (2048, 4096, 4096, False, True, None, "float16", None, 3),
+    (4096, 1024, 1536, False, False, 1024, "bfloat16", True, 2),  # descriptors, B [K, N]
+    (1024, 512, 768, True, True, None, "bfloat16", None, 2, "always"),
+    (1000, 520, 760, True, False, None, "bfloat16", None, 2, "always"),
+]
+
+
+@pytest.mark.parametrize("case", range(max(len(FP8_HOST_CASES), len(FP8_GPU_CASES))))
+def test_ag_gemm_fp8_matches_reference(pool, case):
+    cases = FP8_HOST_CASES if pool.backend == "host" else FP8_GPU_CASES
+    if case >= len(cases):
+        pytest.skip("no such case for this backend")
+    if pool.backend == "host" and pool.world > 3 and case >= 2:
+        pytest.skip("W = 4 runs the first two fp8 cases only, to keep CI short")
+    assert max(pool.run(_fp8_case, *cases[case])) < 1e-2
+
+
+def _fp8_bad_inputs():
+    with to.Context(timeout_s=30) as ctx:
+        dev, W = ctx.device, ctx.world_size
+        op = to.AllGatherGEMM(ctx, fallback="never")
+        a, w = _fp8((16, 32), dev, "a"), _fp8((32, 24), dev, "w")
+        one = torch.ones(1, device=dev)
+        bad = {
+            "need scale_a": dict(scale_b=one),
+            "need scale_b": dict(scale_a=one, scale_b=one.double()),
+            "per-tensor": dict(scale_a=torch.ones(2, device=dev), scale_b=one),
+            "out_dtype must be float16 or bfloat16": dict(scale_a=one, scale_b=one, out_dtype=torch.float32),
+        }
+        for msg, kw in bad.items():
+            with pytest.raises(ValueError, match=msg):
+                op(a, w, **kw)
+        with pytest.raises(ValueError, match="bias must be torch.float16"):
+            op(a, w, rand((24,), torch.bfloat16, dev, "b"), scale_a=one, scale_b=one, out_dtype=torch.float16)
+        with pytest.raises(ValueError, match="are for float8_e4m3fn"):
+            op(a.to(torch.bfloat16), w.to(torch.bfloat16), scale_a=one, scale_b=one)
+        with pytest.raises(ValueError, match="float16, bfloat16 or float8_e4m3fn"):
+            op(a.to(torch.float8_e5m2), w.to(torch.float8_e5m2), scale_a=one, scale_b=one)
+        with pytest.raises(ValueError, match="float16 or bfloat16"):  # GEMM-RS takes no fp8
+            to.GEMMReduceScatter(ctx, fallback="never")(_fp8((16 * W, 32), dev, "a"), w)
+        with pytest.raises(ValueError, match="out must be torch.bfloat16"):
+            op(a, w, scale_a=one, scale_b=one, out=torch.empty((16 * W, 24), dtype=FP8, device=dev))
+        got = op(a, w, scale_a=one, scale_b=one * 2)  # and the op still works
+        ctx.check()
+        assert rel_err(got, (torch.cat([a.float()] * W) @ w.float()) * 2) < TOL[torch.bfloat16]
+        return True
+
+
+def test_ag_gemm_fp8_bad_input_raises_before_launch(pool):
+    assert all(pool.run(_fp8_bad_inputs))
+
+
+def _fp8_graph(replays, m_local, k, n):
+    """fp8 in a CUDA graph: the scales are read when the graph runs, so a replay follows new scale values."""
+    with to.Context(timeout_s=30) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        op = to.AllGatherGEMM(ctx, fallback="never")
+        a = torch.empty((m_local, k), dtype=FP8, device=dev)
+        w = _fp8((n, k), dev, "w", r).t()
+        sa, sb = torch.ones(1, device=dev), torch.ones(1, device=dev)
+        out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
+
+        def load(i):
+            a.copy_(_fp8((m_local, k), dev, "a", i, r))
+            sa.fill_(0.5 + i % 3)
+            sb.fill_(1.0 / (1 + i % 5))
+            full = torch.cat([_fp8((m_local, k), dev, "a", i, s) for s in range(W)]).float()
+            return (full @ w.float()) * sa * sb
+
+        check_replays(lambda: op(a, w, out=out, scale_a=sa, scale_b=sb), out, replays, load)
+        ctx.check()
+        return True
+
+
+def test_ag_gemm_fp8_cuda_graph_replay(pool):
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    assert all(pool.run(_fp8_graph, 20, 1024, 512, 768))
+
+
 def test_ag_gemm_odd_rows_4091_per_rank(pool):
     if pool.backend == "host" and pool.world > 2:
         pytest.skip("4091 rows per rank in the interpreter: run at W=2 only to keep CI short")
@@ -116,7 +249,7 @@ def _bad_inputs():
         bad = {
             "inner dimensions": (a, rand((31, 24), torch.bfloat16, dev, "w")),
             "different dtypes": (a, w.half()),
-            "float16 or bfloat16": (a.float(), w.float()),
+            "float16, bfloat16 or float8_e4m3fn": (a.float(), w.float()),
             "2-D": (a[None], w),
             "max_m": (rand((65, 32), torch.bfloat16, dev, "a"), w),
             "is on": (a.to("meta"), w),

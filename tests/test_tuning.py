@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from triton_overlap import tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,15 +32,17 @@ def test_lookup_prefers_world_size_then_any_then_nearest(tmp_path, monkeypatch):
     assert len(saved["GPU"]["2"]["ag_gemm"]) == 2 and len(saved["GPU"]["any"]["ag_gemm"]) == 3
 
 
-def test_tune_tiles_only_dry_run_writes_an_any_entry(tmp_path):
+@pytest.mark.parametrize("op", ["gemm_rs", "ag_gemm_fp8"])
+def test_tune_tiles_only_dry_run_writes_an_any_entry(tmp_path, op):
     out = tmp_path / "tuned.json"
     env = dict(os.environ, PYTHON=sys.executable, TRITON_OVERLAP_BACKEND="host", TRITON_OVERLAP_TUNED=str(out))
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), os.path.join(ROOT, "scripts", "tune.py"),
-                           "gemm_rs", "--shape", "64,32,48", "--tiles-only", "--dry-run"],
+                           op, "--shape", "64,32,48", "--tiles-only", "--dry-run"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "2 tile configs" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]  # both ran, checked
     table = json.loads(out.read_text())
-    (entry,) = table["host"]["any"]["gemm_rs"]
+    (entry,) = table["host"]["any"][op]
     assert entry["shape"] == [64, 32, 48]
     assert set(entry["config"]) == {"block_m", "block_n", "block_k", "num_warps", "num_stages", "tma"}  # tiles only
 
@@ -61,3 +65,10 @@ def test_tiles_only_entry_keeps_the_ops_other_defaults(tmp_path, monkeypatch):
     assert (got.chunks_per_rank, got.group_m, got.mode, got.gemm_first) == (base.chunks_per_rank, base.group_m,
                                                                            base.mode, base.gemm_first)
     assert to.AllGatherGEMM(ctx).config_for((96, 48, 24)) == base  # no entry for these trailing dims
+    # fp8 calls read their own entries ("ag_gemm_fp8"), never the 16-bit ones, and the reverse
+    assert to.AllGatherGEMM(ctx).config_for((96, 48, 40), fp8=True) == base
+    fp8_tiles = dict(tiles, block_k=32)
+    tuning.save(path, "ag_gemm_fp8", "host", "any", [96, 48, 40], fp8_tiles)
+    op = to.AllGatherGEMM(ctx)
+    assert {k: getattr(op.config_for((96, 48, 40), fp8=True), k) for k in tiles} == fp8_tiles
+    assert {k: getattr(op.config_for((96, 48, 40)), k) for k in tiles} == tiles

@@ -32,6 +32,11 @@ Switches (constexpr), so one source serves every op:
 
 Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
 
+SCALED (fp8 e4m3 A and B, AllGather and plain only): the float32 accumulator is
+multiplied by ``scale_a * scale_b`` (per-tensor scales, read from memory so a
+CUDA graph follows their values) before the bias is added, and the output
+(``c_ptr``'s dtype, bf16 or fp16) is stored as usual.
+
 DESC (Hopper and later, and the interpreter): A and B tiles are loaded through
 tensor descriptors (TMA on the GPU) instead of pointer arithmetic: ``a_desc``
 over A, ``b_desc`` over B as [K, N] or, with B_KMAJOR, over B's transpose
@@ -151,13 +156,17 @@ def persistent_gemm(
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
     tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
     out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, a_desc, own_plane, ws_plane, b_desc,
+    scale_a_ptr, scale_b_ptr,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
     DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
-    B_KMAJOR: tl.constexpr = False,
+    B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
+    scale = 1.0
+    if SCALED:  # fp8: out = (A @ B) * scale_a * scale_b, per-tensor float32 scales read once per program
+        scale = tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
 
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -195,6 +204,8 @@ def persistent_gemm(
             a_row = tl.where(mine, row0 - rank * M_LOCAL, row0)
             acc = _k_loop_desc(a_desc, plane, a_row, b_desc, pid_n * BLOCK_N, K,
                                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, B_KMAJOR, DOT_F32, True)
+            if SCALED:
+                acc = acc * scale
             _store_plain(acc, c_ptr, bias_ptr, out_rows, cols, col_ok, M, stride_cm, stride_cn, HAS_BIAS)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -203,6 +214,8 @@ def persistent_gemm(
             else:
                 acc = _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, stride_wm,
                                   stride_bk, stride_bn, acc, GATHER, BLOCK_K, EVEN_K, DOT_F32)
+            if SCALED:
+                acc = acc * scale
             own_tile = False
             if REDUCE_OWN:
                 own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)

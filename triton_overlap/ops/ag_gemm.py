@@ -14,7 +14,8 @@ import torch.distributed as dist
 from ..context import op_id
 from ..kernels.chunks import ChunkLayout
 from ..producers.allgather import follow_caller, join, peers_in_send_order, pull_rows, push_rows
-from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
+from .common import (FP8, GemmConfig, OverlapOp, agree_across_ranks, check_operands, fp8_matmul, launch_gemm,
+                     with_overrides)
 
 OP = op_id("ag_gemm")
 
@@ -29,6 +30,14 @@ class AllGatherGEMM(OverlapOp):
     ``op(a, w, bias=None, return_gathered=False)``: ``a`` is this rank's row
     shard [M/W, K]; ``w`` is [K, N_local], any 2-D strided view; returns
     [M, N_local] with rank 0's rows first (and the gathered [M, K] when asked).
+
+    fp8: ``a`` and ``w`` float8_e4m3fn (compute capability 8.9 or later, or the host backend) with
+    ``scale_a`` and ``scale_b``, one-element float32 tensors: the result is
+    ``(all_gather(a) @ w) * scale_a * scale_b (+ bias)`` in ``out_dtype`` (bf16 by default, or fp16; bias in
+    that dtype), as ``torch._scaled_mm`` with per-tensor scales. ``scale_a`` is one scale for the whole
+    gathered A, so every rank must pass the same value (e.g. from an amax all-reduced over the group); it is
+    read on the device when the GEMM runs, so a replayed call follows its current value. The gather moves
+    one byte per element.
 
     ``fallback``: "auto" (NCCL all_gather + torch.matmul when the shard is under
     FALLBACK_SHARD_BYTES, when W == 1, or in eager mode when the GEMM is too short
@@ -53,51 +62,58 @@ class AllGatherGEMM(OverlapOp):
         self._warm: dict = {}  # layouts called once (producers first), after which gemm_first may apply
 
     # -------------------------------------------------------------- checks
-    def _check(self, a, w, bias):
+    def _check(self, a, w, bias, scales, out_dtype) -> torch.dtype:
         ctx = self.ctx
-        check_operands("ag_gemm", ctx, a, w, bias)
+        dtype = check_operands("ag_gemm", ctx, a, w, bias, *scales, out_dtype, fp8=True)
         m = a.shape[0] * ctx.world_size
         if self.max_m is not None and m > self.max_m:
             raise ValueError(f"ag_gemm: gathered M = {m} exceeds this op's max_m = {self.max_m}")
         agree_across_ranks("ag_gemm", ctx, (tuple(a.shape), str(a.dtype)), self._agreed)
+        return dtype
 
     def _use_fallback(self, a, w, shape_key) -> bool:
         if self.fallback != "auto":
             return self.fallback == "always"
         ctx = self.ctx
         flop = 2 * a.shape[0] * ctx.world_size * a.shape[1] * w.shape[1]
+        if a.dtype == FP8:
+            flop /= 2  # fp8 tensor cores do twice bf16's FLOPs per second: the rule is about time
         return (ctx.world_size == 1 or a.numel() * a.element_size() < FALLBACK_SHARD_BYTES
                 or self.eager_fallback(shape_key, flop))
 
     # ----------------------------------------------------------------- run
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 return_gathered: bool = False, out: torch.Tensor | None = None, **overrides):
-        replayed, out = self._replayed(a, w, bias, out, overrides)  # a repeat of a captured call, unchecked
+                 return_gathered: bool = False, out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None,
+                 scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, **overrides):
+        scales = () if scale_a is None and scale_b is None else (scale_a, scale_b)
+        # a repeat of a captured call, unchecked
+        replayed, out = self._replayed(a, w, bias, out, overrides, scales, out_dtype)
         if replayed:
             return self._returned(a, out, return_gathered)
-        return self._call(a, w, bias, return_gathered, out, overrides)
+        return self._call(a, w, bias, return_gathered, out, overrides, (scale_a, scale_b), out_dtype)
 
     def _out_rows(self, m: int) -> int:
         return m * self.ctx.world_size
 
     @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
-    def _call(self, a, w, bias, return_gathered, out, overrides):
+    def _call(self, a, w, bias, return_gathered, out, overrides, scales, out_dtype):
         ctx = self.ctx
         ctx._check_open()
-        self._check(a, w, bias)
+        dtype = self._check(a, w, bias, scales, out_dtype)
+        scales = scales if a.dtype == FP8 else ()
         want = (a.shape[0] * ctx.world_size, w.shape[1])
-        if out is not None and (tuple(out.shape) != want or out.dtype != a.dtype or out.device != a.device):
-            raise ValueError(f"ag_gemm: out must be {a.dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
+        if out is not None and (tuple(out.shape) != want or out.dtype != dtype or out.device != a.device):
+            raise ValueError(f"ag_gemm: out must be {dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
         a = a.contiguous()
-        out = torch.empty(want, dtype=a.dtype, device=a.device) if out is None else out
-        shape_key, key = self._keys(a, w, bias, out, overrides)
+        out = torch.empty(want, dtype=dtype, device=a.device) if out is None else out
+        shape_key, key = self._keys(a, w, bias, out, overrides, scales)
         if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key):
             self.replays.saw(key, shape_key)
             self.last_path = "fallback"
             gathered = torch.empty((want[0], a.shape[1]), dtype=a.dtype, device=a.device) if return_gathered else None
-            return self._fallback(a, w, bias, gathered, out)
+            return self._fallback(a, w, bias, gathered, out, scales)
         self.last_path = "overlap"
-        self.replays.run(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides))
+        self.replays.run(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides, scales))
         return self._returned(a, out, return_gathered)
 
     def _returned(self, a, out, return_gathered):
@@ -114,10 +130,11 @@ class AllGatherGEMM(OverlapOp):
             gathered[ctx.rank * m_local:(ctx.rank + 1) * m_local].copy_(a)
         return out, gathered
 
-    def _overlap(self, a, w, bias, out, overrides) -> None:
+    def _overlap(self, a, w, bias, out, overrides, scales=()) -> None:
         """Enqueue one overlapped call (what ReplayCache captures)."""
         ctx = self.ctx
-        cfg = with_overrides(self.config_for((a.shape[0] * ctx.world_size, a.shape[1], w.shape[1])), **overrides)
+        shape = (a.shape[0] * ctx.world_size, a.shape[1], w.shape[1])
+        cfg = with_overrides(self.config_for(shape, fp8=bool(scales)), **overrides)
         W = ctx.world_size
         m_local, K = a.shape
         N = w.shape[1]
@@ -135,7 +152,7 @@ class AllGatherGEMM(OverlapOp):
             produce(ctx, streams, layout, a, ws, flags, follow=False)
         launch_gemm(ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=bias, M=M, N=N, K=K, m_local=m_local,
                     m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
-                    flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0))
+                    flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0), scales=scales or None)
         if gemm_first:
             produce(ctx, streams, layout, a, ws, flags, follow=False)
         self._warm[(layout, cfg.mode)] = True
@@ -158,11 +175,16 @@ class AllGatherGEMM(OverlapOp):
             self._plans[key] = order
         return order
 
-    def _fallback(self, a, w, bias, gathered, out):
+    def _fallback(self, a, w, bias, gathered, out, scales=()):
         ctx = self.ctx
         keep = gathered is not None
         if not keep:
             gathered = torch.empty((a.shape[0] * ctx.world_size, a.shape[1]), dtype=a.dtype, device=a.device)
+        if scales:  # fp8 moves as bytes (not every NCCL/Gloo build names the fp8 types); torch._scaled_mm or ours
+            dist.all_gather_into_tensor(gathered.view(torch.uint8), a.view(torch.uint8), group=ctx.group)
+            shape = (a.shape[0] * ctx.world_size, a.shape[1], w.shape[1])
+            fp8_matmul(ctx, self.config_for(shape, fp8=True), gathered, w, *scales, bias, out)
+            return (out, gathered) if keep else out
         dist.all_gather_into_tensor(gathered, a, group=ctx.group)
         if bias is None:
             torch.matmul(gathered, w, out=out)
@@ -172,12 +194,14 @@ class AllGatherGEMM(OverlapOp):
 
 
 def ag_gemm(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None = None, return_gathered: bool = False,
-            out: torch.Tensor | None = None, **overrides):
-    """Functional form: uses one AllGatherGEMM cached on the Context."""
+            out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None, **overrides):
+    """Functional form: uses one AllGatherGEMM cached on the Context (fp8: see AllGatherGEMM)."""
     op = ctx.__dict__.setdefault("_ops", {}).get("ag_gemm")
     if op is None:
         op = ctx._ops["ag_gemm"] = AllGatherGEMM(ctx)
-    return op(a, w, bias, return_gathered=return_gathered, out=out, **overrides)
+    return op(a, w, bias, return_gathered=return_gathered, out=out, scale_a=scale_a, scale_b=scale_b,
+              out_dtype=out_dtype, **overrides)
 
 
 __all__ = ["AllGatherGEMM", "ag_gemm", "peers_in_send_order"]

@@ -13,6 +13,8 @@ from ..kernels.launch import launch
 from .replay import ReplayCache, call_key
 
 DTYPES = (torch.float16, torch.bfloat16)
+#: fp8 inputs (AllGather-GEMM and the plain GEMM): e4m3 with per-tensor float32 scales, output bf16 or fp16
+FP8 = torch.float8_e4m3fn
 
 
 def eager_host_bound(backend: str, world: int, flop: float, min_flop_per_peer: float,
@@ -126,7 +128,7 @@ class OverlapOp:
         """Rows of the output for ``a`` of ``m`` rows (None: not a valid call; the checks will say why)."""
         raise NotImplementedError
 
-    def _replayed(self, a, w, bias, out, overrides):
+    def _replayed(self, a, w, bias, out, overrides, scales=(), out_dtype=None):
         """ops.replay's unchecked path: ``(True, out)`` when a graph held for this call's key was replayed (``out``
         allocated here when None), else ``(False, out)`` with nothing enqueued, for the checked path."""
         if not (self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor)
@@ -136,21 +138,23 @@ class OverlapOp:
             rows = self._out_rows(a.shape[0])
             if rows is None:
                 return False, out
-            out = torch.empty((rows, w.shape[1]), dtype=a.dtype, device=a.device)
-        if not self.replays.hit(call_key(overrides, a, w, bias, out)):
+            dtype = out_dtype or (torch.bfloat16 if a.dtype == FP8 else a.dtype)
+            out = torch.empty((rows, w.shape[1]), dtype=dtype, device=a.device)
+        if not self.replays.hit(call_key(overrides, a, w, bias, out, *scales)):
             return False, out
         self.last_path = "overlap"
         return True, out
 
     @staticmethod
-    def _keys(a, w, bias, out, overrides) -> tuple:
+    def _keys(a, w, bias, out, overrides, scales=()) -> tuple:
         """(shape key, call key). The shape key is what decides which kernels a call builds and which plans it
         needs, addresses aside: shapes, dtype, B's strides (pointer or descriptor loads), bias or not, overrides;
         it keys the eager rule's first-call exception and the replay cache's "ran eagerly" set. The call key
-        (replay.call_key) adds every tensor's address and layout. Overrides are sorted once for both."""
+        (replay.call_key) adds every tensor's address and layout (fp8's scales included: a graph reads them
+        where they were). Overrides are sorted once for both."""
         ov = tuple(sorted(overrides.items())) if overrides else ()
-        return ((tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, ov),
-                call_key(ov, a, w, bias, out))
+        return ((tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, out.dtype, ov),
+                call_key(ov, a, w, bias, out, *scales))
 
     def eager_fallback(self, key, flop: float) -> bool:
         """The eager rule (eager_host_bound) for a call of ``flop`` FLOPs. The first call of each shape ``key``
@@ -161,20 +165,27 @@ class OverlapOp:
             return False
         return eager_host_bound(self.ctx.backend, self.ctx.world_size, flop, self.EAGER_MIN_FLOP_PER_PEER)
 
-    def config_for(self, shape) -> GemmConfig:
-        """The user's config if one was given, else the tuned one for this GPU, world size and shape
-        (triton_overlap.tuning), else the defaults."""
+    def config_for(self, shape, fp8: bool = False) -> GemmConfig:
+        """The user's config if one was given, else the tuned one for this GPU, world size, shape and dtype
+        class (triton_overlap.tuning; fp8 entries under ``KIND + "_fp8"``), else the defaults."""
         if self.user_config is not None:
             return self.user_config
-        shape = tuple(shape)
-        cfg = self._tuned.get(shape)
+        key = (tuple(shape), fp8)
+        cfg = self._tuned.get(key)
         if cfg is None:
             from ..tuning import gpu_key, lookup
 
-            found = lookup(self.KIND, gpu_key(self.ctx), self.ctx.world_size, shape)
+            found = lookup(self.KIND + ("_fp8" if fp8 else ""), gpu_key(self.ctx), self.ctx.world_size, key[0])
+            base = fp8_config(self.ctx, self.config) if fp8 else self.config
             # an entry may name only some fields (tune.py --tiles-only: the tiles); the rest stay the op's own
-            cfg = self._tuned[shape] = replace(self.config, **found) if found else self.config
+            cfg = self._tuned[key] = replace(base, **found) if found else base
         return cfg
+
+
+def fp8_config(ctx, cfg: GemmConfig) -> GemmConfig:
+    """Untuned fp8 tiles on GPUs: 128-deep K steps (128 bytes, as 64 are for 16-bit types) and 3 stages, which
+    keep a 128 x 256 tile's pipeline inside an H100/H200's shared memory."""
+    return cfg if ctx.backend == "host" else replace(cfg, block_k=128, num_stages=3)
 
 
 def default_config(ctx) -> GemmConfig:
@@ -192,15 +203,20 @@ def with_overrides(cfg: GemmConfig, **kw) -> GemmConfig:
     return replace(cfg, **kw) if kw else cfg  # dataclasses.replace costs tens of µs per call
 
 
-def check_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
-    """Shape/dtype/device checks that need no communication; raise ValueError before any launch."""
+def check_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                   scale_a=None, scale_b=None, out_dtype=None, fp8: bool = False) -> torch.dtype:
+    """Shape/dtype/device checks that need no communication; raise ValueError before any launch. Returns the
+    output dtype: ``a``'s, or for fp8 operands (ops that accept them: ``fp8=True``) ``out_dtype`` (default
+    bf16), with ``scale_a`` and ``scale_b`` float32 one-element tensors on the device."""
+    allowed = DTYPES + ((FP8,) if fp8 else ())
     for name, t in (("a", a), ("w", w)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
             raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
-        if t.dtype not in DTYPES:
-            raise ValueError(f"{op}: {name} must be float16 or bfloat16, got {t.dtype}")
+        if t.dtype not in allowed:
+            kinds = "float16, bfloat16 or float8_e4m3fn" if fp8 else "float16 or bfloat16"
+            raise ValueError(f"{op}: {name} must be {kinds}, got {t.dtype}")
         if t.device != ctx.device:
             raise ValueError(f"{op}: {name} is on {t.device}, the Context is on {ctx.device}")
     if a.dtype != w.dtype:
@@ -209,11 +225,37 @@ def check_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, bias: torch.T
         raise ValueError(f"{op}: inner dimensions differ: a is {tuple(a.shape)}, w is {tuple(w.shape)}")
     if a.shape[0] == 0 or a.shape[1] == 0 or w.shape[1] == 0:
         raise ValueError(f"{op}: empty operand: a {tuple(a.shape)}, w {tuple(w.shape)}")
+    out = check_scales(op, ctx, a.dtype, scale_a, scale_b, out_dtype)
     if bias is not None:
         if bias.dim() != 1 or bias.shape[0] != w.shape[1]:
             raise ValueError(f"{op}: bias must have shape ({w.shape[1]},), got {tuple(bias.shape)}")
-        if bias.dtype != a.dtype or bias.device != a.device:
-            raise ValueError(f"{op}: bias must be {a.dtype} on {a.device}, got {bias.dtype} on {bias.device}")
+        if bias.dtype != out or bias.device != a.device:
+            raise ValueError(f"{op}: bias must be {out} on {a.device}, got {bias.dtype} on {bias.device}")
+    return out
+
+
+def check_scales(op: str, ctx, dtype, scale_a, scale_b, out_dtype) -> torch.dtype:
+    """fp8's extra arguments (see check_operands); the output dtype."""
+    if dtype != FP8:
+        if scale_a is not None or scale_b is not None:
+            raise ValueError(f"{op}: scale_a and scale_b are for float8_e4m3fn operands, got {dtype}")
+        if out_dtype is not None and out_dtype != dtype:
+            raise ValueError(f"{op}: out_dtype must be the operands' dtype ({dtype}) for {dtype} operands")
+        return dtype
+    if ctx.backend == "hip":
+        raise ValueError(f"{op}: float8_e4m3fn is not supported on AMD here (MI300 uses e4m3fnuz; not built)")
+    if ctx.backend == "cuda" and _capability(ctx.device.index) < (8, 9):
+        raise ValueError(f"{op}: float8_e4m3fn needs compute capability 8.9 or later, "
+                         f"this GPU has {_capability(ctx.device.index)}")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32 or s.device != ctx.device:
+            got = f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ValueError(f"{op}: float8_e4m3fn operands need {name}, a one-element float32 tensor on "
+                             f"{ctx.device} (per-tensor scale), got {got}")
+    out = torch.bfloat16 if out_dtype is None else out_dtype
+    if out not in DTYPES:
+        raise ValueError(f"{op}: out_dtype must be float16 or bfloat16, got {out_dtype}")
+    return out
 
 
 def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
@@ -227,14 +269,26 @@ def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
     seen.add(key)
 
 
-def plain_gemm(ctx, cfg: GemmConfig, a, w, out):
-    """A launcher of our persistent GEMM alone, ``out = a @ w``: no waits, no communication
-    (the "consumer alone" of the benchmarks, and what tune.py --tiles-only times)."""
+def plain_gemm(ctx, cfg: GemmConfig, a, w, out, bias=None, scales=None):
+    """A launcher of our persistent GEMM alone, ``out = a @ w (+ bias)``: no waits, no communication (the
+    "consumer alone" of the benchmarks, what tune.py --tiles-only times, fp8's fallback matmul)."""
     M, K = a.shape
     order = torch.arange(cdiv(M, cfg.block_m), dtype=torch.int32, device=a.device)
     ready = torch.zeros(1, dtype=torch.int32, device=a.device)
-    return lambda: launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=out, bias=None, M=M, N=w.shape[1], K=K, m_local=M,
-                               m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=ready, op=0, gather=False)
+    return lambda: launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=out, bias=bias, M=M, N=w.shape[1], K=K, m_local=M,
+                               m_per_chunk=M, chunks_per_rank=1, tile_order=order, flags=ready, op=0, gather=False,
+                               scales=scales)
+
+
+def fp8_matmul(ctx, cfg: GemmConfig, a, w, scale_a, scale_b, bias, out) -> None:
+    """``out = (a @ w) * scale_a * scale_b (+ bias)`` for fp8 ``a`` and ``w`` (the fallbacks' matmul):
+    ``torch._scaled_mm`` where it takes the layout (``w`` column-major as ``weight.t()`` is, K and N multiples
+    of 16, ``out`` contiguous), else our persistent GEMM."""
+    if (w.stride(0) == 1 and a.stride(1) == 1 and a.shape[1] % 16 == 0 and w.shape[1] % 16 == 0
+            and out.is_contiguous()):
+        torch._scaled_mm(a, w, scale_a, scale_b, bias=bias, out_dtype=out.dtype, out=out)
+    else:
+        plain_gemm(ctx, cfg, a, w, out, bias, (scale_a, scale_b))()
 
 
 @functools.lru_cache(maxsize=None)
@@ -286,11 +340,11 @@ def desc_layout(ctx, cfg: GemmConfig, a, ws, b, m_local: int, gather: bool) -> s
 
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
-                expected=None, tick=None, split_m=0):
+                expected=None, tick=None, split_m=0, scales=None):
     """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
     the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
     chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
-    m-tiles of ``tile_order`` come before this rank's own)."""
+    m-tiles of ``tile_order`` come before this rank's own). ``scales``: fp8's (scale_a, scale_b) (SCALED)."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if gather and ctx.backend != "host":
@@ -319,7 +373,7 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         scatter_ptrs if scatter_ptrs is not None else flags, counter_ptrs if counter_ptrs is not None else flags,
         reduce_into if reduce_into is not None else c, reduce_into.stride(0) if reduce_into is not None else 0,
         expected if expected is not None else flags, tick if tick is not None else flags, ctx.world_size, split_m,
-        a_desc, planes[0], planes[1], b_desc,
+        a_desc, planes[0], planes[1], b_desc, *(scales if scales is not None else (flags, flags)),
     ), dict(
         HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None, REDUCE_OWN=reduce_into is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -328,6 +382,6 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
         ALIGN_C=scatter_ptrs is not None and N % 16 == 0 and (
             reduce_into is None or (reduce_into.data_ptr() % 16 == 0 and reduce_into.stride(0) * c.element_size() % 16 == 0)),
-        DESC=b_layout is not None, B_KMAJOR=b_layout == "nk",
+        DESC=b_layout is not None, B_KMAJOR=b_layout == "nk", SCALED=scales is not None,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()
