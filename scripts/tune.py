@@ -49,7 +49,7 @@ FP8_TILES = [(128, 256, 128, 8, 3, None), (128, 256, 128, 8, 4, None), (256, 128
              (256, 128, 128, 8, 4, None), (128, 128, 128, 8, 4, None), (128, 128, 128, 4, 4, None),
              (128, 256, 64, 8, 4, None), (128, 128, 256, 8, 3, None)]
 TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")  # what a GEMM_TILES entry sets
-CHUNKS = [2, 4, 8]
+CHUNKS = [1, 2, 4, 8]
 FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2)]
 DKDV_TILES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2)]
@@ -174,7 +174,7 @@ def tune_gemm(ctx, kind, shape, dry):
     _, best = sweep(ctx, "tiles", cands, make_run, check, 2e-2, graph=True)
     # producer streams: one per peer (None) or fewer; with W = 2 there is one peer, so nothing to choose
     streams = [None] + sorted({1, max(1, (W - 1) // 2)} - {W - 1})
-    chunk_cands = [replace(best, chunks_per_rank=c, num_streams=n)
+    chunk_cands = [replace(best, chunks_per_rank=c, num_streams=n, min_chunk_bytes=0)  # exactly c chunks per rank
                    for c in (CHUNKS[:2] if dry else CHUNKS) for n in (streams[:2] if dry else streams)]
     if kind == "gemm_rs":  # GEMM stores into the owners' slots (no producer streams), or copy engines move the chunks
         chunk_cands = ([replace(c, scatter="store") for c in chunk_cands if c.num_streams is None]

@@ -388,6 +388,22 @@ def test_eager_rule_on_gpu(pool):
     assert all(pool.run(_eager_rule, 1024, 512, 768))
 
 
+def test_chunk_rows_rule():
+    """GemmConfig.chunk_rows: about chunks_per_rank chunks of whole block_m tiles, fewer where min_chunk_bytes
+    asks for bigger ones (AllGather-GEMM passes its row bytes; GEMM-RS passes none), m_per_chunk exact."""
+    from triton_overlap.ops.common import GemmConfig
+
+    cfg = GemmConfig(block_m=128, chunks_per_rank=4, min_chunk_bytes=16 << 20)
+    row = 4096 * 2  # bf16, K = 4096
+    assert cfg.chunk_rows(8192) == 2048  # no row size given: 4 chunks
+    assert cfg.chunk_rows(8192, row) == 2048  # 64 MiB shard: 4 chunks of 16 MiB
+    assert cfg.chunk_rows(4096, row) == 2048  # 32 MiB: 2 chunks
+    assert cfg.chunk_rows(1024, row) == 1024  # 8 MiB: one chunk
+    assert cfg.chunk_rows(64, row) == 64  # fewer rows than a tile: one chunk of all of them
+    assert GemmConfig(block_m=128, chunks_per_rank=4).chunk_rows(1024, row) == 256  # the rule off
+    assert GemmConfig(block_m=128, m_per_chunk=100, min_chunk_bytes=16 << 20).chunk_rows(1024, row) == 100
+
+
 def test_descriptor_rule():
     """GemmConfig.tma and desc_layout: when the GEMM loads tiles through descriptors, and how B is described."""
     from types import SimpleNamespace

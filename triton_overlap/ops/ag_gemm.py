@@ -139,7 +139,7 @@ class AllGatherGEMM(OverlapOp):
         m_local, K = a.shape
         N = w.shape[1]
         M = m_local * W
-        layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local))
+        layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local, K * a.element_size()))
         ws = self._workspace(a)
         flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
         order = self._tile_order(layout, cfg)

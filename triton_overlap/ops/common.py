@@ -35,6 +35,15 @@ class GemmConfig:
 
     ``m_per_chunk=None`` picks about ``chunks_per_rank`` chunks per rank, each a
     multiple of ``block_m``; ``num_streams=None`` uses one stream per peer.
+    ``min_chunk_bytes`` (AllGather-GEMM, with ``m_per_chunk=None``): fewer
+    chunks where the shard is small, so that each carries at least this
+    many bytes (at least one chunk). Each chunk costs its copy and its flag
+    write, about 8 µs of a graph's critical path on 2xH200 (1 -> 8 chunks
+    per rank: +60 µs on 2048x4096x4096), while more chunks only let remote
+    tiles start sooner. The GPU default, 16 MiB, is from
+    ``benchmarks/results/diag_small-H200x2.log`` (1 or 2 chunks per rank
+    beat 4 by 17-53 µs on three of four small shapes, bf16 and fp8) and
+    the chunking sweeps (2 beat 4 on 8192x4096x4096 and 16384x8192x14336).
     ``gemm_first`` (AllGather-GEMM): launch the consumer before enqueueing the
     copies, so the GPU computes on the local shard while the host enqueues
     them (the first call of a shape still goes producers first, so every
@@ -83,6 +92,7 @@ class GemmConfig:
     scatter: str = "auto"
     fuse_reduce: bool | None = None
     tma: bool | None = None
+    min_chunk_bytes: int = 0
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
@@ -90,10 +100,14 @@ class GemmConfig:
         if self.scatter not in ("store", "copy", "auto"):
             raise ValueError(f"GemmConfig.scatter must be 'store', 'copy' or 'auto', got {self.scatter!r}")
 
-    def chunk_rows(self, m_local: int) -> int:
+    def chunk_rows(self, m_local: int, row_bytes: int = 0) -> int:
+        """Rows per chunk for ``m_local`` rows per rank of ``row_bytes`` each (0: ignore min_chunk_bytes)."""
         if self.m_per_chunk is not None:
             return max(1, min(self.m_per_chunk, m_local))
-        rows = cdiv(cdiv(m_local, self.chunks_per_rank), self.block_m) * self.block_m
+        chunks = self.chunks_per_rank
+        if self.min_chunk_bytes and row_bytes:
+            chunks = max(1, min(chunks, m_local * row_bytes // self.min_chunk_bytes))
+        rows = cdiv(cdiv(m_local, chunks), self.block_m) * self.block_m
         return max(1, min(rows, m_local))
 
     def streams_for(self, world: int) -> int:
@@ -195,7 +209,7 @@ def default_config(ctx) -> GemmConfig:
     if ctx.backend == "hip":
         return GemmConfig(block_m=256, block_n=256, block_k=64, num_warps=8, num_stages=2, num_xcds=8)
     # gemm_first: faster eager on all six AG shapes on 2xH200; 4 stages: 0.66 vs 0.84 ms on one RS shape (tutorial 06)
-    return GemmConfig(gemm_first=True, num_stages=4)
+    return GemmConfig(gemm_first=True, num_stages=4, min_chunk_bytes=16 << 20)
 
 
 def with_overrides(cfg: GemmConfig, **kw) -> GemmConfig:
