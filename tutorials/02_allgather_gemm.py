@@ -58,7 +58,24 @@ def main():
             ours, base = time_dist(lambda: op(a, w, out=out), 20), time_dist(nccl, 20)
             say(f"ours {ours:.1f} µs, NCCL + cuBLAS {base:.1f} µs ({base / ours:.2f}x); "
                 "eager calls pay Python launch cost, see README for CUDA-graph numbers")
-        if not verdict(err < 1e-2, "within tolerance"):
+        # %% fp8 (e4m3): the same op gathers one byte per element and applies per-tensor scales in the GEMM's
+        # epilogue. scale_a covers the whole gathered A, so every rank uses the same one (here from every shard's
+        # amax, which each rank can rebuild; in a model, an amax all-reduced over the group).
+        err8 = 0.0
+        if not gpu or torch.cuda.get_device_capability(device) >= (8, 9):
+            f8, top = torch.float8_e4m3fn, torch.finfo(torch.float8_e4m3fn).max
+            sa = (max(float(t.abs().max()) for t in shards) / top) * torch.ones(1, device=device)
+            sb = (w.abs().max().float() / top).reshape(1)
+            a8 = (a.float() / sa).to(f8)
+            w8 = (w.t().float() / sb).to(f8).t()  # stored [N, K] as fp8 weights are, passed transposed
+            out8 = op(a8, w8, scale_a=sa, scale_b=sb)  # bf16 out
+            ctx.check()
+            full8 = torch.cat([(t.float() / sa).to(f8) for t in shards]).float()
+            ref8 = (full8 @ w8.float()) * sa * sb
+            err8 = float((out8.float() - ref8).norm() / ref8.norm())
+            say(f"fp8: relative error {err8:.2e} against the dequantised inputs in float32, "
+                f"{float((out8.float() - ref).norm() / ref.norm()):.2e} against the bf16 reference (quantisation)")
+        if not verdict(err < 1e-2 and err8 < 1e-2, "within tolerance"):
             raise SystemExit(1)
     dist.destroy_process_group()
 
