@@ -96,6 +96,29 @@ def try_time(fn, iters):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
 
+def enable_symm_mem():
+    """Turn on torch's symmetric memory for the world group (its fused ops need it): None, or why not."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
+        return None
+    except Exception as e:  # noqa: BLE001 - recorded as the fused op's note
+        return f"symm_mem unavailable: {e}"
+
+
+def time_ours(ctx, rec, op, auto, plain, call, iters):
+    """Ours three ways, ``call(o)`` calling op ``o``: overlap forced without replay (``op``), as a user gets it
+    (``auto``: fallback="auto", replay on; with its path and replay counts), and without replay (``plain``);
+    then the host cost of a replayed call."""
+    rec["ours_overlap_us"] = time_dist(lambda: call(op), iters)
+    rec["ours_us"], rec["path"] = time_dist(lambda: call(auto), iters), auto.last_path
+    rec["replay_stats"] = dict(auto.replays.stats)
+    rec["ours_no_replay_us"], rec["no_replay_path"] = time_dist(lambda: call(plain), iters), plain.last_path
+    ctx.check()
+    rec["host_replay_us"] = host_us(lambda: call(auto))
+
+
 def gpu_name() -> str:
     return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "_")
 
@@ -103,13 +126,7 @@ def gpu_name() -> str:
 def bench_ag_gemm(ctx, shapes, iters, write_partial):
     W = ctx.world_size
     records = []
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        symm_mem.enable_symm_mem_for_group(dist.group.WORLD.group_name)
-        fused_ok = None
-    except Exception as e:  # noqa: BLE001
-        fused_ok = f"symm_mem unavailable: {e}"
+    fused_ok = enable_symm_mem()
     op = to.AllGatherGEMM(ctx, fallback="never", replay=False)  # the overlap, enqueued anew every call
     auto = to.AllGatherGEMM(ctx, name="ag_gemm.auto")  # what a user gets: fallback="auto", replay on
     plain = to.AllGatherGEMM(ctx, name="ag_gemm.plain", replay=False)  # fallback="auto", no replay
@@ -121,12 +138,7 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
         gathered = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
 
-        rec["ours_overlap_us"] = time_dist(lambda: op(a, w, out=out), iters)
-        rec["ours_us"], rec["path"] = time_dist(lambda: auto(a, w, out=out), iters), auto.last_path
-        rec["replay_stats"] = dict(auto.replays.stats)
-        rec["ours_no_replay_us"], rec["no_replay_path"] = time_dist(lambda: plain(a, w, out=out), iters), plain.last_path
-        ctx.check()
-        rec["host_replay_us"] = host_us(lambda: auto(a, w, out=out))
+        time_ours(ctx, rec, op, auto, plain, lambda o: o(a, w, out=out), iters)
         rec["ours_gemm_first_us"] = time_dist(lambda: op(a, w, out=out, gemm_first=True), iters)
         ctx.check()
         rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
@@ -178,13 +190,7 @@ def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
     f8, bf16, u8 = torch.float8_e4m3fn, torch.bfloat16, torch.uint8
     records = []
     group = dist.group.WORLD.group_name
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        symm_mem.enable_symm_mem_for_group(group)
-        fused_ok = None
-    except Exception as e:  # noqa: BLE001
-        fused_ok = f"symm_mem unavailable: {e}"
+    fused_ok = enable_symm_mem()
     op = to.AllGatherGEMM(ctx, fallback="never", replay=False, name="ag8")
     auto = to.AllGatherGEMM(ctx, name="ag8.auto")
     plain = to.AllGatherGEMM(ctx, name="ag8.plain", replay=False)
@@ -198,13 +204,8 @@ def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
         kw = dict(out=out, scale_a=sa, scale_b=sb)
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "dtype": "float8_e4m3fn", "note": "",
                "config": repr(op.config_for((M, K, N), fp8=True))}
-        rec["ours_overlap_us"] = time_dist(lambda: op(a, wt, **kw), iters)
-        rec["ours_us"], rec["path"] = time_dist(lambda: auto(a, wt, **kw), iters), auto.last_path
-        rec["replay_stats"] = dict(auto.replays.stats)
-        rec["ours_no_replay_us"], rec["no_replay_path"] = time_dist(lambda: plain(a, wt, **kw), iters), plain.last_path
-        ctx.check()
+        time_ours(ctx, rec, op, auto, plain, lambda o: o(a, wt, **kw), iters)
         rec["host_enqueue_us"] = host_us(lambda: op(a, wt, **kw))
-        rec["host_replay_us"] = host_us(lambda: auto(a, wt, **kw))
         dist.all_gather_into_tensor(gathered.view(u8), a.view(u8))
         if M * K <= (1 << 26):  # a correctness spot check on the benchmarked shape
             op(a, wt, **kw)
@@ -257,13 +258,8 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
         out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
         full = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
-        rec["ours_overlap_us"] = time_dist(lambda: op(a, w, out=out), iters)
-        rec["ours_us"], rec["path"] = time_dist(lambda: auto(a, w, out=out), iters), auto.last_path
-        rec["replay_stats"] = dict(auto.replays.stats)
-        rec["ours_no_replay_us"], rec["no_replay_path"] = time_dist(lambda: plain(a, w, out=out), iters), plain.last_path
-        ctx.check()
+        time_ours(ctx, rec, op, auto, plain, lambda o: o(a, w, out=out), iters)
         rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
-        rec["host_replay_us"] = host_us(lambda: auto(a, w, out=out))
         if M * N <= (1 << 26):  # a correctness spot check on the benchmarked shape
             ref = (a.float() @ w.float())
             dist.all_reduce(ref)

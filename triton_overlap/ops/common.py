@@ -152,8 +152,7 @@ class OverlapOp:
             rows = self._out_rows(a.shape[0])
             if rows is None:
                 return False, out
-            dtype = out_dtype or (torch.bfloat16 if a.dtype == FP8 else a.dtype)
-            out = torch.empty((rows, w.shape[1]), dtype=dtype, device=a.device)
+            out = torch.empty((rows, w.shape[1]), dtype=result_dtype(a.dtype, out_dtype), device=a.device)
         if not self.replays.hit(call_key(overrides, a, w, bias, out, *scales)):
             return False, out
         self.last_path = "overlap"
@@ -248,6 +247,12 @@ def check_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, bias: torch.T
     return out
 
 
+def result_dtype(dtype, out_dtype) -> torch.dtype:
+    """The output dtype of operands of ``dtype`` given the caller's ``out_dtype`` (None: the operands' own, bf16
+    for fp8); check_scales says which combinations are valid."""
+    return out_dtype or (torch.bfloat16 if dtype == FP8 else dtype)
+
+
 def check_scales(op: str, ctx, dtype, scale_a, scale_b, out_dtype) -> torch.dtype:
     """fp8's extra arguments (see check_operands); the output dtype."""
     if dtype != FP8:
@@ -266,7 +271,7 @@ def check_scales(op: str, ctx, dtype, scale_a, scale_b, out_dtype) -> torch.dtyp
             got = f"{s.dtype} {tuple(s.shape)} on {s.device}" if isinstance(s, torch.Tensor) else type(s).__name__
             raise ValueError(f"{op}: float8_e4m3fn operands need {name}, a one-element float32 tensor on "
                              f"{ctx.device} (per-tensor scale), got {got}")
-    out = torch.bfloat16 if out_dtype is None else out_dtype
+    out = result_dtype(dtype, out_dtype)
     if out not in DTYPES:
         raise ValueError(f"{op}: out_dtype must be float16 or bfloat16, got {out_dtype}")
     return out
