@@ -111,6 +111,21 @@ def test_replay_counts_calls_sent_to_nccl():
     assert cache.will_replay("k2", "t") is False  # layout "t" never ran
 
 
+def test_replay_unprepared_after_a_new_generation():
+    """``unprepared`` (which makes the eager rule run the overlap once more): true for a layout that has not run
+    eagerly in the current generation, false once it has, true again after a workspace moved; never true with
+    replay off (the eager rule then stays as it was)."""
+    cache = _cpu_cache()
+    assert cache.unprepared("s")
+    cache.run("k", "s", lambda: None)
+    assert not cache.unprepared("s") and cache.unprepared("t")
+    cache.ctx.generation += 1
+    assert cache.unprepared("s")
+    cache.run("k", "s", lambda: None)
+    assert not cache.unprepared("s")
+    assert not _cpu_cache(enabled=False).unprepared("s")
+
+
 def _ag_rs(m_local, k, n, replay_ranks):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -204,6 +219,17 @@ def _small_shape_auto(m_local, k, n):
         ag(a, w, out=fresh)
         assert ag.last_path == "fallback"
         assert rel_err(fresh, ref) < TOL[torch.bfloat16]
+        # another buffer's allocation drops every graph: the shape runs the overlap eagerly once more, then its
+        # repeating calls are captured again instead of staying on NCCL
+        ctx.symmetric("test.other", (4096,), torch.int32)
+        paths = []
+        for _ in range(3):
+            poison(out)
+            ag(a, w, out=out)
+            paths.append(ag.last_path)
+            assert rel_err(out, ref) < TOL[torch.bfloat16]
+        assert paths == ["overlap"] * 3, paths
+        assert ag.replays.stats["captures"] == 2 and ag.replays.stats["replays"] == 3, ag.replays.stats
         ctx.check()
         return True
 

@@ -172,8 +172,10 @@ class OverlapOp:
     def eager_fallback(self, key, flop: float) -> bool:
         """The eager rule (eager_host_bound) for a call of ``flop`` FLOPs. The first call of each shape ``key``
         takes the overlap path anyway: it allocates the workspaces and builds the kernels, which cannot
-        happen inside a CUDA-graph capture, so a later capture of this shape finds them ready."""
-        if key not in self._ran_overlap:
+        happen inside a CUDA-graph capture, so a later capture of this shape finds them ready. So does the first
+        call of a shape after a workspace allocation dropped the replay cache's graphs (ReplayCache.unprepared).
+        Every rank takes the same branch: allocations are collective, so generations change on all alike."""
+        if key not in self._ran_overlap or self.replays.unprepared(key):
             self._ran_overlap.add(key)
             return False
         return eager_host_bound(self.ctx.backend, self.ctx.world_size, flop, self.EAGER_MIN_FLOP_PER_PEER)

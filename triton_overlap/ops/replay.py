@@ -129,6 +129,13 @@ class ReplayCache:
             return False  # keys do not repeat here: captures would be pure cost
         return shape_key in self._prepared and self._seen.get(key, 0) + 1 >= self.after
 
+    def unprepared(self, shape_key) -> bool:
+        """Whether replay is usable for this call and ``shape_key`` has not run the overlap eagerly in the current
+        workspace generation. The eager rule then runs the overlap once more (OverlapOp.eager_fallback): after
+        another buffer's allocation dropped every graph, a shape the rule sends to NCCL would otherwise never
+        run eagerly again, so never be prepared, never captured, and stay on NCCL for good."""
+        return self._usable() and shape_key not in self._prepared
+
     def saw(self, key, shape_key) -> None:
         """Count a sighting of ``key`` by a call that did not enqueue the op (an eager call the op's eager rule
         sent to NCCL): its next sighting captures, once its shape and layout (``shape_key``) have run the
