@@ -361,16 +361,16 @@ def desc_layout(ctx, cfg: GemmConfig, a, ws, b, m_local: int, gather: bool) -> s
 
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
-                expected=None, tick=None, split_m=0, scales=None):
+                expected=None, tick=None, split_m=0, scales=None, free_sm=None):
     """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
     the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
     chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
-    m-tiles of ``tile_order`` come before this rank's own). ``scales``: fp8's (scale_a, scale_b) (SCALED)."""
+    m-tiles of ``tile_order`` come before this rank's own). ``scales``: fp8's (scale_a, scale_b) (SCALED).
+    ``free_sm`` (default: ``gather``): leave one SM (CU) free, for a barrier kernel that runs beside this GEMM
+    and that some of its tiles wait for, on this rank or a peer (else both ranks could wait on each other)."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
-    if gather and ctx.backend != "host":
-        # leave one SM (CU) free: the producers' barrier kernel must always find room
-        # beside this persistent kernel, or both ranks could wait on each other
+    if (gather if free_sm is None else free_sm) and ctx.backend != "host":
         units -= 1
     programs = max(1, min(units, num_tiles))
     a_desc = b_desc = None

@@ -18,7 +18,9 @@ on a stream pool, each peer chunk's copy waits for its counter to be complete
 (a stream wait-value, enqueued after the GEMM is), moves the chunk into the
 owner's receive slot and then writes the owner's counter to its final count,
 so the owner's reduction is the same. The stream waits depend only on this
-rank's GEMM, which waits on nothing. ``scatter="auto"`` (the default) picks
+rank's GEMM, which waits on nothing. Here only the copies write into peers'
+memory, so the barrier runs on the first copy stream and the GEMM does not
+wait for it. ``scatter="auto"`` (the default) picks
 it on GPUs from ``COPY_SCATTER_BYTES`` of partial output on.
 """
 from __future__ import annotations
@@ -66,6 +68,9 @@ class GEMMReduceScatter(OverlapOp):
     """
 
     KIND = "gemm_rs"
+    #: Copy variant: the GEMM waits for the barrier too (before the tenth session it did; only
+    #: scripts/diag_rs.py sets it, to compare).
+    gate_gemm = False
     #: An eager overlapped call costs the host 0.27-0.7 ms at W = 2 (bench.py's host_enqueue_us, 2xH200; the
     #: copy scatter's waits and copies are most of it), about 1.1 ms at W = 4, and an idle GPU waits for it.
     #: Eager, overlap vs NCCL + cuBLAS on 2xH200: 0.62-0.83x at 6.9e10 FLOPs, 0.91-1.02x at 2.4e11, 0.84-0.95x
@@ -143,14 +148,24 @@ class GEMMReduceScatter(OverlapOp):
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
 
         copy = self.scatter_mode(M, N, a.element_size(), cfg) == "copy"
-        ctx.barrier()  # owners have reduced the previous call and reset their counters
         if copy:
+            # Only the copies write into peers' memory: they alone wait for the barrier (owners have reduced the
+            # previous call and reset their counters), on the first copy stream, and the GEMM starts at once.
+            # The GEMM then leaves an SM free (launch_gemm's free_sm): its own-row tiles wait for peers' copies,
+            # which wait for this barrier, whose kernel must find an SM on every rank.
             streams = ctx.streams(cfg.streams_for(W))
             cur = ctx.current_stream()
-            for s in streams:  # the copies come after the barrier; enqueued before the GEMM, they would not wait
-                s.wait_stream(cur)  # for it, only for what the caller's stream holds now
+            streams[0].wait_stream(cur)  # the caller's stream as it is now (inputs ready), not the GEMM to come
+            if self.gate_gemm:
+                ctx.barrier()
+                streams[0].wait_stream(cur)
+            else:
+                ctx.barrier(streams[0])
+            for s in streams[1:]:
+                s.wait_stream(streams[0])
             staging, done, scatter_ptrs, counter_ptrs = self._staging(recv, counters, layout, a.dtype)
         else:
+            ctx.barrier()  # the GEMM stores into peers' receive slots: owners have reduced and reset
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
         fuse = cfg.fuse_reduce
         if fuse is None:
@@ -166,7 +181,8 @@ class GEMMReduceScatter(OverlapOp):
                     M=M, N=N, K=K, m_local=m_local, m_per_chunk=layout.m_per_chunk,
                     chunks_per_rank=layout.chunks_per_rank, tile_order=order, flags=counters.local, op=OP, gather=False,
                     scatter_ptrs=scatter_ptrs, counter_ptrs=counter_ptrs, reduce_into=out if fuse else None,
-                    expected=expected, tick=tick, split_m=(W - 1) * m_local // cfg.block_m)
+                    expected=expected, tick=tick, split_m=(W - 1) * m_local // cfg.block_m,
+                    free_sm=copy and fuse and not self.gate_gemm)
         if copy and not copies_first:
             self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
         if not fuse:
