@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one call on a lent multi-GPU machine runs: environment, GPU test suite, benchmarks.
-# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,tune,bench,gradtable,tutorial | all]
+# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,tune,bench,diag,gradtable,tutorial | all]
 set -uo pipefail
 what="${1:-all}"  # comma-separated parts, or all
 want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
@@ -28,6 +28,15 @@ if want bench; then
       | grep -E '^\||geometric' | tail -12
   done
   tar czf "$OUT/results.tgz" -C benchmarks results  # one file: the device tool returns at most 8
+fi
+if want diag; then  # DIAGS="scripts/diag_rs.py --shapes ...;scripts/diag_small.py ...": each through the launcher
+  IFS=';' read -ra jobs <<< "${DIAGS:-scripts/diag_rs.py}"
+  for job in "${jobs[@]}"; do
+    echo "== $job" >> "$OUT/diag.log"
+    # shellcheck disable=SC2086 # the job's arguments split on purpose
+    timeout "${DIAG_TIMEOUT:-240}" bash scripts/launch.sh $job 2>&1 | grep -v -e OMP_NUM_THREADS -e '^\*\*\*' \
+      | tee -a "$OUT/diag.log" | tail -40
+  done
 fi
 if want gradtable; then  # cp_attention error by simulated world size, on one GPU (GRAD_WORLDS, GRAD_CASE)
   timeout "${GRAD_TIMEOUT:-200}" python3 scripts/grad_error_table.py --backend cuda --worlds ${GRAD_WORLDS:-1 2 4 8 16} \
