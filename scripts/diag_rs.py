@@ -1,9 +1,11 @@
 """Where the time goes in a GEMM-ReduceScatter call: its parts timed alone and together, all as CUDA-graph
-replays (GPU time, no host launch cost), max over ranks.
+replays (GPU time, no host launch cost), max over ranks, the ranks lined up by a spin before each replay
+(timing.time_dist's lead_us) except where a row says otherwise.
 
     bash scripts/launch.sh scripts/diag_rs.py [--shapes M,K,N ...]   (K is K_local)
 
-Parts: cuBLAS on the local GEMM (the bound); our GEMM alone; the copy variant's chunk copies alone (this
+Parts: cuBLAS on the local GEMM (the bound); our GEMM alone; the copy variant's GEMM alone (scatter only,
+or with the reduction in its own-row tiles; counters released at system or device scope); the copy variant's chunk copies alone (this
 rank's partial rows for every peer, chunked as the op chunks them, on the op's streams, no waits); those
 copies beside our GEMM alone (what the two cost each other); the device barrier alone; the whole call with
 the barrier gating the GEMM (as before the tenth session) and on the copy stream only (now); the store
@@ -22,14 +24,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap.kernels.chunks import ChunkLayout  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
-from triton_overlap.ops.common import plain_gemm  # noqa: E402
+from triton_overlap.ops.common import launch_gemm, plain_gemm  # noqa: E402
+from triton_overlap.ops.gemm_rs import OP  # noqa: E402
 from triton_overlap.producers.allgather import follow_caller, join  # noqa: E402
 from triton_overlap.timing import capture, time_dist  # noqa: E402
 
 
-def graph_us(fn, iters=40):
+def graph_us(fn, iters=40, lead_us=300.0):
+    """Graph-replay time of ``fn``; ``lead_us``: the stream spins this long before each timed replay, so the
+    ranks start together (timing.time_dist)."""
     try:
-        return time_dist(capture(fn).replay, iters)
+        return time_dist(capture(fn).replay, iters, lead_us=lead_us)
     except Exception as e:  # noqa: BLE001 - reported, the diag goes on
         say(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return float("nan")
@@ -60,8 +65,36 @@ def main():
             layout = ChunkLayout(W, m, cfg.chunk_rows(m))
             recv = ctx.symmetric(f"{op.name}.recv", (W, m, N), a.dtype)
             counters = ctx.symmetric(f"{op.name}.counters", (layout.num_chunks,), torch.int32)
-            staging = op._staging(recv, counters, layout, a.dtype)[0]
+            staging, done, sp, cp = op._staging(recv, counters, layout, a.dtype)
             streams = ctx.streams(cfg.streams_for(W))
+            _, order, expected = op._plan(m, N, cfg)
+            ready = torch.full((layout.num_chunks,), 1 << 30, dtype=torch.int32, device="cuda")  # every wait passes
+            tick = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+            def rs_gemm(fuse, local):
+                """The copy variant's GEMM alone: tiles stored into the staging buffer and our receive slot,
+                counters bumped (device- or system-scope release); ``fuse``: own-row tiles add the peers'
+                partials (whatever the slots hold; every wait already satisfied)."""
+                def run():
+                    launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m, N), bias=None, M=M, N=N, K=K,
+                                m_local=m, m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank,
+                                tile_order=order, flags=ready, op=OP, gather=False, scatter_ptrs=sp, counter_ptrs=cp,
+                                reduce_into=out if fuse else None, expected=expected if fuse else None,
+                                tick=tick if fuse else None, split_m=(W - 1) * m // cfg.block_m, free_sm=fuse,
+                                local_counters=local)
+                    if fuse:
+                        tick.zero_()
+                return run
+
+            for fuse in (False, True):
+                for local in (False, True):
+                    name = f"RS GEMM alone, {'fused' if fuse else 'scatter only'}, {'gpu' if local else 'sys'} release"
+                    row[name] = graph_us(rs_gemm(fuse, local))
+            ctx.synchronize()
+            counters.local.zero_()  # the GEMMs alone bumped them; a call starts from zero
+            done.zero_()
+            ctx.synchronize()
+            dist.barrier()
 
             def copies():
                 for i in range(1, W):
@@ -108,6 +141,7 @@ def main():
             row["whole call (copy), barrier on copy stream"] = graph_us(lambda: op(a, w, out=out, scatter="copy"))
             row["whole call (store)"] = graph_us(lambda: op(a, w, out=out, scatter="store"))
             row["whole call (default: auto)"] = graph_us(lambda: op(a, w, out=out))
+            row["whole call (default), ranks not lined up"] = graph_us(lambda: op(a, w, out=out), lead_us=0)
             for c in (2, 4, 8):
                 row[f"whole call (copy), {c} chunks/rank"] = graph_us(lambda: op(a, w, out=out, scatter="copy",
                                                                              chunks_per_rank=c))

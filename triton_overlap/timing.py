@@ -21,13 +21,38 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None) -> float:
+_CYCLES_PER_US = None
+
+
+def spin_cycles(us: float) -> int:
+    """Clock cycles for ``torch.cuda._sleep`` to spin about ``us`` µs on this GPU (measured once)."""
+    global _CYCLES_PER_US
+    if _CYCLES_PER_US is None:
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)
+        s.record()
+        torch.cuda._sleep(10_000_000)
+        e.record()
+        e.synchronize()
+        _CYCLES_PER_US = 10_000_000 / (s.elapsed_time(e) * 1e3)
+    return int(us * _CYCLES_PER_US)
+
+
+def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, lead_us: float = 0.0) -> float:
     """Median µs per call of ``fn`` over ``iters`` iterations, max over ranks (GPUs only).
 
     Before each iteration a one-element all_reduce on the stream lines the ranks
     up on the device; CUDA events time the call alone. ``budget_s`` caps the
     iterations so that they take about that long (at least 3; the ranks agree).
+
+    ``lead_us``: after the all_reduce the stream spins this long before the start
+    event, so the host has enqueued the call by the time the GPU reaches it (as
+    in a model whose host runs ahead). Without it the GPU waits for the host's
+    enqueue, and each rank's GPU starts when its own host is done: the ranks
+    start apart by the difference (tens of µs on 2xH200), which a collective
+    op pays as waiting and a single-GPU one does not.
     """
+    cycles = spin_cycles(lead_us) if lead_us > 0 else 0
     tiny = torch.zeros(1, device="cuda")
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
@@ -42,6 +67,8 @@ def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None) ->
     times = []
     for _ in range(iters):
         dist.all_reduce(tiny)
+        if cycles:
+            torch.cuda._sleep(cycles)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()

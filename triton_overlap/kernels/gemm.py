@@ -161,7 +161,8 @@ def persistent_gemm(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
     DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
-    B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False,
+    B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
+    LOCAL_COUNTERS: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
@@ -244,9 +245,14 @@ def persistent_gemm(
                     if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
                         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
                 if SCATTER:
-                    owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
-                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                    c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+                    if WHOLE_TILES:  # every tile's rows have one owner: one address from the table
+                        owner = row0 // M_LOCAL
+                        base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                        c_rows = base + (rank * M_LOCAL + rows - owner * M_LOCAL) * stride_cm
+                    else:
+                        owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
+                        base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                        c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
                     if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
                         c_rows = tl.multiple_of(c_rows, 16)
                 else:
@@ -257,4 +263,7 @@ def persistent_gemm(
                     tl.debug_barrier()  # every thread's stores of this tile come before the release below
                     for c in range(c_first, c_last + 1):
                         counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
-                        add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)
+                        if LOCAL_COUNTERS:  # counters, and the stores they publish, on this GPU
+                            add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1, "gpu")
+                        else:
+                            add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)

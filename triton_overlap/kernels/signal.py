@@ -94,9 +94,10 @@ def notify(flag_ptr, value):
 
 
 @triton.jit
-def add_release(counter_ptr, value):
-    """Add to a counter with release semantics (all earlier stores of this program land first)."""
-    tl.atomic_add(counter_ptr, value, sem="release", scope="sys")
+def add_release(counter_ptr, value, SCOPE: tl.constexpr = "sys"):
+    """Add to a counter with release semantics (all earlier stores of this program land first), at system
+    scope, or with SCOPE="gpu" at device scope (the stores and the counter are this GPU's)."""
+    tl.atomic_add(counter_ptr, value, sem="release", scope=SCOPE)
 
 
 @triton.jit
