@@ -27,9 +27,11 @@ from triton_overlap.producers.allgather import follow_caller, join, push_rows  #
 from triton_overlap.timing import capture, time_dist  # noqa: E402
 
 
-def graph_us(fn, iters=50):
+def graph_us(fn, iters=50, lead_us=300.0):
+    """Graph-replay time of ``fn``; ``lead_us``: the stream spins this long before each timed replay, so the
+    ranks start together (timing.time_dist; before the tenth session they were not)."""
     try:
-        return time_dist(capture(fn).replay, iters)
+        return time_dist(capture(fn).replay, iters, lead_us=lead_us)
     except Exception as e:  # noqa: BLE001 - reported, the diag goes on
         say(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return float("nan")
@@ -94,6 +96,7 @@ def main():
             flags.local.zero_()
             dist.barrier()
             row["whole call"] = graph_us(lambda: op(a, w, out=out, **kw))
+            row["whole call, ranks not lined up"] = graph_us(lambda: op(a, w, out=out, **kw), lead_us=0)
             row["whole call, producers first"] = graph_us(lambda: op(a, w, out=out, gemm_first=False, **kw))
             for c in (1, 2, 8):
                 row[f"whole call, {c} chunk(s)/rank"] = graph_us(lambda: op(a, w, out=out, chunks_per_rank=c,
