@@ -21,21 +21,13 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-_CYCLES_PER_US = None
+def spin(us: float) -> None:
+    """Enqueue a one-program kernel that spins ``us`` µs of wall-clock time on the current stream (the GPU's
+    ns timer, not its SM clock, which differs between GPUs and over time)."""
+    from .kernels.signal import spin_kernel
 
-
-def spin_cycles(us: float) -> int:
-    """Clock cycles for ``torch.cuda._sleep`` to spin about ``us`` µs on this GPU (measured once)."""
-    global _CYCLES_PER_US
-    if _CYCLES_PER_US is None:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1_000_000)
-        s.record()
-        torch.cuda._sleep(10_000_000)
-        e.record()
-        e.synchronize()
-        _CYCLES_PER_US = 10_000_000 / (s.elapsed_time(e) * 1e3)
-    return int(us * _CYCLES_PER_US)
+    hip = torch.version.hip is not None
+    spin_kernel[(1,)](int(us * (100 if hip else 1000)), CLOCK=2 if hip else 1, num_warps=1)
 
 
 def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, lead_us: float = 0.0) -> float:
@@ -45,14 +37,15 @@ def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, le
     up on the device; CUDA events time the call alone. ``budget_s`` caps the
     iterations so that they take about that long (at least 3; the ranks agree).
 
-    ``lead_us``: after the all_reduce the stream spins this long before the start
-    event, so the host has enqueued the call by the time the GPU reaches it (as
-    in a model whose host runs ahead). Without it the GPU waits for the host's
-    enqueue, and each rank's GPU starts when its own host is done: the ranks
-    start apart by the difference (tens of µs on 2xH200), which a collective
-    op pays as waiting and a single-GPU one does not.
+    ``lead_us``: the stream spins this long before the all_reduce and again
+    after it, before the start event, so the host has enqueued the call by the
+    time the GPU reaches it (as in a model whose host runs ahead) and every
+    rank starts it together, as the all_reduce ends plus the spin. Without it
+    the GPU waits for the host's enqueue, and each rank's GPU starts when its
+    own host is done: the ranks start apart by the difference (tens of µs on
+    2xH200), which a collective op pays as waiting and a single-GPU one does
+    not.
     """
-    cycles = spin_cycles(lead_us) if lead_us > 0 else 0
     tiny = torch.zeros(1, device="cuda")
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     s.record()
@@ -66,9 +59,11 @@ def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, le
         iters = max(3, min(iters, int(budget_s / max(float(per_call.item()), 1e-6))))
     times = []
     for _ in range(iters):
+        if lead_us > 0:  # the host gets ahead here, so the spin after the all_reduce starts as it ends
+            spin(lead_us)
         dist.all_reduce(tiny)
-        if cycles:
-            torch.cuda._sleep(cycles)
+        if lead_us > 0:
+            spin(lead_us)
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()

@@ -263,7 +263,5 @@ def persistent_gemm(
                     tl.debug_barrier()  # every thread's stores of this tile come before the release below
                     for c in range(c_first, c_last + 1):
                         counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
-                        if LOCAL_COUNTERS:  # counters, and the stores they publish, on this GPU
-                            add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1, "gpu")
-                        else:
-                            add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1)
+                        # LOCAL_COUNTERS: counters, and the stores they publish, on this GPU
+                        add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1, LOCAL_COUNTERS)

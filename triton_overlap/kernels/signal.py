@@ -94,10 +94,23 @@ def notify(flag_ptr, value):
 
 
 @triton.jit
-def add_release(counter_ptr, value, SCOPE: tl.constexpr = "sys"):
+def add_release(counter_ptr, value, GPU_SCOPE: tl.constexpr = False):
     """Add to a counter with release semantics (all earlier stores of this program land first), at system
-    scope, or with SCOPE="gpu" at device scope (the stores and the counter are this GPU's)."""
-    tl.atomic_add(counter_ptr, value, sem="release", scope=SCOPE)
+    scope, or with GPU_SCOPE at device scope (the stores and the counter are this GPU's)."""
+    if GPU_SCOPE:
+        tl.atomic_add(counter_ptr, value, sem="release", scope="gpu")
+    else:
+        tl.atomic_add(counter_ptr, value, sem="release", scope="sys")
+
+
+@triton.jit
+def spin_kernel(ticks, CLOCK: tl.constexpr):
+    """Spin for ``ticks`` of the GPU's wall clock (CLOCK 1: CUDA %globaltimer, ns; 2: AMD s_memrealtime, 100 MHz),
+    whatever the SM clock runs at (timing.time_dist's lead)."""
+    t0 = _now(CLOCK)
+    t = t0
+    while t - t0 < ticks:
+        t = _now(CLOCK)
 
 
 @triton.jit

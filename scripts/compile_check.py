@@ -1,0 +1,121 @@
+"""Compile the GEMM kernel's variants and the timing spin for a GPU target without a GPU: Triton front end,
+LLVM and ptxas, as a launch on the device would. Catches compile errors before device time is spent, and
+prints registers, spills and whether ptxas serialised the wgmma pipeline (warning C7515).
+
+    python3 scripts/compile_check.py [--arch 90] [--quick]
+
+Run with the Triton the device has (e.g. PYTHONPATH=/path/to/triton-3.6 python3 scripts/compile_check.py).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from triton_overlap.kernels.gemm import persistent_gemm  # noqa: E402
+from triton_overlap.kernels.signal import spin_kernel  # noqa: E402
+
+PTRS = ("a_ptr", "ws_ptr", "b_ptr", "c_ptr", "bias_ptr", "out_ptr")
+I32_PTRS = ("tile_order_ptr", "flags_ptr", "err_ptr", "expected_ptr", "tick_ptr")
+
+
+def divisibility(sig: dict, skip=("rank", "op", "world", "split_m", "own_plane", "ws_plane", "budget")) -> dict:
+    """What Triton's launcher would assume of the issue shapes: pointers and integer arguments divisible by 16."""
+    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+            if (ty.startswith("*") or ty == "i32") and name not in skip}
+
+
+def gemm_signature(desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather: bool = False) -> dict:
+    sig = {}
+    for prm in persistent_gemm.params:
+        name = prm.name
+        if prm.is_constexpr:
+            sig[name] = "constexpr"
+        elif name in PTRS:
+            sig[name] = "*bf16"
+        elif name in I32_PTRS:
+            sig[name] = "*i32"
+        elif name in ("scatter_ptrs", "counter_ptrs"):
+            sig[name] = "*i64"
+        elif name in ("scale_a_ptr", "scale_b_ptr"):
+            sig[name] = "*fp32"
+        elif name == "budget":
+            sig[name] = "i64"
+        elif name == "a_desc":
+            sig[name] = (f"tensordesc<bf16[1, {bm}, {bk}]>" if gather else f"tensordesc<bf16[{bm}, {bk}]>") \
+                if desc else "constexpr"
+        elif name == "b_desc":
+            sig[name] = (f"tensordesc<bf16[{bn}, {bk}]>" if b_kmajor else f"tensordesc<bf16[{bk}, {bn}]>") \
+                if desc else "constexpr"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def ptxas_report(cubin_ptx: str, arch: int) -> str:
+    ptxas = triton.knobs.nvidia.ptxas.path if hasattr(triton, "knobs") else "ptxas"
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(cubin_ptx)
+        r = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True)
+    text = r.stdout + r.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes spill stores", text)
+    return (f"regs {regs.group(1) if regs else '?'}, spill stores {spill.group(1) if spill else '?'}"
+            + (", wgmma SERIALISED (C7515)" if "C7515" in text else ""))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--arch", type=int, default=90)
+    p.add_argument("--quick", action="store_true", help="GEMM-RS variants only")
+    args = p.parse_args()
+    target = GPUTarget("cuda", args.arch, 32)
+    bm, bn, bk = 128, 256, 64
+    failed = 0
+    src = ASTSource(fn=spin_kernel, signature={"ticks": "i64", "CLOCK": "constexpr"}, constexprs={"CLOCK": 1})
+    triton.compile(src, target=target, options={"num_warps": 1})
+    print("spin_kernel: compiled")
+    # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS)
+    variants = [(False, True, fuse, desc, whole, local) for fuse, desc, whole, local
+                in itertools.product((False, True), (False, True), (False, True), (False, True))
+                if whole or not fuse]
+    if not args.quick:
+        variants += [(True, False, False, desc, False, False) for desc in (False, True)]
+        variants += [(False, False, False, desc, False, False) for desc in (False, True)]
+    for gather, scatter, fuse, desc, whole, local in variants:
+        consts = dict(HAS_BIAS=False, GATHER=gather, SCATTER=scatter, REDUCE_OWN=fuse, BLOCK_M=bm, BLOCK_N=bn,
+                      BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_XCDS=1, EVEN_K=True, CLOCK=1, DOT_F32=False,
+                      ALIGN_C=scatter, DESC=desc, B_KMAJOR=False, SCALED=False, WHOLE_TILES=whole,
+                      LOCAL_COUNTERS=local)
+        if not desc:
+            consts.update(a_desc=None, b_desc=None)
+        name = (f"gather={gather} scatter={scatter} reduce_own={fuse} desc={desc} whole_tiles={whole} "
+                f"local_counters={local}")
+        try:
+            sig = gemm_signature(desc, bm, bn, bk, False, gather)
+            k = triton.compile(ASTSource(fn=persistent_gemm, signature=sig, constexprs=consts,
+                                         attrs=divisibility(sig)), target=target,
+                               options={"num_warps": 8, "num_stages": 4})
+            print(f"{name}: {ptxas_report(k.asm['ptx'], args.arch)}")
+        except Exception as e:  # noqa: BLE001 - reported, the check goes on
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+    print(f"triton {triton.__version__}: {failed} failed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
