@@ -34,7 +34,17 @@ from triton_overlap.ops.common import plain_gemm  # noqa: E402
 AG_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 14336), (8192, 8192, 3584),
              (4096, 8192, 1792)]
 RS_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 7168, 8192), (8192, 1792, 8192)]
+#: µs the stream spins before and after the all_reduce that lines the ranks up before each timed call
+#: (timing.time_dist's lead_us): the host has enqueued the call by then and every rank starts it together, as in
+#: a model whose host runs ahead. 0 (--lead-us 0): the GPU idles until the host has enqueued, and each rank
+#: starts when its own host is done (the method before the tenth session; kept as *_idle_us for ours and NCCL).
+LEAD_US = 500.0
 RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
+
+
+def timed(fn, iters: int, **kw) -> float:
+    """time_dist with the benchmark's lead (LEAD_US)."""
+    return time_dist(fn, iters, lead_us=LEAD_US, **kw)
 
 
 def time_local(fn) -> float:
@@ -42,7 +52,7 @@ def time_local(fn) -> float:
     between events, the ranks aligned before each (time_dist). triton.testing.do_bench (back-to-back calls,
     L2 flushed) had timed our GEMM alone 7-20% slower than tune.py timed the same kernel (2xH200), so the
     bound and ours were not measured alike."""
-    return time_dist(fn, 30, budget_s=2.0)
+    return timed(fn, 30, budget_s=2.0)
 
 
 def time_gemm(rec, key, fn) -> None:
@@ -72,9 +82,9 @@ def time_variant(ctx, rec, name, fn, iters):
     timed out (ctx.check), is recorded in the note and leaves None, and the benchmark goes on."""
     rec[f"{name}_us"] = rec[f"{name}_graph_us"] = None
     try:
-        rec[f"{name}_us"] = time_dist(fn, iters)
+        rec[f"{name}_us"] = timed(fn, iters)
         ctx.check()
-        rec[f"{name}_graph_us"] = time_dist(capture(fn).replay, iters)
+        rec[f"{name}_graph_us"] = timed(capture(fn).replay, iters)
         ctx.check()
     except Exception as e:  # noqa: BLE001 - recorded in the note
         rec["note"] += f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
@@ -83,15 +93,15 @@ def time_variant(ctx, rec, name, fn, iters):
 def time_weight_t(rec, ours, nccl, bound, consumer, iters):
     """The same call with B stored as [N, K] and passed as its transpose (nn.Linear's ``weight.t()``): ours as a
     user gets it, NCCL + cuBLAS, cuBLAS alone and our GEMM alone (``*_wt_us``)."""
-    rec["ours_wt_us"] = time_dist(ours, iters)
-    rec["nccl_wt_us"] = time_dist(nccl, iters)
+    rec["ours_wt_us"] = timed(ours, iters)
+    rec["nccl_wt_us"] = timed(nccl, iters)
     time_gemm(rec, "bound_wt_us", bound)
     time_gemm(rec, "consumer_only_wt_us", consumer)
 
 
 def try_time(fn, iters):
     try:
-        return time_dist(fn, iters), None
+        return timed(fn, iters), None
     except Exception as e:  # noqa: BLE001 - recorded as the baseline's note
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
 
@@ -110,13 +120,16 @@ def enable_symm_mem():
 def time_ours(ctx, rec, op, auto, plain, call, iters):
     """Ours three ways, ``call(o)`` calling op ``o``: overlap forced without replay (``op``), as a user gets it
     (``auto``: fallback="auto", replay on; with its path and replay counts), and without replay (``plain``);
-    then the host cost of a replayed call."""
+    then the host cost of a replayed call. The two without replay are timed with the GPU idle before each
+    call (their point is the host's cost); ours also so, as ``ours_idle_us``."""
     rec["ours_overlap_us"] = time_dist(lambda: call(op), iters)
-    rec["ours_us"], rec["path"] = time_dist(lambda: call(auto), iters), auto.last_path
+    rec["ours_us"], rec["path"] = timed(lambda: call(auto), iters), auto.last_path
     rec["replay_stats"] = dict(auto.replays.stats)
+    rec["ours_idle_us"] = time_dist(lambda: call(auto), iters)
     rec["ours_no_replay_us"], rec["no_replay_path"] = time_dist(lambda: call(plain), iters), plain.last_path
     ctx.check()
     rec["host_replay_us"] = host_us(lambda: call(auto))
+    rec["host_replay_path"] = auto.last_path
 
 
 def gpu_name() -> str:
@@ -136,10 +149,10 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
         w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         gathered = torch.empty(M, K, device="cuda", dtype=torch.bfloat16)
-        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
+        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": "", "lead_us": LEAD_US}
 
         time_ours(ctx, rec, op, auto, plain, lambda o: o(a, w, out=out), iters)
-        rec["ours_gemm_first_us"] = time_dist(lambda: op(a, w, out=out, gemm_first=True), iters)
+        rec["ours_gemm_first_us"] = timed(lambda: op(a, w, out=out, gemm_first=True), iters)
         ctx.check()
         rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
         ref_full = torch.cat([t for t in _gather(a)]).float() if M * K <= (1 << 26) else None
@@ -151,7 +164,8 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
             dist.all_gather_into_tensor(gathered, a)
             torch.matmul(gathered, w, out=out)
 
-        rec["nccl_us"] = time_dist(nccl, iters)
+        rec["nccl_us"] = timed(nccl, iters)
+        rec["nccl_idle_us"] = time_dist(nccl, iters)
         time_graphs(rec, lambda: op(a, w, out=out), nccl, iters)
         ctx.check()
         if fused_ok is None:
@@ -202,7 +216,7 @@ def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
         out = torch.empty(M, N, device="cuda", dtype=bf16)
         gathered = torch.empty(M, K, device="cuda", dtype=f8)
         kw = dict(out=out, scale_a=sa, scale_b=sb)
-        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "dtype": "float8_e4m3fn", "note": "",
+        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "dtype": "float8_e4m3fn", "note": "", "lead_us": LEAD_US,
                "config": repr(op.config_for((M, K, N), fp8=True))}
         time_ours(ctx, rec, op, auto, plain, lambda o: o(a, wt, **kw), iters)
         rec["host_enqueue_us"] = host_us(lambda: op(a, wt, **kw))
@@ -219,7 +233,8 @@ def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
             dist.all_gather_into_tensor(gathered.view(u8), a.view(u8))
             scaled_mm()
 
-        rec["nccl_us"] = time_dist(nccl, iters)
+        rec["nccl_us"] = timed(nccl, iters)
+        rec["nccl_idle_us"] = time_dist(nccl, iters)
         time_graphs(rec, lambda: op(a, wt, **kw), nccl, iters)
         ctx.check()
         if fused_ok is None:
@@ -257,7 +272,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
         w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
         full = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": ""}
+        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": "", "lead_us": LEAD_US}
         time_ours(ctx, rec, op, auto, plain, lambda o: o(a, w, out=out), iters)
         rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
         if M * N <= (1 << 26):  # a correctness spot check on the benchmarked shape
@@ -270,7 +285,8 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
             torch.matmul(a, w, out=full)
             dist.reduce_scatter_tensor(out, full)
 
-        rec["nccl_us"] = time_dist(nccl, iters)
+        rec["nccl_us"] = timed(nccl, iters)
+        rec["nccl_idle_us"] = time_dist(nccl, iters)
         time_graphs(rec, lambda: op(a, w, out=out), nccl, iters)
         rec["torch_fused_us"], note = try_time(
             lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, group), iters)
@@ -312,7 +328,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
 
     W, r = ctx.world_size, ctx.rank
     records = []
-    timed = lambda fn: time_dist(fn, iters, budget_s=CP_BUDGET_S)  # noqa: E731
+    timed_cp = lambda fn: timed(fn, iters, budget_s=CP_BUDGET_S)  # noqa: E731
     for B, S, Hq, Hkv, D, causal in shapes:
         S_loc = S // W
         op = to.ContextParallelAttention(ctx, chunks_per_rank=4)
@@ -321,11 +337,11 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         qf, kf, vf = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))
         q, k, v = (to.cp.shard(t, ctx) for t in (qf, kf, vf))
         rec = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "causal": causal, "world_size": W, "gpu": gpu_name(),
-               "config": repr(cfg), "note": ""}
-        rec["ours_us"] = timed(lambda: op(q, k, v, causal=causal))  # replay on (ops.replay), as a user gets it
+               "config": repr(cfg), "note": "", "lead_us": LEAD_US}
+        rec["ours_us"] = timed_cp(lambda: op(q, k, v, causal=causal))  # replay on (ops.replay), as a user gets it
         rec["replay_stats"] = dict(op.replays.stats)
         plain = to.ContextParallelAttention(ctx, chunks_per_rank=4, config=cfg, replay=False)
-        rec["ours_no_replay_us"] = timed(lambda: plain(q, k, v, causal=causal))
+        rec["ours_no_replay_us"] = timed_cp(lambda: plain(q, k, v, causal=causal))
         rec["host_no_replay_us"] = host_us(lambda: plain(q, k, v, causal=causal))
         rec["host_replay_us"] = host_us(lambda: op(q, k, v, causal=causal))
         ctx.check()
@@ -345,12 +361,12 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             kernel(q, k, v, kg.view(B, W * S_loc, Hkv, D), vg.view(B, W * S_loc, Hkv, D), out, lse, r, W)
 
         if B == 1:
-            rec["nccl_ag_us"] = timed(nccl_then_kernel)
+            rec["nccl_ag_us"] = timed_cp(nccl_then_kernel)
             # both in CUDA graphs: the host's enqueue cost drops out
             for key, fn in (("ours_graph_us", lambda: op(q, k, v, causal=causal, out=out, lse=lse)),
                             ("nccl_ag_graph_us", nccl_then_kernel)):
                 try:
-                    rec[key] = timed(capture(fn).replay)
+                    rec[key] = timed_cp(capture(fn).replay)
                 except Exception as e:  # noqa: BLE001 - recorded in the note
                     rec[key] = None
                     rec["note"] += f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
@@ -375,7 +391,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             o, _ = op(*leaves, causal=causal)
             o.backward(dout)
 
-        rec["fwd_bwd_ours_us"] = timed(fwd_bwd)
+        rec["fwd_bwd_ours_us"] = timed_cp(fwd_bwd)
         ctx.check()
         # the same with the gathered K/V kept from forward instead of gathered again, and what each holds
         op_keep = to.ContextParallelAttention(ctx, chunks_per_rank=4, keep_kv=True, config=cfg)
@@ -384,7 +400,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             o, _ = op_keep(*leaves, causal=causal)
             o.backward(dout)
 
-        rec["fwd_bwd_keep_kv_us"] = timed(fwd_bwd_keep)
+        rec["fwd_bwd_keep_kv_us"] = timed_cp(fwd_bwd_keep)
         ctx.check()
         for key, o in (("saved_mib", op), ("saved_keep_kv_mib", op_keep)):
             torch.cuda.synchronize()
@@ -406,7 +422,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
                 dist.reduce_scatter_tensor(parts_out, parts)
                 return dq, parts_out[0].to(k.dtype), parts_out[1].to(v.dtype)
 
-            rec["fwd_bwd_nccl_ag_us"] = timed(nccl_fwd_bwd)
+            rec["fwd_bwd_nccl_ag_us"] = timed_cp(nccl_fwd_bwd)
         else:
             rec["fwd_bwd_nccl_ag_us"] = None
             rec["note"] += "fwd_bwd_nccl_ag: B > 1 needs a re-layout; not timed; "
@@ -524,10 +540,19 @@ def write(op_name, records, W):
     geo = math.exp(sum(math.log(s) for s in sp) / len(sp))
     with open(base + ".md", "w") as f:
         dtype = records[0].get("dtype", "bf16")
+        lead = records[0].get("lead_us", 0)
         f.write(f"{op_name}, {records[0]['gpu']} x{W}, {dtype}, median µs (max over ranks); bound and consumer alone "
-                f"timed as CUDA-graph replays (GPU time; eager timings in the JSON as *_eager_us)\n\n{HEADER}\n")
+                f"timed as CUDA-graph replays (GPU time; eager timings in the JSON as *_eager_us); "
+                + (f"before each timed call the ranks are lined up on the device and the host is ahead (a {lead:.0f} µs "
+                   "spin before and after the aligning all_reduce), except the two no-replay columns, timed with "
+                   "the GPU idle until the host has enqueued (*_idle_us in the JSON: ours and NCCL timed so too)"
+                   if lead else "the GPU idles before each call until the host has enqueued it") + f"\n\n{HEADER}\n")
         f.write("\n".join(_row(r) for r in records))
         f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", replay on): {geo:.3f}x\n")
+        idle = [r["nccl_idle_us"] / r["ours_idle_us"] for r in records if r.get("ours_idle_us") and r.get("nccl_idle_us")]
+        if idle:
+            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, both with the GPU idle before each call): "
+                    f"{math.exp(sum(map(math.log, idle)) / len(idle)):.3f}x\n")
         plain = [r["nccl_us"] / r["ours_no_replay_us"] for r in records if r.get("ours_no_replay_us")]
         if plain:
             f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", no replay): "
@@ -576,7 +601,9 @@ def main():
     p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention"])
     p.add_argument("--shapes", nargs="*", help="M,K,N triples (default: the issue's list)")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--lead-us", type=float, default=LEAD_US, help="see LEAD_US; 0: the GPU idles before each call")
     args = p.parse_args()
+    globals()["LEAD_US"] = args.lead_us
     init()
     if not torch.cuda.is_available():
         say("bench: needs GPUs (the host backend has no meaningful timings)")
