@@ -5,7 +5,8 @@ replays (GPU time, no host launch cost), max over ranks, the ranks lined up by a
     bash scripts/launch.sh scripts/diag_rs.py [--shapes M,K,N ...]   (K is K_local)
 
 Parts: cuBLAS on the local GEMM (the bound); our GEMM alone; the copy variant's GEMM alone (scatter only,
-or with the reduction in its own-row tiles; counters released at system or device scope); the copy variant's chunk copies alone (this
+or with the reduction in its own-row tiles, on two column halves or at once; counters released at system
+or device scope); the copy variant's chunk copies alone (this
 rank's partial rows for every peer, chunked as the op chunks them, on the op's streams, no waits); those
 copies beside our GEMM alone (what the two cost each other); the device barrier alone; the whole call with
 the barrier gating the GEMM (as before the tenth session) and on the copy stream only (now); the store
@@ -71,7 +72,7 @@ def main():
             ready = torch.full((layout.num_chunks,), 1 << 30, dtype=torch.int32, device="cuda")  # every wait passes
             tick = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-            def rs_gemm(fuse, local):
+            def rs_gemm(fuse, local, split=None):
                 """The copy variant's GEMM alone: tiles stored into the staging buffer and our receive slot,
                 counters bumped (device- or system-scope release); ``fuse``: own-row tiles add the peers'
                 partials (whatever the slots hold; every wait already satisfied)."""
@@ -81,7 +82,7 @@ def main():
                                 tile_order=order, flags=ready, op=OP, gather=False, scatter_ptrs=sp, counter_ptrs=cp,
                                 reduce_into=out if fuse else None, expected=expected if fuse else None,
                                 tick=tick if fuse else None, split_m=(W - 1) * m // cfg.block_m, free_sm=fuse,
-                                local_counters=local)
+                                local_counters=local, split_epilogue=split)
                     if fuse:
                         tick.zero_()
                 return run
@@ -90,6 +91,7 @@ def main():
                 for local in (False, True):
                     name = f"RS GEMM alone, {'fused' if fuse else 'scatter only'}, {'gpu' if local else 'sys'} release"
                     row[name] = graph_us(rs_gemm(fuse, local))
+            row["RS GEMM alone, fused, gpu release, one epilogue"] = graph_us(rs_gemm(True, True, False))
             ctx.synchronize()
             counters.local.zero_()  # the GEMMs alone bumped them; a call starts from zero
             done.zero_()

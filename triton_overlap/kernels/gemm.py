@@ -150,6 +150,25 @@ def _store_plain(acc, c_ptr, bias_ptr, out_rows, cols, col_ok, M, stride_cm, str
 
 
 @triton.jit
+def _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world, stride_cm, stride_cn,
+                stride_om, HAS_BIAS: tl.constexpr, ALIGN_C: tl.constexpr):
+    """REDUCE_OWN's epilogue for ``acc`` (this rank's partial of rows ``local`` of its own block, columns ``cols``):
+    add the peers' partials from this rank's receive slots and the bias, store the output dtype."""
+    col_ok = cols < N
+    for s in range(0, world):
+        if s != rank:
+            part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
+            acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    o_rows = out_ptr + local * stride_om
+    if ALIGN_C:
+        o_rows = tl.multiple_of(o_rows, 16)
+    tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(out_rows[:, None] < M) & col_ok[None, :])
+
+
+@triton.jit
 def persistent_gemm(
     a_ptr, ws_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
@@ -162,7 +181,7 @@ def persistent_gemm(
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
     DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
     B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
-    LOCAL_COUNTERS: tl.constexpr = False,
+    LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
@@ -229,17 +248,17 @@ def persistent_gemm(
                             wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
                                       s * CHUNKS_PER_RANK + j, CLOCK)
                 local = rows - rank * M_LOCAL
-                for s in range(0, world):
-                    if s != rank:
-                        part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
-                        acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
-                if HAS_BIAS:
-                    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                o_rows = out_ptr + local * stride_om
-                if ALIGN_C:
-                    o_rows = tl.multiple_of(o_rows, 16)
-                tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-                         mask=(out_rows[:, None] < M) & col_ok[None, :])
+                if SPLIT_EPILOGUE:  # two column halves, one after the other: fewer live registers (no spills)
+                    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+                    acc_lo, acc_hi = tl.split(halves)
+                    cols_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+                    _reduce_own(acc_lo, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo, N, M, M_LOCAL, rank, world,
+                                stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
+                    _reduce_own(acc_hi, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo + BLOCK_N // 2, N, M,
+                                M_LOCAL, rank, world, stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
+                else:
+                    _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world,
+                                stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
             else:
                 if HAS_BIAS:
                     if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
