@@ -28,17 +28,7 @@ from triton_overlap.launch import init, say  # noqa: E402
 from triton_overlap.ops.common import launch_gemm, plain_gemm  # noqa: E402
 from triton_overlap.ops.gemm_rs import OP  # noqa: E402
 from triton_overlap.producers.allgather import follow_caller, join  # noqa: E402
-from triton_overlap.timing import capture, time_dist  # noqa: E402
-
-
-def graph_us(fn, iters=40, lead_us=300.0):
-    """Graph-replay time of ``fn``; ``lead_us``: the stream spins this long before each timed replay, so the
-    ranks start together (timing.time_dist)."""
-    try:
-        return time_dist(capture(fn).replay, iters, lead_us=lead_us)
-    except Exception as e:  # noqa: BLE001 - reported, the diag goes on
-        say(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-        return float("nan")
+from diag_small import barrier_alone, graph_us  # noqa: E402 - the same timing and barrier as the AG diag
 
 
 def main():
@@ -106,37 +96,27 @@ def main():
                         rows = layout.local_rows(j)
                         s.copy(recv.peer(d)[r, rows], staging[d, rows])
 
-            def copies_alone():
-                follow_caller(ctx, streams)
-                for s in streams[1:]:
-                    s.wait_stream(streams[0])
-                copies()
-                join(ctx, streams)
-
             gemm = plain_gemm(ctx, cfg, a, w, full)
 
-            def copies_beside_gemm():
-                follow_caller(ctx, streams)
-                for s in streams[1:]:
-                    s.wait_stream(streams[0])
-                gemm()
-                copies()
-                join(ctx, streams)
+            def copies_beside(work=None):
+                """The copies on the op's streams (which follow the caller's), ``work`` on the caller's meanwhile."""
+                def run():
+                    follow_caller(ctx, streams)
+                    for s in streams[1:]:
+                        s.wait_stream(streams[0])
+                    if work is not None:
+                        work()
+                    copies()
+                    join(ctx, streams)
+                return run
 
             # the copies write peers' receive slots: every rank's op is idle here (the op synchronised above)
             dist.barrier()
-            row["copies alone"] = graph_us(copies_alone)
-            row["copies beside our GEMM"] = graph_us(copies_beside_gemm)
+            row["copies alone"] = graph_us(copies_beside())
+            row["copies beside our GEMM"] = graph_us(copies_beside(gemm))
             ctx.synchronize()
             dist.barrier()
-            one = ctx.streams(1)
-
-            def barrier():
-                follow_caller(ctx, one)
-                ctx.barrier(one[0])
-                join(ctx, one)
-
-            row["barrier alone"] = graph_us(barrier)
+            row["barrier alone"] = graph_us(barrier_alone(ctx))
             op.gate_gemm = True
             row["whole call (copy), barrier gates GEMM"] = graph_us(lambda: op(a, w, out=out, scatter="copy"))
             op.gate_gemm = False

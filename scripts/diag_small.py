@@ -27,7 +27,7 @@ from triton_overlap.producers.allgather import follow_caller, join, push_rows  #
 from triton_overlap.timing import capture, time_dist  # noqa: E402
 
 
-def graph_us(fn, iters=50, lead_us=300.0):
+def graph_us(fn, iters=50, lead_us=300.0):  # diag_rs.py uses it too
     """Graph-replay time of ``fn``; ``lead_us``: the stream spins this long before each timed replay, so the
     ranks start together (timing.time_dist; before the tenth session they were not)."""
     try:
@@ -35,6 +35,17 @@ def graph_us(fn, iters=50, lead_us=300.0):
     except Exception as e:  # noqa: BLE001 - reported, the diag goes on
         say(f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return float("nan")
+
+
+def barrier_alone(ctx):
+    """A function enqueueing the device barrier alone, on a stream that follows the caller's and joins it."""
+    stream = ctx.streams(1)
+
+    def barrier():
+        follow_caller(ctx, stream)
+        ctx.barrier(stream[0])
+        join(ctx, stream)
+    return barrier
 
 
 def main():
@@ -76,14 +87,7 @@ def main():
                 ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=None, M=M, N=N, K=K, m_local=m,
                 m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order, flags=ones,
                 op=OP, gather=True, stride_wm=ws.local.stride(0), scales=scales))
-            stream = ctx.streams(1)
-
-            def barrier():
-                follow_caller(ctx, stream)
-                ctx.barrier(stream[0])
-                join(ctx, stream)
-
-            row["barrier alone"] = graph_us(barrier)
+            row["barrier alone"] = graph_us(barrier_alone(ctx))
             flags = ctx.symmetric(f"{op.name}.flags", (layout.num_chunks,), torch.int32)
             streams = ctx.streams(cfg.streams_for(W))
 

@@ -207,12 +207,18 @@ def _small_shape_auto(m_local, k, n):
         full = torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", s) for s in range(W)])
         ref = full.float() @ w.float()
         out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
-        paths = []
-        for _ in range(4):
-            poison(out)
-            ag(a, w, out=out)
-            paths.append(ag.last_path)
-            assert rel_err(out, ref) < TOL[torch.bfloat16]
+
+        def repeat(calls):
+            """``calls`` calls with the same tensors, each checked; their paths."""
+            paths = []
+            for _ in range(calls):
+                poison(out)
+                ag(a, w, out=out)
+                paths.append(ag.last_path)
+                assert rel_err(out, ref) < TOL[torch.bfloat16]
+            return paths
+
+        paths = repeat(4)
         assert paths == ["overlap"] * 4, paths
         assert ag.replays.stats["captures"] == 1 and ag.replays.stats["replays"] == 2
         fresh = poison(torch.empty_like(out))
@@ -222,12 +228,7 @@ def _small_shape_auto(m_local, k, n):
         # another buffer's allocation drops every graph: the shape runs the overlap eagerly once more, then its
         # repeating calls are captured again instead of staying on NCCL
         ctx.symmetric("test.other", (4096,), torch.int32)
-        paths = []
-        for _ in range(3):
-            poison(out)
-            ag(a, w, out=out)
-            paths.append(ag.last_path)
-            assert rel_err(out, ref) < TOL[torch.bfloat16]
+        paths = repeat(3)
         assert paths == ["overlap"] * 3, paths
         assert ag.replays.stats["captures"] == 2 and ag.replays.stats["replays"] == 3, ag.replays.stats
         ctx.check()
