@@ -75,7 +75,7 @@ def main():
         gpu = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"
                and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
         gpu.sort(key=lambda e: e["ts"])
-        sleeps = [i for i, e in enumerate(gpu) if "sleep" in e["name"].lower()]
+        sleeps = [i for i, e in enumerate(gpu) if "spin_kernel" in e["name"]]  # torch.cuda._sleep's kernel
         call = gpu[sleeps[-1] + 1:] if sleeps else gpu
         lines = []
         if call:
