@@ -139,7 +139,10 @@ def _timeout(timeout_s):
     elapsed = time.monotonic() - t0
     msg = str(info.value)
     assert f"rank {ctx.rank}" in msg and "test.never" in msg and "signal 2" in msg and "waited for 7" in msg, msg
-    # the Context stays usable: a barrier and a fresh buffer work, and the error was cleared
+    # the Context stays usable: a barrier and a fresh buffer work, and the error was cleared. The ranks' waits
+    # expire at different times (each host process calibrates its own spin rate), over a second apart with
+    # three ranks on two CI cores, so they are lined up first: the device barrier has the same 1 s timeout
+    _sync(ctx)
     ctx.barrier()
     ctx.check()
     again = ctx.symmetric("after", (3,), torch.float32)
