@@ -88,24 +88,30 @@ def main():
     src = ASTSource(fn=spin_kernel, signature={"ticks": "i64", "CLOCK": "constexpr"}, constexprs={"CLOCK": 1})
     triton.compile(src, target=target, options={"num_warps": 1})
     print("spin_kernel: compiled")
-    # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE)
-    variants = [(False, True, fuse, desc, whole, local, split) for fuse, desc, whole, local, split
-                in itertools.product((False, True), (False, True), (False, True), (False, True), (False, True))
-                if (whole or not fuse) and (fuse or not split) and (local or not args.quick)]
+    # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
+    variants = [(False, True, fuse, desc, whole, local, split, claim, defer)
+                for fuse, desc, whole, local, split, claim, defer
+                in itertools.product((False, True), (False, True), (False, True), (False, True), (False, True), (0, 1),
+                                     (False, True))
+                if (whole or not fuse) and (fuse or not split) and (fuse or claim == 1) and (local or not args.quick)
+                and (desc or not args.quick)]
     if not args.quick:
-        variants += [(True, False, False, desc, False, False, False) for desc in (False, True)]
-        variants += [(False, False, False, desc, False, False, False) for desc in (False, True)]
-    for gather, scatter, fuse, desc, whole, local, split in variants:
+        variants += [(True, False, False, desc, False, False, False, 1, False) for desc in (False, True)]
+        variants += [(False, False, False, desc, False, False, False, 1, False) for desc in (False, True)]
+    for gather, scatter, fuse, desc, whole, local, split, claim, defer in variants:
         consts = dict(HAS_BIAS=False, GATHER=gather, SCATTER=scatter, REDUCE_OWN=fuse, BLOCK_M=bm, BLOCK_N=bn,
                       BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_XCDS=1, EVEN_K=True, CLOCK=1, DOT_F32=False,
                       ALIGN_C=scatter, DESC=desc, B_KMAJOR=False, SCALED=False, WHOLE_TILES=whole,
-                      LOCAL_COUNTERS=local, SPLIT_EPILOGUE=split)
+                      LOCAL_COUNTERS=local, SPLIT_EPILOGUE=split, CLAIM=claim, DEFER_RELEASE=defer and scatter)
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         name = (f"gather={gather} scatter={scatter} reduce_own={fuse} desc={desc} whole_tiles={whole} "
-                f"local_counters={local} split_epilogue={split}")
+                f"local_counters={local} split_epilogue={split} claim={claim} defer_release={defer}")
         try:
             sig = gemm_signature(desc, bm, bn, bk, False, gather)
+            for unit in ("stride_cn", "stride_bn"):  # 1 at every launch: Triton specialises it as a constant
+                sig[unit] = "constexpr"
+                consts[unit] = 1
             k = triton.compile(ASTSource(fn=persistent_gemm, signature=sig, constexprs=consts,
                                          attrs=divisibility(sig)), target=target,
                                options={"num_warps": 8, "num_stages": 4})

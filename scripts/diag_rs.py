@@ -4,13 +4,13 @@ replays (GPU time, no host launch cost), max over ranks, the ranks lined up by a
 
     bash scripts/launch.sh scripts/diag_rs.py [--shapes M,K,N ...]   (K is K_local)
 
-Parts: cuBLAS on the local GEMM (the bound); our GEMM alone; the copy variant's GEMM alone (scatter only,
-or with the reduction in its own-row tiles, on two column halves or at once; counters released at system
-or device scope); the copy variant's chunk copies alone (this
-rank's partial rows for every peer, chunked as the op chunks them, on the op's streams, no waits); those
-copies beside our GEMM alone (what the two cost each other); the device barrier alone; the whole call with
-the barrier gating the GEMM (as before the tenth session) and on the copy stream only (now); the store
-variant; and the call with exactly 2, 4 and 8 chunks per rank.
+Parts: cuBLAS on the local GEMM (the bound); our GEMM alone; the copy variant's GEMM alone (scatter only, or
+with the reduction in its own-row tiles), with each tile's counters bumped at once or after the next tile's K
+loop (defer), and the fused kernel's tiles claimed one by one through an atomic or round-robin (claim 1 / 0);
+the copy variant's chunk copies alone (this rank's partial rows for every peer, chunked as the op chunks them,
+on the op's streams, no waits); those copies beside our GEMM alone (what the two cost each other); the device
+barrier alone; the whole call by default, and in each mode (copy or store; reduction fused or in its own
+kernel) with each claim and defer setting.
 """
 from __future__ import annotations
 
@@ -62,26 +62,26 @@ def main():
             ready = torch.full((layout.num_chunks,), 1 << 30, dtype=torch.int32, device="cuda")  # every wait passes
             tick = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-            def rs_gemm(fuse, local, split=None):
+            def rs_gemm(fuse, claim=None, defer=None):
                 """The copy variant's GEMM alone: tiles stored into the staging buffer and our receive slot,
-                counters bumped (device- or system-scope release); ``fuse``: own-row tiles add the peers'
-                partials (whatever the slots hold; every wait already satisfied)."""
+                counters bumped; ``fuse``: own-row tiles add the peers' partials (whatever the slots hold; every
+                wait already satisfied); ``claim``/``defer``: launch_gemm's (None: the defaults)."""
                 def run():
                     launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m, N), bias=None, M=M, N=N, K=K,
                                 m_local=m, m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank,
                                 tile_order=order, flags=ready, op=OP, gather=False, scatter_ptrs=sp, counter_ptrs=cp,
                                 reduce_into=out if fuse else None, expected=expected if fuse else None,
                                 tick=tick if fuse else None, split_m=(W - 1) * m // cfg.block_m, free_sm=fuse,
-                                local_counters=local, split_epilogue=split)
+                                local_counters=True, claim=claim, defer_release=defer)
                     if fuse:
                         tick.zero_()
                 return run
 
-            for fuse in (False, True):
-                for local in (False, True):
-                    name = f"RS GEMM alone, {'fused' if fuse else 'scatter only'}, {'gpu' if local else 'sys'} release"
-                    row[name] = graph_us(rs_gemm(fuse, local))
-            row["RS GEMM alone, fused, gpu release, one epilogue"] = graph_us(rs_gemm(True, True, False))
+            for defer in (False, True):
+                row[f"RS GEMM alone, scatter only, defer={int(defer)}"] = graph_us(rs_gemm(False, defer=defer))
+            for claim in (1, 0):
+                for defer in (False, True):
+                    row[f"RS GEMM alone, fused, claim={claim} defer={int(defer)}"] = graph_us(rs_gemm(True, claim, defer))
             ctx.synchronize()
             counters.local.zero_()  # the GEMMs alone bumped them; a call starts from zero
             done.zero_()
@@ -117,22 +117,21 @@ def main():
             ctx.synchronize()
             dist.barrier()
             row["barrier alone"] = graph_us(barrier_alone(ctx))
-            op.gate_gemm = True
-            row["whole call (copy), barrier gates GEMM"] = graph_us(lambda: op(a, w, out=out, scatter="copy"))
-            op.gate_gemm = False
-            row["whole call (copy), barrier on copy stream"] = graph_us(lambda: op(a, w, out=out, scatter="copy"))
             row["whole call (store)"] = graph_us(lambda: op(a, w, out=out, scatter="store"))
             row["whole call (default: auto)"] = graph_us(lambda: op(a, w, out=out))
             row["whole call (default), ranks not lined up"] = graph_us(lambda: op(a, w, out=out), lead_us=0)
-            for c in (2, 4, 8):
-                row[f"whole call (copy), {c} chunks/rank"] = graph_us(lambda: op(a, w, out=out, scatter="copy",
-                                                                             chunks_per_rank=c))
+            calls = [(mode, True, claim, defer) for mode in ("copy", "store") for claim in (1, 0) for defer in (0, 1)]
+            calls += [(mode, False, None, defer) for mode in ("copy", "store") for defer in (0, 1)]
+            for mode, fuse, claim, defer in calls:
+                name = f"whole call ({mode}, {'fused, claim=' + str(claim) if fuse else 'reduce kernel'}, defer={defer})"
+                row[name] = graph_us(lambda: op(a, w, out=out, scatter=mode, fuse_reduce=fuse, claim=claim,
+                                                defer_release=bool(defer)))
             ctx.check()
             mib = (W - 1) * m * N * a.element_size() / 2 ** 20
             say(f"{M}x{K}x{N} bf16 W={W} cfg={cfg} ({layout.chunks_per_rank} chunks/rank by default, "
                 f"{mib:.0f} MiB sent per rank)")
             for k, v in row.items():
-                say(f"  {k:44s} {v:8.1f} µs  ({v / row['bound (cuBLAS)']:.2f} of the bound)")
+                say(f"  {k:56s} {v:8.1f} µs  ({v / row['bound (cuBLAS)']:.2f} of the bound)")
             say(f"  copy bandwidth alone: {mib * 2 ** 20 / row['copies alone'] / 1e3:.0f} GB/s")
     dist.destroy_process_group()
 

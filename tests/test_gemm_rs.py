@@ -22,7 +22,7 @@ def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
 
 
 def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="store", jitter=0.0, fuse=True,
-          strided_out=False, tma=None):
+          strided_out=False, tma=None, claim=None, defer=None):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -40,7 +40,8 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
                 out = poison(torch.empty((n, m // W), dtype=dtype, device=dev)).t()
             else:
                 out = poison(torch.empty((m // W, n), dtype=dtype, device=dev))
-            got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter, fuse_reduce=fuse, tma=tma)
+            got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter, fuse_reduce=fuse, tma=tma, claim=claim,
+                     defer_release=defer)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             errs.append(rel_err(got, ref))
@@ -51,7 +52,7 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
 
 HOST_CASES = [
     # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters, scatter, producer jitter (s)
-    # [, fuse_reduce, strided out, tma]; 24 | m: W = 2, 3, 4, 8. The reduction is in the GEMM (fuse_reduce) where
+    # [, fuse_reduce, strided out, tma, claim, defer_release]; 24 | m: W = 2, 3, 4, 8. The reduction is in the GEMM (fuse_reduce) where
     # every rank's rows are whole 32-row tiles (m = 32 * 24 or 64 * 24), in a separate kernel otherwise
     (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
     (64 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
@@ -63,6 +64,7 @@ HOST_CASES = [
     (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0, False),  # separate reduction kernel
     (29 * 24, 64, 33, "float16", False, False, 7, 1, "copy", 0.0, False, True),  # and a strided out
     (32 * 24, 48, 40, "bfloat16", True, False, 16, 1, "store", 0.0, True, False, True),  # descriptors, B [K, N]
+    (32 * 24, 64, 33, "float16", False, True, 7, 1, "copy", 0.003, True, False, None, 1, False),  # counters at once
 ]
 GPU_CASES = [
     (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0),
@@ -74,6 +76,12 @@ GPU_CASES = [
     (2048, 1024, 1000, "bfloat16", True, False, None, 2, "copy", 0.0, True, True),
     (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005),
     (8192, 1000, 1536, "bfloat16", True, False, None, 3, "store", 0.0, True, False, True),  # descriptors, B [K, N]
+    # the fused GEMM's two ways of taking tiles, and counters bumped at once or deferred (kernels.gemm CLAIM,
+    # DEFER_RELEASE), whatever the defaults are
+    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, 0, True),
+    (8192, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0005, True, False, None, 1, False),
+    (4096, 1000, 1536, "float16", False, False, None, 3, "store", 0.0, True, False, True, 0, False),
+    (4096, 1024, 1000, "bfloat16", True, True, 256, 3, "copy", 0.0, True, False, None, 1, True),
 ]
 
 

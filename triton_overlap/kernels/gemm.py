@@ -23,12 +23,23 @@ Switches (constexpr), so one source serves every op:
   ``c_ptr[s]`` (this rank's receive slots, [W, M_LOCAL, N]) and the bias to its
   float32 accumulator, and stores the output dtype into ``out_ptr``: no
   reduction kernel, and this rank's own partial never goes through memory.
-  Tiles are then handed out in order through an atomic counter (``tick_ptr``,
-  zero at launch) instead of round-robin, and the L2 grouping restarts where
-  the own rows begin (``split_m`` peer m-tiles first), so a program takes an
-  own-row tile only after every peer tile has been taken by a running
-  program. Peer tiles wait on nothing, so every rank's peer tiles finish
-  whichever programs are resident, and no own-row wait can block them.
+  The L2 grouping restarts where the own rows begin (``split_m`` peer m-tiles
+  first). No own-row wait may block a peer tile, whichever programs are
+  resident; two ways, chosen by CLAIM (``tick_ptr``, zero at launch):
+  CLAIM=1: tiles are handed out in order through a relaxed atomic counter,
+  so a program takes an own-row tile only after every peer tile has been
+  taken by a running program (the interpreter runs programs one after
+  another, so the host backend needs this). CLAIM=0 (GPUs): tiles go
+  round-robin as in the other modes, each program counts itself in once at
+  its start, and before its first own-row tile waits until every program
+  has (index -1 in a timeout's error): then every peer tile belongs to a
+  running program, and peer tiles wait on nothing. The per-tile atomic of
+  CLAIM=1 (a round trip, and a broadcast through shared memory) is gone.
+* DEFER_RELEASE (with SCATTER): a tile's counters are bumped after the next
+  tile's K loop instead of right after its stores, so the release (which
+  waits for the stores to land) finds them landed instead of stalling the
+  program; pending bumps are made before an own-row tile's waits and at the
+  end.
 
 Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
 
@@ -169,6 +180,16 @@ def _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LO
 
 
 @triton.jit
+def _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS: tl.constexpr):
+    """Bump the owner's counter of chunks c_first..c_last (none if c_last < c_first) for one stored tile."""
+    tl.debug_barrier()  # every thread's stores of the tile come before the release below
+    for c in range(c_first, c_last + 1):
+        counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
+        # LOCAL_COUNTERS: counters, and the stores they publish, on this GPU
+        add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1, LOCAL_COUNTERS)
+
+
+@triton.jit
 def persistent_gemm(
     a_ptr, ws_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
@@ -181,7 +202,8 @@ def persistent_gemm(
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
     DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
     B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
-    LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False,
+    LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False, CLAIM: tl.constexpr = 1,
+    DEFER_RELEASE: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
@@ -191,9 +213,16 @@ def persistent_gemm(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
+    if REDUCE_OWN and CLAIM == 0:
+        tl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started
+    all_in = 0  # CLAIM=0: whether every program has been seen started
+    pend_first = 0  # DEFER_RELEASE: chunks whose counters the previous tile has still to bump
+    pend_last = -1
     for it in range(pid, num_tiles, NUM_PROGRAMS):  # each program's share of the tiles is counted as before
         if REDUCE_OWN:
-            tile = tl.atomic_add(tick_ptr, 1)  # ... but which tile comes next is the next in order, from anyone
+            tile = it
+            if CLAIM == 1:  # ... but which tile comes next is the next in order, from anyone
+                tile = tl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")
             if tile < split_m * num_pid_n:  # peers' rows, then ours: each grouped on its own
                 vm, pid_n = grouped_tile(tile, split_m, num_pid_n, GROUP_M)
             else:
@@ -239,7 +268,14 @@ def persistent_gemm(
             own_tile = False
             if REDUCE_OWN:
                 own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
+            if DEFER_RELEASE:  # the previous tile's stores have landed during this K loop
+                _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+                pend_last = -1
             if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
+                if CLAIM == 0:
+                    if all_in == 0:  # every program has started, so every peer tile is being worked on
+                        wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
+                        all_in = 1
                 for c in range(c_first, c_last + 1):
                     j = c % CHUNKS_PER_RANK
                     want = tl.load(expected_ptr + j)
@@ -279,8 +315,10 @@ def persistent_gemm(
                 c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
                 tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
                 if SCATTER:
-                    tl.debug_barrier()  # every thread's stores of this tile come before the release below
-                    for c in range(c_first, c_last + 1):
-                        counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
-                        # LOCAL_COUNTERS: counters, and the stores they publish, on this GPU
-                        add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1, LOCAL_COUNTERS)
+                    if DEFER_RELEASE:
+                        pend_first = c_first
+                        pend_last = c_last
+                    else:
+                        _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+    if DEFER_RELEASE:
+        _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)

@@ -64,6 +64,16 @@ class GemmConfig:
     partial goes to memory and a separate kernel sums them; None (default):
     True on GPUs from ``gemm_rs.FUSE_REDUCE_BYTES`` of partial output, and on
     the host backend.
+    ``claim`` (GEMM-ReduceScatter with ``fuse_reduce``): how the GEMM's
+    programs take tiles so that no own-row tile's wait can block a peer tile
+    (kernels.gemm CLAIM): 1, one by one in order through an atomic counter;
+    0, round-robin, each program counting itself in once and waiting, before
+    its first own-row tile, for every program to have started. The host
+    backend always uses 1. None: ``CLAIM_DEFAULT``.
+    ``defer_release`` (GEMM-ReduceScatter): a tile's chunk counters are bumped
+    after the next tile's K loop, when its stores have landed, instead of
+    right after them (the release would wait for them). None:
+    ``DEFER_RELEASE_DEFAULT``.
     ``tma``: load A and B tiles through tensor descriptors (TMA) rather than
     pointers, on NVIDIA GPUs of compute capability 9.0 and later and on the
     host backend (never on AMD). None (default): when B is stored [N, K] and
@@ -93,10 +103,14 @@ class GemmConfig:
     fuse_reduce: bool | None = None
     tma: bool | None = None
     min_chunk_bytes: int = 0
+    claim: int | None = None
+    defer_release: bool | None = None
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
             raise ValueError(f"GemmConfig.mode must be 'push' or 'pull', got {self.mode!r}")
+        if self.claim not in (None, 0, 1):
+            raise ValueError(f"GemmConfig.claim must be None, 0 or 1, got {self.claim!r}")
         if self.scatter not in ("store", "copy", "auto"):
             raise ValueError(f"GemmConfig.scatter must be 'store', 'copy' or 'auto', got {self.scatter!r}")
 
@@ -359,10 +373,19 @@ def desc_layout(ctx, cfg: GemmConfig, a, ws, b, m_local: int, gather: bool) -> s
     return None
 
 
+#: the defaults of GemmConfig's (and launch_gemm's) ``claim`` (off the host backend) and ``defer_release``.
+CLAIM_DEFAULT = 1
+DEFER_RELEASE_DEFAULT = True
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
                 expected=None, tick=None, split_m=0, scales=None, free_sm=None, local_counters=False,
-                split_epilogue=None):
+                split_epilogue=None, claim=None, defer_release=None):
     """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
     the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
     chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
@@ -372,7 +395,12 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
     ``local_counters``: every scatter address and counter is on this GPU (GEMM-RS's copy variant), so a tile
     publishes its stores with a device-scope release instead of a system-scope one. ``split_epilogue`` (default:
     with ``reduce_into``): the own-row tiles' reduction runs on two column halves in turn, which on sm_90a
-    (Triton 3.6, 128x256 tiles) cut ptxas's spill stores from 884 to 148 bytes (scripts/compile_check.py)."""
+    (Triton 3.6, 128x256 tiles) cut ptxas's spill stores from 884 to 148 bytes (scripts/compile_check.py).
+    ``claim`` (with ``reduce_into``; kernels.gemm CLAIM): 1, tiles handed out one by one through ``tick``; 0,
+    round-robin with one start count per program. Always 1 on the host backend, whose interpreter runs
+    programs one after another. ``defer_release`` (scatter; DEFER_RELEASE): bump a tile's counters after the
+    next tile's K loop. Both default to ``cfg``'s, and where that is None to CLAIM_DEFAULT and
+    DEFER_RELEASE_DEFAULT."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if (gather if free_sm is None else free_sm) and ctx.backend != "host":
@@ -411,5 +439,7 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         DESC=b_layout is not None, B_KMAJOR=b_layout == "nk", SCALED=scales is not None,
         WHOLE_TILES=scatter_ptrs is not None and m_local % cfg.block_m == 0, LOCAL_COUNTERS=local_counters,
         SPLIT_EPILOGUE=(reduce_into is not None if split_epilogue is None else split_epilogue) and cfg.block_n >= 32,
+        CLAIM=1 if ctx.backend == "host" else _first(claim, cfg.claim, CLAIM_DEFAULT),
+        DEFER_RELEASE=scatter_ptrs is not None and bool(_first(defer_release, cfg.defer_release, DEFER_RELEASE_DEFAULT)),
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()
