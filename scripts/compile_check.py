@@ -35,7 +35,8 @@ def divisibility(sig: dict, skip=("rank", "op", "world", "split_m", "own_plane",
             if (ty.startswith("*") or ty == "i32") and name not in skip}
 
 
-def gemm_signature(desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather: bool = False) -> dict:
+def gemm_signature(desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather: bool = False,
+                   desc_c: bool = False) -> dict:
     sig = {}
     for prm in persistent_gemm.params:
         name = prm.name
@@ -54,6 +55,8 @@ def gemm_signature(desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather
         elif name == "a_desc":
             sig[name] = (f"tensordesc<bf16[1, {bm}, {bk}]>" if gather else f"tensordesc<bf16[{bm}, {bk}]>") \
                 if desc else "constexpr"
+        elif name == "c_desc":
+            sig[name] = f"tensordesc<bf16[{bm}, {bn // 2}]>" if desc_c else "constexpr"
         elif name == "b_desc":
             sig[name] = (f"tensordesc<bf16[{bn}, {bk}]>" if b_kmajor else f"tensordesc<bf16[{bk}, {bn}]>") \
                 if desc else "constexpr"
@@ -89,26 +92,29 @@ def main():
     triton.compile(src, target=target, options={"num_warps": 1})
     print("spin_kernel: compiled")
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
-    variants = [(False, True, fuse, desc, whole, local, split, claim, defer)
+    variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer
                 in itertools.product((False, True), (False, True), (False, True), (False, True), (False, True), (0, 1),
                                      (False, True))
                 if (whole or not fuse) and (fuse or not split) and (fuse or claim == 1) and (local or not args.quick)
                 and (desc or not args.quick)]
     if not args.quick:
-        variants += [(True, False, False, desc, False, False, False, 1, False) for desc in (False, True)]
-        variants += [(False, False, False, desc, False, False, False, 1, False) for desc in (False, True)]
-    for gather, scatter, fuse, desc, whole, local, split, claim, defer in variants:
+        variants += [(gather, False, False, desc, False, False, False, 1, False, desc_c)
+                     for gather, desc, desc_c in itertools.product((True, False), (False, True), (False, True))]
+    for gather, scatter, fuse, desc, whole, local, split, claim, defer, desc_c in variants:
         consts = dict(HAS_BIAS=False, GATHER=gather, SCATTER=scatter, REDUCE_OWN=fuse, BLOCK_M=bm, BLOCK_N=bn,
                       BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_XCDS=1, EVEN_K=True, CLOCK=1, DOT_F32=False,
                       ALIGN_C=scatter, DESC=desc, B_KMAJOR=False, SCALED=False, WHOLE_TILES=whole,
-                      LOCAL_COUNTERS=local, SPLIT_EPILOGUE=split, CLAIM=claim, DEFER_RELEASE=defer and scatter)
+                      LOCAL_COUNTERS=local, SPLIT_EPILOGUE=split, CLAIM=claim, DEFER_RELEASE=defer and scatter,
+                      DESC_C=desc_c)
         if not desc:
             consts.update(a_desc=None, b_desc=None)
+        if not desc_c:
+            consts.update(c_desc=None)
         name = (f"gather={gather} scatter={scatter} reduce_own={fuse} desc={desc} whole_tiles={whole} "
-                f"local_counters={local} split_epilogue={split} claim={claim} defer_release={defer}")
+                f"local_counters={local} split_epilogue={split} claim={claim} defer_release={defer} desc_c={desc_c}")
         try:
-            sig = gemm_signature(desc, bm, bn, bk, False, gather)
+            sig = gemm_signature(desc, bm, bn, bk, False, gather, desc_c)
             for unit in ("stride_cn", "stride_bn"):  # 1 at every launch: Triton specialises it as a constant
                 sig[unit] = "constexpr"
                 consts[unit] = 1

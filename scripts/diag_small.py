@@ -3,14 +3,17 @@ replays (GPU time, no host launch cost), max over ranks.
 
     bash scripts/launch.sh scripts/diag_small.py [--shapes M,K,N ...] [--fp8]
 
-Parts: cuBLAS on the gathered shape (the bound); our GEMM alone; our gather GEMM with every flag already
+Parts: cuBLAS on the gathered shape (the bound); our GEMM alone, storing C through a descriptor (TMA, the
+default) and through pointers (GemmConfig.tma_store=False); our gather GEMM with every flag already
 set (no producers: the cost of the flag checks and the two-source A); the device barrier alone; the
 producers alone (barrier, copies, flags, no GEMM); the whole call, with the default launch order, with
-producers first, and with exactly 1, 2 and 8 chunks per rank (GemmConfig.min_chunk_bytes off).
+pointer stores, with producers first, and with exactly 1, 2 and 8 chunks per rank (GemmConfig.min_chunk_bytes
+off).
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import os
 import sys
 
@@ -77,6 +80,8 @@ def main():
             else:
                 row["bound (cuBLAS)"] = graph_us(lambda: torch.matmul(gathered, w, out=out))
             row["our GEMM alone"] = graph_us(plain_gemm(ctx, cfg, gathered, w, out, scales=scales))
+            row["our GEMM alone, pointer stores"] = graph_us(plain_gemm(ctx, replace(cfg, tma_store=False), gathered, w,
+                                                                        out, scales=scales))
             op(a, w, out=out, **kw)  # workspace, flags, plans
             ctx.synchronize()
             layout = ChunkLayout(W, m, cfg.chunk_rows(m, K * a.element_size()))
@@ -100,6 +105,7 @@ def main():
             flags.local.zero_()
             dist.barrier()
             row["whole call"] = graph_us(lambda: op(a, w, out=out, **kw))
+            row["whole call, pointer stores"] = graph_us(lambda: op(a, w, out=out, tma_store=False, **kw))
             row["whole call, ranks not lined up"] = graph_us(lambda: op(a, w, out=out, **kw), lead_us=0)
             row["whole call, producers first"] = graph_us(lambda: op(a, w, out=out, gemm_first=False, **kw))
             for c in (1, 2, 8):

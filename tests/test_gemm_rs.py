@@ -52,8 +52,9 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
 
 HOST_CASES = [
     # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters, scatter, producer jitter (s)
-    # [, fuse_reduce, strided out, tma, claim, defer_release]; 24 | m: W = 2, 3, 4, 8. The reduction is in the GEMM (fuse_reduce) where
-    # every rank's rows are whole 32-row tiles (m = 32 * 24 or 64 * 24), in a separate kernel otherwise
+    # [, fuse_reduce, strided out, tma, claim, defer_release]; 24 | m: W = 2, 3, 4, 8. The reduction is in the
+    # GEMM (fuse_reduce) where every rank's rows are whole 32-row tiles (m = 32 * 24 or 64 * 24), in a separate
+    # kernel otherwise
     (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
     (64 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
     (32 * 24, 64, 33, "float16", False, True, 7, 2, "copy", 0.003),
@@ -160,22 +161,32 @@ def test_gemm_rs_small_shapes_fall_back(pool):
 
 
 def test_scatter_auto_rule():
-    """"auto" copies on GPUs from COPY_SCATTER_BYTES of partial output on, stores below and on the host backend;
-    an explicit choice wins; anything else is refused."""
+    """"auto" copies on GPUs from COPY_SCATTER_BYTES of partial output on, or from COPY_SCATTER_FUSED_BYTES where
+    the reduction is fused (every rank's rows whole tiles, fuse_reduce not False), stores below and on the host
+    backend; an explicit choice wins; anything else is refused."""
     from types import SimpleNamespace
 
     from triton_overlap.ops.common import GemmConfig
-    from triton_overlap.ops.gemm_rs import COPY_SCATTER_BYTES
+    from triton_overlap.ops.gemm_rs import COPY_SCATTER_BYTES, COPY_SCATTER_FUSED_BYTES
 
     rows = COPY_SCATTER_BYTES // (2 * 4096)
+    fused_rows = COPY_SCATTER_FUSED_BYTES // (2 * 4096)  # 2048: 1024 per rank at W = 2, whole 128-row tiles
+    assert fused_rows < rows
     for backend, big, small in (("cuda", "copy", "store"), ("host", "store", "store")):
-        op = to.GEMMReduceScatter(SimpleNamespace(backend=backend), GemmConfig())
-        assert op.scatter_mode(rows, 4096, 2, op.config) == big
-        assert op.scatter_mode(rows - 1, 4096, 2, op.config) == small
-    op = to.GEMMReduceScatter(SimpleNamespace(backend="cuda"), GemmConfig(scatter="store"))
+        op = to.GEMMReduceScatter(SimpleNamespace(backend=backend, world_size=2), GemmConfig())
+        assert op.scatter_mode(rows + 2, 4096, 2, op.config) == big  # not whole tiles, but large enough
+        assert op.scatter_mode(fused_rows, 4096, 2, op.config) == big
+        assert op.scatter_mode(fused_rows - 2 * 128, 4096, 2, op.config) == small
+        assert op.scatter_mode(fused_rows + 2, 4096, 2, op.config) == small  # rows not whole tiles: not fused
+        no_fuse = GemmConfig(fuse_reduce=False)
+        assert op.scatter_mode(fused_rows, 4096, 2, no_fuse) == small
+        assert op.scatter_mode(rows, 4096, 2, no_fuse) == big
+    op = to.GEMMReduceScatter(SimpleNamespace(backend="cuda", world_size=2), GemmConfig(scatter="store"))
     assert op.scatter_mode(rows * 8, 4096, 2, op.config) == "store"
     with pytest.raises(ValueError, match="scatter"):
         GemmConfig(scatter="both")
+    with pytest.raises(ValueError, match="claim"):
+        GemmConfig(claim=2)
 
 
 def _graph(replays, m, k, n, scatter="store"):

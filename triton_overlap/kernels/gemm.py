@@ -153,11 +153,20 @@ def _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stri
 
 
 @triton.jit
-def _store_plain(acc, c_ptr, bias_ptr, out_rows, cols, col_ok, M, stride_cm, stride_cn, HAS_BIAS: tl.constexpr):
+def _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_ok, M, stride_cm, stride_cn,
+                 HAS_BIAS: tl.constexpr, DESC_C: tl.constexpr):
+    """acc (+ bias) into C[out_rows, cols]: through C's descriptor (DESC_C: a TMA store, clipped at the edges) or
+    pointers (masked)."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+    if DESC_C:  # two column halves (c_desc's block is [BLOCK_M, BLOCK_N // 2]): half the shared memory
+        halves = tl.permute(tl.reshape(acc.to(c_ptr.dtype.element_ty), (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1))
+        lo, hi = tl.split(halves)
+        c_desc.store([row0, col0], lo)
+        c_desc.store([row0, col0 + acc.shape[1] // 2], hi)
+    else:
+        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
 
 
 @triton.jit
@@ -196,14 +205,14 @@ def persistent_gemm(
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
     tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
     out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, a_desc, own_plane, ws_plane, b_desc,
-    scale_a_ptr, scale_b_ptr,
+    scale_a_ptr, scale_b_ptr, c_desc,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
     DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
     B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
     LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False, CLAIM: tl.constexpr = 1,
-    DEFER_RELEASE: tl.constexpr = False,
+    DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
@@ -255,7 +264,8 @@ def persistent_gemm(
                                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, B_KMAJOR, DOT_F32, True)
             if SCALED:
                 acc = acc * scale
-            _store_plain(acc, c_ptr, bias_ptr, out_rows, cols, col_ok, M, stride_cm, stride_cn, HAS_BIAS)
+            _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
+                         stride_cn, HAS_BIAS, DESC_C)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if DESC:
@@ -295,30 +305,29 @@ def persistent_gemm(
                 else:
                     _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world,
                                 stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
+            elif not SCATTER:
+                _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
+                             stride_cn, HAS_BIAS, DESC_C)
             else:
                 if HAS_BIAS:
                     if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
                         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                if SCATTER:
-                    if WHOLE_TILES:  # every tile's rows have one owner: one address from the table
-                        owner = row0 // M_LOCAL
-                        base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                        c_rows = base + (rank * M_LOCAL + rows - owner * M_LOCAL) * stride_cm
-                    else:
-                        owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
-                        base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                        c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
-                    if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
-                        c_rows = tl.multiple_of(c_rows, 16)
+                if WHOLE_TILES:  # every tile's rows have one owner: one address from the table
+                    owner = row0 // M_LOCAL
+                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                    c_rows = base + (rank * M_LOCAL + rows - owner * M_LOCAL) * stride_cm
                 else:
-                    c_rows = c_ptr + out_rows * stride_cm
+                    owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
+                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                    c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+                if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
+                    c_rows = tl.multiple_of(c_rows, 16)
                 c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
                 tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
-                if SCATTER:
-                    if DEFER_RELEASE:
-                        pend_first = c_first
-                        pend_last = c_last
-                    else:
-                        _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+                if DEFER_RELEASE:
+                    pend_first = c_first
+                    pend_last = c_last
+                else:
+                    _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
     if DEFER_RELEASE:
         _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)

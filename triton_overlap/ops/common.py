@@ -56,14 +56,15 @@ class GemmConfig:
     straight into their receive slots over NVLink), "copy" (the GEMM stores
     them locally; copy engines move each chunk once the GEMM's counter for it
     is complete, waiting with a stream wait-value), or "auto" (copy on GPUs
-    when the partial output is at least ``gemm_rs.COPY_SCATTER_BYTES``).
+    when the partial output is at least ``gemm_rs.COPY_SCATTER_BYTES``, or
+    ``COPY_SCATTER_FUSED_BYTES`` with the reduction fused).
     ``fuse_reduce`` (GEMM-ReduceScatter): True: the GEMM's tiles of this
     rank's own rows, computed last, add the peers' partials in their epilogue
     and store the output (kernels.gemm REDUCE_OWN), when each rank's rows are
     a whole number of ``block_m`` tiles; False, or rows that are not: every
     partial goes to memory and a separate kernel sums them; None (default):
-    True on GPUs from ``gemm_rs.FUSE_REDUCE_BYTES`` of partial output, and on
-    the host backend.
+    True (measured faster on every shape once the tiles went round-robin,
+    ``claim=0``; see ``gemm_rs``).
     ``claim`` (GEMM-ReduceScatter with ``fuse_reduce``): how the GEMM's
     programs take tiles so that no own-row tile's wait can block a peer tile
     (kernels.gemm CLAIM): 1, one by one in order through an atomic counter;
@@ -72,8 +73,17 @@ class GemmConfig:
     backend always uses 1. None: ``CLAIM_DEFAULT``.
     ``defer_release`` (GEMM-ReduceScatter): a tile's chunk counters are bumped
     after the next tile's K loop, when its stores have landed, instead of
-    right after them (the release would wait for them). None:
-    ``DEFER_RELEASE_DEFAULT``.
+    right after them (the release would wait for them). None: in the store
+    variant (counters and stores over NVLink; 2xH200, graphs: 3-14% faster on
+    the three large shapes, equal on 2048 x 4096 x 4096), not in the copy
+    variant (local counters: within 1% on the large shapes, 33% slower on
+    2048 x 4096 x 4096, where each program has two tiles and the deferred
+    count holds a chunk's copy back by a whole tile).
+    ``tma_store`` (AllGather-GEMM and the plain GEMM): store C tiles through a
+    tensor descriptor (a TMA store) instead of pointers, where C can be
+    described (as for ``tma``: NVIDIA, compute capability 9.0 and later, or
+    the host backend; unit column stride, 16-byte aligned base and rows).
+    None: ``TMA_STORE_DEFAULT``.
     ``tma``: load A and B tiles through tensor descriptors (TMA) rather than
     pointers, on NVIDIA GPUs of compute capability 9.0 and later and on the
     host backend (never on AMD). None (default): when B is stored [N, K] and
@@ -105,6 +115,7 @@ class GemmConfig:
     min_chunk_bytes: int = 0
     claim: int | None = None
     defer_release: bool | None = None
+    tma_store: bool | None = None
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
@@ -373,9 +384,25 @@ def desc_layout(ctx, cfg: GemmConfig, a, ws, b, m_local: int, gather: bool) -> s
     return None
 
 
-#: the defaults of GemmConfig's (and launch_gemm's) ``claim`` (off the host backend) and ``defer_release``.
-CLAIM_DEFAULT = 1
-DEFER_RELEASE_DEFAULT = True
+#: The default of GemmConfig's (and launch_gemm's) ``claim`` off the host backend. Eleventh session, 2xH200,
+#: graphs (scripts/diag_rs.py): round-robin (0) made the fused GEMM-RS call 1-3% faster on the three large shapes
+#: and 19% on 2048 x 4096 x 4096 (copy variant: 154 -> 125 us).
+CLAIM_DEFAULT = 0
+
+
+#: GemmConfig.tma_store's default.
+TMA_STORE_DEFAULT = True
+
+
+def _describable(ctx, cfg: GemmConfig, c) -> bool:
+    """Whether C's tiles can be stored through a descriptor (TMA): NVIDIA sm_90+ or the host backend, unit column
+    stride, 16-byte aligned base and row stride, tiles of at most 256 in each dimension (and half tiles, the store's
+    unit, at least 16 columns wide)."""
+    if ctx.backend == "hip" or max(cfg.block_m, cfg.block_n) > 256 or cfg.block_n < 32:
+        return False
+    if ctx.backend == "cuda" and _capability(c.device.index)[0] < 9:
+        return False
+    return c.stride(1) == 1 and _aligned(c, c.stride(0))
 
 
 def _first(*values):
@@ -399,8 +426,8 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
     ``claim`` (with ``reduce_into``; kernels.gemm CLAIM): 1, tiles handed out one by one through ``tick``; 0,
     round-robin with one start count per program. Always 1 on the host backend, whose interpreter runs
     programs one after another. ``defer_release`` (scatter; DEFER_RELEASE): bump a tile's counters after the
-    next tile's K loop. Both default to ``cfg``'s, and where that is None to CLAIM_DEFAULT and
-    DEFER_RELEASE_DEFAULT."""
+    next tile's K loop. Both default to ``cfg``'s, and where that is None: CLAIM_DEFAULT, and deferred where the
+    counters are a peer's (system-scope release over NVLink), not where they are local."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if (gather if free_sm is None else free_sm) and ctx.backend != "host":
@@ -419,6 +446,10 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
             b_desc = TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn])
         else:
             b_desc = TensorDescriptor(b.t(), [N, K], [b.stride(1), 1], [bn, bk])
+    c_desc = None
+    if scatter_ptrs is None and _first(cfg.tma_store, TMA_STORE_DEFAULT) and _describable(ctx, cfg, c):
+        # the kernel stores each tile in two column halves (half the shared memory)
+        c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [cfg.block_m, cfg.block_n // 2])
     launch(persistent_gemm, (programs,), (
         a, ws if ws is not None else a, b, c, bias if bias is not None else c,
         M, N, K, m_local, m_per_chunk, chunks_per_rank,
@@ -427,7 +458,7 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         scatter_ptrs if scatter_ptrs is not None else flags, counter_ptrs if counter_ptrs is not None else flags,
         reduce_into if reduce_into is not None else c, reduce_into.stride(0) if reduce_into is not None else 0,
         expected if expected is not None else flags, tick if tick is not None else flags, ctx.world_size, split_m,
-        a_desc, planes[0], planes[1], b_desc, *(scales if scales is not None else (flags, flags)),
+        a_desc, planes[0], planes[1], b_desc, *(scales if scales is not None else (flags, flags)), c_desc,
     ), dict(
         HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None, REDUCE_OWN=reduce_into is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -440,6 +471,7 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         WHOLE_TILES=scatter_ptrs is not None and m_local % cfg.block_m == 0, LOCAL_COUNTERS=local_counters,
         SPLIT_EPILOGUE=(reduce_into is not None if split_epilogue is None else split_epilogue) and cfg.block_n >= 32,
         CLAIM=1 if ctx.backend == "host" else _first(claim, cfg.claim, CLAIM_DEFAULT),
-        DEFER_RELEASE=scatter_ptrs is not None and bool(_first(defer_release, cfg.defer_release, DEFER_RELEASE_DEFAULT)),
+        DEFER_RELEASE=scatter_ptrs is not None and bool(_first(defer_release, cfg.defer_release, not local_counters)),
+        DESC_C=c_desc is not None,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()

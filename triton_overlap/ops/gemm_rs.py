@@ -21,7 +21,8 @@ so the owner's reduction is the same. The stream waits depend only on this
 rank's GEMM, which waits on nothing. Here only the copies write into peers'
 memory, so the barrier runs on the first copy stream and the GEMM does not
 wait for it. ``scatter="auto"`` (the default) picks
-it on GPUs from ``COPY_SCATTER_BYTES`` of partial output on.
+it on GPUs from ``COPY_SCATTER_BYTES`` of partial output on (``COPY_SCATTER_FUSED_BYTES`` where the reduction is
+fused into the GEMM).
 """
 from __future__ import annotations
 
@@ -41,16 +42,21 @@ OP = op_id("gemm_rs")
 #: ``fallback="auto"`` uses torch.matmul + NCCL reduce_scatter_tensor instead.
 FALLBACK_PARTIAL_BYTES = 1 << 20
 
-#: ``scatter="auto"``: from this many bytes of partial output (M x N) on, the copy-engine scatter. Measured on
-#: H200 (bench.py gemm_rs, CUDA graphs, two runs each at W = 2 and W = 4): copy was 4-27% faster on every issue
-#: shape of M x N x 2 bytes >= 64 MiB; on the 16 MiB one (2048 x 4096) it was 7-25% slower in three runs and
-#: 28% faster in one.
+#: ``scatter="auto"``: from this many bytes of partial output (M x N) on, the copy-engine scatter; from
+#: COPY_SCATTER_FUSED_BYTES on where the reduction runs in the GEMM (``fuse_reduce``). Measured on H200
+#: (bench.py gemm_rs, CUDA graphs, two runs each at W = 2 and W = 4, tenth session): copy was 4-27% faster on every
+#: issue shape of M x N x 2 bytes >= 64 MiB; on the 16 MiB one (2048 x 4096), with a separate reduction kernel, it
+#: was 7-25% slower in three runs and 28% faster in one. Eleventh session (scripts/diag_rs.py, graphs, 2xH200, the
+#: GEMM's tiles round-robin, CLAIM=0): on 2048 x 4096 x 4096 copy + fused 124.5 us, store + fused 129.4, copy +
+#: separate kernel 169.4, store + separate kernel 133.6 (benchmarks/results/diag_rs-H200x2.log).
 COPY_SCATTER_BYTES = 32 << 20
+COPY_SCATTER_FUSED_BYTES = 16 << 20
 
-#: ``fuse_reduce=None``: from this many bytes of partial output (M x N) on, the reduction runs in the GEMM's own-row
-#: tiles. Measured on 2xH200 (scripts/diag_rs_fuse.py, CUDA graphs, W = 2): fused 3.5-8% faster at 8192^3 and 4-16%
-#: at 8192 x 1792 x 8192 (128 MiB), 5-20% slower at 2048 x 4096 x 4096 (16 MiB).
-FUSE_REDUCE_BYTES = 32 << 20
+#: The reduction runs in the GEMM's own-row tiles (``fuse_reduce=None``) wherever each rank's rows are whole
+#: tiles. Eleventh session, 2xH200, graphs (scripts/diag_rs.py): fused against a separate reduction kernel, copy /
+#: store variant: 8192 x 4096 x 4096 394 / 444 against 440 / 489 us, 8192 x 1792 x 8192 395 / 458 against 483 /
+#: 548, 8192^3 1519 / 1620 against 1615 / 1714, 2048 x 4096 x 4096 125 / 129 against 169 / 134. (Before the
+#: round-robin tiles, CLAIM=0, fused was 5-20% slower on the 16 MiB shape, and was used from 32 MiB on.)
 
 
 class GEMMReduceScatter(OverlapOp):
@@ -167,10 +173,7 @@ class GEMMReduceScatter(OverlapOp):
         else:
             ctx.barrier()  # the GEMM stores into peers' receive slots: owners have reduced and reset
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
-        fuse = cfg.fuse_reduce
-        if fuse is None:
-            fuse = ctx.backend == "host" or M * N * a.element_size() >= FUSE_REDUCE_BYTES
-        fuse = fuse and m_local % cfg.block_m == 0  # own-row tiles hold our rows only
+        fuse = self.fuses(M, cfg)
         tick = self._tick() if fuse else None
         # On the host backend a launch returns when the kernel has finished, and a fused GEMM waits for the peers'
         # copies: there the copies (whose streams wait for our counters in worker threads) are enqueued first.
@@ -208,11 +211,17 @@ class GEMMReduceScatter(OverlapOp):
             t = self._plans["tick"] = torch.zeros(1, dtype=torch.int32, device=self.ctx.device)
         return t
 
+    def fuses(self, m: int, cfg: GemmConfig) -> bool:
+        """Whether the reduction runs in the GEMM for ``m`` rows in all: ``cfg.fuse_reduce`` (None: yes), where every
+        rank's rows are whole ``block_m`` tiles (own-row tiles hold our rows only)."""
+        return cfg.fuse_reduce is not False and (m // self.ctx.world_size) % cfg.block_m == 0
+
     def scatter_mode(self, m: int, n: int, elsize: int, cfg: GemmConfig) -> str:
         """"store" or "copy": ``cfg``'s choice, or for "auto" the rule above (the host backend stores)."""
         mode = cfg.scatter
         if mode == "auto":
-            big = m * n * elsize >= COPY_SCATTER_BYTES
+            size = m * n * elsize
+            big = size >= COPY_SCATTER_BYTES or (size >= COPY_SCATTER_FUSED_BYTES and self.fuses(m, cfg))
             mode = "copy" if big and self.ctx.backend != "host" else "store"
         return mode
 
