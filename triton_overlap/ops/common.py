@@ -422,7 +422,7 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
     ``local_counters``: every scatter address and counter is on this GPU (GEMM-RS's copy variant), so a tile
     publishes its stores with a device-scope release instead of a system-scope one. ``split_epilogue`` (default:
     with ``reduce_into``): the own-row tiles' reduction runs on two column halves in turn, which on sm_90a
-    (Triton 3.6, 128x256 tiles) cut ptxas's spill stores from 884 to 148 bytes (scripts/compile_check.py).
+    (Triton 3.6, 128x256 tiles, unit strides) takes ptxas's spill stores from 8 bytes to none (scripts/compile_check.py).
     ``claim`` (with ``reduce_into``; kernels.gemm CLAIM): 1, tiles handed out one by one through ``tick``; 0,
     round-robin with one start count per program. Always 1 on the host backend, whose interpreter runs
     programs one after another. ``defer_release`` (scatter; DEFER_RELEASE): bump a tile's counters after the
