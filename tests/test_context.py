@@ -165,6 +165,24 @@ def test_expired_wait_raises_and_context_survives(pool):
     assert all(0.15 * timeout_s <= e <= 4 * timeout_s + 5 for e in elapsed), elapsed
 
 
+def _start_count_timeout():
+    """kernels.gemm CLAIM=0's wait for every program to start reports index -1: the message says what it waited for."""
+    with to.Context(timeout_s=0.2) as ctx:
+        count = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        with pytest.raises(RuntimeError) as info:
+            wait_kernel[(1,)](count, 131, ctx.err, ctx.budget, ctx.rank, op_id("gemm_rs"), -1, CLOCK=ctx.clock)
+            ctx.after_launch()
+            ctx.check()
+        msg = str(info.value)
+        assert f"rank {ctx.rank}" in msg and "gemm_rs" in msg and "programs to start" in msg and "131" in msg, msg
+        ctx.check()  # cleared
+    return True
+
+
+def test_start_count_timeout_names_what_it_waited_for(pool):
+    assert all(pool.run(_start_count_timeout))
+
+
 # ---------------------------------------------------------- bad collective use
 def _mismatch():
     with to.Context(timeout_s=30) as ctx:

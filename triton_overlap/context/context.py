@@ -254,8 +254,10 @@ class Context:
         if word[ERR_CODE] != 0:
             self.err.zero_()
             op = OPS.get(word[ERR_OP], f"op#{word[ERR_OP]}")
+            what = (f"signal {word[ERR_INDEX]}" if word[ERR_INDEX] >= 0 else  # kernels.gemm CLAIM=0's start count
+                    "its GEMM's programs to start")
             raise RuntimeError(f"triton_overlap: rank {word[ERR_RANK]}: {op} timed out after {self.timeout_s:g} s "
-                               f"waiting on signal {word[ERR_INDEX]} (saw {word[ERR_SEEN]}, waited for {word[ERR_WANTED]})")
+                               f"waiting on {what} (saw {word[ERR_SEEN]}, waited for {word[ERR_WANTED]})")
 
     def after_launch(self) -> None:
         """Called by ops after each kernel launch: on the host backend kernels are synchronous,
