@@ -6,17 +6,15 @@ replays (GPU time, no host launch cost), max over ranks, the ranks lined up by a
 
 Parts: cuBLAS on the local GEMM (the bound); our GEMM alone; the copy variant's GEMM alone (scatter only, or
 with the reduction in its own-row tiles), with each tile's counters bumped at once or after the next tile's K
-loop (defer), the fused kernel's tiles claimed one by one through an atomic or round-robin (claim 1 / 0), and
-peer tiles and output stored through descriptors or pointers (tma_store);
+loop (defer), and the fused kernel's tiles claimed one by one through an atomic or round-robin (claim 1 / 0);
 the copy variant's chunk copies alone (this rank's partial rows for every peer, chunked as the op chunks them,
 on the op's streams, no waits); those copies beside our GEMM alone (what the two cost each other); the device
-barrier alone; the whole call by default, and in several modes (copy or store; reduction fused or in its own
-kernel; claim, defer and tma_store settings).
+barrier alone; the whole call by default, and in each mode (copy or store; reduction fused or in its own
+kernel) with each claim and defer setting.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 import os
 import sys
 
@@ -64,20 +62,17 @@ def main():
             ready = torch.full((layout.num_chunks,), 1 << 30, dtype=torch.int32, device="cuda")  # every wait passes
             tick = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-            def rs_gemm(fuse, claim=None, defer=None, tma_store=None):
+            def rs_gemm(fuse, claim=None, defer=None):
                 """The copy variant's GEMM alone: tiles stored into the staging buffer and our receive slot,
                 counters bumped; ``fuse``: own-row tiles add the peers' partials (whatever the slots hold; every
-                wait already satisfied); ``claim``/``defer``: launch_gemm's (None: the defaults); ``tma_store``: peer
-                tiles and output through descriptors (GemmConfig.tma_store; None: the default)."""
-                c = replace(cfg, tma_store=tma_store)
-
+                wait already satisfied); ``claim``/``defer``: launch_gemm's (None: the defaults)."""
                 def run():
-                    launch_gemm(ctx, c, a=a, ws=None, b=w, c=recv.local.view(W * m, N), bias=None, M=M, N=N, K=K,
+                    launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m, N), bias=None, M=M, N=N, K=K,
                                 m_local=m, m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank,
                                 tile_order=order, flags=ready, op=OP, gather=False, scatter_ptrs=sp, counter_ptrs=cp,
                                 reduce_into=out if fuse else None, expected=expected if fuse else None,
                                 tick=tick if fuse else None, split_m=(W - 1) * m // cfg.block_m, free_sm=fuse,
-                                local_counters=True, claim=claim, defer_release=defer, staging=staging)
+                                local_counters=True, claim=claim, defer_release=defer)
                     if fuse:
                         tick.zero_()
                 return run
@@ -86,9 +81,7 @@ def main():
                 row[f"RS GEMM alone, scatter only, defer={int(defer)}"] = graph_us(rs_gemm(False, defer=defer))
             for claim in (1, 0):
                 for defer in (False, True):
-                    for tma in (False, True):
-                        row[f"RS GEMM alone, fused, claim={claim} defer={int(defer)} tma_store={int(tma)}"] = graph_us(
-                            rs_gemm(True, claim, defer, tma))
+                    row[f"RS GEMM alone, fused, claim={claim} defer={int(defer)}"] = graph_us(rs_gemm(True, claim, defer))
             ctx.synchronize()
             counters.local.zero_()  # the GEMMs alone bumped them; a call starts from zero
             done.zero_()
@@ -127,13 +120,12 @@ def main():
             row["whole call (store)"] = graph_us(lambda: op(a, w, out=out, scatter="store"))
             row["whole call (default: auto)"] = graph_us(lambda: op(a, w, out=out))
             row["whole call (default), ranks not lined up"] = graph_us(lambda: op(a, w, out=out), lead_us=0)
-            calls = [("copy", True, 0, defer, tma) for defer in (0, 1) for tma in (0, 1)]
-            calls += [("copy", True, 1, 0, 1), ("store", True, 0, 1, 1), ("copy", False, None, 0, 1)]
-            for mode, fuse, claim, defer, tma in calls:
-                name = (f"whole call ({mode}, {'fused, claim=' + str(claim) if fuse else 'reduce kernel'}, "
-                        f"defer={defer}, tma_store={tma})")
+            calls = [(mode, True, claim, defer) for mode in ("copy", "store") for claim in (1, 0) for defer in (0, 1)]
+            calls += [(mode, False, None, defer) for mode in ("copy", "store") for defer in (0, 1)]
+            for mode, fuse, claim, defer in calls:
+                name = f"whole call ({mode}, {'fused, claim=' + str(claim) if fuse else 'reduce kernel'}, defer={defer})"
                 row[name] = graph_us(lambda: op(a, w, out=out, scatter=mode, fuse_reduce=fuse, claim=claim,
-                                                defer_release=bool(defer), tma_store=bool(tma)))
+                                                defer_release=bool(defer)))
             ctx.check()
             mib = (W - 1) * m * N * a.element_size() / 2 ** 20
             say(f"{M}x{K}x{N} bf16 W={W} cfg={cfg} ({layout.chunks_per_rank} chunks/rank by default, "

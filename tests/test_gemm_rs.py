@@ -66,7 +66,6 @@ HOST_CASES = [
     (29 * 24, 64, 33, "float16", False, False, 7, 1, "copy", 0.0, False, True),  # and a strided out
     (32 * 24, 48, 40, "bfloat16", True, False, 16, 1, "store", 0.0, True, False, True),  # descriptors, B [K, N]
     (32 * 24, 64, 33, "float16", False, True, 7, 1, "copy", 0.003, True, False, None, 1, False),  # counters at once
-    (32 * 24, 48, 48, "bfloat16", True, False, 16, 2, "copy", 0.003),  # aligned rows: peer tiles and out through TMA
 ]
 GPU_CASES = [
     (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0),

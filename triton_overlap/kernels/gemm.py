@@ -153,30 +153,25 @@ def _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stri
 
 
 @triton.jit
-def _store_halves(desc, row0, col0, tile):
-    """A tile through a descriptor whose block is its left half: two TMA stores, half the shared memory."""
-    lo, hi = tl.split(tl.permute(tl.reshape(tile, (tile.shape[0], 2, tile.shape[1] // 2)), (0, 2, 1)))
-    desc.store([row0, col0], lo)
-    desc.store([row0, col0 + tile.shape[1] // 2], hi)
-
-
-@triton.jit
 def _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_ok, M, stride_cm, stride_cn,
                  HAS_BIAS: tl.constexpr, DESC_C: tl.constexpr):
     """acc (+ bias) into C[out_rows, cols]: through C's descriptor (DESC_C: a TMA store, clipped at the edges) or
     pointers (masked)."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if DESC_C:
-        _store_halves(c_desc, row0, col0, acc.to(c_ptr.dtype.element_ty))
+    if DESC_C:  # two column halves (c_desc's block is [BLOCK_M, BLOCK_N // 2]): half the shared memory
+        halves = tl.permute(tl.reshape(acc.to(c_ptr.dtype.element_ty), (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1))
+        lo, hi = tl.split(halves)
+        c_desc.store([row0, col0], lo)
+        c_desc.store([row0, col0 + acc.shape[1] // 2], hi)
     else:
         c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
 
 
 @triton.jit
-def _reduce_own(acc, c_ptr, out_ptr, o_desc, bias_ptr, local, out_rows, cols, local0, col0, N, M, M_LOCAL, rank, world,
-                stride_cm, stride_cn, stride_om, HAS_BIAS: tl.constexpr, ALIGN_C: tl.constexpr, DESC_OUT: tl.constexpr):
+def _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world, stride_cm, stride_cn,
+                stride_om, HAS_BIAS: tl.constexpr, ALIGN_C: tl.constexpr):
     """REDUCE_OWN's epilogue for ``acc`` (this rank's partial of rows ``local`` of its own block, columns ``cols``):
     add the peers' partials from this rank's receive slots and the bias, store the output dtype."""
     col_ok = cols < N
@@ -186,24 +181,16 @@ def _reduce_own(acc, c_ptr, out_ptr, o_desc, bias_ptr, local, out_rows, cols, lo
             acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if DESC_OUT:  # o_desc's block is this half's shape; the rows are whole (REDUCE_OWN)
-        o_desc.store([local0, col0], acc.to(c_ptr.dtype.element_ty))
-    else:
-        o_rows = out_ptr + local * stride_om
-        if ALIGN_C:
-            o_rows = tl.multiple_of(o_rows, 16)
-        tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-                 mask=(out_rows[:, None] < M) & col_ok[None, :])
+    o_rows = out_ptr + local * stride_om
+    if ALIGN_C:
+        o_rows = tl.multiple_of(o_rows, 16)
+    tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
+             mask=(out_rows[:, None] < M) & col_ok[None, :])
 
 
 @triton.jit
-def _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS: tl.constexpr,
-             TMA_STORES: tl.constexpr = False, CLOCK: tl.constexpr = 1):
-    """Bump the owner's counter of chunks c_first..c_last (none if c_last < c_first) for one stored tile. TMA_STORES:
-    the tile went out through TMA stores, which must have completed (not only read shared memory) first."""
-    if TMA_STORES and CLOCK == 1:  # (the interpreter's stores are synchronous)
-        tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+def _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS: tl.constexpr):
+    """Bump the owner's counter of chunks c_first..c_last (none if c_last < c_first) for one stored tile."""
     tl.debug_barrier()  # every thread's stores of the tile come before the release below
     for c in range(c_first, c_last + 1):
         counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
@@ -218,15 +205,14 @@ def persistent_gemm(
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
     tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
     out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, a_desc, own_plane, ws_plane, b_desc,
-    scale_a_ptr, scale_b_ptr, c_desc, s_desc, o_desc,
+    scale_a_ptr, scale_b_ptr, c_desc,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
     DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
     B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
     LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False, CLAIM: tl.constexpr = 1,
-    DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False, DESC_SCATTER: tl.constexpr = False,
-    DESC_OUT: tl.constexpr = False,
+    DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
@@ -293,7 +279,7 @@ def persistent_gemm(
             if REDUCE_OWN:
                 own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
             if DEFER_RELEASE:  # the previous tile's stores have landed during this K loop
-                _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS, DESC_SCATTER, CLOCK)
+                _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
                 pend_last = -1
             if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
                 if CLAIM == 0:
@@ -312,16 +298,13 @@ def persistent_gemm(
                     halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
                     acc_lo, acc_hi = tl.split(halves)
                     cols_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-                    local0 = row0 - rank * M_LOCAL
-                    col0 = pid_n * BLOCK_N
-                    _reduce_own(acc_lo, c_ptr, out_ptr, o_desc, bias_ptr, local, out_rows, cols_lo, local0, col0, N, M,
-                                M_LOCAL, rank, world, stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C, DESC_OUT)
-                    _reduce_own(acc_hi, c_ptr, out_ptr, o_desc, bias_ptr, local, out_rows, cols_lo + BLOCK_N // 2,
-                                local0, col0 + BLOCK_N // 2, N, M, M_LOCAL, rank, world, stride_cm, stride_cn, stride_om,
-                                HAS_BIAS, ALIGN_C, DESC_OUT)
-                else:  # (DESC_OUT only with SPLIT_EPILOGUE: the descriptor's block is a half)
-                    _reduce_own(acc, c_ptr, out_ptr, o_desc, bias_ptr, local, out_rows, cols, 0, 0, N, M, M_LOCAL, rank,
-                                world, stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C, False)
+                    _reduce_own(acc_lo, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo, N, M, M_LOCAL, rank, world,
+                                stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
+                    _reduce_own(acc_hi, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo + BLOCK_N // 2, N, M,
+                                M_LOCAL, rank, world, stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
+                else:
+                    _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world,
+                                stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
             elif not SCATTER:
                 _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
                              stride_cn, HAS_BIAS, DESC_C)
@@ -329,25 +312,22 @@ def persistent_gemm(
                 if HAS_BIAS:
                     if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
                         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                if DESC_SCATTER:  # copy variant, reduction fused: every tile here is a peer's, into the staging buffer
-                    _store_halves(s_desc, row0, pid_n * BLOCK_N, acc.to(c_ptr.dtype.element_ty))
+                if WHOLE_TILES:  # every tile's rows have one owner: one address from the table
+                    owner = row0 // M_LOCAL
+                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                    c_rows = base + (rank * M_LOCAL + rows - owner * M_LOCAL) * stride_cm
                 else:
-                    if WHOLE_TILES:  # every tile's rows have one owner: one address from the table
-                        owner = row0 // M_LOCAL
-                        base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                        c_rows = base + (rank * M_LOCAL + rows - owner * M_LOCAL) * stride_cm
-                    else:
-                        owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
-                        base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                        c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
-                    if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
-                        c_rows = tl.multiple_of(c_rows, 16)
-                    c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
-                    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+                    owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
+                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                    c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+                if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
+                    c_rows = tl.multiple_of(c_rows, 16)
+                c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
+                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
                 if DEFER_RELEASE:
                     pend_first = c_first
                     pend_last = c_last
                 else:
-                    _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS, DESC_SCATTER, CLOCK)
+                    _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
     if DEFER_RELEASE:
-        _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS, DESC_SCATTER, CLOCK)
+        _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)

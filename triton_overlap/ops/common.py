@@ -412,7 +412,7 @@ def _first(*values):
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
                 expected=None, tick=None, split_m=0, scales=None, free_sm=None, local_counters=False,
-                split_epilogue=None, claim=None, defer_release=None, staging=None):
+                split_epilogue=None, claim=None, defer_release=None):
     """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
     the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
     chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
@@ -427,10 +427,7 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
     round-robin with one start count per program. Always 1 on the host backend, whose interpreter runs
     programs one after another. ``defer_release`` (scatter; DEFER_RELEASE): bump a tile's counters after the
     next tile's K loop. Both default to ``cfg``'s, and where that is None: CLAIM_DEFAULT, and deferred where the
-    counters are a peer's (system-scope release over NVLink), not where they are local.
-    ``staging`` (GEMM-RS copy variant with ``reduce_into``: the [W, M/W, N] buffer the peer tiles go to): with
-    ``cfg.tma_store``, peer tiles are stored into it through a descriptor, and the output of own-row tiles too
-    (kernels.gemm DESC_SCATTER, DESC_OUT)."""
+    counters are a peer's (system-scope release over NVLink), not where they are local."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if (gather if free_sm is None else free_sm) and ctx.backend != "host":
@@ -449,18 +446,10 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
             b_desc = TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn])
         else:
             b_desc = TensorDescriptor(b.t(), [N, K], [b.stride(1), 1], [bn, bk])
-    # descriptors store each tile in two column halves (half the shared memory)
-    half = [cfg.block_m, cfg.block_n // 2]
-    tma_store = _first(cfg.tma_store, TMA_STORE_DEFAULT)
-    split = (reduce_into is not None if split_epilogue is None else split_epilogue) and cfg.block_n >= 32
-    c_desc = s_desc = o_desc = None
-    if scatter_ptrs is None and tma_store and _describable(ctx, cfg, c):
-        c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], half)
-    if reduce_into is not None and tma_store and split:
-        if staging is not None and local_counters and m_local % cfg.block_m == 0 and _describable(ctx, cfg, staging[0]):
-            s_desc = TensorDescriptor(staging, [M, N], [staging.stride(1), 1], half)  # [W, M/W, N] as [M, N]
-        if _describable(ctx, cfg, reduce_into):
-            o_desc = TensorDescriptor(reduce_into, [m_local, N], [reduce_into.stride(0), 1], half)
+    c_desc = None
+    if scatter_ptrs is None and _first(cfg.tma_store, TMA_STORE_DEFAULT) and _describable(ctx, cfg, c):
+        # the kernel stores each tile in two column halves (half the shared memory)
+        c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [cfg.block_m, cfg.block_n // 2])
     launch(persistent_gemm, (programs,), (
         a, ws if ws is not None else a, b, c, bias if bias is not None else c,
         M, N, K, m_local, m_per_chunk, chunks_per_rank,
@@ -469,8 +458,7 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         scatter_ptrs if scatter_ptrs is not None else flags, counter_ptrs if counter_ptrs is not None else flags,
         reduce_into if reduce_into is not None else c, reduce_into.stride(0) if reduce_into is not None else 0,
         expected if expected is not None else flags, tick if tick is not None else flags, ctx.world_size, split_m,
-        a_desc, planes[0], planes[1], b_desc, *(scales if scales is not None else (flags, flags)), c_desc, s_desc,
-        o_desc,
+        a_desc, planes[0], planes[1], b_desc, *(scales if scales is not None else (flags, flags)), c_desc,
     ), dict(
         HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter_ptrs is not None, REDUCE_OWN=reduce_into is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -481,9 +469,9 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
             reduce_into is None or (reduce_into.data_ptr() % 16 == 0 and reduce_into.stride(0) * c.element_size() % 16 == 0)),
         DESC=b_layout is not None, B_KMAJOR=b_layout == "nk", SCALED=scales is not None,
         WHOLE_TILES=scatter_ptrs is not None and m_local % cfg.block_m == 0, LOCAL_COUNTERS=local_counters,
-        SPLIT_EPILOGUE=split,
+        SPLIT_EPILOGUE=(reduce_into is not None if split_epilogue is None else split_epilogue) and cfg.block_n >= 32,
         CLAIM=1 if ctx.backend == "host" else _first(claim, cfg.claim, CLAIM_DEFAULT),
         DEFER_RELEASE=scatter_ptrs is not None and bool(_first(defer_release, cfg.defer_release, not local_counters)),
-        DESC_C=c_desc is not None, DESC_SCATTER=s_desc is not None, DESC_OUT=o_desc is not None,
+        DESC_C=c_desc is not None,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()

@@ -185,8 +185,7 @@ class GEMMReduceScatter(OverlapOp):
                     chunks_per_rank=layout.chunks_per_rank, tile_order=order, flags=counters.local, op=OP, gather=False,
                     scatter_ptrs=scatter_ptrs, counter_ptrs=counter_ptrs, reduce_into=out if fuse else None,
                     expected=expected, tick=tick, split_m=(W - 1) * m_local // cfg.block_m,
-                    free_sm=copy and fuse and not self.gate_gemm, local_counters=copy,
-                    staging=staging if copy else None)
+                    free_sm=copy and fuse and not self.gate_gemm, local_counters=copy)
         if copy and not copies_first:
             self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
         if not fuse:
