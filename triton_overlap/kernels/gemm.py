@@ -60,6 +60,10 @@ make ptxas serialise the wgmma pipeline. The host takes this path only when
 M_LOCAL is a multiple of BLOCK_M (no tile covers rows of two ranks). A tile
 that waited on a flag fences the async proxy before its first descriptor
 load, so the loads see what the flag published.
+
+DESC_C (AllGather and plain only): C tiles are stored through ``c_desc`` (a TMA
+store, clipped at C's edges) in two column halves, so the epilogue needs half a
+tile of shared memory and 4 pipeline stages of 128x256x64 still fit on sm_90a.
 """
 from __future__ import annotations
 
