@@ -157,6 +157,12 @@ def _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stri
 
 
 @triton.jit
+def _column_halves(tile):
+    """A [M, N] tile's left and right [M, N // 2] halves."""
+    return tl.split(tl.permute(tl.reshape(tile, (tile.shape[0], 2, tile.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
 def _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_ok, M, stride_cm, stride_cn,
                  HAS_BIAS: tl.constexpr, DESC_C: tl.constexpr):
     """acc (+ bias) into C[out_rows, cols]: through C's descriptor (DESC_C: a TMA store, clipped at the edges) or
@@ -164,8 +170,7 @@ def _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_o
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if DESC_C:  # two column halves (c_desc's block is [BLOCK_M, BLOCK_N // 2]): half the shared memory
-        halves = tl.permute(tl.reshape(acc.to(c_ptr.dtype.element_ty), (acc.shape[0], 2, acc.shape[1] // 2)), (0, 2, 1))
-        lo, hi = tl.split(halves)
+        lo, hi = _column_halves(acc.to(c_ptr.dtype.element_ty))
         c_desc.store([row0, col0], lo)
         c_desc.store([row0, col0 + acc.shape[1] // 2], hi)
     else:
@@ -299,8 +304,7 @@ def persistent_gemm(
                                       s * CHUNKS_PER_RANK + j, CLOCK)
                 local = rows - rank * M_LOCAL
                 if SPLIT_EPILOGUE:  # two column halves, one after the other: fewer live registers (no spills)
-                    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
-                    acc_lo, acc_hi = tl.split(halves)
+                    acc_lo, acc_hi = _column_halves(acc)
                     cols_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
                     _reduce_own(acc_lo, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo, N, M, M_LOCAL, rank, world,
                                 stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)

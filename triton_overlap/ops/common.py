@@ -364,14 +364,20 @@ def _pair_desc(a, ws, M, K, bm, bk):
     return TensorDescriptor(lo, [2, M, K], [gap, a.stride(0), 1], [1, bm, bk]), planes
 
 
+def _tma_target(ctx, device, *block: int) -> bool:
+    """Whether this backend and GPU take tensor descriptors with tile sides ``block``: NVIDIA compute capability
+    9.0 and later or the host backend (never AMD), no side over 256."""
+    if ctx.backend == "hip" or max(block) > 256:
+        return False
+    return ctx.backend != "cuda" or _capability(device.index)[0] >= 9
+
+
 def desc_layout(ctx, cfg: GemmConfig, a, ws, b, m_local: int, gather: bool) -> str | None:
     """How B is described for kernels.gemm's DESC path: "kn" ([K, N] rows; only with ``cfg.tma`` True), "nk"
     (B's transpose, [N, K] rows: ``linear.weight.t()``), or None: pointers (GemmConfig.tma says when).
     Descriptors need 16-byte aligned bases and row strides, unit stride in the last dimension, and with
     GATHER whole tiles of each rank's rows."""
-    if cfg.tma is False or ctx.backend == "hip" or max(cfg.block_m, cfg.block_n, cfg.block_k) > 256:
-        return None
-    if ctx.backend == "cuda" and _capability(a.device.index)[0] < 9:
+    if cfg.tma is False or not _tma_target(ctx, a.device, cfg.block_m, cfg.block_n, cfg.block_k):
         return None
     if a.stride(1) != 1 or not _aligned(a, a.stride(0)):
         return None
@@ -398,11 +404,8 @@ def _describable(ctx, cfg: GemmConfig, c) -> bool:
     """Whether C's tiles can be stored through a descriptor (TMA): NVIDIA sm_90+ or the host backend, unit column
     stride, 16-byte aligned base and row stride, tiles of at most 256 in each dimension (and half tiles, the store's
     unit, at least 16 columns wide)."""
-    if ctx.backend == "hip" or max(cfg.block_m, cfg.block_n) > 256 or cfg.block_n < 32:
-        return False
-    if ctx.backend == "cuda" and _capability(c.device.index)[0] < 9:
-        return False
-    return c.stride(1) == 1 and _aligned(c, c.stride(0))
+    return (cfg.block_n >= 32 and _tma_target(ctx, c.device, cfg.block_m, cfg.block_n)
+            and c.stride(1) == 1 and _aligned(c, c.stride(0)))
 
 
 def _first(*values):
