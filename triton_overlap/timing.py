@@ -57,22 +57,56 @@ def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, le
         per_call = torch.tensor([s.elapsed_time(e) / 1e3 / max(warmup, 1)], device="cuda")
         dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
         iters = max(3, min(iters, int(budget_s / max(float(per_call.item()), 1e-6))))
-    times = []
-    for _ in range(iters):
-        if lead_us > 0:  # the host gets ahead here, so the spin after the all_reduce starts as it ends
-            spin(lead_us)
-        dist.all_reduce(tiny)
-        if lead_us > 0:
-            spin(lead_us)
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
+    times = [_lined_up(fn, tiny, lead_us) for _ in range(iters)]
     med = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return float(med.item())
+
+
+def _lined_up(fn, tiny: torch.Tensor, lead_us: float) -> float:
+    """One call of ``fn`` timed with CUDA events after the ranks are lined up (time_dist); µs."""
+    if lead_us > 0:  # the host gets ahead here, so the spin after the all_reduce starts as it ends
+        spin(lead_us)
+    dist.all_reduce(tiny)
+    if lead_us > 0:
+        spin(lead_us)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3
+
+
+def time_interleaved(fns: dict, iters: int, warmup: int = 2, budget_s: float | None = None,
+                     lead_us: float = 0.0) -> dict:
+    """``{name: median µs per call, max over ranks}`` for every function of ``fns`` (``{name: fn}``), each call
+    timed as in time_dist, the functions taking turns within every iteration (the order rotating by one each
+    iteration). On the largest shapes the SM clock falls as the GPU draws more power (2xH200: 1980 MHz down
+    to 1365-1740 MHz at 180-690 W, scripts/diag_graph.py), so functions timed one after another for a few
+    hundred ms each would be compared at different clocks; in turns each sees the same GPU on average.
+    ``budget_s`` caps the iterations so that all of them take about that long per function (at least 3)."""
+    names = list(fns)
+    tiny = torch.zeros(1, device="cuda")
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    e.record()
+    torch.cuda.synchronize()
+    if budget_s is not None:
+        per_round = torch.tensor([s.elapsed_time(e) / 1e3 / max(warmup, 1)], device="cuda")
+        dist.all_reduce(per_round, op=dist.ReduceOp.MAX)
+        iters = max(3, min(iters, int(budget_s * len(names) / max(float(per_round.item()), 1e-6))))
+    times = {n: [] for n in names}
+    for i in range(iters):
+        for j in range(len(names)):
+            n = names[(i + j) % len(names)]
+            times[n].append(_lined_up(fns[n], tiny, lead_us))
+    med = torch.tensor([statistics.median(times[n]) for n in names], device="cuda")
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return dict(zip(names, med.tolist()))
 
 
 def host_us(fn, iters: int = 20, busy: bool = False) -> float:
