@@ -1,4 +1,5 @@
-"""Compile the GEMM kernel's variants and the timing spin for a GPU target without a GPU: Triton front end,
+"""Compile the GEMM kernel's variants, the attention kernels and the timing spin for a GPU target without a
+GPU: Triton front end,
 LLVM and ptxas, as a launch on the device would. Catches compile errors before device time is spent, and
 prints registers, spills and whether ptxas serialised the wgmma pipeline (warning C7515).
 
@@ -22,6 +23,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from triton_overlap.kernels.attention import cp_attention_fwd  # noqa: E402
+from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq  # noqa: E402
 from triton_overlap.kernels.gemm import persistent_gemm  # noqa: E402
 from triton_overlap.kernels.signal import spin_kernel  # noqa: E402
 
@@ -65,6 +68,50 @@ def gemm_signature(desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather
     return sig
 
 
+def attention_signature(fn) -> dict:
+    """The attention kernels' arguments as the op passes them (bf16 tensors, float32 lse/delta, int32 flags and
+    tables, int64 address tables)."""
+    sig = {}
+    for prm in fn.params:
+        name = prm.name
+        if prm.is_constexpr:
+            sig[name] = "constexpr"
+        elif name in ("lse_ptr", "delta_ptr"):
+            sig[name] = "*fp32"
+        elif name in ("flags_ptr", "err_ptr", "seg_ptr", "cu_ptr"):
+            sig[name] = "*i32"
+        elif name in ("recv_ptrs", "counter_ptrs"):
+            sig[name] = "*i64"
+        elif name.endswith("_ptr"):
+            sig[name] = "*bf16"
+        elif name == "budget":
+            sig[name] = "i64"
+        elif name == "sm_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def compile_attention(target) -> int:
+    """The forward, dQ and dK/dV kernels, dense and packed (VARLEN), causal and not, with the H200 tiles."""
+    failed = 0
+    tiles = {cp_attention_fwd: (128, 64, 8, 3), cp_attention_dq: (128, 64, 8, 2), cp_attention_dkdv: (64, 128, 8, 2)}
+    for fn, (bm, bn, warps, stages) in tiles.items():
+        for varlen, causal in itertools.product((False, True), (True, False)):
+            name = f"{fn.fn.__name__} varlen={varlen} causal={causal}"
+            consts = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, HEAD_D=128, CLOCK=1, DOT_F32=False, VARLEN=varlen)
+            try:
+                sig = attention_signature(fn)
+                k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=divisibility(sig)),
+                                   target=target, options={"num_warps": warps, "num_stages": stages})
+                print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
+            except Exception as e:  # noqa: BLE001 - reported, the check goes on
+                failed += 1
+                print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+    return failed
+
+
 def ptxas_report(cubin_ptx: str, arch: int) -> str:
     ptxas = triton.knobs.nvidia.ptxas.path if hasattr(triton, "knobs") else "ptxas"
     with tempfile.TemporaryDirectory() as d:
@@ -91,6 +138,7 @@ def main():
     src = ASTSource(fn=spin_kernel, signature={"ticks": "i64", "CLOCK": "constexpr"}, constexprs={"CLOCK": 1})
     triton.compile(src, target=target, options={"num_warps": 1})
     print("spin_kernel: compiled")
+    failed += compile_attention(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer

@@ -223,3 +223,110 @@ def grad_errors_by_world(worlds, B, S, Hq, Hkv, D, causal, dtype_name):
             rows.append(("SDPA flash, 1 GPU", rel_err(o.detach().transpose(1, 2), want[0]),
                          *(rel_err(t.grad.transpose(1, 2), r) for t, r in zip(leaves, want[1:]))))
         return rows
+
+
+# ------------------------------------------------------------------ packed documents (cu_seqlens)
+def reference_docs(q, k, v, cu, causal, scale):
+    """``reference`` per document of the packed [1, T, ...] sequence (a query sees its own document only)."""
+    outs, lses = [], []
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b > a:
+            o, lse = reference(q[:, a:b], k[:, a:b], v[:, a:b], causal, scale)
+            outs.append(o)
+            lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, as_tensor=False):
+    """Documents of ``units`` x 2W tokens (zero-length ones included), packed into one sequence: forward against
+    ``reference_docs`` on poisoned outputs and random workspaces (twice, the second call possibly replayed),
+    and with ``grad`` the gradients through autograd."""
+    dtype = getattr(torch, dtype_name)
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        cu = [0]
+        for u in units:
+            cu.append(cu[-1] + 2 * W * u)
+        T, scale = cu[-1], 1.0 / math.sqrt(D)
+        cu_arg = torch.tensor(cu, dtype=torch.int32) if as_tensor else cu
+        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
+        pos = to.cp.shard(torch.arange(T)[None], ctx, cu_seqlens=cu)[0]
+        assert torch.equal(pos, to.cp.positions(ctx.rank, W, T // W, cu_seqlens=cu))
+        q, k, v = (rand((1, T, h, D), dtype, dev, name, "docs") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
+        qs, ks, vs = (to.cp.shard(t, ctx, cu_seqlens=cu) for t in (q, k, v))
+        ref_out, ref_lse = reference_docs(q, k, v, cu, causal, scale)
+        errs = {}
+        for it in range(2):
+            for name in ("k", "v"):  # stale garbage where peers write
+                ws = ctx.symmetric(f"cp_attention.{name}", (1, T, Hkv, D), dtype)
+                ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))
+            out = poison(torch.empty_like(qs))
+            lse = poison(torch.empty((1, Hq, T // W), dtype=torch.float32, device=dev))
+            op(qs, ks, vs, causal=causal, cu_seqlens=cu_arg, out=out, lse=lse)
+            ctx.check()
+            e_out = rel_err(to.cp.unshard(out, ctx, cu_seqlens=cu), ref_out)
+            e_lse = rel_err(to.cp.unshard(lse, ctx, dim=2, cu_seqlens=cu), ref_lse)
+            assert e_out < TOL[dtype] and e_lse < 1e-3, f"rank {ctx.rank} call {it}: out {e_out:.2e}, lse {e_lse:.2e}"
+            errs["out"] = max(errs.get("out", 0.0), e_out)
+        if grad:
+            dout = rand((1, T, Hq, D), dtype, dev, "do", "docs")
+            ref = [t.float().requires_grad_() for t in (q, k, v)]
+            (reference_docs(*ref, cu, causal, scale)[0] * dout.float()).sum().backward()
+            mine = [t.clone().requires_grad_() for t in (qs, ks, vs)]
+            o, _ = op(*mine, causal=causal, cu_seqlens=cu_arg)
+            (o.float() * to.cp.shard(dout, ctx, cu_seqlens=cu).float()).sum().backward()
+            ctx.check()
+            for name, m, r in zip("qkv", mine, ref):
+                errs["d" + name] = rel_err(to.cp.unshard(m.grad, ctx, cu_seqlens=cu), r.grad)
+            bad = {n: e for n, e in errs.items() if n != "out" and e > GRAD_TOL[dtype]}
+            assert not bad, f"rank {ctx.rank}: gradient rel err {bad}"
+        return errs
+
+
+# units of 2W tokens per document, Hq, Hkv, D, causal, dtype, chunks_per_rank, grad[, cu_seqlens as a tensor]
+VARLEN_CASES = {
+    "host": [([5, 1, 0, 3, 8], 4, 1, 64, True, "bfloat16", 2, True),  # MQA; a 2W-token and an empty document
+             ([3, 1, 4], 4, 2, 64, False, "float16", 4, True, True),  # chunks cut across document bounds
+             ([12], 4, 2, 128, True, "bfloat16", 2, False)],  # one document: the dense layout
+    "cuda": [([768, 128, 1, 258, 1900], 16, 4, 128, True, "bfloat16", 2, True),
+             ([300, 1, 723, 512], 8, 8, 64, False, "float16", 4, True, True),
+             ([2048, 2048], 32, 8, 128, True, "bfloat16", 4, False)],
+}
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_cp_attention_packed_documents(pool, case):
+    pool.run(_varlen_case, *VARLEN_CASES["host" if pool.backend == "host" else "cuda"][case])
+
+
+def _varlen_bad_inputs():
+    with to.Context(timeout_s=30) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        op = to.ContextParallelAttention(ctx)
+        S = 8 * W  # local rows 8
+        q = rand((1, 8, 4, 64), torch.bfloat16, dev, "q")
+        kv = rand((1, 8, 2, 64), torch.bfloat16, dev, "k")
+        cases = {
+            "multiple of 2 \\* world size": [0, 2 * W + 1, S],
+            "ends at": [0, 2 * W, 4 * W],
+            "start at 0": [2 * W, S],
+            "decreases": [0, 4 * W, 2 * W, S],
+            "sequence of ints": ["a", S],
+        }
+        for msg, cu in cases.items():
+            with pytest.raises(ValueError, match=msg):
+                op(q, kv, kv, cu_seqlens=cu)
+        with pytest.raises(ValueError, match="1-D integer tensor"):
+            op(q, kv, kv, cu_seqlens=torch.tensor([0.0, float(S)]))
+        q2, kv2 = (torch.cat([t, t]) for t in (q, kv))
+        with pytest.raises(ValueError, match="B = 2"):
+            op(q2, kv2, kv2, cu_seqlens=[0, S])
+        out, _ = op(q, kv, kv, cu_seqlens=[0, S])  # still usable, and one document is the dense layout
+        ctx.check()
+        dense, _ = op(q, kv, kv)
+        assert torch.equal(out, dense)
+        return True
+
+
+def test_cp_attention_packed_bad_input_raises_before_launch(pool):
+    assert all(pool.run(_varlen_bad_inputs))

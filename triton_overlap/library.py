@@ -121,17 +121,18 @@ gemm_rs.register_autograd(_rs_backward, setup_context=_rs_setup)
 # ------------------------------------------------------------------ context-parallel attention
 @torch.library.custom_op("triton_overlap::cp_attention", mutates_args=())
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: int, causal: bool, scale: float,
-                 keep: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, gathered k, gathered v); the last two are empty unless ``keep`` (for backward)."""
+                 keep: bool, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, gathered k, gathered v); the last two are empty unless ``keep`` (for backward). ``cu``: packed
+    documents' global boundaries (empty: none)."""
     with torch.no_grad():
-        res = _op(op).forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, keep=keep)
+        res = _op(op).forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, keep=keep, cu=cu)
     if keep:
         return res
     return res[0], res[1], k.new_empty(0), v.new_empty(0)
 
 
 @cp_attention.register_fake
-def _(q, k, v, op, causal, scale, keep):
+def _(q, k, v, op, causal, scale, keep, cu):
     B, S, Hq, _ = q.shape
     W = _op(op).ctx.world_size
     kept = (B, W * S, k.shape[2], k.shape[3]) if keep else (0,)
@@ -142,29 +143,29 @@ def _(q, k, v, op, causal, scale, keep):
 @torch.library.custom_op("triton_overlap::cp_attention_bwd", mutates_args=())
 def cp_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                      dout: torch.Tensor, kept_k: torch.Tensor, kept_v: torch.Tensor, op: int, causal: bool,
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scale: float, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv; K/V from ``kept_k``/``kept_v`` when they are not empty, else gathered again."""
     keep = kept_k.numel() > 0
     return _op(op).backward(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, dout.contiguous(), causal,
-                            scale, kept_k if keep else None, kept_v if keep else None)
+                            scale, kept_k if keep else None, kept_v if keep else None, tuple(cu))
 
 
 @cp_attention_bwd.register_fake
-def _(q, k, v, out, lse, dout, kept_k, kept_v, op, causal, scale):
+def _(q, k, v, out, lse, dout, kept_k, kept_v, op, causal, scale, cu):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _cp_setup(ctx, inputs, output):
-    q, k, v, op, causal, scale, keep = inputs
+    q, k, v, op, causal, scale, keep, cu = inputs
     ctx.save_for_backward(q, k, v, *output)
-    ctx.op, ctx.causal, ctx.scale = op, causal, scale
+    ctx.op, ctx.causal, ctx.scale, ctx.cu = op, causal, scale, list(cu)
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _cp_backward(ctx, dout, _dlse, _dk, _dv):
     q, k, v, out, lse, kept_k, kept_v = ctx.saved_tensors
-    dq, dk, dv = cp_attention_bwd(q, k, v, out, lse, dout, kept_k, kept_v, ctx.op, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = cp_attention_bwd(q, k, v, out, lse, dout, kept_k, kept_v, ctx.op, ctx.causal, ctx.scale, ctx.cu)
+    return dq, dk, dv, None, None, None, None, None
 
 
 cp_attention.register_autograd(_cp_backward, setup_context=_cp_setup)

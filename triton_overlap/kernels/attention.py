@@ -13,6 +13,13 @@ pipeline), which keys some rows see (a masked loop), and which none sees
 (skipped: neither waited for nor read). Program (0, 0) still waits for every
 flag before the kernel ends, so the caller can reset them.
 
+Packed documents (VARLEN): rank r holds chunks r and 2W-1-r of every
+document, the documents one after another, so every rank's shard has the same
+document boundaries (``cu_ptr``, local offsets). A program then takes its
+(document, first query row) from a table (``seg_ptr``), reads only that
+document's keys from each source, and positions are within the document:
+the same causal rules apply document by document.
+
 The running max, sum and accumulator stay in float32; lse is in natural log.
 """
 import triton
@@ -43,6 +50,38 @@ def wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n1, M_PER_CHUNK, CHUN
         for j in range(n0 // M_PER_CHUNK, (n1 - 1) // M_PER_CHUNK + 1):
             c = src * CHUNKS_PER_RANK + j
             wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK)
+
+
+@triton.jit
+def segment(pid, seg_ptr, cu_ptr, S_LOCAL, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
+    """(first row of the document in the shard, its length, this program's first row within it): the
+    whole shard is one document unless VARLEN, where the table names the document and the row."""
+    if VARLEN:
+        doc = tl.load(seg_ptr + 2 * pid)
+        r0 = tl.load(seg_ptr + 2 * pid + 1)
+        so = tl.load(cu_ptr + doc)
+        length = tl.load(cu_ptr + doc + 1) - so
+    else:
+        so = 0
+        length = S_LOCAL
+        r0 = pid * BLOCK
+    return so, length, r0
+
+
+@triton.jit
+def pieces(src, rank, so, lo, hi, M_PER_CHUNK):
+    """Range of the pieces that key rows [lo, hi) of a document starting at row ``so`` are read in: our own in
+    one, a peer's split at its chunk boundaries (each piece waits for its chunks). See ``piece``."""
+    P = tl.where(src == rank, 1 << 30, M_PER_CHUNK)
+    j0 = (so + lo) // P
+    j1 = tl.where(hi > lo, (so + hi - 1) // P + 1, j0)
+    return P, j0, j1
+
+
+@triton.jit
+def piece(j, P, so, lo, hi):
+    """Rows [c0, c1) of piece ``j`` (document-relative)."""
+    return tl.maximum(j * P - so, lo), tl.minimum((j + 1) * P - so, hi)
 
 
 @triton.jit
@@ -114,9 +153,9 @@ def _fold(acc, m_i, l_i, q, q_pos, kb, vb, s_s, lo, hi, src, world, C, qk_scale,
 def cp_attention_fwd(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, o_ptr, lse_ptr, flags_ptr, err_ptr, budget, rank, world, op,
     S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
-    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, so_b, so_s, so_h,
+    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, so_b, so_s, so_h, seg_ptr, cu_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-    CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+    CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """``s_s``: the sequence stride of k, v and the workspaces (the same: all are [.., S, Hkv, D] contiguous)."""
     pid_m = tl.program_id(0)
@@ -124,12 +163,14 @@ def cp_attention_fwd(
     b = bh // HQ
     h = bh % HQ
     hk = h // GROUP  # grouped-query attention: K/V move and are read at Hkv heads
-    C = S_LOCAL // 2
+    seg0, S_DOC, m0 = segment(pid_m, seg_ptr, cu_ptr, S_LOCAL, BLOCK_M, VARLEN)
+    C = S_DOC // 2
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # rows within the document
     offs_d = tl.arange(0, HEAD_D)
-    m_ok = offs_m < S_LOCAL
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    m_ok = offs_m < S_DOC
+    rows = seg0 + offs_m  # rows within the shard
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_s + offs_d[None, :], mask=m_ok[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     q_pos = zigzag_pos(offs_m, rank, world, C)
@@ -142,16 +183,17 @@ def cp_attention_fwd(
 
     for step in range(0, world):
         src = (rank - step + world) % world  # arrival order: our own K/V, then peers as they push to us
-        kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
-        vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
+        kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h) + seg0 * s_s
+        vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h) + seg0 * s_s
         # our own keys in one piece per half; a peer's chunk by chunk, in the order they arrive
-        piece = tl.where(src == rank, C, M_PER_CHUNK)
         for hh in range(0, 2):
             need, full = key_span(src, world, C, hh, q_first, q_last, CAUSAL)
             h0 = hh * C
-            for c0 in range(h0, h0 + need, piece):
-                c1 = tl.minimum(c0 + piece, h0 + need)
-                wait_kv(flags_ptr, err_ptr, budget, rank, op, src, c0, c1, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
+            P, j0, j1 = pieces(src, rank, seg0, h0, h0 + need, M_PER_CHUNK)
+            for j in range(j0, j1):
+                c0, c1 = piece(j, P, seg0, h0, h0 + need)
+                wait_kv(flags_ptr, err_ptr, budget, rank, op, src, seg0 + c0, seg0 + c1, M_PER_CHUNK,
+                        CHUNKS_PER_RANK, CLOCK)
                 f1 = unmasked_end(c0, c1, h0 + full, BLOCK_N)
                 acc, m_i, l_i = _fold(acc, m_i, l_i, q, q_pos, kb, vb, s_s, c0, f1, src, world, C, qk_scale,
                                       False, CAUSAL, BLOCK_N, HEAD_D, DOT_F32)
@@ -160,10 +202,10 @@ def cp_attention_fwd(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
+    tl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_s + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
              mask=m_ok[:, None])
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
-    tl.store(lse_ptr + bh * S_LOCAL + offs_m, lse, mask=m_ok)
+    tl.store(lse_ptr + bh * S_LOCAL + rows, lse, mask=m_ok)
     if CAUSAL:
         # chunks no program needed were never waited for; one program waits for them all, so when the
         # kernel ends every peer's flag write has landed and the caller may reset the flags

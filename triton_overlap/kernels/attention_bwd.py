@@ -16,11 +16,13 @@ split: blocks every row sees run unmasked, blocks on the diagonal masked,
 blocks nobody sees are skipped. ``cp_attention_dq`` waits for a chunk's flag
 only when it reads it; ``cp_attention_dkdv`` waits for its own block's chunk
 (every K/V block has a program), so every flag is seen before the kernels end.
+Packed documents (VARLEN) as in the forward: a program's document and first
+row come from a table, and it reads only that document's rows.
 """
 import triton
 import triton.language as tl
 
-from .attention import key_span, kv_base, pos_span, unmasked_end, wait_kv, zigzag_pos
+from .attention import key_span, kv_base, piece, pieces, pos_span, segment, unmasked_end, wait_kv, zigzag_pos
 from .signal import add_release, wait_flag
 
 
@@ -56,42 +58,45 @@ def _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, lo, hi, src, world, C, 
 def cp_attention_dq(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, flags_ptr, err_ptr, budget,
     rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
-    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s,
+    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-    CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+    CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
     h = bh % HQ
     hk = h // GROUP
-    C = S_LOCAL // 2
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    seg0, S_DOC, m0 = segment(pid_m, seg_ptr, cu_ptr, S_LOCAL, BLOCK_M, VARLEN)
+    C = S_DOC // 2
+    offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_D)
-    m_ok = offs_m < S_LOCAL
-    row = b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :]  # q, do and dq share the layout
+    m_ok = offs_m < S_DOC
+    rows = seg0 + offs_m
+    row = b * sq_b + h * sq_h + rows[:, None] * sq_s + offs_d[None, :]  # q, do and dq share the layout
     q = tl.load(q_ptr + row, mask=m_ok[:, None], other=0.0)
     do = tl.load(do_ptr + row, mask=m_ok[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse2 = tl.load(lse_ptr + bh * S_LOCAL + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + bh * S_LOCAL + offs_m, mask=m_ok, other=0.0)
+    lse2 = tl.load(lse_ptr + bh * S_LOCAL + rows, mask=m_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + bh * S_LOCAL + rows, mask=m_ok, other=0.0)
     q_pos = zigzag_pos(offs_m, rank, world, C)
     q_first, q_last = pos_span(q_pos, m_ok)
     qk_scale = sm_scale * 1.4426950408889634
     dq = tl.zeros((BLOCK_M, HEAD_D), tl.float32)
     for step in range(0, world):
         src = (rank - step + world) % world
-        kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
-        vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
-        piece = tl.where(src == rank, C, M_PER_CHUNK)
+        kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h) + seg0 * s_s
+        vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h) + seg0 * s_s
         for hh in range(0, 2):
             need, full = key_span(src, world, C, hh, q_first, q_last, CAUSAL)
             h0 = hh * C
-            for c0 in range(h0, h0 + need, piece):
-                c1 = tl.minimum(c0 + piece, h0 + need)
-                wait_kv(flags_ptr, err_ptr, budget, rank, op, src, c0, c1, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
+            P, j0, j1 = pieces(src, rank, seg0, h0, h0 + need, M_PER_CHUNK)
+            for j in range(j0, j1):
+                c0, c1 = piece(j, P, seg0, h0, h0 + need)
+                wait_kv(flags_ptr, err_ptr, budget, rank, op, src, seg0 + c0, seg0 + c1, M_PER_CHUNK,
+                        CHUNKS_PER_RANK, CLOCK)
                 f1 = unmasked_end(c0, c1, h0 + full, BLOCK_N)
                 dq = _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, c0, f1, src, world, C, qk_scale,
                               False, CAUSAL, BLOCK_N, HEAD_D, DOT_F32)
@@ -139,24 +144,24 @@ def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lr
 def cp_attention_dkdv(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, lse_ptr, delta_ptr, recv_ptrs, counter_ptrs, flags_ptr,
     err_ptr, budget, rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
-    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s,
+    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-    CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+    CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
     src = (rank + 1 + tl.program_id(2)) % world  # peers' blocks first, our own last
     b = bhk // HKV
     hk = bhk % HKV
-    C = S_LOCAL // 2
-    n0 = pid_n * BLOCK_N
+    seg0, S_DOC, n0 = segment(pid_n, seg_ptr, cu_ptr, S_LOCAL, BLOCK_N, VARLEN)
+    C = S_DOC // 2
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
-    n_ok = offs_n < S_LOCAL
-    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, tl.minimum(n0 + BLOCK_N, S_LOCAL), M_PER_CHUNK,
+    n_ok = offs_n < S_DOC
+    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, seg0 + n0, seg0 + tl.minimum(n0 + BLOCK_N, S_DOC), M_PER_CHUNK,
             CHUNKS_PER_RANK, CLOCK)
-    kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
-    vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h)
+    kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h) + seg0 * s_s
+    vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h) + seg0 * s_s
     k = tl.load(kb + offs_n[:, None] * s_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     v = tl.load(vb + offs_n[:, None] * s_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
     if DOT_F32:
@@ -169,8 +174,8 @@ def cp_attention_dkdv(
     dv = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     for g in range(0, GROUP):  # every query head that reads this K/V head
         h = hk * GROUP + g
-        qrow0 = b * sq_b + h * sq_h
-        lrow0 = (b * HQ + h) * S_LOCAL
+        qrow0 = b * sq_b + h * sq_h + seg0 * sq_s
+        lrow0 = (b * HQ + h) * S_LOCAL + seg0
         for qh in range(0, 2):  # this rank's two query halves
             h0 = qh * C
             if CAUSAL:  # query rows of the half that see some / every key of the block
@@ -195,7 +200,7 @@ def cp_attention_dkdv(
     base = tl.load(recv_ptrs + src).to(tl.pointer_type(tl.float32))
     slot = S_LOCAL * HKV * HEAD_D
     nb = tl.num_programs(1) // HKV  # B
-    at = (rank * 2 * nb + b) * slot + offs_n[:, None] * (HKV * HEAD_D) + hk * HEAD_D + offs_d[None, :]
+    at = (rank * 2 * nb + b) * slot + (seg0 + offs_n)[:, None] * (HKV * HEAD_D) + hk * HEAD_D + offs_d[None, :]
     tl.store(base + at, dk * sm_scale, mask=n_ok[:, None])
     tl.store(base + at + nb * slot, dv, mask=n_ok[:, None])  # the dV half of the slot follows the dK half
     tl.debug_barrier()  # every thread's stores come before the release below

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..context import op_id
+from ..cp import doc_bounds
 from ..kernels.attention import cp_attention_fwd
 from ..kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq, reduce_dkdv
 from ..kernels.chunks import ChunkLayout, cdiv
@@ -56,22 +57,53 @@ def default_attention_config(backend: str, head_dim: int, chunks_per_rank: int =
     return AttentionConfig(chunks_per_rank)
 
 
+_SEGMENTS: dict = {}
+
+
+def segments(local_cu, block: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """For packed documents with shard boundaries ``local_cu``: the table of (document, first row) of every
+    block of ``block`` rows, documents longest first (so that the longest programs start first), the
+    boundaries as an int32 tensor, and the number of blocks. Cached per boundaries, block and device."""
+    key = (tuple(local_cu), block, str(device))
+    got = _SEGMENTS.get(key)
+    if got is None:
+        docs = sorted(range(len(local_cu) - 1), key=lambda d: -(local_cu[d + 1] - local_cu[d]))
+        rows = [(d, r0) for d in docs for r0 in range(0, local_cu[d + 1] - local_cu[d], block)]
+        seg = torch.tensor(rows or [(0, 0)], dtype=torch.int32, device=device)
+        got = _SEGMENTS[key] = (seg, torch.tensor(local_cu, dtype=torch.int32, device=device), len(rows))
+    return got
+
+
+def _grid0(S, block, local_cu, device):
+    """(programs along the sequence, table, boundaries): whole-shard blocks, or the packed documents' blocks."""
+    if local_cu is None:
+        none = _all_ready(1, device)  # never read (VARLEN off)
+        return cdiv(S, block), none, none
+    seg, cu, n = segments(local_cu, block, device)
+    return n, seg, cu
+
+
 def launch_fwd(q, k, v, kw, vw, out, lse, flags, err, budget, rank, world, op, m_per_chunk, chunks_per_rank,
-               scale, causal, blocks: Blocks, clock: int, dot_f32: bool):
-    """The forward kernel on contiguous q [B, S, Hq, D], k/v [B, S, Hkv, D], workspaces [B, W*S, Hkv, D]."""
+               scale, causal, blocks: Blocks, clock: int, dot_f32: bool, local_cu=None):
+    """The forward kernel on contiguous q [B, S, Hq, D], k/v [B, S, Hkv, D], workspaces [B, W*S, Hkv, D].
+    ``local_cu``: packed documents' boundaries within the shard (B = 1), else None."""
     B, S, Hq, D = q.shape
     assert k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1), "k, v and workspaces share a sequence stride"
-    launch(cp_attention_fwd, (cdiv(S, blocks.block_m), B * Hq), (
+    n, seg, cu = _grid0(S, blocks.block_m, local_cu, q.device)
+    if n == 0:
+        return
+    launch(cp_attention_fwd, (n, B * Hq), (
         q, k, v, kw, vw, out, lse, flags, err, budget, rank, world, op,
         S, Hq, Hq // k.shape[2], m_per_chunk, chunks_per_rank, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1),
-        out.stride(0), out.stride(1), out.stride(2),
-    ), dict(CAUSAL=causal, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, HEAD_D=D, CLOCK=clock, DOT_F32=dot_f32),
-        num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+        out.stride(0), out.stride(1), out.stride(2), seg, cu,
+    ), dict(CAUSAL=causal, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, HEAD_D=D, CLOCK=clock, DOT_F32=dot_f32,
+            VARLEN=local_cu is not None), num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
 def launch_bwd(q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, flags, err, budget, rank, world, op,
-               m_per_chunk, chunks_per_rank, scale, causal, cfg: AttentionConfig, clock: int, dot_f32: bool):
+               m_per_chunk, chunks_per_rank, scale, causal, cfg: AttentionConfig, clock: int, dot_f32: bool,
+               local_cu=None):
     """dQ into ``dq``; float32 dK/dV partials into every owner's receive slot [W, 2, B, S, Hkv, D] for this rank,
     each block bumping the owner's counter for this rank. Returns the count each owner waits for per source."""
     B, S, Hq, D = q.shape
@@ -79,18 +111,22 @@ def launch_bwd(q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, f
     assert k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1), "k, v and workspaces share a sequence stride"
     common = (rank, world, op, S)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
-    meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=clock, DOT_F32=dot_f32)
+    meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=clock, DOT_F32=dot_f32, VARLEN=local_cu is not None)
     b = cfg.dq
-    launch(cp_attention_dq, (cdiv(S, b.block_m), B * Hq), (
-        q, k, v, kw, vw, dout, lse, delta, dq, flags, err, budget, *common, Hq, Hq // Hkv,
-        m_per_chunk, chunks_per_rank, scale, *strides), dict(BLOCK_M=b.block_m, BLOCK_N=b.block_n, **meta),
-        num_warps=b.num_warps, num_stages=b.num_stages)
+    n, seg, cu = _grid0(S, b.block_m, local_cu, q.device)
+    if n:
+        launch(cp_attention_dq, (n, B * Hq), (
+            q, k, v, kw, vw, dout, lse, delta, dq, flags, err, budget, *common, Hq, Hq // Hkv,
+            m_per_chunk, chunks_per_rank, scale, *strides, seg, cu), dict(BLOCK_M=b.block_m, BLOCK_N=b.block_n, **meta),
+            num_warps=b.num_warps, num_stages=b.num_stages)
     b = cfg.dkdv
-    launch(cp_attention_dkdv, (cdiv(S, b.block_n), B * Hkv, world), (
-        q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, err, budget,
-        *common, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, *strides),
-        dict(BLOCK_M=b.block_m, BLOCK_N=b.block_n, **meta), num_warps=b.num_warps, num_stages=b.num_stages)
-    return cdiv(S, b.block_n) * B * Hkv
+    n, seg, cu = _grid0(S, b.block_n, local_cu, q.device)
+    if n:
+        launch(cp_attention_dkdv, (n, B * Hkv, world), (
+            q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, err, budget,
+            *common, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, *strides, seg, cu),
+            dict(BLOCK_M=b.block_m, BLOCK_N=b.block_n, **meta), num_warps=b.num_warps, num_stages=b.num_stages)
+    return n * B * Hkv
 
 
 _READY: dict = {}
@@ -137,6 +173,12 @@ class ContextParallelAttention:
     overlaps the backward kernels, so keeping saves little time; see README).
     ``replay``: a forward that repeats an earlier one's tensors and arguments replays a CUDA graph of it
     (ops.replay); False: always enqueued anew.
+
+    Packed documents: ``op(q, k, v, cu_seqlens=...)`` with B = 1 and ``cu_seqlens`` the documents'
+    boundaries in the full sequence (flash-attn's convention; a list, or a 1-D integer tensor, read on the
+    host: pass a list to keep a CUDA tensor's synchronisation out of the call), each document a multiple of
+    2W long and sharded on its own (``triton_overlap.cp.shard(x, ctx, cu_seqlens=...)``). A query attends
+    to its own document's keys only (causally by position within the document when ``causal``).
     """
 
     def __init__(self, ctx, *, chunks_per_rank: int = 2, config: AttentionConfig | None = None,
@@ -189,7 +231,8 @@ class ContextParallelAttention:
     def _shape_key(self, q, k, causal):
         return (q.shape[1] * self.ctx.world_size, q.shape[2], k.shape[2], q.shape[3], int(causal))
 
-    def _check(self, q, k, v):
+    def _check(self, q, k, v, cu=None):
+        """Raises ValueError for bad input; returns the packed documents' boundaries within the shard, or None."""
         ctx = self.ctx
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -211,39 +254,52 @@ class ContextParallelAttention:
         if S % self.chunks_per_rank:
             raise ValueError(f"cp_attention: S_local = {S} does not split into the zigzag halves and "
                              f"{self.chunks_per_rank} chunks per rank")
-        agree_across_ranks("cp_attention", ctx, (tuple(q.shape), tuple(k.shape), str(q.dtype)), self._agreed)
+        local_cu = None
+        if cu:
+            if B != 1:
+                raise ValueError(f"cp_attention: with cu_seqlens, q must be [1, S_local, Hq, D], got B = {B}")
+            try:
+                local_cu = tuple(c // ctx.world_size for c in doc_bounds(cu, ctx.world_size, S * ctx.world_size))
+            except ValueError as e:
+                raise ValueError(f"cp_attention: {e}") from None
+        docs = (len(cu) - 1, hash(cu)) if cu else None  # documents, and a digest of their boundaries
+        agree_across_ranks("cp_attention", ctx, (tuple(q.shape), tuple(k.shape), str(q.dtype), docs), self._agreed)
+        return local_cu
 
-    def __call__(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None,
+    def __call__(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None,
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """(out, lse); differentiable in q, k, v when grad is enabled and any of them requires it (out= not allowed then)."""
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        cu = _as_tuple(cu_seqlens)
         grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
         if out is None and lse is None and (grad or torch.compiler.is_compiling()):
             # through the custom op: autograd, and torch.compile traces it. Otherwise the op is called
             # directly: the dispatcher's round trip costs an eager call about 0.1 ms of host time (H200 host)
             from .. import library
 
-            return library.cp_attention(q, k, v, self._handle, causal, scale, self.keep_kv and grad)[:2]
+            return library.cp_attention(q, k, v, self._handle, causal, scale, self.keep_kv and grad, list(cu))[:2]
         if grad:
             raise ValueError("cp_attention: out= and lse= are for calls without autograd")
-        return self.forward(q, k, v, causal, scale, out, lse)
+        return self.forward(q, k, v, causal, scale, out, lse, cu=cu)
 
-    def forward(self, q, k, v, causal, scale, out=None, lse=None, keep: bool = False):
-        """(out, lse), and with ``keep`` also copies of the gathered K/V workspaces for ``backward``."""
+    def forward(self, q, k, v, causal, scale, out=None, lse=None, keep: bool = False, cu=()):
+        """(out, lse), and with ``keep`` also copies of the gathered K/V workspaces for ``backward``. ``cu``:
+        the packed documents' global boundaries (a tuple; empty: one sequence per batch row)."""
+        cu = tuple(cu)
         if self.replays.active and not keep and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
             # a forward that repeats a captured one replays it, unchecked (ops.replay: it passed the checks before)
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
             if lse is None:
                 lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-            if self.replays.hit(call_key((bool(causal), float(scale)), q, k, v, out, lse)):
+            if self.replays.hit(call_key((bool(causal), float(scale), cu), q, k, v, out, lse)):
                 return out, lse
-        return self._checked_forward(q, k, v, causal, scale, out, lse, keep)
+        return self._checked_forward(q, k, v, causal, scale, out, lse, keep, cu)
 
     @torch.no_grad()  # workspaces are reset in place; autograd goes through library.cp_attention
-    def _checked_forward(self, q, k, v, causal, scale, out, lse, keep):
+    def _checked_forward(self, q, k, v, causal, scale, out, lse, keep, cu=()):
         ctx = self.ctx
         ctx._check_open()
-        self._check(q, k, v)
+        local_cu = self._check(q, k, v, cu)
         B, S, Hq, D = q.shape
         if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
             raise ValueError(f"cp_attention: out must be {q.dtype} {tuple(q.shape)} on {q.device}")
@@ -253,14 +309,14 @@ class ContextParallelAttention:
         out = torch.empty_like(q) if out is None else out
         lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
         if keep:  # the gathered K/V for backward (this rank's own rows are read from k and v, not from here)
-            kws, vws = self._forward(q, k, v, out, lse, causal, scale)
+            kws, vws = self._forward(q, k, v, out, lse, causal, scale, local_cu)
             return out, lse, kws.local.clone(), vws.local.clone()
-        shape_key = (tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), float(scale))
-        key = call_key((bool(causal), float(scale)), q, k, v, out, lse)
-        self.replays.run(key, shape_key, lambda: self._forward(q, k, v, out, lse, causal, scale))
+        shape_key = (tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), float(scale), cu)
+        key = call_key((bool(causal), float(scale), cu), q, k, v, out, lse)
+        self.replays.run(key, shape_key, lambda: self._forward(q, k, v, out, lse, causal, scale, local_cu))
         return out, lse
 
-    def _forward(self, q, k, v, out, lse, causal, scale):
+    def _forward(self, q, k, v, out, lse, causal, scale, local_cu=None):
         """Enqueue one forward (what ReplayCache captures); returns the K/V workspaces."""
         ctx = self.ctx
         B, S, Hq, D = q.shape
@@ -276,18 +332,20 @@ class ContextParallelAttention:
         with _pushing(ctx, streams, layout, [(k, kws), (v, vws)], flags, self._kernel_first(kws, vws, k)):
             launch_fwd(q, k, v, kws.local, vws.local, out, lse, flags.local, ctx.err, ctx.budget, r, W, OP,
                        layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.fwd, ctx.clock,
-                       ctx.backend == "host")
+                       ctx.backend == "host", local_cu)
             ctx.after_launch()
         join(ctx, streams)
         flags.local.zero_()  # every needed flag was seen; peers set them again only after the next barrier
         return kws, vws
 
     @torch.no_grad()
-    def backward(self, q, k, v, out, lse, dout, causal, scale, kept_k=None, kept_v=None):
+    def backward(self, q, k, v, out, lse, dout, causal, scale, kept_k=None, kept_v=None, cu=()):
         """dq, dk, dv for this rank's shards. K/V come from ``kept_k``/``kept_v`` (the gathered workspaces
         that ``forward(keep=True)`` returned) or, when those are None, are gathered again by the copy
-        engines. Partial dK/dV go straight to their owners, who sum them in fp32."""
+        engines. Partial dK/dV go straight to their owners, who sum them in fp32. ``cu`` as in forward
+        (checked there)."""
         ctx = self.ctx
+        local_cu = tuple(c // ctx.world_size for c in cu) if cu else None
         W, r = ctx.world_size, ctx.rank
         B, S, Hq, D = q.shape
         Hkv = k.shape[2]
@@ -301,7 +359,7 @@ class ContextParallelAttention:
         dq = torch.empty_like(q)
         launch = lambda kw, vw, ready: launch_bwd(  # noqa: E731
             q, k, v, kw, vw, dout, lse, delta, dq, recv.ptrs, counters.ptrs, ready, ctx.err, ctx.budget, r, W, OP,
-            layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg, ctx.clock, host)
+            layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg, ctx.clock, host, local_cu)
         if kept_k is not None:
             # no gather: every chunk is ready. The barrier still orders this call's dK/dV stores into the
             # peers' receive slots after the peers' previous reductions (which reset their counters).
@@ -332,21 +390,23 @@ class ContextParallelAttention:
         return dq, dk, dv
 
 
-def forward_on_gathered(ctx, q, k, v, kg, vg, rank, world, causal, scale, cfg: AttentionConfig, out=None, lse=None):
+def forward_on_gathered(ctx, q, k, v, kg, vg, rank, world, causal, scale, cfg: AttentionConfig, out=None, lse=None,
+                        cu_seqlens=None):
     """The forward kernel as rank ``rank`` of ``world`` with K/V already gathered (``kg``/``vg``
     [B, world * S, Hkv, D], rank order; this rank's rows are read from ``k``/``v``): no flags, no
-    communication. For baselines that gather with NCCL, and for running every rank's share on one GPU."""
+    communication. For baselines that gather with NCCL, and for running every rank's share on one GPU.
+    ``cu_seqlens``: packed documents' global boundaries, as the op takes them."""
     B, S, Hq, _ = q.shape
     out = torch.empty_like(q) if out is None else out
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
     cpr = cfg.chunks_per_rank
     launch_fwd(q, k, v, kg, vg, out, lse, _all_ready(world * cpr, q.device), ctx.err, ctx.budget, rank, world, OP,
-               S // cpr, cpr, scale, causal, cfg.fwd, ctx.clock, ctx.backend == "host")
+               S // cpr, cpr, scale, causal, cfg.fwd, ctx.clock, ctx.backend == "host", _local(cu_seqlens, world))
     return out, lse
 
 
 def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, causal, scale, cfg: AttentionConfig,
-                         parts=None):
+                         parts=None, cu_seqlens=None):
     """The backward kernels as rank ``rank`` of ``world`` on gathered K/V (see forward_on_gathered).
     Returns dq and this rank's float32 dK/dV partials for every owner, [world, 2, B, S, Hkv, D] (into
     ``parts`` when given): the sum over ranks of entry o is owner o's (dK, dV), e.g. through
@@ -374,16 +434,39 @@ def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, caus
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     dq = torch.empty_like(q)
     launch_bwd(q, k, v, kg, vg, dout, lse, delta, dq, recv_ptrs, counter_ptrs, _all_ready(world * cpr, dev), ctx.err,
-               ctx.budget, rank, world, OP, S // cpr, cpr, scale, causal, cfg, ctx.clock, ctx.backend == "host")
+               ctx.budget, rank, world, OP, S // cpr, cpr, scale, causal, cfg, ctx.clock, ctx.backend == "host",
+               _local(cu_seqlens, world))
     return dq, parts
 
 
-def cp_attention(q, k, v, *, ctx, causal: bool = True, softmax_scale: float | None = None, out=None, lse=None):
+def cp_attention(q, k, v, *, ctx, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None,
+                 out=None, lse=None):
     """Functional form: uses one ContextParallelAttention cached on the Context."""
     op = ctx.__dict__.setdefault("_ops", {}).get("cp_attention")
     if op is None:
         op = ctx._ops["cp_attention"] = ContextParallelAttention(ctx)
-    return op(q, k, v, causal=causal, softmax_scale=softmax_scale, out=out, lse=lse)
+    return op(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, out=out, lse=lse)
+
+
+def _as_tuple(cu_seqlens) -> tuple:
+    """``cu_seqlens`` as a tuple of ints (empty for None); checked later, with the other inputs."""
+    if cu_seqlens is None:
+        return ()
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+            raise ValueError("cp_attention: cu_seqlens must be a 1-D integer tensor or a sequence of ints")
+        return tuple(cu_seqlens.tolist())
+    try:
+        return tuple(int(c) for c in cu_seqlens)
+    except (TypeError, ValueError):
+        raise ValueError("cp_attention: cu_seqlens must be a 1-D integer tensor or a sequence of ints") from None
+
+
+def _local(cu_seqlens, world):
+    """Checked global boundaries -> boundaries within each shard, or None."""
+    if cu_seqlens is None:
+        return None
+    return tuple(c // world for c in doc_bounds(cu_seqlens, world))
 
 
 __all__ = ["AttentionConfig", "Blocks", "ContextParallelAttention", "backward_on_gathered", "cp_attention",
