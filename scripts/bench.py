@@ -349,7 +349,45 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
 
 
 CP_SHAPES = [(1, 16384, 32, 8, 128, True), (1, 32768, 32, 8, 128, True), (1, 65536, 32, 8, 128, True),
-             (1, 131072, 32, 8, 128, True), (1, 32768, 32, 8, 128, False)]
+             (1, 131072, 32, 8, 128, True), (1, 32768, 32, 8, 128, False),
+             (1, 32768, 32, 8, 128, True, 12), (1, 131072, 32, 8, 128, True, 24)]  # the last field: packed documents
+
+
+def doc_lengths(S: int, n: int, world: int, seed: int = 0) -> list[int]:
+    """``n`` document lengths summing to ``S``, each a multiple of 2 * ``world``, drawn log-normally (seeded:
+    every rank and every run draws the same), as packed pre-training batches hold them."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.exp(torch.randn(n, generator=g))
+    unit = 2 * world
+    lengths = [max(1, int(x)) * unit for x in (w / w.sum() * (S // unit)).tolist()]
+    lengths[-1] += S - sum(lengths)  # the rest to the last document
+    return lengths
+
+
+def varlen_sdpa(qt, kt, vt, cu, causal):
+    """torch's flash varlen attention (torch.nn.attention.varlen, torch >= 2.10) on packed [T, H, D] q, k, v
+    with boundaries ``cu``; K/V heads expanded where the function takes no GQA. None where it is missing."""
+    import inspect
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kw = {}
+    g = 1
+    if "enable_gqa" in params:
+        kw["enable_gqa"] = True
+    else:  # expanded inside the call, so that a backward through it can run again
+        g = qt.shape[1] // kt.shape[1]
+    if "is_causal" in params:
+        kw["is_causal"] = causal
+    elif causal:
+        kw["window_size"] = (-1, 0)  # every key up to the query's own position
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=qt.device)
+    longest = max(b - a for a, b in zip(cu[:-1], cu[1:]))
+    expand = (lambda t: t) if g == 1 else (lambda t: t.repeat_interleave(g, dim=1))  # noqa: E731
+    return lambda: varlen_attn(qt, expand(kt), expand(vt), cu_t, cu_t, longest, longest, **kw)
 CP_BUDGET_S = 1.5  # per timed variant: large shapes take fewer iterations
 
 
@@ -364,31 +402,38 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     W, r = ctx.world_size, ctx.rank
     records = []
     timed_cp = lambda fn: timed(fn, iters, budget_s=CP_BUDGET_S)  # noqa: E731
-    for B, S, Hq, Hkv, D, causal in shapes:
+    for B, S, Hq, Hkv, D, causal, *packed in shapes:
         S_loc = S // W
+        ndocs = packed[0] if packed else 0
+        cu = None
+        if ndocs:  # packed documents: the boundaries, global (the op's argument) and within each shard
+            cu = [0]
+            for n in doc_lengths(S, ndocs, W):
+                cu.append(cu[-1] + n)
+        local_cu = None if cu is None else [c // W for c in cu]
         op = to.ContextParallelAttention(ctx, chunks_per_rank=4)
         cfg = op.config(D, (S, Hq, Hkv, D, int(causal)))
         g = torch.Generator(device="cuda").manual_seed(0)
         qf, kf, vf = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))
-        q, k, v = (to.cp.shard(t, ctx) for t in (qf, kf, vf))
+        q, k, v = (to.cp.shard(t, ctx, cu_seqlens=cu) for t in (qf, kf, vf))
         rec = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "causal": causal, "world_size": W, "gpu": gpu_name(),
-               "config": repr(cfg), "note": "", "lead_us": LEAD_US}
-        rec["ours_us"] = timed_cp(lambda: op(q, k, v, causal=causal))  # replay on (ops.replay), as a user gets it
+               "config": repr(cfg), "note": "", "lead_us": LEAD_US, "docs": ndocs, "cu_seqlens": cu}
+        rec["ours_us"] = timed_cp(lambda: op(q, k, v, causal=causal, cu_seqlens=cu))  # replay on, as a user gets it
         rec["replay_stats"] = dict(op.replays.stats)
         plain = to.ContextParallelAttention(ctx, chunks_per_rank=4, config=cfg, replay=False)
-        rec["ours_no_replay_us"] = timed_cp(lambda: plain(q, k, v, causal=causal))
-        rec["host_no_replay_us"] = host_us(lambda: plain(q, k, v, causal=causal))
-        rec["host_replay_us"] = host_us(lambda: op(q, k, v, causal=causal))
+        rec["ours_no_replay_us"] = timed_cp(lambda: plain(q, k, v, causal=causal, cu_seqlens=cu))
+        rec["host_no_replay_us"] = host_us(lambda: plain(q, k, v, causal=causal, cu_seqlens=cu))
+        rec["host_replay_us"] = host_us(lambda: op(q, k, v, causal=causal, cu_seqlens=cu))
         ctx.check()
         kg = torch.empty(W * B, S_loc, Hkv, D, device="cuda", dtype=torch.bfloat16)
         vg = torch.empty_like(kg)
         ones = torch.ones(W * op.chunks_per_rank, dtype=torch.int32, device="cuda")
         out, lse = torch.empty_like(q), torch.empty(B, Hq, S_loc, device="cuda", dtype=torch.float32)
 
-        def kernel(qq, kk, vv, kw, vw, oo, ll, rank, world):
+        def kernel(qq, kk, vv, kw, vw, oo, ll, rank, world, docs=local_cu):
             launch_fwd(qq, kk, vv, kw, vw, oo, ll, ones, ctx.err, ctx.budget, rank, world, OP,
                        qq.shape[1] // op.chunks_per_rank, op.chunks_per_rank, 1.0 / D ** 0.5, causal, cfg.fwd,
-                       ctx.clock, False)
+                       ctx.clock, False, docs)
 
         def nccl_then_kernel():  # B = 1: [W*B, S_loc, ...] is the workspace layout [B, W*S_loc, ...]
             dist.all_gather_into_tensor(kg, k)
@@ -398,7 +443,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         if B == 1:
             rec["nccl_ag_us"] = timed_cp(nccl_then_kernel)
             # both in CUDA graphs: the host's enqueue cost drops out
-            for key, fn in (("ours_graph_us", lambda: op(q, k, v, causal=causal, out=out, lse=lse)),
+            for key, fn in (("ours_graph_us", lambda: op(q, k, v, causal=causal, cu_seqlens=cu, out=out, lse=lse)),
                             ("nccl_ag_graph_us", nccl_then_kernel)):
                 try:
                     rec[key] = timed_cp(capture(fn).replay)
@@ -409,21 +454,31 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         else:
             rec["nccl_ag_us"], rec["note"] = None, "nccl_ag: B > 1 needs a re-layout; not timed"
         qt, kt, vt = (t.transpose(1, 2) for t in (qf, kf, vf))
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            ref = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
-            rec["single_gpu_us"] = time_local(lambda: torch.nn.functional.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=causal, enable_gqa=True))
-        rec["kernel_only_us"] = time_local(lambda: kernel(q, k, v, k, v, out, lse, 0, 1))
+        single = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+            qt, kt, vt, is_causal=causal, enable_gqa=True)
+        if cu is not None:  # torch's flash varlen attention on the packed sequence, [T, H, D]
+            single = varlen_sdpa(qf[0], kf[0], vf[0], cu, causal)
+        if single is None:
+            rec["single_gpu_us"] = None
+            rec["note"] += "single GPU: torch.nn.attention.varlen missing (torch < 2.10); "
+        else:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                ref = single()
+                rec["single_gpu_us"] = time_local(single)
+            ref = ref if cu is not None else ref.transpose(1, 2)
         out_full, lse_full = torch.empty_like(qf), torch.empty(B, Hq, S, device="cuda", dtype=torch.float32)
-        rec["kernel_full_us"] = time_local(lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1))
-        rec["kernel_full_err"] = float((out_full.float() - ref.transpose(1, 2).float()).norm()
-                                       / ref.float().norm())
+        # our kernel on this rank's data alone (as one rank of one: its shard's documents are whole documents)
+        rec["kernel_only_us"] = time_local(lambda: kernel(q, k, v, k, v, out, lse, 0, 1, local_cu))
+        rec["kernel_full_us"] = time_local(lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1, cu))
+        if single is not None:
+            rec["kernel_full_err"] = float((out_full.float().reshape(ref.shape) - ref.float()).norm()
+                                           / ref.float().norm())
         # forward + backward through autograd (K/V gathered again in backward, dK/dV partials sent to owners)
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         dout = torch.randn_like(q)
 
         def fwd_bwd():
-            o, _ = op(*leaves, causal=causal)
+            o, _ = op(*leaves, causal=causal, cu_seqlens=cu)
             o.backward(dout)
 
         rec["fwd_bwd_ours_us"] = timed_cp(fwd_bwd)
@@ -432,7 +487,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         op_keep = to.ContextParallelAttention(ctx, chunks_per_rank=4, keep_kv=True, config=cfg)
 
         def fwd_bwd_keep():
-            o, _ = op_keep(*leaves, causal=causal)
+            o, _ = op_keep(*leaves, causal=causal, cu_seqlens=cu)
             o.backward(dout)
 
         rec["fwd_bwd_keep_kv_us"] = timed_cp(fwd_bwd_keep)
@@ -440,7 +495,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         for key, o in (("saved_mib", op), ("saved_keep_kv_mib", op_keep)):
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
-            held = o(*leaves, causal=causal)  # autograd holds what backward needs until `held` goes
+            held = o(*leaves, causal=causal, cu_seqlens=cu)  # autograd holds what backward needs until `held` goes
             rec[key] = (torch.cuda.memory_allocated() - before) / 2 ** 20
             del held
         if B == 1:
@@ -452,8 +507,9 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
                 dist.all_gather_into_tensor(kg, k)
                 dist.all_gather_into_tensor(vg, v)
                 kw, vw = kg.view(B, W * S_loc, Hkv, D), vg.view(B, W * S_loc, Hkv, D)
-                o, lse_ = forward_on_gathered(ctx, q, k, v, kw, vw, r, W, causal, scale, cfg)
-                dq, _ = backward_on_gathered(ctx, q, k, v, kw, vw, o, lse_, dout, r, W, causal, scale, cfg, parts)
+                o, lse_ = forward_on_gathered(ctx, q, k, v, kw, vw, r, W, causal, scale, cfg, cu_seqlens=cu)
+                dq, _ = backward_on_gathered(ctx, q, k, v, kw, vw, o, lse_, dout, r, W, causal, scale, cfg, parts,
+                                             cu_seqlens=cu)
                 dist.reduce_scatter_tensor(parts_out, parts)
                 return dq, parts_out[0].to(k.dtype), parts_out[1].to(v.dtype)
 
@@ -468,8 +524,16 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             torch.nn.functional.scaled_dot_product_attention(*full_leaves, is_causal=causal,
                                                              enable_gqa=True).backward(dout_full)
 
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            rec["fwd_bwd_single_gpu_us"] = time_local(sdpa_fwd_bwd)
+        if cu is not None:
+            packed_leaves = [t.detach()[0].requires_grad_() for t in (qf, kf, vf)]
+            varlen_fwd = varlen_sdpa(*packed_leaves, cu, causal)
+            sdpa_fwd_bwd = None if varlen_fwd is None else (  # noqa: E731
+                lambda: varlen_fwd().backward(dout_full[0].transpose(0, 1)))
+        if sdpa_fwd_bwd is None:
+            rec["fwd_bwd_single_gpu_us"] = None
+        else:
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                rec["fwd_bwd_single_gpu_us"] = time_local(sdpa_fwd_bwd)
 
         def flash(fn):
             def run():
@@ -479,45 +543,48 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
 
         side_by_side(ctx, rec, {
             "ours_us": lambda: op(q, k, v, causal=causal), "nccl_ag_us": nccl_then_kernel if B == 1 else None,
-            "single_gpu_us": flash(lambda: torch.nn.functional.scaled_dot_product_attention(
-                qt, kt, vt, is_causal=causal, enable_gqa=True)),
-            "kernel_only_us": lambda: kernel(q, k, v, k, v, out, lse, 0, 1),
-            "kernel_full_us": lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1)}, iters, CP_BUDGET_S)
+            "single_gpu_us": None if single is None else flash(single),
+            "kernel_only_us": lambda: kernel(q, k, v, k, v, out, lse, 0, 1, local_cu),
+            "kernel_full_us": lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1, cu)}, iters, CP_BUDGET_S)
         side_by_side(ctx, rec, {"fwd_bwd_ours_us": fwd_bwd, "fwd_bwd_nccl_ag_us": nccl_fwd_bwd if B == 1 else None,
-                                "fwd_bwd_single_gpu_us": flash(sdpa_fwd_bwd)}, iters, CP_BUDGET_S)
-        rec["fwd_bwd_efficiency"] = rec["fwd_bwd_single_gpu_us"] / (W * rec["fwd_bwd_ours_us"])
-        flops = 4 * B * Hq * S * S * D / (2 if causal else 1)
+                                "fwd_bwd_single_gpu_us": None if sdpa_fwd_bwd is None else flash(sdpa_fwd_bwd)},
+                     iters, CP_BUDGET_S)
+        pairs = sum((b - a) ** 2 for a, b in zip(cu[:-1], cu[1:])) if cu else S * S  # query-key pairs per head
+        flops = 4 * B * Hq * pairs * D / (2 if causal else 1)
+        single_us, single_fb_us = rec["single_gpu_us"], rec["fwd_bwd_single_gpu_us"]
+        rec["fwd_bwd_efficiency"] = None if single_fb_us is None else single_fb_us / (W * rec["fwd_bwd_ours_us"])
         rec["tflops_per_gpu"] = flops / W / rec["ours_us"] / 1e6
         rec["kernel_full_tflops"] = flops / rec["kernel_full_us"] / 1e6
-        rec["single_gpu_tflops"] = flops / rec["single_gpu_us"] / 1e6
-        rec["efficiency"] = rec["single_gpu_us"] / (W * rec["ours_us"])
+        rec["single_gpu_tflops"] = None if single_us is None else flops / single_us / 1e6
+        rec["efficiency"] = None if single_us is None else single_us / (W * rec["ours_us"])
         records.append(rec)
         say(_cp_row(rec))
         write_partial(records)
     return records
 
 
-CP_HEADER = ("| B | S | Hq | Hkv | D | causal | ours µs | ours, no replay µs | host µs, no replay / replayed | "
+CP_HEADER = ("| B | S | Hq | Hkv | D | causal | docs | ours µs | ours, no replay µs | host µs, no replay / replayed | "
              "NCCL all_gather + kernel µs | speed-up vs NCCL | "
              "ours, graph µs | NCCL + kernel, graph µs | speed-up, graphs | "
              "SDPA flash, 1 GPU, full S µs | our kernel, 1 GPU, full S µs | kernel alone, local µs | "
              "TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd, K/V kept µs | fwd+bwd NCCL µs | "
              "fwd+bwd speed-up vs NCCL | fwd+bwd SDPA 1 GPU µs | fwd+bwd efficiency | held for bwd MiB | "
-             "held, K/V kept MiB |\n|" + "---|" * 27)
+             "held, K/V kept MiB |\n|" + "---|" * 28)
 
 
 def _cp_row(r):
     f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
-    return (f"| {r['B']} | {r['S']} | {r['Hq']} | {r['Hkv']} | {r['D']} | {r['causal']} | {r['ours_us']:.1f} | "
+    return (f"| {r['B']} | {r['S']} | {r['Hq']} | {r['Hkv']} | {r['D']} | {r['causal']} | {r.get('docs') or '-'} | "
+            f"{r['ours_us']:.1f} | "
             f"{f(r.get('ours_no_replay_us'))} | {f(r.get('host_no_replay_us'))} / {f(r.get('host_replay_us'))} | "
             f"{f(r['nccl_ag_us'])} | {ratio(r['nccl_ag_us'], r['ours_us'])} | {f(r.get('ours_graph_us'))} | "
             f"{f(r.get('nccl_ag_graph_us'))} | {ratio(r.get('nccl_ag_graph_us'), r.get('ours_graph_us'))} | "
-            f"{r['single_gpu_us']:.1f} | {r['kernel_full_us']:.1f} | {r['kernel_only_us']:.1f} | "
-            f"{r['tflops_per_gpu']:.0f} | {r['efficiency']:.2f} | {r['fwd_bwd_ours_us']:.1f} | "
+            f"{f(r['single_gpu_us'])} | {r['kernel_full_us']:.1f} | {r['kernel_only_us']:.1f} | "
+            f"{r['tflops_per_gpu']:.0f} | {f(r['efficiency'], 2)} | {r['fwd_bwd_ours_us']:.1f} | "
             f"{f(r.get('fwd_bwd_keep_kv_us'))} | {f(r.get('fwd_bwd_nccl_ag_us'))} | "
             f"{ratio(r.get('fwd_bwd_nccl_ag_us'), r['fwd_bwd_ours_us'])} | "
-            f"{r['fwd_bwd_single_gpu_us']:.1f} | {r['fwd_bwd_efficiency']:.2f} | {f(r.get('saved_mib'), 0)} | "
+            f"{f(r['fwd_bwd_single_gpu_us'])} | {f(r['fwd_bwd_efficiency'], 2)} | {f(r.get('saved_mib'), 0)} | "
             f"{f(r.get('saved_keep_kv_mib'), 0)} |")
 
 
@@ -667,9 +734,9 @@ def main():
         return
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
     with to.Context() as ctx:
-        if args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)
+        if args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)[,documents]
             say(CP_HEADER)
-            bench_cp_attention(ctx, [(*s[:5], bool(s[5])) for s in shapes] if shapes else CP_SHAPES, args.iters,
+            bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else CP_SHAPES, args.iters,
                                lambda recs: ctx.rank == 0 and write_cp(recs, ctx.world_size))
             dist.destroy_process_group()
             return

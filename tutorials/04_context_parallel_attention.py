@@ -13,6 +13,11 @@ kernel folds in its own K/V first and each peer's chunk as its flag rises.
 Blocks above the causal diagonal (using global positions) are never waited
 for. It returns ``lse`` too, and it is differentiable: backward sends the
 partial dK/dV of every chunk back to its owner, where they are summed.
+
+Packed documents: pass ``cu_seqlens`` (the documents' boundaries in the full
+sequence). Every document is cut into 2W chunks on its own, each rank holds
+its two chunks of every document (``cp.shard(x, ctx, cu_seqlens=...)``), and
+a query attends to its own document only.
 """
 import math
 
@@ -63,6 +68,18 @@ def main():
         want = {"out": ref.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
         errs = {n: float((t.float() - want[n]).norm() / want[n].norm()) for n, t in errs.items()}
         say("relative errors: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()) + " (tolerance 2e-2 for bf16)")
+
+        # %% Packed documents: three documents of different lengths (each a multiple of 2W) in one sequence.
+        unit = 2 * W * (S // (2 * W) // 8)
+        cu = [0, 3 * unit, 4 * unit, S]
+        qd, kd, vd = (to.cp.shard(t, ctx, cu_seqlens=cu) for t in (q, k, v))
+        with torch.no_grad():
+            out_docs, _ = attn(qd, kd, vd, causal=True, cu_seqlens=cu)
+        ctx.check()
+        got = to.cp.unshard(out_docs, ctx, cu_seqlens=cu)
+        ref_docs = torch.cat([full_attention(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in zip(cu[:-1], cu[1:])], 1)
+        errs["out, packed documents"] = float((got.float() - ref_docs).norm() / ref_docs.norm())
+        say(f"packed documents at {cu}: out relative error {errs['out, packed documents']:.2e}")
 
         # %% On GPUs, the time beside NCCL all_gather of K/V followed by the same kernel (no overlap).
         if gpu:
