@@ -542,7 +542,8 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             return run
 
         side_by_side(ctx, rec, {
-            "ours_us": lambda: op(q, k, v, causal=causal), "nccl_ag_us": nccl_then_kernel if B == 1 else None,
+            "ours_us": lambda: op(q, k, v, causal=causal, cu_seqlens=cu),
+            "nccl_ag_us": nccl_then_kernel if B == 1 else None,
             "single_gpu_us": None if single is None else flash(single),
             "kernel_only_us": lambda: kernel(q, k, v, k, v, out, lse, 0, 1, local_cu),
             "kernel_full_us": lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1, cu)}, iters, CP_BUDGET_S)
