@@ -62,17 +62,17 @@ def main():
             ready = torch.full((layout.num_chunks,), 1 << 30, dtype=torch.int32, device="cuda")  # every wait passes
             tick = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-            def rs_gemm(fuse, claim=None, defer=None, prefetch=None):
+            def rs_gemm(fuse, claim=None, defer=None):
                 """The copy variant's GEMM alone: tiles stored into the staging buffer and our receive slot,
                 counters bumped; ``fuse``: own-row tiles add the peers' partials (whatever the slots hold; every
-                wait already satisfied); ``claim``/``defer``/``prefetch``: launch_gemm's (None: the defaults)."""
+                wait already satisfied); ``claim``/``defer``: launch_gemm's (None: the defaults)."""
                 def run():
                     launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m, N), bias=None, M=M, N=N, K=K,
                                 m_local=m, m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank,
                                 tile_order=order, flags=ready, op=OP, gather=False, scatter_ptrs=sp, counter_ptrs=cp,
                                 reduce_into=out if fuse else None, expected=expected if fuse else None,
                                 tick=tick if fuse else None, split_m=(W - 1) * m // cfg.block_m, free_sm=fuse,
-                                local_counters=True, claim=claim, defer_release=defer, prefetch_own=prefetch)
+                                local_counters=True, claim=claim, defer_release=defer)
                     if fuse:
                         tick.zero_()
                 return run
@@ -82,9 +82,6 @@ def main():
             for claim in (1, 0):
                 for defer in (False, True):
                     row[f"RS GEMM alone, fused, claim={claim} defer={int(defer)}"] = graph_us(rs_gemm(True, claim, defer))
-            for rnd in range(2):  # L2 prefetch of the peers' partials (PREFETCH_OWN), off and on, twice in turn
-                for pf in (False, True):
-                    row[f"RS GEMM alone, fused, prefetch={int(pf)} ({rnd})"] = graph_us(rs_gemm(True, prefetch=pf))
             ctx.synchronize()
             counters.local.zero_()  # the GEMMs alone bumped them; a call starts from zero
             done.zero_()
@@ -125,11 +122,6 @@ def main():
             row["whole call (default), ranks not lined up"] = graph_us(lambda: op(a, w, out=out), lead_us=0)
             calls = [(mode, True, claim, defer) for mode in ("copy", "store") for claim in (1, 0) for defer in (0, 1)]
             calls += [(mode, False, None, defer) for mode in ("copy", "store") for defer in (0, 1)]
-            for rnd in range(2):
-                for mode in ("copy", "store"):
-                    for pf in (False, True):
-                        row[f"whole call ({mode}, fused, defaults, prefetch={int(pf)}) ({rnd})"] = graph_us(
-                            lambda: op(a, w, out=out, scatter=mode, prefetch_own=pf))
             for mode, fuse, claim, defer in calls:
                 name = f"whole call ({mode}, {'fused, claim=' + str(claim) if fuse else 'reduce kernel'}, defer={defer})"
                 row[name] = graph_us(lambda: op(a, w, out=out, scatter=mode, fuse_reduce=fuse, claim=claim,

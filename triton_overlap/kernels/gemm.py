@@ -198,22 +198,6 @@ def _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LO
 
 
 @triton.jit
-def _prefetch_partials(c_ptr, local, col0, M_LOCAL, rank, world, stride_cm, BLOCK_N: tl.constexpr, CLOCK: tl.constexpr):
-    """PREFETCH_OWN: before an own-row tile's K loop, ask L2 for the 128-byte lines of the peers' partials
-    that its epilogue will add (one prefetch per line, kept with evict_last), so that the loads after the
-    K loop hit L2. Data that has not landed yet costs nothing wrong: L2 is where the copy engine's and the
-    peers' writes land, so the later loads, after the flag waits, see them either way."""
-    if CLOCK == 1:
-        LINE: tl.constexpr = 128 // c_ptr.dtype.element_ty.primitive_bitwidth * 8
-        lines = col0 + tl.arange(0, BLOCK_N // LINE) * LINE  # unit column stride (scatter tiles are contiguous)
-        for s in range(0, world):
-            if s != rank:
-                at = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + lines[None, :]
-                tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [at],
-                                          dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS: tl.constexpr):
     """Bump the owner's counter of chunks c_first..c_last (none if c_last < c_first) for one stored tile."""
     tl.debug_barrier()  # every thread's stores of the tile come before the release below
@@ -237,7 +221,7 @@ def persistent_gemm(
     DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
     B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
     LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False, CLAIM: tl.constexpr = 1,
-    DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False, PREFETCH_OWN: tl.constexpr = False,
+    DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
@@ -292,10 +276,6 @@ def persistent_gemm(
             _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
                          stride_cn, HAS_BIAS, DESC_C)
         else:
-            if PREFETCH_OWN:
-                if (row0 // M_LOCAL) == rank:
-                    _prefetch_partials(c_ptr, rows - rank * M_LOCAL, pid_n * BLOCK_N, M_LOCAL, rank, world, stride_cm,
-                                       BLOCK_N, CLOCK)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if DESC:
                 acc = _k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)

@@ -79,9 +79,6 @@ class GemmConfig:
     variant (local counters: within 1% on the large shapes, 33% slower on
     2048 x 4096 x 4096, where each program has two tiles and the deferred
     count holds a chunk's copy back by a whole tile).
-    ``prefetch_own`` (GEMM-ReduceScatter with ``fuse_reduce``, NVIDIA): each
-    own-row tile asks L2 for the peers' partials it will add before its K
-    loop (kernels.gemm PREFETCH_OWN). None: ``PREFETCH_OWN_DEFAULT``.
     ``tma_store`` (AllGather-GEMM and the plain GEMM): store C tiles through a
     tensor descriptor (a TMA store) instead of pointers, where C can be
     described (as for ``tma``: NVIDIA, compute capability 9.0 and later, or
@@ -119,7 +116,6 @@ class GemmConfig:
     claim: int | None = None
     defer_release: bool | None = None
     tma_store: bool | None = None
-    prefetch_own: bool | None = None
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
@@ -402,8 +398,6 @@ CLAIM_DEFAULT = 0
 
 #: GemmConfig.tma_store's default.
 TMA_STORE_DEFAULT = True
-#: GemmConfig.prefetch_own's default (off until measured faster; scripts/diag_rs.py has the rows)
-PREFETCH_OWN_DEFAULT = False
 
 
 def _describable(ctx, cfg: GemmConfig, c) -> bool:
@@ -421,7 +415,7 @@ def _first(*values):
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
                 expected=None, tick=None, split_m=0, scales=None, free_sm=None, local_counters=False,
-                split_epilogue=None, claim=None, defer_release=None, prefetch_own=None):
+                split_epilogue=None, claim=None, defer_release=None):
     """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
     the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
     chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
@@ -482,7 +476,5 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         CLAIM=1 if ctx.backend == "host" else _first(claim, cfg.claim, CLAIM_DEFAULT),
         DEFER_RELEASE=scatter_ptrs is not None and bool(_first(defer_release, cfg.defer_release, not local_counters)),
         DESC_C=c_desc is not None,
-        PREFETCH_OWN=reduce_into is not None and ctx.clock == 1 and c.stride(1) == 1
-        and bool(_first(prefetch_own, cfg.prefetch_own, PREFETCH_OWN_DEFAULT)),
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()
