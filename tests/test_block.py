@@ -8,6 +8,7 @@ import triton_overlap as to
 from triton_overlap.nn import TPMLP, ParallelTransformerBlock
 from refs import rel_err
 from test_cp_attention import reference as attention_reference
+from test_cp_attention import reference_docs
 
 TOL_OUT, TOL_GRAD = 2e-2, 3e-2  # a bf16 block against float32 on the same (bf16-rounded) weights and inputs
 
@@ -33,8 +34,8 @@ def _build(ctx, dim, heads, kv_heads, hidden):
     return block, lins
 
 
-def _reference(block, lins, x):
-    """The block on the full sequence, float32, plain torch."""
+def _reference(block, lins, x, cu=None):
+    """The block on the full sequence, float32, plain torch (``cu``: packed documents' bounds)."""
     B, S, dim = x.shape
     hq, hk, d = block.n_heads, block.n_kv_heads, block.head_dim
     f = lambda t: t.detach().float().cpu().requires_grad_()  # noqa: E731
@@ -42,30 +43,38 @@ def _reference(block, lins, x):
          "n2": f(block.norm2.weight)}
     gate, up, down = lins
     q, k, v = (_rms(x, w["n1"]) @ w["qkv"].t()).split([hq * d, hk * d, hk * d], dim=-1)
-    o, _ = attention_reference(q.reshape(B, S, hq, d), k.reshape(B, S, hk, d), v.reshape(B, S, hk, d),
-                               block.causal, d ** -0.5)
+    qkv = (q.reshape(B, S, hq, d), k.reshape(B, S, hk, d), v.reshape(B, S, hk, d))
+    if cu is None:
+        o, _ = attention_reference(*qkv, block.causal, d ** -0.5)
+    else:
+        o, _ = reference_docs(*qkv, cu, block.causal, d ** -0.5)
     x = x + o.reshape(B, S, dim) @ w["proj"].t()
     h = _rms(x, w["n2"])
     return x + down(nn.functional.silu(gate(h)) * up(h)), w
 
 
-def _block_case(B, S, dim, heads, kv_heads, hidden):
+def _block_case(B, S, dim, heads, kv_heads, hidden, packed=False):
+    """``packed``: three documents (about 5/12, 2/12 and 5/12 of the sequence) packed into one (B = 1)."""
     with to.Context(timeout_s=120) as ctx:
         dev = ctx.device
+        cu = None
+        if packed:
+            n = S // (2 * ctx.world_size)  # units of 2W tokens
+            cu = [2 * ctx.world_size * u for u in (0, 5 * n // 12, 7 * n // 12, n)]
         block, lins = _build(ctx, dim, heads, kv_heads, hidden)
         g = torch.Generator().manual_seed(9)
         x_full = torch.randn(B, S, dim, generator=g).bfloat16().float().requires_grad_()
         gy = torch.randn(B, S, dim, generator=g)
-        y_ref, w = _reference(block, lins, x_full)
+        y_ref, w = _reference(block, lins, x_full, cu)
         (y_ref * gy).sum().backward()
 
-        x = to.cp.shard(x_full.detach(), ctx).to(dev, torch.bfloat16).requires_grad_()
-        y = block(x)
-        (y.float() * to.cp.shard(gy, ctx).to(dev)).sum().backward()
+        x = to.cp.shard(x_full.detach(), ctx, cu_seqlens=cu).to(dev, torch.bfloat16).requires_grad_()
+        y = block(x, cu_seqlens=cu)
+        (y.float() * to.cp.shard(gy, ctx, cu_seqlens=cu).to(dev)).sum().backward()
         block.sync_replicated_grads()
         ctx.check()
-        errs = {"out": rel_err(to.cp.unshard(y.detach(), ctx), y_ref.detach()),
-                "grad_x": rel_err(to.cp.unshard(x.grad, ctx), x_full.grad),
+        errs = {"out": rel_err(to.cp.unshard(y.detach(), ctx, cu_seqlens=cu), y_ref.detach()),
+                "grad_x": rel_err(to.cp.unshard(x.grad, ctx, cu_seqlens=cu), x_full.grad),
                 "grad_norm1": rel_err(block.norm1.weight.grad, w["n1"].grad),
                 "grad_qkv": rel_err(block.qkv.weight.grad, w["qkv"].grad),
                 "grad_proj": rel_err(block.proj.weight.grad, w["proj"].grad),
@@ -75,11 +84,15 @@ def _block_case(B, S, dim, heads, kv_heads, hidden):
         return errs
 
 
-def test_block_matches_full_sequence(pool):
+@pytest.mark.parametrize("packed", [False, True])
+def test_block_matches_full_sequence(pool, packed):
     if pool.backend == "host" and pool.world == 4:
         pytest.skip("W = 2, 3 on the host backend")
-    shape = (1, 96, 128, 2, 1, 96) if pool.backend == "host" else (2, 2048, 1024, 8, 2, 2816)
-    pool.run(_block_case, *shape)
+    if pool.backend == "host":
+        shape = (1, 96, 128, 2, 1, 96)
+    else:
+        shape = (1, 4096, 1024, 8, 2, 2816) if packed else (2, 2048, 1024, 8, 2, 2816)
+    pool.run(_block_case, *shape, packed)
 
 
 def _compiled_case(B, S, dim, heads, kv_heads, hidden, backend):

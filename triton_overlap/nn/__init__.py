@@ -168,6 +168,9 @@ class ParallelTransformerBlock(nn.Module):
     partial gradients: call ``sync_replicated_grads()`` after backward (a sum
     over ranks), or wrap them in your data-parallel reducer. No rotary
     embedding: positions in the zigzag layout come from ``cp.positions``.
+    Packed documents: ``block(x, cu_seqlens=...)`` with B = 1 and ``x`` sharded
+    with the same boundaries (``cp.shard(x, ctx, cu_seqlens=...)``); attention
+    stays within each document, the MLP is row-wise.
     """
 
     def __init__(self, dim, n_heads, n_kv_heads, hidden, *, ctx, causal=True, dtype=None, device=None,
@@ -197,11 +200,12 @@ class ParallelTransformerBlock(nn.Module):
             if p.grad is not None:
                 torch.distributed.all_reduce(p.grad, group=self.ctx.group)
 
-    def forward(self, x):
+    def forward(self, x, cu_seqlens=None):
         B, S, dim = x.shape
         hq, hk, d = self.n_heads, self.n_kv_heads, self.head_dim
         q, k, v = self.qkv(self.norm1(x)).split([hq * d, hk * d, hk * d], dim=-1)
-        o, _ = self.attn(q.reshape(B, S, hq, d), k.reshape(B, S, hk, d), v.reshape(B, S, hk, d), causal=self.causal)
+        o, _ = self.attn(q.reshape(B, S, hq, d), k.reshape(B, S, hk, d), v.reshape(B, S, hk, d), causal=self.causal,
+                         cu_seqlens=cu_seqlens)
         x = x + self.proj(o.reshape(B, S, dim))
         h = self.norm2(x).transpose(0, 1)  # sequence-first rows for the TP MLP
         return x + self.mlp(h).transpose(0, 1)
