@@ -95,18 +95,21 @@ def test_block_matches_full_sequence(pool, packed):
     pool.run(_block_case, *shape, packed)
 
 
-def _compiled_case(B, S, dim, heads, kv_heads, hidden, backend):
+def _compiled_case(B, S, dim, heads, kv_heads, hidden, backend, packed=False):
+    """``packed``: B = 1 and two documents; the boundaries reach the custom op as a list of ints."""
     with to.Context(timeout_s=120) as ctx:
         dev = ctx.device
+        unit = 2 * ctx.world_size
+        cu = [0, unit * (S // unit // 3), S] if packed else None
         block, _ = _build(ctx, dim, heads, kv_heads, hidden)
         g = torch.Generator().manual_seed(9)
         x_full = torch.randn(B, S, dim, generator=g).bfloat16()
-        gy = to.cp.shard(torch.randn(B, S, dim, generator=g), ctx).to(dev)
+        gy = to.cp.shard(torch.randn(B, S, dim, generator=g), ctx, cu_seqlens=cu).to(dev)
         results = []
         for fn in (block, torch.compile(block, backend=backend, fullgraph=True)):  # fullgraph: a break is an error
-            x = to.cp.shard(x_full, ctx).to(dev).requires_grad_()
+            x = to.cp.shard(x_full, ctx, cu_seqlens=cu).to(dev).requires_grad_()
             block.zero_grad(set_to_none=True)
-            y = fn(x)
+            y = fn(x, cu_seqlens=cu)
             (y.float() * gy).sum().backward()
             results.append((y.detach().float(), x.grad.float(), block.qkv.weight.grad.float(),
                             block.mlp.down.weight.grad.float()))
@@ -116,9 +119,11 @@ def _compiled_case(B, S, dim, heads, kv_heads, hidden, backend):
         return errs
 
 
-def test_block_compiles_in_one_graph(pool):
+@pytest.mark.parametrize("packed", [False, True])
+def test_block_compiles_in_one_graph(pool, packed):
     if pool.backend == "host" and pool.world != 2:
         pytest.skip("compiled once on the host backend, at W = 2")
     backend = "aot_eager" if pool.backend == "host" else "inductor"
-    shape = (1, 96, 128, 2, 1, 96) if pool.backend == "host" else (2, 2048, 1024, 8, 2, 2816)
-    pool.run(_compiled_case, *shape, backend)
+    shape = (1, 96, 128, 2, 1, 96) if pool.backend == "host" else ((1, 4096, 1024, 8, 2, 2816) if packed else
+                                                                   (2, 2048, 1024, 8, 2, 2816))
+    pool.run(_compiled_case, *shape, backend, packed)
