@@ -96,7 +96,8 @@ def test_block_matches_full_sequence(pool, packed):
 
 
 def _compiled_case(B, S, dim, heads, kv_heads, hidden, backend, packed=False):
-    """``packed``: B = 1 and two documents; the boundaries reach the custom op as a list of ints."""
+    """``packed``: B = 1 and two documents, the boundaries passed as a CPU tensor; a second set of boundaries
+    of the same length then runs the compiled block without a recompile, and matches eager."""
     with to.Context(timeout_s=120) as ctx:
         dev = ctx.device
         unit = 2 * ctx.world_size
@@ -106,16 +107,26 @@ def _compiled_case(B, S, dim, heads, kv_heads, hidden, backend, packed=False):
         x_full = torch.randn(B, S, dim, generator=g).bfloat16()
         gy = to.cp.shard(torch.randn(B, S, dim, generator=g), ctx, cu_seqlens=cu).to(dev)
         results = []
-        for fn in (block, torch.compile(block, backend=backend, fullgraph=True)):  # fullgraph: a break is an error
+        compiled = torch.compile(block, backend=backend, fullgraph=True)  # fullgraph: a break is an error
+        for fn in (block, compiled):
             x = to.cp.shard(x_full, ctx, cu_seqlens=cu).to(dev).requires_grad_()
             block.zero_grad(set_to_none=True)
-            y = fn(x, cu_seqlens=cu)
+            y = fn(x, cu_seqlens=None if cu is None else torch.tensor(cu))  # a tensor: no guard on its values
             (y.float() * gy).sum().backward()
             results.append((y.detach().float(), x.grad.float(), block.qkv.weight.grad.float(),
                             block.mlp.down.weight.grad.float()))
         ctx.check()
         errs = [rel_err(a, b) for a, b in zip(results[1], results[0])]
         assert max(errs) < 1e-2, f"compiled vs eager: {errs}"
+        if packed:
+            cu2 = [0, unit * (2 * S // unit // 3), S]
+            x2 = to.cp.shard(x_full, ctx, cu_seqlens=cu2).to(dev).requires_grad_()  # as the first call had it
+            with torch._dynamo.config.patch(error_on_recompile=True):  # new values, no new graph
+                y2 = compiled(x2, cu_seqlens=torch.tensor(cu2))
+            want = block(x2, cu_seqlens=cu2)
+            ctx.check()
+            errs.append(rel_err(y2.detach(), want.detach()))
+            assert errs[-1] < 1e-2, f"compiled vs eager, second boundaries: {errs[-1]}"
         return errs
 
 

@@ -121,11 +121,12 @@ gemm_rs.register_autograd(_rs_backward, setup_context=_rs_setup)
 # ------------------------------------------------------------------ context-parallel attention
 @torch.library.custom_op("triton_overlap::cp_attention", mutates_args=())
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: int, causal: bool, scale: float,
-                 keep: bool, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 keep: bool, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, gathered k, gathered v); the last two are empty unless ``keep`` (for backward). ``cu``: packed
-    documents' global boundaries (empty: none)."""
+    documents' global boundaries, an integer tensor read on the host (empty: none)."""
     with torch.no_grad():
-        res = _op(op).forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, keep=keep, cu=cu)
+        res = _op(op).forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, keep=keep,
+                              cu=tuple(cu.tolist()))
     if keep:
         return res
     return res[0], res[1], k.new_empty(0), v.new_empty(0)
@@ -143,11 +144,11 @@ def _(q, k, v, op, causal, scale, keep, cu):
 @torch.library.custom_op("triton_overlap::cp_attention_bwd", mutates_args=())
 def cp_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                      dout: torch.Tensor, kept_k: torch.Tensor, kept_v: torch.Tensor, op: int, causal: bool,
-                     scale: float, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scale: float, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv; K/V from ``kept_k``/``kept_v`` when they are not empty, else gathered again."""
     keep = kept_k.numel() > 0
     return _op(op).backward(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, dout.contiguous(), causal,
-                            scale, kept_k if keep else None, kept_v if keep else None, tuple(cu))
+                            scale, kept_k if keep else None, kept_v if keep else None, tuple(cu.tolist()))
 
 
 @cp_attention_bwd.register_fake
@@ -157,14 +158,14 @@ def _(q, k, v, out, lse, dout, kept_k, kept_v, op, causal, scale, cu):
 
 def _cp_setup(ctx, inputs, output):
     q, k, v, op, causal, scale, keep, cu = inputs
-    ctx.save_for_backward(q, k, v, *output)
-    ctx.op, ctx.causal, ctx.scale, ctx.cu = op, causal, scale, list(cu)
+    ctx.save_for_backward(q, k, v, *output, cu)
+    ctx.op, ctx.causal, ctx.scale = op, causal, scale
     ctx.mark_non_differentiable(*output[1:])
 
 
 def _cp_backward(ctx, dout, _dlse, _dk, _dv):
-    q, k, v, out, lse, kept_k, kept_v = ctx.saved_tensors
-    dq, dk, dv = cp_attention_bwd(q, k, v, out, lse, dout, kept_k, kept_v, ctx.op, ctx.causal, ctx.scale, ctx.cu)
+    q, k, v, out, lse, kept_k, kept_v, cu = ctx.saved_tensors
+    dq, dk, dv = cp_attention_bwd(q, k, v, out, lse, dout, kept_k, kept_v, ctx.op, ctx.causal, ctx.scale, cu)
     return dq, dk, dv, None, None, None, None, None
 
 

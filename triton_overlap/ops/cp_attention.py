@@ -270,14 +270,17 @@ class ContextParallelAttention:
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """(out, lse); differentiable in q, k, v when grad is enabled and any of them requires it (out= not allowed then)."""
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        cu = _as_tuple(cu_seqlens)
         grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
         if out is None and lse is None and (grad or torch.compiler.is_compiling()):
             # through the custom op: autograd, and torch.compile traces it. Otherwise the op is called
-            # directly: the dispatcher's round trip costs an eager call about 0.1 ms of host time (H200 host)
+            # directly: the dispatcher's round trip costs an eager call about 0.1 ms of host time (H200 host).
+            # The boundaries go in as a tensor, read inside the op: a compiled graph then holds no guard on
+            # their values (a list would be specialised: a recompile per new list)
             from .. import library
 
-            return library.cp_attention(q, k, v, self._handle, causal, scale, self.keep_kv and grad, list(cu))[:2]
+            return library.cp_attention(q, k, v, self._handle, causal, scale, self.keep_kv and grad,
+                                        _as_tensor(cu_seqlens))[:2]
+        cu = _as_tuple(cu_seqlens)
         if grad:
             raise ValueError("cp_attention: out= and lse= are for calls without autograd")
         return self.forward(q, k, v, causal, scale, out, lse, cu=cu)
@@ -460,6 +463,17 @@ def _as_tuple(cu_seqlens) -> tuple:
         return tuple(int(c) for c in cu_seqlens)
     except (TypeError, ValueError):
         raise ValueError("cp_attention: cu_seqlens must be a 1-D integer tensor or a sequence of ints") from None
+
+
+def _as_tensor(cu_seqlens) -> torch.Tensor:
+    """``cu_seqlens`` as an int64 tensor for the custom op (empty for None; a tensor stays on its device)."""
+    if cu_seqlens is None:
+        return torch.empty(0, dtype=torch.int64)
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
+            raise ValueError("cp_attention: cu_seqlens must be a 1-D integer tensor or a sequence of ints")
+        return cu_seqlens.to(torch.int64)
+    return torch.tensor(_as_tuple(cu_seqlens), dtype=torch.int64)
 
 
 def _local(cu_seqlens, world):
