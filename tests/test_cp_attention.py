@@ -330,3 +330,25 @@ def _varlen_bad_inputs():
 
 def test_cp_attention_packed_bad_input_raises_before_launch(pool):
     assert all(pool.run(_varlen_bad_inputs))
+
+
+def test_packed_tables_are_bounded_and_ordered():
+    """The per-boundaries tables stay at SEGMENT_CACHE sets at most (training feeds new boundaries every
+    batch), and each lists every block of every document once, longest documents first."""
+    import sys
+
+    cpa = sys.modules["triton_overlap.ops.cp_attention"]  # the module (the package exports a function so named)
+
+    cpa._SEGMENTS.clear()
+    for i in range(cpa.SEGMENT_CACHE + 20):
+        local_cu = (0, 2 + i, 40 + 2 * i)
+        seg, cu, n = cpa.segments(local_cu, 16, "cpu")
+        rows = [tuple(r) for r in seg.tolist()]
+        lengths = [local_cu[d + 1] - local_cu[d] for d, _ in rows]
+        assert lengths == sorted(lengths, reverse=True), f"{local_cu}: longest documents first"
+        want = {(d, r0) for d in range(2) for r0 in range(0, local_cu[d + 1] - local_cu[d], 16)}
+        assert set(rows) == want and n == len(want) == len(rows), f"{local_cu}: every block once"
+        assert cu.tolist() == list(local_cu)
+    assert len(cpa._SEGMENTS) == cpa.SEGMENT_CACHE
+    assert (((0, 2 + cpa.SEGMENT_CACHE + 19, 40 + 2 * (cpa.SEGMENT_CACHE + 19)), 16, "cpu") in cpa._SEGMENTS)
+    assert ((0, 2, 40), 16, "cpu") not in cpa._SEGMENTS  # the least recently used went first

@@ -22,17 +22,22 @@ def _chunks(length: int, world: int) -> int:
     return length // (2 * world)
 
 
-def doc_bounds(cu_seqlens, world: int, length: int | None = None) -> tuple[int, ...]:
-    """``cu_seqlens`` (a sequence of ints or a 1-D integer tensor) as a tuple, checked: it starts at 0, never
-    decreases, ends at ``length`` when given, and every document is a multiple of 2 * ``world`` long."""
+def as_ints(cu_seqlens) -> tuple[int, ...]:
+    """``cu_seqlens`` (a sequence of ints or a 1-D integer tensor, read on the host) as a tuple of ints."""
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
             raise ValueError("cu_seqlens must be a 1-D integer tensor or a sequence of ints")
         cu_seqlens = cu_seqlens.tolist()
     try:
-        cu = tuple(int(c) for c in cu_seqlens)
+        return tuple(int(c) for c in cu_seqlens)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"cu_seqlens must be a sequence of ints: {e}") from None
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a sequence of ints: {e}") from None
+
+
+def doc_bounds(cu_seqlens, world: int, length: int | None = None) -> tuple[int, ...]:
+    """``cu_seqlens`` (as ``as_ints`` takes it) as a tuple, checked: it starts at 0, never decreases, ends at
+    ``length`` when given, and every document is a multiple of 2 * ``world`` long."""
+    cu = as_ints(cu_seqlens)
     if len(cu) < 2 or cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0 and hold at least one document, got {list(cu)[:8]}")
     for d in range(len(cu) - 1):

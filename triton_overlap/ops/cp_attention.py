@@ -10,13 +10,14 @@ K/V in first and each peer's chunk as soon as its flag is up
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from ..context import op_id
-from ..cp import doc_bounds
+from ..cp import as_ints, doc_bounds
 from ..kernels.attention import cp_attention_fwd
 from ..kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq, reduce_dkdv
 from ..kernels.chunks import ChunkLayout, cdiv
@@ -57,20 +58,38 @@ def default_attention_config(backend: str, head_dim: int, chunks_per_rank: int =
     return AttentionConfig(chunks_per_rank)
 
 
-_SEGMENTS: dict = {}
+#: packed documents' tables kept for this many boundary sets (x tile sizes x devices), least recently used
+#: dropped: training feeds new boundaries every batch. Tables a CUDA graph captured are kept for good in
+#: _PINNED (the graph reads them at every replay).
+SEGMENT_CACHE = 64
+_SEGMENTS: OrderedDict = OrderedDict()
+_PINNED: dict = {}
 
 
 def segments(local_cu, block: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """For packed documents with shard boundaries ``local_cu``: the table of (document, first row) of every
     block of ``block`` rows, documents longest first (so that the longest programs start first), the
-    boundaries as an int32 tensor, and the number of blocks. Cached per boundaries, block and device."""
+    boundaries as an int32 tensor, and the number of blocks. Cached per boundaries, block and device (see
+    SEGMENT_CACHE)."""
     key = (tuple(local_cu), block, str(device))
-    got = _SEGMENTS.get(key)
+    got = _PINNED.get(key) or _SEGMENTS.get(key)
+    capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
     if got is None:
+        if capturing:
+            raise RuntimeError("cp_attention: packed documents' tables are built on the first call with these "
+                               "boundaries: run the call once outside CUDA-graph capture first")
         docs = sorted(range(len(local_cu) - 1), key=lambda d: -(local_cu[d + 1] - local_cu[d]))
         rows = [(d, r0) for d in docs for r0 in range(0, local_cu[d + 1] - local_cu[d], block)]
         seg = torch.tensor(rows or [(0, 0)], dtype=torch.int32, device=device)
-        got = _SEGMENTS[key] = (seg, torch.tensor(local_cu, dtype=torch.int32, device=device), len(rows))
+        got = (seg, torch.tensor(local_cu, dtype=torch.int32, device=device), len(rows))
+    if capturing or key in _PINNED:
+        _PINNED[key] = got
+        _SEGMENTS.pop(key, None)
+    else:  # freed tables go back to the caller's stream's pool: reused only after the work queued on it
+        _SEGMENTS[key] = got
+        _SEGMENTS.move_to_end(key)
+        while len(_SEGMENTS) > SEGMENT_CACHE:
+            _SEGMENTS.popitem(last=False)
     return got
 
 
@@ -263,6 +282,8 @@ class ContextParallelAttention:
             except ValueError as e:
                 raise ValueError(f"cp_attention: {e}") from None
         docs = (len(cu) - 1, hash(cu)) if cu else None  # documents, and a digest of their boundaries
+        if len(self._agreed) > 256:  # new boundaries every batch: keep the set small (agreeing again is correct)
+            self._agreed.clear()
         agree_across_ranks("cp_attention", ctx, (tuple(q.shape), tuple(k.shape), str(q.dtype), docs), self._agreed)
         return local_cu
 
@@ -455,23 +476,17 @@ def _as_tuple(cu_seqlens) -> tuple:
     """``cu_seqlens`` as a tuple of ints (empty for None); checked later, with the other inputs."""
     if cu_seqlens is None:
         return ()
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-            raise ValueError("cp_attention: cu_seqlens must be a 1-D integer tensor or a sequence of ints")
-        return tuple(cu_seqlens.tolist())
     try:
-        return tuple(int(c) for c in cu_seqlens)
-    except (TypeError, ValueError):
-        raise ValueError("cp_attention: cu_seqlens must be a 1-D integer tensor or a sequence of ints") from None
+        return as_ints(cu_seqlens)
+    except ValueError as e:
+        raise ValueError(f"cp_attention: {e}") from None
 
 
 def _as_tensor(cu_seqlens) -> torch.Tensor:
-    """``cu_seqlens`` as an int64 tensor for the custom op (empty for None; a tensor stays on its device)."""
-    if cu_seqlens is None:
-        return torch.empty(0, dtype=torch.int64)
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point:
-            raise ValueError("cp_attention: cu_seqlens must be a 1-D integer tensor or a sequence of ints")
+    """``cu_seqlens`` as an int64 tensor for the custom op (empty for None; a tensor stays on its device and is
+    read inside the op)."""
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and not cu_seqlens.dtype.is_floating_point \
+            and cu_seqlens.dtype != torch.bool:
         return cu_seqlens.to(torch.int64)
     return torch.tensor(_as_tuple(cu_seqlens), dtype=torch.int64)
 
