@@ -361,6 +361,8 @@ def doc_lengths(S: int, n: int, world: int, seed: int = 0) -> list[int]:
     unit = 2 * world
     lengths = [max(1, int(x)) * unit for x in (w / w.sum() * (S // unit)).tolist()]
     lengths[-1] += S - sum(lengths)  # the rest to the last document
+    if lengths[-1] <= 0:
+        raise ValueError(f"doc_lengths: {n} documents of at least {unit} tokens do not fit in {S}")
     return lengths
 
 
