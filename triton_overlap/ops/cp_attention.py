@@ -335,8 +335,13 @@ class ContextParallelAttention:
         if keep:  # the gathered K/V for backward (this rank's own rows are read from k and v, not from here)
             kws, vws = self._forward(q, k, v, out, lse, causal, scale, local_cu)
             return out, lse, kws.local.clone(), vws.local.clone()
-        shape_key = (tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), float(scale), cu)
+        # the shape key leaves the boundaries out (new ones every batch would grow the cache's record of
+        # prepared shapes); the call key has them, so a capture follows an eager call with the same ones
+        shape_key = (tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), float(scale), bool(cu))
         key = call_key((bool(causal), float(scale), cu), q, k, v, out, lse)
+        if local_cu is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # the tables, built here if need be, outside any capture the replay cache may start below
+            segments(local_cu, self.config(D, self._shape_key(q, k, causal)).fwd.block_m, q.device)
         self.replays.run(key, shape_key, lambda: self._forward(q, k, v, out, lse, causal, scale, local_cu))
         return out, lse
 
