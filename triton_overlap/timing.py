@@ -46,21 +46,7 @@ def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, le
     2xH200), which a collective op pays as waiting and a single-GPU one does
     not.
     """
-    tiny = torch.zeros(1, device="cuda")
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(warmup):
-        fn()
-    e.record()
-    torch.cuda.synchronize()
-    if budget_s is not None:
-        per_call = torch.tensor([s.elapsed_time(e) / 1e3 / max(warmup, 1)], device="cuda")
-        dist.all_reduce(per_call, op=dist.ReduceOp.MAX)
-        iters = max(3, min(iters, int(budget_s / max(float(per_call.item()), 1e-6))))
-    times = [_lined_up(fn, tiny, lead_us) for _ in range(iters)]
-    med = torch.tensor([statistics.median(times)], device="cuda")
-    dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med.item())
+    return time_interleaved({"fn": fn}, iters, warmup, budget_s, lead_us)["fn"]
 
 
 def _lined_up(fn, tiny: torch.Tensor, lead_us: float) -> float:
