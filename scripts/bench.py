@@ -412,7 +412,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             cu = [0]
             for n in doc_lengths(S, ndocs, W):
                 cu.append(cu[-1] + n)
-        local_cu = None if cu is None else [c // W for c in cu]
+        local_cu = to.cp.local_cu_seqlens(cu, W)
         op = to.ContextParallelAttention(ctx, chunks_per_rank=4)
         cfg = op.config(D, (S, Hq, Hkv, D, int(causal)))
         g = torch.Generator(device="cuda").manual_seed(0)

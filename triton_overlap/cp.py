@@ -22,10 +22,15 @@ def _chunks(length: int, world: int) -> int:
     return length // (2 * world)
 
 
+def int_vector(t) -> bool:
+    """Whether ``t`` is a tensor ``cu_seqlens`` may be: 1-D, of an integer dtype."""
+    return isinstance(t, torch.Tensor) and t.dim() == 1 and not t.dtype.is_floating_point and t.dtype != torch.bool
+
+
 def as_ints(cu_seqlens) -> tuple[int, ...]:
     """``cu_seqlens`` (a sequence of ints or a 1-D integer tensor, read on the host) as a tuple of ints."""
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        if not int_vector(cu_seqlens):
             raise ValueError("cu_seqlens must be a 1-D integer tensor or a sequence of ints")
         cu_seqlens = cu_seqlens.tolist()
     try:
@@ -52,9 +57,12 @@ def doc_bounds(cu_seqlens, world: int, length: int | None = None) -> tuple[int, 
     return cu
 
 
-def local_cu_seqlens(cu_seqlens, world: int) -> tuple[int, ...]:
-    """The document boundaries within every rank's shard (the global ones divided by W)."""
-    return tuple(c // world for c in doc_bounds(cu_seqlens, world))
+def local_cu_seqlens(cu_seqlens, world: int, length: int | None = None) -> tuple[int, ...] | None:
+    """The document boundaries within every rank's shard (the global ones, checked as ``doc_bounds`` does,
+    divided by W); None for None."""
+    if cu_seqlens is None:
+        return None
+    return tuple(c // world for c in doc_bounds(cu_seqlens, world, length))
 
 
 def _pieces(length: int, rank: int, world: int, cu_seqlens):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..context import op_id
-from ..cp import as_ints, doc_bounds
+from ..cp import as_ints, int_vector, local_cu_seqlens
 from ..kernels.attention import cp_attention_fwd
 from ..kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq, reduce_dkdv
 from ..kernels.chunks import ChunkLayout, cdiv
@@ -278,7 +278,7 @@ class ContextParallelAttention:
             if B != 1:
                 raise ValueError(f"cp_attention: with cu_seqlens, q must be [1, S_local, Hq, D], got B = {B}")
             try:
-                local_cu = tuple(c // ctx.world_size for c in doc_bounds(cu, ctx.world_size, S * ctx.world_size))
+                local_cu = local_cu_seqlens(cu, ctx.world_size, S * ctx.world_size)
             except ValueError as e:
                 raise ValueError(f"cp_attention: {e}") from None
         docs = (len(cu) - 1, hash(cu)) if cu else None  # documents, and a digest of their boundaries
@@ -374,7 +374,7 @@ class ContextParallelAttention:
         engines. Partial dK/dV go straight to their owners, who sum them in fp32. ``cu`` as in forward
         (checked there)."""
         ctx = self.ctx
-        local_cu = tuple(c // ctx.world_size for c in cu) if cu else None
+        local_cu = local_cu_seqlens(cu or None, ctx.world_size)
         W, r = ctx.world_size, ctx.rank
         B, S, Hq, D = q.shape
         Hkv = k.shape[2]
@@ -430,7 +430,8 @@ def forward_on_gathered(ctx, q, k, v, kg, vg, rank, world, causal, scale, cfg: A
     lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
     cpr = cfg.chunks_per_rank
     launch_fwd(q, k, v, kg, vg, out, lse, _all_ready(world * cpr, q.device), ctx.err, ctx.budget, rank, world, OP,
-               S // cpr, cpr, scale, causal, cfg.fwd, ctx.clock, ctx.backend == "host", _local(cu_seqlens, world))
+               S // cpr, cpr, scale, causal, cfg.fwd, ctx.clock, ctx.backend == "host",
+               local_cu_seqlens(cu_seqlens, world))
     return out, lse
 
 
@@ -464,7 +465,7 @@ def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, caus
     dq = torch.empty_like(q)
     launch_bwd(q, k, v, kg, vg, dout, lse, delta, dq, recv_ptrs, counter_ptrs, _all_ready(world * cpr, dev), ctx.err,
                ctx.budget, rank, world, OP, S // cpr, cpr, scale, causal, cfg, ctx.clock, ctx.backend == "host",
-               _local(cu_seqlens, world))
+               local_cu_seqlens(cu_seqlens, world))
     return dq, parts
 
 
@@ -490,17 +491,10 @@ def _as_tuple(cu_seqlens) -> tuple:
 def _as_tensor(cu_seqlens) -> torch.Tensor:
     """``cu_seqlens`` as an int64 tensor for the custom op (empty for None; a tensor stays on its device and is
     read inside the op)."""
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and not cu_seqlens.dtype.is_floating_point \
-            and cu_seqlens.dtype != torch.bool:
+    if int_vector(cu_seqlens):
         return cu_seqlens.to(torch.int64)
     return torch.tensor(_as_tuple(cu_seqlens), dtype=torch.int64)
 
-
-def _local(cu_seqlens, world):
-    """Checked global boundaries -> boundaries within each shard, or None."""
-    if cu_seqlens is None:
-        return None
-    return tuple(c // world for c in doc_bounds(cu_seqlens, world))
 
 
 __all__ = ["AttentionConfig", "Blocks", "ContextParallelAttention", "backward_on_gathered", "cp_attention",
