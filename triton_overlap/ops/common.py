@@ -305,9 +305,13 @@ def check_scales(op: str, ctx, dtype, scale_a, scale_b, out_dtype) -> torch.dtyp
 
 
 def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
-    """Check once per distinct ``key`` that every rank passes the same key (a collective)."""
+    """Check once per distinct ``key`` that every rank passes the same key (a collective). ``seen`` is cleared
+    past 256 keys (keys that change every call, such as packed documents' boundaries, would grow it without
+    end; agreeing again is correct, and every rank clears at the same call)."""
     if key in seen:
         return
+    if len(seen) >= 256:
+        seen.clear()
     everyone = ctx._gather(key)
     if any(k != key for k in everyone):
         raise ValueError(f"{op}: ranks disagree on shapes/dtypes: "

@@ -282,8 +282,6 @@ class ContextParallelAttention:
             except ValueError as e:
                 raise ValueError(f"cp_attention: {e}") from None
         docs = (len(cu) - 1, hash(cu)) if cu else None  # documents, and a digest of their boundaries
-        if len(self._agreed) > 256:  # new boundaries every batch: keep the set small (agreeing again is correct)
-            self._agreed.clear()
         agree_across_ranks("cp_attention", ctx, (tuple(q.shape), tuple(k.shape), str(q.dtype), docs), self._agreed)
         return local_cu
 
