@@ -34,6 +34,8 @@ from diag_small import barrier_alone, graph_us  # noqa: E402 - the same timing a
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=["2048,4096,4096", "8192,4096,4096", "8192,1792,8192"])
+    p.add_argument("--quick", action="store_true", help="the bound, the GEMMs alone and the whole call, defaults only "
+                   "(to compare two versions of the code, run one after another)")
     args = p.parse_args()
     init()
     with to.Context(timeout_s=30) as ctx:
@@ -77,11 +79,16 @@ def main():
                         tick.zero_()
                 return run
 
-            for defer in (False, True):
-                row[f"RS GEMM alone, scatter only, defer={int(defer)}"] = graph_us(rs_gemm(False, defer=defer))
-            for claim in (1, 0):
+            if args.quick:
+                row["RS GEMM alone, scatter only"] = graph_us(rs_gemm(False))
+                row["RS GEMM alone, fused"] = graph_us(rs_gemm(True))
+            else:
                 for defer in (False, True):
-                    row[f"RS GEMM alone, fused, claim={claim} defer={int(defer)}"] = graph_us(rs_gemm(True, claim, defer))
+                    row[f"RS GEMM alone, scatter only, defer={int(defer)}"] = graph_us(rs_gemm(False, defer=defer))
+                for claim in (1, 0):
+                    for defer in (False, True):
+                        row[f"RS GEMM alone, fused, claim={claim} defer={int(defer)}"] = graph_us(
+                            rs_gemm(True, claim, defer))
             ctx.synchronize()
             counters.local.zero_()  # the GEMMs alone bumped them; a call starts from zero
             done.zero_()
@@ -112,16 +119,20 @@ def main():
 
             # the copies write peers' receive slots: every rank's op is idle here (the op synchronised above)
             dist.barrier()
-            row["copies alone"] = graph_us(copies_beside())
-            row["copies beside our GEMM"] = graph_us(copies_beside(gemm))
-            ctx.synchronize()
-            dist.barrier()
-            row["barrier alone"] = graph_us(barrier_alone(ctx))
-            row["whole call (store)"] = graph_us(lambda: op(a, w, out=out, scatter="store"))
+            if not args.quick:
+                row["copies alone"] = graph_us(copies_beside())
+                row["copies beside our GEMM"] = graph_us(copies_beside(gemm))
+                ctx.synchronize()
+                dist.barrier()
+                row["barrier alone"] = graph_us(barrier_alone(ctx))
+                row["whole call (store)"] = graph_us(lambda: op(a, w, out=out, scatter="store"))
             row["whole call (default: auto)"] = graph_us(lambda: op(a, w, out=out))
-            row["whole call (default), ranks not lined up"] = graph_us(lambda: op(a, w, out=out), lead_us=0)
-            calls = [(mode, True, claim, defer) for mode in ("copy", "store") for claim in (1, 0) for defer in (0, 1)]
-            calls += [(mode, False, None, defer) for mode in ("copy", "store") for defer in (0, 1)]
+            row["whole call (default: auto), again"] = graph_us(lambda: op(a, w, out=out))
+            calls = []
+            if not args.quick:
+                row["whole call (default), ranks not lined up"] = graph_us(lambda: op(a, w, out=out), lead_us=0)
+                calls = [(mode, True, claim, defer) for mode in ("copy", "store") for claim in (1, 0) for defer in (0, 1)]
+                calls += [(mode, False, None, defer) for mode in ("copy", "store") for defer in (0, 1)]
             for mode, fuse, claim, defer in calls:
                 name = f"whole call ({mode}, {'fused, claim=' + str(claim) if fuse else 'reduce kernel'}, defer={defer})"
                 row[name] = graph_us(lambda: op(a, w, out=out, scatter=mode, fuse_reduce=fuse, claim=claim,
@@ -132,7 +143,8 @@ def main():
                 f"{mib:.0f} MiB sent per rank)")
             for k, v in row.items():
                 say(f"  {k:56s} {v:8.1f} µs  ({v / row['bound (cuBLAS)']:.2f} of the bound)")
-            say(f"  copy bandwidth alone: {mib * 2 ** 20 / row['copies alone'] / 1e3:.0f} GB/s")
+            if "copies alone" in row:
+                say(f"  copy bandwidth alone: {mib * 2 ** 20 / row['copies alone'] / 1e3:.0f} GB/s")
     dist.destroy_process_group()
 
 

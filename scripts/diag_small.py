@@ -55,6 +55,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=["2048,4096,4096", "4096,8192,1792"])
     p.add_argument("--fp8", action="store_true")
+    p.add_argument("--quick", action="store_true", help="the bound, the gather GEMM with its flags set and the whole "
+                   "call, defaults only (to compare two versions of the code, run one after another)")
     args = p.parse_args()
     init()
     with to.Context(timeout_s=30) as ctx:
@@ -79,8 +81,9 @@ def main():
                                                                           out=out))
             else:
                 row["bound (cuBLAS)"] = graph_us(lambda: torch.matmul(gathered, w, out=out))
-            row["our GEMM alone"] = graph_us(plain_gemm(ctx, cfg, gathered, w, out, scales=scales))
-            row["our GEMM alone, pointer stores"] = graph_us(plain_gemm(ctx, replace(cfg, tma_store=False), gathered, w,
+            if not args.quick:
+                row["our GEMM alone"] = graph_us(plain_gemm(ctx, cfg, gathered, w, out, scales=scales))
+                row["our GEMM alone, pointer stores"] = graph_us(plain_gemm(ctx, replace(cfg, tma_store=False), gathered, w,
                                                                         out, scales=scales))
             op(a, w, out=out, **kw)  # workspace, flags, plans
             ctx.synchronize()
@@ -92,6 +95,14 @@ def main():
                 ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=None, M=M, N=N, K=K, m_local=m,
                 m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order, flags=ones,
                 op=OP, gather=True, stride_wm=ws.local.stride(0), scales=scales))
+            row["whole call"] = graph_us(lambda: op(a, w, out=out, **kw))
+            row["whole call, again"] = graph_us(lambda: op(a, w, out=out, **kw))
+            if args.quick:
+                ctx.check()
+                say(f"{M}x{K}x{N} {'fp8' if args.fp8 else 'bf16'} W={W} cfg={cfg}")
+                for k, v in row.items():
+                    say(f"  {k:32s} {v:8.1f} µs  ({v / row['bound (cuBLAS)']:.2f} of the bound)")
+                continue
             row["barrier alone"] = graph_us(barrier_alone(ctx))
             flags = ctx.symmetric(f"{op.name}.flags", (layout.num_chunks,), torch.int32)
             streams = ctx.streams(cfg.streams_for(W))
@@ -104,7 +115,6 @@ def main():
             row["producers alone"] = graph_us(producers)
             flags.local.zero_()
             dist.barrier()
-            row["whole call"] = graph_us(lambda: op(a, w, out=out, **kw))
             row["whole call, pointer stores"] = graph_us(lambda: op(a, w, out=out, tma_store=False, **kw))
             row["whole call, ranks not lined up"] = graph_us(lambda: op(a, w, out=out, **kw), lead_us=0)
             row["whole call, producers first"] = graph_us(lambda: op(a, w, out=out, gemm_first=False, **kw))
