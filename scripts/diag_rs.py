@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap.kernels.chunks import ChunkLayout  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
-from triton_overlap.ops.common import launch_gemm, plain_gemm  # noqa: E402
+from triton_overlap.ops.common import launch_gemm, plain_gemm, with_overrides  # noqa: E402
 from triton_overlap.ops.gemm_rs import OP  # noqa: E402
 from triton_overlap.producers.allgather import follow_caller, join  # noqa: E402
 from diag_small import barrier_alone, graph_us  # noqa: E402 - the same timing and barrier as the AG diag
@@ -36,6 +36,8 @@ def main():
     p.add_argument("--shapes", nargs="*", default=["2048,4096,4096", "8192,4096,4096", "8192,1792,8192"])
     p.add_argument("--quick", action="store_true", help="the bound, the GEMMs alone and the whole call, defaults only "
                    "(to compare two versions of the code, run one after another)")
+    p.add_argument("--cfgs", nargs="*", default=[], help="with --quick: also time the GEMMs alone and the whole call "
+                   "with these GemmConfig overrides, each 'field=value,field=value'")
     args = p.parse_args()
     init()
     with to.Context(timeout_s=30) as ctx:
@@ -82,6 +84,16 @@ def main():
             if args.quick:
                 row["RS GEMM alone, scatter only"] = graph_us(rs_gemm(False))
                 row["RS GEMM alone, fused"] = graph_us(rs_gemm(True))
+                base = cfg
+                for spec in args.cfgs:
+                    over = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+                    cfg = with_overrides(base, **over)
+                    _, order, expected = op._plan(m, N, cfg)
+                    row[f"our GEMM alone, {spec}"] = graph_us(plain_gemm(ctx, cfg, a, w, full))
+                    row[f"RS GEMM alone, scatter only, {spec}"] = graph_us(rs_gemm(False))
+                    row[f"RS GEMM alone, fused, {spec}"] = graph_us(rs_gemm(True))
+                cfg = base
+                _, order, expected = op._plan(m, N, cfg)
             else:
                 for defer in (False, True):
                     row[f"RS GEMM alone, scatter only, defer={int(defer)}"] = graph_us(rs_gemm(False, defer=defer))
@@ -128,6 +140,9 @@ def main():
                 row["whole call (store)"] = graph_us(lambda: op(a, w, out=out, scatter="store"))
             row["whole call (default: auto)"] = graph_us(lambda: op(a, w, out=out))
             row["whole call (default: auto), again"] = graph_us(lambda: op(a, w, out=out))
+            for spec in args.cfgs if args.quick else ():
+                over = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+                row[f"whole call, {spec}"] = graph_us(lambda: op(a, w, out=out, **over))
             calls = []
             if not args.quick:
                 row["whole call (default), ranks not lined up"] = graph_us(lambda: op(a, w, out=out), lead_us=0)

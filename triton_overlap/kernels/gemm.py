@@ -35,6 +35,11 @@ Switches (constexpr), so one source serves every op:
   has (index -1 in a timeout's error): then every peer tile belongs to a
   running program, and peer tiles wait on nothing. The per-tile atomic of
   CLAIM=1 (a round trip, and a broadcast through shared memory) is gone.
+* RESET_AT_EXIT (with REDUCE_OWN): each program counts itself out in
+  ``tick_ptr[1]``; the last one zeroes this rank's counters (``flags_ptr``,
+  ``world * CHUNKS_PER_RANK`` of them: every one has been waited on, and
+  peers write the next call's only after the next barrier) and both tile
+  counters, so no reset runs after the GEMM on the caller's stream.
 * DEFER_RELEASE (with SCATTER): a tile's counters are bumped after the next
   tile's K loop instead of right after its stores, so the release (which
   waits for the stores to land) finds them landed instead of stalling the
@@ -221,7 +226,7 @@ def persistent_gemm(
     DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
     B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
     LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False, CLAIM: tl.constexpr = 1,
-    DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False,
+    DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False, RESET_AT_EXIT: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
@@ -339,3 +344,10 @@ def persistent_gemm(
                     _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
     if DEFER_RELEASE:
         _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+    if RESET_AT_EXIT:  # REDUCE_OWN: the last program out zeroes this rank's counters and the tile counter
+        tl.debug_barrier()  # (every thread of this program is past its waits)
+        if tl.atomic_add(tick_ptr + 1, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
+            for c in range(0, world * CHUNKS_PER_RANK):
+                tl.store(flags_ptr + c, 0)
+            tl.store(tick_ptr, 0)
+            tl.store(tick_ptr + 1, 0)

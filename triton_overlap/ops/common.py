@@ -419,7 +419,7 @@ def _first(*values):
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
                 expected=None, tick=None, split_m=0, scales=None, free_sm=None, local_counters=False,
-                split_epilogue=None, claim=None, defer_release=None):
+                split_epilogue=None, claim=None, defer_release=None, reset_at_exit=False):
     """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
     the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
     chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
@@ -434,7 +434,9 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
     round-robin with one start count per program. Always 1 on the host backend, whose interpreter runs
     programs one after another. ``defer_release`` (scatter; DEFER_RELEASE): bump a tile's counters after the
     next tile's K loop. Both default to ``cfg``'s, and where that is None: CLAIM_DEFAULT, and deferred where the
-    counters are a peer's (system-scope release over NVLink), not where they are local."""
+    counters are a peer's (system-scope release over NVLink), not where they are local. ``reset_at_exit`` (with
+    ``reduce_into``; kernels.gemm RESET_AT_EXIT): the GEMM's last program zeroes ``flags`` (this rank's counters)
+    and ``tick``, which then holds two int32s (the tile counter and the exit count), both zero at launch."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if (gather if free_sm is None else free_sm) and ctx.backend != "host":
@@ -479,6 +481,6 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         SPLIT_EPILOGUE=(reduce_into is not None if split_epilogue is None else split_epilogue) and cfg.block_n >= 32,
         CLAIM=1 if ctx.backend == "host" else _first(claim, cfg.claim, CLAIM_DEFAULT),
         DEFER_RELEASE=scatter_ptrs is not None and bool(_first(defer_release, cfg.defer_release, not local_counters)),
-        DESC_C=c_desc is not None,
+        DESC_C=c_desc is not None, RESET_AT_EXIT=reduce_into is not None and reset_at_exit,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()

@@ -9,8 +9,11 @@ owner's reduction kernel waits per chunk and sums the W partials in float32
 
 Protocol per call, on the caller's stream only: barrier (every owner has
 finished its previous reduction and reset its counters, so its receive slots
-may be written) -> GEMM -> reduction -> counters reset. Every value is a
-constant or lives in device memory, so the op can be captured in a CUDA graph.
+may be written) -> GEMM -> reduction -> counters reset. With the reduction
+fused into the GEMM, the GEMM's last program to finish resets the counters
+(kernels.gemm RESET_AT_EXIT), so nothing runs after the GEMM; the copy
+variant's local counts are reset on each copy stream after its last copy. Every value is a constant or lives in device memory, so the op can be
+captured in a CUDA graph.
 
 ``GemmConfig(scatter="copy")``: the copy-engine variant. The GEMM stores
 peers' tiles into a local staging buffer and bumps local per-chunk counters;
@@ -185,7 +188,7 @@ class GEMMReduceScatter(OverlapOp):
                     chunks_per_rank=layout.chunks_per_rank, tile_order=order, flags=counters.local, op=OP, gather=False,
                     scatter_ptrs=scatter_ptrs, counter_ptrs=counter_ptrs, reduce_into=out if fuse else None,
                     expected=expected, tick=tick, split_m=(W - 1) * m_local // cfg.block_m,
-                    free_sm=copy and fuse and not self.gate_gemm, local_counters=copy)
+                    free_sm=copy and fuse and not self.gate_gemm, local_counters=copy, reset_at_exit=fuse)
         if copy and not copies_first:
             self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
         if not fuse:
@@ -197,18 +200,23 @@ class GEMMReduceScatter(OverlapOp):
             ), dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs,
                     CLOCK=ctx.clock), num_warps=4)
             ctx.after_launch()
-        else:
-            tick.zero_()  # the GEMM has taken every tile
+            counters.local.zero_()  # every count was seen; peers add again only after the next barrier
+        # (fused: the GEMM's last program has zeroed the counters and the tick, RESET_AT_EXIT)
         if copy:
-            join(ctx, streams)
-            done.zero_()  # every local count was waited for by the copies just joined
-        counters.local.zero_()  # every count was seen; peers add again only after the next barrier
+            join(ctx, streams)  # (the local counts were zeroed on the copy streams, once waited for)
+
+    def _zeros(self, n: int):
+        """``n`` int32 zeros on the device (the copy variant's local counts are reset by copying them in)."""
+        z = self._plans.get(("zeros", n))
+        if z is None:
+            z = self._plans[("zeros", n)] = torch.zeros(n, dtype=torch.int32, device=self.ctx.device)
+        return z
 
     def _tick(self):
-        """The fused GEMM's tile counter (zero between calls)."""
+        """The fused GEMM's tile counter and exit count (zero between calls; the GEMM's last program resets them)."""
         t = self._plans.get("tick")
         if t is None:
-            t = self._plans["tick"] = torch.zeros(1, dtype=torch.int32, device=self.ctx.device)
+            t = self._plans["tick"] = torch.zeros(2, dtype=torch.int32, device=self.ctx.device)
         return t
 
     def fuses(self, m: int, cfg: GemmConfig) -> bool:
@@ -273,6 +281,8 @@ class GEMMReduceScatter(OverlapOp):
                 ctx.jitter(s)
                 s.copy(recv.peer(d)[r, rows], staging[d, rows])
                 s.write_value(counters.peer(d)[r * cpr + j:r * cpr + j + 1], counts[d][j])
+            # every count of this peer's chunks has been waited for: zero them for the next call, last on this stream
+            s.copy(done[d * cpr:(d + 1) * cpr], self._zeros(cpr))
 
     def _plan(self, m_local: int, n: int, cfg: GemmConfig):
         """Chunk layout, GEMM tile order and the count each chunk's counter reaches, per shape."""
