@@ -154,7 +154,7 @@ def main():
                       BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_XCDS=1, EVEN_K=True, CLOCK=1, DOT_F32=False,
                       ALIGN_C=scatter, DESC=desc, B_KMAJOR=False, SCALED=False, WHOLE_TILES=whole,
                       LOCAL_COUNTERS=local, SPLIT_EPILOGUE=split, CLAIM=claim, DEFER_RELEASE=defer and scatter,
-                      DESC_C=desc_c, RESET_AT_EXIT=fuse)
+                      DESC_C=desc_c, RESET_AT_EXIT=fuse or gather)
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         if not desc_c:

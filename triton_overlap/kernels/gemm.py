@@ -35,11 +35,12 @@ Switches (constexpr), so one source serves every op:
   has (index -1 in a timeout's error): then every peer tile belongs to a
   running program, and peer tiles wait on nothing. The per-tile atomic of
   CLAIM=1 (a round trip, and a broadcast through shared memory) is gone.
-* RESET_AT_EXIT (with REDUCE_OWN): each program counts itself out in
-  ``tick_ptr[1]``; the last one zeroes this rank's counters (``flags_ptr``,
-  ``world * CHUNKS_PER_RANK`` of them: every one has been waited on, and
-  peers write the next call's only after the next barrier) and both tile
-  counters, so no reset runs after the GEMM on the caller's stream.
+* RESET_AT_EXIT (with REDUCE_OWN or GATHER): each program counts itself out
+  in ``tick_ptr[1]``; the last one zeroes this rank's flags or counters
+  (``flags_ptr``, ``world * CHUNKS_PER_RANK`` of them: every peer's has been
+  waited on, and peers write the next call's only after the next barrier)
+  and ``tick_ptr[0..1]``, so no reset runs after the GEMM on the caller's
+  stream.
 * DEFER_RELEASE (with SCATTER): a tile's counters are bumped after the next
   tile's K loop instead of right after its stores, so the release (which
   waits for the stores to land) finds them landed instead of stalling the
@@ -344,7 +345,7 @@ def persistent_gemm(
                     _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
     if DEFER_RELEASE:
         _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
-    if RESET_AT_EXIT:  # REDUCE_OWN: the last program out zeroes this rank's counters and the tile counter
+    if RESET_AT_EXIT:  # the last program out zeroes this rank's flags (counters) and the tile counter
         tl.debug_barrier()  # (every thread of this program is past its waits)
         if tl.atomic_add(tick_ptr + 1, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
             for c in range(0, world * CHUNKS_PER_RANK):

@@ -152,12 +152,14 @@ class AllGatherGEMM(OverlapOp):
             produce(ctx, streams, layout, a, ws, flags, follow=False)
         launch_gemm(ctx, cfg, a=a, ws=ws.local, b=w, c=out, bias=bias, M=M, N=N, K=K, m_local=m_local,
                     m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
-                    flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0), scales=scales or None)
+                    flags=flags.local, op=OP, gather=True, stride_wm=ws.local.stride(0), scales=scales or None,
+                    tick=self.exit_counts(), reset_at_exit=True)
+        # (the GEMM's last program zeroes the flags: every one was seen; peers set them again only after the next
+        # barrier)
         if gemm_first:
             produce(ctx, streams, layout, a, ws, flags, follow=False)
         self._warm[(layout, cfg.mode)] = True
         join(ctx, streams)
-        flags.local.zero_()  # every flag was seen by the kernel; peers set them again only after the next barrier
 
     def _workspace(self, a):
         """The symmetric [M, K] workspace the peers' rows land in (every rank's, in rank order)."""

@@ -163,6 +163,14 @@ class OverlapOp:
         self._ran_overlap: set = set()  # shapes whose overlap path has run (workspaces allocated, kernels built)
         self.replays = ReplayCache(ctx, enabled=replay)  # eager calls that repeat replay a captured graph
 
+    def exit_counts(self) -> torch.Tensor:
+        """Two int32s for the GEMM's RESET_AT_EXIT (a tile counter and the count of programs out; zero between
+        calls, the GEMM's last program resets them)."""
+        t = self._plans.get("tick")
+        if t is None:
+            t = self._plans["tick"] = torch.zeros(2, dtype=torch.int32, device=self.ctx.device)
+        return t
+
     def _out_rows(self, m: int) -> int | None:
         """Rows of the output for ``a`` of ``m`` rows (None: not a valid call; the checks will say why)."""
         raise NotImplementedError
@@ -435,8 +443,9 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
     programs one after another. ``defer_release`` (scatter; DEFER_RELEASE): bump a tile's counters after the
     next tile's K loop. Both default to ``cfg``'s, and where that is None: CLAIM_DEFAULT, and deferred where the
     counters are a peer's (system-scope release over NVLink), not where they are local. ``reset_at_exit`` (with
-    ``reduce_into``; kernels.gemm RESET_AT_EXIT): the GEMM's last program zeroes ``flags`` (this rank's counters)
-    and ``tick``, which then holds two int32s (the tile counter and the exit count), both zero at launch."""
+    ``reduce_into`` or ``gather``; kernels.gemm RESET_AT_EXIT): the GEMM's last program zeroes ``flags`` (this
+    rank's flags or counters) and ``tick``, which then holds two int32s (the tile counter and the exit count), both
+    zero at launch."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if (gather if free_sm is None else free_sm) and ctx.backend != "host":
@@ -481,6 +490,6 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         SPLIT_EPILOGUE=(reduce_into is not None if split_epilogue is None else split_epilogue) and cfg.block_n >= 32,
         CLAIM=1 if ctx.backend == "host" else _first(claim, cfg.claim, CLAIM_DEFAULT),
         DEFER_RELEASE=scatter_ptrs is not None and bool(_first(defer_release, cfg.defer_release, not local_counters)),
-        DESC_C=c_desc is not None, RESET_AT_EXIT=reduce_into is not None and reset_at_exit,
+        DESC_C=c_desc is not None, RESET_AT_EXIT=(reduce_into is not None or gather) and reset_at_exit,
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()

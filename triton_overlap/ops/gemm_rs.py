@@ -11,9 +11,9 @@ Protocol per call, on the caller's stream only: barrier (every owner has
 finished its previous reduction and reset its counters, so its receive slots
 may be written) -> GEMM -> reduction -> counters reset. With the reduction
 fused into the GEMM, the GEMM's last program to finish resets the counters
-(kernels.gemm RESET_AT_EXIT), so nothing runs after the GEMM; the copy
-variant's local counts are reset on each copy stream after its last copy. Every value is a constant or lives in device memory, so the op can be
-captured in a CUDA graph.
+(kernels.gemm RESET_AT_EXIT); after it only the copy variant's local counts
+are reset, once the copy streams are joined. Every value is a constant or
+lives in device memory, so the op can be captured in a CUDA graph.
 
 ``GemmConfig(scatter="copy")``: the copy-engine variant. The GEMM stores
 peers' tiles into a local staging buffer and bumps local per-chunk counters;
@@ -177,7 +177,7 @@ class GEMMReduceScatter(OverlapOp):
             ctx.barrier()  # the GEMM stores into peers' receive slots: owners have reduced and reset
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
         fuse = self.fuses(M, cfg)
-        tick = self._tick() if fuse else None
+        tick = self.exit_counts() if fuse else None
         # On the host backend a launch returns when the kernel has finished, and a fused GEMM waits for the peers'
         # copies: there the copies (whose streams wait for our counters in worker threads) are enqueued first.
         copies_first = copy and fuse and ctx.backend == "host"
@@ -203,21 +203,8 @@ class GEMMReduceScatter(OverlapOp):
             counters.local.zero_()  # every count was seen; peers add again only after the next barrier
         # (fused: the GEMM's last program has zeroed the counters and the tick, RESET_AT_EXIT)
         if copy:
-            join(ctx, streams)  # (the local counts were zeroed on the copy streams, once waited for)
-
-    def _zeros(self, n: int):
-        """``n`` int32 zeros on the device (the copy variant's local counts are reset by copying them in)."""
-        z = self._plans.get(("zeros", n))
-        if z is None:
-            z = self._plans[("zeros", n)] = torch.zeros(n, dtype=torch.int32, device=self.ctx.device)
-        return z
-
-    def _tick(self):
-        """The fused GEMM's tile counter and exit count (zero between calls; the GEMM's last program resets them)."""
-        t = self._plans.get("tick")
-        if t is None:
-            t = self._plans["tick"] = torch.zeros(2, dtype=torch.int32, device=self.ctx.device)
-        return t
+            join(ctx, streams)
+            done.zero_()  # every local count was waited for by the copies just joined
 
     def fuses(self, m: int, cfg: GemmConfig) -> bool:
         """Whether the reduction runs in the GEMM for ``m`` rows in all: ``cfg.fuse_reduce`` (None: yes), where every
@@ -281,8 +268,6 @@ class GEMMReduceScatter(OverlapOp):
                 ctx.jitter(s)
                 s.copy(recv.peer(d)[r, rows], staging[d, rows])
                 s.write_value(counters.peer(d)[r * cpr + j:r * cpr + j + 1], counts[d][j])
-            # every count of this peer's chunks has been waited for: zero them for the next call, last on this stream
-            s.copy(done[d * cpr:(d + 1) * cpr], self._zeros(cpr))
 
     def _plan(self, m_local: int, n: int, cfg: GemmConfig):
         """Chunk layout, GEMM tile order and the count each chunk's counter reaches, per shape."""
