@@ -39,6 +39,7 @@ def main():
     p.add_argument("--cfgs", nargs="*", default=[], help="with --quick: also time the GEMMs alone and the whole call "
                    "with these GemmConfig overrides, each 'field=value,field=value'")
     args = p.parse_args()
+    overrides = [(spec, {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}) for spec in args.cfgs]
     init()
     with to.Context(timeout_s=30) as ctx:
         W, r = ctx.world_size, ctx.rank
@@ -85,8 +86,7 @@ def main():
                 row["RS GEMM alone, scatter only"] = graph_us(rs_gemm(False))
                 row["RS GEMM alone, fused"] = graph_us(rs_gemm(True))
                 base = cfg
-                for spec in args.cfgs:
-                    over = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+                for spec, over in overrides:
                     cfg = with_overrides(base, **over)
                     _, order, expected = op._plan(m, N, cfg)
                     row[f"our GEMM alone, {spec}"] = graph_us(plain_gemm(ctx, cfg, a, w, full))
@@ -140,8 +140,7 @@ def main():
                 row["whole call (store)"] = graph_us(lambda: op(a, w, out=out, scatter="store"))
             row["whole call (default: auto)"] = graph_us(lambda: op(a, w, out=out))
             row["whole call (default: auto), again"] = graph_us(lambda: op(a, w, out=out))
-            for spec in args.cfgs if args.quick else ():
-                over = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+            for spec, over in overrides if args.quick else ():
                 row[f"whole call, {spec}"] = graph_us(lambda: op(a, w, out=out, **over))
             calls = []
             if not args.quick:

@@ -97,30 +97,25 @@ def main():
                 op=OP, gather=True, stride_wm=ws.local.stride(0), scales=scales))
             row["whole call"] = graph_us(lambda: op(a, w, out=out, **kw))
             row["whole call, again"] = graph_us(lambda: op(a, w, out=out, **kw))
-            if args.quick:
-                ctx.check()
-                say(f"{M}x{K}x{N} {'fp8' if args.fp8 else 'bf16'} W={W} cfg={cfg}")
-                for k, v in row.items():
-                    say(f"  {k:32s} {v:8.1f} µs  ({v / row['bound (cuBLAS)']:.2f} of the bound)")
-                continue
-            row["barrier alone"] = graph_us(barrier_alone(ctx))
-            flags = ctx.symmetric(f"{op.name}.flags", (layout.num_chunks,), torch.int32)
-            streams = ctx.streams(cfg.streams_for(W))
+            if not args.quick:  # the parts alone and the whole call's variants
+                row["barrier alone"] = graph_us(barrier_alone(ctx))
+                flags = ctx.symmetric(f"{op.name}.flags", (layout.num_chunks,), torch.int32)
+                streams = ctx.streams(cfg.streams_for(W))
 
-            def producers():
-                follow_caller(ctx, streams)
-                push_rows(ctx, streams, layout, a, ws, flags, follow=False)
-                join(ctx, streams)
+                def producers():
+                    follow_caller(ctx, streams)
+                    push_rows(ctx, streams, layout, a, ws, flags, follow=False)
+                    join(ctx, streams)
 
-            row["producers alone"] = graph_us(producers)
-            flags.local.zero_()
-            dist.barrier()
-            row["whole call, pointer stores"] = graph_us(lambda: op(a, w, out=out, tma_store=False, **kw))
-            row["whole call, ranks not lined up"] = graph_us(lambda: op(a, w, out=out, **kw), lead_us=0)
-            row["whole call, producers first"] = graph_us(lambda: op(a, w, out=out, gemm_first=False, **kw))
-            for c in (1, 2, 8):
-                row[f"whole call, {c} chunk(s)/rank"] = graph_us(lambda: op(a, w, out=out, chunks_per_rank=c,
-                                                                            min_chunk_bytes=0, **kw))
+                row["producers alone"] = graph_us(producers)
+                flags.local.zero_()
+                dist.barrier()
+                row["whole call, pointer stores"] = graph_us(lambda: op(a, w, out=out, tma_store=False, **kw))
+                row["whole call, ranks not lined up"] = graph_us(lambda: op(a, w, out=out, **kw), lead_us=0)
+                row["whole call, producers first"] = graph_us(lambda: op(a, w, out=out, gemm_first=False, **kw))
+                for c in (1, 2, 8):
+                    row[f"whole call, {c} chunk(s)/rank"] = graph_us(lambda: op(a, w, out=out, chunks_per_rank=c,
+                                                                                min_chunk_bytes=0, **kw))
             ctx.check()
             say(f"{M}x{K}x{N} {'fp8' if args.fp8 else 'bf16'} W={W} cfg={cfg}")
             for k, v in row.items():
