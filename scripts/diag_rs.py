@@ -58,12 +58,12 @@ def main():
             row["our GEMM alone"] = graph_us(plain_gemm(ctx, cfg, a, w, full))
             op(a, w, out=out, scatter="copy")  # workspaces, plans, staging
             ctx.synchronize()
-            layout = ChunkLayout(W, m, cfg.chunk_rows(m))
+            layout = ChunkLayout(W, m, cfg.chunk_rows(m, N * a.element_size()))
             recv = ctx.symmetric(f"{op.name}.recv", (W, m, N), a.dtype)
             counters = ctx.symmetric(f"{op.name}.counters", (layout.num_chunks,), torch.int32)
             staging, done, sp, cp = op._staging(recv, counters, layout, a.dtype)
             streams = ctx.streams(cfg.streams_for(W))
-            _, order, expected = op._plan(m, N, cfg)
+            _, order, expected = op._plan(m, N, cfg, a.element_size())
             ready = torch.full((layout.num_chunks,), 1 << 30, dtype=torch.int32, device="cuda")  # every wait passes
             tick = torch.zeros(1, dtype=torch.int32, device="cuda")
 
@@ -88,12 +88,12 @@ def main():
                 base = cfg
                 for spec, over in overrides:
                     cfg = with_overrides(base, **over)
-                    _, order, expected = op._plan(m, N, cfg)
+                    _, order, expected = op._plan(m, N, cfg, a.element_size())
                     row[f"our GEMM alone, {spec}"] = graph_us(plain_gemm(ctx, cfg, a, w, full))
                     row[f"RS GEMM alone, scatter only, {spec}"] = graph_us(rs_gemm(False))
                     row[f"RS GEMM alone, fused, {spec}"] = graph_us(rs_gemm(True))
                 cfg = base
-                _, order, expected = op._plan(m, N, cfg)
+                _, order, expected = op._plan(m, N, cfg, a.element_size())
             else:
                 for defer in (False, True):
                     row[f"RS GEMM alone, scatter only, defer={int(defer)}"] = graph_us(rs_gemm(False, defer=defer))

@@ -66,6 +66,7 @@ HOST_CASES = [
     (29 * 24, 64, 33, "float16", False, False, 7, 1, "copy", 0.0, False, True),  # and a strided out
     (32 * 24, 48, 40, "bfloat16", True, False, 16, 1, "store", 0.0, True, False, True),  # descriptors, B [K, N]
     (32 * 24, 64, 33, "float16", False, True, 7, 1, "copy", 0.003, True, False, None, 1, False),  # counters at once
+    (32 * 24, 48, 40, "bfloat16", True, False, 10 ** 6, 1, "copy", 0.0),  # one chunk per rank
 ]
 GPU_CASES = [
     (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0),
@@ -187,6 +188,25 @@ def test_scatter_auto_rule():
         GemmConfig(scatter="both")
     with pytest.raises(ValueError, match="claim"):
         GemmConfig(claim=2)
+
+
+def test_rs_chunks_carry_min_chunk_bytes():
+    """GEMM-RS cuts each peer's partial rows into chunks_per_rank chunks of whole tiles, fewer where a chunk would
+    carry under min_chunk_bytes (N x element size per row), at least one."""
+    from types import SimpleNamespace
+
+    from triton_overlap.ops.common import GemmConfig
+
+    ctx = SimpleNamespace(backend="cuda", world_size=2, rank=0, device=torch.device("cpu"))
+    cfg = GemmConfig(block_m=128, block_n=256, chunks_per_rank=4, min_chunk_bytes=16 << 20)
+    op = to.GEMMReduceScatter(ctx, cfg)
+    for m_local, n, chunks in ((1024, 4096, 1), (2048, 4096, 1), (4096, 4096, 2), (4096, 8192, 4), (8192, 8192, 4),
+                               (64, 4096, 1)):
+        layout, order, expected = op._plan(m_local, n, cfg, 2)
+        assert layout.chunks_per_rank == chunks, (m_local, n)
+        assert sum(expected.tolist()) == -(-m_local // 128) * (n // 256)  # every tile of our rows counted once
+    layout, _, _ = op._plan(1024, 4096, GemmConfig(block_m=128, block_n=256, chunks_per_rank=4), 2)
+    assert layout.chunks_per_rank == 4  # the rule off
 
 
 def _graph(replays, m, k, n, scatter="store"):

@@ -35,7 +35,7 @@ class GemmConfig:
 
     ``m_per_chunk=None`` picks about ``chunks_per_rank`` chunks per rank, each a
     multiple of ``block_m``; ``num_streams=None`` uses one stream per peer.
-    ``min_chunk_bytes`` (AllGather-GEMM, with ``m_per_chunk=None``): fewer
+    ``min_chunk_bytes`` (with ``m_per_chunk=None``): fewer
     chunks where the shard is small, so that each carries at least this
     many bytes (at least one chunk). Each chunk costs its copy and its flag
     write, about 8 µs of a graph's critical path on 2xH200 (1 -> 8 chunks
@@ -44,6 +44,11 @@ class GemmConfig:
     ``benchmarks/results/diag_small-H200x2.log`` (1 or 2 chunks per rank
     beat 4 by 17-53 µs on three of four small shapes, bf16 and fp8) and
     the chunking sweeps (2 beat 4 on 8192x4096x4096 and 16384x8192x14336).
+    GEMM-ReduceScatter applies it to each chunk of partial output sent to a
+    peer (since the fourteenth session): 2xH200, graphs, ``diag_rs.py``,
+    2048x4096x4096 (8 MiB per peer) 1 or 2 chunks 110.4 / 109.7 µs against
+    123.0 for 4; 8192x4096x4096 (32 MiB) 2 chunks 394.5 against 393.4 for
+    4 (and 453.9 for 1); 64 MiB and up keep 4.
     ``gemm_first`` (AllGather-GEMM): launch the consumer before enqueueing the
     copies, so the GPU computes on the local shard while the host enqueues
     them (the first call of a shape still goes producers first, so every

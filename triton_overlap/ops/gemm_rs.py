@@ -152,7 +152,7 @@ class GEMMReduceScatter(OverlapOp):
         M, K = a.shape
         N = w.shape[1]
         m_local = M // W
-        layout, order, expected = self._plan(m_local, N, cfg)
+        layout, order, expected = self._plan(m_local, N, cfg, a.element_size())
         recv = ctx.symmetric(f"{self.name}.recv", (W, m_local, N), a.dtype)
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
 
@@ -269,14 +269,16 @@ class GEMMReduceScatter(OverlapOp):
                 s.copy(recv.peer(d)[r, rows], staging[d, rows])
                 s.write_value(counters.peer(d)[r * cpr + j:r * cpr + j + 1], counts[d][j])
 
-    def _plan(self, m_local: int, n: int, cfg: GemmConfig):
-        """Chunk layout, GEMM tile order and the count each chunk's counter reaches, per shape."""
-        key = (m_local, n, cfg.block_m, cfg.block_n, cfg.chunk_rows(m_local))
+    def _plan(self, m_local: int, n: int, cfg: GemmConfig, elsize: int):
+        """Chunk layout, GEMM tile order and the count each chunk's counter reaches, per shape. Each chunk of
+        partial output carries at least ``cfg.min_chunk_bytes`` where it can (GemmConfig.chunk_rows)."""
+        rows = cfg.chunk_rows(m_local, n * elsize)
+        key = (m_local, n, cfg.block_m, cfg.block_n, rows)
         plan = self._plans.get(key)
         if plan is None:
             ctx = self.ctx
             W, r = ctx.world_size, ctx.rank
-            layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local))
+            layout = ChunkLayout(W, m_local, rows)
             # peers' rows in send order (r+1, r+2, ...), chunk by chunk; our own rows last
             when = {layout.chunk_id((r + i) % W, j): (i, j) for i in range(1, W) for j in range(layout.chunks_per_rank)}
             order = torch.tensor(layout.tile_order(cfg.block_m, when, last=True), dtype=torch.int32, device=ctx.device)
