@@ -105,6 +105,7 @@ def main():
                 for k, v in row.items():
                     say(f"  {k:<58} {v:8.1f} µs  ({v / bound:.3f} of the bound)")
             ctx.check()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
