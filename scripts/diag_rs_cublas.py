@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
 from triton_overlap.producers.allgather import follow_caller, join  # noqa: E402
+from diag_rs import rs_operands  # noqa: E402 - the same operands as the RS diag
 from diag_small import graph_us  # noqa: E402
 
 
@@ -41,13 +42,7 @@ def main():
             raise SystemExit("diag_rs_cublas: the prototype is for W = 2")
         peer = 1 - r
         for spec in args.shapes:
-            M, K, N = (int(v) for v in spec.split(","))
-            m = M // W
-            torch.manual_seed(r)
-            a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-            full = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-            out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
+            M, K, N, m, a, w, full, out = rs_operands(spec, W, r)
             row = {"bound (cuBLAS)": graph_us(lambda: torch.matmul(a, w, out=full))}
             op = to.GEMMReduceScatter(ctx, fallback="never", replay=False)
             ref = op(a, w, out=out.clone())
