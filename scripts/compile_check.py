@@ -139,30 +139,28 @@ def main():
     triton.compile(src, target=target, options={"num_warps": 1})
     print("spin_kernel: compiled")
     failed += compile_attention(target)
-    # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE,
-    #  DESC_C, PRELOAD)
-    variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False, preload)
-                for fuse, desc, whole, local, split, claim, defer, preload
+    # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
+    variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
+                for fuse, desc, whole, local, split, claim, defer
                 in itertools.product((False, True), (False, True), (False, True), (False, True), (False, True), (0, 1),
-                                     (False, True), (False, True))
+                                     (False, True))
                 if (whole or not fuse) and (fuse or not split) and (fuse or claim == 1) and (local or not args.quick)
-                and (desc or not args.quick) and (fuse or not preload) and (split or not preload)]
+                and (desc or not args.quick)]
     if not args.quick:
-        variants += [(gather, False, False, desc, False, False, False, 1, False, desc_c, False)
+        variants += [(gather, False, False, desc, False, False, False, 1, False, desc_c)
                      for gather, desc, desc_c in itertools.product((True, False), (False, True), (False, True))]
-    for gather, scatter, fuse, desc, whole, local, split, claim, defer, desc_c, preload in variants:
+    for gather, scatter, fuse, desc, whole, local, split, claim, defer, desc_c in variants:
         consts = dict(HAS_BIAS=False, GATHER=gather, SCATTER=scatter, REDUCE_OWN=fuse, BLOCK_M=bm, BLOCK_N=bn,
                       BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_XCDS=1, EVEN_K=True, CLOCK=1, DOT_F32=False,
                       ALIGN_C=scatter, DESC=desc, B_KMAJOR=False, SCALED=False, WHOLE_TILES=whole,
                       LOCAL_COUNTERS=local, SPLIT_EPILOGUE=split, CLAIM=claim, DEFER_RELEASE=defer and scatter,
-                      DESC_C=desc_c, RESET_AT_EXIT=fuse or gather, PRELOAD=preload)
+                      DESC_C=desc_c, RESET_AT_EXIT=fuse or gather)
         if not desc:
             consts.update(a_desc=None, b_desc=None)
         if not desc_c:
             consts.update(c_desc=None)
         name = (f"gather={gather} scatter={scatter} reduce_own={fuse} desc={desc} whole_tiles={whole} "
-                f"local_counters={local} split_epilogue={split} claim={claim} defer_release={defer} desc_c={desc_c}"
-                + (" preload=True" if preload else ""))
+                f"local_counters={local} split_epilogue={split} claim={claim} defer_release={defer} desc_c={desc_c}")
         try:
             sig = gemm_signature(desc, bm, bn, bk, False, gather, desc_c)
             for unit in ("stride_cn", "stride_bn"):  # 1 at every launch: Triton specialises it as a constant

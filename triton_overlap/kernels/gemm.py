@@ -47,12 +47,6 @@ Switches (constexpr), so one source serves every op:
   program; pending bumps are made before an own-row tile's waits and at the
   end.
 
-* PRELOAD (with REDUCE_OWN, two ranks): before its K loop an own-row tile
-  reads its chunk's counter once (no spin); if the peer's partial is
-  complete, it issues the partial's loads then, and they land while the K
-  loop runs, instead of after it in the epilogue. Otherwise the tile waits
-  and loads after its K loop as without PRELOAD.
-
 Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
 
 SCALED (fp8 e4m3 A and B, AllGather and plain only): the float32 accumulator is
@@ -83,7 +77,7 @@ import triton
 import triton.language as tl
 
 from .chunks import chunk_of_row
-from .signal import add_release, load_acquire, wait_flag
+from .signal import add_release, wait_flag
 
 
 @triton.jit
@@ -192,16 +186,14 @@ def _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_o
 
 @triton.jit
 def _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world, stride_cm, stride_cn,
-                stride_om, add_peers, HAS_BIAS: tl.constexpr, ALIGN_C: tl.constexpr):
+                stride_om, HAS_BIAS: tl.constexpr, ALIGN_C: tl.constexpr):
     """REDUCE_OWN's epilogue for ``acc`` (this rank's partial of rows ``local`` of its own block, columns ``cols``):
-    add the peers' partials from this rank's receive slots (if ``add_peers``; PRELOAD may have added them) and the
-    bias, store the output dtype."""
+    add the peers' partials from this rank's receive slots and the bias, store the output dtype."""
     col_ok = cols < N
-    if add_peers:
-        for s in range(0, world):
-            if s != rank:
-                part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
-                acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
+    for s in range(0, world):
+        if s != rank:
+            part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
+            acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     o_rows = out_ptr + local * stride_om
@@ -236,7 +228,6 @@ def persistent_gemm(
     B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
     LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False, CLAIM: tl.constexpr = 1,
     DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False, RESET_AT_EXIT: tl.constexpr = False,
-    PRELOAD: tl.constexpr = False,
 ):
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
@@ -291,19 +282,6 @@ def persistent_gemm(
             _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
                          stride_cn, HAS_BIAS, DESC_C)
         else:
-            own_tile = False
-            if REDUCE_OWN:
-                own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
-            ready = row0 < 0  # (False, as a tensor)
-            if PRELOAD:  # (REDUCE_OWN, two ranks) the peer's partial, if its chunk is complete, loads during the K loop
-                peer = 1 - rank
-                pj = c_first % CHUNKS_PER_RANK
-                if own_tile:
-                    if c_first == c_last:
-                        seen = load_acquire(flags_ptr + peer * CHUNKS_PER_RANK + pj)
-                        ready = seen - tl.load(expected_ptr + pj) >= 0
-                pre = tl.load(c_ptr + (peer * M_LOCAL + rows - rank * M_LOCAL)[:, None] * stride_cm
-                              + cols[None, :] * stride_cn, mask=cols[None, :] < tl.where(ready, N, 0), other=0.0)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             if DESC:
                 acc = _k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)
@@ -312,6 +290,9 @@ def persistent_gemm(
                                   stride_bk, stride_bn, acc, GATHER, BLOCK_K, EVEN_K, DOT_F32)
             if SCALED:
                 acc = acc * scale
+            own_tile = False
+            if REDUCE_OWN:
+                own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
             if DEFER_RELEASE:  # the previous tile's stores have landed during this K loop
                 _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
                 pend_last = -1
@@ -320,27 +301,24 @@ def persistent_gemm(
                     if all_in == 0:  # every program has started, so every peer tile is being worked on
                         wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
                         all_in = 1
-                if PRELOAD:
-                    acc += pre.to(tl.float32)  # (zeros where the chunk was not ready)
-                if ready == 0:  # the chunk was not complete before the K loop (or no PRELOAD): wait, load after
-                    for c in range(c_first, c_last + 1):
-                        j = c % CHUNKS_PER_RANK
-                        want = tl.load(expected_ptr + j)
-                        for s in range(0, world):
-                            if s != rank:
-                                wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
-                                          s * CHUNKS_PER_RANK + j, CLOCK)
+                for c in range(c_first, c_last + 1):
+                    j = c % CHUNKS_PER_RANK
+                    want = tl.load(expected_ptr + j)
+                    for s in range(0, world):
+                        if s != rank:
+                            wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
+                                      s * CHUNKS_PER_RANK + j, CLOCK)
                 local = rows - rank * M_LOCAL
                 if SPLIT_EPILOGUE:  # two column halves, one after the other: fewer live registers (no spills)
                     acc_lo, acc_hi = _column_halves(acc)
                     cols_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
                     _reduce_own(acc_lo, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo, N, M, M_LOCAL, rank, world,
-                                stride_cm, stride_cn, stride_om, ready == 0, HAS_BIAS, ALIGN_C)
+                                stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
                     _reduce_own(acc_hi, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo + BLOCK_N // 2, N, M,
-                                M_LOCAL, rank, world, stride_cm, stride_cn, stride_om, ready == 0, HAS_BIAS, ALIGN_C)
+                                M_LOCAL, rank, world, stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
                 else:
                     _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world,
-                                stride_cm, stride_cn, stride_om, ready == 0, HAS_BIAS, ALIGN_C)
+                                stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
             elif not SCATTER:
                 _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
                              stride_cn, HAS_BIAS, DESC_C)

@@ -84,10 +84,6 @@ class GemmConfig:
     variant (local counters: within 1% on the large shapes, 33% slower on
     2048 x 4096 x 4096, where each program has two tiles and the deferred
     count holds a chunk's copy back by a whole tile).
-    ``preload`` (GEMM-ReduceScatter with ``fuse_reduce``, two ranks): an own-row
-    tile checks its chunk's counter before its K loop and, if the peer's
-    partial is there, issues its loads then, so they land during the K loop
-    instead of after it (kernels.gemm PRELOAD). None: ``PRELOAD_DEFAULT``.
     ``tma_store`` (AllGather-GEMM and the plain GEMM): store C tiles through a
     tensor descriptor (a TMA store) instead of pointers, where C can be
     described (as for ``tma``: NVIDIA, compute capability 9.0 and later, or
@@ -125,7 +121,6 @@ class GemmConfig:
     claim: int | None = None
     defer_release: bool | None = None
     tma_store: bool | None = None
-    preload: bool | None = None
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
@@ -418,9 +413,6 @@ def desc_layout(ctx, cfg: GemmConfig, a, ws, b, m_local: int, gather: bool) -> s
 CLAIM_DEFAULT = 0
 
 
-#: GemmConfig.preload's default.
-PRELOAD_DEFAULT = True
-
 #: GemmConfig.tma_store's default.
 TMA_STORE_DEFAULT = True
 
@@ -440,7 +432,7 @@ def _first(*values):
 def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_per_chunk, chunks_per_rank,
                 tile_order, flags, op, gather, stride_wm=0, scatter_ptrs=None, counter_ptrs=None, reduce_into=None,
                 expected=None, tick=None, split_m=0, scales=None, free_sm=None, local_counters=False,
-                split_epilogue=None, claim=None, defer_release=None, reset_at_exit=False, preload=None):
+                split_epilogue=None, claim=None, defer_release=None, reset_at_exit=False):
     """One persistent GEMM (kernels.gemm). ``reduce_into``: GEMM-RS with the reduction in the GEMM (REDUCE_OWN):
     the output [M/W, N] (unit column stride; m_local a multiple of block_m), with ``expected`` (counts per
     chunk), ``tick`` (an int32 that is zero at launch and must be reset after it) and ``split_m`` (how many
@@ -458,8 +450,7 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
     counters are a peer's (system-scope release over NVLink), not where they are local. ``reset_at_exit`` (with
     ``reduce_into`` or ``gather``; kernels.gemm RESET_AT_EXIT): the GEMM's last program zeroes ``flags`` (this
     rank's flags or counters) and ``tick``, which then holds two int32s (the tile counter and the exit count), both
-    zero at launch. ``preload`` (with ``reduce_into`` at two ranks; PRELOAD): default ``cfg``'s, then
-    PRELOAD_DEFAULT."""
+    zero at launch."""
     num_tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
     units = ctx.num_compute_units()
     if (gather if free_sm is None else free_sm) and ctx.backend != "host":
@@ -505,6 +496,5 @@ def launch_gemm(ctx, cfg: GemmConfig, *, a, ws, b, c, bias, M, N, K, m_local, m_
         CLAIM=1 if ctx.backend == "host" else _first(claim, cfg.claim, CLAIM_DEFAULT),
         DEFER_RELEASE=scatter_ptrs is not None and bool(_first(defer_release, cfg.defer_release, not local_counters)),
         DESC_C=c_desc is not None, RESET_AT_EXIT=(reduce_into is not None or gather) and reset_at_exit,
-        PRELOAD=reduce_into is not None and ctx.world_size == 2 and bool(_first(preload, cfg.preload, PRELOAD_DEFAULT)),
     ), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ctx.after_launch()
