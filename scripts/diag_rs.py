@@ -43,6 +43,28 @@ def rs_operands(spec: str, W: int, r: int):
     return M, K, N, m, a, w, full, out
 
 
+def rs_gemm_alone(ctx, cfg, a, w, recv, layout, order, expected, ready, sp, cp, out, tick, fuse, claim=None,
+                  defer=None):
+    """A launcher of the copy variant's GEMM alone (rank ``ctx.rank`` of ``ctx.world_size``): tiles stored into the
+    staging buffer and our receive slot (``recv``, [W, M/W, N]) through the address tables ``sp``/``cp``, counters
+    bumped; ``ready``: flags every wait passes at once. ``fuse``: own-row tiles add the peers' partials (whatever the
+    slots hold) into ``out``, ``tick`` zeroed after; ``claim``/``defer``: launch_gemm's (None: the defaults)."""
+    W = ctx.world_size
+    (M, K), N = a.shape, w.shape[1]
+    m = M // W
+
+    def run():
+        launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.view(W * m, N), bias=None, M=M, N=N, K=K, m_local=m,
+                    m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
+                    flags=ready, op=OP, gather=False, scatter_ptrs=sp, counter_ptrs=cp,
+                    reduce_into=out if fuse else None, expected=expected if fuse else None,
+                    tick=tick if fuse else None, split_m=(W - 1) * m // cfg.block_m, free_sm=fuse,
+                    local_counters=True, claim=claim, defer_release=defer)
+        if fuse:
+            tick.zero_()
+    return run
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", nargs="*", default=["2048,4096,4096", "8192,4096,4096", "8192,1792,8192"])
@@ -72,20 +94,9 @@ def main():
             ready = torch.full((layout.num_chunks,), 1 << 30, dtype=torch.int32, device="cuda")  # every wait passes
             tick = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-            def rs_gemm(fuse, claim=None, defer=None):
-                """The copy variant's GEMM alone: tiles stored into the staging buffer and our receive slot,
-                counters bumped; ``fuse``: own-row tiles add the peers' partials (whatever the slots hold; every
-                wait already satisfied); ``claim``/``defer``: launch_gemm's (None: the defaults)."""
-                def run():
-                    launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m, N), bias=None, M=M, N=N, K=K,
-                                m_local=m, m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank,
-                                tile_order=order, flags=ready, op=OP, gather=False, scatter_ptrs=sp, counter_ptrs=cp,
-                                reduce_into=out if fuse else None, expected=expected if fuse else None,
-                                tick=tick if fuse else None, split_m=(W - 1) * m // cfg.block_m, free_sm=fuse,
-                                local_counters=True, claim=claim, defer_release=defer)
-                    if fuse:
-                        tick.zero_()
-                return run
+            def rs_gemm(fuse, claim=None, defer=None):  # with the current cfg, order and expected counts
+                return rs_gemm_alone(ctx, cfg, a, w, recv.local, layout, order, expected, ready, sp, cp, out, tick,
+                                     fuse, claim, defer)
 
             if args.quick:
                 row["RS GEMM alone, scatter only"] = graph_us(rs_gemm(False))

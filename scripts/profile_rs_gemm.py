@@ -17,11 +17,14 @@ import argparse
 import os
 import sys
 
+from types import SimpleNamespace
+
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from triton_overlap.ops.common import default_config, launch_gemm, plain_gemm  # noqa: E402
-from triton_overlap.ops.gemm_rs import OP, GEMMReduceScatter  # noqa: E402
+from triton_overlap.ops.common import default_config, plain_gemm  # noqa: E402
+from triton_overlap.ops.gemm_rs import GEMMReduceScatter  # noqa: E402
+from diag_rs import rs_gemm_alone, rs_operands  # noqa: E402 - the RS diag's operands and launch
 
 
 class OneGPU:
@@ -44,44 +47,24 @@ class OneGPU:
 
 
 def launcher(variant: str, spec: str, world: int = 2):
-    """A function launching ``variant`` once on shape "M,K,N" (K is K_local), and a description."""
-    M, K, N = (int(v) for v in spec.split(","))
+    """A function launching ``variant`` once on shape "M,K,N" (K is K_local), and its config."""
     ctx = OneGPU(world)
-    m = M // world
-    torch.manual_seed(0)
-    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    M, K, N, m, a, w, full, out = rs_operands(spec, world, ctx.rank)  # diag_rs's operands
     op = GEMMReduceScatter.__new__(GEMMReduceScatter)  # only its planning: no Context, no process group
     op.ctx, op._plans, op._tuned, op.user_config, op.config = ctx, {}, {}, None, default_config(ctx)
     cfg = op.config_for((M, K, N))  # the tuned table's entry for this GPU, as the op would take
     if variant == "plain":
-        full = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         return plain_gemm(ctx, cfg, a, w, full), cfg
     layout, order, expected = op._plan(m, N, cfg, a.element_size())
-    recv = torch.empty(world, m, N, device="cuda", dtype=torch.bfloat16)
-    staging = torch.empty(world, m, N, device="cuda", dtype=torch.bfloat16)
-    counters = torch.zeros(layout.num_chunks, dtype=torch.int32, device="cuda")
-    done = torch.zeros(layout.num_chunks, dtype=torch.int32, device="cuda")
-    cpr4 = layout.chunks_per_rank * 4
-    sp = torch.tensor([recv.data_ptr() if o == 0 else staging[o].data_ptr() for o in range(world)],
-                      dtype=torch.int64, device="cuda")
-    cp = torch.tensor([counters.data_ptr() if o == 0 else done.data_ptr() + o * cpr4 for o in range(world)],
-                      dtype=torch.int64, device="cuda")
+    # the op's receive slots and counters, here plain local tensors; the op's staging buffer and address tables
+    recv = SimpleNamespace(local=torch.empty(world, m, N, device="cuda", dtype=a.dtype))
+    counters = SimpleNamespace(local=torch.zeros(layout.num_chunks, dtype=torch.int32, device="cuda"))
+    _, _, sp, cp = op._staging(recv, counters, layout, a.dtype)
     ready = torch.full((layout.num_chunks,), 1 << 30, dtype=torch.int32, device="cuda")  # every wait passes
     tick = torch.zeros(1, dtype=torch.int32, device="cuda")
-    out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
-    fuse = variant == "fused"
-
-    def run():
-        launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.view(world * m, N), bias=None, M=M, N=N, K=K, m_local=m,
-                    m_per_chunk=layout.m_per_chunk, chunks_per_rank=layout.chunks_per_rank, tile_order=order,
-                    flags=ready, op=OP, gather=False, scatter_ptrs=sp, counter_ptrs=cp,
-                    reduce_into=out if fuse else None, expected=expected if fuse else None,
-                    tick=tick if fuse else None, split_m=(world - 1) * m // cfg.block_m, free_sm=fuse,
-                    local_counters=True)
-        if fuse:
-            tick.zero_()
-    run.buffers = (staging, done, counters)  # the kernel reaches these through address tables only: keep them
+    run = rs_gemm_alone(ctx, cfg, a, w, recv.local, layout, order, expected, ready, sp, cp, out, tick,
+                        variant == "fused")
+    run.buffers = (op, counters)  # the kernel reaches the staging buffer (op's) and counters through address tables
     return run, cfg
 
 
