@@ -22,7 +22,7 @@ def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
 
 
 def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="store", jitter=0.0, fuse=True,
-          strided_out=False, tma=None, claim=None, defer=None):
+          strided_out=False, tma=None, claim=None, defer=None, ws=None):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -41,7 +41,7 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
             else:
                 out = poison(torch.empty((m // W, n), dtype=dtype, device=dev))
             got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter, fuse_reduce=fuse, tma=tma, claim=claim,
-                     defer_release=defer)
+                     defer_release=defer, ws=ws)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             errs.append(rel_err(got, ref))
@@ -84,6 +84,11 @@ GPU_CASES = [
     (8192, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0005, True, False, None, 1, False),
     (4096, 1000, 1536, "float16", False, False, None, 3, "store", 0.0, True, False, True, 0, False),
     (4096, 1024, 1000, "bfloat16", True, True, 256, 3, "copy", 0.0, True, False, None, 1, True),
+    # copy + fused: the warp-specialized GEMM (kernels.gemm_ws; on sm_90 the default) and kernels.gemm, both asked
+    # for (GemmConfig.ws); K and N off the tiles, a tile over two chunks (m_per_chunk 300), B either way round
+    (4096, 1000, 1000, "float16", True, False, None, 3, "copy", 0.0005, True, False, None, None, None, True),
+    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, None, None, True),
+    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, None, None, False),
 ]
 
 

@@ -104,6 +104,44 @@ def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def rs_tile(tile, num_pid_m, num_pid_n, split_m, GROUP_M: tl.constexpr):
+    """REDUCE_OWN's tile order: the ``split_m`` m-tiles of peers' rows first, then ours, each grouped on its own
+    (GROUP_M). Returns (index into the tile order, pid_n)."""
+    if tile < split_m * num_pid_n:
+        vm, pid_n = grouped_tile(tile, split_m, num_pid_n, GROUP_M)
+    else:
+        vm, pid_n = grouped_tile(tile - split_m * num_pid_n, num_pid_m - split_m, num_pid_n, GROUP_M)
+        vm += split_m
+    return vm, pid_n
+
+
+@triton.jit
+def own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, rank, err_ptr, budget, op,
+                     CLOCK: tl.constexpr):
+    """REDUCE_OWN: wait until every peer's counter of our chunks c_first..c_last has reached its expected count
+    (``flags_ptr``: [world * CHUNKS_PER_RANK], peer s's counter of our chunk j at s * CHUNKS_PER_RANK + j)."""
+    for c in range(c_first, c_last + 1):
+        j = c % CHUNKS_PER_RANK
+        want = tl.load(expected_ptr + j)
+        for s in range(0, world):
+            if s != rank:
+                wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
+                          s * CHUNKS_PER_RANK + j, CLOCK)
+
+
+@triton.jit
+def reset_at_exit(tick_ptr, flags_ptr, n, NUM_PROGRAMS: tl.constexpr):
+    """RESET_AT_EXIT: each program counts itself out in ``tick_ptr[1]``; the last one zeroes the ``n`` flags
+    (every one has been waited on, and peers write the next call's only after the next barrier) and both ticks."""
+    tl.debug_barrier()  # (every thread of this program is past its waits)
+    if tl.atomic_add(tick_ptr + 1, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
+        for c in range(0, n):
+            tl.store(flags_ptr + c, 0)
+        tl.store(tick_ptr, 0)
+        tl.store(tick_ptr + 1, 0)
+
+
+@triton.jit
 def _fence_async_proxy(CLOCK: tl.constexpr):
     """Order this thread's earlier acquire (generic proxy) before its later TMA loads (async proxy)."""
     if CLOCK == 1:
@@ -204,7 +242,7 @@ def _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LO
 
 
 @triton.jit
-def _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS: tl.constexpr):
+def publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS: tl.constexpr):
     """Bump the owner's counter of chunks c_first..c_last (none if c_last < c_first) for one stored tile."""
     tl.debug_barrier()  # every thread's stores of the tile come before the release below
     for c in range(c_first, c_last + 1):
@@ -247,11 +285,7 @@ def persistent_gemm(
             tile = it
             if CLAIM == 1:  # ... but which tile comes next is the next in order, from anyone
                 tile = tl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")
-            if tile < split_m * num_pid_n:  # peers' rows, then ours: each grouped on its own
-                vm, pid_n = grouped_tile(tile, split_m, num_pid_n, GROUP_M)
-            else:
-                vm, pid_n = grouped_tile(tile - split_m * num_pid_n, num_pid_m - split_m, num_pid_n, GROUP_M)
-                vm += split_m
+            vm, pid_n = rs_tile(tile, num_pid_m, num_pid_n, split_m, GROUP_M)
         else:
             vm, pid_n = grouped_tile(it, num_pid_m, num_pid_n, GROUP_M)
         pid_m = tl.load(tile_order_ptr + vm)
@@ -294,20 +328,15 @@ def persistent_gemm(
             if REDUCE_OWN:
                 own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
             if DEFER_RELEASE:  # the previous tile's stores have landed during this K loop
-                _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+                publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
                 pend_last = -1
             if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
                 if CLAIM == 0:
                     if all_in == 0:  # every program has started, so every peer tile is being worked on
                         wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
                         all_in = 1
-                for c in range(c_first, c_last + 1):
-                    j = c % CHUNKS_PER_RANK
-                    want = tl.load(expected_ptr + j)
-                    for s in range(0, world):
-                        if s != rank:
-                            wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
-                                      s * CHUNKS_PER_RANK + j, CLOCK)
+                own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, rank, err_ptr,
+                                 budget, op, CLOCK)
                 local = rows - rank * M_LOCAL
                 if SPLIT_EPILOGUE:  # two column halves, one after the other: fewer live registers (no spills)
                     acc_lo, acc_hi = _column_halves(acc)
@@ -342,13 +371,8 @@ def persistent_gemm(
                     pend_first = c_first
                     pend_last = c_last
                 else:
-                    _publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+                    publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
     if DEFER_RELEASE:
-        _publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+        publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
     if RESET_AT_EXIT:  # the last program out zeroes this rank's flags (counters) and the tile counter
-        tl.debug_barrier()  # (every thread of this program is past its waits)
-        if tl.atomic_add(tick_ptr + 1, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
-            for c in range(0, world * CHUNKS_PER_RANK):
-                tl.store(flags_ptr + c, 0)
-            tl.store(tick_ptr, 0)
-            tl.store(tick_ptr + 1, 0)
+        reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)

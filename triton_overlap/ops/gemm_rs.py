@@ -29,6 +29,9 @@ fused into the GEMM).
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import torch
 import torch.distributed as dist
 
@@ -37,9 +40,20 @@ from ..kernels.chunks import ChunkLayout, cdiv
 from ..kernels.launch import launch
 from ..kernels.reduce import reduce_partials
 from ..producers.allgather import join
-from .common import GemmConfig, OverlapOp, agree_across_ranks, check_operands, launch_gemm, with_overrides
+from .common import (GemmConfig, OverlapOp, _capability, agree_across_ranks, check_operands, desc_layout, launch_gemm,
+                     with_overrides)
 
 OP = op_id("gemm_rs")
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_available() -> bool:
+    """Whether this Triton has Gluon with Hopper's wgmma and warp specialization (kernels.gemm_ws imports)."""
+    try:
+        from ..kernels import gemm_ws  # noqa: F401
+    except Exception:  # an older or newer Triton without the names it uses
+        return False
+    return True
 
 #: Below this many bytes of partial output per rank the scatter is too short to hide anything:
 #: ``fallback="auto"`` uses torch.matmul + NCCL reduce_scatter_tensor instead.
@@ -60,6 +74,18 @@ COPY_SCATTER_FUSED_BYTES = 16 << 20
 #: store variant: 8192 x 4096 x 4096 394 / 444 against 440 / 489 us, 8192 x 1792 x 8192 395 / 458 against 483 /
 #: 548, 8192^3 1519 / 1620 against 1615 / 1714, 2048 x 4096 x 4096 125 / 129 against 169 / 134. (Before the
 #: round-robin tiles, CLAIM=0, fused was 5-20% slower on the 16 MiB shape, and was used from 32 MiB on.)
+
+
+#: The warp-specialized GEMM's tiles and pipeline (kernels.gemm_ws; GemmConfig.ws): each consumer warpgroup holds a
+#: 128 x 128 float32 accumulator (128 registers a thread), and 6 stages of 128 x 64 + 64 x 128 bf16 (192 KiB) fill
+#: the shared memory the epilogue does not need (its stores and loads go through registers).
+WS_TILES = dict(block_m=128, block_n=128, block_k=64, num_stages=6)
+#: Registers a thread of each consumer warpgroup may use (setmaxnreg; the loader warp's group gets 24), and the
+#: kernel-wide cap that leaves them room on 12 warps (ptxas: 168 registers, no spills, Triton 3.6, sm_90a).
+WS_CONSUMER_REGS = 232
+WS_MAXNREG = 168
+#: GemmConfig.ws=None: whether the warp-specialized GEMM is used where it can run.
+WS_DEFAULT = True
 
 
 class GEMMReduceScatter(OverlapOp):
@@ -178,17 +204,27 @@ class GEMMReduceScatter(OverlapOp):
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
         fuse = self.fuses(M, cfg)
         tick = self.exit_counts() if fuse else None
+        b_layout = self.ws_layout(a, w, cfg) if copy and fuse else None
+        if b_layout is not None:  # the warp-specialized GEMM, with its own tiles (and so its own plan)
+            cfg = replace(cfg, **WS_TILES)
+            layout, order, expected = self._plan(m_local, N, cfg, a.element_size())
+            staging, done, scatter_ptrs, counter_ptrs = self._staging(recv, counters, layout, a.dtype)
         # On the host backend a launch returns when the kernel has finished, and a fused GEMM waits for the peers'
         # copies: there the copies (whose streams wait for our counters in worker threads) are enqueued first.
         copies_first = copy and fuse and ctx.backend == "host"
         if copies_first:
             self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
-        launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m_local, N), bias=bias if fuse else None,
-                    M=M, N=N, K=K, m_local=m_local, m_per_chunk=layout.m_per_chunk,
-                    chunks_per_rank=layout.chunks_per_rank, tile_order=order, flags=counters.local, op=OP, gather=False,
-                    scatter_ptrs=scatter_ptrs, counter_ptrs=counter_ptrs, reduce_into=out if fuse else None,
-                    expected=expected, tick=tick, split_m=(W - 1) * m_local // cfg.block_m,
-                    free_sm=copy and fuse and not self.gate_gemm, local_counters=copy, reset_at_exit=fuse)
+        if b_layout is not None:
+            self._launch_ws(cfg, b_layout, a, w, recv.local.view(W * m_local, N), out, bias, layout, order, expected,
+                            counters.local, scatter_ptrs, counter_ptrs, tick)
+        else:
+            launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m_local, N), bias=bias if fuse else None,
+                        M=M, N=N, K=K, m_local=m_local, m_per_chunk=layout.m_per_chunk,
+                        chunks_per_rank=layout.chunks_per_rank, tile_order=order, flags=counters.local, op=OP,
+                        gather=False, scatter_ptrs=scatter_ptrs, counter_ptrs=counter_ptrs,
+                        reduce_into=out if fuse else None, expected=expected, tick=tick,
+                        split_m=(W - 1) * m_local // cfg.block_m, free_sm=copy and fuse and not self.gate_gemm,
+                        local_counters=copy, reset_at_exit=fuse)
         if copy and not copies_first:
             self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
         if not fuse:
@@ -205,6 +241,51 @@ class GEMMReduceScatter(OverlapOp):
         if copy:
             join(ctx, streams)
             done.zero_()  # every local count was waited for by the copies just joined
+
+    def ws_layout(self, a, w, cfg: GemmConfig) -> str | None:
+        """Whether this call (copy variant, reduction fused) takes the warp-specialized GEMM (GemmConfig.ws): None
+        if not, else how B is described ("kn" or "nk", as desc_layout says)."""
+        ctx = self.ctx
+        want = WS_DEFAULT if cfg.ws is None else cfg.ws
+        if (not want or ctx.backend != "cuda" or cfg.claim == 1 or cfg.defer_release or self.gate_gemm
+                or (a.shape[0] // ctx.world_size) % WS_TILES["block_m"] or _capability(a.device.index) != (9, 0)
+                or not _gluon_available()):
+            return None
+        return desc_layout(ctx, replace(cfg, tma=True, **WS_TILES), a, None, w, a.shape[0] // ctx.world_size, False)
+
+    def _launch_ws(self, cfg, b_layout, a, w, c, out, bias, layout, order, expected, counters, scatter_ptrs,
+                   counter_ptrs, tick):
+        """The copy variant's fused GEMM as kernels.gemm_ws (arguments as launch_gemm's)."""
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        from ..kernels.gemm_ws import rs_gemm_ws
+
+        ctx = self.ctx
+        W = ctx.world_size
+        (M, K), N = a.shape, w.shape[1]
+        m_local = M // W
+        bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+        gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+
+        def desc(t, shape, stride, block):
+            return TensorDescriptor(t, shape, [stride, 1], block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+        a_desc = desc(a, [M, K], a.stride(0), [bm, bk])
+        if b_layout == "kn":
+            b_desc = desc(w, [K, N], w.stride(0), [bk, bn])
+        else:  # B's transpose [N, K] (linear.weight.t())
+            b_desc = desc(w.t(), [N, K], w.stride(1), [bn, bk])
+        programs = max(1, min(ctx.num_compute_units() - 1, cdiv(M, bm) * cdiv(N, bn)))  # an SM for the barrier
+        align = N % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
+        launch(rs_gemm_ws, (programs,), (
+            a_desc, b_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters, expected,
+            tick, ctx.err, order, ctx.budget, ctx.rank, OP, W, (W - 1) * m_local // bm,
+            M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
+        ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
+                B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
+                CONSUMER_REGS=WS_CONSUMER_REGS), num_warps=4, maxnreg=WS_MAXNREG)
+        ctx.after_launch()
 
     def fuses(self, m: int, cfg: GemmConfig) -> bool:
         """Whether the reduction runs in the GEMM for ``m`` rows in all: ``cfg.fuse_reduce`` (None: yes), where every

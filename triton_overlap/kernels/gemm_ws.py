@@ -1,0 +1,175 @@
+"""GEMM-ReduceScatter's GEMM for Hopper (sm_90), warp-specialized in Gluon: the epilogue of one tile runs while
+the next tile's K loop runs.
+
+Why a second kernel: in kernels.gemm every warp of a program runs a tile's K loop and then its epilogue, so the
+epilogue (stores, counter bumps, and in the own-row tiles the waits for the peers' partials and their loads) leaves
+the tensor cores idle. Profiled on an H200 (``benchmarks/results/ncu_rs-H200.log``), 27.5% of the fused RS GEMM's
+warp samples fall outside its K loop against 14.8% for the plain GEMM. Triton 3.6 does not warp-specialize that
+kernel on sm_90a; Gluon states the partitions outright.
+
+Each program (one per SM, persistent) runs three partitions over the same tiles, in the same order as
+kernels.gemm with REDUCE_OWN and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin over
+programs):
+
+* a loader (1 warp) issues the TMA loads of A and B into a ring of NUM_STAGES shared-memory stages, tile after
+  tile, each stage guarded by a "ready" and an "empty" mbarrier;
+* two consumers (one warpgroup each, the default partition and a worker) take the program's tiles in turn: tile
+  0, 2, 4, ... and tile 1, 3, 5, ... Each runs its tile's K loop on wgmma, releasing stages as they are used,
+  then its epilogue. Since the loader fills the ring in tile order, one consumer's K loop follows the other's,
+  and each epilogue overlaps the other consumer's K loop ("ping-pong").
+
+Epilogues, as kernels.gemm's (SCATTER + REDUCE_OWN, local counters: the copy variant):
+
+* a peer's tile is stored through ``scatter_ptrs[owner]`` (the staging buffer), then, after a barrier of the
+  consumer's warps, every chunk counter it covers is bumped with a device-scope release;
+* a tile of our own rows waits (bounded, kernels.signal.wait_flag) until every program has started (so every
+  peer tile belongs to a running program), then for every peer's counter of the chunks it covers to reach
+  ``expected``, adds the peers' partials (our receive slots, ``c_ptr``) and the bias, and stores the output.
+
+The last program out zeroes this rank's counters and the tick (RESET_AT_EXIT). Only for NVIDIA sm_90 (wgmma),
+16-bit operands, every rank's rows whole BLOCK_M tiles; ops.gemm_rs picks it (GemmConfig.ws) and otherwise uses
+kernels.gemm. Gluon does not run in Triton's interpreter, so the host backend never takes this path.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from .chunks import chunk_of_row
+from .gemm import own_chunks_ready, publish, reset_at_exit, rs_tile
+from .signal import wait_flag
+
+#: The TMA load into shared memory: ``tma.async_load`` in newer Gluon, ``async_copy_global_to_shared`` in Triton 3.6.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@gluon.jit
+def _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """Tile ``it`` of the order (kernels.gemm.rs_tile): (first row, first column)."""
+    vm, pid_n = rs_tile(it, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), split_m, GROUP_M)
+    return gl.load(tile_order_ptr + vm) * BLOCK_M, pid_n * BLOCK_N
+
+
+@gluon.jit
+def _loader(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+            B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
+    """The TMA loads of every tile of this program, in order, into the ring of stages (CONSUMER unused)."""
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
+     counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
+     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    g = 0  # stages filled so far
+    for it in range(pid, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), NUM_PROGRAMS):
+        row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+        for k in range(k_tiles):
+            s = g % STAGES
+            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # (an mbarrier starts as if phase 1 completed)
+            bar = ready.index(s)
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            _tma_load(a_desc, [row0, k * BLOCK_K], bar, a_bufs.index(s))
+            if B_KMAJOR:
+                _tma_load(b_desc, [col0, k * BLOCK_K], bar, b_bufs.index(s))
+            else:
+                _tma_load(b_desc, [k * BLOCK_K, col0], bar, b_bufs.index(s))
+            g += 1
+
+
+@gluon.jit
+def _consumer(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+              B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
+    """Tiles CONSUMER, CONSUMER + 2, ... of this program: K loop on wgmma, then the epilogue (module doc)."""
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
+     counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
+     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_N if BLOCK_N <= 256 else 256, 16])
+    dtype: gl.constexpr = c_ptr.dtype.element_ty
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    rows_off = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
+    cols_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
+    all_in = 0  # whether every program has been seen started
+    i = CONSUMER  # this program's tile count, of both consumers
+    for it in range(pid + CONSUMER * NUM_PROGRAMS, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), 2 * NUM_PROGRAMS):
+        row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+        g = i * k_tiles  # the ring position of this tile's first stage
+        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
+        for k in range(k_tiles):
+            s = g % STAGES
+            mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+            if B_KMAJOR:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=(acc, ))  # the previous step's wgmma has finished: free its stage
+            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=k > 0)
+            g += 1
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
+        i += 2
+
+        cols = col0 + cols_off
+        col_ok = cols < N
+        c_first = chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
+        c_last = chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
+        owner = row0 // M_LOCAL
+        if owner == rank:  # our rows: wait for the peers' partials, add them and the bias, store the output
+            if all_in == 0:  # every program has started, so every peer tile is being worked on
+                wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
+                all_in = 1
+            own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, rank, err_ptr, budget,
+                             op, CLOCK)
+            local = row0 - rank * M_LOCAL + rows_off
+            for src in range(0, world):
+                if src != rank:
+                    part = c_ptr + (src * M_LOCAL + local)[:, None] * stride_cm + cols[None, :]
+                    acc += gl.load(part, mask=col_ok[None, :], other=0.0).to(gl.float32)
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+            o_rows = out_ptr + local * stride_om
+            if ALIGN_C:
+                o_rows = gl.multiple_of(o_rows, 16)
+            gl.store(o_rows[:, None] + cols[None, :], acc.to(dtype), mask=col_ok[None, :])
+        else:  # a peer's rows: into its staging slot, then bump the counters of the chunks the tile covers
+            base = gl.load(scatter_ptrs + owner).to(gl.pointer_type(dtype))
+            c_rows = base + (rank * M_LOCAL + row0 - owner * M_LOCAL + rows_off) * stride_cm
+            if ALIGN_C:
+                c_rows = gl.multiple_of(c_rows, 16)
+            gl.store(c_rows[:, None] + cols[None, :], acc.to(dtype), mask=col_ok[None, :])
+            publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, True)
+
+
+@gluon.jit
+def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr,
+               tick_ptr, err_ptr, tile_order_ptr, budget, rank, op, world, split_m,
+               M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
+               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
+               B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
+               CONSUMER_REGS: gl.constexpr):
+    """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
+    [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
+    transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. The other arguments are kernels.gemm's of the same name."""
+    pid = gl.program_id(0)
+    gl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
+         counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
+         M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om)
+    gl.warp_specialize([
+        (_consumer, (p, 0, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
+        (_consumer, (p, 1, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
+        (_loader, (p, 0, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
+    ], [4, 1], [CONSUMER_REGS, 24])
+    reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)
