@@ -15,8 +15,10 @@ programs):
   tile, each stage guarded by a "ready" and an "empty" mbarrier;
 * two consumers (one warpgroup each, the default partition and a worker) take the program's tiles in turn: tile
   0, 2, 4, ... and tile 1, 3, 5, ... Each runs its tile's K loop on wgmma, releasing stages as they are used,
-  then its epilogue. Since the loader fills the ring in tile order, one consumer's K loop follows the other's,
-  and each epilogue overlaps the other consumer's K loop ("ping-pong").
+  then its epilogue. The K loops take turns through a pair of mbarriers (a consumer's starts when the other's
+  has ended), so each epilogue overlaps the other consumer's K loop ("ping-pong"). The turns also keep the
+  ring's waits sound: a consumer a whole tile ahead of the loader would otherwise find a stage's phase parity
+  already flipped by an earlier lap and read a stage still being filled.
 
 Epilogues, as kernels.gemm's (SCATTER + REDUCE_OWN, local counters: the copy variant):
 
@@ -55,7 +57,7 @@ def _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 def _loader(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
             B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
     """The TMA loads of every tile of this program, in order, into the ring of stages (CONSUMER unused)."""
-    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
      counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
      M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -82,7 +84,7 @@ def _loader(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.conste
 def _consumer(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
     """Tiles CONSUMER, CONSUMER + 2, ... of this program: K loop on wgmma, then the epilogue (module doc)."""
-    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
      counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
      M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -99,6 +101,10 @@ def _consumer(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.cons
     for it in range(pid + CONSUMER * NUM_PROGRAMS, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), 2 * NUM_PROGRAMS):
         row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
         g = i * k_tiles  # the ring position of this tile's first stage
+        # The K loops take turns: ours starts once the other consumer's previous one has ended (consumer 0's first
+        # passes at once: an mbarrier starts as if phase 1 completed). So every stage this loop waits for has been
+        # filled at most once since its last use, and a wait on its phase's parity cannot pass a lap early.
+        mbarrier.wait(turn.index(CONSUMER), ((i // 2) & 1) ^ (1 - CONSUMER))
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
         for k in range(k_tiles):
             s = g % STAGES
@@ -112,6 +118,7 @@ def _consumer(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.cons
             g += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
+        mbarrier.arrive(turn.index(1 - CONSUMER))  # the other consumer's K loop may start
         i += 2
 
         cols = col0 + cols_off
@@ -161,10 +168,13 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
+    for c in gl.static_range(2):
+        mbarrier.init(turn.index(c), count=1)
+    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
          counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
          M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om)
     gl.warp_specialize([
