@@ -15,6 +15,7 @@ kernel) with each claim and defer setting.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import os
 import sys
 
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
 from triton_overlap.ops.common import launch_gemm, plain_gemm, with_overrides  # noqa: E402
-from triton_overlap.ops.gemm_rs import OP  # noqa: E402
+from triton_overlap.ops.gemm_rs import OP, WS_TILES  # noqa: E402
 from triton_overlap.producers.allgather import follow_caller, join  # noqa: E402
 from diag_small import barrier_alone, graph_us  # noqa: E402 - the same timing and barrier as the AG diag
 
@@ -101,6 +102,17 @@ def main():
             if args.quick:
                 row["RS GEMM alone, scatter only"] = graph_us(rs_gemm(False))
                 row["RS GEMM alone, fused"] = graph_us(rs_gemm(True))
+                b_layout = op.ws_layout(a, w, cfg)
+                ws_cfg = replace(cfg, **WS_TILES)
+                ws_plan = op._plan(m, N, ws_cfg, a.element_size())
+                if b_layout is not None and ws_plan[0] == layout:  # the warp-specialized GEMM (kernels.gemm_ws)
+                    tick2 = torch.zeros(2, dtype=torch.int32, device="cuda")
+
+                    def ws_alone():
+                        op._launch_ws(ws_cfg, b_layout, a, w, recv.local.view(W * m, N), out, None, *ws_plan, ready,
+                                      sp, cp, tick2, reset=False)
+                        tick2.zero_()
+                    row["RS GEMM alone, fused, warp-specialized"] = graph_us(ws_alone)
                 base = cfg
                 for spec, over in overrides:
                     cfg = with_overrides(base, **over)

@@ -7,18 +7,19 @@ the tensor cores idle. Profiled on an H200 (``benchmarks/results/ncu_rs-H200.log
 warp samples fall outside its K loop against 14.8% for the plain GEMM. Triton 3.6 does not warp-specialize that
 kernel on sm_90a; Gluon states the partitions outright.
 
-Each program (one per SM, persistent) runs three partitions over the same tiles, in the same order as
-kernels.gemm with REDUCE_OWN and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin over
-programs):
+Each program (one per SM, persistent) takes the same tiles in the same order as kernels.gemm with REDUCE_OWN
+and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin over programs), and deals them
+to two pipelines in turn (tiles 0, 2, 4, ... and 1, 3, 5, ...). Each pipeline is
 
-* a loader (1 warp) issues the TMA loads of A and B into a ring of NUM_STAGES shared-memory stages, tile after
-  tile, each stage guarded by a "ready" and an "empty" mbarrier;
-* two consumers (one warpgroup each, the default partition and a worker) take the program's tiles in turn: tile
-  0, 2, 4, ... and tile 1, 3, 5, ... Each runs its tile's K loop on wgmma, releasing stages as they are used,
-  then its epilogue. The K loops take turns through a pair of mbarriers (a consumer's starts when the other's
-  has ended), so each epilogue overlaps the other consumer's K loop ("ping-pong"). The turns also keep the
-  ring's waits sound: a consumer a whole tile ahead of the loader would otherwise find a stage's phase parity
-  already flipped by an earlier lap and read a stage still being filled.
+* a loader (1 warp) issuing the TMA loads of A and B into its own ring of NUM_STAGES / 2 shared-memory stages,
+  each stage guarded by a "ready" and an "empty" mbarrier, and
+* a consumer (one warpgroup: the default partition, or a worker) running each tile's K loop on wgmma,
+  releasing stages as they are used, then the tile's epilogue.
+
+The two pipelines share the SM's tensor cores as two programs on one SM would, so one consumer's epilogue
+runs while the other's K loop keeps the tensor cores busy. (A single ring shared by both consumers needs
+their K loops to take strict turns: a consumer a whole tile ahead of the loader would find a stage's phase
+parity already flipped by an earlier lap. With a ring each, every wait has one consumer and one loader.)
 
 Epilogues, as kernels.gemm's (SCATTER + REDUCE_OWN, local counters: the copy variant):
 
@@ -56,20 +57,20 @@ def _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 @gluon.jit
 def _loader(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
             B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
-    """The TMA loads of every tile of this program, in order, into the ring of stages (CONSUMER unused)."""
-    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
+    """The TMA loads of consumer CONSUMER's tiles, in order, into its ring of stages."""
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
      counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
      M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    RING: gl.constexpr = a_bufs.type.shape[0] // 2
     k_tiles = gl.cdiv(K, BLOCK_K)
-    g = 0  # stages filled so far
-    for it in range(pid, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), NUM_PROGRAMS):
+    g = 0  # stages of our ring filled so far
+    for it in range(pid + CONSUMER * NUM_PROGRAMS, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), 2 * NUM_PROGRAMS):
         row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
         for k in range(k_tiles):
-            s = g % STAGES
-            mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # (an mbarrier starts as if phase 1 completed)
+            s = CONSUMER * RING + g % RING
+            mbarrier.wait(empty.index(s), ((g // RING) & 1) ^ 1)  # (an mbarrier starts as if phase 1 completed)
             bar = ready.index(s)
             mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
             _tma_load(a_desc, [row0, k * BLOCK_K], bar, a_bufs.index(s))
@@ -84,12 +85,12 @@ def _loader(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.conste
 def _consumer(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
     """Tiles CONSUMER, CONSUMER + 2, ... of this program: K loop on wgmma, then the epilogue (module doc)."""
-    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
+    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
      counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
      M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    RING: gl.constexpr = a_bufs.type.shape[0] // 2
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N if BLOCK_N <= 256 else 256, 16])
     dtype: gl.constexpr = c_ptr.dtype.element_ty
@@ -100,25 +101,22 @@ def _consumer(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.cons
     i = CONSUMER  # this program's tile count, of both consumers
     for it in range(pid + CONSUMER * NUM_PROGRAMS, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), 2 * NUM_PROGRAMS):
         row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
-        g = i * k_tiles  # the ring position of this tile's first stage
-        # The K loops take turns: ours starts once the other consumer's previous one has ended (consumer 0's first
-        # passes at once: an mbarrier starts as if phase 1 completed). So every stage this loop waits for has been
-        # filled at most once since its last use, and a wait on its phase's parity cannot pass a lap early.
-        mbarrier.wait(turn.index(CONSUMER), ((i // 2) & 1) ^ (1 - CONSUMER))
+        g = (i // 2) * k_tiles  # the position of this tile's first stage in our ring
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
+        prev = 0
         for k in range(k_tiles):
-            s = g % STAGES
-            mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+            s = CONSUMER * RING + g % RING
+            mbarrier.wait(ready.index(s), (g // RING) & 1)
             if B_KMAJOR:
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
             else:
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(1, deps=(acc, ))  # the previous step's wgmma has finished: free its stage
-            mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES), pred=k > 0)
+            mbarrier.arrive(empty.index(prev), pred=k > 0)
+            prev = s
             g += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index((g + STAGES - 1) % STAGES))
-        mbarrier.arrive(turn.index(1 - CONSUMER))  # the other consumer's K loop may start
+        mbarrier.arrive(empty.index(prev))
         i += 2
 
         cols = col0 + cols_off
@@ -158,7 +156,7 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
                M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr):
+               CONSUMER_REGS: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True):
     """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
     transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. The other arguments are kernels.gemm's of the same name."""
@@ -168,18 +166,17 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    for c in gl.static_range(2):
-        mbarrier.init(turn.index(c), count=1)
-    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, turn, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
+    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
          counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
          M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om)
     gl.warp_specialize([
         (_consumer, (p, 0, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
         (_consumer, (p, 1, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
         (_loader, (p, 0, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
-    ], [4, 1], [CONSUMER_REGS, 24])
-    reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)
+        (_loader, (p, 1, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
+    ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+    if RESET_AT_EXIT:
+        reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)

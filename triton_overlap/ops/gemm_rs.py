@@ -77,8 +77,8 @@ COPY_SCATTER_FUSED_BYTES = 16 << 20
 
 
 #: The warp-specialized GEMM's tiles and pipeline (kernels.gemm_ws; GemmConfig.ws): each consumer warpgroup holds a
-#: 128 x 128 float32 accumulator (128 registers a thread), and 6 stages of 128 x 64 + 64 x 128 bf16 (192 KiB) fill
-#: the shared memory the epilogue does not need (its stores and loads go through registers).
+#: 128 x 128 float32 accumulator (128 registers a thread), and 6 stages of 128 x 64 + 64 x 128 bf16 (192 KiB, 3 in
+#: each pipeline's ring) fill the shared memory the epilogue does not need (its stores and loads use registers).
 WS_TILES = dict(block_m=128, block_n=128, block_k=64, num_stages=6)
 #: Registers a thread of each consumer warpgroup may use (setmaxnreg; the loader warp's group gets 24), and the
 #: kernel-wide cap that leaves them room on 12 warps (ptxas: 168 registers, no spills, Triton 3.6, sm_90a).
@@ -254,8 +254,9 @@ class GEMMReduceScatter(OverlapOp):
         return desc_layout(ctx, replace(cfg, tma=True, **WS_TILES), a, None, w, a.shape[0] // ctx.world_size, False)
 
     def _launch_ws(self, cfg, b_layout, a, w, c, out, bias, layout, order, expected, counters, scatter_ptrs,
-                   counter_ptrs, tick):
-        """The copy variant's fused GEMM as kernels.gemm_ws (arguments as launch_gemm's)."""
+                   counter_ptrs, tick, reset=True):
+        """The copy variant's fused GEMM as kernels.gemm_ws (arguments as launch_gemm's; ``reset``: RESET_AT_EXIT,
+        off only for scripts/diag_rs.py's GEMM alone, whose flags stay set)."""
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -284,7 +285,7 @@ class GEMMReduceScatter(OverlapOp):
             M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
-                CONSUMER_REGS=WS_CONSUMER_REGS), num_warps=4, maxnreg=WS_MAXNREG)
+                CONSUMER_REGS=WS_CONSUMER_REGS, RESET_AT_EXIT=reset), num_warps=4, maxnreg=WS_MAXNREG)
         ctx.after_launch()
 
     def fuses(self, m: int, cfg: GemmConfig) -> bool:
