@@ -1,6 +1,5 @@
-"""Compile the GEMM kernel's variants, the attention kernels and the timing spin for a GPU target without a
-GPU: Triton front end,
-LLVM and ptxas, as a launch on the device would. Catches compile errors before device time is spent, and
+"""Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel (Gluon), the attention kernels and the
+timing spin for a GPU target without a GPU: Triton front end, LLVM and ptxas, as a launch on the device would. Catches compile errors before device time is spent, and
 prints registers, spills and whether ptxas serialised the wgmma pipeline (warning C7515).
 
     python3 scripts/compile_check.py [--arch 90] [--quick]
@@ -112,6 +111,52 @@ def compile_attention(target) -> int:
     return failed
 
 
+def compile_ws(target) -> int:
+    """kernels.gemm_ws (Gluon; sm_90 only), as ops.gemm_rs launches it: B as [K, N] and as [N, K], with and
+    without bias."""
+    if target.arch != 90:
+        return 0
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import native_specialize_impl
+
+    from triton_overlap.kernels.gemm_ws import rs_gemm_ws
+    from triton_overlap.ops.gemm_rs import WS_CONSUMER_REGS, WS_MAXNREG, WS_TILES
+
+    backend = CUDABackend(target)
+    bm, bn, bk = WS_TILES["block_m"], WS_TILES["block_n"], WS_TILES["block_k"]
+
+    def desc_type(block):  # what Triton's launcher makes of a Gluon descriptor with this block
+        import torch
+        t = torch.empty(256, 256, dtype=torch.bfloat16)
+        d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+        return native_specialize_impl(backend, d, False, True, True)[0]
+
+    failed = 0
+    for b_kmajor, bias in itertools.product((False, True), (False, True)):
+        consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=WS_TILES["num_stages"], B_KMAJOR=b_kmajor,
+                      HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, CONSUMER_REGS=WS_CONSUMER_REGS, RESET_AT_EXIT=True)
+        sig = {}
+        for prm in rs_gemm_ws.params:
+            n = prm.name
+            sig[n] = ("constexpr" if n in consts else desc_type([bm, bk]) if n == "a_desc"
+                      else desc_type([bn, bk] if b_kmajor else [bk, bn]) if n == "b_desc"
+                      else "*bf16" if n in ("c_ptr", "out_ptr", "bias_ptr")
+                      else "*i64" if n in ("scatter_ptrs", "counter_ptrs") else "*i32" if n.endswith("_ptr")
+                      else "i64" if n == "budget" else "i32")
+        name = f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}"
+        try:
+            k = triton.compile(GluonASTSource(rs_gemm_ws, sig, consts, divisibility(sig)), target=target,
+                               options={"num_warps": 4, "maxnreg": WS_MAXNREG})
+            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
+        except Exception as e:  # noqa: BLE001 - reported, the check goes on
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+    return failed
+
+
 def ptxas_report(cubin_ptx: str, arch: int) -> str:
     ptxas = triton.knobs.nvidia.ptxas.path if hasattr(triton, "knobs") else "ptxas"
     with tempfile.TemporaryDirectory() as d:
@@ -139,6 +184,7 @@ def main():
     triton.compile(src, target=target, options={"num_warps": 1})
     print("spin_kernel: compiled")
     failed += compile_attention(target)
+    failed += compile_ws(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer

@@ -84,8 +84,8 @@ GPU_CASES = [
     (8192, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0005, True, False, None, 1, False),
     (4096, 1000, 1536, "float16", False, False, None, 3, "store", 0.0, True, False, True, 0, False),
     (4096, 1024, 1000, "bfloat16", True, True, 256, 3, "copy", 0.0, True, False, None, 1, True),
-    # copy + fused: the warp-specialized GEMM (kernels.gemm_ws; on sm_90 the default) and kernels.gemm, both asked
-    # for (GemmConfig.ws); K and N off the tiles, a tile over two chunks (m_per_chunk 300), B either way round
+    # copy + fused: the warp-specialized GEMM (kernels.gemm_ws, sm_90 only) and kernels.gemm, each asked for
+    # (GemmConfig.ws); K and N off the tiles, a tile over two chunks (m_per_chunk 300), B either way round
     (4096, 1000, 1000, "float16", True, False, None, 3, "copy", 0.0005, True, False, None, None, None, True),
     (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, None, None, True),
     (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, None, None, False),

@@ -7,6 +7,11 @@ the tensor cores idle. Profiled on an H200 (``benchmarks/results/ncu_rs-H200.log
 warp samples fall outside its K loop against 14.8% for the plain GEMM. Triton 3.6 does not warp-specialize that
 kernel on sm_90a; Gluon states the partitions outright.
 
+Status: correct (GPU tests) but slower than kernels.gemm on 2xH200 (about 1.13x its fused GEMM's time on the
+large shapes), so not the default (ops.gemm_rs.WS_DEFAULT says what was measured). It is kept, opt-in
+(GemmConfig.ws=True), as the base for the next step: a 128 x 256 tile over two consumer warpgroups, as in
+kernels.gemm, with the epilogue in a partition of its own reading the tile from shared memory.
+
 Each program (one per SM, persistent) takes the same tiles in the same order as kernels.gemm with REDUCE_OWN
 and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin over programs), and deals them
 to two pipelines in turn (tiles 0, 2, 4, ... and 1, 3, 5, ...). Each pipeline is

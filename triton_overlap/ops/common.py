@@ -90,14 +90,14 @@ class GemmConfig:
     the host backend; unit column stride, 16-byte aligned base and rows).
     None: ``TMA_STORE_DEFAULT``.
     ``ws`` (GEMM-ReduceScatter, copy variant with the reduction fused): the
-    warp-specialized Gluon GEMM (kernels.gemm_ws: a loader warp and two
-    consumer warpgroups taking tiles in turn, so one's epilogue runs beside
-    the other's K loop) instead of kernels.gemm, with its own tiles
-    (``gemm_rs.WS_TILES``). NVIDIA compute capability 9.0 only, 16-bit
-    operands A and B can be described (``desc_layout``), round-robin tiles
-    (``claim`` not 1) and counters bumped at once (``defer_release`` not
-    True). None: ``gemm_rs.WS_DEFAULT`` where it can run. True where it cannot
-    runs kernels.gemm.
+    warp-specialized Gluon GEMM (kernels.gemm_ws: two pipelines of a loader
+    warp and a consumer warpgroup, taking tiles in turn, so one's epilogue
+    runs beside the other's K loop) instead of kernels.gemm, with its own
+    tiles (``gemm_rs.WS_TILES``). NVIDIA compute capability 9.0 only, A and
+    B describable (``desc_layout``), round-robin tiles (``claim`` not 1),
+    counters bumped at once (``defer_release`` not True). None:
+    ``gemm_rs.WS_DEFAULT`` (off: measured slower, see there). True where it
+    cannot run runs kernels.gemm.
     ``tma``: load A and B tiles through tensor descriptors (TMA) rather than
     pointers, on NVIDIA GPUs of compute capability 9.0 and later and on the
     host backend (never on AMD). None (default): when B is stored [N, K] and

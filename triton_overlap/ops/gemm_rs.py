@@ -84,8 +84,14 @@ WS_TILES = dict(block_m=128, block_n=128, block_k=64, num_stages=6)
 #: kernel-wide cap that leaves them room on 12 warps (ptxas: 168 registers, no spills, Triton 3.6, sm_90a).
 WS_CONSUMER_REGS = 232
 WS_MAXNREG = 168
-#: GemmConfig.ws=None: whether the warp-specialized GEMM is used where it can run.
-WS_DEFAULT = True
+#: GemmConfig.ws=None: whether the warp-specialized GEMM is used where it can run. Off: measured slower. 2xH200,
+#: graphs, scripts/diag_rs.py --quick (sixteenth session, benchmarks/results/diag_rs-H200x2.log), two pipelines
+#: of 128 x 128 tiles: the GEMM alone 117.2 / 439.9 / 432.5 us against kernels.gemm's fused 106.2 / 385.0 / 384.0
+#: on 2048x4096x4096 / 8192x4096x4096 / 8192x1792x8192, whole calls 120.0 / 445.4 / 443.3 against 110.7 / 394.5 /
+#: 394.5; with one ring and the K loops in strict turns, whole calls 120.0 / 433.0 / 425.3 against 107.9 / 386.9 /
+#: 389.5. A 128 x 128 tile per warpgroup moves more bytes through shared memory per FLOP than kernels.gemm's
+#: 128 x 256 tile over two warpgroups (not profiled; the likely cause).
+WS_DEFAULT = False
 
 
 class GEMMReduceScatter(OverlapOp):
