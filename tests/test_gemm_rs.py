@@ -195,6 +195,27 @@ def test_scatter_auto_rule():
         GemmConfig(claim=2)
 
 
+def test_ws_rule():
+    """The warp-specialized GEMM (GemmConfig.ws) is taken only when asked for or by WS_DEFAULT, never on the host
+    backend, never with claim=1 or deferred counters, never where a rank's rows are not whole 128-row tiles."""
+    import sys
+    from types import SimpleNamespace
+
+    from triton_overlap.ops.common import GemmConfig
+
+    rs = sys.modules["triton_overlap.ops.gemm_rs"]
+    a = torch.empty((2048, 64), dtype=torch.bfloat16)
+    w = torch.empty((64, 256), dtype=torch.bfloat16)
+    host = to.GEMMReduceScatter(SimpleNamespace(backend="host", world_size=2), GemmConfig())
+    assert host.ws_layout(a, w, GemmConfig(ws=True)) is None
+    cuda = to.GEMMReduceScatter(SimpleNamespace(backend="cuda", world_size=2), GemmConfig())
+    for cfg in (GemmConfig(ws=False), GemmConfig(ws=True, claim=1), GemmConfig(ws=True, defer_release=True)):
+        assert cuda.ws_layout(a, w, cfg) is None, cfg
+    assert cuda.ws_layout(torch.empty((2 * 1000, 64), dtype=torch.bfloat16), w, GemmConfig(ws=True)) is None
+    if not rs.WS_DEFAULT:
+        assert cuda.ws_layout(a, w, GemmConfig()) is None
+
+
 def test_rs_chunks_carry_min_chunk_bytes():
     """GEMM-RS cuts each peer's partial rows into chunks_per_rank chunks of whole tiles, fewer where a chunk would
     carry under min_chunk_bytes (N x element size per row), at least one."""
