@@ -7,7 +7,7 @@ the tensor cores idle. Profiled on an H200 (``benchmarks/results/ncu_rs-H200.log
 warp samples fall outside its K loop against 14.8% for the plain GEMM. Triton 3.6 does not warp-specialize that
 kernel on sm_90a; Gluon states the partitions outright.
 
-Status: correct (GPU tests) but slower than kernels.gemm on 2xH200 (about 1.13x its fused GEMM's time on the
+Status: correct (GPU tests) but slower than kernels.gemm on 2xH200 (1.10-1.14x its fused GEMM's time on the
 large shapes), so not the default (ops.gemm_rs.WS_DEFAULT says what was measured). It is kept, opt-in
 (GemmConfig.ws=True), as the base for the next step: a 128 x 256 tile over two consumer warpgroups, as in
 kernels.gemm, with the epilogue in a partition of its own reading the tile from shared memory.
