@@ -8,7 +8,7 @@ warp samples fall outside its K loop against 14.8% for the plain GEMM. Triton 3.
 kernel on sm_90a; Gluon states the partitions outright.
 
 Status: correct (GPU tests) but slower than kernels.gemm on 2xH200 (1.10-1.14x its fused GEMM's time on the
-large shapes), so not the default (ops.gemm_rs.WS_DEFAULT says what was measured). It is kept, opt-in
+three shapes over the bound), so not the default (ops.gemm_rs.WS_DEFAULT says what was measured). It is kept, opt-in
 (GemmConfig.ws=True), as the base for the next step: a 128 x 256 tile over two consumer warpgroups, as in
 kernels.gemm, with the epilogue in a partition of its own reading the tile from shared memory.
 
