@@ -223,7 +223,7 @@ def _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_o
 
 
 @triton.jit
-def _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world, stride_cm, stride_cn,
+def reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world, stride_cm, stride_cn,
                 stride_om, HAS_BIAS: tl.constexpr, ALIGN_C: tl.constexpr):
     """REDUCE_OWN's epilogue for ``acc`` (this rank's partial of rows ``local`` of its own block, columns ``cols``):
     add the peers' partials from this rank's receive slots and the bias, store the output dtype."""
@@ -341,12 +341,12 @@ def persistent_gemm(
                 if SPLIT_EPILOGUE:  # two column halves, one after the other: fewer live registers (no spills)
                     acc_lo, acc_hi = _column_halves(acc)
                     cols_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-                    _reduce_own(acc_lo, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo, N, M, M_LOCAL, rank, world,
+                    reduce_own(acc_lo, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo, N, M, M_LOCAL, rank, world,
                                 stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
-                    _reduce_own(acc_hi, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo + BLOCK_N // 2, N, M,
+                    reduce_own(acc_hi, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo + BLOCK_N // 2, N, M,
                                 M_LOCAL, rank, world, stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
                 else:
-                    _reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world,
+                    reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world,
                                 stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
             elif not SCATTER:
                 _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,

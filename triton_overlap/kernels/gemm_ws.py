@@ -45,7 +45,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from .chunks import chunk_of_row
-from .gemm import own_chunks_ready, publish, reset_at_exit, rs_tile
+from .gemm import own_chunks_ready, publish, reduce_own, reset_at_exit, rs_tile
 from .signal import wait_flag
 
 #: The TMA load into shared memory: ``tma.async_load`` in newer Gluon, ``async_copy_global_to_shared`` in Triton 3.6.
@@ -63,9 +63,7 @@ def _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 def _loader(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
             B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
     """The TMA loads of consumer CONSUMER's tiles, in order, into its ring of stages."""
-    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
-     counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
-     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p
+    a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, M, N, K, split_m, pid = p[0]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     RING: gl.constexpr = a_bufs.type.shape[0] // 2
@@ -90,9 +88,9 @@ def _loader(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.conste
 def _consumer(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
               B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
     """Tiles CONSUMER, CONSUMER + 2, ... of this program: K loop on wgmma, then the epilogue (module doc)."""
-    (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
-     counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
-     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p
+    a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, M, N, K, split_m, pid = p[0]
+    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
+     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     RING: gl.constexpr = a_bufs.type.shape[0] // 2
@@ -135,17 +133,8 @@ def _consumer(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.cons
                 all_in = 1
             own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, rank, err_ptr, budget,
                              op, CLOCK)
-            local = row0 - rank * M_LOCAL + rows_off
-            for src in range(0, world):
-                if src != rank:
-                    part = c_ptr + (src * M_LOCAL + local)[:, None] * stride_cm + cols[None, :]
-                    acc += gl.load(part, mask=col_ok[None, :], other=0.0).to(gl.float32)
-            if HAS_BIAS:
-                acc += gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-            o_rows = out_ptr + local * stride_om
-            if ALIGN_C:
-                o_rows = gl.multiple_of(o_rows, 16)
-            gl.store(o_rows[:, None] + cols[None, :], acc.to(dtype), mask=col_ok[None, :])
+            reduce_own(acc, c_ptr, out_ptr, bias_ptr, row0 - rank * M_LOCAL + rows_off, row0 + rows_off, cols, N, M,
+                       M_LOCAL, rank, world, stride_cm, 1, stride_om, HAS_BIAS, ALIGN_C)
         else:  # a peer's rows: into its staging slot, then bump the counters of the chunks the tile covers
             base = gl.load(scatter_ptrs + owner).to(gl.pointer_type(dtype))
             c_rows = base + (rank * M_LOCAL + row0 - owner * M_LOCAL + rows_off) * stride_cm
@@ -174,9 +163,10 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    p = (a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, c_ptr, out_ptr, bias_ptr, scatter_ptrs,
-         counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, split_m, pid,
-         M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om)
+    # what every partition takes (the loaders read only the first part)
+    p = ((a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, M, N, K, split_m, pid),
+         (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget,
+          rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om))
     gl.warp_specialize([
         (_consumer, (p, 0, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
         (_consumer, (p, 1, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
