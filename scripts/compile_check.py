@@ -123,7 +123,7 @@ def compile_ws(target) -> int:
     from triton.runtime.jit import native_specialize_impl
 
     from triton_overlap.kernels.gemm_ws import rs_gemm_ws
-    from triton_overlap.ops.gemm_rs import WS_CONSUMER_REGS, WS_MAXNREG, WS_TILES
+    from triton_overlap.ops.gemm_rs import WS_EPILOGUE_REGS, WS_EPILOGUE_WARPS, WS_MAXNREG, WS_SUB_M, WS_TILES
 
     backend = CUDABackend(target)
     bm, bn, bk = WS_TILES["block_m"], WS_TILES["block_n"], WS_TILES["block_k"]
@@ -137,7 +137,8 @@ def compile_ws(target) -> int:
     failed = 0
     for b_kmajor, bias in itertools.product((False, True), (False, True)):
         consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=WS_TILES["num_stages"], B_KMAJOR=b_kmajor,
-                      HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, CONSUMER_REGS=WS_CONSUMER_REGS, RESET_AT_EXIT=True)
+                      HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
+                      EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=True)
         sig = {}
         for prm in rs_gemm_ws.params:
             n = prm.name
@@ -149,7 +150,7 @@ def compile_ws(target) -> int:
         name = f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}"
         try:
             k = triton.compile(GluonASTSource(rs_gemm_ws, sig, consts, divisibility(sig)), target=target,
-                               options={"num_warps": 4, "maxnreg": WS_MAXNREG})
+                               options={"num_warps": 8, "maxnreg": WS_MAXNREG})
             print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
         except Exception as e:  # noqa: BLE001 - reported, the check goes on
             failed += 1

@@ -102,7 +102,7 @@ def main():
             if args.quick:
                 row["RS GEMM alone, scatter only"] = graph_us(rs_gemm(False))
                 row["RS GEMM alone, fused"] = graph_us(rs_gemm(True))
-                b_layout = op.ws_layout(a, w, cfg)
+                b_layout = op.ws_layout(a, w, replace(cfg, ws=True))  # whatever WS_DEFAULT says
                 ws_cfg = replace(cfg, **WS_TILES)
                 ws_plan = op._plan(m, N, ws_cfg, a.element_size())
                 if b_layout is not None and ws_plan[0] == layout:  # the warp-specialized GEMM (kernels.gemm_ws)

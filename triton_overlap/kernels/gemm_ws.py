@@ -50,6 +50,8 @@ from .signal import wait_flag
 
 #: The TMA load into shared memory: ``tma.async_load`` in newer Gluon, ``async_copy_global_to_shared`` in Triton 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+#: A barrier of the calling partition's warps: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` in newer Gluon.
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
 
 @gluon.jit
@@ -60,87 +62,131 @@ def _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _loader(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-            B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
-    """The TMA loads of consumer CONSUMER's tiles, in order, into its ring of stages."""
-    a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, M, N, K, split_m, pid = p[0]
-    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, it, k, row0, col0, B_KMAJOR: gl.constexpr):
+    """The TMA loads of K step ``k`` of tile ``it`` (first row ``row0``, first column ``col0``) into stage ``step``."""
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    RING: gl.constexpr = a_bufs.type.shape[0] // 2
-    k_tiles = gl.cdiv(K, BLOCK_K)
-    g = 0  # stages of our ring filled so far
-    for it in range(pid + CONSUMER * NUM_PROGRAMS, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), 2 * NUM_PROGRAMS):
-        row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
-        for k in range(k_tiles):
-            s = CONSUMER * RING + g % RING
-            mbarrier.wait(empty.index(s), ((g // RING) & 1) ^ 1)  # (an mbarrier starts as if phase 1 completed)
-            bar = ready.index(s)
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            _tma_load(a_desc, [row0, k * BLOCK_K], bar, a_bufs.index(s))
-            if B_KMAJOR:
-                _tma_load(b_desc, [col0, k * BLOCK_K], bar, b_bufs.index(s))
-            else:
-                _tma_load(b_desc, [k * BLOCK_K, col0], bar, b_bufs.index(s))
-            g += 1
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    s = step % STAGES
+    bar = ready.index(s)
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    _tma_load(a_desc, [row0, k * BLOCK_K], bar, a_bufs.index(s))
+    if B_KMAJOR:
+        _tma_load(b_desc, [col0, k * BLOCK_K], bar, b_bufs.index(s))
+    else:
+        _tma_load(b_desc, [k * BLOCK_K, col0], bar, b_bufs.index(s))
 
 
 @gluon.jit
-def _consumer(p, CONSUMER: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-              B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr):
-    """Tiles CONSUMER, CONSUMER + 2, ... of this program: K loop on wgmma, then the epilogue (module doc)."""
-    a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, M, N, K, split_m, pid = p[0]
-    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
-     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
+def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """Every tile of this program: the K loop on wgmma (two warpgroups, 64 rows each), its TMA loads issued
+    NUM_STAGES - 1 steps ahead (across tiles), then the tile as the output dtype into the shared tile buffer for
+    the epilogue partition."""
+    a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
+    tile_buf, tile_full, tile_free = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-    RING: gl.constexpr = a_bufs.type.shape[0] // 2
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N if BLOCK_N <= 256 else 256, 16])
-    dtype: gl.constexpr = c_ptr.dtype.element_ty
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
     k_tiles = gl.cdiv(K, BLOCK_K)
-    rows_off = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
-    cols_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma))
-    all_in = 0  # whether every program has been seen started
-    i = CONSUMER  # this program's tile count, of both consumers
-    for it in range(pid + CONSUMER * NUM_PROGRAMS, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), 2 * NUM_PROGRAMS):
-        row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
-        g = (i // 2) * k_tiles  # the position of this tile's first stage in our ring
+    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
+    steps = gl.cdiv(num_tiles - pid, NUM_PROGRAMS) * k_tiles  # K steps of all this program's tiles
+    # the load cursor: step ld is K step ld_k of tile ld_it
+    ld_it = pid
+    ld_k = 0
+    ld_row0, ld_col0 = _tile(ld_it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    ld = 0
+    for _ in gl.static_range(STAGES - 1):
+        if ld < steps:
+            _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, ld, ld_it, ld_k, ld_row0, ld_col0, B_KMAJOR)
+            ld += 1
+            ld_k += 1
+            if ld_k == k_tiles:
+                ld_k = 0
+                ld_it += NUM_PROGRAMS
+                if ld_it < num_tiles:
+                    ld_row0, ld_col0 = _tile(ld_it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    g = 0  # K steps consumed so far
+    t = 0  # tiles handed to the epilogue so far
+    for it in range(pid, num_tiles, NUM_PROGRAMS):
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
-        prev = 0
         for k in range(k_tiles):
-            s = CONSUMER * RING + g % RING
-            mbarrier.wait(ready.index(s), (g // RING) & 1)
+            s = g % STAGES
+            mbarrier.wait(ready.index(s), (g // STAGES) & 1)
             if B_KMAJOR:
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
             else:
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-            acc = warpgroup_mma_wait(1, deps=(acc, ))  # the previous step's wgmma has finished: free its stage
-            mbarrier.arrive(empty.index(prev), pred=k > 0)
-            prev = s
+            # the previous step's wgmma (both warpgroups') has finished: its stage takes step ld = g + STAGES - 1
+            acc = warpgroup_mma_wait(1, deps=(acc, ))
+            _barrier()
+            if ld < steps:
+                _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, ld, ld_it, ld_k, ld_row0, ld_col0, B_KMAJOR)
+                ld += 1
+                ld_k += 1
+                if ld_k == k_tiles:
+                    ld_k = 0
+                    ld_it += NUM_PROGRAMS
+                    if ld_it < num_tiles:
+                        ld_row0, ld_col0 = _tile(ld_it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
             g += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(empty.index(prev))
-        i += 2
+        mbarrier.wait(tile_free, (t & 1) ^ 1)  # the epilogue has read the previous tile
+        tile_buf.store(acc.to(tile_buf.dtype))
+        mbarrier.arrive(tile_full)
+        t += 1
 
+
+@gluon.jit
+def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr,
+              CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr):
+    """Every tile of this program, from the shared tile buffer, SUB_M rows at a time (module doc)."""
+    a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
+    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
+     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
+    tile_buf, tile_full, tile_free = p[2]
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    dtype: gl.constexpr = c_ptr.dtype.element_ty
+    # each thread 16 bytes of a row, a warp a row of 256 columns
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [gl.num_warps(), 1],
+                                                 [1, 0])
+    rows_off = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, rows_layout))
+    cols_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
+    all_in = 0  # whether every program has been seen started
+    t = 0
+    for it in range(pid, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), NUM_PROGRAMS):
+        row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
         cols = col0 + cols_off
         col_ok = cols < N
         c_first = chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
         c_last = chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
         owner = row0 // M_LOCAL
-        if owner == rank:  # our rows: wait for the peers' partials, add them and the bias, store the output
+        if owner == rank:  # while the K loop runs: wait for the peers' partials of these rows
             if all_in == 0:  # every program has started, so every peer tile is being worked on
                 wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
                 all_in = 1
             own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, rank, err_ptr, budget,
                              op, CLOCK)
-            reduce_own(acc, c_ptr, out_ptr, bias_ptr, row0 - rank * M_LOCAL + rows_off, row0 + rows_off, cols, N, M,
-                       M_LOCAL, rank, world, stride_cm, 1, stride_om, HAS_BIAS, ALIGN_C)
+        mbarrier.wait(tile_full, t & 1)
+        t += 1
+        if owner == rank:  # our rows: add the peers' partials and the bias, store the output
+            for sub in gl.static_range(BLOCK_M // SUB_M):
+                acc = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout).to(gl.float32)
+                if sub == BLOCK_M // SUB_M - 1:
+                    mbarrier.arrive(tile_free)
+                local = row0 - rank * M_LOCAL + sub * SUB_M + rows_off
+                reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, row0 + sub * SUB_M + rows_off, cols, N, M, M_LOCAL,
+                           rank, world, stride_cm, 1, stride_om, HAS_BIAS, ALIGN_C)
         else:  # a peer's rows: into its staging slot, then bump the counters of the chunks the tile covers
             base = gl.load(scatter_ptrs + owner).to(gl.pointer_type(dtype))
-            c_rows = base + (rank * M_LOCAL + row0 - owner * M_LOCAL + rows_off) * stride_cm
-            if ALIGN_C:
-                c_rows = gl.multiple_of(c_rows, 16)
-            gl.store(c_rows[:, None] + cols[None, :], acc.to(dtype), mask=col_ok[None, :])
+            for sub in gl.static_range(BLOCK_M // SUB_M):
+                vals = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
+                if sub == BLOCK_M // SUB_M - 1:
+                    mbarrier.arrive(tile_free)
+                c_rows = base + (rank * M_LOCAL + row0 - owner * M_LOCAL + sub * SUB_M + rows_off) * stride_cm
+                if ALIGN_C:
+                    c_rows = gl.multiple_of(c_rows, 16)
+                gl.store(c_rows[:, None] + cols[None, :], vals, mask=col_ok[None, :])
             publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, True)
 
 
@@ -150,28 +196,33 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
                M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
-               CONSUMER_REGS: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True):
+               EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr,
+               RESET_AT_EXIT: gl.constexpr = True):
     """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
     transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. The other arguments are kernels.gemm's of the same name."""
     pid = gl.program_id(0)
     gl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    tile_buf = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
+                                                                              c_ptr.dtype.element_ty))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    tile_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
-    # what every partition takes (the loaders read only the first part)
-    p = ((a_desc, b_desc, a_bufs, b_bufs, ready, empty, tile_order_ptr, M, N, K, split_m, pid),
+    mbarrier.init(tile_bars.index(0), count=1)
+    mbarrier.init(tile_bars.index(1), count=1)
+    # what the partitions take (the loader and the K loop do not read the epilogue's part)
+    p = ((a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid),
          (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget,
-          rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om))
+          rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om),
+         (tile_buf, tile_bars.index(0), tile_bars.index(1)))
     gl.warp_specialize([
-        (_consumer, (p, 0, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
-        (_consumer, (p, 1, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
-        (_loader, (p, 0, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
-        (_loader, (p, 1, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK, ALIGN_C)),
-    ], [4, 1, 1], [CONSUMER_REGS, 24, 24])
+        (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR)),
+        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M)),
+    ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
     if RESET_AT_EXIT:
         reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)

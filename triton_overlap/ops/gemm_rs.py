@@ -76,13 +76,15 @@ COPY_SCATTER_FUSED_BYTES = 16 << 20
 #: round-robin tiles, CLAIM=0, fused was 5-20% slower on the 16 MiB shape, and was used from 32 MiB on.)
 
 
-#: The warp-specialized GEMM's tiles and pipeline (kernels.gemm_ws; GemmConfig.ws): each consumer warpgroup holds a
-#: 128 x 128 float32 accumulator (128 registers a thread), and 6 stages of 128 x 64 + 64 x 128 bf16 (192 KiB, 3 in
-#: each pipeline's ring) fill the shared memory the epilogue does not need (its stores and loads use registers).
-WS_TILES = dict(block_m=128, block_n=128, block_k=64, num_stages=6)
-#: Registers a thread of each consumer warpgroup may use (setmaxnreg; the loader warp's group gets 24), and the
-#: kernel-wide cap that leaves them room on 12 warps (ptxas: 168 registers, no spills, Triton 3.6, sm_90a).
-WS_CONSUMER_REGS = 232
+#: The warp-specialized GEMM's tiles and pipeline (kernels.gemm_ws; GemmConfig.ws): kernels.gemm's 128 x 256 tile,
+#: its float32 accumulator over two warpgroups (128 registers a thread), 3 stages of 128 x 64 + 64 x 256 bf16
+#: (144 KiB) and the tile buffer the epilogue reads (128 x 256 of the output dtype, 64 KiB).
+WS_TILES = dict(block_m=128, block_n=256, block_k=64, num_stages=3)
+#: The epilogue partition's warps and the registers (setmaxnreg) a thread of it may use; the kernel-wide cap that
+#: 12 warps leave (ptxas, Triton 3.6, sm_90a: 168 registers, no spills).
+WS_EPILOGUE_WARPS = 4
+WS_EPILOGUE_REGS = 128
+WS_SUB_M = 32
 WS_MAXNREG = 168
 #: GemmConfig.ws=None: whether the warp-specialized GEMM is used where it can run. Off: measured slower. 2xH200,
 #: graphs, scripts/diag_rs.py --quick (sixteenth session, benchmarks/results/diag_rs-H200x2.log), two pipelines
@@ -291,7 +293,8 @@ class GEMMReduceScatter(OverlapOp):
             M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
-                CONSUMER_REGS=WS_CONSUMER_REGS, RESET_AT_EXIT=reset), num_warps=4, maxnreg=WS_MAXNREG)
+                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=reset),
+               num_warps=8, maxnreg=WS_MAXNREG)
         ctx.after_launch()
 
     def fuses(self, m: int, cfg: GemmConfig) -> bool:
