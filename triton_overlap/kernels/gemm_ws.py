@@ -77,12 +77,14 @@ def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, it, k, row0, col0, B
 
 
 @gluon.jit
-def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
+def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
+         PRELOAD: gl.constexpr):
     """Every tile of this program: the K loop on wgmma (two warpgroups, 64 rows each), its TMA loads issued
     NUM_STAGES - 1 steps ahead (across tiles), then the tile as the output dtype into the shared tile buffer for
     the epilogue partition."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     tile_buf, tile_full, tile_free = p[2]
+    M_LOCAL, rank = p[1][13], p[1][10]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -131,15 +133,58 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
                         ld_row0, ld_col0 = _tile(ld_it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
             g += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.wait(tile_free, (t & 1) ^ 1)  # the epilogue has read the previous tile
+        mbarrier.wait(tile_free, t & 1)  # the epilogue has read the previous tile (and preloaded this one's sum)
+        if PRELOAD:
+            row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+            if row0 // M_LOCAL == rank:
+                acc += tile_buf.load(mma).to(gl.float32)
         tile_buf.store(acc.to(tile_buf.dtype))
         mbarrier.arrive(tile_full)
         t += 1
 
 
 @gluon.jit
+def _own_wait(it, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
+              world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CLOCK: gl.constexpr):
+    """For tile ``it`` if it holds our rows: wait (bounded) until every program has started (once: ``all_in``), so
+    every peer tile is being worked on, and until every peer's partial of its chunks has landed. Returns all_in."""
+    row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if row0 // M_LOCAL == rank:
+        if all_in == 0:
+            wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
+            all_in = 1
+        own_chunks_ready(flags_ptr, expected_ptr, chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK),
+                         chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), CHUNKS_PER_RANK,
+                         world, rank, err_ptr, budget, op, CLOCK)
+    return all_in
+
+
+@gluon.jit
+def _preload(tile_buf, it, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank, world, M_LOCAL, stride_cm,
+             rows_off, cols_off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+             HAS_BIAS: gl.constexpr, SUB_M: gl.constexpr, LAYOUT: gl.constexpr):
+    """PRELOAD, tile ``it`` if it holds our rows: the peers' partials of it and the bias, summed in float32, into
+    the tile buffer as the output dtype, for the K loop's partition to add to its accumulator."""
+    row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    if row0 // M_LOCAL == rank:
+        cols = col0 + cols_off
+        col_ok = cols < N
+        for sub in gl.static_range(BLOCK_M // SUB_M):
+            local = row0 - rank * M_LOCAL + sub * SUB_M + rows_off
+            acc = gl.zeros((SUB_M, BLOCK_N), gl.float32, LAYOUT)
+            if HAS_BIAS:
+                acc += gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+            for s in range(0, world):
+                if s != rank:
+                    part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :]
+                    acc += gl.load(part, mask=col_ok[None, :], other=0.0).to(gl.float32)
+            tile_buf.slice(sub * SUB_M, SUB_M).store(acc.to(tile_buf.dtype))
+
+
+@gluon.jit
 def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr):
+              CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr, PRELOAD: gl.constexpr):
     """Every tile of this program, from the shared tile buffer, SUB_M rows at a time (module doc)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
@@ -152,42 +197,63 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
                                                  [1, 0])
     rows_off = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, rows_layout))
     cols_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
+    num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     all_in = 0  # whether every program has been seen started
+    if PRELOAD:  # the first tile's partials, before the K loop's partition may take the buffer
+        all_in = _own_wait(pid, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr, tick_ptr, err_ptr,
+                           budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, BLOCK_N, GROUP_M,
+                           NUM_PROGRAMS, CLOCK)
+        _preload(tile_buf, pid, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank, world, M_LOCAL, stride_cm,
+                 rows_off, cols_off, BLOCK_M, BLOCK_N, GROUP_M, HAS_BIAS, SUB_M, rows_layout)
+    mbarrier.arrive(tile_free)
     t = 0
-    for it in range(pid, gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N), NUM_PROGRAMS):
+    for it in range(pid, num_tiles, NUM_PROGRAMS):
         row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
         cols = col0 + cols_off
         col_ok = cols < N
-        c_first = chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
-        c_last = chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
         owner = row0 // M_LOCAL
-        if owner == rank:  # while the K loop runs: wait for the peers' partials of these rows
-            if all_in == 0:  # every program has started, so every peer tile is being worked on
-                wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
-                all_in = 1
-            own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, rank, err_ptr, budget,
-                             op, CLOCK)
+        if not PRELOAD:  # while the K loop runs: wait for the peers' partials of these rows
+            all_in = _own_wait(it, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr, tick_ptr, err_ptr,
+                               budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, BLOCK_N,
+                               GROUP_M, NUM_PROGRAMS, CLOCK)
         mbarrier.wait(tile_full, t & 1)
         t += 1
-        if owner == rank:  # our rows: add the peers' partials and the bias, store the output
+        if owner == rank:  # our rows: the output
             for sub in gl.static_range(BLOCK_M // SUB_M):
-                acc = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout).to(gl.float32)
-                if sub == BLOCK_M // SUB_M - 1:
-                    mbarrier.arrive(tile_free)
                 local = row0 - rank * M_LOCAL + sub * SUB_M + rows_off
-                reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, row0 + sub * SUB_M + rows_off, cols, N, M, M_LOCAL,
-                           rank, world, stride_cm, 1, stride_om, HAS_BIAS, ALIGN_C)
+                if PRELOAD:  # the buffer holds the sum already
+                    o_rows = out_ptr + local * stride_om
+                    if ALIGN_C:
+                        o_rows = gl.multiple_of(o_rows, 16)
+                    gl.store(o_rows[:, None] + cols[None, :], tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout),
+                             mask=col_ok[None, :])
+                else:  # add the peers' partials and the bias
+                    acc = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout).to(gl.float32)
+                    if sub == BLOCK_M // SUB_M - 1:
+                        mbarrier.arrive(tile_free)
+                    reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, row0 + sub * SUB_M + rows_off, cols, N, M,
+                               M_LOCAL, rank, world, stride_cm, 1, stride_om, HAS_BIAS, ALIGN_C)
         else:  # a peer's rows: into its staging slot, then bump the counters of the chunks the tile covers
             base = gl.load(scatter_ptrs + owner).to(gl.pointer_type(dtype))
             for sub in gl.static_range(BLOCK_M // SUB_M):
                 vals = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
-                if sub == BLOCK_M // SUB_M - 1:
+                if not PRELOAD and sub == BLOCK_M // SUB_M - 1:
                     mbarrier.arrive(tile_free)
                 c_rows = base + (rank * M_LOCAL + row0 - owner * M_LOCAL + sub * SUB_M + rows_off) * stride_cm
                 if ALIGN_C:
                     c_rows = gl.multiple_of(c_rows, 16)
                 gl.store(c_rows[:, None] + cols[None, :], vals, mask=col_ok[None, :])
-            publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, True)
+            publish(counter_ptrs, chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK),
+                    chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), rank, CHUNKS_PER_RANK,
+                    True)
+        if PRELOAD:  # the next tile's partials (after this tile's counters: a peer may be waiting for them)
+            if it + NUM_PROGRAMS < num_tiles:
+                all_in = _own_wait(it + NUM_PROGRAMS, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr,
+                                   tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
+                                   BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, CLOCK)
+                _preload(tile_buf, it + NUM_PROGRAMS, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank, world,
+                         M_LOCAL, stride_cm, rows_off, cols_off, BLOCK_M, BLOCK_N, GROUP_M, HAS_BIAS, SUB_M, rows_layout)
+                mbarrier.arrive(tile_free)
 
 
 @gluon.jit
@@ -196,7 +262,7 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
                M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
-               EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr,
+               EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr, PRELOAD: gl.constexpr,
                RESET_AT_EXIT: gl.constexpr = True):
     """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
@@ -221,8 +287,8 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
           rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om),
          (tile_buf, tile_bars.index(0), tile_bars.index(1)))
     gl.warp_specialize([
-        (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR)),
-        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M)),
+        (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, PRELOAD)),
+        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M, PRELOAD)),
     ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
     if RESET_AT_EXIT:
         reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)

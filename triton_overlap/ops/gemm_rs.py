@@ -86,6 +86,10 @@ WS_EPILOGUE_WARPS = 4
 WS_EPILOGUE_REGS = 128
 WS_SUB_M = 32
 WS_MAXNREG = 168
+#: kernels.gemm_ws PRELOAD: the epilogue partition sums the peers' partials (and the bias) of our next own-row tile
+#: into the tile buffer while the K loop runs, and the K loop's partition adds them to its accumulator; otherwise
+#: the epilogue partition loads and adds them after the K loop.
+WS_PRELOAD = True
 #: GemmConfig.ws=None: whether the warp-specialized GEMM is used where it can run. Off: measured slower. 2xH200,
 #: graphs, scripts/diag_rs.py --quick (sixteenth session, benchmarks/results/diag_rs-H200x2.log), two pipelines
 #: of 128 x 128 tiles: the GEMM alone 117.2 / 439.9 / 432.5 us against kernels.gemm's fused 106.2 / 385.0 / 384.0
@@ -262,9 +266,10 @@ class GEMMReduceScatter(OverlapOp):
         return desc_layout(ctx, replace(cfg, tma=True, **WS_TILES), a, None, w, a.shape[0] // ctx.world_size, False)
 
     def _launch_ws(self, cfg, b_layout, a, w, c, out, bias, layout, order, expected, counters, scatter_ptrs,
-                   counter_ptrs, tick, reset=True):
+                   counter_ptrs, tick, reset=True, preload=None):
         """The copy variant's fused GEMM as kernels.gemm_ws (arguments as launch_gemm's; ``reset``: RESET_AT_EXIT,
-        off only for scripts/diag_rs.py's GEMM alone, whose flags stay set)."""
+        off only for scripts/diag_rs.py's GEMM alone, whose flags stay set; ``preload``: PRELOAD, None for
+        WS_PRELOAD)."""
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -293,7 +298,8 @@ class GEMMReduceScatter(OverlapOp):
             M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
-                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=reset),
+                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M,
+                PRELOAD=WS_PRELOAD if preload is None else preload, RESET_AT_EXIT=reset),
                num_warps=8, maxnreg=WS_MAXNREG)
         ctx.after_launch()
 
