@@ -123,7 +123,7 @@ def compile_ws(target) -> int:
     from triton.runtime.jit import native_specialize_impl
 
     from triton_overlap.kernels.gemm_ws import rs_gemm_ws
-    from triton_overlap.ops.gemm_rs import WS_EPILOGUE_REGS, WS_EPILOGUE_WARPS, WS_MAXNREG, WS_PRELOAD, WS_SUB_M, WS_TILES
+    from triton_overlap.ops.gemm_rs import WS_EPILOGUE_REGS, WS_EPILOGUE_WARPS, WS_MAXNREG, WS_SUB_M, WS_TILES
 
     backend = CUDABackend(target)
     bm, bn, bk = WS_TILES["block_m"], WS_TILES["block_n"], WS_TILES["block_k"]
@@ -138,7 +138,7 @@ def compile_ws(target) -> int:
     for b_kmajor, bias in itertools.product((False, True), (False, True)):
         consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=WS_TILES["num_stages"], B_KMAJOR=b_kmajor,
                       HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
-                      EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, PRELOAD=WS_PRELOAD, RESET_AT_EXIT=True)
+                      EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=True)
         sig = {}
         for prm in rs_gemm_ws.params:
             n = prm.name

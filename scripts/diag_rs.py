@@ -15,7 +15,6 @@ kernel) with each claim and defer setting.
 from __future__ import annotations
 
 import argparse
-import importlib
 from dataclasses import replace
 import os
 import sys
@@ -30,8 +29,6 @@ from triton_overlap.ops.common import launch_gemm, plain_gemm, with_overrides  #
 from triton_overlap.ops.gemm_rs import OP, WS_TILES  # noqa: E402
 from triton_overlap.producers.allgather import follow_caller, join  # noqa: E402
 from diag_small import barrier_alone, graph_us  # noqa: E402 - the same timing and barrier as the AG diag
-
-gemm_rs_mod = importlib.import_module("triton_overlap.ops.gemm_rs")  # the module (ops exports a function so named)
 
 
 def rs_operands(spec: str, W: int, r: int):
@@ -111,14 +108,11 @@ def main():
                 if b_layout is not None and ws_plan[0] == layout:  # the warp-specialized GEMM (kernels.gemm_ws)
                     tick2 = torch.zeros(2, dtype=torch.int32, device="cuda")
 
-                    def ws_alone(preload):
-                        def run():
-                            op._launch_ws(ws_cfg, b_layout, a, w, recv.local.view(W * m, N), out, None, *ws_plan,
-                                          ready, sp, cp, tick2, reset=False, preload=preload)
-                            tick2.zero_()
-                        return run
-                    row["RS GEMM alone, fused, warp-specialized"] = graph_us(ws_alone(False))
-                    row["RS GEMM alone, fused, warp-specialized, partials preloaded"] = graph_us(ws_alone(True))
+                    def ws_alone():
+                        op._launch_ws(ws_cfg, b_layout, a, w, recv.local.view(W * m, N), out, None, *ws_plan, ready,
+                                      sp, cp, tick2, reset=False)
+                        tick2.zero_()
+                    row["RS GEMM alone, fused, warp-specialized"] = graph_us(ws_alone)
                 base = cfg
                 for spec, over in overrides:
                     cfg = with_overrides(base, **over)
@@ -179,11 +173,6 @@ def main():
             row["whole call (default: auto), again"] = graph_us(lambda: op(a, w, out=out))
             for spec, over in overrides if args.quick else ():
                 row[f"whole call, {spec}"] = graph_us(lambda: op(a, w, out=out, **over))
-                if over.get("ws"):  # and the warp-specialized GEMM's other epilogue
-                    gemm_rs_mod.WS_PRELOAD = not gemm_rs_mod.WS_PRELOAD
-                    row[f"whole call, {spec}, PRELOAD={int(gemm_rs_mod.WS_PRELOAD)}"] = graph_us(
-                        lambda: op(a, w, out=out, **over))
-                    gemm_rs_mod.WS_PRELOAD = not gemm_rs_mod.WS_PRELOAD
             calls = []
             if not args.quick:
                 row["whole call (default), ranks not lined up"] = graph_us(lambda: op(a, w, out=out), lead_us=0)

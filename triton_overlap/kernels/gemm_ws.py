@@ -77,8 +77,7 @@ def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, it, k, row0, col0, B
 
 
 @gluon.jit
-def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
-         PRELOAD: gl.constexpr):
+def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
     """Every tile of this program: the K loop on wgmma (two warpgroups, 64 rows each), its TMA loads issued
     NUM_STAGES - 1 steps ahead (across tiles), then the tile as the output dtype into the shared tile buffer for
     the epilogue partition."""
@@ -133,8 +132,8 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
                         ld_row0, ld_col0 = _tile(ld_it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
             g += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.wait(tile_free, t & 1)  # the epilogue has read the previous tile (and preloaded this one's sum)
-        if PRELOAD:
+        mbarrier.wait(tile_free, t & 1)  # the epilogue has read the previous tile (and preloaded our last tile's partials)
+        if it + NUM_PROGRAMS >= num_tiles:  # our last tile: the epilogue has preloaded its partials
             row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
             if row0 // M_LOCAL == rank:
                 acc += tile_buf.load(mma).to(gl.float32)
@@ -164,8 +163,9 @@ def _own_wait(it, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr
 def _preload(tile_buf, it, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank, world, M_LOCAL, stride_cm,
              rows_off, cols_off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
              HAS_BIAS: gl.constexpr, SUB_M: gl.constexpr, LAYOUT: gl.constexpr):
-    """PRELOAD, tile ``it`` if it holds our rows: the peers' partials of it and the bias, summed in float32, into
-    the tile buffer as the output dtype, for the K loop's partition to add to its accumulator."""
+    """A program's last tile ``it``, if it holds our rows: the peers' partials of it and the bias, summed in float32,
+    into the tile buffer as the output dtype while the K loop runs, for the K loop's partition to add to its
+    accumulator (so no load is left after the last K loop)."""
     row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     if row0 // M_LOCAL == rank:
         cols = col0 + cols_off
@@ -184,7 +184,7 @@ def _preload(tile_buf, it, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank,
 
 @gluon.jit
 def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr, PRELOAD: gl.constexpr):
+              CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr):
     """Every tile of this program, from the shared tile buffer, SUB_M rows at a time (module doc)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
@@ -199,7 +199,7 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
     cols_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
     num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     all_in = 0  # whether every program has been seen started
-    if PRELOAD:  # the first tile's partials, before the K loop's partition may take the buffer
+    if pid + NUM_PROGRAMS >= num_tiles:  # our only tile: its partials, before the K loop ends
         all_in = _own_wait(pid, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr, tick_ptr, err_ptr,
                            budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, BLOCK_N, GROUP_M,
                            NUM_PROGRAMS, CLOCK)
@@ -212,7 +212,9 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
         cols = col0 + cols_off
         col_ok = cols < N
         owner = row0 // M_LOCAL
-        if not PRELOAD:  # while the K loop runs: wait for the peers' partials of these rows
+        preloaded = it + NUM_PROGRAMS >= num_tiles  # this program's last tile
+        preload_next = (it + NUM_PROGRAMS < num_tiles) & (it + 2 * NUM_PROGRAMS >= num_tiles)  # the next is
+        if not preloaded:  # while the K loop runs: wait for the peers' partials of these rows
             all_in = _own_wait(it, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr, tick_ptr, err_ptr,
                                budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, BLOCK_N,
                                GROUP_M, NUM_PROGRAMS, CLOCK)
@@ -221,23 +223,22 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
         if owner == rank:  # our rows: the output
             for sub in gl.static_range(BLOCK_M // SUB_M):
                 local = row0 - rank * M_LOCAL + sub * SUB_M + rows_off
-                if PRELOAD:  # the buffer holds the sum already
+                acc = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout).to(gl.float32)
+                if sub == BLOCK_M // SUB_M - 1 and not preload_next:
+                    mbarrier.arrive(tile_free)
+                if preloaded:  # the sum already: the output dtype again, exactly
                     o_rows = out_ptr + local * stride_om
                     if ALIGN_C:
                         o_rows = gl.multiple_of(o_rows, 16)
-                    gl.store(o_rows[:, None] + cols[None, :], tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout),
-                             mask=col_ok[None, :])
+                    gl.store(o_rows[:, None] + cols[None, :], acc.to(dtype), mask=col_ok[None, :])
                 else:  # add the peers' partials and the bias
-                    acc = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout).to(gl.float32)
-                    if sub == BLOCK_M // SUB_M - 1:
-                        mbarrier.arrive(tile_free)
                     reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, row0 + sub * SUB_M + rows_off, cols, N, M,
                                M_LOCAL, rank, world, stride_cm, 1, stride_om, HAS_BIAS, ALIGN_C)
         else:  # a peer's rows: into its staging slot, then bump the counters of the chunks the tile covers
             base = gl.load(scatter_ptrs + owner).to(gl.pointer_type(dtype))
             for sub in gl.static_range(BLOCK_M // SUB_M):
                 vals = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
-                if not PRELOAD and sub == BLOCK_M // SUB_M - 1:
+                if sub == BLOCK_M // SUB_M - 1 and not preload_next:
                     mbarrier.arrive(tile_free)
                 c_rows = base + (rank * M_LOCAL + row0 - owner * M_LOCAL + sub * SUB_M + rows_off) * stride_cm
                 if ALIGN_C:
@@ -246,14 +247,13 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
             publish(counter_ptrs, chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK),
                     chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), rank, CHUNKS_PER_RANK,
                     True)
-        if PRELOAD:  # the next tile's partials (after this tile's counters: a peer may be waiting for them)
-            if it + NUM_PROGRAMS < num_tiles:
-                all_in = _own_wait(it + NUM_PROGRAMS, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr,
-                                   tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
-                                   BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, CLOCK)
-                _preload(tile_buf, it + NUM_PROGRAMS, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank, world,
-                         M_LOCAL, stride_cm, rows_off, cols_off, BLOCK_M, BLOCK_N, GROUP_M, HAS_BIAS, SUB_M, rows_layout)
-                mbarrier.arrive(tile_free)
+        if preload_next:  # the last tile's partials (after this tile's counters: a peer may be waiting for them)
+            all_in = _own_wait(it + NUM_PROGRAMS, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr,
+                               tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
+                               BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, CLOCK)
+            _preload(tile_buf, it + NUM_PROGRAMS, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank, world,
+                     M_LOCAL, stride_cm, rows_off, cols_off, BLOCK_M, BLOCK_N, GROUP_M, HAS_BIAS, SUB_M, rows_layout)
+            mbarrier.arrive(tile_free)
 
 
 @gluon.jit
@@ -262,7 +262,7 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
                M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
-               EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr, PRELOAD: gl.constexpr,
+               EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr,
                RESET_AT_EXIT: gl.constexpr = True):
     """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
@@ -287,8 +287,8 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
           rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om),
          (tile_buf, tile_bars.index(0), tile_bars.index(1)))
     gl.warp_specialize([
-        (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, PRELOAD)),
-        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M, PRELOAD)),
+        (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR)),
+        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M)),
     ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
     if RESET_AT_EXIT:
         reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)

@@ -83,13 +83,9 @@ WS_TILES = dict(block_m=128, block_n=256, block_k=64, num_stages=3)
 #: The epilogue partition's warps and the registers (setmaxnreg) a thread of it may use; the kernel-wide cap that
 #: 12 warps leave (ptxas, Triton 3.6, sm_90a: 168 registers, no spills).
 WS_EPILOGUE_WARPS = 4
-WS_EPILOGUE_REGS = 128
+WS_EPILOGUE_REGS = 152
 WS_SUB_M = 32
 WS_MAXNREG = 168
-#: kernels.gemm_ws PRELOAD: the epilogue partition sums the peers' partials (and the bias) of our next own-row tile
-#: into the tile buffer while the K loop runs, and the K loop's partition adds them to its accumulator; otherwise
-#: the epilogue partition loads and adds them after the K loop.
-WS_PRELOAD = True
 #: GemmConfig.ws=None: whether the warp-specialized GEMM is used where it can run. Off: measured slower. 2xH200,
 #: graphs, scripts/diag_rs.py --quick (sixteenth session, benchmarks/results/diag_rs-H200x2.log), two pipelines
 #: of 128 x 128 tiles: the GEMM alone 117.2 / 439.9 / 432.5 us against kernels.gemm's fused 106.2 / 385.0 / 384.0
@@ -97,7 +93,7 @@ WS_PRELOAD = True
 #: 394.5; with one ring and the K loops in strict turns, whole calls 120.0 / 433.0 / 425.3 against 107.9 / 386.9 /
 #: 389.5. A 128 x 128 tile per warpgroup moves more bytes through shared memory per FLOP than kernels.gemm's
 #: 128 x 256 tile over two warpgroups (not profiled; the likely cause).
-WS_DEFAULT = False
+WS_DEFAULT = True
 
 
 class GEMMReduceScatter(OverlapOp):
@@ -251,8 +247,7 @@ class GEMMReduceScatter(OverlapOp):
             counters.local.zero_()  # every count was seen; peers add again only after the next barrier
         # (fused: the GEMM's last program has zeroed the counters and the tick, RESET_AT_EXIT)
         if copy:
-            join(ctx, streams)
-            done.zero_()  # every local count was waited for by the copies just joined
+            join(ctx, streams)  # (the copies have zeroed the local counts they waited for)
 
     def ws_layout(self, a, w, cfg: GemmConfig) -> str | None:
         """Whether this call (copy variant, reduction fused) takes the warp-specialized GEMM (GemmConfig.ws): None
@@ -266,10 +261,9 @@ class GEMMReduceScatter(OverlapOp):
         return desc_layout(ctx, replace(cfg, tma=True, **WS_TILES), a, None, w, a.shape[0] // ctx.world_size, False)
 
     def _launch_ws(self, cfg, b_layout, a, w, c, out, bias, layout, order, expected, counters, scatter_ptrs,
-                   counter_ptrs, tick, reset=True, preload=None):
+                   counter_ptrs, tick, reset=True):
         """The copy variant's fused GEMM as kernels.gemm_ws (arguments as launch_gemm's; ``reset``: RESET_AT_EXIT,
-        off only for scripts/diag_rs.py's GEMM alone, whose flags stay set; ``preload``: PRELOAD, None for
-        WS_PRELOAD)."""
+        off only for scripts/diag_rs.py's GEMM alone, whose flags stay set)."""
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -298,8 +292,7 @@ class GEMMReduceScatter(OverlapOp):
             M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
-                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M,
-                PRELOAD=WS_PRELOAD if preload is None else preload, RESET_AT_EXIT=reset),
+                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=reset),
                num_warps=8, maxnreg=WS_MAXNREG)
         ctx.after_launch()
 
@@ -353,7 +346,9 @@ class GEMMReduceScatter(OverlapOp):
 
     def _copy_chunks(self, streams, layout, staging, done, recv, counters, counts):
         """Per peer (send order r+1, r+2, ...; peer i on stream (i - 1) % n), per chunk: wait for the GEMM's
-        count, copy the chunk into the owner's slot for this rank, then write the owner's counter."""
+        count, zero it for the next call (the GEMM has made its last bump of the chunk; on the copy stream, so no
+        memset waits for the GEMM at the end of the call), copy the chunk into the owner's slot for this rank,
+        then write the owner's counter."""
         ctx = self.ctx
         W, r, cpr = ctx.world_size, ctx.rank, layout.chunks_per_rank
         for i in range(1, W):
@@ -361,7 +356,9 @@ class GEMMReduceScatter(OverlapOp):
             s = streams[(i - 1) % len(streams)]
             for j in range(cpr):
                 rows = layout.local_rows(j)
-                s.wait_value(done[d * cpr + j:d * cpr + j + 1], counts[d][j], f"rank {r} gemm_rs chunk {j} for rank {d}")
+                count = done[d * cpr + j:d * cpr + j + 1]
+                s.wait_value(count, counts[d][j], f"rank {r} gemm_rs chunk {j} for rank {d}")
+                s.write_value(count, 0)
                 ctx.jitter(s)
                 s.copy(recv.peer(d)[r, rows], staging[d, rows])
                 s.write_value(counters.peer(d)[r * cpr + j:r * cpr + j + 1], counts[d][j])
