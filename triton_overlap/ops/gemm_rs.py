@@ -346,9 +346,9 @@ class GEMMReduceScatter(OverlapOp):
 
     def _copy_chunks(self, streams, layout, staging, done, recv, counters, counts):
         """Per peer (send order r+1, r+2, ...; peer i on stream (i - 1) % n), per chunk: wait for the GEMM's
-        count, zero it for the next call (the GEMM has made its last bump of the chunk; on the copy stream, so no
-        memset waits for the GEMM at the end of the call), copy the chunk into the owner's slot for this rank,
-        then write the owner's counter."""
+        count, copy the chunk into the owner's slot for this rank, write the owner's counter, then zero the count
+        for the next call (the GEMM made its last bump of the chunk before the wait passed; zeroed on the copy
+        stream, after the copy, so no memset waits for the GEMM at the end of the call)."""
         ctx = self.ctx
         W, r, cpr = ctx.world_size, ctx.rank, layout.chunks_per_rank
         for i in range(1, W):
@@ -358,10 +358,10 @@ class GEMMReduceScatter(OverlapOp):
                 rows = layout.local_rows(j)
                 count = done[d * cpr + j:d * cpr + j + 1]
                 s.wait_value(count, counts[d][j], f"rank {r} gemm_rs chunk {j} for rank {d}")
-                s.write_value(count, 0)
                 ctx.jitter(s)
                 s.copy(recv.peer(d)[r, rows], staging[d, rows])
                 s.write_value(counters.peer(d)[r * cpr + j:r * cpr + j + 1], counts[d][j])
+                s.write_value(count, 0)
 
     def _plan(self, m_local: int, n: int, cfg: GemmConfig, elsize: int):
         """Chunk layout, GEMM tile order and the count each chunk's counter reaches, per shape. Each chunk of
