@@ -5,38 +5,35 @@ Why a second kernel: in kernels.gemm every warp of a program runs a tile's K loo
 epilogue (stores, counter bumps, and in the own-row tiles the waits for the peers' partials and their loads) leaves
 the tensor cores idle. Profiled on an H200 (``benchmarks/results/ncu_rs-H200.log``), 27.5% of the fused RS GEMM's
 warp samples fall outside its K loop against 14.8% for the plain GEMM. Triton 3.6 does not warp-specialize that
-kernel on sm_90a; Gluon states the partitions outright.
-
-Status: correct (GPU tests) but slower than kernels.gemm on 2xH200 (1.10-1.14x its fused GEMM's time on the
-three shapes over the bound), so not the default (ops.gemm_rs.WS_DEFAULT says what was measured). It is kept, opt-in
-(GemmConfig.ws=True), as the base for the next step: a 128 x 256 tile over two consumer warpgroups, as in
-kernels.gemm, with the epilogue in a partition of its own reading the tile from shared memory.
+kernel on sm_90a; Gluon states the partitions outright. Measured (2xH200, ops.gemm_rs.WS_DEFAULT): the GEMM alone
+1.02-1.03 of cuBLAS on the large shapes against kernels.gemm's 1.07-1.16, so ops.gemm_rs takes it by default.
 
 Each program (one per SM, persistent) takes the same tiles in the same order as kernels.gemm with REDUCE_OWN
-and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin over programs), and deals them
-to two pipelines in turn (tiles 0, 2, 4, ... and 1, 3, 5, ...). Each pipeline is
+and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin over programs). Two partitions:
 
-* a loader (1 warp) issuing the TMA loads of A and B into its own ring of NUM_STAGES / 2 shared-memory stages,
-  each stage guarded by a "ready" and an "empty" mbarrier, and
-* a consumer (one warpgroup: the default partition, or a worker) running each tile's K loop on wgmma,
-  releasing stages as they are used, then the tile's epilogue.
+* the K loop (the default partition, 8 warps: two warpgroups, 64 rows of the 128 x 256 tile each, on wgmma). The
+  same warps issue the TMA loads of A and B NUM_STAGES - 1 K steps ahead, across tiles, into a ring of stages
+  guarded by "ready" mbarriers; a stage is refilled once both warpgroups' wgmma reading it has finished (a wait
+  and a barrier of the partition). At the end of a tile they write it, as the output dtype, into a shared tile
+  buffer and arrive on "full";
+* the epilogue (a worker partition of EPILOGUE_WARPS warps), SUB_M rows of the buffer at a time, then arrives on
+  "free" (when the K loop's warps may write the buffer again):
+  * a peer's tile is stored through ``scatter_ptrs[owner]`` (the staging buffer), then, after a barrier of the
+    partition, every chunk counter it covers is bumped with a device-scope release;
+  * a tile of our own rows waits (bounded, kernels.signal.wait_flag), while the K loop runs, until every program
+    has started (so every peer tile belongs to a running program) and for every peer's counter of the chunks it
+    covers to reach ``expected``; after the K loop it adds the peers' partials (our receive slots, ``c_ptr``) and
+    the bias in float32 (kernels.gemm.reduce_own) and stores the output;
+  * a program's last tile has no K loop after it to hide those loads: if it holds our rows, the epilogue waits and
+    sums its partials and bias into the buffer while its K loop runs (before arriving on "free"), and the K loop's
+    warps add the buffer to their accumulator before writing the tile back; the epilogue then only stores it.
 
-The two pipelines share the SM's tensor cores as two programs on one SM would, so one consumer's epilogue
-runs while the other's K loop keeps the tensor cores busy. (A single ring shared by both consumers needs
-their K loops to take strict turns: a consumer a whole tile ahead of the loader would find a stage's phase
-parity already flipped by an earlier lap. With a ring each, every wait has one consumer and one loader.)
-
-Epilogues, as kernels.gemm's (SCATTER + REDUCE_OWN, local counters: the copy variant):
-
-* a peer's tile is stored through ``scatter_ptrs[owner]`` (the staging buffer), then, after a barrier of the
-  consumer's warps, every chunk counter it covers is bumped with a device-scope release;
-* a tile of our own rows waits (bounded, kernels.signal.wait_flag) until every program has started (so every
-  peer tile belongs to a running program), then for every peer's counter of the chunks it covers to reach
-  ``expected``, adds the peers' partials (our receive slots, ``c_ptr``) and the bias, and stores the output.
-
-The last program out zeroes this rank's counters and the tick (RESET_AT_EXIT). Only for NVIDIA sm_90 (wgmma),
-16-bit operands, every rank's rows whole BLOCK_M tiles; ops.gemm_rs picks it (GemmConfig.ws) and otherwise uses
-kernels.gemm. Gluon does not run in Triton's interpreter, so the host backend never takes this path.
+So an own-row tile's partial is rounded to the output dtype once, as every peer's partial is, before the float32
+sum (the last tile: the peers' partials and the bias are summed and rounded once, then added to our float32
+accumulator). The last program out zeroes this rank's counters and the tick (RESET_AT_EXIT). Only for NVIDIA
+sm_90 (wgmma), 16-bit operands, every rank's rows whole 128-row tiles; ops.gemm_rs picks it (GemmConfig.ws) and
+otherwise uses kernels.gemm. Gluon does not run in Triton's interpreter, so the host backend never takes this
+path. 12 warps in all, so ptxas caps a thread at 168 registers (the K loop's accumulator takes 128).
 """
 from __future__ import annotations
 

@@ -90,13 +90,14 @@ class GemmConfig:
     the host backend; unit column stride, 16-byte aligned base and rows).
     None: ``TMA_STORE_DEFAULT``.
     ``ws`` (GEMM-ReduceScatter, copy variant with the reduction fused): the
-    warp-specialized Gluon GEMM (kernels.gemm_ws: two pipelines of a loader
-    warp and a consumer warpgroup, taking tiles in turn, so one's epilogue
-    runs beside the other's K loop) instead of kernels.gemm, with its own
-    tiles (``gemm_rs.WS_TILES``). NVIDIA compute capability 9.0 only, A and
-    B describable (``desc_layout``), round-robin tiles (``claim`` not 1),
-    counters bumped at once (``defer_release`` not True). None:
-    ``gemm_rs.WS_DEFAULT`` (off: measured slower, see there). True where it
+    warp-specialized Gluon GEMM (kernels.gemm_ws: the K loop in two
+    warpgroups, the epilogue in a partition of its own reading each finished
+    tile from shared memory, so it runs beside the next tile's K loop)
+    instead of kernels.gemm, with its own tiles (``gemm_rs.WS_TILES``).
+    NVIDIA compute capability 9.0 only, A and B describable
+    (``desc_layout``), round-robin tiles (``claim`` not 1), counters bumped
+    at once (``defer_release`` not True). None: ``gemm_rs.WS_DEFAULT`` (on:
+    measured faster, see there). True where it
     cannot run runs kernels.gemm.
     ``tma``: load A and B tiles through tensor descriptors (TMA) rather than
     pointers, on NVIDIA GPUs of compute capability 9.0 and later and on the

@@ -86,13 +86,12 @@ WS_EPILOGUE_WARPS = 4
 WS_EPILOGUE_REGS = 152
 WS_SUB_M = 32
 WS_MAXNREG = 168
-#: GemmConfig.ws=None: whether the warp-specialized GEMM is used where it can run. Off: measured slower. 2xH200,
-#: graphs, scripts/diag_rs.py --quick (sixteenth session, benchmarks/results/diag_rs-H200x2.log), two pipelines
-#: of 128 x 128 tiles: the GEMM alone 117.2 / 439.9 / 432.5 us against kernels.gemm's fused 106.2 / 385.0 / 384.0
-#: on 2048x4096x4096 / 8192x4096x4096 / 8192x1792x8192, whole calls 120.0 / 445.4 / 443.3 against 110.7 / 394.5 /
-#: 394.5; with one ring and the K loops in strict turns, whole calls 120.0 / 433.0 / 425.3 against 107.9 / 386.9 /
-#: 389.5. A 128 x 128 tile per warpgroup moves more bytes through shared memory per FLOP than kernels.gemm's
-#: 128 x 256 tile over two warpgroups (not profiled; the likely cause).
+#: GemmConfig.ws=None: whether the warp-specialized GEMM is used where it can run (H100/H200, the copy variant with
+#: the reduction fused). On: 2xH200, graphs, scripts/diag_rs.py --quick (seventeenth session, last call,
+#: benchmarks/results/diag_rs-H200x2.log): whole calls 110.7 / 380.4 / 353.6 us against kernels.gemm's 111.4 /
+#: 396.1 / 394.9 on 2048x4096x4096 / 8192x4096x4096 / 8192x1792x8192 (bound 95.7 / 358.5 / 331.3); the GEMM
+#: alone 103.1 / 369.0 / 338.8 against 105.8 / 385.0 / 383.6. (The sixteenth session's version, two pipelines of
+#: 128 x 128 tiles, was 1.10-1.14x slower than kernels.gemm.)
 WS_DEFAULT = True
 
 
