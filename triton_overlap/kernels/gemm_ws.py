@@ -59,11 +59,15 @@ def _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.
 
 
 @gluon.jit
-def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, it, k, row0, col0, B_KMAJOR: gl.constexpr):
-    """The TMA loads of K step ``k`` of tile ``it`` (first row ``row0``, first column ``col0``) into stage ``step``."""
+def _load_next(a_desc, b_desc, a_bufs, b_bufs, ready, cursor, k_tiles, num_tiles, M, N, split_m, tile_order_ptr,
+               BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
+    """Issue the TMA loads of the load cursor's K step into its stage and advance the cursor. ``cursor``: (step
+    count, tile, K step of the tile, the tile's first row, its first column)."""
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    s = step % STAGES
+    ld, it, k, row0, col0 = cursor
+    s = ld % STAGES
     bar = ready.index(s)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
     _tma_load(a_desc, [row0, k * BLOCK_K], bar, a_bufs.index(s))
@@ -71,6 +75,13 @@ def _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, step, it, k, row0, col0, B
         _tma_load(b_desc, [col0, k * BLOCK_K], bar, b_bufs.index(s))
     else:
         _tma_load(b_desc, [k * BLOCK_K, col0], bar, b_bufs.index(s))
+    k += 1
+    if k == k_tiles:  # the program's next tile
+        k = 0
+        it += NUM_PROGRAMS
+        if it < num_tiles:
+            row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    return ld + 1, it, k, row0, col0
 
 
 @gluon.jit
@@ -79,8 +90,9 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
     NUM_STAGES - 1 steps ahead (across tiles), then the tile as the output dtype into the shared tile buffer for
     the epilogue partition."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
+    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
+     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
     tile_buf, tile_full, tile_free = p[2]
-    M_LOCAL, rank = p[1][13], p[1][10]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -89,21 +101,12 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
     k_tiles = gl.cdiv(K, BLOCK_K)
     num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     steps = gl.cdiv(num_tiles - pid, NUM_PROGRAMS) * k_tiles  # K steps of all this program's tiles
-    # the load cursor: step ld is K step ld_k of tile ld_it
-    ld_it = pid
-    ld_k = 0
-    ld_row0, ld_col0 = _tile(ld_it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
-    ld = 0
+    row0, col0 = _tile(pid, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    cursor = (0, pid, 0, row0, col0)  # the next K step to load (_load_next)
     for _ in gl.static_range(STAGES - 1):
-        if ld < steps:
-            _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, ld, ld_it, ld_k, ld_row0, ld_col0, B_KMAJOR)
-            ld += 1
-            ld_k += 1
-            if ld_k == k_tiles:
-                ld_k = 0
-                ld_it += NUM_PROGRAMS
-                if ld_it < num_tiles:
-                    ld_row0, ld_col0 = _tile(ld_it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+        if cursor[0] < steps:
+            cursor = _load_next(a_desc, b_desc, a_bufs, b_bufs, ready, cursor, k_tiles, num_tiles, M, N, split_m,
+                                tile_order_ptr, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR)
     g = 0  # K steps consumed so far
     t = 0  # tiles handed to the epilogue so far
     for it in range(pid, num_tiles, NUM_PROGRAMS):
@@ -115,21 +118,15 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
             else:
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-            # the previous step's wgmma (both warpgroups') has finished: its stage takes step ld = g + STAGES - 1
+            # the previous step's wgmma (both warpgroups') has finished: its stage takes step g + STAGES - 1
             acc = warpgroup_mma_wait(1, deps=(acc, ))
             _barrier()
-            if ld < steps:
-                _load_step(a_desc, b_desc, a_bufs, b_bufs, ready, ld, ld_it, ld_k, ld_row0, ld_col0, B_KMAJOR)
-                ld += 1
-                ld_k += 1
-                if ld_k == k_tiles:
-                    ld_k = 0
-                    ld_it += NUM_PROGRAMS
-                    if ld_it < num_tiles:
-                        ld_row0, ld_col0 = _tile(ld_it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+            if cursor[0] < steps:
+                cursor = _load_next(a_desc, b_desc, a_bufs, b_bufs, ready, cursor, k_tiles, num_tiles, M, N, split_m,
+                                    tile_order_ptr, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR)
             g += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.wait(tile_free, t & 1)  # the epilogue has read the previous tile (and preloaded our last tile's partials)
+        mbarrier.wait(tile_free, t & 1)  # the epilogue has read the previous tile (and preloaded, see below)
         if it + NUM_PROGRAMS >= num_tiles:  # our last tile: the epilogue has preloaded its partials
             row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
             if row0 // M_LOCAL == rank:
