@@ -137,12 +137,11 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
 
 
 @gluon.jit
-def _own_wait(it, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
-              world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CLOCK: gl.constexpr):
-    """For tile ``it`` if it holds our rows: wait (bounded) until every program has started (once: ``all_in``), so
-    every peer tile is being worked on, and until every peer's partial of its chunks has landed. Returns all_in."""
-    row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+def _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL, M_PER_CHUNK,
+              CHUNKS_PER_RANK, BLOCK_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CLOCK: gl.constexpr):
+    """For the tile at ``row0`` if it holds our rows: wait (bounded) until every program has started (once:
+    ``all_in``), so every peer tile is being worked on, and until every peer's partial of its chunks has landed.
+    Returns all_in."""
     if row0 // M_LOCAL == rank:
         if all_in == 0:
             wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
@@ -154,13 +153,20 @@ def _own_wait(it, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr
 
 
 @gluon.jit
-def _preload(tile_buf, it, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank, world, M_LOCAL, stride_cm,
-             rows_off, cols_off, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
-             HAS_BIAS: gl.constexpr, SUB_M: gl.constexpr, LAYOUT: gl.constexpr):
-    """A program's last tile ``it``, if it holds our rows: the peers' partials of it and the bias, summed in float32,
-    into the tile buffer as the output dtype while the K loop runs, for the K loop's partition to add to its
-    accumulator (so no load is left after the last K loop)."""
+def _preload(p, it, all_in, rows_off, cols_off, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
+             NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, SUB_M: gl.constexpr,
+             LAYOUT: gl.constexpr):
+    """A program's last tile ``it``, if it holds our rows: wait for its partials (_own_wait), then sum them and the
+    bias in float32 into the tile buffer as the output dtype while the K loop runs, for the K loop's partition to
+    add to its accumulator (so no load is left after the last K loop). Returns all_in."""
+    a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
+    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
+     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
+    tile_buf = p[2][0]
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
+    all_in = _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL,
+                       M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
     if row0 // M_LOCAL == rank:
         cols = col0 + cols_off
         col_ok = cols < N
@@ -174,6 +180,7 @@ def _preload(tile_buf, it, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank,
                     part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :]
                     acc += gl.load(part, mask=col_ok[None, :], other=0.0).to(gl.float32)
             tile_buf.slice(sub * SUB_M, SUB_M).store(acc.to(tile_buf.dtype))
+    return all_in
 
 
 @gluon.jit
@@ -194,11 +201,8 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
     num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     all_in = 0  # whether every program has been seen started
     if pid + NUM_PROGRAMS >= num_tiles:  # our only tile: its partials, before the K loop ends
-        all_in = _own_wait(pid, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr, tick_ptr, err_ptr,
-                           budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, BLOCK_N, GROUP_M,
-                           NUM_PROGRAMS, CLOCK)
-        _preload(tile_buf, pid, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank, world, M_LOCAL, stride_cm,
-                 rows_off, cols_off, BLOCK_M, BLOCK_N, GROUP_M, HAS_BIAS, SUB_M, rows_layout)
+        all_in = _preload(p, pid, all_in, rows_off, cols_off, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, SUB_M,
+                          rows_layout)
     mbarrier.arrive(tile_free)
     t = 0
     for it in range(pid, num_tiles, NUM_PROGRAMS):
@@ -209,25 +213,24 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
         preloaded = it + NUM_PROGRAMS >= num_tiles  # this program's last tile
         preload_next = (it + NUM_PROGRAMS < num_tiles) & (it + 2 * NUM_PROGRAMS >= num_tiles)  # the next is
         if not preloaded:  # while the K loop runs: wait for the peers' partials of these rows
-            all_in = _own_wait(it, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr, tick_ptr, err_ptr,
-                               budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, BLOCK_N,
-                               GROUP_M, NUM_PROGRAMS, CLOCK)
+            all_in = _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world,
+                               M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
         mbarrier.wait(tile_full, t & 1)
         t += 1
         if owner == rank:  # our rows: the output
             for sub in gl.static_range(BLOCK_M // SUB_M):
                 local = row0 - rank * M_LOCAL + sub * SUB_M + rows_off
-                acc = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout).to(gl.float32)
+                vals = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
                 if sub == BLOCK_M // SUB_M - 1 and not preload_next:
                     mbarrier.arrive(tile_free)
-                if preloaded:  # the sum already: the output dtype again, exactly
+                if preloaded:  # the sum already
                     o_rows = out_ptr + local * stride_om
                     if ALIGN_C:
                         o_rows = gl.multiple_of(o_rows, 16)
-                    gl.store(o_rows[:, None] + cols[None, :], acc.to(dtype), mask=col_ok[None, :])
+                    gl.store(o_rows[:, None] + cols[None, :], vals, mask=col_ok[None, :])
                 else:  # add the peers' partials and the bias
-                    reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, row0 + sub * SUB_M + rows_off, cols, N, M,
-                               M_LOCAL, rank, world, stride_cm, 1, stride_om, HAS_BIAS, ALIGN_C)
+                    reduce_own(vals.to(gl.float32), c_ptr, out_ptr, bias_ptr, local, row0 + sub * SUB_M + rows_off,
+                               cols, N, M, M_LOCAL, rank, world, stride_cm, 1, stride_om, HAS_BIAS, ALIGN_C)
         else:  # a peer's rows: into its staging slot, then bump the counters of the chunks the tile covers
             base = gl.load(scatter_ptrs + owner).to(gl.pointer_type(dtype))
             for sub in gl.static_range(BLOCK_M // SUB_M):
@@ -242,11 +245,8 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
                     chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), rank, CHUNKS_PER_RANK,
                     True)
         if preload_next:  # the last tile's partials (after this tile's counters: a peer may be waiting for them)
-            all_in = _own_wait(it + NUM_PROGRAMS, all_in, M, N, split_m, tile_order_ptr, flags_ptr, expected_ptr,
-                               tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
-                               BLOCK_M, BLOCK_N, GROUP_M, NUM_PROGRAMS, CLOCK)
-            _preload(tile_buf, it + NUM_PROGRAMS, M, N, split_m, tile_order_ptr, c_ptr, bias_ptr, rank, world,
-                     M_LOCAL, stride_cm, rows_off, cols_off, BLOCK_M, BLOCK_N, GROUP_M, HAS_BIAS, SUB_M, rows_layout)
+            all_in = _preload(p, it + NUM_PROGRAMS, all_in, rows_off, cols_off, BLOCK_N, GROUP_M, NUM_PROGRAMS,
+                              HAS_BIAS, CLOCK, SUB_M, rows_layout)
             mbarrier.arrive(tile_free)
 
 

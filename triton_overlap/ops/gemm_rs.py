@@ -185,11 +185,15 @@ class GEMMReduceScatter(OverlapOp):
         M, K = a.shape
         N = w.shape[1]
         m_local = M // W
+        copy = self.scatter_mode(M, N, a.element_size(), cfg) == "copy"
+        fuse = self.fuses(M, cfg)
+        b_layout = self.ws_layout(a, w, cfg) if copy and fuse else None
+        if b_layout is not None:  # the warp-specialized GEMM, with its own tiles (and so its own plan)
+            cfg = replace(cfg, **WS_TILES)
         layout, order, expected = self._plan(m_local, N, cfg, a.element_size())
         recv = ctx.symmetric(f"{self.name}.recv", (W, m_local, N), a.dtype)
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
 
-        copy = self.scatter_mode(M, N, a.element_size(), cfg) == "copy"
         if copy:
             # Only the copies write into peers' memory: they alone wait for the barrier (owners have reduced the
             # previous call and reset their counters), on the first copy stream, and the GEMM starts at once.
@@ -209,13 +213,7 @@ class GEMMReduceScatter(OverlapOp):
         else:
             ctx.barrier()  # the GEMM stores into peers' receive slots: owners have reduced and reset
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
-        fuse = self.fuses(M, cfg)
         tick = self.exit_counts() if fuse else None
-        b_layout = self.ws_layout(a, w, cfg) if copy and fuse else None
-        if b_layout is not None:  # the warp-specialized GEMM, with its own tiles (and so its own plan)
-            cfg = replace(cfg, **WS_TILES)
-            layout, order, expected = self._plan(m_local, N, cfg, a.element_size())
-            staging, done, scatter_ptrs, counter_ptrs = self._staging(recv, counters, layout, a.dtype)
         # On the host backend a launch returns when the kernel has finished, and a fused GEMM waits for the peers'
         # copies: there the copies (whose streams wait for our counters in worker threads) are enqueued first.
         copies_first = copy and fuse and ctx.backend == "host"
