@@ -43,12 +43,24 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from .chunks import chunk_of_row
 from .gemm import own_chunks_ready, publish, reduce_own, reset_at_exit, rs_tile
-from .signal import wait_flag
+from .signal import _now, wait_flag
 
 #: The TMA load into shared memory: ``tma.async_load`` in newer Gluon, ``async_copy_global_to_shared`` in Triton 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 #: A barrier of the calling partition's warps: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` in newer Gluon.
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
+#: TRACE: the int64 slots per program of ``trace_ptr`` (scripts/diag_rs_trace.py), %globaltimer at: 0 the start, 1 the
+#: first tile's K loop done, 2 the last tile's, 3 the K loop's warps past "free" for the last tile, 4 the first
+#: tile's epilogue done, 5 the last tile's partials landed (its wait passed), 6 the epilogue done, 7 the end.
+TRACE_SLOTS = 8
+
+
+@gluon.jit
+def _stamp(trace_ptr, pid, slot: gl.constexpr, TRACE: gl.constexpr, CLOCK: gl.constexpr):
+    if TRACE:
+        gl.store(trace_ptr + pid * 8 + slot, _now(CLOCK))
 
 
 @gluon.jit
@@ -85,7 +97,8 @@ def _load_next(a_desc, b_desc, a_bufs, b_bufs, ready, cursor, k_tiles, num_tiles
 
 
 @gluon.jit
-def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr):
+def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
+         CLOCK: gl.constexpr, TRACE: gl.constexpr):
     """Every tile of this program: the K loop on wgmma (two warpgroups, 64 rows each), its TMA loads issued
     NUM_STAGES - 1 steps ahead (across tiles), then the tile as the output dtype into the shared tile buffer for
     the epilogue partition."""
@@ -126,8 +139,13 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
                                     tile_order_ptr, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR)
             g += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
+        if t == 0:
+            _stamp(p[3], pid, 1, TRACE, CLOCK)
+        if it + NUM_PROGRAMS >= num_tiles:
+            _stamp(p[3], pid, 2, TRACE, CLOCK)
         mbarrier.wait(tile_free, t & 1)  # the epilogue has read the previous tile (and preloaded, see below)
         if it + NUM_PROGRAMS >= num_tiles:  # our last tile: the epilogue has preloaded its partials
+            _stamp(p[3], pid, 3, TRACE, CLOCK)
             row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
             if row0 // M_LOCAL == rank:
                 acc += tile_buf.load(mma).to(gl.float32)
@@ -155,7 +173,7 @@ def _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, 
 @gluon.jit
 def _preload(p, it, all_in, rows_off, cols_off, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
              NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, SUB_M: gl.constexpr,
-             LAYOUT: gl.constexpr):
+             LAYOUT: gl.constexpr, TRACE: gl.constexpr):
     """A program's last tile ``it``, if it holds our rows: wait for its partials (_own_wait), then sum them and the
     bias in float32 into the tile buffer as the output dtype while the K loop runs, for the K loop's partition to
     add to its accumulator (so no load is left after the last K loop). Returns all_in."""
@@ -167,6 +185,7 @@ def _preload(p, it, all_in, rows_off, cols_off, BLOCK_N: gl.constexpr, GROUP_M: 
     row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     all_in = _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL,
                        M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
+    _stamp(p[3], pid, 5, TRACE, CLOCK)
     if row0 // M_LOCAL == rank:
         cols = col0 + cols_off
         col_ok = cols < N
@@ -185,7 +204,7 @@ def _preload(p, it, all_in, rows_off, cols_off, BLOCK_N: gl.constexpr, GROUP_M: 
 
 @gluon.jit
 def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr):
+              CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr, TRACE: gl.constexpr):
     """Every tile of this program, from the shared tile buffer, SUB_M rows at a time (module doc)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
@@ -202,7 +221,7 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
     all_in = 0  # whether every program has been seen started
     if pid + NUM_PROGRAMS >= num_tiles:  # our only tile: its partials, before the K loop ends
         all_in = _preload(p, pid, all_in, rows_off, cols_off, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, SUB_M,
-                          rows_layout)
+                          rows_layout, TRACE)
     mbarrier.arrive(tile_free)
     t = 0
     for it in range(pid, num_tiles, NUM_PROGRAMS):
@@ -244,24 +263,29 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
             publish(counter_ptrs, chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK),
                     chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), rank, CHUNKS_PER_RANK,
                     True)
+        if t == 1:
+            _stamp(p[3], pid, 4, TRACE, CLOCK)
         if preload_next:  # the last tile's partials (after this tile's counters: a peer may be waiting for them)
             all_in = _preload(p, it + NUM_PROGRAMS, all_in, rows_off, cols_off, BLOCK_N, GROUP_M, NUM_PROGRAMS,
-                              HAS_BIAS, CLOCK, SUB_M, rows_layout)
+                              HAS_BIAS, CLOCK, SUB_M, rows_layout, TRACE)
             mbarrier.arrive(tile_free)
+    _stamp(p[3], pid, 6, TRACE, CLOCK)
 
 
 @gluon.jit
 def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr,
-               tick_ptr, err_ptr, tile_order_ptr, budget, rank, op, world, split_m,
+               tick_ptr, err_ptr, tile_order_ptr, trace_ptr, budget, rank, op, world, split_m,
                M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
                EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr,
-               RESET_AT_EXIT: gl.constexpr = True):
+               RESET_AT_EXIT: gl.constexpr = True, TRACE: gl.constexpr = False):
     """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
-    transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. The other arguments are kernels.gemm's of the same name."""
+    transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. ``trace_ptr``: with TRACE, int64 [NUM_PROGRAMS, TRACE_SLOTS]
+    for timestamps (a diagnostic). The other arguments are kernels.gemm's of the same name."""
     pid = gl.program_id(0)
+    _stamp(trace_ptr, pid, 0, TRACE, CLOCK)
     gl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -279,10 +303,11 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
     p = ((a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid),
          (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget,
           rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om),
-         (tile_buf, tile_bars.index(0), tile_bars.index(1)))
+         (tile_buf, tile_bars.index(0), tile_bars.index(1)), trace_ptr)
     gl.warp_specialize([
-        (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR)),
-        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M)),
+        (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, CLOCK, TRACE)),
+        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M, TRACE)),
     ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
+    _stamp(trace_ptr, pid, 7, TRACE, CLOCK)
     if RESET_AT_EXIT:
         reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)

@@ -258,9 +258,10 @@ class GEMMReduceScatter(OverlapOp):
         return desc_layout(ctx, replace(cfg, tma=True, **WS_TILES), a, None, w, a.shape[0] // ctx.world_size, False)
 
     def _launch_ws(self, cfg, b_layout, a, w, c, out, bias, layout, order, expected, counters, scatter_ptrs,
-                   counter_ptrs, tick, reset=True):
+                   counter_ptrs, tick, reset=True, trace=None):
         """The copy variant's fused GEMM as kernels.gemm_ws (arguments as launch_gemm's; ``reset``: RESET_AT_EXIT,
-        off only for scripts/diag_rs.py's GEMM alone, whose flags stay set)."""
+        off only for scripts/diag_rs.py's GEMM alone, whose flags stay set; ``trace``: int64 [programs,
+        gemm_ws.TRACE_SLOTS] for the kernel's timestamps, scripts/diag_rs_trace.py)."""
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -285,11 +286,12 @@ class GEMMReduceScatter(OverlapOp):
         align = N % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
         launch(rs_gemm_ws, (programs,), (
             a_desc, b_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters, expected,
-            tick, ctx.err, order, ctx.budget, ctx.rank, OP, W, (W - 1) * m_local // bm,
+            tick, ctx.err, order, tick if trace is None else trace, ctx.budget, ctx.rank, OP, W, (W - 1) * m_local // bm,
             M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
-                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=reset),
+                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=reset,
+                TRACE=trace is not None),
                num_warps=8, maxnreg=WS_MAXNREG)
         ctx.after_launch()
 
