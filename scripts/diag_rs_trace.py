@@ -121,7 +121,11 @@ def main():
     p.add_argument("--shapes", nargs="*", default=["2048,4096,4096", "8192,4096,4096"])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--set", nargs="*", default=[], help="GemmConfig overrides for the whole call, key=int")
+    p.add_argument("--hang-s", type=float, default=0, help="print every thread's stack and exit after this long")
     args = p.parse_args()
+    if args.hang_s:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.hang_s, exit=True)
     over = {k: int(v) for k, v in (s.split("=", 1) for s in args.set)}
     init()
     with to.Context(timeout_s=30) as ctx:
@@ -138,16 +142,19 @@ def main():
             def traced_ws(*a_, **k_):
                 return launch_ws(*a_, trace=trace, **k_)
             op._launch_ws = traced_ws
+            step(r, spec, "first call")
             op(a, w, out=res, **over)
             ctx.synchronize()
             if op.ws_layout(a, w, replace(cfg, **over)) is None:
                 say(f"{spec}: the call does not take gemm_ws here; nothing to trace")
                 continue
             ms = {}
+            step(r, spec, "whole call")
             g, rows = run_traced(lambda: op(a, w, out=res, **over), trace, stamps, args.iters)
             ms["whole call"] = time_dist(g.replay, 30, lead_us=300.0)
             ws_cfg = replace(with_cfg(cfg, over), **WS_TILES)
             layout, order, expected = op._plan(m, N, ws_cfg, a.element_size())
+            step(r, spec, "whole call, stamped copies")
             copy_orig = op._copy_chunks
             op._copy_chunks = stamped_copies(op, ctx, stamps)
             g2, rows2 = run_traced(lambda: op(a, w, out=res, **over), trace, stamps, args.iters)
@@ -167,6 +174,7 @@ def main():
                 launch_ws(ws_cfg, b_layout, a, w, recv.local.view(W * m, N), res, None, layout, order, expected,
                           ready, sp, cp, tick2, reset=False, trace=trace)
                 tick2.zero_()
+            step(r, spec, "GEMM alone")
             g3, rows3 = run_traced(ws_alone, trace, stamps, args.iters)
             ms["GEMM alone"] = time_dist(g3.replay, 30, lead_us=300.0)
             ctx.synchronize()
@@ -187,6 +195,10 @@ def main():
                     summarize("GEMM alone", rows3)
                 dist.barrier()
     dist.destroy_process_group()
+
+
+def step(r, spec, what):
+    print(f"rank {r}: {spec}: {what}", flush=True)
 
 
 def with_cfg(cfg, over):
