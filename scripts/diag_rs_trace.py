@@ -4,12 +4,11 @@
     bash scripts/launch.sh scripts/diag_rs_trace.py [--shapes M,K,N ...] [--iters N]
 
 Each replay is bracketed by two one-program stamp kernels on the caller's stream; the GEMM writes its
-per-program timestamps (kernels.gemm_ws TRACE, slots in gemm_ws.TRACE_SLOTS' comment), and in the "stamped
-copies" run the copy stream also runs a stamp kernel when the barrier has passed and after each chunk's wait,
-copy and signal (on the SM the GEMM leaves free; each adds a kernel launch to the copy stream, so that run's
-copies start a little later than the op's). Printed per rank: every time in µs from the first stamp, the median
-over iterations of the earliest, median and latest program. Also the GEMM alone (its waits pass at once), traced
-the same way.
+per-program timestamps (kernels.gemm_ws TRACE, slots in gemm_ws.TRACE_SLOTS' comment). Printed per rank: every
+time in µs from the first stamp, the median over iterations of the earliest, median and latest program. Then the
+copy stream, from CUDA events of eager calls behind a spin (a kernel on the copy stream can queue behind the
+spinning GEMM and never run): when it passed the barrier, and each chunk's wait, copy and signal. Also the GEMM
+alone (its waits pass at once), traced the same way.
 """
 from __future__ import annotations
 
@@ -45,13 +44,19 @@ def stamp(buf, slot):
     stamp_kernel[(1,)](buf, slot, CLOCK=1, num_warps=1)
 
 
-def stamped_copies(op, ctx, stamps):
-    """op._copy_chunks with stamp kernels (slots 2: the copy stream past the barrier; 3 + 3j ...: chunk j's wait
-    passed, copied, signalled; for W = 2)."""
+def timed_copies(op, ctx, events):
+    """op._copy_chunks with CUDA events recorded on the copy stream (no kernels there: a kernel queued behind a
+    stream wait can be held up behind the spinning GEMM, and the call then never ends): ``events`` gets, for W = 2,
+    the copy stream past the barrier, then per chunk its wait passed, copied, signalled."""
     def copy_chunks(streams, layout, staging, done, recv, counters, counts):
         W, r, cpr = ctx.world_size, ctx.rank, layout.chunks_per_rank
-        with ctx.use_stream(streams[0]):
-            stamp(stamps, 2)
+        events.clear()
+
+        def mark(s):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(s.torch_stream)
+            events.append(ev)
+        mark(streams[0])
         for i in range(1, W):
             d = (r + i) % W
             s = streams[(i - 1) % len(streams)]
@@ -59,16 +64,31 @@ def stamped_copies(op, ctx, stamps):
                 rows = layout.local_rows(j)
                 count = done[d * cpr + j:d * cpr + j + 1]
                 s.wait_value(count, counts[d][j], "trace")
-                with ctx.use_stream(s):
-                    stamp(stamps, 3 + 3 * j)
+                mark(s)
                 s.copy(recv.peer(d)[r, rows], staging[d, rows])
-                with ctx.use_stream(s):
-                    stamp(stamps, 4 + 3 * j)
+                mark(s)
                 s.write_value(counters.peer(d)[r * cpr + j:r * cpr + j + 1], counts[d][j])
-                with ctx.use_stream(s):
-                    stamp(stamps, 5 + 3 * j)
+                mark(s)
                 s.write_value(count, 0)
     return copy_chunks
+
+
+def run_eager_timed(fn, events, iters, lead_us=300.0):
+    """Eager calls of ``fn`` behind a spin (the host ahead), ranks lined up: per iteration the copy stream's
+    events and the end of the call, in µs from an event recorded just before the call."""
+    tiny = torch.zeros(1, device="cuda")
+    rows = []
+    for _ in range(iters):
+        spin(lead_us)
+        dist.all_reduce(tiny)
+        spin(lead_us + 200)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        rows.append([s.elapsed_time(ev) * 1e3 for ev in events] + [s.elapsed_time(e) * 1e3])
+    return rows
 
 
 def run_traced(fn, trace, stamps, iters, lead_us=300.0):
@@ -97,10 +117,10 @@ def run_traced(fn, trace, stamps, iters, lead_us=300.0):
 
 
 def out(line):
-    print(line, flush=True)  # every rank prints its own (say prints rank 0's only)
+    print(f"[{dist.get_rank()}]{line}", flush=True)  # every rank prints its own (say prints rank 0's only)
 
 
-def summarize(name, rows, copy_chunks=0):
+def summarize(name, rows):
     out(f"  {name}")
     for k, label in enumerate(SLOTS):
         cols = [r[0][:, k] for r in rows]
@@ -108,11 +128,6 @@ def summarize(name, rows, copy_chunks=0):
         mid = statistics.median(float(c.median()) for c in cols)
         hi = statistics.median(float(c.max()) for c in cols)
         out(f"    {label:36s} earliest {lo:7.1f}  median {mid:7.1f}  latest {hi:7.1f} µs")
-    labels = ["copy stream past the barrier"]
-    for j in range(copy_chunks):
-        labels += [f"chunk {j}: wait passed", f"chunk {j}: copied", f"chunk {j}: signalled"]
-    for k, label in enumerate(labels, start=2):
-        out(f"    {label:36s} {statistics.median(r[1][k] for r in rows):7.1f} µs")
     out(f"    {'stamp after the call':36s} {statistics.median(r[1][1] for r in rows):7.1f} µs")
 
 
@@ -154,11 +169,11 @@ def main():
             ms["whole call"] = time_dist(g.replay, 30, lead_us=300.0)
             ws_cfg = replace(with_cfg(cfg, over), **WS_TILES)
             layout, order, expected = op._plan(m, N, ws_cfg, a.element_size())
-            step(r, spec, "whole call, stamped copies")
+            step(r, spec, "eager, copy stream timed")
             copy_orig = op._copy_chunks
-            op._copy_chunks = stamped_copies(op, ctx, stamps)
-            g2, rows2 = run_traced(lambda: op(a, w, out=res, **over), trace, stamps, args.iters)
-            ms["whole call, stamped copies"] = time_dist(g2.replay, 30, lead_us=300.0)
+            events = []
+            op._copy_chunks = timed_copies(op, ctx, events)
+            ev_rows = run_eager_timed(lambda: op(a, w, out=res, **over), events, args.iters)
             op._copy_chunks = copy_orig
             ctx.synchronize()
             dist.barrier()
@@ -191,7 +206,12 @@ def main():
                         f"programs; event-timed replays (max over ranks): "
                         + ", ".join(f"{k} {v:.1f} µs" for k, v in ms.items()))
                     summarize("whole call", rows)
-                    summarize("whole call, stamped copies", rows2, layout.chunks_per_rank)
+                    labels = ["copy stream past the barrier"]
+                    for j in range(layout.chunks_per_rank):
+                        labels += [f"chunk {j}: wait passed", f"chunk {j}: copied", f"chunk {j}: signalled"]
+                    out("  eager call behind a spin, CUDA events from one recorded just before it, median µs")
+                    for k, label in enumerate(labels + ["the call's end"]):
+                        out(f"    {label:36s} {statistics.median(row[k] for row in ev_rows):7.1f} µs")
                     summarize("GEMM alone", rows3)
                 dist.barrier()
     dist.destroy_process_group()
