@@ -73,7 +73,16 @@ def main():
                    "(to compare two versions of the code, run one after another)")
     p.add_argument("--cfgs", nargs="*", default=[], help="with --quick: also time the GEMMs alone and the whole call "
                    "with these GemmConfig overrides, each 'field=value,field=value'")
+    p.add_argument("--module", nargs="*", default=[], help="ops.gemm_rs module constants to set first, NAME=int "
+                   "(e.g. WS_PRELOAD_TMA=0)")
     args = p.parse_args()
+    import importlib
+    rs_module = importlib.import_module("triton_overlap.ops.gemm_rs")
+    for kv in args.module:
+        name, v = kv.split("=", 1)
+        if not hasattr(rs_module, name):
+            raise SystemExit(f"ops.gemm_rs has no {name}")
+        setattr(rs_module, name, type(getattr(rs_module, name))(int(v)))
     overrides = [(spec, {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}) for spec in args.cfgs]
     init()
     with to.Context(timeout_s=30) as ctx:
@@ -91,7 +100,7 @@ def main():
             recv = ctx.symmetric(f"{op.name}.recv", (W, m, N), a.dtype)
             counters = ctx.symmetric(f"{op.name}.counters", (layout.num_chunks,), torch.int32)
             staging, done, sp, cp = op._staging(recv, counters, layout, a.dtype)
-            streams = ctx.streams(cfg.streams_for(W))
+            streams = ctx.streams(op.copy_streams(cfg, layout))
             ready = torch.full((layout.num_chunks,), 1 << 30, dtype=torch.int32, device="cuda")  # every wait passes
             tick = torch.zeros(1, dtype=torch.int32, device="cuda")
 
@@ -141,8 +150,8 @@ def main():
             def copies():
                 for i in range(1, W):
                     d = (r + i) % W
-                    s = streams[(i - 1) % len(streams)]
                     for j in range(layout.chunks_per_rank):
+                        s = streams[((i - 1) + (W - 1) * j) % len(streams)]
                         rows = layout.local_rows(j)
                         s.copy(recv.peer(d)[r, rows], staging[d, rows])
 

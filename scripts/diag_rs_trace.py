@@ -59,8 +59,8 @@ def timed_copies(op, ctx, events):
         mark(streams[0])
         for i in range(1, W):
             d = (r + i) % W
-            s = streams[(i - 1) % len(streams)]
             for j in range(cpr):
+                s = streams[((i - 1) + (W - 1) * j) % len(streams)]
                 rows = layout.local_rows(j)
                 count = done[d * cpr + j:d * cpr + j + 1]
                 s.wait_value(count, counts[d][j], "trace")

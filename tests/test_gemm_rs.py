@@ -22,7 +22,7 @@ def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
 
 
 def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="store", jitter=0.0, fuse=True,
-          strided_out=False, tma=None, claim=None, defer=None, ws=None):
+          strided_out=False, tma=None, claim=None, defer=None, ws=None, streams=None):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -41,7 +41,7 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
             else:
                 out = poison(torch.empty((m // W, n), dtype=dtype, device=dev))
             got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter, fuse_reduce=fuse, tma=tma, claim=claim,
-                     defer_release=defer, ws=ws)
+                     defer_release=defer, ws=ws, num_streams=streams)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             errs.append(rel_err(got, ref))
@@ -52,7 +52,7 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
 
 HOST_CASES = [
     # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters, scatter, producer jitter (s)
-    # [, fuse_reduce, strided out, tma, claim, defer_release]; 24 | m: W = 2, 3, 4, 8. The reduction is in the
+    # [, fuse_reduce, strided out, tma, claim, defer_release, ws, copy streams]; 24 | m: W = 2, 3, 4, 8. The reduction is in the
     # GEMM (fuse_reduce) where every rank's rows are whole 32-row tiles (m = 32 * 24 or 64 * 24), in a separate
     # kernel otherwise
     (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
@@ -67,6 +67,9 @@ HOST_CASES = [
     (32 * 24, 48, 40, "bfloat16", True, False, 16, 1, "store", 0.0, True, False, True),  # descriptors, B [K, N]
     (32 * 24, 64, 33, "float16", False, True, 7, 1, "copy", 0.003, True, False, None, 1, False),  # counters at once
     (32 * 24, 48, 40, "bfloat16", True, False, 10 ** 6, 1, "copy", 0.0),  # one chunk per rank
+    # a peer's chunks over two and three copy streams, taking turns (ops.gemm_rs.copy_streams)
+    (32 * 24, 64, 33, "float16", True, False, 32, 2, "copy", 0.003, True, False, None, None, None, None, 2),
+    (37 * 24, 48, 40, "bfloat16", False, True, 16, 1, "copy", 0.003, False, False, None, None, None, None, 3),
 ]
 GPU_CASES = [
     (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0),
@@ -92,6 +95,9 @@ GPU_CASES = [
     # the warp-specialized GEMM with no bias; with 2048 rows a program's only tile is its last (partials preloaded)
     (8192, 1024, 1536, "bfloat16", False, False, None, 3, "copy", 0.0005, True, False, None, None, None, True),
     (2048, 1024, 1000, "bfloat16", True, True, None, 3, "copy", 0.0005, True, False, None, None, None, True),
+    # and with a peer's two chunks on two copy streams side by side
+    (2048, 1024, 1000, "bfloat16", False, False, 512, 3, "copy", 0.0005, True, False, None, None, None, True, 2),
+    (4096, 1024, 1536, "bfloat16", True, True, 256, 3, "copy", 0.0005, True, False, None, None, None, True, 4),
 ]
 
 

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 from .chunks import chunk_of_row
 from .gemm import own_chunks_ready, publish, reduce_own, reset_at_exit, rs_tile
@@ -105,7 +106,7 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
      world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
-    tile_buf, tile_full, tile_free = p[2]
+    tile_buf, tile_full, tile_free, preload_bar, c_desc = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -173,43 +174,60 @@ def _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, 
 @gluon.jit
 def _preload(p, it, all_in, rows_off, cols_off, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr,
              NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, SUB_M: gl.constexpr,
-             LAYOUT: gl.constexpr, TRACE: gl.constexpr):
+             LAYOUT: gl.constexpr, TRACE: gl.constexpr, PRELOAD_TMA: gl.constexpr):
     """A program's last tile ``it``, if it holds our rows: wait for its partials (_own_wait), then sum them and the
     bias in float32 into the tile buffer as the output dtype while the K loop runs, for the K loop's partition to
-    add to its accumulator (so no load is left after the last K loop). Returns all_in."""
+    add to its accumulator (so no load is left after the last K loop). With PRELOAD_TMA one peer's partial comes
+    into the buffer by a single TMA load (``c_desc``), and a pass over the buffer adds the other peers' and the
+    bias where there are any. Returns all_in."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
      world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
-    tile_buf = p[2][0]
+    tile_buf, tile_full, tile_free, preload_bar, c_desc = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
     all_in = _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL,
                        M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
     _stamp(p[3], pid, 5, TRACE, CLOCK)
     if row0 // M_LOCAL == rank:
-        cols = col0 + cols_off
-        col_ok = cols < N
-        for sub in gl.static_range(BLOCK_M // SUB_M):
-            local = row0 - rank * M_LOCAL + sub * SUB_M + rows_off
-            acc = gl.zeros((SUB_M, BLOCK_N), gl.float32, LAYOUT)
-            if HAS_BIAS:
-                acc += gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
-            for s in range(0, world):
-                if s != rank:
-                    part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :]
-                    acc += gl.load(part, mask=col_ok[None, :], other=0.0).to(gl.float32)
-            tile_buf.slice(sub * SUB_M, SUB_M).store(acc.to(tile_buf.dtype))
+        first = (rank + 1) % world  # PRELOAD_TMA: the peer whose partial the TMA load brings
+        if PRELOAD_TMA:
+            fence_async_shared()  # every warp of the partition is done reading the buffer (the previous tile)
+            _barrier()
+            mbarrier.expect(preload_bar, c_desc.block_type.nbytes)
+            _tma_load(c_desc, [first * M_LOCAL + row0 - rank * M_LOCAL, col0], preload_bar, tile_buf)
+            mbarrier.wait(preload_bar, 0)  # (once per program: its last tile)
+        more = world > 2  # partials or a bias still to add
+        if HAS_BIAS or not PRELOAD_TMA:
+            more = world > 0
+        if more:
+            cols = col0 + cols_off
+            col_ok = cols < N
+            for sub in gl.static_range(BLOCK_M // SUB_M):
+                local = row0 - rank * M_LOCAL + sub * SUB_M + rows_off
+                if PRELOAD_TMA:
+                    acc = tile_buf.slice(sub * SUB_M, SUB_M).load(LAYOUT).to(gl.float32)
+                else:
+                    acc = gl.zeros((SUB_M, BLOCK_N), gl.float32, LAYOUT)
+                if HAS_BIAS:
+                    acc += gl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
+                for s in range(0, world):
+                    if (s != rank) & ((s != first) | (not PRELOAD_TMA)):
+                        part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :]
+                        acc += gl.load(part, mask=col_ok[None, :], other=0.0).to(gl.float32)
+                tile_buf.slice(sub * SUB_M, SUB_M).store(acc.to(tile_buf.dtype))
     return all_in
 
 
 @gluon.jit
 def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr,
-              CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr, TRACE: gl.constexpr):
+              CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr, TRACE: gl.constexpr,
+              PRELOAD_TMA: gl.constexpr):
     """Every tile of this program, from the shared tile buffer, SUB_M rows at a time (module doc)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
      world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
-    tile_buf, tile_full, tile_free = p[2]
+    tile_buf, tile_full, tile_free, preload_bar, c_desc = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     dtype: gl.constexpr = c_ptr.dtype.element_ty
     # each thread 16 bytes of a row, a warp a row of 256 columns
@@ -221,7 +239,7 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
     all_in = 0  # whether every program has been seen started
     if pid + NUM_PROGRAMS >= num_tiles:  # our only tile: its partials, before the K loop ends
         all_in = _preload(p, pid, all_in, rows_off, cols_off, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, SUB_M,
-                          rows_layout, TRACE)
+                          rows_layout, TRACE, PRELOAD_TMA)
     mbarrier.arrive(tile_free)
     t = 0
     for it in range(pid, num_tiles, NUM_PROGRAMS):
@@ -267,22 +285,24 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
             _stamp(p[3], pid, 4, TRACE, CLOCK)
         if preload_next:  # the last tile's partials (after this tile's counters: a peer may be waiting for them)
             all_in = _preload(p, it + NUM_PROGRAMS, all_in, rows_off, cols_off, BLOCK_N, GROUP_M, NUM_PROGRAMS,
-                              HAS_BIAS, CLOCK, SUB_M, rows_layout, TRACE)
+                              HAS_BIAS, CLOCK, SUB_M, rows_layout, TRACE, PRELOAD_TMA)
             mbarrier.arrive(tile_free)
     _stamp(p[3], pid, 6, TRACE, CLOCK)
 
 
 @gluon.jit
-def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr,
+def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr,
                tick_ptr, err_ptr, tile_order_ptr, trace_ptr, budget, rank, op, world, split_m,
                M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
                EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr,
-               RESET_AT_EXIT: gl.constexpr = True, TRACE: gl.constexpr = False):
+               PRELOAD_TMA: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True, TRACE: gl.constexpr = False):
     """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
-    transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. ``trace_ptr``: with TRACE, int64 [NUM_PROGRAMS, TRACE_SLOTS]
+    transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. ``c_desc``: with PRELOAD_TMA, ``c_ptr``'s [W * M_LOCAL, N] in
+    [BLOCK_M, BLOCK_N] blocks of the tile buffer's layout (the last tile's first peer partial is loaded through
+    it). ``trace_ptr``: with TRACE, int64 [NUM_PROGRAMS, TRACE_SLOTS]
     for timestamps (a diagnostic). The other arguments are kernels.gemm's of the same name."""
     pid = gl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE, CLOCK)
@@ -294,19 +314,20 @@ def rs_gemm_ws(a_desc, b_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_p
                                          gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
                                                                               c_ptr.dtype.element_ty))
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    tile_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())  # full, free, preload
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(s), count=1)
     mbarrier.init(tile_bars.index(0), count=1)
     mbarrier.init(tile_bars.index(1), count=1)
+    mbarrier.init(tile_bars.index(2), count=1)
     # what the partitions take (the loader and the K loop do not read the epilogue's part)
     p = ((a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid),
          (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget,
           rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om),
-         (tile_buf, tile_bars.index(0), tile_bars.index(1)), trace_ptr)
+         (tile_buf, tile_bars.index(0), tile_bars.index(1), tile_bars.index(2), c_desc), trace_ptr)
     gl.warp_specialize([
         (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, CLOCK, TRACE)),
-        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M, TRACE)),
+        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M, TRACE, PRELOAD_TMA)),
     ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
     _stamp(trace_ptr, pid, 7, TRACE, CLOCK)
     if RESET_AT_EXIT:

@@ -93,6 +93,9 @@ WS_MAXNREG = 168
 #: alone 103.1 / 369.0 / 338.8 against 105.8 / 385.0 / 383.6. (The sixteenth session's version, two pipelines of
 #: 128 x 128 tiles, was 1.10-1.14x slower than kernels.gemm.)
 WS_DEFAULT = True
+#: Whether gemm_ws brings a program's last own-row tile's first peer partial into its tile buffer by one TMA load
+#: (where the receive slots' rows are 16-byte aligned) rather than by its epilogue warps' loads.
+WS_PRELOAD_TMA = True
 
 
 class GEMMReduceScatter(OverlapOp):
@@ -199,7 +202,7 @@ class GEMMReduceScatter(OverlapOp):
             # previous call and reset their counters), on the first copy stream, and the GEMM starts at once.
             # The GEMM then leaves an SM free (launch_gemm's free_sm): its own-row tiles wait for peers' copies,
             # which wait for this barrier, whose kernel must find an SM on every rank.
-            streams = ctx.streams(cfg.streams_for(W))
+            streams = ctx.streams(self.copy_streams(cfg, layout))
             cur = ctx.current_stream()
             streams[0].wait_stream(cur)  # the caller's stream as it is now (inputs ready), not the GEMM to come
             if self.gate_gemm:
@@ -284,14 +287,16 @@ class GEMMReduceScatter(OverlapOp):
             b_desc = desc(w.t(), [N, K], w.stride(1), [bn, bk])
         programs = max(1, min(ctx.num_compute_units() - 1, cdiv(M, bm) * cdiv(N, bn)))  # an SM for the barrier
         align = N % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
+        preload_tma = WS_PRELOAD_TMA and c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
+        c_desc = desc(c, [W * m_local, N], c.stride(0), [bm, bn]) if preload_tma else b_desc
         launch(rs_gemm_ws, (programs,), (
-            a_desc, b_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters, expected,
+            a_desc, b_desc, c_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters, expected,
             tick, ctx.err, order, tick if trace is None else trace, ctx.budget, ctx.rank, OP, W, (W - 1) * m_local // bm,
             M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
-                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=reset,
-                TRACE=trace is not None),
+                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, PRELOAD_TMA=preload_tma,
+                RESET_AT_EXIT=reset, TRACE=trace is not None),
                num_warps=8, maxnreg=WS_MAXNREG)
         ctx.after_launch()
 
@@ -343,8 +348,16 @@ class GEMMReduceScatter(OverlapOp):
             self._plans[key] = counts
         return counts
 
+    @staticmethod
+    def copy_streams(cfg: GemmConfig, layout) -> int:
+        """Copy variant: how many copy streams, ``cfg.num_streams`` (None: one per peer), at most one per chunk
+        sent. Peer i's chunk j goes on stream ((i - 1) + (W - 1) * j) % n: with more streams than peers, a peer's
+        chunks take turns among them and copy side by side, on more copy engines."""
+        sends = (layout.world - 1) * layout.chunks_per_rank
+        return max(1, min(cfg.num_streams or (layout.world - 1), sends))
+
     def _copy_chunks(self, streams, layout, staging, done, recv, counters, counts):
-        """Per peer (send order r+1, r+2, ...; peer i on stream (i - 1) % n), per chunk: wait for the GEMM's
+        """Per peer (send order r+1, r+2, ...; streams as copy_streams says), per chunk: wait for the GEMM's
         count, copy the chunk into the owner's slot for this rank, write the owner's counter, then zero the count
         for the next call (the GEMM made its last bump of the chunk before the wait passed; zeroed on the copy
         stream, after the copy, so no memset waits for the GEMM at the end of the call)."""
@@ -352,8 +365,8 @@ class GEMMReduceScatter(OverlapOp):
         W, r, cpr = ctx.world_size, ctx.rank, layout.chunks_per_rank
         for i in range(1, W):
             d = (r + i) % W
-            s = streams[(i - 1) % len(streams)]
             for j in range(cpr):
+                s = streams[((i - 1) + (W - 1) * j) % len(streams)]
                 rows = layout.local_rows(j)
                 count = done[d * cpr + j:d * cpr + j + 1]
                 s.wait_value(count, counts[d][j], f"rank {r} gemm_rs chunk {j} for rank {d}")
