@@ -305,8 +305,7 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, o_desc, c_ptr, out_ptr, bias_ptr, scatter
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
                EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr,
-               PRELOAD_TMA: gl.constexpr, STORE_TMA: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True,
-               TRACE: gl.constexpr = False):
+               PRELOAD_TMA: gl.constexpr, STORE_TMA: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True, TRACE: gl.constexpr = False):
     """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
     transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. ``c_desc``: with PRELOAD_TMA, ``c_ptr``'s [W * M_LOCAL, N] in

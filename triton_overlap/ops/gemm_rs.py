@@ -296,8 +296,7 @@ class GEMMReduceScatter(OverlapOp):
         store_tma = WS_STORE_TMA and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
         o_desc = desc(out, [m_local, N], out.stride(0), [bm, bn]) if store_tma else b_desc
         launch(rs_gemm_ws, (programs,), (
-            a_desc, b_desc, c_desc, o_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs,
-            counters, expected,
+            a_desc, b_desc, c_desc, o_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters, expected,
             tick, ctx.err, order, tick if trace is None else trace, ctx.budget, ctx.rank, OP, W, (W - 1) * m_local // bm,
             M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
