@@ -141,17 +141,17 @@ def compile_ws(target) -> int:
         consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=WS_TILES["num_stages"], B_KMAJOR=b_kmajor,
                       HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
                       EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=True, TRACE=trace,
-                      PRELOAD_TMA=preload_tma, STORE_TMA=preload_tma)
+                      PRELOAD_TMA=preload_tma)
         sig = {}
         for prm in rs_gemm_ws.params:
             n = prm.name
             sig[n] = ("constexpr" if n in consts else desc_type([bm, bk]) if n == "a_desc"
                       else desc_type([bn, bk] if b_kmajor else [bk, bn]) if n == "b_desc"
-                      else desc_type([bm, bn]) if n in ("c_desc", "o_desc")
+                      else desc_type([bm, bn]) if n == "c_desc"
                       else "*bf16" if n in ("c_ptr", "out_ptr", "bias_ptr")
                       else "*i64" if n in ("scatter_ptrs", "counter_ptrs", "trace_ptr") else "*i32" if n.endswith("_ptr")
                       else "i64" if n == "budget" else "i32")
-        name = f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + (" trace" if trace else "") + ("" if preload_tma else " preload and store by warps")
+        name = f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + (" trace" if trace else "") + ("" if preload_tma else " preload by loads")
         try:
             k = triton.compile(GluonASTSource(rs_gemm_ws, sig, consts, divisibility(sig)), target=target,
                                options={"num_warps": 8, "maxnreg": WS_MAXNREG})

@@ -48,8 +48,6 @@ from .signal import _now, wait_flag
 
 #: The TMA load into shared memory: ``tma.async_load`` in newer Gluon, ``async_copy_global_to_shared`` in Triton 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-#: The TMA store from shared memory: ``tma.async_store`` in newer Gluon, ``async_copy_shared_to_global`` in Triton 3.6.
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 #: A barrier of the calling partition's warps: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` in newer Gluon.
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
@@ -101,7 +99,7 @@ def _load_next(a_desc, b_desc, a_bufs, b_bufs, ready, cursor, k_tiles, num_tiles
 
 @gluon.jit
 def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
-         CLOCK: gl.constexpr, TRACE: gl.constexpr, STORE_TMA: gl.constexpr):
+         CLOCK: gl.constexpr, TRACE: gl.constexpr):
     """Every tile of this program: the K loop on wgmma (two warpgroups, 64 rows each), its TMA loads issued
     NUM_STAGES - 1 steps ahead (across tiles), then the tile as the output dtype into the shared tile buffer for
     the epilogue partition."""
@@ -153,8 +151,6 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
             if row0 // M_LOCAL == rank:
                 acc += tile_buf.load(mma).to(gl.float32)
         tile_buf.store(acc.to(tile_buf.dtype))
-        if STORE_TMA:
-            fence_async_shared()  # the epilogue may store the buffer by TMA
         mbarrier.arrive(tile_full)
         t += 1
 
@@ -226,7 +222,7 @@ def _preload(p, it, all_in, rows_off, cols_off, BLOCK_N: gl.constexpr, GROUP_M: 
 @gluon.jit
 def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr,
               CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr, TRACE: gl.constexpr,
-              PRELOAD_TMA: gl.constexpr, STORE_TMA: gl.constexpr):
+              PRELOAD_TMA: gl.constexpr):
     """Every tile of this program, from the shared tile buffer, SUB_M rows at a time (module doc)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
@@ -258,11 +254,7 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
                                M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
         mbarrier.wait(tile_full, t & 1)
         t += 1
-        if (owner == rank) & preloaded & STORE_TMA:  # the sum already: one TMA store of the whole buffer
-            _tma_store(p[4], [row0 - rank * M_LOCAL, col0], tile_buf)
-            tma.store_wait(0)
-            mbarrier.arrive(tile_free)
-        elif owner == rank:  # our rows: the output
+        if owner == rank:  # our rows: the output
             for sub in gl.static_range(BLOCK_M // SUB_M):
                 local = row0 - rank * M_LOCAL + sub * SUB_M + rows_off
                 vals = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
@@ -299,19 +291,18 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
 
 
 @gluon.jit
-def rs_gemm_ws(a_desc, b_desc, c_desc, o_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr,
+def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr,
                tick_ptr, err_ptr, tile_order_ptr, trace_ptr, budget, rank, op, world, split_m,
                M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
                EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr,
-               PRELOAD_TMA: gl.constexpr, STORE_TMA: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True, TRACE: gl.constexpr = False):
+               PRELOAD_TMA: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True, TRACE: gl.constexpr = False):
     """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
     transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. ``c_desc``: with PRELOAD_TMA, ``c_ptr``'s [W * M_LOCAL, N] in
     [BLOCK_M, BLOCK_N] blocks of the tile buffer's layout (the last tile's first peer partial is loaded through
-    it). ``o_desc``: with STORE_TMA, ``out_ptr``'s [M_LOCAL, N] in [BLOCK_M, BLOCK_N] blocks of that layout (a
-    program's last tile, if ours, is stored through it). ``trace_ptr``: with TRACE, int64 [NUM_PROGRAMS, TRACE_SLOTS]
+    it). ``trace_ptr``: with TRACE, int64 [NUM_PROGRAMS, TRACE_SLOTS]
     for timestamps (a diagnostic). The other arguments are kernels.gemm's of the same name."""
     pid = gl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE, CLOCK)
@@ -333,12 +324,10 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, o_desc, c_ptr, out_ptr, bias_ptr, scatter
     p = ((a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid),
          (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget,
           rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om),
-         (tile_buf, tile_bars.index(0), tile_bars.index(1), tile_bars.index(2), c_desc), trace_ptr,
-         o_desc)
+         (tile_buf, tile_bars.index(0), tile_bars.index(1), tile_bars.index(2), c_desc), trace_ptr)
     gl.warp_specialize([
-        (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, CLOCK, TRACE, STORE_TMA)),
-        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M, TRACE, PRELOAD_TMA,
-                     STORE_TMA)),
+        (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, CLOCK, TRACE)),
+        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M, TRACE, PRELOAD_TMA)),
     ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
     _stamp(trace_ptr, pid, 7, TRACE, CLOCK)
     if RESET_AT_EXIT:

@@ -80,11 +80,10 @@ COPY_SCATTER_FUSED_BYTES = 16 << 20
 #: its float32 accumulator over two warpgroups (128 registers a thread), 3 stages of 128 x 64 + 64 x 256 bf16
 #: (144 KiB) and the tile buffer the epilogue reads (128 x 256 of the output dtype, 64 KiB).
 WS_TILES = dict(block_m=128, block_n=256, block_k=64, num_stages=3)
-#: The epilogue partition's warps and the registers (setmaxnreg) a thread of it may use (152 spilled 8 bytes once
-#: the last tile went out by TMA store); the kernel-wide cap that 12 warps leave (ptxas, Triton 3.6, sm_90a: 168
-#: registers, no spills).
+#: The epilogue partition's warps and the registers (setmaxnreg) a thread of it may use; the kernel-wide cap that
+#: 12 warps leave (ptxas, Triton 3.6, sm_90a: 168 registers, no spills).
 WS_EPILOGUE_WARPS = 4
-WS_EPILOGUE_REGS = 160
+WS_EPILOGUE_REGS = 152
 WS_SUB_M = 32
 WS_MAXNREG = 168
 #: GemmConfig.ws=None: whether the warp-specialized GEMM is used where it can run (H100/H200, the copy variant with
@@ -97,9 +96,6 @@ WS_DEFAULT = True
 #: Whether gemm_ws brings a program's last own-row tile's first peer partial into its tile buffer by one TMA load
 #: (where the receive slots' rows are 16-byte aligned) rather than by its epilogue warps' loads.
 WS_PRELOAD_TMA = True
-#: Whether gemm_ws stores a program's last tile, where it holds our rows, by one TMA store from its tile buffer
-#: (where the output's rows are 16-byte aligned) rather than by its epilogue warps' stores.
-WS_STORE_TMA = True
 
 
 class GEMMReduceScatter(OverlapOp):
@@ -293,16 +289,13 @@ class GEMMReduceScatter(OverlapOp):
         align = N % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
         preload_tma = WS_PRELOAD_TMA and c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
         c_desc = desc(c, [W * m_local, N], c.stride(0), [bm, bn]) if preload_tma else b_desc
-        store_tma = WS_STORE_TMA and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
-        o_desc = desc(out, [m_local, N], out.stride(0), [bm, bn]) if store_tma else b_desc
         launch(rs_gemm_ws, (programs,), (
-            a_desc, b_desc, c_desc, o_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters, expected,
+            a_desc, b_desc, c_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters, expected,
             tick, ctx.err, order, tick if trace is None else trace, ctx.budget, ctx.rank, OP, W, (W - 1) * m_local // bm,
             M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
-                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M,
-                PRELOAD_TMA=preload_tma, STORE_TMA=store_tma,
+                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, PRELOAD_TMA=preload_tma,
                 RESET_AT_EXIT=reset, TRACE=trace is not None),
                num_warps=8, maxnreg=WS_MAXNREG)
         ctx.after_launch()
