@@ -98,7 +98,7 @@ GPU_CASES = [
     # and with a peer's two chunks on two copy streams side by side
     (2048, 1024, 1000, "bfloat16", False, False, 512, 3, "copy", 0.0005, True, False, None, None, None, True, 2),
     (4096, 1024, 1536, "bfloat16", True, True, 256, 3, "copy", 0.0005, True, False, None, None, None, True, 4),
-    # rows of an odd N are not 16-byte aligned: the last tile's partial and output by the epilogue's warps, not TMA
+    # rows of an odd N are not 16-byte aligned: the last tile's peer partial loaded by the epilogue's warps, not TMA
     (2048, 1024, 1001, "bfloat16", True, True, None, 3, "copy", 0.0005, True, False, None, None, None, True),
 ]
 
