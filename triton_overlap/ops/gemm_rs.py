@@ -292,7 +292,8 @@ class GEMMReduceScatter(OverlapOp):
         launch(rs_gemm_ws, (programs,), (
             a_desc, b_desc, c_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters,
             expected, tick, ctx.err, order, tick if trace is None else trace, ctx.budget, ctx.rank, OP, W,
-            (W - 1) * m_local // bm, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), out.stride(0),
+            (W - 1) * m_local // bm, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0),
+            out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
                 EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, PRELOAD_TMA=preload_tma,
