@@ -34,7 +34,8 @@ class GemmConfig:
     """Tile shape and chunking of an overlapped GEMM.
 
     ``m_per_chunk=None`` picks about ``chunks_per_rank`` chunks per rank, each a
-    multiple of ``block_m``; ``num_streams=None`` uses one stream per peer.
+    multiple of ``block_m``; ``num_streams=None`` uses one stream per peer (AllGather-GEMM takes at most that
+    many; GEMM-RS's copy variant up to one per chunk sent, GEMMReduceScatter.copy_streams).
     ``min_chunk_bytes`` (with ``m_per_chunk=None``): fewer
     chunks where the shard is small, so that each carries at least this
     many bytes (at least one chunk). Each chunk costs its copy and its flag
