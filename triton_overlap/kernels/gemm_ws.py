@@ -25,8 +25,10 @@ and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin ove
     covers to reach ``expected``; after the K loop it adds the peers' partials (our receive slots, ``c_ptr``) and
     the bias in float32 (kernels.gemm.reduce_own) and stores the output;
   * a program's last tile has no K loop after it to hide those loads: if it holds our rows, the epilogue waits and
-    sums its partials and bias into the buffer while its K loop runs (before arriving on "free"), and the K loop's
-    warps add the buffer to their accumulator before writing the tile back; the epilogue then only stores it.
+    sums its partials and bias into the buffer while its K loop runs (before arriving on "free"; with PRELOAD_TMA
+    one peer's partial comes by a single TMA load, which measured 4-5 us faster on 2048 x 4096 x 4096 than the
+    four warps' loads), and the K loop's warps add the buffer to their accumulator before writing the tile back;
+    the epilogue then only stores it.
 
 So an own-row tile's partial is rounded to the output dtype once, as every peer's partial is, before the float32
 sum (the last tile: the peers' partials and the bias are summed and rounded once, then added to our float32
