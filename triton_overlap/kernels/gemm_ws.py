@@ -63,7 +63,7 @@ TRACE_SLOTS = 8
 @gluon.jit
 def _stamp(trace_ptr, pid, slot: gl.constexpr, TRACE: gl.constexpr, CLOCK: gl.constexpr):
     if TRACE:
-        gl.store(trace_ptr + pid * 8 + slot, _now(CLOCK))
+        gl.store(trace_ptr + pid * 8 + slot, _now(CLOCK))  # 8: TRACE_SLOTS
 
 
 @gluon.jit
@@ -304,8 +304,8 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, c
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
     transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. ``c_desc``: with PRELOAD_TMA, ``c_ptr``'s [W * M_LOCAL, N] in
     [BLOCK_M, BLOCK_N] blocks of the tile buffer's layout (the last tile's first peer partial is loaded through
-    it). ``trace_ptr``: with TRACE, int64 [NUM_PROGRAMS, TRACE_SLOTS]
-    for timestamps (a diagnostic). The other arguments are kernels.gemm's of the same name."""
+    it). ``trace_ptr``: with TRACE, int64 [NUM_PROGRAMS, TRACE_SLOTS] for timestamps (a diagnostic). The other
+    arguments are kernels.gemm's of the same name."""
     pid = gl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE, CLOCK)
     gl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started

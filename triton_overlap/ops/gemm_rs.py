@@ -296,8 +296,8 @@ class GEMMReduceScatter(OverlapOp):
             out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
-                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, PRELOAD_TMA=preload_tma,
-                RESET_AT_EXIT=reset, TRACE=trace is not None),
+                EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M,
+                PRELOAD_TMA=preload_tma, RESET_AT_EXIT=reset, TRACE=trace is not None),
                num_warps=8, maxnreg=WS_MAXNREG)
         ctx.after_launch()
 
