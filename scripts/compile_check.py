@@ -151,7 +151,8 @@ def compile_ws(target) -> int:
                       else "*bf16" if n in ("c_ptr", "out_ptr", "bias_ptr")
                       else "*i64" if n in ("scatter_ptrs", "counter_ptrs", "trace_ptr") else "*i32" if n.endswith("_ptr")
                       else "i64" if n == "budget" else "i32")
-        name = f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + (" trace" if trace else "") + ("" if preload_tma else " preload by loads")
+        name = (f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + (" trace" if trace else "")
+                + ("" if preload_tma else " preload by loads"))
         try:
             k = triton.compile(GluonASTSource(rs_gemm_ws, sig, consts, divisibility(sig)), target=target,
                                options={"num_warps": 8, "maxnreg": WS_MAXNREG})
