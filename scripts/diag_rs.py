@@ -151,7 +151,7 @@ def main():
                 for i in range(1, W):
                     d = (r + i) % W
                     for j in range(layout.chunks_per_rank):
-                        s = streams[((i - 1) + (W - 1) * j) % len(streams)]
+                        s = op.copy_stream(streams, W, i, j)
                         rows = layout.local_rows(j)
                         s.copy(recv.peer(d)[r, rows], staging[d, rows])
 

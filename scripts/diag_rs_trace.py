@@ -44,33 +44,22 @@ def stamp(buf, slot):
     stamp_kernel[(1,)](buf, slot, CLOCK=1, num_warps=1)
 
 
-def timed_copies(op, ctx, events):
-    """op._copy_chunks with CUDA events recorded on the copy stream (no kernels there: a kernel queued behind a
-    stream wait can be held up behind the spinning GEMM, and the call then never ends): ``events`` gets, for W = 2,
-    the copy stream past the barrier, then per chunk its wait passed, copied, signalled."""
-    def copy_chunks(streams, layout, staging, done, recv, counters, counts):
-        W, r, cpr = ctx.world_size, ctx.rank, layout.chunks_per_rank
-        events.clear()
+def timed_copies(op, events):
+    """op._copy_chunks with CUDA events recorded on the copy streams (no kernels there: a kernel queued behind a
+    stream wait can be held up behind the spinning GEMM, and the call then never ends): ``events`` gets the first
+    copy stream past the barrier, then per chunk its wait passed, copied, signalled (in send order)."""
+    copy_chunks = op._copy_chunks
 
-        def mark(s):
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(s.torch_stream)
-            events.append(ev)
+    def mark(s):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(s.torch_stream)
+        events.append(ev)
+
+    def run(streams, *args):
+        events.clear()
         mark(streams[0])
-        for i in range(1, W):
-            d = (r + i) % W
-            for j in range(cpr):
-                s = streams[((i - 1) + (W - 1) * j) % len(streams)]
-                rows = layout.local_rows(j)
-                count = done[d * cpr + j:d * cpr + j + 1]
-                s.wait_value(count, counts[d][j], "trace")
-                mark(s)
-                s.copy(recv.peer(d)[r, rows], staging[d, rows])
-                mark(s)
-                s.write_value(counters.peer(d)[r * cpr + j:r * cpr + j + 1], counts[d][j])
-                mark(s)
-                s.write_value(count, 0)
-    return copy_chunks
+        copy_chunks(streams, *args, mark=mark)
+    return run
 
 
 def run_eager_timed(fn, events, iters, lead_us=300.0):
@@ -167,12 +156,12 @@ def main():
             step(r, spec, "whole call")
             g, rows = run_traced(lambda: op(a, w, out=res, **over), trace, stamps, args.iters)
             ms["whole call"] = time_dist(g.replay, 30, lead_us=300.0)
-            ws_cfg = replace(with_cfg(cfg, over), **WS_TILES)
+            ws_cfg = replace(replace(cfg, **over), **WS_TILES)
             layout, order, expected = op._plan(m, N, ws_cfg, a.element_size())
             step(r, spec, "eager, copy stream timed")
             copy_orig = op._copy_chunks
             events = []
-            op._copy_chunks = timed_copies(op, ctx, events)
+            op._copy_chunks = timed_copies(op, events)
             ev_rows = run_eager_timed(lambda: op(a, w, out=res, **over), events, args.iters)
             op._copy_chunks = copy_orig
             ctx.synchronize()
@@ -219,10 +208,6 @@ def main():
 
 def step(r, spec, what):
     print(f"rank {r}: {spec}: {what}", flush=True)
-
-
-def with_cfg(cfg, over):
-    return replace(cfg, **over) if over else cfg
 
 
 if __name__ == "__main__":

@@ -357,23 +357,35 @@ class GEMMReduceScatter(OverlapOp):
         sends = (layout.world - 1) * layout.chunks_per_rank
         return max(1, min(cfg.num_streams or (layout.world - 1), sends))
 
-    def _copy_chunks(self, streams, layout, staging, done, recv, counters, counts):
+    @staticmethod
+    def copy_stream(streams, world: int, i: int, j: int):
+        """The stream that copies chunk ``j`` to the ``i``-th peer in send order (copy_streams)."""
+        return streams[((i - 1) + (world - 1) * j) % len(streams)]
+
+    def _copy_chunks(self, streams, layout, staging, done, recv, counters, counts, mark=None):
         """Per peer (send order r+1, r+2, ...; streams as copy_streams says), per chunk: wait for the GEMM's
         count, copy the chunk into the owner's slot for this rank, write the owner's counter, then zero the count
         for the next call (the GEMM made its last bump of the chunk before the wait passed; zeroed on the copy
-        stream, after the copy, so no memset waits for the GEMM at the end of the call)."""
+        stream, after the copy, so no memset waits for the GEMM at the end of the call). ``mark(stream)``, if
+        given, is called after each chunk's wait, copy and counter write (scripts/diag_rs_trace.py's events)."""
         ctx = self.ctx
         W, r, cpr = ctx.world_size, ctx.rank, layout.chunks_per_rank
         for i in range(1, W):
             d = (r + i) % W
             for j in range(cpr):
-                s = streams[((i - 1) + (W - 1) * j) % len(streams)]
+                s = self.copy_stream(streams, W, i, j)
                 rows = layout.local_rows(j)
                 count = done[d * cpr + j:d * cpr + j + 1]
                 s.wait_value(count, counts[d][j], f"rank {r} gemm_rs chunk {j} for rank {d}")
+                if mark is not None:
+                    mark(s)
                 ctx.jitter(s)
                 s.copy(recv.peer(d)[r, rows], staging[d, rows])
+                if mark is not None:
+                    mark(s)
                 s.write_value(counters.peer(d)[r * cpr + j:r * cpr + j + 1], counts[d][j])
+                if mark is not None:
+                    mark(s)
                 s.write_value(count, 0)
 
     def _plan(self, m_local: int, n: int, cfg: GemmConfig, elsize: int):
