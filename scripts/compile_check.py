@@ -135,13 +135,15 @@ def compile_ws(target) -> int:
         return native_specialize_impl(backend, d, False, True, True)[0]
 
     failed = 0
-    cases = [(b_kmajor, bias, False, True) for b_kmajor, bias in itertools.product((False, True), (False, True))]
-    cases += [(False, True, True, True), (False, False, False, False), (False, True, False, False)]  # TRACE; no TMA
-    for b_kmajor, bias, trace, preload_tma in cases:
+    # (B_KMAJOR, HAS_BIAS, TRACE, PRELOAD_TMA, PEER_STORES)
+    cases = [(b_kmajor, bias, False, True, peer) for b_kmajor, bias, peer
+             in itertools.product((False, True), (False, True), (False, True))]
+    cases += [(False, True, True, True, False), (False, False, False, False, False), (False, True, False, False, True)]
+    for b_kmajor, bias, trace, preload_tma, peer_stores in cases:
         consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=WS_TILES["num_stages"], B_KMAJOR=b_kmajor,
                       HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
                       EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=True, TRACE=trace,
-                      PRELOAD_TMA=preload_tma)
+                      PRELOAD_TMA=preload_tma, PEER_STORES=peer_stores)
         sig = {}
         for prm in rs_gemm_ws.params:
             n = prm.name
@@ -149,10 +151,11 @@ def compile_ws(target) -> int:
                       else desc_type([bn, bk] if b_kmajor else [bk, bn]) if n == "b_desc"
                       else desc_type([bm, bn]) if n == "c_desc"
                       else "*bf16" if n in ("c_ptr", "out_ptr", "bias_ptr")
-                      else "*i64" if n in ("scatter_ptrs", "counter_ptrs", "trace_ptr") else "*i32" if n.endswith("_ptr")
+                      else "*i64" if n in ("scatter_ptrs", "counter_ptrs", "trace_ptr", "start_ptrs")
+                      else "*i32" if n.endswith("_ptr")
                       else "i64" if n == "budget" else "i32")
         name = (f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + (" trace" if trace else "")
-                + ("" if preload_tma else " preload by loads"))
+                + ("" if preload_tma else " preload by loads") + (" peer stores" if peer_stores else ""))
         try:
             k = triton.compile(GluonASTSource(rs_gemm_ws, sig, consts, divisibility(sig)), target=target,
                                options={"num_warps": 8, "maxnreg": WS_MAXNREG})

@@ -83,7 +83,10 @@ def main():
         if not hasattr(rs_module, name):
             raise SystemExit(f"ops.gemm_rs has no {name}")
         setattr(rs_module, name, type(getattr(rs_module, name))(int(v)))
-    overrides = [(spec, {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}) for spec in args.cfgs]
+    def value(v):  # GemmConfig fields: ints, or a word (scatter=store)
+        return int(v) if v.lstrip("-").isdigit() else v
+
+    overrides = [(spec, {k: value(v) for k, v in (kv.split("=") for kv in spec.split(","))}) for spec in args.cfgs]
     init()
     with to.Context(timeout_s=30) as ctx:
         W, r = ctx.world_size, ctx.rank

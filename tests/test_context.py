@@ -166,7 +166,8 @@ def test_expired_wait_raises_and_context_survives(pool):
 
 
 def _start_count_timeout():
-    """kernels.gemm CLAIM=0's wait for every program to start reports index -1: the message says what it waited for."""
+    """kernels.gemm CLAIM=0's wait for every program to start reports index -1, kernels.gemm_ws's wait for a peer's
+    call to start -2 - peer: the message says what it waited for."""
     with to.Context(timeout_s=0.2) as ctx:
         count = torch.zeros(1, dtype=torch.int32, device=ctx.device)
         with pytest.raises(RuntimeError) as info:
@@ -176,6 +177,15 @@ def _start_count_timeout():
         msg = str(info.value)
         assert f"rank {ctx.rank}" in msg and "gemm_rs" in msg and "programs to start" in msg and "131" in msg, msg
         ctx.check()  # cleared
+        # kernels.gemm_ws PEER_STORES' wait for owner o's call to start reports index -2 - o
+        peer = (ctx.rank + 1) % ctx.world_size
+        with pytest.raises(RuntimeError) as info:
+            wait_kernel[(1,)](count, 1, ctx.err, ctx.budget, ctx.rank, op_id("gemm_rs"), -2 - peer, CLOCK=ctx.clock)
+            ctx.after_launch()
+            ctx.check()
+        msg = str(info.value)
+        assert f"rank {ctx.rank}:" in msg and f"rank {peer}'s call to start" in msg, msg
+        ctx.check()
     return True
 
 

@@ -100,6 +100,11 @@ GPU_CASES = [
     (4096, 1024, 1536, "bfloat16", True, True, 256, 3, "copy", 0.0005, True, False, None, None, None, True, 4),
     # rows of an odd N are not 16-byte aligned: the last tile's peer partial loaded by the epilogue's warps, not TMA
     (2048, 1024, 1001, "bfloat16", True, True, None, 3, "copy", 0.0005, True, False, None, None, None, True),
+    # store + fused on the warp-specialized GEMM: peers' tiles straight into their receive slots once each owner's
+    # start count says its call has started (PEER_STORES); a tile over two chunks, a program's only tile, odd N
+    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "store", 0.0005, True, False, None, None, None, True),
+    (2048, 1024, 1000, "bfloat16", False, False, None, 3, "store", 0.0005, True, False, None, None, None, True),
+    (2048, 1024, 1001, "float16", True, True, None, 3, "store", 0.0, True, False, None, None, None, True),
 ]
 
 

@@ -254,8 +254,10 @@ class Context:
         if word[ERR_CODE] != 0:
             self.err.zero_()
             op = OPS.get(word[ERR_OP], f"op#{word[ERR_OP]}")
-            what = (f"signal {word[ERR_INDEX]}" if word[ERR_INDEX] >= 0 else  # kernels.gemm CLAIM=0's start count
-                    "its GEMM's programs to start")
+            index = word[ERR_INDEX]
+            what = (f"signal {index}" if index >= 0 else  # -1: kernels.gemm CLAIM=0's start count
+                    "its GEMM's programs to start" if index == -1 else  # -2 - o: kernels.gemm_ws PEER_STORES
+                    f"rank {-2 - index}'s call to start (before storing into its receive slot)")
             raise RuntimeError(f"triton_overlap: rank {word[ERR_RANK]}: {op} timed out after {self.timeout_s:g} s "
                                f"waiting on {what} (saw {word[ERR_SEEN]}, waited for {word[ERR_WANTED]})")
 

@@ -132,13 +132,16 @@ def own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, 
 @triton.jit
 def reset_at_exit(tick_ptr, flags_ptr, n, NUM_PROGRAMS: tl.constexpr):
     """RESET_AT_EXIT: each program counts itself out in ``tick_ptr[1]``; the last one zeroes the ``n`` flags
-    (every one has been waited on, and peers write the next call's only after the next barrier) and both ticks."""
+    (every one has been waited on, and peers write the next call's only after the next barrier) and both ticks.
+    Returns whether this program was the last."""
     tl.debug_barrier()  # (every thread of this program is past its waits)
-    if tl.atomic_add(tick_ptr + 1, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1:
+    last = tl.atomic_add(tick_ptr + 1, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1
+    if last:
         for c in range(0, n):
             tl.store(flags_ptr + c, 0)
         tl.store(tick_ptr, 0)
         tl.store(tick_ptr + 1, 0)
+    return last
 
 
 @triton.jit

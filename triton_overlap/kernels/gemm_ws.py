@@ -67,6 +67,41 @@ def _stamp(trace_ptr, pid, slot: gl.constexpr, TRACE: gl.constexpr, CLOCK: gl.co
 
 
 @gluon.jit
+def _announce_start(start_ptrs, rank, world):
+    """PEER_STORES: add one to our slot of every peer's start counts (``start_ptrs``: each rank's int32 [world]),
+    with a system-scope release: this rank's call has started, so its previous call no longer reads its receive
+    slots or counters."""
+    for o in range(0, world):
+        if o != rank:
+            slots = gl.load(start_ptrs + o).to(gl.pointer_type(gl.int32))
+            gl.atomic_add(slots + rank, 1, sem="release", scope="sys")
+
+
+@gluon.jit
+def _peer_started(start_ptrs, owner, started, err_ptr, budget, rank, op, CLOCK: gl.constexpr):
+    """PEER_STORES, before this program's first store into ``owner``'s receive slot: wait (bounded) until owner's
+    start count here is at least one (its call has started; _announce_start). Returns ``started`` with bit owner
+    set. The counts make a semaphore: owner adds one when each call starts, we take one off when each call ends
+    (_count_off_starts), so a count of one or more at our call n means owner has started its call n, even if its
+    start arrived before our call n - 1 ended."""
+    if owner != rank:
+        if ((started >> owner) & 1) == 0:
+            mine = gl.load(start_ptrs + rank).to(gl.pointer_type(gl.int32))
+            wait_flag(mine + owner, 1, err_ptr, budget, rank, op, -2 - owner, CLOCK)
+            started = started | (1 << owner)
+    return started
+
+
+@gluon.jit
+def _count_off_starts(start_ptrs, rank, world):
+    """PEER_STORES, by the last program out: one start of each peer used up (_peer_started)."""
+    mine = gl.load(start_ptrs + rank).to(gl.pointer_type(gl.int32))
+    for o in range(0, world):
+        if o != rank:
+            gl.atomic_add(mine + o, -1, sem="relaxed", scope="sys")
+
+
+@gluon.jit
 def _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
     """Tile ``it`` of the order (kernels.gemm.rs_tile): (first row, first column)."""
     vm, pid_n = rs_tile(it, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), split_m, GROUP_M)
@@ -107,7 +142,7 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
     the epilogue partition."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
-     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
+     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs) = p[1]
     tile_buf, tile_full, tile_free, preload_bar, c_desc = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -184,7 +219,7 @@ def _preload(p, it, all_in, rows_off, cols_off, BLOCK_N: gl.constexpr, GROUP_M: 
     bias where there are any. Returns all_in."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
-     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
+     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs) = p[1]
     tile_buf, tile_full, tile_free, preload_bar, c_desc = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
@@ -224,11 +259,11 @@ def _preload(p, it, all_in, rows_off, cols_off, BLOCK_N: gl.constexpr, GROUP_M: 
 @gluon.jit
 def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, HAS_BIAS: gl.constexpr,
               CLOCK: gl.constexpr, ALIGN_C: gl.constexpr, SUB_M: gl.constexpr, TRACE: gl.constexpr,
-              PRELOAD_TMA: gl.constexpr):
+              PRELOAD_TMA: gl.constexpr, PEER_STORES: gl.constexpr):
     """Every tile of this program, from the shared tile buffer, SUB_M rows at a time (module doc)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
     (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
-     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om) = p[1]
+     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs) = p[1]
     tile_buf, tile_full, tile_free, preload_bar, c_desc = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     dtype: gl.constexpr = c_ptr.dtype.element_ty
@@ -239,6 +274,7 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
     cols_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
     num_tiles = gl.cdiv(M, BLOCK_M) * gl.cdiv(N, BLOCK_N)
     all_in = 0  # whether every program has been seen started
+    started = 0  # PEER_STORES: bit o set once owner o's call has been seen started
     if pid + NUM_PROGRAMS >= num_tiles:  # our only tile: its partials, before the K loop ends
         all_in = _preload(p, pid, all_in, rows_off, cols_off, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, SUB_M,
                           rows_layout, TRACE, PRELOAD_TMA)
@@ -254,6 +290,8 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
         if not preloaded:  # while the K loop runs: wait for the peers' partials of these rows
             all_in = _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world,
                                M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
+        if PEER_STORES:  # and, before the first tile for a peer, for that peer's call to have started
+            started = _peer_started(start_ptrs, owner, started, err_ptr, budget, rank, op, CLOCK)
         mbarrier.wait(tile_full, t & 1)
         t += 1
         if owner == rank:  # our rows: the output
@@ -282,7 +320,7 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
                 gl.store(c_rows[:, None] + cols[None, :], vals, mask=col_ok[None, :])
             publish(counter_ptrs, chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK),
                     chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), rank, CHUNKS_PER_RANK,
-                    True)
+                    not PEER_STORES)  # the staging buffer's counters are local; a peer's, over NVLink
         if t == 1:
             _stamp(p[3], pid, 4, TRACE, CLOCK)
         if preload_next:  # the last tile's partials (after this tile's counters: a peer may be waiting for them)
@@ -294,12 +332,13 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
 
 @gluon.jit
 def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr,
-               tick_ptr, err_ptr, tile_order_ptr, trace_ptr, budget, rank, op, world, split_m,
+               tick_ptr, err_ptr, tile_order_ptr, trace_ptr, start_ptrs, budget, rank, op, world, split_m,
                M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
                EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr,
-               PRELOAD_TMA: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True, TRACE: gl.constexpr = False):
+               PRELOAD_TMA: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True, TRACE: gl.constexpr = False,
+               PEER_STORES: gl.constexpr = False):
     """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
     transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. ``c_desc``: with PRELOAD_TMA, ``c_ptr``'s [W * M_LOCAL, N] in
@@ -309,6 +348,9 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, c
     pid = gl.program_id(0)
     _stamp(trace_ptr, pid, 0, TRACE, CLOCK)
     gl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started
+    if PEER_STORES:
+        if pid == 0:  # our receive slots are free (our previous call has ended): peers may store into them
+            _announce_start(start_ptrs, rank, world)
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
@@ -325,12 +367,16 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, c
     # what the partitions take (the loader and the K loop do not read the epilogue's part)
     p = ((a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid),
          (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget,
-          rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om),
+          rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs),
          (tile_buf, tile_bars.index(0), tile_bars.index(1), tile_bars.index(2), c_desc), trace_ptr)
     gl.warp_specialize([
         (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, CLOCK, TRACE)),
-        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M, TRACE, PRELOAD_TMA)),
+        (_epilogue, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, HAS_BIAS, CLOCK, ALIGN_C, SUB_M, TRACE, PRELOAD_TMA,
+                     PEER_STORES)),
     ], [EPILOGUE_WARPS], [EPILOGUE_REGS])
     _stamp(trace_ptr, pid, 7, TRACE, CLOCK)
     if RESET_AT_EXIT:
-        reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)
+        last = reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)
+        if PEER_STORES:
+            if last:  # every program is past its waits: this call's start of each peer is used up
+                _count_off_starts(start_ptrs, rank, world)

@@ -190,7 +190,7 @@ class GEMMReduceScatter(OverlapOp):
         m_local = M // W
         copy = self.scatter_mode(M, N, a.element_size(), cfg) == "copy"
         fuse = self.fuses(M, cfg)
-        b_layout = self.ws_layout(a, w, cfg) if copy and fuse else None
+        b_layout = self.ws_layout(a, w, cfg) if fuse else None
         if b_layout is not None:  # the warp-specialized GEMM, with its own tiles (and so its own plan)
             cfg = replace(cfg, **WS_TILES)
         layout, order, expected = self._plan(m_local, N, cfg, a.element_size())
@@ -213,8 +213,11 @@ class GEMMReduceScatter(OverlapOp):
             for s in streams[1:]:
                 s.wait_stream(streams[0])
             staging, done, scatter_ptrs, counter_ptrs = self._staging(recv, counters, layout, a.dtype)
-        else:
-            ctx.barrier()  # the GEMM stores into peers' receive slots: owners have reduced and reset
+        else:  # the GEMM stores into peers' receive slots once their owners have reduced and reset: kernels.gemm
+            # after a barrier, kernels.gemm_ws after each owner's start count (PEER_STORES) says its call has started
+            starts = ctx.symmetric(f"{self.name}.starts", (W,), torch.int32) if b_layout is not None else None
+            if starts is None:
+                ctx.barrier()
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
         tick = self.exit_counts() if fuse else None
         # On the host backend a launch returns when the kernel has finished, and a fused GEMM waits for the peers'
@@ -224,7 +227,7 @@ class GEMMReduceScatter(OverlapOp):
             self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
         if b_layout is not None:
             self._launch_ws(cfg, b_layout, a, w, recv.local.view(W * m_local, N), out, bias, layout, order, expected,
-                            counters.local, scatter_ptrs, counter_ptrs, tick)
+                            counters.local, scatter_ptrs, counter_ptrs, tick, starts=None if copy else starts)
         else:
             launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m_local, N), bias=bias if fuse else None,
                         M=M, N=N, K=K, m_local=m_local, m_per_chunk=layout.m_per_chunk,
@@ -250,8 +253,8 @@ class GEMMReduceScatter(OverlapOp):
             join(ctx, streams)  # (the copies have zeroed the local counts they waited for)
 
     def ws_layout(self, a, w, cfg: GemmConfig) -> str | None:
-        """Whether this call (copy variant, reduction fused) takes the warp-specialized GEMM (GemmConfig.ws): None
-        if not, else how B is described ("kn" or "nk", as desc_layout says)."""
+        """Whether this call (reduction fused; copy or store variant) takes the warp-specialized GEMM
+        (GemmConfig.ws): None if not, else how B is described ("kn" or "nk", as desc_layout says)."""
         ctx = self.ctx
         want = WS_DEFAULT if cfg.ws is None else cfg.ws
         if (not want or ctx.backend != "cuda" or cfg.claim == 1 or cfg.defer_release or self.gate_gemm
@@ -261,10 +264,12 @@ class GEMMReduceScatter(OverlapOp):
         return desc_layout(ctx, replace(cfg, tma=True, **WS_TILES), a, None, w, a.shape[0] // ctx.world_size, False)
 
     def _launch_ws(self, cfg, b_layout, a, w, c, out, bias, layout, order, expected, counters, scatter_ptrs,
-                   counter_ptrs, tick, reset=True, trace=None):
-        """The copy variant's fused GEMM as kernels.gemm_ws (arguments as launch_gemm's; ``reset``: RESET_AT_EXIT,
-        off only for scripts/diag_rs.py's GEMM alone, whose flags stay set; ``trace``: int64 [programs,
-        gemm_ws.TRACE_SLOTS] for the kernel's timestamps, scripts/diag_rs_trace.py)."""
+                   counter_ptrs, tick, reset=True, trace=None, starts=None):
+        """The fused GEMM as kernels.gemm_ws (arguments as launch_gemm's; ``reset``: RESET_AT_EXIT, off only for
+        scripts/diag_rs.py's GEMM alone, whose flags stay set; ``trace``: int64 [programs, gemm_ws.TRACE_SLOTS] for
+        the kernel's timestamps, scripts/diag_rs_trace.py). ``starts``: the store variant's symmetric start counts
+        (int32 [W], PEER_STORES: peers' tiles go straight into their receive slots once their calls have started);
+        None: the copy variant (into the staging buffer, local counters)."""
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -285,19 +290,23 @@ class GEMMReduceScatter(OverlapOp):
             b_desc = desc(w, [K, N], w.stride(0), [bk, bn])
         else:  # B's transpose [N, K] (linear.weight.t())
             b_desc = desc(w.t(), [N, K], w.stride(1), [bn, bk])
-        programs = max(1, min(ctx.num_compute_units() - 1, cdiv(M, bm) * cdiv(N, bn)))  # an SM for the barrier
+        if starts is not None and not reset:
+            raise ValueError("gemm_rs: the store variant's start counts are taken off at exit (RESET_AT_EXIT)")
+        spare = 0 if starts is not None else 1  # the copy variant leaves an SM for the barrier on its copy stream
+        programs = max(1, min(ctx.num_compute_units() - spare, cdiv(M, bm) * cdiv(N, bn)))
         align = N % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
         preload_tma = WS_PRELOAD_TMA and c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
         c_desc = desc(c, [W * m_local, N], c.stride(0), [bm, bn]) if preload_tma else b_desc
         launch(rs_gemm_ws, (programs,), (
             a_desc, b_desc, c_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters,
-            expected, tick, ctx.err, order, tick if trace is None else trace, ctx.budget, ctx.rank, OP, W,
+            expected, tick, ctx.err, order, tick if trace is None else trace,
+            tick if starts is None else starts.ptrs, ctx.budget, ctx.rank, OP, W,
             (W - 1) * m_local // bm, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0),
             out.stride(0),
         ), dict(BLOCK_N=bn, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, NUM_STAGES=cfg.num_stages,
                 B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
                 EPILOGUE_WARPS=WS_EPILOGUE_WARPS, EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M,
-                PRELOAD_TMA=preload_tma, RESET_AT_EXIT=reset, TRACE=trace is not None),
+                PRELOAD_TMA=preload_tma, RESET_AT_EXIT=reset, TRACE=trace is not None, PEER_STORES=starts is not None),
                num_warps=8, maxnreg=WS_MAXNREG)
         ctx.after_launch()
 
