@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one call on a lent multi-GPU machine runs: environment, GPU test suite, benchmarks.
-# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,tune,bench,diag,gradtable,tutorial | all]
+# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,shared,tune,bench,diag,gradtable,tutorial | all]
 set -uo pipefail
 what="${1:-all}"  # comma-separated parts, or all
 want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
@@ -11,6 +11,11 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 cat "$OUT/env.txt"
 if want tests; then
   timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh --tb=short ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+# shared (not in all): one GPU lent, SHARED_W ranks share it (tests/harness.py "cuda-shared"): the protocol only
+if [[ ",$what," == *",shared,"* ]]; then
+  TRITON_OVERLAP_TEST_BACKENDS="cuda-shared:${SHARED_W:-2}" PYTHONPATH=. timeout "${TEST_TIMEOUT:-330}" \
+    python3 -m pytest tests -q -rs --tb=short ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests_shared.log" | tail -25
 fi
 if want tune; then  # TUNE="op shape [flags];op shape [flags]"; the table goes to $OUT/tuned.json, used by later parts
   export TRITON_OVERLAP_TUNED="$OUT/tuned.json"

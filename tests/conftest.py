@@ -1,7 +1,8 @@
 """Pools of ranks per (backend, world size); see harness.py.
 
 TRITON_OVERLAP_TEST_BACKENDS picks the configurations, e.g. "host:2,host:3,host:4,cuda:2"
-(the default). GPU configurations skip where the machine has fewer GPUs.
+(the default). GPU configurations skip where the machine has fewer GPUs. "cuda-shared:W" runs W ranks on one
+GPU (harness.py): the cuda backend's protocol checked where only one GPU is lent, slowly, and never timed.
 """
 import os
 import sys
@@ -29,4 +30,6 @@ def pool(request):
     backend, world = request.param
     if backend in ("cuda", "hip") and gpu_count() < world:
         pytest.skip(f"needs {world} GPUs")
+    if backend == "cuda-shared" and gpu_count() < 1:
+        pytest.skip("needs a GPU")
     return get_pool(backend, world)

@@ -59,6 +59,11 @@ def _worker(rank: int, world: int, backend: str, port: int, conn) -> None:
     torch.set_num_threads(1)
     if backend == "host":
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    elif backend == "cuda-shared":  # every rank on GPU 0 (NCCL refuses two ranks on one GPU; the Context needs
+        # only object collectives and barriers, which gloo has). Kernels of the ranks' processes take turns on the
+        # GPU (time slices), so waits across ranks pass a slice later: a check of the protocol, never a timing.
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     else:
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,

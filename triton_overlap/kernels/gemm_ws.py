@@ -18,8 +18,10 @@ and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin ove
   buffer and arrive on "full";
 * the epilogue (a worker partition of EPILOGUE_WARPS warps), SUB_M rows of the buffer at a time, then arrives on
   "free" (when the K loop's warps may write the buffer again):
-  * a peer's tile is stored through ``scatter_ptrs[owner]`` (the staging buffer), then, after a barrier of the
-    partition, every chunk counter it covers is bumped with a device-scope release;
+  * a peer's tile is stored through ``scatter_ptrs[owner]``, then, after a barrier of the partition, every chunk
+    counter it covers is bumped with a release. Copy variant: into the local staging buffer, local counters
+    (device scope), and copy engines move each chunk on. Store variant (PEER_STORES): straight into the owner's
+    receive slot over NVLink, the owner's counters at system scope, beside the next tile's K loop;
   * a tile of our own rows waits (bounded, kernels.signal.wait_flag), while the K loop runs, until every program
     has started (so every peer tile belongs to a running program) and for every peer's counter of the chunks it
     covers to reach ``expected``; after the K loop it adds the peers' partials (our receive slots, ``c_ptr``) and
@@ -29,6 +31,11 @@ and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin ove
     one peer's partial comes by a single TMA load, which measured 4-5 us faster on 2048 x 4096 x 4096 than the
     four warps' loads), and the K loop's warps add the buffer to their accumulator before writing the tile back;
     the epilogue then only stores it.
+
+The store variant needs no barrier before the launch: program 0 adds one to this rank's slot of every peer's start
+counts when the kernel starts (our receive slots are free: our previous call has ended), and before its first
+tile for a peer a program waits for that peer's count here to be at least one. The last program out takes one
+off each count (_peer_started says why that is a semaphore and needs no epoch).
 
 So an own-row tile's partial is rounded to the output dtype once, as every peer's partial is, before the float32
 sum (the last tile: the peers' partials and the bias are summed and rounded once, then added to our float32
