@@ -47,6 +47,8 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
             errs.append(rel_err(got, ref))
             assert errs[-1] < TOL[dtype], f"rank {r} iter {it}: rel err {errs[-1]:.2e}"
         assert op.last_path == "overlap"
+        if ws and fuse is not False and ctx.backend == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
+            assert op.last_gemm == "gemm_ws", op.last_gemm  # the case ran the kernel it asked for
         return max(errs)
 
 

@@ -126,6 +126,7 @@ class GEMMReduceScatter(OverlapOp):
     def __init__(self, ctx, config: GemmConfig | None = None, *, fallback: str = "auto", max_m: int | None = None,
                  name: str = "gemm_rs", replay: bool = True):
         super().__init__(ctx, config, fallback, max_m, name, replay)
+        self.last_gemm = None  # the last overlapped call's GEMM: "gemm_ws" (warp-specialized) or "gemm"
 
     def _check(self, a, w, bias, out):
         ctx = self.ctx
@@ -191,6 +192,7 @@ class GEMMReduceScatter(OverlapOp):
         copy = self.scatter_mode(M, N, a.element_size(), cfg) == "copy"
         fuse = self.fuses(M, cfg)
         b_layout = self.ws_layout(a, w, cfg) if fuse else None
+        self.last_gemm = "gemm_ws" if b_layout is not None else "gemm"
         if b_layout is not None:  # the warp-specialized GEMM, with its own tiles (and so its own plan)
             cfg = replace(cfg, **WS_TILES)
         layout, order, expected = self._plan(m_local, N, cfg, a.element_size())
