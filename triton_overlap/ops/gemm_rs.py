@@ -13,7 +13,11 @@ may be written) -> GEMM -> reduction -> counters reset. With the reduction
 fused into the GEMM, the GEMM's last program to finish resets the counters
 (kernels.gemm RESET_AT_EXIT); after it only the copy variant's local counts
 are reset, once the copy streams are joined. Every value is a constant or
-lives in device memory, so the op can be captured in a CUDA graph.
+lives in device memory, so the op can be captured in a CUDA graph. On H100/H200
+with the reduction fused the GEMM is kernels.gemm_ws, and its store variant
+has no barrier kernel: each rank's GEMM announces its start to every peer,
+and a program waits for an owner's start before its first tile for it
+(kernels.gemm_ws PEER_STORES).
 
 ``GemmConfig(scatter="copy")``: the copy-engine variant. The GEMM stores
 peers' tiles into a local staging buffer and bumps local per-chunk counters;
