@@ -346,7 +346,8 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, c
                EPILOGUE_WARPS: gl.constexpr, EPILOGUE_REGS: gl.constexpr, SUB_M: gl.constexpr,
                PRELOAD_TMA: gl.constexpr, RESET_AT_EXIT: gl.constexpr = True, TRACE: gl.constexpr = False,
                PEER_STORES: gl.constexpr = False):
-    """C = A @ B for GEMM-ReduceScatter's copy variant with the reduction fused (module doc). ``a_desc``: A
+    """C = A @ B for GEMM-ReduceScatter with the reduction fused (module doc): the copy variant, or with PEER_STORES
+    the store variant (``start_ptrs``: each rank's int32 [world] start counts, symmetric). ``a_desc``: A
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
     transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. ``c_desc``: with PRELOAD_TMA, ``c_ptr``'s [W * M_LOCAL, N] in
     [BLOCK_M, BLOCK_N] blocks of the tile buffer's layout (the last tile's first peer partial is loaded through

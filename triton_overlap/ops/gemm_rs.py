@@ -202,6 +202,7 @@ class GEMMReduceScatter(OverlapOp):
         layout, order, expected = self._plan(m_local, N, cfg, a.element_size())
         recv = ctx.symmetric(f"{self.name}.recv", (W, m_local, N), a.dtype)
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
+        starts = None  # gemm_ws's store variant: its start counts (PEER_STORES)
 
         if copy:
             # Only the copies write into peers' memory: they alone wait for the barrier (owners have reduced the
@@ -221,9 +222,10 @@ class GEMMReduceScatter(OverlapOp):
             staging, done, scatter_ptrs, counter_ptrs = self._staging(recv, counters, layout, a.dtype)
         else:  # the GEMM stores into peers' receive slots once their owners have reduced and reset: kernels.gemm
             # after a barrier, kernels.gemm_ws after each owner's start count (PEER_STORES) says its call has started
-            starts = ctx.symmetric(f"{self.name}.starts", (W,), torch.int32) if b_layout is not None else None
-            if starts is None:
+            if b_layout is None:
                 ctx.barrier()
+            else:
+                starts = ctx.symmetric(f"{self.name}.starts", (W,), torch.int32)
             scatter_ptrs, counter_ptrs = recv.ptrs, counters.ptrs
         tick = self.exit_counts() if fuse else None
         # On the host backend a launch returns when the kernel has finished, and a fused GEMM waits for the peers'
@@ -233,7 +235,7 @@ class GEMMReduceScatter(OverlapOp):
             self._copy_chunks(streams, layout, staging, done, recv, counters, self._counts(layout, N, cfg))
         if b_layout is not None:
             self._launch_ws(cfg, b_layout, a, w, recv.local.view(W * m_local, N), out, bias, layout, order, expected,
-                            counters.local, scatter_ptrs, counter_ptrs, tick, starts=None if copy else starts)
+                            counters.local, scatter_ptrs, counter_ptrs, tick, starts=starts)
         else:
             launch_gemm(ctx, cfg, a=a, ws=None, b=w, c=recv.local.view(W * m_local, N), bias=bias if fuse else None,
                         M=M, N=N, K=K, m_local=m_local, m_per_chunk=layout.m_per_chunk,
