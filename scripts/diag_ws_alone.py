@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import fields, replace
+import importlib
 import os
 import sys
 import types
@@ -24,9 +25,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import triton_overlap as to  # noqa: E402
 from triton_overlap.launch import init, say  # noqa: E402
-from triton_overlap.ops import gemm_rs as rs  # noqa: E402
-from triton_overlap.ops.common import GemmConfig, plain_gemm  # noqa: E402
+from triton_overlap.ops.common import GemmConfig, default_config, plain_gemm  # noqa: E402
 from diag_small import graph_us  # noqa: E402
+
+rs = importlib.import_module("triton_overlap.ops.gemm_rs")  # the module (triton_overlap.ops.gemm_rs is also a function)
 
 
 def simulated(ctx, world: int, rank: int):
@@ -70,7 +72,7 @@ def main():
     cfg_fields = {f.name for f in fields(GemmConfig)}
     with to.Context(timeout_s=30) as ctx:
         op = simulated(ctx, args.world, args.rank)
-        base = replace(GemmConfig(), **rs.WS_TILES)
+        base = replace(default_config(ctx), **rs.WS_TILES)  # the op's chunking, gemm_ws's tiles
         for spec in args.shapes:
             M, K, N = (int(v) for v in spec.split(","))
             torch.manual_seed(0)
@@ -79,7 +81,7 @@ def main():
             full = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(M // args.world, N, device="cuda", dtype=torch.bfloat16)
             row = {"bound (cuBLAS)": graph_us(lambda: torch.matmul(a, w, out=full)),
-                   "kernels.gemm alone": graph_us(plain_gemm(ctx, GemmConfig(), a, w, full)),
+                   "kernels.gemm alone": graph_us(plain_gemm(ctx, default_config(ctx), a, w, full)),
                    "gemm_ws alone (defaults)": graph_us(ws_alone(op, base, a, w, out))}
             for variant in args.variants:
                 kv = dict(item.split("=") for item in variant.split(","))
