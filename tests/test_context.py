@@ -153,6 +153,8 @@ def _timeout(timeout_s):
     ctx.close()  # twice is fine
     with pytest.raises(RuntimeError, match="closed"):
         ctx.symmetric("x", (1,), torch.float32)
+    with pytest.raises(RuntimeError, match="closed"):  # close() lets go of the process group (see close())
+        ctx.group
     return elapsed
 
 

@@ -102,9 +102,9 @@ class Context:
     def __init__(self, group=None, backend: str = "auto", timeout_s: float = 30.0, producer_jitter_s: float = 0.0):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("triton_overlap.Context needs torch.distributed.init_process_group() first")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
+        self._group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self._group)
+        self.world_size = dist.get_world_size(self._group)
         self.timeout_s = float(timeout_s)
         self.producer_jitter_s = float(producer_jitter_s)
         name = _pick_backend(backend)
@@ -156,6 +156,13 @@ class Context:
     def _check_open(self):
         if self._closed:
             raise RuntimeError("this Context is closed")
+
+    @property
+    def group(self):
+        """The process group (RuntimeError once closed: close() lets go of it)."""
+        if self._group is None:
+            raise RuntimeError("this Context is closed")
+        return self._group
 
     # ------------------------------------------------------- symmetric memory
     def symmetric(self, name: str, shape, dtype: torch.dtype) -> SymmetricTensor:
@@ -295,6 +302,10 @@ class Context:
             self.generation += 1
             self._streams.clear()
             self._backend.close()
+            # Ops (and triton_overlap.library's registry of them) may keep this Context until the interpreter
+            # finalises; holding the process group that long had gloo's group destroyed during finalisation, which
+            # aborted a rank now and then ("terminate called without an active exception", 1 in 16 tutorial runs).
+            self._group = None
 
     def __enter__(self):
         return self
