@@ -138,7 +138,14 @@ def main():
             M, K, N, m, a, w, full, res = rs_operands(spec, W, r)
             op = to.GEMMReduceScatter(ctx, fallback="never", replay=False)
             cfg = op.config_for((M, K, N))
-            programs = ctx.num_compute_units() - 1
+            if op.ws_layout(a, w, replace(cfg, **over)) is None:
+                say(f"{spec}: the call does not take gemm_ws here; nothing to trace")
+                continue
+            if op.scatter_mode(M, N, a.element_size(), replace(cfg, **over)) != "copy":
+                say(f"{spec}: the call takes the store variant here; this traces the copy variant's stream")
+                continue
+            ws_cfg = replace(replace(cfg, **over), **WS_TILES)
+            programs = op.ws_programs(ws_cfg, M, N)  # the copy variant's grid, which every traced launch has
             trace = torch.zeros((programs, len(SLOTS)), dtype=torch.int64, device="cuda")
             stamps = torch.zeros(2, dtype=torch.int64, device="cuda")  # before and after the call
             launch_ws = op._launch_ws
@@ -149,14 +156,10 @@ def main():
             step(r, spec, "first call")
             op(a, w, out=res, **over)
             ctx.synchronize()
-            if op.ws_layout(a, w, replace(cfg, **over)) is None:
-                say(f"{spec}: the call does not take gemm_ws here; nothing to trace")
-                continue
             ms = {}
             step(r, spec, "whole call")
             g, rows = run_traced(lambda: op(a, w, out=res, **over), trace, stamps, args.iters)
             ms["whole call"] = time_dist(g.replay, 30, lead_us=300.0)
-            ws_cfg = replace(replace(cfg, **over), **WS_TILES)
             layout, order, expected = op._plan(m, N, ws_cfg, a.element_size())
             step(r, spec, "eager, copy stream timed")
             copy_orig = op._copy_chunks

@@ -271,6 +271,13 @@ class GEMMReduceScatter(OverlapOp):
             return None
         return desc_layout(ctx, replace(cfg, tma=True, **WS_TILES), a, None, w, a.shape[0] // ctx.world_size, False)
 
+    def ws_programs(self, cfg: GemmConfig, m: int, n: int, peer_stores: bool = False) -> int:
+        """kernels.gemm_ws's grid for ``m`` x ``n`` in ``cfg``'s tiles: a program per SM, at most one per tile.
+        The copy variant leaves an SM for the barrier on its copy stream; the store variant (``peer_stores``,
+        PEER_STORES) launches no barrier kernel."""
+        spare = 0 if peer_stores else 1
+        return max(1, min(self.ctx.num_compute_units() - spare, cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)))
+
     def _launch_ws(self, cfg, b_layout, a, w, c, out, bias, layout, order, expected, counters, scatter_ptrs,
                    counter_ptrs, tick, reset=True, trace=None, starts=None):
         """The fused GEMM as kernels.gemm_ws (arguments as launch_gemm's; ``reset``: RESET_AT_EXIT, off only for
@@ -300,8 +307,7 @@ class GEMMReduceScatter(OverlapOp):
             b_desc = desc(w.t(), [N, K], w.stride(1), [bn, bk])
         if starts is not None and not reset:
             raise ValueError("gemm_rs: the store variant's start counts are taken off at exit (RESET_AT_EXIT)")
-        spare = 0 if starts is not None else 1  # the copy variant leaves an SM for the barrier on its copy stream
-        programs = max(1, min(ctx.num_compute_units() - spare, cdiv(M, bm) * cdiv(N, bn)))
+        programs = self.ws_programs(cfg, M, N, peer_stores=starts is not None)
         align = N % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
         preload_tma = WS_PRELOAD_TMA and c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
         c_desc = desc(c, [W * m_local, N], c.stride(0), [bm, bn]) if preload_tma else b_desc
