@@ -1,14 +1,26 @@
 #!/usr/bin/env bash
-# Launch a triton_overlap script on every GPU of this machine, or on the host backend without GPUs.
-#   bash scripts/launch.sh [-n NPROC] SCRIPT [ARGS...]
-# GPUs: torchrun, one process per GPU (default), NVLink multicast off unless the user set otherwise.
-# No GPUs (or TRITON_OVERLAP_BACKEND=host): 2 CPU processes (default), kernels in Triton's interpreter.
+# Launch a triton_overlap script (tutorial, benchmark, tuning) on every GPU of this machine, or on the host backend
+# without GPUs.
 set -euo pipefail
-usage() { echo "usage: bash scripts/launch.sh [-n NPROC] SCRIPT [ARGS...]" >&2; exit 2; }
+help() {
+  cat <<'TXT'
+usage: bash scripts/launch.sh [-n NPROC] SCRIPT [ARGS...]
+
+Runs SCRIPT with torchrun, one process per rank:
+  GPUs:     one process per GPU (or NPROC; CUDA_VISIBLE_DEVICES picks GPUs), NVLink multicast off
+            (NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1) unless set otherwise
+  no GPUs:  2 processes (or NPROC) on the host backend, kernels in Triton's interpreter
+            (TRITON_OVERLAP_BACKEND=host forces it where GPUs exist)
+PYTHON picks the interpreter (default python3).
+TXT
+}
+usage() { help >&2; exit 2; }
+case "${1:-}" in -h|--help) help; exit 0 ;; esac
 nproc=""
 while getopts "n:h" opt; do
   case "$opt" in
     n) nproc="$OPTARG" ;;
+    h) help; exit 0 ;;
     *) usage ;;
   esac
 done

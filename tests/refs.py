@@ -42,3 +42,22 @@ def check_replays(call, out, replays, load):
         torch.cuda.synchronize()
         err = rel_err(out, ref)
         assert err < TOL[out.dtype], f"replay {i}: rel err {err:.2e}"
+
+
+class OfflineContext:
+    """Enough of a Context for the ops' host-side rules (configs, tuned tables), with no process group."""
+
+    def __init__(self, backend="host", world_size=2, rank=0):
+        self.backend, self.world_size, self.rank = backend, world_size, rank
+        self.device = torch.device("cpu")
+        self.generation = 0
+        self.producer_jitter_s = 0.0
+        self._cache = {}
+
+    def cached(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def on_close(self, fn):
+        pass

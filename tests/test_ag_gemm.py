@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import triton_overlap as to
 from refs import TOL, check_replays, poison, rand, rel_err
-from triton_overlap.ops.common import default_config
+from triton_overlap.ops.config import AllGatherGEMMConfig
 
 
 def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push", tma=None):
@@ -212,10 +212,10 @@ def test_ag_gemm_odd_rows_4091_per_rank(pool):
     pool.run(_case, 4091, 32, 24, "bfloat16", False, False, 1024, None, 0.0, 1)
 
 
-def _back_to_back(n_calls, m_local, k, n, gemm_first=False, mode="push"):
+def _back_to_back(n_calls, m_local, k, n, consumer_first=False, mode="push"):
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        cfg = dataclasses.replace(default_config(ctx), gemm_first=gemm_first, mode=mode)
+        cfg = dataclasses.replace(AllGatherGEMMConfig.defaults(ctx.backend), consumer_first=consumer_first, mode=mode)
         op = to.AllGatherGEMM(ctx, cfg, fallback="never")
         w = rand((k, n), torch.bfloat16, dev, "w", r)
         outs = []
@@ -231,13 +231,13 @@ def _back_to_back(n_calls, m_local, k, n, gemm_first=False, mode="push"):
         return worst
 
 
-@pytest.mark.parametrize("gemm_first,mode", [(False, "push"), (True, "push"), (False, "pull"), (True, "pull")],
-                         ids=["producers_first", "gemm_first", "pull", "pull_gemm_first"])
-def test_ag_gemm_100_back_to_back_calls(pool, gemm_first, mode):
-    if gemm_first and pool.backend == "host":
+@pytest.mark.parametrize("consumer_first,mode", [(False, "push"), (True, "push"), (False, "pull"), (True, "pull")],
+                         ids=["producers_first", "consumer_first", "pull", "pull_consumer_first"])
+def test_ag_gemm_100_back_to_back_calls(pool, consumer_first, mode):
+    if consumer_first and pool.backend == "host":
         pytest.skip("launch order only matters on GPUs (the host backend runs kernels synchronously)")
     shape = (19, 32, 32) if pool.backend == "host" else (1024, 1024, 1024)
-    pool.run(_back_to_back, 100, *shape, gemm_first, mode)
+    pool.run(_back_to_back, 100, *shape, consumer_first, mode)
 
 
 def _bad_inputs():
@@ -281,7 +281,7 @@ def _fallback_path():
         w = rand((16, 8), torch.bfloat16, dev, "w")
         b = rand((8,), torch.bfloat16, dev, "b")
         got = to.ag_gemm(a, w, ctx=ctx, bias=b)  # tiny shard: "auto" takes the NCCL path
-        assert ctx._ops["ag_gemm"].last_path == "fallback"
+        assert to.AllGatherGEMM.shared(ctx).last_path == "fallback"
         full = torch.cat([rand((8, 16), torch.bfloat16, dev, "a", s) for s in range(W)]).float()
         assert rel_err(got, full @ w.float() + b.float()) < TOL[torch.bfloat16]
         return True
@@ -294,7 +294,8 @@ def test_ag_gemm_small_shapes_fall_back(pool):
 def _graph(replays, m_local, k, n, mode="push"):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.AllGatherGEMM(ctx, dataclasses.replace(default_config(ctx), mode=mode), fallback="never")
+        op = to.AllGatherGEMM(ctx, dataclasses.replace(AllGatherGEMMConfig.defaults(ctx.backend), mode=mode),
+                              fallback="never")
         a = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
         w = rand((k, n), torch.bfloat16, dev, "w", r)
         out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
@@ -317,7 +318,7 @@ def test_ag_gemm_cuda_graph_replay(pool, mode):
 
 def test_eager_rule_thresholds():
     """The eager host-cost rule: GPU backends only, scaled by the number of peers, never while capturing."""
-    from triton_overlap.ops.common import eager_host_bound
+    from triton_overlap.ops.base import eager_host_bound
 
     T = to.AllGatherGEMM.EAGER_MIN_FLOP_PER_PEER
     assert T > 0 and to.GEMMReduceScatter.EAGER_MIN_FLOP_PER_PEER > 0
@@ -389,29 +390,25 @@ def test_eager_rule_on_gpu(pool):
 
 
 def test_chunk_rows_rule():
-    """GemmConfig.chunk_rows: about chunks_per_rank chunks of whole block_m tiles, fewer where min_chunk_bytes
-    asks for bigger ones (AllGather-GEMM passes its row bytes; GEMM-RS passes none), m_per_chunk exact."""
-    from triton_overlap.ops.common import GemmConfig
-
-    cfg = GemmConfig(block_m=128, chunks_per_rank=4, min_chunk_bytes=16 << 20)
+    """chunk_rows: about chunks_per_rank chunks of whole block_m tiles, fewer where min_chunk_bytes asks for bigger
+    ones, at least one; m_per_chunk exact."""
+    cfg = AllGatherGEMMConfig(block_m=128, chunks_per_rank=4, min_chunk_bytes=16 << 20)
     row = 4096 * 2  # bf16, K = 4096
     assert cfg.chunk_rows(8192) == 2048  # no row size given: 4 chunks
     assert cfg.chunk_rows(8192, row) == 2048  # 64 MiB shard: 4 chunks of 16 MiB
     assert cfg.chunk_rows(4096, row) == 2048  # 32 MiB: 2 chunks
     assert cfg.chunk_rows(1024, row) == 1024  # 8 MiB: one chunk
     assert cfg.chunk_rows(64, row) == 64  # fewer rows than a tile: one chunk of all of them
-    assert GemmConfig(block_m=128, chunks_per_rank=4).chunk_rows(1024, row) == 256  # the rule off
-    assert GemmConfig(block_m=128, m_per_chunk=100, min_chunk_bytes=16 << 20).chunk_rows(1024, row) == 100
+    assert AllGatherGEMMConfig(block_m=128, chunks_per_rank=4).chunk_rows(1024, row) == 256  # the rule off
+    assert AllGatherGEMMConfig(block_m=128, m_per_chunk=100, min_chunk_bytes=16 << 20).chunk_rows(1024, row) == 100
 
 
 def test_descriptor_rule():
-    """GemmConfig.tma and desc_layout: when the GEMM loads tiles through descriptors, and how B is described."""
-    from types import SimpleNamespace
+    """GemmTiles.tma and desc_layout: when the GEMM loads tiles through descriptors, and how B is described."""
+    from triton_overlap.kernels.gemm import GemmTiles, desc_layout
 
-    from triton_overlap.ops.common import GemmConfig, desc_layout
-
-    host, hip = SimpleNamespace(backend="host"), SimpleNamespace(backend="hip")
-    auto, on, off = GemmConfig(block_m=32), GemmConfig(block_m=32, tma=True), GemmConfig(block_m=32, tma=False)
+    host, hip = "host", "hip"
+    auto, on, off = GemmTiles(block_m=32), GemmTiles(block_m=32, tma=True), GemmTiles(block_m=32, tma=False)
     a = torch.zeros(64, 48, dtype=torch.bfloat16)
     ws = torch.zeros(128, 48, dtype=torch.bfloat16)
     kn = torch.zeros(48, 40, dtype=torch.bfloat16)

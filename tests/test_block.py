@@ -68,13 +68,13 @@ def _block_case(B, S, dim, heads, kv_heads, hidden, packed=False):
         y_ref, w = _reference(block, lins, x_full, cu)
         (y_ref * gy).sum().backward()
 
-        x = to.cp.shard(x_full.detach(), ctx, cu_seqlens=cu).to(dev, torch.bfloat16).requires_grad_()
+        x = to.zigzag.shard(x_full.detach(), ctx, cu_seqlens=cu).to(dev, torch.bfloat16).requires_grad_()
         y = block(x, cu_seqlens=cu)
-        (y.float() * to.cp.shard(gy, ctx, cu_seqlens=cu).to(dev)).sum().backward()
+        (y.float() * to.zigzag.shard(gy, ctx, cu_seqlens=cu).to(dev)).sum().backward()
         block.sync_replicated_grads()
         ctx.check()
-        errs = {"out": rel_err(to.cp.unshard(y.detach(), ctx, cu_seqlens=cu), y_ref.detach()),
-                "grad_x": rel_err(to.cp.unshard(x.grad, ctx, cu_seqlens=cu), x_full.grad),
+        errs = {"out": rel_err(to.zigzag.unshard(y.detach(), ctx, cu_seqlens=cu), y_ref.detach()),
+                "grad_x": rel_err(to.zigzag.unshard(x.grad, ctx, cu_seqlens=cu), x_full.grad),
                 "grad_norm1": rel_err(block.norm1.weight.grad, w["n1"].grad),
                 "grad_qkv": rel_err(block.qkv.weight.grad, w["qkv"].grad),
                 "grad_proj": rel_err(block.proj.weight.grad, w["proj"].grad),
@@ -105,11 +105,11 @@ def _compiled_case(B, S, dim, heads, kv_heads, hidden, backend, packed=False):
         block, _ = _build(ctx, dim, heads, kv_heads, hidden)
         g = torch.Generator().manual_seed(9)
         x_full = torch.randn(B, S, dim, generator=g).bfloat16()
-        gy = to.cp.shard(torch.randn(B, S, dim, generator=g), ctx, cu_seqlens=cu).to(dev)
+        gy = to.zigzag.shard(torch.randn(B, S, dim, generator=g), ctx, cu_seqlens=cu).to(dev)
         results = []
         compiled = torch.compile(block, backend=backend, fullgraph=True)  # fullgraph: a break is an error
         for fn in (block, compiled):
-            x = to.cp.shard(x_full, ctx, cu_seqlens=cu).to(dev).requires_grad_()
+            x = to.zigzag.shard(x_full, ctx, cu_seqlens=cu).to(dev).requires_grad_()
             block.zero_grad(set_to_none=True)
             y = fn(x, cu_seqlens=None if cu is None else torch.tensor(cu))  # a tensor: no guard on its values
             (y.float() * gy).sum().backward()
@@ -120,7 +120,7 @@ def _compiled_case(B, S, dim, heads, kv_heads, hidden, backend, packed=False):
         assert max(errs) < 1e-2, f"compiled vs eager: {errs}"
         if packed:
             cu2 = [0, unit * (2 * S // unit // 3), S]
-            x2 = to.cp.shard(x_full, ctx, cu_seqlens=cu2).to(dev).requires_grad_()  # as the first call had it
+            x2 = to.zigzag.shard(x_full, ctx, cu_seqlens=cu2).to(dev).requires_grad_()  # as the first call had it
             with torch._dynamo.config.patch(error_on_recompile=True):  # new values, no new graph
                 y2 = compiled(x2, cu_seqlens=torch.tensor(cu2))
             want = block(x2, cu_seqlens=cu2)

@@ -28,8 +28,8 @@ def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0
         dev = ctx.device
         op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
         # the zigzag shard of the position sequence is what cp.positions says
-        shard_pos = to.cp.shard(torch.arange(S)[None], ctx)[0]
-        assert torch.equal(shard_pos, to.cp.positions(ctx.rank, ctx.world_size, S // ctx.world_size))
+        shard_pos = to.zigzag.shard(torch.arange(S)[None], ctx)[0]
+        assert torch.equal(shard_pos, to.zigzag.positions(ctx.rank, ctx.world_size, S // ctx.world_size))
         worst = (0.0, 0.0)
         for it in range(iters):
             q, k, v = (rand((B, S, h, D), dtype, dev, name, it) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
@@ -39,10 +39,10 @@ def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0
                 for name in ("k", "v"):  # stale garbage where peers write
                     ws = ctx.symmetric(f"cp_attention.{name}", (B, S, Hkv, D), dtype)
                     ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))
-            qs = to.cp.shard(q, ctx)
+            qs = to.zigzag.shard(q, ctx)
             out = poison(torch.empty_like(qs))
             lse = poison(torch.empty((B, Hq, qs.shape[1]), dtype=torch.float32, device=dev))
-            got_out, got_lse = op(qs, to.cp.shard(k, ctx), to.cp.shard(v, ctx), causal=causal, out=out, lse=lse)
+            got_out, got_lse = op(qs, to.zigzag.shard(k, ctx), to.zigzag.shard(v, ctx), causal=causal, out=out, lse=lse)
             ctx.check()
             assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
             # the producers delivered every peer's K/V shard, every batch, into our workspace
@@ -55,8 +55,8 @@ def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0
                                           full[:, S - (p + 1) * (S_loc // 2):S - p * (S_loc // 2)]], dim=1)
                         bad = [b for b in range(B) if not torch.equal(ws[b, p * S_loc:(p + 1) * S_loc], want[b])]
                         assert not bad, f"{name} rows from rank {p} wrong in batch(es) {bad}"
-            got = to.cp.unshard(out, ctx)
-            got_lse = to.cp.unshard(lse, ctx, dim=2)
+            got = to.zigzag.unshard(out, ctx)
+            got_lse = to.zigzag.unshard(lse, ctx, dim=2)
             e_out, e_lse = rel_err(got, ref_out), rel_err(got_lse, ref_lse)
             assert e_out < TOL[dtype], f"out rel err {e_out:.2e}"
             assert e_lse < 1e-3, f"lse rel err {e_lse:.2e}"
@@ -126,15 +126,15 @@ def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, keep_kv=Fa
         ref = [t.float().requires_grad_() for t in (q, k, v)]
         out_ref, _ = reference(*ref, causal, 1.0 / math.sqrt(D))
         (out_ref * dout.float()).sum().backward()
-        mine = [to.cp.shard(t, ctx).requires_grad_() for t in (q, k, v)]
+        mine = [to.zigzag.shard(t, ctx).requires_grad_() for t in (q, k, v)]
         out, lse = op(*mine, causal=causal)
         assert not lse.requires_grad
         if keep_kv:  # a second call in between overwrites the workspaces: backward must use the kept copies
             for ws in ("k", "v"):
                 ctx.symmetric(f"{op.name}.{ws}", (B, ctx.world_size * mine[1].shape[1], Hkv, D), dtype).local.normal_()
-        (out.float() * to.cp.shard(dout, ctx).float()).sum().backward()
+        (out.float() * to.zigzag.shard(dout, ctx).float()).sum().backward()
         ctx.check()
-        errs = {name: rel_err(to.cp.unshard(m.grad, ctx), r.grad) for name, m, r in zip("qkv", mine, ref)}
+        errs = {name: rel_err(to.zigzag.unshard(m.grad, ctx), r.grad) for name, m, r in zip("qkv", mine, ref)}
         bad = {n: e for n, e in errs.items() if e > GRAD_TOL[dtype]}
         assert not bad, f"rank {ctx.rank}: gradient rel err {bad}"
         return errs
@@ -155,14 +155,14 @@ def test_cp_attention_gradients_match_full_sequence(pool, case):
 
 def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2):
     """Every rank's share of cp_attention forward and backward for a world of ``world``, run one after another
-    on this process's device with forward_on_gathered / backward_on_gathered (the helpers the NCCL baselines
-    and scripts/grad_error_table.py use). Full-sequence inputs in, full-sequence (out, dq, dk, dv) out."""
-    from triton_overlap.ops.cp_attention import backward_on_gathered, default_attention_config, forward_on_gathered
+    on this process's device with forward_on_gathered / backward_on_gathered (the helpers the NCCL baselines use).
+    Full-sequence inputs in, full-sequence (out, dq, dk, dv) out."""
+    from triton_overlap.ops.context_parallel_attention import backward_on_gathered, forward_on_gathered
 
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D)
-    cfg = default_attention_config(ctx.backend, D, chunks_per_rank)
-    sh = lambda t, r: to.cp.shard_for(t, r, world, dim=1)  # noqa: E731
+    cfg = to.AttentionConfig.defaults(ctx.backend, D, chunks_per_rank)
+    sh = lambda t, r: to.zigzag.shard_for(t, r, world, dim=1)  # noqa: E731
     kg, vg = (torch.cat([sh(t, r) for r in range(world)], dim=1) for t in (k, v))
     outs, dqs, parts = [], [], []
     for r in range(world):
@@ -173,7 +173,7 @@ def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2):
         dqs.append(dq)
         parts.append(p)
     total = torch.stack(parts).sum(0)  # [owner, 2, B, S_local, Hkv, D]: what the owners' reductions add up
-    unsh = lambda xs: to.cp.unshard_parts(list(xs), dim=1)  # noqa: E731
+    unsh = lambda xs: to.zigzag.unshard_parts(list(xs), dim=1)  # noqa: E731
     return (unsh(outs), unsh(dqs), unsh(total[:, 0].to(k.dtype)), unsh(total[:, 1].to(v.dtype)))
 
 
@@ -198,31 +198,9 @@ def _simulated_case(world, causal):
 
 @pytest.mark.parametrize("world,causal", [(3, True), (4, False)])
 def test_on_gathered_helpers_match_full_sequence(pool, world, causal):
-    """The helpers behind the NCCL fwd+bwd baseline and the grad-error table: every simulated rank's share,
-    summed, equals attention on the full sequence."""
+    """The helpers behind the NCCL forward + backward baseline: every simulated rank's share, summed, equals
+    attention on the full sequence."""
     pool.run(_simulated_case, world, causal)
-
-
-def grad_errors_by_world(worlds, B, S, Hq, Hkv, D, causal, dtype_name):
-    """Rows (W, out, dq, dk, dv) of relative error against float32 attention on the full sequence, each world's
-    ranks simulated on this device (simulate_ranks); W = 1 is the kernel on the whole sequence. Used by
-    scripts/grad_error_table.py."""
-    dtype = getattr(torch, dtype_name)
-    with to.Context(timeout_s=600) as ctx:
-        dev = ctx.device
-        (q, k, v, dout), want = _full_problem(dev, B, S, Hq, Hkv, D, causal, dtype, "t")
-        rows = [(w, *(rel_err(g, r) for g, r in zip(simulate_ranks(ctx, q, k, v, dout, w, causal), want)))
-                for w in worlds]
-        if dev.type == "cuda":  # torch's flash backend on the same inputs, as a yardstick
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                o = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
-                o.backward(dout.transpose(1, 2))
-            rows.append(("SDPA flash, 1 GPU", rel_err(o.detach().transpose(1, 2), want[0]),
-                         *(rel_err(t.grad.transpose(1, 2), r) for t, r in zip(leaves, want[1:]))))
-        return rows
 
 
 # ------------------------------------------------------------------ packed documents (cu_seqlens)
@@ -250,10 +228,10 @@ def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, a
         T, scale = cu[-1], 1.0 / math.sqrt(D)
         cu_arg = torch.tensor(cu, dtype=torch.int32) if as_tensor else cu
         op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
-        pos = to.cp.shard(torch.arange(T)[None], ctx, cu_seqlens=cu)[0]
-        assert torch.equal(pos, to.cp.positions(ctx.rank, W, T // W, cu_seqlens=cu))
+        pos = to.zigzag.shard(torch.arange(T)[None], ctx, cu_seqlens=cu)[0]
+        assert torch.equal(pos, to.zigzag.positions(ctx.rank, W, T // W, cu_seqlens=cu))
         q, k, v = (rand((1, T, h, D), dtype, dev, name, "docs") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
-        qs, ks, vs = (to.cp.shard(t, ctx, cu_seqlens=cu) for t in (q, k, v))
+        qs, ks, vs = (to.zigzag.shard(t, ctx, cu_seqlens=cu) for t in (q, k, v))
         ref_out, ref_lse = reference_docs(q, k, v, cu, causal, scale)
         errs = {}
         for it in range(2):
@@ -264,8 +242,8 @@ def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, a
             lse = poison(torch.empty((1, Hq, T // W), dtype=torch.float32, device=dev))
             op(qs, ks, vs, causal=causal, cu_seqlens=cu_arg, out=out, lse=lse)
             ctx.check()
-            e_out = rel_err(to.cp.unshard(out, ctx, cu_seqlens=cu), ref_out)
-            e_lse = rel_err(to.cp.unshard(lse, ctx, dim=2, cu_seqlens=cu), ref_lse)
+            e_out = rel_err(to.zigzag.unshard(out, ctx, cu_seqlens=cu), ref_out)
+            e_lse = rel_err(to.zigzag.unshard(lse, ctx, dim=2, cu_seqlens=cu), ref_lse)
             assert e_out < TOL[dtype] and e_lse < 1e-3, f"rank {ctx.rank} call {it}: out {e_out:.2e}, lse {e_lse:.2e}"
             errs["out"] = max(errs.get("out", 0.0), e_out)
         if grad:
@@ -274,10 +252,10 @@ def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, a
             (reference_docs(*ref, cu, causal, scale)[0] * dout.float()).sum().backward()
             mine = [t.clone().requires_grad_() for t in (qs, ks, vs)]
             o, _ = op(*mine, causal=causal, cu_seqlens=cu_arg)
-            (o.float() * to.cp.shard(dout, ctx, cu_seqlens=cu).float()).sum().backward()
+            (o.float() * to.zigzag.shard(dout, ctx, cu_seqlens=cu).float()).sum().backward()
             ctx.check()
             for name, m, r in zip("qkv", mine, ref):
-                errs["d" + name] = rel_err(to.cp.unshard(m.grad, ctx, cu_seqlens=cu), r.grad)
+                errs["d" + name] = rel_err(to.zigzag.unshard(m.grad, ctx, cu_seqlens=cu), r.grad)
             bad = {n: e for n, e in errs.items() if n != "out" and e > GRAD_TOL[dtype]}
             assert not bad, f"rank {ctx.rank}: gradient rel err {bad}"
         return errs
@@ -333,22 +311,20 @@ def test_cp_attention_packed_bad_input_raises_before_launch(pool):
 
 
 def test_packed_tables_are_bounded_and_ordered():
-    """The per-boundaries tables stay at SEGMENT_CACHE sets at most (training feeds new boundaries every
-    batch), and each lists every block of every document once, longest documents first."""
-    import sys
+    """The per-boundaries tables stay at SEGMENT_CACHE sets at most (training feeds new boundaries every batch),
+    and each lists every block of every document once, longest documents first."""
+    from triton_overlap.ops.context_parallel_attention import SEGMENT_CACHE, DocumentTables
 
-    cpa = sys.modules["triton_overlap.ops.cp_attention"]  # the module (the package exports a function so named)
-
-    cpa._SEGMENTS.clear()
-    for i in range(cpa.SEGMENT_CACHE + 20):
+    tables = DocumentTables()
+    for i in range(SEGMENT_CACHE + 20):
         local_cu = (0, 2 + i, 40 + 2 * i)
-        seg, cu, n = cpa.segments(local_cu, 16, "cpu")
-        rows = [tuple(r) for r in seg.tolist()]
+        docs = tables.get(local_cu, 16, "cpu")
+        rows = [tuple(r) for r in docs.segments.tolist()]
         lengths = [local_cu[d + 1] - local_cu[d] for d, _ in rows]
         assert lengths == sorted(lengths, reverse=True), f"{local_cu}: longest documents first"
         want = {(d, r0) for d in range(2) for r0 in range(0, local_cu[d + 1] - local_cu[d], 16)}
-        assert set(rows) == want and n == len(want) == len(rows), f"{local_cu}: every block once"
-        assert cu.tolist() == list(local_cu)
-    assert len(cpa._SEGMENTS) == cpa.SEGMENT_CACHE
-    assert (((0, 2 + cpa.SEGMENT_CACHE + 19, 40 + 2 * (cpa.SEGMENT_CACHE + 19)), 16, "cpu") in cpa._SEGMENTS)
-    assert ((0, 2, 40), 16, "cpu") not in cpa._SEGMENTS  # the least recently used went first
+        assert set(rows) == want and docs.blocks == len(want) == len(rows), f"{local_cu}: every block once"
+        assert docs.bounds.tolist() == list(local_cu)
+    assert len(tables.recent) == SEGMENT_CACHE
+    assert ((0, 2 + SEGMENT_CACHE + 19, 40 + 2 * (SEGMENT_CACHE + 19)), 16) in tables.recent
+    assert ((0, 2, 40), 16) not in tables.recent  # the least recently used went first

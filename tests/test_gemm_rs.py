@@ -6,7 +6,7 @@ import torch
 
 import triton_overlap as to
 from refs import TOL, check_replays, poison, rand, rel_err
-from triton_overlap.ops.common import default_config
+from triton_overlap.ops.config import GEMMReduceScatterConfig
 
 
 def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
@@ -22,7 +22,7 @@ def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
 
 
 def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="store", jitter=0.0, fuse=True,
-          strided_out=False, tma=None, claim=None, defer=None, ws=None, streams=None):
+          strided_out=False, tma=None, claim=None, defer=None, warp_specialized=None, streams=None):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -30,31 +30,28 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
         errs = []
         for it in range(iters):
             (a, w), b, ref = _reference(m, k, n, dtype, dev, it, W, r, transposed, bias)
-            if it:
-                recv = ctx.symmetric("gemm_rs.recv", (W, m // W, n), dtype)
-                recv.local.copy_(torch.randn_like(recv.local, dtype=torch.float32))  # stale garbage in our slots
-                for key, plan in op._plans.items():  # and in the copy variant's staging buffer
-                    if key[0] == "staging":
-                        plan[0].copy_(torch.randn_like(plan[0], dtype=torch.float32))
+            for buf in op.buffers().values():  # stale garbage in our receive slots and the staging buffer
+                buf.copy_(torch.randn_like(buf, dtype=torch.float32))
             if strided_out:  # a transposed view: columns m // W elements apart
                 out = poison(torch.empty((n, m // W), dtype=dtype, device=dev)).t()
             else:
                 out = poison(torch.empty((m // W, n), dtype=dtype, device=dev))
             got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter, fuse_reduce=fuse, tma=tma, claim=claim,
-                     defer_release=defer, ws=ws, num_streams=streams)
+                     defer_release=defer, warp_specialized=warp_specialized, num_streams=streams)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             errs.append(rel_err(got, ref))
             assert errs[-1] < TOL[dtype], f"rank {r} iter {it}: rel err {errs[-1]:.2e}"
         assert op.last_path == "overlap"
-        if ws and fuse is not False and ctx.backend == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-            assert op.last_gemm == "gemm_ws", op.last_gemm  # the case ran the kernel it asked for
+        if warp_specialized and fuse is not False and ctx.backend == "cuda" \
+                and torch.cuda.get_device_capability(dev) == (9, 0):
+            assert op.last_gemm == "gemm_warp_specialized", op.last_gemm  # the case ran the kernel it asked for
         return max(errs)
 
 
 HOST_CASES = [
     # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters, scatter, producer jitter (s)
-    # [, fuse_reduce, strided out, tma, claim, defer_release, ws, copy streams]; 24 | m: W = 2, 3, 4, 8. The
+    # [, fuse_reduce, strided out, tma, claim, defer_release, warp_specialized, copy streams]; 24 | m: W = 2, 3, 4, 8. The
     # reduction is in the GEMM (fuse_reduce) where every rank's rows are whole 32-row tiles (m = 32 * 24 or
     # 64 * 24), in a separate kernel otherwise
     (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
@@ -69,7 +66,7 @@ HOST_CASES = [
     (32 * 24, 48, 40, "bfloat16", True, False, 16, 1, "store", 0.0, True, False, True),  # descriptors, B [K, N]
     (32 * 24, 64, 33, "float16", False, True, 7, 1, "copy", 0.003, True, False, None, 1, False),  # counters at once
     (32 * 24, 48, 40, "bfloat16", True, False, 10 ** 6, 1, "copy", 0.0),  # one chunk per rank
-    # a peer's chunks over two and three copy streams, taking turns (ops.gemm_rs.copy_streams)
+    # a peer's chunks over two and three copy streams, taking turns (producers.scatter.copy_stream_index)
     (32 * 24, 64, 33, "float16", True, False, 32, 2, "copy", 0.003, True, False, None, None, None, None, 2),
     (37 * 24, 48, 40, "bfloat16", False, True, 16, 1, "copy", 0.003, False, False, None, None, None, None, 3),
 ]
@@ -89,8 +86,8 @@ GPU_CASES = [
     (8192, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0005, True, False, None, 1, False),
     (4096, 1000, 1536, "float16", False, False, None, 3, "store", 0.0, True, False, True, 0, False),
     (4096, 1024, 1000, "bfloat16", True, True, 256, 3, "copy", 0.0, True, False, None, 1, True),
-    # copy + fused: the warp-specialized GEMM (kernels.gemm_ws, sm_90 only) and kernels.gemm, each asked for
-    # (GemmConfig.ws); K and N off the tiles, a tile over two chunks (m_per_chunk 300), B either way round
+    # copy + fused: the warp-specialized GEMM (kernels.gemm_warp_specialized, sm_90 only) and kernels.gemm, each
+    # asked for (warp_specialized); K and N off the tiles, a tile over two chunks (m_per_chunk 300), B either way round
     (4096, 1000, 1000, "float16", True, False, None, 3, "copy", 0.0005, True, False, None, None, None, True),
     (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, None, None, True),
     (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, None, None, False),
@@ -121,7 +118,8 @@ def test_gemm_rs_matches_reference(pool, case):
 def _back_to_back(n_calls, m, k, n, scatter="store"):
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.GEMMReduceScatter(ctx, dataclasses.replace(default_config(ctx), scatter=scatter), fallback="never")
+        cfg = dataclasses.replace(GEMMReduceScatterConfig.defaults(ctx.backend), scatter=scatter)
+        op = to.GEMMReduceScatter(ctx, cfg, fallback="never")
         outs, refs = [], []
         for i in range(n_calls):  # no host synchronisation between calls
             (a, w), _, ref = _reference(m, k, n, torch.bfloat16, dev, i, W, r, False, False)
@@ -175,7 +173,7 @@ def _fallback_path():
         dev, W, r = ctx.device, ctx.world_size, ctx.rank
         (a, w), b, ref = _reference(8 * W, 16, 8, torch.bfloat16, dev, 0, W, r, False, True)
         got = to.gemm_rs(a, w, ctx=ctx, bias=b)  # tiny: "auto" takes the NCCL path
-        assert ctx._ops["gemm_rs"].last_path == "fallback"
+        assert to.GEMMReduceScatter.shared(ctx).last_path == "fallback"
         assert rel_err(got, ref) < TOL[torch.bfloat16]
         return True
 
@@ -185,78 +183,72 @@ def test_gemm_rs_small_shapes_fall_back(pool):
 
 
 def test_scatter_auto_rule():
-    """"auto" copies on GPUs from COPY_SCATTER_BYTES of partial output on, or from COPY_SCATTER_FUSED_BYTES where
-    the reduction is fused (every rank's rows whole tiles, fuse_reduce not False), stores below and on the host
-    backend; an explicit choice wins; anything else is refused."""
-    from types import SimpleNamespace
+    """"auto" copies on GPUs from copy_bytes of partial output on, or from copy_bytes_fused where the reduction is
+    fused (every rank's rows whole tiles, fuse_reduce not False), stores below and on the host backend; an explicit
+    choice wins; anything else is refused."""
+    from triton_overlap.ops.gemm_reduce_scatter import scatter_mode
 
-    from triton_overlap.ops.common import GemmConfig
-    from triton_overlap.ops.gemm_rs import COPY_SCATTER_BYTES, COPY_SCATTER_FUSED_BYTES
-
-    rows = COPY_SCATTER_BYTES // (2 * 4096)
-    fused_rows = COPY_SCATTER_FUSED_BYTES // (2 * 4096)  # 2048: 1024 per rank at W = 2, whole 128-row tiles
+    cfg = GEMMReduceScatterConfig()
+    rows = cfg.copy_bytes // (2 * 4096)
+    fused_rows = cfg.copy_bytes_fused // (2 * 4096)  # 2048: 1024 per rank at W = 2, whole 128-row tiles
     assert fused_rows < rows
     for backend, big, small in (("cuda", "copy", "store"), ("host", "store", "store")):
-        op = to.GEMMReduceScatter(SimpleNamespace(backend=backend, world_size=2), GemmConfig())
-        assert op.scatter_mode(rows + 2, 4096, 2, op.config) == big  # not whole tiles, but large enough
-        assert op.scatter_mode(fused_rows, 4096, 2, op.config) == big
-        assert op.scatter_mode(fused_rows - 2 * 128, 4096, 2, op.config) == small
-        assert op.scatter_mode(fused_rows + 2, 4096, 2, op.config) == small  # rows not whole tiles: not fused
-        no_fuse = GemmConfig(fuse_reduce=False)
-        assert op.scatter_mode(fused_rows, 4096, 2, no_fuse) == small
-        assert op.scatter_mode(rows, 4096, 2, no_fuse) == big
-    op = to.GEMMReduceScatter(SimpleNamespace(backend="cuda", world_size=2), GemmConfig(scatter="store"))
-    assert op.scatter_mode(rows * 8, 4096, 2, op.config) == "store"
+        assert scatter_mode(cfg, rows + 2, 4096, 2, backend, 2) == big  # not whole tiles, but large enough
+        assert scatter_mode(cfg, fused_rows, 4096, 2, backend, 2) == big
+        assert scatter_mode(cfg, fused_rows - 2 * 128, 4096, 2, backend, 2) == small
+        assert scatter_mode(cfg, fused_rows + 2, 4096, 2, backend, 2) == small  # rows not whole tiles: not fused
+        no_fuse = GEMMReduceScatterConfig(fuse_reduce=False)
+        assert scatter_mode(no_fuse, fused_rows, 4096, 2, backend, 2) == small
+        assert scatter_mode(no_fuse, rows, 4096, 2, backend, 2) == big
+    assert scatter_mode(GEMMReduceScatterConfig(scatter="store"), rows * 8, 4096, 2, "cuda", 2) == "store"
     with pytest.raises(ValueError, match="scatter"):
-        GemmConfig(scatter="both")
+        GEMMReduceScatterConfig(scatter="both")
     with pytest.raises(ValueError, match="claim"):
-        GemmConfig(claim=2)
+        GEMMReduceScatterConfig(claim=2)
 
 
-def test_ws_rule():
-    """The warp-specialized GEMM (GemmConfig.ws) is taken only when asked for or by WS_DEFAULT, never on the host
-    backend, never with claim=1 or deferred counters, never where a rank's rows are not whole 128-row tiles."""
-    import sys
+def test_warp_specialized_rule():
+    """The warp-specialized GEMM is taken only when asked for or by default, never on the host backend, never with
+    claim=1 or deferred counters, never where a rank's rows are not whole 128-row tiles."""
     from types import SimpleNamespace
 
-    from triton_overlap.ops.common import GemmConfig
+    from triton_overlap.kernels import gemm_warp_specialized
+    from triton_overlap.ops.gemm_reduce_scatter import wants_warp_specialized
 
-    rs = sys.modules["triton_overlap.ops.gemm_rs"]
     a = torch.empty((2048, 64), dtype=torch.bfloat16)
     w = torch.empty((64, 256), dtype=torch.bfloat16)
-    host = to.GEMMReduceScatter(SimpleNamespace(backend="host", world_size=2), GemmConfig())
-    assert host.ws_layout(a, w, GemmConfig(ws=True)) is None
-    cuda = to.GEMMReduceScatter(SimpleNamespace(backend="cuda", world_size=2), GemmConfig())
-    for cfg in (GemmConfig(ws=False), GemmConfig(ws=True, claim=1), GemmConfig(ws=True, defer_release=True)):
-        assert cuda.ws_layout(a, w, cfg) is None, cfg
-    assert cuda.ws_layout(torch.empty((2 * 1000, 64), dtype=torch.bfloat16), w, GemmConfig(ws=True)) is None
-    if not rs.WS_DEFAULT:
-        assert cuda.ws_layout(a, w, GemmConfig()) is None
+    assert gemm_warp_specialized.layout_for(SimpleNamespace(backend="host"), a, w, 1024) is None
+    C = GEMMReduceScatterConfig
+    for cfg in (C(warp_specialized=False), C(warp_specialized=True, claim=1), C(warp_specialized=True,
+                                                                                   defer_release=True)):
+        assert not wants_warp_specialized(cfg), cfg
+    assert wants_warp_specialized(C(warp_specialized=True))
+    assert wants_warp_specialized(C()) == C.warp_specialized_default
+    odd = torch.empty((2 * 1000, 64), dtype=torch.bfloat16)
+    assert gemm_warp_specialized.layout_for(SimpleNamespace(backend="cuda"), odd, w, 1000) is None
 
 
 def test_rs_chunks_carry_min_chunk_bytes():
     """GEMM-RS cuts each peer's partial rows into chunks_per_rank chunks of whole tiles, fewer where a chunk would
-    carry under min_chunk_bytes (N x element size per row), at least one."""
-    from types import SimpleNamespace
+    carry under min_chunk_bytes (N x element size per row), at least one; every tile of our rows is counted once."""
+    from triton_overlap.plan import ChunkLayout
 
-    from triton_overlap.ops.common import GemmConfig
-
-    ctx = SimpleNamespace(backend="cuda", world_size=2, rank=0, device=torch.device("cpu"))
-    cfg = GemmConfig(block_m=128, block_n=256, chunks_per_rank=4, min_chunk_bytes=16 << 20)
-    op = to.GEMMReduceScatter(ctx, cfg)
+    cfg = GEMMReduceScatterConfig(block_m=128, block_n=256, chunks_per_rank=4, min_chunk_bytes=16 << 20)
     for m_local, n, chunks in ((1024, 4096, 1), (2048, 4096, 1), (4096, 4096, 2), (4096, 8192, 4), (8192, 8192, 4),
                                (64, 4096, 1)):
-        layout, order, expected = op._plan(m_local, n, cfg, 2)
+        layout = ChunkLayout(2, m_local, cfg.chunk_rows(m_local, n * 2))
         assert layout.chunks_per_rank == chunks, (m_local, n)
-        assert sum(expected.tolist()) == -(-m_local // 128) * (n // 256)  # every tile of our rows counted once
-    layout, _, _ = op._plan(1024, 4096, GemmConfig(block_m=128, block_n=256, chunks_per_rank=4), 2)
-    assert layout.chunks_per_rank == 4  # the rule off
+        counts = layout.tile_stores(128, n // 256)
+        assert sum(counts[0]) == -(-m_local // 128) * (n // 256)  # every tile of our rows counted once
+    off = GEMMReduceScatterConfig(block_m=128, block_n=256, chunks_per_rank=4)
+    assert ChunkLayout(2, 1024, off.chunk_rows(1024, 4096 * 2)).chunks_per_rank == 4  # the rule off
 
 
 def _graph(replays, m, k, n, scatter="store"):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.GEMMReduceScatter(ctx, dataclasses.replace(default_config(ctx), scatter=scatter), fallback="never")
+        cfg = dataclasses.replace(GEMMReduceScatterConfig.defaults(ctx.backend), scatter=scatter)
+        op = to.GEMMReduceScatter(ctx, cfg, fallback="never")
         a = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
         w = torch.empty((k, n), dtype=torch.bfloat16, device=dev)
         out = torch.empty((m // W, n), dtype=torch.bfloat16, device=dev)

@@ -68,7 +68,7 @@ def _layers(S, B, d_in, d_out, fallback, keep=True):
         ctx.check()
         bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k.endswith("out") else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad}"
-        used = {k: to.library._OPS[h].last_path for k, h in zip(("ag", "rs"), ctx._nn_ops[fallback])}
+        used = {k: op.last_path for k, op in zip(("ag", "rs"), col.ops)}
         return errs, used
 
 

@@ -304,12 +304,12 @@ def _cp(B, S, Hq, Hkv, D, causal):
             full = [rand((B, S, h, D), torch.bfloat16, dev, name, i) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv))]
             ref_out, ref_lse = reference(*full, causal, scale)
             for dst, src in zip((q, k, v), full):
-                dst.copy_(to.cp.shard(src, ctx))
+                dst.copy_(to.zigzag.shard(src, ctx))
             poison(out), poison(lse)
             op(q, k, v, causal=causal, out=out, lse=lse)
-            err = rel_err(out, to.cp.shard(ref_out, ctx))
+            err = rel_err(out, to.zigzag.shard(ref_out, ctx))
             assert err < TOL[torch.bfloat16], f"call {i}: out rel err {err:.2e}"
-            lse_err = rel_err(lse, to.cp.shard(ref_lse, ctx, dim=2))
+            lse_err = rel_err(lse, to.zigzag.shard(ref_lse, ctx, dim=2))
             assert lse_err < 1e-3, f"call {i}: lse rel err {lse_err:.2e}"
         ctx.check()
         assert op.replays.stats == {"replays": 3, "captures": 1, "dropped": 0}, op.replays.stats

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from triton_overlap import tuning
+from refs import OfflineContext
+from triton_overlap.ops import tuned as tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,26 +50,22 @@ def test_tune_tiles_only_dry_run_writes_an_any_entry(tmp_path, op):
 
 def test_tiles_only_entry_keeps_the_ops_other_defaults(tmp_path, monkeypatch):
     """An entry naming only the tiles changes only the tiles: chunking, launch order etc. stay the op's."""
-    from types import SimpleNamespace
-
     import triton_overlap as to
-    from triton_overlap.ops.common import default_config
 
     path = tmp_path / "tuned.json"
     monkeypatch.setenv("TRITON_OVERLAP_TUNED", str(path))
     tiles = {"block_m": 64, "block_n": 64, "block_k": 16, "num_warps": 2, "num_stages": 2}
     tuning.save(path, "ag_gemm", "host", "any", [96, 48, 40], tiles)
-    ctx = SimpleNamespace(backend="host", world_size=2)
-    got = to.AllGatherGEMM(ctx).config_for((96, 48, 40))
-    base = default_config(ctx)
+    got = to.AllGatherGEMM(OfflineContext()).config_for((96, 48, 40))
+    base = to.AllGatherGEMMConfig.defaults("host")
     assert {k: getattr(got, k) for k in tiles} == tiles
-    assert (got.chunks_per_rank, got.group_m, got.mode, got.gemm_first) == (base.chunks_per_rank, base.group_m,
-                                                                           base.mode, base.gemm_first)
-    assert to.AllGatherGEMM(ctx).config_for((96, 48, 24)) == base  # no entry for these trailing dims
+    assert (got.chunks_per_rank, got.group_m, got.mode, got.consumer_first) == (base.chunks_per_rank, base.group_m,
+                                                                               base.mode, base.consumer_first)
+    assert to.AllGatherGEMM(OfflineContext()).config_for((96, 48, 24)) == base  # no entry for these trailing dims
     # fp8 calls read their own entries ("ag_gemm_fp8"), never the 16-bit ones, and the reverse
-    assert to.AllGatherGEMM(ctx).config_for((96, 48, 40), fp8=True) == base
+    assert to.AllGatherGEMM(OfflineContext()).config_for((96, 48, 40), "_fp8") == base.for_fp8("host")
     fp8_tiles = dict(tiles, block_k=32)
     tuning.save(path, "ag_gemm_fp8", "host", "any", [96, 48, 40], fp8_tiles)
-    op = to.AllGatherGEMM(ctx)
-    assert {k: getattr(op.config_for((96, 48, 40), fp8=True), k) for k in tiles} == fp8_tiles
+    op = to.AllGatherGEMM(OfflineContext())
+    assert {k: getattr(op.config_for((96, 48, 40), "_fp8"), k) for k in tiles} == fp8_tiles
     assert {k: getattr(op.config_for((96, 48, 40)), k) for k in tiles} == tiles

@@ -1,11 +1,8 @@
 """Every numbered tutorial, through the launcher, on the host backend: each must print a PASS verdict.
 
 A rank's process now and then aborts at exit, after every rank has printed its result and the process group is
-destroyed: "terminate called without an active exception", with no Python frame left on the stack (faulthandler).
-Seen once in CI and 3 times in about 150 runs of tutorial 05 on two busy cores (nineteenth session). A process
-group kept past destroy_process_group did it in 8 of 50 runs of a short repro, and Context.close() no longer
-keeps one, but the tutorial aborted 2 of the 90 runs after that change too: the cause is not found. Such a run
-is repeated once, and only such a run: the repeat must exit cleanly.
+destroyed ("terminate called without an active exception"; docs/decisions.md has what is known). Such a run is
+repeated once, and only such a run: the repeat must exit cleanly.
 """
 import glob
 import os

@@ -1,12 +1,13 @@
-"""triton_overlap: Triton kernels that hide tensor- and context-parallel communication behind computation."""
-from . import ops
-from .context import Context, SymmetricTensor
-from .ops.ag_gemm import AllGatherGEMM, ag_gemm
-from .ops.common import GemmConfig
-from .ops.gemm_rs import GEMMReduceScatter, gemm_rs
-from .ops.cp_attention import ContextParallelAttention, cp_attention
-from . import cp, library
+"""triton_overlap: Triton kernels that hide tensor- and context-parallel communication behind computation.
 
-__all__ = ["Context", "SymmetricTensor", "AllGatherGEMM", "ag_gemm", "GemmConfig", "GEMMReduceScatter", "gemm_rs", "ContextParallelAttention", "cp_attention", "cp", "library",
-           "ops"]
+Copy engines move the data and raise a flag per chunk; persistent Triton kernels wait on those flags tile by tile.
+"""
+from . import zigzag
+from .context import Context, SymmetricTensor
+from .ops import (AllGatherGEMM, AllGatherGEMMConfig, AttentionConfig, ContextParallelAttention, GEMMReduceScatter,
+                  GEMMReduceScatterConfig, ag_gemm, cp_attention, gemm_rs)
+
+__all__ = ["AllGatherGEMM", "AllGatherGEMMConfig", "AttentionConfig", "Context", "ContextParallelAttention",
+           "GEMMReduceScatter", "GEMMReduceScatterConfig", "SymmetricTensor", "ag_gemm", "cp_attention", "gemm_rs",
+           "zigzag"]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""Timing a collective op the way the benchmarks report it."""
+"""Timing collective ops across ranks, as the benchmarks, tuning and tutorials report them: CUDA events around
+each call, the ranks lined up on the device before it, the median over iterations, the maximum over ranks."""
 from __future__ import annotations
 
 import statistics
@@ -42,9 +43,8 @@ def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, le
     time the GPU reaches it (as in a model whose host runs ahead) and every
     rank starts it together, as the all_reduce ends plus the spin. Without it
     the GPU waits for the host's enqueue, and each rank's GPU starts when its
-    own host is done: the ranks start apart by the difference (tens of µs on
-    2xH200), which a collective op pays as waiting and a single-GPU one does
-    not.
+    own host is done: the ranks start apart by the difference, which a
+    collective op pays as waiting and a single-GPU one does not.
     """
     return time_interleaved({"fn": fn}, iters, warmup, budget_s, lead_us)["fn"]
 
@@ -68,9 +68,9 @@ def time_interleaved(fns: dict, iters: int, warmup: int = 2, budget_s: float | N
                      lead_us: float = 0.0) -> dict:
     """``{name: median µs per call, max over ranks}`` for every function of ``fns`` (``{name: fn}``), each call
     timed as in time_dist, the functions taking turns within every iteration (the order rotating by one each
-    iteration). On the largest shapes the SM clock falls as the GPU draws more power (2xH200: 1980 MHz down
-    to 1365-1740 MHz at 180-690 W, scripts/diag_graph.py), so functions timed one after another for a few
-    hundred ms each would be compared at different clocks; in turns each sees the same GPU on average.
+    iteration). On large shapes the SM clock falls as the GPU draws more power, so functions timed one after
+    another for a few hundred ms each would be compared at different clocks; in turns each sees the same GPU on
+    average (docs/decisions.md).
     ``budget_s`` caps the iterations so that all of them take about that long per function (at least 3)."""
     names = list(fns)
     tiny = torch.zeros(1, device="cuda")
@@ -112,3 +112,9 @@ def host_us(fn, iters: int = 20, busy: bool = False) -> float:
     t = torch.tensor([statistics.median(times)], device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
+
+
+def graph_time(fn, iters: int = 20, budget_s: float = 1.0, lead_us: float = 300.0) -> float:
+    """Median µs of a CUDA-graph replay of ``fn``, max over ranks (``capture``, then ``time_dist`` with the ranks
+    lined up): GPU time without the host's launch cost, which does not depend on a kernel's configuration."""
+    return time_dist(capture(fn).replay, iters, budget_s=budget_s, lead_us=lead_us)

@@ -22,7 +22,7 @@ import triton.language as tl
 import triton_overlap as to
 from triton_overlap.context import op_id
 from triton_overlap.kernels.signal import wait_flag
-from triton_overlap.launch import backend_name, init, say, verdict
+from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
 # %% The consumer: programs (c, i) handle block i of chunk c; each waits for its chunk, then reads it.

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import triton_overlap as to
-from triton_overlap.launch import backend_name, init, say, verdict
+from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
 def main():
@@ -46,13 +46,14 @@ def main():
 
         # %% On GPUs, the time beside NCCL all_gather + torch.matmul (eager, as called here).
         if gpu:
+            from triton_overlap.context.collectives import all_gather_rows
             from triton_overlap.timing import time_dist
 
             gathered = torch.empty(m_local * W, K, device=device, dtype=dtype)
             ref_out = torch.empty_like(out)
 
             def nccl():
-                dist.all_gather_into_tensor(gathered, a)
+                all_gather_rows(gathered, a)
                 torch.matmul(gathered, w, out=ref_out)
 
             ours, base = time_dist(lambda: op(a, w, out=out), 20), time_dist(nccl, 20)

@@ -7,15 +7,17 @@ the contraction dimension, computes a full-size partial product, and rank r
 needs rows r*M/W ... (r+1)*M/W of the sum of everyone's partials.
 
 One persistent Triton GEMM computes the rows owned by peers first and its
-own rows last. Each finished tile is stored straight into its owner's
-receive slot and the owner's counter for that chunk goes up; each owner's
-reduction kernel waits chunk by chunk and sums the W partials in float32.
+own rows last. Each finished tile of a peer's rows goes to its owner (stored
+straight into the owner's receive slot, or moved there by a copy engine), and
+the owner's counter for that chunk goes up; each tile of the GEMM's own rows
+waits for its peers' partials and adds them, in float32, before it stores the
+result.
 """
 import torch
 import torch.distributed as dist
 
 import triton_overlap as to
-from triton_overlap.launch import backend_name, init, say, verdict
+from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
 def main():
@@ -45,6 +47,7 @@ def main():
         say(f"relative error {err:.2e} (tolerance 1e-2 for bf16)")
 
         if gpu:
+            from triton_overlap.context.collectives import reduce_scatter_rows
             from triton_overlap.timing import time_dist
 
             partial = torch.empty(M, N, device=device, dtype=dtype)
@@ -52,7 +55,7 @@ def main():
 
             def nccl():
                 torch.matmul(a, w, out=partial)
-                dist.reduce_scatter_tensor(ref_out, partial)
+                reduce_scatter_rows(ref_out, partial)
 
             ours, base = time_dist(lambda: op(a, w, out=out), 20), time_dist(nccl, 20)
             say(f"ours {ours:.1f} µs, NCCL + cuBLAS {base:.1f} µs ({base / ours:.2f}x)")

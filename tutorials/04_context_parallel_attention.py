@@ -4,8 +4,8 @@
 
 Long sequences are split over ranks. With causal attention a plain split is
 unbalanced (the last rank's queries see the most keys), so the sequence is cut
-into 2W chunks and rank r keeps chunks r and 2W-1-r: ``cp.shard`` does this,
-``cp.unshard`` undoes it. Each rank then needs every rank's K and V.
+into 2W chunks and rank r keeps chunks r and 2W-1-r: ``zigzag.shard`` does this,
+``zigzag.unshard`` undoes it. Each rank then needs every rank's K and V.
 
 ``ContextParallelAttention`` has copy engines push this rank's K/V to every
 peer chunk by chunk, each chunk followed by a flag, while one flash-attention
@@ -16,7 +16,7 @@ partial dK/dV of every chunk back to its owner, where they are summed.
 
 Packed documents: pass ``cu_seqlens`` (the documents' boundaries in the full
 sequence). Every document is cut into 2W chunks on its own, each rank holds
-its two chunks of every document (``cp.shard(x, ctx, cu_seqlens=...)``), and
+its two chunks of every document (``zigzag.shard(x, ctx, cu_seqlens=...)``), and
 a query attends to its own document only.
 """
 import math
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import triton_overlap as to
-from triton_overlap.launch import backend_name, init, say, verdict
+from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
 def full_attention(q, k, v):
@@ -49,22 +49,22 @@ def main():
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(B, S, h, D, generator=g).to(device, torch.bfloat16) for h in (Hq, Hkv, Hkv))
         dout = torch.randn(B, S, Hq, D, generator=g).to(device, torch.bfloat16)
-        qs, ks, vs = (to.cp.shard(t, ctx).requires_grad_() for t in (q, k, v))
-        say(f"rank 0 holds positions {to.cp.positions(0, W, S // W)[:3].tolist()}... and "
-            f"...{to.cp.positions(0, W, S // W)[-3:].tolist()}")
+        qs, ks, vs = (to.zigzag.shard(t, ctx).requires_grad_() for t in (q, k, v))
+        say(f"rank 0 holds positions {to.zigzag.positions(0, W, S // W)[:3].tolist()}... and "
+            f"...{to.zigzag.positions(0, W, S // W)[-3:].tolist()}")
 
         # %% Forward and backward through the op.
         attn = to.ContextParallelAttention(ctx)
         out, lse = attn(qs, ks, vs, causal=True)
-        out.backward(to.cp.shard(dout, ctx))
+        out.backward(to.zigzag.shard(dout, ctx))
         ctx.check()
 
         # %% Verdict against full-sequence attention (forward and gradients) in float32.
         leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
         ref = full_attention(*leaves)
         ref.backward(dout.float())
-        errs = {"out": to.cp.unshard(out.detach(), ctx), "dq": to.cp.unshard(qs.grad, ctx),
-                "dk": to.cp.unshard(ks.grad, ctx), "dv": to.cp.unshard(vs.grad, ctx)}
+        errs = {"out": to.zigzag.unshard(out.detach(), ctx), "dq": to.zigzag.unshard(qs.grad, ctx),
+                "dk": to.zigzag.unshard(ks.grad, ctx), "dv": to.zigzag.unshard(vs.grad, ctx)}
         want = {"out": ref.detach(), "dq": leaves[0].grad, "dk": leaves[1].grad, "dv": leaves[2].grad}
         errs = {n: float((t.float() - want[n]).norm() / want[n].norm()) for n, t in errs.items()}
         say("relative errors: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items()) + " (tolerance 2e-2 for bf16)")
@@ -72,33 +72,32 @@ def main():
         # %% Packed documents: three documents of different lengths (each a multiple of 2W) in one sequence.
         unit = 2 * W * (S // (2 * W) // 8)
         cu = [0, 3 * unit, 4 * unit, S]
-        qd, kd, vd = (to.cp.shard(t, ctx, cu_seqlens=cu) for t in (q, k, v))
+        qd, kd, vd = (to.zigzag.shard(t, ctx, cu_seqlens=cu) for t in (q, k, v))
         with torch.no_grad():
             out_docs, _ = attn(qd, kd, vd, causal=True, cu_seqlens=cu)
         ctx.check()
-        got = to.cp.unshard(out_docs, ctx, cu_seqlens=cu)
+        got = to.zigzag.unshard(out_docs, ctx, cu_seqlens=cu)
         ref_docs = torch.cat([full_attention(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in zip(cu[:-1], cu[1:])], 1)
         errs["out, packed documents"] = float((got.float() - ref_docs).norm() / ref_docs.norm())
         say(f"packed documents at {cu}: out relative error {errs['out, packed documents']:.2e}")
 
         # %% On GPUs, the time beside NCCL all_gather of K/V followed by the same kernel (no overlap).
         if gpu:
-            from triton_overlap.ops.cp_attention import OP, launch_fwd
+            from triton_overlap.context.collectives import all_gather_rows
+            from triton_overlap.ops.context_parallel_attention import forward_on_gathered
             from triton_overlap.timing import time_dist
 
-            k0, v0 = ks.detach(), vs.detach()
-            kg = torch.empty(W * B, S // W, Hkv, D, device=device, dtype=k0.dtype)
+            k0, v0, q0 = ks.detach(), vs.detach(), qs.detach()
+            kg = torch.empty(W * B, S // W, Hkv, D, device=device, dtype=k0.dtype)  # B = 1: the workspace layout
             vg = torch.empty_like(kg)
-            ones = torch.ones(W * 2, dtype=torch.int32, device=device)
             o2, l2 = torch.empty_like(out), torch.empty_like(lse)
-            cfg = attn.config(D, attn._shape_key(qs, k0, True))
+            cfg = attn.config_for(attn.shape_key(q0, k0, True))
 
             def nccl():
-                dist.all_gather_into_tensor(kg, k0)
-                dist.all_gather_into_tensor(vg, v0)
-                launch_fwd(qs.detach(), k0, v0, kg.view(B, -1, Hkv, D), vg.view(B, -1, Hkv, D), o2, l2, ones, ctx.err,
-                           ctx.budget, ctx.rank, W, OP, S // W // 2, 2, 1 / math.sqrt(D), True, cfg.fwd, ctx.clock,
-                           False)
+                all_gather_rows(kg, k0)
+                all_gather_rows(vg, v0)
+                forward_on_gathered(ctx, q0, k0, v0, kg.view(B, -1, Hkv, D), vg.view(B, -1, Hkv, D), ctx.rank, W,
+                                    True, 1 / math.sqrt(D), cfg, out=o2, lse=l2)
 
             with torch.no_grad():
                 ours = time_dist(lambda: attn(qs.detach(), k0, v0, causal=True), 10)

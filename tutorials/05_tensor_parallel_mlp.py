@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import triton_overlap as to
-from triton_overlap.launch import backend_name, init, say, verdict
+from triton_overlap.torchrun import backend_name, init, say, verdict
 from triton_overlap.nn import TPMLP
 
 
@@ -70,6 +70,7 @@ def main():
 
         # %% On GPUs, one forward + backward beside the same MLP with NCCL all_gather / reduce_scatter + cuBLAS.
         if gpu:
+            from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
             from triton_overlap.timing import time_dist
 
             wg = mlp.gate_up.weight.detach()
@@ -78,11 +79,11 @@ def main():
 
             def nccl_mlp():
                 xg = torch.empty(S, B, dim, device=device, dtype=torch.bfloat16)
-                dist.all_gather_into_tensor(xg, x)
+                all_gather_rows(xg, x)
                 a, b = (xg @ wg.t()).split(n, dim=-1)
                 y = nn.functional.silu(a) * b @ wd.t()
                 out = torch.empty(S // W, B, dim, device=device, dtype=torch.bfloat16)
-                dist.reduce_scatter_tensor(out, y)
+                reduce_scatter_rows(out, y)
                 return out
 
             with torch.no_grad():

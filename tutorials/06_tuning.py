@@ -13,7 +13,7 @@ and shape:
     bash scripts/launch.sh scripts/tune.py ag_gemm --shape 8192,4096,4096
     bash scripts/launch.sh scripts/tune.py cp_attention --shape 1,32768,32,8,128,1
 
-The ops read that table on their own (``triton_overlap.tuning``): the user
+The ops read that table on their own (``triton_overlap.ops.tuned``): the user
 cache (``$TRITON_OVERLAP_TUNED``, default ``~/.cache/triton_overlap/tuned.json``)
 first, then the table shipped in the package, then built-in defaults. Tune
 when your shapes differ from the shipped ones by more than a factor of two in
@@ -21,18 +21,15 @@ M, or on a GPU with no entry. This tutorial runs a short sweep (two candidates
 a stage) into a scratch table and checks that the op then uses what it chose.
 """
 import os
-import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import triton_overlap as to  # noqa: E402
-from triton_overlap import tuning  # noqa: E402
-from triton_overlap.launch import backend_name, init, say, verdict  # noqa: E402
-from triton_overlap.ops.common import GemmConfig  # noqa: E402
-from tune import tune_gemm  # noqa: E402 - scripts/tune.py
+import triton_overlap as to
+from triton_overlap.ops import tuned
+from triton_overlap.torchrun import backend_name, init, say, verdict
+from triton_overlap.tuning import tune_gemm
 
 
 def main():
@@ -48,10 +45,10 @@ def main():
         dist.broadcast_object_list(table, src=0)
         os.environ["TRITON_OVERLAP_TUNED"] = table[0]
 
-        # %% The sweep (what scripts/tune.py runs), shortened to two candidates a stage.
+        # %% The sweep (what scripts/tune.py runs: triton_overlap.tuning), shortened to two candidates a stage.
         us, best = tune_gemm(ctx, "gemm_rs", shape, dry=True)
         if r == 0:
-            tuning.save(table[0], "gemm_rs", tuning.gpu_key(ctx), W, list(shape), best)
+            tuned.save(table[0], "gemm_rs", tuned.gpu_key(ctx), W, list(shape), best)
         dist.barrier()
         say(f"best: {us:.1f} µs with {best}")
 
@@ -70,24 +67,26 @@ def main():
         err = float((out.float() - ref).norm() / ref.norm())
         say(f"the op used {used}; relative error {err:.2e} (tolerance 1e-2)")
 
-        # %% On GPUs, the tuned op beside the defaults and NCCL: torch.matmul + reduce_scatter_tensor (eager).
+        # %% On GPUs, the tuned op beside the defaults and NCCL: torch.matmul + reduce-scatter (eager).
         if gpu:
+            from triton_overlap.context.collectives import reduce_scatter_rows
             from triton_overlap.timing import time_dist
 
-            plain = to.GEMMReduceScatter(ctx, fallback="never", name="tutorial06.plain")
-            plain._tuned[shape] = plain.config  # the defaults, whatever the table says
+            defaults = to.GEMMReduceScatterConfig.defaults(ctx.backend)  # whatever the table says
+            plain = to.GEMMReduceScatter(ctx, defaults, fallback="never", name="tutorial06.plain")
             part, red = torch.empty(M, N, device=ctx.device, dtype=a.dtype), torch.empty_like(out)
 
             def nccl():
                 torch.matmul(a, w, out=part)
-                dist.reduce_scatter_tensor(red, part)
+                reduce_scatter_rows(red, part)
 
             t_tuned, t_plain, t_nccl = (time_dist(fn, 20) for fn in (lambda: op(a, w), lambda: plain(a, w), nccl))
             say(f"tuned {t_tuned:.1f} µs, defaults {t_plain:.1f} µs, NCCL + cuBLAS {t_nccl:.1f} µs "
                 f"({t_nccl / t_tuned:.2f}x); eager calls pay Python launch cost, see README for CUDA-graph numbers")
         if r == 0:
             os.remove(table[0])
-        if not verdict(used == GemmConfig(**best) and err < 1e-2, "the op used the tuned config, result correct"):
+        ok = used == to.GEMMReduceScatterConfig(**best) and err < 1e-2
+        if not verdict(ok, "the op used the tuned config, result correct"):
             raise SystemExit(1)
     dist.destroy_process_group()
 

@@ -19,17 +19,22 @@ class Stream(abc.ABC):
     Every method enqueues and returns at once; the work runs later, in the
     order it was enqueued. ``flag`` arguments are one-element int32 tensor
     views (local or a peer's) inside symmetric memory.
-
-    A stream with ``raw = True`` also takes pre-resolved addresses
-    (``copy_raw``, ``write_value_ptr``), which producers cache per shape to
-    keep the host's cost per call low.
     """
-
-    raw = False
 
     @abc.abstractmethod
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Copy ``src`` into ``dst`` (same shape and dtype) with a copy engine."""
+
+    def plan_copy(self, dst: torch.Tensor, src: torch.Tensor, base: torch.Tensor):
+        """Prepare the copy of ``src``, a view of ``base``, into ``dst``, so that a later call can enqueue the same
+        copy out of another tensor laid out like ``base`` (``copy_planned``) without building views again.
+        Producers keep such plans per shape: a call then costs the host little more than the copies themselves."""
+        return dst, tuple(src.shape), tuple(src.stride()), src.storage_offset() - base.storage_offset()
+
+    def copy_planned(self, plan, base: torch.Tensor) -> None:
+        """Enqueue a copy prepared by ``plan_copy``, reading from ``base``."""
+        dst, size, stride, offset = plan
+        self.copy(dst, base.as_strided(size, stride, base.storage_offset() + offset))
 
     @abc.abstractmethod
     def write_value(self, flag: torch.Tensor, value: int) -> None:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..kernels.launch import triton_interprets
-from ..kernels.signal import ERR_CODE, ERR_INDEX, ERR_OP, ERR_RANK, ERR_SEEN, ERR_WANTED, ERR_WORDS
+from ..kernels.cached_launch import launch, triton_interprets
+from ..kernels.signal import ERR_CODE, ERR_INDEX, ERR_OP, ERR_RANK, ERR_SEEN, ERR_WANTED, ERR_WORDS, barrier_kernel
 from .backend import Backend, Stream
 
 # Names of the ops that can report a timed-out wait, by the id kernels record.
@@ -118,10 +118,16 @@ class Context:
         #: bumped whenever a symmetric buffer is allocated or freed: what holds addresses (ops.replay) drops them
         self.generation = 0
         self._streams: list[Stream] = []
+        self._cache: dict = {}  # what ops keep per Context (plans, op objects, copy plans); freed by close()
+        self._on_close: list = []
         self._closed = False
         self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=self.device)
         self._barrier_slots = self.symmetric("__barrier", (self.world_size,), torch.int32)
         self._barrier_count = torch.zeros(1, dtype=torch.int32, device=self.device)
+        # the barrier kernel is built and loaded now, before any op's persistent kernel can spin: loading a module
+        # while a kernel that waits on peers occupies the GPU may wait for that kernel
+        self.barrier()
+        self.synchronize()
 
     # ------------------------------------------------------------------ set-up
     def _make_backend(self, name: str) -> Backend:
@@ -131,16 +137,24 @@ class Context:
                                    "before triton is imported (scripts/launch.sh does this on machines without GPUs)")
             from .host import HostBackend
 
-            session = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-            dist.broadcast_object_list(session, src=dist.get_global_rank(self.group, 0), group=self.group)
-            return HostBackend(self.rank, self.world_size, session[0], self.timeout_s)
-        if name == "cuda":
-            from .cuda import CudaBackend
+            namespace = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+            dist.broadcast_object_list(namespace, src=dist.get_global_rank(self.group, 0), group=self.group)
+            return HostBackend(self.rank, self.world_size, namespace[0], self.timeout_s)
+        if name in ("cuda", "hip"):
+            built_for = "ROCm" if name == "hip" else "CUDA"
+            if not torch.cuda.is_available():
+                raise RuntimeError(f"Context(backend={name!r}) needs a GPU and a {built_for} build of torch; this "
+                                   f"torch ({torch.__version__}) sees none. Without GPUs use backend='host' or 'auto'.")
+            if name == "cuda":
+                from .cuda import CudaBackend, runtime_available
 
-            return CudaBackend(self.rank, self.world_size)
-        if name == "hip":
-            from .hip import HipBackend
+                if not runtime_available():
+                    raise RuntimeError("Context(backend='cuda') needs cuda-python: pip install 'triton-overlap[cuda]'")
+                return CudaBackend(self.rank, self.world_size)
+            from .hip import HipBackend, runtime_available
 
+            if not runtime_available():
+                raise RuntimeError("Context(backend='hip') needs hip-python: pip install 'triton-overlap[rocm]'")
             return HipBackend(self.rank, self.world_size)
         raise ValueError(f"unknown backend {name!r}: use 'cuda', 'hip', 'host' or 'auto'")
 
@@ -148,14 +162,31 @@ class Context:
     def backend(self) -> str:
         return self.backend_name
 
-    def _gather(self, obj) -> list:
+    def gather_object(self, obj) -> list:
+        """Every rank's ``obj``, in rank order (a collective)."""
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def _check_open(self):
+    def ensure_open(self) -> None:
+        """Raise RuntimeError if this Context is closed."""
         if self._closed:
             raise RuntimeError("this Context is closed")
+
+    # ------------------------------------------------------------- what ops keep
+    def cached(self, key, make):
+        """The object kept under ``key`` for this Context, made by ``make()`` on first use. Ops keep here what
+        they build once and reuse (plans, address tables, the functional forms' op objects); ``close()`` frees
+        it all, whoever still holds the ops."""
+        self.ensure_open()
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = make()
+        return got
+
+    def on_close(self, fn) -> None:
+        """Call ``fn()`` when this Context closes (registries that name its ops let go of them)."""
+        self._on_close.append(fn)
 
     @property
     def group(self):
@@ -172,7 +203,7 @@ class Context:
         grows it (collectively) when not. Mismatched arguments raise ValueError
         on every rank.
         """
-        self._check_open()
+        self.ensure_open()
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)))
         cached = self._views.get((name, shape, dtype))
         if cached is not None:
@@ -180,7 +211,7 @@ class Context:
         if any(s < 0 for s in shape):
             raise ValueError(f"symmetric({name!r}): negative size in {shape}")
         mine = (name, shape, str(dtype))
-        everyone = self._gather(mine)
+        everyone = self.gather_object(mine)
         if any(o != mine for o in everyone):
             raise ValueError(f"symmetric({name!r}): ranks asked for different buffers: "
                              + ", ".join(f"rank {r}: {o[1]} {o[2]}" for r, o in enumerate(everyone)))
@@ -201,7 +232,7 @@ class Context:
     def _allocate(self, nbytes: int) -> _Allocation:
         b = self._backend
         local, handle = b.alloc(nbytes)
-        handles = self._gather(handle)
+        handles = self.gather_object(handle)
         peers = [None if r == self.rank else b.open(h, nbytes) for r, h in enumerate(handles)]
         dist.barrier(group=self.group)  # every rank has mapped every buffer
         b.after_exchange(handle)
@@ -219,7 +250,7 @@ class Context:
     # ---------------------------------------------------------------- streams
     def streams(self, n: int) -> list[Stream]:
         """``n`` high-priority producer streams, created once and reused across calls."""
-        self._check_open()
+        self.ensure_open()
         while len(self._streams) < n:
             self._streams.append(self._backend.new_stream())
         return self._streams[:n]
@@ -241,10 +272,7 @@ class Context:
         why it stays correct under CUDA-graph replay). Launch it before, not
         during, a persistent kernel that occupies every SM.
         """
-        self._check_open()
-        from ..kernels.launch import launch
-        from ..kernels.signal import barrier_kernel
-
+        self.ensure_open()
         stream = stream or self.current_stream()
         block = 1
         while block < self.world_size:
@@ -295,6 +323,10 @@ class Context:
             if dist.is_initialized():
                 dist.barrier(group=self.group)  # no peer still uses our memory when we free it
         finally:
+            for fn in self._on_close:
+                fn()
+            self._on_close.clear()
+            self._cache.clear()
             for alloc in self._allocs.values():
                 self._backend.release(alloc.local, alloc.handle, alloc.peers)
             self._allocs.clear()
@@ -302,9 +334,8 @@ class Context:
             self.generation += 1
             self._streams.clear()
             self._backend.close()
-            # Ops (and triton_overlap.library's registry of them) may keep this Context until the interpreter
-            # finalises. A gloo group held that long, past destroy_process_group, aborted the process at exit in 8
-            # of 50 runs of a short repro ("terminate called without an active exception"), 0 of 50 when let go.
+            # ops may keep this Context until the interpreter finalises; the process group must not live that long
+            # (a gloo group held past destroy_process_group can abort the process at exit: docs/decisions.md)
             self._group = None
 
     def __enter__(self):
@@ -315,4 +346,5 @@ class Context:
         return False
 
     def __repr__(self):
-        return f"Context(backend={self.backend_name!r}, rank={self.rank}, world_size={self.world_size}, device={self.device})"
+        return (f"Context(backend={self.backend_name!r}, rank={self.rank}, world_size={self.world_size}, "
+                f"device={self.device})")

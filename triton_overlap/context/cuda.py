@@ -38,6 +38,15 @@ def _drv():
     return driver
 
 
+def runtime_available() -> bool:
+    """Whether cuda-python is installed."""
+    try:
+        _rt(), _drv()
+    except ImportError:
+        return False
+    return True
+
+
 def check(result, what: str):
     """cuda-python returns (err, *values); raise on a non-zero error and return the values."""
     err, *values = result if isinstance(result, tuple) else (result,)
@@ -100,11 +109,10 @@ def memcpy_plan(dst: torch.Tensor, src: torch.Tensor):
 
 
 class CudaStream(Stream):
-    raw = True  # copy_raw / write_value_ptr: pre-resolved addresses, for producers that cache their plans
-
     def __init__(self, stream: torch.cuda.Stream):
         self.torch_stream = stream
         self.handle = stream.cuda_stream
+        self.event = None  # recorded when another stream waits for this one (wait_stream)
         rt, drv = _rt(), _drv()
         self._memcpy, self._memcpy2d = rt.cudaMemcpyAsync, rt.cudaMemcpy2DAsync
         self._names = ("cudaMemcpyAsync", "cudaMemcpy2DAsync")
@@ -124,16 +132,18 @@ class CudaStream(Stream):
         for dptr, dp, sptr, sp, w, h in memcpy_plan(dst, src):
             self._copy2d(dptr, dp, sptr, sp, w, h)
 
-    def copy_raw(self, pieces, src_base: int):
-        """Copy pieces (dst_ptr, dpitch, src_offset, spitch, width, height) of the source at ``src_base``."""
-        for dptr, dp, soff, sp, w, h in pieces:
-            self._copy2d(dptr, dp, src_base + soff, sp, w, h)
+    def plan_copy(self, dst, src, base):
+        """The 2-D pieces (dst_ptr, dpitch, src offset from ``base``'s address, spitch, width, height)."""
+        at = base.data_ptr()
+        return [(dp, dpitch, sp - at, spitch, w, h) for dp, dpitch, sp, spitch, w, h in memcpy_plan(dst, src)]
 
-    def write_value_ptr(self, ptr: int, value: int):
-        check(self._write32(self.handle, ptr, value & 0xFFFFFFFF, self._write_flags), "stream write-value")
+    def copy_planned(self, plan, base):
+        at = base.data_ptr()
+        for dptr, dp, soff, sp, w, h in plan:
+            self._copy2d(dptr, dp, at + soff, sp, w, h)
 
     def write_value(self, flag, value):
-        self.write_value_ptr(flag.data_ptr(), value)
+        check(self._write32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, self._write_flags), "stream write-value")
 
     def wait_value(self, flag, value, what=""):
         check(self._wait32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, self._wait_flags),
@@ -142,11 +152,10 @@ class CudaStream(Stream):
     def wait_stream(self, other):
         # one reusable event per stream: a wait takes the event's state when it is enqueued, so recording it
         # again later does not move an earlier wait (torch's Stream.wait_stream makes a new event every time)
-        ev = other.__dict__.get("_event")
-        if ev is None:
-            ev = other._event = torch.cuda.Event()
-        ev.record(other.torch_stream)
-        self.torch_stream.wait_event(ev)
+        if other.event is None:
+            other.event = torch.cuda.Event()
+        other.event.record(other.torch_stream)
+        self.torch_stream.wait_event(other.event)
 
     def synchronize(self):
         self.torch_stream.synchronize()

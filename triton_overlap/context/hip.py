@@ -28,12 +28,22 @@ def _hip():
     return hip
 
 
+def runtime_available() -> bool:
+    """Whether hip-python is installed."""
+    try:
+        _hip()
+    except ImportError:
+        return False
+    return True
+
+
 class HipStream(CudaStream):
     """Stream ordering and synchronisation as on CUDA (torch events); the runtime calls are HIP's."""
 
     def __init__(self, stream: torch.cuda.Stream):
         self.torch_stream = stream
         self.handle = stream.cuda_stream
+        self.event = None
         hip = _hip()
         self._memcpy, self._memcpy2d = hip.hipMemcpyAsync, hip.hipMemcpy2DAsync
         self._names = ("hipMemcpyAsync", "hipMemcpy2DAsync")

@@ -163,10 +163,10 @@ class HostBackend(Backend):
     name = "host"
     clock = 0
 
-    def __init__(self, rank: int, world_size: int, session: str, timeout_s: float):
+    def __init__(self, rank: int, world_size: int, namespace: str, timeout_s: float):
         _patch_interpreter_index()
         super().__init__(rank, world_size)
-        self._session = session
+        self._namespace = namespace  # the same on every rank of the group, new for each Context
         self._count = 0
         self._timeout_s = timeout_s
         self._main = _Main(timeout_s)
@@ -178,7 +178,7 @@ class HostBackend(Backend):
 
     def alloc(self, nbytes):
         self._count += 1
-        path = f"/dev/shm/triton_overlap-{self._session}-r{self.rank}-{self._count}"
+        path = f"/dev/shm/triton_overlap-{self._namespace}-r{self.rank}-{self._count}"
         _pending_files.add(path)
         t = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         return t, path

@@ -22,9 +22,16 @@ the same causal rules apply document by document.
 
 The running max, sum and accumulator stay in float32; lse is in natural log.
 """
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
 
+from ..plan import cdiv
+from .cached_launch import launch
 from .signal import wait_flag
 
 
@@ -213,3 +220,61 @@ def cp_attention_fwd(
             for c in range(0, world * CHUNKS_PER_RANK):
                 if c // CHUNKS_PER_RANK != rank:
                     wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK)
+
+
+# ---------------------------------------------------------------------------------------------------- launcher
+@dataclass(frozen=True)
+class Blocks:
+    """Tile sizes and launch parameters of one attention kernel (``block_m`` query rows, ``block_n`` key rows)."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Packed documents' tables for one shard layout and block size (``segment_table``)."""
+    segments: torch.Tensor  # int32 [n, 2]: (document, first row) of every block, longest documents first
+    bounds: torch.Tensor  # int32: the documents' boundaries within the shard
+    blocks: int  # n
+
+
+def segment_table(local_cu, block: int, device) -> Documents:
+    """For packed documents with shard boundaries ``local_cu``: (document, first row) of every block of ``block``
+    rows, the longest documents first (so that the longest programs start first)."""
+    docs = sorted(range(len(local_cu) - 1), key=lambda d: -(local_cu[d + 1] - local_cu[d]))
+    rows = [(d, r0) for d in docs for r0 in range(0, local_cu[d + 1] - local_cu[d], block)]
+    return Documents(torch.tensor(rows or [(0, 0)], dtype=torch.int32, device=device),
+                     torch.tensor(local_cu, dtype=torch.int32, device=device), len(rows))
+
+
+def _grid0(S, block, docs: Documents | None, none: torch.Tensor):
+    """(programs along the sequence, table, boundaries): whole-shard blocks, or the packed documents' blocks
+    (``none``: any int32 tensor, passed where VARLEN is off and nothing reads it)."""
+    if docs is None:
+        return cdiv(S, block), none, none
+    return docs.blocks, docs.segments, docs.bounds
+
+
+def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale, causal, blocks: Blocks,
+               rank=None, world=None, docs: Documents | None = None, op: int = 0) -> None:
+    """The forward kernel on contiguous q [B, S, Hq, D], k/v [B, S, Hkv, D], workspaces [B, W*S, Hkv, D], as
+    ``rank`` of ``world`` (default: the Context's). ``docs``: packed documents' tables (B = 1), else None."""
+    B, S, Hq, D = q.shape
+    if not (k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1)):
+        raise ValueError("cp_attention: k, v and the workspaces must share a sequence stride")
+    n, seg, cu = _grid0(S, blocks.block_m, docs, flags)
+    if n == 0:
+        return
+    rank = ctx.rank if rank is None else rank
+    world = ctx.world_size if world is None else world
+    launch(cp_attention_fwd, (n, B * Hq), (
+        q, k, v, kw, vw, out, lse, flags, ctx.err, ctx.budget, rank, world, op,
+        S, Hq, Hq // k.shape[2], m_per_chunk, chunks_per_rank, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1),
+        out.stride(0), out.stride(1), out.stride(2), seg, cu,
+    ), dict(CAUSAL=causal, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, HEAD_D=D, CLOCK=ctx.clock,
+            DOT_F32=ctx.backend == "host", VARLEN=docs is not None), num_warps=blocks.num_warps,
+        num_stages=blocks.num_stages)
+    ctx.after_launch()

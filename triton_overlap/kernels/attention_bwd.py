@@ -19,10 +19,15 @@ only when it reads it; ``cp_attention_dkdv`` waits for its own block's chunk
 Packed documents (VARLEN) as in the forward: a program's document and first
 row come from a table, and it reads only that document's rows.
 """
+from __future__ import annotations
+
 import triton
 import triton.language as tl
 
-from .attention import key_span, kv_base, piece, pieces, pos_span, segment, unmasked_end, wait_kv, zigzag_pos
+from ..plan import cdiv
+from .attention import (Blocks, Documents, _grid0, key_span, kv_base, piece, pieces, pos_span, segment, unmasked_end,
+                        wait_kv, zigzag_pos)
+from .cached_launch import launch
 from .signal import add_release, wait_flag
 
 
@@ -224,3 +229,48 @@ def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, err_ptr, budge
         dv += tl.load(recv_ptr + (s * 2 + 1) * N_ELEM + offs, mask=ok, other=0.0)
     tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=ok)
     tl.store(dv_ptr + offs, dv.to(dv_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------------- launchers
+def launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, flags, m_per_chunk,
+               chunks_per_rank, scale, causal, dq_blocks: Blocks, dkdv_blocks: Blocks, rank=None, world=None,
+               docs_dq: Documents | None = None, docs_dkdv: Documents | None = None, op: int = 0) -> int:
+    """dQ into ``dq``; float32 dK/dV partials into every owner's receive slot [W, 2, B, S, Hkv, D] for this rank,
+    each block bumping the owner's counter for this rank. ``docs_dq`` / ``docs_dkdv``: packed documents' tables
+    for the two kernels' blocks (B = 1), else None. Returns the count each owner waits for per source."""
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    if not (k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1)):
+        raise ValueError("cp_attention: k, v and the workspaces must share a sequence stride")
+    rank = ctx.rank if rank is None else rank
+    world = ctx.world_size if world is None else world
+    common = (ctx.err, ctx.budget, rank, world, op, S)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
+    meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=ctx.backend == "host")
+    n, seg, cu = _grid0(S, dq_blocks.block_m, docs_dq, flags)
+    if n:
+        launch(cp_attention_dq, (n, B * Hq), (
+            q, k, v, kw, vw, dout, lse, delta, dq, flags, *common, Hq, Hq // Hkv,
+            m_per_chunk, chunks_per_rank, scale, *strides, seg, cu),
+            dict(BLOCK_M=dq_blocks.block_m, BLOCK_N=dq_blocks.block_n, VARLEN=docs_dq is not None, **meta),
+            num_warps=dq_blocks.num_warps, num_stages=dq_blocks.num_stages)
+        ctx.after_launch()
+    n, seg, cu = _grid0(S, dkdv_blocks.block_n, docs_dkdv, flags)
+    if n:
+        launch(cp_attention_dkdv, (n, B * Hkv, world), (
+            q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, *common, Hq, Hkv, Hq // Hkv,
+            m_per_chunk, chunks_per_rank, scale, *strides, seg, cu),
+            dict(BLOCK_M=dkdv_blocks.block_m, BLOCK_N=dkdv_blocks.block_n, VARLEN=docs_dkdv is not None, **meta),
+            num_warps=dkdv_blocks.num_warps, num_stages=dkdv_blocks.num_stages)
+        ctx.after_launch()
+    return n * B * Hkv
+
+
+def launch_reduce_dkdv(ctx, recv, dk, dv, counters, expected: int, op: int = 0) -> None:
+    """dK, dV = the sum of the W partials in ``recv`` (this rank's receive slots), once every source's count in
+    ``counters`` has reached ``expected``."""
+    n = dk.numel()
+    block = 1024 if ctx.backend == "host" else 2048
+    launch(reduce_dkdv, (cdiv(n, block),), (recv, dk, dv, counters, expected, ctx.err, ctx.budget, ctx.rank,
+                                             ctx.world_size, op, n), dict(BLOCK=block, CLOCK=ctx.clock))
+    ctx.after_launch()

@@ -1,15 +1,8 @@
-"""Chunk arithmetic, in one place for the host (producers, orders) and the kernels.
+"""Chunk arithmetic on the device: the kernels' side of ``triton_overlap.plan``.
 
-Rows of a gathered (or to-be-scattered) [M, ...] tensor belong to ranks in
-blocks of ``m_local`` rows; each rank's block is cut into chunks of
-``m_per_chunk`` rows (the last one may be shorter). Chunk ids are global:
-``src * chunks_per_rank + j``. A tile may cover several chunks and a chunk
-several tiles.
+Rows belong to ranks in blocks of ``M_LOCAL`` rows, each block cut into chunks of ``M_PER_CHUNK`` rows; chunk ids
+are global, ``src * CHUNKS_PER_RANK + j``.
 """
-from __future__ import annotations
-
-from dataclasses import dataclass
-
 import triton
 import triton.language as tl  # noqa: F401 - triton requires it visible from a module with jit functions
 
@@ -17,70 +10,3 @@ import triton.language as tl  # noqa: F401 - triton requires it visible from a m
 @triton.jit
 def chunk_of_row(row, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK):
     return (row // M_LOCAL) * CHUNKS_PER_RANK + (row % M_LOCAL) // M_PER_CHUNK
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@dataclass(frozen=True)
-class ChunkLayout:
-    world: int
-    m_local: int
-    m_per_chunk: int
-
-    def __post_init__(self):
-        if self.m_local <= 0 or self.m_per_chunk <= 0:
-            raise ValueError(f"chunk layout needs positive sizes, got m_local={self.m_local}, m_per_chunk={self.m_per_chunk}")
-
-    @property
-    def chunks_per_rank(self) -> int:
-        return cdiv(self.m_local, self.m_per_chunk)
-
-    @property
-    def num_chunks(self) -> int:
-        return self.world * self.chunks_per_rank
-
-    def local_rows(self, j: int) -> slice:
-        """Rows of chunk j inside its owner's own [m_local, ...] block."""
-        return slice(j * self.m_per_chunk, min((j + 1) * self.m_per_chunk, self.m_local))
-
-    def rows(self, src: int, j: int) -> slice:
-        """Global rows of chunk j of rank src."""
-        s = self.local_rows(j)
-        return slice(src * self.m_local + s.start, src * self.m_local + s.stop)
-
-    def chunk_id(self, src: int, j: int) -> int:
-        return src * self.chunks_per_rank + j
-
-    def chunk_of_row(self, row: int) -> int:
-        return (row // self.m_local) * self.chunks_per_rank + (row % self.m_local) // self.m_per_chunk
-
-    def tile_chunks(self, pid_m: int, block_m: int) -> range:
-        m = self.world * self.m_local
-        lo = pid_m * block_m
-        hi = min(lo + block_m, m) - 1
-        return range(self.chunk_of_row(lo), self.chunk_of_row(hi) + 1)
-
-    def stream_schedule(self, rank: int, n_streams: int, peers_in_order: list[int]) -> dict[int, tuple[int, int]]:
-        """When each chunk of each peer moves: {chunk id of (peer, j): (position in its stream, stream)}.
-
-        Peer ``peers_in_order[i]`` uses stream ``i % n_streams``; a stream moves
-        its peers one after another, chunk by chunk, and streams run at once.
-        """
-        when: dict[int, tuple[int, int]] = {}
-        seq = [0] * n_streams
-        for i, peer in enumerate(peers_in_order):
-            s = i % n_streams
-            for j in range(self.chunks_per_rank):
-                when[self.chunk_id(peer, j)] = (seq[s], s)
-                seq[s] += 1
-        return when
-
-    def tile_order(self, block_m: int, when: dict[int, tuple], last: bool = False) -> list[int]:
-        """m-tiles sorted by the latest of their chunks' times (chunks missing from ``when``
-        come first, or last with ``last=True``): the order a consumer (or producer) should take them."""
-        m = self.world * self.m_local
-        missing = (1 << 30, 0) if last else (-1, 0)
-        key = {t: max(when.get(c, missing) for c in self.tile_chunks(t, block_m)) for t in range(cdiv(m, block_m))}
-        return sorted(key, key=lambda t: (key[t], t))

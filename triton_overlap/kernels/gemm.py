@@ -73,9 +73,16 @@ tile of shared memory and 4 pipeline stages of 128x256x64 still fit on sm_90a.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
+import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..plan import ChunkLayout, cdiv
+from .cached_launch import launch
 from .chunks import chunk_of_row
 from .signal import add_release, wait_flag
 
@@ -379,3 +386,199 @@ def persistent_gemm(
         publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
     if RESET_AT_EXIT:  # the last program out zeroes this rank's flags (counters) and the tile counter
         reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)
+
+
+# ---------------------------------------------------------------------------------------------------- launcher
+@dataclass(frozen=True)
+class GemmTiles:
+    """The persistent GEMM's tile shape and pipeline.
+
+    ``tma``: load A and B through tensor descriptors (TMA) rather than pointers, on NVIDIA compute capability 9.0
+    and later and on the host backend (never on AMD). None: descriptors where B is passed transposed
+    (``linear.weight.t()``), pointers for B stored [K, N]; True: descriptors for both; False: never. Operands a
+    descriptor cannot describe (``desc_layout``) use pointers whatever this says.
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    num_xcds: int = 1
+    tma: bool | None = None
+
+
+@dataclass(frozen=True)
+class ScatterTarget:
+    """SCATTER: where the GEMM's tiles go. Row ``r`` of the output belongs to rank ``r // m_local``; a tile goes to
+    its owner's slot for this rank (``ptrs[owner]``, int64 [W] base addresses) and then bumps the owner's counter of
+    each chunk it covers (``counter_ptrs[owner]``).
+
+    ``local``: every address is on this GPU (GEMM-RS's copy variant: a staging buffer and local counters), so a tile
+    publishes with a device-scope release. ``free_sm``: leave one SM free, for a barrier kernel beside this GEMM
+    that some of its tiles wait for. ``claim`` and ``defer_release``: kernels.gemm's CLAIM and DEFER_RELEASE (None:
+    round-robin tiles, ``CLAIM_DEFAULT``; deferred where the counters are a peer's, not where they are local).
+    ``reduce_into`` (REDUCE_OWN): the output [M / W, N]; tiles of this rank's rows wait for every peer's count to
+    reach ``expected`` and add the peers' partials from ``c`` (this rank's receive slots [W, m_local, N]);
+    ``split_m``: how many m-tiles of the order hold peers' rows."""
+
+    ptrs: torch.Tensor
+    counter_ptrs: torch.Tensor
+    local: bool = False
+    free_sm: bool = False
+    claim: int | None = None
+    defer_release: bool | None = None
+    reduce_into: torch.Tensor | None = None
+    expected: torch.Tensor | None = None
+    split_m: int = 0
+
+
+#: CLAIM off the host backend: round-robin tiles with one start count per program (kernels.gemm CLAIM=0).
+CLAIM_DEFAULT = 0
+#: Whether C tiles are stored through a descriptor (a TMA store) where C can be described.
+TMA_STORE_DEFAULT = True
+
+
+@functools.lru_cache(maxsize=None)
+def capability(index: int | None) -> tuple:
+    return torch.cuda.get_device_capability(index)
+
+
+def aligned(t: torch.Tensor, *strides: int) -> bool:
+    e = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * e % 16 == 0 for s in strides)
+
+
+def tma_target(backend: str, device, *block: int) -> bool:
+    """Whether this backend and GPU take tensor descriptors with tile sides ``block``: NVIDIA compute capability
+    9.0 and later or the host backend (never AMD), no side over 256."""
+    if backend == "hip" or max(block) > 256:
+        return False
+    return backend != "cuda" or capability(device.index)[0] >= 9
+
+
+def _pair_gap(a, ws) -> int | None:
+    """Elements from the lower of ``a``'s and ``ws``'s addresses to the higher, when one descriptor can span both."""
+    e = a.element_size()
+    gap = abs(ws.data_ptr() - a.data_ptr())
+    return gap // e if gap % 16 == 0 and gap < (1 << 40) and a.stride(0) == ws.stride(0) else None
+
+
+def _pair_desc(a, ws, M, K, bm, bk):
+    """AllGather's A as one 3-D descriptor [2, M, K] whose planes are this rank's shard and the workspace (plane 1
+    lies ``gap`` elements past plane 0, whichever of the two comes first in memory), so the kernel's one K loop
+    reads either by plane index. Only a shard plane's first M_LOCAL rows are real; the kernel reads no others
+    there (whole tiles of rows per rank). Returns the descriptor and (shard's plane, workspace's plane)."""
+    gap = _pair_gap(a, ws)
+    lo, planes = (a, (0, 1)) if a.data_ptr() <= ws.data_ptr() else (ws, (1, 0))
+    return TensorDescriptor(lo, [2, M, K], [gap, a.stride(0), 1], [1, bm, bk]), planes
+
+
+def desc_layout(backend: str, tiles: GemmTiles, a, ws, b, m_local: int, gather: bool) -> str | None:
+    """How B is described for the DESC path: "kn" ([K, N] rows; only with ``tiles.tma`` True), "nk" (B's
+    transpose, [N, K] rows: ``linear.weight.t()``), or None: pointers. Descriptors need 16-byte aligned bases and
+    row strides, unit stride in the last dimension, and with GATHER whole tiles of each rank's rows."""
+    if tiles.tma is False or not tma_target(backend, a.device, tiles.block_m, tiles.block_n, tiles.block_k):
+        return None
+    if a.stride(1) != 1 or not aligned(a, a.stride(0)):
+        return None
+    if gather and (m_local % tiles.block_m != 0 or ws.stride(1) != 1 or _pair_gap(a, ws) is None):
+        return None
+    if b.stride(0) == 1 and b.stride(1) != 1 and aligned(b, b.stride(1)):
+        return "nk"
+    if tiles.tma and b.stride(1) == 1 and aligned(b, b.stride(0)):
+        return "kn"
+    return None
+
+
+def _describable(backend: str, tiles: GemmTiles, c) -> bool:
+    """Whether C's tiles can be stored through a descriptor (TMA): NVIDIA sm_90+ or the host backend, unit column
+    stride, 16-byte aligned base and row stride, tiles of at most 256 in each dimension (and half tiles, the store's
+    unit, at least 16 columns wide)."""
+    return (tiles.block_n >= 32 and tma_target(backend, c.device, tiles.block_m, tiles.block_n)
+            and c.stride(1) == 1 and aligned(c, c.stride(0)))
+
+
+def _first(*values):
+    return next(v for v in values if v is not None)
+
+
+def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLayout | None = None, bias=None,
+                scales=None, workspace=None, scatter: ScatterTarget | None = None, exit_counts=None, op: int = 0,
+                tma_store: bool | None = None) -> None:
+    """``c = a @ b (+ bias)`` by the persistent GEMM on the caller's stream.
+
+    ``order``: the m-tiles in the order programs take them (int32); ``flags``: this rank's flags (GATHER) or
+    counters (SCATTER); ``layout``: the chunking of rows among ranks (None: a plain GEMM, one chunk).
+    ``workspace`` (GATHER): the [M, K] workspace other ranks' rows land in; ``a`` is this rank's shard, read in
+    place. ``scatter``: see ScatterTarget. ``exit_counts`` (RESET_AT_EXIT, with GATHER or REDUCE_OWN): two
+    int32s, zero at launch; the last program zeroes them and ``flags``. ``scales``: fp8's (scale_a, scale_b).
+    ``tma_store`` (None: TMA_STORE_DEFAULT): store C through a descriptor where it can be described (not with
+    SCATTER)."""
+    gather = workspace is not None
+    K, N = a.shape[1], b.shape[1]
+    if layout is None:
+        layout = ChunkLayout(1, a.shape[0], a.shape[0])
+    M = layout.world * layout.m_local if gather else a.shape[0]
+    num_tiles = cdiv(M, tiles.block_m) * cdiv(N, tiles.block_n)
+    units = ctx.num_compute_units()
+    free_sm = gather or (scatter is not None and scatter.free_sm)
+    if free_sm and ctx.backend != "host":
+        units -= 1
+    programs = max(1, min(units, num_tiles))
+    a_desc = b_desc = None
+    planes = (0, 0)
+    b_layout = desc_layout(ctx.backend, tiles, a, workspace, b, layout.m_local, gather)
+    if b_layout is not None:
+        bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+        if gather:
+            a_desc, planes = _pair_desc(a, workspace, M, K, bm, bk)
+        else:
+            a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
+        if b_layout == "kn":
+            b_desc = TensorDescriptor(b, [K, N], [b.stride(0), 1], [bk, bn])
+        else:
+            b_desc = TensorDescriptor(b.t(), [N, K], [b.stride(1), 1], [bn, bk])
+    c_desc = None
+    if scatter is None and _first(tma_store, TMA_STORE_DEFAULT) and _describable(ctx.backend, tiles, c):
+        # the kernel stores each tile in two column halves (half the shared memory)
+        c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [tiles.block_m, tiles.block_n // 2])
+    reduce_into = scatter.reduce_into if scatter is not None else None
+    fused = reduce_into is not None
+    local = scatter is not None and scatter.local
+    launch(persistent_gemm, (programs,), (
+        a, workspace if gather else a, b, c, bias if bias is not None else c,
+        M, N, K, layout.m_local, layout.m_per_chunk, layout.chunks_per_rank,
+        a.stride(0), workspace.stride(0) if gather else 0, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
+        order, flags, ctx.err, ctx.budget, ctx.rank, op,
+        scatter.ptrs if scatter is not None else flags, scatter.counter_ptrs if scatter is not None else flags,
+        reduce_into if fused else c, reduce_into.stride(0) if fused else 0,
+        scatter.expected if fused else flags, exit_counts if exit_counts is not None else flags, ctx.world_size,
+        scatter.split_m if scatter is not None else 0,
+        a_desc, planes[0], planes[1], b_desc, *(scales if scales is not None else (flags, flags)), c_desc,
+    ), dict(
+        HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter is not None, REDUCE_OWN=fused,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+        NUM_PROGRAMS=programs, NUM_XCDS=tiles.num_xcds, EVEN_K=(K % tiles.block_k == 0), CLOCK=ctx.clock,
+        DOT_F32=ctx.backend == "host",
+        # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
+        ALIGN_C=scatter is not None and N % 16 == 0 and (
+            not fused or (reduce_into.data_ptr() % 16 == 0 and reduce_into.stride(0) * c.element_size() % 16 == 0)),
+        DESC=b_layout is not None, B_KMAJOR=b_layout == "nk", SCALED=scales is not None,
+        WHOLE_TILES=scatter is not None and layout.m_local % tiles.block_m == 0, LOCAL_COUNTERS=local,
+        SPLIT_EPILOGUE=fused and tiles.block_n >= 32,
+        CLAIM=1 if ctx.backend == "host" else _first(scatter.claim if scatter else None, CLAIM_DEFAULT),
+        DEFER_RELEASE=scatter is not None and bool(_first(scatter.defer_release, not local)),
+        DESC_C=c_desc is not None, RESET_AT_EXIT=(fused or gather) and exit_counts is not None,
+    ), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    ctx.after_launch()
+
+
+def plain_gemm(ctx, tiles: GemmTiles, a, b, c, bias=None, scales=None, tma_store: bool | None = None):
+    """A callable that launches the persistent GEMM alone, ``c = a @ b (+ bias)``: no waits, no communication (the
+    consumer alone in benchmarks and tuning, and fp8's fallback matmul)."""
+    order = torch.arange(cdiv(a.shape[0], tiles.block_m), dtype=torch.int32, device=a.device)
+    ready = torch.zeros(1, dtype=torch.int32, device=a.device)
+    return lambda: launch_gemm(ctx, tiles, a, b, c, order=order, flags=ready, bias=bias, scales=scales,
+                               tma_store=tma_store)

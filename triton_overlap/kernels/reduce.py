@@ -5,9 +5,13 @@ counters of the chunks its rows cover (bounded waits), then adds the W
 partials ``recv[s]`` (this rank's own partial sits in slot ``rank``) and the
 bias, and stores the output dtype.
 """
+from __future__ import annotations
+
 import triton
 import triton.language as tl
 
+from ..plan import ChunkLayout, cdiv
+from .cached_launch import launch
 from .signal import wait_flag
 
 
@@ -40,3 +44,17 @@ def reduce_partials(recv_ptr, out_ptr, bias_ptr, counters_ptr, expected_ptr, err
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def launch_reduce(ctx, recv, out, bias, counters, expected, layout: ChunkLayout, op: int = 0) -> None:
+    """``out`` (this rank's [m_local, N] rows) = the sum of the W partials in ``recv`` (this rank's receive slots
+    [W, m_local, N]) + ``bias``, chunk by chunk as each peer's counter reaches ``expected``."""
+    m_local, N = out.shape
+    block_m, block_n = (32, 32) if ctx.backend == "host" else (64, 128)
+    programs = max(1, min(ctx.num_compute_units(), cdiv(m_local, block_m) * cdiv(N, block_n)))
+    launch(reduce_partials, (programs,), (
+        recv, out, bias if bias is not None else out, counters, expected, ctx.err, ctx.budget, ctx.rank,
+        ctx.world_size, op, m_local, N, layout.m_per_chunk, layout.chunks_per_rank, out.stride(0),
+    ), dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs, CLOCK=ctx.clock),
+        num_warps=4)
+    ctx.after_launch()

@@ -1,12 +1,11 @@
 """Eager calls replayed from CUDA graphs the op captures of itself.
 
-An eager overlapped call costs the host 0.2-0.9 ms (barrier and GEMM launches,
-one cudaMemcpyAsync and one cuStreamWriteValue32 per chunk and peer), and a GPU
-with nothing else queued idles meanwhile: on 2xH200 that was what kept eager
-calls at 0.86-1.04x of NCCL + cuBLAS while the same ops in CUDA graphs ran at
-1.12-1.29x. Every step of a call is on streams and every flag value a
-constant (producers.allgather's protocol), so a call captured once replays
-correctly for as long as it reads and writes the same memory.
+An eager overlapped call costs the host a kernel launch or two and a copy and a
+flag write per chunk and peer, and a GPU with nothing else queued idles
+meanwhile (docs/decisions.md has the figures). Every step of a call is on
+streams and every flag value a constant (producers.pipeline), so a call
+captured once replays correctly for as long as it reads and writes the same
+memory.
 
 ``ReplayCache`` keeps, per op, graphs keyed by everything a call's enqueued
 work depends on: the addresses, shapes, strides and dtypes of its tensors and
@@ -20,7 +19,7 @@ every check an op makes depends only on what the key holds (shapes, strides,
 dtypes; the device is implied by the address, since CUDA's unified addressing
 gives every device and the host distinct address ranges), and a call with this
 key passed them when it was captured. The rest of a call's host work is then
-one key and one dictionary lookup (bench.py's host_replay_us). Rules:
+one key and one dictionary lookup. Rules:
 
 * never on the host backend, never while the caller is capturing (the call
   then joins the caller's graph), never with producer jitter (a testing aid

@@ -1,0 +1,118 @@
+"""Tensor-parallel linear layers (sequence parallel) built on the overlapped ops, with autograd.
+
+Activations are sequence-first, ``[S, *, features]``, and sharded along S
+between the layers: ``ColumnParallelLinear`` takes ``[S/W, *, in]`` and gives
+``[S, *, out/W]`` (AllGather-GEMM); ``RowParallelLinear`` takes
+``[S, *, in/W]`` and gives ``[S/W, *, out]`` (GEMM-ReduceScatter). Each
+backward uses the other op: the pair is closed under differentiation. The
+layers call the custom ops of ``triton_overlap.ops.custom_ops``, so ``torch.compile``
+traces them (forward and backward) without graph breaks.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..ops import custom_ops
+from ..ops.all_gather_gemm import AllGatherGEMM
+from ..ops.gemm_reduce_scatter import GEMMReduceScatter
+
+
+def _ops(ctx, fallback: str):
+    """Handles of one AllGatherGEMM and one GEMMReduceScatter per (Context, fallback rule), shared by the layers."""
+    return ctx.cached(("nn ops", fallback), lambda: (
+        custom_ops.handle(AllGatherGEMM(ctx, fallback=fallback, name=f"nn.ag.{fallback}")),
+        custom_ops.handle(GEMMReduceScatter(ctx, fallback=fallback, name=f"nn.rs.{fallback}"))))
+
+
+def _column(x, weight, bias, layer):
+    ag, rs = layer._handles
+    return custom_ops.ag_gemm(x, weight.t(), bias, ag, rs, layer.ctx.world_size, layer.keep_gathered_input)[0]
+
+
+def _row(x, weight, bias, layer):
+    ag, rs = layer._handles
+    return custom_ops.gemm_rs(x, weight.t(), bias, rs, ag, layer.ctx.world_size)
+
+
+class _TPLinear(nn.Module):
+    def __init__(self, in_features, out_features, ctx, bias, dtype, device, shard_out, fallback):
+        super().__init__()
+        self.fallback = fallback
+        self.ctx = ctx
+        self._handles = _ops(ctx, fallback)
+        W = ctx.world_size
+        dim = out_features if shard_out else in_features
+        if dim % W:
+            raise ValueError(f"{type(self).__name__}: {'out' if shard_out else 'in'}_features = {dim} "
+                             f"is not divisible by the world size {W}")
+        self.ctx, self.in_features, self.out_features = ctx, in_features, out_features
+        shape = (out_features // W, in_features) if shard_out else (out_features, in_features // W)
+        kw = {"dtype": dtype or torch.bfloat16, "device": device or ctx.device}
+        self.weight = nn.Parameter(torch.empty(shape, **kw))
+        n_bias = out_features // W if shard_out else out_features
+        self.bias = nn.Parameter(torch.zeros(n_bias, **kw)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+
+    @classmethod
+    def from_full_weight(cls, linear: nn.Linear, ctx, **kw):
+        """Shard an unsharded ``nn.Linear`` (same on every rank) into this layer."""
+        extra = {k: v for k, v in kw.items() if k == "keep_gathered_input" and cls._shard_out}  # column layers
+        layer = cls(linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None,
+                    dtype=kw.get("dtype", linear.weight.dtype), device=kw.get("device", ctx.device),
+                    fallback=kw.get("fallback", "auto"), **extra)
+        with torch.no_grad():
+            layer.weight.copy_(layer._shard(linear.weight, 0 if layer._shard_out else 1))
+            if linear.bias is not None:
+                layer.bias.copy_(layer._shard(linear.bias, 0) if layer._shard_out else linear.bias)
+        return layer
+
+    @property
+    def ops(self):
+        """The AllGatherGEMM and the GEMMReduceScatter this layer's forward and backward call (shared by every
+        layer with the same Context and fallback rule)."""
+        return tuple(custom_ops.op_of(h) for h in self._handles)
+
+    def _shard(self, t, dim):
+        W, r = self.ctx.world_size, self.ctx.rank
+        n = t.shape[dim] // W
+        return t.narrow(dim, r * n, n)
+
+    def forward(self, x):
+        # [S, *rest, features] flattens sequence-first, so gathering or scattering rows moves whole positions
+        y = self._fn(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self)
+        return y.reshape(-1, *x.shape[1:-1], y.shape[-1])
+
+
+class ColumnParallelLinear(_TPLinear):
+    """``[S/W, *, in]`` -> AllGather-GEMM -> ``[S, *, out/W]``. The weight holds rows ``r*out/W ...``.
+
+    Backward: grad of the input through GEMM-ReduceScatter; grad of the weight
+    from the gathered input. ``keep_gathered_input=True`` (default) keeps the
+    gathered ``[S, in]`` from forward (memory held per layer until backward);
+    ``False`` keeps only this rank's ``[S/W, in]`` and gathers again in
+    backward with one NCCL all_gather, after the input-gradient GEMM-RS.
+    """
+
+    _fn, _shard_out = staticmethod(_column), True
+
+    def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto",
+                 keep_gathered_input: bool = True):
+        super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=True, fallback=fallback)
+        self.keep_gathered_input = keep_gathered_input
+
+
+class RowParallelLinear(_TPLinear):
+    """``[S, *, in/W]`` -> GEMM-ReduceScatter -> ``[S/W, *, out]``. The weight holds columns ``r*in/W ...``.
+
+    Backward: grad of the input through AllGather-GEMM, whose gathered grad
+    output also gives the grads of the weight and of the (replicated) bias.
+    """
+
+    _fn, _shard_out = staticmethod(_row), False
+
+    def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto"):
+        super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=False, fallback=fallback)
+
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]

@@ -1,0 +1,196 @@
+"""AllGather + GEMM: ``all_gather(a) @ w`` with the gather hidden behind the GEMM.
+
+Plan: each rank's rows cut into chunks (ChunkLayout), the GEMM's m-tiles ordered local rows first, then the others
+in the order their chunks arrive. Producer: copy engines push this rank's rows into every peer's workspace, or each
+rank pulls its peers' rows (producers.gather). Consumer: one persistent GEMM, each tile waiting only for the chunks
+it reads; its last program resets the flags. Fallback: NCCL all_gather + torch.matmul.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..context.collectives import all_gather_rows
+from ..kernels.gemm import launch_gemm, plain_gemm
+from ..plan import ChunkLayout, gather_tile_order
+from ..producers import pipeline
+from ..producers.gather import Gather
+from .base import OverlapOp, call_key, with_overrides
+from .checks import FP8, check_operands, result_dtype
+from .config import AllGatherGEMMConfig
+
+#: fallback="auto" takes NCCL + torch.matmul below this many bytes per rank's shard
+FALLBACK_SHARD_BYTES = 1 << 20
+
+
+class AllGatherGEMM(OverlapOp):
+    """Reusable AllGather-GEMM bound to a Context: holds its workspace, flags and config.
+
+    ``op(a, w, bias=None, *, return_gathered=False, out=None, **overrides)``: ``a`` is this rank's row shard
+    [M/W, K]; ``w`` is [K, N_local], any 2-D strided view; returns [M, N_local] with rank 0's rows first (and the
+    gathered [M, K] when asked). ``overrides`` set AllGatherGEMMConfig fields for this call.
+
+    fp8: ``a`` and ``w`` float8_e4m3fn (compute capability 8.9 or later, or the host backend) with ``scale_a`` and
+    ``scale_b``, one-element float32 tensors: the result is ``(all_gather(a) @ w) * scale_a * scale_b (+ bias)`` in
+    ``out_dtype`` (bf16 by default, or fp16; bias in that dtype), as ``torch._scaled_mm`` with per-tensor scales.
+    ``scale_a`` is one scale for the whole gathered A, so every rank must pass the same value; it is read on the
+    device when the GEMM runs, so a replayed call follows its current value. The gather moves one byte per element.
+
+    ``fallback="auto"`` takes NCCL all_gather + torch.matmul when the shard is under FALLBACK_SHARD_BYTES, when
+    W = 1, or for an eager call whose GEMM is too short to pay for the host's cost of an overlapped one.
+    ``max_m``: the largest gathered M accepted (None: the workspace grows as needed).
+    """
+
+    KIND = "ag_gemm"
+    EAGER_MIN_FLOP_PER_PEER = 2e11
+
+    def __init__(self, ctx, config: AllGatherGEMMConfig | None = None, *, fallback: str = "auto",
+                 max_m: int | None = None, name: str | None = None, replay: bool = True):
+        super().__init__(ctx, config, fallback=fallback, name=name, replay=replay)
+        self.max_m = max_m
+
+    def default_config(self, shape, variant=""):
+        base = AllGatherGEMMConfig.defaults(self.ctx.backend)
+        return base.for_fp8(self.ctx.backend) if variant == "_fp8" else base
+
+    # --------------------------------------------------------------------------------------------- call
+    def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 return_gathered: bool = False, out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None,
+                 scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, **overrides):
+        scales = () if scale_a is None and scale_b is None else (scale_a, scale_b)
+        if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == 2 \
+                and w.dim() == 2:  # a repeat of a captured call replays, unchecked
+            out = torch.empty((a.shape[0] * self.ctx.world_size, w.shape[1]), dtype=result_dtype(a.dtype, out_dtype),
+                              device=a.device) if out is None else out
+            if self.replayed(call_key(overrides, a, w, bias, out, *scales)):
+                self.last_path = "overlap"
+                return self._returned(a, out, return_gathered)
+        return self._call(a, w, bias, return_gathered, out, overrides, (scale_a, scale_b), out_dtype)
+
+    @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
+    def _call(self, a, w, bias, return_gathered, out, overrides, scales, out_dtype):
+        ctx = self.ctx
+        ctx.ensure_open()
+        dtype = check_operands(self.KIND, ctx, a, w, bias, *scales, out_dtype, fp8=True)
+        W = ctx.world_size
+        want = (a.shape[0] * W, w.shape[1])
+        if self.max_m is not None and want[0] > self.max_m:
+            raise ValueError(f"ag_gemm: gathered M = {want[0]} exceeds this op's max_m = {self.max_m}")
+        if out is not None and (tuple(out.shape) != want or out.dtype != dtype or out.device != a.device):
+            raise ValueError(f"ag_gemm: out must be {dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
+        self.agree((tuple(a.shape), str(a.dtype)))
+        scales = scales if a.dtype == FP8 else ()
+        a = a.contiguous()
+        out = torch.empty(want, dtype=dtype, device=a.device) if out is None else out
+        ov = tuple(sorted(overrides.items()))
+        shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, out.dtype, ov)
+        key = call_key(ov, a, w, bias, out, *scales)
+        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key):
+            self.replays.saw(key, shape_key)
+            self.last_path = "fallback"
+            return self._fallback(a, w, bias, out, scales, return_gathered)
+        self.last_path = "overlap"
+        self.enqueue(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides, scales))
+        return self._returned(a, out, return_gathered)
+
+    def _use_fallback(self, a, w, shape_key) -> bool:
+        if self.fallback != "auto":
+            return self.fallback == "always"
+        W = self.ctx.world_size
+        flop = 2 * a.shape[0] * W * a.shape[1] * w.shape[1]
+        if a.dtype == FP8:
+            flop /= 2  # fp8 tensor cores do twice bf16's FLOPs per second: the rule is about time
+        return W == 1 or a.numel() * a.element_size() < FALLBACK_SHARD_BYTES or self.eager_fallback(shape_key, flop)
+
+    def _returned(self, a, out, return_gathered):
+        """``out``, or ``(out, gathered)``: the gathered input is copied outside the replayed part (a fresh tensor per
+        call, which autograd keeps, would make every key new). Stream order keeps the workspace as it is until these
+        copies have read it: peers write into it again only after the next call's barrier, which follows this
+        stream."""
+        if not return_gathered:
+            return out
+        ctx, m_local = self.ctx, a.shape[0]
+        gathered = torch.empty((m_local * ctx.world_size, a.shape[1]), dtype=a.dtype, device=a.device)
+        with torch.no_grad():
+            gathered.copy_(self._workspace(a).local)
+            gathered[ctx.rank * m_local:(ctx.rank + 1) * m_local].copy_(a)
+        return out, gathered
+
+    # --------------------------------------------------------------------------- plan, consumer, fallback
+    def _overlap(self, a, w, bias, out, overrides, scales=()) -> None:
+        """Enqueue one overlapped call (what ReplayCache captures)."""
+        ctx = self.ctx
+        W = ctx.world_size
+        m_local, K = a.shape
+        cfg = self.config_for((m_local * W, K, w.shape[1]), "_fp8" if scales else "")
+        cfg = with_overrides(cfg, overrides)
+        layout, order = self._plan(m_local, K * a.element_size(), cfg)
+        ws = self._workspace(a)
+        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+        self.state["buffers"] = {"workspace": ws.local}
+        producer = Gather(ctx, layout, [(a, ws)], flags, mode=cfg.mode, num_streams=cfg.num_streams or W - 1)
+
+        def consumer():  # its last program zeroes the flags: every one was seen, peers set them after the next barrier
+            launch_gemm(ctx, cfg, a, w, out, order=order, flags=flags.local, layout=layout, bias=bias,
+                        scales=scales or None, workspace=ws.local, exit_counts=self._exit_counts(), op=self.op,
+                        tma_store=cfg.tma_store)
+
+        first = cfg.consumer_first and self.warm((layout, cfg.mode))
+        pipeline.run(ctx, producer, consumer, consumer_first=first)
+
+    def _plan(self, m_local: int, row_bytes: int, cfg) -> tuple[ChunkLayout, torch.Tensor]:
+        """The chunking of each rank's rows and the GEMM's m-tile order, built once per shape and config."""
+        ctx = self.ctx
+        layout = ChunkLayout(ctx.world_size, m_local, cfg.chunk_rows(m_local, row_bytes))
+        streams = max(1, min(cfg.num_streams or ctx.world_size - 1, ctx.world_size - 1))
+        plans = self.state.setdefault("plans", {})
+        key = (layout, cfg.block_m, streams)
+        if key not in plans:
+            order = gather_tile_order(layout, ctx.rank, streams, cfg.block_m)
+            plans[key] = torch.tensor(order, dtype=torch.int32, device=ctx.device)
+        return layout, plans[key]
+
+    def _workspace(self, a):
+        """The symmetric [M, K] workspace the peers' rows land in (every rank's, in rank order)."""
+        return self.ctx.symmetric(f"{self.name}.ws", (a.shape[0] * self.ctx.world_size, a.shape[1]), a.dtype)
+
+    def _exit_counts(self) -> torch.Tensor:
+        """Two int32s for the GEMM's RESET_AT_EXIT, zero between calls (the GEMM's last program resets them)."""
+        return self.ctx.cached(("exit counts", self.name), lambda: torch.zeros(2, dtype=torch.int32,
+                                                                               device=self.ctx.device))
+
+    def _fallback(self, a, w, bias, out, scales, return_gathered):
+        ctx = self.ctx
+        gathered = torch.empty((a.shape[0] * ctx.world_size, a.shape[1]), dtype=a.dtype, device=a.device)
+        if scales:  # fp8 moves as bytes (not every NCCL/Gloo build names the fp8 types); torch._scaled_mm or ours
+            all_gather_rows(gathered.view(torch.uint8), a.view(torch.uint8), group=ctx.group)
+            shape = (a.shape[0] * ctx.world_size, a.shape[1], w.shape[1])
+            fp8_matmul(ctx, self.config_for(shape, "_fp8"), gathered, w, *scales, bias, out)
+        else:
+            all_gather_rows(gathered, a, group=ctx.group)
+            if bias is None:
+                torch.matmul(gathered, w, out=out)
+            else:
+                torch.addmm(bias, gathered, w, out=out)
+        return (out, gathered) if return_gathered else out
+
+
+def fp8_matmul(ctx, cfg, a, w, scale_a, scale_b, bias, out) -> None:
+    """``out = (a @ w) * scale_a * scale_b (+ bias)`` for fp8 ``a`` and ``w``: ``torch._scaled_mm`` where it takes
+    the layout (``w`` column-major as ``weight.t()`` is, K and N multiples of 16, ``out`` contiguous), else our
+    persistent GEMM."""
+    if (w.stride(0) == 1 and a.stride(1) == 1 and a.shape[1] % 16 == 0 and w.shape[1] % 16 == 0
+            and out.is_contiguous()):
+        torch._scaled_mm(a, w, scale_a, scale_b, bias=bias, out_dtype=out.dtype, out=out)
+    else:
+        plain_gemm(ctx, cfg, a, w, out, bias, (scale_a, scale_b), tma_store=cfg.tma_store)()
+
+
+def ag_gemm(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None = None, return_gathered: bool = False,
+            out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None, scale_b: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None, **overrides):
+    """Functional form of AllGatherGEMM: one op per Context, kept by the Context."""
+    return AllGatherGEMM.shared(ctx)(a, w, bias, return_gathered=return_gathered, out=out, scale_a=scale_a,
+                                     scale_b=scale_b, out_dtype=out_dtype, **overrides)
+
+
+__all__ = ["AllGatherGEMM", "ag_gemm", "fp8_matmul"]

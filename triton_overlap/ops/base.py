@@ -1,0 +1,150 @@
+"""What every overlapped op shares: its Context and config, the fallback rule, the ranks' agreement on shapes,
+eager replay, and the state it keeps on the Context."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..context import op_id
+from .replay import ReplayCache, call_key
+from .tuned import gpu_key, lookup
+
+FALLBACKS = ("auto", "never", "always")
+
+
+def eager_host_bound(backend: str, world: int, flop: float, min_flop_per_peer: float,
+                     capturing: bool | None = None) -> bool:
+    """Whether an eager call of ``flop`` GEMM FLOPs is too short to pay for the host's cost of an overlapped call:
+    under ``min_flop_per_peer x (W - 1)`` FLOPs, never on the host backend, never while a CUDA graph is being
+    captured (``capturing=None``: ask torch)."""
+    if backend == "host" or world < 2 or flop >= min_flop_per_peer * (world - 1):
+        return False
+    if capturing is None:
+        capturing = torch.cuda.is_current_stream_capturing()
+    return not capturing
+
+
+def with_overrides(cfg, overrides: dict):
+    """``cfg`` with the fields a call overrides (a value of None leaves its field as it is)."""
+    kw = {k: v for k, v in overrides.items() if v is not None}
+    return replace(cfg, **kw) if kw else cfg  # (dataclasses.replace costs tens of µs: only when asked)
+
+
+def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
+    """Check once per distinct ``key`` that every rank passes the same key (a collective). ``seen`` is cleared past
+    256 keys (keys that change every call, such as packed documents' boundaries, would grow it without end; agreeing
+    again is correct, and every rank clears at the same call)."""
+    if key in seen:
+        return
+    if len(seen) >= 256:
+        seen.clear()
+    everyone = ctx.gather_object(key)
+    if any(k != key for k in everyone):
+        raise ValueError(f"{op}: ranks disagree on shapes/dtypes: "
+                         + ", ".join(f"rank {r}: {k}" for r, k in enumerate(everyone)))
+    seen.add(key)
+
+
+class OverlapOp:
+    """The base of every op: a Context, a config (the caller's, else tuned, else the defaults), a fallback rule,
+    the ranks' agreement on shapes, and eager replay (ops.replay).
+
+    ``fallback``: "auto" (the op's own rule for when the overlap cannot pay: small shapes, one rank, short eager
+    calls), "never" (always overlap) or "always" (always the plain torch.distributed + torch path).
+    ``name``: the prefix of the op's symmetric workspaces and the key of the state it keeps on the Context: ops
+    with the same name on one Context share both. ``replay``: an eager call that repeats an earlier one's tensors
+    and arguments replays a CUDA graph of it (one graph launch instead of the host's enqueueing); False: every call
+    is enqueued anew.
+    """
+
+    KIND = "?"  # the op's name in error messages and tuned tables
+    #: eager_host_bound's threshold for this op (docs/decisions.md says where each figure comes from)
+    EAGER_MIN_FLOP_PER_PEER = 0.0
+
+    def __init__(self, ctx, config=None, *, fallback: str = "auto", name: str | None = None, replay: bool = True):
+        if fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be one of {FALLBACKS}, got {fallback!r}")
+        self.ctx = ctx
+        self.name = name or self.KIND
+        self.user_config = config
+        self.fallback = fallback
+        self.op = op_id(self.KIND)
+        self.replays = ReplayCache(ctx, enabled=replay)
+        ctx.on_close(self.replays.clear)
+        self._configs: dict = {}  # (shape, variant) -> the config found for it
+        self.last_path = None  # "overlap" or "fallback": what the last call took
+
+    @classmethod
+    def shared(cls, ctx):
+        """The op the functional form (``ag_gemm(...)``, ``gemm_rs(...)``, ``cp_attention(...)``) uses on ``ctx``:
+        one per Context and kind, with the defaults."""
+        return ctx.cached(("functional op", cls.KIND), lambda: cls(ctx))
+
+    def buffers(self) -> dict:
+        """This rank's workspaces and staging buffers as the last overlapped call used them, by name. A call must
+        never read what an earlier one left there, and tests fill them with garbage between calls to show it."""
+        return dict(self.state.get("buffers", {}))
+
+    @property
+    def state(self) -> dict:
+        """What this op keeps between calls (plans, the buffers it used, shapes seen), owned by the Context and
+        shared by the ops of the same name, which share workspaces too."""
+        return self.ctx.cached(("op state", self.name), dict)
+
+    # --------------------------------------------------------------------------------------------- config
+    def default_config(self, shape, variant: str = ""):
+        raise NotImplementedError
+
+    def from_table(self, found: dict, base):
+        """The config a tuned entry makes of the defaults (an entry may name some fields only)."""
+        return replace(base, **found)
+
+    def config_for(self, shape, variant: str = ""):
+        """The caller's config if one was given, else the tuned one for this GPU, world size and shape (entries
+        under ``KIND + variant``; ops.tuned), else the defaults."""
+        if self.user_config is not None:
+            return self.user_config
+        key = (tuple(shape), variant)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            base = self.default_config(shape, variant)
+            found = lookup(self.KIND + variant, gpu_key(self.ctx), self.ctx.world_size, key[0])
+            cfg = self._configs[key] = self.from_table(found, base) if found else base
+        return cfg
+
+    # ------------------------------------------------------------------------------------ calls and ranks
+    def agree(self, key: tuple) -> None:
+        """Every rank passes the same ``key`` (shapes, dtypes): checked once per key (a collective)."""
+        agree_across_ranks(self.KIND, self.ctx, key, self.state.setdefault("agreed", set()))
+
+    def warm(self, key) -> bool:
+        """Whether a call with ``key`` (a shape and layout) has been enqueued before; marks it. A shape's first call
+        builds its kernels, so it enqueues the copies before the consumer (producers.pipeline's consumer_first)."""
+        seen = self.state.setdefault("warm", set())
+        was = key in seen
+        seen.add(key)
+        return was
+
+    def eager_fallback(self, shape_key, flop: float) -> bool:
+        """The eager rule (eager_host_bound) for a call of ``flop`` FLOPs. The first call of each shape takes the
+        overlap anyway: it allocates the workspaces and builds the kernels, which cannot happen inside a CUDA-graph
+        capture, so a later capture of the shape finds them ready. So does the first call of a shape after a
+        workspace allocation dropped the replay cache's graphs (ReplayCache.unprepared). Every rank takes the same
+        branch: allocations are collective, so generations change on all alike."""
+        ran = self.state.setdefault("ran overlap", set())
+        if shape_key not in ran or self.replays.unprepared(shape_key):
+            ran.add(shape_key)
+            return False
+        return eager_host_bound(self.ctx.backend, self.ctx.world_size, flop, self.EAGER_MIN_FLOP_PER_PEER)
+
+    def enqueue(self, key, shape_key, fn) -> None:
+        """Enqueue a call: ``fn()``, or a replay of the graph captured of it (ReplayCache.run)."""
+        self.replays.run(key, shape_key, fn)
+
+    def replayed(self, key) -> bool:
+        """Replay the graph held for ``key``, before any check (a held key passed the checks when captured)."""
+        return self.replays.active and self.replays.hit(key)
+
+
+__all__ = ["OverlapOp", "agree_across_ranks", "call_key", "eager_host_bound", "with_overrides"]

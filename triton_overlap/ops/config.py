@@ -1,0 +1,150 @@
+"""One configuration class per op, holding that op's knobs only.
+
+Each knob says what it does; why a default is what it is (the measurements) is in docs/decisions.md. Every op
+reads, in order: the config its caller gave, the tuned table (ops.tuned), the defaults here. A tuned entry may set
+some fields only; the rest keep the defaults. Calls can also override fields per call (``op(a, w, m_per_chunk=...)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ..kernels.attention import Blocks
+from ..kernels.gemm import GemmTiles
+from ..plan import cdiv
+
+
+@dataclass(frozen=True)
+class ChunkedGemmConfig(GemmTiles):
+    """The GEMM ops' common knobs: the persistent GEMM's tiles (kernels.gemm.GemmTiles) and how each rank's rows
+    are cut into chunks, each moved by a copy and announced by a flag.
+
+    ``m_per_chunk``: rows per chunk; None: about ``chunks_per_rank`` chunks of whole ``block_m`` tiles per rank,
+    fewer where a chunk would carry under ``min_chunk_bytes`` (at least one). More chunks let the consumer start
+    sooner; each costs a copy and a flag write. ``num_streams``: producer streams (None: one per peer).
+    """
+
+    m_per_chunk: int | None = None
+    chunks_per_rank: int = 4
+    min_chunk_bytes: int = 0
+    num_streams: int | None = None
+
+    def chunk_rows(self, m_local: int, row_bytes: int = 0) -> int:
+        """Rows per chunk for ``m_local`` rows per rank of ``row_bytes`` each (0: ignore min_chunk_bytes)."""
+        if self.m_per_chunk is not None:
+            return max(1, min(self.m_per_chunk, m_local))
+        chunks = self.chunks_per_rank
+        if self.min_chunk_bytes and row_bytes:
+            chunks = max(1, min(chunks, m_local * row_bytes // self.min_chunk_bytes))
+        rows = cdiv(cdiv(m_local, chunks), self.block_m) * self.block_m
+        return max(1, min(rows, m_local))
+
+
+@dataclass(frozen=True)
+class AllGatherGEMMConfig(ChunkedGemmConfig):
+    """AllGather-GEMM's knobs (and the common ones, ChunkedGemmConfig).
+
+    ``mode``: "push" (each rank writes its rows into its peers' workspaces and raises their flags) or "pull" (each
+    rank reads its peers' rows from their workspaces and raises its own flags; a local copy of the shard and a
+    second barrier per call). ``consumer_first``: launch the GEMM before enqueueing the copies, so the GPU computes
+    on the local shard while the host enqueues them (not on a shape's first call, which builds the kernels).
+    ``tma_store``: store C tiles through a tensor descriptor where C can be described (None: on).
+    """
+
+    mode: str = "push"
+    consumer_first: bool = False
+    tma_store: bool | None = None
+
+    def __post_init__(self):
+        if self.mode not in ("push", "pull"):
+            raise ValueError(f"AllGatherGEMMConfig.mode must be 'push' or 'pull', got {self.mode!r}")
+
+    @classmethod
+    def defaults(cls, backend: str) -> "AllGatherGEMMConfig":
+        """Interpreter-sized tiles on the host backend; AMD CDNA-class tiles on hip; H100/H200-class tiles on cuda."""
+        if backend == "host":
+            return cls(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=1, num_stages=1, chunks_per_rank=3)
+        if backend == "hip":
+            return cls(block_m=256, block_n=256, block_k=64, num_warps=8, num_stages=2, num_xcds=8)
+        return cls(consumer_first=True, num_stages=4, min_chunk_bytes=16 << 20)
+
+    def for_fp8(self, backend: str) -> "AllGatherGEMMConfig":
+        """Untuned fp8 tiles on GPUs: 128-deep K steps (128 bytes, as 64 are for 16-bit types) and 3 stages, which
+        keep a 128 x 256 tile's pipeline inside an H100/H200's shared memory."""
+        return self if backend == "host" else replace(self, block_k=128, num_stages=3)
+
+
+@dataclass(frozen=True)
+class GEMMReduceScatterConfig(ChunkedGemmConfig):
+    """GEMM-ReduceScatter's knobs (and the common ones, ChunkedGemmConfig).
+
+    ``scatter``: "store" (the GEMM stores peers' tiles straight into their receive slots over NVLink), "copy" (the
+    GEMM stores them locally and copy engines move each chunk once the GEMM's counter for it is complete), or
+    "auto" (copy on GPUs from ``copy_bytes`` of partial output, ``copy_bytes_fused`` with the reduction fused).
+    ``fuse_reduce``: the GEMM's tiles of this rank's own rows, computed last, add the peers' partials in their
+    epilogue and store the output, where every rank's rows are whole ``block_m`` tiles (None: yes); False: a
+    separate kernel sums the partials. ``claim``: how the fused GEMM's programs take tiles so that no own-row wait
+    can block a peer tile (kernels.gemm CLAIM): 1, one by one through an atomic counter; 0, round-robin with one
+    start count per program; None: kernels.gemm.CLAIM_DEFAULT (the host backend always takes 1).
+    ``defer_release``: bump a tile's chunk counters after the next tile's K loop, when its stores have landed
+    (None: where the counters are a peer's, not where they are local). ``warp_specialized``: with the reduction
+    fused, on Hopper, the warp-specialized Gluon GEMM (kernels.gemm_warp_specialized: the epilogue in a partition
+    of its own, beside the next tile's K loop) with its own tiles; None: ``warp_specialized_default``; it never
+    runs with ``claim=1`` or deferred counters, and True where it cannot run falls back to kernels.gemm.
+    """
+
+    scatter: str = "auto"
+    fuse_reduce: bool | None = None
+    claim: int | None = None
+    defer_release: bool | None = None
+    warp_specialized: bool | None = None
+
+    #: scatter="auto": copy from this many bytes of partial output (M x N) on, or from copy_bytes_fused on where the
+    #: reduction is fused into the GEMM
+    copy_bytes = 32 << 20
+    copy_bytes_fused = 16 << 20
+    #: warp_specialized=None: take the warp-specialized GEMM where it can run
+    warp_specialized_default = True
+
+    def __post_init__(self):
+        if self.claim not in (None, 0, 1):
+            raise ValueError(f"GEMMReduceScatterConfig.claim must be None, 0 or 1, got {self.claim!r}")
+        if self.scatter not in ("store", "copy", "auto"):
+            raise ValueError(f"GEMMReduceScatterConfig.scatter must be 'store', 'copy' or 'auto', "
+                             f"got {self.scatter!r}")
+
+    @classmethod
+    def defaults(cls, backend: str) -> "GEMMReduceScatterConfig":
+        """As AllGatherGEMMConfig.defaults, with GEMM-RS's own knobs at their defaults."""
+        if backend == "host":
+            return cls(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=1, num_stages=1, chunks_per_rank=3)
+        if backend == "hip":
+            return cls(block_m=256, block_n=256, block_k=64, num_warps=8, num_stages=2, num_xcds=8)
+        return cls(num_stages=4, min_chunk_bytes=16 << 20)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Context-parallel attention's knobs. ``chunks_per_rank``: how finely each rank's K/V is cut for the flags
+    (even: the two zigzag halves are never mixed in one chunk). One ``Blocks`` per kernel: forward, backward dQ,
+    backward dK/dV. ``consumer_first``: launch the forward kernel before enqueueing the copies (not on a shape's
+    first call; the backward always enqueues its copies first)."""
+
+    chunks_per_rank: int = 2
+    fwd: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 3))
+    dq: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 2))
+    dkdv: Blocks = field(default_factory=lambda: Blocks(64, 128, 8, 2))
+    consumer_first: bool = True
+
+    def __post_init__(self):
+        if self.chunks_per_rank < 2 or self.chunks_per_rank % 2:
+            raise ValueError(f"chunks_per_rank must be an even number >= 2, got {self.chunks_per_rank}")
+
+    @classmethod
+    def defaults(cls, backend: str, head_dim: int, chunks_per_rank: int = 2) -> "AttentionConfig":
+        """Small tiles for the interpreter (odd sizes still exercise every path); 4 warps at D = 64 on GPUs."""
+        if backend == "host":
+            small = Blocks(16, 16, 1, 1)
+            return cls(chunks_per_rank, small, small, small)
+        if head_dim <= 64:
+            return cls(chunks_per_rank, Blocks(128, 64, 4, 3), Blocks(128, 64, 4, 2), Blocks(64, 128, 4, 2))
+        return cls(chunks_per_rank)

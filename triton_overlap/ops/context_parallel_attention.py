@@ -1,0 +1,359 @@
+"""Context-parallel attention, forward and backward: K/V gathered by copy engines, consumed chunk by chunk.
+
+Every rank holds its zigzag shard of q, k and v (triton_overlap.zigzag). Plan: each rank's K/V cut into chunks
+(never mixing the two zigzag halves). Producer: copy engines push this rank's K and V, chunk by chunk, into every
+peer's workspaces with one flag per chunk (producers.gather), at Hkv heads, never expanded for GQA/MQA. Consumer:
+one flash-attention kernel folds its own K/V in first and each peer's chunk as soon as its flag is up
+(kernels.attention); in backward, a dQ kernel and a dK/dV kernel whose float32 partials go straight to their
+owners, who sum them (kernels.attention_bwd). There is no fallback: with W = 1 nothing is gathered.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+
+from ..kernels.attention import Blocks, Documents, launch_fwd, segment_table
+from ..kernels.attention_bwd import launch_bwd, launch_reduce_dkdv
+from ..plan import ChunkLayout
+from ..producers import pipeline
+from ..producers.gather import Gather
+from ..zigzag import as_ints, int_vector, local_cu_seqlens
+from .base import OverlapOp, call_key
+from .checks import DTYPES
+from .config import AttentionConfig
+
+HEAD_DIMS = (64, 128)
+#: packed documents' tables kept for this many boundary sets (x block sizes), least recently used dropped: training
+#: feeds new boundaries every batch. Tables a CUDA graph captured are kept for good (the graph reads them).
+SEGMENT_CACHE = 64
+
+
+class DocumentTables:
+    """Packed documents' tables (kernels.attention.segment_table) per boundaries and block size, kept by the
+    Context: the SEGMENT_CACHE most recently used, and every one a CUDA graph captured."""
+
+    def __init__(self):
+        self.recent: OrderedDict = OrderedDict()
+        self.pinned: dict = {}
+
+    def get(self, local_cu, block: int, device) -> Documents:
+        key = (tuple(local_cu), block)
+        got = self.pinned.get(key) or self.recent.get(key)
+        capturing = torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if got is None:
+            if capturing:
+                raise RuntimeError("cp_attention: packed documents' tables are built on the first call with these "
+                                   "boundaries: run the call once outside CUDA-graph capture first")
+            got = segment_table(local_cu, block, device)
+        if capturing or key in self.pinned:
+            self.pinned[key] = got
+            self.recent.pop(key, None)
+        else:
+            self.recent[key] = got
+            self.recent.move_to_end(key)
+            while len(self.recent) > SEGMENT_CACHE:
+                self.recent.popitem(last=False)
+        return got
+
+
+def documents(ctx, local_cu, block: int) -> Documents | None:
+    """The packed documents' tables for shard boundaries ``local_cu`` (None: one sequence per batch row)."""
+    if local_cu is None:
+        return None
+    return ctx.cached("cp documents", DocumentTables).get(local_cu, block, ctx.device)
+
+
+def all_ready(ctx, n: int) -> torch.Tensor:
+    """``n`` flags that are all up, for kernels reading K/V that are already in place."""
+    return ctx.cached(("all ready", n), lambda: torch.ones(n, dtype=torch.int32, device=ctx.device))
+
+
+class ContextParallelAttention(OverlapOp):
+    """Reusable context-parallel attention bound to a Context, with autograd.
+
+    ``op(q, k, v, causal=True, softmax_scale=None) -> (out, lse)``: q is [B, S_local, Hq, D], k and v
+    [B, S_local, Hkv, D] in the zigzag layout; out is like q, lse is [B, Hq, S_local] float32 (natural log).
+    ``chunks_per_rank`` sets how finely each rank's K/V is cut for the flags (even); ``config`` (AttentionConfig)
+    sets it and the kernels' tiles.
+
+    ``keep_kv``: backward reads the K/V gathered in forward, kept between the passes (2 x [B, W * S_local, Hkv, D]
+    per call that autograd holds), instead of gathering them again with the copy engines (the default: the gather
+    overlaps the backward kernels). ``replay``: as for every op (ops.base.OverlapOp), for the forward.
+
+    Packed documents: ``op(q, k, v, cu_seqlens=...)`` with B = 1 and ``cu_seqlens`` the documents' boundaries in
+    the full sequence (flash-attn's convention; a list, or a 1-D integer tensor, read on the host: pass a list to
+    keep a CUDA tensor's synchronisation out of the call), each document a multiple of 2W long and sharded on its
+    own (``triton_overlap.zigzag.shard(x, ctx, cu_seqlens=...)``). A query attends to its own document's keys only
+    (causally by position within the document when ``causal``).
+    """
+
+    KIND = "cp_attention"
+
+    def __init__(self, ctx, *, chunks_per_rank: int = 2, config: AttentionConfig | None = None,
+                 keep_kv: bool = False, name: str | None = None, replay: bool = True):
+        if config is not None:
+            chunks_per_rank = config.chunks_per_rank
+        if chunks_per_rank < 2 or chunks_per_rank % 2:
+            raise ValueError(f"chunks_per_rank must be an even number >= 2, got {chunks_per_rank}")
+        super().__init__(ctx, config, fallback="never", name=name, replay=replay)
+        self.chunks_per_rank = chunks_per_rank
+        self.keep_kv = keep_kv
+        from . import custom_ops
+
+        self._handle = custom_ops.handle(self)
+
+    def default_config(self, shape, variant=""):
+        return AttentionConfig.defaults(self.ctx.backend, shape[3], self.chunks_per_rank)
+
+    def from_table(self, found, base):
+        return AttentionConfig(base.chunks_per_rank, *(Blocks(**found[k]) for k in ("fwd", "dq", "dkdv")),
+                               consumer_first=base.consumer_first)
+
+    def shape_key(self, q, k, causal) -> tuple:
+        """What the tuned table keys attention by: (S in all, Hq, Hkv, D, causal)."""
+        return q.shape[1] * self.ctx.world_size, q.shape[2], k.shape[2], q.shape[3], int(causal)
+
+    # --------------------------------------------------------------------------------------------- call
+    def __call__(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None,
+                 out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+        """(out, lse); differentiable in q, k, v when grad is enabled and any of them requires it (then without
+        ``out=`` and ``lse=``)."""
+        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+        if out is None and lse is None and (grad or torch.compiler.is_compiling()):
+            # through the custom op: autograd, and torch.compile traces it (the boundaries go in as a tensor, read
+            # inside the op, so a compiled graph holds no guard on their values). Otherwise the op is called
+            # directly, without the dispatcher's round trip.
+            from . import custom_ops
+
+            return custom_ops.cp_attention(q, k, v, self._handle, causal, scale, self.keep_kv and grad,
+                                           _as_tensor(cu_seqlens))[:2]
+        if grad:
+            raise ValueError("cp_attention: out= and lse= are for calls without autograd")
+        return self.forward(q, k, v, causal, scale, out, lse, cu=_as_tuple(cu_seqlens))
+
+    def forward(self, q, k, v, causal, scale, out=None, lse=None, keep: bool = False, cu=()):
+        """(out, lse), and with ``keep`` also copies of the gathered K/V workspaces for ``backward``. ``cu``: the
+        packed documents' global boundaries (a tuple; empty: one sequence per batch row)."""
+        cu = tuple(cu)
+        if self.replays.active and not keep and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
+            if lse is None:
+                lse = torch.empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+            if self.replayed(call_key((bool(causal), float(scale), cu), q, k, v, out, lse)):
+                self.last_path = "overlap"
+                return out, lse
+        return self._checked_forward(q, k, v, causal, scale, out, lse, keep, cu)
+
+    def _check(self, q, k, v, cu):
+        """Raises ValueError for bad input; returns the packed documents' boundaries within the shard, or None."""
+        ctx = self.ctx
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"cp_attention: {name} must be a 4-D tensor [B, S_local, H, D]")
+            if t.dtype not in DTYPES:
+                raise ValueError(f"cp_attention: {name} must be float16 or bfloat16, got {t.dtype}")
+            if t.device != ctx.device:
+                raise ValueError(f"cp_attention: {name} is on {t.device}, the Context is on {ctx.device}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"cp_attention: q, k, v have different dtypes ({q.dtype}, {k.dtype}, {v.dtype})")
+        B, S, Hq, D = q.shape
+        if k.shape != v.shape or k.shape[0] != B or k.shape[1] != S or k.shape[3] != D:
+            raise ValueError(f"cp_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must be [B, S_local, Hkv, D] "
+                             f"with q {tuple(q.shape)}")
+        if Hq % k.shape[2]:
+            raise ValueError(f"cp_attention: Hq = {Hq} is not a multiple of Hkv = {k.shape[2]}")
+        if D not in HEAD_DIMS:
+            raise ValueError(f"cp_attention: head dim {D} is not supported (use one of {HEAD_DIMS})")
+        if S % self.chunks_per_rank:
+            raise ValueError(f"cp_attention: S_local = {S} does not split into the zigzag halves and "
+                             f"{self.chunks_per_rank} chunks per rank")
+        local_cu = None
+        if cu:
+            if B != 1:
+                raise ValueError(f"cp_attention: with cu_seqlens, q must be [1, S_local, Hq, D], got B = {B}")
+            try:
+                local_cu = local_cu_seqlens(cu, ctx.world_size, S * ctx.world_size)
+            except ValueError as e:
+                raise ValueError(f"cp_attention: {e}") from None
+        docs = (len(cu) - 1, hash(cu)) if cu else None  # documents, and a digest of their boundaries
+        self.agree((tuple(q.shape), tuple(k.shape), str(q.dtype), docs))
+        return local_cu
+
+    @torch.no_grad()  # workspaces are reset in place; autograd goes through custom_ops.cp_attention
+    def _checked_forward(self, q, k, v, causal, scale, out, lse, keep, cu=()):
+        ctx = self.ctx
+        ctx.ensure_open()
+        local_cu = self._check(q, k, v, cu)
+        B, S, Hq, D = q.shape
+        if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
+            raise ValueError(f"cp_attention: out must be {q.dtype} {tuple(q.shape)} on {q.device}")
+        if lse is not None and (tuple(lse.shape) != (B, Hq, S) or lse.dtype != torch.float32 or lse.device != q.device):
+            raise ValueError(f"cp_attention: lse must be float32 {(B, Hq, S)} on {q.device}")
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty_like(q) if out is None else out
+        lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
+        self.last_path = "overlap"
+        if keep:  # the gathered K/V for backward (this rank's own rows are read from k and v, not from here)
+            kws, vws = self._forward(q, k, v, out, lse, causal, scale, local_cu)
+            return out, lse, kws.local.clone(), vws.local.clone()
+        # the shape key leaves the boundaries out (new ones every batch would grow the cache's record of prepared
+        # shapes); the call key has them, so a capture follows an eager call with the same ones
+        shape_key = (tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), float(scale), bool(cu))
+        key = call_key((bool(causal), float(scale), cu), q, k, v, out, lse)
+        if local_cu is not None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # the tables, built here if need be, outside any capture the replay cache may start below
+            documents(ctx, local_cu, self.config_for(self.shape_key(q, k, causal)).fwd.block_m)
+        self.enqueue(key, shape_key, lambda: self._forward(q, k, v, out, lse, causal, scale, local_cu))
+        return out, lse
+
+    # --------------------------------------------------------------------------- plan, consumers
+    def _kv(self, k):
+        """The plan: each rank's K/V rows in chunks, and the symmetric K and V workspaces and flags."""
+        ctx = self.ctx
+        B, S, Hkv, D = k.shape
+        W = ctx.world_size
+        layout = ChunkLayout(W, S, S // self.chunks_per_rank)
+        kws = ctx.symmetric(f"{self.name}.k", (B, W * S, Hkv, D), k.dtype)
+        vws = ctx.symmetric(f"{self.name}.v", (B, W * S, Hkv, D), k.dtype)
+        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+        self.state.setdefault("buffers", {}).update(k=kws.local, v=vws.local)
+        return layout, kws, vws, flags
+
+    def _gather(self, layout, k, v, kws, vws, flags) -> Gather:
+        """The producer: K and V pushed together, chunk by chunk; the caller resets the flags after the call (the
+        kernels waited for every one)."""
+        return Gather(self.ctx, layout, [(k, kws), (v, vws)], flags, dim=1, num_streams=2, reset_flags=True)
+
+    def _forward(self, q, k, v, out, lse, causal, scale, local_cu=None):
+        """Enqueue one forward (what ReplayCache captures); returns the K/V workspaces."""
+        ctx = self.ctx
+        layout, kws, vws, flags = self._kv(k)
+        cfg = self.config_for(self.shape_key(q, k, causal))
+        docs = documents(ctx, local_cu, cfg.fwd.block_m)
+
+        def consumer():
+            launch_fwd(ctx, q, k, v, kws.local, vws.local, out, lse, flags.local, layout.m_per_chunk,
+                       layout.chunks_per_rank, scale, causal, cfg.fwd, docs=docs, op=self.op)
+
+        # attention programs waiting for chunks can fill every SM: the barrier kernel runs first (gate)
+        first = cfg.consumer_first and self.warm((tuple(k.shape), k.dtype, kws.local.data_ptr(),
+                                                  vws.local.data_ptr()))
+        pipeline.run(ctx, self._gather(layout, k, v, kws, vws, flags), consumer, consumer_first=first, gate=True)
+        return kws, vws
+
+    @torch.no_grad()
+    def backward(self, q, k, v, out, lse, dout, causal, scale, kept_k=None, kept_v=None, cu=()):
+        """dq, dk, dv for this rank's shards. K/V come from ``kept_k``/``kept_v`` (the gathered workspaces that
+        ``forward(keep=True)`` returned) or, when those are None, are gathered again by the copy engines. Partial
+        dK/dV go straight to their owners, who sum them in float32. ``cu`` as in forward (checked there)."""
+        ctx = self.ctx
+        ctx.ensure_open()
+        local_cu = local_cu_seqlens(cu or None, ctx.world_size)
+        W = ctx.world_size
+        B, S, Hq, D = q.shape
+        Hkv = k.shape[2]
+        cfg = self.config_for(self.shape_key(q, k, causal))
+        layout = ChunkLayout(W, S, S // self.chunks_per_rank)
+        recv = ctx.symmetric(f"{self.name}.dkv", (W, 2, B, S, Hkv, D), torch.float32)
+        counters = ctx.symmetric(f"{self.name}.dkv_count", (W,), torch.int32)
+        self.state.setdefault("buffers", {})["dK/dV receive slots"] = recv.local
+        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, S]
+        docs_dq, docs_dkdv = documents(ctx, local_cu, cfg.dq.block_m), documents(ctx, local_cu, cfg.dkdv.block_n)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        if kept_k is not None:  # no gather: every chunk is ready; the barrier orders our dK/dV stores into peers
+            kw, vw, ready, producer = kept_k, kept_v, all_ready(ctx, layout.num_chunks), pipeline.BarrierOnly()
+        else:
+            layout, kws, vws, flags = self._kv(k)
+            kw, vw, ready, producer = kws.local, vws.local, flags.local, self._gather(layout, k, v, kws, vws, flags)
+
+        def consumer():
+            expected = launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv.ptrs, counters.ptrs, ready,
+                                  layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.dq, cfg.dkdv,
+                                  docs_dq=docs_dq, docs_dkdv=docs_dkdv, op=self.op)
+            launch_reduce_dkdv(ctx, recv.local, dk, dv, counters.local, expected, op=self.op)
+            counters.local.zero_()  # every count was seen; peers add again only after the next call's barrier
+
+        # copies first, always: backward launches several kernels, and building one while another spins for chunks
+        # not yet enqueued can wait for the spinning kernel
+        pipeline.run(ctx, producer, consumer, gate=True)
+        return dq, dk, dv
+
+
+def forward_on_gathered(ctx, q, k, v, kg, vg, rank, world, causal, scale, cfg: AttentionConfig, out=None, lse=None,
+                        cu_seqlens=None):
+    """The forward kernel as rank ``rank`` of ``world`` with K/V already gathered (``kg``/``vg``
+    [B, world * S, Hkv, D], rank order; this rank's rows are read from ``k``/``v``): no flags, no communication.
+    For baselines that gather with NCCL, and for running every rank's share on one GPU. ``cu_seqlens``: packed
+    documents' global boundaries, as the op takes them."""
+    B, S, Hq, _ = q.shape
+    out = torch.empty_like(q) if out is None else out
+    lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
+    cpr = cfg.chunks_per_rank
+    docs = documents(ctx, local_cu_seqlens(cu_seqlens, world), cfg.fwd.block_m)
+    launch_fwd(ctx, q, k, v, kg, vg, out, lse, all_ready(ctx, world * cpr), S // cpr, cpr, scale, causal, cfg.fwd,
+               rank=rank, world=world, docs=docs)
+    return out, lse
+
+
+def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, causal, scale, cfg: AttentionConfig,
+                         parts=None, cu_seqlens=None):
+    """The backward kernels as rank ``rank`` of ``world`` on gathered K/V (see forward_on_gathered). Returns dq and
+    this rank's float32 dK/dV partials for every owner, [world, 2, B, S, Hkv, D] (into ``parts`` when given): the
+    sum over ranks of entry o is owner o's (dK, dV), e.g. through a reduce-scatter. The address tables are kept per
+    ``parts`` buffer, so a caller that passes the same buffer makes no host-to-device copy per call."""
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    dev = q.device
+    cpr = cfg.chunks_per_rank
+    keep = parts is not None  # a fresh buffer per call would only fill the cache with one-off addresses
+    if parts is None:
+        parts = torch.empty((world, 2, B, S, Hkv, D), dtype=torch.float32, device=dev)
+
+    def tables():
+        # the kernel stores into owner o's receive slot ``rank``; aim each owner's base so that slot is parts[o]
+        shift = rank * parts[0].numel() * parts.element_size()
+        recv_ptrs = torch.tensor([parts[o].data_ptr() - shift for o in range(world)], dtype=torch.int64, device=dev)
+        counters = torch.zeros(world, dtype=torch.int32, device=dev)  # bumped, never waited for
+        return recv_ptrs, counters, torch.full((world,), counters.data_ptr(), dtype=torch.int64, device=dev)
+
+    key = ("on gathered", parts.data_ptr(), parts[0].numel(), rank, world)
+    recv_ptrs, _, counter_ptrs = ctx.cached(key, tables) if keep else tables()
+    local_cu = local_cu_seqlens(cu_seqlens, world)
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    dq = torch.empty_like(q)
+    launch_bwd(ctx, q, k, v, kg, vg, dout, lse, delta, dq, recv_ptrs, counter_ptrs, all_ready(ctx, world * cpr),
+               S // cpr, cpr, scale, causal, cfg.dq, cfg.dkdv, rank=rank, world=world,
+               docs_dq=documents(ctx, local_cu, cfg.dq.block_m), docs_dkdv=documents(ctx, local_cu, cfg.dkdv.block_n))
+    return dq, parts
+
+
+def cp_attention(q, k, v, *, ctx, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None,
+                 out=None, lse=None):
+    """Functional form of ContextParallelAttention: one op per Context, kept by the Context."""
+    return ContextParallelAttention.shared(ctx)(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                                cu_seqlens=cu_seqlens, out=out, lse=lse)
+
+
+def _as_tuple(cu_seqlens) -> tuple:
+    """``cu_seqlens`` as a tuple of ints (empty for None); checked later, with the other inputs."""
+    if cu_seqlens is None:
+        return ()
+    try:
+        return as_ints(cu_seqlens)
+    except ValueError as e:
+        raise ValueError(f"cp_attention: {e}") from None
+
+
+def _as_tensor(cu_seqlens) -> torch.Tensor:
+    """``cu_seqlens`` as an int64 tensor for the custom op (empty for None; a tensor stays on its device and is
+    read inside the op)."""
+    if int_vector(cu_seqlens):
+        return cu_seqlens.to(torch.int64)
+    return torch.tensor(_as_tuple(cu_seqlens), dtype=torch.int64)
+
+
+__all__ = ["AttentionConfig", "Blocks", "ContextParallelAttention", "backward_on_gathered", "cp_attention",
+           "forward_on_gathered"]

@@ -1,0 +1,172 @@
+"""The overlapped ops registered as torch custom ops, with autograd, so ``torch.compile`` traces models that use
+them.
+
+``torch.ops.triton_overlap.ag_gemm``, ``.gemm_rs``, ``.cp_attention`` and ``.cp_attention_bwd`` take an integer
+``handle`` naming an op object (an AllGatherGEMM, GEMMReduceScatter or ContextParallelAttention bound to a Context)
+registered with :func:`handle`; a traced graph keeps the integer, the object stays in this module until its Context
+closes. Each has a fake (meta) implementation that gives output shapes without running anything, and the GEMM pair
+and attention have backward formulas written with the same custom ops, so forward and backward graphs trace without
+breaks. ``triton_overlap.nn`` goes through these.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from ..context.collectives import all_gather_rows as _all_gather_rows
+
+_OPS: dict[int, object] = {}
+_next = itertools.count(1)
+
+
+def handle(op) -> int:
+    """A new integer naming ``op`` for the custom ops; the name is dropped when the op's Context closes."""
+    h = next(_next)
+    _OPS[h] = op
+    op.ctx.on_close(lambda: _OPS.pop(h, None))
+    return h
+
+
+def op_of(h: int):
+    """The op object ``h`` names."""
+    op = _OPS.get(h)
+    if op is None:
+        raise RuntimeError(f"triton_overlap custom op: handle {h} names no op (its Context is closed)")
+    return op
+
+
+# ------------------------------------------------------------------ AllGather-GEMM
+@torch.library.custom_op("triton_overlap::ag_gemm", mutates_args=())
+def ag_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ag: int, rs: int, world: int,
+            keep: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gather(a) @ w + bias, gather(a)) with ``keep``, else (gather(a) @ w + bias, an empty tensor);
+    ``rs`` names the GEMMReduceScatter its backward uses."""
+    if keep:
+        return op_of(ag)(a.contiguous(), w, bias, return_gathered=True)
+    return op_of(ag)(a.contiguous(), w, bias), a.new_empty(0)
+
+
+@ag_gemm.register_fake
+def _(a, w, bias, ag, rs, world, keep):
+    return a.new_empty(a.shape[0] * world, w.shape[1]), a.new_empty((a.shape[0] * world, a.shape[1]) if keep else 0)
+
+
+@torch.library.custom_op("triton_overlap::all_gather_rows", mutates_args=())
+def all_gather_rows(a: torch.Tensor, ag: int, world: int) -> torch.Tensor:
+    """Every rank's ``a`` stacked along dim 0, in rank order (NCCL/gloo all-gather on the op's group)."""
+    out = a.new_empty(a.shape[0] * world, *a.shape[1:])
+    return _all_gather_rows(out, a.contiguous(), group=op_of(ag).ctx.group)
+
+
+@all_gather_rows.register_fake
+def _(a, ag, world):
+    return a.new_empty(a.shape[0] * world, *a.shape[1:])
+
+
+def _ag_setup(ctx, inputs, output):
+    a, w, bias, ag, rs, world, keep = inputs
+    ctx.save_for_backward(output[1] if keep else a, w)
+    ctx.handles, ctx.world, ctx.has_bias, ctx.keep = (ag, rs), world, bias is not None, keep
+    ctx.mark_non_differentiable(output[1])
+
+
+def _ag_backward(ctx, grad_out, _grad_gathered):
+    saved, w = ctx.saved_tensors
+    ag, rs = ctx.handles
+    grad_out = grad_out.contiguous()
+    grad_a = gemm_rs(grad_out, w.t(), None, rs, ag, ctx.world)  # rows of this rank of sum_r grad_out @ w^T
+    gathered = saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)  # kept from forward, or gathered again
+    grad_w = gathered.t() @ grad_out
+    grad_b = grad_out.sum(0) if ctx.has_bias else None
+    return grad_a, grad_w, grad_b, None, None, None, None
+
+
+ag_gemm.register_autograd(_ag_backward, setup_context=_ag_setup)
+
+
+# ------------------------------------------------------------------ GEMM-ReduceScatter
+@torch.library.custom_op("triton_overlap::gemm_rs", mutates_args=())
+def gemm_rs(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, rs: int, ag: int,
+            world: int) -> torch.Tensor:
+    """This rank's rows of sum over ranks of a @ w, + bias; ``ag`` names the AllGatherGEMM its backward uses."""
+    return op_of(rs)(a.contiguous(), w, bias)
+
+
+@gemm_rs.register_fake
+def _(a, w, bias, rs, ag, world):
+    return a.new_empty(a.shape[0] // world, w.shape[1])
+
+
+def _rs_setup(ctx, inputs, output):
+    a, w, bias, rs, ag, world = inputs
+    ctx.save_for_backward(a, w)
+    ctx.handles, ctx.world, ctx.has_bias = (rs, ag), world, bias is not None
+
+
+def _rs_backward(ctx, grad_out):
+    a, w = ctx.saved_tensors
+    rs, ag = ctx.handles
+    grad_a, grad_full = ag_gemm(grad_out.contiguous(), w.t(), None, ag, rs, ctx.world, True)
+    grad_w = a.t() @ grad_full
+    grad_b = grad_full.sum(0) if ctx.has_bias else None  # the bias is added once: its gradient sees every row
+    return grad_a, grad_w, grad_b, None, None, None
+
+
+gemm_rs.register_autograd(_rs_backward, setup_context=_rs_setup)
+
+
+# ------------------------------------------------------------------ context-parallel attention
+@torch.library.custom_op("triton_overlap::cp_attention", mutates_args=())
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, op: int, causal: bool, scale: float,
+                 keep: bool, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, gathered k, gathered v); the last two are empty unless ``keep`` (for backward). ``cu``: packed
+    documents' global boundaries, an integer tensor read on the host (empty: none)."""
+    with torch.no_grad():
+        res = op_of(op).forward(q.contiguous(), k.contiguous(), v.contiguous(), causal, scale, keep=keep,
+                              cu=tuple(cu.tolist()))
+    if keep:
+        return res
+    return res[0], res[1], k.new_empty(0), v.new_empty(0)
+
+
+@cp_attention.register_fake
+def _(q, k, v, op, causal, scale, keep, cu):
+    B, S, Hq, _ = q.shape
+    W = op_of(op).ctx.world_size
+    kept = (B, W * S, k.shape[2], k.shape[3]) if keep else (0,)
+    return (q.new_empty(q.shape), q.new_empty(B, Hq, S, dtype=torch.float32), k.new_empty(kept),
+            v.new_empty(kept))
+
+
+@torch.library.custom_op("triton_overlap::cp_attention_bwd", mutates_args=())
+def cp_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                     dout: torch.Tensor, kept_k: torch.Tensor, kept_v: torch.Tensor, op: int, causal: bool,
+                     scale: float, cu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv; K/V from ``kept_k``/``kept_v`` when they are not empty, else gathered again."""
+    keep = kept_k.numel() > 0
+    return op_of(op).backward(q.contiguous(), k.contiguous(), v.contiguous(), out, lse, dout.contiguous(), causal,
+                            scale, kept_k if keep else None, kept_v if keep else None, tuple(cu.tolist()))
+
+
+@cp_attention_bwd.register_fake
+def _(q, k, v, out, lse, dout, kept_k, kept_v, op, causal, scale, cu):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _cp_setup(ctx, inputs, output):
+    q, k, v, op, causal, scale, keep, cu = inputs
+    ctx.save_for_backward(q, k, v, *output, cu)
+    ctx.op, ctx.causal, ctx.scale = op, causal, scale
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _cp_backward(ctx, dout, _dlse, _dk, _dv):
+    q, k, v, out, lse, kept_k, kept_v, cu = ctx.saved_tensors
+    dq, dk, dv = cp_attention_bwd(q, k, v, out, lse, dout, kept_k, kept_v, ctx.op, ctx.causal, ctx.scale, cu)
+    return dq, dk, dv, None, None, None, None, None
+
+
+cp_attention.register_autograd(_cp_backward, setup_context=_cp_setup)
+
+__all__ = ["ag_gemm", "all_gather_rows", "cp_attention", "cp_attention_bwd", "gemm_rs", "handle", "op_of"]

@@ -1,0 +1,223 @@
+"""GEMM + ReduceScatter: rows ``rank*M/W ... (rank+1)*M/W`` of ``sum over ranks of a @ w``.
+
+Plan: each rank's rows cut into chunks, the GEMM's m-tiles ordered peers' rows first (in send order) and this
+rank's own rows last, and for each chunk the count of tile stores that completes it. Consumer: one persistent GEMM
+that hands peers' tiles on as they finish, and whose own-row tiles add the peers' partials in their epilogue
+(``fuse_reduce``; else a reduction kernel sums them). Producer, by variant:
+
+* store: the GEMM stores peers' tiles straight into their receive slots over NVLink and bumps their counters. A
+  device barrier opens the call (kernels.gemm); the warp-specialized GEMM needs none: each rank's GEMM announces
+  its start, and a program waits for an owner's start before its first tile for it (PEER_STORES);
+* copy: the GEMM stores peers' tiles locally and copy engines move each chunk once its count is complete
+  (producers.scatter).
+
+Fallback: torch.matmul + NCCL reduce-scatter.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..context.collectives import reduce_scatter_rows
+from ..kernels import gemm_warp_specialized as warp_specialized
+from ..kernels.gemm import ScatterTarget, launch_gemm
+from ..kernels.reduce import launch_reduce
+from ..plan import ChunkLayout, cdiv, scatter_tile_order
+from ..producers import pipeline
+from ..producers.scatter import Scatter, copy_stream_count, staging
+from .base import OverlapOp, call_key, with_overrides
+from .checks import check_operands
+from .config import GEMMReduceScatterConfig
+
+#: fallback="auto" takes torch.matmul + NCCL below this many bytes of each rank's share of the output
+FALLBACK_PARTIAL_BYTES = 1 << 20
+
+
+def fuses(cfg: GEMMReduceScatterConfig, m: int, world: int) -> bool:
+    """Whether the reduction runs in the GEMM for ``m`` rows in all: ``cfg.fuse_reduce`` (None: yes), where every
+    rank's rows are whole ``block_m`` tiles (own-row tiles then hold one rank's rows only)."""
+    return cfg.fuse_reduce is not False and (m // world) % cfg.block_m == 0
+
+
+def scatter_mode(cfg: GEMMReduceScatterConfig, m: int, n: int, elsize: int, backend: str, world: int) -> str:
+    """"store" or "copy": ``cfg.scatter``, or for "auto" copy on GPUs from ``cfg.copy_bytes`` of partial output
+    (``copy_bytes_fused`` with the reduction fused), store below and on the host backend."""
+    if cfg.scatter != "auto":
+        return cfg.scatter
+    size = m * n * elsize
+    big = size >= cfg.copy_bytes or (size >= cfg.copy_bytes_fused and fuses(cfg, m, world))
+    return "copy" if big and backend != "host" else "store"
+
+
+def wants_warp_specialized(cfg: GEMMReduceScatterConfig) -> bool:
+    """Whether ``cfg`` lets a fused call take the warp-specialized GEMM (where the call can run on it)."""
+    want = cfg.warp_specialized_default if cfg.warp_specialized is None else cfg.warp_specialized
+    return bool(want) and cfg.claim != 1 and not cfg.defer_release
+
+
+class GEMMReduceScatter(OverlapOp):
+    """Reusable GEMM-ReduceScatter bound to a Context.
+
+    ``op(a, w, bias=None, *, out=None, **overrides)``: ``a`` is [M, K_local] (this rank's slice of the contraction
+    dimension), ``w`` is [K_local, N], any 2-D strided view; returns [M/W, N]. The bias is added once; partials
+    are summed in float32. ``overrides`` set GEMMReduceScatterConfig fields for this call.
+
+    ``fallback="auto"`` takes torch.matmul + NCCL reduce-scatter when each rank's share of the output is under
+    FALLBACK_PARTIAL_BYTES, when W = 1, or for an eager call whose GEMM is too short to pay for the host's cost of
+    an overlapped one. ``max_m``: the largest M accepted. ``last_gemm``: the GEMM the last overlapped call ran,
+    "gemm_warp_specialized" or "gemm".
+    """
+
+    KIND = "gemm_rs"
+    EAGER_MIN_FLOP_PER_PEER = 3e11
+
+    def __init__(self, ctx, config: GEMMReduceScatterConfig | None = None, *, fallback: str = "auto",
+                 max_m: int | None = None, name: str | None = None, replay: bool = True):
+        super().__init__(ctx, config, fallback=fallback, name=name, replay=replay)
+        self.max_m = max_m
+        self.last_gemm = None
+
+    def default_config(self, shape, variant=""):
+        return GEMMReduceScatterConfig.defaults(self.ctx.backend)
+
+    # --------------------------------------------------------------------------------------------- call
+    def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 out: torch.Tensor | None = None, **overrides):
+        W = self.ctx.world_size
+        if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == 2 \
+                and w.dim() == 2 and a.shape[0] % W == 0:  # a repeat of a captured call replays, unchecked
+            out = torch.empty((a.shape[0] // W, w.shape[1]), dtype=a.dtype, device=a.device) if out is None else out
+            if self.replayed(call_key(overrides, a, w, bias, out)):
+                self.last_path = "overlap"
+                return out
+        return self._call(a, w, bias, out, overrides)
+
+    @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
+    def _call(self, a, w, bias, out, overrides):
+        ctx = self.ctx
+        ctx.ensure_open()
+        check_operands(self.KIND, ctx, a, w, bias)
+        M, W = a.shape[0], ctx.world_size
+        if M % W:
+            raise ValueError(f"gemm_rs: M = {M} rows is not divisible by the world size {W}")
+        if self.max_m is not None and M > self.max_m:
+            raise ValueError(f"gemm_rs: M = {M} exceeds this op's max_m = {self.max_m}")
+        want = (M // W, w.shape[1])
+        if out is not None and (tuple(out.shape) != want or out.dtype != a.dtype or out.device != a.device):
+            raise ValueError(f"gemm_rs: out must be {a.dtype} {want} on {a.device}, got {out.dtype} {tuple(out.shape)}")
+        self.agree((tuple(a.shape), w.shape[1], str(a.dtype)))
+        a = a.contiguous()
+        out = torch.empty(want, dtype=a.dtype, device=a.device) if out is None else out
+        ov = tuple(sorted(overrides.items()))
+        shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, out.dtype, ov)
+        key = call_key(ov, a, w, bias, out)
+        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key):
+            self.replays.saw(key, shape_key)
+            self.last_path = "fallback"
+            return self._fallback(a, w, bias, out)
+        self.last_path = "overlap"
+        if out.stride(1) != 1:  # the kernels store unit-stride rows: go through a contiguous tensor
+            res = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+            self.enqueue(None, shape_key, lambda: self._overlap(a, w, bias, res, overrides))
+            return out.copy_(res)
+        self.enqueue(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides))
+        return out
+
+    def _use_fallback(self, a, w, shape_key) -> bool:
+        if self.fallback != "auto":
+            return self.fallback == "always"
+        W = self.ctx.world_size
+        partial = a.shape[0] // W * w.shape[1] * a.element_size()
+        return (W == 1 or partial < FALLBACK_PARTIAL_BYTES
+                or self.eager_fallback(shape_key, 2 * a.shape[0] * a.shape[1] * w.shape[1]))
+
+    # --------------------------------------------------------------------------- plan, consumer, fallback
+    def _overlap(self, a, w, bias, out, overrides) -> None:
+        """Enqueue one overlapped call (what ReplayCache captures)."""
+        ctx = self.ctx
+        W = ctx.world_size
+        (M, K), N = a.shape, w.shape[1]
+        m_local = M // W
+        cfg = with_overrides(self.config_for((M, K, N)), overrides)
+        copy = scatter_mode(cfg, M, N, a.element_size(), ctx.backend, W) == "copy"
+        fuse = fuses(cfg, M, W)
+        b_layout = warp_specialized.layout_for(ctx, a, w, m_local) if fuse and wants_warp_specialized(cfg) else None
+        self.last_gemm = "gemm_warp_specialized" if b_layout is not None else "gemm"
+        if b_layout is not None:  # the warp-specialized GEMM's own tiles, and so its own plan
+            t = warp_specialized.TILES
+            cfg = replace(cfg, block_m=t.block_m, block_n=t.block_n, block_k=t.block_k, num_stages=t.num_stages)
+        layout, order, expected, counts = self._plan(m_local, N, cfg, a.element_size())
+        recv = ctx.symmetric(f"{self.name}.recv", (W, m_local, N), a.dtype)
+        counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
+        # the warp-specialized GEMM's store variant: each rank's start count, instead of a barrier (PEER_STORES)
+        starts = ctx.symmetric(f"{self.name}.starts", (W,), torch.int32) if b_layout is not None and not copy else None
+        c = recv.local.view(W * m_local, N)
+        self.state["buffers"] = {"receive slots": recv.local}
+        if copy:  # peers' tiles to a local staging buffer; copy engines move them on
+            stage = staging(ctx, recv, counters, layout)
+            self.state["buffers"]["staging"] = stage.partials
+            producer = Scatter(layout, stage, recv, counters, counts, copy_stream_count(layout, cfg.num_streams))
+            ptrs, counter_ptrs = stage.ptrs, stage.counter_ptrs
+        else:  # peers' tiles straight into their receive slots, once their owners' previous calls are done
+            producer = None if b_layout is not None else pipeline.BarrierOnly()
+            ptrs, counter_ptrs = recv.ptrs, counters.ptrs
+
+        def consumer():
+            if b_layout is not None:
+                warp_specialized.launch_gemm_rs(ctx, b_layout, a, w, c, out, bias, layout, order, expected,
+                                                counters.local, ptrs, counter_ptrs, self._exit_counts(), starts,
+                                                op=self.op)
+                return
+            # the copy variant's GEMM waits (own rows) for copies that wait for a barrier kernel: leave it an SM
+            target = ScatterTarget(ptrs, counter_ptrs, local=copy, free_sm=copy and fuse, claim=cfg.claim,
+                                   defer_release=cfg.defer_release, reduce_into=out if fuse else None,
+                                   expected=expected, split_m=(W - 1) * m_local // cfg.block_m)
+            launch_gemm(ctx, cfg, a, w, c, order=order, flags=counters.local, layout=layout,
+                        bias=bias if fuse else None, scatter=target, exit_counts=self._exit_counts() if fuse else None,
+                        op=self.op)
+            if not fuse:  # a reduction kernel sums the partials; its counters are then reset on this stream
+                launch_reduce(ctx, recv.local, out, bias, counters.local, expected, layout, op=self.op)
+                counters.local.zero_()  # every count was seen; peers add again only after the next barrier
+
+        # (fused: the GEMM's last program zeroes the counters; the copy streams zero the local counts they waited on)
+        pipeline.run(ctx, producer, consumer, consumer_first=copy)
+
+    def _plan(self, m_local: int, n: int, cfg, elsize: int):
+        """Chunk layout (each chunk of partial output at least ``cfg.min_chunk_bytes`` where it can), GEMM m-tile
+        order, the count each of our chunks reaches from each source, and every owner's counts
+        (``ChunkLayout.tile_stores``), built once per shape and tiles."""
+        rows = cfg.chunk_rows(m_local, n * elsize)
+        plans = self.state.setdefault("plans", {})
+        key = (m_local, n, cfg.block_m, cfg.block_n, rows)
+        if key not in plans:
+            ctx = self.ctx
+            layout = ChunkLayout(ctx.world_size, m_local, rows)
+            order = scatter_tile_order(layout, ctx.rank, cfg.block_m)
+            counts = layout.tile_stores(cfg.block_m, cdiv(n, cfg.block_n))
+            plans[key] = (layout, torch.tensor(order, dtype=torch.int32, device=ctx.device),
+                          torch.tensor(counts[ctx.rank], dtype=torch.int32, device=ctx.device), counts)
+        return plans[key]
+
+    def _exit_counts(self) -> torch.Tensor:
+        """Two int32s for the fused GEMM's tile claims and RESET_AT_EXIT, zero between calls."""
+        return self.ctx.cached(("exit counts", self.name), lambda: torch.zeros(2, dtype=torch.int32,
+                                                                               device=self.ctx.device))
+
+    def _fallback(self, a, w, bias, out):
+        full = a @ w
+        direct = out.is_contiguous()  # NCCL writes straight into the caller's tensor
+        res = out if direct else torch.empty(out.shape, dtype=a.dtype, device=a.device)
+        reduce_scatter_rows(res, full, group=self.ctx.group)
+        if bias is not None:
+            res += bias
+        return out if direct else out.copy_(res)
+
+
+def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None = None,
+            out: torch.Tensor | None = None, **overrides):
+    """Functional form of GEMMReduceScatter: one op per Context, kept by the Context."""
+    return GEMMReduceScatter.shared(ctx)(a, w, bias, out=out, **overrides)
+
+
+__all__ = ["GEMMReduceScatter", "fuses", "gemm_rs", "scatter_mode", "wants_warp_specialized"]

@@ -1,0 +1,97 @@
+"""Copy-engine all-gather producers: every rank's rows into every rank's workspace, a flag after each chunk.
+
+Push (``Gather(mode="push")``): rank r copies its own rows, chunk by chunk, into the same rows of every peer's
+workspace and sets that peer's flag for the chunk after it, on the same stream, so a flag can only be seen after
+its data. Peer ``send_order(r)[i]`` is served on stream ``i % n_streams``, so several links carry data at once.
+The local shard is never copied.
+
+Pull (``mode="pull"``): after the barrier, each rank copies its shard into its own workspace rows (the only rows
+a peer reads), a second barrier says every rank's rows are in place, then each rank reads its peers' rows from
+their workspaces in the order push would deliver them and raises its own flag after each chunk. The first barrier
+also keeps a rank from overwriting rows a slow peer is still reading from its previous call. Flags are only ever
+written by their owner.
+
+Copy streams never wait on a memory value (a stream wait-value): a consumer's rows must not depend on a wait that
+can block work on the caller's stream (docs/decisions.md).
+"""
+from __future__ import annotations
+
+from ..plan import ChunkLayout, arrival_order, send_order
+
+
+class Gather:
+    """The producer of one all-gather call (producers.pipeline).
+
+    ``pairs``: (source, symmetric workspace) pairs moved together, chunk by chunk (K and V for attention); each
+    source holds this rank's ``layout.m_local`` rows along ``dim``, each workspace ``W * m_local``. ``flags``: the
+    symmetric int32 flags, one per chunk (``layout.num_chunks``). ``reset_flags``: zero this rank's flags after the
+    call (step 5), for consumers that do not reset them themselves.
+    """
+
+    def __init__(self, ctx, layout: ChunkLayout, pairs, flags, *, dim: int = 0, mode: str = "push",
+                 num_streams: int = 1, reset_flags: bool = False):
+        if mode not in ("push", "pull"):
+            raise ValueError(f"gather mode must be 'push' or 'pull', got {mode!r}")
+        self.layout, self.pairs, self.flags, self.dim, self.mode = layout, pairs, flags, dim, mode
+        self.num_streams = max(1, min(num_streams, ctx.world_size - 1)) if ctx.world_size > 1 else 0
+        self.reset_flags = reset_flags
+
+    def open(self, ctx, stream) -> None:
+        ctx.barrier(stream)
+        if self.mode == "pull":
+            rows = slice(ctx.rank * self.layout.m_local, (ctx.rank + 1) * self.layout.m_local)
+            for src, ws in self.pairs:
+                stream.copy(ws.local.narrow(self.dim, rows.start, self.layout.m_local), src)
+            ctx.barrier(stream)
+
+    def enqueue(self, ctx, streams) -> None:
+        plan = ctx.cached(("gather plan", self.mode, self._key(ctx, streams)), lambda: self._plan(ctx, streams))
+        sources = [src for src, _ in self.pairs]
+        for s, steps in plan:
+            for copies, flag in steps:
+                ctx.jitter(s)
+                for (prepared, fixed), src in zip(copies, sources):
+                    s.copy_planned(prepared, src if fixed is None else fixed)
+                s.write_value(flag, 1)
+
+    def finish(self, ctx) -> None:
+        if self.reset_flags:
+            self.flags.local.zero_()  # every flag was waited for; peers set them again only after the next barrier
+
+    def _key(self, ctx, streams):
+        """What the plan depends on: the layout, the streams, every address it writes to, the sources' layouts."""
+        W = ctx.world_size
+        addrs = lambda t: tuple(t.peer(d).data_ptr() for d in range(W))  # noqa: E731 - a grown buffer moves
+        return (self.layout, self.dim, tuple(id(s) for s in streams), addrs(self.flags),
+                tuple((tuple(src.shape), tuple(src.stride()), src.dtype, addrs(ws)) for src, ws in self.pairs))
+
+    def _plan(self, ctx, streams):
+        """Per stream: [(copies, flag view)] in order, built once per key. A copy is (prepared copy, fixed
+        source): push mode reads the call's source tensor (None: it differs from call to call, Stream.plan_copy
+        keeps its layout), pull mode a peer's workspace."""
+        layout, dim, r, W = self.layout, self.dim, ctx.rank, ctx.world_size
+        per_stream: dict[int, tuple] = {}
+        peers = send_order(r, W) if self.mode == "push" else arrival_order(r, W)
+        for i, d in enumerate(peers):
+            s = streams[i % len(streams)]
+            steps = per_stream.setdefault(id(s), (s, []))[1]
+            for j in range(layout.chunks_per_rank):
+                copies = []
+                if self.mode == "push":  # our chunk j into peer d's workspace, then d's flag
+                    rows, mine = layout.rows(r, j), layout.local_rows(j)
+                    for src, ws in self.pairs:
+                        dst = ws.peer(d).narrow(dim, rows.start, rows.stop - rows.start)
+                        part = src.narrow(dim, mine.start, mine.stop - mine.start)
+                        copies.append((s.plan_copy(dst, part, src), None))
+                    c = layout.chunk_id(r, j)
+                    flag = self.flags.peer(d)[c:c + 1]
+                else:  # peer d's chunk j out of its workspace into ours, then our own flag
+                    rows = layout.rows(d, j)
+                    for _, ws in self.pairs:
+                        theirs = ws.peer(d).narrow(dim, rows.start, rows.stop - rows.start)
+                        dst = ws.local.narrow(dim, rows.start, rows.stop - rows.start)
+                        copies.append((s.plan_copy(dst, theirs, theirs), theirs))
+                    c = layout.chunk_id(d, j)
+                    flag = self.flags.local[c:c + 1]
+                steps.append((copies, flag))
+        return list(per_stream.values())

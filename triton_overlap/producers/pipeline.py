@@ -1,0 +1,87 @@
+"""The protocol of one overlapped call, written once: an op supplies a producer and a consumer.
+
+Every step is enqueued on streams, with no host synchronisation and nothing baked in that a CUDA-graph replay would
+get wrong (every value written is a constant or lives in device memory), so a call can be captured and replayed:
+
+1. **follow**: the first producer stream waits for the caller's stream as it is now (the inputs are ready, and this
+   rank's previous call has finished and reset its flags);
+2. **open**: the producer's opening steps on that stream, a device-side barrier first (``Context.barrier``: every
+   peer has reached step 1 too, so its workspaces and flags may be written), then the other producer streams wait
+   for it. With ``gate`` the caller's stream waits for it as well: a consumer that can fill every SM with programs
+   waiting for chunks must not start before the barrier kernel has found an SM on every rank;
+3. **consumer and copies**: the consumer (kernels on the caller's stream) and the producer's copies with their
+   flags, in the order asked. ``consumer_first`` launches the consumer before the host enqueues the copies, so the
+   GPU computes on local data while the host works;
+4. **join**: the caller's stream waits for every producer stream;
+5. **finish**: the producer's closing steps on the caller's stream (resetting this rank's flags, where the consumer
+   does not do it itself).
+
+A producer with no streams (its whole job is the barrier, or nothing) opens on the caller's stream, before the
+consumer.
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+
+class Producer(Protocol):
+    """What a producer tells the pipeline. ``num_streams``: how many producer streams it uses (0: none)."""
+
+    num_streams: int
+
+    def open(self, ctx, stream) -> None:
+        """Step 2 on ``stream`` (the first producer stream, or the caller's stream without producer streams)."""
+
+    def enqueue(self, ctx, streams) -> None:
+        """Step 3: the copies and flags (nothing without producer streams)."""
+
+    def finish(self, ctx) -> None:
+        """Step 5, on the caller's stream."""
+
+
+class BarrierOnly:
+    """A producer that only opens the call with a device barrier on the caller's stream: the consumer writes into
+    peers' memory itself (or reads data already in place), once every peer has finished its previous call."""
+
+    num_streams = 0
+
+    def open(self, ctx, stream) -> None:
+        ctx.barrier(stream)
+
+    def enqueue(self, ctx, streams) -> None:
+        pass
+
+    def finish(self, ctx) -> None:
+        pass
+
+
+def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consumer_first: bool = False,
+        gate: bool = False) -> None:
+    """Enqueue one call: ``producer`` (None: the consumer alone) around ``consumer`` (a function that launches the
+    consumer's kernels on the caller's stream), by the protocol above."""
+    if producer is None:
+        consumer()
+        return
+    caller = ctx.current_stream()
+    streams = ctx.streams(producer.num_streams) if producer.num_streams else []
+    if not streams:
+        producer.open(ctx, caller)
+        consumer()
+        producer.finish(ctx)
+        return
+    first = streams[0]
+    first.wait_stream(caller)  # 1. follow
+    producer.open(ctx, first)  # 2. open
+    if gate:
+        caller.wait_stream(first)
+    for s in streams[1:]:
+        s.wait_stream(first)
+    if consumer_first and ctx.backend != "host":  # 3. (on the host backend a launch runs to its end: copies first)
+        consumer()
+        producer.enqueue(ctx, streams)
+    else:
+        producer.enqueue(ctx, streams)
+        consumer()
+    for s in streams:  # 4. join
+        caller.wait_stream(s)
+    producer.finish(ctx)  # 5. finish
