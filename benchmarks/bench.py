@@ -1,35 +1,31 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
-    bash scripts/launch.sh scripts/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention [--shapes M,K,N ...] [--iters 30]
+    bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention [--shapes ...] [--out DIR]
 
-(for gemm_rs, K is this rank's K_local and the output is [M/W, N]; ag_gemm_fp8 is AllGather-GEMM on
-float8_e4m3fn with per-tensor scales and bf16 output, B stored [N, K] as fp8 weights are, against
-all_gather + torch._scaled_mm and torch's fused_all_gather_scaled_matmul)
-
-For every shape, in one process group and one run: ours; NCCL + cuBLAS
-(sequential); torch's fused symm_mem op; the bound (torch.matmul of the same
-work alone); our consumer GEMM alone. Distributed timings: CUDA events around
-each call, ranks aligned by a one-element all_reduce on the stream before each
-iteration, median over iterations, max over ranks; single-GPU timings (the
-bound, our GEMM alone, SDPA) the same way. Writes benchmarks/results/<op>-<gpu>x<W>.json
-and .md (and .png where matplotlib is installed).
+For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
+the bound (torch.matmul of the same work alone); our consumer GEMM alone. Attention: ours; NCCL all_gather of K/V
+then our kernel; torch's SDPA on the full sequence on one GPU; our kernel alone. Distributed timings: CUDA events
+around each call, ranks aligned on the device before each iteration, median over iterations, max over ranks
+(triton_overlap.timing); the headline columns timed in turns within each iteration, so all see the same GPU clock.
+Writes ``<op>-<gpu>x<W>.{json,md,png}`` (report.py) into ``--out`` (default ``bench-results/``; the committed
+results are ``benchmarks/results/``). GPUs only.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import triton_overlap as to  # noqa: E402
-from triton_overlap.launch import init, say  # noqa: E402
-from triton_overlap.timing import capture, host_us, time_dist, time_interleaved  # noqa: E402
-from triton_overlap.ops.common import plain_gemm  # noqa: E402
+import triton_overlap as to
+from report import CP_HEADER, HEADER, _cp_row, _row, write, write_cp
+from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
+from triton_overlap.kernels.gemm import plain_gemm
+from triton_overlap.ops.gemm_reduce_scatter import scatter_mode
+from triton_overlap.timing import capture, host_us, time_dist, time_interleaved
+from triton_overlap.torchrun import init, say
 
 AG_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 14336), (8192, 8192, 3584),
              (4096, 8192, 1792)]
@@ -37,9 +33,8 @@ RS_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384,
 #: µs the stream spins before and after the all_reduce that lines the ranks up before each timed call
 #: (timing.time_dist's lead_us): the host has enqueued the call by then and every rank starts it together, as in
 #: a model whose host runs ahead. 0 (--lead-us 0): the GPU idles until the host has enqueued, and each rank
-#: starts when its own host is done (the method before the tenth session; kept as *_idle_us for ours and NCCL).
+#: starts when its own host is done (kept as *_idle_us for ours and NCCL).
 LEAD_US = 500.0
-RESULTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results")
 
 
 def timed(fn, iters: int, **kw) -> float:
@@ -48,19 +43,16 @@ def timed(fn, iters: int, **kw) -> float:
 
 
 def time_local(fn) -> float:
-    """A single-GPU timing (bound, consumer alone, SDPA), taken exactly like ours: one call per iteration
-    between events, the ranks aligned before each (time_dist). triton.testing.do_bench (back-to-back calls,
-    L2 flushed) had timed our GEMM alone 7-20% slower than tune.py timed the same kernel (2xH200), so the
-    bound and ours were not measured alike."""
+    """A single-GPU timing (bound, consumer alone, SDPA), taken exactly like ours: one call per iteration between
+    events, the ranks aligned before each (time_dist), so that the bound and ours are measured alike
+    (docs/decisions.md)."""
     return timed(fn, 30, budget_s=2.0)
 
 
 def time_gemm(rec, key, fn) -> None:
     """``rec[key]``: a GEMM alone on one GPU (the bound, our consumer alone), timed as a CUDA-graph replay like
-    ours (an eager call of ours replays the op's graph): GPU time without the host's launch cost, which for
-    our GEMM (Python launch, descriptor encoding) reached 100 µs per call with the GPU idle before each
-    (2xH200), and which an overlapped call does not pay. The eager timing (time_local) is kept as
-    ``<key minus _us>_eager_us``."""
+    ours (an eager call of ours replays the op's graph): GPU time without the host's launch cost, which an
+    overlapped call does not pay either. The eager timing (time_local) is kept as ``<key minus _us>_eager_us``."""
     eager = key.replace("_us", "_eager_us")
     rec[eager] = time_local(fn)
     rec[key], note = try_time(capture(fn).replay, 30)
@@ -108,10 +100,9 @@ def try_time(fn, iters):
 
 def side_by_side(ctx, rec, fns, iters, budget_s=None):
     """The headline columns (``fns``: {key: fn}) timed again in turns within each iteration
-    (timing.time_interleaved), so that ours and every baseline see the same GPU clock: timed one after another,
-    the ones timed first ran cooler and faster on the largest shapes (diag_graph.py). These replace the
-    values timed one after another earlier in the run, which stay as ``<key minus _us>_seq_us``. A key whose
-    earlier timing failed (None) is left out."""
+    (timing.time_interleaved), so that ours and every baseline see the same GPU clock. These replace the values
+    timed one after another earlier in the run, which stay as ``<key minus _us>_seq_us``. A key whose earlier
+    timing failed (None) is left out."""
     fns = {k: f for k, f in fns.items() if f is not None and rec.get(k) is not None}
     for k in fns:
         rec[k[:-3] + "_seq_us"] = rec[k]
@@ -179,7 +170,7 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
             rec["rel_err"] = err
 
         def nccl():
-            dist.all_gather_into_tensor(gathered, a)
+            all_gather_rows(gathered, a)
             torch.matmul(gathered, w, out=out)
 
         rec["nccl_us"] = timed(nccl, iters)
@@ -193,13 +184,13 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
             rec["torch_fused_us"], note = None, fused_ok
         if note:
             rec["note"] += f"torch fused: {note}; "
-        dist.all_gather_into_tensor(gathered, a)
+        all_gather_rows(gathered, a)
         time_gemm(rec, "bound_us", lambda: torch.matmul(gathered, w, out=out))
         time_gemm(rec, "consumer_only_us", plain_gemm(ctx, op.config_for((M, K, N)), gathered, w, out))
         wt = torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()  # B as nn.Linear's weight.t()
 
         def nccl_wt():
-            dist.all_gather_into_tensor(gathered, a)
+            all_gather_rows(gathered, a)
             torch.matmul(gathered, wt, out=out)
 
         time_weight_t(rec, lambda: auto(a, wt, out=out), nccl_wt, lambda: torch.matmul(gathered, wt, out=out),
@@ -210,7 +201,7 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
                                 "consumer_only_us": gemm_graph(plain_gemm(ctx, op.config_for((M, K, N)), gathered, w,
                                                                           out))}, iters)
         records.append(rec)
-        write_partial(records)  # the variant below has not run on a GPU before: keep what is measured
+        write_partial(records)  # keep what is measured if the variant below fails
         time_variant(ctx, rec, "ours_pull", lambda: op(a, w, out=out, mode="pull"), iters)  # ranks read peers' rows
         write_partial(records)
         say(_row(rec))
@@ -240,10 +231,10 @@ def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
         gathered = torch.empty(M, K, device="cuda", dtype=f8)
         kw = dict(out=out, scale_a=sa, scale_b=sb)
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "dtype": "float8_e4m3fn", "note": "", "lead_us": LEAD_US,
-               "config": repr(op.config_for((M, K, N), fp8=True))}
+               "config": repr(op.config_for((M, K, N), "_fp8"))}
         time_ours(ctx, rec, op, auto, plain, lambda o: o(a, wt, **kw), iters)
         rec["host_enqueue_us"] = host_us(lambda: op(a, wt, **kw))
-        dist.all_gather_into_tensor(gathered.view(u8), a.view(u8))
+        all_gather_rows(gathered.view(u8), a.view(u8))
         if M * K <= (1 << 26):  # a correctness spot check on the benchmarked shape
             op(a, wt, **kw)
             ref = (gathered.float() @ wt.float()) * sa * sb
@@ -253,7 +244,7 @@ def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
             torch._scaled_mm(gathered, wt, sa, sb, out_dtype=bf16, out=out)
 
         def nccl():
-            dist.all_gather_into_tensor(gathered.view(u8), a.view(u8))
+            all_gather_rows(gathered.view(u8), a.view(u8))
             scaled_mm()
 
         rec["nccl_us"] = timed(nccl, iters)
@@ -267,16 +258,16 @@ def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
             rec["torch_fused_us"], note = None, fused_ok
         if note:
             rec["note"] += f"torch fused: {note}; "
-        dist.all_gather_into_tensor(gathered.view(u8), a.view(u8))
+        all_gather_rows(gathered.view(u8), a.view(u8))
         time_gemm(rec, "bound_us", scaled_mm)
-        time_gemm(rec, "consumer_only_us", plain_gemm(ctx, op.config_for((M, K, N), fp8=True), gathered, wt, out,
+        time_gemm(rec, "consumer_only_us", plain_gemm(ctx, op.config_for((M, K, N), "_fp8"), gathered, wt, out,
                                                       scales=(sa, sb)))
         side_by_side(ctx, rec, {
             "ours_us": lambda: auto(a, wt, **kw), "nccl_us": nccl,
             "torch_fused_us": lambda: torch.ops.symm_mem.fused_all_gather_scaled_matmul(
                 a, [wt], sa, [sb], 0, group, [None], [None], [bf16], [False]),
             "bound_us": gemm_graph(scaled_mm),
-            "consumer_only_us": gemm_graph(plain_gemm(ctx, op.config_for((M, K, N), fp8=True), gathered, wt, out,
+            "consumer_only_us": gemm_graph(plain_gemm(ctx, op.config_for((M, K, N), "_fp8"), gathered, wt, out,
                                                       scales=(sa, sb)))}, iters)
         flop = 2 * M * K * N
         rec["bound_tflops"] = flop / rec["bound_us"] / 1e6
@@ -313,7 +304,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
 
         def nccl():
             torch.matmul(a, w, out=full)
-            dist.reduce_scatter_tensor(out, full)
+            reduce_scatter_rows(out, full)
 
         rec["nccl_us"] = timed(nccl, iters)
         rec["nccl_idle_us"] = time_dist(nccl, iters)
@@ -329,7 +320,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
 
         def nccl_wt():
             torch.matmul(a, wt, out=full)
-            dist.reduce_scatter_tensor(out, full)
+            reduce_scatter_rows(out, full)
 
         time_weight_t(rec, lambda: auto(a, wt, out=out), nccl_wt, lambda: torch.matmul(a, wt, out=full),
                       plain_gemm(ctx, op.config_for((M, K, N)), a, wt, full), iters)
@@ -339,7 +330,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
             "bound_us": gemm_graph(lambda: torch.matmul(a, w, out=full)),
             "consumer_only_us": gemm_graph(plain_gemm(ctx, op.config_for((M, K, N)), a, w, full))}, iters)
         records.append(rec)
-        rec["scatter"] = op.scatter_mode(M, N, a.element_size(), op.config_for((M, K, N)))
+        rec["scatter"] = scatter_mode(op.config_for((M, K, N)), M, N, a.element_size(), ctx.backend, W)
         other = "store" if rec["scatter"] == "copy" else "copy"  # the scatter "auto" did not pick, as the variant
         write_partial(records)
         time_variant(ctx, rec, f"ours_{other}", lambda: op(a, w, out=out, scatter=other), iters)
@@ -351,6 +342,12 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
 CP_SHAPES = [(1, 16384, 32, 8, 128, True), (1, 32768, 32, 8, 128, True), (1, 65536, 32, 8, 128, True),
              (1, 131072, 32, 8, 128, True), (1, 32768, 32, 8, 128, False),
              (1, 32768, 32, 8, 128, True, 12), (1, 131072, 32, 8, 128, True, 24)]  # the last field: packed documents
+
+
+def local_docs(cu, world):
+    """A shard's document boundaries as global ones of a world of one (each shard's documents are whole
+    documents to the kernel run alone on it)."""
+    return None if cu is None else list(to.zigzag.local_cu_seqlens(cu, world))
 
 
 def doc_lengths(S: int, n: int, world: int, seed: int = 0) -> list[int]:
@@ -399,7 +396,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     forward + backward of ours and of SDPA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from triton_overlap.ops.cp_attention import OP, backward_on_gathered, forward_on_gathered, launch_fwd
+    from triton_overlap.ops.context_parallel_attention import backward_on_gathered, forward_on_gathered
 
     W, r = ctx.world_size, ctx.rank
     records = []
@@ -412,12 +409,11 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             cu = [0]
             for n in doc_lengths(S, ndocs, W):
                 cu.append(cu[-1] + n)
-        local_cu = to.cp.local_cu_seqlens(cu, W)
         op = to.ContextParallelAttention(ctx, chunks_per_rank=4)
-        cfg = op.config(D, (S, Hq, Hkv, D, int(causal)))
+        cfg = op.config_for((S, Hq, Hkv, D, int(causal)))
         g = torch.Generator(device="cuda").manual_seed(0)
         qf, kf, vf = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))
-        q, k, v = (to.cp.shard(t, ctx, cu_seqlens=cu) for t in (qf, kf, vf))
+        q, k, v = (to.zigzag.shard(t, ctx, cu_seqlens=cu) for t in (qf, kf, vf))
         rec = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "causal": causal, "world_size": W, "gpu": gpu_name(),
                "config": repr(cfg), "note": "", "lead_us": LEAD_US, "docs": ndocs, "cu_seqlens": cu}
         rec["ours_us"] = timed_cp(lambda: op(q, k, v, causal=causal, cu_seqlens=cu))  # replay on, as a user gets it
@@ -429,17 +425,15 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         ctx.check()
         kg = torch.empty(W * B, S_loc, Hkv, D, device="cuda", dtype=torch.bfloat16)
         vg = torch.empty_like(kg)
-        ones = torch.ones(W * op.chunks_per_rank, dtype=torch.int32, device="cuda")
         out, lse = torch.empty_like(q), torch.empty(B, Hq, S_loc, device="cuda", dtype=torch.float32)
 
-        def kernel(qq, kk, vv, kw, vw, oo, ll, rank, world, docs=local_cu):
-            launch_fwd(qq, kk, vv, kw, vw, oo, ll, ones, ctx.err, ctx.budget, rank, world, OP,
-                       qq.shape[1] // op.chunks_per_rank, op.chunks_per_rank, 1.0 / D ** 0.5, causal, cfg.fwd,
-                       ctx.clock, False, docs)
+        def kernel(qq, kk, vv, kw, vw, oo, ll, rank, world, docs=cu):
+            forward_on_gathered(ctx, qq, kk, vv, kw, vw, rank, world, causal, 1.0 / D ** 0.5, cfg, out=oo, lse=ll,
+                                cu_seqlens=docs)
 
         def gather_kv():  # B = 1: [W*B, S_loc, ...] is the workspace layout [B, W*S_loc, ...]
-            dist.all_gather_into_tensor(kg, k)
-            dist.all_gather_into_tensor(vg, v)
+            all_gather_rows(kg, k)
+            all_gather_rows(vg, v)
 
         def kernel_gathered():  # the NCCL variant's kernel on K/V already gathered: what no overlap can beat
             kernel(q, k, v, kg.view(B, W * S_loc, Hkv, D), vg.view(B, W * S_loc, Hkv, D), out, lse, r, W)
@@ -478,7 +472,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             ref = ref if cu is not None else ref.transpose(1, 2)
         out_full, lse_full = torch.empty_like(qf), torch.empty(B, Hq, S, device="cuda", dtype=torch.float32)
         # our kernel on this rank's data alone (as one rank of one: its shard's documents are whole documents)
-        rec["kernel_only_us"] = time_local(lambda: kernel(q, k, v, k, v, out, lse, 0, 1, local_cu))
+        rec["kernel_only_us"] = time_local(lambda: kernel(q, k, v, k, v, out, lse, 0, 1, local_docs(cu, W)))
         rec["kernel_full_us"] = time_local(lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1, cu))
         if single is not None:
             rec["kernel_full_err"] = float((out_full.float().reshape(ref.shape) - ref.float()).norm()
@@ -514,13 +508,13 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             scale = 1.0 / D ** 0.5
 
             def nccl_fwd_bwd():  # gather once (kept), forward, backward, reduce_scatter of the dK/dV partials
-                dist.all_gather_into_tensor(kg, k)
-                dist.all_gather_into_tensor(vg, v)
+                all_gather_rows(kg, k)
+                all_gather_rows(vg, v)
                 kw, vw = kg.view(B, W * S_loc, Hkv, D), vg.view(B, W * S_loc, Hkv, D)
                 o, lse_ = forward_on_gathered(ctx, q, k, v, kw, vw, r, W, causal, scale, cfg, cu_seqlens=cu)
                 dq, _ = backward_on_gathered(ctx, q, k, v, kw, vw, o, lse_, dout, r, W, causal, scale, cfg, parts,
                                              cu_seqlens=cu)
-                dist.reduce_scatter_tensor(parts_out, parts)
+                reduce_scatter_rows(parts_out, parts)
                 return dq, parts_out[0].to(k.dtype), parts_out[1].to(v.dtype)
 
             rec["fwd_bwd_nccl_ag_us"] = timed_cp(nccl_fwd_bwd)
@@ -557,7 +551,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             "gather_us": gather_kv if B == 1 else None,
             "kernel_gathered_us": kernel_gathered if B == 1 else None,
             "single_gpu_us": None if single is None else flash(single),
-            "kernel_only_us": lambda: kernel(q, k, v, k, v, out, lse, 0, 1, local_cu),
+            "kernel_only_us": lambda: kernel(q, k, v, k, v, out, lse, 0, 1, local_docs(cu, W)),
             "kernel_full_us": lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1, cu)}, iters, CP_BUDGET_S)
         side_by_side(ctx, rec, {"fwd_bwd_ours_us": fwd_bwd, "fwd_bwd_nccl_ag_us": nccl_fwd_bwd if B == 1 else None,
                                 "fwd_bwd_single_gpu_us": None if sdpa_fwd_bwd is None else flash(sdpa_fwd_bwd)},
@@ -579,198 +573,44 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     return records
 
 
-CP_HEADER = ("| B | S | Hq | Hkv | D | causal | docs | ours µs | ours, no replay µs | host µs, no replay / replayed | "
-             "NCCL all_gather + kernel µs | speed-up vs NCCL | NCCL all_gather alone µs | kernel on gathered K/V µs | "
-             "NCCL / kernel on gathered (ceiling) | "
-             "ours, graph µs | NCCL + kernel, graph µs | speed-up, graphs | "
-             "SDPA flash, 1 GPU, full S µs | our kernel, 1 GPU, full S µs | kernel alone, local µs | "
-             "TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd, K/V kept µs | fwd+bwd NCCL µs | "
-             "fwd+bwd speed-up vs NCCL | fwd+bwd SDPA 1 GPU µs | fwd+bwd efficiency | held for bwd MiB | "
-             "held, K/V kept MiB |\n|" + "---|" * 31)
-
-
-def _cp_row(r):
-    f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
-    ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
-    return (f"| {r['B']} | {r['S']} | {r['Hq']} | {r['Hkv']} | {r['D']} | {r['causal']} | {r.get('docs') or '-'} | "
-            f"{r['ours_us']:.1f} | "
-            f"{f(r.get('ours_no_replay_us'))} | {f(r.get('host_no_replay_us'))} / {f(r.get('host_replay_us'))} | "
-            f"{f(r['nccl_ag_us'])} | {ratio(r['nccl_ag_us'], r['ours_us'])} | {f(r.get('gather_us'))} | "
-            f"{f(r.get('kernel_gathered_us'))} | {f(r.get('nccl_ceiling'), 3)} | {f(r.get('ours_graph_us'))} | "
-            f"{f(r.get('nccl_ag_graph_us'))} | {ratio(r.get('nccl_ag_graph_us'), r.get('ours_graph_us'))} | "
-            f"{f(r['single_gpu_us'])} | {r['kernel_full_us']:.1f} | {r['kernel_only_us']:.1f} | "
-            f"{r['tflops_per_gpu']:.0f} | {f(r['efficiency'], 2)} | {r['fwd_bwd_ours_us']:.1f} | "
-            f"{f(r.get('fwd_bwd_keep_kv_us'))} | {f(r.get('fwd_bwd_nccl_ag_us'))} | "
-            f"{ratio(r.get('fwd_bwd_nccl_ag_us'), r['fwd_bwd_ours_us'])} | "
-            f"{f(r['fwd_bwd_single_gpu_us'])} | {f(r['fwd_bwd_efficiency'], 2)} | {f(r.get('saved_mib'), 0)} | "
-            f"{f(r.get('saved_keep_kv_mib'), 0)} |")
-
-
-def write_cp(records, W):
-    os.makedirs(RESULTS, exist_ok=True)
-    base = os.path.join(RESULTS, f"cp_attention-{records[0]['gpu']}x{W}")
-    with open(base + ".json", "w") as f:
-        json.dump(records, f, indent=1)
-    with open(base + ".md", "w") as f:
-        f.write(f"cp_attention, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks); "
-                f"efficiency = SDPA 1 GPU / (W x ours)"
-                + ("; ours, NCCL + kernel, SDPA and our kernel alone timed in turns within each iteration (forward, "
-                   "and forward + backward, each a group), so all see the same GPU clock (the values timed one "
-                   "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else "")
-                + f"\n\n{CP_HEADER}\n")
-        f.write("\n".join(_cp_row(r) for r in records) + "\n")
-        notes = [f"- S={r['S']} causal={r['causal']}: {r['note']}" for r in records if r["note"]]
-        if notes:
-            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
-
-
 def _gather(a):
     parts = [torch.empty_like(a) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, a)
     return parts
 
 
-def _row(r):
-    f = lambda v: "n/a" if v is None else f"{v:8.1f}"  # noqa: E731
-    sp = (r["nccl_us"] / r["ours_us"]) if r["ours_us"] else float("nan")
-    vs_bound = r["ours_us"] / r["bound_us"]
-    fused = (r["torch_fused_us"] / r["ours_us"]) if r.get("torch_fused_us") else None
-    gsp = (r["nccl_graph_us"] / r["ours_graph_us"]) if r.get("ours_graph_us") and r.get("nccl_graph_us") else None
-    path = " (NCCL)" if r.get("path") == "fallback" else ""
-    path0 = " (NCCL)" if r.get("no_replay_path") == "fallback" else ""
-    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r['ours_us'])}{path} | {f(r.get('ours_no_replay_us'))}{path0} | "
-            f"{f(r.get('ours_overlap_us'))} | "
-            f"{f(r.get('host_enqueue_us'))} | {f(r.get('host_replay_us'))} | {f(r['nccl_us'])} | {f(r.get('torch_fused_us'))} | "
-            f"{f(r['bound_us'])} | {f(r['consumer_only_us'])} | {sp:.2f}x | {'n/a' if fused is None else f'{fused:.2f}x'} | "
-            f"{vs_bound:.2f} | {r['bound_us'] / r['consumer_only_us']:.2f} | {f(r.get('ours_graph_us'))} | "
-            f"{f(r.get('nccl_graph_us'))} | {'n/a' if gsp is None else f'{gsp:.2f}x'} | "
-            f"{f(r.get('ours_pull_us', r.get('ours_copy_us', r.get('ours_store_us'))))} | "
-            f"{f(r.get('ours_pull_graph_us', r.get('ours_copy_graph_us', r.get('ours_store_graph_us'))))} |")
-
-
-HEADER = ("| M | K | N | ours µs | ours, no replay µs | overlap forced, no replay µs | host enqueue µs | "
-          "host, replayed µs | NCCL+cuBLAS µs | torch fused µs | "
-          "bound µs | consumer alone µs | speed-up vs NCCL | speed-up vs fused | ours / bound | consumer vs cuBLAS | "
-          "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up | variant µs | variant graph µs |\n|" + "---|" * 21)
-# ours: fallback="auto" and replay on, what a user gets (an eager call that repeats its tensors replays the op's
-# own CUDA graph, ops.replay); "(NCCL)" where the eager rule (ops.common.eager_host_bound) took NCCL + cuBLAS;
-# no replay: the same with replay=False; overlap forced: fallback="never", replay=False; host enqueue: host µs of
-# one forced call, GPU idle; host, replayed: the same for ours
-# variant: AllGather-GEMM pull mode (ours_pull_*); GEMM-ReduceScatter: the scatter mode "auto" did not pick
-# (ours_copy_* where ours stored, ours_store_* where ours copied; the record's "scatter" names ours)
-
-
-WT_HEADER = ("| M | K | N | ours µs | NCCL+cuBLAS µs | speed-up vs NCCL | bound µs | ours / bound | "
-             "consumer alone µs | consumer vs cuBLAS |\n|" + "---|" * 10)
-
-
-def _wt_row(r):
-    return (f"| {r['M']} | {r['K']} | {r['N']} | {r['ours_wt_us']:.1f} | {r['nccl_wt_us']:.1f} | "
-            f"{r['nccl_wt_us'] / r['ours_wt_us']:.2f}x | {r['bound_wt_us']:.1f} | {r['ours_wt_us'] / r['bound_wt_us']:.2f} | "
-            f"{r['consumer_only_wt_us']:.1f} | {r['bound_wt_us'] / r['consumer_only_wt_us']:.2f} |")
-
-
-def write(op_name, records, W):
-    os.makedirs(RESULTS, exist_ok=True)
-    base = os.path.join(RESULTS, f"{op_name}-{records[0]['gpu']}x{W}")
-    with open(base + ".json", "w") as f:
-        json.dump(records, f, indent=1)
-    sp = [r["nccl_us"] / r["ours_us"] for r in records]
-    geo = math.exp(sum(math.log(s) for s in sp) / len(sp))
-    with open(base + ".md", "w") as f:
-        dtype = records[0].get("dtype", "bf16")
-        lead = records[0].get("lead_us", 0)
-        f.write(f"{op_name}, {records[0]['gpu']} x{W}, {dtype}, median µs (max over ranks); bound and consumer alone "
-                f"timed as CUDA-graph replays (GPU time; eager timings in the JSON as *_eager_us); "
-                + (f"before each timed call the ranks are lined up on the device and the host is ahead (a {lead:.0f} µs "
-                   "spin before and after the aligning all_reduce), except the two no-replay columns, timed with "
-                   "the GPU idle until the host has enqueued (*_idle_us in the JSON: ours and NCCL timed so too)"
-                   if lead else "the GPU idles before each call until the host has enqueued it")
-                + ("; ours, NCCL + cuBLAS, torch fused, bound and consumer alone timed in turns within each "
-                   "iteration, so all see the same GPU clock (the values timed one after another: *_seq_us in the "
-                   "JSON)" if "ours_seq_us" in records[0] else "") + f"\n\n{HEADER}\n")
-        f.write("\n".join(_row(r) for r in records))
-        f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", replay on): {geo:.3f}x\n")
-        idle = [r["nccl_idle_us"] / r["ours_idle_us"] for r in records if r.get("ours_idle_us") and r.get("nccl_idle_us")]
-        if idle:
-            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, both with the GPU idle before each call): "
-                    f"{math.exp(sum(map(math.log, idle)) / len(idle)):.3f}x\n")
-        plain = [r["nccl_us"] / r["ours_no_replay_us"] for r in records if r.get("ours_no_replay_us")]
-        if plain:
-            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", no replay): "
-                    f"{math.exp(sum(map(math.log, plain)) / len(plain)):.3f}x\n")
-        forced = [r["nccl_us"] / r["ours_overlap_us"] for r in records if r.get("ours_overlap_us")]
-        if forced:
-            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, overlap forced): "
-                    f"{math.exp(sum(map(math.log, forced)) / len(forced)):.3f}x\n")
-        gs = [r["nccl_graph_us"] / r["ours_graph_us"] for r in records if r.get("ours_graph_us") and r.get("nccl_graph_us")]
-        if gs:
-            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (both in CUDA graphs): "
-                    f"{math.exp(sum(map(math.log, gs)) / len(gs)):.3f}x\n")
-        wt = [r for r in records if r.get("ours_wt_us")]
-        if wt:
-            f.write("\nB stored as [N, K] and passed transposed (nn.Linear's weight.t()), eager, as a user gets it\n\n"
-                    f"{WT_HEADER}\n" + "\n".join(_wt_row(r) for r in wt))
-            g = math.exp(sum(math.log(r["nccl_wt_us"] / r["ours_wt_us"]) for r in wt) / len(wt))
-            f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS, B as weight.t(): {g:.3f}x\n")
-        notes = [f"- {r['M']},{r['K']},{r['N']}: {r['note']}" for r in records if r["note"]]
-        if notes:
-            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        labels = [f"{r['M']}x{r['K']}x{r['N']}" for r in records]
-        x = range(len(records))
-        fig, ax = plt.subplots(figsize=(10, 4))
-        for i, (key, name) in enumerate([("ours_us", "ours"), ("nccl_us", "NCCL+cuBLAS"), ("torch_fused_us", "torch fused"),
-                                         ("bound_us", "bound (GEMM alone)")]):
-            ax.bar([xi + 0.2 * i for xi in x], [r.get(key) or 0 for r in records], width=0.2, label=name)
-        ax.set_xticks([xi + 0.3 for xi in x], labels, rotation=20)
-        ax.set_ylabel("µs (lower is better)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(base + ".png", dpi=100)
-    except ImportError:
-        pass
-    return geo
-
-
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention"])
-    p.add_argument("--shapes", nargs="*", help="M,K,N triples (default: the issue's list)")
+    p.add_argument("--shapes", nargs="*", help="ag_gemm, ag_gemm_fp8: M,K,N (M gathered, N per rank); gemm_rs: "
+                   "M,K,N (K per rank, output [M/W, N]); cp_attention: B,S,Hq,Hkv,D,causal[,documents] (S in all, "
+                   "causal 0 or 1, documents: packed documents of random lengths). Default: the standard list")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--lead-us", type=float, default=LEAD_US, help="see LEAD_US; 0: the GPU idles before each call")
+    p.add_argument("--out", default="bench-results",
+                   help="folder for the results (default: bench-results; benchmarks/results holds the committed ones)")
     args = p.parse_args()
     globals()["LEAD_US"] = args.lead_us
-    init()
     if not torch.cuda.is_available():
-        say("bench: needs GPUs (the host backend has no meaningful timings)")
-        return
+        raise SystemExit("bench: needs GPUs (timings on the host backend would mean nothing)")
+    init()
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
     with to.Context() as ctx:
         if args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)[,documents]
             say(CP_HEADER)
-            bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else CP_SHAPES, args.iters,
-                               lambda recs: ctx.rank == 0 and write_cp(recs, ctx.world_size))
-            dist.destroy_process_group()
-            return
-        say(HEADER)
-        partial = lambda recs: ctx.rank == 0 and write(args.op, recs, ctx.world_size)  # noqa: E731
-        if args.op == "ag_gemm":
-            records = bench_ag_gemm(ctx, shapes or AG_SHAPES, args.iters, partial)
-        elif args.op == "ag_gemm_fp8":
-            records = bench_ag_gemm_fp8(ctx, shapes or AG_SHAPES, args.iters, partial)
+            bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else CP_SHAPES,
+                               args.iters, lambda recs: ctx.rank == 0 and write_cp(recs, ctx.world_size, args.out))
         else:
-            records = bench_gemm_rs(ctx, shapes or RS_SHAPES, args.iters, partial)
-        if ctx.rank == 0:
-            geo = write(args.op, records, ctx.world_size)
-            say(f"geometric-mean speed-up over NCCL + cuBLAS: {geo:.3f}x")
+            say(HEADER)
+            partial = lambda recs: ctx.rank == 0 and write(args.op, recs, ctx.world_size, args.out)  # noqa: E731
+            bench = {"ag_gemm": bench_ag_gemm, "ag_gemm_fp8": bench_ag_gemm_fp8, "gemm_rs": bench_gemm_rs}[args.op]
+            records = bench(ctx, shapes or (RS_SHAPES if args.op == "gemm_rs" else AG_SHAPES), args.iters, partial)
+            if ctx.rank == 0:
+                geo = write(args.op, records, ctx.world_size, args.out)
+                say(f"geometric-mean speed-up over NCCL + cuBLAS: {geo:.3f}x")
+    say(f"bench: results in {os.path.abspath(args.out)}")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,10 +1,11 @@
 """Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel (Gluon), the attention kernels and the
-timing spin for a GPU target without a GPU: Triton front end, LLVM and ptxas, as a launch on the device would. Catches compile errors before device time is spent, and
-prints registers, spills and whether ptxas serialised the wgmma pipeline (warning C7515).
+timing spin for a GPU target without a GPU: Triton's front end, LLVM and ptxas, as a launch on the device would.
+Catches compile errors before device time is spent, and prints registers, spills and whether ptxas serialised the
+wgmma pipeline (warning C7515).
 
-    python3 scripts/compile_check.py [--arch 90] [--quick]
+    python3 dev/compile_check.py [--arch 90] [--quick]     (with the package installed)
 
-Run with the Triton the device has (e.g. PYTHONPATH=/path/to/triton-3.6 python3 scripts/compile_check.py).
+Run it with each Triton the project supports (the device's, and the newest).
 """
 from __future__ import annotations
 
@@ -16,16 +17,14 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from triton_overlap.kernels.attention import cp_attention_fwd  # noqa: E402
-from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq  # noqa: E402
-from triton_overlap.kernels.gemm import persistent_gemm  # noqa: E402
-from triton_overlap.kernels.signal import spin_kernel  # noqa: E402
+from triton_overlap.kernels.attention import cp_attention_fwd
+from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
+from triton_overlap.kernels.gemm import persistent_gemm
+from triton_overlap.kernels.signal import spin_kernel
 
 PTRS = ("a_ptr", "ws_ptr", "b_ptr", "c_ptr", "bias_ptr", "out_ptr")
 I32_PTRS = ("tile_order_ptr", "flags_ptr", "err_ptr", "expected_ptr", "tick_ptr")
@@ -111,9 +110,9 @@ def compile_attention(target) -> int:
     return failed
 
 
-def compile_ws(target) -> int:
-    """kernels.gemm_ws (Gluon; sm_90 only), as ops.gemm_rs launches it: B as [K, N] and as [N, K], with and
-    without bias."""
+def compile_warp_specialized(target) -> int:
+    """kernels.gemm_warp_specialized (Gluon; sm_90 only), as GEMM-RS launches it: B as [K, N] and as [N, K], with
+    and without bias, the copy and the store variant."""
     if target.arch != 90:
         return 0
     from triton.backends.nvidia.compiler import CUDABackend
@@ -122,11 +121,11 @@ def compile_ws(target) -> int:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import native_specialize_impl
 
-    from triton_overlap.kernels.gemm_ws import rs_gemm_ws
-    from triton_overlap.ops.gemm_rs import WS_EPILOGUE_REGS, WS_EPILOGUE_WARPS, WS_MAXNREG, WS_SUB_M, WS_TILES
+    from triton_overlap.kernels import gemm_warp_specialized as ws
+    from triton_overlap.kernels.gemm_warp_specialized import rs_gemm_ws
 
     backend = CUDABackend(target)
-    bm, bn, bk = WS_TILES["block_m"], WS_TILES["block_n"], WS_TILES["block_k"]
+    bm, bn, bk = ws.TILES.block_m, ws.TILES.block_n, ws.TILES.block_k
 
     def desc_type(block):  # what Triton's launcher makes of a Gluon descriptor with this block
         import torch
@@ -135,14 +134,14 @@ def compile_ws(target) -> int:
         return native_specialize_impl(backend, d, False, True, True)[0]
 
     failed = 0
-    # (B_KMAJOR, HAS_BIAS, TRACE, PRELOAD_TMA, PEER_STORES)
-    cases = [(b_kmajor, bias, False, True, peer) for b_kmajor, bias, peer
+    # (B_KMAJOR, HAS_BIAS, PRELOAD_TMA, PEER_STORES)
+    cases = [(b_kmajor, bias, True, peer) for b_kmajor, bias, peer
              in itertools.product((False, True), (False, True), (False, True))]
-    cases += [(False, True, True, True, False), (False, False, False, False, False), (False, True, False, False, True)]
-    for b_kmajor, bias, trace, preload_tma, peer_stores in cases:
-        consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=WS_TILES["num_stages"], B_KMAJOR=b_kmajor,
-                      HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, EPILOGUE_WARPS=WS_EPILOGUE_WARPS,
-                      EPILOGUE_REGS=WS_EPILOGUE_REGS, SUB_M=WS_SUB_M, RESET_AT_EXIT=True, TRACE=trace,
+    cases += [(False, False, False, False), (False, True, False, True)]
+    for b_kmajor, bias, preload_tma, peer_stores in cases:
+        consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=ws.TILES.num_stages, B_KMAJOR=b_kmajor,
+                      HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, EPILOGUE_WARPS=ws.EPILOGUE_WARPS,
+                      EPILOGUE_REGS=ws.EPILOGUE_REGS, SUB_M=ws.SUB_M, RESET_AT_EXIT=True,
                       PRELOAD_TMA=preload_tma, PEER_STORES=peer_stores)
         sig = {}
         for prm in rs_gemm_ws.params:
@@ -151,14 +150,14 @@ def compile_ws(target) -> int:
                       else desc_type([bn, bk] if b_kmajor else [bk, bn]) if n == "b_desc"
                       else desc_type([bm, bn]) if n == "c_desc"
                       else "*bf16" if n in ("c_ptr", "out_ptr", "bias_ptr")
-                      else "*i64" if n in ("scatter_ptrs", "counter_ptrs", "trace_ptr", "start_ptrs")
+                      else "*i64" if n in ("scatter_ptrs", "counter_ptrs", "start_ptrs")
                       else "*i32" if n.endswith("_ptr")
                       else "i64" if n == "budget" else "i32")
-        name = (f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + (" trace" if trace else "")
-                + ("" if preload_tma else " preload by loads") + (" peer stores" if peer_stores else ""))
+        name = (f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + ("" if preload_tma else " preload by loads")
+                + (" peer stores" if peer_stores else ""))
         try:
             k = triton.compile(GluonASTSource(rs_gemm_ws, sig, consts, divisibility(sig)), target=target,
-                               options={"num_warps": 8, "maxnreg": WS_MAXNREG})
+                               options={"num_warps": 8, "maxnreg": ws.MAXNREG})
             print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
         except Exception as e:  # noqa: BLE001 - reported, the check goes on
             failed += 1
@@ -193,7 +192,7 @@ def main():
     triton.compile(src, target=target, options={"num_warps": 1})
     print("spin_kernel: compiled")
     failed += compile_attention(target)
-    failed += compile_ws(target)
+    failed += compile_warp_specialized(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer

@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# What one call on a lent multi-GPU machine runs: environment, GPU test suite, benchmarks.
-# Logs and results go to $OUT (default ./.out). Usage: bash scripts/device_session.sh [tests,shared,tune,bench,diag,gradtable,tutorial | all]
+# One batch of GPU work on a machine with NVIDIA GPUs: the GPU test suite, benchmarks, tuning, tutorials.
+# Logs and results go to $OUT (default ./gpu-batch-out).
+#   bash dev/gpu_batch.sh PARTS      PARTS: comma-separated, from tests,shared,bench,tune,tutorials,compile
+# tests      the GPU test suite on every GPU (scripts/gpu_check.sh); PYTEST_K selects tests
+# shared     SHARED_W ranks (default 2) on GPU 0 (tests/harness.py "cuda-shared"): the protocol where one GPU is lent
+# bench      benchmarks/bench.py for each op in BENCH_OPS (default: ag_gemm gemm_rs cp_attention), results in $OUT
+# tune       TUNE="op shape [flags];..." through scripts/tune.py into $OUT/tuned.json, which later parts use
+# tutorials  every tutorial (or TUTORIALS) through the launcher
+# compile    dev/compile_check.py with this machine's Triton
 set -uo pipefail
-what="${1:-all}"  # comma-separated parts, or all
-want() { [ "$what" = all ] || [[ ",$what," == *",$1,"* ]]; }
-OUT="${OUT:-.out}"; mkdir -p "$OUT"
+parts="${1:?usage: bash dev/gpu_batch.sh tests,shared,bench,tune,tutorials,compile}"
+want() { [[ ",$parts," == *",$1,"* ]]; }
+OUT="${OUT:-gpu-batch-out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
 { nvidia-smi -L; nvidia-smi topo -m; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; \
   python3 -m pip show cuda-bindings 2>/dev/null | head -2; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
+if want compile; then
+  timeout "${COMPILE_TIMEOUT:-300}" python3 dev/compile_check.py 2>&1 | grep -v -e leaked -e nanobind | tee "$OUT/compile.log" | tail -5
+fi
 if want tests; then
   timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh --tb=short ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
-# shared (not in all): one GPU lent, SHARED_W ranks share it (tests/harness.py "cuda-shared"): the protocol only
-if [[ ",$what," == *",shared,"* ]]; then
-  TRITON_OVERLAP_TEST_BACKENDS="cuda-shared:${SHARED_W:-2}" PYTHONPATH=. timeout "${TEST_TIMEOUT:-330}" \
+if want shared; then
+  TRITON_OVERLAP_TEST_BACKENDS="cuda-shared:${SHARED_W:-2}" timeout "${TEST_TIMEOUT:-330}" \
     python3 -m pytest tests -q -rs --tb=short ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests_shared.log" | tail -25
 fi
-if want tune; then  # TUNE="op shape [flags];op shape [flags]"; the table goes to $OUT/tuned.json, used by later parts
+if want tune; then
   export TRITON_OVERLAP_TUNED="$OUT/tuned.json"
   IFS=';' read -ra jobs <<< "${TUNE:-cp_attention 1,32768,32,8,128,1}"
   for job in "${jobs[@]}"; do
@@ -29,25 +39,11 @@ if want tune; then  # TUNE="op shape [flags];op shape [flags]"; the table goes t
 fi
 if want bench; then
   for op in ${BENCH_OPS:-ag_gemm gemm_rs cp_attention}; do
-    timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh scripts/bench.py "$op" 2>&1 | tee "$OUT/bench_$op.log" \
-      | grep -E '^\||geometric' | tail -12
-  done
-  tar czf "$OUT/results.tgz" -C benchmarks results  # one file: the device tool returns at most 8
-fi
-if want diag; then  # DIAGS="scripts/diag_rs.py --shapes ...;scripts/diag_small.py ...": each through the launcher
-  IFS=';' read -ra jobs <<< "${DIAGS:-scripts/diag_rs.py}"
-  for job in "${jobs[@]}"; do
-    echo "== $job" >> "$OUT/diag.log"
-    # shellcheck disable=SC2086 # the job's arguments split on purpose
-    timeout "${DIAG_TIMEOUT:-240}" bash scripts/launch.sh $job 2>&1 | grep -v -e OMP_NUM_THREADS -e '^\*\*\*' \
-      | tee -a "$OUT/diag.log" | tail -40
+    timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh benchmarks/bench.py "$op" --out "$OUT/results" 2>&1 \
+      | tee "$OUT/bench_$op.log" | grep -E '^\||geometric' | tail -12
   done
 fi
-if want gradtable; then  # cp_attention error by simulated world size, on one GPU (GRAD_WORLDS, GRAD_CASE)
-  timeout "${GRAD_TIMEOUT:-200}" python3 scripts/grad_error_table.py --backend cuda --worlds ${GRAD_WORLDS:-1 2 4 8 16} \
-    ${GRAD_CASE:+--case "$GRAD_CASE"} 2>&1 | grep -v Warning | tee "$OUT/grad_table.md" | tail -9
-fi
-if want tutorial; then
+if want tutorials; then
   for t in ${TUTORIALS:-tutorials/[0-9]*.py}; do
     echo "== $t" >> "$OUT/tutorials.log"
     timeout "${TUTORIAL_TIMEOUT:-90}" bash scripts/launch.sh "$t" >> "$OUT/tutorials.log" 2>&1

@@ -1,0 +1,196 @@
+"""The benchmarks' report writer: one JSON (with the commit and date it was measured on), a Markdown table and a
+plot per op, GPU and world size: ``<op>-<gpu>x<W>.{json,md,png}``."""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import subprocess
+
+import torch
+import triton
+
+
+def provenance() -> dict:
+    """What a result was measured on: the commit (``TRITON_OVERLAP_COMMIT``, else ``git rev-parse HEAD``, with
+    ``+changes`` when the working tree differs from it), the date, torch, triton and the GPU."""
+    commit = os.environ.get("TRITON_OVERLAP_COMMIT")
+    if not commit:
+        here = os.path.dirname(os.path.abspath(__file__))
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                    check=True).stdout.strip()
+            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                   capture_output=True, text=True).stdout.strip()
+            commit += "+changes" if dirty else ""
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    return {"commit": commit, "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "triton": triton.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def _save_json(base: str, op: str, world: int, records: list) -> None:
+    doc = {"op": op, "world_size": world, **provenance(), "records": records}
+    with open(base + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def _measured(base: str) -> str:
+    with open(base + ".json") as f:
+        doc = json.load(f)
+    return f"Measured on commit {doc['commit']}, {doc['date']} (torch {doc['torch']}, triton {doc['triton']}).\n\n"
+
+
+CP_HEADER = ("| B | S | Hq | Hkv | D | causal | docs | ours µs | ours, no replay µs | host µs, no replay / replayed | "
+             "NCCL all_gather + kernel µs | speed-up vs NCCL | NCCL all_gather alone µs | kernel on gathered K/V µs | "
+             "NCCL / kernel on gathered (ceiling) | "
+             "ours, graph µs | NCCL + kernel, graph µs | speed-up, graphs | "
+             "SDPA flash, 1 GPU, full S µs | our kernel, 1 GPU, full S µs | kernel alone, local µs | "
+             "TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd, K/V kept µs | fwd+bwd NCCL µs | "
+             "fwd+bwd speed-up vs NCCL | fwd+bwd SDPA 1 GPU µs | fwd+bwd efficiency | held for bwd MiB | "
+             "held, K/V kept MiB |\n|" + "---|" * 31)
+
+
+def _cp_row(r):
+    f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
+    ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
+    return (f"| {r['B']} | {r['S']} | {r['Hq']} | {r['Hkv']} | {r['D']} | {r['causal']} | {r.get('docs') or '-'} | "
+            f"{r['ours_us']:.1f} | "
+            f"{f(r.get('ours_no_replay_us'))} | {f(r.get('host_no_replay_us'))} / {f(r.get('host_replay_us'))} | "
+            f"{f(r['nccl_ag_us'])} | {ratio(r['nccl_ag_us'], r['ours_us'])} | {f(r.get('gather_us'))} | "
+            f"{f(r.get('kernel_gathered_us'))} | {f(r.get('nccl_ceiling'), 3)} | {f(r.get('ours_graph_us'))} | "
+            f"{f(r.get('nccl_ag_graph_us'))} | {ratio(r.get('nccl_ag_graph_us'), r.get('ours_graph_us'))} | "
+            f"{f(r['single_gpu_us'])} | {r['kernel_full_us']:.1f} | {r['kernel_only_us']:.1f} | "
+            f"{r['tflops_per_gpu']:.0f} | {f(r['efficiency'], 2)} | {r['fwd_bwd_ours_us']:.1f} | "
+            f"{f(r.get('fwd_bwd_keep_kv_us'))} | {f(r.get('fwd_bwd_nccl_ag_us'))} | "
+            f"{ratio(r.get('fwd_bwd_nccl_ag_us'), r['fwd_bwd_ours_us'])} | "
+            f"{f(r['fwd_bwd_single_gpu_us'])} | {f(r['fwd_bwd_efficiency'], 2)} | {f(r.get('saved_mib'), 0)} | "
+            f"{f(r.get('saved_keep_kv_mib'), 0)} |")
+
+
+def write_cp(records, W, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"cp_attention-{records[0]['gpu']}x{W}")
+    _save_json(base, "cp_attention", W, records)
+    with open(base + ".md", "w") as f:
+        f.write(_measured(base))
+        f.write(f"cp_attention, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks); "
+                f"efficiency = SDPA 1 GPU / (W x ours)"
+                + ("; ours, NCCL + kernel, SDPA and our kernel alone timed in turns within each iteration (forward, "
+                   "and forward + backward, each a group), so all see the same GPU clock (the values timed one "
+                   "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else "")
+                + f"\n\n{CP_HEADER}\n")
+        f.write("\n".join(_cp_row(r) for r in records) + "\n")
+        notes = [f"- S={r['S']} causal={r['causal']}: {r['note']}" for r in records if r["note"]]
+        if notes:
+            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+
+
+def _row(r):
+    f = lambda v: "n/a" if v is None else f"{v:8.1f}"  # noqa: E731
+    sp = (r["nccl_us"] / r["ours_us"]) if r["ours_us"] else float("nan")
+    vs_bound = r["ours_us"] / r["bound_us"]
+    fused = (r["torch_fused_us"] / r["ours_us"]) if r.get("torch_fused_us") else None
+    gsp = (r["nccl_graph_us"] / r["ours_graph_us"]) if r.get("ours_graph_us") and r.get("nccl_graph_us") else None
+    path = " (NCCL)" if r.get("path") == "fallback" else ""
+    path0 = " (NCCL)" if r.get("no_replay_path") == "fallback" else ""
+    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r['ours_us'])}{path} | {f(r.get('ours_no_replay_us'))}{path0} | "
+            f"{f(r.get('ours_overlap_us'))} | "
+            f"{f(r.get('host_enqueue_us'))} | {f(r.get('host_replay_us'))} | {f(r['nccl_us'])} | {f(r.get('torch_fused_us'))} | "
+            f"{f(r['bound_us'])} | {f(r['consumer_only_us'])} | {sp:.2f}x | {'n/a' if fused is None else f'{fused:.2f}x'} | "
+            f"{vs_bound:.2f} | {r['bound_us'] / r['consumer_only_us']:.2f} | {f(r.get('ours_graph_us'))} | "
+            f"{f(r.get('nccl_graph_us'))} | {'n/a' if gsp is None else f'{gsp:.2f}x'} | "
+            f"{f(r.get('ours_pull_us', r.get('ours_copy_us', r.get('ours_store_us'))))} | "
+            f"{f(r.get('ours_pull_graph_us', r.get('ours_copy_graph_us', r.get('ours_store_graph_us'))))} |")
+
+
+HEADER = ("| M | K | N | ours µs | ours, no replay µs | overlap forced, no replay µs | host enqueue µs | "
+          "host, replayed µs | NCCL+cuBLAS µs | torch fused µs | "
+          "bound µs | consumer alone µs | speed-up vs NCCL | speed-up vs fused | ours / bound | consumer vs cuBLAS | "
+          "ours graph µs | NCCL+cuBLAS graph µs | graph speed-up | variant µs | variant graph µs |\n|" + "---|" * 21)
+# ours: fallback="auto" and replay on, what a user gets (an eager call that repeats its tensors replays the op's
+# own CUDA graph, ops.replay); "(NCCL)" where the eager rule (ops.common.eager_host_bound) took NCCL + cuBLAS;
+# no replay: the same with replay=False; overlap forced: fallback="never", replay=False; host enqueue: host µs of
+# one forced call, GPU idle; host, replayed: the same for ours
+# variant: AllGather-GEMM pull mode (ours_pull_*); GEMM-ReduceScatter: the scatter mode "auto" did not pick
+# (ours_copy_* where ours stored, ours_store_* where ours copied; the record's "scatter" names ours)
+
+
+WT_HEADER = ("| M | K | N | ours µs | NCCL+cuBLAS µs | speed-up vs NCCL | bound µs | ours / bound | "
+             "consumer alone µs | consumer vs cuBLAS |\n|" + "---|" * 10)
+
+
+def _wt_row(r):
+    return (f"| {r['M']} | {r['K']} | {r['N']} | {r['ours_wt_us']:.1f} | {r['nccl_wt_us']:.1f} | "
+            f"{r['nccl_wt_us'] / r['ours_wt_us']:.2f}x | {r['bound_wt_us']:.1f} | {r['ours_wt_us'] / r['bound_wt_us']:.2f} | "
+            f"{r['consumer_only_wt_us']:.1f} | {r['bound_wt_us'] / r['consumer_only_wt_us']:.2f} |")
+
+
+def write(op_name, records, W, out_dir: str) -> float:
+    """The JSON, table and plot of a GEMM op's records; returns the geometric-mean speed-up over NCCL + cuBLAS."""
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"{op_name}-{records[0]['gpu']}x{W}")
+    _save_json(base, op_name, W, records)
+    sp = [r["nccl_us"] / r["ours_us"] for r in records]
+    geo = math.exp(sum(math.log(s) for s in sp) / len(sp))
+    with open(base + ".md", "w") as f:
+        f.write(_measured(base))
+        dtype = records[0].get("dtype", "bf16")
+        lead = records[0].get("lead_us", 0)
+        f.write(f"{op_name}, {records[0]['gpu']} x{W}, {dtype}, median µs (max over ranks); bound and consumer alone "
+                f"timed as CUDA-graph replays (GPU time; eager timings in the JSON as *_eager_us); "
+                + (f"before each timed call the ranks are lined up on the device and the host is ahead (a {lead:.0f} µs "
+                   "spin before and after the aligning all_reduce), except the two no-replay columns, timed with "
+                   "the GPU idle until the host has enqueued (*_idle_us in the JSON: ours and NCCL timed so too)"
+                   if lead else "the GPU idles before each call until the host has enqueued it")
+                + ("; ours, NCCL + cuBLAS, torch fused, bound and consumer alone timed in turns within each "
+                   "iteration, so all see the same GPU clock (the values timed one after another: *_seq_us in the "
+                   "JSON)" if "ours_seq_us" in records[0] else "") + f"\n\n{HEADER}\n")
+        f.write("\n".join(_row(r) for r in records))
+        f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", replay on): {geo:.3f}x\n")
+        idle = [r["nccl_idle_us"] / r["ours_idle_us"] for r in records if r.get("ours_idle_us") and r.get("nccl_idle_us")]
+        if idle:
+            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, both with the GPU idle before each call): "
+                    f"{math.exp(sum(map(math.log, idle)) / len(idle)):.3f}x\n")
+        plain = [r["nccl_us"] / r["ours_no_replay_us"] for r in records if r.get("ours_no_replay_us")]
+        if plain:
+            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", no replay): "
+                    f"{math.exp(sum(map(math.log, plain)) / len(plain)):.3f}x\n")
+        forced = [r["nccl_us"] / r["ours_overlap_us"] for r in records if r.get("ours_overlap_us")]
+        if forced:
+            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, overlap forced): "
+                    f"{math.exp(sum(map(math.log, forced)) / len(forced)):.3f}x\n")
+        gs = [r["nccl_graph_us"] / r["ours_graph_us"] for r in records if r.get("ours_graph_us") and r.get("nccl_graph_us")]
+        if gs:
+            f.write(f"geometric-mean speed-up over NCCL + cuBLAS (both in CUDA graphs): "
+                    f"{math.exp(sum(map(math.log, gs)) / len(gs)):.3f}x\n")
+        wt = [r for r in records if r.get("ours_wt_us")]
+        if wt:
+            f.write("\nB stored as [N, K] and passed transposed (nn.Linear's weight.t()), eager, as a user gets it\n\n"
+                    f"{WT_HEADER}\n" + "\n".join(_wt_row(r) for r in wt))
+            g = math.exp(sum(math.log(r["nccl_wt_us"] / r["ours_wt_us"]) for r in wt) / len(wt))
+            f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS, B as weight.t(): {g:.3f}x\n")
+        notes = [f"- {r['M']},{r['K']},{r['N']}: {r['note']}" for r in records if r["note"]]
+        if notes:
+            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        labels = [f"{r['M']}x{r['K']}x{r['N']}" for r in records]
+        x = range(len(records))
+        fig, ax = plt.subplots(figsize=(10, 4))
+        for i, (key, name) in enumerate([("ours_us", "ours"), ("nccl_us", "NCCL+cuBLAS"), ("torch_fused_us", "torch fused"),
+                                         ("bound_us", "bound (GEMM alone)")]):
+            ax.bar([xi + 0.2 * i for xi in x], [r.get(key) or 0 for r in records], width=0.2, label=name)
+        ax.set_xticks([xi + 0.3 for xi in x], labels, rotation=20)
+        ax.set_ylabel("µs (lower is better)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(base + ".png", dpi=100)
+    except ImportError:
+        pass
+    return geo
