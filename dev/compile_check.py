@@ -24,7 +24,7 @@ from triton.compiler import ASTSource
 from triton_overlap.kernels.attention import cp_attention_fwd
 from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
 from triton_overlap.kernels.gemm import persistent_gemm
-from triton_overlap.kernels.signal import spin_kernel
+from triton_overlap.kernels.signal import barrier_kernel, spin_kernel, wait_kernel
 
 PTRS = ("a_ptr", "ws_ptr", "b_ptr", "c_ptr", "bias_ptr", "out_ptr")
 I32_PTRS = ("tile_order_ptr", "flags_ptr", "err_ptr", "expected_ptr", "tick_ptr")
@@ -89,6 +89,25 @@ def attention_signature(fn) -> dict:
         else:
             sig[name] = "i32"
     return sig
+
+
+def compile_signals(target) -> int:
+    """The barrier (with the call headers) and a bare wait, as the Context launches them."""
+    failed = 0
+    for fn, consts in ((barrier_kernel, dict(BLOCK_W=8, CLOCK=1)), (wait_kernel, dict(CLOCK=1))):
+        sig = {}
+        for prm in fn.params:
+            n = prm.name
+            sig[n] = ("constexpr" if prm.is_constexpr else "*i64" if n in ("peer_slots_ptr", "header_ptrs")
+                      else "*i32" if n.endswith("_ptr") else "i64" if n == "budget" else "i32")
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
+                               options={"num_warps": 1})
+            print(f"{fn.fn.__name__}: {ptxas_report(k.asm['ptx'], target.arch)}")
+        except Exception as e:  # noqa: BLE001 - reported, the check goes on
+            failed += 1
+            print(f"{fn.fn.__name__}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+    return failed
 
 
 def compile_attention(target) -> int:
@@ -191,6 +210,7 @@ def main():
     src = ASTSource(fn=spin_kernel, signature={"ticks": "i64", "CLOCK": "constexpr"}, constexprs={"CLOCK": 1})
     triton.compile(src, target=target, options={"num_warps": 1})
     print("spin_kernel: compiled")
+    failed += compile_signals(target)
     failed += compile_attention(target)
     failed += compile_warp_specialized(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)

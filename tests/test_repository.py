@@ -3,6 +3,7 @@ GPU and world size (each stating the commit and date it was measured on), a READ
 import json
 import os
 import re
+import subprocess
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", "build", "dist", "bench-results",
@@ -16,6 +17,15 @@ RESULT_NAME = re.compile(r"^[a-z0-9_]+-[A-Za-z0-9_]+x[0-9]+\.(json|md|png)$")
 
 
 def _files():
+    """The repository's files: what git tracks or would track (ignored files are not the repository's), or, outside
+    a git checkout, every file but build and cache folders."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+        yield from (f for f in out.splitlines() if os.path.isfile(os.path.join(ROOT, f)))
+        return
+    except (OSError, subprocess.CalledProcessError):
+        pass
     for top, dirs, files in os.walk(ROOT):
         dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
         for name in files:

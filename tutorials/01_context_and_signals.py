@@ -27,10 +27,10 @@ from triton_overlap.torchrun import backend_name, init, say, verdict
 
 # %% The consumer: programs (c, i) handle block i of chunk c; each waits for its chunk, then reads it.
 @triton.jit
-def consume(buf_ptr, flags_ptr, out_ptr, err_ptr, budget, rank, op, CHUNK, BLOCK: tl.constexpr,
+def consume(buf_ptr, flags_ptr, out_ptr, err_ptr, budget, rank, peer, op, CHUNK, BLOCK: tl.constexpr,
             CLOCK: tl.constexpr):
     c = tl.program_id(0)
-    if wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK):
+    if wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, peer, c, CLOCK):
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < CHUNK
         tl.store(out_ptr + c * CHUNK + offs, tl.load(buf_ptr + c * CHUNK + offs, mask=ok) + 1.0, mask=ok)
@@ -60,7 +60,7 @@ def main():
             stream.write_value(flags.peer(nxt)[c:c + 1], 1)
 
         # %% The consumer runs at once, on our own stream, while chunks are still arriving.
-        consume[(n_chunks, 1)](buf.local, flags.local, out, ctx.err, ctx.budget, r, op_id("tutorial.consume"),
+        consume[(n_chunks, 1)](buf.local, flags.local, out, ctx.err, ctx.budget, r, prv, op_id("tutorial.consume"),
                                chunk, BLOCK=chunk, CLOCK=ctx.clock)
         ctx.current_stream().wait_stream(stream)
         ctx.check()  # raises if any wait timed out

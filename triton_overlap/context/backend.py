@@ -108,5 +108,13 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Block until all work on this rank's device is done."""
 
+    def error_mirror(self, err: torch.Tensor):
+        """Start keeping a host copy of the error word ``err`` that the host reads without synchronising (updated
+        by ``mirror_errors``), and return it as an array; None where the host reads ``err`` itself."""
+        return None
+
+    def mirror_errors(self, stream: Stream, err: torch.Tensor, mirror) -> None:
+        """Enqueue on ``stream`` the update of ``mirror`` (error_mirror's) from ``err``."""
+
     def close(self) -> None:
         """Free backend-wide resources (streams)."""

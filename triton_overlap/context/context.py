@@ -1,18 +1,19 @@
-"""The Context: one per process group, owning symmetric memory, signals, the
-error word, the barrier and the producer stream pool. Ops take a Context;
-nothing else holds global state."""
+"""The Context: one per process group, owning symmetric memory, signals, the error word, the barrier, the producer
+stream pool and what ops keep between calls. Ops take a Context; nothing else holds global state."""
 from __future__ import annotations
 
 import uuid
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..kernels import signal as sig
 from ..kernels.cached_launch import launch, triton_interprets
-from ..kernels.signal import ERR_CODE, ERR_INDEX, ERR_OP, ERR_RANK, ERR_SEEN, ERR_WANTED, ERR_WORDS, barrier_kernel
 from .backend import Backend, Stream
+from .control import ControlPlane, PeerTimeout
 
 # Names of the ops that can report a timed-out wait, by the id kernels record.
 OPS: dict[int, str] = {}
@@ -29,6 +30,25 @@ def op_id(name: str) -> int:
 
 
 OP_BARRIER = op_id("barrier")
+
+
+class ContextError(RuntimeError):
+    """A fault of a Context: a wait that timed out, ranks that disagree on a call, a peer that did not answer. After
+    one, the Context refuses every call until ``reset()`` (or ``close()``), the way a communicator is aborted."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """What a call will read and write, as the ranks compare it at the call's barrier: the op, a fingerprint of
+    everything that must match across ranks (shapes, dtypes, chunking), and up to four sizes for messages."""
+    op: int
+    fingerprint: int
+    dims: tuple
+    text: str
+
+
+#: the Context's own barriers (set-up, reset): nothing to compare beyond the call number
+_OWN = Call(OP_BARRIER, 0, (0, 0, 0, 0), "its barrier")
 
 
 def _pick_backend(name: str) -> str:
@@ -92,11 +112,14 @@ class Context:
 
     Args:
         group: an initialised torch.distributed group (None: WORLD).
-        backend: "cuda", "hip", "host", or "auto" (hip on ROCm torch, cuda when a
-            CUDA GPU is present, host otherwise).
-        timeout_s: how long any wait may spin before it gives up with an error.
-        producer_jitter_s: testing aid; every producer step is delayed by a
-            random time up to this many seconds.
+        backend: "cuda", "hip", "host", or "auto" (hip on ROCm torch, cuda when a CUDA GPU is present, host
+            otherwise).
+        timeout_s: how long any wait may last before it gives up with an error: the kernels' waits and the
+            host-side exchanges alike (agreeing on shapes, set-up, growing a buffer, reset, close).
+        producer_jitter_s: testing aid; every producer step is delayed by a random time up to this many seconds.
+
+    After a fault (a wait that timed out, ranks that disagree on a call) the Context refuses every call with the
+    first fault's text until ``reset()``, which every rank calls, restores it.
     """
 
     def __init__(self, group=None, backend: str = "auto", timeout_s: float = 30.0, producer_jitter_s: float = 0.0):
@@ -107,6 +130,10 @@ class Context:
         self.world_size = dist.get_world_size(self._group)
         self.timeout_s = float(timeout_s)
         self.producer_jitter_s = float(producer_jitter_s)
+        self._control = ControlPlane(self._group, self.rank, self.world_size, self.timeout_s)
+        self._fault: str | None = None
+        self._resets = 0
+        self._closed = False
         name = _pick_backend(backend)
         self.backend_name = name
         self._backend = self._make_backend(name)
@@ -120,14 +147,37 @@ class Context:
         self._streams: list[Stream] = []
         self._cache: dict = {}  # what ops keep per Context (plans, op objects, copy plans); freed by close()
         self._on_close: list = []
-        self._closed = False
-        self.err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=self.device)
+        self._calls: dict[int, str] = {}  # fingerprint -> what it describes, for messages
+        self.err = torch.zeros(sig.ERR_WORDS, dtype=torch.int32, device=self.device)
+        self._seen = self._backend.error_mirror(self.err)  # a host copy the ops poll without synchronising
         self._barrier_slots = self.symmetric("__barrier", (self.world_size,), torch.int32)
+        self._headers = self.symmetric("__headers", (2, self.world_size, sig.HEADER_WORDS), torch.int32)
         self._barrier_count = torch.zeros(1, dtype=torch.int32, device=self.device)
-        # the barrier kernel is built and loaded now, before any op's persistent kernel can spin: loading a module
-        # while a kernel that waits on peers occupies the GPU may wait for that kernel
+        # the barrier kernel is built and loaded now, before any op's persistent kernel can spin (loading a module
+        # while a kernel that waits on peers occupies the GPU may wait for that kernel); built alone first, so that
+        # the ranks' first barrier starts in step rather than a kernel build apart
+        self._build_barrier()
+        self._exchange(None, "Context set-up")
         self.barrier()
         self.synchronize()
+        self.check()
+
+    def _build_barrier(self) -> None:
+        """Run the barrier kernel once on scratch memory where every peer is this rank and has arrived."""
+        W, dev = self.world_size, self.device
+        slots = torch.full((W,), 1 << 30, dtype=torch.int32, device=dev)
+        headers = torch.zeros(2 * W * sig.HEADER_WORDS, dtype=torch.int32, device=dev)
+        err = torch.zeros(sig.ERR_WORDS, dtype=torch.int32, device=dev)
+        block = 1
+        while block < W:
+            block *= 2
+        launch(sig.barrier_kernel, (1,), (
+            torch.full((W,), slots.data_ptr(), dtype=torch.int64, device=dev), slots,
+            torch.zeros(1, dtype=torch.int32, device=dev), torch.full((W,), headers.data_ptr(), dtype=torch.int64,
+                                                                     device=dev),
+            headers, err, self.budget, self.rank, W, _OWN.op, _OWN.fingerprint, *_OWN.dims),
+            dict(BLOCK_W=block, CLOCK=self.clock))
+        self._backend.synchronize()
 
     # ------------------------------------------------------------------ set-up
     def _make_backend(self, name: str) -> Backend:
@@ -137,9 +187,8 @@ class Context:
                                    "before triton is imported (scripts/launch.sh does this on machines without GPUs)")
             from .host import HostBackend
 
-            namespace = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-            dist.broadcast_object_list(namespace, src=dist.get_global_rank(self.group, 0), group=self.group)
-            return HostBackend(self.rank, self.world_size, namespace[0], self.timeout_s)
+            namespace = self._exchange(uuid.uuid4().hex[:12], "Context set-up")[0]
+            return HostBackend(self.rank, self.world_size, namespace, self.timeout_s)
         if name in ("cuda", "hip"):
             built_for = "ROCm" if name == "hip" else "CUDA"
             if not torch.cuda.is_available():
@@ -162,16 +211,40 @@ class Context:
     def backend(self) -> str:
         return self.backend_name
 
-    def gather_object(self, obj) -> list:
-        """Every rank's ``obj``, in rank order (a collective)."""
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+    def _exchange(self, obj, what: str, tag: str | None = None) -> list:
+        """Every rank's ``obj`` through the control plane (bounded); a missing peer faults the Context."""
+        try:
+            return self._control.exchange(obj, what, tag)
+        except PeerTimeout as e:
+            raise self._fail(f"rank {self.rank}: {e}") from None
+
+    def gather_object(self, obj, what: str = "exchange") -> list:
+        """Every rank's ``obj``, in rank order (a collective, waiting at most ``timeout_s``: a rank that does not
+        come is named in a ContextError, and the Context is faulted)."""
+        self.ensure_usable()
+        return self._exchange(obj, what)
 
     def ensure_open(self) -> None:
         """Raise RuntimeError if this Context is closed."""
         if self._closed:
             raise RuntimeError("this Context is closed")
+
+    def ensure_usable(self) -> None:
+        """Raise if this Context is closed or faulted (ops call it first): a fault the host has not seen yet is
+        read from the error word's host copy without synchronising."""
+        if self._closed:
+            raise RuntimeError("this Context is closed")
+        if self._fault is None and self._seen is not None and self._seen[0] != 0:
+            self._fault = self._describe(list(self._seen))
+        if self._fault is not None:
+            raise ContextError(f"{self._fault} (this Context refuses calls until every rank calls ctx.reset(), "
+                               f"or ctx.close())")
+
+    def _fail(self, text: str) -> ContextError:
+        """Fault the Context with ``text`` (the first fault's text stays) and return the error to raise."""
+        if self._fault is None:
+            self._fault = f"triton_overlap: {text}"
+        return ContextError(self._fault)
 
     # ------------------------------------------------------------- what ops keep
     def cached(self, key, make):
@@ -188,6 +261,16 @@ class Context:
         """Call ``fn()`` when this Context closes (registries that name its ops let go of them)."""
         self._on_close.append(fn)
 
+    def call(self, op: int, descriptor: tuple, dims=()) -> Call:
+        """The header a call of op ``op`` publishes at its barrier: ``descriptor`` holds everything every rank's
+        call must agree on (shapes, dtypes, chunking, variant), ``dims`` up to four sizes for messages. Ops keep
+        the result per shape."""
+        text = " ".join(str(d) for d in descriptor)
+        fingerprint = zlib.crc32(f"{op}:{text}".encode()) & 0x7FFFFFFF
+        self._calls[fingerprint] = text
+        dims = (tuple(int(d) for d in dims) + (0, 0, 0, 0))[:4]
+        return Call(op, fingerprint, dims, text)
+
     @property
     def group(self):
         """The process group (RuntimeError once closed: close() lets go of it)."""
@@ -199,9 +282,8 @@ class Context:
     def symmetric(self, name: str, shape, dtype: torch.dtype) -> SymmetricTensor:
         """A symmetric tensor (collective: every rank calls it with the same arguments).
 
-        Asking again for ``name`` reuses its buffer when it is large enough and
-        grows it (collectively) when not. Mismatched arguments raise ValueError
-        on every rank.
+        Asking again for ``name`` reuses its buffer when it is large enough and grows it (collectively) when not;
+        every rank's buffer of one name has the same size. Mismatched arguments raise ValueError on every rank.
         """
         self.ensure_open()
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)))
@@ -211,7 +293,7 @@ class Context:
         if any(s < 0 for s in shape):
             raise ValueError(f"symmetric({name!r}): negative size in {shape}")
         mine = (name, shape, str(dtype))
-        everyone = self.gather_object(mine)
+        everyone = self._exchange(mine, f"symmetric buffer {name!r}")
         if any(o != mine for o in everyone):
             raise ValueError(f"symmetric({name!r}): ranks asked for different buffers: "
                              + ", ".join(f"rank {r}: {o[1]} {o[2]}" for r, o in enumerate(everyone)))
@@ -222,28 +304,32 @@ class Context:
         alloc = self._allocs.get(name)
         if alloc is None or alloc.nbytes < nbytes:
             if alloc is not None:
-                self._free(alloc)
+                self._free(alloc, name)
                 self._views = {k: v for k, v in self._views.items() if k[0] != name}  # views of the old buffer
-            alloc = self._allocate(max(nbytes, 16))
+            alloc = self._allocate(max(nbytes, 16), name)
             self._allocs[name] = alloc
         view = self._views[(name, shape, dtype)] = SymmetricTensor(name, shape, dtype, self.rank, alloc)
         return view
 
-    def _allocate(self, nbytes: int) -> _Allocation:
+    def _allocate(self, nbytes: int, name: str) -> _Allocation:
         b = self._backend
         local, handle = b.alloc(nbytes)
-        handles = self.gather_object(handle)
-        peers = [None if r == self.rank else b.open(h, nbytes) for r, h in enumerate(handles)]
-        dist.barrier(group=self.group)  # every rank has mapped every buffer
+        try:
+            handles = self._exchange(handle, f"allocating {name!r}")
+            peers = [None if r == self.rank else b.open(h, nbytes) for r, h in enumerate(handles)]
+            self._exchange(None, f"allocating {name!r}, mapped")  # every rank has mapped every buffer
+        except BaseException:
+            b.release(local, handle, [])
+            raise
         b.after_exchange(handle)
         views = [local if p is None else p for p in peers]
         ptrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
         self.generation += 1
         return _Allocation(nbytes, local, handle, peers, ptrs)
 
-    def _free(self, alloc: _Allocation) -> None:
+    def _free(self, alloc: _Allocation, name: str) -> None:
         self._backend.synchronize()
-        dist.barrier(group=self.group)  # no peer still reads or writes it
+        self._exchange(None, f"growing {name!r}")  # no peer still reads or writes it
         self.generation += 1
         self._backend.release(alloc.local, alloc.handle, alloc.peers)
 
@@ -265,40 +351,64 @@ class Context:
         return self._backend.num_compute_units()
 
     # ----------------------------------------------------------- synchronising
-    def barrier(self, stream: Stream | None = None) -> None:
+    def barrier(self, stream: Stream | None = None, call: Call | None = None) -> None:
         """A barrier across ranks that runs on ``stream`` (default: current), with no host synchronisation.
 
-        It is a one-program Triton kernel (see kernels.signal.barrier_kernel for
-        why it stays correct under CUDA-graph replay). Launch it before, not
-        during, a persistent kernel that occupies every SM.
+        It is a one-program Triton kernel (kernels.signal.barrier_kernel says why it stays correct under CUDA-graph
+        replay). ``call``: the header of the call it opens (``Context.call``); every rank compares the others' with
+        its own before any of the call's data moves, and a difference faults the Context on every rank. Launch it
+        before, not during, a persistent kernel that occupies every SM.
         """
         self.ensure_open()
         stream = stream or self.current_stream()
+        call = call or _OWN
         block = 1
         while block < self.world_size:
             block *= 2
+        self._backend.mirror_errors(stream, self.err, self._seen)  # the previous calls' faults, for ensure_usable
         with self.use_stream(stream):
-            launch(barrier_kernel, (1,), (self._barrier_slots.ptrs, self._barrier_slots.local, self._barrier_count,
-                                          self.err, self.budget, self.rank, self.world_size, OP_BARRIER),
-                   dict(BLOCK_W=block, CLOCK=self.clock))
+            launch(sig.barrier_kernel, (1,), (
+                self._barrier_slots.ptrs, self._barrier_slots.local, self._barrier_count, self._headers.ptrs,
+                self._headers.local, self.err, self.budget, self.rank, self.world_size, call.op, call.fingerprint,
+                *call.dims), dict(BLOCK_W=block, CLOCK=self.clock))
         self.after_launch()
 
     def check(self) -> None:
-        """Raise RuntimeError if a wait of this Context timed out (synchronises with the device)."""
+        """Raise ContextError if a wait of this Context timed out or ranks disagreed on a call (synchronises with
+        the device); the Context then refuses calls until ``reset()``."""
         word = self.err.tolist()
-        if word[ERR_CODE] != 0:
-            self.err.zero_()
-            op = OPS.get(word[ERR_OP], f"op#{word[ERR_OP]}")
-            index = word[ERR_INDEX]
-            what = (f"signal {index}" if index >= 0 else  # -1: kernels.gemm CLAIM=0's start count
-                    "its GEMM's programs to start" if index == -1 else  # -2 - o: kernels.gemm_ws PEER_STORES
-                    f"rank {-2 - index}'s call to start (before storing into its receive slot)")
-            raise RuntimeError(f"triton_overlap: rank {word[ERR_RANK]}: {op} timed out after {self.timeout_s:g} s "
-                               f"waiting on {what} (saw {word[ERR_SEEN]}, waited for {word[ERR_WANTED]})")
+        if word[sig.ERR_CODE] != 0 and self._fault is None:
+            raise self._fail(self._describe(word))
+        self.ensure_usable()
+
+    def _describe(self, word) -> str:
+        """The text of the fault in error word ``word``."""
+        op = OPS.get(word[sig.ERR_OP], f"op#{word[sig.ERR_OP]}")
+        rank, peer, call = word[sig.ERR_RANK], word[sig.ERR_PEER], word[sig.ERR_CALL]
+        if word[sig.ERR_CODE] == sig.ERR_MISMATCH:
+            h = word[sig.ERR_PEER_HEADER:sig.ERR_PEER_HEADER + sig.HEADER_WORDS]
+            peer_op = OPS.get(h[1], f"op#{h[1]}")
+            mine = self._calls.get(word[sig.ERR_OWN_FINGERPRINT], "")
+            theirs = self._calls.get(h[2]) or "sizes " + " x ".join(str(d) for d in h[3:7] if d)
+            if h[0] != call:
+                return (f"rank {rank}: call {call} ({op} {mine}) meets rank {peer} at its call {h[0]} ({peer_op} "
+                        f"{theirs}): the ranks' calls are out of step")
+            return (f"rank {rank}: call {call}: ranks disagree on the call: rank {rank} called {op} {mine}, rank "
+                    f"{peer} called {peer_op} {theirs}")
+        what = word[sig.ERR_WHAT]
+        waited = ("the ranks' programs to start" if what == sig.WHAT_STARTED
+                  else f"rank {peer}'s call to start (before storing into its receive slot)"
+                  if what == sig.WHAT_PEER_STARTED
+                  else f"rank {peer} to arrive at the call's barrier" if what == sig.WHAT_ARRIVAL
+                  else f"rank {peer}'s dK/dV partials" if what == sig.WHAT_PARTIALS
+                  else f"chunk {what} of rank {peer}")
+        return (f"rank {rank}: {op} (call {call}) timed out after {word[sig.ERR_ELAPSED_US] / 1e6:.2f} s "
+                f"(timeout_s={self.timeout_s:g}) waiting for {waited} (saw {word[sig.ERR_SEEN]}, waited for "
+                f"{word[sig.ERR_WANTED]})")
 
     def after_launch(self) -> None:
-        """Called by ops after each kernel launch: on the host backend kernels are synchronous,
-        so a timed-out wait is raised right away; GPU backends leave it to ``check()``."""
+        """Called by ops after each kernel launch: on the host backend kernels are synchronous, so a fault is
+        raised right away; GPU backends leave it to ``check()`` and the next call's ``ensure_usable()``."""
         if self._backend.name == "host":
             self.check()
 
@@ -312,16 +422,47 @@ class Context:
         if self.producer_jitter_s > 0:
             stream.jitter(self.producer_jitter_s)
 
+    # ------------------------------------------------------------------ reset
+    def reset(self) -> None:
+        """Make a faulted Context usable again (collective: every rank calls it, and it waits at most timeout_s
+        for them). Every rank waits for its own work, then the barrier counts, call headers, flags, counters and
+        workspaces of every op are zeroed on every rank, and what ops built is dropped (plans, captured graphs),
+        so the next calls start from nothing, in step."""
+        self.ensure_open()
+        self._resets += 1
+        tag = f"reset{self._resets}"
+        try:
+            self.synchronize()  # every kernel of this rank has ended (their waits are bounded)
+        except Exception:  # noqa: BLE001 - a producer stream's recorded error: the reset goes on
+            pass
+        self._control.barrier("reset", tag + "/a")  # every rank's work has ended: nothing writes into peers
+        for alloc in self._allocs.values():
+            alloc.local.zero_()
+        self._barrier_count.zero_()
+        self.err.zero_()
+        self._backend.synchronize()
+        self._control.barrier("reset", tag + "/b")  # every rank has zeroed
+        self._control.resync(self._resets)
+        self._cache.clear()
+        self.generation += 1  # ops drop their captured graphs
+        if self._seen is not None:
+            self._seen[:] = 0
+        self._fault = None
+
     # ------------------------------------------------------------------ close
     def close(self) -> None:
-        """Free IPC mappings, buffers and streams. Calling it again does nothing."""
+        """Free IPC mappings, buffers and streams and let go of the process group, after waiting (at most
+        timeout_s) for every rank to close too; a rank that does not is named in a ContextError, raised once this
+        rank's resources are freed. Calling it again does nothing."""
         if self._closed:
             return
         self._closed = True
+        error = None
         try:
             self.synchronize()
-            if dist.is_initialized():
-                dist.barrier(group=self.group)  # no peer still uses our memory when we free it
+            self._control.barrier("close", "close")  # no peer still uses our memory when we free it
+        except Exception as e:  # noqa: BLE001 - freed below all the same, then raised
+            error = e
         finally:
             for fn in self._on_close:
                 fn()
@@ -337,12 +478,24 @@ class Context:
             # ops may keep this Context until the interpreter finalises; the process group must not live that long
             # (a gloo group held past destroy_process_group can abort the process at exit: docs/decisions.md)
             self._group = None
+        if error is not None:
+            if isinstance(error, PeerTimeout):
+                raise ContextError(f"triton_overlap: rank {self.rank}: {error}; this rank's resources are freed")
+            raise error
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:  # an exception is on its way: close, and let a failure to close not replace it
+            try:
+                self.close()
+            except Exception as e:  # noqa: BLE001 - reported beside the exception in flight
+                import warnings
+
+                warnings.warn(f"Context.close() during an exception: {e}", stacklevel=2)
         return False
 
     def __repr__(self):

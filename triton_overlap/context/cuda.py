@@ -117,6 +117,7 @@ class CudaStream(Stream):
         self._memcpy, self._memcpy2d = rt.cudaMemcpyAsync, rt.cudaMemcpy2DAsync
         self._names = ("cudaMemcpyAsync", "cudaMemcpy2DAsync")
         self._d2d = rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice
+        self._default = rt.cudaMemcpyKind.cudaMemcpyDefault  # by the pointers (unified addressing)
         self._write32 = drv.cuStreamWriteValue32
         self._write_flags = drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT
         self._wait32 = drv.cuStreamWaitValue32
@@ -141,6 +142,11 @@ class CudaStream(Stream):
         at = base.data_ptr()
         for dptr, dp, soff, sp, w, h in plan:
             self._copy2d(dptr, dp, at + soff, sp, w, h)
+
+    def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor):
+        """Copy device tensor ``src`` into pinned host tensor ``dst`` (no host synchronisation)."""
+        check(self._memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), self._default,
+                           self.handle), self._names[0])
 
     def write_value(self, flag, value):
         check(self._write32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, self._write_flags), "stream write-value")
@@ -245,3 +251,10 @@ class CudaBackend(Backend):
 
     def synchronize(self):
         torch.cuda.synchronize(self._device)
+
+    def error_mirror(self, err):
+        self._mirror = torch.zeros(err.shape, dtype=err.dtype, pin_memory=True)
+        return self._mirror.numpy()
+
+    def mirror_errors(self, stream, err, mirror):
+        stream.copy_to_host(self._mirror, err)

@@ -48,6 +48,7 @@ class HipStream(CudaStream):
         self._memcpy, self._memcpy2d = hip.hipMemcpyAsync, hip.hipMemcpy2DAsync
         self._names = ("hipMemcpyAsync", "hipMemcpy2DAsync")
         self._d2d = hip.hipMemcpyKind.hipMemcpyDeviceToDeviceNoCU
+        self._default = hip.hipMemcpyKind.hipMemcpyDefault
         self._write32 = hip.hipStreamWriteValue32
         self._write_flags = 0
         # hipStreamWaitValue32(stream, ptr, value, flags, mask): Gte compares (*ptr & mask) >= value

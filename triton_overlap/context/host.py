@@ -3,12 +3,17 @@
 * Symmetric memory is a file per allocation in /dev/shm, mapped by every rank
   with ``torch.from_file(shared=True)``. The owner unlinks the file as soon as
   every peer has mapped it, so nothing is left behind by a crash after set-up;
-  files still pending are unlinked at interpreter exit.
+  files still pending are unlinked at interpreter exit, and files of processes
+  that died before that (their names carry the owner's pid) are removed when
+  the next Context starts.
 * A stream is a worker thread that runs copies and flag writes in the order
   they were enqueued.
 * Kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, set by the
   launcher and the test harness before triton is imported) on the calling
   thread; the interpreter is not thread-safe, so kernels never run on workers.
+* The interpreter has no clock: a thread writes the milliseconds since the
+  Context started into the error word (ERR_NOW_MS), which the kernels' waits
+  read (CLOCK 0), so their timeouts are wall-clock time.
 """
 from __future__ import annotations
 
@@ -25,6 +30,32 @@ import torch
 from .backend import Backend, Stream
 
 _pending_files: set[str] = set()
+SHM = "/dev/shm"
+PREFIX = "triton_overlap-"
+
+
+def remove_stale_files() -> list[str]:
+    """Remove this backend's /dev/shm files whose owner process no longer exists; return their paths."""
+    removed = []
+    try:
+        names = os.listdir(SHM)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(PREFIX):
+            continue
+        pid = next((part[1:] for part in name.split("-") if part.startswith("p") and part[1:].isdigit()), None)
+        if pid is None:
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(SHM, name))
+                removed.append(name)
+        except PermissionError:  # another user's live process
+            pass
+    return removed
 
 
 @atexit.register
@@ -171,6 +202,9 @@ class HostBackend(Backend):
         self._timeout_s = timeout_s
         self._main = _Main(timeout_s)
         self._streams: list[HostStream] = []
+        self._clock: threading.Thread | None = None
+        self._stop = threading.Event()
+        remove_stale_files()
 
     @property
     def device(self) -> torch.device:
@@ -178,7 +212,7 @@ class HostBackend(Backend):
 
     def alloc(self, nbytes):
         self._count += 1
-        path = f"/dev/shm/triton_overlap-{self._namespace}-r{self.rank}-{self._count}"
+        path = f"{SHM}/{PREFIX}{self._namespace}-p{os.getpid()}-r{self.rank}-{self._count}"
         _pending_files.add(path)
         t = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
         return t, path
@@ -209,9 +243,22 @@ class HostBackend(Backend):
         yield
 
     def timeout_budget(self, timeout_s):
-        from ..kernels.signal import interpreter_spins_per_second
+        return max(1, int(timeout_s * 1000))  # milliseconds (CLOCK 0)
 
-        return max(1, int(timeout_s * interpreter_spins_per_second()))
+    def error_mirror(self, err):
+        """Start the clock thread that writes milliseconds into ``err`` (the host reads ``err`` itself)."""
+        from ..kernels.signal import ERR_NOW_MS
+
+        word, slot, t0 = err.numpy(), int(ERR_NOW_MS), time.monotonic()
+
+        def tick():
+            while not self._stop.wait(0.001):
+                word[slot] = int((time.monotonic() - t0) * 1000)
+
+        word[slot] = 0
+        self._clock = threading.Thread(target=tick, name="triton_overlap-clock", daemon=True)
+        self._clock.start()
+        return None
 
     def num_compute_units(self):
         return int(os.environ.get("TRITON_OVERLAP_HOST_PROGRAMS", "4"))
@@ -224,3 +271,6 @@ class HostBackend(Backend):
         for s in self._streams:
             s.close()
         self._streams.clear()
+        self._stop.set()
+        if self._clock is not None:
+            self._clock.join(timeout=5)

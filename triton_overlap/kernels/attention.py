@@ -55,8 +55,7 @@ def wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n1, M_PER_CHUNK, CHUN
     """Wait for the flags of every chunk of ``src`` that local key rows [n0, n1) touch (none for our own)."""
     if src != rank:
         for j in range(n0 // M_PER_CHUNK, (n1 - 1) // M_PER_CHUNK + 1):
-            c = src * CHUNKS_PER_RANK + j
-            wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK)
+            wait_flag(flags_ptr + src * CHUNKS_PER_RANK + j, 1, err_ptr, budget, rank, op, src, j, CLOCK)
 
 
 @triton.jit
@@ -219,7 +218,8 @@ def cp_attention_fwd(
         if (pid_m == 0) & (bh == 0):
             for c in range(0, world * CHUNKS_PER_RANK):
                 if c // CHUNKS_PER_RANK != rank:
-                    wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK)
+                    wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK,
+                              CLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------- launcher

@@ -28,7 +28,7 @@ from ..plan import cdiv
 from .attention import (Blocks, Documents, _grid0, key_span, kv_base, piece, pieces, pos_span, segment, unmasked_end,
                         wait_kv, zigzag_pos)
 from .cached_launch import launch
-from .signal import add_release, wait_flag
+from .signal import WHAT_PARTIALS, add_release, wait_flag
 
 
 @triton.jit
@@ -206,11 +206,12 @@ def cp_attention_dkdv(
     slot = S_LOCAL * HKV * HEAD_D
     nb = tl.num_programs(1) // HKV  # B
     at = (rank * 2 * nb + b) * slot + (seg0 + offs_n)[:, None] * (HKV * HEAD_D) + hk * HEAD_D + offs_d[None, :]
-    tl.store(base + at, dk * sm_scale, mask=n_ok[:, None])
-    tl.store(base + at + nb * slot, dv, mask=n_ok[:, None])  # the dV half of the slot follows the dK half
-    tl.debug_barrier()  # every thread's stores come before the release below
-    counters = tl.load(counter_ptrs + src).to(tl.pointer_type(tl.int32))
-    add_release(counters + rank, 1)
+    if tl.load(err_ptr, volatile=True) == 0:  # nothing goes into a peer after a fault (its call may disagree)
+        tl.store(base + at, dk * sm_scale, mask=n_ok[:, None])
+        tl.store(base + at + nb * slot, dv, mask=n_ok[:, None])  # the dV half of the slot follows the dK half
+        tl.debug_barrier()  # every thread's stores come before the release below
+        counters = tl.load(counter_ptrs + src).to(tl.pointer_type(tl.int32))
+        add_release(counters + rank, 1)
 
 
 @triton.jit
@@ -219,7 +220,7 @@ def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, err_ptr, budge
     """dK, dV (this rank's own K/V) = sum over the W slots; slot s holds [dK | dV] partials from rank s."""
     pid = tl.program_id(0)
     for s in range(0, world):
-        wait_flag(counters_ptr + s, expected, err_ptr, budget, rank, op, s, CLOCK)
+        wait_flag(counters_ptr + s, expected, err_ptr, budget, rank, op, s, WHAT_PARTIALS, CLOCK)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N_ELEM
     dk = tl.zeros((BLOCK,), tl.float32)

@@ -84,7 +84,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
 from .chunks import chunk_of_row
-from .signal import add_release, wait_flag
+from .signal import WHAT_STARTED, add_release, wait_flag
 
 
 @triton.jit
@@ -132,8 +132,7 @@ def own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, 
         want = tl.load(expected_ptr + j)
         for s in range(0, world):
             if s != rank:
-                wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op,
-                          s * CHUNKS_PER_RANK + j, CLOCK)
+                wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op, s, j, CLOCK)
 
 
 @triton.jit
@@ -285,6 +284,8 @@ def persistent_gemm(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
+    if SCATTER and not LOCAL_COUNTERS:  # stores into peers: none after a fault (a peer's call may disagree)
+        num_tiles = tl.where(tl.load(err_ptr, volatile=True) != 0, 0, num_tiles)
     if REDUCE_OWN and CLAIM == 0:
         tl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started
     all_in = 0  # CLAIM=0: whether every program has been seen started
@@ -305,7 +306,8 @@ def persistent_gemm(
         if GATHER:
             for c in range(c_first, c_last + 1):
                 if c // CHUNKS_PER_RANK != rank:  # our own rows are read in place: nothing to wait for
-                    wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c, CLOCK)
+                    wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK,
+                              CLOCK)
 
         rows = row0 + tl.arange(0, BLOCK_M)
         rows = tl.where(rows < M, rows, M - 1)  # clamp instead of masking the loads
@@ -343,7 +345,7 @@ def persistent_gemm(
             if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
                 if CLAIM == 0:
                     if all_in == 0:  # every program has started, so every peer tile is being worked on
-                        wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
+                        wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, WHAT_STARTED, CLOCK)
                         all_in = 1
                 own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, rank, err_ptr,
                                  budget, op, CLOCK)

@@ -56,7 +56,7 @@ from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
 from .chunks import chunk_of_row
 from .gemm import GemmTiles, capability, desc_layout, own_chunks_ready, publish, reduce_own, reset_at_exit, rs_tile
-from .signal import wait_flag
+from .signal import WHAT_PEER_STARTED, WHAT_STARTED, wait_flag
 
 #: The TMA load into shared memory: ``tma.async_load`` in newer Gluon, ``async_copy_global_to_shared`` in Triton 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -85,7 +85,7 @@ def _peer_started(start_ptrs, owner, started, err_ptr, budget, rank, op, CLOCK: 
     if owner != rank:
         if ((started >> owner) & 1) == 0:
             mine = gl.load(start_ptrs + rank).to(gl.pointer_type(gl.int32))
-            wait_flag(mine + owner, 1, err_ptr, budget, rank, op, -2 - owner, CLOCK)
+            wait_flag(mine + owner, 1, err_ptr, budget, rank, op, owner, WHAT_PEER_STARTED, CLOCK)
             started = started | (1 << owner)
     return started
 
@@ -192,7 +192,7 @@ def _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, 
     Returns all_in."""
     if row0 // M_LOCAL == rank:
         if all_in == 0:
-            wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, CLOCK)
+            wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, WHAT_STARTED, CLOCK)
             all_in = 1
         own_chunks_ready(flags_ptr, expected_ptr, chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK),
                          chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), CHUNKS_PER_RANK,
@@ -301,6 +301,8 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
                                cols, N, M, M_LOCAL, rank, world, stride_cm, 1, stride_om, HAS_BIAS, ALIGN_C)
         else:  # a peer's rows: into its staging slot, then bump the counters of the chunks the tile covers
             base = gl.load(scatter_ptrs + owner).to(gl.pointer_type(dtype))
+            # PEER_STORES: nothing goes into a peer after a fault (its call may not have started, or may disagree)
+            active = (gl.load(err_ptr, volatile=True) == 0) | (not PEER_STORES)
             for sub in gl.static_range(BLOCK_M // SUB_M):
                 vals = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
                 if sub == BLOCK_M // SUB_M - 1 and not preload_next:
@@ -308,10 +310,11 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
                 c_rows = base + (rank * M_LOCAL + row0 - owner * M_LOCAL + sub * SUB_M + rows_off) * stride_cm
                 if ALIGN_C:
                     c_rows = gl.multiple_of(c_rows, 16)
-                gl.store(c_rows[:, None] + cols[None, :], vals, mask=col_ok[None, :])
-            publish(counter_ptrs, chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK),
-                    chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), rank, CHUNKS_PER_RANK,
-                    not PEER_STORES)  # the staging buffer's counters are local; a peer's, over NVLink
+                gl.store(c_rows[:, None] + cols[None, :], vals, mask=col_ok[None, :] & active)
+            if active:
+                publish(counter_ptrs, chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK),
+                        chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), rank,
+                        CHUNKS_PER_RANK, not PEER_STORES)  # the staging buffer's counters are local; a peer's, NVLink
         if preload_next:  # the last tile's partials (after this tile's counters: a peer may be waiting for them)
             all_in = _preload(p, it + NUM_PROGRAMS, all_in, rows_off, cols_off, BLOCK_N, GROUP_M, NUM_PROGRAMS,
                               HAS_BIAS, CLOCK, SUB_M, rows_layout, PRELOAD_TMA)

@@ -33,7 +33,7 @@ def reduce_partials(recv_ptr, out_ptr, bias_ptr, counters_ptr, expected_ptr, err
             if s != rank:  # our own partial came from our own GEMM, earlier on this stream
                 for j in range(j_first, j_last + 1):
                     wait_flag(counters_ptr + s * CHUNKS_PER_RANK + j, tl.load(expected_ptr + j), err_ptr, budget, rank,
-                              op, s * CHUNKS_PER_RANK + j, CLOCK)
+                              op, s, j, CLOCK)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M_LOCAL) & (cols[None, :] < N)

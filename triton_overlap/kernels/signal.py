@@ -1,27 +1,40 @@
-"""Signals as seen from Triton kernels: bounded waits, notifies, the barrier.
+"""Signals as seen from Triton kernels: bounded waits, notifies, the barrier that checks every rank makes the same
+call.
 
-Every flag is an int32 compared with wrap-around, ``(int32)(flag - target) >= 0``,
-the same test ``cuStreamWaitValue32(GEQ)`` makes, so values may grow forever.
+Every flag is an int32 compared with wrap-around, ``(int32)(flag - target) >= 0``, the same test
+``cuStreamWaitValue32(GEQ)`` makes, so values may grow forever.
 
-A wait spins on an acquire load at system scope. It gives up when its budget
-runs out (a clock on GPUs, a spin count in the interpreter) or when another
-wait of the same Context has already failed, and records (code, rank, op,
-index, seen, wanted) in the Context's error word. The caller skips its work
-and the kernel ends; the host turns the word into an exception
-(``Context.check``). A wait never hangs.
+A wait spins on an acquire load at system scope. It gives up when its budget runs out or when another wait of the
+same Context has already failed, and records in the Context's error word what it waited for (the rank it waited
+on, which chunk or step, the value it saw and the one it wanted), how long it waited and in which call. The caller
+skips its work and the kernel ends; the host turns the word into an exception (``Context.check``). A wait never
+hangs.
+
+Clocks (``CLOCK``): 1, CUDA's ``%globaltimer`` (ns); 2, AMD's ``s_memrealtime`` (100 MHz); 0, the host backend's,
+milliseconds that a thread of the Context writes into the error word (Triton's interpreter has no clock of its own).
 """
 from __future__ import annotations
 
-import functools
-import time
-
-import torch
 import triton
 import triton.language as tl
 
-# Layout of the error word (int32[ERR_WORDS]) a Context owns; wait_flag writes these slots (1 = timed out).
-ERR_CODE, ERR_RANK, ERR_OP, ERR_INDEX, ERR_SEEN, ERR_WANTED = range(6)
-ERR_WORDS = 8
+# The error word (int32[ERR_WORDS]) a Context owns, slot by slot (Triton reads globals only as constexpr; the host
+# indexes with them as with ints). ERR_CODE: ERR_TIMEOUT or ERR_MISMATCH (the first failure wins).
+ERR_CODE, ERR_RANK, ERR_OP, ERR_PEER, ERR_WHAT, ERR_SEEN, ERR_WANTED, ERR_ELAPSED_US, ERR_CALL = (
+    tl.constexpr(i) for i in range(9))
+#: written by every barrier: the call it opened (a wait that fails copies it into ERR_CALL)
+ERR_CURRENT_CALL = tl.constexpr(9)
+#: the host backend's clock (CLOCK 0), in milliseconds
+ERR_NOW_MS = tl.constexpr(10)
+#: ERR_MISMATCH: the peer's header (HEADER_WORDS slots from here) and this rank's fingerprint
+ERR_PEER_HEADER = tl.constexpr(11)
+ERR_OWN_FINGERPRINT = tl.constexpr(19)
+ERR_WORDS = 24
+ERR_TIMEOUT, ERR_MISMATCH = tl.constexpr(1), tl.constexpr(2)
+#: ERR_WHAT below zero: what was waited for, when it was not a chunk
+WHAT_STARTED, WHAT_PEER_STARTED, WHAT_ARRIVAL, WHAT_PARTIALS = (tl.constexpr(i) for i in (-1, -2, -3, -4))
+#: a call's header, as the barrier publishes it: (call, op, fingerprint, d0, d1, d2, d3, 0)
+HEADER_WORDS = 8
 
 
 @triton.jit
@@ -40,12 +53,25 @@ except ImportError:  # older triton: the gfx9 (CDNA) instruction
 
 
 @triton.jit
-def _now(CLOCK: tl.constexpr):
-    if CLOCK == 1:
+def _now(err_ptr, CLOCK: tl.constexpr):
+    if CLOCK == 0:
+        t = tl.load(err_ptr + ERR_NOW_MS, volatile=True).to(tl.int64)
+    elif CLOCK == 1:
         t = _cuda_globaltimer()
     else:
         t = _hip_realtime()
     return t
+
+
+@triton.jit
+def _to_us(ticks, CLOCK: tl.constexpr):
+    if CLOCK == 0:
+        us = ticks * 1000
+    elif CLOCK == 1:
+        us = ticks // 1000
+    else:
+        us = ticks // 100
+    return us
 
 
 @triton.jit
@@ -55,34 +81,30 @@ def load_acquire(ptr):
 
 
 @triton.jit
-def wait_flag(flag_ptr, target, err_ptr, budget, rank, op, index, CLOCK: tl.constexpr):
+def wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: tl.constexpr):
     """Spin until ``(int32)(*flag_ptr - target) >= 0``; return True on success.
 
-    On timeout, records the failure in ``err_ptr`` (first failure wins) and
-    returns False. Returns False at once if the error word is already set.
+    ``peer``: the rank whose write this waits for (-1: none in particular); ``what``: the chunk, or one of the
+    WHAT_* codes. On timeout, records the failure in the error word (the first failure wins) and returns False.
+    Returns False at once if the error word is already set.
     """
     seen = load_acquire(flag_ptr)
     failed = tl.load(err_ptr, volatile=True) != 0
-    if CLOCK == 0:
-        start = 0
-    else:
-        start = _now(CLOCK)
-    spins = 0
+    start = _now(err_ptr, CLOCK)
     while (seen - target < 0) & (~failed):
         seen = load_acquire(flag_ptr)
-        spins += 1
-        if CLOCK == 0:
-            elapsed = spins
-        else:
-            elapsed = _now(CLOCK) - start
+        elapsed = _now(err_ptr, CLOCK) - start
         expired = (elapsed > budget) & (seen - target < 0)
         if expired:
-            if tl.atomic_cas(err_ptr, 0, 1, sem="acq_rel", scope="gpu") == 0:
-                tl.store(err_ptr + 1, rank)
-                tl.store(err_ptr + 2, op)
-                tl.store(err_ptr + 3, index)
-                tl.store(err_ptr + 4, seen)
-                tl.store(err_ptr + 5, target)
+            if tl.atomic_cas(err_ptr, 0, ERR_TIMEOUT, sem="acq_rel", scope="gpu") == 0:
+                tl.store(err_ptr + ERR_RANK, rank)
+                tl.store(err_ptr + ERR_OP, op)
+                tl.store(err_ptr + ERR_PEER, peer)
+                tl.store(err_ptr + ERR_WHAT, what)
+                tl.store(err_ptr + ERR_SEEN, seen)
+                tl.store(err_ptr + ERR_WANTED, target)
+                tl.store(err_ptr + ERR_ELAPSED_US, _to_us(elapsed, CLOCK).to(tl.int32))
+                tl.store(err_ptr + ERR_CALL, tl.load(err_ptr + ERR_CURRENT_CALL, volatile=True))
         failed = expired | (tl.load(err_ptr, volatile=True) != 0)
     return seen - target >= 0
 
@@ -107,53 +129,67 @@ def add_release(counter_ptr, value, GPU_SCOPE: tl.constexpr = False):
 def spin_kernel(ticks, CLOCK: tl.constexpr):
     """Spin for ``ticks`` of the GPU's wall clock (CLOCK 1: CUDA %globaltimer, ns; 2: AMD s_memrealtime, 100 MHz),
     whatever the SM clock runs at (timing.time_dist's lead)."""
-    t0 = _now(CLOCK)
+    t0 = _now(0, CLOCK)
     t = t0
     while t - t0 < ticks:
-        t = _now(CLOCK)
+        t = _now(0, CLOCK)
 
 
 @triton.jit
-def wait_kernel(flag_ptr, target, err_ptr, budget, rank, op, index, CLOCK: tl.constexpr):
-    wait_flag(flag_ptr, target, err_ptr, budget, rank, op, index, CLOCK)
+def wait_kernel(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: tl.constexpr):
+    wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK)
 
 
-@triton.jit
-def barrier_kernel(peer_slots_ptr, local_slots_ptr, count_ptr, err_ptr, budget, rank, world, op,
-                   BLOCK_W: tl.constexpr, CLOCK: tl.constexpr):
-    """Device-side barrier across ranks, one program.
+@triton.jit(do_not_specialize=["budget", "op", "fingerprint", "d0", "d1", "d2", "d3"])
+def barrier_kernel(peer_slots_ptr, local_slots_ptr, count_ptr, header_ptrs, local_header_ptr, err_ptr, budget, rank,
+                   world, op, fingerprint, d0, d1, d2, d3, BLOCK_W: tl.constexpr, CLOCK: tl.constexpr):
+    """Device-side barrier across ranks that also checks every rank makes the same call; one program.
 
-    Each rank keeps ``count`` (how many barriers it has passed) in its own
-    device memory and a slot per peer in symmetric memory. Arrival number
-    ``e = count + 1`` is written (release) into slot ``rank`` of every peer;
-    then the rank waits until each of its own slots holds a value >= e.
+    Each rank keeps ``count`` (how many barriers it has passed) in its own device memory and a slot per peer in
+    symmetric memory. Arrival number ``e = count + 1`` is written (release) into slot ``rank`` of every peer; then
+    the rank waits until each of its own slots holds a value >= e. All ranks pass the same sequence of barriers, so
+    every rank computes the same ``e`` for the same barrier; slot ``p`` on rank ``r`` is written only by rank ``p``
+    and only grows, so seeing ``>= e`` means ``p`` has arrived at barrier ``e`` (it cannot be further than
+    ``e + 1``: that needs ``r``'s arrival at ``e + 1``). No value is ever reset, so there is no reset to race with,
+    and ``e`` is read from device memory at run time, so a replayed CUDA graph does not reuse a value baked in on
+    the host.
 
-    Why this is correct, also under CUDA-graph replay: all ranks pass the same
-    sequence of barriers, so every rank computes the same ``e`` for the same
-    barrier. Slot ``p`` on rank ``r`` is written only by rank ``p`` and only
-    grows, so seeing ``>= e`` means ``p`` has arrived at barrier ``e`` (it
-    cannot be further than ``e + 1``: that needs ``r``'s arrival at ``e + 1``).
-    No value is ever reset, so there is no reset to race with, and ``e`` is
-    read from device memory at run time, so a replayed graph does not reuse a
-    value baked in on the host.
+    Before its arrival a rank writes its call's header (``e``, ``op``, ``fingerprint``, ``d0..d3``: what it is
+    about to read and write) into every peer's header table, at [e % 2][rank] (a peer at most one barrier ahead
+    writes the other half). Once peer ``p`` has arrived, the rank compares p's header with its own: any difference
+    (another call number, op or fingerprint) is recorded as ERR_MISMATCH with both headers, before any data of the
+    call moves, and every wait of the Context then gives up at once.
     """
     offs = tl.arange(0, BLOCK_W)
     mask = offs < world
     e = tl.load(count_ptr) + 1
+    half = e % 2
+    peer_hdr = tl.load(header_ptrs + offs, mask=mask, other=0).to(tl.pointer_type(tl.int32))
+    at = peer_hdr + (half * world + rank) * 8  # 8: HEADER_WORDS
+    zero = tl.zeros((BLOCK_W,), tl.int32)
+    tl.store(at, zero + e, mask=mask)
+    tl.store(at + 1, zero + op, mask=mask)
+    tl.store(at + 2, zero + fingerprint, mask=mask)
+    tl.store(at + 3, zero + d0, mask=mask)
+    tl.store(at + 4, zero + d1, mask=mask)
+    tl.store(at + 5, zero + d2, mask=mask)
+    tl.store(at + 6, zero + d3, mask=mask)
+    tl.debug_barrier()  # every header store comes before the arrival below
     peer_base = tl.load(peer_slots_ptr + offs, mask=mask, other=0).to(tl.pointer_type(tl.int32))
-    tl.atomic_xchg(peer_base + rank, tl.zeros((BLOCK_W,), tl.int32) + e, mask=mask, sem="release", scope="sys")
+    tl.atomic_xchg(peer_base + rank, zero + e, mask=mask, sem="release", scope="sys")
+    tl.store(err_ptr + ERR_CURRENT_CALL, e)
     for p in range(0, world):
-        wait_flag(local_slots_ptr + p, e, err_ptr, budget, rank, op, p, CLOCK)
+        if wait_flag(local_slots_ptr + p, e, err_ptr, budget, rank, op, p, WHAT_ARRIVAL, CLOCK):
+            h = local_header_ptr + (half * world + p) * 8
+            bad = (tl.load(h, volatile=True) != e) | (tl.load(h + 1, volatile=True) != op)
+            bad = bad | (tl.load(h + 2, volatile=True) != fingerprint)
+            if bad:
+                if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
+                    tl.store(err_ptr + ERR_RANK, rank)
+                    tl.store(err_ptr + ERR_OP, op)
+                    tl.store(err_ptr + ERR_PEER, p)
+                    tl.store(err_ptr + ERR_CALL, e)
+                    for i in range(0, 7):
+                        tl.store(err_ptr + ERR_PEER_HEADER + i, tl.load(h + i, volatile=True))
+                    tl.store(err_ptr + ERR_OWN_FINGERPRINT, fingerprint)
     tl.store(count_ptr, e)
-
-
-@functools.lru_cache(maxsize=1)
-def interpreter_spins_per_second() -> float:
-    """Measure how many wait iterations the interpreter runs per second (host backend timeouts)."""
-    flag = torch.zeros(1, dtype=torch.int32)
-    err = torch.zeros(ERR_WORDS, dtype=torch.int32)
-    spins = 200
-    t0 = time.perf_counter()
-    wait_kernel[(1,)](flag, 1, err, spins, 0, 0, 0, CLOCK=0)
-    dt = time.perf_counter() - t0
-    return spins / max(dt, 1e-6)

@@ -56,6 +56,7 @@ class AllGatherGEMM(OverlapOp):
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  return_gathered: bool = False, out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None,
                  scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, **overrides):
+        self.ctx.ensure_usable()
         scales = () if scale_a is None and scale_b is None else (scale_a, scale_b)
         if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == 2 \
                 and w.dim() == 2:  # a repeat of a captured call replays, unchecked
@@ -69,7 +70,6 @@ class AllGatherGEMM(OverlapOp):
     @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
     def _call(self, a, w, bias, return_gathered, out, overrides, scales, out_dtype):
         ctx = self.ctx
-        ctx.ensure_open()
         dtype = check_operands(self.KIND, ctx, a, w, bias, *scales, out_dtype, fp8=True)
         W = ctx.world_size
         want = (a.shape[0] * W, w.shape[1])
@@ -127,7 +127,9 @@ class AllGatherGEMM(OverlapOp):
         ws = self._workspace(a)
         flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
         self.state["buffers"] = {"workspace": ws.local}
-        producer = Gather(ctx, layout, [(a, ws)], flags, mode=cfg.mode, num_streams=cfg.num_streams or W - 1)
+        call = self.call_header((m_local, K, a.dtype, layout.m_per_chunk, cfg.mode), (m_local, K))
+        producer = Gather(ctx, layout, [(a, ws)], flags, mode=cfg.mode, num_streams=cfg.num_streams or W - 1,
+                          call=call)
 
         def consumer():  # its last program zeroes the flags: every one was seen, peers set them after the next barrier
             launch_gemm(ctx, cfg, a, w, out, order=order, flags=flags.local, layout=layout, bias=bias,

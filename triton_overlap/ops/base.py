@@ -118,6 +118,14 @@ class OverlapOp:
         """Every rank passes the same ``key`` (shapes, dtypes): checked once per key (a collective)."""
         agree_across_ranks(self.KIND, self.ctx, key, self.state.setdefault("agreed", set()))
 
+    def call_header(self, descriptor: tuple, dims=()):
+        """The header this op's call publishes at its barrier (Context.call), kept per descriptor."""
+        headers = self.state.setdefault("headers", {})
+        got = headers.get(descriptor)
+        if got is None:
+            got = headers[descriptor] = self.ctx.call(self.op, descriptor, dims)
+        return got
+
     def warm(self, key) -> bool:
         """Whether a call with ``key`` (a shape and layout) has been enqueued before; marks it. A shape's first call
         builds its kernels, so it enqueues the copies before the consumer (producers.pipeline's consumer_first)."""

@@ -120,6 +120,7 @@ class ContextParallelAttention(OverlapOp):
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """(out, lse); differentiable in q, k, v when grad is enabled and any of them requires it (then without
         ``out=`` and ``lse=``)."""
+        self.ctx.ensure_usable()
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
         if out is None and lse is None and (grad or torch.compiler.is_compiling()):
@@ -137,6 +138,7 @@ class ContextParallelAttention(OverlapOp):
     def forward(self, q, k, v, causal, scale, out=None, lse=None, keep: bool = False, cu=()):
         """(out, lse), and with ``keep`` also copies of the gathered K/V workspaces for ``backward``. ``cu``: the
         packed documents' global boundaries (a tuple; empty: one sequence per batch row)."""
+        self.ctx.ensure_usable()
         cu = tuple(cu)
         if self.replays.active and not keep and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)):
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
@@ -160,6 +162,8 @@ class ContextParallelAttention(OverlapOp):
         if not (q.dtype == k.dtype == v.dtype):
             raise ValueError(f"cp_attention: q, k, v have different dtypes ({q.dtype}, {k.dtype}, {v.dtype})")
         B, S, Hq, D = q.shape
+        if B == 0 or S == 0 or Hq == 0 or k.numel() == 0:
+            raise ValueError(f"cp_attention: empty input: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
         if k.shape != v.shape or k.shape[0] != B or k.shape[1] != S or k.shape[3] != D:
             raise ValueError(f"cp_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must be [B, S_local, Hkv, D] "
                              f"with q {tuple(q.shape)}")
@@ -185,7 +189,6 @@ class ContextParallelAttention(OverlapOp):
     @torch.no_grad()  # workspaces are reset in place; autograd goes through custom_ops.cp_attention
     def _checked_forward(self, q, k, v, causal, scale, out, lse, keep, cu=()):
         ctx = self.ctx
-        ctx.ensure_open()
         local_cu = self._check(q, k, v, cu)
         B, S, Hq, D = q.shape
         if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
@@ -222,10 +225,17 @@ class ContextParallelAttention(OverlapOp):
         self.state.setdefault("buffers", {}).update(k=kws.local, v=vws.local)
         return layout, kws, vws, flags
 
-    def _gather(self, layout, k, v, kws, vws, flags) -> Gather:
+    def _gather(self, layout, k, v, kws, vws, flags, call) -> Gather:
         """The producer: K and V pushed together, chunk by chunk; the caller resets the flags after the call (the
         kernels waited for every one)."""
-        return Gather(self.ctx, layout, [(k, kws), (v, vws)], flags, dim=1, num_streams=2, reset_flags=True)
+        return Gather(self.ctx, layout, [(k, kws), (v, vws)], flags, dim=1, num_streams=2, reset_flags=True,
+                      call=call)
+
+    def _header(self, step: str, k, local_cu, kept: bool = False):
+        """The call's header: what every rank's K/V, chunking and documents must agree on."""
+        B, S, Hkv, D = k.shape
+        docs = hash(tuple(local_cu)) if local_cu is not None else 0
+        return self.call_header((step, B, S, Hkv, D, k.dtype, self.chunks_per_rank, docs, kept), (B, S, Hkv, D))
 
     def _forward(self, q, k, v, out, lse, causal, scale, local_cu=None):
         """Enqueue one forward (what ReplayCache captures); returns the K/V workspaces."""
@@ -241,7 +251,8 @@ class ContextParallelAttention(OverlapOp):
         # attention programs waiting for chunks can fill every SM: the barrier kernel runs first (gate)
         first = cfg.consumer_first and self.warm((tuple(k.shape), k.dtype, kws.local.data_ptr(),
                                                   vws.local.data_ptr()))
-        pipeline.run(ctx, self._gather(layout, k, v, kws, vws, flags), consumer, consumer_first=first, gate=True)
+        producer = self._gather(layout, k, v, kws, vws, flags, self._header("forward", k, local_cu))
+        pipeline.run(ctx, producer, consumer, consumer_first=first, gate=True)
         return kws, vws
 
     @torch.no_grad()
@@ -250,7 +261,7 @@ class ContextParallelAttention(OverlapOp):
         ``forward(keep=True)`` returned) or, when those are None, are gathered again by the copy engines. Partial
         dK/dV go straight to their owners, who sum them in float32. ``cu`` as in forward (checked there)."""
         ctx = self.ctx
-        ctx.ensure_open()
+        ctx.ensure_usable()
         local_cu = local_cu_seqlens(cu or None, ctx.world_size)
         W = ctx.world_size
         B, S, Hq, D = q.shape
@@ -263,11 +274,13 @@ class ContextParallelAttention(OverlapOp):
         delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, S]
         docs_dq, docs_dkdv = documents(ctx, local_cu, cfg.dq.block_m), documents(ctx, local_cu, cfg.dkdv.block_n)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        call = self._header("backward", k, local_cu, kept=kept_k is not None)
         if kept_k is not None:  # no gather: every chunk is ready; the barrier orders our dK/dV stores into peers
-            kw, vw, ready, producer = kept_k, kept_v, all_ready(ctx, layout.num_chunks), pipeline.BarrierOnly()
+            kw, vw, ready, producer = kept_k, kept_v, all_ready(ctx, layout.num_chunks), pipeline.BarrierOnly(call)
         else:
             layout, kws, vws, flags = self._kv(k)
-            kw, vw, ready, producer = kws.local, vws.local, flags.local, self._gather(layout, k, v, kws, vws, flags)
+            kw, vw, ready = kws.local, vws.local, flags.local
+            producer = self._gather(layout, k, v, kws, vws, flags, call)
 
         def consumer():
             expected = launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv.ptrs, counters.ptrs, ready,

@@ -84,6 +84,7 @@ class GEMMReduceScatter(OverlapOp):
     # --------------------------------------------------------------------------------------------- call
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, **overrides):
+        self.ctx.ensure_usable()
         W = self.ctx.world_size
         if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == 2 \
                 and w.dim() == 2 and a.shape[0] % W == 0:  # a repeat of a captured call replays, unchecked
@@ -96,7 +97,6 @@ class GEMMReduceScatter(OverlapOp):
     @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
     def _call(self, a, w, bias, out, overrides):
         ctx = self.ctx
-        ctx.ensure_open()
         check_operands(self.KIND, ctx, a, w, bias)
         M, W = a.shape[0], ctx.world_size
         if M % W:
@@ -154,13 +154,17 @@ class GEMMReduceScatter(OverlapOp):
         starts = ctx.symmetric(f"{self.name}.starts", (W,), torch.int32) if b_layout is not None and not copy else None
         c = recv.local.view(W * m_local, N)
         self.state["buffers"] = {"receive slots": recv.local}
+        call = self.call_header((M, N, a.dtype, "copy" if copy else "store", fuse, b_layout is not None,
+                                 layout.m_per_chunk, cfg.block_m, cfg.block_n), (M, N))
         if copy:  # peers' tiles to a local staging buffer; copy engines move them on
             stage = staging(ctx, recv, counters, layout)
             self.state["buffers"]["staging"] = stage.partials
-            producer = Scatter(layout, stage, recv, counters, counts, copy_stream_count(layout, cfg.num_streams))
+            producer = Scatter(layout, stage, recv, counters, counts, copy_stream_count(layout, cfg.num_streams),
+                               call=call)
             ptrs, counter_ptrs = stage.ptrs, stage.counter_ptrs
-        else:  # peers' tiles straight into their receive slots, once their owners' previous calls are done
-            producer = None if b_layout is not None else pipeline.BarrierOnly()
+        else:  # peers' tiles straight into their receive slots, once every owner's previous call is done and every
+            # rank makes the same call (the barrier; the warp-specialized GEMM also waits for each owner's start)
+            producer = pipeline.BarrierOnly(call)
             ptrs, counter_ptrs = recv.ptrs, counters.ptrs
 
         def consumer():

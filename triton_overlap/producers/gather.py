@@ -25,24 +25,26 @@ class Gather:
     ``pairs``: (source, symmetric workspace) pairs moved together, chunk by chunk (K and V for attention); each
     source holds this rank's ``layout.m_local`` rows along ``dim``, each workspace ``W * m_local``. ``flags``: the
     symmetric int32 flags, one per chunk (``layout.num_chunks``). ``reset_flags``: zero this rank's flags after the
-    call (step 5), for consumers that do not reset them themselves.
+    call (step 5), for consumers that do not reset them themselves. ``call``: the call's header (Context.call), which
+    the opening barrier compares across ranks.
     """
 
     def __init__(self, ctx, layout: ChunkLayout, pairs, flags, *, dim: int = 0, mode: str = "push",
-                 num_streams: int = 1, reset_flags: bool = False):
+                 num_streams: int = 1, reset_flags: bool = False, call=None):
         if mode not in ("push", "pull"):
             raise ValueError(f"gather mode must be 'push' or 'pull', got {mode!r}")
         self.layout, self.pairs, self.flags, self.dim, self.mode = layout, pairs, flags, dim, mode
         self.num_streams = max(1, min(num_streams, ctx.world_size - 1)) if ctx.world_size > 1 else 0
         self.reset_flags = reset_flags
+        self.call = call
 
     def open(self, ctx, stream) -> None:
-        ctx.barrier(stream)
+        ctx.barrier(stream, self.call)
         if self.mode == "pull":
             rows = slice(ctx.rank * self.layout.m_local, (ctx.rank + 1) * self.layout.m_local)
             for src, ws in self.pairs:
                 stream.copy(ws.local.narrow(self.dim, rows.start, self.layout.m_local), src)
-            ctx.barrier(stream)
+            ctx.barrier(stream, self.call)
 
     def enqueue(self, ctx, streams) -> None:
         plan = ctx.cached(("gather plan", self.mode, self._key(ctx, streams)), lambda: self._plan(ctx, streams))

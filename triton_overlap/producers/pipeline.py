@@ -6,8 +6,8 @@ get wrong (every value written is a constant or lives in device memory), so a ca
 1. **follow**: the first producer stream waits for the caller's stream as it is now (the inputs are ready, and this
    rank's previous call has finished and reset its flags);
 2. **open**: the producer's opening steps on that stream, a device-side barrier first (``Context.barrier``: every
-   peer has reached step 1 too, so its workspaces and flags may be written), then the other producer streams wait
-   for it. With ``gate`` the caller's stream waits for it as well: a consumer that can fill every SM with programs
+   peer has reached step 1 too, so its workspaces and flags may be written, and makes the same call: the barrier
+   compares the ranks' call headers), then the other producer streams wait for it. With ``gate`` the caller's stream waits for it as well: a consumer that can fill every SM with programs
    waiting for chunks must not start before the barrier kernel has found an SM on every rank;
 3. **consumer and copies**: the consumer (kernels on the caller's stream) and the producer's copies with their
    flags, in the order asked. ``consumer_first`` launches the consumer before the host enqueues the copies, so the
@@ -41,12 +41,16 @@ class Producer(Protocol):
 
 class BarrierOnly:
     """A producer that only opens the call with a device barrier on the caller's stream: the consumer writes into
-    peers' memory itself (or reads data already in place), once every peer has finished its previous call."""
+    peers' memory itself (or reads data already in place), once every peer has finished its previous call and made
+    the same call (``call``: its header, Context.call)."""
 
     num_streams = 0
 
+    def __init__(self, call=None):
+        self.call = call
+
     def open(self, ctx, stream) -> None:
-        ctx.barrier(stream)
+        ctx.barrier(stream, self.call)
 
     def enqueue(self, ctx, streams) -> None:
         pass

@@ -62,14 +62,16 @@ def copy_stream_index(world: int, n_streams: int, i: int, j: int) -> int:
 
 class Scatter:
     """The producer of one GEMM-RS copy-variant call (producers.pipeline). ``counts``: ``[owner][j]``, the count
-    chunk j of each owner's rows reaches once the GEMM has stored every tile over it (ChunkLayout.tile_stores)."""
+    chunk j of each owner's rows reaches once the GEMM has stored every tile over it (ChunkLayout.tile_stores);
+    ``call``: the call's header (Context.call)."""
 
-    def __init__(self, layout: ChunkLayout, stage: Staging, recv, counters, counts, num_streams: int):
+    def __init__(self, layout: ChunkLayout, stage: Staging, recv, counters, counts, num_streams: int, call=None):
         self.layout, self.stage, self.recv, self.counters, self.counts = layout, stage, recv, counters, counts
         self.num_streams = num_streams
+        self.call = call
 
     def open(self, ctx, stream) -> None:
-        ctx.barrier(stream)  # every owner has reduced its previous call and reset its counters
+        ctx.barrier(stream, self.call)  # every owner has reduced its previous call and reset its counters
 
     def enqueue(self, ctx, streams) -> None:
         W, r, cpr = ctx.world_size, ctx.rank, self.layout.chunks_per_rank
