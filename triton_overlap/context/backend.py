@@ -116,5 +116,15 @@ class Backend(abc.ABC):
     def mirror_errors(self, stream: Stream, err: torch.Tensor, mirror) -> None:
         """Enqueue on ``stream`` the update of ``mirror`` (error_mirror's) from ``err``."""
 
+    def relay_error(self, peer_err: torch.Tensor, word: list[int]) -> None:
+        """Write ``word`` into a peer's error word ``peer_err`` (its code last), unless the peer has a fault of its
+        own, without waiting for this rank's kernels (which may be spinning on that peer)."""
+        if int(peer_err[0]) != 0:
+            return
+        for i, v in enumerate(word[1:], 1):
+            if v:  # (the slots left at zero are the peer's own: its clock, its current call)
+                peer_err[i] = v
+        peer_err[0] = word[0]
+
     def close(self) -> None:
         """Free backend-wide resources (streams)."""

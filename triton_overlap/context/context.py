@@ -13,18 +13,16 @@ import torch.distributed as dist
 from ..kernels import signal as sig
 from ..kernels.cached_launch import launch, triton_interprets
 from .backend import Backend, Stream
-from .control import ControlPlane, PeerTimeout
+from .control import ControlPlane, PeerFault, PeerTimeout
 
-# Names of the ops that can report a timed-out wait, by the id kernels record.
+# Names of the ops that can report a fault, by the id kernels record.
 OPS: dict[int, str] = {}
 
 
 def op_id(name: str) -> int:
-    """The id kernels record for op ``name`` (registered on first use)."""
-    for k, v in OPS.items():
-        if v == name:
-            return k
-    k = len(OPS) + 1
+    """The id kernels record for op ``name``: the same in every process (a hash of the name), since ranks compare
+    them at every call's barrier."""
+    k = zlib.crc32(name.encode()) & 0x7FFFFFFF
     OPS[k] = name
     return k
 
@@ -148,8 +146,10 @@ class Context:
         self._cache: dict = {}  # what ops keep per Context (plans, op objects, copy plans); freed by close()
         self._on_close: list = []
         self._calls: dict[int, str] = {}  # fingerprint -> what it describes, for messages
-        self.err = torch.zeros(sig.ERR_WORDS, dtype=torch.int32, device=self.device)
-        self._seen = self._backend.error_mirror(self.err)  # a host copy the ops poll without synchronising
+        # the error word, symmetric: a rank that faults writes its fault into every peer's, so their waits stop too
+        self._errors = self.symmetric("__errors", (sig.ERR_WORDS,), torch.int32)
+        self.err = self._errors.local
+        self._seen = self._backend.error_mirror(self.err)  # read by the host without synchronising
         self._barrier_slots = self.symmetric("__barrier", (self.world_size,), torch.int32)
         self._headers = self.symmetric("__headers", (2, self.world_size, sig.HEADER_WORDS), torch.int32)
         self._barrier_count = torch.zeros(1, dtype=torch.int32, device=self.device)
@@ -212,11 +212,16 @@ class Context:
         return self.backend_name
 
     def _exchange(self, obj, what: str, tag: str | None = None) -> list:
-        """Every rank's ``obj`` through the control plane (bounded); a missing peer faults the Context."""
+        """Every rank's ``obj`` through the control plane (bounded); a missing peer, or a peer's fault, faults the
+        Context."""
         try:
             return self._control.exchange(obj, what, tag)
         except PeerTimeout as e:
-            raise self._fail(f"rank {self.rank}: {e}") from None
+            peer = e.missing[0]
+            raise self._fail(f"rank {self.rank}: {e}", (sig.ERR_RELAYED, self.rank, 0, peer, sig.WHAT_ANSWER)) from None
+        except PeerFault as e:
+            raise self._fail(f"rank {self.rank}: rank {e.rank} faulted: {str(e).removeprefix('triton_overlap: ')}") \
+                from None
 
     def gather_object(self, obj, what: str = "exchange") -> list:
         """Every rank's ``obj``, in rank order (a collective, waiting at most ``timeout_s``: a rank that does not
@@ -235,16 +240,49 @@ class Context:
         if self._closed:
             raise RuntimeError("this Context is closed")
         if self._fault is None and self._seen is not None and self._seen[0] != 0:
-            self._fault = self._describe(list(self._seen))
+            self._observe([int(v) for v in self._seen])
         if self._fault is not None:
             raise ContextError(f"{self._fault} (this Context refuses calls until every rank calls ctx.reset(), "
                                f"or ctx.close())")
 
-    def _fail(self, text: str) -> ContextError:
-        """Fault the Context with ``text`` (the first fault's text stays) and return the error to raise."""
+    def _fail(self, text: str, relay=None) -> ContextError:
+        """Fault the Context with ``text`` (the first fault's text stays) and return the error to raise. ``relay``:
+        (code, rank, op, peer, what) of an error word to write into every peer's, so that their waits stop at once;
+        None for a fault another rank relayed here."""
         if self._fault is None:
             self._fault = f"triton_overlap: {text}"
+            if relay is not None:
+                self._relay(self._fault, relay)
         return ContextError(self._fault)
+
+    def _relay(self, text: str, fields) -> None:
+        """Post this rank's fault in the store (for peers waiting in an exchange, and for the text of messages) and
+        write it into every peer's error word (for their kernels' waits), unless a peer has a fault of its own."""
+        try:
+            self._control.post_fault(text)
+            word = [0] * sig.ERR_WORDS
+            code, rank, op, peer, what = (int(f) for f in fields)
+            word[sig.ERR_CODE], word[sig.ERR_RANK], word[sig.ERR_OP] = int(sig.ERR_RELAYED), rank, op
+            word[sig.ERR_PEER], word[sig.ERR_WHAT], word[sig.ERR_ORIGIN_CODE] = peer, what, code
+            for p in range(self.world_size):
+                if p != self.rank:
+                    self._backend.relay_error(self._errors.peer(p), word)
+        except Exception:  # noqa: BLE001 - telling the peers is best effort: their own waits are bounded anyway
+            pass
+
+    def _observe(self, word) -> None:
+        """Fault the Context with the fault in error word ``word`` (this rank's own, or one a peer relayed)."""
+        if word[sig.ERR_CODE] == sig.ERR_RELAYED:
+            origin = word[sig.ERR_RANK]
+            try:
+                text = self._control.fault_text(origin)
+            except Exception:  # noqa: BLE001 - the store is gone: the word alone
+                text = None
+            text = (text or self._describe(word)).removeprefix("triton_overlap: ")
+            self._fail(f"rank {self.rank}: rank {origin} faulted: {text}")
+        else:
+            self._fail(self._describe(word), (word[sig.ERR_CODE], word[sig.ERR_RANK], word[sig.ERR_OP],
+                                               word[sig.ERR_PEER], word[sig.ERR_WHAT]))
 
     # ------------------------------------------------------------- what ops keep
     def cached(self, key, make):
@@ -282,26 +320,32 @@ class Context:
     def symmetric(self, name: str, shape, dtype: torch.dtype) -> SymmetricTensor:
         """A symmetric tensor (collective: every rank calls it with the same arguments).
 
-        Asking again for ``name`` reuses its buffer when it is large enough and grows it (collectively) when not;
-        every rank's buffer of one name has the same size. Mismatched arguments raise ValueError on every rank.
+        A new ``name``, or one whose buffer is too small, is agreed on by every rank and allocated (or grown) on
+        all of them, so every rank's buffer of one name has the same size; arguments that differ across ranks
+        raise ValueError on every rank. Asking again for a name whose buffer is large enough makes no collective:
+        a view of any shape inside it is valid on every rank (ops check at each call's barrier that the ranks agree
+        on what they read and write).
         """
         self.ensure_open()
         shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list, torch.Size)) else (shape,)))
         cached = self._views.get((name, shape, dtype))
         if cached is not None:
-            return cached  # agreed on before, buffer unchanged since: no collective (ops ask every call)
+            return cached  # ops ask every call
         if any(s < 0 for s in shape):
             raise ValueError(f"symmetric({name!r}): negative size in {shape}")
-        mine = (name, shape, str(dtype))
-        everyone = self._exchange(mine, f"symmetric buffer {name!r}")
-        if any(o != mine for o in everyone):
-            raise ValueError(f"symmetric({name!r}): ranks asked for different buffers: "
-                             + ", ".join(f"rank {r}: {o[1]} {o[2]}" for r, o in enumerate(everyone)))
         numel = 1
         for s in shape:
             numel *= s
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
         alloc = self._allocs.get(name)
+        if alloc is not None and alloc.nbytes >= nbytes:
+            view = self._views[(name, shape, dtype)] = SymmetricTensor(name, shape, dtype, self.rank, alloc)
+            return view
+        mine = (name, shape, str(dtype))
+        everyone = self._exchange(mine, f"symmetric buffer {name!r}")
+        if any(o != mine for o in everyone):
+            raise ValueError(f"symmetric({name!r}): ranks asked for different buffers: "
+                             + ", ".join(f"rank {r}: {o[1]} {o[2]}" for r, o in enumerate(everyone)))
         if alloc is None or alloc.nbytes < nbytes:
             if alloc is not None:
                 self._free(alloc, name)
@@ -378,7 +422,8 @@ class Context:
         the device); the Context then refuses calls until ``reset()``."""
         word = self.err.tolist()
         if word[sig.ERR_CODE] != 0 and self._fault is None:
-            raise self._fail(self._describe(word))
+            self._observe(word)
+            raise ContextError(self._fault)
         self.ensure_usable()
 
     def _describe(self, word) -> str:
@@ -396,6 +441,8 @@ class Context:
             return (f"rank {rank}: call {call}: ranks disagree on the call: rank {rank} called {op} {mine}, rank "
                     f"{peer} called {peer_op} {theirs}")
         what = word[sig.ERR_WHAT]
+        if word[sig.ERR_CODE] == sig.ERR_RELAYED:
+            return f"rank {rank} faulted ({op}, waiting for rank {peer})"
         waited = ("the ranks' programs to start" if what == sig.WHAT_STARTED
                   else f"rank {peer}'s call to start (before storing into its receive slot)"
                   if what == sig.WHAT_PEER_STARTED
@@ -436,16 +483,19 @@ class Context:
         except Exception:  # noqa: BLE001 - a producer stream's recorded error: the reset goes on
             pass
         self._control.barrier("reset", tag + "/a")  # every rank's work has ended: nothing writes into peers
-        for alloc in self._allocs.values():
-            alloc.local.zero_()
+        for name, alloc in self._allocs.items():
+            if name != "__errors":
+                alloc.local.zero_()
+        now = int(sig.ERR_NOW_MS)  # the host backend's clock runs on
+        self.err[:now].zero_()
+        self.err[now + 1:].zero_()
         self._barrier_count.zero_()
-        self.err.zero_()
         self._backend.synchronize()
         self._control.barrier("reset", tag + "/b")  # every rank has zeroed
         self._control.resync(self._resets)
         self._cache.clear()
         self.generation += 1  # ops drop their captured graphs
-        if self._seen is not None:
+        if self._seen is not None and self.device.type != "cpu":  # a copy of the word (the host backend's is it)
             self._seen[:] = 0
         self._fault = None
 

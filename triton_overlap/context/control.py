@@ -4,14 +4,14 @@ A process group's own collectives wait as long as the group's timeout (minutes, 
 shows as a hang or as an error that does not say which rank is missing. The Context's host-side steps (agreeing
 on shapes, exchanging memory handles, the barriers of set-up, growth, reset and close) go instead through the key-
 value store the process group was set up with: every rank writes its part under a key of its own and reads every
-peer's, waiting at most the Context's timeout, so a rank that never writes is named.
+peer's, waiting at most the Context's timeout, so a rank that never writes is named. A rank whose Context faults
+posts the fault's text there too, and a peer waiting in an exchange stops at once with it.
 """
 from __future__ import annotations
 
 import itertools
 import pickle
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -24,6 +24,14 @@ class PeerTimeout(RuntimeError):
     def __init__(self, msg: str, missing: list[int]):
         super().__init__(msg)
         self.missing = missing
+
+
+class PeerFault(RuntimeError):
+    """Another rank's Context faulted while this rank waited for it (``rank``: that rank, the text its fault's)."""
+
+    def __init__(self, rank: int, text: str):
+        super().__init__(text)
+        self.rank = rank
 
 
 def _default_store():
@@ -43,43 +51,64 @@ class ControlPlane:
     def __init__(self, group, rank: int, world: int, timeout_s: float):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         name = getattr(group, "group_name", None) or "world"
-        self._prefix = f"triton_overlap/{name}/{next(_contexts)}"
-        self._store = dist.PrefixStore(self._prefix, _default_store())
+        self._store = dist.PrefixStore(f"triton_overlap/{name}/{next(_contexts)}", _default_store())
         self._epoch = 0
         self._seq = 0
-        self._mine: list[str] = []  # our keys still in the store
+        self._mine: list[str] = []  # our exchange keys still in the store
 
-    def _key(self, tag: str, rank: int) -> str:
-        return f"{tag}/{rank}"
+    # ---------------------------------------------------------------------------------------- faults
+    def post_fault(self, text: str) -> None:
+        """Tell the other ranks this rank's Context faulted, with what happened."""
+        self._store.set(f"e{self._epoch}/fault/{self.rank}", text.encode())
+        self._store.add(f"e{self._epoch}/faults", 1)
 
+    def fault_of_others(self):
+        """(rank, text) of another rank's posted fault in this epoch, or None."""
+        if self._store.add(f"e{self._epoch}/faults", 0) == 0:
+            return None
+        for r in range(self.world):
+            key = f"e{self._epoch}/fault/{r}"
+            if r != self.rank and self._store.check([key]):
+                return r, self._store.get(key).decode()
+        return None
+
+    def fault_text(self, rank: int) -> str | None:
+        """The text rank ``rank`` posted with its fault in this epoch, if any."""
+        key = f"e{self._epoch}/fault/{rank}"
+        return self._store.get(key).decode() if self._store.check([key]) else None
+
+    # --------------------------------------------------------------------------------------- exchanges
     def exchange(self, obj, what: str, tag: str | None = None) -> list:
-        """Every rank's ``obj`` (a collective), waiting at most ``timeout_s``; PeerTimeout names the ranks whose
-        part did not come. ``tag``: a key of its own (reset and close use fixed ones), else the next in sequence."""
+        """Every rank's ``obj`` (a collective), waiting at most ``timeout_s``: PeerTimeout names the ranks whose
+        part did not come, PeerFault says a rank that faulted meanwhile. ``tag``: a key of its own (reset and close
+        use fixed ones), else the next in sequence."""
         if tag is None:
             tag = f"e{self._epoch}/x{self._seq}"
             self._seq += 1
         store = self._store
-        store.set(self._key(tag, self.rank), pickle.dumps(obj))
-        keys = [self._key(tag, r) for r in range(self.world)]
+        keys = [f"{tag}/{r}" for r in range(self.world)]
+        store.set(keys[self.rank], pickle.dumps(obj))
         start = time.monotonic()
-        try:
-            store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception:  # noqa: BLE001 - the store's timeout error names no rank: find the ranks that did not come
-            missing = [r for r in range(self.world) if not store.check([keys[r]])]
-            if not missing:  # they all came after all
-                return self._read(keys, tag)
+        pause = 2e-4
+        while not store.check(keys):
+            if tag.startswith(f"e{self._epoch}/"):  # (reset and close go on whatever a peer posted)
+                fault = self.fault_of_others()
+                if fault is not None:
+                    raise PeerFault(*fault)
             elapsed = time.monotonic() - start
-            raise PeerTimeout(f"{what}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
-                              f"did not answer within the timeout ({elapsed:.2f} s waited, timeout_s="
-                              f"{self.timeout_s:g})", missing) from None
-        return self._read(keys, tag)
-
-    def _read(self, keys, tag) -> list:
-        out = [pickle.loads(self._store.get(k)) for k in keys]
+            if elapsed > self.timeout_s:
+                missing = [r for r in range(self.world) if not store.check([keys[r]])]
+                if missing:
+                    raise PeerTimeout(f"{what}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+                                      f" did not answer within the timeout ({elapsed:.2f} s waited, timeout_s="
+                                      f"{self.timeout_s:g})", missing)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        out = [pickle.loads(store.get(k)) for k in keys]
         # every peer wrote this exchange's key, so it has read our previous one: drop it
         for old in self._mine:
             try:
-                self._store.delete_key(old)
+                store.delete_key(old)
             except Exception:  # noqa: BLE001 - a store without deletion keeps the key
                 pass
         self._mine = [keys[self.rank]]

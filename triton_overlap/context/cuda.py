@@ -144,9 +144,13 @@ class CudaStream(Stream):
             self._copy2d(dptr, dp, at + soff, sp, w, h)
 
     def copy_to_host(self, dst: torch.Tensor, src: torch.Tensor):
-        """Copy device tensor ``src`` into pinned host tensor ``dst`` (no host synchronisation)."""
+        """Copy contiguous device tensor ``src`` into pinned host tensor ``dst`` (no host synchronisation)."""
         check(self._memcpy(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size(), self._default,
                            self.handle), self._names[0])
+
+    def copy_from_host(self, dst: torch.Tensor, src: torch.Tensor):
+        """Copy pinned host tensor ``src`` into contiguous device tensor ``dst`` (a peer's, too)."""
+        self.copy_to_host(dst, src)  # the kind follows the pointers (cudaMemcpyDefault)
 
     def write_value(self, flag, value):
         check(self._write32(self.handle, flag.data_ptr(), value & 0xFFFFFFFF, self._write_flags), "stream write-value")
@@ -258,3 +262,19 @@ class CudaBackend(Backend):
 
     def mirror_errors(self, stream, err, mirror):
         stream.copy_to_host(self._mirror, err)
+
+    def relay_error(self, peer_err, word):
+        """Through the copy engines on a stream of its own: the peer's code is read first, then the word's other
+        slots are written, then its code."""
+        if getattr(self, "_relay", None) is None:
+            self._relay = self.new_stream()
+        stream = self._relay
+        peek = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        stream.copy_to_host(peek, peer_err[:1])
+        stream.synchronize()
+        if int(peek[0]) != 0:
+            return
+        staged = torch.tensor(word, dtype=torch.int32).pin_memory()
+        stream.copy_from_host(peer_err[1:], staged[1:])
+        stream.copy_from_host(peer_err[:1], staged[:1])
+        stream.synchronize()

@@ -246,7 +246,7 @@ class HostBackend(Backend):
         return max(1, int(timeout_s * 1000))  # milliseconds (CLOCK 0)
 
     def error_mirror(self, err):
-        """Start the clock thread that writes milliseconds into ``err`` (the host reads ``err`` itself)."""
+        """Start the clock thread that writes milliseconds into ``err``; the host reads ``err`` itself."""
         from ..kernels.signal import ERR_NOW_MS
 
         word, slot, t0 = err.numpy(), int(ERR_NOW_MS), time.monotonic()
@@ -258,7 +258,7 @@ class HostBackend(Backend):
         word[slot] = 0
         self._clock = threading.Thread(target=tick, name="triton_overlap-clock", daemon=True)
         self._clock.start()
-        return None
+        return word
 
     def num_compute_units(self):
         return int(os.environ.get("TRITON_OVERLAP_HOST_PROGRAMS", "4"))

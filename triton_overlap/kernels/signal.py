@@ -29,10 +29,14 @@ ERR_NOW_MS = tl.constexpr(10)
 #: ERR_MISMATCH: the peer's header (HEADER_WORDS slots from here) and this rank's fingerprint
 ERR_PEER_HEADER = tl.constexpr(11)
 ERR_OWN_FINGERPRINT = tl.constexpr(19)
+#: ERR_RELAYED: the code of the fault on the rank it came from (ERR_RANK)
+ERR_ORIGIN_CODE = tl.constexpr(20)
 ERR_WORDS = 24
-ERR_TIMEOUT, ERR_MISMATCH = tl.constexpr(1), tl.constexpr(2)
-#: ERR_WHAT below zero: what was waited for, when it was not a chunk
-WHAT_STARTED, WHAT_PEER_STARTED, WHAT_ARRIVAL, WHAT_PARTIALS = (tl.constexpr(i) for i in (-1, -2, -3, -4))
+#: ERR_RELAYED: another rank's fault, written into this rank's word by that rank, so that every wait here stops too
+ERR_TIMEOUT, ERR_MISMATCH, ERR_RELAYED = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+#: ERR_WHAT below zero: what was waited for, when it was not a chunk (WHAT_ANSWER: a host-side exchange)
+WHAT_STARTED, WHAT_PEER_STARTED, WHAT_ARRIVAL, WHAT_PARTIALS, WHAT_ANSWER = (
+    tl.constexpr(i) for i in (-1, -2, -3, -4, -5))
 #: a call's header, as the barrier publishes it: (call, op, fingerprint, d0, d1, d2, d3, 0)
 HEADER_WORDS = 8
 

@@ -39,7 +39,7 @@ def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
         return
     if len(seen) >= 256:
         seen.clear()
-    everyone = ctx.gather_object(key)
+    everyone = ctx.gather_object(key, f"{op}: agreeing on shapes")
     if any(k != key for k in everyone):
         raise ValueError(f"{op}: ranks disagree on shapes/dtypes: "
                          + ", ".join(f"rank {r}: {k}" for r, k in enumerate(everyone)))

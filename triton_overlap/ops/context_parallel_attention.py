@@ -120,7 +120,8 @@ class ContextParallelAttention(OverlapOp):
                  out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
         """(out, lse); differentiable in q, k, v when grad is enabled and any of them requires it (then without
         ``out=`` and ``lse=``)."""
-        self.ctx.ensure_usable()
+        if not torch.compiler.is_compiling():  # (traced, the custom op checks when it runs)
+            self.ctx.ensure_usable()
         scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
         grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
         if out is None and lse is None and (grad or torch.compiler.is_compiling()):
