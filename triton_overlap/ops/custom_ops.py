@@ -13,8 +13,16 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.distributed as dist
 
 from ..context.collectives import all_gather_rows as _all_gather_rows
+
+if dist.is_available() and not dist.is_initialized():
+    # torch.distributed.nn.functional's functions take the default group as a default argument, bound when the module
+    # is first imported; torch imports it on a custom op's first call (through torch._dynamo). Imported after
+    # init_process_group, it keeps that group alive past destroy_process_group, and a gloo group kept alive can abort
+    # the process at exit (docs/decisions.md). Imported now, before there is a group, its defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
 
 _OPS: dict[int, object] = {}
 _next = itertools.count(1)
