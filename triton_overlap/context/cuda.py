@@ -265,7 +265,7 @@ class CudaBackend(Backend):
 
     def relay_error(self, peer_err, word):
         """Through the copy engines on a stream of its own: the peer's code is read first, then the word's other
-        slots are written, then its code."""
+        nonzero slots are written (the peer's own slots, its current call and headers, stay), then its code."""
         if getattr(self, "_relay", None) is None:
             self._relay = self.new_stream()
         stream = self._relay
@@ -275,6 +275,8 @@ class CudaBackend(Backend):
         if int(peek[0]) != 0:
             return
         staged = torch.tensor(word, dtype=torch.int32).pin_memory()
-        stream.copy_from_host(peer_err[1:], staged[1:])
+        for i, v in enumerate(word[1:], 1):
+            if v:
+                stream.copy_from_host(peer_err[i:i + 1], staged[i:i + 1])
         stream.copy_from_host(peer_err[:1], staged[:1])
         stream.synchronize()
