@@ -5,15 +5,17 @@ reused by every test; ``pool.run(fn, *args)`` calls the module-level function
 ``fn(*args)`` on all ranks and returns their results, or raises with the
 traceback of each rank that failed. A call that does not finish in time kills
 the pool (the next test gets a fresh one) and fails, so a hang is a failure,
-not a stuck CI. The host backend's workers set TRITON_INTERPRET=1 before
-anything imports triton.
+not a stuck CI; the hung ranks print their stacks to stderr first. The host
+backend's workers set TRITON_INTERPRET=1 before anything imports triton.
 """
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import importlib
 import multiprocessing as mp
 import os
+import signal
 import socket
 import sys
 import time
@@ -44,6 +46,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, backend: str, port: int, conn) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks a hung rank where it is
     if backend == "host":
         os.environ["TRITON_INTERPRET"] = "1"
     else:
@@ -128,14 +131,22 @@ class RankPool:
                         self.procs[r].join(timeout=5)
                         replies[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
             if time.monotonic() > deadline and len(replies) < self.world:
-                self.kill()
                 missing = [r for r in range(self.world) if r not in replies]
+                self.dump_stacks(missing)
+                self.kill()
                 errors = [f"--- rank {r} ---\n{v}" for r, (st, v) in sorted(replies.items()) if st == "err"]
                 raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish (pool killed)\n" + "\n".join(errors))
         errors = [f"--- rank {r} ---\n{v}" for r, (st, v) in sorted(replies.items()) if st == "err"]
         if errors:
             raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return [replies[r][1] for r in range(self.world)]
+
+    def dump_stacks(self, ranks) -> None:
+        """Have ``ranks`` print every thread's Python stack to stderr (what a hung rank was doing)."""
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(1.0)
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)

@@ -51,8 +51,8 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
 
 HOST_CASES = [
     # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters, scatter, producer jitter (s)
-    # [, fuse_reduce, strided out, tma, claim, defer_release, warp_specialized, copy streams]; 24 | m: W = 2, 3, 4, 8. The
-    # reduction is in the GEMM (fuse_reduce) where every rank's rows are whole 32-row tiles (m = 32 * 24 or
+    # [, fuse_reduce, strided out, tma, claim, defer_release, warp_specialized, copy streams]; 24 | m: W = 2, 3, 4,
+    # 8. The reduction is in the GEMM (fuse_reduce) where every rank's rows are whole 32-row tiles (m = 32 * 24 or
     # 64 * 24), in a separate kernel otherwise
     (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
     (64 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
