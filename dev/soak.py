@@ -4,8 +4,9 @@ run over and over, counting processes that abort at exit.
 
     python dev/soak.py [--jobs 20] [--calls 25] [--exit-runs 200] [--seed 0]
 
-Prints, at the end: calls made, mismatches (results off their reference: must be 0), faults (calls that raised a
-ContextError), hangs (jobs killed at their time limit: must be 0), and tutorial runs, failures and aborts at exit.
+Prints, at the end: calls made (each on every rank of its job), mismatches (a rank's result off its reference: must
+be 0), faults (a rank's call that raised a ContextError; each one's text is printed as it happens), hangs (jobs
+killed at their time limit: must be 0), and tutorial runs, failures and aborts at exit.
 """
 from __future__ import annotations
 
@@ -68,13 +69,15 @@ def worker(calls: int, seed: int) -> None:
                 ctx.check()
                 err = float((got.float() - ref).norm() / ref.norm().clamp_min(1e-30))
                 stats[1] += int(not err < 2e-2)
-            except to.ContextError:
+            except to.ContextError as e:
+                print(f"soak: call {i} ({kind}) faulted: {e}", file=sys.stderr, flush=True)
                 stats[2] += 1
                 ctx.reset()
             stats[0] += 1
     dist.all_reduce(stats)
     if r == 0:
-        print(f"soak: W {W} calls {int(stats[0])} mismatches {int(stats[1])} faults {int(stats[2])}", flush=True)
+        # calls as the program makes them (each on every rank); mismatches and faults counted per rank
+        print(f"soak: W {W} calls {int(stats[0]) // W} mismatches {int(stats[1])} faults {int(stats[2])}", flush=True)
     dist.destroy_process_group()
 
 
@@ -104,7 +107,7 @@ def main():
         world = rng.randint(2, 4)
         code, out = launch([os.path.abspath(__file__), "--worker", "--calls", str(args.calls), "--seed",
                             str(args.seed * 100 + j)], nproc=world)
-        line = next((ln for ln in out.splitlines() if ln.startswith("soak: ")), None)
+        line = next((ln for ln in out.splitlines() if ln.startswith("soak: W ")), None)
         if code is None:
             totals["hangs"] += 1
         elif code != 0 or line is None:
@@ -116,6 +119,9 @@ def main():
             totals["mismatches"] += int(f[6])
             totals["faults"] += int(f[8])
         print(f"job {j + 1}/{args.jobs}: W = {world}: {line or 'no report'}", flush=True)
+        for ln in out.splitlines():
+            if ln.startswith("soak: call"):
+                print("  " + ln, flush=True)
     tutorial = os.path.join(ROOT, "tutorials", "05_tensor_parallel_mlp.py")
     with ThreadPoolExecutor(2) as pool:
         runs = list(pool.map(lambda _: launch([tutorial], limit=600), range(args.exit_runs)))
