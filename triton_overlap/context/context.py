@@ -14,6 +14,7 @@ from ..kernels import signal as sig
 from ..kernels.cached_launch import launch, triton_interprets
 from .backend import Backend, Stream
 from .control import ControlPlane, PeerFault, PeerTimeout
+from .topology import Topology, host_key
 
 # Names of the ops that can report a fault, by the id kernels record.
 OPS: dict[int, str] = {}
@@ -109,7 +110,8 @@ class Context:
     """Owns what the overlapped ops share on one process group.
 
     Args:
-        group: an initialised torch.distributed group (None: WORLD).
+        group: an initialised torch.distributed group (None: WORLD), all of whose ranks are on one host: the
+            Context maps every peer's memory into its own. ``num_hosts`` and ``local_ranks`` say what it found.
         backend: "cuda", "hip", "host", or "auto" (hip on ROCm torch, cuda when a CUDA GPU is present, host
             otherwise).
         timeout_s: how long any wait may last before it gives up with an error: the kernels' waits and the
@@ -125,6 +127,9 @@ class Context:
             raise RuntimeError("triton_overlap.Context needs torch.distributed.init_process_group() first")
         self._group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self._group)
+        if self.rank < 0:
+            raise ValueError(f"triton_overlap.Context: this process (rank {dist.get_rank()}) is not in the group "
+                             f"it was given; make a Context only on the group's own ranks")
         self.world_size = dist.get_world_size(self._group)
         self.timeout_s = float(timeout_s)
         self.producer_jitter_s = float(producer_jitter_s)
@@ -132,6 +137,14 @@ class Context:
         self._fault: str | None = None
         self._resets = 0
         self._closed = False
+        keys = self._exchange(host_key(dist.get_rank(), dist.get_world_size()), "Context set-up: finding hosts")
+        self.topology = Topology.from_keys(keys)
+        if self.topology.num_hosts > 1:
+            raise ValueError(
+                f"triton_overlap.Context: this group spans {self.topology.num_hosts} hosts "
+                f"({self.topology.describe()}), and a Context maps every peer's memory, which works within one host "
+                f"only; ops across hosts are not built yet. Make one Context per group of ranks on one host (with "
+                f"a DeviceMesh, the mesh dimension that lies within a host) and use torch.distributed across hosts.")
         name = _pick_backend(backend)
         self.backend_name = name
         self._backend = self._make_backend(name)
@@ -210,6 +223,17 @@ class Context:
     @property
     def backend(self) -> str:
         return self.backend_name
+
+    @property
+    def num_hosts(self) -> int:
+        """How many hosts the group's ranks are on (hostname and boot id; TRITON_OVERLAP_VIRTUAL_HOSTS splits one
+        machine into several for tests)."""
+        return self.topology.num_hosts
+
+    @property
+    def local_ranks(self) -> list[int]:
+        """The group ranks on this rank's host, this rank included."""
+        return self.topology.local_ranks(self.rank)
 
     def _exchange(self, obj, what: str, tag: str | None = None) -> list:
         """Every rank's ``obj`` through the control plane (bounded); a missing peer, or a peer's fault, faults the
