@@ -230,8 +230,8 @@ def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
         out = torch.empty(M, N, device="cuda", dtype=bf16)
         gathered = torch.empty(M, K, device="cuda", dtype=f8)
         kw = dict(out=out, scale_a=sa, scale_b=sb)
-        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "dtype": "float8_e4m3fn", "note": "", "lead_us": LEAD_US,
-               "config": repr(op.config_for((M, K, N), "_fp8"))}
+        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "dtype": "float8_e4m3fn", "note": "",
+               "lead_us": LEAD_US, "config": repr(op.config_for((M, K, N), "_fp8"))}
         time_ours(ctx, rec, op, auto, plain, lambda o: o(a, wt, **kw), iters)
         rec["host_enqueue_us"] = host_us(lambda: op(a, wt, **kw))
         all_gather_rows(gathered.view(u8), a.view(u8))

@@ -97,8 +97,9 @@ def _row(r):
     path0 = " (NCCL)" if r.get("no_replay_path") == "fallback" else ""
     return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r['ours_us'])}{path} | {f(r.get('ours_no_replay_us'))}{path0} | "
             f"{f(r.get('ours_overlap_us'))} | "
-            f"{f(r.get('host_enqueue_us'))} | {f(r.get('host_replay_us'))} | {f(r['nccl_us'])} | {f(r.get('torch_fused_us'))} | "
-            f"{f(r['bound_us'])} | {f(r['consumer_only_us'])} | {sp:.2f}x | {'n/a' if fused is None else f'{fused:.2f}x'} | "
+            f"{f(r.get('host_enqueue_us'))} | {f(r.get('host_replay_us'))} | {f(r['nccl_us'])} | "
+            f"{f(r.get('torch_fused_us'))} | {f(r['bound_us'])} | {f(r['consumer_only_us'])} | {sp:.2f}x | "
+            f"{'n/a' if fused is None else f'{fused:.2f}x'} | "
             f"{vs_bound:.2f} | {r['bound_us'] / r['consumer_only_us']:.2f} | {f(r.get('ours_graph_us'))} | "
             f"{f(r.get('nccl_graph_us'))} | {'n/a' if gsp is None else f'{gsp:.2f}x'} | "
             f"{f(r.get('ours_pull_us', r.get('ours_copy_us', r.get('ours_store_us'))))} | "
@@ -123,7 +124,8 @@ WT_HEADER = ("| M | K | N | ours µs | NCCL+cuBLAS µs | speed-up vs NCCL | boun
 
 def _wt_row(r):
     return (f"| {r['M']} | {r['K']} | {r['N']} | {r['ours_wt_us']:.1f} | {r['nccl_wt_us']:.1f} | "
-            f"{r['nccl_wt_us'] / r['ours_wt_us']:.2f}x | {r['bound_wt_us']:.1f} | {r['ours_wt_us'] / r['bound_wt_us']:.2f} | "
+            f"{r['nccl_wt_us'] / r['ours_wt_us']:.2f}x | {r['bound_wt_us']:.1f} | "
+            f"{r['ours_wt_us'] / r['bound_wt_us']:.2f} | "
             f"{r['consumer_only_wt_us']:.1f} | {r['bound_wt_us'] / r['consumer_only_wt_us']:.2f} |")
 
 
@@ -140,7 +142,8 @@ def write(op_name, records, W, out_dir: str) -> float:
         lead = records[0].get("lead_us", 0)
         f.write(f"{op_name}, {records[0]['gpu']} x{W}, {dtype}, median µs (max over ranks); bound and consumer alone "
                 f"timed as CUDA-graph replays (GPU time; eager timings in the JSON as *_eager_us); "
-                + (f"before each timed call the ranks are lined up on the device and the host is ahead (a {lead:.0f} µs "
+                + (f"before each timed call the ranks are lined up on the device and the host is ahead "
+                   f"(a {lead:.0f} µs "
                    "spin before and after the aligning all_reduce), except the two no-replay columns, timed with "
                    "the GPU idle until the host has enqueued (*_idle_us in the JSON: ours and NCCL timed so too)"
                    if lead else "the GPU idles before each call until the host has enqueued it")
@@ -149,7 +152,8 @@ def write(op_name, records, W, out_dir: str) -> float:
                    "JSON)" if "ours_seq_us" in records[0] else "") + f"\n\n{HEADER}\n")
         f.write("\n".join(_row(r) for r in records))
         f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", replay on): {geo:.3f}x\n")
-        idle = [r["nccl_idle_us"] / r["ours_idle_us"] for r in records if r.get("ours_idle_us") and r.get("nccl_idle_us")]
+        idle = [r["nccl_idle_us"] / r["ours_idle_us"] for r in records
+                if r.get("ours_idle_us") and r.get("nccl_idle_us")]
         if idle:
             f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, both with the GPU idle before each call): "
                     f"{math.exp(sum(map(math.log, idle)) / len(idle)):.3f}x\n")
@@ -161,7 +165,8 @@ def write(op_name, records, W, out_dir: str) -> float:
         if forced:
             f.write(f"geometric-mean speed-up over NCCL + cuBLAS (eager, overlap forced): "
                     f"{math.exp(sum(map(math.log, forced)) / len(forced)):.3f}x\n")
-        gs = [r["nccl_graph_us"] / r["ours_graph_us"] for r in records if r.get("ours_graph_us") and r.get("nccl_graph_us")]
+        gs = [r["nccl_graph_us"] / r["ours_graph_us"] for r in records
+              if r.get("ours_graph_us") and r.get("nccl_graph_us")]
         if gs:
             f.write(f"geometric-mean speed-up over NCCL + cuBLAS (both in CUDA graphs): "
                     f"{math.exp(sum(map(math.log, gs)) / len(gs)):.3f}x\n")
@@ -183,8 +188,8 @@ def write(op_name, records, W, out_dir: str) -> float:
         labels = [f"{r['M']}x{r['K']}x{r['N']}" for r in records]
         x = range(len(records))
         fig, ax = plt.subplots(figsize=(10, 4))
-        for i, (key, name) in enumerate([("ours_us", "ours"), ("nccl_us", "NCCL+cuBLAS"), ("torch_fused_us", "torch fused"),
-                                         ("bound_us", "bound (GEMM alone)")]):
+        for i, (key, name) in enumerate([("ours_us", "ours"), ("nccl_us", "NCCL+cuBLAS"),
+                                         ("torch_fused_us", "torch fused"), ("bound_us", "bound (GEMM alone)")]):
             ax.bar([xi + 0.2 * i for xi in x], [r.get(key) or 0 for r in records], width=0.2, label=name)
         ax.set_xticks([xi + 0.3 for xi in x], labels, rotation=20)
         ax.set_ylabel("µs (lower is better)")

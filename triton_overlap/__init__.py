@@ -7,7 +7,7 @@ from .context import Context, ContextError, SymmetricTensor
 from .ops import (AllGatherGEMM, AllGatherGEMMConfig, AttentionConfig, ContextParallelAttention, GEMMReduceScatter,
                   GEMMReduceScatterConfig, ag_gemm, cp_attention, gemm_rs)
 
-__all__ = ["AllGatherGEMM", "AllGatherGEMMConfig", "AttentionConfig", "Context", "ContextError", "ContextParallelAttention",
-           "GEMMReduceScatter", "GEMMReduceScatterConfig", "SymmetricTensor", "ag_gemm", "cp_attention", "gemm_rs",
-           "zigzag"]
+__all__ = ["AllGatherGEMM", "AllGatherGEMMConfig", "AttentionConfig", "Context", "ContextError",
+           "ContextParallelAttention", "GEMMReduceScatter", "GEMMReduceScatterConfig", "SymmetricTensor", "ag_gemm",
+           "cp_attention", "gemm_rs", "zigzag"]
 __version__ = "0.1.0"

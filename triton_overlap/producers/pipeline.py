@@ -7,8 +7,9 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    rank's previous call has finished and reset its flags);
 2. **open**: the producer's opening steps on that stream, a device-side barrier first (``Context.barrier``: every
    peer has reached step 1 too, so its workspaces and flags may be written, and makes the same call: the barrier
-   compares the ranks' call headers), then the other producer streams wait for it. With ``gate`` the caller's stream waits for it as well: a consumer that can fill every SM with programs
-   waiting for chunks must not start before the barrier kernel has found an SM on every rank;
+   compares the ranks' call headers), then the other producer streams wait for it. With ``gate`` the caller's
+   stream waits for it as well: a consumer that can fill every SM with programs waiting for chunks must not start
+   before the barrier kernel has found an SM on every rank;
 3. **consumer and copies**: the consumer (kernels on the caller's stream) and the producer's copies with their
    flags, in the order asked. ``consumer_first`` launches the consumer before the host enqueues the copies, so the
    GPU computes on local data while the host works;
