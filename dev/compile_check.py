@@ -1,7 +1,7 @@
-"""Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel (Gluon), the attention kernels and the
-timing spin for a GPU target without a GPU: Triton's front end, LLVM and ptxas, as a launch on the device would.
-Catches compile errors before device time is spent, and prints registers, spills and whether ptxas serialised the
-wgmma pipeline (warning C7515).
+"""Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel (Gluon), the attention kernels, the
+AllReduce and the timing spin for a GPU target without a GPU: Triton's front end, LLVM and ptxas, as a launch on the
+device would. Catches compile errors before device time is spent, and prints registers, spills and whether ptxas
+serialised the wgmma pipeline (warning C7515).
 
     python3 dev/compile_check.py [--arch 90] [--quick]     (with the package installed)
 
@@ -21,6 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from triton_overlap.kernels.all_reduce import one_shot_all_reduce
 from triton_overlap.kernels.attention import cp_attention_fwd
 from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
 from triton_overlap.kernels.gemm import persistent_gemm
@@ -92,7 +93,7 @@ def attention_signature(fn) -> dict:
 
 
 def compile_signals(target) -> int:
-    """The barrier (with the call headers) and a bare wait, as the Context launches them."""
+    """The barrier (with the call headers) and a bare wait, as the Context launches them; the one-shot AllReduce."""
     failed = 0
     for fn, consts in ((barrier_kernel, dict(BLOCK_W=8, CLOCK=1)), (wait_kernel, dict(CLOCK=1))):
         sig = {}
@@ -107,6 +108,21 @@ def compile_signals(target) -> int:
         except Exception as e:  # noqa: BLE001 - reported, the check goes on
             failed += 1
             print(f"{fn.fn.__name__}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+    for dtype in ("bf16", "fp32"):  # the one-shot AllReduce
+        sig = {}
+        for prm in one_shot_all_reduce.params:
+            n = prm.name
+            sig[n] = ("constexpr" if prm.is_constexpr else f"*{dtype}" if n in ("x_ptr", "out_ptr", "local_data")
+                      else "*i64" if n.endswith("_ptrs") else "*i32" if n.endswith("_ptr") or n.startswith("local_")
+                      else "i64" if n == "budget" else "i32")
+        try:
+            k = triton.compile(ASTSource(fn=one_shot_all_reduce, signature=sig,
+                                         constexprs=dict(BLOCK=1024, BLOCK_W=8, CLOCK=1)),
+                               target=target, options={"num_warps": 4})
+            print(f"one_shot_all_reduce {dtype}: {ptxas_report(k.asm['ptx'], target.arch)}")
+        except Exception as e:  # noqa: BLE001 - reported, the check goes on
+            failed += 1
+            print(f"one_shot_all_reduce {dtype}: FAILED {type(e).__name__}: {str(e)[-600:]}")
     return failed
 
 

@@ -1,0 +1,190 @@
+"""AllReduce: the sum over ranks against a float64 sum of every rank's input, on poisoned outputs, at odd sizes, in
+every dtype; repeated calls with changing sizes, calls between other ops' on the same Context, ranks arriving at
+different times; bad input; ranks that disagree; a peer that never comes; CUDA-graph replays on GPUs."""
+import random
+import time
+
+import pytest
+import torch
+
+import triton_overlap as to
+from refs import rand, rel_err
+
+#: ||out - ref|| / ||ref|| against the float64 sum: one rounding of a float32 sum to the output dtype
+TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+SIZES = [(1,), (7,), (1023,), (1025,), (3, 677), (4099,), (2, 3, 1031)]
+
+
+def _inputs(ctx, shape, dtype, tag):
+    xs = [rand(shape, dtype, ctx.device, "ar", tag, r) for r in range(ctx.world_size)]
+    return xs[ctx.rank], sum(x.double() for x in xs)
+
+
+def _check(op, ctx, shape, dtype, tag, out=None):
+    x, ref = _inputs(ctx, shape, dtype, tag)
+    before = x.clone()
+    if out is not None:
+        out.fill_(float("nan"))
+    got = op(x, out=out)
+    ctx.check()
+    assert got.shape == x.shape and got.dtype == dtype and (out is None or got is out)
+    assert torch.equal(x, before), "the input was modified"
+    err = rel_err(got, ref)
+    assert err < TOL[dtype], f"{shape} {dtype}: rel err {err:.2e}"
+    return got
+
+
+def _sums(fallback: str):
+    with to.Context(timeout_s=30) as ctx:
+        op = to.AllReduce(ctx, fallback=fallback, one_shot_max_bytes=8192)
+        paths, digests = [], []
+        for i, shape in enumerate(SIZES):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                out = torch.empty(shape, dtype=dtype, device=ctx.device) if i % 2 else None
+                got = _check(op, ctx, shape, dtype, (i, str(dtype)), out)
+                paths.append(op.last_path)
+                digests.append(got.float().sum().item())
+        return paths, digests
+
+
+@pytest.mark.parametrize("fallback", ["never", "auto", "always"])
+def test_sums(pool, fallback):
+    results = pool.run(_sums, fallback)
+    paths, digests = results[0]
+    assert all(p == paths for p, _ in results)
+    if fallback == "never":
+        assert set(paths) == {"overlap"}
+        assert all(d == digests for _, d in results), "ranks' results differ"  # summed in one order everywhere
+    elif fallback == "always":
+        assert set(paths) == {"fallback"}
+    else:  # above 8 KiB: the process group
+        assert set(paths) == {"overlap", "fallback"}
+
+
+def _changing_sizes(seed: int):
+    """Calls whose sizes grow and shrink, with other ops' calls between them and ranks arriving at random times."""
+    rng = random.Random(seed)  # the same draws on every rank
+    with to.Context(timeout_s=30) as ctx:
+        op = to.AllReduce(ctx, fallback="never")
+        ag = to.AllGatherGEMM(ctx, fallback="never")
+        late = random.Random(seed * 100 + ctx.rank)  # each rank's own delays
+        for i in range(12):
+            time.sleep(late.choice([0.0, 0.0, 0.05]))
+            n = rng.choice([1, 5, 1024, 2049, 5000, 300])
+            dtype = rng.choice([torch.float32, torch.bfloat16])
+            _check(op, ctx, (n,), dtype, ("chg", i))
+            if i % 4 == 3:
+                a = rand((9, 32), torch.bfloat16, ctx.device, "chg-a", i, ctx.rank)
+                w = rand((32, 17), torch.bfloat16, ctx.device, "chg-w", i)
+                ag(a, w)
+                ctx.check()
+        return True
+
+
+def test_changing_sizes_between_other_ops(pool):
+    assert all(pool.run(_changing_sizes, 3))
+
+
+# --------------------------------------------------------------------------------------------------- errors
+def _bad_input():
+    with to.Context(timeout_s=30) as ctx:
+        op = to.AllReduce(ctx)
+        dev = ctx.device
+        x = torch.ones(10, device=dev)
+        with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+            op(torch.ones(10, dtype=torch.int32, device=dev))
+        with pytest.raises(ValueError, match="non-contiguous"):
+            op(x, out=torch.empty(20, device=dev)[::2])
+        with pytest.raises(ValueError, match="shape"):
+            op(x, out=torch.empty(11, device=dev))
+        with pytest.raises(ValueError, match="out must not be x"):
+            op(x, out=x)
+        with pytest.raises(ValueError, match="torch.Tensor"):
+            op([1.0])
+        # ranks with different shapes on a shape's first call: a ValueError on every rank, the Context usable
+        with pytest.raises(ValueError, match="ranks disagree"):
+            op(torch.ones(10 + ctx.rank, device=dev))
+        assert torch.equal(op(x), torch.full((10,), float(ctx.world_size), device=dev))
+        assert op(torch.ones(0, device=dev)).shape == (0,)
+        return True
+
+
+def test_bad_input(pool):
+    assert all(pool.run(_bad_input))
+
+
+def _disagree():
+    """Both sizes agreed before; then the ranks pass different ones (the same block count): every rank whose peer's
+    header differs gets a ContextError naming both; after reset() the sums are right again."""
+    with to.Context(timeout_s=10) as ctx:
+        op = to.AllReduce(ctx, fallback="never")
+        _check(op, ctx, (8,), torch.float32, "d8")
+        _check(op, ctx, (12,), torch.float32, "d12")
+        x = torch.ones(8 if ctx.rank == 0 else 12, device=ctx.device)
+        with pytest.raises(to.ContextError) as info:
+            op(x)
+            ctx.check()
+        msg = str(info.value)
+        assert "all_reduce" in msg and ("disagree" in msg or "faulted" in msg), msg
+        ctx.reset()
+        _check(op, ctx, (12,), torch.float32, "d12b")
+        return msg
+
+
+def test_ranks_disagree(pool):
+    msgs = pool.run(_disagree)
+    assert any("ranks disagree on the call" in m for m in msgs), msgs
+
+
+def _absent(T: float):
+    """Rank 1 does not call: the others' waits expire within the timeout, naming rank 1."""
+    with to.Context(timeout_s=T) as ctx:
+        op = to.AllReduce(ctx, fallback="never")
+        _check(op, ctx, (100,), torch.float32, "abs")
+        if ctx.rank != 1:
+            t0 = time.monotonic()
+            with pytest.raises(to.ContextError) as info:
+                op(torch.ones(100, device=ctx.device))
+                ctx.check()
+            elapsed = time.monotonic() - t0
+            msg = str(info.value)
+            assert "all_reduce" in msg and "rank 1" in msg, msg
+            assert elapsed < T + 10, elapsed
+        else:
+            time.sleep(T + 1)
+        ctx.reset()
+        _check(op, ctx, (100,), torch.float32, "abs2")
+        return True
+
+
+def test_peer_absent(pool):
+    assert all(pool.run(_absent, 1.5 if pool.backend == "host" else 6.0))
+
+
+# ------------------------------------------------------------------------------------------------ GPU graphs
+def _replays(n_replays: int):
+    from triton_overlap.timing import capture
+
+    with to.Context(timeout_s=30) as ctx:
+        op = to.AllReduce(ctx, fallback="never")
+        x = torch.empty(3001, dtype=torch.bfloat16, device=ctx.device)
+        out = torch.empty_like(x)
+        x.copy_(_inputs(ctx, (3001,), torch.bfloat16, -1)[0])
+        op(x, out=out)  # sizes the slots (not allowed inside a capture)
+        ctx.check()
+        g = capture(lambda: op(x, out=out))
+        for i in range(n_replays):
+            mine, ref = _inputs(ctx, (3001,), torch.bfloat16, i % 50)
+            x.copy_(mine)
+            out.fill_(float("nan"))
+            g.replay()
+            err = rel_err(out, ref)
+            assert err < TOL[torch.bfloat16], f"replay {i}: rel err {err:.2e}"
+        ctx.check()
+        return True
+
+
+def test_graph_replays(pool):
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    assert all(pool.run(_replays, 1000))

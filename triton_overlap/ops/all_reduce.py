@@ -1,0 +1,124 @@
+"""AllReduce for small messages (decode-time tensor parallelism): the sum over ranks of a tensor, in one kernel.
+
+Small messages are latency-bound: one kernel launch in which every rank stores its input into every peer's
+receive slot and sums the W slots as their per-block flags arrive (kernels.all_reduce). No barrier, no host
+synchronisation and no host-side call number, so it can be captured in a CUDA graph and replayed. Above
+``one_shot_max_bytes`` the op hands the message to the process group (NCCL on GPUs).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.all_reduce import one_shot_all_reduce
+from ..kernels.cached_launch import launch
+from ..plan import cdiv
+from .base import OverlapOp
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+#: fallback="auto" hands larger messages to the process group (docs/decisions.md: not measured across GPUs yet)
+ONE_SHOT_MAX_BYTES = 1 << 20
+#: elements per block (one flag per block and peer)
+BLOCK = 1024
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+class AllReduce(OverlapOp):
+    """Reusable AllReduce bound to a Context: holds its symmetric receive slots and flags.
+
+    ``op(x, out=None)`` returns the sum over ranks of ``x`` (float32, float16 or bfloat16, any shape and size),
+    summed in float32, with ``x``'s shape and dtype; ``x`` is not modified, and every rank gets the same bits.
+    ``fallback="auto"`` takes the one-shot kernel up to ``one_shot_max_bytes`` and the process group's
+    all_reduce above it (and for W = 1), ``"never"`` always the kernel, ``"always"`` always the process group.
+
+    The receive slots grow to the largest message seen (2 x W x its size per rank, collectively, on a size's
+    first call); make one eager call at the largest size before capturing calls in a CUDA graph.
+    """
+
+    KIND = "all_reduce"
+
+    def __init__(self, ctx, *, fallback: str = "auto", one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
+                 name: str | None = None):
+        super().__init__(ctx, None, fallback=fallback, name=name, replay=False)  # one launch: nothing to replay
+        self.one_shot_max_bytes = int(one_shot_max_bytes)
+
+    def default_config(self, shape, variant=""):
+        return None
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        ctx = self.ctx
+        ctx.ensure_usable()
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"all_reduce: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype not in DTYPES:
+            raise ValueError(f"all_reduce: x must be float32, float16 or bfloat16, got {x.dtype}")
+        if x.device != ctx.device:
+            raise ValueError(f"all_reduce: x is on {x.device}, the Context is on {ctx.device}")
+        if out is not None and (out.shape != x.shape or out.dtype != x.dtype or out.device != x.device
+                                or not out.is_contiguous()):
+            raise ValueError(f"all_reduce: out must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)} on "
+                             f"{x.device}, got {'a non-contiguous ' if not out.is_contiguous() else ''}{out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+        if out is not None and out.numel() and out.data_ptr() == x.data_ptr():
+            raise ValueError("all_reduce: out must not be x (the input is not modified)")
+        self.agree((tuple(x.shape), str(x.dtype)))
+        out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
+        n = x.numel()
+        if n == 0:
+            self.last_path = "overlap"
+            return out
+        if self._use_fallback(x):
+            self.last_path = "fallback"
+            return self._fallback(x, out)
+        self.last_path = "overlap"
+        self._one_shot(x.contiguous(), out, n)
+        return out
+
+    def _use_fallback(self, x) -> bool:
+        if self.fallback != "auto":
+            return self.fallback == "always"
+        return self.ctx.world_size == 1 or x.numel() * x.element_size() > self.one_shot_max_bytes
+
+    def _one_shot(self, x, out, n) -> None:
+        ctx = self.ctx
+        W = ctx.world_size
+        cap = max(BLOCK, _pow2_at_least(n))  # elements per slot: grown in powers of two, so rarely
+        blocks = cdiv(cap, BLOCK)
+        data = ctx.symmetric(f"{self.name}.slots", (2, W, cap), x.dtype)
+        flags = ctx.symmetric(f"{self.name}.flags", (W, blocks), torch.int32)
+        header = ctx.symmetric(f"{self.name}.header", (2, W, 4), torch.int32)
+        state = ctx.symmetric(f"{self.name}.state", (2,), torch.int32)  # call count, programs out
+        self.state["buffers"] = {"slots": data.local}
+        call = self.call_header((n, x.dtype), (n,))
+        programs = max(1, min(cdiv(n, BLOCK), ctx.num_compute_units()))
+        block_w = _pow2_at_least(W)
+        launch(one_shot_all_reduce, (programs,), (
+            x, out, data.ptrs, flags.ptrs, header.ptrs, data.local, flags.local, header.local, state.local, n, cap,
+            blocks, ctx.err, ctx.budget, ctx.rank, W, self.op, call.fingerprint),
+            dict(BLOCK=BLOCK, BLOCK_W=block_w, CLOCK=ctx.clock), num_warps=4)
+        ctx.after_launch()
+
+    def _fallback(self, x, out):
+        ctx = self.ctx
+        if ctx.backend == "host" and x.dtype != torch.float32:  # gloo's sum of half types: in float32 here
+            acc = x.float()
+            dist.all_reduce(acc, group=ctx.group)
+            out.copy_(acc)
+        else:
+            out.copy_(x)
+            dist.all_reduce(out, group=ctx.group)
+        return out
+
+
+def all_reduce(x: torch.Tensor, *, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Functional form of AllReduce: the sum over ranks of ``x``; one op per Context, kept by the Context."""
+    return AllReduce.shared(ctx)(x, out=out)
+
+
+__all__ = ["AllReduce", "all_reduce"]
