@@ -1,4 +1,4 @@
-"""Tensor-parallel linear layers (sequence parallel) built on the overlapped ops, with autograd.
+"""Tensor-parallel linear layers (sequence parallel, and row-parallel without) built on the ops, with autograd.
 
 Activations are sequence-first, ``[S, *, features]``, and sharded along S
 between the layers: ``ColumnParallelLinear`` takes ``[S/W, *, in]`` and gives
@@ -15,6 +15,7 @@ from torch import nn
 
 from ..ops import custom_ops
 from ..ops.all_gather_gemm import AllGatherGEMM
+from ..ops.gemm_all_reduce import GEMMAllReduce
 from ..ops.gemm_reduce_scatter import GEMMReduceScatter
 
 
@@ -32,6 +33,8 @@ def _column(x, weight, bias, layer):
 
 def _row(x, weight, bias, layer):
     ag, rs = layer._handles
+    if not layer.sequence_parallel:
+        return custom_ops.gemm_ar(x, weight.t(), bias, layer._gemm_ar)
     return custom_ops.gemm_rs(x, weight.t(), bias, rs, ag, layer.ctx.world_size)
 
 
@@ -57,7 +60,8 @@ class _TPLinear(nn.Module):
     @classmethod
     def from_full_weight(cls, linear: nn.Linear, ctx, **kw):
         """Shard an unsharded ``nn.Linear`` (same on every rank) into this layer."""
-        extra = {k: v for k, v in kw.items() if k == "keep_gathered_input" and cls._shard_out}  # column layers
+        extra = {k: v for k, v in kw.items()  # what only column (row) layers take
+                 if k == "keep_gathered_input" and cls._shard_out or k == "sequence_parallel" and not cls._shard_out}
         layer = cls(linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None,
                     dtype=kw.get("dtype", linear.weight.dtype), device=kw.get("device", ctx.device),
                     fallback=kw.get("fallback", "auto"), **extra)
@@ -107,12 +111,20 @@ class RowParallelLinear(_TPLinear):
 
     Backward: grad of the input through AllGather-GEMM, whose gathered grad
     output also gives the grads of the weight and of the (replicated) bias.
+
+    ``sequence_parallel=False``: ``[*, in/W]`` -> GEMM + AllReduce -> ``[*, out]`` on every rank (decode, or a
+    layer whose activations are not sharded along the sequence); backward is local.
     """
 
     _fn, _shard_out = staticmethod(_row), False
 
-    def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto"):
+    def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto",
+                 sequence_parallel: bool = True):
         super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=False, fallback=fallback)
+        self.sequence_parallel = sequence_parallel
+        if not sequence_parallel:
+            self._gemm_ar = ctx.cached(("nn gemm_ar", fallback), lambda: custom_ops.handle(
+                GEMMAllReduce(ctx, fallback=fallback, name=f"nn.ar.{fallback}")))
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]

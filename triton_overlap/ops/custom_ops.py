@@ -1,8 +1,9 @@
 """The overlapped ops registered as torch custom ops, with autograd, so ``torch.compile`` traces models that use
 them.
 
-``torch.ops.triton_overlap.ag_gemm``, ``.gemm_rs``, ``.cp_attention`` and ``.cp_attention_bwd`` take an integer
-``handle`` naming an op object (an AllGatherGEMM, GEMMReduceScatter or ContextParallelAttention bound to a Context)
+``torch.ops.triton_overlap.ag_gemm``, ``.gemm_rs``, ``.gemm_ar``, ``.cp_attention`` and ``.cp_attention_bwd`` take
+an integer ``handle`` naming an op object (an AllGatherGEMM, GEMMReduceScatter, GEMMAllReduce or
+ContextParallelAttention bound to a Context)
 registered with :func:`handle`; a traced graph keeps the integer, the object stays in this module until its Context
 closes. Each has a fake (meta) implementation that gives output shapes without running anything, and the GEMM pair
 and attention have backward formulas written with the same custom ops, so forward and backward graphs trace without
@@ -177,4 +178,32 @@ def _cp_backward(ctx, dout, _dlse, _dk, _dv):
 
 cp_attention.register_autograd(_cp_backward, setup_context=_cp_setup)
 
-__all__ = ["ag_gemm", "all_gather_rows", "cp_attention", "cp_attention_bwd", "gemm_rs", "handle", "op_of"]
+
+# ------------------------------------------------------------------ GEMM + AllReduce
+@torch.library.custom_op("triton_overlap::gemm_ar", mutates_args=())
+def gemm_ar(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, op: int) -> torch.Tensor:
+    """The sum over ranks of a @ w, + bias, on every rank (a GEMMAllReduce)."""
+    return op_of(op)(a, w, bias)
+
+
+@gemm_ar.register_fake
+def _(a, w, bias, op):
+    return a.new_empty(a.shape[0], w.shape[1])
+
+
+def _ar_setup(ctx, inputs, output):
+    a, w, bias, op = inputs
+    ctx.save_for_backward(a, w)
+    ctx.has_bias = bias is not None
+
+
+def _ar_backward(ctx, grad_out):
+    # the output is the same on every rank and so is its gradient: each rank's inputs get their share locally
+    a, w = ctx.saved_tensors
+    grad_b = grad_out.sum(0) if ctx.has_bias else None
+    return grad_out @ w.t(), a.t() @ grad_out, grad_b, None
+
+
+gemm_ar.register_autograd(_ar_backward, setup_context=_ar_setup)
+
+__all__ = ["ag_gemm", "all_gather_rows", "cp_attention", "cp_attention_bwd", "gemm_ar", "gemm_rs", "handle", "op_of"]
