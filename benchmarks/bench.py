@@ -1,14 +1,15 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
-    bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention [--shapes ...] [--out DIR]
+    bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention|all_reduce [--shapes ...]
+        [--out DIR] [--shared-gpu]
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
 the bound (torch.matmul of the same work alone); our consumer GEMM alone. Attention: ours; NCCL all_gather of K/V
-then our kernel; torch's SDPA on the full sequence on one GPU; our kernel alone. Distributed timings: CUDA events
-around each call, ranks aligned on the device before each iteration, median over iterations, max over ranks
-(triton_overlap.timing); the headline columns timed in turns within each iteration, so all see the same GPU clock.
-Writes ``<op>-<gpu>x<W>.{json,md,png}`` (report.py) into ``--out`` (default ``bench-results/``; the committed
-results are ``benchmarks/results/``). GPUs only.
+then our kernel; torch's SDPA on the full sequence on one GPU; our kernel alone. AllReduce: ours, NCCL, torch's
+symmetric-memory all-reduces, the bound. Distributed timings: CUDA events around each call, ranks aligned on the
+device before each iteration, median over iterations, max over ranks (triton_overlap.timing); the headline columns
+timed in turns within each iteration, so all see the same GPU clock. Writes ``<op>-<gpu>x<W>.{json,md,png}``
+(report.py) into ``--out`` (default ``bench-results/``; the committed results are ``benchmarks/results/``). GPUs only.
 """
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 import triton_overlap as to
-from report import CP_HEADER, HEADER, _cp_row, _row, write, write_cp
+from report import AR_HEADER, CP_HEADER, HEADER, _cp_row, _row, ar_row, write, write_all_reduce, write_cp
 from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
 from triton_overlap.kernels.gemm import plain_gemm
 from triton_overlap.ops.gemm_reduce_scatter import scatter_mode
-from triton_overlap.timing import capture, host_us, time_dist, time_interleaved
+from triton_overlap.timing import capture, host_us, spin, time_dist, time_interleaved
 from triton_overlap.torchrun import init, say
 
 AG_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 14336), (8192, 8192, 3584),
@@ -573,6 +574,70 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     return records
 
 
+#: message sizes in bytes (bf16): 2 KiB to 128 MiB in powers of 4, and 256 MiB
+AR_SIZES = [2048 * 4 ** k for k in range(9)] + [256 << 20]
+
+
+def bench_all_reduce(ctx, sizes, iters, write_partial):
+    """Ours (fallback="auto", and the one-shot kernel forced) against the process group's all_reduce (NCCL) and
+    torch's symmetric-memory one-shot and two-shot all-reduces, eager and as CUDA-graph replays; the bound is an
+    empty kernel's latency plus the message over the measured bandwidth of a copy into a peer's memory."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    W, group = ctx.world_size, dist.group.WORLD.group_name
+    ours = to.AllReduce(ctx)
+    one_shot = to.AllReduce(ctx, fallback="never", name="all_reduce.one_shot")
+    latency = time_dist(capture(lambda: spin(0)).replay, iters)
+    probe = ctx.symmetric("bench.bandwidth", (64 << 20,), torch.uint8)
+    peer = probe.peer((ctx.rank + 1) % W)
+    bw = (64 << 20) / time_dist(lambda: peer.copy_(probe.local), 10)  # bytes per µs
+    records = []
+    for size in sizes:
+        n = size // 2
+        torch.manual_seed(ctx.rank)
+        x = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+        buf = x.clone()
+        rec = {"bytes": size, "numel": n, "world_size": W, "gpu": gpu_name(), "note": "", "lead_us": LEAD_US,
+               "latency_us": latency, "peer_bandwidth_gbs": bw / 1e3, "bound_us": latency + size / bw}
+        fns = {"ours_us": lambda: ours(x, out=out), "one_shot_us": lambda: one_shot(x, out=out),
+               "nccl_us": lambda: dist.all_reduce(buf)}
+        try:
+            sym = symm_mem.empty(n, dtype=torch.bfloat16, device="cuda")
+            symm_mem.rendezvous(sym, group)
+            sym.copy_(x)
+            fns["torch_one_shot_us"] = lambda: torch.ops.symm_mem.one_shot_all_reduce(sym, "sum", group)
+            fns["torch_two_shot_us"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(sym, "sum", group)
+        except Exception as e:  # noqa: BLE001 - recorded in the note
+            rec["note"] += f"torch symm_mem: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+        one_shot(x, out=out)  # sizes the slots before any capture
+        ref = x.double()
+        dist.all_reduce(ref)
+        rec["rel_err"] = float((out.double() - ref).norm() / ref.norm())
+        for k in list(fns):
+            rec[k], note = try_time(fns[k], iters)
+            if note:
+                rec["note"] += f"{k}: {note}; "
+        rec["path"] = ours.last_path
+        ctx.check()
+        side_by_side(ctx, rec, fns, iters, budget_s=2.0)
+        for k, fn in fns.items():
+            key = k.replace("_us", "_graph_us")
+            if k == "nccl_us" and dist.get_backend() != "nccl":  # gloo (--shared-gpu) cannot be captured
+                rec[key] = None
+                continue
+            try:
+                rec[key] = timed(capture(fn).replay, iters)
+            except Exception as e:  # noqa: BLE001 - recorded in the note
+                rec[key] = None
+                rec["note"] += f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+        ctx.check()
+        records.append(rec)
+        write_partial(records)
+        say(ar_row(rec))
+    return records
+
+
 def _gather(a):
     parts = [torch.empty_like(a) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, a)
@@ -581,22 +646,33 @@ def _gather(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention"])
+    p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention", "all_reduce"])
     p.add_argument("--shapes", nargs="*", help="ag_gemm, ag_gemm_fp8: M,K,N (M gathered, N per rank); gemm_rs: "
                    "M,K,N (K per rank, output [M/W, N]); cp_attention: B,S,Hq,Hkv,D,causal[,documents] (S in all, "
-                   "causal 0 or 1, documents: packed documents of random lengths). Default: the standard list")
+                   "causal 0 or 1, documents: packed documents of random lengths); all_reduce: bytes. Default: the "
+                   "standard list")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--lead-us", type=float, default=LEAD_US, help="see LEAD_US; 0: the GPU idles before each call")
+    p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0 over gloo: runs the benchmark "
+                   "end to end where one GPU is lent; its timings mean nothing")
     p.add_argument("--out", default="bench-results",
                    help="folder for the results (default: bench-results; benchmarks/results holds the committed ones)")
     args = p.parse_args()
     globals()["LEAD_US"] = args.lead_us
     if not torch.cuda.is_available():
         raise SystemExit("bench: needs GPUs (timings on the host backend would mean nothing)")
-    init()
+    if args.shared_gpu and os.path.abspath(args.out) == os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                    "results"):
+        raise SystemExit("bench: --shared-gpu timings mean nothing; they never go to benchmarks/results")
+    init(shared_gpu=args.shared_gpu)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
     with to.Context() as ctx:
-        if args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)[,documents]
+        if args.op == "all_reduce":
+            say(AR_HEADER)
+            sizes = [s[0] for s in shapes] if shapes else AR_SIZES
+            bench_all_reduce(ctx, sizes, args.iters,
+                             lambda recs: ctx.rank == 0 and write_all_reduce(recs, ctx.world_size, args.out))
+        elif args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)[,documents]
             say(CP_HEADER)
             bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else CP_SHAPES,
                                args.iters, lambda recs: ctx.rank == 0 and write_cp(recs, ctx.world_size, args.out))

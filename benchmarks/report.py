@@ -87,6 +87,39 @@ def write_cp(records, W, out_dir: str) -> None:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")
 
 
+AR_HEADER = ("| bytes | ours µs | one-shot forced µs | NCCL µs | torch one-shot µs | torch two-shot µs | bound µs | "
+             "speed-up vs NCCL | ours / bound | ours graph µs | one-shot graph µs | NCCL graph µs | "
+             "speed-up vs NCCL, graphs |\n|" + "---|" * 13)
+# ours: fallback="auto" ("(NCCL)" where it handed the message to the process group); bound: an empty kernel's
+# latency plus the message over the measured bandwidth of a copy into a peer's memory
+
+
+def ar_row(r):
+    f = lambda v: "n/a" if v is None else f"{v:8.1f}"  # noqa: E731
+    ratio = lambda a, b: "n/a" if not a or not b else f"{a / b:.2f}x"  # noqa: E731
+    path = " (NCCL)" if r.get("path") == "fallback" else ""
+    return (f"| {r['bytes']} | {f(r.get('ours_us'))}{path} | {f(r.get('one_shot_us'))} | {f(r.get('nccl_us'))} | "
+            f"{f(r.get('torch_one_shot_us'))} | {f(r.get('torch_two_shot_us'))} | {f(r['bound_us'])} | "
+            f"{ratio(r.get('nccl_us'), r.get('ours_us'))} | {ratio(r.get('ours_us'), r['bound_us'])} | "
+            f"{f(r.get('ours_graph_us'))} | {f(r.get('one_shot_graph_us'))} | {f(r.get('nccl_graph_us'))} | "
+            f"{ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} |")
+
+
+def write_all_reduce(records, W, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"all_reduce-{records[0]['gpu']}x{W}")
+    _save_json(base, "all_reduce", W, records)
+    with open(base + ".md", "w") as f:
+        f.write(_measured(base))
+        f.write(f"all_reduce, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks), timed in turns within "
+                f"each iteration; peer copy bandwidth {records[0]['peer_bandwidth_gbs']:.0f} GB/s, empty kernel "
+                f"{records[0]['latency_us']:.1f} µs\n\n{AR_HEADER}\n")
+        f.write("\n".join(ar_row(r) for r in records) + "\n")
+        notes = [f"- {r['bytes']} bytes: {r['note']}" for r in records if r["note"]]
+        if notes:
+            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+
+
 def _row(r):
     f = lambda v: "n/a" if v is None else f"{v:8.1f}"  # noqa: E731
     sp = (r["nccl_us"] / r["ours_us"]) if r["ours_us"] else float("nan")

@@ -14,9 +14,10 @@ def backend_name() -> str:
     return os.environ.get("TRITON_OVERLAP_BACKEND", "auto")
 
 
-def init() -> torch.device:
+def init(shared_gpu: bool = False) -> torch.device:
     """Initialise torch.distributed from torchrun's environment; returns this rank's device. Without that
-    environment (a script run with plain ``python``) it exits with the command that runs it."""
+    environment (a script run with plain ``python``) it exits with the command that runs it. ``shared_gpu``: every
+    rank on GPU 0 over gloo (NCCL refuses two ranks on one GPU): a check of the protocol, never a timing."""
     if dist.is_initialized():
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
@@ -25,6 +26,10 @@ def init() -> torch.device:
         raise SystemExit(f"{script} runs one process per rank: start it with the launcher, "
                          f"bash scripts/launch.sh {script} (torchrun's {', '.join(missing)} are not set)")
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if shared_gpu and torch.cuda.is_available():
+        torch.cuda.set_device(0)
+        dist.init_process_group("gloo")
+        return torch.device("cuda", 0)
     if backend_name() != "host" and torch.cuda.is_available():
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
