@@ -1,15 +1,16 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
-    bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention|all_reduce [--shapes ...]
-        [--out DIR] [--shared-gpu]
+    bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention|all_reduce|gemm_ar
+        [--shapes ...] [--out DIR] [--shared-gpu]
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
 the bound (torch.matmul of the same work alone); our consumer GEMM alone. Attention: ours; NCCL all_gather of K/V
 then our kernel; torch's SDPA on the full sequence on one GPU; our kernel alone. AllReduce: ours, NCCL, torch's
-symmetric-memory all-reduces, the bound. Distributed timings: CUDA events around each call, ranks aligned on the
-device before each iteration, median over iterations, max over ranks (triton_overlap.timing); the headline columns
-timed in turns within each iteration, so all see the same GPU clock. Writes ``<op>-<gpu>x<W>.{json,md,png}``
-(report.py) into ``--out`` (default ``bench-results/``; the committed results are ``benchmarks/results/``). GPUs only.
+symmetric-memory all-reduces, the bound; GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. Distributed
+timings: CUDA events around each call, ranks aligned on the device before each iteration, median over iterations,
+max over ranks (triton_overlap.timing); the headline columns timed in turns within each iteration, so all see the
+same GPU clock. Writes ``<op>-<gpu>x<W>.{json,md,png}`` (report.py) into ``--out`` (default ``bench-results/``;
+the committed results are ``benchmarks/results/``). GPUs only.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 import triton_overlap as to
-from report import AR_HEADER, CP_HEADER, HEADER, _cp_row, _row, ar_row, write, write_all_reduce, write_cp
+from report import (AR_HEADER, CP_HEADER, GEMM_AR_HEADER, HEADER, _cp_row, _row, ar_row, gemm_ar_row, write,
+                    write_all_reduce, write_cp, write_gemm_ar)
 from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
 from triton_overlap.kernels.gemm import plain_gemm
 from triton_overlap.ops.gemm_reduce_scatter import scatter_mode
@@ -574,6 +576,13 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     return records
 
 
+def capturable(key: str, rec: dict) -> bool:
+    """Whether the timed function ``key`` can be captured in a CUDA graph: not where it calls the process group and
+    that is gloo (--shared-gpu; a failed capture leaves torch's allocator unusable)."""
+    uses_group = key == "nccl_us" or key == "ours_us" and rec.get("path") == "fallback"
+    return not uses_group or dist.get_backend() == "nccl"
+
+
 #: message sizes in bytes (bf16): 2 KiB to 128 MiB in powers of 4, and 256 MiB
 AR_SIZES = [2048 * 4 ** k for k in range(9)] + [256 << 20]
 
@@ -623,7 +632,7 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
         side_by_side(ctx, rec, fns, iters, budget_s=2.0)
         for k, fn in fns.items():
             key = k.replace("_us", "_graph_us")
-            if k == "nccl_us" and dist.get_backend() != "nccl":  # gloo (--shared-gpu) cannot be captured
+            if not capturable(k, rec):
                 rec[key] = None
                 continue
             try:
@@ -638,6 +647,57 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
     return records
 
 
+GEMM_AR_M = [1, 8, 32, 128, 512, 2048, 8192]
+GEMM_AR_KN = [(28672, 8192), (8192, 8192), (14336, 4096)]  # K over all ranks (each has K/W), N
+
+
+def bench_gemm_ar(ctx, shapes, iters, write_partial):
+    """GEMM + AllReduce, ``shapes`` (M, K, N) with K over all ranks: ours (fallback="auto") against torch.matmul +
+    dist.all_reduce (NCCL) and the GEMM alone, eager and as CUDA-graph replays."""
+    W = ctx.world_size
+    op = to.GEMMAllReduce(ctx)
+    records = []
+    for M, K, N in shapes:
+        torch.manual_seed(ctx.rank)
+        a = torch.randn(M, K // W, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(N, K // W, device="cuda", dtype=torch.bfloat16).t()  # as nn.Linear's weight.t()
+        out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+
+        def nccl():
+            torch.matmul(a, w, out=y)
+            dist.all_reduce(y)
+
+        rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": "", "lead_us": LEAD_US}
+        op(a, w, out=out)  # sizes the AllReduce's slots before any capture
+        ref = (a.double() @ w.double())
+        dist.all_reduce(ref)
+        rec["rel_err"] = float((out.double() - ref).norm() / ref.norm())
+        rec["path"] = op.last_path
+        fns = {"ours_us": lambda: op(a, w, out=out), "nccl_us": nccl, "gemm_us": lambda: torch.matmul(a, w, out=y)}
+        for k in fns:
+            rec[k], note = try_time(fns[k], iters)
+            if note:
+                rec["note"] += f"{k}: {note}; "
+        ctx.check()
+        side_by_side(ctx, rec, fns, iters, budget_s=2.0)
+        for k, fn in fns.items():
+            key = k.replace("_us", "_graph_us")
+            if not capturable(k, rec):
+                rec[key] = None
+                continue
+            try:
+                rec[key] = timed(capture(fn).replay, iters)
+            except Exception as e:  # noqa: BLE001 - recorded in the note
+                rec[key] = None
+                rec["note"] += f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+        ctx.check()
+        records.append(rec)
+        write_partial(records)
+        say(gemm_ar_row(rec))
+    return records
+
+
 def _gather(a):
     parts = [torch.empty_like(a) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, a)
@@ -646,11 +706,12 @@ def _gather(a):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention", "all_reduce"])
+    p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention", "all_reduce",
+                                      "gemm_ar"])
     p.add_argument("--shapes", nargs="*", help="ag_gemm, ag_gemm_fp8: M,K,N (M gathered, N per rank); gemm_rs: "
                    "M,K,N (K per rank, output [M/W, N]); cp_attention: B,S,Hq,Hkv,D,causal[,documents] (S in all, "
-                   "causal 0 or 1, documents: packed documents of random lengths); all_reduce: bytes. Default: the "
-                   "standard list")
+                   "causal 0 or 1, documents: packed documents of random lengths); all_reduce: bytes; gemm_ar: M,K,N "
+                   "(K over all ranks). Default: the standard list")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--lead-us", type=float, default=LEAD_US, help="see LEAD_US; 0: the GPU idles before each call")
     p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0 over gloo: runs the benchmark "
@@ -672,6 +733,10 @@ def main():
             sizes = [s[0] for s in shapes] if shapes else AR_SIZES
             bench_all_reduce(ctx, sizes, args.iters,
                              lambda recs: ctx.rank == 0 and write_all_reduce(recs, ctx.world_size, args.out))
+        elif args.op == "gemm_ar":
+            say(GEMM_AR_HEADER)
+            bench_gemm_ar(ctx, shapes or [(m, k, n) for k, n in GEMM_AR_KN for m in GEMM_AR_M], args.iters,
+                          lambda recs: ctx.rank == 0 and write_gemm_ar(recs, ctx.world_size, args.out))
         elif args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)[,documents]
             say(CP_HEADER)
             bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else CP_SHAPES,

@@ -120,6 +120,33 @@ def write_all_reduce(records, W, out_dir: str) -> None:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")
 
 
+GEMM_AR_HEADER = ("| M | K | N | ours µs | matmul + NCCL µs | GEMM alone µs | speed-up vs NCCL | ours graph µs | "
+                  "matmul + NCCL graph µs | speed-up, graphs |\n|" + "---|" * 10)
+
+
+def gemm_ar_row(r):
+    f = lambda v: "n/a" if v is None else f"{v:8.1f}"  # noqa: E731
+    ratio = lambda a, b: "n/a" if not a or not b else f"{a / b:.2f}x"  # noqa: E731
+    path = " (NCCL)" if r.get("path") == "fallback" else ""
+    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r.get('ours_us'))}{path} | {f(r.get('nccl_us'))} | "
+            f"{f(r.get('gemm_us'))} | {ratio(r.get('nccl_us'), r.get('ours_us'))} | {f(r.get('ours_graph_us'))} | "
+            f"{f(r.get('nccl_graph_us'))} | {ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} |")
+
+
+def write_gemm_ar(records, W, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    base = os.path.join(out_dir, f"gemm_ar-{records[0]['gpu']}x{W}")
+    _save_json(base, "gemm_ar", W, records)
+    with open(base + ".md", "w") as f:
+        f.write(_measured(base))
+        f.write(f"gemm_ar, {records[0]['gpu']} x{W}, bf16, K over all ranks (each has K/W), B as weight.t(), median "
+                f"µs (max over ranks), timed in turns within each iteration\n\n{GEMM_AR_HEADER}\n")
+        f.write("\n".join(gemm_ar_row(r) for r in records) + "\n")
+        notes = [f"- {r['M']}x{r['K']}x{r['N']}: {r['note']}" for r in records if r["note"]]
+        if notes:
+            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+
+
 def _row(r):
     f = lambda v: "n/a" if v is None else f"{v:8.1f}"  # noqa: E731
     sp = (r["nccl_us"] / r["ours_us"]) if r["ours_us"] else float("nan")
