@@ -588,14 +588,15 @@ AR_SIZES = [2048 * 4 ** k for k in range(9)] + [256 << 20]
 
 
 def bench_all_reduce(ctx, sizes, iters, write_partial):
-    """Ours (fallback="auto", and the one-shot kernel forced) against the process group's all_reduce (NCCL) and
+    """Ours (as a user gets it, and each kernel forced) against the process group's all_reduce (NCCL) and
     torch's symmetric-memory one-shot and two-shot all-reduces, eager and as CUDA-graph replays; the bound is an
     empty kernel's latency plus the message over the measured bandwidth of a copy into a peer's memory."""
     import torch.distributed._symmetric_memory as symm_mem
 
     W, group = ctx.world_size, dist.group.WORLD.group_name
     ours = to.AllReduce(ctx)
-    one_shot = to.AllReduce(ctx, fallback="never", name="all_reduce.one_shot")
+    one_shot = to.AllReduce(ctx, algorithm="one_shot", fallback="never", name="all_reduce.one_shot")
+    two_shot = to.AllReduce(ctx, algorithm="two_shot", fallback="never", name="all_reduce.two_shot")
     latency = time_dist(capture(lambda: spin(0)).replay, iters)
     probe = ctx.symmetric("bench.bandwidth", (64 << 20,), torch.uint8)
     peer = probe.peer((ctx.rank + 1) % W)
@@ -610,7 +611,7 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
         rec = {"bytes": size, "numel": n, "world_size": W, "gpu": gpu_name(), "note": "", "lead_us": LEAD_US,
                "latency_us": latency, "peer_bandwidth_gbs": bw / 1e3, "bound_us": latency + size / bw}
         fns = {"ours_us": lambda: ours(x, out=out), "one_shot_us": lambda: one_shot(x, out=out),
-               "nccl_us": lambda: dist.all_reduce(buf)}
+               "two_shot_us": lambda: two_shot(x, out=out), "nccl_us": lambda: dist.all_reduce(buf)}
         try:
             sym = symm_mem.empty(n, dtype=torch.bfloat16, device="cuda")
             symm_mem.rendezvous(sym, group)
@@ -619,10 +620,11 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
             fns["torch_two_shot_us"] = lambda: torch.ops.symm_mem.two_shot_all_reduce_(sym, "sum", group)
         except Exception as e:  # noqa: BLE001 - recorded in the note
             rec["note"] += f"torch symm_mem: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
-        one_shot(x, out=out)  # sizes the slots before any capture
         ref = x.double()
         dist.all_reduce(ref)
-        rec["rel_err"] = float((out.double() - ref).norm() / ref.norm())
+        for name, kernel in (("one_shot", one_shot), ("two_shot", two_shot)):  # also sizes the slots before capture
+            kernel(x, out=out)
+            rec[f"{name}_rel_err"] = float((out.double() - ref).norm() / ref.norm())
         for k in list(fns):
             rec[k], note = try_time(fns[k], iters)
             if note:

@@ -87,9 +87,9 @@ def write_cp(records, W, out_dir: str) -> None:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")
 
 
-AR_HEADER = ("| bytes | ours µs | one-shot forced µs | NCCL µs | torch one-shot µs | torch two-shot µs | bound µs | "
-             "speed-up vs NCCL | ours / bound | ours graph µs | one-shot graph µs | NCCL graph µs | "
-             "speed-up vs NCCL, graphs |\n|" + "---|" * 13)
+AR_HEADER = ("| bytes | ours µs | one-shot forced µs | two-shot forced µs | NCCL µs | torch one-shot µs | "
+             "torch two-shot µs | bound µs | speed-up vs NCCL | ours / bound | ours graph µs | one-shot graph µs | "
+             "two-shot graph µs | NCCL graph µs | speed-up vs NCCL, graphs |\n|" + "---|" * 15)
 # ours: fallback="auto" ("(NCCL)" where it handed the message to the process group); bound: an empty kernel's
 # latency plus the message over the measured bandwidth of a copy into a peer's memory
 
@@ -98,10 +98,11 @@ def ar_row(r):
     f = lambda v: "n/a" if v is None else f"{v:8.1f}"  # noqa: E731
     ratio = lambda a, b: "n/a" if not a or not b else f"{a / b:.2f}x"  # noqa: E731
     path = " (NCCL)" if r.get("path") == "fallback" else ""
-    return (f"| {r['bytes']} | {f(r.get('ours_us'))}{path} | {f(r.get('one_shot_us'))} | {f(r.get('nccl_us'))} | "
-            f"{f(r.get('torch_one_shot_us'))} | {f(r.get('torch_two_shot_us'))} | {f(r['bound_us'])} | "
-            f"{ratio(r.get('nccl_us'), r.get('ours_us'))} | {ratio(r.get('ours_us'), r['bound_us'])} | "
-            f"{f(r.get('ours_graph_us'))} | {f(r.get('one_shot_graph_us'))} | {f(r.get('nccl_graph_us'))} | "
+    return (f"| {r['bytes']} | {f(r.get('ours_us'))}{path} | {f(r.get('one_shot_us'))} | {f(r.get('two_shot_us'))} | "
+            f"{f(r.get('nccl_us'))} | {f(r.get('torch_one_shot_us'))} | {f(r.get('torch_two_shot_us'))} | "
+            f"{f(r['bound_us'])} | {ratio(r.get('nccl_us'), r.get('ours_us'))} | "
+            f"{ratio(r.get('ours_us'), r['bound_us'])} | {f(r.get('ours_graph_us'))} | "
+            f"{f(r.get('one_shot_graph_us'))} | {f(r.get('two_shot_graph_us'))} | {f(r.get('nccl_graph_us'))} | "
             f"{ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} |")
 
 

@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from triton_overlap.kernels.all_reduce import one_shot_all_reduce
+from triton_overlap.kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
 from triton_overlap.kernels.attention import cp_attention_fwd
 from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
 from triton_overlap.kernels.gemm import persistent_gemm
@@ -108,21 +108,20 @@ def compile_signals(target) -> int:
         except Exception as e:  # noqa: BLE001 - reported, the check goes on
             failed += 1
             print(f"{fn.fn.__name__}: FAILED {type(e).__name__}: {str(e)[-600:]}")
-    for dtype in ("bf16", "fp32"):  # the one-shot AllReduce
+    for fn, dtype in itertools.product((one_shot_all_reduce, two_shot_all_reduce), ("bf16", "fp32")):  # AllReduce
         sig = {}
-        for prm in one_shot_all_reduce.params:
+        for prm in fn.params:
             n = prm.name
             sig[n] = ("constexpr" if prm.is_constexpr else f"*{dtype}" if n in ("x_ptr", "out_ptr", "local_data")
                       else "*i64" if n.endswith("_ptrs") else "*i32" if n.endswith("_ptr") or n.startswith("local_")
                       else "i64" if n == "budget" else "i32")
         try:
-            k = triton.compile(ASTSource(fn=one_shot_all_reduce, signature=sig,
-                                         constexprs=dict(BLOCK=1024, BLOCK_W=8, CLOCK=1)),
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(BLOCK=1024, BLOCK_W=8, CLOCK=1)),
                                target=target, options={"num_warps": 4})
-            print(f"one_shot_all_reduce {dtype}: {ptxas_report(k.asm['ptx'], target.arch)}")
+            print(f"{fn.fn.__name__} {dtype}: {ptxas_report(k.asm['ptx'], target.arch)}")
         except Exception as e:  # noqa: BLE001 - reported, the check goes on
             failed += 1
-            print(f"one_shot_all_reduce {dtype}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+            print(f"{fn.fn.__name__} {dtype}: FAILED {type(e).__name__}: {str(e)[-600:]}")
     return failed
 
 

@@ -34,45 +34,48 @@ def _check(op, ctx, shape, dtype, tag, out=None):
     return got
 
 
-def _sums(fallback: str):
+def _sums(fallback: str, algorithm: str):
     with to.Context(timeout_s=30) as ctx:
-        op = to.AllReduce(ctx, fallback=fallback, one_shot_max_bytes=8192)
+        op = to.AllReduce(ctx, algorithm=algorithm, fallback=fallback, one_shot_max_bytes=2048,
+                          two_shot_max_bytes=8192)
         paths, digests = [], []
         for i, shape in enumerate(SIZES):
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 out = torch.empty(shape, dtype=dtype, device=ctx.device) if i % 2 else None
                 got = _check(op, ctx, shape, dtype, (i, str(dtype)), out)
-                paths.append(op.last_path)
+                paths.append(op.last_algorithm)
                 digests.append(got.float().sum().item())
         return paths, digests
 
 
-@pytest.mark.parametrize("fallback", ["never", "auto", "always"])
-def test_sums(pool, fallback):
-    results = pool.run(_sums, fallback)
+@pytest.mark.parametrize("fallback, algorithm", [("never", "one_shot"), ("never", "two_shot"), ("auto", "auto"),
+                                                 ("always", "auto")])
+def test_sums(pool, fallback, algorithm):
+    results = pool.run(_sums, fallback, algorithm)
     paths, digests = results[0]
     assert all(p == paths for p, _ in results)
     if fallback == "never":
-        assert set(paths) == {"overlap"}
+        assert set(paths) == {algorithm}
         assert all(d == digests for _, d in results), "ranks' results differ"  # summed in one order everywhere
     elif fallback == "always":
-        assert set(paths) == {"fallback"}
-    else:  # above 8 KiB: the process group
-        assert set(paths) == {"overlap", "fallback"}
+        assert set(paths) == {"process group"}
+    else:  # up to 2 KiB one-shot, up to 8 KiB two-shot, then the process group
+        assert set(paths) == {"one_shot", "two_shot", "process group"}
 
 
 def _changing_sizes(seed: int):
     """Calls whose sizes grow and shrink, with other ops' calls between them and ranks arriving at random times."""
     rng = random.Random(seed)  # the same draws on every rank
     with to.Context(timeout_s=30) as ctx:
-        op = to.AllReduce(ctx, fallback="never")
+        # both algorithms on one workspace (the same name): they share the slots, flags and call count
+        ops = [to.AllReduce(ctx, algorithm=a, fallback="never", name="ar") for a in ("one_shot", "two_shot")]
         ag = to.AllGatherGEMM(ctx, fallback="never")
         late = random.Random(seed * 100 + ctx.rank)  # each rank's own delays
-        for i in range(12):
+        for i in range(14):
             time.sleep(late.choice([0.0, 0.0, 0.05]))
             n = rng.choice([1, 5, 1024, 2049, 5000, 300])
             dtype = rng.choice([torch.float32, torch.bfloat16])
-            _check(op, ctx, (n,), dtype, ("chg", i))
+            _check(rng.choice(ops), ctx, (n,), dtype, ("chg", i))
             if i % 4 == 3:
                 a = rand((9, 32), torch.bfloat16, ctx.device, "chg-a", i, ctx.rank)
                 w = rand((32, 17), torch.bfloat16, ctx.device, "chg-w", i)
@@ -88,6 +91,8 @@ def test_changing_sizes_between_other_ops(pool):
 # --------------------------------------------------------------------------------------------------- errors
 def _bad_input():
     with to.Context(timeout_s=30) as ctx:
+        with pytest.raises(ValueError, match="algorithm"):
+            to.AllReduce(ctx, algorithm="ring")
         op = to.AllReduce(ctx)
         dev = ctx.device
         x = torch.ones(10, device=dev)
@@ -162,11 +167,11 @@ def test_peer_absent(pool):
 
 
 # ------------------------------------------------------------------------------------------------ GPU graphs
-def _replays(n_replays: int):
+def _replays(n_replays: int, algorithm: str):
     from triton_overlap.timing import capture
 
     with to.Context(timeout_s=30) as ctx:
-        op = to.AllReduce(ctx, fallback="never")
+        op = to.AllReduce(ctx, algorithm=algorithm, fallback="never")
         x = torch.empty(3001, dtype=torch.bfloat16, device=ctx.device)
         out = torch.empty_like(x)
         x.copy_(_inputs(ctx, (3001,), torch.bfloat16, -1)[0])
@@ -184,7 +189,8 @@ def _replays(n_replays: int):
         return True
 
 
-def test_graph_replays(pool):
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_graph_replays(pool, algorithm):
     if pool.backend == "host":
         pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_replays, 1000))
+    assert all(pool.run(_replays, 1000, algorithm))

@@ -12,7 +12,7 @@ from triton_overlap.nn import RowParallelLinear
 def _gemm_ar(fallback: str):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.GEMMAllReduce(ctx, fallback=fallback, one_shot_max_bytes=4096)
+        op = to.GEMMAllReduce(ctx, fallback=fallback, one_shot_max_bytes=4096, two_shot_max_bytes=4096)
         paths = []
         for i, (M, K, N, dtype, has_bias, transposed) in enumerate([
                 (1, 16, 19, torch.bfloat16, True, True), (5, 24, 33, torch.float16, False, False),

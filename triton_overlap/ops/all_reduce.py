@@ -10,14 +10,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels.all_reduce import one_shot_all_reduce
+from ..kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
 from ..kernels.cached_launch import launch
 from ..plan import cdiv
 from .base import OverlapOp
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-#: fallback="auto" hands larger messages to the process group (docs/decisions.md: not measured across GPUs yet)
+#: algorithm="auto": the one-shot kernel up to this many bytes, the two-shot up to TWO_SHOT_MAX_BYTES, then the
+#: process group (docs/decisions.md: neither measured across GPUs yet, so the two-shot is not picked by default)
 ONE_SHOT_MAX_BYTES = 1 << 20
+TWO_SHOT_MAX_BYTES = 1 << 20
+ALGORITHMS = ("auto", "one_shot", "two_shot")
 #: elements per block (one flag per block and peer)
 BLOCK = 1024
 
@@ -34,8 +37,12 @@ class AllReduce(OverlapOp):
 
     ``op(x, out=None)`` returns the sum over ranks of ``x`` (float32, float16 or bfloat16, any shape and size),
     summed in float32, with ``x``'s shape and dtype; ``x`` is not modified, and every rank gets the same bits.
-    ``fallback="auto"`` takes the one-shot kernel up to ``one_shot_max_bytes`` and the process group's
-    all_reduce above it (and for W = 1), ``"never"`` always the kernel, ``"always"`` always the process group.
+
+    ``algorithm="auto"`` takes the one-shot kernel up to ``one_shot_max_bytes``, the two-shot kernel up to
+    ``two_shot_max_bytes`` (each rank sums 1/W of the blocks and sends the sums: less traffic, one more wait), and
+    above that, or for W = 1, the process group's all_reduce (NCCL on GPUs); ``"one_shot"`` or ``"two_shot"`` always
+    that kernel. ``fallback="always"`` always takes the process group; ``"never"`` never does (sizes beyond
+    ``two_shot_max_bytes`` take the two-shot kernel).
 
     The receive slots grow to the largest message seen (2 x W x its size per rank, collectively, on a size's
     first call); make one eager call at the largest size before capturing calls in a CUDA graph.
@@ -43,10 +50,16 @@ class AllReduce(OverlapOp):
 
     KIND = "all_reduce"
 
-    def __init__(self, ctx, *, fallback: str = "auto", one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
+    def __init__(self, ctx, *, algorithm: str = "auto", fallback: str = "auto",
+                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES, two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
                  name: str | None = None):
         super().__init__(ctx, None, fallback=fallback, name=name, replay=False)  # one launch: nothing to replay
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        self.algorithm = algorithm
         self.one_shot_max_bytes = int(one_shot_max_bytes)
+        self.two_shot_max_bytes = int(two_shot_max_bytes)
+        self.last_algorithm = None  # "one_shot", "two_shot" or "process group": what the last call took
 
     def default_config(self, shape, variant=""):
         return None
@@ -73,19 +86,28 @@ class AllReduce(OverlapOp):
         if n == 0:
             self.last_path = "overlap"
             return out
-        if self._use_fallback(x):
+        kind = self._pick(x.numel() * x.element_size())
+        self.last_algorithm = kind
+        if kind == "process group":
             self.last_path = "fallback"
             return self._fallback(x, out)
         self.last_path = "overlap"
-        self._one_shot(x.contiguous(), out, n)
+        self._launch(two_shot_all_reduce if kind == "two_shot" else one_shot_all_reduce, x.contiguous(), out, n)
         return out
 
-    def _use_fallback(self, x) -> bool:
-        if self.fallback != "auto":
-            return self.fallback == "always"
-        return self.ctx.world_size == 1 or x.numel() * x.element_size() > self.one_shot_max_bytes
+    def _pick(self, nbytes: int) -> str:
+        """"one_shot", "two_shot" or "process group" for a message of ``nbytes``."""
+        if self.fallback == "always" or self.fallback == "auto" and self.ctx.world_size == 1:
+            return "process group"
+        if self.algorithm != "auto":
+            return self.algorithm
+        if nbytes <= self.one_shot_max_bytes:
+            return "one_shot"
+        if nbytes <= self.two_shot_max_bytes or self.fallback == "never":
+            return "two_shot"
+        return "process group"
 
-    def _one_shot(self, x, out, n) -> None:
+    def _launch(self, kernel, x, out, n) -> None:
         ctx = self.ctx
         W = ctx.world_size
         cap = max(BLOCK, _pow2_at_least(n))  # elements per slot: grown in powers of two, so rarely
@@ -98,7 +120,7 @@ class AllReduce(OverlapOp):
         call = self.call_header((n, x.dtype), (n,))
         programs = max(1, min(cdiv(n, BLOCK), ctx.num_compute_units()))
         block_w = _pow2_at_least(W)
-        launch(one_shot_all_reduce, (programs,), (
+        launch(kernel, (programs,), (
             x, out, data.ptrs, flags.ptrs, header.ptrs, data.local, flags.local, header.local, state.local, n, cap,
             blocks, ctx.err, ctx.budget, ctx.rank, W, self.op, call.fingerprint),
             dict(BLOCK=BLOCK, BLOCK_W=block_w, CLOCK=ctx.clock), num_warps=4)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .all_reduce import ONE_SHOT_MAX_BYTES, AllReduce
+from .all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, AllReduce
 from .base import OverlapOp
 from .checks import check_operands
 
@@ -17,18 +17,18 @@ class GEMMAllReduce(OverlapOp):
 
     ``op(a, w, bias=None, *, out=None)``: ``a`` [M, K_local], ``w`` [K_local, N] (any 2-D strided view, as
     ``weight.t()``), float16 or bfloat16; ``bias`` [N], the same on every rank (rank 0's is added); returns
-    [M, N], the same on every rank. ``fallback`` and
-    ``one_shot_max_bytes`` are the AllReduce's (ops.all_reduce). The partial product is summed in float32 and
-    rounded once to the output dtype.
+    [M, N], the same on every rank. ``algorithm``, ``fallback`` and the thresholds are the AllReduce's
+    (ops.all_reduce). The partial products are summed in float32 and rounded once to the output dtype.
     """
 
     KIND = "gemm_ar"
 
-    def __init__(self, ctx, *, fallback: str = "auto", one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES,
+    def __init__(self, ctx, *, algorithm: str = "auto", fallback: str = "auto",
+                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES, two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
                  name: str | None = None):
         super().__init__(ctx, None, fallback=fallback, name=name, replay=False)
-        self.all_reduce = AllReduce(ctx, fallback=fallback, one_shot_max_bytes=one_shot_max_bytes,
-                                    name=f"{self.name}.all_reduce")
+        self.all_reduce = AllReduce(ctx, algorithm=algorithm, fallback=fallback, one_shot_max_bytes=one_shot_max_bytes,
+                                    two_shot_max_bytes=two_shot_max_bytes, name=f"{self.name}.all_reduce")
 
     def default_config(self, shape, variant=""):
         return None
