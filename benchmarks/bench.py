@@ -393,9 +393,48 @@ def varlen_sdpa(qt, kt, vt, cu, causal):
 CP_BUDGET_S = 1.5  # per timed variant: large shapes take fewer iterations
 
 
+def cudnn_sdpa(qt, kt, vt, causal):
+    """SDPA's cuDNN backend on the full sequence (``[B, H, S, D]``): (forward, forward + backward, note), each None
+    where the backend refuses the shape (the note says why). Where it does not take ``enable_gqa``, K/V heads are
+    expanded to the query heads first (outside the timed call; the note says so)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    note = ""
+
+    def make(k, v, gqa):
+        leaves = [t.detach().requires_grad_() for t in (qt, k, v)]
+        dout = torch.randn_like(qt)
+
+        def fwd():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return sdpa(qt, k, v, is_causal=causal, enable_gqa=gqa)
+
+        def fwd_bwd():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                sdpa(*leaves, is_causal=causal, enable_gqa=gqa).backward(dout)
+
+        return fwd, fwd_bwd
+
+    candidates = [(kt, vt, True)]
+    if qt.shape[1] != kt.shape[1]:
+        rep = qt.shape[1] // kt.shape[1]
+        candidates.append((kt.repeat_interleave(rep, dim=1), vt.repeat_interleave(rep, dim=1), False))
+    for k, v, gqa in candidates:
+        fwd, fwd_bwd = make(k, v, gqa)
+        try:
+            fwd()
+            fwd_bwd()
+            torch.cuda.synchronize()
+            return fwd, fwd_bwd, note
+        except Exception as e:  # noqa: BLE001 - the next candidate, or recorded in the note
+            note += f"cuDNN{' with enable_gqa' if gqa else ''}: {type(e).__name__}: {str(e).splitlines()[0][:120]}; "
+    return None, None, note
+
+
 def bench_cp_attention(ctx, shapes, iters, write_partial):
-    """ours; NCCL all_gather of K/V then our kernel (not overlapped); SDPA flash on the full sequence on one
-    GPU; our kernel alone on this rank's data (as one rank of one) and on the full sequence (same shape as SDPA);
+    """ours; NCCL all_gather of K/V then our kernel (not overlapped); SDPA flash and cuDNN on the full sequence on
+    one GPU; our kernel alone on this rank's data (as one rank of one) and on the full sequence (same shape as SDPA);
     forward + backward of ours and of SDPA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -473,6 +512,14 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
                 ref = single()
                 rec["single_gpu_us"] = time_local(single)
             ref = ref if cu is not None else ref.transpose(1, 2)
+        cudnn_fwd, cudnn_fwd_bwd = None, None
+        if cu is None:
+            cudnn_fwd, cudnn_fwd_bwd, note = cudnn_sdpa(qt, kt, vt, causal)
+            rec["note"] += note
+        else:
+            rec["note"] += "cuDNN: packed documents not timed; "
+        rec["cudnn_us"] = None if cudnn_fwd is None else time_local(cudnn_fwd)
+        rec["fwd_bwd_cudnn_us"] = None if cudnn_fwd_bwd is None else time_local(cudnn_fwd_bwd)
         out_full, lse_full = torch.empty_like(qf), torch.empty(B, Hq, S, device="cuda", dtype=torch.float32)
         # our kernel on this rank's data alone (as one rank of one: its shard's documents are whole documents)
         rec["kernel_only_us"] = time_local(lambda: kernel(q, k, v, k, v, out, lse, 0, 1, local_docs(cu, W)))
@@ -555,10 +602,11 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             "kernel_gathered_us": kernel_gathered if B == 1 else None,
             "single_gpu_us": None if single is None else flash(single),
             "kernel_only_us": lambda: kernel(q, k, v, k, v, out, lse, 0, 1, local_docs(cu, W)),
-            "kernel_full_us": lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1, cu)}, iters, CP_BUDGET_S)
+            "kernel_full_us": lambda: kernel(qf, kf, vf, kf, vf, out_full, lse_full, 0, 1, cu),
+            "cudnn_us": cudnn_fwd}, iters, CP_BUDGET_S)
         side_by_side(ctx, rec, {"fwd_bwd_ours_us": fwd_bwd, "fwd_bwd_nccl_ag_us": nccl_fwd_bwd if B == 1 else None,
-                                "fwd_bwd_single_gpu_us": None if sdpa_fwd_bwd is None else flash(sdpa_fwd_bwd)},
-                     iters, CP_BUDGET_S)
+                                "fwd_bwd_single_gpu_us": None if sdpa_fwd_bwd is None else flash(sdpa_fwd_bwd),
+                                "fwd_bwd_cudnn_us": cudnn_fwd_bwd}, iters, CP_BUDGET_S)
         pairs = sum((b - a) ** 2 for a, b in zip(cu[:-1], cu[1:])) if cu else S * S  # query-key pairs per head
         flops = 4 * B * Hq * pairs * D / (2 if causal else 1)
         single_us, single_fb_us = rec["single_gpu_us"], rec["fwd_bwd_single_gpu_us"]
@@ -567,6 +615,10 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         rec["kernel_full_tflops"] = flops / rec["kernel_full_us"] / 1e6
         rec["single_gpu_tflops"] = None if single_us is None else flops / single_us / 1e6
         rec["efficiency"] = None if single_us is None else single_us / (W * rec["ours_us"])
+        cudnn_us, cudnn_fb_us = rec["cudnn_us"], rec["fwd_bwd_cudnn_us"]
+        rec["cudnn_tflops"] = None if cudnn_us is None else flops / cudnn_us / 1e6
+        rec["efficiency_cudnn"] = None if cudnn_us is None else cudnn_us / (W * rec["ours_us"])
+        rec["fwd_bwd_efficiency_cudnn"] = None if cudnn_fb_us is None else cudnn_fb_us / (W * rec["fwd_bwd_ours_us"])
         # the most any overlap can gain over the NCCL variant: its time over its kernel's alone
         kg_us = rec.get("kernel_gathered_us")
         rec["nccl_ceiling"] = None if kg_us is None or rec["nccl_ag_us"] is None else rec["nccl_ag_us"] / kg_us

@@ -49,7 +49,8 @@ CP_HEADER = ("| B | S | Hq | Hkv | D | causal | docs | ours µs | ours, no repla
              "SDPA flash, 1 GPU, full S µs | our kernel, 1 GPU, full S µs | kernel alone, local µs | "
              "TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd, K/V kept µs | fwd+bwd NCCL µs | "
              "fwd+bwd speed-up vs NCCL | fwd+bwd SDPA 1 GPU µs | fwd+bwd efficiency | held for bwd MiB | "
-             "held, K/V kept MiB |\n|" + "---|" * 31)
+             "held, K/V kept MiB | SDPA cuDNN, 1 GPU, full S µs | efficiency vs cuDNN | fwd+bwd cuDNN 1 GPU µs | "
+             "fwd+bwd efficiency vs cuDNN |\n|" + "---|" * 35)
 
 
 def _cp_row(r):
@@ -66,7 +67,8 @@ def _cp_row(r):
             f"{f(r.get('fwd_bwd_keep_kv_us'))} | {f(r.get('fwd_bwd_nccl_ag_us'))} | "
             f"{ratio(r.get('fwd_bwd_nccl_ag_us'), r['fwd_bwd_ours_us'])} | "
             f"{f(r['fwd_bwd_single_gpu_us'])} | {f(r['fwd_bwd_efficiency'], 2)} | {f(r.get('saved_mib'), 0)} | "
-            f"{f(r.get('saved_keep_kv_mib'), 0)} |")
+            f"{f(r.get('saved_keep_kv_mib'), 0)} | {f(r.get('cudnn_us'))} | {f(r.get('efficiency_cudnn'), 2)} | "
+            f"{f(r.get('fwd_bwd_cudnn_us'))} | {f(r.get('fwd_bwd_efficiency_cudnn'), 2)} |")
 
 
 def write_cp(records, W, out_dir: str) -> None:
@@ -76,7 +78,7 @@ def write_cp(records, W, out_dir: str) -> None:
     with open(base + ".md", "w") as f:
         f.write(_measured(base))
         f.write(f"cp_attention, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks); "
-                f"efficiency = SDPA 1 GPU / (W x ours)"
+                f"efficiency = SDPA 1 GPU / (W x ours), flash or cuDNN backend"
                 + ("; ours, NCCL + kernel, SDPA and our kernel alone timed in turns within each iteration (forward, "
                    "and forward + backward, each a group), so all see the same GPU clock (the values timed one "
                    "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else "")
