@@ -1,6 +1,7 @@
 """A randomised soak of the ops on the host backend: many short jobs of 2 to 4 ranks, each making calls of every op
-with random shapes, chunking, variants and producer delays, every result checked against torch; then tutorial 05
-run over and over, counting processes that abort at exit.
+(AllGather-GEMM, GEMM-RS, CP attention, both AllReduce kernels) with random shapes, chunking, variants and producer
+delays, every result checked against torch; then tutorial 05 run over and over, counting processes that abort at
+exit.
 
     python dev/soak.py [--jobs 20] [--calls 25] [--exit-runs 200] [--seed 0]
 
@@ -35,7 +36,8 @@ def worker(calls: int, seed: int) -> None:
     with to.Context(timeout_s=20, producer_jitter_s=rng.choice([0.0, 0.002])) as ctx:
         W, r = ctx.world_size, ctx.rank
         ops = {"ag": to.AllGatherGEMM(ctx, fallback="never"), "rs": to.GEMMReduceScatter(ctx, fallback="never"),
-               "cp": to.ContextParallelAttention(ctx, chunks_per_rank=rng.choice([2, 4]))}
+               "cp": to.ContextParallelAttention(ctx, chunks_per_rank=rng.choice([2, 4])),
+               "ar": {a: to.AllReduce(ctx, algorithm=a, fallback="never") for a in ("one_shot", "two_shot")}}
         for i in range(calls):
             kind = rng.choice(list(ops))
             g = torch.Generator().manual_seed(seed * 1000 + i)
@@ -55,6 +57,11 @@ def worker(calls: int, seed: int) -> None:
                     cfg = dict(m_per_chunk=rng.choice([None, 3, 8]), scatter=rng.choice(["store", "copy"]))
                     got = ops["rs"](*parts[r], **cfg)
                     ref = sum(a.float() @ b.float() for a, b in parts)[r * (m // W):(r + 1) * (m // W)]
+                elif kind == "ar":
+                    n = rng.choice([1, 7, 1000, 1025, 3000])
+                    xs = [torch.randn(n, generator=g).to(bf) for _ in range(W)]
+                    got = ops["ar"][rng.choice(["one_shot", "two_shot"])](xs[r])
+                    ref = sum(x.float() for x in xs)
                 else:
                     cpr = ops["cp"].chunks_per_rank
                     s_local = 2 * W * rng.randint(1, 3) * cpr // 2

@@ -1,6 +1,6 @@
-"""Which ranks share a host: a Context finds it (hostname and boot id, or TRITON_OVERLAP_VIRTUAL_HOSTS blocks),
-refuses a group that spans hosts with a clear error before it maps any memory, and works on each host's own group
-(the 2-D mesh: one Context per host-local group)."""
+"""Which ranks share a host: a Context finds it (hostname and boot id, or TRITON_OVERLAP_VIRTUAL_HOSTS blocks) and
+maps only its own host's peers; on a group that spans hosts the ops take their torch.distributed path (or refuse
+clearly where they have none); one Context per host's group (the 2-D mesh) overlaps as on one machine."""
 import os
 
 import pytest
@@ -27,20 +27,75 @@ def test_one_host(pool):
     assert len(set(names)) == 1 and "virtual" not in names[0], names
 
 
-def _virtual_hosts(n: int):
+def _blocks(n: int):
+    W = dist.get_world_size()
+    return [[g for g in range(W) if g * n // W == h] for h in range(n)]
+
+
+def _across_hosts(n: int):
+    """A Context on the whole group, split into n virtual hosts: it maps only its own host's peers, the GEMM ops and
+    the AllReduce take their torch.distributed path and are right, what has no such path refuses clearly."""
     W, r = dist.get_world_size(), dist.get_rank()
-    blocks = [[g for g in range(W) if g * n // W == h] for h in range(n)]
+    mine = next(b for b in _blocks(n) if r in b)
+    os.environ[VIRTUAL_HOSTS_ENV] = str(n)
+    before = _shm()
+    try:
+        with to.Context(timeout_s=30) as ctx:
+            assert ctx.num_hosts == n and ctx.local_ranks == mine
+            dev = ctx.device
+            buf = ctx.symmetric("topo.buf", (5,), torch.float32)
+            for p in range(W):
+                if p in mine:
+                    assert buf.peer(p).shape == (5,)
+                else:
+                    with pytest.raises(ValueError, match="another host"):
+                        buf.peer(p)
+            shards = [rand((7, 32), torch.bfloat16, dev, "xh", i) for i in range(W)]
+            w = rand((32, 19), torch.bfloat16, dev, "xh-w")
+            ag = to.AllGatherGEMM(ctx)
+            got = ag(shards[r], w)
+            assert ag.last_path == "fallback" or n == 1  # (one host: a shard this small falls back anyway)
+            assert rel_err(got, torch.cat(shards).float() @ w.float()) < TOL[torch.bfloat16]
+            parts = [(rand((3 * W, 16), torch.bfloat16, dev, "xh-a", i), rand((16, 11), torch.bfloat16, dev, "xh-b", i))
+                     for i in range(W)]
+            full = sum(a.float() @ b.float() for a, b in parts)
+            got = to.gemm_rs(*parts[r], ctx=ctx)
+            assert rel_err(got, full[3 * r:3 * (r + 1)]) < TOL[torch.bfloat16]
+            xs = [rand((1001,), torch.float32, dev, "xh-x", i) for i in range(W)]
+            ar = to.AllReduce(ctx)
+            assert rel_err(ar(xs[r]), sum(x.double() for x in xs)) < 1e-6
+            got = to.gemm_ar(parts[r][0], parts[r][1], ctx=ctx)
+            assert rel_err(got, full) < 2 * TOL[torch.bfloat16]
+            if n > 1:
+                assert ar.last_path == "fallback"
+                for make in (lambda: to.AllGatherGEMM(ctx, fallback="never")(shards[r], w),
+                             lambda: to.ContextParallelAttention(ctx), ctx.barrier):
+                    with pytest.raises((ValueError, RuntimeError), match=f"spans {n} hosts"):
+                        make()
+            ctx.check()
+            ctx.reset()  # bounded, through the store: works across hosts too
+            assert rel_err(ar(xs[r]), sum(x.double() for x in xs)) < 1e-6
+    finally:
+        os.environ.pop(VIRTUAL_HOSTS_ENV, None)
+    assert _shm() <= before
+    return ctx.num_hosts
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 3])
+def test_across_hosts(pool, hosts):
+    if pool.world < hosts:
+        pytest.skip(f"needs {hosts} ranks")
+    assert pool.run(_across_hosts, hosts) == [hosts] * pool.world
+
+
+def _per_host_groups(n: int):
+    """The 2-D mesh: one Context per host's group (every rank makes every block's group: new_group is collective);
+    each is a one-host Context and overlaps."""
+    r = dist.get_rank()
+    blocks = _blocks(n)
     os.environ[VIRTUAL_HOSTS_ENV] = str(n)
     groups = []
     try:
-        if n > 1:  # the whole group spans hosts: refused on every rank before any memory is mapped
-            before = _shm()
-            with pytest.raises(ValueError, match=f"spans {n} hosts") as info:
-                to.Context(timeout_s=30)
-            msg = str(info.value)
-            assert "on virtual host 0" in msg and f"on virtual host {n - 1}" in msg and "one host" in msg, msg
-            assert _shm() <= before
-        # one Context per host: every rank makes every block's group (new_group is collective)
         groups = [dist.new_group(b) for b in blocks]
         mine = next(h for h, b in enumerate(blocks) if r in b)
         block = blocks[mine]
@@ -50,7 +105,8 @@ def _virtual_hosts(n: int):
             dev = ctx.device
             shards = [rand((7, 32), torch.bfloat16, dev, "topo", mine, i) for i in range(ctx.world_size)]
             w = rand((32, 19), torch.bfloat16, dev, "topo-w", mine)
-            got = to.ag_gemm(shards[ctx.rank], w, ctx=ctx)
+            op = to.AllGatherGEMM(ctx, fallback="never" if ctx.world_size > 1 else "auto")
+            got = op(shards[ctx.rank], w)
             ctx.check()
             assert rel_err(got, torch.cat(shards).float() @ w.float()) < TOL[torch.bfloat16]
         return len(block)
@@ -61,13 +117,10 @@ def _virtual_hosts(n: int):
                 dist.destroy_process_group(g)
 
 
-@pytest.mark.parametrize("hosts", [1, 2])
-def test_virtual_hosts(pool, hosts):
-    if pool.world < hosts:
-        pytest.skip(f"needs {hosts} ranks")
+def test_one_context_per_host(pool):
     W = pool.world
-    want = [sum(1 for g in range(W) if g * hosts // W == r * hosts // W) for r in range(W)]  # each rank's block
-    assert pool.run(_virtual_hosts, hosts) == want
+    want = [sum(1 for g in range(W) if g * 2 // W == r * 2 // W) for r in range(W)]  # each rank's block
+    assert pool.run(_per_host_groups, 2) == want
 
 
 def _bad_setting(value: str):

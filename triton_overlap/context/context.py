@@ -73,8 +73,8 @@ class _Allocation:
 class SymmetricTensor:
     """A tensor of the same shape and dtype on every rank, each rank's mapped by all.
 
-    ``local`` is this rank's; ``peer(r)`` views rank r's (``peer(rank) is local``);
-    ``ptrs`` is a device int64 array of every rank's base address, for kernels.
+    ``local`` is this rank's; ``peer(r)`` views rank r's (``peer(rank) is local``), for the ranks on this rank's
+    host; ``ptrs`` is a device int64 array of every rank's base address, for kernels (0 for ranks on other hosts).
     """
 
     name: str
@@ -92,14 +92,18 @@ class SymmetricTensor:
         self._views = []
         for r, raw in enumerate(self._alloc.peers):
             raw = self._alloc.local if r == self.rank else raw
-            self._views.append(raw[:nbytes].view(self.dtype).view(self.shape))
+            self._views.append(None if raw is None else raw[:nbytes].view(self.dtype).view(self.shape))
 
     @property
     def local(self) -> torch.Tensor:
         return self._views[self.rank]
 
     def peer(self, rank: int) -> torch.Tensor:
-        return self._views[rank]
+        view = self._views[rank]
+        if view is None:
+            raise ValueError(f"symmetric buffer {self.name!r}: rank {rank} is on another host, its memory is not "
+                             f"mapped here")
+        return view
 
     @property
     def ptrs(self) -> torch.Tensor:
@@ -110,8 +114,9 @@ class Context:
     """Owns what the overlapped ops share on one process group.
 
     Args:
-        group: an initialised torch.distributed group (None: WORLD), all of whose ranks are on one host: the
-            Context maps every peer's memory into its own. ``num_hosts`` and ``local_ranks`` say what it found.
+        group: an initialised torch.distributed group (None: WORLD). The Context maps the memory of the peers on
+            its own host (``num_hosts`` and ``local_ranks`` say what it found); on a group that spans hosts the
+            ops take their torch.distributed path, and context-parallel attention refuses (not built yet).
         backend: "cuda", "hip", "host", or "auto" (hip on ROCm torch, cuda when a CUDA GPU is present, host
             otherwise).
         timeout_s: how long any wait may last before it gives up with an error: the kernels' waits and the
@@ -139,12 +144,7 @@ class Context:
         self._closed = False
         keys = self._exchange(host_key(dist.get_rank(), dist.get_world_size()), "Context set-up: finding hosts")
         self.topology = Topology.from_keys(keys)
-        if self.topology.num_hosts > 1:
-            raise ValueError(
-                f"triton_overlap.Context: this group spans {self.topology.num_hosts} hosts "
-                f"({self.topology.describe()}), and a Context maps every peer's memory, which works within one host "
-                f"only; ops across hosts are not built yet. Make one Context per group of ranks on one host (with "
-                f"a DeviceMesh, the mesh dimension that lies within a host) and use torch.distributed across hosts.")
+        self._mapped = set(self.topology.local_ranks(self.rank))  # the ranks whose memory this rank maps
         name = _pick_backend(backend)
         self.backend_name = name
         self._backend = self._make_backend(name)
@@ -171,7 +171,8 @@ class Context:
         # the ranks' first barrier starts in step rather than a kernel build apart
         self._build_barrier()
         self._exchange(None, "Context set-up")
-        self.barrier()
+        if self.num_hosts == 1:
+            self.barrier()
         self.synchronize()
         self.check()
 
@@ -235,6 +236,13 @@ class Context:
         """The group ranks on this rank's host, this rank included."""
         return self.topology.local_ranks(self.rank)
 
+    def across_hosts(self, what: str) -> str:
+        """Why ``what`` cannot overlap on this Context's group, which spans hosts (ops take their torch.distributed
+        path, or refuse with this text where they have none)."""
+        return (f"{what}: this Context's group spans {self.num_hosts} hosts ({self.topology.describe()}); the "
+                f"overlapped path maps every peer's memory, which works within one host, and its path across hosts "
+                f"is not built yet")
+
     def _exchange(self, obj, what: str, tag: str | None = None) -> list:
         """Every rank's ``obj`` through the control plane (bounded); a missing peer, or a peer's fault, faults the
         Context."""
@@ -288,9 +296,8 @@ class Context:
             code, rank, op, peer, what = (int(f) for f in fields)
             word[sig.ERR_CODE], word[sig.ERR_RANK], word[sig.ERR_OP] = int(sig.ERR_RELAYED), rank, op
             word[sig.ERR_PEER], word[sig.ERR_WHAT], word[sig.ERR_ORIGIN_CODE] = peer, what, code
-            for p in range(self.world_size):
-                if p != self.rank:
-                    self._backend.relay_error(self._errors.peer(p), word)
+            for p in self._mapped - {self.rank}:  # ranks on other hosts learn it from the store
+                self._backend.relay_error(self._errors.peer(p), word)
         except Exception:  # noqa: BLE001 - telling the peers is best effort: their own waits are bounded anyway
             pass
 
@@ -384,14 +391,15 @@ class Context:
         local, handle = b.alloc(nbytes)
         try:
             handles = self._exchange(handle, f"allocating {name!r}")
-            peers = [None if r == self.rank else b.open(h, nbytes) for r, h in enumerate(handles)]
-            self._exchange(None, f"allocating {name!r}, mapped")  # every rank has mapped every buffer
+            peers = [b.open(h, nbytes) if r != self.rank and r in self._mapped else None
+                     for r, h in enumerate(handles)]  # ranks on other hosts: not mapped (None)
+            self._exchange(None, f"allocating {name!r}, mapped")  # every rank has mapped every buffer it can
         except BaseException:
             b.release(local, handle, [])
             raise
         b.after_exchange(handle)
-        views = [local if p is None else p for p in peers]
-        ptrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
+        ptrs = torch.tensor([local.data_ptr() if r == self.rank else 0 if p is None else p.data_ptr()
+                             for r, p in enumerate(peers)], dtype=torch.int64, device=self.device)
         self.generation += 1
         return _Allocation(nbytes, local, handle, peers, ptrs)
 
@@ -428,6 +436,8 @@ class Context:
         before, not during, a persistent kernel that occupies every SM.
         """
         self.ensure_open()
+        if self.num_hosts > 1:
+            raise RuntimeError(self.across_hosts("Context.barrier"))
         stream = stream or self.current_stream()
         call = call or _OWN
         block = 1

@@ -36,7 +36,8 @@ class AllGatherGEMM(OverlapOp):
     device when the GEMM runs, so a replayed call follows its current value. The gather moves one byte per element.
 
     ``fallback="auto"`` takes NCCL all_gather + torch.matmul when the shard is under FALLBACK_SHARD_BYTES, when
-    W = 1, or for an eager call whose GEMM is too short to pay for the host's cost of an overlapped one.
+    W = 1, for an eager call whose GEMM is too short to pay for the host's cost of an overlapped one, and on a
+    group that spans hosts.
     ``max_m``: the largest gathered M accepted (None: the workspace grows as needed).
     """
 
@@ -93,6 +94,8 @@ class AllGatherGEMM(OverlapOp):
         return self._returned(a, out, return_gathered)
 
     def _use_fallback(self, a, w, shape_key) -> bool:
+        if not self.overlap_possible():
+            return True
         if self.fallback != "auto":
             return self.fallback == "always"
         W = self.ctx.world_size

@@ -40,9 +40,9 @@ class AllReduce(OverlapOp):
 
     ``algorithm="auto"`` takes the one-shot kernel up to ``one_shot_max_bytes``, the two-shot kernel up to
     ``two_shot_max_bytes`` (each rank sums 1/W of the blocks and sends the sums: less traffic, one more wait), and
-    above that, or for W = 1, the process group's all_reduce (NCCL on GPUs); ``"one_shot"`` or ``"two_shot"`` always
-    that kernel. ``fallback="always"`` always takes the process group; ``"never"`` never does (sizes beyond
-    ``two_shot_max_bytes`` take the two-shot kernel).
+    above that, for W = 1 or on a group that spans hosts, the process group's all_reduce (NCCL on GPUs);
+    ``"one_shot"`` or ``"two_shot"`` always that kernel. ``fallback="always"`` always takes the process group;
+    ``"never"`` never does (sizes beyond ``two_shot_max_bytes`` take the two-shot kernel; across hosts it raises).
 
     The receive slots grow to the largest message seen (2 x W x its size per rank, collectively, on a size's
     first call); make one eager call at the largest size before capturing calls in a CUDA graph.
@@ -98,6 +98,8 @@ class AllReduce(OverlapOp):
     def _pick(self, nbytes: int) -> str:
         """"one_shot", "two_shot" or "process group" for a message of ``nbytes``."""
         if self.fallback == "always" or self.fallback == "auto" and self.ctx.world_size == 1:
+            return "process group"
+        if not self.overlap_possible():
             return "process group"
         if self.algorithm != "auto":
             return self.algorithm

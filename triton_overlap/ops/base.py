@@ -126,6 +126,15 @@ class OverlapOp:
             got = headers[descriptor] = self.ctx.call(self.op, descriptor, dims)
         return got
 
+    def overlap_possible(self) -> bool:
+        """Whether the overlapped path can run on this Context: not where its group spans hosts (the op then takes
+        its torch.distributed path; with ``fallback="never"`` it raises ValueError)."""
+        if self.ctx.num_hosts == 1:
+            return True
+        if self.fallback == "never":
+            raise ValueError(self.ctx.across_hosts(self.KIND) + '; fallback="never" asks for it')
+        return False
+
     def warm(self, key) -> bool:
         """Whether a call with ``key`` (a shape and layout) has been enqueued before; marks it. A shape's first call
         builds its kernels, so it enqueues the copies before the consumer (producers.pipeline's consumer_first)."""

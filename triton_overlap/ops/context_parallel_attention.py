@@ -98,6 +98,7 @@ class ContextParallelAttention(OverlapOp):
         if chunks_per_rank < 2 or chunks_per_rank % 2:
             raise ValueError(f"chunks_per_rank must be an even number >= 2, got {chunks_per_rank}")
         super().__init__(ctx, config, fallback="never", name=name, replay=replay)
+        self.overlap_possible()  # ValueError on a group that spans hosts: there is no other path
         self.chunks_per_rank = chunks_per_rank
         self.keep_kv = keep_kv
         from . import custom_ops

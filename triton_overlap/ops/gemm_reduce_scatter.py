@@ -64,9 +64,9 @@ class GEMMReduceScatter(OverlapOp):
     are summed in float32. ``overrides`` set GEMMReduceScatterConfig fields for this call.
 
     ``fallback="auto"`` takes torch.matmul + NCCL reduce-scatter when each rank's share of the output is under
-    FALLBACK_PARTIAL_BYTES, when W = 1, or for an eager call whose GEMM is too short to pay for the host's cost of
-    an overlapped one. ``max_m``: the largest M accepted. ``last_gemm``: the GEMM the last overlapped call ran,
-    "gemm_warp_specialized" or "gemm".
+    FALLBACK_PARTIAL_BYTES, when W = 1, for an eager call whose GEMM is too short to pay for the host's cost of an
+    overlapped one, and on a group that spans hosts. ``max_m``: the largest M accepted. ``last_gemm``: the GEMM
+    the last overlapped call ran, "gemm_warp_specialized" or "gemm".
     """
 
     KIND = "gemm_rs"
@@ -125,6 +125,8 @@ class GEMMReduceScatter(OverlapOp):
         return out
 
     def _use_fallback(self, a, w, shape_key) -> bool:
+        if not self.overlap_possible():
+            return True
         if self.fallback != "auto":
             return self.fallback == "always"
         W = self.ctx.world_size
