@@ -628,6 +628,20 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     return records
 
 
+def time_graph_columns(ctx, rec, fns, iters) -> None:
+    """``rec[<key minus _us>_graph_us]`` for every ``fns[key]`` that can be captured (capturable): its CUDA-graph
+    replay; a failure is recorded in the note and leaves None."""
+    for k, fn in fns.items():
+        key = k.replace("_us", "_graph_us")
+        rec[key] = None
+        if capturable(k, rec):
+            try:
+                rec[key] = timed(capture(fn).replay, iters)
+            except Exception as e:  # noqa: BLE001 - recorded in the note
+                rec["note"] += f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+    ctx.check()
+
+
 def capturable(key: str, rec: dict) -> bool:
     """Whether the timed function ``key`` can be captured in a CUDA graph: not where it calls the process group and
     that is gloo (--shared-gpu; a failed capture leaves torch's allocator unusable)."""
@@ -684,17 +698,7 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
         rec["path"] = ours.last_path
         ctx.check()
         side_by_side(ctx, rec, fns, iters, budget_s=2.0)
-        for k, fn in fns.items():
-            key = k.replace("_us", "_graph_us")
-            if not capturable(k, rec):
-                rec[key] = None
-                continue
-            try:
-                rec[key] = timed(capture(fn).replay, iters)
-            except Exception as e:  # noqa: BLE001 - recorded in the note
-                rec[key] = None
-                rec["note"] += f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
-        ctx.check()
+        time_graph_columns(ctx, rec, fns, iters)
         records.append(rec)
         write_partial(records)
         say(ar_row(rec))
@@ -735,17 +739,7 @@ def bench_gemm_ar(ctx, shapes, iters, write_partial):
                 rec["note"] += f"{k}: {note}; "
         ctx.check()
         side_by_side(ctx, rec, fns, iters, budget_s=2.0)
-        for k, fn in fns.items():
-            key = k.replace("_us", "_graph_us")
-            if not capturable(k, rec):
-                rec[key] = None
-                continue
-            try:
-                rec[key] = timed(capture(fn).replay, iters)
-            except Exception as e:  # noqa: BLE001 - recorded in the note
-                rec[key] = None
-                rec["note"] += f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
-        ctx.check()
+        time_graph_columns(ctx, rec, fns, iters)
         records.append(rec)
         write_partial(records)
         say(gemm_ar_row(rec))

@@ -19,8 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .signal import ERR_CALL, ERR_MISMATCH, ERR_OP, ERR_OWN_FINGERPRINT, ERR_PEER, ERR_PEER_HEADER, ERR_RANK, \
-    load_acquire, wait_flag
+from .signal import check_header, wait_flag
 
 
 @triton.jit
@@ -52,19 +51,34 @@ def _wait_block(local_flags, local_header, p, b, max_blocks, e, half, err_ptr, b
     """Wait (bounded) until peer ``p`` has raised block ``b``'s flag for call ``e``, then compare its header with this
     rank's: a difference is ERR_MISMATCH. Every thread of the program is ordered after the wait."""
     if wait_flag(local_flags + p * max_blocks + b, e, err_ptr, budget, rank, op, p, b, CLOCK):
-        h = local_header + (half * world + p) * 4
-        bad = (load_acquire(h) != e) | (tl.load(h + 1, volatile=True) != op)
-        bad = bad | (tl.load(h + 2, volatile=True) != fingerprint)
-        if bad:
-            if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
-                tl.store(err_ptr + ERR_RANK, rank)
-                tl.store(err_ptr + ERR_OP, op)
-                tl.store(err_ptr + ERR_PEER, p)
-                tl.store(err_ptr + ERR_CALL, e)
-                for i in range(0, 4):
-                    tl.store(err_ptr + ERR_PEER_HEADER + i, tl.load(h + i, volatile=True))
-                tl.store(err_ptr + ERR_OWN_FINGERPRINT, fingerprint)
+        check_header(local_header + (half * world + p) * 4, e, op, fingerprint, err_ptr, rank, p, 4)
     tl.debug_barrier()
+
+
+@triton.jit
+def _push(x, data_ptrs, offs, inside, cap, half, rank, world):
+    """``x`` (a block at ``offs``) into slot [half][rank] of every peer."""
+    for p in range(0, world):
+        if p != rank:
+            base = tl.load(data_ptrs + p).to(tl.pointer_type(x.dtype))
+            tl.store(base + (half * world + rank) * cap + offs, x, mask=inside)
+
+
+@triton.jit
+def _sum_parts(x_ptr, local_data, local_flags, local_header, b, offs, inside, cap, max_blocks, e, half, err_ptr,
+               budget, rank, world, op, fingerprint, BLOCK: tl.constexpr, CLOCK: tl.constexpr):
+    """Block ``b``'s sum over ranks in float32, in rank order: this rank's part from ``x``, each peer's from its slot
+    once its flag is up."""
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for p in range(0, world):
+        if p == rank:
+            acc += tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+        else:
+            _wait_block(local_flags, local_header, p, b, max_blocks, e, half, err_ptr, budget, rank, world, op,
+                        fingerprint, CLOCK)
+            acc += tl.load(local_data + (half * world + p) * cap + offs, mask=inside, other=0.0,
+                           cache_modifier=".cg").to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -90,25 +104,14 @@ def one_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local
     for b in range(pid, n_blocks, programs):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
-        x = tl.load(x_ptr + offs, mask=inside)
-        for p in range(0, world):
-            if p != rank:
-                base = tl.load(data_ptrs + p).to(tl.pointer_type(x_ptr.dtype.element_ty))
-                tl.store(base + (half * world + rank) * cap + offs, x, mask=inside)
+        _push(tl.load(x_ptr + offs, mask=inside), data_ptrs, offs, inside, cap, half, rank, world)
         _notify_block(flag_ptrs, e, rank, b, max_blocks, world, BLOCK_W)
     # each block: every peer's flag, then the sum of the W slots in rank order
     for b in range(pid, n_blocks, programs):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
-        acc = tl.zeros((BLOCK,), tl.float32)
-        for p in range(0, world):
-            if p == rank:
-                acc += tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-            else:
-                _wait_block(local_flags, local_header, p, b, max_blocks, e, half, err_ptr, budget, rank, world, op,
-                            fingerprint, CLOCK)
-                slot = local_data + (half * world + p) * cap
-                acc += tl.load(slot + offs, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
+        acc = _sum_parts(x_ptr, local_data, local_flags, local_header, b, offs, inside, cap, max_blocks, e, half,
+                         err_ptr, budget, rank, world, op, fingerprint, BLOCK, CLOCK)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=inside)
     _count_call(state_ptr, e)
 
@@ -145,21 +148,11 @@ def two_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local
         if b % world == rank:
             offs = b * BLOCK + tl.arange(0, BLOCK)
             inside = offs < n
-            acc = tl.zeros((BLOCK,), tl.float32)
-            for p in range(0, world):
-                if p == rank:
-                    acc += tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-                else:
-                    _wait_block(local_flags, local_header, p, b, max_blocks, e, half, err_ptr, budget, rank, world,
-                                op, fingerprint, CLOCK)
-                    acc += tl.load(local_data + (half * world + p) * cap + offs, mask=inside, other=0.0,
-                                   cache_modifier=".cg").to(tl.float32)
+            acc = _sum_parts(x_ptr, local_data, local_flags, local_header, b, offs, inside, cap, max_blocks, e, half,
+                             err_ptr, budget, rank, world, op, fingerprint, BLOCK, CLOCK)
             y = acc.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + offs, y, mask=inside)
-            for p in range(0, world):
-                if p != rank:
-                    base = tl.load(data_ptrs + p).to(tl.pointer_type(x_ptr.dtype.element_ty))
-                    tl.store(base + (half * world + rank) * cap + offs, y, mask=inside)
+            _push(y, data_ptrs, offs, inside, cap, half, rank, world)
             _notify_block(flag_ptrs, e, rank, b, max_blocks, world, BLOCK_W)
     # the sums of the blocks others own
     for b in range(pid, n_blocks, programs):

@@ -144,6 +144,23 @@ def wait_kernel(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: 
     wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK)
 
 
+@triton.jit
+def check_header(h, e, op, fingerprint, err_ptr, rank, peer, N_WORDS: tl.constexpr):
+    """Compare peer ``peer``'s header at ``h`` (call, op, fingerprint, then sizes; read after the wait that saw the
+    peer arrive) with this call's: a difference is recorded as ERR_MISMATCH with the peer's first N_WORDS words."""
+    bad = (tl.load(h, volatile=True) != e) | (tl.load(h + 1, volatile=True) != op)
+    bad = bad | (tl.load(h + 2, volatile=True) != fingerprint)
+    if bad:
+        if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
+            tl.store(err_ptr + ERR_RANK, rank)
+            tl.store(err_ptr + ERR_OP, op)
+            tl.store(err_ptr + ERR_PEER, peer)
+            tl.store(err_ptr + ERR_CALL, e)
+            for i in range(0, N_WORDS):
+                tl.store(err_ptr + ERR_PEER_HEADER + i, tl.load(h + i, volatile=True))
+            tl.store(err_ptr + ERR_OWN_FINGERPRINT, fingerprint)
+
+
 @triton.jit(do_not_specialize=["budget", "op", "fingerprint", "d0", "d1", "d2", "d3"])
 def barrier_kernel(peer_slots_ptr, local_slots_ptr, count_ptr, header_ptrs, local_header_ptr, err_ptr, budget, rank,
                    world, op, fingerprint, d0, d1, d2, d3, BLOCK_W: tl.constexpr, CLOCK: tl.constexpr):
@@ -184,16 +201,5 @@ def barrier_kernel(peer_slots_ptr, local_slots_ptr, count_ptr, header_ptrs, loca
     tl.store(err_ptr + ERR_CURRENT_CALL, e)
     for p in range(0, world):
         if wait_flag(local_slots_ptr + p, e, err_ptr, budget, rank, op, p, WHAT_ARRIVAL, CLOCK):
-            h = local_header_ptr + (half * world + p) * 8
-            bad = (tl.load(h, volatile=True) != e) | (tl.load(h + 1, volatile=True) != op)
-            bad = bad | (tl.load(h + 2, volatile=True) != fingerprint)
-            if bad:
-                if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
-                    tl.store(err_ptr + ERR_RANK, rank)
-                    tl.store(err_ptr + ERR_OP, op)
-                    tl.store(err_ptr + ERR_PEER, p)
-                    tl.store(err_ptr + ERR_CALL, e)
-                    for i in range(0, 7):
-                        tl.store(err_ptr + ERR_PEER_HEADER + i, tl.load(h + i, volatile=True))
-                    tl.store(err_ptr + ERR_OWN_FINGERPRINT, fingerprint)
+            check_header(local_header_ptr + (half * world + p) * 8, e, op, fingerprint, err_ptr, rank, p, 7)
     tl.store(count_ptr, e)
