@@ -628,9 +628,16 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     return records
 
 
-def time_graph_columns(ctx, rec, fns, iters) -> None:
-    """``rec[<key minus _us>_graph_us]`` for every ``fns[key]`` that can be captured (capturable): its CUDA-graph
-    replay; a failure is recorded in the note and leaves None."""
+def time_columns(ctx, rec, fns, iters) -> None:
+    """``rec[key]`` for every ``fns[key]``: timed alone, then all in turns (side_by_side); and
+    ``rec[<key minus _us>_graph_us]`` for those that can be captured (capturable), as CUDA-graph replays. A failure
+    is recorded in the note and leaves None. ``rec["path"]`` must say already which path ours takes."""
+    for k, fn in fns.items():
+        rec[k], note = try_time(fn, iters)
+        if note:
+            rec["note"] += f"{k}: {note}; "
+    ctx.check()
+    side_by_side(ctx, rec, fns, iters, budget_s=2.0)
     for k, fn in fns.items():
         key = k.replace("_us", "_graph_us")
         rec[key] = None
@@ -691,14 +698,9 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
         for name, kernel in (("one_shot", one_shot), ("two_shot", two_shot)):  # also sizes the slots before capture
             kernel(x, out=out)
             rec[f"{name}_rel_err"] = float((out.double() - ref).norm() / ref.norm())
-        for k in list(fns):
-            rec[k], note = try_time(fns[k], iters)
-            if note:
-                rec["note"] += f"{k}: {note}; "
+        ours(x, out=out)
         rec["path"] = ours.last_path
-        ctx.check()
-        side_by_side(ctx, rec, fns, iters, budget_s=2.0)
-        time_graph_columns(ctx, rec, fns, iters)
+        time_columns(ctx, rec, fns, iters)
         records.append(rec)
         write_partial(records)
         say(ar_row(rec))
@@ -733,13 +735,7 @@ def bench_gemm_ar(ctx, shapes, iters, write_partial):
         rec["rel_err"] = float((out.double() - ref).norm() / ref.norm())
         rec["path"] = op.last_path
         fns = {"ours_us": lambda: op(a, w, out=out), "nccl_us": nccl, "gemm_us": lambda: torch.matmul(a, w, out=y)}
-        for k in fns:
-            rec[k], note = try_time(fns[k], iters)
-            if note:
-                rec["note"] += f"{k}: {note}; "
-        ctx.check()
-        side_by_side(ctx, rec, fns, iters, budget_s=2.0)
-        time_graph_columns(ctx, rec, fns, iters)
+        time_columns(ctx, rec, fns, iters)
         records.append(rec)
         write_partial(records)
         say(gemm_ar_row(rec))

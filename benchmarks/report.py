@@ -71,22 +71,28 @@ def _cp_row(r):
             f"{f(r.get('fwd_bwd_cudnn_us'))} | {f(r.get('fwd_bwd_efficiency_cudnn'), 2)} |")
 
 
-def write_cp(records, W, out_dir: str) -> None:
+def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, label) -> None:
+    """``<op>-<gpu>x<W>.json`` and ``.md``: the provenance, ``caption``, the table (``header``, ``row(record)`` per
+    record) and each record's note under ``label(record)``."""
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"cp_attention-{records[0]['gpu']}x{W}")
-    _save_json(base, "cp_attention", W, records)
+    base = os.path.join(out_dir, f"{op}-{records[0]['gpu']}x{W}")
+    _save_json(base, op, W, records)
     with open(base + ".md", "w") as f:
         f.write(_measured(base))
-        f.write(f"cp_attention, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks); "
-                f"efficiency = SDPA 1 GPU / (W x ours), flash or cuDNN backend"
-                + ("; ours, NCCL + kernel, SDPA and our kernel alone timed in turns within each iteration (forward, "
-                   "and forward + backward, each a group), so all see the same GPU clock (the values timed one "
-                   "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else "")
-                + f"\n\n{CP_HEADER}\n")
-        f.write("\n".join(_cp_row(r) for r in records) + "\n")
-        notes = [f"- S={r['S']} causal={r['causal']}: {r['note']}" for r in records if r["note"]]
+        f.write(f"{op}, {records[0]['gpu']} x{W}, {caption}\n\n{header}\n")
+        f.write("\n".join(row(r) for r in records) + "\n")
+        notes = [f"- {label(r)}: {r['note']}" for r in records if r["note"]]
         if notes:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+
+
+def write_cp(records, W, out_dir: str) -> None:
+    caption = ("bf16, median µs (max over ranks); efficiency = SDPA 1 GPU / (W x ours), flash or cuDNN backend"
+               + ("; ours, NCCL + kernel, SDPA and our kernel alone timed in turns within each iteration (forward, "
+                  "and forward + backward, each a group), so all see the same GPU clock (the values timed one "
+                  "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else ""))
+    _write_table("cp_attention", records, W, out_dir, caption, CP_HEADER, _cp_row,
+                 lambda r: f"S={r['S']} causal={r['causal']}")
 
 
 AR_HEADER = ("| bytes | ours µs | one-shot forced µs | two-shot forced µs | NCCL µs | torch one-shot µs | "
@@ -96,10 +102,20 @@ AR_HEADER = ("| bytes | ours µs | one-shot forced µs | two-shot forced µs | N
 # latency plus the message over the measured bandwidth of a copy into a peer's memory
 
 
+def _us(v) -> str:
+    return "n/a" if v is None else f"{v:8.1f}"
+
+
+def _speedup(a, b) -> str:
+    return "n/a" if not a or not b else f"{a / b:.2f}x"
+
+
+def _ours_path(r) -> str:
+    return " (NCCL)" if r.get("path") == "fallback" else ""
+
+
 def ar_row(r):
-    f = lambda v: "n/a" if v is None else f"{v:8.1f}"  # noqa: E731
-    ratio = lambda a, b: "n/a" if not a or not b else f"{a / b:.2f}x"  # noqa: E731
-    path = " (NCCL)" if r.get("path") == "fallback" else ""
+    f, ratio, path = _us, _speedup, _ours_path(r)
     return (f"| {r['bytes']} | {f(r.get('ours_us'))}{path} | {f(r.get('one_shot_us'))} | {f(r.get('two_shot_us'))} | "
             f"{f(r.get('nccl_us'))} | {f(r.get('torch_one_shot_us'))} | {f(r.get('torch_two_shot_us'))} | "
             f"{f(r['bound_us'])} | {ratio(r.get('nccl_us'), r.get('ours_us'))} | "
@@ -109,18 +125,9 @@ def ar_row(r):
 
 
 def write_all_reduce(records, W, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"all_reduce-{records[0]['gpu']}x{W}")
-    _save_json(base, "all_reduce", W, records)
-    with open(base + ".md", "w") as f:
-        f.write(_measured(base))
-        f.write(f"all_reduce, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks), timed in turns within "
-                f"each iteration; peer copy bandwidth {records[0]['peer_bandwidth_gbs']:.0f} GB/s, empty kernel "
-                f"{records[0]['latency_us']:.1f} µs\n\n{AR_HEADER}\n")
-        f.write("\n".join(ar_row(r) for r in records) + "\n")
-        notes = [f"- {r['bytes']} bytes: {r['note']}" for r in records if r["note"]]
-        if notes:
-            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+    caption = (f"bf16, median µs (max over ranks), timed in turns within each iteration; peer copy bandwidth "
+               f"{records[0]['peer_bandwidth_gbs']:.0f} GB/s, empty kernel {records[0]['latency_us']:.1f} µs")
+    _write_table("all_reduce", records, W, out_dir, caption, AR_HEADER, ar_row, lambda r: f"{r['bytes']} bytes")
 
 
 GEMM_AR_HEADER = ("| M | K | N | ours µs | matmul + NCCL µs | GEMM alone µs | speed-up vs NCCL | ours graph µs | "
@@ -128,26 +135,17 @@ GEMM_AR_HEADER = ("| M | K | N | ours µs | matmul + NCCL µs | GEMM alone µs |
 
 
 def gemm_ar_row(r):
-    f = lambda v: "n/a" if v is None else f"{v:8.1f}"  # noqa: E731
-    ratio = lambda a, b: "n/a" if not a or not b else f"{a / b:.2f}x"  # noqa: E731
-    path = " (NCCL)" if r.get("path") == "fallback" else ""
+    f, ratio, path = _us, _speedup, _ours_path(r)
     return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r.get('ours_us'))}{path} | {f(r.get('nccl_us'))} | "
             f"{f(r.get('gemm_us'))} | {ratio(r.get('nccl_us'), r.get('ours_us'))} | {f(r.get('ours_graph_us'))} | "
             f"{f(r.get('nccl_graph_us'))} | {ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} |")
 
 
 def write_gemm_ar(records, W, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"gemm_ar-{records[0]['gpu']}x{W}")
-    _save_json(base, "gemm_ar", W, records)
-    with open(base + ".md", "w") as f:
-        f.write(_measured(base))
-        f.write(f"gemm_ar, {records[0]['gpu']} x{W}, bf16, K over all ranks (each has K/W), B as weight.t(), median "
-                f"µs (max over ranks), timed in turns within each iteration\n\n{GEMM_AR_HEADER}\n")
-        f.write("\n".join(gemm_ar_row(r) for r in records) + "\n")
-        notes = [f"- {r['M']}x{r['K']}x{r['N']}: {r['note']}" for r in records if r["note"]]
-        if notes:
-            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+    caption = ("bf16, K over all ranks (each has K/W), B as weight.t(), median µs (max over ranks), timed in turns "
+               "within each iteration")
+    _write_table("gemm_ar", records, W, out_dir, caption, GEMM_AR_HEADER, gemm_ar_row,
+                 lambda r: f"{r['M']}x{r['K']}x{r['N']}")
 
 
 def _row(r):
