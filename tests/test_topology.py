@@ -1,6 +1,9 @@
 """Which ranks share a host: a Context finds it (hostname and boot id, or TRITON_OVERLAP_VIRTUAL_HOSTS blocks) and
-maps only its own host's peers; on a group that spans hosts the ops take their torch.distributed path (or refuse
-clearly where they have none); one Context per host's group (the 2-D mesh) overlaps as on one machine."""
+maps only its own host's peers; on a group that spans hosts AllGather-GEMM, GEMM-ReduceScatter and context-parallel
+attention move data between hosts through the process group (the op tests' own cases, run under virtual hosts), the
+AllReduce ops take their torch.distributed path, faults name the peer on the other host; one Context per host's
+group (the 2-D mesh) overlaps as on one machine."""
+import importlib
 import os
 
 import pytest
@@ -33,8 +36,9 @@ def _blocks(n: int):
 
 
 def _across_hosts(n: int):
-    """A Context on the whole group, split into n virtual hosts: it maps only its own host's peers, the GEMM ops and
-    the AllReduce take their torch.distributed path and are right, what has no such path refuses clearly."""
+    """A Context on the whole group, split into n virtual hosts: it maps only its own host's peers, small GEMM calls
+    and the AllReduce take their torch.distributed path and are right, the overlap runs between hosts of one size
+    and refuses clearly between hosts of different sizes."""
     W, r = dist.get_world_size(), dist.get_rank()
     mine = next(b for b in _blocks(n) if r in b)
     os.environ[VIRTUAL_HOSTS_ENV] = str(n)
@@ -66,12 +70,19 @@ def _across_hosts(n: int):
             assert rel_err(ar(xs[r]), sum(x.double() for x in xs)) < 1e-6
             got = to.gemm_ar(parts[r][0], parts[r][1], ctx=ctx)
             assert rel_err(got, full) < 2 * TOL[torch.bfloat16]
+            ctx.barrier()  # among this host's ranks
             if n > 1:
                 assert ar.last_path == "fallback"
-                for make in (lambda: to.AllGatherGEMM(ctx, fallback="never")(shards[r], w),
-                             lambda: to.ContextParallelAttention(ctx), ctx.barrier):
-                    with pytest.raises((ValueError, RuntimeError), match=f"spans {n} hosts"):
-                        make()
+                never = to.AllGatherGEMM(ctx, fallback="never", name="xh.never")
+                if ctx.topology.uniform:  # the path between hosts
+                    got = never(shards[r], w)
+                    assert never.last_path == "overlap"
+                    assert rel_err(got, torch.cat(shards).float() @ w.float()) < TOL[torch.bfloat16]
+                    to.ContextParallelAttention(ctx)
+                else:  # hosts of different sizes: no counterparts to pair
+                    for make in (lambda: never(shards[r], w), lambda: to.ContextParallelAttention(ctx)):
+                        with pytest.raises(ValueError, match=f"spans {n} hosts.*different numbers of ranks"):
+                            make()
             ctx.check()
             ctx.reset()  # bounded, through the store: works across hosts too
             assert rel_err(ar(xs[r]), sum(x.double() for x in xs)) < 1e-6
@@ -145,3 +156,61 @@ def test_topology_from_keys():
     assert t.local_ranks(4) == [2, 4] and t.host_of(3) == 0
     assert t.describe() == "ranks 0, 1, 3 on b; ranks 2, 4 on a"
     assert Topology.from_keys(["x"] * 3).describe() == "ranks 0-2 on x"
+
+
+def _under_hosts(n: int, module: str, name: str, *args):
+    """``module.name(*args)`` (an op test's case) on a Context split into ``n`` virtual hosts."""
+    os.environ[VIRTUAL_HOSTS_ENV] = str(n)
+    try:
+        return getattr(importlib.import_module(module), name)(*args)
+    finally:
+        os.environ.pop(VIRTUAL_HOSTS_ENV, None)
+
+
+def _layouts(world: int):
+    """The virtual-host splits with hosts of one size: one rank per host, and two per host where W = 4."""
+    return [world] + ([2] if world == 4 else [])
+
+
+# (module, case function, case): the op tests' own checks (poisoned outputs and workspaces, odd sizes, producer
+# delays) against their float32 references. Host backend cases, and GPU ones for cuda-shared.
+BETWEEN_HOSTS = {
+    "ag push": ("test_ag_gemm", "_case", (37, 48, 40, "bfloat16", True, False, 16, None, 0.0, 2, "push"),
+                (4091, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 2, "push")),
+    "ag transposed, delays": ("test_ag_gemm", "_case", (29, 64, 33, "float16", False, True, 7, 1, 0.003, 2, "push"),
+                              (4091, 512, 1000, "float16", False, True, 1000, 1, 0.001, 2, "push")),
+    "rs fused, delays": ("test_gemm_rs", "_case", (32 * 24, 64, 33, "float16", False, True, 7, 2, "copy", 0.003),
+                         (8192, 1024, 1536, "bfloat16", True, False, 512, 2, "copy", 0.0005)),
+    "rs reduction kernel": ("test_gemm_rs", "_case", (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0,
+                                                      False),
+                            (8184, 512, 1000, "float16", False, True, 1000, 2, "store", 0.0, False)),
+    "cp forward": ("test_cp_attention", "_case", (1, 96, 4, 1, 64, True, "bfloat16", 2, 2, 0.005),
+                   (1, 4096, 32, 8, 128, True, "bfloat16", 2, 2)),
+    "cp backward": ("test_cp_attention", "_grad_case", (1, 48, 4, 1, 64, True, "bfloat16", 2, False),
+                    (1, 4096, 16, 4, 128, True, "bfloat16", 2, False)),
+    "cp backward, kept K/V": ("test_cp_attention", "_grad_case", (2, 48, 4, 2, 64, False, "float16", 2, True),
+                              (1, 4096, 16, 4, 128, True, "bfloat16", 4, True)),
+}
+
+
+@pytest.mark.parametrize("what", list(BETWEEN_HOSTS))
+def test_ops_between_hosts(pool, what):
+    module, fn, host_case, gpu_case = BETWEEN_HOSTS[what]
+    for n in _layouts(pool.world):
+        pool.run(_under_hosts, n, module, fn, *(host_case if pool.backend == "host" else gpu_case))
+
+
+# The fault tests' own cases, one rank per host: a peer on another host that never makes a repeated call is named
+# within the timeout (the exchange of call headers between hosts waits for it); ranks whose calls differ are told
+# at once, naming both shapes (the headers are compared on the device); a peer that brings an unagreed shape while
+# the others repeat one is named by each side. After reset(), calls are correct again.
+FAULTS = {"peer absent": ("_peer_absent", True), "calls differ": ("_disagree", "repeated"),
+          "shapes mixed": ("_disagree", "mixed")}
+
+
+@pytest.mark.parametrize("what", list(FAULTS))
+def test_faults_between_hosts(pool, what):
+    from test_faults import timeout_for
+
+    fn, case = FAULTS[what]
+    pool.run(_under_hosts, pool.world, "test_faults", fn, case, timeout_for(pool))

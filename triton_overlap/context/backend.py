@@ -8,6 +8,7 @@ producers, ops) is shared by all backends.
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +57,63 @@ class Stream(abc.ABC):
 
     def jitter(self, max_s: float) -> None:
         """Testing aid: delay this stream by a random time up to ``max_s`` seconds."""
+
+    def exchange(self, wire: "Wire", sends, recvs, tag: int, what: str, on_timeout=None) -> None:
+        """Point-to-point between ranks of other hosts after all earlier work on this stream: ``sends`` and
+        ``recvs`` are lists of (tensor, group rank); later work on this stream runs after every receive has landed
+        (a flag written next is seen only after its data). ``tag`` must be the same for the matching send and
+        receive; ``what`` names the exchange in errors. How it travels is the backend's: NCCL on the stream itself,
+        otherwise through the ranks' key-value store (``wire_exchange``), waiting at most the wire's timeout and
+        then calling ``on_timeout(late group ranks, elapsed_s)`` before a TimeoutError."""
+        raise NotImplementedError(f"{type(self).__name__} has no point-to-point exchange")
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What exchanges between hosts travel on: the process ``group`` (its NCCL point-to-point on GPUs, with
+    ``global_ranks`` its ranks' global numbers) and the ranks' key-value ``store`` (elsewhere: the host backend, and
+    several ranks sharing one GPU over gloo, whose point-to-point closes its connection on a timeout). ``rank``:
+    this rank in the group."""
+    group: object
+    store: object
+    rank: int
+    global_ranks: tuple
+    timeout_s: float
+    nccl: bool
+
+
+def wire_exchange(wire: Wire, sends, recvs, tag: int, what: str, on_timeout=None) -> None:
+    """``sends`` and ``recvs`` ((CPU tensor, group rank) lists) through the store: each send is a key of its own,
+    each receive waits for its key (at most the wire's timeout in all) and deletes it. Receives may be strided views.
+    On a timeout, ``on_timeout(late group ranks, elapsed s)`` (which may raise an error of its own), else
+    TimeoutError naming ``what`` and those ranks."""
+    import datetime
+    import time
+
+    def key(src, dst, i):
+        return f"wire/{tag}/{src}-{dst}/{i}"
+
+    sent: dict = {}
+    for t, peer in sends:
+        i = sent[peer] = sent.get(peer, -1) + 1
+        wire.store.set(key(wire.rank, peer, i), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    late, got, t0 = [], {}, time.monotonic()
+    for t, peer in recvs:
+        i = got[peer] = got.get(peer, -1) + 1
+        k = key(peer, wire.rank, i)
+        try:
+            wire.store.wait([k], datetime.timedelta(seconds=max(0.001, wire.timeout_s - (time.monotonic() - t0))))
+        except RuntimeError:  # (torch's DistStoreError is one)
+            late.append(peer)
+            continue
+        data = wire.store.get(k)
+        wire.store.delete_key(k)
+        t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))
+    if late:
+        late = sorted(set(late))
+        if on_timeout is not None:
+            on_timeout(late, time.monotonic() - t0)
+        raise TimeoutError(f"{what}: no answer in {wire.timeout_s:g} s from ranks {late}")
 
 
 class Backend(abc.ABC):

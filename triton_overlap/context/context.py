@@ -115,8 +115,10 @@ class Context:
 
     Args:
         group: an initialised torch.distributed group (None: WORLD). The Context maps the memory of the peers on
-            its own host (``num_hosts`` and ``local_ranks`` say what it found); on a group that spans hosts the
-            ops take their torch.distributed path, and context-parallel attention refuses (not built yet).
+            its own host (``num_hosts`` and ``local_ranks`` say what it found); on a group that spans hosts,
+            AllGather-GEMM, GEMM-ReduceScatter and context-parallel attention move data between hosts through the
+            process group's point-to-point (producers.link), and AllReduce and GEMM + AllReduce take the process
+            group's all_reduce.
         backend: "cuda", "hip", "host", or "auto" (hip on ROCm torch, cuda when a CUDA GPU is present, host
             otherwise).
         timeout_s: how long any wait may last before it gives up with an error: the kernels' waits and the
@@ -171,8 +173,7 @@ class Context:
         # the ranks' first barrier starts in step rather than a kernel build apart
         self._build_barrier()
         self._exchange(None, "Context set-up")
-        if self.num_hosts == 1:
-            self.barrier()
+        self.barrier()
         self.synchronize()
         self.check()
 
@@ -236,12 +237,31 @@ class Context:
         """The group ranks on this rank's host, this rank included."""
         return self.topology.local_ranks(self.rank)
 
-    def across_hosts(self, what: str) -> str:
+    def across_hosts(self, what: str, why: str) -> str:
         """Why ``what`` cannot overlap on this Context's group, which spans hosts (ops take their torch.distributed
         path, or refuse with this text where they have none)."""
-        return (f"{what}: this Context's group spans {self.num_hosts} hosts ({self.topology.describe()}); the "
-                f"overlapped path maps every peer's memory, which works within one host, and its path across hosts "
-                f"is not built yet")
+        return f"{what}: this Context's group spans {self.num_hosts} hosts ({self.topology.describe()}); {why}"
+
+    @property
+    def store(self):
+        """The key-value store of this Context's host-side exchanges (a prefix of the process group's store)."""
+        return self._control.store
+
+    @property
+    def resets(self) -> int:
+        """How many times ``reset()`` has run."""
+        return self._resets
+
+    @property
+    def call_number(self) -> torch.Tensor:
+        """The device int32 holding how many barriers this rank has passed: the number of the call in progress,
+        once its barrier has run (kernels.signal.barrier_kernel)."""
+        return self._barrier_count
+
+    @staticmethod
+    def op_name(op: int) -> str:
+        """The name of the op with id ``op`` (op_id)."""
+        return OPS.get(op, f"op#{op}")
 
     def _exchange(self, obj, what: str, tag: str | None = None) -> list:
         """Every rank's ``obj`` through the control plane (bounded); a missing peer, or a peer's fault, faults the
@@ -300,6 +320,20 @@ class Context:
                 self._backend.relay_error(self._errors.peer(p), word)
         except Exception:  # noqa: BLE001 - telling the peers is best effort: their own waits are bounded anyway
             pass
+
+    def record_timeout(self, op: int, peer: int, what: int, elapsed_s: float, call: int) -> ContextError:
+        """Fault the Context with a wait outside the kernels (an exchange between hosts) that timed out, as a
+        kernel's wait records it: this rank's error word is set, so that its kernels' waits stop at once, and
+        peers are told. Returns the error to raise."""
+        word = [0] * sig.ERR_WORDS
+        word[sig.ERR_CODE], word[sig.ERR_RANK], word[sig.ERR_OP] = int(sig.ERR_TIMEOUT), self.rank, op
+        word[sig.ERR_PEER], word[sig.ERR_WHAT], word[sig.ERR_WANTED] = peer, what, 1
+        word[sig.ERR_ELAPSED_US], word[sig.ERR_CALL] = int(elapsed_s * 1e6), call
+        try:
+            self._backend.relay_error(self.err, word)
+        except Exception:  # noqa: BLE001 - the host-side fault below stands on its own
+            pass
+        return self._fail(self._describe(word), (word[sig.ERR_CODE], self.rank, op, peer, what))
 
     def _observe(self, word) -> None:
         """Fault the Context with the fault in error word ``word`` (this rank's own, or one a peer relayed)."""
@@ -433,11 +467,10 @@ class Context:
         It is a one-program Triton kernel (kernels.signal.barrier_kernel says why it stays correct under CUDA-graph
         replay). ``call``: the header of the call it opens (``Context.call``); every rank compares the others' with
         its own before any of the call's data moves, and a difference faults the Context on every rank. Launch it
-        before, not during, a persistent kernel that occupies every SM.
+        before, not during, a persistent kernel that occupies every SM. On a group that spans hosts the barrier is
+        among this host's ranks (ops compare calls across hosts through producers.link).
         """
         self.ensure_open()
-        if self.num_hosts > 1:
-            raise RuntimeError(self.across_hosts("Context.barrier"))
         stream = stream or self.current_stream()
         call = call or _OWN
         block = 1

@@ -56,6 +56,11 @@ class ControlPlane:
         self._seq = 0
         self._mine: list[str] = []  # our exchange keys still in the store
 
+    @property
+    def store(self):
+        """The store (under this Context's prefix)."""
+        return self._store
+
     # ---------------------------------------------------------------------------------------- faults
     def post_fault(self, text: str) -> None:
         """Tell the other ranks this rank's Context faulted, with what happened."""

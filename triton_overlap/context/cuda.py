@@ -17,7 +17,7 @@ import random
 
 import torch
 
-from .backend import Backend, Stream
+from .backend import Backend, Stream, wire_exchange
 
 _IPC_HANDLE_BYTES = 64
 
@@ -169,6 +169,38 @@ class CudaStream(Stream):
 
     def synchronize(self):
         self.torch_stream.synchronize()
+
+    def exchange(self, wire, sends, recvs, tag, what, on_timeout=None):
+        """NCCL (RCCL): one group of isend/irecv issued on this stream, which then waits for them on the device (a
+        peer that never sends shows as the consumer's bounded wait for its chunk; the process group's watchdog
+        handles the stuck exchange). Without NCCL (several ranks sharing one GPU over gloo): through host memory and
+        the store, blocking the calling thread until this stream's earlier work is done and every receive has
+        arrived: a check of the protocol, not a fast path."""
+        import torch.distributed as dist
+
+        if wire.nccl:
+            with torch.cuda.stream(self.torch_stream):
+                ops, landing = [], []
+                for t, peer in sends:
+                    ops.append(dist.P2POp(dist.isend, t.contiguous(), wire.global_ranks[peer], wire.group, tag))
+                for t, peer in recvs:
+                    buf = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                    landing.append((t, buf))
+                    ops.append(dist.P2POp(dist.irecv, buf, wire.global_ranks[peer], wire.group, tag))
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()  # this stream waits for NCCL's
+                for t, buf in landing:
+                    if buf is not t:
+                        self.copy(t, buf)
+            return
+        with torch.cuda.stream(self.torch_stream):  # (not the caller's stream: a consumer may be spinning there)
+            staged = [(t.to("cpu"), peer) for t, peer in sends]
+        self.synchronize()
+        bufs = [(torch.empty(t.shape, dtype=t.dtype), t, peer) for t, peer in recvs]
+        wire_exchange(wire, staged, [(b, p) for b, _, p in bufs], tag, what, on_timeout)
+        with torch.cuda.stream(self.torch_stream):
+            for b, t, _ in bufs:
+                t.copy_(b)  # from pageable memory: staged by the driver before the call returns
 
     #: testing aid: the jitter is a local copy of up to this many bytes, at roughly this many bytes per second
     JITTER_BYTES, JITTER_RATE = 64 << 20, 2e11

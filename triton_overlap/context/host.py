@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .backend import Backend, Stream
+from .backend import Backend, Stream, wire_exchange
 
 _pending_files: set[str] = set()
 SHM = "/dev/shm"
@@ -90,6 +90,9 @@ class _Main(Stream):
 
     def jitter(self, max_s):
         time.sleep(random.uniform(0.0, max_s))
+
+    def exchange(self, wire, sends, recvs, tag, what, on_timeout=None):
+        wire_exchange(wire, sends, recvs, tag, what, on_timeout)
 
 
 def _spin_until(flag, value: int, timeout_s: float, what: str) -> None:
@@ -162,6 +165,9 @@ class HostStream(Stream):
     def jitter(self, max_s):
         d = random.uniform(0.0, max_s)
         self._q.put(lambda: time.sleep(d))
+
+    def exchange(self, wire, sends, recvs, tag, what, on_timeout=None):
+        self._q.put(lambda: wire_exchange(wire, sends, recvs, tag, what, on_timeout))
 
     def close(self):
         self._q.put(None)

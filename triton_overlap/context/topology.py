@@ -66,6 +66,12 @@ class Topology:
     def num_hosts(self) -> int:
         return len(self.hosts)
 
+    @property
+    def uniform(self) -> bool:
+        """Whether every host has the same number of ranks (the path between hosts pairs each rank with the ranks
+        at its local index on the other hosts)."""
+        return len({len(r) for r in self.hosts}) == 1
+
     def host_of(self, rank: int) -> int:
         return next(h for h, ranks in enumerate(self.hosts) if rank in ranks)
 

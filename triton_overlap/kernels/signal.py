@@ -175,6 +175,9 @@ def barrier_kernel(peer_slots_ptr, local_slots_ptr, count_ptr, header_ptrs, loca
     and ``e`` is read from device memory at run time, so a replayed CUDA graph does not reuse a value baked in on
     the host.
 
+    Peers whose slot address is 0 are on another host (not mapped): the barrier is then among this host's ranks,
+    and calls are compared across hosts by the headers the ranks send each other (remote_header_kernel).
+
     Before its arrival a rank writes its call's header (``e``, ``op``, ``fingerprint``, ``d0..d3``: what it is
     about to read and write) into every peer's header table, at [e % 2][rank] (a peer at most one barrier ahead
     writes the other half). Once peer ``p`` has arrived, the rank compares p's header with its own: any difference
@@ -182,7 +185,7 @@ def barrier_kernel(peer_slots_ptr, local_slots_ptr, count_ptr, header_ptrs, loca
     call moves, and every wait of the Context then gives up at once.
     """
     offs = tl.arange(0, BLOCK_W)
-    mask = offs < world
+    mask = (offs < world) & (tl.load(peer_slots_ptr + offs, mask=offs < world, other=0) != 0)  # mapped peers
     e = tl.load(count_ptr) + 1
     half = e % 2
     peer_hdr = tl.load(header_ptrs + offs, mask=mask, other=0).to(tl.pointer_type(tl.int32))
@@ -200,6 +203,15 @@ def barrier_kernel(peer_slots_ptr, local_slots_ptr, count_ptr, header_ptrs, loca
     tl.atomic_xchg(peer_base + rank, zero + e, mask=mask, sem="release", scope="sys")
     tl.store(err_ptr + ERR_CURRENT_CALL, e)
     for p in range(0, world):
-        if wait_flag(local_slots_ptr + p, e, err_ptr, budget, rank, op, p, WHAT_ARRIVAL, CLOCK):
-            check_header(local_header_ptr + (half * world + p) * 8, e, op, fingerprint, err_ptr, rank, p, 7)
+        if tl.load(peer_slots_ptr + p) != 0:
+            if wait_flag(local_slots_ptr + p, e, err_ptr, budget, rank, op, p, WHAT_ARRIVAL, CLOCK):
+                check_header(local_header_ptr + (half * world + p) * 8, e, op, fingerprint, err_ptr, rank, p, 7)
     tl.store(count_ptr, e)
+
+
+@triton.jit(do_not_specialize=["op", "fingerprint", "peer"])
+def remote_header_kernel(h_ptr, count_ptr, err_ptr, rank, peer, op, fingerprint):
+    """Compare the header that peer ``peer`` on another host sent for its call (at ``h_ptr``, received after this
+    rank's barrier of the call) with this rank's call, ``count_ptr`` holding its number: a difference is recorded as
+    ERR_MISMATCH, before any of the peer's chunks is flagged ready."""
+    check_header(h_ptr, tl.load(count_ptr), op, fingerprint, err_ptr, rank, peer, 7)

@@ -36,12 +36,13 @@ class AllGatherGEMM(OverlapOp):
     device when the GEMM runs, so a replayed call follows its current value. The gather moves one byte per element.
 
     ``fallback="auto"`` takes NCCL all_gather + torch.matmul when the shard is under FALLBACK_SHARD_BYTES, when
-    W = 1, for an eager call whose GEMM is too short to pay for the host's cost of an overlapped one, and on a
-    group that spans hosts.
+    W = 1, and for an eager call whose GEMM is too short to pay for the host's cost of an overlapped one. On a group
+    that spans hosts, other hosts' rows come through the process group (producers.link), in push mode.
     ``max_m``: the largest gathered M accepted (None: the workspace grows as needed).
     """
 
     KIND = "ag_gemm"
+    ACROSS_HOSTS = True
     EAGER_MIN_FLOP_PER_PEER = 2e11
 
     def __init__(self, ctx, config: AllGatherGEMMConfig | None = None, *, fallback: str = "auto",
@@ -130,8 +131,9 @@ class AllGatherGEMM(OverlapOp):
         ws = self._workspace(a)
         flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
         self.state["buffers"] = {"workspace": ws.local}
-        call = self.call_header((m_local, K, a.dtype, layout.m_per_chunk, cfg.mode), (m_local, K))
-        producer = Gather(ctx, layout, [(a, ws)], flags, mode=cfg.mode, num_streams=cfg.num_streams or W - 1,
+        mode = "push" if ctx.num_hosts > 1 else cfg.mode  # (other hosts' memory cannot be read: they send)
+        call = self.call_header((m_local, K, a.dtype, layout.m_per_chunk, mode), (m_local, K))
+        producer = Gather(ctx, layout, [(a, ws)], flags, mode=mode, num_streams=cfg.num_streams or W - 1,
                           call=call)
 
         def consumer():  # its last program zeroes the flags: every one was seen, peers set them after the next barrier
@@ -139,7 +141,7 @@ class AllGatherGEMM(OverlapOp):
                         scales=scales or None, workspace=ws.local, exit_counts=self._exit_counts(), op=self.op,
                         tma_store=cfg.tma_store)
 
-        first = cfg.consumer_first and self.warm((layout, cfg.mode))
+        first = cfg.consumer_first and self.warm((layout, mode))
         pipeline.run(ctx, producer, consumer, consumer_first=first)
 
     def _plan(self, m_local: int, row_bytes: int, cfg) -> tuple[ChunkLayout, torch.Tensor]:

@@ -55,10 +55,12 @@ class OverlapOp:
     ``name``: the prefix of the op's symmetric workspaces and the key of the state it keeps on the Context: ops
     with the same name on one Context share both. ``replay``: an eager call that repeats an earlier one's tensors
     and arguments replays a CUDA graph of it (one graph launch instead of the host's enqueueing); False: every call
-    is enqueued anew.
+    is enqueued anew (always on a group that spans hosts).
     """
 
     KIND = "?"  # the op's name in error messages and tuned tables
+    #: whether the op overlaps on a group that spans hosts (producers.link), else it takes its torch.distributed path
+    ACROSS_HOSTS = False
     #: eager_host_bound's threshold for this op (docs/decisions.md says where each figure comes from)
     EAGER_MIN_FLOP_PER_PEER = 0.0
 
@@ -70,7 +72,8 @@ class OverlapOp:
         self.user_config = config
         self.fallback = fallback
         self.op = op_id(self.KIND)
-        self.replays = ReplayCache(ctx, enabled=replay)
+        # across hosts a call's exchanges go through the process group: it is enqueued anew every time
+        self.replays = ReplayCache(ctx, enabled=replay and ctx.num_hosts == 1)
         ctx.on_close(self.replays.clear)
         self._configs: dict = {}  # (shape, variant) -> the config found for it
         self.last_path = None  # "overlap" or "fallback": what the last call took
@@ -127,12 +130,17 @@ class OverlapOp:
         return got
 
     def overlap_possible(self) -> bool:
-        """Whether the overlapped path can run on this Context: not where its group spans hosts (the op then takes
-        its torch.distributed path; with ``fallback="never"`` it raises ValueError)."""
-        if self.ctx.num_hosts == 1:
+        """Whether the overlapped path can run on this Context: within one host always; on a group that spans hosts
+        for ops with a path between hosts (ACROSS_HOSTS), where every host has the same number of ranks. Otherwise
+        the op takes its torch.distributed path (with ``fallback="never"`` it raises ValueError)."""
+        ctx = self.ctx
+        if ctx.num_hosts == 1 or (self.ACROSS_HOSTS and ctx.topology.uniform):
             return True
         if self.fallback == "never":
-            raise ValueError(self.ctx.across_hosts(self.KIND) + '; fallback="never" asks for it')
+            why = ("its hosts have different numbers of ranks, and the path between hosts pairs each rank with the "
+                   "rank at its local index on every other host" if self.ACROSS_HOSTS
+                   else "this op overlaps within one host only")
+            raise ValueError(ctx.across_hosts(self.KIND, why) + '; fallback="never" asks for the overlap')
         return False
 
     def warm(self, key) -> bool:

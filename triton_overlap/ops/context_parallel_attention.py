@@ -16,9 +16,11 @@ import torch
 
 from ..kernels.attention import Blocks, Documents, launch_fwd, segment_table
 from ..kernels.attention_bwd import launch_bwd, launch_reduce_dkdv
+from ..kernels.signal import WHAT_PARTIALS
 from ..plan import ChunkLayout
 from ..producers import pipeline
 from ..producers.gather import Gather
+from ..producers.link import link
 from ..zigzag import as_ints, int_vector, local_cu_seqlens
 from .base import OverlapOp, call_key
 from .checks import DTYPES
@@ -90,6 +92,7 @@ class ContextParallelAttention(OverlapOp):
     """
 
     KIND = "cp_attention"
+    ACROSS_HOSTS = True
 
     def __init__(self, ctx, *, chunks_per_rank: int = 2, config: AttentionConfig | None = None,
                  keep_kv: bool = False, name: str | None = None, replay: bool = True):
@@ -98,7 +101,7 @@ class ContextParallelAttention(OverlapOp):
         if chunks_per_rank < 2 or chunks_per_rank % 2:
             raise ValueError(f"chunks_per_rank must be an even number >= 2, got {chunks_per_rank}")
         super().__init__(ctx, config, fallback="never", name=name, replay=replay)
-        self.overlap_possible()  # ValueError on a group that spans hosts: there is no other path
+        self.overlap_possible()  # ValueError on hosts of different sizes: there is no other path
         self.chunks_per_rank = chunks_per_rank
         self.keep_kv = keep_kv
         from . import custom_ops
@@ -284,10 +287,16 @@ class ContextParallelAttention(OverlapOp):
             kw, vw, ready = kws.local, vws.local, flags.local
             producer = self._gather(layout, k, v, kws, vws, flags, call)
 
+        recv_ptrs, counter_ptrs, staged = recv.ptrs, counters.ptrs, None
+        if ctx.num_hosts > 1:  # other hosts' owners: partials staged here, then sent (_send_partials)
+            recv_ptrs, counter_ptrs, staged = self._staging(recv, counters)
+
         def consumer():
-            expected = launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv.ptrs, counters.ptrs, ready,
+            expected = launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, ready,
                                   layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.dq, cfg.dkdv,
                                   docs_dq=docs_dq, docs_dkdv=docs_dkdv, op=self.op)
+            if staged is not None:
+                self._send_partials(recv, counters, staged, expected)
             launch_reduce_dkdv(ctx, recv.local, dk, dv, counters.local, expected, op=self.op)
             counters.local.zero_()  # every count was seen; peers add again only after the next call's barrier
 
@@ -295,6 +304,42 @@ class ContextParallelAttention(OverlapOp):
         # not yet enqueued can wait for the spinning kernel
         pipeline.run(ctx, producer, consumer, gate=True)
         return dq, dk, dv
+
+    def _staging(self, recv, counters):
+        """Address tables for the dK/dV kernel on a group that spans hosts: owners on this host as always, owners on
+        other hosts aimed at a local buffer (their slots of it; counters bumped locally, never waited for)."""
+        ctx = self.ctx
+
+        def make():
+            W, r = ctx.world_size, ctx.rank
+            staged = torch.empty(recv.local.shape, dtype=recv.local.dtype, device=ctx.device)
+            bumps = torch.zeros(W, dtype=torch.int32, device=ctx.device)
+            shift = r * staged[0].numel() * staged.element_size()  # the kernel adds slot ``rank``
+            local = set(ctx.local_ranks)
+            ptrs = [p if o in local else staged[o].data_ptr() - shift for o, p in enumerate(recv.ptrs.tolist())]
+            cptrs = [p if o in local else bumps.data_ptr() + (o - r) * bumps.element_size()
+                     for o, p in enumerate(counters.ptrs.tolist())]
+            return (torch.tensor(ptrs, dtype=torch.int64, device=ctx.device),
+                    torch.tensor(cptrs, dtype=torch.int64, device=ctx.device), staged, bumps)
+
+        key = ("dkdv staging", self.name, recv.local.data_ptr(), tuple(recv.local.shape), counters.local.data_ptr())
+        got = ctx.cached(key, make)
+        return got[0], got[1], got[2]
+
+    def _send_partials(self, recv, counters, staged, expected: int) -> None:
+        """After the dK/dV kernel, on a producer stream: this rank's partials to each owner on another host, theirs
+        for this rank into its receive slots, and this rank's counter for each such source set to its final count.
+        The caller's stream then waits for it, so the reduction that follows finds every count complete."""
+        ctx = self.ctx
+        caller, s = ctx.current_stream(), ctx.streams(1)[0]
+        remote = link(ctx).remote
+        s.wait_stream(caller)
+        link(ctx).exchange(s, [(staged[o], o) for o in remote], [(recv.local[o], o) for o in remote],
+                           f"cp_attention dK/dV partials with ranks {remote}", self.op,
+                           {o: int(WHAT_PARTIALS) for o in remote})
+        for o in remote:
+            s.write_value(counters.local[o:o + 1], expected)
+        caller.wait_stream(s)
 
 
 def forward_on_gathered(ctx, q, k, v, kg, vg, rank, world, causal, scale, cfg: AttentionConfig, out=None, lse=None,

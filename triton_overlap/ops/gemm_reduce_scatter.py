@@ -25,7 +25,7 @@ from ..kernels.gemm import ScatterTarget, launch_gemm
 from ..kernels.reduce import launch_reduce
 from ..plan import ChunkLayout, cdiv, scatter_tile_order
 from ..producers import pipeline
-from ..producers.scatter import Scatter, copy_stream_count, staging
+from ..producers.scatter import Scatter, staging
 from .base import OverlapOp, call_key, with_overrides
 from .checks import check_operands
 from .config import GEMMReduceScatterConfig
@@ -65,11 +65,13 @@ class GEMMReduceScatter(OverlapOp):
 
     ``fallback="auto"`` takes torch.matmul + NCCL reduce-scatter when each rank's share of the output is under
     FALLBACK_PARTIAL_BYTES, when W = 1, for an eager call whose GEMM is too short to pay for the host's cost of an
-    overlapped one, and on a group that spans hosts. ``max_m``: the largest M accepted. ``last_gemm``: the GEMM
+    overlapped one. On a group that spans hosts, the copy variant, with other hosts' owners served through the
+    process group (producers.link). ``max_m``: the largest M accepted. ``last_gemm``: the GEMM
     the last overlapped call ran, "gemm_warp_specialized" or "gemm".
     """
 
     KIND = "gemm_rs"
+    ACROSS_HOSTS = True
     EAGER_MIN_FLOP_PER_PEER = 3e11
 
     def __init__(self, ctx, config: GEMMReduceScatterConfig | None = None, *, fallback: str = "auto",
@@ -142,7 +144,8 @@ class GEMMReduceScatter(OverlapOp):
         (M, K), N = a.shape, w.shape[1]
         m_local = M // W
         cfg = with_overrides(self.config_for((M, K, N)), overrides)
-        copy = scatter_mode(cfg, M, N, a.element_size(), ctx.backend, W) == "copy"
+        # across hosts always the copy variant: the GEMM cannot store into another host's memory
+        copy = ctx.num_hosts > 1 or scatter_mode(cfg, M, N, a.element_size(), ctx.backend, W) == "copy"
         fuse = fuses(cfg, M, W)
         b_layout = warp_specialized.layout_for(ctx, a, w, m_local) if fuse and wants_warp_specialized(cfg) else None
         self.last_gemm = "gemm_warp_specialized" if b_layout is not None else "gemm"
@@ -161,8 +164,7 @@ class GEMMReduceScatter(OverlapOp):
         if copy:  # peers' tiles to a local staging buffer; copy engines move them on
             stage = staging(ctx, recv, counters, layout)
             self.state["buffers"]["staging"] = stage.partials
-            producer = Scatter(layout, stage, recv, counters, counts, copy_stream_count(layout, cfg.num_streams),
-                               call=call)
+            producer = Scatter(ctx, layout, stage, recv, counters, counts, cfg.num_streams, call=call)
             ptrs, counter_ptrs = stage.ptrs, stage.counter_ptrs
         else:  # peers' tiles straight into their receive slots, once every owner's previous call is done and every
             # rank makes the same call (the barrier; the warp-specialized GEMM also waits for each owner's start)

@@ -11,12 +11,18 @@ their workspaces in the order push would deliver them and raises its own flag af
 also keeps a rank from overwriting rows a slow peer is still reading from its previous call. Flags are only ever
 written by their owner.
 
+Across hosts (producers.link), push only: this rank's rows go to its own host's peers by copy engine, and to its
+counterparts on the other hosts through the process group on one more stream (the last), which receives theirs
+into this rank's workspace chunk by chunk, raises this rank's flag for each, and forwards each chunk to this host's
+peers by copy engine with their flags.
+
 Copy streams never wait on a memory value (a stream wait-value): a consumer's rows must not depend on a wait that
 can block work on the caller's stream (docs/decisions.md).
 """
 from __future__ import annotations
 
 from ..plan import ChunkLayout, arrival_order, send_order
+from .link import link
 
 
 class Gather:
@@ -33,13 +39,19 @@ class Gather:
                  num_streams: int = 1, reset_flags: bool = False, call=None):
         if mode not in ("push", "pull"):
             raise ValueError(f"gather mode must be 'push' or 'pull', got {mode!r}")
+        self.remote = ctx.num_hosts > 1
+        if self.remote and mode == "pull":
+            raise ValueError("gather: pull mode reads peers' memory, which other hosts' ranks are not: use push")
         self.layout, self.pairs, self.flags, self.dim, self.mode = layout, pairs, flags, dim, mode
-        self.num_streams = max(1, min(num_streams, ctx.world_size - 1)) if ctx.world_size > 1 else 0
+        local = len(ctx.local_ranks)
+        self.num_streams = (max(1, min(num_streams, local - 1)) if local > 1 else 0) + int(self.remote)
         self.reset_flags = reset_flags
         self.call = call
 
     def open(self, ctx, stream) -> None:
         ctx.barrier(stream, self.call)
+        if self.remote:
+            link(ctx).check_call(stream, self.call, link(ctx).counterparts)
         if self.mode == "pull":
             rows = slice(ctx.rank * self.layout.m_local, (ctx.rank + 1) * self.layout.m_local)
             for src, ws in self.pairs:
@@ -47,6 +59,11 @@ class Gather:
             ctx.barrier(stream, self.call)
 
     def enqueue(self, ctx, streams) -> None:
+        if self.remote:
+            self._between_hosts(ctx, streams[-1])
+            streams = streams[:-1]
+        if not streams:
+            return
         plan = ctx.cached(("gather plan", self.mode, self._key(ctx, streams)), lambda: self._plan(ctx, streams))
         sources = [src for src, _ in self.pairs]
         for s, steps in plan:
@@ -56,14 +73,40 @@ class Gather:
                     s.copy_planned(prepared, src if fixed is None else fixed)
                 s.write_value(flag, 1)
 
+    def _between_hosts(self, ctx, s) -> None:
+        """Chunk by chunk: this rank's chunk to its counterparts, theirs into this rank's workspace, then this rank's
+        flag and the forward of each received chunk to this host's peers, with their flags."""
+        layout, dim, r = self.layout, self.dim, ctx.rank
+        ln = link(ctx)
+        peers = [d for d in ctx.local_ranks if d != r]
+        for j in range(layout.chunks_per_rank):
+            mine = layout.local_rows(j)
+            sends = [(src.narrow(dim, mine.start, mine.stop - mine.start), c)
+                     for c in ln.counterparts for src, _ in self.pairs]
+            recvs = []
+            for c in ln.counterparts:
+                rows = layout.rows(c, j)
+                recvs += [(ws.local.narrow(dim, rows.start, rows.stop - rows.start), c) for _, ws in self.pairs]
+            ctx.jitter(s)
+            ln.exchange(s, sends, recvs, f"gather chunk {j} with ranks {ln.counterparts}",
+                        self.call.op if self.call else 0, {c: j for c in ln.counterparts})
+            for c in ln.counterparts:
+                rows, chunk = layout.rows(c, j), layout.chunk_id(c, j)
+                s.write_value(self.flags.local[chunk:chunk + 1], 1)
+                for d in peers:
+                    for _, ws in self.pairs:
+                        s.copy(ws.peer(d).narrow(dim, rows.start, rows.stop - rows.start),
+                               ws.local.narrow(dim, rows.start, rows.stop - rows.start))
+                    s.write_value(self.flags.peer(d)[chunk:chunk + 1], 1)
+
     def finish(self, ctx) -> None:
         if self.reset_flags:
             self.flags.local.zero_()  # every flag was waited for; peers set them again only after the next barrier
 
     def _key(self, ctx, streams):
         """What the plan depends on: the layout, the streams, every address it writes to, the sources' layouts."""
-        W = ctx.world_size
-        addrs = lambda t: tuple(t.peer(d).data_ptr() for d in range(W))  # noqa: E731 - a grown buffer moves
+        mapped = ctx.local_ranks
+        addrs = lambda t: tuple(t.peer(d).data_ptr() for d in mapped)  # noqa: E731 - a grown buffer moves
         return (self.layout, self.dim, tuple(id(s) for s in streams), addrs(self.flags),
                 tuple((tuple(src.shape), tuple(src.stride()), src.dtype, addrs(ws)) for src, ws in self.pairs))
 
@@ -73,7 +116,8 @@ class Gather:
         keeps its layout), pull mode a peer's workspace."""
         layout, dim, r, W = self.layout, self.dim, ctx.rank, ctx.world_size
         per_stream: dict[int, tuple] = {}
-        peers = send_order(r, W) if self.mode == "push" else arrival_order(r, W)
+        local = set(ctx.local_ranks)
+        peers = [d for d in (send_order(r, W) if self.mode == "push" else arrival_order(r, W)) if d in local]
         for i, d in enumerate(peers):
             s = streams[i % len(streams)]
             steps = per_stream.setdefault(id(s), (s, []))[1]

@@ -9,7 +9,8 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    peer has reached step 1 too, so its workspaces and flags may be written, and makes the same call: the barrier
    compares the ranks' call headers), then the other producer streams wait for it. With ``gate`` the caller's
    stream waits for it as well: a consumer that can fill every SM with programs waiting for chunks must not start
-   before the barrier kernel has found an SM on every rank;
+   before the barrier kernel has found an SM on every rank. On a group that spans hosts the caller's stream always
+   waits: the opening then also compares the call with the other hosts' ranks (producers.link);
 3. **consumer and copies**: the consumer (kernels on the caller's stream) and the producer's copies with their
    flags, in the order asked. ``consumer_first`` launches the consumer before the host enqueues the copies, so the
    GPU computes on local data while the host works;
@@ -52,6 +53,10 @@ class BarrierOnly:
 
     def open(self, ctx, stream) -> None:
         ctx.barrier(stream, self.call)
+        if ctx.num_hosts > 1:
+            from .link import link
+
+            link(ctx).check_call(stream, self.call, link(ctx).counterparts)
 
     def enqueue(self, ctx, streams) -> None:
         pass
@@ -77,7 +82,7 @@ def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consume
     first = streams[0]
     first.wait_stream(caller)  # 1. follow
     producer.open(ctx, first)  # 2. open
-    if gate:
+    if gate or ctx.num_hosts > 1:  # (across hosts the opening compares the calls: nothing runs before that)
         caller.wait_stream(first)
     for s in streams[1:]:
         s.wait_stream(first)

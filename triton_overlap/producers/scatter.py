@@ -7,6 +7,11 @@ counter to its final count, so the owner's reduction waits on the same counters 
 directly. The copy stream then zeroes the local count for the next call (the GEMM made its last bump of the chunk
 before the wait passed). The stream waits depend only on this rank's GEMM, which waits on nothing before its own
 rows, so they are enqueued after the GEMM (producers.pipeline's ``consumer_first``).
+
+Across hosts, the chunks of owners on this rank's host move as above; those of owners on other hosts go through the
+process group on one more stream (the last): it waits for a chunk's count for every remote owner, exchanges the
+chunk with them (this rank's partials out, theirs for this rank in), sets this rank's counter for each source to
+its final count and zeroes the local counts (producers.link).
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import ChunkLayout, send_order
+from .link import link
 
 
 @dataclass(frozen=True)
@@ -48,10 +54,13 @@ def staging(ctx, recv, counters, layout: ChunkLayout) -> Staging:
     return ctx.cached(key, make)
 
 
-def copy_stream_count(layout: ChunkLayout, num_streams: int | None) -> int:
-    """How many copy streams: ``num_streams`` (None: one per peer), at most one per chunk sent."""
-    sends = (layout.world - 1) * layout.chunks_per_rank
-    return max(1, min(num_streams or (layout.world - 1), sends))
+def copy_stream_count(layout: ChunkLayout, num_streams: int | None, peers: int | None = None) -> int:
+    """How many copy streams: ``num_streams`` (None: one per peer), at most one per chunk sent; ``peers``: the
+    peers they copy to (None: every other rank)."""
+    peers = layout.world - 1 if peers is None else peers
+    if peers == 0:
+        return 0
+    return max(1, min(num_streams or peers, peers * layout.chunks_per_rank))
 
 
 def copy_stream_index(world: int, n_streams: int, i: int, j: int) -> int:
@@ -65,19 +74,27 @@ class Scatter:
     chunk j of each owner's rows reaches once the GEMM has stored every tile over it (ChunkLayout.tile_stores);
     ``call``: the call's header (Context.call)."""
 
-    def __init__(self, layout: ChunkLayout, stage: Staging, recv, counters, counts, num_streams: int, call=None):
+    def __init__(self, ctx, layout: ChunkLayout, stage: Staging, recv, counters, counts, num_streams: int | None,
+                 call=None):
         self.layout, self.stage, self.recv, self.counters, self.counts = layout, stage, recv, counters, counts
-        self.num_streams = num_streams
+        self.remote = ctx.num_hosts > 1
+        self.num_streams = copy_stream_count(layout, num_streams, len(ctx.local_ranks) - 1) + int(self.remote)
         self.call = call
 
     def open(self, ctx, stream) -> None:
         ctx.barrier(stream, self.call)  # every owner has reduced its previous call and reset its counters
+        if self.remote:
+            link(ctx).check_call(stream, self.call, link(ctx).counterparts)
 
     def enqueue(self, ctx, streams) -> None:
+        if self.remote:
+            self._between_hosts(ctx, streams[-1])
+            streams = streams[:-1]
         W, r, cpr = ctx.world_size, ctx.rank, self.layout.chunks_per_rank
-        for i, d in enumerate(send_order(r, W), start=1):
+        local = ctx.local_ranks
+        for i, d in enumerate([d for d in send_order(r, W) if d in local], start=1):
             for j in range(cpr):
-                s = streams[copy_stream_index(W, len(streams), i, j)]
+                s = streams[copy_stream_index(len(local), len(streams), i, j)]
                 rows = self.layout.local_rows(j)
                 count = self.stage.counts[d * cpr + j:d * cpr + j + 1]
                 want = self.counts[d][j]
@@ -85,6 +102,22 @@ class Scatter:
                 ctx.jitter(s)
                 s.copy(self.recv.peer(d)[r, rows], self.stage.partials[d, rows])
                 s.write_value(self.counters.peer(d)[r * cpr + j:r * cpr + j + 1], want)
+                s.write_value(count, 0)
+
+    def _between_hosts(self, ctx, s) -> None:
+        r, cpr = ctx.rank, self.layout.chunks_per_rank
+        remote = link(ctx).remote
+        for j in range(cpr):
+            rows = self.layout.local_rows(j)
+            counts = [self.stage.counts[d * cpr + j:d * cpr + j + 1] for d in remote]
+            for d, count in zip(remote, counts):
+                s.wait_value(count, self.counts[d][j], f"rank {r} gemm_rs chunk {j} for rank {d}")
+            ctx.jitter(s)
+            link(ctx).exchange(s, [(self.stage.partials[d, rows], d) for d in remote],
+                               [(self.recv.local[d, rows], d) for d in remote],
+                               f"gemm_rs chunk {j} with ranks {remote}", self.call.op, {d: j for d in remote})
+            for d, count in zip(remote, counts):
+                s.write_value(self.counters.local[d * cpr + j:d * cpr + j + 1], self.counts[r][j])
                 s.write_value(count, 0)
 
     def finish(self, ctx) -> None:
