@@ -59,19 +59,18 @@ class Gather:
             ctx.barrier(stream, self.call)
 
     def enqueue(self, ctx, streams) -> None:
-        if self.remote:
+        local = streams[:-1] if self.remote else streams
+        if local:
+            plan = ctx.cached(("gather plan", self.mode, self._key(ctx, local)), lambda: self._plan(ctx, local))
+            sources = [src for src, _ in self.pairs]
+            for s, steps in plan:
+                for copies, flag in steps:
+                    ctx.jitter(s)
+                    for (prepared, fixed), src in zip(copies, sources):
+                        s.copy_planned(prepared, src if fixed is None else fixed)
+                    s.write_value(flag, 1)
+        if self.remote:  # after the copies within the host: an exchange may block the host (Stream.exchange)
             self._between_hosts(ctx, streams[-1])
-            streams = streams[:-1]
-        if not streams:
-            return
-        plan = ctx.cached(("gather plan", self.mode, self._key(ctx, streams)), lambda: self._plan(ctx, streams))
-        sources = [src for src, _ in self.pairs]
-        for s, steps in plan:
-            for copies, flag in steps:
-                ctx.jitter(s)
-                for (prepared, fixed), src in zip(copies, sources):
-                    s.copy_planned(prepared, src if fixed is None else fixed)
-                s.write_value(flag, 1)
 
     def _between_hosts(self, ctx, s) -> None:
         """Chunk by chunk: this rank's chunk to its counterparts, theirs into this rank's workspace, then this rank's

@@ -87,14 +87,11 @@ class Scatter:
             link(ctx).check_call(stream, self.call, link(ctx).counterparts)
 
     def enqueue(self, ctx, streams) -> None:
-        if self.remote:
-            self._between_hosts(ctx, streams[-1])
-            streams = streams[:-1]
         W, r, cpr = ctx.world_size, ctx.rank, self.layout.chunks_per_rank
-        local = ctx.local_ranks
+        local, copy_streams = ctx.local_ranks, streams[:-1] if self.remote else streams
         for i, d in enumerate([d for d in send_order(r, W) if d in local], start=1):
             for j in range(cpr):
-                s = streams[copy_stream_index(len(local), len(streams), i, j)]
+                s = copy_streams[copy_stream_index(len(local), len(copy_streams), i, j)]
                 rows = self.layout.local_rows(j)
                 count = self.stage.counts[d * cpr + j:d * cpr + j + 1]
                 want = self.counts[d][j]
@@ -103,6 +100,8 @@ class Scatter:
                 s.copy(self.recv.peer(d)[r, rows], self.stage.partials[d, rows])
                 s.write_value(self.counters.peer(d)[r * cpr + j:r * cpr + j + 1], want)
                 s.write_value(count, 0)
+        if self.remote:  # after the copies within the host: an exchange may block the host (Stream.exchange)
+            self._between_hosts(ctx, streams[-1])
 
     def _between_hosts(self, ctx, s) -> None:
         r, cpr = ctx.rank, self.layout.chunks_per_rank
