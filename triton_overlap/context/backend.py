@@ -108,6 +108,9 @@ def wire_exchange(wire: Wire, sends, recvs, tag: int, what: str, on_timeout=None
             continue
         data = wire.store.get(k)
         wire.store.delete_key(k)
+        if len(data) != t.numel() * t.element_size():  # (the call headers' comparison comes first: a backstop)
+            raise RuntimeError(f"{what}: rank {peer} sent {len(data)} bytes where {t.numel() * t.element_size()} "
+                               f"were expected")
         t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))
     if late:
         late = sorted(set(late))

@@ -9,7 +9,9 @@ outputs (GEMM-ReduceScatter, attention's dK/dV) go straight from each rank to ea
 
 Each call's first exchange between hosts carries the ranks' call headers (call number, op, fingerprint, sizes), and
 a kernel compares them on the device (kernels.signal.remote_header_kernel) before any of the peer's chunks is
-flagged ready: the barrier compares headers within a host only.
+flagged ready: the barrier compares headers within a host only. Where exchanges block the host (not NCCL), a
+difference is raised before any data moves; over NCCL every wait of the call gives up and the Context reports it,
+while the exchanges of differing sizes are NCCL's to fail (a receive never writes past the size its rank posted).
 """
 from __future__ import annotations
 
@@ -88,7 +90,12 @@ class Link:
             for p in peers:
                 launch(sig.remote_header_kernel, (1,), (self._headers[p], ctx.call_number, ctx.err, ctx.rank, p,
                                                         call.op, call.fingerprint), {})
-        ctx.after_launch()
+        ctx.after_launch()  # (the host backend raises a difference here)
+        if ctx.device.type == "cuda" and not self.wire.nccl:  # exchanges block the host here: see it before them
+            with torch.cuda.stream(stream.torch_stream):
+                failed = int(ctx.err[0].item()) != 0
+            if failed:
+                ctx.check()
 
 
 def link(ctx) -> Link:
