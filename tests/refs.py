@@ -51,6 +51,7 @@ class OfflineContext:
         self.backend, self.world_size, self.rank = backend, world_size, rank
         self.device = torch.device("cpu")
         self.generation = 0
+        self.num_hosts = 1
         self.producer_jitter_s = 0.0
         self._cache = {}
 
