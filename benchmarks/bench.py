@@ -1,7 +1,7 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
     bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention|all_reduce|gemm_ar
-        [--shapes ...] [--out DIR] [--shared-gpu]
+        [--shapes ...] [--out DIR] [--shared-gpu] [--virtual-hosts N]
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
 the bound (torch.matmul of the same work alone); our consumer GEMM alone. Attention: ours; NCCL all_gather of K/V
@@ -9,8 +9,10 @@ then our kernel; torch's SDPA on the full sequence on one GPU; our kernel alone.
 symmetric-memory all-reduces, the bound; GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. Distributed
 timings: CUDA events around each call, ranks aligned on the device before each iteration, median over iterations,
 max over ranks (triton_overlap.timing); the headline columns timed in turns within each iteration, so all see the
-same GPU clock. Writes ``<op>-<gpu>x<W>.{json,md,png}`` (report.py) into ``--out`` (default ``bench-results/``;
-the committed results are ``benchmarks/results/``). GPUs only.
+same GPU clock. ``--virtual-hosts N`` splits the ranks into N hosts (TRITON_OVERLAP_VIRTUAL_HOSTS): ours then moves
+data between them through the process group (NCCL), as between machines, and the files gain ``-<N>hosts``. Writes
+``<op>-<gpu>x<W>.{json,md,png}`` (report.py) into ``--out`` (default ``bench-results/``; the committed results are
+``benchmarks/results/``). GPUs only.
 """
 from __future__ import annotations
 
@@ -760,6 +762,9 @@ def main():
     p.add_argument("--lead-us", type=float, default=LEAD_US, help="see LEAD_US; 0: the GPU idles before each call")
     p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0 over gloo: runs the benchmark "
                    "end to end where one GPU is lent; its timings mean nothing")
+    p.add_argument("--virtual-hosts", type=int, default=None, metavar="N",
+                   help="treat the ranks as N hosts of equal size (TRITON_OVERLAP_VIRTUAL_HOSTS): data between them "
+                   "goes through the process group, as between machines")
     p.add_argument("--out", default="bench-results",
                    help="folder for the results (default: bench-results; benchmarks/results holds the committed ones)")
     args = p.parse_args()
@@ -771,27 +776,34 @@ def main():
         raise SystemExit("bench: --shared-gpu timings mean nothing; they never go to benchmarks/results")
     init(shared_gpu=args.shared_gpu)
     shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
+    if args.virtual_hosts:
+        os.environ["TRITON_OVERLAP_VIRTUAL_HOSTS"] = str(args.virtual_hosts)
     with to.Context() as ctx:
+        def hosts(recs):  # every record says how many hosts the group spans
+            for r in recs:
+                r["num_hosts"] = ctx.num_hosts
+            return recs
+
         if args.op == "all_reduce":
             say(AR_HEADER)
             sizes = [s[0] for s in shapes] if shapes else AR_SIZES
             bench_all_reduce(ctx, sizes, args.iters,
-                             lambda recs: ctx.rank == 0 and write_all_reduce(recs, ctx.world_size, args.out))
+                             lambda recs: ctx.rank == 0 and write_all_reduce(hosts(recs), ctx.world_size, args.out))
         elif args.op == "gemm_ar":
             say(GEMM_AR_HEADER)
             bench_gemm_ar(ctx, shapes or [(m, k, n) for k, n in GEMM_AR_KN for m in GEMM_AR_M], args.iters,
-                          lambda recs: ctx.rank == 0 and write_gemm_ar(recs, ctx.world_size, args.out))
+                          lambda recs: ctx.rank == 0 and write_gemm_ar(hosts(recs), ctx.world_size, args.out))
         elif args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)[,documents]
             say(CP_HEADER)
-            bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else CP_SHAPES,
-                               args.iters, lambda recs: ctx.rank == 0 and write_cp(recs, ctx.world_size, args.out))
+            bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else CP_SHAPES, args.iters,
+                               lambda recs: ctx.rank == 0 and write_cp(hosts(recs), ctx.world_size, args.out))
         else:
             say(HEADER)
-            partial = lambda recs: ctx.rank == 0 and write(args.op, recs, ctx.world_size, args.out)  # noqa: E731
+            partial = lambda recs: ctx.rank == 0 and write(args.op, hosts(recs), ctx.world_size, args.out)  # noqa: E731
             bench = {"ag_gemm": bench_ag_gemm, "ag_gemm_fp8": bench_ag_gemm_fp8, "gemm_rs": bench_gemm_rs}[args.op]
             records = bench(ctx, shapes or (RS_SHAPES if args.op == "gemm_rs" else AG_SHAPES), args.iters, partial)
             if ctx.rank == 0:
-                geo = write(args.op, records, ctx.world_size, args.out)
+                geo = write(args.op, hosts(records), ctx.world_size, args.out)
                 say(f"geometric-mean speed-up over NCCL + cuBLAS: {geo:.3f}x")
     say(f"bench: results in {os.path.abspath(args.out)}")
     dist.destroy_process_group()

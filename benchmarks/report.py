@@ -71,11 +71,17 @@ def _cp_row(r):
             f"{f(r.get('fwd_bwd_cudnn_us'))} | {f(r.get('fwd_bwd_efficiency_cudnn'), 2)} |")
 
 
+def _base(out_dir: str, op: str, records, W) -> str:
+    """``<out_dir>/<op>-<gpu>x<W>``, with ``-<N>hosts`` where the group spans N (virtual) hosts."""
+    hosts = records[0].get("num_hosts", 1)
+    return os.path.join(out_dir, f"{op}-{records[0]['gpu']}x{W}" + (f"-{hosts}hosts" if hosts > 1 else ""))
+
+
 def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, label) -> None:
     """``<op>-<gpu>x<W>.json`` and ``.md``: the provenance, ``caption``, the table (``header``, ``row(record)`` per
     record) and each record's note under ``label(record)``."""
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"{op}-{records[0]['gpu']}x{W}")
+    base = _base(out_dir, op, records, W)
     _save_json(base, op, W, records)
     with open(base + ".md", "w") as f:
         f.write(_measured(base))
@@ -193,7 +199,7 @@ def _wt_row(r):
 def write(op_name, records, W, out_dir: str) -> float:
     """The JSON, table and plot of a GEMM op's records; returns the geometric-mean speed-up over NCCL + cuBLAS."""
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"{op_name}-{records[0]['gpu']}x{W}")
+    base = _base(out_dir, op_name, records, W)
     _save_json(base, op_name, W, records)
     sp = [r["nccl_us"] / r["ours_us"] for r in records]
     geo = math.exp(sum(math.log(s) for s in sp) / len(sp))
