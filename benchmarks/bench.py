@@ -166,7 +166,7 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
         rec = {"M": M, "K": K, "N": N, "world_size": W, "gpu": gpu_name(), "note": "", "lead_us": LEAD_US}
 
         time_ours(ctx, rec, op, auto, plain, lambda o: o(a, w, out=out), iters)
-        rec["ours_gemm_first_us"] = timed(lambda: op(a, w, out=out, gemm_first=True), iters)
+        rec["ours_consumer_first_us"] = timed(lambda: op(a, w, out=out, consumer_first=True), iters)
         ctx.check()
         rec["host_enqueue_us"] = host_us(lambda: op(a, w, out=out))
         ref_full = torch.cat([t for t in _gather(a)]).float() if M * K <= (1 << 26) else None
