@@ -66,9 +66,19 @@ def time_gemm(rec, key, fn) -> None:
         rec[key] = rec[eager]
 
 
+def group_capturable() -> bool:
+    """Whether calls into the process group can be captured in CUDA graphs: not over gloo (--shared-gpu), where a
+    failed capture leaves torch's allocator unusable. Across hosts ours calls the process group as well."""
+    return dist.get_backend() == "nccl"
+
+
 def time_graphs(rec, ours, nccl, iters):
     """ours_graph_us and nccl_graph_us: both captured in CUDA graphs, so the launch cost of Python drops out."""
     for key, fn in (("ours_graph_us", ours), ("nccl_graph_us", nccl)):
+        if not group_capturable():
+            rec[key] = None
+            rec["note"] += f"{key}: not captured (the process group is gloo); "
+            continue
         rec[key], note = try_time(capture(fn).replay, iters)
         if note:
             rec["note"] += f"{key}: {note}; "
@@ -81,6 +91,8 @@ def time_variant(ctx, rec, name, fn, iters):
     try:
         rec[f"{name}_us"] = timed(fn, iters)
         ctx.check()
+        if ctx.num_hosts > 1 and not group_capturable():
+            return
         rec[f"{name}_graph_us"] = timed(capture(fn).replay, iters)
         ctx.check()
     except Exception as e:  # noqa: BLE001 - recorded in the note
@@ -493,6 +505,10 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
             # both in CUDA graphs: the host's enqueue cost drops out
             for key, fn in (("ours_graph_us", lambda: op(q, k, v, causal=causal, cu_seqlens=cu, out=out, lse=lse)),
                             ("nccl_ag_graph_us", nccl_then_kernel)):
+                if not group_capturable():
+                    rec[key] = None
+                    rec["note"] += f"{key}: not captured (the process group is gloo); "
+                    continue
                 try:
                     rec[key] = timed_cp(capture(fn).replay)
                 except Exception as e:  # noqa: BLE001 - recorded in the note
@@ -566,7 +582,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
                 o, lse_ = forward_on_gathered(ctx, q, k, v, kw, vw, r, W, causal, scale, cfg, cu_seqlens=cu)
                 dq, _ = backward_on_gathered(ctx, q, k, v, kw, vw, o, lse_, dout, r, W, causal, scale, cfg, parts,
                                              cu_seqlens=cu)
-                reduce_scatter_rows(parts_out, parts)
+                reduce_scatter_rows(parts_out, parts.view(W * 2, *parts.shape[2:]))  # owner o: rows 2o, 2o + 1
                 return dq, parts_out[0].to(k.dtype), parts_out[1].to(v.dtype)
 
             rec["fwd_bwd_nccl_ag_us"] = timed_cp(nccl_fwd_bwd)
@@ -655,7 +671,7 @@ def capturable(key: str, rec: dict) -> bool:
     """Whether the timed function ``key`` can be captured in a CUDA graph: not where it calls the process group and
     that is gloo (--shared-gpu; a failed capture leaves torch's allocator unusable)."""
     uses_group = key == "nccl_us" or key == "ours_us" and rec.get("path") == "fallback"
-    return not uses_group or dist.get_backend() == "nccl"
+    return not uses_group or group_capturable()
 
 
 #: message sizes in bytes (bf16): 2 KiB to 128 MiB in powers of 4, and 256 MiB

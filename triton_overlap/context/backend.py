@@ -82,6 +82,10 @@ class Wire:
     nccl: bool
 
 
+#: the largest value wire_exchange puts in the store at once (torch's TCPStore takes 8 MiB)
+WIRE_PIECE = 4 << 20
+
+
 def wire_exchange(wire: Wire, sends, recvs, tag: int, what: str, on_timeout=None) -> None:
     """``sends`` and ``recvs`` ((CPU tensor, group rank) lists) through the store: each send is a key of its own,
     each receive waits for its key (at most the wire's timeout in all) and deletes it. Receives may be strided views.
@@ -90,27 +94,30 @@ def wire_exchange(wire: Wire, sends, recvs, tag: int, what: str, on_timeout=None
     import datetime
     import time
 
-    def key(src, dst, i):
-        return f"wire/{tag}/{src}-{dst}/{i}"
+    def keys(src, dst, i, nbytes):  # a value in pieces: the store takes values of a few MiB at most
+        return [f"wire/{tag}/{src}-{dst}/{i}/{p}" for p in range(max(1, -(-nbytes // WIRE_PIECE)))]
 
     sent: dict = {}
     for t, peer in sends:
         i = sent[peer] = sent.get(peer, -1) + 1
-        wire.store.set(key(wire.rank, peer, i), t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        for p, k in enumerate(keys(wire.rank, peer, i, len(data))):
+            wire.store.set(k, data[p * WIRE_PIECE:(p + 1) * WIRE_PIECE])
     late, got, t0 = [], {}, time.monotonic()
     for t, peer in recvs:
         i = got[peer] = got.get(peer, -1) + 1
-        k = key(peer, wire.rank, i)
+        nbytes = t.numel() * t.element_size()
+        ks = keys(peer, wire.rank, i, nbytes)
         try:
-            wire.store.wait([k], datetime.timedelta(seconds=max(0.001, wire.timeout_s - (time.monotonic() - t0))))
+            wire.store.wait(ks, datetime.timedelta(seconds=max(0.001, wire.timeout_s - (time.monotonic() - t0))))
         except RuntimeError:  # (torch's DistStoreError is one)
             late.append(peer)
             continue
-        data = wire.store.get(k)
-        wire.store.delete_key(k)
-        if len(data) != t.numel() * t.element_size():  # (the call headers' comparison comes first: a backstop)
-            raise RuntimeError(f"{what}: rank {peer} sent {len(data)} bytes where {t.numel() * t.element_size()} "
-                               f"were expected")
+        data = b"".join(wire.store.get(k) for k in ks)
+        for k in ks:
+            wire.store.delete_key(k)
+        if len(data) != nbytes:  # (the call headers' comparison comes first: a backstop)
+            raise RuntimeError(f"{what}: rank {peer} sent {len(data)} bytes where {nbytes} were expected")
         t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))
     if late:
         late = sorted(set(late))
