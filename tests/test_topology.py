@@ -13,6 +13,7 @@ import torch.distributed as dist
 import triton_overlap as to
 from refs import TOL, rand, rel_err
 from triton_overlap.context.topology import VIRTUAL_HOSTS_ENV, Topology
+from triton_overlap.plan import ChunkLayout, gather_tile_order, scatter_tile_order
 
 
 def _shm():
@@ -148,6 +149,17 @@ def _bad_setting(value: str):
 @pytest.mark.parametrize("value", ["0", "two", "99"])
 def test_bad_virtual_hosts(pool, value):
     assert pool.run(_bad_setting, value) == [1] * pool.world
+
+
+def test_tile_orders_between_hosts():
+    """Across hosts the AllGather consumer takes its own host's chunks first and the other hosts' chunk by chunk;
+    the ReduceScatter producer computes the other hosts' owners' rows first (they take the network)."""
+    layout = ChunkLayout(4, 8, 4)  # 4 ranks of 8 rows, 2 chunks each; 4-row tiles: tile t is chunk t
+    assert gather_tile_order(layout, 0, 1, 4) == [0, 1, 6, 7, 4, 5, 2, 3]
+    order = gather_tile_order(layout, 0, 1, 4, local={0, 1})
+    assert order[:4] == [0, 1, 2, 3] and set(order[4:6]) == {4, 6} and set(order[6:]) == {5, 7}
+    order = scatter_tile_order(layout, 0, 4, local={0, 1})
+    assert set(order[:4]) == {4, 5, 6, 7} and order[4:6] == [2, 3] and order[6:] == [0, 1]
 
 
 def test_topology_from_keys():

@@ -101,15 +101,29 @@ class ChunkLayout:
         return counts
 
 
-def gather_tile_order(layout: ChunkLayout, rank: int, n_streams: int, block_m: int) -> list[int]:
+def gather_tile_order(layout: ChunkLayout, rank: int, n_streams: int, block_m: int, local=None) -> list[int]:
     """AllGather consumer: this rank's own m-tiles first (read in place), then the others in the order their
-    chunks arrive (peer ``(rank - i) % W`` sends to us at its step i, on its stream ``(i - 1) % n_streams``)."""
-    when = layout.stream_schedule(n_streams, arrival_order(rank, layout.world))
+    chunks arrive (peer ``(rank - i) % W`` sends to us at its step i, on its stream ``(i - 1) % n_streams``).
+    ``local``: the ranks on this rank's host, where the group spans hosts: their chunks come first (copy engines),
+    then the other hosts' ranks' chunk by chunk (they arrive through the network, or forwarded after it)."""
+    peers = arrival_order(rank, layout.world)
+    if local is None:
+        return layout.tile_order(block_m, layout.stream_schedule(n_streams, peers))
+    near = [p for p in peers if p in local]
+    when = layout.stream_schedule(n_streams, near) if near else {}
+    start = max((t for t, _ in when.values()), default=-1) + 1
+    for i, p in enumerate(q for q in peers if q not in local):
+        for j in range(layout.chunks_per_rank):
+            when[layout.chunk_id(p, j)] = (start + j, i)
     return layout.tile_order(block_m, when)
 
 
-def scatter_tile_order(layout: ChunkLayout, rank: int, block_m: int) -> list[int]:
-    """ReduceScatter producer: peers' m-tiles first, in send order and chunk by chunk, this rank's own last."""
-    when = {layout.chunk_id(p, j): (i, j) for i, p in enumerate(send_order(rank, layout.world))
-            for j in range(layout.chunks_per_rank)}
+def scatter_tile_order(layout: ChunkLayout, rank: int, block_m: int, local=None) -> list[int]:
+    """ReduceScatter producer: peers' m-tiles first, in send order and chunk by chunk, this rank's own last.
+    ``local``: the ranks on this rank's host, where the group spans hosts: the other hosts' owners' tiles come first
+    (their partials take the network)."""
+    peers = send_order(rank, layout.world)
+    if local is not None:
+        peers = [p for p in peers if p not in local] + [p for p in peers if p in local]
+    when = {layout.chunk_id(p, j): (i, j) for i, p in enumerate(peers) for j in range(layout.chunks_per_rank)}
     return layout.tile_order(block_m, when, last=True)

@@ -152,7 +152,8 @@ class AllGatherGEMM(OverlapOp):
         plans = self.state.setdefault("plans", {})
         key = (layout, cfg.block_m, streams)
         if key not in plans:
-            order = gather_tile_order(layout, ctx.rank, streams, cfg.block_m)
+            local = set(ctx.local_ranks) if ctx.num_hosts > 1 else None
+            order = gather_tile_order(layout, ctx.rank, streams, cfg.block_m, local)
             plans[key] = torch.tensor(order, dtype=torch.int32, device=ctx.device)
         return layout, plans[key]
 

@@ -201,7 +201,8 @@ class GEMMReduceScatter(OverlapOp):
         if key not in plans:
             ctx = self.ctx
             layout = ChunkLayout(ctx.world_size, m_local, rows)
-            order = scatter_tile_order(layout, ctx.rank, cfg.block_m)
+            order = scatter_tile_order(layout, ctx.rank, cfg.block_m,
+                                       set(ctx.local_ranks) if ctx.num_hosts > 1 else None)
             counts = layout.tile_stores(cfg.block_m, cdiv(n, cfg.block_n))
             plans[key] = (layout, torch.tensor(order, dtype=torch.int32, device=ctx.device),
                           torch.tensor(counts[ctx.rank], dtype=torch.int32, device=ctx.device), counts)
