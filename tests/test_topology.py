@@ -180,8 +180,9 @@ def _under_hosts(n: int, module: str, name: str, *args):
 
 
 def _layouts(world: int):
-    """The virtual-host splits with hosts of one size: one rank per host, and two per host where W = 4."""
-    return [world] + ([2] if world == 4 else [])
+    """The virtual-host splits with hosts of one size: one rank per host, and two per host where W is even (2 hosts
+    of 2 at W = 4, 3 of 2 at W = 6)."""
+    return [world] + ([world // 2] if world % 2 == 0 and world >= 4 else [])
 
 
 # (module, case function, case): the op tests' own checks (poisoned outputs and workspaces, odd sizes, producer
