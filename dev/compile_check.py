@@ -25,7 +25,7 @@ from triton_overlap.kernels.all_reduce import one_shot_all_reduce, two_shot_all_
 from triton_overlap.kernels.attention import cp_attention_fwd
 from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
 from triton_overlap.kernels.gemm import persistent_gemm
-from triton_overlap.kernels.signal import barrier_kernel, spin_kernel, wait_kernel
+from triton_overlap.kernels.signal import barrier_kernel, remote_header_kernel, spin_kernel, wait_kernel
 
 PTRS = ("a_ptr", "ws_ptr", "b_ptr", "c_ptr", "bias_ptr", "out_ptr")
 I32_PTRS = ("tile_order_ptr", "flags_ptr", "err_ptr", "expected_ptr", "tick_ptr")
@@ -93,9 +93,11 @@ def attention_signature(fn) -> dict:
 
 
 def compile_signals(target) -> int:
-    """The barrier (with the call headers) and a bare wait, as the Context launches them; the one-shot AllReduce."""
+    """The barrier (with the call headers), a bare wait and the comparison of headers from other hosts, as the Context
+    launches them; the one-shot AllReduce."""
     failed = 0
-    for fn, consts in ((barrier_kernel, dict(BLOCK_W=8, CLOCK=1)), (wait_kernel, dict(CLOCK=1))):
+    for fn, consts in ((barrier_kernel, dict(BLOCK_W=8, CLOCK=1)), (wait_kernel, dict(CLOCK=1)),
+                       (remote_header_kernel, {})):
         sig = {}
         for prm in fn.params:
             n = prm.name

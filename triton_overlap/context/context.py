@@ -337,6 +337,12 @@ class Context:
 
     def _observe(self, word) -> None:
         """Fault the Context with the fault in error word ``word`` (this rank's own, or one a peer relayed)."""
+        word = list(word)
+        if word[sig.ERR_CODE] == sig.ERR_RELAYED and word[sig.ERR_RANK] == self.rank:
+            # no rank relays to itself: a peer's relay (fields, then its code) met this rank's own kernel recording
+            # a fault (its code by compare-and-swap while the code was still 0, then its fields), so the fields are
+            # this rank's own and only the code is the peer's. Only a mismatch records this rank's fingerprint.
+            word[sig.ERR_CODE] = int(sig.ERR_MISMATCH if word[sig.ERR_OWN_FINGERPRINT] else sig.ERR_TIMEOUT)
         if word[sig.ERR_CODE] == sig.ERR_RELAYED:
             origin = word[sig.ERR_RANK]
             try:
