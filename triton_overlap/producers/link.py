@@ -16,9 +16,10 @@ while the exchanges of differing sizes are NCCL's to fail (a receive never write
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
-from ..kernels import signal as sig
 from ..context.backend import Wire
+from ..kernels import signal as sig
 from ..kernels.cached_launch import launch
 
 #: the process group's point-to-point tags start here (clear of small tags a user's own exchanges may use)
@@ -41,8 +42,6 @@ class Link:
         index = topo.hosts[host].index(r)
         self.counterparts = [ranks[index] for h, ranks in enumerate(topo.hosts) if h != host]
         self.remote = [p for p in range(ctx.world_size) if p not in set(topo.hosts[host])]
-        import torch.distributed as dist
-
         self.wire = Wire(ctx.group, ctx.store, r, tuple(_global_rank(ctx.group, p) for p in range(ctx.world_size)),
                          ctx.timeout_s, ctx.device.type == "cuda" and dist.get_backend(ctx.group) == "nccl")
         self._epoch = ctx.resets % 64
@@ -62,7 +61,8 @@ class Link:
 
         def timed_out(late, elapsed):
             peer = late[0]
-            raise ctx.record_timeout(op, peer, waits.get(peer, sig.WHAT_ANSWER), elapsed, self._call_number(stream))
+            what_code = waits.get(peer, int(sig.WHAT_ANSWER))
+            raise ctx.record_timeout(op, peer, what_code, elapsed, self._call_number(stream))
 
         stream.exchange(self.wire, sends, recvs, self.next_tag(), f"rank {ctx.rank}: {what}", timed_out)
 
@@ -104,8 +104,6 @@ def link(ctx) -> Link:
 
 
 def _global_rank(group, rank: int) -> int:
-    import torch.distributed as dist
-
     if group is None or group is dist.group.WORLD:
         return rank
     return dist.get_global_rank(group, rank)
