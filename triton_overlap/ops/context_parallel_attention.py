@@ -314,9 +314,8 @@ class ContextParallelAttention(OverlapOp):
             W, r = ctx.world_size, ctx.rank
             staged = torch.empty(recv.local.shape, dtype=recv.local.dtype, device=ctx.device)
             bumps = torch.zeros(W, dtype=torch.int32, device=ctx.device)
-            shift = r * staged[0].numel() * staged.element_size()  # the kernel adds slot ``rank``
             local = set(ctx.local_ranks)
-            ptrs = [p if o in local else staged[o].data_ptr() - shift for o, p in enumerate(recv.ptrs.tolist())]
+            ptrs = [p if o in local else slot_base(staged, o, r) for o, p in enumerate(recv.ptrs.tolist())]
             cptrs = [p if o in local else bumps.data_ptr() + (o - r) * bumps.element_size()
                      for o, p in enumerate(counters.ptrs.tolist())]
             return (torch.tensor(ptrs, dtype=torch.int64, device=ctx.device),
@@ -358,6 +357,12 @@ def forward_on_gathered(ctx, q, k, v, kg, vg, rank, world, causal, scale, cfg: A
     return out, lse
 
 
+def slot_base(parts, owner: int, rank: int) -> int:
+    """The address to give the dK/dV kernel as owner ``owner``'s receive buffer so that its stores for slot ``rank``
+    (the kernel adds ``rank`` slots) land in ``parts[owner]``, a local buffer."""
+    return parts[owner].data_ptr() - rank * parts[0].numel() * parts.element_size()
+
+
 def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, causal, scale, cfg: AttentionConfig,
                          parts=None, cu_seqlens=None):
     """The backward kernels as rank ``rank`` of ``world`` on gathered K/V (see forward_on_gathered). Returns dq and
@@ -374,8 +379,7 @@ def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, caus
 
     def tables():
         # the kernel stores into owner o's receive slot ``rank``; aim each owner's base so that slot is parts[o]
-        shift = rank * parts[0].numel() * parts.element_size()
-        recv_ptrs = torch.tensor([parts[o].data_ptr() - shift for o in range(world)], dtype=torch.int64, device=dev)
+        recv_ptrs = torch.tensor([slot_base(parts, o, rank) for o in range(world)], dtype=torch.int64, device=dev)
         counters = torch.zeros(world, dtype=torch.int32, device=dev)  # bumped, never waited for
         return recv_ptrs, counters, torch.full((world,), counters.data_ptr(), dtype=torch.int64, device=dev)
 

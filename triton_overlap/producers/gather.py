@@ -22,7 +22,7 @@ can block work on the caller's stream (docs/decisions.md).
 from __future__ import annotations
 
 from ..plan import ChunkLayout, arrival_order, send_order
-from .link import link
+from .link import link, open_call
 
 
 class Gather:
@@ -53,9 +53,7 @@ class Gather:
         self.copies_first = self.remote and not link(ctx).wire.nccl
 
     def open(self, ctx, stream) -> None:
-        ctx.barrier(stream, self.call)
-        if self.remote:
-            link(ctx).check_call(stream, self.call, link(ctx).counterparts)
+        open_call(ctx, stream, self.call)
         if self.mode == "pull":
             rows = slice(ctx.rank * self.layout.m_local, (ctx.rank + 1) * self.layout.m_local)
             for src, ws in self.pairs:

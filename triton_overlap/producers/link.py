@@ -98,6 +98,16 @@ class Link:
                 ctx.check()
 
 
+def open_call(ctx, stream, call) -> None:
+    """A call's opening on ``stream`` (every producer's): the barrier among this host's ranks and, on a group that
+    spans hosts, the comparison of call headers with the ranks at this rank's local index on the other hosts (a
+    difference anywhere reaches every rank through its host's barrier or its counterparts)."""
+    ctx.barrier(stream, call)
+    if ctx.num_hosts > 1:
+        ln = link(ctx)
+        ln.check_call(stream, call, ln.counterparts)
+
+
 def link(ctx) -> Link:
     """The Context's Link (kept by the Context)."""
     return ctx.cached("link", lambda: Link(ctx))

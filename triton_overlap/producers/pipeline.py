@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Callable, Protocol
 
+from .link import open_call
+
 
 class Producer(Protocol):
     """What a producer tells the pipeline. ``num_streams``: how many producer streams it uses (0: none)."""
@@ -52,11 +54,7 @@ class BarrierOnly:
         self.call = call
 
     def open(self, ctx, stream) -> None:
-        ctx.barrier(stream, self.call)
-        if ctx.num_hosts > 1:
-            from .link import link
-
-            link(ctx).check_call(stream, self.call, link(ctx).counterparts)
+        open_call(ctx, stream, self.call)
 
     def enqueue(self, ctx, streams) -> None:
         pass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import ChunkLayout, send_order
-from .link import link
+from .link import link, open_call
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,7 @@ class Scatter:
         self.call = call
 
     def open(self, ctx, stream) -> None:
-        ctx.barrier(stream, self.call)  # every owner has reduced its previous call and reset its counters
-        if self.remote:
-            link(ctx).check_call(stream, self.call, link(ctx).counterparts)
+        open_call(ctx, stream, self.call)  # every owner has reduced its previous call and reset its counters
 
     def enqueue(self, ctx, streams) -> None:
         W, r, cpr = ctx.world_size, ctx.rank, self.layout.chunks_per_rank
