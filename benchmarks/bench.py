@@ -670,7 +670,8 @@ def time_columns(ctx, rec, fns, iters) -> None:
 def capturable(key: str, rec: dict) -> bool:
     """Whether the timed function ``key`` can be captured in a CUDA graph: not where it calls the process group and
     that is gloo (--shared-gpu; a failed capture leaves torch's allocator unusable)."""
-    uses_group = key == "nccl_us" or key == "ours_us" and rec.get("path") == "fallback"
+    uses_group = (key == "nccl_us" or key == "ours_us" and rec.get("path") == "fallback"
+                  or key == "ours_unfused_us" and rec.get("unfused_algorithm") == "process group")
     return not uses_group or group_capturable()
 
 
@@ -730,10 +731,12 @@ GEMM_AR_KN = [(28672, 8192), (8192, 8192), (14336, 4096)]  # K over all ranks (e
 
 
 def bench_gemm_ar(ctx, shapes, iters, write_partial):
-    """GEMM + AllReduce, ``shapes`` (M, K, N) with K over all ranks: ours (fallback="auto") against torch.matmul +
-    dist.all_reduce (NCCL) and the GEMM alone, eager and as CUDA-graph replays."""
+    """GEMM + AllReduce, ``shapes`` (M, K, N) with K over all ranks: ours as a user gets it (the fused kernel up to
+    its threshold), our matmul + AllReduce path forced (``ours_unfused_us``), torch.matmul + dist.all_reduce (NCCL)
+    and the GEMM alone, eager and as CUDA-graph replays."""
     W = ctx.world_size
     op = to.GEMMAllReduce(ctx)
+    unfused = to.GEMMAllReduce(ctx, fused_max_bytes=0, name="gemm_ar.unfused")
     records = []
     for M, K, N in shapes:
         torch.manual_seed(ctx.rank)
@@ -751,8 +754,11 @@ def bench_gemm_ar(ctx, shapes, iters, write_partial):
         ref = (a.double() @ w.double())
         dist.all_reduce(ref)
         rec["rel_err"] = float((out.double() - ref).norm() / ref.norm())
-        rec["path"] = op.last_path
-        fns = {"ours_us": lambda: op(a, w, out=out), "nccl_us": nccl, "gemm_us": lambda: torch.matmul(a, w, out=y)}
+        rec["path"], rec["algorithm"] = op.last_path, op.last_algorithm
+        unfused(a, w, out=y)
+        rec["unfused_algorithm"] = unfused.last_algorithm
+        fns = {"ours_us": lambda: op(a, w, out=out), "ours_unfused_us": lambda: unfused(a, w, out=y), "nccl_us": nccl,
+               "gemm_us": lambda: torch.matmul(a, w, out=y)}
         time_columns(ctx, rec, fns, iters)
         records.append(rec)
         write_partial(records)

@@ -1,7 +1,7 @@
 """Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel (Gluon), the attention kernels, the
-AllReduce and the timing spin for a GPU target without a GPU: Triton's front end, LLVM and ptxas, as a launch on the
-device would. Catches compile errors before device time is spent, and prints registers, spills and whether ptxas
-serialised the wgmma pipeline (warning C7515).
+AllReduce, the fused GEMM + AllReduce and the timing spin for a GPU target without a GPU: Triton's front end, LLVM
+and ptxas, as a launch on the device would. Catches compile errors before device time is spent, and prints
+registers, spills and whether ptxas serialised the wgmma pipeline (warning C7515).
 
     python3 dev/compile_check.py [--arch 90] [--quick]     (with the package installed)
 
@@ -25,6 +25,7 @@ from triton_overlap.kernels.all_reduce import one_shot_all_reduce, two_shot_all_
 from triton_overlap.kernels.attention import cp_attention_fwd
 from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
 from triton_overlap.kernels.gemm import persistent_gemm
+from triton_overlap.kernels.gemm_all_reduce import gemm_all_reduce
 from triton_overlap.kernels.signal import barrier_kernel, remote_header_kernel, spin_kernel, wait_kernel
 
 PTRS = ("a_ptr", "ws_ptr", "b_ptr", "c_ptr", "bias_ptr", "out_ptr")
@@ -124,6 +125,37 @@ def compile_signals(target) -> int:
         except Exception as e:  # noqa: BLE001 - reported, the check goes on
             failed += 1
             print(f"{fn.fn.__name__} {dtype}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+    return failed
+
+
+def compile_gemm_all_reduce(target) -> int:
+    """The fused GEMM + AllReduce at the GPU defaults' tiles (ops.config.GEMMAllReduceConfig), with and without
+    the bias, B as [K, N] or as a transpose (stride 1 along K)."""
+    from triton_overlap.ops.config import GEMMAllReduceConfig
+
+    failed = 0
+    for m, bias, kmajor in itertools.product((1, 32, 4096), (False, True), (False, True)):
+        cfg = GEMMAllReduceConfig.defaults("cuda", m)
+        sig = {}
+        for prm in gemm_all_reduce.params:
+            n = prm.name
+            sig[n] = ("constexpr" if prm.is_constexpr else "*bf16" if n in ("a_ptr", "b_ptr", "bias_ptr", "out_ptr",
+                                                                          "local_data")
+                      else "*i64" if n.endswith("_ptrs") else "*i32" if n.endswith("_ptr") or n.startswith("local_")
+                      else "i64" if n == "budget" else "i32")
+        unit = "stride_bk" if kmajor else "stride_bn"
+        sig[unit] = sig["stride_ak"] = "constexpr"  # 1 at every launch: Triton specialises it as a constant
+        consts = {unit: 1, "stride_ak": 1, "HAS_BIAS": bias, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+                  "BLOCK_K": cfg.block_k, "BLOCK_W": 8, "EVEN_K": True, "DOT_F32": False, "CLOCK": 1}
+        name = f"gemm_all_reduce M={m} tiles {cfg.block_m}x{cfg.block_n}x{cfg.block_k} bias={bias} b_kmajor={kmajor}"
+        try:
+            k = triton.compile(ASTSource(fn=gemm_all_reduce, signature=sig, constexprs=consts,
+                                         attrs=divisibility(sig, skip=("rank", "op", "world", "budget", "M"))),
+                               target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
+        except Exception as e:  # noqa: BLE001 - reported, the check goes on
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
     return failed
 
 
@@ -228,6 +260,7 @@ def main():
     triton.compile(src, target=target, options={"num_warps": 1})
     print("spin_kernel: compiled")
     failed += compile_signals(target)
+    failed += compile_gemm_all_reduce(target)
     failed += compile_attention(target)
     failed += compile_warp_specialized(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)

@@ -9,43 +9,121 @@ from refs import TOL, rand, rel_err
 from triton_overlap.nn import RowParallelLinear
 
 
-def _gemm_ar(fallback: str):
+#: (M, K_local, N, dtype, bias, w as a transpose's view); K_local of -1: 16 + rank (ranks hold different K)
+CASES = [(1, 16, 19, torch.bfloat16, True, True), (5, 24, 33, torch.float16, False, False),
+         (33, -1, 40, torch.bfloat16, False, True), (64, 32, 72, torch.bfloat16, True, False),
+         (3, 40, 17, torch.bfloat16, True, False)]
+
+
+def _gemm_ar(algorithm: str, fallback: str):
+    """Every case, then the first again (the slots shrink back to a small call), against float64 sums; ``out``
+    poisoned with NaN on every other call. Returns the algorithm each call took."""
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.GEMMAllReduce(ctx, fallback=fallback, one_shot_max_bytes=4096, two_shot_max_bytes=4096)
-        paths = []
-        for i, (M, K, N, dtype, has_bias, transposed) in enumerate([
-                (1, 16, 19, torch.bfloat16, True, True), (5, 24, 33, torch.float16, False, False),
-                (33, 16, 40, torch.bfloat16, False, True), (64, 32, 72, torch.bfloat16, True, False)]):
-            a_all = [rand((M, K), dtype, dev, "gar-a", i, s) for s in range(W)]
-            w_all = [rand((N, K) if transposed else (K, N), dtype, dev, "gar-w", i, s) for s in range(W)]
+        op = to.GEMMAllReduce(ctx, algorithm=algorithm, fallback=fallback, fused_max_bytes=4096,
+                              one_shot_max_bytes=4096, two_shot_max_bytes=4096)
+        took = []
+        for call, i in enumerate(list(range(len(CASES))) + [0]):
+            M, K, N, dtype, has_bias, transposed = CASES[i]
+            ks = [16 + s if K < 0 else K for s in range(W)]
+            a_all = [rand((M, ks[s]), dtype, dev, "gar-a", i, s) for s in range(W)]
+            w_all = [rand((N, ks[s]) if transposed else (ks[s], N), dtype, dev, "gar-w", i, s) for s in range(W)]
             w_all = [w.t() if transposed else w for w in w_all]
             bias = rand((N,), dtype, dev, "gar-b", i) if has_bias else None
             ref = sum(a.double() @ w.double() for a, w in zip(a_all, w_all))
             if bias is not None:
                 ref = ref + bias.double()
-            out = torch.full((M, N), float("nan"), dtype=dtype, device=dev) if i % 2 else None
+            out = torch.full((M, N), float("nan"), dtype=dtype, device=dev) if call % 2 else None
             got = op(a_all[r], w_all[r], bias, out=out)
             ctx.check()
             assert out is None or got is out
-            # bf16 partials (each rank's GEMM output) are rounded before they are summed: twice the GEMM tolerance
+            # partials (each rank's GEMM output) are rounded to bf16/fp16 before they are summed: twice the GEMM's
+            # tolerance
             err = rel_err(got, ref)
             assert err < 2 * TOL[dtype], f"case {i}: rel err {err:.2e}"
-            paths.append(op.last_path)
+            took.append(op.last_algorithm)
         with pytest.raises(ValueError, match="different dtypes"):
             op(a_all[r], w_all[r].half() if dtype == torch.bfloat16 else w_all[r].bfloat16())
         with pytest.raises(ValueError, match="out must be"):
             op(a_all[r], w_all[r], out=torch.empty(3, 3, dtype=torch.bfloat16, device=dev))
-        return paths
+        return took
 
 
-@pytest.mark.parametrize("fallback", ["never", "auto"])
-def test_gemm_ar(pool, fallback):
-    paths = pool.run(_gemm_ar, fallback)[0]
-    if fallback == "never":
-        assert set(paths) == {"overlap"}
-    else:  # the last case's [64, 72] bf16 output is over 4 KiB
-        assert paths[0] == "overlap" and paths[-1] == "fallback"
+@pytest.mark.parametrize("algorithm,fallback", [("auto", "auto"), ("fused", "never"), ("two_shot", "never"),
+                                                ("auto", "always")])
+def test_gemm_ar(pool, algorithm, fallback):
+    took = pool.run(_gemm_ar, algorithm, fallback)[0]
+    if fallback == "always":
+        assert set(took) == {"process group"}
+    elif algorithm == "auto":  # the [64, 72] bf16 output is over 4 KiB: matmul, then the process group
+        assert took[:3] == ["fused"] * 3 and took[3] == "process group" and took[-1] == "fused", took
+    else:
+        assert set(took) == {algorithm}, took
+
+
+def _gemm_ar_disagree(T: float):
+    """Both shapes used before; then the last rank passes another M: the fused kernel's header comparison names
+    the op on every rank that meets it; after reset() the sums are right again."""
+    with to.Context(timeout_s=T) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        op = to.GEMMAllReduce(ctx, algorithm="fused", fallback="never")
+        w = rand((24, 20), torch.bfloat16, dev, "gard-w", r)
+
+        def call(m, tag):
+            a_all = [rand((m, 24), torch.bfloat16, dev, "gard-a", tag, s) for s in range(W)]
+            w_all = [rand((24, 20), torch.bfloat16, dev, "gard-w", s) for s in range(W)]
+            got = op(a_all[r], w)
+            ctx.check()
+            ref = sum(a.double() @ b.double() for a, b in zip(a_all, w_all))
+            assert rel_err(got, ref) < 2 * TOL[torch.bfloat16]
+
+        call(8, 0)
+        with pytest.raises(to.ContextError) as info:
+            call(12, 1)  # a rank a call behind may see the mismatch at its check of this call
+            op(rand((12 if r == W - 1 else 8, 24), torch.bfloat16, dev, "gard-a", 2, r), w)
+            ctx.check()
+        msg = str(info.value)
+        assert "gemm_ar" in msg and ("disagree" in msg or "faulted" in msg), msg
+        ctx.reset()
+        call(12, 3)
+        return msg
+
+
+def test_ranks_disagree(pool):
+    msgs = pool.run(_gemm_ar_disagree, 2.0 if pool.backend == "host" else 6.0)
+    assert any("ranks disagree on the call" in m for m in msgs), msgs
+
+
+def _replays(n_replays: int):
+    """The fused kernel captured in a CUDA graph and replayed with new inputs each time."""
+    from triton_overlap.timing import capture
+
+    with to.Context(timeout_s=30) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        op = to.GEMMAllReduce(ctx, algorithm="fused", fallback="never")
+        a = torch.empty(7, 96, dtype=torch.bfloat16, device=dev)
+        w = rand((96, 200), torch.bfloat16, dev, "garg-w", r)
+        w_all = [rand((96, 200), torch.bfloat16, dev, "garg-w", s).double() for s in range(W)]
+        out = torch.empty(7, 200, dtype=torch.bfloat16, device=dev)
+        a.copy_(rand((7, 96), torch.bfloat16, dev, "garg-a", -1, r))
+        op(a, w, out=out)  # sizes the slots (not allowed inside a capture)
+        ctx.check()
+        g = capture(lambda: op(a, w, out=out))
+        for i in range(n_replays):
+            a_all = [rand((7, 96), torch.bfloat16, dev, "garg-a", i % 50, s) for s in range(W)]
+            a.copy_(a_all[r])
+            out.fill_(float("nan"))
+            g.replay()
+            err = rel_err(out, sum(x.double() @ y for x, y in zip(a_all, w_all)))
+            assert err < 2 * TOL[torch.bfloat16], f"replay {i}: rel err {err:.2e}"
+        ctx.check()
+        return True
+
+
+def test_graph_replays(pool):
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    assert all(pool.run(_replays, 1000))
 
 
 def _row_layer():

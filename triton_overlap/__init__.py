@@ -6,10 +6,11 @@ For decode-sized messages, a one-kernel AllReduce (and GEMM + AllReduce) over th
 from . import zigzag
 from .context import Context, ContextError, SymmetricTensor
 from .ops import (AllGatherGEMM, AllGatherGEMMConfig, AllReduce, AttentionConfig, ContextParallelAttention,
-                  GEMMAllReduce, GEMMReduceScatter, GEMMReduceScatterConfig, ag_gemm, all_reduce, cp_attention, gemm_ar,
-                  gemm_rs)
+                  GEMMAllReduce, GEMMAllReduceConfig, GEMMReduceScatter, GEMMReduceScatterConfig, ag_gemm, all_reduce,
+                  cp_attention, gemm_ar, gemm_rs)
 
 __all__ = ["AllGatherGEMM", "AllGatherGEMMConfig", "AllReduce", "AttentionConfig", "Context", "ContextError",
-           "ContextParallelAttention", "GEMMAllReduce", "GEMMReduceScatter", "GEMMReduceScatterConfig",
-           "SymmetricTensor", "ag_gemm", "all_reduce", "cp_attention", "gemm_ar", "gemm_rs", "zigzag"]
+           "ContextParallelAttention", "GEMMAllReduce", "GEMMAllReduceConfig", "GEMMReduceScatter",
+           "GEMMReduceScatterConfig", "SymmetricTensor", "ag_gemm", "all_reduce", "cp_attention", "gemm_ar",
+           "gemm_rs", "zigzag"]
 __version__ = "0.1.0"

@@ -2,11 +2,11 @@
 (producers.pipeline); AllReduce and GEMM + AllReduce are one-kernel collectives for decode-sized messages."""
 from .all_gather_gemm import AllGatherGEMM, ag_gemm
 from .all_reduce import AllReduce, all_reduce
-from .config import AllGatherGEMMConfig, AttentionConfig, GEMMReduceScatterConfig
+from .config import AllGatherGEMMConfig, AttentionConfig, GEMMAllReduceConfig, GEMMReduceScatterConfig
 from .context_parallel_attention import ContextParallelAttention, cp_attention
 from .gemm_all_reduce import GEMMAllReduce, gemm_ar
 from .gemm_reduce_scatter import GEMMReduceScatter, gemm_rs
 
 __all__ = ["AllGatherGEMM", "AllGatherGEMMConfig", "AllReduce", "AttentionConfig", "ContextParallelAttention",
-           "GEMMAllReduce", "GEMMReduceScatter", "GEMMReduceScatterConfig", "ag_gemm", "all_reduce", "cp_attention",
-           "gemm_ar", "gemm_rs"]
+           "GEMMAllReduce", "GEMMAllReduceConfig", "GEMMReduceScatter", "GEMMReduceScatterConfig", "ag_gemm",
+           "all_reduce", "cp_attention", "gemm_ar", "gemm_rs"]

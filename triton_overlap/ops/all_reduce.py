@@ -32,6 +32,15 @@ def _pow2_at_least(n: int) -> int:
     return p
 
 
+def slot_capacity(state: dict, n: int, blocks: int) -> tuple[int, int]:
+    """Elements per slot and flags per peer for a call of ``n`` elements in ``blocks`` blocks, from ``state`` (the
+    op's): powers of two that only grow, so that a call's slots never overlap the other half's slots of the call
+    before (a peer may store the next call's parts while this rank still reads this call's)."""
+    cap = state["slot elements"] = max(state.get("slot elements", 0), BLOCK, _pow2_at_least(n))
+    flags = state["slot flags"] = max(state.get("slot flags", 0), _pow2_at_least(blocks))
+    return cap, flags
+
+
 class AllReduce(OverlapOp):
     """Reusable AllReduce bound to a Context: holds its symmetric receive slots and flags.
 
@@ -112,8 +121,7 @@ class AllReduce(OverlapOp):
     def _launch(self, kernel, x, out, n) -> None:
         ctx = self.ctx
         W = ctx.world_size
-        cap = max(BLOCK, _pow2_at_least(n))  # elements per slot: grown in powers of two, so rarely
-        blocks = cdiv(cap, BLOCK)
+        cap, blocks = slot_capacity(self.state, n, cdiv(n, BLOCK))
         data = ctx.symmetric(f"{self.name}.slots", (2, W, cap), x.dtype)
         flags = ctx.symmetric(f"{self.name}.flags", (W, blocks), torch.int32)
         header = ctx.symmetric(f"{self.name}.header", (2, W, 4), torch.int32)

@@ -123,6 +123,31 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
 
 
 @dataclass(frozen=True)
+class GEMMAllReduceConfig:
+    """The fused GEMM + AllReduce kernel's tiles (kernels.gemm_all_reduce): ``block_m`` x ``block_n`` output tiles,
+    ``block_k``-deep steps of the K loop, ``num_warps`` and ``num_stages`` as in any Triton kernel. Every rank must
+    use the same tiles (a call's header carries them, so ranks that differ get an error)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+    @classmethod
+    def defaults(cls, backend: str, m: int) -> "GEMMAllReduceConfig":
+        """Interpreter-sized tiles on the host backend. On GPUs decode rows (M up to 64) take 16 to 64 rows per
+        tile, 64 columns and 128-deep steps, so a few rows still give enough tiles for every SM and each step
+        streams a long piece of the weight; larger M takes 128 x 128 tiles."""
+        if backend == "host":
+            return cls(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
+        if m <= 64:
+            return cls(block_m=max(16, 1 << (m - 1).bit_length()), block_n=64, block_k=128, num_warps=4,
+                       num_stages=4)
+        return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@dataclass(frozen=True)
 class AttentionConfig:
     """Context-parallel attention's knobs. ``chunks_per_rank``: how finely each rank's K/V is cut for the flags
     (even: the two zigzag halves are never mixed in one chunk). One ``Blocks`` per kernel: forward, backward dQ,

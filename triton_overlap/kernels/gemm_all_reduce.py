@@ -1,0 +1,96 @@
+"""GEMM + AllReduce in one kernel: ``out = sum over ranks of a_r @ w_r (+ bias)``, the row-parallel GEMM of a layer
+without sequence parallelism.
+
+A persistent kernel (at most one program per compute unit) walks the output tiles ``pid, pid + P, ...`` twice.
+First pass: each tile's partial product is computed in float32 (rank 0 adds the bias), rounded to the output dtype
+and stored into slot [half][rank] of every rank, this one included, and the tile's flag is raised in every rank, so
+a tile travels while the program computes its next one. Second pass: each tile waits for its flag from every peer
+and sums the W slots in float32, in rank order, so every rank gets the same bits. No separate GEMM output goes
+through memory and there is one launch, where ``matmul`` + AllReduce take two.
+
+The workspace protocol is the one-shot AllReduce's (kernels.all_reduce): two halves of W slots, the call number
+counted on the device (graph-safe), flags that carry it and only grow, and every program's header into every peer
+before its first flag, compared on a tile's first wait per peer (a rank whose peer's call differs records
+ERR_MISMATCH). Every program stores all its tiles before it waits on a peer's: with all programs resident no
+program waits for one that cannot run.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .all_reduce import _count_call, _notify_block, _publish_header, _wait_block
+
+
+@triton.jit
+def _tile_product(a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  DOT_F32: tl.constexpr):
+    """A[rows, :] @ B[:, cols] in float32 (rows and columns outside the matrices read as zero)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    row_ok = rows < M
+    col_ok = cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
+        if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def gemm_all_reduce(a_ptr, b_ptr, bias_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local_data, local_flags,
+                    local_header, state_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_bias, cap,
+                    max_tiles, err_ptr, budget, rank, world, op, fingerprint,
+                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, CLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    e = tl.load(state_ptr) + 1  # this call's number, the same on every rank
+    half = e % 2
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    tiles = tl.cdiv(M, BLOCK_M) * tiles_n
+    _publish_header(header_ptrs, e, half, rank, world, op, fingerprint, M * N, BLOCK_W)
+    slot = (half * world + rank) * cap
+    # this rank's partial tiles, into every rank's slot [half][rank]; then the tile's flag in every rank
+    for t in range(pid, tiles, programs):
+        rows = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _tile_product(a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        part = acc.to(out_ptr.dtype.element_ty)
+        offs = rows[:, None] * N + cols[None, :]
+        inside = (rows < M)[:, None] & (cols < N)[None, :]
+        for p in range(0, world):
+            base = tl.load(data_ptrs + p).to(tl.pointer_type(out_ptr.dtype.element_ty))
+            tl.store(base + slot + offs, part, mask=inside)
+        _notify_block(flag_ptrs, e, rank, t, max_tiles, world, BLOCK_W)
+    # each tile: every peer's flag, then the sum of the W slots in rank order
+    for t in range(pid, tiles, programs):
+        rows = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs = rows[:, None] * N + cols[None, :]
+        inside = (rows < M)[:, None] & (cols < N)[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for p in range(0, world):
+            if p != rank:
+                _wait_block(local_flags, local_header, p, t, max_tiles, e, half, err_ptr, budget, rank, world, op,
+                            fingerprint, CLOCK)
+            acc += tl.load(local_data + (half * world + p) * cap + offs, mask=inside, other=0.0,
+                           cache_modifier=".cg").to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=inside)
+    _count_call(state_ptr, e)
