@@ -736,7 +736,7 @@ def bench_gemm_ar(ctx, shapes, iters, write_partial):
     and the GEMM alone, eager and as CUDA-graph replays."""
     W = ctx.world_size
     op = to.GEMMAllReduce(ctx)
-    unfused = to.GEMMAllReduce(ctx, fused_max_bytes=0, name="gemm_ar.unfused")
+    unfused = to.GEMMAllReduce(ctx, fused_max_rows=0, name="gemm_ar.unfused")
     records = []
     for M, K, N in shapes:
         torch.manual_seed(ctx.rank)

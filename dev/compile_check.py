@@ -134,8 +134,8 @@ def compile_gemm_all_reduce(target) -> int:
     from triton_overlap.ops.config import GEMMAllReduceConfig
 
     failed = 0
-    for m, bias, kmajor in itertools.product((1, 32, 4096), (False, True), (False, True)):
-        cfg = GEMMAllReduceConfig.defaults("cuda", m)
+    for m, bias, kmajor in itertools.product((1, 128, 4096), (False, True), (False, True)):
+        cfg = GEMMAllReduceConfig.defaults("cuda", m, 4096, 132)
         sig = {}
         for prm in gemm_all_reduce.params:
             n = prm.name

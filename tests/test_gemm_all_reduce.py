@@ -20,7 +20,7 @@ def _gemm_ar(algorithm: str, fallback: str):
     poisoned with NaN on every other call. Returns the algorithm each call took."""
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.GEMMAllReduce(ctx, algorithm=algorithm, fallback=fallback, fused_max_bytes=4096,
+        op = to.GEMMAllReduce(ctx, algorithm=algorithm, fallback=fallback, fused_max_rows=40,
                               one_shot_max_bytes=4096, two_shot_max_bytes=4096)
         took = []
         for call, i in enumerate(list(range(len(CASES))) + [0]):
@@ -55,7 +55,7 @@ def test_gemm_ar(pool, algorithm, fallback):
     took = pool.run(_gemm_ar, algorithm, fallback)[0]
     if fallback == "always":
         assert set(took) == {"process group"}
-    elif algorithm == "auto":  # the [64, 72] bf16 output is over 4 KiB: matmul, then the process group
+    elif algorithm == "auto":  # M = 64 is over 40 rows, and its [64, 72] bf16 output over 4 KiB: matmul, then NCCL
         assert took[:3] == ["fused"] * 3 and took[3] == "process group" and took[-1] == "fused", took
     else:
         assert set(took) == {algorithm}, took

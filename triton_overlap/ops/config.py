@@ -135,16 +135,25 @@ class GEMMAllReduceConfig:
     num_stages: int = 4
 
     @classmethod
-    def defaults(cls, backend: str, m: int) -> "GEMMAllReduceConfig":
-        """Interpreter-sized tiles on the host backend. On GPUs decode rows (M up to 64) take 16 to 64 rows per
-        tile, 64 columns and 128-deep steps, so a few rows still give enough tiles for every SM and each step
-        streams a long piece of the weight; larger M takes 128 x 128 tiles."""
+    def defaults(cls, backend: str, m: int, n: int, units: int) -> "GEMMAllReduceConfig":
+        """Interpreter-sized tiles on the host backend. On GPUs, up to 64 rows (decode): 16 to 64 rows per tile
+        (the fewest that cover M), 64 columns, or 32 where 64 would leave over a tenth of the ``units`` compute
+        units idle over the waves of tiles and 32 fewer, and 128-deep steps (the GEMM streams the weight); 64 x 128
+        tiles up to 256 rows, 128 x 128 above (docs/decisions.md)."""
         if backend == "host":
             return cls(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
-        if m <= 64:
-            return cls(block_m=max(16, 1 << (m - 1).bit_length()), block_n=64, block_k=128, num_warps=4,
-                       num_stages=4)
-        return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        if m > 256:
+            return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        if m > 64:
+            return cls(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+        bm = max(16, 1 << (m - 1).bit_length())
+
+        def busy(bn):  # the share of compute units busy over the waves of tiles
+            tiles = cdiv(m, bm) * cdiv(n, bn)
+            return tiles / (cdiv(tiles, units) * units)
+
+        bn = 64 if busy(64) >= 0.9 or busy(64) >= busy(32) else 32
+        return cls(block_m=bm, block_n=bn, block_k=128, num_warps=4, num_stages=4)
 
 
 @dataclass(frozen=True)

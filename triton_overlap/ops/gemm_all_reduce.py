@@ -1,7 +1,7 @@
 """GEMM + AllReduce: ``sum over ranks of a_r @ w_r (+ bias)`` on every rank, the row-parallel GEMM of a layer without
 sequence parallelism (decode).
 
-Up to ``fused_max_bytes`` of output, one kernel (kernels.gemm_all_reduce) computes the partial product tile by
+Up to ``fused_max_rows`` rows (decode), one kernel (kernels.gemm_all_reduce) computes the partial product tile by
 tile and sends each tile to every rank as it is done, then sums the tiles that arrived: one launch, and the
 transfer of a tile hides behind the next tiles' products. Above it, torch.matmul writes the partial product and
 the AllReduce op sums it (its kernels, or the process group for large messages). Either way the bias rides in rank
@@ -19,8 +19,8 @@ from .base import OverlapOp
 from .checks import check_operands
 from .config import GEMMAllReduceConfig
 
-#: algorithm="auto": the fused kernel up to this many bytes of output (docs/decisions.md: not measured across GPUs)
-FUSED_MAX_BYTES = 16 << 20
+#: algorithm="auto": the fused kernel up to this many rows (docs/decisions.md: its GEMM against cuBLAS on one GPU)
+FUSED_MAX_ROWS = 64
 ALGORITHMS = ("auto", "fused", "one_shot", "two_shot")
 
 
@@ -32,7 +32,7 @@ class GEMMAllReduce(OverlapOp):
     [M, N], the same on every rank. Ranks may hold different K_local (K not divisible by W); M, N and the dtype
     must agree.
 
-    ``algorithm``: "auto" (the fused kernel up to ``fused_max_bytes`` of output, above it torch.matmul and the
+    ``algorithm``: "auto" (the fused kernel up to ``fused_max_rows`` rows, above it torch.matmul and the
     AllReduce op's own choice by ``one_shot_max_bytes`` / ``two_shot_max_bytes``), "fused" (always the fused
     kernel), "one_shot" or "two_shot" (torch.matmul, then that AllReduce kernel). ``fallback``: "always" takes
     torch.matmul + the process group's all_reduce; "auto" does so for W = 1 and on a group that spans hosts;
@@ -45,21 +45,21 @@ class GEMMAllReduce(OverlapOp):
     KIND = "gemm_ar"
 
     def __init__(self, ctx, config: GEMMAllReduceConfig | None = None, *, algorithm: str = "auto",
-                 fallback: str = "auto", fused_max_bytes: int = FUSED_MAX_BYTES,
+                 fallback: str = "auto", fused_max_rows: int = FUSED_MAX_ROWS,
                  one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES, two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
                  name: str | None = None):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=False)  # one launch: nothing to replay
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
-        self.fused_max_bytes = int(fused_max_bytes)
+        self.fused_max_rows = int(fused_max_rows)
         self.all_reduce = AllReduce(ctx, algorithm="auto" if algorithm == "fused" else algorithm,
                                     fallback=fallback, one_shot_max_bytes=one_shot_max_bytes,
                                     two_shot_max_bytes=two_shot_max_bytes, name=f"{self.name}.all_reduce")
         self.last_algorithm = None  # "fused", "one_shot", "two_shot" or "process group": what the last call took
 
     def default_config(self, shape, variant=""):
-        return GEMMAllReduceConfig.defaults(self.ctx.backend, shape[0])
+        return GEMMAllReduceConfig.defaults(self.ctx.backend, shape[0], shape[1], self.ctx.num_compute_units())
 
     @torch.no_grad()
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -74,7 +74,7 @@ class GEMMAllReduce(OverlapOp):
         if out is not None and (out.data_ptr() in (a.data_ptr(), w.data_ptr())):
             raise ValueError("gemm_ar: out must not be a or w")
         M, N = want
-        if self._fused(M, N, a.element_size()):
+        if self._fused(M, N):
             self.agree((M, N, str(dtype)))
             out = torch.empty(want, dtype=dtype, device=a.device) if out is None else out
             self._launch(a, w, bias, out)
@@ -89,7 +89,7 @@ class GEMMAllReduce(OverlapOp):
         self.last_path, self.last_algorithm = self.all_reduce.last_path, self.all_reduce.last_algorithm
         return out
 
-    def _fused(self, M: int, N: int, element_size: int) -> bool:
+    def _fused(self, M: int, N: int) -> bool:
         """Whether a call with an [M, N] output takes the fused kernel."""
         if self.fallback == "always" or self.fallback == "auto" and self.ctx.world_size == 1:
             return False
@@ -102,7 +102,7 @@ class GEMMAllReduce(OverlapOp):
                 raise ValueError(f"gemm_ar: an output of {M} x {N} is too large for the fused kernel's slots at "
                                  f"W = {self.ctx.world_size}; algorithm='auto' takes matmul + AllReduce there")
             return True
-        return fits and M * N * element_size <= self.fused_max_bytes
+        return fits and M <= self.fused_max_rows
 
     def _launch(self, a, w, bias, out) -> None:
         ctx = self.ctx
