@@ -8,8 +8,10 @@ MB, and its AllReduce is bound by latency, not bandwidth. ``to.all_reduce(x, ctx
 ranks in one Triton kernel: every rank stores its input into every peer's receive slot (symmetric memory, mapped
 by the Context) and raises a flag per block, and each rank sums the slots as the flags arrive. There is no host
 synchronisation and no call number kept on the host, so a decode step that contains it can be captured in a CUDA
-graph once and replayed for every token. ``to.gemm_ar(a, w, ctx=ctx)`` is the row-parallel GEMM followed by that
-AllReduce, and ``RowParallelLinear(..., sequence_parallel=False)`` is the layer.
+graph once and replayed for every token. ``to.gemm_ar(a, w, ctx=ctx)`` is the row-parallel GEMM and that
+AllReduce in one kernel at decode sizes (each tile of the partial product goes to every rank as soon as it is
+computed, and each rank sums the tiles as they arrive), and ``RowParallelLinear(..., sequence_parallel=False)`` is
+the layer.
 
 This tutorial builds a SwiGLU MLP block sharded over the ranks (gate/up by output columns, down by input rows),
 steps it over 16 tokens (on GPUs as replays of one captured step), and compares every step's output with the
