@@ -195,3 +195,47 @@ def test_graph_replays(pool, algorithm):
     if pool.backend == "host":
         pytest.skip("CUDA graphs need a GPU")
     assert all(pool.run(_replays, 1000, algorithm))
+
+
+# ------------------------------------------------------------------------------------------------ slot layout
+class _Buffers:
+    """What slot_elements asks of a Context: its world size and the size of a buffer, grown as symmetric() grows
+    it (to exactly what a call asks for, when that is more than it holds)."""
+
+    def __init__(self, world):
+        self.world_size, self.nbytes, self.allocations = world, 0, 0
+
+    def symmetric_nbytes(self, name):
+        return self.nbytes
+
+    def ask(self, nbytes):
+        if nbytes > self.nbytes:
+            self.nbytes, self.allocations = nbytes, self.allocations + 1
+
+
+def test_consecutive_calls_never_share_slots():
+    """A peer may store call e + 1's parts (half (e + 1) % 2) while this rank still reads call e's (half e % 2): in
+    one allocation, the byte ranges of consecutive calls' slots must be disjoint for every sender, whatever the
+    sizes and dtypes (a large call, then a small one, included)."""
+    from triton_overlap.ops.all_reduce import slot_elements
+
+    rng = random.Random(0)
+    calls = [(1 << 20, torch.float32), (1000, torch.bfloat16), (1, torch.float32), (300_000, torch.float16),
+             (5, torch.bfloat16), (1 << 22, torch.bfloat16), (2048, torch.float32)]
+    calls += [(rng.randrange(1, 1 << 21), rng.choice([torch.float32, torch.bfloat16])) for _ in range(200)]
+    for W in (2, 3, 4, 8):
+        buf, previous = _Buffers(W), None
+        for e, (n, dtype) in enumerate(calls, start=1):
+            element = torch.empty((), dtype=dtype).element_size()
+            cap = slot_elements(buf, "slots", n, dtype)
+            allocations = buf.allocations
+            buf.ask(2 * W * cap * element)
+            assert cap >= n and 2 * W * cap * element <= buf.nbytes
+            half = e % 2
+            regions = [(((half * W + p) * cap) * element, ((half * W + p) * cap + n) * element) for p in range(W)]
+            if previous is not None and buf.allocations == allocations:  # the same memory as the call before
+                for lo, hi in regions:
+                    for plo, phi in previous:
+                        assert hi <= plo or phi <= lo, (W, e, n, dtype, (lo, hi), (plo, phi))
+            previous = regions
+        assert buf.allocations <= 6, buf.allocations  # grown in powers of two only

@@ -388,6 +388,12 @@ class Context:
         return self._group
 
     # ------------------------------------------------------- symmetric memory
+    def symmetric_nbytes(self, name: str) -> int:
+        """The size in bytes of every rank's buffer ``name`` (0 before its first allocation). It changes only when
+        the buffer grows, and a grown buffer is new memory, allocated once no rank uses the old one."""
+        alloc = self._allocs.get(name)
+        return 0 if alloc is None else alloc.nbytes
+
     def symmetric(self, name: str, shape, dtype: torch.dtype) -> SymmetricTensor:
         """A symmetric tensor (collective: every rank calls it with the same arguments).
 

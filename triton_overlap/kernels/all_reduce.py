@@ -6,10 +6,11 @@ The workspace of each rank holds two halves of W slots ([2, W, cap]); call numbe
 a replayed CUDA graph counts on) uses half ``e % 2``. A peer that stores call ``e + 1``'s data into this rank's
 slots has finished call ``e``, for which it waited on this rank's call-``e`` flags: this rank had started call ``e``,
 so it had finished reading half ``(e + 1) % 2`` in call ``e - 1``. That holds because the halves of consecutive
-calls never overlap: the slot size ``cap`` only grows (ops.all_reduce.slot_capacity). No barrier is needed
-between calls, only the per-block flags, which carry the call number and only grow. Before its flags, every program
-stores the call's header (call, op, fingerprint, size) into every peer; a rank whose peer's header differs from its
-own records ERR_MISMATCH, so ranks that pass different sizes get an error, not a sum of mismatched buffers.
+calls never overlap: ``cap`` is the whole buffer's slot until the buffer grows (ops.all_reduce.slot_elements),
+and a grown buffer is new memory. No barrier is needed between calls, only the per-block flags, which carry the
+call number and only grow. Before its flags, every program stores the call's header (call, op, fingerprint, size)
+into every peer; a rank whose peer's header differs from its own records ERR_MISMATCH, so ranks that pass
+different sizes get an error, not a sum of mismatched buffers.
 
 Every program stores all its blocks before it waits on a peer's, and the two-shot's sums wait only on parts: with
 at most one program per compute unit (all resident) no program waits for one that cannot run. The W parts of a

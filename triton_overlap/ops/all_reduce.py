@@ -32,13 +32,14 @@ def _pow2_at_least(n: int) -> int:
     return p
 
 
-def slot_capacity(state: dict, n: int, blocks: int) -> tuple[int, int]:
-    """Elements per slot and flags per peer for a call of ``n`` elements in ``blocks`` blocks, from ``state`` (the
-    op's): powers of two that only grow, so that a call's slots never overlap the other half's slots of the call
-    before (a peer may store the next call's parts while this rank still reads this call's)."""
-    cap = state["slot elements"] = max(state.get("slot elements", 0), BLOCK, _pow2_at_least(n))
-    flags = state["slot flags"] = max(state.get("slot flags", 0), _pow2_at_least(blocks))
-    return cap, flags
+def slot_elements(ctx, name: str, n: int, dtype: torch.dtype) -> int:
+    """Elements per slot of the [2, W, cap] buffer ``name`` for a call of ``n`` elements of ``dtype``: the whole
+    buffer's slot while it is large enough, else the power of two that fits ``n`` (at least BLOCK; the buffer
+    grows). So slots keep their places in the buffer until it grows, and a peer storing the next call's parts
+    (the other half) never overlaps this call's, whatever the sizes and dtypes of the two calls."""
+    element = torch.empty((), dtype=dtype).element_size()
+    have = ctx.symmetric_nbytes(name) // (2 * ctx.world_size * element)
+    return max(BLOCK, _pow2_at_least(n), have)
 
 
 class AllReduce(OverlapOp):
@@ -121,7 +122,8 @@ class AllReduce(OverlapOp):
     def _launch(self, kernel, x, out, n) -> None:
         ctx = self.ctx
         W = ctx.world_size
-        cap, blocks = slot_capacity(self.state, n, cdiv(n, BLOCK))
+        cap = slot_elements(ctx, f"{self.name}.slots", n, x.dtype)
+        blocks = _pow2_at_least(cdiv(n, BLOCK))
         data = ctx.symmetric(f"{self.name}.slots", (2, W, cap), x.dtype)
         flags = ctx.symmetric(f"{self.name}.flags", (W, blocks), torch.int32)
         header = ctx.symmetric(f"{self.name}.header", (2, W, 4), torch.int32)

@@ -14,7 +14,7 @@ import torch
 from ..kernels.cached_launch import launch
 from ..kernels.gemm_all_reduce import gemm_all_reduce
 from ..plan import cdiv
-from .all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, AllReduce, _pow2_at_least, slot_capacity
+from .all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, AllReduce, _pow2_at_least, slot_elements
 from .base import OverlapOp
 from .checks import check_operands
 from .config import GEMMAllReduceConfig
@@ -110,7 +110,8 @@ class GEMMAllReduce(OverlapOp):
         (M, K), N = a.shape, w.shape[1]
         cfg = self.config_for((M, N))
         tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
-        cap, max_tiles = slot_capacity(self.state, M * N, tiles)
+        cap = slot_elements(ctx, f"{self.name}.slots", M * N, out.dtype)
+        max_tiles = _pow2_at_least(tiles)
         data = ctx.symmetric(f"{self.name}.slots", (2, W, cap), out.dtype)
         flags = ctx.symmetric(f"{self.name}.flags", (W, max_tiles), torch.int32)
         header = ctx.symmetric(f"{self.name}.header", (2, W, 4), torch.int32)
