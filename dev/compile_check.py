@@ -93,6 +93,16 @@ def attention_signature(fn) -> dict:
     return sig
 
 
+def collective_signature(fn, data: tuple, dtype: str) -> dict:
+    """The arguments of a kernel over symmetric slots (the AllReduces, the fused GEMM + AllReduce) as their ops pass
+    them: ``data`` pointers of ``dtype``, int64 address tables (``*_ptrs``), int32 flags, headers and counters, an
+    int64 budget, int32 scalars."""
+    return {prm.name: "constexpr" if prm.is_constexpr else f"*{dtype}" if prm.name in data
+            else "*i64" if prm.name.endswith("_ptrs")
+            else "*i32" if prm.name.endswith("_ptr") or prm.name.startswith("local_")
+            else "i64" if prm.name == "budget" else "i32" for prm in fn.params}
+
+
 def compile_signals(target) -> int:
     """The barrier (with the call headers), a bare wait and the comparison of headers from other hosts, as the Context
     launches them; the one-shot AllReduce."""
@@ -112,12 +122,7 @@ def compile_signals(target) -> int:
             failed += 1
             print(f"{fn.fn.__name__}: FAILED {type(e).__name__}: {str(e)[-600:]}")
     for fn, dtype in itertools.product((one_shot_all_reduce, two_shot_all_reduce), ("bf16", "fp32")):  # AllReduce
-        sig = {}
-        for prm in fn.params:
-            n = prm.name
-            sig[n] = ("constexpr" if prm.is_constexpr else f"*{dtype}" if n in ("x_ptr", "out_ptr", "local_data")
-                      else "*i64" if n.endswith("_ptrs") else "*i32" if n.endswith("_ptr") or n.startswith("local_")
-                      else "i64" if n == "budget" else "i32")
+        sig = collective_signature(fn, ("x_ptr", "out_ptr", "local_data"), dtype)
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(BLOCK=1024, BLOCK_W=8, CLOCK=1)),
                                target=target, options={"num_warps": 4})
@@ -136,13 +141,7 @@ def compile_gemm_all_reduce(target) -> int:
     failed = 0
     for m, bias, kmajor in itertools.product((1, 128, 4096), (False, True), (False, True)):
         cfg = GEMMAllReduceConfig.defaults("cuda", m, 4096, 132)
-        sig = {}
-        for prm in gemm_all_reduce.params:
-            n = prm.name
-            sig[n] = ("constexpr" if prm.is_constexpr else "*bf16" if n in ("a_ptr", "b_ptr", "bias_ptr", "out_ptr",
-                                                                          "local_data")
-                      else "*i64" if n.endswith("_ptrs") else "*i32" if n.endswith("_ptr") or n.startswith("local_")
-                      else "i64" if n == "budget" else "i32")
+        sig = collective_signature(gemm_all_reduce, ("a_ptr", "b_ptr", "bias_ptr", "out_ptr", "local_data"), "bf16")
         unit = "stride_bk" if kmajor else "stride_bn"
         sig[unit] = sig["stride_ak"] = "constexpr"  # 1 at every launch: Triton specialises it as a constant
         consts = {unit: 1, "stride_ak": 1, "HAS_BIAS": bias, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
