@@ -33,6 +33,18 @@ def test_lookup_prefers_world_size_then_any_then_nearest(tmp_path, monkeypatch):
     assert len(saved["GPU"]["2"]["ag_gemm"]) == 2 and len(saved["GPU"]["any"]["ag_gemm"]) == 3
 
 
+def test_the_shipped_table_is_read(tmp_path, monkeypatch):
+    """The table inside the package is found, and an op's lookup reaches its entries (no user cache here)."""
+    monkeypatch.setenv("TRITON_OVERLAP_TUNED", str(tmp_path / "none.json"))
+    assert tuning.SHIPPED.is_file()
+    table = json.loads(tuning.SHIPPED.read_text())
+    gpu, by_world = next(iter(table.items()))
+    op, entries = next(iter(by_world["any"].items()))
+    shape = entries[0]["shape"]
+    want = [e for e in entries if e["shape"] == shape][-1]["config"]
+    assert tuning.lookup(op, gpu, 2, shape) == want
+
+
 @pytest.mark.parametrize("op", ["gemm_rs", "ag_gemm_fp8"])
 def test_tune_tiles_only_dry_run_writes_an_any_entry(tmp_path, op):
     out = tmp_path / "tuned.json"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-SHIPPED = Path(__file__).parent / "configs" / "tuned.json"
+SHIPPED = Path(__file__).parent.parent / "configs" / "tuned.json"
 
 
 def user_cache() -> Path:
