@@ -359,6 +359,11 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
 CP_SHAPES = [(1, 16384, 32, 8, 128, True), (1, 32768, 32, 8, 128, True), (1, 65536, 32, 8, 128, True),
              (1, 131072, 32, 8, 128, True), (1, 32768, 32, 8, 128, False),
              (1, 32768, 32, 8, 128, True, 12), (1, 131072, 32, 8, 128, True, 24)]  # the last field: packed documents
+#: one GPU (-n 1): our kernel against SDPA's cuDNN and flash backends; GQA 4:1 and MQA, D = 128 and 64, bf16 and fp16
+CP_SHAPES_ONE_GPU = [(1, 8192, 32, 8, 128, True), (1, 16384, 32, 8, 128, True), (1, 32768, 32, 8, 128, True),
+                     (1, 16384, 32, 8, 128, False), (1, 16384, 32, 8, 64, True), (1, 16384, 32, 1, 128, True),
+                     (1, 16384, 32, 8, 128, True, "fp16"), (1, 16384, 32, 8, 64, True, "fp16")]
+CP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def local_docs(cu, world):
@@ -457,7 +462,10 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     W, r = ctx.world_size, ctx.rank
     records = []
     timed_cp = lambda fn: timed(fn, iters, budget_s=CP_BUDGET_S)  # noqa: E731
-    for B, S, Hq, Hkv, D, causal, *packed in shapes:
+    for B, S, Hq, Hkv, D, causal, *rest in shapes:
+        dname = next((x for x in rest if isinstance(x, str)), "bf16")  # a shape's dtype: bf16 unless it names one
+        dt = CP_DTYPES[dname]
+        packed = [x for x in rest if not isinstance(x, str)]
         S_loc = S // W
         ndocs = packed[0] if packed else 0
         cu = None
@@ -468,9 +476,10 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         op = to.ContextParallelAttention(ctx, chunks_per_rank=4)
         cfg = op.config_for((S, Hq, Hkv, D, int(causal)))
         g = torch.Generator(device="cuda").manual_seed(0)
-        qf, kf, vf = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (Hq, Hkv, Hkv))
+        qf, kf, vf = (torch.randn(B, S, h, D, device="cuda", dtype=dt, generator=g) for h in (Hq, Hkv, Hkv))
         q, k, v = (to.zigzag.shard(t, ctx, cu_seqlens=cu) for t in (qf, kf, vf))
-        rec = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "causal": causal, "world_size": W, "gpu": gpu_name(),
+        rec = {"B": B, "S": S, "Hq": Hq, "Hkv": Hkv, "D": D, "causal": causal, "dtype": dname, "world_size": W,
+               "gpu": gpu_name(),
                "config": repr(cfg), "note": "", "lead_us": LEAD_US, "docs": ndocs, "cu_seqlens": cu}
         rec["ours_us"] = timed_cp(lambda: op(q, k, v, causal=causal, cu_seqlens=cu))  # replay on, as a user gets it
         rec["replay_stats"] = dict(op.replays.stats)
@@ -479,7 +488,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
         rec["host_no_replay_us"] = host_us(lambda: plain(q, k, v, causal=causal, cu_seqlens=cu))
         rec["host_replay_us"] = host_us(lambda: op(q, k, v, causal=causal, cu_seqlens=cu))
         ctx.check()
-        kg = torch.empty(W * B, S_loc, Hkv, D, device="cuda", dtype=torch.bfloat16)
+        kg = torch.empty(W * B, S_loc, Hkv, D, device="cuda", dtype=dt)
         vg = torch.empty_like(kg)
         out, lse = torch.empty_like(q), torch.empty(B, Hq, S_loc, device="cuda", dtype=torch.float32)
 
@@ -777,9 +786,10 @@ def main():
     p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention", "all_reduce",
                                       "gemm_ar"])
     p.add_argument("--shapes", nargs="*", help="ag_gemm, ag_gemm_fp8: M,K,N (M gathered, N per rank); gemm_rs: "
-                   "M,K,N (K per rank, output [M/W, N]); cp_attention: B,S,Hq,Hkv,D,causal[,documents] (S in all, "
-                   "causal 0 or 1, documents: packed documents of random lengths); all_reduce: bytes; gemm_ar: M,K,N "
-                   "(K over all ranks). Default: the standard list")
+                   "M,K,N (K per rank, output [M/W, N]); cp_attention: B,S,Hq,Hkv,D,causal[,documents][,fp16|bf16] "
+                   "(S in all, causal 0 or 1, documents: packed documents of random lengths; bf16 unless named); "
+                   "all_reduce: bytes; gemm_ar: M,K,N (K over all ranks). Default: the standard list (cp_attention "
+                   "on one GPU: CP_SHAPES_ONE_GPU)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--lead-us", type=float, default=LEAD_US, help="see LEAD_US; 0: the GPU idles before each call")
     p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0 over gloo: runs the benchmark "
@@ -797,7 +807,8 @@ def main():
                                                                     "results"):
         raise SystemExit("bench: --shared-gpu timings mean nothing; they never go to benchmarks/results")
     init(shared_gpu=args.shared_gpu)
-    shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes else None
+    shapes = ([tuple(v if v in CP_DTYPES else int(v) for v in s.split(",")) for s in args.shapes] if args.shapes
+              else None)
     if args.virtual_hosts:
         os.environ["TRITON_OVERLAP_VIRTUAL_HOSTS"] = str(args.virtual_hosts)
     with to.Context() as ctx:
@@ -817,7 +828,8 @@ def main():
                           lambda recs: ctx.rank == 0 and write_gemm_ar(hosts(recs), ctx.world_size, args.out))
         elif args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)[,documents]
             say(CP_HEADER)
-            bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else CP_SHAPES, args.iters,
+            default = CP_SHAPES_ONE_GPU if ctx.world_size == 1 else CP_SHAPES
+            bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else default, args.iters,
                                lambda recs: ctx.rank == 0 and write_cp(hosts(recs), ctx.world_size, args.out))
         else:
             say(HEADER)

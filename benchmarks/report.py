@@ -42,7 +42,8 @@ def _measured(base: str) -> str:
     return f"Measured on commit {doc['commit']}, {doc['date']} (torch {doc['torch']}, triton {doc['triton']}).\n\n"
 
 
-CP_HEADER = ("| B | S | Hq | Hkv | D | causal | docs | ours µs | ours, no replay µs | host µs, no replay / replayed | "
+CP_HEADER = ("| B | S | Hq | Hkv | D | dtype | causal | docs | ours µs | ours, no replay µs | "
+             "host µs, no replay / replayed | "
              "NCCL all_gather + kernel µs | speed-up vs NCCL | NCCL all_gather alone µs | kernel on gathered K/V µs | "
              "NCCL / kernel on gathered (ceiling) | "
              "ours, graph µs | NCCL + kernel, graph µs | speed-up, graphs | "
@@ -50,13 +51,14 @@ CP_HEADER = ("| B | S | Hq | Hkv | D | causal | docs | ours µs | ours, no repla
              "TFLOP/s per GPU | efficiency | fwd+bwd ours µs | fwd+bwd, K/V kept µs | fwd+bwd NCCL µs | "
              "fwd+bwd speed-up vs NCCL | fwd+bwd SDPA 1 GPU µs | fwd+bwd efficiency | held for bwd MiB | "
              "held, K/V kept MiB | SDPA cuDNN, 1 GPU, full S µs | efficiency vs cuDNN | fwd+bwd cuDNN 1 GPU µs | "
-             "fwd+bwd efficiency vs cuDNN |\n|" + "---|" * 35)
+             "fwd+bwd efficiency vs cuDNN |\n|" + "---|" * 36)
 
 
 def _cp_row(r):
     f = lambda x, d=1: "n/a" if x is None else f"{x:.{d}f}"  # noqa: E731
     ratio = lambda a, b: "n/a" if a is None or b is None else f"{a / b:.2f}x"  # noqa: E731
-    return (f"| {r['B']} | {r['S']} | {r['Hq']} | {r['Hkv']} | {r['D']} | {r['causal']} | {r.get('docs') or '-'} | "
+    return (f"| {r['B']} | {r['S']} | {r['Hq']} | {r['Hkv']} | {r['D']} | {r.get('dtype', 'bf16')} | {r['causal']} | "
+            f"{r.get('docs') or '-'} | "
             f"{r['ours_us']:.1f} | "
             f"{f(r.get('ours_no_replay_us'))} | {f(r.get('host_no_replay_us'))} / {f(r.get('host_replay_us'))} | "
             f"{f(r['nccl_ag_us'])} | {ratio(r['nccl_ag_us'], r['ours_us'])} | {f(r.get('gather_us'))} | "
@@ -93,12 +95,12 @@ def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, l
 
 
 def write_cp(records, W, out_dir: str) -> None:
-    caption = ("bf16, median µs (max over ranks); efficiency = SDPA 1 GPU / (W x ours), flash or cuDNN backend"
+    caption = ("median µs (max over ranks); efficiency = SDPA 1 GPU / (W x ours), flash or cuDNN backend"
                + ("; ours, NCCL + kernel, SDPA and our kernel alone timed in turns within each iteration (forward, "
                   "and forward + backward, each a group), so all see the same GPU clock (the values timed one "
                   "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else ""))
     _write_table("cp_attention", records, W, out_dir, caption, CP_HEADER, _cp_row,
-                 lambda r: f"S={r['S']} causal={r['causal']}")
+                 lambda r: f"S={r['S']} D={r['D']} Hkv={r['Hkv']} {r.get('dtype', 'bf16')} causal={r['causal']}")
 
 
 AR_HEADER = ("| bytes | ours µs | one-shot forced µs | two-shot forced µs | NCCL µs | torch one-shot µs | "
