@@ -176,10 +176,11 @@ class AttentionConfig:
 
     @classmethod
     def defaults(cls, backend: str, head_dim: int, chunks_per_rank: int = 2) -> "AttentionConfig":
-        """Small tiles for the interpreter (odd sizes still exercise every path); 4 warps at D = 64 on GPUs."""
+        """Small tiles for the interpreter (odd sizes still exercise every path); on GPUs the tiles that won on one
+        H100 (docs/decisions.md): at D = 64 the dK/dV kernel's key blocks are 64 rows (128 spill at 4 warps)."""
         if backend == "host":
             small = Blocks(16, 16, 1, 1)
             return cls(chunks_per_rank, small, small, small)
         if head_dim <= 64:
-            return cls(chunks_per_rank, Blocks(128, 64, 4, 3), Blocks(128, 64, 4, 2), Blocks(64, 128, 4, 2))
+            return cls(chunks_per_rank, Blocks(128, 64, 8, 3), Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2))
         return cls(chunks_per_rank)
