@@ -68,17 +68,14 @@ def gemm_signature(desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather
     return sig
 
 
-def attention_signature(fn, dq: int = 0, block_m: int = 64) -> dict:
+def attention_signature(fn) -> dict:
     """The attention kernels' arguments as the op passes them (bf16 tensors, float32 lse/delta, int32 flags and
-    tables, int64 address tables; the dK/dV kernel's dQ sums as ``dq`` places them: none, a float32 pointer, or a
-    descriptor with ``block_m`` rows)."""
+    tables, int64 address tables)."""
     sig = {}
     for prm in fn.params:
         name = prm.name
         if prm.is_constexpr:
             sig[name] = "constexpr"
-        elif name == "dq_acc":
-            sig[name] = ("*i32", "*fp32", f"tensordesc<fp32[1, {block_m}, 1, 128]>")[dq]
         elif name in ("lse_ptr", "delta_ptr"):
             sig[name] = "*fp32"
         elif name in ("flags_ptr", "err_ptr", "seg_ptr", "cu_ptr"):
@@ -162,20 +159,15 @@ def compile_gemm_all_reduce(target) -> int:
 
 
 def compile_attention(target) -> int:
-    """The forward, dQ and dK/dV kernels (the latter with dQ in its own kernel, and summed through pointer atomics
-    or a descriptor), dense and packed (VARLEN), causal and not, with the H200 tiles."""
+    """The forward, dQ and dK/dV kernels, dense and packed (VARLEN), causal and not, with the H200 tiles."""
     failed = 0
-    tiles = [(cp_attention_fwd, 0, (128, 64, 8, 3)), (cp_attention_dq, 0, (128, 64, 8, 2))]
-    tiles += [(cp_attention_dkdv, dq, (64, 128, 8, 2)) for dq in range(3)]
-    for fn, dq, (bm, bn, warps, stages) in tiles:
+    tiles = {cp_attention_fwd: (128, 64, 8, 3), cp_attention_dq: (128, 64, 8, 2), cp_attention_dkdv: (64, 128, 8, 2)}
+    for fn, (bm, bn, warps, stages) in tiles.items():
         for varlen, causal in itertools.product((False, True), (True, False)):
             name = f"{fn.fn.__name__} varlen={varlen} causal={causal}"
-            name += f" dq={dq}" if fn is cp_attention_dkdv else ""
             consts = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, HEAD_D=128, CLOCK=1, DOT_F32=False, VARLEN=varlen)
-            if fn is cp_attention_dkdv:
-                consts["DQ"] = dq
             try:
-                sig = attention_signature(fn, dq, bm)
+                sig = attention_signature(fn)
                 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=divisibility(sig)),
                                    target=target, options={"num_warps": warps, "num_stages": stages})
                 print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")

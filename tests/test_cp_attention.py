@@ -1,5 +1,4 @@
 """Context-parallel attention forward against full-sequence attention in float32."""
-import dataclasses
 import math
 
 import pytest
@@ -115,20 +114,13 @@ def test_cp_attention_bad_input_raises_before_launch(pool):
 GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}  # grads are rounded to the input dtype once
 
 
-def config_with(ctx, D, chunks_per_rank, dq_kernel: bool):
-    """The defaults, with dQ from its own kernel or (``dq_kernel`` False) summed by the dK/dV kernel."""
-    cfg = to.AttentionConfig.defaults(ctx.backend, D, chunks_per_rank)
-    return cfg if dq_kernel else dataclasses.replace(cfg, dq=None)
-
-
-def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, keep_kv, dq_kernel):
+def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, keep_kv=False):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120) as ctx:
         dev = ctx.device
         unit = ctx.world_size * chunks_per_rank  # S grows to the next length every rank's shard splits evenly
         S = -(-S // unit) * unit
-        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank, keep_kv=keep_kv,
-                                         config=config_with(ctx, D, chunks_per_rank, dq_kernel))
+        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank, keep_kv=keep_kv)
         q, k, v = (rand((B, S, h, D), dtype, dev, name, "g") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
         dout = rand((B, S, Hq, D), dtype, dev, "do")
         ref = [t.float().requires_grad_() for t in (q, k, v)]
@@ -148,12 +140,11 @@ def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, keep_kv, d
         return errs
 
 
-GRAD_CASES = {  # the last fields: keep the gathered K/V from forward (else gather again in backward); dQ kernel
-    "host": [(1, 48, 4, 1, 64, True, "bfloat16", 2, False, True), (2, 48, 4, 2, 64, False, "float16", 4, False, False),
-             (1, 48, 4, 2, 64, True, "bfloat16", 2, True, False)],
-    "cuda": [(1, 4096, 16, 4, 128, True, "bfloat16", 2, False, True),
-             (2, 2048, 8, 8, 64, False, "float16", 4, False, False),
-             (1, 4096, 16, 4, 128, True, "bfloat16", 4, True, False)],
+GRAD_CASES = {  # the last field: keep the gathered K/V from forward (else gather again in backward)
+    "host": [(1, 48, 4, 1, 64, True, "bfloat16", 2, False), (2, 48, 4, 2, 64, False, "float16", 4, False),
+             (1, 48, 4, 2, 64, True, "bfloat16", 2, True)],
+    "cuda": [(1, 4096, 16, 4, 128, True, "bfloat16", 2, False), (1, 2048, 8, 8, 64, False, "float16", 4, False),
+             (1, 4096, 16, 4, 128, True, "bfloat16", 4, True)],
 }
 
 
@@ -162,7 +153,7 @@ def test_cp_attention_gradients_match_full_sequence(pool, case):
     pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])
 
 
-def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2, dq_kernel=True):
+def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2):
     """Every rank's share of cp_attention forward and backward for a world of ``world``, run one after another
     on this process's device with forward_on_gathered / backward_on_gathered (the helpers the NCCL baselines use).
     Full-sequence inputs in, full-sequence (out, dq, dk, dv) out."""
@@ -170,7 +161,7 @@ def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2, dq_kern
 
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D)
-    cfg = config_with(ctx, D, chunks_per_rank, dq_kernel)
+    cfg = to.AttentionConfig.defaults(ctx.backend, D, chunks_per_rank)
     sh = lambda t, r: to.zigzag.shard_for(t, r, world, dim=1)  # noqa: E731
     kg, vg = (torch.cat([sh(t, r) for r in range(world)], dim=1) for t in (k, v))
     outs, dqs, parts = [], [], []
@@ -196,20 +187,20 @@ def _full_problem(dev, B, S, Hq, Hkv, D, causal, dtype, tag):
     return (q, k, v, dout), (out_ref.detach(), *(t.grad for t in ref))
 
 
-def _simulated_case(world, causal, dq_kernel):
+def _simulated_case(world, causal):
     dtype = torch.bfloat16
     with to.Context(timeout_s=120) as ctx:
         inputs, want = _full_problem(ctx.device, 1, 24 * world, 4, 2, 64, causal, dtype, "s")
-        errs = [rel_err(g, r) for g, r in zip(simulate_ranks(ctx, *inputs, world, causal, dq_kernel=dq_kernel), want)]
+        errs = [rel_err(g, r) for g, r in zip(simulate_ranks(ctx, *inputs, world, causal), want)]
         assert max(errs) < GRAD_TOL[dtype], f"simulated world {world}: rel errs out/dq/dk/dv {errs}"
         return errs
 
 
-@pytest.mark.parametrize("world,causal,dq_kernel", [(3, True, True), (4, False, False)])
-def test_on_gathered_helpers_match_full_sequence(pool, world, causal, dq_kernel):
+@pytest.mark.parametrize("world,causal", [(3, True), (4, False)])
+def test_on_gathered_helpers_match_full_sequence(pool, world, causal):
     """The helpers behind the NCCL forward + backward baseline: every simulated rank's share, summed, equals
-    attention on the full sequence (dQ from its kernel, or summed by the dK/dV kernel)."""
-    pool.run(_simulated_case, world, causal, dq_kernel)
+    attention on the full sequence."""
+    pool.run(_simulated_case, world, causal)
 
 
 # ------------------------------------------------------------------ packed documents (cu_seqlens)
@@ -224,10 +215,10 @@ def reference_docs(q, k, v, cu, causal, scale):
     return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
 
 
-def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, as_tensor=False, dq_kernel=True):
+def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, as_tensor=False):
     """Documents of ``units`` x 2W tokens (zero-length ones included), packed into one sequence: forward against
     ``reference_docs`` on poisoned outputs and random workspaces (twice, the second call possibly replayed),
-    and with ``grad`` the gradients through autograd (``dq_kernel`` False: dQ summed by the dK/dV kernel)."""
+    and with ``grad`` the gradients through autograd."""
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120) as ctx:
         W, dev = ctx.world_size, ctx.device
@@ -236,8 +227,7 @@ def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, a
             cu.append(cu[-1] + 2 * W * u)
         T, scale = cu[-1], 1.0 / math.sqrt(D)
         cu_arg = torch.tensor(cu, dtype=torch.int32) if as_tensor else cu
-        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank,
-                                         config=config_with(ctx, D, chunks_per_rank, dq_kernel))
+        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
         pos = to.zigzag.shard(torch.arange(T)[None], ctx, cu_seqlens=cu)[0]
         assert torch.equal(pos, to.zigzag.positions(ctx.rank, W, T // W, cu_seqlens=cu))
         q, k, v = (rand((1, T, h, D), dtype, dev, name, "docs") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
@@ -271,14 +261,12 @@ def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, a
         return errs
 
 
-# units of 2W tokens per document, Hq, Hkv, D, causal, dtype, chunks_per_rank, grad[, cu_seqlens as a tensor[,
-# dQ kernel]]
+# units of 2W tokens per document, Hq, Hkv, D, causal, dtype, chunks_per_rank, grad[, cu_seqlens as a tensor]
 VARLEN_CASES = {
-    "host": [([5, 1, 0, 3, 8], 4, 1, 64, True, "bfloat16", 2, True, False, False),  # MQA; a 2W-token and an empty
-             # document; dQ summed by the dK/dV kernel
+    "host": [([5, 1, 0, 3, 8], 4, 1, 64, True, "bfloat16", 2, True),  # MQA; a 2W-token and an empty document
              ([3, 1, 4], 4, 2, 64, False, "float16", 4, True, True),  # chunks cut across document bounds
              ([12], 4, 2, 128, True, "bfloat16", 2, False)],  # one document: the dense layout
-    "cuda": [([768, 128, 1, 258, 1900], 16, 4, 128, True, "bfloat16", 2, True, False, False),
+    "cuda": [([768, 128, 1, 258, 1900], 16, 4, 128, True, "bfloat16", 2, True),
              ([300, 1, 723, 512], 8, 8, 64, False, "float16", 4, True, True),
              ([2048, 2048], 32, 8, 128, True, "bfloat16", 4, False)],
 }

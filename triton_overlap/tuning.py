@@ -5,8 +5,7 @@ GEMM ops, two stages: the GEMM's tiles (block sizes, warps, stages, descriptor l
 then the chunking with the best tiles: chunk size, producer streams (W > 2), and for AllGather-GEMM push or pull and
 launch order, for GEMM-ReduceScatter stores or copy engines. ``tune_tiles``: the GEMM's tiles alone, without
 communication (one GPU is enough). Attention: each kernel's tiles (forward, dQ, dK/dV) on one GPU, as a rank of
-one, and whether dQ gets its own kernel or is summed by the dK/dV kernel (``AttentionConfig.dq`` None). Every
-candidate is checked against a torch reference first; one that fails or does not compile is skipped.
+one. Every candidate is checked against a torch reference first; one that fails or does not compile is skipped.
 Times are medians, max over ranks; GEMM candidates are timed as CUDA-graph replays (triton_overlap.timing).
 """
 from __future__ import annotations
@@ -43,8 +42,6 @@ CHUNKS = [1, 2, 4, 8]
 FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
 DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2)]
 DKDV_TILES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2)]
-# the dK/dV kernel's tiles when it also sums dQ (no dQ kernel)
-FUSED_DKDV_TILES = [(64, 128, 8, 3), (64, 128, 8, 2), (32, 128, 8, 3)]
 
 
 def timer(ctx, fn, iters=20, graph=False) -> float:
@@ -234,18 +231,13 @@ def tune_attention(ctx, shape, dry):
         return lambda: launch_bwd(ctx, q, k, v, k, v, dout, lse, delta, dq, *ptrs, flags, S // cpr, cpr, scale, causal,
                                   cfg.dq, cfg.dkdv, rank=0, world=1)
 
-    dq_first = base.dq or Blocks(*DQ_TILES[0])
-    us_q, best_q = sweep(ctx, "dq", [replace(base, dq=b) for b in pick(DQ_TILES, dq_first)], bwd_run,
+    us_q, best_q = sweep(ctx, "dq", [replace(base, dq=b) for b in pick(DQ_TILES, base.dq)], bwd_run,
                          lambda: rel(dq, ref_dq), 3e-2, label=lambda c: str(c.dq))
-    # dK/dV tiles with the best dQ kernel, then with dQ summed by the dK/dV kernel: the whole backward is timed
-    check = lambda: max(rel(recv[0, 0], ref_dk), rel(recv[0, 1], ref_dv), rel(dq, ref_dq))  # noqa: E731
-    cands = [replace(best_q, dkdv=b) for b in pick(DKDV_TILES, base.dkdv)]
-    cands += [replace(best_q, dq=None, dkdv=Blocks(*t)) for t in (FUSED_DKDV_TILES[:1] if dry else FUSED_DKDV_TILES)]
-    us_kv, best_kv = sweep(ctx, "dkdv", cands, bwd_run, check, 3e-2,
-                           label=lambda c: f"{c.dkdv}" + (" summing dQ" if c.dq is None else ""))
-    cfg = AttentionConfig(2, best_f, best_kv.dq, best_kv.dkdv)
-    say(f"  best: forward {us_f:.1f} µs, backward {us_kv:.1f} µs"
-        + (" (dQ summed by the dK/dV kernel)" if cfg.dq is None else " (dQ kernel + dK/dV kernel)"))
-    return us_f, {"fwd": asdict(cfg.fwd), "dq": cfg.dq and asdict(cfg.dq), "dkdv": asdict(cfg.dkdv)}
+    check_kv = lambda: max(rel(recv[0, 0], ref_dk), rel(recv[0, 1], ref_dv))  # noqa: E731
+    us_kv, best_kv = sweep(ctx, "dkdv", [replace(best_q, dkdv=b) for b in pick(DKDV_TILES, base.dkdv)], bwd_run,
+                           check_kv, 3e-2, label=lambda c: str(c.dkdv))
+    cfg = AttentionConfig(2, best_f, best_q.dq, best_kv.dkdv)
+    say(f"  best: forward {us_f:.1f} µs, backward (dq + dkdv) {us_kv:.1f} µs")
+    return us_f, {"fwd": asdict(cfg.fwd), "dq": asdict(cfg.dq), "dkdv": asdict(cfg.dkdv)}
 
 

@@ -21,23 +21,14 @@ row come from a table, and it reads only that document's rows.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import cdiv
 from .attention import (Blocks, Documents, _grid0, key_span, kv_base, piece, pieces, pos_span, segment, unmasked_end,
                         wait_kv, zigzag_pos)
 from .cached_launch import launch
-from .gemm import tma_target
 from .signal import WHAT_PARTIALS, add_release, wait_flag
-
-#: Where dQ is computed: its own kernel (``cp_attention_dq``), or in ``cp_attention_dkdv`` added into a float32
-#: buffer through pointer atomics or through a descriptor's bulk reduction.
-DQ_KERNEL = tl.constexpr(0)
-DQ_ATOMIC = tl.constexpr(1)
-DQ_DESC = tl.constexpr(2)
 
 
 @triton.jit
@@ -121,11 +112,9 @@ def cp_attention_dq(
 
 @triton.jit
 def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s, lo, hi, rank, world, C,
-               qk_scale, dq_acc, b, h, seg0, sm_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-               BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, DOT_F32: tl.constexpr, DQ: tl.constexpr):
-    """Add the contributions of local query rows [lo, hi) of one head (q at ``qrow0``, lse at ``lrow0``) to dK/dV,
-    and (DQ) this K/V block's contribution to their dQ into ``dq_acc`` (float32, q's shape): DQ_ATOMIC adds through
-    pointers at q's offsets, DQ_DESC through a descriptor [B, S, Hq, D] (a bulk reduction, TMA on the GPU)."""
+               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    """Add the contributions of local query rows [lo, hi) of one head (q at ``qrow0``, lse at ``lrow0``)."""
     offs_d = tl.arange(0, HEAD_D)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -151,17 +140,8 @@ def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lr
                 keep = keep & (k_pos[:, None] <= zigzag_pos(offs_m, rank, world, C)[None, :])
             pt = tl.where(keep, pt, 0.0)
         dv += tl.dot(pt.to(do.dtype), do)
-        dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)
-        dk += tl.dot(dst, q)
-        if DQ != DQ_KERNEL:
-            dq = tl.dot(tl.trans(dst), k) * sm_scale  # [BLOCK_M, HEAD_D]; rows out of range are zeros
-            if DQ == DQ_ATOMIC:
-                if MASKED:
-                    tl.atomic_add(dq_acc + at, dq, mask=m_ok[:, None], sem="relaxed")
-                else:
-                    tl.atomic_add(dq_acc + at, dq, sem="relaxed")
-            else:
-                dq_acc.atomic_add([b, seg0 + m0, h, 0], tl.reshape(dq, (1, BLOCK_M, 1, HEAD_D)))
+        dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
+        dk += tl.dot(dst.to(q.dtype), q)
     return dk, dv
 
 
@@ -169,9 +149,9 @@ def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lr
 def cp_attention_dkdv(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, lse_ptr, delta_ptr, recv_ptrs, counter_ptrs, flags_ptr,
     err_ptr, budget, rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
-    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr, dq_acc,
+    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-    CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr, DQ: tl.constexpr,
+    CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1)
@@ -213,14 +193,14 @@ def cp_attention_dkdv(
             m1 = tl.minimum(m_need + (m_full - m_need + BLOCK_M - 1) // BLOCK_M * BLOCK_M, C)
             m2 = m1 + (C - m1) // BLOCK_M * BLOCK_M
             dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
-                                h0 + m_need, h0 + m1, rank, world, C, qk_scale, dq_acc, b, h, seg0, sm_scale, True,
-                                CAUSAL, BLOCK_M, HEAD_D, DOT_F32, DQ)
+                                h0 + m_need, h0 + m1, rank, world, C, qk_scale, True, CAUSAL, BLOCK_M, HEAD_D,
+                                DOT_F32)
             dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
-                                h0 + m1, h0 + m2, rank, world, C, qk_scale, dq_acc, b, h, seg0, sm_scale, False,
-                                CAUSAL, BLOCK_M, HEAD_D, DOT_F32, DQ)
+                                h0 + m1, h0 + m2, rank, world, C, qk_scale, False, CAUSAL, BLOCK_M, HEAD_D,
+                                DOT_F32)
             dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
-                                h0 + m2, h0 + C, rank, world, C, qk_scale, dq_acc, b, h, seg0, sm_scale, True,
-                                CAUSAL, BLOCK_M, HEAD_D, DOT_F32, DQ)
+                                h0 + m2, h0 + C, rank, world, C, qk_scale, True, CAUSAL, BLOCK_M, HEAD_D,
+                                DOT_F32)
     # the partials go straight to the owner of this K/V: slot [rank] of its receive buffer [W, 2, B, S, Hkv, D]
     base = tl.load(recv_ptrs + src).to(tl.pointer_type(tl.float32))
     slot = S_LOCAL * HKV * HEAD_D
@@ -253,26 +233,12 @@ def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, err_ptr, budge
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
-def dq_mode(ctx, q, dq_blocks: Blocks | None, dkdv_blocks: Blocks) -> int:
-    """How dQ is computed for these tiles (``dq_blocks`` None: in the dK/dV kernel): through a descriptor where
-    the GPU reduces in bulk (NVIDIA sm_90+) and q's strides allow one, else pointer atomics."""
-    if dq_blocks is not None:
-        return DQ_KERNEL.value
-    aligned = all(s % 4 == 0 for s in q.stride()[:-1]) and q.stride(-1) == 1
-    if ctx.backend == "cuda" and aligned and tma_target(ctx.backend, q.device, dkdv_blocks.block_m, q.shape[-1]):
-        return DQ_DESC.value
-    return DQ_ATOMIC.value
-
-
 def launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, flags, m_per_chunk,
-               chunks_per_rank, scale, causal, dq_blocks: Blocks | None, dkdv_blocks: Blocks, rank=None, world=None,
+               chunks_per_rank, scale, causal, dq_blocks: Blocks, dkdv_blocks: Blocks, rank=None, world=None,
                docs_dq: Documents | None = None, docs_dkdv: Documents | None = None, op: int = 0) -> int:
     """dQ into ``dq``; float32 dK/dV partials into every owner's receive slot [W, 2, B, S, Hkv, D] for this rank,
-    each block bumping the owner's counter for this rank. ``dq_blocks``: the dQ kernel's tiles, or None: dQ is
-    summed in float32 by the dK/dV kernel (one product fewer per block pair than the two kernels recomputing
-    the scores, at the cost of a float32 buffer of q's size and one conversion pass). ``docs_dq`` / ``docs_dkdv``:
-    packed documents' tables for the two kernels' blocks (B = 1), else None. Returns the count each owner waits
-    for per source."""
+    each block bumping the owner's counter for this rank. ``docs_dq`` / ``docs_dkdv``: packed documents' tables
+    for the two kernels' blocks (B = 1), else None. Returns the count each owner waits for per source."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     if not (k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1)):
@@ -282,33 +248,22 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_pt
     common = (ctx.err, ctx.budget, rank, world, op, S)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
     meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=ctx.backend == "host")
-    mode = dq_mode(ctx, q, dq_blocks, dkdv_blocks)
-    dq_acc = flags  # not read (DQ_KERNEL)
-    if mode == DQ_KERNEL.value:
-        n, seg, cu = _grid0(S, dq_blocks.block_m, docs_dq, flags)
-        if n:
-            launch(cp_attention_dq, (n, B * Hq), (
-                q, k, v, kw, vw, dout, lse, delta, dq, flags, *common, Hq, Hq // Hkv,
-                m_per_chunk, chunks_per_rank, scale, *strides, seg, cu),
-                dict(BLOCK_M=dq_blocks.block_m, BLOCK_N=dq_blocks.block_n, VARLEN=docs_dq is not None, **meta),
-                num_warps=dq_blocks.num_warps, num_stages=dq_blocks.num_stages)
-            ctx.after_launch()
-    else:  # float32 sums at q's offsets
-        acc = torch.empty_strided(q.shape, q.stride(), dtype=torch.float32, device=q.device).zero_()
-        dq_acc = acc
-        if mode == DQ_DESC.value:
-            dq_acc = TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [1, dkdv_blocks.block_m, 1, D])
+    n, seg, cu = _grid0(S, dq_blocks.block_m, docs_dq, flags)
+    if n:
+        launch(cp_attention_dq, (n, B * Hq), (
+            q, k, v, kw, vw, dout, lse, delta, dq, flags, *common, Hq, Hq // Hkv,
+            m_per_chunk, chunks_per_rank, scale, *strides, seg, cu),
+            dict(BLOCK_M=dq_blocks.block_m, BLOCK_N=dq_blocks.block_n, VARLEN=docs_dq is not None, **meta),
+            num_warps=dq_blocks.num_warps, num_stages=dq_blocks.num_stages)
+        ctx.after_launch()
     n, seg, cu = _grid0(S, dkdv_blocks.block_n, docs_dkdv, flags)
     if n:
         launch(cp_attention_dkdv, (n, B * Hkv, world), (
             q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, *common, Hq, Hkv, Hq // Hkv,
-            m_per_chunk, chunks_per_rank, scale, *strides, seg, cu, dq_acc),
-            dict(BLOCK_M=dkdv_blocks.block_m, BLOCK_N=dkdv_blocks.block_n, VARLEN=docs_dkdv is not None, DQ=mode,
-                 **meta),
+            m_per_chunk, chunks_per_rank, scale, *strides, seg, cu),
+            dict(BLOCK_M=dkdv_blocks.block_m, BLOCK_N=dkdv_blocks.block_n, VARLEN=docs_dkdv is not None, **meta),
             num_warps=dkdv_blocks.num_warps, num_stages=dkdv_blocks.num_stages)
         ctx.after_launch()
-    if mode != DQ_KERNEL.value:
-        dq.copy_(acc)
     return n * B * Hkv
 
 

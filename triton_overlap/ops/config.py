@@ -160,13 +160,12 @@ class GEMMAllReduceConfig:
 class AttentionConfig:
     """Context-parallel attention's knobs. ``chunks_per_rank``: how finely each rank's K/V is cut for the flags
     (even: the two zigzag halves are never mixed in one chunk). One ``Blocks`` per kernel: forward, backward dQ,
-    backward dK/dV; ``dq`` None: no dQ kernel, the dK/dV kernel sums dQ in float32 as well (kernels.attention_bwd;
-    which is faster depends on the shape, docs/decisions.md). ``consumer_first``: launch the forward kernel before
-    enqueueing the copies (not on a shape's first call; the backward always enqueues its copies first)."""
+    backward dK/dV. ``consumer_first``: launch the forward kernel before enqueueing the copies (not on a shape's
+    first call; the backward always enqueues its copies first)."""
 
     chunks_per_rank: int = 2
     fwd: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 3))
-    dq: Blocks | None = field(default_factory=lambda: Blocks(128, 64, 8, 2))
+    dq: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 2))
     dkdv: Blocks = field(default_factory=lambda: Blocks(64, 128, 8, 2))
     consumer_first: bool = True
 

@@ -60,10 +60,9 @@ class DocumentTables:
         return got
 
 
-def documents(ctx, local_cu, block: int | None) -> Documents | None:
-    """The packed documents' tables for shard boundaries ``local_cu`` (None: one sequence per batch row) and blocks
-    of ``block`` rows (None: no kernel has such blocks)."""
-    if local_cu is None or block is None:
+def documents(ctx, local_cu, block: int) -> Documents | None:
+    """The packed documents' tables for shard boundaries ``local_cu`` (None: one sequence per batch row)."""
+    if local_cu is None:
         return None
     return ctx.cached("cp documents", DocumentTables).get(local_cu, block, ctx.device)
 
@@ -113,8 +112,8 @@ class ContextParallelAttention(OverlapOp):
         return AttentionConfig.defaults(self.ctx.backend, shape[3], self.chunks_per_rank)
 
     def from_table(self, found, base):
-        tiles = [Blocks(**found[k]) if found.get(k) is not None else None for k in ("fwd", "dq", "dkdv")]
-        return AttentionConfig(base.chunks_per_rank, *tiles, consumer_first=base.consumer_first)
+        return AttentionConfig(base.chunks_per_rank, *(Blocks(**found[k]) for k in ("fwd", "dq", "dkdv")),
+                               consumer_first=base.consumer_first)
 
     def shape_key(self, q, k, causal) -> tuple:
         """What the tuned table keys attention by: (S in all, Hq, Hkv, D, causal)."""
@@ -278,8 +277,7 @@ class ContextParallelAttention(OverlapOp):
         counters = ctx.symmetric(f"{self.name}.dkv_count", (W,), torch.int32)
         self.state.setdefault("buffers", {})["dK/dV receive slots"] = recv.local
         delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, S]
-        docs_dq, docs_dkdv = documents(ctx, local_cu, cfg.dq and cfg.dq.block_m), documents(ctx, local_cu,
-                                                                                               cfg.dkdv.block_n)
+        docs_dq, docs_dkdv = documents(ctx, local_cu, cfg.dq.block_m), documents(ctx, local_cu, cfg.dkdv.block_n)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         call = self._header("backward", k, local_cu, kept=kept_k is not None)
         if kept_k is not None:  # no gather: every chunk is ready; the barrier orders our dK/dV stores into peers
@@ -392,8 +390,7 @@ def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, caus
     dq = torch.empty_like(q)
     launch_bwd(ctx, q, k, v, kg, vg, dout, lse, delta, dq, recv_ptrs, counter_ptrs, all_ready(ctx, world * cpr),
                S // cpr, cpr, scale, causal, cfg.dq, cfg.dkdv, rank=rank, world=world,
-               docs_dq=documents(ctx, local_cu, cfg.dq and cfg.dq.block_m),
-               docs_dkdv=documents(ctx, local_cu, cfg.dkdv.block_n))
+               docs_dq=documents(ctx, local_cu, cfg.dq.block_m), docs_dkdv=documents(ctx, local_cu, cfg.dkdv.block_n))
     return dq, parts
 
 
