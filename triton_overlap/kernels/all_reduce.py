@@ -67,11 +67,10 @@ def _push(x, data_ptrs, offs, inside, cap, half, rank, world):
 
 
 @triton.jit
-def _sum_parts(x_ptr, local_data, local_flags, local_header, b, offs, inside, cap, max_blocks, e, half, err_ptr,
-               budget, rank, world, op, fingerprint, BLOCK: tl.constexpr, CLOCK: tl.constexpr):
-    """Block ``b``'s sum over ranks in float32, in rank order: this rank's part from ``x``, each peer's from its slot
-    once its flag is up."""
-    acc = tl.zeros((BLOCK,), tl.float32)
+def _sum_parts(acc, x_ptr, local_data, local_flags, local_header, b, offs, inside, cap, max_blocks, e, half, err_ptr,
+               budget, rank, world, op, fingerprint, CLOCK: tl.constexpr):
+    """``acc`` (float32 zeros of the block's shape) plus block ``b``'s sum over ranks, in rank order: this rank's part
+    from ``x``, each peer's from its slot once its flag is up."""
     for p in range(0, world):
         if p == rank:
             acc += tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
@@ -112,8 +111,8 @@ def one_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local
     for b in range(pid, n_blocks, programs):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
-        acc = _sum_parts(x_ptr, local_data, local_flags, local_header, b, offs, inside, cap, max_blocks, e, half,
-                         err_ptr, budget, rank, world, op, fingerprint, BLOCK, CLOCK)
+        acc = _sum_parts(tl.zeros((BLOCK,), tl.float32), x_ptr, local_data, local_flags, local_header, b, offs,
+                         inside, cap, max_blocks, e, half, err_ptr, budget, rank, world, op, fingerprint, CLOCK)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=inside)
     _count_call(state_ptr, e)
 
@@ -150,8 +149,8 @@ def two_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local
         if b % world == rank:
             offs = b * BLOCK + tl.arange(0, BLOCK)
             inside = offs < n
-            acc = _sum_parts(x_ptr, local_data, local_flags, local_header, b, offs, inside, cap, max_blocks, e, half,
-                             err_ptr, budget, rank, world, op, fingerprint, BLOCK, CLOCK)
+            acc = _sum_parts(tl.zeros((BLOCK,), tl.float32), x_ptr, local_data, local_flags, local_header, b, offs,
+                             inside, cap, max_blocks, e, half, err_ptr, budget, rank, world, op, fingerprint, CLOCK)
             y = acc.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + offs, y, mask=inside)
             _push(y, data_ptrs, offs, inside, cap, half, rank, world)

@@ -3,10 +3,11 @@ without sequence parallelism.
 
 A persistent kernel (at most one program per compute unit) walks the output tiles ``pid, pid + P, ...`` twice.
 First pass: each tile's partial product is computed in float32 (rank 0 adds the bias), rounded to the output dtype
-and stored into slot [half][rank] of every rank, this one included, and the tile's flag is raised in every rank, so
-a tile travels while the program computes its next one. Second pass: each tile waits for its flag from every peer
-and sums the W slots in float32, in rank order, so every rank gets the same bits. No separate GEMM output goes
-through memory and there is one launch, where ``matmul`` + AllReduce take two.
+and stored into slot [half][rank] of every rank, this one included (its own part is read back from there), and
+the tile's flag is raised in every rank, so a tile travels while the program computes its next one. Second pass:
+each tile waits for its flag from every peer and sums the W slots in float32, in rank order, so every rank gets
+the same bits. No separate GEMM output goes through memory and there is one launch, where ``matmul`` + AllReduce
+take two.
 
 The workspace protocol is the one-shot AllReduce's (kernels.all_reduce): two halves of W slots, the call number
 counted on the device (graph-safe), flags that carry it and only grow, and every program's header into every peer
@@ -19,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .all_reduce import _count_call, _notify_block, _publish_header, _wait_block
+from .all_reduce import _count_call, _notify_block, _publish_header, _push, _sum_parts
 
 
 @triton.jit
@@ -75,9 +76,8 @@ def gemm_all_reduce(a_ptr, b_ptr, bias_ptr, out_ptr, data_ptrs, flag_ptrs, heade
         part = acc.to(out_ptr.dtype.element_ty)
         offs = rows[:, None] * N + cols[None, :]
         inside = (rows < M)[:, None] & (cols < N)[None, :]
-        for p in range(0, world):
-            base = tl.load(data_ptrs + p).to(tl.pointer_type(out_ptr.dtype.element_ty))
-            tl.store(base + slot + offs, part, mask=inside)
+        tl.store(local_data + slot + offs, part, mask=inside)  # this rank's part, read back by the second pass
+        _push(part, data_ptrs, offs, inside, cap, half, rank, world)
         _notify_block(flag_ptrs, e, rank, t, max_tiles, world, BLOCK_W)
     # each tile: every peer's flag, then the sum of the W slots in rank order
     for t in range(pid, tiles, programs):
@@ -85,12 +85,8 @@ def gemm_all_reduce(a_ptr, b_ptr, bias_ptr, out_ptr, data_ptrs, flag_ptrs, heade
         cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs = rows[:, None] * N + cols[None, :]
         inside = (rows < M)[:, None] & (cols < N)[None, :]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        for p in range(0, world):
-            if p != rank:
-                _wait_block(local_flags, local_header, p, t, max_tiles, e, half, err_ptr, budget, rank, world, op,
-                            fingerprint, CLOCK)
-            acc += tl.load(local_data + (half * world + p) * cap + offs, mask=inside, other=0.0,
-                           cache_modifier=".cg").to(tl.float32)
+        acc = _sum_parts(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), local_data + slot, local_data, local_flags,
+                         local_header, t, offs, inside, cap, max_tiles, e, half, err_ptr, budget, rank, world, op,
+                         fingerprint, CLOCK)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=inside)
     _count_call(state_ptr, e)
