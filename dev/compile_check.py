@@ -1,7 +1,7 @@
 """Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel (Gluon), the attention kernels, the
 AllReduce, the fused GEMM + AllReduce and the timing spin for a GPU target without a GPU: Triton's front end, LLVM
 and ptxas, as a launch on the device would. Catches compile errors before device time is spent, and prints
-registers, spills and whether ptxas serialised the wgmma pipeline (warning C7515).
+registers, spills and whether ptxas serialised the wgmma pipeline (warnings C7514, C7515).
 
     python3 dev/compile_check.py [--arch 90] [--quick]     (with the package installed)
 
@@ -232,6 +232,51 @@ def compile_warp_specialized(target) -> int:
     return failed
 
 
+def compile_attention_ws(target) -> int:
+    """kernels.attention_hopper (Gluon; sm_90 only) as the op launches it: causal or not, D = 64 and 128, each
+    (block_n, stages) the tuned table may name."""
+    if target.arch != 90:
+        return 0
+    import torch
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import native_specialize_impl
+
+    from triton_overlap.kernels import attention_hopper as ah
+
+    backend = CUDABackend(target)
+
+    def desc_type(block):  # what Triton's launcher makes of a Gluon descriptor with this block
+        t = torch.empty(256, 256, dtype=torch.bfloat16)
+        d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+        return native_specialize_impl(backend, d, False, True, True)[0]
+
+    failed = 0
+    for causal, d, bn, stages in itertools.product((True, False), (128, 64), (128, 64), (2, 3)):
+        if d * bn * stages * 4 + 128 * d * 2 > 200 * 1024:
+            continue
+        consts = dict(CAUSAL=causal, STAGES=stages, CLOCK=1, COMPUTE_REGS=ah.COMPUTE_REGS)
+        sig = {}
+        for prm in ah.cp_attention_fwd_ws.params:
+            n = prm.name
+            sig[n] = ("constexpr" if n in consts else desc_type([128, d]) if n == "q_desc"
+                      else desc_type([bn, d]) if n.endswith("_desc")
+                      else "*bf16" if n == "o_ptr" else "*fp32" if n == "lse_ptr"
+                      else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
+                      else "fp32" if n == "sm_scale" else "i32")
+        name = f"cp_attention_fwd_ws causal={causal} D={d} block_n={bn} stages={stages}"
+        try:
+            k = triton.compile(GluonASTSource(ah.cp_attention_fwd_ws, sig, consts, divisibility(sig)), target=target,
+                               options={"num_warps": 4})
+            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
+        except Exception as e:  # noqa: BLE001 - reported, the check goes on
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-900:]}")
+    return failed
+
+
 def ptxas_report(cubin_ptx: str, arch: int) -> str:
     ptxas = triton.knobs.nvidia.ptxas.path if hasattr(triton, "knobs") else "ptxas"
     with tempfile.TemporaryDirectory() as d:
@@ -244,7 +289,7 @@ def ptxas_report(cubin_ptx: str, arch: int) -> str:
     regs = re.search(r"Used (\d+) registers", text)
     spill = re.search(r"(\d+) bytes spill stores", text)
     return (f"regs {regs.group(1) if regs else '?'}, spill stores {spill.group(1) if spill else '?'}"
-            + (", wgmma SERIALISED (C7515)" if "C7515" in text else ""))
+            + (", wgmma SERIALISED (C7514/C7515)" if "C7514" in text or "C7515" in text else ""))
 
 
 def main():
@@ -262,6 +307,7 @@ def main():
     failed += compile_gemm_all_reduce(target)
     failed += compile_attention(target)
     failed += compile_warp_specialized(target)
+    failed += compile_attention_ws(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer

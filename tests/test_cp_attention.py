@@ -328,3 +328,57 @@ def test_packed_tables_are_bounded_and_ordered():
     assert len(tables.recent) == SEGMENT_CACHE
     assert ((0, 2 + SEGMENT_CACHE + 19, 40 + 2 * (SEGMENT_CACHE + 19)), 16) in tables.recent
     assert ((0, 2, 40), 16) not in tables.recent  # the least recently used went first
+
+
+# ------------------------------------------------------------------ the warp-specialized forward (Hopper)
+def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, stages):
+    """kernels.attention_hopper's forward for every rank of a simulated world (forward_on_gathered), on outputs
+    poisoned before the call, against full-sequence attention; checks that the warp-specialized kernel is the
+    one that runs."""
+    from triton_overlap.kernels import attention_hopper
+    from triton_overlap.kernels.attention import Blocks
+    from triton_overlap.ops.context_parallel_attention import forward_on_gathered
+
+    dtype = getattr(torch, dtype_name)
+    with to.Context(timeout_s=120) as ctx:
+        if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_hopper.gluon_available():
+            return "skip"
+        blocks = Blocks(128, block_n, 8, stages, warp_specialized=True)
+        cfg = to.AttentionConfig(2, blocks)
+        q, k, v = (rand((B, S, h, D), dtype, ctx.device, name, "ws") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
+        scale = 1.0 / math.sqrt(D)
+        ref_out, ref_lse = reference(q, k, v, causal, scale)
+        sh = lambda t, r: to.zigzag.shard_for(t, r, world, dim=1).contiguous()  # noqa: E731
+        kg, vg = (torch.cat([sh(t, r) for r in range(world)], dim=1) for t in (k, v))
+        outs, lses = [], []
+        for r in range(world):
+            qr, kr, vr = (sh(t, r) for t in (q, k, v))
+            assert attention_hopper.usable(ctx, qr, kr, vr, kg, vg, None, blocks)
+            out = poison(torch.empty_like(qr))
+            lse = poison(torch.empty((B, Hq, qr.shape[1]), dtype=torch.float32, device=ctx.device))
+            forward_on_gathered(ctx, qr, kr, vr, kg, vg, r, world, causal, scale, cfg, out=out, lse=lse)
+            outs.append(out)
+            lses.append(lse)
+        ctx.check()
+        e_out = rel_err(to.zigzag.unshard_parts(outs, dim=1), ref_out)
+        e_lse = rel_err(to.zigzag.unshard_parts(lses, dim=2), ref_lse)
+        assert e_out < TOL[dtype] and e_lse < 1e-3, f"world {world}: out {e_out:.2e}, lse {e_lse:.2e}"
+        return e_out, e_lse
+
+
+# B, S (global), Hq, Hkv, D, causal, dtype, simulated world, block_n, stages; each zigzag half whole 128-row blocks
+HOPPER_CASES = [
+    (1, 3 * 2 * 384, 12, 3, 128, True, "bfloat16", 3, 128, 2),  # GQA 4:1, three ranks
+    (2, 2 * 2 * 256, 5, 5, 64, False, "float16", 2, 64, 3),  # B = 2, odd heads, not causal
+    (1, 4 * 2 * 512, 8, 1, 128, True, "bfloat16", 4, 64, 2),  # MQA, four ranks
+    (1, 2 * 640, 4, 2, 64, True, "float16", 1, 128, 2),  # a world of one
+]
+
+
+@pytest.mark.parametrize("case", range(len(HOPPER_CASES)))
+def test_hopper_forward_matches_full_sequence(pool, case):
+    """The warp-specialized forward where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
+    if pool.backend == "host":
+        pytest.skip("Gluon kernels do not run in Triton's interpreter")
+    if "skip" in pool.run(_hopper_forward_case, *HOPPER_CASES[case]):
+        pytest.skip("the warp-specialized forward needs compute capability 9.0 and Gluon")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .context.collectives import all_gather_rows
 from .kernels.attention import Blocks, launch_fwd
 from .kernels.attention_bwd import launch_bwd
-from .kernels.gemm import plain_gemm
+from .kernels.gemm import capability, plain_gemm
 from .ops.all_gather_gemm import AllGatherGEMM
 from .ops.config import AllGatherGEMMConfig, AttentionConfig, GEMMReduceScatterConfig
 from .ops.gemm_reduce_scatter import GEMMReduceScatter
@@ -39,7 +39,8 @@ FP8_TILES = [(128, 256, 128, 8, 3, None), (128, 256, 128, 8, 4, None), (256, 128
              (128, 256, 64, 8, 4, None), (128, 128, 256, 8, 3, None)]
 TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")  # what a GEMM_TILES entry sets
 CHUNKS = [1, 2, 4, 8]
-FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
+FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
+             (128, 128, 8, 2, True), (128, 64, 8, 3, True)]  # True: warp-specialized (Hopper)
 DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2)]
 DKDV_TILES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2)]
 
@@ -204,7 +205,7 @@ def tune_attention(ctx, shape, dry):
     ref_out = ref_out.transpose(1, 2)
     ref_dq, ref_dk, ref_dv = (t.grad.transpose(1, 2) for t in leaves)
 
-    base = AttentionConfig.defaults(ctx.backend, D, 2)
+    base = AttentionConfig.defaults(ctx.backend, D, 2, ctx.backend == "cuda" and capability(dev.index) == (9, 0))
     cpr = 2
     flags = torch.ones(cpr, dtype=torch.int32, device=dev)  # every chunk in place: a world of one
     out, lse = torch.empty_like(q), torch.empty(B, Hq, S, device=dev, dtype=torch.float32)

@@ -225,11 +225,14 @@ def cp_attention_fwd(
 # ---------------------------------------------------------------------------------------------------- launcher
 @dataclass(frozen=True)
 class Blocks:
-    """Tile sizes and launch parameters of one attention kernel (``block_m`` query rows, ``block_n`` key rows)."""
+    """Tile sizes and launch parameters of one attention kernel (``block_m`` query rows, ``block_n`` key rows).
+    ``warp_specialized`` (forward only): run kernels.attention_hopper's kernel where it can (its ``usable``), with
+    ``num_stages`` K and V stages; elsewhere this module's kernel runs with the same tiles."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    warp_specialized: bool = False
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,12 @@ def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_ra
         return
     rank = ctx.rank if rank is None else rank
     world = ctx.world_size if world is None else world
+    if blocks.warp_specialized:
+        from . import attention_hopper
+        if attention_hopper.usable(ctx, q, k, v, kw, vw, docs, blocks):
+            attention_hopper.launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale,
+                                           causal, blocks, rank, world, op)
+            return
     launch(cp_attention_fwd, (n, B * Hq), (
         q, k, v, kw, vw, out, lse, flags, ctx.err, ctx.budget, rank, world, op,
         S, Hq, Hq // k.shape[2], m_per_chunk, chunks_per_rank, scale,

@@ -174,12 +174,16 @@ class AttentionConfig:
             raise ValueError(f"chunks_per_rank must be an even number >= 2, got {self.chunks_per_rank}")
 
     @classmethod
-    def defaults(cls, backend: str, head_dim: int, chunks_per_rank: int = 2) -> "AttentionConfig":
+    def defaults(cls, backend: str, head_dim: int, chunks_per_rank: int = 2, hopper: bool = False) -> "AttentionConfig":
         """Small tiles for the interpreter (odd sizes still exercise every path); on GPUs the tiles that won on one
-        H100 (docs/decisions.md): at D = 64 the dK/dV kernel's key blocks are 64 rows (128 spill at 4 warps)."""
+        H100 (docs/decisions.md): at D = 64 the dK/dV kernel's key blocks are 64 rows (128 spill at 4 warps). On
+        Hopper (``hopper``: compute capability 9.0) at D = 128 the forward is the warp-specialized kernel
+        (kernels.attention_hopper) on 128 x 128 blocks and two K/V stages."""
         if backend == "host":
             small = Blocks(16, 16, 1, 1)
             return cls(chunks_per_rank, small, small, small)
         if head_dim <= 64:
             return cls(chunks_per_rank, Blocks(128, 64, 8, 3), Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2))
+        if hopper and head_dim == 128:
+            return cls(chunks_per_rank, fwd=Blocks(128, 128, 8, 2, warp_specialized=True))
         return cls(chunks_per_rank)

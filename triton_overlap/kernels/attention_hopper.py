@@ -1,0 +1,305 @@
+"""The context-parallel attention forward for Hopper (sm_90), warp-specialized in Gluon.
+
+Same algorithm, protocol and results as kernels.attention's ``cp_attention_fwd`` (its module doc): one program per
+block of BLOCK_M local queries and (batch, query head); K/V of every rank in arrival order, our own first; causal
+blocks that no row sees are skipped, neither waited for nor read; a float32 online softmax. What differs is the
+schedule, which plain Triton does not express on sm_90:
+
+* a loader partition (one warp) issues the TMA loads: Q once, then K and V block by block into two rings of
+  stages (``ready`` / ``empty`` mbarriers). It waits for a peer's chunk flag before its first block of that chunk,
+  so the compute warps never spin on a flag;
+* the compute partition (two warpgroups, 64 query rows each, on wgmma) overlaps the two matrix products with the
+  softmax: S = Q K^T of the next block is issued, asynchronously, before the softmax of the current block, and
+  P V of the current block runs while the next block's softmax starts. P stays in registers (the A operand of
+  the P V wgmma). The loader's warp gives up its registers (setmaxnreg), so a compute thread may hold 240.
+
+Only for NVIDIA sm_90 with 16-bit operands, D of 64 or 128, and shapes whose blocks never straddle a zigzag half
+(``usable``): every block of keys it reads lies in one chunk that has been waited for. Elsewhere (other GPUs, packed
+documents, odd sizes, the host backend, where Gluon does not run) the op takes kernels.attention's kernel.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+
+from ..plan import cdiv
+from .attention import key_span, wait_kv, zigzag_pos
+from .cached_launch import launch
+from .gemm import capability
+from .gemm_warp_specialized import _tma_load, gluon_available
+from .signal import wait_flag
+
+#: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left (24).
+COMPUTE_REGS = 240
+
+
+@gluon.jit
+def _key_blocks(src, world, C, hh, q_first, q_last, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key half ``hh`` of ``src``: (blocks some row of the query block sees, blocks every row sees)."""
+    need, full = key_span(src, world, C, hh, q_first, q_last, CAUSAL)
+    return gl.cdiv(need, BLOCK_N), full // BLOCK_N
+
+
+@gluon.jit
+def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
+    """The loader partition: Q, then every key block's K and V in the order the compute partition takes them."""
+    (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+     turn, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M  # the blocks of later positions (more keys) first
+    bh = gl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    hk = h // GROUP
+    C = S_LOCAL // 2
+    q_first = zigzag_pos(m0, rank, world, C)
+    q_last = zigzag_pos(m0 + BLOCK_M - 1, rank, world, C)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    _tma_load(q_desc, [b * S_LOCAL + m0, h * HEAD_D], q_bar, q_smem)
+    kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+    g = 0
+    for step in range(0, world):
+        src = (rank - step + world) % world
+        for hh in range(0, 2):
+            nb, nf = _key_blocks(src, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
+            waited = hh * C  # a peer's rows below this have been waited for
+            for i in range(0, nb):
+                n0 = hh * C + i * BLOCK_N
+                if n0 + BLOCK_N > waited:
+                    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK,
+                            CHUNKS_PER_RANK, CLOCK)
+                    waited = ((n0 + BLOCK_N - 1) // M_PER_CHUNK + 1) * M_PER_CHUNK
+                s = g % STAGES
+                phase = ((g // STAGES) & 1) ^ 1  # a fresh barrier counts as released
+                mbarrier.wait(k_empty.index(s), phase)
+                mbarrier.expect(k_ready.index(s), kv_bytes)
+                if src == rank:
+                    _tma_load(k_desc, [b * S_LOCAL + n0, hk * HEAD_D], k_ready.index(s), k_smem.index(s))
+                else:
+                    _tma_load(kw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], k_ready.index(s),
+                              k_smem.index(s))
+                mbarrier.wait(v_empty.index(s), phase)
+                mbarrier.expect(v_ready.index(s), kv_bytes)
+                if src == rank:
+                    _tma_load(v_desc, [b * S_LOCAL + n0, hk * HEAD_D], v_ready.index(s), v_smem.index(s))
+                else:
+                    _tma_load(vw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], v_ready.index(s),
+                              v_smem.index(s))
+                g += 1
+    if CAUSAL:
+        # chunks no program needed were never waited for; one program waits for them all (as kernels.attention)
+        if (gl.program_id(0) == 0) & (bh == 0):
+            for c in range(0, world * CHUNKS_PER_RANK):
+                if c // CHUNKS_PER_RANK != rank:
+                    wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c // CHUNKS_PER_RANK,
+                              c % CHUNKS_PER_RANK, CLOCK)
+
+
+@gluon.jit
+def _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The key block after block ``i`` of half ``hh`` of the ``step``-th source (``nb`` blocks there, the first
+    ``nf`` unmasked): its (step, half, index) and its half's (nb, nf). Past the last block, step is ``world``."""
+    i += 1
+    while (i >= nb) & (step < world):
+        hh += 1
+        if hh == 2:
+            hh = 0
+            step += 1
+        i = 0
+        nb = 0
+        if step < world:
+            nb, nf = _key_blocks((rank - step + world) % world, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
+    return step, hh, i, nb, nf
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: gl.constexpr, LS: gl.constexpr):
+    """Online softmax of one block's S: (P, the factor for the output so far, the new running max and sum). Only
+    a masked block compares positions."""
+    if masked:
+        kpos = zigzag_pos(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LS)), src, world, C)
+        sm = gl.where(kpos[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(sm, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay at zero
+        p = gl.exp2(sm - m_use[:, None])
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        m_use = m_new
+        p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _compute(p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    """Compute warpgroup WG (0 or 1): rows [64 WG, 64 WG + 64) of the query block against every key block in the
+    loader's order, then their O and lse. Iteration g issues S of block g + 1, rescales O and issues P V of block
+    g, then runs the softmax of block g + 1 while that P V runs; no wgmma is in flight across iterations (so
+    ptxas keeps them asynchronous). The two warpgroups take turns to issue their products (``turn``), so one's
+    softmax runs while the other's products do."""
+    (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+     turn, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    STAGES: gl.constexpr = k_smem.type.shape[0]
+    ROWS: gl.constexpr = BLOCK_M // 2
+    LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                 instr_shape=[16, BLOCK_N, 16])
+    LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                 instr_shape=[16, HEAD_D, 16])
+    LP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LO, k_width=2)
+    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    bh = gl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    C = S_LOCAL // 2
+    r0 = m0 + WG * ROWS  # this warpgroup's first row
+    q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
+    # the blocks are those of the whole query block (both warpgroups read the same stages)
+    q_first = zigzag_pos(m0, rank, world, C)
+    q_last = zigzag_pos(m0 + BLOCK_M - 1, rank, world, C)
+    qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
+    total = 0
+    for step in range(0, world):
+        for hh in range(0, 2):
+            nb, nf = _key_blocks((rank - step + world) % world, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
+            total += nb
+    q_rows = q_smem.slice(WG * ROWS, ROWS)
+
+    # block 0: its S, then its softmax
+    nb, nf = _key_blocks(rank, world, C, 0, q_first, q_last, CAUSAL, BLOCK_N)
+    zero = rank * 0  # (a tensor: _advance changes it)
+    step, hh, i, nb, nf = _advance(zero, zero, zero - 1, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, LS)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
+    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS))
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, LO)
+    if WG == 1:
+        mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s, ))
+    mbarrier.arrive(k_empty.index(0))
+    src = (rank - step + world) % world
+    pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N, src, world, C, qk_scale,
+                                   BLOCK_N, LS)
+    for g in range(0, total):
+        has_next = g + 1 < total
+        step, hh, i, nb, nf = _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
+        sn = (g + 1) % STAGES
+        st = g % STAGES
+        mbarrier.wait(turn.index(WG), g & 1)
+        # block g + 1's S (after the last block: a product nobody reads, on a stage the loader no longer writes,
+        # so that no branch holds a wgmma)
+        mbarrier.wait(k_ready.index(sn), ((g + 1) // STAGES) & 1, pred=has_next)
+        s = warpgroup_mma(q_rows, k_smem.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        # block g's P V on the rescaled output
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LO))[:, None]
+        mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
+        acc = warpgroup_mma(gl.convert_layout(pf.to(v_smem.dtype), LP), v_smem.index(st), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - WG))
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        mbarrier.arrive(k_empty.index(sn), pred=has_next)
+        # block g + 1's softmax while block g's P V runs
+        src = (rank - step + world) % world
+        pf, alpha, m_new, l_new = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N, src, world, C,
+                                           qk_scale, BLOCK_N, LS)
+        m_i = gl.where(has_next, m_new, m_i)
+        l_i = gl.where(has_next, l_new, l_i)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        mbarrier.arrive(v_empty.index(st))
+
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, LO))[:, None]
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LO))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LO))
+    gl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty))
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
+    gl.store(lse_ptr + bh * S_LOCAL + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), lse)
+
+
+@gluon.jit
+def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_ptr, lse_ptr, flags_ptr, err_ptr, budget, rank,
+                        world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, so_b, so_s, so_h,
+                        CAUSAL: gl.constexpr, STAGES: gl.constexpr, CLOCK: gl.constexpr,
+                        COMPUTE_REGS: gl.constexpr):
+    """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``: our K/V as
+    [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
+    [B * world * S_LOCAL, Hkv * D], same blocks. The other arguments are kernels.attention's of the same name.
+    Launched with 4 warps: the loader; two compute warpgroups of COMPUTE_REGS registers a thread join them."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both compute warpgroups read every stage
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(v_empty.index(i), count=2)
+    mbarrier.init(turn.index(0), count=1)
+    mbarrier.init(turn.index(1), count=1)
+    mbarrier.init(q_bar, count=1)
+    p = (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
+         turn, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
+    gl.warp_specialize([
+        (_load, (p, CAUSAL, CLOCK)),
+        (_compute, (p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL, 0)),
+        (_compute, (p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL, 1)),
+    ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------- launcher
+@functools.lru_cache(maxsize=None)
+def _sm90(index: int) -> bool:
+    return capability(index) == (9, 0)
+
+
+def usable(ctx, q, k, v, kw, vw, docs, blocks) -> bool:
+    """Whether this forward can run on this kernel with ``blocks`` (kernels.attention.Blocks): the cuda backend on
+    compute capability 9.0 with Gluon; 16-bit q/k/v, D of 64 or 128; no packed documents; 128-row query blocks
+    on 8 warps; each zigzag half of the shard whole blocks of queries and keys; q, k, v and the workspaces
+    contiguous (they are read as 2-D tensors)."""
+    S, D = q.shape[1], q.shape[3]
+    half = S // 2
+    return (ctx.backend == "cuda" and docs is None and q.dtype in (torch.bfloat16, torch.float16)
+            and D in (64, 128) and blocks.block_m == 128 and blocks.num_warps == 8 and blocks.block_n in (64, 128)
+            and S % 2 == 0 and half % blocks.block_m == 0 and half % blocks.block_n == 0
+            and all(t.is_contiguous() for t in (q, k, v, kw, vw))
+            and _sm90(q.device.index) and gluon_available())
+
+
+def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale, causal, blocks,
+                  rank: int, world: int, op: int) -> None:
+    """The forward on this kernel (``usable`` holds), arguments as kernels.attention.launch_fwd's."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t, block):  # t [b, s, h, D] as the 2-D [b * s, h * D]
+        flat = t.view(t.shape[0] * t.shape[1], t.shape[2] * D)
+        return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], block,
+                                gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    bm, bn = blocks.block_m, blocks.block_n
+    launch(cp_attention_fwd_ws, (cdiv(S, bm), B * Hq), (
+        desc(q, [bm, D]), desc(k, [bn, D]), desc(v, [bn, D]), desc(kw, [bn, D]), desc(vw, [bn, D]),
+        out, lse, flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hq // Hkv, m_per_chunk, chunks_per_rank,
+        scale, out.stride(0), out.stride(1), out.stride(2),
+    ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
+    ctx.after_launch()
