@@ -70,10 +70,10 @@ HOST_CASES = [
     (2, 96, 4, 2, 64, False, "float16", 1, 2),  # GQA 2:1, not causal, B = 2
     (1, 144, 8, 2, 128, True, "bfloat16", 1, 6),  # GQA 4:1, D = 128, finer chunks
 ]
-GPU_CASES = [
-    (1, 4096, 32, 8, 128, True, "bfloat16", 2, 2),
-    (2, 2048, 8, 8, 64, False, "float16", 2, 4),
-    (1, 8192, 16, 1, 128, True, "bfloat16", 2, 8),
+GPU_CASES = [  # S a multiple of 2W x 128 at W = 2, 3 and 4 (the warp-specialized forward's blocks on Hopper)
+    (1, 6144, 32, 8, 128, True, "bfloat16", 2, 2),
+    (2, 3072, 8, 8, 64, False, "float16", 2, 4),
+    (1, 6144, 16, 1, 128, True, "bfloat16", 2, 8),
 ]
 
 
@@ -381,4 +381,42 @@ def test_hopper_forward_matches_full_sequence(pool, case):
     if pool.backend == "host":
         pytest.skip("Gluon kernels do not run in Triton's interpreter")
     if "skip" in pool.run(_hopper_forward_case, *HOPPER_CASES[case]):
+        pytest.skip("the warp-specialized forward needs compute capability 9.0 and Gluon")
+
+
+def _hopper_forward_times_out():
+    """A peer's chunk that never lands: the warp-specialized kernel's loader times out, and the fault names the
+    rank, the op, the peer and the chunk (a simulated world of two, as rank 0, with rank 1's flags down)."""
+    from triton_overlap.context.context import op_id
+    from triton_overlap.kernels import attention_hopper
+    from triton_overlap.kernels.attention import Blocks, launch_fwd
+
+    with to.Context(timeout_s=5) as ctx:
+        if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_hopper.gluon_available():
+            return "skip"
+        S, cpr = 512, 2
+        q, k, v = (rand((1, S, h, 128), torch.bfloat16, ctx.device, name, "late") for name, h in
+                   (("q", 4), ("k", 2), ("v", 2)))
+        kw, vw = torch.zeros(1, 2 * S, 2, 128, dtype=torch.bfloat16, device=ctx.device), torch.zeros(
+            1, 2 * S, 2, 128, dtype=torch.bfloat16, device=ctx.device)
+        blocks = Blocks(128, 128, 8, 2, warp_specialized=True)
+        assert attention_hopper.usable(ctx, q, k, v, kw, vw, None, blocks)
+        flags = torch.ones(2 * cpr, dtype=torch.int32, device=ctx.device)
+        out, lse = torch.empty_like(q), torch.empty(1, 4, S, dtype=torch.float32, device=ctx.device)
+        # first with every flag up (the kernel is compiled and the ranks are in step before the fault)
+        launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, S // cpr, cpr, 0.1, False, blocks, rank=0, world=2)
+        ctx.check()
+        ctx.barrier()
+        flags.zero_()
+        launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, S // cpr, cpr, 0.1, False, blocks, rank=0, world=2,
+                   op=op_id("cp_attention"))
+        with pytest.raises(to.ContextError, match=r"rank 0: cp_attention .*timed out .*waiting for chunk 0 of rank 1"):
+            ctx.check()
+        return True
+
+
+def test_hopper_forward_wait_times_out(pool):
+    if pool.backend == "host":
+        pytest.skip("Gluon kernels do not run in Triton's interpreter")
+    if "skip" in pool.run(_hopper_forward_times_out):
         pytest.skip("the warp-specialized forward needs compute capability 9.0 and Gluon")
