@@ -5,13 +5,14 @@ block of BLOCK_M local queries and (batch, query head); K/V of every rank in arr
 blocks that no row sees are skipped, neither waited for nor read; a float32 online softmax. What differs is the
 schedule, which plain Triton does not express on sm_90:
 
-* a loader partition (one warp) issues the TMA loads: Q once, then K and V block by block into two rings of
-  stages (``ready`` / ``empty`` mbarriers). It waits for a peer's chunk flag before its first block of that chunk,
-  so the compute warps never spin on a flag;
-* the compute partition (two warpgroups, 64 query rows each, on wgmma) overlaps the two matrix products with the
-  softmax: S = Q K^T of the next block is issued, asynchronously, before the softmax of the current block, and
-  P V of the current block runs while the next block's softmax starts. P stays in registers (the A operand of
-  the P V wgmma). The loader's warp gives up its registers (setmaxnreg), so a compute thread may hold 240.
+* the loader (the default partition, 4 warps) issues the TMA loads: Q once, then K and V block by block into two
+  rings of stages (``ready`` / ``empty`` mbarriers). It waits for a peer's chunk flag before its first block that
+  reads the chunk, so the compute warps never spin on a flag;
+* two compute partitions (a warpgroup each, 64 of the block's query rows, on wgmma) read the same stages. Each
+  issues S = Q K^T of the next block asynchronously, rescales O and issues P V of the current block, then runs the
+  next block's softmax while that P V runs; P stays in registers (the A operand of the P V wgmma). The two take
+  turns to issue their products, so one's softmax runs while the other's products do. The loader keeps 24
+  registers a thread (setmaxnreg), so a compute thread may hold 240.
 
 Only for NVIDIA sm_90 with 16-bit operands, D of 64 or 128, and shapes whose blocks never straddle a zigzag half
 (``usable``): every block of keys it reads lies in one chunk that has been waited for. Elsewhere (other GPUs, packed
