@@ -10,6 +10,7 @@ Run it with each Triton the project supports (the device's, and the newest).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import re
@@ -177,28 +178,31 @@ def compile_attention(target) -> int:
     return failed
 
 
+def gluon_desc_type(target, block) -> str:
+    """What Triton's launcher makes of a Gluon TMA descriptor of bf16 with this block, for a kernel's signature."""
+    import torch
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import native_specialize_impl
+
+    t = torch.empty(256, 256, dtype=torch.bfloat16)
+    d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+    return native_specialize_impl(CUDABackend(target), d, False, True, True)[0]
+
+
 def compile_warp_specialized(target) -> int:
     """kernels.gemm_warp_specialized (Gluon; sm_90 only), as GEMM-RS launches it: B as [K, N] and as [N, K], with
     and without bias, the copy and the store variant."""
     if target.arch != 90:
         return 0
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import native_specialize_impl
 
     from triton_overlap.kernels import gemm_warp_specialized as ws
     from triton_overlap.kernels.gemm_warp_specialized import rs_gemm_ws
 
-    backend = CUDABackend(target)
     bm, bn, bk = ws.TILES.block_m, ws.TILES.block_n, ws.TILES.block_k
-
-    def desc_type(block):  # what Triton's launcher makes of a Gluon descriptor with this block
-        import torch
-        t = torch.empty(256, 256, dtype=torch.bfloat16)
-        d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-        return native_specialize_impl(backend, d, False, True, True)[0]
+    desc_type = functools.partial(gluon_desc_type, target)
 
     failed = 0
     # (B_KMAJOR, HAS_BIAS, PRELOAD_TMA, PEER_STORES)
@@ -237,21 +241,11 @@ def compile_attention_ws(target) -> int:
     (block_n, stages) the tuned table may name."""
     if target.arch != 90:
         return 0
-    import torch
-    from triton.backends.nvidia.compiler import CUDABackend
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import native_specialize_impl
 
     from triton_overlap.kernels import attention_hopper as ah
 
-    backend = CUDABackend(target)
-
-    def desc_type(block):  # what Triton's launcher makes of a Gluon descriptor with this block
-        t = torch.empty(256, 256, dtype=torch.bfloat16)
-        d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
-        return native_specialize_impl(backend, d, False, True, True)[0]
+    desc_type = functools.partial(gluon_desc_type, target)
 
     failed = 0
     for causal, d, bn, stages in itertools.product((True, False), (128, 64), (128, 64), (2, 3)):

@@ -117,6 +117,16 @@ def key_span(src, world, C, hh, q_first, q_last, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def wait_every_chunk(flags_ptr, err_ptr, budget, rank, world, op, CHUNKS_PER_RANK, CLOCK: tl.constexpr):
+    """Wait for the flag of every peer's chunk. A causal forward skips the chunks no query block needs, so one
+    program of it calls this: when the kernel ends every peer's flag write has landed and the caller may reset
+    the flags."""
+    for c in range(0, world * CHUNKS_PER_RANK):
+        if c // CHUNKS_PER_RANK != rank:
+            wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
+
+
+@triton.jit
 def _fold(acc, m_i, l_i, q, q_pos, kb, vb, s_s, lo, hi, src, world, C, qk_scale,
           MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
           DOT_F32: tl.constexpr):
@@ -213,13 +223,8 @@ def cp_attention_fwd(
     lse = (m_i + tl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
     tl.store(lse_ptr + bh * S_LOCAL + rows, lse, mask=m_ok)
     if CAUSAL:
-        # chunks no program needed were never waited for; one program waits for them all, so when the
-        # kernel ends every peer's flag write has landed and the caller may reset the flags
         if (pid_m == 0) & (bh == 0):
-            for c in range(0, world * CHUNKS_PER_RANK):
-                if c // CHUNKS_PER_RANK != rank:
-                    wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK,
-                              CLOCK)
+            wait_every_chunk(flags_ptr, err_ptr, budget, rank, world, op, CHUNKS_PER_RANK, CLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------- launcher

@@ -28,11 +28,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from ..plan import cdiv
-from .attention import key_span, wait_kv, zigzag_pos
+from .attention import key_span, wait_every_chunk, wait_kv, zigzag_pos
 from .cached_launch import launch
 from .gemm import capability
 from .gemm_warp_specialized import _tma_load, gluon_available
-from .signal import wait_flag
 
 #: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left (24).
 COMPUTE_REGS = 240
@@ -46,6 +45,27 @@ def _key_blocks(src, world, C, hh, q_first, q_last, CAUSAL: gl.constexpr, BLOCK_
 
 
 @gluon.jit
+def _query_block(rank, world, S_LOCAL, HQ, BLOCK_M: gl.constexpr):
+    """This program's query block: (first row, batch x head, batch, head, half the shard, the first and last
+    zigzag position). The blocks of later positions, which see more keys, are taken first."""
+    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
+    bh = gl.program_id(1)
+    C = S_LOCAL // 2
+    return (m0, bh, bh // HQ, bh % HQ, C, zigzag_pos(m0, rank, world, C),
+            zigzag_pos(m0 + BLOCK_M - 1, rank, world, C))
+
+
+@gluon.jit
+def _load_block(desc, ready, empty, bufs, g, row, col):
+    """Key block ``g``'s K (or V) rows from ``row`` into its stage, once the compute warpgroups have released it."""
+    STAGES: gl.constexpr = bufs.type.shape[0]
+    s = g % STAGES
+    mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
+    mbarrier.expect(ready.index(s), desc.block_type.nbytes)
+    _tma_load(desc, [row, col], ready.index(s), bufs.index(s))
+
+
+@gluon.jit
 def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
     """The loader partition: Q, then every key block's K and V in the order the compute partition takes them."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
@@ -53,18 +73,10 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    STAGES: gl.constexpr = k_smem.type.shape[0]
-    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M  # the blocks of later positions (more keys) first
-    bh = gl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    hk = h // GROUP
-    C = S_LOCAL // 2
-    q_first = zigzag_pos(m0, rank, world, C)
-    q_last = zigzag_pos(m0 + BLOCK_M - 1, rank, world, C)
+    m0, bh, b, h, C, q_first, q_last = _query_block(rank, world, S_LOCAL, HQ, BLOCK_M)
+    col = h // GROUP * HEAD_D  # the K/V head's columns
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     _tma_load(q_desc, [b * S_LOCAL + m0, h * HEAD_D], q_bar, q_smem)
-    kv_bytes: gl.constexpr = k_desc.block_type.nbytes
     g = 0
     for step in range(0, world):
         src = (rank - step + world) % world
@@ -77,30 +89,16 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
                     wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK,
                             CHUNKS_PER_RANK, CLOCK)
                     waited = ((n0 + BLOCK_N - 1) // M_PER_CHUNK + 1) * M_PER_CHUNK
-                s = g % STAGES
-                phase = ((g // STAGES) & 1) ^ 1  # a fresh barrier counts as released
-                mbarrier.wait(k_empty.index(s), phase)
-                mbarrier.expect(k_ready.index(s), kv_bytes)
-                if src == rank:
-                    _tma_load(k_desc, [b * S_LOCAL + n0, hk * HEAD_D], k_ready.index(s), k_smem.index(s))
-                else:
-                    _tma_load(kw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], k_ready.index(s),
-                              k_smem.index(s))
-                mbarrier.wait(v_empty.index(s), phase)
-                mbarrier.expect(v_ready.index(s), kv_bytes)
-                if src == rank:
-                    _tma_load(v_desc, [b * S_LOCAL + n0, hk * HEAD_D], v_ready.index(s), v_smem.index(s))
-                else:
-                    _tma_load(vw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], v_ready.index(s),
-                              v_smem.index(s))
+                if src == rank:  # our own K/V, read in place
+                    _load_block(k_desc, k_ready, k_empty, k_smem, g, b * S_LOCAL + n0, col)
+                    _load_block(v_desc, v_ready, v_empty, v_smem, g, b * S_LOCAL + n0, col)
+                else:  # a peer's, from its slot in the workspace
+                    _load_block(kw_desc, k_ready, k_empty, k_smem, g, (b * world + src) * S_LOCAL + n0, col)
+                    _load_block(vw_desc, v_ready, v_empty, v_smem, g, (b * world + src) * S_LOCAL + n0, col)
                 g += 1
     if CAUSAL:
-        # chunks no program needed were never waited for; one program waits for them all (as kernels.attention)
         if (gl.program_id(0) == 0) & (bh == 0):
-            for c in range(0, world * CHUNKS_PER_RANK):
-                if c // CHUNKS_PER_RANK != rank:
-                    wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c // CHUNKS_PER_RANK,
-                              c % CHUNKS_PER_RANK, CLOCK)
+            wait_every_chunk(flags_ptr, err_ptr, budget, rank, world, op, CHUNKS_PER_RANK, CLOCK)
 
 
 @gluon.jit
@@ -157,16 +155,10 @@ def _compute(p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL: gl.constexpr
     LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                  instr_shape=[16, HEAD_D, 16])
     LP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LO, k_width=2)
-    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    bh = gl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    C = S_LOCAL // 2
+    # the key blocks are those of the whole query block (both warpgroups read the same stages)
+    m0, bh, b, h, C, q_first, q_last = _query_block(rank, world, S_LOCAL, HQ, BLOCK_M)
     r0 = m0 + WG * ROWS  # this warpgroup's first row
     q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
-    # the blocks are those of the whole query block (both warpgroups read the same stages)
-    q_first = zigzag_pos(m0, rank, world, C)
-    q_last = zigzag_pos(m0 + BLOCK_M - 1, rank, world, C)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
     total = 0
     for step in range(0, world):
