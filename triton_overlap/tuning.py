@@ -20,7 +20,8 @@ import torch.distributed as dist
 from .context.collectives import all_gather_rows
 from .kernels.attention import Blocks, launch_fwd
 from .kernels.attention_bwd import launch_bwd
-from .kernels.gemm import capability, plain_gemm
+from .kernels.attention_hopper import hopper
+from .kernels.gemm import plain_gemm
 from .ops.all_gather_gemm import AllGatherGEMM
 from .ops.config import AllGatherGEMMConfig, AttentionConfig, GEMMReduceScatterConfig
 from .ops.gemm_reduce_scatter import GEMMReduceScatter
@@ -205,7 +206,7 @@ def tune_attention(ctx, shape, dry):
     ref_out = ref_out.transpose(1, 2)
     ref_dq, ref_dk, ref_dv = (t.grad.transpose(1, 2) for t in leaves)
 
-    base = AttentionConfig.defaults(ctx.backend, D, 2, ctx.backend == "cuda" and capability(dev.index) == (9, 0))
+    base = AttentionConfig.defaults(ctx.backend, D, 2, hopper(ctx))
     cpr = 2
     flags = torch.ones(cpr, dtype=torch.int32, device=dev)  # every chunk in place: a world of one
     out, lse = torch.empty_like(q), torch.empty(B, Hq, S, device=dev, dtype=torch.float32)

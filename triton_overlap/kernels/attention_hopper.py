@@ -261,6 +261,11 @@ def _sm90(index: int) -> bool:
     return capability(index) == (9, 0)
 
 
+def hopper(ctx) -> bool:
+    """Whether ``ctx`` runs where this kernel can: the cuda backend on a GPU of compute capability 9.0."""
+    return ctx.backend == "cuda" and _sm90(ctx.device.index)
+
+
 def usable(ctx, q, k, v, kw, vw, docs, blocks) -> bool:
     """Whether this forward can run on this kernel with ``blocks`` (kernels.attention.Blocks): the cuda backend on
     compute capability 9.0 with Gluon; 16-bit q/k/v, D of 64 or 128; no packed documents; 128-row query blocks
@@ -268,11 +273,11 @@ def usable(ctx, q, k, v, kw, vw, docs, blocks) -> bool:
     contiguous (they are read as 2-D tensors)."""
     S, D = q.shape[1], q.shape[3]
     half = S // 2
-    return (ctx.backend == "cuda" and docs is None and q.dtype in (torch.bfloat16, torch.float16)
+    return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16)
             and D in (64, 128) and blocks.block_m == 128 and blocks.num_warps == 8 and blocks.block_n in (64, 128)
             and S % 2 == 0 and half % blocks.block_m == 0 and half % blocks.block_n == 0
             and all(t.is_contiguous() for t in (q, k, v, kw, vw))
-            and _sm90(q.device.index) and gluon_available())
+            and gluon_available())
 
 
 def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale, causal, blocks,

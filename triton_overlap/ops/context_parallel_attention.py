@@ -16,7 +16,7 @@ import torch
 
 from ..kernels.attention import Blocks, Documents, launch_fwd, segment_table
 from ..kernels.attention_bwd import launch_bwd, launch_reduce_dkdv
-from ..kernels.gemm import capability
+from ..kernels.attention_hopper import hopper
 from ..kernels.signal import WHAT_PARTIALS
 from ..plan import ChunkLayout
 from ..producers import pipeline
@@ -110,9 +110,7 @@ class ContextParallelAttention(OverlapOp):
         self._handle = custom_ops.handle(self)
 
     def default_config(self, shape, variant=""):
-        ctx = self.ctx
-        hopper = ctx.backend == "cuda" and capability(ctx.device.index) == (9, 0)
-        return AttentionConfig.defaults(ctx.backend, shape[3], self.chunks_per_rank, hopper)
+        return AttentionConfig.defaults(self.ctx.backend, shape[3], self.chunks_per_rank, hopper(self.ctx))
 
     def from_table(self, found, base):
         return AttentionConfig(base.chunks_per_rank, *(Blocks(**found[k]) for k in ("fwd", "dq", "dkdv")),
