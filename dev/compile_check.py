@@ -77,9 +77,9 @@ def attention_signature(fn) -> dict:
         name = prm.name
         if prm.is_constexpr:
             sig[name] = "constexpr"
-        elif name in ("lse_ptr", "delta_ptr"):
+        elif name in ("lse_ptr", "delta_ptr", "part_ptr"):
             sig[name] = "*fp32"
-        elif name in ("flags_ptr", "err_ptr", "seg_ptr", "cu_ptr"):
+        elif name in ("flags_ptr", "err_ptr", "seg_ptr", "cu_ptr", "ticket_ptr"):
             sig[name] = "*i32"
         elif name in ("recv_ptrs", "counter_ptrs"):
             sig[name] = "*i64"
@@ -160,13 +160,17 @@ def compile_gemm_all_reduce(target) -> int:
 
 
 def compile_attention(target) -> int:
-    """The forward, dQ and dK/dV kernels, dense and packed (VARLEN), causal and not, with the H200 tiles."""
+    """The forward, dQ and dK/dV kernels, dense and packed (VARLEN), causal and not, with the H200 tiles; the
+    dK/dV kernel also with its query heads split over two programs."""
     failed = 0
     tiles = {cp_attention_fwd: (128, 64, 8, 3), cp_attention_dq: (128, 64, 8, 2), cp_attention_dkdv: (64, 128, 8, 2)}
     for fn, (bm, bn, warps, stages) in tiles.items():
-        for varlen, causal in itertools.product((False, True), (True, False)):
-            name = f"{fn.fn.__name__} varlen={varlen} causal={causal}"
+        splits = (1, 2) if fn is cp_attention_dkdv else (None, )
+        for varlen, causal, split in itertools.product((False, True), (True, False), splits):
+            name = f"{fn.fn.__name__} varlen={varlen} causal={causal}" + (f" split={split}" if split else "")
             consts = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, HEAD_D=128, CLOCK=1, DOT_F32=False, VARLEN=varlen)
+            if split:
+                consts["SPLIT"] = split
             try:
                 sig = attention_signature(fn)
                 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=divisibility(sig)),

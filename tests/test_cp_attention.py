@@ -153,10 +153,11 @@ def test_cp_attention_gradients_match_full_sequence(pool, case):
     pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])
 
 
-def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2):
+def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2, head_split=None):
     """Every rank's share of cp_attention forward and backward for a world of ``world``, run one after another
     on this process's device with forward_on_gathered / backward_on_gathered (the helpers the NCCL baselines use).
-    Full-sequence inputs in, full-sequence (out, dq, dk, dv) out."""
+    Full-sequence inputs in, full-sequence (out, dq, dk, dv) out. The dK/dV partials land in NaN-poisoned
+    buffers."""
     from triton_overlap.ops.context_parallel_attention import backward_on_gathered, forward_on_gathered
 
     D = q.shape[-1]
@@ -168,7 +169,10 @@ def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2):
     for r in range(world):
         qr, kr, vr, dr = (sh(t, r) for t in (q, k, v, dout))
         o, lse = forward_on_gathered(ctx, qr, kr, vr, kg, vg, r, world, causal, scale, cfg)
-        dq, p = backward_on_gathered(ctx, qr, kr, vr, kg, vg, o, lse, dr, r, world, causal, scale, cfg)
+        B, S, _, _ = qr.shape
+        p = torch.full((world, 2, B, S, k.shape[2], D), float("nan"), dtype=torch.float32, device=q.device)
+        dq, p = backward_on_gathered(ctx, qr, kr, vr, kg, vg, o, lse, dr, r, world, causal, scale, cfg, parts=p,
+                                     head_split=head_split)
         outs.append(o)
         dqs.append(dq)
         parts.append(p)
@@ -201,6 +205,49 @@ def test_on_gathered_helpers_match_full_sequence(pool, world, causal):
     """The helpers behind the NCCL forward + backward baseline: every simulated rank's share, summed, equals
     attention on the full sequence."""
     pool.run(_simulated_case, world, causal)
+
+
+def _head_split_case(world, causal, split, S_unit, D):
+    """The dK/dV kernel with each K/V block's query heads split over ``split`` programs (what the op chooses
+    where K/V heads are few): against the full-sequence reference, and against the unsplit kernel."""
+    dtype = torch.bfloat16
+    with to.Context(timeout_s=120) as ctx:
+        inputs, want = _full_problem(ctx.device, 1, S_unit * 2 * world, 8, 2, D, causal, dtype, "split")
+        got = simulate_ranks(ctx, *inputs, world, causal, head_split=split)
+        errs = [rel_err(g, r) for g, r in zip(got, want)]
+        assert max(errs) < GRAD_TOL[dtype], f"head_split {split}, world {world}: rel errs out/dq/dk/dv {errs}"
+        whole = simulate_ranks(ctx, *inputs, world, causal, head_split=1)
+        diff = [rel_err(g, w) for g, w in zip(got[2:], whole[2:])]  # dk, dv: only the float32 sum order differs
+        assert max(diff) < 1e-2, f"head_split {split} against 1: rel diff dk/dv {diff}"
+        return errs
+
+
+@pytest.mark.parametrize("world,causal,split", [(1, True, 4), (2, False, 2), (3, True, 2)])
+def test_dkdv_head_split_matches_full_sequence(pool, world, causal, split):
+    if pool.backend == "host":
+        pool.run(_head_split_case, world, causal, split, 12, 64)
+    else:
+        pool.run(_head_split_case, world, causal, split, 384, 128)
+
+
+def test_head_split_choice():
+    """The split fills the GPU where K/V blocks are few, divides the group, and stays 1 where blocks are many."""
+    from triton_overlap.kernels.attention_bwd import HEAD_SPLIT_WAVES, head_split_for
+
+    class Gpu:
+        backend = "cuda"
+
+        def num_compute_units(self):
+            return 132
+
+    want = HEAD_SPLIT_WAVES * 132
+    assert head_split_for(Gpu(), 128 * 8, 4) == 1
+    for programs, group in ((128, 32), (256, 32), (100, 6), (10, 3), (64, 12)):
+        split = head_split_for(Gpu(), programs, group)
+        assert group % split == 0
+        assert programs * split >= want or split == group
+        smaller = [d for d in range(1, split) if group % d == 0]
+        assert all(programs * d < want for d in smaller), (programs, group, split)
 
 
 # ------------------------------------------------------------------ packed documents (cu_seqlens)

@@ -2,12 +2,17 @@
 
 * ``cp_attention_dq``: one program per (block of local queries, batch x query
   head) runs over every rank's K/V (its own first, each peer's chunk after
-  its flag) and accumulates dQ in float32.
+  its flag) and accumulates dQ in float32. It first stores its rows'
+  ``delta`` (rowsum(dO * O)), which the dK/dV kernel after it reads.
 * ``cp_attention_dkdv``: one program per (block of a source rank's K/V, batch
   x K/V head, source), sources ordered peers first and ourselves last. It runs
   over this rank's queries of all the group's query heads (so GQA/MQA sum
   over the group here), and stores the float32 partial dK/dV straight into
   the owner's receive slot for this rank, then bumps the owner's counter.
+  Where a K/V head's blocks are too few programs for the GPU (MQA, few
+  heads), each block's query heads are split over ``SPLIT`` programs: each
+  stores its partial in a scratch slot, and the last to take the block's
+  ticket sums the slots in a fixed order and does the store and the bump.
 * ``reduce_dkdv`` (per owner): waits for every source's count and sums the W
   partials.
 
@@ -21,6 +26,7 @@ row come from a table, and it reads only that document's rows.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -29,6 +35,9 @@ from .attention import (Blocks, Documents, _grid0, key_span, kv_base, piece, pie
                         wait_kv, zigzag_pos)
 from .cached_launch import launch
 from .signal import WHAT_PARTIALS, add_release, wait_flag
+
+#: head_split_for: the dK/dV programs wanted per compute unit (docs/decisions.md)
+HEAD_SPLIT_WAVES = 4
 
 
 @triton.jit
@@ -61,7 +70,7 @@ def _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, lo, hi, src, world, C, 
 
 @triton.jit
 def cp_attention_dq(
-    q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, flags_ptr, err_ptr, budget,
+    q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, flags_ptr, err_ptr, budget,
     rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
     sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
@@ -78,14 +87,16 @@ def cp_attention_dq(
     offs_d = tl.arange(0, HEAD_D)
     m_ok = offs_m < S_DOC
     rows = seg0 + offs_m
-    row = b * sq_b + h * sq_h + rows[:, None] * sq_s + offs_d[None, :]  # q, do and dq share the layout
+    row = b * sq_b + h * sq_h + rows[:, None] * sq_s + offs_d[None, :]  # q, do, o and dq share the layout
     q = tl.load(q_ptr + row, mask=m_ok[:, None], other=0.0)
     do = tl.load(do_ptr + row, mask=m_ok[:, None], other=0.0)
+    o = tl.load(o_ptr + row, mask=m_ok[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), axis=1)
+    tl.store(delta_ptr + bh * S_LOCAL + rows, delta, mask=m_ok)
     if DOT_F32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse2 = tl.load(lse_ptr + bh * S_LOCAL + rows, mask=m_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + bh * S_LOCAL + rows, mask=m_ok, other=0.0)
     q_pos = zigzag_pos(offs_m, rank, world, C)
     q_first, q_last = pos_span(q_pos, m_ok)
     qk_scale = sm_scale * 1.4426950408889634
@@ -149,12 +160,13 @@ def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lr
 def cp_attention_dkdv(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, lse_ptr, delta_ptr, recv_ptrs, counter_ptrs, flags_ptr,
     err_ptr, budget, rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
-    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr,
+    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr, part_ptr, ticket_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-    CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr,
+    CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
-    bhk = tl.program_id(1)
+    bhk = tl.program_id(1) // SPLIT
+    part = tl.program_id(1) % SPLIT  # which share of the group's query heads
     src = (rank + 1 + tl.program_id(2)) % world  # peers' blocks first, our own last
     b = bhk // HKV
     hk = bhk % HKV
@@ -177,7 +189,8 @@ def cp_attention_dkdv(
     qk_scale = sm_scale * 1.4426950408889634
     dk = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
-    for g in range(0, GROUP):  # every query head that reads this K/V head
+    heads = GROUP // SPLIT
+    for g in range(part * heads, part * heads + heads):  # the query heads that read this K/V head (this share)
         h = hk * GROUP + g
         qrow0 = b * sq_b + h * sq_h + seg0 * sq_s
         lrow0 = (b * HQ + h) * S_LOCAL + seg0
@@ -201,13 +214,29 @@ def cp_attention_dkdv(
             dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
                                 h0 + m2, h0 + C, rank, world, C, qk_scale, True, CAUSAL, BLOCK_M, HEAD_D,
                                 DOT_F32)
+    dk = dk * sm_scale
+    last = pid_n >= 0
+    if SPLIT > 1:  # the last of the block's SPLIT programs sums their partials
+        unit = (tl.program_id(2) * (tl.num_programs(1) // SPLIT) + bhk) * tl.num_programs(0) + pid_n
+        tile = tl.arange(0, BLOCK_N)[:, None] * HEAD_D + offs_d[None, :]
+        parts = part_ptr + unit * (SPLIT * 2 * BLOCK_N * HEAD_D)
+        tl.store(parts + part * (2 * BLOCK_N * HEAD_D) + tile, dk)
+        tl.store(parts + part * (2 * BLOCK_N * HEAD_D) + BLOCK_N * HEAD_D + tile, dv)
+        tl.debug_barrier()  # every thread's stores come before the ticket
+        last = tl.atomic_add(ticket_ptr + unit, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            dk = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
+            dv = tl.zeros((BLOCK_N, HEAD_D), tl.float32)
+            for p in range(0, SPLIT):  # a fixed order whoever comes last: the sum is deterministic
+                dk += tl.load(parts + p * (2 * BLOCK_N * HEAD_D) + tile, volatile=True)
+                dv += tl.load(parts + p * (2 * BLOCK_N * HEAD_D) + BLOCK_N * HEAD_D + tile, volatile=True)
     # the partials go straight to the owner of this K/V: slot [rank] of its receive buffer [W, 2, B, S, Hkv, D]
     base = tl.load(recv_ptrs + src).to(tl.pointer_type(tl.float32))
     slot = S_LOCAL * HKV * HEAD_D
-    nb = tl.num_programs(1) // HKV  # B
+    nb = tl.num_programs(1) // (HKV * SPLIT)  # B
     at = (rank * 2 * nb + b) * slot + (seg0 + offs_n)[:, None] * (HKV * HEAD_D) + hk * HEAD_D + offs_d[None, :]
-    if tl.load(err_ptr, volatile=True) == 0:  # nothing goes into a peer after a fault (its call may disagree)
-        tl.store(base + at, dk * sm_scale, mask=n_ok[:, None])
+    if last & (tl.load(err_ptr, volatile=True) == 0):  # nothing goes into a peer after a fault (its call may disagree)
+        tl.store(base + at, dk, mask=n_ok[:, None])
         tl.store(base + at + nb * slot, dv, mask=n_ok[:, None])  # the dV half of the slot follows the dK half
         tl.debug_barrier()  # every thread's stores come before the release below
         counters = tl.load(counter_ptrs + src).to(tl.pointer_type(tl.int32))
@@ -233,16 +262,24 @@ def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, err_ptr, budge
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
-def launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, flags, m_per_chunk,
+def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, m_per_chunk,
                chunks_per_rank, scale, causal, dq_blocks: Blocks, dkdv_blocks: Blocks, rank=None, world=None,
-               docs_dq: Documents | None = None, docs_dkdv: Documents | None = None, op: int = 0) -> int:
+               docs_dq: Documents | None = None, docs_dkdv: Documents | None = None, op: int = 0,
+               head_split: int | None = None) -> int:
     """dQ into ``dq``; float32 dK/dV partials into every owner's receive slot [W, 2, B, S, Hkv, D] for this rank,
-    each block bumping the owner's counter for this rank. ``docs_dq`` / ``docs_dkdv``: packed documents' tables
-    for the two kernels' blocks (B = 1), else None. Returns the count each owner waits for per source."""
+    each block bumping the owner's counter for this rank. ``out``: the forward's output (for delta).
+    ``docs_dq`` / ``docs_dkdv``: packed documents' tables for the two kernels' blocks (B = 1), else None.
+    ``head_split``: over how many dK/dV programs each K/V block's query heads are split (None: head_split_for).
+    Returns the count each owner waits for per source."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     if not (k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1)):
         raise ValueError("cp_attention: k, v and the workspaces must share a sequence stride")
+    # the dQ kernel addresses q, dout, out and dq alike
+    dout, out = (t if t.stride() == q.stride() else torch.empty_like(q).copy_(t) for t in (dout, out))
+    if dq.stride() != q.stride():
+        raise ValueError("cp_attention: dq must have q's strides")
+    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     rank = ctx.rank if rank is None else rank
     world = ctx.world_size if world is None else world
     common = (ctx.err, ctx.budget, rank, world, op, S)
@@ -251,20 +288,43 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_pt
     n, seg, cu = _grid0(S, dq_blocks.block_m, docs_dq, flags)
     if n:
         launch(cp_attention_dq, (n, B * Hq), (
-            q, k, v, kw, vw, dout, lse, delta, dq, flags, *common, Hq, Hq // Hkv,
+            q, k, v, kw, vw, dout, out, lse, delta, dq, flags, *common, Hq, Hq // Hkv,
             m_per_chunk, chunks_per_rank, scale, *strides, seg, cu),
             dict(BLOCK_M=dq_blocks.block_m, BLOCK_N=dq_blocks.block_n, VARLEN=docs_dq is not None, **meta),
             num_warps=dq_blocks.num_warps, num_stages=dq_blocks.num_stages)
         ctx.after_launch()
     n, seg, cu = _grid0(S, dkdv_blocks.block_n, docs_dkdv, flags)
     if n:
-        launch(cp_attention_dkdv, (n, B * Hkv, world), (
+        split = head_split_for(ctx, n * B * Hkv * world, Hq // Hkv) if head_split is None else head_split
+        if (Hq // Hkv) % split:
+            raise ValueError(f"cp_attention: head_split {split} does not divide the {Hq // Hkv} query heads of a "
+                             "K/V head")
+        part, ticket = flags, flags  # not read when split == 1
+        if split > 1:
+            blk = dkdv_blocks.block_n
+            part = torch.empty((world * B * Hkv * n, split, 2, blk, D), dtype=torch.float32, device=q.device)
+            ticket = torch.zeros(world * B * Hkv * n, dtype=torch.int32, device=q.device)
+        launch(cp_attention_dkdv, (n, B * Hkv * split, world), (
             q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, *common, Hq, Hkv, Hq // Hkv,
-            m_per_chunk, chunks_per_rank, scale, *strides, seg, cu),
-            dict(BLOCK_M=dkdv_blocks.block_m, BLOCK_N=dkdv_blocks.block_n, VARLEN=docs_dkdv is not None, **meta),
+            m_per_chunk, chunks_per_rank, scale, *strides, seg, cu, part, ticket),
+            dict(BLOCK_M=dkdv_blocks.block_m, BLOCK_N=dkdv_blocks.block_n, VARLEN=docs_dkdv is not None,
+                 SPLIT=split, **meta),
             num_warps=dkdv_blocks.num_warps, num_stages=dkdv_blocks.num_stages)
         ctx.after_launch()
     return n * B * Hkv
+
+
+def head_split_for(ctx, programs: int, group: int) -> int:
+    """Over how many dK/dV programs to split each K/V block's ``group`` query heads: the fewest (a divisor of
+    ``group``) that give the GPU HEAD_SPLIT_WAVES programs per compute unit, where ``programs`` (blocks x heads x
+    sources) fall short; 1 on the host backend."""
+    if ctx.backend == "host":
+        return 1
+    want = HEAD_SPLIT_WAVES * ctx.num_compute_units()
+    split = 1
+    while programs * split < want and split < group:
+        split = next(d for d in range(split + 1, group + 1) if group % d == 0)
+    return split
 
 
 def launch_reduce_dkdv(ctx, recv, dk, dv, counters, expected: int, op: int = 0) -> None:

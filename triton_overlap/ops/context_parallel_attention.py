@@ -277,7 +277,6 @@ class ContextParallelAttention(OverlapOp):
         recv = ctx.symmetric(f"{self.name}.dkv", (W, 2, B, S, Hkv, D), torch.float32)
         counters = ctx.symmetric(f"{self.name}.dkv_count", (W,), torch.int32)
         self.state.setdefault("buffers", {})["dK/dV receive slots"] = recv.local
-        delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()  # [B, Hq, S]
         docs_dq, docs_dkdv = documents(ctx, local_cu, cfg.dq.block_m), documents(ctx, local_cu, cfg.dkdv.block_n)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         call = self._header("backward", k, local_cu, kept=kept_k is not None)
@@ -293,7 +292,7 @@ class ContextParallelAttention(OverlapOp):
             recv_ptrs, counter_ptrs, staged = self._staging(recv, counters)
 
         def consumer():
-            expected = launch_bwd(ctx, q, k, v, kw, vw, dout, lse, delta, dq, recv_ptrs, counter_ptrs, ready,
+            expected = launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, ready,
                                   layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.dq, cfg.dkdv,
                                   docs_dq=docs_dq, docs_dkdv=docs_dkdv, op=self.op)
             if staged is not None:
@@ -365,11 +364,12 @@ def slot_base(parts, owner: int, rank: int) -> int:
 
 
 def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, causal, scale, cfg: AttentionConfig,
-                         parts=None, cu_seqlens=None):
+                         parts=None, cu_seqlens=None, head_split=None):
     """The backward kernels as rank ``rank`` of ``world`` on gathered K/V (see forward_on_gathered). Returns dq and
     this rank's float32 dK/dV partials for every owner, [world, 2, B, S, Hkv, D] (into ``parts`` when given): the
     sum over ranks of entry o is owner o's (dK, dV), e.g. through a reduce-scatter. The address tables are kept per
-    ``parts`` buffer, so a caller that passes the same buffer makes no host-to-device copy per call."""
+    ``parts`` buffer, so a caller that passes the same buffer makes no host-to-device copy per call.
+    ``head_split``: as launch_bwd's (None: chosen for the GPU)."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     dev = q.device
@@ -387,11 +387,11 @@ def backward_on_gathered(ctx, q, k, v, kg, vg, out, lse, dout, rank, world, caus
     key = ("on gathered", parts.data_ptr(), parts[0].numel(), rank, world)
     recv_ptrs, _, counter_ptrs = ctx.cached(key, tables) if keep else tables()
     local_cu = local_cu_seqlens(cu_seqlens, world)
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     dq = torch.empty_like(q)
-    launch_bwd(ctx, q, k, v, kg, vg, dout, lse, delta, dq, recv_ptrs, counter_ptrs, all_ready(ctx, world * cpr),
+    launch_bwd(ctx, q, k, v, kg, vg, dout, out, lse, dq, recv_ptrs, counter_ptrs, all_ready(ctx, world * cpr),
                S // cpr, cpr, scale, causal, cfg.dq, cfg.dkdv, rank=rank, world=world,
-               docs_dq=documents(ctx, local_cu, cfg.dq.block_m), docs_dkdv=documents(ctx, local_cu, cfg.dkdv.block_n))
+               docs_dq=documents(ctx, local_cu, cfg.dq.block_m), docs_dkdv=documents(ctx, local_cu, cfg.dkdv.block_n),
+               head_split=head_split)
     return dq, parts
 
 
