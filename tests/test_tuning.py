@@ -81,3 +81,20 @@ def test_tiles_only_entry_keeps_the_ops_other_defaults(tmp_path, monkeypatch):
     op = to.AllGatherGEMM(OfflineContext())
     assert {k: getattr(op.config_for((96, 48, 40), "_fp8"), k) for k in tiles} == fp8_tiles
     assert {k: getattr(op.config_for((96, 48, 40)), k) for k in tiles} == tiles
+
+
+def test_tune_cp_attention_dry_run_checks_every_kernel(tmp_path):
+    """scripts/tune.py cp_attention end to end on the host backend: every forward, dQ and dK/dV candidate runs and
+    passes its check against torch, and the entry holds the three kernels' tiles."""
+    out = tmp_path / "tuned.json"
+    env = dict(os.environ, PYTHON=sys.executable, TRITON_OVERLAP_BACKEND="host", TRITON_OVERLAP_TUNED=str(out))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), os.path.join(ROOT, "scripts", "tune.py"),
+                           "cp_attention", "--shape", "1,64,4,2,32,1", "--dry-run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for stage in ("forward", "dq", "dkdv"):
+        assert f"{stage} [2/2]" in proc.stdout, proc.stdout[-2000:]
+    assert "skipped" not in proc.stdout, proc.stdout[-2000:]
+    (entry,) = json.loads(out.read_text())["host"]["any"]["cp_attention"]
+    assert entry["shape"] == [64, 4, 2, 32, 1]
+    assert set(entry["config"]) == {"fwd", "dq", "dkdv"}

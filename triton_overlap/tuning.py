@@ -222,7 +222,6 @@ def tune_attention(ctx, shape, dry):
     say(f"tune cp_attention {shape}: kernel tiles on one GPU")
     us_f, best_f = sweep(ctx, "forward", pick(FWD_TILES, base.fwd), fwd_run, lambda: rel(out, ref_out), 2e-2)
     fwd_run(best_f)()
-    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
     recv = torch.zeros(1, 2, B, S, Hkv, D, device=dev, dtype=torch.float32)
     counters = torch.zeros(1, dtype=torch.int32, device=dev)
     ptrs = (torch.tensor([recv.data_ptr()], dtype=torch.int64, device=dev),
@@ -230,7 +229,7 @@ def tune_attention(ctx, shape, dry):
     dq = torch.empty_like(q)
 
     def bwd_run(cfg):
-        return lambda: launch_bwd(ctx, q, k, v, k, v, dout, lse, delta, dq, *ptrs, flags, S // cpr, cpr, scale, causal,
+        return lambda: launch_bwd(ctx, q, k, v, k, v, dout, out, lse, dq, *ptrs, flags, S // cpr, cpr, scale, causal,
                                   cfg.dq, cfg.dkdv, rank=0, world=1)
 
     us_q, best_q = sweep(ctx, "dq", [replace(base, dq=b) for b in pick(DQ_TILES, base.dq)], bwd_run,
