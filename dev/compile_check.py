@@ -190,8 +190,13 @@ def gluon_desc_type(target, block) -> str:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     from triton.runtime.jit import native_specialize_impl
 
-    t = torch.empty(256, 256, dtype=torch.bfloat16)
-    d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+    if len(block) == 1:  # float32 rows (the attention backward's lse and delta)
+        from triton_overlap.kernels.attention_bwd_hopper import ROWS_LAYOUT
+
+        d = TensorDescriptor(torch.empty(4096), [4096], [1], block, ROWS_LAYOUT)
+    else:
+        t = torch.empty(256, 256, dtype=torch.bfloat16)
+        d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
     return native_specialize_impl(CUDABackend(target), d, False, True, True)[0]
 
 
@@ -275,6 +280,39 @@ def compile_attention_ws(target) -> int:
     return failed
 
 
+def compile_attention_bwd_ws(target) -> int:
+    """kernels.attention_bwd_hopper (Gluon; sm_90 only) as launch_bwd launches it: causal or not, bf16 and fp16."""
+    if target.arch != 90:
+        return 0
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from triton_overlap.kernels import attention_bwd_hopper as ab
+
+    desc_type = functools.partial(gluon_desc_type, target)
+    failed = 0
+    for causal in (True, False):
+        consts = dict(CAUSAL=causal, NSTAGE=ab.STAGES, CLOCK=1, COMPUTE_REGS=ab.COMPUTE_REGS)
+        sig = {}
+        for prm in ab.cp_attention_bwd_ws.params:
+            n = prm.name
+            sig[n] = ("constexpr" if n in consts else desc_type([ab.BLOCK_M, 128]) if n in ("q_desc", "do_desc")
+                      else desc_type([ab.BLOCK_M]) if n in ("lse_desc", "delta_desc")
+                      else desc_type([ab.BLOCK_N, 128]) if n.endswith("_desc")
+                      else "*fp32" if n == "dq_ptr"
+                      else "*i64" if n in ("recv_ptrs", "counter_ptrs")
+                      else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
+                      else "fp32" if n == "sm_scale" else "i32")
+        name = f"cp_attention_bwd_ws causal={causal}"
+        try:
+            k = triton.compile(GluonASTSource(ab.cp_attention_bwd_ws, sig, consts, divisibility(sig)), target=target,
+                               options={"num_warps": 4})
+            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
+        except Exception as e:  # noqa: BLE001 - reported, the check goes on
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-1500:]}")
+    return failed
+
+
 def ptxas_report(cubin_ptx: str, arch: int) -> str:
     ptxas = triton.knobs.nvidia.ptxas.path if hasattr(triton, "knobs") else "ptxas"
     with tempfile.TemporaryDirectory() as d:
@@ -306,6 +344,7 @@ def main():
     failed += compile_attention(target)
     failed += compile_warp_specialized(target)
     failed += compile_attention_ws(target)
+    failed += compile_attention_bwd_ws(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer

@@ -158,16 +158,16 @@ def test_cp_attention_gradients_match_full_sequence(pool, case):
     pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])
 
 
-def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2, head_split=None):
+def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2, head_split=None, cfg=None):
     """Every rank's share of cp_attention forward and backward for a world of ``world``, run one after another
     on this process's device with forward_on_gathered / backward_on_gathered (the helpers the NCCL baselines use).
     Full-sequence inputs in, full-sequence (out, dq, dk, dv) out. The dK/dV partials land in NaN-poisoned
-    buffers."""
+    buffers. ``cfg``: the AttentionConfig (None: the defaults for the backend)."""
     from triton_overlap.ops.context_parallel_attention import backward_on_gathered, forward_on_gathered
 
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D)
-    cfg = to.AttentionConfig.defaults(ctx.backend, D, chunks_per_rank)
+    cfg = to.AttentionConfig.defaults(ctx.backend, D, chunks_per_rank) if cfg is None else cfg
     sh = lambda t, r: to.zigzag.shard_for(t, r, world, dim=1)  # noqa: E731
     kg, vg = (torch.cat([sh(t, r) for r in range(world)], dim=1) for t in (k, v))
     outs, dqs, parts = [], [], []
@@ -472,3 +472,109 @@ def test_hopper_forward_wait_times_out(pool):
         pytest.skip("Gluon kernels do not run in Triton's interpreter")
     if "skip" in pool.run(_hopper_forward_times_out):
         pytest.skip("the warp-specialized forward needs compute capability 9.0 and Gluon")
+
+
+def _hopper_backward_case(world, causal, Hq, Hkv, unit, dtype_name):
+    """kernels.attention_bwd_hopper's single backward kernel for every rank of a simulated world (simulate_ranks:
+    NaN-poisoned dK/dV partial buffers), against the full-sequence float32 reference and against the two Triton
+    kernels; checks that the warp-specialized kernel is the one that runs (``head_split=1``), and that without it
+    the op leaves it for the split kernels where its programs are too few for the GPU."""
+    from dataclasses import replace
+
+    from triton_overlap.kernels import attention_bwd_hopper
+    from triton_overlap.kernels.attention import Blocks
+
+    dtype = getattr(torch, dtype_name)
+    with to.Context(timeout_s=120) as ctx:
+        if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_bwd_hopper.gluon_available():
+            return "skip"
+        inputs, want = _full_problem(ctx.device, 1, unit * 2 * world, Hq, Hkv, 128, causal, dtype, "bws")
+        two = to.AttentionConfig.defaults(ctx.backend, 128, 2)
+        fused = replace(two, dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
+        ran, launch_ws = [], attention_bwd_hopper.launch_bwd_ws
+
+        def counted(*args, **kw):
+            ran.append(1)
+            return launch_ws(*args, **kw)
+
+        attention_bwd_hopper.launch_bwd_ws = counted
+        try:
+            got = simulate_ranks(ctx, *inputs, world, causal, cfg=fused, head_split=1)
+            assert len(ran) == world, f"the warp-specialized backward ran {len(ran)} of {world} times"
+            few = not attention_bwd_hopper.enough_programs(ctx, unit * 2, Hkv * world)
+            simulate_ranks(ctx, *inputs, world, causal, cfg=fused)  # head split chosen by the op
+            assert len(ran) == (world if few else 2 * world), "the split kernels run where programs are few"
+        finally:
+            attention_bwd_hopper.launch_bwd_ws = launch_ws
+        ctx.check()
+        errs = [rel_err(g, r) for g, r in zip(got, want)]
+        assert max(errs) < GRAD_TOL[dtype], f"world {world}: rel errs out/dq/dk/dv {errs}"
+        base = simulate_ranks(ctx, *inputs, world, causal, cfg=two)
+        diff = [rel_err(g, b) for g, b in zip(got[1:], base[1:])]  # dq, dk, dv: only the float32 sum order differs
+        assert max(diff) < 1e-2, f"world {world}: rel diff dq/dk/dv against the two kernels {diff}"
+        return errs
+
+
+# simulated world, causal, Hq, Hkv, local rows per zigzag half (whole 128-key blocks), dtype
+HOPPER_BACKWARD_CASES = [
+    (1, True, 8, 2, 256, "bfloat16"),  # a world of one, GQA 4:1
+    (2, False, 4, 4, 128, "float16"),  # not causal, MHA
+    (3, True, 12, 3, 128, "bfloat16"),  # three ranks
+    (4, True, 8, 1, 128, "bfloat16"),  # MQA, four ranks: few programs, so the op splits instead
+]
+
+
+@pytest.mark.parametrize("case", range(len(HOPPER_BACKWARD_CASES)))
+def test_hopper_backward_matches_full_sequence(pool, case):
+    """The single warp-specialized backward where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
+    if pool.backend == "host":
+        pytest.skip("Gluon kernels do not run in Triton's interpreter")
+    if "skip" in pool.run(_hopper_backward_case, *HOPPER_BACKWARD_CASES[case]):
+        pytest.skip("the warp-specialized backward needs compute capability 9.0 and Gluon")
+
+
+def _hopper_backward_times_out():
+    """A peer's chunk that never lands: the warp-specialized backward's loader times out, and the fault names the
+    rank, the op, the peer and the chunk (a simulated world of two, as rank 0, with rank 1's flags down)."""
+    from triton_overlap.context.context import op_id
+    from triton_overlap.kernels import attention_bwd_hopper
+    from triton_overlap.kernels.attention import Blocks
+    from triton_overlap.kernels.attention_bwd import launch_bwd
+
+    with to.Context(timeout_s=5) as ctx:
+        if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_bwd_hopper.gluon_available():
+            return "skip"
+        S, cpr, dev = 512, 2, ctx.device
+        q, k, v, dout, out = (rand((1, S, h, 128), torch.bfloat16, dev, name, "late") for name, h in
+                              (("q", 4), ("k", 2), ("v", 2), ("do", 4), ("o", 4)))
+        kw, vw = (torch.zeros(1, 2 * S, 2, 128, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        lse = torch.zeros(1, 4, S, dtype=torch.float32, device=dev)
+        dq = torch.empty_like(q)
+        assert attention_bwd_hopper.usable(ctx, q, k, v, kw, vw, dq, None)
+        recv = torch.zeros(2, 2, 1, S, 2, 128, dtype=torch.float32, device=dev)
+        counters = torch.zeros(2, dtype=torch.int32, device=dev)
+        recv_ptrs = torch.full((2,), recv.data_ptr(), dtype=torch.int64, device=dev)
+        counter_ptrs = torch.full((2,), counters.data_ptr(), dtype=torch.int64, device=dev)
+        blocks = Blocks(64, 128, 8, 2, warp_specialized=True)
+        flags = torch.ones(2 * cpr, dtype=torch.int32, device=dev)
+
+        def backward(op=0):
+            launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, S // cpr, cpr, 0.1,
+                       False, blocks, blocks, rank=0, world=2, op=op, head_split=1)
+
+        backward()  # first with every flag up (compiled, and the ranks in step before the fault)
+        ctx.check()
+        ctx.barrier()
+        flags.zero_()
+        backward(op_id("cp_attention"))
+        fault = r"rank 0: cp_attention .*timed out .*waiting for chunk \d+ of rank 1"
+        with pytest.raises(to.ContextError, match=fault):
+            ctx.check()
+        return True
+
+
+def test_hopper_backward_wait_times_out(pool):
+    if pool.backend == "host":
+        pytest.skip("Gluon kernels do not run in Triton's interpreter")
+    if "skip" in pool.run(_hopper_backward_times_out):
+        pytest.skip("the warp-specialized backward needs compute capability 9.0 and Gluon")

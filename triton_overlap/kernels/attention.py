@@ -231,8 +231,9 @@ def cp_attention_fwd(
 @dataclass(frozen=True)
 class Blocks:
     """Tile sizes and launch parameters of one attention kernel (``block_m`` query rows, ``block_n`` key rows).
-    ``warp_specialized`` (forward only): run kernels.attention_hopper's kernel where it can (its ``usable``), with
-    ``num_stages`` K and V stages; elsewhere this module's kernel runs with the same tiles."""
+    ``warp_specialized``: for the forward, run kernels.attention_hopper's kernel where it can (its ``usable``), with
+    ``num_stages`` K and V stages; for the dK/dV kernel, kernels.attention_bwd_hopper's single backward kernel (its
+    own tiles) where it can. Elsewhere this module's kernels run with these tiles."""
     block_m: int
     block_n: int
     num_warps: int

@@ -270,6 +270,8 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
     each block bumping the owner's counter for this rank. ``out``: the forward's output (for delta).
     ``docs_dq`` / ``docs_dkdv``: packed documents' tables for the two kernels' blocks (B = 1), else None.
     ``head_split``: over how many dK/dV programs each K/V block's query heads are split (None: head_split_for).
+    With ``dkdv_blocks.warp_specialized``, where kernels.attention_bwd_hopper can run and has programs enough for the
+    GPU (or ``head_split`` is 1), its single kernel computes dQ, dK and dV instead of the two.
     Returns the count each owner waits for per source."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -279,9 +281,16 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
     dout, out = (t if t.stride() == q.stride() else torch.empty_like(q).copy_(t) for t in (dout, out))
     if dq.stride() != q.stride():
         raise ValueError("cp_attention: dq must have q's strides")
-    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     rank = ctx.rank if rank is None else rank
     world = ctx.world_size if world is None else world
+    if dkdv_blocks.warp_specialized and head_split in (None, 1) and docs_dkdv is None:
+        from . import attention_bwd_hopper
+        if (attention_bwd_hopper.usable(ctx, q, k, v, kw, vw, dq, None)
+                and (head_split == 1 or attention_bwd_hopper.enough_programs(ctx, S, B * Hkv * world))):
+            return attention_bwd_hopper.launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs,
+                                                      flags, m_per_chunk, chunks_per_rank, scale, causal, rank, world,
+                                                      op)
+    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     common = (ctx.err, ctx.budget, rank, world, op, S)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
     meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=ctx.backend == "host")

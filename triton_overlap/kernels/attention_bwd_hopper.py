@@ -1,0 +1,351 @@
+"""The context-parallel attention backward for Hopper (sm_90), warp-specialized in Gluon: dK, dV and dQ in one kernel.
+
+Same grid, protocol and dK/dV results as kernels.attention_bwd's ``cp_attention_dkdv`` (its module doc): one
+program per (block of 128 keys of a source rank, batch x K/V head, source), peers' blocks first; it waits for its
+block's chunk, runs over this rank's query rows of the group's query heads that see the block (causal blocks
+nobody sees skipped, the diagonal ones masked), stores the float32 dK/dV partial into the owner's receive slot and
+bumps the owner's counter once. What differs: dQ is added up here too, in float32 atomics into a buffer of this
+rank's rows, so no second kernel computes S and dP again (five products per pair of blocks instead of seven).
+
+* the loader (the default partition, 4 warps) loads the block's K and V once, then Q and dO of each query block
+  in the compute partitions' order into a ring of stages (``ready`` / ``empty`` mbarriers);
+* two compute partitions (a warpgroup each, 64 of the block's keys, on wgmma): S^T = K Q^T and dP^T = V dO^T,
+  then P^T and dS^T in registers, which are the register operands of dV += P^T dO and dK += dS^T Q. Each writes its
+  dS^T rows into a shared [keys, queries] buffer (two, alternating), and once both have, each computes half of
+  dQ's columns, dS K over all 128 keys, and adds it into the float32 buffer with vector atomics (``red.v4``: four
+  columns a thread, whole 128-byte lines a warp; docs/decisions.md has what that layout saved).
+
+``launch_bwd_ws`` runs a small Triton kernel before it (delta = rowsum(dO * O), the float32 buffer zeroed) and one
+after it (dQ = the buffer times the softmax scale, in q's dtype). dQ's float32 sum takes its terms in the order
+the atomics land, so its last bits may differ between calls; dK and dV are summed in a fixed order. Only for NVIDIA
+sm_90 with 16-bit operands, D = 128, and shapes whose blocks never straddle a zigzag half (``usable``); elsewhere
+the op takes kernels.attention_bwd's two kernels.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from ..plan import cdiv
+from .attention import wait_kv, zigzag_pos
+from .attention_hopper import hopper
+from .cached_launch import launch
+from .gemm_warp_specialized import _barrier, _tma_load, gluon_available
+
+#: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left.
+COMPUTE_REGS = 240
+#: Query rows per step and keys per program (the compute warpgroups take half the keys each).
+BLOCK_M = 64
+BLOCK_N = 128
+#: Stages of the Q / dO ring.
+STAGES = 3
+#: launch_bwd takes this kernel where its programs fill every SM at least this many times (one fits an SM);
+#: with fewer (MQA, few K/V heads per GPU) the two kernels with the query heads split run instead.
+MIN_WAVES = 2
+#: lse and delta pieces in shared memory (1-D, as TMA loads them)
+ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def _red_add4(ptrs, vals):
+    """Atomically add ``vals`` into float32 ``ptrs``, four neighbouring elements of a thread per instruction (sm_90's
+    vector ``red``; each group of four consecutive and 16-byte aligned in memory)."""
+    gl.inline_asm_elementwise("red.relaxed.gpu.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n\t"
+                              "mov.u32 $0, 0;\n\tmov.u32 $1, 0;\n\tmov.u32 $2, 0;\n\tmov.u32 $3, 0;",
+                              "=r,=r,=r,=r,l,l,l,l,f,f,f,f", [ptrs.to(gl.int64, bitcast=True), vals], dtype=gl.int32,
+                              is_pure=False, pack=4)
+
+
+@gluon.jit
+def _program(rank, world, BLOCK_N: gl.constexpr):
+    """This program's key block: (first local key row, batch x K/V head, source rank)."""
+    src = (rank + 1 + gl.program_id(2)) % world  # peers' blocks first, our own last
+    return gl.program_id(0) * BLOCK_N, gl.program_id(1), src
+
+
+@gluon.jit
+def _rows(n0, src, qh, rank, world, C, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Local rows of query half ``qh`` against the key block at ``n0`` of ``src``: rows from the first returned
+    see some of its keys, rows below the second see only some (masked); the block lies in one zigzag half."""
+    if CAUSAL:
+        k_first = zigzag_pos(n0, src, world, C)
+        q0 = (rank + qh * (2 * world - 1 - 2 * rank)) * C  # the half's first position
+        need = gl.minimum(gl.maximum(k_first - q0, 0), C)
+        masked = gl.minimum(gl.maximum(k_first + BLOCK_N - 1 - q0, 0), C)
+        masked = gl.minimum(need + (masked - need + BLOCK_M - 1) // BLOCK_M * BLOCK_M, C)
+    else:
+        need = C * 0
+        masked = C * 0
+    return need, masked
+
+
+@gluon.jit
+def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
+    """The loader partition: K and V of the block once (after its chunk's flag), then Q and dO of every query
+    block in the compute partitions' order."""
+    (q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+     k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, err_ptr, budget, rank, world,
+     op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    NSTAGE: gl.constexpr = q_smem.type.shape[0]
+    n0, bhk, src = _program(rank, world, BLOCK_N)
+    b = bhk // HKV
+    hk = bhk % HKV
+    C = S_LOCAL // 2
+    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
+    mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+    if src == rank:  # our own K/V, read in place
+        _tma_load(k_desc, [b * S_LOCAL + n0, hk * HEAD_D], kv_bar, k_smem)
+        _tma_load(v_desc, [b * S_LOCAL + n0, hk * HEAD_D], kv_bar, v_smem)
+    else:  # a peer's, from its slot in the workspace
+        _tma_load(kw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], kv_bar, k_smem)
+        _tma_load(vw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], kv_bar, v_smem)
+    j = 0
+    for g in range(0, GROUP):
+        col = (hk * GROUP + g) * HEAD_D
+        lrow0 = (b * HQ + hk * GROUP + g) * S_LOCAL
+        for qh in range(0, 2):
+            need, masked = _rows(n0, src, qh, rank, world, C, CAUSAL, BLOCK_M, BLOCK_N)
+            for m in range(need, C, BLOCK_M):
+                s = j % NSTAGE
+                mbarrier.wait(empty.index(s), ((j // NSTAGE) & 1) ^ 1)  # a fresh barrier counts as released
+                mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
+                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+                _tma_load(q_desc, [b * S_LOCAL + qh * C + m, col], ready.index(s), q_smem.index(s))
+                _tma_load(do_desc, [b * S_LOCAL + qh * C + m, col], ready.index(s), do_smem.index(s))
+                _tma_load(lse_desc, [lrow0 + qh * C + m], ready.index(s), lse_smem.index(s))
+                _tma_load(delta_desc, [lrow0 + qh * C + m], ready.index(s), delta_smem.index(s))
+                j += 1
+
+
+@gluon.jit
+def _compute(p, dq_ptr, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.constexpr,
+             WG: gl.constexpr):
+    """Compute warpgroup WG (0 or 1): keys [64 WG, 64 WG + 64) of the block against every query block in the
+    loader's order; dQ columns [D/2 WG, D/2 WG + D/2) of each query block over all 128 keys. Then its dK/dV rows
+    into the owner's slot; warpgroup 0 bumps the owner's counter once both have stored."""
+    (q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
+     k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, err_ptr, budget, rank, world,
+     op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    NSTAGE: gl.constexpr = q_smem.type.shape[0]
+    KEYS: gl.constexpr = BLOCK_N // 2
+    HALF: gl.constexpr = HEAD_D // 2
+    # S^T, dP^T [keys, queries]; dK, dV [keys, D]; dQ's half [queries, D / 2]
+    LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                 instr_shape=[16, BLOCK_M, 16])
+    LD: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                 instr_shape=[16, HEAD_D, 16])
+    LQ: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                 instr_shape=[16, HALF, 16])
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LD, k_width=2)
+    dtype: gl.constexpr = q_desc.dtype
+    n0, bhk, src = _program(rank, world, BLOCK_N)
+    b = bhk // HKV
+    hk = bhk % HKV
+    C = S_LOCAL // 2
+    qk_scale = sm_scale * LOG2E
+    k_rows = k_smem.slice(WG * KEYS, KEYS)
+    v_rows = v_smem.slice(WG * KEYS, KEYS)
+    k_cols = k_smem.slice(WG * HALF, HALF, dim=1)
+    # on a diagonal block a key is seen by a query at or after its position: positions run on within a block
+    # (neither straddles a zigzag half), so key r, query c is seen where r - c <= (first query - first key)
+    k_first = zigzag_pos(n0 + WG * KEYS, src, world, C)
+    r_off = gl.arange(0, KEYS, layout=gl.SliceLayout(1, LS))
+    c_off = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LS))
+    # dQ's half as the atomics take it: a thread four neighbouring columns, a warp whole 128-byte lines
+    LB: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])
+    b_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LB))
+    b_cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, LB))
+    zero_s = gl.zeros([KEYS, BLOCK_M], gl.float32, LS)
+    zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, LQ)
+    dk = gl.zeros([KEYS, HEAD_D], gl.float32, LD)
+    dv = gl.zeros([KEYS, HEAD_D], gl.float32, LD)
+    mbarrier.wait(kv_bar, 0)
+    j = 0
+    for g in range(0, GROUP):
+        h = hk * GROUP + g
+        for qh in range(0, 2):
+            need, masked = _rows(n0, src, qh, rank, world, C, CAUSAL, BLOCK_M, BLOCK_N)
+            for m in range(need, C, BLOCK_M):
+                s = j % NSTAGE
+                mbarrier.wait(ready.index(s), (j // NSTAGE) & 1)
+                qs = q_smem.index(s)
+                dos = do_smem.index(s)
+                st = warpgroup_mma(k_rows, qs.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                dpt = warpgroup_mma(v_rows, dos.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                st = warpgroup_mma_wait(1, deps=(st, ))
+                lse2 = lse_smem.index(s).load(gl.SliceLayout(0, LS)) * LOG2E
+                pt = gl.exp2(st * qk_scale - lse2[None, :])
+                if m < masked:  # the diagonal: keys after a row's position are not seen
+                    diff = zigzag_pos(qh * C + m, rank, world, C) - k_first
+                    pt = gl.where(r_off[:, None] <= c_off[None, :] + diff, pt, 0.0)
+                dpt = warpgroup_mma_wait(0, deps=(dpt, ))
+                delta = delta_smem.index(s).load(gl.SliceLayout(0, LS))
+                ds = (pt * (dpt - delta[None, :])).to(dtype)
+                dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), LA), dos, dv, is_async=True)
+                dk = warpgroup_mma(gl.convert_layout(ds, LA), qs, dk, is_async=True)
+                # dS^T into the shared buffer; once both warpgroups have written theirs, dQ's half
+                d = j % 2
+                mbarrier.wait(ds_free.index(d), ((j // 2) & 1) ^ 1)
+                ds_smem.index(d).slice(WG * KEYS, KEYS).store(ds)
+                fence_async_shared()
+                _barrier()
+                mbarrier.arrive(ds_full.index(d))
+                mbarrier.wait(ds_full.index(d), (j // 2) & 1)
+                dq = warpgroup_mma(ds_smem.index(d).permute((1, 0)), k_cols, zero_q, use_acc=False, is_async=True)
+                dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk))
+                mbarrier.arrive(ds_free.index(d))
+                mbarrier.arrive(empty.index(s))
+                dqb = gl.convert_layout(dq, LB)
+                at = ((b * S_LOCAL + qh * C + m + b_rows) * HQ + h) * HEAD_D
+                _red_add4(dq_ptr + at[:, None] + b_cols[None, :], dqb)
+                j += 1
+    # the partials go straight to the owner of this K/V: slot [rank] of its receive buffer [W, 2, B, S, Hkv, D]
+    nb = gl.num_programs(1) // HKV  # B
+    slot = S_LOCAL * HKV * HEAD_D
+    rows = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, LD))
+    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD))
+    at = (rank * 2 * nb + b) * slot + rows[:, None] * (HKV * HEAD_D) + hk * HEAD_D + cols[None, :]
+    base = gl.load(recv_ptrs + src).to(gl.pointer_type(gl.float32))
+    ok = gl.load(err_ptr, volatile=True) == 0  # nothing goes into a peer after a fault (its call may disagree)
+    gl.store(base + at, dk * sm_scale, mask=ok)
+    gl.store(base + at + nb * slot, dv, mask=ok)  # the dV half of the slot follows the dK half
+    _barrier()  # every thread's stores come before the arrive / the release below
+    if WG == 1:
+        mbarrier.arrive(done)
+    else:
+        mbarrier.wait(done, 0)  # warpgroup 1 has stored its rows
+        if ok:
+            counters = gl.load(counter_ptrs + src).to(gl.pointer_type(gl.int32))
+            gl.atomic_add(counters + rank, 1, sem="release", scope="sys")
+
+
+@gluon.jit
+def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, dq_ptr, recv_ptrs,
+                        counter_ptrs, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, HKV, GROUP,
+                        M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, CAUSAL: gl.constexpr, NSTAGE: gl.constexpr,
+                        CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr):
+    """``q_desc``/``do_desc``: Q and dO as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``:
+    our K/V as [B * S_LOCAL, HKV * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
+    [B * world * S_LOCAL, HKV * D], same blocks. ``dq_ptr``: the float32 dQ buffer [B, S_LOCAL, HQ, D] (zeroed),
+    ``delta_ptr``: rowsum(dO * O) [B, HQ, S_LOCAL]. The other arguments are kernels.attention_bwd's
+    cp_attention_dkdv's of the same name. Launched with 4 warps (the loader); two compute warpgroups of
+    COMPUTE_REGS registers a thread join them."""
+    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [NSTAGE] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [NSTAGE] + do_desc.block_type.shape, do_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, [NSTAGE] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [NSTAGE] + delta_desc.block_type.shape, delta_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NSTAGE):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # both compute warpgroups read every stage
+    for i in gl.static_range(2):
+        mbarrier.init(ds_full.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.init(done, count=1)
+    p = (q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
+         delta_smem, k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, err_ptr, budget,
+         rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
+    gl.warp_specialize([
+        (_load, (p, CAUSAL, CLOCK)),
+        (_compute, (p, dq_ptr, recv_ptrs, counter_ptrs, sm_scale, CAUSAL, 0)),
+        (_compute, (p, dq_ptr, recv_ptrs, counter_ptrs, sm_scale, CAUSAL, 1)),
+    ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+
+
+@triton.jit
+def bwd_prologue(do_ptr, o_ptr, delta_ptr, acc_ptr, S_LOCAL, HQ, BLOCK: tl.constexpr, HEAD_D: tl.constexpr):
+    """delta = rowsum(dO * O) for BLOCK rows of one (batch, head); the float32 dQ buffer's rows zeroed."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < S_LOCAL
+    at = ((bh // HQ * S_LOCAL + rows) * HQ + bh % HQ)[:, None] * HEAD_D + tl.arange(0, HEAD_D)[None, :]
+    do = tl.load(do_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_ptr + bh * S_LOCAL + rows, tl.sum(do * o, axis=1), mask=ok)
+    tl.store(acc_ptr + at, tl.zeros((BLOCK, HEAD_D), tl.float32), mask=ok[:, None])
+
+
+@triton.jit
+def bwd_epilogue(acc_ptr, dq_ptr, N_ELEM, sm_scale, BLOCK: tl.constexpr):
+    """dQ = the float32 buffer times the softmax scale, in dQ's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N_ELEM
+    tl.store(dq_ptr + offs, (tl.load(acc_ptr + offs, mask=ok) * sm_scale).to(dq_ptr.dtype.element_ty), mask=ok)
+
+
+# ---------------------------------------------------------------------------------------------------- launcher
+def usable(ctx, q, k, v, kw, vw, dq, docs) -> bool:
+    """Whether this backward can run: the cuda backend on compute capability 9.0 with Gluon; 16-bit q/k/v, D = 128;
+    no packed documents; each zigzag half of the shard whole blocks of keys; q, k, v, dq and the workspaces
+    contiguous (they are read as 2-D tensors)."""
+    S, D = q.shape[1], q.shape[3]
+    return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16) and D == 128
+            and S % (2 * BLOCK_N) == 0 and all(t.is_contiguous() for t in (q, k, v, kw, vw, dq))
+            and gluon_available())
+
+
+def enough_programs(ctx, S: int, units: int) -> bool:
+    """Whether this kernel's programs for ``S`` local rows and ``units`` (batch x K/V heads x sources) fill the
+    GPU MIN_WAVES times over."""
+    return S // BLOCK_N * units >= MIN_WAVES * ctx.num_compute_units()
+
+
+def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, m_per_chunk,
+                  chunks_per_rank, scale, causal, rank: int, world: int, op: int) -> int:
+    """The backward on this kernel (``usable`` holds), arguments as kernels.attention_bwd.launch_bwd's (``dout``
+    and ``out`` contiguous). Returns the count each owner waits for per source."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(t, block):  # t [b, s, h, D] as the 2-D [b * s, h * D]
+        flat = t.view(t.shape[0] * t.shape[1], t.shape[2] * D)
+        return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], block,
+                                gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+    def rows(t):  # float32 [b, h, s] as BLOCK_M-row pieces of the 1-D [b * h * s]
+        return TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M], ROWS_LAYOUT)
+
+    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
+    acc = torch.empty((B, S, Hq, D), dtype=torch.float32, device=q.device)
+    launch(bwd_prologue, (cdiv(S, BLOCK_M), B * Hq), (dout, out, delta, acc, S, Hq), dict(BLOCK=BLOCK_M, HEAD_D=D),
+           num_warps=4)
+    ctx.after_launch()
+    n = S // BLOCK_N
+    launch(cp_attention_bwd_ws, (n, B * Hkv, world), (
+        desc(q, [BLOCK_M, D]), desc(dout, [BLOCK_M, D]), desc(k, [BLOCK_N, D]), desc(v, [BLOCK_N, D]),
+        desc(kw, [BLOCK_N, D]), desc(vw, [BLOCK_N, D]), rows(lse.contiguous()), rows(delta), acc, recv_ptrs,
+        counter_ptrs, flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hkv, Hq // Hkv, m_per_chunk,
+        chunks_per_rank, scale,
+    ), dict(CAUSAL=causal, NSTAGE=STAGES, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
+    ctx.after_launch()
+    block = 4096
+    launch(bwd_epilogue, (cdiv(acc.numel(), block),), (acc, dq, acc.numel(), scale), dict(BLOCK=block), num_warps=4)
+    ctx.after_launch()
+    return n * B * Hkv
