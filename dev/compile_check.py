@@ -1,7 +1,8 @@
-"""Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel (Gluon), the attention kernels, the
-AllReduce, the fused GEMM + AllReduce and the timing spin for a GPU target without a GPU: Triton's front end, LLVM
-and ptxas, as a launch on the device would. Catches compile errors before device time is spent, and prints
-registers, spills and whether ptxas serialised the wgmma pipeline (warnings C7514, C7515).
+"""Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel (Gluon), the attention kernels (the Gluon
+forward and backward among them), the AllReduce, the fused GEMM + AllReduce and the timing spin for a GPU target
+without a GPU: Triton's front end, LLVM and ptxas, as a launch on the device would. Catches compile errors before
+device time is spent, and prints registers, spills and whether ptxas serialised the wgmma pipeline (warnings C7514,
+C7515).
 
     python3 dev/compile_check.py [--arch 90] [--quick]     (with the package installed)
 
