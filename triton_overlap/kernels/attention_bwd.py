@@ -283,9 +283,9 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
         raise ValueError("cp_attention: dq must have q's strides")
     rank = ctx.rank if rank is None else rank
     world = ctx.world_size if world is None else world
-    if dkdv_blocks.warp_specialized and head_split in (None, 1) and docs_dkdv is None:
+    if dkdv_blocks.warp_specialized and head_split in (None, 1):
         from . import attention_bwd_hopper
-        if (attention_bwd_hopper.usable(ctx, q, k, v, kw, vw, dq, None)
+        if (attention_bwd_hopper.usable(ctx, q, k, v, kw, vw, dq, docs_dkdv)
                 and (head_split == 1 or attention_bwd_hopper.enough_programs(ctx, S, B * Hkv * world))):
             return attention_bwd_hopper.launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs,
                                                       flags, m_per_chunk, chunks_per_rank, scale, causal, rank, world,

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..plan import cdiv
 from .attention import wait_kv, zigzag_pos
-from .attention_hopper import hopper
+from .attention_hopper import head_desc, hopper
 from .cached_launch import launch
 from .gemm_warp_specialized import _barrier, _tma_load, gluon_available
 
@@ -322,12 +322,6 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
 
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t, block):  # t [b, s, h, D] as the 2-D [b * s, h * D]
-        flat = t.view(t.shape[0] * t.shape[1], t.shape[2] * D)
-        return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], block,
-                                gl.NVMMASharedLayout.get_default_for(block, gdt))
 
     def rows(t):  # float32 [b, h, s] as BLOCK_M-row pieces of the 1-D [b * h * s]
         return TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M], ROWS_LAYOUT)
@@ -339,10 +333,10 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
     ctx.after_launch()
     n = S // BLOCK_N
     launch(cp_attention_bwd_ws, (n, B * Hkv, world), (
-        desc(q, [BLOCK_M, D]), desc(dout, [BLOCK_M, D]), desc(k, [BLOCK_N, D]), desc(v, [BLOCK_N, D]),
-        desc(kw, [BLOCK_N, D]), desc(vw, [BLOCK_N, D]), rows(lse.contiguous()), rows(delta), acc, recv_ptrs,
-        counter_ptrs, flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hkv, Hq // Hkv, m_per_chunk,
-        chunks_per_rank, scale,
+        head_desc(q, [BLOCK_M, D]), head_desc(dout, [BLOCK_M, D]), head_desc(k, [BLOCK_N, D]),
+        head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]), rows(lse.contiguous()),
+        rows(delta), acc, recv_ptrs, counter_ptrs, flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hkv,
+        Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
     ), dict(CAUSAL=causal, NSTAGE=STAGES, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
     ctx.after_launch()
     block = 4096

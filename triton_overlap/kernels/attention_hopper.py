@@ -280,23 +280,26 @@ def usable(ctx, q, k, v, kw, vw, docs, blocks) -> bool:
             and gluon_available())
 
 
+def head_desc(t, block):
+    """A TMA descriptor of 16-bit ``t`` [b, s, h, D] (contiguous) read as the 2-D [b * s, h * D], in ``block``
+    blocks of the default shared layout."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    flat = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
+    return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], block,
+                            gl.NVMMASharedLayout.get_default_for(block, gdt))
+
+
 def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale, causal, blocks,
                   rank: int, world: int, op: int) -> None:
     """The forward on this kernel (``usable`` holds), arguments as kernels.attention.launch_fwd's."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t, block):  # t [b, s, h, D] as the 2-D [b * s, h * D]
-        flat = t.view(t.shape[0] * t.shape[1], t.shape[2] * D)
-        return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], block,
-                                gl.NVMMASharedLayout.get_default_for(block, gdt))
-
     bm, bn = blocks.block_m, blocks.block_n
     launch(cp_attention_fwd_ws, (cdiv(S, bm), B * Hq), (
-        desc(q, [bm, D]), desc(k, [bn, D]), desc(v, [bn, D]), desc(kw, [bn, D]), desc(vw, [bn, D]),
+        head_desc(q, [bm, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
+        head_desc(vw, [bn, D]),
         out, lse, flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hq // Hkv, m_per_chunk, chunks_per_rank,
         scale, out.stride(0), out.stride(1), out.stride(2),
     ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
