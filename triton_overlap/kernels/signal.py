@@ -85,31 +85,44 @@ def load_acquire(ptr):
 
 
 @triton.jit
+def _error_code(err_ptr):
+    """The error word's code, read with an atomic so that every thread of the program sees the same value."""
+    return tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu")
+
+
+@triton.jit
 def wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: tl.constexpr):
     """Spin until ``(int32)(*flag_ptr - target) >= 0``; return True on success.
 
     ``peer``: the rank whose write this waits for (-1: none in particular); ``what``: the chunk, or one of the
     WHAT_* codes. On timeout, records the failure in the error word (the first failure wins) and returns False.
     Returns False at once if the error word is already set.
+
+    Every branch here is taken alike by all threads of the program: Triton makes one thread do a scalar atomic and
+    hands its result to the others through a barrier of the whole program (of the partition, in a warp-specialized
+    kernel), so a thread that left the loop while another stayed would leave that barrier waiting forever. The flag
+    and the error word are read by atomics (the same value everywhere), and the compare-and-swap that records a
+    timeout runs on every pass, swapping in ERR_TIMEOUT only where the clock ran out (zero for zero elsewhere).
+    Threads read the clock at slightly different times, so they do not branch on it.
     """
     seen = load_acquire(flag_ptr)
-    failed = tl.load(err_ptr, volatile=True) != 0
+    failed = _error_code(err_ptr) != 0
     start = _now(err_ptr, CLOCK)
     while (seen - target < 0) & (~failed):
         seen = load_acquire(flag_ptr)
         elapsed = _now(err_ptr, CLOCK) - start
         expired = (elapsed > budget) & (seen - target < 0)
-        if expired:
-            if tl.atomic_cas(err_ptr, 0, ERR_TIMEOUT, sem="acq_rel", scope="gpu") == 0:
-                tl.store(err_ptr + ERR_RANK, rank)
-                tl.store(err_ptr + ERR_OP, op)
-                tl.store(err_ptr + ERR_PEER, peer)
-                tl.store(err_ptr + ERR_WHAT, what)
-                tl.store(err_ptr + ERR_SEEN, seen)
-                tl.store(err_ptr + ERR_WANTED, target)
-                tl.store(err_ptr + ERR_ELAPSED_US, _to_us(elapsed, CLOCK).to(tl.int32))
-                tl.store(err_ptr + ERR_CALL, tl.load(err_ptr + ERR_CURRENT_CALL, volatile=True))
-        failed = expired | (tl.load(err_ptr, volatile=True) != 0)
+        code = tl.atomic_cas(err_ptr, 0, tl.where(expired, ERR_TIMEOUT, 0), sem="acq_rel", scope="gpu")
+        if expired & (code == 0):  # this swap recorded the timeout (stores only: no barrier in this branch)
+            tl.store(err_ptr + ERR_RANK, rank)
+            tl.store(err_ptr + ERR_OP, op)
+            tl.store(err_ptr + ERR_PEER, peer)
+            tl.store(err_ptr + ERR_WHAT, what)
+            tl.store(err_ptr + ERR_SEEN, seen)
+            tl.store(err_ptr + ERR_WANTED, target)
+            tl.store(err_ptr + ERR_ELAPSED_US, _to_us(elapsed, CLOCK).to(tl.int32))
+            tl.store(err_ptr + ERR_CALL, tl.load(err_ptr + ERR_CURRENT_CALL, volatile=True))
+        failed = code != 0  # after a recording swap, the next pass's swap sees the code and ends the loop
     return seen - target >= 0
 
 
