@@ -183,8 +183,9 @@ def compile_attention(target) -> int:
     return failed
 
 
-def gluon_desc_type(target, block) -> str:
-    """What Triton's launcher makes of a Gluon TMA descriptor of bf16 with this block, for a kernel's signature."""
+def gluon_desc_type(target, block, float32=False) -> str:
+    """What Triton's launcher makes of a Gluon TMA descriptor of bf16 (or float32) with this block, for a kernel's
+    signature."""
     import torch
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.experimental.gluon import language as gl
@@ -196,8 +197,9 @@ def gluon_desc_type(target, block) -> str:
 
         d = TensorDescriptor(torch.empty(4096), [4096], [1], block, ROWS_LAYOUT)
     else:
-        t = torch.empty(256, 256, dtype=torch.bfloat16)
-        d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16))
+        dt, gdt = (torch.float32, gl.float32) if float32 else (torch.bfloat16, gl.bfloat16)
+        t = torch.empty(256, 256, dtype=dt)
+        d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
     return native_specialize_impl(CUDABackend(target), d, False, True, True)[0]
 
 
@@ -298,8 +300,8 @@ def compile_attention_bwd_ws(target) -> int:
             n = prm.name
             sig[n] = ("constexpr" if n in consts else desc_type([ab.BLOCK_M, 128]) if n in ("q_desc", "do_desc")
                       else desc_type([ab.BLOCK_M]) if n in ("lse_desc", "delta_desc")
+                      else desc_type([ab.BLOCK_M, 64], float32=True) if n == "dq_desc"
                       else desc_type([ab.BLOCK_N, 128]) if n.endswith("_desc")
-                      else "*fp32" if n == "dq_ptr"
                       else "*i64" if n in ("recv_ptrs", "counter_ptrs")
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
                       else "fp32" if n == "sm_scale" else "i32")

@@ -4,7 +4,7 @@ Same grid, protocol and dK/dV results as kernels.attention_bwd's ``cp_attention_
 program per (block of 128 keys of a source rank, batch x K/V head, source), peers' blocks first; it waits for its
 block's chunk, runs over this rank's query rows of the group's query heads that see the block (causal blocks
 nobody sees skipped, the diagonal ones masked), stores the float32 dK/dV partial into the owner's receive slot and
-bumps the owner's counter once. What differs: dQ is added up here too, in float32 atomics into a buffer of this
+bumps the owner's counter once. What differs: dQ is added up here too, in float32 (atomic) into a buffer of this
 rank's rows, so no second kernel computes S and dP again (five products per pair of blocks instead of seven).
 
 * the loader (the default partition, 4 warps) loads the block's K and V once, then Q and dO of each query block
@@ -12,8 +12,9 @@ rank's rows, so no second kernel computes S and dP again (five products per pair
 * two compute partitions (a warpgroup each, 64 of the block's keys, on wgmma): S^T = K Q^T and dP^T = V dO^T,
   then P^T and dS^T in registers, which are the register operands of dV += P^T dO and dK += dS^T Q. Each writes its
   dS^T rows into a shared [keys, queries] buffer (two, alternating), and once both have, each computes half of
-  dQ's columns, dS K over all 128 keys, and adds it into the float32 buffer with vector atomics (``red.v4``: four
-  columns a thread, whole 128-byte lines a warp; docs/decisions.md has what that layout saved).
+  dQ's columns, dS K over all 128 keys, writes it to shared memory and has TMA add it into the float32 buffer
+  (an element-wise atomic reduction that runs while the warpgroup goes on to the next query block; docs/decisions.md
+  has what it saved over atomics from registers).
 
 ``launch_bwd_ws`` runs a small Triton kernel before it (delta = rowsum(dO * O), the float32 buffer zeroed) and one
 after it (dQ = the buffer times the softmax scale, in q's dtype). dQ's float32 sum takes its terms in the order
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
 from ..plan import cdiv
@@ -52,14 +53,18 @@ ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, ra
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
-@gluon.jit
-def _red_add4(ptrs, vals):
-    """Atomically add ``vals`` into float32 ``ptrs``, four neighbouring elements of a thread per instruction (sm_90's
-    vector ``red``; each group of four consecutive and 16-byte aligned in memory)."""
-    gl.inline_asm_elementwise("red.relaxed.gpu.global.add.v4.f32 [$4], {$8, $9, $10, $11};\n\t"
-                              "mov.u32 $0, 0;\n\tmov.u32 $1, 0;\n\tmov.u32 $2, 0;\n\tmov.u32 $3, 0;",
-                              "=r,=r,=r,=r,l,l,l,l,f,f,f,f", [ptrs.to(gl.int64, bitcast=True), vals], dtype=gl.int32,
-                              is_pure=False, pack=4)
+if hasattr(tma, "async_atomic_add"):
+    _tma_add = tma.async_atomic_add
+else:  # Triton 3.6: its Gluon builder has the TMA reduction, its language not yet the function
+    from triton._C.libtriton import ir as _ir
+    from triton.language.core import builtin as _builtin
+
+    @_builtin
+    def _tma_add(tensor_desc, coord, src, _semantic=None):
+        """Add shared memory block ``src`` into the block of ``tensor_desc`` at ``coord`` (TMA, element-wise atomic)."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
 
 
 @gluon.jit
@@ -127,8 +132,7 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
 
 
 @gluon.jit
-def _compute(p, dq_ptr, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.constexpr,
-             WG: gl.constexpr):
+def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.constexpr, WG: gl.constexpr):
     """Compute warpgroup WG (0 or 1): keys [64 WG, 64 WG + 64) of the block against every query block in the
     loader's order; dQ columns [D/2 WG, D/2 WG + D/2) of each query block over all 128 keys. Then its dK/dV rows
     into the owner's slot; warpgroup 0 bumps the owner's counter once both have stored."""
@@ -163,10 +167,7 @@ def _compute(p, dq_ptr, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.constexpr,
     k_first = zigzag_pos(n0 + WG * KEYS, src, world, C)
     r_off = gl.arange(0, KEYS, layout=gl.SliceLayout(1, LS))
     c_off = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, LS))
-    # dQ's half as the atomics take it: a thread four neighbouring columns, a warp whole 128-byte lines
-    LB: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [gl.num_warps(), 1], [1, 0])
-    b_rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LB))
-    b_cols = WG * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, LB))
+    dq_buf = dq_smem.index(WG)  # this warpgroup's half of dQ on its way to the float32 buffer
     zero_s = gl.zeros([KEYS, BLOCK_M], gl.float32, LS)
     zero_q = gl.zeros([BLOCK_M, HALF], gl.float32, LQ)
     dk = gl.zeros([KEYS, HEAD_D], gl.float32, LD)
@@ -207,10 +208,15 @@ def _compute(p, dq_ptr, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.constexpr,
                 dq, dv, dk = warpgroup_mma_wait(0, deps=(dq, dv, dk))
                 mbarrier.arrive(ds_free.index(d))
                 mbarrier.arrive(empty.index(s))
-                dqb = gl.convert_layout(dq, LB)
-                at = ((b * S_LOCAL + qh * C + m + b_rows) * HQ + h) * HEAD_D
-                _red_add4(dq_ptr + at[:, None] + b_cols[None, :], dqb)
+                # dQ's half into the float32 buffer: through shared memory, added by TMA while the next block runs
+                tma.store_wait(0)  # the previous block's addition has read the buffer
+                _barrier()
+                dq_buf.store(dq)
+                fence_async_shared()
+                _barrier()
+                _tma_add(dq_desc, [b * S_LOCAL + qh * C + m, h * HEAD_D + WG * HALF], dq_buf)
                 j += 1
+    tma.store_wait(0)
     # the partials go straight to the owner of this K/V: slot [rank] of its receive buffer [W, 2, B, S, Hkv, D]
     nb = gl.num_programs(1) // HKV  # B
     slot = S_LOCAL * HKV * HEAD_D
@@ -232,13 +238,14 @@ def _compute(p, dq_ptr, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
-def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, dq_ptr, recv_ptrs,
+def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, dq_desc, recv_ptrs,
                         counter_ptrs, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, HKV, GROUP,
                         M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, CAUSAL: gl.constexpr, NSTAGE: gl.constexpr,
                         CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr):
     """``q_desc``/``do_desc``: Q and dO as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``:
     our K/V as [B * S_LOCAL, HKV * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
-    [B * world * S_LOCAL, HKV * D], same blocks. ``dq_ptr``: the float32 dQ buffer [B, S_LOCAL, HQ, D] (zeroed),
+    [B * world * S_LOCAL, HKV * D], same blocks. ``dq_desc``: the float32 dQ buffer [B, S_LOCAL, HQ, D] (zeroed) as
+    [B * S_LOCAL, HQ * D] in [BLOCK_M, D / 2] blocks,
     ``delta_ptr``: rowsum(dO * O) [B, HQ, S_LOCAL]. The other arguments are kernels.attention_bwd's
     cp_attention_dkdv's of the same name. Launched with 4 warps (the loader); two compute warpgroups of
     COMPUTE_REGS registers a thread join them."""
@@ -252,6 +259,7 @@ def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_d
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, BLOCK_N, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -271,8 +279,8 @@ def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_d
          rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
     gl.warp_specialize([
         (_load, (p, CAUSAL, CLOCK)),
-        (_compute, (p, dq_ptr, recv_ptrs, counter_ptrs, sm_scale, CAUSAL, 0)),
-        (_compute, (p, dq_ptr, recv_ptrs, counter_ptrs, sm_scale, CAUSAL, 1)),
+        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, sm_scale, CAUSAL, 0)),
+        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, sm_scale, CAUSAL, 1)),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -331,11 +339,14 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
     launch(bwd_prologue, (cdiv(S, BLOCK_M), B * Hq), (dout, out, delta, acc, S, Hq), dict(BLOCK=BLOCK_M, HEAD_D=D),
            num_warps=4)
     ctx.after_launch()
+    half = [BLOCK_M, D // 2]  # each compute warpgroup's piece of dQ
+    dq_desc = TensorDescriptor(acc.view(B * S, Hq * D), [B * S, Hq * D], [Hq * D, 1], half,
+                               gl.NVMMASharedLayout.get_default_for(half, gl.float32))
     n = S // BLOCK_N
     launch(cp_attention_bwd_ws, (n, B * Hkv, world), (
         head_desc(q, [BLOCK_M, D]), head_desc(dout, [BLOCK_M, D]), head_desc(k, [BLOCK_N, D]),
         head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]), rows(lse.contiguous()),
-        rows(delta), acc, recv_ptrs, counter_ptrs, flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hkv,
+        rows(delta), dq_desc, recv_ptrs, counter_ptrs, flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hkv,
         Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
     ), dict(CAUSAL=causal, NSTAGE=STAGES, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
     ctx.after_launch()
