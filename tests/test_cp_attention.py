@@ -474,7 +474,7 @@ def test_hopper_forward_wait_times_out(pool):
         pytest.skip("the warp-specialized forward needs compute capability 9.0 and Gluon")
 
 
-def _hopper_backward_case(world, causal, Hq, Hkv, unit, dtype_name):
+def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
     """kernels.attention_bwd_hopper's single backward kernel for every rank of a simulated world (simulate_ranks:
     NaN-poisoned dK/dV partial buffers), against the full-sequence float32 reference and against the two Triton
     kernels; checks that the warp-specialized kernel is the one that runs (``head_split=1``), and that without it
@@ -488,8 +488,8 @@ def _hopper_backward_case(world, causal, Hq, Hkv, unit, dtype_name):
     with to.Context(timeout_s=120) as ctx:
         if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_bwd_hopper.gluon_available():
             return "skip"
-        inputs, want = _full_problem(ctx.device, 1, unit * 2 * world, Hq, Hkv, 128, causal, dtype, "bws")
-        two = to.AttentionConfig.defaults(ctx.backend, 128, 2)
+        inputs, want = _full_problem(ctx.device, 1, unit * 2 * world, Hq, Hkv, D, causal, dtype, "bws")
+        two = to.AttentionConfig.defaults(ctx.backend, D, 2)
         fused = replace(two, dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
         ran, launch_ws = [], attention_bwd_hopper.launch_bwd_ws
 
@@ -515,12 +515,14 @@ def _hopper_backward_case(world, causal, Hq, Hkv, unit, dtype_name):
         return errs
 
 
-# simulated world, causal, Hq, Hkv, local rows per zigzag half (whole 128-key blocks), dtype
+# simulated world, causal, Hq, Hkv, D, local rows per zigzag half (whole 128-key blocks), dtype
 HOPPER_BACKWARD_CASES = [
-    (1, True, 8, 2, 256, "bfloat16"),  # a world of one, GQA 4:1
-    (2, False, 4, 4, 128, "float16"),  # not causal, MHA
-    (3, True, 12, 3, 128, "bfloat16"),  # three ranks
-    (4, True, 8, 1, 128, "bfloat16"),  # MQA, four ranks: few programs, so the op splits instead
+    (1, True, 8, 2, 128, 256, "bfloat16"),  # a world of one, GQA 4:1
+    (2, False, 4, 4, 128, 128, "float16"),  # not causal, MHA
+    (3, True, 12, 3, 128, 128, "bfloat16"),  # three ranks
+    (4, True, 8, 1, 128, 128, "bfloat16"),  # MQA, four ranks: few programs, so the op splits instead
+    (2, True, 8, 2, 64, 256, "bfloat16"),  # D = 64
+    (3, False, 6, 3, 64, 128, "float16"),  # D = 64, not causal
 ]
 
 

@@ -19,7 +19,7 @@ rank's rows, so no second kernel computes S and dP again (five products per pair
 ``launch_bwd_ws`` runs a small Triton kernel before it (delta = rowsum(dO * O), the float32 buffer zeroed) and one
 after it (dQ = the buffer times the softmax scale, in q's dtype). dQ's float32 sum takes its terms in the order
 the atomics land, so its last bits may differ between calls; dK and dV are summed in a fixed order. Only for NVIDIA
-sm_90 with 16-bit operands, D = 128, and shapes whose blocks never straddle a zigzag half (``usable``); elsewhere
+sm_90 with 16-bit operands, D of 64 or 128, and shapes whose blocks never straddle a zigzag half (``usable``); elsewhere
 the op takes kernels.attention_bwd's two kernels.
 """
 from __future__ import annotations
@@ -307,11 +307,11 @@ def bwd_epilogue(acc_ptr, dq_ptr, N_ELEM, sm_scale, BLOCK: tl.constexpr):
 
 # ---------------------------------------------------------------------------------------------------- launcher
 def usable(ctx, q, k, v, kw, vw, dq, docs) -> bool:
-    """Whether this backward can run: the cuda backend on compute capability 9.0 with Gluon; 16-bit q/k/v, D = 128;
-    no packed documents; each zigzag half of the shard whole blocks of keys; q, k, v, dq and the workspaces
+    """Whether this backward can run: the cuda backend on compute capability 9.0 with Gluon; 16-bit q/k/v, D of 64
+    or 128; no packed documents; each zigzag half of the shard whole blocks of keys; q, k, v, dq and the workspaces
     contiguous (they are read as 2-D tensors)."""
     S, D = q.shape[1], q.shape[3]
-    return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16) and D == 128
+    return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128)
             and S % (2 * BLOCK_N) == 0 and all(t.is_contiguous() for t in (q, k, v, kw, vw, dq))
             and gluon_available())
 
