@@ -84,7 +84,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
 from .chunks import chunk_of_row
-from .signal import WHAT_STARTED, add_release, wait_flag
+from .signal import WHAT_STARTED, add_release, error_code, wait_flag
 
 
 @triton.jit
@@ -285,7 +285,7 @@ def persistent_gemm(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     if SCATTER and not LOCAL_COUNTERS:  # stores into peers: none after a fault (a peer's call may disagree)
-        num_tiles = tl.where(tl.load(err_ptr, volatile=True) != 0, 0, num_tiles)
+        num_tiles = tl.where(error_code(err_ptr) != 0, 0, num_tiles)
     if REDUCE_OWN and CLAIM == 0:
         tl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started
     all_in = 0  # CLAIM=0: whether every program has been seen started

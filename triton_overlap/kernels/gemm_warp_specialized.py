@@ -56,7 +56,7 @@ from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
 from .chunks import chunk_of_row
 from .gemm import GemmTiles, capability, desc_layout, own_chunks_ready, publish, reduce_own, reset_at_exit, rs_tile
-from .signal import WHAT_PEER_STARTED, WHAT_STARTED, wait_flag
+from .signal import WHAT_PEER_STARTED, WHAT_STARTED, error_code, wait_flag
 
 #: The TMA load into shared memory: ``tma.async_load`` in newer Gluon, ``async_copy_global_to_shared`` in Triton 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -302,7 +302,7 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
         else:  # a peer's rows: into its staging slot, then bump the counters of the chunks the tile covers
             base = gl.load(scatter_ptrs + owner).to(gl.pointer_type(dtype))
             # PEER_STORES: nothing goes into a peer after a fault (its call may not have started, or may disagree)
-            active = (gl.load(err_ptr, volatile=True) == 0) | (not PEER_STORES)
+            active = (error_code(err_ptr) == 0) | (not PEER_STORES)
             for sub in gl.static_range(BLOCK_M // SUB_M):
                 vals = tile_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
                 if sub == BLOCK_M // SUB_M - 1 and not preload_next:

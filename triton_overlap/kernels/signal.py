@@ -85,8 +85,9 @@ def load_acquire(ptr):
 
 
 @triton.jit
-def _error_code(err_ptr):
-    """The error word's code, read with an atomic so that every thread of the program sees the same value."""
+def error_code(err_ptr):
+    """The error word's code, read by an atomic: one thread reads it and hands it to the others, so every thread of
+    the program (of the partition) sees the same value and takes the same branch on it."""
     return tl.atomic_add(err_ptr, 0, sem="acquire", scope="gpu")
 
 
@@ -106,7 +107,7 @@ def wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: tl
     Threads read the clock at slightly different times, so they do not branch on it.
     """
     seen = load_acquire(flag_ptr)
-    failed = _error_code(err_ptr) != 0
+    failed = error_code(err_ptr) != 0
     start = _now(err_ptr, CLOCK)
     while (seen - target < 0) & (~failed):
         seen = load_acquire(flag_ptr)
