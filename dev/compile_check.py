@@ -284,7 +284,8 @@ def compile_attention_ws(target) -> int:
 
 
 def compile_attention_bwd_ws(target) -> int:
-    """kernels.attention_bwd_hopper (Gluon; sm_90 only) as launch_bwd launches it: causal or not, D = 64 and 128."""
+    """kernels.attention_bwd_hopper (Gluon; sm_90 only) as launch_bwd launches it: causal or not, D = 64 and 128,
+    the query heads whole or split."""
     if target.arch != 90:
         return 0
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -293,8 +294,8 @@ def compile_attention_bwd_ws(target) -> int:
 
     desc_type = functools.partial(gluon_desc_type, target)
     failed = 0
-    for causal, d in itertools.product((True, False), (128, 64)):
-        consts = dict(CAUSAL=causal, NSTAGE=ab.STAGES, CLOCK=1, COMPUTE_REGS=ab.COMPUTE_REGS)
+    for causal, d, split in ((True, 128, 1), (False, 128, 1), (True, 64, 1), (False, 64, 1), (True, 128, 4)):
+        consts = dict(CAUSAL=causal, SPLIT=split, NSTAGE=ab.STAGES, CLOCK=1, COMPUTE_REGS=ab.COMPUTE_REGS)
         sig = {}
         for prm in ab.cp_attention_bwd_ws.params:
             n = prm.name
@@ -302,10 +303,10 @@ def compile_attention_bwd_ws(target) -> int:
                       else desc_type([ab.BLOCK_M]) if n in ("lse_desc", "delta_desc")
                       else desc_type([ab.BLOCK_M, d // 2], float32=True) if n == "dq_desc"
                       else desc_type([ab.BLOCK_N, d]) if n.endswith("_desc")
-                      else "*i64" if n in ("recv_ptrs", "counter_ptrs")
+                      else "*i64" if n in ("recv_ptrs", "counter_ptrs") else "*fp32" if n == "part_ptr"
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
                       else "fp32" if n == "sm_scale" else "i32")
-        name = f"cp_attention_bwd_ws causal={causal} D={d}"
+        name = f"cp_attention_bwd_ws causal={causal} D={d} split={split}"
         try:
             k = triton.compile(GluonASTSource(ab.cp_attention_bwd_ws, sig, consts, divisibility(sig)), target=target,
                                options={"num_warps": 4})

@@ -477,12 +477,13 @@ def test_hopper_forward_wait_times_out(pool):
 def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
     """kernels.attention_bwd_hopper's single backward kernel for every rank of a simulated world (simulate_ranks:
     NaN-poisoned dK/dV partial buffers), against the full-sequence float32 reference and against the two Triton
-    kernels; checks that the warp-specialized kernel is the one that runs (``head_split=1``), and that without it
-    the op leaves it for the split kernels where its programs are too few for the GPU."""
+    kernels: with the query heads whole (``head_split=1``) and split as the op chooses for the GPU (these small
+    shapes have few programs, so it splits them); checks that it is the warp-specialized kernel that runs."""
     from dataclasses import replace
 
     from triton_overlap.kernels import attention_bwd_hopper
     from triton_overlap.kernels.attention import Blocks
+    from triton_overlap.kernels.attention_bwd import head_split_for
 
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120) as ctx:
@@ -491,27 +492,29 @@ def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
         inputs, want = _full_problem(ctx.device, 1, unit * 2 * world, Hq, Hkv, D, causal, dtype, "bws")
         two = to.AttentionConfig.defaults(ctx.backend, D, 2)
         fused = replace(two, dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
-        ran, launch_ws = [], attention_bwd_hopper.launch_bwd_ws
+        splits, launch_ws = [], attention_bwd_hopper.launch_bwd_ws
 
         def counted(*args, **kw):
-            ran.append(1)
+            splits.append(args[-1])
             return launch_ws(*args, **kw)
 
         attention_bwd_hopper.launch_bwd_ws = counted
         try:
-            got = simulate_ranks(ctx, *inputs, world, causal, cfg=fused, head_split=1)
-            assert len(ran) == world, f"the warp-specialized backward ran {len(ran)} of {world} times"
-            few = not attention_bwd_hopper.enough_programs(ctx, unit * 2, Hkv * world)
-            simulate_ranks(ctx, *inputs, world, causal, cfg=fused)  # head split chosen by the op
-            assert len(ran) == (world if few else 2 * world), "the split kernels run where programs are few"
+            whole = simulate_ranks(ctx, *inputs, world, causal, cfg=fused, head_split=1)
+            split = simulate_ranks(ctx, *inputs, world, causal, cfg=fused)  # head split chosen by the op
         finally:
             attention_bwd_hopper.launch_bwd_ws = launch_ws
+        chosen = head_split_for(ctx, unit * 2 // attention_bwd_hopper.BLOCK_N * Hkv * world, Hq // Hkv,
+                                attention_bwd_hopper.MIN_WAVES)
+        assert splits == [1] * world + [chosen] * world, f"warp-specialized launches (their split): {splits}"
         ctx.check()
-        errs = [rel_err(g, r) for g, r in zip(got, want)]
-        assert max(errs) < GRAD_TOL[dtype], f"world {world}: rel errs out/dq/dk/dv {errs}"
         base = simulate_ranks(ctx, *inputs, world, causal, cfg=two)
-        diff = [rel_err(g, b) for g, b in zip(got[1:], base[1:])]  # dq, dk, dv: only the float32 sum order differs
-        assert max(diff) < 1e-2, f"world {world}: rel diff dq/dk/dv against the two kernels {diff}"
+        errs = {}
+        for name, got in (("whole", whole), (f"split {chosen}", split)):
+            errs[name] = [rel_err(g, r) for g, r in zip(got, want)]
+            assert max(errs[name]) < GRAD_TOL[dtype], f"world {world}, {name}: rel errs out/dq/dk/dv {errs[name]}"
+            diff = [rel_err(g, b) for g, b in zip(got[1:], base[1:])]  # dq, dk, dv: only the float32 sum order
+            assert max(diff) < 1e-2, f"world {world}, {name}: rel diff dq/dk/dv against the two kernels {diff}"
         return errs
 
 

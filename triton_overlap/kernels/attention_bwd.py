@@ -34,7 +34,7 @@ from ..plan import cdiv
 from .attention import (Blocks, Documents, _grid0, key_span, kv_base, piece, pieces, pos_span, segment, unmasked_end,
                         wait_kv, zigzag_pos)
 from .cached_launch import launch
-from .signal import WHAT_PARTIALS, add_release, wait_flag
+from .signal import WHAT_PARTIALS, add_release, error_code, wait_flag
 
 #: head_split_for: the dK/dV programs wanted per compute unit (docs/decisions.md)
 HEAD_SPLIT_WAVES = 4
@@ -235,7 +235,7 @@ def cp_attention_dkdv(
     slot = S_LOCAL * HKV * HEAD_D
     nb = tl.num_programs(1) // (HKV * SPLIT)  # B
     at = (rank * 2 * nb + b) * slot + (seg0 + offs_n)[:, None] * (HKV * HEAD_D) + hk * HEAD_D + offs_d[None, :]
-    if last & (tl.load(err_ptr, volatile=True) == 0):  # nothing goes into a peer after a fault (its call may disagree)
+    if last & (error_code(err_ptr) == 0):  # nothing goes into a peer after a fault (its call may disagree)
         tl.store(base + at, dk, mask=n_ok[:, None])
         tl.store(base + at + nb * slot, dv, mask=n_ok[:, None])  # the dV half of the slot follows the dK half
         tl.debug_barrier()  # every thread's stores come before the release below
@@ -270,8 +270,8 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
     each block bumping the owner's counter for this rank. ``out``: the forward's output (for delta).
     ``docs_dq`` / ``docs_dkdv``: packed documents' tables for the two kernels' blocks (B = 1), else None.
     ``head_split``: over how many dK/dV programs each K/V block's query heads are split (None: head_split_for).
-    With ``dkdv_blocks.warp_specialized``, where kernels.attention_bwd_hopper can run and has programs enough for the
-    GPU (or ``head_split`` is 1), its single kernel computes dQ, dK and dV instead of the two.
+    With ``dkdv_blocks.warp_specialized``, where kernels.attention_bwd_hopper can run, its single kernel computes dQ,
+    dK and dV instead of the two (``head_split`` None: chosen for it with its MIN_WAVES).
     Returns the count each owner waits for per source."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -283,13 +283,15 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
         raise ValueError("cp_attention: dq must have q's strides")
     rank = ctx.rank if rank is None else rank
     world = ctx.world_size if world is None else world
-    if dkdv_blocks.warp_specialized and head_split in (None, 1):
-        from . import attention_bwd_hopper
-        if (attention_bwd_hopper.usable(ctx, q, k, v, kw, vw, dq, docs_dkdv)
-                and (head_split == 1 or attention_bwd_hopper.enough_programs(ctx, S, B * Hkv * world))):
-            return attention_bwd_hopper.launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs,
-                                                      flags, m_per_chunk, chunks_per_rank, scale, causal, rank, world,
-                                                      op)
+    if head_split is not None and (head_split < 1 or (Hq // Hkv) % head_split):
+        raise ValueError(f"cp_attention: head_split {head_split} does not divide the {Hq // Hkv} query heads of a "
+                         "K/V head")
+    if dkdv_blocks.warp_specialized:
+        from . import attention_bwd_hopper as ws
+        if ws.usable(ctx, q, k, v, kw, vw, dq, docs_dkdv):
+            split = head_split or head_split_for(ctx, S // ws.BLOCK_N * B * Hkv * world, Hq // Hkv, ws.MIN_WAVES)
+            return ws.launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags,
+                                    m_per_chunk, chunks_per_rank, scale, causal, rank, world, op, split)
     delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)  # written by the dQ kernel
     common = (ctx.err, ctx.budget, rank, world, op, S)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
@@ -305,9 +307,6 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
     n, seg, cu = _grid0(S, dkdv_blocks.block_n, docs_dkdv, flags)
     if n:
         split = head_split_for(ctx, n * B * Hkv * world, Hq // Hkv) if head_split is None else head_split
-        if (Hq // Hkv) % split:
-            raise ValueError(f"cp_attention: head_split {split} does not divide the {Hq // Hkv} query heads of a "
-                             "K/V head")
         part, ticket = flags, flags  # not read when split == 1
         if split > 1:
             blk = dkdv_blocks.block_n
@@ -323,13 +322,13 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
     return n * B * Hkv
 
 
-def head_split_for(ctx, programs: int, group: int) -> int:
+def head_split_for(ctx, programs: int, group: int, waves: int = HEAD_SPLIT_WAVES) -> int:
     """Over how many dK/dV programs to split each K/V block's ``group`` query heads: the fewest (a divisor of
-    ``group``) that give the GPU HEAD_SPLIT_WAVES programs per compute unit, where ``programs`` (blocks x heads x
-    sources) fall short; 1 on the host backend."""
+    ``group``) that give the GPU ``waves`` programs per compute unit, where ``programs`` (blocks x heads x sources)
+    fall short; 1 on the host backend."""
     if ctx.backend == "host":
         return 1
-    want = HEAD_SPLIT_WAVES * ctx.num_compute_units()
+    want = waves * ctx.num_compute_units()
     split = 1
     while programs * split < want and split < group:
         split = next(d for d in range(split + 1, group + 1) if group % d == 0)

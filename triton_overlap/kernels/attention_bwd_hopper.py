@@ -36,6 +36,7 @@ from ..plan import cdiv
 from .attention import wait_kv, zigzag_pos
 from .attention_hopper import head_desc, hopper
 from .cached_launch import launch
+from .signal import error_code
 from .gemm_warp_specialized import _barrier, _tma_load, gluon_available
 
 #: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left.
@@ -45,9 +46,10 @@ BLOCK_M = 64
 BLOCK_N = 128
 #: Stages of the Q / dO ring.
 STAGES = 3
-#: launch_bwd takes this kernel where its programs fill every SM at least this many times (one fits an SM);
-#: with fewer (MQA, few K/V heads per GPU) the two kernels with the query heads split run instead.
-MIN_WAVES = 2
+#: launch_bwd splits each block's query heads over programs (``SPLIT``) until they fill every SM at least this many
+#: times (one program fits an SM), where blocks x K/V heads x sources fall short (MQA, few K/V heads per GPU, short
+#: shards); docs/decisions.md has the measurements behind the figure.
+MIN_WAVES = 7
 #: lse and delta pieces in shared memory (1-D, as TMA loads them)
 ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 LOG2E = gl.constexpr(1.4426950408889634)
@@ -68,10 +70,12 @@ else:  # Triton 3.6: its Gluon builder has the TMA reduction, its language not y
 
 
 @gluon.jit
-def _program(rank, world, BLOCK_N: gl.constexpr):
-    """This program's key block: (first local key row, batch x K/V head, source rank)."""
+def _program(rank, world, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr):
+    """This program's key block and share: (first local key row, batch x K/V head, source rank, which of the SPLIT
+    shares of the group's query heads). The key blocks run fastest in launch order, so the programs on an SM at
+    once read the same query heads (from L2)."""
     src = (rank + 1 + gl.program_id(2)) % world  # peers' blocks first, our own last
-    return gl.program_id(0) * BLOCK_N, gl.program_id(1), src
+    return gl.program_id(0) * BLOCK_N, gl.program_id(1) // SPLIT, src, gl.program_id(1) % SPLIT
 
 
 @gluon.jit
@@ -91,7 +95,7 @@ def _rows(n0, src, qh, rank, world, C, CAUSAL: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
+def _load(p, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, CLOCK: gl.constexpr):
     """The loader partition: K and V of the block once (after its chunk's flag), then Q and dO of every query
     block in the compute partitions' order."""
     (q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
@@ -101,7 +105,7 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     NSTAGE: gl.constexpr = q_smem.type.shape[0]
-    n0, bhk, src = _program(rank, world, BLOCK_N)
+    n0, bhk, src, part = _program(rank, world, SPLIT, BLOCK_N)
     b = bhk // HKV
     hk = bhk % HKV
     C = S_LOCAL // 2
@@ -114,7 +118,8 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
         _tma_load(kw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], kv_bar, k_smem)
         _tma_load(vw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], kv_bar, v_smem)
     j = 0
-    for g in range(0, GROUP):
+    heads = GROUP // SPLIT
+    for g in range(part * heads, part * heads + heads):
         col = (hk * GROUP + g) * HEAD_D
         lrow0 = (b * HQ + hk * GROUP + g) * S_LOCAL
         for qh in range(0, 2):
@@ -132,10 +137,11 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
 
 
 @gluon.jit
-def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.constexpr, WG: gl.constexpr):
+def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, sm_scale, CAUSAL: gl.constexpr,
+             SPLIT: gl.constexpr, WG: gl.constexpr):
     """Compute warpgroup WG (0 or 1): keys [64 WG, 64 WG + 64) of the block against every query block in the
     loader's order; dQ columns [D/2 WG, D/2 WG + D/2) of each query block over all 128 keys. Then its dK/dV rows
-    into the owner's slot; warpgroup 0 bumps the owner's counter once both have stored."""
+    into the owner's slot and the owner's counter bumped once for the block (``_store_block``)."""
     (q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
      k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, err_ptr, budget, rank, world,
      op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
@@ -154,7 +160,7 @@ def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.
                                                  instr_shape=[16, HALF, 16])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LD, k_width=2)
     dtype: gl.constexpr = q_desc.dtype
-    n0, bhk, src = _program(rank, world, BLOCK_N)
+    n0, bhk, src, part = _program(rank, world, SPLIT, BLOCK_N)
     b = bhk // HKV
     hk = bhk % HKV
     C = S_LOCAL // 2
@@ -174,7 +180,8 @@ def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.
     dv = gl.zeros([KEYS, HEAD_D], gl.float32, LD)
     mbarrier.wait(kv_bar, 0)
     j = 0
-    for g in range(0, GROUP):
+    heads = GROUP // SPLIT
+    for g in range(part * heads, part * heads + heads):
         h = hk * GROUP + g
         for qh in range(0, 2):
             need, masked = _rows(n0, src, qh, rank, world, C, CAUSAL, BLOCK_M, BLOCK_N)
@@ -217,34 +224,70 @@ def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, sm_scale, CAUSAL: gl.
                 _tma_add(dq_desc, [b * S_LOCAL + qh * C + m, h * HEAD_D + WG * HALF], dq_buf)
                 j += 1
     tma.store_wait(0)
-    # the partials go straight to the owner of this K/V: slot [rank] of its receive buffer [W, 2, B, S, Hkv, D]
-    nb = gl.num_programs(1) // HKV  # B
+    _store_block(dk * sm_scale, dv, n0, b, hk, src, part, done, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, err_ptr,
+                 rank, S_LOCAL, HKV, SPLIT, WG, KEYS, LD)
+
+
+@gluon.jit
+def _store_block(dk, dv, n0, b, hk, src, part, done, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, err_ptr, rank,
+                 S_LOCAL, HKV, SPLIT: gl.constexpr, WG: gl.constexpr, KEYS: gl.constexpr, LD: gl.constexpr):
+    """Warpgroup WG's dK/dV rows of the block into the owner's receive slot [W, 2, B, S, Hkv, D] (slot [rank]),
+    then the owner's counter bumped once for the block. With SPLIT shares of the query heads, each warpgroup of
+    the block's SPLIT programs first leaves its rows in the block's scratch [SPLIT, 2, BLOCK_N, D]; the last of
+    the 2 x SPLIT to arrive sums the shares in a fixed order (the sum does not depend on who is last) and stores
+    the whole block."""
+    HEAD_D: gl.constexpr = dk.type.shape[1]
+    BLOCK_N: gl.constexpr = 2 * KEYS
+    nb = gl.num_programs(1) // (HKV * SPLIT)  # B
     slot = S_LOCAL * HKV * HEAD_D
-    rows = n0 + WG * KEYS + gl.arange(0, KEYS, layout=gl.SliceLayout(1, LD))
+    rows = gl.arange(0, KEYS, layout=gl.SliceLayout(1, LD))
     cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LD))
-    at = (rank * 2 * nb + b) * slot + rows[:, None] * (HKV * HEAD_D) + hk * HEAD_D + cols[None, :]
+    at = (rank * 2 * nb + b) * slot + (n0 + rows)[:, None] * (HKV * HEAD_D) + hk * HEAD_D + cols[None, :]
     base = gl.load(recv_ptrs + src).to(gl.pointer_type(gl.float32))
-    ok = gl.load(err_ptr, volatile=True) == 0  # nothing goes into a peer after a fault (its call may disagree)
-    gl.store(base + at, dk * sm_scale, mask=ok)
-    gl.store(base + at + nb * slot, dv, mask=ok)  # the dV half of the slot follows the dK half
-    _barrier()  # every thread's stores come before the arrive / the release below
-    if WG == 1:
-        mbarrier.arrive(done)
+    counter = gl.load(counter_ptrs + src).to(gl.pointer_type(gl.int32)) + rank
+    if SPLIT == 1:
+        ok = error_code(err_ptr) == 0  # nothing goes into a peer after a fault (its call may disagree)
+        gl.store(base + at + WG * KEYS * (HKV * HEAD_D), dk, mask=ok)
+        gl.store(base + at + WG * KEYS * (HKV * HEAD_D) + nb * slot, dv, mask=ok)  # the dV half follows dK's
+        _barrier()  # every thread's stores come before the arrive / the release below
+        if WG == 1:
+            mbarrier.arrive(done)
+        else:
+            mbarrier.wait(done, 0)  # warpgroup 1 has stored its rows
+            if ok:
+                gl.atomic_add(counter, 1, sem="release", scope="sys")
     else:
-        mbarrier.wait(done, 0)  # warpgroup 1 has stored its rows
-        if ok:
-            counters = gl.load(counter_ptrs + src).to(gl.pointer_type(gl.int32))
-            gl.atomic_add(counters + rank, 1, sem="release", scope="sys")
+        unit = (gl.program_id(2) * (gl.num_programs(1) // SPLIT) + b * HKV + hk) * gl.num_programs(0) \
+            + gl.program_id(0)
+        tile = rows[:, None] * HEAD_D + cols[None, :]
+        scratch = part_ptr + unit * (SPLIT * 2 * BLOCK_N * HEAD_D)
+        mine = scratch + part * (2 * BLOCK_N * HEAD_D) + WG * KEYS * HEAD_D
+        gl.store(mine + tile, dk)
+        gl.store(mine + BLOCK_N * HEAD_D + tile, dv)
+        _barrier()  # every thread's stores come before the ticket
+        last = gl.atomic_add(ticket_ptr + unit, 1, sem="acq_rel", scope="gpu") == 2 * SPLIT - 1
+        ok = error_code(err_ptr) == 0
+        if last:
+            for piece in gl.static_range(4):  # (dK, dV) x (rows of warpgroup 0, of warpgroup 1), one at a time
+                acc = gl.zeros([KEYS, HEAD_D], gl.float32, LD)
+                for s in range(0, SPLIT):
+                    acc += gl.load(scratch + s * (2 * BLOCK_N * HEAD_D) + piece * KEYS * HEAD_D + tile, volatile=True)
+                gl.store(base + at + piece % 2 * KEYS * (HKV * HEAD_D) + piece // 2 * nb * slot, acc, mask=ok)
+            _barrier()  # every thread's stores come before the release below
+            if ok:
+                gl.atomic_add(counter, 1, sem="release", scope="sys")
 
 
 @gluon.jit
 def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, dq_desc, recv_ptrs,
-                        counter_ptrs, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, HKV, GROUP,
-                        M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, CAUSAL: gl.constexpr, NSTAGE: gl.constexpr,
-                        CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr):
+                        counter_ptrs, part_ptr, ticket_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ,
+                        HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, CAUSAL: gl.constexpr,
+                        SPLIT: gl.constexpr, NSTAGE: gl.constexpr, CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr):
     """``q_desc``/``do_desc``: Q and dO as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``:
     our K/V as [B * S_LOCAL, HKV * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
-    [B * world * S_LOCAL, HKV * D], same blocks. ``dq_desc``: the float32 dQ buffer [B, S_LOCAL, HQ, D] (zeroed) as
+    [B * world * S_LOCAL, HKV * D], same blocks. Grid (S_LOCAL / BLOCK_N, B * HKV * SPLIT, world); with SPLIT > 1,
+    ``part_ptr``: float32 scratch [world * B * HKV * S_LOCAL / BLOCK_N, SPLIT, 2, BLOCK_N, D] and ``ticket_ptr``:
+    int32 zeros, one per block (``_store_block``). ``dq_desc``: the float32 dQ buffer [B, S_LOCAL, HQ, D] (zeroed) as
     [B * S_LOCAL, HQ * D] in [BLOCK_M, D / 2] blocks,
     ``delta_ptr``: rowsum(dO * O) [B, HQ, S_LOCAL]. The other arguments are kernels.attention_bwd's
     cp_attention_dkdv's of the same name. Launched with 4 warps (the loader); two compute warpgroups of
@@ -278,9 +321,9 @@ def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_d
          delta_smem, k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, err_ptr, budget,
          rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
     gl.warp_specialize([
-        (_load, (p, CAUSAL, CLOCK)),
-        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, sm_scale, CAUSAL, 0)),
-        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, sm_scale, CAUSAL, 1)),
+        (_load, (p, CAUSAL, SPLIT, CLOCK)),
+        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, sm_scale, CAUSAL, SPLIT, 0)),
+        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, sm_scale, CAUSAL, SPLIT, 1)),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -316,16 +359,11 @@ def usable(ctx, q, k, v, kw, vw, dq, docs) -> bool:
             and gluon_available())
 
 
-def enough_programs(ctx, S: int, units: int) -> bool:
-    """Whether this kernel's programs for ``S`` local rows and ``units`` (batch x K/V heads x sources) fill the
-    GPU MIN_WAVES times over."""
-    return S // BLOCK_N * units >= MIN_WAVES * ctx.num_compute_units()
-
-
 def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, m_per_chunk,
-                  chunks_per_rank, scale, causal, rank: int, world: int, op: int) -> int:
+                  chunks_per_rank, scale, causal, rank: int, world: int, op: int, split: int = 1) -> int:
     """The backward on this kernel (``usable`` holds), arguments as kernels.attention_bwd.launch_bwd's (``dout``
-    and ``out`` contiguous). Returns the count each owner waits for per source."""
+    and ``out`` contiguous); ``split``: over how many programs each block's query heads are shared (a divisor of
+    the group). Returns the count each owner waits for per source."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, S, Hq, D = q.shape
@@ -343,12 +381,16 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
     dq_desc = TensorDescriptor(acc.view(B * S, Hq * D), [B * S, Hq * D], [Hq * D, 1], half,
                                gl.NVMMASharedLayout.get_default_for(half, gl.float32))
     n = S // BLOCK_N
-    launch(cp_attention_bwd_ws, (n, B * Hkv, world), (
+    part, ticket = flags, flags  # not read when split == 1
+    if split > 1:
+        part = torch.empty((world * B * Hkv * n, split, 2, BLOCK_N, D), dtype=torch.float32, device=q.device)
+        ticket = torch.zeros(world * B * Hkv * n, dtype=torch.int32, device=q.device)
+    launch(cp_attention_bwd_ws, (n, B * Hkv * split, world), (
         head_desc(q, [BLOCK_M, D]), head_desc(dout, [BLOCK_M, D]), head_desc(k, [BLOCK_N, D]),
         head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]), rows(lse.contiguous()),
-        rows(delta), dq_desc, recv_ptrs, counter_ptrs, flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hkv,
-        Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
-    ), dict(CAUSAL=causal, NSTAGE=STAGES, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
+        rows(delta), dq_desc, recv_ptrs, counter_ptrs, part, ticket, flags, ctx.err, ctx.budget, rank, world, op, S,
+        Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
+    ), dict(CAUSAL=causal, SPLIT=split, NSTAGE=STAGES, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
     ctx.after_launch()
     block = 4096
     launch(bwd_epilogue, (cdiv(acc.numel(), block),), (acc, dq, acc.numel(), scale), dict(BLOCK=block), num_warps=4)
