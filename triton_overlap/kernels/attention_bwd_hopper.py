@@ -4,7 +4,8 @@ Same grid, protocol and dK/dV results as kernels.attention_bwd's ``cp_attention_
 program per (block of 128 keys of a source rank, batch x K/V head, source), peers' blocks first; it waits for its
 block's chunk, runs over this rank's query rows of the group's query heads that see the block (causal blocks
 nobody sees skipped, the diagonal ones masked), stores the float32 dK/dV partial into the owner's receive slot and
-bumps the owner's counter once. What differs: dQ is added up here too, in float32 (atomic) into a buffer of this
+bumps the owner's counter once; with the query heads split over SPLIT programs, the last of them sums their
+partials first (``_store_block``). What differs: dQ is added up here too, in float32 (atomic) into a buffer of this
 rank's rows, so no second kernel computes S and dP again (five products per pair of blocks instead of seven).
 
 * the loader (the default partition, 4 warps) loads the block's K and V once, then Q and dO of each query block
@@ -18,9 +19,9 @@ rank's rows, so no second kernel computes S and dP again (five products per pair
 
 ``launch_bwd_ws`` runs a small Triton kernel before it (delta = rowsum(dO * O), the float32 buffer zeroed) and one
 after it (dQ = the buffer times the softmax scale, in q's dtype). dQ's float32 sum takes its terms in the order
-the atomics land, so its last bits may differ between calls; dK and dV are summed in a fixed order. Only for NVIDIA
-sm_90 with 16-bit operands, D of 64 or 128, and shapes whose blocks never straddle a zigzag half (``usable``); elsewhere
-the op takes kernels.attention_bwd's two kernels.
+the reductions land, so its last bits may differ between calls; dK and dV are summed in a fixed order. Only for
+NVIDIA sm_90 with 16-bit operands, D of 64 or 128, and shapes whose blocks never straddle a zigzag half
+(``usable``); elsewhere the op takes kernels.attention_bwd's two kernels.
 """
 from __future__ import annotations
 
