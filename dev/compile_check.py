@@ -203,13 +203,25 @@ def gluon_desc_type(target, block, float32=False) -> str:
     return native_specialize_impl(CUDABackend(target), d, False, True, True)[0]
 
 
+def compile_gluon(target, name, fn, sig, consts, options, tail) -> int:
+    """Compile Gluon kernel ``fn`` with this signature and constants; print its ptxas figures and shared memory, or
+    the last ``tail`` characters of the error. Returns 1 if it failed, else 0."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    try:
+        k = triton.compile(GluonASTSource(fn, sig, consts, divisibility(sig)), target=target, options=options)
+        print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported, the check goes on
+        print(f"{name}: FAILED {type(e).__name__}: {str(e)[-tail:]}")
+        return 1
+
+
 def compile_warp_specialized(target) -> int:
     """kernels.gemm_warp_specialized (Gluon; sm_90 only), as GEMM-RS launches it: B as [K, N] and as [N, K], with
     and without bias, the copy and the store variant."""
     if target.arch != 90:
         return 0
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from triton_overlap.kernels import gemm_warp_specialized as ws
     from triton_overlap.kernels.gemm_warp_specialized import rs_gemm_ws
 
@@ -238,13 +250,7 @@ def compile_warp_specialized(target) -> int:
                       else "i64" if n == "budget" else "i32")
         name = (f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + ("" if preload_tma else " preload by loads")
                 + (" peer stores" if peer_stores else ""))
-        try:
-            k = triton.compile(GluonASTSource(rs_gemm_ws, sig, consts, divisibility(sig)), target=target,
-                               options={"num_warps": 8, "maxnreg": ws.MAXNREG})
-            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
-        except Exception as e:  # noqa: BLE001 - reported, the check goes on
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+        failed += compile_gluon(target, name, rs_gemm_ws, sig, consts, {"num_warps": 8, "maxnreg": ws.MAXNREG}, 600)
     return failed
 
 
@@ -253,8 +259,6 @@ def compile_attention_ws(target) -> int:
     (block_n, stages) the tuned table may name."""
     if target.arch != 90:
         return 0
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from triton_overlap.kernels import attention_hopper as ah
 
     desc_type = functools.partial(gluon_desc_type, target)
@@ -273,13 +277,7 @@ def compile_attention_ws(target) -> int:
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
                       else "fp32" if n == "sm_scale" else "i32")
         name = f"cp_attention_fwd_ws causal={causal} D={d} block_n={bn} stages={stages}"
-        try:
-            k = triton.compile(GluonASTSource(ah.cp_attention_fwd_ws, sig, consts, divisibility(sig)), target=target,
-                               options={"num_warps": 4})
-            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
-        except Exception as e:  # noqa: BLE001 - reported, the check goes on
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-900:]}")
+        failed += compile_gluon(target, name, ah.cp_attention_fwd_ws, sig, consts, {"num_warps": 4}, 900)
     return failed
 
 
@@ -288,8 +286,6 @@ def compile_attention_bwd_ws(target) -> int:
     the query heads whole or split."""
     if target.arch != 90:
         return 0
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from triton_overlap.kernels import attention_bwd_hopper as ab
 
     desc_type = functools.partial(gluon_desc_type, target)
@@ -307,13 +303,7 @@ def compile_attention_bwd_ws(target) -> int:
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
                       else "fp32" if n == "sm_scale" else "i32")
         name = f"cp_attention_bwd_ws causal={causal} D={d} split={split}"
-        try:
-            k = triton.compile(GluonASTSource(ab.cp_attention_bwd_ws, sig, consts, divisibility(sig)), target=target,
-                               options={"num_warps": 4})
-            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
-        except Exception as e:  # noqa: BLE001 - reported, the check goes on
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-1500:]}")
+        failed += compile_gluon(target, name, ab.cp_attention_bwd_ws, sig, consts, {"num_warps": 4}, 1500)
     return failed
 
 

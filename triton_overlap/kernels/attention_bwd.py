@@ -307,11 +307,7 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
     n, seg, cu = _grid0(S, dkdv_blocks.block_n, docs_dkdv, flags)
     if n:
         split = head_split_for(ctx, n * B * Hkv * world, Hq // Hkv) if head_split is None else head_split
-        part, ticket = flags, flags  # not read when split == 1
-        if split > 1:
-            blk = dkdv_blocks.block_n
-            part = torch.empty((world * B * Hkv * n, split, 2, blk, D), dtype=torch.float32, device=q.device)
-            ticket = torch.zeros(world * B * Hkv * n, dtype=torch.int32, device=q.device)
+        part, ticket = split_scratch(flags, world * B * Hkv * n, split, dkdv_blocks.block_n, D)
         launch(cp_attention_dkdv, (n, B * Hkv * split, world), (
             q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, *common, Hq, Hkv, Hq // Hkv,
             m_per_chunk, chunks_per_rank, scale, *strides, seg, cu, part, ticket),
@@ -320,6 +316,16 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
             num_warps=dkdv_blocks.num_warps, num_stages=dkdv_blocks.num_stages)
         ctx.after_launch()
     return n * B * Hkv
+
+
+def split_scratch(flags, blocks: int, split: int, block_n: int, D: int):
+    """The dK/dV kernels' scratch for ``split`` shares of the query heads over ``blocks`` key blocks (sources x
+    batch x K/V heads x blocks): float32 partials [blocks, split, 2, block_n, D] and an int32 ticket per block,
+    zeroed. With split 1 neither is read, and ``flags`` stands in for both."""
+    if split == 1:
+        return flags, flags
+    return (torch.empty((blocks, split, 2, block_n, D), dtype=torch.float32, device=flags.device),
+            torch.zeros(blocks, dtype=torch.int32, device=flags.device))
 
 
 def head_split_for(ctx, programs: int, group: int, waves: int = HEAD_SPLIT_WAVES) -> int:

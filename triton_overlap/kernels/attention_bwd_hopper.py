@@ -35,10 +35,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..plan import cdiv
 from .attention import wait_kv, zigzag_pos
+from .attention_bwd import split_scratch
 from .attention_hopper import head_desc, hopper
 from .cached_launch import launch
-from .signal import error_code
 from .gemm_warp_specialized import _barrier, _tma_load, gluon_available
+from .signal import error_code
 
 #: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left.
 COMPUTE_REGS = 240
@@ -382,10 +383,7 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
     dq_desc = TensorDescriptor(acc.view(B * S, Hq * D), [B * S, Hq * D], [Hq * D, 1], half,
                                gl.NVMMASharedLayout.get_default_for(half, gl.float32))
     n = S // BLOCK_N
-    part, ticket = flags, flags  # not read when split == 1
-    if split > 1:
-        part = torch.empty((world * B * Hkv * n, split, 2, BLOCK_N, D), dtype=torch.float32, device=q.device)
-        ticket = torch.zeros(world * B * Hkv * n, dtype=torch.int32, device=q.device)
+    part, ticket = split_scratch(flags, world * B * Hkv * n, split, BLOCK_N, D)
     launch(cp_attention_bwd_ws, (n, B * Hkv * split, world), (
         head_desc(q, [BLOCK_M, D]), head_desc(dout, [BLOCK_M, D]), head_desc(k, [BLOCK_N, D]),
         head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]), rows(lse.contiguous()),
