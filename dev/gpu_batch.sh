@@ -8,6 +8,7 @@
 # tune       TUNE="op shape [flags];..." through scripts/tune.py into $OUT/tuned.json, which later parts use
 # tutorials  every tutorial (or TUTORIALS) through the launcher
 # compile    dev/compile_check.py with this machine's Triton
+# BENCH_ITERS sets bench.py's --iters; PACK=1 packs $OUT/results into $OUT/results.tar at the end (one file to fetch)
 set -uo pipefail
 parts="${1:?usage: bash dev/gpu_batch.sh tests,shared,bench,tune,tutorials,compile}"
 want() { [[ ",$parts," == *",$1,"* ]]; }
@@ -39,7 +40,8 @@ if want tune; then
 fi
 if want bench; then
   for op in ${BENCH_OPS:-ag_gemm gemm_rs cp_attention}; do
-    timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh benchmarks/bench.py "$op" --out "$OUT/results" 2>&1 \
+    timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh benchmarks/bench.py "$op" --out "$OUT/results" \
+      ${BENCH_ITERS:+--iters "$BENCH_ITERS"} 2>&1 \
       | tee "$OUT/bench_$op.log" | grep -E '^\||geometric' | tail -12
   done
 fi
@@ -50,4 +52,7 @@ if want tutorials; then
     echo "== $t exit $?" | tee -a "$OUT/tutorials.log"
   done
   tail -40 "$OUT/tutorials.log"
+fi
+if [ "${PACK:-0}" = 1 ] && [ -d "$OUT/results" ]; then
+  tar -C "$OUT" -cf "$OUT/results.tar" results && rm -r "$OUT/results"
 fi
