@@ -308,7 +308,11 @@ def compile_attention_bwd_ws(target) -> int:
 
 
 def ptxas_report(cubin_ptx: str, arch: int) -> str:
-    ptxas = triton.knobs.nvidia.ptxas.path if hasattr(triton, "knobs") else "ptxas"
+    try:  # the ptxas Triton itself takes for this arch (newer Triton: a second, newer one from sm_90 up)
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(arch).path
+    except ImportError:
+        ptxas = triton.knobs.nvidia.ptxas.path if hasattr(triton, "knobs") else "ptxas"
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         with open(src, "w") as f:
