@@ -217,9 +217,9 @@ def compile_gluon(target, name, fn, sig, consts, options, tail) -> int:
         return 1
 
 
-def compile_warp_specialized(target) -> int:
+def compile_warp_specialized(target, quick: bool = False) -> int:
     """kernels.gemm_warp_specialized (Gluon; sm_90 only), as GEMM-RS launches it: B as [K, N] and as [N, K], with
-    and without bias, the copy and the store variant."""
+    and without bias, the copy and the store variant (``quick``: B as [K, N] with bias, the copy variant)."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import gemm_warp_specialized as ws
@@ -233,6 +233,7 @@ def compile_warp_specialized(target) -> int:
     cases = [(b_kmajor, bias, True, peer) for b_kmajor, bias, peer
              in itertools.product((False, True), (False, True), (False, True))]
     cases += [(False, False, False, False), (False, True, False, True)]
+    cases = [(False, True, True, False)] if quick else cases
     for b_kmajor, bias, preload_tma, peer_stores in cases:
         consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=ws.TILES.num_stages, B_KMAJOR=b_kmajor,
                       HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, EPILOGUE_WARPS=ws.EPILOGUE_WARPS,
@@ -254,9 +255,9 @@ def compile_warp_specialized(target) -> int:
     return failed
 
 
-def compile_attention_ws(target) -> int:
+def compile_attention_ws(target, quick: bool = False) -> int:
     """kernels.attention_hopper (Gluon; sm_90 only) as the op launches it: causal or not, D = 64 and 128, each
-    (block_n, stages) the tuned table may name."""
+    (block_n, stages) the tuned table may name (``quick``: the shipped D = 128 blocks, causal)."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import attention_hopper as ah
@@ -264,7 +265,8 @@ def compile_attention_ws(target) -> int:
     desc_type = functools.partial(gluon_desc_type, target)
 
     failed = 0
-    for causal, d, bn, stages in itertools.product((True, False), (128, 64), (128, 64), (2, 3)):
+    cases = [(True, 128, 128, 2)] if quick else itertools.product((True, False), (128, 64), (128, 64), (2, 3))
+    for causal, d, bn, stages in cases:
         if d * bn * stages * 4 + 128 * d * 2 > 200 * 1024:
             continue
         consts = dict(CAUSAL=causal, STAGES=stages, CLOCK=1, COMPUTE_REGS=ah.COMPUTE_REGS)
@@ -281,16 +283,18 @@ def compile_attention_ws(target) -> int:
     return failed
 
 
-def compile_attention_bwd_ws(target) -> int:
+def compile_attention_bwd_ws(target, quick: bool = False) -> int:
     """kernels.attention_bwd_hopper (Gluon; sm_90 only) as launch_bwd launches it: causal or not, D = 64 and 128,
-    the query heads whole or split."""
+    the query heads whole or split (``quick``: D = 128 causal, split in two)."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import attention_bwd_hopper as ab
 
     desc_type = functools.partial(gluon_desc_type, target)
     failed = 0
-    for causal, d, split in ((True, 128, 1), (False, 128, 1), (True, 64, 1), (False, 64, 1), (True, 128, 4)):
+    cases = ((True, 128, 2),) if quick else ((True, 128, 1), (False, 128, 1), (True, 64, 1), (False, 64, 1),
+                                             (True, 128, 4))
+    for causal, d, split in cases:
         consts = dict(CAUSAL=causal, SPLIT=split, NSTAGE=ab.STAGES, CLOCK=1, COMPUTE_REGS=ab.COMPUTE_REGS)
         sig = {}
         for prm in ab.cp_attention_bwd_ws.params:
