@@ -427,13 +427,19 @@ HOPPER_CASES = [
 ]
 
 
+def _on_hopper(pool, which, fn, *args):
+    """``fn(*args)`` on every rank, where the warp-specialized ``which`` ("forward" or "backward") kernel runs:
+    skipped on the host backend and where ``fn`` returns "skip" (no compute capability 9.0, or no Gluon)."""
+    if pool.backend == "host":
+        pytest.skip("Gluon kernels do not run in Triton's interpreter")
+    if "skip" in pool.run(fn, *args):
+        pytest.skip(f"the warp-specialized {which} needs compute capability 9.0 and Gluon")
+
+
 @pytest.mark.parametrize("case", range(len(HOPPER_CASES)))
 def test_hopper_forward_matches_full_sequence(pool, case):
     """The warp-specialized forward where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
-    if pool.backend == "host":
-        pytest.skip("Gluon kernels do not run in Triton's interpreter")
-    if "skip" in pool.run(_hopper_forward_case, *HOPPER_CASES[case]):
-        pytest.skip("the warp-specialized forward needs compute capability 9.0 and Gluon")
+    _on_hopper(pool, "forward", _hopper_forward_case, *HOPPER_CASES[case])
 
 
 def _hopper_forward_times_out():
@@ -468,10 +474,7 @@ def _hopper_forward_times_out():
 
 
 def test_hopper_forward_wait_times_out(pool):
-    if pool.backend == "host":
-        pytest.skip("Gluon kernels do not run in Triton's interpreter")
-    if "skip" in pool.run(_hopper_forward_times_out):
-        pytest.skip("the warp-specialized forward needs compute capability 9.0 and Gluon")
+    _on_hopper(pool, "forward", _hopper_forward_times_out)
 
 
 def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
@@ -532,10 +535,7 @@ HOPPER_BACKWARD_CASES = [
 @pytest.mark.parametrize("case", range(len(HOPPER_BACKWARD_CASES)))
 def test_hopper_backward_matches_full_sequence(pool, case):
     """The single warp-specialized backward where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
-    if pool.backend == "host":
-        pytest.skip("Gluon kernels do not run in Triton's interpreter")
-    if "skip" in pool.run(_hopper_backward_case, *HOPPER_BACKWARD_CASES[case]):
-        pytest.skip("the warp-specialized backward needs compute capability 9.0 and Gluon")
+    _on_hopper(pool, "backward", _hopper_backward_case, *HOPPER_BACKWARD_CASES[case])
 
 
 def _hopper_backward_times_out():
@@ -579,7 +579,4 @@ def _hopper_backward_times_out():
 
 
 def test_hopper_backward_wait_times_out(pool):
-    if pool.backend == "host":
-        pytest.skip("Gluon kernels do not run in Triton's interpreter")
-    if "skip" in pool.run(_hopper_backward_times_out):
-        pytest.skip("the warp-specialized backward needs compute capability 9.0 and Gluon")
+    _on_hopper(pool, "backward", _hopper_backward_times_out)
