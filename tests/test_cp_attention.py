@@ -442,39 +442,55 @@ def test_hopper_forward_matches_full_sequence(pool, case):
     _on_hopper(pool, "forward", _hopper_forward_case, *HOPPER_CASES[case])
 
 
-def _hopper_forward_times_out():
-    """A peer's chunk that never lands: the warp-specialized kernel's loader times out, and the fault names the
-    rank, the op, the peer and the chunk (a simulated world of two, as rank 0, with rank 1's flags down)."""
+def _late_chunk_faults(ctx, flags, chunk, launch):
+    """``launch(op)`` as rank 0 of a simulated world of two: first with every flag up (the kernel compiled and the
+    ranks in step before the fault), then with rank 1's flags down: the call must fail naming the rank, the op, the
+    peer and the chunk (``chunk``: a pattern)."""
     from triton_overlap.context.context import op_id
+
+    launch(0)
+    ctx.check()
+    ctx.barrier()
+    flags.zero_()
+    fault = rf"rank 0: cp_attention .*timed out .*waiting for chunk {chunk} of rank 1"
+    with pytest.raises(to.ContextError, match=fault):  # on the host backend the launch itself reports it
+        launch(op_id("cp_attention"))
+        ctx.check()
+    return True
+
+
+def _forward_times_out(warp_specialized: bool):
+    """A peer's chunk that never lands: the forward kernel's wait (with ``warp_specialized``, the Hopper kernel's
+    loader) times out, and the fault names the rank, the op, the peer and the chunk (a simulated world of two, as
+    rank 0, with rank 1's flags down)."""
     from triton_overlap.kernels import attention_hopper
     from triton_overlap.kernels.attention import Blocks, launch_fwd
 
     with to.Context(timeout_s=5) as ctx:
-        if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_hopper.gluon_available():
+        dev = ctx.device
+        if warp_specialized and (ctx.backend != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0)
+                                 or not attention_hopper.gluon_available()):
             return "skip"
-        S, cpr = 512, 2
-        q, k, v = (rand((1, S, h, 128), torch.bfloat16, ctx.device, name, "late") for name, h in
-                   (("q", 4), ("k", 2), ("v", 2)))
-        kw, vw = torch.zeros(1, 2 * S, 2, 128, dtype=torch.bfloat16, device=ctx.device), torch.zeros(
-            1, 2 * S, 2, 128, dtype=torch.bfloat16, device=ctx.device)
-        blocks = Blocks(128, 128, 8, 2, warp_specialized=True)
-        assert attention_hopper.usable(ctx, q, k, v, kw, vw, None, blocks)
-        flags = torch.ones(2 * cpr, dtype=torch.int32, device=ctx.device)
-        out, lse = torch.empty_like(q), torch.empty(1, 4, S, dtype=torch.float32, device=ctx.device)
-        # first with every flag up (the kernel is compiled and the ranks are in step before the fault)
-        launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, S // cpr, cpr, 0.1, False, blocks, rank=0, world=2)
-        ctx.check()
-        ctx.barrier()
-        flags.zero_()
-        launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, S // cpr, cpr, 0.1, False, blocks, rank=0, world=2,
-                   op=op_id("cp_attention"))
-        with pytest.raises(to.ContextError, match=r"rank 0: cp_attention .*timed out .*waiting for chunk 0 of rank 1"):
-            ctx.check()
-        return True
+        S, cpr, D = (64, 2, 32) if ctx.backend == "host" else (512, 2, 128 if warp_specialized else 64)
+        q, k, v = (rand((1, S, h, D), torch.bfloat16, dev, name, "late") for name, h in (("q", 4), ("k", 2), ("v", 2)))
+        kw, vw = (torch.zeros(1, 2 * S, 2, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        if warp_specialized:
+            blocks = Blocks(128, 128, 8, 2, warp_specialized=True)
+            assert attention_hopper.usable(ctx, q, k, v, kw, vw, None, blocks)
+        else:
+            blocks = to.AttentionConfig.defaults(ctx.backend, D, 2).fwd
+        flags = torch.ones(2 * cpr, dtype=torch.int32, device=dev)
+        out, lse = torch.empty_like(q), torch.empty(1, 4, S, dtype=torch.float32, device=dev)
+        return _late_chunk_faults(ctx, flags, "0", lambda op: launch_fwd(
+            ctx, q, k, v, kw, vw, out, lse, flags, S // cpr, cpr, 0.1, False, blocks, rank=0, world=2, op=op))
+
+
+def test_forward_wait_times_out(pool):
+    pool.run(_forward_times_out, False)
 
 
 def test_hopper_forward_wait_times_out(pool):
-    _on_hopper(pool, "forward", _hopper_forward_times_out)
+    _on_hopper(pool, "forward", _forward_times_out, True)
 
 
 def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
@@ -538,45 +554,46 @@ def test_hopper_backward_matches_full_sequence(pool, case):
     _on_hopper(pool, "backward", _hopper_backward_case, *HOPPER_BACKWARD_CASES[case])
 
 
-def _hopper_backward_times_out():
-    """A peer's chunk that never lands: the warp-specialized backward's loader times out, and the fault names the
-    rank, the op, the peer and the chunk (a simulated world of two, as rank 0, with rank 1's flags down)."""
-    from triton_overlap.context.context import op_id
+def _backward_times_out(warp_specialized: bool):
+    """A peer's chunk that never lands: the backward's waits (with ``warp_specialized``, the Hopper kernel's
+    loader) time out, and the fault names the rank, the op, the peer and the chunk (a simulated world of two, as
+    rank 0, with rank 1's flags down)."""
+    from dataclasses import replace
+
     from triton_overlap.kernels import attention_bwd_hopper
     from triton_overlap.kernels.attention import Blocks
     from triton_overlap.kernels.attention_bwd import launch_bwd
 
     with to.Context(timeout_s=5) as ctx:
-        if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_bwd_hopper.gluon_available():
+        dev = ctx.device
+        if warp_specialized and (ctx.backend != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0)
+                                 or not attention_bwd_hopper.gluon_available()):
             return "skip"
-        S, cpr, dev = 512, 2, ctx.device
-        q, k, v, dout, out = (rand((1, S, h, 128), torch.bfloat16, dev, name, "late") for name, h in
+        S, cpr, D = (64, 2, 32) if ctx.backend == "host" else (512, 2, 128 if warp_specialized else 64)
+        q, k, v, dout, out = (rand((1, S, h, D), torch.bfloat16, dev, name, "late") for name, h in
                               (("q", 4), ("k", 2), ("v", 2), ("do", 4), ("o", 4)))
-        kw, vw = (torch.zeros(1, 2 * S, 2, 128, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        kw, vw = (torch.zeros(1, 2 * S, 2, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
         lse = torch.zeros(1, 4, S, dtype=torch.float32, device=dev)
         dq = torch.empty_like(q)
-        assert attention_bwd_hopper.usable(ctx, q, k, v, kw, vw, dq, None)
-        recv = torch.zeros(2, 2, 1, S, 2, 128, dtype=torch.float32, device=dev)
+        recv = torch.zeros(2, 2, 1, S, 2, D, dtype=torch.float32, device=dev)
         counters = torch.zeros(2, dtype=torch.int32, device=dev)
         recv_ptrs = torch.full((2,), recv.data_ptr(), dtype=torch.int64, device=dev)
         counter_ptrs = torch.full((2,), counters.data_ptr(), dtype=torch.int64, device=dev)
-        blocks = Blocks(64, 128, 8, 2, warp_specialized=True)
+        if warp_specialized:
+            assert attention_bwd_hopper.usable(ctx, q, k, v, kw, vw, dq, None)
+            dq_blocks = dkdv_blocks = Blocks(64, 128, 8, 2, warp_specialized=True)
+        else:
+            cfg = to.AttentionConfig.defaults(ctx.backend, D, 2)
+            dq_blocks, dkdv_blocks = cfg.dq, replace(cfg.dkdv, warp_specialized=False)
         flags = torch.ones(2 * cpr, dtype=torch.int32, device=dev)
+        return _late_chunk_faults(ctx, flags, r"\d+", lambda op: launch_bwd(
+            ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, S // cpr, cpr, 0.1, False,
+            dq_blocks, dkdv_blocks, rank=0, world=2, op=op, head_split=1))
 
-        def backward(op=0):
-            launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, S // cpr, cpr, 0.1,
-                       False, blocks, blocks, rank=0, world=2, op=op, head_split=1)
 
-        backward()  # first with every flag up (compiled, and the ranks in step before the fault)
-        ctx.check()
-        ctx.barrier()
-        flags.zero_()
-        backward(op_id("cp_attention"))
-        fault = r"rank 0: cp_attention .*timed out .*waiting for chunk \d+ of rank 1"
-        with pytest.raises(to.ContextError, match=fault):
-            ctx.check()
-        return True
+def test_backward_wait_times_out(pool):
+    pool.run(_backward_times_out, False)
 
 
 def test_hopper_backward_wait_times_out(pool):
-    _on_hopper(pool, "backward", _hopper_backward_times_out)
+    _on_hopper(pool, "backward", _backward_times_out, True)
