@@ -817,25 +817,30 @@ def main():
                 r["num_hosts"] = ctx.num_hosts
             return recs
 
+        def writer(write_fn, planned, *lead):
+            """Each partial write (one record per planned shape, in order) names the shapes still to come, so a
+            run cut short says what it did not measure."""
+            return lambda recs: ctx.rank == 0 and write_fn(*lead, hosts(recs), ctx.world_size, args.out,
+                                                           pending=planned[len(recs):])
+
         if args.op == "all_reduce":
             say(AR_HEADER)
             sizes = [s[0] for s in shapes] if shapes else AR_SIZES
-            bench_all_reduce(ctx, sizes, args.iters,
-                             lambda recs: ctx.rank == 0 and write_all_reduce(hosts(recs), ctx.world_size, args.out))
+            bench_all_reduce(ctx, sizes, args.iters, writer(write_all_reduce, sizes))
         elif args.op == "gemm_ar":
             say(GEMM_AR_HEADER)
-            bench_gemm_ar(ctx, shapes or [(m, k, n) for k, n in GEMM_AR_KN for m in GEMM_AR_M], args.iters,
-                          lambda recs: ctx.rank == 0 and write_gemm_ar(hosts(recs), ctx.world_size, args.out))
+            planned = shapes or [(m, k, n) for k, n in GEMM_AR_KN for m in GEMM_AR_M]
+            bench_gemm_ar(ctx, planned, args.iters, writer(write_gemm_ar, planned))
         elif args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)[,documents]
             say(CP_HEADER)
             default = CP_SHAPES_ONE_GPU if ctx.world_size == 1 else CP_SHAPES
-            bench_cp_attention(ctx, [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else default, args.iters,
-                               lambda recs: ctx.rank == 0 and write_cp(hosts(recs), ctx.world_size, args.out))
+            planned = [(*s[:5], bool(s[5]), *s[6:]) for s in shapes] if shapes else default
+            bench_cp_attention(ctx, planned, args.iters, writer(write_cp, planned))
         else:
             say(HEADER)
-            partial = lambda recs: ctx.rank == 0 and write(args.op, hosts(recs), ctx.world_size, args.out)  # noqa: E731
+            planned = shapes or (RS_SHAPES if args.op == "gemm_rs" else AG_SHAPES)
             bench = {"ag_gemm": bench_ag_gemm, "ag_gemm_fp8": bench_ag_gemm_fp8, "gemm_rs": bench_gemm_rs}[args.op]
-            records = bench(ctx, shapes or (RS_SHAPES if args.op == "gemm_rs" else AG_SHAPES), args.iters, partial)
+            records = bench(ctx, planned, args.iters, writer(write, planned, args.op))
             if ctx.rank == 0:
                 geo = write(args.op, hosts(records), ctx.world_size, args.out)
                 say(f"geometric-mean speed-up over NCCL + cuBLAS: {geo:.3f}x")

@@ -30,8 +30,10 @@ def provenance() -> dict:
             "triton": triton.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def _save_json(base: str, op: str, world: int, records: list) -> None:
+def _save_json(base: str, op: str, world: int, records: list, pending=()) -> None:
     doc = {"op": op, "world_size": world, **provenance(), "records": records}
+    if pending:
+        doc["not_measured"] = [list(s) if isinstance(s, (tuple, list)) else s for s in pending]
     with open(base + ".json", "w") as f:
         json.dump(doc, f, indent=1)
 
@@ -73,34 +75,44 @@ def _cp_row(r):
             f"{f(r.get('fwd_bwd_cudnn_us'))} | {f(r.get('fwd_bwd_efficiency_cudnn'), 2)} |")
 
 
+def _pending(pending) -> str:
+    """The line a partial result ends with: the run's shapes it holds no record of (it ended before them)."""
+    if not pending:
+        return ""
+    shapes = "; ".join(",".join(map(str, s)) if isinstance(s, (tuple, list)) else str(s) for s in pending)
+    return f"\nNot measured in this run (it ended before them): {shapes}.\n"
+
+
 def _base(out_dir: str, op: str, records, W) -> str:
     """``<out_dir>/<op>-<gpu>x<W>``, with ``-<N>hosts`` where the group spans N (virtual) hosts."""
     hosts = records[0].get("num_hosts", 1)
     return os.path.join(out_dir, f"{op}-{records[0]['gpu']}x{W}" + (f"-{hosts}hosts" if hosts > 1 else ""))
 
 
-def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, label) -> None:
+def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, label, pending=()) -> None:
     """``<op>-<gpu>x<W>.json`` and ``.md``: the provenance, ``caption``, the table (``header``, ``row(record)`` per
-    record) and each record's note under ``label(record)``."""
+    record), each record's note under ``label(record)``, and the shapes still ``pending``."""
     os.makedirs(out_dir, exist_ok=True)
     base = _base(out_dir, op, records, W)
-    _save_json(base, op, W, records)
+    _save_json(base, op, W, records, pending)
     with open(base + ".md", "w") as f:
         f.write(_measured(base))
         f.write(f"{op}, {records[0]['gpu']} x{W}, {caption}\n\n{header}\n")
         f.write("\n".join(row(r) for r in records) + "\n")
+        f.write(_pending(pending))
         notes = [f"- {label(r)}: {r['note']}" for r in records if r["note"]]
         if notes:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")
 
 
-def write_cp(records, W, out_dir: str) -> None:
+def write_cp(records, W, out_dir: str, pending=()) -> None:
     caption = ("median µs (max over ranks); efficiency = SDPA 1 GPU / (W x ours), flash or cuDNN backend"
                + ("; ours, NCCL + kernel, SDPA and our kernel alone timed in turns within each iteration (forward, "
                   "and forward + backward, each a group), so all see the same GPU clock (the values timed one "
                   "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else ""))
     _write_table("cp_attention", records, W, out_dir, caption, CP_HEADER, _cp_row,
-                 lambda r: f"S={r['S']} D={r['D']} Hkv={r['Hkv']} {r.get('dtype', 'bf16')} causal={r['causal']}")
+                 lambda r: f"S={r['S']} D={r['D']} Hkv={r['Hkv']} {r.get('dtype', 'bf16')} causal={r['causal']}",
+                 pending)
 
 
 AR_HEADER = ("| bytes | ours µs | one-shot forced µs | two-shot forced µs | NCCL µs | torch one-shot µs | "
@@ -132,10 +144,11 @@ def ar_row(r):
             f"{ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} |")
 
 
-def write_all_reduce(records, W, out_dir: str) -> None:
+def write_all_reduce(records, W, out_dir: str, pending=()) -> None:
     caption = (f"bf16, median µs (max over ranks), timed in turns within each iteration; peer copy bandwidth "
                f"{records[0]['peer_bandwidth_gbs']:.0f} GB/s, empty kernel {records[0]['latency_us']:.1f} µs")
-    _write_table("all_reduce", records, W, out_dir, caption, AR_HEADER, ar_row, lambda r: f"{r['bytes']} bytes")
+    _write_table("all_reduce", records, W, out_dir, caption, AR_HEADER, ar_row, lambda r: f"{r['bytes']} bytes",
+                 pending)
 
 
 GEMM_AR_HEADER = ("| M | K | N | ours µs | ours matmul + AllReduce µs | matmul + NCCL µs | GEMM alone µs | "
@@ -151,11 +164,11 @@ def gemm_ar_row(r):
             f"{ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} |")
 
 
-def write_gemm_ar(records, W, out_dir: str) -> None:
+def write_gemm_ar(records, W, out_dir: str, pending=()) -> None:
     caption = ("bf16, K over all ranks (each has K/W), B as weight.t(), median µs (max over ranks), timed in turns "
                "within each iteration")
     _write_table("gemm_ar", records, W, out_dir, caption, GEMM_AR_HEADER, gemm_ar_row,
-                 lambda r: f"{r['M']}x{r['K']}x{r['N']}")
+                 lambda r: f"{r['M']}x{r['K']}x{r['N']}", pending)
 
 
 def _row(r):
@@ -200,11 +213,12 @@ def _wt_row(r):
             f"{r['consumer_only_wt_us']:.1f} | {r['bound_wt_us'] / r['consumer_only_wt_us']:.2f} |")
 
 
-def write(op_name, records, W, out_dir: str) -> float:
-    """The JSON, table and plot of a GEMM op's records; returns the geometric-mean speed-up over NCCL + cuBLAS."""
+def write(op_name, records, W, out_dir: str, pending=()) -> float:
+    """The JSON, table and plot of a GEMM op's records (``pending``: the run's shapes not measured yet); returns the
+    geometric-mean speed-up over NCCL + cuBLAS."""
     os.makedirs(out_dir, exist_ok=True)
     base = _base(out_dir, op_name, records, W)
-    _save_json(base, op_name, W, records)
+    _save_json(base, op_name, W, records, pending)
     sp = [r["nccl_us"] / r["ours_us"] for r in records]
     geo = math.exp(sum(math.log(s) for s in sp) / len(sp))
     with open(base + ".md", "w") as f:
@@ -247,6 +261,7 @@ def write(op_name, records, W, out_dir: str) -> float:
                     f"{WT_HEADER}\n" + "\n".join(_wt_row(r) for r in wt))
             g = math.exp(sum(math.log(r["nccl_wt_us"] / r["ours_wt_us"]) for r in wt) / len(wt))
             f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS, B as weight.t(): {g:.3f}x\n")
+        f.write(_pending(pending))
         notes = [f"- {r['M']},{r['K']},{r['N']}: {r['note']}" for r in records if r["note"]]
         if notes:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")

@@ -1,0 +1,45 @@
+"""The benchmark report writer (benchmarks/report.py), on records of the committed results: a partial result names
+the shapes its run did not reach, in the Markdown and in the JSON; a whole one names none."""
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+report = pytest.importorskip("report")
+
+
+def _records(name):
+    with open(os.path.join(ROOT, "benchmarks", "results", name)) as f:
+        return json.load(f)["records"]
+
+
+@pytest.mark.parametrize("kind", ["cp_attention", "ag_gemm"])
+def test_partial_result_names_what_it_did_not_measure(tmp_path, kind):
+    if kind == "cp_attention":
+        records = _records("cp_attention-H200x4.json")[:1]
+        pending = [(1, 65536, 32, 8, 128, True), (1, 32768, 32, 8, 128, True, 12)]
+        write = lambda **kw: report.write_cp(records, 4, str(tmp_path), **kw)  # noqa: E731
+        line = "1,65536,32,8,128,True; 1,32768,32,8,128,True,12"
+    else:
+        records = _records("ag_gemm-H200x4.json")[:2]
+        pending = [(8192, 8192, 8192)]
+        write = lambda **kw: report.write("ag_gemm", records, 4, str(tmp_path), **kw)  # noqa: E731
+        line = "8192,8192,8192"
+    base = os.path.join(tmp_path, f"{kind}-{records[0]['gpu']}x4")
+
+    write(pending=pending)
+    with open(base + ".md") as f:
+        md = f.read()
+    with open(base + ".json") as f:
+        doc = json.load(f)
+    assert f"Not measured in this run (it ended before them): {line}." in md, md
+    assert doc["not_measured"] == [list(s) for s in pending] and len(doc["records"]) == len(records)
+
+    write()  # the whole run: nothing pending
+    with open(base + ".md") as f:
+        assert "Not measured" not in f.read()
+    with open(base + ".json") as f:
+        assert "not_measured" not in json.load(f)
