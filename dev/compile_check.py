@@ -80,7 +80,7 @@ def attention_signature(fn) -> dict:
             sig[name] = "constexpr"
         elif name in ("lse_ptr", "delta_ptr", "part_ptr"):
             sig[name] = "*fp32"
-        elif name in ("flags_ptr", "err_ptr", "seg_ptr", "cu_ptr", "ticket_ptr"):
+        elif name in ("flags_ptr", "err_ptr", "seg_ptr", "cu_ptr", "ticket_ptr", "dq_acc_ptr"):
             sig[name] = "*i32"
         elif name in ("recv_ptrs", "counter_ptrs"):
             sig[name] = "*i64"
@@ -171,7 +171,7 @@ def compile_attention(target) -> int:
             name = f"{fn.fn.__name__} varlen={varlen} causal={causal}" + (f" split={split}" if split else "")
             consts = dict(CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, HEAD_D=128, CLOCK=1, DOT_F32=False, VARLEN=varlen)
             if split:
-                consts["SPLIT"] = split
+                consts.update(SPLIT=split, DQ_ACC=False)  # DQ_ACC: the host backend's single pass only
             try:
                 sig = attention_signature(fn)
                 k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=divisibility(sig)),

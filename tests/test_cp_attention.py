@@ -554,6 +554,59 @@ def test_hopper_backward_matches_full_sequence(pool, case):
     _on_hopper(pool, "backward", _hopper_backward_case, *HOPPER_BACKWARD_CASES[case])
 
 
+def _single_pass_case(world, causal, Hq, Hkv, D, S, dtype_name, head_split):
+    """The host backend's single backward pass (the Hopper kernel's algorithm in Triton: the dK/dV kernel adds dQ
+    up in a float32 buffer, delta before, dQ scaled after), asked for by ``dkdv.warp_specialized``, for every rank of
+    a simulated world: against the full-sequence float32 reference and the two kernels; checks that it ran."""
+    from dataclasses import replace
+
+    from triton_overlap.kernels import attention_bwd
+
+    dtype = getattr(torch, dtype_name)
+    with to.Context(timeout_s=120) as ctx:
+        if ctx.backend != "host":
+            return "skip"
+        inputs, want = _full_problem(ctx.device, 1, S, Hq, Hkv, D, causal, dtype, "sp")
+        two = to.AttentionConfig.defaults(ctx.backend, D, 2)
+        single = replace(two, dkdv=replace(two.dkdv, warp_specialized=True))
+        passes, frame = [], attention_bwd.single_pass
+
+        def counted(*args, **kw):
+            passes.append(1)
+            return frame(*args, **kw)
+
+        attention_bwd.single_pass = counted
+        try:
+            got = simulate_ranks(ctx, *inputs, world, causal, cfg=single, head_split=head_split)
+        finally:
+            attention_bwd.single_pass = frame
+        assert len(passes) == world, f"single passes: {len(passes)} for {world} ranks"
+        ctx.check()
+        base = simulate_ranks(ctx, *inputs, world, causal, cfg=two, head_split=head_split)
+        errs = [rel_err(g, r) for g, r in zip(got, want)]
+        assert max(errs) < GRAD_TOL[dtype], f"world {world}: rel errs out/dq/dk/dv {errs}"
+        diff = [rel_err(g, b) for g, b in zip(got[1:], base[1:])]  # dq, dk, dv: only the float32 sum order
+        assert max(diff) < 1e-2, f"world {world}: rel diff dq/dk/dv against the two kernels {diff}"
+        return errs
+
+
+# simulated world, causal, Hq, Hkv, D, full sequence (halves that end inside a block), dtype, head split
+SINGLE_PASS_CASES = [
+    (1, True, 4, 2, 32, 40, "bfloat16", None),  # a world of one, GQA 2:1
+    (2, False, 4, 4, 32, 48, "float16", None),  # not causal, MHA
+    (3, True, 6, 3, 32, 36, "bfloat16", 2),  # three ranks, query heads split
+    (4, True, 4, 1, 16, 32, "bfloat16", 2),  # MQA, four ranks, split
+]
+
+
+@pytest.mark.parametrize("case", range(len(SINGLE_PASS_CASES)))
+def test_single_pass_backward_matches_full_sequence(pool, case):
+    """The host backend's path of the Hopper backward's algorithm; on GPUs that is the Gluon kernel (above)."""
+    if pool.backend != "host":
+        pytest.skip("on GPUs the single pass is the Hopper kernel (test_hopper_backward_matches_full_sequence)")
+    pool.run(_single_pass_case, *SINGLE_PASS_CASES[case])
+
+
 def _backward_times_out(warp_specialized: bool):
     """A peer's chunk that never lands: the backward's waits (with ``warp_specialized``, the Hopper kernel's
     loader) time out, and the fault names the rank, the op, the peer and the chunk (a simulated world of two, as

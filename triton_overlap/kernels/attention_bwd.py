@@ -15,6 +15,13 @@
   ticket sums the slots in a fixed order and does the store and the bump.
 * ``reduce_dkdv`` (per owner): waits for every source's count and sums the W
   partials.
+* The single pass (``single_pass``): delta and a zeroed float32 dQ buffer
+  (``bwd_prologue``), one kernel that adds dQ up while it computes dK/dV, then
+  dQ = the buffer times the scale (``bwd_epilogue``). On Hopper that kernel is
+  kernels.attention_bwd_hopper's; on the host backend, where a config asks for
+  it (``dkdv.warp_specialized``), it is ``cp_attention_dkdv`` with ``DQ_ACC``,
+  which adds each block pair's dS K into the buffer by atomics: the same
+  algorithm and protocol, so the host runs its tests.
 
 Causal masks use global zigzag positions as in the forward, and the same
 split: blocks every row sees run unmasked, blocks on the diagonal masked,
@@ -123,9 +130,11 @@ def cp_attention_dq(
 
 @triton.jit
 def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s, lo, hi, rank, world, C,
-               qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr,
-               DOT_F32: tl.constexpr):
-    """Add the contributions of local query rows [lo, hi) of one head (q at ``qrow0``, lse at ``lrow0``)."""
+               qk_scale, dq_acc_ptr, arow0, sa_s, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+               HEAD_D: tl.constexpr, DOT_F32: tl.constexpr, DQ_ACC: tl.constexpr):
+    """Add the contributions of local query rows [lo, hi) of one head (q at ``qrow0``, lse at ``lrow0``). With
+    DQ_ACC, also add those rows' dS K (unscaled) into the float32 dQ buffer (rows at ``arow0``, stride ``sa_s``)
+    by atomics."""
     offs_d = tl.arange(0, HEAD_D)
     for m0 in range(lo, hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -153,6 +162,13 @@ def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lr
         dv += tl.dot(pt.to(do.dtype), do)
         dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
         dk += tl.dot(dst.to(q.dtype), q)
+        if DQ_ACC:
+            acc_at = dq_acc_ptr + arow0 + offs_m[:, None] * sa_s + offs_d[None, :]
+            dq_part = tl.dot(tl.trans(dst.to(k.dtype)), k)
+            if MASKED:
+                tl.atomic_add(acc_at, dq_part, mask=m_ok[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(acc_at, dq_part, sem="relaxed")
     return dk, dv
 
 
@@ -160,9 +176,9 @@ def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lr
 def cp_attention_dkdv(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, lse_ptr, delta_ptr, recv_ptrs, counter_ptrs, flags_ptr,
     err_ptr, budget, rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
-    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr, part_ptr, ticket_ptr,
+    sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr, part_ptr, ticket_ptr, dq_acc_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
-    CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr,
+    CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr, DQ_ACC: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1) // SPLIT
@@ -194,6 +210,7 @@ def cp_attention_dkdv(
         h = hk * GROUP + g
         qrow0 = b * sq_b + h * sq_h + seg0 * sq_s
         lrow0 = (b * HQ + h) * S_LOCAL + seg0
+        arow0 = ((b * S_LOCAL + seg0) * HQ + h) * HEAD_D  # the dQ buffer [B, S, Hq, D], contiguous
         for qh in range(0, 2):  # this rank's two query halves
             h0 = qh * C
             if CAUSAL:  # query rows of the half that see some / every key of the block
@@ -206,14 +223,14 @@ def cp_attention_dkdv(
             m1 = tl.minimum(m_need + (m_full - m_need + BLOCK_M - 1) // BLOCK_M * BLOCK_M, C)
             m2 = m1 + (C - m1) // BLOCK_M * BLOCK_M
             dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
-                                h0 + m_need, h0 + m1, rank, world, C, qk_scale, True, CAUSAL, BLOCK_M, HEAD_D,
-                                DOT_F32)
+                                h0 + m_need, h0 + m1, rank, world, C, qk_scale, dq_acc_ptr, arow0, HQ * HEAD_D,
+                                True, CAUSAL, BLOCK_M, HEAD_D, DOT_F32, DQ_ACC)
             dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
-                                h0 + m1, h0 + m2, rank, world, C, qk_scale, False, CAUSAL, BLOCK_M, HEAD_D,
-                                DOT_F32)
+                                h0 + m1, h0 + m2, rank, world, C, qk_scale, dq_acc_ptr, arow0, HQ * HEAD_D,
+                                False, CAUSAL, BLOCK_M, HEAD_D, DOT_F32, DQ_ACC)
             dk, dv = _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lrow0, sq_s,
-                                h0 + m2, h0 + C, rank, world, C, qk_scale, True, CAUSAL, BLOCK_M, HEAD_D,
-                                DOT_F32)
+                                h0 + m2, h0 + C, rank, world, C, qk_scale, dq_acc_ptr, arow0, HQ * HEAD_D,
+                                True, CAUSAL, BLOCK_M, HEAD_D, DOT_F32, DQ_ACC)
     dk = dk * sm_scale
     last = pid_n >= 0
     if SPLIT > 1:  # the last of the block's SPLIT programs sums their partials
@@ -241,6 +258,27 @@ def cp_attention_dkdv(
         tl.debug_barrier()  # every thread's stores come before the release below
         counters = tl.load(counter_ptrs + src).to(tl.pointer_type(tl.int32))
         add_release(counters + rank, 1)
+
+
+@triton.jit
+def bwd_prologue(do_ptr, o_ptr, delta_ptr, acc_ptr, S_LOCAL, HQ, BLOCK: tl.constexpr, HEAD_D: tl.constexpr):
+    """delta = rowsum(dO * O) for BLOCK rows of one (batch, head); the float32 dQ buffer's rows zeroed."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < S_LOCAL
+    at = ((bh // HQ * S_LOCAL + rows) * HQ + bh % HQ)[:, None] * HEAD_D + tl.arange(0, HEAD_D)[None, :]
+    do = tl.load(do_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
+    tl.store(delta_ptr + bh * S_LOCAL + rows, tl.sum(do * o, axis=1), mask=ok)
+    tl.store(acc_ptr + at, tl.zeros((BLOCK, HEAD_D), tl.float32), mask=ok[:, None])
+
+
+@triton.jit
+def bwd_epilogue(acc_ptr, dq_ptr, N_ELEM, sm_scale, BLOCK: tl.constexpr):
+    """dQ = the float32 buffer times the softmax scale, in dQ's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N_ELEM
+    tl.store(dq_ptr + offs, (tl.load(acc_ptr + offs, mask=ok) * sm_scale).to(dq_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -286,16 +324,36 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
     if head_split is not None and (head_split < 1 or (Hq // Hkv) % head_split):
         raise ValueError(f"cp_attention: head_split {head_split} does not divide the {Hq // Hkv} query heads of a "
                          "K/V head")
+    common = (ctx.err, ctx.budget, rank, world, op, S)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
+    meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=ctx.backend == "host")
+
+    def dkdv(delta, dq_acc=None):
+        """The dK/dV kernel (with dq_acc, adding dQ up too); the count each owner waits for per source."""
+        n, seg, cu = _grid0(S, dkdv_blocks.block_n, docs_dkdv, flags)
+        if n:
+            split = head_split_for(ctx, n * B * Hkv * world, Hq // Hkv) if head_split is None else head_split
+            part, ticket = split_scratch(flags, world * B * Hkv * n, split, dkdv_blocks.block_n, D)
+            launch(cp_attention_dkdv, (n, B * Hkv * split, world), (
+                q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, *common, Hq, Hkv, Hq // Hkv,
+                m_per_chunk, chunks_per_rank, scale, *strides, seg, cu, part, ticket,
+                flags if dq_acc is None else dq_acc),
+                dict(BLOCK_M=dkdv_blocks.block_m, BLOCK_N=dkdv_blocks.block_n, VARLEN=docs_dkdv is not None,
+                     SPLIT=split, DQ_ACC=dq_acc is not None, **meta),
+                num_warps=dkdv_blocks.num_warps, num_stages=dkdv_blocks.num_stages)
+            ctx.after_launch()
+        return n * B * Hkv
+
     if dkdv_blocks.warp_specialized:
         from . import attention_bwd_hopper as ws
         if ws.usable(ctx, q, k, v, kw, vw, dq, docs_dkdv):
             split = head_split or head_split_for(ctx, S // ws.BLOCK_N * B * Hkv * world, Hq // Hkv, ws.MIN_WAVES)
             return ws.launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags,
                                     m_per_chunk, chunks_per_rank, scale, causal, rank, world, op, split)
+        if ctx.backend == "host" and docs_dkdv is None and q.is_contiguous():
+            # the same single pass in Triton's interpreter: the dK/dV kernel adds dQ up (DQ_ACC)
+            return single_pass(ctx, dout, out, dq, scale, dkdv)
     delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)  # written by the dQ kernel
-    common = (ctx.err, ctx.budget, rank, world, op, S)
-    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
-    meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=ctx.backend == "host")
     n, seg, cu = _grid0(S, dq_blocks.block_m, docs_dq, flags)
     if n:
         launch(cp_attention_dq, (n, B * Hq), (
@@ -304,18 +362,28 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
             dict(BLOCK_M=dq_blocks.block_m, BLOCK_N=dq_blocks.block_n, VARLEN=docs_dq is not None, **meta),
             num_warps=dq_blocks.num_warps, num_stages=dq_blocks.num_stages)
         ctx.after_launch()
-    n, seg, cu = _grid0(S, dkdv_blocks.block_n, docs_dkdv, flags)
-    if n:
-        split = head_split_for(ctx, n * B * Hkv * world, Hq // Hkv) if head_split is None else head_split
-        part, ticket = split_scratch(flags, world * B * Hkv * n, split, dkdv_blocks.block_n, D)
-        launch(cp_attention_dkdv, (n, B * Hkv * split, world), (
-            q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, *common, Hq, Hkv, Hq // Hkv,
-            m_per_chunk, chunks_per_rank, scale, *strides, seg, cu, part, ticket),
-            dict(BLOCK_M=dkdv_blocks.block_m, BLOCK_N=dkdv_blocks.block_n, VARLEN=docs_dkdv is not None,
-                 SPLIT=split, **meta),
-            num_warps=dkdv_blocks.num_warps, num_stages=dkdv_blocks.num_stages)
-        ctx.after_launch()
-    return n * B * Hkv
+    return dkdv(delta)
+
+
+#: rows per program of bwd_prologue
+PROLOGUE_ROWS = 64
+
+
+def single_pass(ctx, dout, out, dq, scale, kernel):
+    """The frame of a backward that adds dQ up in the pass over (key block, query block) pairs: delta and a zeroed
+    float32 dQ buffer [B, S, Hq, D] (bwd_prologue), ``kernel(delta, buffer)``, then dQ = the buffer times ``scale``
+    (bwd_epilogue). ``dout``, ``out`` and ``dq`` contiguous, shaped like q. Returns what ``kernel`` returns."""
+    B, S, Hq, D = dq.shape
+    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=dq.device)
+    acc = torch.empty((B, S, Hq, D), dtype=torch.float32, device=dq.device)
+    launch(bwd_prologue, (cdiv(S, PROLOGUE_ROWS), B * Hq), (dout, out, delta, acc, S, Hq),
+           dict(BLOCK=PROLOGUE_ROWS, HEAD_D=D), num_warps=4)
+    ctx.after_launch()
+    result = kernel(delta, acc)
+    block = 4096
+    launch(bwd_epilogue, (cdiv(acc.numel(), block),), (acc, dq, acc.numel(), scale), dict(BLOCK=block), num_warps=4)
+    ctx.after_launch()
+    return result
 
 
 def split_scratch(flags, blocks: int, split: int, block_n: int, D: int):

@@ -17,25 +17,22 @@ rank's rows, so no second kernel computes S and dP again (five products per pair
   (an element-wise atomic reduction that runs while the warpgroup goes on to the next query block; docs/decisions.md
   has what it saved over atomics from registers).
 
-``launch_bwd_ws`` runs a small Triton kernel before it (delta = rowsum(dO * O), the float32 buffer zeroed) and one
-after it (dQ = the buffer times the softmax scale, in q's dtype). dQ's float32 sum takes its terms in the order
-the reductions land, so its last bits may differ between calls; dK and dV are summed in a fixed order. Only for
-NVIDIA sm_90 with 16-bit operands, D of 64 or 128, and shapes whose blocks never straddle a zigzag half
-(``usable``); elsewhere the op takes kernels.attention_bwd's two kernels.
-"""
+``launch_bwd_ws`` runs it inside kernels.attention_bwd's ``single_pass`` frame: a small Triton kernel before it
+(delta = rowsum(dO * O), the float32 buffer zeroed) and one after it (dQ = the buffer times the softmax scale, in
+q's dtype). dQ's float32 sum takes its terms in the order the reductions land, so its last bits may differ between
+calls; dK and dV are summed in a fixed order. Only for NVIDIA sm_90 with 16-bit operands, D of 64 or 128, and
+shapes whose blocks never straddle a zigzag half (``usable``); elsewhere the op takes kernels.attention_bwd's two
+kernels, and on the host backend the same single pass in Triton (its dK/dV kernel with ``DQ_ACC``)."""
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from ..plan import cdiv
 from .attention import wait_kv, zigzag_pos
-from .attention_bwd import split_scratch
+from .attention_bwd import single_pass, split_scratch
 from .attention_hopper import head_desc, hopper
 from .cached_launch import launch
 from .gemm_warp_specialized import _barrier, _tma_load, gluon_available
@@ -329,27 +326,6 @@ def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_d
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
-@triton.jit
-def bwd_prologue(do_ptr, o_ptr, delta_ptr, acc_ptr, S_LOCAL, HQ, BLOCK: tl.constexpr, HEAD_D: tl.constexpr):
-    """delta = rowsum(dO * O) for BLOCK rows of one (batch, head); the float32 dQ buffer's rows zeroed."""
-    bh = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rows < S_LOCAL
-    at = ((bh // HQ * S_LOCAL + rows) * HQ + bh % HQ)[:, None] * HEAD_D + tl.arange(0, HEAD_D)[None, :]
-    do = tl.load(do_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(delta_ptr + bh * S_LOCAL + rows, tl.sum(do * o, axis=1), mask=ok)
-    tl.store(acc_ptr + at, tl.zeros((BLOCK, HEAD_D), tl.float32), mask=ok[:, None])
-
-
-@triton.jit
-def bwd_epilogue(acc_ptr, dq_ptr, N_ELEM, sm_scale, BLOCK: tl.constexpr):
-    """dQ = the float32 buffer times the softmax scale, in dQ's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N_ELEM
-    tl.store(dq_ptr + offs, (tl.load(acc_ptr + offs, mask=ok) * sm_scale).to(dq_ptr.dtype.element_ty), mask=ok)
-
-
 # ---------------------------------------------------------------------------------------------------- launcher
 def usable(ctx, q, k, v, kw, vw, dq, docs) -> bool:
     """Whether this backward can run: the cuda backend on compute capability 9.0 with Gluon; 16-bit q/k/v, D of 64
@@ -374,24 +350,20 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
     def rows(t):  # float32 [b, h, s] as BLOCK_M-row pieces of the 1-D [b * h * s]
         return TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M], ROWS_LAYOUT)
 
-    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)
-    acc = torch.empty((B, S, Hq, D), dtype=torch.float32, device=q.device)
-    launch(bwd_prologue, (cdiv(S, BLOCK_M), B * Hq), (dout, out, delta, acc, S, Hq), dict(BLOCK=BLOCK_M, HEAD_D=D),
-           num_warps=4)
-    ctx.after_launch()
-    half = [BLOCK_M, D // 2]  # each compute warpgroup's piece of dQ
-    dq_desc = TensorDescriptor(acc.view(B * S, Hq * D), [B * S, Hq * D], [Hq * D, 1], half,
-                               gl.NVMMASharedLayout.get_default_for(half, gl.float32))
     n = S // BLOCK_N
     part, ticket = split_scratch(flags, world * B * Hkv * n, split, BLOCK_N, D)
-    launch(cp_attention_bwd_ws, (n, B * Hkv * split, world), (
-        head_desc(q, [BLOCK_M, D]), head_desc(dout, [BLOCK_M, D]), head_desc(k, [BLOCK_N, D]),
-        head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]), rows(lse.contiguous()),
-        rows(delta), dq_desc, recv_ptrs, counter_ptrs, part, ticket, flags, ctx.err, ctx.budget, rank, world, op, S,
-        Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
-    ), dict(CAUSAL=causal, SPLIT=split, NSTAGE=STAGES, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
-    ctx.after_launch()
-    block = 4096
-    launch(bwd_epilogue, (cdiv(acc.numel(), block),), (acc, dq, acc.numel(), scale), dict(BLOCK=block), num_warps=4)
-    ctx.after_launch()
+    half = [BLOCK_M, D // 2]  # each compute warpgroup's piece of dQ
+
+    def kernel(delta, acc):
+        dq_desc = TensorDescriptor(acc.view(B * S, Hq * D), [B * S, Hq * D], [Hq * D, 1], half,
+                                   gl.NVMMASharedLayout.get_default_for(half, gl.float32))
+        launch(cp_attention_bwd_ws, (n, B * Hkv * split, world), (
+            head_desc(q, [BLOCK_M, D]), head_desc(dout, [BLOCK_M, D]), head_desc(k, [BLOCK_N, D]),
+            head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]),
+            rows(lse.contiguous()), rows(delta), dq_desc, recv_ptrs, counter_ptrs, part, ticket, flags, ctx.err,
+            ctx.budget, rank, world, op, S, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
+        ), dict(CAUSAL=causal, SPLIT=split, NSTAGE=STAGES, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
+        ctx.after_launch()
+
+    single_pass(ctx, dout, out, dq, scale, kernel)
     return n * B * Hkv
