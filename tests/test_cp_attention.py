@@ -459,14 +459,14 @@ def _late_chunk_faults(ctx, flags, chunk, launch):
     return True
 
 
-def _forward_times_out(warp_specialized: bool):
+def _forward_times_out(warp_specialized: bool, timeout_s: float):
     """A peer's chunk that never lands: the forward kernel's wait (with ``warp_specialized``, the Hopper kernel's
     loader) times out, and the fault names the rank, the op, the peer and the chunk (a simulated world of two, as
     rank 0, with rank 1's flags down)."""
     from triton_overlap.kernels import attention_hopper
     from triton_overlap.kernels.attention import Blocks, launch_fwd
 
-    with to.Context(timeout_s=5) as ctx:
+    with to.Context(timeout_s=timeout_s) as ctx:
         dev = ctx.device
         if warp_specialized and (ctx.backend != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0)
                                  or not attention_hopper.gluon_available()):
@@ -485,12 +485,20 @@ def _forward_times_out(warp_specialized: bool):
             ctx, q, k, v, kw, vw, out, lse, flags, S // cpr, cpr, 0.1, False, blocks, rank=0, world=2, op=op))
 
 
+def _simulated_once(pool):
+    """Tests that simulate a world on each rank run on the host backend's 2-rank pool only (the others would
+    repeat them)."""
+    if pool.backend == "host" and pool.world != 2:
+        pytest.skip("a simulated world: run once on the host backend, at W = 2")
+
+
 def test_forward_wait_times_out(pool):
-    pool.run(_forward_times_out, False)
+    _simulated_once(pool)
+    pool.run(_forward_times_out, False, 1.5 if pool.backend == "host" else 5.0)
 
 
 def test_hopper_forward_wait_times_out(pool):
-    _on_hopper(pool, "forward", _forward_times_out, True)
+    _on_hopper(pool, "forward", _forward_times_out, True, 5.0)
 
 
 def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
@@ -604,10 +612,11 @@ def test_single_pass_backward_matches_full_sequence(pool, case):
     """The host backend's path of the Hopper backward's algorithm; on GPUs that is the Gluon kernel (above)."""
     if pool.backend != "host":
         pytest.skip("on GPUs the single pass is the Hopper kernel (test_hopper_backward_matches_full_sequence)")
+    _simulated_once(pool)
     pool.run(_single_pass_case, *SINGLE_PASS_CASES[case])
 
 
-def _backward_times_out(warp_specialized: bool):
+def _backward_times_out(warp_specialized: bool, timeout_s: float):
     """A peer's chunk that never lands: the backward's waits (with ``warp_specialized``, the Hopper kernel's
     loader) time out, and the fault names the rank, the op, the peer and the chunk (a simulated world of two, as
     rank 0, with rank 1's flags down)."""
@@ -617,7 +626,7 @@ def _backward_times_out(warp_specialized: bool):
     from triton_overlap.kernels.attention import Blocks
     from triton_overlap.kernels.attention_bwd import launch_bwd
 
-    with to.Context(timeout_s=5) as ctx:
+    with to.Context(timeout_s=timeout_s) as ctx:
         dev = ctx.device
         if warp_specialized and (ctx.backend != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0)
                                  or not attention_bwd_hopper.gluon_available()):
@@ -645,8 +654,9 @@ def _backward_times_out(warp_specialized: bool):
 
 
 def test_backward_wait_times_out(pool):
-    pool.run(_backward_times_out, False)
+    _simulated_once(pool)
+    pool.run(_backward_times_out, False, 1.5 if pool.backend == "host" else 5.0)
 
 
 def test_hopper_backward_wait_times_out(pool):
-    _on_hopper(pool, "backward", _backward_times_out, True)
+    _on_hopper(pool, "backward", _backward_times_out, True, 5.0)

@@ -160,11 +160,11 @@ def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lr
                 keep = keep & (k_pos[:, None] <= zigzag_pos(offs_m, rank, world, C)[None, :])
             pt = tl.where(keep, pt, 0.0)
         dv += tl.dot(pt.to(do.dtype), do)
-        dst = pt * (tl.dot(v, tl.trans(do)) - delta[None, :])
-        dk += tl.dot(dst.to(q.dtype), q)
+        dst = (pt * (tl.dot(v, tl.trans(do)) - delta[None, :])).to(q.dtype)  # dS^T, as the products take it
+        dk += tl.dot(dst, q)
         if DQ_ACC:
             acc_at = dq_acc_ptr + arow0 + offs_m[:, None] * sa_s + offs_d[None, :]
-            dq_part = tl.dot(tl.trans(dst.to(k.dtype)), k)
+            dq_part = tl.dot(tl.trans(dst), k)
             if MASKED:
                 tl.atomic_add(acc_at, dq_part, mask=m_ok[:, None], sem="relaxed")
             else:
