@@ -8,7 +8,7 @@
 # tune       TUNE="op shape [flags];..." through scripts/tune.py into $OUT/tuned.json, which later parts use
 # tutorials  every tutorial (or TUTORIALS) through the launcher
 # compile    dev/compile_check.py with this machine's Triton
-# BENCH_ITERS sets bench.py's --iters; PACK=1 packs $OUT/results into $OUT/results.tar at the end (one file to fetch)
+# BENCH_ITERS sets bench.py's --iters, BENCH_FLAGS adds flags (e.g. --virtual-hosts 2); PACK=1 packs $OUT/results into $OUT/results.tar at the end (one file to fetch)
 set -uo pipefail
 parts="${1:?usage: bash dev/gpu_batch.sh tests,shared,bench,tune,tutorials,compile}"
 want() { [[ ",$parts," == *",$1,"* ]]; }
@@ -41,7 +41,7 @@ fi
 if want bench; then
   for op in ${BENCH_OPS:-ag_gemm gemm_rs cp_attention}; do
     timeout "${BENCH_TIMEOUT:-240}" bash scripts/launch.sh benchmarks/bench.py "$op" --out "$OUT/results" \
-      ${BENCH_ITERS:+--iters "$BENCH_ITERS"} 2>&1 \
+      ${BENCH_ITERS:+--iters "$BENCH_ITERS"} ${BENCH_FLAGS:-} 2>&1 \
       | tee "$OUT/bench_$op.log" | grep -E '^\||geometric' | tail -12
   done
 fi
