@@ -60,12 +60,13 @@ class AllGatherGEMMConfig(ChunkedGemmConfig):
 
     @classmethod
     def defaults(cls, backend: str) -> "AllGatherGEMMConfig":
-        """Interpreter-sized tiles on the host backend; AMD CDNA-class tiles on hip; H100/H200-class tiles on cuda."""
+        """Interpreter-sized tiles on the host backend; AMD CDNA-class tiles on hip; H100/H200-class tiles and one
+        producer stream on cuda."""
         if backend == "host":
             return cls(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=1, num_stages=1, chunks_per_rank=3)
         if backend == "hip":
             return cls(block_m=256, block_n=256, block_k=64, num_warps=8, num_stages=2, num_xcds=8)
-        return cls(consumer_first=True, num_stages=4, min_chunk_bytes=16 << 20)
+        return cls(consumer_first=True, num_stages=4, min_chunk_bytes=16 << 20, num_streams=1)
 
     def for_fp8(self, backend: str) -> "AllGatherGEMMConfig":
         """Untuned fp8 tiles on GPUs: 128-deep K steps (128 bytes, as 64 are for 16-bit types) and 3 stages, which
