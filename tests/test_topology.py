@@ -213,6 +213,51 @@ def test_ops_between_hosts(pool, what):
         pool.run(_under_hosts, n, module, fn, *(host_case if pool.backend == "host" else gpu_case))
 
 
+def _held_for_link(n: int, module: str, name: str, *args):
+    """As _under_hosts, on Contexts that hold consumers for the exchanges between hosts (Context.holds_for_link, on
+    GPUs where NCCL carries them): gathers hold their consumer, GEMM-RS sums the partials after the join. Returns
+    whether a gather held its consumer and how many separate reductions ran."""
+    from triton_overlap.ops import gemm_reduce_scatter as rs
+    from triton_overlap.producers import gather
+
+    init, make, reduce = to.Context.__init__, gather.Gather.__init__, rs.launch_reduce
+    seen = {"held": False, "reductions": 0}
+
+    def ctx_init(self, *a, **k):
+        init(self, *a, **k)
+        self.holds_for_link = self.num_hosts > 1
+
+    def gather_init(self, *a, **k):
+        make(self, *a, **k)
+        seen["held"] |= self.hold_consumer
+
+    def counted(*a, **k):
+        seen["reductions"] += 1
+        return reduce(*a, **k)
+
+    to.Context.__init__, gather.Gather.__init__, rs.launch_reduce = ctx_init, gather_init, counted
+    try:
+        _under_hosts(n, module, name, *args)
+    finally:
+        to.Context.__init__, gather.Gather.__init__, rs.launch_reduce = init, make, reduce
+    return seen["held"], seen["reductions"]
+
+
+@pytest.mark.parametrize("what", ["ag push", "rs fused, delays", "cp forward", "cp backward"])
+def test_ops_between_hosts_held_for_link(pool, what):
+    """The order kept where NCCL carries the exchanges between hosts, on the host backend: the same cases, correct,
+    with the gathers' consumers held and GEMM-RS's reduction (fused where the case asks for it) after the join."""
+    if pool.backend != "host":
+        pytest.skip("GPUs whose group spans hosts over NCCL take this order in test_ops_between_hosts")
+    if pool.world != 2:
+        pytest.skip("run once on the host backend, at W = 2")
+    module, fn, case, _ = BETWEEN_HOSTS[what]
+    held, reductions = zip(*pool.run(_held_for_link, 2, module, fn, *case))
+    assert all(held) == (not what.startswith("rs")) and any(held) == all(held)
+    if what.startswith("rs"):
+        assert all(n > 0 for n in reductions), reductions
+
+
 # The fault tests' own cases, one rank per host: a peer on another host that never makes a repeated call is named
 # within the timeout (the exchange of call headers between hosts waits for it); ranks whose calls differ are told
 # at once, naming both shapes (the headers are compared on the device); a peer that brings an unagreed shape while

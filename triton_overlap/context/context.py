@@ -151,6 +151,11 @@ class Context:
         self.backend_name = name
         self._backend = self._make_backend(name)
         self.device = self._backend.device
+        #: consumers start only after the exchanges between hosts (producers.pipeline, step 3): on a group that spans
+        #: hosts over NCCL, whose kernels need SMs and whose calls may synchronise the device, so a consumer spinning
+        #: for their data could keep them from ever delivering it (docs/hosts.md)
+        self.holds_for_link = (self.topology.num_hosts > 1 and self.device.type == "cuda"
+                               and dist.get_backend(self._group) == "nccl")
         self.budget = self._backend.timeout_budget(self.timeout_s)
         self.clock = self._backend.clock
         self._allocs: dict[str, _Allocation] = {}

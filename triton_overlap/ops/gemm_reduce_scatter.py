@@ -146,7 +146,10 @@ class GEMMReduceScatter(OverlapOp):
         cfg = with_overrides(self.config_for((M, K, N)), overrides)
         # across hosts always the copy variant: the GEMM cannot store into another host's memory
         copy = ctx.num_hosts > 1 or scatter_mode(cfg, M, N, a.element_size(), ctx.backend, W) == "copy"
-        fuse = fuses(cfg, M, W)
+        # across hosts over NCCL (Context.holds_for_link) nothing waits for other hosts' partials while the
+        # exchanges run: a separate reduction, after the join
+        late = ctx.holds_for_link
+        fuse = fuses(cfg, M, W) and not late
         b_layout = warp_specialized.layout_for(ctx, a, w, m_local) if fuse and wants_warp_specialized(cfg) else None
         self.last_gemm = "gemm_warp_specialized" if b_layout is not None else "gemm"
         if b_layout is not None:  # the warp-specialized GEMM's own tiles, and so its own plan
@@ -184,12 +187,17 @@ class GEMMReduceScatter(OverlapOp):
             launch_gemm(ctx, cfg, a, w, c, order=order, flags=counters.local, layout=layout,
                         bias=bias if fuse else None, scatter=target, exit_counts=self._exit_counts() if fuse else None,
                         op=self.op)
-            if not fuse:  # a reduction kernel sums the partials; its counters are then reset on this stream
-                launch_reduce(ctx, recv.local, out, bias, counters.local, expected, layout, op=self.op)
-                counters.local.zero_()  # every count was seen; peers add again only after the next barrier
+            if not fuse and not late:
+                reduce()
+
+        def reduce():  # a reduction kernel sums the partials; its counters are then reset on this stream
+            launch_reduce(ctx, recv.local, out, bias, counters.local, expected, layout, op=self.op)
+            counters.local.zero_()  # every count was seen; peers add again only after the next barrier
 
         # (fused: the GEMM's last program zeroes the counters; the copy streams zero the local counts they waited on)
         pipeline.run(ctx, producer, consumer, consumer_first=copy)
+        if late:
+            reduce()
 
     def _plan(self, m_local: int, n: int, cfg, elsize: int):
         """Chunk layout (each chunk of partial output at least ``cfg.min_chunk_bytes`` where it can), GEMM m-tile

@@ -47,10 +47,12 @@ class Gather:
         self.num_streams = (max(1, min(num_streams, local - 1)) if local > 1 else 0) + int(self.remote)
         self.reset_flags = reset_flags
         self.call = call
-        #: the exchanges between hosts block the host (not NCCL): the copies are enqueued before the consumer runs
-        #: (once a consumer fills every SM with programs waiting for chunks, a blocked host might wait on a copy
-        #: that needs an SM)
-        self.copies_first = self.remote and not link(ctx).wire.nccl
+        #: the consumer starts once the exchanges between hosts are done (pipeline step 3; Context.holds_for_link)
+        self.hold_consumer = self.remote and ctx.holds_for_link
+        #: across hosts the copies are enqueued before the consumer runs: the consumer is held, or the exchanges
+        #: block the host (not NCCL), and once a consumer fills every SM with programs waiting for chunks, a blocked
+        #: host might wait on a copy that needs an SM
+        self.copies_first = self.remote
 
     def open(self, ctx, stream) -> None:
         open_call(ctx, stream, self.call)

@@ -13,7 +13,9 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    waits: the opening then also compares the call with the other hosts' ranks (producers.link);
 3. **consumer and copies**: the consumer (kernels on the caller's stream) and the producer's copies with their
    flags, in the order asked. ``consumer_first`` launches the consumer before the host enqueues the copies, so the
-   GPU computes on local data while the host works;
+   GPU computes on local data while the host works. A producer that ``hold_consumer`` enqueues first, and the
+   caller's stream waits for its last stream (the exchanges between hosts) before the consumer: NCCL's kernels there
+   need SMs that a consumer's waiting programs could hold;
 4. **join**: the caller's stream waits for every producer stream;
 5. **finish**: the producer's closing steps on the caller's stream (resetting this rank's flags, where the consumer
    does not do it itself).
@@ -29,9 +31,11 @@ from .link import open_call
 
 
 class Producer(Protocol):
-    """What a producer tells the pipeline. ``num_streams``: how many producer streams it uses (0: none)."""
+    """What a producer tells the pipeline. ``num_streams``: how many producer streams it uses (0: none);
+    ``hold_consumer``: the consumer starts after the producer's last stream (step 3)."""
 
     num_streams: int
+    hold_consumer: bool
 
     def open(self, ctx, stream) -> None:
         """Step 2 on ``stream`` (the first producer stream, or the caller's stream without producer streams)."""
@@ -49,6 +53,7 @@ class BarrierOnly:
     the same call (``call``: its header, Context.call)."""
 
     num_streams = 0
+    hold_consumer = False
 
     def __init__(self, call=None):
         self.call = call
@@ -84,11 +89,14 @@ def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consume
         caller.wait_stream(first)
     for s in streams[1:]:
         s.wait_stream(first)
-    if consumer_first and ctx.backend != "host":  # 3. (on the host backend a launch runs to its end: copies first)
+    # 3. (on the host backend a launch runs to its end: copies first)
+    if consumer_first and ctx.backend != "host" and not producer.hold_consumer:
         consumer()
         producer.enqueue(ctx, streams)
     else:
         producer.enqueue(ctx, streams)
+        if producer.hold_consumer:
+            caller.wait_stream(streams[-1])
         consumer()
     for s in streams:  # 4. join
         caller.wait_stream(s)

@@ -72,7 +72,10 @@ def copy_stream_index(world: int, n_streams: int, i: int, j: int) -> int:
 class Scatter:
     """The producer of one GEMM-RS copy-variant call (producers.pipeline). ``counts``: ``[owner][j]``, the count
     chunk j of each owner's rows reaches once the GEMM has stored every tile over it (ChunkLayout.tile_stores);
-    ``call``: the call's header (Context.call)."""
+    ``call``: the call's header (Context.call). Its copies wait for the GEMM, so the GEMM is never held
+    (pipeline step 3); across hosts over NCCL the op sums the partials only after the join (GEMMReduceScatter)."""
+
+    hold_consumer = False
 
     def __init__(self, ctx, layout: ChunkLayout, stage: Staging, recv, counters, counts, num_streams: int | None,
                  call=None):
