@@ -13,7 +13,8 @@ WORD = "sess" + "ion"  # spelled in two so that this file does not match its own
 ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|[a-z]+teenth|"
             "twentieth|[0-9]+(?:st|nd|rd|th)")
 HISTORY = re.compile(rf"{WORD}[-_ ]?[0-9]+|\b(?:{ORDINALS})\s+{WORD}", re.IGNORECASE)
-RESULT_NAME = re.compile(r"^[a-z0-9_]+-[A-Za-z0-9_]+x[0-9]+\.(json|md|png)$")
+#: <op>-<gpu>x<W>, with -<N>hosts where the group spanned N (virtual) hosts (benchmarks/report.py)
+RESULT_NAME = re.compile(r"^[a-z0-9_]+-[A-Za-z0-9_]+x[0-9]+(-[0-9]+hosts)?\.(json|md|png)$")
 
 
 def _files():
@@ -51,15 +52,18 @@ def test_results_are_one_current_set_per_op_gpu_and_world_size():
     names = sorted(os.listdir(folder))
     assert names, "no committed results"
     odd = [n for n in names if not RESULT_NAME.match(n)]
-    assert not odd, f"benchmarks/results holds <op>-<gpu>x<W>.{{json,md,png}} only, not {odd}"
+    assert not odd, f"benchmarks/results holds <op>-<gpu>x<W>[-<N>hosts].{{json,md,png}} only, not {odd}"
     for name in names:
         if name.endswith(".json"):
             with open(os.path.join(folder, name)) as f:
                 doc = json.load(f)
             assert doc.get("commit") and re.match(r"^\d{4}-\d{2}-\d{2}$", doc.get("date", "")), \
                 f"{name} must state the commit and date it was measured on"
-            op, rest = name[:-len(".json")].rsplit("-", 1)
+            stem = name[:-len(".json")]
+            hosts = re.search(r"-([0-9]+)hosts$", stem)
+            op, rest = stem[:hosts.start() if hosts else None].rsplit("-", 1)
             assert doc["op"] == op and doc["world_size"] == int(rest.rsplit("x", 1)[1]), name
+            assert all(r.get("num_hosts", 1) == (int(hosts.group(1)) if hosts else 1) for r in doc["records"]), name
             assert doc["records"], f"{name} has no records"
 
 
