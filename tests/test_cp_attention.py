@@ -459,6 +459,20 @@ def _late_chunk_faults(ctx, flags, chunk, launch):
     return True
 
 
+def _late_chunk_setup(ctx, warp_specialized: bool, kernels, names):
+    """The inputs of a simulated world of two for _late_chunk_faults: None where ``warp_specialized`` asks for a
+    Hopper kernel (module ``kernels``) this GPU cannot run; else S, chunks per rank, D, the ``names``d [1, S, H, D]
+    tensors (2 heads for k and v, 4 for the rest), K/V workspaces of zeros and every flag up."""
+    dev = ctx.device
+    if warp_specialized and (ctx.backend != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0)
+                             or not kernels.gluon_available()):
+        return None
+    S, cpr, D = (64, 2, 32) if ctx.backend == "host" else (512, 2, 128 if warp_specialized else 64)
+    tensors = [rand((1, S, 2 if n in ("k", "v") else 4, D), torch.bfloat16, dev, n, "late") for n in names]
+    kw, vw = (torch.zeros(1, 2 * S, 2, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    return S, cpr, D, tensors, kw, vw, torch.ones(2 * cpr, dtype=torch.int32, device=dev)
+
+
 def _forward_times_out(warp_specialized: bool, timeout_s: float):
     """A peer's chunk that never lands: the forward kernel's wait (with ``warp_specialized``, the Hopper kernel's
     loader) times out, and the fault names the rank, the op, the peer and the chunk (a simulated world of two, as
@@ -467,19 +481,16 @@ def _forward_times_out(warp_specialized: bool, timeout_s: float):
     from triton_overlap.kernels.attention import Blocks, launch_fwd
 
     with to.Context(timeout_s=timeout_s) as ctx:
-        dev = ctx.device
-        if warp_specialized and (ctx.backend != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0)
-                                 or not attention_hopper.gluon_available()):
+        setup = _late_chunk_setup(ctx, warp_specialized, attention_hopper, ("q", "k", "v"))
+        if setup is None:
             return "skip"
-        S, cpr, D = (64, 2, 32) if ctx.backend == "host" else (512, 2, 128 if warp_specialized else 64)
-        q, k, v = (rand((1, S, h, D), torch.bfloat16, dev, name, "late") for name, h in (("q", 4), ("k", 2), ("v", 2)))
-        kw, vw = (torch.zeros(1, 2 * S, 2, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        S, cpr, D, (q, k, v), kw, vw, flags = setup
+        dev = ctx.device
         if warp_specialized:
             blocks = Blocks(128, 128, 8, 2, warp_specialized=True)
             assert attention_hopper.usable(ctx, q, k, v, kw, vw, None, blocks)
         else:
             blocks = to.AttentionConfig.defaults(ctx.backend, D, 2).fwd
-        flags = torch.ones(2 * cpr, dtype=torch.int32, device=dev)
         out, lse = torch.empty_like(q), torch.empty(1, 4, S, dtype=torch.float32, device=dev)
         return _late_chunk_faults(ctx, flags, "0", lambda op: launch_fwd(
             ctx, q, k, v, kw, vw, out, lse, flags, S // cpr, cpr, 0.1, False, blocks, rank=0, world=2, op=op))
@@ -627,14 +638,11 @@ def _backward_times_out(warp_specialized: bool, timeout_s: float):
     from triton_overlap.kernels.attention_bwd import launch_bwd
 
     with to.Context(timeout_s=timeout_s) as ctx:
-        dev = ctx.device
-        if warp_specialized and (ctx.backend != "cuda" or torch.cuda.get_device_capability(dev) != (9, 0)
-                                 or not attention_bwd_hopper.gluon_available()):
+        setup = _late_chunk_setup(ctx, warp_specialized, attention_bwd_hopper, ("q", "k", "v", "do", "o"))
+        if setup is None:
             return "skip"
-        S, cpr, D = (64, 2, 32) if ctx.backend == "host" else (512, 2, 128 if warp_specialized else 64)
-        q, k, v, dout, out = (rand((1, S, h, D), torch.bfloat16, dev, name, "late") for name, h in
-                              (("q", 4), ("k", 2), ("v", 2), ("do", 4), ("o", 4)))
-        kw, vw = (torch.zeros(1, 2 * S, 2, D, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        S, cpr, D, (q, k, v, dout, out), kw, vw, flags = setup
+        dev = ctx.device
         lse = torch.zeros(1, 4, S, dtype=torch.float32, device=dev)
         dq = torch.empty_like(q)
         recv = torch.zeros(2, 2, 1, S, 2, D, dtype=torch.float32, device=dev)
@@ -647,7 +655,6 @@ def _backward_times_out(warp_specialized: bool, timeout_s: float):
         else:
             cfg = to.AttentionConfig.defaults(ctx.backend, D, 2)
             dq_blocks, dkdv_blocks = cfg.dq, replace(cfg.dkdv, warp_specialized=False)
-        flags = torch.ones(2 * cpr, dtype=torch.int32, device=dev)
         return _late_chunk_faults(ctx, flags, r"\d+", lambda op: launch_bwd(
             ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, S // cpr, cpr, 0.1, False,
             dq_blocks, dkdv_blocks, rank=0, world=2, op=op, head_split=1))
