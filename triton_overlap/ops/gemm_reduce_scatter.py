@@ -174,6 +174,10 @@ class GEMMReduceScatter(OverlapOp):
             producer = pipeline.BarrierOnly(call)
             ptrs, counter_ptrs = recv.ptrs, counters.ptrs
 
+        def reduce():  # a reduction kernel sums the partials; its counters are then reset on this stream
+            launch_reduce(ctx, recv.local, out, bias, counters.local, expected, layout, op=self.op)
+            counters.local.zero_()  # every count was seen; peers add again only after the next barrier
+
         def consumer():
             if b_layout is not None:
                 warp_specialized.launch_gemm_rs(ctx, b_layout, a, w, c, out, bias, layout, order, expected,
@@ -189,10 +193,6 @@ class GEMMReduceScatter(OverlapOp):
                         op=self.op)
             if not fuse and not late:
                 reduce()
-
-        def reduce():  # a reduction kernel sums the partials; its counters are then reset on this stream
-            launch_reduce(ctx, recv.local, out, bias, counters.local, expected, layout, op=self.op)
-            counters.local.zero_()  # every count was seen; peers add again only after the next barrier
 
         # (fused: the GEMM's last program zeroes the counters; the copy streams zero the local counts they waited on)
         pipeline.run(ctx, producer, consumer, consumer_first=copy)
