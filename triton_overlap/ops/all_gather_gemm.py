@@ -141,7 +141,7 @@ class AllGatherGEMM(OverlapOp):
                         scales=scales or None, workspace=ws.local, exit_counts=self._exit_counts(), op=self.op,
                         tma_store=cfg.tma_store)
 
-        first = cfg.consumer_first and self.warm((layout, mode)) and not producer.copies_first
+        first = cfg.consumer_first and self.warm((layout, mode))
         pipeline.run(ctx, producer, consumer, consumer_first=first)
 
     def _plan(self, m_local: int, row_bytes: int, cfg) -> tuple[ChunkLayout, torch.Tensor]:

@@ -258,7 +258,7 @@ class ContextParallelAttention(OverlapOp):
         first = cfg.consumer_first and self.warm((tuple(k.shape), k.dtype, kws.local.data_ptr(),
                                                   vws.local.data_ptr()))
         producer = self._gather(layout, k, v, kws, vws, flags, self._header("forward", k, local_cu))
-        pipeline.run(ctx, producer, consumer, consumer_first=first and not producer.copies_first, gate=True)
+        pipeline.run(ctx, producer, consumer, consumer_first=first, gate=True)
         return kws, vws
 
     @torch.no_grad()

@@ -48,10 +48,10 @@ class Gather:
         self.reset_flags = reset_flags
         self.call = call
         #: the consumer starts once the exchanges between hosts are done (pipeline step 3; Context.holds_for_link)
-        self.hold_consumer = self.remote and ctx.holds_for_link
-        #: across hosts the copies are enqueued before the consumer runs: the consumer is held, or the exchanges
-        #: block the host (not NCCL), and once a consumer fills every SM with programs waiting for chunks, a blocked
-        #: host might wait on a copy that needs an SM
+        self.hold_consumer = ctx.holds_for_link
+        #: across hosts the copies are enqueued before the consumer runs (pipeline step 3): the consumer is held, or
+        #: the exchanges block the host (not NCCL), and once a consumer fills every SM with programs waiting for
+        #: chunks, a blocked host might wait on a copy that needs an SM
         self.copies_first = self.remote
 
     def open(self, ctx, stream) -> None:

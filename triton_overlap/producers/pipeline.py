@@ -13,9 +13,9 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    waits: the opening then also compares the call with the other hosts' ranks (producers.link);
 3. **consumer and copies**: the consumer (kernels on the caller's stream) and the producer's copies with their
    flags, in the order asked. ``consumer_first`` launches the consumer before the host enqueues the copies, so the
-   GPU computes on local data while the host works. A producer that ``hold_consumer`` enqueues first, and the
-   caller's stream waits for its last stream (the exchanges between hosts) before the consumer: NCCL's kernels there
-   need SMs that a consumer's waiting programs could hold;
+   GPU computes on local data while the host works, unless the producer asks for ``copies_first``. A producer
+   that ``hold_consumer`` enqueues first, and the caller's stream waits for its last stream (the exchanges between
+   hosts) before the consumer: NCCL's kernels there need SMs that a consumer's waiting programs could hold;
 4. **join**: the caller's stream waits for every producer stream;
 5. **finish**: the producer's closing steps on the caller's stream (resetting this rank's flags, where the consumer
    does not do it itself).
@@ -32,9 +32,11 @@ from .link import open_call
 
 class Producer(Protocol):
     """What a producer tells the pipeline. ``num_streams``: how many producer streams it uses (0: none);
-    ``hold_consumer``: the consumer starts after the producer's last stream (step 3)."""
+    ``copies_first``: enqueue before the consumer, whatever the call's ``consumer_first``; ``hold_consumer``: that,
+    and the consumer starts after the producer's last stream (step 3)."""
 
     num_streams: int
+    copies_first: bool
     hold_consumer: bool
 
     def open(self, ctx, stream) -> None:
@@ -53,7 +55,7 @@ class BarrierOnly:
     the same call (``call``: its header, Context.call)."""
 
     num_streams = 0
-    hold_consumer = False
+    copies_first = hold_consumer = False
 
     def __init__(self, call=None):
         self.call = call
@@ -90,7 +92,7 @@ def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consume
     for s in streams[1:]:
         s.wait_stream(first)
     # 3. (on the host backend a launch runs to its end: copies first)
-    if consumer_first and ctx.backend != "host" and not producer.hold_consumer:
+    if consumer_first and ctx.backend != "host" and not (producer.copies_first or producer.hold_consumer):
         consumer()
         producer.enqueue(ctx, streams)
     else:
