@@ -165,6 +165,7 @@ class Context:
         self._streams: list[Stream] = []
         self._cache: dict = {}  # what ops keep per Context (plans, op objects, copy plans); freed by close()
         self._on_close: list = []
+        self._on_reset: list = []
         self._calls: dict[int, str] = {}  # fingerprint -> what it describes, for messages
         # the error word, symmetric: a rank that faults writes its fault into every peer's, so their waits stop too
         self._errors = self.symmetric("__errors", (sig.ERR_WORDS,), torch.int32)
@@ -178,9 +179,18 @@ class Context:
         # the ranks' first barrier starts in step rather than a kernel build apart
         self._build_barrier()
         self._exchange(None, "Context set-up")
+        self._open_link()
         self.barrier()
         self.synchronize()
         self.check()
+
+    def _open_link(self) -> None:
+        """On a group that spans hosts, make the exchanges between hosts (producers.link) now, while every rank is
+        known to be here: over NCCL they make a communicator of their own, which every rank must join at once."""
+        if self.num_hosts > 1 and self.topology.uniform:  # (hosts of different sizes take no path between them)
+            from ..producers.link import link
+
+            link(self)
 
     def _build_barrier(self) -> None:
         """Run the barrier kernel once on scratch memory where every peer is this rank and has arrived."""
@@ -375,6 +385,28 @@ class Context:
         """Call ``fn()`` when this Context closes (registries that name its ops let go of them)."""
         self._on_close.append(fn)
 
+    def on_reset(self, fn) -> None:
+        """Call ``fn()`` once, at the start of the next ``reset()`` (before it waits for this rank's work) or at
+        ``close()``: what a reset drops and must let go of first (producers.link's communicator)."""
+        self._on_reset.append(fn)
+
+    def fault_of_peers(self) -> bool:
+        """Fault this Context if another rank posted a fault of its own (how ranks on other hosts, whose error
+        words this rank does not map, learn of one); say whether it is faulted."""
+        if self._fault is None:
+            got = self._control.fault_of_others()
+            if got is not None:
+                self._fail(f"rank {self.rank}: rank {got[0]} faulted: {got[1].removeprefix('triton_overlap: ')}")
+        return self._fault is not None
+
+    def _run_reset_hooks(self) -> None:
+        hooks, self._on_reset = self._on_reset, []
+        for fn in hooks:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - letting go is best effort: the reset or close goes on
+                pass
+
     def call(self, op: int, descriptor: tuple, dims=()) -> Call:
         """The header a call of op ``op`` publishes at its barrier: ``descriptor`` holds everything every rank's
         call must agree on (shapes, dtypes, chunking, variant), ``dims`` up to four sizes for messages. Ops keep
@@ -562,6 +594,7 @@ class Context:
         self.ensure_open()
         self._resets += 1
         tag = f"reset{self._resets}"
+        self._run_reset_hooks()
         try:
             self.synchronize()  # every kernel of this rank has ended (their waits are bounded)
         except Exception:  # noqa: BLE001 - a producer stream's recorded error: the reset goes on
@@ -578,6 +611,7 @@ class Context:
         self._control.barrier("reset", tag + "/b")  # every rank has zeroed
         self._control.resync(self._resets)
         self._cache.clear()
+        self._open_link()
         self.generation += 1  # ops drop their captured graphs
         if self._seen is not None and self.device.type != "cpu":  # a copy of the word (the host backend's is it)
             self._seen[:] = 0
@@ -598,6 +632,7 @@ class Context:
         except Exception as e:  # noqa: BLE001 - freed below all the same, then raised
             error = e
         finally:
+            self._run_reset_hooks()
             for fn in self._on_close:
                 fn()
             self._on_close.clear()

@@ -67,6 +67,15 @@ class ControlPlane:
         self._store.set(f"e{self._epoch}/fault/{self.rank}", text.encode())
         self._store.add(f"e{self._epoch}/faults", 1)
 
+    def post_waiting(self) -> None:
+        """Tell the other ranks this rank is waiting, past its timeout, in an exchange between hosts (the exchange
+        cannot say which peer is missing: a peer that posts this is present)."""
+        self._store.set(f"e{self._epoch}/waiting/{self.rank}", b"")
+
+    def waiting(self, ranks) -> list[int]:
+        """Those of ``ranks`` that posted ``post_waiting`` in this epoch."""
+        return [r for r in ranks if self._store.check([f"e{self._epoch}/waiting/{r}"])]
+
     def fault_of_others(self):
         """(rank, text) of another rank's posted fault in this epoch, or None."""
         if self._store.add(f"e{self._epoch}/faults", 0) == 0:

@@ -10,10 +10,20 @@ outputs (GEMM-ReduceScatter, attention's dK/dV) go straight from each rank to ea
 Each call's first exchange between hosts carries the ranks' call headers (call number, op, fingerprint, sizes), and
 a kernel compares them on the device (kernels.signal.remote_header_kernel) before any of the peer's chunks is
 flagged ready: the barrier compares headers within a host only. Where exchanges block the host (not NCCL), a
-difference is raised before any data moves; over NCCL every wait of the call gives up and the Context reports it,
-while the exchanges of differing sizes are NCCL's to fail (a receive never writes past the size its rank posted).
+difference is raised before any data moves; over NCCL every wait of the call gives up and the Context reports it.
+
+Over NCCL the exchanges travel on a communicator of the Link's own (a group over the Context's ranks), and a
+``Watch`` bounds them: NCCL's kernels wait for their peer without end, and an exchange that never completes (a
+peer absent, or one whose exchange differs in size) would hold every stream behind it, and the host's next wait for
+the device, forever. The Watch times each exchange from the moment its stream reaches it; one that has not
+completed within the timeout faults the Context, naming the peer, as a kernel's wait would; and once the Context is
+faulted (here, or by a peer), exchanges that are still open are ended by aborting the Link's communicator, so that
+every stream drains. ``reset()`` lets go of the Link, and the next call makes another with a new communicator.
 """
 from __future__ import annotations
+
+import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,8 +52,13 @@ class Link:
         index = topo.hosts[host].index(r)
         self.counterparts = [ranks[index] for h, ranks in enumerate(topo.hosts) if h != host]
         self.remote = [p for p in range(ctx.world_size) if p not in set(topo.hosts[host])]
-        self.wire = Wire(ctx.group, ctx.store, r, tuple(_global_rank(ctx.group, p) for p in range(ctx.world_size)),
-                         ctx.timeout_s, ctx.device.type == "cuda" and dist.get_backend(ctx.group) == "nccl")
+        ranks = tuple(_global_rank(ctx.group, p) for p in range(ctx.world_size))
+        nccl = ctx.device.type == "cuda" and dist.get_backend(ctx.group) == "nccl"
+        self.group = dist.new_group(list(ranks), backend="nccl", use_local_synchronization=True) if nccl else None
+        self.wire = Wire(self.group or ctx.group, ctx.store, r, ranks, ctx.timeout_s, nccl)
+        self.watch = Watch(ctx, self.group) if nccl else None
+        if self.watch is not None:
+            ctx.on_reset(self.watch.close)
         self._epoch = ctx.resets % 64
         self._seq = 0
         self._headers = torch.zeros((ctx.world_size, sig.HEADER_WORDS), dtype=torch.int32, device=ctx.device)
@@ -64,7 +79,24 @@ class Link:
             what_code = waits.get(peer, int(sig.WHAT_ANSWER))
             raise ctx.record_timeout(op, peer, what_code, elapsed, self._call_number(stream))
 
-        stream.exchange(self.wire, sends, recvs, self.next_tag(), f"rank {ctx.rank}: {what}", timed_out)
+        watch = self.watch
+        if watch is None:
+            stream.exchange(self.wire, sends, recvs, self.next_tag(), f"rank {ctx.rank}: {what}", timed_out)
+            return
+        watch.refuse_if_aborted()
+        with torch.cuda.stream(stream.torch_stream):
+            follow = not torch.cuda.is_current_stream_capturing()  # (a captured graph's events cannot be queried)
+        begin, end = torch.cuda.Event(), torch.cuda.Event()
+        if follow:
+            begin.record(stream.torch_stream)
+        try:
+            stream.exchange(self.wire, sends, recvs, self.next_tag(), f"rank {ctx.rank}: {what}", timed_out)
+        except Exception:
+            watch.refuse_if_aborted()  # the Watch ended the communicator meanwhile: the Context's fault says why
+            raise
+        if follow:
+            end.record(stream.torch_stream)
+            watch.follow(begin, end, op, waits)
 
     def _call_number(self, stream) -> int:
         """The number of the call in progress (read after this stream's work, which includes the call's barrier)."""
@@ -96,6 +128,116 @@ class Link:
                 failed = int(ctx.err[0].item()) != 0
             if failed:
                 ctx.check()
+
+
+class Watch:
+    """A thread that bounds a Link's exchanges over NCCL (see the module's docstring).
+
+    ``follow(begin, end, op, waits)``: events recorded on the exchange's stream before and after it. While one is
+    open the thread polls, every few milliseconds, whether it has ended, whether this rank's error word says the
+    Context faulted (read by a copy on a stream of its own, which no spinning kernel holds up), and, every tenth of
+    a second, whether a rank posted a fault in the store. An exchange open for longer than the timeout, counted from
+    its ``begin``, is a timeout of the peer in ``waits`` (group rank -> chunk or WHAT_* code): NCCL cannot say which
+    of several peers is missing, so the rank posts that it waits, gives the others a moment to post too, and names
+    the first of ``waits`` that did not."""
+
+    POLL_S = 0.002
+    STORE_POLL_S = 0.1
+    GRACE_S = 1.0
+
+    def __init__(self, ctx, group):
+        self.ctx, self.group = ctx, group
+        self.aborted = False
+        self._open: list = []
+        self._lock = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"triton_overlap link watch {ctx.rank}", daemon=True)
+        self._thread.start()
+
+    def follow(self, begin, end, op: int, waits: dict) -> None:
+        with self._lock:
+            self._open.append((begin, end, op, dict(waits)))
+            self._lock.notify()
+
+    def refuse_if_aborted(self) -> None:
+        if self.aborted:
+            raise self.ctx._fail(f"rank {self.ctx.rank}: the link between hosts was ended after a fault")
+
+    def close(self) -> None:
+        """Stop the thread and let go of the communicator (aborted: an exchange may still be open)."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        self._thread.join(timeout=5)
+        self._abort()
+
+    def _abort(self) -> None:
+        with self._lock:
+            if self.aborted:
+                return
+            self.aborted = True
+            self._open.clear()
+        try:
+            dist.distributed_c10d._abort_process_group(self.group)
+        except Exception:  # noqa: BLE001 - already gone (destroyed with the default group)
+            pass
+
+    def _run(self) -> None:
+        ctx = self.ctx
+        torch.cuda.set_device(ctx.device)
+        side = torch.cuda.Stream(ctx.device)
+        peek = torch.zeros(2, dtype=torch.int32, pin_memory=True)
+        started, last_store = None, 0.0
+        while True:
+            with self._lock:
+                while not self._open and not self._closed:
+                    started = None
+                    self._lock.wait()
+                if self._closed:
+                    return
+                begin, end, op, waits = self._open[0]
+            if end.query():
+                with self._lock:
+                    if self._open and self._open[0][1] is end:
+                        self._open.pop(0)
+                started = None
+                continue
+            with torch.cuda.stream(side):
+                peek[:1].copy_(ctx.err[:1], non_blocking=True)
+                peek[1:].copy_(ctx.call_number, non_blocking=True)
+            side.synchronize()
+            now = time.monotonic()
+            if started is None and begin.query():
+                started = now
+            faulted = ctx._fault is not None or int(peek[0]) != 0
+            if not faulted and started is not None and now - last_store >= self.STORE_POLL_S:
+                last_store = now
+                faulted = ctx.fault_of_peers()
+            if not faulted and started is not None and now - started > ctx.timeout_s:
+                self._time_out(op, waits, now - started, int(peek[1]))
+                faulted = True
+            if faulted:
+                self._abort()
+                continue
+            time.sleep(self.POLL_S)
+
+    def _time_out(self, op: int, waits: dict, elapsed: float, call: int) -> None:
+        ctx, peers = self.ctx, list(waits)
+        present: list[int] = []
+        try:
+            ctx._control.post_waiting()
+            t0 = time.monotonic()
+            while len(peers) > 1 and time.monotonic() - t0 < self.GRACE_S:
+                present = ctx._control.waiting(peers)
+                if len(present) == len(peers) or ctx.fault_of_peers():
+                    break
+                time.sleep(self.STORE_POLL_S)
+        except Exception:  # noqa: BLE001 - the store is gone: name the first peer
+            pass
+        if ctx._fault is not None:
+            return
+        peer = next((p for p in peers if p not in present), peers[0])
+        ctx.record_timeout(op, peer, waits[peer], elapsed, call)
 
 
 def open_call(ctx, stream, call) -> None:
