@@ -30,6 +30,9 @@ def op_id(name: str) -> int:
 
 OP_BARRIER = op_id("barrier")
 
+#: the share of timeout_s a call's barrier waits for its peers (Context.barrier_budget)
+BARRIER_SHARE = 0.9
+
 
 class ContextError(RuntimeError):
     """A fault of a Context: a wait that timed out, ranks that disagree on a call, a peer that did not answer. After
@@ -157,6 +160,9 @@ class Context:
         self.holds_for_link = (self.topology.num_hosts > 1 and self.device.type == "cuda"
                                and dist.get_backend(self._group) == "nccl")
         self.budget = self._backend.timeout_budget(self.timeout_s)
+        #: the barrier gives up first: a peer that never arrives is named as absent, not as the data it never sent
+        #: (a consumer launched beside the barrier waits for that data as long as the barrier waits for the peer)
+        self.barrier_budget = self._backend.timeout_budget(BARRIER_SHARE * self.timeout_s)
         self.clock = self._backend.clock
         self._allocs: dict[str, _Allocation] = {}
         self._views: dict[tuple, SymmetricTensor] = {}  # (name, shape, dtype) -> view agreed on, current buffers
@@ -529,8 +535,8 @@ class Context:
         with self.use_stream(stream):
             launch(sig.barrier_kernel, (1,), (
                 self._barrier_slots.ptrs, self._barrier_slots.local, self._barrier_count, self._headers.ptrs,
-                self._headers.local, self.err, self.budget, self.rank, self.world_size, call.op, call.fingerprint,
-                *call.dims), dict(BLOCK_W=block, CLOCK=self.clock))
+                self._headers.local, self.err, self.barrier_budget, self.rank, self.world_size, call.op,
+                call.fingerprint, *call.dims), dict(BLOCK_W=block, CLOCK=self.clock))
         self.after_launch()
 
     def check(self) -> None:
