@@ -2,6 +2,7 @@
 stream pool and what ops keep between calls. Ops take a Context; nothing else holds global state."""
 from __future__ import annotations
 
+import time
 import uuid
 import zlib
 from dataclasses import dataclass, field
@@ -542,6 +543,11 @@ class Context:
     def check(self) -> None:
         """Raise ContextError if a wait of this Context timed out or ranks disagreed on a call (synchronises with
         the device); the Context then refuses calls until ``reset()``."""
+        if self.holds_for_link:  # wait by polling: a blocking copy would hold the driver from the link's watch,
+            done = torch.cuda.Event()  # which may have to end an exchange before this stream can finish
+            done.record(self.current_stream().torch_stream)
+            while not done.query():
+                time.sleep(0.0002)
         word = self.err.tolist()
         if word[sig.ERR_CODE] != 0 and self._fault is None:
             self._observe(word)

@@ -107,8 +107,8 @@ class ControlPlane:
         while not store.check(keys):
             if tag.startswith(f"e{self._epoch}/"):  # (reset and close go on whatever a peer posted)
                 fault = self.fault_of_others()
-                if fault is not None:
-                    raise PeerFault(*fault)
+                if fault is not None and not store.check(keys):  # (a rank that faulted after this exchange had
+                    raise PeerFault(*fault)                        # every part does not make it fail)
             elapsed = time.monotonic() - start
             if elapsed > self.timeout_s:
                 missing = [r for r in range(self.world) if not store.check([keys[r]])]
