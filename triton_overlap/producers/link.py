@@ -134,14 +134,14 @@ class Watch:
     """A thread that bounds a Link's exchanges over NCCL (see the module's docstring).
 
     ``follow(begin, end, op, waits)``: events recorded on the exchange's stream before and after it. While one is
-    open the thread polls, every few milliseconds, whether it has ended, whether this rank's error word says the
+    open the thread polls, every 10 ms, whether it has ended, whether this rank's error word says the
     Context faulted (read by a copy on a stream of its own, which no spinning kernel holds up), and, every tenth of
     a second, whether a rank posted a fault in the store. An exchange open for longer than the timeout, counted from
     its ``begin``, is a timeout of the peer in ``waits`` (group rank -> chunk or WHAT_* code): NCCL cannot say which
     of several peers is missing, so the rank posts that it waits, gives the others a moment to post too, and names
     the first of ``waits`` that did not."""
 
-    POLL_S = 0.002
+    POLL_S = 0.01
     STORE_POLL_S = 0.1
     GRACE_S = 1.0
 
