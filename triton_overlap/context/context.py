@@ -543,8 +543,10 @@ class Context:
     def check(self) -> None:
         """Raise ContextError if a wait of this Context timed out or ranks disagreed on a call (synchronises with
         the device); the Context then refuses calls until ``reset()``."""
-        if self.holds_for_link:  # wait by polling: a blocking copy would hold the driver from the link's watch,
-            done = torch.cuda.Event()  # which may have to end an exchange before this stream can finish
+        if self.holds_for_link and self.device.type == "cuda":
+            # wait by polling: a blocking copy would hold the driver from the link's watch, which may have to end an
+            # exchange before this stream can finish
+            done = torch.cuda.Event()
             done.record(self.current_stream().torch_stream)
             while not done.query():
                 time.sleep(0.0002)
