@@ -294,8 +294,7 @@ class Context:
             peer = e.missing[0]
             raise self._fail(f"rank {self.rank}: {e}", (sig.ERR_RELAYED, self.rank, 0, peer, sig.WHAT_ANSWER)) from None
         except PeerFault as e:
-            raise self._fail(f"rank {self.rank}: rank {e.rank} faulted: {str(e).removeprefix('triton_overlap: ')}") \
-                from None
+            raise self._peer_faulted(e.rank, str(e)) from None
 
     def gather_object(self, obj, what: str = "exchange") -> list:
         """Every rank's ``obj``, in rank order (a collective, waiting at most ``timeout_s``: a rank that does not
@@ -371,8 +370,7 @@ class Context:
                 text = self._control.fault_text(origin)
             except Exception:  # noqa: BLE001 - the store is gone: the word alone
                 text = None
-            text = (text or self._describe(word)).removeprefix("triton_overlap: ")
-            self._fail(f"rank {self.rank}: rank {origin} faulted: {text}")
+            self._peer_faulted(origin, text or self._describe(word))
         else:
             self._fail(self._describe(word), (word[sig.ERR_CODE], word[sig.ERR_RANK], word[sig.ERR_OP],
                                                word[sig.ERR_PEER], word[sig.ERR_WHAT]))
@@ -403,8 +401,12 @@ class Context:
         if self._fault is None:
             got = self._control.fault_of_others()
             if got is not None:
-                self._fail(f"rank {self.rank}: rank {got[0]} faulted: {got[1].removeprefix('triton_overlap: ')}")
+                self._peer_faulted(*got)
         return self._fault is not None
+
+    def _peer_faulted(self, rank: int, text: str) -> ContextError:
+        """Fault this Context with rank ``rank``'s posted fault ``text``; return the error to raise."""
+        return self._fail(f"rank {self.rank}: rank {rank} faulted: {text.removeprefix('triton_overlap: ')}")
 
     def _run_reset_hooks(self) -> None:
         hooks, self._on_reset = self._on_reset, []
