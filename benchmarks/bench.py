@@ -735,7 +735,7 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
     return records
 
 
-GEMM_AR_M = [1, 8, 32, 128, 512, 2048, 8192]
+GEMM_AR_M = [1, 8, 16, 32, 128, 512, 2048, 8192]
 GEMM_AR_KN = [(28672, 8192), (8192, 8192), (14336, 4096)]  # K over all ranks (each has K/W), N
 
 

@@ -86,7 +86,7 @@ def main():
                     stream.copy(bbuf.peer(nxt)[part], bmine[part])
                     stream.write_value(flags.peer(nxt)[c:c + 1], 1)
                 consume[(n_chunks, triton.cdiv(big_chunk, 4096))](
-                    bbuf.local, flags.local, bout, ctx.err, ctx.budget, r, op_id("tutorial.consume"), big_chunk,
+                    bbuf.local, flags.local, bout, ctx.err, ctx.budget, r, prv, op_id("tutorial.consume"), big_chunk,
                     BLOCK=4096, CLOCK=ctx.clock)
                 ctx.current_stream().wait_stream(stream)
                 flags.local.zero_()  # the next pass's flags are set only after the next barrier

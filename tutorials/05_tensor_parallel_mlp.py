@@ -41,13 +41,15 @@ def main():
 
         # %% The conversion: one line. Rank r keeps its hidden columns of gate/up and rows of down.
         mlp = TPMLP.from_full(gate, up, down, ctx, dtype=torch.bfloat16)
+        for lin in (gate, up, down):  # the unsharded reference runs on the same device
+            lin.to(device)
 
         # %% Train both on the same data; each rank feeds its S/W positions (sequence-first) to the TP model.
         g = torch.Generator().manual_seed(1)
-        x_full = torch.randn(S, B, dim, generator=g).bfloat16().float()
-        target = torch.randn(S, B, dim, generator=g)
+        x_full = torch.randn(S, B, dim, generator=g).bfloat16().float().to(device)
+        target = torch.randn(S, B, dim, generator=g).to(device)
         rows = slice(r * S // W, (r + 1) * S // W)
-        x, t = x_full[rows].to(device, torch.bfloat16), target[rows].to(device)
+        x, t = x_full[rows].bfloat16(), target[rows]
         ref_params = [gate.weight, up.weight, down.weight]
         losses, ref_losses = [], []
         for step in range(steps):
@@ -58,7 +60,7 @@ def main():
             total = part.detach().clone()
             dist.all_reduce(total)
             losses.append(float(total))
-            ref_losses.append(float(loss_ref))
+            ref_losses.append(float(loss_ref.detach()))
             with torch.no_grad():
                 for p in ref_params + list(mlp.parameters()):
                     p -= lr * p.grad

@@ -100,7 +100,8 @@ class AllReduce(OverlapOp):
         self.last_algorithm = kind
         if kind == "process group":
             self.last_path = "fallback"
-            return self._fallback(x, out)
+            out.copy_(x)  # the process group sums in place; x is not modified
+            return self._sum_in_place(out)
         self.last_path = "overlap"
         self._launch(two_shot_all_reduce if kind == "two_shot" else one_shot_all_reduce, x.contiguous(), out, n)
         return out
@@ -138,16 +139,28 @@ class AllReduce(OverlapOp):
             dict(BLOCK=BLOCK, BLOCK_W=block_w, CLOCK=ctx.clock), num_warps=4)
         ctx.after_launch()
 
-    def _fallback(self, x, out):
+    def takes_process_group(self, nbytes: int) -> bool:
+        """Whether a call of ``nbytes`` goes to the process group (for callers that can then sum in place)."""
+        return self._pick(nbytes) == "process group"
+
+    def sum_in_place(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum the contiguous ``x`` over ranks in place through the process group: what a call above the kernels'
+        range does, without the copy that keeps a caller's input unmodified. For callers that own ``x`` (GEMM +
+        AllReduce's partial product)."""
+        self.ctx.ensure_usable()
+        self.agree((tuple(x.shape), str(x.dtype)))
+        self.last_path, self.last_algorithm = "fallback", "process group"
+        return self._sum_in_place(x)
+
+    def _sum_in_place(self, x):
         ctx = self.ctx
         if ctx.backend == "host" and x.dtype != torch.float32:  # gloo's sum of half types: in float32 here
             acc = x.float()
             dist.all_reduce(acc, group=ctx.group)
-            out.copy_(acc)
+            x.copy_(acc)
         else:
-            out.copy_(x)
-            dist.all_reduce(out, group=ctx.group)
-        return out
+            dist.all_reduce(x, group=ctx.group)
+        return x
 
 
 def all_reduce(x: torch.Tensor, *, ctx, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from .checks import check_operands
 from .config import GEMMAllReduceConfig
 
 #: algorithm="auto": the fused kernel up to this many rows (docs/decisions.md: its GEMM against cuBLAS on one GPU)
-FUSED_MAX_ROWS = 64
+FUSED_MAX_ROWS = 16
 ALGORITHMS = ("auto", "fused", "one_shot", "two_shot")
 
 
@@ -80,12 +80,16 @@ class GEMMAllReduce(OverlapOp):
             self._launch(a, w, bias, out)
             self.last_path, self.last_algorithm = "overlap", "fused"
             return out
-        partial = torch.empty(want, dtype=dtype, device=a.device)
+        # the AllReduce's rule picks its path (and is this op's fallback rule); the process group sums in place, so
+        # there the partial product is the output
+        in_place = self.all_reduce.takes_process_group(M * N * a.element_size())
+        partial = (out if out is not None else torch.empty(want, dtype=dtype, device=a.device)) if in_place \
+            else torch.empty(want, dtype=dtype, device=a.device)
         if bias is not None and ctx.rank == 0:
             torch.addmm(bias, a, w, out=partial)
         else:
             torch.matmul(a, w, out=partial)
-        out = self.all_reduce(partial, out=out)  # its fallback rule is this op's
+        out = self.all_reduce.sum_in_place(partial) if in_place else self.all_reduce(partial, out=out)
         self.last_path, self.last_algorithm = self.all_reduce.last_path, self.all_reduce.last_algorithm
         return out
 
