@@ -83,8 +83,7 @@ class GEMMAllReduce(OverlapOp):
         # the AllReduce's rule picks its path (and is this op's fallback rule); the process group sums in place, so
         # there the partial product is the output
         in_place = self.all_reduce.takes_process_group(M * N * a.element_size())
-        partial = (out if out is not None else torch.empty(want, dtype=dtype, device=a.device)) if in_place \
-            else torch.empty(want, dtype=dtype, device=a.device)
+        partial = out if in_place and out is not None else torch.empty(want, dtype=dtype, device=a.device)
         if bias is not None and ctx.rank == 0:
             torch.addmm(bias, a, w, out=partial)
         else:
