@@ -386,7 +386,7 @@ def test_packed_tables_are_bounded_and_ordered():
 def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, stages):
     """kernels.attention_hopper's forward for every rank of a simulated world (forward_on_gathered), on outputs
     poisoned before the call, against full-sequence attention; checks that the warp-specialized kernel is the
-    one that runs."""
+    one that runs and that its tile counter is zero again after the launches."""
     from triton_overlap.kernels import attention_hopper
     from triton_overlap.kernels.attention import Blocks
     from triton_overlap.ops.context_parallel_attention import forward_on_gathered
@@ -412,6 +412,8 @@ def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, s
             outs.append(out)
             lses.append(lse)
         ctx.check()
+        # the tile counter is left zeroed for the next launch on this stream (each launch above began from it)
+        assert attention_hopper.tile_counter(ctx.device).tolist() == [0, 0]
         e_out = rel_err(to.zigzag.unshard_parts(outs, dim=1), ref_out)
         e_lse = rel_err(to.zigzag.unshard_parts(lses, dim=2), ref_lse)
         assert e_out < TOL[dtype] and e_lse < 1e-3, f"world {world}: out {e_out:.2e}, lse {e_lse:.2e}"
@@ -424,6 +426,9 @@ HOPPER_CASES = [
     (2, 2 * 2 * 256, 5, 5, 64, False, "float16", 2, 64, 3),  # B = 2, odd heads, not causal
     (1, 4 * 2 * 512, 8, 1, 128, True, "bfloat16", 4, 64, 2),  # MQA, four ranks
     (1, 2 * 640, 4, 2, 64, True, "float16", 1, 128, 2),  # a world of one
+    # more tiles than a GPU has programs (one per SM): each program takes several, Q's two buffers in turn
+    (2, 2 * 2 * 1024, 16, 4, 128, True, "bfloat16", 2, 128, 2),
+    (1, 2 * 4096, 24, 8, 64, False, "float16", 2, 128, 2),
 ]
 
 

@@ -1,13 +1,20 @@
 """The context-parallel attention forward for Hopper (sm_90), warp-specialized in Gluon.
 
-Same algorithm, protocol and results as kernels.attention's ``cp_attention_fwd`` (its module doc): one program per
-block of BLOCK_M local queries and (batch, query head); K/V of every rank in arrival order, our own first; causal
+Same algorithm, protocol and results as kernels.attention's ``cp_attention_fwd`` (its module doc): a tile is a
+block of BLOCK_M local queries of one (batch, query head); K/V of every rank in arrival order, our own first; causal
 blocks that no row sees are skipped, neither waited for nor read; a float32 online softmax. What differs is the
 schedule, which plain Triton does not express on sm_90:
 
-* the loader (the default partition, 4 warps) issues the TMA loads: Q once, then K and V block by block into two
-  rings of stages (``ready`` / ``empty`` mbarriers). It waits for a peer's chunk flag before its first block that
-  reads the chunk, so the compute warps never spin on a flag;
+* the grid is persistent, one program per SM. Tiles are handed out in order through an atomic counter, one at a
+  time to whichever program's loader asks next (as the hardware hands out a grid's blocks, so work stays balanced
+  when causal tiles differ in length): one (batch, head)'s query blocks before the next, the blocks of later
+  positions (which see more keys) first, so the programs at work at once share K/V heads in L2. The loader passes
+  each tile's index to the compute partitions through shared memory, beside its Q; the last program out zeroes
+  the counter for the next launch;
+* the loader (the default partition, 4 warps) issues the TMA loads: each tile's Q into one of two buffers, then K
+  and V block by block into two rings of stages (``ready`` / ``empty`` mbarriers) that run on from tile to tile, so
+  the next tile's Q and first blocks land while the compute warps finish the last one. It waits for a peer's chunk
+  flag before its first block that reads the chunk, so the compute warps never spin on a flag;
 * two compute partitions (a warpgroup each, 64 of the block's query rows, on wgmma) read the same stages. Each
   issues S = Q K^T of the next block asynchronously, rescales O and issues P V of the current block, then runs the
   next block's softmax while that P V runs; P stays in registers (the A operand of the P V wgmma). The two take
@@ -27,7 +34,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
-from ..plan import cdiv
 from .attention import key_span, wait_every_chunk, wait_kv, zigzag_pos
 from .cached_launch import launch
 from .gemm import capability
@@ -45,11 +51,25 @@ def _key_blocks(src, world, C, hh, q_first, q_last, CAUSAL: gl.constexpr, BLOCK_
 
 
 @gluon.jit
-def _query_block(rank, world, S_LOCAL, HQ, BLOCK_M: gl.constexpr):
-    """This program's query block: (first row, batch x head, batch, head, half the shard, the first and last
-    zigzag position). The blocks of later positions, which see more keys, are taken first."""
-    m0 = (gl.num_programs(0) - 1 - gl.program_id(0)) * BLOCK_M
-    bh = gl.program_id(1)
+def _post_tile(sched, qb, t):
+    """The loader tells the compute partitions which tile Q buffer ``qb`` holds (before Q's barrier completes)."""
+    sched.index(qb).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [gl.num_warps()], [0])))
+
+
+@gluon.jit
+def _tile_of(sched, qb):
+    """The tile Q buffer ``qb`` holds (after Q's barrier completed)."""
+    return gl.max(sched.index(qb).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
+
+
+@gluon.jit
+def _query_block(t, rank, world, S_LOCAL, HQ, BLOCK_M: gl.constexpr):
+    """Tile ``t``'s query block: (first row, batch x head, batch, head, half the shard, the first and last zigzag
+    position). Tiles run over the blocks of one (batch, head) before the next, the blocks of later positions (which
+    see more keys) first."""
+    n_m = S_LOCAL // BLOCK_M
+    m0 = (n_m - 1 - t % n_m) * BLOCK_M
+    bh = t // n_m
     C = S_LOCAL // 2
     return (m0, bh, bh // HQ, bh % HQ, C, zigzag_pos(m0, rank, world, C),
             zigzag_pos(m0 + BLOCK_M - 1, rank, world, C))
@@ -67,37 +87,56 @@ def _load_block(desc, ready, empty, bufs, g, row, col):
 
 @gluon.jit
 def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
-    """The loader partition: Q, then every key block's K and V in the order the compute partition takes them."""
-    (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-     turn, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+    """The loader partition: for each of this program's tiles, Q, then every key block's K and V in the order the
+    compute partitions take them."""
+    (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, GROUP,
+     M_PER_CHUNK, CHUNKS_PER_RANK) = p
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    m0, bh, b, h, C, q_first, q_last = _query_block(rank, world, S_LOCAL, HQ, BLOCK_M)
-    col = h // GROUP * HEAD_D  # the K/V head's columns
-    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-    _tma_load(q_desc, [b * S_LOCAL + m0, h * HEAD_D], q_bar, q_smem)
-    g = 0
-    for step in range(0, world):
-        src = (rank - step + world) % world
-        for hh in range(0, 2):
-            nb, nf = _key_blocks(src, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
-            waited = hh * C  # a peer's rows below this have been waited for
-            for i in range(0, nb):
-                n0 = hh * C + i * BLOCK_N
-                if n0 + BLOCK_N > waited:
-                    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK,
-                            CHUNKS_PER_RANK, CLOCK)
-                    waited = ((n0 + BLOCK_N - 1) // M_PER_CHUNK + 1) * M_PER_CHUNK
-                if src == rank:  # our own K/V, read in place
-                    _load_block(k_desc, k_ready, k_empty, k_smem, g, b * S_LOCAL + n0, col)
-                    _load_block(v_desc, v_ready, v_empty, v_smem, g, b * S_LOCAL + n0, col)
-                else:  # a peer's, from its slot in the workspace
-                    _load_block(kw_desc, k_ready, k_empty, k_smem, g, (b * world + src) * S_LOCAL + n0, col)
-                    _load_block(vw_desc, v_ready, v_empty, v_smem, g, (b * world + src) * S_LOCAL + n0, col)
-                g += 1
+    n_tiles = S_LOCAL // BLOCK_M * BH
+    g = 0  # key blocks loaded so far (all tiles): the stage and phase of the rings
+    it = 0  # tiles so far: Q's buffer and phase
+    t = gl.atomic_add(tile_ptr, 1, sem="relaxed")
+    while t < n_tiles:
+        m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BLOCK_M)
+        col = h // GROUP * HEAD_D  # the K/V head's columns
+        qb = it % 2
+        mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1)  # a fresh barrier counts as released
+        _post_tile(sched, qb, t)
+        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
+        _tma_load(q_desc, [b * S_LOCAL + m0, h * HEAD_D], q_ready.index(qb), q_smem.index(qb))
+        for step in range(0, world):
+            src = (rank - step + world) % world
+            for hh in range(0, 2):
+                nb, nf = _key_blocks(src, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
+                waited = hh * C  # a peer's rows below this have been waited for
+                for i in range(0, nb):
+                    n0 = hh * C + i * BLOCK_N
+                    if n0 + BLOCK_N > waited:
+                        wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK,
+                                CHUNKS_PER_RANK, CLOCK)
+                        waited = ((n0 + BLOCK_N - 1) // M_PER_CHUNK + 1) * M_PER_CHUNK
+                    if src == rank:  # our own K/V, read in place
+                        _load_block(k_desc, k_ready, k_empty, k_smem, g, b * S_LOCAL + n0, col)
+                        _load_block(v_desc, v_ready, v_empty, v_smem, g, b * S_LOCAL + n0, col)
+                    else:  # a peer's, from its slot in the workspace
+                        _load_block(kw_desc, k_ready, k_empty, k_smem, g, (b * world + src) * S_LOCAL + n0, col)
+                        _load_block(vw_desc, v_ready, v_empty, v_smem, g, (b * world + src) * S_LOCAL + n0, col)
+                    g += 1
+        it += 1
+        t = gl.atomic_add(tile_ptr, 1, sem="relaxed")
+    qb = it % 2  # no tiles left: the compute partitions stop at this buffer
+    mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1)
+    _post_tile(sched, qb, n_tiles)
+    mbarrier.arrive(q_ready.index(qb))
+    # the last program out zeroes the tile counter for the next launch (every program has taken its last)
+    if gl.atomic_add(tile_ptr + 1, 1, sem="acq_rel") == gl.num_programs(0) - 1:
+        gl.store(tile_ptr, 0)
+        gl.store(tile_ptr + 1, 0)
     if CAUSAL:
-        if (gl.program_id(0) == 0) & (bh == 0):
+        if gl.program_id(0) == 0:
             wait_every_chunk(flags_ptr, err_ptr, budget, rank, world, op, CHUNKS_PER_RANK, CLOCK)
 
 
@@ -138,13 +177,14 @@ def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: g
 
 @gluon.jit
 def _compute(p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL: gl.constexpr, WG: gl.constexpr):
-    """Compute warpgroup WG (0 or 1): rows [64 WG, 64 WG + 64) of the query block against every key block in the
-    loader's order, then their O and lse. Iteration g issues S of block g + 1, rescales O and issues P V of block
-    g, then runs the softmax of block g + 1 while that P V runs; no wgmma is in flight across iterations (so
-    ptxas keeps them asynchronous). The two warpgroups take turns to issue their products (``turn``), so one's
-    softmax runs while the other's products do."""
-    (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-     turn, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+    """Compute warpgroup WG (0 or 1): for each of this program's tiles, rows [64 WG, 64 WG + 64) of the query block
+    against every key block in the loader's order, then their O and lse. Iteration g issues S of block g + 1,
+    rescales O and issues P V of block g, then runs the softmax of block g + 1 while that P V runs; no wgmma is in
+    flight across iterations (so ptxas keeps them asynchronous). The two warpgroups take turns to issue their
+    products (``turn``), so one's softmax runs while the other's products do."""
+    (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, GROUP,
+     M_PER_CHUNK, CHUNKS_PER_RANK) = p
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -155,81 +195,97 @@ def _compute(p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL: gl.constexpr
     LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                  instr_shape=[16, HEAD_D, 16])
     LP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LO, k_width=2)
-    # the key blocks are those of the whole query block (both warpgroups read the same stages)
-    m0, bh, b, h, C, q_first, q_last = _query_block(rank, world, S_LOCAL, HQ, BLOCK_M)
-    r0 = m0 + WG * ROWS  # this warpgroup's first row
-    q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
-    total = 0
-    for step in range(0, world):
-        for hh in range(0, 2):
-            nb, nf = _key_blocks((rank - step + world) % world, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
-            total += nb
-    q_rows = q_smem.slice(WG * ROWS, ROWS)
-
-    # block 0: its S, then its softmax
-    nb, nf = _key_blocks(rank, world, C, 0, q_first, q_last, CAUSAL, BLOCK_N)
-    zero = rank * 0  # (a tensor: _advance changes it)
-    step, hh, i, nb, nf = _advance(zero, zero, zero - 1, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, LS)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
-    l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS))
-    acc = gl.zeros([ROWS, HEAD_D], gl.float32, LO)
     if WG == 1:
         mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_rows, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s, ))
-    mbarrier.arrive(k_empty.index(0))
-    src = (rank - step + world) % world
-    pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N, src, world, C, qk_scale,
-                                   BLOCK_N, LS)
-    for g in range(0, total):
-        has_next = g + 1 < total
-        step, hh, i, nb, nf = _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
-        sn = (g + 1) % STAGES
-        st = g % STAGES
-        mbarrier.wait(turn.index(WG), g & 1)
-        # block g + 1's S (after the last block: a product nobody reads, on a stage the loader no longer writes,
-        # so that no branch holds a wgmma)
-        mbarrier.wait(k_ready.index(sn), ((g + 1) // STAGES) & 1, pred=has_next)
-        s = warpgroup_mma(q_rows, k_smem.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        # block g's P V on the rescaled output
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LO))[:, None]
-        mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
-        acc = warpgroup_mma(gl.convert_layout(pf.to(v_smem.dtype), LP), v_smem.index(st), acc, is_async=True)
-        mbarrier.arrive(turn.index(1 - WG))
-        s = warpgroup_mma_wait(1, deps=(s, ))
-        mbarrier.arrive(k_empty.index(sn), pred=has_next)
-        # block g + 1's softmax while block g's P V runs
-        src = (rank - step + world) % world
-        pf, alpha, m_new, l_new = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N, src, world, C,
-                                           qk_scale, BLOCK_N, LS)
-        m_i = gl.where(has_next, m_new, m_i)
-        l_i = gl.where(has_next, l_new, l_i)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        mbarrier.arrive(v_empty.index(st))
+    g0 = 0  # key blocks taken so far (all tiles): the stage and phase of the rings, and whose turn it is
+    it = 0  # tiles so far: Q's buffer and phase
+    n_tiles = S_LOCAL // BLOCK_M * BH
+    mbarrier.wait(q_ready.index(0), 0)
+    t = _tile_of(sched, 0)
+    while t < n_tiles:
+        # the key blocks are those of the whole query block (both warpgroups read the same stages)
+        m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BLOCK_M)
+        r0 = m0 + WG * ROWS  # this warpgroup's first row
+        q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
+        total = 0
+        for step in range(0, world):
+            for hh in range(0, 2):
+                nb, nf = _key_blocks((rank - step + world) % world, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
+                total += nb
+        qb = it % 2
+        q_rows = q_smem.index(qb).slice(WG * ROWS, ROWS)
 
-    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-    out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, LO))[:, None]
-    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LO))
-    cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LO))
-    gl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty))
-    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
-    gl.store(lse_ptr + bh * S_LOCAL + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), lse)
+        # block 0: its S, then its softmax
+        nb, nf = _key_blocks(rank, world, C, 0, q_first, q_last, CAUSAL, BLOCK_N)
+        zero = rank * 0  # (a tensor: _advance changes it)
+        step, hh, i, nb, nf = _advance(zero, zero, zero - 1, nb, nf, rank, world, C, q_first, q_last, CAUSAL,
+                                       BLOCK_N)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
+        l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS))
+        acc = gl.zeros([ROWS, HEAD_D], gl.float32, LO)
+        s0 = g0 % STAGES
+        mbarrier.wait(k_ready.index(s0), (g0 // STAGES) & 1)
+        s = warpgroup_mma(q_rows, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        mbarrier.arrive(k_empty.index(s0))
+        src = (rank - step + world) % world
+        pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N, src, world, C, qk_scale,
+                                       BLOCK_N, LS)
+        for g in range(g0, g0 + total):
+            has_next = g + 1 < g0 + total
+            step, hh, i, nb, nf = _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
+            sn = (g + 1) % STAGES
+            st = g % STAGES
+            mbarrier.wait(turn.index(WG), g & 1)
+            # block g + 1's S (after the tile's last block: a product nobody reads, so that no branch holds a
+            # wgmma; its stage may be taking the next tile's block)
+            mbarrier.wait(k_ready.index(sn), ((g + 1) // STAGES) & 1, pred=has_next)
+            s = warpgroup_mma(q_rows, k_smem.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            # block g's P V on the rescaled output
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LO))[:, None]
+            mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
+            acc = warpgroup_mma(gl.convert_layout(pf.to(v_smem.dtype), LP), v_smem.index(st), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - WG))
+            s = warpgroup_mma_wait(1, deps=(s, ))
+            mbarrier.arrive(k_empty.index(sn), pred=has_next)
+            # block g + 1's softmax while block g's P V runs
+            src = (rank - step + world) % world
+            pf, alpha, m_new, l_new = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N, src, world, C,
+                                               qk_scale, BLOCK_N, LS)
+            m_i = gl.where(has_next, m_new, m_i)
+            l_i = gl.where(has_next, l_new, l_i)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.arrive(v_empty.index(st))
+        mbarrier.arrive(q_empty.index(qb))  # every product that reads this Q is done
+
+        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, LO))[:, None]
+        rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LO))
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LO))
+        gl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty))
+        lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
+        gl.store(lse_ptr + bh * S_LOCAL + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), lse)
+        g0 += total
+        it += 1
+        mbarrier.wait(q_ready.index(it % 2), (it // 2) & 1)
+        t = _tile_of(sched, it % 2)
 
 
 @gluon.jit
-def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_ptr, lse_ptr, flags_ptr, err_ptr, budget, rank,
-                        world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, so_b, so_s, so_h,
+def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_ptr, lse_ptr, tile_ptr, flags_ptr, err_ptr,
+                        budget, rank, world, op, S_LOCAL, HQ, BH, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, so_b,
+                        so_s, so_h,
                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, CLOCK: gl.constexpr,
                         COMPUTE_REGS: gl.constexpr):
     """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``: our K/V as
     [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
-    [B * world * S_LOCAL, Hkv * D], same blocks. The other arguments are kernels.attention's of the same name.
-    Launched with 4 warps: the loader; two compute warpgroups of COMPUTE_REGS registers a thread join them."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    [B * world * S_LOCAL, Hkv * D], same blocks; ``BH``: batch x query heads; ``tile_ptr``: two int32, zero at
+    launch (the next tile to hand out, the programs done), which the last program out zeroes again. The other
+    arguments are kernels.attention's of the same name. Launched with 4 warps: the loader; two compute warpgroups
+    of COMPUTE_REGS registers a thread join them."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -237,17 +293,21 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_ptr, lse_ptr
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # each Q's tile
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both compute warpgroups read every stage
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
-    mbarrier.init(turn.index(0), count=1)
-    mbarrier.init(turn.index(1), count=1)
-    mbarrier.init(q_bar, count=1)
-    p = (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready, v_empty,
-         turn, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
+    for i in gl.static_range(2):
+        mbarrier.init(turn.index(i), count=1)
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)
+    p = (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+         v_ready, v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, GROUP,
+         M_PER_CHUNK, CHUNKS_PER_RANK)
     gl.warp_specialize([
         (_load, (p, CAUSAL, CLOCK)),
         (_compute, (p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL, 0)),
@@ -291,16 +351,29 @@ def head_desc(t, block):
                             gl.NVMMASharedLayout.get_default_for(block, gdt))
 
 
+_tile_counters: dict = {}
+
+
+def tile_counter(device) -> torch.Tensor:
+    """The forward's tile counter (``tile_ptr``) for launches on the current stream of ``device``: kernels on one
+    stream run one after another, and each leaves the counter zeroed, so one per stream serves them all."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    counter = _tile_counters.get(key)
+    if counter is None:
+        counter = _tile_counters[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    return counter
+
+
 def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale, causal, blocks,
                   rank: int, world: int, op: int) -> None:
     """The forward on this kernel (``usable`` holds), arguments as kernels.attention.launch_fwd's."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     bm, bn = blocks.block_m, blocks.block_n
-    launch(cp_attention_fwd_ws, (cdiv(S, bm), B * Hq), (
+    launch(cp_attention_fwd_ws, (min(S // bm * B * Hq, ctx.num_compute_units()), ), (
         head_desc(q, [bm, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
         head_desc(vw, [bn, D]),
-        out, lse, flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hq // Hkv, m_per_chunk, chunks_per_rank,
-        scale, out.stride(0), out.stride(1), out.stride(2),
+        out, lse, tile_counter(q.device), flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, Hq // Hkv,
+        m_per_chunk, chunks_per_rank, scale, out.stride(0), out.stride(1), out.stride(2),
     ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
     ctx.after_launch()
