@@ -50,6 +50,8 @@ def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0
             got_out, got_lse = op(qs, to.zigzag.shard(k, ctx), to.zigzag.shard(v, ctx), causal=causal, out=out, lse=lse)
             ctx.check()
             assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+            # the Hopper forward's tile counter (the op's own) is zero again for the next call
+            assert op.state["tile counter"].tolist() == [0, 0]
             # the producers delivered every peer's K/V shard, every batch, into our workspace
             for name, full in (("k", k), ("v", v)):
                 ws = ctx.symmetric(f"cp_attention.{name}", (B, S, Hkv, D), dtype).local

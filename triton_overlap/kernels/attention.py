@@ -267,9 +267,11 @@ def _grid0(S, block, docs: Documents | None, none: torch.Tensor):
 
 
 def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale, causal, blocks: Blocks,
-               rank=None, world=None, docs: Documents | None = None, op: int = 0) -> None:
+               rank=None, world=None, docs: Documents | None = None, op: int = 0, tiles=None) -> None:
     """The forward kernel on contiguous q [B, S, Hq, D], k/v [B, S, Hkv, D], workspaces [B, W*S, Hkv, D], as
-    ``rank`` of ``world`` (default: the Context's). ``docs``: packed documents' tables (B = 1), else None."""
+    ``rank`` of ``world`` (default: the Context's). ``docs``: packed documents' tables (B = 1), else None.
+    ``tiles``: the Hopper kernel's tile counter (kernels.attention_hopper.launch_fwd_ws), for a caller whose
+    launches never run at the same time as each other; None: the counter of the current stream."""
     B, S, Hq, D = q.shape
     if not (k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1)):
         raise ValueError("cp_attention: k, v and the workspaces must share a sequence stride")
@@ -282,7 +284,7 @@ def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_ra
         from . import attention_hopper
         if attention_hopper.usable(ctx, q, k, v, kw, vw, docs, blocks):
             attention_hopper.launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale,
-                                           causal, blocks, rank, world, op)
+                                           causal, blocks, rank, world, op, tiles)
             return
     launch(cp_attention_fwd, (n, B * Hq), (
         q, k, v, kw, vw, out, lse, flags, ctx.err, ctx.budget, rank, world, op,

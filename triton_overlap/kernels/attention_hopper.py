@@ -356,7 +356,8 @@ _tile_counters: dict = {}
 
 def tile_counter(device) -> torch.Tensor:
     """The forward's tile counter (``tile_ptr``) for launches on the current stream of ``device``: kernels on one
-    stream run one after another, and each leaves the counter zeroed, so one per stream serves them all."""
+    stream run one after another, and each leaves the counter zeroed, so one per stream serves them all. (The op
+    passes its own: its calls never overlap, wherever its captured graphs are replayed.)"""
     key = (device.index, torch.cuda.current_stream(device).cuda_stream)
     counter = _tile_counters.get(key)
     if counter is None:
@@ -365,15 +366,16 @@ def tile_counter(device) -> torch.Tensor:
 
 
 def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale, causal, blocks,
-                  rank: int, world: int, op: int) -> None:
-    """The forward on this kernel (``usable`` holds), arguments as kernels.attention.launch_fwd's."""
+                  rank: int, world: int, op: int, tiles=None) -> None:
+    """The forward on this kernel (``usable`` holds), arguments as kernels.attention.launch_fwd's. ``tiles``: two
+    int32 zeros (left zeroed) that no other launch uses at the same time; None: ``tile_counter``'s."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     bm, bn = blocks.block_m, blocks.block_n
     launch(cp_attention_fwd_ws, (min(S // bm * B * Hq, ctx.num_compute_units()), ), (
         head_desc(q, [bm, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
         head_desc(vw, [bn, D]),
-        out, lse, tile_counter(q.device), flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, Hq // Hkv,
-        m_per_chunk, chunks_per_rank, scale, out.stride(0), out.stride(1), out.stride(2),
+        out, lse, tile_counter(q.device) if tiles is None else tiles, flags, ctx.err, ctx.budget, rank, world, op,
+        S, Hq, B * Hq, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, out.stride(0), out.stride(1), out.stride(2),
     ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
     ctx.after_launch()

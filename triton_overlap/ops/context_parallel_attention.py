@@ -249,10 +249,14 @@ class ContextParallelAttention(OverlapOp):
         layout, kws, vws, flags = self._kv(k)
         cfg = self.config_for(self.shape_key(q, k, causal))
         docs = documents(ctx, local_cu, cfg.fwd.block_m)
+        # the Hopper forward's tile counter: this op's, as its workspaces are (its calls never overlap)
+        tiles = self.state.get("tile counter")
+        if tiles is None:
+            tiles = self.state["tile counter"] = torch.zeros(2, dtype=torch.int32, device=ctx.device)
 
         def consumer():
             launch_fwd(ctx, q, k, v, kws.local, vws.local, out, lse, flags.local, layout.m_per_chunk,
-                       layout.chunks_per_rank, scale, causal, cfg.fwd, docs=docs, op=self.op)
+                       layout.chunks_per_rank, scale, causal, cfg.fwd, docs=docs, op=self.op, tiles=tiles)
 
         # attention programs waiting for chunks can fill every SM: the barrier kernel runs first (gate)
         first = cfg.consumer_first and self.warm((tuple(k.shape), k.dtype, kws.local.data_ptr(),
