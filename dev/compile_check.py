@@ -274,6 +274,7 @@ def compile_attention_ws(target, quick: bool = False) -> int:
         for prm in ah.cp_attention_fwd_ws.params:
             n = prm.name
             sig[n] = ("constexpr" if n in consts else desc_type([128, d]) if n == "q_desc"
+                      else desc_type([64, d]) if n == "o_desc"
                       else desc_type([bn, d]) if n.endswith("_desc")
                       else "*bf16" if n == "o_ptr" else "*fp32" if n == "lse_ptr"
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"

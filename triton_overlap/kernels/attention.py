@@ -282,7 +282,7 @@ def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_ra
     world = ctx.world_size if world is None else world
     if blocks.warp_specialized:
         from . import attention_hopper
-        if attention_hopper.usable(ctx, q, k, v, kw, vw, docs, blocks):
+        if attention_hopper.usable(ctx, q, k, v, kw, vw, docs, blocks, out):
             attention_hopper.launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale,
                                            causal, blocks, rank, world, op, tiles)
             return

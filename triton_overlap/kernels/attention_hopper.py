@@ -18,12 +18,15 @@ schedule, which plain Triton does not express on sm_90:
 * two compute partitions (a warpgroup each, 64 of the block's query rows, on wgmma) read the same stages. Each
   issues S = Q K^T of the next block asynchronously, rescales O and issues P V of the current block, then runs the
   next block's softmax while that P V runs; P stays in registers (the A operand of the P V wgmma). The two take
-  turns to issue their products, so one's softmax runs while the other's products do. The loader keeps 24
-  registers a thread (setmaxnreg), so a compute thread may hold 240.
+  turns to issue their products, so one's softmax runs while the other's products do. A tile's last block runs
+  into the next tile's first (its S and softmax while the last P V runs), and O leaves through shared memory by a
+  TMA store, so the tensor cores do not wait at tile boundaries. The loader keeps 24 registers a thread
+  (setmaxnreg), so a compute thread may hold 240.
 
-Only for NVIDIA sm_90 with 16-bit operands, D of 64 or 128, and shapes whose blocks never straddle a zigzag half
-(``usable``): every block of keys it reads lies in one chunk that has been waited for. Elsewhere (other GPUs, packed
-documents, odd sizes, the host backend, where Gluon does not run) the op takes kernels.attention's kernel.
+Only for NVIDIA sm_90 with 16-bit operands, D of 64 or 128, shapes whose blocks never straddle a zigzag half and
+contiguous tensors (``usable``): every block of keys it reads lies in one chunk that has been waited for. Elsewhere
+(other GPUs, packed documents, odd sizes, the host backend, where Gluon does not run) the op takes
+kernels.attention's kernel.
 """
 from __future__ import annotations
 
@@ -32,12 +35,16 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
 
 from .attention import key_span, wait_every_chunk, wait_kv, zigzag_pos
 from .cached_launch import launch
 from .gemm import capability
-from .gemm_warp_specialized import _tma_load, gluon_available
+from .gemm_warp_specialized import _barrier, _tma_load, gluon_available
+
+#: TMA store from shared memory (``async_store`` in newer Gluon)
+_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 #: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left (24).
 COMPUTE_REGS = 240
@@ -176,12 +183,58 @@ def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: g
 
 
 @gluon.jit
-def _compute(p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL: gl.constexpr, WG: gl.constexpr):
+def _walk_start(t, rank, world, S_LOCAL, HQ, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                WG: gl.constexpr, LS: gl.constexpr):
+    """Tile ``t`` for the compute partition: (its query block as _query_block gives it, this warpgroup's first row,
+    the zigzag positions of its rows, the tile's key blocks less one, and the first key block's (step, half, index)
+    and its half's (nb, nf))."""
+    ROWS: gl.constexpr = BLOCK_M // 2
+    m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BLOCK_M)
+    r0 = m0 + WG * ROWS
+    q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
+    total = 0
+    for step in range(0, world):
+        for hh in range(0, 2):
+            nb, nf = _key_blocks((rank - step + world) % world, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
+            total += nb
+    nb, nf = _key_blocks(rank, world, C, 0, q_first, q_last, CAUSAL, BLOCK_N)
+    zero = rank * 0  # (a tensor: _advance changes it)
+    step, hh, i, nb, nf = _advance(zero, zero, zero - 1, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
+    return bh, b, h, C, q_first, q_last, r0, q_pos, total - 1, step, hh, i, nb, nf
+
+
+@gluon.jit
+def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, r0, b, h, bh, S_LOCAL, LS: gl.constexpr, LO: gl.constexpr,
+              WG: gl.constexpr):
+    """A finished tile's rows of O (the accumulator over the softmax sum), through this warpgroup's shared buffer
+    and a TMA store that runs on while the warpgroup goes on, and their lse."""
+    ROWS: gl.constexpr = acc.type.shape[0]
+    HEAD_D: gl.constexpr = acc.type.shape[1]
+    l_safe = gl.where(l_i == 0.0, 1.0, l_i)
+    out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, LO))[:, None]).to(o_desc.dtype)
+    buf = o_smem.index(WG)
+    tma.store_wait(0)  # the previous tile's store has read the buffer
+    _barrier()
+    buf.store(out)
+    fence_async_shared()
+    _barrier()
+    _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
+    lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
+    gl.store(lse_ptr + bh * S_LOCAL + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), lse)
+
+
+@gluon.jit
+def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.constexpr):
     """Compute warpgroup WG (0 or 1): for each of this program's tiles, rows [64 WG, 64 WG + 64) of the query block
     against every key block in the loader's order, then their O and lse. Iteration g issues S of block g + 1,
     rescales O and issues P V of block g, then runs the softmax of block g + 1 while that P V runs; no wgmma is in
     flight across iterations (so ptxas keeps them asynchronous). The two warpgroups take turns to issue their
-    products (``turn``), so one's softmax runs while the other's products do."""
+    products (``turn``), so one's softmax runs while the other's products do.
+
+    A tile's last iteration runs on into the next tile: block g + 1 is the next tile's first (its Q from the other
+    buffer), whose softmax starts from an empty state (the factor for the output so far is zero, so the
+    accumulator starts afresh at its P V), and the finished tile's O and lse are stored after block g's P V. So
+    the tensor cores do not wait for a tile's first S and softmax."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, GROUP,
      M_PER_CHUNK, CHUNKS_PER_RANK) = p
@@ -199,89 +252,109 @@ def _compute(p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL: gl.constexpr
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, LS)
     if WG == 1:
         mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
-    g0 = 0  # key blocks taken so far (all tiles): the stage and phase of the rings, and whose turn it is
-    it = 0  # tiles so far: Q's buffer and phase
     n_tiles = S_LOCAL // BLOCK_M * BH
     mbarrier.wait(q_ready.index(0), 0)
     t = _tile_of(sched, 0)
-    while t < n_tiles:
-        # the key blocks are those of the whole query block (both warpgroups read the same stages)
-        m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BLOCK_M)
-        r0 = m0 + WG * ROWS  # this warpgroup's first row
-        q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
-        total = 0
-        for step in range(0, world):
-            for hh in range(0, 2):
-                nb, nf = _key_blocks((rank - step + world) % world, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
-                total += nb
-        qb = it % 2
-        q_rows = q_smem.index(qb).slice(WG * ROWS, ROWS)
-
-        # block 0: its S, then its softmax
-        nb, nf = _key_blocks(rank, world, C, 0, q_first, q_last, CAUSAL, BLOCK_N)
-        zero = rank * 0  # (a tensor: _advance changes it)
-        step, hh, i, nb, nf = _advance(zero, zero, zero - 1, nb, nf, rank, world, C, q_first, q_last, CAUSAL,
-                                       BLOCK_N)
+    if t < n_tiles:  # (a program may find every tile taken)
+        bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf = _walk_start(
+            t, rank, world, S_LOCAL, HQ, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
+        qb = 0  # this tile's Q buffer
+        it = 0  # tiles taken so far less one
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS))
         acc = gl.zeros([ROWS, HEAD_D], gl.float32, LO)
-        s0 = g0 % STAGES
-        mbarrier.wait(k_ready.index(s0), (g0 // STAGES) & 1)
-        s = warpgroup_mma(q_rows, k_smem.index(s0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        # the first tile's block 0: its S, then its softmax
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_smem.index(0).slice(WG * ROWS, ROWS), k_smem.index(0).permute((1, 0)), zero_s,
+                          use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        mbarrier.arrive(k_empty.index(s0))
-        src = (rank - step + world) % world
-        pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N, src, world, C, qk_scale,
-                                       BLOCK_N, LS)
-        for g in range(g0, g0 + total):
-            has_next = g + 1 < g0 + total
-            step, hh, i, nb, nf = _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
+        mbarrier.arrive(k_empty.index(0))
+        pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N,
+                                       (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS)
+        p16 = gl.convert_layout(pf.to(v_smem.dtype), LP)  # P as the register operand of P V
+        g0 = 0  # this tile's first block (all tiles' blocks counted)
+        has_next = True
+        while has_next:
+            q_rows = q_smem.index(qb).slice(WG * ROWS, ROWS)
+            # every block of the tile but its last
+            for g in range(g0, g0 + left):
+                step, hh, i, nb, nf = _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL,
+                                               BLOCK_N)
+                sn = (g + 1) % STAGES
+                st = g % STAGES
+                mbarrier.wait(turn.index(WG), g & 1)
+                # block g + 1's S
+                mbarrier.wait(k_ready.index(sn), ((g + 1) // STAGES) & 1)
+                s = warpgroup_mma(q_rows, k_smem.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                # block g's P V on the rescaled output
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LO))[:, None]
+                mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
+                acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
+                mbarrier.arrive(turn.index(1 - WG))
+                s = warpgroup_mma_wait(1, deps=(s, ))
+                mbarrier.arrive(k_empty.index(sn))
+                # block g + 1's softmax while block g's P V runs
+                pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N,
+                                               (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS)
+                p16 = gl.convert_layout(pf.to(v_smem.dtype), LP)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(st))
+            # the tile's last block g, and the next tile's first (after the last tile: a product nobody reads, so
+            # that no branch holds a wgmma)
+            g = g0 + left
+            it += 1
+            qn = it % 2
+            mbarrier.wait(q_ready.index(qn), (it // 2) & 1)
+            t = _tile_of(sched, qn)
+            has_next = t < n_tiles
             sn = (g + 1) % STAGES
             st = g % STAGES
             mbarrier.wait(turn.index(WG), g & 1)
-            # block g + 1's S (after the tile's last block: a product nobody reads, so that no branch holds a
-            # wgmma; its stage may be taking the next tile's block)
             mbarrier.wait(k_ready.index(sn), ((g + 1) // STAGES) & 1, pred=has_next)
-            s = warpgroup_mma(q_rows, k_smem.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            # block g's P V on the rescaled output
+            s = warpgroup_mma(q_smem.index(qn).slice(WG * ROWS, ROWS), k_smem.index(sn).permute((1, 0)), zero_s,
+                              use_acc=False, is_async=True)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LO))[:, None]
             mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
-            acc = warpgroup_mma(gl.convert_layout(pf.to(v_smem.dtype), LP), v_smem.index(st), acc, is_async=True)
+            acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
             mbarrier.arrive(turn.index(1 - WG))
             s = warpgroup_mma_wait(1, deps=(s, ))
             mbarrier.arrive(k_empty.index(sn), pred=has_next)
-            # block g + 1's softmax while block g's P V runs
-            src = (rank - step + world) % world
-            pf, alpha, m_new, l_new = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N, src, world, C,
+            mbarrier.arrive(q_empty.index(qb))  # every product that reads the finished tile's Q is done
+            m_done = m_i
+            l_done = l_i
+            done_r0 = r0
+            done_b = b
+            done_h = h
+            done_bh = bh
+            if has_next:
+                bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf = _walk_start(
+                    t, rank, world, S_LOCAL, HQ, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
+            # the next tile's block 0, from an empty state
+            pf, alpha, m_new, l_new = _softmax(s, gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS)),
+                                               gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS)), q_pos, i >= nf,
+                                               hh * C + i * BLOCK_N, (rank - step + world) % world, world, C,
                                                qk_scale, BLOCK_N, LS)
+            p16 = gl.convert_layout(pf.to(v_smem.dtype), LP)
             m_i = gl.where(has_next, m_new, m_i)
             l_i = gl.where(has_next, l_new, l_i)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(st))
-        mbarrier.arrive(q_empty.index(qb))  # every product that reads this Q is done
-
-        l_safe = gl.where(l_i == 0.0, 1.0, l_i)
-        out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, LO))[:, None]
-        rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LO))
-        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, LO))
-        gl.store(o_ptr + b * so_b + h * so_h + rows[:, None] * so_s + cols[None, :], out.to(o_ptr.dtype.element_ty))
-        lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
-        gl.store(lse_ptr + bh * S_LOCAL + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), lse)
-        g0 += total
-        it += 1
-        mbarrier.wait(q_ready.index(it % 2), (it // 2) & 1)
-        t = _tile_of(sched, it % 2)
+            _epilogue(acc, m_done, l_done, o_desc, o_smem, lse_ptr, done_r0, done_b, done_h, done_bh, S_LOCAL, LS,
+                      LO, WG)
+            qb = qn
+            g0 = g + 1
+    tma.store_wait(0)
 
 
 @gluon.jit
-def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_ptr, lse_ptr, tile_ptr, flags_ptr, err_ptr,
-                        budget, rank, world, op, S_LOCAL, HQ, BH, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, so_b,
-                        so_s, so_h,
+def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_ptr, tile_ptr, flags_ptr, err_ptr,
+                        budget, rank, world, op, S_LOCAL, HQ, BH, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, CLOCK: gl.constexpr,
                         COMPUTE_REGS: gl.constexpr):
     """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``: our K/V as
     [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
-    [B * world * S_LOCAL, Hkv * D], same blocks; ``BH``: batch x query heads; ``tile_ptr``: two int32, zero at
+    [B * world * S_LOCAL, Hkv * D], same blocks; ``o_desc``: O as [B * S_LOCAL, HQ * D] in [BLOCK_M / 2, D]
+    blocks; ``BH``: batch x query heads; ``tile_ptr``: two int32, zero at
     launch (the next tile to hand out, the programs done), which the last program out zeroes again. The other
     arguments are kernels.attention's of the same name. Launched with 4 warps: the loader; two compute warpgroups
     of COMPUTE_REGS registers a thread join them."""
@@ -296,6 +369,7 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_ptr, lse_ptr
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # each Q's tile
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)  # O, by group
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both compute warpgroups read every stage
@@ -310,8 +384,8 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_ptr, lse_ptr
          M_PER_CHUNK, CHUNKS_PER_RANK)
     gl.warp_specialize([
         (_load, (p, CAUSAL, CLOCK)),
-        (_compute, (p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL, 0)),
-        (_compute, (p, o_ptr, lse_ptr, sm_scale, so_b, so_s, so_h, CAUSAL, 1)),
+        (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0)),
+        (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1)),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -326,17 +400,17 @@ def hopper(ctx) -> bool:
     return ctx.backend == "cuda" and _sm90(ctx.device.index)
 
 
-def usable(ctx, q, k, v, kw, vw, docs, blocks) -> bool:
+def usable(ctx, q, k, v, kw, vw, docs, blocks, out=None) -> bool:
     """Whether this forward can run on this kernel with ``blocks`` (kernels.attention.Blocks): the cuda backend on
     compute capability 9.0 with Gluon; 16-bit q/k/v, D of 64 or 128; no packed documents; 128-row query blocks
-    on 8 warps; each zigzag half of the shard whole blocks of queries and keys; q, k, v and the workspaces
-    contiguous (they are read as 2-D tensors)."""
+    on 8 warps; each zigzag half of the shard whole blocks of queries and keys; q, k, v, the workspaces and
+    ``out`` (where given) contiguous (they are read and written as 2-D tensors)."""
     S, D = q.shape[1], q.shape[3]
     half = S // 2
     return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16)
             and D in (64, 128) and blocks.block_m == 128 and blocks.num_warps == 8 and blocks.block_n in (64, 128)
             and S % 2 == 0 and half % blocks.block_m == 0 and half % blocks.block_n == 0
-            and all(t.is_contiguous() for t in (q, k, v, kw, vw))
+            and all(t.is_contiguous() for t in (q, k, v, kw, vw)) and (out is None or out.is_contiguous())
             and gluon_available())
 
 
@@ -374,8 +448,7 @@ def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per
     bm, bn = blocks.block_m, blocks.block_n
     launch(cp_attention_fwd_ws, (min(S // bm * B * Hq, ctx.num_compute_units()), ), (
         head_desc(q, [bm, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
-        head_desc(vw, [bn, D]),
-        out, lse, tile_counter(q.device) if tiles is None else tiles, flags, ctx.err, ctx.budget, rank, world, op,
-        S, Hq, B * Hq, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, out.stride(0), out.stride(1), out.stride(2),
+        head_desc(vw, [bn, D]), head_desc(out, [bm // 2, D]), lse, tile_counter(q.device) if tiles is None else tiles,
+        flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
     ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
     ctx.after_launch()
