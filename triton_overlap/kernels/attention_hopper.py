@@ -354,10 +354,10 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_pt
     """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``: our K/V as
     [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
     [B * world * S_LOCAL, Hkv * D], same blocks; ``o_desc``: O as [B * S_LOCAL, HQ * D] in [BLOCK_M / 2, D]
-    blocks; ``BH``: batch x query heads; ``tile_ptr``: two int32, zero at
-    launch (the next tile to hand out, the programs done), which the last program out zeroes again. The other
-    arguments are kernels.attention's of the same name. Launched with 4 warps: the loader; two compute warpgroups
-    of COMPUTE_REGS registers a thread join them."""
+    blocks; ``BH``: batch x query heads; ``tile_ptr``: two int32, zero at launch (the next tile to hand out, the
+    programs done), which the last program out zeroes again. The other arguments are kernels.attention's of the
+    same name. Launched with 4 warps: the loader; two compute warpgroups of COMPUTE_REGS registers a thread join
+    them."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
