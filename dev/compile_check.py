@@ -296,7 +296,8 @@ def compile_attention_bwd_ws(target, quick: bool = False) -> int:
     cases = ((True, 128, 2),) if quick else ((True, 128, 1), (False, 128, 1), (True, 64, 1), (False, 64, 1),
                                              (True, 128, 4))
     for causal, d, split in cases:
-        consts = dict(CAUSAL=causal, SPLIT=split, NSTAGE=ab.STAGES, CLOCK=1, COMPUTE_REGS=ab.COMPUTE_REGS)
+        consts = dict(CAUSAL=causal, SPLIT=split, INTERLEAVE=4, NSTAGE=ab.STAGES, CLOCK=1,
+                      COMPUTE_REGS=ab.COMPUTE_REGS)
         sig = {}
         for prm in ab.cp_attention_bwd_ws.params:
             n = prm.name

@@ -257,6 +257,26 @@ def test_head_split_choice():
         assert all(programs * d < want for d in smaller), (programs, group, split)
 
 
+
+def test_heads_interleaved_choice():
+    """The Hopper backward interleaves units only where one unit's key blocks fill less than half the SMs, then the
+    fewest (a power of two, no more than the units) whose blocks fill every SM."""
+    from triton_overlap.kernels.attention_bwd_hopper import heads_interleaved
+
+    assert heads_interleaved(128, 8, 132) == 1  # 16k: one K/V head's blocks spread over the GPU
+    assert heads_interleaved(66, 8, 132) == 1
+    assert heads_interleaved(64, 8, 132) == 4  # 8k
+    assert heads_interleaved(32, 16, 132) == 8  # 4k
+    assert heads_interleaved(4, 12, 132) == 8  # (then a last group of 4)
+    assert heads_interleaved(4, 3, 132) == 2
+    assert heads_interleaved(4, 1, 132) == 1
+    for blocks in range(1, 70):
+        for units in range(1, 20):
+            g = heads_interleaved(blocks, units, 132)
+            assert g & (g - 1) == 0 and (g == 1 or g <= units)
+            assert g == 1 or g * blocks >= 132 or 2 * g > units
+            assert g == 1 or g // 2 * blocks < 132
+
 # ------------------------------------------------------------------ packed documents (cu_seqlens)
 def reference_docs(q, k, v, cu, causal, scale):
     """``reference`` per document of the packed [1, T, ...] sequence (a query sees its own document only)."""

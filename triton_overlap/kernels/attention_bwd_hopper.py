@@ -1,7 +1,8 @@
 """The context-parallel attention backward for Hopper (sm_90), warp-specialized in Gluon: dK, dV and dQ in one kernel.
 
 Same grid, protocol and dK/dV results as kernels.attention_bwd's ``cp_attention_dkdv`` (its module doc): one
-program per (block of 128 keys of a source rank, batch x K/V head, source), peers' blocks first; it waits for its
+program per (block of 128 keys of a source rank, batch x K/V head, source), peers' blocks first (and where one
+head's blocks are few, a few heads' blocks interleaved: ``heads_interleaved``); it waits for its
 block's chunk, runs over this rank's query rows of the group's query heads that see the block (causal blocks
 nobody sees skipped, the diagonal ones masked), stores the float32 dK/dV partial into the owner's receive slot and
 bumps the owner's counter once; with the query heads split over SPLIT programs, the last of them sums their
@@ -69,12 +70,21 @@ else:  # Triton 3.6: its Gluon builder has the TMA reduction, its language not y
 
 
 @gluon.jit
-def _program(rank, world, SPLIT: gl.constexpr, BLOCK_N: gl.constexpr):
+def _program(rank, world, SPLIT: gl.constexpr, INTERLEAVE: gl.constexpr, BLOCK_N: gl.constexpr):
     """This program's key block and share: (first local key row, batch x K/V head, source rank, which of the SPLIT
-    shares of the group's query heads). The key blocks run fastest in launch order, so the programs on an SM at
-    once read the same query heads (from L2)."""
+    shares of the group's query heads). Within a source, launch order takes INTERLEAVE
+    (batch x K/V head x share) units at a time, their key blocks interleaved from the first: the programs on the
+    GPU at once read few query heads (from L2), and each unit's longest causal blocks start early enough that the
+    last wave is not held up by them."""
     src = (rank + 1 + gl.program_id(2)) % world  # peers' blocks first, our own last
-    return gl.program_id(0) * BLOCK_N, gl.program_id(1) // SPLIT, src, gl.program_id(1) % SPLIT
+    n = gl.num_programs(0)
+    lin = gl.program_id(1) * n + gl.program_id(0)  # the launch order within a source
+    grp = lin // (n * INTERLEAVE)
+    width = gl.minimum(gl.num_programs(1) - grp * INTERLEAVE, INTERLEAVE)  # the last group may be narrower
+    w = lin - grp * (n * INTERLEAVE)
+    blk = w // width
+    unit = grp * INTERLEAVE + w % width
+    return blk * BLOCK_N, unit // SPLIT, src, unit % SPLIT
 
 
 @gluon.jit
@@ -94,7 +104,7 @@ def _rows(n0, src, qh, rank, world, C, CAUSAL: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _load(p, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, CLOCK: gl.constexpr):
+def _load(p, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, INTERLEAVE: gl.constexpr, CLOCK: gl.constexpr):
     """The loader partition: K and V of the block once (after its chunk's flag), then Q and dO of every query
     block in the compute partitions' order."""
     (q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
@@ -104,7 +114,7 @@ def _load(p, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, CLOCK: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     NSTAGE: gl.constexpr = q_smem.type.shape[0]
-    n0, bhk, src, part = _program(rank, world, SPLIT, BLOCK_N)
+    n0, bhk, src, part = _program(rank, world, SPLIT, INTERLEAVE, BLOCK_N)
     b = bhk // HKV
     hk = bhk % HKV
     C = S_LOCAL // 2
@@ -137,7 +147,7 @@ def _load(p, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, CLOCK: gl.constexpr):
 
 @gluon.jit
 def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, sm_scale, CAUSAL: gl.constexpr,
-             SPLIT: gl.constexpr, WG: gl.constexpr):
+             SPLIT: gl.constexpr, INTERLEAVE: gl.constexpr, WG: gl.constexpr):
     """Compute warpgroup WG (0 or 1): keys [64 WG, 64 WG + 64) of the block against every query block in the
     loader's order; dQ columns [D/2 WG, D/2 WG + D/2) of each query block over all 128 keys. Then its dK/dV rows
     into the owner's slot and the owner's counter bumped once for the block (``_store_block``)."""
@@ -159,7 +169,7 @@ def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr,
                                                  instr_shape=[16, HALF, 16])
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LD, k_width=2)
     dtype: gl.constexpr = q_desc.dtype
-    n0, bhk, src, part = _program(rank, world, SPLIT, BLOCK_N)
+    n0, bhk, src, part = _program(rank, world, SPLIT, INTERLEAVE, BLOCK_N)
     b = bhk // HKV
     hk = bhk % HKV
     C = S_LOCAL // 2
@@ -256,8 +266,7 @@ def _store_block(dk, dv, n0, b, hk, src, part, done, recv_ptrs, counter_ptrs, pa
             if ok:
                 gl.atomic_add(counter, 1, sem="release", scope="sys")
     else:
-        unit = (gl.program_id(2) * (gl.num_programs(1) // SPLIT) + b * HKV + hk) * gl.num_programs(0) \
-            + gl.program_id(0)
+        unit = (gl.program_id(2) * (gl.num_programs(1) // SPLIT) + b * HKV + hk) * gl.num_programs(0) + n0 // BLOCK_N
         tile = rows[:, None] * HEAD_D + cols[None, :]
         scratch = part_ptr + unit * (SPLIT * 2 * BLOCK_N * HEAD_D)
         mine = scratch + part * (2 * BLOCK_N * HEAD_D) + WG * KEYS * HEAD_D
@@ -281,7 +290,8 @@ def _store_block(dk, dv, n0, b, hk, src, part, done, recv_ptrs, counter_ptrs, pa
 def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, dq_desc, recv_ptrs,
                         counter_ptrs, part_ptr, ticket_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ,
                         HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, CAUSAL: gl.constexpr,
-                        SPLIT: gl.constexpr, NSTAGE: gl.constexpr, CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr):
+                        SPLIT: gl.constexpr, INTERLEAVE: gl.constexpr, NSTAGE: gl.constexpr, CLOCK: gl.constexpr,
+                        COMPUTE_REGS: gl.constexpr):
     """``q_desc``/``do_desc``: Q and dO as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``:
     our K/V as [B * S_LOCAL, HKV * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
     [B * world * S_LOCAL, HKV * D], same blocks. Grid (S_LOCAL / BLOCK_N, B * HKV * SPLIT, world); with SPLIT > 1,
@@ -320,9 +330,11 @@ def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_d
          delta_smem, k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, err_ptr, budget,
          rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
     gl.warp_specialize([
-        (_load, (p, CAUSAL, SPLIT, CLOCK)),
-        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, sm_scale, CAUSAL, SPLIT, 0)),
-        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, sm_scale, CAUSAL, SPLIT, 1)),
+        (_load, (p, CAUSAL, SPLIT, INTERLEAVE, CLOCK)),
+        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, sm_scale, CAUSAL, SPLIT,
+                    INTERLEAVE, 0)),
+        (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, sm_scale, CAUSAL, SPLIT,
+                    INTERLEAVE, 1)),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -335,6 +347,19 @@ def usable(ctx, q, k, v, kw, vw, dq, docs) -> bool:
     return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128)
             and S % (2 * BLOCK_N) == 0 and all(t.is_contiguous() for t in (q, k, v, kw, vw, dq))
             and gluon_available())
+
+
+def heads_interleaved(blocks: int, units: int, sms: int) -> int:
+    """How many of the launch's ``units`` (batch x K/V head x share, ``blocks`` key blocks each) ``_program``
+    interleaves: 1 where a unit's blocks fill at least half of the ``sms``, so one unit's causal blocks, longest
+    first, spread over the GPU and its programs share their query heads in L2; below that, the fewest (a power of
+    two, at most ``units``) whose blocks together fill every SM, so that no unit's longest blocks start late
+    enough to hold up the last wave (docs/decisions.md)."""
+    g = 1
+    if 2 * blocks < sms:
+        while g * blocks < sms and 2 * g <= units:
+            g *= 2
+    return g
 
 
 def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, m_per_chunk,
@@ -352,6 +377,7 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
 
     n = S // BLOCK_N
     part, ticket = split_scratch(flags, world * B * Hkv * n, split, BLOCK_N, D)
+    interleave = heads_interleaved(n, B * Hkv * split, ctx.num_compute_units())
     half = [BLOCK_M, D // 2]  # each compute warpgroup's piece of dQ
 
     def kernel(delta, acc):
@@ -362,7 +388,8 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
             head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]),
             rows(lse.contiguous()), rows(delta), dq_desc, recv_ptrs, counter_ptrs, part, ticket, flags, ctx.err,
             ctx.budget, rank, world, op, S, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
-        ), dict(CAUSAL=causal, SPLIT=split, NSTAGE=STAGES, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
+        ), dict(CAUSAL=causal, SPLIT=split, INTERLEAVE=interleave, NSTAGE=STAGES, CLOCK=ctx.clock,
+                COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
         ctx.after_launch()
 
     single_pass(ctx, dout, out, dq, scale, kernel)
