@@ -296,19 +296,19 @@ def compile_attention_bwd_ws(target, quick: bool = False) -> int:
     cases = ((True, 128, 2),) if quick else ((True, 128, 1), (False, 128, 1), (True, 64, 1), (False, 64, 1),
                                              (True, 128, 4))
     for causal, d, split in cases:
-        consts = dict(CAUSAL=causal, SPLIT=split, INTERLEAVE=4, NSTAGE=ab.STAGES, CLOCK=1,
-                      COMPUTE_REGS=ab.COMPUTE_REGS)
+        bm, stages = ab.tiles(d)
+        consts = dict(CAUSAL=causal, SPLIT=split, INTERLEAVE=4, NSTAGE=stages, CLOCK=1, COMPUTE_REGS=ab.COMPUTE_REGS)
         sig = {}
         for prm in ab.cp_attention_bwd_ws.params:
             n = prm.name
-            sig[n] = ("constexpr" if n in consts else desc_type([ab.BLOCK_M, d]) if n in ("q_desc", "do_desc")
-                      else desc_type([ab.BLOCK_M]) if n in ("lse_desc", "delta_desc")
-                      else desc_type([ab.BLOCK_M, d // 2], float32=True) if n == "dq_desc"
+            sig[n] = ("constexpr" if n in consts else desc_type([bm, d]) if n in ("q_desc", "do_desc")
+                      else desc_type([bm]) if n in ("lse_desc", "delta_desc")
+                      else desc_type([bm, d // 2], float32=True) if n == "dq_desc"
                       else desc_type([ab.BLOCK_N, d]) if n.endswith("_desc")
                       else "*i64" if n in ("recv_ptrs", "counter_ptrs") else "*fp32" if n == "part_ptr"
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
                       else "fp32" if n == "sm_scale" else "i32")
-        name = f"cp_attention_bwd_ws causal={causal} D={d} split={split}"
+        name = f"cp_attention_bwd_ws causal={causal} D={d} split={split} block_m={bm}"
         failed += compile_gluon(target, name, ab.cp_attention_bwd_ws, sig, consts, {"num_warps": 4}, 1500)
     return failed
 

@@ -41,11 +41,10 @@ from .signal import error_code
 
 #: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left.
 COMPUTE_REGS = 240
-#: Query rows per step and keys per program (the compute warpgroups take half the keys each).
-BLOCK_M = 64
+#: Keys per program (the compute warpgroups take half the keys each).
 BLOCK_N = 128
-#: Stages of the Q / dO ring.
-STAGES = 3
+#: (query rows per step, stages of the Q / dO ring) by D (``tiles``)
+TILES = {128: (64, 3), 64: (128, 2)}
 #: launch_bwd splits each block's query heads over programs (``SPLIT``) until they fill every SM at least this many
 #: times (one program fits an SM), where blocks x K/V heads x sources fall short (MQA, few K/V heads per GPU, short
 #: shards); docs/decisions.md has the measurements behind the figure.
@@ -349,6 +348,14 @@ def usable(ctx, q, k, v, kw, vw, dq, docs) -> bool:
             and gluon_available())
 
 
+def tiles(D: int) -> tuple:
+    """(query rows per step, stages of the Q / dO ring) at head dim ``D``: 64 rows at D = 128 (the registers of two
+    [64, 64] float32 products beside dK and dV); 128 at D = 64, where a step's products are half as long and the
+    per-step synchronisation would otherwise weigh twice as much, in two stages to fit shared memory
+    (docs/decisions.md)."""
+    return TILES[128 if D > 64 else 64]
+
+
 def heads_interleaved(blocks: int, units: int, sms: int) -> int:
     """How many of the launch's ``units`` (batch x K/V head x share, ``blocks`` key blocks each) ``_program``
     interleaves: 1 where a unit's blocks fill at least half of the ``sms``, so one unit's causal blocks, longest
@@ -372,23 +379,25 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
 
-    def rows(t):  # float32 [b, h, s] as BLOCK_M-row pieces of the 1-D [b * h * s]
-        return TensorDescriptor(t.view(-1), [t.numel()], [1], [BLOCK_M], ROWS_LAYOUT)
+    bm, stages = tiles(D)
+
+    def rows(t):  # float32 [b, h, s] as bm-row pieces of the 1-D [b * h * s]
+        return TensorDescriptor(t.view(-1), [t.numel()], [1], [bm], ROWS_LAYOUT)
 
     n = S // BLOCK_N
     part, ticket = split_scratch(flags, world * B * Hkv * n, split, BLOCK_N, D)
     interleave = heads_interleaved(n, B * Hkv * split, ctx.num_compute_units())
-    half = [BLOCK_M, D // 2]  # each compute warpgroup's piece of dQ
+    half = [bm, D // 2]  # each compute warpgroup's piece of dQ
 
     def kernel(delta, acc):
         dq_desc = TensorDescriptor(acc.view(B * S, Hq * D), [B * S, Hq * D], [Hq * D, 1], half,
                                    gl.NVMMASharedLayout.get_default_for(half, gl.float32))
         launch(cp_attention_bwd_ws, (n, B * Hkv * split, world), (
-            head_desc(q, [BLOCK_M, D]), head_desc(dout, [BLOCK_M, D]), head_desc(k, [BLOCK_N, D]),
+            head_desc(q, [bm, D]), head_desc(dout, [bm, D]), head_desc(k, [BLOCK_N, D]),
             head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]),
             rows(lse.contiguous()), rows(delta), dq_desc, recv_ptrs, counter_ptrs, part, ticket, flags, ctx.err,
             ctx.budget, rank, world, op, S, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
-        ), dict(CAUSAL=causal, SPLIT=split, INTERLEAVE=interleave, NSTAGE=STAGES, CLOCK=ctx.clock,
+        ), dict(CAUSAL=causal, SPLIT=split, INTERLEAVE=interleave, NSTAGE=stages, CLOCK=ctx.clock,
                 COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
         ctx.after_launch()
 
