@@ -257,7 +257,6 @@ def test_head_split_choice():
         assert all(programs * d < want for d in smaller), (programs, group, split)
 
 
-
 def test_heads_interleaved_choice():
     """The Hopper backward interleaves units only where one unit's key blocks fill less than half the SMs, then the
     fewest (a power of two, no more than the units) whose blocks fill every SM."""
@@ -276,6 +275,7 @@ def test_heads_interleaved_choice():
             assert g & (g - 1) == 0 and (g == 1 or g <= units)
             assert g == 1 or g * blocks >= 132 or 2 * g > units
             assert g == 1 or g // 2 * blocks < 132
+
 
 # ------------------------------------------------------------------ packed documents (cu_seqlens)
 def reference_docs(q, k, v, cu, causal, scale):
