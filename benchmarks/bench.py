@@ -4,7 +4,8 @@
         [--shapes ...] [--out DIR] [--shared-gpu] [--virtual-hosts N]
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
-the bound (torch.matmul of the same work alone); our consumer GEMM alone. Attention: ours; NCCL all_gather of K/V
+the bound (torch.matmul of the same work alone); our consumer GEMM alone (GEMM-RS: the kernel the op ran, named
+in the JSON's ``consumer``). Attention: ours; NCCL all_gather of K/V
 then our kernel; torch's SDPA on the full sequence on one GPU; our kernel alone. AllReduce: ours, NCCL, torch's
 symmetric-memory all-reduces, the bound; GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. Distributed
 timings: CUDA events around each call, ranks aligned on the device before each iteration, median over iterations,
@@ -28,6 +29,7 @@ from report import (AR_HEADER, CP_HEADER, GEMM_AR_HEADER, HEADER, _cp_row, _row,
                     write_all_reduce, write_cp, write_gemm_ar)
 from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
 from triton_overlap.kernels.gemm import plain_gemm
+from triton_overlap.kernels.gemm_warp_specialized import plain_gemm_ws
 from triton_overlap.ops.gemm_reduce_scatter import scatter_mode
 from triton_overlap.timing import capture, host_us, spin, time_dist, time_interleaved
 from triton_overlap.torchrun import init, say
@@ -295,6 +297,14 @@ def bench_ag_gemm_fp8(ctx, shapes, iters, write_partial):
     return records
 
 
+def rs_consumer(ctx, op, a, w, c):
+    """GEMM-RS's consumer alone, ``c = a @ w`` on one GPU: the GEMM kernel the op's last call ran (op.last_gemm),
+    the warp-specialized one or kernels.gemm's with the op's tiles."""
+    if op.last_gemm == "gemm_warp_specialized":
+        return plain_gemm_ws(ctx, a, w, c)
+    return plain_gemm(ctx, op.config_for((a.shape[0], a.shape[1], w.shape[1])), a, w, c)
+
+
 def bench_gemm_rs(ctx, shapes, iters, write_partial):
     W = ctx.world_size
     records = []
@@ -332,7 +342,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
             rec["note"] += f"torch fused: {note}; "
         ctx.check()
         time_gemm(rec, "bound_us", lambda: torch.matmul(a, w, out=full))
-        time_gemm(rec, "consumer_only_us", plain_gemm(ctx, op.config_for((M, K, N)), a, w, full))
+        time_gemm(rec, "consumer_only_us", rs_consumer(ctx, op, a, w, full))
         wt = torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()  # B as nn.Linear's weight.t()
 
         def nccl_wt():
@@ -340,12 +350,13 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
             reduce_scatter_rows(out, full)
 
         time_weight_t(rec, lambda: auto(a, wt, out=out), nccl_wt, lambda: torch.matmul(a, wt, out=full),
-                      plain_gemm(ctx, op.config_for((M, K, N)), a, wt, full), iters)
+                      rs_consumer(ctx, op, a, wt, full), iters)
         side_by_side(ctx, rec, {
             "ours_us": lambda: auto(a, w, out=out), "nccl_us": nccl,
             "torch_fused_us": lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(a, w, "sum", 0, group),
             "bound_us": gemm_graph(lambda: torch.matmul(a, w, out=full)),
-            "consumer_only_us": gemm_graph(plain_gemm(ctx, op.config_for((M, K, N)), a, w, full))}, iters)
+            "consumer_only_us": gemm_graph(rs_consumer(ctx, op, a, w, full))}, iters)
+        rec["consumer"] = op.last_gemm
         records.append(rec)
         rec["scatter"] = scatter_mode(op.config_for((M, K, N)), M, N, a.element_size(), ctx.backend, W)
         other = "store" if rec["scatter"] == "copy" else "copy"  # the scatter "auto" did not pick, as the variant

@@ -228,6 +228,47 @@ def test_warp_specialized_rule():
     assert gemm_warp_specialized.layout_for(SimpleNamespace(backend="cuda"), odd, w, 1000) is None
 
 
+def _plain_warp_specialized():
+    """kernels.gemm_warp_specialized.plain_gemm_ws (GEMM-RS's consumer alone in benchmarks) against float32
+    matmul, on NaN-poisoned outputs: B as [K, N] and as weight.t(), with and without bias, K and N not multiples
+    of the tile, called twice (the exit counts it leaves zeroed). "skip" where the kernel cannot run."""
+    from triton_overlap.kernels import gemm_warp_specialized as ws
+
+    with to.Context(timeout_s=120) as ctx:
+        if (ctx.backend != "cuda" or torch.cuda.get_device_capability(ctx.device) != (9, 0)
+                or not ws.gluon_available()):
+            return "skip"
+        worst = 0.0
+        for m, k, n, transposed, with_bias in ((384, 1000, 520, False, True), (1024, 512, 264, True, False)):
+            a = rand((m, k), torch.bfloat16, ctx.device, "plain ws a", m)
+            w = rand((n, k) if transposed else (k, n), torch.bfloat16, ctx.device, "plain ws w", m)
+            w = w.t() if transposed else w
+            bias = rand((n,), torch.bfloat16, ctx.device, "plain ws bias", m) if with_bias else None
+            ref = a.float() @ w.float() + (bias.float() if with_bias else 0.0)
+            c = torch.empty(m, n, dtype=torch.bfloat16, device=ctx.device)
+            gemm = ws.plain_gemm_ws(ctx, a, w, c, bias)
+            for _ in range(2):
+                poison(c)
+                gemm()
+                ctx.synchronize()
+                ctx.check()
+                err = rel_err(c, ref)
+                assert err < TOL[torch.bfloat16], (m, k, n, transposed, err)
+                worst = max(worst, err)
+        odd = torch.empty(200, 64, dtype=torch.bfloat16, device=ctx.device)
+        with pytest.raises(ValueError, match="plain_gemm_ws"):
+            ws.plain_gemm_ws(ctx, odd, torch.empty(64, 64, dtype=torch.bfloat16, device=ctx.device), odd)
+        return worst
+
+
+def test_plain_warp_specialized_gemm(pool):
+    """The warp-specialized GEMM alone, where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
+    if pool.backend == "host":
+        pytest.skip("Gluon kernels do not run in Triton's interpreter")
+    if "skip" in pool.run(_plain_warp_specialized):
+        pytest.skip("the warp-specialized GEMM needs compute capability 9.0 and Gluon")
+
+
 def test_rs_chunks_carry_min_chunk_bytes():
     """GEMM-RS cuts each peer's partial rows into chunks_per_rank chunks of whole tiles, fewer where a chunk would
     carry under min_chunk_bytes (N x element size per row), at least one; every tile of our rows is counted once."""

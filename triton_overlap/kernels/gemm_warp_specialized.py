@@ -415,16 +415,19 @@ def programs(ctx, m: int, n: int, peer_stores: bool) -> int:
 
 
 def launch_gemm_rs(ctx, b_layout: str, a, w, c, out, bias, layout: ChunkLayout, order, expected, counters,
-                   scatter_ptrs, counter_ptrs, exit_counts, starts=None, op: int = 0) -> None:
+                   scatter_ptrs, counter_ptrs, exit_counts, starts=None, op: int = 0, rank: int | None = None,
+                   world: int | None = None, preload: bool = True) -> None:
     """The fused GEMM-RS GEMM on the caller's stream. ``c``: this rank's receive slots [W * m_local, N] (own-row
     tiles add the peers' partials from there); ``out``: the output [m_local, N]; ``scatter_ptrs`` and
     ``counter_ptrs``: where peers' tiles and their counts go (int64 [W]); ``counters``: this rank's counters,
     which own-row tiles wait on; ``exit_counts``: two int32s, zero at launch, zeroed again by the last program with
     ``counters``. ``starts`` (store variant, PEER_STORES): the symmetric start counts (int32 [W]); None: the copy
-    variant (peers' tiles go to a local staging buffer)."""
+    variant (peers' tiles go to a local staging buffer). ``rank`` / ``world``: as which rank of how many (None:
+    the Context's); ``preload`` False: the last own-row tile's partials by the epilogue's loads, never by TMA."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    W = ctx.world_size
+    W = ctx.world_size if world is None else world
+    rank = ctx.rank if rank is None else rank
     (M, K), N = a.shape, w.shape[1]
     m_local = layout.m_local
     bm, bn, bk = TILES.block_m, TILES.block_n, TILES.block_k
@@ -440,12 +443,12 @@ def launch_gemm_rs(ctx, b_layout: str, a, w, c, out, bias, layout: ChunkLayout, 
         b_desc = desc(w.t(), [N, K], w.stride(1), [bn, bk])
     grid = programs(ctx, M, N, peer_stores=starts is not None)
     align = N % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
-    preload_tma = PRELOAD_BY_TMA and c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
+    preload_tma = preload and PRELOAD_BY_TMA and c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
     c_desc = desc(c, [W * m_local, N], c.stride(0), [bm, bn]) if preload_tma else b_desc
     launch(rs_gemm_ws, (grid,), (
         a_desc, b_desc, c_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters,
         expected, exit_counts, ctx.err, order, exit_counts if starts is None else starts.ptrs, ctx.budget,
-        ctx.rank, op, W, (W - 1) * m_local // bm, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank,
+        rank, op, W, (W - 1) * m_local // bm, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank,
         c.stride(0), out.stride(0),
     ), dict(BLOCK_N=bn, GROUP_M=TILES.group_m, NUM_PROGRAMS=grid, NUM_STAGES=TILES.num_stages,
             B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,
@@ -453,3 +456,21 @@ def launch_gemm_rs(ctx, b_layout: str, a, w, c, out, bias, layout: ChunkLayout, 
             RESET_AT_EXIT=True, PEER_STORES=starts is not None),
            num_warps=8, maxnreg=MAXNREG)
     ctx.after_launch()
+
+
+def plain_gemm_ws(ctx, a, w, c, bias=None):
+    """A callable that launches this kernel alone, ``c = a @ w (+ bias)``, as the only rank: every tile holds
+    its own rows and has no partials to wait for or add, so nothing is communicated (GEMM-RS's consumer alone in
+    benchmarks, beside kernels.gemm.plain_gemm). Raises ValueError where the kernel cannot run (``layout_for``)."""
+    M = a.shape[0]
+    b_layout = layout_for(ctx, a, w, M)
+    if b_layout is None:
+        raise ValueError("plain_gemm_ws: needs the cuda backend on compute capability 9.0, whole 128-row tiles and "
+                         "operands a tensor descriptor can describe")
+    dev = a.device
+    order = torch.arange(cdiv(M, TILES.block_m), dtype=torch.int32, device=dev)
+    counts = torch.zeros(4, dtype=torch.int32, device=dev)  # expected, counter, and the two exit counts
+    ptrs = torch.tensor([c.data_ptr(), counts[1:2].data_ptr()], dtype=torch.int64, device=dev)
+    layout = ChunkLayout(1, M, M)
+    return lambda: launch_gemm_rs(ctx, b_layout, a, w, c, c, bias, layout, order, counts[0:1], counts[1:2],
+                                  ptrs[0:1], ptrs[1:2], counts[2:4], rank=0, world=1, preload=False)
