@@ -5,9 +5,9 @@
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
 the bound (torch.matmul of the same work alone); our consumer GEMM alone (GEMM-RS: the kernel the op ran, named
-in the JSON's ``consumer``). Attention: ours; NCCL all_gather of K/V
-then our kernel; torch's SDPA on the full sequence on one GPU; our kernel alone. AllReduce: ours, NCCL, torch's
-symmetric-memory all-reduces, the bound; GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. Distributed
+in the JSON's ``consumer``). Attention: ours; NCCL all_gather of K/V then our kernel; torch's SDPA on the full
+sequence on one GPU; our kernel alone. AllReduce: ours, NCCL, torch's symmetric-memory all-reduces, the bound;
+GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. Distributed
 timings: CUDA events around each call, ranks aligned on the device before each iteration, median over iterations,
 max over ranks (triton_overlap.timing); the headline columns timed in turns within each iteration, so all see the
 same GPU clock. ``--virtual-hosts N`` splits the ranks into N hosts (TRITON_OVERLAP_VIRTUAL_HOSTS): ours then moves
