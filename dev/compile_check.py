@@ -219,7 +219,8 @@ def compile_gluon(target, name, fn, sig, consts, options, tail) -> int:
 
 def compile_warp_specialized(target, quick: bool = False) -> int:
     """kernels.gemm_warp_specialized (Gluon; sm_90 only), as GEMM-RS launches it: B as [K, N] and as [N, K], with
-    and without bias, the copy and the store variant (``quick``: B as [K, N] with bias, the copy variant)."""
+    and without bias, the copy and the store variant; and as plain_gemm_ws does (no TMA preload, B as [N, K])
+    (``quick``: B as [K, N] with bias, the copy variant)."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import gemm_warp_specialized as ws
@@ -232,7 +233,8 @@ def compile_warp_specialized(target, quick: bool = False) -> int:
     # (B_KMAJOR, HAS_BIAS, PRELOAD_TMA, PEER_STORES)
     cases = [(b_kmajor, bias, True, peer) for b_kmajor, bias, peer
              in itertools.product((False, True), (False, True), (False, True))]
-    cases += [(False, False, False, False), (False, True, False, True)]
+    cases += [(False, False, False, False), (False, True, False, True), (True, False, False, False),
+              (True, True, False, False)]
     cases = [(False, True, True, False)] if quick else cases
     for b_kmajor, bias, preload_tma, peer_stores in cases:
         consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=ws.TILES.num_stages, B_KMAJOR=b_kmajor,
