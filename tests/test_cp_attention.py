@@ -560,7 +560,7 @@ def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
         splits, launch_ws = [], attention_bwd_hopper.launch_bwd_ws
 
         def counted(*args, **kw):
-            splits.append(args[-1])
+            splits.append(args[-1].split)
             return launch_ws(*args, **kw)
 
         attention_bwd_hopper.launch_bwd_ws = counted

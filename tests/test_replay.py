@@ -8,7 +8,7 @@ import torch
 
 import triton_overlap as to
 from refs import TOL, poison, rand, rel_err
-from test_cp_attention import reference
+from test_cp_attention import GRAD_TOL, reference
 from triton_overlap.ops.replay import ReplayCache
 
 
@@ -319,3 +319,50 @@ def _cp(B, S, Hq, Hkv, D, causal):
 @pytest.mark.parametrize("causal", [True, False])
 def test_cp_attention_replay(gpu_pool, causal):
     assert all(gpu_pool.run(_cp, 1, 1024, 8, 2, 128, causal))
+
+
+def _cp_backward(S, Hq, Hkv, D, causal, keep_kv, min_replays):
+    """The backward (ContextParallelAttention.backward, as autograd calls it), eight calls on the same tensors with
+    new values in them, each after its forward: every call's gradients match the float32 reference, and the
+    backward was captured and then replayed, at least ``min_replays`` times (a call replays where its tensors sit
+    where an earlier call's did, and until the forward's own graph is captured the allocations around a call still
+    move). After each call its gradients are poisoned and freed, so the next call's land in poisoned memory: a
+    replay that skipped an element shows as NaN. ``keep_kv``: backward reads the K/V that forward kept (new copies
+    every call, so fewer calls repeat an earlier one's addresses), else it gathers them again."""
+    with to.Context(timeout_s=30) as ctx:
+        dev = ctx.device
+        op = to.ContextParallelAttention(ctx)
+        B, scale = 1, 1.0 / math.sqrt(D)
+        refs = []
+        for i in range(8):  # every reference first: the calls below then allocate alike each time
+            full = [rand((B, S, h, D), torch.bfloat16, dev, name, i).float().requires_grad_()
+                    for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv), ("do", Hq))]
+            out_ref, _ = reference(*full[:3], causal, scale)
+            (out_ref * full[3]).sum().backward()
+            refs.append(([to.zigzag.shard(t.detach().to(torch.bfloat16), ctx) for t in full],
+                         [to.zigzag.shard(t.grad, ctx) for t in full[:3]]))
+        q, k, v, dout = (torch.empty_like(t) for t in refs[0][0])
+        out, lse = torch.empty_like(q), torch.empty((B, Hq, q.shape[1]), dtype=torch.float32, device=dev)
+        for i, (inputs, grads) in enumerate(refs):
+            for dst, src in zip((q, k, v, dout), inputs):
+                dst.copy_(src)
+            if keep_kv:  # forward's outputs and kept K/V new every call (freed after backward, as autograd does)
+                saved = op.forward(q, k, v, causal, scale, keep=True)
+            else:
+                op(q, k, v, causal=causal, out=out, lse=lse)
+                saved = (out, lse, None, None)
+            got = op.backward(q, k, v, saved[0], saved[1], dout, causal, scale, *saved[2:])
+            for name, g, want in zip("qkv", got, grads):
+                err = rel_err(g, want)
+                assert err < GRAD_TOL[torch.bfloat16], f"call {i}: d{name} rel err {err:.2e}"
+                poison(g)
+            del got, saved
+        ctx.check()
+        stats = dict(op.backward_replays.stats)
+        assert stats["captures"] >= 1 and stats["replays"] >= min_replays, stats
+        return stats
+
+
+@pytest.mark.parametrize("keep_kv, min_replays", [(False, 3), (True, 1)], ids=["gathered_again", "kept"])
+def test_cp_attention_backward_replay(gpu_pool, keep_kv, min_replays):
+    assert all(gpu_pool.run(_cp_backward, 1024, 8, 2, 128, True, keep_kv, min_replays))

@@ -33,6 +33,8 @@ row come from a table, and it reads only that document's rows.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -300,16 +302,62 @@ def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, err_ptr, budge
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
+@dataclass
+class BackwardScratch:
+    """What one backward writes besides dq and the dK/dV partials, and which kernels it runs (``path``: "hopper",
+    kernels.attention_bwd_hopper's single kernel; "single pass", the same algorithm in Triton on the host backend;
+    "two kernels"). ``delta``: rowsum(dO * O), float32 [B, Hq, S]; ``acc``: the single pass's float32 dQ buffer
+    [B, S, Hq, D] (None for two kernels); ``part`` and ``ticket``: the head split's partials and tickets over
+    ``split`` programs per key block (both ``flags`` where the split is 1). Allocated before the call is enqueued,
+    so that an op replaying its calls (ops.replay) keys them by these addresses too."""
+
+    path: str
+    split: int
+    delta: torch.Tensor
+    acc: torch.Tensor | None
+    part: torch.Tensor
+    ticket: torch.Tensor
+
+    def tensors(self) -> tuple:
+        return self.delta, self.acc, self.part, self.ticket
+
+
+def backward_scratch(ctx, q, k, v, kw, vw, dq, flags, dkdv_blocks: Blocks, world=None,
+                     docs_dkdv: Documents | None = None, head_split: int | None = None) -> BackwardScratch:
+    """The scratch and path of a launch_bwd with these arguments (its docstring says what they are)."""
+    B, S, Hq, D = q.shape
+    Hkv = k.shape[2]
+    world = ctx.world_size if world is None else world
+    group = Hq // Hkv
+    if head_split is not None and (head_split < 1 or group % head_split):
+        raise ValueError(f"cp_attention: head_split {head_split} does not divide the {group} query heads of a "
+                         "K/V head")
+    path, block_n, waves = "two kernels", dkdv_blocks.block_n, HEAD_SPLIT_WAVES
+    if dkdv_blocks.warp_specialized:
+        from . import attention_bwd_hopper as ws
+        if ws.usable(ctx, q, k, v, kw, vw, dq, docs_dkdv):
+            path, block_n, waves = "hopper", ws.BLOCK_N, ws.MIN_WAVES
+        elif ctx.backend == "host" and docs_dkdv is None and q.is_contiguous():
+            path = "single pass"
+    n = _grid0(S, block_n, docs_dkdv, flags)[0]
+    split = 1 if not n else head_split or head_split_for(ctx, n * B * Hkv * world, group, waves)
+    part, ticket = split_scratch(flags, world * B * Hkv * n, split, block_n, D)
+    return BackwardScratch(path, split, torch.empty((B, Hq, S), dtype=torch.float32, device=q.device),
+                           None if path == "two kernels" else
+                           torch.empty((B, S, Hq, D), dtype=torch.float32, device=q.device), part, ticket)
+
+
 def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, m_per_chunk,
                chunks_per_rank, scale, causal, dq_blocks: Blocks, dkdv_blocks: Blocks, rank=None, world=None,
                docs_dq: Documents | None = None, docs_dkdv: Documents | None = None, op: int = 0,
-               head_split: int | None = None) -> int:
+               head_split: int | None = None, scratch: BackwardScratch | None = None) -> int:
     """dQ into ``dq``; float32 dK/dV partials into every owner's receive slot [W, 2, B, S, Hkv, D] for this rank,
     each block bumping the owner's counter for this rank. ``out``: the forward's output (for delta).
     ``docs_dq`` / ``docs_dkdv``: packed documents' tables for the two kernels' blocks (B = 1), else None.
     ``head_split``: over how many dK/dV programs each K/V block's query heads are split (None: head_split_for).
     With ``dkdv_blocks.warp_specialized``, where kernels.attention_bwd_hopper can run, its single kernel computes dQ,
     dK and dV instead of the two (``head_split`` None: chosen for it with its MIN_WAVES).
+    ``scratch``: backward_scratch's for the same arguments (None: allocated here).
     Returns the count each owner waits for per source."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
@@ -321,9 +369,8 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
         raise ValueError("cp_attention: dq must have q's strides")
     rank = ctx.rank if rank is None else rank
     world = ctx.world_size if world is None else world
-    if head_split is not None and (head_split < 1 or (Hq // Hkv) % head_split):
-        raise ValueError(f"cp_attention: head_split {head_split} does not divide the {Hq // Hkv} query heads of a "
-                         "K/V head")
+    if scratch is None:
+        scratch = backward_scratch(ctx, q, k, v, kw, vw, dq, flags, dkdv_blocks, world, docs_dkdv, head_split)
     common = (ctx.err, ctx.budget, rank, world, op, S)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
     meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=ctx.backend == "host")
@@ -332,11 +379,11 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
         """The dK/dV kernel (with dq_acc, adding dQ up too); the count each owner waits for per source."""
         n, seg, cu = _grid0(S, dkdv_blocks.block_n, docs_dkdv, flags)
         if n:
-            split = head_split_for(ctx, n * B * Hkv * world, Hq // Hkv) if head_split is None else head_split
-            part, ticket = split_scratch(flags, world * B * Hkv * n, split, dkdv_blocks.block_n, D)
+            split = scratch.split
+            zero_tickets(scratch)
             launch(cp_attention_dkdv, (n, B * Hkv * split, world), (
                 q, k, v, kw, vw, dout, lse, delta, recv_ptrs, counter_ptrs, flags, *common, Hq, Hkv, Hq // Hkv,
-                m_per_chunk, chunks_per_rank, scale, *strides, seg, cu, part, ticket,
+                m_per_chunk, chunks_per_rank, scale, *strides, seg, cu, scratch.part, scratch.ticket,
                 flags if dq_acc is None else dq_acc),
                 dict(BLOCK_M=dkdv_blocks.block_m, BLOCK_N=dkdv_blocks.block_n, VARLEN=docs_dkdv is not None,
                      SPLIT=split, DQ_ACC=dq_acc is not None, **meta),
@@ -344,16 +391,13 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
             ctx.after_launch()
         return n * B * Hkv
 
-    if dkdv_blocks.warp_specialized:
+    if scratch.path == "hopper":
         from . import attention_bwd_hopper as ws
-        if ws.usable(ctx, q, k, v, kw, vw, dq, docs_dkdv):
-            split = head_split or head_split_for(ctx, S // ws.BLOCK_N * B * Hkv * world, Hq // Hkv, ws.MIN_WAVES)
-            return ws.launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags,
-                                    m_per_chunk, chunks_per_rank, scale, causal, rank, world, op, split)
-        if ctx.backend == "host" and docs_dkdv is None and q.is_contiguous():
-            # the same single pass in Triton's interpreter: the dK/dV kernel adds dQ up (DQ_ACC)
-            return single_pass(ctx, dout, out, dq, scale, dkdv)
-    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device)  # written by the dQ kernel
+        return ws.launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags,
+                                m_per_chunk, chunks_per_rank, scale, causal, rank, world, op, scratch)
+    if scratch.path == "single pass":  # the same single pass in Triton's interpreter: the dK/dV kernel adds dQ up
+        return single_pass(ctx, dout, out, dq, scale, dkdv, scratch)
+    delta = scratch.delta  # written by the dQ kernel
     n, seg, cu = _grid0(S, dq_blocks.block_m, docs_dq, flags)
     if n:
         launch(cp_attention_dq, (n, B * Hq), (
@@ -369,13 +413,13 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
 PROLOGUE_ROWS = 64
 
 
-def single_pass(ctx, dout, out, dq, scale, kernel):
-    """The frame of a backward that adds dQ up in the pass over (key block, query block) pairs: delta and a zeroed
-    float32 dQ buffer [B, S, Hq, D] (bwd_prologue), ``kernel(delta, buffer)``, then dQ = the buffer times ``scale``
-    (bwd_epilogue). ``dout``, ``out`` and ``dq`` contiguous, shaped like q. Returns what ``kernel`` returns."""
+def single_pass(ctx, dout, out, dq, scale, kernel, scratch: BackwardScratch):
+    """The frame of a backward that adds dQ up in the pass over (key block, query block) pairs: delta and the
+    float32 dQ buffer of ``scratch``, the buffer zeroed (bwd_prologue), ``kernel(delta, buffer)``, then dQ = the
+    buffer times ``scale`` (bwd_epilogue). ``dout``, ``out`` and ``dq`` contiguous, shaped like q. Returns what
+    ``kernel`` returns."""
     B, S, Hq, D = dq.shape
-    delta = torch.empty((B, Hq, S), dtype=torch.float32, device=dq.device)
-    acc = torch.empty((B, S, Hq, D), dtype=torch.float32, device=dq.device)
+    delta, acc = scratch.delta, scratch.acc
     launch(bwd_prologue, (cdiv(S, PROLOGUE_ROWS), B * Hq), (dout, out, delta, acc, S, Hq),
            dict(BLOCK=PROLOGUE_ROWS, HEAD_D=D), num_warps=4)
     ctx.after_launch()
@@ -388,12 +432,18 @@ def single_pass(ctx, dout, out, dq, scale, kernel):
 
 def split_scratch(flags, blocks: int, split: int, block_n: int, D: int):
     """The dK/dV kernels' scratch for ``split`` shares of the query heads over ``blocks`` key blocks (sources x
-    batch x K/V heads x blocks): float32 partials [blocks, split, 2, block_n, D] and an int32 ticket per block,
-    zeroed. With split 1 neither is read, and ``flags`` stands in for both."""
+    batch x K/V heads x blocks): float32 partials [blocks, split, 2, block_n, D] and an int32 ticket per block
+    (zeroed by zero_tickets before each launch). With split 1 neither is read, and ``flags`` stands in for both."""
     if split == 1:
         return flags, flags
     return (torch.empty((blocks, split, 2, block_n, D), dtype=torch.float32, device=flags.device),
-            torch.zeros(blocks, dtype=torch.int32, device=flags.device))
+            torch.empty(blocks, dtype=torch.int32, device=flags.device))
+
+
+def zero_tickets(scratch: BackwardScratch) -> None:
+    """Enqueue the zeroing of the head split's tickets (nothing where the split is 1: no tickets)."""
+    if scratch.split > 1:
+        scratch.ticket.zero_()
 
 
 def head_split_for(ctx, programs: int, group: int, waves: int = HEAD_SPLIT_WAVES) -> int:

@@ -33,8 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                warpgroup_mma_wait)
 
 from .attention import wait_kv, zigzag_pos
-from .attention_bwd import single_pass, split_scratch
-from .attention_hopper import head_desc, hopper
+from .attention_bwd import single_pass, zero_tickets
+from .attention_hopper import head_desc, hopper, shared_layout
 from .cached_launch import launch
 from .gemm_warp_specialized import _barrier, _tma_load, gluon_available
 from .signal import error_code
@@ -370,10 +370,10 @@ def heads_interleaved(blocks: int, units: int, sms: int) -> int:
 
 
 def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, m_per_chunk,
-                  chunks_per_rank, scale, causal, rank: int, world: int, op: int, split: int = 1) -> int:
+                  chunks_per_rank, scale, causal, rank: int, world: int, op: int, scratch) -> int:
     """The backward on this kernel (``usable`` holds), arguments as kernels.attention_bwd.launch_bwd's (``dout``
-    and ``out`` contiguous); ``split``: over how many programs each block's query heads are shared (a divisor of
-    the group). Returns the count each owner waits for per source."""
+    and ``out`` contiguous); ``scratch``: its BackwardScratch (``scratch.split``: over how many programs each
+    block's query heads are shared, a divisor of the group). Returns the count each owner waits for per source."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     B, S, Hq, D = q.shape
@@ -385,21 +385,22 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
         return TensorDescriptor(t.view(-1), [t.numel()], [1], [bm], ROWS_LAYOUT)
 
     n = S // BLOCK_N
-    part, ticket = split_scratch(flags, world * B * Hkv * n, split, BLOCK_N, D)
+    split = scratch.split
     interleave = heads_interleaved(n, B * Hkv * split, ctx.num_compute_units())
     half = [bm, D // 2]  # each compute warpgroup's piece of dQ
 
     def kernel(delta, acc):
         dq_desc = TensorDescriptor(acc.view(B * S, Hq * D), [B * S, Hq * D], [Hq * D, 1], half,
-                                   gl.NVMMASharedLayout.get_default_for(half, gl.float32))
+                                   shared_layout(half, gl.float32))
+        zero_tickets(scratch)
         launch(cp_attention_bwd_ws, (n, B * Hkv * split, world), (
             head_desc(q, [bm, D]), head_desc(dout, [bm, D]), head_desc(k, [BLOCK_N, D]),
             head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]),
-            rows(lse.contiguous()), rows(delta), dq_desc, recv_ptrs, counter_ptrs, part, ticket, flags, ctx.err,
-            ctx.budget, rank, world, op, S, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
+            rows(lse.contiguous()), rows(delta), dq_desc, recv_ptrs, counter_ptrs, scratch.part, scratch.ticket,
+            flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
         ), dict(CAUSAL=causal, SPLIT=split, INTERLEAVE=interleave, NSTAGE=stages, CLOCK=ctx.clock,
                 COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
         ctx.after_launch()
 
-    single_pass(ctx, dout, out, dq, scale, kernel)
+    single_pass(ctx, dout, out, dq, scale, kernel, scratch)
     return n * B * Hkv

@@ -41,7 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .attention import key_span, wait_every_chunk, wait_kv, zigzag_pos
 from .cached_launch import launch
 from .gemm import capability
-from .gemm_warp_specialized import _barrier, _tma_load, gluon_available
+from .gemm_warp_specialized import _barrier, _tma_load, gluon_available, shared_layout
 
 #: TMA store from shared memory (``async_store`` in newer Gluon)
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -419,10 +419,9 @@ def head_desc(t, block):
     blocks of the default shared layout."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    gdt = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
     flat = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
     return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], block,
-                            gl.NVMMASharedLayout.get_default_for(block, gdt))
+                            shared_layout(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16))
 
 
 _tile_counters: dict = {}

@@ -28,7 +28,7 @@ def _spec(a):
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if isinstance(a, TensorDescriptor) or hasattr(a, "block_shape") and hasattr(a, "layout"):  # (or Gluon's)
-        return "desc", a.base.dtype, tuple(a.block_shape), a.padding, repr(getattr(a, "layout", None))
+        return "desc", a.base.dtype, tuple(a.block_shape), a.padding, getattr(a, "layout", None)  # (frozen: hashable)
     if isinstance(a, bool):
         return "b", a
     if isinstance(a, int):

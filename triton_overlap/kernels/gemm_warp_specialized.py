@@ -397,6 +397,17 @@ def gluon_available() -> bool:
     return True
 
 
+def shared_layout(block, dtype):
+    """Gluon's default shared layout for a ``block`` of ``dtype`` (a Gluon dtype), built once per pair: launches
+    build their descriptors anew every call, and the layout is most of a descriptor's host cost."""
+    return _shared_layout(tuple(block), dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_layout(block: tuple, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
 def layout_for(ctx, a, w, m_local: int) -> str | None:
     """How B is described if this call can run on this kernel ("kn" or "nk", as kernels.gemm.desc_layout says),
     else None: the cuda backend on compute capability 9.0, every rank's rows whole 128-row tiles, A and B
@@ -434,7 +445,7 @@ def launch_gemm_rs(ctx, b_layout: str, a, w, c, out, bias, layout: ChunkLayout, 
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
 
     def desc(t, shape, stride, block):
-        return TensorDescriptor(t, shape, [stride, 1], block, gl.NVMMASharedLayout.get_default_for(block, gdt))
+        return TensorDescriptor(t, shape, [stride, 1], block, shared_layout(block, gdt))
 
     a_desc = desc(a, [M, K], a.stride(0), [bm, bk])
     if b_layout == "kn":

@@ -15,7 +15,7 @@ from collections import OrderedDict
 import torch
 
 from ..kernels.attention import Blocks, Documents, launch_fwd, segment_table
-from ..kernels.attention_bwd import launch_bwd, launch_reduce_dkdv
+from ..kernels.attention_bwd import backward_scratch, launch_bwd, launch_reduce_dkdv
 from ..kernels.attention_hopper import hopper
 from ..kernels.signal import WHAT_PARTIALS
 from ..plan import ChunkLayout
@@ -24,6 +24,7 @@ from ..producers.gather import Gather
 from ..producers.link import link
 from ..zigzag import as_ints, int_vector, local_cu_seqlens
 from .base import OverlapOp, call_key
+from .replay import ReplayCache
 from .checks import DTYPES
 from .config import AttentionConfig
 
@@ -83,7 +84,8 @@ class ContextParallelAttention(OverlapOp):
 
     ``keep_kv``: backward reads the K/V gathered in forward, kept between the passes (2 x [B, W * S_local, Hkv, D]
     per call that autograd holds), instead of gathering them again with the copy engines (the default: the gather
-    overlaps the backward kernels). ``replay``: as for every op (ops.base.OverlapOp), for the forward.
+    overlaps the backward kernels). ``replay``: as for every op (ops.base.OverlapOp), for the forward and the
+    backward alike.
 
     Packed documents: ``op(q, k, v, cu_seqlens=...)`` with B = 1 and ``cu_seqlens`` the documents' boundaries in
     the full sequence (flash-attn's convention; a list, or a 1-D integer tensor, read on the host: pass a list to
@@ -105,6 +107,8 @@ class ContextParallelAttention(OverlapOp):
         self.overlap_possible()  # ValueError on hosts of different sizes: there is no other path
         self.chunks_per_rank = chunks_per_rank
         self.keep_kv = keep_kv
+        self.backward_replays = ReplayCache(ctx, enabled=self.replays.enabled)  # (the forward's: self.replays)
+        ctx.on_close(self.backward_replays.clear)
         from . import custom_ops
 
         self._handle = custom_ops.handle(self)
@@ -269,9 +273,12 @@ class ContextParallelAttention(OverlapOp):
     def backward(self, q, k, v, out, lse, dout, causal, scale, kept_k=None, kept_v=None, cu=()):
         """dq, dk, dv for this rank's shards. K/V come from ``kept_k``/``kept_v`` (the gathered workspaces that
         ``forward(keep=True)`` returned) or, when those are None, are gathered again by the copy engines. Partial
-        dK/dV go straight to their owners, who sum them in float32. ``cu`` as in forward (checked there)."""
+        dK/dV go straight to their owners, who sum them in float32. ``cu`` as in forward (checked there).
+        Replayed like the forward (``replay``): a call whose tensors, scratch included, sit where an earlier one's
+        did replays the graph captured of it (``backward_replays``)."""
         ctx = self.ctx
         ctx.ensure_usable()
+        q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))  # (no copies inside a captured call)
         local_cu = local_cu_seqlens(cu or None, ctx.world_size)
         W = ctx.world_size
         B, S, Hq, D = q.shape
@@ -281,32 +288,39 @@ class ContextParallelAttention(OverlapOp):
         recv = ctx.symmetric(f"{self.name}.dkv", (W, 2, B, S, Hkv, D), torch.float32)
         counters = ctx.symmetric(f"{self.name}.dkv_count", (W,), torch.int32)
         self.state.setdefault("buffers", {})["dK/dV receive slots"] = recv.local
-        docs_dq, docs_dkdv = documents(ctx, local_cu, cfg.dq.block_m), documents(ctx, local_cu, cfg.dkdv.block_n)
+        docs_dkdv = documents(ctx, local_cu, cfg.dkdv.block_n)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        call = self._header("backward", k, local_cu, kept=kept_k is not None)
-        if kept_k is not None:  # no gather: every chunk is ready; the barrier orders our dK/dV stores into peers
+        kept = kept_k is not None
+        call = self._header("backward", k, local_cu, kept=kept)
+        if kept:  # no gather: every chunk is ready; the barrier orders our dK/dV stores into peers
             kw, vw, ready, producer = kept_k, kept_v, all_ready(ctx, layout.num_chunks), pipeline.BarrierOnly(call)
         else:
             layout, kws, vws, flags = self._kv(k)
             kw, vw, ready = kws.local, vws.local, flags.local
             producer = self._gather(layout, k, v, kws, vws, flags, call)
+        scratch = backward_scratch(ctx, q, k, v, kw, vw, dq, ready, cfg.dkdv, W, docs_dkdv)
 
         recv_ptrs, counter_ptrs, staged = recv.ptrs, counters.ptrs, None
         if ctx.num_hosts > 1:  # other hosts' owners: partials staged here, then sent (_send_partials)
             recv_ptrs, counter_ptrs, staged = self._staging(recv, counters)
 
         def consumer():
+            # the tables again: a capture of this call pins them (DocumentTables), as it reads them at every replay
+            docs = documents(ctx, local_cu, cfg.dq.block_m), documents(ctx, local_cu, cfg.dkdv.block_n)
             expected = launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, ready,
                                   layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.dq, cfg.dkdv,
-                                  docs_dq=docs_dq, docs_dkdv=docs_dkdv, op=self.op)
+                                  docs_dq=docs[0], docs_dkdv=docs[1], op=self.op, scratch=scratch)
             if staged is not None:
                 self._send_partials(recv, counters, staged, expected)
             launch_reduce_dkdv(ctx, recv.local, dk, dv, counters.local, expected, op=self.op)
             counters.local.zero_()  # every count was seen; peers add again only after the next call's barrier
 
+        key = call_key((bool(causal), float(scale), tuple(cu)), q, k, v, out, lse, dout, kept_k, kept_v, dq, dk, dv,
+                       *scratch.tensors())
+        shape_key = (tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), float(scale), bool(cu), kept)
         # copies first, always: backward launches several kernels, and building one while another spins for chunks
         # not yet enqueued can wait for the spinning kernel
-        pipeline.run(ctx, producer, consumer, gate=True)
+        self.backward_replays.run(key, shape_key, lambda: pipeline.run(ctx, producer, consumer, gate=True))
         return dq, dk, dv
 
     def _staging(self, recv, counters):

@@ -78,11 +78,14 @@ def _ag_setup(ctx, inputs, output):
     ctx.save_for_backward(output[1] if keep else a, w)
     ctx.handles, ctx.world, ctx.has_bias, ctx.keep = (ag, rs), world, bias is not None, keep
     ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)  # (no zero-filled gradient for the gathered rows, which nothing reads)
 
 
 def _ag_backward(ctx, grad_out, _grad_gathered):
     saved, w = ctx.saved_tensors
     ag, rs = ctx.handles
+    if grad_out is None:  # (grads are not materialised: the output took no part in the loss)
+        return None, None, None, None, None, None, None
     grad_out = grad_out.contiguous()
     grad_a = gemm_rs(grad_out, w.t(), None, rs, ag, ctx.world)  # rows of this rank of sum_r grad_out @ w^T
     gathered = saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)  # kept from forward, or gathered again
@@ -168,9 +171,13 @@ def _cp_setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output, cu)
     ctx.op, ctx.causal, ctx.scale = op, causal, scale
     ctx.mark_non_differentiable(*output[1:])
+    # no zero-filled gradients for lse and the kept K/V, which nothing reads: three fills fewer per backward
+    ctx.set_materialize_grads(False)
 
 
 def _cp_backward(ctx, dout, _dlse, _dk, _dv):
+    if dout is None:  # (the output took no part in the loss)
+        return None, None, None, None, None, None, None, None
     q, k, v, out, lse, kept_k, kept_v, cu = ctx.saved_tensors
     dq, dk, dv = cp_attention_bwd(q, k, v, out, lse, dout, kept_k, kept_v, ctx.op, ctx.causal, ctx.scale, cu)
     return dq, dk, dv, None, None, None, None, None
