@@ -43,3 +43,20 @@ def test_partial_result_names_what_it_did_not_measure(tmp_path, kind):
         assert "Not measured" not in f.read()
     with open(base + ".json") as f:
         assert "not_measured" not in json.load(f)
+
+
+def test_turn_orders_vary_who_goes_before_whom():
+    """Columns timed in turns (timing.turn_orders): every iteration a permutation, and over a whole design (n rows,
+    2n for odd n) each function runs right after each other one within the iterations equally often."""
+    from collections import Counter
+
+    from triton_overlap.timing import turn_orders
+
+    for n in range(1, 10):
+        rows = 2 * n if n % 2 else n
+        orders = turn_orders(n, 3 * rows + 1)
+        assert all(sorted(o) == list(range(n)) for o in orders)
+        assert orders[rows:2 * rows] == orders[:rows]
+        after = Counter((a, b) for o in orders[:rows] for a, b in zip(o, o[1:]))
+        assert set(after) == {(a, b) for a in range(n) for b in range(n) if a != b}, n
+        assert len(set(after.values())) <= 1, f"n = {n}: uneven {after}"

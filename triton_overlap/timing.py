@@ -67,8 +67,8 @@ def _lined_up(fn, tiny: torch.Tensor, lead_us: float) -> float:
 def time_interleaved(fns: dict, iters: int, warmup: int = 2, budget_s: float | None = None,
                      lead_us: float = 0.0) -> dict:
     """``{name: median µs per call, max over ranks}`` for every function of ``fns`` (``{name: fn}``), each call
-    timed as in time_dist, the functions taking turns within every iteration (the order rotating by one each
-    iteration). On large shapes the SM clock falls as the GPU draws more power, so functions timed one after
+    timed as in time_dist, the functions taking turns within every iteration, in a new order each iteration
+    (turn_orders). On large shapes the SM clock falls as the GPU draws more power, so functions timed one after
     another for a few hundred ms each would be compared at different clocks; in turns each sees the same GPU on
     average (docs/decisions.md).
     ``budget_s`` caps the iterations so that all of them take about that long per function (at least 3)."""
@@ -86,13 +86,31 @@ def time_interleaved(fns: dict, iters: int, warmup: int = 2, budget_s: float | N
         dist.all_reduce(per_round, op=dist.ReduceOp.MAX)
         iters = max(3, min(iters, int(budget_s * len(names) / max(float(per_round.item()), 1e-6))))
     times = {n: [] for n in names}
-    for i in range(iters):
-        for j in range(len(names)):
-            n = names[(i + j) % len(names)]
-            times[n].append(_lined_up(fns[n], tiny, lead_us))
+    for order in turn_orders(len(names), iters):
+        for j in order:
+            times[names[j]].append(_lined_up(fns[names[j]], tiny, lead_us))
     med = torch.tensor([statistics.median(times[n]) for n in names], device="cuda")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
     return dict(zip(names, med.tolist()))
+
+
+def turn_orders(n: int, iters: int) -> list[list[int]]:
+    """The order of ``n`` functions in each of ``iters`` iterations taken in turns: the rows of a Williams design
+    (a Latin square balanced for the function before: over its n rows, 2n where n is odd, each function runs
+    right after each other one equally often), cycled. A fixed order rotated by one each iteration varies each
+    function's place but never the function before it, and a call runs faster after a lighter one (the SM clock
+    recovers while the GPU draws less power)."""
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    rows = [[(f + r) % n for f in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [rows[i % len(rows)] for i in range(iters)]
 
 
 def host_us(fn, iters: int = 20, busy: bool = False) -> float:
