@@ -34,9 +34,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .attention import wait_kv, zigzag_pos
 from .attention_bwd import single_pass, zero_tickets
-from .attention_hopper import head_desc, hopper, shared_layout
+from .attention_hopper import head_desc, hopper
 from .cached_launch import launch
-from .gemm_warp_specialized import _barrier, _tma_load, gluon_available
+from .gemm_warp_specialized import _barrier, _tma_load, gluon_available, shared_layout
 from .signal import error_code
 
 #: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left.

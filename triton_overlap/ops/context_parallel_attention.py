@@ -24,9 +24,9 @@ from ..producers.gather import Gather
 from ..producers.link import link
 from ..zigzag import as_ints, int_vector, local_cu_seqlens
 from .base import OverlapOp, call_key
-from .replay import ReplayCache
 from .checks import DTYPES
 from .config import AttentionConfig
+from .replay import ReplayCache
 
 HEAD_DIMS = (64, 128)
 #: packed documents' tables kept for this many boundary sets (x block sizes), least recently used dropped: training
