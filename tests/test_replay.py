@@ -236,6 +236,8 @@ def _small_shape_auto(m_local, k, n):
 
 
 def test_small_shape_replays_instead_of_falling_back(gpu_pool):
+    if gpu_pool.world == 1:
+        pytest.skip('at W = 1 fallback="auto" always takes torch.matmul: there is no overlap to replay')
     assert all(gpu_pool.run(_small_shape_auto, 1024, 512, 768))
 
 
@@ -286,6 +288,9 @@ def _unchecked_path(m_local, k):
 
 
 def test_unchecked_replay_path(gpu_pool):
+    if gpu_pool.world == 1:
+        pytest.skip("at W = 1 one rank's rows are the whole output and every row count divides: its bad inputs "
+                    "are good ones")
     assert all(gpu_pool.run(_unchecked_path, 512, 256))
 
 
