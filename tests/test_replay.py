@@ -8,7 +8,7 @@ import torch
 
 import triton_overlap as to
 from refs import TOL, poison, rand, rel_err
-from test_cp_attention import GRAD_TOL, reference
+from test_cp_attention import GRAD_TOL, _full_problem, reference
 from triton_overlap.ops.replay import ReplayCache
 
 
@@ -328,7 +328,7 @@ def test_cp_attention_replay(gpu_pool, causal):
 
 def _cp_backward(S, Hq, Hkv, D, causal, keep_kv, min_replays):
     """The backward (ContextParallelAttention.backward, as autograd calls it), eight calls on the same tensors with
-    new values in them, each after its forward: every call's gradients match the float32 reference, and the
+    new q, k, v in them, each after its forward: every call's gradients match the float32 reference, and the
     backward was captured and then replayed, at least ``min_replays`` times (a call replays where its tensors sit
     where an earlier call's did, and until the forward's own graph is captured the allocations around a call still
     move). After each call its gradients are poisoned and freed, so the next call's land in poisoned memory: a
@@ -340,12 +340,8 @@ def _cp_backward(S, Hq, Hkv, D, causal, keep_kv, min_replays):
         B, scale = 1, 1.0 / math.sqrt(D)
         refs = []
         for i in range(8):  # every reference first: the calls below then allocate alike each time
-            full = [rand((B, S, h, D), torch.bfloat16, dev, name, i).float().requires_grad_()
-                    for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv), ("do", Hq))]
-            out_ref, _ = reference(*full[:3], causal, scale)
-            (out_ref * full[3]).sum().backward()
-            refs.append(([to.zigzag.shard(t.detach().to(torch.bfloat16), ctx) for t in full],
-                         [to.zigzag.shard(t.grad, ctx) for t in full[:3]]))
+            inputs, want = _full_problem(dev, B, S, Hq, Hkv, D, causal, torch.bfloat16, ("bwd replay", i))
+            refs.append(([to.zigzag.shard(t, ctx) for t in inputs], [to.zigzag.shard(g, ctx) for g in want[1:]]))
         q, k, v, dout = (torch.empty_like(t) for t in refs[0][0])
         out, lse = torch.empty_like(q), torch.empty((B, Hq, q.shape[1]), dtype=torch.float32, device=dev)
         for i, (inputs, grads) in enumerate(refs):
