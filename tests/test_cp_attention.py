@@ -160,6 +160,53 @@ def test_cp_attention_gradients_match_full_sequence(pool, case):
     pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])
 
 
+def _one_rank_case(B, S, Hq, Hkv, D, causal, dtype_name):
+    """A group of one: the forward into poisoned out/lse and, through autograd, the backward, against the float32
+    reference; no barrier runs (the call number stays) and no K/V workspace is allocated."""
+    dtype = getattr(torch, dtype_name)
+    with to.Context(timeout_s=120) as ctx:
+        assert ctx.world_size == 1
+        op = to.ContextParallelAttention(ctx, chunks_per_rank=2)
+        (q, k, v, dout), want = _full_problem(ctx.device, B, S, Hq, Hkv, D, causal, dtype, "one")
+        _, ref_lse = reference(q, k, v, causal, 1.0 / math.sqrt(D))
+        calls = ctx.call_number.item()
+        out = poison(torch.empty_like(q))
+        lse = poison(torch.empty((B, Hq, S), dtype=torch.float32, device=ctx.device))
+        op(q, k, v, causal=causal, out=out, lse=lse)
+        ctx.check()
+        errs = {"out": rel_err(out, want[0]), "lse": rel_err(lse, ref_lse)}
+        assert errs["out"] < TOL[dtype] and errs["lse"] < 1e-3, f"one rank: {errs}"
+        mine = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, _ = op(*mine, causal=causal)
+        (o.float() * dout.float()).sum().backward()
+        ctx.check()
+        errs.update({f"d{n}": rel_err(m.grad, r) for n, m, r in zip("qkv", mine, want[1:])})
+        bad = {n: e for n, e in errs.items() if n.startswith("d") and e > GRAD_TOL[dtype]}
+        assert not bad, f"one rank: gradient rel err {bad}"
+        assert ctx.call_number.item() == calls, "a barrier ran on a group of one"
+        assert not {"k", "v"} & set(op.buffers()), f"K/V workspaces allocated on a group of one: {list(op.buffers())}"
+        return errs
+
+
+ONE_RANK_CASES = {  # odd lengths take the Triton kernels; on Hopper 4096 takes the warp-specialized ones
+    "host": [(1, 54, 4, 2, 64, True, "bfloat16"), (2, 40, 4, 4, 64, False, "float16")],
+    "cuda": [(1, 2000, 8, 2, 128, True, "bfloat16"), (1, 4096, 16, 4, 128, True, "bfloat16"),
+             (2, 1024, 8, 8, 64, False, "float16")],
+}
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_one_rank_runs_the_kernels_alone(pool, case):
+    """On a group of one the op launches its kernels alone: nothing to gather, no peer to meet. Runs on a pool of
+    one rank of the same backend, once per backend (from its two-rank pool)."""
+    from harness import get_pool
+
+    cases = ONE_RANK_CASES["host" if pool.backend == "host" else "cuda"]
+    if pool.world != 2 or case >= len(cases):
+        pytest.skip("runs once per backend, from its two-rank pool" if pool.world != 2 else "no such case here")
+    get_pool(pool.backend, 1).run(_one_rank_case, *cases[case])
+
+
 def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2, head_split=None, cfg=None):
     """Every rank's share of cp_attention forward and backward for a world of ``world``, run one after another
     on this process's device with forward_on_gathered / backward_on_gathered (the helpers the NCCL baselines use).

@@ -210,8 +210,8 @@ class ContextParallelAttention(OverlapOp):
         lse = torch.empty((B, Hq, S), dtype=torch.float32, device=q.device) if lse is None else lse
         self.last_path = "overlap"
         if keep:  # the gathered K/V for backward (this rank's own rows are read from k and v, not from here)
-            kws, vws = self._forward(q, k, v, out, lse, causal, scale, local_cu)
-            return out, lse, kws.local.clone(), vws.local.clone()
+            kw, vw = self._forward(q, k, v, out, lse, causal, scale, local_cu)
+            return out, lse, kw.clone(), vw.clone()
         # the shape key leaves the boundaries out (new ones every batch would grow the cache's record of prepared
         # shapes); the call key has them, so a capture follows an eager call with the same ones
         shape_key = (tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), float(scale), bool(cu))
@@ -248,15 +248,18 @@ class ContextParallelAttention(OverlapOp):
         return self.call_header((step, B, S, Hkv, D, k.dtype, self.chunks_per_rank, docs, kept), (B, S, Hkv, D))
 
     def _forward(self, q, k, v, out, lse, causal, scale, local_cu=None):
-        """Enqueue one forward (what ReplayCache captures); returns the K/V workspaces."""
+        """Enqueue one forward (what ReplayCache captures); returns the gathered K and V ([B, W * S_local, Hkv, D]).
+        On one rank there is nothing to gather and no peer to meet: the kernel alone, on k and v."""
         ctx = self.ctx
-        layout, kws, vws, flags = self._kv(k)
         cfg = self.config_for(self.shape_key(q, k, causal))
         docs = documents(ctx, local_cu, cfg.fwd.block_m)
-        # the Hopper forward's tile counter: this op's, as its workspaces are (its calls never overlap)
-        tiles = self.state.get("tile counter")
-        if tiles is None:
-            tiles = self.state["tile counter"] = torch.zeros(2, dtype=torch.int32, device=ctx.device)
+        if ctx.world_size == 1:
+            cpr = self.chunks_per_rank
+            launch_fwd(ctx, q, k, v, k, v, out, lse, all_ready(ctx, cpr), k.shape[1] // cpr, cpr, scale, causal,
+                       cfg.fwd, docs=docs, op=self.op, tiles=self._tile_counter())
+            return k, v
+        layout, kws, vws, flags = self._kv(k)
+        tiles = self._tile_counter()
 
         def consumer():
             launch_fwd(ctx, q, k, v, kws.local, vws.local, out, lse, flags.local, layout.m_per_chunk,
@@ -267,7 +270,14 @@ class ContextParallelAttention(OverlapOp):
                                                   vws.local.data_ptr()))
         producer = self._gather(layout, k, v, kws, vws, flags, self._header("forward", k, local_cu))
         pipeline.run(ctx, producer, consumer, consumer_first=first, gate=True)
-        return kws, vws
+        return kws.local, vws.local
+
+    def _tile_counter(self):
+        """The Hopper forward's tile counter: this op's, as its workspaces are (its calls never overlap)."""
+        tiles = self.state.get("tile counter")
+        if tiles is None:
+            tiles = self.state["tile counter"] = torch.zeros(2, dtype=torch.int32, device=self.ctx.device)
+        return tiles
 
     @torch.no_grad()
     def backward(self, q, k, v, out, lse, dout, causal, scale, kept_k=None, kept_v=None, cu=()):
@@ -292,7 +302,9 @@ class ContextParallelAttention(OverlapOp):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kept = kept_k is not None
         call = self._header("backward", k, local_cu, kept=kept)
-        if kept:  # no gather: every chunk is ready; the barrier orders our dK/dV stores into peers
+        if W == 1:  # one rank: nothing to gather and no peer to meet or store into; the kernels alone
+            kw, vw, ready, producer = k, v, all_ready(ctx, layout.num_chunks), None
+        elif kept:  # no gather: every chunk is ready; the barrier orders our dK/dV stores into peers
             kw, vw, ready, producer = kept_k, kept_v, all_ready(ctx, layout.num_chunks), pipeline.BarrierOnly(call)
         else:
             layout, kws, vws, flags = self._kv(k)
