@@ -70,13 +70,16 @@ def _tile_of(sched, qb):
 
 
 @gluon.jit
-def _query_block(t, rank, world, S_LOCAL, HQ, BLOCK_M: gl.constexpr):
+def _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M: gl.constexpr):
     """Tile ``t``'s query block: (first row, batch x head, batch, head, half the shard, the first and last zigzag
     position). Tiles run over the blocks of one (batch, head) before the next, the blocks of later positions (which
-    see more keys) first."""
+    see more keys) first; the last ``TAIL`` (batch, head)s go together, every one's block at a position before any
+    one's next (tail_heads), so no long tile starts last."""
     n_m = S_LOCAL // BLOCK_M
-    m0 = (n_m - 1 - t % n_m) * BLOCK_M
-    bh = t // n_m
+    t0 = (BH - TAIL) * n_m
+    j = gl.where(t < t0, t % n_m, (t - t0) // TAIL)
+    bh = gl.where(t < t0, t // n_m, BH - TAIL + (t - t0) % TAIL)
+    m0 = (n_m - 1 - j) * BLOCK_M
     C = S_LOCAL // 2
     return (m0, bh, bh // HQ, bh % HQ, C, zigzag_pos(m0, rank, world, C),
             zigzag_pos(m0 + BLOCK_M - 1, rank, world, C))
@@ -97,7 +100,7 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
     """The loader partition: for each of this program's tiles, Q, then every key block's K and V in the order the
     compute partitions take them."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, GROUP,
+     v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP,
      M_PER_CHUNK, CHUNKS_PER_RANK) = p
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -107,7 +110,7 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
     it = 0  # tiles so far: Q's buffer and phase
     t = gl.atomic_add(tile_ptr, 1, sem="relaxed")
     while t < n_tiles:
-        m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BLOCK_M)
+        m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
         col = h // GROUP * HEAD_D  # the K/V head's columns
         qb = it % 2
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1)  # a fresh barrier counts as released
@@ -183,13 +186,13 @@ def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: g
 
 
 @gluon.jit
-def _walk_start(t, rank, world, S_LOCAL, HQ, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                WG: gl.constexpr, LS: gl.constexpr):
+def _walk_start(t, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                BLOCK_N: gl.constexpr, WG: gl.constexpr, LS: gl.constexpr):
     """Tile ``t`` for the compute partition: (its query block as _query_block gives it, this warpgroup's first row,
     the zigzag positions of its rows, the tile's key blocks less one, and the first key block's (step, half, index)
     and its half's (nb, nf))."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BLOCK_M)
+    m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
     r0 = m0 + WG * ROWS
     q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
     total = 0
@@ -236,7 +239,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
     accumulator starts afresh at its P V), and the finished tile's O and lse are stored after block g's P V. So
     the tensor cores do not wait for a tile's first S and softmax."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, GROUP,
+     v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP,
      M_PER_CHUNK, CHUNKS_PER_RANK) = p
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -257,7 +260,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
     t = _tile_of(sched, 0)
     if t < n_tiles:  # (a program may find every tile taken)
         bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf = _walk_start(
-            t, rank, world, S_LOCAL, HQ, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
+            t, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
         qb = 0  # this tile's Q buffer
         it = 0  # tiles taken so far less one
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
@@ -328,7 +331,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
             done_bh = bh
             if has_next:
                 bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf = _walk_start(
-                    t, rank, world, S_LOCAL, HQ, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
+                    t, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
             # the next tile's block 0, from an empty state
             pf, alpha, m_new, l_new = _softmax(s, gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS)),
                                                gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS)), q_pos, i >= nf,
@@ -348,16 +351,16 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
 
 @gluon.jit
 def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_ptr, tile_ptr, flags_ptr, err_ptr,
-                        budget, rank, world, op, S_LOCAL, HQ, BH, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
+                        budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, CLOCK: gl.constexpr,
                         COMPUTE_REGS: gl.constexpr):
     """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``: our K/V as
     [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
     [B * world * S_LOCAL, Hkv * D], same blocks; ``o_desc``: O as [B * S_LOCAL, HQ * D] in [BLOCK_M / 2, D]
-    blocks; ``BH``: batch x query heads; ``tile_ptr``: two int32, zero at launch (the next tile to hand out, the
-    programs done), which the last program out zeroes again. The other arguments are kernels.attention's of the
-    same name. Launched with 4 warps: the loader; two compute warpgroups of COMPUTE_REGS registers a thread join
-    them."""
+    blocks; ``BH``: batch x query heads; ``TAIL``: how many of them close the order together (tail_heads);
+    ``tile_ptr``: two int32, zero at launch (the next tile to hand out, the programs done), which the last program
+    out zeroes again. The other arguments are kernels.attention's of the same name. Launched with 4 warps: the
+    loader; two compute warpgroups of COMPUTE_REGS registers a thread join them."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -380,8 +383,8 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_pt
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
     p = (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-         v_ready, v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, GROUP,
-         M_PER_CHUNK, CHUNKS_PER_RANK)
+         v_ready, v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL,
+         GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
     gl.warp_specialize([
         (_load, (p, CAUSAL, CLOCK)),
         (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0)),
@@ -424,6 +427,20 @@ def head_desc(t, block):
                             shared_layout(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16))
 
 
+#: The tiles the closing (batch, head)s hold together, in rounds of the grid (tail_heads).
+TAIL_ROUNDS = 4
+
+
+def tail_heads(bh: int, blocks: int, programs: int) -> int:
+    """How many of the ``bh`` (batch, head)s, ``blocks`` query blocks each, close the tile order together: enough
+    for TAIL_ROUNDS tiles a program. Heads in turn keep the programs at work on few K/V heads (L2), but a causal
+    head's blocks run longest first, so the last head's longest tiles would start last and the other programs idle
+    while they finish; the closing heads go block by block across heads, longest first, so the tiles that start last
+    are the shortest (docs/decisions.md). Not causal, every tile is as long as the next: the launch passes 1 (the
+    order head by head)."""
+    return max(1, min(bh, -(-TAIL_ROUNDS * programs // blocks)))
+
+
 _tile_counters: dict = {}
 
 
@@ -445,9 +462,11 @@ def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     bm, bn = blocks.block_m, blocks.block_n
-    launch(cp_attention_fwd_ws, (min(S // bm * B * Hq, ctx.num_compute_units()), ), (
+    programs = min(S // bm * B * Hq, ctx.num_compute_units())
+    launch(cp_attention_fwd_ws, (programs, ), (
         head_desc(q, [bm, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
         head_desc(vw, [bn, D]), head_desc(out, [bm // 2, D]), lse, tile_counter(q.device) if tiles is None else tiles,
-        flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
+        flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, tail_heads(B * Hq, S // bm, programs) if causal
+        else 1, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
     ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
     ctx.after_launch()
