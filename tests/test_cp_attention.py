@@ -284,6 +284,17 @@ def test_dkdv_head_split_matches_full_sequence(pool, world, causal, split):
         pool.run(_head_split_case, world, causal, split, 384, 128)
 
 
+def test_tail_heads_choice():
+    """The closing heads of the Hopper forward's tile order hold TAIL_ROUNDS tiles a program, or every head where
+    there are fewer tiles than that; always at least one head."""
+    from triton_overlap.kernels.attention_hopper import TAIL_ROUNDS, tail_heads
+
+    for bh, blocks, programs in ((32, 64, 132), (32, 16, 132), (64, 256, 132), (1, 8, 8), (5, 3, 15), (7, 1000, 114)):
+        tail = tail_heads(bh, blocks, programs)
+        assert 1 <= tail <= bh, (bh, blocks, programs, tail)
+        assert tail == bh or tail * blocks >= TAIL_ROUNDS * programs > (tail - 1) * blocks, (bh, blocks, programs)
+
+
 def test_head_split_choice():
     """The split fills the GPU where K/V blocks are few, divides the group, and stays 1 where blocks are many."""
     from triton_overlap.kernels.attention_bwd import HEAD_SPLIT_WAVES, head_split_for
