@@ -160,13 +160,14 @@ def test_cp_attention_gradients_match_full_sequence(pool, case):
     pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])
 
 
-def _one_rank_case(B, S, Hq, Hkv, D, causal, dtype_name):
-    """A group of one: the forward into poisoned out/lse and, through autograd, the backward, against the float32
-    reference; no barrier runs (the call number stays) and no K/V workspace is allocated."""
+def _one_rank_case(B, S, Hq, Hkv, D, causal, dtype_name, keep_kv):
+    """A group of one: the forward into poisoned out/lse and, through autograd, the backward (with ``keep_kv``, on
+    the K/V the forward kept), against the float32 reference; no barrier runs (the call number stays) and no K/V
+    workspace is allocated."""
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120) as ctx:
         assert ctx.world_size == 1
-        op = to.ContextParallelAttention(ctx, chunks_per_rank=2)
+        op = to.ContextParallelAttention(ctx, chunks_per_rank=2, keep_kv=keep_kv)
         (q, k, v, dout), want = _full_problem(ctx.device, B, S, Hq, Hkv, D, causal, dtype, "one")
         _, ref_lse = reference(q, k, v, causal, 1.0 / math.sqrt(D))
         calls = ctx.call_number.item()
@@ -189,9 +190,9 @@ def _one_rank_case(B, S, Hq, Hkv, D, causal, dtype_name):
 
 
 ONE_RANK_CASES = {  # odd lengths take the Triton kernels; on Hopper 4096 takes the warp-specialized ones
-    "host": [(1, 54, 4, 2, 64, True, "bfloat16"), (2, 40, 4, 4, 64, False, "float16")],
-    "cuda": [(1, 2000, 8, 2, 128, True, "bfloat16"), (1, 4096, 16, 4, 128, True, "bfloat16"),
-             (2, 1024, 8, 8, 64, False, "float16")],
+    "host": [(1, 54, 4, 2, 64, True, "bfloat16", False), (2, 40, 4, 4, 64, False, "float16", True)],
+    "cuda": [(1, 2000, 8, 2, 128, True, "bfloat16", False), (1, 4096, 16, 4, 128, True, "bfloat16", True),
+             (2, 1024, 8, 8, 64, False, "float16", False)],
 }
 
 
