@@ -253,31 +253,26 @@ class ContextParallelAttention(OverlapOp):
         ctx = self.ctx
         cfg = self.config_for(self.shape_key(q, k, causal))
         docs = documents(ctx, local_cu, cfg.fwd.block_m)
-        if ctx.world_size == 1:
-            cpr = self.chunks_per_rank
-            launch_fwd(ctx, q, k, v, k, v, out, lse, all_ready(ctx, cpr), k.shape[1] // cpr, cpr, scale, causal,
-                       cfg.fwd, docs=docs, op=self.op, tiles=self._tile_counter())
-            return k, v
-        layout, kws, vws, flags = self._kv(k)
-        tiles = self._tile_counter()
-
-        def consumer():
-            launch_fwd(ctx, q, k, v, kws.local, vws.local, out, lse, flags.local, layout.m_per_chunk,
-                       layout.chunks_per_rank, scale, causal, cfg.fwd, docs=docs, op=self.op, tiles=tiles)
-
-        # attention programs waiting for chunks can fill every SM: the barrier kernel runs first (gate)
-        first = cfg.consumer_first and self.warm((tuple(k.shape), k.dtype, kws.local.data_ptr(),
-                                                  vws.local.data_ptr()))
-        producer = self._gather(layout, k, v, kws, vws, flags, self._header("forward", k, local_cu))
-        pipeline.run(ctx, producer, consumer, consumer_first=first, gate=True)
-        return kws.local, vws.local
-
-    def _tile_counter(self):
-        """The Hopper forward's tile counter: this op's, as its workspaces are (its calls never overlap)."""
+        # the Hopper forward's tile counter: this op's, as its workspaces are (its calls never overlap)
         tiles = self.state.get("tile counter")
         if tiles is None:
-            tiles = self.state["tile counter"] = torch.zeros(2, dtype=torch.int32, device=self.ctx.device)
-        return tiles
+            tiles = self.state["tile counter"] = torch.zeros(2, dtype=torch.int32, device=ctx.device)
+        layout = ChunkLayout(ctx.world_size, k.shape[1], k.shape[1] // self.chunks_per_rank)
+        if ctx.world_size == 1:
+            kw, vw, flags, producer = k, v, all_ready(ctx, layout.num_chunks), None
+        else:
+            _, kws, vws, symmetric_flags = self._kv(k)
+            kw, vw, flags = kws.local, vws.local, symmetric_flags.local
+            producer = self._gather(layout, k, v, kws, vws, symmetric_flags, self._header("forward", k, local_cu))
+
+        def consumer():
+            launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, layout.m_per_chunk, layout.chunks_per_rank, scale,
+                       causal, cfg.fwd, docs=docs, op=self.op, tiles=tiles)
+
+        # attention programs waiting for chunks can fill every SM: the barrier kernel runs first (gate)
+        first = cfg.consumer_first and self.warm((tuple(k.shape), k.dtype, kw.data_ptr(), vw.data_ptr()))
+        pipeline.run(ctx, producer, consumer, consumer_first=first, gate=True)
+        return kw, vw
 
     @torch.no_grad()
     def backward(self, q, k, v, out, lse, dout, causal, scale, kept_k=None, kept_v=None, cu=()):
