@@ -327,10 +327,12 @@ def test_cp_attention_replay(gpu_pool, causal):
 
 
 def _cp_backward(S, Hq, Hkv, D, causal, keep_kv):
-    """The backward (ContextParallelAttention.backward, as autograd calls it), eight calls on the same tensors with
+    """The backward (ContextParallelAttention.backward, as autograd calls it), CALLS calls on the same tensors with
     new q, k, v in them, each after its forward: every call's gradients match the float32 reference, and the
-    backward was captured and then replayed, at least 3 times (a call replays where its tensors sit where an
-    earlier call's did, and until the forward's own graph is captured the allocations around a call still move).
+    backward was captured and then replayed in at least a third of the calls. A call replays where its tensors sit
+    where an earlier call's did; the gradients it returns are new tensors, which the caching allocator places among
+    this loop's own temporaries: on 2 ranks dk and dv settle only after 4-5 calls, into two places taken in turn
+    (two keys, two captures, replayed from the seventh to ninth call on).
     After each call its gradients are poisoned and freed, so the next call's land in poisoned memory: a replay that
     skipped an element shows as NaN. ``keep_kv``: backward reads the K/V that forward kept, copied with forward's
     outputs into the same buffers every call (where the kept copies land is the allocator's choice), else it
@@ -340,7 +342,7 @@ def _cp_backward(S, Hq, Hkv, D, causal, keep_kv):
         op = to.ContextParallelAttention(ctx)
         B, scale = 1, 1.0 / math.sqrt(D)
         refs = []
-        for i in range(8):  # every reference first: the calls below then allocate alike each time
+        for i in range(CALLS):  # every reference first: the calls below then allocate alike each time
             inputs, want = _full_problem(dev, B, S, Hq, Hkv, D, causal, torch.bfloat16, ("bwd replay", i))
             refs.append(([to.zigzag.shard(t, ctx) for t in inputs], [to.zigzag.shard(g, ctx) for g in want[1:]]))
         q, k, v, dout = (torch.empty_like(t) for t in refs[0][0])
@@ -364,14 +366,13 @@ def _cp_backward(S, Hq, Hkv, D, causal, keep_kv):
             del got, saved
         ctx.check()
         stats = dict(op.backward_replays.stats)
-        assert stats["captures"] >= 1 and stats["replays"] >= 3, stats
+        assert stats["captures"] >= 1 and stats["replays"] >= CALLS // 3, stats
         return stats
 
 
+CALLS = 16
+
+
 @pytest.mark.parametrize("keep_kv", [False, True], ids=["gathered_again", "kept"])
-def test_cp_attention_backward_replay(gpu_pool, keep_kv, request):
-    if gpu_pool.world == 2:  # a known defect, on 2 H200s and on 2 ranks sharing one GPU alike
-        request.applymarker(pytest.mark.xfail(reason="at W = 2 the backward's calls repeat an earlier call's key too "
-                                              "rarely: 0-1 replays of 8 calls, 2 captures (gradients correct); the "
-                                              "address that moves is not found", strict=False))
+def test_cp_attention_backward_replay(gpu_pool, keep_kv):
     assert all(gpu_pool.run(_cp_backward, 1024, 8, 2, 128, True, keep_kv))
