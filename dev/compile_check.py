@@ -276,13 +276,20 @@ def compile_attention_ws(target, quick: bool = False) -> int:
         for prm in ah.cp_attention_fwd_ws.params:
             n = prm.name
             sig[n] = ("constexpr" if n in consts else desc_type([128, d]) if n == "q_desc"
-                      else desc_type([64, d]) if n == "o_desc"
+                      else desc_type([64, d]) if n in ("o_desc", "p_desc")
                       else desc_type([bn, d]) if n.endswith("_desc")
-                      else "*bf16" if n == "o_ptr" else "*fp32" if n == "lse_ptr"
+                      else "*bf16" if n == "o_ptr" else "*fp32" if n in ("lse_ptr", "part_lse_ptr")
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
                       else "fp32" if n == "sm_scale" else "i32")
         name = f"cp_attention_fwd_ws causal={causal} D={d} block_n={bn} stages={stages}"
         failed += compile_gluon(target, name, ah.cp_attention_fwd_ws, sig, consts, {"num_warps": 4}, 900)
+    for d in (64, 128):  # the split tiles' merge (plain Triton)
+        consts = dict(BLOCK_M=128, HEAD_D=d)
+        sig = {prm.name: "constexpr" if prm.name in consts else "*bf16" if prm.name in ("out_ptr", "part_o_ptr")
+               else "*fp32" if prm.name.endswith("_ptr") else "i32" for prm in ah.merge_parts.params}
+        src = ASTSource(fn=ah.merge_parts, signature=sig, constexprs=consts)
+        triton.compile(src, target=target, options={"num_warps": 8})
+        print(f"merge_parts D={d}: compiled")
     return failed
 
 

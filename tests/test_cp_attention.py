@@ -296,6 +296,77 @@ def test_tail_heads_choice():
         assert tail == bh or tail * blocks >= TAIL_ROUNDS * programs > (tail - 1) * blocks, (bh, blocks, programs)
 
 
+def test_tail_split_choice():
+    """Not causal, the last round's worth of tiles goes in parts where the tiles do not fill the grid's rounds
+    evenly; every part at least TAIL_MIN_BLOCKS key blocks, at most TAIL_PARTS parts; causal never splits."""
+    from triton_overlap.kernels.attention_hopper import TAIL_MIN_BLOCKS, TAIL_PARTS, tail_split
+
+    assert tail_split(4096, 132, 128, True) == (0, 1)
+    assert tail_split(132 * 31, 132, 128, False) == (0, 1)  # whole rounds
+    assert tail_split(4096, 132, 128, False) == (132, TAIL_PARTS)
+    assert tail_split(40, 132, 16, False) == (40, 2)  # fewer tiles than programs: every one, in 2 parts of 8
+    assert tail_split(40, 132, 15, False) == (0, 1)  # too few blocks for two parts
+    for n, programs, blocks in ((4096, 132, 128), (768, 132, 64), (40, 132, 16), (100, 114, 9), (9000, 114, 1024)):
+        n_split, parts = tail_split(n, programs, blocks, False)
+        if n_split:
+            assert n_split == min(n, programs) and 2 <= parts <= TAIL_PARTS and blocks // parts >= TAIL_MIN_BLOCKS
+        else:
+            assert n % programs == 0 or blocks // 2 < TAIL_MIN_BLOCKS
+
+
+def _merge_parts_case(parts, D, dtype_name):
+    """kernels.attention_hopper.merge_parts against softmax over every key: the last three of six 128-row tiles
+    (head by head, later positions first) each given as ``parts`` runs of the keys, normalised O (in ``dtype``)
+    and lse per part, written by torch; the merged rows match full-key attention in float32, and the rows of the
+    whole tiles stay as poisoned."""
+    from triton_overlap.kernels.attention_hopper import merge_parts
+    from triton_overlap.kernels.cached_launch import launch
+
+    dtype = getattr(torch, dtype_name)
+    with to.Context(timeout_s=60) as ctx:
+        dev = ctx.device
+        B, S, Hq, BM, keys = 1, 256, 3, 128, 100 + parts  # keys not a multiple of the parts
+        n_m, n_tiles, n_split = S // BM, S // BM * Hq, 3
+        q = rand((Hq, S, D), torch.float32, dev, "q", "merge")
+        k = rand((Hq, keys, D), torch.float32, dev, "k", "merge")
+        v = rand((Hq, keys, D), torch.float32, dev, "v", "merge")
+        scores = q @ k.transpose(1, 2) / math.sqrt(D)
+        ref_lse = torch.logsumexp(scores, dim=-1)
+        ref_out = torch.softmax(scores, dim=-1) @ v
+        part_o = torch.empty((n_split * parts * BM, D), dtype=dtype, device=dev)
+        part_lse = torch.empty(n_split * parts * BM, dtype=torch.float32, device=dev)
+        rows = []
+        for s in range(n_split):
+            t = n_tiles - n_split + s
+            h, m0 = t // n_m, (n_m - 1 - t % n_m) * BM
+            rows.append((h, m0))
+            for p in range(parts):
+                lo, hi = p * keys // parts, (p + 1) * keys // parts
+                sc = scores[h, m0:m0 + BM, lo:hi]
+                r = slice((s * parts + p) * BM, (s * parts + p + 1) * BM)
+                part_lse[r] = torch.logsumexp(sc, dim=-1)
+                part_o[r] = (torch.softmax(sc, dim=-1) @ v[h, lo:hi]).to(dtype)
+        out = poison(torch.empty((B, S, Hq, D), dtype=dtype, device=dev))
+        lse = poison(torch.empty((B, Hq, S), dtype=torch.float32, device=dev))
+        launch(merge_parts, (n_split, ), (part_o, part_lse, out, lse, n_tiles - n_split, S, Hq, parts, out.stride(0),
+                                          out.stride(1), out.stride(2)), dict(BLOCK_M=BM, HEAD_D=D), num_warps=8)
+        for h, m0 in rows:
+            e_out = rel_err(out[0, m0:m0 + BM, h], ref_out[h, m0:m0 + BM])
+            e_lse = rel_err(lse[0, h, m0:m0 + BM], ref_lse[h, m0:m0 + BM])
+            assert e_out < TOL[dtype] and e_lse < 1e-5, f"head {h} rows {m0}: out {e_out:.2e}, lse {e_lse:.2e}"
+            out[0, m0:m0 + BM, h] = 0
+            lse[0, h, m0:m0 + BM] = 0
+        assert torch.isnan(out).sum() == B * Hq * S * D - n_split * BM * D, "a whole tile's rows were written"
+        assert torch.isnan(lse).sum() == B * Hq * S - n_split * BM
+        return True
+
+
+@pytest.mark.parametrize("parts, D, dtype_name", [(2, 64, "bfloat16"), (4, 128, "float16")])
+def test_merge_parts(pool, parts, D, dtype_name):
+    _simulated_once(pool)
+    assert all(pool.run(_merge_parts_case, parts, D, dtype_name))
+
+
 def test_head_split_choice():
     """The split fills the GPU where K/V blocks are few, divides the group, and stays 1 where blocks are many."""
     from triton_overlap.kernels.attention_bwd import HEAD_SPLIT_WAVES, head_split_for
@@ -467,7 +538,8 @@ def test_packed_tables_are_bounded_and_ordered():
 def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, stages):
     """kernels.attention_hopper's forward for every rank of a simulated world (forward_on_gathered), on outputs
     poisoned before the call, against full-sequence attention; checks that the warp-specialized kernel is the
-    one that runs and that its tile counter is zero again after the launches."""
+    one that runs and that its tile counter is zero again after the launches. Not causal, where the tiles do not
+    fill the grid's rounds evenly, the last round's tiles go in parts (tail_split) and are merged."""
     from triton_overlap.kernels import attention_hopper
     from triton_overlap.kernels.attention import Blocks
     from triton_overlap.ops.context_parallel_attention import forward_on_gathered
@@ -510,6 +582,9 @@ HOPPER_CASES = [
     # more tiles than a GPU has programs (one per SM): each program takes several, Q's two buffers in turn
     (2, 2 * 2 * 1024, 16, 4, 128, True, "bfloat16", 2, 128, 2),
     (1, 2 * 4096, 24, 8, 64, False, "float16", 2, 128, 2),
+    # not causal with more tiles than programs, not a whole number of rounds: the last round's tiles in parts
+    (1, 2 * 2 * 2048, 16, 4, 128, False, "bfloat16", 2, 128, 2),
+    (1, 4096, 8, 8, 128, False, "bfloat16", 1, 128, 2),
 ]
 
 

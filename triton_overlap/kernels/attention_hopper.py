@@ -11,6 +11,10 @@ schedule, which plain Triton does not express on sm_90:
   positions (which see more keys) first, so the programs at work at once share K/V heads in L2. The loader passes
   each tile's index to the compute partitions through shared memory, beside its Q; the last program out zeroes
   the counter for the next launch;
+* not causal, every tile is as long as the next, so the last round of the grid would hold only the tiles left
+  over. The last ``N_SPLIT`` tiles are handed out in ``PARTS`` parts instead, each a run of the tile's key blocks
+  (tail_split); a part leaves its rows' normalised O (in O's dtype) and lse in the Context's tail_buffers, and
+  ``merge_parts`` sums a tile's parts weighted by their lse, in float32, after the kernel;
 * the loader (the default partition, 4 warps) issues the TMA loads: each tile's Q into one of two buffers, then K
   and V block by block into two rings of stages (``ready`` / ``empty`` mbarriers) that run on from tile to tile, so
   the next tile's Q and first blocks land while the compute warps finish the last one. It waits for a peer's chunk
@@ -37,6 +41,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
+
+import triton
+import triton.language as tl
 
 from .attention import key_span, wait_every_chunk, wait_kv, zigzag_pos
 from .cached_launch import launch
@@ -67,6 +74,19 @@ def _post_tile(sched, qb, t):
 def _tile_of(sched, qb):
     """The tile Q buffer ``qb`` holds (after Q's barrier completed)."""
     return gl.max(sched.index(qb).load(gl.BlockedLayout([1], [32], [gl.num_warps()], [0])), axis=0)
+
+
+@gluon.jit
+def _unit(u, n_tiles, N_SPLIT, PARTS, blocks):
+    """Work unit ``u``: (its tile, its part (-1: the whole tile), the first key block of the tile's walk it takes and
+    the one after its last). The tiles before the last ``N_SPLIT`` are whole; each of those is ``PARTS`` units, part
+    p taking blocks [p * blocks // PARTS, (p + 1) * blocks // PARTS) of the ``blocks`` every tile reads (not
+    causal). ``blocks`` is at least any tile's count, so a whole tile's walk is not cut short."""
+    base = n_tiles - N_SPLIT
+    whole = u < base
+    part = gl.where(whole, -1, (u - base) % PARTS)
+    return (gl.where(whole, u, base + (u - base) // PARTS), part, gl.where(whole, 0, part * blocks // PARTS),
+            gl.where(whole, blocks, (part + 1) * blocks // PARTS))
 
 
 @gluon.jit
@@ -101,45 +121,50 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
     compute partitions take them."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP,
-     M_PER_CHUNK, CHUNKS_PER_RANK) = p
+     M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS) = p
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     n_tiles = S_LOCAL // BLOCK_M * BH
+    n_units = n_tiles + N_SPLIT * (PARTS - 1)
     g = 0  # key blocks loaded so far (all tiles): the stage and phase of the rings
-    it = 0  # tiles so far: Q's buffer and phase
-    t = gl.atomic_add(tile_ptr, 1, sem="relaxed")
-    while t < n_tiles:
+    it = 0  # units so far: Q's buffer and phase
+    u = gl.atomic_add(tile_ptr, 1, sem="relaxed")
+    while u < n_units:
+        t, part, k0, k1 = _unit(u, n_tiles, N_SPLIT, PARTS, world * S_LOCAL // BLOCK_N)
         m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
         col = h // GROUP * HEAD_D  # the K/V head's columns
         qb = it % 2
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1)  # a fresh barrier counts as released
-        _post_tile(sched, qb, t)
+        _post_tile(sched, qb, u)
         mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
         _tma_load(q_desc, [b * S_LOCAL + m0, h * HEAD_D], q_ready.index(qb), q_smem.index(qb))
+        f = 0  # the tile's key blocks walked so far (this unit loads those in [k0, k1))
         for step in range(0, world):
             src = (rank - step + world) % world
             for hh in range(0, 2):
                 nb, nf = _key_blocks(src, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
                 waited = hh * C  # a peer's rows below this have been waited for
                 for i in range(0, nb):
-                    n0 = hh * C + i * BLOCK_N
-                    if n0 + BLOCK_N > waited:
-                        wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK,
-                                CHUNKS_PER_RANK, CLOCK)
-                        waited = ((n0 + BLOCK_N - 1) // M_PER_CHUNK + 1) * M_PER_CHUNK
-                    if src == rank:  # our own K/V, read in place
-                        _load_block(k_desc, k_ready, k_empty, k_smem, g, b * S_LOCAL + n0, col)
-                        _load_block(v_desc, v_ready, v_empty, v_smem, g, b * S_LOCAL + n0, col)
-                    else:  # a peer's, from its slot in the workspace
-                        _load_block(kw_desc, k_ready, k_empty, k_smem, g, (b * world + src) * S_LOCAL + n0, col)
-                        _load_block(vw_desc, v_ready, v_empty, v_smem, g, (b * world + src) * S_LOCAL + n0, col)
-                    g += 1
+                    if (f >= k0) & (f < k1):
+                        n0 = hh * C + i * BLOCK_N
+                        if n0 + BLOCK_N > waited:
+                            wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK,
+                                    CHUNKS_PER_RANK, CLOCK)
+                            waited = ((n0 + BLOCK_N - 1) // M_PER_CHUNK + 1) * M_PER_CHUNK
+                        if src == rank:  # our own K/V, read in place
+                            _load_block(k_desc, k_ready, k_empty, k_smem, g, b * S_LOCAL + n0, col)
+                            _load_block(v_desc, v_ready, v_empty, v_smem, g, b * S_LOCAL + n0, col)
+                        else:  # a peer's, from its slot in the workspace
+                            _load_block(kw_desc, k_ready, k_empty, k_smem, g, (b * world + src) * S_LOCAL + n0, col)
+                            _load_block(vw_desc, v_ready, v_empty, v_smem, g, (b * world + src) * S_LOCAL + n0, col)
+                        g += 1
+                    f += 1
         it += 1
-        t = gl.atomic_add(tile_ptr, 1, sem="relaxed")
-    qb = it % 2  # no tiles left: the compute partitions stop at this buffer
+        u = gl.atomic_add(tile_ptr, 1, sem="relaxed")
+    qb = it % 2  # no units left: the compute partitions stop at this buffer
     mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1)
-    _post_tile(sched, qb, n_tiles)
+    _post_tile(sched, qb, n_units)
     mbarrier.arrive(q_ready.index(qb))
     # the last program out zeroes the tile counter for the next launch (every program has taken its last)
     if gl.atomic_add(tile_ptr + 1, 1, sem="acq_rel") == gl.num_programs(0) - 1:
@@ -186,12 +211,14 @@ def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: g
 
 
 @gluon.jit
-def _walk_start(t, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                BLOCK_N: gl.constexpr, WG: gl.constexpr, LS: gl.constexpr):
-    """Tile ``t`` for the compute partition: (its query block as _query_block gives it, this warpgroup's first row,
-    the zigzag positions of its rows, the tile's key blocks less one, and the first key block's (step, half, index)
-    and its half's (nb, nf))."""
+def _walk_start(u, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr, LS: gl.constexpr):
+    """Unit ``u`` (_unit) for the compute partition: (its tile's query block as _query_block gives it, this
+    warpgroup's first row, the zigzag positions of its rows, the unit's key blocks less one, the first key block's
+    (step, half, index) and its half's (nb, nf), and the unit's slot among the parts (-1: a whole tile))."""
     ROWS: gl.constexpr = BLOCK_M // 2
+    blocks = world * S_LOCAL // BLOCK_N
+    t, part, k0, k1 = _unit(u, n_tiles, N_SPLIT, PARTS, blocks)
     m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
     r0 = m0 + WG * ROWS
     q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
@@ -203,14 +230,24 @@ def _walk_start(t, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL: gl.constexpr, BLO
     nb, nf = _key_blocks(rank, world, C, 0, q_first, q_last, CAUSAL, BLOCK_N)
     zero = rank * 0  # (a tensor: _advance changes it)
     step, hh, i, nb, nf = _advance(zero, zero, zero - 1, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
-    return bh, b, h, C, q_first, q_last, r0, q_pos, total - 1, step, hh, i, nb, nf
+    # a part (not causal: every half of every source is C // BLOCK_N blocks, all unmasked) starts at block k0
+    half = C // BLOCK_N
+    split = part >= 0
+    step = gl.where(split, k0 // (2 * half), step)
+    hh = gl.where(split, (k0 // half) % 2, hh)
+    i = gl.where(split, k0 % half, i)
+    nb = gl.where(split, half, nb)
+    nf = gl.where(split, half, nf)
+    slot = gl.where(split, (t - (n_tiles - N_SPLIT)) * PARTS + part, -1)
+    return bh, b, h, C, q_first, q_last, r0, q_pos, gl.minimum(total, k1) - k0 - 1, step, hh, i, nb, nf, slot
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, r0, b, h, bh, S_LOCAL, LS: gl.constexpr, LO: gl.constexpr,
-              WG: gl.constexpr):
-    """A finished tile's rows of O (the accumulator over the softmax sum), through this warpgroup's shared buffer
-    and a TMA store that runs on while the warpgroup goes on, and their lse."""
+def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot, r0, b, h, bh, S_LOCAL,
+              LS: gl.constexpr, LO: gl.constexpr, WG: gl.constexpr):
+    """A finished unit's rows of O (the accumulator over the softmax sum) and their lse, through this warpgroup's
+    shared buffer and a TMA store that runs on while the warpgroup goes on; a part's (``slot`` >= 0) to its slot
+    of the parts (``p_desc``, ``part_lse_ptr``), for merge_parts."""
     ROWS: gl.constexpr = acc.type.shape[0]
     HEAD_D: gl.constexpr = acc.type.shape[1]
     l_safe = gl.where(l_i == 0.0, 1.0, l_i)
@@ -221,9 +258,14 @@ def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, r0, b, h, bh, S_LOCAL, LS:
     buf.store(out)
     fence_async_shared()
     _barrier()
-    _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
-    gl.store(lse_ptr + bh * S_LOCAL + r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), lse)
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS))
+    if slot >= 0:
+        _tma_store(p_desc, [(slot * 2 + WG) * ROWS, 0], buf)
+        gl.store(part_lse_ptr + (slot * 2 + WG) * ROWS + rows, lse)
+    else:
+        _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
+        gl.store(lse_ptr + bh * S_LOCAL + r0 + rows, lse)
 
 
 @gluon.jit
@@ -240,7 +282,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
     the tensor cores do not wait for a tile's first S and softmax."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP,
-     M_PER_CHUNK, CHUNKS_PER_RANK) = p
+     M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS) = p
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -256,11 +298,12 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
     if WG == 1:
         mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
     n_tiles = S_LOCAL // BLOCK_M * BH
+    n_units = n_tiles + N_SPLIT * (PARTS - 1)
     mbarrier.wait(q_ready.index(0), 0)
     t = _tile_of(sched, 0)
-    if t < n_tiles:  # (a program may find every tile taken)
-        bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf = _walk_start(
-            t, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
+    if t < n_units:  # (a program may find every unit taken)
+        bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf, slot = _walk_start(
+            t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
         qb = 0  # this tile's Q buffer
         it = 0  # tiles taken so far less one
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
@@ -309,7 +352,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
             qn = it % 2
             mbarrier.wait(q_ready.index(qn), (it // 2) & 1)
             t = _tile_of(sched, qn)
-            has_next = t < n_tiles
+            has_next = t < n_units
             sn = (g + 1) % STAGES
             st = g % STAGES
             mbarrier.wait(turn.index(WG), g & 1)
@@ -329,9 +372,11 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
             done_b = b
             done_h = h
             done_bh = bh
+            done_slot = slot
             if has_next:
-                bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf = _walk_start(
-                    t, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
+                bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf, slot = _walk_start(
+                    t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG,
+                    LS)
             # the next tile's block 0, from an empty state
             pf, alpha, m_new, l_new = _softmax(s, gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS)),
                                                gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS)), q_pos, i >= nf,
@@ -342,8 +387,8 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
             l_i = gl.where(has_next, l_new, l_i)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(st))
-            _epilogue(acc, m_done, l_done, o_desc, o_smem, lse_ptr, done_r0, done_b, done_h, done_bh, S_LOCAL, LS,
-                      LO, WG)
+            _epilogue(acc, m_done, l_done, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, done_slot, done_r0,
+                      done_b, done_h, done_bh, S_LOCAL, LS, LO, WG)
             qb = qn
             g0 = g + 1
     tma.store_wait(0)
@@ -352,15 +397,17 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
 @gluon.jit
 def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_ptr, tile_ptr, flags_ptr, err_ptr,
                         budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
-                        CAUSAL: gl.constexpr, STAGES: gl.constexpr, CLOCK: gl.constexpr,
-                        COMPUTE_REGS: gl.constexpr):
+                        p_desc, part_lse_ptr, N_SPLIT, PARTS, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                        CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr):
     """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``: our K/V as
     [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
     [B * world * S_LOCAL, Hkv * D], same blocks; ``o_desc``: O as [B * S_LOCAL, HQ * D] in [BLOCK_M / 2, D]
     blocks; ``BH``: batch x query heads; ``TAIL``: how many of them close the order together (tail_heads);
-    ``tile_ptr``: two int32, zero at launch (the next tile to hand out, the programs done), which the last program
-    out zeroes again. The other arguments are kernels.attention's of the same name. Launched with 4 warps: the
-    loader; two compute warpgroups of COMPUTE_REGS registers a thread join them."""
+    ``tile_ptr``: two int32, zero at launch (the next unit to hand out, the programs done), which the last program
+    out zeroes again. ``N_SPLIT``, ``PARTS``: the last N_SPLIT tiles go in PARTS parts (not causal only), whose O
+    goes to ``p_desc`` ([N_SPLIT * PARTS * BLOCK_M, D], O's dtype and blocks) and lse to ``part_lse_ptr``
+    ([N_SPLIT * PARTS * BLOCK_M], float32). The other arguments are kernels.attention's of the same name. Launched
+    with 4 warps: the loader; two compute warpgroups of COMPUTE_REGS registers a thread join them."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -384,12 +431,78 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_pt
         mbarrier.init(q_empty.index(i), count=2)
     p = (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
          v_ready, v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL,
-         GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
+         GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS)
     gl.warp_specialize([
         (_load, (p, CAUSAL, CLOCK)),
         (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0)),
         (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1)),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+
+
+@triton.jit
+def merge_parts(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, first_tile, S_LOCAL, HQ, PARTS, so_b, so_s, so_h,
+                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
+    """One split tile (``first_tile`` + program id, in the head-by-head order of _query_block with TAIL = 1): its
+    PARTS parts' O ([PARTS * BLOCK_M, D] each tile, each normalised by its own softmax sum) and lse, summed with
+    weights exp(lse_p - lse) in float32, into ``out`` ([B, S_LOCAL, HQ, D], strides ``so_*``) and ``lse``
+    ([B, HQ, S_LOCAL] contiguous)."""
+    s = tl.program_id(0)
+    t = first_tile + s
+    n_m = S_LOCAL // BLOCK_M
+    bh = t // n_m
+    m0 = (n_m - 1 - t % n_m) * BLOCK_M
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_D)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for p in range(0, PARTS):
+        m = tl.maximum(m, tl.load(part_lse_ptr + (s * PARTS + p) * BLOCK_M + rows))
+    m_use = tl.where(m == float("-inf"), 0.0, m)  # (rows no key reached: zero weights, out 0, lse -inf)
+    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    for p in range(0, PARTS):
+        row = (s * PARTS + p) * BLOCK_M + rows
+        w = tl.exp(tl.load(part_lse_ptr + row) - m_use)
+        den += w
+        acc += w[:, None] * tl.load(part_o_ptr + row[:, None] * HEAD_D + cols[None, :]).to(tl.float32)
+    o = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+    b = bh // HQ
+    h = bh % HQ
+    tl.store(out_ptr + b * so_b + (m0 + rows)[:, None] * so_s + h * so_h + cols[None, :],
+             o.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + bh * S_LOCAL + m0 + rows, m_use + tl.log(den))
+
+
+#: Parts a split tile goes in (tail_split), at most; each at least TAIL_MIN_BLOCKS key blocks.
+TAIL_PARTS = 4
+TAIL_MIN_BLOCKS = 8
+
+
+def tail_split(n_tiles: int, programs: int, blocks: int, causal: bool) -> tuple[int, int]:
+    """(N_SPLIT, PARTS): how many of the last tiles go in parts, and in how many, for ``n_tiles`` tiles of
+    ``blocks`` key blocks each on ``programs`` programs (one per SM). Not causal, every tile is as long as the next:
+    where the tiles do not fill the grid's rounds evenly, the last round would hold only the tiles left over while
+    the other programs idle. The last round's worth of tiles (``programs``, or every tile) is cut into parts, so
+    the work that starts last is a part, not a tile (docs/decisions.md). Causal tiles differ in length and are
+    ordered longest first (tail_heads): none is split."""
+    parts = TAIL_PARTS
+    while parts > 1 and blocks // parts < TAIL_MIN_BLOCKS:
+        parts //= 2
+    if causal or parts == 1 or n_tiles % programs == 0:
+        return 0, 1
+    return min(n_tiles, programs), parts
+
+
+def tail_buffers(ctx, programs: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split tiles' O (flat, ``dtype``) and float32 lse, room for ``programs`` tiles of TAIL_PARTS parts at
+    D = 128: one pair per Context and dtype, since its ops' calls run one after another (each kernel's parts are
+    merged, on its stream, before the next kernel starts); never reallocated, since captured graphs hold their
+    addresses."""
+    def make():
+        rows = programs * TAIL_PARTS * 128
+        return (torch.empty(rows * 128, dtype=dtype, device=ctx.device),
+                torch.empty(rows, dtype=torch.float32, device=ctx.device))
+
+    return ctx.cached(("attention tail parts", programs, dtype), make)
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
@@ -462,11 +575,23 @@ def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     bm, bn = blocks.block_m, blocks.block_n
-    programs = min(S // bm * B * Hq, ctx.num_compute_units())
+    n_tiles, sms = S // bm * B * Hq, ctx.num_compute_units()
+    n_split, parts = tail_split(n_tiles, sms, world * S // bn, causal)
+    programs = min(n_tiles + n_split * (parts - 1), sms)
+    o_desc = head_desc(out, [bm // 2, D])
+    if n_split:
+        part_o, part_lse = tail_buffers(ctx, sms, q.dtype)
+        part_o = part_o[:n_split * parts * bm * D].view(1, -1, 1, D)  # [1, rows, 1, D] for head_desc
+        p_desc = head_desc(part_o, [bm // 2, D])
+    else:
+        part_o, part_lse, p_desc = out, lse, o_desc  # (not read without parts)
     launch(cp_attention_fwd_ws, (programs, ), (
         head_desc(q, [bm, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
-        head_desc(vw, [bn, D]), head_desc(out, [bm // 2, D]), lse, tile_counter(q.device) if tiles is None else tiles,
+        head_desc(vw, [bn, D]), o_desc, lse, tile_counter(q.device) if tiles is None else tiles,
         flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, tail_heads(B * Hq, S // bm, programs) if causal
-        else 1, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
+        else 1, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, p_desc, part_lse, n_split, parts,
     ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
     ctx.after_launch()
+    if n_split:
+        launch(merge_parts, (n_split, ), (part_o, part_lse, out, lse, n_tiles - n_split, S, Hq, parts, out.stride(0),
+                                          out.stride(1), out.stride(2)), dict(BLOCK_M=bm, HEAD_D=D), num_warps=8)
