@@ -271,7 +271,7 @@ def compile_attention_ws(target, quick: bool = False) -> int:
     for causal, d, bn, stages in cases:
         if d * bn * stages * 4 + 128 * d * 2 > 200 * 1024:
             continue
-        consts = dict(CAUSAL=causal, STAGES=stages, CLOCK=1, COMPUTE_REGS=ah.COMPUTE_REGS)
+        consts = dict(CAUSAL=causal, STAGES=stages, CLOCK=1, COMPUTE_REGS=ah.COMPUTE_REGS, SPLIT=not causal)
         sig = {}
         for prm in ah.cp_attention_fwd_ws.params:
             n = prm.name

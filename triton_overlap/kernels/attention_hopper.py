@@ -116,7 +116,7 @@ def _load_block(desc, ready, empty, bufs, g, row, col):
 
 
 @gluon.jit
-def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
+def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr, SPLIT: gl.constexpr):
     """The loader partition: for each of this program's tiles, Q, then every key block's K and V in the order the
     compute partitions take them."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
@@ -131,7 +131,10 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
     it = 0  # units so far: Q's buffer and phase
     u = gl.atomic_add(tile_ptr, 1, sem="relaxed")
     while u < n_units:
-        t, part, k0, k1 = _unit(u, n_tiles, N_SPLIT, PARTS, world * S_LOCAL // BLOCK_N)
+        if SPLIT:
+            t, part, k0, k1 = _unit(u, n_tiles, N_SPLIT, PARTS, world * S_LOCAL // BLOCK_N)
+        else:
+            t = u
         m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
         col = h // GROUP * HEAD_D  # the K/V head's columns
         qb = it % 2
@@ -146,7 +149,11 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr):
                 nb, nf = _key_blocks(src, world, C, hh, q_first, q_last, CAUSAL, BLOCK_N)
                 waited = hh * C  # a peer's rows below this have been waited for
                 for i in range(0, nb):
-                    if (f >= k0) & (f < k1):
+                    if SPLIT:
+                        take = (f >= k0) & (f < k1)
+                    else:
+                        take = True
+                    if take:
                         n0 = hh * C + i * BLOCK_N
                         if n0 + BLOCK_N > waited:
                             wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK,
@@ -212,13 +219,16 @@ def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: g
 
 @gluon.jit
 def _walk_start(u, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr, LS: gl.constexpr):
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr, LS: gl.constexpr,
+                SPLIT: gl.constexpr):
     """Unit ``u`` (_unit) for the compute partition: (its tile's query block as _query_block gives it, this
     warpgroup's first row, the zigzag positions of its rows, the unit's key blocks less one, the first key block's
     (step, half, index) and its half's (nb, nf), and the unit's slot among the parts (-1: a whole tile))."""
     ROWS: gl.constexpr = BLOCK_M // 2
-    blocks = world * S_LOCAL // BLOCK_N
-    t, part, k0, k1 = _unit(u, n_tiles, N_SPLIT, PARTS, blocks)
+    if SPLIT:
+        t, part, k0, k1 = _unit(u, n_tiles, N_SPLIT, PARTS, world * S_LOCAL // BLOCK_N)
+    else:
+        t = u
     m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
     r0 = m0 + WG * ROWS
     q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
@@ -230,21 +240,24 @@ def _walk_start(u, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, 
     nb, nf = _key_blocks(rank, world, C, 0, q_first, q_last, CAUSAL, BLOCK_N)
     zero = rank * 0  # (a tensor: _advance changes it)
     step, hh, i, nb, nf = _advance(zero, zero, zero - 1, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
-    # a part (not causal: every half of every source is C // BLOCK_N blocks, all unmasked) starts at block k0
-    half = C // BLOCK_N
-    split = part >= 0
-    step = gl.where(split, k0 // (2 * half), step)
-    hh = gl.where(split, (k0 // half) % 2, hh)
-    i = gl.where(split, k0 % half, i)
-    nb = gl.where(split, half, nb)
-    nf = gl.where(split, half, nf)
-    slot = gl.where(split, (t - (n_tiles - N_SPLIT)) * PARTS + part, -1)
-    return bh, b, h, C, q_first, q_last, r0, q_pos, gl.minimum(total, k1) - k0 - 1, step, hh, i, nb, nf, slot
+    left = total - 1
+    slot = rank * 0 - 1
+    if SPLIT:  # a part (not causal: every half of every source is C // BLOCK_N blocks, all unmasked) starts at k0
+        half = C // BLOCK_N
+        split = part >= 0
+        step = gl.where(split, k0 // (2 * half), step)
+        hh = gl.where(split, (k0 // half) % 2, hh)
+        i = gl.where(split, k0 % half, i)
+        nb = gl.where(split, half, nb)
+        nf = gl.where(split, half, nf)
+        slot = gl.where(split, (t - (n_tiles - N_SPLIT)) * PARTS + part, -1)
+        left = gl.minimum(total, k1) - k0 - 1
+    return bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf, slot
 
 
 @gluon.jit
 def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot, r0, b, h, bh, S_LOCAL,
-              LS: gl.constexpr, LO: gl.constexpr, WG: gl.constexpr):
+              LS: gl.constexpr, LO: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr):
     """A finished unit's rows of O (the accumulator over the softmax sum) and their lse, through this warpgroup's
     shared buffer and a TMA store that runs on while the warpgroup goes on; a part's (``slot`` >= 0) to its slot
     of the parts (``p_desc``, ``part_lse_ptr``), for merge_parts."""
@@ -260,16 +273,20 @@ def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot
     _barrier()
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS))
-    if slot >= 0:
-        _tma_store(p_desc, [(slot * 2 + WG) * ROWS, 0], buf)
-        gl.store(part_lse_ptr + (slot * 2 + WG) * ROWS + rows, lse)
+    if SPLIT:
+        if slot >= 0:
+            _tma_store(p_desc, [(slot * 2 + WG) * ROWS, 0], buf)
+            gl.store(part_lse_ptr + (slot * 2 + WG) * ROWS + rows, lse)
+        else:
+            _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
+            gl.store(lse_ptr + bh * S_LOCAL + r0 + rows, lse)
     else:
         _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
         gl.store(lse_ptr + bh * S_LOCAL + r0 + rows, lse)
 
 
 @gluon.jit
-def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.constexpr):
+def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr):
     """Compute warpgroup WG (0 or 1): for each of this program's tiles, rows [64 WG, 64 WG + 64) of the query block
     against every key block in the loader's order, then their O and lse. Iteration g issues S of block g + 1,
     rescales O and issues P V of block g, then runs the softmax of block g + 1 while that P V runs; no wgmma is in
@@ -303,7 +320,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
     t = _tile_of(sched, 0)
     if t < n_units:  # (a program may find every unit taken)
         bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf, slot = _walk_start(
-            t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG, LS)
+            t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG, LS, SPLIT)
         qb = 0  # this tile's Q buffer
         it = 0  # tiles taken so far less one
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
@@ -376,7 +393,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
             if has_next:
                 bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf, slot = _walk_start(
                     t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG,
-                    LS)
+                    LS, SPLIT)
             # the next tile's block 0, from an empty state
             pf, alpha, m_new, l_new = _softmax(s, gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS)),
                                                gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS)), q_pos, i >= nf,
@@ -388,7 +405,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             mbarrier.arrive(v_empty.index(st))
             _epilogue(acc, m_done, l_done, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, done_slot, done_r0,
-                      done_b, done_h, done_bh, S_LOCAL, LS, LO, WG)
+                      done_b, done_h, done_bh, S_LOCAL, LS, LO, WG, SPLIT)
             qb = qn
             g0 = g + 1
     tma.store_wait(0)
@@ -398,7 +415,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
 def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_ptr, tile_ptr, flags_ptr, err_ptr,
                         budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
                         p_desc, part_lse_ptr, N_SPLIT, PARTS, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                        CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr):
+                        CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr, SPLIT: gl.constexpr):
     """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``: our K/V as
     [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
     [B * world * S_LOCAL, Hkv * D], same blocks; ``o_desc``: O as [B * S_LOCAL, HQ * D] in [BLOCK_M / 2, D]
@@ -406,8 +423,9 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_pt
     ``tile_ptr``: two int32, zero at launch (the next unit to hand out, the programs done), which the last program
     out zeroes again. ``N_SPLIT``, ``PARTS``: the last N_SPLIT tiles go in PARTS parts (not causal only), whose O
     goes to ``p_desc`` ([N_SPLIT * PARTS * BLOCK_M, D], O's dtype and blocks) and lse to ``part_lse_ptr``
-    ([N_SPLIT * PARTS * BLOCK_M], float32). The other arguments are kernels.attention's of the same name. Launched
-    with 4 warps: the loader; two compute warpgroups of COMPUTE_REGS registers a thread join them."""
+    ([N_SPLIT * PARTS * BLOCK_M], float32); ``SPLIT``: N_SPLIT > 0 (else none of the parts' code is built). The
+    other arguments are kernels.attention's of the same name. Launched with 4 warps: the loader; two compute
+    warpgroups of COMPUTE_REGS registers a thread join them."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -433,9 +451,9 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_pt
          v_ready, v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL,
          GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS)
     gl.warp_specialize([
-        (_load, (p, CAUSAL, CLOCK)),
-        (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0)),
-        (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1)),
+        (_load, (p, CAUSAL, CLOCK, SPLIT)),
+        (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0, SPLIT)),
+        (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1, SPLIT)),
     ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -590,7 +608,8 @@ def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per
         head_desc(vw, [bn, D]), o_desc, lse, tile_counter(q.device) if tiles is None else tiles,
         flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, tail_heads(B * Hq, S // bm, programs) if causal
         else 1, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, p_desc, part_lse, n_split, parts,
-    ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
+    ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS, SPLIT=n_split > 0),
+        num_warps=4)
     ctx.after_launch()
     if n_split:
         launch(merge_parts, (n_split, ), (part_o, part_lse, out, lse, n_tiles - n_split, S, Hq, parts, out.stride(0),
