@@ -200,6 +200,20 @@ def _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL: gl.co
 
 
 @gluon.jit
+def _to16(x, dtype: gl.constexpr):
+    """float32 x in ``dtype`` (bf16 or fp16), two neighbouring elements an instruction (cvt.rn.*x2.f32), so each
+    32-bit register of the P V operand comes out of one conversion. With .to(), LLVM moves the conversion of the
+    loop-carried P past the loop's phi as one conversion an element, and ptxas packs the pairs with their halves
+    swapped and a byte permute after each: 32 extra instructions a thread every block (docs/decisions.md)."""
+    if dtype == gl.bfloat16:
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.bfloat16,
+                                         is_pure=True, pack=2)
+    else:
+        return gl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,r,r", [x], dtype=gl.float16,
+                                         is_pure=True, pack=2)
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: gl.constexpr, LS: gl.constexpr):
     """Online softmax of one block's S: (P, the factor for the output so far, the new running max and sum). Only
     a masked block compares positions."""
@@ -334,7 +348,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
         mbarrier.arrive(k_empty.index(0))
         pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N,
                                        (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS)
-        p16 = gl.convert_layout(pf.to(v_smem.dtype), LP)  # P as the register operand of P V
+        p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)  # P as the register operand of P V
         g0 = 0  # this tile's first block (all tiles' blocks counted)
         has_next = True
         while has_next:
@@ -359,7 +373,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
                 # block g + 1's softmax while block g's P V runs
                 pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N,
                                                (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS)
-                p16 = gl.convert_layout(pf.to(v_smem.dtype), LP)
+                p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(st))
             # the tile's last block g, and the next tile's first (after the last tile: a product nobody reads, so
@@ -399,7 +413,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
                                                gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS)), q_pos, i >= nf,
                                                hh * C + i * BLOCK_N, (rank - step + world) % world, world, C,
                                                qk_scale, BLOCK_N, LS)
-            p16 = gl.convert_layout(pf.to(v_smem.dtype), LP)
+            p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)
             m_i = gl.where(has_next, m_new, m_i)
             l_i = gl.where(has_next, l_new, l_i)
             acc = warpgroup_mma_wait(0, deps=(acc, ))

@@ -178,15 +178,17 @@ class AttentionConfig:
     def defaults(cls, backend: str, head_dim: int, chunks_per_rank: int = 2, hopper: bool = False) -> "AttentionConfig":
         """Small tiles for the interpreter (odd sizes still exercise every path); on GPUs the tiles that won on one
         H100 (docs/decisions.md): at D = 64 the dK/dV kernel's key blocks are 64 rows (128 spill at 4 warps). On
-        Hopper (``hopper``: compute capability 9.0) at D = 128 the forward is the warp-specialized kernel
-        (kernels.attention_hopper) on 128 x 128 blocks and two K/V stages; at D = 64 and 128 the backward is the
-        single warp-specialized kernel (kernels.attention_bwd_hopper) where it has programs enough for the GPU."""
+        Hopper (``hopper``: compute capability 9.0) at D = 64 and 128 the forward is the warp-specialized kernel
+        (kernels.attention_hopper) on 128 x 128 blocks and two K/V stages, and the backward the single
+        warp-specialized kernel (kernels.attention_bwd_hopper) where it has programs enough for the GPU."""
         if backend == "host":
             small = Blocks(16, 16, 1, 1)
             return cls(chunks_per_rank, small, small, small)
+        if hopper and head_dim == 64:
+            return cls(chunks_per_rank, Blocks(128, 128, 8, 2, warp_specialized=True), Blocks(128, 32, 4, 3),
+                       Blocks(64, 64, 4, 2, warp_specialized=True))
         if head_dim <= 64:
-            return cls(chunks_per_rank, Blocks(128, 64, 8, 3), Blocks(128, 32, 4, 3),
-                       Blocks(64, 64, 4, 2, warp_specialized=hopper and head_dim == 64))
+            return cls(chunks_per_rank, Blocks(128, 64, 8, 3), Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2))
         if hopper and head_dim == 128:
             return cls(chunks_per_rank, fwd=Blocks(128, 128, 8, 2, warp_specialized=True),
                        dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
