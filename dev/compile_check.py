@@ -260,7 +260,7 @@ def compile_warp_specialized(target, quick: bool = False) -> int:
 def compile_attention_ws(target, quick: bool = False) -> int:
     """kernels.attention_hopper (Gluon; sm_90 only) as the op launches it: causal or not, D = 64 and 128, each
     (block_n, stages) the tuned table may name (``quick``: the shipped D = 128 blocks, causal, and not causal with
-    the split tail), and merge_parts."""
+    the split tail, and D = 64 causal), and merge_parts."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import attention_hopper as ah
@@ -268,7 +268,7 @@ def compile_attention_ws(target, quick: bool = False) -> int:
     desc_type = functools.partial(gluon_desc_type, target)
 
     failed = 0
-    cases = ([(True, 128, 128, 2), (False, 128, 128, 2)] if quick
+    cases = ([(True, 128, 128, 2), (False, 128, 128, 2), (True, 64, 128, 2)] if quick
              else itertools.product((True, False), (128, 64), (128, 64), (2, 3)))
     for causal, d, bn, stages in cases:
         if d * bn * stages * 4 + 128 * d * 2 > 200 * 1024:
