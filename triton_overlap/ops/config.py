@@ -184,11 +184,10 @@ class AttentionConfig:
         if backend == "host":
             small = Blocks(16, 16, 1, 1)
             return cls(chunks_per_rank, small, small, small)
-        if hopper and head_dim == 64:
-            return cls(chunks_per_rank, Blocks(128, 128, 8, 2, warp_specialized=True), Blocks(128, 32, 4, 3),
-                       Blocks(64, 64, 4, 2, warp_specialized=True))
         if head_dim <= 64:
-            return cls(chunks_per_rank, Blocks(128, 64, 8, 3), Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2))
+            ws = hopper and head_dim == 64
+            fwd = Blocks(128, 128, 8, 2, warp_specialized=True) if ws else Blocks(128, 64, 8, 3)
+            return cls(chunks_per_rank, fwd, Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2, warp_specialized=ws))
         if hopper and head_dim == 128:
             return cls(chunks_per_rank, fwd=Blocks(128, 128, 8, 2, warp_specialized=True),
                        dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
