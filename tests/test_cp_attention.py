@@ -1,4 +1,5 @@
 """Context-parallel attention forward against full-sequence attention in float32."""
+import dataclasses
 import math
 
 import pytest
@@ -27,11 +28,15 @@ def reference(q, k, v, causal, scale):
     return torch.cat(outs, dim=1).transpose(1, 2), torch.cat(lses, dim=1)
 
 
-def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0.0):
+def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0.0, num_streams=None):
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         dev = ctx.device
         op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
+        if num_streams is not None:  # the copy streams set, the rest of the config as the op would pick it
+            cfg = op.config_for(op.shape_key(torch.empty(1, S // ctx.world_size, Hq, D), torch.empty(1, 1, Hkv, D),
+                                             causal))
+            op = to.ContextParallelAttention(ctx, config=dataclasses.replace(cfg, num_streams=num_streams))
         # the zigzag shard of the position sequence is what cp.positions says
         shard_pos = to.zigzag.shard(torch.arange(S)[None], ctx)[0]
         assert torch.equal(shard_pos, to.zigzag.positions(ctx.rank, ctx.world_size, S // ctx.world_size))
@@ -90,11 +95,20 @@ def test_cp_attention_matches_full_sequence(pool, case):
     pool.run(_case, *cases[case])
 
 
+@pytest.mark.parametrize("num_streams", [1, 2])
+def test_cp_attention_copy_streams(pool, num_streams):
+    """Every peer's chunks pushed on one copy stream in turn, or spread over two, producers delayed at random."""
+    case = list((HOST_CASES if pool.backend == "host" else GPU_CASES)[0])[:9]
+    pool.run(_case, *case, 0.005 if pool.backend == "host" else 0.0, num_streams)
+
+
 def _bad_inputs():
     with to.Context(timeout_s=30) as ctx:
         dev = ctx.device
         with pytest.raises(ValueError, match="chunks_per_rank"):
             to.ContextParallelAttention(ctx, chunks_per_rank=3)
+        with pytest.raises(ValueError, match="num_streams"):
+            to.AttentionConfig(num_streams=0)
         op = to.ContextParallelAttention(ctx)
         q = rand((1, 16, 4, 64), torch.bfloat16, dev, "q")
         kv = rand((1, 16, 2, 64), torch.bfloat16, dev, "k")

@@ -162,17 +162,21 @@ class AttentionConfig:
     """Context-parallel attention's knobs. ``chunks_per_rank``: how finely each rank's K/V is cut for the flags
     (even: the two zigzag halves are never mixed in one chunk). One ``Blocks`` per kernel: forward, backward dQ,
     backward dK/dV. ``consumer_first``: launch the forward kernel before enqueueing the copies (not on a shape's
-    first call; the backward always enqueues its copies first)."""
+    first call; the backward always enqueues its copies first). ``num_streams``: the copy streams that push this
+    rank's K/V to its peers (peer ``i`` of the send order on stream ``i % num_streams``; None: one per peer)."""
 
     chunks_per_rank: int = 2
     fwd: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 3))
     dq: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 2))
     dkdv: Blocks = field(default_factory=lambda: Blocks(64, 128, 8, 2))
     consumer_first: bool = True
+    num_streams: int | None = None
 
     def __post_init__(self):
         if self.chunks_per_rank < 2 or self.chunks_per_rank % 2:
             raise ValueError(f"chunks_per_rank must be an even number >= 2, got {self.chunks_per_rank}")
+        if self.num_streams is not None and self.num_streams < 1:
+            raise ValueError(f"num_streams must be at least 1, got {self.num_streams}")
 
     @classmethod
     def defaults(cls, backend: str, head_dim: int, chunks_per_rank: int = 2, hopper: bool = False) -> "AttentionConfig":
@@ -180,15 +184,19 @@ class AttentionConfig:
         H100 (docs/decisions.md): at D = 64 the dK/dV kernel's key blocks are 64 rows (128 spill at 4 warps). On
         Hopper (``hopper``: compute capability 9.0) at D = 64 and 128 the forward is the warp-specialized kernel
         (kernels.attention_hopper) on 128 x 128 blocks and two K/V stages, and the backward the single
-        warp-specialized kernel (kernels.attention_bwd_hopper) where it has programs enough for the GPU."""
+        warp-specialized kernel (kernels.attention_bwd_hopper) where it has programs enough for the GPU. On CUDA one
+        copy stream serves every peer in turn (the first peer's chunks, which the kernels read first, land soonest);
+        elsewhere a stream per peer."""
         if backend == "host":
             small = Blocks(16, 16, 1, 1)
             return cls(chunks_per_rank, small, small, small)
+        streams = 1 if backend == "cuda" else None
         if head_dim <= 64:
             ws = hopper and head_dim == 64
             fwd = Blocks(128, 128, 8, 2, warp_specialized=True) if ws else Blocks(128, 64, 8, 3)
-            return cls(chunks_per_rank, fwd, Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2, warp_specialized=ws))
+            return cls(chunks_per_rank, fwd, Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2, warp_specialized=ws),
+                       num_streams=streams)
         if hopper and head_dim == 128:
             return cls(chunks_per_rank, fwd=Blocks(128, 128, 8, 2, warp_specialized=True),
-                       dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
-        return cls(chunks_per_rank)
+                       dkdv=Blocks(64, 128, 8, 2, warp_specialized=True), num_streams=streams)
+        return cls(chunks_per_rank, num_streams=streams)

@@ -118,7 +118,7 @@ class ContextParallelAttention(OverlapOp):
 
     def from_table(self, found, base):
         return AttentionConfig(base.chunks_per_rank, *(Blocks(**found[k]) for k in ("fwd", "dq", "dkdv")),
-                               consumer_first=base.consumer_first)
+                               consumer_first=base.consumer_first, num_streams=base.num_streams)
 
     def shape_key(self, q, k, causal) -> tuple:
         """What the tuned table keys attention by: (S in all, Hq, Hkv, D, causal)."""
@@ -235,10 +235,11 @@ class ContextParallelAttention(OverlapOp):
         self.state.setdefault("buffers", {}).update(k=kws.local, v=vws.local)
         return layout, kws, vws, flags
 
-    def _gather(self, layout, k, v, kws, vws, flags, call) -> Gather:
-        """The producer: K and V pushed together, chunk by chunk; the caller resets the flags after the call (the
-        kernels waited for every one)."""
-        return Gather(self.ctx, layout, [(k, kws), (v, vws)], flags, dim=1, num_streams=2, reset_flags=True,
+    def _gather(self, layout, k, v, kws, vws, flags, call, cfg) -> Gather:
+        """The producer: K and V pushed together, chunk by chunk, on ``cfg.num_streams`` streams; the caller resets
+        the flags after the call (the kernels waited for every one)."""
+        streams = cfg.num_streams or self.ctx.world_size - 1
+        return Gather(self.ctx, layout, [(k, kws), (v, vws)], flags, dim=1, num_streams=streams, reset_flags=True,
                       call=call)
 
     def _header(self, step: str, k, local_cu, kept: bool = False):
@@ -263,7 +264,8 @@ class ContextParallelAttention(OverlapOp):
         else:
             _, kws, vws, symmetric_flags = self._kv(k)
             kw, vw, flags = kws.local, vws.local, symmetric_flags.local
-            producer = self._gather(layout, k, v, kws, vws, symmetric_flags, self._header("forward", k, local_cu))
+            producer = self._gather(layout, k, v, kws, vws, symmetric_flags, self._header("forward", k, local_cu),
+                                    cfg)
 
         def consumer():
             launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, layout.m_per_chunk, layout.chunks_per_rank, scale,
@@ -304,7 +306,7 @@ class ContextParallelAttention(OverlapOp):
         else:
             layout, kws, vws, flags = self._kv(k)
             kw, vw, ready = kws.local, vws.local, flags.local
-            producer = self._gather(layout, k, v, kws, vws, flags, call)
+            producer = self._gather(layout, k, v, kws, vws, flags, call, cfg)
         scratch = backward_scratch(ctx, q, k, v, kw, vw, dq, ready, cfg.dkdv, W, docs_dkdv)
 
         recv_ptrs, counter_ptrs, staged = recv.ptrs, counters.ptrs, None
