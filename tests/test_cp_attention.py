@@ -34,8 +34,7 @@ def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0
         dev = ctx.device
         op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
         if num_streams is not None:  # the copy streams set, the rest of the config as the op would pick it
-            cfg = op.config_for(op.shape_key(torch.empty(1, S // ctx.world_size, Hq, D), torch.empty(1, 1, Hkv, D),
-                                             causal))
+            cfg = op.config_for((S, Hq, Hkv, D, int(causal)))
             op = to.ContextParallelAttention(ctx, config=dataclasses.replace(cfg, num_streams=num_streams))
         # the zigzag shard of the position sequence is what cp.positions says
         shard_pos = to.zigzag.shard(torch.arange(S)[None], ctx)[0]

@@ -190,13 +190,13 @@ class AttentionConfig:
         if backend == "host":
             small = Blocks(16, 16, 1, 1)
             return cls(chunks_per_rank, small, small, small)
-        streams = 1 if backend == "cuda" else None
         if head_dim <= 64:
             ws = hopper and head_dim == 64
             fwd = Blocks(128, 128, 8, 2, warp_specialized=True) if ws else Blocks(128, 64, 8, 3)
-            return cls(chunks_per_rank, fwd, Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2, warp_specialized=ws),
-                       num_streams=streams)
-        if hopper and head_dim == 128:
-            return cls(chunks_per_rank, fwd=Blocks(128, 128, 8, 2, warp_specialized=True),
-                       dkdv=Blocks(64, 128, 8, 2, warp_specialized=True), num_streams=streams)
-        return cls(chunks_per_rank, num_streams=streams)
+            cfg = cls(chunks_per_rank, fwd, Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2, warp_specialized=ws))
+        elif hopper and head_dim == 128:
+            cfg = cls(chunks_per_rank, fwd=Blocks(128, 128, 8, 2, warp_specialized=True),
+                      dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
+        else:
+            cfg = cls(chunks_per_rank)
+        return replace(cfg, num_streams=1) if backend == "cuda" else cfg
