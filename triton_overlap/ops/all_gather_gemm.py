@@ -133,8 +133,7 @@ class AllGatherGEMM(OverlapOp):
         self.state["buffers"] = {"workspace": ws.local}
         mode = "push" if ctx.num_hosts > 1 else cfg.mode  # (other hosts' memory cannot be read: they send)
         call = self.call_header((m_local, K, a.dtype, layout.m_per_chunk, mode), (m_local, K))
-        producer = Gather(ctx, layout, [(a, ws)], flags, mode=mode, num_streams=cfg.num_streams or W - 1,
-                          call=call)
+        producer = Gather(ctx, layout, [(a, ws)], flags, mode=mode, num_streams=cfg.num_streams, call=call)
 
         def consumer():  # its last program zeroes the flags: every one was seen, peers set them after the next barrier
             launch_gemm(ctx, cfg, a, w, out, order=order, flags=flags.local, layout=layout, bias=bias,

@@ -238,9 +238,8 @@ class ContextParallelAttention(OverlapOp):
     def _gather(self, layout, k, v, kws, vws, flags, call, cfg) -> Gather:
         """The producer: K and V pushed together, chunk by chunk, on ``cfg.num_streams`` streams; the caller resets
         the flags after the call (the kernels waited for every one)."""
-        streams = cfg.num_streams or self.ctx.world_size - 1
-        return Gather(self.ctx, layout, [(k, kws), (v, vws)], flags, dim=1, num_streams=streams, reset_flags=True,
-                      call=call)
+        return Gather(self.ctx, layout, [(k, kws), (v, vws)], flags, dim=1, num_streams=cfg.num_streams,
+                      reset_flags=True, call=call)
 
     def _header(self, step: str, k, local_cu, kept: bool = False):
         """The call's header: what every rank's K/V, chunking and documents must agree on."""

@@ -32,11 +32,12 @@ class Gather:
     source holds this rank's ``layout.m_local`` rows along ``dim``, each workspace ``W * m_local``. ``flags``: the
     symmetric int32 flags, one per chunk (``layout.num_chunks``). ``reset_flags``: zero this rank's flags after the
     call (step 5), for consumers that do not reset them themselves. ``call``: the call's header (Context.call), which
-    the opening barrier compares across ranks.
+    the opening barrier compares across ranks. ``num_streams``: copy streams within the host (None: one per peer),
+    at most one per peer.
     """
 
     def __init__(self, ctx, layout: ChunkLayout, pairs, flags, *, dim: int = 0, mode: str = "push",
-                 num_streams: int = 1, reset_flags: bool = False, call=None):
+                 num_streams: int | None = 1, reset_flags: bool = False, call=None):
         if mode not in ("push", "pull"):
             raise ValueError(f"gather mode must be 'push' or 'pull', got {mode!r}")
         self.remote = ctx.num_hosts > 1
@@ -44,7 +45,7 @@ class Gather:
             raise ValueError("gather: pull mode reads peers' memory, which other hosts' ranks are not: use push")
         self.layout, self.pairs, self.flags, self.dim, self.mode = layout, pairs, flags, dim, mode
         local = len(ctx.local_ranks)
-        self.num_streams = (max(1, min(num_streams, local - 1)) if local > 1 else 0) + int(self.remote)
+        self.num_streams = (max(1, min(num_streams or local - 1, local - 1)) if local > 1 else 0) + int(self.remote)
         self.reset_flags = reset_flags
         self.call = call
         #: the consumer starts once the exchanges between hosts are done (pipeline step 3; Context.holds_for_link)
