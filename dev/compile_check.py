@@ -259,8 +259,8 @@ def compile_warp_specialized(target, quick: bool = False) -> int:
 
 def compile_attention_ws(target, quick: bool = False) -> int:
     """kernels.attention_hopper (Gluon; sm_90 only) as the op launches it: causal or not, D = 64 and 128, each
-    (block_n, stages) the tuned table may name (``quick``: the shipped D = 128 blocks, causal, and not causal with
-    the split tail, and D = 64 causal), and merge_parts."""
+    (block_n, stages, compute warpgroups) the tuned table may name (``quick``: the shipped blocks, causal, and not
+    causal with the split tail), and merge_parts."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import attention_hopper as ah
@@ -268,29 +268,29 @@ def compile_attention_ws(target, quick: bool = False) -> int:
     desc_type = functools.partial(gluon_desc_type, target)
 
     failed = 0
-    cases = ([(True, 128, 128, 2), (False, 128, 128, 2), (True, 64, 128, 2)] if quick
-             else itertools.product((True, False), (128, 64), (128, 64), (2, 3)))
-    for causal, d, bn, stages in cases:
-        if d * bn * stages * 4 + 128 * d * 2 > 200 * 1024:
+    cases = ([(True, 128, 128, 2, 2), (False, 128, 128, 2, 2), (True, 64, 128, 2, 3), (False, 64, 128, 2, 3)]
+             if quick else itertools.product((True, False), (128, 64), (128, 64), (2, 3), (2, 3)))
+    for causal, d, bn, stages, nwg in cases:
+        if d * bn * stages * 4 + 128 * d * 2 > 200 * 1024 or (nwg == 3 and d != 64):
             continue
-        consts = dict(CAUSAL=causal, STAGES=stages, CLOCK=1, COMPUTE_REGS=ah.COMPUTE_REGS, SPLIT=not causal)
+        consts = dict(CAUSAL=causal, STAGES=stages, CLOCK=1, COMPUTE_REGS=ah.COMPUTE_REGS[nwg], SPLIT=not causal,
+                      NWG=nwg)
         sig = {}
         for prm in ah.cp_attention_fwd_ws.params:
             n = prm.name
-            sig[n] = ("constexpr" if n in consts else desc_type([128, d]) if n == "q_desc"
-                      else desc_type([64, d]) if n in ("o_desc", "p_desc")
+            sig[n] = ("constexpr" if n in consts else desc_type([64, d]) if n in ("q_desc", "o_desc", "p_desc")
                       else desc_type([bn, d]) if n.endswith("_desc")
                       else "*bf16" if n == "o_ptr" else "*fp32" if n in ("lse_ptr", "part_lse_ptr")
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
                       else "fp32" if n == "sm_scale" else "i32")
-        name = f"cp_attention_fwd_ws causal={causal} D={d} block_n={bn} stages={stages}"
+        name = f"cp_attention_fwd_ws causal={causal} D={d} block_n={bn} stages={stages} warp groups={nwg}"
         failed += compile_gluon(target, name, ah.cp_attention_fwd_ws, sig, consts, {"num_warps": 4}, 900)
-    for d in (64, 128):  # the split tiles' merge (plain Triton)
-        consts = dict(BLOCK_M=128, HEAD_D=d)
+    for d, bm in ((64, 192), (128, 128)):  # the split tiles' merge (plain Triton)
+        consts = dict(BLOCK_M=bm, ROWS=64, HEAD_D=d)
         sig = {prm.name: "constexpr" if prm.name in consts else "*bf16" if prm.name in ("out_ptr", "part_o_ptr")
                else "*fp32" if prm.name.endswith("_ptr") else "i32" for prm in ah.merge_parts.params}
         src = ASTSource(fn=ah.merge_parts, signature=sig, constexprs=consts)
-        triton.compile(src, target=target, options={"num_warps": 8})
+        triton.compile(src, target=target, options={"num_warps": 4})
         print(f"merge_parts D={d}: compiled")
     return failed
 

@@ -327,57 +327,67 @@ def test_tail_split_choice():
             assert n % programs == 0 or blocks // 2 < TAIL_MIN_BLOCKS
 
 
-def _merge_parts_case(parts, D, dtype_name):
-    """kernels.attention_hopper.merge_parts against softmax over every key: the last three of six 128-row tiles
-    (head by head, later positions first) each given as ``parts`` runs of the keys, normalised O (in ``dtype``)
-    and lse per part, written by torch; the merged rows match full-key attention in float32, and the rows of the
-    whole tiles stay as poisoned."""
+def _merge_parts_case(parts, D, dtype_name, BM):
+    """kernels.attention_hopper.merge_parts against softmax over every key: the last three of six ``BM``-row tiles
+    (head by head, later positions first, each zigzag half cut from its end) each given as ``parts`` runs of the
+    keys, normalised O (in ``dtype``) and lse per part, written by torch; the merged rows match full-key attention
+    in float32, and the rows of the whole tiles (and, with 192-row tiles, the rows a tile holds from before its
+    half) stay as poisoned."""
     from triton_overlap.kernels.attention_hopper import merge_parts
     from triton_overlap.kernels.cached_launch import launch
 
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=60) as ctx:
         dev = ctx.device
-        B, S, Hq, BM, keys = 1, 256, 3, 128, 100 + parts  # keys not a multiple of the parts
-        n_m, n_tiles, n_split = S // BM, S // BM * Hq, 3
+        B, S, Hq, keys, C = 1, 256, 3, 100 + parts, 128  # keys not a multiple of the parts
+        n_h = -(-C // BM)
+        n_m, n_split = 2 * n_h, 3
+        n_tiles = n_m * Hq
         q = rand((Hq, S, D), torch.float32, dev, "q", "merge")
         k = rand((Hq, keys, D), torch.float32, dev, "k", "merge")
         v = rand((Hq, keys, D), torch.float32, dev, "v", "merge")
         scores = q @ k.transpose(1, 2) / math.sqrt(D)
         ref_lse = torch.logsumexp(scores, dim=-1)
         ref_out = torch.softmax(scores, dim=-1) @ v
-        part_o = torch.empty((n_split * parts * BM, D), dtype=dtype, device=dev)
-        part_lse = torch.empty(n_split * parts * BM, dtype=torch.float32, device=dev)
+        part_o = rand((n_split * parts * BM, D), torch.float32, dev, "o", "merge").to(dtype)
+        part_lse = rand((n_split * parts * BM, ), torch.float32, dev, "lse", "merge")
         rows = []
         for s in range(n_split):
             t = n_tiles - n_split + s
-            h, m0 = t // n_m, (n_m - 1 - t % n_m) * BM
-            rows.append((h, m0))
+            h, j = t // n_m, t % n_m
+            hh = 1 if j < n_h else 0
+            m0 = hh * C + C - (j % n_h + 1) * BM
+            lo = max(m0, hh * C)  # the tile's rows from here
+            rows.append((h, lo, m0 + BM))
             for p in range(parts):
-                lo, hi = p * keys // parts, (p + 1) * keys // parts
-                sc = scores[h, m0:m0 + BM, lo:hi]
-                r = slice((s * parts + p) * BM, (s * parts + p + 1) * BM)
+                a, e = p * keys // parts, (p + 1) * keys // parts
+                sc = scores[h, lo:m0 + BM, a:e]
+                r = slice((s * parts + p) * BM + lo - m0, (s * parts + p + 1) * BM)
                 part_lse[r] = torch.logsumexp(sc, dim=-1)
-                part_o[r] = (torch.softmax(sc, dim=-1) @ v[h, lo:hi]).to(dtype)
+                part_o[r] = (torch.softmax(sc, dim=-1) @ v[h, a:e]).to(dtype)
         out = poison(torch.empty((B, S, Hq, D), dtype=dtype, device=dev))
         lse = poison(torch.empty((B, Hq, S), dtype=torch.float32, device=dev))
-        launch(merge_parts, (n_split, ), (part_o, part_lse, out, lse, n_tiles - n_split, S, Hq, parts, out.stride(0),
-                                          out.stride(1), out.stride(2)), dict(BLOCK_M=BM, HEAD_D=D), num_warps=8)
-        for h, m0 in rows:
-            e_out = rel_err(out[0, m0:m0 + BM, h], ref_out[h, m0:m0 + BM])
-            e_lse = rel_err(lse[0, h, m0:m0 + BM], ref_lse[h, m0:m0 + BM])
-            assert e_out < TOL[dtype] and e_lse < 1e-5, f"head {h} rows {m0}: out {e_out:.2e}, lse {e_lse:.2e}"
-            out[0, m0:m0 + BM, h] = 0
-            lse[0, h, m0:m0 + BM] = 0
-        assert torch.isnan(out).sum() == B * Hq * S * D - n_split * BM * D, "a whole tile's rows were written"
-        assert torch.isnan(lse).sum() == B * Hq * S - n_split * BM
+        launch(merge_parts, (n_split, BM // 64), (part_o, part_lse, out, lse, n_tiles - n_split, S, Hq, parts,
+                                                  out.stride(0), out.stride(1), out.stride(2)),
+               dict(BLOCK_M=BM, ROWS=64, HEAD_D=D), num_warps=4)
+        merged = 0
+        for h, lo, hi in rows:
+            e_out = rel_err(out[0, lo:hi, h], ref_out[h, lo:hi])
+            e_lse = rel_err(lse[0, h, lo:hi], ref_lse[h, lo:hi])
+            assert e_out < TOL[dtype] and e_lse < 1e-5, f"head {h} rows {lo}: out {e_out:.2e}, lse {e_lse:.2e}"
+            out[0, lo:hi, h] = 0
+            lse[0, h, lo:hi] = 0
+            merged += hi - lo
+        assert torch.isnan(out).sum() == B * Hq * S * D - merged * D, "rows not of a split tile were written"
+        assert torch.isnan(lse).sum() == B * Hq * S - merged
         return True
 
 
-@pytest.mark.parametrize("parts, D, dtype_name", [(2, 64, "bfloat16"), (4, 128, "float16")])
-def test_merge_parts(pool, parts, D, dtype_name):
+@pytest.mark.parametrize("parts, D, dtype_name, BM", [(2, 64, "bfloat16", 128), (4, 128, "float16", 128),
+                                                      (4, 64, "bfloat16", 192)])
+def test_merge_parts(pool, parts, D, dtype_name, BM):
     _simulated_once(pool)
-    assert all(pool.run(_merge_parts_case, parts, D, dtype_name))
+    assert all(pool.run(_merge_parts_case, parts, D, dtype_name, BM))
 
 
 def test_head_split_choice():
@@ -548,7 +558,7 @@ def test_packed_tables_are_bounded_and_ordered():
 
 
 # ------------------------------------------------------------------ the warp-specialized forward (Hopper)
-def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, stages):
+def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, stages, warp_groups):
     """kernels.attention_hopper's forward for every rank of a simulated world (forward_on_gathered), on outputs
     poisoned before the call, against full-sequence attention; checks that the warp-specialized kernel is the
     one that runs and that its tile counter is zero again after the launches. Not causal, where the tiles do not
@@ -561,7 +571,7 @@ def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, s
     with to.Context(timeout_s=120) as ctx:
         if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_hopper.gluon_available():
             return "skip"
-        blocks = Blocks(128, block_n, 8, stages, warp_specialized=True)
+        blocks = Blocks(128, block_n, 8, stages, warp_specialized=True, warp_groups=warp_groups)
         cfg = to.AttentionConfig(2, blocks)
         q, k, v = (rand((B, S, h, D), dtype, ctx.device, name, "ws") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
         scale = 1.0 / math.sqrt(D)
@@ -586,18 +596,26 @@ def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, s
         return e_out, e_lse
 
 
-# B, S (global), Hq, Hkv, D, causal, dtype, simulated world, block_n, stages; each zigzag half whole 128-row blocks
+# B, S (global), Hq, Hkv, D, causal, dtype, simulated world, block_n, stages, compute warpgroups; each zigzag half
+# whole key blocks. Three warpgroups take 192-row tiles, which divide none of these halves: each half's first tile
+# holds rows of the half before it (or, in the first, of the batch before, or before the tensor), which must be
+# left as they are.
 HOPPER_CASES = [
-    (1, 3 * 2 * 384, 12, 3, 128, True, "bfloat16", 3, 128, 2),  # GQA 4:1, three ranks
-    (2, 2 * 2 * 256, 5, 5, 64, False, "float16", 2, 64, 3),  # B = 2, odd heads, not causal
-    (1, 4 * 2 * 512, 8, 1, 128, True, "bfloat16", 4, 64, 2),  # MQA, four ranks
-    (1, 2 * 640, 4, 2, 64, True, "float16", 1, 128, 2),  # a world of one
+    (1, 3 * 2 * 384, 12, 3, 128, True, "bfloat16", 3, 128, 2, 2),  # GQA 4:1, three ranks
+    (2, 2 * 2 * 256, 5, 5, 64, False, "float16", 2, 64, 3, 2),  # B = 2, odd heads, not causal
+    (2, 2 * 2 * 256, 5, 5, 64, False, "float16", 2, 128, 2, 3),
+    (1, 4 * 2 * 512, 8, 1, 128, True, "bfloat16", 4, 64, 2, 2),  # MQA, four ranks
+    (1, 4 * 2 * 512, 8, 1, 64, True, "bfloat16", 4, 128, 2, 3),
+    (1, 2 * 640, 4, 2, 64, True, "float16", 1, 128, 2, 2),  # a world of one
+    (2, 2 * 640, 4, 2, 64, True, "bfloat16", 1, 128, 2, 3),
     # more tiles than a GPU has programs (one per SM): each program takes several, Q's two buffers in turn
-    (2, 2 * 2 * 1024, 16, 4, 128, True, "bfloat16", 2, 128, 2),
-    (1, 2 * 4096, 24, 8, 64, False, "float16", 2, 128, 2),
+    (2, 2 * 2 * 1024, 16, 4, 128, True, "bfloat16", 2, 128, 2, 2),
+    (1, 2 * 4096, 24, 8, 64, False, "float16", 2, 128, 2, 2),
+    (2, 2 * 2 * 1024, 16, 4, 64, True, "bfloat16", 2, 128, 2, 3),
     # not causal with more tiles than programs, not a whole number of rounds: the last round's tiles in parts
-    (1, 2 * 2 * 2048, 16, 4, 128, False, "bfloat16", 2, 128, 2),
-    (1, 4096, 8, 8, 128, False, "bfloat16", 1, 128, 2),
+    (1, 2 * 2 * 2048, 16, 4, 128, False, "bfloat16", 2, 128, 2, 2),
+    (1, 4096, 8, 8, 128, False, "bfloat16", 1, 128, 2, 2),
+    (1, 2 * 2 * 2048, 16, 4, 64, False, "bfloat16", 2, 128, 2, 3),
 ]
 
 

@@ -41,7 +41,8 @@ FP8_TILES = [(128, 256, 128, 8, 3, None), (128, 256, 128, 8, 4, None), (256, 128
 TILE_FIELDS = ("block_m", "block_n", "block_k", "num_warps", "num_stages", "tma")  # what a GEMM_TILES entry sets
 CHUNKS = [1, 2, 4, 8]
 FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2),
-             (128, 128, 8, 2, True), (128, 64, 8, 3, True)]  # True: warp-specialized (Hopper)
+             (128, 128, 8, 2, True), (128, 64, 8, 3, True),  # True: warp-specialized (Hopper)
+             (128, 128, 8, 3, True, 3)]  # three compute warpgroups (Hopper, D = 64)
 DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2)]
 DKDV_TILES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2),
               (64, 128, 8, 2, True)]  # True: the single warp-specialized backward (Hopper; it takes its own tiles)
@@ -207,7 +208,7 @@ def tune_attention(ctx, shape, dry):
     ref_out = ref_out.transpose(1, 2)
     ref_dq, ref_dk, ref_dv = (t.grad.transpose(1, 2) for t in leaves)
 
-    base = AttentionConfig.defaults(ctx.backend, D, 2, hopper(ctx))
+    base = AttentionConfig.defaults(ctx.backend, D, 2, hopper(ctx), seq_len=S, causal=causal)
     cpr = 2
     flags = torch.ones(cpr, dtype=torch.int32, device=dev)  # every chunk in place: a world of one
     out, lse = torch.empty_like(q), torch.empty(B, Hq, S, device=dev, dtype=torch.float32)

@@ -232,13 +232,15 @@ def cp_attention_fwd(
 class Blocks:
     """Tile sizes and launch parameters of one attention kernel (``block_m`` query rows, ``block_n`` key rows).
     ``warp_specialized``: for the forward, run kernels.attention_hopper's kernel where it can (its ``usable``), with
-    ``num_stages`` K and V stages; for the dK/dV kernel, kernels.attention_bwd_hopper's single backward kernel (its
-    own tiles) where it can. Elsewhere this module's kernels run with these tiles."""
+    ``num_stages`` K and V stages and ``warp_groups`` compute warpgroups of 64 query rows each (its tile, in place
+    of ``block_m`` rows on ``num_warps`` warps); for the dK/dV kernel, kernels.attention_bwd_hopper's single
+    backward kernel (its own tiles) where it can. Elsewhere this module's kernels run with these tiles."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     warp_specialized: bool = False
+    warp_groups: int = 2
 
 
 @dataclass(frozen=True)

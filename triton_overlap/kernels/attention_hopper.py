@@ -19,16 +19,21 @@ schedule, which plain Triton does not express on sm_90:
   and V block by block into two rings of stages (``ready`` / ``empty`` mbarriers) that run on from tile to tile, so
   the next tile's Q and first blocks land while the compute warps finish the last one. It waits for a peer's chunk
   flag before its first block that reads the chunk, so the compute warps never spin on a flag;
-* two compute partitions (a warpgroup each, 64 of the block's query rows, on wgmma) read the same stages. Each
-  issues S = Q K^T of the next block asynchronously, rescales O and issues P V of the current block, then runs the
-  next block's softmax while that P V runs; P stays in registers (the A operand of the P V wgmma). The two take
-  turns to issue their products, so one's softmax runs while the other's products do. A tile's last block runs
-  into the next tile's first (its S and softmax while the last P V runs), and O leaves through shared memory by a
-  TMA store, so the tensor cores do not wait at tile boundaries. The loader keeps 24 registers a thread
-  (setmaxnreg), so a compute thread may hold 240.
+* two or three compute partitions (``NWG``; a warpgroup each, 64 of the tile's query rows, on wgmma) read the
+  same stages. Each issues S = Q K^T of the next block asynchronously, rescales O and issues P V of the current
+  block, then runs the next block's softmax while that P V runs; P stays in registers (the A operand of the P V
+  wgmma). They take turns to issue their products, so one's softmax runs while the others' products do. A tile's
+  last block runs into the next tile's first (its S issued beside the last P V), and O leaves through shared
+  memory by a TMA store, so the tensor cores do not wait at tile boundaries. The loader keeps 24 registers a
+  thread (setmaxnreg), so a compute thread may hold 240 with two compute warpgroups and 160 with three. Three
+  (192-row tiles, at D = 64 only) keep more softmaxes in flight where the exponentials weigh as much as the
+  products; with two, the next tile's first softmax also runs while the last P V does, which three have not the
+  registers for (they store the finished tile's O first).
 
 Only for NVIDIA sm_90 with 16-bit operands, D of 64 or 128, shapes whose blocks never straddle a zigzag half and
-contiguous tensors (``usable``): every block of keys it reads lies in one chunk that has been waited for. Elsewhere
+contiguous tensors (``usable``): every block of keys it reads lies in one chunk that has been waited for. Where
+the tile's rows do not divide a zigzag half, the half's first tile starts before it; those rows are computed on
+and never written. Elsewhere
 (other GPUs, packed documents, odd sizes, the host backend, where Gluon does not run) the op takes
 kernels.attention's kernel.
 """
@@ -53,8 +58,9 @@ from .gemm_warp_specialized import _barrier, _tma_load, gluon_available, shared_
 #: TMA store from shared memory (``async_store`` in newer Gluon)
 _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
-#: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left (24).
-COMPUTE_REGS = 240
+#: The registers a compute thread may hold (setmaxnreg), by the number of compute warpgroups; the loader's four
+#: warps keep what is left (24).
+COMPUTE_REGS = {2: 240, 3: 160}
 
 
 @gluon.jit
@@ -91,17 +97,23 @@ def _unit(u, n_tiles, N_SPLIT, PARTS, blocks):
 
 @gluon.jit
 def _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M: gl.constexpr):
-    """Tile ``t``'s query block: (first row, batch x head, batch, head, half the shard, the first and last zigzag
-    position). Tiles run over the blocks of one (batch, head) before the next, the blocks of later positions (which
-    see more keys) first; the last ``TAIL`` (batch, head)s go together, every one's block at a position before any
-    one's next (tail_heads), so no long tile starts last."""
-    n_m = S_LOCAL // BLOCK_M
+    """Tile ``t``'s query block: (its first row, its first row within its zigzag half, batch x head, batch, head,
+    half the shard, the zigzag positions of those rows and of its last). A half holds ``query_tiles`` tiles, cut
+    from its end: where BLOCK_M does not divide the half, the rows of its first tile before the half's start belong
+    to the other half (or the batch before, or lie before the tensor) and are neither used nor written. Tiles run
+    over the blocks of one (batch, head) before the next, the blocks of later positions (which see more keys)
+    first; the last ``TAIL`` (batch, head)s go together, every one's block at a position before any one's next
+    (tail_heads), so no long tile starts last."""
+    C = S_LOCAL // 2
+    n_h = gl.cdiv(C, BLOCK_M)
+    n_m = 2 * n_h
     t0 = (BH - TAIL) * n_m
     j = gl.where(t < t0, t % n_m, (t - t0) // TAIL)
     bh = gl.where(t < t0, t // n_m, BH - TAIL + (t - t0) % TAIL)
-    m0 = (n_m - 1 - j) * BLOCK_M
-    C = S_LOCAL // 2
-    return (m0, bh, bh // HQ, bh % HQ, C, zigzag_pos(m0, rank, world, C),
+    hh = gl.where(j < n_h, 1, 0)
+    m0 = hh * C + C - (j % n_h + 1) * BLOCK_M
+    lo = gl.maximum(m0, hh * C)
+    return (m0, lo, bh, bh // HQ, bh % HQ, C, zigzag_pos(lo, rank, world, C),
             zigzag_pos(m0 + BLOCK_M - 1, rank, world, C))
 
 
@@ -116,16 +128,17 @@ def _load_block(desc, ready, empty, bufs, g, row, col):
 
 
 @gluon.jit
-def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr, SPLIT: gl.constexpr):
+def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr, SPLIT: gl.constexpr, NWG: gl.constexpr):
     """The loader partition: for each of this program's tiles, Q, then every key block's K and V in the order the
     compute partitions take them."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP,
      M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS) = p
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = NWG * ROWS
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    n_tiles = S_LOCAL // BLOCK_M * BH
+    n_tiles = 2 * gl.cdiv(S_LOCAL // 2, BLOCK_M) * BH
     n_units = n_tiles + N_SPLIT * (PARTS - 1)
     g = 0  # key blocks loaded so far (all tiles): the stage and phase of the rings
     it = 0  # units so far: Q's buffer and phase
@@ -135,13 +148,17 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr, SPLIT: gl.constexpr):
             t, part, k0, k1 = _unit(u, n_tiles, N_SPLIT, PARTS, world * S_LOCAL // BLOCK_N)
         else:
             t = u
-        m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
+        m0, lo, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
         col = h // GROUP * HEAD_D  # the K/V head's columns
         qb = it % 2
         mbarrier.wait(q_empty.index(qb), ((it // 2) & 1) ^ 1)  # a fresh barrier counts as released
         _post_tile(sched, qb, u)
-        mbarrier.expect(q_ready.index(qb), q_desc.block_type.nbytes)
-        _tma_load(q_desc, [b * S_LOCAL + m0, h * HEAD_D], q_ready.index(qb), q_smem.index(qb))
+        # each compute warpgroup's rows (those before the tile's half are computed on and not kept; before the
+        # tensor, its first rows are read instead)
+        mbarrier.expect(q_ready.index(qb), NWG * q_desc.block_type.nbytes)
+        for w in gl.static_range(NWG):
+            _tma_load(q_desc, [gl.maximum(b * S_LOCAL + m0 + w * ROWS, 0), h * HEAD_D], q_ready.index(qb),
+                      q_smem.index(qb * NWG + w))
         f = 0  # the tile's key blocks walked so far (this unit loads those in [k0, k1))
         for step in range(0, world):
             src = (rank - step + world) % world
@@ -233,18 +250,19 @@ def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: g
 
 @gluon.jit
 def _walk_start(u, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL: gl.constexpr,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, WG: gl.constexpr, LS: gl.constexpr,
-                SPLIT: gl.constexpr):
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, ROWS: gl.constexpr, WG: gl.constexpr,
+                LS: gl.constexpr, SPLIT: gl.constexpr):
     """Unit ``u`` (_unit) for the compute partition: (its tile's query block as _query_block gives it, this
-    warpgroup's first row, the zigzag positions of its rows, the unit's key blocks less one, the first key block's
-    (step, half, index) and its half's (nb, nf), and the unit's slot among the parts (-1: a whole tile))."""
-    ROWS: gl.constexpr = BLOCK_M // 2
+    warpgroup's first row, whether its rows are the tile's (not before the tile's half), the zigzag positions of
+    its rows, the unit's key blocks less one, the first key block's (step, half, index) and its half's (nb, nf),
+    and the unit's slot among the parts (-1: a whole tile))."""
     if SPLIT:
         t, part, k0, k1 = _unit(u, n_tiles, N_SPLIT, PARTS, world * S_LOCAL // BLOCK_N)
     else:
         t = u
-    m0, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
+    m0, lo, bh, b, h, C, q_first, q_last = _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M)
     r0 = m0 + WG * ROWS
+    keep = r0 >= lo
     q_pos = zigzag_pos(r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS)), rank, world, C)
     total = 0
     for step in range(0, world):
@@ -266,12 +284,12 @@ def _walk_start(u, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, 
         nf = gl.where(split, half, nf)
         slot = gl.where(split, (t - (n_tiles - N_SPLIT)) * PARTS + part, -1)
         left = gl.minimum(total, k1) - k0 - 1
-    return bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf, slot
+    return bh, b, h, C, q_first, q_last, r0, keep, q_pos, left, step, hh, i, nb, nf, slot
 
 
 @gluon.jit
-def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot, r0, b, h, bh, S_LOCAL,
-              LS: gl.constexpr, LO: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr):
+def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot, r0, keep, b, h, bh, S_LOCAL,
+              LS: gl.constexpr, LO: gl.constexpr, WG: gl.constexpr, NWG: gl.constexpr, SPLIT: gl.constexpr):
     """A finished unit's rows of O (the accumulator over the softmax sum) and their lse, through this warpgroup's
     shared buffer and a TMA store that runs on while the warpgroup goes on; a part's (``slot`` >= 0) to its slot
     of the parts (``p_desc``, ``part_lse_ptr``), for merge_parts."""
@@ -287,20 +305,22 @@ def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot
     _barrier()
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS))
-    if SPLIT:
-        if slot >= 0:
-            _tma_store(p_desc, [(slot * 2 + WG) * ROWS, 0], buf)
-            gl.store(part_lse_ptr + (slot * 2 + WG) * ROWS + rows, lse)
+    if keep:  # (else the rows lie before the tile's half: not the tile's)
+        if SPLIT:
+            if slot >= 0:
+                _tma_store(p_desc, [(slot * NWG + WG) * ROWS, 0], buf)
+                gl.store(part_lse_ptr + (slot * NWG + WG) * ROWS + rows, lse)
+            else:
+                _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
+                gl.store(lse_ptr + bh * S_LOCAL + r0 + rows, lse)
         else:
             _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
             gl.store(lse_ptr + bh * S_LOCAL + r0 + rows, lse)
-    else:
-        _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
-        gl.store(lse_ptr + bh * S_LOCAL + r0 + rows, lse)
 
 
 @gluon.jit
-def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr):
+def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr,
+             NWG: gl.constexpr):
     """Compute warpgroup WG (0 or 1): for each of this program's tiles, rows [64 WG, 64 WG + 64) of the query block
     against every key block in the loader's order, then their O and lse. Iteration g issues S of block g + 1,
     rescales O and issues P V of block g, then runs the softmax of block g + 1 while that P V runs; no wgmma is in
@@ -314,11 +334,11 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP,
      M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS) = p
-    BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
+    ROWS: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = NWG * ROWS
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
     STAGES: gl.constexpr = k_smem.type.shape[0]
-    ROWS: gl.constexpr = BLOCK_M // 2
     LS: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                  instr_shape=[16, BLOCK_N, 16])
     LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
@@ -326,15 +346,16 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
     LP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LO, k_width=2)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, LS)
-    if WG == 1:
+    if WG == NWG - 1:
         mbarrier.arrive(turn.index(0))  # warpgroup 0 issues first
-    n_tiles = S_LOCAL // BLOCK_M * BH
+    n_tiles = 2 * gl.cdiv(S_LOCAL // 2, BLOCK_M) * BH
     n_units = n_tiles + N_SPLIT * (PARTS - 1)
     mbarrier.wait(q_ready.index(0), 0)
     t = _tile_of(sched, 0)
     if t < n_units:  # (a program may find every unit taken)
-        bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf, slot = _walk_start(
-            t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG, LS, SPLIT)
+        bh, b, h, C, q_first, q_last, r0, keep, q_pos, left, step, hh, i, nb, nf, slot = _walk_start(
+            t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, ROWS, WG, LS,
+            SPLIT)
         qb = 0  # this tile's Q buffer
         it = 0  # tiles taken so far less one
         m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
@@ -342,7 +363,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
         acc = gl.zeros([ROWS, HEAD_D], gl.float32, LO)
         # the first tile's block 0: its S, then its softmax
         mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q_smem.index(0).slice(WG * ROWS, ROWS), k_smem.index(0).permute((1, 0)), zero_s,
+        s = warpgroup_mma(q_smem.index(WG), k_smem.index(0).permute((1, 0)), zero_s,
                           use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
         mbarrier.arrive(k_empty.index(0))
@@ -352,7 +373,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
         g0 = 0  # this tile's first block (all tiles' blocks counted)
         has_next = True
         while has_next:
-            q_rows = q_smem.index(qb).slice(WG * ROWS, ROWS)
+            q_rows = q_smem.index(qb * NWG + WG)
             # every block of the tile but its last
             for g in range(g0, g0 + left):
                 step, hh, i, nb, nf = _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL,
@@ -367,7 +388,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LO))[:, None]
                 mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
                 acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
-                mbarrier.arrive(turn.index(1 - WG))
+                mbarrier.arrive(turn.index((WG + 1) % NWG))
                 s = warpgroup_mma_wait(1, deps=(s, ))
                 mbarrier.arrive(k_empty.index(sn))
                 # block g + 1's softmax while block g's P V runs
@@ -388,38 +409,59 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
             st = g % STAGES
             mbarrier.wait(turn.index(WG), g & 1)
             mbarrier.wait(k_ready.index(sn), ((g + 1) // STAGES) & 1, pred=has_next)
-            s = warpgroup_mma(q_smem.index(qn).slice(WG * ROWS, ROWS), k_smem.index(sn).permute((1, 0)), zero_s,
+            s = warpgroup_mma(q_smem.index(qn * NWG + WG), k_smem.index(sn).permute((1, 0)), zero_s,
                               use_acc=False, is_async=True)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LO))[:, None]
             mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
             acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
-            mbarrier.arrive(turn.index(1 - WG))
+            mbarrier.arrive(turn.index((WG + 1) % NWG))
             s = warpgroup_mma_wait(1, deps=(s, ))
             mbarrier.arrive(k_empty.index(sn), pred=has_next)
-            mbarrier.arrive(q_empty.index(qb))  # every product that reads the finished tile's Q is done
-            m_done = m_i
-            l_done = l_i
-            done_r0 = r0
-            done_b = b
-            done_h = h
-            done_bh = bh
-            done_slot = slot
-            if has_next:
-                bh, b, h, C, q_first, q_last, r0, q_pos, left, step, hh, i, nb, nf, slot = _walk_start(
-                    t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N, WG,
-                    LS, SPLIT)
-            # the next tile's block 0, from an empty state
-            pf, alpha, m_new, l_new = _softmax(s, gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS)),
-                                               gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS)), q_pos, i >= nf,
-                                               hh * C + i * BLOCK_N, (rank - step + world) % world, world, C,
-                                               qk_scale, BLOCK_N, LS)
-            p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)
-            m_i = gl.where(has_next, m_new, m_i)
-            l_i = gl.where(has_next, l_new, l_i)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            mbarrier.arrive(v_empty.index(st))
-            _epilogue(acc, m_done, l_done, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, done_slot, done_r0,
-                      done_b, done_h, done_bh, S_LOCAL, LS, LO, WG, SPLIT)
+            if NWG == 2:
+                mbarrier.arrive(q_empty.index(qb))  # every product that reads the finished tile's Q is done
+                m_done = m_i
+                l_done = l_i
+                done_r0 = r0
+                done_keep = keep
+                done_b = b
+                done_h = h
+                done_bh = bh
+                done_slot = slot
+                if has_next:
+                    bh, b, h, C, q_first, q_last, r0, keep, q_pos, left, step, hh, i, nb, nf, slot = _walk_start(
+                        t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N,
+                        ROWS, WG, LS, SPLIT)
+                # the next tile's block 0, from an empty state
+                pf, alpha, m_new, l_new = _softmax(s, gl.full([ROWS], float("-inf"), gl.float32,
+                                                              gl.SliceLayout(1, LS)),
+                                                   gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS)), q_pos,
+                                                   i >= nf, hh * C + i * BLOCK_N, (rank - step + world) % world,
+                                                   world, C, qk_scale, BLOCK_N, LS)
+                p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)
+                m_i = gl.where(has_next, m_new, m_i)
+                l_i = gl.where(has_next, l_new, l_i)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(st))
+                _epilogue(acc, m_done, l_done, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, done_slot, done_r0,
+                          done_keep, done_b, done_h, done_bh, S_LOCAL, LS, LO, WG, NWG, SPLIT)
+            else:
+                # (three warpgroups: fewer registers a thread) the finished tile's O leaves before the next tile's
+                # first softmax, so that no thread holds both tiles' state; the other warpgroups' products keep
+                # the tensor cores busy meanwhile
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                mbarrier.arrive(v_empty.index(st))
+                mbarrier.arrive(q_empty.index(qb))
+                _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot, r0, keep, b, h, bh,
+                          S_LOCAL, LS, LO, WG, NWG, SPLIT)
+                if has_next:
+                    bh, b, h, C, q_first, q_last, r0, keep, q_pos, left, step, hh, i, nb, nf, slot = _walk_start(
+                        t, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, CAUSAL, BLOCK_M, BLOCK_N,
+                        ROWS, WG, LS, SPLIT)
+                m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
+                l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS))
+                pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N,
+                                               (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS)
+                p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)
             qb = qn
             g0 = g + 1
     tma.store_wait(0)
@@ -429,79 +471,93 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
 def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_ptr, tile_ptr, flags_ptr, err_ptr,
                         budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
                         p_desc, part_lse_ptr, N_SPLIT, PARTS, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                        CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr, SPLIT: gl.constexpr):
-    """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``: our K/V as
-    [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered workspaces as
-    [B * world * S_LOCAL, Hkv * D], same blocks; ``o_desc``: O as [B * S_LOCAL, HQ * D] in [BLOCK_M / 2, D]
+                        CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr, SPLIT: gl.constexpr, NWG: gl.constexpr):
+    """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [64, D] blocks (a compute warpgroup's rows); ``k_desc``/
+    ``v_desc``: our K/V as [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered
+    workspaces as [B * world * S_LOCAL, Hkv * D], same blocks; ``o_desc``: O as [B * S_LOCAL, HQ * D] in [64, D]
     blocks; ``BH``: batch x query heads; ``TAIL``: how many of them close the order together (tail_heads);
     ``tile_ptr``: two int32, zero at launch (the next unit to hand out, the programs done), which the last program
     out zeroes again. ``N_SPLIT``, ``PARTS``: the last N_SPLIT tiles go in PARTS parts (not causal only), whose O
-    goes to ``p_desc`` ([N_SPLIT * PARTS * BLOCK_M, D], O's dtype and blocks) and lse to ``part_lse_ptr``
+    goes to ``p_desc`` ([N_SPLIT * PARTS * 64 * NWG, D], O's dtype and blocks) and lse to ``part_lse_ptr``
     ([N_SPLIT * PARTS * BLOCK_M], float32); ``SPLIT``: N_SPLIT > 0 (else none of the parts' code is built). The
-    other arguments are kernels.attention's of the same name. Launched with 4 warps: the loader; two compute
-    warpgroups of COMPUTE_REGS registers a thread join them."""
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    other arguments are kernels.attention's of the same name. Launched with 4 warps: the loader; ``NWG`` (2 or 3)
+    compute warpgroups of COMPUTE_REGS registers a thread join them."""
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NWG] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [NWG, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # each Q's tile
-    o_smem = gl.allocate_shared_memory(o_desc.dtype, [2] + o_desc.block_type.shape, o_desc.layout)  # O, by group
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [NWG] + o_desc.block_type.shape, o_desc.layout)  # O, by group
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both compute warpgroups read every stage
+        mbarrier.init(k_empty.index(i), count=NWG)  # every compute warpgroup reads every stage
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(v_empty.index(i), count=2)
-    for i in gl.static_range(2):
+        mbarrier.init(v_empty.index(i), count=NWG)
+    for i in gl.static_range(NWG):
         mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(2):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)
+        mbarrier.init(q_empty.index(i), count=NWG)
     p = (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
          v_ready, v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL,
          GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS)
-    gl.warp_specialize([
-        (_load, (p, CAUSAL, CLOCK, SPLIT)),
-        (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0, SPLIT)),
-        (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1, SPLIT)),
-    ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+    if NWG == 2:
+        gl.warp_specialize([
+            (_load, (p, CAUSAL, CLOCK, SPLIT, NWG)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0, SPLIT, NWG)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1, SPLIT, NWG)),
+        ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
+    else:
+        gl.warp_specialize([
+            (_load, (p, CAUSAL, CLOCK, SPLIT, NWG)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0, SPLIT, NWG)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1, SPLIT, NWG)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 2, SPLIT, NWG)),
+        ], [4, 4, 4], [COMPUTE_REGS, COMPUTE_REGS, COMPUTE_REGS])
 
 
 @triton.jit
 def merge_parts(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, first_tile, S_LOCAL, HQ, PARTS, so_b, so_s, so_h,
-                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
-    """One split tile (``first_tile`` + program id, in the head-by-head order of _query_block with TAIL = 1): its
-    PARTS parts' O ([PARTS * BLOCK_M, D] each tile, each normalised by its own softmax sum) and lse, summed with
-    weights exp(lse_p - lse) in float32, into ``out`` ([B, S_LOCAL, HQ, D], strides ``so_*``) and ``lse``
-    ([B, HQ, S_LOCAL] contiguous)."""
+                BLOCK_M: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr):
+    """ROWS rows (program id 1) of one split tile (``first_tile`` + program id 0, in the head-by-head order of
+    _query_block with TAIL = 1): its PARTS parts' O ([PARTS * BLOCK_M, D] each tile, each normalised by its own
+    softmax sum) and lse, summed with weights exp(lse_p - lse) in float32, into ``out`` ([B, S_LOCAL, HQ, D],
+    strides ``so_*``) and ``lse`` ([B, HQ, S_LOCAL] contiguous); rows before the tile's half are not the tile's."""
     s = tl.program_id(0)
+    w = tl.program_id(1)
     t = first_tile + s
-    n_m = S_LOCAL // BLOCK_M
-    bh = t // n_m
-    m0 = (n_m - 1 - t % n_m) * BLOCK_M
-    rows = tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, HEAD_D)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for p in range(0, PARTS):
-        m = tl.maximum(m, tl.load(part_lse_ptr + (s * PARTS + p) * BLOCK_M + rows))
-    m_use = tl.where(m == float("-inf"), 0.0, m)  # (rows no key reached: zero weights, out 0, lse -inf)
-    acc = tl.zeros([BLOCK_M, HEAD_D], tl.float32)
-    den = tl.zeros([BLOCK_M], tl.float32)
-    for p in range(0, PARTS):
-        row = (s * PARTS + p) * BLOCK_M + rows
-        w = tl.exp(tl.load(part_lse_ptr + row) - m_use)
-        den += w
-        acc += w[:, None] * tl.load(part_o_ptr + row[:, None] * HEAD_D + cols[None, :]).to(tl.float32)
-    o = acc / tl.where(den == 0.0, 1.0, den)[:, None]
-    b = bh // HQ
-    h = bh % HQ
-    tl.store(out_ptr + b * so_b + (m0 + rows)[:, None] * so_s + h * so_h + cols[None, :],
-             o.to(out_ptr.dtype.element_ty))
-    tl.store(lse_ptr + bh * S_LOCAL + m0 + rows, m_use + tl.log(den))
+    C = S_LOCAL // 2
+    n_h = tl.cdiv(C, BLOCK_M)
+    bh = t // (2 * n_h)
+    j = t % (2 * n_h)
+    hh = tl.where(j < n_h, 1, 0)
+    r0 = hh * C + C - (j % n_h + 1) * BLOCK_M + w * ROWS
+    if r0 >= hh * C:
+        rows = tl.arange(0, ROWS)
+        cols = tl.arange(0, HEAD_D)
+        m = tl.full([ROWS], float("-inf"), tl.float32)
+        for p in range(0, PARTS):
+            m = tl.maximum(m, tl.load(part_lse_ptr + (s * PARTS + p) * BLOCK_M + w * ROWS + rows))
+        m_use = tl.where(m == float("-inf"), 0.0, m)  # (rows no key reached: zero weights, out 0, lse -inf)
+        acc = tl.zeros([ROWS, HEAD_D], tl.float32)
+        den = tl.zeros([ROWS], tl.float32)
+        for p in range(0, PARTS):
+            row = (s * PARTS + p) * BLOCK_M + w * ROWS + rows
+            wt = tl.exp(tl.load(part_lse_ptr + row) - m_use)
+            den += wt
+            acc += wt[:, None] * tl.load(part_o_ptr + row[:, None] * HEAD_D + cols[None, :]).to(tl.float32)
+        o = acc / tl.where(den == 0.0, 1.0, den)[:, None]
+        b = bh // HQ
+        h = bh % HQ
+        tl.store(out_ptr + b * so_b + (r0 + rows)[:, None] * so_s + h * so_h + cols[None, :],
+                 o.to(out_ptr.dtype.element_ty))
+        tl.store(lse_ptr + bh * S_LOCAL + r0 + rows, m_use + tl.log(den))
 
 
 #: Parts a split tile goes in (tail_split), at most; each at least TAIL_MIN_BLOCKS key blocks.
@@ -525,14 +581,15 @@ def tail_split(n_tiles: int, programs: int, blocks: int, causal: bool) -> tuple[
 
 
 def tail_buffers(ctx, programs: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """The split tiles' O (flat, ``dtype``) and float32 lse, room for ``programs`` tiles of TAIL_PARTS parts at
-    D = 128: one pair per Context and dtype, since its ops' calls run one after another (each kernel's parts are
-    merged, on its stream, before the next kernel starts); never reallocated, since captured graphs hold their
+    """The split tiles' O (flat, ``dtype``) and float32 lse, room for ``programs`` tiles of TAIL_PARTS parts (a tile
+    of the most rows, at any D: 128 x 128 elements of O at D = 128, 192 rows of lse at D = 64 with three compute
+    warpgroups): one pair per Context and dtype, since its ops' calls run one after another (each kernel's parts
+    are merged, on its stream, before the next kernel starts); never reallocated, since captured graphs hold their
     addresses."""
     def make():
-        rows = programs * TAIL_PARTS * 128
-        return (torch.empty(rows * 128, dtype=dtype, device=ctx.device),
-                torch.empty(rows, dtype=torch.float32, device=ctx.device))
+        tiles = programs * TAIL_PARTS
+        return (torch.empty(tiles * 128 * 128, dtype=dtype, device=ctx.device),
+                torch.empty(tiles * 64 * max(COMPUTE_REGS), dtype=torch.float32, device=ctx.device))
 
     return ctx.cached(("attention tail parts", programs, dtype), make)
 
@@ -550,14 +607,16 @@ def hopper(ctx) -> bool:
 
 def usable(ctx, q, k, v, kw, vw, docs, blocks, out=None) -> bool:
     """Whether this forward can run on this kernel with ``blocks`` (kernels.attention.Blocks): the cuda backend on
-    compute capability 9.0 with Gluon; 16-bit q/k/v, D of 64 or 128; no packed documents; 128-row query blocks
-    on 8 warps; each zigzag half of the shard whole blocks of queries and keys; q, k, v, the workspaces and
-    ``out`` (where given) contiguous (they are read and written as 2-D tensors)."""
+    compute capability 9.0 with Gluon; 16-bit q/k/v, D of 64 or 128; no packed documents; two compute warpgroups,
+    or three at D = 64 (at D = 128 three would not fit their registers); each zigzag half of the shard whole
+    64-row blocks of queries and whole blocks of keys; q, k, v, the workspaces and ``out`` (where given) contiguous
+    (they are read and written as 2-D tensors)."""
     S, D = q.shape[1], q.shape[3]
     half = S // 2
     return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16)
-            and D in (64, 128) and blocks.block_m == 128 and blocks.num_warps == 8 and blocks.block_n in (64, 128)
-            and S % 2 == 0 and half % blocks.block_m == 0 and half % blocks.block_n == 0
+            and D in (64, 128) and blocks.block_n in (64, 128)
+            and (blocks.warp_groups == 2 or (blocks.warp_groups == 3 and D == 64))
+            and S % 2 == 0 and half % 64 == 0 and half % blocks.block_n == 0
             and all(t.is_contiguous() for t in (q, k, v, kw, vw)) and (out is None or out.is_contiguous())
             and gluon_available())
 
@@ -570,6 +629,12 @@ def head_desc(t, block):
     flat = t.view(t.shape[0] * t.shape[1], t.shape[2] * t.shape[3])
     return TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], block,
                             shared_layout(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16))
+
+
+def query_tiles(S: int, block_m: int) -> int:
+    """The query tiles of one (batch, head) of a shard of ``S`` rows: each zigzag half cut into ``block_m``-row
+    tiles from its end (_query_block), the first one short where ``block_m`` does not divide the half."""
+    return 2 * -(-(S // 2) // block_m)
 
 
 #: The tiles the closing (batch, head)s hold together, in rounds of the grid (tail_heads).
@@ -606,25 +671,28 @@ def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per
     int32 zeros (left zeroed) that no other launch uses at the same time; None: ``tile_counter``'s."""
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
-    bm, bn = blocks.block_m, blocks.block_n
-    n_tiles, sms = S // bm * B * Hq, ctx.num_compute_units()
+    nwg, bn = blocks.warp_groups, blocks.block_n
+    bm = 64 * nwg
+    blocks_m = query_tiles(S, bm)
+    n_tiles, sms = blocks_m * B * Hq, ctx.num_compute_units()
     n_split, parts = tail_split(n_tiles, sms, world * S // bn, causal)
     programs = min(n_tiles + n_split * (parts - 1), sms)
-    o_desc = head_desc(out, [bm // 2, D])
+    o_desc = head_desc(out, [64, D])
     if n_split:
         part_o, part_lse = tail_buffers(ctx, sms, q.dtype)
         part_o = part_o[:n_split * parts * bm * D].view(1, -1, 1, D)  # [1, rows, 1, D] for head_desc
-        p_desc = head_desc(part_o, [bm // 2, D])
+        p_desc = head_desc(part_o, [64, D])
     else:
         part_o, part_lse, p_desc = out, lse, o_desc  # (not read without parts)
     launch(cp_attention_fwd_ws, (programs, ), (
-        head_desc(q, [bm, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
+        head_desc(q, [64, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
         head_desc(vw, [bn, D]), o_desc, lse, tile_counter(q.device) if tiles is None else tiles,
-        flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, tail_heads(B * Hq, S // bm, programs) if causal
+        flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, tail_heads(B * Hq, blocks_m, programs) if causal
         else 1, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, p_desc, part_lse, n_split, parts,
-    ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS, SPLIT=n_split > 0),
-        num_warps=4)
+    ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS[nwg],
+            SPLIT=n_split > 0, NWG=nwg), num_warps=4)
     ctx.after_launch()
     if n_split:
-        launch(merge_parts, (n_split, ), (part_o, part_lse, out, lse, n_tiles - n_split, S, Hq, parts, out.stride(0),
-                                          out.stride(1), out.stride(2)), dict(BLOCK_M=bm, HEAD_D=D), num_warps=8)
+        launch(merge_parts, (n_split, nwg), (part_o, part_lse, out, lse, n_tiles - n_split, S, Hq, parts,
+                                             out.stride(0), out.stride(1), out.stride(2)),
+               dict(BLOCK_M=bm, ROWS=64, HEAD_D=D), num_warps=4)

@@ -157,6 +157,11 @@ class GEMMAllReduceConfig:
         return cls(block_m=bm, block_n=bn, block_k=128, num_warps=4, num_stages=4)
 
 
+#: The key blocks (of 128) a query tile reads on average from which the Hopper forward at D = 64 runs three compute
+#: warpgroups (AttentionConfig.defaults).
+LONG_WALK = 64
+
+
 @dataclass(frozen=True)
 class AttentionConfig:
     """Context-parallel attention's knobs. ``chunks_per_rank``: how finely each rank's K/V is cut for the flags
@@ -179,20 +184,26 @@ class AttentionConfig:
             raise ValueError(f"num_streams must be at least 1, got {self.num_streams}")
 
     @classmethod
-    def defaults(cls, backend: str, head_dim: int, chunks_per_rank: int = 2, hopper: bool = False) -> "AttentionConfig":
+    def defaults(cls, backend: str, head_dim: int, chunks_per_rank: int = 2, hopper: bool = False,
+                 seq_len: int | None = None, causal: bool = True) -> "AttentionConfig":
         """Small tiles for the interpreter (odd sizes still exercise every path); on GPUs the tiles that won on one
         H100 (docs/decisions.md): at D = 64 the dK/dV kernel's key blocks are 64 rows (128 spill at 4 warps). On
         Hopper (``hopper``: compute capability 9.0) at D = 64 and 128 the forward is the warp-specialized kernel
-        (kernels.attention_hopper) on 128 x 128 blocks and two K/V stages, and the backward the single
-        warp-specialized kernel (kernels.attention_bwd_hopper) where it has programs enough for the GPU. On CUDA one
-        copy stream serves every peer in turn (the first peer's chunks, which the kernels read first, land soonest);
-        elsewhere a stream per peer."""
+        (kernels.attention_hopper) on 128-key blocks, and the backward the single warp-specialized kernel
+        (kernels.attention_bwd_hopper) where it has programs enough for the GPU. The forward runs two compute
+        warpgroups and two K/V stages, except at D = 64 where a query tile reads ``LONG_WALK`` key blocks or more
+        on average (``seq_len``, the whole sequence: that many blocks not causal, half as many causal): there three
+        warpgroups and three stages, which lose to two on shorter walks. On CUDA one copy stream serves every peer
+        in turn (the first peer's chunks, which the kernels read first, land soonest); elsewhere a stream per
+        peer."""
         if backend == "host":
             small = Blocks(16, 16, 1, 1)
             return cls(chunks_per_rank, small, small, small)
         if head_dim <= 64:
             ws = hopper and head_dim == 64
-            fwd = Blocks(128, 128, 8, 2, warp_specialized=True) if ws else Blocks(128, 64, 8, 3)
+            walk = 0 if seq_len is None else seq_len // 128 // (2 if causal else 1)
+            fwd = (Blocks(128, 128, 8, 3, warp_specialized=True, warp_groups=3) if ws and walk >= LONG_WALK
+                   else Blocks(128, 128, 8, 2, warp_specialized=True) if ws else Blocks(128, 64, 8, 3))
             cfg = cls(chunks_per_rank, fwd, Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2, warp_specialized=ws))
         elif hopper and head_dim == 128:
             cfg = cls(chunks_per_rank, fwd=Blocks(128, 128, 8, 2, warp_specialized=True),
