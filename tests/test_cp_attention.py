@@ -309,6 +309,29 @@ def test_tail_heads_choice():
         assert tail == bh or tail * blocks >= TAIL_ROUNDS * programs > (tail - 1) * blocks, (bh, blocks, programs)
 
 
+def test_warp_groups_choice():
+    """The Hopper forward's compute warpgroups: three at D = 64 where a tile reads LONG_WALK key blocks or more on
+    average (S / 128 not causal, half that causal), else two; never three at D = 128 or off Hopper. Each half of a
+    shard is cut into tiles from its end, the first one short where the tile's rows do not divide it."""
+    from triton_overlap.kernels.attention_hopper import query_tiles
+    from triton_overlap.ops.config import LONG_WALK
+
+    def groups(D, S, causal, hopper=True):
+        fwd = to.AttentionConfig.defaults("cuda", D, 2, hopper, seq_len=S, causal=causal).fwd
+        return fwd.warp_groups if fwd.warp_specialized else None
+
+    long_causal, long_not = 2 * 128 * LONG_WALK, 128 * LONG_WALK
+    assert groups(64, long_causal, True) == 3 and groups(64, long_causal - 128, True) == 2
+    assert groups(64, long_not, False) == 3 and groups(64, long_not - 128, False) == 2
+    assert groups(64, 4 * long_causal, True) == 3 and groups(64, 1024, False) == 2
+    assert groups(128, 4 * long_causal, True) == 2 and groups(128, 4 * long_causal, False) == 2
+    assert groups(64, 4 * long_causal, True, hopper=False) is None  # the Triton kernel
+    assert to.AttentionConfig.defaults("cuda", 64, 2, True).fwd.warp_groups == 2  # no sequence length given
+    assert to.AttentionConfig.defaults("host", 64, 2, True, seq_len=long_causal).fwd.warp_groups == 2
+    for S, bm, want in ((16384, 128, 128), (16384, 192, 2 * 43), (1280, 192, 2 * 4), (512, 192, 4), (384, 192, 2)):
+        assert query_tiles(S, bm) == want, (S, bm)
+
+
 def test_tail_split_choice():
     """Not causal, the last round's worth of tiles goes in parts where the tiles do not fill the grid's rounds
     evenly; every part at least TAIL_MIN_BLOCKS key blocks, at most TAIL_PARTS parts; causal never splits."""
