@@ -231,15 +231,21 @@ def _to16(x, dtype: gl.constexpr):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: gl.constexpr, LS: gl.constexpr):
+def _softmax(s, m_i, l_i, q_pos, masked, n0, src, world, C, qk_scale, BLOCK_N: gl.constexpr, LS: gl.constexpr,
+             CAUSAL: gl.constexpr):
     """Online softmax of one block's S: (P, the factor for the output so far, the new running max and sum). Only
-    a masked block compares positions."""
-    if masked:
-        kpos = zigzag_pos(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LS)), src, world, C)
-        sm = gl.where(kpos[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(sm, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay at zero
-        p = gl.exp2(sm - m_use[:, None])
+    a masked block compares positions (not causal, none is: that code is not built)."""
+    if CAUSAL:
+        if masked:
+            kpos = zigzag_pos(n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, LS)), src, world, C)
+            sm = gl.where(kpos[None, :] <= q_pos[:, None], s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(sm, axis=1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet stay at zero
+            p = gl.exp2(sm - m_use[:, None])
+        else:
+            m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+            m_use = m_new
+            p = gl.exp2(s * qk_scale - m_use[:, None])
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         m_use = m_new
@@ -368,7 +374,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
         s = warpgroup_mma_wait(0, deps=(s, ))
         mbarrier.arrive(k_empty.index(0))
         pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N,
-                                       (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS)
+                                       (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS, CAUSAL)
         p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)  # P as the register operand of P V
         g0 = 0  # this tile's first block (all tiles' blocks counted)
         has_next = True
@@ -393,7 +399,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
                 mbarrier.arrive(k_empty.index(sn))
                 # block g + 1's softmax while block g's P V runs
                 pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N,
-                                               (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS)
+                                               (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS, CAUSAL)
                 p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(st))
@@ -436,7 +442,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
                                                               gl.SliceLayout(1, LS)),
                                                    gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS)), q_pos,
                                                    i >= nf, hh * C + i * BLOCK_N, (rank - step + world) % world,
-                                                   world, C, qk_scale, BLOCK_N, LS)
+                                                   world, C, qk_scale, BLOCK_N, LS, CAUSAL)
                 p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)
                 m_i = gl.where(has_next, m_new, m_i)
                 l_i = gl.where(has_next, l_new, l_i)
@@ -460,7 +466,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
                 m_i = gl.full([ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, LS))
                 l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, LS))
                 pf, alpha, m_i, l_i = _softmax(s, m_i, l_i, q_pos, i >= nf, hh * C + i * BLOCK_N,
-                                               (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS)
+                                               (rank - step + world) % world, world, C, qk_scale, BLOCK_N, LS, CAUSAL)
                 p16 = gl.convert_layout(_to16(pf, v_smem.dtype), LP)
             qb = qn
             g0 = g + 1
