@@ -327,16 +327,17 @@ def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot
 @gluon.jit
 def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr,
              NWG: gl.constexpr):
-    """Compute warpgroup WG (0 or 1): for each of this program's tiles, rows [64 WG, 64 WG + 64) of the query block
-    against every key block in the loader's order, then their O and lse. Iteration g issues S of block g + 1,
+    """Compute warpgroup WG (0 to NWG - 1): for each of this program's tiles, rows [64 WG, 64 WG + 64) of the query
+    block against every key block in the loader's order, then their O and lse. Iteration g issues S of block g + 1,
     rescales O and issues P V of block g, then runs the softmax of block g + 1 while that P V runs; no wgmma is in
-    flight across iterations (so ptxas keeps them asynchronous). The two warpgroups take turns to issue their
-    products (``turn``), so one's softmax runs while the other's products do.
+    flight across iterations (so ptxas keeps them asynchronous). The warpgroups take turns, in order, to issue
+    their products (``turn``), so one's softmax runs while the others' products do.
 
     A tile's last iteration runs on into the next tile: block g + 1 is the next tile's first (its Q from the other
     buffer), whose softmax starts from an empty state (the factor for the output so far is zero, so the
-    accumulator starts afresh at its P V), and the finished tile's O and lse are stored after block g's P V. So
-    the tensor cores do not wait for a tile's first S and softmax."""
+    accumulator starts afresh at its P V). With two warpgroups that softmax runs while block g's P V does, and the
+    finished tile's O and lse are stored after it; with three (160 registers a thread) they are stored first, once
+    block g's P V is done. So the tensor cores do not wait for a tile's first S."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP,
      M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS) = p
