@@ -616,14 +616,15 @@ def usable(ctx, q, k, v, kw, vw, docs, blocks, out=None) -> bool:
     """Whether this forward can run on this kernel with ``blocks`` (kernels.attention.Blocks): the cuda backend on
     compute capability 9.0 with Gluon; 16-bit q/k/v, D of 64 or 128; no packed documents; two compute warpgroups,
     or three at D = 64 (at D = 128 three would not fit their registers); each zigzag half of the shard whole
-    64-row blocks of queries and whole blocks of keys; q, k, v, the workspaces and ``out`` (where given) contiguous
-    (they are read and written as 2-D tensors)."""
+    blocks of keys and whole tiles of queries (128 rows), or with three warpgroups whole 64-row blocks (its first
+    tile then starts before it); q, k, v, the workspaces and ``out`` (where given) contiguous (they are read and
+    written as 2-D tensors)."""
     S, D = q.shape[1], q.shape[3]
     half = S // 2
     return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16)
             and D in (64, 128) and blocks.block_n in (64, 128)
             and (blocks.warp_groups == 2 or (blocks.warp_groups == 3 and D == 64))
-            and S % 2 == 0 and half % 64 == 0 and half % blocks.block_n == 0
+            and S % 2 == 0 and half % (128 if blocks.warp_groups == 2 else 64) == 0 and half % blocks.block_n == 0
             and all(t.is_contiguous() for t in (q, k, v, kw, vw)) and (out is None or out.is_contiguous())
             and gluon_available())
 
