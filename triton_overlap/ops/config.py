@@ -201,9 +201,11 @@ class AttentionConfig:
             return cls(chunks_per_rank, small, small, small)
         if head_dim <= 64:
             ws = hopper and head_dim == 64
-            walk = 0 if seq_len is None else seq_len // 128 // (2 if causal else 1)
-            fwd = (Blocks(128, 128, 8, 3, warp_specialized=True, warp_groups=3) if ws and walk >= LONG_WALK
-                   else Blocks(128, 128, 8, 2, warp_specialized=True) if ws else Blocks(128, 64, 8, 3))
+            fwd = Blocks(128, 64, 8, 3)
+            if ws:
+                walk = 0 if seq_len is None else seq_len // 128 // (2 if causal else 1)
+                groups = 3 if walk >= LONG_WALK else 2
+                fwd = Blocks(128, 128, 8, groups, warp_specialized=True, warp_groups=groups)
             cfg = cls(chunks_per_rank, fwd, Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2, warp_specialized=ws))
         elif hopper and head_dim == 128:
             cfg = cls(chunks_per_rank, fwd=Blocks(128, 128, 8, 2, warp_specialized=True),
