@@ -61,6 +61,19 @@ _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_globa
 #: The registers a compute thread may hold (setmaxnreg), by the number of compute warpgroups; the loader's four
 #: warps keep what is left (24).
 COMPUTE_REGS = {2: 240, 3: 160}
+#: The query rows of one compute warpgroup (one wgmma M): a tile holds this times the compute warpgroups.
+WG_ROWS = 64
+
+
+@triton.jit
+def half_tile(j, C, BLOCK_M: tl.constexpr):
+    """Query tile ``j`` of one (batch, head), later positions first, for zigzag halves of ``C`` rows: (its first
+    row, its first row within its half). Each half is cut into BLOCK_M-row tiles from its end (query_tiles of them
+    in all), so where BLOCK_M does not divide the half, the half's first tile starts before it."""
+    n_h = tl.cdiv(C, BLOCK_M)
+    hh = tl.where(j < n_h, 1, 0)
+    m0 = hh * C + C - (j % n_h + 1) * BLOCK_M
+    return m0, tl.maximum(m0, hh * C)
 
 
 @gluon.jit
@@ -105,14 +118,11 @@ def _query_block(t, rank, world, S_LOCAL, HQ, BH, TAIL, BLOCK_M: gl.constexpr):
     first; the last ``TAIL`` (batch, head)s go together, every one's block at a position before any one's next
     (tail_heads), so no long tile starts last."""
     C = S_LOCAL // 2
-    n_h = gl.cdiv(C, BLOCK_M)
-    n_m = 2 * n_h
+    n_m = 2 * gl.cdiv(C, BLOCK_M)
     t0 = (BH - TAIL) * n_m
     j = gl.where(t < t0, t % n_m, (t - t0) // TAIL)
     bh = gl.where(t < t0, t // n_m, BH - TAIL + (t - t0) % TAIL)
-    hh = gl.where(j < n_h, 1, 0)
-    m0 = hh * C + C - (j % n_h + 1) * BLOCK_M
-    lo = gl.maximum(m0, hh * C)
+    m0, lo = half_tile(j, C, BLOCK_M)
     return (m0, lo, bh, bh // HQ, bh % HQ, C, zigzag_pos(lo, rank, world, C),
             zigzag_pos(m0 + BLOCK_M - 1, rank, world, C))
 
@@ -540,12 +550,11 @@ def merge_parts(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, first_tile, S_LOCAL,
     w = tl.program_id(1)
     t = first_tile + s
     C = S_LOCAL // 2
-    n_h = tl.cdiv(C, BLOCK_M)
-    bh = t // (2 * n_h)
-    j = t % (2 * n_h)
-    hh = tl.where(j < n_h, 1, 0)
-    r0 = hh * C + C - (j % n_h + 1) * BLOCK_M + w * ROWS
-    if r0 >= hh * C:
+    n_m = 2 * tl.cdiv(C, BLOCK_M)
+    bh = t // n_m
+    m0, lo = half_tile(t % n_m, C, BLOCK_M)
+    r0 = m0 + w * ROWS
+    if r0 >= lo:
         rows = tl.arange(0, ROWS)
         cols = tl.arange(0, HEAD_D)
         m = tl.full([ROWS], float("-inf"), tl.float32)
@@ -596,7 +605,7 @@ def tail_buffers(ctx, programs: int, dtype) -> tuple[torch.Tensor, torch.Tensor]
     def make():
         tiles = programs * TAIL_PARTS
         return (torch.empty(tiles * 128 * 128, dtype=dtype, device=ctx.device),
-                torch.empty(tiles * 64 * max(COMPUTE_REGS), dtype=torch.float32, device=ctx.device))
+                torch.empty(tiles * WG_ROWS * max(COMPUTE_REGS), dtype=torch.float32, device=ctx.device))
 
     return ctx.cached(("attention tail parts", programs, dtype), make)
 
@@ -624,7 +633,8 @@ def usable(ctx, q, k, v, kw, vw, docs, blocks, out=None) -> bool:
     return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16)
             and D in (64, 128) and blocks.block_n in (64, 128)
             and (blocks.warp_groups == 2 or (blocks.warp_groups == 3 and D == 64))
-            and S % 2 == 0 and half % (128 if blocks.warp_groups == 2 else 64) == 0 and half % blocks.block_n == 0
+            and S % 2 == 0 and half % (2 * WG_ROWS if blocks.warp_groups == 2 else WG_ROWS) == 0
+            and half % blocks.block_n == 0
             and all(t.is_contiguous() for t in (q, k, v, kw, vw)) and (out is None or out.is_contiguous())
             and gluon_available())
 
@@ -641,7 +651,7 @@ def head_desc(t, block):
 
 def query_tiles(S: int, block_m: int) -> int:
     """The query tiles of one (batch, head) of a shard of ``S`` rows: each zigzag half cut into ``block_m``-row
-    tiles from its end (_query_block), the first one short where ``block_m`` does not divide the half."""
+    tiles from its end (half_tile), the first one short where ``block_m`` does not divide the half."""
     return 2 * -(-(S // 2) // block_m)
 
 
@@ -680,22 +690,22 @@ def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per
     B, S, Hq, D = q.shape
     Hkv = k.shape[2]
     nwg, bn = blocks.warp_groups, blocks.block_n
-    bm = 64 * nwg
-    blocks_m = query_tiles(S, bm)
-    n_tiles, sms = blocks_m * B * Hq, ctx.num_compute_units()
+    bm = WG_ROWS * nwg
+    per_head = query_tiles(S, bm)
+    n_tiles, sms = per_head * B * Hq, ctx.num_compute_units()
     n_split, parts = tail_split(n_tiles, sms, world * S // bn, causal)
     programs = min(n_tiles + n_split * (parts - 1), sms)
-    o_desc = head_desc(out, [64, D])
+    o_desc = head_desc(out, [WG_ROWS, D])
     if n_split:
         part_o, part_lse = tail_buffers(ctx, sms, q.dtype)
         part_o = part_o[:n_split * parts * bm * D].view(1, -1, 1, D)  # [1, rows, 1, D] for head_desc
-        p_desc = head_desc(part_o, [64, D])
+        p_desc = head_desc(part_o, [WG_ROWS, D])
     else:
         part_o, part_lse, p_desc = out, lse, o_desc  # (not read without parts)
     launch(cp_attention_fwd_ws, (programs, ), (
-        head_desc(q, [64, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
+        head_desc(q, [WG_ROWS, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
         head_desc(vw, [bn, D]), o_desc, lse, tile_counter(q.device) if tiles is None else tiles,
-        flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, tail_heads(B * Hq, blocks_m, programs) if causal
+        flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, tail_heads(B * Hq, per_head, programs) if causal
         else 1, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, p_desc, part_lse, n_split, parts,
     ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS[nwg],
             SPLIT=n_split > 0, NWG=nwg), num_warps=4)
@@ -703,4 +713,4 @@ def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per
     if n_split:
         launch(merge_parts, (n_split, nwg), (part_o, part_lse, out, lse, n_tiles - n_split, S, Hq, parts,
                                              out.stride(0), out.stride(1), out.stride(2)),
-               dict(BLOCK_M=bm, ROWS=64, HEAD_D=D), num_warps=4)
+               dict(BLOCK_M=bm, ROWS=WG_ROWS, HEAD_D=D), num_warps=4)
