@@ -393,8 +393,9 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
             q_rows = q_smem.index(qb * NWG + WG)
             # every block of the tile but its last
             for g in range(g0, g0 + left):
-                step, hh, i, nb, nf = _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL,
-                                               BLOCK_N)
+                if CAUSAL:  # (not causal, no block is masked: the softmax needs no block's place)
+                    step, hh, i, nb, nf = _advance(step, hh, i, nb, nf, rank, world, C, q_first, q_last, CAUSAL,
+                                                   BLOCK_N)
                 sn = (g + 1) % STAGES
                 st = g % STAGES
                 mbarrier.wait(turn.index(WG), g & 1)
