@@ -271,7 +271,7 @@ def _walk_start(u, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, 
     """Unit ``u`` (_unit) for the compute partition: (its tile's query block as _query_block gives it, this
     warpgroup's first row, whether its rows are the tile's (not before the tile's half), the zigzag positions of
     its rows, the unit's key blocks less one, the first key block's (step, half, index) and its half's (nb, nf),
-    and the unit's slot among the parts (-1: a whole tile))."""
+    which only a causal walk reads (to mask), and the unit's slot among the parts (-1: a whole tile))."""
     if SPLIT:
         t, part, k0, k1 = _unit(u, n_tiles, N_SPLIT, PARTS, world * S_LOCAL // BLOCK_N)
     else:
@@ -290,14 +290,8 @@ def _walk_start(u, n_tiles, N_SPLIT, PARTS, rank, world, S_LOCAL, HQ, BH, TAIL, 
     step, hh, i, nb, nf = _advance(zero, zero, zero - 1, nb, nf, rank, world, C, q_first, q_last, CAUSAL, BLOCK_N)
     left = total - 1
     slot = rank * 0 - 1
-    if SPLIT:  # a part (not causal: every half of every source is C // BLOCK_N blocks, all unmasked) starts at k0
-        half = C // BLOCK_N
+    if SPLIT:  # a part starts at block k0 (not causal: no block is masked, so its place is not needed)
         split = part >= 0
-        step = gl.where(split, k0 // (2 * half), step)
-        hh = gl.where(split, (k0 // half) % 2, hh)
-        i = gl.where(split, k0 % half, i)
-        nb = gl.where(split, half, nb)
-        nf = gl.where(split, half, nf)
         slot = gl.where(split, (t - (n_tiles - N_SPLIT)) * PARTS + part, -1)
         left = gl.minimum(total, k1) - k0 - 1
     return bh, b, h, C, q_first, q_last, r0, keep, q_pos, left, step, hh, i, nb, nf, slot
