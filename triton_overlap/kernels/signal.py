@@ -12,8 +12,12 @@ hangs.
 
 Clocks (``CLOCK``): 1, CUDA's ``%globaltimer`` (ns); 2, AMD's ``s_memrealtime`` (100 MHz); 0, the host backend's,
 milliseconds that a thread of the Context writes into the error word (Triton's interpreter has no clock of its own).
+On the host backend a wait sleeps ``HOST_POLL_S`` between polls: each rank is a process running the kernels in the
+interpreter, and a spinning wait would take a core from the ranks that have work where ranks outnumber cores.
 """
 from __future__ import annotations
+
+import time
 
 import triton
 import triton.language as tl
@@ -37,6 +41,19 @@ ERR_TIMEOUT, ERR_MISMATCH, ERR_RELAYED = tl.constexpr(1), tl.constexpr(2), tl.co
 #: ERR_WHAT below zero: what was waited for, when it was not a chunk (WHAT_ANSWER: a host-side exchange)
 WHAT_STARTED, WHAT_PEER_STARTED, WHAT_ARRIVAL, WHAT_PARTIALS, WHAT_ANSWER = (
     tl.constexpr(i) for i in (-1, -2, -3, -4, -5))
+
+#: how long a host-backend wait sleeps between polls (seconds)
+HOST_POLL_S = 5e-4
+
+
+def _host_pause():
+    time.sleep(HOST_POLL_S)
+
+
+#: called by the waits only where CLOCK is 0 (Triton's interpreter, which runs plain Python); held as a constexpr,
+#: which the GPU compilers accept as a reference and never build, the branch that calls it being dead there
+HOST_PAUSE = tl.constexpr(_host_pause)
+
 #: a call's header, as the barrier publishes it: (call, op, fingerprint, d0, d1, d2, d3, 0)
 HEADER_WORDS = 8
 
@@ -110,6 +127,8 @@ def wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: tl
     failed = error_code(err_ptr) != 0
     start = _now(err_ptr, CLOCK)
     while (seen - target < 0) & (~failed):
+        if CLOCK == 0:
+            HOST_PAUSE()
         seen = load_acquire(flag_ptr)
         elapsed = _now(err_ptr, CLOCK) - start
         expired = (elapsed > budget) & (seen - target < 0)
@@ -150,6 +169,8 @@ def spin_kernel(ticks, CLOCK: tl.constexpr):
     t0 = _now(0, CLOCK)
     t = t0
     while t - t0 < ticks:
+        if CLOCK == 0:
+            HOST_PAUSE()
         t = _now(0, CLOCK)
 
 
