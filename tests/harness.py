@@ -187,3 +187,19 @@ def _close_all():
     for pool in _pools.values():
         pool.close()
     _pools.clear()
+
+
+def stress_rounds(pool, n: int) -> int:
+    """How many rounds a stress test (calls back to back, barrier rounds) makes: ``n``, or a quarter of it on the
+    host backend at W > 2, where the ranks' interpreted kernels outnumber the cores of a CI machine and each round
+    takes several times as long; the host backend at W = 2 and every GPU world make all ``n``."""
+    return n if pool.backend != "host" or pool.world <= 2 else max(1, n // 4)
+
+
+def every_other_case_at_host_w4(pool, case: int) -> None:
+    """Skips an op test's odd-numbered cases on the host backend at W = 4 (W = 2 and 3, and every GPU world, run
+    them all): there four ranks share a CI machine's two cores, and W = 4 adds no case the smaller worlds lack."""
+    import pytest
+
+    if pool.backend == "host" and pool.world >= 4 and case % 2:
+        pytest.skip("the host backend at W = 4 runs the even-numbered cases, to keep CI short")

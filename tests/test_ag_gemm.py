@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import triton_overlap as to
+from harness import every_other_case_at_host_w4, stress_rounds
 from refs import TOL, check_replays, poison, rand, rel_err
 from triton_overlap.ops.config import AllGatherGEMMConfig
 
@@ -69,6 +70,7 @@ def test_ag_gemm_matches_reference(pool, case):
     cases = HOST_CASES if pool.backend == "host" else GPU_CASES
     if case >= len(cases):
         pytest.skip("no such case for this backend")
+    every_other_case_at_host_w4(pool, case)
     errs = pool.run(_case, *cases[case])
     assert max(errs) < 1e-2
 
@@ -237,7 +239,7 @@ def test_ag_gemm_100_back_to_back_calls(pool, consumer_first, mode):
     if consumer_first and pool.backend == "host":
         pytest.skip("launch order only matters on GPUs (the host backend runs kernels synchronously)")
     shape = (19, 32, 32) if pool.backend == "host" else (1024, 1024, 1024)
-    pool.run(_back_to_back, 100, *shape, consumer_first, mode)
+    pool.run(_back_to_back, stress_rounds(pool, 100), *shape, consumer_first, mode)
 
 
 def _bad_inputs():

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 import triton_overlap as to
+from harness import stress_rounds
 from triton_overlap.context import op_id
 from triton_overlap.kernels.signal import wait_flag, wait_kernel
 
@@ -126,8 +127,8 @@ def _barrier_rounds(rounds):
 
 
 def test_barrier_1000_rounds(pool):
-    counts = pool.run(_barrier_rounds, 1000)
-    assert counts == [1000] * pool.world
+    rounds = stress_rounds(pool, 1000)
+    assert pool.run(_barrier_rounds, rounds) == [rounds] * pool.world
 
 
 # -------------------------------------------------------------------- timeout

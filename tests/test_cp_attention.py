@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import triton_overlap as to
+from harness import every_other_case_at_host_w4
 from refs import TOL, poison, rand, rel_err
 
 
@@ -90,6 +91,7 @@ GPU_CASES = [  # S a multiple of 2W x 128 at W = 2, 3 and 4 (the warp-specialize
 
 @pytest.mark.parametrize("case", range(3))
 def test_cp_attention_matches_full_sequence(pool, case):
+    every_other_case_at_host_w4(pool, case)
     cases = HOST_CASES if pool.backend == "host" else GPU_CASES
     pool.run(_case, *cases[case])
 
@@ -170,6 +172,7 @@ GRAD_CASES = {  # the last field: keep the gathered K/V from forward (else gathe
 
 @pytest.mark.parametrize("case", range(3))
 def test_cp_attention_gradients_match_full_sequence(pool, case):
+    every_other_case_at_host_w4(pool, case)
     pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])
 
 
@@ -272,6 +275,7 @@ def _simulated_case(world, causal):
 def test_on_gathered_helpers_match_full_sequence(pool, world, causal):
     """The helpers behind the NCCL forward + backward baseline: every simulated rank's share, summed, equals
     attention on the full sequence."""
+    _simulated_once(pool)
     pool.run(_simulated_case, world, causal)
 
 
@@ -292,6 +296,7 @@ def _head_split_case(world, causal, split, S_unit, D):
 
 @pytest.mark.parametrize("world,causal,split", [(1, True, 4), (2, False, 2), (3, True, 2)])
 def test_dkdv_head_split_matches_full_sequence(pool, world, causal, split):
+    _simulated_once(pool)
     if pool.backend == "host":
         pool.run(_head_split_case, world, causal, split, 12, 64)
     else:
@@ -524,6 +529,7 @@ VARLEN_CASES = {
 
 @pytest.mark.parametrize("case", range(3))
 def test_cp_attention_packed_documents(pool, case):
+    every_other_case_at_host_w4(pool, case)
     pool.run(_varlen_case, *VARLEN_CASES["host" if pool.backend == "host" else "cuda"][case])
 
 
@@ -663,8 +669,11 @@ def _late_chunk_faults(ctx, flags, chunk, launch):
     peer and the chunk (``chunk``: a pattern)."""
     from triton_overlap.context.context import op_id
 
+    import torch.distributed as dist
+
     launch(0)
     ctx.check()
+    dist.barrier()  # no time limit: a loaded machine's interpreter may take longer than timeout_s for launch(0)
     ctx.barrier()
     flags.zero_()
     fault = rf"rank 0: cp_attention .*timed out .*waiting for chunk {chunk} of rank 1"

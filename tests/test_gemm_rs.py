@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import triton_overlap as to
+from harness import every_other_case_at_host_w4, stress_rounds
 from refs import TOL, check_replays, poison, rand, rel_err
 from triton_overlap.ops.config import GEMMReduceScatterConfig
 
@@ -112,6 +113,7 @@ def test_gemm_rs_matches_reference(pool, case):
     cases = HOST_CASES if pool.backend == "host" else GPU_CASES
     if case >= len(cases):
         pytest.skip("no such case for this backend")
+    every_other_case_at_host_w4(pool, case)
     pool.run(_case, *cases[case])
 
 
@@ -135,7 +137,7 @@ def _back_to_back(n_calls, m, k, n, scatter="store"):
 @pytest.mark.parametrize("scatter", ["store", "copy"])
 def test_gemm_rs_100_back_to_back_calls(pool, scatter):
     shape = (24 * 4, 32, 32) if pool.backend == "host" else (2048, 1024, 1024)
-    pool.run(_back_to_back, 100, *shape, scatter)
+    pool.run(_back_to_back, stress_rounds(pool, 100), *shape, scatter)
 
 
 def _bad_inputs():
