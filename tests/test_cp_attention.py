@@ -1,6 +1,7 @@
 """Context-parallel attention forward against full-sequence attention in float32."""
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -650,11 +651,14 @@ HOPPER_CASES = [
 
 def _on_hopper(pool, which, fn, *args):
     """``fn(*args)`` on every rank, where the warp-specialized ``which`` ("forward" or "backward") kernel runs:
-    skipped on the host backend and where ``fn`` returns "skip" (no compute capability 9.0, or no Gluon)."""
+    skipped on the host backend and where ``fn`` returns "skip" (no compute capability 9.0, or no Gluon). Returns
+    every rank's result."""
     if pool.backend == "host":
         pytest.skip("Gluon kernels do not run in Triton's interpreter")
-    if "skip" in pool.run(fn, *args):
+    results = pool.run(fn, *args)
+    if "skip" in results:
         pytest.skip(f"the warp-specialized {which} needs compute capability 9.0 and Gluon")
+    return results
 
 
 @pytest.mark.parametrize("case", range(len(HOPPER_CASES)))
@@ -666,21 +670,34 @@ def test_hopper_forward_matches_full_sequence(pool, case):
 def _late_chunk_faults(ctx, flags, chunk, launch):
     """``launch(op)`` as rank 0 of a simulated world of two: first with every flag up (the kernel compiled and the
     ranks in step before the fault), then with rank 1's flags down: the call must fail naming the rank, the op, the
-    peer and the chunk (``chunk``: a pattern)."""
-    from triton_overlap.context.context import op_id
-
+    peer and the chunk (``chunk``: a pattern). Every rank of the pool plays rank 0 and times out alike, and a fault
+    stops every rank of the real group: a rank whose peer's fault came first reports that one, naming its rank, the
+    op and the rank waited for. Returns "own" or "relayed"; the first rank to fault always reports its own
+    (``_assert_own_fault``)."""
     import torch.distributed as dist
+
+    from triton_overlap.context.context import op_id
 
     launch(0)
     ctx.check()
     dist.barrier()  # no time limit: a loaded machine's interpreter may take longer than timeout_s for launch(0)
     ctx.barrier()
     flags.zero_()
-    fault = rf"rank 0: cp_attention .*timed out .*waiting for chunk {chunk} of rank 1"
-    with pytest.raises(to.ContextError, match=fault):  # on the host backend the launch itself reports it
+    own = rf"rank 0: cp_attention .*timed out .*waiting for chunk {chunk} of rank 1"
+    relayed = (rf"rank {ctx.rank}: rank \d+ faulted: "
+               rf"(rank 0 faulted \(cp_attention, waiting for rank 1\)|{own})")
+    with pytest.raises(to.ContextError) as info:  # on the host backend the launch itself reports it
         launch(op_id("cp_attention"))
         ctx.check()
-    return True
+    msg = str(info.value).removeprefix("triton_overlap: ")
+    if re.match(own, msg):
+        return "own"
+    assert re.match(relayed, msg), msg
+    return "relayed"
+
+
+def _assert_own_fault(results):
+    assert "own" in results, f"no rank reported its own timeout: {results}"
 
 
 def _late_chunk_setup(ctx, warp_specialized: bool, kernels, names):
@@ -729,11 +746,11 @@ def _simulated_once(pool):
 
 def test_forward_wait_times_out(pool):
     _simulated_once(pool)
-    pool.run(_forward_times_out, False, 1.5 if pool.backend == "host" else 5.0)
+    _assert_own_fault(pool.run(_forward_times_out, False, 1.5 if pool.backend == "host" else 5.0))
 
 
 def test_hopper_forward_wait_times_out(pool):
-    _on_hopper(pool, "forward", _forward_times_out, True, 5.0)
+    _assert_own_fault(_on_hopper(pool, "forward", _forward_times_out, True, 5.0))
 
 
 def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
@@ -886,8 +903,8 @@ def _backward_times_out(warp_specialized: bool, timeout_s: float):
 
 def test_backward_wait_times_out(pool):
     _simulated_once(pool)
-    pool.run(_backward_times_out, False, 1.5 if pool.backend == "host" else 5.0)
+    _assert_own_fault(pool.run(_backward_times_out, False, 1.5 if pool.backend == "host" else 5.0))
 
 
 def test_hopper_backward_wait_times_out(pool):
-    _on_hopper(pool, "backward", _backward_times_out, True, 5.0)
+    _assert_own_fault(_on_hopper(pool, "backward", _backward_times_out, True, 5.0))
