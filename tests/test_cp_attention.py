@@ -680,7 +680,7 @@ def _late_chunk_faults(ctx, flags, chunk, launch):
 
     launch(0)
     ctx.check()
-    dist.barrier()  # no time limit: a loaded machine's interpreter may take longer than timeout_s for launch(0)
+    dist.barrier()  # not bound by timeout_s: on a loaded machine the interpreter may take longer for launch(0)
     ctx.barrier()
     flags.zero_()
     own = rf"rank 0: cp_attention .*timed out .*waiting for chunk {chunk} of rank 1"
