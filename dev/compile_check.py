@@ -274,7 +274,7 @@ def compile_attention_ws(target, quick: bool = False) -> int:
         if d * bn * stages * 4 + 128 * d * 2 > 200 * 1024 or (nwg == 3 and d != 64):
             continue
         consts = dict(CAUSAL=causal, STAGES=stages, CLOCK=1, COMPUTE_REGS=ah.COMPUTE_REGS[nwg], SPLIT=not causal,
-                      NWG=nwg)
+                      NWG=nwg, Q_REGS=ah.q_in_registers(causal, d, nwg))
         sig = {}
         for prm in ah.cp_attention_fwd_ws.params:
             n = prm.name

@@ -22,9 +22,10 @@ schedule, which plain Triton does not express on sm_90:
 * two or three compute partitions (``NWG``; a warpgroup each, 64 of the tile's query rows, on wgmma) read the
   same stages. Each issues S = Q K^T of the next block asynchronously, rescales O and issues P V of the current
   block, then runs the next block's softmax while that P V runs; P stays in registers (the A operand of the P V
-  wgmma). They take turns to issue their products, so one's softmax runs while the others' products do. A tile's
-  last block runs into the next tile's first (its S issued beside the last P V), and O leaves through shared
-  memory by a TMA store, so the tensor cores do not wait at tile boundaries. The loader keeps 24 registers a
+  wgmma), and so, not causal at D = 128, do the warpgroup's rows of Q for S (``q_in_registers``). They take
+  turns to issue their products, so one's softmax runs while the others' products do. A tile's last block runs
+  into the next tile's first (its S issued beside the last P V), and O leaves through shared memory by a TMA
+  store, so the tensor cores do not wait at tile boundaries. The loader keeps 24 registers a
   thread (setmaxnreg), so a compute thread may hold 240 with two compute warpgroups and 160 with three. Three
   (192-row tiles, at D = 64 only) keep more softmaxes in flight where the exponentials weigh as much as the
   products; with two, the next tile's first softmax also runs while the last P V does, which three have not the
@@ -330,7 +331,7 @@ def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot
 
 @gluon.jit
 def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.constexpr, SPLIT: gl.constexpr,
-             NWG: gl.constexpr):
+             NWG: gl.constexpr, Q_REGS: gl.constexpr):
     """Compute warpgroup WG (0 to NWG - 1): for each of this program's tiles, rows [64 WG, 64 WG + 64) of the query
     block against every key block in the loader's order, then their O and lse. Iteration g issues S of block g + 1,
     rescales O and issues P V of block g, then runs the softmax of block g + 1 while that P V runs; no wgmma is in
@@ -355,6 +356,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
     LO: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
                                                  instr_shape=[16, HEAD_D, 16])
     LP: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LO, k_width=2)
+    LQ: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=LS, k_width=2)
     qk_scale = sm_scale * 1.4426950408889634  # exp2 instead of exp
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, LS)
     if WG == NWG - 1:
@@ -385,6 +387,10 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
         has_next = True
         while has_next:
             q_rows = q_smem.index(qb * NWG + WG)
+            if Q_REGS:
+                q_op = q_rows.load(LQ)
+            else:
+                q_op = q_rows
             # every block of the tile but its last
             for g in range(g0, g0 + left):
                 if CAUSAL:  # (not causal, no block is masked: the softmax needs no block's place)
@@ -395,7 +401,7 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
                 mbarrier.wait(turn.index(WG), g & 1)
                 # block g + 1's S
                 mbarrier.wait(k_ready.index(sn), ((g + 1) // STAGES) & 1)
-                s = warpgroup_mma(q_rows, k_smem.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s = warpgroup_mma(q_op, k_smem.index(sn).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 # block g's P V on the rescaled output
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, LO))[:, None]
                 mbarrier.wait(v_ready.index(st), (g // STAGES) & 1)
@@ -483,7 +489,8 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
 def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_ptr, tile_ptr, flags_ptr, err_ptr,
                         budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
                         p_desc, part_lse_ptr, N_SPLIT, PARTS, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                        CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr, SPLIT: gl.constexpr, NWG: gl.constexpr):
+                        CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr, SPLIT: gl.constexpr, NWG: gl.constexpr,
+                        Q_REGS: gl.constexpr = False):
     """``q_desc``: Q as [B * S_LOCAL, HQ * D] in [64, D] blocks (a compute warpgroup's rows); ``k_desc``/
     ``v_desc``: our K/V as [B * S_LOCAL, Hkv * D] in [BLOCK_N, D] blocks; ``kw_desc``/``vw_desc``: the gathered
     workspaces as [B * world * S_LOCAL, Hkv * D], same blocks; ``o_desc``: O as [B * S_LOCAL, HQ * D] in [64, D]
@@ -491,7 +498,8 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_pt
     ``tile_ptr``: two int32, zero at launch (the next unit to hand out, the programs done), which the last program
     out zeroes again. ``N_SPLIT``, ``PARTS``: the last N_SPLIT tiles go in PARTS parts (not causal only), whose O
     goes to ``p_desc`` ([N_SPLIT * PARTS * 64 * NWG, D], O's dtype and blocks) and lse to ``part_lse_ptr``
-    ([N_SPLIT * PARTS * BLOCK_M], float32); ``SPLIT``: N_SPLIT > 0 (else none of the parts' code is built). The
+    ([N_SPLIT * PARTS * BLOCK_M], float32); ``SPLIT``: N_SPLIT > 0 (else none of the parts' code is built);
+    ``Q_REGS``: Q in registers for S (q_in_registers). The
     other arguments are kernels.attention's of the same name. Launched with 4 warps: the loader; ``NWG`` (2 or 3)
     compute warpgroups of COMPUTE_REGS registers a thread join them."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [2 * NWG] + q_desc.block_type.shape, q_desc.layout)
@@ -522,15 +530,15 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_pt
     if NWG == 2:
         gl.warp_specialize([
             (_load, (p, CAUSAL, CLOCK, SPLIT, NWG)),
-            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0, SPLIT, NWG)),
-            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1, SPLIT, NWG)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0, SPLIT, NWG, Q_REGS)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1, SPLIT, NWG, Q_REGS)),
         ], [4, 4], [COMPUTE_REGS, COMPUTE_REGS])
     else:
         gl.warp_specialize([
             (_load, (p, CAUSAL, CLOCK, SPLIT, NWG)),
-            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0, SPLIT, NWG)),
-            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1, SPLIT, NWG)),
-            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 2, SPLIT, NWG)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 0, SPLIT, NWG, Q_REGS)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 1, SPLIT, NWG, Q_REGS)),
+            (_compute, (p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL, 2, SPLIT, NWG, Q_REGS)),
         ], [4, 4, 4], [COMPUTE_REGS, COMPUTE_REGS, COMPUTE_REGS])
 
 
@@ -609,6 +617,14 @@ def tail_buffers(ctx, programs: int, dtype) -> tuple[torch.Tensor, torch.Tensor]
 @functools.lru_cache(maxsize=None)
 def _sm90(index: int) -> bool:
     return capability(index) == (9, 0)
+
+
+def q_in_registers(causal: bool, D: int, nwg: int) -> bool:
+    """Whether the compute warpgroups hold their rows of Q in registers for S = Q K^T (the wgmma's A operand)
+    instead of reading them from shared memory at every product (a fifth of what a key block's products read from
+    there): not causal at D = 128 with two warpgroups, where the registers are free; causal, and with three
+    warpgroups, ptxas spills instead and it measured no faster or slower (docs/decisions.md)."""
+    return not causal and D == 128 and nwg == 2
 
 
 def hopper(ctx) -> bool:
@@ -703,7 +719,7 @@ def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per
         flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, tail_heads(B * Hq, per_head, programs) if causal
         else 1, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, p_desc, part_lse, n_split, parts,
     ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS[nwg],
-            SPLIT=n_split > 0, NWG=nwg), num_warps=4)
+            SPLIT=n_split > 0, NWG=nwg, Q_REGS=q_in_registers(causal, D, nwg)), num_warps=4)
     ctx.after_launch()
     if n_split:
         launch(merge_parts, (n_split, nwg), (part_o, part_lse, out, lse, n_tiles - n_split, S, Hq, parts,
