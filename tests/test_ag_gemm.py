@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import triton_overlap as to
-from harness import every_other_case_at_host_w4, stress_rounds
+from harness import host_case_share, stress_rounds
 from refs import TOL, check_replays, poison, rand, rel_err
 from triton_overlap.ops.config import AllGatherGEMMConfig
 
@@ -70,7 +70,7 @@ def test_ag_gemm_matches_reference(pool, case):
     cases = HOST_CASES if pool.backend == "host" else GPU_CASES
     if case >= len(cases):
         pytest.skip("no such case for this backend")
-    every_other_case_at_host_w4(pool, case)
+    host_case_share(pool, case)
     errs = pool.run(_case, *cases[case])
     assert max(errs) < 1e-2
 
@@ -140,8 +140,7 @@ def test_ag_gemm_fp8_matches_reference(pool, case):
     cases = FP8_HOST_CASES if pool.backend == "host" else FP8_GPU_CASES
     if case >= len(cases):
         pytest.skip("no such case for this backend")
-    if pool.backend == "host" and pool.world > 3 and case >= 2:
-        pytest.skip("W = 4 runs the first two fp8 cases only, to keep CI short")
+    host_case_share(pool, case)
     assert max(pool.run(_fp8_case, *cases[case])) < 1e-2
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import triton_overlap as to
-from harness import every_other_case_at_host_w4
+from harness import host_case_share
 from refs import TOL, poison, rand, rel_err
 
 
@@ -92,7 +92,7 @@ GPU_CASES = [  # S a multiple of 2W x 128 at W = 2, 3 and 4 (the warp-specialize
 
 @pytest.mark.parametrize("case", range(3))
 def test_cp_attention_matches_full_sequence(pool, case):
-    every_other_case_at_host_w4(pool, case)
+    host_case_share(pool, case)
     cases = HOST_CASES if pool.backend == "host" else GPU_CASES
     pool.run(_case, *cases[case])
 
@@ -100,6 +100,7 @@ def test_cp_attention_matches_full_sequence(pool, case):
 @pytest.mark.parametrize("num_streams", [1, 2])
 def test_cp_attention_copy_streams(pool, num_streams):
     """Every peer's chunks pushed on one copy stream in turn, or spread over two, producers delayed at random."""
+    host_case_share(pool, num_streams - 1)
     case = list((HOST_CASES if pool.backend == "host" else GPU_CASES)[0])[:9]
     pool.run(_case, *case, 0.005 if pool.backend == "host" else 0.0, num_streams)
 
@@ -173,7 +174,7 @@ GRAD_CASES = {  # the last field: keep the gathered K/V from forward (else gathe
 
 @pytest.mark.parametrize("case", range(3))
 def test_cp_attention_gradients_match_full_sequence(pool, case):
-    every_other_case_at_host_w4(pool, case)
+    host_case_share(pool, case)
     pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])
 
 
@@ -263,29 +264,14 @@ def _full_problem(dev, B, S, Hq, Hkv, D, causal, dtype, tag):
     return (q, k, v, dout), (out_ref.detach(), *(t.grad for t in ref))
 
 
-def _simulated_case(world, causal):
+def _head_split_case(world, causal, split, S_unit, Hq, D):
+    """The helpers behind the NCCL forward + backward baseline (forward_on_gathered, backward_on_gathered): every
+    simulated rank's share, summed, equals attention on the full sequence, with the dK/dV kernel's query heads of
+    each K/V block split over ``split`` programs (what the op chooses where K/V heads are few) and whole (against
+    the split)."""
     dtype = torch.bfloat16
     with to.Context(timeout_s=120) as ctx:
-        inputs, want = _full_problem(ctx.device, 1, 24 * world, 4, 2, 64, causal, dtype, "s")
-        errs = [rel_err(g, r) for g, r in zip(simulate_ranks(ctx, *inputs, world, causal), want)]
-        assert max(errs) < GRAD_TOL[dtype], f"simulated world {world}: rel errs out/dq/dk/dv {errs}"
-        return errs
-
-
-@pytest.mark.parametrize("world,causal", [(3, True), (4, False)])
-def test_on_gathered_helpers_match_full_sequence(pool, world, causal):
-    """The helpers behind the NCCL forward + backward baseline: every simulated rank's share, summed, equals
-    attention on the full sequence."""
-    _simulated_once(pool)
-    pool.run(_simulated_case, world, causal)
-
-
-def _head_split_case(world, causal, split, S_unit, D):
-    """The dK/dV kernel with each K/V block's query heads split over ``split`` programs (what the op chooses
-    where K/V heads are few): against the full-sequence reference, and against the unsplit kernel."""
-    dtype = torch.bfloat16
-    with to.Context(timeout_s=120) as ctx:
-        inputs, want = _full_problem(ctx.device, 1, S_unit * 2 * world, 8, 2, D, causal, dtype, "split")
+        inputs, want = _full_problem(ctx.device, 1, S_unit * 2 * world, Hq, 2, D, causal, dtype, "split")
         got = simulate_ranks(ctx, *inputs, world, causal, head_split=split)
         errs = [rel_err(g, r) for g, r in zip(got, want)]
         assert max(errs) < GRAD_TOL[dtype], f"head_split {split}, world {world}: rel errs out/dq/dk/dv {errs}"
@@ -295,13 +281,13 @@ def _head_split_case(world, causal, split, S_unit, D):
         return errs
 
 
-@pytest.mark.parametrize("world,causal,split", [(1, True, 4), (2, False, 2), (3, True, 2)])
-def test_dkdv_head_split_matches_full_sequence(pool, world, causal, split):
+@pytest.mark.parametrize("world,causal,split", [(1, True, 4), (3, True, 2), (4, False, 2)])
+def test_on_gathered_helpers_match_full_sequence(pool, world, causal, split):
     _simulated_once(pool)
-    if pool.backend == "host":
-        pool.run(_head_split_case, world, causal, split, 12, 64)
+    if pool.backend == "host":  # one query head a program of the split
+        pool.run(_head_split_case, world, causal, split, 12, 2 * split, 64)
     else:
-        pool.run(_head_split_case, world, causal, split, 384, 128)
+        pool.run(_head_split_case, world, causal, split, 384, 8, 128)
 
 
 def test_tail_heads_choice():
@@ -530,7 +516,7 @@ VARLEN_CASES = {
 
 @pytest.mark.parametrize("case", range(3))
 def test_cp_attention_packed_documents(pool, case):
-    every_other_case_at_host_w4(pool, case)
+    host_case_share(pool, case)
     pool.run(_varlen_case, *VARLEN_CASES["host" if pool.backend == "host" else "cuda"][case])
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import triton_overlap as to
-from harness import every_other_case_at_host_w4, stress_rounds
+from harness import host_case_share, stress_rounds
 from refs import TOL, check_replays, poison, rand, rel_err
 from triton_overlap.ops.config import GEMMReduceScatterConfig
 
@@ -113,7 +113,7 @@ def test_gemm_rs_matches_reference(pool, case):
     cases = HOST_CASES if pool.backend == "host" else GPU_CASES
     if case >= len(cases):
         pytest.skip("no such case for this backend")
-    every_other_case_at_host_w4(pool, case)
+    host_case_share(pool, case)
     pool.run(_case, *cases[case])
 
 

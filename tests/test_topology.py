@@ -209,7 +209,10 @@ BETWEEN_HOSTS = {
 @pytest.mark.parametrize("what", list(BETWEEN_HOSTS))
 def test_ops_between_hosts(pool, what):
     module, fn, host_case, gpu_case = BETWEEN_HOSTS[what]
-    for n in _layouts(pool.world):
+    layouts = _layouts(pool.world)
+    if pool.backend == "host" and pool.world >= 4:  # one rank per host runs at W = 2 and 3 (CI time)
+        layouts = [n for n in layouts if n < pool.world]
+    for n in layouts:
         pool.run(_under_hosts, n, module, fn, *(host_case if pool.backend == "host" else gpu_case))
 
 
