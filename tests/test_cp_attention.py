@@ -285,7 +285,7 @@ def _head_split_case(world, causal, split, S_unit, Hq, D):
 def test_on_gathered_helpers_match_full_sequence(pool, world, causal, split):
     _simulated_once(pool)
     if pool.backend == "host":  # one query head a program of the split
-        pool.run(_head_split_case, world, causal, split, 12, 2 * split, 64)
+        pool.run(_head_split_case, world, causal, split, 8, 2 * split, 64)
     else:
         pool.run(_head_split_case, world, causal, split, 384, 8, 128)
 
