@@ -264,7 +264,7 @@ def _full_problem(dev, B, S, Hq, Hkv, D, causal, dtype, tag):
     return (q, k, v, dout), (out_ref.detach(), *(t.grad for t in ref))
 
 
-def _head_split_case(world, causal, split, S_unit, Hq, D):
+def _on_gathered_case(world, causal, split, S_unit, Hq, D):
     """The helpers behind the NCCL forward + backward baseline (forward_on_gathered, backward_on_gathered): every
     simulated rank's share, summed, equals attention on the full sequence, with the dK/dV kernel's query heads of
     each K/V block split over ``split`` programs (what the op chooses where K/V heads are few) and whole (against
@@ -285,9 +285,9 @@ def _head_split_case(world, causal, split, S_unit, Hq, D):
 def test_on_gathered_helpers_match_full_sequence(pool, world, causal, split):
     _simulated_once(pool)
     if pool.backend == "host":  # one query head a program of the split
-        pool.run(_head_split_case, world, causal, split, 8, 2 * split, 64)
+        pool.run(_on_gathered_case, world, causal, split, 8, 2 * split, 64)
     else:
-        pool.run(_head_split_case, world, causal, split, 384, 8, 128)
+        pool.run(_on_gathered_case, world, causal, split, 384, 8, 128)
 
 
 def test_tail_heads_choice():
