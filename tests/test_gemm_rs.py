@@ -177,11 +177,30 @@ def _fallback_path():
         got = to.gemm_rs(a, w, ctx=ctx, bias=b)  # tiny: "auto" takes the NCCL path
         assert to.GEMMReduceScatter.shared(ctx).last_path == "fallback"
         assert rel_err(got, ref) < TOL[torch.bfloat16]
+        if ctx.backend != "host":  # 1 MiB a rank, but its tiles fit in one wave of the GPU's SMs: NCCL path too
+            (a, w), b, ref = _reference(128 * W, 64, 4096, torch.bfloat16, dev, 0, W, r, False, True)
+            got = to.gemm_rs(a, w, ctx=ctx, bias=b)
+            assert to.GEMMReduceScatter.shared(ctx).last_path == "fallback"
+            assert rel_err(got, ref) < TOL[torch.bfloat16]
         return True
 
 
 def test_gemm_rs_small_shapes_fall_back(pool):
     assert all(pool.run(_fallback_path))
+
+
+def test_one_wave_rule():
+    """A GEMM whose tiles (every rank's rows in whole block_m tiles) fit in one wave of the SMs hides nothing of the
+    reduce-scatter; one tile more and it spans two waves."""
+    from triton_overlap.ops.gemm_reduce_scatter import one_wave
+
+    cfg = GEMMReduceScatterConfig(block_m=128, block_n=256)
+    assert one_wave(cfg, 1024, 4096, 2, 132)  # 2 x 4 x 16 = 128 tiles
+    assert not one_wave(cfg, 2048, 4096, 2, 132)  # 256
+    assert one_wave(cfg, 1000, 4096, 2, 128)  # 500 rows a rank: 4 tiles each
+    assert not one_wave(cfg, 1000, 4096, 2, 127)
+    assert not one_wave(cfg, 1024, 4097, 2, 132)  # 17 column tiles: 136
+    assert one_wave(cfg, 4 * 128, 8192, 4, 132)  # 4 x 1 x 32
 
 
 def test_scatter_auto_rule():
@@ -192,7 +211,7 @@ def test_scatter_auto_rule():
 
     cfg = GEMMReduceScatterConfig()
     rows = cfg.copy_bytes // (2 * 4096)
-    fused_rows = cfg.copy_bytes_fused // (2 * 4096)  # 2048: 1024 per rank at W = 2, whole 128-row tiles
+    fused_rows = cfg.copy_bytes_fused // (2 * 4096)  # 512: 256 per rank at W = 2, whole 128-row tiles
     assert fused_rows < rows
     for backend, big, small in (("cuda", "copy", "store"), ("host", "store", "store")):
         assert scatter_mode(cfg, rows + 2, 4096, 2, backend, 2) == big  # not whole tiles, but large enough

@@ -102,7 +102,7 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
     #: scatter="auto": copy from this many bytes of partial output (M x N) on, or from copy_bytes_fused on where the
     #: reduction is fused into the GEMM
     copy_bytes = 32 << 20
-    copy_bytes_fused = 16 << 20
+    copy_bytes_fused = 4 << 20
     #: warp_specialized=None: take the warp-specialized GEMM where it can run
     warp_specialized_default = True
 

@@ -50,6 +50,13 @@ def scatter_mode(cfg: GEMMReduceScatterConfig, m: int, n: int, elsize: int, back
     return "copy" if big and backend != "host" else "store"
 
 
+def one_wave(cfg: GEMMReduceScatterConfig, m: int, n: int, world: int, units: int) -> bool:
+    """Whether the GEMM's output tiles for ``m`` x ``n`` (each rank's ``m / world`` rows in whole ``block_m`` tiles)
+    number no more than ``units`` SMs. Then every tile runs at once, the peers' partials are all complete only when
+    the whole GEMM is, and none of the reduce-scatter hides behind it: matmul + NCCL is as fast or faster."""
+    return world * cdiv(m // world, cfg.block_m) * cdiv(n, cfg.block_n) <= units
+
+
 def wants_warp_specialized(cfg: GEMMReduceScatterConfig) -> bool:
     """Whether ``cfg`` lets a fused call take the warp-specialized GEMM (where the call can run on it)."""
     want = cfg.warp_specialized_default if cfg.warp_specialized is None else cfg.warp_specialized
@@ -64,10 +71,11 @@ class GEMMReduceScatter(OverlapOp):
     are summed in float32. ``overrides`` set GEMMReduceScatterConfig fields for this call.
 
     ``fallback="auto"`` takes torch.matmul + NCCL reduce-scatter when each rank's share of the output is under
-    FALLBACK_PARTIAL_BYTES, when W = 1, for an eager call whose GEMM is too short to pay for the host's cost of an
-    overlapped one. On a group that spans hosts, the copy variant, with other hosts' owners served through the
-    process group (producers.link). ``max_m``: the largest M accepted. ``last_gemm``: the GEMM
-    the last overlapped call ran, "gemm_warp_specialized" or "gemm".
+    FALLBACK_PARTIAL_BYTES, when W = 1, on GPUs when the GEMM's tiles fit in one wave (``one_wave``), and for an
+    eager call whose GEMM is too short to pay for the host's cost of an overlapped one. On a group that spans
+    hosts, the copy variant, with other hosts' owners served through the process group (producers.link).
+    ``max_m``: the largest M accepted. ``last_gemm``: the GEMM the last overlapped call ran,
+    "gemm_warp_specialized" or "gemm".
     """
 
     KIND = "gemm_rs"
@@ -114,7 +122,7 @@ class GEMMReduceScatter(OverlapOp):
         ov = tuple(sorted(overrides.items()))
         shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, out.dtype, ov)
         key = call_key(ov, a, w, bias, out)
-        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key):
+        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key, overrides):
             self.replays.saw(key, shape_key)
             self.last_path = "fallback"
             return self._fallback(a, w, bias, out)
@@ -126,35 +134,50 @@ class GEMMReduceScatter(OverlapOp):
         self.enqueue(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides))
         return out
 
-    def _use_fallback(self, a, w, shape_key) -> bool:
+    def _use_fallback(self, a, w, shape_key, overrides) -> bool:
         if not self.overlap_possible():
             return True
         if self.fallback != "auto":
             return self.fallback == "always"
-        W = self.ctx.world_size
-        partial = a.shape[0] // W * w.shape[1] * a.element_size()
-        return (W == 1 or partial < FALLBACK_PARTIAL_BYTES
-                or self.eager_fallback(shape_key, 2 * a.shape[0] * a.shape[1] * w.shape[1]))
+        ctx = self.ctx
+        W = ctx.world_size
+        (M, K), N = a.shape, w.shape[1]
+        partial = M // W * N * a.element_size()
+        if W == 1 or partial < FALLBACK_PARTIAL_BYTES:
+            return True
+        if ctx.backend != "host" and one_wave(self._gemm_config(a, w, overrides)[0], M, N, W,
+                                              ctx.num_compute_units()):
+            return True
+        return self.eager_fallback(shape_key, 2 * M * K * N)
 
     # --------------------------------------------------------------------------- plan, consumer, fallback
+    def _gemm_config(self, a, w, overrides):
+        """The overlapped call's config (the warp-specialized GEMM's own tiles where it runs), whether the GEMM
+        sums the partials itself, and B's layout for the warp-specialized GEMM (None: kernels.gemm runs)."""
+        ctx = self.ctx
+        (M, K), N = a.shape, w.shape[1]
+        cfg = with_overrides(self.config_for((M, K, N)), overrides)
+        # across hosts over NCCL (Context.holds_for_link) nothing waits for other hosts' partials while the
+        # exchanges run: a separate reduction, after the join
+        fuse = fuses(cfg, M, ctx.world_size) and not ctx.holds_for_link
+        b_layout = (warp_specialized.layout_for(ctx, a, w, M // ctx.world_size)
+                    if fuse and wants_warp_specialized(cfg) else None)
+        if b_layout is not None:  # the warp-specialized GEMM's own tiles, and so its own plan
+            t = warp_specialized.TILES
+            cfg = replace(cfg, block_m=t.block_m, block_n=t.block_n, block_k=t.block_k, num_stages=t.num_stages)
+        return cfg, fuse, b_layout
+
     def _overlap(self, a, w, bias, out, overrides) -> None:
         """Enqueue one overlapped call (what ReplayCache captures)."""
         ctx = self.ctx
         W = ctx.world_size
-        (M, K), N = a.shape, w.shape[1]
+        M, N = a.shape[0], w.shape[1]
         m_local = M // W
-        cfg = with_overrides(self.config_for((M, K, N)), overrides)
+        cfg, fuse, b_layout = self._gemm_config(a, w, overrides)
         # across hosts always the copy variant: the GEMM cannot store into another host's memory
         copy = ctx.num_hosts > 1 or scatter_mode(cfg, M, N, a.element_size(), ctx.backend, W) == "copy"
-        # across hosts over NCCL (Context.holds_for_link) nothing waits for other hosts' partials while the
-        # exchanges run: a separate reduction, after the join
         late = ctx.holds_for_link
-        fuse = fuses(cfg, M, W) and not late
-        b_layout = warp_specialized.layout_for(ctx, a, w, m_local) if fuse and wants_warp_specialized(cfg) else None
         self.last_gemm = "gemm_warp_specialized" if b_layout is not None else "gemm"
-        if b_layout is not None:  # the warp-specialized GEMM's own tiles, and so its own plan
-            t = warp_specialized.TILES
-            cfg = replace(cfg, block_m=t.block_m, block_n=t.block_n, block_k=t.block_k, num_stages=t.num_stages)
         layout, order, expected, counts = self._plan(m_local, N, cfg, a.element_size())
         recv = ctx.symmetric(f"{self.name}.recv", (W, m_local, N), a.dtype)
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
@@ -237,4 +260,4 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None 
     return GEMMReduceScatter.shared(ctx)(a, w, bias, out=out, **overrides)
 
 
-__all__ = ["GEMMReduceScatter", "fuses", "gemm_rs", "scatter_mode", "wants_warp_specialized"]
+__all__ = ["GEMMReduceScatter", "fuses", "gemm_rs", "one_wave", "scatter_mode", "wants_warp_specialized"]
