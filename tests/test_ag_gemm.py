@@ -9,6 +9,7 @@ import triton_overlap as to
 from harness import host_case_share, stress_rounds
 from refs import TOL, check_replays, poison, rand, rel_err
 from triton_overlap.ops.config import AllGatherGEMMConfig
+from triton_overlap.plan import cdiv
 
 
 def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push", tma=None):
@@ -342,7 +343,6 @@ def _eager_rule(m_local, k, n):
         a = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
         ag, rs = to.AllGatherGEMM(ctx, replay=False), to.GEMMReduceScatter(ctx, replay=False)  # test_replay: with
         out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
-        rs_out = torch.empty((m_local, n), dtype=torch.bfloat16, device=dev)
 
         def load_ag(i):
             a.copy_(rand((m_local, k), torch.bfloat16, dev, "a", i, r))
@@ -357,16 +357,21 @@ def _eager_rule(m_local, k, n):
         check_replays(lambda: ag(a, w, out=out), out, 5, load_ag)
         assert ag.last_path == "overlap"
         big = torch.empty((m_local * W, k), dtype=torch.bfloat16, device=dev)
+        # GEMM-RS's output wide enough that its tiles (at most 128 x 256) span more than one wave of the SMs: one
+        # wave takes NCCL from the first call on (gemm_reduce_scatter.one_wave)
+        n_rs = 256 * (ctx.num_compute_units() // (W * cdiv(m_local, 128)) + 1)
+        w_rs = rand((k, n_rs), torch.bfloat16, dev, "w_rs")
+        rs_out = torch.empty((m_local, n_rs), dtype=torch.bfloat16, device=dev)
         for want in ("overlap", "fallback"):
-            rs(big.normal_(), w, out=rs_out)
+            rs(big.normal_(), w_rs, out=rs_out)
             assert rs.last_path == want
 
         def load_rs(i):
             big.copy_(rand((m_local * W, k), torch.bfloat16, dev, "rs", i, r))
             parts = sum(rand((m_local * W, k), torch.bfloat16, dev, "rs", i, s).float() for s in range(W))
-            return (parts @ w.float())[r * m_local:(r + 1) * m_local]
+            return (parts @ w_rs.float())[r * m_local:(r + 1) * m_local]
 
-        check_replays(lambda: rs(big, w, out=rs_out), rs_out, 5, load_rs)
+        check_replays(lambda: rs(big, w_rs, out=rs_out), rs_out, 5, load_rs)
         assert rs.last_path == "overlap"
         # with replay on: a new key of a prepared shape goes to NCCL once, and its repeat is captured
         rep = to.AllGatherGEMM(ctx, name="ag_gemm.rep")
