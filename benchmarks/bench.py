@@ -4,8 +4,8 @@
         [--shapes ...] [--out DIR] [--shared-gpu] [--virtual-hosts N]
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
-the bound (torch.matmul of the same work alone); our consumer GEMM alone (GEMM-RS: the kernel the op ran, named
-in the JSON's ``consumer``). Attention: ours; NCCL all_gather of K/V then our kernel; torch's SDPA on the full
+the bound (torch.matmul of the same work alone); our consumer GEMM alone (the kernel the op ran, named in the
+JSON's ``consumer``). Attention: ours; NCCL all_gather of K/V then our kernel; torch's SDPA on the full
 sequence on one GPU; our kernel alone. AllReduce: ours, NCCL, torch's symmetric-memory all-reduces, the bound;
 GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. Distributed
 timings: CUDA events around each call, ranks aligned on the device before each iteration, median over iterations,
@@ -29,6 +29,7 @@ from report import (AR_HEADER, CP_HEADER, GEMM_AR_HEADER, HEADER, _cp_row, _row,
                     write_all_reduce, write_cp, write_gemm_ar)
 from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
 from triton_overlap.kernels.gemm import plain_gemm
+from triton_overlap.kernels.gemm_gather_hopper import plain_gemm_hopper
 from triton_overlap.kernels.gemm_warp_specialized import plain_gemm_ws
 from triton_overlap.ops.gemm_reduce_scatter import scatter_mode
 from triton_overlap.timing import capture, host_us, spin, time_dist, time_interleaved
@@ -164,6 +165,14 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "_")
 
 
+def ag_consumer(ctx, op, gathered, w, c):
+    """AllGather-GEMM's consumer alone, ``c = gathered @ w`` on one GPU: the GEMM kernel the op's last call ran
+    (op.last_gemm), the Gluon one or kernels.gemm's with the op's tiles."""
+    if op.last_gemm == "gemm_gather_hopper":
+        return plain_gemm_hopper(ctx, gathered, w, c)
+    return plain_gemm(ctx, op.config_for((gathered.shape[0], gathered.shape[1], w.shape[1])), gathered, w, c)
+
+
 def bench_ag_gemm(ctx, shapes, iters, write_partial):
     W = ctx.world_size
     records = []
@@ -205,7 +214,8 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
             rec["note"] += f"torch fused: {note}; "
         all_gather_rows(gathered, a)
         time_gemm(rec, "bound_us", lambda: torch.matmul(gathered, w, out=out))
-        time_gemm(rec, "consumer_only_us", plain_gemm(ctx, op.config_for((M, K, N)), gathered, w, out))
+        time_gemm(rec, "consumer_only_us", ag_consumer(ctx, op, gathered, w, out))
+        rec["consumer"] = op.last_gemm
         wt = torch.randn(N, K, device="cuda", dtype=torch.bfloat16).t()  # B as nn.Linear's weight.t()
 
         def nccl_wt():
@@ -213,12 +223,11 @@ def bench_ag_gemm(ctx, shapes, iters, write_partial):
             torch.matmul(gathered, wt, out=out)
 
         time_weight_t(rec, lambda: auto(a, wt, out=out), nccl_wt, lambda: torch.matmul(gathered, wt, out=out),
-                      plain_gemm(ctx, op.config_for((M, K, N)), gathered, wt, out), iters)
+                      ag_consumer(ctx, op, gathered, wt, out), iters)
         fused = lambda: torch.ops.symm_mem.fused_all_gather_matmul(a, [w], 0, dist.group.WORLD.group_name)  # noqa: E731
         side_by_side(ctx, rec, {"ours_us": lambda: auto(a, w, out=out), "nccl_us": nccl, "torch_fused_us": fused,
                                 "bound_us": gemm_graph(lambda: torch.matmul(gathered, w, out=out)),
-                                "consumer_only_us": gemm_graph(plain_gemm(ctx, op.config_for((M, K, N)), gathered, w,
-                                                                          out))}, iters)
+                                "consumer_only_us": gemm_graph(ag_consumer(ctx, op, gathered, w, out))}, iters)
         records.append(rec)
         write_partial(records)  # keep what is measured if the variant below fails
         time_variant(ctx, rec, "ours_pull", lambda: op(a, w, out=out, mode="pull"), iters)  # ranks read peers' rows

@@ -1,8 +1,8 @@
-"""Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel (Gluon), the attention kernels (the Gluon
-forward and backward among them), the AllReduce, the fused GEMM + AllReduce and the timing spin for a GPU target
-without a GPU: Triton's front end, LLVM and ptxas, as a launch on the device would. Catches compile errors before
-device time is spent, and prints registers, spills and whether ptxas serialised the wgmma pipeline (warnings C7514,
-C7515).
+"""Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel and the AllGather GEMM (Gluon), the
+attention kernels (the Gluon forward and backward among them), the AllReduce, the fused GEMM + AllReduce and the
+timing spin for a GPU target without a GPU: Triton's front end, LLVM and ptxas, as a launch on the device would.
+Catches compile errors before device time is spent, and prints registers, spills and whether ptxas serialised the
+wgmma pipeline (warnings C7514, C7515).
 
     python3 dev/compile_check.py [--arch 90] [--quick]     (with the package installed)
 
@@ -198,7 +198,7 @@ def gluon_desc_type(target, block, float32=False) -> str:
         d = TensorDescriptor(torch.empty(4096), [4096], [1], block, ROWS_LAYOUT)
     else:
         dt, gdt = (torch.float32, gl.float32) if float32 else (torch.bfloat16, gl.bfloat16)
-        t = torch.empty(256, 256, dtype=dt)
+        t = torch.empty(*[2] * (len(block) - 2), 256, 256, dtype=dt)  # 3-D: a [1, rows, cols] block of planes
         d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
     return native_specialize_impl(CUDABackend(target), d, False, True, True)[0]
 
@@ -254,6 +254,34 @@ def compile_warp_specialized(target, quick: bool = False) -> int:
         name = (f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + ("" if preload_tma else " preload by loads")
                 + (" peer stores" if peer_stores else ""))
         failed += compile_gluon(target, name, rs_gemm_ws, sig, consts, {"num_warps": 8, "maxnreg": ws.MAXNREG}, 600)
+    return failed
+
+
+def compile_gather_hopper(target, quick: bool = False) -> int:
+    """kernels.gemm_gather_hopper (Gluon; sm_90 only) as AllGather-GEMM launches it: B as [K, N] and as [N, K],
+    with and without bias (``quick``: B as [N, K] with bias)."""
+    if target.arch != 90:
+        return 0
+    from triton_overlap.kernels import gemm_gather_hopper as gh
+
+    bm, bn, bk = gh.TILES.block_m, gh.TILES.block_n, gh.TILES.block_k
+    desc_type = functools.partial(gluon_desc_type, target)
+    failed = 0
+    cases = [(True, True)] if quick else list(itertools.product((False, True), (False, True)))
+    for b_kmajor, bias in cases:
+        consts = dict(BLOCK_N=bn, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=gh.TILES.num_stages, B_KMAJOR=b_kmajor,
+                      HAS_BIAS=bias, CLOCK=1, ALIGN_C=True, STORE_WARPS=gh.STORE_WARPS, STORE_REGS=gh.STORE_REGS,
+                      SUB_M=gh.SUB_M, RESET_AT_EXIT=True)
+        sig = {}
+        for prm in gh.ag_gemm_hopper.params:
+            n = prm.name
+            sig[n] = ("constexpr" if n in consts else desc_type([1, bm, bk]) if n == "a_desc"
+                      else desc_type([bn, bk] if b_kmajor else [bk, bn]) if n == "b_desc"
+                      else "*bf16" if n in ("c_ptr", "bias_ptr") else "*i32" if n.endswith("_ptr")
+                      else "i64" if n == "budget" else "i32")
+        name = f"ag_gemm_hopper b_kmajor={b_kmajor} bias={bias}"
+        failed += compile_gluon(target, name, gh.ag_gemm_hopper, sig, consts, {"num_warps": 8, "maxnreg": gh.MAXNREG},
+                                1500)
     return failed
 
 
@@ -358,6 +386,7 @@ def main():
     failed += compile_gemm_all_reduce(target)
     failed += compile_attention(target)
     failed += compile_warp_specialized(target)
+    failed += compile_gather_hopper(target)
     failed += compile_attention_ws(target)
     failed += compile_attention_bwd_ws(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)

@@ -12,7 +12,10 @@ from triton_overlap.ops.config import AllGatherGEMMConfig
 from triton_overlap.plan import cdiv
 
 
-def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push", tma=None):
+def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push", tma=None,
+          gluon=None):
+    """``gluon`` True or False: the case asks for the Hopper GEMM in Gluon or for kernels.gemm, and checks on
+    compute capability 9.0 that the op ran it."""
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -33,8 +36,10 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
                 ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))  # stale garbage where peers write
             out = poison(torch.empty((m_local * W, n), dtype=dtype, device=dev))
             got, gathered = op(shards[r], w, b, out=out, return_gathered=True, m_per_chunk=m_per_chunk,
-                               num_streams=streams, mode=mode, tma=tma)
+                               num_streams=streams, mode=mode, tma=tma, gluon=gluon)
             ctx.check()
+            if gluon is not None and ctx.backend == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
+                assert op.last_gemm == ("gemm_gather_hopper" if gluon else "gemm"), op.last_gemm
             assert got.data_ptr() == out.data_ptr()
             full = torch.cat(shards).float()
             ref = full @ w.float() + (b.float() if bias else 0)
@@ -46,7 +51,7 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
 
 
 HOST_CASES = [
-    # m_local, k, n, dtype, bias, transposed, m_per_chunk, streams, jitter, iters, mode[, tma]
+    # m_local, k, n, dtype, bias, transposed, m_per_chunk, streams, jitter, iters, mode[, tma[, gluon]]
     (37, 48, 40, "bfloat16", True, False, 16, None, 0.0, 2, "push"),
     (29, 64, 33, "float16", False, True, 7, 1, 0.003, 2, "push"),
     (64, 40, 24, "bfloat16", False, False, None, None, 0.003, 1, "push"),
@@ -62,7 +67,11 @@ GPU_CASES = [
     (2048, 4096, 4096, "bfloat16", False, True, None, None, 0.0, 3, "push"),
     (128, 256, 512, "bfloat16", True, False, 37, None, 0.0005, 3, "push"),
     (4091, 1024, 1536, "bfloat16", True, True, 512, None, 0.0005, 3, "pull"),
-    (4096, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3, "push", True),  # descriptors, B stored [K, N]
+    # kernels.gemm with descriptors, B stored [K, N] (on Hopper the Gluon GEMM is the default: asked off)
+    (4096, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3, "push", True, False),
+    # the Gluon GEMM (Hopper; kernels.gemm elsewhere): K and N off the tiles, chunks across tiles, both B layouts
+    (2048, 1000, 1000, "bfloat16", True, False, 300, None, 0.0005, 3, "push", None, True),
+    (1024, 520, 776, "float16", False, True, 384, 1, 0.0005, 3, "pull", None, True),
 ]
 
 
@@ -430,3 +439,133 @@ def test_descriptor_rule():
     assert desc_layout(host, on, odd, None, torch.zeros(45, 40, dtype=torch.bfloat16), 64, False) is None
     wide = torch.zeros(40, 50, dtype=torch.bfloat16)[:, :48].t()  # weight.t() with rows 100 bytes apart
     assert desc_layout(host, on, a, None, wide, 64, False) is None
+
+
+def test_gluon_rule():
+    """The Gluon GEMM is taken only when asked for or by default (with push), never with descriptors or TMA stores
+    off, never on the host backend, never where a rank's rows are not whole 128-row tiles or for fp8."""
+    from types import SimpleNamespace
+
+    from triton_overlap.kernels import gemm_gather_hopper
+    from triton_overlap.ops.all_gather_gemm import wants_gluon, with_gluon_tiles
+
+    C = AllGatherGEMMConfig
+    for cfg in (C(gluon=False), C(gluon=True, tma=False), C(gluon=True, tma_store=False)):
+        assert not wants_gluon(cfg), cfg
+    assert wants_gluon(C(gluon=True)) and wants_gluon(C(gluon=True, tma=True))
+    assert wants_gluon(C()) == C.gluon_default
+    assert not wants_gluon(C(mode="pull")) and wants_gluon(C(mode="pull", gluon=True))  # pull: asked for only
+    assert wants_gluon(C(mode="pull"), "push") == C.gluon_default  # the call's mode (push across hosts) decides
+    cfg = C(m_per_chunk=384)
+    got, t = with_gluon_tiles(cfg), gemm_gather_hopper.TILES
+    assert (got.block_m, got.block_n, got.block_k, got.num_stages) == (t.block_m, t.block_n, t.block_k, t.num_stages)
+    assert got.m_per_chunk == 384 and with_gluon_tiles(cfg) is got  # made once per config
+    a = torch.empty((1024, 64), dtype=torch.bfloat16)
+    ws = torch.empty((2048, 64), dtype=torch.bfloat16)
+    w = torch.empty((64, 256), dtype=torch.bfloat16)
+    c = torch.empty((2048, 256), dtype=torch.bfloat16)
+    assert gemm_gather_hopper.layout_for(SimpleNamespace(backend="host"), a, ws, w, c, 1024) is None
+    cuda = SimpleNamespace(backend="cuda")
+    assert gemm_gather_hopper.layout_for(cuda, a[:1000], ws[:2000], w, c[:2000], 1000) is None  # 1000-row ranks
+    f8 = torch.float8_e4m3fn
+    assert gemm_gather_hopper.layout_for(cuda, a.to(f8), ws.to(f8), w.to(f8), c, 1024) is None
+
+
+def _plain_gather_hopper():
+    """kernels.gemm_gather_hopper.plain_gemm_hopper (AllGather-GEMM's consumer alone in benchmarks) against float32
+    matmul, on NaN-poisoned outputs: B as [K, N] and as weight.t(), with and without bias, K and N not multiples of
+    the tile, more tiles than programs, called twice (the exit counts it leaves zeroed). "skip" where the kernel
+    cannot run."""
+    from triton_overlap.kernels import gemm_gather_hopper as gh
+
+    with to.Context(timeout_s=120) as ctx:
+        if (ctx.backend != "cuda" or torch.cuda.get_device_capability(ctx.device) != (9, 0)
+                or not gh.gluon_available()):
+            return "skip"
+        worst = 0.0
+        for m, k, n, transposed, with_bias in ((384, 1000, 520, False, True), (4096, 512, 2056, True, False),
+                                               (1024, 72, 4096, True, True)):
+            a = rand((m, k), torch.bfloat16, ctx.device, "plain gh a", m)
+            w = rand((n, k) if transposed else (k, n), torch.bfloat16, ctx.device, "plain gh w", m)
+            w = w.t() if transposed else w
+            bias = rand((n,), torch.bfloat16, ctx.device, "plain gh bias", m) if with_bias else None
+            ref = a.float() @ w.float() + (bias.float() if with_bias else 0.0)
+            c = torch.empty(m, n, dtype=torch.bfloat16, device=ctx.device)
+            gemm = gh.plain_gemm_hopper(ctx, a, w, c, bias)
+            for _ in range(2):
+                poison(c)
+                gemm()
+                ctx.synchronize()
+                ctx.check()
+                err = rel_err(c, ref)
+                assert err < TOL[torch.bfloat16], (m, k, n, transposed, err)
+                worst = max(worst, err)
+        odd = torch.empty(200, 64, dtype=torch.bfloat16, device=ctx.device)
+        with pytest.raises(ValueError, match="plain_gemm_hopper"):
+            gh.plain_gemm_hopper(ctx, odd, torch.empty(64, 64, dtype=torch.bfloat16, device=ctx.device), odd)
+        return worst
+
+
+def test_plain_gluon_gemm(pool):
+    """The Gluon GEMM alone, where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
+    if pool.backend == "host":
+        pytest.skip("Gluon kernels do not run in Triton's interpreter")
+    if "skip" in pool.run(_plain_gather_hopper):
+        pytest.skip("the Gluon GEMM needs compute capability 9.0 and Gluon")
+
+
+def _gluon_wait_times_out(timeout_s: float):
+    """A peer's chunk that never lands: the Gluon GEMM's wait times out, and the fault names the rank, the op, the
+    peer and the chunk (a simulated world of two, as rank 0, with rank 1's flags down; first with every flag up,
+    so the kernel is built and the ranks in step before the fault). Every rank of the pool plays rank 0; a rank
+    whose peer's fault came first reports that one. Returns "own" or "relayed"."""
+    import re
+
+    from triton_overlap.context.context import op_id
+    from triton_overlap.kernels import gemm_gather_hopper as gh
+    from triton_overlap.plan import ChunkLayout
+
+    with to.Context(timeout_s=timeout_s) as ctx:
+        dev = ctx.device
+        if torch.cuda.get_device_capability(dev) != (9, 0) or not gh.gluon_available():
+            return "skip"
+        m_local, k, n = 256, 128, 512
+        a = rand((m_local, k), torch.bfloat16, dev, "late a")
+        ws = torch.zeros(2 * m_local, k, dtype=torch.bfloat16, device=dev)
+        w = rand((k, n), torch.bfloat16, dev, "late w")
+        c = torch.empty(2 * m_local, n, dtype=torch.bfloat16, device=dev)
+        layout = ChunkLayout(2, m_local, 128)  # two chunks per rank
+        order = torch.arange(4, dtype=torch.int32, device=dev)
+        flags = torch.ones(layout.num_chunks, dtype=torch.int32, device=dev)
+        exits = torch.zeros(2, dtype=torch.int32, device=dev)
+        b_layout = gh.layout_for(ctx, a, ws, w, c, m_local)
+        assert b_layout == "kn"
+
+        def launch(op):
+            gh.launch_ag_gemm(ctx, b_layout, a, ws, w, c, None, layout, order, flags, exits, op=op, rank=0, world=2)
+
+        launch(0)
+        ctx.check()
+        assert rel_err(c[:m_local], a.float() @ w.float()) < TOL[torch.bfloat16]
+        dist.barrier()
+        ctx.barrier()
+        flags.zero_()  # (the last program zeroed them already: every flag down)
+        own = r"rank 0: ag_gemm .*timed out .*waiting for chunk [01] of rank 1"
+        relayed = rf"rank {ctx.rank}: rank \d+ faulted: (rank 0 faulted \(ag_gemm, waiting for rank 1\)|{own})"
+        with pytest.raises(to.ContextError) as info:
+            launch(op_id("ag_gemm"))
+            ctx.check()
+        msg = str(info.value).removeprefix("triton_overlap: ")
+        if re.match(own, msg):
+            return "own"
+        assert re.match(relayed, msg), msg
+        return "relayed"
+
+
+def test_gluon_wait_times_out(pool):
+    if pool.backend == "host":
+        pytest.skip("Gluon kernels do not run in Triton's interpreter")
+    results = pool.run(_gluon_wait_times_out, 5.0)
+    if "skip" in results:
+        pytest.skip("the Gluon GEMM needs compute capability 9.0 and Gluon")
+    assert "own" in results, results

@@ -7,9 +7,13 @@ it reads; its last program resets the flags. Fallback: NCCL all_gather + torch.m
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import torch
 
 from ..context.collectives import all_gather_rows
+from ..kernels import gemm_gather_hopper as gather_hopper
 from ..kernels.gemm import launch_gemm, plain_gemm
 from ..plan import ChunkLayout, gather_tile_order
 from ..producers import pipeline
@@ -38,7 +42,8 @@ class AllGatherGEMM(OverlapOp):
     ``fallback="auto"`` takes NCCL all_gather + torch.matmul when the shard is under FALLBACK_SHARD_BYTES, when
     W = 1, and for an eager call whose GEMM is too short to pay for the host's cost of an overlapped one. On a group
     that spans hosts, other hosts' rows come through the process group (producers.link), in push mode.
-    ``max_m``: the largest gathered M accepted (None: the workspace grows as needed).
+    ``max_m``: the largest gathered M accepted (None: the workspace grows as needed). ``last_gemm``: the GEMM the
+    last overlapped call ran, "gemm_gather_hopper" or "gemm".
     """
 
     KIND = "ag_gemm"
@@ -49,6 +54,7 @@ class AllGatherGEMM(OverlapOp):
                  max_m: int | None = None, name: str | None = None, replay: bool = True):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=replay)
         self.max_m = max_m
+        self.last_gemm = None
 
     def default_config(self, shape, variant=""):
         base = AllGatherGEMMConfig.defaults(self.ctx.backend)
@@ -127,15 +133,23 @@ class AllGatherGEMM(OverlapOp):
         m_local, K = a.shape
         cfg = self.config_for((m_local * W, K, w.shape[1]), "_fp8" if scales else "")
         cfg = with_overrides(cfg, overrides)
-        layout, order = self._plan(m_local, K * a.element_size(), cfg)
         ws = self._workspace(a)
+        mode = "push" if ctx.num_hosts > 1 else cfg.mode  # (other hosts' memory cannot be read: they send)
+        b_layout = gather_hopper.layout_for(ctx, a, ws.local, w, out, m_local) if wants_gluon(cfg, mode) else None
+        if b_layout is not None:  # the Gluon GEMM's own tiles, and so its own plan
+            cfg = with_gluon_tiles(cfg)
+        self.last_gemm = "gemm_gather_hopper" if b_layout is not None else "gemm"
+        layout, order = self._plan(m_local, K * a.element_size(), cfg)
         flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
         self.state["buffers"] = {"workspace": ws.local}
-        mode = "push" if ctx.num_hosts > 1 else cfg.mode  # (other hosts' memory cannot be read: they send)
         call = self.call_header((m_local, K, a.dtype, layout.m_per_chunk, mode), (m_local, K))
         producer = Gather(ctx, layout, [(a, ws)], flags, mode=mode, num_streams=cfg.num_streams, call=call)
 
         def consumer():  # its last program zeroes the flags: every one was seen, peers set them after the next barrier
+            if b_layout is not None:
+                gather_hopper.launch_ag_gemm(ctx, b_layout, a, ws.local, w, out, bias, layout, order, flags.local,
+                                             self._exit_counts(), op=self.op)
+                return
             launch_gemm(ctx, cfg, a, w, out, order=order, flags=flags.local, layout=layout, bias=bias,
                         scales=scales or None, workspace=ws.local, exit_counts=self._exit_counts(), op=self.op,
                         tma_store=cfg.tma_store)
@@ -181,6 +195,22 @@ class AllGatherGEMM(OverlapOp):
         return (out, gathered) if return_gathered else out
 
 
+@functools.lru_cache(maxsize=64)
+def with_gluon_tiles(cfg: AllGatherGEMMConfig) -> AllGatherGEMMConfig:
+    """``cfg`` with the Gluon GEMM's tiles, made once per config (dataclasses.replace costs µs per call)."""
+    t = gather_hopper.TILES
+    return replace(cfg, block_m=t.block_m, block_n=t.block_n, block_k=t.block_k, num_stages=t.num_stages)
+
+
+def wants_gluon(cfg: AllGatherGEMMConfig, mode: str | None = None) -> bool:
+    """Whether ``cfg`` lets a call take the Gluon GEMM (where the call can run on it). ``mode``: the gather's mode
+    for the call (None: ``cfg.mode``); by default the Gluon GEMM is taken with push only (pulls beside it were
+    measured 3x slower, docs/decisions.md)."""
+    mode = cfg.mode if mode is None else mode
+    want = cfg.gluon_default and mode == "push" if cfg.gluon is None else cfg.gluon
+    return bool(want) and cfg.tma is not False and cfg.tma_store is not False
+
+
 def fp8_matmul(ctx, cfg, a, w, scale_a, scale_b, bias, out) -> None:
     """``out = (a @ w) * scale_a * scale_b (+ bias)`` for fp8 ``a`` and ``w``: ``torch._scaled_mm`` where it takes
     the layout (``w`` column-major as ``weight.t()`` is, K and N multiples of 16, ``out`` contiguous), else our
@@ -200,4 +230,4 @@ def ag_gemm(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None 
                                      scale_b=scale_b, out_dtype=out_dtype, **overrides)
 
 
-__all__ = ["AllGatherGEMM", "ag_gemm", "fp8_matmul"]
+__all__ = ["AllGatherGEMM", "ag_gemm", "fp8_matmul", "wants_gluon"]

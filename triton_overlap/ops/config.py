@@ -47,12 +47,19 @@ class AllGatherGEMMConfig(ChunkedGemmConfig):
     rank reads its peers' rows from their workspaces and raises its own flags; a local copy of the shard and a
     second barrier per call). ``consumer_first``: launch the GEMM before enqueueing the copies, so the GPU computes
     on the local shard while the host enqueues them (not on a shape's first call, which builds the kernels).
-    ``tma_store``: store C tiles through a tensor descriptor where C can be described (None: on).
+    ``tma_store``: store C tiles through a tensor descriptor where C can be described (None: on). ``gluon``: on
+    Hopper, with 16-bit operands, the GEMM in Gluon (kernels.gemm_gather_hopper: the next tile's loads start during
+    this tile's K loop) with its own tiles; None: ``gluon_default`` with push (pull takes kernels.gemm); it never
+    runs with ``tma`` or ``tma_store`` False, and True where it cannot run falls back to kernels.gemm.
     """
 
     mode: str = "push"
     consumer_first: bool = False
     tma_store: bool | None = None
+    gluon: bool | None = None
+
+    #: gluon=None: take the Gluon GEMM where it can run, with push
+    gluon_default = True
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
