@@ -62,3 +62,70 @@ class OfflineContext:
 
     def on_close(self, fn):
         pass
+
+
+def late_chunk_faults(ctx, flags, op, chunk, launch, first_ok=None):
+    """``launch(op_id)`` as rank 0 of a simulated world of two: first with every flag up (the kernel compiled and
+    the ranks in step before the fault; ``first_ok()`` then checks its output), then with rank 1's flags down: the
+    call must fail naming the rank, ``op``, the peer and the chunk (``chunk``: a pattern). Every rank of the pool
+    plays rank 0 and times out alike, and a fault stops every rank of the real group: a rank whose peer's fault came
+    first reports that one, naming its rank, the op and the rank waited for. Returns "own" or "relayed"; the first
+    rank to fault always reports its own (``assert_own_fault``)."""
+    import re
+
+    import pytest
+    import torch.distributed as dist
+
+    import triton_overlap as to
+    from triton_overlap.context.context import op_id
+
+    launch(0)
+    ctx.check()
+    if first_ok is not None:
+        first_ok()
+    dist.barrier()  # not bound by timeout_s: on a loaded machine the interpreter may take longer for launch(0)
+    ctx.barrier()
+    flags.zero_()
+    own = rf"rank 0: {op} .*timed out .*waiting for chunk {chunk} of rank 1"
+    relayed = rf"rank {ctx.rank}: rank \d+ faulted: (rank 0 faulted \({op}, waiting for rank 1\)|{own})"
+    with pytest.raises(to.ContextError) as info:  # on the host backend the launch itself reports it
+        launch(op_id(op))
+        ctx.check()
+    msg = str(info.value).removeprefix("triton_overlap: ")
+    if re.match(own, msg):
+        return "own"
+    assert re.match(relayed, msg), msg
+    return "relayed"
+
+
+def assert_own_fault(results):
+    assert "own" in results, f"no rank reported its own timeout: {results}"
+
+
+def plain_gemm_worst(ctx, make, name, cases):
+    """A one-rank GEMM, ``make(ctx, a, w, c, bias)`` returning a callable, against float32 matmul on NaN-poisoned
+    outputs, each case ``(m, k, n, B as weight.t(), bias)`` called twice (the exit counts it leaves zeroed); and a
+    ValueError naming ``name`` for 200 rows (not whole 128-row tiles). Returns the worst relative error."""
+    import pytest
+
+    worst = 0.0
+    for m, k, n, transposed, with_bias in cases:
+        a = rand((m, k), torch.bfloat16, ctx.device, name, "a", m)
+        w = rand((n, k) if transposed else (k, n), torch.bfloat16, ctx.device, name, "w", m)
+        w = w.t() if transposed else w
+        bias = rand((n,), torch.bfloat16, ctx.device, name, "bias", m) if with_bias else None
+        ref = a.float() @ w.float() + (bias.float() if with_bias else 0.0)
+        c = torch.empty(m, n, dtype=torch.bfloat16, device=ctx.device)
+        gemm = make(ctx, a, w, c, bias)
+        for _ in range(2):
+            poison(c)
+            gemm()
+            ctx.synchronize()
+            ctx.check()
+            err = rel_err(c, ref)
+            assert err < TOL[torch.bfloat16], (m, k, n, transposed, err)
+            worst = max(worst, err)
+    odd = torch.empty(200, 64, dtype=torch.bfloat16, device=ctx.device)
+    with pytest.raises(ValueError, match=name):
+        make(ctx, odd, torch.empty(64, 64, dtype=torch.bfloat16, device=ctx.device), odd, None)
+    return worst

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import triton_overlap as to
 from harness import host_case_share, stress_rounds
-from refs import TOL, check_replays, poison, rand, rel_err
+from refs import TOL, assert_own_fault, check_replays, late_chunk_faults, plain_gemm_worst, poison, rand, rel_err
 from triton_overlap.ops.config import AllGatherGEMMConfig
 from triton_overlap.plan import cdiv
 
@@ -473,37 +473,17 @@ def test_gluon_rule():
 
 def _plain_gather_hopper():
     """kernels.gemm_gather_hopper.plain_gemm_hopper (AllGather-GEMM's consumer alone in benchmarks) against float32
-    matmul, on NaN-poisoned outputs: B as [K, N] and as weight.t(), with and without bias, K and N not multiples of
-    the tile, more tiles than programs, called twice (the exit counts it leaves zeroed). "skip" where the kernel
-    cannot run."""
+    matmul (refs.plain_gemm_worst): B as [K, N] and as weight.t(), with and without bias, K and N not multiples of
+    the tile, more tiles than programs, two K steps. "skip" where the kernel cannot run."""
     from triton_overlap.kernels import gemm_gather_hopper as gh
 
     with to.Context(timeout_s=120) as ctx:
         if (ctx.backend != "cuda" or torch.cuda.get_device_capability(ctx.device) != (9, 0)
                 or not gh.gluon_available()):
             return "skip"
-        worst = 0.0
-        for m, k, n, transposed, with_bias in ((384, 1000, 520, False, True), (4096, 512, 2056, True, False),
-                                               (1024, 72, 4096, True, True)):
-            a = rand((m, k), torch.bfloat16, ctx.device, "plain gh a", m)
-            w = rand((n, k) if transposed else (k, n), torch.bfloat16, ctx.device, "plain gh w", m)
-            w = w.t() if transposed else w
-            bias = rand((n,), torch.bfloat16, ctx.device, "plain gh bias", m) if with_bias else None
-            ref = a.float() @ w.float() + (bias.float() if with_bias else 0.0)
-            c = torch.empty(m, n, dtype=torch.bfloat16, device=ctx.device)
-            gemm = gh.plain_gemm_hopper(ctx, a, w, c, bias)
-            for _ in range(2):
-                poison(c)
-                gemm()
-                ctx.synchronize()
-                ctx.check()
-                err = rel_err(c, ref)
-                assert err < TOL[torch.bfloat16], (m, k, n, transposed, err)
-                worst = max(worst, err)
-        odd = torch.empty(200, 64, dtype=torch.bfloat16, device=ctx.device)
-        with pytest.raises(ValueError, match="plain_gemm_hopper"):
-            gh.plain_gemm_hopper(ctx, odd, torch.empty(64, 64, dtype=torch.bfloat16, device=ctx.device), odd)
-        return worst
+        return plain_gemm_worst(ctx, gh.plain_gemm_hopper, "plain_gemm_hopper",
+                                ((384, 1000, 520, False, True), (4096, 512, 2056, True, False),
+                                 (1024, 72, 4096, True, True)))
 
 
 def test_plain_gluon_gemm(pool):
@@ -518,10 +498,7 @@ def _gluon_wait_times_out(timeout_s: float):
     """A peer's chunk that never lands: the Gluon GEMM's wait times out, and the fault names the rank, the op, the
     peer and the chunk (a simulated world of two, as rank 0, with rank 1's flags down; first with every flag up,
     so the kernel is built and the ranks in step before the fault). Every rank of the pool plays rank 0; a rank
-    whose peer's fault came first reports that one. Returns "own" or "relayed"."""
-    import re
-
-    from triton_overlap.context.context import op_id
+    whose peer's fault came first reports that one (refs.late_chunk_faults). Returns "own" or "relayed"."""
     from triton_overlap.kernels import gemm_gather_hopper as gh
     from triton_overlap.plan import ChunkLayout
 
@@ -544,22 +521,10 @@ def _gluon_wait_times_out(timeout_s: float):
         def launch(op):
             gh.launch_ag_gemm(ctx, b_layout, a, ws, w, c, None, layout, order, flags, exits, op=op, rank=0, world=2)
 
-        launch(0)
-        ctx.check()
-        assert rel_err(c[:m_local], a.float() @ w.float()) < TOL[torch.bfloat16]
-        dist.barrier()
-        ctx.barrier()
-        flags.zero_()  # (the last program zeroed them already: every flag down)
-        own = r"rank 0: ag_gemm .*timed out .*waiting for chunk [01] of rank 1"
-        relayed = rf"rank {ctx.rank}: rank \d+ faulted: (rank 0 faulted \(ag_gemm, waiting for rank 1\)|{own})"
-        with pytest.raises(to.ContextError) as info:
-            launch(op_id("ag_gemm"))
-            ctx.check()
-        msg = str(info.value).removeprefix("triton_overlap: ")
-        if re.match(own, msg):
-            return "own"
-        assert re.match(relayed, msg), msg
-        return "relayed"
+        def first_ok():
+            assert rel_err(c[:m_local], a.float() @ w.float()) < TOL[torch.bfloat16]
+
+        return late_chunk_faults(ctx, flags, "ag_gemm", "[01]", launch, first_ok)
 
 
 def test_gluon_wait_times_out(pool):
@@ -568,4 +533,4 @@ def test_gluon_wait_times_out(pool):
     results = pool.run(_gluon_wait_times_out, 5.0)
     if "skip" in results:
         pytest.skip("the Gluon GEMM needs compute capability 9.0 and Gluon")
-    assert "own" in results, results
+    assert_own_fault(results)

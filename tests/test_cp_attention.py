@@ -1,14 +1,13 @@
 """Context-parallel attention forward against full-sequence attention in float32."""
 import dataclasses
 import math
-import re
 
 import pytest
 import torch
 
 import triton_overlap as to
 from harness import host_case_share
-from refs import TOL, poison, rand, rel_err
+from refs import TOL, assert_own_fault, late_chunk_faults, poison, rand, rel_err
 
 
 def reference(q, k, v, causal, scale):
@@ -653,41 +652,8 @@ def test_hopper_forward_matches_full_sequence(pool, case):
     _on_hopper(pool, "forward", _hopper_forward_case, *HOPPER_CASES[case])
 
 
-def _late_chunk_faults(ctx, flags, chunk, launch):
-    """``launch(op)`` as rank 0 of a simulated world of two: first with every flag up (the kernel compiled and the
-    ranks in step before the fault), then with rank 1's flags down: the call must fail naming the rank, the op, the
-    peer and the chunk (``chunk``: a pattern). Every rank of the pool plays rank 0 and times out alike, and a fault
-    stops every rank of the real group: a rank whose peer's fault came first reports that one, naming its rank, the
-    op and the rank waited for. Returns "own" or "relayed"; the first rank to fault always reports its own
-    (``_assert_own_fault``)."""
-    import torch.distributed as dist
-
-    from triton_overlap.context.context import op_id
-
-    launch(0)
-    ctx.check()
-    dist.barrier()  # not bound by timeout_s: on a loaded machine the interpreter may take longer for launch(0)
-    ctx.barrier()
-    flags.zero_()
-    own = rf"rank 0: cp_attention .*timed out .*waiting for chunk {chunk} of rank 1"
-    relayed = (rf"rank {ctx.rank}: rank \d+ faulted: "
-               rf"(rank 0 faulted \(cp_attention, waiting for rank 1\)|{own})")
-    with pytest.raises(to.ContextError) as info:  # on the host backend the launch itself reports it
-        launch(op_id("cp_attention"))
-        ctx.check()
-    msg = str(info.value).removeprefix("triton_overlap: ")
-    if re.match(own, msg):
-        return "own"
-    assert re.match(relayed, msg), msg
-    return "relayed"
-
-
-def _assert_own_fault(results):
-    assert "own" in results, f"no rank reported its own timeout: {results}"
-
-
 def _late_chunk_setup(ctx, warp_specialized: bool, kernels, names):
-    """The inputs of a simulated world of two for _late_chunk_faults: None where ``warp_specialized`` asks for a
+    """The inputs of a simulated world of two for late_chunk_faults: None where ``warp_specialized`` asks for a
     Hopper kernel (module ``kernels``) this GPU cannot run; else S, chunks per rank, D, the ``names``d [1, S, H, D]
     tensors (2 heads for k and v, 4 for the rest), K/V workspaces of zeros and every flag up."""
     dev = ctx.device
@@ -719,7 +685,7 @@ def _forward_times_out(warp_specialized: bool, timeout_s: float):
         else:
             blocks = to.AttentionConfig.defaults(ctx.backend, D, 2).fwd
         out, lse = torch.empty_like(q), torch.empty(1, 4, S, dtype=torch.float32, device=dev)
-        return _late_chunk_faults(ctx, flags, "0", lambda op: launch_fwd(
+        return late_chunk_faults(ctx, flags, "cp_attention", "0", lambda op: launch_fwd(
             ctx, q, k, v, kw, vw, out, lse, flags, S // cpr, cpr, 0.1, False, blocks, rank=0, world=2, op=op))
 
 
@@ -732,11 +698,11 @@ def _simulated_once(pool):
 
 def test_forward_wait_times_out(pool):
     _simulated_once(pool)
-    _assert_own_fault(pool.run(_forward_times_out, False, 1.5 if pool.backend == "host" else 5.0))
+    assert_own_fault(pool.run(_forward_times_out, False, 1.5 if pool.backend == "host" else 5.0))
 
 
 def test_hopper_forward_wait_times_out(pool):
-    _assert_own_fault(_on_hopper(pool, "forward", _forward_times_out, True, 5.0))
+    assert_own_fault(_on_hopper(pool, "forward", _forward_times_out, True, 5.0))
 
 
 def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
@@ -882,15 +848,15 @@ def _backward_times_out(warp_specialized: bool, timeout_s: float):
         else:
             cfg = to.AttentionConfig.defaults(ctx.backend, D, 2)
             dq_blocks, dkdv_blocks = cfg.dq, replace(cfg.dkdv, warp_specialized=False)
-        return _late_chunk_faults(ctx, flags, r"\d+", lambda op: launch_bwd(
+        return late_chunk_faults(ctx, flags, "cp_attention", r"\d+", lambda op: launch_bwd(
             ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, S // cpr, cpr, 0.1, False,
             dq_blocks, dkdv_blocks, rank=0, world=2, op=op, head_split=1))
 
 
 def test_backward_wait_times_out(pool):
     _simulated_once(pool)
-    _assert_own_fault(pool.run(_backward_times_out, False, 1.5 if pool.backend == "host" else 5.0))
+    assert_own_fault(pool.run(_backward_times_out, False, 1.5 if pool.backend == "host" else 5.0))
 
 
 def test_hopper_backward_wait_times_out(pool):
-    _assert_own_fault(_on_hopper(pool, "backward", _backward_times_out, True, 5.0))
+    assert_own_fault(_on_hopper(pool, "backward", _backward_times_out, True, 5.0))

@@ -6,7 +6,7 @@ import torch
 
 import triton_overlap as to
 from harness import host_case_share, stress_rounds
-from refs import TOL, check_replays, poison, rand, rel_err
+from refs import TOL, check_replays, plain_gemm_worst, poison, rand, rel_err
 from triton_overlap.ops.config import GEMMReduceScatterConfig
 
 
@@ -266,27 +266,8 @@ def _plain_warp_specialized():
         if (ctx.backend != "cuda" or torch.cuda.get_device_capability(ctx.device) != (9, 0)
                 or not ws.gluon_available()):
             return "skip"
-        worst = 0.0
-        for m, k, n, transposed, with_bias in ((384, 1000, 520, False, True), (1024, 512, 264, True, False)):
-            a = rand((m, k), torch.bfloat16, ctx.device, "plain ws a", m)
-            w = rand((n, k) if transposed else (k, n), torch.bfloat16, ctx.device, "plain ws w", m)
-            w = w.t() if transposed else w
-            bias = rand((n,), torch.bfloat16, ctx.device, "plain ws bias", m) if with_bias else None
-            ref = a.float() @ w.float() + (bias.float() if with_bias else 0.0)
-            c = torch.empty(m, n, dtype=torch.bfloat16, device=ctx.device)
-            gemm = ws.plain_gemm_ws(ctx, a, w, c, bias)
-            for _ in range(2):
-                poison(c)
-                gemm()
-                ctx.synchronize()
-                ctx.check()
-                err = rel_err(c, ref)
-                assert err < TOL[torch.bfloat16], (m, k, n, transposed, err)
-                worst = max(worst, err)
-        odd = torch.empty(200, 64, dtype=torch.bfloat16, device=ctx.device)
-        with pytest.raises(ValueError, match="plain_gemm_ws"):
-            ws.plain_gemm_ws(ctx, odd, torch.empty(64, 64, dtype=torch.bfloat16, device=ctx.device), odd)
-        return worst
+        return plain_gemm_worst(ctx, ws.plain_gemm_ws, "plain_gemm_ws",
+                                ((384, 1000, 520, False, True), (1024, 512, 264, True, False)))
 
 
 def test_plain_warp_specialized_gemm(pool):
