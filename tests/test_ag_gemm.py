@@ -447,7 +447,8 @@ def test_gluon_rule():
     from types import SimpleNamespace
 
     from triton_overlap.kernels import gemm_gather_hopper
-    from triton_overlap.ops.all_gather_gemm import wants_gluon, with_gluon_tiles
+    from triton_overlap.ops.all_gather_gemm import wants_gluon
+    from triton_overlap.ops.base import with_tiles
 
     C = AllGatherGEMMConfig
     for cfg in (C(gluon=False), C(gluon=True, tma=False), C(gluon=True, tma_store=False)):
@@ -457,9 +458,10 @@ def test_gluon_rule():
     assert not wants_gluon(C(mode="pull")) and wants_gluon(C(mode="pull", gluon=True))  # pull: asked for only
     assert wants_gluon(C(mode="pull"), "push") == C.gluon_default  # the call's mode (push across hosts) decides
     cfg = C(m_per_chunk=384)
-    got, t = with_gluon_tiles(cfg), gemm_gather_hopper.TILES
+    t = gemm_gather_hopper.TILES
+    got = with_tiles(cfg, t)
     assert (got.block_m, got.block_n, got.block_k, got.num_stages) == (t.block_m, t.block_n, t.block_k, t.num_stages)
-    assert got.m_per_chunk == 384 and with_gluon_tiles(cfg) is got  # made once per config
+    assert got.m_per_chunk == 384 and with_tiles(cfg, t) is got  # made once per config
     a = torch.empty((1024, 64), dtype=torch.bfloat16)
     ws = torch.empty((2048, 64), dtype=torch.bfloat16)
     w = torch.empty((64, 256), dtype=torch.bfloat16)

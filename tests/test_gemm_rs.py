@@ -248,12 +248,13 @@ def test_warp_specialized_rule():
     odd = torch.empty((2 * 1000, 64), dtype=torch.bfloat16)
     assert gemm_warp_specialized.layout_for(SimpleNamespace(backend="cuda"), odd, w, 1000) is None
     # the kernel's own tiles, the other fields kept, made once per config
-    from triton_overlap.ops.gemm_reduce_scatter import with_ws_tiles
+    from triton_overlap.ops.base import with_tiles
 
     cfg = C(block_m=64, block_n=128, block_k=32, num_stages=5, chunks_per_rank=3)
-    got, t = with_ws_tiles(cfg), gemm_warp_specialized.TILES
+    t = gemm_warp_specialized.TILES
+    got = with_tiles(cfg, t)
     assert (got.block_m, got.block_n, got.block_k, got.num_stages) == (t.block_m, t.block_n, t.block_k, t.num_stages)
-    assert got.chunks_per_rank == 3 and with_ws_tiles(cfg) is got
+    assert got.chunks_per_rank == 3 and with_tiles(cfg, t) is got
 
 
 def _plain_warp_specialized():

@@ -7,9 +7,6 @@ it reads; its last program resets the flags. Fallback: NCCL all_gather + torch.m
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import replace
-
 import torch
 
 from ..context.collectives import all_gather_rows
@@ -18,7 +15,7 @@ from ..kernels.gemm import launch_gemm, plain_gemm
 from ..plan import ChunkLayout, gather_tile_order
 from ..producers import pipeline
 from ..producers.gather import Gather
-from .base import OverlapOp, call_key, with_overrides
+from .base import OverlapOp, call_key, with_overrides, with_tiles
 from .checks import FP8, check_operands, result_dtype
 from .config import AllGatherGEMMConfig
 
@@ -137,7 +134,7 @@ class AllGatherGEMM(OverlapOp):
         mode = "push" if ctx.num_hosts > 1 else cfg.mode  # (other hosts' memory cannot be read: they send)
         b_layout = gather_hopper.layout_for(ctx, a, ws.local, w, out, m_local) if wants_gluon(cfg, mode) else None
         if b_layout is not None:  # the Gluon GEMM's own tiles, and so its own plan
-            cfg = with_gluon_tiles(cfg)
+            cfg = with_tiles(cfg, gather_hopper.TILES)
         self.last_gemm = "gemm_gather_hopper" if b_layout is not None else "gemm"
         layout, order = self._plan(m_local, K * a.element_size(), cfg)
         flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
@@ -193,13 +190,6 @@ class AllGatherGEMM(OverlapOp):
             else:
                 torch.addmm(bias, gathered, w, out=out)
         return (out, gathered) if return_gathered else out
-
-
-@functools.lru_cache(maxsize=64)
-def with_gluon_tiles(cfg: AllGatherGEMMConfig) -> AllGatherGEMMConfig:
-    """``cfg`` with the Gluon GEMM's tiles, made once per config (dataclasses.replace costs µs per call)."""
-    t = gather_hopper.TILES
-    return replace(cfg, block_m=t.block_m, block_n=t.block_n, block_k=t.block_k, num_stages=t.num_stages)
 
 
 def wants_gluon(cfg: AllGatherGEMMConfig, mode: str | None = None) -> bool:

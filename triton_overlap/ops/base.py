@@ -2,6 +2,7 @@
 eager replay, and the state it keeps on the Context."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -29,6 +30,14 @@ def with_overrides(cfg, overrides: dict):
     """``cfg`` with the fields a call overrides (a value of None leaves its field as it is)."""
     kw = {k: v for k, v in overrides.items() if v is not None}
     return replace(cfg, **kw) if kw else cfg  # (dataclasses.replace costs tens of µs: only when asked)
+
+
+@functools.lru_cache(maxsize=64)
+def with_tiles(cfg, tiles):
+    """``cfg`` with ``tiles``' block sizes and stages (a GEMM kernel's own tiles, kernels.gemm.GemmTiles), made once
+    per pair: dataclasses.replace costs µs on every call."""
+    return replace(cfg, block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k,
+                   num_stages=tiles.num_stages)
 
 
 def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:

@@ -15,9 +15,6 @@ Fallback: torch.matmul + NCCL reduce-scatter.
 """
 from __future__ import annotations
 
-import functools
-from dataclasses import replace
-
 import torch
 
 from ..context.collectives import reduce_scatter_rows
@@ -27,7 +24,7 @@ from ..kernels.reduce import launch_reduce
 from ..plan import ChunkLayout, cdiv, scatter_tile_order
 from ..producers import pipeline
 from ..producers.scatter import Scatter, staging
-from .base import OverlapOp, call_key, with_overrides
+from .base import OverlapOp, call_key, with_overrides, with_tiles
 from .checks import check_operands
 from .config import GEMMReduceScatterConfig
 
@@ -56,14 +53,6 @@ def one_wave(cfg: GEMMReduceScatterConfig, m: int, n: int, world: int, units: in
     number no more than ``units`` SMs. Then every tile runs at once, the peers' partials are all complete only when
     the whole GEMM is, and none of the reduce-scatter hides behind it: matmul + NCCL is as fast or faster."""
     return world * cdiv(m // world, cfg.block_m) * cdiv(n, cfg.block_n) <= units
-
-
-@functools.lru_cache(maxsize=64)
-def with_ws_tiles(cfg: GEMMReduceScatterConfig) -> GEMMReduceScatterConfig:
-    """``cfg`` with the warp-specialized GEMM's tiles, made once per config: dataclasses.replace costs µs on every
-    call, and both the fallback rule and the overlapped call ask for it."""
-    t = warp_specialized.TILES
-    return replace(cfg, block_m=t.block_m, block_n=t.block_n, block_k=t.block_k, num_stages=t.num_stages)
 
 
 def wants_warp_specialized(cfg: GEMMReduceScatterConfig) -> bool:
@@ -172,7 +161,7 @@ class GEMMReduceScatter(OverlapOp):
         b_layout = (warp_specialized.layout_for(ctx, a, w, M // ctx.world_size)
                     if fuse and wants_warp_specialized(cfg) else None)
         if b_layout is not None:  # the warp-specialized GEMM's own tiles, and so its own plan
-            cfg = with_ws_tiles(cfg)
+            cfg = with_tiles(cfg, warp_specialized.TILES)
         return cfg, fuse, b_layout
 
     def _overlap(self, a, w, bias, out, overrides) -> None:
