@@ -23,8 +23,8 @@ Each program (one per SM but one, persistent) takes the tiles ``pid, pid + P, ..
 
 The last program out zeroes the flags (RESET_AT_EXIT). Only for NVIDIA sm_90, 16-bit operands, every rank's rows
 whole 128-row tiles, at least NUM_STAGES - 1 K steps, the shard and the workspace spanned by one descriptor, the
-operands describable by tensor descriptors (``layout_for``). Gluon does not run in
-Triton's interpreter, so the host backend, fp8 and other GPUs take kernels.gemm.
+operands describable by tensor descriptors (``layout_for``). Gluon does not run in Triton's interpreter, so the
+host backend, fp8 and other GPUs take kernels.gemm.
 """
 from __future__ import annotations
 
@@ -37,9 +37,10 @@ from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
 from .chunks import chunk_of_row
 from .gemm import _fence_async_proxy, _pair_gap, aligned, capability, desc_layout, grouped_tile, reset_at_exit
-from .gemm_warp_specialized import (EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, TILES, _barrier, _tma_load, gluon_available,
-                                    shared_layout)
+from .gemm_warp_specialized import (EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, TILES, _barrier, _tma_load, b_descriptor,
+                                    gluon_available, shared_layout)
 from .signal import wait_flag
+
 
 @gluon.jit
 def _tile(it, num_pid_m, num_pid_n, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -283,28 +284,17 @@ def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, o
     (+ ``bias``). ``order``: the m-tiles in the order programs take them; ``flags``: this rank's chunk flags;
     ``exit_counts``: two int32s, zero at launch, zeroed again with the flags by the last program. ``rank`` /
     ``world``: as which rank of how many (None: the Context's)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     W = ctx.world_size if world is None else world
     rank = ctx.rank if rank is None else rank
     m_local, K = a.shape
     M, N = W * m_local, w.shape[1]
-    bn, bk = TILES.block_n, TILES.block_k
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t, shape, stride, block):
-        return TensorDescriptor(t, shape, [stride, 1], block, shared_layout(block, gdt))
-
     a_desc, planes = _a_desc(a, ws, M, gdt)
-    if b_layout == "kn":
-        b_desc = desc(w, [K, N], w.stride(0), [bk, bn])
-    else:  # B's transpose [N, K] (linear.weight.t())
-        b_desc = desc(w.t(), [N, K], w.stride(1), [bn, bk])
     grid = programs(ctx, M, N)
     launch(ag_gemm_hopper, (grid,), (
-        a_desc, b_desc, c, bias if bias is not None else c, flags, ctx.err, order, exit_counts,
+        a_desc, b_descriptor(w, b_layout, gdt), c, bias if bias is not None else c, flags, ctx.err, order, exit_counts,
         ctx.budget, rank, op, W, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), *planes,
-    ), dict(BLOCK_N=bn, GROUP_M=TILES.group_m, NUM_PROGRAMS=grid, NUM_STAGES=TILES.num_stages,
+    ), dict(BLOCK_N=TILES.block_n, GROUP_M=TILES.group_m, NUM_PROGRAMS=grid, NUM_STAGES=TILES.num_stages,
             B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock,
             ALIGN_C=N % 16 == 0 and aligned(c, c.stride(0)), STORE_WARPS=STORE_WARPS, STORE_REGS=STORE_REGS,
             SUB_M=SUB_M, RESET_AT_EXIT=True), num_warps=8, maxnreg=MAXNREG)

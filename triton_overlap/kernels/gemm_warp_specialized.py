@@ -408,6 +408,23 @@ def _shared_layout(block: tuple, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
 
 
+def tma_descriptor(t, shape, stride: int, block, gdt):
+    """A Gluon TMA descriptor over 2-D ``t`` (rows ``stride`` elements apart, unit column stride) in ``block``
+    blocks of Gluon dtype ``gdt``, in its default shared layout."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, shape, [stride, 1], block, shared_layout(block, gdt))
+
+
+def b_descriptor(w, b_layout: str, gdt):
+    """B's descriptor for these TILES: ``w`` [K, N] in [BLOCK_K, BLOCK_N] blocks ("kn"), or its transpose [N, K]
+    (``linear.weight.t()``) in [BLOCK_N, BLOCK_K] blocks ("nk")."""
+    (K, N), bn, bk = w.shape, TILES.block_n, TILES.block_k
+    if b_layout == "kn":
+        return tma_descriptor(w, [K, N], w.stride(0), [bk, bn], gdt)
+    return tma_descriptor(w.t(), [N, K], w.stride(1), [bn, bk], gdt)
+
+
 def layout_for(ctx, a, w, m_local: int) -> str | None:
     """How B is described if this call can run on this kernel ("kn" or "nk", as kernels.gemm.desc_layout says),
     else None: the cuda backend on compute capability 9.0, every rank's rows whole 128-row tiles, A and B
@@ -435,29 +452,20 @@ def launch_gemm_rs(ctx, b_layout: str, a, w, c, out, bias, layout: ChunkLayout, 
     ``counters``. ``starts`` (store variant, PEER_STORES): the symmetric start counts (int32 [W]); None: the copy
     variant (peers' tiles go to a local staging buffer). ``rank`` / ``world``: as which rank of how many (None:
     the Context's); ``preload`` False: the last own-row tile's partials by the epilogue's loads, never by TMA."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     W = ctx.world_size if world is None else world
     rank = ctx.rank if rank is None else rank
     (M, K), N = a.shape, w.shape[1]
     m_local = layout.m_local
     bm, bn, bk = TILES.block_m, TILES.block_n, TILES.block_k
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-
-    def desc(t, shape, stride, block):
-        return TensorDescriptor(t, shape, [stride, 1], block, shared_layout(block, gdt))
-
-    a_desc = desc(a, [M, K], a.stride(0), [bm, bk])
-    if b_layout == "kn":
-        b_desc = desc(w, [K, N], w.stride(0), [bk, bn])
-    else:  # B's transpose [N, K] (linear.weight.t())
-        b_desc = desc(w.t(), [N, K], w.stride(1), [bn, bk])
+    a_desc = tma_descriptor(a, [M, K], a.stride(0), [bm, bk], gdt)
+    b = b_descriptor(w, b_layout, gdt)
     grid = programs(ctx, M, N, peer_stores=starts is not None)
     align = N % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
     preload_tma = preload and PRELOAD_BY_TMA and c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
-    c_desc = desc(c, [W * m_local, N], c.stride(0), [bm, bn]) if preload_tma else b_desc
+    c_desc = tma_descriptor(c, [W * m_local, N], c.stride(0), [bm, bn], gdt) if preload_tma else b
     launch(rs_gemm_ws, (grid,), (
-        a_desc, b_desc, c_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters,
+        a_desc, b, c_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters,
         expected, exit_counts, ctx.err, order, exit_counts if starts is None else starts.ptrs, ctx.budget,
         rank, op, W, (W - 1) * m_local // bm, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank,
         c.stride(0), out.stride(0),
