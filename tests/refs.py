@@ -64,6 +64,19 @@ class OfflineContext:
         pass
 
 
+def on_hopper(pool, what, fn, *args):
+    """``fn(*args)`` on every rank, where the Gluon kernel ``what`` names runs: skipped on the host backend and
+    where ``fn`` returns "skip" (no compute capability 9.0, or no Gluon). Returns every rank's result."""
+    import pytest
+
+    if pool.backend == "host":
+        pytest.skip("Gluon kernels do not run in Triton's interpreter")
+    results = pool.run(fn, *args)
+    if "skip" in results:
+        pytest.skip(f"{what} needs compute capability 9.0 and Gluon")
+    return results
+
+
 def late_chunk_faults(ctx, flags, op, chunk, launch, first_ok=None):
     """``launch(op_id)`` as rank 0 of a simulated world of two: first with every flag up (the kernel compiled and
     the ranks in step before the fault; ``first_ok()`` then checks its output), then with rank 1's flags down: the

@@ -7,7 +7,8 @@ import torch.distributed as dist
 
 import triton_overlap as to
 from harness import host_case_share, stress_rounds
-from refs import TOL, assert_own_fault, check_replays, late_chunk_faults, plain_gemm_worst, poison, rand, rel_err
+from refs import (TOL, assert_own_fault, check_replays, late_chunk_faults, on_hopper, plain_gemm_worst, poison, rand,
+                  rel_err)
 from triton_overlap.ops.config import AllGatherGEMMConfig
 from triton_overlap.plan import cdiv
 
@@ -490,10 +491,7 @@ def _plain_gather_hopper():
 
 def test_plain_gluon_gemm(pool):
     """The Gluon GEMM alone, where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
-    if pool.backend == "host":
-        pytest.skip("Gluon kernels do not run in Triton's interpreter")
-    if "skip" in pool.run(_plain_gather_hopper):
-        pytest.skip("the Gluon GEMM needs compute capability 9.0 and Gluon")
+    on_hopper(pool, "the Gluon GEMM", _plain_gather_hopper)
 
 
 def _gluon_wait_times_out(timeout_s: float):
@@ -530,9 +528,4 @@ def _gluon_wait_times_out(timeout_s: float):
 
 
 def test_gluon_wait_times_out(pool):
-    if pool.backend == "host":
-        pytest.skip("Gluon kernels do not run in Triton's interpreter")
-    results = pool.run(_gluon_wait_times_out, 5.0)
-    if "skip" in results:
-        pytest.skip("the Gluon GEMM needs compute capability 9.0 and Gluon")
-    assert_own_fault(results)
+    assert_own_fault(on_hopper(pool, "the Gluon GEMM", _gluon_wait_times_out, 5.0))

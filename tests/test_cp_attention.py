@@ -7,7 +7,7 @@ import torch
 
 import triton_overlap as to
 from harness import host_case_share
-from refs import TOL, assert_own_fault, late_chunk_faults, poison, rand, rel_err
+from refs import TOL, assert_own_fault, late_chunk_faults, on_hopper, poison, rand, rel_err
 
 
 def reference(q, k, v, causal, scale):
@@ -634,22 +634,10 @@ HOPPER_CASES = [
 ]
 
 
-def _on_hopper(pool, which, fn, *args):
-    """``fn(*args)`` on every rank, where the warp-specialized ``which`` ("forward" or "backward") kernel runs:
-    skipped on the host backend and where ``fn`` returns "skip" (no compute capability 9.0, or no Gluon). Returns
-    every rank's result."""
-    if pool.backend == "host":
-        pytest.skip("Gluon kernels do not run in Triton's interpreter")
-    results = pool.run(fn, *args)
-    if "skip" in results:
-        pytest.skip(f"the warp-specialized {which} needs compute capability 9.0 and Gluon")
-    return results
-
-
 @pytest.mark.parametrize("case", range(len(HOPPER_CASES)))
 def test_hopper_forward_matches_full_sequence(pool, case):
     """The warp-specialized forward where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
-    _on_hopper(pool, "forward", _hopper_forward_case, *HOPPER_CASES[case])
+    on_hopper(pool, "the warp-specialized forward", _hopper_forward_case, *HOPPER_CASES[case])
 
 
 def _late_chunk_setup(ctx, warp_specialized: bool, kernels, names):
@@ -702,7 +690,7 @@ def test_forward_wait_times_out(pool):
 
 
 def test_hopper_forward_wait_times_out(pool):
-    assert_own_fault(_on_hopper(pool, "forward", _forward_times_out, True, 5.0))
+    assert_own_fault(on_hopper(pool, "the warp-specialized forward", _forward_times_out, True, 5.0))
 
 
 def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
@@ -763,7 +751,7 @@ HOPPER_BACKWARD_CASES = [
 @pytest.mark.parametrize("case", range(len(HOPPER_BACKWARD_CASES)))
 def test_hopper_backward_matches_full_sequence(pool, case):
     """The single warp-specialized backward where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
-    _on_hopper(pool, "backward", _hopper_backward_case, *HOPPER_BACKWARD_CASES[case])
+    on_hopper(pool, "the warp-specialized backward", _hopper_backward_case, *HOPPER_BACKWARD_CASES[case])
 
 
 def _single_pass_case(world, causal, Hq, Hkv, D, S, dtype_name, head_split):
@@ -859,4 +847,4 @@ def test_backward_wait_times_out(pool):
 
 
 def test_hopper_backward_wait_times_out(pool):
-    assert_own_fault(_on_hopper(pool, "backward", _backward_times_out, True, 5.0))
+    assert_own_fault(on_hopper(pool, "the warp-specialized backward", _backward_times_out, True, 5.0))

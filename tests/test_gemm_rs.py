@@ -6,7 +6,7 @@ import torch
 
 import triton_overlap as to
 from harness import host_case_share, stress_rounds
-from refs import TOL, check_replays, plain_gemm_worst, poison, rand, rel_err
+from refs import TOL, check_replays, on_hopper, plain_gemm_worst, poison, rand, rel_err
 from triton_overlap.ops.config import GEMMReduceScatterConfig
 
 
@@ -273,10 +273,7 @@ def _plain_warp_specialized():
 
 def test_plain_warp_specialized_gemm(pool):
     """The warp-specialized GEMM alone, where it runs (compute capability 9.0 with Gluon); elsewhere skipped."""
-    if pool.backend == "host":
-        pytest.skip("Gluon kernels do not run in Triton's interpreter")
-    if "skip" in pool.run(_plain_warp_specialized):
-        pytest.skip("the warp-specialized GEMM needs compute capability 9.0 and Gluon")
+    on_hopper(pool, "the warp-specialized GEMM", _plain_warp_specialized)
 
 
 def test_rs_chunks_carry_min_chunk_bytes():
