@@ -38,7 +38,7 @@ from .cached_launch import launch
 from .chunks import chunk_of_row
 from .gemm import _fence_async_proxy, _pair_gap, aligned, capability, desc_layout, grouped_tile, reset_at_exit
 from .gemm_warp_specialized import (EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, TILES, _barrier, _tma_load, b_descriptor,
-                                    gluon_available, shared_layout)
+                                    gluon_available, programs, shared_layout)
 from .signal import wait_flag
 
 
@@ -255,12 +255,6 @@ def layout_for(ctx, a, ws, w, c, m_local: int) -> str | None:
     return desc_layout(ctx.backend, TILES, a, None, w, m_local, False)
 
 
-def programs(ctx, m: int, n: int) -> int:
-    """The grid for ``m`` x ``n``: a program per SM but one (left to the producer's barrier kernel), at most one
-    per tile."""
-    return max(1, min(ctx.num_compute_units() - 1, cdiv(m, TILES.block_m) * cdiv(n, TILES.block_n)))
-
-
 def _a_desc(a, ws, M: int, gdt):
     """A's descriptor: [2, M, K] over the shard and the workspace (the lower in memory is plane 0, the other lies
     ``_pair_gap`` elements past it), or [1, M, K] when ``ws`` is ``a`` (one rank). Returns it and (shard's plane,
@@ -290,7 +284,7 @@ def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, o
     M, N = W * m_local, w.shape[1]
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
     a_desc, planes = _a_desc(a, ws, M, gdt)
-    grid = programs(ctx, M, N)
+    grid = programs(ctx, M, N, peer_stores=False)  # an SM left to the producer's barrier kernel
     launch(ag_gemm_hopper, (grid,), (
         a_desc, b_descriptor(w, b_layout, gdt), c, bias if bias is not None else c, flags, ctx.err, order, exit_counts,
         ctx.budget, rank, op, W, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), *planes,
