@@ -34,7 +34,8 @@ PTRS = ("a_ptr", "ws_ptr", "b_ptr", "c_ptr", "bias_ptr", "out_ptr")
 I32_PTRS = ("tile_order_ptr", "flags_ptr", "err_ptr", "expected_ptr", "tick_ptr")
 
 
-def divisibility(sig: dict, skip=("rank", "op", "world", "split_m", "own_plane", "ws_plane", "budget")) -> dict:
+def divisibility(sig: dict, skip=("rank", "op", "world", "split_m", "own_plane", "ws_plane", "own_shift",
+                                  "budget")) -> dict:
     """What Triton's launcher would assume of the issue shapes: pointers and integer arguments divisible by 16."""
     return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
             if (ty.startswith("*") or ty == "i32") and name not in skip}

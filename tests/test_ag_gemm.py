@@ -474,6 +474,29 @@ def test_gluon_rule():
     assert gemm_gather_hopper.layout_for(cuda, a.to(f8), ws.to(f8), w.to(f8), c, 1024) is None
 
 
+def test_gluon_a_descriptor():
+    """A's descriptor for the Gluon GEMM: one [2, M, K] over the shard and the workspace where one descriptor spans
+    both (our rows at gathered row - rank * m_local in the shard's plane); else the workspace alone, into whose own
+    rows the launcher copies the shard (here: the shard's row stride differs; on GPUs also shard and workspace too
+    far apart, as torch's allocator and cudaMalloc can place them)."""
+    from triton.experimental.gluon import language as gl
+
+    from triton_overlap.kernels.gemm_gather_hopper import _a_desc
+
+    buf = torch.empty(3 * 1024 * 64, dtype=torch.bfloat16)
+    a, ws = buf[:1024 * 64].view(1024, 64), buf[1024 * 64:].view(2048, 64)
+    desc, planes, staged = _a_desc(a, ws, 2048, 1, gl.bfloat16)
+    assert (list(desc.shape), list(desc.strides), planes, staged) == ([2, 2048, 64], [1024 * 64, 64, 1], (0, 1, 1024),
+                                                                      False)
+    assert desc.base.data_ptr() == a.data_ptr()
+    wide = torch.empty(1024, 72, dtype=torch.bfloat16)[:, :64]
+    desc, planes, staged = _a_desc(wide, ws, 2048, 1, gl.bfloat16)
+    assert (list(desc.shape), planes, staged) == ([1, 2048, 64], (0, 0, 0), True)
+    assert desc.base.data_ptr() == ws.data_ptr()
+    desc, planes, staged = _a_desc(a, a, 1024, 0, gl.bfloat16)  # one rank: the shard is the workspace
+    assert (list(desc.shape), planes, staged) == ([1, 1024, 64], (0, 0, 0), False)
+
+
 def _plain_gather_hopper():
     """kernels.gemm_gather_hopper.plain_gemm_hopper (AllGather-GEMM's consumer alone in benchmarks) against float32
     matmul (refs.plain_gemm_worst): B as [K, N] and as weight.t(), with and without bias, K and N not multiples of
@@ -487,6 +510,30 @@ def _plain_gather_hopper():
         return plain_gemm_worst(ctx, gh.plain_gemm_hopper, "plain_gemm_hopper",
                                 ((384, 1000, 520, False, True), (4096, 512, 2056, True, False),
                                  (1024, 72, 4096, True, True)))
+
+
+def _staged_case(*case):
+    """``_case`` with no descriptor spanning the shard and the workspace (as when the two lie 2^40 bytes apart or
+    more): the Gluon GEMM reads this rank's rows from the workspace, copied there before the launch. "skip" where
+    the Gluon GEMM cannot run."""
+    from triton_overlap.kernels import gemm_gather_hopper as gh
+
+    if torch.cuda.get_device_capability() != (9, 0) or not gh.gluon_available():
+        return "skip"
+    spans = gh._pair_gap
+    gh._pair_gap = lambda a, ws: None
+    try:
+        return _case(*case)
+    finally:
+        gh._pair_gap = spans
+
+
+@pytest.mark.parametrize("case", [6, 7], ids=["push", "pull"])
+def test_gluon_shard_copied_into_workspace(pool, case):
+    """The Gluon GEMM where one descriptor cannot span the shard and the workspace (GPU_CASES 6 and 7: both B
+    layouts, push and pull, chunks across tiles) matches the reference."""
+    errs = on_hopper(pool, "the Gluon GEMM", _staged_case, *GPU_CASES[case])
+    assert max(errs) < 1e-2
 
 
 def test_plain_gluon_gemm(pool):

@@ -17,13 +17,16 @@ Each program (one per SM but one, persistent) takes the tiles ``pid, pid + P, ..
   the tile covers and fence the async proxy, so the loads see what the flag published. A is one 3-D descriptor
   whose two planes are the shard and the workspace: our own rows are read in place from the shard's plane, the
   peers' from the workspace's. The wait and the choice of plane sit outside the K loop's inner loop (``_k_loops``).
+  Where the two lie too far apart for one descriptor (a plane stride is under 2^40 bytes; torch's allocator and
+  cudaMalloc can place them 100 TB apart), the shard is first copied into the workspace's own rows, which nothing
+  else writes in push mode, and the descriptor has the workspace as its only plane (``_a_desc``).
   After the K loop they add the bias in float32 and write the tile, as the output dtype, into a shared tile buffer
   ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time into C, then "free".
 
 The last program out zeroes the flags (RESET_AT_EXIT). Only for NVIDIA sm_90, 16-bit operands, every rank's rows
-whole 128-row tiles, at least NUM_STAGES - 1 K steps, the shard and the workspace spanned by one descriptor, the
-operands describable by tensor descriptors (``layout_for``). Gluon does not run in Triton's interpreter, so the
+whole 128-row tiles, at least NUM_STAGES - 1 K steps, the operands describable by tensor descriptors
+(``layout_for``). Gluon does not run in Triton's interpreter, so the
 host backend, fp8 and other GPUs take kernels.gemm.
 """
 from __future__ import annotations
@@ -69,7 +72,7 @@ def _load(p, ld, row0, col0, k, B_KMAJOR: gl.constexpr):
     descriptor spans two planes, the shard and the workspace: our rows are read from the shard's, a peer's from the
     workspace's, by the plane index rather than a branch."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr = p[0]
-    flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane = p[1]
+    flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift = p[1]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     s = ld % STAGES
@@ -77,7 +80,7 @@ def _load(p, ld, row0, col0, k, B_KMAJOR: gl.constexpr):
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
     mine = (row0 // M_LOCAL == rank).to(gl.int32)
     plane = ws_plane + (own_plane - ws_plane) * mine
-    _tma_load(a_desc, [plane, row0 - rank * M_LOCAL * mine, k * BLOCK_K], bar, a_bufs.index(s))
+    _tma_load(a_desc, [plane, row0 - own_shift * mine, k * BLOCK_K], bar, a_bufs.index(s))
     if B_KMAJOR:
         _tma_load(b_desc, [col0, k * BLOCK_K], bar, b_bufs.index(s))
     else:
@@ -113,7 +116,7 @@ def _k_loops(p, q, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: g
     steps written out, which load the next tile's first ones; the wait for the next tile's chunks (_arrived) sits in
     the first of those, outside any loop, where the first of its loads is issued (k_tiles >= LEAD: layout_for)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr = p[0]
-    flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane = p[1]
+    flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift = p[1]
     c_buf, tile_full, tile_free, c_ptr, bias_ptr, stride_cm, M, N, K, pid = q
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[2]
@@ -196,13 +199,15 @@ def _stores(p, q, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl
 @gluon.jit
 def ag_gemm_hopper(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, err_ptr, tile_order_ptr, tick_ptr, budget,
                    rank, op, world, M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, own_plane, ws_plane,
+                   own_shift,
                    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                    NUM_STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr,
                    ALIGN_C: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr, SUB_M: gl.constexpr,
                    RESET_AT_EXIT: gl.constexpr = True):
     """C = all_gather(A) @ B (+ bias) (module doc). ``a_desc``: [2, M, K] in [1, BLOCK_M, BLOCK_K] blocks, plane
-    ``own_plane`` this rank's shard (its first M_LOCAL rows), plane ``ws_plane`` the workspace the peers' rows land
-    in (one plane, both indices 0, when this rank is the only one); ``b_desc``: B [K, N] in
+    ``own_plane`` this rank's rows, gathered row r at row r - ``own_shift`` (rank * M_LOCAL in the shard; 0 where the
+    shard was copied into the workspace's own rows), plane ``ws_plane`` the workspace the peers' rows land in (one
+    plane, both indices 0, when this rank is the only one or its shard was copied there); ``b_desc``: B [K, N] in
     [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's transpose [N, K] in [BLOCK_N, BLOCK_K] blocks; ``c_ptr``: C
     [M, N], unit column stride. ``flags_ptr``: this rank's chunk flags; ``tick_ptr``: two int32s, zero at launch
     (RESET_AT_EXIT). The other arguments are kernels.gemm's of the same name."""
@@ -220,7 +225,7 @@ def ag_gemm_hopper(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, err_ptr, tile_ord
     mbarrier.init(tile_bars.index(0), count=1)
     mbarrier.init(tile_bars.index(1), count=1)
     p = ((a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr),
-         (flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane))
+         (flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift))
     q = (c_buf, tile_bars.index(0), tile_bars.index(1), c_ptr, bias_ptr, stride_cm, M, N, K, pid)
     gl.warp_specialize([
         (_k_loops, (p, q, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK)),
@@ -241,34 +246,36 @@ SUB_M = 32
 def layout_for(ctx, a, ws, w, c, m_local: int) -> str | None:
     """How B is described if this call can run on this kernel ("kn" or "nk", as kernels.gemm.desc_layout says),
     else None: the cuda backend on compute capability 9.0, 16-bit operands, every rank's rows whole 128-row tiles,
-    at least NUM_STAGES - 1 K steps, the shard, the workspace and B describable and the shard and the workspace
-    by one descriptor, C's columns unit stride."""
+    at least NUM_STAGES - 1 K steps, the shard, the workspace and B describable, C's columns unit stride."""
     if (ctx.backend != "cuda" or a.dtype not in (torch.bfloat16, torch.float16) or m_local % TILES.block_m
             or capability(a.device.index) != (9, 0) or not gluon_available()):
         return None
     if ws.stride(1) != 1 or not aligned(ws, ws.stride(0)) or c.stride(1) != 1:
-        return None
-    if ws.data_ptr() != a.data_ptr() and _pair_gap(a, ws) is None:  # one descriptor spans both
         return None
     if cdiv(a.shape[1], TILES.block_k) < TILES.num_stages - 1:  # a tile's K loop spans the loads' lead
         return None
     return desc_layout(ctx.backend, TILES, a, None, w, m_local, False)
 
 
-def _a_desc(a, ws, M: int, gdt):
+def _a_desc(a, ws, M: int, rank: int, gdt):
     """A's descriptor: [2, M, K] over the shard and the workspace (the lower in memory is plane 0, the other lies
-    ``_pair_gap`` elements past it), or [1, M, K] when ``ws`` is ``a`` (one rank). Returns it and (shard's plane,
-    workspace's plane)."""
+    ``_pair_gap`` elements past it); [1, M, K] over ``a`` when ``ws`` is ``a`` (one rank); or, where one descriptor
+    cannot span the two, [1, M, K] over the workspace alone, whose own rows the caller fills with the shard.
+    Returns (descriptor, (shard's plane, workspace's plane, ``own_shift``: ag_gemm_hopper's), whether the caller
+    must copy the shard into the workspace)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     K = a.shape[1]
     block = [1, TILES.block_m, TILES.block_k]
+    layout = shared_layout(block, gdt)
     if ws.data_ptr() == a.data_ptr():
-        return TensorDescriptor(a, [1, M, K], [M * a.stride(0), a.stride(0), 1], block,
-                                shared_layout(block, gdt)), (0, 0)
+        return TensorDescriptor(a, [1, M, K], [M * a.stride(0), a.stride(0), 1], block, layout), (0, 0, 0), False
+    gap = _pair_gap(a, ws)
+    if gap is None:
+        return (TensorDescriptor(ws, [1, M, K], [M * ws.stride(0), ws.stride(0), 1], block, layout),
+                (0, 0, 0), True)
     lo, planes = (a, (0, 1)) if a.data_ptr() < ws.data_ptr() else (ws, (1, 0))
-    return TensorDescriptor(lo, [2, M, K], [_pair_gap(a, ws), a.stride(0), 1], block,
-                            shared_layout(block, gdt)), planes
+    return TensorDescriptor(lo, [2, M, K], [gap, a.stride(0), 1], block, layout), (*planes, rank * a.shape[0]), False
 
 
 def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, order, flags, exit_counts,
@@ -283,7 +290,9 @@ def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, o
     m_local, K = a.shape
     M, N = W * m_local, w.shape[1]
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-    a_desc, planes = _a_desc(a, ws, M, gdt)
+    a_desc, planes, staged = _a_desc(a, ws, M, rank, gdt)
+    if staged:  # this rank's rows of the workspace: read by peers in pull mode only, which put the same rows there
+        ws.narrow(0, rank * m_local, m_local).copy_(a)
     grid = programs(ctx, M, N, peer_stores=False)  # an SM left to the producer's barrier kernel
     launch(ag_gemm_hopper, (grid,), (
         a_desc, b_descriptor(w, b_layout, gdt), c, bias if bias is not None else c, flags, ctx.err, order, exit_counts,
