@@ -514,26 +514,35 @@ def _plain_gather_hopper():
 
 def _staged_case(*case):
     """``_case`` with no descriptor spanning the shard and the workspace (as when the two lie 2^40 bytes apart or
-    more): the Gluon GEMM reads this rank's rows from the workspace, copied there before the launch. "skip" where
-    the Gluon GEMM cannot run."""
-    from triton_overlap.kernels import gemm_gather_hopper as gh
+    more): the GEMM (the Gluon one or kernels.gemm's descriptor path) reads this rank's rows from the workspace,
+    copied there before the launch. Returns the worst error and how often a GEMM asked for the span."""
+    from triton_overlap.kernels import gemm, gemm_gather_hopper
 
-    if torch.cuda.get_device_capability() != (9, 0) or not gh.gluon_available():
-        return "skip"
-    spans = gh._pair_gap
-    gh._pair_gap = lambda a, ws: None
+    calls = []
+    spans = gemm._pair_gap
+    gemm._pair_gap = gemm_gather_hopper._pair_gap = lambda a, ws: calls.append(1)  # None: no span
     try:
-        return _case(*case)
+        return _case(*case), len(calls)
     finally:
-        gh._pair_gap = spans
+        gemm._pair_gap = gemm_gather_hopper._pair_gap = spans
 
 
-@pytest.mark.parametrize("case", [6, 7], ids=["push", "pull"])
-def test_gluon_shard_copied_into_workspace(pool, case):
-    """The Gluon GEMM where one descriptor cannot span the shard and the workspace (GPU_CASES 6 and 7: both B
-    layouts, push and pull, chunks across tiles) matches the reference."""
-    errs = on_hopper(pool, "the Gluon GEMM", _staged_case, *GPU_CASES[case])
-    assert max(errs) < 1e-2
+#: (HOST_CASES, GPU_CASES) indices: descriptors with pull and with push (host); kernels.gemm's descriptors with push,
+#: the Gluon GEMM with push and with pull (GPUs; kernels.gemm where the Gluon GEMM cannot run)
+STAGED = ([5, 6], [5, 6, 7])
+
+
+@pytest.mark.parametrize("case", range(3))
+def test_shard_copied_into_workspace(pool, case):
+    """Where one descriptor cannot span the shard and the workspace, the GEMM reads the shard from the workspace's
+    own rows (both B layouts, push and pull, chunks across tiles) and matches the reference."""
+    host = pool.backend == "host"
+    cases, picks = (HOST_CASES, STAGED[0]) if host else (GPU_CASES, STAGED[1])
+    if case >= len(picks):
+        pytest.skip("no such case for this backend")
+    for err, calls in pool.run(_staged_case, *cases[picks[case]]):
+        assert err < 1e-2
+        assert calls > 0 or not host, "the descriptor path was not taken"
 
 
 def test_plain_gluon_gemm(pool):

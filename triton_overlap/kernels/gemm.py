@@ -62,7 +62,11 @@ are zero-filled by the load, so no masks. With GATHER, ``a_desc`` is 3-D,
 [2, M, K]: plane ``own_plane`` is this rank's shard and plane ``ws_plane`` the
 workspace (the host spans both allocations with the plane stride), so every
 tile runs the same K loop whatever its source: two loops, one per source,
-make ptxas serialise the wgmma pipeline. The host takes this path only when
+make ptxas serialise the wgmma pipeline. Gathered row r of this rank is row
+r - ``own_shift`` of its plane: rank * M_LOCAL in the shard; 0 where the two
+lie too far apart for one descriptor (a plane stride under 2^40 bytes), and
+the launcher copies the shard into the workspace's own rows and describes the
+workspace alone (``_pair_desc``). The host takes this path only when
 M_LOCAL is a multiple of BLOCK_M (no tile covers rows of two ranks). A tile
 that waited on a flag fences the async proxy before its first descriptor
 load, so the loads see what the flag published.
@@ -266,7 +270,7 @@ def persistent_gemm(
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
     tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
-    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, a_desc, own_plane, ws_plane, b_desc,
+    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, a_desc, own_plane, ws_plane, own_shift, b_desc,
     scale_a_ptr, scale_b_ptr, c_desc,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -320,7 +324,7 @@ def persistent_gemm(
             if not mine:
                 _fence_async_proxy(CLOCK)
             plane = tl.where(mine, own_plane, ws_plane)
-            a_row = tl.where(mine, row0 - rank * M_LOCAL, row0)
+            a_row = tl.where(mine, row0 - own_shift, row0)
             acc = _k_loop_desc(a_desc, plane, a_row, b_desc, pid_n * BLOCK_N, K,
                                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, B_KMAJOR, DOT_F32, True)
             if SCALED:
@@ -467,14 +471,18 @@ def _pair_gap(a, ws) -> int | None:
     return gap // e if gap % 16 == 0 and gap < (1 << 40) and a.stride(0) == ws.stride(0) else None
 
 
-def _pair_desc(a, ws, M, K, bm, bk):
+def _pair_desc(a, ws, M, K, bm, bk, rank):
     """AllGather's A as one 3-D descriptor [2, M, K] whose planes are this rank's shard and the workspace (plane 1
     lies ``gap`` elements past plane 0, whichever of the two comes first in memory), so the kernel's one K loop
     reads either by plane index. Only a shard plane's first M_LOCAL rows are real; the kernel reads no others
-    there (whole tiles of rows per rank). Returns the descriptor and (shard's plane, workspace's plane)."""
+    there (whole tiles of rows per rank). Where one descriptor cannot span the two (``_pair_gap``): [1, M, K] over
+    the workspace alone, whose own rows the caller fills with the shard. Returns the descriptor, (shard's plane,
+    workspace's plane, ``own_shift``) and whether the caller must copy the shard into the workspace."""
     gap = _pair_gap(a, ws)
+    if gap is None:
+        return TensorDescriptor(ws, [1, M, K], [M * ws.stride(0), ws.stride(0), 1], [1, bm, bk]), (0, 0, 0), True
     lo, planes = (a, (0, 1)) if a.data_ptr() <= ws.data_ptr() else (ws, (1, 0))
-    return TensorDescriptor(lo, [2, M, K], [gap, a.stride(0), 1], [1, bm, bk]), planes
+    return TensorDescriptor(lo, [2, M, K], [gap, a.stride(0), 1], [1, bm, bk]), (*planes, rank * a.shape[0]), False
 
 
 def desc_layout(backend: str, tiles: GemmTiles, a, ws, b, m_local: int, gather: bool) -> str | None:
@@ -485,7 +493,7 @@ def desc_layout(backend: str, tiles: GemmTiles, a, ws, b, m_local: int, gather: 
         return None
     if a.stride(1) != 1 or not aligned(a, a.stride(0)):
         return None
-    if gather and (m_local % tiles.block_m != 0 or ws.stride(1) != 1 or _pair_gap(a, ws) is None):
+    if gather and (m_local % tiles.block_m != 0 or ws.stride(1) != 1 or not aligned(ws, ws.stride(0))):
         return None
     if b.stride(0) == 1 and b.stride(1) != 1 and aligned(b, b.stride(1)):
         return "nk"
@@ -530,12 +538,14 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
         units -= 1
     programs = max(1, min(units, num_tiles))
     a_desc = b_desc = None
-    planes = (0, 0)
+    planes = (0, 0, 0)
     b_layout = desc_layout(ctx.backend, tiles, a, workspace, b, layout.m_local, gather)
     if b_layout is not None:
         bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
         if gather:
-            a_desc, planes = _pair_desc(a, workspace, M, K, bm, bk)
+            a_desc, planes, staged = _pair_desc(a, workspace, M, K, bm, bk, ctx.rank)
+            if staged:  # the workspace's own rows: read by peers in pull mode only, which put the same rows there
+                workspace.narrow(0, ctx.rank * layout.m_local, layout.m_local).copy_(a)
         else:
             a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
         if b_layout == "kn":
@@ -558,7 +568,7 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
         reduce_into if fused else c, reduce_into.stride(0) if fused else 0,
         scatter.expected if fused else flags, exit_counts if exit_counts is not None else flags, ctx.world_size,
         scatter.split_m if scatter is not None else 0,
-        a_desc, planes[0], planes[1], b_desc, *(scales if scales is not None else (flags, flags)), c_desc,
+        a_desc, *planes, b_desc, *(scales if scales is not None else (flags, flags)), c_desc,
     ), dict(
         HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter is not None, REDUCE_OWN=fused,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
