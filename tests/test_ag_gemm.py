@@ -474,27 +474,27 @@ def test_gluon_rule():
     assert gemm_gather_hopper.layout_for(cuda, a.to(f8), ws.to(f8), w.to(f8), c, 1024) is None
 
 
-def test_gluon_a_descriptor():
-    """A's descriptor for the Gluon GEMM: one [2, M, K] over the shard and the workspace where one descriptor spans
-    both (our rows at gathered row - rank * m_local in the shard's plane); else the workspace alone, into whose own
-    rows the launcher copies the shard (here: the shard's row stride differs; on GPUs also shard and workspace too
-    far apart, as torch's allocator and cudaMalloc can place them)."""
-    from triton.experimental.gluon import language as gl
-
-    from triton_overlap.kernels.gemm_gather_hopper import _a_desc
+def test_gather_a_planes():
+    """A for the AllGather GEMMs' one descriptor (kernels.gemm.gather_a): two planes, the shard and the workspace,
+    where one descriptor spans both (our rows at gathered row - rank * m_local in the shard's plane; the workspace
+    untouched); else the workspace alone, after the shard is copied into its own rows (here: the shard's row stride
+    differs; on GPUs also shard and workspace too far apart, as torch's allocator and cudaMalloc can place them)."""
+    from triton_overlap.kernels.gemm import gather_a
 
     buf = torch.empty(3 * 1024 * 64, dtype=torch.bfloat16)
     a, ws = buf[:1024 * 64].view(1024, 64), buf[1024 * 64:].view(2048, 64)
-    desc, planes, staged = _a_desc(a, ws, 2048, 1, gl.bfloat16)
-    assert (list(desc.shape), list(desc.strides), planes, staged) == ([2, 2048, 64], [1024 * 64, 64, 1], (0, 1, 1024),
-                                                                      False)
-    assert desc.base.data_ptr() == a.data_ptr()
-    wide = torch.empty(1024, 72, dtype=torch.bfloat16)[:, :64]
-    desc, planes, staged = _a_desc(wide, ws, 2048, 1, gl.bfloat16)
-    assert (list(desc.shape), planes, staged) == ([1, 2048, 64], (0, 0, 0), True)
-    assert desc.base.data_ptr() == ws.data_ptr()
-    desc, planes, staged = _a_desc(a, a, 1024, 0, gl.bfloat16)  # one rank: the shard is the workspace
-    assert (list(desc.shape), planes, staged) == ([1, 1024, 64], (0, 0, 0), False)
+    a.copy_(torch.randn(1024, 64))
+    ws.fill_(float("nan"))
+    base, shape, strides, planes = gather_a(a, ws, 2048, 1)
+    assert (shape, strides, planes) == ([2, 2048, 64], [1024 * 64, 64, 1], (0, 1, 1024))
+    assert base.data_ptr() == a.data_ptr() and ws.isnan().all()
+    wide = torch.randn(1024, 72).to(torch.bfloat16)[:, :64]
+    base, shape, strides, planes = gather_a(wide, ws, 2048, 1)
+    assert (shape, strides, planes) == ([1, 2048, 64], [2048 * 64, 64, 1], (0, 0, 0))
+    assert base.data_ptr() == ws.data_ptr()
+    assert torch.equal(ws[1024:], wide) and ws[:1024].isnan().all()  # our rows only
+    base, shape, strides, planes = gather_a(a, a, 1024, 0)  # one rank: the shard is the workspace
+    assert (base.data_ptr(), shape, planes) == (a.data_ptr(), [1, 1024, 64], (0, 0, 0))
 
 
 def _plain_gather_hopper():
@@ -516,15 +516,15 @@ def _staged_case(*case):
     """``_case`` with no descriptor spanning the shard and the workspace (as when the two lie 2^40 bytes apart or
     more): the GEMM (the Gluon one or kernels.gemm's descriptor path) reads this rank's rows from the workspace,
     copied there before the launch. Returns the worst error and how often a GEMM asked for the span."""
-    from triton_overlap.kernels import gemm, gemm_gather_hopper
+    from triton_overlap.kernels import gemm
 
     calls = []
     spans = gemm._pair_gap
-    gemm._pair_gap = gemm_gather_hopper._pair_gap = lambda a, ws: calls.append(1)  # None: no span
+    gemm._pair_gap = lambda a, ws: calls.append(1)  # None: no span
     try:
         return _case(*case), len(calls)
     finally:
-        gemm._pair_gap = gemm_gather_hopper._pair_gap = spans
+        gemm._pair_gap = spans
 
 
 #: (HOST_CASES, GPU_CASES) indices: descriptors with pull and with push (host); kernels.gemm's descriptors with push,

@@ -66,7 +66,7 @@ make ptxas serialise the wgmma pipeline. Gathered row r of this rank is row
 r - ``own_shift`` of its plane: rank * M_LOCAL in the shard; 0 where the two
 lie too far apart for one descriptor (a plane stride under 2^40 bytes), and
 the launcher copies the shard into the workspace's own rows and describes the
-workspace alone (``_pair_desc``). The host takes this path only when
+workspace alone (``gather_a``). The host takes this path only when
 M_LOCAL is a multiple of BLOCK_M (no tile covers rows of two ranks). A tile
 that waited on a flag fences the async proxy before its first descriptor
 load, so the loads see what the flag published.
@@ -471,18 +471,23 @@ def _pair_gap(a, ws) -> int | None:
     return gap // e if gap % 16 == 0 and gap < (1 << 40) and a.stride(0) == ws.stride(0) else None
 
 
-def _pair_desc(a, ws, M, K, bm, bk, rank):
-    """AllGather's A as one 3-D descriptor [2, M, K] whose planes are this rank's shard and the workspace (plane 1
-    lies ``gap`` elements past plane 0, whichever of the two comes first in memory), so the kernel's one K loop
-    reads either by plane index. Only a shard plane's first M_LOCAL rows are real; the kernel reads no others
-    there (whole tiles of rows per rank). Where one descriptor cannot span the two (``_pair_gap``): [1, M, K] over
-    the workspace alone, whose own rows the caller fills with the shard. Returns the descriptor, (shard's plane,
-    workspace's plane, ``own_shift``) and whether the caller must copy the shard into the workspace."""
+def gather_a(a, ws, M: int, rank: int):
+    """AllGather's A for one 3-D descriptor [planes, M, K], so a GEMM's one K loop reads this rank's rows and its
+    peers' by plane index (the kernels' ``own_plane``, ``ws_plane`` and ``own_shift``): the shard and the workspace
+    as two planes, the lower in memory plane 0 and the other ``_pair_gap`` elements past it (only the shard plane's
+    first M_LOCAL rows are real; no tile reads others there: whole tiles of rows per rank); the shard alone when
+    ``ws`` is ``a`` (one rank); else, where one descriptor cannot span the two, the workspace alone, after copying
+    the shard into its own rows on the current stream (peers write only their own rows; in pull mode the producer
+    puts the same bytes there). Returns (base tensor, shape, strides, (own_plane, ws_plane, own_shift))."""
+    m_local, K = a.shape
+    if ws.data_ptr() == a.data_ptr():
+        return a, [1, M, K], [M * a.stride(0), a.stride(0), 1], (0, 0, 0)
     gap = _pair_gap(a, ws)
     if gap is None:
-        return TensorDescriptor(ws, [1, M, K], [M * ws.stride(0), ws.stride(0), 1], [1, bm, bk]), (0, 0, 0), True
-    lo, planes = (a, (0, 1)) if a.data_ptr() <= ws.data_ptr() else (ws, (1, 0))
-    return TensorDescriptor(lo, [2, M, K], [gap, a.stride(0), 1], [1, bm, bk]), (*planes, rank * a.shape[0]), False
+        ws.narrow(0, rank * m_local, m_local).copy_(a)
+        return ws, [1, M, K], [M * ws.stride(0), ws.stride(0), 1], (0, 0, 0)
+    lo, planes = (a, (0, 1)) if a.data_ptr() < ws.data_ptr() else (ws, (1, 0))
+    return lo, [2, M, K], [gap, a.stride(0), 1], (*planes, rank * m_local)
 
 
 def desc_layout(backend: str, tiles: GemmTiles, a, ws, b, m_local: int, gather: bool) -> str | None:
@@ -543,9 +548,8 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
     if b_layout is not None:
         bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
         if gather:
-            a_desc, planes, staged = _pair_desc(a, workspace, M, K, bm, bk, ctx.rank)
-            if staged:  # the workspace's own rows: read by peers in pull mode only, which put the same rows there
-                workspace.narrow(0, ctx.rank * layout.m_local, layout.m_local).copy_(a)
+            base, shape, strides, planes = gather_a(a, workspace, M, ctx.rank)
+            a_desc = TensorDescriptor(base, shape, strides, [1, bm, bk])
         else:
             a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])
         if b_layout == "kn":

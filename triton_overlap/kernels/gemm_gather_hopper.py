@@ -19,7 +19,7 @@ Each program (one per SM but one, persistent) takes the tiles ``pid, pid + P, ..
   peers' from the workspace's. The wait and the choice of plane sit outside the K loop's inner loop (``_k_loops``).
   Where the two lie too far apart for one descriptor (a plane stride is under 2^40 bytes; torch's allocator and
   cudaMalloc can place them 100 TB apart), the shard is first copied into the workspace's own rows, which nothing
-  else writes in push mode, and the descriptor has the workspace as its only plane (``_a_desc``).
+  else writes in push mode, and the descriptor has the workspace as its only plane (kernels.gemm.gather_a).
   After the K loop they add the bias in float32 and write the tile, as the output dtype, into a shared tile buffer
   ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time into C, then "free".
@@ -39,7 +39,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
 from .chunks import chunk_of_row
-from .gemm import _fence_async_proxy, _pair_gap, aligned, capability, desc_layout, grouped_tile, reset_at_exit
+from .gemm import (_fence_async_proxy, aligned, capability, desc_layout, gather_a, grouped_tile,
+                   reset_at_exit)
 from .gemm_warp_specialized import (EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, TILES, _barrier, _tma_load, b_descriptor,
                                     gluon_available, programs, shared_layout)
 from .signal import wait_flag
@@ -257,27 +258,6 @@ def layout_for(ctx, a, ws, w, c, m_local: int) -> str | None:
     return desc_layout(ctx.backend, TILES, a, None, w, m_local, False)
 
 
-def _a_desc(a, ws, M: int, rank: int, gdt):
-    """A's descriptor: [2, M, K] over the shard and the workspace (the lower in memory is plane 0, the other lies
-    ``_pair_gap`` elements past it); [1, M, K] over ``a`` when ``ws`` is ``a`` (one rank); or, where one descriptor
-    cannot span the two, [1, M, K] over the workspace alone, whose own rows the caller fills with the shard.
-    Returns (descriptor, (shard's plane, workspace's plane, ``own_shift``: ag_gemm_hopper's), whether the caller
-    must copy the shard into the workspace)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    K = a.shape[1]
-    block = [1, TILES.block_m, TILES.block_k]
-    layout = shared_layout(block, gdt)
-    if ws.data_ptr() == a.data_ptr():
-        return TensorDescriptor(a, [1, M, K], [M * a.stride(0), a.stride(0), 1], block, layout), (0, 0, 0), False
-    gap = _pair_gap(a, ws)
-    if gap is None:
-        return (TensorDescriptor(ws, [1, M, K], [M * ws.stride(0), ws.stride(0), 1], block, layout),
-                (0, 0, 0), True)
-    lo, planes = (a, (0, 1)) if a.data_ptr() < ws.data_ptr() else (ws, (1, 0))
-    return TensorDescriptor(lo, [2, M, K], [gap, a.stride(0), 1], block, layout), (*planes, rank * a.shape[0]), False
-
-
 def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, order, flags, exit_counts,
                    op: int = 0, rank: int | None = None, world: int | None = None) -> None:
     """The AllGather GEMM on the caller's stream: ``c`` [W * m_local, N] = the gathered rows (``a``, this rank's
@@ -285,14 +265,16 @@ def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, o
     (+ ``bias``). ``order``: the m-tiles in the order programs take them; ``flags``: this rank's chunk flags;
     ``exit_counts``: two int32s, zero at launch, zeroed again with the flags by the last program. ``rank`` /
     ``world``: as which rank of how many (None: the Context's)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     W = ctx.world_size if world is None else world
     rank = ctx.rank if rank is None else rank
     m_local, K = a.shape
     M, N = W * m_local, w.shape[1]
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-    a_desc, planes, staged = _a_desc(a, ws, M, rank, gdt)
-    if staged:  # this rank's rows of the workspace: read by peers in pull mode only, which put the same rows there
-        ws.narrow(0, rank * m_local, m_local).copy_(a)
+    base, shape, strides, planes = gather_a(a, ws, M, rank)
+    block = [1, TILES.block_m, TILES.block_k]
+    a_desc = TensorDescriptor(base, shape, strides, block, shared_layout(block, gdt))
     grid = programs(ctx, M, N, peer_stores=False)  # an SM left to the producer's barrier kernel
     launch(ag_gemm_hopper, (grid,), (
         a_desc, b_descriptor(w, b_layout, gdt), c, bias if bias is not None else c, flags, ctx.err, order, exit_counts,
