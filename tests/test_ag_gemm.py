@@ -442,6 +442,39 @@ def test_descriptor_rule():
     assert desc_layout(host, on, a, None, wide, 64, False) is None
 
 
+def test_pull_gates_the_consumer():
+    """Pull's opening copy within the GPU needs SMs, so the consumer starts after the producer's opening steps
+    (the caller's stream waits for the first producer stream before the consumer); push lets the consumer start
+    at once. The order of steps as the pipeline enqueues them, with recording stand-ins for streams and Context."""
+    from types import SimpleNamespace
+
+    from triton_overlap.plan import ChunkLayout
+    from triton_overlap.producers import gather, pipeline
+
+    log = []
+
+    class S:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(f"{self.name} waits {other.name}")
+
+    caller, first = S("caller"), S("first")
+    ctx = SimpleNamespace(num_hosts=1, local_ranks=[0, 1], holds_for_link=False, backend="cuda",
+                          current_stream=lambda: caller, streams=lambda n: [first])
+    for mode, consumer_first in [("push", True), ("push", False), ("pull", True), ("pull", False)]:
+        g = gather.Gather(ctx, ChunkLayout(2, 8, 4), [], None, mode=mode)
+        g.open = lambda ctx, stream: log.append("open")
+        g.enqueue = lambda ctx, streams: log.append("copies")
+        g.finish = lambda ctx: log.append("finish")
+        log.clear()
+        pipeline.run(ctx, g, lambda: log.append("consumer"), consumer_first=consumer_first)
+        gated = log.index("caller waits first") < log.index("consumer")
+        assert gated == (mode == "pull") == g.gate_consumer, (mode, consumer_first, log)
+        assert log.index("open") < log.index("caller waits first") and log[-1] == "finish", log
+
+
 def test_gluon_rule():
     """The Gluon GEMM is taken only when asked for or by default (with push), never with descriptors or TMA stores
     off, never on the host backend, never where a rank's rows are not whole 128-row tiles or for fp8."""

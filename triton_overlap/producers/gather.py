@@ -9,7 +9,8 @@ Pull (``mode="pull"``): after the barrier, each rank copies its shard into its o
 a peer reads), a second barrier says every rank's rows are in place, then each rank reads its peers' rows from
 their workspaces in the order push would deliver them and raises its own flag after each chunk. The first barrier
 also keeps a rank from overwriting rows a slow peer is still reading from its previous call. Flags are only ever
-written by their owner.
+written by their owner. The consumer starts after the second barrier (``gate_consumer``): the driver runs a copy
+within one GPU on SMs, and beside a consumer that holds every SM it would wait for that consumer's end.
 
 Across hosts (producers.link), push only: this rank's rows go to its own host's peers by copy engine, and to its
 counterparts on the other hosts through the process group on one more stream (the last), which receives theirs
@@ -54,6 +55,8 @@ class Gather:
         #: the exchanges block the host (not NCCL), and once a consumer fills every SM with programs waiting for
         #: chunks, a blocked host might wait on a copy that needs an SM
         self.copies_first = self.remote
+        #: pull's opening copy runs on SMs (a copy within the GPU): the consumer waits for it (pipeline step 2)
+        self.gate_consumer = mode == "pull"
 
     def open(self, ctx, stream) -> None:
         open_call(ctx, stream, self.call)

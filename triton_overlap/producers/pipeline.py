@@ -9,8 +9,10 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    peer has reached step 1 too, so its workspaces and flags may be written, and makes the same call: the barrier
    compares the ranks' call headers), then the other producer streams wait for it. With ``gate`` the caller's
    stream waits for it as well: a consumer that can fill every SM with programs waiting for chunks must not start
-   before the barrier kernel has found an SM on every rank. On a group that spans hosts the caller's stream always
-   waits: the opening then also compares the call with the other hosts' ranks (producers.link);
+   before the barrier kernel has found an SM on every rank. A producer that ``gate_consumer`` asks the same for
+   itself: its opening steps need SMs too (a copy within one GPU, which the driver runs on SMs). On a group that
+   spans hosts the caller's stream always waits: the opening then also compares the call with the other hosts'
+   ranks (producers.link);
 3. **consumer and copies**: the consumer (kernels on the caller's stream) and the producer's copies with their
    flags, in the order asked. ``consumer_first`` launches the consumer before the host enqueues the copies, so the
    GPU computes on local data while the host works, unless the producer asks for ``copies_first``. A producer
@@ -33,11 +35,13 @@ from .link import open_call
 class Producer(Protocol):
     """What a producer tells the pipeline. ``num_streams``: how many producer streams it uses (0: none);
     ``copies_first``: enqueue before the consumer, whatever the call's ``consumer_first``; ``hold_consumer``: that,
-    and the consumer starts after the producer's last stream (step 3)."""
+    and the consumer starts after the producer's last stream (step 3); ``gate_consumer``: the consumer starts after
+    the opening steps (step 2), as with the call's ``gate``."""
 
     num_streams: int
     copies_first: bool
     hold_consumer: bool
+    gate_consumer: bool
 
     def open(self, ctx, stream) -> None:
         """Step 2 on ``stream`` (the first producer stream, or the caller's stream without producer streams)."""
@@ -55,7 +59,7 @@ class BarrierOnly:
     the same call (``call``: its header, Context.call)."""
 
     num_streams = 0
-    copies_first = hold_consumer = False
+    copies_first = hold_consumer = gate_consumer = False
 
     def __init__(self, call=None):
         self.call = call
@@ -87,7 +91,7 @@ def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consume
     first = streams[0]
     first.wait_stream(caller)  # 1. follow
     producer.open(ctx, first)  # 2. open
-    if gate or ctx.num_hosts > 1:  # (across hosts the opening compares the calls: nothing runs before that)
+    if gate or producer.gate_consumer or ctx.num_hosts > 1:  # (across hosts the opening compares the calls)
         caller.wait_stream(first)
     for s in streams[1:]:
         s.wait_stream(first)

@@ -75,7 +75,7 @@ class Scatter:
     ``call``: the call's header (Context.call). Its copies wait for the GEMM, so the GEMM is never held
     (pipeline step 3); across hosts over NCCL the op sums the partials only after the join (GEMMReduceScatter)."""
 
-    copies_first = hold_consumer = False
+    copies_first = hold_consumer = gate_consumer = False
 
     def __init__(self, ctx, layout: ChunkLayout, stage: Staging, recv, counters, counts, num_streams: int | None,
                  call=None):
