@@ -64,11 +64,12 @@ def _timed(ctx, fn):
 
 
 # --------------------------------------------------------------------------------------------- a peer absent
-def _peer_absent(repeated: bool, T: float):
+def _peer_absent(repeated: bool, T: float, mode: str = "push"):
     """Rank 1 does not make a call within the timeout: on a shape's first call the others' agreement on shapes
-    times out; on a repeated call (agreed before), their call's barrier does. Either names rank 1."""
+    times out; on a repeated call (agreed before), their call's barrier does. Either names rank 1. ``mode``: the
+    gather's (pull holds the GEMM until its opening steps are done: the barrier's timeout must still end it)."""
     with to.Context(timeout_s=T) as ctx:
-        op = to.AllGatherGEMM(ctx, fallback="never")
+        op = to.AllGatherGEMM(ctx, to.AllGatherGEMMConfig(mode=mode), fallback="never")
         if repeated:
             _correct(op, ctx)
         out = None
@@ -88,9 +89,10 @@ def _peer_absent(repeated: bool, T: float):
         return out
 
 
-@pytest.mark.parametrize("repeated", [False, True], ids=["first_call", "repeated_call"])
-def test_peer_absent(pool, repeated):
-    pool.run(_peer_absent, repeated, timeout_for(pool))
+@pytest.mark.parametrize("repeated,mode", [(False, "push"), (True, "push"), (True, "pull")],
+                         ids=["first_call", "repeated_call", "repeated_call_pull"])
+def test_peer_absent(pool, repeated, mode):
+    pool.run(_peer_absent, repeated, timeout_for(pool), mode)
 
 
 # ------------------------------------------------------------------------------------------- shapes disagree
