@@ -55,7 +55,7 @@ class Gather:
         #: the exchanges block the host (not NCCL), and once a consumer fills every SM with programs waiting for
         #: chunks, a blocked host might wait on a copy that needs an SM
         self.copies_first = self.remote
-        #: pull's opening copy runs on SMs (a copy within the GPU): the consumer waits for it (pipeline step 2)
+        #: pull: the consumer waits for the opening copy (above)
         self.gate_consumer = mode == "pull"
 
     def open(self, ctx, stream) -> None:

@@ -9,7 +9,7 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    peer has reached step 1 too, so its workspaces and flags may be written, and makes the same call: the barrier
    compares the ranks' call headers), then the other producer streams wait for it. With ``gate`` the caller's
    stream waits for it as well: a consumer that can fill every SM with programs waiting for chunks must not start
-   before the barrier kernel has found an SM on every rank. A producer that ``gate_consumer`` asks the same for
+   before the barrier kernel has found an SM on every rank. A producer with ``gate_consumer`` asks the same for
    itself: its opening steps need SMs too (a copy within one GPU, which the driver runs on SMs). On a group that
    spans hosts the caller's stream always waits: the opening then also compares the call with the other hosts'
    ranks (producers.link);
