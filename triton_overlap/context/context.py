@@ -249,6 +249,12 @@ class Context:
         return self.backend_name
 
     @property
+    def interpreted(self) -> bool:
+        """Whether kernels run in Triton's interpreter on the CPU (the host backend): a launch runs to its end before
+        the host goes on, and float accumulations take float32 dots."""
+        return self.backend_name == "host"
+
+    @property
     def num_hosts(self) -> int:
         """How many hosts the group's ranks are on (hostname and boot id; TRITON_OVERLAP_VIRTUAL_HOSTS splits one
         machine into several for tests)."""
