@@ -185,7 +185,10 @@ class Context:
         # while a kernel that waits on peers occupies the GPU may wait for that kernel); built alone first, so that
         # the ranks' first barrier starts in step rather than a kernel build apart
         self._build_barrier()
-        self._exchange(None, "Context set-up")
+        devices = self._exchange(self._device_key(), "Context set-up")
+        #: how many of the group's ranks run on this rank's GPU (1 on a GPU of its own): several when ranks share one
+        #: GPU, where a copy between them is a copy within the GPU, which runs on SMs (num_compute_units)
+        self.ranks_on_device = 1 if devices[self.rank] is None else devices.count(devices[self.rank])
         self._open_link()
         self.barrier()
         self.synchronize()
@@ -522,7 +525,16 @@ class Context:
         return self._backend.use_stream(stream)
 
     def num_compute_units(self) -> int:
-        return self._backend.num_compute_units()
+        """The SMs (CUs) a persistent kernel may fill. Where ranks share one GPU, one fewer: their copies run on SMs
+        there, and a consumer holding every SM while it waits for such a copy would wait for ever."""
+        units = self._backend.num_compute_units()
+        return max(1, units - 1) if self.ranks_on_device > 1 else units
+
+    def _device_key(self):
+        """What identifies this rank's GPU among the group's (None where kernels are interpreted)."""
+        if self.device.type != "cuda":
+            return None
+        return self.topology.host_of(self.rank), str(torch.cuda.get_device_properties(self.device).uuid)
 
     # ----------------------------------------------------------- synchronising
     def barrier(self, stream: Stream | None = None, call: Call | None = None) -> None:
