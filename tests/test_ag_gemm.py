@@ -448,7 +448,7 @@ def test_pull_gates_the_consumer():
     at once. The order of steps as the pipeline enqueues them, with recording stand-ins for streams and Context."""
     from types import SimpleNamespace
 
-    from triton_overlap.plan import ChunkLayout
+    from triton_overlap.plan import ChunkLayout, gather_schedule
     from triton_overlap.producers import gather, pipeline
 
     log = []
@@ -461,10 +461,10 @@ def test_pull_gates_the_consumer():
             log.append(f"{self.name} waits {other.name}")
 
     caller, first = S("caller"), S("first")
-    ctx = SimpleNamespace(num_hosts=1, local_ranks=[0, 1], holds_for_link=False, backend="cuda",
+    ctx = SimpleNamespace(num_hosts=1, local_ranks=[0, 1], holds_for_link=False, backend="cuda", interpreted=False,
                           current_stream=lambda: caller, streams=lambda n: [first])
     for mode, consumer_first in [("push", True), ("push", False), ("pull", True), ("pull", False)]:
-        g = gather.Gather(ctx, ChunkLayout(2, 8, 4), [], None, mode=mode)
+        g = gather.Gather(ctx, gather_schedule(ChunkLayout(2, 8, 4), 0, [(0, 1)], mode=mode), [], None)
         g.open = lambda ctx, stream: log.append("open")
         g.enqueue = lambda ctx, streams: log.append("copies")
         g.finish = lambda ctx: log.append("finish")

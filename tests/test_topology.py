@@ -13,7 +13,7 @@ import torch.distributed as dist
 import triton_overlap as to
 from refs import TOL, rand, rel_err
 from triton_overlap.context.topology import VIRTUAL_HOSTS_ENV, Topology
-from triton_overlap.plan import ChunkLayout, gather_tile_order, scatter_tile_order
+from triton_overlap.plan import ChunkLayout, gather_schedule, scatter_schedule
 
 
 def _shm():
@@ -155,11 +155,16 @@ def test_tile_orders_between_hosts():
     """Across hosts the AllGather consumer takes its own host's chunks first and the other hosts' chunk by chunk;
     the ReduceScatter producer computes the other hosts' owners' rows first (they take the network)."""
     layout = ChunkLayout(4, 8, 4)  # 4 ranks of 8 rows, 2 chunks each; 4-row tiles: tile t is chunk t
-    assert gather_tile_order(layout, 0, 1, 4) == [0, 1, 6, 7, 4, 5, 2, 3]
-    order = gather_tile_order(layout, 0, 1, 4, local={0, 1})
-    assert order[:4] == [0, 1, 2, 3] and set(order[4:6]) == {4, 6} and set(order[6:]) == {5, 7}
-    order = scatter_tile_order(layout, 0, 4, local={0, 1})
-    assert set(order[:4]) == {4, 5, 6, 7} and order[4:6] == [2, 3] and order[6:] == [0, 1]
+    one_host, two_hosts = [(0, 1, 2, 3)], [(0, 1), (2, 3)]
+    assert gather_schedule(layout, 0, one_host, num_streams=1, block_m=4).tile_order == (0, 1, 6, 7, 4, 5, 2, 3)
+    sched = gather_schedule(layout, 0, two_hosts, num_streams=1, block_m=4)
+    order = sched.tile_order
+    assert order[:4] == (0, 1, 2, 3) and set(order[4:6]) == {4, 6} and set(order[6:]) == {5, 7}
+    assert sched.copy_streams == ((1,),) and sched.counterparts == (2,) and sched.num_streams == 2
+    sched = scatter_schedule(layout, 0, two_hosts, copy=False, block_m=4, n_tiles=1, fused=True)
+    order = sched.tile_order
+    assert set(order[:4]) == {4, 5, 6, 7} and order[4:6] == (2, 3) and order[6:] == (0, 1)
+    assert sched.copy and sched.remote == (2, 3) and sched.copy_streams == (((1, 0), (1, 1)),)
 
 
 def test_topology_from_keys():

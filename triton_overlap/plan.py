@@ -101,29 +101,141 @@ class ChunkLayout:
         return counts
 
 
-def gather_tile_order(layout: ChunkLayout, rank: int, n_streams: int, block_m: int, local=None) -> list[int]:
-    """AllGather consumer: this rank's own m-tiles first (read in place), then the others in the order their
-    chunks arrive (peer ``(rank - i) % W`` sends to us at its step i, on its stream ``(i - 1) % n_streams``).
-    ``local``: the ranks on this rank's host, where the group spans hosts: their chunks come first (copy engines),
-    then the other hosts' ranks' chunk by chunk (they arrive through the network, or forwarded after it)."""
-    peers = arrival_order(rank, layout.world)
-    if local is None:
-        return layout.tile_order(block_m, layout.stream_schedule(n_streams, peers))
-    near = [p for p in peers if p in local]
-    when = layout.stream_schedule(n_streams, near) if near else {}
-    start = max((t for t, _ in when.values()), default=-1) + 1
-    for i, p in enumerate(q for q in peers if q not in local):
-        for j in range(layout.chunks_per_rank):
-            when[layout.chunk_id(p, j)] = (start + j, i)
-    return layout.tile_order(block_m, when)
+def _host_of(rank: int, hosts) -> tuple:
+    """The ranks on ``rank``'s host (``hosts``: the group's hosts, each a tuple of ranks; Topology.hosts)."""
+    return next(tuple(h) for h in hosts if rank in h)
 
 
-def scatter_tile_order(layout: ChunkLayout, rank: int, block_m: int, local=None) -> list[int]:
-    """ReduceScatter producer: peers' m-tiles first, in send order and chunk by chunk, this rank's own last.
-    ``local``: the ranks on this rank's host, where the group spans hosts: the other hosts' owners' tiles come first
-    (their partials take the network)."""
-    peers = send_order(rank, layout.world)
-    if local is not None:
-        peers = [p for p in peers if p not in local] + [p for p in peers if p in local]
-    when = {layout.chunk_id(p, j): (i, j) for i, p in enumerate(peers) for j in range(layout.chunks_per_rank)}
-    return layout.tile_order(block_m, when, last=True)
+def _streams(peers: list[int], num_streams: int | None) -> tuple:
+    """``peers`` dealt out to copy streams in turn: ``num_streams`` of them (None: one per peer), at most one per
+    peer; each stream serves its peers one after another."""
+    if not peers:
+        return ()
+    n = max(1, min(num_streams or len(peers), len(peers)))
+    return tuple(tuple(peers[s::n]) for s in range(n))
+
+
+def _arrivals(layout: ChunkLayout, streams: tuple) -> dict[int, tuple[int, int]]:
+    """When each chunk of each peer moves, for peers dealt out to ``streams`` as ``_streams`` does: {chunk id:
+    (position in its stream, stream)}; a stream moves its peers chunk by chunk, and streams run at once."""
+    when: dict[int, tuple[int, int]] = {}
+    for s, peers in enumerate(streams):
+        for i, peer in enumerate(peers):
+            for j in range(layout.chunks_per_rank):
+                when[layout.chunk_id(peer, j)] = (i * layout.chunks_per_rank + j, s)
+    return when
+
+
+@dataclass(frozen=True)
+class GatherSchedule:
+    """Every decision of one all-gather call, made once per shape and configuration: producers execute it, the
+    consumer's launcher takes its tile order.
+
+    ``copy_streams``: per copy stream within the host, the peers it serves in order (push: the peers this rank's
+    rows go to; pull: the peers whose rows it reads). ``counterparts``: the ranks at this rank's local index on the
+    other hosts, exchanged with on one more stream (empty within one host). ``tile_order``: the consumer's m-tiles,
+    own rows first, then in the order their chunks arrive (empty where the consumer orders its own work).
+    ``reset_by``: who zeroes this rank's flags after the call: "consumer" (its last program) or "producer"
+    (the pipeline's closing step)."""
+
+    layout: ChunkLayout
+    rank: int
+    local: tuple
+    mode: str
+    copy_streams: tuple
+    counterparts: tuple
+    tile_order: tuple
+    reset_by: str
+
+    @property
+    def num_streams(self) -> int:
+        """Producer streams: the copy streams, and one for the exchanges between hosts."""
+        return len(self.copy_streams) + int(bool(self.counterparts))
+
+
+def gather_schedule(layout: ChunkLayout, rank: int, hosts, *, mode: str = "push", num_streams: int | None = None,
+                    block_m: int | None = None, reset_by: str = "consumer") -> GatherSchedule:
+    """The schedule of an all-gather of ``layout`` on ``rank`` (``hosts``: the group's hosts, each a tuple of
+    ranks). Push: peer ``send_order(rank)[i]`` is served on stream ``i % n``; pull reads peers in the order push
+    would deliver them. Every rank runs the same schedule shifted by its rank, so the chunks reaching this rank
+    follow ``arrival_order`` on the same deal of streams, whatever the mode: the tile order (``block_m``: the
+    consumer's m-tile; None: no tile order) takes this rank's own tiles first, then the host's peers' as they
+    arrive, then the other hosts' ranks' chunk by chunk (they come through the network, or forwarded after it)."""
+    if mode not in ("push", "pull"):
+        raise ValueError(f"gather mode must be 'push' or 'pull', got {mode!r}")
+    if reset_by not in ("consumer", "producer"):
+        raise ValueError(f"gather flags are reset by 'consumer' or 'producer', got {reset_by!r}")
+    W = layout.world
+    local = _host_of(rank, hosts)
+    counterparts = tuple(h[local.index(rank)] for h in hosts if tuple(h) != local)
+    if counterparts and mode == "pull":
+        raise ValueError("gather: pull mode reads peers' memory, which other hosts' ranks are not: use push")
+    order = send_order if mode == "push" else arrival_order
+    copy_streams = _streams([d for d in order(rank, W) if d in local], num_streams)
+    tiles: tuple = ()
+    if block_m is not None:
+        arriving = arrival_order(rank, W)
+        when = _arrivals(layout, _streams([p for p in arriving if p in local], num_streams))
+        start = max((t for t, _ in when.values()), default=-1) + 1
+        for i, p in enumerate(q for q in arriving if q not in local):
+            for j in range(layout.chunks_per_rank):
+                when[layout.chunk_id(p, j)] = (start + j, i)
+        tiles = tuple(layout.tile_order(block_m, when))
+    return GatherSchedule(layout, rank, local, mode, copy_streams, counterparts, tiles, reset_by)
+
+
+@dataclass(frozen=True)
+class ScatterSchedule:
+    """Every decision of one reduce-scatter call whose partial rows a GEMM produces (GEMM-RS), made once per shape
+    and configuration.
+
+    ``copy_streams`` (copy variant): per copy stream, the (owner, chunk) pairs it moves in order; a peer's chunks
+    take turns among the streams where there are more streams than peers. ``remote``: the owners on other hosts,
+    whose chunks go through the process group on one more stream (empty within one host). ``tile_order``: the
+    GEMM's m-tiles, other hosts' owners' rows first (they take the network), then this host's peers' in send order
+    and chunk by chunk, this rank's own last. ``counts[owner][j]``: the count chunk ``j`` of each owner's rows
+    reaches once every tile over it is stored (ChunkLayout.tile_stores). ``reset_by``: who zeroes this rank's
+    counters after the call: "consumer" (the GEMM's last program, where it sums the partials itself) or
+    "reduction" (the reduction kernel's stream, after it)."""
+
+    layout: ChunkLayout
+    rank: int
+    local: tuple
+    copy: bool
+    copy_streams: tuple
+    remote: tuple
+    tile_order: tuple
+    counts: tuple
+    reset_by: str
+
+    @property
+    def num_streams(self) -> int:
+        """Producer streams: the copy streams, and one for the exchanges between hosts."""
+        return len(self.copy_streams) + int(bool(self.remote))
+
+
+def scatter_schedule(layout: ChunkLayout, rank: int, hosts, *, copy: bool, num_streams: int | None = None,
+                     block_m: int, n_tiles: int, fused: bool) -> ScatterSchedule:
+    """The schedule of a GEMM-RS call of ``layout`` on ``rank`` (``hosts``: the group's hosts, each a tuple of
+    ranks). ``copy``: copy engines move the peers' chunks (else the GEMM stores them into the peers itself); across
+    hosts always. ``num_streams``: copy streams (None: one per peer), at most one per chunk sent. ``block_m`` and
+    ``n_tiles``: the GEMM's m-tile and its tiles across the columns. ``fused``: the GEMM sums the partials."""
+    W, cpr = layout.world, layout.chunks_per_rank
+    local = _host_of(rank, hosts)
+    remote = tuple(p for p in range(W) if p not in local)
+    peers = [d for d in send_order(rank, W) if d in local]
+    copy = copy or bool(remote)
+    streams: tuple = ()
+    if copy and peers:
+        n = max(1, min(num_streams or len(peers), len(peers) * cpr))
+        per: list[list] = [[] for _ in range(n)]
+        for i, d in enumerate(peers):
+            for j in range(cpr):
+                per[(i + len(peers) * j) % n].append((d, j))
+        streams = tuple(tuple(p) for p in per)
+    ordered = [p for p in send_order(rank, W) if p not in local] + peers
+    when = {layout.chunk_id(p, j): (i, j) for i, p in enumerate(ordered) for j in range(cpr)}
+    tiles = tuple(layout.tile_order(block_m, when, last=True))
+    counts = tuple(tuple(c) for c in layout.tile_stores(block_m, n_tiles))
+    return ScatterSchedule(layout, rank, local, copy, streams, remote, tiles, counts,
+                           "consumer" if fused else "reduction")

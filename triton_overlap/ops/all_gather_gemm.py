@@ -7,12 +7,14 @@ it reads; its last program resets the flags. Fallback: NCCL all_gather + torch.m
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..context.collectives import all_gather_rows
 from ..kernels import gemm_gather_hopper as gather_hopper
 from ..kernels.gemm import launch_gemm, plain_gemm
-from ..plan import ChunkLayout, gather_tile_order
+from ..plan import ChunkLayout, GatherSchedule, gather_schedule
 from ..producers import pipeline
 from ..producers.gather import Gather
 from .base import OverlapOp, call_key, with_overrides, with_tiles
@@ -21,6 +23,20 @@ from .config import AllGatherGEMMConfig
 
 #: fallback="auto" takes NCCL + torch.matmul below this many bytes per rank's shard
 FALLBACK_SHARD_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class AllGatherGEMMSchedule:
+    """One AllGather-GEMM call's decisions (AllGatherGEMM.schedule): ``cfg`` with the consumer's own tiles,
+    ``gemm`` the consumer ("gemm_gather_hopper" or "gemm") and ``b_layout`` B's descriptor layout for the Gluon
+    GEMM (None: kernels.gemm), ``gather`` the producer's schedule, ``order`` its tile order on the device, ``call``
+    the header the call's barrier compares."""
+    cfg: AllGatherGEMMConfig
+    gemm: str
+    b_layout: str | None
+    gather: GatherSchedule
+    order: torch.Tensor
+    call: object
 
 
 class AllGatherGEMM(OverlapOp):
@@ -124,48 +140,52 @@ class AllGatherGEMM(OverlapOp):
 
     # --------------------------------------------------------------------------- plan, consumer, fallback
     def _overlap(self, a, w, bias, out, overrides, scales=()) -> None:
-        """Enqueue one overlapped call (what ReplayCache captures)."""
+        """Enqueue one overlapped call (what ReplayCache captures): check, schedule, run."""
         ctx = self.ctx
-        W = ctx.world_size
-        m_local, K = a.shape
-        cfg = self.config_for((m_local * W, K, w.shape[1]), "_fp8" if scales else "")
-        cfg = with_overrides(cfg, overrides)
         ws = self._workspace(a)
-        mode = "push" if ctx.num_hosts > 1 else cfg.mode  # (other hosts' memory cannot be read: they send)
-        b_layout = gather_hopper.layout_for(ctx, a, ws.local, w, out, m_local) if wants_gluon(cfg, mode) else None
-        if b_layout is not None:  # the Gluon GEMM's own tiles, and so its own plan
-            cfg = with_tiles(cfg, gather_hopper.TILES)
-        self.last_gemm = "gemm_gather_hopper" if b_layout is not None else "gemm"
-        layout, order = self._plan(m_local, K * a.element_size(), cfg)
-        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+        sched = self.schedule(a, ws, w, out, overrides, bool(scales))
+        self.last_gemm = sched.gemm
+        flags = ctx.symmetric(f"{self.name}.flags", (sched.gather.layout.num_chunks,), torch.int32)
         self.state["buffers"] = {"workspace": ws.local}
-        call = self.call_header((m_local, K, a.dtype, layout.m_per_chunk, mode), (m_local, K))
-        producer = Gather(ctx, layout, [(a, ws)], flags, mode=mode, num_streams=cfg.num_streams, call=call)
+        producer = Gather(ctx, sched.gather, [(a, ws)], flags, call=sched.call)
+        layout, order, cfg = sched.gather.layout, sched.order, sched.cfg
 
-        def consumer():  # its last program zeroes the flags: every one was seen, peers set them after the next barrier
-            if b_layout is not None:
-                gather_hopper.launch_ag_gemm(ctx, b_layout, a, ws.local, w, out, bias, layout, order, flags.local,
-                                             self._exit_counts(), op=self.op)
+        def consumer():  # its last program zeroes the flags (sched.gather.reset_by): every one was seen, peers set
+            # them again only after the next barrier
+            if sched.b_layout is not None:
+                gather_hopper.launch_ag_gemm(ctx, sched.b_layout, a, ws.local, w, out, bias, layout, order,
+                                             flags.local, self._exit_counts(), op=self.op)
                 return
             launch_gemm(ctx, cfg, a, w, out, order=order, flags=flags.local, layout=layout, bias=bias,
                         scales=scales or None, workspace=ws.local, exit_counts=self._exit_counts(), op=self.op,
                         tma_store=cfg.tma_store)
 
-        first = cfg.consumer_first and self.warm((layout, mode))
+        first = cfg.consumer_first and self.warm((layout, sched.gather.mode))
         pipeline.run(ctx, producer, consumer, consumer_first=first)
 
-    def _plan(self, m_local: int, row_bytes: int, cfg) -> tuple[ChunkLayout, torch.Tensor]:
-        """The chunking of each rank's rows and the GEMM's m-tile order, built once per shape and config."""
+    def schedule(self, a, ws, w, out, overrides, fp8: bool) -> "AllGatherGEMMSchedule":
+        """Every decision of a call of these operands, made once per shape, configuration and consumer: the config,
+        the consumer GEMM and B's descriptor layout (which depend on the operands' alignment, so they are found
+        first), the gather's schedule (chunks, streams, tile order) and the call's header."""
         ctx = self.ctx
-        layout = ChunkLayout(ctx.world_size, m_local, cfg.chunk_rows(m_local, row_bytes))
-        streams = max(1, min(cfg.num_streams or ctx.world_size - 1, ctx.world_size - 1))
-        plans = self.state.setdefault("plans", {})
-        key = (layout, cfg.block_m, streams)
-        if key not in plans:
-            local = set(ctx.local_ranks) if ctx.num_hosts > 1 else None
-            order = gather_tile_order(layout, ctx.rank, streams, cfg.block_m, local)
-            plans[key] = torch.tensor(order, dtype=torch.int32, device=ctx.device)
-        return layout, plans[key]
+        m_local, K = a.shape
+        cfg = with_overrides(self.config_for((m_local * ctx.world_size, K, w.shape[1]), "_fp8" if fp8 else ""),
+                             overrides)
+        mode = "push" if ctx.num_hosts > 1 else cfg.mode  # (other hosts' memory cannot be read: they send)
+        b_layout = gather_hopper.layout_for(ctx, a, ws.local, w, out, m_local) if wants_gluon(cfg, mode) else None
+        key = (m_local, K, a.dtype, cfg, mode, b_layout)
+        found = self.state.setdefault("schedules", {}).get(key)
+        if found is None:
+            if b_layout is not None:  # the Gluon GEMM's own tiles, and so its own tile order
+                cfg = with_tiles(cfg, gather_hopper.TILES)
+            layout = ChunkLayout(ctx.world_size, m_local, cfg.chunk_rows(m_local, K * a.element_size()))
+            gather = gather_schedule(layout, ctx.rank, ctx.topology.hosts, mode=mode, num_streams=cfg.num_streams,
+                                     block_m=cfg.block_m)
+            call = self.call_header((m_local, K, a.dtype, layout.m_per_chunk, mode), (m_local, K))
+            found = self.state["schedules"][key] = AllGatherGEMMSchedule(
+                cfg, "gemm_gather_hopper" if b_layout is not None else "gemm", b_layout, gather,
+                torch.tensor(gather.tile_order, dtype=torch.int32, device=ctx.device), call)
+        return found
 
     def _workspace(self, a):
         """The symmetric [M, K] workspace the peers' rows land in (every rank's, in rank order)."""

@@ -18,7 +18,7 @@ from ..kernels.attention import Blocks, Documents, launch_fwd, segment_table
 from ..kernels.attention_bwd import backward_scratch, launch_bwd, launch_reduce_dkdv
 from ..kernels.attention_hopper import hopper
 from ..kernels.signal import WHAT_PARTIALS
-from ..plan import ChunkLayout
+from ..plan import ChunkLayout, GatherSchedule, gather_schedule
 from ..producers import pipeline
 from ..producers.gather import Gather
 from ..producers.link import link
@@ -224,23 +224,33 @@ class ContextParallelAttention(OverlapOp):
         return out, lse
 
     # --------------------------------------------------------------------------- plan, consumers
-    def _kv(self, k):
-        """The plan: each rank's K/V rows in chunks, and the symmetric K and V workspaces and flags."""
+    def schedule(self, k, cfg) -> GatherSchedule:
+        """The gather's schedule for K/V of this shape and config, made once: each rank's K/V rows in
+        ``chunks_per_rank`` chunks, K and V pushed together on ``cfg.num_streams`` streams, and the flags reset by
+        the producer after the call (the kernels wait for every one and leave them)."""
+        key = (k.shape[1], self.chunks_per_rank, cfg.num_streams)
+        schedules = self.state.setdefault("schedules", {})
+        if key not in schedules:
+            ctx, S = self.ctx, k.shape[1]
+            layout = ChunkLayout(ctx.world_size, S, S // self.chunks_per_rank)
+            schedules[key] = gather_schedule(layout, ctx.rank, ctx.topology.hosts, num_streams=cfg.num_streams,
+                                             reset_by="producer")
+        return schedules[key]
+
+    def _kv(self, k, sched: GatherSchedule):
+        """The symmetric K and V workspaces and the flags of ``sched``'s chunks."""
         ctx = self.ctx
         B, S, Hkv, D = k.shape
         W = ctx.world_size
-        layout = ChunkLayout(W, S, S // self.chunks_per_rank)
         kws = ctx.symmetric(f"{self.name}.k", (B, W * S, Hkv, D), k.dtype)
         vws = ctx.symmetric(f"{self.name}.v", (B, W * S, Hkv, D), k.dtype)
-        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+        flags = ctx.symmetric(f"{self.name}.flags", (sched.layout.num_chunks,), torch.int32)
         self.state.setdefault("buffers", {}).update(k=kws.local, v=vws.local)
-        return layout, kws, vws, flags
+        return kws, vws, flags
 
-    def _gather(self, layout, k, v, kws, vws, flags, call, cfg) -> Gather:
-        """The producer: K and V pushed together, chunk by chunk, on ``cfg.num_streams`` streams; the caller resets
-        the flags after the call (the kernels waited for every one)."""
-        return Gather(self.ctx, layout, [(k, kws), (v, vws)], flags, dim=1, num_streams=cfg.num_streams,
-                      reset_flags=True, call=call)
+    def _gather(self, sched, k, v, kws, vws, flags, call) -> Gather:
+        """The producer: K and V moved together, chunk by chunk, as ``sched`` says."""
+        return Gather(self.ctx, sched, [(k, kws), (v, vws)], flags, dim=1, call=call)
 
     def _header(self, step: str, k, local_cu, kept: bool = False):
         """The call's header: what every rank's K/V, chunking and documents must agree on."""
@@ -258,14 +268,14 @@ class ContextParallelAttention(OverlapOp):
         tiles = self.state.get("tile counter")
         if tiles is None:
             tiles = self.state["tile counter"] = torch.zeros(2, dtype=torch.int32, device=ctx.device)
-        layout = ChunkLayout(ctx.world_size, k.shape[1], k.shape[1] // self.chunks_per_rank)
+        sched = self.schedule(k, cfg)
+        layout = sched.layout
         if ctx.world_size == 1:
             kw, vw, flags, producer = k, v, all_ready(ctx, layout.num_chunks), None
         else:
-            _, kws, vws, symmetric_flags = self._kv(k)
+            kws, vws, symmetric_flags = self._kv(k, sched)
             kw, vw, flags = kws.local, vws.local, symmetric_flags.local
-            producer = self._gather(layout, k, v, kws, vws, symmetric_flags, self._header("forward", k, local_cu),
-                                    cfg)
+            producer = self._gather(sched, k, v, kws, vws, symmetric_flags, self._header("forward", k, local_cu))
 
         def consumer():
             launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, layout.m_per_chunk, layout.chunks_per_rank, scale,
@@ -291,7 +301,8 @@ class ContextParallelAttention(OverlapOp):
         B, S, Hq, D = q.shape
         Hkv = k.shape[2]
         cfg = self.config_for(self.shape_key(q, k, causal))
-        layout = ChunkLayout(W, S, S // self.chunks_per_rank)
+        sched = self.schedule(k, cfg)
+        layout = sched.layout
         recv = ctx.symmetric(f"{self.name}.dkv", (W, 2, B, S, Hkv, D), torch.float32)
         counters = ctx.symmetric(f"{self.name}.dkv_count", (W,), torch.int32)
         self.state.setdefault("buffers", {})["dK/dV receive slots"] = recv.local
@@ -304,9 +315,9 @@ class ContextParallelAttention(OverlapOp):
         elif kept:  # no gather: every chunk is ready; the barrier orders our dK/dV stores into peers
             kw, vw, ready, producer = kept_k, kept_v, all_ready(ctx, layout.num_chunks), pipeline.BarrierOnly(call)
         else:
-            layout, kws, vws, flags = self._kv(k)
+            kws, vws, flags = self._kv(k, sched)
             kw, vw, ready = kws.local, vws.local, flags.local
-            producer = self._gather(layout, k, v, kws, vws, flags, call, cfg)
+            producer = self._gather(sched, k, v, kws, vws, flags, call)
         scratch = backward_scratch(ctx, q, k, v, kw, vw, dq, ready, cfg.dkdv, W, docs_dkdv)
 
         recv_ptrs, counter_ptrs, staged = recv.ptrs, counters.ptrs, None

@@ -15,13 +15,15 @@ Fallback: torch.matmul + NCCL reduce-scatter.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..context.collectives import reduce_scatter_rows
 from ..kernels import gemm_warp_specialized as warp_specialized
 from ..kernels.gemm import ScatterTarget, launch_gemm
 from ..kernels.reduce import launch_reduce
-from ..plan import ChunkLayout, cdiv, scatter_tile_order
+from ..plan import ChunkLayout, ScatterSchedule, cdiv, scatter_schedule
 from ..producers import pipeline
 from ..producers.scatter import Scatter, staging
 from .base import OverlapOp, call_key, with_overrides, with_tiles
@@ -59,6 +61,23 @@ def wants_warp_specialized(cfg: GEMMReduceScatterConfig) -> bool:
     """Whether ``cfg`` lets a fused call take the warp-specialized GEMM (where the call can run on it)."""
     want = cfg.warp_specialized_default if cfg.warp_specialized is None else cfg.warp_specialized
     return bool(want) and cfg.claim != 1 and not cfg.defer_release
+
+
+@dataclass(frozen=True, eq=False)
+class GEMMReduceScatterSchedule:
+    """One GEMM-RS call's decisions (GEMMReduceScatter.schedule): ``cfg`` with the GEMM's own tiles, ``fuse``
+    whether the GEMM sums the partials itself, ``gemm`` ("gemm_warp_specialized" or "gemm") and ``b_layout`` B's
+    descriptor layout for the warp-specialized GEMM (None: kernels.gemm), ``scatter`` the producer's schedule,
+    ``order`` its tile order and ``expected`` this rank's counts per chunk on the device, ``call`` the header the
+    call's barrier compares."""
+    cfg: GEMMReduceScatterConfig
+    fuse: bool
+    gemm: str
+    b_layout: str | None
+    scatter: ScatterSchedule
+    order: torch.Tensor
+    expected: torch.Tensor
+    call: object
 
 
 class GEMMReduceScatter(OverlapOp):
@@ -165,33 +184,30 @@ class GEMMReduceScatter(OverlapOp):
         return cfg, fuse, b_layout
 
     def _overlap(self, a, w, bias, out, overrides) -> None:
-        """Enqueue one overlapped call (what ReplayCache captures)."""
+        """Enqueue one overlapped call (what ReplayCache captures): schedule, then run."""
         ctx = self.ctx
         W = ctx.world_size
         M, N = a.shape[0], w.shape[1]
         m_local = M // W
-        cfg, fuse, b_layout = self._gemm_config(a, w, overrides)
-        # across hosts always the copy variant: the GEMM cannot store into another host's memory
-        copy = ctx.num_hosts > 1 or scatter_mode(cfg, M, N, a.element_size(), ctx.backend, W) == "copy"
+        sched = self.schedule(a, w, overrides)
+        cfg, fuse, b_layout, copy = sched.cfg, sched.fuse, sched.b_layout, sched.scatter.copy
+        layout, order, expected = sched.scatter.layout, sched.order, sched.expected
         late = ctx.holds_for_link
-        self.last_gemm = "gemm_warp_specialized" if b_layout is not None else "gemm"
-        layout, order, expected, counts = self._plan(m_local, N, cfg, a.element_size())
+        self.last_gemm = sched.gemm
         recv = ctx.symmetric(f"{self.name}.recv", (W, m_local, N), a.dtype)
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
         # the warp-specialized GEMM's store variant: each rank's start count, instead of a barrier (PEER_STORES)
         starts = ctx.symmetric(f"{self.name}.starts", (W,), torch.int32) if b_layout is not None and not copy else None
         c = recv.local.view(W * m_local, N)
         self.state["buffers"] = {"receive slots": recv.local}
-        call = self.call_header((M, N, a.dtype, "copy" if copy else "store", fuse, b_layout is not None,
-                                 layout.m_per_chunk, cfg.block_m, cfg.block_n), (M, N))
         if copy:  # peers' tiles to a local staging buffer; copy engines move them on
             stage = staging(ctx, recv, counters, layout)
             self.state["buffers"]["staging"] = stage.partials
-            producer = Scatter(ctx, layout, stage, recv, counters, counts, cfg.num_streams, call=call)
+            producer = Scatter(ctx, sched.scatter, stage, recv, counters, call=sched.call)
             ptrs, counter_ptrs = stage.ptrs, stage.counter_ptrs
         else:  # peers' tiles straight into their receive slots, once every owner's previous call is done and every
             # rank makes the same call (the barrier; the warp-specialized GEMM also waits for each owner's start)
-            producer = pipeline.BarrierOnly(call)
+            producer = pipeline.BarrierOnly(sched.call)
             ptrs, counter_ptrs = recv.ptrs, counters.ptrs
 
         def reduce():  # a reduction kernel sums the partials; its counters are then reset on this stream
@@ -219,22 +235,30 @@ class GEMMReduceScatter(OverlapOp):
         if late:
             reduce()
 
-    def _plan(self, m_local: int, n: int, cfg, elsize: int):
-        """Chunk layout (each chunk of partial output at least ``cfg.min_chunk_bytes`` where it can), GEMM m-tile
-        order, the count each of our chunks reaches from each source, and every owner's counts
-        (``ChunkLayout.tile_stores``), built once per shape and tiles."""
-        rows = cfg.chunk_rows(m_local, n * elsize)
-        plans = self.state.setdefault("plans", {})
-        key = (m_local, n, cfg.block_m, cfg.block_n, rows)
-        if key not in plans:
-            ctx = self.ctx
-            layout = ChunkLayout(ctx.world_size, m_local, rows)
-            order = scatter_tile_order(layout, ctx.rank, cfg.block_m,
-                                       set(ctx.local_ranks) if ctx.num_hosts > 1 else None)
-            counts = layout.tile_stores(cfg.block_m, cdiv(n, cfg.block_n))
-            plans[key] = (layout, torch.tensor(order, dtype=torch.int32, device=ctx.device),
-                          torch.tensor(counts[ctx.rank], dtype=torch.int32, device=ctx.device), counts)
-        return plans[key]
+    def schedule(self, a, w, overrides) -> "GEMMReduceScatterSchedule":
+        """Every decision of a call of these operands, made once per shape and configuration: the config and the
+        GEMM (_gemm_config), the variant (store or copy: across hosts always copy, the GEMM cannot store into
+        another host's memory), the chunk layout (each chunk of partial output at least ``cfg.min_chunk_bytes``
+        where it can), the scatter's schedule (copy streams, tile order, counts) and the call's header."""
+        ctx = self.ctx
+        W = ctx.world_size
+        (M, K), N = a.shape, w.shape[1]
+        cfg, fuse, b_layout = self._gemm_config(a, w, overrides)
+        copy = ctx.num_hosts > 1 or scatter_mode(cfg, M, N, a.element_size(), ctx.backend, W) == "copy"
+        key = (M, N, a.dtype, cfg, fuse, b_layout, copy)
+        found = self.state.setdefault("schedules", {}).get(key)
+        if found is None:
+            m_local = M // W
+            layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local, N * a.element_size()))
+            scatter = scatter_schedule(layout, ctx.rank, ctx.topology.hosts, copy=copy, num_streams=cfg.num_streams,
+                                       block_m=cfg.block_m, n_tiles=cdiv(N, cfg.block_n), fused=fuse)
+            call = self.call_header((M, N, a.dtype, "copy" if copy else "store", fuse, b_layout is not None,
+                                     layout.m_per_chunk, cfg.block_m, cfg.block_n), (M, N))
+            found = self.state["schedules"][key] = GEMMReduceScatterSchedule(
+                cfg, fuse, "gemm_warp_specialized" if b_layout is not None else "gemm", b_layout, scatter,
+                torch.tensor(scatter.tile_order, dtype=torch.int32, device=ctx.device),
+                torch.tensor(scatter.counts[ctx.rank], dtype=torch.int32, device=ctx.device), call)
+        return found
 
     def _exit_counts(self) -> torch.Tensor:
         """Two int32s for the fused GEMM's tile claims and RESET_AT_EXIT, zero between calls."""

@@ -22,33 +22,25 @@ can block work on the caller's stream (docs/decisions.md).
 """
 from __future__ import annotations
 
-from ..plan import ChunkLayout, arrival_order, send_order
+from ..plan import GatherSchedule
 from .link import link, open_call
 
 
 class Gather:
-    """The producer of one all-gather call (producers.pipeline).
+    """The producer of one all-gather call (producers.pipeline), executing ``schedule`` (plan.GatherSchedule: its
+    mode, each copy stream's peers in order, the counterparts on other hosts, who resets the flags).
 
     ``pairs``: (source, symmetric workspace) pairs moved together, chunk by chunk (K and V for attention); each
     source holds this rank's ``layout.m_local`` rows along ``dim``, each workspace ``W * m_local``. ``flags``: the
-    symmetric int32 flags, one per chunk (``layout.num_chunks``). ``reset_flags``: zero this rank's flags after the
-    call (step 5), for consumers that do not reset them themselves. ``call``: the call's header (Context.call), which
-    the opening barrier compares across ranks. ``num_streams``: copy streams within the host (None: one per peer),
-    at most one per peer.
+    symmetric int32 flags, one per chunk (``layout.num_chunks``). ``call``: the call's header (Context.call), which
+    the opening barrier compares across ranks.
     """
 
-    def __init__(self, ctx, layout: ChunkLayout, pairs, flags, *, dim: int = 0, mode: str = "push",
-                 num_streams: int | None = 1, reset_flags: bool = False, call=None):
-        if mode not in ("push", "pull"):
-            raise ValueError(f"gather mode must be 'push' or 'pull', got {mode!r}")
-        self.remote = ctx.num_hosts > 1
-        if self.remote and mode == "pull":
-            raise ValueError("gather: pull mode reads peers' memory, which other hosts' ranks are not: use push")
-        self.layout, self.pairs, self.flags, self.dim, self.mode = layout, pairs, flags, dim, mode
-        local = len(ctx.local_ranks)
-        self.num_streams = (max(1, min(num_streams or local - 1, local - 1)) if local > 1 else 0) + int(self.remote)
-        self.reset_flags = reset_flags
-        self.call = call
+    def __init__(self, ctx, schedule: GatherSchedule, pairs, flags, *, dim: int = 0, call=None):
+        self.schedule, self.layout, self.mode = schedule, schedule.layout, schedule.mode
+        self.pairs, self.flags, self.dim, self.call = pairs, flags, dim, call
+        self.remote = bool(schedule.counterparts)
+        self.num_streams = schedule.num_streams
         #: the consumer starts once the exchanges between hosts are done (pipeline step 3; Context.holds_for_link)
         self.hold_consumer = ctx.holds_for_link
         #: across hosts the copies are enqueued before the consumer runs (pipeline step 3): the consumer is held, or
@@ -56,7 +48,7 @@ class Gather:
         #: chunks, a blocked host might wait on a copy that needs an SM
         self.copies_first = self.remote
         #: pull: the consumer waits for the opening copy (above)
-        self.gate_consumer = mode == "pull"
+        self.gate_consumer = self.mode == "pull"
 
     def open(self, ctx, stream) -> None:
         open_call(ctx, stream, self.call)
@@ -69,7 +61,7 @@ class Gather:
     def enqueue(self, ctx, streams) -> None:
         local = streams[:-1] if self.remote else streams
         if local:
-            plan = ctx.cached(("gather plan", self.mode, self._key(ctx, local)), lambda: self._plan(ctx, local))
+            plan = ctx.cached(("gather plan", self._key(ctx, local)), lambda: self._plan(ctx, local))
             sources = [src for src, _ in self.pairs]
             for s, steps in plan:
                 for copies, flag in steps:
@@ -84,20 +76,20 @@ class Gather:
         """Chunk by chunk: this rank's chunk to its counterparts, theirs into this rank's workspace, then this rank's
         flag and the forward of each received chunk to this host's peers, with their flags."""
         layout, dim, r = self.layout, self.dim, ctx.rank
-        ln = link(ctx)
-        peers = [d for d in ctx.local_ranks if d != r]
+        ln, counterparts = link(ctx), self.schedule.counterparts
+        peers = [d for d in self.schedule.local if d != r]
         for j in range(layout.chunks_per_rank):
             mine = layout.local_rows(j)
             sends = [(src.narrow(dim, mine.start, mine.stop - mine.start), c)
-                     for c in ln.counterparts for src, _ in self.pairs]
+                     for c in counterparts for src, _ in self.pairs]
             recvs = []
-            for c in ln.counterparts:
+            for c in counterparts:
                 rows = layout.rows(c, j)
                 recvs += [(ws.local.narrow(dim, rows.start, rows.stop - rows.start), c) for _, ws in self.pairs]
             ctx.jitter(s)
-            ln.exchange(s, sends, recvs, f"gather chunk {j} with ranks {ln.counterparts}",
-                        self.call.op if self.call else 0, {c: j for c in ln.counterparts})
-            for c in ln.counterparts:
+            ln.exchange(s, sends, recvs, f"gather chunk {j} with ranks {list(counterparts)}",
+                        self.call.op if self.call else 0, {c: j for c in counterparts})
+            for c in counterparts:
                 rows, chunk = layout.rows(c, j), layout.chunk_id(c, j)
                 s.write_value(self.flags.local[chunk:chunk + 1], 1)
                 for d in peers:
@@ -107,28 +99,26 @@ class Gather:
                     s.write_value(self.flags.peer(d)[chunk:chunk + 1], 1)
 
     def finish(self, ctx) -> None:
-        if self.reset_flags:
+        if self.schedule.reset_by == "producer":
             self.flags.local.zero_()  # every flag was waited for; peers set them again only after the next barrier
 
     def _key(self, ctx, streams):
-        """What the plan depends on: the layout, the streams, every address it writes to, the sources' layouts."""
+        """What the plan depends on: the schedule, the streams, every address it writes to, the sources' layouts."""
         mapped = ctx.local_ranks
         addrs = lambda t: tuple(t.peer(d).data_ptr() for d in mapped)  # noqa: E731 - a grown buffer moves
-        return (self.layout, self.dim, tuple(id(s) for s in streams), addrs(self.flags),
+        return (self.schedule, self.dim, tuple(id(s) for s in streams), addrs(self.flags),
                 tuple((tuple(src.shape), tuple(src.stride()), src.dtype, addrs(ws)) for src, ws in self.pairs))
 
     def _plan(self, ctx, streams):
         """Per stream: [(copies, flag view)] in order, built once per key. A copy is (prepared copy, fixed
         source): push mode reads the call's source tensor (None: it differs from call to call, Stream.plan_copy
         keeps its layout), pull mode a peer's workspace."""
-        layout, dim, r, W = self.layout, self.dim, ctx.rank, ctx.world_size
-        per_stream: dict[int, tuple] = {}
-        local = set(ctx.local_ranks)
-        peers = [d for d in (send_order(r, W) if self.mode == "push" else arrival_order(r, W)) if d in local]
-        for i, d in enumerate(peers):
-            s = streams[i % len(streams)]
-            steps = per_stream.setdefault(id(s), (s, []))[1]
-            for j in range(layout.chunks_per_rank):
+        layout, dim, r = self.layout, self.dim, ctx.rank
+        plan = []
+        for s, peers in zip(streams, self.schedule.copy_streams):
+            steps: list = []
+            plan.append((s, steps))
+            for d, j in ((d, j) for d in peers for j in range(layout.chunks_per_rank)):
                 copies = []
                 if self.mode == "push":  # our chunk j into peer d's workspace, then d's flag
                     rows, mine = layout.rows(r, j), layout.local_rows(j)
@@ -147,4 +137,4 @@ class Gather:
                     c = layout.chunk_id(d, j)
                     flag = self.flags.local[c:c + 1]
                 steps.append((copies, flag))
-        return list(per_stream.values())
+        return plan

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import ChunkLayout, send_order
+from ..plan import ChunkLayout, ScatterSchedule
 from .link import link, open_call
 
 
@@ -54,45 +54,29 @@ def staging(ctx, recv, counters, layout: ChunkLayout) -> Staging:
     return ctx.cached(key, make)
 
 
-def copy_stream_count(layout: ChunkLayout, num_streams: int | None, peers: int | None = None) -> int:
-    """How many copy streams: ``num_streams`` (None: one per peer), at most one per chunk sent; ``peers``: the
-    peers they copy to (None: every other rank)."""
-    peers = layout.world - 1 if peers is None else peers
-    if peers == 0:
-        return 0
-    return max(1, min(num_streams or peers, peers * layout.chunks_per_rank))
-
-
-def copy_stream_index(world: int, n_streams: int, i: int, j: int) -> int:
-    """The stream that copies chunk ``j`` to the ``i``-th peer in send order (1-based): with more streams than
-    peers, a peer's chunks take turns among them and copy side by side, on more copy engines."""
-    return ((i - 1) + (world - 1) * j) % n_streams
-
-
 class Scatter:
-    """The producer of one GEMM-RS copy-variant call (producers.pipeline). ``counts``: ``[owner][j]``, the count
-    chunk j of each owner's rows reaches once the GEMM has stored every tile over it (ChunkLayout.tile_stores);
-    ``call``: the call's header (Context.call). Its copies wait for the GEMM, so the GEMM is never held
+    """The producer of one GEMM-RS copy-variant call (producers.pipeline), executing ``schedule``
+    (plan.ScatterSchedule: each copy stream's (owner, chunk) steps in order, the owners on other hosts, and
+    ``counts[owner][j]``, the count chunk j of each owner's rows reaches once the GEMM has stored every tile over
+    it); ``call``: the call's header (Context.call). Its copies wait for the GEMM, so the GEMM is never held
     (pipeline step 3); across hosts over NCCL the op sums the partials only after the join (GEMMReduceScatter)."""
 
     copies_first = hold_consumer = gate_consumer = False
 
-    def __init__(self, ctx, layout: ChunkLayout, stage: Staging, recv, counters, counts, num_streams: int | None,
-                 call=None):
-        self.layout, self.stage, self.recv, self.counters, self.counts = layout, stage, recv, counters, counts
-        self.remote = ctx.num_hosts > 1
-        self.num_streams = copy_stream_count(layout, num_streams, len(ctx.local_ranks) - 1) + int(self.remote)
+    def __init__(self, ctx, schedule: ScatterSchedule, stage: Staging, recv, counters, call=None):
+        self.schedule, self.layout, self.counts = schedule, schedule.layout, schedule.counts
+        self.stage, self.recv, self.counters = stage, recv, counters
+        self.remote = bool(schedule.remote)
+        self.num_streams = schedule.num_streams
         self.call = call
 
     def open(self, ctx, stream) -> None:
         open_call(ctx, stream, self.call)  # every owner has reduced its previous call and reset its counters
 
     def enqueue(self, ctx, streams) -> None:
-        W, r, cpr = ctx.world_size, ctx.rank, self.layout.chunks_per_rank
-        local, copy_streams = ctx.local_ranks, streams[:-1] if self.remote else streams
-        for i, d in enumerate([d for d in send_order(r, W) if d in local], start=1):
-            for j in range(cpr):
-                s = copy_streams[copy_stream_index(len(local), len(copy_streams), i, j)]
+        r, cpr = ctx.rank, self.layout.chunks_per_rank
+        for s, steps in zip(streams, self.schedule.copy_streams):
+            for d, j in steps:
                 rows = self.layout.local_rows(j)
                 count = self.stage.counts[d * cpr + j:d * cpr + j + 1]
                 want = self.counts[d][j]
@@ -106,7 +90,7 @@ class Scatter:
 
     def _between_hosts(self, ctx, s) -> None:
         r, cpr = ctx.rank, self.layout.chunks_per_rank
-        remote = link(ctx).remote
+        remote = list(self.schedule.remote)
         for j in range(cpr):
             rows = self.layout.local_rows(j)
             counts = [self.stage.counts[d * cpr + j:d * cpr + j + 1] for d in remote]
