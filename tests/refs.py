@@ -1,4 +1,5 @@
 """Inputs every rank can rebuild for every other rank, and the plain-torch references."""
+import os
 import zlib
 
 import torch
@@ -142,3 +143,17 @@ def plain_gemm_worst(ctx, make, name, cases):
     with pytest.raises(ValueError, match=name):
         make(ctx, odd, torch.empty(64, 64, dtype=torch.bfloat16, device=ctx.device), odd, None)
     return worst
+
+
+def shm_files(pid=None):
+    """The host backend's files in /dev/shm made by process ``pid`` (default: this one), by name. Leak checks look
+    at these alone: other processes on the machine use /dev/shm too. context/host.py names each file
+    ``triton_overlap-<namespace>-p<pid>-r<rank>-<n>``."""
+    from triton_overlap.context.host import PREFIX, SHM
+
+    mark = f"p{os.getpid() if pid is None else pid}"
+    try:
+        names = os.listdir(SHM)
+    except OSError:
+        return set()
+    return {n for n in names if n.startswith(PREFIX) and mark in n[len(PREFIX):].split("-")}

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import triton_overlap as to
-from refs import TOL, rand, rel_err
+from refs import TOL, rand, rel_err, shm_files
 
 TIMEOUT_S = 1.5  # the host backend's; GPUs (kernels built on a shape's first call) take GPU_TIMEOUT_S
 GPU_TIMEOUT_S = 6.0
@@ -273,10 +273,6 @@ def _launch(script, *args, extra_env=None, timeout=240):
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def _shm_files(pid):
-    return [n for n in os.listdir("/dev/shm") if n.startswith("triton_overlap-") and f"-p{pid}-" in n]
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the host backend's files in /dev/shm")
 @pytest.mark.parametrize("when", ["mid_call", "set_up"])
 def test_rank_killed(when):
@@ -290,7 +286,7 @@ def test_rank_killed(when):
     assert float(report["elapsed"]) <= TIMEOUT_S + SLACK_S, report
     dead = report["dead pid"]
     if when == "set_up":
-        assert _shm_files(dead), "the dead rank's file should still be there before the next Context starts"
+        assert shm_files(dead), "the dead rank's file should still be there before the next Context starts"
     code, out = _launch(os.path.join(ROOT, "tests", "fault_script.py"), "clean", str(TIMEOUT_S))
     assert code == 0, out[-3000:]
-    assert not _shm_files(dead), _shm_files(dead)
+    assert not shm_files(dead), shm_files(dead)

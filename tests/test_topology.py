@@ -11,13 +11,9 @@ import torch
 import torch.distributed as dist
 
 import triton_overlap as to
-from refs import TOL, rand, rel_err
+from refs import TOL, rand, rel_err, shm_files
 from triton_overlap.context.topology import VIRTUAL_HOSTS_ENV, Topology
 from triton_overlap.plan import ChunkLayout, gather_schedule, scatter_schedule
-
-
-def _shm():
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
 def _one_host():
@@ -43,7 +39,7 @@ def _across_hosts(n: int):
     W, r = dist.get_world_size(), dist.get_rank()
     mine = next(b for b in _blocks(n) if r in b)
     os.environ[VIRTUAL_HOSTS_ENV] = str(n)
-    before = _shm()
+    before = shm_files()
     try:
         with to.Context(timeout_s=30) as ctx:
             assert ctx.num_hosts == n and ctx.local_ranks == mine
@@ -89,7 +85,7 @@ def _across_hosts(n: int):
             assert rel_err(ar(xs[r]), sum(x.double() for x in xs)) < 1e-6
     finally:
         os.environ.pop(VIRTUAL_HOSTS_ENV, None)
-    assert _shm() <= before
+    assert shm_files() <= before, shm_files() - before
     return ctx.num_hosts
 
 
