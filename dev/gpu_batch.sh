@@ -3,7 +3,8 @@
 # Logs and results go to $OUT (default ./gpu-batch-out).
 #   bash dev/gpu_batch.sh PARTS      PARTS: comma-separated, from tests,shared,bench,tune,tutorials,compile
 # tests      the GPU test suite on every GPU (scripts/gpu_check.sh); PYTEST_K selects tests
-# shared     SHARED_W ranks (default 2) on GPU 0 (tests/harness.py "cuda-shared"): the protocol where one GPU is lent
+# shared     scripts/gpu_tier.sh: two ranks on GPU 0 (tests/harness.py "cuda-shared"), the protocol where one GPU is
+#            lent; SHARED_PARTS picks its parts (default all, up to 36 minutes; one part is at most 9)
 # bench      benchmarks/bench.py for each op in BENCH_OPS (default: ag_gemm gemm_rs cp_attention), results in $OUT
 # tune       TUNE="op shape [flags];..." through scripts/tune.py into $OUT/tuned.json, which later parts use
 # tutorials  every tutorial (or TUTORIALS) through the launcher
@@ -25,8 +26,8 @@ if want tests; then
   timeout "${TEST_TIMEOUT:-330}" bash scripts/gpu_check.sh --tb=short ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 if want shared; then
-  TRITON_OVERLAP_TEST_BACKENDS="cuda-shared:${SHARED_W:-2}" timeout "${TEST_TIMEOUT:-330}" \
-    python3 -m pytest tests -q -rs --tb=short ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT/tests_shared.log" | tail -25
+  bash scripts/gpu_tier.sh "${SHARED_PARTS:-all}" --tb=short ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+    | tee "$OUT/tests_shared.log" | grep -E '^gpu_tier|passed|failed|^(FAILED|ERROR)' | tail -40
 fi
 if want tune; then
   export TRITON_OVERLAP_TUNED="$OUT/tuned.json"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run the GPU part of the test suite on every GPU of this machine (skips what needs more GPUs).
+# Run the GPU part of the test suite, every case (--full), on every GPU of this machine (skips what needs more GPUs).
 #   bash scripts/gpu_check.sh [pytest args...]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,4 +14,4 @@ worlds="cuda:2"
 [ "$gpus" -ge 8 ] && worlds="$worlds,cuda:8"
 export TRITON_OVERLAP_TEST_BACKENDS="${TRITON_OVERLAP_TEST_BACKENDS:-$worlds}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python3}" -m pytest tests -q -rs "$@"
+exec "${PYTHON:-python3}" -m pytest tests -q -rs --full "$@"
