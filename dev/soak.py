@@ -33,7 +33,8 @@ def worker(calls: int, seed: int) -> None:
     init()
     rng = random.Random(seed)  # the same on every rank: every rank makes the same calls
     stats = torch.zeros(3, dtype=torch.int64)  # calls, mismatches, faults
-    with to.Context(timeout_s=20, producer_jitter_s=rng.choice([0.0, 0.002])) as ctx:
+    with to.Context(timeout_s=20) as ctx:
+        ctx.set_producer_jitter(rng.choice([0.0, 0.002]))
         W, r = ctx.world_size, ctx.rank
         ops = {"ag": to.AllGatherGEMM(ctx, fallback="never"), "rs": to.GEMMReduceScatter(ctx, fallback="never"),
                "cp": to.ContextParallelAttention(ctx, chunks_per_rank=rng.choice([2, 4])),

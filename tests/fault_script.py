@@ -49,7 +49,8 @@ def main():
     else:  # mid_call
         if rank == 1:  # its copies the whole jitter late (not a random part of it), so that it dies before them
             host.random = types.SimpleNamespace(uniform=lambda lo, hi: hi)
-        ctx = to.Context(timeout_s=timeout_s, producer_jitter_s=0.5 if rank == 1 else 0.0)
+        ctx = to.Context(timeout_s=timeout_s)
+        ctx.set_producer_jitter(0.5 if rank == 1 else 0.0)
         op = to.AllGatherGEMM(ctx, fallback="never")
         a = torch.randn(64, 32, dtype=torch.bfloat16)
         w = torch.randn(32, 16, dtype=torch.bfloat16)

@@ -18,7 +18,8 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
     """``gluon`` True or False: the case asks for the Hopper GEMM in Gluon or for kernels.gemm, and checks on
     compute capability 9.0 that the op ran it."""
     dtype = getattr(torch, dtype_name)
-    with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
+    with to.Context(timeout_s=120) as ctx:
+        ctx.set_producer_jitter(jitter)
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
         op = to.AllGatherGEMM(ctx, fallback="never")
         errs = []

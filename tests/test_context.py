@@ -14,7 +14,6 @@ import triton.language as tl
 
 import triton_overlap as to
 from harness import stress_rounds
-from triton_overlap.context import op_id
 from triton_overlap.kernels.signal import wait_flag, wait_kernel
 
 
@@ -68,7 +67,8 @@ def _ordering(n_chunks, chunk, rounds, jitter):
 
     With random producer delays, any flag seen before its data would show as a wrong value.
     """
-    with to.Context(timeout_s=60, producer_jitter_s=jitter) as ctx:
+    with to.Context(timeout_s=60) as ctx:
+        ctx.set_producer_jitter(jitter)
         w, r = ctx.world_size, ctx.rank
         nxt, prv = (r + 1) % w, (r - 1) % w
         buf = ctx.symmetric("buf", (n_chunks * chunk,), torch.float32)
@@ -88,7 +88,7 @@ def _ordering(n_chunks, chunk, rounds, jitter):
                 sl = slice(c * chunk, (c + 1) * chunk)
                 stream.copy(buf.peer(nxt)[sl], src[sl])
                 stream.write_value(flags.peer(nxt)[c:c + 1], 1)
-            _recv_chunks[(n_chunks,)](buf.local, flags.local, out, ctx.err, ctx.budget, r, prv, op_id("test.recv"),
+            _recv_chunks[(n_chunks,)](buf.local, flags.local, out, ctx.err, ctx.budget, r, prv, ctx.op_id("test.recv"),
                                       n_chunks, CHUNK=chunk, CLOCK=ctx.clock)
             ctx.after_launch()
             ctx.current_stream().wait_stream(stream)
@@ -139,7 +139,7 @@ def _timeout(timeout_s):
     _sync(ctx)  # the waits start together, so the ranks come to reset() together
     t0 = time.monotonic()
     with pytest.raises(to.ContextError) as info:
-        wait_kernel[(1,)](flag.local[2:], 7, ctx.err, ctx.budget, ctx.rank, op_id("test.never"), peer, 2,
+        wait_kernel[(1,)](flag.local[2:], 7, ctx.err, ctx.budget, ctx.rank, ctx.op_id("test.never"), peer, 2,
                           CLOCK=ctx.clock)
         ctx.after_launch()
         ctx.check()
@@ -188,7 +188,7 @@ def _named_waits():
         count = torch.zeros(1, dtype=torch.int32, device=ctx.device)
         peer = (ctx.rank + 1) % ctx.world_size
         # build the kernel first (a wait already met), so the timed waits below take their 0.5 s, not a compile
-        wait_kernel[(1,)](count, 0, ctx.err, ctx.budget, ctx.rank, op_id("gemm_rs"), -1, int(WHAT_STARTED),
+        wait_kernel[(1,)](count, 0, ctx.err, ctx.budget, ctx.rank, ctx.op_id("gemm_rs"), -1, int(WHAT_STARTED),
                           CLOCK=ctx.clock)
         ctx.check()
         ctx.barrier()
@@ -197,7 +197,7 @@ def _named_waits():
                                            (peer, WHAT_PARTIALS, 5, f"rank {peer}'s dK/dV partials")):
             if ctx.rank == 0:
                 with pytest.raises(to.ContextError) as info:
-                    wait_kernel[(1,)](count, want, ctx.err, ctx.budget, ctx.rank, op_id("gemm_rs"), peer_arg,
+                    wait_kernel[(1,)](count, want, ctx.err, ctx.budget, ctx.rank, ctx.op_id("gemm_rs"), peer_arg,
                                       int(what), CLOCK=ctx.clock)
                     ctx.after_launch()
                     ctx.check()
@@ -269,7 +269,7 @@ def _graph_replays(replays):
             stream.wait_stream(ctx.current_stream())
             stream.copy(buf.peer(nxt), src)
             stream.write_value(flags.peer(nxt), 1)
-            _recv_chunks[(1,)](buf.local, flags.local, out, ctx.err, ctx.budget, r, prv, op_id("test.graph"), 1,
+            _recv_chunks[(1,)](buf.local, flags.local, out, ctx.err, ctx.budget, r, prv, ctx.op_id("test.graph"), 1,
                                CHUNK=n, CLOCK=ctx.clock)
             ctx.current_stream().wait_stream(stream)
             flags.local.zero_()

@@ -31,7 +31,8 @@ def reference(q, k, v, causal, scale):
 
 def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0.0, num_streams=None):
     dtype = getattr(torch, dtype_name)
-    with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
+    with to.Context(timeout_s=120) as ctx:
+        ctx.set_producer_jitter(jitter)
         dev = ctx.device
         op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
         if num_streams is not None:  # the copy streams set, the rest of the config as the op would pick it

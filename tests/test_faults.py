@@ -150,12 +150,11 @@ def _relay_met_own_fault():
     """A peer's relay (its fields, then its code) and this rank's own kernel recording a mismatch (its code by
     compare-and-swap while the code was still 0, then its fields) interleave: the word holds this rank's fields under
     the relayed code. It reads as this rank's own mismatch, not as a fault relayed from itself."""
-    from triton_overlap.context import op_id
     from triton_overlap.kernels import signal as sig
 
     with to.Context(timeout_s=5) as ctx:
-        mine = ctx.call(op_id("ag_gemm"), (8, 32), (8, 32))
-        theirs = ctx.call(op_id("ag_gemm"), (12, 32), (12, 32))
+        mine = ctx.call(ctx.op_id("ag_gemm"), (8, 32), (8, 32))
+        theirs = ctx.call(ctx.op_id("ag_gemm"), (12, 32), (12, 32))
         ctx.gather_object(None)  # every rank's set-up is over before any relays its fault
         peer = (ctx.rank + 1) % ctx.world_size
         word = [0] * sig.ERR_WORDS
@@ -164,7 +163,7 @@ def _relay_met_own_fault():
         word[sig.ERR_ORIGIN_CODE] = int(sig.ERR_MISMATCH)
         word[sig.ERR_PEER_HEADER:sig.ERR_PEER_HEADER + 7] = [3, theirs.op, theirs.fingerprint, 12, 32, 0, 0]
         with pytest.raises(to.ContextError) as info:
-            ctx._observe(word)
+            ctx.faults.observe(word)
             ctx.ensure_usable()
         msg = str(info.value)
         assert f"rank {ctx.rank}: call 3: ranks disagree on the call" in msg and "ag_gemm 12 32" in msg, msg

@@ -25,7 +25,8 @@ def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
 def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="store", jitter=0.0, fuse=True,
           strided_out=False, tma=None, claim=None, defer=None, warp_specialized=None, streams=None):
     dtype = getattr(torch, dtype_name)
-    with to.Context(timeout_s=120, producer_jitter_s=jitter) as ctx:
+    with to.Context(timeout_s=120) as ctx:
+        ctx.set_producer_jitter(jitter)
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
         op = to.GEMMReduceScatter(ctx, fallback="never")
         errs = []

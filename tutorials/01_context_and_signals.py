@@ -20,7 +20,6 @@ import triton
 import triton.language as tl
 
 import triton_overlap as to
-from triton_overlap.context import op_id
 from triton_overlap.kernels.signal import wait_flag
 from triton_overlap.torchrun import backend_name, init, say, verdict
 
@@ -42,6 +41,7 @@ def main():
         r, w = ctx.rank, ctx.world_size
         nxt, prv = (r + 1) % w, (r - 1) % w
         n_chunks, chunk = 8, 1024
+        op = ctx.op_id("tutorial.consume")  # what a wait that times out records, and the Context's messages name
         say(f"{ctx}: {n_chunks} chunks of {chunk} floats to the next rank")
 
         # %% Symmetric memory: same shape everywhere, every rank's copy visible to all.
@@ -60,8 +60,8 @@ def main():
             stream.write_value(flags.peer(nxt)[c:c + 1], 1)
 
         # %% The consumer runs at once, on our own stream, while chunks are still arriving.
-        consume[(n_chunks, 1)](buf.local, flags.local, out, ctx.err, ctx.budget, r, prv, op_id("tutorial.consume"),
-                               chunk, BLOCK=chunk, CLOCK=ctx.clock)
+        consume[(n_chunks, 1)](buf.local, flags.local, out, ctx.err, ctx.budget, r, prv, op, chunk, BLOCK=chunk,
+                               CLOCK=ctx.clock)
         ctx.current_stream().wait_stream(stream)
         ctx.check()  # raises if any wait timed out
 
@@ -86,7 +86,7 @@ def main():
                     stream.copy(bbuf.peer(nxt)[part], bmine[part])
                     stream.write_value(flags.peer(nxt)[c:c + 1], 1)
                 consume[(n_chunks, triton.cdiv(big_chunk, 4096))](
-                    bbuf.local, flags.local, bout, ctx.err, ctx.budget, r, prv, op_id("tutorial.consume"), big_chunk,
+                    bbuf.local, flags.local, bout, ctx.err, ctx.budget, r, prv, op, big_chunk,
                     BLOCK=4096, CLOCK=ctx.clock)
                 ctx.current_stream().wait_stream(stream)
                 flags.local.zero_()  # the next pass's flags are set only after the next barrier

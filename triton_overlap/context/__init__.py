@@ -1,4 +1,6 @@
 """Context, symmetric memory, signals, barrier and stream pools; one module per backend."""
-from .context import OPS, Call, Context, ContextError, SymmetricTensor, op_id
+from .context import Context
+from .errors import Call, ContextError, op_id
+from .heap import SymmetricTensor
 
-__all__ = ["Call", "Context", "ContextError", "OPS", "SymmetricTensor", "op_id"]
+__all__ = ["Call", "Context", "ContextError", "SymmetricTensor", "op_id"]

@@ -8,10 +8,11 @@ producers, ops) is shared by all backends.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .wire import Wire, wire_exchange  # noqa: F401 - what Stream.exchange takes, and how backends without NCCL send
 
 
 class Stream(abc.ABC):
@@ -68,68 +69,21 @@ class Stream(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no point-to-point exchange")
 
 
-@dataclass(frozen=True)
-class Wire:
-    """What exchanges between hosts travel on: the process ``group`` (its NCCL point-to-point on GPUs, with
-    ``global_ranks`` its ranks' global numbers) and the ranks' key-value ``store`` (elsewhere: the host backend, and
-    several ranks sharing one GPU over gloo, whose point-to-point closes its connection on a timeout). ``rank``:
-    this rank in the group."""
-    group: object
-    store: object
-    rank: int
-    global_ranks: tuple
-    timeout_s: float
-    nccl: bool
-
-
-#: the largest value wire_exchange puts in the store at once (torch's TCPStore takes 8 MiB)
-WIRE_PIECE = 4 << 20
-
-
-def wire_exchange(wire: Wire, sends, recvs, tag: int, what: str, on_timeout=None) -> None:
-    """``sends`` and ``recvs`` ((CPU tensor, group rank) lists) through the store: each send is a key of its own,
-    each receive waits for its key (at most the wire's timeout in all) and deletes it. Receives may be strided views.
-    On a timeout, ``on_timeout(late group ranks, elapsed s)`` (which may raise an error of its own), else
-    TimeoutError naming ``what`` and those ranks."""
-    import datetime
-    import time
-
-    def keys(src, dst, i, nbytes):  # a value in pieces: the store takes values of a few MiB at most
-        return [f"wire/{tag}/{src}-{dst}/{i}/{p}" for p in range(max(1, -(-nbytes // WIRE_PIECE)))]
-
-    sent: dict = {}
-    for t, peer in sends:
-        i = sent[peer] = sent.get(peer, -1) + 1
-        data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        for p, k in enumerate(keys(wire.rank, peer, i, len(data))):
-            wire.store.set(k, data[p * WIRE_PIECE:(p + 1) * WIRE_PIECE])
-    late, got, t0 = [], {}, time.monotonic()
-    for t, peer in recvs:
-        i = got[peer] = got.get(peer, -1) + 1
-        nbytes = t.numel() * t.element_size()
-        ks = keys(peer, wire.rank, i, nbytes)
-        try:
-            wire.store.wait(ks, datetime.timedelta(seconds=max(0.001, wire.timeout_s - (time.monotonic() - t0))))
-        except RuntimeError:  # (torch's DistStoreError is one)
-            late.append(peer)
-            continue
-        data = b"".join(wire.store.get(k) for k in ks)
-        for k in ks:
-            wire.store.delete_key(k)
-        if len(data) != nbytes:  # (the call headers' comparison comes first: a backstop)
-            raise RuntimeError(f"{what}: rank {peer} sent {len(data)} bytes where {nbytes} were expected")
-        t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))
-    if late:
-        late = sorted(set(late))
-        if on_timeout is not None:
-            on_timeout(late, time.monotonic() - t0)
-        raise TimeoutError(f"{what}: no answer in {wire.timeout_s:g} s from ranks {late}")
-
-
 class Backend(abc.ABC):
+    """A backend, and the facts about it that the layers above read (through the Context) instead of its name."""
+
     name: str = "?"
-    #: Triton wait helpers use this clock: 0 counts spins, 1 CUDA %globaltimer (ns), 2 AMD s_memrealtime (100 MHz)
+    #: the clock the kernels' waits read (kernels.signal CLOCK): 0, the milliseconds a thread of the host backend
+    #: writes into the error word; 1, CUDA's %globaltimer (ns); 2, AMD's s_memrealtime (100 MHz)
     clock: int = 0
+    #: how many times ``clock`` ticks in a second: the unit of the kernels' wait budgets (``timeout_budget``)
+    ticks_per_second: int = 1000
+    #: kernels run in Triton's interpreter on the CPU (float accumulations take float32 dots there)
+    interpreted: bool = False
+    #: a kernel launch returns only once the kernel has ended (the interpreter runs it on the calling thread)
+    synchronous_launches: bool = False
+    #: producers' copies run on the device's copy engines (on GPUs), not on threads of the host
+    copy_engines: bool = True
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank
@@ -167,8 +121,8 @@ class Backend(abc.ABC):
         raise NotImplementedError
 
     def timeout_budget(self, timeout_s: float) -> int:
-        """Convert a timeout into the unit the kernels' wait loops count in (see ``clock``)."""
-        raise NotImplementedError
+        """``timeout_s`` in ticks of ``clock``, the unit the kernels' wait loops count in (at least one)."""
+        return max(1, int(timeout_s * self.ticks_per_second))
 
     def num_compute_units(self) -> int:
         raise NotImplementedError

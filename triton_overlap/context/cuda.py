@@ -17,7 +17,8 @@ import random
 
 import torch
 
-from .backend import Backend, Stream, wire_exchange
+from .backend import Backend, Stream
+from .wire import wire_exchange
 
 _IPC_HANDLE_BYTES = 64
 
@@ -221,6 +222,7 @@ class CudaStream(Stream):
 class CudaBackend(Backend):
     name = "cuda"
     clock = 1
+    ticks_per_second = 10 ** 9  # %globaltimer counts nanoseconds
 
     stream_class = CudaStream
 
@@ -278,9 +280,6 @@ class CudaBackend(Backend):
             yield
         finally:
             torch.cuda.set_stream(prev)
-
-    def timeout_budget(self, timeout_s):
-        return int(timeout_s * 1e9)  # %globaltimer counts nanoseconds
 
     def num_compute_units(self):
         return self._units

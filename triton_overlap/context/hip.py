@@ -62,6 +62,7 @@ class HipBackend(CudaBackend):
 
     name = "hip"
     clock = 2
+    ticks_per_second = 10 ** 8  # s_memrealtime ticks at 100 MHz
     stream_class = HipStream
 
     def alloc(self, nbytes):
@@ -87,6 +88,3 @@ class HipBackend(CudaBackend):
             if p is not None:
                 check(hip.hipIpcCloseMemHandle(p.data_ptr()), "hipIpcCloseMemHandle")
         check(hip.hipFree(handle[1]), "hipFree")
-
-    def timeout_budget(self, timeout_s):
-        return int(timeout_s * 1e8)  # s_memrealtime ticks at 100 MHz

@@ -27,7 +27,8 @@ import time
 
 import torch
 
-from .backend import Backend, Stream, wire_exchange
+from .backend import Backend, Stream
+from .wire import wire_exchange
 
 _pending_files: set[str] = set()
 SHM = "/dev/shm"
@@ -199,6 +200,9 @@ def _patch_interpreter_index() -> None:
 class HostBackend(Backend):
     name = "host"
     clock = 0
+    ticks_per_second = 1000  # milliseconds (the clock thread's, error_mirror)
+    interpreted = synchronous_launches = True
+    copy_engines = False
 
     def __init__(self, rank: int, world_size: int, namespace: str, timeout_s: float):
         _patch_interpreter_index()
@@ -248,18 +252,16 @@ class HostBackend(Backend):
             stream.synchronize()  # kernels run on this thread once the stream has caught up
         yield
 
-    def timeout_budget(self, timeout_s):
-        return max(1, int(timeout_s * 1000))  # milliseconds (CLOCK 0)
-
     def error_mirror(self, err):
-        """Start the clock thread that writes milliseconds into ``err``; the host reads ``err`` itself."""
+        """Start the clock thread that writes the ticks (ms) since now into ``err``, once a tick; the host reads
+        ``err`` itself."""
         from ..kernels.signal import ERR_NOW_MS
 
-        word, slot, t0 = err.numpy(), int(ERR_NOW_MS), time.monotonic()
+        word, slot, t0, rate = err.numpy(), int(ERR_NOW_MS), time.monotonic(), self.ticks_per_second
 
         def tick():
-            while not self._stop.wait(0.001):
-                word[slot] = int((time.monotonic() - t0) * 1000)
+            while not self._stop.wait(1 / rate):
+                word[slot] = int((time.monotonic() - t0) * rate)
 
         word[slot] = 0
         self._clock = threading.Thread(target=tick, name="triton_overlap-clock", daemon=True)

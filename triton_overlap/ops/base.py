@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import torch
 
-from ..context import op_id
 from .replay import ReplayCache, call_key
 from .tuned import gpu_key, lookup
 
@@ -80,7 +79,7 @@ class OverlapOp:
         self.name = name or self.KIND
         self.user_config = config
         self.fallback = fallback
-        self.op = op_id(self.KIND)
+        self.op = ctx.op_id(self.KIND)
         # across hosts a call's exchanges go through the process group: it is enqueued anew every time
         self.replays = ReplayCache(ctx, enabled=replay and ctx.num_hosts == 1)
         ctx.on_close(self.replays.clear)

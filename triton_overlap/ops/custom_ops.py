@@ -3,15 +3,16 @@ them.
 
 ``torch.ops.triton_overlap.ag_gemm``, ``.gemm_rs``, ``.gemm_ar``, ``.cp_attention`` and ``.cp_attention_bwd`` take
 an integer ``handle`` naming an op object (an AllGatherGEMM, GEMMReduceScatter, GEMMAllReduce or
-ContextParallelAttention bound to a Context)
-registered with :func:`handle`; a traced graph keeps the integer, the object stays in this module until its Context
-closes. Each has a fake (meta) implementation that gives output shapes without running anything, and the GEMM pair
-and attention have backward formulas written with the same custom ops, so forward and backward graphs trace without
-breaks. ``triton_overlap.nn`` goes through these.
+ContextParallelAttention bound to a Context) registered with :func:`handle`; a traced graph keeps the integer, and
+the op's Context keeps the object (this module names it weakly) until it closes. Each has a fake (meta)
+implementation that gives output shapes without running anything, and the GEMM pair and attention have backward
+formulas written with the same custom ops, so forward and backward graphs trace without breaks.
+``triton_overlap.nn`` goes through these.
 """
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -25,14 +26,16 @@ if dist.is_available() and not dist.is_initialized():
     # the process at exit (docs/decisions.md). Imported now, before there is a group, its defaults are None.
     import torch.distributed.nn.functional  # noqa: F401
 
-_OPS: dict[int, object] = {}
-_next = itertools.count(1)
+#: handle -> op, held by the op's Context (Context.keep), not here
+_OPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_next = itertools.count(1)  # handles are never reused: a traced graph's stale handle names no other op
 
 
 def handle(op) -> int:
     """A new integer naming ``op`` for the custom ops; the name is dropped when the op's Context closes."""
     h = next(_next)
     _OPS[h] = op
+    op.ctx.keep(op)
     op.ctx.on_close(lambda: _OPS.pop(h, None))
     return h
 

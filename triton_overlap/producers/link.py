@@ -12,13 +12,15 @@ a kernel compares them on the device (kernels.signal.remote_header_kernel) befor
 flagged ready: the barrier compares headers within a host only. Where exchanges block the host (not NCCL), a
 difference is raised before any data moves; over NCCL every wait of the call gives up and the Context reports it.
 
-Over NCCL the exchanges travel on a communicator of the Link's own (a group over the Context's ranks), and a
-``Watch`` bounds them: NCCL's kernels wait for their peer without end, and an exchange that never completes (a
-peer absent, or one whose exchange differs in size) would hold every stream behind it, and the host's next wait for
-the device, forever. The Watch times each exchange from the moment its stream reaches it; one that has not
-completed within the timeout faults the Context, naming the peer, as a kernel's wait would; and once the Context is
-faulted (here, or by a peer), exchanges that are still open are ended by aborting the Link's communicator, so that
-every stream drains. ``reset()`` lets go of the Link, and the next call makes another with a new communicator.
+The exchanges travel on the Context's ``wire``: over NCCL a communicator of its own (a group over the Context's
+ranks), which the Context makes at set-up and again at every reset, while every rank is present (every rank must
+join it at once). A ``Watch`` bounds them: NCCL's kernels wait for their peer without end, and an exchange that
+never completes (a peer absent, or one whose exchange differs in size) would hold every stream behind it, and the
+host's next wait for the device, forever. The Watch times each exchange from the moment its stream reaches it; one
+that has not completed within the timeout faults the Context, naming the peer, as a kernel's wait would; and once
+the Context is faulted (here, or by a peer), exchanges that are still open are ended by ending the wire's
+communicator (``Context.end_wire``), so that every stream drains. The Link is made at the first call that spans
+hosts; ``reset()`` lets go of it, and the next such call makes another on the new wire.
 """
 from __future__ import annotations
 
@@ -26,9 +28,7 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
 
-from ..context.backend import Wire
 from ..kernels import signal as sig
 from ..kernels.cached_launch import launch
 
@@ -37,7 +37,8 @@ TAG_BASE = 1 << 20
 
 
 class Link:
-    """The Context's point-to-point between hosts (made once per Context, and again after ``reset()``).
+    """The Context's point-to-point between hosts (made at the first call that spans hosts, and again after
+    ``reset()``).
 
     ``counterparts``: the ranks at this rank's local index on the other hosts; ``remote``: every rank on another
     host. Every rank makes the same exchanges in the same order, so each exchange's tag (``next_tag``) matches its
@@ -52,11 +53,11 @@ class Link:
         index = topo.hosts[host].index(r)
         self.counterparts = [ranks[index] for h, ranks in enumerate(topo.hosts) if h != host]
         self.remote = [p for p in range(ctx.world_size) if p not in set(topo.hosts[host])]
-        ranks = tuple(_global_rank(ctx.group, p) for p in range(ctx.world_size))
-        nccl = ctx.device.type == "cuda" and dist.get_backend(ctx.group) == "nccl"
-        self.group = dist.new_group(list(ranks), backend="nccl", use_local_synchronization=True) if nccl else None
-        self.wire = Wire(self.group or ctx.group, ctx.store, r, ranks, ctx.timeout_s, nccl)
-        self.watch = Watch(ctx, self.group) if nccl else None
+        self.wire = ctx.wire
+        if self.wire is None:
+            raise RuntimeError(ctx.across_hosts("the link between hosts", "its hosts differ in size, and only hosts of "
+                                                "one size have a path between them"))
+        self.watch = Watch(ctx, self.wire) if self.wire.nccl else None
         if self.watch is not None:
             ctx.on_reset(self.watch.close)
         self._epoch = ctx.resets % 64
@@ -77,7 +78,7 @@ class Link:
         def timed_out(late, elapsed):
             peer = late[0]
             what_code = waits.get(peer, int(sig.WHAT_ANSWER))
-            raise ctx.record_timeout(op, peer, what_code, elapsed, self._call_number(stream))
+            raise ctx.faults.record_timeout(op, peer, what_code, elapsed, self._call_number(stream))
 
         watch = self.watch
         if watch is None:
@@ -131,7 +132,7 @@ class Link:
 
 
 class Watch:
-    """A thread that bounds a Link's exchanges over NCCL (see the module's docstring).
+    """A thread that bounds a Link's exchanges over NCCL, on ``wire`` (see the module's docstring).
 
     ``follow(begin, end, op, waits)``: events recorded on the exchange's stream before and after it. While one is
     open the thread polls, every 10 ms, whether it has ended, whether this rank's error word says the
@@ -145,8 +146,8 @@ class Watch:
     STORE_POLL_S = 0.1
     GRACE_S = 1.0
 
-    def __init__(self, ctx, group):
-        self.ctx, self.group = ctx, group
+    def __init__(self, ctx, wire):
+        self.ctx, self.wire = ctx, wire
         self.aborted = False
         self._open: list = []
         self._lock = threading.Condition()
@@ -161,10 +162,10 @@ class Watch:
 
     def refuse_if_aborted(self) -> None:
         if self.aborted:
-            raise self.ctx._fail(f"rank {self.ctx.rank}: the link between hosts was ended after a fault")
+            raise self.ctx.faults.fail(f"rank {self.ctx.rank}: the link between hosts was ended after a fault")
 
     def close(self) -> None:
-        """Stop the thread and let go of the communicator (aborted: an exchange may still be open)."""
+        """Stop the thread and end the wire's communicator (an exchange may still be open)."""
         with self._lock:
             self._closed = True
             self._lock.notify()
@@ -177,10 +178,7 @@ class Watch:
                 return
             self.aborted = True
             self._open.clear()
-        try:
-            dist.distributed_c10d._abort_process_group(self.group)
-        except Exception:  # noqa: BLE001 - already gone (destroyed with the default group)
-            pass
+        self.ctx.end_wire(self.wire)
 
     def _run(self) -> None:
         ctx = self.ctx
@@ -209,10 +207,10 @@ class Watch:
             now = time.monotonic()
             if started is None and begin.query():
                 started = now
-            faulted = ctx._fault is not None or int(peek[0]) != 0
+            faulted = ctx.faults.faulted or int(peek[0]) != 0
             if not faulted and started is not None and now - last_store >= self.STORE_POLL_S:
                 last_store = now
-                faulted = ctx.fault_of_peers()
+                faulted = ctx.faults.of_peers()
             if not faulted and started is not None and now - started > ctx.timeout_s:
                 self._time_out(op, waits, now - started, int(peek[1]))
                 faulted = True
@@ -225,19 +223,19 @@ class Watch:
         ctx, peers = self.ctx, list(waits)
         present: list[int] = []
         try:
-            ctx._control.post_waiting()
+            ctx.faults.post_waiting()
             t0 = time.monotonic()
             while len(peers) > 1 and time.monotonic() - t0 < self.GRACE_S:
-                present = ctx._control.waiting(peers)
-                if len(present) == len(peers) or ctx.fault_of_peers():
+                present = ctx.faults.waiting(peers)
+                if len(present) == len(peers) or ctx.faults.of_peers():
                     break
                 time.sleep(self.STORE_POLL_S)
         except Exception:  # noqa: BLE001 - the store is gone: name the first peer
             pass
-        if ctx._fault is not None:
+        if ctx.faults.faulted:
             return
         peer = next((p for p in peers if p not in present), peers[0])
-        ctx.record_timeout(op, peer, waits[peer], elapsed, call)
+        ctx.faults.record_timeout(op, peer, waits[peer], elapsed, call)
 
 
 def open_call(ctx, stream, call) -> None:
@@ -253,9 +251,3 @@ def open_call(ctx, stream, call) -> None:
 def link(ctx) -> Link:
     """The Context's Link (kept by the Context)."""
     return ctx.cached("link", lambda: Link(ctx))
-
-
-def _global_rank(group, rank: int) -> int:
-    if group is None or group is dist.group.WORLD:
-        return rank
-    return dist.get_global_rank(group, rank)

@@ -1,0 +1,97 @@
+"""What exchanges between hosts travel on (producers.link), and the store's way of making them.
+
+A Context whose group spans hosts of equal size makes a ``Wire`` when it is set up and again at every reset, while
+every rank is known to be present: over NCCL the wire is a communicator of its own, which every rank must join at
+once, and which a fault ends (``end``) so that exchanges still open on it drain.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Wire:
+    """What exchanges between hosts travel on: the process ``group`` (its NCCL point-to-point on GPUs, with
+    ``global_ranks`` its ranks' global numbers) and the ranks' key-value ``store`` (elsewhere: the host backend, and
+    several ranks sharing one GPU over gloo, whose point-to-point closes its connection on a timeout). ``rank``:
+    this rank in the group."""
+    group: object
+    store: object
+    rank: int
+    global_ranks: tuple
+    timeout_s: float
+    nccl: bool
+
+
+#: the largest value wire_exchange puts in the store at once (torch's TCPStore takes 8 MiB)
+WIRE_PIECE = 4 << 20
+
+
+def wire_exchange(wire: Wire, sends, recvs, tag: int, what: str, on_timeout=None) -> None:
+    """``sends`` and ``recvs`` ((CPU tensor, group rank) lists) through the store: each send is a key of its own,
+    each receive waits for its key (at most the wire's timeout in all) and deletes it. Receives may be strided views.
+    On a timeout, ``on_timeout(late group ranks, elapsed s)`` (which may raise an error of its own), else
+    TimeoutError naming ``what`` and those ranks."""
+    import datetime
+    import time
+
+    def keys(src, dst, i, nbytes):  # a value in pieces: the store takes values of a few MiB at most
+        return [f"wire/{tag}/{src}-{dst}/{i}/{p}" for p in range(max(1, -(-nbytes // WIRE_PIECE)))]
+
+    sent: dict = {}
+    for t, peer in sends:
+        i = sent[peer] = sent.get(peer, -1) + 1
+        data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        for p, k in enumerate(keys(wire.rank, peer, i, len(data))):
+            wire.store.set(k, data[p * WIRE_PIECE:(p + 1) * WIRE_PIECE])
+    late, got, t0 = [], {}, time.monotonic()
+    for t, peer in recvs:
+        i = got[peer] = got.get(peer, -1) + 1
+        nbytes = t.numel() * t.element_size()
+        ks = keys(peer, wire.rank, i, nbytes)
+        try:
+            wire.store.wait(ks, datetime.timedelta(seconds=max(0.001, wire.timeout_s - (time.monotonic() - t0))))
+        except RuntimeError:  # (torch's DistStoreError is one)
+            late.append(peer)
+            continue
+        data = b"".join(wire.store.get(k) for k in ks)
+        for k in ks:
+            wire.store.delete_key(k)
+        if len(data) != nbytes:  # (the call headers' comparison comes first: a backstop)
+            raise RuntimeError(f"{what}: rank {peer} sent {len(data)} bytes where {nbytes} were expected")
+        t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8).view(t.dtype).view(t.shape))
+    if late:
+        late = sorted(set(late))
+        if on_timeout is not None:
+            on_timeout(late, time.monotonic() - t0)
+        raise TimeoutError(f"{what}: no answer in {wire.timeout_s:g} s from ranks {late}")
+
+
+def open_wire(group, rank: int, topology, device: torch.device, store, timeout_s: float) -> Wire | None:
+    """The wire of a Context on ``group`` (collective over NCCL: every rank calls it at once); None on one host
+    and on hosts of different sizes, which take no path between them."""
+    if topology.num_hosts == 1 or not topology.uniform:
+        return None
+    ranks = tuple(_global_rank(group, p) for p in range(dist.get_world_size(group)))
+    nccl = device.type == "cuda" and dist.get_backend(group) == "nccl"
+    own = dist.new_group(list(ranks), backend="nccl", use_local_synchronization=True) if nccl else None
+    return Wire(own or group, store, rank, ranks, timeout_s, nccl)
+
+
+def end(wire: Wire) -> None:
+    """End ``wire``'s communicator of its own (over NCCL; nothing otherwise): exchanges still open on it end."""
+    if not wire.nccl:
+        return
+    try:
+        dist.distributed_c10d._abort_process_group(wire.group)
+    except Exception:  # noqa: BLE001 - already gone (destroyed with the default group)
+        pass
+
+
+def _global_rank(group, rank: int) -> int:
+    if group is None or group is dist.group.WORLD:
+        return rank
+    return dist.get_global_rank(group, rank)
