@@ -25,7 +25,7 @@ ALGORITHMS = ("auto", "one_shot", "two_shot")
 BLOCK = 1024
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     p = 1
     while p < n:
         p *= 2
@@ -39,7 +39,7 @@ def slot_elements(ctx, name: str, n: int, dtype: torch.dtype) -> int:
     (the other half) never overlaps this call's, whatever the sizes and dtypes of the two calls."""
     element = torch.empty((), dtype=dtype).element_size()
     have = ctx.symmetric_nbytes(name) // (2 * ctx.world_size * element)
-    return max(BLOCK, _pow2_at_least(n), have)
+    return max(BLOCK, pow2_at_least(n), have)
 
 
 class AllReduce(OverlapOp):
@@ -124,7 +124,7 @@ class AllReduce(OverlapOp):
         ctx = self.ctx
         W = ctx.world_size
         cap = slot_elements(ctx, f"{self.name}.slots", n, x.dtype)
-        blocks = _pow2_at_least(cdiv(n, BLOCK))
+        blocks = pow2_at_least(cdiv(n, BLOCK))
         data = ctx.symmetric(f"{self.name}.slots", (2, W, cap), x.dtype)
         flags = ctx.symmetric(f"{self.name}.flags", (W, blocks), torch.int32)
         header = ctx.symmetric(f"{self.name}.header", (2, W, 4), torch.int32)
@@ -132,7 +132,7 @@ class AllReduce(OverlapOp):
         self.state["buffers"] = {"slots": data.local}
         call = self.call_header((n, x.dtype), (n,))
         programs = max(1, min(cdiv(n, BLOCK), ctx.num_compute_units()))
-        block_w = _pow2_at_least(W)
+        block_w = pow2_at_least(W)
         launch(kernel, (programs,), (
             x, out, data.ptrs, flags.ptrs, header.ptrs, data.local, flags.local, header.local, state.local, n, cap,
             blocks, ctx.err, ctx.budget, ctx.rank, W, self.op, call.fingerprint),

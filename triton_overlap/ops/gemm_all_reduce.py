@@ -14,7 +14,7 @@ import torch
 from ..kernels.cached_launch import launch
 from ..kernels.gemm_all_reduce import gemm_all_reduce
 from ..plan import cdiv
-from .all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, AllReduce, _pow2_at_least, slot_elements
+from .all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, AllReduce, pow2_at_least, slot_elements
 from .base import OverlapOp
 from .checks import check_operands
 from .config import GEMMAllReduceConfig
@@ -99,7 +99,7 @@ class GEMMAllReduce(OverlapOp):
         if self.algorithm in ("one_shot", "two_shot") or not self.overlap_possible():
             return False
         # slot offsets are int32 in the kernel: 2 x W slots of the output's size
-        fits = 2 * self.ctx.world_size * _pow2_at_least(M * N) < 2 ** 31
+        fits = 2 * self.ctx.world_size * pow2_at_least(M * N) < 2 ** 31
         if self.algorithm == "fused":
             if not fits:
                 raise ValueError(f"gemm_ar: an output of {M} x {N} is too large for the fused kernel's slots at "
@@ -114,7 +114,7 @@ class GEMMAllReduce(OverlapOp):
         cfg = self.config_for((M, N))
         tiles = cdiv(M, cfg.block_m) * cdiv(N, cfg.block_n)
         cap = slot_elements(ctx, f"{self.name}.slots", M * N, out.dtype)
-        max_tiles = _pow2_at_least(tiles)
+        max_tiles = pow2_at_least(tiles)
         data = ctx.symmetric(f"{self.name}.slots", (2, W, cap), out.dtype)
         flags = ctx.symmetric(f"{self.name}.flags", (W, max_tiles), torch.int32)
         header = ctx.symmetric(f"{self.name}.header", (2, W, 4), torch.int32)
@@ -129,7 +129,7 @@ class GEMMAllReduce(OverlapOp):
             bias.stride(0) if has_bias else 0, cap, max_tiles, ctx.err, ctx.budget, ctx.rank, W, self.op,
             call.fingerprint),
             dict(HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 BLOCK_W=_pow2_at_least(W), EVEN_K=K % cfg.block_k == 0, DOT_F32=ctx.backend == "host",
+                 BLOCK_W=pow2_at_least(W), EVEN_K=K % cfg.block_k == 0, DOT_F32=ctx.backend == "host",
                  CLOCK=ctx.clock), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         ctx.after_launch()
 
