@@ -32,13 +32,18 @@ from triton_overlap.kernels.signal import barrier_kernel, remote_header_kernel, 
 
 PTRS = ("a_ptr", "ws_ptr", "b_ptr", "c_ptr", "bias_ptr", "out_ptr")
 I32_PTRS = ("tile_order_ptr", "flags_ptr", "err_ptr", "expected_ptr", "tick_ptr")
+#: a kernel's ``waiter`` (kernels.signal.waiter): the error word, the budget, the rank, the op
+WAITER = ("*i32", "i64", "i32", "i32")
 
 
 def divisibility(sig: dict, skip=("rank", "op", "world", "split_m", "own_plane", "ws_plane", "own_shift",
                                   "budget")) -> dict:
-    """What Triton's launcher would assume of the issue shapes: pointers and integer arguments divisible by 16."""
-    return {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
-            if (ty.startswith("*") or ty == "i32") and name not in skip}
+    """What Triton's launcher would assume of the issue shapes: pointers and integer arguments divisible by 16 (of a
+    waiter, its error word only)."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(sig.items())
+             if not isinstance(ty, tuple) and (ty.startswith("*") or ty == "i32") and name not in skip}
+    attrs.update({(i, 0): [["tt.divisibility", 16]] for i, ty in enumerate(sig.values()) if ty == WAITER})
+    return attrs
 
 
 def gemm_signature(desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather: bool = False,
@@ -56,8 +61,8 @@ def gemm_signature(desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather
             sig[name] = "*i64"
         elif name in ("scale_a_ptr", "scale_b_ptr"):
             sig[name] = "*fp32"
-        elif name == "budget":
-            sig[name] = "i64"
+        elif name == "waiter":
+            sig[name] = WAITER
         elif name == "a_desc":
             sig[name] = (f"tensordesc<bf16[1, {bm}, {bk}]>" if gather else f"tensordesc<bf16[{bm}, {bk}]>") \
                 if desc else "constexpr"
@@ -87,8 +92,8 @@ def attention_signature(fn) -> dict:
             sig[name] = "*i64"
         elif name.endswith("_ptr"):
             sig[name] = "*bf16"
-        elif name == "budget":
-            sig[name] = "i64"
+        elif name == "waiter":
+            sig[name] = WAITER
         elif name == "sm_scale":
             sig[name] = "fp32"
         else:
@@ -103,7 +108,7 @@ def collective_signature(fn, data: tuple, dtype: str) -> dict:
     return {prm.name: "constexpr" if prm.is_constexpr else f"*{dtype}" if prm.name in data
             else "*i64" if prm.name.endswith("_ptrs")
             else "*i32" if prm.name.endswith("_ptr") or prm.name.startswith("local_")
-            else "i64" if prm.name == "budget" else "i32" for prm in fn.params}
+            else WAITER if prm.name == "waiter" else "i32" for prm in fn.params}
 
 
 def compile_signals(target) -> int:
@@ -251,7 +256,7 @@ def compile_warp_specialized(target, quick: bool = False) -> int:
                       else "*bf16" if n in ("c_ptr", "out_ptr", "bias_ptr")
                       else "*i64" if n in ("scatter_ptrs", "counter_ptrs", "start_ptrs")
                       else "*i32" if n.endswith("_ptr")
-                      else "i64" if n == "budget" else "i32")
+                      else WAITER if n == "waiter" else "i32")
         name = (f"rs_gemm_ws b_kmajor={b_kmajor} bias={bias}" + ("" if preload_tma else " preload by loads")
                 + (" peer stores" if peer_stores else ""))
         failed += compile_gluon(target, name, rs_gemm_ws, sig, consts, {"num_warps": 8, "maxnreg": ws.MAXNREG}, 600)
@@ -279,7 +284,7 @@ def compile_gather_hopper(target, quick: bool = False) -> int:
             sig[n] = ("constexpr" if n in consts else desc_type([1, bm, bk]) if n == "a_desc"
                       else desc_type([bn, bk] if b_kmajor else [bk, bn]) if n == "b_desc"
                       else "*bf16" if n in ("c_ptr", "bias_ptr") else "*i32" if n.endswith("_ptr")
-                      else "i64" if n == "budget" else "i32")
+                      else WAITER if n == "waiter" else "i32")
         name = f"ag_gemm_hopper b_kmajor={b_kmajor} bias={bias}"
         failed += compile_gluon(target, name, gh.ag_gemm_hopper, sig, consts, {"num_warps": 8, "maxnreg": gh.MAXNREG},
                                 1500)
@@ -310,7 +315,7 @@ def compile_attention_ws(target, quick: bool = False) -> int:
             sig[n] = ("constexpr" if n in consts else desc_type([64, d]) if n in ("q_desc", "o_desc", "p_desc")
                       else desc_type([bn, d]) if n.endswith("_desc")
                       else "*bf16" if n == "o_ptr" else "*fp32" if n in ("lse_ptr", "part_lse_ptr")
-                      else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
+                      else "*i32" if n.endswith("_ptr") else WAITER if n == "waiter"
                       else "fp32" if n == "sm_scale" else "i32")
         name = f"cp_attention_fwd_ws causal={causal} D={d} block_n={bn} stages={stages} warp groups={nwg}"
         failed += compile_gluon(target, name, ah.cp_attention_fwd_ws, sig, consts, {"num_warps": 4}, 900)
@@ -346,7 +351,7 @@ def compile_attention_bwd_ws(target, quick: bool = False) -> int:
                       else desc_type([bm, d // 2], float32=True) if n == "dq_desc"
                       else desc_type([ab.BLOCK_N, d]) if n.endswith("_desc")
                       else "*i64" if n in ("recv_ptrs", "counter_ptrs") else "*fp32" if n == "part_ptr"
-                      else "*i32" if n.endswith("_ptr") else "i64" if n == "budget"
+                      else "*i32" if n.endswith("_ptr") else WAITER if n == "waiter"
                       else "fp32" if n == "sm_scale" else "i32")
         name = f"cp_attention_bwd_ws causal={causal} D={d} split={split} block_m={bm}"
         failed += compile_gluon(target, name, ab.cp_attention_bwd_ws, sig, consts, {"num_warps": 4}, 1500)

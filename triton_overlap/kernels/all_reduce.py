@@ -21,105 +21,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .signal import check_header, wait_flag
-
-
-@triton.jit
-def _publish_header(header_ptrs, e, half, rank, world, op, fingerprint, n, BLOCK_W: tl.constexpr):
-    """This call's header (call, op, fingerprint, size) into every peer's table at [half][rank]."""
-    peers = tl.arange(0, BLOCK_W)
-    to_peer = peers < world
-    zero = tl.zeros((BLOCK_W,), tl.int32)
-    hdr = tl.load(header_ptrs + peers, mask=to_peer, other=0).to(tl.pointer_type(tl.int32)) + (half * world + rank) * 4
-    tl.store(hdr, zero + e, mask=to_peer)
-    tl.store(hdr + 1, zero + op, mask=to_peer)
-    tl.store(hdr + 2, zero + fingerprint, mask=to_peer)
-    tl.store(hdr + 3, zero + n, mask=to_peer)
-
-
-@triton.jit
-def _notify_block(flag_ptrs, e, rank, b, max_blocks, world, BLOCK_W: tl.constexpr):
-    """Block ``b``'s flag from this rank := e in every peer (release: the program's stores land first)."""
-    tl.debug_barrier()
-    peers = tl.arange(0, BLOCK_W)
-    flags = tl.load(flag_ptrs + peers, mask=peers < world, other=0).to(tl.pointer_type(tl.int32))
-    tl.atomic_xchg(flags + rank * max_blocks + b, tl.zeros((BLOCK_W,), tl.int32) + e, mask=peers < world,
-                   sem="release", scope="sys")
-
-
-@triton.jit
-def _wait_block(local_flags, local_header, p, b, max_blocks, e, half, err_ptr, budget, rank, world, op, fingerprint,
-                CLOCK: tl.constexpr):
-    """Wait (bounded) until peer ``p`` has raised block ``b``'s flag for call ``e``, then compare its header with this
-    rank's: a difference is ERR_MISMATCH. Every thread of the program is ordered after the wait."""
-    if wait_flag(local_flags + p * max_blocks + b, e, err_ptr, budget, rank, op, p, b, CLOCK):
-        check_header(local_header + (half * world + p) * 4, e, op, fingerprint, err_ptr, rank, p, 4)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _push(x, data_ptrs, offs, inside, cap, half, rank, world):
-    """``x`` (a block at ``offs``) into slot [half][rank] of every peer."""
-    for p in range(0, world):
-        if p != rank:
-            base = tl.load(data_ptrs + p).to(tl.pointer_type(x.dtype))
-            tl.store(base + (half * world + rank) * cap + offs, x, mask=inside)
-
-
-@triton.jit
-def _sum_parts(acc, x_ptr, local_data, local_flags, local_header, b, offs, inside, cap, max_blocks, e, half, err_ptr,
-               budget, rank, world, op, fingerprint, CLOCK: tl.constexpr):
-    """``acc`` (float32 zeros of the block's shape) plus block ``b``'s sum over ranks, in rank order: this rank's part
-    from ``x``, each peer's from its slot once its flag is up."""
-    for p in range(0, world):
-        if p == rank:
-            acc += tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-        else:
-            _wait_block(local_flags, local_header, p, b, max_blocks, e, half, err_ptr, budget, rank, world, op,
-                        fingerprint, CLOCK)
-            acc += tl.load(local_data + (half * world + p) * cap + offs, mask=inside, other=0.0,
-                           cache_modifier=".cg").to(tl.float32)
-    return acc
-
-
-@triton.jit
-def _count_call(state_ptr, e):
-    """The last program out records call ``e`` as done (every program has read the count by then)."""
-    tl.debug_barrier()
-    if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-        tl.store(state_ptr + 1, 0)
-        tl.store(state_ptr, e)
+from .slot_exchange import count_call, notify_block, publish_header, push, sum_parts, wait_block
 
 
 @triton.jit
 def one_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local_data, local_flags, local_header,
-                        state_ptr, n, cap, max_blocks, err_ptr, budget, rank, world, op, fingerprint,
+                        state_ptr, n, cap, max_blocks, waiter, world, fingerprint,
                         BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, CLOCK: tl.constexpr):
+    """``waiter``: kernels.signal.waiter's (error word, budget, rank, op)."""
+    err_ptr, budget, rank, op = waiter
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     e = tl.load(state_ptr) + 1  # this call's number, the same on every rank
     half = e % 2
     n_blocks = tl.cdiv(n, BLOCK)
-    _publish_header(header_ptrs, e, half, rank, world, op, fingerprint, n, BLOCK_W)
+    publish_header(header_ptrs, e, half, rank, world, op, fingerprint, n, BLOCK_W)
     # this rank's blocks, into every peer's slot [half][rank]; then the block's flag in every peer
     for b in range(pid, n_blocks, programs):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
-        _push(tl.load(x_ptr + offs, mask=inside), data_ptrs, offs, inside, cap, half, rank, world)
-        _notify_block(flag_ptrs, e, rank, b, max_blocks, world, BLOCK_W)
+        push(tl.load(x_ptr + offs, mask=inside), data_ptrs, offs, inside, cap, half, rank, world)
+        notify_block(flag_ptrs, e, rank, b, max_blocks, world, BLOCK_W)
     # each block: every peer's flag, then the sum of the W slots in rank order
     for b in range(pid, n_blocks, programs):
         offs = b * BLOCK + tl.arange(0, BLOCK)
         inside = offs < n
-        acc = _sum_parts(tl.zeros((BLOCK,), tl.float32), x_ptr, local_data, local_flags, local_header, b, offs,
-                         inside, cap, max_blocks, e, half, err_ptr, budget, rank, world, op, fingerprint, CLOCK)
+        acc = sum_parts(tl.zeros((BLOCK,), tl.float32), x_ptr, local_data, local_flags, local_header, b, offs,
+                        inside, cap, max_blocks, e, half, waiter, world, fingerprint, CLOCK)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=inside)
-    _count_call(state_ptr, e)
+    count_call(state_ptr, e)
 
 
 @triton.jit
 def two_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local_data, local_flags, local_header,
-                        state_ptr, n, cap, max_blocks, err_ptr, budget, rank, world, op, fingerprint,
+                        state_ptr, n, cap, max_blocks, waiter, world, fingerprint,
                         BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, CLOCK: tl.constexpr):
     """Block ``b`` belongs to rank ``b % W``. Every rank stores its part of each block into the block's owner (slot
     [half][rank]); the owner sums the W parts and stores the sum into every peer (slot [half][owner]); every rank
@@ -127,12 +62,13 @@ def two_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local
     times it (one-shot), at the cost of a second wait; the slots the parts land in (blocks this rank owns) and those
     the sums land in (blocks the sender owns) never overlap. The same parity argument as the one-shot's holds: a
     rank's slots are written for call e + 1 only by ranks that have seen its part or its sum of call e or later."""
+    err_ptr, budget, rank, op = waiter
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     e = tl.load(state_ptr) + 1
     half = e % 2
     n_blocks = tl.cdiv(n, BLOCK)
-    _publish_header(header_ptrs, e, half, rank, world, op, fingerprint, n, BLOCK_W)
+    publish_header(header_ptrs, e, half, rank, world, op, fingerprint, n, BLOCK_W)
     # parts: this rank's part of every block another rank owns, into the owner
     for b in range(pid, n_blocks, programs):
         owner = b % world
@@ -149,19 +85,18 @@ def two_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local
         if b % world == rank:
             offs = b * BLOCK + tl.arange(0, BLOCK)
             inside = offs < n
-            acc = _sum_parts(tl.zeros((BLOCK,), tl.float32), x_ptr, local_data, local_flags, local_header, b, offs,
-                             inside, cap, max_blocks, e, half, err_ptr, budget, rank, world, op, fingerprint, CLOCK)
+            acc = sum_parts(tl.zeros((BLOCK,), tl.float32), x_ptr, local_data, local_flags, local_header, b, offs,
+                            inside, cap, max_blocks, e, half, waiter, world, fingerprint, CLOCK)
             y = acc.to(out_ptr.dtype.element_ty)
             tl.store(out_ptr + offs, y, mask=inside)
-            _push(y, data_ptrs, offs, inside, cap, half, rank, world)
-            _notify_block(flag_ptrs, e, rank, b, max_blocks, world, BLOCK_W)
+            push(y, data_ptrs, offs, inside, cap, half, rank, world)
+            notify_block(flag_ptrs, e, rank, b, max_blocks, world, BLOCK_W)
     # the sums of the blocks others own
     for b in range(pid, n_blocks, programs):
         owner = b % world
         if owner != rank:
             offs = b * BLOCK + tl.arange(0, BLOCK)
-            _wait_block(local_flags, local_header, owner, b, max_blocks, e, half, err_ptr, budget, rank, world, op,
-                        fingerprint, CLOCK)
+            wait_block(local_flags, local_header, owner, b, max_blocks, e, half, waiter, world, fingerprint, CLOCK)
             y = tl.load(local_data + (half * world + owner) * cap + offs, mask=offs < n, cache_modifier=".cg")
             tl.store(out_ptr + offs, y, mask=offs < n)
-    _count_call(state_ptr, e)
+    count_call(state_ptr, e)

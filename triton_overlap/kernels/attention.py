@@ -31,99 +31,10 @@ import triton
 import triton.language as tl
 
 from ..plan import cdiv
+from .attention_device import (key_span, kv_base, piece, pieces, pos_span, segment, unmasked_end, wait_every_chunk,
+                               wait_kv, zigzag_pos)
 from .cached_launch import launch
-from .signal import wait_flag
-
-
-@triton.jit
-def zigzag_pos(idx, src, world, C):
-    return tl.where(idx < C, src * C + idx, (2 * world - 1 - src) * C + idx - C)
-
-
-@triton.jit
-def kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, sw_s, sw_h):
-    """Where source ``src``'s K (or V) block lives: our own tensor, or its slot in the gathered workspace."""
-    if src == rank:
-        base = k_ptr + b * sk_b + hk * sk_h
-    else:
-        base = kws_ptr + b * sw_b + hk * sw_h + (src * S_LOCAL) * sw_s
-    return base
-
-
-@triton.jit
-def wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n1, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK: tl.constexpr):
-    """Wait for the flags of every chunk of ``src`` that local key rows [n0, n1) touch (none for our own)."""
-    if src != rank:
-        for j in range(n0 // M_PER_CHUNK, (n1 - 1) // M_PER_CHUNK + 1):
-            wait_flag(flags_ptr + src * CHUNKS_PER_RANK + j, 1, err_ptr, budget, rank, op, src, j, CLOCK)
-
-
-@triton.jit
-def segment(pid, seg_ptr, cu_ptr, S_LOCAL, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
-    """(first row of the document in the shard, its length, this program's first row within it): the
-    whole shard is one document unless VARLEN, where the table names the document and the row."""
-    if VARLEN:
-        doc = tl.load(seg_ptr + 2 * pid)
-        r0 = tl.load(seg_ptr + 2 * pid + 1)
-        so = tl.load(cu_ptr + doc)
-        length = tl.load(cu_ptr + doc + 1) - so
-    else:
-        so = 0
-        length = S_LOCAL
-        r0 = pid * BLOCK
-    return so, length, r0
-
-
-@triton.jit
-def pieces(src, rank, so, lo, hi, M_PER_CHUNK):
-    """Range of the pieces that key rows [lo, hi) of a document starting at row ``so`` are read in: our own in
-    one, a peer's split at its chunk boundaries (each piece waits for its chunks). See ``piece``."""
-    P = tl.where(src == rank, 1 << 30, M_PER_CHUNK)
-    j0 = (so + lo) // P
-    j1 = tl.where(hi > lo, (so + hi - 1) // P + 1, j0)
-    return P, j0, j1
-
-
-@triton.jit
-def piece(j, P, so, lo, hi):
-    """Rows [c0, c1) of piece ``j`` (document-relative)."""
-    return tl.maximum(j * P - so, lo), tl.minimum((j + 1) * P - so, hi)
-
-
-@triton.jit
-def pos_span(pos, ok):
-    """First and last position among the rows of a block that are in range."""
-    return tl.min(tl.where(ok, pos, 1 << 30), axis=0), tl.max(tl.where(ok, pos, -1), axis=0)
-
-
-@triton.jit
-def unmasked_end(c0, c1, full_end, BLOCK_N: tl.constexpr):
-    """End of the whole blocks from c0 that every query row sees (at most c1)."""
-    return c0 + tl.maximum(tl.minimum(c1, full_end) - c0, 0) // BLOCK_N * BLOCK_N
-
-
-@triton.jit
-def key_span(src, world, C, hh, q_first, q_last, CAUSAL: tl.constexpr):
-    """For key half ``hh`` of ``src``: how many of its keys (from the half's start) some row of the
-    query block sees, and how many every row sees."""
-    if CAUSAL:
-        kpos0 = tl.where(hh == 0, src, 2 * world - 1 - src) * C
-        need = tl.minimum(tl.maximum(q_last - kpos0 + 1, 0), C)
-        full = tl.minimum(tl.maximum(q_first - kpos0 + 1, 0), C)
-    else:
-        need = C
-        full = C
-    return need, full
-
-
-@triton.jit
-def wait_every_chunk(flags_ptr, err_ptr, budget, rank, world, op, CHUNKS_PER_RANK, CLOCK: tl.constexpr):
-    """Wait for the flag of every peer's chunk. A causal forward skips the chunks no query block needs, so one
-    program of it calls this: when the kernel ends every peer's flag write has landed and the caller may reset
-    the flags."""
-    for c in range(0, world * CHUNKS_PER_RANK):
-        if c // CHUNKS_PER_RANK != rank:
-            wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
+from .signal import waiter
 
 
 @triton.jit
@@ -167,13 +78,15 @@ def _fold(acc, m_i, l_i, q, q_pos, kb, vb, s_s, lo, hi, src, world, C, qk_scale,
 
 @triton.jit
 def cp_attention_fwd(
-    q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, o_ptr, lse_ptr, flags_ptr, err_ptr, budget, rank, world, op,
+    q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, o_ptr, lse_ptr, flags_ptr, waiter, world,
     S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
     sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, so_b, so_s, so_h, seg_ptr, cu_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
     CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    """``s_s``: the sequence stride of k, v and the workspaces (the same: all are [.., S, Hkv, D] contiguous)."""
+    """``s_s``: the sequence stride of k, v and the workspaces (the same: all are [.., S, Hkv, D] contiguous);
+    ``waiter``: kernels.signal.waiter's (error word, budget, rank, op)."""
+    rank = waiter[2]
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -208,8 +121,7 @@ def cp_attention_fwd(
             P, j0, j1 = pieces(src, rank, seg0, h0, h0 + need, M_PER_CHUNK)
             for j in range(j0, j1):
                 c0, c1 = piece(j, P, seg0, h0, h0 + need)
-                wait_kv(flags_ptr, err_ptr, budget, rank, op, src, seg0 + c0, seg0 + c1, M_PER_CHUNK,
-                        CHUNKS_PER_RANK, CLOCK)
+                wait_kv(flags_ptr, waiter, src, seg0 + c0, seg0 + c1, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
                 f1 = unmasked_end(c0, c1, h0 + full, BLOCK_N)
                 acc, m_i, l_i = _fold(acc, m_i, l_i, q, q_pos, kb, vb, s_s, c0, f1, src, world, C, qk_scale,
                                       False, CAUSAL, BLOCK_N, HEAD_D, DOT_F32)
@@ -224,7 +136,7 @@ def cp_attention_fwd(
     tl.store(lse_ptr + bh * S_LOCAL + rows, lse, mask=m_ok)
     if CAUSAL:
         if (pid_m == 0) & (bh == 0):
-            wait_every_chunk(flags_ptr, err_ptr, budget, rank, world, op, CHUNKS_PER_RANK, CLOCK)
+            wait_every_chunk(flags_ptr, waiter, world, CHUNKS_PER_RANK, CLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
@@ -260,7 +172,7 @@ def segment_table(local_cu, block: int, device) -> Documents:
                      torch.tensor(local_cu, dtype=torch.int32, device=device), len(rows))
 
 
-def _grid0(S, block, docs: Documents | None, none: torch.Tensor):
+def sequence_grid(S, block, docs: Documents | None, none: torch.Tensor):
     """(programs along the sequence, table, boundaries): whole-shard blocks, or the packed documents' blocks
     (``none``: any int32 tensor, passed where VARLEN is off and nothing reads it)."""
     if docs is None:
@@ -277,7 +189,7 @@ def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_ra
     B, S, Hq, D = q.shape
     if not (k.stride(1) == kw.stride(1) == v.stride(1) == vw.stride(1)):
         raise ValueError("cp_attention: k, v and the workspaces must share a sequence stride")
-    n, seg, cu = _grid0(S, blocks.block_m, docs, flags)
+    n, seg, cu = sequence_grid(S, blocks.block_m, docs, flags)
     if n == 0:
         return
     rank = ctx.rank if rank is None else rank
@@ -289,7 +201,7 @@ def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_ra
                                            causal, blocks, rank, world, op, tiles)
             return
     launch(cp_attention_fwd, (n, B * Hq), (
-        q, k, v, kw, vw, out, lse, flags, ctx.err, ctx.budget, rank, world, op,
+        q, k, v, kw, vw, out, lse, flags, waiter(ctx, op, rank), world,
         S, Hq, Hq // k.shape[2], m_per_chunk, chunks_per_rank, scale,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1),
         out.stride(0), out.stride(1), out.stride(2), seg, cu,

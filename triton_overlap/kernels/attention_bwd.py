@@ -15,13 +15,14 @@
   ticket sums the slots in a fixed order and does the store and the bump.
 * ``reduce_dkdv`` (per owner): waits for every source's count and sums the W
   partials.
-* The single pass (``single_pass``): delta and a zeroed float32 dQ buffer
-  (``bwd_prologue``), one kernel that adds dQ up while it computes dK/dV, then
-  dQ = the buffer times the scale (``bwd_epilogue``). On Hopper that kernel is
-  kernels.attention_bwd_hopper's; on the host backend, where a config asks for
-  it (``dkdv.warp_specialized``), it is ``cp_attention_dkdv`` with ``DQ_ACC``,
-  which adds each block pair's dS K into the buffer by atomics: the same
-  algorithm and protocol, so the host runs its tests.
+* The single pass (``single_pass``, kernels.attention_bwd_frame): delta and a
+  zeroed float32 dQ buffer (``bwd_prologue``), one kernel that adds dQ up while
+  it computes dK/dV, then dQ = the buffer times the scale (``bwd_epilogue``).
+  On Hopper that kernel is kernels.attention_bwd_hopper's; on the host
+  backend, where a config asks for it (``dkdv.warp_specialized``), it is
+  ``cp_attention_dkdv`` with ``DQ_ACC``, which adds each block pair's dS K
+  into the buffer by atomics: the same algorithm and protocol, so the host
+  runs its tests.
 
 Causal masks use global zigzag positions as in the forward, and the same
 split: blocks every row sees run unmasked, blocks on the diagonal masked,
@@ -33,17 +34,16 @@ row come from a table, and it reads only that document's rows.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from ..plan import cdiv
-from .attention import (Blocks, Documents, _grid0, key_span, kv_base, piece, pieces, pos_span, segment, unmasked_end,
-                        wait_kv, zigzag_pos)
+from .attention import Blocks, Documents, sequence_grid
+from .attention_bwd_frame import BackwardScratch, single_pass, split_scratch, zero_tickets
+from .attention_device import key_span, kv_base, piece, pieces, pos_span, segment, unmasked_end, wait_kv, zigzag_pos
 from .cached_launch import launch
-from .signal import WHAT_PARTIALS, add_release, error_code, wait_flag
+from .signal import WHAT_PARTIALS, add_release, error_code, wait_for, waiter
 
 #: head_split_for: the dK/dV programs wanted per compute unit (docs/decisions.md)
 HEAD_SPLIT_WAVES = 4
@@ -79,12 +79,13 @@ def _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, lo, hi, src, world, C, 
 
 @triton.jit
 def cp_attention_dq(
-    q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, flags_ptr, err_ptr, budget,
-    rank, world, op, S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
+    q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, o_ptr, lse_ptr, delta_ptr, dq_ptr, flags_ptr, waiter, world,
+    S_LOCAL, HQ, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
     sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
     CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr,
 ):
+    rank = waiter[2]  # (waiter: kernels.signal.waiter's error word, budget, rank and op)
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -120,8 +121,7 @@ def cp_attention_dq(
             P, j0, j1 = pieces(src, rank, seg0, h0, h0 + need, M_PER_CHUNK)
             for j in range(j0, j1):
                 c0, c1 = piece(j, P, seg0, h0, h0 + need)
-                wait_kv(flags_ptr, err_ptr, budget, rank, op, src, seg0 + c0, seg0 + c1, M_PER_CHUNK,
-                        CHUNKS_PER_RANK, CLOCK)
+                wait_kv(flags_ptr, waiter, src, seg0 + c0, seg0 + c1, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
                 f1 = unmasked_end(c0, c1, h0 + full, BLOCK_N)
                 dq = _dq_fold(dq, q, do, lse2, delta, q_pos, kb, vb, s_s, c0, f1, src, world, C, qk_scale,
                               False, CAUSAL, BLOCK_N, HEAD_D, DOT_F32)
@@ -177,11 +177,12 @@ def _dkdv_fold(dk, dv, k, v, k_pos, q_ptr, do_ptr, lse_ptr, delta_ptr, qrow0, lr
 @triton.jit
 def cp_attention_dkdv(
     q_ptr, k_ptr, v_ptr, kws_ptr, vws_ptr, do_ptr, lse_ptr, delta_ptr, recv_ptrs, counter_ptrs, flags_ptr,
-    err_ptr, budget, rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
+    waiter, world, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
     sq_b, sq_s, sq_h, sk_b, sk_h, sw_b, sw_h, s_s, seg_ptr, cu_ptr, part_ptr, ticket_ptr, dq_acc_ptr,
     CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_D: tl.constexpr,
     CLOCK: tl.constexpr, DOT_F32: tl.constexpr, VARLEN: tl.constexpr, SPLIT: tl.constexpr, DQ_ACC: tl.constexpr,
 ):
+    err_ptr, budget, rank, op = waiter
     pid_n = tl.program_id(0)
     bhk = tl.program_id(1) // SPLIT
     part = tl.program_id(1) % SPLIT  # which share of the group's query heads
@@ -193,8 +194,8 @@ def cp_attention_dkdv(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_D)
     n_ok = offs_n < S_DOC
-    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, seg0 + n0, seg0 + tl.minimum(n0 + BLOCK_N, S_DOC), M_PER_CHUNK,
-            CHUNKS_PER_RANK, CLOCK)
+    wait_kv(flags_ptr, waiter, src, seg0 + n0, seg0 + tl.minimum(n0 + BLOCK_N, S_DOC), M_PER_CHUNK, CHUNKS_PER_RANK,
+            CLOCK)
     kb = kv_base(k_ptr, kws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h) + seg0 * s_s
     vb = kv_base(v_ptr, vws_ptr, src, rank, b, hk, S_LOCAL, sk_b, sk_h, sw_b, s_s, sw_h) + seg0 * s_s
     k = tl.load(kb + offs_n[:, None] * s_s + offs_d[None, :], mask=n_ok[:, None], other=0.0)
@@ -263,33 +264,12 @@ def cp_attention_dkdv(
 
 
 @triton.jit
-def bwd_prologue(do_ptr, o_ptr, delta_ptr, acc_ptr, S_LOCAL, HQ, BLOCK: tl.constexpr, HEAD_D: tl.constexpr):
-    """delta = rowsum(dO * O) for BLOCK rows of one (batch, head); the float32 dQ buffer's rows zeroed."""
-    bh = tl.program_id(1)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = rows < S_LOCAL
-    at = ((bh // HQ * S_LOCAL + rows) * HQ + bh % HQ)[:, None] * HEAD_D + tl.arange(0, HEAD_D)[None, :]
-    do = tl.load(do_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + at, mask=ok[:, None], other=0.0).to(tl.float32)
-    tl.store(delta_ptr + bh * S_LOCAL + rows, tl.sum(do * o, axis=1), mask=ok)
-    tl.store(acc_ptr + at, tl.zeros((BLOCK, HEAD_D), tl.float32), mask=ok[:, None])
-
-
-@triton.jit
-def bwd_epilogue(acc_ptr, dq_ptr, N_ELEM, sm_scale, BLOCK: tl.constexpr):
-    """dQ = the float32 buffer times the softmax scale, in dQ's dtype."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N_ELEM
-    tl.store(dq_ptr + offs, (tl.load(acc_ptr + offs, mask=ok) * sm_scale).to(dq_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, err_ptr, budget, rank, world, op, N_ELEM,
-                BLOCK: tl.constexpr, CLOCK: tl.constexpr):
+def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, waiter, world, N_ELEM, BLOCK: tl.constexpr,
+                CLOCK: tl.constexpr):
     """dK, dV (this rank's own K/V) = sum over the W slots; slot s holds [dK | dV] partials from rank s."""
     pid = tl.program_id(0)
     for s in range(0, world):
-        wait_flag(counters_ptr + s, expected, err_ptr, budget, rank, op, s, WHAT_PARTIALS, CLOCK)
+        wait_for(counters_ptr + s, expected, waiter, s, WHAT_PARTIALS, CLOCK)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N_ELEM
     dk = tl.zeros((BLOCK,), tl.float32)
@@ -302,26 +282,6 @@ def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, err_ptr, budge
 
 
 # ---------------------------------------------------------------------------------------------------- launchers
-@dataclass
-class BackwardScratch:
-    """What one backward writes besides dq and the dK/dV partials, and which kernels it runs (``path``: "hopper",
-    kernels.attention_bwd_hopper's single kernel; "single pass", the same algorithm in Triton on the host backend;
-    "two kernels"). ``delta``: rowsum(dO * O), float32 [B, Hq, S]; ``acc``: the single pass's float32 dQ buffer
-    [B, S, Hq, D] (None for two kernels); ``part`` and ``ticket``: the head split's partials and tickets over
-    ``split`` programs per key block (both ``flags`` where the split is 1). Allocated before the call is enqueued,
-    so that an op replaying its calls (ops.replay) keys them by these addresses too."""
-
-    path: str
-    split: int
-    delta: torch.Tensor
-    acc: torch.Tensor | None
-    part: torch.Tensor
-    ticket: torch.Tensor
-
-    def tensors(self) -> tuple:
-        return self.delta, self.acc, self.part, self.ticket
-
-
 def backward_scratch(ctx, q, k, v, kw, vw, dq, flags, dkdv_blocks: Blocks, world=None,
                      docs_dkdv: Documents | None = None, head_split: int | None = None) -> BackwardScratch:
     """The scratch and path of a launch_bwd with these arguments (its docstring says what they are)."""
@@ -339,7 +299,7 @@ def backward_scratch(ctx, q, k, v, kw, vw, dq, flags, dkdv_blocks: Blocks, world
             path, block_n, waves = "hopper", ws.BLOCK_N, ws.MIN_WAVES
         elif ctx.backend == "host" and docs_dkdv is None and q.is_contiguous():
             path = "single pass"
-    n = _grid0(S, block_n, docs_dkdv, flags)[0]
+    n = sequence_grid(S, block_n, docs_dkdv, flags)[0]
     split = 1 if not n else head_split or head_split_for(ctx, n * B * Hkv * world, group, waves)
     part, ticket = split_scratch(flags, world * B * Hkv * n, split, block_n, D)
     return BackwardScratch(path, split, torch.empty((B, Hq, S), dtype=torch.float32, device=q.device),
@@ -371,13 +331,13 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
     world = ctx.world_size if world is None else world
     if scratch is None:
         scratch = backward_scratch(ctx, q, k, v, kw, vw, dq, flags, dkdv_blocks, world, docs_dkdv, head_split)
-    common = (ctx.err, ctx.budget, rank, world, op, S)
+    common = (waiter(ctx, op, rank), world, S)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
     meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=ctx.backend == "host")
 
     def dkdv(delta, dq_acc=None):
         """The dK/dV kernel (with dq_acc, adding dQ up too); the count each owner waits for per source."""
-        n, seg, cu = _grid0(S, dkdv_blocks.block_n, docs_dkdv, flags)
+        n, seg, cu = sequence_grid(S, dkdv_blocks.block_n, docs_dkdv, flags)
         if n:
             split = scratch.split
             zero_tickets(scratch)
@@ -398,7 +358,7 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
     if scratch.path == "single pass":  # the same single pass in Triton's interpreter: the dK/dV kernel adds dQ up
         return single_pass(ctx, dout, out, dq, scale, dkdv, scratch)
     delta = scratch.delta  # written by the dQ kernel
-    n, seg, cu = _grid0(S, dq_blocks.block_m, docs_dq, flags)
+    n, seg, cu = sequence_grid(S, dq_blocks.block_m, docs_dq, flags)
     if n:
         launch(cp_attention_dq, (n, B * Hq), (
             q, k, v, kw, vw, dout, out, lse, delta, dq, flags, *common, Hq, Hq // Hkv,
@@ -407,43 +367,6 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
             num_warps=dq_blocks.num_warps, num_stages=dq_blocks.num_stages)
         ctx.after_launch()
     return dkdv(delta)
-
-
-#: rows per program of bwd_prologue
-PROLOGUE_ROWS = 64
-
-
-def single_pass(ctx, dout, out, dq, scale, kernel, scratch: BackwardScratch):
-    """The frame of a backward that adds dQ up in the pass over (key block, query block) pairs: delta and the
-    float32 dQ buffer of ``scratch``, the buffer zeroed (bwd_prologue), ``kernel(delta, buffer)``, then dQ = the
-    buffer times ``scale`` (bwd_epilogue). ``dout``, ``out`` and ``dq`` contiguous, shaped like q. Returns what
-    ``kernel`` returns."""
-    B, S, Hq, D = dq.shape
-    delta, acc = scratch.delta, scratch.acc
-    launch(bwd_prologue, (cdiv(S, PROLOGUE_ROWS), B * Hq), (dout, out, delta, acc, S, Hq),
-           dict(BLOCK=PROLOGUE_ROWS, HEAD_D=D), num_warps=4)
-    ctx.after_launch()
-    result = kernel(delta, acc)
-    block = 4096
-    launch(bwd_epilogue, (cdiv(acc.numel(), block),), (acc, dq, acc.numel(), scale), dict(BLOCK=block), num_warps=4)
-    ctx.after_launch()
-    return result
-
-
-def split_scratch(flags, blocks: int, split: int, block_n: int, D: int):
-    """The dK/dV kernels' scratch for ``split`` shares of the query heads over ``blocks`` key blocks (sources x
-    batch x K/V heads x blocks): float32 partials [blocks, split, 2, block_n, D] and an int32 ticket per block
-    (zeroed by zero_tickets before each launch). With split 1 neither is read, and ``flags`` stands in for both."""
-    if split == 1:
-        return flags, flags
-    return (torch.empty((blocks, split, 2, block_n, D), dtype=torch.float32, device=flags.device),
-            torch.empty(blocks, dtype=torch.int32, device=flags.device))
-
-
-def zero_tickets(scratch: BackwardScratch) -> None:
-    """Enqueue the zeroing of the head split's tickets (nothing where the split is 1: no tickets)."""
-    if scratch.split > 1:
-        scratch.ticket.zero_()
 
 
 def head_split_for(ctx, programs: int, group: int, waves: int = HEAD_SPLIT_WAVES) -> int:
@@ -464,6 +387,6 @@ def launch_reduce_dkdv(ctx, recv, dk, dv, counters, expected: int, op: int = 0) 
     ``counters`` has reached ``expected``."""
     n = dk.numel()
     block = 1024 if ctx.backend == "host" else 2048
-    launch(reduce_dkdv, (cdiv(n, block),), (recv, dk, dv, counters, expected, ctx.err, ctx.budget, ctx.rank,
-                                             ctx.world_size, op, n), dict(BLOCK=block, CLOCK=ctx.clock))
+    launch(reduce_dkdv, (cdiv(n, block),), (recv, dk, dv, counters, expected, waiter(ctx, op), ctx.world_size, n),
+           dict(BLOCK=block, CLOCK=ctx.clock))
     ctx.after_launch()

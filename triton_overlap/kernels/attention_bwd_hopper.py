@@ -18,7 +18,7 @@ rank's rows, so no second kernel computes S and dP again (five products per pair
   (an element-wise atomic reduction that runs while the warpgroup goes on to the next query block; docs/decisions.md
   has what it saved over atomics from registers).
 
-``launch_bwd_ws`` runs it inside kernels.attention_bwd's ``single_pass`` frame: a small Triton kernel before it
+``launch_bwd_ws`` runs it inside kernels.attention_bwd_frame's ``single_pass``: a small Triton kernel before it
 (delta = rowsum(dO * O), the float32 buffer zeroed) and one after it (dQ = the buffer times the softmax scale, in
 q's dtype). dQ's float32 sum takes its terms in the order the reductions land, so its last bits may differ between
 calls; dK and dV are summed in a fixed order. Only for NVIDIA sm_90 with 16-bit operands, D of 64 or 128, and
@@ -32,12 +32,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .attention import wait_kv, zigzag_pos
-from .attention_bwd import single_pass, zero_tickets
-from .attention_hopper import head_desc, hopper
+from .attention_bwd_frame import single_pass, zero_tickets
+from .attention_device import wait_kv, zigzag_pos
+from .attention_hopper import head_desc
 from .cached_launch import launch
-from .gemm_warp_specialized import _barrier, _tma_load, gluon_available, shared_layout
-from .signal import error_code
+from .capability import gluon_available, is_hopper
+from .gluon_shims import barrier, shared_layout, tma_atomic_add, tma_load
+from .signal import error_code, waiter
 
 #: The registers a compute thread may hold (setmaxnreg); the loader's four warps keep what is left.
 COMPUTE_REGS = 240
@@ -52,20 +53,6 @@ MIN_WAVES = 7
 #: lse and delta pieces in shared memory (1-D, as TMA loads them)
 ROWS_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
 LOG2E = gl.constexpr(1.4426950408889634)
-
-
-if hasattr(tma, "async_atomic_add"):
-    _tma_add = tma.async_atomic_add
-else:  # Triton 3.6: its Gluon builder has the TMA reduction, its language not yet the function
-    from triton._C.libtriton import ir as _ir
-    from triton.language.core import builtin as _builtin
-
-    @_builtin
-    def _tma_add(tensor_desc, coord, src, _semantic=None):
-        """Add shared memory block ``src`` into the block of ``tensor_desc`` at ``coord`` (TMA, element-wise atomic)."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
-                                                  src.handle)
 
 
 @gluon.jit
@@ -107,8 +94,9 @@ def _load(p, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, INTERLEAVE: gl.constexpr
     """The loader partition: K and V of the block once (after its chunk's flag), then Q and dO of every query
     block in the compute partitions' order."""
     (q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-     k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, err_ptr, budget, rank, world,
-     op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+     k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, waiter, world, S_LOCAL, HQ,
+     HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+    err_ptr, budget, rank, op = waiter
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -117,14 +105,14 @@ def _load(p, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, INTERLEAVE: gl.constexpr
     b = bhk // HKV
     hk = bhk % HKV
     C = S_LOCAL // 2
-    wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
+    wait_kv(flags_ptr, waiter, src, n0, n0 + BLOCK_N, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
     if src == rank:  # our own K/V, read in place
-        _tma_load(k_desc, [b * S_LOCAL + n0, hk * HEAD_D], kv_bar, k_smem)
-        _tma_load(v_desc, [b * S_LOCAL + n0, hk * HEAD_D], kv_bar, v_smem)
+        tma_load(k_desc, [b * S_LOCAL + n0, hk * HEAD_D], kv_bar, k_smem)
+        tma_load(v_desc, [b * S_LOCAL + n0, hk * HEAD_D], kv_bar, v_smem)
     else:  # a peer's, from its slot in the workspace
-        _tma_load(kw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], kv_bar, k_smem)
-        _tma_load(vw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], kv_bar, v_smem)
+        tma_load(kw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], kv_bar, k_smem)
+        tma_load(vw_desc, [(b * world + src) * S_LOCAL + n0, hk * HEAD_D], kv_bar, v_smem)
     j = 0
     heads = GROUP // SPLIT
     for g in range(part * heads, part * heads + heads):
@@ -137,10 +125,10 @@ def _load(p, CAUSAL: gl.constexpr, SPLIT: gl.constexpr, INTERLEAVE: gl.constexpr
                 mbarrier.wait(empty.index(s), ((j // NSTAGE) & 1) ^ 1)  # a fresh barrier counts as released
                 mbarrier.expect(ready.index(s), q_desc.block_type.nbytes + do_desc.block_type.nbytes
                                 + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-                _tma_load(q_desc, [b * S_LOCAL + qh * C + m, col], ready.index(s), q_smem.index(s))
-                _tma_load(do_desc, [b * S_LOCAL + qh * C + m, col], ready.index(s), do_smem.index(s))
-                _tma_load(lse_desc, [lrow0 + qh * C + m], ready.index(s), lse_smem.index(s))
-                _tma_load(delta_desc, [lrow0 + qh * C + m], ready.index(s), delta_smem.index(s))
+                tma_load(q_desc, [b * S_LOCAL + qh * C + m, col], ready.index(s), q_smem.index(s))
+                tma_load(do_desc, [b * S_LOCAL + qh * C + m, col], ready.index(s), do_smem.index(s))
+                tma_load(lse_desc, [lrow0 + qh * C + m], ready.index(s), lse_smem.index(s))
+                tma_load(delta_desc, [lrow0 + qh * C + m], ready.index(s), delta_smem.index(s))
                 j += 1
 
 
@@ -151,8 +139,9 @@ def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr,
     loader's order; dQ columns [D/2 WG, D/2 WG + D/2) of each query block over all 128 keys. Then its dK/dV rows
     into the owner's slot and the owner's counter bumped once for the block (``_store_block``)."""
     (q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem, delta_smem,
-     k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, err_ptr, budget, rank, world,
-     op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+     k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, waiter, world, S_LOCAL, HQ,
+     HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK) = p
+    err_ptr, budget, rank, op = waiter
     BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
@@ -216,7 +205,7 @@ def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr,
                 mbarrier.wait(ds_free.index(d), ((j // 2) & 1) ^ 1)
                 ds_smem.index(d).slice(WG * KEYS, KEYS).store(ds)
                 fence_async_shared()
-                _barrier()
+                barrier()
                 mbarrier.arrive(ds_full.index(d))
                 mbarrier.wait(ds_full.index(d), (j // 2) & 1)
                 dq = warpgroup_mma(ds_smem.index(d).permute((1, 0)), k_cols, zero_q, use_acc=False, is_async=True)
@@ -225,11 +214,11 @@ def _compute(p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr,
                 mbarrier.arrive(empty.index(s))
                 # dQ's half into the float32 buffer: through shared memory, added by TMA while the next block runs
                 tma.store_wait(0)  # the previous block's addition has read the buffer
-                _barrier()
+                barrier()
                 dq_buf.store(dq)
                 fence_async_shared()
-                _barrier()
-                _tma_add(dq_desc, [b * S_LOCAL + qh * C + m, h * HEAD_D + WG * HALF], dq_buf)
+                barrier()
+                tma_atomic_add(dq_desc, [b * S_LOCAL + qh * C + m, h * HEAD_D + WG * HALF], dq_buf)
                 j += 1
     tma.store_wait(0)
     _store_block(dk * sm_scale, dv, n0, b, hk, src, part, done, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, err_ptr,
@@ -257,7 +246,7 @@ def _store_block(dk, dv, n0, b, hk, src, part, done, recv_ptrs, counter_ptrs, pa
         ok = error_code(err_ptr) == 0  # nothing goes into a peer after a fault (its call may disagree)
         gl.store(base + at + WG * KEYS * (HKV * HEAD_D), dk, mask=ok)
         gl.store(base + at + WG * KEYS * (HKV * HEAD_D) + nb * slot, dv, mask=ok)  # the dV half follows dK's
-        _barrier()  # every thread's stores come before the arrive / the release below
+        barrier()  # every thread's stores come before the arrive / the release below
         if WG == 1:
             mbarrier.arrive(done)
         else:
@@ -271,7 +260,7 @@ def _store_block(dk, dv, n0, b, hk, src, part, done, recv_ptrs, counter_ptrs, pa
         mine = scratch + part * (2 * BLOCK_N * HEAD_D) + WG * KEYS * HEAD_D
         gl.store(mine + tile, dk)
         gl.store(mine + BLOCK_N * HEAD_D + tile, dv)
-        _barrier()  # every thread's stores come before the ticket
+        barrier()  # every thread's stores come before the ticket
         last = gl.atomic_add(ticket_ptr + unit, 1, sem="acq_rel", scope="gpu") == 2 * SPLIT - 1
         ok = error_code(err_ptr) == 0
         if last:
@@ -280,15 +269,15 @@ def _store_block(dk, dv, n0, b, hk, src, part, done, recv_ptrs, counter_ptrs, pa
                 for s in range(0, SPLIT):
                     acc += gl.load(scratch + s * (2 * BLOCK_N * HEAD_D) + piece * KEYS * HEAD_D + tile, volatile=True)
                 gl.store(base + at + piece % 2 * KEYS * (HKV * HEAD_D) + piece // 2 * nb * slot, acc, mask=ok)
-            _barrier()  # every thread's stores come before the release below
+            barrier()  # every thread's stores come before the release below
             if ok:
                 gl.atomic_add(counter, 1, sem="release", scope="sys")
 
 
 @gluon.jit
 def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, dq_desc, recv_ptrs,
-                        counter_ptrs, part_ptr, ticket_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ,
-                        HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, CAUSAL: gl.constexpr,
+                        counter_ptrs, part_ptr, ticket_ptr, flags_ptr, waiter, world, S_LOCAL, HQ, HKV, GROUP,
+                        M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale, CAUSAL: gl.constexpr,
                         SPLIT: gl.constexpr, INTERLEAVE: gl.constexpr, NSTAGE: gl.constexpr, CLOCK: gl.constexpr,
                         COMPUTE_REGS: gl.constexpr):
     """``q_desc``/``do_desc``: Q and dO as [B * S_LOCAL, HQ * D] in [BLOCK_M, D] blocks; ``k_desc``/``v_desc``:
@@ -326,8 +315,8 @@ def cp_attention_bwd_ws(q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_d
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(done, count=1)
     p = (q_desc, do_desc, k_desc, v_desc, kw_desc, vw_desc, lse_desc, delta_desc, q_smem, do_smem, lse_smem,
-         delta_smem, k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, err_ptr, budget,
-         rank, world, op, S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
+         delta_smem, k_smem, v_smem, kv_bar, ready, empty, ds_smem, ds_full, ds_free, done, flags_ptr, waiter, world,
+         S_LOCAL, HQ, HKV, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK)
     gl.warp_specialize([
         (_load, (p, CAUSAL, SPLIT, INTERLEAVE, CLOCK)),
         (_compute, (p, dq_desc, dq_smem, recv_ptrs, counter_ptrs, part_ptr, ticket_ptr, sm_scale, CAUSAL, SPLIT,
@@ -343,7 +332,7 @@ def usable(ctx, q, k, v, kw, vw, dq, docs) -> bool:
     or 128; no packed documents; each zigzag half of the shard whole blocks of keys; q, k, v, dq and the workspaces
     contiguous (they are read as 2-D tensors)."""
     S, D = q.shape[1], q.shape[3]
-    return (hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128)
+    return (is_hopper(ctx) and docs is None and q.dtype in (torch.bfloat16, torch.float16) and D in (64, 128)
             and S % (2 * BLOCK_N) == 0 and all(t.is_contiguous() for t in (q, k, v, kw, vw, dq))
             and gluon_available())
 
@@ -397,7 +386,7 @@ def launch_bwd_ws(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_p
             head_desc(q, [bm, D]), head_desc(dout, [bm, D]), head_desc(k, [BLOCK_N, D]),
             head_desc(v, [BLOCK_N, D]), head_desc(kw, [BLOCK_N, D]), head_desc(vw, [BLOCK_N, D]),
             rows(lse.contiguous()), rows(delta), dq_desc, recv_ptrs, counter_ptrs, scratch.part, scratch.ticket,
-            flags, ctx.err, ctx.budget, rank, world, op, S, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
+            flags, waiter(ctx, op, rank), world, S, Hq, Hkv, Hq // Hkv, m_per_chunk, chunks_per_rank, scale,
         ), dict(CAUSAL=causal, SPLIT=split, INTERLEAVE=interleave, NSTAGE=stages, CLOCK=ctx.clock,
                 COMPUTE_REGS=COMPUTE_REGS), num_warps=4)
         ctx.after_launch()

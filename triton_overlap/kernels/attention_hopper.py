@@ -40,8 +40,6 @@ kernels.attention's kernel.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -51,13 +49,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 import triton
 import triton.language as tl
 
-from .attention import key_span, wait_every_chunk, wait_kv, zigzag_pos
+from .attention_device import key_span, wait_every_chunk, wait_kv, zigzag_pos
 from .cached_launch import launch
-from .gemm import capability
-from .gemm_warp_specialized import _barrier, _tma_load, gluon_available, shared_layout
-
-#: TMA store from shared memory (``async_store`` in newer Gluon)
-_tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+from .capability import gluon_available, is_hopper
+from .gluon_shims import barrier, shared_layout, tma_load, tma_store
+from .signal import waiter
 
 #: The registers a compute thread may hold (setmaxnreg), by the number of compute warpgroups; the loader's four
 #: warps keep what is left (24).
@@ -135,7 +131,7 @@ def _load_block(desc, ready, empty, bufs, g, row, col):
     s = g % STAGES
     mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
     mbarrier.expect(ready.index(s), desc.block_type.nbytes)
-    _tma_load(desc, [row, col], ready.index(s), bufs.index(s))
+    tma_load(desc, [row, col], ready.index(s), bufs.index(s))
 
 
 @gluon.jit
@@ -143,8 +139,9 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr, SPLIT: gl.constexpr, NWG
     """The loader partition: for each of this program's tiles, Q, then every key block's K and V in the order the
     compute partitions take them."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP,
-     M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS) = p
+     v_empty, turn, sched, tile_ptr, flags_ptr, waiter, world, S_LOCAL, HQ, BH, TAIL, GROUP, M_PER_CHUNK,
+     CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS) = p
+    rank = waiter[2]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = NWG * ROWS
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -168,7 +165,7 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr, SPLIT: gl.constexpr, NWG
         # tensor, its first rows are read instead)
         mbarrier.expect(q_ready.index(qb), NWG * q_desc.block_type.nbytes)
         for w in gl.static_range(NWG):
-            _tma_load(q_desc, [gl.maximum(b * S_LOCAL + m0 + w * ROWS, 0), h * HEAD_D], q_ready.index(qb),
+            tma_load(q_desc, [gl.maximum(b * S_LOCAL + m0 + w * ROWS, 0), h * HEAD_D], q_ready.index(qb),
                       q_smem.index(qb * NWG + w))
         f = 0  # the tile's key blocks walked so far (this unit loads those in [k0, k1))
         for step in range(0, world):
@@ -184,8 +181,7 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr, SPLIT: gl.constexpr, NWG
                     if take:
                         n0 = hh * C + i * BLOCK_N
                         if n0 + BLOCK_N > waited:
-                            wait_kv(flags_ptr, err_ptr, budget, rank, op, src, n0, n0 + BLOCK_N, M_PER_CHUNK,
-                                    CHUNKS_PER_RANK, CLOCK)
+                            wait_kv(flags_ptr, waiter, src, n0, n0 + BLOCK_N, M_PER_CHUNK, CHUNKS_PER_RANK, CLOCK)
                             waited = ((n0 + BLOCK_N - 1) // M_PER_CHUNK + 1) * M_PER_CHUNK
                         if src == rank:  # our own K/V, read in place
                             _load_block(k_desc, k_ready, k_empty, k_smem, g, b * S_LOCAL + n0, col)
@@ -207,7 +203,7 @@ def _load(p, CAUSAL: gl.constexpr, CLOCK: gl.constexpr, SPLIT: gl.constexpr, NWG
         gl.store(tile_ptr + 1, 0)
     if CAUSAL:
         if gl.program_id(0) == 0:
-            wait_every_chunk(flags_ptr, err_ptr, budget, rank, world, op, CHUNKS_PER_RANK, CLOCK)
+            wait_every_chunk(flags_ptr, waiter, world, CHUNKS_PER_RANK, CLOCK)
 
 
 @gluon.jit
@@ -310,22 +306,22 @@ def _epilogue(acc, m_i, l_i, o_desc, o_smem, lse_ptr, p_desc, part_lse_ptr, slot
     out = (acc / gl.convert_layout(l_safe, gl.SliceLayout(1, LO))[:, None]).to(o_desc.dtype)
     buf = o_smem.index(WG)
     tma.store_wait(0)  # the previous tile's store has read the buffer
-    _barrier()
+    barrier()
     buf.store(out)
     fence_async_shared()
-    _barrier()
+    barrier()
     lse = (m_i + gl.log2(l_safe)) * 0.6931471805599453  # back from base 2 to natural log
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LS))
     if keep:  # (else the rows lie before the tile's half: not the tile's)
         if SPLIT:
             if slot >= 0:
-                _tma_store(p_desc, [(slot * NWG + WG) * ROWS, 0], buf)
+                tma_store(p_desc, [(slot * NWG + WG) * ROWS, 0], buf)
                 gl.store(part_lse_ptr + (slot * NWG + WG) * ROWS + rows, lse)
             else:
-                _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
+                tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
                 gl.store(lse_ptr + bh * S_LOCAL + r0 + rows, lse)
         else:
-            _tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
+            tma_store(o_desc, [b * S_LOCAL + r0, h * HEAD_D], buf)
             gl.store(lse_ptr + bh * S_LOCAL + r0 + rows, lse)
 
 
@@ -344,8 +340,9 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
     finished tile's O and lse are stored after it; with three (160 registers a thread) they are stored first, once
     block g's P V is done. So the tensor cores do not wait for a tile's first S."""
     (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
-     v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP,
-     M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS) = p
+     v_empty, turn, sched, tile_ptr, flags_ptr, waiter, world, S_LOCAL, HQ, BH, TAIL, GROUP, M_PER_CHUNK,
+     CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS) = p
+    rank = waiter[2]
     ROWS: gl.constexpr = q_desc.block_type.shape[0]
     BLOCK_M: gl.constexpr = NWG * ROWS
     HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
@@ -486,8 +483,8 @@ def _compute(p, o_desc, o_smem, lse_ptr, sm_scale, CAUSAL: gl.constexpr, WG: gl.
 
 
 @gluon.jit
-def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_ptr, tile_ptr, flags_ptr, err_ptr,
-                        budget, rank, world, op, S_LOCAL, HQ, BH, TAIL, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
+def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_ptr, tile_ptr, flags_ptr, waiter,
+                        world, S_LOCAL, HQ, BH, TAIL, GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, sm_scale,
                         p_desc, part_lse_ptr, N_SPLIT, PARTS, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                         CLOCK: gl.constexpr, COMPUTE_REGS: gl.constexpr, SPLIT: gl.constexpr, NWG: gl.constexpr,
                         Q_REGS: gl.constexpr = False):
@@ -525,8 +522,8 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_pt
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=NWG)
     p = (q_desc, k_desc, v_desc, kw_desc, vw_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-         v_ready, v_empty, turn, sched, tile_ptr, flags_ptr, err_ptr, budget, rank, world, op, S_LOCAL, HQ, BH, TAIL,
-         GROUP, M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS)
+         v_ready, v_empty, turn, sched, tile_ptr, flags_ptr, waiter, world, S_LOCAL, HQ, BH, TAIL, GROUP,
+         M_PER_CHUNK, CHUNKS_PER_RANK, p_desc, part_lse_ptr, N_SPLIT, PARTS)
     if NWG == 2:
         gl.warp_specialize([
             (_load, (p, CAUSAL, CLOCK, SPLIT, NWG)),
@@ -614,11 +611,6 @@ def tail_buffers(ctx, programs: int, dtype) -> tuple[torch.Tensor, torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
-@functools.lru_cache(maxsize=None)
-def _sm90(index: int) -> bool:
-    return capability(index) == (9, 0)
-
-
 def q_in_registers(causal: bool, D: int, nwg: int) -> bool:
     """Whether the compute warpgroups hold their rows of Q in registers for S = Q K^T (the wgmma's A operand)
     instead of reading them from shared memory at every product (a fifth of what a key block's products read from
@@ -627,9 +619,8 @@ def q_in_registers(causal: bool, D: int, nwg: int) -> bool:
     return not causal and D == 128 and nwg == 2
 
 
-def hopper(ctx) -> bool:
-    """Whether ``ctx`` runs where this kernel can: the cuda backend on a GPU of compute capability 9.0."""
-    return ctx.backend == "cuda" and _sm90(ctx.device.index)
+#: Whether a Context runs where this kernel can (the name ops.context_parallel_attention and tuning import).
+hopper = is_hopper
 
 
 def usable(ctx, q, k, v, kw, vw, docs, blocks, out=None) -> bool:
@@ -716,7 +707,7 @@ def launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per
     launch(cp_attention_fwd_ws, (programs, ), (
         head_desc(q, [WG_ROWS, D]), head_desc(k, [bn, D]), head_desc(v, [bn, D]), head_desc(kw, [bn, D]),
         head_desc(vw, [bn, D]), o_desc, lse, tile_counter(q.device) if tiles is None else tiles,
-        flags, ctx.err, ctx.budget, rank, world, op, S, Hq, B * Hq, tail_heads(B * Hq, per_head, programs) if causal
+        flags, waiter(ctx, op, rank), world, S, Hq, B * Hq, tail_heads(B * Hq, per_head, programs) if causal
         else 1, Hq // Hkv, m_per_chunk, chunks_per_rank, scale, p_desc, part_lse, n_split, parts,
     ), dict(CAUSAL=causal, STAGES=blocks.num_stages, CLOCK=ctx.clock, COMPUTE_REGS=COMPUTE_REGS[nwg],
             SPLIT=n_split > 0, NWG=nwg, Q_REGS=q_in_registers(causal, D, nwg)), num_warps=4)

@@ -10,8 +10,9 @@ launcher (``CompiledKernel[grid](*args)``, the form Triton's own run ends in).
 
 The specialisation key mirrors what Triton specialises on: each tensor's
 dtype and whether its address is 16-byte aligned; each int's value class
-(1, a multiple of 16, 32- or 64-bit); every constexpr and launch option. In
-Triton's interpreter (host backend) kernels are simply called.
+(1, a multiple of 16, 32- or 64-bit); each item of a tuple alike; every
+constexpr and launch option. In Triton's interpreter (host backend) kernels
+are simply called.
 """
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ def _spec(a):
         return a.dtype, a.data_ptr() % 16 == 0
     if isinstance(a, TensorDescriptor) or hasattr(a, "block_shape") and hasattr(a, "layout"):  # (or Gluon's)
         return "desc", a.base.dtype, tuple(a.block_shape), a.padding, getattr(a, "layout", None)  # (frozen: hashable)
+    if isinstance(a, tuple):  # (a waiter: kernels.signal.waiter) Triton specialises its items one by one
+        return tuple(map(_spec, a))
     if isinstance(a, bool):
         return "b", a
     if isinstance(a, int):

@@ -77,7 +77,6 @@ tile of shared memory and 4 pipeline stages of 128x256x64 still fit on sm_90a.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -87,8 +86,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
+from .capability import supports_tma
 from .chunks import chunk_of_row
-from .signal import WHAT_STARTED, add_release, error_code, wait_flag
+from .gemm_device import (fence_async_proxy, grouped_tile, own_chunks_ready, publish, reduce_own, reset_at_exit,
+                          rs_tile)
+from .signal import WHAT_STARTED, error_code, wait_for, waiter
 
 
 @triton.jit
@@ -101,65 +103,6 @@ def remap_xcd(pid, NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr):
         per_xcd = NUM_PROGRAMS // NUM_XCDS
         out = tl.where(pid < per_xcd * NUM_XCDS, (pid % NUM_XCDS) * per_xcd + pid // NUM_XCDS, pid)
     return out
-
-
-@triton.jit
-def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    width = GROUP_M * num_pid_n
-    group = tile // width
-    first_m = group * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    vm = first_m + (tile % width) % group_size
-    pid_n = (tile % width) // group_size
-    return vm, pid_n
-
-
-@triton.jit
-def rs_tile(tile, num_pid_m, num_pid_n, split_m, GROUP_M: tl.constexpr):
-    """REDUCE_OWN's tile order: the ``split_m`` m-tiles of peers' rows first, then ours, each grouped on its own
-    (GROUP_M). Returns (index into the tile order, pid_n)."""
-    if tile < split_m * num_pid_n:
-        vm, pid_n = grouped_tile(tile, split_m, num_pid_n, GROUP_M)
-    else:
-        vm, pid_n = grouped_tile(tile - split_m * num_pid_n, num_pid_m - split_m, num_pid_n, GROUP_M)
-        vm += split_m
-    return vm, pid_n
-
-
-@triton.jit
-def own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, rank, err_ptr, budget, op,
-                     CLOCK: tl.constexpr):
-    """REDUCE_OWN: wait until every peer's counter of our chunks c_first..c_last has reached its expected count
-    (``flags_ptr``: [world * CHUNKS_PER_RANK], peer s's counter of our chunk j at s * CHUNKS_PER_RANK + j)."""
-    for c in range(c_first, c_last + 1):
-        j = c % CHUNKS_PER_RANK
-        want = tl.load(expected_ptr + j)
-        for s in range(0, world):
-            if s != rank:
-                wait_flag(flags_ptr + s * CHUNKS_PER_RANK + j, want, err_ptr, budget, rank, op, s, j, CLOCK)
-
-
-@triton.jit
-def reset_at_exit(tick_ptr, flags_ptr, n, NUM_PROGRAMS: tl.constexpr):
-    """RESET_AT_EXIT: each program counts itself out in ``tick_ptr[1]``; the last one zeroes the ``n`` flags
-    (every one has been waited on, and peers write the next call's only after the next barrier) and both ticks.
-    Returns whether this program was the last."""
-    tl.debug_barrier()  # (every thread of this program is past its waits)
-    last = tl.atomic_add(tick_ptr + 1, 1, sem="acq_rel", scope="gpu") == NUM_PROGRAMS - 1
-    if last:
-        for c in range(0, n):
-            tl.store(flags_ptr + c, 0)
-        tl.store(tick_ptr, 0)
-        tl.store(tick_ptr + 1, 0)
-    return last
-
-
-@triton.jit
-def _fence_async_proxy(CLOCK: tl.constexpr):
-    """Order this thread's earlier acquire (generic proxy) before its later TMA loads (async proxy)."""
-    if CLOCK == 1:
-        tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -236,40 +179,11 @@ def _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_o
 
 
 @triton.jit
-def reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world, stride_cm, stride_cn,
-                stride_om, HAS_BIAS: tl.constexpr, ALIGN_C: tl.constexpr):
-    """REDUCE_OWN's epilogue for ``acc`` (this rank's partial of rows ``local`` of its own block, columns ``cols``):
-    add the peers' partials from this rank's receive slots and the bias, store the output dtype."""
-    col_ok = cols < N
-    for s in range(0, world):
-        if s != rank:
-            part = c_ptr + (s * M_LOCAL + local)[:, None] * stride_cm + cols[None, :] * stride_cn
-            acc += tl.load(part, mask=col_ok[None, :], other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    o_rows = out_ptr + local * stride_om
-    if ALIGN_C:
-        o_rows = tl.multiple_of(o_rows, 16)
-    tl.store(o_rows[:, None] + cols[None, :] * stride_cn, acc.to(c_ptr.dtype.element_ty),
-             mask=(out_rows[:, None] < M) & col_ok[None, :])
-
-
-@triton.jit
-def publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS: tl.constexpr):
-    """Bump the owner's counter of chunks c_first..c_last (none if c_last < c_first) for one stored tile."""
-    tl.debug_barrier()  # every thread's stores of the tile come before the release below
-    for c in range(c_first, c_last + 1):
-        counters = tl.load(counter_ptrs + c // CHUNKS_PER_RANK).to(tl.pointer_type(tl.int32))
-        # LOCAL_COUNTERS: counters, and the stores they publish, on this GPU
-        add_release(counters + rank * CHUNKS_PER_RANK + c % CHUNKS_PER_RANK, 1, LOCAL_COUNTERS)
-
-
-@triton.jit
 def persistent_gemm(
     a_ptr, ws_ptr, b_ptr, c_ptr, bias_ptr,
     M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
     stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
-    tile_order_ptr, flags_ptr, err_ptr, budget, rank, op, scatter_ptrs, counter_ptrs,
+    tile_order_ptr, flags_ptr, waiter, scatter_ptrs, counter_ptrs,
     out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, a_desc, own_plane, ws_plane, own_shift, b_desc,
     scale_a_ptr, scale_b_ptr, c_desc,
     HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
@@ -280,6 +194,7 @@ def persistent_gemm(
     LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False, CLAIM: tl.constexpr = 1,
     DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False, RESET_AT_EXIT: tl.constexpr = False,
 ):
+    err_ptr, budget, rank, op = waiter
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
     if SCALED:  # fp8: out = (A @ B) * scale_a * scale_b, per-tensor float32 scales read once per program
@@ -310,8 +225,7 @@ def persistent_gemm(
         if GATHER:
             for c in range(c_first, c_last + 1):
                 if c // CHUNKS_PER_RANK != rank:  # our own rows are read in place: nothing to wait for
-                    wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK,
-                              CLOCK)
+                    wait_for(flags_ptr + c, 1, waiter, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
 
         rows = row0 + tl.arange(0, BLOCK_M)
         rows = tl.where(rows < M, rows, M - 1)  # clamp instead of masking the loads
@@ -322,7 +236,7 @@ def persistent_gemm(
             # one 3-D descriptor over both sources (see the module doc): one K loop, the plane picks the source
             mine = (row0 // M_LOCAL) == rank
             if not mine:
-                _fence_async_proxy(CLOCK)
+                fence_async_proxy(CLOCK)
             plane = tl.where(mine, own_plane, ws_plane)
             a_row = tl.where(mine, row0 - own_shift, row0)
             acc = _k_loop_desc(a_desc, plane, a_row, b_desc, pid_n * BLOCK_N, K,
@@ -349,10 +263,9 @@ def persistent_gemm(
             if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
                 if CLAIM == 0:
                     if all_in == 0:  # every program has started, so every peer tile is being worked on
-                        wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, WHAT_STARTED, CLOCK)
+                        wait_for(tick_ptr, NUM_PROGRAMS, waiter, -1, WHAT_STARTED, CLOCK)
                         all_in = 1
-                own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, rank, err_ptr,
-                                 budget, op, CLOCK)
+                own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, waiter, CLOCK)
                 local = rows - rank * M_LOCAL
                 if SPLIT_EPILOGUE:  # two column halves, one after the other: fewer live registers (no spills)
                     acc_lo, acc_hi = _column_halves(acc)
@@ -446,22 +359,9 @@ CLAIM_DEFAULT = 0
 TMA_STORE_DEFAULT = True
 
 
-@functools.lru_cache(maxsize=None)
-def capability(index: int | None) -> tuple:
-    return torch.cuda.get_device_capability(index)
-
-
 def aligned(t: torch.Tensor, *strides: int) -> bool:
     e = t.element_size()
     return t.data_ptr() % 16 == 0 and all(s * e % 16 == 0 for s in strides)
-
-
-def tma_target(backend: str, device, *block: int) -> bool:
-    """Whether this backend and GPU take tensor descriptors with tile sides ``block``: NVIDIA compute capability
-    9.0 and later or the host backend (never AMD), no side over 256."""
-    if backend == "hip" or max(block) > 256:
-        return False
-    return backend != "cuda" or capability(device.index)[0] >= 9
 
 
 def _pair_gap(a, ws) -> int | None:
@@ -494,7 +394,7 @@ def desc_layout(backend: str, tiles: GemmTiles, a, ws, b, m_local: int, gather: 
     """How B is described for the DESC path: "kn" ([K, N] rows; only with ``tiles.tma`` True), "nk" (B's
     transpose, [N, K] rows: ``linear.weight.t()``), or None: pointers. Descriptors need 16-byte aligned bases and
     row strides, unit stride in the last dimension, and with GATHER whole tiles of each rank's rows."""
-    if tiles.tma is False or not tma_target(backend, a.device, tiles.block_m, tiles.block_n, tiles.block_k):
+    if tiles.tma is False or not supports_tma(backend, a.device, tiles.block_m, tiles.block_n, tiles.block_k):
         return None
     if a.stride(1) != 1 or not aligned(a, a.stride(0)):
         return None
@@ -511,7 +411,7 @@ def _describable(backend: str, tiles: GemmTiles, c) -> bool:
     """Whether C's tiles can be stored through a descriptor (TMA): NVIDIA sm_90+ or the host backend, unit column
     stride, 16-byte aligned base and row stride, tiles of at most 256 in each dimension (and half tiles, the store's
     unit, at least 16 columns wide)."""
-    return (tiles.block_n >= 32 and tma_target(backend, c.device, tiles.block_m, tiles.block_n)
+    return (tiles.block_n >= 32 and supports_tma(backend, c.device, tiles.block_m, tiles.block_n)
             and c.stride(1) == 1 and aligned(c, c.stride(0)))
 
 
@@ -567,7 +467,7 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
         a, workspace if gather else a, b, c, bias if bias is not None else c,
         M, N, K, layout.m_local, layout.m_per_chunk, layout.chunks_per_rank,
         a.stride(0), workspace.stride(0) if gather else 0, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        order, flags, ctx.err, ctx.budget, ctx.rank, op,
+        order, flags, waiter(ctx, op),
         scatter.ptrs if scatter is not None else flags, scatter.counter_ptrs if scatter is not None else flags,
         reduce_into if fused else c, reduce_into.stride(0) if fused else 0,
         scatter.expected if fused else flags, exit_counts if exit_counts is not None else flags, ctx.world_size,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .all_reduce import _count_call, _notify_block, _publish_header, _push, _sum_parts
+from .slot_exchange import count_call, notify_block, publish_header, push, sum_parts
 
 
 @triton.jit
@@ -54,16 +54,18 @@ def _tile_product(a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, strid
 @triton.jit
 def gemm_all_reduce(a_ptr, b_ptr, bias_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local_data, local_flags,
                     local_header, state_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_bias, cap,
-                    max_tiles, err_ptr, budget, rank, world, op, fingerprint,
+                    max_tiles, waiter, world, fingerprint,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, CLOCK: tl.constexpr):
+    """``waiter``: kernels.signal.waiter's (error word, budget, rank, op)."""
+    err_ptr, budget, rank, op = waiter
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     e = tl.load(state_ptr) + 1  # this call's number, the same on every rank
     half = e % 2
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tl.cdiv(M, BLOCK_M) * tiles_n
-    _publish_header(header_ptrs, e, half, rank, world, op, fingerprint, M * N, BLOCK_W)
+    publish_header(header_ptrs, e, half, rank, world, op, fingerprint, M * N, BLOCK_W)
     slot = (half * world + rank) * cap
     # this rank's partial tiles, into every rank's slot [half][rank]; then the tile's flag in every rank
     for t in range(pid, tiles, programs):
@@ -77,16 +79,15 @@ def gemm_all_reduce(a_ptr, b_ptr, bias_ptr, out_ptr, data_ptrs, flag_ptrs, heade
         offs = rows[:, None] * N + cols[None, :]
         inside = (rows < M)[:, None] & (cols < N)[None, :]
         tl.store(local_data + slot + offs, part, mask=inside)  # this rank's part, read back by the second pass
-        _push(part, data_ptrs, offs, inside, cap, half, rank, world)
-        _notify_block(flag_ptrs, e, rank, t, max_tiles, world, BLOCK_W)
+        push(part, data_ptrs, offs, inside, cap, half, rank, world)
+        notify_block(flag_ptrs, e, rank, t, max_tiles, world, BLOCK_W)
     # each tile: every peer's flag, then the sum of the W slots in rank order
     for t in range(pid, tiles, programs):
         rows = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs = rows[:, None] * N + cols[None, :]
         inside = (rows < M)[:, None] & (cols < N)[None, :]
-        acc = _sum_parts(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), local_data + slot, local_data, local_flags,
-                         local_header, t, offs, inside, cap, max_tiles, e, half, err_ptr, budget, rank, world, op,
-                         fingerprint, CLOCK)
+        acc = sum_parts(tl.zeros((BLOCK_M, BLOCK_N), tl.float32), local_data + slot, local_data, local_flags,
+                        local_header, t, offs, inside, cap, max_tiles, e, half, waiter, world, fingerprint, CLOCK)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=inside)
-    _count_call(state_ptr, e)
+    count_call(state_ptr, e)

@@ -38,33 +38,34 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup
 
 from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
+from .capability import gluon_available, is_sm90
 from .chunks import chunk_of_row
-from .gemm import (_fence_async_proxy, aligned, capability, desc_layout, gather_a, grouped_tile,
-                   reset_at_exit)
-from .gemm_warp_specialized import (EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, TILES, _barrier, _tma_load, b_descriptor,
-                                    gluon_available, programs, shared_layout)
-from .signal import wait_flag
+from .gemm import aligned, desc_layout, gather_a
+from .gemm_device import fence_async_proxy, grouped_tile, reset_at_exit
+from .gemm_warp_specialized import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, TILES, b_descriptor, programs
+from .gluon_shims import barrier, shared_layout, tma_load
+from .signal import wait_for, waiter
 
 
 @gluon.jit
 def _tile(it, num_pid_m, num_pid_n, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           GROUP_M: gl.constexpr):
-    """Tile ``it`` of the order (kernels.gemm.grouped_tile over ``tile_order``): (first row, first column)."""
+    """Tile ``it`` of the order (kernels.gemm_device.grouped_tile over ``tile_order``): (first row, first column)."""
     vm, pid_n = grouped_tile(it, num_pid_m, num_pid_n, GROUP_M)
     return gl.load(tile_order_ptr + vm) * BLOCK_M, pid_n * BLOCK_N
 
 
 @gluon.jit
-def _arrived(row0, flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
-             BLOCK_M: gl.constexpr, CLOCK: gl.constexpr):
+def _arrived(row0, flags_ptr, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M: gl.constexpr,
+             CLOCK: gl.constexpr):
     """Before the first load of the tile at ``row0``: if it holds a peer's rows, wait (bounded) for the flag of
     every chunk it covers, then order those acquires before the TMA loads that follow."""
-    if row0 // M_LOCAL != rank:
+    if row0 // M_LOCAL != waiter[2]:  # (the waiter's rank: ours)
         c_first = chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
         c_last = chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
         for c in range(c_first, c_last + 1):
-            wait_flag(flags_ptr + c, 1, err_ptr, budget, rank, op, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
-        _fence_async_proxy(CLOCK)
+            wait_for(flags_ptr + c, 1, waiter, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
+        fence_async_proxy(CLOCK)
 
 
 @gluon.jit
@@ -73,7 +74,8 @@ def _load(p, ld, row0, col0, k, B_KMAJOR: gl.constexpr):
     descriptor spans two planes, the shard and the workspace: our rows are read from the shard's, a peer's from the
     workspace's, by the plane index rather than a branch."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr = p[0]
-    flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift = p[1]
+    flags_ptr, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift = p[1]
+    rank = waiter[2]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     s = ld % STAGES
@@ -81,11 +83,11 @@ def _load(p, ld, row0, col0, k, B_KMAJOR: gl.constexpr):
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
     mine = (row0 // M_LOCAL == rank).to(gl.int32)
     plane = ws_plane + (own_plane - ws_plane) * mine
-    _tma_load(a_desc, [plane, row0 - own_shift * mine, k * BLOCK_K], bar, a_bufs.index(s))
+    tma_load(a_desc, [plane, row0 - own_shift * mine, k * BLOCK_K], bar, a_bufs.index(s))
     if B_KMAJOR:
-        _tma_load(b_desc, [col0, k * BLOCK_K], bar, b_bufs.index(s))
+        tma_load(b_desc, [col0, k * BLOCK_K], bar, b_bufs.index(s))
     else:
-        _tma_load(b_desc, [k * BLOCK_K, col0], bar, b_bufs.index(s))
+        tma_load(b_desc, [k * BLOCK_K, col0], bar, b_bufs.index(s))
 
 
 @gluon.jit
@@ -102,7 +104,7 @@ def _step(p, acc, g, B_KMAJOR: gl.constexpr):
     else:
         acc = warpgroup_mma(a_tile, b_bufs.index(s), acc, is_async=True)
     acc = warpgroup_mma_wait(1, deps=(acc, ))
-    _barrier()
+    barrier()
     return acc
 
 
@@ -117,7 +119,7 @@ def _k_loops(p, q, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: g
     steps written out, which load the next tile's first ones; the wait for the next tile's chunks (_arrived) sits in
     the first of those, outside any loop, where the first of its loads is issued (k_tiles >= LEAD: layout_for)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr = p[0]
-    flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift = p[1]
+    flags_ptr, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift = p[1]
     c_buf, tile_full, tile_free, c_ptr, bias_ptr, stride_cm, M, N, K, pid = q
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[2]
@@ -129,7 +131,7 @@ def _k_loops(p, q, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: g
     num_pid_n = gl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
     row0, col0 = _tile(pid, num_pid_m, num_pid_n, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
-    _arrived(row0, flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, CLOCK)
+    _arrived(row0, flags_ptr, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, CLOCK)
     for j in gl.static_range(LEAD):
         _load(p, j, row0, col0, j, B_KMAJOR)
     g = 0  # K steps consumed so far
@@ -147,8 +149,7 @@ def _k_loops(p, q, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: g
             acc = _step(p, acc, g, B_KMAJOR)
             if has_next:
                 if j == 0:
-                    _arrived(next_row0, flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK,
-                             CHUNKS_PER_RANK, BLOCK_M, CLOCK)
+                    _arrived(next_row0, flags_ptr, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, CLOCK)
                 _load(p, g + LEAD, next_row0, next_col0, j, B_KMAJOR)
             g += 1
         acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -157,7 +158,7 @@ def _k_loops(p, q, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: g
             acc += gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32)[None, :]
         mbarrier.wait(tile_free, t & 1)  # the store partition has read the previous tile
         c_buf.store(acc.to(c_buf.dtype))
-        _barrier()  # every warp's part of the tile is in the buffer
+        barrier()  # every warp's part of the tile is in the buffer
         mbarrier.arrive(tile_full)
         t += 1
         row0, col0 = next_row0, next_col0
@@ -189,7 +190,7 @@ def _stores(p, q, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl
         for sub in gl.static_range(BLOCK_M // SUB_M):
             vals = c_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
             if sub == BLOCK_M // SUB_M - 1:
-                _barrier()  # every warp of the partition has read the buffer
+                barrier()  # every warp of the partition has read the buffer
                 mbarrier.arrive(tile_free)
             c_rows = c_ptr + (row0 + sub * SUB_M + rows_off) * stride_cm
             if ALIGN_C:
@@ -198,9 +199,8 @@ def _stores(p, q, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl
 
 
 @gluon.jit
-def ag_gemm_hopper(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, err_ptr, tile_order_ptr, tick_ptr, budget,
-                   rank, op, world, M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, own_plane, ws_plane,
-                   own_shift,
+def ag_gemm_hopper(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, tile_order_ptr, tick_ptr, waiter, world, M, N, K,
+                   M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, own_plane, ws_plane, own_shift,
                    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                    NUM_STAGES: gl.constexpr, B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr,
                    ALIGN_C: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr, SUB_M: gl.constexpr,
@@ -211,7 +211,8 @@ def ag_gemm_hopper(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, err_ptr, tile_ord
     plane, both indices 0, when this rank is the only one or its shard was copied there); ``b_desc``: B [K, N] in
     [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's transpose [N, K] in [BLOCK_N, BLOCK_K] blocks; ``c_ptr``: C
     [M, N], unit column stride. ``flags_ptr``: this rank's chunk flags; ``tick_ptr``: two int32s, zero at launch
-    (RESET_AT_EXIT). The other arguments are kernels.gemm's of the same name."""
+    (RESET_AT_EXIT); ``waiter``: kernels.signal.waiter's (error word, budget, rank, op). The other arguments are
+    kernels.gemm's of the same name."""
     pid = gl.program_id(0)
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
@@ -226,7 +227,7 @@ def ag_gemm_hopper(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, err_ptr, tile_ord
     mbarrier.init(tile_bars.index(0), count=1)
     mbarrier.init(tile_bars.index(1), count=1)
     p = ((a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr),
-         (flags_ptr, err_ptr, budget, rank, op, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift))
+         (flags_ptr, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift))
     q = (c_buf, tile_bars.index(0), tile_bars.index(1), c_ptr, bias_ptr, stride_cm, M, N, K, pid)
     gl.warp_specialize([
         (_k_loops, (p, q, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR, HAS_BIAS, CLOCK)),
@@ -249,7 +250,7 @@ def layout_for(ctx, a, ws, w, c, m_local: int) -> str | None:
     else None: the cuda backend on compute capability 9.0, 16-bit operands, every rank's rows whole 128-row tiles,
     at least NUM_STAGES - 1 K steps, the shard, the workspace and B describable, C's columns unit stride."""
     if (ctx.backend != "cuda" or a.dtype not in (torch.bfloat16, torch.float16) or m_local % TILES.block_m
-            or capability(a.device.index) != (9, 0) or not gluon_available()):
+            or not is_sm90(a.device.index) or not gluon_available()):
         return None
     if ws.stride(1) != 1 or not aligned(ws, ws.stride(0)) or c.stride(1) != 1:
         return None
@@ -277,8 +278,8 @@ def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, o
     a_desc = TensorDescriptor(base, shape, strides, block, shared_layout(block, gdt))
     grid = programs(ctx, M, N, peer_stores=False)  # an SM left to the producer's barrier kernel
     launch(ag_gemm_hopper, (grid,), (
-        a_desc, b_descriptor(w, b_layout, gdt), c, bias if bias is not None else c, flags, ctx.err, order, exit_counts,
-        ctx.budget, rank, op, W, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), *planes,
+        a_desc, b_descriptor(w, b_layout, gdt), c, bias if bias is not None else c, flags, order, exit_counts,
+        waiter(ctx, op, rank), W, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), *planes,
     ), dict(BLOCK_N=TILES.block_n, GROUP_M=TILES.group_m, NUM_PROGRAMS=grid, NUM_STAGES=TILES.num_stages,
             B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock,
             ALIGN_C=N % 16 == 0 and aligned(c, c.stride(0)), STORE_WARPS=STORE_WARPS, STORE_REGS=STORE_REGS,

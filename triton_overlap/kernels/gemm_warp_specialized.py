@@ -23,7 +23,7 @@ and CLAIM=0 (peers' rows first in send order, our own rows last, round-robin ove
   * a tile of our own rows waits (bounded, kernels.signal.wait_flag), while the K loop runs, until every program
     has started (so every peer tile belongs to a running program) and for every peer's counter of the chunks it
     covers to reach ``expected``; after the K loop it adds the peers' partials (our receive slots, ``c_ptr``) and
-    the bias in float32 (kernels.gemm.reduce_own) and stores the output;
+    the bias in float32 (kernels.gemm_device.reduce_own) and stores the output;
   * a program's last tile has no K loop after it to hide those loads: if it holds our rows, the epilogue waits and
     sums its partials and bias into the buffer while its K loop runs (before arriving on "free"; with PRELOAD_TMA
     one peer's partial comes by a single TMA load rather than the epilogue warps' loads), and the K loop's warps
@@ -44,24 +44,20 @@ thread at 168 registers (the K loop's accumulator takes 128).
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
 from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
+from .capability import gluon_available, is_sm90
 from .chunks import chunk_of_row
-from .gemm import GemmTiles, capability, desc_layout, own_chunks_ready, publish, reduce_own, reset_at_exit, rs_tile
-from .signal import WHAT_PEER_STARTED, WHAT_STARTED, error_code, wait_flag
-
-#: The TMA load into shared memory: ``tma.async_load`` in newer Gluon, ``async_copy_global_to_shared`` in Triton 3.6.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-#: A barrier of the calling partition's warps: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` in newer Gluon.
-_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+from .gemm import GemmTiles, desc_layout
+from .gemm_device import own_chunks_ready, publish, reduce_own, reset_at_exit, rs_tile
+from .gluon_shims import barrier, shared_layout, tma_load
+from .signal import WHAT_PEER_STARTED, WHAT_STARTED, error_code, wait_for, waiter
 
 
 @gluon.jit
@@ -76,16 +72,17 @@ def _announce_start(start_ptrs, rank, world):
 
 
 @gluon.jit
-def _peer_started(start_ptrs, owner, started, err_ptr, budget, rank, op, CLOCK: gl.constexpr):
+def _peer_started(start_ptrs, owner, started, waiter, CLOCK: gl.constexpr):
     """PEER_STORES, before this program's first store into ``owner``'s receive slot: wait (bounded) until owner's
     start count here is at least one (its call has started; _announce_start). Returns ``started`` with bit owner
     set. The counts make a semaphore: owner adds one when each call starts, we take one off when each call ends
     (_count_off_starts), so a count of one or more at our call n means owner has started its call n, even if its
     start arrived before our call n - 1 ended."""
+    rank = waiter[2]
     if owner != rank:
         if ((started >> owner) & 1) == 0:
             mine = gl.load(start_ptrs + rank).to(gl.pointer_type(gl.int32))
-            wait_flag(mine + owner, 1, err_ptr, budget, rank, op, owner, WHAT_PEER_STARTED, CLOCK)
+            wait_for(mine + owner, 1, waiter, owner, WHAT_PEER_STARTED, CLOCK)
             started = started | (1 << owner)
     return started
 
@@ -101,7 +98,7 @@ def _count_off_starts(start_ptrs, rank, world):
 
 @gluon.jit
 def _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr):
-    """Tile ``it`` of the order (kernels.gemm.rs_tile): (first row, first column)."""
+    """Tile ``it`` of the order (kernels.gemm_device.rs_tile): (first row, first column)."""
     vm, pid_n = rs_tile(it, gl.cdiv(M, BLOCK_M), gl.cdiv(N, BLOCK_N), split_m, GROUP_M)
     return gl.load(tile_order_ptr + vm) * BLOCK_M, pid_n * BLOCK_N
 
@@ -118,11 +115,11 @@ def _load_next(a_desc, b_desc, a_bufs, b_bufs, ready, cursor, k_tiles, num_tiles
     s = ld % STAGES
     bar = ready.index(s)
     mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    _tma_load(a_desc, [row0, k * BLOCK_K], bar, a_bufs.index(s))
+    tma_load(a_desc, [row0, k * BLOCK_K], bar, a_bufs.index(s))
     if B_KMAJOR:
-        _tma_load(b_desc, [col0, k * BLOCK_K], bar, b_bufs.index(s))
+        tma_load(b_desc, [col0, k * BLOCK_K], bar, b_bufs.index(s))
     else:
-        _tma_load(b_desc, [k * BLOCK_K, col0], bar, b_bufs.index(s))
+        tma_load(b_desc, [k * BLOCK_K, col0], bar, b_bufs.index(s))
     k += 1
     if k == k_tiles:  # the program's next tile
         k = 0
@@ -138,8 +135,9 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
     NUM_STAGES - 1 steps ahead (across tiles), then the tile as the output dtype into the shared tile buffer for
     the epilogue partition."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
-    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
-     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs) = p[1]
+    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, waiter, world, M_LOCAL,
+     M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs) = p[1]
+    err_ptr, budget, rank, op = waiter
     tile_buf, tile_full, tile_free, preload_bar, c_desc = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
@@ -168,7 +166,7 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
                 acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
             # the previous step's wgmma (both warpgroups') has finished: its stage takes step g + STAGES - 1
             acc = warpgroup_mma_wait(1, deps=(acc, ))
-            _barrier()
+            barrier()
             if cursor[0] < steps:
                 cursor = _load_next(a_desc, b_desc, a_bufs, b_bufs, ready, cursor, k_tiles, num_tiles, M, N, split_m,
                                     tile_order_ptr, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR)
@@ -185,18 +183,18 @@ def _mma(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
 
 
 @gluon.jit
-def _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL, M_PER_CHUNK,
-              CHUNKS_PER_RANK, BLOCK_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CLOCK: gl.constexpr):
+def _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, waiter, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
+              BLOCK_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, CLOCK: gl.constexpr):
     """For the tile at ``row0`` if it holds our rows: wait (bounded) until every program has started (once:
     ``all_in``), so every peer tile is being worked on, and until every peer's partial of its chunks has landed.
     Returns all_in."""
-    if row0 // M_LOCAL == rank:
+    if row0 // M_LOCAL == waiter[2]:  # (the waiter's rank: ours)
         if all_in == 0:
-            wait_flag(tick_ptr, NUM_PROGRAMS, err_ptr, budget, rank, op, -1, WHAT_STARTED, CLOCK)
+            wait_for(tick_ptr, NUM_PROGRAMS, waiter, -1, WHAT_STARTED, CLOCK)
             all_in = 1
         own_chunks_ready(flags_ptr, expected_ptr, chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK),
                          chunk_of_row(row0 + BLOCK_M - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK), CHUNKS_PER_RANK,
-                         world, rank, err_ptr, budget, op, CLOCK)
+                         world, waiter, CLOCK)
     return all_in
 
 
@@ -210,20 +208,21 @@ def _preload(p, it, all_in, rows_off, cols_off, BLOCK_N: gl.constexpr, GROUP_M: 
     into the buffer by a single TMA load (``c_desc``), and a pass over the buffer adds the other peers' and the
     bias where there are any. Returns all_in."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
-    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
-     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs) = p[1]
+    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, waiter, world, M_LOCAL,
+     M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs) = p[1]
+    err_ptr, budget, rank, op = waiter
     tile_buf, tile_full, tile_free, preload_bar, c_desc = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     row0, col0 = _tile(it, M, N, split_m, tile_order_ptr, BLOCK_M, BLOCK_N, GROUP_M)
-    all_in = _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world, M_LOCAL,
-                       M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
+    all_in = _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, waiter, world, M_LOCAL, M_PER_CHUNK,
+                       CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
     if row0 // M_LOCAL == rank:
         first = (rank + 1) % world  # PRELOAD_TMA: the peer whose partial the TMA load brings
         if PRELOAD_TMA:
             fence_async_shared()  # every warp of the partition is done reading the buffer (the previous tile)
-            _barrier()
+            barrier()
             mbarrier.expect(preload_bar, c_desc.block_type.nbytes)
-            _tma_load(c_desc, [first * M_LOCAL + row0 - rank * M_LOCAL, col0], preload_bar, tile_buf)
+            tma_load(c_desc, [first * M_LOCAL + row0 - rank * M_LOCAL, col0], preload_bar, tile_buf)
             mbarrier.wait(preload_bar, 0)  # (once per program: its last tile)
         more = world > 2  # partials or a bias still to add
         if HAS_BIAS or not PRELOAD_TMA:
@@ -253,8 +252,9 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
               PRELOAD_TMA: gl.constexpr, PEER_STORES: gl.constexpr):
     """Every tile of this program, from the shared tile buffer, SUB_M rows at a time (module doc)."""
     a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid = p[0]
-    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op,
-     world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs) = p[1]
+    (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, waiter, world, M_LOCAL,
+     M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs) = p[1]
+    err_ptr, budget, rank, op = waiter
     tile_buf, tile_full, tile_free, preload_bar, c_desc = p[2]
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     dtype: gl.constexpr = c_ptr.dtype.element_ty
@@ -279,10 +279,10 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
         preloaded = it + NUM_PROGRAMS >= num_tiles  # this program's last tile
         preload_next = (it + NUM_PROGRAMS < num_tiles) & (it + 2 * NUM_PROGRAMS >= num_tiles)  # the next is
         if not preloaded:  # while the K loop runs: wait for the peers' partials of these rows
-            all_in = _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget, rank, op, world,
-                               M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
+            all_in = _own_wait(row0, all_in, flags_ptr, expected_ptr, tick_ptr, waiter, world, M_LOCAL, M_PER_CHUNK,
+                               CHUNKS_PER_RANK, BLOCK_M, NUM_PROGRAMS, CLOCK)
         if PEER_STORES:  # and, before the first tile for a peer, for that peer's call to have started
-            started = _peer_started(start_ptrs, owner, started, err_ptr, budget, rank, op, CLOCK)
+            started = _peer_started(start_ptrs, owner, started, waiter, CLOCK)
         mbarrier.wait(tile_full, t & 1)
         t += 1
         if owner == rank:  # our rows: the output
@@ -323,7 +323,7 @@ def _epilogue(p, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.
 
 @gluon.jit
 def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr,
-               tick_ptr, err_ptr, tile_order_ptr, start_ptrs, budget, rank, op, world, split_m,
+               tick_ptr, tile_order_ptr, start_ptrs, waiter, world, split_m,
                M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om,
                BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr,
                B_KMAJOR: gl.constexpr, HAS_BIAS: gl.constexpr, CLOCK: gl.constexpr, ALIGN_C: gl.constexpr,
@@ -335,7 +335,9 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, c
     [M, K] in [BLOCK_M, BLOCK_K] blocks; ``b_desc``: B [K, N] in [BLOCK_K, BLOCK_N] blocks or, with B_KMAJOR, B's
     transpose [N, K] in [BLOCK_N, BLOCK_K] blocks. ``c_desc``: with PRELOAD_TMA, ``c_ptr``'s [W * M_LOCAL, N] in
     [BLOCK_M, BLOCK_N] blocks of the tile buffer's layout (the last tile's first peer partial is loaded through
-    it). The other arguments are kernels.gemm's of the same name."""
+    it). ``waiter``: kernels.signal.waiter's (error word, budget, rank, op). The other arguments are kernels.gemm's
+    of the same name."""
+    rank = waiter[2]
     pid = gl.program_id(0)
     gl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started
     if PEER_STORES:
@@ -356,8 +358,8 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, c
     mbarrier.init(tile_bars.index(2), count=1)
     # what the partitions take (the loader and the K loop do not read the epilogue's part)
     p = ((a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr, M, N, K, split_m, pid),
-         (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, err_ptr, budget,
-          rank, op, world, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs),
+         (c_ptr, out_ptr, bias_ptr, scatter_ptrs, counter_ptrs, flags_ptr, expected_ptr, tick_ptr, waiter, world,
+          M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, stride_om, start_ptrs),
          (tile_buf, tile_bars.index(0), tile_bars.index(1), tile_bars.index(2), c_desc))
     gl.warp_specialize([
         (_mma, (p, BLOCK_N, GROUP_M, NUM_PROGRAMS, B_KMAJOR)),
@@ -387,27 +389,6 @@ MAXNREG = 168
 PRELOAD_BY_TMA = True
 
 
-@functools.lru_cache(maxsize=1)
-def gluon_available() -> bool:
-    """Whether this Triton has Gluon with Hopper's wgmma and warp specialization as this module uses them."""
-    try:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
-    except Exception:  # noqa: BLE001 - an older or newer Triton without the names used here
-        return False
-    return True
-
-
-def shared_layout(block, dtype):
-    """Gluon's default shared layout for a ``block`` of ``dtype`` (a Gluon dtype), built once per pair: launches
-    build their descriptors anew every call, and the layout is most of a descriptor's host cost."""
-    return _shared_layout(tuple(block), dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_layout(block: tuple, dtype):
-    return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
-
-
 def tma_descriptor(t, shape, stride: int, block, gdt):
     """A Gluon TMA descriptor over 2-D ``t`` (rows ``stride`` elements apart, unit column stride) in ``block``
     blocks of Gluon dtype ``gdt``, in its default shared layout."""
@@ -429,8 +410,7 @@ def layout_for(ctx, a, w, m_local: int) -> str | None:
     """How B is described if this call can run on this kernel ("kn" or "nk", as kernels.gemm.desc_layout says),
     else None: the cuda backend on compute capability 9.0, every rank's rows whole 128-row tiles, A and B
     describable."""
-    if (ctx.backend != "cuda" or m_local % TILES.block_m or capability(a.device.index) != (9, 0)
-            or not gluon_available()):
+    if ctx.backend != "cuda" or m_local % TILES.block_m or not is_sm90(a.device.index) or not gluon_available():
         return None
     return desc_layout(ctx.backend, TILES, a, None, w, m_local, False)
 
@@ -466,8 +446,8 @@ def launch_gemm_rs(ctx, b_layout: str, a, w, c, out, bias, layout: ChunkLayout, 
     c_desc = tma_descriptor(c, [W * m_local, N], c.stride(0), [bm, bn], gdt) if preload_tma else b
     launch(rs_gemm_ws, (grid,), (
         a_desc, b, c_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters,
-        expected, exit_counts, ctx.err, order, exit_counts if starts is None else starts.ptrs, ctx.budget,
-        rank, op, W, (W - 1) * m_local // bm, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank,
+        expected, exit_counts, order, exit_counts if starts is None else starts.ptrs, waiter(ctx, op, rank),
+        W, (W - 1) * m_local // bm, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank,
         c.stride(0), out.stride(0),
     ), dict(BLOCK_N=bn, GROUP_M=TILES.group_m, NUM_PROGRAMS=grid, NUM_STAGES=TILES.num_stages,
             B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock, ALIGN_C=align,

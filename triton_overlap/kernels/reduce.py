@@ -12,14 +12,16 @@ import triton.language as tl
 
 from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
-from .signal import wait_flag
+from .signal import wait_for, waiter
 
 
 @triton.jit
-def reduce_partials(recv_ptr, out_ptr, bias_ptr, counters_ptr, expected_ptr, err_ptr, budget, rank, world, op,
-                    M_LOCAL, N, M_PER_CHUNK, CHUNKS_PER_RANK, stride_om,
+def reduce_partials(recv_ptr, out_ptr, bias_ptr, counters_ptr, expected_ptr, waiter, world, M_LOCAL, N, M_PER_CHUNK,
+                    CHUNKS_PER_RANK, stride_om,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                     NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr):
+    """``waiter``: kernels.signal.waiter's (error word, budget, rank, op)."""
+    rank = waiter[2]
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = tl.cdiv(M_LOCAL, BLOCK_M) * num_pid_n
@@ -32,8 +34,7 @@ def reduce_partials(recv_ptr, out_ptr, bias_ptr, counters_ptr, expected_ptr, err
         for s in range(0, world):
             if s != rank:  # our own partial came from our own GEMM, earlier on this stream
                 for j in range(j_first, j_last + 1):
-                    wait_flag(counters_ptr + s * CHUNKS_PER_RANK + j, tl.load(expected_ptr + j), err_ptr, budget, rank,
-                              op, s, j, CLOCK)
+                    wait_for(counters_ptr + s * CHUNKS_PER_RANK + j, tl.load(expected_ptr + j), waiter, s, j, CLOCK)
         rows = row0 + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M_LOCAL) & (cols[None, :] < N)
@@ -53,8 +54,8 @@ def launch_reduce(ctx, recv, out, bias, counters, expected, layout: ChunkLayout,
     block_m, block_n = (32, 32) if ctx.backend == "host" else (64, 128)
     programs = max(1, min(ctx.num_compute_units(), cdiv(m_local, block_m) * cdiv(N, block_n)))
     launch(reduce_partials, (programs,), (
-        recv, out, bias if bias is not None else out, counters, expected, ctx.err, ctx.budget, ctx.rank,
-        ctx.world_size, op, m_local, N, layout.m_per_chunk, layout.chunks_per_rank, out.stride(0),
+        recv, out, bias if bias is not None else out, counters, expected, waiter(ctx, op), ctx.world_size, m_local, N,
+        layout.m_per_chunk, layout.chunks_per_rank, out.stride(0),
     ), dict(HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs, CLOCK=ctx.clock),
         num_warps=4)
     ctx.after_launch()

@@ -10,6 +10,12 @@ on, which chunk or step, the value it saw and the one it wanted), how long it wa
 skips its work and the kernel ends; the host turns the word into an exception (``Context.check``). A wait never
 hangs.
 
+A kernel that waits takes what its waits share as one argument, ``waiter`` = (error word, budget, rank, op), built on
+the host by ``waiter(ctx, op)``, unpacks the rank (and the error word) where it needs them and hands the tuple on to
+``wait_for`` and the helpers that wait; CLOCK stays a constexpr of its own, since it picks code when the kernel is
+compiled. ``wait_flag`` takes the four one by one, for kernels that hold them apart (the barrier, whose budget and op
+are not specialised).
+
 Clocks (``CLOCK``): 1, CUDA's ``%globaltimer`` (ns); 2, AMD's ``s_memrealtime`` (100 MHz); 0, the host backend's,
 milliseconds that a thread of the Context writes into the error word (Triton's interpreter has no clock of its own).
 On the host backend a wait sleeps ``HOST_POLL_S`` between polls: each rank is a process running the kernels in the
@@ -144,6 +150,20 @@ def wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: tl
             tl.store(err_ptr + ERR_CALL, tl.load(err_ptr + ERR_CURRENT_CALL, volatile=True))
         failed = code != 0  # after a recording swap, the next pass's swap sees the code and ends the loop
     return seen - target >= 0
+
+
+@triton.jit
+def wait_for(flag_ptr, target, waiter, peer, what, CLOCK: tl.constexpr):
+    """``wait_flag`` for a kernel that holds its waits' common arguments as one ``waiter`` (see ``waiter``)."""
+    err_ptr, budget, rank, op = waiter
+    return wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK)
+
+
+def waiter(ctx, op: int, rank: int | None = None) -> tuple:
+    """What every wait of a kernel launched for ``ctx``'s op ``op`` shares, as one kernel argument that the kernel
+    hands on to its waits (``wait_for``): (the error word, the budget, the rank it runs as, the op). ``rank``: None,
+    the Context's. Triton specialises a tuple's ints one by one, as it would separate arguments."""
+    return (ctx.err, ctx.budget, ctx.rank if rank is None else rank, op)
 
 
 @triton.jit

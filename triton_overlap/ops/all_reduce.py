@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
 from ..kernels.cached_launch import launch
+from ..kernels.signal import waiter
 from ..plan import cdiv
 from .base import OverlapOp
 
@@ -135,7 +136,7 @@ class AllReduce(OverlapOp):
         block_w = pow2_at_least(W)
         launch(kernel, (programs,), (
             x, out, data.ptrs, flags.ptrs, header.ptrs, data.local, flags.local, header.local, state.local, n, cap,
-            blocks, ctx.err, ctx.budget, ctx.rank, W, self.op, call.fingerprint),
+            blocks, waiter(ctx, self.op), W, call.fingerprint),
             dict(BLOCK=BLOCK, BLOCK_W=block_w, CLOCK=ctx.clock), num_warps=4)
         ctx.after_launch()
 

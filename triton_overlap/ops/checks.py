@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.gemm import capability
+from ..kernels.capability import capability
 
 DTYPES = (torch.float16, torch.bfloat16)
 #: fp8 inputs (AllGather-GEMM and the plain GEMM): e4m3 with per-tensor float32 scales, output bf16 or fp16

@@ -13,6 +13,7 @@ import torch
 
 from ..kernels.cached_launch import launch
 from ..kernels.gemm_all_reduce import gemm_all_reduce
+from ..kernels.signal import waiter
 from ..plan import cdiv
 from .all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, AllReduce, pow2_at_least, slot_elements
 from .base import OverlapOp
@@ -126,8 +127,7 @@ class GEMMAllReduce(OverlapOp):
         launch(gemm_all_reduce, (programs,), (
             a, w, bias if has_bias else out, out, data.ptrs, flags.ptrs, header.ptrs, data.local, flags.local,
             header.local, state.local, M, N, K, a.stride(0), a.stride(1), w.stride(0), w.stride(1),
-            bias.stride(0) if has_bias else 0, cap, max_tiles, ctx.err, ctx.budget, ctx.rank, W, self.op,
-            call.fingerprint),
+            bias.stride(0) if has_bias else 0, cap, max_tiles, waiter(ctx, self.op), W, call.fingerprint),
             dict(HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  BLOCK_W=pow2_at_least(W), EVEN_K=K % cfg.block_k == 0, DOT_F32=ctx.backend == "host",
                  CLOCK=ctx.clock), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
