@@ -206,6 +206,6 @@ def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_ra
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1),
         out.stride(0), out.stride(1), out.stride(2), seg, cu,
     ), dict(CAUSAL=causal, BLOCK_M=blocks.block_m, BLOCK_N=blocks.block_n, HEAD_D=D, CLOCK=ctx.clock,
-            DOT_F32=ctx.backend == "host", VARLEN=docs is not None), num_warps=blocks.num_warps,
+            DOT_F32=ctx.interpreted, VARLEN=docs is not None), num_warps=blocks.num_warps,
         num_stages=blocks.num_stages)
     ctx.after_launch()

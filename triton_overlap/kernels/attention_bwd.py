@@ -297,10 +297,12 @@ def backward_scratch(ctx, q, k, v, kw, vw, dq, flags, dkdv_blocks: Blocks, world
         from . import attention_bwd_hopper as ws
         if ws.usable(ctx, q, k, v, kw, vw, dq, docs_dkdv):
             path, block_n, waves = "hopper", ws.BLOCK_N, ws.MIN_WAVES
-        elif ctx.backend == "host" and docs_dkdv is None and q.is_contiguous():
+        elif ctx.interpreted and docs_dkdv is None and q.is_contiguous():
             path = "single pass"
     n = sequence_grid(S, block_n, docs_dkdv, flags)[0]
-    split = 1 if not n else head_split or head_split_for(ctx, n * B * Hkv * world, group, waves)
+    # (interpreted, on the CPU: no compute units to fill, so no split unless asked for)
+    split = 1 if not n else head_split or (1 if ctx.interpreted else head_split_for(ctx, n * B * Hkv * world, group,
+                                                                                     waves))
     part, ticket = split_scratch(flags, world * B * Hkv * n, split, block_n, D)
     return BackwardScratch(path, split, torch.empty((B, Hq, S), dtype=torch.float32, device=q.device),
                            None if path == "two kernels" else
@@ -333,7 +335,7 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
         scratch = backward_scratch(ctx, q, k, v, kw, vw, dq, flags, dkdv_blocks, world, docs_dkdv, head_split)
     common = (waiter(ctx, op, rank), world, S)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(2), kw.stride(0), kw.stride(2), k.stride(1))
-    meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=ctx.backend == "host")
+    meta = dict(CAUSAL=causal, HEAD_D=D, CLOCK=ctx.clock, DOT_F32=ctx.interpreted)
 
     def dkdv(delta, dq_acc=None):
         """The dK/dV kernel (with dq_acc, adding dQ up too); the count each owner waits for per source."""
@@ -372,9 +374,7 @@ def launch_bwd(ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs
 def head_split_for(ctx, programs: int, group: int, waves: int = HEAD_SPLIT_WAVES) -> int:
     """Over how many dK/dV programs to split each K/V block's ``group`` query heads: the fewest (a divisor of
     ``group``) that give the GPU ``waves`` programs per compute unit, where ``programs`` (blocks x heads x sources)
-    fall short; 1 on the host backend."""
-    if ctx.backend == "host":
-        return 1
+    fall short (backward_scratch takes 1 where kernels are interpreted)."""
     want = waves * ctx.num_compute_units()
     split = 1
     while programs * split < want and split < group:
@@ -386,7 +386,7 @@ def launch_reduce_dkdv(ctx, recv, dk, dv, counters, expected: int, op: int = 0) 
     """dK, dV = the sum of the W partials in ``recv`` (this rank's receive slots), once every source's count in
     ``counters`` has reached ``expected``."""
     n = dk.numel()
-    block = 1024 if ctx.backend == "host" else 2048
+    block = 1024 if ctx.interpreted else 2048
     launch(reduce_dkdv, (cdiv(n, block),), (recv, dk, dv, counters, expected, waiter(ctx, op), ctx.world_size, n),
            dict(BLOCK=block, CLOCK=ctx.clock))
     ctx.after_launch()

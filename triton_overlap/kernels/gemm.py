@@ -439,7 +439,7 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
     num_tiles = cdiv(M, tiles.block_m) * cdiv(N, tiles.block_n)
     units = ctx.num_compute_units()
     free_sm = gather or (scatter is not None and scatter.free_sm)
-    if free_sm and ctx.backend != "host":
+    if free_sm and not ctx.interpreted:
         units -= 1
     programs = max(1, min(units, num_tiles))
     a_desc = b_desc = None
@@ -477,14 +477,14 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
         HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter is not None, REDUCE_OWN=fused,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         NUM_PROGRAMS=programs, NUM_XCDS=tiles.num_xcds, EVEN_K=(K % tiles.block_k == 0), CLOCK=ctx.clock,
-        DOT_F32=ctx.backend == "host",
+        DOT_F32=ctx.interpreted,
         # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
         ALIGN_C=scatter is not None and N % 16 == 0 and (
             not fused or (reduce_into.data_ptr() % 16 == 0 and reduce_into.stride(0) * c.element_size() % 16 == 0)),
         DESC=b_layout is not None, B_KMAJOR=b_layout == "nk", SCALED=scales is not None,
         WHOLE_TILES=scatter is not None and layout.m_local % tiles.block_m == 0, LOCAL_COUNTERS=local,
         SPLIT_EPILOGUE=fused and tiles.block_n >= 32,
-        CLAIM=1 if ctx.backend == "host" else _first(scatter.claim if scatter else None, CLAIM_DEFAULT),
+        CLAIM=1 if ctx.interpreted else _first(scatter.claim if scatter else None, CLAIM_DEFAULT),
         DEFER_RELEASE=scatter is not None and bool(_first(scatter.defer_release, not local)),
         DESC_C=c_desc is not None, RESET_AT_EXIT=(fused or gather) and exit_counts is not None,
     ), num_warps=tiles.num_warps, num_stages=tiles.num_stages)

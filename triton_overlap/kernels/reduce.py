@@ -51,7 +51,7 @@ def launch_reduce(ctx, recv, out, bias, counters, expected, layout: ChunkLayout,
     """``out`` (this rank's [m_local, N] rows) = the sum of the W partials in ``recv`` (this rank's receive slots
     [W, m_local, N]) + ``bias``, chunk by chunk as each peer's counter reaches ``expected``."""
     m_local, N = out.shape
-    block_m, block_n = (32, 32) if ctx.backend == "host" else (64, 128)
+    block_m, block_n = (32, 32) if ctx.interpreted else (64, 128)
     programs = max(1, min(ctx.num_compute_units(), cdiv(m_local, block_m) * cdiv(N, block_n)))
     launch(reduce_partials, (programs,), (
         recv, out, bias if bias is not None else out, counters, expected, waiter(ctx, op), ctx.world_size, m_local, N,
