@@ -367,7 +367,7 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
             "consumer_only_us": gemm_graph(rs_consumer(ctx, op, a, w, full))}, iters)
         rec["consumer"] = op.last_gemm
         records.append(rec)
-        rec["scatter"] = scatter_mode(op.config_for((M, K, N)), M, N, a.element_size(), ctx.backend, W)
+        rec["scatter"] = scatter_mode(op.config_for((M, K, N)), M, N, a.element_size(), ctx.copy_engines, W)
         other = "store" if rec["scatter"] == "copy" else "copy"  # the scatter "auto" did not pick, as the variant
         write_partial(records)
         time_variant(ctx, rec, f"ours_{other}", lambda: op(a, w, out=out, scatter=other), iters)

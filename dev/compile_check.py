@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -146,9 +147,10 @@ def compile_gemm_all_reduce(target) -> int:
     the bias, B as [K, N] or as a transpose (stride 1 along K)."""
     from triton_overlap.ops.config import GEMMAllReduceConfig
 
+    gpu = types.SimpleNamespace(backend="cuda", interpreted=False)  # what the defaults read of a Context
     failed = 0
     for m, bias, kmajor in itertools.product((1, 128, 4096), (False, True), (False, True)):
-        cfg = GEMMAllReduceConfig.defaults("cuda", m, 4096, 132)
+        cfg = GEMMAllReduceConfig.defaults(gpu, m, 4096, 132)
         sig = collective_signature(gemm_all_reduce, ("a_ptr", "b_ptr", "bias_ptr", "out_ptr", "local_data"), "bf16")
         unit = "stride_bk" if kmajor else "stride_bn"
         sig[unit] = sig["stride_ak"] = "constexpr"  # 1 at every launch: Triton specialises it as a constant

@@ -228,7 +228,7 @@ def test_ag_gemm_odd_rows_4091_per_rank(pool):
 def _back_to_back(n_calls, m_local, k, n, consumer_first=False, mode="push"):
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        cfg = dataclasses.replace(AllGatherGEMMConfig.defaults(ctx.backend), consumer_first=consumer_first, mode=mode)
+        cfg = dataclasses.replace(AllGatherGEMMConfig.defaults(ctx), consumer_first=consumer_first, mode=mode)
         op = to.AllGatherGEMM(ctx, cfg, fallback="never")
         w = rand((k, n), torch.bfloat16, dev, "w", r)
         outs = []
@@ -307,7 +307,7 @@ def test_ag_gemm_small_shapes_fall_back(pool):
 def _graph(replays, m_local, k, n, mode="push"):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.AllGatherGEMM(ctx, dataclasses.replace(AllGatherGEMMConfig.defaults(ctx.backend), mode=mode),
+        op = to.AllGatherGEMM(ctx, dataclasses.replace(AllGatherGEMMConfig.defaults(ctx), mode=mode),
                               fallback="never")
         a = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
         w = rand((k, n), torch.bfloat16, dev, "w", r)
@@ -335,13 +335,13 @@ def test_eager_rule_thresholds():
 
     T = to.AllGatherGEMM.EAGER_MIN_FLOP_PER_PEER
     assert T > 0 and to.GEMMReduceScatter.EAGER_MIN_FLOP_PER_PEER > 0
-    assert eager_host_bound("cuda", 2, T * 0.99, T, capturing=False)
-    assert not eager_host_bound("cuda", 2, T, T, capturing=False)
-    assert eager_host_bound("cuda", 4, T * 2.99, T, capturing=False)
-    assert not eager_host_bound("cuda", 4, T * 3, T, capturing=False)
-    assert not eager_host_bound("cuda", 2, 1.0, T, capturing=True)
-    assert not eager_host_bound("host", 2, 1.0, T, capturing=False)
-    assert not eager_host_bound("cuda", 1, 1.0, T, capturing=False)
+    assert eager_host_bound(False, 2, T * 0.99, T, capturing=False)
+    assert not eager_host_bound(False, 2, T, T, capturing=False)
+    assert eager_host_bound(False, 4, T * 2.99, T, capturing=False)
+    assert not eager_host_bound(False, 4, T * 3, T, capturing=False)
+    assert not eager_host_bound(False, 2, 1.0, T, capturing=True)
+    assert not eager_host_bound(True, 2, 1.0, T, capturing=False)
+    assert not eager_host_bound(False, 1, 1.0, T, capturing=False)
 
 
 def _eager_rule(m_local, k, n):
@@ -463,7 +463,7 @@ def test_pull_gates_the_consumer():
 
     caller, first = S("caller"), S("first")
     ctx = SimpleNamespace(num_hosts=1, local_ranks=[0, 1], holds_for_link=False, backend="cuda", interpreted=False,
-                          current_stream=lambda: caller, streams=lambda n: [first])
+                          synchronous_launches=False, current_stream=lambda: caller, streams=lambda n: [first])
     for mode, consumer_first in [("push", True), ("push", False), ("pull", True), ("pull", False)]:
         g = gather.Gather(ctx, gather_schedule(ChunkLayout(2, 8, 4), 0, [(0, 1)], mode=mode), [], None)
         g.open = lambda ctx, stream: log.append("open")

@@ -7,7 +7,7 @@ import torch
 
 import triton_overlap as to
 from harness import host_case_share
-from refs import TOL, assert_own_fault, late_chunk_faults, on_hopper, poison, rand, rel_err
+from refs import TOL, OfflineContext, assert_own_fault, late_chunk_faults, on_hopper, poison, rand, rel_err
 
 
 def reference(q, k, v, causal, scale):
@@ -235,7 +235,7 @@ def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2, head_sp
 
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D)
-    cfg = to.AttentionConfig.defaults(ctx.backend, D, chunks_per_rank) if cfg is None else cfg
+    cfg = to.AttentionConfig.defaults(ctx, D, chunks_per_rank) if cfg is None else cfg
     sh = lambda t, r: to.zigzag.shard_for(t, r, world, dim=1)  # noqa: E731
     kg, vg = (torch.cat([sh(t, r) for r in range(world)], dim=1) for t in (k, v))
     outs, dqs, parts = [], [], []
@@ -309,7 +309,7 @@ def test_warp_groups_choice():
     from triton_overlap.ops.config import LONG_WALK
 
     def groups(D, S, causal, hopper=True):
-        fwd = to.AttentionConfig.defaults("cuda", D, 2, hopper, seq_len=S, causal=causal).fwd
+        fwd = to.AttentionConfig.defaults(OfflineContext("cuda"), D, 2, hopper, seq_len=S, causal=causal).fwd
         return fwd.warp_groups if fwd.warp_specialized else None
 
     long_causal, long_not = 2 * 128 * LONG_WALK, 128 * LONG_WALK
@@ -318,8 +318,8 @@ def test_warp_groups_choice():
     assert groups(64, 4 * long_causal, True) == 3 and groups(64, 1024, False) == 2
     assert groups(128, 4 * long_causal, True) == 2 and groups(128, 4 * long_causal, False) == 2
     assert groups(64, 4 * long_causal, True, hopper=False) is None  # the Triton kernel
-    assert to.AttentionConfig.defaults("cuda", 64, 2, True).fwd.warp_groups == 2  # no sequence length given
-    assert to.AttentionConfig.defaults("host", 64, 2, True, seq_len=long_causal).fwd.warp_groups == 2
+    assert to.AttentionConfig.defaults(OfflineContext("cuda"), 64, 2, True).fwd.warp_groups == 2  # no length given
+    assert to.AttentionConfig.defaults(OfflineContext(), 64, 2, True, seq_len=long_causal).fwd.warp_groups == 2
     for S, bm, want in ((16384, 128, 128), (16384, 192, 2 * 43), (1280, 192, 2 * 4), (512, 192, 4), (384, 192, 2)):
         assert query_tiles(S, bm) == want, (S, bm)
 
@@ -672,7 +672,7 @@ def _forward_times_out(warp_specialized: bool, timeout_s: float):
             blocks = Blocks(128, 128, 8, 2, warp_specialized=True)
             assert attention_hopper.usable(ctx, q, k, v, kw, vw, None, blocks)
         else:
-            blocks = to.AttentionConfig.defaults(ctx.backend, D, 2).fwd
+            blocks = to.AttentionConfig.defaults(ctx, D, 2).fwd
         out, lse = torch.empty_like(q), torch.empty(1, 4, S, dtype=torch.float32, device=dev)
         return late_chunk_faults(ctx, flags, "cp_attention", "0", lambda op: launch_fwd(
             ctx, q, k, v, kw, vw, out, lse, flags, S // cpr, cpr, 0.1, False, blocks, rank=0, world=2, op=op))
@@ -710,7 +710,7 @@ def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
         if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_bwd_hopper.gluon_available():
             return "skip"
         inputs, want = _full_problem(ctx.device, 1, unit * 2 * world, Hq, Hkv, D, causal, dtype, "bws")
-        two = to.AttentionConfig.defaults(ctx.backend, D, 2)
+        two = to.AttentionConfig.defaults(ctx, D, 2)
         fused = replace(two, dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
         splits, launch_ws = [], attention_bwd_hopper.launch_bwd_ws
 
@@ -768,7 +768,7 @@ def _single_pass_case(world, causal, Hq, Hkv, D, S, dtype_name, head_split):
         if ctx.backend != "host":
             return "skip"
         inputs, want = _full_problem(ctx.device, 1, S, Hq, Hkv, D, causal, dtype, "sp")
-        two = to.AttentionConfig.defaults(ctx.backend, D, 2)
+        two = to.AttentionConfig.defaults(ctx, D, 2)
         single = replace(two, dkdv=replace(two.dkdv, warp_specialized=True))
         passes, frame = [], attention_bwd.single_pass
 
@@ -835,7 +835,7 @@ def _backward_times_out(warp_specialized: bool, timeout_s: float):
             assert attention_bwd_hopper.usable(ctx, q, k, v, kw, vw, dq, None)
             dq_blocks = dkdv_blocks = Blocks(64, 128, 8, 2, warp_specialized=True)
         else:
-            cfg = to.AttentionConfig.defaults(ctx.backend, D, 2)
+            cfg = to.AttentionConfig.defaults(ctx, D, 2)
             dq_blocks, dkdv_blocks = cfg.dq, replace(cfg.dkdv, warp_specialized=False)
         return late_chunk_faults(ctx, flags, "cp_attention", r"\d+", lambda op: launch_bwd(
             ctx, q, k, v, kw, vw, dout, out, lse, dq, recv_ptrs, counter_ptrs, flags, S // cpr, cpr, 0.1, False,

@@ -121,7 +121,7 @@ def test_gemm_rs_matches_reference(pool, case):
 def _back_to_back(n_calls, m, k, n, scatter="store"):
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        cfg = dataclasses.replace(GEMMReduceScatterConfig.defaults(ctx.backend), scatter=scatter)
+        cfg = dataclasses.replace(GEMMReduceScatterConfig.defaults(ctx), scatter=scatter)
         op = to.GEMMReduceScatter(ctx, cfg, fallback="never")
         outs, refs = [], []
         for i in range(n_calls):  # no host synchronisation between calls
@@ -214,15 +214,15 @@ def test_scatter_auto_rule():
     rows = cfg.copy_bytes // (2 * 4096)
     fused_rows = cfg.copy_bytes_fused // (2 * 4096)  # 512: 256 per rank at W = 2, whole 128-row tiles
     assert fused_rows < rows
-    for backend, big, small in (("cuda", "copy", "store"), ("host", "store", "store")):
-        assert scatter_mode(cfg, rows + 2, 4096, 2, backend, 2) == big  # not whole tiles, but large enough
-        assert scatter_mode(cfg, fused_rows, 4096, 2, backend, 2) == big
-        assert scatter_mode(cfg, fused_rows - 2 * 128, 4096, 2, backend, 2) == small
-        assert scatter_mode(cfg, fused_rows + 2, 4096, 2, backend, 2) == small  # rows not whole tiles: not fused
+    for engines, big, small in ((True, "copy", "store"), (False, "store", "store")):
+        assert scatter_mode(cfg, rows + 2, 4096, 2, engines, 2) == big  # not whole tiles, but large enough
+        assert scatter_mode(cfg, fused_rows, 4096, 2, engines, 2) == big
+        assert scatter_mode(cfg, fused_rows - 2 * 128, 4096, 2, engines, 2) == small
+        assert scatter_mode(cfg, fused_rows + 2, 4096, 2, engines, 2) == small  # rows not whole tiles: not fused
         no_fuse = GEMMReduceScatterConfig(fuse_reduce=False)
-        assert scatter_mode(no_fuse, fused_rows, 4096, 2, backend, 2) == small
-        assert scatter_mode(no_fuse, rows, 4096, 2, backend, 2) == big
-    assert scatter_mode(GEMMReduceScatterConfig(scatter="store"), rows * 8, 4096, 2, "cuda", 2) == "store"
+        assert scatter_mode(no_fuse, fused_rows, 4096, 2, engines, 2) == small
+        assert scatter_mode(no_fuse, rows, 4096, 2, engines, 2) == big
+    assert scatter_mode(GEMMReduceScatterConfig(scatter="store"), rows * 8, 4096, 2, True, 2) == "store"
     with pytest.raises(ValueError, match="scatter"):
         GEMMReduceScatterConfig(scatter="both")
     with pytest.raises(ValueError, match="claim"):
@@ -296,7 +296,7 @@ def test_rs_chunks_carry_min_chunk_bytes():
 def _graph(replays, m, k, n, scatter="store"):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        cfg = dataclasses.replace(GEMMReduceScatterConfig.defaults(ctx.backend), scatter=scatter)
+        cfg = dataclasses.replace(GEMMReduceScatterConfig.defaults(ctx), scatter=scatter)
         op = to.GEMMReduceScatter(ctx, cfg, fallback="never")
         a = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
         w = torch.empty((k, n), dtype=torch.bfloat16, device=dev)

@@ -69,13 +69,13 @@ def test_tiles_only_entry_keeps_the_ops_other_defaults(tmp_path, monkeypatch):
     tiles = {"block_m": 64, "block_n": 64, "block_k": 16, "num_warps": 2, "num_stages": 2}
     tuning.save(path, "ag_gemm", "host", "any", [96, 48, 40], tiles)
     got = to.AllGatherGEMM(OfflineContext()).config_for((96, 48, 40))
-    base = to.AllGatherGEMMConfig.defaults("host")
+    base = to.AllGatherGEMMConfig.defaults(OfflineContext())
     assert {k: getattr(got, k) for k in tiles} == tiles
     assert (got.chunks_per_rank, got.group_m, got.mode, got.consumer_first) == (base.chunks_per_rank, base.group_m,
                                                                                base.mode, base.consumer_first)
     assert to.AllGatherGEMM(OfflineContext()).config_for((96, 48, 24)) == base  # no entry for these trailing dims
     # fp8 calls read their own entries ("ag_gemm_fp8"), never the 16-bit ones, and the reverse
-    assert to.AllGatherGEMM(OfflineContext()).config_for((96, 48, 40), "_fp8") == base.for_fp8("host")
+    assert to.AllGatherGEMM(OfflineContext()).config_for((96, 48, 40), "_fp8") == base.for_fp8(OfflineContext())
     fp8_tiles = dict(tiles, block_k=32)
     tuning.save(path, "ag_gemm_fp8", "host", "any", [96, 48, 40], fp8_tiles)
     op = to.AllGatherGEMM(OfflineContext())

@@ -50,8 +50,9 @@ DKDV_TILES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2),
 
 def timer(ctx, fn, iters=20, graph=False) -> float:
     """Median µs of ``fn``, max over ranks; ``graph``: of a CUDA-graph replay of ``fn`` (the host's launch cost,
-    which does not depend on the config, drops out). On the host backend a few wall-clock runs: a dry run."""
-    if ctx.backend != "host":
+    which does not depend on the config, drops out). Where kernels are interpreted (the host backend) a few
+    wall-clock runs: a dry run."""
+    if not ctx.interpreted:
         from .timing import graph_time, time_dist
 
         return graph_time(fn, iters) if graph else time_dist(fn, iters, budget_s=1.0, lead_us=300.0)
@@ -128,13 +129,13 @@ def tune_tiles(ctx, kind, shape, dry):
         w = (w.t() * 8 * K ** 0.5).to(torch.float8_e4m3fn).contiguous().t()
         scales = (torch.full((1,), 1 / 8, device=ctx.device), torch.full((1,), 1 / (8 * K ** 0.5), device=ctx.device))
         ref = (a.float() @ w.float()) * (scales[0] * scales[1])
-        cands = tile_candidates(AllGatherGEMMConfig.defaults(ctx.backend).for_fp8(ctx.backend), dry, FP8_TILES)
+        cands = tile_candidates(AllGatherGEMMConfig.defaults(ctx).for_fp8(ctx), dry, FP8_TILES)
     else:
         ref = a.float() @ w.float()
-        cands = tile_candidates(_config_class(kind).defaults(ctx.backend), dry)
+        cands = tile_candidates(_config_class(kind).defaults(ctx), dry)
     say(f"tune {kind} {shape}, GEMM tiles alone: {len(cands)} tile configs")
     us, best = sweep(ctx, "tiles", cands, lambda cfg: plain_gemm(ctx, cfg, a, w, out, scales=scales),
-                     lambda: rel(out, ref), 2e-2, graph=ctx.backend != "host")
+                     lambda: rel(out, ref), 2e-2, graph=not ctx.interpreted)
     return us, {k: getattr(best, k) for k in TILE_FIELDS}
 
 
@@ -165,7 +166,7 @@ def tune_gemm(ctx, kind, shape, dry):
         return run
 
     check = lambda: rel(got["out"], ref)  # noqa: E731
-    cands = tile_candidates(_config_class(kind).defaults(ctx.backend), dry)
+    cands = tile_candidates(_config_class(kind).defaults(ctx), dry)
     say(f"tune {kind} {shape} on {W} rank(s): {len(cands)} tile configs")
     # in CUDA graphs: eager times of these ops are dominated by the host's launch cost, which does not depend on
     # the config
@@ -177,9 +178,9 @@ def tune_gemm(ctx, kind, shape, dry):
     if kind == "gemm_rs":  # GEMM stores into the owners' slots (no producer streams), or copy engines move the chunks
         chunk_cands = ([replace(c, scatter="store") for c in chunk_cands if c.num_streams is None]
                        + [replace(c, scatter="copy") for c in chunk_cands])
-    if kind == "ag_gemm":  # push or pull producers; launch order (GPUs only)
+    if kind == "ag_gemm":  # push or pull producers; launch order (where launches are asynchronous: GPUs)
         chunk_cands += [replace(c, mode="pull") for c in chunk_cands]
-        if ctx.backend != "host":
+        if not ctx.synchronous_launches:
             chunk_cands += [replace(c, consumer_first=not c.consumer_first) for c in chunk_cands]
     us, best = sweep(ctx, "chunking", chunk_cands, make_run, check, 2e-2, graph=True)
     return us, asdict(best)
@@ -196,7 +197,7 @@ def tune_attention(ctx, shape, dry):
     dout = torch.randn(B, S, Hq, D, device=dev, dtype=dt, generator=g)
     scale = 1.0 / D ** 0.5
     leaves = [t.detach().transpose(1, 2).requires_grad_() for t in (q, k, v)]
-    if ctx.backend == "host":
+    if ctx.interpreted:
         kk, vv = (t.float().repeat_interleave(Hq // Hkv, 1) for t in leaves[1:])
         s = leaves[0].float() @ kk.transpose(-1, -2) * scale
         if causal:
@@ -208,7 +209,7 @@ def tune_attention(ctx, shape, dry):
     ref_out = ref_out.transpose(1, 2)
     ref_dq, ref_dk, ref_dv = (t.grad.transpose(1, 2) for t in leaves)
 
-    base = AttentionConfig.defaults(ctx.backend, D, 2, hopper(ctx), seq_len=S, causal=causal)
+    base = AttentionConfig.defaults(ctx, D, 2, hopper(ctx), seq_len=S, causal=causal)
     cpr = 2
     flags = torch.ones(cpr, dtype=torch.int32, device=dev)  # every chunk in place: a world of one
     out, lse = torch.empty_like(q), torch.empty(B, Hq, S, device=dev, dtype=torch.float32)

@@ -72,7 +72,7 @@ def main():
             from triton_overlap.context.collectives import reduce_scatter_rows
             from triton_overlap.timing import time_dist
 
-            defaults = to.GEMMReduceScatterConfig.defaults(ctx.backend)  # whatever the table says
+            defaults = to.GEMMReduceScatterConfig.defaults(ctx)  # whatever the table says
             plain = to.GEMMReduceScatter(ctx, defaults, fallback="never", name="tutorial06.plain")
             part, red = torch.empty(M, N, device=ctx.device, dtype=a.dtype), torch.empty_like(out)
 

@@ -70,8 +70,8 @@ class AllGatherGEMM(OverlapOp):
         self.last_gemm = None
 
     def default_config(self, shape, variant=""):
-        base = AllGatherGEMMConfig.defaults(self.ctx.backend)
-        return base.for_fp8(self.ctx.backend) if variant == "_fp8" else base
+        base = AllGatherGEMMConfig.defaults(self.ctx)
+        return base.for_fp8(self.ctx) if variant == "_fp8" else base
 
     # --------------------------------------------------------------------------------------------- call
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -155,7 +155,7 @@ class AllReduce(OverlapOp):
 
     def _sum_in_place(self, x):
         ctx = self.ctx
-        if ctx.backend == "host" and x.dtype != torch.float32:  # gloo's sum of half types: in float32 here
+        if ctx.device.type == "cpu" and x.dtype != torch.float32:  # gloo's sum of CPU half types: in float32
             acc = x.float()
             dist.all_reduce(acc, group=ctx.group)
             x.copy_(acc)

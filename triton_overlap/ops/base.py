@@ -13,12 +13,12 @@ from .tuned import gpu_key, lookup
 FALLBACKS = ("auto", "never", "always")
 
 
-def eager_host_bound(backend: str, world: int, flop: float, min_flop_per_peer: float,
+def eager_host_bound(interpreted: bool, world: int, flop: float, min_flop_per_peer: float,
                      capturing: bool | None = None) -> bool:
     """Whether an eager call of ``flop`` GEMM FLOPs is too short to pay for the host's cost of an overlapped call:
-    under ``min_flop_per_peer x (W - 1)`` FLOPs, never on the host backend, never while a CUDA graph is being
-    captured (``capturing=None``: ask torch)."""
-    if backend == "host" or world < 2 or flop >= min_flop_per_peer * (world - 1):
+    under ``min_flop_per_peer x (W - 1)`` FLOPs, never where kernels are ``interpreted`` (the host backend), never
+    while a CUDA graph is being captured (``capturing=None``: ask torch)."""
+    if interpreted or world < 2 or flop >= min_flop_per_peer * (world - 1):
         return False
     if capturing is None:
         capturing = torch.cuda.is_current_stream_capturing()
@@ -169,7 +169,7 @@ class OverlapOp:
         if shape_key not in ran or self.replays.unprepared(shape_key):
             ran.add(shape_key)
             return False
-        return eager_host_bound(self.ctx.backend, self.ctx.world_size, flop, self.EAGER_MIN_FLOP_PER_PEER)
+        return eager_host_bound(self.ctx.interpreted, self.ctx.world_size, flop, self.EAGER_MIN_FLOP_PER_PEER)
 
     def enqueue(self, key, shape_key, fn) -> None:
         """Enqueue a call: ``fn()``, or a replay of the graph captured of it (ReplayCache.run)."""

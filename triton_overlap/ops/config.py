@@ -66,19 +66,19 @@ class AllGatherGEMMConfig(ChunkedGemmConfig):
             raise ValueError(f"AllGatherGEMMConfig.mode must be 'push' or 'pull', got {self.mode!r}")
 
     @classmethod
-    def defaults(cls, backend: str) -> "AllGatherGEMMConfig":
-        """Interpreter-sized tiles on the host backend; AMD CDNA-class tiles on hip; H100/H200-class tiles and one
-        producer stream on cuda."""
-        if backend == "host":
+    def defaults(cls, ctx) -> "AllGatherGEMMConfig":
+        """The defaults on ``ctx``'s backend: interpreter-sized tiles where kernels are interpreted (the host
+        backend); AMD CDNA-class tiles on hip; H100/H200-class tiles and one producer stream on cuda."""
+        if ctx.interpreted:
             return cls(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=1, num_stages=1, chunks_per_rank=3)
-        if backend == "hip":
+        if ctx.backend == "hip":
             return cls(block_m=256, block_n=256, block_k=64, num_warps=8, num_stages=2, num_xcds=8)
         return cls(consumer_first=True, num_stages=4, min_chunk_bytes=16 << 20, num_streams=1)
 
-    def for_fp8(self, backend: str) -> "AllGatherGEMMConfig":
-        """Untuned fp8 tiles on GPUs: 128-deep K steps (128 bytes, as 64 are for 16-bit types) and 3 stages, which
-        keep a 128 x 256 tile's pipeline inside an H100/H200's shared memory."""
-        return self if backend == "host" else replace(self, block_k=128, num_stages=3)
+    def for_fp8(self, ctx) -> "AllGatherGEMMConfig":
+        """Untuned fp8 tiles on ``ctx``'s GPUs: 128-deep K steps (128 bytes, as 64 are for 16-bit types) and 3
+        stages, which keep a 128 x 256 tile's pipeline inside an H100/H200's shared memory."""
+        return self if ctx.interpreted else replace(self, block_k=128, num_stages=3)
 
 
 @dataclass(frozen=True)
@@ -121,11 +121,11 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
                              f"got {self.scatter!r}")
 
     @classmethod
-    def defaults(cls, backend: str) -> "GEMMReduceScatterConfig":
+    def defaults(cls, ctx) -> "GEMMReduceScatterConfig":
         """As AllGatherGEMMConfig.defaults, with GEMM-RS's own knobs at their defaults."""
-        if backend == "host":
+        if ctx.interpreted:
             return cls(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=1, num_stages=1, chunks_per_rank=3)
-        if backend == "hip":
+        if ctx.backend == "hip":
             return cls(block_m=256, block_n=256, block_k=64, num_warps=8, num_stages=2, num_xcds=8)
         return cls(num_stages=4, min_chunk_bytes=16 << 20)
 
@@ -143,12 +143,12 @@ class GEMMAllReduceConfig:
     num_stages: int = 4
 
     @classmethod
-    def defaults(cls, backend: str, m: int, n: int, units: int) -> "GEMMAllReduceConfig":
-        """Interpreter-sized tiles on the host backend. On GPUs, up to 64 rows (decode): 16 to 64 rows per tile
-        (the fewest that cover M), 64 columns, or 32 where 64 would leave over a tenth of the ``units`` compute
-        units idle over the waves of tiles and 32 fewer, and 128-deep steps (the GEMM streams the weight); 64 x 128
-        tiles up to 256 rows, 128 x 128 above (docs/decisions.md)."""
-        if backend == "host":
+    def defaults(cls, ctx, m: int, n: int, units: int) -> "GEMMAllReduceConfig":
+        """Interpreter-sized tiles where ``ctx``'s kernels are interpreted (the host backend). On GPUs, up to 64
+        rows (decode): 16 to 64 rows per tile (the fewest that cover M), 64 columns, or 32 where 64 would leave over
+        a tenth of the ``units`` compute units idle over the waves of tiles and 32 fewer, and 128-deep steps (the
+        GEMM streams the weight); 64 x 128 tiles up to 256 rows, 128 x 128 above (docs/decisions.md)."""
+        if ctx.interpreted:
             return cls(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
         if m > 256:
             return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
@@ -191,19 +191,19 @@ class AttentionConfig:
             raise ValueError(f"num_streams must be at least 1, got {self.num_streams}")
 
     @classmethod
-    def defaults(cls, backend: str, head_dim: int, chunks_per_rank: int = 2, hopper: bool = False,
+    def defaults(cls, ctx, head_dim: int, chunks_per_rank: int = 2, hopper: bool = False,
                  seq_len: int | None = None, causal: bool = True) -> "AttentionConfig":
-        """Small tiles for the interpreter (odd sizes still exercise every path); on GPUs the tiles that won on one
-        H100 (docs/decisions.md): at D = 64 the dK/dV kernel's key blocks are 64 rows (128 spill at 4 warps). On
-        Hopper (``hopper``: compute capability 9.0) at D = 64 and 128 the forward is the warp-specialized kernel
-        (kernels.attention_hopper) on 128-key blocks, and the backward the single warp-specialized kernel
-        (kernels.attention_bwd_hopper) where it has programs enough for the GPU. The forward runs two compute
-        warpgroups and two K/V stages, except at D = 64 where a query tile reads ``LONG_WALK`` key blocks or more
-        on average (``seq_len``, the whole sequence: that many blocks not causal, half as many causal): there three
-        warpgroups and three stages, which lose to two on shorter walks. On CUDA one copy stream serves every peer
-        in turn (the first peer's chunks, which the kernels read first, land soonest); elsewhere a stream per
-        peer."""
-        if backend == "host":
+        """The defaults on ``ctx``'s backend. Small tiles for the interpreter (odd sizes still exercise every path);
+        on GPUs the tiles that won on one H100 (docs/decisions.md): at D = 64 the dK/dV kernel's key blocks are 64
+        rows (128 spill at 4 warps). On Hopper (``hopper``: compute capability 9.0) at D = 64 and 128 the forward is
+        the warp-specialized kernel (kernels.attention_hopper) on 128-key blocks, and the backward the single
+        warp-specialized kernel (kernels.attention_bwd_hopper) where it has programs enough for the GPU. The forward
+        runs two compute warpgroups and two K/V stages, except at D = 64 where a query tile reads ``LONG_WALK`` key
+        blocks or more on average (``seq_len``, the whole sequence: that many blocks not causal, half as many
+        causal): there three warpgroups and three stages, which lose to two on shorter walks. On CUDA one copy
+        stream serves every peer in turn (the first peer's chunks, which the kernels read first, land soonest);
+        elsewhere a stream per peer."""
+        if ctx.interpreted:
             small = Blocks(16, 16, 1, 1)
             return cls(chunks_per_rank, small, small, small)
         if head_dim <= 64:
@@ -219,4 +219,4 @@ class AttentionConfig:
                       dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
         else:
             cfg = cls(chunks_per_rank)
-        return replace(cfg, num_streams=1) if backend == "cuda" else cfg
+        return replace(cfg, num_streams=1) if ctx.backend == "cuda" else cfg

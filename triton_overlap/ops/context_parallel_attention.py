@@ -114,7 +114,7 @@ class ContextParallelAttention(OverlapOp):
         self._handle = custom_ops.handle(self)
 
     def default_config(self, shape, variant=""):
-        return AttentionConfig.defaults(self.ctx.backend, shape[3], self.chunks_per_rank, hopper(self.ctx),
+        return AttentionConfig.defaults(self.ctx, shape[3], self.chunks_per_rank, hopper(self.ctx),
                                         seq_len=shape[0], causal=bool(shape[4]))
 
     def from_table(self, found, base):

@@ -60,7 +60,7 @@ class GEMMAllReduce(OverlapOp):
         self.last_algorithm = None  # "fused", "one_shot", "two_shot" or "process group": what the last call took
 
     def default_config(self, shape, variant=""):
-        return GEMMAllReduceConfig.defaults(self.ctx.backend, shape[0], shape[1], self.ctx.num_compute_units())
+        return GEMMAllReduceConfig.defaults(self.ctx, shape[0], shape[1], self.ctx.num_compute_units())
 
     @torch.no_grad()
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -129,7 +129,7 @@ class GEMMAllReduce(OverlapOp):
             header.local, state.local, M, N, K, a.stride(0), a.stride(1), w.stride(0), w.stride(1),
             bias.stride(0) if has_bias else 0, cap, max_tiles, waiter(ctx, self.op), W, call.fingerprint),
             dict(HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                 BLOCK_W=pow2_at_least(W), EVEN_K=K % cfg.block_k == 0, DOT_F32=ctx.backend == "host",
+                 BLOCK_W=pow2_at_least(W), EVEN_K=K % cfg.block_k == 0, DOT_F32=ctx.interpreted,
                  CLOCK=ctx.clock), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         ctx.after_launch()
 

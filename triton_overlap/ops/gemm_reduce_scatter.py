@@ -40,14 +40,15 @@ def fuses(cfg: GEMMReduceScatterConfig, m: int, world: int) -> bool:
     return cfg.fuse_reduce is not False and (m // world) % cfg.block_m == 0
 
 
-def scatter_mode(cfg: GEMMReduceScatterConfig, m: int, n: int, elsize: int, backend: str, world: int) -> str:
-    """"store" or "copy": ``cfg.scatter``, or for "auto" copy on GPUs from ``cfg.copy_bytes`` of partial output
-    (``copy_bytes_fused`` with the reduction fused), store below and on the host backend."""
+def scatter_mode(cfg: GEMMReduceScatterConfig, m: int, n: int, elsize: int, copy_engines: bool, world: int) -> str:
+    """"store" or "copy": ``cfg.scatter``, or for "auto" copy where copies run on ``copy_engines`` (GPUs) from
+    ``cfg.copy_bytes`` of partial output (``copy_bytes_fused`` with the reduction fused), store below and on the
+    host backend."""
     if cfg.scatter != "auto":
         return cfg.scatter
     size = m * n * elsize
     big = size >= cfg.copy_bytes or (size >= cfg.copy_bytes_fused and fuses(cfg, m, world))
-    return "copy" if big and backend != "host" else "store"
+    return "copy" if big and copy_engines else "store"
 
 
 def one_wave(cfg: GEMMReduceScatterConfig, m: int, n: int, world: int, units: int) -> bool:
@@ -106,7 +107,7 @@ class GEMMReduceScatter(OverlapOp):
         self.last_gemm = None
 
     def default_config(self, shape, variant=""):
-        return GEMMReduceScatterConfig.defaults(self.ctx.backend)
+        return GEMMReduceScatterConfig.defaults(self.ctx)
 
     # --------------------------------------------------------------------------------------------- call
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
@@ -162,7 +163,7 @@ class GEMMReduceScatter(OverlapOp):
         partial = M // W * N * a.element_size()
         if W == 1 or partial < FALLBACK_PARTIAL_BYTES:
             return True
-        if ctx.backend != "host" and one_wave(self._gemm_config(a, w, overrides)[0], M, N, W,
+        if not ctx.interpreted and one_wave(self._gemm_config(a, w, overrides)[0], M, N, W,
                                               ctx.num_compute_units()):
             return True
         return self.eager_fallback(shape_key, 2 * M * K * N)
@@ -244,7 +245,7 @@ class GEMMReduceScatter(OverlapOp):
         W = ctx.world_size
         (M, K), N = a.shape, w.shape[1]
         cfg, fuse, b_layout = self._gemm_config(a, w, overrides)
-        copy = ctx.num_hosts > 1 or scatter_mode(cfg, M, N, a.element_size(), ctx.backend, W) == "copy"
+        copy = ctx.num_hosts > 1 or scatter_mode(cfg, M, N, a.element_size(), ctx.copy_engines, W) == "copy"
         key = (M, N, a.dtype, cfg, fuse, b_layout, copy)
         found = self.state.setdefault("schedules", {}).get(key)
         if found is None:

@@ -30,9 +30,10 @@ def user_cache() -> Path:
 
 
 def gpu_key(ctx) -> str:
-    """The table's GPU key: the device name without vendor prefix, or 'host'."""
-    if ctx.backend == "host":
-        return "host"
+    """The table's GPU key: the device name without vendor prefix, or the backend's name ('host') where kernels are
+    interpreted."""
+    if ctx.interpreted:
+        return ctx.backend
     return torch.cuda.get_device_name(ctx.device).replace("NVIDIA ", "").replace("AMD ", "").replace(" ", "_")
 
 

@@ -95,8 +95,8 @@ def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consume
         caller.wait_stream(first)
     for s in streams[1:]:
         s.wait_stream(first)
-    # 3. (on the host backend a launch runs to its end: copies first)
-    if consumer_first and ctx.backend != "host" and not (producer.copies_first or producer.hold_consumer):
+    # 3. (where a launch runs to its end, the host backend's, copies first)
+    if consumer_first and not ctx.synchronous_launches and not (producer.copies_first or producer.hold_consumer):
         consumer()
         producer.enqueue(ctx, streams)
     else:
