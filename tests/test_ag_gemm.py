@@ -13,6 +13,10 @@ from triton_overlap.ops.config import AllGatherGEMMConfig
 from triton_overlap.plan import cdiv
 
 
+#: a case's ``gluon`` (True, False, None) as the config's ``gemm``
+GEMM_CHOICE = {True: "gluon", False: "triton", None: "auto"}
+
+
 def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push", tma=None,
           gluon=None):
     """``gluon`` True or False: the case asks for the Hopper GEMM in Gluon or for kernels.gemm, and checks on
@@ -38,7 +42,7 @@ def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jit
                 ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))  # stale garbage where peers write
             out = poison(torch.empty((m_local * W, n), dtype=dtype, device=dev))
             got, gathered = op(shards[r], w, b, out=out, return_gathered=True, m_per_chunk=m_per_chunk,
-                               num_streams=streams, mode=mode, tma=tma, gluon=gluon)
+                               num_streams=streams, mode=mode, tma=tma, gemm=GEMM_CHOICE[gluon])
             ctx.check()
             if gluon is not None and ctx.backend == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
                 assert op.last_gemm == ("gemm_gather_hopper" if gluon else "gemm"), op.last_gemm
@@ -486,12 +490,14 @@ def test_gluon_rule():
     from triton_overlap.ops.base import with_tiles
 
     C = AllGatherGEMMConfig
-    for cfg in (C(gluon=False), C(gluon=True, tma=False), C(gluon=True, tma_store=False)):
+    for cfg in (C(gemm="triton"), C(gemm="gluon", tma=False), C(gemm="gluon", tma_store=False)):
         assert not wants_gluon(cfg), cfg
-    assert wants_gluon(C(gluon=True)) and wants_gluon(C(gluon=True, tma=True))
-    assert wants_gluon(C()) == C.gluon_default
-    assert not wants_gluon(C(mode="pull")) and wants_gluon(C(mode="pull", gluon=True))  # pull: asked for only
-    assert wants_gluon(C(mode="pull"), "push") == C.gluon_default  # the call's mode (push across hosts) decides
+    assert wants_gluon(C(gemm="gluon")) and wants_gluon(C(gemm="gluon", tma=True))
+    assert wants_gluon(C()) and C().gemm == "auto"
+    assert not wants_gluon(C(mode="pull")) and wants_gluon(C(mode="pull", gemm="gluon"))  # pull: asked for only
+    assert wants_gluon(C(mode="pull"), "push")  # the call's mode (push across hosts) decides
+    with pytest.raises(ValueError, match="gemm"):
+        C(gemm="cublas")
     cfg = C(m_per_chunk=384)
     t = gemm_gather_hopper.TILES
     got = with_tiles(cfg, t)

@@ -39,7 +39,8 @@ def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="st
             else:
                 out = poison(torch.empty((m // W, n), dtype=dtype, device=dev))
             got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter, fuse_reduce=fuse, tma=tma, claim=claim,
-                     defer_release=defer, warp_specialized=warp_specialized, num_streams=streams)
+                     defer_release=defer, gemm={True: "gluon", False: "triton", None: "auto"}[warp_specialized],
+                     num_streams=streams)
             ctx.check()
             assert got.data_ptr() == out.data_ptr()
             errs.append(rel_err(got, ref))
@@ -241,11 +242,11 @@ def test_warp_specialized_rule():
     w = torch.empty((64, 256), dtype=torch.bfloat16)
     assert gemm_warp_specialized.layout_for(SimpleNamespace(backend="host"), a, w, 1024) is None
     C = GEMMReduceScatterConfig
-    for cfg in (C(warp_specialized=False), C(warp_specialized=True, claim=1), C(warp_specialized=True,
-                                                                                   defer_release=True)):
+    for cfg in (C(gemm="triton"), C(gemm="gluon", claim=1), C(gemm="gluon", defer_release=True)):
         assert not wants_warp_specialized(cfg), cfg
-    assert wants_warp_specialized(C(warp_specialized=True))
-    assert wants_warp_specialized(C()) == C.warp_specialized_default
+    assert wants_warp_specialized(C(gemm="gluon")) and wants_warp_specialized(C()) and C().gemm == "auto"
+    with pytest.raises(ValueError, match="gemm"):
+        C(gemm="cublas")
     odd = torch.empty((2 * 1000, 64), dtype=torch.bfloat16)
     assert gemm_warp_specialized.layout_for(SimpleNamespace(backend="cuda"), odd, w, 1000) is None
     # the kernel's own tiles, the other fields kept, made once per config

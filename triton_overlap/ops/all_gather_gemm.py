@@ -214,11 +214,10 @@ class AllGatherGEMM(OverlapOp):
 
 def wants_gluon(cfg: AllGatherGEMMConfig, mode: str | None = None) -> bool:
     """Whether ``cfg`` lets a call take the Gluon GEMM (where the call can run on it). ``mode``: the gather's mode
-    for the call (None: ``cfg.mode``); by default the Gluon GEMM is taken with push only (pulls beside it were
-    measured 3x slower, docs/decisions.md)."""
+    for the call (None: ``cfg.mode``); "auto" takes it with push only (docs/decisions.md says why)."""
     mode = cfg.mode if mode is None else mode
-    want = cfg.gluon_default and mode == "push" if cfg.gluon is None else cfg.gluon
-    return bool(want) and cfg.tma is not False and cfg.tma_store is not False
+    want = cfg.gemm == "gluon" or (cfg.gemm == "auto" and mode == "push")
+    return want and cfg.tma is not False and cfg.tma_store is not False
 
 
 def fp8_matmul(ctx, cfg, a, w, scale_a, scale_b, bias, out) -> None:

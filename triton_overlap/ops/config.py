@@ -13,6 +13,10 @@ from ..kernels.gemm import GemmTiles
 from ..plan import cdiv
 
 
+#: The GEMM ops' consumer choices (AllGatherGEMMConfig.gemm, GEMMReduceScatterConfig.gemm).
+GEMMS = ("auto", "gluon", "triton")
+
+
 @dataclass(frozen=True)
 class ChunkedGemmConfig(GemmTiles):
     """The GEMM ops' common knobs: the persistent GEMM's tiles (kernels.gemm.GemmTiles) and how each rank's rows
@@ -47,23 +51,23 @@ class AllGatherGEMMConfig(ChunkedGemmConfig):
     rank reads its peers' rows from their workspaces and raises its own flags; a local copy of the shard and a
     second barrier per call). ``consumer_first``: launch the GEMM before enqueueing the copies, so the GPU computes
     on the local shard while the host enqueues them (not on a shape's first call, which builds the kernels).
-    ``tma_store``: store C tiles through a tensor descriptor where C can be described (None: on). ``gluon``: on
-    Hopper, with 16-bit operands, the GEMM in Gluon (kernels.gemm_gather_hopper: the next tile's loads start during
-    this tile's K loop) with its own tiles; None: ``gluon_default`` with push (pull takes kernels.gemm); it never
-    runs with ``tma`` or ``tma_store`` False, and True where it cannot run falls back to kernels.gemm.
+    ``tma_store``: store C tiles through a tensor descriptor where C can be described (None: on). ``gemm``: the
+    consumer GEMM: "gluon", on Hopper with 16-bit operands the GEMM in Gluon (kernels.gemm_gather_hopper: the next
+    tile's loads start during this tile's K loop) with its own tiles, where it can run (else kernels.gemm);
+    "triton", kernels.gemm; "auto", "gluon" with push and "triton" with pull. The Gluon GEMM never runs with
+    ``tma`` or ``tma_store`` False.
     """
 
     mode: str = "push"
     consumer_first: bool = False
     tma_store: bool | None = None
-    gluon: bool | None = None
-
-    #: gluon=None: take the Gluon GEMM where it can run, with push
-    gluon_default = True
+    gemm: str = "auto"
 
     def __post_init__(self):
         if self.mode not in ("push", "pull"):
             raise ValueError(f"AllGatherGEMMConfig.mode must be 'push' or 'pull', got {self.mode!r}")
+        if self.gemm not in GEMMS:
+            raise ValueError(f"AllGatherGEMMConfig.gemm must be one of {GEMMS}, got {self.gemm!r}")
 
     @classmethod
     def defaults(cls, ctx) -> "AllGatherGEMMConfig":
@@ -87,33 +91,31 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
 
     ``scatter``: "store" (the GEMM stores peers' tiles straight into their receive slots over NVLink), "copy" (the
     GEMM stores them locally and copy engines move each chunk once the GEMM's counter for it is complete), or
-    "auto" (copy on GPUs from ``copy_bytes`` of partial output, ``copy_bytes_fused`` with the reduction fused).
+    "auto" (copy on GPUs from ``copy_bytes`` of partial output (M x N), from ``copy_bytes_fused`` where the
+    reduction is fused into the GEMM).
     ``fuse_reduce``: the GEMM's tiles of this rank's own rows, computed last, add the peers' partials in their
     epilogue and store the output, where every rank's rows are whole ``block_m`` tiles (None: yes); False: a
     separate kernel sums the partials. ``claim``: how the fused GEMM's programs take tiles so that no own-row wait
     can block a peer tile (kernels.gemm CLAIM): 1, one by one through an atomic counter; 0, round-robin with one
     start count per program; None: kernels.gemm.CLAIM_DEFAULT (the host backend always takes 1).
     ``defer_release``: bump a tile's chunk counters after the next tile's K loop, when its stores have landed
-    (None: where the counters are a peer's, not where they are local). ``warp_specialized``: with the reduction
-    fused, on Hopper, the warp-specialized Gluon GEMM (kernels.gemm_warp_specialized: the epilogue in a partition
-    of its own, beside the next tile's K loop) with its own tiles; None: ``warp_specialized_default``; it never
-    runs with ``claim=1`` or deferred counters, and True where it cannot run falls back to kernels.gemm.
+    (None: where the counters are a peer's, not where they are local). ``gemm``: the GEMM: "gluon" (or "auto"),
+    with the reduction fused, on Hopper, the warp-specialized Gluon GEMM (kernels.gemm_warp_specialized: the
+    epilogue in a partition of its own, beside the next tile's K loop) with its own tiles, where it can run (else
+    kernels.gemm); "triton", kernels.gemm. The Gluon GEMM never runs with ``claim=1`` or deferred counters.
     """
 
     scatter: str = "auto"
     fuse_reduce: bool | None = None
     claim: int | None = None
     defer_release: bool | None = None
-    warp_specialized: bool | None = None
-
-    #: scatter="auto": copy from this many bytes of partial output (M x N) on, or from copy_bytes_fused on where the
-    #: reduction is fused into the GEMM
-    copy_bytes = 32 << 20
-    copy_bytes_fused = 4 << 20
-    #: warp_specialized=None: take the warp-specialized GEMM where it can run
-    warp_specialized_default = True
+    gemm: str = "auto"
+    copy_bytes: int = 32 << 20
+    copy_bytes_fused: int = 4 << 20
 
     def __post_init__(self):
+        if self.gemm not in GEMMS:
+            raise ValueError(f"GEMMReduceScatterConfig.gemm must be one of {GEMMS}, got {self.gemm!r}")
         if self.claim not in (None, 0, 1):
             raise ValueError(f"GEMMReduceScatterConfig.claim must be None, 0 or 1, got {self.claim!r}")
         if self.scatter not in ("store", "copy", "auto"):
@@ -178,9 +180,9 @@ class AttentionConfig:
     rank's K/V to its peers (peer ``i`` of the send order on stream ``i % num_streams``; None: one per peer)."""
 
     chunks_per_rank: int = 2
-    fwd: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 3))
-    dq: Blocks = field(default_factory=lambda: Blocks(128, 64, 8, 2))
-    dkdv: Blocks = field(default_factory=lambda: Blocks(64, 128, 8, 2))
+    fwd: Blocks = field(default_factory=lambda: Blocks(block_m=128, block_n=64, num_warps=8, num_stages=3))
+    dq: Blocks = field(default_factory=lambda: Blocks(block_m=128, block_n=64, num_warps=8, num_stages=2))
+    dkdv: Blocks = field(default_factory=lambda: Blocks(block_m=64, block_n=128, num_warps=8, num_stages=2))
     consumer_first: bool = True
     num_streams: int | None = None
 
@@ -194,7 +196,7 @@ class AttentionConfig:
     def defaults(cls, ctx, head_dim: int, chunks_per_rank: int = 2, hopper: bool = False,
                  seq_len: int | None = None, causal: bool = True) -> "AttentionConfig":
         """The defaults on ``ctx``'s backend. Small tiles for the interpreter (odd sizes still exercise every path);
-        on GPUs the tiles that won on one H100 (docs/decisions.md): at D = 64 the dK/dV kernel's key blocks are 64
+        on GPUs the tiles docs/decisions.md gives the reasons for: at D = 64 the dK/dV kernel's key blocks are 64
         rows (128 spill at 4 warps). On Hopper (``hopper``: compute capability 9.0) at D = 64 and 128 the forward is
         the warp-specialized kernel (kernels.attention_hopper) on 128-key blocks, and the backward the single
         warp-specialized kernel (kernels.attention_bwd_hopper) where it has programs enough for the GPU. The forward
@@ -204,19 +206,23 @@ class AttentionConfig:
         stream serves every peer in turn (the first peer's chunks, which the kernels read first, land soonest);
         elsewhere a stream per peer."""
         if ctx.interpreted:
-            small = Blocks(16, 16, 1, 1)
-            return cls(chunks_per_rank, small, small, small)
+            small = Blocks(block_m=16, block_n=16, num_warps=1, num_stages=1)
+            return cls(chunks_per_rank=chunks_per_rank, fwd=small, dq=small, dkdv=small)
         if head_dim <= 64:
             ws = hopper and head_dim == 64
-            fwd = Blocks(128, 64, 8, 3)
+            fwd = Blocks(block_m=128, block_n=64, num_warps=8, num_stages=3)
             if ws:
                 walk = 0 if seq_len is None else seq_len // 128 // (2 if causal else 1)
                 groups = 3 if walk >= LONG_WALK else 2
-                fwd = Blocks(128, 128, 8, groups, warp_specialized=True, warp_groups=groups)
-            cfg = cls(chunks_per_rank, fwd, Blocks(128, 32, 4, 3), Blocks(64, 64, 4, 2, warp_specialized=ws))
+                fwd = Blocks(block_m=128, block_n=128, num_warps=8, num_stages=groups, warp_specialized=True,
+                             warp_groups=groups)
+            cfg = cls(chunks_per_rank=chunks_per_rank, fwd=fwd,
+                      dq=Blocks(block_m=128, block_n=32, num_warps=4, num_stages=3),
+                      dkdv=Blocks(block_m=64, block_n=64, num_warps=4, num_stages=2, warp_specialized=ws))
         elif hopper and head_dim == 128:
-            cfg = cls(chunks_per_rank, fwd=Blocks(128, 128, 8, 2, warp_specialized=True),
-                      dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
+            cfg = cls(chunks_per_rank=chunks_per_rank,
+                      fwd=Blocks(block_m=128, block_n=128, num_warps=8, num_stages=2, warp_specialized=True),
+                      dkdv=Blocks(block_m=64, block_n=128, num_warps=8, num_stages=2, warp_specialized=True))
         else:
-            cfg = cls(chunks_per_rank)
+            cfg = cls(chunks_per_rank=chunks_per_rank)
         return replace(cfg, num_streams=1) if ctx.backend == "cuda" else cfg

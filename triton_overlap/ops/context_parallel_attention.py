@@ -118,7 +118,8 @@ class ContextParallelAttention(OverlapOp):
                                         seq_len=shape[0], causal=bool(shape[4]))
 
     def from_table(self, found, base):
-        return AttentionConfig(base.chunks_per_rank, *(Blocks(**found[k]) for k in ("fwd", "dq", "dkdv")),
+        fwd, dq, dkdv = (Blocks(**found[k]) for k in ("fwd", "dq", "dkdv"))
+        return AttentionConfig(chunks_per_rank=base.chunks_per_rank, fwd=fwd, dq=dq, dkdv=dkdv,
                                consumer_first=base.consumer_first, num_streams=base.num_streams)
 
     def shape_key(self, q, k, causal) -> tuple:
@@ -321,7 +322,7 @@ class ContextParallelAttention(OverlapOp):
         scratch = backward_scratch(ctx, q, k, v, kw, vw, dq, ready, cfg.dkdv, W, docs_dkdv)
 
         recv_ptrs, counter_ptrs, staged = recv.ptrs, counters.ptrs, None
-        if ctx.num_hosts > 1:  # other hosts' owners: partials staged here, then sent (_send_partials)
+        if sched.counterparts:  # other hosts' owners: partials staged here, then sent (_send_partials)
             recv_ptrs, counter_ptrs, staged = self._staging(recv, counters)
 
         def consumer():

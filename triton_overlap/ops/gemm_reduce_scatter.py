@@ -60,8 +60,7 @@ def one_wave(cfg: GEMMReduceScatterConfig, m: int, n: int, world: int, units: in
 
 def wants_warp_specialized(cfg: GEMMReduceScatterConfig) -> bool:
     """Whether ``cfg`` lets a fused call take the warp-specialized GEMM (where the call can run on it)."""
-    want = cfg.warp_specialized_default if cfg.warp_specialized is None else cfg.warp_specialized
-    return bool(want) and cfg.claim != 1 and not cfg.defer_release
+    return cfg.gemm != "triton" and cfg.claim != 1 and not cfg.defer_release
 
 
 @dataclass(frozen=True, eq=False)

@@ -47,8 +47,9 @@ class Gather:
         #: the exchanges block the host (not NCCL), and once a consumer fills every SM with programs waiting for
         #: chunks, a blocked host might wait on a copy that needs an SM
         self.copies_first = self.remote
-        #: pull: the consumer waits for the opening copy (above)
-        self.gate_consumer = self.mode == "pull"
+        #: pull: the consumer waits for the opening copy (above); across hosts, for the opening's comparison of the
+        #: call with the other hosts' ranks
+        self.gate_consumer = self.mode == "pull" or self.remote
 
     def open(self, ctx, stream) -> None:
         open_call(ctx, stream, self.call)

@@ -10,9 +10,8 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    compares the ranks' call headers), then the other producer streams wait for it. With ``gate`` the caller's
    stream waits for it as well: a consumer that can fill every SM with programs waiting for chunks must not start
    before the barrier kernel has found an SM on every rank. A producer with ``gate_consumer`` asks the same for
-   itself: its opening steps need SMs too (a copy within one GPU, which the driver runs on SMs). On a group that
-   spans hosts the caller's stream always waits: the opening then also compares the call with the other hosts'
-   ranks (producers.link);
+   itself: its opening steps need SMs too (a copy within one GPU, which the driver runs on SMs), or, on a group
+   that spans hosts, compare the call with the other hosts' ranks (producers.link);
 3. **consumer and copies**: the consumer (kernels on the caller's stream) and the producer's copies with their
    flags, in the order asked. ``consumer_first`` launches the consumer before the host enqueues the copies, so the
    GPU computes on local data while the host works, unless the producer asks for ``copies_first``. A producer
@@ -91,7 +90,7 @@ def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consume
     first = streams[0]
     first.wait_stream(caller)  # 1. follow
     producer.open(ctx, first)  # 2. open
-    if gate or producer.gate_consumer or ctx.num_hosts > 1:  # (across hosts the opening compares the calls)
+    if gate or producer.gate_consumer:
         caller.wait_stream(first)
     for s in streams[1:]:
         s.wait_stream(first)

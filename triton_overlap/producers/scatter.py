@@ -61,12 +61,14 @@ class Scatter:
     it); ``call``: the call's header (Context.call). Its copies wait for the GEMM, so the GEMM is never held
     (pipeline step 3); across hosts over NCCL the op sums the partials only after the join (GEMMReduceScatter)."""
 
-    copies_first = hold_consumer = gate_consumer = False
+    copies_first = hold_consumer = False
 
     def __init__(self, ctx, schedule: ScatterSchedule, stage: Staging, recv, counters, call=None):
         self.schedule, self.layout, self.counts = schedule, schedule.layout, schedule.counts
         self.stage, self.recv, self.counters = stage, recv, counters
         self.remote = bool(schedule.remote)
+        #: across hosts the GEMM starts after the opening's comparison of the call with the other hosts' ranks
+        self.gate_consumer = self.remote
         self.num_streams = schedule.num_streams
         self.call = call
 
