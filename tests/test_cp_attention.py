@@ -556,7 +556,7 @@ def test_cp_attention_packed_bad_input_raises_before_launch(pool):
 def test_packed_tables_are_bounded_and_ordered():
     """The per-boundaries tables stay at SEGMENT_CACHE sets at most (training feeds new boundaries every batch),
     and each lists every block of every document once, longest documents first."""
-    from triton_overlap.ops.context_parallel_attention import SEGMENT_CACHE, DocumentTables
+    from triton_overlap.ops.attention_on_gathered import SEGMENT_CACHE, DocumentTables
 
     tables = DocumentTables()
     for i in range(SEGMENT_CACHE + 20):
