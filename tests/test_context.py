@@ -297,3 +297,26 @@ def test_cuda_graph_replays_of_signal_round_trip(pool):
     if pool.backend == "host":
         pytest.skip("CUDA graphs need a GPU")
     assert all(pool.run(_graph_replays, 100))
+
+
+def _ranks_on_device():
+    with to.Context(timeout_s=30) as ctx:
+        expected = 1
+        if not ctx.interpreted:  # the ranks of this group on this rank's GPU (cuda-shared: all of them)
+            devices = [None] * ctx.world_size
+            dist.all_gather_object(devices, torch.cuda.current_device(), group=ctx.group)
+            expected = devices.count(torch.cuda.current_device())
+        assert ctx.ranks_on_device == expected, (ctx.ranks_on_device, expected)
+        found = ctx.ranks_on_device
+        ctx.ranks_on_device = 1
+        units = ctx.num_compute_units()
+        ctx.ranks_on_device = 2  # as where two ranks share this GPU: one SM left to their copies
+        assert ctx.num_compute_units() == max(1, units - 1)
+        ctx.ranks_on_device = found
+        return True
+
+
+def test_ranks_sharing_a_gpu_leave_it_an_sm(pool):
+    """Where ranks share one GPU (cuda-shared), a copy between them runs on SMs: persistent kernels are sized one
+    SM short (Context.num_compute_units), else a consumer that holds every SM waits for ever for such a copy."""
+    assert pool.run(_ranks_on_device) == [True] * pool.world
