@@ -28,10 +28,10 @@ def poison(t):
     return t
 
 
-def check_replays(call, out, replays, load):
+def check_replays(call, out, replays, load, tol=TOL):
     """CUDA-graph replay check: ``load(i)`` writes replay i's inputs into the tensors ``call`` reads and
     returns the float32 reference; ``call`` (captured once, after ``load(-1)``) writes ``out``, which is
-    poisoned before every replay."""
+    poisoned before every replay and must be within ``tol[out.dtype]`` of the reference."""
     from triton_overlap.timing import capture
 
     load(-1)
@@ -42,7 +42,7 @@ def check_replays(call, out, replays, load):
         g.replay()
         torch.cuda.synchronize()
         err = rel_err(out, ref)
-        assert err < TOL[out.dtype], f"replay {i}: rel err {err:.2e}"
+        assert err < tol[out.dtype], f"replay {i}: rel err {err:.2e}"
 
 
 class OfflineContext:

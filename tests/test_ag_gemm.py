@@ -1,96 +1,173 @@
-"""AllGather-GEMM against all_gather + matmul in float32."""
-import dataclasses
+"""AllGather-GEMM against all_gather + matmul in float32: the op's specs (bf16/fp16 and fp8) and cases, which get
+the contract's tests (tests/contract.py), then the op's own rules and kernels."""
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import contract
 import triton_overlap as to
-from harness import host_case_share, stress_rounds
+from contract import Call, Cases, OpSpec, Variants
 from refs import (TOL, assert_own_fault, check_replays, late_chunk_faults, on_hopper, plain_gemm_worst, poison, rand,
                   rel_err)
 from triton_overlap.ops.config import AllGatherGEMMConfig
 from triton_overlap.plan import cdiv
 
 
-#: a case's ``gluon`` (True, False, None) as the config's ``gemm``
-GEMM_CHOICE = {True: "gluon", False: "triton", None: "auto"}
+@dataclass(frozen=True, kw_only=True)
+class AGCase:
+    """Each rank's [m_local, k] shard of A, gathered and multiplied by the rank's own [k, n] weight (``transposed``:
+    the transpose of an [n, k] tensor, as nn.Linear keeps it), plus ``bias``; ``iters`` calls on one op, producers
+    delayed at random up to ``jitter`` s. ``gathered``: the call also returns the gathered rows, which must equal
+    every rank's shard. The rest are the call's config (None: the op's own; the mode is then push); ``gemm``
+    "gluon" or "triton" also checks, on compute capability 9.0, that the op ran that GEMM."""
+    m_local: int
+    k: int
+    n: int
+    dtype: str = "bfloat16"
+    bias: bool = False
+    transposed: bool = False
+    iters: int = 1
+    jitter: float = 0.0
+    gathered: bool = True
+    m_per_chunk: int | None = None
+    streams: int | None = None
+    mode: str | None = None
+    tma: bool | None = None
+    gemm: str | None = None
+    consumer_first: bool | None = None
 
 
-def _case(m_local, k, n, dtype_name, bias, transposed, m_per_chunk, streams, jitter, iters, mode="push", tma=None,
-          gluon=None):
-    """``gluon`` True or False: the case asks for the Hopper GEMM in Gluon or for kernels.gemm, and checks on
-    compute capability 9.0 that the op ran it."""
-    dtype = getattr(torch, dtype_name)
-    with to.Context(timeout_s=120) as ctx:
-        ctx.set_producer_jitter(jitter)
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.AllGatherGEMM(ctx, fallback="never")
-        errs = []
-        for it in range(iters):
-            shards = [rand((m_local, k), dtype, dev, "a", it, s) for s in range(W)]
-            w = rand((n, k) if transposed else (k, n), dtype, dev, "w", it, r)
-            w = w.t() if transposed else w
-            b = rand((n,), dtype, dev, "b", it, r) if bias else None
-            ws = ctx.symmetric("ag_gemm.ws", (m_local * W, k), dtype) if it else None
-            if ws is not None:
-                # Pull mode: a peer reads our workspace's own rows until its call has finished. The op's next
-                # call waits for that (its first barrier); garbage written from outside the op must wait too,
-                # or a fast rank overwrites rows a slow peer is still pulling (seen once in CI, host, W = 2).
-                ctx.synchronize()
-                dist.barrier(group=ctx.group)
-                ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))  # stale garbage where peers write
-            out = poison(torch.empty((m_local * W, n), dtype=dtype, device=dev))
-            got, gathered = op(shards[r], w, b, out=out, return_gathered=True, m_per_chunk=m_per_chunk,
-                               num_streams=streams, mode=mode, tma=tma, gemm=GEMM_CHOICE[gluon])
-            ctx.check()
-            if gluon is not None and ctx.backend == "cuda" and torch.cuda.get_device_capability(dev) == (9, 0):
-                assert op.last_gemm == ("gemm_gather_hopper" if gluon else "gemm"), op.last_gemm
-            assert got.data_ptr() == out.data_ptr()
-            full = torch.cat(shards).float()
-            ref = full @ w.float() + (b.float() if bias else 0)
-            errs.append(rel_err(got, ref))
-            assert errs[-1] < TOL[dtype], f"rank {r} iter {it}: rel err {errs[-1]:.2e}"
-            assert torch.equal(gathered.cpu(), torch.cat(shards).cpu()), "gathered rows differ"
-        assert op.last_path == "overlap"
-        return max(errs)
+def _overrides(**fields) -> dict:
+    """The config fields a case sets (None: the op's own)."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
-HOST_CASES = [
-    # m_local, k, n, dtype, bias, transposed, m_per_chunk, streams, jitter, iters, mode[, tma[, gluon]]
-    (37, 48, 40, "bfloat16", True, False, 16, None, 0.0, 2, "push"),
-    (29, 64, 33, "float16", False, True, 7, 1, 0.003, 2, "push"),
-    (64, 40, 24, "bfloat16", False, False, None, None, 0.003, 1, "push"),
-    (37, 48, 40, "bfloat16", True, True, 16, None, 0.003, 2, "pull"),
-    (29, 64, 33, "float16", False, False, 7, 1, 0.02, 2, "pull"),  # delays: slow pulls, fast peer
-    # whole tiles of rows per rank: the descriptor (TMA) path, with W's transpose as B
-    (64, 48, 40, "float16", True, True, 32, None, 0.003, 2, "pull"),
-    (64, 48, 40, "bfloat16", True, False, 16, None, 0.0, 1, "push", True),  # descriptors for B stored [K, N]
-]
-GPU_CASES = [
-    (4091, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3, "push"),
-    (4091, 512, 1000, "float16", False, True, 1000, 1, 0.001, 3, "push"),
-    (2048, 4096, 4096, "bfloat16", False, True, None, None, 0.0, 3, "push"),
-    (128, 256, 512, "bfloat16", True, False, 37, None, 0.0005, 3, "push"),
-    (4091, 1024, 1536, "bfloat16", True, True, 512, None, 0.0005, 3, "pull"),
-    # kernels.gemm with descriptors, B stored [K, N] (on Hopper the Gluon GEMM is the default: asked off)
-    (4096, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 3, "push", True, False),
-    # the Gluon GEMM (Hopper; kernels.gemm elsewhere): K and N off the tiles, chunks across tiles, both B layouts
-    (2048, 1000, 1000, "bfloat16", True, False, 300, None, 0.0005, 3, "push", None, True),
-    (1024, 520, 776, "float16", False, True, 384, 1, 0.0005, 3, "pull", None, True),
-]
+def _weight(case, dtype, dev, *seed):
+    w = rand((case.n, case.k) if case.transposed else (case.k, case.n), dtype, dev, *seed)
+    return w.t() if case.transposed else w
 
 
-@pytest.mark.parametrize("case", range(max(len(HOST_CASES), len(GPU_CASES))))
-def test_ag_gemm_matches_reference(pool, case):
-    cases = HOST_CASES if pool.backend == "host" else GPU_CASES
-    if case >= len(cases):
-        pytest.skip("no such case for this backend")
-    host_case_share(pool, case)
-    errs = pool.run(_case, *cases[case])
-    assert max(errs) < 1e-2
+def _inputs(ctx, case, it):
+    dtype = getattr(torch, case.dtype)
+    W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    shards = [rand((case.m_local, case.k), dtype, dev, "a", it, s) for s in range(W)]
+    w = _weight(case, dtype, dev, "w", it, r)
+    b = rand((case.n,), dtype, dev, "b", it, r) if case.bias else None
+    full = torch.cat(shards)
+    kwargs = dict(bias=b, **_overrides(return_gathered=case.gathered or None, m_per_chunk=case.m_per_chunk,
+                                       num_streams=case.streams, mode=case.mode, tma=case.tma, gemm=case.gemm,
+                                       consumer_first=case.consumer_first))
+    out = torch.empty((case.m_local * W, case.n), dtype=dtype, device=dev)
+    return Call((shards[r], w), kwargs, full.float() @ w.float() + (b.float() if case.bias else 0), out,
+                {"gathered": full})
 
 
+def _workspace(ctx, case, dtype):
+    """This rank's workspace, once every rank is done with it. Pull mode: a peer reads our workspace's own rows
+    until its call has finished. The op's next call waits for that (its first barrier); garbage written from
+    outside the op must wait too, or a fast rank overwrites rows a slow peer is still pulling (seen once in CI,
+    host, W = 2)."""
+    ws = ctx.symmetric("ag_gemm.ws", (case.m_local * ctx.world_size, case.k), dtype)
+    ctx.synchronize()
+    dist.barrier(group=ctx.group)
+    return ws.local
+
+
+def _garbage(ctx, op, case, it):
+    if it:  # stale garbage where peers write
+        ws = _workspace(ctx, case, getattr(torch, case.dtype))
+        ws.copy_(torch.randn_like(ws, dtype=torch.float32))
+
+
+def _on_hopper(ctx) -> bool:
+    return ctx.backend == "cuda" and torch.cuda.get_device_capability(ctx.device) == (9, 0)
+
+
+def _check(ctx, op, case, call, result):
+    if case.gemm is not None and _on_hopper(ctx):
+        assert op.last_gemm == ("gemm_gather_hopper" if case.gemm == "gluon" else "gemm"), op.last_gemm
+    if case.gathered:
+        assert torch.equal(result[1].cpu(), call.expect["gathered"].cpu()), "gathered rows differ"
+
+
+def _bad_inputs(ctx):
+    dev, W = ctx.device, ctx.world_size
+    bf = torch.bfloat16
+    op = to.AllGatherGEMM(ctx, fallback="never", max_m=64 * W)
+    a = rand((16, 32), bf, dev, "a")
+    w = rand((32, 24), bf, dev, "w")
+    bad = [
+        ("inner dimensions", lambda: op(a, rand((31, 24), bf, dev, "w"))),
+        ("different dtypes", lambda: op(a, w.half())),
+        ("float16, bfloat16 or float8_e4m3fn", lambda: op(a.float(), w.float())),
+        ("2-D", lambda: op(a[None], w)),
+        ("max_m", lambda: op(rand((65, 32), bf, dev, "a"), w)),
+        ("is on", lambda: op(a.to("meta"), w)),
+        ("bias", lambda: op(a, w, rand((23,), bf, dev, "b"))),
+        # ranks that disagree on the shard shape all get the error, none hangs
+        ("ranks disagree", lambda: op(rand((16 + ctx.rank, 32), bf, dev, "a"), w)),
+    ]
+    return op, bad, Call((a, w), {}, torch.cat([a.float()] * W) @ w.float())
+
+
+def _b2b(m_local, k, n):
+    return AGCase(m_local=m_local, k=k, n=n, gathered=False)
+
+
+#: a tiny shard: fallback="auto" takes the NCCL path
+SMALL = AGCase(m_local=8, k=16, n=8, bias=True, gathered=False)
+
+
+AG_GEMM = OpSpec(
+    name="ag_gemm", module=__name__, op=to.AllGatherGEMM, functional=to.ag_gemm, inputs=_inputs, stale=_garbage,
+    check=_check, bad_inputs=_bad_inputs,
+    cases=Cases(
+        host=(
+            AGCase(m_local=37, k=48, n=40, bias=True, m_per_chunk=16, iters=2),
+            AGCase(m_local=29, k=64, n=33, dtype="float16", transposed=True, m_per_chunk=7, streams=1, jitter=0.003,
+                   iters=2),
+            AGCase(m_local=64, k=40, n=24, jitter=0.003),
+            AGCase(m_local=37, k=48, n=40, bias=True, transposed=True, m_per_chunk=16, jitter=0.003, iters=2,
+                   mode="pull"),
+            AGCase(m_local=29, k=64, n=33, dtype="float16", m_per_chunk=7, streams=1, jitter=0.02, iters=2,
+                   mode="pull"),  # delays: slow pulls, fast peer
+            # whole tiles of rows per rank: the descriptor (TMA) path, with W's transpose as B
+            AGCase(m_local=64, k=48, n=40, dtype="float16", bias=True, transposed=True, m_per_chunk=32, jitter=0.003,
+                   iters=2, mode="pull"),
+            AGCase(m_local=64, k=48, n=40, bias=True, m_per_chunk=16, tma=True),  # descriptors for B stored [K, N]
+        ),
+        gpu=(
+            AGCase(m_local=4091, k=1024, n=1536, bias=True, m_per_chunk=512, iters=3),
+            AGCase(m_local=4091, k=512, n=1000, dtype="float16", transposed=True, m_per_chunk=1000, streams=1,
+                   jitter=0.001, iters=3),
+            AGCase(m_local=2048, k=4096, n=4096, transposed=True, iters=3),
+            AGCase(m_local=128, k=256, n=512, bias=True, m_per_chunk=37, jitter=0.0005, iters=3),
+            AGCase(m_local=4091, k=1024, n=1536, bias=True, transposed=True, m_per_chunk=512, jitter=0.0005, iters=3,
+                   mode="pull"),
+            # kernels.gemm with descriptors, B stored [K, N] (on Hopper the Gluon GEMM is the default: asked off)
+            AGCase(m_local=4096, k=1024, n=1536, bias=True, m_per_chunk=512, iters=3, tma=True, gemm="triton"),
+            # the Gluon GEMM (Hopper; kernels.gemm elsewhere): K and N off the tiles, chunks across tiles, both B
+            # layouts
+            AGCase(m_local=2048, k=1000, n=1000, bias=True, m_per_chunk=300, jitter=0.0005, iters=3, gemm="gluon"),
+            AGCase(m_local=1024, k=520, n=776, dtype="float16", transposed=True, m_per_chunk=384, streams=1,
+                   jitter=0.0005, iters=3, mode="pull", gemm="gluon"),
+        )),
+    large_cases={"odd_rows_4091_per_rank": AGCase(m_local=4091, k=32, n=24, m_per_chunk=1024)},
+    back_to_back=Variants(
+        host=_b2b(19, 32, 32), gpu=_b2b(1024, 1024, 1024), calls=100,
+        ids={"producers_first": dict(consumer_first=False), "consumer_first": dict(consumer_first=True),
+             "pull": dict(consumer_first=False, mode="pull"), "pull_consumer_first": dict(consumer_first=True,
+                                                                                            mode="pull")},
+        host_skips=dict.fromkeys(("consumer_first", "pull_consumer_first"), "launch order only matters on GPUs (the "
+                                 "host backend runs kernels synchronously)")),
+    falls_back=Cases(host=(SMALL,), gpu=(SMALL,)),
+    replay=Variants(host=None, gpu=_b2b(1024, 512, 768), calls=50, ids={"push": {}, "pull": dict(mode="pull")}),
+)
+
+
+# ------------------------------------------------------------------------------------------------------- fp8
 FP8 = torch.float8_e4m3fn
 
 
@@ -99,239 +176,110 @@ def _fp8(shape, device, *seed):
     return (rand(shape, torch.float32, "cpu", *seed) * 8).to(FP8).to(device)
 
 
-def _fp8_case(m_local, k, n, bias, transposed, m_per_chunk, out_dtype_name, tma, iters, fallback="never"):
-    """fp8 AllGather-GEMM: (all_gather(a) @ w) * scale_a * scale_b (+ bias) against float32 on the dequantised
-    inputs; the scales change every call, the workspace holds random bytes, the output starts as NaN."""
-    out_dtype = getattr(torch, out_dtype_name)
-    with to.Context(timeout_s=120) as ctx:
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.AllGatherGEMM(ctx, fallback=fallback)
-        errs = []
-        for it in range(iters):
-            shards = [_fp8((m_local, k), dev, "a8", it, s) for s in range(W)]
-            w = _fp8((n, k) if transposed else (k, n), dev, "w8", it, r)
-            w = w.t() if transposed else w
-            b = rand((n,), out_dtype, dev, "b8", it, r) if bias else None
-            sa = torch.tensor([0.25 * (it + 1)], device=dev)
-            sb = rand((1,), torch.float32, dev, "sb", it, r).abs() / 64
-            if it and fallback == "never":
-                ws = ctx.symmetric("ag_gemm.ws", (m_local * W, k), FP8)
-                ctx.synchronize()
-                dist.barrier(group=ctx.group)
-                ws.local.view(torch.uint8).random_(0, 256)  # stale bytes where peers write (NaN codes included)
-            out = poison(torch.empty((m_local * W, n), dtype=out_dtype, device=dev))
-            got, gathered = op(shards[r], w, b, out=out, return_gathered=True, scale_a=sa, scale_b=sb,
-                               out_dtype=out_dtype, m_per_chunk=m_per_chunk, tma=tma)
-            ctx.check()
-            assert got.data_ptr() == out.data_ptr() and got.dtype == out_dtype
-            full = torch.cat(shards).float()
-            ref = (full @ w.float()) * sa * sb + (b.float() if bias else 0)
-            errs.append(rel_err(got, ref))
-            assert errs[-1] < TOL[out_dtype], f"rank {r} iter {it}: rel err {errs[-1]:.2e}"
-            assert torch.equal(gathered.view(torch.uint8).cpu(), torch.cat(shards).view(torch.uint8).cpu())
-        assert op.last_path == ("fallback" if fallback == "always" else "overlap")
-        return max(errs)
+@dataclass(frozen=True, kw_only=True)
+class FP8Case:
+    """As AGCase, with e4m3 shards and weights and the output in ``out_dtype``: (all_gather(a) @ w) * scale_a *
+    scale_b (+ bias) against float32 on the dequantised inputs, the scales new every call; ``fallback``: the op's
+    rule ("always": NCCL/Gloo + torch._scaled_mm, or our GEMM where _scaled_mm refuses the layout)."""
+    m_local: int
+    k: int
+    n: int
+    bias: bool = False
+    transposed: bool = False
+    out_dtype: str = "bfloat16"
+    iters: int = 1
+    fallback: str = "never"
+    gathered: bool = True
+    m_per_chunk: int | None = None
+    tma: bool | None = None
 
 
-FP8_HOST_CASES = [
-    # m_local, k, n, bias, transposed, m_per_chunk, out_dtype, tma, iters[, fallback]
-    (37, 48, 40, True, False, 16, "bfloat16", None, 2),  # pointers, odd rows, a tile across two ranks
-    (64, 64, 48, False, True, 32, "float16", None, 2),  # weight.t(): the gather descriptor path
-    (64, 48, 40, True, False, 16, "bfloat16", True, 1),  # descriptors for B stored [K, N]
-    (32, 64, 48, True, True, None, "bfloat16", None, 1, "always"),  # NCCL/Gloo + torch._scaled_mm
-    (29, 40, 24, False, False, None, "float16", None, 1, "always"),  # NCCL/Gloo + our GEMM (layout _scaled_mm refuses)
-]
-FP8_GPU_CASES = [
-    (4096, 1024, 1536, True, True, 512, "bfloat16", None, 3),  # descriptors
-    (4091, 1024, 1536, True, False, 512, "bfloat16", None, 3),  # pointers, B [K, N]
-    (2048, 4096, 4096, False, True, None, "float16", None, 3),
-    (4096, 1024, 1536, False, False, 1024, "bfloat16", True, 2),  # descriptors, B [K, N]
-    (1024, 512, 768, True, True, None, "bfloat16", None, 2, "always"),
-    (1000, 520, 760, True, False, None, "bfloat16", None, 2, "always"),
-]
+def _fp8_inputs(ctx, case, it):
+    out_dtype = getattr(torch, case.out_dtype)
+    W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    shards = [_fp8((case.m_local, case.k), dev, "a8", it, s) for s in range(W)]
+    w = _fp8((case.n, case.k) if case.transposed else (case.k, case.n), dev, "w8", it, r)
+    w = w.t() if case.transposed else w
+    b = rand((case.n,), out_dtype, dev, "b8", it, r) if case.bias else None
+    sa = torch.tensor([0.25 * (it + 1)], device=dev)
+    sb = rand((1,), torch.float32, dev, "sb", it, r).abs() / 64
+    full = torch.cat(shards)
+    kwargs = dict(bias=b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+                  **_overrides(return_gathered=case.gathered or None, m_per_chunk=case.m_per_chunk, tma=case.tma))
+    out = torch.empty((case.m_local * W, case.n), dtype=out_dtype, device=dev)
+    ref = (full.float() @ w.float()) * sa * sb + (b.float() if case.bias else 0)
+    return Call((shards[r], w), kwargs, ref, out, {"gathered": full})
 
 
-@pytest.mark.parametrize("case", range(max(len(FP8_HOST_CASES), len(FP8_GPU_CASES))))
-def test_ag_gemm_fp8_matches_reference(pool, case):
-    cases = FP8_HOST_CASES if pool.backend == "host" else FP8_GPU_CASES
-    if case >= len(cases):
-        pytest.skip("no such case for this backend")
-    host_case_share(pool, case)
-    assert max(pool.run(_fp8_case, *cases[case])) < 1e-2
+def _fp8_garbage(ctx, op, case, it):
+    if it and case.fallback == "never":  # stale bytes where peers write (NaN codes included)
+        _workspace(ctx, case, FP8).view(torch.uint8).random_(0, 256)
 
 
-def _fp8_bad_inputs():
-    with to.Context(timeout_s=30) as ctx:
-        dev, W = ctx.device, ctx.world_size
-        op = to.AllGatherGEMM(ctx, fallback="never")
-        a, w = _fp8((16, 32), dev, "a"), _fp8((32, 24), dev, "w")
-        one = torch.ones(1, device=dev)
-        bad = {
-            "need scale_a": dict(scale_b=one),
-            "need scale_b": dict(scale_a=one, scale_b=one.double()),
-            "per-tensor": dict(scale_a=torch.ones(2, device=dev), scale_b=one),
-            "out_dtype must be float16 or bfloat16": dict(scale_a=one, scale_b=one, out_dtype=torch.float32),
-        }
-        for msg, kw in bad.items():
-            with pytest.raises(ValueError, match=msg):
-                op(a, w, **kw)
-        with pytest.raises(ValueError, match="bias must be torch.float16"):
-            op(a, w, rand((24,), torch.bfloat16, dev, "b"), scale_a=one, scale_b=one, out_dtype=torch.float16)
-        with pytest.raises(ValueError, match="are for float8_e4m3fn"):
-            op(a.to(torch.bfloat16), w.to(torch.bfloat16), scale_a=one, scale_b=one)
-        with pytest.raises(ValueError, match="float16, bfloat16 or float8_e4m3fn"):
-            op(a.to(torch.float8_e5m2), w.to(torch.float8_e5m2), scale_a=one, scale_b=one)
-        with pytest.raises(ValueError, match="float16 or bfloat16"):  # GEMM-RS takes no fp8
-            to.GEMMReduceScatter(ctx, fallback="never")(_fp8((16 * W, 32), dev, "a"), w)
-        with pytest.raises(ValueError, match="out must be torch.bfloat16"):
-            op(a, w, scale_a=one, scale_b=one, out=torch.empty((16 * W, 24), dtype=FP8, device=dev))
-        got = op(a, w, scale_a=one, scale_b=one * 2)  # and the op still works
-        ctx.check()
-        assert rel_err(got, (torch.cat([a.float()] * W) @ w.float()) * 2) < TOL[torch.bfloat16]
-        return True
+def _fp8_check(ctx, op, case, call, result):
+    assert contract.output(result).dtype == getattr(torch, case.out_dtype)
+    if case.gathered:
+        want = call.expect["gathered"]
+        assert torch.equal(result[1].view(torch.uint8).cpu(), want.view(torch.uint8).cpu()), "gathered rows differ"
 
 
-def test_ag_gemm_fp8_bad_input_raises_before_launch(pool):
-    assert all(pool.run(_fp8_bad_inputs))
+def _fp8_bad_inputs(ctx):
+    dev, W = ctx.device, ctx.world_size
+    op = to.AllGatherGEMM(ctx, fallback="never")
+    a, w = _fp8((16, 32), dev, "a"), _fp8((32, 24), dev, "w")
+    one = torch.ones(1, device=dev)
+    bad = [
+        ("need scale_a", lambda: op(a, w, scale_b=one)),
+        ("need scale_b", lambda: op(a, w, scale_a=one, scale_b=one.double())),
+        ("per-tensor", lambda: op(a, w, scale_a=torch.ones(2, device=dev), scale_b=one)),
+        ("out_dtype must be float16 or bfloat16", lambda: op(a, w, scale_a=one, scale_b=one, out_dtype=torch.float32)),
+        ("bias must be torch.float16", lambda: op(a, w, rand((24,), torch.bfloat16, dev, "b"), scale_a=one,
+                                                  scale_b=one, out_dtype=torch.float16)),
+        ("are for float8_e4m3fn", lambda: op(a.to(torch.bfloat16), w.to(torch.bfloat16), scale_a=one, scale_b=one)),
+        ("float16, bfloat16 or float8_e4m3fn", lambda: op(a.to(torch.float8_e5m2), w.to(torch.float8_e5m2),
+                                                          scale_a=one, scale_b=one)),
+        # GEMM-RS takes no fp8
+        ("float16 or bfloat16", lambda: to.GEMMReduceScatter(ctx, fallback="never")(_fp8((16 * W, 32), dev, "a"), w)),
+        ("out must be torch.bfloat16", lambda: op(a, w, scale_a=one, scale_b=one,
+                                                  out=torch.empty((16 * W, 24), dtype=FP8, device=dev))),
+    ]
+    good = Call((a, w), dict(scale_a=one, scale_b=one * 2), (torch.cat([a.float()] * W) @ w.float()) * 2)
+    return op, bad, good
 
 
-def _fp8_graph(replays, m_local, k, n):
-    """fp8 in a CUDA graph: the scales are read when the graph runs, so a replay follows new scale values."""
-    with to.Context(timeout_s=30) as ctx:
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.AllGatherGEMM(ctx, fallback="never")
-        a = torch.empty((m_local, k), dtype=FP8, device=dev)
-        w = _fp8((n, k), dev, "w", r).t()
-        sa, sb = torch.ones(1, device=dev), torch.ones(1, device=dev)
-        out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
+AG_GEMM_FP8 = OpSpec(
+    name="ag_gemm_fp8", module=__name__, op=to.AllGatherGEMM, inputs=_fp8_inputs, stale=_fp8_garbage,
+    check=_fp8_check, bad_inputs=_fp8_bad_inputs,
+    cases=Cases(
+        host=(
+            FP8Case(m_local=37, k=48, n=40, bias=True, m_per_chunk=16, iters=2),  # pointers, a tile across two ranks
+            FP8Case(m_local=64, k=64, n=48, transposed=True, m_per_chunk=32, out_dtype="float16",
+                    iters=2),  # weight.t(): the gather descriptor path
+            FP8Case(m_local=64, k=48, n=40, bias=True, m_per_chunk=16, tma=True),  # descriptors for B stored [K, N]
+            FP8Case(m_local=32, k=64, n=48, bias=True, transposed=True, fallback="always"),  # + torch._scaled_mm
+            FP8Case(m_local=29, k=40, n=24, out_dtype="float16", fallback="always"),  # + our GEMM (_scaled_mm refuses)
+        ),
+        gpu=(
+            FP8Case(m_local=4096, k=1024, n=1536, bias=True, transposed=True, m_per_chunk=512, iters=3),  # descriptors
+            FP8Case(m_local=4091, k=1024, n=1536, bias=True, m_per_chunk=512, iters=3),  # pointers, B [K, N]
+            FP8Case(m_local=2048, k=4096, n=4096, transposed=True, out_dtype="float16", iters=3),
+            FP8Case(m_local=4096, k=1024, n=1536, m_per_chunk=1024, tma=True, iters=2),  # descriptors, B [K, N]
+            FP8Case(m_local=1024, k=512, n=768, bias=True, transposed=True, iters=2, fallback="always"),
+            FP8Case(m_local=1000, k=520, n=760, bias=True, iters=2, fallback="always"),
+        )),
+    # in a CUDA graph the scales are read when the graph runs, so a replay follows new scale values
+    replay=Variants(host=None, gpu=FP8Case(m_local=1024, k=512, n=768, transposed=True, gathered=False), calls=20),
+)
 
-        def load(i):
-            a.copy_(_fp8((m_local, k), dev, "a", i, r))
-            sa.fill_(0.5 + i % 3)
-            sb.fill_(1.0 / (1 + i % 5))
-            full = torch.cat([_fp8((m_local, k), dev, "a", i, s) for s in range(W)]).float()
-            return (full @ w.float()) * sa * sb
-
-        check_replays(lambda: op(a, w, out=out, scale_a=sa, scale_b=sb), out, replays, load)
-        ctx.check()
-        return True
-
-
-def test_ag_gemm_fp8_cuda_graph_replay(pool):
-    if pool.backend == "host":
-        pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_fp8_graph, 20, 1024, 512, 768))
-
-
-def test_ag_gemm_odd_rows_4091_per_rank(pool):
-    if pool.backend == "host" and pool.world > 2:
-        pytest.skip("4091 rows per rank in the interpreter: run at W=2 only to keep CI short")
-    pool.run(_case, 4091, 32, 24, "bfloat16", False, False, 1024, None, 0.0, 1)
+# the contract's tests: test_ag_gemm_matches_reference, test_ag_gemm_odd_rows_4091_per_rank,
+# test_ag_gemm_100_back_to_back_calls, test_ag_gemm_bad_input_raises_before_launch,
+# test_ag_gemm_small_shapes_fall_back, test_ag_gemm_cuda_graph_replay, and test_ag_gemm_fp8_matches_reference,
+# test_ag_gemm_fp8_bad_input_raises_before_launch, test_ag_gemm_fp8_cuda_graph_replay
+globals().update(contract.tests(AG_GEMM))
+globals().update(contract.tests(AG_GEMM_FP8))
 
 
-def _back_to_back(n_calls, m_local, k, n, consumer_first=False, mode="push"):
-    with to.Context(timeout_s=120) as ctx:
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        cfg = dataclasses.replace(AllGatherGEMMConfig.defaults(ctx), consumer_first=consumer_first, mode=mode)
-        op = to.AllGatherGEMM(ctx, cfg, fallback="never")
-        w = rand((k, n), torch.bfloat16, dev, "w", r)
-        outs = []
-        for i in range(n_calls):  # no host synchronisation between calls
-            outs.append(op(rand((m_local, k), torch.bfloat16, dev, "a", i, r), w))
-        ctx.synchronize()
-        ctx.check()
-        worst = 0.0
-        for i, got in enumerate(outs):
-            full = torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", i, s) for s in range(W)]).float()
-            worst = max(worst, rel_err(got, full @ w.float()))
-        assert worst < TOL[torch.bfloat16], worst
-        return worst
-
-
-@pytest.mark.parametrize("consumer_first,mode", [(False, "push"), (True, "push"), (False, "pull"), (True, "pull")],
-                         ids=["producers_first", "consumer_first", "pull", "pull_consumer_first"])
-def test_ag_gemm_100_back_to_back_calls(pool, consumer_first, mode):
-    if consumer_first and pool.backend == "host":
-        pytest.skip("launch order only matters on GPUs (the host backend runs kernels synchronously)")
-    shape = (19, 32, 32) if pool.backend == "host" else (1024, 1024, 1024)
-    pool.run(_back_to_back, stress_rounds(pool, 100), *shape, consumer_first, mode)
-
-
-def _bad_inputs():
-    with to.Context(timeout_s=30) as ctx:
-        dev, W = ctx.device, ctx.world_size
-        op = to.AllGatherGEMM(ctx, fallback="never", max_m=64 * W)
-        a = rand((16, 32), torch.bfloat16, dev, "a")
-        w = rand((32, 24), torch.bfloat16, dev, "w")
-        bad = {
-            "inner dimensions": (a, rand((31, 24), torch.bfloat16, dev, "w")),
-            "different dtypes": (a, w.half()),
-            "float16, bfloat16 or float8_e4m3fn": (a.float(), w.float()),
-            "2-D": (a[None], w),
-            "max_m": (rand((65, 32), torch.bfloat16, dev, "a"), w),
-            "is on": (a.to("meta"), w),
-        }
-        for msg, (x, y) in bad.items():
-            with pytest.raises(ValueError, match=msg):
-                op(x, y)
-        with pytest.raises(ValueError, match="bias"):
-            op(a, w, rand((23,), torch.bfloat16, dev, "b"))
-        # ranks that disagree on the shard shape all get the error, none hangs
-        with pytest.raises(ValueError, match="ranks disagree"):
-            op(rand((16 + ctx.rank, 32), torch.bfloat16, dev, "a"), w)
-        # and the op and Context still work
-        got = op(a, w)
-        ctx.check()
-        ref = torch.cat([a.float()] * W) @ w.float()
-        assert rel_err(got, ref) < TOL[torch.bfloat16]
-        return True
-
-
-def test_ag_gemm_bad_input_raises_before_launch(pool):
-    assert all(pool.run(_bad_inputs))
-
-
-def _fallback_path():
-    with to.Context(timeout_s=30) as ctx:
-        dev, W, r = ctx.device, ctx.world_size, ctx.rank
-        a = rand((8, 16), torch.bfloat16, dev, "a", r)
-        w = rand((16, 8), torch.bfloat16, dev, "w")
-        b = rand((8,), torch.bfloat16, dev, "b")
-        got = to.ag_gemm(a, w, ctx=ctx, bias=b)  # tiny shard: "auto" takes the NCCL path
-        assert to.AllGatherGEMM.shared(ctx).last_path == "fallback"
-        full = torch.cat([rand((8, 16), torch.bfloat16, dev, "a", s) for s in range(W)]).float()
-        assert rel_err(got, full @ w.float() + b.float()) < TOL[torch.bfloat16]
-        return True
-
-
-def test_ag_gemm_small_shapes_fall_back(pool):
-    assert all(pool.run(_fallback_path))
-
-
-def _graph(replays, m_local, k, n, mode="push"):
-    with to.Context(timeout_s=30) as ctx:
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.AllGatherGEMM(ctx, dataclasses.replace(AllGatherGEMMConfig.defaults(ctx), mode=mode),
-                              fallback="never")
-        a = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
-        w = rand((k, n), torch.bfloat16, dev, "w", r)
-        out = torch.empty((m_local * W, n), dtype=torch.bfloat16, device=dev)
-
-        def load(i):
-            a.copy_(rand((m_local, k), torch.bfloat16, dev, "a", i, r))
-            return torch.cat([rand((m_local, k), torch.bfloat16, dev, "a", i, s) for s in range(W)]).float() @ w.float()
-
-        check_replays(lambda: op(a, w, out=out), out, replays, load)
-        ctx.check()
-        return True
-
-
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_ag_gemm_cuda_graph_replay(pool, mode):
-    if pool.backend == "host":
-        pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_graph, 50, 1024, 512, 768, mode))
-
+# ------------------------------------------------------------------------------------------ the op's own rules
 
 def test_eager_rule_thresholds():
     """The eager host-cost rule: GPU backends only, scaled by the number of peers, never while capturing."""
@@ -552,23 +500,23 @@ def _plain_gather_hopper():
                                  (1024, 72, 4096, True, True)))
 
 
-def _staged_case(*case):
-    """``_case`` with no descriptor spanning the shard and the workspace (as when the two lie 2^40 bytes apart or
-    more): the GEMM (the Gluon one or kernels.gemm's descriptor path) reads this rank's rows from the workspace,
-    copied there before the launch. Returns the worst error and how often a GEMM asked for the span."""
+def _staged_case(case):
+    """contract.matches_reference with no descriptor spanning the shard and the workspace (as when the two lie 2^40
+    bytes apart or more): the GEMM (the Gluon one or kernels.gemm's descriptor path) reads this rank's rows from the
+    workspace, copied there before the launch. Returns the worst error and how often a GEMM asked for the span."""
     from triton_overlap.kernels import gemm
 
     calls = []
     spans = gemm._pair_gap
     gemm._pair_gap = lambda a, ws: calls.append(1)  # None: no span
     try:
-        return _case(*case), len(calls)
+        return contract.matches_reference(AG_GEMM, case), len(calls)
     finally:
         gemm._pair_gap = spans
 
 
-#: (HOST_CASES, GPU_CASES) indices: descriptors with pull and with push (host); kernels.gemm's descriptors with push,
-#: the Gluon GEMM with push and with pull (GPUs; kernels.gemm where the Gluon GEMM cannot run)
+#: (host, GPU) case indices: descriptors with pull and with push (host); kernels.gemm's descriptors with push, the
+#: Gluon GEMM with push and with pull (GPUs; kernels.gemm where the Gluon GEMM cannot run)
 STAGED = ([5, 6], [5, 6, 7])
 
 
@@ -577,10 +525,10 @@ def test_shard_copied_into_workspace(pool, case):
     """Where one descriptor cannot span the shard and the workspace, the GEMM reads the shard from the workspace's
     own rows (both B layouts, push and pull, chunks across tiles) and matches the reference."""
     host = pool.backend == "host"
-    cases, picks = (HOST_CASES, STAGED[0]) if host else (GPU_CASES, STAGED[1])
+    picks = STAGED[0] if host else STAGED[1]
     if case >= len(picks):
         pytest.skip("no such case for this backend")
-    for err, calls in pool.run(_staged_case, *cases[picks[case]]):
+    for err, calls in pool.run(_staged_case, AG_GEMM.cases.on(pool)[picks[case]]):
         assert err < 1e-2
         assert calls > 0 or not host, "the descriptor path was not taken"
 

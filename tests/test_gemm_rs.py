@@ -1,196 +1,205 @@
-"""GEMM-ReduceScatter against matmul + reduce_scatter in float32."""
-import dataclasses
+"""GEMM-ReduceScatter against matmul + reduce_scatter in float32: the op's spec and cases, which get the contract's
+tests (tests/contract.py), then the op's own rules and kernels."""
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+import contract
 import triton_overlap as to
-from harness import host_case_share, stress_rounds
-from refs import TOL, check_replays, on_hopper, plain_gemm_worst, poison, rand, rel_err
+from contract import Call, Cases, OpSpec, Variants
+from refs import on_hopper, plain_gemm_worst, rand
 from triton_overlap.ops.config import GEMMReduceScatterConfig
 
 
-def _reference(m, k, n, dtype, dev, it, W, r, transposed, bias):
+@dataclass(frozen=True, kw_only=True)
+class RSCase:
+    """Every rank's [M, k] A times its own [k, n] weight (``transposed``: the transpose of an [n, k] tensor), summed
+    over ranks, this rank's M / W rows of it (plus ``bias``, the same on every rank); M is ``m`` in all, or
+    ``m_local`` per rank (M = m_local x W). ``iters`` calls on one op, producers delayed at random up to ``jitter``
+    s, the op's receive slots and staging buffer filled with garbage before each; ``strided_out``: the output a
+    transposed view (columns M / W elements apart). The rest are the call's config (None: the op's own): ``scatter``
+    store or copy, ``fuse`` (fuse_reduce; the reduction is in the GEMM where every rank's rows are whole tiles),
+    ``claim``, ``defer`` (defer_release), ``streams`` (copy streams); ``gemm`` "gluon" (the warp-specialized GEMM)
+    or "triton", and with "gluon" and the reduction fused it checks, on compute capability 9.0, that the op ran
+    the warp-specialized GEMM."""
+    m: int = 0
+    m_local: int = 0
+    k: int
+    n: int
+    dtype: str = "bfloat16"
+    bias: bool = False
+    transposed: bool = False
+    iters: int = 1
+    jitter: float = 0.0
+    strided_out: bool = False
+    m_per_chunk: int | None = None
+    scatter: str | None = None
+    fuse: bool | None = None
+    tma: bool | None = None
+    claim: int | None = None
+    defer: bool | None = None
+    gemm: str | None = None
+    streams: int | None = None
+
+    def rows(self, world: int) -> int:
+        return self.m or self.m_local * world
+
+
+def _inputs(ctx, case, it):
+    dtype = getattr(torch, case.dtype)
+    W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    m, k, n = case.rows(W), case.k, case.n
     parts = []
     for s in range(W):
         a = rand((m, k), dtype, dev, "a", it, s)
-        w = rand((n, k) if transposed else (k, n), dtype, dev, "w", it, s)
-        parts.append((a, w.t() if transposed else w))
+        w = rand((n, k) if case.transposed else (k, n), dtype, dev, "w", it, s)
+        parts.append((a, w.t() if case.transposed else w))
     full = sum(a.float() @ w.float() for a, w in parts)
     rows = full[r * (m // W):(r + 1) * (m // W)]
-    b = rand((n,), dtype, dev, "b", it) if bias else None
-    return parts[r], b, rows + (b.float() if bias else 0)
+    b = rand((n,), dtype, dev, "b", it) if case.bias else None
+    overrides = dict(m_per_chunk=case.m_per_chunk, scatter=case.scatter, fuse_reduce=case.fuse, tma=case.tma,
+                     claim=case.claim, defer_release=case.defer, gemm=case.gemm, num_streams=case.streams)
+    if case.strided_out:  # a transposed view: columns m // W elements apart
+        out = torch.empty((n, m // W), dtype=dtype, device=dev).t()
+    else:
+        out = torch.empty((m // W, n), dtype=dtype, device=dev)
+    return Call(parts[r], dict(bias=b, **{k: v for k, v in overrides.items() if v is not None}),
+                rows + (b.float() if case.bias else 0), out)
 
 
-def _case(m, k, n, dtype_name, bias, transposed, m_per_chunk, iters, scatter="store", jitter=0.0, fuse=True,
-          strided_out=False, tma=None, claim=None, defer=None, warp_specialized=None, streams=None):
-    dtype = getattr(torch, dtype_name)
-    with to.Context(timeout_s=120) as ctx:
-        ctx.set_producer_jitter(jitter)
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.GEMMReduceScatter(ctx, fallback="never")
-        errs = []
-        for it in range(iters):
-            (a, w), b, ref = _reference(m, k, n, dtype, dev, it, W, r, transposed, bias)
-            for buf in op.buffers().values():  # stale garbage in our receive slots and the staging buffer
-                buf.copy_(torch.randn_like(buf, dtype=torch.float32))
-            if strided_out:  # a transposed view: columns m // W elements apart
-                out = poison(torch.empty((n, m // W), dtype=dtype, device=dev)).t()
-            else:
-                out = poison(torch.empty((m // W, n), dtype=dtype, device=dev))
-            got = op(a, w, b, out=out, m_per_chunk=m_per_chunk, scatter=scatter, fuse_reduce=fuse, tma=tma, claim=claim,
-                     defer_release=defer, gemm={True: "gluon", False: "triton", None: "auto"}[warp_specialized],
-                     num_streams=streams)
-            ctx.check()
-            assert got.data_ptr() == out.data_ptr()
-            errs.append(rel_err(got, ref))
-            assert errs[-1] < TOL[dtype], f"rank {r} iter {it}: rel err {errs[-1]:.2e}"
-        assert op.last_path == "overlap"
-        if warp_specialized and fuse is not False and ctx.backend == "cuda" \
-                and torch.cuda.get_device_capability(dev) == (9, 0):
-            assert op.last_gemm == "gemm_warp_specialized", op.last_gemm  # the case ran the kernel it asked for
-        return max(errs)
+def _garbage(ctx, op, case, it):
+    for buf in op.buffers().values():  # stale garbage in our receive slots and the staging buffer
+        buf.copy_(torch.randn_like(buf, dtype=torch.float32))
 
 
-HOST_CASES = [
-    # m (total rows), k_local, n, dtype, bias, transposed, m_per_chunk, iters, scatter, producer jitter (s)
-    # [, fuse_reduce, strided out, tma, claim, defer_release, warp_specialized, copy streams]; 24 | m: W = 2, 3, 4,
-    # 8. The reduction is in the GEMM (fuse_reduce) where every rank's rows are whole 32-row tiles (m = 32 * 24 or
-    # 64 * 24), in a separate kernel otherwise
-    (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
-    (64 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0),
-    (32 * 24, 64, 33, "float16", False, True, 7, 2, "copy", 0.003),
-    (29 * 24, 64, 33, "float16", False, True, 7, 2, "store", 0.0),
-    (32 * 24, 40, 24, "bfloat16", False, False, None, 1, "store", 0.0),
-    (37 * 24, 48, 40, "bfloat16", True, True, 16, 2, "copy", 0.003),
-    (29 * 24, 64, 33, "float16", False, False, 7, 2, "copy", 0.0),
-    (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0, False),  # separate reduction kernel
-    (29 * 24, 64, 33, "float16", False, False, 7, 1, "copy", 0.0, False, True),  # and a strided out
-    (32 * 24, 48, 40, "bfloat16", True, False, 16, 1, "store", 0.0, True, False, True),  # descriptors, B [K, N]
-    (32 * 24, 64, 33, "float16", False, True, 7, 1, "copy", 0.003, True, False, None, 1, False),  # counters at once
-    (32 * 24, 48, 40, "bfloat16", True, False, 10 ** 6, 1, "copy", 0.0),  # one chunk per rank
-    # a peer's chunks over two and three copy streams, taking turns (producers.scatter.copy_stream_index)
-    (32 * 24, 64, 33, "float16", True, False, 32, 2, "copy", 0.003, True, False, None, None, None, None, 2),
-    (37 * 24, 48, 40, "bfloat16", False, True, 16, 1, "copy", 0.003, False, False, None, None, None, None, 3),
-]
-GPU_CASES = [
-    (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0),
-    (4091 * 4, 512, 1000, "float16", False, True, 1000, 3, "store", 0.0),
-    (2048, 4096, 4096, "bfloat16", False, True, None, 3, "store", 0.0),
-    (256 * 4, 256, 512, "bfloat16", True, False, 37, 3, "store", 0.0),
-    (4091 * 2 * 2, 1024, 1536, "bfloat16", True, True, 512, 3, "copy", 0.0005),
-    (4091 * 2 * 2, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0, False),
-    (2048, 1024, 1000, "bfloat16", True, False, None, 2, "copy", 0.0, True, True),
-    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005),
-    (8192, 1000, 1536, "bfloat16", True, False, None, 3, "store", 0.0, True, False, True),  # descriptors, B [K, N]
-    # the fused GEMM's two ways of taking tiles, and counters bumped at once or deferred (kernels.gemm CLAIM,
-    # DEFER_RELEASE), whatever the defaults are
-    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, 0, True),
-    (8192, 1024, 1536, "bfloat16", True, False, 512, 3, "store", 0.0005, True, False, None, 1, False),
-    (4096, 1000, 1536, "float16", False, False, None, 3, "store", 0.0, True, False, True, 0, False),
-    (4096, 1024, 1000, "bfloat16", True, True, 256, 3, "copy", 0.0, True, False, None, 1, True),
-    # copy + fused: the warp-specialized GEMM (kernels.gemm_warp_specialized, sm_90 only) and kernels.gemm, each
-    # asked for (warp_specialized); K and N off the tiles, a tile over two chunks (m_per_chunk 300), B either way round
-    (4096, 1000, 1000, "float16", True, False, None, 3, "copy", 0.0005, True, False, None, None, None, True),
-    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, None, None, True),
-    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "copy", 0.0005, True, False, None, None, None, False),
-    # the warp-specialized GEMM with no bias; with 2048 rows a program's only tile is its last (partials preloaded)
-    (8192, 1024, 1536, "bfloat16", False, False, None, 3, "copy", 0.0005, True, False, None, None, None, True),
-    (2048, 1024, 1000, "bfloat16", True, True, None, 3, "copy", 0.0005, True, False, None, None, None, True),
-    # and with a peer's two chunks on two copy streams side by side
-    (2048, 1024, 1000, "bfloat16", False, False, 512, 3, "copy", 0.0005, True, False, None, None, None, True, 2),
-    (4096, 1024, 1536, "bfloat16", True, True, 256, 3, "copy", 0.0005, True, False, None, None, None, True, 4),
-    # rows of an odd N are not 16-byte aligned: the last tile's peer partial loaded by the epilogue's warps, not TMA
-    (2048, 1024, 1001, "bfloat16", True, True, None, 3, "copy", 0.0005, True, False, None, None, None, True),
-    # store + fused on the warp-specialized GEMM: peers' tiles straight into their receive slots once each owner's
-    # start count says its call has started (PEER_STORES); a tile over two chunks, a program's only tile, odd N
-    (8192, 1024, 1536, "bfloat16", True, True, 300, 3, "store", 0.0005, True, False, None, None, None, True),
-    (2048, 1024, 1000, "bfloat16", False, False, None, 3, "store", 0.0005, True, False, None, None, None, True),
-    (2048, 1024, 1001, "float16", True, True, None, 3, "store", 0.0, True, False, None, None, None, True),
-]
+def _finish(ctx, op, case):
+    if case.gemm == "gluon" and case.fuse is not False and ctx.backend == "cuda" \
+            and torch.cuda.get_device_capability(ctx.device) == (9, 0):
+        assert op.last_gemm == "gemm_warp_specialized", op.last_gemm  # the case ran the kernel it asked for
 
 
-@pytest.mark.parametrize("case", range(max(len(HOST_CASES), len(GPU_CASES))))
-def test_gemm_rs_matches_reference(pool, case):
-    cases = HOST_CASES if pool.backend == "host" else GPU_CASES
-    if case >= len(cases):
-        pytest.skip("no such case for this backend")
-    host_case_share(pool, case)
-    pool.run(_case, *cases[case])
+def _bad_inputs(ctx):
+    dev, W = ctx.device, ctx.world_size
+    bf = torch.bfloat16
+    op = to.GEMMReduceScatter(ctx, fallback="never", max_m=64 * W)
+    a = rand((16 * W, 32), bf, dev, "a")
+    w = rand((32, 24), bf, dev, "w")
+    bad = [
+        ("inner dimensions", lambda: op(a, rand((31, 24), bf, dev, "w"))),
+        ("different dtypes", lambda: op(a, w.half())),
+        ("float16 or bfloat16", lambda: op(a.float(), w.float())),
+        ("not divisible", lambda: op(rand((16 * W + 1, 32), bf, dev, "a"), w)),
+        ("max_m", lambda: op(rand((65 * W, 32), bf, dev, "a"), w)),
+        ("is on", lambda: op(a.to("meta"), w)),
+        ("ranks disagree", lambda: op(rand((16 * W, 32), bf, dev, "a"), rand((32, 24 + ctx.rank), bf, dev, "w"))),
+    ]
+    return op, bad, Call((a, w), {}, (a.float() @ w.float() * W)[ctx.rank * 16:(ctx.rank + 1) * 16])
 
 
-def _back_to_back(n_calls, m, k, n, scatter="store"):
-    with to.Context(timeout_s=120) as ctx:
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        cfg = dataclasses.replace(GEMMReduceScatterConfig.defaults(ctx), scatter=scatter)
-        op = to.GEMMReduceScatter(ctx, cfg, fallback="never")
-        outs, refs = [], []
-        for i in range(n_calls):  # no host synchronisation between calls
-            (a, w), _, ref = _reference(m, k, n, torch.bfloat16, dev, i, W, r, False, False)
-            outs.append(op(a, w))
-            refs.append(ref)
-        ctx.synchronize()
-        ctx.check()
-        worst = max(rel_err(o, ref) for o, ref in zip(outs, refs))
-        assert worst < TOL[torch.bfloat16], worst
-        return worst
+#: a tiny partial: fallback="auto" takes the NCCL path
+SMALL = RSCase(m_local=8, k=16, n=8, bias=True)
+
+GEMM_RS = OpSpec(
+    name="gemm_rs", module=__name__, op=to.GEMMReduceScatter, functional=to.gemm_rs, inputs=_inputs,
+    stale=_garbage, finish=_finish, bad_inputs=_bad_inputs,
+    # 24 | m: W = 2, 3, 4, 8. The reduction is in the GEMM (fuse) where every rank's rows are whole 32-row tiles
+    # (m = 32 * 24 or 64 * 24) on the host backend, in a separate kernel otherwise
+    cases=Cases(
+        host=(
+            RSCase(m=37 * 24, k=48, n=40, bias=True, m_per_chunk=16, iters=2, scatter="store"),
+            RSCase(m=64 * 24, k=48, n=40, bias=True, m_per_chunk=16, iters=2, scatter="store"),
+            RSCase(m=32 * 24, k=64, n=33, dtype="float16", transposed=True, m_per_chunk=7, iters=2, scatter="copy",
+                   jitter=0.003),
+            RSCase(m=29 * 24, k=64, n=33, dtype="float16", transposed=True, m_per_chunk=7, iters=2, scatter="store"),
+            RSCase(m=32 * 24, k=40, n=24, scatter="store"),
+            RSCase(m=37 * 24, k=48, n=40, bias=True, transposed=True, m_per_chunk=16, iters=2, scatter="copy",
+                   jitter=0.003),
+            RSCase(m=29 * 24, k=64, n=33, dtype="float16", m_per_chunk=7, iters=2, scatter="copy"),
+            RSCase(m=37 * 24, k=48, n=40, bias=True, m_per_chunk=16, iters=2, scatter="store",
+                   fuse=False),  # separate reduction kernel
+            RSCase(m=29 * 24, k=64, n=33, dtype="float16", m_per_chunk=7, scatter="copy", fuse=False,
+                   strided_out=True),  # and a strided out
+            RSCase(m=32 * 24, k=48, n=40, bias=True, m_per_chunk=16, scatter="store",
+                   tma=True),  # descriptors, B [K, N]
+            RSCase(m=32 * 24, k=64, n=33, dtype="float16", transposed=True, m_per_chunk=7, scatter="copy",
+                   jitter=0.003, claim=1, defer=False),  # counters at once
+            RSCase(m=32 * 24, k=48, n=40, bias=True, m_per_chunk=10 ** 6, scatter="copy"),  # one chunk per rank
+            # a peer's chunks over two and three copy streams, taking turns (producers.scatter.copy_stream_index)
+            RSCase(m=32 * 24, k=64, n=33, dtype="float16", bias=True, m_per_chunk=32, iters=2, scatter="copy",
+                   jitter=0.003, streams=2),
+            RSCase(m=37 * 24, k=48, n=40, transposed=True, m_per_chunk=16, scatter="copy", jitter=0.003, fuse=False,
+                   streams=3),
+        ),
+        gpu=(
+            RSCase(m=4091 * 2 * 2, k=1024, n=1536, bias=True, m_per_chunk=512, iters=3, scatter="store"),
+            RSCase(m=4091 * 4, k=512, n=1000, dtype="float16", transposed=True, m_per_chunk=1000, iters=3,
+                   scatter="store"),
+            RSCase(m=2048, k=4096, n=4096, transposed=True, iters=3, scatter="store"),
+            RSCase(m=256 * 4, k=256, n=512, bias=True, m_per_chunk=37, iters=3, scatter="store"),
+            RSCase(m=4091 * 2 * 2, k=1024, n=1536, bias=True, transposed=True, m_per_chunk=512, iters=3,
+                   scatter="copy", jitter=0.0005),
+            RSCase(m=4091 * 2 * 2, k=1024, n=1536, bias=True, m_per_chunk=512, iters=3, scatter="store", fuse=False),
+            RSCase(m=2048, k=1024, n=1000, bias=True, iters=2, scatter="copy", strided_out=True),
+            RSCase(m=8192, k=1024, n=1536, bias=True, transposed=True, m_per_chunk=300, iters=3, scatter="copy",
+                   jitter=0.0005),
+            RSCase(m=8192, k=1000, n=1536, bias=True, iters=3, scatter="store", tma=True),  # descriptors, B [K, N]
+            # the fused GEMM's two ways of taking tiles, and counters bumped at once or deferred (kernels.gemm
+            # CLAIM, DEFER_RELEASE), whatever the defaults are
+            RSCase(m=8192, k=1024, n=1536, bias=True, transposed=True, m_per_chunk=300, iters=3, scatter="copy",
+                   jitter=0.0005, claim=0, defer=True),
+            RSCase(m=8192, k=1024, n=1536, bias=True, m_per_chunk=512, iters=3, scatter="store", jitter=0.0005,
+                   claim=1, defer=False),
+            RSCase(m=4096, k=1000, n=1536, dtype="float16", iters=3, scatter="store", tma=True, claim=0,
+                   defer=False),
+            RSCase(m=4096, k=1024, n=1000, bias=True, transposed=True, m_per_chunk=256, iters=3, scatter="copy",
+                   claim=1, defer=True),
+            # copy + fused: the warp-specialized GEMM (kernels.gemm_warp_specialized, sm_90 only) and kernels.gemm,
+            # each asked for (gemm); K and N off the tiles, a tile over two chunks (m_per_chunk 300), B either way
+            # round
+            RSCase(m=4096, k=1000, n=1000, dtype="float16", bias=True, iters=3, scatter="copy", jitter=0.0005,
+                   gemm="gluon"),
+            RSCase(m=8192, k=1024, n=1536, bias=True, transposed=True, m_per_chunk=300, iters=3, scatter="copy",
+                   jitter=0.0005, gemm="gluon"),
+            RSCase(m=8192, k=1024, n=1536, bias=True, transposed=True, m_per_chunk=300, iters=3, scatter="copy",
+                   jitter=0.0005, gemm="triton"),
+            # the warp-specialized GEMM with no bias; with 2048 rows a program's only tile is its last (partials
+            # preloaded)
+            RSCase(m=8192, k=1024, n=1536, iters=3, scatter="copy", jitter=0.0005, gemm="gluon"),
+            RSCase(m=2048, k=1024, n=1000, bias=True, transposed=True, iters=3, scatter="copy", jitter=0.0005,
+                   gemm="gluon"),
+            # and with a peer's two chunks on two copy streams side by side
+            RSCase(m=2048, k=1024, n=1000, m_per_chunk=512, iters=3, scatter="copy", jitter=0.0005, gemm="gluon",
+                   streams=2),
+            RSCase(m=4096, k=1024, n=1536, bias=True, transposed=True, m_per_chunk=256, iters=3, scatter="copy",
+                   jitter=0.0005, gemm="gluon", streams=4),
+            # rows of an odd N are not 16-byte aligned: the last tile's peer partial loaded by the epilogue's warps,
+            # not TMA
+            RSCase(m=2048, k=1024, n=1001, bias=True, transposed=True, iters=3, scatter="copy", jitter=0.0005,
+                   gemm="gluon"),
+            # store + fused on the warp-specialized GEMM: peers' tiles straight into their receive slots once each
+            # owner's start count says its call has started (PEER_STORES); a tile over two chunks, a program's only
+            # tile, odd N
+            RSCase(m=8192, k=1024, n=1536, bias=True, transposed=True, m_per_chunk=300, iters=3, scatter="store",
+                   jitter=0.0005, gemm="gluon"),
+            RSCase(m=2048, k=1024, n=1000, iters=3, scatter="store", jitter=0.0005, gemm="gluon"),
+            RSCase(m=2048, k=1024, n=1001, dtype="float16", bias=True, transposed=True, iters=3, scatter="store",
+                   gemm="gluon"),
+        )),
+    back_to_back=Variants(host=RSCase(m=24 * 4, k=32, n=32), gpu=RSCase(m=2048, k=1024, n=1024), calls=100,
+                          ids={"store": dict(scatter="store"), "copy": dict(scatter="copy")}),
+    # GPUs: also 1 MiB a rank whose tiles fit in one wave of the GPU's SMs, which takes the NCCL path too
+    falls_back=Cases(host=(SMALL,), gpu=(SMALL, RSCase(m_local=128, k=64, n=4096, bias=True))),
+    replay=Variants(host=None, gpu=RSCase(m=2048, k=512, n=768), calls=20,
+                    ids={"store": dict(scatter="store"), "copy": dict(scatter="copy")}),
+)
+
+# the contract's tests: test_gemm_rs_matches_reference, test_gemm_rs_100_back_to_back_calls,
+# test_gemm_rs_bad_input_raises_before_launch, test_gemm_rs_small_shapes_fall_back, test_gemm_rs_cuda_graph_replay
+globals().update(contract.tests(GEMM_RS))
 
 
-@pytest.mark.parametrize("scatter", ["store", "copy"])
-def test_gemm_rs_100_back_to_back_calls(pool, scatter):
-    shape = (24 * 4, 32, 32) if pool.backend == "host" else (2048, 1024, 1024)
-    pool.run(_back_to_back, stress_rounds(pool, 100), *shape, scatter)
-
-
-def _bad_inputs():
-    with to.Context(timeout_s=30) as ctx:
-        dev, W = ctx.device, ctx.world_size
-        op = to.GEMMReduceScatter(ctx, fallback="never", max_m=64 * W)
-        a = rand((16 * W, 32), torch.bfloat16, dev, "a")
-        w = rand((32, 24), torch.bfloat16, dev, "w")
-        bad = {
-            "inner dimensions": (a, rand((31, 24), torch.bfloat16, dev, "w")),
-            "different dtypes": (a, w.half()),
-            "float16 or bfloat16": (a.float(), w.float()),
-            "not divisible": (rand((16 * W + 1, 32), torch.bfloat16, dev, "a"), w),
-            "max_m": (rand((65 * W, 32), torch.bfloat16, dev, "a"), w),
-            "is on": (a.to("meta"), w),
-        }
-        for msg, (x, y) in bad.items():
-            with pytest.raises(ValueError, match=msg):
-                op(x, y)
-        with pytest.raises(ValueError, match="ranks disagree"):
-            op(rand((16 * W, 32), torch.bfloat16, dev, "a"), rand((32, 24 + ctx.rank), torch.bfloat16, dev, "w"))
-        got = op(a, w)  # still usable
-        ctx.check()
-        ref = (a.float() @ w.float() * W)[ctx.rank * 16:(ctx.rank + 1) * 16]
-        assert rel_err(got, ref) < TOL[torch.bfloat16]
-        return True
-
-
-def test_gemm_rs_bad_input_raises_before_launch(pool):
-    assert all(pool.run(_bad_inputs))
-
-
-def _fallback_path():
-    with to.Context(timeout_s=30) as ctx:
-        dev, W, r = ctx.device, ctx.world_size, ctx.rank
-        (a, w), b, ref = _reference(8 * W, 16, 8, torch.bfloat16, dev, 0, W, r, False, True)
-        got = to.gemm_rs(a, w, ctx=ctx, bias=b)  # tiny: "auto" takes the NCCL path
-        assert to.GEMMReduceScatter.shared(ctx).last_path == "fallback"
-        assert rel_err(got, ref) < TOL[torch.bfloat16]
-        if ctx.backend != "host":  # 1 MiB a rank, but its tiles fit in one wave of the GPU's SMs: NCCL path too
-            (a, w), b, ref = _reference(128 * W, 64, 4096, torch.bfloat16, dev, 0, W, r, False, True)
-            got = to.gemm_rs(a, w, ctx=ctx, bias=b)
-            assert to.GEMMReduceScatter.shared(ctx).last_path == "fallback"
-            assert rel_err(got, ref) < TOL[torch.bfloat16]
-        return True
-
-
-def test_gemm_rs_small_shapes_fall_back(pool):
-    assert all(pool.run(_fallback_path))
-
-
+# ------------------------------------------------------------------------------------------ the op's own rules
 def test_one_wave_rule():
     """A GEMM whose tiles (every rank's rows in whole block_m tiles) fit in one wave of the SMs hides nothing of the
     reduce-scatter; one tile more and it spans two waves."""
@@ -292,29 +301,3 @@ def test_rs_chunks_carry_min_chunk_bytes():
         assert sum(counts[0]) == -(-m_local // 128) * (n // 256)  # every tile of our rows counted once
     off = GEMMReduceScatterConfig(block_m=128, block_n=256, chunks_per_rank=4)
     assert ChunkLayout(2, 1024, off.chunk_rows(1024, 4096 * 2)).chunks_per_rank == 4  # the rule off
-
-
-def _graph(replays, m, k, n, scatter="store"):
-    with to.Context(timeout_s=30) as ctx:
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        cfg = dataclasses.replace(GEMMReduceScatterConfig.defaults(ctx), scatter=scatter)
-        op = to.GEMMReduceScatter(ctx, cfg, fallback="never")
-        a = torch.empty((m, k), dtype=torch.bfloat16, device=dev)
-        w = torch.empty((k, n), dtype=torch.bfloat16, device=dev)
-        out = torch.empty((m // W, n), dtype=torch.bfloat16, device=dev)
-
-        def load(i):
-            (ai, wi), _, ref = _reference(m, k, n, torch.bfloat16, dev, i, W, r, False, False)
-            a.copy_(ai), w.copy_(wi)
-            return ref
-
-        check_replays(lambda: op(a, w, out=out), out, replays, load)
-        ctx.check()
-        return True
-
-
-@pytest.mark.parametrize("scatter", ["store", "copy"])
-def test_gemm_rs_cuda_graph_replay(pool, scatter):
-    if pool.backend == "host":
-        pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_graph, 20, 2048, 512, 768, scatter))

@@ -3,15 +3,19 @@ maps only its own host's peers; on a group that spans hosts AllGather-GEMM, GEMM
 attention move data between hosts through the process group (the op tests' own cases, run under virtual hosts), the
 AllReduce ops take their torch.distributed path, faults name the peer on the other host; one Context per host's
 group (the 2-D mesh) overlaps as on one machine."""
-import importlib
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+import contract
+import test_cp_attention
+import test_faults
 import triton_overlap as to
 from refs import TOL, rand, rel_err, shm_files
+from test_ag_gemm import AG_GEMM, AGCase
+from test_gemm_rs import GEMM_RS, RSCase
 from triton_overlap.context.topology import VIRTUAL_HOSTS_ENV, Topology
 from triton_overlap.plan import ChunkLayout, gather_schedule, scatter_schedule
 
@@ -171,11 +175,11 @@ def test_topology_from_keys():
     assert Topology.from_keys(["x"] * 3).describe() == "ranks 0-2 on x"
 
 
-def _under_hosts(n: int, module: str, name: str, *args):
-    """``module.name(*args)`` (an op test's case) on a Context split into ``n`` virtual hosts."""
+def _under_hosts(n: int, fn, *args):
+    """``fn(*args)`` (an op test's case, a fault case) on a Context split into ``n`` virtual hosts."""
     os.environ[VIRTUAL_HOSTS_ENV] = str(n)
     try:
-        return getattr(importlib.import_module(module), name)(*args)
+        return fn(*args)
     finally:
         os.environ.pop(VIRTUAL_HOSTS_ENV, None)
 
@@ -186,38 +190,48 @@ def _layouts(world: int):
     return [world] + ([world // 2] if world % 2 == 0 and world >= 4 else [])
 
 
-# (module, case function, case): the op tests' own checks (poisoned outputs and workspaces, odd sizes, producer
-# delays) against their float32 references. Host backend cases, and GPU ones for cuda-shared.
+# (body, its arguments on the host backend, on GPUs (cuda-shared)): the op tests' own checks (poisoned outputs and
+# workspaces, odd sizes, producer delays) against their float32 references, the ops' cases run by
+# contract.matches_reference
 BETWEEN_HOSTS = {
-    "ag push": ("test_ag_gemm", "_case", (37, 48, 40, "bfloat16", True, False, 16, None, 0.0, 2, "push"),
-                (4091, 1024, 1536, "bfloat16", True, False, 512, None, 0.0, 2, "push")),
-    "ag transposed, delays": ("test_ag_gemm", "_case", (29, 64, 33, "float16", False, True, 7, 1, 0.003, 2, "push"),
-                              (4091, 512, 1000, "float16", False, True, 1000, 1, 0.001, 2, "push")),
-    "rs fused, delays": ("test_gemm_rs", "_case", (32 * 24, 64, 33, "float16", False, True, 7, 2, "copy", 0.003),
-                         (8192, 1024, 1536, "bfloat16", True, False, 512, 2, "copy", 0.0005)),
-    "rs reduction kernel": ("test_gemm_rs", "_case", (37 * 24, 48, 40, "bfloat16", True, False, 16, 2, "store", 0.0,
-                                                      False),
-                            (8184, 512, 1000, "float16", False, True, 1000, 2, "store", 0.0, False)),
-    "cp forward": ("test_cp_attention", "_case", (1, 96, 4, 1, 64, True, "bfloat16", 2, 2, 0.005),
+    "ag push": (contract.matches_reference,
+                (AG_GEMM, AGCase(m_local=37, k=48, n=40, bias=True, m_per_chunk=16, iters=2)),
+                (AG_GEMM, AGCase(m_local=4091, k=1024, n=1536, bias=True, m_per_chunk=512, iters=2))),
+    "ag transposed, delays": (contract.matches_reference,
+                              (AG_GEMM, AGCase(m_local=29, k=64, n=33, dtype="float16", transposed=True, m_per_chunk=7,
+                                               streams=1, jitter=0.003, iters=2)),
+                              (AG_GEMM, AGCase(m_local=4091, k=512, n=1000, dtype="float16", transposed=True,
+                                               m_per_chunk=1000, streams=1, jitter=0.001, iters=2))),
+    "rs fused, delays": (contract.matches_reference,
+                         (GEMM_RS, RSCase(m=32 * 24, k=64, n=33, dtype="float16", transposed=True, m_per_chunk=7,
+                                          iters=2, scatter="copy", jitter=0.003)),
+                         (GEMM_RS, RSCase(m=8192, k=1024, n=1536, bias=True, m_per_chunk=512, iters=2, scatter="copy",
+                                          jitter=0.0005))),
+    "rs reduction kernel": (contract.matches_reference,
+                            (GEMM_RS, RSCase(m=37 * 24, k=48, n=40, bias=True, m_per_chunk=16, iters=2, scatter="store",
+                                             fuse=False)),
+                            (GEMM_RS, RSCase(m=8184, k=512, n=1000, dtype="float16", transposed=True, m_per_chunk=1000,
+                                             iters=2, scatter="store", fuse=False))),
+    "cp forward": (test_cp_attention._case, (1, 96, 4, 1, 64, True, "bfloat16", 2, 2, 0.005),
                    (1, 4096, 32, 8, 128, True, "bfloat16", 2, 2)),
-    "cp backward": ("test_cp_attention", "_grad_case", (1, 48, 4, 1, 64, True, "bfloat16", 2, False),
+    "cp backward": (test_cp_attention._grad_case, (1, 48, 4, 1, 64, True, "bfloat16", 2, False),
                     (1, 4096, 16, 4, 128, True, "bfloat16", 2, False)),
-    "cp backward, kept K/V": ("test_cp_attention", "_grad_case", (2, 48, 4, 2, 64, False, "float16", 2, True),
+    "cp backward, kept K/V": (test_cp_attention._grad_case, (2, 48, 4, 2, 64, False, "float16", 2, True),
                               (1, 4096, 16, 4, 128, True, "bfloat16", 4, True)),
 }
 
 
 @pytest.mark.parametrize("what", list(BETWEEN_HOSTS))
 def test_ops_between_hosts(pool, what):
-    module, fn, host_case, gpu_case = BETWEEN_HOSTS[what]
+    fn, host_args, gpu_args = BETWEEN_HOSTS[what]
     layouts = _layouts(pool.world)
     if pool.backend == "host" and pool.world >= 4:  # one rank per host runs at W = 2 and 3 (CI time)
         layouts = [n for n in layouts if n < pool.world]
     for n in layouts:
-        pool.run(_under_hosts, n, module, fn, *(host_case if pool.backend == "host" else gpu_case))
+        pool.run(_under_hosts, n, fn, *(host_args if pool.backend == "host" else gpu_args))
 
 
-def _held_for_link(n: int, module: str, name: str, *args):
+def _held_for_link(n: int, fn, *args):
     """As _under_hosts, on Contexts that hold consumers for the exchanges between hosts (Context.holds_for_link, on
     GPUs where NCCL carries them): gathers hold their consumer, GEMM-RS sums the partials after the join. Returns
     whether a gather held its consumer and how many separate reductions ran."""
@@ -241,7 +255,7 @@ def _held_for_link(n: int, module: str, name: str, *args):
 
     to.Context.__init__, gather.Gather.__init__, rs.launch_reduce = ctx_init, gather_init, counted
     try:
-        _under_hosts(n, module, name, *args)
+        _under_hosts(n, fn, *args)
     finally:
         to.Context.__init__, gather.Gather.__init__, rs.launch_reduce = init, make, reduce
     return seen["held"], seen["reductions"]
@@ -255,8 +269,8 @@ def test_ops_between_hosts_held_for_link(pool, what):
         pytest.skip("GPUs whose group spans hosts over NCCL take this order in test_ops_between_hosts")
     if pool.world != 2:
         pytest.skip("run once on the host backend, at W = 2")
-    module, fn, case, _ = BETWEEN_HOSTS[what]
-    held, reductions = zip(*pool.run(_held_for_link, 2, module, fn, *case))
+    fn, args, _ = BETWEEN_HOSTS[what]
+    held, reductions = zip(*pool.run(_held_for_link, 2, fn, *args))
     assert all(held) == (not what.startswith("rs")) and any(held) == all(held)
     if what.startswith("rs"):
         assert all(n > 0 for n in reductions), reductions
@@ -266,13 +280,11 @@ def test_ops_between_hosts_held_for_link(pool, what):
 # within the timeout (the exchange of call headers between hosts waits for it); ranks whose calls differ are told
 # at once, naming both shapes (the headers are compared on the device); a peer that brings an unagreed shape while
 # the others repeat one is named by each side. After reset(), calls are correct again.
-FAULTS = {"peer absent": ("_peer_absent", True), "calls differ": ("_disagree", "repeated"),
-          "shapes mixed": ("_disagree", "mixed")}
+FAULTS = {"peer absent": (test_faults._peer_absent, True), "calls differ": (test_faults._disagree, "repeated"),
+          "shapes mixed": (test_faults._disagree, "mixed")}
 
 
 @pytest.mark.parametrize("what", list(FAULTS))
 def test_faults_between_hosts(pool, what):
-    from test_faults import timeout_for
-
     fn, case = FAULTS[what]
-    pool.run(_under_hosts, pool.world, "test_faults", fn, case, timeout_for(pool))
+    pool.run(_under_hosts, pool.world, fn, case, test_faults.timeout_for(pool))

@@ -1,0 +1,341 @@
+"""The contract every op's tests share. An op's test file declares the op once, as an OpSpec with its cases, and
+gets the cross-cutting tests from here:
+
+    AG_GEMM = OpSpec(name="ag_gemm", module=__name__, op=to.AllGatherGEMM, inputs=_inputs, cases=Cases(...), ...)
+    globals().update(contract.tests(AG_GEMM))
+
+Cases are frozen dataclasses with named fields and defaults (a case names what it changes). Fields the contract
+reads where a case has them: ``iters`` (calls per case, 1), ``jitter`` (producer delays in s, 0.0) and
+``fallback`` (the op's rule, "never"; "always" expects the fallback path). The spec says how to make the op and one
+call's inputs on a rank (``inputs(ctx, case, it)`` -> Call: arguments, an output to poison and pass as ``out=``, the
+float32 reference); the tolerance; hooks for what differs (workspaces filled with garbage before a call, checks of
+its own after each call and after a case); and which contracts apply. ``tests(spec)`` returns, by name (pytest
+collects them under it, so test ids read ``test_<name>_<contract>[...]``):
+
+- ``test_<name>_matches_reference[i]``: case i of the backend's list (host or GPU), ``iters`` calls on one op into
+  poisoned outputs, each against the reference; the path taken; the cut of ``harness.host_case_share``;
+- ``test_<name>_<key>`` for each of ``large_cases``: the same on every backend, at W = 2 only on the host backend;
+- ``test_<name>_100_back_to_back_calls[variant]`` (``back_to_back``): 100 calls without host synchronisation (a
+  quarter on the host backend, ``harness.stress_rounds``), every output checked after one synchronisation;
+- ``test_<name>_bad_input_raises_before_launch`` (``bad_inputs``): each bad call raises ValueError naming what is
+  wrong, ranks that disagree on shapes get it on every rank, and the op and Context still work after;
+- ``test_<name>_small_shapes_fall_back`` (``falls_back``): fallback="auto" (through the functional form) takes
+  the fallback path on small shapes, "always" too, "never" overlaps; all right;
+- ``test_<name>_cuda_graph_replay[variant]`` (``replay``): a call captured in a CUDA graph and replayed with new
+  inputs (GPUs only).
+
+Each test body runs on every rank (``pool.run(fn, *args)`` pickles a module-level function and its arguments): a
+spec pickles as its module and name, and a rank finds it again in ``SPECS`` after importing that module. The
+bodies (``matches_reference``, ``back_to_back``, ...) are plain functions, for other tests to run under other
+conditions (test_topology runs ``matches_reference`` under virtual hosts).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+import triton_overlap as to
+from harness import host_case_share, stress_rounds
+from refs import TOL, check_replays, poison, rel_err
+
+#: every OpSpec by name, filled as the modules that declare them are imported
+SPECS: dict[str, OpSpec] = {}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of an op on this rank: ``op(*args, **kwargs)``, with ``out=out`` where the contract passes an output
+    (it poisons it first and checks the result is it). ``ref``: the reference of the output (float32 or float64);
+    ``expect``: what a spec's own check compares besides (the gathered rows)."""
+    args: tuple
+    kwargs: dict
+    ref: torch.Tensor
+    out: torch.Tensor | None = None
+    expect: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cases:
+    """Cases by backend: ``host`` on the host backend (kernels interpreted), ``gpu`` on the others."""
+    host: tuple = ()
+    gpu: tuple = ()
+
+    def on(self, pool) -> tuple:
+        return self.host if pool.backend == "host" else self.gpu
+
+
+@dataclass(frozen=True)
+class Variants:
+    """One case per backend (None: the test skips there), run once per variant: ``ids`` maps a variant's test id
+    to the case fields it sets (no ids: one test); ``host_skips`` maps ids the host backend skips to why.
+    ``calls``: how many calls (or replays) the contract makes."""
+    host: object | None
+    gpu: object | None
+    calls: int
+    ids: Mapping[str, Mapping] = field(default_factory=dict)
+    host_skips: Mapping[str, str] = field(default_factory=dict)
+
+    def case(self, pool, variant: str | None, why_not_host: str):
+        case = self.host if pool.backend == "host" else self.gpu
+        if case is None:
+            pytest.skip(why_not_host)
+        if pool.backend == "host" and variant in self.host_skips:
+            pytest.skip(self.host_skips[variant])
+        return dataclasses.replace(case, **self.ids[variant]) if variant is not None else case
+
+
+def _load(module: str, name: str) -> OpSpec:
+    importlib.import_module(module)
+    return SPECS[name]
+
+
+@dataclass(frozen=True, eq=False)
+class OpSpec:
+    """An op as its tests see it.
+
+    ``name``: the op's name, which begins its tests' names; ``module``: the module that declares the spec
+    (``__name__``). ``op``: the op's class (``op(ctx, fallback=...)`` makes one unless ``make(ctx, case,
+    fallback)`` is given); ``functional``: its functional form (``fn(*args, ctx=ctx, **kwargs)``, on
+    ``op.shared(ctx)``). ``inputs(ctx, case, it)`` -> Call: call ``it``'s inputs on this rank (every rank rebuilds
+    every rank's inputs: ``refs.rand``). ``tol``: the relative error allowed, by output dtype. ``stale(ctx, op,
+    case, it)``: write garbage where the call must not read (workspaces) before call ``it``; ``check(ctx, op, case,
+    call, result)``: the spec's own assertions after each call; ``finish(ctx, op, case)``: after a case's calls.
+    ``paths``: whether the op reports ``last_path`` ("overlap" or "fallback"), which the contract checks.
+
+    The contracts that apply (None: not this op's): ``cases`` (the reference cases), ``large_cases``,
+    ``back_to_back``, ``bad_inputs(ctx)`` -> (op, [(message, bad call)], a good Call for the op after them),
+    ``falls_back`` (Cases of small shapes), ``replay``."""
+    name: str
+    module: str
+    op: type
+    inputs: Callable
+    cases: Cases | None = None
+    make: Callable | None = None
+    functional: Callable | None = None
+    tol: Mapping = field(default_factory=lambda: dict(TOL))
+    stale: Callable | None = None
+    check: Callable | None = None
+    finish: Callable | None = None
+    paths: bool = True
+    large_cases: Mapping = field(default_factory=dict)
+    back_to_back: Variants | None = None
+    bad_inputs: Callable | None = None
+    falls_back: Cases | None = None
+    replay: Variants | None = None
+
+    def __post_init__(self):
+        known = SPECS.get(self.name)
+        if known is not None and known.module != self.module:
+            raise ValueError(f"two specs named {self.name!r}: in {known.module} and {self.module}")
+        SPECS[self.name] = self
+
+    def __reduce__(self):  # a rank imports the declaring module and takes the spec from SPECS
+        return _load, (self.module, self.name)
+
+    def new_op(self, ctx, case, fallback: str):
+        return self.make(ctx, case, fallback) if self.make else self.op(ctx, fallback=fallback)
+
+    def error(self, result, ref) -> tuple[float, float]:
+        """(relative error, the tolerance) of ``result`` (an op's output, or a tuple that begins with it)."""
+        got = output(result)
+        return rel_err(got, ref), self.tol[got.dtype]
+
+
+def output(result) -> torch.Tensor:
+    """The output of an op's result: itself, or the first of a tuple (out, gathered rows; out, lse)."""
+    return result[0] if isinstance(result, tuple) else result
+
+
+# ------------------------------------------------------------------------------------ bodies, run on every rank
+def matches_reference(spec: OpSpec, case):
+    """``case``'s calls on one op, each into a poisoned output (and after the spec's garbage where the call must
+    not read), against the reference; the result is the output passed in; the op took the path its rule names.
+    Returns the worst relative error."""
+    fallback = getattr(case, "fallback", "never")
+    with to.Context(timeout_s=120) as ctx:
+        ctx.set_producer_jitter(getattr(case, "jitter", 0.0))
+        op = spec.new_op(ctx, case, fallback)
+        errs = []
+        for it in range(getattr(case, "iters", 1)):
+            call = spec.inputs(ctx, case, it)
+            if spec.stale is not None:
+                spec.stale(ctx, op, case, it)
+            kwargs = call.kwargs if call.out is None else dict(call.kwargs, out=poison(call.out))
+            result = op(*call.args, **kwargs)
+            ctx.check()
+            if call.out is not None:
+                assert output(result).data_ptr() == call.out.data_ptr(), "the result is not the out passed"
+            if spec.check is not None:
+                spec.check(ctx, op, case, call, result)
+            err, tol = spec.error(result, call.ref)
+            errs.append(err)
+            assert err < tol, f"rank {ctx.rank} iter {it}: rel err {err:.2e}"
+        if spec.paths:
+            assert op.last_path == ("fallback" if fallback == "always" else "overlap"), op.last_path
+        if spec.finish is not None:
+            spec.finish(ctx, op, case)
+        return max(errs)
+
+
+def back_to_back(spec: OpSpec, case, n_calls: int):
+    """``n_calls`` calls with no host synchronisation between them (each with new inputs, the op allocating the
+    output), then every output against its reference. Returns the worst relative error."""
+    with to.Context(timeout_s=120) as ctx:
+        op = spec.new_op(ctx, case, "never")
+        done = []
+        for i in range(n_calls):  # no host synchronisation between calls
+            call = spec.inputs(ctx, case, i)
+            done.append((op(*call.args, **call.kwargs), call.ref))
+        ctx.synchronize()
+        ctx.check()
+        worst = 0.0
+        for i, (result, ref) in enumerate(done):
+            err, tol = spec.error(result, ref)
+            assert err < tol, f"rank {ctx.rank} call {i}: rel err {err:.2e}"
+            worst = max(worst, err)
+        return worst
+
+
+def refuses_bad_input(spec: OpSpec):
+    """Each of the spec's bad calls raises ValueError matching its message (before any launch: ranks that disagree
+    on shapes all get it, none hangs), and then the op and the Context still work."""
+    with to.Context(timeout_s=30) as ctx:
+        op, bad, good = spec.bad_inputs(ctx)
+        for message, call in bad:
+            with pytest.raises(ValueError, match=message):
+                call()
+        result = op(*good.args, **good.kwargs)  # and the op and Context still work
+        ctx.check()
+        err, tol = spec.error(result, good.ref)
+        assert err < tol, f"rank {ctx.rank}: after the bad calls: rel err {err:.2e}"
+        return True
+
+
+def falls_back(spec: OpSpec, cases: tuple):
+    """Each small case: fallback="auto" through the functional form takes the fallback path (torch.distributed +
+    torch), "always" too, "never" overlaps; every result against the reference."""
+    with to.Context(timeout_s=30) as ctx:
+        for case in cases:
+            call = spec.inputs(ctx, case, 0)
+            got = spec.functional(*call.args, ctx=ctx, **call.kwargs)  # "auto": the small shape falls back
+            assert spec.op.shared(ctx).last_path == "fallback", (case, spec.op.shared(ctx).last_path)
+            runs = [("auto", got)]
+            for fallback, path in (("always", "fallback"), ("never", "overlap")):
+                op = spec.new_op(ctx, case, fallback)
+                runs.append((fallback, op(*call.args, **call.kwargs)))
+                assert op.last_path == path, (case, fallback, op.last_path)
+            ctx.check()
+            for fallback, result in runs:
+                err, tol = spec.error(result, call.ref)
+                assert err < tol, f"rank {ctx.rank} {case} fallback={fallback!r}: rel err {err:.2e}"
+        return True
+
+
+def _copy_tensors(dst, src):
+    for d, s in zip(dst, src):
+        if isinstance(d, torch.Tensor):
+            d.copy_(s)
+
+
+def graph_replays(spec: OpSpec, case, replays: int):
+    """A call captured in a CUDA graph (refs.check_replays), replayed ``replays`` times, each after new inputs are
+    copied into every tensor the captured call reads (scales included) and its output poisoned."""
+    with to.Context(timeout_s=30) as ctx:
+        op = spec.new_op(ctx, case, "never")
+        first = spec.inputs(ctx, case, -1)
+        names = sorted(first.kwargs)
+
+        def load(i):
+            call = spec.inputs(ctx, case, i)
+            _copy_tensors(first.args, call.args)
+            _copy_tensors([first.kwargs[k] for k in names], [call.kwargs[k] for k in names])
+            return call.ref
+
+        check_replays(lambda: op(*first.args, out=first.out, **first.kwargs), first.out, replays, load, spec.tol)
+        ctx.check()
+        return True
+
+
+# ------------------------------------------------------------------------------------ the tests, per spec
+def _named(fn, name: str, doc: str):
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
+
+
+def _reference_tests(spec: OpSpec) -> dict:
+    cases = spec.cases
+
+    @pytest.mark.parametrize("case", range(max(len(cases.host), len(cases.gpu))))
+    def test(pool, case):
+        mine = cases.on(pool)
+        if case >= len(mine):
+            pytest.skip("no such case for this backend")
+        host_case_share(pool, case)
+        worst = pool.run(matches_reference, spec, mine[case])
+        assert max(worst) < max(spec.tol.values()), worst
+
+    name = f"test_{spec.name}_matches_reference"
+    return {name: _named(test, name, f"{spec.name}: each case against its reference (contract.matches_reference)")}
+
+
+def _large_test(spec: OpSpec, key: str, case):
+    def test(pool):
+        if pool.backend == "host" and pool.world > 2:
+            pytest.skip(f"{key} in the interpreter: run at W = 2 only to keep CI short")
+        worst = pool.run(matches_reference, spec, case)
+        assert max(worst) < max(spec.tol.values()), worst
+
+    return _named(test, f"test_{spec.name}_{key}", f"{spec.name}: {case} (contract.matches_reference)")
+
+
+def _variant_test(name: str, variants: Variants, body, why_not_host: str, calls, doc: str):
+    if variants.ids:
+        @pytest.mark.parametrize("variant", list(variants.ids))
+        def test(pool, variant):
+            case = variants.case(pool, variant, why_not_host)
+            assert all(pool.run(body, *calls(pool, case)))
+    else:
+        def test(pool):
+            case = variants.case(pool, None, why_not_host)
+            assert all(pool.run(body, *calls(pool, case)))
+    return _named(test, name, doc)
+
+
+def tests(spec: OpSpec) -> dict:
+    """The contract's tests that apply to ``spec``, by name: ``globals().update(contract.tests(SPEC))``."""
+    out = {}
+    if spec.cases is not None:
+        out.update(_reference_tests(spec))
+    for key, case in spec.large_cases.items():
+        out[f"test_{spec.name}_{key}"] = _large_test(spec, key, case)
+    if spec.back_to_back is not None:
+        b2b = spec.back_to_back
+        name = f"test_{spec.name}_{b2b.calls}_back_to_back_calls"
+        out[name] = _variant_test(name, b2b, back_to_back, "no back-to-back case on this backend",
+                                  lambda pool, case: (spec, case, stress_rounds(pool, b2b.calls)),
+                                  f"{spec.name}: calls back to back, no host synchronisation (contract.back_to_back)")
+    if spec.bad_inputs is not None:
+        def test(pool):
+            assert all(pool.run(refuses_bad_input, spec))
+
+        name = f"test_{spec.name}_bad_input_raises_before_launch"
+        out[name] = _named(test, name, f"{spec.name}: bad input raises ValueError (contract.refuses_bad_input)")
+    if spec.falls_back is not None:
+        def test(pool):
+            assert all(pool.run(falls_back, spec, spec.falls_back.on(pool)))
+
+        name = f"test_{spec.name}_small_shapes_fall_back"
+        out[name] = _named(test, name, f"{spec.name}: the fallback rule on small shapes (contract.falls_back)")
+    if spec.replay is not None:
+        rep = spec.replay
+        name = f"test_{spec.name}_cuda_graph_replay"
+        out[name] = _variant_test(name, rep, graph_replays, "CUDA graphs need a GPU",
+                                  lambda pool, case: (spec, case, rep.calls),
+                                  f"{spec.name}: CUDA-graph replays with new inputs (contract.graph_replays)")
+    return out
