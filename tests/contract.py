@@ -13,7 +13,10 @@ its own after each call and after a case); and which contracts apply. ``tests(sp
 collects them under it, so test ids read ``test_<name>_<contract>[...]``):
 
 - ``test_<name>_matches_reference[i]``: case i of the backend's list (host or GPU), ``iters`` calls on one op into
-  poisoned outputs, each against the reference; the path taken; the cut of ``harness.host_case_share``;
+  poisoned outputs, each against the reference; the path taken; the cut of ``harness.host_case_share`` (the
+  spec's ``reference`` names the reference in test names: ``test_cp_attention_matches_full_sequence``);
+- ``test_<name>_gradients_match_reference[i]`` (``grad_cases``): the op through autograd, this rank's inputs'
+  gradients against float32 autograd on the unsharded computation;
 - ``test_<name>_<key>`` for each of ``large_cases``: the same on every backend, at W = 2 only on the host backend;
 - ``test_<name>_100_back_to_back_calls[variant]`` (``back_to_back``): 100 calls without host synchronisation (a
   quarter on the host backend, ``harness.stress_rounds``), every output checked after one synchronisation;
@@ -41,7 +44,7 @@ import torch
 
 import triton_overlap as to
 from harness import host_case_share, stress_rounds
-from refs import TOL, check_replays, poison, rel_err
+from refs import GRAD_TOL, TOL, check_replays, poison, rel_err
 
 #: every OpSpec by name, filled as the modules that declare them are imported
 SPECS: dict[str, OpSpec] = {}
@@ -57,6 +60,16 @@ class Call:
     ref: torch.Tensor
     out: torch.Tensor | None = None
     expect: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GradCall:
+    """One call through autograd on this rank: ``op(*inputs.values(), **kwargs)``, its output's gradient
+    ``grad_out``, and the reference gradient of each input (by name)."""
+    inputs: dict
+    kwargs: dict
+    grad_out: torch.Tensor
+    grads: dict
 
 
 @dataclass(frozen=True)
@@ -106,10 +119,12 @@ class OpSpec:
     case, it)``: write garbage where the call must not read (workspaces) before call ``it``; ``check(ctx, op, case,
     call, result)``: the spec's own assertions after each call; ``finish(ctx, op, case)``: after a case's calls.
     ``paths``: whether the op reports ``last_path`` ("overlap" or "fallback"), which the contract checks.
+    ``reference``: what the reference is called in test names.
 
     The contracts that apply (None: not this op's): ``cases`` (the reference cases), ``large_cases``,
     ``back_to_back``, ``bad_inputs(ctx)`` -> (op, [(message, bad call)], a good Call for the op after them),
-    ``falls_back`` (Cases of small shapes), ``replay``."""
+    ``falls_back`` (Cases of small shapes), ``replay``; ``grad_cases`` with ``grad_inputs(ctx, case)`` -> GradCall,
+    ``grad_tol`` and ``after_forward(ctx, op, case, result)`` (between the forward and the backward)."""
     name: str
     module: str
     op: type
@@ -122,11 +137,16 @@ class OpSpec:
     check: Callable | None = None
     finish: Callable | None = None
     paths: bool = True
+    reference: str = "reference"
     large_cases: Mapping = field(default_factory=dict)
     back_to_back: Variants | None = None
     bad_inputs: Callable | None = None
     falls_back: Cases | None = None
     replay: Variants | None = None
+    grad_cases: Cases | None = None
+    grad_inputs: Callable | None = None
+    grad_tol: Mapping = field(default_factory=lambda: dict(GRAD_TOL))
+    after_forward: Callable | None = None
 
     def __post_init__(self):
         known = SPECS.get(self.name)
@@ -136,6 +156,9 @@ class OpSpec:
 
     def __reduce__(self):  # a rank imports the declaring module and takes the spec from SPECS
         return _load, (self.module, self.name)
+
+    def __repr__(self):
+        return f"OpSpec({self.name!r})"
 
     def new_op(self, ctx, case, fallback: str):
         return self.make(ctx, case, fallback) if self.make else self.op(ctx, fallback=fallback)
@@ -180,6 +203,25 @@ def matches_reference(spec: OpSpec, case):
         if spec.finish is not None:
             spec.finish(ctx, op, case)
         return max(errs)
+
+
+def gradients_match(spec: OpSpec, case):
+    """The op through autograd: the gradients of this rank's inputs (of the output times ``grad_out``, summed)
+    against the float32 reference, within ``spec.grad_tol`` (each rank's share within it: so is the whole).
+    Returns the relative errors by input."""
+    with to.Context(timeout_s=120) as ctx:
+        op = spec.new_op(ctx, case, "never")
+        call = spec.grad_inputs(ctx, case)
+        leaves = {name: t.requires_grad_() for name, t in call.inputs.items()}
+        result = op(*leaves.values(), **call.kwargs)
+        if spec.after_forward is not None:
+            spec.after_forward(ctx, op, case, result)
+        (output(result).float() * call.grad_out.float()).sum().backward()
+        ctx.check()
+        errs = {name: rel_err(t.grad, call.grads[name]) for name, t in leaves.items()}
+        bad = {name: e for name, e in errs.items() if e > spec.grad_tol[leaves[name].dtype]}
+        assert not bad, f"rank {ctx.rank}: gradient rel err {bad}"
+        return errs
 
 
 def back_to_back(spec: OpSpec, case, n_calls: int):
@@ -268,20 +310,17 @@ def _named(fn, name: str, doc: str):
     return fn
 
 
-def _reference_tests(spec: OpSpec) -> dict:
-    cases = spec.cases
-
+def _case_test(spec: OpSpec, name: str, cases: Cases, body, tol: Mapping, doc: str):
     @pytest.mark.parametrize("case", range(max(len(cases.host), len(cases.gpu))))
     def test(pool, case):
         mine = cases.on(pool)
         if case >= len(mine):
             pytest.skip("no such case for this backend")
         host_case_share(pool, case)
-        worst = pool.run(matches_reference, spec, mine[case])
-        assert max(worst) < max(spec.tol.values()), worst
+        worst = [max(errs.values()) if isinstance(errs, dict) else errs for errs in pool.run(body, spec, mine[case])]
+        assert max(worst) < max(tol.values()), worst
 
-    name = f"test_{spec.name}_matches_reference"
-    return {name: _named(test, name, f"{spec.name}: each case against its reference (contract.matches_reference)")}
+    return _named(test, name, doc)
 
 
 def _large_test(spec: OpSpec, key: str, case):
@@ -311,7 +350,13 @@ def tests(spec: OpSpec) -> dict:
     """The contract's tests that apply to ``spec``, by name: ``globals().update(contract.tests(SPEC))``."""
     out = {}
     if spec.cases is not None:
-        out.update(_reference_tests(spec))
+        name = f"test_{spec.name}_matches_{spec.reference}"
+        out[name] = _case_test(spec, name, spec.cases, matches_reference, spec.tol,
+                               f"{spec.name}: each case against its reference (contract.matches_reference)")
+    if spec.grad_cases is not None:
+        name = f"test_{spec.name}_gradients_match_{spec.reference}"
+        out[name] = _case_test(spec, name, spec.grad_cases, gradients_match, spec.grad_tol,
+                               f"{spec.name}: gradients against float32 autograd (contract.gradients_match)")
     for key, case in spec.large_cases.items():
         out[f"test_{spec.name}_{key}"] = _large_test(spec, key, case)
     if spec.back_to_back is not None:

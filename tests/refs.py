@@ -1,4 +1,5 @@
-"""Inputs every rank can rebuild for every other rank, and the plain-torch references."""
+"""Inputs every rank can rebuild for every other rank, and the plain-torch references (attention's among them)."""
+import math
 import os
 import zlib
 
@@ -18,6 +19,50 @@ def rel_err(out, ref):
     out, ref = out.double().cpu(), ref.double().cpu()
     assert not torch.isnan(out).any(), "output has NaN: an element was not written or read poison"
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+#: gradients against float32 autograd: rounded to the input dtype once
+GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}
+
+
+def attention(q, k, v, causal, scale):
+    """Plain attention on the full sequence, float32; returns (out, lse) with lse [B, Hq, S]. Query heads go a few
+    at a time, so that the [S, S] scores stay under about 2 GiB (several ranks may share one GPU)."""
+    B, S, Hq, D = q.shape
+    g = Hq // k.shape[2]
+    qf = q.float().transpose(1, 2)
+    kf = k.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    vf = v.float().repeat_interleave(g, dim=2).transpose(1, 2)
+    step = max(1, min(Hq, 2 ** 31 // (4 * B * S * S)))
+    outs, lses = [], []
+    for h in range(0, Hq, step):
+        s = qf[:, h:h + step] @ kf[:, h:h + step].transpose(-1, -2) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        lses.append(torch.logsumexp(s, dim=-1))
+        outs.append(torch.softmax(s, dim=-1) @ vf[:, h:h + step])
+    return torch.cat(outs, dim=1).transpose(1, 2), torch.cat(lses, dim=1)
+
+
+def attention_docs(q, k, v, cu, causal, scale):
+    """``attention`` per document of the packed [1, T, ...] sequence (a query sees its own document only)."""
+    outs, lses = [], []
+    for a, b in zip(cu[:-1], cu[1:]):
+        if b > a:
+            o, lse = attention(q[:, a:b], k[:, a:b], v[:, a:b], causal, scale)
+            outs.append(o)
+            lses.append(lse)
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+
+
+def attention_problem(dev, B, S, Hq, Hkv, D, causal, dtype, tag):
+    """Full-sequence q, k, v, dout and the float32 reference (out, dq, dk, dv)."""
+    q, k, v = (rand((B, S, h, D), dtype, dev, name, tag) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
+    dout = rand((B, S, Hq, D), dtype, dev, "do")
+    ref = [t.float().requires_grad_() for t in (q, k, v)]
+    out_ref, _ = attention(*ref, causal, 1.0 / math.sqrt(D))
+    (out_ref * dout.float()).sum().backward()
+    return (q, k, v, dout), (out_ref.detach(), *(t.grad for t in ref))
 
 
 def poison(t):

@@ -6,9 +6,7 @@ from torch import nn
 
 import triton_overlap as to
 from triton_overlap.nn import TPMLP, ParallelTransformerBlock
-from refs import rel_err
-from test_cp_attention import reference as attention_reference
-from test_cp_attention import reference_docs
+from refs import attention, attention_docs, rel_err
 
 TOL_OUT, TOL_GRAD = 2e-2, 3e-2  # a bf16 block against float32 on the same (bf16-rounded) weights and inputs
 
@@ -45,9 +43,9 @@ def _reference(block, lins, x, cu=None):
     q, k, v = (_rms(x, w["n1"]) @ w["qkv"].t()).split([hq * d, hk * d, hk * d], dim=-1)
     qkv = (q.reshape(B, S, hq, d), k.reshape(B, S, hk, d), v.reshape(B, S, hk, d))
     if cu is None:
-        o, _ = attention_reference(*qkv, block.causal, d ** -0.5)
+        o, _ = attention(*qkv, block.causal, d ** -0.5)
     else:
-        o, _ = reference_docs(*qkv, cu, block.causal, d ** -0.5)
+        o, _ = attention_docs(*qkv, cu, block.causal, d ** -0.5)
     x = x + o.reshape(B, S, dim) @ w["proj"].t()
     h = _rms(x, w["n2"])
     return x + down(nn.functional.silu(gate(h)) * up(h)), w

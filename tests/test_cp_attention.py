@@ -1,181 +1,174 @@
-"""Context-parallel attention forward against full-sequence attention in float32."""
+"""Context-parallel attention against full-sequence attention in float32: the op's spec and cases (forward and
+backward), which get the contract's tests (tests/contract.py), then packed documents, a group of one, the
+simulated worlds of the kernels and the waits' faults."""
 import dataclasses
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+import contract
 import triton_overlap as to
+from contract import Call, Cases, GradCall, OpSpec
 from harness import host_case_share
-from refs import TOL, OfflineContext, assert_own_fault, late_chunk_faults, on_hopper, poison, rand, rel_err
+from refs import (GRAD_TOL, TOL, OfflineContext, assert_own_fault, attention, attention_docs, attention_problem,
+                  late_chunk_faults, on_hopper, poison, rand, rel_err)
 
 
-def reference(q, k, v, causal, scale):
-    """Plain attention on the full sequence, float32; returns (out, lse) with lse [B, Hq, S]. Query heads go a few
-    at a time, so that the [S, S] scores stay under about 2 GiB (several ranks may share one GPU)."""
-    B, S, Hq, D = q.shape
-    g = Hq // k.shape[2]
-    qf = q.float().transpose(1, 2)
-    kf = k.float().repeat_interleave(g, dim=2).transpose(1, 2)
-    vf = v.float().repeat_interleave(g, dim=2).transpose(1, 2)
-    step = max(1, min(Hq, 2 ** 31 // (4 * B * S * S)))
-    outs, lses = [], []
-    for h in range(0, Hq, step):
-        s = qf[:, h:h + step] @ kf[:, h:h + step].transpose(-1, -2) * scale
-        if causal:
-            s = s.masked_fill(torch.ones(S, S, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
-        lses.append(torch.logsumexp(s, dim=-1))
-        outs.append(torch.softmax(s, dim=-1) @ vf[:, h:h + step])
-    return torch.cat(outs, dim=1).transpose(1, 2), torch.cat(lses, dim=1)
+@dataclass(frozen=True, kw_only=True)
+class CPCase:
+    """q [B, S, Hq, D] and k, v [B, S, Hkv, D] over the full sequence of S (48 | S: W = 2, 3, 4, 8), zigzag-sharded;
+    ``iters`` calls on one op with ``chunks_per_rank``, producers delayed at random up to ``jitter`` s;
+    ``num_streams``: the copy streams (the rest of the config as the op picks it); ``keep_kv``: backward reads the
+    K/V the forward kept, else gathers them again. A gradient case rounds S up to a length every rank's shard
+    splits into its chunks."""
+    B: int = 1
+    S: int
+    Hq: int
+    Hkv: int
+    D: int
+    causal: bool = True
+    dtype: str = "bfloat16"
+    iters: int = 1
+    chunks_per_rank: int = 2
+    jitter: float = 0.0
+    num_streams: int | None = None
+    keep_kv: bool = False
 
 
-def _case(B, S, Hq, Hkv, D, causal, dtype_name, iters, chunks_per_rank, jitter=0.0, num_streams=None):
-    dtype = getattr(torch, dtype_name)
-    with to.Context(timeout_s=120) as ctx:
-        ctx.set_producer_jitter(jitter)
-        dev = ctx.device
-        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank)
-        if num_streams is not None:  # the copy streams set, the rest of the config as the op would pick it
-            cfg = op.config_for((S, Hq, Hkv, D, int(causal)))
-            op = to.ContextParallelAttention(ctx, config=dataclasses.replace(cfg, num_streams=num_streams))
-        # the zigzag shard of the position sequence is what cp.positions says
-        shard_pos = to.zigzag.shard(torch.arange(S)[None], ctx)[0]
-        assert torch.equal(shard_pos, to.zigzag.positions(ctx.rank, ctx.world_size, S // ctx.world_size))
-        worst = (0.0, 0.0)
-        for it in range(iters):
-            q, k, v = (rand((B, S, h, D), dtype, dev, name, it) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
-            scale = 1.0 / math.sqrt(D)
-            ref_out, ref_lse = reference(q, k, v, causal, scale)
-            if it:
-                for name in ("k", "v"):  # stale garbage where peers write
-                    ws = ctx.symmetric(f"cp_attention.{name}", (B, S, Hkv, D), dtype)
-                    ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))
-            qs = to.zigzag.shard(q, ctx)
-            out = poison(torch.empty_like(qs))
-            lse = poison(torch.empty((B, Hq, qs.shape[1]), dtype=torch.float32, device=dev))
-            got_out, got_lse = op(qs, to.zigzag.shard(k, ctx), to.zigzag.shard(v, ctx), causal=causal, out=out, lse=lse)
-            ctx.check()
-            assert got_out.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
-            # the Hopper forward's tile counter (the op's own) is zero again for the next call
-            assert op.state["tile counter"].tolist() == [0, 0]
-            # the producers delivered every peer's K/V shard, every batch, into our workspace
-            for name, full in (("k", k), ("v", v)):
-                ws = ctx.symmetric(f"cp_attention.{name}", (B, S, Hkv, D), dtype).local
-                S_loc = S // ctx.world_size  # rank p's shard: global chunks p and 2W-1-p of S_loc/2 rows
-                for p in range(ctx.world_size):
-                    if p != ctx.rank:
-                        want = torch.cat([full[:, p * (S_loc // 2):(p + 1) * (S_loc // 2)],
-                                          full[:, S - (p + 1) * (S_loc // 2):S - p * (S_loc // 2)]], dim=1)
-                        bad = [b for b in range(B) if not torch.equal(ws[b, p * S_loc:(p + 1) * S_loc], want[b])]
-                        assert not bad, f"{name} rows from rank {p} wrong in batch(es) {bad}"
-            got = to.zigzag.unshard(out, ctx)
-            got_lse = to.zigzag.unshard(lse, ctx, dim=2)
-            e_out, e_lse = rel_err(got, ref_out), rel_err(got_lse, ref_lse)
-            assert e_out < TOL[dtype], f"out rel err {e_out:.2e}"
-            assert e_lse < 1e-3, f"lse rel err {e_lse:.2e}"
-            worst = (max(worst[0], e_out), max(worst[1], e_lse))
-        return worst
+def _make(ctx, case, fallback):
+    op = to.ContextParallelAttention(ctx, chunks_per_rank=case.chunks_per_rank, keep_kv=case.keep_kv)
+    if case.num_streams is not None:  # the copy streams set, the rest of the config as the op would pick it
+        cfg = op.config_for((case.S, case.Hq, case.Hkv, case.D, int(case.causal)))
+        op = to.ContextParallelAttention(ctx, config=dataclasses.replace(cfg, num_streams=case.num_streams))
+    return op
 
 
-# B, S (global), Hq, Hkv, D, causal, dtype, iters, chunks_per_rank[, producer jitter s]; 48 | S (W = 2, 3, 4, 8)
-HOST_CASES = [
-    (1, 96, 4, 1, 64, True, "bfloat16", 2, 2, 0.005),  # MQA, causal, producers delayed at random
-    (2, 96, 4, 2, 64, False, "float16", 1, 2),  # GQA 2:1, not causal, B = 2
-    (1, 144, 8, 2, 128, True, "bfloat16", 1, 6),  # GQA 4:1, D = 128, finer chunks
-]
-GPU_CASES = [  # S a multiple of 2W x 128 at W = 2, 3 and 4 (the warp-specialized forward's blocks on Hopper)
-    (1, 6144, 32, 8, 128, True, "bfloat16", 2, 2),
-    (2, 9216, 8, 8, 64, False, "float16", 2, 4),  # on Hopper: three compute warpgroups (AttentionConfig.defaults)
-    (1, 6144, 16, 1, 128, True, "bfloat16", 2, 8),
-]
+def _inputs(ctx, case, it):
+    dtype = getattr(torch, case.dtype)
+    B, S, Hq, Hkv, D = case.B, case.S, case.Hq, case.Hkv, case.D
+    q, k, v = (rand((B, S, h, D), dtype, ctx.device, name, it) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
+    ref_out, ref_lse = attention(q, k, v, case.causal, 1.0 / math.sqrt(D))
+    qs = to.zigzag.shard(q, ctx)
+    lse = poison(torch.empty((B, Hq, qs.shape[1]), dtype=torch.float32, device=ctx.device))
+    return Call((qs, to.zigzag.shard(k, ctx), to.zigzag.shard(v, ctx)), dict(causal=case.causal, lse=lse),
+                to.zigzag.shard(ref_out, ctx), torch.empty_like(qs), dict(kv=(k, v), out=ref_out, lse=ref_lse))
 
 
-@pytest.mark.parametrize("case", range(3))
-def test_cp_attention_matches_full_sequence(pool, case):
-    host_case_share(pool, case)
-    cases = HOST_CASES if pool.backend == "host" else GPU_CASES
-    pool.run(_case, *cases[case])
+def _garbage(ctx, op, case, it):
+    if it:
+        for name in ("k", "v"):  # stale garbage where peers write
+            ws = ctx.symmetric(f"cp_attention.{name}", (case.B, case.S, case.Hkv, case.D), getattr(torch, case.dtype))
+            ws.local.copy_(torch.randn_like(ws.local, dtype=torch.float32))
+
+
+def _check(ctx, op, case, call, result):
+    out, lse = result
+    assert lse.data_ptr() == call.kwargs["lse"].data_ptr()
+    # the zigzag shard of the position sequence is what cp.positions says
+    shard_pos = to.zigzag.shard(torch.arange(case.S)[None], ctx)[0]
+    assert torch.equal(shard_pos, to.zigzag.positions(ctx.rank, ctx.world_size, case.S // ctx.world_size))
+    # the Hopper forward's tile counter (the op's own) is zero again for the next call
+    assert op.state["tile counter"].tolist() == [0, 0]
+    # the producers delivered every peer's K/V shard, every batch, into our workspace
+    B, S = case.B, case.S
+    for name, full in zip("kv", call.expect["kv"]):
+        ws = ctx.symmetric(f"cp_attention.{name}", (B, S, case.Hkv, case.D), full.dtype).local
+        S_loc = S // ctx.world_size  # rank p's shard: global chunks p and 2W-1-p of S_loc/2 rows
+        for p in range(ctx.world_size):
+            if p != ctx.rank:
+                want = torch.cat([full[:, p * (S_loc // 2):(p + 1) * (S_loc // 2)],
+                                  full[:, S - (p + 1) * (S_loc // 2):S - p * (S_loc // 2)]], dim=1)
+                bad = [b for b in range(B) if not torch.equal(ws[b, p * S_loc:(p + 1) * S_loc], want[b])]
+                assert not bad, f"{name} rows from rank {p} wrong in batch(es) {bad}"
+    # the whole sequence, every rank's rows
+    e_out = rel_err(to.zigzag.unshard(out, ctx), call.expect["out"])
+    e_lse = rel_err(to.zigzag.unshard(lse, ctx, dim=2), call.expect["lse"])
+    assert e_out < TOL[out.dtype], f"out rel err {e_out:.2e}"
+    assert e_lse < 1e-3, f"lse rel err {e_lse:.2e}"
+
+
+def _bad_inputs(ctx):
+    dev = ctx.device
+    bf = torch.bfloat16
+    op = to.ContextParallelAttention(ctx)
+    q = rand((1, 16, 4, 64), bf, dev, "q")
+    kv = rand((1, 16, 2, 64), bf, dev, "k")
+    odd = [rand((1, 15, h, 64), bf, dev, n) for n, h in (("q", 4), ("k", 2), ("k", 2))]
+    bad = [
+        ("chunks_per_rank", lambda: to.ContextParallelAttention(ctx, chunks_per_rank=3)),
+        ("num_streams", lambda: to.AttentionConfig(num_streams=0)),
+        ("multiple of Hkv", lambda: op(rand((1, 16, 3, 64), bf, dev, "q"), kv, kv)),
+        ("head dim", lambda: op(rand((1, 16, 4, 32), bf, dev, "q"), rand((1, 16, 2, 32), bf, dev, "k"),
+                                rand((1, 16, 2, 32), bf, dev, "k"))),
+        ("different dtypes", lambda: op(q, kv.half(), kv)),
+        ("zigzag", lambda: op(*odd)),
+        ("4-D", lambda: op(q[0], kv, kv)),
+        ("float16 or bfloat16", lambda: op(q.float(), kv.float(), kv.float())),
+    ]
+    return op, bad, _inputs(ctx, CPCase(S=48, Hq=4, Hkv=2, D=64), 0)
+
+
+def _grad_inputs(ctx, case):
+    unit = ctx.world_size * case.chunks_per_rank  # S grows to the next length every rank's shard splits evenly
+    S = -(-case.S // unit) * unit
+    inputs, want = attention_problem(ctx.device, case.B, S, case.Hq, case.Hkv, case.D, case.causal,
+                                     getattr(torch, case.dtype), "g")
+    q, k, v, dout = (to.zigzag.shard(t, ctx) for t in inputs)
+    return GradCall(dict(q=q, k=k, v=v), dict(causal=case.causal), dout,
+                    {name: to.zigzag.shard(g, ctx) for name, g in zip("qkv", want[1:])})
+
+
+def _after_forward(ctx, op, case, result):
+    out, lse = result
+    assert not lse.requires_grad
+    if case.keep_kv:  # a second call in between overwrites the workspaces: backward must use the kept copies
+        for ws in ("k", "v"):
+            ctx.symmetric(f"{op.name}.{ws}", (case.B, ctx.world_size * out.shape[1], case.Hkv, case.D),
+                          out.dtype).local.normal_()
+
+
+CP_ATTENTION = OpSpec(
+    name="cp_attention", module=__name__, op=to.ContextParallelAttention, make=_make, inputs=_inputs,
+    stale=_garbage, check=_check, bad_inputs=_bad_inputs, reference="full_sequence",
+    cases=Cases(
+        host=(
+            CPCase(S=96, Hq=4, Hkv=1, D=64, iters=2, jitter=0.005),  # MQA, causal, producers delayed at random
+            CPCase(B=2, S=96, Hq=4, Hkv=2, D=64, causal=False, dtype="float16"),  # GQA 2:1, not causal, B = 2
+            CPCase(S=144, Hq=8, Hkv=2, D=128, chunks_per_rank=6),  # GQA 4:1, D = 128, finer chunks
+        ),
+        gpu=(  # S a multiple of 2W x 128 at W = 2, 3 and 4 (the warp-specialized forward's blocks on Hopper)
+            CPCase(S=6144, Hq=32, Hkv=8, D=128, iters=2),
+            # on Hopper: three compute warpgroups (AttentionConfig.defaults)
+            CPCase(B=2, S=9216, Hq=8, Hkv=8, D=64, causal=False, dtype="float16", iters=2, chunks_per_rank=4),
+            CPCase(S=6144, Hq=16, Hkv=1, D=128, iters=2, chunks_per_rank=8),
+        )),
+    grad_inputs=_grad_inputs, after_forward=_after_forward,
+    grad_cases=Cases(
+        host=(
+            CPCase(S=48, Hq=4, Hkv=1, D=64),
+            CPCase(B=2, S=48, Hq=4, Hkv=2, D=64, causal=False, dtype="float16", chunks_per_rank=4),
+            CPCase(S=48, Hq=4, Hkv=2, D=64, keep_kv=True),  # backward on the K/V the forward kept
+        ),
+        gpu=(
+            CPCase(S=4096, Hq=16, Hkv=4, D=128),
+            CPCase(S=2048, Hq=8, Hkv=8, D=64, causal=False, dtype="float16", chunks_per_rank=4),
+            CPCase(S=4096, Hq=16, Hkv=4, D=128, chunks_per_rank=4, keep_kv=True),
+        )),
+)
+
+# the contract's tests: test_cp_attention_matches_full_sequence, test_cp_attention_gradients_match_full_sequence,
+# test_cp_attention_bad_input_raises_before_launch
+globals().update(contract.tests(CP_ATTENTION))
 
 
 @pytest.mark.parametrize("num_streams", [1, 2])
 def test_cp_attention_copy_streams(pool, num_streams):
     """Every peer's chunks pushed on one copy stream in turn, or spread over two, producers delayed at random."""
     host_case_share(pool, num_streams - 1)
-    case = list((HOST_CASES if pool.backend == "host" else GPU_CASES)[0])[:9]
-    pool.run(_case, *case, 0.005 if pool.backend == "host" else 0.0, num_streams)
-
-
-def _bad_inputs():
-    with to.Context(timeout_s=30) as ctx:
-        dev = ctx.device
-        with pytest.raises(ValueError, match="chunks_per_rank"):
-            to.ContextParallelAttention(ctx, chunks_per_rank=3)
-        with pytest.raises(ValueError, match="num_streams"):
-            to.AttentionConfig(num_streams=0)
-        op = to.ContextParallelAttention(ctx)
-        q = rand((1, 16, 4, 64), torch.bfloat16, dev, "q")
-        kv = rand((1, 16, 2, 64), torch.bfloat16, dev, "k")
-        cases = {
-            "multiple of Hkv": (rand((1, 16, 3, 64), torch.bfloat16, dev, "q"), kv, kv),
-            "head dim": (rand((1, 16, 4, 32), torch.bfloat16, dev, "q"), rand((1, 16, 2, 32), torch.bfloat16, dev, "k"),
-                         rand((1, 16, 2, 32), torch.bfloat16, dev, "k")),
-            "different dtypes": (q, kv.half(), kv),
-            "zigzag": (rand((1, 15, 4, 64), torch.bfloat16, dev, "q"), rand((1, 15, 2, 64), torch.bfloat16, dev, "k"),
-                       rand((1, 15, 2, 64), torch.bfloat16, dev, "k")),
-            "4-D": (q[0], kv, kv),
-            "float16 or bfloat16": (q.float(), kv.float(), kv.float()),
-        }
-        for msg, args in cases.items():
-            with pytest.raises(ValueError, match=msg):
-                op(*args)
-        return True
-
-
-def test_cp_attention_bad_input_raises_before_launch(pool):
-    assert all(pool.run(_bad_inputs))
-
-
-GRAD_TOL = {torch.bfloat16: 2e-2, torch.float16: 1e-2}  # grads are rounded to the input dtype once
-
-
-def _grad_case(B, S, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, keep_kv=False):
-    dtype = getattr(torch, dtype_name)
-    with to.Context(timeout_s=120) as ctx:
-        dev = ctx.device
-        unit = ctx.world_size * chunks_per_rank  # S grows to the next length every rank's shard splits evenly
-        S = -(-S // unit) * unit
-        op = to.ContextParallelAttention(ctx, chunks_per_rank=chunks_per_rank, keep_kv=keep_kv)
-        q, k, v = (rand((B, S, h, D), dtype, dev, name, "g") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
-        dout = rand((B, S, Hq, D), dtype, dev, "do")
-        ref = [t.float().requires_grad_() for t in (q, k, v)]
-        out_ref, _ = reference(*ref, causal, 1.0 / math.sqrt(D))
-        (out_ref * dout.float()).sum().backward()
-        mine = [to.zigzag.shard(t, ctx).requires_grad_() for t in (q, k, v)]
-        out, lse = op(*mine, causal=causal)
-        assert not lse.requires_grad
-        if keep_kv:  # a second call in between overwrites the workspaces: backward must use the kept copies
-            for ws in ("k", "v"):
-                ctx.symmetric(f"{op.name}.{ws}", (B, ctx.world_size * mine[1].shape[1], Hkv, D), dtype).local.normal_()
-        (out.float() * to.zigzag.shard(dout, ctx).float()).sum().backward()
-        ctx.check()
-        errs = {name: rel_err(to.zigzag.unshard(m.grad, ctx), r.grad) for name, m, r in zip("qkv", mine, ref)}
-        bad = {n: e for n, e in errs.items() if e > GRAD_TOL[dtype]}
-        assert not bad, f"rank {ctx.rank}: gradient rel err {bad}"
-        return errs
-
-
-GRAD_CASES = {  # the last field: keep the gathered K/V from forward (else gather again in backward)
-    "host": [(1, 48, 4, 1, 64, True, "bfloat16", 2, False), (2, 48, 4, 2, 64, False, "float16", 4, False),
-             (1, 48, 4, 2, 64, True, "bfloat16", 2, True)],
-    "cuda": [(1, 4096, 16, 4, 128, True, "bfloat16", 2, False), (1, 2048, 8, 8, 64, False, "float16", 4, False),
-             (1, 4096, 16, 4, 128, True, "bfloat16", 4, True)],
-}
-
-
-@pytest.mark.parametrize("case", range(3))
-def test_cp_attention_gradients_match_full_sequence(pool, case):
-    host_case_share(pool, case)
-    pool.run(_grad_case, *GRAD_CASES["host" if pool.backend == "host" else "cuda"][case])
+    case = dataclasses.replace(CP_ATTENTION.cases.on(pool)[0], num_streams=num_streams)
+    pool.run(contract.matches_reference, CP_ATTENTION, case)
 
 
 def _one_rank_case(B, S, Hq, Hkv, D, causal, dtype_name, keep_kv):
@@ -186,8 +179,8 @@ def _one_rank_case(B, S, Hq, Hkv, D, causal, dtype_name, keep_kv):
     with to.Context(timeout_s=120) as ctx:
         assert ctx.world_size == 1
         op = to.ContextParallelAttention(ctx, chunks_per_rank=2, keep_kv=keep_kv)
-        (q, k, v, dout), want = _full_problem(ctx.device, B, S, Hq, Hkv, D, causal, dtype, "one")
-        _, ref_lse = reference(q, k, v, causal, 1.0 / math.sqrt(D))
+        (q, k, v, dout), want = attention_problem(ctx.device, B, S, Hq, Hkv, D, causal, dtype, "one")
+        _, ref_lse = attention(q, k, v, causal, 1.0 / math.sqrt(D))
         calls = ctx.call_number.item()
         out = poison(torch.empty_like(q))
         lse = poison(torch.empty((B, Hq, S), dtype=torch.float32, device=ctx.device))
@@ -254,16 +247,6 @@ def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2, head_sp
     return (unsh(outs), unsh(dqs), unsh(total[:, 0].to(k.dtype)), unsh(total[:, 1].to(v.dtype)))
 
 
-def _full_problem(dev, B, S, Hq, Hkv, D, causal, dtype, tag):
-    """Full-sequence q, k, v, dout and the float32 reference (out, dq, dk, dv)."""
-    q, k, v = (rand((B, S, h, D), dtype, dev, name, tag) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
-    dout = rand((B, S, Hq, D), dtype, dev, "do")
-    ref = [t.float().requires_grad_() for t in (q, k, v)]
-    out_ref, _ = reference(*ref, causal, 1.0 / math.sqrt(D))
-    (out_ref * dout.float()).sum().backward()
-    return (q, k, v, dout), (out_ref.detach(), *(t.grad for t in ref))
-
-
 def _on_gathered_case(world, causal, split, S_unit, Hq, D):
     """The helpers behind the NCCL forward + backward baseline (forward_on_gathered, backward_on_gathered): every
     simulated rank's share, summed, equals attention on the full sequence, with the dK/dV kernel's query heads of
@@ -271,7 +254,7 @@ def _on_gathered_case(world, causal, split, S_unit, Hq, D):
     the split)."""
     dtype = torch.bfloat16
     with to.Context(timeout_s=120) as ctx:
-        inputs, want = _full_problem(ctx.device, 1, S_unit * 2 * world, Hq, 2, D, causal, dtype, "split")
+        inputs, want = attention_problem(ctx.device, 1, S_unit * 2 * world, Hq, 2, D, causal, dtype, "split")
         got = simulate_ranks(ctx, *inputs, world, causal, head_split=split)
         errs = [rel_err(g, r) for g, r in zip(got, want)]
         assert max(errs) < GRAD_TOL[dtype], f"head_split {split}, world {world}: rel errs out/dq/dk/dv {errs}"
@@ -446,20 +429,9 @@ def test_heads_interleaved_choice():
 
 
 # ------------------------------------------------------------------ packed documents (cu_seqlens)
-def reference_docs(q, k, v, cu, causal, scale):
-    """``reference`` per document of the packed [1, T, ...] sequence (a query sees its own document only)."""
-    outs, lses = [], []
-    for a, b in zip(cu[:-1], cu[1:]):
-        if b > a:
-            o, lse = reference(q[:, a:b], k[:, a:b], v[:, a:b], causal, scale)
-            outs.append(o)
-            lses.append(lse)
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=2)
-
-
 def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, as_tensor=False):
     """Documents of ``units`` x 2W tokens (zero-length ones included), packed into one sequence: forward against
-    ``reference_docs`` on poisoned outputs and random workspaces (twice, the second call possibly replayed),
+    ``refs.attention_docs`` on poisoned outputs and random workspaces (twice, the second call possibly replayed),
     and with ``grad`` the gradients through autograd."""
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120) as ctx:
@@ -474,7 +446,7 @@ def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, a
         assert torch.equal(pos, to.zigzag.positions(ctx.rank, W, T // W, cu_seqlens=cu))
         q, k, v = (rand((1, T, h, D), dtype, dev, name, "docs") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
         qs, ks, vs = (to.zigzag.shard(t, ctx, cu_seqlens=cu) for t in (q, k, v))
-        ref_out, ref_lse = reference_docs(q, k, v, cu, causal, scale)
+        ref_out, ref_lse = attention_docs(q, k, v, cu, causal, scale)
         errs = {}
         for it in range(2):
             for name in ("k", "v"):  # stale garbage where peers write
@@ -491,7 +463,7 @@ def _varlen_case(units, Hq, Hkv, D, causal, dtype_name, chunks_per_rank, grad, a
         if grad:
             dout = rand((1, T, Hq, D), dtype, dev, "do", "docs")
             ref = [t.float().requires_grad_() for t in (q, k, v)]
-            (reference_docs(*ref, cu, causal, scale)[0] * dout.float()).sum().backward()
+            (attention_docs(*ref, cu, causal, scale)[0] * dout.float()).sum().backward()
             mine = [t.clone().requires_grad_() for t in (qs, ks, vs)]
             o, _ = op(*mine, causal=causal, cu_seqlens=cu_arg)
             (o.float() * to.zigzag.shard(dout, ctx, cu_seqlens=cu).float()).sum().backward()
@@ -591,7 +563,7 @@ def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, s
         cfg = to.AttentionConfig(2, blocks)
         q, k, v = (rand((B, S, h, D), dtype, ctx.device, name, "ws") for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv)))
         scale = 1.0 / math.sqrt(D)
-        ref_out, ref_lse = reference(q, k, v, causal, scale)
+        ref_out, ref_lse = attention(q, k, v, causal, scale)
         sh = lambda t, r: to.zigzag.shard_for(t, r, world, dim=1).contiguous()  # noqa: E731
         kg, vg = (torch.cat([sh(t, r) for r in range(world)], dim=1) for t in (k, v))
         outs, lses = [], []
@@ -709,7 +681,7 @@ def _hopper_backward_case(world, causal, Hq, Hkv, D, unit, dtype_name):
     with to.Context(timeout_s=120) as ctx:
         if torch.cuda.get_device_capability(ctx.device) != (9, 0) or not attention_bwd_hopper.gluon_available():
             return "skip"
-        inputs, want = _full_problem(ctx.device, 1, unit * 2 * world, Hq, Hkv, D, causal, dtype, "bws")
+        inputs, want = attention_problem(ctx.device, 1, unit * 2 * world, Hq, Hkv, D, causal, dtype, "bws")
         two = to.AttentionConfig.defaults(ctx, D, 2)
         fused = replace(two, dkdv=Blocks(64, 128, 8, 2, warp_specialized=True))
         splits, launch_ws = [], attention_bwd_hopper.launch_bwd_ws
@@ -767,7 +739,7 @@ def _single_pass_case(world, causal, Hq, Hkv, D, S, dtype_name, head_split):
     with to.Context(timeout_s=120) as ctx:
         if ctx.backend != "host":
             return "skip"
-        inputs, want = _full_problem(ctx.device, 1, S, Hq, Hkv, D, causal, dtype, "sp")
+        inputs, want = attention_problem(ctx.device, 1, S, Hq, Hkv, D, causal, dtype, "sp")
         two = to.AttentionConfig.defaults(ctx, D, 2)
         single = replace(two, dkdv=replace(two.dkdv, warp_specialized=True))
         passes, frame = [], attention_bwd.single_pass

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 import triton_overlap as to
-from refs import TOL, poison, rand, rel_err
-from test_cp_attention import GRAD_TOL, _full_problem, reference
+from refs import GRAD_TOL, TOL, attention, attention_problem, poison, rand, rel_err
 from triton_overlap.ops.replay import ReplayCache
 
 
@@ -307,7 +306,7 @@ def _cp(B, S, Hq, Hkv, D, causal):
         scale = 1.0 / math.sqrt(D)
         for i in range(5):
             full = [rand((B, S, h, D), torch.bfloat16, dev, name, i) for name, h in (("q", Hq), ("k", Hkv), ("v", Hkv))]
-            ref_out, ref_lse = reference(*full, causal, scale)
+            ref_out, ref_lse = attention(*full, causal, scale)
             for dst, src in zip((q, k, v), full):
                 dst.copy_(to.zigzag.shard(src, ctx))
             poison(out), poison(lse)
@@ -343,7 +342,7 @@ def _cp_backward(S, Hq, Hkv, D, causal, keep_kv):
         B, scale = 1, 1.0 / math.sqrt(D)
         refs = []
         for i in range(CALLS):  # every reference first: the calls below then allocate alike each time
-            inputs, want = _full_problem(dev, B, S, Hq, Hkv, D, causal, torch.bfloat16, ("bwd replay", i))
+            inputs, want = attention_problem(dev, B, S, Hq, Hkv, D, causal, torch.bfloat16, ("bwd replay", i))
             refs.append(([to.zigzag.shard(t, ctx) for t in inputs], [to.zigzag.shard(g, ctx) for g in want[1:]]))
         q, k, v, dout = (torch.empty_like(t) for t in refs[0][0])
         out, lse = torch.empty_like(q), torch.empty((B, Hq, q.shape[1]), dtype=torch.float32, device=dev)

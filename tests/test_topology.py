@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 import contract
-import test_cp_attention
 import test_faults
 import triton_overlap as to
 from refs import TOL, rand, rel_err, shm_files
 from test_ag_gemm import AG_GEMM, AGCase
+from test_cp_attention import CP_ATTENTION, CPCase
 from test_gemm_rs import GEMM_RS, RSCase
 from triton_overlap.context.topology import VIRTUAL_HOSTS_ENV, Topology
 from triton_overlap.plan import ChunkLayout, gather_schedule, scatter_schedule
@@ -191,8 +191,8 @@ def _layouts(world: int):
 
 
 # (body, its arguments on the host backend, on GPUs (cuda-shared)): the op tests' own checks (poisoned outputs and
-# workspaces, odd sizes, producer delays) against their float32 references, the ops' cases run by
-# contract.matches_reference
+# workspaces, odd sizes, producer delays) against their float32 references, the ops' specs and cases run by the
+# contract's bodies
 BETWEEN_HOSTS = {
     "ag push": (contract.matches_reference,
                 (AG_GEMM, AGCase(m_local=37, k=48, n=40, bias=True, m_per_chunk=16, iters=2)),
@@ -212,12 +212,16 @@ BETWEEN_HOSTS = {
                                              fuse=False)),
                             (GEMM_RS, RSCase(m=8184, k=512, n=1000, dtype="float16", transposed=True, m_per_chunk=1000,
                                              iters=2, scatter="store", fuse=False))),
-    "cp forward": (test_cp_attention._case, (1, 96, 4, 1, 64, True, "bfloat16", 2, 2, 0.005),
-                   (1, 4096, 32, 8, 128, True, "bfloat16", 2, 2)),
-    "cp backward": (test_cp_attention._grad_case, (1, 48, 4, 1, 64, True, "bfloat16", 2, False),
-                    (1, 4096, 16, 4, 128, True, "bfloat16", 2, False)),
-    "cp backward, kept K/V": (test_cp_attention._grad_case, (2, 48, 4, 2, 64, False, "float16", 2, True),
-                              (1, 4096, 16, 4, 128, True, "bfloat16", 4, True)),
+    "cp forward": (contract.matches_reference,
+                   (CP_ATTENTION, CPCase(S=96, Hq=4, Hkv=1, D=64, iters=2, jitter=0.005)),
+                   (CP_ATTENTION, CPCase(S=4096, Hq=32, Hkv=8, D=128, iters=2))),
+    "cp backward": (contract.gradients_match,
+                    (CP_ATTENTION, CPCase(S=48, Hq=4, Hkv=1, D=64)),
+                    (CP_ATTENTION, CPCase(S=4096, Hq=16, Hkv=4, D=128))),
+    "cp backward, kept K/V": (contract.gradients_match,
+                              (CP_ATTENTION, CPCase(B=2, S=48, Hq=4, Hkv=2, D=64, causal=False, dtype="float16",
+                                                    keep_kv=True)),
+                              (CP_ATTENTION, CPCase(S=4096, Hq=16, Hkv=4, D=128, chunks_per_rank=4, keep_kv=True))),
 }
 
 
