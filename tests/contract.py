@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -48,6 +50,15 @@ from refs import GRAD_TOL, TOL, check_replays, poison, rel_err
 
 #: every OpSpec by name, filled as the modules that declare them are imported
 SPECS: dict[str, OpSpec] = {}
+
+#: the faults' timeouts: short, to keep the suite quick (GPUs build kernels on a shape's first call: longer)
+TIMEOUT_S = 1.5
+GPU_TIMEOUT_S = 6.0
+#: what a fault may take beyond its timeout on a loaded machine
+SLACK_S = 4.0
+#: the earliest a call's wait gives up, as a share of T: the barrier's (context.BARRIER_SHARE, 0.9), less the host
+#: backend's millisecond clock's lag
+EARLIEST = 0.85
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,16 @@ class Cases:
 
     def on(self, pool) -> tuple:
         return self.host if pool.backend == "host" else self.gpu
+
+
+@dataclass(frozen=True)
+class Faults:
+    """What the fault bodies call: ``case``, a small call every rank makes; ``rows(case, n)``: that call with n rows
+    per rank (ranks that pass different shapes); ``header(case)``: how a mismatch names that call (the op and the
+    dimensions its call header carries, e.g. "ag_gemm 8 32")."""
+    case: object
+    rows: Callable
+    header: Callable
 
 
 @dataclass(frozen=True)
@@ -124,7 +145,9 @@ class OpSpec:
     The contracts that apply (None: not this op's): ``cases`` (the reference cases), ``large_cases``,
     ``back_to_back``, ``bad_inputs(ctx)`` -> (op, [(message, bad call)], a good Call for the op after them),
     ``falls_back`` (Cases of small shapes), ``replay``; ``grad_cases`` with ``grad_inputs(ctx, case)`` -> GradCall,
-    ``grad_tol`` and ``after_forward(ctx, op, case, result)`` (between the forward and the backward)."""
+    ``grad_tol`` and ``after_forward(ctx, op, case, result)`` (between the forward and the backward); ``faults``
+    (Faults: the calls of the fault bodies, ``peer_absent`` and ``shapes_disagree``, which tests/test_faults.py and
+    tests/test_topology.py run)."""
     name: str
     module: str
     op: type
@@ -147,6 +170,7 @@ class OpSpec:
     grad_inputs: Callable | None = None
     grad_tol: Mapping = field(default_factory=lambda: dict(GRAD_TOL))
     after_forward: Callable | None = None
+    faults: Faults | None = None
 
     def __post_init__(self):
         known = SPECS.get(self.name)
@@ -301,6 +325,113 @@ def graph_replays(spec: OpSpec, case, replays: int):
         check_replays(lambda: op(*first.args, out=first.out, **first.kwargs), first.out, replays, load, spec.tol)
         ctx.check()
         return True
+
+
+# ------------------------------------------------------------------------------------ faults
+def timeout_for(pool) -> float:
+    return TIMEOUT_S if pool.backend == "host" else GPU_TIMEOUT_S
+
+
+def correct(spec: OpSpec, op, ctx, case, tag=0):
+    """One call of ``case`` (inputs ``tag``) on ``op``, checked against its reference."""
+    call = spec.inputs(ctx, case, tag)
+    result = op(*call.args, **call.kwargs)
+    ctx.check()
+    err, tol = spec.error(result, call.ref)
+    assert err < tol, f"rank {ctx.rank} {case}: rel err {err:.2e}"
+
+
+def timed(ctx, fn):
+    """``fn()`` and ``ctx.check()`` must raise a ContextError: its text, and the time it took."""
+    t0 = time.monotonic()
+    with pytest.raises(to.ContextError) as info:
+        fn()
+        ctx.check()
+    return str(info.value), time.monotonic() - t0
+
+
+def refused(spec: OpSpec, op, ctx, case, text):
+    """The faulted Context refuses a call at once, with the first fault's text."""
+    call = spec.inputs(ctx, case, 0)
+    t0 = time.monotonic()
+    with pytest.raises(to.ContextError, match="reset") as info:
+        op(*call.args, **call.kwargs)
+    assert text in str(info.value) and time.monotonic() - t0 < 0.5, str(info.value)
+
+
+def peer_absent(spec: OpSpec, repeated: bool, T: float, case=None):
+    """Rank 1 does not make a call within the timeout: on a shape's first call the others' agreement on shapes
+    times out; on a repeated call (agreed before), their call's barrier does. Either names rank 1. Then reset() on
+    every rank and two correct calls. ``case``: the call (default ``spec.faults.case``). Returns the time to the
+    fault (None on rank 1)."""
+    case = spec.faults.case if case is None else case
+    with to.Context(timeout_s=T) as ctx:
+        op = spec.new_op(ctx, case, "never")
+        if repeated:
+            correct(spec, op, ctx, case)
+        out = None
+        if ctx.rank != 1:
+            call = spec.inputs(ctx, case, 0)
+            msg, elapsed = timed(ctx, lambda: op(*call.args, **call.kwargs))
+            want = "rank 1 to arrive at the call's barrier" if repeated else "rank 1 did not answer"
+            assert want in msg and f"timeout_s={T:g}" in msg, msg
+            assert T * EARLIEST <= elapsed <= T + SLACK_S, elapsed
+            refused(spec, op, ctx, case, want)
+            out = elapsed
+        else:
+            time.sleep(T + 0.5)  # absent for the whole timeout, then back for the reset
+        ctx.reset()
+        correct(spec, op, ctx, case, tag=1)
+        correct(spec, op, ctx, case, tag=2)
+        return out
+
+
+def shapes_disagree(spec: OpSpec, how: str, T: float):
+    """Ranks pass different shapes (the last rank more rows). ``how`` "first": on a shape's first call the agreement
+    on shapes says so (ValueError on every rank, the Context stays usable); "repeated" (both shapes agreed before):
+    the call's barrier finds the headers differ (ContextError on every rank, naming the op, both ranks and both
+    shapes); "mixed" (rank 0 repeats a shape, the last rank brings a new one): both time out, each naming the
+    other. A rank a call behind may learn of the mismatch at its check of the call before, from peers that went on
+    (the fault is the Context's). Returns the time to the fault (None for "first")."""
+    f = spec.faults
+    small, large = f.rows(f.case, 8), f.rows(f.case, 12)
+    with to.Context(timeout_s=T) as ctx:
+        r, W = ctx.rank, ctx.world_size
+        op = spec.new_op(ctx, f.case, "never")
+        mine = large if r == W - 1 else small
+        if how == "first":
+            call = spec.inputs(ctx, mine, 0)
+            with pytest.raises(ValueError, match="ranks disagree"):
+                op(*call.args, **call.kwargs)
+            correct(spec, op, ctx, small)  # still usable
+            return None
+        correct(spec, op, ctx, small)
+        early = None
+        try:
+            correct(spec, op, ctx, large)
+        except to.ContextError as e:
+            if how != "repeated":
+                raise
+            # peers that went on to the next call met the mismatch before this rank checked this call: the
+            # Context is faulted for every rank, and this rank's check() says so
+            early = str(e)
+        if how == "repeated":
+            call = spec.inputs(ctx, mine, 0)
+            msg, elapsed = (early, 0.0) if early else timed(ctx, lambda: op(*call.args, **call.kwargs))
+            assert "ranks disagree on the call" in msg and spec.name in msg, msg
+            assert f.header(small) in msg and f.header(large) in msg, msg  # both shapes
+            assert elapsed <= SLACK_S, elapsed
+        else:  # mixed
+            call = spec.inputs(ctx, f.rows(f.case, 16) if r == W - 1 else small, 0)  # the last rank: never agreed
+            msg, elapsed = timed(ctx, lambda: op(*call.args, **call.kwargs))
+            peers = [p for p in range(W) if p != r]
+            assert any(re.search(rf"ranks? (\d+, )*{p}\b", msg) for p in peers), msg
+            assert T * EARLIEST <= elapsed <= T + SLACK_S, (elapsed, msg)
+        with pytest.raises(to.ContextError, match="reset"):
+            ctx.check()
+        ctx.reset()
+        correct(spec, op, ctx, small, tag=3)
+        return elapsed
 
 
 # ------------------------------------------------------------------------------------ the tests, per spec

@@ -1,6 +1,6 @@
 """AllGather-GEMM against all_gather + matmul in float32: the op's specs (bf16/fp16 and fp8) and cases, which get
 the contract's tests (tests/contract.py), then the op's own rules and kernels."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import contract
 import triton_overlap as to
-from contract import Call, Cases, OpSpec, Variants
+from contract import Call, Cases, Faults, OpSpec, Variants
 from refs import (TOL, assert_own_fault, check_replays, late_chunk_faults, on_hopper, plain_gemm_worst, poison, rand,
                   rel_err)
 from triton_overlap.ops.config import AllGatherGEMMConfig
@@ -164,6 +164,9 @@ AG_GEMM = OpSpec(
                                  "host backend runs kernels synchronously)")),
     falls_back=Cases(host=(SMALL,), gpu=(SMALL,)),
     replay=Variants(host=None, gpu=_b2b(1024, 512, 768), calls=50, ids={"push": {}, "pull": dict(mode="pull")}),
+    # the fault bodies' call (test_faults, test_topology): 8 rows a rank (12 and 16 where ranks disagree)
+    faults=Faults(case=AGCase(m_local=8, k=32, n=24, gathered=False), rows=lambda case, n: replace(case, m_local=n),
+                  header=lambda case: f"ag_gemm {case.m_local} {case.k}"),
 )
 
 

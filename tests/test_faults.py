@@ -2,148 +2,54 @@
 ranks it should reach, naming what it should) and the time to it; after a fault the Context refuses calls until
 every rank calls reset(), and the calls after that are correct.
 
-Timeouts are short (timeout_for) to keep the suite quick; SLACK_S is what a fault may take beyond its timeout on a
-loaded machine. On GPUs a call returns before its kernels end, so its fault surfaces at ``ctx.check()`` (or at the
-next call): the cases check there."""
+Timeouts are short (contract.timeout_for) to keep the suite quick; SLACK_S is what a fault may take beyond its
+timeout on a loaded machine. On GPUs a call returns before its kernels end, so its fault surfaces at ``ctx.check()``
+(or at the next call): the cases check there. A peer absent and shapes that disagree are the contract's fault bodies
+(contract.peer_absent, contract.shapes_disagree; test_topology runs them between hosts), here with AllGather-GEMM's
+call."""
 import os
-import re
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
+import contract
 import triton_overlap as to
-from refs import TOL, rand, rel_err, shm_files
+from contract import SLACK_S, TIMEOUT_S, timeout_for
+from refs import shm_files
+from test_ag_gemm import AG_GEMM
 
-TIMEOUT_S = 1.5  # the host backend's; GPUs (kernels built on a shape's first call) take GPU_TIMEOUT_S
-GPU_TIMEOUT_S = 6.0
-SLACK_S = 4.0
-#: the earliest a call's wait gives up, as a share of T: the barrier's (context.BARRIER_SHARE, 0.9), less the host
-#: backend's millisecond clock's lag
-EARLIEST = 0.85
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the fault cases' AllGather-GEMM call (contract.Faults)
+CASE = AG_GEMM.faults.case
 
 
-def timeout_for(pool) -> float:
-    return TIMEOUT_S if pool.backend == "host" else GPU_TIMEOUT_S
+def _correct(op, ctx, tag=0):
+    contract.correct(AG_GEMM, op, ctx, CASE, tag)
 
 
-def _ag_operands(ctx, m_local, tag=0):
-    """An AllGather-GEMM call's operands and its float32 reference."""
-    W, r, dev = ctx.world_size, ctx.rank, ctx.device
-    shards = [rand((m_local, 32), torch.bfloat16, dev, "fa", tag, s) for s in range(W)]
-    w = rand((32, 24), torch.bfloat16, dev, "fw", tag)
-    return shards[r], w, torch.cat(shards).float() @ w.float()
+def _call(op, ctx, tag=0):
+    """The fault cases' call on ``op`` (inputs ``tag``), to make later."""
+    call = AG_GEMM.inputs(ctx, CASE, tag)
+    return lambda: op(*call.args, **call.kwargs)
 
 
-def _correct(op, ctx, m_local=8, tag=0):
-    a, w, ref = _ag_operands(ctx, m_local, tag)
-    got = op(a, w)
-    ctx.check()
-    assert rel_err(got, ref) < TOL[torch.bfloat16]
-
-
-def _refused(op, ctx, text):
-    """The faulted Context refuses a call at once, with the first fault's text."""
-    a, w, _ = _ag_operands(ctx, 8)
-    t0 = time.monotonic()
-    with pytest.raises(to.ContextError, match="reset") as info:
-        op(a, w)
-    assert text in str(info.value) and time.monotonic() - t0 < 0.5, str(info.value)
-
-
-def _timed(ctx, fn):
-    """``fn()`` and ``ctx.check()`` must raise a ContextError: its text, and the time it took."""
-    t0 = time.monotonic()
-    with pytest.raises(to.ContextError) as info:
-        fn()
-        ctx.check()
-    return str(info.value), time.monotonic() - t0
-
-
-# --------------------------------------------------------------------------------------------- a peer absent
-def _peer_absent(repeated: bool, T: float, mode: str = "push"):
-    """Rank 1 does not make a call within the timeout: on a shape's first call the others' agreement on shapes
-    times out; on a repeated call (agreed before), their call's barrier does. Either names rank 1. ``mode``: the
-    gather's (pull holds the GEMM until its opening steps are done: the barrier's timeout must still end it)."""
-    with to.Context(timeout_s=T) as ctx:
-        op = to.AllGatherGEMM(ctx, to.AllGatherGEMMConfig(mode=mode), fallback="never")
-        if repeated:
-            _correct(op, ctx)
-        out = None
-        if ctx.rank != 1:
-            a, w, _ = _ag_operands(ctx, 8)
-            msg, elapsed = _timed(ctx, lambda: op(a, w))
-            want = "rank 1 to arrive at the call's barrier" if repeated else "rank 1 did not answer"
-            assert want in msg and f"timeout_s={T:g}" in msg, msg
-            assert T * EARLIEST <= elapsed <= T + SLACK_S, elapsed
-            _refused(op, ctx, want)
-            out = elapsed
-        else:
-            time.sleep(T + 0.5)  # absent for the whole timeout, then back for the reset
-        ctx.reset()
-        _correct(op, ctx, tag=1)
-        _correct(op, ctx, tag=2)
-        return out
-
-
+# ------------------------------------------------------------------------------- a peer absent, shapes disagree
 @pytest.mark.parametrize("repeated,mode", [(False, "push"), (True, "push"), (True, "pull")],
                          ids=["first_call", "repeated_call", "repeated_call_pull"])
 def test_peer_absent(pool, repeated, mode):
-    pool.run(_peer_absent, repeated, timeout_for(pool), mode)
-
-
-# ------------------------------------------------------------------------------------------- shapes disagree
-def _disagree(case: str, T: float):
-    """Ranks pass different shapes. On a first call the agreement on shapes says so (ValueError on every rank,
-    the Context stays usable); on a repeated call (both shapes agreed before) the call's barrier finds the headers
-    differ (ContextError on every rank, naming the op, both ranks and both shapes); mixed (rank 0 repeats a shape,
-    rank 1 brings a new one) both time out, each naming the other. A rank a call behind may learn of the mismatch
-    at its check of the call before, from peers that went on (the fault is the Context's)."""
-    with to.Context(timeout_s=T) as ctx:
-        r, W = ctx.rank, ctx.world_size
-        op = to.AllGatherGEMM(ctx, fallback="never")
-        mine = 8 + 4 * (r == W - 1)  # the last rank's shard is larger
-        if case == "first":
-            a, w, _ = _ag_operands(ctx, mine)
-            with pytest.raises(ValueError, match="ranks disagree"):
-                op(a, w)
-            _correct(op, ctx)  # still usable
-            return None
-        _correct(op, ctx, 8)
-        early = None
-        try:
-            _correct(op, ctx, 12)
-        except to.ContextError as e:
-            if case != "repeated":
-                raise
-            # peers that went on to the next call met the mismatch before this rank checked this call: the
-            # Context is faulted for every rank, and this rank's check() says so
-            early = str(e)
-        if case == "repeated":
-            a, w, _ = _ag_operands(ctx, mine)
-            msg, elapsed = (early, 0.0) if early else _timed(ctx, lambda: op(a, w))
-            assert "ranks disagree on the call" in msg and "ag_gemm" in msg, msg
-            assert "ag_gemm 8 32" in msg and "ag_gemm 12 32" in msg, msg  # both shapes (m_local, K)
-            assert elapsed <= SLACK_S, elapsed
-        else:  # mixed
-            a, w, _ = _ag_operands(ctx, 16 if r == W - 1 else 8)  # the last rank: a shape never agreed
-            msg, elapsed = _timed(ctx, lambda: op(a, w))
-            peers = [p for p in range(W) if p != r]
-            assert any(re.search(rf"ranks? (\d+, )*{p}\b", msg) for p in peers), msg
-            assert T * EARLIEST <= elapsed <= T + SLACK_S, (elapsed, msg)
-        with pytest.raises(to.ContextError, match="reset"):
-            ctx.check()
-        ctx.reset()
-        _correct(op, ctx, 8, tag=3)
-        return elapsed
+    """contract.peer_absent: ``mode`` the gather's (pull holds the GEMM until its opening steps are done: the
+    barrier's timeout must still end it)."""
+    pool.run(contract.peer_absent, AG_GEMM, repeated, timeout_for(pool), replace(CASE, mode=mode))
 
 
 @pytest.mark.parametrize("case", ["first", "repeated", "mixed"])
 def test_shapes_disagree(pool, case):
-    pool.run(_disagree, case, timeout_for(pool))
+    """contract.shapes_disagree."""
+    pool.run(contract.shapes_disagree, AG_GEMM, case, timeout_for(pool))
 
 
 def _relay_met_own_fault():
@@ -185,12 +91,11 @@ def _late_peer(T: float):
         _correct(op, ctx)
         if ctx.rank == 1:
             time.sleep(T + 0.5)
-        a, w, _ = _ag_operands(ctx, 8, tag=5)
-        msg, elapsed = _timed(ctx, lambda: op(a, w))
+        msg, elapsed = contract.timed(ctx, _call(op, ctx, tag=5))
         if ctx.rank == 0:
             assert "rank 1 to arrive at the call's barrier" in msg, msg
-            assert T * EARLIEST <= elapsed <= T + SLACK_S, (elapsed, msg)
-            _refused(op, ctx, "rank 1 to arrive")
+            assert T * contract.EARLIEST <= elapsed <= T + SLACK_S, (elapsed, msg)
+            contract.refused(AG_GEMM, op, ctx, CASE, "rank 1 to arrive")
         else:
             assert "rank 0 faulted" in msg and "rank 1 to arrive at the call's barrier" in msg, msg
             assert elapsed < 0.5, elapsed
@@ -221,7 +126,7 @@ def _close_alone(T: float):
         assert "rank 1 did not answer" in msg and "freed" in msg, msg
         assert T * 0.9 <= elapsed <= T + SLACK_S, elapsed
         with pytest.raises(RuntimeError, match="closed"):
-            op(*_ag_operands(ctx, 8)[:2])
+            _call(op, ctx)()
         return elapsed
     time.sleep(T + 0.5)
     t0 = time.monotonic()

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 import contract
-import test_faults
 import triton_overlap as to
 from refs import TOL, rand, rel_err, shm_files
 from test_ag_gemm import AG_GEMM, AGCase
@@ -280,15 +279,16 @@ def test_ops_between_hosts_held_for_link(pool, what):
         assert all(n > 0 for n in reductions), reductions
 
 
-# The fault tests' own cases, one rank per host: a peer on another host that never makes a repeated call is named
-# within the timeout (the exchange of call headers between hosts waits for it); ranks whose calls differ are told
-# at once, naming both shapes (the headers are compared on the device); a peer that brings an unagreed shape while
-# the others repeat one is named by each side. After reset(), calls are correct again.
-FAULTS = {"peer absent": (test_faults._peer_absent, True), "calls differ": (test_faults._disagree, "repeated"),
-          "shapes mixed": (test_faults._disagree, "mixed")}
+# The fault tests' cases (the contract's fault bodies with AllGather-GEMM's call), one rank per host: a peer on
+# another host that never makes a repeated call is named within the timeout (the exchange of call headers between
+# hosts waits for it); ranks whose calls differ are told at once, naming both shapes (the headers are compared on the
+# device); a peer that brings an unagreed shape while the others repeat one is named by each side. After reset(),
+# calls are correct again.
+FAULTS = {"peer absent": (contract.peer_absent, True), "calls differ": (contract.shapes_disagree, "repeated"),
+          "shapes mixed": (contract.shapes_disagree, "mixed")}
 
 
 @pytest.mark.parametrize("what", list(FAULTS))
 def test_faults_between_hosts(pool, what):
     fn, case = FAULTS[what]
-    pool.run(_under_hosts, pool.world, fn, case, test_faults.timeout_for(pool))
+    pool.run(_under_hosts, pool.world, fn, AG_GEMM, case, contract.timeout_for(pool))
