@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 from triton_overlap.kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
 from triton_overlap.kernels.attention import cp_attention_fwd
 from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
-from triton_overlap.kernels.gemm import persistent_gemm
+from triton_overlap.kernels.gemm import gather_gemm, persistent_gemm, scatter_gemm
 from triton_overlap.kernels.gemm_all_reduce import gemm_all_reduce
 from triton_overlap.kernels.signal import barrier_kernel, remote_header_kernel, spin_kernel, wait_kernel
 
@@ -47,10 +47,10 @@ def divisibility(sig: dict, skip=("rank", "op", "world", "split_m", "own_plane",
     return attrs
 
 
-def gemm_signature(desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather: bool = False,
+def gemm_signature(fn, desc: bool, bm: int, bn: int, bk: int, b_kmajor: bool, gather: bool = False,
                    desc_c: bool = False) -> dict:
     sig = {}
-    for prm in persistent_gemm.params:
+    for prm in fn.params:
         name = prm.name
         if prm.is_constexpr:
             sig[name] = "constexpr"
@@ -417,14 +417,16 @@ def main():
             consts.update(a_desc=None, b_desc=None)
         if not desc_c:
             consts.update(c_desc=None)
+        fn = gather_gemm if gather else scatter_gemm if scatter else persistent_gemm
+        consts = {k: v for k, v in consts.items() if k in fn.arg_names}
         name = (f"gather={gather} scatter={scatter} reduce_own={fuse} desc={desc} whole_tiles={whole} "
                 f"local_counters={local} split_epilogue={split} claim={claim} defer_release={defer} desc_c={desc_c}")
         try:
-            sig = gemm_signature(desc, bm, bn, bk, False, gather, desc_c)
+            sig = gemm_signature(fn, desc, bm, bn, bk, False, gather, desc_c)
             for unit in ("stride_cn", "stride_bn"):  # 1 at every launch: Triton specialises it as a constant
                 sig[unit] = "constexpr"
                 consts[unit] = 1
-            k = triton.compile(ASTSource(fn=persistent_gemm, signature=sig, constexprs=consts,
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts,
                                          attrs=divisibility(sig)), target=target,
                                options={"num_warps": 8, "num_stages": 4})
             print(f"{name}: {ptxas_report(k.asm['ptx'], args.arch)}, shared {k.metadata.shared} B")

@@ -1,10 +1,15 @@
-"""The persistent Triton GEMM every matrix op here is built on.
+"""The persistent Triton GEMMs every matrix op here is built on, a kernel per job:
+``persistent_gemm`` (the plain GEMM: the consumer alone in benchmarks, fp8's
+matmul), ``gather_gemm`` (AllGather-GEMM's consumer, GATHER below) and
+``scatter_gemm`` (GEMM-RS's producer, SCATTER below). They share their pieces:
+the tile orders and GEMM-RS's epilogue (kernels.gemm_device), the K loops
+through descriptors or pointers and the plain store (here).
 
 One program per SM (CU) walks the output tiles ``pid, pid + P, ...``. The m-tiles
 are visited in the order of ``tile_order`` (a permutation prepared on the host
 from the chunk schedule), grouped by GROUP_M for L2 reuse.
 
-Switches (constexpr), so one source serves every op:
+The kernels' jobs, and their switches (constexpr):
 
 * GATHER: AllGather consumer. Rows of this rank's own block are read in place
   from ``a_ptr`` (the user's shard); all other rows from the workspace
@@ -46,8 +51,6 @@ Switches (constexpr), so one source serves every op:
   waits for the stores to land) finds them landed instead of stalling the
   program; pending bumps are made before an own-row tile's waits and at the
   end.
-
-Without GATHER or SCATTER it is a plain persistent GEMM (the "consumer alone" benchmark).
 
 SCALED (fp8 e4m3 A and B, AllGather and plain only): the float32 accumulator is
 multiplied by ``scale_a * scale_b`` (per-tensor scales, read from memory so a
@@ -180,30 +183,117 @@ def _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_o
 
 @triton.jit
 def persistent_gemm(
-    a_ptr, ws_ptr, b_ptr, c_ptr, bias_ptr,
-    M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
-    stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn,
-    tile_order_ptr, flags_ptr, waiter, scatter_ptrs, counter_ptrs,
-    out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, a_desc, own_plane, ws_plane, own_shift, b_desc,
-    scale_a_ptr, scale_b_ptr, c_desc,
-    HAS_BIAS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr, REDUCE_OWN: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr, CLOCK: tl.constexpr,
-    DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False, DESC: tl.constexpr = False,
-    B_KMAJOR: tl.constexpr = False, SCALED: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
-    LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False, CLAIM: tl.constexpr = 1,
-    DEFER_RELEASE: tl.constexpr = False, DESC_C: tl.constexpr = False, RESET_AT_EXIT: tl.constexpr = False,
+    a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, stride_am, stride_bk, stride_bn, stride_cm, stride_cn, tile_order_ptr,
+    a_desc, b_desc, scale_a_ptr, scale_b_ptr, c_desc,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr = False, DESC: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
+    SCALED: tl.constexpr = False, DESC_C: tl.constexpr = False,
 ):
-    err_ptr, budget, rank, op = waiter
+    """C = A @ B (+ bias): the plain GEMM, no waits and no communication (the consumer alone, fp8's matmul)."""
     pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
     scale = 1.0
     if SCALED:  # fp8: out = (A @ B) * scale_a * scale_b, per-tensor float32 scales read once per program
         scale = tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
-
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    if SCATTER and not LOCAL_COUNTERS:  # stores into peers: none after a fault (a peer's call may disagree)
+    for it in range(pid, num_tiles, NUM_PROGRAMS):
+        vm, pid_n = grouped_tile(it, num_pid_m, num_pid_n, GROUP_M)
+        row0 = tl.load(tile_order_ptr + vm) * BLOCK_M
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rows = tl.where(rows < M, rows, M - 1)  # clamp instead of masking the loads
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # not clamped: clamping hides contiguity, so B would load scalar
+        col_ok = cols < N
+        out_rows = row0 + tl.arange(0, BLOCK_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if DESC:
+            acc = _k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)
+        else:
+            acc = _k_loop_ptr(a_ptr, a_ptr, b_ptr, rows, cols, col_ok, K, 0, 0, stride_am, 0, stride_bk, stride_bn,
+                              acc, False, BLOCK_K, EVEN_K, DOT_F32)
+        if SCALED:
+            acc = acc * scale
+        _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
+                     stride_cn, HAS_BIAS, DESC_C)
+
+
+@triton.jit
+def gather_gemm(
+    a_ptr, ws_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
+    stride_am, stride_wm, stride_bk, stride_bn, stride_cm, stride_cn, tile_order_ptr, flags_ptr, waiter, tick_ptr,
+    world, a_desc, own_plane, ws_plane, own_shift, b_desc, scale_a_ptr, scale_b_ptr, c_desc,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr, EVEN_K: tl.constexpr,
+    CLOCK: tl.constexpr, DOT_F32: tl.constexpr = False, DESC: tl.constexpr = False, B_KMAJOR: tl.constexpr = False,
+    SCALED: tl.constexpr = False, DESC_C: tl.constexpr = False, RESET_AT_EXIT: tl.constexpr = False,
+):
+    """C = all_gather(A) @ B (+ bias), AllGather-GEMM's consumer (module doc: GATHER): a tile of a peer's rows
+    waits for the flag of every chunk it covers, then reads them from the workspace ``ws_ptr``; this rank's own
+    rows are read in place from ``a_ptr``."""
+    rank = waiter[2]  # (waiter: kernels.signal.waiter's error word, budget, rank and op)
+    pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
+    scale = 1.0
+    if SCALED:  # fp8: out = (A @ B) * scale_a * scale_b, per-tensor float32 scales read once per program
+        scale = tl.load(scale_a_ptr) * tl.load(scale_b_ptr)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    for it in range(pid, num_tiles, NUM_PROGRAMS):
+        vm, pid_n = grouped_tile(it, num_pid_m, num_pid_n, GROUP_M)
+        row0 = tl.load(tile_order_ptr + vm) * BLOCK_M
+        c_first = chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
+        c_last = chunk_of_row(tl.minimum(row0 + BLOCK_M, M) - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
+        for c in range(c_first, c_last + 1):
+            if c // CHUNKS_PER_RANK != rank:  # our own rows are read in place: nothing to wait for
+                wait_for(flags_ptr + c, 1, waiter, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rows = tl.where(rows < M, rows, M - 1)  # clamp instead of masking the loads
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # not clamped: clamping hides contiguity, so B would load scalar
+        col_ok = cols < N
+        out_rows = row0 + tl.arange(0, BLOCK_M)
+        if DESC:
+            # one 3-D descriptor over both sources (see the module doc): one K loop, the plane picks the source
+            mine = (row0 // M_LOCAL) == rank
+            if not mine:
+                fence_async_proxy(CLOCK)
+            plane = tl.where(mine, own_plane, ws_plane)
+            a_row = tl.where(mine, row0 - own_shift, row0)
+            acc = _k_loop_desc(a_desc, plane, a_row, b_desc, pid_n * BLOCK_N, K,
+                               tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, B_KMAJOR, DOT_F32, True)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, stride_wm,
+                              stride_bk, stride_bn, acc, True, BLOCK_K, EVEN_K, DOT_F32)
+        if SCALED:
+            acc = acc * scale
+        _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
+                     stride_cn, HAS_BIAS, DESC_C)
+    if RESET_AT_EXIT:  # the last program out zeroes this rank's flags and the exit count
+        reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)
+
+
+@triton.jit
+def scatter_gemm(
+    a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK,
+    stride_am, stride_bk, stride_bn, stride_cm, stride_cn, tile_order_ptr, flags_ptr, waiter, scatter_ptrs,
+    counter_ptrs, out_ptr, stride_om, expected_ptr, tick_ptr, world, split_m, a_desc, b_desc,
+    HAS_BIAS: tl.constexpr, REDUCE_OWN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr,
+    EVEN_K: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr = False, ALIGN_C: tl.constexpr = False,
+    DESC: tl.constexpr = False, B_KMAJOR: tl.constexpr = False, WHOLE_TILES: tl.constexpr = False,
+    LOCAL_COUNTERS: tl.constexpr = False, SPLIT_EPILOGUE: tl.constexpr = False, CLAIM: tl.constexpr = 1,
+    DEFER_RELEASE: tl.constexpr = False, RESET_AT_EXIT: tl.constexpr = False,
+):
+    """Partial C = A @ B for GEMM-ReduceScatter (module doc: SCATTER): each tile into its rows' owner's receive
+    slot, then the owner's counters bumped; with REDUCE_OWN the tiles of this rank's own rows sum the peers'
+    partials into ``out_ptr`` instead."""
+    err_ptr, budget, rank, op = waiter
+    pid = remap_xcd(tl.program_id(0), NUM_PROGRAMS, NUM_XCDS)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    if not LOCAL_COUNTERS:  # stores into peers: none after a fault (a peer's call may disagree)
         num_tiles = tl.where(error_code(err_ptr) != 0, 0, num_tiles)
     if REDUCE_OWN and CLAIM == 0:
         tl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # this program has started
@@ -218,92 +308,67 @@ def persistent_gemm(
             vm, pid_n = rs_tile(tile, num_pid_m, num_pid_n, split_m, GROUP_M)
         else:
             vm, pid_n = grouped_tile(it, num_pid_m, num_pid_n, GROUP_M)
-        pid_m = tl.load(tile_order_ptr + vm)
-        row0 = pid_m * BLOCK_M
+        row0 = tl.load(tile_order_ptr + vm) * BLOCK_M
         c_first = chunk_of_row(row0, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
         c_last = chunk_of_row(tl.minimum(row0 + BLOCK_M, M) - 1, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK)
-        if GATHER:
-            for c in range(c_first, c_last + 1):
-                if c // CHUNKS_PER_RANK != rank:  # our own rows are read in place: nothing to wait for
-                    wait_for(flags_ptr + c, 1, waiter, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
-
         rows = row0 + tl.arange(0, BLOCK_M)
         rows = tl.where(rows < M, rows, M - 1)  # clamp instead of masking the loads
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # not clamped: clamping hides contiguity, so B would load scalar
         col_ok = cols < N
         out_rows = row0 + tl.arange(0, BLOCK_M)
-        if DESC and GATHER:
-            # one 3-D descriptor over both sources (see the module doc): one K loop, the plane picks the source
-            mine = (row0 // M_LOCAL) == rank
-            if not mine:
-                fence_async_proxy(CLOCK)
-            plane = tl.where(mine, own_plane, ws_plane)
-            a_row = tl.where(mine, row0 - own_shift, row0)
-            acc = _k_loop_desc(a_desc, plane, a_row, b_desc, pid_n * BLOCK_N, K,
-                               tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, B_KMAJOR, DOT_F32, True)
-            if SCALED:
-                acc = acc * scale
-            _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
-                         stride_cn, HAS_BIAS, DESC_C)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if DESC:
+            acc = _k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)
         else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if DESC:
-                acc = _k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)
+            acc = _k_loop_ptr(a_ptr, a_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, 0, stride_bk,
+                              stride_bn, acc, False, BLOCK_K, EVEN_K, DOT_F32)
+        own_tile = False
+        if REDUCE_OWN:
+            own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
+        if DEFER_RELEASE:  # the previous tile's stores have landed during this K loop
+            publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+            pend_last = -1
+        if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
+            if CLAIM == 0:
+                if all_in == 0:  # every program has started, so every peer tile is being worked on
+                    wait_for(tick_ptr, NUM_PROGRAMS, waiter, -1, WHAT_STARTED, CLOCK)
+                    all_in = 1
+            own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, waiter, CLOCK)
+            local = rows - rank * M_LOCAL
+            if SPLIT_EPILOGUE:  # two column halves, one after the other: fewer live registers (no spills)
+                acc_lo, acc_hi = _column_halves(acc)
+                cols_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+                reduce_own(acc_lo, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo, N, M, M_LOCAL, rank, world,
+                           stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
+                reduce_own(acc_hi, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo + BLOCK_N // 2, N, M,
+                           M_LOCAL, rank, world, stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
             else:
-                acc = _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, stride_wm,
-                                  stride_bk, stride_bn, acc, GATHER, BLOCK_K, EVEN_K, DOT_F32)
-            if SCALED:
-                acc = acc * scale
-            own_tile = False
-            if REDUCE_OWN:
-                own_tile = (row0 // M_LOCAL) == rank  # a whole tile of our rows (the host sees to it)
-            if DEFER_RELEASE:  # the previous tile's stores have landed during this K loop
-                publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
-                pend_last = -1
-            if own_tile:  # REDUCE_OWN: add the peers' partials and the bias, store the output
-                if CLAIM == 0:
-                    if all_in == 0:  # every program has started, so every peer tile is being worked on
-                        wait_for(tick_ptr, NUM_PROGRAMS, waiter, -1, WHAT_STARTED, CLOCK)
-                        all_in = 1
-                own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, waiter, CLOCK)
-                local = rows - rank * M_LOCAL
-                if SPLIT_EPILOGUE:  # two column halves, one after the other: fewer live registers (no spills)
-                    acc_lo, acc_hi = _column_halves(acc)
-                    cols_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
-                    reduce_own(acc_lo, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo, N, M, M_LOCAL, rank, world,
-                                stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
-                    reduce_own(acc_hi, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo + BLOCK_N // 2, N, M,
-                                M_LOCAL, rank, world, stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
-                else:
-                    reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world,
-                                stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
-            elif not SCATTER:
-                _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
-                             stride_cn, HAS_BIAS, DESC_C)
+                reduce_own(acc, c_ptr, out_ptr, bias_ptr, local, out_rows, cols, N, M, M_LOCAL, rank, world,
+                           stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
+        else:  # a tile of partials into its rows' owner's receive slot for this rank, then the owner's counters
+            if HAS_BIAS:
+                if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
+                    acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+            if WHOLE_TILES:  # every tile's rows have one owner: one address from the table
+                owner = row0 // M_LOCAL
+                base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                c_rows = base + (rank * M_LOCAL + rows - owner * M_LOCAL) * stride_cm
             else:
-                if HAS_BIAS:
-                    if not REDUCE_OWN:  # (GEMM-RS adds the bias once, in the owner's own tiles)
-                        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-                if WHOLE_TILES:  # every tile's rows have one owner: one address from the table
-                    owner = row0 // M_LOCAL
-                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                    c_rows = base + (rank * M_LOCAL + rows - owner * M_LOCAL) * stride_cm
-                else:
-                    owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
-                    base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
-                    c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
-                if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
-                    c_rows = tl.multiple_of(c_rows, 16)
-                c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
-                tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
-                if DEFER_RELEASE:
-                    pend_first = c_first
-                    pend_last = c_last
-                else:
-                    publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+                owner = rows // M_LOCAL  # rows is clamped, so the table index stays in range
+                base = tl.load(scatter_ptrs + owner).to(tl.pointer_type(c_ptr.dtype.element_ty))
+                c_rows = base + (rank * M_LOCAL + rows % M_LOCAL) * stride_cm
+            if ALIGN_C:  # row starts loaded from a table: tell the compiler they are aligned, or stores go scalar
+                c_rows = tl.multiple_of(c_rows, 16)
+            c_ptrs = c_rows[:, None] + cols[None, :] * stride_cn
+            tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+            if DEFER_RELEASE:
+                pend_first = c_first
+                pend_last = c_last
+            else:
+                publish(counter_ptrs, c_first, c_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
     if DEFER_RELEASE:
         publish(counter_ptrs, pend_first, pend_last, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
-    if RESET_AT_EXIT:  # the last program out zeroes this rank's flags (counters) and the tile counter
+    if RESET_AT_EXIT:  # the last program out zeroes this rank's counters and the tile counter
         reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)
 
 
@@ -422,7 +487,8 @@ def _first(*values):
 def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLayout | None = None, bias=None,
                 scales=None, workspace=None, scatter: ScatterTarget | None = None, exit_counts=None, op: int = 0,
                 tma_store: bool | None = None) -> None:
-    """``c = a @ b (+ bias)`` by the persistent GEMM on the caller's stream.
+    """``c = a @ b (+ bias)`` on the caller's stream, by the persistent GEMM for the job: ``gather_gemm`` with a
+    ``workspace``, ``scatter_gemm`` with a ``scatter``, else ``persistent_gemm``.
 
     ``order``: the m-tiles in the order programs take them (int32); ``flags``: this rank's flags (GATHER) or
     counters (SCATTER); ``layout``: the chunking of rows among ranks (None: a plain GEMM, one chunk).
@@ -432,6 +498,8 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
     ``tma_store`` (None: TMA_STORE_DEFAULT): store C through a descriptor where it can be described (not with
     SCATTER)."""
     gather = workspace is not None
+    if scatter is not None and (gather or scales is not None):
+        raise ValueError("launch_gemm: a scatter (GEMM-RS) takes neither a workspace nor fp8 scales")
     K, N = a.shape[1], b.shape[1]
     if layout is None:
         layout = ChunkLayout(1, a.shape[0], a.shape[0])
@@ -460,34 +528,46 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
     if scatter is None and _first(tma_store, TMA_STORE_DEFAULT) and _describable(ctx.backend, tiles, c):
         # the kernel stores each tile in two column halves (half the shared memory)
         c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [tiles.block_m, tiles.block_n // 2])
-    reduce_into = scatter.reduce_into if scatter is not None else None
-    fused = reduce_into is not None
-    local = scatter is not None and scatter.local
-    launch(persistent_gemm, (programs,), (
-        a, workspace if gather else a, b, c, bias if bias is not None else c,
-        M, N, K, layout.m_local, layout.m_per_chunk, layout.chunks_per_rank,
-        a.stride(0), workspace.stride(0) if gather else 0, b.stride(0), b.stride(1), c.stride(0), c.stride(1),
-        order, flags, waiter(ctx, op),
-        scatter.ptrs if scatter is not None else flags, scatter.counter_ptrs if scatter is not None else flags,
-        reduce_into if fused else c, reduce_into.stride(0) if fused else 0,
-        scatter.expected if fused else flags, exit_counts if exit_counts is not None else flags, ctx.world_size,
-        scatter.split_m if scatter is not None else 0,
-        a_desc, *planes, b_desc, *(scales if scales is not None else (flags, flags)), c_desc,
-    ), dict(
-        HAS_BIAS=bias is not None, GATHER=gather, SCATTER=scatter is not None, REDUCE_OWN=fused,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        NUM_PROGRAMS=programs, NUM_XCDS=tiles.num_xcds, EVEN_K=(K % tiles.block_k == 0), CLOCK=ctx.clock,
-        DOT_F32=ctx.interpreted,
-        # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
-        ALIGN_C=scatter is not None and N % 16 == 0 and (
-            not fused or (reduce_into.data_ptr() % 16 == 0 and reduce_into.stride(0) * c.element_size() % 16 == 0)),
-        DESC=b_layout is not None, B_KMAJOR=b_layout == "nk", SCALED=scales is not None,
-        WHOLE_TILES=scatter is not None and layout.m_local % tiles.block_m == 0, LOCAL_COUNTERS=local,
-        SPLIT_EPILOGUE=fused and tiles.block_n >= 32,
-        CLAIM=1 if ctx.interpreted else _first(scatter.claim if scatter else None, CLAIM_DEFAULT),
-        DEFER_RELEASE=scatter is not None and bool(_first(scatter.defer_release, not local)),
-        DESC_C=c_desc is not None, RESET_AT_EXIT=(fused or gather) and exit_counts is not None,
-    ), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    consts = dict(HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+                  GROUP_M=tiles.group_m, NUM_PROGRAMS=programs, NUM_XCDS=tiles.num_xcds,
+                  EVEN_K=(K % tiles.block_k == 0), DOT_F32=ctx.interpreted, DESC=b_layout is not None,
+                  B_KMAJOR=b_layout == "nk")
+    bias_arg = bias if bias is not None else c
+    scale_args = scales if scales is not None else (flags, flags)
+    if gather:
+        launch(gather_gemm, (programs,), (
+            a, workspace, b, c, bias_arg, M, N, K, layout.m_local, layout.m_per_chunk, layout.chunks_per_rank,
+            a.stride(0), workspace.stride(0), b.stride(0), b.stride(1), c.stride(0), c.stride(1), order, flags,
+            waiter(ctx, op), exit_counts if exit_counts is not None else flags, ctx.world_size, a_desc, *planes,
+            b_desc, *scale_args, c_desc,
+        ), dict(consts, CLOCK=ctx.clock, SCALED=scales is not None, DESC_C=c_desc is not None,
+                RESET_AT_EXIT=exit_counts is not None), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    elif scatter is not None:
+        reduce_into = scatter.reduce_into
+        fused = reduce_into is not None
+        launch(scatter_gemm, (programs,), (
+            a, b, c, bias_arg, M, N, K, layout.m_local, layout.m_per_chunk, layout.chunks_per_rank,
+            a.stride(0), b.stride(0), b.stride(1), c.stride(0), c.stride(1), order, flags, waiter(ctx, op),
+            scatter.ptrs, scatter.counter_ptrs, reduce_into if fused else c, reduce_into.stride(0) if fused else 0,
+            scatter.expected if fused else flags, exit_counts if exit_counts is not None else flags, ctx.world_size,
+            scatter.split_m, a_desc, b_desc,
+        ), dict(
+            consts, REDUCE_OWN=fused, CLOCK=ctx.clock,
+            # every row of a receive slot starts 16-element aligned (cudaMalloc'd base, N % 16 == 0)
+            ALIGN_C=N % 16 == 0 and (not fused or (reduce_into.data_ptr() % 16 == 0
+                                                   and reduce_into.stride(0) * c.element_size() % 16 == 0)),
+            WHOLE_TILES=layout.m_local % tiles.block_m == 0, LOCAL_COUNTERS=scatter.local,
+            SPLIT_EPILOGUE=fused and tiles.block_n >= 32,
+            CLAIM=1 if ctx.interpreted else _first(scatter.claim, CLAIM_DEFAULT),
+            DEFER_RELEASE=bool(_first(scatter.defer_release, not scatter.local)),
+            RESET_AT_EXIT=fused and exit_counts is not None,
+        ), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    else:
+        launch(persistent_gemm, (programs,), (
+            a, b, c, bias_arg, M, N, K, a.stride(0), b.stride(0), b.stride(1), c.stride(0), c.stride(1), order,
+            a_desc, b_desc, *scale_args, c_desc,
+        ), dict(consts, SCALED=scales is not None, DESC_C=c_desc is not None), num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
     ctx.after_launch()
 
 

@@ -1,4 +1,4 @@
-"""Device code the GEMM kernels share: kernels.gemm's persistent GEMM and the Gluon GEMMs for Hopper
+"""Device code the GEMM kernels share: kernels.gemm's persistent GEMMs and the Gluon GEMMs for Hopper
 (kernels.gemm_warp_specialized, kernels.gemm_gather_hopper), which take the same tiles in the same order.
 
 * tile orders: ``grouped_tile`` (GROUP_M m-tiles of the order at a time, for L2 reuse) and ``rs_tile`` (GEMM-RS
