@@ -107,12 +107,14 @@ class Faults:
 class Variants:
     """One case per backend (None: the test skips there), run once per variant: ``ids`` maps a variant's test id
     to the case fields it sets (no ids: one test); ``host_skips`` maps ids the host backend skips to why.
-    ``calls``: how many calls (or replays) the contract makes."""
+    ``calls``: how many calls (or replays) the contract makes; ``warm``: one eager call before a capture (an op
+    that sizes its workspaces on a call cannot allocate them inside a capture)."""
     host: object | None
     gpu: object | None
     calls: int
     ids: Mapping[str, Mapping] = field(default_factory=dict)
     host_skips: Mapping[str, str] = field(default_factory=dict)
+    warm: bool = False
 
     def case(self, pool, variant: str | None, why_not_host: str):
         case = self.host if pool.backend == "host" else self.gpu
@@ -308,13 +310,17 @@ def _copy_tensors(dst, src):
             d.copy_(s)
 
 
-def graph_replays(spec: OpSpec, case, replays: int):
+def graph_replays(spec: OpSpec, case, replays: int, warm: bool = False):
     """A call captured in a CUDA graph (refs.check_replays), replayed ``replays`` times, each after new inputs are
-    copied into every tensor the captured call reads (scales included) and its output poisoned."""
+    copied into every tensor the captured call reads (scales included) and its output poisoned. ``warm``: one eager
+    call first (it sizes the op's workspaces: not allowed inside a capture)."""
     with to.Context(timeout_s=30) as ctx:
         op = spec.new_op(ctx, case, "never")
         first = spec.inputs(ctx, case, -1)
         names = sorted(first.kwargs)
+        if warm:
+            op(*first.args, out=first.out, **first.kwargs)
+            ctx.check()
 
         def load(i):
             call = spec.inputs(ctx, case, i)
@@ -512,6 +518,6 @@ def tests(spec: OpSpec) -> dict:
         rep = spec.replay
         name = f"test_{spec.name}_cuda_graph_replay"
         out[name] = _variant_test(name, rep, graph_replays, "CUDA graphs need a GPU",
-                                  lambda pool, case: (spec, case, rep.calls),
+                                  lambda pool, case: (spec, case, rep.calls, rep.warm),
                                   f"{spec.name}: CUDA-graph replays with new inputs (contract.graph_replays)")
     return out

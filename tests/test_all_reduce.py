@@ -1,13 +1,17 @@
 """AllReduce: the sum over ranks against a float64 sum of every rank's input, on poisoned outputs, at odd sizes, in
 every dtype; repeated calls with changing sizes, calls between other ops' on the same Context, ranks arriving at
-different times; bad input; ranks that disagree; a peer that never comes; CUDA-graph replays on GPUs."""
+different times; bad input; ranks that disagree; a peer that never comes; CUDA-graph replays on GPUs (from the
+contract, tests/contract.py)."""
 import random
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
 
+import contract
 import triton_overlap as to
+from contract import Call, OpSpec, Variants
 from refs import rand, rel_err
 
 #: ||out - ref|| / ||ref|| against the float64 sum: one rounding of a float32 sum to the output dtype
@@ -15,13 +19,35 @@ TOL = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 SIZES = [(1,), (7,), (1023,), (1025,), (3, 677), (4099,), (2, 3, 1031)]
 
 
-def _inputs(ctx, shape, dtype, tag):
-    xs = [rand(shape, dtype, ctx.device, "ar", tag, r) for r in range(ctx.world_size)]
-    return xs[ctx.rank], sum(x.double() for x in xs)
+@dataclass(frozen=True, kw_only=True)
+class ARCase:
+    """Every rank's ``shape`` of ``dtype`` summed over ranks, by ``algorithm``."""
+    shape: tuple
+    dtype: str = "bfloat16"
+    algorithm: str = "auto"
+
+
+def _inputs(ctx, case, it):
+    xs = [rand(case.shape, getattr(torch, case.dtype), ctx.device, "ar", it, r) for r in range(ctx.world_size)]
+    x = xs[ctx.rank]
+    return Call((x,), {}, sum(x.double() for x in xs), torch.empty_like(x))
+
+
+ALL_REDUCE = OpSpec(
+    name="all_reduce", module=__name__, op=to.AllReduce, inputs=_inputs, tol=TOL, paths=False,
+    make=lambda ctx, case, fallback: to.AllReduce(ctx, algorithm=case.algorithm, fallback=fallback),
+    # 1,000 replays of each kernel; the first call sizes the slots, not allowed inside a capture
+    replay=Variants(host=None, gpu=ARCase(shape=(3001,)), calls=1000, warm=True,
+                    ids={"one_shot": dict(algorithm="one_shot"), "two_shot": dict(algorithm="two_shot")}),
+)
+
+# the contract's tests: test_all_reduce_cuda_graph_replay
+globals().update(contract.tests(ALL_REDUCE))
 
 
 def _check(op, ctx, shape, dtype, tag, out=None):
-    x, ref = _inputs(ctx, shape, dtype, tag)
+    call = ALL_REDUCE.inputs(ctx, ARCase(shape=shape, dtype=str(dtype).removeprefix("torch.")), tag)
+    (x,), ref = call.args, call.ref
     before = x.clone()
     if out is not None:
         out.fill_(float("nan"))
@@ -165,36 +191,6 @@ def _absent(T: float):
 
 def test_peer_absent(pool):
     assert all(pool.run(_absent, 1.5 if pool.backend == "host" else 6.0))
-
-
-# ------------------------------------------------------------------------------------------------ GPU graphs
-def _replays(n_replays: int, algorithm: str):
-    from triton_overlap.timing import capture
-
-    with to.Context(timeout_s=30) as ctx:
-        op = to.AllReduce(ctx, algorithm=algorithm, fallback="never")
-        x = torch.empty(3001, dtype=torch.bfloat16, device=ctx.device)
-        out = torch.empty_like(x)
-        x.copy_(_inputs(ctx, (3001,), torch.bfloat16, -1)[0])
-        op(x, out=out)  # sizes the slots (not allowed inside a capture)
-        ctx.check()
-        g = capture(lambda: op(x, out=out))
-        for i in range(n_replays):
-            mine, ref = _inputs(ctx, (3001,), torch.bfloat16, i % 50)
-            x.copy_(mine)
-            out.fill_(float("nan"))
-            g.replay()
-            err = rel_err(out, ref)
-            assert err < TOL[torch.bfloat16], f"replay {i}: rel err {err:.2e}"
-        ctx.check()
-        return True
-
-
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
-def test_graph_replays(pool, algorithm):
-    if pool.backend == "host":
-        pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_replays, 1000, algorithm))
 
 
 # ------------------------------------------------------------------------------------------------ slot layout

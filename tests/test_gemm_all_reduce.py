@@ -1,51 +1,86 @@
 """GEMM + AllReduce and RowParallelLinear(sequence_parallel=False): against float64 references of the unsharded
-computation, at odd sizes, with and without bias, on poisoned outputs; autograd through the layer."""
+computation, at odd sizes, with and without bias, on poisoned outputs; autograd through the layer; CUDA-graph
+replays of the fused kernel (from the contract, tests/contract.py)."""
+from dataclasses import dataclass
+
 import pytest
 import torch
 from torch import nn
 
+import contract
 import triton_overlap as to
-from refs import TOL, rand, rel_err
+from contract import Call, OpSpec, Variants
+from refs import TOL, poison, rand, rel_err
 from triton_overlap.nn import RowParallelLinear
 
 
-#: (M, K_local, N, dtype, bias, w as a transpose's view); K_local of -1: 16 + rank (ranks hold different K)
-CASES = [(1, 16, 19, torch.bfloat16, True, True), (5, 24, 33, torch.float16, False, False),
-         (33, -1, 40, torch.bfloat16, False, True), (64, 32, 72, torch.bfloat16, True, False),
-         (3, 40, 17, torch.bfloat16, True, False)]
+@dataclass(frozen=True, kw_only=True)
+class GARCase:
+    """Every rank's [m, k] A times its [k, n] W (``transposed``: a transpose's view of [n, k]; ``k`` None: 16 + rank,
+    ranks holding different K), summed over ranks, plus ``bias``, by ``algorithm``."""
+    m: int
+    k: int | None
+    n: int
+    dtype: str = "bfloat16"
+    bias: bool = False
+    transposed: bool = False
+    algorithm: str = "auto"
+
+
+def _inputs(ctx, case, it):
+    W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    dtype = getattr(torch, case.dtype)
+    ks = [16 + s if case.k is None else case.k for s in range(W)]
+    a_all = [rand((case.m, ks[s]), dtype, dev, "gar-a", it, s) for s in range(W)]
+    w_all = [rand((case.n, ks[s]) if case.transposed else (ks[s], case.n), dtype, dev, "gar-w", it, s)
+             for s in range(W)]
+    w_all = [w.t() if case.transposed else w for w in w_all]
+    bias = rand((case.n,), dtype, dev, "gar-b", it) if case.bias else None
+    ref = sum(a.double() @ w.double() for a, w in zip(a_all, w_all))
+    if bias is not None:
+        ref = ref + bias.double()
+    return Call((a_all[r], w_all[r]), dict(bias=bias), ref, torch.empty((case.m, case.n), dtype=dtype, device=dev))
+
+
+GEMM_AR = OpSpec(
+    name="gemm_ar", module=__name__, op=to.GEMMAllReduce, inputs=_inputs, paths=False,
+    make=lambda ctx, case, fallback: to.GEMMAllReduce(ctx, algorithm=case.algorithm, fallback=fallback),
+    # partials (each rank's GEMM output) are rounded to bf16/fp16 before they are summed: twice the GEMM's tolerance
+    tol={dtype: 2 * tol for dtype, tol in TOL.items()},
+    # the fused kernel captured and replayed 1,000 times; the first call sizes the slots (not inside a capture)
+    replay=Variants(host=None, gpu=GARCase(m=7, k=96, n=200, algorithm="fused"), calls=1000, warm=True),
+)
+
+# the contract's tests: test_gemm_ar_cuda_graph_replay
+globals().update(contract.tests(GEMM_AR))
+
+CASES = [GARCase(m=1, k=16, n=19, bias=True, transposed=True), GARCase(m=5, k=24, n=33, dtype="float16"),
+         GARCase(m=33, k=None, n=40, transposed=True), GARCase(m=64, k=32, n=72, bias=True),
+         GARCase(m=3, k=40, n=17, bias=True)]
 
 
 def _gemm_ar(algorithm: str, fallback: str):
     """Every case, then the first again (the slots shrink back to a small call), against float64 sums; ``out``
     poisoned with NaN on every other call. Returns the algorithm each call took."""
     with to.Context(timeout_s=30) as ctx:
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        dev = ctx.device
         op = to.GEMMAllReduce(ctx, algorithm=algorithm, fallback=fallback, fused_max_rows=40,
                               one_shot_max_bytes=4096, two_shot_max_bytes=4096)
         took = []
         for call, i in enumerate(list(range(len(CASES))) + [0]):
-            M, K, N, dtype, has_bias, transposed = CASES[i]
-            ks = [16 + s if K < 0 else K for s in range(W)]
-            a_all = [rand((M, ks[s]), dtype, dev, "gar-a", i, s) for s in range(W)]
-            w_all = [rand((N, ks[s]) if transposed else (ks[s], N), dtype, dev, "gar-w", i, s) for s in range(W)]
-            w_all = [w.t() if transposed else w for w in w_all]
-            bias = rand((N,), dtype, dev, "gar-b", i) if has_bias else None
-            ref = sum(a.double() @ w.double() for a, w in zip(a_all, w_all))
-            if bias is not None:
-                ref = ref + bias.double()
-            out = torch.full((M, N), float("nan"), dtype=dtype, device=dev) if call % 2 else None
-            got = op(a_all[r], w_all[r], bias, out=out)
+            c = GEMM_AR.inputs(ctx, CASES[i], i)
+            (a, w), dtype = c.args, getattr(torch, CASES[i].dtype)
+            out = poison(c.out) if call % 2 else None
+            got = op(a, w, c.kwargs["bias"], out=out)
             ctx.check()
             assert out is None or got is out
-            # partials (each rank's GEMM output) are rounded to bf16/fp16 before they are summed: twice the GEMM's
-            # tolerance
-            err = rel_err(got, ref)
-            assert err < 2 * TOL[dtype], f"case {i}: rel err {err:.2e}"
+            err, tol = GEMM_AR.error(got, c.ref)
+            assert err < tol, f"case {i}: rel err {err:.2e}"
             took.append(op.last_algorithm)
         with pytest.raises(ValueError, match="different dtypes"):
-            op(a_all[r], w_all[r].half() if dtype == torch.bfloat16 else w_all[r].bfloat16())
+            op(a, w.half() if dtype == torch.bfloat16 else w.bfloat16())
         with pytest.raises(ValueError, match="out must be"):
-            op(a_all[r], w_all[r], out=torch.empty(3, 3, dtype=torch.bfloat16, device=dev))
+            op(a, w, out=torch.empty(3, 3, dtype=torch.bfloat16, device=dev))
         return took
 
 
@@ -92,38 +127,6 @@ def _gemm_ar_disagree(T: float):
 def test_ranks_disagree(pool):
     msgs = pool.run(_gemm_ar_disagree, 2.0 if pool.backend == "host" else 6.0)
     assert any("ranks disagree on the call" in m for m in msgs), msgs
-
-
-def _replays(n_replays: int):
-    """The fused kernel captured in a CUDA graph and replayed with new inputs each time."""
-    from triton_overlap.timing import capture
-
-    with to.Context(timeout_s=30) as ctx:
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        op = to.GEMMAllReduce(ctx, algorithm="fused", fallback="never")
-        a = torch.empty(7, 96, dtype=torch.bfloat16, device=dev)
-        w = rand((96, 200), torch.bfloat16, dev, "garg-w", r)
-        w_all = [rand((96, 200), torch.bfloat16, dev, "garg-w", s).double() for s in range(W)]
-        out = torch.empty(7, 200, dtype=torch.bfloat16, device=dev)
-        a.copy_(rand((7, 96), torch.bfloat16, dev, "garg-a", -1, r))
-        op(a, w, out=out)  # sizes the slots (not allowed inside a capture)
-        ctx.check()
-        g = capture(lambda: op(a, w, out=out))
-        for i in range(n_replays):
-            a_all = [rand((7, 96), torch.bfloat16, dev, "garg-a", i % 50, s) for s in range(W)]
-            a.copy_(a_all[r])
-            out.fill_(float("nan"))
-            g.replay()
-            err = rel_err(out, sum(x.double() @ y for x, y in zip(a_all, w_all)))
-            assert err < 2 * TOL[torch.bfloat16], f"replay {i}: rel err {err:.2e}"
-        ctx.check()
-        return True
-
-
-def test_graph_replays(pool):
-    if pool.backend == "host":
-        pytest.skip("CUDA graphs need a GPU")
-    assert all(pool.run(_replays, 1000))
 
 
 def _row_layer():
