@@ -5,10 +5,10 @@ gets the cross-cutting tests from here:
     globals().update(contract.tests(AG_GEMM))
 
 Cases are frozen dataclasses with named fields and defaults (a case names what it changes). Fields the contract
-reads where a case has them: ``iters`` (calls per case, 1), ``jitter`` (producer delays in s, 0.0) and
-``fallback`` (the op's rule, "never"; "always" expects the fallback path). The spec says how to make the op and one
-call's inputs on a rank (``inputs(ctx, case, it)`` -> Call: arguments, an output to poison and pass as ``out=``, the
-float32 reference); the tolerance; hooks for what differs (workspaces filled with garbage before a call, checks of
+reads where a case has them: ``iters`` (calls per case, 1), ``jitter`` (producer delays in s, 0.0) and ``fallback``
+(the op's rule, "never"; "always" expects the fallback path). The spec says how to make the op and one call's inputs
+on a rank (``inputs(ctx, case, it)`` -> Call: arguments, an output to poison and pass as ``out=``, the float32 or
+float64 reference); the tolerance; hooks for what differs (workspaces filled with garbage before a call, checks of
 its own after each call and after a case); and which contracts apply. ``tests(spec)`` returns, by name (pytest
 collects them under it, so test ids read ``test_<name>_<contract>[...]``):
 
@@ -29,8 +29,9 @@ collects them under it, so test ids read ``test_<name>_<contract>[...]``):
 
 Each test body runs on every rank (``pool.run(fn, *args)`` pickles a module-level function and its arguments): a
 spec pickles as its module and name, and a rank finds it again in ``SPECS`` after importing that module. The
-bodies (``matches_reference``, ``back_to_back``, ...) are plain functions, for other tests to run under other
-conditions (test_topology runs ``matches_reference`` under virtual hosts).
+bodies (``matches_reference``, ``gradients_match``, ``back_to_back``, ...) are plain functions of a spec and a case,
+for other tests to run under other conditions: test_topology runs the ops' cases under virtual hosts, and the fault
+bodies ``peer_absent`` and ``shapes_disagree`` (on a spec's ``faults`` call) run in test_faults and test_topology.
 """
 from __future__ import annotations
 
@@ -474,12 +475,10 @@ def _variant_test(name: str, variants: Variants, body, why_not_host: str, calls,
     if variants.ids:
         @pytest.mark.parametrize("variant", list(variants.ids))
         def test(pool, variant):
-            case = variants.case(pool, variant, why_not_host)
-            assert all(pool.run(body, *calls(pool, case)))
+            pool.run(body, *calls(pool, variants.case(pool, variant, why_not_host)))  # the body asserts
     else:
         def test(pool):
-            case = variants.case(pool, None, why_not_host)
-            assert all(pool.run(body, *calls(pool, case)))
+            pool.run(body, *calls(pool, variants.case(pool, None, why_not_host)))
     return _named(test, name, doc)
 
 
