@@ -577,7 +577,7 @@ def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, s
             lses.append(lse)
         ctx.check()
         # the tile counter is left zeroed for the next launch on this stream (each launch above began from it)
-        assert attention_hopper.tile_counter(ctx.device).tolist() == [0, 0]
+        assert attention_hopper.tile_counter(ctx).tolist() == [0, 0]
         e_out = rel_err(to.zigzag.unshard_parts(outs, dim=1), ref_out)
         e_lse = rel_err(to.zigzag.unshard_parts(lses, dim=2), ref_lse)
         assert e_out < TOL[dtype] and e_lse < 1e-3, f"world {world}: out {e_out:.2e}, lse {e_lse:.2e}"

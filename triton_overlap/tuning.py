@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .context.collectives import all_gather_rows
 from .kernels.attention import Blocks, launch_fwd
 from .kernels.attention_bwd import launch_bwd
-from .kernels.attention_hopper import hopper
+from .kernels.capability import is_hopper
 from .kernels.gemm import plain_gemm
 from .ops.all_gather_gemm import AllGatherGEMM
 from .ops.config import AllGatherGEMMConfig, AttentionConfig, GEMMReduceScatterConfig
@@ -209,7 +209,7 @@ def tune_attention(ctx, shape, dry):
     ref_out = ref_out.transpose(1, 2)
     ref_dq, ref_dk, ref_dv = (t.grad.transpose(1, 2) for t in leaves)
 
-    base = AttentionConfig.defaults(ctx, D, 2, hopper(ctx), seq_len=S, causal=causal)
+    base = AttentionConfig.defaults(ctx, D, 2, is_hopper(ctx), seq_len=S, causal=causal)
     cpr = 2
     flags = torch.ones(cpr, dtype=torch.int32, device=dev)  # every chunk in place: a world of one
     out, lse = torch.empty_like(q), torch.empty(B, Hq, S, device=dev, dtype=torch.float32)

@@ -15,7 +15,7 @@ import torch
 
 from ..kernels.attention import Blocks, launch_fwd
 from ..kernels.attention_bwd import backward_scratch, launch_bwd, launch_reduce_dkdv
-from ..kernels.attention_hopper import hopper
+from ..kernels.capability import is_hopper
 from ..kernels.signal import WHAT_PARTIALS
 from ..plan import ChunkLayout, GatherSchedule, gather_schedule
 from ..producers import pipeline
@@ -71,7 +71,7 @@ class ContextParallelAttention(OverlapOp):
         self._handle = custom_ops.handle(self)
 
     def default_config(self, shape, variant=""):
-        return AttentionConfig.defaults(self.ctx, shape[3], self.chunks_per_rank, hopper(self.ctx),
+        return AttentionConfig.defaults(self.ctx, shape[3], self.chunks_per_rank, is_hopper(self.ctx),
                                         seq_len=shape[0], causal=bool(shape[4]))
 
     def from_table(self, found, base):
