@@ -377,7 +377,7 @@ def test_chunk_rows_rule():
 
 def test_descriptor_rule():
     """GemmTiles.tma and desc_layout: when the GEMM loads tiles through descriptors, and how B is described."""
-    from triton_overlap.kernels.gemm import GemmTiles, desc_layout
+    from triton_overlap.kernels.gemm_operands import GemmTiles, desc_layout
 
     host, hip = "host", "hip"
     auto, on, off = GemmTiles(block_m=32), GemmTiles(block_m=32, tma=True), GemmTiles(block_m=32, tma=False)
@@ -470,7 +470,7 @@ def test_gather_a_planes():
     where one descriptor spans both (our rows at gathered row - rank * m_local in the shard's plane; the workspace
     untouched); else the workspace alone, after the shard is copied into its own rows (here: the shard's row stride
     differs; on GPUs also shard and workspace too far apart, as torch's allocator and cudaMalloc can place them)."""
-    from triton_overlap.kernels.gemm import gather_a
+    from triton_overlap.kernels.gemm_operands import gather_a
 
     buf = torch.empty(3 * 1024 * 64, dtype=torch.bfloat16)
     a, ws = buf[:1024 * 64].view(1024, 64), buf[1024 * 64:].view(2048, 64)

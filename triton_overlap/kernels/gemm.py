@@ -80,8 +80,6 @@ tile of shared memory and 4 pipeline stages of 128x256x64 still fit on sm_90a.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -89,96 +87,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
-from .capability import supports_tma
 from .chunks import chunk_of_row
-from .gemm_device import (fence_async_proxy, grouped_tile, own_chunks_ready, publish, reduce_own, reset_at_exit,
-                          rs_tile)
+from .gemm_operands import GemmTiles, ScatterTarget, desc_layout, describable, gather_a
+from .gemm_device import (column_halves, fence_async_proxy, grouped_tile, k_loop_desc, k_loop_ptr, own_chunks_ready,
+                          publish, reduce_own, remap_xcd, reset_at_exit, rs_tile, store_plain)
 from .signal import WHAT_STARTED, error_code, wait_for, waiter
-
-
-@triton.jit
-def remap_xcd(pid, NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr):
-    """AMD: workgroups are dealt round-robin to XCDs; renumber so that neighbouring
-    program ids (neighbouring tiles, shared operands) share an XCD and its L2."""
-    if NUM_XCDS == 1:
-        out = pid
-    else:
-        per_xcd = NUM_PROGRAMS // NUM_XCDS
-        out = tl.where(pid < per_xcd * NUM_XCDS, (pid % NUM_XCDS) * per_xcd + pid // NUM_XCDS, pid)
-    return out
-
-
-@triton.jit
-def _k_loop_desc(src, plane, row, b_desc, col, K, acc, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
-                 DOT_F32: tl.constexpr, PLANES: tl.constexpr):
-    """acc += A[row:row+BLOCK_M, :] @ B[:, col:col+BLOCK_N], both through descriptors (zero-filled at the edges);
-    PLANES: ``src`` is 3-D, A is its plane ``plane``."""
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if PLANES:
-            a = src.load([plane, row, k * BLOCK_K]).reshape(acc.shape[0], BLOCK_K)
-        else:
-            a = src.load([row, k * BLOCK_K])
-        if B_KMAJOR:
-            b = b_desc.load([col, k * BLOCK_K]).T
-        else:
-            b = b_desc.load([k * BLOCK_K, col])
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-    return acc
-
-
-@triton.jit
-def _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, stride_wm, stride_bk,
-                stride_bn, acc, GATHER: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                DOT_F32: tl.constexpr):
-    """acc += A[rows, :] @ B[:, cols] through pointers (rows clamped in range, columns masked)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    if GATHER:
-        mine = (rows // M_LOCAL) == rank
-        a_rows = tl.where(mine, a_ptr + (rows - rank * M_LOCAL) * stride_am, ws_ptr + rows * stride_wm)
-    else:
-        a_rows = a_ptr + rows * stride_am
-    a_ptrs = a_rows[:, None] + offs_k[None, :]
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-        else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
-        if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * stride_bk
-    return acc
-
-
-@triton.jit
-def _column_halves(tile):
-    """A [M, N] tile's left and right [M, N // 2] halves."""
-    return tl.split(tl.permute(tl.reshape(tile, (tile.shape[0], 2, tile.shape[1] // 2)), (0, 2, 1)))
-
-
-@triton.jit
-def _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_ok, M, stride_cm, stride_cn,
-                 HAS_BIAS: tl.constexpr, DESC_C: tl.constexpr):
-    """acc (+ bias) into C[out_rows, cols]: through C's descriptor (DESC_C: a TMA store, clipped at the edges) or
-    pointers (masked)."""
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if DESC_C:  # two column halves (c_desc's block is [BLOCK_M, BLOCK_N // 2]): half the shared memory
-        lo, hi = _column_halves(acc.to(c_ptr.dtype.element_ty))
-        c_desc.store([row0, col0], lo)
-        c_desc.store([row0, col0 + acc.shape[1] // 2], hi)
-    else:
-        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
 
 
 @triton.jit
@@ -208,13 +121,13 @@ def persistent_gemm(
         out_rows = row0 + tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if DESC:
-            acc = _k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)
+            acc = k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)
         else:
-            acc = _k_loop_ptr(a_ptr, a_ptr, b_ptr, rows, cols, col_ok, K, 0, 0, stride_am, 0, stride_bk, stride_bn,
+            acc = k_loop_ptr(a_ptr, a_ptr, b_ptr, rows, cols, col_ok, K, 0, 0, stride_am, 0, stride_bk, stride_bn,
                               acc, False, BLOCK_K, EVEN_K, DOT_F32)
         if SCALED:
             acc = acc * scale
-        _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
+        store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
                      stride_cn, HAS_BIAS, DESC_C)
 
 
@@ -259,15 +172,15 @@ def gather_gemm(
                 fence_async_proxy(CLOCK)
             plane = tl.where(mine, own_plane, ws_plane)
             a_row = tl.where(mine, row0 - own_shift, row0)
-            acc = _k_loop_desc(a_desc, plane, a_row, b_desc, pid_n * BLOCK_N, K,
+            acc = k_loop_desc(a_desc, plane, a_row, b_desc, pid_n * BLOCK_N, K,
                                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), BLOCK_K, B_KMAJOR, DOT_F32, True)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc = _k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, stride_wm,
+            acc = k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, stride_wm,
                               stride_bk, stride_bn, acc, True, BLOCK_K, EVEN_K, DOT_F32)
         if SCALED:
             acc = acc * scale
-        _store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
+        store_plain(acc, c_ptr, c_desc, bias_ptr, row0, pid_n * BLOCK_N, out_rows, cols, col_ok, M, stride_cm,
                      stride_cn, HAS_BIAS, DESC_C)
     if RESET_AT_EXIT:  # the last program out zeroes this rank's flags and the exit count
         reset_at_exit(tick_ptr, flags_ptr, world * CHUNKS_PER_RANK, NUM_PROGRAMS)
@@ -318,9 +231,9 @@ def scatter_gemm(
         out_rows = row0 + tl.arange(0, BLOCK_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if DESC:
-            acc = _k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)
+            acc = k_loop_desc(a_desc, 0, row0, b_desc, pid_n * BLOCK_N, K, acc, BLOCK_K, B_KMAJOR, DOT_F32, False)
         else:
-            acc = _k_loop_ptr(a_ptr, a_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, 0, stride_bk,
+            acc = k_loop_ptr(a_ptr, a_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, 0, stride_bk,
                               stride_bn, acc, False, BLOCK_K, EVEN_K, DOT_F32)
         own_tile = False
         if REDUCE_OWN:
@@ -336,7 +249,7 @@ def scatter_gemm(
             own_chunks_ready(flags_ptr, expected_ptr, c_first, c_last, CHUNKS_PER_RANK, world, waiter, CLOCK)
             local = rows - rank * M_LOCAL
             if SPLIT_EPILOGUE:  # two column halves, one after the other: fewer live registers (no spills)
-                acc_lo, acc_hi = _column_halves(acc)
+                acc_lo, acc_hi = column_halves(acc)
                 cols_lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
                 reduce_own(acc_lo, c_ptr, out_ptr, bias_ptr, local, out_rows, cols_lo, N, M, M_LOCAL, rank, world,
                            stride_cm, stride_cn, stride_om, HAS_BIAS, ALIGN_C)
@@ -373,120 +286,9 @@ def scatter_gemm(
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
-@dataclass(frozen=True)
-class GemmTiles:
-    """The persistent GEMM's tile shape and pipeline.
-
-    ``tma``: load A and B through tensor descriptors (TMA) rather than pointers, on NVIDIA compute capability 9.0
-    and later and on the host backend (never on AMD). None: descriptors where B is passed transposed
-    (``linear.weight.t()``), pointers for B stored [K, N]; True: descriptors for both; False: never. Operands a
-    descriptor cannot describe (``desc_layout``) use pointers whatever this says.
-    """
-
-    block_m: int = 128
-    block_n: int = 256
-    block_k: int = 64
-    group_m: int = 8
-    num_warps: int = 8
-    num_stages: int = 3
-    num_xcds: int = 1
-    tma: bool | None = None
-
-
-@dataclass(frozen=True)
-class ScatterTarget:
-    """SCATTER: where the GEMM's tiles go. Row ``r`` of the output belongs to rank ``r // m_local``; a tile goes to
-    its owner's slot for this rank (``ptrs[owner]``, int64 [W] base addresses) and then bumps the owner's counter of
-    each chunk it covers (``counter_ptrs[owner]``).
-
-    ``local``: every address is on this GPU (GEMM-RS's copy variant: a staging buffer and local counters), so a tile
-    publishes with a device-scope release. ``free_sm``: leave one SM free, for a barrier kernel beside this GEMM
-    that some of its tiles wait for. ``claim`` and ``defer_release``: kernels.gemm's CLAIM and DEFER_RELEASE (None:
-    round-robin tiles, ``CLAIM_DEFAULT``; deferred where the counters are a peer's, not where they are local).
-    ``reduce_into`` (REDUCE_OWN): the output [M / W, N]; tiles of this rank's rows wait for every peer's count to
-    reach ``expected`` and add the peers' partials from ``c`` (this rank's receive slots [W, m_local, N]);
-    ``split_m``: how many m-tiles of the order hold peers' rows."""
-
-    ptrs: torch.Tensor
-    counter_ptrs: torch.Tensor
-    local: bool = False
-    free_sm: bool = False
-    claim: int | None = None
-    defer_release: bool | None = None
-    reduce_into: torch.Tensor | None = None
-    expected: torch.Tensor | None = None
-    split_m: int = 0
-
-
-#: CLAIM off the host backend: round-robin tiles with one start count per program (kernels.gemm CLAIM=0).
-CLAIM_DEFAULT = 0
-#: Whether C tiles are stored through a descriptor (a TMA store) where C can be described.
-TMA_STORE_DEFAULT = True
-
-
-def aligned(t: torch.Tensor, *strides: int) -> bool:
-    e = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s * e % 16 == 0 for s in strides)
-
-
-def _pair_gap(a, ws) -> int | None:
-    """Elements from the lower of ``a``'s and ``ws``'s addresses to the higher, when one descriptor can span both."""
-    e = a.element_size()
-    gap = abs(ws.data_ptr() - a.data_ptr())
-    return gap // e if gap % 16 == 0 and gap < (1 << 40) and a.stride(0) == ws.stride(0) else None
-
-
-def gather_a(a, ws, M: int, rank: int):
-    """AllGather's A for one 3-D descriptor [planes, M, K], so a GEMM's one K loop reads this rank's rows and its
-    peers' by plane index (the kernels' ``own_plane``, ``ws_plane`` and ``own_shift``): the shard and the workspace
-    as two planes, the lower in memory plane 0 and the other ``_pair_gap`` elements past it (only the shard plane's
-    first M_LOCAL rows are real; no tile reads others there: whole tiles of rows per rank); the shard alone when
-    ``ws`` is ``a`` (one rank); else, where one descriptor cannot span the two, the workspace alone, after copying
-    the shard into its own rows on the current stream (peers write only their own rows; in pull mode the producer
-    puts the same bytes there). Returns (base tensor, shape, strides, (own_plane, ws_plane, own_shift))."""
-    m_local, K = a.shape
-    if ws.data_ptr() == a.data_ptr():
-        return a, [1, M, K], [M * a.stride(0), a.stride(0), 1], (0, 0, 0)
-    gap = _pair_gap(a, ws)
-    if gap is None:
-        ws.narrow(0, rank * m_local, m_local).copy_(a)
-        return ws, [1, M, K], [M * ws.stride(0), ws.stride(0), 1], (0, 0, 0)
-    lo, planes = (a, (0, 1)) if a.data_ptr() < ws.data_ptr() else (ws, (1, 0))
-    return lo, [2, M, K], [gap, a.stride(0), 1], (*planes, rank * m_local)
-
-
-def desc_layout(backend: str, tiles: GemmTiles, a, ws, b, m_local: int, gather: bool) -> str | None:
-    """How B is described for the DESC path: "kn" ([K, N] rows; only with ``tiles.tma`` True), "nk" (B's
-    transpose, [N, K] rows: ``linear.weight.t()``), or None: pointers. Descriptors need 16-byte aligned bases and
-    row strides, unit stride in the last dimension, and with GATHER whole tiles of each rank's rows."""
-    if tiles.tma is False or not supports_tma(backend, a.device, tiles.block_m, tiles.block_n, tiles.block_k):
-        return None
-    if a.stride(1) != 1 or not aligned(a, a.stride(0)):
-        return None
-    if gather and (m_local % tiles.block_m != 0 or ws.stride(1) != 1 or not aligned(ws, ws.stride(0))):
-        return None
-    if b.stride(0) == 1 and b.stride(1) != 1 and aligned(b, b.stride(1)):
-        return "nk"
-    if tiles.tma and b.stride(1) == 1 and aligned(b, b.stride(0)):
-        return "kn"
-    return None
-
-
-def _describable(backend: str, tiles: GemmTiles, c) -> bool:
-    """Whether C's tiles can be stored through a descriptor (TMA): NVIDIA sm_90+ or the host backend, unit column
-    stride, 16-byte aligned base and row stride, tiles of at most 256 in each dimension (and half tiles, the store's
-    unit, at least 16 columns wide)."""
-    return (tiles.block_n >= 32 and supports_tma(backend, c.device, tiles.block_m, tiles.block_n)
-            and c.stride(1) == 1 and aligned(c, c.stride(0)))
-
-
-def _first(*values):
-    return next(v for v in values if v is not None)
-
-
 def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLayout | None = None, bias=None,
                 scales=None, workspace=None, scatter: ScatterTarget | None = None, exit_counts=None, op: int = 0,
-                tma_store: bool | None = None) -> None:
+                tma_store: bool = True) -> None:
     """``c = a @ b (+ bias)`` on the caller's stream, by the persistent GEMM for the job: ``gather_gemm`` with a
     ``workspace``, ``scatter_gemm`` with a ``scatter``, else ``persistent_gemm``.
 
@@ -495,8 +297,7 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
     ``workspace`` (GATHER): the [M, K] workspace other ranks' rows land in; ``a`` is this rank's shard, read in
     place. ``scatter``: see ScatterTarget. ``exit_counts`` (RESET_AT_EXIT, with GATHER or REDUCE_OWN): two
     int32s, zero at launch; the last program zeroes them and ``flags``. ``scales``: fp8's (scale_a, scale_b).
-    ``tma_store`` (None: TMA_STORE_DEFAULT): store C through a descriptor where it can be described (not with
-    SCATTER)."""
+    ``tma_store``: store C through a descriptor where it can be described (not with SCATTER)."""
     gather = workspace is not None
     if scatter is not None and (gather or scales is not None):
         raise ValueError("launch_gemm: a scatter (GEMM-RS) takes neither a workspace nor fp8 scales")
@@ -525,7 +326,7 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
         else:
             b_desc = TensorDescriptor(b.t(), [N, K], [b.stride(1), 1], [bn, bk])
     c_desc = None
-    if scatter is None and _first(tma_store, TMA_STORE_DEFAULT) and _describable(ctx.backend, tiles, c):
+    if scatter is None and tma_store and describable(ctx.backend, tiles, c):
         # the kernel stores each tile in two column halves (half the shared memory)
         c_desc = TensorDescriptor(c, [M, N], [c.stride(0), 1], [tiles.block_m, tiles.block_n // 2])
     consts = dict(HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
@@ -558,8 +359,8 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
                                                    and reduce_into.stride(0) * c.element_size() % 16 == 0)),
             WHOLE_TILES=layout.m_local % tiles.block_m == 0, LOCAL_COUNTERS=scatter.local,
             SPLIT_EPILOGUE=fused and tiles.block_n >= 32,
-            CLAIM=1 if ctx.interpreted else _first(scatter.claim, CLAIM_DEFAULT),
-            DEFER_RELEASE=bool(_first(scatter.defer_release, not scatter.local)),
+            CLAIM=1 if ctx.interpreted else scatter.claim,
+            DEFER_RELEASE=bool(not scatter.local if scatter.defer_release is None else scatter.defer_release),
             RESET_AT_EXIT=fused and exit_counts is not None,
         ), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     else:
@@ -571,7 +372,7 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
     ctx.after_launch()
 
 
-def plain_gemm(ctx, tiles: GemmTiles, a, b, c, bias=None, scales=None, tma_store: bool | None = None):
+def plain_gemm(ctx, tiles: GemmTiles, a, b, c, bias=None, scales=None, tma_store: bool = True):
     """A callable that launches the persistent GEMM alone, ``c = a @ b (+ bias)``: no waits, no communication (the
     consumer alone in benchmarks and tuning, and fp8's fallback matmul)."""
     order = torch.arange(cdiv(a.shape[0], tiles.block_m), dtype=torch.int32, device=a.device)

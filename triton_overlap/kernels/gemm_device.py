@@ -7,7 +7,9 @@
   ``reduce_own`` adds them and the bias to the tile and stores the output; ``publish`` bumps an owner's counters
   once a tile of its rows is stored;
 * ``reset_at_exit``: the last program out zeroes the flags (RESET_AT_EXIT);
-* ``fence_async_proxy``: a tile that waited on a flag orders that acquire before its TMA loads.
+* ``fence_async_proxy``: a tile that waited on a flag orders that acquire before its TMA loads;
+* kernels.gemm's K loops (``k_loop_desc`` through descriptors, ``k_loop_ptr`` through pointers), its plain tile
+  store (``store_plain``, ``column_halves``) and AMD's program renumbering (``remap_xcd``).
 
 Plain Triton (``@triton.jit``): the Gluon kernels call them as they are.
 """
@@ -108,3 +110,88 @@ def fence_async_proxy(CLOCK: tl.constexpr):
     if CLOCK == 1:
         tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                                   is_pure=False, pack=1)
+
+
+@triton.jit
+def remap_xcd(pid, NUM_PROGRAMS: tl.constexpr, NUM_XCDS: tl.constexpr):
+    """AMD: workgroups are dealt round-robin to XCDs; renumber so that neighbouring
+    program ids (neighbouring tiles, shared operands) share an XCD and its L2."""
+    if NUM_XCDS == 1:
+        out = pid
+    else:
+        per_xcd = NUM_PROGRAMS // NUM_XCDS
+        out = tl.where(pid < per_xcd * NUM_XCDS, (pid % NUM_XCDS) * per_xcd + pid // NUM_XCDS, pid)
+    return out
+
+
+@triton.jit
+def k_loop_desc(src, plane, row, b_desc, col, K, acc, BLOCK_K: tl.constexpr, B_KMAJOR: tl.constexpr,
+                 DOT_F32: tl.constexpr, PLANES: tl.constexpr):
+    """acc += A[row:row+BLOCK_M, :] @ B[:, col:col+BLOCK_N], both through descriptors (zero-filled at the edges);
+    PLANES: ``src`` is 3-D, A is its plane ``plane``."""
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if PLANES:
+            a = src.load([plane, row, k * BLOCK_K]).reshape(acc.shape[0], BLOCK_K)
+        else:
+            a = src.load([row, k * BLOCK_K])
+        if B_KMAJOR:
+            b = b_desc.load([col, k * BLOCK_K]).T
+        else:
+            b = b_desc.load([k * BLOCK_K, col])
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def k_loop_ptr(a_ptr, ws_ptr, b_ptr, rows, cols, col_ok, K, M_LOCAL, rank, stride_am, stride_wm, stride_bk,
+                stride_bn, acc, GATHER: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                DOT_F32: tl.constexpr):
+    """acc += A[rows, :] @ B[:, cols] through pointers (rows clamped in range, columns masked)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if GATHER:
+        mine = (rows // M_LOCAL) == rank
+        a_rows = tl.where(mine, a_ptr + (rows - rank * M_LOCAL) * stride_am, ws_ptr + rows * stride_wm)
+    else:
+        a_rows = a_ptr + rows * stride_am
+    a_ptrs = a_rows[:, None] + offs_k[None, :]
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
+        else:
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
+        if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
+def column_halves(tile):
+    """A [M, N] tile's left and right [M, N // 2] halves."""
+    return tl.split(tl.permute(tl.reshape(tile, (tile.shape[0], 2, tile.shape[1] // 2)), (0, 2, 1)))
+
+
+@triton.jit
+def store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_ok, M, stride_cm, stride_cn,
+                 HAS_BIAS: tl.constexpr, DESC_C: tl.constexpr):
+    """acc (+ bias) into C[out_rows, cols]: through C's descriptor (DESC_C: a TMA store, clipped at the edges) or
+    pointers (masked)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if DESC_C:  # two column halves (c_desc's block is [BLOCK_M, BLOCK_N // 2]): half the shared memory
+        lo, hi = column_halves(acc.to(c_ptr.dtype.element_ty))
+        c_desc.store([row0, col0], lo)
+        c_desc.store([row0, col0 + acc.shape[1] // 2], hi)
+    else:
+        c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])

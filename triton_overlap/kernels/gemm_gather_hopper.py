@@ -40,10 +40,10 @@ from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
 from .capability import gluon_available, is_sm90
 from .chunks import chunk_of_row
-from .gemm import aligned, desc_layout, gather_a
 from .gemm_device import fence_async_proxy, grouped_tile, reset_at_exit
-from .gemm_warp_specialized import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, TILES, b_descriptor, programs
-from .gluon_shims import barrier, shared_layout, tma_load
+from .gemm_hopper_tiles import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, TILES, programs
+from .gemm_operands import aligned, desc_layout, gather_a
+from .gluon_shims import b_descriptor, barrier, shared_layout, tma_load
 from .signal import wait_for, waiter
 
 
@@ -277,8 +277,9 @@ def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, o
     block = [1, TILES.block_m, TILES.block_k]
     a_desc = TensorDescriptor(base, shape, strides, block, shared_layout(block, gdt))
     grid = programs(ctx, M, N, peer_stores=False)  # an SM left to the producer's barrier kernel
+    b_desc = b_descriptor(w, b_layout, gdt, TILES.block_k, TILES.block_n)
     launch(ag_gemm_hopper, (grid,), (
-        a_desc, b_descriptor(w, b_layout, gdt), c, bias if bias is not None else c, flags, order, exit_counts,
+        a_desc, b_desc, c, bias if bias is not None else c, flags, order, exit_counts,
         waiter(ctx, op, rank), W, M, N, K, m_local, layout.m_per_chunk, layout.chunks_per_rank, c.stride(0), *planes,
     ), dict(BLOCK_N=TILES.block_n, GROUP_M=TILES.group_m, NUM_PROGRAMS=grid, NUM_STAGES=TILES.num_stages,
             B_KMAJOR=b_layout == "nk", HAS_BIAS=bias is not None, CLOCK=ctx.clock,

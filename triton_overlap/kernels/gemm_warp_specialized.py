@@ -54,9 +54,10 @@ from ..plan import ChunkLayout, cdiv
 from .cached_launch import launch
 from .capability import gluon_available, is_sm90
 from .chunks import chunk_of_row
-from .gemm import GemmTiles, desc_layout
 from .gemm_device import own_chunks_ready, publish, reduce_own, reset_at_exit, rs_tile
-from .gluon_shims import barrier, shared_layout, tma_load
+from .gemm_hopper_tiles import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, SUB_M, TILES, programs
+from .gemm_operands import desc_layout
+from .gluon_shims import b_descriptor, barrier, tma_descriptor, tma_load
 from .signal import WHAT_PEER_STARTED, WHAT_STARTED, error_code, wait_for, waiter
 
 
@@ -374,38 +375,6 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, c
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
-#: The kernel's tiles and pipeline: kernels.gemm's 128 x 256 tile, its float32 accumulator over two warpgroups (128
-#: registers a thread), 3 stages of 128 x 64 + 64 x 256 bf16 (144 KiB) and the tile buffer the epilogue reads
-#: (128 x 256 of the output dtype, 64 KiB).
-TILES = GemmTiles(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3, tma=True)
-#: The epilogue partition's warps and the registers (setmaxnreg) a thread of it may use; the kernel-wide cap that
-#: 12 warps leave (ptxas, sm_90a: 168 registers, no spills).
-EPILOGUE_WARPS = 4
-EPILOGUE_REGS = 152
-SUB_M = 32
-MAXNREG = 168
-#: Whether a program's last own-row tile gets its first peer partial by one TMA load (where the receive slots' rows
-#: are 16-byte aligned) rather than by its epilogue warps' loads.
-PRELOAD_BY_TMA = True
-
-
-def tma_descriptor(t, shape, stride: int, block, gdt):
-    """A Gluon TMA descriptor over 2-D ``t`` (rows ``stride`` elements apart, unit column stride) in ``block``
-    blocks of Gluon dtype ``gdt``, in its default shared layout."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor(t, shape, [stride, 1], block, shared_layout(block, gdt))
-
-
-def b_descriptor(w, b_layout: str, gdt):
-    """B's descriptor for these TILES: ``w`` [K, N] in [BLOCK_K, BLOCK_N] blocks ("kn"), or its transpose [N, K]
-    (``linear.weight.t()``) in [BLOCK_N, BLOCK_K] blocks ("nk")."""
-    (K, N), bn, bk = w.shape, TILES.block_n, TILES.block_k
-    if b_layout == "kn":
-        return tma_descriptor(w, [K, N], w.stride(0), [bk, bn], gdt)
-    return tma_descriptor(w.t(), [N, K], w.stride(1), [bn, bk], gdt)
-
-
 def layout_for(ctx, a, w, m_local: int) -> str | None:
     """How B is described if this call can run on this kernel ("kn" or "nk", as kernels.gemm.desc_layout says),
     else None: the cuda backend on compute capability 9.0, every rank's rows whole 128-row tiles, A and B
@@ -413,13 +382,6 @@ def layout_for(ctx, a, w, m_local: int) -> str | None:
     if ctx.backend != "cuda" or m_local % TILES.block_m or not is_sm90(a.device.index) or not gluon_available():
         return None
     return desc_layout(ctx.backend, TILES, a, None, w, m_local, False)
-
-
-def programs(ctx, m: int, n: int, peer_stores: bool) -> int:
-    """The grid for ``m`` x ``n``: a program per SM, at most one per tile. The copy variant leaves an SM for the
-    barrier on its copy stream; the store variant (``peer_stores``) launches no barrier kernel."""
-    spare = 0 if peer_stores else 1
-    return max(1, min(ctx.num_compute_units() - spare, cdiv(m, TILES.block_m) * cdiv(n, TILES.block_n)))
 
 
 def launch_gemm_rs(ctx, b_layout: str, a, w, c, out, bias, layout: ChunkLayout, order, expected, counters,
@@ -439,10 +401,10 @@ def launch_gemm_rs(ctx, b_layout: str, a, w, c, out, bias, layout: ChunkLayout, 
     bm, bn, bk = TILES.block_m, TILES.block_n, TILES.block_k
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
     a_desc = tma_descriptor(a, [M, K], a.stride(0), [bm, bk], gdt)
-    b = b_descriptor(w, b_layout, gdt)
+    b = b_descriptor(w, b_layout, gdt, TILES.block_k, TILES.block_n)
     grid = programs(ctx, M, N, peer_stores=starts is not None)
     align = N % 16 == 0 and out.data_ptr() % 16 == 0 and out.stride(0) * out.element_size() % 16 == 0
-    preload_tma = preload and PRELOAD_BY_TMA and c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
+    preload_tma = preload and c.data_ptr() % 16 == 0 and c.stride(0) * c.element_size() % 16 == 0
     c_desc = tma_descriptor(c, [W * m_local, N], c.stride(0), [bm, bn], gdt) if preload_tma else b
     launch(rs_gemm_ws, (grid,), (
         a_desc, b, c_desc, c, out, bias if bias is not None else out, scatter_ptrs, counter_ptrs, counters,

@@ -41,3 +41,20 @@ def shared_layout(block, dtype):
 @functools.lru_cache(maxsize=None)
 def _default_layout(block: tuple, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), dtype)
+
+
+def tma_descriptor(t, shape, stride: int, block, gdt):
+    """A Gluon TMA descriptor over 2-D ``t`` (rows ``stride`` elements apart, unit column stride) in ``block``
+    blocks of Gluon dtype ``gdt``, in its default shared layout."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    return TensorDescriptor(t, shape, [stride, 1], block, shared_layout(block, gdt))
+
+
+def b_descriptor(w, b_layout: str, gdt, block_k: int, block_n: int):
+    """A GEMM's B: ``w`` [K, N] in [block_k, block_n] blocks ("kn"), or its transpose [N, K] (``linear.weight.t()``)
+    in [block_n, block_k] blocks ("nk")."""
+    K, N = w.shape
+    if b_layout == "kn":
+        return tma_descriptor(w, [K, N], w.stride(0), [block_k, block_n], gdt)
+    return tma_descriptor(w.t(), [N, K], w.stride(1), [block_n, block_k], gdt)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..kernels.attention import Blocks
-from ..kernels.gemm import GemmTiles
+from ..kernels.gemm_operands import GemmTiles
 from ..plan import cdiv
 
 
@@ -51,7 +51,7 @@ class AllGatherGEMMConfig(ChunkedGemmConfig):
     rank reads its peers' rows from their workspaces and raises its own flags; a local copy of the shard and a
     second barrier per call). ``consumer_first``: launch the GEMM before enqueueing the copies, so the GPU computes
     on the local shard while the host enqueues them (not on a shape's first call, which builds the kernels).
-    ``tma_store``: store C tiles through a tensor descriptor where C can be described (None: on). ``gemm``: the
+    ``tma_store``: store C tiles through a tensor descriptor where C can be described. ``gemm``: the
     consumer GEMM: "gluon", on Hopper with 16-bit operands the GEMM in Gluon (kernels.gemm_gather_hopper: the next
     tile's loads start during this tile's K loop) with its own tiles, where it can run (else kernels.gemm);
     "triton", kernels.gemm; "auto", "gluon" with push and "triton" with pull. The Gluon GEMM never runs with
@@ -60,7 +60,7 @@ class AllGatherGEMMConfig(ChunkedGemmConfig):
 
     mode: str = "push"
     consumer_first: bool = False
-    tma_store: bool | None = None
+    tma_store: bool = True
     gemm: str = "auto"
 
     def __post_init__(self):
@@ -97,7 +97,7 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
     epilogue and store the output, where every rank's rows are whole ``block_m`` tiles (None: yes); False: a
     separate kernel sums the partials. ``claim``: how the fused GEMM's programs take tiles so that no own-row wait
     can block a peer tile (kernels.gemm CLAIM): 1, one by one through an atomic counter; 0, round-robin with one
-    start count per program; None: kernels.gemm.CLAIM_DEFAULT (the host backend always takes 1).
+    start count per program (the host backend always takes 1).
     ``defer_release``: bump a tile's chunk counters after the next tile's K loop, when its stores have landed
     (None: where the counters are a peer's, not where they are local). ``gemm``: the GEMM: "gluon" (or "auto"),
     with the reduction fused, on Hopper, the warp-specialized Gluon GEMM (kernels.gemm_warp_specialized: the
@@ -107,7 +107,7 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
 
     scatter: str = "auto"
     fuse_reduce: bool | None = None
-    claim: int | None = None
+    claim: int = 0
     defer_release: bool | None = None
     gemm: str = "auto"
     copy_bytes: int = 32 << 20
@@ -116,8 +116,8 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
     def __post_init__(self):
         if self.gemm not in GEMMS:
             raise ValueError(f"GEMMReduceScatterConfig.gemm must be one of {GEMMS}, got {self.gemm!r}")
-        if self.claim not in (None, 0, 1):
-            raise ValueError(f"GEMMReduceScatterConfig.claim must be None, 0 or 1, got {self.claim!r}")
+        if self.claim not in (0, 1):
+            raise ValueError(f"GEMMReduceScatterConfig.claim must be 0 or 1, got {self.claim!r}")
         if self.scatter not in ("store", "copy", "auto"):
             raise ValueError(f"GEMMReduceScatterConfig.scatter must be 'store', 'copy' or 'auto', "
                              f"got {self.scatter!r}")

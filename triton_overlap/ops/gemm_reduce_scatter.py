@@ -21,7 +21,8 @@ import torch
 
 from ..context.collectives import reduce_scatter_rows
 from ..kernels import gemm_warp_specialized as warp_specialized
-from ..kernels.gemm import ScatterTarget, launch_gemm
+from ..kernels.gemm import launch_gemm
+from ..kernels.gemm_operands import ScatterTarget
 from ..kernels.reduce import launch_reduce
 from ..plan import ChunkLayout, ScatterSchedule, cdiv, scatter_schedule
 from ..producers import pipeline
@@ -242,7 +243,7 @@ class GEMMReduceScatter(OverlapOp):
         where it can), the scatter's schedule (copy streams, tile order, counts) and the call's header."""
         ctx = self.ctx
         W = ctx.world_size
-        (M, K), N = a.shape, w.shape[1]
+        M, N = a.shape[0], w.shape[1]
         cfg, fuse, b_layout = self._gemm_config(a, w, overrides)
         copy = ctx.num_hosts > 1 or scatter_mode(cfg, M, N, a.element_size(), ctx.copy_engines, W) == "copy"
         key = (M, N, a.dtype, cfg, fuse, b_layout, copy)
