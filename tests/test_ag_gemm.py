@@ -507,15 +507,15 @@ def _staged_case(case):
     """contract.matches_reference with no descriptor spanning the shard and the workspace (as when the two lie 2^40
     bytes apart or more): the GEMM (the Gluon one or kernels.gemm's descriptor path) reads this rank's rows from the
     workspace, copied there before the launch. Returns the worst error and how often a GEMM asked for the span."""
-    from triton_overlap.kernels import gemm
+    from triton_overlap.kernels import gemm_operands
 
     calls = []
-    spans = gemm._pair_gap
-    gemm._pair_gap = lambda a, ws: calls.append(1)  # None: no span
+    spans = gemm_operands.pair_gap
+    gemm_operands.pair_gap = lambda a, ws: calls.append(1)  # None: no span
     try:
         return contract.matches_reference(AG_GEMM, case), len(calls)
     finally:
-        gemm._pair_gap = spans
+        gemm_operands.pair_gap = spans
 
 
 #: (host, GPU) case indices: descriptors with pull and with push (host); kernels.gemm's descriptors with push, the
