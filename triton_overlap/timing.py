@@ -25,10 +25,10 @@ def capture(fn) -> torch.cuda.CUDAGraph:
 def spin(us: float) -> None:
     """Enqueue a one-program kernel that spins ``us`` µs of wall-clock time on the current stream (the GPU's
     ns timer, not its SM clock, which differs between GPUs and over time)."""
-    from .kernels.signal import spin_kernel
+    from .kernels.signal import TICKS_PER_SECOND, spin_kernel
 
-    hip = torch.version.hip is not None
-    spin_kernel[(1,)](int(us * (100 if hip else 1000)), CLOCK=2 if hip else 1, num_warps=1)
+    clock = 2 if torch.version.hip is not None else 1
+    spin_kernel[(1,)](int(us * TICKS_PER_SECOND[clock] / 10 ** 6), CLOCK=clock, num_warps=1)
 
 
 def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, lead_us: float = 0.0) -> float:

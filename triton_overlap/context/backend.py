@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.signal import TICKS_PER_SECOND
 from .wire import Wire, wire_exchange  # noqa: F401 - what Stream.exchange takes, and how backends without NCCL send
 
 
@@ -76,8 +77,6 @@ class Backend(abc.ABC):
     #: the clock the kernels' waits read (kernels.signal CLOCK): 0, the milliseconds a thread of the host backend
     #: writes into the error word; 1, CUDA's %globaltimer (ns); 2, AMD's s_memrealtime (100 MHz)
     clock: int = 0
-    #: how many times ``clock`` ticks in a second: the unit of the kernels' wait budgets (``timeout_budget``)
-    ticks_per_second: int = 1000
     #: kernels run in Triton's interpreter on the CPU (float accumulations take float32 dots there)
     interpreted: bool = False
     #: a kernel launch returns only once the kernel has ended (the interpreter runs it on the calling thread)
@@ -119,6 +118,11 @@ class Backend(abc.ABC):
     def use_stream(self, stream: Stream):
         """Context manager making ``stream`` current for kernel launches."""
         raise NotImplementedError
+
+    @property
+    def ticks_per_second(self) -> int:
+        """How many times ``clock`` ticks in a second (kernels.signal.TICKS_PER_SECOND)."""
+        return TICKS_PER_SECOND[self.clock]
 
     def timeout_budget(self, timeout_s: float) -> int:
         """``timeout_s`` in ticks of ``clock``, the unit the kernels' wait loops count in (at least one)."""

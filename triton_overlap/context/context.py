@@ -117,13 +117,6 @@ class Context:
                          "(hostname and boot id; TRITON_OVERLAP_VIRTUAL_HOSTS splits one machine for tests).")
     local_ranks = property(lambda self: self.topology.local_ranks(self.rank),
                            doc="The group ranks on this rank's host, this rank included.")
-    store = property(lambda self: self._control.store, doc="The key-value store of this Context's host-side "
-                     "exchanges (a prefix of the process group's store).")
-    resets = property(lambda self: self._resets, doc="How many times ``reset()`` has run.")
-    call_number = property(lambda self: self._barrier_count, doc="The device int32 holding how many barriers this "
-                           "rank has passed: the number of the call in progress, once its barrier has run.")
-    generation = property(lambda self: self._heap.generation, doc="Bumped whenever a symmetric buffer is allocated "
-                          "or freed, and by ``reset()``: what holds addresses or captured calls drops them.")
 
     def across_hosts(self, what: str, why: str) -> str:
         """Why ``what`` cannot overlap on this Context's group, which spans hosts (ops take their torch.distributed

@@ -222,7 +222,6 @@ class CudaStream(Stream):
 class CudaBackend(Backend):
     name = "cuda"
     clock = 1
-    ticks_per_second = 10 ** 9  # %globaltimer counts nanoseconds
 
     stream_class = CudaStream
 

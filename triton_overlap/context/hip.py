@@ -62,7 +62,6 @@ class HipBackend(CudaBackend):
 
     name = "hip"
     clock = 2
-    ticks_per_second = 10 ** 8  # s_memrealtime ticks at 100 MHz
     stream_class = HipStream
 
     def alloc(self, nbytes):

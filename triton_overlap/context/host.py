@@ -200,7 +200,6 @@ def _patch_interpreter_index() -> None:
 class HostBackend(Backend):
     name = "host"
     clock = 0
-    ticks_per_second = 1000  # milliseconds (the clock thread's, error_mirror)
     interpreted = synchronous_launches = True
     copy_engines = False
 

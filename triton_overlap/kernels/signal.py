@@ -64,6 +64,14 @@ HOST_PAUSE = tl.constexpr(_host_pause)
 HEADER_WORDS = 8
 
 
+#: How often each wait clock (a kernel's CLOCK) ticks in a second: 0, the milliseconds the host backend's clock
+#: thread writes into the error word; 1, CUDA's %globaltimer (ns); 2, AMD's s_memrealtime (100 MHz).
+TICKS_PER_SECOND = (1000, 10 ** 9, 10 ** 8)
+_US_PER_HOST_TICK = tl.constexpr(10 ** 6 // TICKS_PER_SECOND[0])
+_CUDA_TICKS_PER_US = tl.constexpr(TICKS_PER_SECOND[1] // 10 ** 6)
+_HIP_TICKS_PER_US = tl.constexpr(TICKS_PER_SECOND[2] // 10 ** 6)
+
+
 @triton.jit
 def _cuda_globaltimer():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
@@ -93,11 +101,11 @@ def _now(err_ptr, CLOCK: tl.constexpr):
 @triton.jit
 def _to_us(ticks, CLOCK: tl.constexpr):
     if CLOCK == 0:
-        us = ticks * 1000
+        us = ticks * _US_PER_HOST_TICK
     elif CLOCK == 1:
-        us = ticks // 1000
+        us = ticks // _CUDA_TICKS_PER_US
     else:
-        us = ticks // 100
+        us = ticks // _HIP_TICKS_PER_US
     return us
 
 
