@@ -98,6 +98,8 @@ def _bad_inputs(ctx):
     odd = [rand((1, 15, h, 64), bf, dev, n) for n, h in (("q", 4), ("k", 2), ("k", 2))]
     bad = [
         ("chunks_per_rank", lambda: to.ContextParallelAttention(ctx, chunks_per_rank=3)),
+        ("differs from the config", lambda: to.ContextParallelAttention(ctx, chunks_per_rank=4,
+                                                                        config=to.AttentionConfig(chunks_per_rank=2))),
         ("num_streams", lambda: to.AttentionConfig(num_streams=0)),
         ("multiple of Hkv", lambda: op(rand((1, 16, 3, 64), bf, dev, "q"), kv, kv)),
         ("head dim", lambda: op(rand((1, 16, 4, 32), bf, dev, "q"), rand((1, 16, 2, 32), bf, dev, "k"),

@@ -36,8 +36,9 @@ class ContextParallelAttention(OverlapOp):
 
     ``op(q, k, v, causal=True, softmax_scale=None) -> (out, lse)``: q is [B, S_local, Hq, D], k and v
     [B, S_local, Hkv, D] in the zigzag layout; out is like q, lse is [B, Hq, S_local] float32 (natural log).
-    ``chunks_per_rank`` sets how finely each rank's K/V is cut for the flags (even); ``config`` (AttentionConfig)
-    sets it and the kernels' tiles.
+    ``chunks_per_rank`` sets how finely each rank's K/V is cut for the flags (even; 2 by default) with the tuned or
+    default tiles; ``config`` (AttentionConfig) sets it and the kernels' tiles instead (a ``chunks_per_rank`` that
+    differs from the config's raises ValueError).
 
     ``keep_kv``: backward reads the K/V gathered in forward, kept between the passes (2 x [B, W * S_local, Hkv, D]
     per call that autograd holds), instead of gathering them again with the copy engines (the default: the gather
@@ -54,10 +55,12 @@ class ContextParallelAttention(OverlapOp):
     KIND = "cp_attention"
     ACROSS_HOSTS = True
 
-    def __init__(self, ctx, *, chunks_per_rank: int = 2, config: AttentionConfig | None = None,
+    def __init__(self, ctx, *, chunks_per_rank: int | None = None, config: AttentionConfig | None = None,
                  keep_kv: bool = False, name: str | None = None, replay: bool = True):
-        if config is not None:
-            chunks_per_rank = config.chunks_per_rank
+        if config is not None and chunks_per_rank not in (None, config.chunks_per_rank):
+            raise ValueError(f"ContextParallelAttention: chunks_per_rank={chunks_per_rank} differs from the config's "
+                             f"{config.chunks_per_rank}: the config's field decides, pass one or the other")
+        chunks_per_rank = config.chunks_per_rank if config is not None else chunks_per_rank or 2
         if chunks_per_rank < 2 or chunks_per_rank % 2:
             raise ValueError(f"chunks_per_rank must be an even number >= 2, got {chunks_per_rank}")
         super().__init__(ctx, config, fallback="never", name=name, replay=replay)
