@@ -83,6 +83,22 @@ def test_tiles_only_entry_keeps_the_ops_other_defaults(tmp_path, monkeypatch):
     assert {k: getattr(op.config_for((96, 48, 40)), k) for k in tiles} == tiles
 
 
+def test_entries_of_older_tables_still_read(tmp_path, monkeypatch):
+    """A table saved whole by an older tuner names ``gluon`` / ``warp_specialized`` (now ``gemm``) and fields that
+    were None (``tma_store``, ``claim``): they read as the same choices."""
+    import triton_overlap as to
+
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv("TRITON_OVERLAP_TUNED", str(path))
+    old = {"block_m": 64, "tma_store": None, "claim": None, "gluon": False, "warp_specialized": None}
+    tuning.save(path, "ag_gemm", "host", "any", [96, 48, 40], {k: v for k, v in old.items() if k != "claim"})
+    tuning.save(path, "gemm_rs", "host", "any", [96, 48, 40], dict(old, gluon=None, warp_specialized=True))
+    ag = to.AllGatherGEMM(OfflineContext()).config_for((96, 48, 40))
+    assert (ag.block_m, ag.tma_store, ag.gemm) == (64, True, "triton")
+    rs = to.GEMMReduceScatter(OfflineContext()).config_for((96, 48, 40))
+    assert (rs.block_m, rs.claim, rs.gemm) == (64, 0, "gluon")
+
+
 def test_tune_cp_attention_dry_run_checks_every_kernel(tmp_path):
     """scripts/tune.py cp_attention end to end on the host backend: every forward, dQ and dK/dV candidate runs and
     passes its check against torch, and the entry holds the three kernels' tiles."""

@@ -108,7 +108,13 @@ class OverlapOp:
         raise NotImplementedError
 
     def from_table(self, found: dict, base):
-        """The config a tuned entry makes of the defaults (an entry may name some fields only)."""
+        """The config a tuned entry makes of the defaults (an entry may name some fields only). Entries written
+        before ``gemm`` replaced ``gluon`` and ``warp_specialized`` still read: a field given as None keeps its
+        default, and those two map onto ``gemm``."""
+        found = {k: v for k, v in found.items() if v is not None}
+        for old in ("gluon", "warp_specialized"):
+            if old in found:
+                found.setdefault("gemm", "gluon" if found.pop(old) else "triton")
         return replace(base, **found)
 
     def config_for(self, shape, variant: str = ""):

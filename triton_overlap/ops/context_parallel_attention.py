@@ -60,7 +60,8 @@ class ContextParallelAttention(OverlapOp):
         if config is not None and chunks_per_rank not in (None, config.chunks_per_rank):
             raise ValueError(f"ContextParallelAttention: chunks_per_rank={chunks_per_rank} differs from the config's "
                              f"{config.chunks_per_rank}: the config's field decides, pass one or the other")
-        chunks_per_rank = config.chunks_per_rank if config is not None else chunks_per_rank or 2
+        if chunks_per_rank is None:
+            chunks_per_rank = 2 if config is None else config.chunks_per_rank
         if chunks_per_rank < 2 or chunks_per_rank % 2:
             raise ValueError(f"chunks_per_rank must be an even number >= 2, got {chunks_per_rank}")
         super().__init__(ctx, config, fallback="never", name=name, replay=replay)
