@@ -67,21 +67,6 @@ class ChunkLayout:
         hi = min(lo + block_m, m) - 1
         return range(self.chunk_of_row(lo), self.chunk_of_row(hi) + 1)
 
-    def stream_schedule(self, n_streams: int, peers_in_order: list[int]) -> dict[int, tuple[int, int]]:
-        """When each chunk of each peer moves: {chunk id of (peer, j): (position in its stream, stream)}.
-
-        Peer ``peers_in_order[i]`` uses stream ``i % n_streams``; a stream moves its peers one after another,
-        chunk by chunk, and streams run at once.
-        """
-        when: dict[int, tuple[int, int]] = {}
-        seq = [0] * n_streams
-        for i, peer in enumerate(peers_in_order):
-            s = i % n_streams
-            for j in range(self.chunks_per_rank):
-                when[self.chunk_id(peer, j)] = (seq[s], s)
-                seq[s] += 1
-        return when
-
     def tile_order(self, block_m: int, when: dict[int, tuple], last: bool = False) -> list[int]:
         """m-tiles sorted by the latest of their chunks' times (chunks missing from ``when`` come first, or last
         with ``last=True``): the order a consumer (or producer) should take them."""
@@ -193,7 +178,8 @@ class ScatterSchedule:
     take turns among the streams where there are more streams than peers. ``remote``: the owners on other hosts,
     whose chunks go through the process group on one more stream (empty within one host). ``tile_order``: the
     GEMM's m-tiles, other hosts' owners' rows first (they take the network), then this host's peers' in send order
-    and chunk by chunk, this rank's own last. ``counts[owner][j]``: the count chunk ``j`` of each owner's rows
+    and chunk by chunk, this rank's own last; ``peer_tiles``: how many of its first m-tiles hold peers' rows (with
+    whole tiles of rows per rank). ``counts[owner][j]``: the count chunk ``j`` of each owner's rows
     reaches once every tile over it is stored (ChunkLayout.tile_stores). ``reset_by``: who zeroes this rank's
     counters after the call: "consumer" (the GEMM's last program, where it sums the partials itself) or
     "reduction" (the reduction kernel's stream, after it)."""
@@ -205,6 +191,7 @@ class ScatterSchedule:
     copy_streams: tuple
     remote: tuple
     tile_order: tuple
+    peer_tiles: int
     counts: tuple
     reset_by: str
 
@@ -237,5 +224,5 @@ def scatter_schedule(layout: ChunkLayout, rank: int, hosts, *, copy: bool, num_s
     when = {layout.chunk_id(p, j): (i, j) for i, p in enumerate(ordered) for j in range(cpr)}
     tiles = tuple(layout.tile_order(block_m, when, last=True))
     counts = tuple(tuple(c) for c in layout.tile_stores(block_m, n_tiles))
-    return ScatterSchedule(layout, rank, local, copy, streams, remote, tiles, counts,
-                           "consumer" if fused else "reduction")
+    return ScatterSchedule(layout, rank, local, copy, streams, remote, tiles, (W - 1) * layout.m_local // block_m,
+                           counts, "consumer" if fused else "reduction")

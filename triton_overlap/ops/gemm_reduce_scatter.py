@@ -211,6 +211,8 @@ class GEMMReduceScatter(OverlapOp):
             producer = pipeline.BarrierOnly(sched.call)
             ptrs, counter_ptrs = recv.ptrs, counters.ptrs
 
+        resets = sched.scatter.reset_by  # who zeroes this rank's counters: the GEMM's last program, or the reduction
+
         def reduce():  # a reduction kernel sums the partials; its counters are then reset on this stream
             launch_reduce(ctx, recv.local, out, bias, counters.local, expected, layout, op=self.op)
             counters.local.zero_()  # every count was seen; peers add again only after the next barrier
@@ -224,14 +226,14 @@ class GEMMReduceScatter(OverlapOp):
             # the copy variant's GEMM waits (own rows) for copies that wait for a barrier kernel: leave it an SM
             target = ScatterTarget(ptrs, counter_ptrs, local=copy, free_sm=copy and fuse, claim=cfg.claim,
                                    defer_release=cfg.defer_release, reduce_into=out if fuse else None,
-                                   expected=expected, split_m=(W - 1) * m_local // cfg.block_m)
+                                   expected=expected, split_m=sched.scatter.peer_tiles)
             launch_gemm(ctx, cfg, a, w, c, order=order, flags=counters.local, layout=layout,
-                        bias=bias if fuse else None, scatter=target, exit_counts=self._exit_counts() if fuse else None,
-                        op=self.op)
-            if not fuse and not late:
+                        bias=bias if fuse else None, scatter=target,
+                        exit_counts=self._exit_counts() if resets == "consumer" else None, op=self.op)
+            if resets == "reduction" and not late:
                 reduce()
 
-        # (fused: the GEMM's last program zeroes the counters; the copy streams zero the local counts they waited on)
+        # (the copy streams zero the local counts they waited on)
         pipeline.run(ctx, producer, consumer, consumer_first=copy)
         if late:
             reduce()
@@ -245,7 +247,7 @@ class GEMMReduceScatter(OverlapOp):
         W = ctx.world_size
         M, N = a.shape[0], w.shape[1]
         cfg, fuse, b_layout = self._gemm_config(a, w, overrides)
-        copy = ctx.num_hosts > 1 or scatter_mode(cfg, M, N, a.element_size(), ctx.copy_engines, W) == "copy"
+        copy = scatter_mode(cfg, M, N, a.element_size(), ctx.copy_engines, W) == "copy"  # (across hosts: the schedule's)
         key = (M, N, a.dtype, cfg, fuse, b_layout, copy)
         found = self.state.setdefault("schedules", {}).get(key)
         if found is None:
@@ -253,7 +255,7 @@ class GEMMReduceScatter(OverlapOp):
             layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local, N * a.element_size()))
             scatter = scatter_schedule(layout, ctx.rank, ctx.topology.hosts, copy=copy, num_streams=cfg.num_streams,
                                        block_m=cfg.block_m, n_tiles=cdiv(N, cfg.block_n), fused=fuse)
-            call = self.call_header((M, N, a.dtype, "copy" if copy else "store", fuse, b_layout is not None,
+            call = self.call_header((M, N, a.dtype, "copy" if scatter.copy else "store", fuse, b_layout is not None,
                                      layout.m_per_chunk, cfg.block_m, cfg.block_n), (M, N))
             found = self.state["schedules"][key] = GEMMReduceScatterSchedule(
                 cfg, fuse, "gemm_warp_specialized" if b_layout is not None else "gemm", b_layout, scatter,
