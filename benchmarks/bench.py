@@ -477,7 +477,7 @@ def bench_cp_attention(ctx, shapes, iters, write_partial):
     forward + backward of ours and of SDPA."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from triton_overlap.ops.context_parallel_attention import backward_on_gathered, forward_on_gathered
+    from triton_overlap.ops.attention_on_gathered import backward_on_gathered, forward_on_gathered
 
     W, r = ctx.world_size, ctx.rank
     records = []

@@ -466,10 +466,11 @@ def test_gluon_rule():
 
 
 def test_gather_a_planes():
-    """A for the AllGather GEMMs' one descriptor (kernels.gemm.gather_a): two planes, the shard and the workspace,
-    where one descriptor spans both (our rows at gathered row - rank * m_local in the shard's plane; the workspace
-    untouched); else the workspace alone, after the shard is copied into its own rows (here: the shard's row stride
-    differs; on GPUs also shard and workspace too far apart, as torch's allocator and cudaMalloc can place them)."""
+    """A for the AllGather GEMMs' one descriptor (kernels.gemm_operands.gather_a): two planes, the shard and the
+    workspace, where one descriptor spans both (our rows at gathered row - rank * m_local in the shard's plane; the
+    workspace untouched); else the workspace alone, after the shard is copied into its own rows (here: the shard's
+    row stride differs; on GPUs also shard and workspace too far apart, as torch's allocator and cudaMalloc can place
+    them)."""
     from triton_overlap.kernels.gemm_operands import gather_a
 
     buf = torch.empty(3 * 1024 * 64, dtype=torch.bfloat16)

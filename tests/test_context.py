@@ -109,7 +109,7 @@ def _barrier_rounds(rounds):
     with to.Context(timeout_s=60) as ctx:
         w = ctx.world_size
         slot = ctx.symmetric("slot", (1,), torch.int32)
-        start = int(ctx._barrier_count.item())  # the Context's own barriers so far
+        start = int(ctx.call_number.item())  # the Context's own barriers so far
         seen = torch.empty((rounds, w), dtype=torch.int32, device=ctx.device)
         for i in range(rounds):
             slot.local.fill_(i)
@@ -123,7 +123,7 @@ def _barrier_rounds(rounds):
         ok = (seen == want) | (seen == want + 1)
         early = torch.nonzero(~ok)[:5].tolist()
         assert bool(ok.all()), f"rank {ctx.rank}: barrier let a peer through early at rounds {early}"
-        return int(ctx._barrier_count.item()) - start
+        return int(ctx.call_number.item()) - start
 
 
 def test_barrier_1000_rounds(pool):

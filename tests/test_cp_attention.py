@@ -226,7 +226,7 @@ def simulate_ranks(ctx, q, k, v, dout, world, causal, chunks_per_rank=2, head_sp
     on this process's device with forward_on_gathered / backward_on_gathered (the helpers the NCCL baselines use).
     Full-sequence inputs in, full-sequence (out, dq, dk, dv) out. The dK/dV partials land in NaN-poisoned
     buffers. ``cfg``: the AttentionConfig (None: the defaults for the backend)."""
-    from triton_overlap.ops.context_parallel_attention import backward_on_gathered, forward_on_gathered
+    from triton_overlap.ops.attention_on_gathered import backward_on_gathered, forward_on_gathered
 
     D = q.shape[-1]
     scale = 1.0 / math.sqrt(D)
@@ -555,7 +555,7 @@ def _hopper_forward_case(B, S, Hq, Hkv, D, causal, dtype_name, world, block_n, s
     fill the grid's rounds evenly, the last round's tiles go in parts (tail_split) and are merged."""
     from triton_overlap.kernels import attention_hopper
     from triton_overlap.kernels.attention import Blocks
-    from triton_overlap.ops.context_parallel_attention import forward_on_gathered
+    from triton_overlap.ops.attention_on_gathered import forward_on_gathered
 
     dtype = getattr(torch, dtype_name)
     with to.Context(timeout_s=120) as ctx:

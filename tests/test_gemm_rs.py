@@ -125,7 +125,7 @@ GEMM_RS = OpSpec(
             RSCase(m=32 * 24, k=64, n=33, dtype="float16", transposed=True, m_per_chunk=7, scatter="copy",
                    jitter=0.003, claim=1, defer=False),  # counters at once
             RSCase(m=32 * 24, k=48, n=40, bias=True, m_per_chunk=10 ** 6, scatter="copy"),  # one chunk per rank
-            # a peer's chunks over two and three copy streams, taking turns (producers.scatter.copy_stream_index)
+            # a peer's chunks over two and three copy streams, taking turns (plan.scatter_schedule)
             RSCase(m=32 * 24, k=64, n=33, dtype="float16", bias=True, m_per_chunk=32, iters=2, scatter="copy",
                    jitter=0.003, streams=2),
             RSCase(m=37 * 24, k=48, n=40, transposed=True, m_per_chunk=16, scatter="copy", jitter=0.003, fuse=False,

@@ -84,7 +84,7 @@ def main():
         # %% On GPUs, the time beside NCCL all_gather of K/V followed by the same kernel (no overlap).
         if gpu:
             from triton_overlap.context.collectives import all_gather_rows
-            from triton_overlap.ops.context_parallel_attention import forward_on_gathered
+            from triton_overlap.ops.attention_on_gathered import forward_on_gathered
             from triton_overlap.timing import time_dist
 
             k0, v0, q0 = ks.detach(), vs.detach(), qs.detach()

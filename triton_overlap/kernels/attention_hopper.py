@@ -116,9 +116,10 @@ def cp_attention_fwd_ws(q_desc, k_desc, v_desc, kw_desc, vw_desc, o_desc, lse_pt
 def merge_parts(part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, first_tile, S_LOCAL, HQ, PARTS, so_b, so_s, so_h,
                 BLOCK_M: tl.constexpr, ROWS: tl.constexpr, HEAD_D: tl.constexpr):
     """ROWS rows (program id 1) of one split tile (``first_tile`` + program id 0, in the head-by-head order of
-    _query_block with TAIL = 1): its PARTS parts' O ([PARTS * BLOCK_M, D] each tile, each normalised by its own
-    softmax sum) and lse, summed with weights exp(lse_p - lse) in float32, into ``out`` ([B, S_LOCAL, HQ, D],
-    strides ``so_*``) and ``lse`` ([B, HQ, S_LOCAL] contiguous); rows before the tile's half are not the tile's."""
+    attention_hopper_parts' tile order with TAIL = 1): its PARTS parts' O ([PARTS * BLOCK_M, D] each tile, each
+    normalised by its own softmax sum) and lse, summed with weights exp(lse_p - lse) in float32, into ``out``
+    ([B, S_LOCAL, HQ, D], strides ``so_*``) and ``lse`` ([B, HQ, S_LOCAL] contiguous); rows before the tile's half
+    are not the tile's."""
     s = tl.program_id(0)
     w = tl.program_id(1)
     t = first_tile + s

@@ -9,7 +9,7 @@ One program per SM (CU) walks the output tiles ``pid, pid + P, ...``. The m-tile
 are visited in the order of ``tile_order`` (a permutation prepared on the host
 from the chunk schedule), grouped by GROUP_M for L2 reuse.
 
-The kernels' jobs, and their switches (constexpr):
+The kernels' jobs (GATHER: ``gather_gemm``; SCATTER: ``scatter_gemm``) and their switches (constexpr):
 
 * GATHER: AllGather consumer. Rows of this rank's own block are read in place
   from ``a_ptr`` (the user's shard); all other rows from the workspace

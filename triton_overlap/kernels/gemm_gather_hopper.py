@@ -19,7 +19,7 @@ Each program (one per SM but one, persistent) takes the tiles ``pid, pid + P, ..
   peers' from the workspace's. The wait and the choice of plane sit outside the K loop's inner loop (``_k_loops``).
   Where the two lie too far apart for one descriptor (a plane stride is under 2^40 bytes; torch's allocator and
   cudaMalloc can place them 100 TB apart), the shard is first copied into the workspace's own rows, which nothing
-  else writes in push mode, and the descriptor has the workspace as its only plane (kernels.gemm.gather_a).
+  else writes in push mode, and the descriptor has the workspace as its only plane (kernels.gemm_operands.gather_a).
   After the K loop they add the bias in float32 and write the tile, as the output dtype, into a shared tile buffer
   ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time into C, then "free".
@@ -246,7 +246,7 @@ SUB_M = 32
 
 
 def layout_for(ctx, a, ws, w, c, m_local: int) -> str | None:
-    """How B is described if this call can run on this kernel ("kn" or "nk", as kernels.gemm.desc_layout says),
+    """How B is described if this call can run on this kernel ("kn" or "nk", as kernels.gemm_operands.desc_layout says),
     else None: the cuda backend on compute capability 9.0, 16-bit operands, every rank's rows whole 128-row tiles,
     at least NUM_STAGES - 1 K steps, the shard, the workspace and B describable, C's columns unit stride."""
     if (ctx.backend != "cuda" or a.dtype not in (torch.bfloat16, torch.float16) or m_local % TILES.block_m

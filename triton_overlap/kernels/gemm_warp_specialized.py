@@ -376,7 +376,7 @@ def rs_gemm_ws(a_desc, b_desc, c_desc, c_ptr, out_ptr, bias_ptr, scatter_ptrs, c
 
 # ---------------------------------------------------------------------------------------------------- launcher
 def layout_for(ctx, a, w, m_local: int) -> str | None:
-    """How B is described if this call can run on this kernel ("kn" or "nk", as kernels.gemm.desc_layout says),
+    """How B is described if this call can run on this kernel ("kn" or "nk", as kernels.gemm_operands.desc_layout says),
     else None: the cuda backend on compute capability 9.0, every rank's rows whole 128-row tiles, A and B
     describable."""
     if ctx.backend != "cuda" or m_local % TILES.block_m or not is_sm90(a.device.index) or not gluon_available():

@@ -33,8 +33,8 @@ def with_overrides(cfg, overrides: dict):
 
 @functools.lru_cache(maxsize=64)
 def with_tiles(cfg, tiles):
-    """``cfg`` with ``tiles``' block sizes and stages (a GEMM kernel's own tiles, kernels.gemm.GemmTiles), made once
-    per pair: dataclasses.replace costs µs on every call."""
+    """``cfg`` with ``tiles``' block sizes and stages (a GEMM kernel's own tiles, kernels.gemm_operands.GemmTiles),
+    made once per pair: dataclasses.replace costs µs on every call."""
     return replace(cfg, block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k,
                    num_stages=tiles.num_stages)
 

@@ -19,8 +19,8 @@ GEMMS = ("auto", "gluon", "triton")
 
 @dataclass(frozen=True)
 class ChunkedGemmConfig(GemmTiles):
-    """The GEMM ops' common knobs: the persistent GEMM's tiles (kernels.gemm.GemmTiles) and how each rank's rows
-    are cut into chunks, each moved by a copy and announced by a flag.
+    """The GEMM ops' common knobs: the persistent GEMM's tiles (kernels.gemm_operands.GemmTiles) and how each rank's
+    rows are cut into chunks, each moved by a copy and announced by a flag.
 
     ``m_per_chunk``: rows per chunk; None: about ``chunks_per_rank`` chunks of whole ``block_m`` tiles per rank,
     fewer where a chunk would carry under ``min_chunk_bytes`` (at least one). More chunks let the consumer start

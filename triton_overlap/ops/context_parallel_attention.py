@@ -22,7 +22,7 @@ from ..producers import pipeline
 from ..producers.gather import Gather
 from ..producers.link import link
 from ..zigzag import as_ints, int_vector, local_cu_seqlens
-from .attention_on_gathered import all_ready, backward_on_gathered, documents, forward_on_gathered, slot_base
+from .attention_on_gathered import all_ready, documents, slot_base
 from .base import OverlapOp, call_key
 from .checks import DTYPES
 from .config import AttentionConfig
@@ -366,5 +366,4 @@ def _as_tensor(cu_seqlens) -> torch.Tensor:
     return torch.tensor(_as_tuple(cu_seqlens), dtype=torch.int64)
 
 
-__all__ = ["AttentionConfig", "Blocks", "ContextParallelAttention", "backward_on_gathered", "cp_attention",
-           "forward_on_gathered"]
+__all__ = ["AttentionConfig", "Blocks", "ContextParallelAttention", "cp_attention"]

@@ -247,7 +247,7 @@ class GEMMReduceScatter(OverlapOp):
         W = ctx.world_size
         M, N = a.shape[0], w.shape[1]
         cfg, fuse, b_layout = self._gemm_config(a, w, overrides)
-        copy = scatter_mode(cfg, M, N, a.element_size(), ctx.copy_engines, W) == "copy"  # (across hosts: the schedule's)
+        copy = scatter_mode(cfg, M, N, a.element_size(), ctx.copy_engines, W) == "copy"  # (across hosts: always)
         key = (M, N, a.dtype, cfg, fuse, b_layout, copy)
         found = self.state.setdefault("schedules", {}).get(key)
         if found is None:
