@@ -244,7 +244,8 @@ def tail_heads(bh: int, blocks: int, programs: int) -> int:
 def tile_counter(ctx) -> torch.Tensor:
     """The forward's tile counter (``tile_ptr``) for launches on the current stream, kept by ``ctx``: kernels on one
     stream run one after another, and each leaves the counter zeroed, so one per stream serves them all. (The op
-    passes its own: its calls never overlap, wherever its captured graphs are replayed.)"""
+    passes its own: its calls never overlap, wherever its captured graphs are replayed.) ``reset()`` and ``close()``
+    free it with the rest of what the Context keeps: a graph captured with it must be captured again after them."""
     key = ("attention_hopper tile counter", torch.cuda.current_stream(ctx.device).cuda_stream)
     return ctx.cached(key, lambda: torch.zeros(2, dtype=torch.int32, device=ctx.device))
 
