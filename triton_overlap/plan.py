@@ -121,7 +121,8 @@ class GatherSchedule:
     other hosts, exchanged with on one more stream (empty within one host). ``tile_order``: the consumer's m-tiles,
     own rows first, then in the order their chunks arrive (empty where the consumer orders its own work).
     ``reset_by``: who zeroes this rank's flags after the call: "consumer" (its last program) or "producer"
-    (the pipeline's closing step)."""
+    (the pipeline's closing step). ``hold_consumer``: the consumer starts once the exchanges between hosts are done
+    (where NCCL carries them: its kernels need SMs that the consumer's waiting programs could hold)."""
 
     layout: ChunkLayout
     rank: int
@@ -131,6 +132,7 @@ class GatherSchedule:
     counterparts: tuple
     tile_order: tuple
     reset_by: str
+    hold_consumer: bool = False
 
     @property
     def num_streams(self) -> int:
@@ -139,13 +141,16 @@ class GatherSchedule:
 
 
 def gather_schedule(layout: ChunkLayout, rank: int, hosts, *, mode: str = "push", num_streams: int | None = None,
-                    block_m: int | None = None, reset_by: str = "consumer") -> GatherSchedule:
+                    block_m: int | None = None, reset_by: str = "consumer",
+                    hold_for_link: bool = False) -> GatherSchedule:
     """The schedule of an all-gather of ``layout`` on ``rank`` (``hosts``: the group's hosts, each a tuple of
     ranks). Push: peer ``send_order(rank)[i]`` is served on stream ``i % n``; pull reads peers in the order push
     would deliver them. Every rank runs the same schedule shifted by its rank, so the chunks reaching this rank
     follow ``arrival_order`` on the same deal of streams, whatever the mode: the tile order (``block_m``: the
     consumer's m-tile; None: no tile order) takes this rank's own tiles first, then the host's peers' as they
-    arrive, then the other hosts' ranks' chunk by chunk (they come through the network, or forwarded after it)."""
+    arrive, then the other hosts' ranks' chunk by chunk (they come through the network, or forwarded after it).
+    ``hold_for_link``: the exchanges between hosts go where a waiting consumer could starve them
+    (Context.holds_for_link)."""
     if mode not in ("push", "pull"):
         raise ValueError(f"gather mode must be 'push' or 'pull', got {mode!r}")
     if reset_by not in ("consumer", "producer"):
@@ -166,7 +171,8 @@ def gather_schedule(layout: ChunkLayout, rank: int, hosts, *, mode: str = "push"
             for j in range(layout.chunks_per_rank):
                 when[layout.chunk_id(p, j)] = (start + j, i)
         tiles = tuple(layout.tile_order(block_m, when))
-    return GatherSchedule(layout, rank, local, mode, copy_streams, counterparts, tiles, reset_by)
+    return GatherSchedule(layout, rank, local, mode, copy_streams, counterparts, tiles, reset_by,
+                          hold_for_link and bool(counterparts))
 
 
 @dataclass(frozen=True)
@@ -180,7 +186,9 @@ class ScatterSchedule:
     GEMM's m-tiles, other hosts' owners' rows first (they take the network), then this host's peers' in send order
     and chunk by chunk, this rank's own last; ``peer_tiles``: how many of its first m-tiles hold peers' rows (with
     whole tiles of rows per rank). ``counts[owner][j]``: the count chunk ``j`` of each owner's rows
-    reaches once every tile over it is stored (ChunkLayout.tile_stores). ``reset_by``: who zeroes this rank's
+    reaches once every tile over it is stored (ChunkLayout.tile_stores). ``reduce_after_join``: the partials are
+    summed after the exchanges between hosts, by a reduction kernel (where NCCL carries them, nothing waits for
+    them while they run). ``reset_by``: who zeroes this rank's
     counters after the call: "consumer" (the GEMM's last program, where it sums the partials itself) or
     "reduction" (the reduction kernel's stream, after it)."""
 
@@ -194,6 +202,7 @@ class ScatterSchedule:
     peer_tiles: int
     counts: tuple
     reset_by: str
+    reduce_after_join: bool = False
 
     @property
     def num_streams(self) -> int:
@@ -202,11 +211,12 @@ class ScatterSchedule:
 
 
 def scatter_schedule(layout: ChunkLayout, rank: int, hosts, *, copy: bool, num_streams: int | None = None,
-                     block_m: int, n_tiles: int, fused: bool) -> ScatterSchedule:
+                     block_m: int, n_tiles: int, fused: bool, hold_for_link: bool = False) -> ScatterSchedule:
     """The schedule of a GEMM-RS call of ``layout`` on ``rank`` (``hosts``: the group's hosts, each a tuple of
     ranks). ``copy``: copy engines move the peers' chunks (else the GEMM stores them into the peers itself); across
     hosts always. ``num_streams``: copy streams (None: one per peer), at most one per chunk sent. ``block_m`` and
-    ``n_tiles``: the GEMM's m-tile and its tiles across the columns. ``fused``: the GEMM sums the partials."""
+    ``n_tiles``: the GEMM's m-tile and its tiles across the columns. ``fused``: the GEMM sums the partials (not
+    with ``hold_for_link`` across hosts, Context.holds_for_link: there a reduction kernel runs after the join)."""
     W, cpr = layout.world, layout.chunks_per_rank
     local = _host_of(rank, hosts)
     remote = tuple(p for p in range(W) if p not in local)
@@ -224,5 +234,8 @@ def scatter_schedule(layout: ChunkLayout, rank: int, hosts, *, copy: bool, num_s
     when = {layout.chunk_id(p, j): (i, j) for i, p in enumerate(ordered) for j in range(cpr)}
     tiles = tuple(layout.tile_order(block_m, when, last=True))
     counts = tuple(tuple(c) for c in layout.tile_stores(block_m, n_tiles))
+    late = hold_for_link and bool(remote)
+    if late and fused:
+        raise ValueError("scatter_schedule: partials summed after the exchanges between hosts cannot be fused")
     return ScatterSchedule(layout, rank, local, copy, streams, remote, tiles, (W - 1) * layout.m_local // block_m,
-                           counts, "consumer" if fused else "reduction")
+                           counts, "consumer" if fused else "reduction", late)

@@ -180,7 +180,7 @@ class AllGatherGEMM(OverlapOp):
                 cfg = with_tiles(cfg, gather_hopper.TILES)
             layout = ChunkLayout(ctx.world_size, m_local, cfg.chunk_rows(m_local, K * a.element_size()))
             gather = gather_schedule(layout, ctx.rank, ctx.topology.hosts, mode=mode, num_streams=cfg.num_streams,
-                                     block_m=cfg.block_m)
+                                     block_m=cfg.block_m, hold_for_link=ctx.holds_for_link)
             call = self.call_header((m_local, K, a.dtype, layout.m_per_chunk, mode), (m_local, K))
             found = self.state["schedules"][key] = AllGatherGEMMSchedule(
                 cfg, "gemm_gather_hopper" if b_layout is not None else "gemm", b_layout, gather,

@@ -196,7 +196,7 @@ class ContextParallelAttention(OverlapOp):
             ctx, S = self.ctx, k.shape[1]
             layout = ChunkLayout(ctx.world_size, S, S // self.chunks_per_rank)
             schedules[key] = gather_schedule(layout, ctx.rank, ctx.topology.hosts, num_streams=cfg.num_streams,
-                                             reset_by="producer")
+                                             reset_by="producer", hold_for_link=ctx.holds_for_link)
         return schedules[key]
 
     def _kv(self, k, sched: GatherSchedule):

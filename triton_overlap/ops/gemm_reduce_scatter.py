@@ -193,7 +193,7 @@ class GEMMReduceScatter(OverlapOp):
         sched = self.schedule(a, w, overrides)
         cfg, fuse, b_layout, copy = sched.cfg, sched.fuse, sched.b_layout, sched.scatter.copy
         layout, order, expected = sched.scatter.layout, sched.order, sched.expected
-        late = ctx.holds_for_link
+        late = sched.scatter.reduce_after_join
         self.last_gemm = sched.gemm
         recv = ctx.symmetric(f"{self.name}.recv", (W, m_local, N), a.dtype)
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
@@ -254,7 +254,8 @@ class GEMMReduceScatter(OverlapOp):
             m_local = M // W
             layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local, N * a.element_size()))
             scatter = scatter_schedule(layout, ctx.rank, ctx.topology.hosts, copy=copy, num_streams=cfg.num_streams,
-                                       block_m=cfg.block_m, n_tiles=cdiv(N, cfg.block_n), fused=fuse)
+                                       block_m=cfg.block_m, n_tiles=cdiv(N, cfg.block_n), fused=fuse,
+                                       hold_for_link=ctx.holds_for_link)
             call = self.call_header((M, N, a.dtype, "copy" if scatter.copy else "store", fuse, b_layout is not None,
                                      layout.m_per_chunk, cfg.block_m, cfg.block_n), (M, N))
             found = self.state["schedules"][key] = GEMMReduceScatterSchedule(

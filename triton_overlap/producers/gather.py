@@ -41,8 +41,8 @@ class Gather:
         self.pairs, self.flags, self.dim, self.call = pairs, flags, dim, call
         self.remote = bool(schedule.counterparts)
         self.num_streams = schedule.num_streams
-        #: the consumer starts once the exchanges between hosts are done (pipeline step 3; Context.holds_for_link)
-        self.hold_consumer = ctx.holds_for_link
+        #: the consumer starts once the exchanges between hosts are done (pipeline step 3)
+        self.hold_consumer = schedule.hold_consumer
         #: across hosts the copies are enqueued before the consumer runs (pipeline step 3): the consumer is held, or
         #: the exchanges block the host (not NCCL), and once a consumer fills every SM with programs waiting for
         #: chunks, a blocked host might wait on a copy that needs an SM
