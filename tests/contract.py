@@ -62,6 +62,36 @@ SLACK_S = 4.0
 EARLIEST = 0.85
 
 
+@dataclass(frozen=True, kw_only=True)
+class GemmCase:
+    """What the GEMM ops' cases share: ``k`` and ``n`` of each rank's weight (``transposed``: the transpose of an
+    [n, k] tensor, as nn.Linear keeps it), ``dtype``, ``bias``, ``iters`` calls on one op with producers delayed at
+    random up to ``jitter`` s, and the call's config where set (None: the op's own): ``m_per_chunk``, ``streams``
+    (num_streams), ``tma``, ``gemm``."""
+    k: int
+    n: int
+    dtype: str = "bfloat16"
+    bias: bool = False
+    transposed: bool = False
+    iters: int = 1
+    jitter: float = 0.0
+    m_per_chunk: int | None = None
+    streams: int | None = None
+    tma: bool | None = None
+    gemm: str | None = None
+
+
+def set_fields(**fields) -> dict:
+    """The config fields (or call arguments) a case sets: those not None."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def gemm_weight(case, make, *seed) -> torch.Tensor:
+    """A case's [k, n] weight from ``make(shape, *seed)``, or the transpose of an [n, k] one (``case.transposed``)."""
+    w = make((case.n, case.k) if case.transposed else (case.k, case.n), *seed)
+    return w.t() if case.transposed else w
+
+
 @dataclass(frozen=True)
 class Call:
     """One call of an op on this rank: ``op(*args, **kwargs)``, with ``out=out`` where the contract passes an output

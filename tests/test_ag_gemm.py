@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 import contract
 import triton_overlap as to
-from contract import Call, Cases, Faults, OpSpec, Variants
+from contract import Call, Cases, Faults, GemmCase, OpSpec, Variants, gemm_weight, set_fields
 from refs import (TOL, assert_own_fault, check_replays, late_chunk_faults, on_hopper, plain_gemm_worst, poison, rand,
                   rel_err)
 from triton_overlap.ops.config import AllGatherGEMMConfig
@@ -16,47 +16,25 @@ from triton_overlap.plan import cdiv
 
 
 @dataclass(frozen=True, kw_only=True)
-class AGCase:
-    """Each rank's [m_local, k] shard of A, gathered and multiplied by the rank's own [k, n] weight (``transposed``:
-    the transpose of an [n, k] tensor, as nn.Linear keeps it), plus ``bias``; ``iters`` calls on one op, producers
-    delayed at random up to ``jitter`` s. ``gathered``: the call also returns the gathered rows, which must equal
-    every rank's shard. The rest are the call's config (None: the op's own; the mode is then push); ``gemm``
-    "gluon" or "triton" also checks, on compute capability 9.0, that the op ran that GEMM."""
+class AGCase(GemmCase):
+    """Each rank's [m_local, k] shard of A, gathered and multiplied by the rank's own weight, as GemmCase says.
+    ``gathered``: the call also returns the gathered rows, which must equal every rank's shard. ``mode`` and
+    ``consumer_first``: the call's config where set (None: the op's own; the mode is then push); ``gemm`` "gluon" or
+    "triton" also checks, on compute capability 9.0, that the op ran that GEMM."""
     m_local: int
-    k: int
-    n: int
-    dtype: str = "bfloat16"
-    bias: bool = False
-    transposed: bool = False
-    iters: int = 1
-    jitter: float = 0.0
     gathered: bool = True
-    m_per_chunk: int | None = None
-    streams: int | None = None
     mode: str | None = None
-    tma: bool | None = None
-    gemm: str | None = None
     consumer_first: bool | None = None
-
-
-def _overrides(**fields) -> dict:
-    """The config fields a case sets (None: the op's own)."""
-    return {k: v for k, v in fields.items() if v is not None}
-
-
-def _weight(case, dtype, dev, *seed):
-    w = rand((case.n, case.k) if case.transposed else (case.k, case.n), dtype, dev, *seed)
-    return w.t() if case.transposed else w
 
 
 def _inputs(ctx, case, it):
     dtype = getattr(torch, case.dtype)
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
     shards = [rand((case.m_local, case.k), dtype, dev, "a", it, s) for s in range(W)]
-    w = _weight(case, dtype, dev, "w", it, r)
+    w = gemm_weight(case, lambda shape, *seed: rand(shape, dtype, dev, *seed), "w", it, r)
     b = rand((case.n,), dtype, dev, "b", it, r) if case.bias else None
     full = torch.cat(shards)
-    kwargs = dict(bias=b, **_overrides(return_gathered=case.gathered or None, m_per_chunk=case.m_per_chunk,
+    kwargs = dict(bias=b, **set_fields(return_gathered=case.gathered or None, m_per_chunk=case.m_per_chunk,
                                        num_streams=case.streams, mode=case.mode, tma=case.tma, gemm=case.gemm,
                                        consumer_first=case.consumer_first))
     out = torch.empty((case.m_local * W, case.n), dtype=dtype, device=dev)
@@ -201,14 +179,13 @@ def _fp8_inputs(ctx, case, it):
     out_dtype = getattr(torch, case.out_dtype)
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
     shards = [_fp8((case.m_local, case.k), dev, "a8", it, s) for s in range(W)]
-    w = _fp8((case.n, case.k) if case.transposed else (case.k, case.n), dev, "w8", it, r)
-    w = w.t() if case.transposed else w
+    w = gemm_weight(case, lambda shape, *seed: _fp8(shape, dev, *seed), "w8", it, r)
     b = rand((case.n,), out_dtype, dev, "b8", it, r) if case.bias else None
     sa = torch.tensor([0.25 * (it + 1)], device=dev)
     sb = rand((1,), torch.float32, dev, "sb", it, r).abs() / 64
     full = torch.cat(shards)
     kwargs = dict(bias=b, scale_a=sa, scale_b=sb, out_dtype=out_dtype,
-                  **_overrides(return_gathered=case.gathered or None, m_per_chunk=case.m_per_chunk, tma=case.tma))
+                  **set_fields(return_gathered=case.gathered or None, m_per_chunk=case.m_per_chunk, tma=case.tma))
     out = torch.empty((case.m_local * W, case.n), dtype=out_dtype, device=dev)
     ref = (full.float() @ w.float()) * sa * sb + (b.float() if case.bias else 0)
     return Call((shards[r], w), kwargs, ref, out, {"gathered": full})

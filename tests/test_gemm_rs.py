@@ -7,40 +7,28 @@ import torch
 
 import contract
 import triton_overlap as to
-from contract import Call, Cases, OpSpec, Variants
+from contract import Call, Cases, GemmCase, OpSpec, Variants, gemm_weight, set_fields
 from refs import on_hopper, plain_gemm_worst, rand
 from triton_overlap.ops.config import GEMMReduceScatterConfig
 
 
 @dataclass(frozen=True, kw_only=True)
-class RSCase:
-    """Every rank's [M, k] A times its own [k, n] weight (``transposed``: the transpose of an [n, k] tensor), summed
-    over ranks, this rank's M / W rows of it (plus ``bias``, the same on every rank); M is ``m`` in all, or
-    ``m_local`` per rank (M = m_local x W). ``iters`` calls on one op, producers delayed at random up to ``jitter``
-    s, the op's receive slots and staging buffer filled with garbage before each; ``strided_out``: the output a
-    transposed view (columns M / W elements apart). The rest are the call's config (None: the op's own): ``scatter``
-    store or copy, ``fuse`` (fuse_reduce; the reduction is in the GEMM where every rank's rows are whole tiles),
+class RSCase(GemmCase):
+    """Every rank's [M, k] A times its own weight (GemmCase), summed over ranks, this rank's M / W rows of it (plus
+    ``bias``, the same on every rank); M is ``m`` in all, or ``m_local`` per rank (M = m_local x W). The op's receive
+    slots and staging buffer are filled with garbage before each call; ``strided_out``: the output a transposed view
+    (columns M / W elements apart). The rest are the call's config where set (None: the op's own): ``scatter`` store
+    or copy, ``fuse`` (fuse_reduce; the reduction is in the GEMM where every rank's rows are whole tiles),
     ``claim``, ``defer`` (defer_release), ``streams`` (copy streams); ``gemm`` "gluon" (the warp-specialized GEMM)
     or "triton", and with "gluon" and the reduction fused it checks, on compute capability 9.0, that the op ran
     the warp-specialized GEMM."""
     m: int = 0
     m_local: int = 0
-    k: int
-    n: int
-    dtype: str = "bfloat16"
-    bias: bool = False
-    transposed: bool = False
-    iters: int = 1
-    jitter: float = 0.0
     strided_out: bool = False
-    m_per_chunk: int | None = None
     scatter: str | None = None
     fuse: bool | None = None
-    tma: bool | None = None
     claim: int | None = None
     defer: bool | None = None
-    gemm: str | None = None
-    streams: int | None = None
 
     def rows(self, world: int) -> int:
         return self.m or self.m_local * world
@@ -53,18 +41,17 @@ def _inputs(ctx, case, it):
     parts = []
     for s in range(W):
         a = rand((m, k), dtype, dev, "a", it, s)
-        w = rand((n, k) if case.transposed else (k, n), dtype, dev, "w", it, s)
-        parts.append((a, w.t() if case.transposed else w))
+        parts.append((a, gemm_weight(case, lambda shape, *seed: rand(shape, dtype, dev, *seed), "w", it, s)))
     full = sum(a.float() @ w.float() for a, w in parts)
     rows = full[r * (m // W):(r + 1) * (m // W)]
     b = rand((n,), dtype, dev, "b", it) if case.bias else None
-    overrides = dict(m_per_chunk=case.m_per_chunk, scatter=case.scatter, fuse_reduce=case.fuse, tma=case.tma,
-                     claim=case.claim, defer_release=case.defer, gemm=case.gemm, num_streams=case.streams)
+    overrides = set_fields(m_per_chunk=case.m_per_chunk, scatter=case.scatter, fuse_reduce=case.fuse, tma=case.tma,
+                           claim=case.claim, defer_release=case.defer, gemm=case.gemm, num_streams=case.streams)
     if case.strided_out:  # a transposed view: columns m // W elements apart
         out = torch.empty((n, m // W), dtype=dtype, device=dev).t()
     else:
         out = torch.empty((m // W, n), dtype=dtype, device=dev)
-    return Call(parts[r], dict(bias=b, **{k: v for k, v in overrides.items() if v is not None}),
+    return Call(parts[r], dict(bias=b, **overrides),
                 rows + (b.float() if case.bias else 0), out)
 
 
