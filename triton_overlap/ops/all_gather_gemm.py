@@ -140,7 +140,7 @@ class AllGatherGEMM(OverlapOp):
 
     # --------------------------------------------------------------------------- plan, consumer, fallback
     def _overlap(self, a, w, bias, out, overrides, scales=()) -> None:
-        """Enqueue one overlapped call (what ReplayCache captures): check, schedule, run."""
+        """Enqueue one overlapped call (what ReplayCache captures): schedule, then run."""
         ctx = self.ctx
         ws = self._workspace(a)
         sched = self.schedule(a, ws, w, out, overrides, bool(scales))
