@@ -360,6 +360,39 @@ def compile_attention_bwd_ws(target, quick: bool = False) -> int:
     return failed
 
 
+def compile_grouped_gemm(target, quick: bool = False) -> int:
+    """kernels.grouped_gemm (plain Triton: the tensor-parallel MoE ops' consumers) at the GPU defaults' tiles
+    (ops.moe_config.MoEGEMMConfig), bf16, as the ops launch them (``quick``: the same; there are two kernels)."""
+    from triton_overlap.kernels.grouped_gemm import ag_grouped_gemm, rs_grouped_gemm
+    from triton_overlap.ops.moe_config import MoEGEMMConfig
+
+    cfg = MoEGEMMConfig.defaults(types.SimpleNamespace(interpreted=False, backend="cuda"))
+    failed = 0
+    for fn in (ag_grouped_gemm, rs_grouped_gemm):
+        consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_C=cfg.block_c,
+                      NUM_PROGRAMS=131, CLOCK=1, DOT_F32=False, LOCAL_COUNTERS=True, stride_wn=1)
+        consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+        sig = {}
+        for prm in fn.params:
+            n = prm.name
+            sig[n] = ("constexpr" if n in consts else WAITER if n == "waiter"
+                      else "*bf16" if n in ("x_ptr", "ws_ptr", "w_ptr", "out_ptr", "h_ptr", "y_ptr")
+                      else "*fp32" if n == "weights_ptr" else "*i64" if n in ("scatter_ptrs", "counter_ptrs")
+                      else "*i32" if n.endswith("_ptr") else "i32")
+        name = f"{fn.fn.__name__} tiles {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts,
+                                         attrs=divisibility(sig, skip=("rank", "op", "world", "budget", "SLOTS",
+                                                                       "TOPK", "M_LOCAL", "M_PER_CHUNK",
+                                                                       "CHUNKS_PER_RANK", "num_items", "N", "K"))),
+                               target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
+        except Exception as e:  # noqa: BLE001 - reported, the check goes on
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+    return failed
+
+
 def ptxas_report(cubin_ptx: str, arch: int) -> str:
     try:  # the ptxas Triton itself takes for this arch (newer Triton: a second, newer one from sm_90 up)
         from triton.backends.nvidia.compiler import get_ptxas
@@ -397,6 +430,7 @@ def main():
     failed += compile_gather_hopper(target)
     failed += compile_attention_ws(target)
     failed += compile_attention_bwd_ws(target)
+    failed += compile_grouped_gemm(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer

@@ -91,6 +91,18 @@ FAST = [
     "test_gemm_all_reduce.py::test_gemm_ar[host-w2-fused-never]",
     "test_gemm_all_reduce.py::test_gemm_ar[host-w3-two_shot-never]",
     "test_gemm_all_reduce.py::test_row_parallel_without_sequence_parallel[host-w2]",
+    # MoE tensor-parallel: AllGather + grouped GEMM, grouped GEMM + combine + ReduceScatter
+    "test_moe.py::test_ag_moe_gemm_matches_reference[host-w2-0]",
+    "test_moe.py::test_ag_moe_gemm_matches_reference[host-w3-5]",
+    "test_moe.py::test_moe_gemm_rs_matches_reference[host-w2-0]",
+    "test_moe.py::test_moe_gemm_rs_matches_reference[host-w3-3]",
+    "test_moe.py::test_ag_moe_gemm_bad_input_raises_before_launch[host-w2]",
+    "test_moe.py::test_moe_gemm_rs_bad_input_raises_before_launch[host-w3]",
+    "test_moe.py::test_sorted_layout_feeds_moe_gemm_rs[host-w2-never]",
+    "test_moe.py::test_ag_moe_wait_times_out[host-w2]",
+    "test_moe.py::test_routing_orders_tiles",
+    "test_moe.py::test_tile_table_bounds_and_covers",
+    "test_moe.py::test_fallback_rule",
     # the nn layers and the block
     "test_nn.py::test_linear_layers_match_unsharded_module[host-w2-never-True]",
     "test_nn.py::test_linear_layers_match_unsharded_module[host-w3-never-False]",

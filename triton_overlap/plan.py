@@ -111,6 +111,21 @@ def _arrivals(layout: ChunkLayout, streams: tuple) -> dict[int, tuple[int, int]]
     return when
 
 
+def arrival_times(layout: ChunkLayout, rank: int, hosts, num_streams: int | None = None) -> dict[int, tuple]:
+    """When each peer's chunk reaches ``rank`` in an all-gather of ``layout`` (``hosts``: the group's hosts, each a
+    tuple of ranks; ``num_streams``: copy streams, None: one per peer): {chunk id: a sortable time}. The host's peers'
+    chunks come by copy engine on the streams they are dealt to (push and pull alike), then the other hosts' ranks'
+    chunk by chunk. This rank's own chunks are not in it (they are here from the start)."""
+    local = _host_of(rank, hosts)
+    arriving = arrival_order(rank, layout.world)
+    when = _arrivals(layout, _streams([p for p in arriving if p in local], num_streams))
+    start = max((t for t, _ in when.values()), default=-1) + 1
+    for i, p in enumerate(q for q in arriving if q not in local):
+        for j in range(layout.chunks_per_rank):
+            when[layout.chunk_id(p, j)] = (start + j, i)
+    return when
+
+
 @dataclass(frozen=True)
 class GatherSchedule:
     """Every decision of one all-gather call, made once per shape and configuration: producers execute it, the
@@ -164,13 +179,7 @@ def gather_schedule(layout: ChunkLayout, rank: int, hosts, *, mode: str = "push"
     copy_streams = _streams([d for d in order(rank, W) if d in local], num_streams)
     tiles: tuple = ()
     if block_m is not None:
-        arriving = arrival_order(rank, W)
-        when = _arrivals(layout, _streams([p for p in arriving if p in local], num_streams))
-        start = max((t for t, _ in when.values()), default=-1) + 1
-        for i, p in enumerate(q for q in arriving if q not in local):
-            for j in range(layout.chunks_per_rank):
-                when[layout.chunk_id(p, j)] = (start + j, i)
-        tiles = tuple(layout.tile_order(block_m, when))
+        tiles = tuple(layout.tile_order(block_m, arrival_times(layout, rank, hosts, num_streams)))
     return GatherSchedule(layout, rank, local, mode, copy_streams, counterparts, tiles, reset_by,
                           hold_for_link and bool(counterparts))
 

@@ -1,0 +1,412 @@
+"""Tensor-parallel MoE ops against float64 torch: AllGather + grouped GEMM (``ag_moe_gemm``) and grouped GEMM + top-k
+combine + ReduceScatter (``moe_gemm_rs``), each an OpSpec with its cases (tests/contract.py), then the sorted layout
+from one into the other, the routing tables, the ranks' disagreement on routing and the kernel's timeout.
+
+Inputs are bf16 (fp16 in a case) and the references float64 on the same rounded inputs. Tolerances
+(‖out − ref‖ / ‖ref‖): ag_moe_gemm 1e-2 for bf16, 2e-3 for fp16 (one rounding of a float32 accumulation);
+moe_gemm_rs 2e-2 for bf16, 4e-3 for fp16 (three roundings: each product, each rank's combined partial, the sum).
+Outputs are filled with NaN before each call and the receive/staging buffers with garbage; rows per rank are odd
+(13, 7) so no tile or chunk boundary lines up with a rank's rows."""
+import zlib
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import contract
+import triton_overlap as to
+from contract import Call, Cases, Faults, OpSpec, Variants, set_fields
+from refs import assert_own_fault, late_chunk_faults, rand
+
+RS_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoECase:
+    """``m_local`` tokens per rank of width ``k``; ``experts`` experts of output width ``n`` (``transposed``: each
+    expert's weight the transpose of an [n, k] tensor); each token's ``topk`` choices by ``routing``: "random"
+    (distinct experts where topk <= experts), "one" (every choice the last expert), "even" (even experts only: the
+    odd ones get no rows). ``iters`` calls, producers delayed up to ``jitter`` s; ``m_per_chunk``, ``streams``:
+    the call's chunking; ``fallback`` the op's rule; ``check_routing`` the op's."""
+    m_local: int
+    k: int
+    n: int
+    experts: int = 4
+    topk: int = 2
+    routing: str = "random"
+    dtype: str = "bfloat16"
+    transposed: bool = False
+    iters: int = 1
+    jitter: float = 0.0
+    m_per_chunk: int | None = None
+    streams: int | None = None
+    fallback: str = "never"
+    check_routing: bool = True
+
+
+def _ids(case, tokens, dev, *seed):
+    g = torch.Generator().manual_seed(zlib.crc32(repr(("ids",) + seed).encode()))  # the same on every rank
+    E = case.experts
+    if case.routing == "one":
+        ids = torch.full((tokens, case.topk), E - 1, dtype=torch.int64)
+    elif case.routing == "even":
+        ids = 2 * torch.randint(0, (E + 1) // 2, (tokens, case.topk), generator=g)
+    elif case.topk <= E:
+        ids = torch.rand(tokens, E, generator=g).topk(case.topk, dim=1).indices
+    else:
+        ids = torch.randint(0, E, (tokens, case.topk), generator=g)
+    return ids.to(dev)
+
+
+def _weight(case, dtype, dev, *seed):
+    if case.transposed:
+        return rand((case.experts, case.n, case.k), dtype, dev, *seed).transpose(1, 2)
+    return rand((case.experts, case.k, case.n), dtype, dev, *seed)
+
+
+def _make(op_class):
+    return lambda ctx, case, fallback: op_class(ctx, fallback=fallback, check_routing=case.check_routing)
+
+
+def _overrides(case):
+    return set_fields(m_per_chunk=case.m_per_chunk, num_streams=case.streams)
+
+
+# ------------------------------------------------------------------------------------------ AllGather + MoE GEMM
+def _ag_inputs(ctx, case, it):
+    dtype = getattr(torch, case.dtype)
+    W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    shards = [rand((case.m_local, case.k), dtype, dev, "x", it, s) for s in range(W)]
+    w = _weight(case, dtype, dev, "w", it, r)  # this rank's column shard of every expert
+    ids = _ids(case, case.m_local * W, dev, it, case.experts)
+    x_all = torch.cat(shards).double()
+    ref = torch.einsum("tk,tjkn->tjn", x_all, w.double()[ids])
+    out = torch.empty((case.m_local * W, case.topk, case.n), dtype=dtype, device=dev)
+    return Call((shards[r], w, ids), _overrides(case), ref, out)
+
+
+def _ag_garbage(ctx, op, case, it):
+    for buf in op.buffers().values():  # NaN where peers' rows land: a row read before its chunk shows
+        buf.fill_(float("nan"))
+
+
+def _ag_bad_inputs(ctx):
+    dev, W, r = ctx.device, ctx.world_size, ctx.rank
+    bf = torch.bfloat16
+    op = to.AllGatherMoEGEMM(ctx, fallback="never")
+    x = rand((7, 32), bf, dev, "x")
+    w = rand((4, 32, 24), bf, dev, "w")
+    ids = torch.randint(0, 4, (7 * W, 2), generator=torch.Generator().manual_seed(5)).to(dev)
+    other = ids.clone()
+    other[3, 1] = (other[3, 1] + 1) % 4
+    bad = [
+        ("inner dimensions", lambda: op(x, rand((4, 31, 24), bf, dev, "w"), ids)),
+        ("different dtypes", lambda: op(x, w.half(), ids)),
+        ("float16 or bfloat16", lambda: op(x.float(), w.float(), ids)),
+        ("3-D", lambda: op(x, w[0], ids)),
+        ("int32 or int64", lambda: op(x, w, ids.float())),
+        (r"\[T, topk\] with T = ", lambda: op(x, w, ids[1:])),
+        ("is on", lambda: op(x.to("meta"), w, ids)),
+        ("out must be", lambda: op(x, w, ids, out=torch.empty(7 * W, 2, 25, dtype=bf, device=dev))),
+        # ids out of range on every rank, or on one rank only: every rank gets the error naming where
+        (r"must lie in \[0, 4\).*ids from -1", lambda: op(x, w, torch.where(ids == 2, -1, ids))),
+        (r"must lie in \[0, 4\).*rank 0 has ids from \d+ to 4", lambda: op(x, w, ids + (r == 0))),
+        # one rank's routing differs: named, on every rank
+        (f"ranks disagree on topk_ids.*ranks {W - 1} differ from rank 0",
+         lambda: op(x, w, other if r == W - 1 else ids)),
+        # shapes no rank has passed before (a rank that had agreed on its shape would not ask again)
+        ("ranks disagree", lambda: op(rand((20 + r, 32), bf, dev, "x"), w,
+                                      torch.zeros((20 + r) * W, 2, dtype=torch.int64, device=dev))),
+    ]
+    ref = torch.einsum("tk,tjkn->tjn", torch.cat([x.double()] * W), w.double()[ids])
+    return op, bad, Call((x, w, ids), {}, ref)
+
+
+AG_MOE = OpSpec(
+    name="ag_moe_gemm", module=__name__, op=to.AllGatherMoEGEMM, make=_make(to.AllGatherMoEGEMM),
+    functional=to.ag_moe_gemm, inputs=_ag_inputs, stale=_ag_garbage, bad_inputs=_ag_bad_inputs,
+    cases=Cases(host=(
+        MoECase(m_local=13, k=40, n=24, experts=4, topk=2, m_per_chunk=5, iters=3, jitter=0.01),
+        MoECase(m_local=7, k=32, n=40, experts=1, topk=1, transposed=True),  # one expert, top-1, B transposed
+        MoECase(m_local=13, k=32, n=24, experts=6, topk=3, routing="even", m_per_chunk=4, streams=1),  # empty
+        MoECase(m_local=9, k=24, n=16, experts=5, topk=2, routing="one", dtype="float16", jitter=0.003),  # all on 1
+        MoECase(m_local=5, k=16, n=24, experts=8, topk=8, m_per_chunk=2),  # top-8, 8 experts
+        MoECase(m_local=11, k=32, n=16, experts=256, topk=4, m_per_chunk=3),  # E = 256: mostly empty experts
+    )),
+    falls_back=Cases(host=(MoECase(m_local=7, k=32, n=24),)),
+    back_to_back=Variants(host=MoECase(m_local=7, k=32, n=16, experts=3), gpu=None, calls=40),
+    faults=Faults(case=MoECase(m_local=8, k=32, n=24, check_routing=False),
+                  rows=lambda case, n: replace(case, m_local=n),
+                  header=lambda case: f"ag_moe_gemm {case.m_local} {case.k}"),
+)
+globals().update(contract.tests(AG_MOE))
+
+
+# -------------------------------------------------------------------------- MoE GEMM + combine + ReduceScatter
+def _rs_inputs(ctx, case, it):
+    dtype = getattr(torch, case.dtype)
+    W, r, dev = ctx.world_size, ctx.rank, ctx.device
+    T = case.m_local * W
+    ids = _ids(case, T, dev, it, case.experts, "rs")
+    weights = torch.softmax(rand((T, case.topk), torch.float32, dev, "g", it), dim=1)
+    total = torch.zeros(T, case.n, dtype=torch.float64, device=dev)
+    mine = None
+    for s in range(W):  # every rank's h and w slices, and their sum
+        h = rand((T, case.topk, case.k), dtype, dev, "h", it, s)
+        w = _weight(case, dtype, dev, "w2", it, s)
+        total += torch.einsum("tjk,tjkn,tj->tn", h.double(), w.double()[ids], weights.double())
+        if s == r:
+            mine = (h, w)
+    ref = total[r * case.m_local:(r + 1) * case.m_local]
+    out = torch.empty((case.m_local, case.n), dtype=dtype, device=dev)
+    return Call((*mine, ids, weights), _overrides(case), ref, out)
+
+
+def _rs_garbage(ctx, op, case, it):
+    for buf in op.buffers().values():  # stale garbage in the receive slots and the staging buffer
+        buf.copy_(torch.randn_like(buf, dtype=torch.float32))
+
+
+def _rs_bad_inputs(ctx):
+    dev, W, r = ctx.device, ctx.world_size, ctx.rank
+    bf = torch.bfloat16
+    op = to.MoEGEMMReduceScatter(ctx, fallback="never")
+    T = 5 * W
+    h = rand((T, 2, 32), bf, dev, "h")
+    w = rand((3, 32, 24), bf, dev, "w")
+    ids = torch.randint(0, 3, (T, 2), generator=torch.Generator().manual_seed(6)).to(dev)
+    g = torch.full((T, 2), 0.5, device=dev)
+    other = ids.clone()
+    other[0, 0] = (other[0, 0] + 1) % 3
+    bad = [
+        ("inner dimensions", lambda: op(h, rand((3, 31, 24), bf, dev, "w"), ids, g)),
+        ("not divisible", lambda: op(h[1:], w, ids[1:], g[1:])),
+        (r"h must be \[", lambda: op(h[:, :1], w, ids, g)),
+        ("topk_weights must be", lambda: op(h, w, ids, g[:, :1])),
+        ("topk_weights must be", lambda: op(h, w, ids, ids)),
+        (r"must lie in \[0, 3\).*ids from \d+ to 3", lambda: op(h, w, torch.where(ids == 1, 3, ids), g)),
+        (r"must lie in \[0, 3\).*ids from -2", lambda: op(h, w, ids - 2, g)),
+        ("ranks disagree on topk_ids.*ranks 1 differ", lambda: op(h, w, other if r == 1 else ids, g)),
+        ("ranks disagree", lambda: op(h, rand((3, 32, 25 + r), bf, dev, "w"), ids, g)),  # shapes new to all
+    ]
+    ref = torch.einsum("tjk,tjkn,tj->tn", h.double(), w.double()[ids], g.double())[r * 5:(r + 1) * 5] * W
+    return op, bad, Call((h, w, ids, g), {}, ref)
+
+
+RS_MOE = OpSpec(
+    name="moe_gemm_rs", module=__name__, op=to.MoEGEMMReduceScatter, make=_make(to.MoEGEMMReduceScatter),
+    functional=to.moe_gemm_rs, inputs=_rs_inputs, stale=_rs_garbage, bad_inputs=_rs_bad_inputs, tol=RS_TOL,
+    cases=Cases(host=(
+        MoECase(m_local=13, k=40, n=24, experts=4, topk=2, m_per_chunk=5, iters=2, jitter=0.003),
+        MoECase(m_local=7, k=32, n=40, experts=1, topk=1, transposed=True),
+        MoECase(m_local=13, k=32, n=24, experts=6, topk=3, routing="even", m_per_chunk=4, streams=1),
+        MoECase(m_local=9, k=24, n=16, experts=5, topk=2, routing="one", dtype="float16", jitter=0.003),
+        MoECase(m_local=5, k=16, n=24, experts=8, topk=8, m_per_chunk=2),
+        MoECase(m_local=11, k=32, n=16, experts=256, topk=4, m_per_chunk=3),
+    )),
+    falls_back=Cases(host=(MoECase(m_local=7, k=32, n=24),)),
+    back_to_back=Variants(host=MoECase(m_local=7, k=32, n=16, experts=3), gpu=None, calls=40),
+    faults=Faults(case=MoECase(m_local=8, k=32, n=24, check_routing=False),
+                  rows=lambda case, n: replace(case, m_local=n),
+                  header=lambda case: "moe_gemm_rs"),
+)
+globals().update(contract.tests(RS_MOE))
+
+
+# --------------------------------------------------------------------------- the sorted layout into the second op
+def _sorted_pipeline(case):
+    """ag_moe_gemm(sorted_output=True) into moe_gemm_rs(routing=...), the MoE MLP's two GEMMs without a scatter
+    between them: the sorted rows are the token-major ones permuted by the routing, expert offsets right, the
+    second op's result the float64 sum of every rank's partial. Returns the worst relative error."""
+    from refs import poison, rel_err
+
+    with to.Context(timeout_s=120) as ctx:
+        r, dev = ctx.rank, ctx.device
+        call = _ag_inputs(ctx, case, 0)
+        x, w1, ids = call.args
+        ag = to.AllGatherMoEGEMM(ctx, fallback=case.fallback)
+        y = poison(torch.empty(ids.numel(), case.n, dtype=torch.bfloat16, device=dev))
+        got, routing = ag(x, w1, ids, sorted_output=True, out=y, **_overrides(case))
+        ctx.check()
+        assert got.data_ptr() == y.data_ptr()
+        ref = call.ref.reshape(-1, case.n)
+        err = rel_err(got[routing.position.long()], ref)
+        assert err < 1e-2, err
+        assert torch.equal(routing.order[routing.position.long()].cpu(), torch.arange(ids.numel()))
+        experts = ids.reshape(-1)[routing.order]
+        assert torch.equal(torch.bincount(experts, minlength=case.experts).cumsum(0).cpu(),
+                           routing.offsets[1:].long().cpu())
+        assert bool((experts[1:] >= experts[:-1]).all())
+        # the second GEMM on the sorted rows (K of w2 = n here), each rank's own w2
+        w2 = rand((case.experts, case.n, 16), torch.bfloat16, dev, "w2s", r)
+        g = torch.softmax(rand(tuple(ids.shape), torch.float32, dev, "gs"), dim=1)
+        rs = to.MoEGEMMReduceScatter(ctx, fallback=case.fallback)
+        out = poison(torch.empty(case.m_local, 16, dtype=torch.bfloat16, device=dev))
+        rs(got, w2, ids, g, routing=routing, out=out)
+        ctx.check()
+        hs = got[routing.position.long()].view(ids.shape[0], ids.shape[1], case.n).double()
+        mine = torch.einsum("tjk,tjkn,tj->tn", hs, w2.double()[ids], g.double())
+        total = torch.stack(ctx.gather_object(mine.cpu())).sum(0)[r * case.m_local:(r + 1) * case.m_local]
+        err2 = rel_err(out, total)
+        assert err2 < RS_TOL[torch.bfloat16], err2
+        return max(err, err2)
+
+
+@pytest.mark.parametrize("fallback", ["never", "always"])
+def test_sorted_layout_feeds_moe_gemm_rs(pool, fallback):
+    pool.run(_sorted_pipeline, MoECase(m_local=13, k=32, n=24, experts=5, topk=2, m_per_chunk=4, fallback=fallback))
+
+
+@pytest.mark.parametrize("name,case", [("ag_moe_gemm", 0), ("ag_moe_gemm", 5), ("moe_gemm_rs", 0),
+                                       ("moe_gemm_rs", 2)])
+def test_cases_at_every_world_size(pool, name, case):
+    """Cases of each op at W = 3 and 4 too, whatever harness.host_case_share leaves out there (W = 2 runs them in
+    the contract's tests): chunks of three and four ranks, arrival orders over three peers."""
+    if pool.world == 2:
+        pytest.skip("W = 2: the contract's test_<op>_matches_reference runs the case")
+    spec = contract.SPECS[name]
+    worst = pool.run(contract.matches_reference, spec, spec.cases.on(pool)[case])
+    assert max(worst) < max(spec.tol.values()), worst
+
+
+# ----------------------------------------------------------------------------------------- rules and tables
+def test_fallback_rule():
+    """"auto" takes the torch path on one rank and below a MiB of shard (AllGather) or of each rank's output
+    (ReduceScatter), the overlap above; "always" and "never" as they say."""
+    from refs import OfflineContext
+
+    x_small, x_large = torch.empty(64, 1024, dtype=torch.bfloat16), torch.empty(1024, 1024, dtype=torch.bfloat16)
+    for world, rule, small, large in ((1, "auto", True, True), (2, "auto", True, False), (2, "always", True, True),
+                                      (2, "never", False, False)):
+        ctx = OfflineContext(world_size=world)
+        ag = to.AllGatherMoEGEMM(ctx, fallback=rule)
+        assert (ag._use_fallback(x_small), ag._use_fallback(x_large)) == (small, large), (world, rule)
+        rs = to.MoEGEMMReduceScatter(ctx, fallback=rule)
+        assert (rs._use_fallback(64, 1024, 2), rs._use_fallback(1024, 1024, 2)) == (small, large), (world, rule)
+
+
+
+def test_tile_table_bounds_and_covers():
+    """Every (block, expert) group's rows are cut into block_m tiles that cover them exactly once, in expert order,
+    within the fixed number of slots (ceil(rows / block_m) + min(E, rows)), the rest empty; routings from empty
+    experts to all on one expert."""
+    from triton_overlap.ops.moe_routing import num_slots, tile_table
+
+    g = torch.Generator().manual_seed(0)
+    for B, E, rows, bm in ((1, 4, 37, 16), (3, 7, 20, 8), (1, 256, 44, 16), (2, 1, 9, 16), (1, 5, 64, 16)):
+        for kind in ("random", "one", "sparse"):
+            if kind == "one":
+                counts = torch.zeros(B, E, dtype=torch.int64)
+                counts[:, -1] = rows
+            else:
+                hi = E if kind == "random" else max(1, E // 3)
+                counts = torch.stack([torch.bincount(torch.randint(0, hi, (rows,), generator=g), minlength=E)
+                                      for _ in range(B)])
+            slots = num_slots(rows, E, bm)
+            table = tile_table(counts, bm, slots)
+            starts = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).reshape(B, E)
+            for b in range(B):
+                seen = []
+                for e, first, end in table[b].tolist():
+                    if end > first:
+                        assert end - first <= bm and starts[b, e] <= first and end <= starts[b, e] + counts[b, e]
+                        seen += list(range(first, end))
+                assert seen == list(range(int(starts[b, 0]), int(starts[b, 0]) + rows)), (B, E, rows, kind)
+
+
+def test_routing_orders_tiles():
+    """AllGather-MoE's tables (rank 1 of 3, two chunks a rank): every pair in exactly one tile, a tile's rows of one
+    expert, rows of an expert in chunk-arrival order (this rank's first), tiles ordered by the last chunk they need
+    (all-local tiles first), the chunks a tile waits for those of its rows. MoE-ReduceScatter's: each destination's
+    slots hold its own tokens' pairs only, in the order of ``dests`` (this rank last)."""
+    from triton_overlap.ops.moe_reduce_scatter import MoEReduceScatterSchedule
+    from triton_overlap.plan import ChunkLayout
+
+    W, m_local, topk, E = 3, 48, 2, 3
+    layout = ChunkLayout(W, m_local, 24)
+    cfg = to.MoEGEMMConfig(block_m=16, block_n=16, block_k=16, block_c=16)
+    # chunks 2 and 3 (rank 1's) here; then rank 0's, then rank 2's, at positions 1 to 4
+    at = [2, 0, 1, 4, 5]
+    pos = torch.zeros(6, dtype=torch.int64)
+    for i, c in enumerate(at[1:], start=1):
+        pos[c] = i
+    sched = SimpleNamespace(gather=SimpleNamespace(layout=layout), cfg=cfg, chunk_pos=pos,
+                            chunk_at=torch.tensor(at, dtype=torch.int32))
+    ids = torch.randint(0, E, (W * m_local, topk), generator=torch.Generator().manual_seed(1))
+    _, (src, dst, rowpos, _), table = to.AllGatherMoEGEMM.route(None, sched, ids, E, False)
+    seen, needs = [], []
+    for e, first, end in table.tolist():
+        if end == first:
+            needs.append(99)
+            continue
+        pairs = dst[first:end].long()
+        assert (ids.reshape(-1)[pairs] == e).all() and (src[first:end].long() == pairs // topk).all()
+        tok_chunks = {int(t) // m_local * 2 + int(t) % m_local // 24 for t in src[first:end]}
+        assert {at[int(p)] for p in rowpos[first:end] if p} == tok_chunks - {2, 3}  # what the tile waits for
+        assert (rowpos[first:end][1:] >= rowpos[first:end][:-1]).all()
+        needs.append(int(rowpos[end - 1]))
+        seen += pairs.tolist()
+    assert sorted(seen) == list(range(W * m_local * topk)) and needs == sorted(needs) and needs[0] == 0
+    # MoE-ReduceScatter at rank 1: destinations 2, 0, then 1
+    rs = MoEReduceScatterSchedule(cfg, SimpleNamespace(layout=layout), torch.tensor([2, 0, 1]),
+                                  torch.tensor([1, 2, 0]), None, None)
+    (src, _), table = to.MoEGEMMReduceScatter.route(None, rs, ids, E, None)
+    slots = table.shape[0] // W
+    for q, dest in enumerate((2, 0, 1)):
+        for e, first, end in table[q * slots:(q + 1) * slots].tolist():
+            pairs = src[first:end].long()
+            assert (pairs // topk // m_local == dest).all() and (ids.reshape(-1)[pairs] == e).all()
+
+
+def test_config_rejects_odd_tiles():
+    with pytest.raises(ValueError, match="block_c"):
+        to.MoEGEMMConfig(block_c=24)
+
+
+# ------------------------------------------------------------------------------------------------------ faults
+@pytest.mark.parametrize("spec", ["ag_moe_gemm", "moe_gemm_rs"])
+@pytest.mark.parametrize("repeated", [False, True], ids=["first_call", "repeated_call"])
+def test_peer_absent(pool, spec, repeated):
+    """contract.peer_absent: rank 1 never makes the call; the others' agreement (first call) or the call's barrier
+    (repeated) times out naming rank 1, the Context refuses calls until reset(), then calls are right again."""
+    if pool.world != 2:
+        pytest.skip("W = 2")
+    pool.run(contract.peer_absent, contract.SPECS[spec], repeated, contract.timeout_for(pool))
+
+
+def _ag_chunk_never_lands(timeout_s: float):
+    """A peer's chunk that never lands: the grouped GEMM's wait times out naming the rank, the op, the peer and
+    the chunk (a simulated world of two, as rank 0, with rank 1's flags down)."""
+    from triton_overlap.kernels.grouped_gemm import launch_ag_grouped
+    from triton_overlap.plan import ChunkLayout
+
+    with to.Context(timeout_s=timeout_s) as ctx:
+        dev, m_local, K, N, E = ctx.device, 8, 32, 16, 3
+        layout = ChunkLayout(2, m_local, 4)
+        cfg = to.MoEGEMMConfig.defaults(ctx)
+        x = rand((m_local, K), torch.bfloat16, dev, "x0")
+        ws = torch.zeros(2 * m_local, K, dtype=torch.bfloat16, device=dev)
+        w = rand((E, K, N), torch.bfloat16, dev, "w")
+        ids = torch.arange(2 * m_local * 2, device=dev).view(-1, 2) % E
+        cpr = layout.chunks_per_rank
+        sched = SimpleNamespace(gather=SimpleNamespace(layout=layout), cfg=cfg,
+                                chunk_pos=torch.tensor([0] * cpr + list(range(1, cpr + 1)), device=dev),
+                                chunk_at=torch.tensor([0] + list(range(cpr, 2 * cpr)), dtype=torch.int32,
+                                                      device=dev))
+        _, routes, table = to.AllGatherMoEGEMM.route(None, sched, ids, E, False)
+        out = torch.empty(ids.numel(), N, dtype=torch.bfloat16, device=dev)
+        flags = torch.ones(layout.num_chunks, dtype=torch.int32, device=dev)
+        ref = torch.einsum("tk,tjkn->tjn", torch.cat([x, ws[m_local:]]).double(), w.double()[ids]).reshape(-1, N)
+
+        def first_ok():
+            assert (out.double() - ref).abs().max() < 0.1
+
+        return late_chunk_faults(ctx, flags, "ag_moe_gemm", "[01]", lambda op: launch_ag_grouped(
+            ctx, cfg, x, ws, w, out, routes, table, flags, layout, op=op, rank=0), first_ok)
+
+
+def test_ag_moe_wait_times_out(pool):
+    if pool.backend == "host" and pool.world != 2:
+        pytest.skip("a simulated world: run once on the host backend, at W = 2")
+    assert_own_fault(pool.run(_ag_chunk_never_lands, contract.timeout_for(pool)))

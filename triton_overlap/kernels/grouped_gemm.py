@@ -1,0 +1,199 @@
+"""The grouped GEMMs of tensor-parallel mixture of experts: persistent kernels whose tiles are rows of one expert.
+
+Rows are (token, k) pairs sorted on the host side of the launch (ops.moe_routing, torch on the device) so that each
+expert's rows are contiguous; a tile is up to BLOCK_M consecutive sorted rows of one expert, and the tile table
+(int32 [slots, 3]: expert, first row, end row) holds every tile in the order programs should take them. Its length is
+a bound fixed by the shapes (sum over experts of ceil(rows / BLOCK_M) <= ceil(rows / BLOCK_M) + experts), so
+nothing is read back to the host: slots past the last tile are empty (first row = end row) and skipped.
+
+* ``ag_grouped_gemm`` (AllGather + grouped GEMM): a sorted row's A row is a token of the gathered input, read in
+  place from this rank's shard ``x_ptr`` or from the workspace ``ws_ptr`` that copy engines fill chunk by chunk
+  (producers.gather). Within an expert, rows are sorted by the arrival position of their token's chunk (this rank's
+  own chunks at position 0), so a tile's rows come from a run of positions; the tile waits for the flag of each
+  position its rows actually use (``chunk_at``: the chunk at each position), never for chunks only other tiles
+  read. The table puts tiles of this rank's rows first, then by the latest chunk they need.
+* ``rs_grouped_gemm`` (grouped GEMM + top-k combine + ReduceScatter): rows are sorted by destination (the owner of
+  the token, in GEMM-RS's send order, this rank last), then expert. The work items of each destination are its
+  GEMM tiles (a fixed number of slots) and then its combine tiles: a combine tile waits until every GEMM item of
+  its destination is done (a device counter), sums ``topk_weights[t, j] * Y[t, j]`` over j in float32 for
+  BLOCK_C of the destination's tokens, stores the partial where GEMM-RS's copy variant stages it
+  (``ptrs[dest]``, producers.scatter.Staging) and bumps the counters that the copy engines wait on. Items are
+  claimed in order through an atomic counter, so a combine tile is taken only once every GEMM item before it has
+  been taken by a running program (in Triton's interpreter programs run one after another).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .cached_launch import launch
+from .gemm_device import publish
+from .signal import WHAT_STARTED, wait_for, waiter
+
+
+@triton.jit
+def _expert_tile(a_rows, row_ok, b_ptr, cols, col_ok, K, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """A[rows, :] @ B[:, cols] in float32: ``a_rows`` the rows' start pointers (unit stride along K), ``b_ptr``
+    the expert's [K, N] matrix (any strides); rows past ``row_ok`` and columns past ``col_ok`` read zeros."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + offs_k) < K
+        a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + (k0 + offs_k)[:, None] * stride_bk + cols[None, :] * stride_bn,
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if DOT_F32:  # Triton's interpreter multiplies 16-bit operands as raw bits
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def ag_grouped_gemm(x_ptr, ws_ptr, w_ptr, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr, flags_ptr,
+                    waiter, num_items, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_we, stride_wk,
+                    stride_wn, stride_om,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr):
+    """out[dst[p]] = x_all[src[p]] @ w[expert of p] for every sorted row p (module doc). ``pos_ptr``: each sorted
+    row's chunk position (0: this rank's own rows); ``chunk_at_ptr``: the chunk id at each position; ``flags_ptr``:
+    this rank's gather flags, one per chunk."""
+    rank = waiter[2]
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    for it in range(tl.program_id(0), num_items, NUM_PROGRAMS):
+        slot = it // num_pid_n
+        pid_n = it % num_pid_n
+        expert = tl.load(table_ptr + slot * 3)
+        first = tl.load(table_ptr + slot * 3 + 1)
+        end = tl.load(table_ptr + slot * 3 + 2)
+        if end > first:
+            offs = first + tl.arange(0, BLOCK_M)
+            row_ok = offs < end
+            pos = tl.load(pos_ptr + offs, mask=row_ok, other=0)
+            # the chunks this tile's rows come from, at each position its rows use (positions are sorted)
+            for k in range(tl.maximum(tl.load(pos_ptr + first), 1), tl.load(pos_ptr + end - 1) + 1):
+                if tl.sum((pos == k).to(tl.int32), axis=0) > 0:
+                    c = tl.load(chunk_at_ptr + k)
+                    wait_for(flags_ptr + c, 1, waiter, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
+            tok = tl.load(src_ptr + offs, mask=row_ok, other=0)
+            mine = (tok // M_LOCAL) == rank
+            a_rows = tl.where(mine, x_ptr + (tok - rank * M_LOCAL).to(tl.int64) * stride_xm,
+                              ws_ptr + tok.to(tl.int64) * stride_wsm)
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
+            acc = _expert_tile(a_rows, row_ok, w_ptr + expert.to(tl.int64) * stride_we, cols, col_ok, K, stride_wk,
+                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            dst = tl.load(dst_ptr + offs, mask=row_ok, other=0).to(tl.int64)
+            tl.store(out_ptr + dst[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def rs_grouped_gemm(h_ptr, w_ptr, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, dests_ptr, done_ptr, tick_ptr,
+                    scatter_ptrs, counter_ptrs, waiter, SLOTS, TOPK, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N, K,
+                    stride_hm, stride_we, stride_wk, stride_wn, world,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                    NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+                    LOCAL_COUNTERS: tl.constexpr):
+    """Y[p] = h[src[p]] @ w[expert of p] for every sorted row p, destination by destination (``dests_ptr``: the
+    ranks in the order their rows are computed; the table holds SLOTS slots per destination, in that order), and
+    after each destination's GEMM items its combine items (module doc). Y is [rows, N], row-major; a token's pair
+    (t, j) sits at row ``pos[t * TOPK + j]``."""
+    rank = waiter[2]
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    gemm_items = SLOTS * num_pid_n
+    combine_items = tl.cdiv(M_LOCAL, BLOCK_C) * num_pid_n
+    per_dest = gemm_items + combine_items
+    for _ in range(tl.program_id(0), world * per_dest, NUM_PROGRAMS):
+        item = tl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # the next item in order, whoever takes it
+        q = item // per_dest
+        r = item % per_dest
+        cols = (r % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        if r < gemm_items:
+            slot = q * SLOTS + r // num_pid_n
+            expert = tl.load(table_ptr + slot * 3)
+            first = tl.load(table_ptr + slot * 3 + 1)
+            end = tl.load(table_ptr + slot * 3 + 2)
+            if end > first:
+                offs = first + tl.arange(0, BLOCK_M)
+                row_ok = offs < end
+                src = tl.load(src_ptr + offs, mask=row_ok, other=0).to(tl.int64)
+                acc = _expert_tile(h_ptr + src * stride_hm, row_ok, w_ptr + expert.to(tl.int64) * stride_we, cols,
+                                   col_ok, K, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                tl.store(y_ptr + offs.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                         mask=row_ok[:, None] & col_ok[None, :])
+            tl.debug_barrier()  # every thread's stores of the tile come before the release below
+            tl.atomic_add(done_ptr + q, 1, sem="release", scope="gpu")  # empty slots count too: the total is fixed
+        else:
+            dest = tl.load(dests_ptr + q)
+            # every GEMM item of this destination is done (they were all claimed before this item, and wait on
+            # nothing: this wait ends unless the device stops); a timeout names the destination as the peer
+            wait_for(done_ptr + q, gemm_items, waiter, dest, WHAT_STARTED, CLOCK)
+            row0 = ((r - gemm_items) // num_pid_n) * BLOCK_C
+            rows = row0 + tl.arange(0, BLOCK_C)
+            row_ok = rows < M_LOCAL
+            pair0 = (dest * M_LOCAL + rows).to(tl.int64) * TOPK
+            acc = tl.zeros((BLOCK_C, BLOCK_N), dtype=tl.float32)
+            for j in range(0, TOPK):
+                p = tl.load(pos_ptr + pair0 + j, mask=row_ok, other=0).to(tl.int64)
+                wt = tl.load(weights_ptr + pair0 + j, mask=row_ok, other=0.0)
+                y = tl.load(y_ptr + p[:, None] * N + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                            other=0.0)
+                acc += wt[:, None] * y.to(tl.float32)
+            base = tl.load(scatter_ptrs + dest).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            part = base + (rank * M_LOCAL + rows).to(tl.int64)[:, None] * N + cols[None, :]
+            tl.store(part, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+            last = tl.minimum(row0 + BLOCK_C, M_LOCAL) - 1
+            publish(counter_ptrs, dest * CHUNKS_PER_RANK + row0 // M_PER_CHUNK,
+                    dest * CHUNKS_PER_RANK + last // M_PER_CHUNK, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
+
+
+# ---------------------------------------------------------------------------------------------------- launchers
+def _programs(ctx, items: int, free_sm: bool = False) -> int:
+    """One program per SM (CU), at most one per item. ``free_sm``: leave one SM to the call's barrier kernel, which
+    the copies that the programs wait for follow (as kernels.gemm's GATHER does)."""
+    units = ctx.num_compute_units() - (1 if free_sm and not ctx.interpreted else 0)
+    return max(1, min(units, items))
+
+
+def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, op: int = 0,
+                      rank: int | None = None) -> None:
+    """``ag_grouped_gemm`` on the caller's stream. ``tiles``: block sizes and warps (GemmTiles); ``x`` this rank's
+    [m_local, K] shard, ``ws`` the [M, K] workspace, ``w`` [E, K, N] (any strides), ``out`` rows of N (row stride
+    ``out.stride(0)``, unit column stride); ``routes``: (src, dst, pos, chunk_at) int32 tensors; ``table``: int32
+    [slots, 3]; ``flags``: this rank's flags; ``layout``: the gather's ChunkLayout; ``rank``: the rank it runs as
+    (None: the Context's; tests simulate a world on one rank)."""
+    N, K = w.shape[2], w.shape[1]
+    items = table.shape[0] * triton.cdiv(N, tiles.block_n)
+    programs = _programs(ctx, items, free_sm=True)
+    launch(ag_grouped_gemm, (programs,), (
+        x, ws, w, out, *routes, table, flags, waiter(ctx, op, rank), items, layout.m_local, layout.chunks_per_rank,
+        N, K, x.stride(0), ws.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
+    ), dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, NUM_PROGRAMS=programs,
+            CLOCK=ctx.clock, DOT_F32=ctx.interpreted), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    ctx.after_launch()
+
+
+def launch_rs_grouped(ctx, tiles, block_c: int, h, w, y, routes, weights, table, dests, counts, target, layout,
+                      op: int = 0) -> None:
+    """``rs_grouped_gemm`` on the caller's stream. ``h`` [rows, K] (unit stride along K), ``w`` [E, K, N] (any
+    strides), ``y`` [sorted rows, N] contiguous; ``routes``: (src, pos) int32; ``weights`` float32 [T * topk];
+    ``table`` int32 [W * slots, 3]; ``dests`` int32 [W]; ``counts``: int32 [W + 1] zeros (W destinations' done
+    counters, then the item counter); ``target``: producers.scatter.Staging (where partials go, which counters they
+    bump); ``layout``: the scatter's ChunkLayout."""
+    N, K = w.shape[2], w.shape[1]
+    W = layout.world
+    slots = table.shape[0] // W
+    npn = triton.cdiv(N, tiles.block_n)
+    items = W * (slots * npn + triton.cdiv(layout.m_local, block_c) * npn)
+    programs = _programs(ctx, items)
+    launch(rs_grouped_gemm, (programs,), (
+        h, w, y, *routes, weights, table, dests, counts, counts[W:], target.ptrs, target.counter_ptrs,
+        waiter(ctx, op), slots, weights.numel() // (W * layout.m_local), layout.m_local, layout.m_per_chunk,
+        layout.chunks_per_rank, N, K, h.stride(0), w.stride(0), w.stride(1), w.stride(2), W,
+    ), dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_C=block_c,
+            NUM_PROGRAMS=programs, CLOCK=ctx.clock, DOT_F32=ctx.interpreted, LOCAL_COUNTERS=True),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    ctx.after_launch()

@@ -1,0 +1,215 @@
+"""AllGather + grouped MoE GEMM: ``out[t, j] = all_gather(x)[t] @ w[topk_ids[t, j]]``, the gather hidden behind the
+experts' GEMM.
+
+Plan: each rank's tokens cut into chunks (ChunkLayout), moved by copy engines with a flag per chunk exactly as
+AllGather-GEMM moves its rows (producers.gather, push). Consumer: a persistent grouped GEMM (kernels.grouped_gemm)
+over the (token, k) pairs sorted by expert and, within an expert, by the arrival position of the token's chunk,
+this rank's own tokens first (ops.moe_routing, torch on the device); a tile waits only for the chunks its rows come
+from, and tiles of rows already here run first. Fallback: NCCL all_gather + one torch matmul per expert.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..context.collectives import all_gather_rows
+from ..kernels.grouped_gemm import launch_ag_grouped
+from ..plan import ChunkLayout, GatherSchedule, arrival_times, gather_schedule
+from ..producers import pipeline
+from ..producers.gather import Gather
+from .base import OverlapOp, with_overrides
+from .moe_config import MoEGEMMConfig, check_moe_operands, check_out
+from .moe_routing import (MoERouting, agree_on_routing, check_routing, grouped_matmul, num_slots, sort_pairs,
+                          tile_table)
+
+#: fallback="auto" takes NCCL + torch below this many bytes of each rank's token shard
+FALLBACK_SHARD_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, eq=False)
+class AllGatherMoESchedule:
+    """One call shape's decisions: ``cfg``, the gather's schedule, each chunk's arrival position on the device
+    (``chunk_pos``: 0 for this rank's own chunks, then 1, 2, ... in the order the others arrive), the chunk at
+    each position (``chunk_at``), and the call's header."""
+    cfg: MoEGEMMConfig
+    gather: GatherSchedule
+    chunk_pos: torch.Tensor
+    chunk_at: torch.Tensor
+    call: object
+
+
+class AllGatherMoEGEMM(OverlapOp):
+    """Reusable AllGather + grouped MoE GEMM bound to a Context.
+
+    ``op(x, w, topk_ids, *, sorted_output=False, out=None, **overrides)``: ``x`` is this rank's tokens [T/W, K]
+    (float16 or bfloat16); ``w`` the experts' column shards [E, K, N_local], any strided view (e.g.
+    ``w_nk.transpose(1, 2)``); ``topk_ids`` [T, topk] int32 or int64 expert ids of every token (rank 0's tokens
+    first), the same tensor on every rank. Returns [T, topk, N_local], ``out[t, j] = x_all[t] @ w[topk_ids[t, j]]``,
+    accumulated in float32 and rounded once to x's dtype. With ``sorted_output=True`` returns ``(y, routing)``
+    instead: ``y`` [T * topk, N_local] in this rank's expert-sorted layout and ``routing`` (ops.moe_routing.MoERouting)
+    its permutation and expert offsets, which ``moe_gemm_rs`` takes as they are (no scatter back to token order).
+    ``overrides`` set MoEGEMMConfig fields for this call.
+
+    Checks before anything is launched (ValueError, the Context stays usable): shapes and dtypes, the ranks'
+    agreement on them, and, with ``check_routing`` (the default), every id in [0, E) and the same ``topk_ids`` on
+    every rank (a digest of it read back to the host and compared across ranks: one device-to-host copy and one
+    host exchange per call; ``check_routing=False`` skips both for a caller who guarantees them, where an id out of
+    range is undefined behaviour). Routing itself (sort, counts, tile table) runs on the device with no host
+    synchronisation: the table has a fixed number of slots (ceil(T * topk / block_m) + min(E, T * topk)).
+
+    ``fallback="auto"`` takes NCCL all_gather + torch when W = 1 or the shard is under FALLBACK_SHARD_BYTES.
+    """
+
+    KIND = "ag_moe_gemm"
+    ACROSS_HOSTS = True
+
+    def __init__(self, ctx, config: MoEGEMMConfig | None = None, *, fallback: str = "auto",
+                 check_routing: bool = True, name: str | None = None):
+        super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
+        self.check_routing = check_routing
+
+    def default_config(self, shape, variant=""):
+        return MoEGEMMConfig.defaults(self.ctx)
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *, sorted_output: bool = False,
+                 out: torch.Tensor | None = None, **overrides):
+        ctx = self.ctx
+        ctx.ensure_usable()
+        check_moe_operands(self.KIND, ctx, x, w, "x", (2,))
+        W = ctx.world_size
+        T, E, N = x.shape[0] * W, w.shape[0], w.shape[2]
+        check_routing(self.KIND, ctx, topk_ids, T, E)
+        topk = topk_ids.shape[1]
+        shape = (T * topk, N) if sorted_output else (T, topk, N)
+        check_out(self.KIND, out, shape, x.dtype, x.device)
+        self.agree((tuple(x.shape), str(x.dtype), E, topk))
+        if self.check_routing:
+            agree_on_routing(self.KIND, ctx, topk_ids, E)
+        x = x.contiguous()
+        out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
+        direct = _rows_view(out)  # the kernel stores rows of N one row stride apart: else through a tensor that is
+        rows = out.view(T * topk, N) if direct else torch.empty((T * topk, N), dtype=x.dtype, device=x.device)
+        if self._use_fallback(x):
+            self.last_path = "fallback"
+            routing = self._fallback(x, w, topk_ids, rows, sorted_output)
+        else:
+            self.last_path = "overlap"
+            routing = self._overlap(x, w, topk_ids, rows, sorted_output, overrides)
+        if not direct:
+            out.copy_(rows.view(shape))
+        return (out, routing) if sorted_output else out
+
+    def _use_fallback(self, x) -> bool:
+        if not self.overlap_possible():
+            return True
+        if self.fallback != "auto":
+            return self.fallback == "always"
+        return self.ctx.world_size == 1 or x.numel() * x.element_size() < FALLBACK_SHARD_BYTES
+
+    # --------------------------------------------------------------------------- plan, consumer, fallback
+    def schedule(self, x, overrides) -> AllGatherMoESchedule:
+        """The config, the gather's schedule (push: copy engines write this rank's chunks into every peer's
+        workspace and raise their flags; the pipeline zeroes this rank's flags after the join), the chunks' arrival
+        positions and the call's header, made once per shape and configuration."""
+        ctx = self.ctx
+        m_local, K = x.shape
+        cfg = with_overrides(self.config_for((m_local * ctx.world_size, K)), overrides)
+        key = (m_local, K, x.dtype, cfg)
+        found = self.state.setdefault("schedules", {}).get(key)
+        if found is None:
+            layout = ChunkLayout(ctx.world_size, m_local, cfg.chunk_rows(m_local, K * x.element_size()))
+            gather = gather_schedule(layout, ctx.rank, ctx.topology.hosts, mode="push", num_streams=cfg.num_streams,
+                                     reset_by="producer", hold_for_link=ctx.holds_for_link)
+            when = arrival_times(layout, ctx.rank, ctx.topology.hosts, cfg.num_streams)
+            arriving = sorted(when, key=lambda c: (when[c], c))
+            pos = [0] * layout.num_chunks
+            for i, c in enumerate(arriving):
+                pos[c] = i + 1
+            own = layout.chunk_id(ctx.rank, 0)
+            call = self.call_header((m_local, K, x.dtype, layout.m_per_chunk, "push"), (m_local, K))
+            found = self.state["schedules"][key] = AllGatherMoESchedule(
+                cfg, gather, torch.tensor(pos, dtype=torch.int64, device=ctx.device),
+                torch.tensor([own] + arriving, dtype=torch.int32, device=ctx.device), call)
+        return found
+
+    def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides) -> MoERouting | None:
+        """Enqueue one overlapped call: schedule, then run (the routing tables are made on the caller's stream
+        while the copies go)."""
+        ctx = self.ctx
+        sched = self.schedule(x, overrides)
+        layout, cfg = sched.gather.layout, sched.cfg
+        ws = ctx.symmetric(f"{self.name}.ws", (layout.world * layout.m_local, x.shape[1]), x.dtype)
+        flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
+        self.state["buffers"] = {"workspace": ws.local}
+        producer = Gather(ctx, sched.gather, [(x, ws)], flags, call=sched.call)
+        made = {}
+
+        def consumer():
+            routing, routes, table = self.route(sched, topk_ids, w.shape[0], sorted_output)
+            made["routing"] = routing
+            launch_ag_grouped(ctx, cfg, x, ws.local, w, rows, routes, table, flags.local, layout, op=self.op)
+
+        pipeline.run(ctx, producer, consumer)
+        return made["routing"]
+
+    def route(self, sched: AllGatherMoESchedule, topk_ids, num_experts: int, sorted_output: bool):
+        """The consumer's routing, with torch on the device: pairs sorted by (expert, chunk position, pair); the
+        tile table (``block_m`` rows of one expert a tile), ordered by the last chunk position a tile needs (tiles
+        of this rank's rows first); and (src, dst, pos, chunk_at) for the kernel. Returns (MoERouting, those, table)."""
+        layout, bm = sched.gather.layout, sched.cfg.block_m
+        T, topk = topk_ids.shape
+        dev = topk_ids.device
+        pairs = T * topk
+        experts = topk_ids.reshape(-1).to(torch.int64)
+        token = torch.arange(pairs, device=dev, dtype=torch.int64) // topk
+        chunk = (token // layout.m_local) * layout.chunks_per_rank + (token % layout.m_local) // layout.m_per_chunk
+        cpos = sched.chunk_pos[chunk]
+        order, position = sort_pairs(experts, cpos, layout.num_chunks + 1)
+        counts = torch.bincount(experts, minlength=num_experts)
+        table = tile_table(counts.view(1, -1), bm, num_slots(pairs, num_experts, bm))[0]
+        sorted_pos = cpos[order]
+        used = table[:, 2] > table[:, 1]
+        need = torch.where(used, sorted_pos[(table[:, 2] - 1).clamp(min=0)], layout.num_chunks + 1)
+        table = table[torch.sort(need, stable=True).indices].to(torch.int32).contiguous()
+        dst = order if not sorted_output else torch.arange(pairs, device=dev, dtype=torch.int64)
+        routes = ((order // topk).to(torch.int32), dst.to(torch.int32), sorted_pos.to(torch.int32), sched.chunk_at)
+        routing = None
+        if sorted_output:
+            offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
+            offsets[1:] = counts.cumsum(0)
+            routing = MoERouting(order, position, offsets, num_experts, topk)
+        return routing, routes, table
+
+    def _fallback(self, x, w, topk_ids, rows, sorted_output) -> MoERouting | None:
+        ctx = self.ctx
+        gathered = torch.empty((x.shape[0] * ctx.world_size, x.shape[1]), dtype=x.dtype, device=x.device)
+        all_gather_rows(gathered, x, group=ctx.group)
+        T, topk = topk_ids.shape
+        experts = topk_ids.reshape(-1).to(torch.int64)
+        if not sorted_output:
+            rows.copy_(grouped_matmul(gathered.repeat_interleave(topk, dim=0), experts, w))
+            return None
+        order, position = sort_pairs(experts, None, 1)
+        rows.copy_(grouped_matmul(gathered[order // topk], experts[order], w))
+        counts = torch.bincount(experts, minlength=w.shape[0])
+        offsets = torch.zeros(w.shape[0] + 1, dtype=torch.int32, device=x.device)
+        offsets[1:] = counts.cumsum(0)
+        return MoERouting(order, position, offsets, w.shape[0], topk)
+
+
+def _rows_view(out: torch.Tensor) -> bool:
+    """Whether ``out`` ([T, topk, N] or [P, N]) is rows of N elements one row stride apart, unit column stride."""
+    if out.stride(-1) != 1:
+        return False
+    return out.dim() == 2 or out.stride(0) == out.stride(1) * out.shape[1] or out.shape[0] == 1
+
+
+def ag_moe_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *, ctx, sorted_output: bool = False,
+                out: torch.Tensor | None = None, **overrides):
+    """Functional form of AllGatherMoEGEMM: one op per Context, kept by the Context."""
+    return AllGatherMoEGEMM.shared(ctx)(x, w, topk_ids, sorted_output=sorted_output, out=out, **overrides)
+
+
+__all__ = ["AllGatherMoEGEMM", "ag_moe_gemm"]

@@ -1,0 +1,67 @@
+"""The tensor-parallel MoE ops' knobs (MoEGEMMConfig) and the operand checks they share."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .checks import DTYPES
+from .config import ChunkedGemmConfig
+
+
+@dataclass(frozen=True)
+class MoEGEMMConfig(ChunkedGemmConfig):
+    """AllGather-MoE-GEMM's and MoE-GEMM-ReduceScatter's knobs: the grouped GEMM's tiles (``block_m`` rows of one
+    expert by ``block_n`` columns, ``block_k`` deep), the chunking of each rank's tokens (ChunkedGemmConfig), and
+    ``block_c``: the tokens of one top-k combine tile (MoE-GEMM-ReduceScatter)."""
+
+    block_c: int = 64
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "block_c"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoEGEMMConfig.{name} must be a power of two >= 16, got {v}")
+
+    @classmethod
+    def defaults(cls, ctx) -> "MoEGEMMConfig":
+        """Interpreter-sized tiles where kernels are interpreted (the host backend); untuned GPU tiles elsewhere
+        (pointer loads: the rows of a tile are gathered token by token), one copy stream on CUDA."""
+        if ctx.interpreted:
+            return cls(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=1, num_stages=1, chunks_per_rank=2,
+                       block_c=16)
+        if ctx.backend == "hip":
+            return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2, min_chunk_bytes=16 << 20)
+        return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, min_chunk_bytes=16 << 20,
+                   num_streams=1)
+
+
+def check_moe_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, a_name: str, a_dims: tuple) -> None:
+    """``a`` (``a_name``) of one of the ``a_dims`` ranks and ``w`` [E, K, N] of the same 16-bit dtype on the
+    Context's device, K matching ``a``'s last dimension, nothing empty (ValueError, before any launch)."""
+    for name, t, dims in ((a_name, a, a_dims), ("w", w, (3,))):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in dims:
+            want = " or ".join(f"{d}-D" for d in dims)
+            raise ValueError(f"{op}: {name} must be {want}, got shape {tuple(t.shape)}")
+        if t.dtype not in DTYPES:
+            raise ValueError(f"{op}: {name} must be float16 or bfloat16, got {t.dtype}")
+        if t.device != ctx.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, the Context is on {ctx.device}")
+        if t.numel() == 0:
+            raise ValueError(f"{op}: empty operand: {name} {tuple(t.shape)}")
+    if a.dtype != w.dtype:
+        raise ValueError(f"{op}: {a_name} and w have different dtypes ({a.dtype} vs {w.dtype})")
+    if a.shape[-1] != w.shape[1]:
+        raise ValueError(f"{op}: inner dimensions differ: {a_name} is {tuple(a.shape)}, w is {tuple(w.shape)} "
+                         f"([E, K, N])")
+
+
+def check_out(op: str, out, shape: tuple, dtype, device) -> None:
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype or out.device != device):
+        raise ValueError(f"{op}: out must be {dtype} {shape} on {device}, got {out.dtype} {tuple(out.shape)} on "
+                         f"{out.device}")
+
+
+__all__ = ["MoEGEMMConfig", "check_moe_operands", "check_out"]

@@ -1,0 +1,129 @@
+"""Routing for the tensor-parallel MoE ops: checking ``topk_ids``, sorting (token, k) pairs by expert, and the
+grouped GEMMs' tile tables, all computed with torch on the device (no host synchronisation), and the plain-torch
+grouped matmul of the ops' fallbacks.
+
+A pair ``q = t * topk + j`` is token ``t``'s ``j``-th choice, expert ``topk_ids[t, j]``. Each op sorts the pairs by
+a key of its own (``sort_pairs``): AllGather-MoE by (expert, arrival position of the token's chunk, pair), so that
+a tile of an expert's rows needs as few chunks as possible and rows already here come first; MoE-ReduceScatter by
+(destination rank in send order, expert, pair). ``tile_table`` cuts each group of sorted rows into tiles of
+``block_m`` rows into a table of fixed length (kernels.grouped_gemm).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..plan import cdiv
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class MoERouting:
+    """The expert-sorted layout of one rank's (token, k) pairs, as ``ag_moe_gemm(..., sorted_output=True)`` returns
+    it beside its [T * topk, N] output: sorted row ``p`` holds pair ``order[p]`` (``t * topk + j``), pair ``q`` sits
+    at row ``position[q]``, and expert ``e``'s rows are ``offsets[e]:offsets[e + 1]`` (``torch._grouped_mm``'s
+    ``offs`` are ``offsets[1:]``). Within an expert the rows follow the order in which the token chunks reached this
+    rank, so the layout differs from rank to rank; ``moe_gemm_rs`` takes it as is."""
+    order: torch.Tensor
+    position: torch.Tensor
+    offsets: torch.Tensor
+    num_experts: int
+    topk: int
+
+
+def check_routing(op: str, ctx, topk_ids: torch.Tensor, tokens: int, num_experts: int) -> None:
+    """``topk_ids`` [tokens, topk], an integer tensor on the Context's device: shape and dtype checks that need
+    nothing from the device (ValueError)."""
+    if not isinstance(topk_ids, torch.Tensor):
+        raise ValueError(f"{op}: topk_ids must be a torch.Tensor, got {type(topk_ids).__name__}")
+    if topk_ids.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{op}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.shape[1] < 1:
+        raise ValueError(f"{op}: topk_ids must be [T, topk] with T = {tokens} tokens (all ranks') and topk >= 1, "
+                         f"got {tuple(topk_ids.shape)}")
+    if topk_ids.device != ctx.device:
+        raise ValueError(f"{op}: topk_ids is on {topk_ids.device}, the Context is on {ctx.device}")
+    if num_experts < 1:
+        raise ValueError(f"{op}: w must hold at least one expert, got E = {num_experts}")
+
+
+def routing_digest(topk_ids: torch.Tensor) -> list[int]:
+    """[smallest id, largest id, two wrapping hashes of every id and its place], read back to the host at once: the
+    one device-to-host copy of a call that checks its routing (ids in range, the same on every rank)."""
+    ids = topk_ids.reshape(-1).to(torch.int64)
+    place = torch.arange(ids.numel(), device=ids.device, dtype=torch.int64)
+    mix = (ids + 1) * (place * 0x9E3779B1 + 0x7F4A7C15)
+    stats = torch.stack([ids.min(), ids.max(), mix.sum(), (mix ^ (mix >> 29)).sum()])
+    return [int(v) for v in stats.tolist()]
+
+
+def agree_on_routing(op: str, ctx, topk_ids: torch.Tensor, num_experts: int) -> None:
+    """Every id in [0, num_experts) and the same ``topk_ids`` on every rank (a collective: every rank's digest), else
+    ValueError naming the bad ids or the ranks whose routing differs from rank 0's; before anything is launched, so
+    the Context stays usable."""
+    lo, hi, *digest = routing_digest(topk_ids)
+    everyone = ctx.gather_object((lo, hi, tuple(digest)), f"{op}: agreeing on topk_ids")
+    bad = [(r, l, h) for r, (l, h, _) in enumerate(everyone) if l < 0 or h >= num_experts]
+    if bad:
+        raise ValueError(f"{op}: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
+                         + ", ".join(f"rank {r} has ids from {l} to {h}" for r, l, h in bad))
+    differ = [r for r, d in enumerate(everyone) if d[2] != everyone[0][2]]
+    if differ:
+        raise ValueError(f"{op}: ranks disagree on topk_ids (every rank must pass the same routing): ranks "
+                         f"{', '.join(map(str, differ))} differ from rank 0")
+
+
+def sort_pairs(group: torch.Tensor, minor: torch.Tensor | None, minor_size: int):
+    """Sort pairs by (group, minor, pair index): returns (order int64, position int32), ``order[p]`` the pair at
+    sorted row p and ``position`` its inverse. ``group`` and ``minor`` int64 [pairs] (minor None: 0)."""
+    pairs = group.numel()
+    key = group * minor_size if minor is None else group * minor_size + minor
+    key = key * pairs + torch.arange(pairs, device=group.device, dtype=torch.int64)
+    order = torch.sort(key).indices
+    position = torch.empty(pairs, dtype=torch.int32, device=group.device)
+    position[order] = torch.arange(pairs, dtype=torch.int32, device=group.device)
+    return order, position
+
+
+def num_slots(rows: int, experts: int, block_m: int) -> int:
+    """The tile slots of ``rows`` sorted rows in ``experts`` groups: the most tiles any routing can make."""
+    return cdiv(rows, block_m) + min(experts, rows)
+
+
+def tile_table(counts: torch.Tensor, block_m: int, slots: int) -> torch.Tensor:
+    """``counts`` int64 [B, E]: the rows of each (block, expert) group, the groups' rows laid out one after another
+    (block-major). Returns int64 [B, slots, 3]: each block's tiles (expert, first row, end row) in expert order,
+    ``block_m`` rows at most, then empty slots (0, 0, 0)."""
+    B, E = counts.shape
+    tiles = (counts + block_m - 1) // block_m
+    starts = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).reshape(B, E)
+    tile_end = tiles.cumsum(1)
+    s = torch.arange(slots, device=counts.device, dtype=torch.int64).expand(B, slots).contiguous()
+    e = torch.searchsorted(tile_end, s, right=True)
+    used = e < E
+    e = e.clamp(max=E - 1)
+    local = s - (tile_end.gather(1, e) - tiles.gather(1, e))
+    first = starts.gather(1, e) + local * block_m
+    end = torch.minimum(first + block_m, starts.gather(1, e) + counts.gather(1, e))
+    zero = torch.zeros_like(first)
+    return torch.stack([torch.where(used, e, zero), torch.where(used, first, zero), torch.where(used, end, zero)], -1)
+
+
+def grouped_matmul(rows: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``rows[i] @ w[experts[i]]`` for every i, by torch: rows sorted by expert, one matmul per expert that has rows
+    (the fallbacks' path; reads the counts back to the host)."""
+    order = torch.argsort(experts, stable=True)
+    counts = torch.bincount(experts, minlength=w.shape[0]).tolist()
+    out = torch.empty((rows.shape[0], w.shape[2]), dtype=rows.dtype, device=rows.device)
+    done = []
+    for e, part in enumerate(rows[order].split(counts)):
+        if counts[e]:
+            done.append(part @ w[e])
+    out[order] = torch.cat(done)
+    return out
+
+
+__all__ = ["MoERouting", "agree_on_routing", "check_routing", "grouped_matmul", "num_slots", "routing_digest",
+           "sort_pairs", "tile_table"]
