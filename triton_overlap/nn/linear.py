@@ -17,25 +17,48 @@ from ..ops import custom_ops
 from ..ops.all_gather_gemm import AllGatherGEMM
 from ..ops.gemm_all_reduce import GEMMAllReduce
 from ..ops.gemm_reduce_scatter import GEMMReduceScatter
+from .precision import compute_operands
 
 
-def _ops(ctx, fallback: str):
-    """Handles of one AllGatherGEMM and one GEMMReduceScatter per (Context, fallback rule), shared by the layers."""
+def layer_ops(ctx, fallback: str):
+    """Handles (``custom_ops.handle``) of one AllGatherGEMM and one GEMMReduceScatter per (Context, fallback rule),
+    shared by every layer and parallel style with them: the column layer's forward and the row layer's backward
+    call the first, the other two the second."""
     return ctx.cached(("nn ops", fallback), lambda: (
         custom_ops.handle(AllGatherGEMM(ctx, fallback=fallback, name=f"nn.ag.{fallback}")),
         custom_ops.handle(GEMMReduceScatter(ctx, fallback=fallback, name=f"nn.rs.{fallback}"))))
 
 
+def gemm_ar_op(ctx, fallback: str) -> int:
+    """The handle of the GEMMAllReduce per (Context, fallback rule) that row layers without sequence parallelism
+    share."""
+    return ctx.cached(("nn gemm_ar", fallback), lambda: custom_ops.handle(
+        GEMMAllReduce(ctx, fallback=fallback, name=f"nn.ar.{fallback}")))
+
+
+def column_rows(x, weight, bias, ctx, fallback: str, keep_gathered_input: bool = True):
+    """AllGather-GEMM on rows, with autograd: ``x`` ``[R, in]`` this rank's rows, ``weight`` ``[out/W, in]`` (as
+    ``nn.Linear`` stores it) -> ``[W*R, out/W]``, every rank's rows in rank order."""
+    ag, rs = layer_ops(ctx, fallback)
+    return custom_ops.ag_gemm(x, weight.t(), bias, ag, rs, ctx.world_size, keep_gathered_input)[0]
+
+
+def row_rows(x, weight, bias, ctx, fallback: str, sequence_parallel: bool = True):
+    """GEMM-ReduceScatter on rows, with autograd: ``x`` ``[W*R, in/W]``, ``weight`` ``[out, in/W]`` ->
+    ``[R, out]``, this rank's block of rows summed over the ranks; ``sequence_parallel=False``: GEMM + AllReduce,
+    ``[M, in/W]`` -> ``[M, out]`` on every rank."""
+    if not sequence_parallel:
+        return custom_ops.gemm_ar(x, weight.t(), bias, gemm_ar_op(ctx, fallback))
+    ag, rs = layer_ops(ctx, fallback)
+    return custom_ops.gemm_rs(x, weight.t(), bias, rs, ag, ctx.world_size)
+
+
 def _column(x, weight, bias, layer):
-    ag, rs = layer._handles
-    return custom_ops.ag_gemm(x, weight.t(), bias, ag, rs, layer.ctx.world_size, layer.keep_gathered_input)[0]
+    return column_rows(x, weight, bias, layer.ctx, layer.fallback, layer.keep_gathered_input)
 
 
 def _row(x, weight, bias, layer):
-    ag, rs = layer._handles
-    if not layer.sequence_parallel:
-        return custom_ops.gemm_ar(x, weight.t(), bias, layer._gemm_ar)
-    return custom_ops.gemm_rs(x, weight.t(), bias, rs, ag, layer.ctx.world_size)
+    return row_rows(x, weight, bias, layer.ctx, layer.fallback, layer.sequence_parallel)
 
 
 class _TPLinear(nn.Module):
@@ -43,7 +66,7 @@ class _TPLinear(nn.Module):
         super().__init__()
         self.fallback = fallback
         self.ctx = ctx
-        self._handles = _ops(ctx, fallback)
+        self._handles = layer_ops(ctx, fallback)
         W = ctx.world_size
         dim = out_features if shard_out else in_features
         if dim % W:
@@ -59,9 +82,14 @@ class _TPLinear(nn.Module):
 
     @classmethod
     def from_full_weight(cls, linear: nn.Linear, ctx, **kw):
-        """Shard an unsharded ``nn.Linear`` (same on every rank) into this layer."""
-        extra = {k: v for k, v in kw.items()  # what only column (row) layers take
-                 if k == "keep_gathered_input" and cls._shard_out or k == "sequence_parallel" and not cls._shard_out}
+        """Shard an unsharded ``nn.Linear`` (same on every rank) into this layer. ``kw``: the constructor's keywords
+        (``dtype``, default the linear's; ``device``; ``fallback``; the layer's own); others raise TypeError."""
+        allowed = {"dtype", "device", "fallback", cls._own_keyword}
+        unknown = sorted(set(kw) - allowed)
+        if unknown:
+            raise TypeError(f"{cls.__name__}.from_full_weight() got unexpected keyword arguments {unknown}; "
+                            f"it takes {sorted(allowed)}")
+        extra = {k: v for k, v in kw.items() if k == cls._own_keyword}
         layer = cls(linear.in_features, linear.out_features, ctx=ctx, bias=linear.bias is not None,
                     dtype=kw.get("dtype", linear.weight.dtype), device=kw.get("device", ctx.device),
                     fallback=kw.get("fallback", "auto"), **extra)
@@ -82,9 +110,18 @@ class _TPLinear(nn.Module):
         n = t.shape[dim] // W
         return t.narrow(dim, r * n, n)
 
+    @property
+    def last_path(self) -> str | None:
+        """The path this layer's forward op took on its last call: ``"overlap"`` (the overlapped kernels) or
+        ``"fallback"`` (torch + the process group, where ``fallback="auto"`` judged the overlap cannot pay, or
+        ``"always"``); None before any call. The op is shared by every layer with this Context and fallback rule,
+        so this is the path of the latest such call."""
+        return self._forward_op.last_path
+
     def forward(self, x):
+        x, weight, bias = compute_operands(type(self).__name__, x, self.weight, self.bias)
         # [S, *rest, features] flattens sequence-first, so gathering or scattering rows moves whole positions
-        y = self._fn(x.reshape(-1, x.shape[-1]), self.weight, self.bias, self)
+        y = self._fn(x.reshape(-1, x.shape[-1]), weight, bias, self)
         return y.reshape(-1, *x.shape[1:-1], y.shape[-1])
 
 
@@ -98,12 +135,13 @@ class ColumnParallelLinear(_TPLinear):
     backward with one NCCL all_gather, after the input-gradient GEMM-RS.
     """
 
-    _fn, _shard_out = staticmethod(_column), True
+    _fn, _shard_out, _own_keyword = staticmethod(_column), True, "keep_gathered_input"
 
     def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto",
                  keep_gathered_input: bool = True):
         super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=True, fallback=fallback)
         self.keep_gathered_input = keep_gathered_input
+        self._forward_op = custom_ops.op_of(self._handles[0])
 
 
 class RowParallelLinear(_TPLinear):
@@ -116,15 +154,13 @@ class RowParallelLinear(_TPLinear):
     layer whose activations are not sharded along the sequence); backward is local.
     """
 
-    _fn, _shard_out = staticmethod(_row), False
+    _fn, _shard_out, _own_keyword = staticmethod(_row), False, "sequence_parallel"
 
     def __init__(self, in_features, out_features, *, ctx, bias=True, dtype=None, device=None, fallback="auto",
                  sequence_parallel: bool = True):
         super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=False, fallback=fallback)
         self.sequence_parallel = sequence_parallel
-        if not sequence_parallel:
-            self._gemm_ar = ctx.cached(("nn gemm_ar", fallback), lambda: custom_ops.handle(
-                GEMMAllReduce(ctx, fallback=fallback, name=f"nn.ar.{fallback}")))
+        self._forward_op = custom_ops.op_of(self._handles[1] if sequence_parallel else gemm_ar_op(ctx, fallback))
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_rows", "gemm_ar_op", "layer_ops", "row_rows"]

@@ -23,7 +23,11 @@ class TPMLP(nn.Module):
 
     @classmethod
     def from_full(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear, ctx, **kw):
-        """Shard an unsharded SwiGLU MLP (``down(silu(gate(x)) * up(x))``), the same on every rank."""
+        """Shard an unsharded SwiGLU MLP (``down(silu(gate(x)) * up(x))``), the same on every rank. ``kw``:
+        ``dtype``, ``device``, ``fallback``, ``keep_gathered_input``; others raise TypeError."""
+        unknown = sorted(set(kw) - {"dtype", "device", "fallback", "keep_gathered_input"})
+        if unknown:
+            raise TypeError(f"TPMLP.from_full() got unexpected keyword arguments {unknown}")
         W = ctx.world_size
         dim, hidden = gate.in_features, gate.out_features
         if hidden % W:
@@ -40,7 +44,8 @@ class TPMLP(nn.Module):
         mlp = cls(dim, hidden, ctx=ctx, bias=gate.bias is not None, dtype=kw.get("dtype"), device=kw.get("device"),
                   fallback=kw.get("fallback", "auto"), keep_gathered_input=kw.get("keep_gathered_input", True))
         mlp.gate_up = ColumnParallelLinear.from_full_weight(fused, ctx, **kw)
-        mlp.down = RowParallelLinear.from_full_weight(down, ctx, **kw)
+        mlp.down = RowParallelLinear.from_full_weight(down, ctx, **{k: v for k, v in kw.items()
+                                                                   if k != "keep_gathered_input"})
         return mlp
 
     def forward(self, x):
