@@ -23,4 +23,6 @@ def _run(path):
 def test_tutorial_passes_on_host_backend(path):
     code, out = _run(path)
     assert code == 0 and EXIT_ABORT not in out, out[-4000:]
+    if "verdict: SKIP" in out:  # a tutorial whose optional dependency is not installed says so
+        pytest.skip(out[out.index("verdict: SKIP"):].splitlines()[0])
     assert "verdict: PASS" in out, out[-4000:]

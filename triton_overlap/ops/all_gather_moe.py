@@ -49,7 +49,9 @@ class AllGatherMoEGEMM(OverlapOp):
     accumulated in float32 and rounded once to x's dtype. With ``sorted_output=True`` returns ``(y, routing)``
     instead: ``y`` [T * topk, N_local] in this rank's expert-sorted layout and ``routing`` (ops.moe_routing.MoERouting)
     its permutation and expert offsets, which ``moe_gemm_rs`` takes as they are (no scatter back to token order).
-    ``overrides`` set MoEGEMMConfig fields for this call.
+    ``return_gathered=True`` appends the gathered tokens [T, K] to what is returned (a fresh tensor, copied from the
+    workspace after the call: what an MoE layer's backward needs for the experts' weight gradients, without a second
+    all_gather). ``overrides`` set MoEGEMMConfig fields for this call.
 
     Checks before anything is launched (ValueError, the Context stays usable): shapes and dtypes, the ranks'
     agreement on them, and, with ``check_routing`` (the default), every id in [0, E) and the same ``topk_ids`` on
@@ -74,7 +76,7 @@ class AllGatherMoEGEMM(OverlapOp):
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *, sorted_output: bool = False,
-                 out: torch.Tensor | None = None, **overrides):
+                 return_gathered: bool = False, out: torch.Tensor | None = None, **overrides):
         ctx = self.ctx
         ctx.ensure_usable()
         check_moe_operands(self.KIND, ctx, x, w, "x", (2,))
@@ -93,13 +95,26 @@ class AllGatherMoEGEMM(OverlapOp):
         rows = out.view(T * topk, N) if direct else torch.empty((T * topk, N), dtype=x.dtype, device=x.device)
         if self._use_fallback(x):
             self.last_path = "fallback"
-            routing = self._fallback(x, w, topk_ids, rows, sorted_output)
+            routing, gathered = self._fallback(x, w, topk_ids, rows, sorted_output)
         else:
             self.last_path = "overlap"
             routing = self._overlap(x, w, topk_ids, rows, sorted_output, overrides)
+            gathered = self._gathered(x) if return_gathered else None
         if not direct:
             out.copy_(rows.view(shape))
-        return (out, routing) if sorted_output else out
+        res = (out, routing) if sorted_output else (out,)
+        res += (gathered,) if return_gathered else ()
+        return res if len(res) > 1 else out
+
+    def _gathered(self, x) -> torch.Tensor:
+        """Every rank's tokens as the last call left them in this rank's workspace, with this rank's own (which the
+        producers do not copy here) in their place. Stream order keeps the workspace as it is until the copy has
+        read it: peers write into it again only after the next call's barrier, which follows this stream."""
+        ctx, m_local = self.ctx, x.shape[0]
+        ws = ctx.symmetric(f"{self.name}.ws", (ctx.world_size * m_local, x.shape[1]), x.dtype)
+        gathered = ws.local.clone()
+        gathered[ctx.rank * m_local:(ctx.rank + 1) * m_local].copy_(x)
+        return gathered
 
     def _use_fallback(self, x) -> bool:
         if not self.overlap_possible():
@@ -182,7 +197,8 @@ class AllGatherMoEGEMM(OverlapOp):
             routing = MoERouting(order, position, offsets, num_experts, topk)
         return routing, routes, table
 
-    def _fallback(self, x, w, topk_ids, rows, sorted_output) -> MoERouting | None:
+    def _fallback(self, x, w, topk_ids, rows, sorted_output) -> tuple[MoERouting | None, torch.Tensor]:
+        """NCCL all_gather, then one torch matmul per expert: (the routing where sorted, the gathered tokens)."""
         ctx = self.ctx
         gathered = torch.empty((x.shape[0] * ctx.world_size, x.shape[1]), dtype=x.dtype, device=x.device)
         all_gather_rows(gathered, x, group=ctx.group)
@@ -190,13 +206,13 @@ class AllGatherMoEGEMM(OverlapOp):
         experts = topk_ids.reshape(-1).to(torch.int64)
         if not sorted_output:
             rows.copy_(grouped_matmul(gathered.repeat_interleave(topk, dim=0), experts, w))
-            return None
+            return None, gathered
         order, position = sort_pairs(experts, None, 1)
         rows.copy_(grouped_matmul(gathered[order // topk], experts[order], w))
         counts = torch.bincount(experts, minlength=w.shape[0])
         offsets = torch.zeros(w.shape[0] + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = counts.cumsum(0)
-        return MoERouting(order, position, offsets, w.shape[0], topk)
+        return MoERouting(order, position, offsets, w.shape[0], topk), gathered
 
 
 def _rows_view(out: torch.Tensor) -> bool:
@@ -207,9 +223,10 @@ def _rows_view(out: torch.Tensor) -> bool:
 
 
 def ag_moe_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *, ctx, sorted_output: bool = False,
-                out: torch.Tensor | None = None, **overrides):
+                return_gathered: bool = False, out: torch.Tensor | None = None, **overrides):
     """Functional form of AllGatherMoEGEMM: one op per Context, kept by the Context."""
-    return AllGatherMoEGEMM.shared(ctx)(x, w, topk_ids, sorted_output=sorted_output, out=out, **overrides)
+    return AllGatherMoEGEMM.shared(ctx)(x, w, topk_ids, sorted_output=sorted_output,
+                                        return_gathered=return_gathered, out=out, **overrides)
 
 
 __all__ = ["AllGatherMoEGEMM", "ag_moe_gemm"]

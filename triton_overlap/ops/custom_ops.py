@@ -1,12 +1,13 @@
 """The overlapped ops registered as torch custom ops, with autograd, so ``torch.compile`` traces models that use
 them.
 
-``torch.ops.triton_overlap.ag_gemm``, ``.gemm_rs``, ``.gemm_ar``, ``.cp_attention`` and ``.cp_attention_bwd`` take
-an integer ``handle`` naming an op object (an AllGatherGEMM, GEMMReduceScatter, GEMMAllReduce or
-ContextParallelAttention bound to a Context) registered with :func:`handle`; a traced graph keeps the integer, and
+``torch.ops.triton_overlap.ag_gemm``, ``.gemm_rs``, ``.gemm_ar``, ``.cp_attention``, ``.cp_attention_bwd``,
+``.ag_moe`` and ``.moe_rs`` take an integer ``handle`` naming an op object (an AllGatherGEMM, GEMMReduceScatter,
+GEMMAllReduce, ContextParallelAttention, AllGatherMoEGEMM or MoEGEMMReduceScatter bound to a Context) registered
+with :func:`handle`; a traced graph keeps the integer, and
 the op's Context keeps the object (this module names it weakly) until it closes. Each has a fake (meta)
-implementation that gives output shapes without running anything, and the GEMM pair and attention have backward
-formulas written with the same custom ops, so forward and backward graphs trace without breaks.
+implementation that gives output shapes without running anything, and the GEMM pairs (dense and MoE) and attention
+have backward formulas written with the same custom ops, so forward and backward graphs trace without breaks.
 ``triton_overlap.nn`` goes through these.
 """
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..context.collectives import all_gather_rows as _all_gather_rows
+from ..context.collectives import reduce_scatter_rows as _reduce_scatter_rows
+from .moe_routing import MoERouting, expert_grads
 
 if dist.is_available() and not dist.is_initialized():
     # torch.distributed.nn.functional's functions take the default group as a default argument, bound when the module
@@ -74,6 +77,59 @@ def all_gather_rows(a: torch.Tensor, ag: int, world: int) -> torch.Tensor:
 @all_gather_rows.register_fake
 def _(a, ag, world):
     return a.new_empty(a.shape[0] * world, *a.shape[1:])
+
+
+@torch.library.custom_op("triton_overlap::gather_sequence", mutates_args=())
+def gather_sequence(x: torch.Tensor, ag: int, world: int, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order (the sequence-parallel region's exit); the
+    gradient is this rank's slice of the full one (everything after the gather runs replicated, the loss once)."""
+    full = all_gather_rows(x.movedim(dim, 0).contiguous(), ag, world)
+    return full.movedim(0, dim).contiguous()
+
+
+@gather_sequence.register_fake
+def _(x, ag, world, dim):
+    shape = list(x.shape)
+    shape[dim] *= world
+    return x.new_empty(shape)
+
+
+def _gather_sequence_setup(ctx, inputs, output):
+    ctx.ag, ctx.world, ctx.dim = inputs[1], inputs[2], inputs[3]
+
+
+def _gather_sequence_backward(ctx, grad):
+    n = grad.shape[ctx.dim] // ctx.world
+    return grad.narrow(ctx.dim, op_of(ctx.ag).ctx.rank * n, n).contiguous(), None, None, None
+
+
+gather_sequence.register_autograd(_gather_sequence_backward, setup_context=_gather_sequence_setup)
+
+
+@torch.library.custom_op("triton_overlap::shard_sequence", mutates_args=())
+def shard_sequence(x: torch.Tensor, ag: int, world: int, dim: int) -> torch.Tensor:
+    """This rank's slice along ``dim`` of ``x`` (the same on every rank: the sequence-parallel region's entry); the
+    gradient is every rank's slice gradient gathered, the whole of it on every rank."""
+    n = x.shape[dim] // world
+    return x.narrow(dim, op_of(ag).ctx.rank * n, n).clone(memory_format=torch.contiguous_format)
+
+
+@shard_sequence.register_fake
+def _(x, ag, world, dim):
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+def _shard_sequence_setup(ctx, inputs, output):
+    ctx.ag, ctx.world, ctx.dim = inputs[1], inputs[2], inputs[3]
+
+
+def _shard_sequence_backward(ctx, grad):
+    return gather_sequence(grad, ctx.ag, ctx.world, ctx.dim), None, None, None
+
+
+shard_sequence.register_autograd(_shard_sequence_backward, setup_context=_shard_sequence_setup)
 
 
 def _ag_setup(ctx, inputs, output):
@@ -216,4 +272,129 @@ def _ar_backward(ctx, grad_out):
 
 gemm_ar.register_autograd(_ar_backward, setup_context=_ar_setup)
 
-__all__ = ["ag_gemm", "all_gather_rows", "cp_attention", "cp_attention_bwd", "gemm_ar", "gemm_rs", "handle", "op_of"]
+
+# ------------------------------------------------------------------ MoE: AllGather + grouped GEMM, grouped GEMM + RS
+@torch.library.custom_op("triton_overlap::all_gather_rows_with_grad", mutates_args=())
+def all_gather_rows_with_grad(a: torch.Tensor, ag: int, world: int) -> torch.Tensor:
+    """all_gather_rows with a gradient: backward sums the gradient over ranks and keeps this rank's rows."""
+    return all_gather_rows(a, ag, world)
+
+
+@all_gather_rows_with_grad.register_fake
+def _(a, ag, world):
+    return a.new_empty(a.shape[0] * world, *a.shape[1:])
+
+
+@torch.library.custom_op("triton_overlap::reduce_scatter_rows", mutates_args=())
+def reduce_scatter_rows(a: torch.Tensor, ag: int, world: int) -> torch.Tensor:
+    """This rank's rows of the sum over ranks of ``a`` (NCCL/gloo reduce-scatter on the op's group)."""
+    out = a.new_empty(a.shape[0] // world, *a.shape[1:])
+    return _reduce_scatter_rows(out, a.contiguous(), group=op_of(ag).ctx.group)
+
+
+@reduce_scatter_rows.register_fake
+def _(a, ag, world):
+    return a.new_empty(a.shape[0] // world, *a.shape[1:])
+
+
+def _gather_setup(ctx, inputs, output):
+    ctx.ag, ctx.world = inputs[1], inputs[2]
+
+
+all_gather_rows_with_grad.register_autograd(
+    lambda ctx, grad: (reduce_scatter_rows(grad, ctx.ag, ctx.world), None, None), setup_context=_gather_setup)
+
+
+@torch.library.custom_op("triton_overlap::ag_moe", mutates_args=())
+def ag_moe(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, ag: int, rs: int,
+           world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An AllGatherMoEGEMM in the expert-sorted layout: (rows [T * topk, N], the routing's order [P] int64,
+    position [P] int32 and offsets [E + 1] int32, the gathered x [T, K]); ``rs`` names the MoEGEMMReduceScatter its
+    backward uses."""
+    rows, routing, gathered = op_of(ag)(x.contiguous(), w, ids, sorted_output=True, return_gathered=True)
+    return rows, routing.order, routing.position, routing.offsets, gathered
+
+
+@ag_moe.register_fake
+def _(x, w, ids, ag, rs, world):
+    P = ids.shape[0] * ids.shape[1]
+    return (x.new_empty(P, w.shape[2]), ids.new_empty(P, dtype=torch.int64), ids.new_empty(P, dtype=torch.int32),
+            ids.new_empty(w.shape[0] + 1, dtype=torch.int32), x.new_empty(x.shape[0] * world, x.shape[1]))
+
+
+def _ag_moe_setup(ctx, inputs, output):
+    x, w, ids, ag, rs, world = inputs
+    ctx.save_for_backward(w, ids, *output[1:])
+    ctx.handles, ctx.world = (ag, rs), world
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+
+
+def _ag_moe_backward(ctx, grad_rows, *_):
+    if grad_rows is None:
+        return None, None, None, None, None, None
+    w, ids, order, position, offsets, gathered = ctx.saved_tensors
+    ag, rs = ctx.handles
+    grad_rows = grad_rows.contiguous()
+    # the input's gradient, sum over ranks and choices of grad_rows @ w^T, reduce-scattered: the converse op
+    ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+    grad_x = moe_rs(grad_rows, w.transpose(1, 2), ids, ones, order, position, offsets, rs, ag, ctx.world)
+    grad_w = moe_expert_grads(gathered[order // ids.shape[1]], grad_rows, offsets) if ctx.needs_input_grad[1] \
+        else None
+    return grad_x, grad_w, None, None, None, None
+
+
+ag_moe.register_autograd(_ag_moe_backward, setup_context=_ag_moe_setup)
+
+
+@torch.library.custom_op("triton_overlap::moe_rs", mutates_args=())
+def moe_rs(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
+           position: torch.Tensor, offsets: torch.Tensor, rs: int, ag: int, world: int) -> torch.Tensor:
+    """A MoEGEMMReduceScatter on ``h`` in the layout ``ag_moe`` returned (its order, position, offsets): this rank's
+    tokens [T / W, N]; ``ag`` names the AllGatherMoEGEMM its backward uses."""
+    routing = MoERouting(order, position, offsets, w.shape[0], ids.shape[1])
+    return op_of(rs)(h.contiguous(), w, ids, weights, routing=routing)
+
+
+@moe_rs.register_fake
+def _(h, w, ids, weights, order, position, offsets, rs, ag, world):
+    return h.new_empty(ids.shape[0] // world, w.shape[2])
+
+
+def _moe_rs_setup(ctx, inputs, output):
+    h, w, ids, weights, order, position, offsets, rs, ag, world = inputs
+    ctx.save_for_backward(h, w, ids, weights, order, position, offsets)
+    ctx.handles, ctx.world = (rs, ag), world
+
+
+def _moe_rs_backward(ctx, grad_out):
+    h, w, ids, weights, order, position, offsets = ctx.saved_tensors
+    rs, ag = ctx.handles
+    # every token's grad_out @ w[e]^T through the converse op, moved from its sorted layout into the forward's
+    g_rows, _, g_position, _, g_all = ag_moe(grad_out.contiguous(), w.transpose(1, 2), ids, ag, rs, ctx.world)
+    g = g_rows[g_position.long()[order]].float()
+    scale = weights.reshape(-1)[order].float().unsqueeze(1)  # each sorted row's top-k weight
+    grad_h = (g * scale).to(h.dtype)
+    # d out / d weights[t, j] = <grad_out[t], h[t, j] @ w[e]> = <g[t, j], h[t, j]>: this rank's part of the sum
+    grad_weights = (g * h.float()).sum(1)[position.long()].view(ids.shape).to(weights.dtype)
+    grad_w = moe_expert_grads((h.float() * scale).to(h.dtype), g_all[order // ids.shape[1]], offsets) \
+        if ctx.needs_input_grad[1] else None
+    return grad_h, grad_w, None, grad_weights, None, None, None, None, None, None
+
+
+moe_rs.register_autograd(_moe_rs_backward, setup_context=_moe_rs_setup)
+
+
+@torch.library.custom_op("triton_overlap::moe_expert_grads", mutates_args=())
+def moe_expert_grads(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[E, K, N]: each expert's ``a_e^T @ b_e`` over its rows (moe_routing.expert_grads)."""
+    return expert_grads(a, b, offsets)
+
+
+@moe_expert_grads.register_fake
+def _(a, b, offsets):
+    return a.new_empty(offsets.shape[0] - 1, a.shape[1], b.shape[1])
+
+
+__all__ = ["ag_gemm", "ag_moe", "all_gather_rows", "all_gather_rows_with_grad", "cp_attention", "cp_attention_bwd",
+           "gemm_ar", "gemm_rs", "handle", "moe_expert_grads", "moe_rs", "op_of", "reduce_scatter_rows"]

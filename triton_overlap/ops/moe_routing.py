@@ -1,6 +1,6 @@
 """Routing for the tensor-parallel MoE ops: checking ``topk_ids``, sorting (token, k) pairs by expert, and the
-grouped GEMMs' tile tables, all computed with torch on the device (no host synchronisation), and the plain-torch
-grouped matmul of the ops' fallbacks.
+grouped GEMMs' tile tables, all computed with torch on the device (no host synchronisation), the plain-torch
+grouped matmul of the ops' fallbacks, and the experts' weight gradients (an MoE layer's backward).
 
 A pair ``q = t * topk + j`` is token ``t``'s ``j``-th choice, expert ``topk_ids[t, j]``. Each op sorts the pairs by
 a key of its own (``sort_pairs``): AllGather-MoE by (expert, arrival position of the token's chunk, pair), so that
@@ -125,5 +125,25 @@ def grouped_matmul(rows: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -
     return out
 
 
-__all__ = ["MoERouting", "agree_on_routing", "check_routing", "grouped_matmul", "num_slots", "routing_digest",
-           "sort_pairs", "tile_table"]
+def expert_grads(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[E, K, N]: ``a[o_e:o_e+1].T @ b[o_e:o_e+1]`` for each expert e (``a`` [P, K] and ``b`` [P, N] rows sorted by
+    expert, ``offsets`` int32 [E + 1] their bounds): the experts' weight gradients of a grouped GEMM, in ``a``'s
+    dtype, zero for experts without rows. ``torch._grouped_mm`` (one launch, no host synchronisation) where it takes
+    the operands: bfloat16 with K and N multiples of 8 (its 16-byte strides), on the CPU or a GPU of compute
+    capability 9.0 or newer; else one matmul per expert, the counts read back to the host."""
+    E, K, N = offsets.numel() - 1, a.shape[1], b.shape[1]
+    a, b = a.contiguous(), b.contiguous()
+    grouped = (hasattr(torch, "_grouped_mm") and a.dtype == torch.bfloat16 and K % 8 == 0 and N % 8 == 0
+               and (not a.is_cuda or torch.cuda.get_device_capability(a.device) >= (9, 0)))
+    if grouped and a.shape[0] > 0:
+        return torch._grouped_mm(a.t(), b, offs=offsets[1:].contiguous())
+    bounds = offsets.tolist()
+    out = torch.zeros((E, K, N), dtype=a.dtype, device=a.device)
+    for e in range(E):
+        if bounds[e + 1] > bounds[e]:
+            out[e] = a[bounds[e]:bounds[e + 1]].t() @ b[bounds[e]:bounds[e + 1]]
+    return out
+
+
+__all__ = ["MoERouting", "agree_on_routing", "check_routing", "expert_grads", "grouped_matmul", "num_slots",
+           "routing_digest", "sort_pairs", "tile_table"]

@@ -1,0 +1,184 @@
+"""TPMoE, the tensor-parallel MoE layer: output and every gradient (input, router, experts) against the unsharded
+plain module in float64, eager, under torch.autocast with float32 parameters, and compiled; empty experts; what it
+refuses.
+
+The plain module (``PlainMoE``) keeps the experts as Mixtral and Qwen3-MoE do, nn.Linear's [out, in] per expert:
+gate ``w1`` [E, hidden, dim], up ``w3`` [E, hidden, dim], down ``w2`` [E, dim, hidden], and a router
+``nn.Linear(dim, E, bias=False)``; its parameters and input are rounded to bf16 so both start from the same values.
+Tolerances (‖out − ref‖ / ‖ref‖) against float64: 2e-2 for the output (bf16 roundings of the gate/up rows, their
+SwiGLU, each down product and each rank's partial: moe_gemm_rs's tolerance), 3e-2 for gradients (a bf16 block's,
+tests/test_block.py). Measured on the host backend: 1.5e-2 for the output and gradients, about twice the fallback's
+(Triton's interpreter rounds float32 to bf16 toward zero, GPUs to nearest)."""
+import pytest
+import torch
+from torch import nn
+
+import triton_overlap as to
+from triton_overlap.nn import TPMoE
+from refs import rel_err
+
+TOL_OUT, TOL_GRAD = 2e-2, 3e-2
+
+
+class PlainMoE(nn.Module):
+    """The unsharded reference: softmax over ``E`` experts, top-``topk`` (``renormalize``: weights over the k
+    choices summing to 1), SwiGLU experts ``down(silu(gate(x)) * up(x))``; rows [T, dim] in, [T, dim] out, in the
+    parameters' dtype."""
+
+    def __init__(self, dim, hidden, E, topk, renormalize, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)  # the same on every rank
+        r16 = lambda *shape, scale: (torch.randn(*shape, generator=g) * scale).bfloat16().float()  # noqa: E731
+        self.topk, self.renormalize = topk, renormalize
+        self.router = nn.Linear(dim, E, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(r16(E, dim, scale=dim ** -0.5))
+        self.w1 = nn.Parameter(r16(E, hidden, dim, scale=dim ** -0.5))
+        self.w3 = nn.Parameter(r16(E, hidden, dim, scale=dim ** -0.5))
+        self.w2 = nn.Parameter(r16(E, dim, hidden, scale=hidden ** -0.5))
+
+    def routing(self, x):
+        weights, ids = torch.softmax(self.router(x), dim=-1).topk(self.topk, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights, ids
+
+    def forward(self, x):
+        weights, ids = self.routing(x)
+        out = torch.zeros_like(x)
+        for e in range(self.w1.shape[0]):
+            tok, j = (ids == e).nonzero(as_tuple=True)
+            if tok.numel():
+                xe = x[tok]
+                h = nn.functional.silu(xe @ self.w1[e].t()) * (xe @ self.w3[e].t())
+                out = out.index_add(0, tok, weights[tok, j].unsqueeze(1) * (h @ self.w2[e].t()))
+        return out
+
+
+def _sharded_grads(moe, ref, r):
+    """The reference's gradients as rank r's shards of TPMoE's parameters."""
+    n = moe.hidden_local
+    cols = slice(r * n, (r + 1) * n)
+    return {"router": ref.router.weight.grad, "w13": torch.cat([ref.w1.grad[:, cols], ref.w3.grad[:, cols]],
+                                                                  dim=1).transpose(1, 2),
+            "w2": ref.w2.grad[:, :, cols].transpose(1, 2)}
+
+
+def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_empty=False):
+    """TPMoE against PlainMoE in float64 on every rank's S/W positions of [S, B, dim]. ``mode``: "bf16" (bf16
+    parameters), "autocast" (float32 parameters under torch.autocast(bfloat16)), "compile" (bf16, compiled with
+    fullgraph=True and aot_eager, against eager too). Returns the errors."""
+    with to.Context(timeout_s=120) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        plain = PlainMoE(dim, hidden, E, topk, renormalize)
+        g = torch.Generator().manual_seed(3)
+        x_full = torch.randn(S, B, dim, generator=g).bfloat16().double()
+        gy = torch.randn(S, B, dim, generator=g)
+        ref = PlainMoE(dim, hidden, E, topk, renormalize).double()
+        ref.load_state_dict(plain.state_dict())
+        x_ref = x_full.clone().requires_grad_()
+        y_ref = ref(x_ref.reshape(-1, dim)).reshape(S, B, dim)
+        (y_ref * gy.double()).sum().backward()
+        ids = ref.routing(x_full.reshape(-1, dim))[1]
+        empty = E - int(torch.unique(ids).numel())
+        assert empty > 0 or not expect_empty, "the case was meant to leave experts without tokens"
+
+        dtype = torch.float32 if mode == "autocast" else torch.bfloat16
+        moe = TPMoE.from_full(plain.router, (plain.w1, plain.w3, plain.w2), ctx, topk=topk, renormalize=renormalize,
+                              dtype=dtype, fallback=fallback)
+        rows = slice(r * S // W, (r + 1) * S // W)
+        gy_local = gy[rows].to(dev)
+
+        def run(fn):
+            moe.zero_grad(set_to_none=True)
+            x = x_full[rows].to(dev, dtype).requires_grad_()
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
+                y = fn(x)
+            assert y.shape == (S // W, B, dim) and y.dtype == torch.bfloat16
+            (y.float() * gy_local).sum().backward()
+            moe.sync_replicated_grads()
+            return {"out": y.detach(), "grad_x": x.grad, "router": moe.router.weight.grad, "w13": moe.w13.grad,
+                    "w2": moe.w2.grad}
+
+        got = run(moe)
+        ctx.check()
+        want = {"out": y_ref[rows].detach(), "grad_x": x_ref.grad[rows], **_sharded_grads(moe, ref, r)}
+        errs = {k: rel_err(got[k], want[k]) for k in want}
+        if mode == "autocast":
+            assert all(got[k].dtype == torch.float32 for k in ("grad_x", "router", "w13", "w2"))
+        if mode == "compile":
+            compiled = run(torch.compile(moe, backend="aot_eager", fullgraph=True))  # a graph break is an error
+            ctx.check()
+            errs.update({f"compiled.{k}": rel_err(compiled[k], want[k]) for k in want})
+            errs.update({f"compiled_vs_eager.{k}": rel_err(compiled[k], got[k]) for k in want})
+        bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k.endswith("out") else TOL_GRAD)}
+        assert not bad, f"rank {r}: {bad} (all: {errs})"
+        used = {type(op).__name__: op.last_path for op in moe.ops}
+        return errs, used, empty
+
+
+CASES = {  # S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_empty
+    "bf16": (12, 2, 32, 48, 4, 2, True, "never", "bf16"),
+    "fallback": (12, 2, 32, 48, 4, 2, False, "always", "bf16"),
+    "empty_experts": (6, 2, 32, 48, 32, 2, True, "never", "bf16", True),  # 12 tokens x 2 < 32 experts
+    "top1": (12, 1, 40, 24, 3, 1, False, "never", "bf16"),  # Switch Transformer's: the weight is the probability
+    "autocast": (12, 2, 32, 48, 4, 2, True, "never", "autocast"),
+    "compile": (12, 2, 32, 48, 4, 2, True, "never", "compile"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_tp_moe_matches_plain_module(pool, name):
+    if pool.backend == "host" and pool.world == 4:
+        pytest.skip("W = 2, 3 on the host backend")
+    case = CASES[name]
+    if pool.backend != "host":  # GPU sizes: tiles of 128 rows and columns, every path of the kernels
+        S, B, dim, hidden, E, topk, renorm, fallback, mode, *rest = case
+        case = (S * 64, B, dim * 32, hidden * 32, E, topk, renorm, fallback, mode, *rest)
+    results = pool.run(_layer_case, *case)
+    want = "fallback" if case[7] == "always" else "overlap"
+    assert all(set(used.values()) == {want} for _, used, _ in results), results
+
+
+def _refusals():
+    with to.Context(timeout_s=30) as ctx:
+        dev, W = ctx.device, ctx.world_size
+        plain = PlainMoE(16, 8 * W, 4, 2, True)
+        experts = (plain.w1, plain.w3, plain.w2)
+        with pytest.raises(TypeError, match="fallbak"):
+            TPMoE(16, 8 * W, 4, 2, ctx=ctx, fallbak="never")
+        with pytest.raises(TypeError, match="renormalise"):
+            TPMoE.from_full(plain.router, experts, ctx, topk=2, renormalise=True)
+        if W > 1:
+            with pytest.raises(ValueError, match="not divisible"):
+                TPMoE(16, 8 * W + 1, 4, 2, ctx=ctx)
+        with pytest.raises(ValueError, match="topk"):
+            TPMoE(16, 8 * W, 4, 5, ctx=ctx)
+        with pytest.raises(ValueError, match="experts must be"):
+            TPMoE.from_full(plain.router, (plain.w1, plain.w1, plain.w2[:, :, :1]), ctx, topk=2)
+        moe32 = TPMoE.from_full(plain.router, experts, ctx, topk=2, dtype=torch.float32)
+        x = torch.randn(4, 16, device=dev)
+        with pytest.raises(TypeError, match="bfloat16 or float16.*autocast"):
+            moe32(x)
+        moe = TPMoE.from_full(plain.router, experts, ctx, topk=2)
+        with pytest.raises(TypeError, match="input is torch.float32"):
+            moe(x)
+        # the experts as modules (Qwen3-MoE's names) shard the same as stacked tensors
+        mods = nn.ModuleList()
+        for e in range(4):
+            m = nn.Module()
+            for name, w in (("gate_proj", plain.w1[e]), ("up_proj", plain.w3[e]), ("down_proj", plain.w2[e])):
+                lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+                with torch.no_grad():
+                    lin.weight.copy_(w)
+                setattr(m, name, lin)
+            mods.append(m)
+        again = TPMoE.from_full(plain.router, mods, ctx, topk=2)
+        assert torch.equal(again.w13, moe.w13) and torch.equal(again.w2, moe.w2)
+        return True
+
+
+def test_tp_moe_refuses_what_it_cannot_run(pool):
+    if pool.world != 2:
+        pytest.skip("W = 2")
+    assert all(pool.run(_refusals))

@@ -1,0 +1,164 @@
+"""The parallel styles (triton_overlap.nn.parallel) in torch's parallelize_module: an unmodified Hugging Face Llama,
+tensor + sequence parallel and for decode, against the same model unsharded in float64: logits and every gradient,
+eager, compiled and under autocast with float32 parameters; and the layers' honest constructors and dtype rules."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import triton_overlap as to
+from refs import rel_err
+
+TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
+
+
+def _llama(W, dtype):
+    """A small random Llama whose heads, KV heads and MLP split over W ranks; weights rounded to bf16 and the
+    same on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=96, hidden_size=16 * 2 * W, intermediate_size=24 * W, num_hidden_layers=2,
+                         num_attention_heads=2 * W, num_key_value_heads=W, attn_implementation="sdpa",
+                         use_cache=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    return model.to(dtype)
+
+
+def _plan(ctx, fallback, sequence_parallel=True):
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from triton_overlap.nn import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence
+
+    col = ColwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
+    row = RowwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
+    plan = {"model.layers.*.self_attn.[qkv]_proj": col, "model.layers.*.self_attn.o_proj": row,
+            "model.layers.*.mlp.gate_proj": col, "model.layers.*.mlp.up_proj": col,
+            "model.layers.*.mlp.down_proj": row}
+    if sequence_parallel:
+        plan.update({"model.embed_tokens": ShardSequence(ctx), "model.layers.*.input_layernorm": SequenceParallel(),
+                     "model.layers.*.post_attention_layernorm": SequenceParallel(),
+                     "model.norm": GatherSequence(ctx)})
+    return plan
+
+
+def _grad_errors(model, reference, rank):
+    """Every parameter's gradient against the reference's (a sharded weight against its rows or columns)."""
+    from torch.distributed.tensor import DTensor
+
+    errs, ref = {}, dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        full = ref[name.replace("._orig_mod", "")].grad  # (a compiled layer's parameters are under _orig_mod)
+        if g.shape != full.shape:
+            dim = 0 if g.shape[0] != full.shape[0] else 1
+            full = full.narrow(dim, rank * g.shape[dim], g.shape[dim])
+        errs[name] = rel_err(g, full)
+    return errs
+
+
+def _llama_case(B, mode, fallback):
+    """``mode``: "bf16" (bf16 parameters), "autocast" (float32 parameters under autocast), "compiled" (bf16, the
+    model under torch.compile), "compiled_layers" (each decoder layer compiled) or "decode" (no sequence
+    parallelism: local column layers, GEMM + AllReduce rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        model = _llama(W, torch.float32 if mode == "autocast" else torch.bfloat16).to(dev)
+        reference = copy.deepcopy(model).double()
+        parallelize_module(model, init_device_mesh(dev.type, (W,)), _plan(ctx, fallback, mode != "decode"))
+        run = torch.compile(model) if mode == "compiled" else model
+        if mode == "compiled_layers":  # each decoder layer compiled, as torchtitan does
+            for i, layer in enumerate(model.model.layers):
+                model.model.layers[i] = torch.compile(layer)
+        S = 3 if mode == "decode" else 4 * W
+        tokens = torch.randint(0, 96, (B, S), generator=torch.Generator().manual_seed(1)).to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
+            logits = run(tokens).logits
+        assert logits.shape == (B, S, 96)
+        ref_logits = reference(tokens).logits
+        logits.float().square().mean().backward()
+        ref_logits.square().mean().backward()
+        ctx.check()
+        errs = {"logits": rel_err(logits, ref_logits), **_grad_errors(model, reference, ctx.rank)}
+        bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "logits" else TOL_GRAD)}
+        assert not bad, f"rank {ctx.rank}: {bad}"
+        o_proj = model.model.layers[0].self_attn.o_proj
+        path = o_proj.last_path
+        assert path == ("fallback" if fallback == "always" else "overlap"), path
+        if mode == "autocast":  # float32 parameters keep float32 gradients
+            assert o_proj.weight.dtype == torch.float32 and o_proj.weight.grad.dtype == torch.float32
+        return max(errs.values())
+
+
+LLAMA_CASES = [(2, "bf16", "never"), (1, "autocast", "never"), (2, "decode", "never"), (1, "bf16", "always")]
+
+
+@pytest.mark.parametrize("case", range(len(LLAMA_CASES)))
+def test_llama_matches_unmodified_model(pool, case):
+    pytest.importorskip("transformers")
+    pool.run(_llama_case, *LLAMA_CASES[case])
+
+
+@pytest.mark.parametrize("what", ["compiled", "compiled_layers"])
+def test_llama_compiled_matches_unmodified_model(pool, what):
+    """The whole model compiled (the region's edges run eagerly: they are excluded from the graph), and each
+    decoder layer compiled."""
+    pytest.importorskip("transformers")
+    if pool.world > 2:
+        pytest.skip("torch.compile of the model at W = 2 only: each rank compiles it, a minute on the host")
+    pool.run(_llama_case, 2, what, "never")
+
+
+def _float32_without_autocast():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.nn import ColumnParallelLinear, ColwiseParallel, RowwiseParallel
+
+    with to.Context(timeout_s=60) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        layer = ColumnParallelLinear.from_full_weight(nn.Linear(8 * W, 8 * W), ctx)
+        assert layer.weight.dtype == torch.float32
+        with pytest.raises(TypeError, match="autocast"):
+            layer(torch.randn(4, 8 * W, device=dev))
+        with torch.autocast(dev.type, dtype=torch.bfloat16):  # the same layer runs under autocast
+            y = layer(torch.randn(4, 8 * W, device=dev))
+        assert y.dtype == torch.bfloat16 and layer.last_path in ("overlap", "fallback")
+        bf = ColumnParallelLinear.from_full_weight(nn.Linear(8 * W, 8 * W), ctx, dtype=torch.bfloat16)
+        with pytest.raises(TypeError, match="input is torch.float32"):
+            bf(torch.randn(4, 8 * W, device=dev))
+        mesh = init_device_mesh(dev.type, (W,))
+        with pytest.raises(TypeError, match="applies to nn.Linear"):
+            ColwiseParallel(ctx)._apply(nn.Embedding(4, 4), mesh)
+        with pytest.raises(ValueError, match="not divisible"):
+            parallelize_module(nn.Linear(4, 4 * W + 1), mesh, ColwiseParallel(ctx))
+        with pytest.raises(ValueError, match="fallback"):
+            RowwiseParallel(ctx, fallback="sometimes")
+        ctx.check()
+        return True
+
+
+def test_float32_needs_autocast_and_styles_check_their_input(pool):
+    if pool.world > 2:
+        pytest.skip("rules of one rank; W = 2 shows them")
+    assert all(pool.run(_float32_without_autocast))
+
+
+def test_from_full_rejects_unknown_keywords():
+    """A misspelt keyword raises instead of leaving the layer on its default (checked before any Context use)."""
+    from triton_overlap.nn import ColumnParallelLinear, RowParallelLinear, TPMLP
+
+    lin = nn.Linear(8, 8)
+    with pytest.raises(TypeError, match="fallbak"):
+        ColumnParallelLinear.from_full_weight(lin, None, fallbak="never")
+    with pytest.raises(TypeError, match="keep_gathered_input"):  # a column layer's keyword on a row layer
+        RowParallelLinear.from_full_weight(lin, None, keep_gathered_input=False)
+    with pytest.raises(TypeError, match="fallbak"):
+        TPMLP.from_full(lin, lin, lin, None, fallbak="never")

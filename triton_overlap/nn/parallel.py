@@ -1,0 +1,259 @@
+"""Parallel styles for ``torch.distributed.tensor.parallel.parallelize_module``, backed by the overlapped ops: an
+unmodified model (Hugging Face transformers, torchtitan) becomes tensor + sequence parallel by one call with a plan
+of module-name patterns, the convention of torch's own tensor parallelism.
+
+Activations are batch-first, ``[B, S, D]``, as those models keep them (``sequence_dim=0`` for sequence-first
+models). Inside the sequence-parallel region the residual stream is a DTensor sharded on the sequence
+(``Shard(1)``): its global shape is the full sequence, so a model that reshapes by its input's shape (Hugging
+Face's attention) sees the true sequence length, while each rank holds ``S/W`` positions. A plan:
+
+* ``ShardSequence`` on the module that produces the full activation (the token embedding): its output becomes this
+  rank's shard; the gradient is gathered back.
+* torch's ``SequenceParallel()`` on the norms inside the region (they run on the shard; their replicated weights'
+  gradients are summed by DTensor).
+* ``ColwiseParallel`` on the linear layers that read the residual stream (q/k/v, gate/up): AllGather-GEMM, the
+  gather fused into the GEMM instead of torch's separate all-gather before attention and MLP; output this rank's
+  columns of the full sequence, a plain tensor.
+* ``RowwiseParallel`` on the linear layers that write it (o, down): GEMM-ReduceScatter, output the sequence shard.
+* ``GatherSequence`` on the module after the region (the final norm): its input is gathered to the full sequence;
+  the gradient of a gather is this rank's slice.
+
+Decode (one token per step, nothing to shard along the sequence): ``sequence_parallel=False`` on both linear
+styles: column layers multiply locally, row layers run GEMM + AllReduce; no DTensor is involved.
+
+Batch-first rows of ``B > 1`` are not contiguous per rank: column layers permute their output and row layers
+their input (one copy each); ``B = 1`` and ``sequence_dim=0`` move no data. The linear styles follow
+``torch.autocast`` (``nn.precision``).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ..ops import custom_ops
+from .linear import column_rows, gemm_ar_op, layer_ops, row_rows
+from .precision import compute_operands
+
+FALLBACKS = ("auto", "never", "always")
+
+
+def _check_mesh(style, device_mesh):
+    """The mesh torch passes must be the Context's ranks, in order: the ops and DTensor then agree on who is
+    rank r."""
+    ctx = style.ctx
+    if device_mesh is None:
+        raise ValueError(f"{type(style).__name__}: parallelize_module needs a device_mesh over the Context's ranks")
+    ranks = device_mesh.mesh.flatten().tolist()
+    if device_mesh.ndim != 1 or ranks != list(range(ctx.world_size)):
+        raise ValueError(f"{type(style).__name__}: the device mesh {ranks} is not the Context's "
+                         f"{ctx.world_size} ranks in order (a 1-D mesh over them, e.g. "
+                         f"init_device_mesh({ctx.device.type!r}, ({ctx.world_size},)))")
+
+
+def _local(x, where, shard_dim):
+    """A plain tensor from an input: a DTensor must be sharded on ``shard_dim`` (None: replicated) and gives its
+    local part; a plain tensor is taken as that already."""
+    if not isinstance(x, DTensor):
+        return x
+    p = x.placements[0]
+    if shard_dim is None and isinstance(p, Replicate) or (
+            shard_dim is not None and isinstance(p, Shard) and p.dim % x.ndim == shard_dim % x.ndim):
+        return x.to_local()
+    want = "Replicate()" if shard_dim is None else f"Shard({shard_dim})"
+    raise ValueError(f"{where}: input DTensor placed {x.placements}; expected {want}")
+
+
+class _LinearStyle(ParallelStyle):
+    def __init__(self, ctx, *, sequence_parallel: bool = True, sequence_dim: int = 1, fallback: str = "auto"):
+        if fallback not in FALLBACKS:
+            raise ValueError(f"{type(self).__name__}: fallback must be one of {FALLBACKS}, got {fallback!r}")
+        if sequence_dim not in (0, 1):
+            raise ValueError(f"{type(self).__name__}: sequence_dim must be 0 (sequence-first) or 1 (batch-first), "
+                             f"got {sequence_dim}")
+        self.ctx, self.sequence_parallel, self.sequence_dim, self.fallback = ctx, sequence_parallel, sequence_dim, \
+            fallback
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"{type(self).__name__} applies to nn.Linear, got {type(module).__name__}")
+        _check_mesh(self, device_mesh)
+        W, r = self.ctx.world_size, self.ctx.rank
+        dim = 0 if self._shard_out else 1
+        n = module.weight.shape[dim]
+        if n % W:
+            raise ValueError(f"{type(self).__name__}: {'out' if dim == 0 else 'in'}_features = {n} is not "
+                             f"divisible by the world size {W}")
+        with torch.no_grad():
+            module.weight = nn.Parameter(module.weight.narrow(dim, r * (n // W), n // W).clone())
+            if module.bias is not None and self._shard_out:
+                module.bias = nn.Parameter(module.bias.narrow(0, r * (n // W), n // W).clone())
+        module.tp_style, module.tp_mesh = self, device_mesh
+        module.__class__ = _styled_class(type(module), self._forward)
+        return module
+
+
+def _styled_class(base, forward):
+    """``base`` with ``forward`` replaced (one subclass per base class and style kind), so that
+    ``parallelize_module``, which keeps the module objects it is given, sees the parallel forward."""
+    key = (base, forward)
+    cls = _STYLED.get(key)
+    if cls is None:
+        cls = type(f"{forward.__qualname__.split('.')[0].lstrip('_')}{base.__name__}", (base,),
+                   {"forward": forward, "last_path": property(_last_path, doc=_last_path.__doc__)})
+        _STYLED[key] = cls
+    return cls
+
+
+_STYLED: dict = {}
+
+
+def _last_path(module) -> str | None:
+    """The path this layer's forward took on its latest call through its op (shared by every layer with the same
+    Context, style kind and fallback rule): ``"overlap"`` or ``"fallback"`` (torch + the process group); ``"local"``
+    for a column layer without sequence parallelism (a local matmul); None before any call."""
+    style = module.tp_style
+    if isinstance(style, ColwiseParallel) and not style.sequence_parallel:
+        return "local"
+    ag, rs = layer_ops(style.ctx, style.fallback)
+    if isinstance(style, RowwiseParallel):
+        h = rs if style.sequence_parallel else gemm_ar_op(style.ctx, style.fallback)
+    else:
+        h = ag
+    return custom_ops.op_of(h).last_path
+
+
+class ColwiseParallel(_LinearStyle):
+    """An ``nn.Linear`` split by output features: this rank keeps rows ``r*out/W ...`` of the weight (and bias).
+
+    Sequence parallel (default): the input is this rank's sequence shard (a DTensor ``Shard(sequence_dim)`` or the
+    plain local ``[B, S/W, in]``); AllGather-GEMM gathers the sequence into the GEMM; the output is the plain
+    ``[B, S, out/W]``. Backward: GEMM-ReduceScatter for the input's gradient (ColumnParallelLinear's).
+    ``sequence_parallel=False``: the input is replicated, the product local, nothing communicated forward;
+    backward sums the input's gradient over the ranks (an all-reduce, through DTensor), where one is needed.
+    ``keep_gathered_input``: as ColumnParallelLinear's.
+    """
+
+    _shard_out = True
+
+    def __init__(self, ctx, *, sequence_parallel: bool = True, sequence_dim: int = 1, fallback: str = "auto",
+                 keep_gathered_input: bool = True):
+        super().__init__(ctx, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, fallback=fallback)
+        self.keep_gathered_input = keep_gathered_input
+
+    @staticmethod
+    def _forward(module, x):
+        style = module.tp_style
+        d = style.sequence_dim
+        x = _local(x, "ColwiseParallel", d if style.sequence_parallel else None)
+        x, weight, bias = compute_operands("ColwiseParallel", x, module.weight, module.bias)
+        if not style.sequence_parallel:
+            if torch.is_grad_enabled() and x.requires_grad:  # each rank's input gradient is a partial sum
+                x = DTensor.from_local(x, module.tp_mesh, [Replicate()], run_check=False).to_local(
+                    grad_placements=[Partial()])
+            return nn.functional.linear(x, weight, bias)
+        W = style.ctx.world_size
+        y = column_rows(x.reshape(-1, x.shape[-1]), weight, bias, style.ctx, style.fallback,
+                        style.keep_gathered_input)  # rows (rank, then x's rows in order)
+        if d == 0:
+            return y.view(W * x.shape[0], *x.shape[1:-1], y.shape[-1])
+        B, s = x.shape[0], x.shape[1]
+        y = y.view(W, B, s, *x.shape[2:-1], y.shape[-1])
+        if B > 1:
+            y = y.transpose(0, 1).contiguous()
+        return y.view(B, W * s, *x.shape[2:-1], y.shape[-1])
+
+
+class RowwiseParallel(_LinearStyle):
+    """An ``nn.Linear`` split by input features: this rank keeps columns ``r*in/W ...`` of the weight; the bias
+    stays whole and is added once.
+
+    Sequence parallel (default): the input is the plain ``[B, S, in/W]`` (a column layer's output, or a DTensor
+    sharded on its last dim); GEMM-ReduceScatter sums the ranks' partial products and leaves each rank its sequence
+    shard, returned as a DTensor ``Shard(sequence_dim)`` of the full ``[B, S, out]`` (``use_local_output=True``:
+    the plain ``[B, S/W, out]``). Backward: AllGather-GEMM. ``sequence_parallel=False``: GEMM + AllReduce, the
+    replicated ``[B, S, out]`` on every rank (decode).
+    """
+
+    _shard_out = False
+
+    def __init__(self, ctx, *, sequence_parallel: bool = True, sequence_dim: int = 1, fallback: str = "auto",
+                 use_local_output: bool = False):
+        super().__init__(ctx, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, fallback=fallback)
+        self.use_local_output = use_local_output
+
+    @staticmethod
+    def _forward(module, x):
+        style = module.tp_style
+        d = style.sequence_dim
+        x = _local(x, "RowwiseParallel", -1)
+        x, weight, bias = compute_operands("RowwiseParallel", x, module.weight, module.bias)
+        if not style.sequence_parallel:
+            y = row_rows(x.reshape(-1, x.shape[-1]), weight, bias, style.ctx, style.fallback, False)
+            return y.view(*x.shape[:-1], y.shape[-1])
+        W = style.ctx.world_size
+        S = x.shape[d]
+        if S % W:
+            raise ValueError(f"RowwiseParallel: sequence length {S} (dim {d}) is not divisible by the world size {W}")
+        if d == 1 and x.shape[0] > 1:  # rows ordered (rank, batch, position) for the scatter
+            B = x.shape[0]
+            x = x.view(B, W, S // W, *x.shape[2:]).transpose(0, 1).contiguous().view(B, S, *x.shape[2:])
+        y = row_rows(x.reshape(-1, x.shape[-1]), weight, bias, style.ctx, style.fallback, True)
+        shape = list(x.shape[:-1]) + [y.shape[-1]]
+        shape[d] = S // W
+        y = y.view(shape)
+        if style.use_local_output:
+            return y
+        return DTensor.from_local(y, module.tp_mesh, [Shard(d)], run_check=False)
+
+
+class ShardSequence(ParallelStyle):
+    """Makes a module's output (the full activation, the same on every rank: a token embedding) this rank's
+    sequence shard, a DTensor ``Shard(dim)`` whose global shape is the full one. Backward gathers the gradient,
+    so the module before the region gets the whole of it."""
+
+    def __init__(self, ctx, *, dim: int = 1):
+        self.ctx, self.dim = ctx, dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        _check_mesh(self, device_mesh)
+        dim, W = self.dim, self.ctx.world_size
+
+        @torch.compiler.disable  # a graph across the region's edge gives wrong gradients (docs/design.md)
+        def shard(_, __, out):
+            if isinstance(out, DTensor):
+                out = out.full_tensor()
+            if out.shape[dim] % W:
+                raise ValueError(f"ShardSequence: sequence length {out.shape[dim]} (dim {dim}) is not divisible by "
+                                 f"the world size {W}")
+            local = custom_ops.shard_sequence(out, layer_ops(self.ctx, "auto")[0], W, dim % out.ndim)
+            return DTensor.from_local(local, device_mesh, [Shard(dim % out.ndim)], run_check=False)
+
+        module.register_forward_hook(shard)
+        return module
+
+
+class GatherSequence(ParallelStyle):
+    """Gathers a module's first input (the sequence shard: a DTensor ``Shard(dim)``, or the plain local shard)
+    into the full plain tensor before the module runs, so the module and everything after it run replicated (the
+    final norm, then the LM head and the loss). Backward: this rank's slice of the gradient."""
+
+    def __init__(self, ctx, *, dim: int = 1):
+        self.ctx, self.dim = ctx, dim
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        _check_mesh(self, device_mesh)
+        dim = self.dim
+
+        @torch.compiler.disable  # as ShardSequence's
+        def gather(_, args):
+            x = _local(args[0], "GatherSequence", dim)
+            return (custom_ops.gather_sequence(x, layer_ops(self.ctx, "auto")[0], self.ctx.world_size,
+                                               dim % x.ndim), *args[1:])
+
+        module.register_forward_pre_hook(gather)
+        return module
+
+
+__all__ = ["ColwiseParallel", "GatherSequence", "RowwiseParallel", "ShardSequence"]
