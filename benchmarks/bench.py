@@ -1,13 +1,15 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
-    bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention|all_reduce|gemm_ar
+    bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention|all_reduce|gemm_ar|moe|model
         [--shapes ...] [--out DIR] [--shared-gpu] [--virtual-hosts N]
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
 the bound (torch.matmul of the same work alone); our consumer GEMM alone (the kernel the op ran, named in the
 JSON's ``consumer``). Attention: ours; NCCL all_gather of K/V then our kernel; torch's SDPA on the full
 sequence on one GPU; our kernel alone. AllReduce: ours, NCCL, torch's symmetric-memory all-reduces, the bound;
-GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. Distributed
+GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. MoE (moe.py): the MoE ops and layer against NCCL +
+sort + torch._grouped_mm, and the grouped GEMM alone. Model (model.py): a training and a decode step of
+Llama-shaped layers, ours against torch TP, async TP and our fallback. Distributed
 timings: CUDA events around each call, ranks aligned on the device before each iteration, median over iterations,
 max over ranks (triton_overlap.timing); the headline columns timed in turns within each iteration, so all see the
 same GPU clock. ``--virtual-hosts N`` splits the ranks into N hosts (TRITON_OVERLAP_VIRTUAL_HOSTS): ours then moves
@@ -804,12 +806,13 @@ def _gather(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention", "all_reduce",
-                                      "gemm_ar"])
+                                      "gemm_ar", "moe", "model"])
     p.add_argument("--shapes", nargs="*", help="ag_gemm, ag_gemm_fp8: M,K,N (M gathered, N per rank); gemm_rs: "
                    "M,K,N (K per rank, output [M/W, N]); cp_attention: B,S,Hq,Hkv,D,causal[,documents][,fp16|bf16] "
                    "(S in all, causal 0 or 1, documents: packed documents of random lengths; bf16 unless named); "
-                   "all_reduce: bytes; gemm_ar: M,K,N (K over all ranks). Default: the standard list (cp_attention "
-                   "on one GPU: CP_SHAPES_ONE_GPU)")
+                   "all_reduce: bytes; gemm_ar: M,K,N (K over all ranks); moe: model,tokens per rank,routing "
+                   "(moe.parse_shape, e.g. deepseek-v3,4096,zipf); model: train|decode,8b|70b,layers,batch,tokens "
+                   "(model.parse_cases). Default: the standard list (cp_attention on one GPU: CP_SHAPES_ONE_GPU)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--lead-us", type=float, default=LEAD_US, help="see LEAD_US; 0: the GPU idles before each call")
     p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0 over gloo: runs the benchmark "
@@ -827,8 +830,8 @@ def main():
                                                                     "results"):
         raise SystemExit("bench: --shared-gpu timings mean nothing; they never go to benchmarks/results")
     init(shared_gpu=args.shared_gpu)
-    shapes = ([tuple(v if v in CP_DTYPES else int(v) for v in s.split(",")) for s in args.shapes] if args.shapes
-              else None)
+    shapes = ([tuple(v if v in CP_DTYPES else int(v) for v in s.split(",")) for s in args.shapes]
+              if args.shapes and args.op not in ("moe", "model") else None)
     if args.virtual_hosts:
         os.environ["TRITON_OVERLAP_VIRTUAL_HOSTS"] = str(args.virtual_hosts)
     with to.Context() as ctx:
@@ -851,6 +854,19 @@ def main():
             say(GEMM_AR_HEADER)
             planned = shapes or [(m, k, n) for k, n in GEMM_AR_KN for m in GEMM_AR_M]
             bench_gemm_ar(ctx, planned, args.iters, writer(write_gemm_ar, planned))
+        elif args.op == "moe":
+            from moe import MOE_SHAPES, bench_moe, parse_shape
+            from moe_report import MOE_HEADER, write_moe
+
+            say(MOE_HEADER)
+            planned = [parse_shape(s) for s in args.shapes] if args.shapes else MOE_SHAPES
+            bench_moe(ctx, planned, args.iters, writer(write_moe, planned), lead_us=LEAD_US)
+        elif args.op == "model":
+            from model import DEFAULT_CASES, bench_model, parse_cases
+            from model_report import write_model
+
+            planned = parse_cases(args.shapes) if args.shapes else DEFAULT_CASES
+            bench_model(ctx, planned, args.iters, writer(write_model, planned), lead_us=LEAD_US)
         elif args.op == "cp_attention":  # shapes: B,S,Hq,Hkv,D,causal(0/1)[,documents]
             say(CP_HEADER)
             default = CP_SHAPES_ONE_GPU if ctx.world_size == 1 else CP_SHAPES
