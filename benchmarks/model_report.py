@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import os
 
-from report import _base, _measured, _pending, _save_json
+from report import measured, pending_line, result_base, save_json
 
 #: (variant, its column's name), in the tables' order
 TRAIN_COLUMNS = (("ours", "ours"), ("ours_fused", "ours, fused projections"), ("ours_compiled", "ours compiled"),
@@ -78,12 +78,12 @@ def write_model(records, W, out_dir: str, pending=()) -> None:
     """``model-<gpu>x<W>.json`` (every record, with the provenance), ``.md`` (the training and decode tables,
     geometric-mean ratios, notes) and ``.png`` (the ratios, where matplotlib is installed)."""
     os.makedirs(out_dir, exist_ok=True)
-    base = _base(out_dir, "model", records, W)
-    _save_json(base, "model", W, records, pending)
+    base = result_base(out_dir, "model", records, W)
+    save_json(base, "model", W, records, pending)
     train = [r for r in records if r["kind"] == "train"]
     decode = [r for r in records if r["kind"] == "decode"]
     with open(base + ".md", "w") as f:
-        f.write(_measured(base))
+        f.write(measured(base))
         f.write(f"model, {records[0]['gpu']} x{W}: a stack of Llama-3 decoder layers ({_shapes(records)}), bf16 "
                 "parameters and activations, embedding included, no output head. Each variant's output on the same "
                 "tokens matches torch TP's (`*_rel_err` in the JSON). All variants of a row are timed in turns "
@@ -113,7 +113,7 @@ def write_model(records, W, out_dir: str, pending=()) -> None:
                 if g:
                     f.write(f"\ngeometric-mean {_NAMES[a]} / {_NAMES[b]}: {g:.3f}x")
             f.write("\n")
-        f.write(_pending(pending))
+        f.write(pending_line(pending))
         notes = [f"- {r['kind']} {r['model']} x{r['n_layers']} batch {r['batch']} seq {r['seq']}: {r['note']}"
                  for r in records if r["note"]]
         if notes:

@@ -129,8 +129,8 @@ class _ReduceScatter(torch.autograd.Function):
 
 def torch_moe_layer(x, router_w, w13, w2, topk: int, renormalize: bool = True):
     """TPMoE's computation in torch autograd over NCCL: router on this rank's tokens, all_gather of ids and weights
-    and of the tokens, sort by expert, two ``torch._grouped_mm`` with SwiGLU between, back to token order, top-k
-    combine in float32, reduce_scatter of bf16 rows. ``x`` [T/W, K] -> [T/W, K]."""
+    and of the tokens, sort by expert, two ``torch._grouped_mm`` with SwiGLU between, top-k combine
+    from the sorted rows in float32 (index_add), reduce_scatter of bf16 rows. ``x`` [T/W, K] -> [T/W, K]."""
     E, hl = w13.shape[0], w2.shape[1]
     p, ids = torch.softmax(x.float() @ router_w.float().t(), dim=-1).topk(topk, dim=-1)
     if renormalize:
@@ -142,12 +142,15 @@ def torch_moe_layer(x, router_w, w13, w2, topk: int, renormalize: bool = True):
     offs = expert_offsets(flat, E)
     h = torch._grouped_mm(xg[order // topk], w13, offs=offs)
     y = torch._grouped_mm(torch.nn.functional.silu(h[:, :hl]) * h[:, hl:], w2, offs=offs)
-    y_tok = torch.empty_like(y).index_copy(0, order, y).view(-1, topk, y.shape[1])  # back to token order
-    return _ReduceScatter.apply((y_tok.float() * p_all.unsqueeze(-1)).sum(1).to(x.dtype))
+    # the top-k combine straight from the sorted rows: each row weighted, added into its token in float32
+    combined = torch.zeros(xg.shape[0], y.shape[1], device=y.device, dtype=torch.float32).index_add(
+        0, order // topk, y.float() * p_all.reshape(-1)[order].unsqueeze(-1))
+    return _ReduceScatter.apply(combined.to(x.dtype))
 
 
 def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out):
-    """Our grouped GEMM alone on rows already here: ``ag_grouped_gemm`` as a world of one (one chunk, at arrival
+    """Our grouped GEMM alone on rows already here (for the RS shapes too: the GEMM core both ops' kernels share,
+    without rs_grouped_gemm's claims and combine): ``ag_grouped_gemm`` as a world of one (one chunk, at arrival
     position 0: no tile waits), ``rows`` [R, K] as tokens of top-1 ``row_experts`` [R, 1], ``out`` [R, N] in the
     expert-sorted layout (the bound's). Returns the launch as a function."""
     R = rows.shape[0]
@@ -280,8 +283,10 @@ def bench_ops(ctx, ops, rec, iters) -> None:
     def nccl_rs():
         order = torch.argsort(flat, stable=True)
         y = torch._grouped_mm(h.view(P, nl)[order], w2, offs=expert_offsets(flat, E))
-        y_tok = torch.empty_like(y).index_copy(0, order, y).view(T, topk, K)  # back to token order
-        reduce_scatter_rows(ref_rs, (y_tok.float() * weights.unsqueeze(-1)).sum(1).to(bf))
+        # the top-k combine straight from the sorted rows: each row weighted, added into its token in float32
+        acc = torch.zeros(T, K, device=dev, dtype=torch.float32)
+        acc.index_add_(0, order // topk, y.float().mul_(weights.reshape(-1)[order].unsqueeze(-1)))
+        reduce_scatter_rows(ref_rs, acc.to(bf))
 
     nccl_rs()
     rs(h, w2, ids, weights, out=out_rs)

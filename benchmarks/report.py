@@ -30,7 +30,7 @@ def provenance() -> dict:
             "triton": triton.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def _save_json(base: str, op: str, world: int, records: list, pending=()) -> None:
+def save_json(base: str, op: str, world: int, records: list, pending=()) -> None:
     doc = {"op": op, "world_size": world, **provenance(), "records": records}
     if pending:
         doc["not_measured"] = [list(s) if isinstance(s, (tuple, list)) else s for s in pending]
@@ -38,7 +38,7 @@ def _save_json(base: str, op: str, world: int, records: list, pending=()) -> Non
         json.dump(doc, f, indent=1)
 
 
-def _measured(base: str) -> str:
+def measured(base: str) -> str:
     with open(base + ".json") as f:
         doc = json.load(f)
     return f"Measured on commit {doc['commit']}, {doc['date']} (torch {doc['torch']}, triton {doc['triton']}).\n\n"
@@ -75,7 +75,7 @@ def _cp_row(r):
             f"{f(r.get('fwd_bwd_cudnn_us'))} | {f(r.get('fwd_bwd_efficiency_cudnn'), 2)} |")
 
 
-def _pending(pending) -> str:
+def pending_line(pending) -> str:
     """The line a partial result ends with: the run's shapes it holds no record of (it ended before them)."""
     if not pending:
         return ""
@@ -83,7 +83,7 @@ def _pending(pending) -> str:
     return f"\nNot measured in this run (it ended before them): {shapes}.\n"
 
 
-def _base(out_dir: str, op: str, records, W) -> str:
+def result_base(out_dir: str, op: str, records, W) -> str:
     """``<out_dir>/<op>-<gpu>x<W>``, with ``-<N>hosts`` where the group spans N (virtual) hosts."""
     hosts = records[0].get("num_hosts", 1)
     return os.path.join(out_dir, f"{op}-{records[0]['gpu']}x{W}" + (f"-{hosts}hosts" if hosts > 1 else ""))
@@ -93,13 +93,13 @@ def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, l
     """``<op>-<gpu>x<W>.json`` and ``.md``: the provenance, ``caption``, the table (``header``, ``row(record)`` per
     record), each record's note under ``label(record)``, and the shapes still ``pending``."""
     os.makedirs(out_dir, exist_ok=True)
-    base = _base(out_dir, op, records, W)
-    _save_json(base, op, W, records, pending)
+    base = result_base(out_dir, op, records, W)
+    save_json(base, op, W, records, pending)
     with open(base + ".md", "w") as f:
-        f.write(_measured(base))
+        f.write(measured(base))
         f.write(f"{op}, {records[0]['gpu']} x{W}, {caption}\n\n{header}\n")
         f.write("\n".join(row(r) for r in records) + "\n")
-        f.write(_pending(pending))
+        f.write(pending_line(pending))
         notes = [f"- {label(r)}: {r['note']}" for r in records if r["note"]]
         if notes:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")
@@ -217,12 +217,12 @@ def write(op_name, records, W, out_dir: str, pending=()) -> float:
     """The JSON, table and plot of a GEMM op's records (``pending``: the run's shapes not measured yet); returns the
     geometric-mean speed-up over NCCL + cuBLAS."""
     os.makedirs(out_dir, exist_ok=True)
-    base = _base(out_dir, op_name, records, W)
-    _save_json(base, op_name, W, records, pending)
+    base = result_base(out_dir, op_name, records, W)
+    save_json(base, op_name, W, records, pending)
     sp = [r["nccl_us"] / r["ours_us"] for r in records]
     geo = math.exp(sum(math.log(s) for s in sp) / len(sp))
     with open(base + ".md", "w") as f:
-        f.write(_measured(base))
+        f.write(measured(base))
         dtype = records[0].get("dtype", "bf16")
         lead = records[0].get("lead_us", 0)
         f.write(f"{op_name}, {records[0]['gpu']} x{W}, {dtype}, median µs (max over ranks); bound and consumer alone "
@@ -261,7 +261,7 @@ def write(op_name, records, W, out_dir: str, pending=()) -> float:
                     f"{WT_HEADER}\n" + "\n".join(_wt_row(r) for r in wt))
             g = math.exp(sum(math.log(r["nccl_wt_us"] / r["ours_wt_us"]) for r in wt) / len(wt))
             f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS, B as weight.t(): {g:.3f}x\n")
-        f.write(_pending(pending))
+        f.write(pending_line(pending))
         notes = [f"- {r['M']},{r['K']},{r['N']}: {r['note']}" for r in records if r["note"]]
         if notes:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")

@@ -2,7 +2,7 @@
 # The test suite on one GPU: two ranks of the cuda backend sharing GPU 0 (TRITON_OVERLAP_TEST_BACKENDS=cuda-shared:2,
 # tests/harness.py), every case (--full), in parts of at most 9 minutes each (docs/testing.md lists them).
 #   bash scripts/gpu_tier.sh PART [pytest args...]     PART: 1..4, gemm, attention, core, rest, or all
-# 1 gemm       test_ag_gemm, test_gemm_rs
+# 1 gemm       test_ag_gemm, test_gemm_rs, test_moe
 # 2 attention  test_cp_attention
 # 3 core       test_context, test_faults, test_all_reduce, test_gemm_all_reduce, test_block, test_compile,
 #              test_entry_points
@@ -26,7 +26,7 @@ gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 
 files() {
   case "$1" in
-    1|gemm) echo tests/test_ag_gemm.py tests/test_gemm_rs.py ;;
+    1|gemm) echo tests/test_ag_gemm.py tests/test_gemm_rs.py tests/test_moe.py ;;
     2|attention) echo tests/test_cp_attention.py ;;
     3|core) echo tests/test_context.py tests/test_faults.py tests/test_all_reduce.py tests/test_gemm_all_reduce.py \
                  tests/test_block.py tests/test_compile.py tests/test_entry_points.py ;;

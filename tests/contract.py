@@ -539,7 +539,10 @@ def tests(spec: OpSpec) -> dict:
         out[name] = _named(test, name, f"{spec.name}: bad input raises ValueError (contract.refuses_bad_input)")
     if spec.falls_back is not None:
         def test(pool):
-            assert all(pool.run(falls_back, spec, spec.falls_back.on(pool)))
+            cases = spec.falls_back.on(pool)
+            if not cases:
+                pytest.skip("no small shape for this backend")
+            assert all(pool.run(falls_back, spec, cases))
 
         name = f"test_{spec.name}_small_shapes_fall_back"
         out[name] = _named(test, name, f"{spec.name}: the fallback rule on small shapes (contract.falls_back)")

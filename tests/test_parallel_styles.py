@@ -162,3 +162,48 @@ def test_from_full_rejects_unknown_keywords():
         RowParallelLinear.from_full_weight(lin, None, keep_gathered_input=False)
     with pytest.raises(TypeError, match="fallbak"):
         TPMLP.from_full(lin, lin, lin, None, fallbak="never")
+
+
+def _decode_in_cuda_graph(steps):
+    """A decode block (column layer, SiLU, row layer through GEMM + AllReduce; no sequence parallelism) styled by
+    parallelize_module, captured once in a CUDA graph and replayed on new tokens: each replay's output against the
+    unsharded block in float32, the output poisoned before every replay."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from refs import check_replays
+    from triton_overlap.nn import ColwiseParallel, RowwiseParallel
+
+    with to.Context(timeout_s=30) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(256, 512 * W, bias=False), nn.SiLU(), nn.Linear(512 * W, 256, bias=False))
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(p.bfloat16().float())
+        reference = copy.deepcopy(block).to(dev)
+        block = block.to(dev, torch.bfloat16)
+        parallelize_module(block, init_device_mesh(dev.type, (W,)), {
+            "0": ColwiseParallel(ctx, sequence_parallel=False, fallback="never"),
+            "2": RowwiseParallel(ctx, sequence_parallel=False, fallback="never")})
+        x = torch.empty(4, 1, 256, device=dev, dtype=torch.bfloat16)  # batch 4, one token each
+        out = torch.empty(4, 1, 256, device=dev, dtype=torch.bfloat16)
+
+        def load(i):
+            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + i)).to(dev, x.dtype))
+            with torch.no_grad():
+                return reference(x.float())
+
+        load(-1)
+        with torch.no_grad():
+            block(x)  # one eager call first: it sizes the AllReduce's slots (not allowed inside a capture)
+            check_replays(lambda: out.copy_(block(x)), out, steps, load)
+        ctx.check()
+        assert block[2].last_path == "overlap"
+        return True
+
+
+def test_decode_styles_replay_in_cuda_graph(pool):
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    assert all(pool.run(_decode_in_cuda_graph, 50))

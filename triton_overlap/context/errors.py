@@ -107,6 +107,7 @@ class Faults:
                   if what == sig.WHAT_PEER_STARTED
                   else f"rank {peer} to arrive at the call's barrier" if what == sig.WHAT_ARRIVAL
                   else f"rank {peer}'s dK/dV partials" if what == sig.WHAT_PARTIALS
+                  else f"this rank's own GEMM tiles of rank {peer}'s rows" if what == sig.WHAT_OWN_TILES
                   else f"chunk {what} of rank {peer}")
         return (f"rank {rank}: {op} (call {call}) timed out after {word[sig.ERR_ELAPSED_US] / 1e6:.2f} s "
                 f"(timeout_s={self.timeout_s:g}) waiting for {waited} (saw {word[sig.ERR_SEEN]}, waited for "

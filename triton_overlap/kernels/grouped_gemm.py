@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .cached_launch import launch
 from .gemm_device import publish
-from .signal import WHAT_STARTED, wait_for, waiter
+from .signal import WHAT_OWN_TILES, wait_for, waiter
 
 
 @triton.jit
@@ -129,8 +129,8 @@ def rs_grouped_gemm(h_ptr, w_ptr, y_ptr, src_ptr, pos_ptr, weights_ptr, table_pt
         else:
             dest = tl.load(dests_ptr + q)
             # every GEMM item of this destination is done (they were all claimed before this item, and wait on
-            # nothing: this wait ends unless the device stops); a timeout names the destination as the peer
-            wait_for(done_ptr + q, gemm_items, waiter, dest, WHAT_STARTED, CLOCK)
+            # nothing: this wait ends unless the device stops); a timeout says it waited on this rank's own tiles
+            wait_for(done_ptr + q, gemm_items, waiter, dest, WHAT_OWN_TILES, CLOCK)
             row0 = ((r - gemm_items) // num_pid_n) * BLOCK_C
             rows = row0 + tl.arange(0, BLOCK_C)
             row_ok = rows < M_LOCAL

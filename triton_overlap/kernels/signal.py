@@ -44,9 +44,10 @@ ERR_ORIGIN_CODE = tl.constexpr(20)
 ERR_WORDS = 24
 #: ERR_RELAYED: another rank's fault, written into this rank's word by that rank, so that every wait here stops too
 ERR_TIMEOUT, ERR_MISMATCH, ERR_RELAYED = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
-#: ERR_WHAT below zero: what was waited for, when it was not a chunk (WHAT_ANSWER: a host-side exchange)
-WHAT_STARTED, WHAT_PEER_STARTED, WHAT_ARRIVAL, WHAT_PARTIALS, WHAT_ANSWER = (
-    tl.constexpr(i) for i in (-1, -2, -3, -4, -5))
+#: ERR_WHAT below zero: what was waited for, when it was not a chunk (WHAT_ANSWER: a host-side exchange;
+#: WHAT_OWN_TILES: this rank's own GEMM tiles for a peer's rows, a wait on nothing remote)
+WHAT_STARTED, WHAT_PEER_STARTED, WHAT_ARRIVAL, WHAT_PARTIALS, WHAT_ANSWER, WHAT_OWN_TILES = (
+    tl.constexpr(i) for i in (-1, -2, -3, -4, -5, -6))
 
 #: how long a host-backend wait sleeps between polls (seconds)
 HOST_POLL_S = 5e-4
