@@ -114,3 +114,85 @@ def test_tune_cp_attention_dry_run_checks_every_kernel(tmp_path):
     (entry,) = json.loads(out.read_text())["host"]["any"]["cp_attention"]
     assert entry["shape"] == [64, 4, 2, 32, 1]
     assert set(entry["config"]) == {"fwd", "dq", "dkdv"}
+
+
+def test_moe_ops_read_their_own_entries_exact_then_nearest(tmp_path, monkeypatch):
+    """The MoE ops look entries up at moe_table_shape (T, K, N, E, topk), each under its own name: the same shape,
+    else the same K, N, E and topk with the nearest T (log scale); nothing for other K, N, E or topk."""
+    import triton_overlap as to
+    from triton_overlap.ops.moe_config import moe_table_shape
+
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv("TRITON_OVERLAP_TUNED", str(path))
+    tuning.save(path, "ag_moe_gemm", "host", 2, [256, 32, 48, 8, 2], {"block_m": 32, "chunks_per_rank": 1})
+    tuning.save(path, "ag_moe_gemm", "host", 2, [4096, 32, 48, 8, 2], {"block_m": 64})
+    tuning.save(path, "moe_gemm_rs", "host", "any", [256, 32, 48, 8, 2], {"block_n": 64})
+    base = to.MoEGEMMConfig.defaults(OfflineContext())
+
+    def cfg(cls, *shape):
+        return cls(OfflineContext()).config_for(moe_table_shape(*shape))
+
+    exact = cfg(to.AllGatherMoEGEMM, 256, 32, 48, 8, 2)
+    assert (exact.block_m, exact.chunks_per_rank, exact.block_n) == (32, 1, base.block_n)
+    assert cfg(to.AllGatherMoEGEMM, 512, 32, 48, 8, 2).block_m == 32  # nearest T on a log scale
+    assert cfg(to.AllGatherMoEGEMM, 2048, 32, 48, 8, 2).block_m == 64
+    for other in ((256, 32, 48, 16, 2), (256, 32, 48, 8, 4), (256, 32, 64, 8, 2)):  # E, topk, N differ
+        assert cfg(to.AllGatherMoEGEMM, *other) == base
+    rs = cfg(to.MoEGEMMReduceScatter, 1024, 32, 48, 8, 2)  # its own ("any") entry, never ag_moe_gemm's
+    assert (rs.block_m, rs.block_n) == (base.block_m, 64)
+
+
+def _moe_configs_used(path, m_local, k, n, experts, topk):
+    """On every rank: one call of each MoE op on the host backend with the tuned table at ``path``; the configs the
+    calls used."""
+    import torch
+
+    import triton_overlap as to
+
+    old = os.environ.get("TRITON_OVERLAP_TUNED")
+    os.environ["TRITON_OVERLAP_TUNED"] = path
+    try:
+        with to.Context(timeout_s=120) as ctx:
+            T = m_local * ctx.world_size
+            x = torch.randn(m_local, k, dtype=torch.bfloat16)
+            h = torch.randn(T, topk, k, dtype=torch.bfloat16)
+            w = torch.randn(experts, k, n, dtype=torch.bfloat16)
+            ids = torch.arange(T * topk).view(T, topk) % experts
+            weights = torch.full((T, topk), 1.0 / topk)
+            ag = to.AllGatherMoEGEMM(ctx, fallback="never")
+            rs = to.MoEGEMMReduceScatter(ctx, fallback="never")
+            ag(x, w, ids)
+            rs(h, w, ids, weights)
+            ctx.check()
+            return ag.schedule(x, {}).cfg, rs.schedule(T, n, h.dtype, {}).cfg
+    finally:
+        if old is None:
+            os.environ.pop("TRITON_OVERLAP_TUNED")
+        else:
+            os.environ["TRITON_OVERLAP_TUNED"] = old
+
+
+def test_tune_moe_dry_run_writes_entries_the_ops_use(tmp_path):
+    """scripts/tune.py moe end to end on the host backend: both ops' tile and chunking candidates run and pass
+    their check against the torch fallback, each op's winner is stored at moe_table_shape under this world size,
+    and the ops' next calls at that shape run with it."""
+    import triton_overlap as to
+    from harness import get_pool
+
+    out = tmp_path / "tuned.json"
+    env = dict(os.environ, PYTHON=sys.executable, TRITON_OVERLAP_BACKEND="host", TRITON_OVERLAP_TUNED=str(out))
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch.sh"), os.path.join(ROOT, "scripts", "tune.py"),
+                           "moe", "--shape", "16,32,32,4,2,zipf", "--dry-run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    for stage in ("ag_moe_gemm tiles", "ag_moe_gemm chunking", "moe_gemm_rs tiles", "moe_gemm_rs chunking"):
+        assert f"{stage} [2/2]" in proc.stdout, proc.stdout[-2000:]
+    assert "skipped" not in proc.stdout, proc.stdout[-2000:]
+    table = json.loads(out.read_text())["host"]["2"]
+    used = get_pool("host", 2).run(_moe_configs_used, str(out), 16, 32, 32, 4, 2)
+    for i, kind in enumerate(("ag_moe_gemm", "moe_gemm_rs")):
+        (entry,) = table[kind]
+        assert entry["shape"] == [32, 32, 32, 4, 2]  # T = 16 tokens per rank x 2 ranks
+        want = to.MoEGEMMConfig(**entry["config"])
+        assert want != to.MoEGEMMConfig.defaults(OfflineContext())  # explicit streams at least: not the defaults
+        assert all(cfgs[i] == want for cfgs in used), (used, want)

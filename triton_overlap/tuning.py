@@ -4,15 +4,19 @@ into a tuned table (ops.tuned), which the ops read on their own.
 GEMM ops, two stages: the GEMM's tiles (block sizes, warps, stages, descriptor loads) with the default chunking,
 then the chunking with the best tiles: chunk size, producer streams (W > 2), and for AllGather-GEMM push or pull and
 launch order, for GEMM-ReduceScatter stores or copy engines. ``tune_tiles``: the GEMM's tiles alone, without
-communication (one GPU is enough). Attention: each kernel's tiles (forward, dQ, dK/dV) on one GPU, as a rank of
-one. Every candidate is checked against a torch reference first; one that fails or does not compile is skipped.
-Times are medians, max over ranks; GEMM candidates are timed as CUDA-graph replays (triton_overlap.timing).
+communication (one GPU is enough). MoE (``tune_moe``, both ops): the grouped GEMM's tiles, then chunks per rank
+and copy streams; ``tune_moe_tiles``: the grouped GEMM alone. Attention: each kernel's tiles (forward, dQ, dK/dV)
+on one GPU, as a rank of one. Every candidate is checked against a torch reference first; one that fails or does
+not compile is skipped. Times are medians, max over ranks; GEMM and MoE candidates are timed as CUDA-graph replays
+(triton_overlap.timing).
 """
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import asdict, replace
+from itertools import product
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -22,9 +26,15 @@ from .kernels.attention import Blocks, launch_fwd
 from .kernels.attention_bwd import launch_bwd
 from .kernels.capability import is_hopper
 from .kernels.gemm import plain_gemm
+from .kernels.grouped_gemm import launch_ag_grouped
 from .ops.all_gather_gemm import AllGatherGEMM
+from .ops.all_gather_moe import AllGatherMoEGEMM
 from .ops.config import AllGatherGEMMConfig, AttentionConfig, GEMMReduceScatterConfig
 from .ops.gemm_reduce_scatter import GEMMReduceScatter
+from .ops.moe_config import MoEGEMMConfig
+from .ops.moe_reduce_scatter import MoEGEMMReduceScatter
+from .ops.moe_routing import grouped_matmul
+from .plan import ChunkLayout
 from .torchrun import say
 
 # block_m, block_n, block_k, num_warps, num_stages, tma (None: descriptors only for B passed as weight.t(); True:
@@ -44,6 +54,11 @@ FWD_TILES = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 2), (128, 64, 4, 3)
              (128, 128, 8, 2, True), (128, 64, 8, 3, True),  # True: warp-specialized (Hopper)
              (128, 128, 8, 3, True, 3)]  # three compute warpgroups (Hopper, D = 64)
 DQ_TILES = [(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2)]
+#: the grouped GEMM's tile choices (MoE); moe_tile_candidates keeps the combinations that can run
+MOE_TILE_CHOICES = {"block_m": (64, 128), "block_n": (64, 128, 256), "block_k": (64, 128), "num_warps": (4, 8),
+                    "num_stages": (2, 3, 4)}
+MOE_TILE_FIELDS = tuple(MOE_TILE_CHOICES)
+MOE_ROUTINGS = ("balanced", "zipf")
 DKDV_TILES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2),
               (64, 128, 8, 2, True)]  # True: the single warp-specialized backward (Hopper; it takes its own tiles)
 
@@ -246,3 +261,112 @@ def tune_attention(ctx, shape, dry):
     return us_f, {"fwd": asdict(cfg.fwd), "dq": asdict(cfg.dq), "dkdv": asdict(cfg.dkdv)}
 
 
+# ------------------------------------------------------------------------------------------------------------ MoE
+def moe_routing_ids(tokens: int, experts: int, topk: int, kind: str, seed: int = 0) -> torch.Tensor:
+    """int64 [tokens, topk] on the CPU, the same on every rank: each token's ``topk`` distinct experts, drawn
+    uniformly ("balanced") or by a Zipf popularity 1 / rank with the ranks shuffled over the experts ("zipf"), as
+    the MoE benchmarks (benchmarks/moe.py) draw them."""
+    if kind not in MOE_ROUTINGS or not 1 <= topk <= experts:
+        raise ValueError(f"moe routing: kind one of {MOE_ROUTINGS} and 1 <= topk <= experts, got {kind!r}, "
+                         f"topk {topk}, experts {experts}")
+    g = torch.Generator().manual_seed(seed)
+    p = torch.ones(experts)
+    if kind == "zipf":
+        p = (1.0 / torch.arange(1, experts + 1, dtype=torch.float64))[torch.randperm(experts, generator=g)].float()
+    return torch.multinomial(p.expand(tokens, experts).contiguous(), topk, replacement=False, generator=g)
+
+
+def moe_tile_candidates(ctx, base, dry):
+    """``base`` with each combination of MOE_TILE_CHOICES that can run, base's own tiles first: ``num_stages``
+    buffers of 16-bit A and B tiles within the GPU's shared memory per block, and a float32 accumulator of 64 to
+    128 registers a thread (fewer leaves the SMs idle between loads, more spills). A candidate that still fails to
+    compile is skipped by the sweep."""
+    smem = 1 << 30
+    if not ctx.interpreted:
+        smem = getattr(torch.cuda.get_device_properties(ctx.device), "shared_memory_per_block_optin", 0) or 64 << 10
+    first = tuple(getattr(base, k) for k in MOE_TILE_FIELDS)
+    fit = [t for t in product(*MOE_TILE_CHOICES.values())
+           if t[4] * (t[0] + t[1]) * t[2] * 2 <= smem and 64 <= t[0] * t[1] // (32 * t[3]) <= 128]
+    tiles = [first] + [t for t in fit if t != first]
+    return [replace(base, **dict(zip(MOE_TILE_FIELDS, t))) for t in (tiles[:2] if dry else tiles)]
+
+
+def _moe_tiles(cfg) -> str:
+    return " ".join(f"{k}={getattr(cfg, k)}" for k in MOE_TILE_FIELDS)
+
+
+def _moe_chunks(cfg) -> str:
+    return f"chunks_per_rank={cfg.chunks_per_rank} num_streams={cfg.num_streams}"
+
+
+def tune_moe(ctx, shape, routing, dry) -> dict:
+    """Both MoE ops at ``shape`` = (tokens per rank, K, N, E, topk), each with a weight shard w [E, K, N]
+    (ag_moe_gemm: x [T/W, K]; moe_gemm_rs: h [T, topk, K]), ``routing`` as moe_routing_ids draws it: the grouped
+    GEMM's tiles with the default chunking, then chunks per rank and copy streams (one per peer down to one) with
+    the best tiles. Each candidate is checked against the op's torch fallback and timed as CUDA-graph replays,
+    routing checks off (they read the routing back to the host, which a graph cannot hold). Returns
+    {op name: (µs, config dict)}."""
+    m_local, K, N, E, topk = shape
+    W, r, dev, dt = ctx.world_size, ctx.rank, ctx.device, torch.bfloat16
+    T = m_local * W
+    g = torch.Generator(device=dev).manual_seed(4321 + r)
+    x = torch.randn(m_local, K, device=dev, dtype=dt, generator=g)
+    h = torch.randn(T, topk, K, device=dev, dtype=dt, generator=g)
+    w = torch.randn(E, K, N, device=dev, dtype=dt, generator=g) / K ** 0.5
+    ids = moe_routing_ids(T, E, topk, routing).to(dev)
+    weights = torch.softmax(torch.randn(T, topk, generator=torch.Generator().manual_seed(5)), dim=-1).to(dev)
+    base = MoEGEMMConfig.defaults(ctx)
+    streams = sorted({1, max(1, (W - 1) // 2), max(1, W - 1)})
+    results = {}
+    for cls, args in ((AllGatherMoEGEMM, (x, w, ids)), (MoEGEMMReduceScatter, (h, w, ids, weights))):
+        kind = cls.KIND
+        ref = cls(ctx, fallback="always", name=f"tune.{kind}.ref")(*args)
+        op = cls(ctx, fallback="never", check_routing=False, name=f"tune.{kind}")
+        got = {}
+
+        def make_run(cfg, op=op, args=args):
+            def run():
+                op.user_config = cfg  # the candidate, as a caller's config
+                got["out"] = op(*args)
+            return run
+
+        check = lambda ref=ref: rel(got["out"], ref)  # noqa: E731
+        tiles = moe_tile_candidates(ctx, base, dry)
+        say(f"tune {kind} {shape} ({routing}) on {W} rank(s): {len(tiles)} tile configs")
+        _, best = sweep(ctx, f"{kind} tiles", tiles, make_run, check, 2e-2, _moe_tiles, graph=True)
+        chunks = [replace(best, chunks_per_rank=c, m_per_chunk=None, min_chunk_bytes=0, num_streams=n)
+                  for c in (CHUNKS[:2] if dry else CHUNKS) for n in (streams[:2] if dry else streams)]
+        us, best = sweep(ctx, f"{kind} chunking", chunks, make_run, check, 2e-2, _moe_chunks, graph=True)
+        results[kind] = (us, asdict(best))
+    return results
+
+
+def tune_moe_tiles(ctx, shape, routing, dry):
+    """The grouped GEMM's tiles alone (--tiles-only): ``ag_grouped_gemm`` as a world of one, every token already
+    here, on the T = tokens per rank x W tokens of ``shape`` (tokens per rank, K, N, E, topk) at this world size
+    (one GPU: W = 1), each rank's GPU on its own. Both MoE ops' kernels run this tile loop, so the result, the
+    tile fields only, serves both. Returns (µs, tiles)."""
+    m_local, K, N, E, topk = shape
+    T, dev, dt = m_local * ctx.world_size, ctx.device, torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(99)
+    x = torch.randn(T, K, device=dev, dtype=dt, generator=g)
+    w = torch.randn(E, K, N, device=dev, dtype=dt, generator=g) / K ** 0.5
+    ids = moe_routing_ids(T, E, topk, routing).to(dev)
+    ref = grouped_matmul(x.repeat_interleave(topk, dim=0), ids.reshape(-1), w)
+    out = torch.empty(T * topk, N, device=dev, dtype=dt)
+    op = AllGatherMoEGEMM(ctx, name="tune.moe_tiles")
+    layout = ChunkLayout(1, T, T)
+    flags = torch.ones(1, dtype=torch.int32, device=dev)
+
+    def make_run(cfg):
+        sched = SimpleNamespace(gather=SimpleNamespace(layout=layout), cfg=cfg,
+                                chunk_pos=torch.zeros(1, dtype=torch.int64, device=dev),
+                                chunk_at=torch.zeros(1, dtype=torch.int32, device=dev))
+        _, routes, table = op.route(sched, ids, E, False)
+        return lambda: launch_ag_grouped(ctx, cfg, x, x, w, out, routes, table, flags, layout, op=op.op, rank=0)
+
+    cands = moe_tile_candidates(ctx, MoEGEMMConfig.defaults(ctx), dry)
+    say(f"tune moe {shape} ({routing}), grouped GEMM tiles alone on {T} tokens: {len(cands)} tile configs")
+    us, best = sweep(ctx, "tiles", cands, make_run, lambda: rel(out, ref), 2e-2, _moe_tiles,
+                     graph=not ctx.interpreted)
+    return us, {k: getattr(best, k) for k in MOE_TILE_FIELDS}

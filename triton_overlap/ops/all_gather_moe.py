@@ -19,7 +19,7 @@ from ..plan import ChunkLayout, GatherSchedule, arrival_times, gather_schedule
 from ..producers import pipeline
 from ..producers.gather import Gather
 from .base import OverlapOp, with_overrides
-from .moe_config import MoEGEMMConfig, check_moe_operands, check_out
+from .moe_config import MoEGEMMConfig, check_moe_operands, check_out, moe_table_shape
 from .moe_routing import (MoERouting, agree_on_routing, check_routing, grouped_matmul, num_slots, sort_pairs,
                           tile_table)
 
@@ -61,6 +61,8 @@ class AllGatherMoEGEMM(OverlapOp):
     synchronisation: the table has a fixed number of slots (ceil(T * topk / block_m) + min(E, T * topk)).
 
     ``fallback="auto"`` takes NCCL all_gather + torch when W = 1 or the shard is under FALLBACK_SHARD_BYTES.
+    ``config``: MoEGEMMConfig; None: the tuned table's entry for ``moe_table_shape(T, K, N_local, E, topk)``
+    (ops.moe_config), else the defaults.
     """
 
     KIND = "ag_moe_gemm"
@@ -70,6 +72,7 @@ class AllGatherMoEGEMM(OverlapOp):
                  check_routing: bool = True, name: str | None = None):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
         self.check_routing = check_routing
+        self.last_table_shape = None  # the last call's shape in the tuned tables
 
     def default_config(self, shape, variant=""):
         return MoEGEMMConfig.defaults(self.ctx)
@@ -86,6 +89,7 @@ class AllGatherMoEGEMM(OverlapOp):
         topk = topk_ids.shape[1]
         shape = (T * topk, N) if sorted_output else (T, topk, N)
         check_out(self.KIND, out, shape, x.dtype, x.device)
+        self.last_table_shape = moe_table_shape(T, x.shape[1], N, E, topk)
         self.agree((tuple(x.shape), str(x.dtype), E, topk))
         if self.check_routing:
             agree_on_routing(self.KIND, ctx, topk_ids, E)
@@ -124,13 +128,14 @@ class AllGatherMoEGEMM(OverlapOp):
         return self.ctx.world_size == 1 or x.numel() * x.element_size() < FALLBACK_SHARD_BYTES
 
     # --------------------------------------------------------------------------- plan, consumer, fallback
-    def schedule(self, x, overrides) -> AllGatherMoESchedule:
+    def schedule(self, x, overrides, table_shape: tuple | None = None) -> AllGatherMoESchedule:
         """The config, the gather's schedule (push: copy engines write this rank's chunks into every peer's
         workspace and raise their flags; the pipeline zeroes this rank's flags after the join), the chunks' arrival
-        positions and the call's header, made once per shape and configuration."""
+        positions and the call's header, made once per shape and configuration. ``table_shape``: where the config
+        is looked up (moe_table_shape); None: the last call's (for a caller inspecting the call it just made)."""
         ctx = self.ctx
         m_local, K = x.shape
-        cfg = with_overrides(self.config_for((m_local * ctx.world_size, K)), overrides)
+        cfg = with_overrides(self.config_for(table_shape or self.last_table_shape), overrides)
         key = (m_local, K, x.dtype, cfg)
         found = self.state.setdefault("schedules", {}).get(key)
         if found is None:

@@ -36,6 +36,19 @@ class MoEGEMMConfig(ChunkedGemmConfig):
                    num_streams=1)
 
 
+def moe_table_shape(tokens: int, k: int, n: int, experts: int, topk: int) -> tuple:
+    """An MoE call's shape in the tuned tables (ops.tuned, under ``ag_moe_gemm`` / ``moe_gemm_rs`` by GPU and world
+    size): ``(T, K, N, E, topk)``, with T the tokens of all ranks and ``w`` [E, K, N] the call's weight shard (for
+    AllGatherMoEGEMM K is x's width and N the local columns; for MoEGEMMReduceScatter K is h's local width and N
+    the output's). T leads, the way the dense ops' M does (the rows of the GEMM every rank runs: each rank's
+    grouped GEMM covers the T * topk pairs of all ranks' tokens), so a shape without an entry takes the entry with
+    the same K, N, E and topk whose T is nearest on a log scale, and a tiles-only entry (world size "any") is keyed
+    by the GEMM it was timed on. E and topk stay exact: they set how many rows each expert gets, hence the tiles.
+    The routing (balanced or skewed) is not in the key: an op cannot see it before it routes on the device, and a
+    later tuning of the same shape replaces an earlier one."""
+    return (tokens, k, n, experts, topk)
+
+
 def check_moe_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, a_name: str, a_dims: tuple) -> None:
     """``a`` (``a_name``) of one of the ``a_dims`` ranks and ``w`` [E, K, N] of the same 16-bit dtype on the
     Context's device, K matching ``a``'s last dimension, nothing empty (ValueError, before any launch)."""
@@ -64,4 +77,4 @@ def check_out(op: str, out, shape: tuple, dtype, device) -> None:
                          f"{out.device}")
 
 
-__all__ = ["MoEGEMMConfig", "check_moe_operands", "check_out"]
+__all__ = ["MoEGEMMConfig", "check_moe_operands", "check_out", "moe_table_shape"]

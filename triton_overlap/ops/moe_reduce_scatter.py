@@ -24,7 +24,7 @@ from ..plan import ChunkLayout, ScatterSchedule, cdiv, scatter_schedule, send_or
 from ..producers import pipeline
 from ..producers.scatter import Scatter, staging
 from .base import OverlapOp, with_overrides
-from .moe_config import MoEGEMMConfig, check_moe_operands, check_out
+from .moe_config import MoEGEMMConfig, check_moe_operands, check_out, moe_table_shape
 from .moe_routing import (MoERouting, agree_on_routing, check_routing, grouped_matmul, num_slots, sort_pairs,
                           tile_table)
 
@@ -63,7 +63,8 @@ class MoEGEMMReduceScatter(OverlapOp):
 
     Checks before anything is launched, as AllGatherMoEGEMM's (``check_routing`` likewise). ``routing`` is trusted
     to be this rank's layout of these ``topk_ids``. ``fallback="auto"`` takes the torch path when W = 1 or each
-    rank's share of the output is under FALLBACK_PARTIAL_BYTES.
+    rank's share of the output is under FALLBACK_PARTIAL_BYTES. ``config``: MoEGEMMConfig; None: the tuned table's
+    entry for ``moe_table_shape(T, K_local, N, E, topk)`` (ops.moe_config), else the defaults.
     """
 
     KIND = "moe_gemm_rs"
@@ -73,6 +74,7 @@ class MoEGEMMReduceScatter(OverlapOp):
                  check_routing: bool = True, name: str | None = None):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
         self.check_routing = check_routing
+        self.last_table_shape = None  # the last call's shape in the tuned tables
 
     def default_config(self, shape, variant=""):
         return MoEGEMMConfig.defaults(self.ctx)
@@ -108,6 +110,7 @@ class MoEGEMMReduceScatter(OverlapOp):
                              f"{ctx.device}, got {got}")
         want = (T // W, N)
         check_out(op, out, want, h.dtype, h.device)
+        self.last_table_shape = moe_table_shape(T, h.shape[-1], N, E, topk)
         self.agree((tuple(h.shape), str(h.dtype), tuple(w.shape), topk))
         if self.check_routing:
             agree_on_routing(op, ctx, topk_ids, E)
@@ -130,15 +133,16 @@ class MoEGEMMReduceScatter(OverlapOp):
         return self.ctx.world_size == 1 or m_local * n * elsize < FALLBACK_PARTIAL_BYTES
 
     # --------------------------------------------------------------------------- plan, consumer, fallback
-    def schedule(self, T, N, dtype, overrides) -> MoEReduceScatterSchedule:
+    def schedule(self, T, N, dtype, overrides, table_shape: tuple | None = None) -> MoEReduceScatterSchedule:
         """The config, the chunk layout of each owner's partial rows, the scatter's schedule (copy engines, the
         reduction kernel after the GEMM resets the counters) with the combine tiles' counts, the order of
         destinations (as GEMM-RS orders its tiles: other hosts' owners, then this host's peers in send order, this
-        rank last) and the call's header, made once per shape and configuration."""
+        rank last) and the call's header, made once per shape and configuration. ``table_shape``: where the config
+        is looked up (moe_table_shape); None: the last call's (for a caller inspecting the call it just made)."""
         ctx = self.ctx
         W, r = ctx.world_size, ctx.rank
         m_local = T // W
-        cfg = with_overrides(self.config_for((T, N)), overrides)
+        cfg = with_overrides(self.config_for(table_shape or self.last_table_shape), overrides)
         key = (T, N, dtype, cfg)
         found = self.state.setdefault("schedules", {}).get(key)
         if found is None:

@@ -9,7 +9,8 @@ written by ``scripts/tune.py`` (the sweeps are ``triton_overlap.tuning``). Two a
 Kernel-only tunings (attention tiles; GEMM tiles from ``tune.py --tiles-only``)
 are stored under world size "any". A shape matches an entry with the same
 shape, else the entry with the same trailing dimensions (K, N for the GEMMs;
-Hq, Hkv, D, causal for attention) whose leading dimension is nearest on a log
+K, N, E, topk for the MoE ops, keyed by ops.moe_config.moe_table_shape; Hq,
+Hkv, D, causal for attention) whose leading dimension is nearest on a log
 scale; entries for the caller's world size are tried before "any" ones, the
 user cache before the shipped table. No match: the op's built-in defaults.
 """
