@@ -305,14 +305,14 @@ def tp_plan_ours(ctx, fallback: str = "auto") -> dict:
     col = lambda: ColwiseParallel(ctx, fallback=fallback)  # noqa: E731
     row = lambda: RowwiseParallel(ctx, fallback=fallback)  # noqa: E731
     return {
-        "tok_embeddings": ShardSequence(ctx, dim=1),
+        "tok_embeddings": ShardSequence(ctx),
         "layers.*.attention_norm": SequenceParallel(),
         "layers.*.attention.w[qkv]*": col(),  # wq, wk, wv, or the fused wqkv
         "layers.*.attention.wo": row(),
         "layers.*.ffn_norm": SequenceParallel(),
         "layers.*.feed_forward.w[13]*": col(),  # w1, w3, or the fused w13
         "layers.*.feed_forward.w2": row(),
-        "norm": GatherSequence(ctx, dim=1),
+        "norm": GatherSequence(ctx),
     }
 
 

@@ -15,6 +15,9 @@ Face's attention) sees the true sequence length, while each rank holds ``S/W`` p
   gather fused into the GEMM instead of torch's separate all-gather before attention and MLP; output this rank's
   columns of the full sequence, a plain tensor.
 * ``RowwiseParallel`` on the linear layers that write it (o, down): GEMM-ReduceScatter, output the sequence shard.
+* ``MoEParallel`` (``nn.parallel_moe``) on a sparse-MoE block (Mixtral's, Qwen3-MoE's ``mlp``), in place of the
+  MLP's column and row styles: its experts tensor parallel, the tokens gathered into their grouped GEMM; input and
+  output the sequence shard.
 * ``GatherSequence`` on the module after the region (the final norm): its input is gathered to the full sequence;
   the gradient of a gather is this rank's slice.
 
@@ -210,15 +213,15 @@ class RowwiseParallel(_LinearStyle):
 
 class ShardSequence(ParallelStyle):
     """Makes a module's output (the full activation, the same on every rank: a token embedding) this rank's
-    sequence shard, a DTensor ``Shard(dim)`` whose global shape is the full one. Backward gathers the gradient,
+    sequence shard, a DTensor ``Shard(sequence_dim)`` whose global shape is the full one. Backward gathers the gradient,
     so the module before the region gets the whole of it."""
 
-    def __init__(self, ctx, *, dim: int = 1):
-        self.ctx, self.dim = ctx, dim
+    def __init__(self, ctx, *, sequence_dim: int = 1):
+        self.ctx, self.sequence_dim = ctx, sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check_mesh(self, device_mesh)
-        dim, W = self.dim, self.ctx.world_size
+        dim, W = self.sequence_dim, self.ctx.world_size
 
         @torch.compiler.disable  # a graph across the region's edge gives wrong gradients (docs/design.md)
         def shard(_, __, out):
@@ -235,16 +238,16 @@ class ShardSequence(ParallelStyle):
 
 
 class GatherSequence(ParallelStyle):
-    """Gathers a module's first input (the sequence shard: a DTensor ``Shard(dim)``, or the plain local shard)
+    """Gathers a module's first input (the sequence shard: a DTensor ``Shard(sequence_dim)``, or the plain local shard)
     into the full plain tensor before the module runs, so the module and everything after it run replicated (the
     final norm, then the LM head and the loss). Backward: this rank's slice of the gradient."""
 
-    def __init__(self, ctx, *, dim: int = 1):
-        self.ctx, self.dim = ctx, dim
+    def __init__(self, ctx, *, sequence_dim: int = 1):
+        self.ctx, self.sequence_dim = ctx, sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         _check_mesh(self, device_mesh)
-        dim = self.dim
+        dim = self.sequence_dim
 
         @torch.compiler.disable  # as ShardSequence's
         def gather(_, args):

@@ -126,7 +126,7 @@ def grouped_matmul(rows: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -
 
 
 def expert_grads(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[E, K, N]: ``a[o_e:o_e+1].T @ b[o_e:o_e+1]`` for each expert e (``a`` [P, K] and ``b`` [P, N] rows sorted by
+    """[E, K, N]: ``a[o_e:o_{e+1}].T @ b[o_e:o_{e+1}]`` for each expert e (``a`` [P, K] and ``b`` [P, N] rows sorted by
     expert, ``offsets`` int32 [E + 1] their bounds): the experts' weight gradients of a grouped GEMM, in ``a``'s
     dtype, zero for experts without rows. ``torch._grouped_mm`` (one launch, no host synchronisation) where it takes
     the operands: bfloat16 with K and N multiples of 8 (its 16-byte strides), on the CPU or a GPU of compute
