@@ -186,6 +186,7 @@ def _rs_bad_inputs(ctx):
     g = torch.full((T, 2), 0.5, device=dev)
     other = ids.clone()
     other[0, 0] = (other[0, 0] + 1) % 3
+    pairs = torch.arange(T * 2, device=dev)
     bad = [
         ("inner dimensions", lambda: op(h, rand((3, 31, 24), bf, dev, "w"), ids, g)),
         ("not divisible", lambda: op(h[1:], w, ids[1:], g[1:])),
@@ -196,6 +197,11 @@ def _rs_bad_inputs(ctx):
         (r"must lie in \[0, 3\).*ids from -2", lambda: op(h, w, ids - 2, g)),
         ("ranks disagree on topk_ids.*ranks 1 differ", lambda: op(h, w, other if r == 1 else ids, g)),
         ("ranks disagree", lambda: op(h, rand((3, 32, 25 + r), bf, dev, "w"), ids, g)),  # shapes new to all
+        # a sorted layout that is not this call's: other sizes, or not integer tensors
+        ("routing is for", lambda: op(h.reshape(T * 2, 32), w, ids, g, routing=to.MoERouting(
+            pairs[:-1], pairs[:-1], torch.zeros(4, dtype=torch.int32, device=dev), 3, 2))),
+        ("integer tensors", lambda: op(h.reshape(T * 2, 32), w, ids, g, routing=to.MoERouting(
+            pairs.float(), pairs, torch.zeros(4, dtype=torch.int32, device=dev), 3, 2))),
     ]
     ref = torch.einsum("tjk,tjkn,tj->tn", h.double(), w.double()[ids], g.double())[r * 5:(r + 1) * 5] * W
     return op, bad, Call((h, w, ids, g), {}, ref)

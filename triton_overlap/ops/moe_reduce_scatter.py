@@ -99,9 +99,14 @@ class MoEGEMMReduceScatter(OverlapOp):
             raise ValueError(f"{op}: h must be {list(rows) + ['K']} for topk_ids {tuple(topk_ids.shape)}, got "
                              f"{tuple(h.shape)}")
         if routing is not None and (routing.topk != topk or routing.num_experts != E
-                                    or routing.position.numel() != T * topk):
+                                    or routing.position.numel() != T * topk or routing.order.numel() != T * topk
+                                    or routing.offsets.numel() != E + 1):
             raise ValueError(f"{op}: routing is for {routing.position.numel()} pairs, top-{routing.topk} of "
                              f"{routing.num_experts} experts, not these topk_ids and w")
+        if routing is not None and any(t.device != h.device or t.is_floating_point()
+                                       for t in (routing.order, routing.position, routing.offsets)):
+            raise ValueError(f"{op}: routing's tensors must be integer tensors on {h.device} (ag_moe_gemm's "
+                             f"sorted_output of this call's tokens)")
         if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (T, topk) \
                 or not topk_weights.dtype.is_floating_point or topk_weights.device != ctx.device:
             got = (f"{topk_weights.dtype} {tuple(topk_weights.shape)} on {topk_weights.device}"
