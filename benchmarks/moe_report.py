@@ -81,7 +81,7 @@ SUMMARY_LINES = [("ag_vs_nccl", "ag_moe_gemm over NCCL + torch._grouped_mm (targ
 
 
 def write_moe(records, W, out_dir: str, pending=()) -> dict:
-    """``moe-<gpu>x<W>[-<N>hosts].{json,md}`` in ``out_dir`` (``pending``: the run's shapes not measured yet);
+    """``moe-<gpu>x<W>[-<N>hosts].{json,md,png}`` in ``out_dir`` (``pending``: the run's shapes not measured yet);
     returns the summary (geometric means)."""
     os.makedirs(out_dir, exist_ok=True)
     hosts = records[0].get("num_hosts", 1)
@@ -118,7 +118,33 @@ def write_moe(records, W, out_dir: str, pending=()) -> dict:
         notes = [f"- {r['model']} {r['tokens_per_rank']} {r['routing']}: {r['note']}" for r in records if r["note"]]
         if notes:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+    plot(records, base)
     return geo
 
 
-__all__ = ["MOE_HEADER", "moe_row", "summary", "write_moe"]
+def plot(records, base: str) -> None:
+    """``base``.png: per shape, NCCL's time over ours for each op (above 1: ours is faster), where matplotlib is
+    installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    labels = [f"{r['model']}\n{r['tokens_per_rank']} {r['routing']}" for r in records]
+    fig, ax = plt.subplots(figsize=(max(6, len(records)), 4))
+    for i, (op, name) in enumerate((("ag", "ag_moe_gemm"), ("rs", "moe_gemm_rs"), ("layer", "layer fwd+bwd"))):
+        ours, nccl = (f"{op}_ours_us", f"{op}_nccl_us") if op != "layer" else ("layer_ours_us", "layer_torch_us")
+        ax.bar([x + 0.27 * i for x in range(len(records))],
+               [r[nccl] / r[ours] if r.get(nccl) and r.get(ours) else 0 for r in records], width=0.27, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + 0.27 for x in range(len(records))], labels, fontsize=7)
+    ax.set_ylabel("NCCL baseline / ours (higher is better)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(base + ".png", dpi=100)
+    plt.close(fig)
+
+
+__all__ = ["MOE_HEADER", "moe_row", "plot", "summary", "write_moe"]
