@@ -121,6 +121,8 @@ FAST = [
     "test_parallel_styles.py::test_llama_matches_unmodified_model[host-w2-2]",
     "test_parallel_styles.py::test_float32_needs_autocast_and_styles_check_their_input[host-w2]",
     "test_parallel_styles.py::test_from_full_rejects_unknown_keywords",
+    "test_parallel_moe.py::test_moe_model_matches_unmodified_model[host-w2-0]",
+    "test_parallel_moe.py::test_moe_parallel_refuses_what_it_cannot_run[host-w2]",
     "test_moe_bench.py::test_routings_are_seeded_distinct_and_skewed_as_named",
     # faults: one case of each kind
     "test_faults.py::test_peer_absent[host-w2-first_call]",

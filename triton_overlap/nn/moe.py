@@ -25,8 +25,7 @@ from ..ops.moe_reduce_scatter import MoEGEMMReduceScatter
 from .precision import COMPUTE_DTYPES, compute_dtype
 
 
-
-def _ops(ctx, fallback: str):
+def moe_ops(ctx, fallback: str):
     """Handles of one AllGatherMoEGEMM and one MoEGEMMReduceScatter per (Context, fallback rule), shared by the
     layers. Their routing checks are off: the layer's ids come from one all-gather, the same on every rank, and from
     a top-k over E experts, so in range (the check costs a device-to-host copy and a host exchange per call)."""
@@ -34,6 +33,54 @@ def _ops(ctx, fallback: str):
         custom_ops.handle(AllGatherMoEGEMM(ctx, fallback=fallback, check_routing=False, name=f"nn.moe_ag.{fallback}")),
         custom_ops.handle(MoEGEMMReduceScatter(ctx, fallback=fallback, check_routing=False,
                                                name=f"nn.moe_rs.{fallback}"))))
+
+
+def route_local(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bool):
+    """The router on rows ``x`` [T, dim] with ``weight`` [E, dim], in float32 whatever the autocast state (the top-k
+    choice turns on small differences): (logits [T, E], top-k weights [T, k], top-k ids int64 [T, k]), the weights
+    of ``softmax(logits)`` divided by their sum over the k choices where ``renormalize``."""
+    with torch.autocast(x.device.type, enabled=False):
+        logits = x.float() @ weight.float().t()
+        weights, ids = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+    return logits, weights, ids
+
+
+def gather_routes(weights: torch.Tensor, ids: torch.Tensor, ag, world_size: int):
+    """Every rank's choices from this rank's (top-k weights float32 [T/W, k], ids [T/W, k]): one all-gather through
+    the op ``ag``'s process group of ``[T/W, 2k]`` float32 (the ids as exact small integers), differentiable in the
+    weights (backward: this rank's rows of their gradient). Returns (ids int64 [T, k], weights float32 [T, k]), rows
+    in rank order."""
+    k = ids.shape[-1]
+    with torch.autocast(weights.device.type, enabled=False):
+        both = custom_ops.all_gather_rows_with_grad(torch.cat([weights.float(), ids.float()], dim=1), ag,
+                                                    world_size)
+    return both[:, k:].long(), both[:, :k]
+
+
+def swiglu_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                   weights: torch.Tensor, handles, world_size: int) -> torch.Tensor:
+    """This rank's rows [T/W, dim] through every rank's share of the SwiGLU experts and back, summed over ranks:
+    ``ag_moe`` (gather + gate/up grouped GEMM, rows in expert-sorted order), ``silu(gate) * up`` in that order,
+    ``moe_rs`` (down grouped GEMM, top-k weighted combine, reduce-scatter). ``w13`` [E, dim, 2 * hidden/W] (gate
+    columns, then up), ``w2`` [E, hidden/W, dim], both in ``rows``' dtype; ``ids``/``weights`` every rank's
+    (``gather_routes``); ``handles`` from ``moe_ops``. Returns [T/W, dim]."""
+    ag, rs = handles
+    h, order, position, offsets, _ = custom_ops.ag_moe(rows, w13, ids, ag, rs, world_size)
+    gate, up = h.split(w13.shape[-1] // 2, dim=-1)
+    return custom_ops.moe_rs(nn.functional.silu(gate) * up, w2, ids, weights, order, position, offsets, rs, ag,
+                             world_size)
+
+
+def shard_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, rank: int, world_size: int):
+    """Rank ``rank``'s share of SwiGLU experts stored as ``nn.Linear``'s [out, in] (gate ``w1`` and up ``w3``
+    [E, hidden, dim], down ``w2`` [E, dim, hidden]) in the ops' [E, K, N] layout: (w13 [E, dim, 2 * hidden/W], its
+    hidden columns of gate then of up; w2 [E, hidden/W, dim], its rows of down). New contiguous tensors."""
+    n = w1.shape[1] // world_size
+    cols = slice(rank * n, (rank + 1) * n)
+    return (torch.cat([w1[:, cols], w3[:, cols]], dim=1).transpose(1, 2).contiguous(),
+            w2[:, :, cols].transpose(1, 2).contiguous())
 
 
 class TPMoE(nn.Module):
@@ -67,7 +114,7 @@ class TPMoE(nn.Module):
       ``sync_replicated_grads()`` after backward (a sum over ranks) or hand it to your data-parallel reducer.
 
     Parameters are bfloat16 (default) or float16; float32 parameters work under ``torch.autocast`` (cast per call
-    to the autocast dtype, as ``nn.Linear`` is) and raise ValueError without it. ``fallback`` is passed to the ops
+    to the autocast dtype, as ``nn.Linear`` is) and raise TypeError without it. ``fallback`` is passed to the ops
     ("auto": NCCL + torch for small shards; "never", "always").
     """
 
@@ -86,7 +133,7 @@ class TPMoE(nn.Module):
         self.dim, self.hidden, self.num_experts, self.topk = dim, hidden, num_experts, topk
         self.renormalize = renormalize
         self.hidden_local = hidden // W
-        self._handles = _ops(ctx, fallback)
+        self._handles = moe_ops(ctx, fallback)
         self.router = nn.Linear(dim, num_experts, bias=False, **kw)
         self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2 * self.hidden_local, **kw))
         self.w2 = nn.Parameter(torch.empty(num_experts, self.hidden_local, dim, **kw))
@@ -115,13 +162,18 @@ class TPMoE(nn.Module):
             dtype = router.weight.dtype if router.weight.dtype in COMPUTE_DTYPES else torch.bfloat16
         moe = cls(dim, hidden, E, topk, ctx=ctx, renormalize=renormalize, dtype=dtype, device=device,
                   fallback=fallback)
-        n, r = moe.hidden_local, ctx.rank
-        cols = slice(r * n, (r + 1) * n)
+        w13_local, w2_local = shard_experts(w1, w3, w2, ctx.rank, ctx.world_size)
         with torch.no_grad():
             moe.router.weight.copy_(router.weight)
-            moe.w13.copy_(torch.cat([w1[:, cols], w3[:, cols]], dim=1).transpose(1, 2))
-            moe.w2.copy_(w2[:, :, cols].transpose(1, 2))
+            moe.w13.copy_(w13_local)
+            moe.w2.copy_(w2_local)
         return moe
+
+    @property
+    def last_path(self) -> str | None:
+        """The path the layer's MoE ops took on their latest call (shared by every layer with this Context and
+        fallback rule): ``"overlap"``, ``"fallback"`` (NCCL + torch), or None before any call."""
+        return self.ops[0].last_path
 
     @property
     def ops(self):
@@ -145,27 +197,15 @@ class TPMoE(nn.Module):
     def route(self, x: torch.Tensor):
         """Every token's (top-k ids int64 [T, k], top-k weights float32 [T, k]) from this rank's tokens ``x``
         [T/W, dim]: the router in float32 here, then one all-gather."""
-        ag, _ = self._handles
-        k = self.topk
-        with torch.autocast(self.ctx.device.type, enabled=False):
-            logits = x.float() @ self.router.weight.float().t()
-            weights, ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
-            if self.renormalize:
-                weights = weights / weights.sum(-1, keepdim=True)
-            both = custom_ops.all_gather_rows_with_grad(torch.cat([weights, ids.float()], dim=1), ag,
-                                                        self.ctx.world_size)
-        return both[:, k:].long(), both[:, :k]
+        _, weights, ids = route_local(x, self.router.weight, self.topk, self.renormalize)
+        return gather_routes(weights, ids, self._handles[0], self.ctx.world_size)
 
     def forward(self, x):
         dtype = self._compute_dtype(x)
-        ag, rs = self._handles
-        W = self.ctx.world_size
         rows = x.reshape(-1, x.shape[-1]).to(dtype)  # sequence-first: rank r's rows are tokens r*T/W, ...
         ids, weights = self.route(rows)
-        h, order, position, offsets, _ = custom_ops.ag_moe(rows, self.w13.to(dtype), ids, ag, rs, W)
-        gate, up = h.split(self.hidden_local, dim=-1)
-        y = custom_ops.moe_rs(nn.functional.silu(gate) * up, self.w2.to(dtype), ids, weights, order, position,
-                              offsets, rs, ag, W)
+        y = swiglu_experts(rows, self.w13.to(dtype), self.w2.to(dtype), ids, weights, self._handles,
+                           self.ctx.world_size)
         return y.reshape(-1, *x.shape[1:-1], y.shape[-1])
 
 
@@ -184,4 +224,4 @@ def _stacked(experts):
                      "gate_proj/up_proj/down_proj nn.Linear layers")
 
 
-__all__ = ["TPMoE"]
+__all__ = ["TPMoE", "gather_routes", "moe_ops", "route_local", "shard_experts", "swiglu_experts"]

@@ -1,0 +1,172 @@
+"""MoEParallel (triton_overlap.nn.parallel_moe) in torch's parallelize_module: unmodified Hugging Face Qwen3-MoE and
+Mixtral causal LMs, tensor + sequence parallel with the Llama plan of test_parallel_styles.py and the style on every
+sparse-MoE block, against the same model unsharded in float64: logits and every gradient (the experts' as this
+rank's shards, the routers' replicated DTensors summed over ranks); and the blocks the style refuses."""
+import copy
+
+import pytest
+import torch
+
+import triton_overlap as to
+from refs import rel_err
+
+TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
+VOCAB = 96
+
+
+def _model(kind, W, dtype):
+    """A small random ``kind`` ("qwen3" or "mixtral") causal LM whose heads, KV heads, width and experts' width split
+    over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every rank."""
+    common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
+                  num_key_value_heads=W, head_dim=16, num_experts_per_tok=2, attn_implementation="sdpa",
+                  experts_implementation="eager",  # the reference runs in float64: a loop over experts
+                  use_cache=False)
+    if kind == "qwen3":
+        from transformers import Qwen3MoeConfig as Config, Qwen3MoeForCausalLM as Model
+
+        config = Config(num_experts=4, moe_intermediate_size=8 * W, intermediate_size=8 * W, norm_topk_prob=True,
+                        **common)
+    else:
+        from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
+
+        config = Config(num_local_experts=4, intermediate_size=8 * W, **common)
+    torch.manual_seed(0)
+    model = Model(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((p if p.abs().max() > 0 else torch.randn_like(p) * 0.1).bfloat16().float())  # Qwen3's router: 0s
+    return model.to(dtype)
+
+
+def _plan(ctx, kind, fallback):
+    """test_parallel_styles.py's Llama plan with the MoE block's style in place of the MLP's linear styles; Qwen3's
+    per-head q/k norms (replicated weights read by this rank's heads) as torch's SequenceParallel on the head dim."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from triton_overlap.nn import ColwiseParallel, GatherSequence, MoEParallel, RowwiseParallel, ShardSequence
+
+    col, row = ColwiseParallel(ctx, fallback=fallback), RowwiseParallel(ctx, fallback=fallback)
+    plan = {"model.embed_tokens": ShardSequence(ctx), "model.layers.*.input_layernorm": SequenceParallel(),
+            "model.layers.*.self_attn.[qkv]_proj": col, "model.layers.*.self_attn.o_proj": row,
+            "model.layers.*.post_attention_layernorm": SequenceParallel(),
+            "model.layers.*.mlp": MoEParallel(ctx, fallback=fallback), "model.norm": GatherSequence(ctx)}
+    if kind == "qwen3":
+        plan["model.layers.*.self_attn.[qk]_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _grad_errors(model, reference, rank, W):
+    """Every parameter's gradient against the reference's: a DTensor's summed over ranks; a linear layer's shard
+    against its rows or columns; the experts' shards against the same shards of the reference's
+    (nn.moe.shard_experts of its gate, up and down)."""
+    from torch.distributed.tensor import DTensor
+
+    from triton_overlap.nn.moe import shard_experts
+
+    errs, ref = {}, dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        full = ref[name].grad
+        if ".experts." in name:
+            prefix = name.rsplit(".", 1)[0]
+            gate_up, down = ref[f"{prefix}.gate_up_proj"].grad, ref[f"{prefix}.down_proj"].grad
+            full = shard_experts(*gate_up.chunk(2, dim=1), down, rank, W)[name.endswith("down_proj")]
+        elif g.shape != full.shape:
+            dim = 0 if g.shape[0] != full.shape[0] else 1
+            full = full.narrow(dim, rank * g.shape[dim], g.shape[dim])
+        errs[name] = rel_err(g, full)
+    return errs
+
+
+def _moe_case(kind, mode, fallback):
+    """``mode``: "bf16" (bf16 parameters) or "autocast" (float32 parameters under torch.autocast(bfloat16)).
+    Batch 2, sequence 4W. Returns the worst (name, error)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        model = _model(kind, W, torch.float32 if mode == "autocast" else torch.bfloat16).to(dev)
+        reference = copy.deepcopy(model).double()
+        parallelize_module(model, init_device_mesh(dev.type, (W,)), _plan(ctx, kind, fallback))
+        mlp = model.model.layers[0].mlp
+        assert isinstance(mlp.gate.weight, DTensor) and tuple(mlp.experts.gate_up_proj.shape) == (4, 32 * W, 16)
+        B, S = 2, 4 * W
+        tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(1)).to(dev)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
+            out = model(tokens, output_router_logits=True)
+        ref_out = reference(tokens, output_router_logits=True)
+        logits, ref_logits = out.logits, ref_out.logits
+        assert logits.shape == (B, S, VOCAB)
+        logits.float().square().mean().backward()
+        ref_logits.square().mean().backward()
+        ctx.check()
+        errs = {"logits": rel_err(logits.detach(), ref_logits.detach()),
+                **_grad_errors(model, reference, ctx.rank, W)}
+        r, s = ctx.rank, S // W  # transformers' router-logit recorder saw each router's logits of this rank's tokens
+        for i, (got, full) in enumerate(zip(out.router_logits, ref_out.router_logits, strict=True)):
+            mine = full.detach().view(B, S, -1)[:, r * s:(r + 1) * s].reshape(got.shape)
+            errs[f"router_logits.{i}"] = rel_err(got.detach(), mine)
+        assert torch.isfinite(out.aux_loss)
+        bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
+        assert not bad, f"rank {ctx.rank}: {bad}"
+        assert mlp.last_path == ("fallback" if fallback == "always" else "overlap"), mlp.last_path
+        if mode == "autocast":  # float32 parameters keep float32 gradients
+            assert all(p.grad.dtype == torch.float32 for p in mlp.parameters())
+        return max(errs.items(), key=lambda kv: kv[1])
+
+
+MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral", "autocast", "never"),
+             ("qwen3", "bf16", "always")]
+
+
+@pytest.mark.parametrize("case", range(len(MOE_CASES)))
+def test_moe_model_matches_unmodified_model(pool, case):
+    pytest.importorskip("transformers")
+    if pool.world > 3:
+        pytest.skip("W = 2, 3 on the host backend (heads, KV heads, width and experts' width divide by 3)")
+    if pool.world == 3 and MOE_CASES[case][1:] != ("bf16", "never"):
+        pytest.skip("autocast and the fallback at W = 2")
+    pool.run(_moe_case, *MOE_CASES[case])
+
+
+def _refusals():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers import Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from triton_overlap.nn import MoEParallel
+
+    with to.Context(timeout_s=60) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        mesh = init_device_mesh(dev.type, (W,))
+        small = dict(hidden_size=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W)
+        with pytest.raises(ValueError, match="fallback"):
+            MoEParallel(ctx, fallback="sometimes")
+        with pytest.raises(TypeError, match="shared expert"):
+            parallelize_module(Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(shared_expert_intermediate_size=8, **small)),
+                               mesh, MoEParallel(ctx))
+        other = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**small))
+        other.gate.__class__ = type("SigmoidRouter", (type(other.gate),), {})  # a rule MoEParallel does not know
+        with pytest.raises(TypeError, match="router SigmoidRouter"):
+            parallelize_module(other, mesh, MoEParallel(ctx))
+        odd = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**{**small, "moe_intermediate_size": 8 * W + 1}))
+        with pytest.raises(ValueError, match="not divisible"):
+            parallelize_module(odd, mesh, MoEParallel(ctx))
+        block = parallelize_module(Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**small)), mesh, MoEParallel(ctx))
+        with pytest.raises(ValueError, match="parallelized already"):
+            parallelize_module(block, mesh, MoEParallel(ctx))
+        with pytest.raises(TypeError, match="bfloat16 or float16.*autocast"):  # float32 parameters, no autocast
+            block(torch.randn(1, 2, 16, device=dev))
+        ctx.check()
+        return True
+
+
+def test_moe_parallel_refuses_what_it_cannot_run(pool):
+    pytest.importorskip("transformers")
+    if pool.world != 2:
+        pytest.skip("W = 2")
+    assert all(pool.run(_refusals))
