@@ -123,6 +123,20 @@ def _ag_bad_inputs(ctx):
     return op, bad, Call((x, w, ids), {}, ref)
 
 
+# the GPU cases, the same shapes for both ops: odd rows per rank, one expert (B transposed), empty experts, E = 256,
+# every choice on one expert (fp16)
+GPU_CASES = (
+    MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256),
+    MoECase(m_local=512, k=512, n=256, experts=1, topk=1, transposed=True),
+    MoECase(m_local=777, k=768, n=512, experts=64, topk=8, routing="even"),
+    MoECase(m_local=600, k=512, n=384, experts=256, topk=4, m_per_chunk=160),
+    MoECase(m_local=300, k=256, n=256, experts=5, topk=2, routing="one", dtype="float16"),
+)
+FALLS_BACK = Cases(host=(MoECase(m_local=7, k=32, n=24),), gpu=(MoECase(m_local=16, k=64, n=32),))
+BACK_TO_BACK = Variants(host=MoECase(m_local=7, k=32, n=16, experts=3),
+                        gpu=MoECase(m_local=256, k=256, n=128, experts=8), calls=40)
+
+
 AG_MOE = OpSpec(
     name="ag_moe_gemm", module=__name__, op=to.AllGatherMoEGEMM, make=_make(to.AllGatherMoEGEMM),
     functional=to.ag_moe_gemm, inputs=_ag_inputs, stale=_ag_garbage, bad_inputs=_ag_bad_inputs,
@@ -133,16 +147,9 @@ AG_MOE = OpSpec(
         MoECase(m_local=9, k=24, n=16, experts=5, topk=2, routing="one", dtype="float16", jitter=0.003),  # all on 1
         MoECase(m_local=5, k=16, n=24, experts=8, topk=8, m_per_chunk=2),  # top-8, 8 experts
         MoECase(m_local=11, k=32, n=16, experts=256, topk=4, m_per_chunk=3),  # E = 256: mostly empty experts
-    ), gpu=(
-        MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256),  # odd rows per rank
-        MoECase(m_local=512, k=512, n=256, experts=1, topk=1, transposed=True),
-        MoECase(m_local=777, k=768, n=512, experts=64, topk=8, routing="even"),  # empty experts
-        MoECase(m_local=600, k=512, n=384, experts=256, topk=4, m_per_chunk=160),
-        MoECase(m_local=300, k=256, n=256, experts=5, topk=2, routing="one", dtype="float16"),
-    )),
-    falls_back=Cases(host=(MoECase(m_local=7, k=32, n=24),), gpu=(MoECase(m_local=16, k=64, n=32),)),
-    back_to_back=Variants(host=MoECase(m_local=7, k=32, n=16, experts=3),
-                          gpu=MoECase(m_local=256, k=256, n=128, experts=8), calls=40),
+    ), gpu=GPU_CASES),
+    falls_back=FALLS_BACK,
+    back_to_back=BACK_TO_BACK,
     faults=Faults(case=MoECase(m_local=8, k=32, n=24, check_routing=False),
                   rows=lambda case, n: replace(case, m_local=n),
                   header=lambda case: f"ag_moe_gemm {case.m_local} {case.k}"),
@@ -217,16 +224,9 @@ RS_MOE = OpSpec(
         MoECase(m_local=9, k=24, n=16, experts=5, topk=2, routing="one", dtype="float16", jitter=0.003),
         MoECase(m_local=5, k=16, n=24, experts=8, topk=8, m_per_chunk=2),
         MoECase(m_local=11, k=32, n=16, experts=256, topk=4, m_per_chunk=3),
-    ), gpu=(
-        MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256),  # odd rows per rank
-        MoECase(m_local=512, k=512, n=256, experts=1, topk=1, transposed=True),
-        MoECase(m_local=777, k=768, n=512, experts=64, topk=8, routing="even"),  # empty experts
-        MoECase(m_local=600, k=512, n=384, experts=256, topk=4, m_per_chunk=160),
-        MoECase(m_local=300, k=256, n=256, experts=5, topk=2, routing="one", dtype="float16"),
-    )),
-    falls_back=Cases(host=(MoECase(m_local=7, k=32, n=24),), gpu=(MoECase(m_local=16, k=64, n=32),)),
-    back_to_back=Variants(host=MoECase(m_local=7, k=32, n=16, experts=3),
-                          gpu=MoECase(m_local=256, k=256, n=128, experts=8), calls=40),
+    ), gpu=GPU_CASES),
+    falls_back=FALLS_BACK,
+    back_to_back=BACK_TO_BACK,
     faults=Faults(case=MoECase(m_local=8, k=32, n=24, check_routing=False),
                   rows=lambda case, n: replace(case, m_local=n),
                   header=lambda case: "moe_gemm_rs"),

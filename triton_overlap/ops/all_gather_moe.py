@@ -18,8 +18,8 @@ from ..kernels.grouped_gemm import launch_ag_grouped
 from ..plan import ChunkLayout, GatherSchedule, arrival_times, gather_schedule
 from ..producers import pipeline
 from ..producers.gather import Gather
-from .base import OverlapOp, with_overrides
-from .moe_config import MoEGEMMConfig, check_moe_operands, check_out, moe_table_shape
+from .base import with_overrides
+from .moe_config import MoEGEMMConfig, MoEOp, check_moe_operands, check_out, moe_table_shape
 from .moe_routing import (MoERouting, agree_on_routing, check_routing, grouped_matmul, num_slots, sort_pairs,
                           tile_table)
 
@@ -39,7 +39,7 @@ class AllGatherMoESchedule:
     call: object
 
 
-class AllGatherMoEGEMM(OverlapOp):
+class AllGatherMoEGEMM(MoEOp):
     """Reusable AllGather + grouped MoE GEMM bound to a Context.
 
     ``op(x, w, topk_ids, *, sorted_output=False, out=None, **overrides)``: ``x`` is this rank's tokens [T/W, K]
@@ -66,16 +66,6 @@ class AllGatherMoEGEMM(OverlapOp):
     """
 
     KIND = "ag_moe_gemm"
-    ACROSS_HOSTS = True
-
-    def __init__(self, ctx, config: MoEGEMMConfig | None = None, *, fallback: str = "auto",
-                 check_routing: bool = True, name: str | None = None):
-        super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
-        self.check_routing = check_routing
-        self.last_table_shape = None  # the last call's shape in the tuned tables
-
-    def default_config(self, shape, variant=""):
-        return MoEGEMMConfig.defaults(self.ctx)
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *, sorted_output: bool = False,

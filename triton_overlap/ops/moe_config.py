@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .base import OverlapOp
 from .checks import DTYPES
 from .config import ChunkedGemmConfig
 
@@ -77,4 +78,22 @@ def check_out(op: str, out, shape: tuple, dtype, device) -> None:
                          f"{out.device}")
 
 
-__all__ = ["MoEGEMMConfig", "check_moe_operands", "check_out", "moe_table_shape"]
+class MoEOp(OverlapOp):
+    """What both MoE ops share: their config class, no CUDA-graph replay of their own (each call's routing is new),
+    ``check_routing`` (the ids' range and agreement across ranks, checked before launch at the cost of one
+    device-to-host copy and a host exchange; False where the caller guarantees them, as TPMoE does) and the
+    last call's shape in the tuned tables."""
+
+    ACROSS_HOSTS = True
+
+    def __init__(self, ctx, config: MoEGEMMConfig | None = None, *, fallback: str = "auto",
+                 check_routing: bool = True, name: str | None = None):
+        super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
+        self.check_routing = check_routing
+        self.last_table_shape = None
+
+    def default_config(self, shape, variant=""):
+        return MoEGEMMConfig.defaults(self.ctx)
+
+
+__all__ = ["MoEGEMMConfig", "MoEOp", "check_moe_operands", "check_out", "moe_table_shape"]

@@ -23,8 +23,8 @@ from ..kernels.reduce import launch_reduce
 from ..plan import ChunkLayout, ScatterSchedule, cdiv, scatter_schedule, send_order
 from ..producers import pipeline
 from ..producers.scatter import Scatter, staging
-from .base import OverlapOp, with_overrides
-from .moe_config import MoEGEMMConfig, check_moe_operands, check_out, moe_table_shape
+from .base import with_overrides
+from .moe_config import MoEGEMMConfig, MoEOp, check_moe_operands, check_out, moe_table_shape
 from .moe_routing import (MoERouting, agree_on_routing, check_routing, grouped_matmul, num_slots, sort_pairs,
                           tile_table)
 
@@ -46,7 +46,7 @@ class MoEReduceScatterSchedule:
     call: object
 
 
-class MoEGEMMReduceScatter(OverlapOp):
+class MoEGEMMReduceScatter(MoEOp):
     """Reusable grouped MoE GEMM + top-k combine + ReduceScatter bound to a Context.
 
     ``op(h, w, topk_ids, topk_weights, *, routing=None, out=None, **overrides)``: ``h`` [T, topk, K_local] (this
@@ -68,16 +68,6 @@ class MoEGEMMReduceScatter(OverlapOp):
     """
 
     KIND = "moe_gemm_rs"
-    ACROSS_HOSTS = True
-
-    def __init__(self, ctx, config: MoEGEMMConfig | None = None, *, fallback: str = "auto",
-                 check_routing: bool = True, name: str | None = None):
-        super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
-        self.check_routing = check_routing
-        self.last_table_shape = None  # the last call's shape in the tuned tables
-
-    def default_config(self, shape, variant=""):
-        return MoEGEMMConfig.defaults(self.ctx)
 
     @torch.no_grad()
     def __call__(self, h: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
