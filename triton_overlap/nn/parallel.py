@@ -42,9 +42,9 @@ from .precision import compute_operands
 FALLBACKS = ("auto", "never", "always")
 
 
-def _check_mesh(style, device_mesh):
+def check_mesh(style, device_mesh):
     """The mesh torch passes must be the Context's ranks, in order: the ops and DTensor then agree on who is
-    rank r."""
+    rank r. ``style``: a style holding its Context as ``ctx``."""
     ctx = style.ctx
     if device_mesh is None:
         raise ValueError(f"{type(style).__name__}: parallelize_module needs a device_mesh over the Context's ranks")
@@ -81,7 +81,7 @@ class _LinearStyle(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"{type(self).__name__} applies to nn.Linear, got {type(module).__name__}")
-        _check_mesh(self, device_mesh)
+        check_mesh(self, device_mesh)
         W, r = self.ctx.world_size, self.ctx.rank
         dim = 0 if self._shard_out else 1
         n = module.weight.shape[dim]
@@ -93,19 +93,21 @@ class _LinearStyle(ParallelStyle):
             if module.bias is not None and self._shard_out:
                 module.bias = nn.Parameter(module.bias.narrow(0, r * (n // W), n // W).clone())
         module.tp_style, module.tp_mesh = self, device_mesh
-        module.__class__ = _styled_class(type(module), self._forward)
+        module.__class__ = styled_class(type(module), self._forward, type(self).__name__, _last_path)
         return module
 
 
-def _styled_class(base, forward):
-    """``base`` with ``forward`` replaced (one subclass per base class and style kind), so that
-    ``parallelize_module``, which keeps the module objects it is given, sees the parallel forward."""
+def styled_class(base, forward, name: str, last_path=None):
+    """``base`` with ``forward`` replaced and, given, a ``last_path`` property (one subclass per base class and
+    forward, named ``name + base's name``), so that ``parallelize_module``, which keeps the module objects it is
+    given, sees the parallel forward; a style swaps the module's class for it."""
     key = (base, forward)
     cls = _STYLED.get(key)
     if cls is None:
-        cls = type(f"{forward.__qualname__.split('.')[0].lstrip('_')}{base.__name__}", (base,),
-                   {"forward": forward, "last_path": property(_last_path, doc=_last_path.__doc__)})
-        _STYLED[key] = cls
+        attrs = {"forward": forward}
+        if last_path is not None:
+            attrs["last_path"] = property(last_path, doc=last_path.__doc__)
+        cls = _STYLED[key] = type(f"{name}{base.__name__}", (base,), attrs)
     return cls
 
 
@@ -220,7 +222,7 @@ class ShardSequence(ParallelStyle):
         self.ctx, self.sequence_dim = ctx, sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        _check_mesh(self, device_mesh)
+        check_mesh(self, device_mesh)
         dim, W = self.sequence_dim, self.ctx.world_size
 
         @torch.compiler.disable  # a graph across the region's edge gives wrong gradients (docs/design.md)
@@ -246,7 +248,7 @@ class GatherSequence(ParallelStyle):
         self.ctx, self.sequence_dim = ctx, sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
-        _check_mesh(self, device_mesh)
+        check_mesh(self, device_mesh)
         dim = self.sequence_dim
 
         @torch.compiler.disable  # as ShardSequence's
@@ -259,4 +261,4 @@ class GatherSequence(ParallelStyle):
         return module
 
 
-__all__ = ["ColwiseParallel", "GatherSequence", "RowwiseParallel", "ShardSequence"]
+__all__ = ["ColwiseParallel", "GatherSequence", "RowwiseParallel", "ShardSequence", "check_mesh", "styled_class"]

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
 from .moe import gather_routes, moe_ops, route_local, shard_experts, swiglu_experts
-from .parallel import FALLBACKS
+from .parallel import FALLBACKS, check_mesh, styled_class
 from .precision import compute_operands
 
 #: routers whose rule is softmax over the experts, top-k, optionally the k weights renormalized to sum 1 (the rule
@@ -71,9 +71,7 @@ class MoEParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         ctx = self.ctx
         W = ctx.world_size
-        if device_mesh is None or device_mesh.ndim != 1 or device_mesh.mesh.flatten().tolist() != list(range(W)):
-            raise ValueError(f"MoEParallel: parallelize_module needs a 1-D device mesh over the Context's {W} ranks "
-                             f"in order, e.g. init_device_mesh({ctx.device.type!r}, ({W},))")
+        check_mesh(self, device_mesh)
         if hasattr(module, "tp_style"):
             raise ValueError(f"MoEParallel: {type(module).__name__} is parallelized already")
         gate, experts, renormalize = _check_block(module)
@@ -88,9 +86,9 @@ class MoEParallel(ParallelStyle):
             gate.weight = nn.Parameter(DTensor.from_local(gate.weight.detach(), device_mesh, [Replicate()],
                                                           run_check=False), requires_grad=gate.weight.requires_grad)
         gate.tp_renormalize = renormalize
-        gate.__class__ = _styled(type(gate), _router_forward)
+        gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
         module.tp_style, module.tp_mesh, module.tp_handles = self, device_mesh, moe_ops(ctx, self.fallback)
-        module.__class__ = _styled(type(module), _block_forward)
+        module.__class__ = styled_class(type(module), _block_forward, "MoEParallel", _last_path)
         return module
 
 
@@ -132,20 +130,6 @@ def _full_experts(experts):
                         f"{tuple(down.shape)} are not [E, 2 * hidden, dim] and [E, dim, hidden]")
     hidden = two_hidden // 2
     return gate_up[:, :hidden], gate_up[:, hidden:], down
-
-
-def _styled(base, forward):
-    """``base`` with ``forward`` replaced, one subclass per base class, so that the module objects stay."""
-    key = (base, forward)
-    if key not in _STYLED:
-        attrs = {"forward": forward}
-        if forward is _block_forward:
-            attrs["last_path"] = property(_last_path, doc=_last_path.__doc__)
-        _STYLED[key] = type(f"MoEParallel{base.__name__}", (base,), attrs)
-    return _STYLED[key]
-
-
-_STYLED: dict = {}
 
 
 def _last_path(block) -> str | None:
