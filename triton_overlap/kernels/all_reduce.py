@@ -15,6 +15,9 @@ different sizes get an error, not a sum of mismatched buffers.
 Every program stores all its blocks before it waits on a peer's, and the two-shot's sums wait only on parts: with
 at most one program per compute unit (all resident) no program waits for one that cannot run. The W parts of a
 block are summed in rank order, so every rank's result is the same to the bit.
+
+``one_shot_all_reduce_rmsnorm`` is the one-shot with a block per row and the residual add and RMSNorm of the row
+as the epilogue of its sum (ops.all_reduce_rmsnorm).
 """
 from __future__ import annotations
 
@@ -51,6 +54,42 @@ def one_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=inside)
     count_call(state_ptr, e)
 
+
+
+@triton.jit
+def one_shot_all_reduce_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, data_ptrs, flag_ptrs,
+                                header_ptrs, local_data, local_flags, local_header, state_ptr, rows, hidden, eps, cap,
+                                max_blocks, waiter, world, fingerprint,
+                                BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, CLOCK: tl.constexpr):
+    """The one-shot AllReduce of an [rows, hidden] tensor with one block per row (``BLOCK`` >= hidden), and each
+    row's residual add and RMSNorm as the epilogue of its sum, so the three steps are one launch:
+    ``residual_out = residual + sum``, rounded once to its dtype, and ``out = residual_out * rsqrt(mean(residual_out
+    ** 2) + eps) * weight`` in float32 from the rounded residual (so ``out`` is the norm of exactly the residual
+    returned). Every rank sums in rank order and normalises the same bits, so every rank's outputs are equal."""
+    err_ptr, budget, rank, op = waiter
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    e = tl.load(state_ptr) + 1
+    half = e % 2
+    publish_header(header_ptrs, e, half, rank, world, op, fingerprint, rows * hidden, BLOCK_W)
+    cols = tl.arange(0, BLOCK)
+    in_row = cols < hidden
+    for r in range(pid, rows, programs):
+        offs = r * hidden + cols
+        push(tl.load(x_ptr + offs, mask=in_row), data_ptrs, offs, in_row, cap, half, rank, world)
+        notify_block(flag_ptrs, e, rank, r, max_blocks, world, BLOCK_W)
+    for r in range(pid, rows, programs):
+        offs = r * hidden + cols
+        acc = sum_parts(tl.zeros((BLOCK,), tl.float32), x_ptr, local_data, local_flags, local_header, r, offs,
+                        in_row, cap, max_blocks, e, half, waiter, world, fingerprint, CLOCK)
+        acc += tl.load(residual_ptr + offs, mask=in_row, other=0.0).to(tl.float32)
+        h = acc.to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + offs, h, mask=in_row)
+        hf = h.to(tl.float32)  # masked columns are 0: they add nothing to the mean
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
+        w = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)  # per row: fewer live registers
+        tl.store(out_ptr + offs, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=in_row)
+    count_call(state_ptr, e)
 
 @triton.jit
 def two_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local_data, local_flags, local_header,

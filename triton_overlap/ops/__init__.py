@@ -3,6 +3,7 @@
 from .all_gather_gemm import AllGatherGEMM, ag_gemm
 from .all_gather_moe import AllGatherMoEGEMM, ag_moe_gemm
 from .all_reduce import AllReduce, all_reduce
+from .all_reduce_rmsnorm import AllReduceRMSNorm, all_reduce_rmsnorm
 from .config import AllGatherGEMMConfig, AttentionConfig, GEMMAllReduceConfig, GEMMReduceScatterConfig
 from .context_parallel_attention import ContextParallelAttention, cp_attention
 from .gemm_all_reduce import GEMMAllReduce, gemm_ar
@@ -11,7 +12,7 @@ from .moe_config import MoEGEMMConfig
 from .moe_reduce_scatter import MoEGEMMReduceScatter, moe_gemm_rs
 from .moe_routing import MoERouting
 
-__all__ = ["AllGatherGEMM", "AllGatherGEMMConfig", "AllGatherMoEGEMM", "AllReduce", "AttentionConfig",
-           "ContextParallelAttention", "GEMMAllReduce", "GEMMAllReduceConfig", "GEMMReduceScatter",
+__all__ = ["AllGatherGEMM", "AllGatherGEMMConfig", "AllGatherMoEGEMM", "AllReduce", "AllReduceRMSNorm",
+           "AttentionConfig", "ContextParallelAttention", "GEMMAllReduce", "GEMMAllReduceConfig", "GEMMReduceScatter",
            "GEMMReduceScatterConfig", "MoEGEMMConfig", "MoEGEMMReduceScatter", "MoERouting", "ag_gemm", "ag_moe_gemm",
-           "all_reduce", "cp_attention", "gemm_ar", "gemm_rs", "moe_gemm_rs"]
+           "all_reduce", "all_reduce_rmsnorm", "cp_attention", "gemm_ar", "gemm_rs", "moe_gemm_rs"]

@@ -7,6 +7,8 @@ synchronisation and no host-side call number, so it can be captured in a CUDA gr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -41,6 +43,57 @@ def slot_elements(ctx, name: str, n: int, dtype: torch.dtype) -> int:
     element = torch.empty((), dtype=dtype).element_size()
     have = ctx.symmetric_nbytes(name) // (2 * ctx.world_size * element)
     return max(BLOCK, pow2_at_least(n), have)
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One call's symmetric buffers for the slot exchange (kernels.slot_exchange), as the AllReduce kernels take
+    them: ``data`` [2, W, cap] slots, ``flags`` [W, blocks] (one per block and sender), ``header`` [2, W, 4] (each
+    sender's call header per half), ``state`` [2] (the call count, the programs out)."""
+    data: object
+    flags: object
+    header: object
+    state: object
+    cap: int
+    blocks: int
+
+    def args(self) -> tuple:
+        """The kernels' buffer arguments: data_ptrs, flag_ptrs, header_ptrs, local_data, local_flags, local_header,
+        state_ptr."""
+        return (self.data.ptrs, self.flags.ptrs, self.header.ptrs, self.data.local, self.flags.local,
+                self.header.local, self.state.local)
+
+
+def exchange_buffers(ctx, name: str, n: int, dtype: torch.dtype, blocks: int) -> Exchange:
+    """The buffers ``name``.slots/.flags/.header/.state for a call of ``n`` elements of ``dtype`` in ``blocks``
+    blocks (grown collectively on a size's first call; the flags' row is the power of two that holds the blocks)."""
+    W = ctx.world_size
+    cap = slot_elements(ctx, f"{name}.slots", n, dtype)
+    blocks = pow2_at_least(blocks)
+    return Exchange(ctx.symmetric(f"{name}.slots", (2, W, cap), dtype),
+                    ctx.symmetric(f"{name}.flags", (W, blocks), torch.int32),
+                    ctx.symmetric(f"{name}.header", (2, W, 4), torch.int32),
+                    ctx.symmetric(f"{name}.state", (2,), torch.int32), cap, blocks)
+
+
+def process_group_only(op: OverlapOp) -> bool:
+    """Whether ``op``'s fallback rule sends every call to the process group: "always", "auto" at W = 1, or a group
+    the kernels cannot span (``overlap_possible``; with "never" that raises ValueError)."""
+    if op.fallback == "always" or op.fallback == "auto" and op.ctx.world_size == 1:
+        return True
+    return not op.overlap_possible()
+
+
+def process_group_sum(ctx, x: torch.Tensor) -> torch.Tensor:
+    """Sum the contiguous ``x`` over ranks in place through the process group (gloo sums CPU half types in
+    float32)."""
+    if ctx.device.type == "cpu" and x.dtype != torch.float32:
+        acc = x.float()
+        dist.all_reduce(acc, group=ctx.group)
+        x.copy_(acc)
+    else:
+        dist.all_reduce(x, group=ctx.group)
+    return x
 
 
 class AllReduce(OverlapOp):
@@ -109,9 +162,7 @@ class AllReduce(OverlapOp):
 
     def _pick(self, nbytes: int) -> str:
         """"one_shot", "two_shot" or "process group" for a message of ``nbytes``."""
-        if self.fallback == "always" or self.fallback == "auto" and self.ctx.world_size == 1:
-            return "process group"
-        if not self.overlap_possible():
+        if process_group_only(self):
             return "process group"
         if self.algorithm != "auto":
             return self.algorithm
@@ -123,21 +174,13 @@ class AllReduce(OverlapOp):
 
     def _launch(self, kernel, x, out, n) -> None:
         ctx = self.ctx
-        W = ctx.world_size
-        cap = slot_elements(ctx, f"{self.name}.slots", n, x.dtype)
-        blocks = pow2_at_least(cdiv(n, BLOCK))
-        data = ctx.symmetric(f"{self.name}.slots", (2, W, cap), x.dtype)
-        flags = ctx.symmetric(f"{self.name}.flags", (W, blocks), torch.int32)
-        header = ctx.symmetric(f"{self.name}.header", (2, W, 4), torch.int32)
-        state = ctx.symmetric(f"{self.name}.state", (2,), torch.int32)  # call count, programs out
-        self.state["buffers"] = {"slots": data.local}
+        ex = exchange_buffers(ctx, self.name, n, x.dtype, cdiv(n, BLOCK))
+        self.state["buffers"] = {"slots": ex.data.local}
         call = self.call_header((n, x.dtype), (n,))
         programs = max(1, min(cdiv(n, BLOCK), ctx.num_compute_units()))
-        block_w = pow2_at_least(W)
-        launch(kernel, (programs,), (
-            x, out, data.ptrs, flags.ptrs, header.ptrs, data.local, flags.local, header.local, state.local, n, cap,
-            blocks, waiter(ctx, self.op), W, call.fingerprint),
-            dict(BLOCK=BLOCK, BLOCK_W=block_w, CLOCK=ctx.clock), num_warps=4)
+        launch(kernel, (programs,), (x, out, *ex.args(), n, ex.cap, ex.blocks, waiter(ctx, self.op), ctx.world_size,
+                                     call.fingerprint),
+               dict(BLOCK=BLOCK, BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock), num_warps=4)
         ctx.after_launch()
 
     def takes_process_group(self, nbytes: int) -> bool:
@@ -154,14 +197,7 @@ class AllReduce(OverlapOp):
         return self._sum_in_place(x)
 
     def _sum_in_place(self, x):
-        ctx = self.ctx
-        if ctx.device.type == "cpu" and x.dtype != torch.float32:  # gloo's sum of CPU half types: in float32
-            acc = x.float()
-            dist.all_reduce(acc, group=ctx.group)
-            x.copy_(acc)
-        else:
-            dist.all_reduce(x, group=ctx.group)
-        return x
+        return process_group_sum(self.ctx, x)
 
 
 def all_reduce(x: torch.Tensor, *, ctx, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,156 @@
+"""AllReduce + residual add + RMSNorm: both outputs against a float64 reference (the sum over ranks, the residual,
+the norm and the weight), into poisoned outputs, at odd M and H, in bf16, fp16 and fp32, with the residual updated
+in place; every rank's outputs the same bits; bad input; the fallback paths; CUDA-graph replays on GPUs (from the
+contract, tests/contract.py)."""
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import contract
+import triton_overlap as to
+from contract import Call, Cases, OpSpec, Variants
+from refs import poison, rand, rel_err
+
+#: ||out - ref|| / ||ref|| against float64: the residual is rounded to the dtype once, and the norm (of the rounded
+#: residual) once more
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+EPS = 1e-6
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMSCase:
+    """Every rank's [m, h] ``x`` summed over ranks, plus ``residual``, normalised with ``weight`` (of
+    ``weight_dtype``, default the inputs' dtype); ``in_place``: the residual updated in place; ``iters`` calls."""
+    m: int
+    h: int
+    dtype: str = "bfloat16"
+    weight_dtype: str | None = None
+    in_place: bool = False
+    iters: int = 1
+    fallback: str = "never"
+
+
+def _inputs(ctx, case, it):
+    dtype, dev = getattr(torch, case.dtype), ctx.device
+    xs = [rand((case.m, case.h), dtype, dev, "arn-x", it, r) for r in range(ctx.world_size)]
+    residual = rand((case.m, case.h), dtype, dev, "arn-r", it)
+    weight = rand((case.h,), getattr(torch, case.weight_dtype or case.dtype), dev, "arn-w", it)
+    h = residual.double() + sum(x.double() for x in xs)
+    normed = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS) * weight.double()
+    kwargs = dict(eps=EPS, residual_out=residual if case.in_place else poison(torch.empty_like(residual)))
+    return Call((xs[ctx.rank], residual, weight), kwargs, normed, torch.empty_like(residual), dict(residual=h))
+
+
+def _check_residual(ctx, op, case, call, result):
+    normed, new_residual = result
+    assert new_residual.data_ptr() == call.kwargs["residual_out"].data_ptr()
+    err = rel_err(new_residual, call.expect["residual"])
+    assert err < TOL[new_residual.dtype], f"rank {ctx.rank}: new_residual rel err {err:.2e}"
+
+
+def _bad_inputs(ctx):
+    op = to.AllReduceRMSNorm(ctx, fallback="never")
+    dev = ctx.device
+    x, res, w = (torch.ones(3, 8, device=dev), torch.ones(3, 8, device=dev), torch.ones(8, device=dev))
+    bf = torch.ones(3, 8, dtype=torch.bfloat16, device=dev)
+    bad = [
+        ("torch.Tensor", lambda: op([1.0], res, w, eps=EPS)),
+        ("2-D", lambda: op(torch.ones(8, device=dev), torch.ones(8, device=dev), w, eps=EPS)),
+        ("float32, float16 or bfloat16", lambda: op(x.int(), res.int(), w, eps=EPS)),
+        ("residual must be", lambda: op(x, torch.ones(3, 9, device=dev), w, eps=EPS)),
+        ("residual must be", lambda: op(x, bf, w, eps=EPS)),
+        ("weight must be", lambda: op(x, res, torch.ones(9, device=dev), eps=EPS)),
+        ("weight must be", lambda: op(bf, bf, torch.ones(8, dtype=torch.float16, device=dev), eps=EPS)),
+        ("eps", lambda: op(x, res, w, eps=float("nan"))),
+        ("eps", lambda: op(x, res, w, eps=-1.0)),
+        ("non-contiguous", lambda: op(x, res, w, eps=EPS, out=torch.empty(3, 16, device=dev)[:, ::2])),
+        ("residual_out must be a contiguous", lambda: op(x, res, w, eps=EPS, residual_out=bf)),
+        ("out must not be", lambda: op(x, res, w, eps=EPS, out=x)),
+        ("residual_out must not be x", lambda: op(x, res, w, eps=EPS, residual_out=x)),
+        ("is on", lambda: op(x, res, w.to("meta"), eps=EPS)),
+        ("too large", lambda: op(torch.ones(1, 16385, device=dev), torch.ones(1, 16385, device=dev),
+                                 torch.ones(16385, device=dev), eps=EPS)),
+        ("ranks disagree", lambda: op(torch.ones(3 + ctx.rank, 8, device=dev), torch.ones(3 + ctx.rank, 8, device=dev),
+                                      w, eps=EPS)),
+    ]
+    return op, bad, ALL_REDUCE_RMSNORM.inputs(ctx, RMSCase(m=3, h=24), "good")
+
+
+ALL_REDUCE_RMSNORM = OpSpec(
+    name="all_reduce_rmsnorm", module=__name__, op=to.AllReduceRMSNorm, functional=to.all_reduce_rmsnorm,
+    inputs=_inputs, tol=TOL, check=_check_residual, bad_inputs=_bad_inputs,
+    cases=Cases(host=(RMSCase(m=1, h=24), RMSCase(m=3, h=40, dtype="float32"), RMSCase(m=17, h=24, iters=2),
+                      RMSCase(m=5, h=40, dtype="float16", weight_dtype="float32", in_place=True),
+                      RMSCase(m=3, h=40, fallback="always")),
+                gpu=(RMSCase(m=1, h=4096), RMSCase(m=64, h=8192, iters=3), RMSCase(m=17, h=5000, dtype="float32"),
+                     RMSCase(m=3, h=16384, weight_dtype="float32", in_place=True))),
+    # 1,000 replays; the first call sizes the slots, not allowed inside a capture
+    replay=Variants(host=None, gpu=RMSCase(m=7, h=4096), calls=1000, warm=True),
+)
+
+# the contract's tests: matches_reference, bad_input_raises_before_launch, cuda_graph_replay
+globals().update(contract.tests(ALL_REDUCE_RMSNORM))
+
+
+def _same_bits():
+    """Calls of changing shapes and dtypes on one op: every rank's outputs, for the comparison across ranks."""
+    with to.Context(timeout_s=30) as ctx:
+        op = to.AllReduceRMSNorm(ctx, fallback="never")
+        digests = []
+        for i, (m, h, dtype) in enumerate([(3, 40, "bfloat16"), (17, 24, "float32"), (1, 40, "bfloat16"),
+                                           (4, 24, "float16")]):
+            call = _inputs(ctx, RMSCase(m=m, h=h, dtype=dtype), ("bits", i))
+            normed, new_residual = op(*call.args, **call.kwargs)
+            ctx.check()
+            assert rel_err(normed, call.ref) < TOL[normed.dtype]
+            digests.append((normed.float().tolist(), new_residual.float().tolist()))
+        return digests
+
+
+def test_all_reduce_rmsnorm_same_bits_on_every_rank(pool):
+    results = pool.run(_same_bits)
+    assert all(r == results[0] for r in results), "ranks' outputs differ"
+
+
+def _paths():
+    """fallback="auto" takes the kernel up to ``max_bytes`` and the process group above it (through the op and the
+    functional form, which has the default limit); "always" the process group, "never" the kernel; all right."""
+    with to.Context(timeout_s=30) as ctx:
+        case = RMSCase(m=3, h=40)
+        call = _inputs(ctx, case, "paths")
+        args, eps = call.args, call.kwargs["eps"]
+        runs = []
+        for fallback, max_bytes, path in (("auto", 1 << 20, "overlap"), ("auto", 64, "fallback"),
+                                          ("always", 1 << 20, "fallback"), ("never", 64, "overlap")):
+            op = to.AllReduceRMSNorm(ctx, fallback=fallback, max_bytes=max_bytes)
+            runs.append(op(*args, eps=eps))
+            assert op.last_path == path, (fallback, max_bytes, op.last_path)
+        runs.append(to.all_reduce_rmsnorm(*args, eps=eps, ctx=ctx))
+        assert to.AllReduceRMSNorm.shared(ctx).last_path == ("fallback" if ctx.world_size == 1 else "overlap")
+        # rows longer than one program holds: "auto" takes the process group
+        big = _inputs(ctx, RMSCase(m=1, h=16385, dtype="float32"), "big")
+        op = to.AllReduceRMSNorm(ctx, max_bytes=1 << 30)
+        normed, new_residual = op(*big.args, eps=eps)
+        assert op.last_path == "fallback"
+        ctx.check()
+        assert rel_err(normed, big.ref) < TOL[torch.float32]
+        assert rel_err(new_residual, big.expect["residual"]) < TOL[torch.float32]
+        for normed, new_residual in runs:
+            assert rel_err(normed, call.ref) < TOL[normed.dtype]
+            assert rel_err(new_residual, call.expect["residual"]) < TOL[normed.dtype]
+        assert torch.equal(args[1], _inputs(ctx, case, "paths").args[1]), "the residual was modified"
+        dev = ctx.device
+        empty = op(torch.ones(0, 8, device=dev), torch.ones(0, 8, device=dev), torch.ones(8, device=dev), eps=eps)
+        assert empty[0].shape == empty[1].shape == (0, 8)
+        return True
+
+
+def test_all_reduce_rmsnorm_fallback_paths(pool):
+    assert all(pool.run(_paths))
+
+
+def test_all_reduce_rmsnorm_is_exported():
+    assert to.all_reduce_rmsnorm in vars(to).values() and "AllReduceRMSNorm" in to.__all__
+    with pytest.raises(ValueError, match="fallback"):
+        to.AllReduceRMSNorm(None, fallback="sometimes")

@@ -1,0 +1,158 @@
+"""AllReduce + residual add + RMSNorm, the step between a row-parallel layer and the next block's norm at decode:
+``new_residual = residual + sum over ranks of x`` and ``normed = rmsnorm(new_residual) * weight``.
+
+At decode the three separate kernels' launches cost about as much as their work, so one kernel does all three
+(kernels.all_reduce.one_shot_all_reduce_rmsnorm): the one-shot AllReduce's slot exchange with one block per row,
+whose epilogue adds the residual and normalises the row. It shares the AllReduce op's slots, flags and call
+count protocol (ops.all_reduce.exchange_buffers), so it is graph-safe the same way: no barrier and no host
+synchronisation per call. Above ``max_bytes``, for rows longer than one program holds, for W = 1 and on a group
+that spans hosts, the process group's all_reduce, then torch's add and RMSNorm.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.all_reduce import one_shot_all_reduce_rmsnorm
+from ..kernels.cached_launch import launch
+from ..kernels.signal import waiter
+from .all_reduce import (DTYPES, ONE_SHOT_MAX_BYTES, exchange_buffers, pow2_at_least, process_group_only,
+                         process_group_sum)
+from .base import OverlapOp
+
+#: the longest row one program normalises (its BLOCK, a power of two, holds the row in registers)
+MAX_HIDDEN = 16384
+
+
+def rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``h * rsqrt(mean(h ** 2, last dim) + eps) * weight`` in float32, in ``h``'s dtype: the fallback's norm, the
+    kernel's arithmetic."""
+    hf = h.float()
+    return (hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(h.dtype)
+
+
+class AllReduceRMSNorm(OverlapOp):
+    """Reusable AllReduce + residual add + RMSNorm bound to a Context: holds its symmetric receive slots and flags.
+
+    ``op(x, residual, weight, *, eps, out=None, residual_out=None)`` -> ``(normed, new_residual)``: ``x`` and
+    ``residual`` [M, H] of one dtype (float32, float16 or bfloat16), ``weight`` [H] of that dtype or float32; the
+    sum over ranks of ``x`` and the add are in float32, rounded once into ``new_residual``, and ``normed`` is the
+    RMSNorm (float32) of that rounded residual times ``weight``, both in ``x``'s dtype and the same bits on every
+    rank. ``x`` is not modified; ``residual_out`` may be ``residual`` (updated in place, as serving engines do).
+
+    ``fallback``: "auto" takes the process group's all_reduce, then torch's add and RMSNorm, above ``max_bytes`` of
+    ``x``, for H > MAX_HIDDEN, for W = 1 and on a group that spans hosts; "always" always does; "never" never does
+    (H > MAX_HIDDEN raises ValueError). The receive slots grow to the largest message seen (collectively, on a
+    size's first call); make one eager call at the largest size before capturing calls in a CUDA graph.
+    """
+
+    KIND = "all_reduce_rmsnorm"
+
+    def __init__(self, ctx, *, fallback: str = "auto", max_bytes: int = ONE_SHOT_MAX_BYTES,
+                 name: str | None = None):
+        super().__init__(ctx, None, fallback=fallback, name=name, replay=False)  # one launch: nothing to replay
+        self.max_bytes = int(max_bytes)
+
+    def default_config(self, shape, variant=""):
+        return None
+
+    @torch.no_grad()
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
+                 out: torch.Tensor | None = None,
+                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = self.ctx
+        ctx.ensure_usable()
+        self._check(x, residual, weight, eps, out, residual_out)
+        M, H = x.shape
+        self.agree((M, H, str(x.dtype), str(weight.dtype)))
+        out = torch.empty((M, H), dtype=x.dtype, device=x.device) if out is None else out
+        residual_out = torch.empty((M, H), dtype=x.dtype, device=x.device) if residual_out is None else residual_out
+        if self._kernel(x):
+            self.last_path = "overlap"
+            if x.numel():
+                self._launch(x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps), out,
+                             residual_out)
+            return out, residual_out
+        self.last_path = "fallback"
+        total = process_group_sum(ctx, x.contiguous().clone())  # x is not modified
+        residual_out.copy_(residual + total)
+        out.copy_(rmsnorm(residual_out, weight, float(eps)))
+        return out, residual_out
+
+    def _check(self, x, residual, weight, eps, out, residual_out) -> None:
+        """ValueError for anything the kernel cannot take, before any launch."""
+        kind, dev = self.KIND, self.ctx.device
+        for name, t in (("x", x), ("residual", residual), ("weight", weight)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(f"{kind}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != dev:
+                raise ValueError(f"{kind}: {name} is on {t.device}, the Context is on {dev}")
+        if x.dim() != 2:
+            raise ValueError(f"{kind}: x must be 2-D [M, H], got shape {tuple(x.shape)}")
+        if x.dtype not in DTYPES:
+            raise ValueError(f"{kind}: x must be float32, float16 or bfloat16, got {x.dtype}")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"{kind}: residual must be a {x.dtype} tensor of x's shape {tuple(x.shape)}, got "
+                             f"{residual.dtype} {tuple(residual.shape)}")
+        if weight.shape != (x.shape[1],) or weight.dtype not in (x.dtype, torch.float32):
+            raise ValueError(f"{kind}: weight must be a {x.dtype} or float32 tensor of shape ({x.shape[1]},), got "
+                             f"{weight.dtype} {tuple(weight.shape)}")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"{kind}: eps must be a finite number >= 0, got {eps!r}")
+        for name, t in (("out", out), ("residual_out", residual_out)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != x.shape or t.dtype != x.dtype
+                                  or t.device != dev or not t.is_contiguous()):
+                got = (f"{'a non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} {tuple(t.shape)} on "
+                       f"{t.device}" if isinstance(t, torch.Tensor) else type(t).__name__)
+                raise ValueError(f"{kind}: {name} must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)} "
+                                 f"on {dev}, got {got}")
+        if x.numel() == 0:
+            return
+        taken = {x.data_ptr(): "x", weight.data_ptr(): "weight"}
+        if out is not None:
+            if out.data_ptr() in (x.data_ptr(), weight.data_ptr(), residual.data_ptr()):
+                raise ValueError(f"{kind}: out must not be x, residual or weight")
+            taken[out.data_ptr()] = "out"
+        if residual_out is not None and residual_out.data_ptr() in taken:
+            raise ValueError(f"{kind}: residual_out must not be {taken[residual_out.data_ptr()]} (it may be "
+                             f"residual)")
+
+    def _kernel(self, x: torch.Tensor) -> bool:
+        """Whether a call on ``x`` takes the fused kernel (else the process group and torch)."""
+        if process_group_only(self):
+            return False
+        M, H = x.shape
+        # slot offsets are int32 in the kernel: 2 x W slots of the message
+        fits = H <= MAX_HIDDEN and 2 * self.ctx.world_size * pow2_at_least(M * H) < 2 ** 31
+        if self.fallback == "never":
+            if not fits:
+                raise ValueError(f"{self.KIND}: [{M}, {H}] is too large for the fused kernel (rows up to "
+                                 f"{MAX_HIDDEN}); fallback='auto' takes the process group there")
+            return True
+        return fits and x.numel() * x.element_size() <= self.max_bytes
+
+    def _launch(self, x, residual, weight, eps, out, residual_out) -> None:
+        ctx = self.ctx
+        M, H = x.shape
+        ex = exchange_buffers(ctx, self.name, M * H, x.dtype, M)
+        self.state["buffers"] = {"slots": ex.data.local}
+        call = self.call_header((M, H, x.dtype), (M, H))
+        block = pow2_at_least(H)
+        launch(one_shot_all_reduce_rmsnorm, (max(1, min(M, ctx.num_compute_units())),), (
+            x, residual, weight, out, residual_out, *ex.args(), M, H, eps, ex.cap, ex.blocks, waiter(ctx, self.op),
+            ctx.world_size, call.fingerprint),
+            dict(BLOCK=block, BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock),
+            num_warps=max(4, min(16, block // 512)))
+        ctx.after_launch()
+
+
+def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float, ctx,
+                       out: torch.Tensor | None = None,
+                       residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Functional form of AllReduceRMSNorm: ``(rmsnorm(residual + sum over ranks of x) * weight, residual + sum over
+    ranks of x)``; one op per Context, kept by the Context."""
+    return AllReduceRMSNorm.shared(ctx)(x, residual, weight, eps=eps, out=out, residual_out=residual_out)
+
+
+__all__ = ["AllReduceRMSNorm", "all_reduce_rmsnorm"]
