@@ -37,14 +37,14 @@ from triton_overlap.kernels.grouped_gemm import launch_ag_grouped
 from triton_overlap.plan import ChunkLayout
 from triton_overlap.timing import capture, time_interleaved
 from triton_overlap.torchrun import say
+from triton_overlap.tuning import MOE_ROUTINGS as ROUTINGS, ZIPF_EXPONENT, zipf_popularity
+from triton_overlap.tuning import moe_routing_ids as routing_ids  # the routings tune.py moe draws too
 
 #: name -> (experts, top-k, K model width, N expert hidden width)
 MODELS = {"mixtral-8x7b": (8, 2, 4096, 14336), "qwen3-30b-a3b": (128, 8, 2048, 768),
           "deepseek-v3": (256, 8, 7168, 2048)}
 TOKENS_PER_RANK = (4096, 16384)
-ROUTINGS = ("balanced", "zipf")
 MOE_SHAPES = [(m, t, r) for m in MODELS for t in TOKENS_PER_RANK for r in ROUTINGS]
-ZIPF_EXPONENT = 1.0
 LEAD_US = 500.0  # bench.py's default
 BUDGET_S = 2.0  # per column and group: large shapes take fewer iterations
 
@@ -55,28 +55,6 @@ def parse_shape(text: str) -> tuple:
     if model not in MODELS or routing not in ROUTINGS:
         raise ValueError(f"moe shape {text!r}: model one of {sorted(MODELS)}, routing one of {ROUTINGS}")
     return model, int(tokens), routing
-
-
-def routing_ids(tokens: int, experts: int, topk: int, kind: str, seed: int = 0) -> torch.Tensor:
-    """int64 [tokens, topk] on the CPU: each token's ``topk`` distinct experts, drawn uniformly ("balanced") or by a
-    Zipf popularity (``1 / rank ** ZIPF_EXPONENT``, the ranks shuffled over the experts: "zipf"); seeded, so every
-    rank and every run draws the same."""
-    if not 1 <= topk <= experts:
-        raise ValueError(f"routing_ids: topk = {topk} must lie in [1, experts = {experts}]")
-    g = torch.Generator().manual_seed(seed)
-    if kind == "balanced":
-        popularity = torch.ones(experts)
-    elif kind == "zipf":
-        popularity = zipf_popularity(experts, g)
-    else:
-        raise ValueError(f"routing_ids: kind must be one of {ROUTINGS}, got {kind!r}")
-    return torch.multinomial(popularity.expand(tokens, experts).contiguous(), topk, replacement=False, generator=g)
-
-
-def zipf_popularity(experts: int, g: torch.Generator) -> torch.Tensor:
-    """Each expert's share of the choices (sums to 1): Zipf over the ranks, the ranks in a random order."""
-    p = torch.arange(1, experts + 1, dtype=torch.float64) ** -ZIPF_EXPONENT
-    return (p / p.sum())[torch.randperm(experts, generator=g)].float()
 
 
 def load_imbalance(ids: torch.Tensor, experts: int) -> float:

@@ -59,6 +59,8 @@ MOE_TILE_CHOICES = {"block_m": (64, 128), "block_n": (64, 128, 256), "block_k": 
                     "num_stages": (2, 3, 4)}
 MOE_TILE_FIELDS = tuple(MOE_TILE_CHOICES)
 MOE_ROUTINGS = ("balanced", "zipf")
+#: the skew of the "zipf" routing
+ZIPF_EXPONENT = 1.0
 DKDV_TILES = [(64, 128, 8, 2), (32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 2), (128, 128, 8, 2),
               (64, 128, 8, 2, True)]  # True: the single warp-specialized backward (Hopper; it takes its own tiles)
 
@@ -264,16 +266,21 @@ def tune_attention(ctx, shape, dry):
 # ------------------------------------------------------------------------------------------------------------ MoE
 def moe_routing_ids(tokens: int, experts: int, topk: int, kind: str, seed: int = 0) -> torch.Tensor:
     """int64 [tokens, topk] on the CPU, the same on every rank: each token's ``topk`` distinct experts, drawn
-    uniformly ("balanced") or by a Zipf popularity 1 / rank with the ranks shuffled over the experts ("zipf"), as
-    the MoE benchmarks (benchmarks/moe.py) draw them."""
+    uniformly ("balanced") or by ``zipf_popularity`` ("zipf"); the routings of the MoE tuning and benchmarks
+    (benchmarks/moe.py)."""
     if kind not in MOE_ROUTINGS or not 1 <= topk <= experts:
         raise ValueError(f"moe routing: kind one of {MOE_ROUTINGS} and 1 <= topk <= experts, got {kind!r}, "
                          f"topk {topk}, experts {experts}")
     g = torch.Generator().manual_seed(seed)
-    p = torch.ones(experts)
-    if kind == "zipf":
-        p = (1.0 / torch.arange(1, experts + 1, dtype=torch.float64))[torch.randperm(experts, generator=g)].float()
+    p = zipf_popularity(experts, g) if kind == "zipf" else torch.ones(experts)
     return torch.multinomial(p.expand(tokens, experts).contiguous(), topk, replacement=False, generator=g)
+
+
+def zipf_popularity(experts: int, g: torch.Generator) -> torch.Tensor:
+    """Each expert's share of the choices (sums to 1): Zipf over the ranks (``1 / rank ** ZIPF_EXPONENT``), the
+    ranks in a random order drawn from ``g``."""
+    p = torch.arange(1, experts + 1, dtype=torch.float64) ** -ZIPF_EXPONENT
+    return (p / p.sum())[torch.randperm(experts, generator=g)].float()
 
 
 def moe_tile_candidates(ctx, base, dry):
