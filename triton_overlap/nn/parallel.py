@@ -224,6 +224,7 @@ class ShardSequence(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         check_mesh(self, device_mesh)
         dim, W = self.sequence_dim, self.ctx.world_size
+        handle = layer_ops(self.ctx, "auto")[0]  # the custom op finds the Context's group through an op's handle
 
         @torch.compiler.disable  # a graph across the region's edge gives wrong gradients (docs/design.md)
         def shard(_, __, out):
@@ -232,7 +233,7 @@ class ShardSequence(ParallelStyle):
             if out.shape[dim] % W:
                 raise ValueError(f"ShardSequence: sequence length {out.shape[dim]} (dim {dim}) is not divisible by "
                                  f"the world size {W}")
-            local = custom_ops.shard_sequence(out, layer_ops(self.ctx, "auto")[0], W, dim % out.ndim)
+            local = custom_ops.shard_sequence(out, handle, W, dim % out.ndim)
             return DTensor.from_local(local, device_mesh, [Shard(dim % out.ndim)], run_check=False)
 
         module.register_forward_hook(shard)
@@ -249,13 +250,13 @@ class GatherSequence(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         check_mesh(self, device_mesh)
-        dim = self.sequence_dim
+        dim, W = self.sequence_dim, self.ctx.world_size
+        handle = layer_ops(self.ctx, "auto")[0]  # as ShardSequence's
 
         @torch.compiler.disable  # as ShardSequence's
         def gather(_, args):
             x = _local(args[0], "GatherSequence", dim)
-            return (custom_ops.gather_sequence(x, layer_ops(self.ctx, "auto")[0], self.ctx.world_size,
-                                               dim % x.ndim), *args[1:])
+            return (custom_ops.gather_sequence(x, handle, W, dim % x.ndim), *args[1:])
 
         module.register_forward_pre_hook(gather)
         return module
