@@ -10,7 +10,8 @@
 #              test_repository
 # all          the four parts one after another (up to 36 minutes); its exit status is the first failing part's
 # Each part is stopped after PART_TIMEOUT seconds (default 540; exit status 124); a hung call fails its test after
-# TRITON_OVERLAP_TEST_TIMEOUT seconds (default here 120).
+# TRITON_OVERLAP_TEST_TIMEOUT seconds (default here 180: past the tests' Context timeout of 120 s, so that a hung wait
+# fails with its ContextError, naming rank, op, peer and chunk, before the pool is killed).
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -19,7 +20,7 @@ shift
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}" NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
 unset TRITON_INTERPRET
 export TRITON_OVERLAP_TEST_BACKENDS="cuda-shared:2"
-export TRITON_OVERLAP_TEST_TIMEOUT="${TRITON_OVERLAP_TEST_TIMEOUT:-120}"
+export TRITON_OVERLAP_TEST_TIMEOUT="${TRITON_OVERLAP_TEST_TIMEOUT:-180}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 [ "$gpus" -ge 1 ] || { echo "gpu_tier: needs a GPU, found none" >&2; exit 1; }

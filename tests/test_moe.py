@@ -74,6 +74,18 @@ def _overrides(case):
 
 
 # ------------------------------------------------------------------------------------------ AllGather + MoE GEMM
+def _per_pair(a, w, ids):
+    """float64 [T, topk, N]: ``a[t, j] @ w[ids[t, j]]`` (``a`` [T, K] is every pair's token, or [T, topk, K]), one
+    matmul per expert: indexing ``w`` by ``ids`` would hold a [T, topk, K, N] copy in float64."""
+    a = a.double()
+    a = a.unsqueeze(1).expand(-1, ids.shape[1], -1) if a.dim() == 2 else a
+    out = torch.zeros(*ids.shape, w.shape[2], dtype=torch.float64, device=a.device)
+    for e in torch.unique(ids).tolist():
+        hit = ids == e
+        out[hit] = a[hit] @ w[e].double()
+    return out
+
+
 def _ag_inputs(ctx, case, it):
     dtype = getattr(torch, case.dtype)
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -81,7 +93,7 @@ def _ag_inputs(ctx, case, it):
     w = _weight(case, dtype, dev, "w", it, r)  # this rank's column shard of every expert
     ids = _ids(case, case.m_local * W, dev, it, case.experts)
     x_all = torch.cat(shards).double()
-    ref = torch.einsum("tk,tjkn->tjn", x_all, w.double()[ids])
+    ref = _per_pair(x_all, w, ids)
     out = torch.empty((case.m_local * W, case.topk, case.n), dtype=dtype, device=dev)
     return Call((shards[r], w, ids), _overrides(case), ref, out)
 
@@ -119,7 +131,7 @@ def _ag_bad_inputs(ctx):
         ("ranks disagree", lambda: op(rand((20 + r, 32), bf, dev, "x"), w,
                                       torch.zeros((20 + r) * W, 2, dtype=torch.int64, device=dev))),
     ]
-    ref = torch.einsum("tk,tjkn->tjn", torch.cat([x.double()] * W), w.double()[ids])
+    ref = _per_pair(torch.cat([x] * W), w, ids)
     return op, bad, Call((x, w, ids), {}, ref)
 
 
@@ -169,7 +181,7 @@ def _rs_inputs(ctx, case, it):
     for s in range(W):  # every rank's h and w slices, and their sum
         h = rand((T, case.topk, case.k), dtype, dev, "h", it, s)
         w = _weight(case, dtype, dev, "w2", it, s)
-        total += torch.einsum("tjk,tjkn,tj->tn", h.double(), w.double()[ids], weights.double())
+        total += (_per_pair(h, w, ids) * weights.double().unsqueeze(-1)).sum(1)
         if s == r:
             mine = (h, w)
     ref = total[r * case.m_local:(r + 1) * case.m_local]
@@ -210,7 +222,7 @@ def _rs_bad_inputs(ctx):
         ("integer tensors", lambda: op(h.reshape(T * 2, 32), w, ids, g, routing=to.MoERouting(
             pairs.float(), pairs, torch.zeros(4, dtype=torch.int32, device=dev), 3, 2))),
     ]
-    ref = torch.einsum("tjk,tjkn,tj->tn", h.double(), w.double()[ids], g.double())[r * 5:(r + 1) * 5] * W
+    ref = (_per_pair(h, w, ids) * g.double().unsqueeze(-1)).sum(1)[r * 5:(r + 1) * 5] * W
     return op, bad, Call((h, w, ids, g), {}, ref)
 
 
@@ -266,7 +278,7 @@ def _sorted_pipeline(case):
         rs(got, w2, ids, g, routing=routing, out=out)
         ctx.check()
         hs = got[routing.position.long()].view(ids.shape[0], ids.shape[1], case.n).double()
-        mine = torch.einsum("tjk,tjkn,tj->tn", hs, w2.double()[ids], g.double())
+        mine = (_per_pair(hs, w2, ids) * g.double().unsqueeze(-1)).sum(1)
         total = torch.stack(ctx.gather_object(mine.cpu())).sum(0)[r * case.m_local:(r + 1) * case.m_local]
         err2 = rel_err(out, total)
         assert err2 < RS_TOL[torch.bfloat16], err2
@@ -416,7 +428,7 @@ def _ag_chunk_never_lands(timeout_s: float):
         _, routes, table = to.AllGatherMoEGEMM.route(None, sched, ids, E, False)
         out = torch.empty(ids.numel(), N, dtype=torch.bfloat16, device=dev)
         flags = torch.ones(layout.num_chunks, dtype=torch.int32, device=dev)
-        ref = torch.einsum("tk,tjkn->tjn", torch.cat([x, ws[m_local:]]).double(), w.double()[ids]).reshape(-1, N)
+        ref = _per_pair(torch.cat([x, ws[m_local:]]), w, ids).reshape(-1, N)
 
         def first_ok():
             assert (out.double() - ref).abs().max() < 0.1

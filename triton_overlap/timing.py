@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 def capture(fn) -> torch.cuda.CUDAGraph:
     """``fn`` captured in a CUDA graph, after one eager call (compiles and loads every kernel it launches) and
-    a barrier across ranks (no rank captures while a peer still runs the eager call)."""
+    a barrier across ranks (no rank captures while a peer still runs the eager call). The graph holds ``fn``:
+    the tensors it closes over, which the replays read, live as long as the graph (a replay after they were freed
+    reads whatever the allocator put there since)."""
     fn()
     torch.cuda.synchronize()
     dist.barrier()
@@ -19,6 +21,7 @@ def capture(fn) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(g):
         fn()
     torch.cuda.synchronize()
+    g.captured_fn = fn
     return g
 
 
