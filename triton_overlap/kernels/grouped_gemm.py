@@ -26,23 +26,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from triton.tools.tensor_descriptor import TensorDescriptor
+
 from .cached_launch import launch
+from .capability import supports_tma
+from .gemm_operands import aligned
 from .gemm_device import publish
 from .signal import WHAT_OWN_TILES, wait_for, waiter
 
 
 @triton.jit
-def _expert_tile(a_rows, row_ok, b_ptr, cols, col_ok, K, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
-    """A[rows, :] @ B[:, cols] in float32: ``a_rows`` the rows' start pointers (unit stride along K), ``b_ptr``
-    the expert's [K, N] matrix (any strides); rows past ``row_ok`` and columns past ``col_ok`` read zeros."""
+def _expert_tile(a_rows, row_ok, w, expert, col0, cols, col_ok, K, stride_we, stride_wk, stride_wn, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_DESC: tl.constexpr, DOT_F32: tl.constexpr):
+    """A[rows, :] @ w[expert][:, cols] in float32: ``a_rows`` the rows' start pointers (unit stride along K), ``cols`` = ``col0`` + arange; ``w``
+    the experts' [E, K, N] weights through pointers (B_DESC 0, any strides) or a 3-D tensor descriptor (B_DESC 1:
+    [E, K, N] with blocks [1, BLOCK_K, BLOCK_N]; 2: its transpose [E, N, K], blocks [1, BLOCK_N, BLOCK_K]), which
+    fills zeros past the expert's K and N; rows past ``row_ok`` and columns past ``col_ok`` read zeros."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_ptr = w
+    if B_DESC == 0:
+        b_ptr = w + expert.to(tl.int64) * stride_we
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K
         a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + (k0 + offs_k)[:, None] * stride_bk + cols[None, :] * stride_bn,
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if B_DESC == 1:
+            b = w.load([expert, k0, col0]).reshape(BLOCK_K, BLOCK_N)
+        elif B_DESC == 2:
+            b = w.load([expert, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = tl.load(b_ptr + (k0 + offs_k)[:, None] * stride_wk + cols[None, :] * stride_wn,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if DOT_F32:  # Triton's interpreter multiplies 16-bit operands as raw bits
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -51,19 +65,29 @@ def _expert_tile(a_rows, row_ok, b_ptr, cols, col_ok, K, stride_bk, stride_bn, B
 
 
 @triton.jit
-def ag_grouped_gemm(x_ptr, ws_ptr, w_ptr, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr, flags_ptr,
-                    waiter, num_items, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_we, stride_wk,
+def _item(it, slots, num_pid_n, GROUP_M: tl.constexpr):
+    """Work item ``it`` as (slot, column tile): GROUP_M consecutive slots take each column tile in turn, so the
+    programs running at once share B's column tiles (an expert's weight read about once per group, not once per
+    tile of its rows) while the table's order (the slots) is kept group by group."""
+    group = GROUP_M * num_pid_n
+    first = (it // group) * GROUP_M
+    rows = tl.minimum(slots - first, GROUP_M)
+    return first + (it % group) % rows, (it % group) // rows
+
+
+@triton.jit
+def ag_grouped_gemm(x_ptr, ws_ptr, w, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr, flags_ptr,
+                    waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_we, stride_wk,
                     stride_wn, stride_om,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    B_DESC: tl.constexpr, NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr):
     """out[dst[p]] = x_all[src[p]] @ w[expert of p] for every sorted row p (module doc). ``pos_ptr``: each sorted
     row's chunk position (0: this rank's own rows); ``chunk_at_ptr``: the chunk id at each position; ``flags_ptr``:
     this rank's gather flags, one per chunk."""
     rank = waiter[2]
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    for it in range(tl.program_id(0), num_items, NUM_PROGRAMS):
-        slot = it // num_pid_n
-        pid_n = it % num_pid_n
+    for it in range(tl.program_id(0), slots * num_pid_n, NUM_PROGRAMS):
+        slot, pid_n = _item(it, slots, num_pid_n, GROUP_M)
         expert = tl.load(table_ptr + slot * 3)
         first = tl.load(table_ptr + slot * 3 + 1)
         end = tl.load(table_ptr + slot * 3 + 2)
@@ -82,19 +106,19 @@ def ag_grouped_gemm(x_ptr, ws_ptr, w_ptr, out_ptr, src_ptr, dst_ptr, pos_ptr, ch
                               ws_ptr + tok.to(tl.int64) * stride_wsm)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < N
-            acc = _expert_tile(a_rows, row_ok, w_ptr + expert.to(tl.int64) * stride_we, cols, col_ok, K, stride_wk,
-                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+            acc = _expert_tile(a_rows, row_ok, w, expert, pid_n * BLOCK_N, cols, col_ok, K, stride_we, stride_wk, stride_wn, BLOCK_M,
+                               BLOCK_N, BLOCK_K, B_DESC, DOT_F32)
             dst = tl.load(dst_ptr + offs, mask=row_ok, other=0).to(tl.int64)
             tl.store(out_ptr + dst[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
-def rs_grouped_gemm(h_ptr, w_ptr, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, dests_ptr, done_ptr, tick_ptr,
+def rs_grouped_gemm(h_ptr, w, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, dests_ptr, done_ptr, tick_ptr,
                     scatter_ptrs, counter_ptrs, waiter, SLOTS, TOPK, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N, K,
                     stride_hm, stride_we, stride_wk, stride_wn, world,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                    NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+                    GROUP_M: tl.constexpr, B_DESC: tl.constexpr, NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
                     LOCAL_COUNTERS: tl.constexpr):
     """Y[p] = h[src[p]] @ w[expert of p] for every sorted row p, destination by destination (``dests_ptr``: the
     ranks in the order their rows are computed; the table holds SLOTS slots per destination, in that order), and
@@ -109,10 +133,11 @@ def rs_grouped_gemm(h_ptr, w_ptr, y_ptr, src_ptr, pos_ptr, weights_ptr, table_pt
         item = tl.atomic_add(tick_ptr, 1, sem="relaxed", scope="gpu")  # the next item in order, whoever takes it
         q = item // per_dest
         r = item % per_dest
-        cols = (r % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
         if r < gemm_items:
-            slot = q * SLOTS + r // num_pid_n
+            s, pid_n = _item(r, SLOTS, num_pid_n, GROUP_M)
+            slot = q * SLOTS + s
+            cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
             expert = tl.load(table_ptr + slot * 3)
             first = tl.load(table_ptr + slot * 3 + 1)
             end = tl.load(table_ptr + slot * 3 + 2)
@@ -120,13 +145,15 @@ def rs_grouped_gemm(h_ptr, w_ptr, y_ptr, src_ptr, pos_ptr, weights_ptr, table_pt
                 offs = first + tl.arange(0, BLOCK_M)
                 row_ok = offs < end
                 src = tl.load(src_ptr + offs, mask=row_ok, other=0).to(tl.int64)
-                acc = _expert_tile(h_ptr + src * stride_hm, row_ok, w_ptr + expert.to(tl.int64) * stride_we, cols,
-                                   col_ok, K, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, DOT_F32)
+                acc = _expert_tile(h_ptr + src * stride_hm, row_ok, w, expert, pid_n * BLOCK_N, cols, col_ok, K,
+                                   stride_we, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, B_DESC, DOT_F32)
                 tl.store(y_ptr + offs.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                          mask=row_ok[:, None] & col_ok[None, :])
             tl.debug_barrier()  # every thread's stores of the tile come before the release below
             tl.atomic_add(done_ptr + q, 1, sem="release", scope="gpu")  # empty slots count too: the total is fixed
         else:
+            cols = (r % num_pid_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+            col_ok = cols < N
             dest = tl.load(dests_ptr + q)
             # every GEMM item of this destination is done (they were all claimed before this item, and wait on
             # nothing: this wait ends unless the device stops); a timeout says it waited on this rank's own tiles
@@ -158,6 +185,23 @@ def _programs(ctx, items: int, free_sm: bool = False) -> int:
     return max(1, min(units, items))
 
 
+def expert_weights(ctx, tiles, w):
+    """How the kernels read the experts' weights ``w`` [E, K, N]: (the argument, B_DESC). A 3-D tensor descriptor
+    where ``tiles.tma`` allows one and it can describe ``w`` (NVIDIA compute capability 9.0+ or the host backend,
+    16-byte aligned base and strides, unit stride along N (B_DESC 1: only with ``tiles.tma`` True) or along K
+    (B_DESC 2: a transposed weight, ``linear.weight.transpose(1, 2)``'s layout; also with ``tiles.tma`` None)); else
+    pointers (B_DESC 0). docs/decisions.md (Tensor-parallel MoE) has what each choice measured."""
+    bk, bn = tiles.block_k, tiles.block_n
+    if tiles.tma is False or not supports_tma(ctx.backend, w.device, tiles.block_m, bn, bk):
+        return w, 0
+    E, K, N = w.shape
+    if w.stride(1) == 1 and w.stride(2) != 1 and aligned(w, w.stride(0), w.stride(2)):
+        return TensorDescriptor(w.transpose(1, 2), [E, N, K], [w.stride(0), w.stride(2), 1], [1, bn, bk]), 2
+    if tiles.tma and w.stride(2) == 1 and aligned(w, w.stride(0), w.stride(1)):
+        return TensorDescriptor(w, [E, K, N], [w.stride(0), w.stride(1), 1], [1, bk, bn]), 1
+    return w, 0
+
+
 def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, op: int = 0,
                       rank: int | None = None) -> None:
     """``ag_grouped_gemm`` on the caller's stream. ``tiles``: block sizes and warps (GemmTiles); ``x`` this rank's
@@ -166,13 +210,15 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
     [slots, 3]; ``flags``: this rank's flags; ``layout``: the gather's ChunkLayout; ``rank``: the rank it runs as
     (None: the Context's; tests simulate a world on one rank)."""
     N, K = w.shape[2], w.shape[1]
-    items = table.shape[0] * triton.cdiv(N, tiles.block_n)
-    programs = _programs(ctx, items, free_sm=True)
+    slots = table.shape[0]
+    programs = _programs(ctx, slots * triton.cdiv(N, tiles.block_n), free_sm=True)
+    b, b_desc = expert_weights(ctx, tiles, w)
     launch(ag_grouped_gemm, (programs,), (
-        x, ws, w, out, *routes, table, flags, waiter(ctx, op, rank), items, layout.m_local, layout.chunks_per_rank,
+        x, ws, b, out, *routes, table, flags, waiter(ctx, op, rank), slots, layout.m_local, layout.chunks_per_rank,
         N, K, x.stride(0), ws.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
-    ), dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, NUM_PROGRAMS=programs,
-            CLOCK=ctx.clock, DOT_F32=ctx.interpreted), num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    ), dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
+            B_DESC=b_desc, NUM_PROGRAMS=programs, CLOCK=ctx.clock, DOT_F32=ctx.interpreted),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     ctx.after_launch()
 
 
@@ -189,11 +235,13 @@ def launch_rs_grouped(ctx, tiles, block_c: int, h, w, y, routes, weights, table,
     npn = triton.cdiv(N, tiles.block_n)
     items = W * (slots * npn + triton.cdiv(layout.m_local, block_c) * npn)
     programs = _programs(ctx, items)
+    b, b_desc = expert_weights(ctx, tiles, w)
     launch(rs_grouped_gemm, (programs,), (
-        h, w, y, *routes, weights, table, dests, counts, counts[W:], target.ptrs, target.counter_ptrs,
+        h, b, y, *routes, weights, table, dests, counts, counts[W:], target.ptrs, target.counter_ptrs,
         waiter(ctx, op), slots, weights.numel() // (W * layout.m_local), layout.m_local, layout.m_per_chunk,
         layout.chunks_per_rank, N, K, h.stride(0), w.stride(0), w.stride(1), w.stride(2), W,
     ), dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_C=block_c,
-            NUM_PROGRAMS=programs, CLOCK=ctx.clock, DOT_F32=ctx.interpreted, LOCAL_COUNTERS=True),
+            GROUP_M=tiles.group_m, B_DESC=b_desc, NUM_PROGRAMS=programs, CLOCK=ctx.clock, DOT_F32=ctx.interpreted,
+            LOCAL_COUNTERS=True),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     ctx.after_launch()

@@ -26,15 +26,16 @@ class MoEGEMMConfig(ChunkedGemmConfig):
 
     @classmethod
     def defaults(cls, ctx) -> "MoEGEMMConfig":
-        """Interpreter-sized tiles where kernels are interpreted (the host backend); untuned GPU tiles elsewhere
-        (pointer loads: the rows of a tile are gathered token by token), one copy stream on CUDA."""
+        """Interpreter-sized tiles where kernels are interpreted (the host backend); on GPUs 128 x 256 tiles, 64 deep,
+        in groups of 8 row tiles (the best of the sweep in docs/decisions.md on one H200, on every model shape
+        there), one copy stream on CUDA."""
         if ctx.interpreted:
             return cls(block_m=16, block_n=32, block_k=32, group_m=1, num_warps=1, num_stages=1, chunks_per_rank=2,
                        block_c=16)
         if ctx.backend == "hip":
             return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2, min_chunk_bytes=16 << 20)
-        return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, min_chunk_bytes=16 << 20,
-                   num_streams=1)
+        return cls(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3,
+                   min_chunk_bytes=16 << 20, num_streams=1)
 
 
 def moe_table_shape(tokens: int, k: int, n: int, experts: int, topk: int) -> tuple:
