@@ -20,7 +20,7 @@ from ..producers import pipeline
 from ..producers.gather import Gather
 from .base import with_overrides
 from .moe_config import MoEGEMMConfig, MoEOp, check_moe_operands, check_out, moe_table_shape
-from .moe_routing import (MoERouting, agree_on_routing, check_routing, grouped_matmul, num_slots, sort_pairs,
+from .moe_routing import (MoERouting, agree_on_routing, check_routing, count_ids, grouped_matmul, num_slots, sort_pairs,
                           tile_table)
 
 #: fallback="auto" takes NCCL + torch below this many bytes of each rank's token shard
@@ -177,7 +177,7 @@ class AllGatherMoEGEMM(MoEOp):
         chunk = (token // layout.m_local) * layout.chunks_per_rank + (token % layout.m_local) // layout.m_per_chunk
         cpos = sched.chunk_pos[chunk]
         order, position = sort_pairs(experts, cpos, layout.num_chunks + 1)
-        counts = torch.bincount(experts, minlength=num_experts)
+        counts = count_ids(experts, num_experts)
         table = tile_table(counts.view(1, -1), bm, num_slots(pairs, num_experts, bm))[0]
         sorted_pos = cpos[order]
         used = table[:, 2] > table[:, 1]
@@ -204,7 +204,7 @@ class AllGatherMoEGEMM(MoEOp):
             return None, gathered
         order, position = sort_pairs(experts, None, 1)
         rows.copy_(grouped_matmul(gathered[order // topk], experts[order], w))
-        counts = torch.bincount(experts, minlength=w.shape[0])
+        counts = count_ids(experts, w.shape[0])
         offsets = torch.zeros(w.shape[0] + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = counts.cumsum(0)
         return MoERouting(order, position, offsets, w.shape[0], topk), gathered

@@ -25,7 +25,7 @@ from ..producers import pipeline
 from ..producers.scatter import Scatter, staging
 from .base import with_overrides
 from .moe_config import MoEGEMMConfig, MoEOp, check_moe_operands, check_out, moe_table_shape
-from .moe_routing import (MoERouting, agree_on_routing, check_routing, grouped_matmul, num_slots, sort_pairs,
+from .moe_routing import (MoERouting, agree_on_routing, check_routing, count_ids, grouped_matmul, num_slots, sort_pairs,
                           tile_table)
 
 #: fallback="auto" takes torch + NCCL below this many bytes of each rank's share of the output
@@ -206,7 +206,7 @@ class MoEGEMMReduceScatter(MoEOp):
         token = torch.arange(pairs, device=topk_ids.device, dtype=torch.int64) // topk
         dest = sched.dest_pos[token // layout.m_local]
         order, position = sort_pairs(dest, experts, num_experts)
-        counts = torch.bincount(dest * num_experts + experts, minlength=W * num_experts).view(W, num_experts)
+        counts = count_ids(dest * num_experts + experts, W * num_experts).view(W, num_experts)
         table = tile_table(counts, bm, num_slots(layout.m_local * topk, num_experts, bm))
         src = order if routing is None else routing.position[order]
         return (src.to(torch.int32), position), table.view(-1, 3).to(torch.int32).contiguous()

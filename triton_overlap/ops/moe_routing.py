@@ -87,6 +87,12 @@ def sort_pairs(group: torch.Tensor, minor: torch.Tensor | None, minor_size: int)
     return order, position
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n]: how many times each of 0..n-1 occurs in ``ids`` (int64), with no host synchronisation (on CUDA,
+    ``torch.bincount`` reads the largest id back to the host to size its output)."""
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
 def num_slots(rows: int, experts: int, block_m: int) -> int:
     """The tile slots of ``rows`` sorted rows in ``experts`` groups: the most tiles any routing can make."""
     return cdiv(rows, block_m) + min(experts, rows)
@@ -145,5 +151,5 @@ def expert_grads(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> tor
     return out
 
 
-__all__ = ["MoERouting", "agree_on_routing", "check_routing", "expert_grads", "grouped_matmul", "num_slots",
+__all__ = ["MoERouting", "agree_on_routing", "check_routing", "count_ids", "expert_grads", "grouped_matmul", "num_slots",
            "routing_digest", "sort_pairs", "tile_table"]
