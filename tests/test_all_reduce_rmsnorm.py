@@ -154,3 +154,40 @@ def test_all_reduce_rmsnorm_is_exported():
     assert to.all_reduce_rmsnorm in vars(to).values() and "AllReduceRMSNorm" in to.__all__
     with pytest.raises(ValueError, match="fallback"):
         to.AllReduceRMSNorm(None, fallback="sometimes")
+
+
+def _row_layer_rmsnorm(m, n_in, n_out):
+    """RowParallelLinear.forward_rmsnorm (the local GEMM, then AllReduce + residual + RMSNorm in one kernel) against
+    float64: the unsharded linear layer's output plus the residual, normalised; [2, m, *] leading dims kept; the
+    residual not modified; the same bits on every rank."""
+    from triton_overlap.nn import RowParallelLinear
+
+    with to.Context(timeout_s=60) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        torch.manual_seed(7)
+        full = torch.nn.Linear(n_in, n_out)
+        with torch.no_grad():
+            for p in full.parameters():
+                p.copy_(p.bfloat16().float())
+        layer = RowParallelLinear.from_full_weight(full, ctx, dtype=torch.bfloat16, sequence_parallel=False,
+                                                   fallback="never")
+        x = rand((2, m, n_in), torch.bfloat16, dev, "rl-x")
+        residual = rand((2, m, n_out), torch.bfloat16, dev, "rl-r")
+        norm_w = rand((n_out,), torch.bfloat16, dev, "rl-w")
+        keep = residual.clone()
+        k = n_in // W
+        normed, new_residual = layer.forward_rmsnorm(x[..., r * k:(r + 1) * k], residual, norm_w, eps=EPS)
+        ctx.check()
+        h = residual.double() + x.double() @ full.weight.double().t().to(dev) + full.bias.double().to(dev)
+        ref = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS) * norm_w.double()
+        assert normed.shape == new_residual.shape == (2, m, n_out) and normed.dtype == torch.bfloat16
+        assert torch.equal(residual, keep), "the residual was modified"
+        errs = (rel_err(normed, ref), rel_err(new_residual, h))
+        assert max(errs) < 2e-2, errs
+        return normed.float().cpu(), new_residual.float().cpu()
+
+
+def test_row_parallel_forward_rmsnorm(pool):
+    sizes = (3, 48, 40) if pool.backend == "host" else (5, 2048, 4096)
+    results = pool.run(_row_layer_rmsnorm, *sizes)
+    assert all(torch.equal(a[0], results[0][0]) and torch.equal(a[1], results[0][1]) for a in results)

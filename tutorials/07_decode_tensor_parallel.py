@@ -11,11 +11,12 @@ synchronisation and no call number kept on the host, so a decode step that conta
 graph once and replayed for every token. ``to.gemm_ar(a, w, ctx=ctx)`` is the row-parallel GEMM and that
 AllReduce in one kernel at decode sizes (each tile of the partial product goes to every rank as soon as it is
 computed, and each rank sums the tiles as they arrive), and ``RowParallelLinear(..., sequence_parallel=False)`` is
-the layer.
+the layer. The block's end meets the next block's RMSNorm: ``RowParallelLinear.forward_rmsnorm`` does the
+AllReduce, the residual add and the norm in one kernel (``to.all_reduce_rmsnorm``).
 
 This tutorial builds a SwiGLU MLP block sharded over the ranks (gate/up by output columns, down by input rows),
 steps it over 16 tokens (on GPUs as replays of one captured step), and compares every step's output with the
-unsharded block, and on GPUs its time per step with the same block using ``dist.all_reduce`` (NCCL).
+unsharded block (then the same steps through the next block's norm), and on GPUs its time per step with the same block using ``dist.all_reduce`` (NCCL).
 """
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from torch import nn
 
 import triton_overlap as to
 from triton_overlap.nn import RowParallelLinear
+from triton_overlap.timing import time_dist
 from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
@@ -83,8 +85,6 @@ def main():
 
         # %% On GPUs: time per step, ours against the same block with dist.all_reduce (NCCL), both as graphs.
         if gpu:
-            from triton_overlap.timing import time_dist
-
             @torch.no_grad()
             def step_nccl(x):
                 g, u = nn.functional.linear(x, w_gate_up).chunk(2, dim=-1)
@@ -102,7 +102,63 @@ def main():
             # a live graph holding NCCL work keeps destroy_process_group() from returning (pytorch#115388)
             del graph, nccl_graph
             torch.cuda.synchronize()
-        if not verdict(max(errs) < 2e-2, "every decode step matches the unsharded block"):
+
+        # %% The next block starts with an RMSNorm of the residual stream (the residual plus this block's output).
+        # ``down_tp.forward_rmsnorm`` ends the block there: the local GEMM, then the AllReduce, the residual add and
+        # the norm in one kernel (``to.all_reduce_rmsnorm``), returning the normed rows and the new residual.
+        norm_w = torch.randn(dim, generator=g).bfloat16().to(device)
+        residual = torch.empty(B, dim, device=device, dtype=torch.bfloat16)
+
+        @torch.no_grad()
+        def step_norm(x, residual):
+            g_, u = nn.functional.linear(x, w_gate_up).chunk(2, dim=-1)
+            return down_tp.forward_rmsnorm(nn.functional.silu(g_) * u, residual, norm_w, eps=1e-6)
+
+        residuals = [torch.randn(B, dim, generator=g).bfloat16() for _ in range(steps)]
+        if gpu:
+            x.copy_(tokens[0])
+            residual.copy_(residuals[0])
+            step_norm(x, residual)
+            ctx.synchronize()
+            norm_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(norm_graph):
+                normed, new_residual = step_norm(x, residual)
+        norm_errs = []
+        for t in range(steps):
+            x.copy_(tokens[t])
+            residual.copy_(residuals[t])
+            if gpu:
+                norm_graph.replay()
+            else:
+                normed, new_residual = step_norm(x, residual)
+            with torch.no_grad():
+                h = residuals[t].double() + full(tokens[t]).double()
+                ref = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6) * norm_w.double().cpu()
+            norm_errs.append(max(float((normed.double().cpu() - ref).norm() / ref.norm()),
+                                 float((new_residual.double().cpu() - h).norm() / h.norm())))
+        ctx.check()
+        say(f"{steps} steps into the next block's norm: largest relative error {max(norm_errs):.1e} (tolerance 2e-2)")
+        if gpu:
+            @torch.no_grad()
+            def step_norm_nccl(x, residual):
+                g_, u = nn.functional.linear(x, w_gate_up).chunk(2, dim=-1)
+                y = nn.functional.linear(nn.functional.silu(g_) * u, down_tp.weight)
+                dist.all_reduce(y)
+                h = residual + y + down_tp.bias
+                return nn.functional.rms_norm(h, (dim,), norm_w, eps=1e-6), h
+
+            step_norm_nccl(x, residual)
+            torch.cuda.synchronize()
+            nccl_norm_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(nccl_norm_graph):
+                step_norm_nccl(x, residual)
+            ours, base = time_dist(norm_graph.replay, 50), time_dist(nccl_norm_graph.replay, 50)
+            say(f"one decode step into the norm: ours {ours:.1f} µs, matmul + dist.all_reduce + add + rms_norm "
+                f"{base:.1f} µs ({base / ours:.2f}x)")
+            del norm_graph, nccl_norm_graph
+            torch.cuda.synchronize()
+        if not verdict(max(errs + norm_errs) < 2e-2, "every decode step matches the unsharded block, and so does "
+                       "its output through the next block's norm"):
             raise SystemExit(1)
     dist.destroy_process_group()
 

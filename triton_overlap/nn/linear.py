@@ -15,6 +15,7 @@ from torch import nn
 
 from ..ops import custom_ops
 from ..ops.all_gather_gemm import AllGatherGEMM
+from ..ops.all_reduce_rmsnorm import AllReduceRMSNorm
 from ..ops.gemm_all_reduce import GEMMAllReduce
 from ..ops.gemm_reduce_scatter import GEMMReduceScatter
 from .precision import compute_operands
@@ -161,6 +162,22 @@ class RowParallelLinear(_TPLinear):
         super().__init__(in_features, out_features, ctx, bias, dtype, device, shard_out=False, fallback=fallback)
         self.sequence_parallel = sequence_parallel
         self._forward_op = custom_ops.op_of(self._handles[1] if sequence_parallel else gemm_ar_op(ctx, fallback))
+
+    @torch.no_grad()
+    def forward_rmsnorm(self, x, residual, norm_weight, eps: float):
+        """Decode (inference, no autograd): this layer's output added to ``residual``, then the next block's
+        RMSNorm, with the AllReduce, the add and the norm in one kernel (ops.all_reduce_rmsnorm): ``x`` [*, in/W]
+        (16-bit, or float32 under autocast), ``residual`` [*, out] and ``norm_weight`` [out] the same on every rank
+        -> ``(normed, new_residual)``, [*, out] each in the compute dtype, the same bits on every rank. The local
+        GEMM's partial product (with the bias on rank 0 only, so the sum holds it once) goes to the fused kernel in
+        place of GEMM + AllReduce; ``residual`` is not modified. Graph-safe as the AllReduce is."""
+        x, weight, bias = compute_operands(type(self).__name__, x, self.weight, self.bias)
+        part = torch.nn.functional.linear(x, weight, bias if self.ctx.rank == 0 else None)
+        op = self.ctx.cached(("nn all_reduce_rmsnorm", self.fallback), lambda: AllReduceRMSNorm(
+            self.ctx, fallback=self.fallback, name=f"nn.ar_rmsnorm.{self.fallback}"))
+        rows = part.reshape(-1, part.shape[-1])
+        normed, new_residual = op(rows, residual.reshape(rows.shape).to(rows.dtype), norm_weight, eps=eps)
+        return normed.view(part.shape), new_residual.view(part.shape)
 
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_rows", "gemm_ar_op", "layer_ops", "row_rows"]
