@@ -180,6 +180,15 @@ def sequence_grid(S, block, docs: Documents | None, none: torch.Tensor):
     return docs.blocks, docs.segments, docs.bounds
 
 
+def persistent_fwd(ctx, q, k, v, kw, vw, docs: Documents | None, blocks: Blocks, out) -> bool:
+    """Whether launch_fwd runs the Hopper kernel, whose ``ctx.num_compute_units()`` programs take tiles in turn;
+    the other kernel launches a program per query block and head, which can hold every SM."""
+    if not blocks.warp_specialized:
+        return False
+    from . import attention_hopper
+    return attention_hopper.usable(ctx, q, k, v, kw, vw, docs, blocks, out)
+
+
 def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale, causal, blocks: Blocks,
                rank=None, world=None, docs: Documents | None = None, op: int = 0, tiles=None) -> None:
     """The forward kernel on contiguous q [B, S, Hq, D], k/v [B, S, Hkv, D], workspaces [B, W*S, Hkv, D], as
@@ -194,12 +203,11 @@ def launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_ra
         return
     rank = ctx.rank if rank is None else rank
     world = ctx.world_size if world is None else world
-    if blocks.warp_specialized:
+    if persistent_fwd(ctx, q, k, v, kw, vw, docs, blocks, out):
         from . import attention_hopper
-        if attention_hopper.usable(ctx, q, k, v, kw, vw, docs, blocks, out):
-            attention_hopper.launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale,
-                                           causal, blocks, rank, world, op, tiles)
-            return
+        attention_hopper.launch_fwd_ws(ctx, q, k, v, kw, vw, out, lse, flags, m_per_chunk, chunks_per_rank, scale,
+                                       causal, blocks, rank, world, op, tiles)
+        return
     launch(cp_attention_fwd, (n, B * Hq), (
         q, k, v, kw, vw, out, lse, flags, waiter(ctx, op, rank), world,
         S, Hq, Hq // k.shape[2], m_per_chunk, chunks_per_rank, scale,

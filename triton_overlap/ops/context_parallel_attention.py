@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from ..kernels.attention import Blocks, launch_fwd
+from ..kernels.attention import Blocks, launch_fwd, persistent_fwd
 from ..kernels.attention_bwd import backward_scratch, launch_bwd, launch_reduce_dkdv
 from ..kernels.capability import is_hopper
 from ..kernels.signal import WHAT_PARTIALS
@@ -243,9 +243,11 @@ class ContextParallelAttention(OverlapOp):
             launch_fwd(ctx, q, k, v, kw, vw, out, lse, flags, layout.m_per_chunk, layout.chunks_per_rank, scale,
                        causal, cfg.fwd, docs=docs, op=self.op, tiles=tiles)
 
-        # attention programs waiting for chunks can fill every SM: the barrier kernel runs first (gate)
+        # attention programs waiting for chunks can fill every SM: the barrier kernel runs first (gate); where ranks
+        # share the GPU, copies run on SMs too, and a grid that is not persistent starts after them (after_copies)
         first = cfg.consumer_first and self.warm((tuple(k.shape), k.dtype, kw.data_ptr(), vw.data_ptr()))
-        pipeline.run(ctx, producer, consumer, consumer_first=first, gate=True)
+        hold = ctx.ranks_on_device > 1 and not persistent_fwd(ctx, q, k, v, kw, vw, docs, cfg.fwd, out)
+        pipeline.run(ctx, producer, consumer, consumer_first=first, gate=True, after_copies=hold)
         return kw, vw
 
     @torch.no_grad()
@@ -302,7 +304,9 @@ class ContextParallelAttention(OverlapOp):
         shape_key = (tuple(q.shape), tuple(k.shape), q.dtype, bool(causal), float(scale), bool(cu), kept)
         # copies first, always: backward launches several kernels, and building one while another spins for chunks
         # not yet enqueued can wait for the spinning kernel
-        self.backward_replays.run(key, shape_key, lambda: pipeline.run(ctx, producer, consumer, gate=True))
+        # (where ranks share the GPU, after them: the backward's grids are not persistent; pipeline.run)
+        self.backward_replays.run(key, shape_key, lambda: pipeline.run(ctx, producer, consumer, gate=True,
+                                                                       after_copies=ctx.ranks_on_device > 1))
         return dq, dk, dv
 
     def _staging(self, recv, counters):

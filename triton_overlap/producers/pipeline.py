@@ -74,9 +74,12 @@ class BarrierOnly:
 
 
 def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consumer_first: bool = False,
-        gate: bool = False) -> None:
+        gate: bool = False, after_copies: bool = False) -> None:
     """Enqueue one call: ``producer`` (None: the consumer alone) around ``consumer`` (a function that launches the
-    consumer's kernels on the caller's stream), by the protocol above."""
+    consumer's kernels on the caller's stream), by the protocol above. ``after_copies``: the consumer starts once
+    every producer stream is done (no overlap), for ranks that share one GPU (``ctx.ranks_on_device``) with a
+    consumer whose grid is not persistent: their copies are copies within the GPU, which run on SMs, and programs
+    waiting for them could hold every SM."""
     if producer is None:
         consumer()
         return
@@ -95,13 +98,14 @@ def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consume
     for s in streams[1:]:
         s.wait_stream(first)
     # 3. (where a launch runs to its end, the host backend's, copies first)
-    if consumer_first and not ctx.synchronous_launches and not (producer.copies_first or producer.hold_consumer):
+    if consumer_first and not ctx.synchronous_launches and not (producer.copies_first or producer.hold_consumer
+                                                                or after_copies):
         consumer()
         producer.enqueue(ctx, streams)
     else:
         producer.enqueue(ctx, streams)
-        if producer.hold_consumer:
-            caller.wait_stream(streams[-1])
+        for s in streams if after_copies else streams[-1:] if producer.hold_consumer else []:
+            caller.wait_stream(s)
         consumer()
     for s in streams:  # 4. join
         caller.wait_stream(s)
