@@ -362,29 +362,32 @@ def compile_attention_bwd_ws(target, quick: bool = False) -> int:
 
 def compile_grouped_gemm(target, quick: bool = False) -> int:
     """kernels.grouped_gemm (plain Triton: the tensor-parallel MoE ops' consumers) at the GPU defaults' tiles
-    (ops.moe_config.MoEGEMMConfig), bf16, as the ops launch them (``quick``: the same; there are two kernels)."""
+    (ops.moe_config.MoEGEMMConfig), bf16, as the ops launch them: B through pointers, and through a descriptor of a
+    transposed weight (B_DESC 2, with ``tma=True``; ``quick``: pointers only)."""
     from triton_overlap.kernels.grouped_gemm import ag_grouped_gemm, rs_grouped_gemm
     from triton_overlap.ops.moe_config import MoEGEMMConfig
 
     cfg = MoEGEMMConfig.defaults(types.SimpleNamespace(interpreted=False, backend="cuda"))
     failed = 0
-    for fn in (ag_grouped_gemm, rs_grouped_gemm):
+    for fn, b_desc in itertools.product((ag_grouped_gemm, rs_grouped_gemm), (0,) if quick else (0, 2)):
         consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_C=cfg.block_c,
-                      NUM_PROGRAMS=131, CLOCK=1, DOT_F32=False, LOCAL_COUNTERS=True, stride_wn=1)
+                      GROUP_M=cfg.group_m, B_DESC=b_desc, EVEN_K=True, EVEN_N=True, NUM_PROGRAMS=131, CLOCK=1,
+                      DOT_F32=False, LOCAL_COUNTERS=True, stride_wn=1)
         consts = {k: v for k, v in consts.items() if k in fn.arg_names}
         sig = {}
         for prm in fn.params:
             n = prm.name
             sig[n] = ("constexpr" if n in consts else WAITER if n == "waiter"
-                      else "*bf16" if n in ("x_ptr", "ws_ptr", "w_ptr", "out_ptr", "h_ptr", "y_ptr")
+                      else f"tensordesc<bf16[1, {cfg.block_n}, {cfg.block_k}]>" if n == "w" and b_desc
+                      else "*bf16" if n in ("x_ptr", "ws_ptr", "w", "out_ptr", "h_ptr", "y_ptr")
                       else "*fp32" if n == "weights_ptr" else "*i64" if n in ("scatter_ptrs", "counter_ptrs")
                       else "*i32" if n.endswith("_ptr") else "i32")
-        name = f"{fn.fn.__name__} tiles {cfg.block_m}x{cfg.block_n}x{cfg.block_k}"
+        name = f"{fn.fn.__name__} tiles {cfg.block_m}x{cfg.block_n}x{cfg.block_k} B_DESC {b_desc}"
         try:
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts,
                                          attrs=divisibility(sig, skip=("rank", "op", "world", "budget", "SLOTS",
                                                                        "TOPK", "M_LOCAL", "M_PER_CHUNK",
-                                                                       "CHUNKS_PER_RANK", "num_items", "N", "K"))),
+                                                                       "CHUNKS_PER_RANK", "slots", "N", "K"))),
                                target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
             print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
         except Exception as e:  # noqa: BLE001 - reported, the check goes on
