@@ -1,15 +1,18 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
-    bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention|all_reduce|gemm_ar|moe|model
-        [--shapes ...] [--out DIR] [--shared-gpu] [--virtual-hosts N]
+    bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention|all_reduce|
+        all_reduce_rmsnorm|gemm_ar|moe|model [--shapes ...] [--out DIR] [--shared-gpu] [--virtual-hosts N]
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
 the bound (torch.matmul of the same work alone); our consumer GEMM alone (the kernel the op ran, named in the
 JSON's ``consumer``). Attention: ours; NCCL all_gather of K/V then our kernel; torch's SDPA on the full
-sequence on one GPU; our kernel alone. AllReduce: ours, NCCL, torch's symmetric-memory all-reduces, the bound;
-GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. MoE (moe.py): the MoE ops and layer against NCCL +
-sort + torch._grouped_mm, and the grouped GEMM alone. Model (model.py): a training and a decode step of
-Llama-shaped layers, ours against torch TP, async TP and our fallback. Distributed
+sequence on one GPU; our kernel alone. AllReduce: ours, NCCL, NCCL on a buffer registered for its symmetric
+kernels (nccl_symm.py, where torch and NCCL allow it), torch's symmetric-memory all-reduces, the bound; also
+``--b2b-calls`` calls back to back in one CUDA graph, the replay's time per call (``*_b2b_us``). AllReduce +
+residual + RMSNorm: ours fused against NCCL all_reduce + add + RMSNorm and our one-shot AllReduce + add + RMSNorm,
+eager, in graphs and back to back. GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. MoE (moe.py):
+the MoE ops and layer against NCCL + sort + torch._grouped_mm, and the grouped GEMM alone. Model (model.py): a
+training and a decode step of Llama-shaped layers, ours against torch TP, async TP and our fallback. Distributed
 timings: CUDA events around each call, ranks aligned on the device before each iteration, median over iterations,
 max over ranks (triton_overlap.timing); the headline columns timed in turns within each iteration, so all see the
 same GPU clock. ``--virtual-hosts N`` splits the ranks into N hosts (TRITON_OVERLAP_VIRTUAL_HOSTS): ours then moves
@@ -27,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 import triton_overlap as to
-from report import (AR_HEADER, CP_HEADER, GEMM_AR_HEADER, HEADER, _cp_row, _row, ar_row, gemm_ar_row, write,
-                    write_all_reduce, write_cp, write_gemm_ar)
+from report import (AR_HEADER, AR_RMSNORM_HEADER, CP_HEADER, GEMM_AR_HEADER, HEADER, _cp_row, _row, ar_rmsnorm_row,
+                    ar_row, gemm_ar_row, write, write_all_reduce, write_all_reduce_rmsnorm, write_cp, write_gemm_ar)
 from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
 from triton_overlap.kernels.gemm import plain_gemm
 from triton_overlap.kernels.gemm_gather_hopper import plain_gemm_hopper
@@ -699,22 +702,79 @@ def time_columns(ctx, rec, fns, iters) -> None:
 
 
 def capturable(key: str, rec: dict) -> bool:
-    """Whether the timed function ``key`` can be captured in a CUDA graph: not where it calls the process group and
-    that is gloo (--shared-gpu; a failed capture leaves torch's allocator unusable)."""
-    uses_group = (key == "nccl_us" or key == "ours_us" and rec.get("path") == "fallback"
+    """Whether the timed function ``key`` (an eager column's key) can be captured in a CUDA graph: not where it calls
+    the process group and that is gloo (--shared-gpu; a failed capture leaves torch's allocator unusable)."""
+    uses_group = (key in ("nccl_us", "nccl_symm_us") or key == "ours_us" and rec.get("path") == "fallback"
                   or key == "ours_unfused_us" and rec.get("unfused_algorithm") == "process group")
     return not uses_group or group_capturable()
+
+
+#: consecutive calls captured in one CUDA graph for the back-to-back columns (``*_b2b_us``, --b2b-calls)
+B2B_CALLS = 64
+
+
+def back_to_back(fn, calls: int):
+    """``fn`` called ``calls`` times in a row: what time_back_to_back captures in one graph."""
+    def run():
+        for _ in range(calls):
+            fn()
+    return run
+
+
+def time_back_to_back(ctx, rec, fns, iters, calls: int | None = None, budget_s: float = 2.0) -> None:
+    """``rec[<key minus _us>_b2b_us]`` for every ``fns[key]`` (None: left out): ``calls`` consecutive calls captured
+    in one CUDA graph, the replay's time over ``calls``, as serving engines time a decode step's collectives: no
+    launch gap between calls and no lining up of the ranks before each (only before each replay, timing.time_dist),
+    so each call's latency, where one call per replay (``*_graph_us``) also holds the start and the end of a
+    kernel that nothing overlaps. The graphs are timed in turns within each iteration (timing.time_interleaved).
+    Columns that call a gloo process group are not captured (capturable); a failed capture or replay is recorded
+    in the note and leaves None, and the benchmark goes on."""
+    calls = calls or B2B_CALLS
+    rec["b2b_calls"] = calls
+    graphs = {}
+    for k, fn in fns.items():
+        key = k[:-3] + "_b2b_us"
+        rec[key] = None
+        if fn is None:
+            continue
+        if not capturable(k, rec):
+            rec["note"] += f"{key}: not captured (the process group is gloo); "
+            continue
+        try:
+            graphs[key] = capture(back_to_back(fn, calls))
+        except Exception as e:  # noqa: BLE001 - recorded in the note
+            rec["note"] += f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+    ctx.check()
+    if not graphs:
+        return
+    try:
+        per_replay = time_interleaved({k: g.replay for k, g in graphs.items()}, iters, budget_s=budget_s,
+                                      lead_us=LEAD_US)
+    except Exception as e:  # noqa: BLE001 - one failing replay: time the others one at a time
+        rec["note"] += f"b2b in turns: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+        per_replay = {}
+        for k, g in graphs.items():
+            per_replay[k], note = try_time(g.replay, iters)
+            if note:
+                rec["note"] += f"{k}: {note}; "
+    for k, us in per_replay.items():
+        rec[k] = None if us is None else us / calls
+    ctx.check()
 
 
 #: message sizes in bytes (bf16): 2 KiB to 128 MiB in powers of 4, and 256 MiB
 AR_SIZES = [2048 * 4 ** k for k in range(9)] + [256 << 20]
 
 
-def bench_all_reduce(ctx, sizes, iters, write_partial):
-    """Ours (as a user gets it, and each kernel forced) against the process group's all_reduce (NCCL) and
-    torch's symmetric-memory one-shot and two-shot all-reduces, eager and as CUDA-graph replays; the bound is an
-    empty kernel's latency plus the message over the measured bandwidth of a copy into a peer's memory."""
+def bench_all_reduce(ctx, sizes, iters, write_partial, calls: int | None = None):
+    """Ours (as a user gets it, and each kernel forced) against the process group's all_reduce (NCCL), NCCL on a
+    buffer registered for its symmetric kernels (nccl_symm.SymmetricBuffer, where torch and NCCL allow it) and
+    torch's symmetric-memory one-shot and two-shot all-reduces: eager, as CUDA-graph replays of one call, and
+    ``calls`` calls back to back in one graph (time_back_to_back). The bound is an empty kernel's latency plus the
+    message over the measured bandwidth of a copy into a peer's memory."""
     import torch.distributed._symmetric_memory as symm_mem
+
+    from nccl_symm import SymmetricBuffer, is_symmetric_kernel, nccl_kernels, version_text
 
     W, group = ctx.world_size, dist.group.WORLD.group_name
     ours = to.AllReduce(ctx)
@@ -724,6 +784,9 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
     probe = ctx.symmetric("bench.bandwidth", (64 << 20,), torch.uint8)
     peer = probe.peer((ctx.rank + 1) % W)
     bw = (64 << 20) / time_dist(lambda: peer.copy_(probe.local), 10)  # bytes per µs
+    # one registration for the largest message; each size uses its head (offset 0 on every rank)
+    nccl_symm = SymmetricBuffer(dist.group.WORLD, max(sizes) // 2, torch.bfloat16, torch.device("cuda"),
+                                dist.get_backend())
     records = []
     for size in sizes:
         n = size // 2
@@ -732,9 +795,15 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
         out = torch.empty_like(x)
         buf = x.clone()
         rec = {"bytes": size, "numel": n, "world_size": W, "gpu": gpu_name(), "note": "", "lead_us": LEAD_US,
-               "latency_us": latency, "peer_bandwidth_gbs": bw / 1e3, "bound_us": latency + size / bw}
+               "latency_us": latency, "peer_bandwidth_gbs": bw / 1e3, "bound_us": latency + size / bw,
+               "nccl_version": version_text(nccl_symm.version), "nccl_symm": nccl_symm.describe()}
+        rec["note"] += f"nccl_symm: {rec['nccl_symm']}; "
         fns = {"ours_us": lambda: ours(x, out=out), "one_shot_us": lambda: one_shot(x, out=out),
                "two_shot_us": lambda: two_shot(x, out=out), "nccl_us": lambda: dist.all_reduce(buf)}
+        sym_nccl = nccl_symm.view(n)
+        if sym_nccl is not None:
+            sym_nccl.copy_(x)
+            fns["nccl_symm_us"] = lambda: dist.all_reduce(sym_nccl)
         try:
             sym = symm_mem.empty(n, dtype=torch.bfloat16, device="cuda")
             symm_mem.rendezvous(sym, group)
@@ -745,15 +814,130 @@ def bench_all_reduce(ctx, sizes, iters, write_partial):
             rec["note"] += f"torch symm_mem: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
         ref = x.double()
         dist.all_reduce(ref)
-        for name, kernel in (("one_shot", one_shot), ("two_shot", two_shot)):  # also sizes the slots before capture
+        for name, kernel in (("one_shot", one_shot), ("two_shot", two_shot)):  # also sizes the slots
             kernel(x, out=out)
             rec[f"{name}_rel_err"] = float((out.double() - ref).norm() / ref.norm())
         ours(x, out=out)
         rec["path"] = ours.last_path
+        if dist.get_backend() == "nccl":
+            for key, fn in (("nccl_kernels", fns["nccl_us"]), ("nccl_symm_kernels", fns.get("nccl_symm_us"))):
+                if fn is None:
+                    continue
+                try:  # which kernel NCCL ran: a symmetric one falls back to the ordinary one silently
+                    rec[key] = nccl_kernels(fn)
+                except Exception as e:  # noqa: BLE001 - recorded in the note
+                    rec["note"] += f"{key}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+            if "nccl_symm_kernels" in rec and not any(map(is_symmetric_kernel, rec["nccl_symm_kernels"])):
+                rec["note"] += (f"nccl_symm: NCCL ran {', '.join(rec['nccl_symm_kernels']) or 'no kernel'}, "
+                                "not a symmetric kernel, at this size; ")
         time_columns(ctx, rec, fns, iters)
+        time_back_to_back(ctx, rec, {k: fns.get(k) for k in ("ours_us", "one_shot_us", "nccl_us", "nccl_symm_us",
+                                                              "torch_one_shot_us", "torch_two_shot_us")},
+                          iters, calls)
         records.append(rec)
         write_partial(records)
         say(ar_row(rec))
+    nccl_symm.close()  # collective: after the last size on every rank (an error ends the process instead)
+    return records
+
+
+#: AllReduce + residual + RMSNorm: batch rows M x hidden H (bf16), the decode shapes of issue 68's target
+AR_RMSNORM_SHAPES = [(m, h) for h in (4096, 8192) for m in (1, 4, 16, 64)]
+#: the RMSNorm's epsilon (Llama's)
+AR_RMSNORM_EPS = 1e-5
+
+
+def rmsnorm_paths(x, residual, weight, eps, fused, one_shot, buf):
+    """The three ways to ``(rmsnorm(residual + sum over ranks of x) * weight, residual + sum over ranks of x)`` the
+    AllReduce + RMSNorm benchmark times, each a function returning that pair:
+
+    * ``ours_us``: ``fused`` (an AllReduceRMSNorm), one kernel;
+    * ``nccl_us``: the three calls serving engines fuse: the process group's all_reduce in place on ``buf`` (the
+      row-parallel GEMM's output, which the caller owns; its values grow with every call, which does not change the
+      time, so fill ``buf`` with ``x`` before a call whose result is checked), torch.add, and
+      torch.nn.functional.rms_norm;
+    * ``one_shot_us``: our AllReduce ``one_shot`` (x is not modified), torch.add and rms_norm.
+    """
+    H = x.shape[-1]
+    out, new_residual = torch.empty_like(x), torch.empty_like(x)
+    summed, nccl_residual, one_shot_residual = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+
+    def ours():
+        return fused(x, residual, weight, eps=eps, out=out, residual_out=new_residual)
+
+    def nccl():
+        dist.all_reduce(buf)
+        torch.add(residual, buf, out=nccl_residual)
+        return torch.nn.functional.rms_norm(nccl_residual, (H,), weight, eps), nccl_residual
+
+    def ours_one_shot():
+        one_shot(x, out=summed)
+        torch.add(residual, summed, out=one_shot_residual)
+        return torch.nn.functional.rms_norm(one_shot_residual, (H,), weight, eps), one_shot_residual
+
+    return {"ours_us": ours, "nccl_us": nccl, "one_shot_us": ours_one_shot}
+
+
+def rmsnorm_errors(x, residual, weight, eps, paths, buf) -> dict:
+    """One call of each of ``paths`` (rmsnorm_paths; ``buf`` filled with ``x`` first), compared:
+    ``rel_err``/``residual_rel_err``: ours against the NCCL path (normed, new residual); ``*_rel_err_fp64``: each
+    path's normed output against float64 (the sum over ranks through the process group in float64)."""
+    buf.copy_(x)
+    got = {k: tuple(t.clone() for t in fn()) for k, fn in paths.items()}
+    h = x.double()
+    dist.all_reduce(h)
+    h += residual.double()
+    ref = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + eps) * weight.double()
+    err = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))  # noqa: E731
+    rec = {"rel_err": err(got["ours_us"][0], got["nccl_us"][0]),
+           "residual_rel_err": err(got["ours_us"][1], got["nccl_us"][1])}
+    rec.update({f"{k[:-3]}_rel_err_fp64": err(normed, ref) for k, (normed, _) in got.items()})
+    return rec
+
+
+def runnable(rec, fns) -> dict:
+    """The functions of ``fns`` that run: each called once, one that raises left out with a note."""
+    kept = {}
+    for k, fn in fns.items():
+        try:
+            fn()
+            kept[k] = fn
+        except Exception as e:  # noqa: BLE001 - recorded in the note
+            rec["note"] += f"{k}: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+    return kept
+
+
+def bench_all_reduce_rmsnorm(ctx, shapes, iters, write_partial, calls: int | None = None):
+    """AllReduce + residual add + RMSNorm on [M, H] bf16 (``shapes``: (M, H)): ours fused (AllReduceRMSNorm,
+    fallback="never") against the three separate calls (NCCL all_reduce, torch.add, torch's rms_norm) and against
+    our one-shot AllReduce followed by torch's add and rms_norm (rmsnorm_paths): eager (timed alone, then in turns),
+    as CUDA-graph replays of one call, and ``calls`` calls back to back in one graph (time_back_to_back); with
+    ours' relative error against the separate path per row (rmsnorm_errors)."""
+    W, eps = ctx.world_size, AR_RMSNORM_EPS
+    fused = to.AllReduceRMSNorm(ctx, fallback="never")
+    one_shot = to.AllReduce(ctx, algorithm="one_shot", fallback="never", name="all_reduce_rmsnorm.one_shot")
+    records = []
+    for M, H in shapes:
+        torch.manual_seed(ctx.rank)
+        x = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        torch.manual_seed(1000)  # the residual stream and the norm's weight are replicated: the same on every rank
+        residual = torch.randn(M, H, device="cuda", dtype=torch.bfloat16)
+        weight = (1 + 0.1 * torch.randn(H, device="cuda")).to(torch.bfloat16)
+        buf = x.clone()
+        rec = {"M": M, "H": H, "dtype": "bfloat16", "eps": eps, "world_size": W, "gpu": gpu_name(), "note": "",
+               "lead_us": LEAD_US}
+        paths = rmsnorm_paths(x, residual, weight, eps, fused, one_shot, buf)
+        try:  # also sizes both ops' slots before any capture
+            rec.update(rmsnorm_errors(x, residual, weight, eps, paths, buf))
+        except Exception as e:  # noqa: BLE001 - a path that cannot run here (a group across hosts) is left out
+            rec["note"] += f"error check: {type(e).__name__}: {str(e).splitlines()[0][:160]}; "
+            paths = runnable(rec, paths)
+        rec["path"] = fused.last_path
+        time_columns(ctx, rec, paths, iters)
+        time_back_to_back(ctx, rec, paths, iters, calls)
+        records.append(rec)
+        write_partial(records)
+        say(ar_rmsnorm_row(rec))
     return records
 
 
@@ -806,14 +990,18 @@ def _gather(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention", "all_reduce",
-                                      "gemm_ar", "moe", "model"])
+                                      "all_reduce_rmsnorm", "gemm_ar", "moe", "model"])
     p.add_argument("--shapes", nargs="*", help="ag_gemm, ag_gemm_fp8: M,K,N (M gathered, N per rank); gemm_rs: "
                    "M,K,N (K per rank, output [M/W, N]); cp_attention: B,S,Hq,Hkv,D,causal[,documents][,fp16|bf16] "
                    "(S in all, causal 0 or 1, documents: packed documents of random lengths; bf16 unless named); "
-                   "all_reduce: bytes; gemm_ar: M,K,N (K over all ranks); moe: model,tokens per rank,routing "
-                   "(moe.parse_shape, e.g. deepseek-v3,4096,zipf); model: train|decode,8b|70b,layers,batch,tokens "
-                   "(model.parse_cases). Default: the standard list (cp_attention on one GPU: CP_SHAPES_ONE_GPU)")
+                   "all_reduce: bytes; all_reduce_rmsnorm: M,H (rows, hidden; bf16); gemm_ar: M,K,N (K over all "
+                   "ranks); moe: model,tokens per rank,routing (moe.parse_shape, e.g. deepseek-v3,4096,zipf); "
+                   "model: train|decode,8b|70b,layers,batch,tokens (model.parse_cases). Default: the standard list "
+                   "(cp_attention on one GPU: CP_SHAPES_ONE_GPU)")
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--b2b-calls", type=int, default=B2B_CALLS, metavar="CALLS",
+                   help="all_reduce, all_reduce_rmsnorm: calls back to back in one CUDA graph for the *_b2b_us "
+                   f"columns (default {B2B_CALLS})")
     p.add_argument("--lead-us", type=float, default=LEAD_US, help="see LEAD_US; 0: the GPU idles before each call")
     p.add_argument("--shared-gpu", action="store_true", help="every rank on GPU 0 over gloo: runs the benchmark "
                    "end to end where one GPU is lent; its timings mean nothing")
@@ -823,6 +1011,8 @@ def main():
     p.add_argument("--out", default="bench-results",
                    help="folder for the results (default: bench-results; benchmarks/results holds the committed ones)")
     args = p.parse_args()
+    if args.b2b_calls < 1:
+        p.error("--b2b-calls must be at least 1")
     globals()["LEAD_US"] = args.lead_us
     if not torch.cuda.is_available():
         raise SystemExit("bench: needs GPUs (timings on the host backend would mean nothing)")
@@ -849,7 +1039,12 @@ def main():
         if args.op == "all_reduce":
             say(AR_HEADER)
             sizes = [s[0] for s in shapes] if shapes else AR_SIZES
-            bench_all_reduce(ctx, sizes, args.iters, writer(write_all_reduce, sizes))
+            bench_all_reduce(ctx, sizes, args.iters, writer(write_all_reduce, sizes), args.b2b_calls)
+        elif args.op == "all_reduce_rmsnorm":
+            say(AR_RMSNORM_HEADER)
+            planned = shapes or AR_RMSNORM_SHAPES
+            bench_all_reduce_rmsnorm(ctx, planned, args.iters, writer(write_all_reduce_rmsnorm, planned),
+                                     args.b2b_calls)
         elif args.op == "gemm_ar":
             say(GEMM_AR_HEADER)
             planned = shapes or [(m, k, n) for k, n in GEMM_AR_KN for m in GEMM_AR_M]

@@ -89,9 +89,11 @@ def result_base(out_dir: str, op: str, records, W) -> str:
     return os.path.join(out_dir, f"{op}-{records[0]['gpu']}x{W}" + (f"-{hosts}hosts" if hosts > 1 else ""))
 
 
-def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, label, pending=()) -> None:
+def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, label, pending=(),
+                 footer: str = "") -> None:
     """``<op>-<gpu>x<W>.json`` and ``.md``: the provenance, ``caption``, the table (``header``, ``row(record)`` per
-    record), each record's note under ``label(record)``, and the shapes still ``pending``."""
+    record), ``footer`` (summary lines) under it, each record's note under ``label(record)``, and the shapes still
+    ``pending``."""
     os.makedirs(out_dir, exist_ok=True)
     base = result_base(out_dir, op, records, W)
     save_json(base, op, W, records, pending)
@@ -99,6 +101,7 @@ def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, l
         f.write(measured(base))
         f.write(f"{op}, {records[0]['gpu']} x{W}, {caption}\n\n{header}\n")
         f.write("\n".join(row(r) for r in records) + "\n")
+        f.write(f"\n{footer}" if footer else "")
         f.write(pending_line(pending))
         notes = [f"- {label(r)}: {r['note']}" for r in records if r["note"]]
         if notes:
@@ -117,9 +120,17 @@ def write_cp(records, W, out_dir: str, pending=()) -> None:
 
 AR_HEADER = ("| bytes | ours µs | one-shot forced µs | two-shot forced µs | NCCL µs | torch one-shot µs | "
              "torch two-shot µs | bound µs | speed-up vs NCCL | ours / bound | ours graph µs | one-shot graph µs | "
-             "two-shot graph µs | NCCL graph µs | speed-up vs NCCL, graphs |\n|" + "---|" * 15)
+             "two-shot graph µs | NCCL graph µs | speed-up vs NCCL, graphs | NCCL symm µs | NCCL symm graph µs | "
+             "ours b2b µs | one-shot forced b2b µs | NCCL b2b µs | NCCL symm b2b µs | torch one-shot b2b µs | "
+             "torch two-shot b2b µs | b2b speed-up, ours vs best baseline |\n|" + "---|" * 24)
 # ours: fallback="auto" ("(NCCL)" where it handed the message to the process group); bound: an empty kernel's
-# latency plus the message over the measured bandwidth of a copy into a peer's memory
+# latency plus the message over the measured bandwidth of a copy into a peer's memory; NCCL symm: dist.all_reduce on
+# a buffer registered for NCCL's symmetric kernels (benchmarks/nccl_symm.py); b2b: consecutive calls in one CUDA
+# graph, the replay's time per call (bench.time_back_to_back)
+
+#: the baselines of the AllReduce's back-to-back columns: (record key, name in the table)
+AR_B2B_BASELINES = (("nccl_b2b_us", "NCCL"), ("nccl_symm_b2b_us", "NCCL symm"),
+                    ("torch_one_shot_b2b_us", "torch one-shot"), ("torch_two_shot_b2b_us", "torch two-shot"))
 
 
 def _us(v) -> str:
@@ -134,6 +145,24 @@ def _ours_path(r) -> str:
     return " (NCCL)" if r.get("path") == "fallback" else ""
 
 
+def best_baseline(r, baselines=AR_B2B_BASELINES):
+    """``(key, name, µs)`` of the fastest of ``baselines`` measured in record ``r``; None where none was."""
+    got = [(r[k], k, name) for k, name in baselines if r.get(k)]
+    if not got:
+        return None
+    us, key, name = min(got)
+    return key, name, us
+
+
+def b2b_speedup(r) -> str:
+    """The back-to-back speed-up of ours (as a user gets it) over the fastest baseline, naming it: ``1.23x vs NCCL
+    symm``; n/a where either is missing."""
+    best = best_baseline(r)
+    if best is None or not r.get("ours_b2b_us"):
+        return "n/a"
+    return f"{best[2] / r['ours_b2b_us']:.2f}x vs {best[1]}"
+
+
 def ar_row(r):
     f, ratio, path = _us, _speedup, _ours_path(r)
     return (f"| {r['bytes']} | {f(r.get('ours_us'))}{path} | {f(r.get('one_shot_us'))} | {f(r.get('two_shot_us'))} | "
@@ -141,14 +170,84 @@ def ar_row(r):
             f"{f(r['bound_us'])} | {ratio(r.get('nccl_us'), r.get('ours_us'))} | "
             f"{ratio(r.get('ours_us'), r['bound_us'])} | {f(r.get('ours_graph_us'))} | "
             f"{f(r.get('one_shot_graph_us'))} | {f(r.get('two_shot_graph_us'))} | {f(r.get('nccl_graph_us'))} | "
-            f"{ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} |")
+            f"{ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} | {f(r.get('nccl_symm_us'))} | "
+            f"{f(r.get('nccl_symm_graph_us'))} | {f(r.get('ours_b2b_us'))}{path} | {f(r.get('one_shot_b2b_us'))} | "
+            f"{f(r.get('nccl_b2b_us'))} | {f(r.get('nccl_symm_b2b_us'))} | {f(r.get('torch_one_shot_b2b_us'))} | "
+            f"{f(r.get('torch_two_shot_b2b_us'))} | {b2b_speedup(r)} |")
 
 
 def write_all_reduce(records, W, out_dir: str, pending=()) -> None:
     caption = (f"bf16, median µs (max over ranks), timed in turns within each iteration; peer copy bandwidth "
                f"{records[0]['peer_bandwidth_gbs']:.0f} GB/s, empty kernel {records[0]['latency_us']:.1f} µs")
+    if records[0].get("b2b_calls"):
+        caption += (f"; b2b: {records[0]['b2b_calls']} calls back to back in one CUDA graph, the replay's median "
+                    "µs over the calls, the graphs timed in turns; NCCL symm: dist.all_reduce on a buffer registered "
+                    "for NCCL's symmetric kernels (how, or why not, and the kernels NCCL ran: each record's note and "
+                    "nccl_symm / nccl_kernels / nccl_symm_kernels in the JSON)")
     _write_table("all_reduce", records, W, out_dir, caption, AR_HEADER, ar_row, lambda r: f"{r['bytes']} bytes",
                  pending)
+
+
+AR_RMSNORM_HEADER = ("| M | H | ours µs | NCCL + add + RMSNorm µs | one-shot + add + RMSNorm µs | speed-up vs NCCL | "
+                     "ours graph µs | NCCL + add + RMSNorm graph µs | one-shot + add + RMSNorm graph µs | "
+                     "speed-up vs NCCL, graphs | speed-up vs one-shot, graphs | ours b2b µs | "
+                     "NCCL + add + RMSNorm b2b µs | one-shot + add + RMSNorm b2b µs | speed-up vs NCCL, b2b | "
+                     "speed-up vs one-shot, b2b | rel. err vs NCCL path |\n|" + "---|" * 17)
+# ours: AllReduceRMSNorm, one kernel; NCCL + add + RMSNorm: dist.all_reduce in place, torch.add,
+# torch.nn.functional.rms_norm; one-shot + add + RMSNorm: our AllReduce (one-shot forced), torch.add, rms_norm;
+# speed-ups: the other's time over ours; rel. err: ours' normed output against the NCCL path's
+
+#: AllReduce + RMSNorm's target (issue 68): fused over the three separate calls, in CUDA graphs
+AR_RMSNORM_TARGET = 1.5
+
+
+def ar_rmsnorm_row(r):
+    f, ratio = _us, _speedup
+    err = r.get("rel_err")
+    return (f"| {r['M']} | {r['H']} | {f(r.get('ours_us'))} | {f(r.get('nccl_us'))} | {f(r.get('one_shot_us'))} | "
+            f"{ratio(r.get('nccl_us'), r.get('ours_us'))} | {f(r.get('ours_graph_us'))} | "
+            f"{f(r.get('nccl_graph_us'))} | {f(r.get('one_shot_graph_us'))} | "
+            f"{ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} | "
+            f"{ratio(r.get('one_shot_graph_us'), r.get('ours_graph_us'))} | {f(r.get('ours_b2b_us'))} | "
+            f"{f(r.get('nccl_b2b_us'))} | {f(r.get('one_shot_b2b_us'))} | "
+            f"{ratio(r.get('nccl_b2b_us'), r.get('ours_b2b_us'))} | "
+            f"{ratio(r.get('one_shot_b2b_us'), r.get('ours_b2b_us'))} | {'n/a' if err is None else f'{err:.1e}'} |")
+
+
+def speedup_summary(records, base: str, ours: str, what: str, target: float | None = None) -> str:
+    """A line: the geometric mean and the lowest of ``record[base] / record[ours]`` over the records that have both
+    (which record is lowest, by M and H), and how many reach ``target``; "" where none has both."""
+    got = [(r[base] / r[ours], r) for r in records if r.get(base) and r.get(ours)]
+    if not got:
+        return ""
+    geo = math.exp(sum(math.log(v) for v, _ in got) / len(got))
+    low, r = min(got, key=lambda t: t[0])
+    line = f"{what}: geometric mean {geo:.2f}x, lowest {low:.2f}x (M={r['M']}, H={r['H']})"
+    if target is not None:
+        line += f", {sum(v >= target for v, _ in got)} of {len(got)} shapes at or above the target {target:.1f}x"
+    return line + "\n"
+
+
+def write_all_reduce_rmsnorm(records, W, out_dir: str, pending=()) -> None:
+    """``all_reduce_rmsnorm-<gpu>x<W>.{json,md}``: the table (AR_RMSNORM_HEADER), and under it the speed-ups over
+    the three separate calls and over our one-shot + add + RMSNorm, in graphs and back to back."""
+    calls = records[0].get("b2b_calls")
+    caption = (f"{records[0].get('dtype', 'bfloat16')}, eps {records[0].get('eps')}, median µs (max over ranks); "
+               "eager columns timed alone, then in turns within each iteration (the values timed alone: *_seq_us in "
+               "the JSON); graph: one call per CUDA-graph replay"
+               + (f"; b2b: {calls} calls back to back in one CUDA graph, the replay's median µs over the calls, the "
+                  "graphs timed in turns" if calls else "")
+               + "; NCCL + add + RMSNorm: dist.all_reduce in place, torch.add, torch.nn.functional.rms_norm; one-shot "
+               "+ add + RMSNorm: our AllReduce (one-shot forced), torch.add, rms_norm; rel. err: ours' normed output "
+               "against the NCCL path's (against float64: *_rel_err_fp64 in the JSON)")
+    footer = "".join(speedup_summary(records, base, ours, what, target) for base, ours, what, target in (
+        ("nccl_graph_us", "ours_graph_us", "speed-up over NCCL + add + RMSNorm, graphs", AR_RMSNORM_TARGET),
+        ("nccl_b2b_us", "ours_b2b_us", "speed-up over NCCL + add + RMSNorm, back to back", AR_RMSNORM_TARGET),
+        ("nccl_us", "ours_us", "speed-up over NCCL + add + RMSNorm, eager", None),
+        ("one_shot_graph_us", "ours_graph_us", "speed-up over one-shot + add + RMSNorm, graphs", None),
+        ("one_shot_b2b_us", "ours_b2b_us", "speed-up over one-shot + add + RMSNorm, back to back", None)))
+    _write_table("all_reduce_rmsnorm", records, W, out_dir, caption, AR_RMSNORM_HEADER, ar_rmsnorm_row,
+                 lambda r: f"M={r['M']} H={r['H']}", pending, footer)
 
 
 GEMM_AR_HEADER = ("| M | K | N | ours µs | ours matmul + AllReduce µs | matmul + NCCL µs | GEMM alone µs | "
