@@ -1,0 +1,285 @@
+"""Expert-parallel dispatch and combine: the routing and layouts, with torch on the device (ops.expert_parallel
+has the protocol): who sends what to whom (Traffic, read from the counts every rank holds), this rank's route and
+packed rows, the expansion of received rows into expert order, the two weighted sums of a combine, the handle a
+dispatch returns, and the checks that need no communication."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.row_sums import launch_gather_rows_sum
+from ..plan import cdiv
+from .checks import DTYPES
+from .moe_routing import INDEX_DTYPES
+
+#: a record's leading words: T_local, the smallest id, the largest id (then unique tokens per owner, pairs per expert)
+HEAD = 3
+#: a received row's metadata before its k local experts and k weights: source rank, source token
+META_HEAD = 2
+INT32_RANGE = (-(1 << 31), (1 << 31) - 1)
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Who sends what to whom in one dispatch, read from the counts table that every rank holds whole.
+
+    ``tokens[s]``: rank s's T_local; ``bounds[s]``: its smallest and largest id (0, 0 without tokens); ``rows[s][d]``:
+    the unique tokens s sends to d; ``experts[s][e]``: s's (token, choice) pairs for expert e."""
+
+    world: int
+    num_experts: int
+    tokens: tuple
+    bounds: tuple
+    rows: tuple
+    experts: tuple
+
+    @classmethod
+    def read(cls, table: list, world: int, num_experts: int) -> "Traffic":
+        return cls(world, num_experts, tuple(rec[0] for rec in table), tuple((rec[1], rec[2]) for rec in table),
+                   tuple(tuple(rec[HEAD:HEAD + world]) for rec in table),
+                   tuple(tuple(rec[HEAD + world:HEAD + world + num_experts]) for rec in table))
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world
+
+    def received(self, d: int) -> tuple:
+        """Unique tokens rank d receives from each source."""
+        return tuple(self.rows[s][d] for s in range(self.world))
+
+    def recv_offset(self, s: int, d: int) -> int:
+        """Where source s's block starts in rank d's receive buffer (sources in rank order)."""
+        return sum(self.rows[q][d] for q in range(s))
+
+    def send_offset(self, s: int, d: int) -> int:
+        """Where rank s's block for owner d starts in s's send order (owners in rank order)."""
+        return sum(self.rows[s][:d])
+
+    def expanded(self, d: int) -> int:
+        """The rows rank d's experts get: every (token, choice) pair routed to them."""
+        el = self.experts_per_rank
+        return sum(sum(self.experts[s][d * el:(d + 1) * el]) for s in range(self.world))
+
+    def expert_rows(self, s: int, e: int) -> int:
+        """Rows of expert e (global id) that come from source s."""
+        return self.experts[s][e]
+
+    def most_received(self) -> int:
+        return max(sum(self.received(d)) for d in range(self.world))
+
+    def most_sent(self) -> int:
+        return max(sum(self.rows[s]) for s in range(self.world))
+
+    def out_of_range(self) -> list:
+        """(rank, smallest, largest) of the ranks whose ids leave [0, E)."""
+        E = self.num_experts
+        return [(s, lo, hi) for s, (lo, hi) in enumerate(self.bounds) if self.tokens[s] and (lo < 0 or hi >= E)]
+
+
+@dataclass(frozen=True, eq=False)
+class EPHandle:
+    """What ``ep_dispatch`` returns on a rank, and what ``ep_combine`` takes back.
+
+    ``tokens`` [R, H]: the rows this rank received, grouped by local expert in expert order, within an expert in
+    (source rank, source token, choice j) order; ``counts`` int32 [E/W] rows per local expert and ``offsets`` int32
+    [E/W + 1] their bounds (``torch._grouped_mm``'s ``offs`` are ``offsets[1:]``), on the device. Per row: ``source``
+    (int32 rank), ``token`` (int32 index among the source's tokens), ``weights`` (float32, its top-k weight).
+    ``received``: unique tokens from each source; ``sent``: unique tokens this rank sent to each owner;
+    ``traffic``: every rank's counts (Traffic). What combine reads: ``slots`` int32 [U, topk], the row of d.tokens
+    that each received token's choice j became (-1: that choice is another rank's) and ``slot_weights`` float32
+    [U, topk] its weight; ``positions`` int32 [T_local, W], where this rank's token t sits in its block for owner d
+    (-1: not sent there). ``seq`` numbers the dispatch on its op (the same on every rank)."""
+
+    tokens: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    source: torch.Tensor
+    token: torch.Tensor
+    weights: torch.Tensor
+    received: tuple
+    sent: tuple
+    traffic: Traffic
+    slots: torch.Tensor
+    slot_weights: torch.Tensor
+    positions: torch.Tensor
+    rank: int
+    num_tokens: int
+    seq: int
+
+    @property
+    def num_rows(self) -> int:
+        """R: the rows this rank's experts get."""
+        return self.tokens.shape[0]
+
+    @property
+    def num_experts(self) -> int:
+        return self.traffic.num_experts
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    """This rank's routing on the device: ``record`` int32 (see Traffic), ``ids`` [T, k] int64 clamped into [0, E)
+    (meaningful only where the ids were in range: checked once every record is in), ``hit`` bool [T, W]: the owners
+    of each token."""
+
+    record: torch.Tensor
+    ids: torch.Tensor
+    hit: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class Sent:
+    """This rank's packed rows (owner-major, token order), their metadata int32 [S, 2 + 2k] and each token's
+    position in them per owner (int32 [T, W], -1: not sent there)."""
+
+    rows: torch.Tensor
+    meta: torch.Tensor
+    positions: torch.Tensor
+
+
+def capacity(rows: int) -> int:
+    """The rows a receive buffer grows to for ``rows``: at least 64, rounded up to an eighth of the power of two
+    below it (a few distinct sizes per doubling, at most 1/8 spare)."""
+    step = 1 << max(3, max(rows, 64).bit_length() - 4)
+    return cdiv(max(rows, 64), step) * step
+
+
+def check_dispatch(ctx, x, topk_ids, topk_weights, num_experts) -> None:
+    """ValueError, before anything is launched, for what needs no communication."""
+    op, W = "ep_dispatch", ctx.world_size
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"{op}: num_experts must be a positive int, got {num_experts!r}")
+    if num_experts % W:
+        raise ValueError(f"{op}: num_experts = {num_experts} is not divisible by the world size {W} (rank r owns "
+                         f"experts [r*E/W, (r+1)*E/W))")
+    for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
+        if t.device != ctx.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, the Context is on {ctx.device}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{op}: x must be float16 or bfloat16, got {x.dtype}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{op}: x must have a hidden size of at least 1, got shape {tuple(x.shape)}")
+    if topk_ids.dtype not in INDEX_DTYPES:
+        raise ValueError(f"{op}: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_ids.shape[0] != x.shape[0] or topk_ids.shape[1] < 1:
+        raise ValueError(f"{op}: topk_ids must be [T_local, topk] with T_local = {x.shape[0]} (x's rows) and "
+                         f"topk >= 1, got {tuple(topk_ids.shape)}")
+    if topk_weights.dtype != torch.float32 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"{op}: topk_weights must be float32 {tuple(topk_ids.shape)} (topk_ids' shape), got "
+                         f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
+
+
+def check_combine(ctx, y, d, out) -> None:
+    op = "ep_combine"
+    if not isinstance(d, EPHandle):
+        raise ValueError(f"{op}: d must be the EPHandle ep_dispatch returned, got {type(d).__name__}")
+    if d.rank != ctx.rank or d.traffic.world != ctx.world_size:
+        raise ValueError(f"{op}: d was made by rank {d.rank} of {d.traffic.world}, this is rank {ctx.rank} of "
+                         f"{ctx.world_size}")
+    if not isinstance(y, torch.Tensor):
+        raise ValueError(f"{op}: y must be a torch.Tensor, got {type(y).__name__}")
+    if y.dim() != 2 or y.shape[0] != d.num_rows or y.shape[1] == 0:
+        raise ValueError(f"{op}: y must be [R, N] with R = {d.num_rows} (the rows d.tokens holds) and N >= 1, got "
+                         f"{tuple(y.shape)}")
+    if y.dtype not in DTYPES:
+        raise ValueError(f"{op}: y must be float16 or bfloat16, got {y.dtype}")
+    if y.device != ctx.device:
+        raise ValueError(f"{op}: y is on {y.device}, the Context is on {ctx.device}")
+    shape = (d.num_tokens, y.shape[1])
+    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != y.dtype
+                            or out.device != y.device):
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{op}: out must be {y.dtype} {shape} on {y.device}, got {got}")
+
+
+def route_tokens(topk_ids: torch.Tensor, num_experts: int, world: int) -> Route:
+    """This rank's routing, with torch on the device and no host synchronisation (no bincount, no nonzero)."""
+    T = topk_ids.shape[0]
+    dev = topk_ids.device
+    ids = topk_ids.to(torch.int64)
+    if T:
+        bounds = torch.stack([ids.min(), ids.max()]).clamp(*INT32_RANGE)
+    else:
+        bounds = torch.zeros(2, dtype=torch.int64, device=dev)
+    ids = ids.clamp(0, num_experts - 1)
+    hit = torch.zeros((T, world), dtype=torch.bool, device=dev)
+    hit.scatter_(1, ids // (num_experts // world), True)
+    experts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
+    experts.index_add_(0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.int64, device=dev))
+    record = torch.cat([torch.full((1,), T, dtype=torch.int64, device=dev), bounds, hit.sum(0), experts])
+    return Route(record.to(torch.int32), ids, hit)
+
+
+def pack(x, route: Route, weights, rank: int, experts_per_rank: int, S: int) -> Sent:
+    """This rank's ``S`` unique (token, owner) rows, owner-major and in token order within an owner, and their
+    metadata: [this rank, token, the owner's local expert of each choice or -1, each choice's weight (float32
+    bits)]."""
+    T, k = route.ids.shape
+    dev = x.device
+    flat = route.hit.t().reshape(-1)  # [W * T], owner-major
+    order = torch.sort((~flat).to(torch.uint8), stable=True).indices[:S]  # the hits, in place order
+    token = order % max(T, 1)
+    owner = order // max(T, 1)
+    choices = route.ids.index_select(0, token)
+    local = torch.where(choices // experts_per_rank == owner[:, None], choices - owner[:, None] * experts_per_rank,
+                        -1)
+    bits = weights.index_select(0, token).contiguous().view(torch.int32).to(torch.int64)
+    meta = torch.cat([torch.full((S, 1), rank, dtype=torch.int64, device=dev), token[:, None], local, bits], 1)
+    W = route.hit.shape[1]
+    positions = torch.full((T * W,), -1, dtype=torch.int32, device=dev)
+    positions[token * W + owner] = torch.arange(S, dtype=torch.int32, device=dev)
+    return Sent(x.index_select(0, token), meta.to(torch.int32), positions.view(T, W))
+
+
+def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, experts_per_rank: int, k: int) -> tuple:
+    """The received unique rows ``rows`` [U, H] (sources in rank order, each in token order) and their ``meta``,
+    expanded to the ``R`` (row, choice) pairs of this rank's experts, stably sorted by local expert: (tokens,
+    counts, offsets, source, token, weights, slots, slot_weights) (EPHandle)."""
+    dev, el = rows.device, experts_per_rank
+    local = meta[:, META_HEAD:META_HEAD + k].to(torch.int64)
+    # (ids outside [0, el) only where a wait gave up and the metadata is stale: kept in bounds, the Context faulted)
+    key = torch.where((local >= 0) & (local < el), local, el).reshape(-1)
+    order = torch.sort(key, stable=True).indices[:R]
+    rows_of = order // k
+    counts = torch.zeros(el + 1, dtype=torch.int32, device=dev)
+    counts.index_add_(0, key.index_select(0, order), torch.ones(R, dtype=torch.int32, device=dev))
+    counts = counts[:el]
+    offsets = torch.zeros(el + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = counts.cumsum(0)
+    # a copy: ``meta`` is the receive buffer, which the next call overwrites (contiguous() would return it as it is
+    # where one row is received)
+    slot_weights = meta[:, META_HEAD + k:META_HEAD + 2 * k].clone(memory_format=torch.contiguous_format)
+    slot_weights = slot_weights.view(torch.float32)
+    slots = torch.full((key.numel(),), -1, dtype=torch.int32, device=dev)
+    slots[order] = torch.arange(R, dtype=torch.int32, device=dev)
+    return (rows.index_select(0, rows_of), counts, offsets, meta[:, 0].index_select(0, rows_of),
+            meta[:, 1].index_select(0, rows_of), slot_weights.reshape(-1).index_select(0, order),
+            slots.view(-1, k), slot_weights)
+
+
+def owner_partials(ctx, y: torch.Tensor, d: EPHandle) -> torch.Tensor:
+    """[U, N] in y's dtype: for each received unique row, Σ over its choices j among this rank's experts (in j
+    order) of weight · y, summed in float32 and rounded once (kernels.row_sums: the same bits on every call)."""
+    partials = torch.empty((sum(d.received), y.shape[1]), dtype=y.dtype, device=y.device)
+    launch_gather_rows_sum(ctx, y, d.slots, d.slot_weights, partials)
+    return partials
+
+
+def sum_partials(ctx, back: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
+    """``out`` [T_local, N] = the sum in float32, in owner rank order, of the partials ``back`` [S, N] (owner-major,
+    as this rank sent its rows) of each token, rounded once."""
+    if out.stride(-1) == 1:
+        launch_gather_rows_sum(ctx, back, d.positions, None, out)
+    else:
+        staged = torch.empty(out.shape, dtype=out.dtype, device=out.device)
+        launch_gather_rows_sum(ctx, back, d.positions, None, staged)
+        out.copy_(staged)
+
+
+__all__ = ["EPHandle", "Route", "Sent", "Traffic", "capacity", "check_combine", "check_dispatch", "expand",
+           "owner_partials", "pack", "route_tokens", "sum_partials"]

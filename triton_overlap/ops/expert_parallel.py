@@ -1,0 +1,312 @@
+"""Expert-parallel MoE dispatch and combine (normal mode): each token's row travels to the ranks that own its top-k
+experts, and the experts' outputs come back to the token's rank, weighted and summed.
+
+Rank r owns experts [r·E/W, (r+1)·E/W). ``ep_dispatch`` sends each token once to each rank that owns any of its
+choices (a token routed to two experts of one rank is sent once and expanded there) and returns the rows this rank
+received, grouped by local expert; ``ep_combine`` takes the experts' outputs in that order and returns, on each
+token's own rank, ``out[t] = Σ_j topk_weights[t, j] · y_row(t, j)``.
+
+Plan of a dispatch (the overlapped path):
+
+1. **route** (torch on the device, this rank's tokens only): the owner of each choice, the unique (token, owner)
+   pairs, and this rank's *record*: [T_local, smallest id, largest id, unique tokens per owner (W), (token, choice)
+   pairs per expert (E)].
+2. **counts** (producers.exchange.AllToAll, behind the call's barrier, which compares the ranks' call headers): copy
+   engines write the record into slot r of every peer's symmetric counts table and raise that peer's count flag for
+   r. The caller's stream waits for every source's count flag (kernels.arrivals, bounded), and the host reads the
+   table: the call's one host synchronisation (the host needs the counts to size the output and to enqueue copies
+   of the right lengths at the right places). Every rank then holds every rank's record, so all take the same
+   decisions with no further exchange: ids out of range on any rank raise ValueError on every rank, naming it (the
+   exchange has ended everywhere and no row has moved, so the Context stays usable); the receive buffers grow on
+   every rank together when any rank needs more (symmetric allocation is collective); each source's block lands at
+   the prefix of the counts of the sources before it.
+3. **rows**: this rank packs its rows per owner (owner-major, then token order; an index_select into a staging
+   tensor that only this rank's copies read, so it need not be symmetric) with their metadata (source rank, token,
+   the owner's local expert of each of the k choices or -1, the k weights); copy engines move each owner's block
+   into the owner's symmetric receive buffers at this source's offset and raise the owner's flag for this source:
+   one flag per source, raised even where the block is empty.
+4. **expand**: the caller's stream waits for every source's flag (bounded, naming the source that did not come),
+   then gathers the received rows into expert order with torch. The per-source flags exist so that an experts'
+   grouped GEMM can start on a source's rows as soon as they land: ``kernels.grouped_gemm.ag_grouped_gemm`` waits
+   on per-chunk flags, and a source's block here is such a chunk (one chunk per rank, flag value 1, chunk id =
+   source rank), while the counts table already gives, before any row lands, where each (expert, source) run of
+   rows will sit.
+
+Plan of a combine: behind its own barrier (header: the width, dtype and the dispatch it combines), the owner sums,
+for each token it received, ``weight · y`` over the token's choices among its experts in float32, rounds that
+partial once to y's dtype, and copy engines move each source's partials into the source's symmetric combine buffer
+at the place the source's block for this owner had in its send order, raising the source's flag for this owner; the
+source waits for every owner's flag and sums the (at most W) partials of each token in float32, rounding once. Both
+sums walk their terms in a fixed order (choice j, then owner rank: kernels.row_sums), so a combine returns the same
+bits on every call and on both paths. Two roundings to the 16-bit dtype in all: ‖out − ref‖ / ‖ref‖ stays within
+about two units of its rounding (2^-8 for bf16, 2^-11 for fp16) on top of whatever rounding y carries.
+
+Host synchronisations: one per dispatch (the counts), none in a combine. A dispatch makes one barrier, two waits on
+the caller's stream and two exchanges; a combine one barrier, one wait, one exchange. Every wait is bounded by the
+Context's timeout and a fault poisons the Context until ``reset()`` (docs/protocol.md); no path here is captured in
+a CUDA graph (the dispatch reads the counts back to the host).
+
+Fallback: ``torch.distributed.all_to_all_single`` on the Context's group (NCCL on GPUs, gloo on the host backend)
+for the records, the rows and metadata, and the partials, with the same layouts, so both paths return the same
+tensors.
+
+Why one op class with ``dispatch`` and ``combine`` rather than two: the pair shares one configuration (copy streams,
+fallback rule), one prefix for its symmetric buffers, and the dispatch count that ties a combine to the dispatch it
+undoes (the combine's header carries it, so ranks that combine different dispatches meet a mismatch at the barrier
+instead of summing the wrong partials).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.arrivals import launch_wait_sources
+from ..producers import pipeline
+from ..producers.exchange import AllToAll, deal
+from .base import OverlapOp, agree_across_ranks
+from .ep_routing import (META_HEAD, EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand,
+                         owner_partials, pack, route_tokens, sum_partials)
+
+
+@dataclass(frozen=True)
+class ExpertParallelConfig:
+    """``num_streams``: copy streams for the exchanges (None: one per peer, so that every link carries data at
+    once; not measured yet on GPUs, where AllGather-GEMM's sweep favoured one stream beside its GEMM)."""
+
+    num_streams: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class ExchangeSchedule:
+    """One shape's decisions for a dispatch or a combine: each copy stream's peers in order (producers.exchange.deal)
+    and the call's header, compared across ranks at the call's barrier (Context.call)."""
+
+    copy_streams: tuple
+    call: object
+
+
+class ExpertParallel(OverlapOp):
+    """Expert-parallel dispatch and combine bound to a Context (normal mode; the module's docstring has the plan).
+
+    ``op.dispatch(x, topk_ids, topk_weights, *, num_experts)``: ``x`` [T_local, H] this rank's tokens (float16 or
+    bfloat16; T_local may differ between ranks and may be 0), ``topk_ids`` [T_local, topk] int32 or int64 in [0, E),
+    ``topk_weights`` [T_local, topk] float32. Returns an EPHandle. ``op.combine(y, d, *, out=None)``: ``y`` [R, N]
+    (float16 or bfloat16) the experts' outputs in ``d.tokens``' order; returns [T_local, N] in y's dtype.
+
+    Checked before anything is launched (ValueError, the Context stays usable): E divisible by W, shapes, dtypes,
+    devices, and the ranks' agreement on H, dtype, E and topk (combine: on N and dtype). Ids out of range raise
+    ValueError on every rank once the counts are in (module docstring, step 2), before any row moves.
+
+    ``fallback``: "auto" (torch.distributed.all_to_all_single where W = 1 or the group spans hosts), "never",
+    "always". ``config``: ExpertParallelConfig. ``name``: the prefix of the op's symmetric buffers.
+    """
+
+    KIND = "expert_parallel"
+
+    def __init__(self, ctx, config: ExpertParallelConfig | None = None, *, fallback: str = "auto",
+                 name: str | None = None):
+        super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
+        self.cfg = config if config is not None else ExpertParallelConfig()
+        self.dispatch_op, self.combine_op = ctx.op_id("ep_dispatch"), ctx.op_id("ep_combine")
+        # what a wait that times out names: the counts or the rows of a dispatch, the partials of a combine
+        self.wait_ops = {what: ctx.op_id(f"{kind} {what}") for kind, what in
+                         (("ep_dispatch", "counts"), ("ep_dispatch", "rows"), ("ep_combine", "partials"))}
+
+    def default_config(self, shape, variant: str = ""):
+        return ExpertParallelConfig()
+
+    # ------------------------------------------------------------------------------------------------ dispatch
+    @torch.no_grad()
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                 num_experts: int) -> EPHandle:
+        ctx = self.ctx
+        ctx.ensure_usable()
+        check_dispatch(ctx, x, topk_ids, topk_weights, num_experts)
+        W, r, k = ctx.world_size, ctx.rank, topk_ids.shape[1]
+        self._agree("ep_dispatch", ("dispatch", x.shape[1], str(x.dtype), num_experts, k))
+        route = route_tokens(topk_ids, num_experts, W)
+        fallback = self._use_fallback()
+        self.last_path = "fallback" if fallback else "overlap"
+        sched = None if fallback else self.schedule("dispatch", x.shape[1], x.dtype, num_experts, k)
+        table = self._counts_fallback(route.record) if fallback else self._counts(route.record, sched)
+        traffic = Traffic.read(table, W, num_experts)
+        bad = traffic.out_of_range()
+        if bad:
+            raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
+                             + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
+        sent = pack(x, route, topk_weights, r, traffic.experts_per_rank, sum(traffic.rows[r]))
+        if fallback:
+            rows, meta = self._rows_fallback(sent, traffic)
+            expanded = expand(rows, meta, traffic.expanded(r), traffic.experts_per_rank, k)
+        else:
+            expanded = self._rows(sent, traffic, sched, x.shape[1], x.dtype, k)
+        seq = self.state.get("dispatches", 0)
+        self.state["dispatches"] = seq + 1
+        tokens, counts, offsets, source, token, weights, slots, slot_weights = expanded
+        return EPHandle(tokens, counts, offsets, source, token, weights, received=traffic.received(r),
+                        sent=traffic.rows[r], traffic=traffic, slots=slots, slot_weights=slot_weights,
+                        positions=sent.positions, rank=r, num_tokens=x.shape[0], seq=seq)
+
+    def _counts(self, record: torch.Tensor, sched: ExchangeSchedule) -> list:
+        """Step 2: every rank's record into every rank's counts table, behind the call's barrier; the table read
+        back to the host (the call's one host synchronisation)."""
+        ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
+        table = ctx.symmetric(f"{self.name}.counts", (W, record.numel()), torch.int32)
+        flags = ctx.symmetric(f"{self.name}.count_flags", (W,), torch.int32)
+        self.state.setdefault("buffers", {})["counts"] = table.local
+        blocks = {d: [(table.peer(d)[r], record)] for d in range(W) if d != r}
+
+        def consumer():
+            table.local[r].copy_(record)
+            launch_wait_sources(ctx, flags.local, self.wait_ops["counts"])
+
+        pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call), consumer)
+        got = table.local.tolist()
+        ctx.check()  # a wait that gave up left the table as it was: never read past a fault
+        return got
+
+    def _rows(self, sent: Sent, traffic: Traffic, sched: ExchangeSchedule, H: int, dtype, k: int) -> tuple:
+        """Steps 3 and 4: each owner's block into its receive buffers with this rank's flag there (no barrier: the
+        call's opened with the counts), then, once every source's flag is up, the received rows in expert order."""
+        ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
+        most = traffic.most_received()
+        rows = self._receive("rows", most, H, dtype)
+        meta = self._receive("meta", most, META_HEAD + 2 * k, torch.int32)
+        flags = ctx.symmetric(f"{self.name}.row_flags", (W,), torch.int32)
+        self.state["buffers"].update(rows=rows.local, meta=meta.local)
+        blocks = {}
+        for d in range(W):
+            n = traffic.rows[r][d]
+            if d != r and n:
+                a, b = traffic.send_offset(r, d), traffic.recv_offset(r, d)
+                blocks[d] = [(rows.peer(d)[b:b + n], sent.rows[a:a + n]), (meta.peer(d)[b:b + n], sent.meta[a:a + n])]
+        U = sum(traffic.received(r))
+        made = {}
+
+        def consumer():
+            n = traffic.rows[r][r]
+            if n:  # this rank's own tokens for its own experts: a local copy, no flag
+                a, b = traffic.send_offset(r, r), traffic.recv_offset(r, r)
+                rows.local[b:b + n].copy_(sent.rows[a:a + n])
+                meta.local[b:b + n].copy_(sent.meta[a:a + n])
+            launch_wait_sources(ctx, flags.local, self.wait_ops["rows"])
+            made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), traffic.experts_per_rank,
+                                      k)
+
+        pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags), consumer)
+        return made["expanded"]
+
+    def _counts_fallback(self, record: torch.Tensor) -> list:
+        ctx, W = self.ctx, self.ctx.world_size
+        table = torch.empty((W, record.numel()), dtype=torch.int32, device=record.device)
+        dist.all_to_all_single(table, record.unsqueeze(0).expand(W, -1).contiguous(), group=ctx.group)
+        return table.tolist()
+
+    def _rows_fallback(self, sent: Sent, traffic: Traffic) -> tuple:
+        ctx, r = self.ctx, self.ctx.rank
+        received, sends = list(traffic.received(r)), list(traffic.rows[r])
+        U = sum(received)
+        rows = torch.empty((U, sent.rows.shape[1]), dtype=sent.rows.dtype, device=sent.rows.device)
+        meta = torch.empty((U, sent.meta.shape[1]), dtype=torch.int32, device=sent.meta.device)
+        dist.all_to_all_single(rows, sent.rows, received, sends, group=ctx.group)
+        dist.all_to_all_single(meta, sent.meta, received, sends, group=ctx.group)
+        return rows, meta
+
+    # ------------------------------------------------------------------------------------------------- combine
+    @torch.no_grad()
+    def combine(self, y: torch.Tensor, d: EPHandle, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        ctx = self.ctx
+        ctx.ensure_usable()
+        check_combine(ctx, y, d, out)
+        N = y.shape[1]
+        self._agree("ep_combine", ("combine", N, str(y.dtype)))
+        out = torch.empty((d.num_tokens, N), dtype=y.dtype, device=y.device) if out is None else out
+        partials = owner_partials(ctx, y.contiguous(), d)
+        if self._use_fallback():
+            self.last_path = "fallback"
+            back = torch.empty((sum(d.sent), N), dtype=y.dtype, device=y.device)
+            dist.all_to_all_single(back, partials, list(d.sent), list(d.received), group=ctx.group)
+            sum_partials(ctx, back, d, out)
+            return out
+        self.last_path = "overlap"
+        self._combine(partials, d, out)
+        return out
+
+    def _combine(self, partials: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
+        """Behind the combine's barrier: each source's partials into its combine buffer (at the place its block for
+        this rank had in its send order) with this rank's flag there; then, once every owner's flag is up, the sum."""
+        ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
+        N, traffic = partials.shape[1], d.traffic
+        # the dispatch's number (mod 64) is in the header: ranks combining different dispatches fault at the barrier
+        sched = self.schedule("combine", N, partials.dtype, d.num_experts, d.seq % 64)
+        back = self._receive("partials", traffic.most_sent(), N, partials.dtype)
+        flags = ctx.symmetric(f"{self.name}.partial_flags", (W,), torch.int32)
+        self.state.setdefault("buffers", {})["partials"] = back.local
+        blocks = {}
+        for s in range(W):
+            n = traffic.rows[s][r]
+            if s != r and n:
+                a, b = traffic.recv_offset(s, r), traffic.send_offset(s, r)
+                blocks[s] = [(back.peer(s)[b:b + n], partials[a:a + n])]
+        S = sum(d.sent)
+
+        def consumer():
+            n = traffic.rows[r][r]
+            if n:
+                a, b = traffic.recv_offset(r, r), traffic.send_offset(r, r)
+                back.local[b:b + n].copy_(partials[a:a + n])
+            launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
+            sum_partials(ctx, back.local[:S], d, out)
+
+        pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call), consumer)
+
+    # ------------------------------------------------------------------------------------- plan and buffers
+    def schedule(self, kind: str, width: int, dtype, num_experts: int, extra: int) -> ExchangeSchedule:
+        """The copy streams and the header of a ``kind`` ("dispatch" or "combine") call, made once per shape:
+        ``width`` (H, or the combine's N), ``dtype``, E and ``extra`` (the dispatch's topk; the combine's dispatch
+        number mod 64)."""
+        key = (kind, width, dtype, num_experts, extra, self.cfg)
+        found = self.state.setdefault("schedules", {}).get(key)
+        if found is None:
+            ctx = self.ctx
+            op = self.dispatch_op if kind == "dispatch" else self.combine_op
+            descriptor = (kind, width, dtype, num_experts, extra)
+            found = self.state["schedules"][key] = ExchangeSchedule(
+                deal(ctx.rank, ctx.world_size, self.cfg.num_streams), ctx.call(op, descriptor, (width, num_experts)))
+        return found
+
+    def _receive(self, what: str, rows: int, width: int, dtype) -> object:
+        """The symmetric receive buffer ``what`` as [capacity, width] of ``dtype``, for ``rows`` rows (the most any
+        rank needs in this call, so every rank asks for the same). The buffer keeps its capacity while it is large
+        enough (one view shape per width, no collective); else it grows on every rank to ``capacity(rows)``."""
+        name = f"{self.name}.{what}"
+        have = self.ctx.symmetric_nbytes(name) // (width * torch.empty((), dtype=dtype).element_size())
+        cap = have if have >= max(rows, 1) else capacity(rows)
+        return self.ctx.symmetric(name, (cap, width), dtype)
+
+    def _agree(self, op: str, key: tuple) -> None:
+        agree_across_ranks(op, self.ctx, key, self.state.setdefault("agreed", set()))
+
+    def _use_fallback(self) -> bool:
+        if not self.overlap_possible():
+            return True
+        if self.fallback != "auto":
+            return self.fallback == "always"
+        return self.ctx.world_size == 1
+
+
+
+def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int,
+                ctx) -> EPHandle:
+    """Functional form of ExpertParallel.dispatch: one op per Context, kept by the Context."""
+    return ExpertParallel.shared(ctx).dispatch(x, topk_ids, topk_weights, num_experts=num_experts)
+
+
+def ep_combine(y: torch.Tensor, d: EPHandle, *, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Functional form of ExpertParallel.combine (the op ``ep_dispatch`` uses on ``ctx``)."""
+    return ExpertParallel.shared(ctx).combine(y, d, out=out)
+
+
+__all__ = ["EPHandle", "ExpertParallel", "ExpertParallelConfig", "Traffic", "ep_combine", "ep_dispatch"]
