@@ -371,7 +371,7 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
     failed = 0
     for fn, b_desc in itertools.product((ag_grouped_gemm, rs_grouped_gemm), (0,) if quick else (0, 2)):
         consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_C=cfg.block_c,
-                      GROUP_M=cfg.group_m, B_DESC=b_desc, EVEN_K=True, EVEN_N=True, NUM_PROGRAMS=131, CLOCK=1,
+                      GROUP_M=cfg.group_m, B_DESC=b_desc, NUM_PROGRAMS=131, CLOCK=1,
                       DOT_F32=False, LOCAL_COUNTERS=True, stride_wn=1)
         consts = {k: v for k, v in consts.items() if k in fn.arg_names}
         sig = {}

@@ -35,15 +35,12 @@ from .signal import WHAT_OWN_TILES, wait_for, waiter
 
 
 @triton.jit
-def _expert_tile(a_rows, w, expert, col0, cols, col_ok, K, stride_we, stride_wk, stride_wn, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_DESC: tl.constexpr, EVEN_K: tl.constexpr,
-                 EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
-    """A[rows, :] @ w[expert][:, cols] in float32: ``a_rows`` the rows' start pointers (unit stride along K; every
-    one a real row, a tile's rows past its end pointing at some row whose products are not stored), ``cols`` =
-    ``col0`` + arange; ``w`` the experts' [E, K, N] weights through pointers (B_DESC 0, any strides) or a 3-D
-    tensor descriptor (B_DESC 1: [E, K, N] with blocks [1, BLOCK_K, BLOCK_N]; 2: its transpose [E, N, K], blocks
-    [1, BLOCK_N, BLOCK_K]), which fills zeros past the expert's K and N. EVEN_K (K a multiple of BLOCK_K) and
-    EVEN_N (N of BLOCK_N): loads without masks, which Triton's pipeliner takes (masked, they are not pipelined)."""
+def _expert_tile(a_rows, row_ok, w, expert, col0, cols, col_ok, K, stride_we, stride_wk, stride_wn, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_DESC: tl.constexpr, DOT_F32: tl.constexpr):
+    """A[rows, :] @ w[expert][:, cols] in float32: ``a_rows`` the rows' start pointers (unit stride along K), ``cols`` = ``col0`` + arange; ``w``
+    the experts' [E, K, N] weights through pointers (B_DESC 0, any strides) or a 3-D tensor descriptor (B_DESC 1:
+    [E, K, N] with blocks [1, BLOCK_K, BLOCK_N]; 2: its transpose [E, N, K], blocks [1, BLOCK_N, BLOCK_K]), which
+    fills zeros past the expert's K and N; rows past ``row_ok`` and columns past ``col_ok`` read zeros."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_ptr = w
@@ -51,24 +48,14 @@ def _expert_tile(a_rows, w, expert, col0, cols, col_ok, K, stride_we, stride_wk,
         b_ptr = w + expert.to(tl.int64) * stride_we
     for k0 in range(0, K, BLOCK_K):
         k_ok = (k0 + offs_k) < K
-        if EVEN_K:
-            a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :])
-        else:
-            a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :], mask=k_ok[None, :], other=0.0)
+        a = tl.load(a_rows[:, None] + (k0 + offs_k)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if B_DESC == 1:
             b = w.load([expert, k0, col0]).reshape(BLOCK_K, BLOCK_N)
         elif B_DESC == 2:
             b = w.load([expert, col0, k0]).reshape(BLOCK_N, BLOCK_K).T
         else:
-            b_ptrs = b_ptr + (k0 + offs_k)[:, None] * stride_wk + cols[None, :] * stride_wn
-            if EVEN_K and EVEN_N:
-                b = tl.load(b_ptrs)
-            elif EVEN_K:
-                b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
-            elif EVEN_N:
-                b = tl.load(b_ptrs, mask=k_ok[:, None], other=0.0)
-            else:
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            b = tl.load(b_ptr + (k0 + offs_k)[:, None] * stride_wk + cols[None, :] * stride_wn,
+                        mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if DOT_F32:  # Triton's interpreter multiplies 16-bit operands as raw bits
             a = a.to(tl.float32)
             b = b.to(tl.float32)
@@ -92,8 +79,7 @@ def ag_grouped_gemm(x_ptr, ws_ptr, w, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_
                     waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_we, stride_wk,
                     stride_wn, stride_om,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                    B_DESC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-                    CLOCK: tl.constexpr, DOT_F32: tl.constexpr):
+                    B_DESC: tl.constexpr, NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr):
     """out[dst[p]] = x_all[src[p]] @ w[expert of p] for every sorted row p (module doc). ``pos_ptr``: each sorted
     row's chunk position (0: this rank's own rows); ``chunk_at_ptr``: the chunk id at each position; ``flags_ptr``:
     this rank's gather flags, one per chunk."""
@@ -119,8 +105,8 @@ def ag_grouped_gemm(x_ptr, ws_ptr, w, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_
                               ws_ptr + tok.to(tl.int64) * stride_wsm)
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < N
-            acc = _expert_tile(a_rows, w, expert, pid_n * BLOCK_N, cols, col_ok, K, stride_we, stride_wk, stride_wn,
-                               BLOCK_M, BLOCK_N, BLOCK_K, B_DESC, EVEN_K, EVEN_N, DOT_F32)
+            acc = _expert_tile(a_rows, row_ok, w, expert, pid_n * BLOCK_N, cols, col_ok, K, stride_we, stride_wk,
+                               stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, B_DESC, DOT_F32)
             dst = tl.load(dst_ptr + offs, mask=row_ok, other=0).to(tl.int64)
             tl.store(out_ptr + dst[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok[None, :])
@@ -131,8 +117,7 @@ def rs_grouped_gemm(h_ptr, w, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, d
                     scatter_ptrs, counter_ptrs, waiter, SLOTS, TOPK, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N, K,
                     stride_hm, stride_we, stride_wk, stride_wn, world,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                    GROUP_M: tl.constexpr, B_DESC: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                    NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+                    GROUP_M: tl.constexpr, B_DESC: tl.constexpr, NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
                     LOCAL_COUNTERS: tl.constexpr):
     """Y[p] = h[src[p]] @ w[expert of p] for every sorted row p, destination by destination (``dests_ptr``: the
     ranks in the order their rows are computed; the table holds SLOTS slots per destination, in that order), and
@@ -159,8 +144,8 @@ def rs_grouped_gemm(h_ptr, w, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, d
                 offs = first + tl.arange(0, BLOCK_M)
                 row_ok = offs < end
                 src = tl.load(src_ptr + offs, mask=row_ok, other=0).to(tl.int64)
-                acc = _expert_tile(h_ptr + src * stride_hm, w, expert, pid_n * BLOCK_N, cols, col_ok, K, stride_we,
-                                   stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, B_DESC, EVEN_K, EVEN_N, DOT_F32)
+                acc = _expert_tile(h_ptr + src * stride_hm, row_ok, w, expert, pid_n * BLOCK_N, cols, col_ok, K,
+                                   stride_we, stride_wk, stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, B_DESC, DOT_F32)
                 tl.store(y_ptr + offs.to(tl.int64)[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                          mask=row_ok[:, None] & col_ok[None, :])
             tl.debug_barrier()  # every thread's stores of the tile come before the release below
@@ -231,8 +216,7 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
         x, ws, b, out, *routes, table, flags, waiter(ctx, op, rank), slots, layout.m_local, layout.chunks_per_rank,
         N, K, x.stride(0), ws.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0),
     ), dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-            B_DESC=b_desc, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0, NUM_PROGRAMS=programs,
-            CLOCK=ctx.clock, DOT_F32=ctx.interpreted),
+            B_DESC=b_desc, NUM_PROGRAMS=programs, CLOCK=ctx.clock, DOT_F32=ctx.interpreted),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     ctx.after_launch()
 
@@ -256,8 +240,7 @@ def launch_rs_grouped(ctx, tiles, block_c: int, h, w, y, routes, weights, table,
         waiter(ctx, op), slots, weights.numel() // (W * layout.m_local), layout.m_local, layout.m_per_chunk,
         layout.chunks_per_rank, N, K, h.stride(0), w.stride(0), w.stride(1), w.stride(2), W,
     ), dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, BLOCK_C=block_c,
-            GROUP_M=tiles.group_m, B_DESC=b_desc, EVEN_K=K % tiles.block_k == 0, EVEN_N=N % tiles.block_n == 0,
-            NUM_PROGRAMS=programs, CLOCK=ctx.clock, DOT_F32=ctx.interpreted,
+            GROUP_M=tiles.group_m, B_DESC=b_desc, NUM_PROGRAMS=programs, CLOCK=ctx.clock, DOT_F32=ctx.interpreted,
             LOCAL_COUNTERS=True),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     ctx.after_launch()
