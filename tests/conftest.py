@@ -122,6 +122,7 @@ FAST = [
     "test_nn_moe.py::test_tp_moe_matches_plain_module[host-w3-empty_experts]",
     "test_nn_moe.py::test_tp_moe_matches_plain_module[host-w2-autocast]",
     "test_nn_moe.py::test_tp_moe_refuses_what_it_cannot_run[host-w2]",
+    "test_nn_ep_moe.py::test_ep_moe_matches_plain_module[host-w3-empty_experts]",
     "test_parallel_styles.py::test_llama_matches_unmodified_model[host-w2-0]",
     "test_parallel_styles.py::test_llama_matches_unmodified_model[host-w3-1]",
     "test_parallel_styles.py::test_llama_matches_unmodified_model[host-w2-2]",

@@ -1,12 +1,14 @@
 """torch.nn layers built on the overlapped ops, with autograd: sequence-parallel linear layers, a tensor-parallel
-MLP, a tensor-parallel mixture of experts, a transformer block with context-parallel attention, and parallel styles
-for parallelize_module (linear layers, the sequence-parallel region's edges, sparse-MoE blocks)."""
+MLP, a tensor-parallel and an expert-parallel mixture of experts, a transformer block with context-parallel
+attention, and parallel styles for parallelize_module (linear layers, the sequence-parallel region's edges,
+sparse-MoE blocks)."""
 from .block import ParallelTransformerBlock
+from .ep_moe import EPMoE
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import TPMLP
 from .moe import TPMoE
 from .parallel import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence
 from .parallel_moe import MoEParallel
 
-__all__ = ["ColumnParallelLinear", "ColwiseParallel", "GatherSequence", "MoEParallel", "ParallelTransformerBlock",
-           "RowParallelLinear", "RowwiseParallel", "ShardSequence", "TPMLP", "TPMoE"]
+__all__ = ["ColumnParallelLinear", "ColwiseParallel", "EPMoE", "GatherSequence", "MoEParallel",
+           "ParallelTransformerBlock", "RowParallelLinear", "RowwiseParallel", "ShardSequence", "TPMLP", "TPMoE"]

@@ -150,7 +150,7 @@ class TPMoE(nn.Module):
         sequence of E expert modules, each with ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj``
         ``nn.Linear`` layers without bias. ``dtype``: the parameters' (default: the router's where 16-bit, else
         bfloat16)."""
-        w1, w3, w2 = _stacked(experts)
+        w1, w3, w2 = stacked_experts(experts)
         E, hidden, dim = w1.shape
         if router.bias is not None or tuple(router.weight.shape) != (E, dim):
             raise ValueError(f"TPMoE.from_full: router must be nn.Linear({dim}, {E}, bias=False), got weight "
@@ -209,8 +209,10 @@ class TPMoE(nn.Module):
         return y.reshape(-1, *x.shape[1:-1], y.shape[-1])
 
 
-def _stacked(experts):
-    """(w1, w3, w2) stacked [E, hidden, dim], [E, hidden, dim], [E, dim, hidden] from from_full's ``experts``."""
+def stacked_experts(experts, layer: str = "TPMoE"):
+    """(w1, w3, w2) stacked [E, hidden, dim], [E, hidden, dim], [E, dim, hidden] from a ``from_full``'s ``experts``
+    (the three tensors, or expert modules with w1/w3/w2 or gate_proj/up_proj/down_proj linears); ``layer`` names the
+    caller in errors."""
     if isinstance(experts, (tuple, list)) and len(experts) == 3 and all(isinstance(t, torch.Tensor) for t in experts):
         return tuple(t.detach() for t in experts)
     names = (("w1", "w3", "w2"), ("gate_proj", "up_proj", "down_proj"))
@@ -218,10 +220,10 @@ def _stacked(experts):
     for three in names:
         if mods and all(all(isinstance(getattr(m, n, None), nn.Linear) for n in three) for m in mods):
             if any(getattr(m, n).bias is not None for m in mods for n in three):
-                raise ValueError("TPMoE.from_full: experts with biases are not supported")
+                raise ValueError(f"{layer}.from_full: experts with biases are not supported")
             return tuple(torch.stack([getattr(m, n).weight.detach() for m in mods]) for n in three)
-    raise ValueError("TPMoE.from_full: experts must be (w1, w3, w2) tensors or expert modules with w1/w3/w2 or "
+    raise ValueError(f"{layer}.from_full: experts must be (w1, w3, w2) tensors or expert modules with w1/w3/w2 or "
                      "gate_proj/up_proj/down_proj nn.Linear layers")
 
 
-__all__ = ["TPMoE", "gather_routes", "moe_ops", "route_local", "shard_experts", "swiglu_experts"]
+__all__ = ["TPMoE", "gather_routes", "moe_ops", "route_local", "shard_experts", "stacked_experts", "swiglu_experts"]

@@ -1,0 +1,313 @@
+"""An expert-parallel mixture-of-experts layer (SwiGLU experts, softmax top-k router) on ``ExpertParallel``'s
+dispatch and combine, with autograd through both.
+
+Every rank holds its own tokens (``[T_local, dim]``, or ``[S, *, dim]`` flattened; the ranks' T_local may differ),
+the whole router (replicated) and E/W whole experts: rank r owns experts ``[r·E/W, (r+1)·E/W)``. A forward is
+
+* the router on this rank's tokens, as ``TPMoE`` computes it (``nn.moe.route_local``: logits in float32, softmax,
+  top-k, optionally renormalized);
+* ``dispatch``: each token's row to the ranks that own its choices (``ops.expert_parallel``), the received rows
+  grouped by local expert (``d.tokens``, bounds ``d.offsets``);
+* the SwiGLU experts on those rows: ``torch._grouped_mm`` where it takes the operands (bfloat16, widths multiples
+  of 8, CPU or a GPU of compute capability 9.0 or newer: ``ops.moe_routing.expert_grads``' rule), else a matmul per
+  expert (the offsets read back to the host);
+* ``combine``: each token's ``Σ_j p[t, j] · y_row(t, j)`` back on its own rank, summed in float32.
+
+Backward, piece by piece (``torch.autograd.Function``s below; the router and ``silu(gate) * up`` by torch):
+
+* combine, w.r.t. the experts' outputs: row ``(t of source s, choice j)`` gets ``p[t, j] · g[t]``. The output
+  gradient ``g`` [T_local, dim] is dispatched with the forward's ids and weights (a second ``dispatch`` through the
+  same op: the order of ``d.tokens`` follows from the routing alone, so its rows land in the forward's order; the
+  layer checks that both dispatches moved the same counts) and multiplied by the rows' weights in float32.
+* combine, w.r.t. the top-k weights: ``<y_row(t, j), g[t]>`` in float32 on the owner (its rows of ``g`` came with
+  the dispatch above), per received token and choice ``[U, topk]``, sent back to the tokens' ranks by
+  ``torch.distributed.all_to_all_single`` on the Context's process group in float32 (16-bit would round the
+  gradient), where each token's value is summed over its owners (one nonzero per choice). Not overlapped.
+* dispatch, w.r.t. the input: the rows' gradient summed per token over its choices on each owner and sent back:
+  ``combine`` of the rows' gradient with a handle whose weights are all 1 (``dataclasses.replace`` of the
+  forward's handle: a handle is the data it holds, and ``1.0 · v`` is exact, so this is the unweighted return on
+  the op's own path, copies and fixed-order float32 sums included).
+* the experts' weights: ``a_e^T @ b_e`` over each local expert's rows (``ops.moe_routing.expert_grads``: one
+  ``torch._grouped_mm`` where it takes the operands), the rows' gradient by the grouped GEMM with ``w^T``.
+* the router: through the top-k weights by torch autograd, as for ``TPMoE``. It is computed from this rank's
+  tokens only: call ``sync_replicated_grads()`` after backward (a sum over ranks), or leave it to a data-parallel
+  reducer.
+
+What overlaps what: where the op takes its overlapped path (``last_path == "overlap"``), the rows of a dispatch or
+a combine move by copy engine into the peers' symmetric buffers, with a flag per source, while the other ranks'
+copies are in flight; but the experts' grouped GEMM starts only once every source's rows have landed (the
+dispatch waits for every flag before it expands the rows into expert order), so the transfers are not yet
+overlapped with the experts' compute per source, nor the combine's with the down projection. Not overlapped at
+all: the router, the weights' gradient exchange (process group), the experts' weight gradients (local), and one
+host synchronisation per dispatch (the counts), so two per training step and layer. ``fallback="always"`` takes
+the process group's ``all_to_all_single`` for every exchange. The dispatch reads counts back to the host, so the
+layer runs outside ``torch.compile``'s graphs (a graph break) and cannot be captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..ops.expert_parallel import ExpertParallel
+from ..ops.moe_routing import expert_grads
+from .moe import route_local, shard_experts, stacked_experts
+from .precision import COMPUTE_DTYPES, compute_dtype
+
+
+def ep_op(ctx, fallback: str) -> ExpertParallel:
+    """The ExpertParallel op of the EPMoE layers on ``ctx`` with the fallback rule ``fallback``: one per pair,
+    shared by the layers (its dispatches number themselves, so layers in flight together stay apart)."""
+    return ctx.cached(("nn ep_moe op", fallback),
+                      lambda: ExpertParallel(ctx, fallback=fallback, name=f"nn.ep_moe.{fallback}"))
+
+
+# ----------------------------------------------------------------------------------------------- the experts
+def takes_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``a`` [R, K] @ ``w`` [E, K, N] (expert_grads' rule: bfloat16, K and N
+    multiples of 8 for its 16-byte strides, the CPU or a GPU of compute capability 9.0 or newer, rows present)."""
+    K, N = w.shape[1], w.shape[2]
+    return (hasattr(torch, "_grouped_mm") and a.dtype == torch.bfloat16 and w.dtype == a.dtype and K % 8 == 0
+            and N % 8 == 0 and a.shape[0] > 0 and (not a.is_cuda or torch.cuda.get_device_capability(a.device)
+                                                    >= (9, 0)))
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[R, N]: ``a[o_e:o_{e+1}] @ w[e]`` for each expert e (``a`` [R, K] rows grouped by expert, ``offsets`` int32
+    [E + 1] their bounds, ``w`` [E, K, N], or a transposed view of one). One ``torch._grouped_mm`` where it takes
+    the operands, else a matmul per expert that has rows (the bounds read back to the host)."""
+    a = a.contiguous()
+    if takes_grouped_mm(a, w):
+        return torch._grouped_mm(a, w, offs=offsets[1:].contiguous())
+    out = a.new_empty((a.shape[0], w.shape[2]))
+    bounds = offsets.tolist()
+    for e in range(w.shape[0]):
+        if bounds[e + 1] > bounds[e]:
+            out[bounds[e]:bounds[e + 1]] = a[bounds[e]:bounds[e + 1]] @ w[e]
+    return out
+
+
+class GroupedMM(torch.autograd.Function):
+    """``grouped_mm(rows, w, offsets)`` with its gradients: the rows' by the grouped GEMM with ``w^T``, the
+    weights' by ``expert_grads`` (each expert's ``rows_e^T @ grad_e``, zero for experts without rows)."""
+
+    @staticmethod
+    def forward(fctx, rows, w, offsets):
+        fctx.save_for_backward(rows, w, offsets)
+        return grouped_mm(rows, w, offsets)
+
+    @staticmethod
+    def backward(fctx, grad):
+        rows, w, offsets = fctx.saved_tensors
+        grad = grad.contiguous()
+        grad_rows = grouped_mm(grad, w.transpose(1, 2), offsets) if fctx.needs_input_grad[0] else None
+        grad_w = expert_grads(rows, grad, offsets) if fctx.needs_input_grad[1] else None
+        return grad_rows, grad_w, None
+
+
+def swiglu_rows(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The local SwiGLU experts on ``rows`` [R, dim] grouped by expert (bounds ``offsets``): ``w13`` [E/W, dim,
+    2 * hidden] (gate columns, then up), ``w2`` [E/W, hidden, dim]. Returns [R, dim] in the rows' dtype."""
+    gate, up = GroupedMM.apply(rows, w13, offsets).split(w13.shape[-1] // 2, dim=-1)
+    return GroupedMM.apply(nn.functional.silu(gate) * up, w2, offsets)
+
+
+# ------------------------------------------------------------------------------------- dispatch and combine
+class Routing:
+    """What one forward's dispatch hands to its combine and to both backwards: ``handle`` (the EPHandle, its rows
+    detached so that it holds no autograd graph: the graph's nodes hold this object), ``ids`` and ``weights`` (the
+    top-k, detached)."""
+
+    __slots__ = ("handle", "ids", "weights")
+
+
+class Dispatch(torch.autograd.Function):
+    """``op.dispatch`` as a function of the tokens: returns ``d.tokens`` [R, dim] and fills ``routing``. Backward:
+    the rows' gradient summed per token over its choices on each owner and sent back (module docstring)."""
+
+    @staticmethod
+    def forward(fctx, x, ids, weights, op, num_experts, routing):
+        d = op.dispatch(x.contiguous(), ids, weights, num_experts=num_experts)
+        routing.handle, routing.ids, routing.weights = replace(d, tokens=d.tokens.detach()), ids, weights
+        fctx.op, fctx.routing = op, routing
+        return d.tokens
+
+    @staticmethod
+    def backward(fctx, grad_rows):
+        d = fctx.routing.handle
+        unit = replace(d, slot_weights=torch.ones_like(d.slot_weights))  # the op's combine, unweighted
+        return fctx.op.combine(grad_rows.contiguous(), unit), None, None, None, None, None
+
+
+class Combine(torch.autograd.Function):
+    """``op.combine(y, routing.handle)`` as a function of the experts' outputs ``y`` [R, dim] and of the top-k
+    ``weights`` [T_local, k] (float32). Backward: module docstring."""
+
+    @staticmethod
+    def forward(fctx, y, weights, op, routing):
+        fctx.save_for_backward(y)
+        fctx.op, fctx.routing = op, routing
+        return op.combine(y.contiguous(), routing.handle)
+
+    @staticmethod
+    def backward(fctx, grad_out):
+        (y,) = fctx.saved_tensors
+        op, routing = fctx.op, fctx.routing
+        d = routing.handle
+        g = op.dispatch(grad_out.to(y.dtype).contiguous(), routing.ids, routing.weights, num_experts=d.num_experts)
+        if g.traffic != d.traffic:  # the same ids move the same counts; anything else is a bug (or changed ids)
+            raise RuntimeError(f"EPMoE backward: rank {d.rank}: the output gradient's dispatch moved other counts than "
+                               f"the forward's ({g.traffic} vs {d.traffic})")
+        rows = g.tokens.float()  # row i: g[t] of the token of the forward's row i
+        grad_y = (rows * d.weights[:, None]).to(y.dtype) if fctx.needs_input_grad[0] else None
+        grad_w = weight_grads(op.ctx, y, rows, d) if fctx.needs_input_grad[1] else None
+        return grad_y, grad_w, None, None
+
+
+def weight_grads(ctx, y: torch.Tensor, g_rows: torch.Tensor, d) -> torch.Tensor:
+    """float32 [T_local, k]: ``dL/dp[t, j] = <y_row(t, j), g[t]>``. On the owner, the dot of each row ``y`` [R, N]
+    with its token's output gradient ``g_rows`` [R, N] (float32), placed per received token and choice [U, k] (0
+    where the choice is another rank's); ``all_to_all_single`` on the Context's group sends each source its
+    tokens' values in float32 (the combine fallback's layout: received tokens per source, back in each source's send
+    order), where each token's values are summed over its owners."""
+    R, k = d.num_rows, d.slots.shape[1]
+    dots = torch.cat([(y.float() * g_rows).sum(1), torch.zeros(1, dtype=torch.float32, device=y.device)])
+    slots = d.slots.long()
+    per = dots[torch.where(slots >= 0, slots, R)].contiguous()  # [U, k], index R: the zero
+    back = torch.empty((sum(d.sent), k), dtype=torch.float32, device=y.device)
+    dist.all_to_all_single(back, per, list(d.sent), list(d.received), group=ctx.group)
+    back = torch.cat([back, back.new_zeros(1, k)])
+    pos = d.positions.long()  # [T_local, W]: the token's row in the send order per owner, -1: not sent there
+    return back[torch.where(pos >= 0, pos, back.shape[0] - 1)].sum(1)
+
+
+def ep_swiglu(rows, ids, weights, w13, w2, op, num_experts: int) -> torch.Tensor:
+    """This rank's tokens ``rows`` [T_local, dim] through their top-k experts wherever they live, back as
+    [T_local, dim]: dispatch, the local SwiGLU experts (``w13``, ``w2``: ``swiglu_rows``), combine, differentiable
+    in ``rows``, ``weights`` (float32 [T_local, k]), ``w13`` and ``w2``. ``ids`` int [T_local, k]."""
+    routing = Routing()
+    tokens = Dispatch.apply(rows, ids, weights.detach(), op, num_experts, routing)
+    y = swiglu_rows(tokens, w13, w2, routing.handle.offsets)
+    return Combine.apply(y, weights, op, routing)
+
+
+# -------------------------------------------------------------------------------------------------- the layer
+class EPMoE(nn.Module):
+    """Expert-parallel mixture of ``num_experts`` SwiGLU experts of width ``hidden``, ``topk`` of them per token.
+
+    ``[T_local, dim]`` (or ``[S, *, dim]``) -> the same shape: this rank's own tokens, any number per rank (zero
+    included). Parameters: ``router`` (``nn.Linear(dim, E, bias=False)``, replicated: the same on every rank),
+    ``w13`` [E/W, dim, 2 * hidden] (each local expert's gate columns, then its up columns) and ``w2`` [E/W, hidden,
+    dim] (its down projection), in the ops' [E, K, N] layout (``TPMoE``'s, with whole experts); rank r's local
+    expert i is expert ``r·E/W + i``. ``out[t] = sum_j p[t, j] * (silu(x[t] @ gate_e) * (x[t] @ up_e)) @ down_e``
+    with ``e = ids[t, j]``, ``(p, ids)`` the top-k of ``softmax(x @ router.weight^T)`` (``renormalize``: ``p``
+    divided by its sum over the k choices), exactly ``TPMoE``'s router.
+
+    Overlapped: the rows of each dispatch and combine (forward and backward), by copy engine with a flag per source,
+    where the op takes its overlapped path. Not overlapped: the experts' GEMMs with those transfers (they start once
+    every source's rows are in), the top-k weights' gradient (``all_to_all_single`` on the process group), the
+    experts' weight gradients and the router. The module docstring says what each backward piece does.
+
+    Gradients: the experts' are complete on their owner. The router's covers this rank's tokens only: call
+    ``sync_replicated_grads()`` after backward (a sum over ranks) or hand it to your data-parallel reducer.
+
+    Parameters are bfloat16 (default) or float16; float32 parameters work under ``torch.autocast`` (cast per call,
+    as ``nn.Linear`` is) and raise TypeError without it. ``fallback`` is the op's rule ("auto": the process group
+    where W = 1 or across hosts; "never", "always"). Every rank must call the layer (forward and backward) in the
+    same order, as for any collective.
+    """
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, *, ctx, renormalize: bool = True,
+                 dtype=None, device=None, fallback: str = "auto"):
+        super().__init__()
+        W = ctx.world_size
+        if num_experts % W:
+            raise ValueError(f"EPMoE: num_experts = {num_experts} is not divisible by the world size {W} (rank r "
+                             f"owns experts [r*E/W, (r+1)*E/W))")
+        if not 1 <= topk <= num_experts:
+            raise ValueError(f"EPMoE: topk = {topk} must lie in [1, num_experts = {num_experts}]")
+        if fallback not in ("auto", "never", "always"):
+            raise ValueError(f'EPMoE: fallback must be "auto", "never" or "always", got {fallback!r}')
+        kw = {"dtype": dtype or torch.bfloat16, "device": device or ctx.device}
+        self.ctx, self.fallback = ctx, fallback
+        self.dim, self.hidden, self.num_experts, self.topk = dim, hidden, num_experts, topk
+        self.renormalize = renormalize
+        self.experts_local = num_experts // W
+        self.op = ep_op(ctx, fallback)
+        self.router = nn.Linear(dim, num_experts, bias=False, **kw)
+        self.w13 = nn.Parameter(torch.empty(self.experts_local, dim, 2 * hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(self.experts_local, hidden, dim, **kw))
+        with torch.no_grad():  # nn.Linear's default range: fan-in of each projection
+            self.w13.uniform_(-dim ** -0.5, dim ** -0.5)
+            self.w2.uniform_(-hidden ** -0.5, hidden ** -0.5)
+
+    @classmethod
+    def from_full(cls, router: nn.Linear, experts, ctx, *, topk: int, renormalize: bool = True, dtype=None,
+                  device=None, fallback: str = "auto") -> "EPMoE":
+        """This rank's experts of an unsharded MoE, the same on every rank (``TPMoE.from_full``'s arguments):
+        ``router`` an ``nn.Linear(dim, E)`` without bias; ``experts`` either ``(w1, w3, w2)``, stacked tensors in
+        ``nn.Linear``'s [out, in] convention (Mixtral's, Qwen3-MoE's): gate ``w1`` [E, hidden, dim], up ``w3``
+        [E, hidden, dim], down ``w2`` [E, dim, hidden]; or a sequence of E expert modules, each with
+        ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` ``nn.Linear`` layers without bias. Only
+        rank r's experts ``[r·E/W, (r+1)·E/W)`` are copied. ``dtype``: the parameters' (default: the router's where
+        16-bit, else bfloat16)."""
+        w1, w3, w2 = stacked_experts(experts, "EPMoE")
+        E, hidden, dim = w1.shape
+        if router.bias is not None or tuple(router.weight.shape) != (E, dim):
+            raise ValueError(f"EPMoE.from_full: router must be nn.Linear({dim}, {E}, bias=False), got weight "
+                             f"{tuple(router.weight.shape)}{' with a bias' if router.bias is not None else ''}")
+        if tuple(w3.shape) != (E, hidden, dim) or tuple(w2.shape) != (E, dim, hidden):
+            raise ValueError(f"EPMoE.from_full: experts must be w1, w3 [E, hidden, dim] and w2 [E, dim, hidden], got "
+                             f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
+        if dtype is None:
+            dtype = router.weight.dtype if router.weight.dtype in COMPUTE_DTYPES else torch.bfloat16
+        moe = cls(dim, hidden, E, topk, ctx=ctx, renormalize=renormalize, dtype=dtype, device=device,
+                  fallback=fallback)
+        mine = slice(*moe.expert_range)
+        w13_local, w2_local = shard_experts(w1[mine], w3[mine], w2[mine], 0, 1)  # whole experts: one "shard"
+        with torch.no_grad():
+            moe.router.weight.copy_(router.weight)
+            moe.w13.copy_(w13_local)
+            moe.w2.copy_(w2_local)
+        return moe
+
+    @property
+    def expert_range(self) -> tuple:
+        """(first, end): the global ids of this rank's experts."""
+        first = self.ctx.rank * self.experts_local
+        return first, first + self.experts_local
+
+    @property
+    def last_path(self) -> str | None:
+        """The path the layer's op took on its latest call (shared by every EPMoE with this Context and fallback
+        rule): ``"overlap"``, ``"fallback"`` (the process group's all_to_all_single), or None before any call."""
+        return self.op.last_path
+
+    def replicated_parameters(self):
+        return list(self.router.parameters())
+
+    @torch.no_grad()
+    def sync_replicated_grads(self):
+        for p in self.replicated_parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.ctx.group)
+
+    def route(self, rows: torch.Tensor):
+        """This rank's (top-k ids int64 [T_local, k], top-k weights float32 [T_local, k]): ``TPMoE``'s router,
+        with no exchange (each rank routes its own tokens)."""
+        _, weights, ids = route_local(rows, self.router.weight, self.topk, self.renormalize)
+        return ids, weights
+
+    @torch.compiler.disable  # the dispatch reads the counts back to the host: no graph can hold it
+    def forward(self, x):
+        dtype = compute_dtype("EPMoE", x, self.w13)
+        rows = x.reshape(-1, x.shape[-1]).to(dtype)
+        ids, weights = self.route(rows)
+        y = ep_swiglu(rows, ids, weights, self.w13.to(dtype), self.w2.to(dtype), self.op, self.num_experts)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+__all__ = ["Combine", "Dispatch", "EPMoE", "GroupedMM", "Routing", "ep_op", "ep_swiglu", "grouped_mm",
+           "swiglu_rows", "takes_grouped_mm", "weight_grads"]
