@@ -53,8 +53,8 @@ from torch import nn
 
 from ..ops.expert_parallel import ExpertParallel
 from ..ops.moe_routing import expert_grads
-from .moe import route_local, shard_experts, stacked_experts
-from .precision import COMPUTE_DTYPES, compute_dtype
+from .moe import ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
+from .precision import compute_dtype
 
 
 def ep_op(ctx, fallback: str) -> ExpertParallel:
@@ -194,7 +194,7 @@ def ep_swiglu(rows, ids, weights, w13, w2, op, num_experts: int) -> torch.Tensor
 
 
 # -------------------------------------------------------------------------------------------------- the layer
-class EPMoE(nn.Module):
+class EPMoE(ReplicatedRouter, nn.Module):
     """Expert-parallel mixture of ``num_experts`` SwiGLU experts of width ``hidden``, ``topk`` of them per token.
 
     ``[T_local, dim]`` (or ``[S, *, dim]``) -> the same shape: this rank's own tokens, any number per rank (zero
@@ -226,10 +226,7 @@ class EPMoE(nn.Module):
         if num_experts % W:
             raise ValueError(f"EPMoE: num_experts = {num_experts} is not divisible by the world size {W} (rank r "
                              f"owns experts [r*E/W, (r+1)*E/W))")
-        if not 1 <= topk <= num_experts:
-            raise ValueError(f"EPMoE: topk = {topk} must lie in [1, num_experts = {num_experts}]")
-        if fallback not in ("auto", "never", "always"):
-            raise ValueError(f'EPMoE: fallback must be "auto", "never" or "always", got {fallback!r}')
+        check_moe_layer("EPMoE", num_experts, topk, fallback)
         kw = {"dtype": dtype or torch.bfloat16, "device": device or ctx.device}
         self.ctx, self.fallback = ctx, fallback
         self.dim, self.hidden, self.num_experts, self.topk = dim, hidden, num_experts, topk
@@ -253,24 +250,12 @@ class EPMoE(nn.Module):
         ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` ``nn.Linear`` layers without bias. Only
         rank r's experts ``[r·E/W, (r+1)·E/W)`` are copied. ``dtype``: the parameters' (default: the router's where
         16-bit, else bfloat16)."""
-        w1, w3, w2 = stacked_experts(experts, "EPMoE")
+        w1, w3, w2, dtype = full_moe("EPMoE", router, experts, dtype)
         E, hidden, dim = w1.shape
-        if router.bias is not None or tuple(router.weight.shape) != (E, dim):
-            raise ValueError(f"EPMoE.from_full: router must be nn.Linear({dim}, {E}, bias=False), got weight "
-                             f"{tuple(router.weight.shape)}{' with a bias' if router.bias is not None else ''}")
-        if tuple(w3.shape) != (E, hidden, dim) or tuple(w2.shape) != (E, dim, hidden):
-            raise ValueError(f"EPMoE.from_full: experts must be w1, w3 [E, hidden, dim] and w2 [E, dim, hidden], got "
-                             f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
-        if dtype is None:
-            dtype = router.weight.dtype if router.weight.dtype in COMPUTE_DTYPES else torch.bfloat16
         moe = cls(dim, hidden, E, topk, ctx=ctx, renormalize=renormalize, dtype=dtype, device=device,
                   fallback=fallback)
         mine = slice(*moe.expert_range)
-        w13_local, w2_local = shard_experts(w1[mine], w3[mine], w2[mine], 0, 1)  # whole experts: one "shard"
-        with torch.no_grad():
-            moe.router.weight.copy_(router.weight)
-            moe.w13.copy_(w13_local)
-            moe.w2.copy_(w2_local)
+        moe.load(router, *shard_experts(w1[mine], w3[mine], w2[mine], 0, 1))  # whole experts: one "shard"
         return moe
 
     @property
@@ -284,15 +269,6 @@ class EPMoE(nn.Module):
         """The path the layer's op took on its latest call (shared by every EPMoE with this Context and fallback
         rule): ``"overlap"``, ``"fallback"`` (the process group's all_to_all_single), or None before any call."""
         return self.op.last_path
-
-    def replicated_parameters(self):
-        return list(self.router.parameters())
-
-    @torch.no_grad()
-    def sync_replicated_grads(self):
-        for p in self.replicated_parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=self.ctx.group)
 
     def route(self, rows: torch.Tensor):
         """This rank's (top-k ids int64 [T_local, k], top-k weights float32 [T_local, k]): ``TPMoE``'s router,

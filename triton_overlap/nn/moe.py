@@ -83,7 +83,51 @@ def shard_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, rank: in
             w2[:, :, cols].transpose(1, 2).contiguous())
 
 
-class TPMoE(nn.Module):
+def check_moe_layer(layer: str, num_experts: int, topk: int, fallback: str) -> None:
+    """The arguments every MoE layer checks (ValueError naming ``layer``)."""
+    if not 1 <= topk <= num_experts:
+        raise ValueError(f"{layer}: topk = {topk} must lie in [1, num_experts = {num_experts}]")
+    if fallback not in ("auto", "never", "always"):
+        raise ValueError(f'{layer}: fallback must be "auto", "never" or "always", got {fallback!r}')
+
+
+def full_moe(layer: str, router: nn.Linear, experts, dtype):
+    """A ``from_full``'s unsharded MoE, checked: (w1, w3, w2 stacked as stacked_experts returns them, the
+    parameters' dtype: ``dtype``, else the router's where 16-bit, else bfloat16)."""
+    w1, w3, w2 = stacked_experts(experts, layer)
+    E, hidden, dim = w1.shape
+    if router.bias is not None or tuple(router.weight.shape) != (E, dim):
+        raise ValueError(f"{layer}.from_full: router must be nn.Linear({dim}, {E}, bias=False), got weight "
+                         f"{tuple(router.weight.shape)}{' with a bias' if router.bias is not None else ''}")
+    if tuple(w3.shape) != (E, hidden, dim) or tuple(w2.shape) != (E, dim, hidden):
+        raise ValueError(f"{layer}.from_full: experts must be w1, w3 [E, hidden, dim] and w2 [E, dim, hidden], got "
+                         f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
+    if dtype is None:
+        dtype = router.weight.dtype if router.weight.dtype in COMPUTE_DTYPES else torch.bfloat16
+    return w1, w3, w2, dtype
+
+
+class ReplicatedRouter:
+    """What both MoE layers do with their replicated router (a mixin on nn.Module): load a full MoE's router and
+    this rank's expert weights, and sum the router's gradient over the ranks after backward."""
+
+    def load(self, router: nn.Linear, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.router.weight.copy_(router.weight)
+            self.w13.copy_(w13)
+            self.w2.copy_(w2)
+
+    def replicated_parameters(self):
+        return list(self.router.parameters())
+
+    @torch.no_grad()
+    def sync_replicated_grads(self):
+        for p in self.replicated_parameters():
+            if p.grad is not None:
+                torch.distributed.all_reduce(p.grad, group=self.ctx.group)
+
+
+class TPMoE(ReplicatedRouter, nn.Module):
     """Tensor-parallel mixture of ``num_experts`` SwiGLU experts of width ``hidden``, ``topk`` of them per token.
 
     ``[S/W, *, dim]`` -> ``[S/W, *, dim]`` (rows sequence-first, as ``TPMLP``). Parameters: ``router`` (an
@@ -124,10 +168,7 @@ class TPMoE(nn.Module):
         W = ctx.world_size
         if hidden % W:
             raise ValueError(f"TPMoE: hidden = {hidden} is not divisible by the world size {W}")
-        if not 1 <= topk <= num_experts:
-            raise ValueError(f"TPMoE: topk = {topk} must lie in [1, num_experts = {num_experts}]")
-        if fallback not in ("auto", "never", "always"):
-            raise ValueError(f'TPMoE: fallback must be "auto", "never" or "always", got {fallback!r}')
+        check_moe_layer("TPMoE", num_experts, topk, fallback)
         kw = {"dtype": dtype or torch.bfloat16, "device": device or ctx.device}
         self.ctx, self.fallback = ctx, fallback
         self.dim, self.hidden, self.num_experts, self.topk = dim, hidden, num_experts, topk
@@ -150,23 +191,11 @@ class TPMoE(nn.Module):
         sequence of E expert modules, each with ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj``
         ``nn.Linear`` layers without bias. ``dtype``: the parameters' (default: the router's where 16-bit, else
         bfloat16)."""
-        w1, w3, w2 = stacked_experts(experts)
+        w1, w3, w2, dtype = full_moe("TPMoE", router, experts, dtype)
         E, hidden, dim = w1.shape
-        if router.bias is not None or tuple(router.weight.shape) != (E, dim):
-            raise ValueError(f"TPMoE.from_full: router must be nn.Linear({dim}, {E}, bias=False), got weight "
-                             f"{tuple(router.weight.shape)}{' with a bias' if router.bias is not None else ''}")
-        if tuple(w3.shape) != (E, hidden, dim) or tuple(w2.shape) != (E, dim, hidden):
-            raise ValueError(f"TPMoE.from_full: experts must be w1, w3 [E, hidden, dim] and w2 [E, dim, hidden], got "
-                             f"{tuple(w1.shape)}, {tuple(w3.shape)}, {tuple(w2.shape)}")
-        if dtype is None:
-            dtype = router.weight.dtype if router.weight.dtype in COMPUTE_DTYPES else torch.bfloat16
         moe = cls(dim, hidden, E, topk, ctx=ctx, renormalize=renormalize, dtype=dtype, device=device,
                   fallback=fallback)
-        w13_local, w2_local = shard_experts(w1, w3, w2, ctx.rank, ctx.world_size)
-        with torch.no_grad():
-            moe.router.weight.copy_(router.weight)
-            moe.w13.copy_(w13_local)
-            moe.w2.copy_(w2_local)
+        moe.load(router, *shard_experts(w1, w3, w2, ctx.rank, ctx.world_size))
         return moe
 
     @property
@@ -180,15 +209,6 @@ class TPMoE(nn.Module):
         """The AllGatherMoEGEMM and the MoEGEMMReduceScatter this layer's forward and backward call (shared by every
         MoE layer with the same Context and fallback rule)."""
         return tuple(custom_ops.op_of(h) for h in self._handles)
-
-    def replicated_parameters(self):
-        return list(self.router.parameters())
-
-    @torch.no_grad()
-    def sync_replicated_grads(self):
-        for p in self.replicated_parameters():
-            if p.grad is not None:
-                torch.distributed.all_reduce(p.grad, group=self.ctx.group)
 
     def _compute_dtype(self, x) -> torch.dtype:
         """The dtype the experts run in (nn.precision.compute_dtype: autocast's, else the 16-bit parameters')."""
@@ -226,4 +246,5 @@ def stacked_experts(experts, layer: str = "TPMoE"):
                      "gate_proj/up_proj/down_proj nn.Linear layers")
 
 
-__all__ = ["TPMoE", "gather_routes", "moe_ops", "route_local", "shard_experts", "stacked_experts", "swiglu_experts"]
+__all__ = ["ReplicatedRouter", "TPMoE", "check_moe_layer", "full_moe", "gather_routes", "moe_ops", "route_local",
+           "shard_experts", "stacked_experts", "swiglu_experts"]
