@@ -14,11 +14,10 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from torch import nn
 
 import triton_overlap as to
 from refs import rand, rel_err
-from test_nn_moe import TOL_GRAD, TOL_OUT, PlainMoE
+from test_nn_moe import TOL_GRAD, TOL_OUT, PlainMoE, expert_modules
 from triton_overlap.nn import EPMoE
 
 
@@ -224,16 +223,7 @@ def _refusals():
         first, end = moe.expert_range
         assert (first, end) == (2 * ctx.rank, 2 * ctx.rank + 2)
         assert torch.equal(moe.w2, plain.w2[first:end].transpose(1, 2).bfloat16())
-        mods = nn.ModuleList()
-        for e in range(2 * W):
-            m = nn.Module()
-            for name, w in (("gate_proj", plain.w1[e]), ("up_proj", plain.w3[e]), ("down_proj", plain.w2[e])):
-                lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-                with torch.no_grad():
-                    lin.weight.copy_(w)
-                setattr(m, name, lin)
-            mods.append(m)
-        again = EPMoE.from_full(plain.router, mods, ctx, topk=2)
+        again = EPMoE.from_full(plain.router, expert_modules(plain), ctx, topk=2)
         assert torch.equal(again.w13, moe.w13) and torch.equal(again.w2, moe.w2)
         # after the refusals the layer runs
         y = moe(x.bfloat16())

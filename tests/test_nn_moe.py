@@ -141,6 +141,20 @@ def test_tp_moe_matches_plain_module(pool, name):
     assert all(set(used.values()) == {want} for _, used, _ in results), results
 
 
+def expert_modules(plain):
+    """``plain``'s experts as a list of modules with Qwen3-MoE's names (gate_proj, up_proj, down_proj)."""
+    mods = nn.ModuleList()
+    for e in range(plain.w1.shape[0]):
+        m = nn.Module()
+        for name, w in (("gate_proj", plain.w1[e]), ("up_proj", plain.w3[e]), ("down_proj", plain.w2[e])):
+            lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
+            with torch.no_grad():
+                lin.weight.copy_(w)
+            setattr(m, name, lin)
+        mods.append(m)
+    return mods
+
+
 def _refusals():
     with to.Context(timeout_s=30) as ctx:
         dev, W = ctx.device, ctx.world_size
@@ -165,16 +179,7 @@ def _refusals():
         with pytest.raises(TypeError, match="input is torch.float32"):
             moe(x)
         # the experts as modules (Qwen3-MoE's names) shard the same as stacked tensors
-        mods = nn.ModuleList()
-        for e in range(4):
-            m = nn.Module()
-            for name, w in (("gate_proj", plain.w1[e]), ("up_proj", plain.w3[e]), ("down_proj", plain.w2[e])):
-                lin = nn.Linear(w.shape[1], w.shape[0], bias=False)
-                with torch.no_grad():
-                    lin.weight.copy_(w)
-                setattr(m, name, lin)
-            mods.append(m)
-        again = TPMoE.from_full(plain.router, mods, ctx, topk=2)
+        again = TPMoE.from_full(plain.router, expert_modules(plain), ctx, topk=2)
         assert torch.equal(again.w13, moe.w13) and torch.equal(again.w2, moe.w2)
         return True
 
