@@ -37,7 +37,7 @@ from triton_overlap.kernels.gemm import plain_gemm
 from triton_overlap.kernels.gemm_gather_hopper import plain_gemm_hopper
 from triton_overlap.kernels.gemm_warp_specialized import plain_gemm_ws
 from triton_overlap.ops.gemm_reduce_scatter import scatter_mode
-from triton_overlap.timing import capture, host_us, spin, time_dist, time_interleaved
+from triton_overlap.timing import capture, host_us, profile_to, spin, time_dist, time_interleaved
 from triton_overlap.torchrun import init, say
 
 AG_SHAPES = [(2048, 4096, 4096), (8192, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 14336), (8192, 8192, 3584),
@@ -1008,6 +1008,8 @@ def main():
     p.add_argument("--virtual-hosts", type=int, default=None, metavar="N",
                    help="treat the ranks as N hosts of equal size (TRITON_OVERLAP_VIRTUAL_HOSTS): data between them "
                    "goes through the process group, as between machines")
+    p.add_argument("--profile", metavar="DIR", help="also profile every timed column (timing.profile_to): one "
+                   "table of kernels per column and case in DIR")
     p.add_argument("--out", default="bench-results",
                    help="folder for the results (default: bench-results; benchmarks/results holds the committed ones)")
     args = p.parse_args()
@@ -1020,6 +1022,8 @@ def main():
                                                                     "results"):
         raise SystemExit("bench: --shared-gpu timings mean nothing; they never go to benchmarks/results")
     init(shared_gpu=args.shared_gpu)
+    if args.profile:
+        profile_to(args.profile)
     shapes = ([tuple(v if v in CP_DTYPES else int(v) for v in s.split(",")) for s in args.shapes]
               if args.shapes and args.op not in ("moe", "model") else None)
     if args.virtual_hosts:

@@ -34,6 +34,7 @@ import triton_overlap as to
 from moe_report import moe_row
 from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
 from triton_overlap.kernels.grouped_gemm import launch_ag_grouped
+from triton_overlap.ops.moe_routing import count_ids
 from triton_overlap.plan import ChunkLayout
 from triton_overlap.timing import capture, time_interleaved
 from triton_overlap.torchrun import say
@@ -73,8 +74,14 @@ def rel_err(a, b) -> float:
 
 # ------------------------------------------------------------------------------------------------ baselines
 def expert_offsets(flat_ids: torch.Tensor, experts: int) -> torch.Tensor:
-    """int32 [E]: the end of each expert's rows among rows sorted by expert (``torch._grouped_mm``'s ``offs``)."""
-    return torch.bincount(flat_ids, minlength=experts).cumsum(0).to(torch.int32)
+    """int32 [E]: the end of each expert's rows among rows sorted by expert (``torch._grouped_mm``'s ``offs``), with
+    no host synchronisation (torch.bincount reads the largest id back), so the baselines can be captured."""
+    return count_ids(flat_ids, experts).cumsum(0).to(torch.int32)
+
+
+def sort_by_expert(flat_ids: torch.Tensor) -> torch.Tensor:
+    """The rows' order sorted by expert, stable; the ids as int32 keys (half the radix passes of int64)."""
+    return torch.argsort(flat_ids.to(torch.int32), stable=True)
 
 
 class _AllGather(torch.autograd.Function):
@@ -116,7 +123,7 @@ def torch_moe_layer(x, router_w, w13, w2, topk: int, renormalize: bool = True):
     both = _AllGather.apply(torch.cat([p, ids.float()], dim=1))
     p_all, flat = both[:, :topk], both[:, topk:].long().reshape(-1)
     xg = _AllGather.apply(x)
-    order = torch.argsort(flat, stable=True)
+    order = sort_by_expert(flat)
     offs = expert_offsets(flat, E)
     h = torch._grouped_mm(xg[order // topk], w13, offs=offs)
     y = torch._grouped_mm(torch.nn.functional.silu(h[:, :hl]) * h[:, hl:], w2, offs=offs)
@@ -227,7 +234,7 @@ def bench_ops(ctx, ops, rec, iters) -> None:
 
     def nccl_ag():
         all_gather_rows(gathered, x)
-        order = torch.argsort(flat, stable=True)
+        order = sort_by_expert(flat)
         y = torch._grouped_mm(gathered[order // topk], w13, offs=expert_offsets(flat, E))
         ref_ag.view(P, -1)[order] = y  # back to token order
 
@@ -259,7 +266,7 @@ def bench_ops(ctx, ops, rec, iters) -> None:
     y_sorted = torch.empty(P, K, device=dev, dtype=bf)
 
     def nccl_rs():
-        order = torch.argsort(flat, stable=True)
+        order = sort_by_expert(flat)
         y = torch._grouped_mm(h.view(P, nl)[order], w2, offs=expert_offsets(flat, E))
         # the top-k combine straight from the sorted rows: each row weighted, added into its token in float32
         acc = torch.zeros(T, K, device=dev, dtype=torch.float32)

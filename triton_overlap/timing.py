@@ -2,6 +2,7 @@
 each call, the ranks lined up on the device before it, the median over iterations, the maximum over ranks."""
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -32,6 +33,51 @@ def spin(us: float) -> None:
 
     clock = 2 if torch.version.hip is not None else 1
     spin_kernel[(1,)](int(us * TICKS_PER_SECOND[clock] / 10 ** 6), CLOCK=clock, num_warps=1)
+
+
+#: profile_to's state: the folder (None: no profiles) and how many time_interleaved calls have profiled so far
+_PROFILE = {"dir": None, "seq": 0}
+#: calls of each function under the profiler (after the timed ones, so everything is compiled and warm)
+PROFILE_CALLS = 3
+
+
+def profile_to(directory: str | None) -> None:
+    """Make every later time_interleaved call also profile each function it timed: PROFILE_CALLS calls under
+    torch.profiler on every rank (the functions are collective), and rank 0 writes
+    ``<directory>/<NNN>-<name>.txt``: the host's wall time per call against the GPU's busy time per call, then
+    the kernels and ops by their own device time. NNN counts time_interleaved calls, so a benchmark's log, which
+    prints its rows in order, says which case each file belongs to. None stops profiling."""
+    _PROFILE["dir"] = directory
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):  # the profiler's own start-up,
+            torch.zeros(1, device="cuda").add_(1)  # which costs a rank 100s of ms once, outside any profile
+            torch.cuda.synchronize()
+
+
+def _profile(name: str, fn) -> None:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(PROFILE_CALLS):
+            fn()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / PROFILE_CALLS
+    if dist.get_rank() != 0:
+        return
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / PROFILE_CALLS
+    path = os.path.join(_PROFILE["dir"], f"{_PROFILE['seq']:03d}-{name}.txt")
+    with open(path, "w") as f:
+        f.write(f"{name}: {PROFILE_CALLS} calls, host wall {wall * 1e6:.1f} us per call, GPU busy (sum of kernels' "
+                f"and copies' own time, overlapping ones counted each) {busy:.1f} us per call\n\n")
+        f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
 
 
 def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, lead_us: float = 0.0) -> float:
@@ -94,6 +140,10 @@ def time_interleaved(fns: dict, iters: int, warmup: int = 2, budget_s: float | N
             times[names[j]].append(_lined_up(fns[names[j]], tiny, lead_us))
     med = torch.tensor([statistics.median(times[n]) for n in names], device="cuda")
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    if _PROFILE["dir"]:
+        for n in names:
+            _profile(n, fns[n])
+        _PROFILE["seq"] += 1
     return dict(zip(names, med.tolist()))
 
 

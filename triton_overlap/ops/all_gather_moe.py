@@ -176,13 +176,13 @@ class AllGatherMoEGEMM(MoEOp):
         token = torch.arange(pairs, device=dev, dtype=torch.int64) // topk
         chunk = (token // layout.m_local) * layout.chunks_per_rank + (token % layout.m_local) // layout.m_per_chunk
         cpos = sched.chunk_pos[chunk]
-        order, position = sort_pairs(experts, cpos, layout.num_chunks + 1)
+        order, position = sort_pairs(experts, num_experts, cpos, layout.num_chunks + 1)
         counts = count_ids(experts, num_experts)
         table = tile_table(counts.view(1, -1), bm, num_slots(pairs, num_experts, bm))[0]
         sorted_pos = cpos[order]
         used = table[:, 2] > table[:, 1]
         need = torch.where(used, sorted_pos[(table[:, 2] - 1).clamp(min=0)], layout.num_chunks + 1)
-        table = table[torch.sort(need, stable=True).indices].to(torch.int32).contiguous()
+        table = table[torch.sort(need.to(torch.int32), stable=True).indices].to(torch.int32).contiguous()
         dst = order if not sorted_output else torch.arange(pairs, device=dev, dtype=torch.int64)
         routes = ((order // topk).to(torch.int32), dst.to(torch.int32), sorted_pos.to(torch.int32), sched.chunk_at)
         routing = None
@@ -202,7 +202,7 @@ class AllGatherMoEGEMM(MoEOp):
         if not sorted_output:
             rows.copy_(grouped_matmul(gathered.repeat_interleave(topk, dim=0), experts, w))
             return None, gathered
-        order, position = sort_pairs(experts, None, 1)
+        order, position = sort_pairs(experts, w.shape[0], None, 1)
         rows.copy_(grouped_matmul(gathered[order // topk], experts[order], w))
         counts = count_ids(experts, w.shape[0])
         offsets = torch.zeros(w.shape[0] + 1, dtype=torch.int32, device=x.device)

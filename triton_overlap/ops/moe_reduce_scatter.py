@@ -205,7 +205,7 @@ class MoEGEMMReduceScatter(MoEOp):
         experts = topk_ids.reshape(-1).to(torch.int64)
         token = torch.arange(pairs, device=topk_ids.device, dtype=torch.int64) // topk
         dest = sched.dest_pos[token // layout.m_local]
-        order, position = sort_pairs(dest, experts, num_experts)
+        order, position = sort_pairs(dest, W, experts, num_experts)
         counts = count_ids(dest * num_experts + experts, W * num_experts).view(W, num_experts)
         table = tile_table(counts, bm, num_slots(layout.m_local * topk, num_experts, bm))
         src = order if routing is None else routing.position[order]

@@ -75,13 +75,16 @@ def agree_on_routing(op: str, ctx, topk_ids: torch.Tensor, num_experts: int) -> 
                          f"{', '.join(map(str, differ))} differ from rank 0")
 
 
-def sort_pairs(group: torch.Tensor, minor: torch.Tensor | None, minor_size: int):
+def sort_pairs(group: torch.Tensor, groups: int, minor: torch.Tensor | None, minor_size: int):
     """Sort pairs by (group, minor, pair index): returns (order int64, position int32), ``order[p]`` the pair at
-    sorted row p and ``position`` its inverse. ``group`` and ``minor`` int64 [pairs] (minor None: 0)."""
+    sorted row p and ``position`` its inverse. ``group`` int64 [pairs] in [0, groups), ``minor`` int64 [pairs] in
+    [0, minor_size) (None: 0). A stable sort keeps the pairs of one key in pair order; the key is int32 where
+    groups x minor_size fits, which halves the radix sort's passes against an int64 key."""
     pairs = group.numel()
     key = group * minor_size if minor is None else group * minor_size + minor
-    key = key * pairs + torch.arange(pairs, device=group.device, dtype=torch.int64)
-    order = torch.sort(key).indices
+    if groups * minor_size < 2 ** 31:
+        key = key.to(torch.int32)
+    order = torch.sort(key, stable=True).indices
     position = torch.empty(pairs, dtype=torch.int32, device=group.device)
     position[order] = torch.arange(pairs, dtype=torch.int32, device=group.device)
     return order, position
