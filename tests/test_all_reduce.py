@@ -63,7 +63,7 @@ def _check(op, ctx, shape, dtype, tag, out=None):
 def _sums(fallback: str, algorithm: str):
     with to.Context(timeout_s=30) as ctx:
         op = to.AllReduce(ctx, algorithm=algorithm, fallback=fallback, one_shot_max_bytes=2048,
-                          two_shot_max_bytes=8192, split_min_bytes=12288)  # GPUs: (2, 3, 1031) split
+                          two_shot_max_bytes=8192)
         paths, digests = [], []
         for i, shape in enumerate(SIZES):
             for dtype in (torch.float32, torch.float16, torch.bfloat16):

@@ -24,10 +24,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ONE_SHOT_MAX_BYTES = 128 << 10
 TWO_SHOT_MAX_BYTES = 128 << 10
 ALGORITHMS = ("auto", "one_shot", "two_shot")
-#: from this many bytes, a process-group call on GPUs whose size W divides runs as reduce-scatter into the output's
-#: own shard, then an in-place all-gather: out of place, so the copy of the input that an in-place all_reduce
-#: needs is saved (docs/decisions.md)
-SPLIT_MIN_BYTES = 16 << 20
 #: elements per block (one flag per block and peer)
 BLOCK = 1024
 
@@ -111,8 +107,6 @@ class AllReduce(OverlapOp):
     above that, for W = 1 or on a group that spans hosts, the process group's all_reduce (NCCL on GPUs);
     ``"one_shot"`` or ``"two_shot"`` always that kernel. ``fallback="always"`` always takes the process group;
     ``"never"`` never does (sizes beyond ``two_shot_max_bytes`` take the two-shot kernel; across hosts it raises).
-    The process group's sum leaves ``x`` as it is: on GPUs from ``split_min_bytes`` (where W divides the size) as a
-    reduce-scatter into ``out``'s own shard and an all-gather in place, else as a copy and an in-place all_reduce.
 
     The receive slots grow to the largest message seen (2 x W x its size per rank, collectively, on a size's
     first call); make one eager call at the largest size before capturing calls in a CUDA graph.
@@ -122,14 +116,13 @@ class AllReduce(OverlapOp):
 
     def __init__(self, ctx, *, algorithm: str = "auto", fallback: str = "auto",
                  one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES, two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
-                 split_min_bytes: int = SPLIT_MIN_BYTES, name: str | None = None):
+                 name: str | None = None):
         super().__init__(ctx, None, fallback=fallback, name=name, replay=False)  # one launch: nothing to replay
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
         self.one_shot_max_bytes = int(one_shot_max_bytes)
         self.two_shot_max_bytes = int(two_shot_max_bytes)
-        self.split_min_bytes = int(split_min_bytes)
         self.last_algorithm = None  # "one_shot", "two_shot" or "process group": what the last call took
 
     def default_config(self, shape, variant=""):
@@ -161,7 +154,8 @@ class AllReduce(OverlapOp):
         self.last_algorithm = kind
         if kind == "process group":
             self.last_path = "fallback"
-            return self._process_group(x, out)
+            out.copy_(x)  # the process group sums in place; x is not modified
+            return self._sum_in_place(out)
         self.last_path = "overlap"
         self._launch(two_shot_all_reduce if kind == "two_shot" else one_shot_all_reduce, x.contiguous(), out, n)
         return out
@@ -188,18 +182,6 @@ class AllReduce(OverlapOp):
                                      call.fingerprint),
                dict(BLOCK=BLOCK, BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock), num_warps=4)
         ctx.after_launch()
-
-    def _process_group(self, x, out):
-        """``out`` = the sum of ``x`` through the process group, ``x`` unmodified (the class docstring says how)."""
-        ctx, W, n = self.ctx, self.ctx.world_size, x.numel()
-        if ctx.device.type == "cuda" and W > 1 and n % W == 0 and n * x.element_size() >= self.split_min_bytes:
-            flat = out.view(-1)
-            shard = flat.view(W, n // W)[ctx.rank]
-            dist.reduce_scatter_tensor(shard, x.contiguous().view(-1), group=ctx.group)
-            dist.all_gather_into_tensor(flat, shard, group=ctx.group)  # in place: shard is out's own part
-            return out
-        out.copy_(x)  # the process group sums in place
-        return self._sum_in_place(out)
 
     def takes_process_group(self, nbytes: int) -> bool:
         """Whether a call of ``nbytes`` goes to the process group (for callers that can then sum in place)."""
