@@ -1,0 +1,93 @@
+"""The expert-parallel benchmark's report (benchmarks/ep.py): ``ep-<gpu>x<W>.{json,md}`` in report.py's style, the
+JSON with the commit and date it was measured on (report.provenance), the Markdown one table and the geometric
+means against the issue's targets."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from report import provenance
+
+EP_HEADER = ("| model | tokens/rank | routing | dispatch ours µs | dispatch NCCL µs | dispatch vs NCCL | "
+             "dispatch GB/s | combine ours µs | combine NCCL µs | combine vs NCCL | combine GB/s | "
+             "layer fwd+bwd ours µs | layer fwd+bwd NCCL µs | layer vs NCCL | equal to NCCL's |\n|" + "---|" * 15)
+# dispatch / combine: ExpertParallel overlapped against the same exchange through all_to_all_single (its
+# fallback="always"); GB/s: the busiest rank's bytes to its peers over ours' time; layer: EPMoE forward + backward on
+# both paths; equal: the dispatched rows and the combined output bit-equal between the two paths.
+
+
+def _us(v) -> str:
+    return "n/a" if v is None else f"{v:.1f}"
+
+
+def _ratio(a, b) -> str:
+    return "n/a" if not a or not b else f"{a / b:.2f}x"
+
+
+def ep_row(r: dict) -> str:
+    cols = [r["model"], str(r["tokens_per_rank"]), r["routing"]]
+    for k in ("dispatch", "combine"):
+        gbps = r.get(f"{k}_ours_gbps")
+        cols += [_us(r.get(f"{k}_ours_us")), _us(r.get(f"{k}_nccl_us")),
+                 _ratio(r.get(f"{k}_nccl_us"), r.get(f"{k}_ours_us")), "n/a" if gbps is None else f"{gbps:.0f}"]
+    cols += [_us(r.get("layer_ours_us")), _us(r.get("layer_nccl_us")),
+             _ratio(r.get("layer_nccl_us"), r.get("layer_ours_us")),
+             "yes" if r.get("dispatch_equal") and r.get("combine_equal") else "NO"]
+    return "| " + " | ".join(cols) + " |"
+
+
+def _geomean(values):
+    values = [v for v in values if v]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def summary(records) -> dict:
+    """Geometric means over the records of NCCL's time over ours: dispatch, combine (target >= 1.5x each) and the
+    layer (target >= 1.3x at W = 4 and 8)."""
+    return {f"{k}_vs_nccl": _geomean(r[f"{k}_nccl_us"] / r[f"{k}_ours_us"] for r in records
+                                     if r.get(f"{k}_nccl_us") and r.get(f"{k}_ours_us"))
+            for k in ("dispatch", "combine", "layer")}
+
+
+SUMMARY_LINES = [("dispatch_vs_nccl", "dispatch over all_to_all_single (target >= 1.5x)"),
+                 ("combine_vs_nccl", "combine over all_to_all_single (target >= 1.5x)"),
+                 ("layer_vs_nccl", "EPMoE forward + backward over all_to_all_single (target >= 1.3x at W = 4, 8)")]
+
+
+def write_ep(records, W, out_dir: str, pending=()) -> dict:
+    """``ep-<gpu>x<W>[-<N>hosts].{json,md}`` in ``out_dir`` (``pending``: the run's shapes not measured yet); returns
+    the summary (geometric means)."""
+    os.makedirs(out_dir, exist_ok=True)
+    hosts = records[0].get("num_hosts", 1)
+    base = os.path.join(out_dir, f"ep-{records[0]['gpu']}x{W}" + (f"-{hosts}hosts" if hosts > 1 else ""))
+    geo = summary(records)
+    doc = {"op": "ep", "world_size": W, **provenance(), "summary": geo, "records": records}
+    if pending:
+        doc["not_measured"] = [list(s) if isinstance(s, (tuple, list)) else s for s in pending]
+    with open(base + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    lead = records[0].get("lead_us", 0)
+    with open(base + ".md", "w") as f:
+        f.write(f"Measured on commit {doc['commit']}, {doc['date']} (torch {doc['torch']}, triton {doc['triton']}).\n\n")
+        f.write(f"ep, {records[0]['gpu']} x{W}, bf16 rows, median µs (max over ranks), the columns timed in turns "
+                f"within each iteration; before each timed call the ranks are lined up on the device and the host is "
+                f"ahead ({lead:.0f} µs spins around the aligning all_reduce). Models (E, top-k, H, expert hidden): "
+                + "; ".join(f"{r['model']} ({r['E']}, {r['topk']}, {r['H']}, {r['hidden']})"
+                            for r in {r["model"]: r for r in records}.values())
+                + f"; Zipf exponent {records[0].get('zipf_exponent')}. NCCL: the same exchange through "
+                "all_to_all_single (the op's fallback path).\n\n" + EP_HEADER + "\n")
+        f.write("\n".join(ep_row(r) for r in records) + "\n\n")
+        for key, text in SUMMARY_LINES:
+            if geo.get(key) is not None:
+                f.write(f"geometric mean, {text}: {geo[key]:.3f}\n")
+        if pending:
+            shapes = "; ".join(",".join(map(str, s)) if isinstance(s, (tuple, list)) else str(s) for s in pending)
+            f.write(f"\nNot measured in this run (it ended before them): {shapes}.\n")
+        notes = [f"- {r['model']} {r['tokens_per_rank']} {r['routing']}: {r['note']}" for r in records if r["note"]]
+        if notes:
+            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+    return geo
+
+
+__all__ = ["EP_HEADER", "ep_row", "summary", "write_ep"]
