@@ -1011,6 +1011,7 @@ def main():
                    "goes through the process group, as between machines")
     p.add_argument("--profile", metavar="DIR", help="also profile every timed column (timing.profile_to): one "
                    "table of kernels per column and case in DIR")
+    p.add_argument("--profile-stacks", action="store_true", help="with --profile: also a table by Python stack")
     p.add_argument("--out", default="bench-results",
                    help="folder for the results (default: bench-results; benchmarks/results holds the committed ones)")
     args = p.parse_args()
@@ -1024,7 +1025,7 @@ def main():
         raise SystemExit("bench: --shared-gpu timings mean nothing; they never go to benchmarks/results")
     init(shared_gpu=args.shared_gpu)
     if args.profile:
-        profile_to(args.profile)
+        profile_to(args.profile, stacks=args.profile_stacks)
     shapes = ([tuple(v if v in CP_DTYPES else int(v) for v in s.split(",")) for s in args.shapes]
               if args.shapes and args.op not in ("moe", "ep", "model") else None)
     if args.virtual_hosts:

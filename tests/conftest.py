@@ -114,6 +114,7 @@ FAST = [
     "test_nn.py::test_linear_layers_match_unsharded_module[host-w3-never-False]",
     "test_nn.py::test_tp_mlp_follows_single_process_loss_curve[host-w2-never]",
     "test_nn.py::test_layers_reject_unshardable_features[host-w2]",
+    "test_nn.py::test_weight_gradients_come_out_in_the_weights_layout",
     "test_block.py::test_block_matches_full_sequence[host-w2-False]",
     "test_block.py::test_block_matches_full_sequence[host-w3-True]",
     "test_block.py::test_block_compiles_in_one_graph[host-w2-True]",
@@ -131,6 +132,7 @@ FAST = [
     "test_parallel_moe.py::test_moe_model_matches_unmodified_model[host-w2-0]",
     "test_parallel_moe.py::test_moe_parallel_refuses_what_it_cannot_run[host-w2]",
     "test_moe_bench.py::test_routings_are_seeded_distinct_and_skewed_as_named",
+    "test_ep_bench.py::test_report_writes_table_summary_and_what_it_did_not_measure",
     # faults: one case of each kind
     "test_faults.py::test_peer_absent[host-w2-first_call]",
     "test_faults.py::test_peer_absent[host-w3-repeated_call_pull]",

@@ -153,3 +153,17 @@ def test_tp_mlp_follows_single_process_loss_curve(pool, fallback):
     shape = (24, 2, 32, 48) if pool.backend == "host" else (512, 2, 1024, 2816)
     results = pool.run(_mlp_training, *shape, 5, 0.5, fallback)
     assert all(res == results[0] for res in results), "ranks disagree on the loss curve"
+
+
+def test_weight_gradients_come_out_in_the_weights_layout():
+    """The layers pass ``weight.t()`` to the ops; the ops' backward returns that operand's gradient as a transposed
+    view of a contiguous tensor, so ``weight.grad`` needs no copy into the weight's layout (AccumulateGrad would make
+    one per weight per step), and ``x @ w`` operands that are not transposed keep the plain product."""
+    from triton_overlap.ops.custom_ops import weight_grad
+
+    x, g = torch.randn(7, 5, dtype=torch.float64), torch.randn(7, 3, dtype=torch.float64)
+    weight = torch.randn(3, 5, dtype=torch.float64)
+    got = weight_grad(x, g, weight.t())
+    assert got.t().is_contiguous() and torch.allclose(got, x.t() @ g)
+    plain = weight_grad(x, g, weight.t().contiguous())
+    assert plain.is_contiguous() and torch.allclose(plain, x.t() @ g)

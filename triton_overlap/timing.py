@@ -35,19 +35,22 @@ def spin(us: float) -> None:
     spin_kernel[(1,)](int(us * TICKS_PER_SECOND[clock] / 10 ** 6), CLOCK=clock, num_warps=1)
 
 
-#: profile_to's state: the folder (None: no profiles) and how many time_interleaved calls have profiled so far
-_PROFILE = {"dir": None, "seq": 0}
+#: profile_to's state: the folder (None: no profiles), whether to record Python stacks, and how many
+#: time_interleaved calls have profiled so far
+_PROFILE = {"dir": None, "stacks": False, "seq": 0}
 #: calls of each function under the profiler (after the timed ones, so everything is compiled and warm)
 PROFILE_CALLS = 3
 
 
-def profile_to(directory: str | None) -> None:
+def profile_to(directory: str | None, stacks: bool = False) -> None:
     """Make every later time_interleaved call also profile each function it timed: PROFILE_CALLS calls under
     torch.profiler on every rank (the functions are collective), and rank 0 writes
     ``<directory>/<NNN>-<name>.txt``: the host's wall time per call against the GPU's busy time per call, then
     the kernels and ops by their own device time. NNN counts time_interleaved calls, so a benchmark's log, which
-    prints its rows in order, says which case each file belongs to. None stops profiling."""
-    _PROFILE["dir"] = directory
+    prints its rows in order, says which case each file belongs to. ``stacks``: also record the Python stack of
+    every op and add a table grouped by the innermost frames (which line of which layer launched each copy or
+    kernel); recording stacks slows the host, so the wall times of such a run say less. None stops profiling."""
+    _PROFILE["dir"], _PROFILE["stacks"] = directory, stacks
     if directory:
         os.makedirs(directory, exist_ok=True)
         from torch.profiler import ProfilerActivity, profile
@@ -63,7 +66,7 @@ def _profile(name: str, fn) -> None:
 
     torch.cuda.synchronize()
     dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=_PROFILE["stacks"]) as prof:
         t0 = time.perf_counter()
         for _ in range(PROFILE_CALLS):
             fn()
@@ -78,6 +81,10 @@ def _profile(name: str, fn) -> None:
         f.write(f"{name}: {PROFILE_CALLS} calls, host wall {wall * 1e6:.1f} us per call, GPU busy (sum of kernels' "
                 f"and copies' own time, overlapping ones counted each) {busy:.1f} us per call\n\n")
         f.write(events.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+        if _PROFILE["stacks"]:
+            f.write("\n\nby Python stack (innermost frames):\n")
+            f.write(prof.key_averages(group_by_stack_n=6).table(sort_by="self_device_time_total", row_limit=40,
+                                                                 max_name_column_width=60))
 
 
 def time_dist(fn, iters: int, warmup: int = 5, budget_s: float | None = None, lead_us: float = 0.0) -> float:

@@ -132,6 +132,16 @@ def _shard_sequence_backward(ctx, grad):
 shard_sequence.register_autograd(_shard_sequence_backward, setup_context=_shard_sequence_setup)
 
 
+def weight_grad(x: torch.Tensor, grad_out: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x^T @ grad_out``, the gradient of ``w`` in ``x @ w``, in ``w``'s layout: where ``w`` is ``weight.t()`` (an
+    ``nn.Linear`` weight seen transposed, as the layers pass it) it is computed as ``(grad_out^T @ x)^T``, so the
+    weight's gradient comes out contiguous and autograd's accumulation into ``weight.grad`` need not copy it into
+    the weight's layout (one copy of every weight per step otherwise)."""
+    if w.stride(0) == 1 and w.stride(1) != 1:
+        return (grad_out.t() @ x).t()
+    return x.t() @ grad_out
+
+
 def _ag_setup(ctx, inputs, output):
     a, w, bias, ag, rs, world, keep = inputs
     ctx.save_for_backward(output[1] if keep else a, w)
@@ -148,7 +158,7 @@ def _ag_backward(ctx, grad_out, _grad_gathered):
     grad_out = grad_out.contiguous()
     grad_a = gemm_rs(grad_out, w.t(), None, rs, ag, ctx.world)  # rows of this rank of sum_r grad_out @ w^T
     gathered = saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)  # kept from forward, or gathered again
-    grad_w = gathered.t() @ grad_out
+    grad_w = weight_grad(gathered, grad_out, w)
     grad_b = grad_out.sum(0) if ctx.has_bias else None
     return grad_a, grad_w, grad_b, None, None, None, None
 
@@ -179,7 +189,7 @@ def _rs_backward(ctx, grad_out):
     a, w = ctx.saved_tensors
     rs, ag = ctx.handles
     grad_a, grad_full = ag_gemm(grad_out.contiguous(), w.t(), None, ag, rs, ctx.world, True)
-    grad_w = a.t() @ grad_full
+    grad_w = weight_grad(a, grad_full, w)
     grad_b = grad_full.sum(0) if ctx.has_bias else None  # the bias is added once: its gradient sees every row
     return grad_a, grad_w, grad_b, None, None, None
 
@@ -267,7 +277,7 @@ def _ar_backward(ctx, grad_out):
     # the output is the same on every rank and so is its gradient: each rank's inputs get their share locally
     a, w = ctx.saved_tensors
     grad_b = grad_out.sum(0) if ctx.has_bias else None
-    return grad_out @ w.t(), a.t() @ grad_out, grad_b, None
+    return grad_out @ w.t(), weight_grad(a, grad_out, w), grad_b, None
 
 
 gemm_ar.register_autograd(_ar_backward, setup_context=_ar_setup)
