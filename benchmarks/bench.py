@@ -1023,6 +1023,10 @@ def main():
     if args.shared_gpu and os.path.abspath(args.out) == os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                                     "results"):
         raise SystemExit("bench: --shared-gpu timings mean nothing; they never go to benchmarks/results")
+    if args.profile and os.path.abspath(args.out) == os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                 "results"):
+        raise SystemExit("bench: --profile slows the timed calls' neighbours; its results never go to "
+                         "benchmarks/results")
     init(shared_gpu=args.shared_gpu)
     if args.profile:
         profile_to(args.profile, stacks=args.profile_stacks)

@@ -81,7 +81,8 @@ def exchange_case(ctx, ops, rec) -> dict:
         return op.dispatch(x, ids, weights, num_experts=E)
 
     d, d_ref = dispatch(ops.ours), dispatch(ops.nccl)
-    rec["dispatch_equal"] = bool(torch.equal(d.tokens, d_ref.tokens) and torch.equal(d.counts, d_ref.counts))
+    fields = ("tokens", "counts", "offsets", "source", "token", "weights", "slots", "slot_weights", "positions")
+    rec["dispatch_equal"] = all(torch.equal(getattr(d, f), getattr(d_ref, f)) for f in fields)
     out, out_ref = ops.ours.combine(d.tokens, d), ops.nccl.combine(d_ref.tokens, d_ref)
     rec["combine_equal"] = bool(torch.equal(out, out_ref))
     rec["rows_received"], rec["rows_sent_to_peers"] = d.num_rows, sum(d.sent) - d.sent[ctx.rank]

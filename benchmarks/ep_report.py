@@ -44,8 +44,9 @@ def _geomean(values):
 
 def summary(records) -> dict:
     """Geometric means over the records of NCCL's time over ours: dispatch, combine (target >= 1.5x each) and the
-    layer (target >= 1.3x at W = 4 and 8)."""
-    return {f"{k}_vs_nccl": _geomean(r[f"{k}_nccl_us"] / r[f"{k}_ours_us"] for r in records
+    layer (target >= 1.3x at W = 4 and 8); a record whose two paths returned different tensors is left out."""
+    same = [r for r in records if r.get("dispatch_equal") and r.get("combine_equal")]
+    return {f"{k}_vs_nccl": _geomean(r[f"{k}_nccl_us"] / r[f"{k}_ours_us"] for r in same
                                      if r.get(f"{k}_nccl_us") and r.get(f"{k}_ours_us"))
             for k in ("dispatch", "combine", "layer")}
 
@@ -84,6 +85,10 @@ def write_ep(records, W, out_dir: str, pending=()) -> dict:
         if pending:
             shapes = "; ".join(",".join(map(str, s)) if isinstance(s, (tuple, list)) else str(s) for s in pending)
             f.write(f"\nNot measured in this run (it ended before them): {shapes}.\n")
+        f.write("\nThe layer's outputs, ours against all_to_all_single's (relative error): "
+                + ", ".join(f"{r['model']} {r['routing']} {r['layer_rel_err']:.1e}" for r in records
+                            if r.get("layer_rel_err") is not None) + "; records whose paths differ (NO) are left out "
+                "of the means.\n")
         notes = [f"- {r['model']} {r['tokens_per_rank']} {r['routing']}: {r['note']}" for r in records if r["note"]]
         if notes:
             f.write("\nnotes:\n" + "\n".join(notes) + "\n")

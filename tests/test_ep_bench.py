@@ -37,10 +37,11 @@ def _record(model, routing, speed):
 
 
 def test_report_writes_table_summary_and_what_it_did_not_measure(tmp_path):
-    records = [_record("deepseek-v3", "balanced", 1.0), _record("qwen3-30b-a3b", "zipf", 4.0)]
-    records[1]["combine_equal"] = False
+    records = [_record("deepseek-v3", "balanced", 1.0), _record("qwen3-30b-a3b", "zipf", 4.0),
+               _record("deepseek-v3", "zipf", 9.0)]
     records[1]["layer_nccl_us"] = None
     records[1]["note"] = "layer: not timed; "
+    records[2]["combine_equal"] = False  # left out of the means
     geo = ep_report.write_ep(records, 2, str(tmp_path), pending=[("qwen3-30b-a3b", 4096, "balanced")])
     assert geo["dispatch_vs_nccl"] == pytest.approx(2.0) and geo["layer_vs_nccl"] == pytest.approx(1.0)
     base = os.path.join(tmp_path, "ep-H200x2")
@@ -53,7 +54,7 @@ def test_report_writes_table_summary_and_what_it_did_not_measure(tmp_path):
     assert "layer: not timed" in md
     with open(base + ".json") as f:
         doc = json.load(f)
-    assert doc["op"] == "ep" and doc["world_size"] == 2 and doc["commit"] and len(doc["records"]) == 2
+    assert doc["op"] == "ep" and doc["world_size"] == 2 and doc["commit"] and len(doc["records"]) == 3
     header_cols = ep_report.EP_HEADER.splitlines()[0].count("|") - 1
     assert ep_report.ep_row(records[0]).count("|") - 1 == header_cols
 

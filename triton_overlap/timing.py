@@ -61,7 +61,6 @@ def profile_to(directory: str | None, stacks: bool = False) -> None:
 
 
 def _profile(name: str, fn) -> None:
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -72,8 +71,14 @@ def _profile(name: str, fn) -> None:
             fn()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / PROFILE_CALLS
-    if dist.get_rank() != 0:
-        return
+    if dist.get_rank() == 0:
+        _write_profile(name, prof, wall)
+    dist.barrier()  # the other ranks wait while rank 0 writes, so the next call's barrier does not time out
+
+
+def _write_profile(name: str, prof, wall: float) -> None:
+    from torch.autograd import DeviceType
+
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / PROFILE_CALLS
     path = os.path.join(_PROFILE["dir"], f"{_PROFILE['seq']:03d}-{name}.txt")
