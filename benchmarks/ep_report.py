@@ -3,11 +3,9 @@ JSON with the commit and date it was measured on (report.provenance), the Markdo
 means against the issue's targets."""
 from __future__ import annotations
 
-import json
 import math
-import os
 
-from report import provenance
+from report import write_table
 
 EP_HEADER = ("| model | tokens/rank | routing | dispatch ours µs | dispatch NCCL µs | dispatch vs NCCL | "
              "dispatch GB/s | combine ours µs | combine NCCL µs | combine vs NCCL | combine GB/s | "
@@ -59,39 +57,23 @@ SUMMARY_LINES = [("dispatch_vs_nccl", "dispatch over all_to_all_single (target >
 def write_ep(records, W, out_dir: str, pending=()) -> dict:
     """``ep-<gpu>x<W>[-<N>hosts].{json,md}`` in ``out_dir`` (``pending``: the run's shapes not measured yet); returns
     the summary (geometric means)."""
-    os.makedirs(out_dir, exist_ok=True)
-    hosts = records[0].get("num_hosts", 1)
-    base = os.path.join(out_dir, f"ep-{records[0]['gpu']}x{W}" + (f"-{hosts}hosts" if hosts > 1 else ""))
     geo = summary(records)
-    doc = {"op": "ep", "world_size": W, **provenance(), "summary": geo, "records": records}
-    if pending:
-        doc["not_measured"] = [list(s) if isinstance(s, (tuple, list)) else s for s in pending]
-    with open(base + ".json", "w") as f:
-        json.dump(doc, f, indent=1)
     lead = records[0].get("lead_us", 0)
-    with open(base + ".md", "w") as f:
-        f.write(f"Measured on commit {doc['commit']}, {doc['date']} (torch {doc['torch']}, triton {doc['triton']}).\n\n")
-        f.write(f"ep, {records[0]['gpu']} x{W}, bf16 rows, median µs (max over ranks), the columns timed in turns "
-                f"within each iteration; before each timed call the ranks are lined up on the device and the host is "
-                f"ahead ({lead:.0f} µs spins around the aligning all_reduce). Models (E, top-k, H, expert hidden): "
-                + "; ".join(f"{r['model']} ({r['E']}, {r['topk']}, {r['H']}, {r['hidden']})"
-                            for r in {r["model"]: r for r in records}.values())
-                + f"; Zipf exponent {records[0].get('zipf_exponent')}. NCCL: the same exchange through "
-                "all_to_all_single (the op's fallback path).\n\n" + EP_HEADER + "\n")
-        f.write("\n".join(ep_row(r) for r in records) + "\n\n")
-        for key, text in SUMMARY_LINES:
-            if geo.get(key) is not None:
-                f.write(f"geometric mean, {text}: {geo[key]:.3f}\n")
-        if pending:
-            shapes = "; ".join(",".join(map(str, s)) if isinstance(s, (tuple, list)) else str(s) for s in pending)
-            f.write(f"\nNot measured in this run (it ended before them): {shapes}.\n")
-        f.write("\nThe layer's outputs, ours against all_to_all_single's (relative error): "
-                + ", ".join(f"{r['model']} {r['routing']} {r['layer_rel_err']:.1e}" for r in records
-                            if r.get("layer_rel_err") is not None) + "; records whose paths differ (NO) are left out "
-                "of the means.\n")
-        notes = [f"- {r['model']} {r['tokens_per_rank']} {r['routing']}: {r['note']}" for r in records if r["note"]]
-        if notes:
-            f.write("\nnotes:\n" + "\n".join(notes) + "\n")
+    caption = (f"bf16 rows, median µs (max over ranks), the columns timed in turns within each iteration; before each "
+               f"timed call the ranks are lined up on the device and the host is ahead ({lead:.0f} µs spins around the "
+               f"aligning all_reduce). Models (E, top-k, H, expert hidden): "
+               + "; ".join(f"{r['model']} ({r['E']}, {r['topk']}, {r['H']}, {r['hidden']})"
+                           for r in {r["model"]: r for r in records}.values())
+               + f"; Zipf exponent {records[0].get('zipf_exponent')}. NCCL: the same exchange through "
+               "all_to_all_single (the op's fallback path).")
+    footer = "".join(f"geometric mean, {text}: {geo[key]:.3f}\n" for key, text in SUMMARY_LINES
+                     if geo.get(key) is not None)
+    footer += ("The layer's outputs, ours against all_to_all_single's (relative error): "
+               + ", ".join(f"{r['model']} {r['routing']} {r['layer_rel_err']:.1e}" for r in records
+                           if r.get("layer_rel_err") is not None)
+               + "; records whose paths differ (NO) are left out of the means.\n")
+    write_table("ep", records, W, out_dir, caption, EP_HEADER, ep_row,
+                lambda r: f"{r['model']} {r['tokens_per_rank']} {r['routing']}", pending, footer, {"summary": geo})
     return geo
 
 

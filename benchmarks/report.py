@@ -30,8 +30,10 @@ def provenance() -> dict:
             "triton": triton.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def save_json(base: str, op: str, world: int, records: list, pending=()) -> None:
-    doc = {"op": op, "world_size": world, **provenance(), "records": records}
+def save_json(base: str, op: str, world: int, records: list, pending=(), extra: dict | None = None) -> None:
+    """``base``.json: the op, world size, provenance, ``extra`` (a summary, say), the records and the shapes still
+    ``pending``."""
+    doc = {"op": op, "world_size": world, **provenance(), **(extra or {}), "records": records}
     if pending:
         doc["not_measured"] = [list(s) if isinstance(s, (tuple, list)) else s for s in pending]
     with open(base + ".json", "w") as f:
@@ -89,14 +91,14 @@ def result_base(out_dir: str, op: str, records, W) -> str:
     return os.path.join(out_dir, f"{op}-{records[0]['gpu']}x{W}" + (f"-{hosts}hosts" if hosts > 1 else ""))
 
 
-def _write_table(op, records, W, out_dir: str, caption: str, header: str, row, label, pending=(),
-                 footer: str = "") -> None:
+def write_table(op, records, W, out_dir: str, caption: str, header: str, row, label, pending=(),
+                footer: str = "", extra: dict | None = None) -> None:
     """``<op>-<gpu>x<W>.json`` and ``.md``: the provenance, ``caption``, the table (``header``, ``row(record)`` per
     record), ``footer`` (summary lines) under it, each record's note under ``label(record)``, and the shapes still
-    ``pending``."""
+    ``pending``; ``extra``: more fields of the JSON."""
     os.makedirs(out_dir, exist_ok=True)
     base = result_base(out_dir, op, records, W)
-    save_json(base, op, W, records, pending)
+    save_json(base, op, W, records, pending, extra)
     with open(base + ".md", "w") as f:
         f.write(measured(base))
         f.write(f"{op}, {records[0]['gpu']} x{W}, {caption}\n\n{header}\n")
@@ -113,7 +115,7 @@ def write_cp(records, W, out_dir: str, pending=()) -> None:
                + ("; ours, NCCL + kernel, SDPA and our kernel alone timed in turns within each iteration (forward, "
                   "and forward + backward, each a group), so all see the same GPU clock (the values timed one "
                   "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else ""))
-    _write_table("cp_attention", records, W, out_dir, caption, CP_HEADER, _cp_row,
+    write_table("cp_attention", records, W, out_dir, caption, CP_HEADER, _cp_row,
                  lambda r: f"S={r['S']} D={r['D']} Hkv={r['Hkv']} {r.get('dtype', 'bf16')} causal={r['causal']}",
                  pending)
 
@@ -184,7 +186,7 @@ def write_all_reduce(records, W, out_dir: str, pending=()) -> None:
                     "µs over the calls, the graphs timed in turns; NCCL symm: dist.all_reduce on a buffer registered "
                     "for NCCL's symmetric kernels (how, or why not, and the kernels NCCL ran: each record's note and "
                     "nccl_symm / nccl_kernels / nccl_symm_kernels in the JSON)")
-    _write_table("all_reduce", records, W, out_dir, caption, AR_HEADER, ar_row, lambda r: f"{r['bytes']} bytes",
+    write_table("all_reduce", records, W, out_dir, caption, AR_HEADER, ar_row, lambda r: f"{r['bytes']} bytes",
                  pending)
 
 
@@ -246,7 +248,7 @@ def write_all_reduce_rmsnorm(records, W, out_dir: str, pending=()) -> None:
         ("nccl_us", "ours_us", "speed-up over NCCL + add + RMSNorm, eager", None),
         ("one_shot_graph_us", "ours_graph_us", "speed-up over one-shot + add + RMSNorm, graphs", None),
         ("one_shot_b2b_us", "ours_b2b_us", "speed-up over one-shot + add + RMSNorm, back to back", None)))
-    _write_table("all_reduce_rmsnorm", records, W, out_dir, caption, AR_RMSNORM_HEADER, ar_rmsnorm_row,
+    write_table("all_reduce_rmsnorm", records, W, out_dir, caption, AR_RMSNORM_HEADER, ar_rmsnorm_row,
                  lambda r: f"M={r['M']} H={r['H']}", pending, footer)
 
 
@@ -266,7 +268,7 @@ def gemm_ar_row(r):
 def write_gemm_ar(records, W, out_dir: str, pending=()) -> None:
     caption = ("bf16, K over all ranks (each has K/W), B as weight.t(), median µs (max over ranks), timed in turns "
                "within each iteration")
-    _write_table("gemm_ar", records, W, out_dir, caption, GEMM_AR_HEADER, gemm_ar_row,
+    write_table("gemm_ar", records, W, out_dir, caption, GEMM_AR_HEADER, gemm_ar_row,
                  lambda r: f"{r['M']}x{r['K']}x{r['N']}", pending)
 
 
