@@ -3,9 +3,7 @@ JSON with the commit and date it was measured on (report.provenance), the Markdo
 means against the issue's targets."""
 from __future__ import annotations
 
-import math
-
-from report import write_table
+from report import geomean, ratio_text, us_text, write_table
 
 EP_HEADER = ("| model | tokens/rank | routing | dispatch ours µs | dispatch NCCL µs | dispatch vs NCCL | "
              "dispatch GB/s | combine ours µs | combine NCCL µs | combine vs NCCL | combine GB/s | "
@@ -15,36 +13,23 @@ EP_HEADER = ("| model | tokens/rank | routing | dispatch ours µs | dispatch NCC
 # both paths; equal: the dispatched rows and the combined output bit-equal between the two paths.
 
 
-def _us(v) -> str:
-    return "n/a" if v is None else f"{v:.1f}"
-
-
-def _ratio(a, b) -> str:
-    return "n/a" if not a or not b else f"{a / b:.2f}x"
-
-
 def ep_row(r: dict) -> str:
     cols = [r["model"], str(r["tokens_per_rank"]), r["routing"]]
     for k in ("dispatch", "combine"):
         gbps = r.get(f"{k}_ours_gbps")
-        cols += [_us(r.get(f"{k}_ours_us")), _us(r.get(f"{k}_nccl_us")),
-                 _ratio(r.get(f"{k}_nccl_us"), r.get(f"{k}_ours_us")), "n/a" if gbps is None else f"{gbps:.0f}"]
-    cols += [_us(r.get("layer_ours_us")), _us(r.get("layer_nccl_us")),
-             _ratio(r.get("layer_nccl_us"), r.get("layer_ours_us")),
+        cols += [us_text(r.get(f"{k}_ours_us")), us_text(r.get(f"{k}_nccl_us")),
+                 ratio_text(r.get(f"{k}_nccl_us"), r.get(f"{k}_ours_us")), "n/a" if gbps is None else f"{gbps:.0f}"]
+    cols += [us_text(r.get("layer_ours_us")), us_text(r.get("layer_nccl_us")),
+             ratio_text(r.get("layer_nccl_us"), r.get("layer_ours_us")),
              "yes" if r.get("dispatch_equal") and r.get("combine_equal") else "NO"]
     return "| " + " | ".join(cols) + " |"
-
-
-def _geomean(values):
-    values = [v for v in values if v]
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
 def summary(records) -> dict:
     """Geometric means over the records of NCCL's time over ours: dispatch, combine (target >= 1.5x each) and the
     layer (target >= 1.3x at W = 4 and 8); a record whose two paths returned different tensors is left out."""
     same = [r for r in records if r.get("dispatch_equal") and r.get("combine_equal")]
-    return {f"{k}_vs_nccl": _geomean(r[f"{k}_nccl_us"] / r[f"{k}_ours_us"] for r in same
+    return {f"{k}_vs_nccl": geomean(r[f"{k}_nccl_us"] / r[f"{k}_ours_us"] for r in same
                                      if r.get(f"{k}_nccl_us") and r.get(f"{k}_ours_us"))
             for k in ("dispatch", "combine", "layer")}
 
@@ -59,9 +44,9 @@ def write_ep(records, W, out_dir: str, pending=()) -> dict:
     the summary (geometric means)."""
     geo = summary(records)
     lead = records[0].get("lead_us", 0)
-    caption = (f"bf16 rows, median µs (max over ranks), the columns timed in turns within each iteration; before each "
-               f"timed call the ranks are lined up on the device and the host is ahead ({lead:.0f} µs spins around the "
-               f"aligning all_reduce). Models (E, top-k, H, expert hidden): "
+    caption = (f"bf16 rows, median µs (max over ranks), the columns timed in turns within each iteration; before "
+               f"each timed call the ranks are lined up on the device and the host is ahead ({lead:.0f} µs spins "
+               f"around the aligning all_reduce). Models (E, top-k, H, expert hidden): "
                + "; ".join(f"{r['model']} ({r['E']}, {r['topk']}, {r['H']}, {r['hidden']})"
                            for r in {r["model"]: r for r in records}.values())
                + f"; Zipf exponent {records[0].get('zipf_exponent')}. NCCL: the same exchange through "

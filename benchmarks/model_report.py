@@ -3,10 +3,9 @@ date, torch, triton, GPU), each record's model shape, and the ratios users read:
 ours over each baseline's, a decode step's latency of each baseline over ours (both > 1 where ours is faster)."""
 from __future__ import annotations
 
-import math
 import os
 
-from report import measured, pending_line, result_base, save_json
+from report import geomean, measured, pending_line, result_base, save_json
 
 #: (variant, its column's name), in the tables' order
 TRAIN_COLUMNS = (("ours", "ours"), ("ours_fused", "ours, fused projections"), ("ours_compiled", "ours compiled"),
@@ -61,11 +60,6 @@ def decode_row(r) -> str:
             + " | ".join(_x(speedup(r, a, b)) for a, b in DECODE_RATIOS) + " |")
 
 
-def _geomean(values):
-    values = [v for v in values if v]
-    return None if not values else math.exp(sum(map(math.log, values)) / len(values))
-
-
 def _shapes(records) -> str:
     seen = {}
     for r in records:
@@ -98,7 +92,7 @@ def write_model(records, W, out_dir: str, pending=()) -> None:
                     "step\n\n"
                     f"{TRAIN_HEADER}\n" + "\n".join(train_row(r) for r in train) + "\n")
             for a, b in TRAIN_RATIOS[:5]:
-                g = _geomean(speedup(r, a, b) for r in train)
+                g = geomean(speedup(r, a, b) for r in train)
                 if g:
                     f.write(f"\ngeometric-mean {_NAMES[a]} / {_NAMES[b]}: {g:.3f}x")
             f.write("\n")
@@ -109,7 +103,7 @@ def write_model(records, W, out_dir: str, pending=()) -> None:
                     "symmetric memory + torch.ops.symm_mem.one_shot_all_reduce), µs per step\n\n"
                     f"{DECODE_HEADER}\n" + "\n".join(decode_row(r) for r in decode) + "\n")
             for a, b in DECODE_RATIOS[:2]:
-                g = _geomean(speedup(r, a, b) for r in decode)
+                g = geomean(speedup(r, a, b) for r in decode)
                 if g:
                     f.write(f"\ngeometric-mean {_NAMES[a]} / {_NAMES[b]}: {g:.3f}x")
             f.write("\n")

@@ -4,10 +4,9 @@ against the issue's targets."""
 from __future__ import annotations
 
 import json
-import math
 import os
 
-from report import provenance
+from report import geomean, provenance, ratio_text, us_text
 
 MOE_HEADER = ("| model | tokens/rank | routing | max/mean load | "
               "AG ours µs | AG sorted µs | AG user µs | AG NCCL µs | AG bound µs | AG consumer µs | AG vs NCCL | "
@@ -24,31 +23,18 @@ MOE_HEADER = ("| model | tokens/rank | routing | max/mean load | "
 # bound / consumer. layer: TPMoE against the same layer in torch autograd over NCCL and torch._grouped_mm.
 
 
-def _us(v) -> str:
-    return "n/a" if v is None else f"{v:.1f}"
-
-
-def _ratio(a, b, suffix="x") -> str:
-    return "n/a" if not a or not b else f"{a / b:.2f}{suffix}"
-
-
 def moe_row(r: dict) -> str:
     cols = [r["model"], str(r["tokens_per_rank"]), r["routing"], f"{r['imbalance']:.2f}"]
     for op in ("ag", "rs"):
         g = lambda k: r.get(f"{op}_{k}_us")  # noqa: E731
-        cols += [_us(g("ours")), _us(g("ours_sorted")), _us(g("user")) + (" (NCCL)" if r.get(f"{op}_user_path")
-                                                                           == "fallback" else ""),
-                 _us(g("nccl")), _us(g("bound")), _us(g("consumer_only")), _ratio(g("nccl"), g("ours")),
-                 _ratio(g("ours"), g("bound"), ""), _ratio(g("bound"), g("consumer_only"), "")]
-    cols += [_us(r.get("layer_ours_us")), _us(r.get("layer_torch_us")),
-             _ratio(r.get("layer_torch_us"), r.get("layer_ours_us")), _us(r.get("layer_ours_fwd_us")),
-             _us(r.get("layer_torch_fwd_us"))]
+        user = us_text(g("user")) + (" (NCCL)" if r.get(f"{op}_user_path") == "fallback" else "")
+        cols += [us_text(g("ours")), us_text(g("ours_sorted")), user,
+                 us_text(g("nccl")), us_text(g("bound")), us_text(g("consumer_only")), ratio_text(g("nccl"), g("ours")),
+                 ratio_text(g("ours"), g("bound"), ""), ratio_text(g("bound"), g("consumer_only"), "")]
+    cols += [us_text(r.get("layer_ours_us")), us_text(r.get("layer_torch_us")),
+             ratio_text(r.get("layer_torch_us"), r.get("layer_ours_us")), us_text(r.get("layer_ours_fwd_us")),
+             us_text(r.get("layer_torch_fwd_us"))]
     return "| " + " | ".join(cols) + " |"
-
-
-def _geomean(values):
-    values = [v for v in values if v]
-    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
 def summary(records) -> dict:
@@ -57,14 +43,14 @@ def summary(records) -> dict:
     layer, within 1.10x of the bound, >= 0.95x)."""
     out = {}
     for op in ("ag", "rs"):
-        out[f"{op}_vs_nccl"] = _geomean(r.get(f"{op}_nccl_us") / r[f"{op}_ours_us"] for r in records
+        out[f"{op}_vs_nccl"] = geomean(r.get(f"{op}_nccl_us") / r[f"{op}_ours_us"] for r in records
                                         if r.get(f"{op}_nccl_us") and r.get(f"{op}_ours_us"))
-        out[f"{op}_vs_bound"] = _geomean(r[f"{op}_ours_us"] / r[f"{op}_bound_us"] for r in records
+        out[f"{op}_vs_bound"] = geomean(r[f"{op}_ours_us"] / r[f"{op}_bound_us"] for r in records
                                          if r.get(f"{op}_ours_us") and r.get(f"{op}_bound_us"))
-        out[f"{op}_consumer_vs_grouped_mm"] = _geomean(
+        out[f"{op}_consumer_vs_grouped_mm"] = geomean(
             r[f"{op}_bound_us"] / r[f"{op}_consumer_only_us"] for r in records
             if r.get(f"{op}_bound_us") and r.get(f"{op}_consumer_only_us"))
-    out["layer_vs_torch"] = _geomean(r["layer_torch_us"] / r["layer_ours_us"] for r in records
+    out["layer_vs_torch"] = geomean(r["layer_torch_us"] / r["layer_ours_us"] for r in records
                                      if r.get("layer_torch_us") and r.get("layer_ours_us"))
     return out
 
@@ -111,7 +97,7 @@ def write_moe(records, W, out_dir: str, pending=()) -> dict:
                                                              "rs_nccl_graph_us", "rs_ours_graph_us"))]
         if graphs:
             f.write(f"geometric mean over NCCL, both in CUDA graphs: ag_moe_gemm "
-                    f"{_geomean(a for a, _ in graphs):.3f}, moe_gemm_rs {_geomean(b for _, b in graphs):.3f}\n")
+                    f"{geomean(a for a, _ in graphs):.3f}, moe_gemm_rs {geomean(b for _, b in graphs):.3f}\n")
         if pending:
             shapes = "; ".join(",".join(map(str, s)) if isinstance(s, (tuple, list)) else str(s) for s in pending)
             f.write(f"\nNot measured in this run (it ended before them): {shapes}.\n")

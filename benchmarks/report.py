@@ -30,6 +30,22 @@ def provenance() -> dict:
             "triton": triton.__version__, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
+def geomean(values):
+    """The geometric mean of the values that are set (None and 0 left out); None where none is."""
+    values = [v for v in values if v]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def us_text(v) -> str:
+    """µs as a table cell: one decimal, "n/a" where not measured."""
+    return "n/a" if v is None else f"{v:.1f}"
+
+
+def ratio_text(a, b, suffix="x") -> str:
+    """``a / b`` as a table cell with two decimals and ``suffix``, "n/a" where either is missing."""
+    return "n/a" if not a or not b else f"{a / b:.2f}{suffix}"
+
+
 def save_json(base: str, op: str, world: int, records: list, pending=(), extra: dict | None = None) -> None:
     """``base``.json: the op, world size, provenance, ``extra`` (a summary, say), the records and the shapes still
     ``pending``."""
