@@ -171,6 +171,7 @@ FAST = [
     "test_repository.py",
     "test_entry_points.py::test_launcher_help",
     "test_entry_points.py::test_script_without_the_launcher_says_how_to_start_it",
+    "test_entry_points.py::test_auto_backend_follows_the_interpreter",
     "test_compile.py::test_gluon_kernel_compiles_for_hopper[compile_warp_specialized]",
     "test_compile.py::test_gluon_kernel_compiles_for_hopper[compile_gather_hopper]",
     "test_tutorials.py::test_tutorial_passes_on_host_backend[01_context_and_signals.py]",

@@ -50,3 +50,17 @@ def test_gpu_backend_without_a_gpu_says_what_is_missing(pool):
     if pool.backend != "host" or torch.cuda.is_available():
         pytest.skip("checks the host backend's machines, which have no GPU")
     assert all(pool.run(_gpu_backend_without_gpu))
+
+
+def test_auto_backend_follows_the_interpreter(monkeypatch):
+    """backend="auto" is host wherever Triton interprets kernels, GPU or not (interpreted kernels cannot run on a GPU
+    backend's streams); otherwise cuda where torch sees a GPU, host where it sees none."""
+    from triton_overlap.context import backends
+
+    for interprets, gpu, want in ((True, True, "host"), (True, False, "host"), (False, True, "cuda"),
+                                  (False, False, "host")):
+        monkeypatch.setattr(backends, "triton_interprets", lambda v=interprets: v)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda v=gpu: v)
+        monkeypatch.setattr(torch.version, "hip", None)
+        assert backends.pick("auto") == want, (interprets, gpu)
+        assert backends.pick("cuda") == "cuda"

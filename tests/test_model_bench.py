@@ -107,6 +107,9 @@ def test_training_step_matches_single_process(pool, plan_name):
     *_fused: the same weights with fused projections (llama.fuse_projections)."""
     if pool.world != 2:
         pytest.skip("W = 2 (the tiny shape's 2 KV heads shard over 2 ranks)")
+    if plan_name.startswith("torch") and pool.backend == "cuda-shared":
+        pytest.skip("torch's training plan (its reduce-scatter and all-gather of CUDA tensors) over gloo, the "
+                    "process group of ranks sharing one GPU, ends the ranks with SIGSEGV; it runs over NCCL (cuda:W)")
     errs = pool.run(_training, plan_name)
     assert errs[0]["out"] == errs[1]["out"], "ranks disagree on the replicated output"
 

@@ -222,7 +222,7 @@ def _refusals():
         # this rank's experts, whole; as modules (Qwen3-MoE's names) the same as stacked tensors
         first, end = moe.expert_range
         assert (first, end) == (2 * ctx.rank, 2 * ctx.rank + 2)
-        assert torch.equal(moe.w2, plain.w2[first:end].transpose(1, 2).bfloat16())
+        assert torch.equal(moe.w2, plain.w2[first:end].transpose(1, 2).bfloat16().to(dev))
         again = EPMoE.from_full(plain.router, expert_modules(plain), ctx, topk=2)
         assert torch.equal(again.w13, moe.w13) and torch.equal(again.w2, moe.w2)
         # after the refusals the layer runs

@@ -8,9 +8,12 @@ from .backend import Backend
 
 
 def pick(name: str) -> str:
-    """``name``, or for "auto": hip on ROCm torch with a GPU, cuda with a CUDA GPU, host otherwise."""
+    """``name``, or for "auto": host where Triton interprets kernels (TRITON_INTERPRET=1: they cannot run on a GPU
+    backend's streams), hip on ROCm torch with a GPU, cuda with a CUDA GPU, host otherwise."""
     if name != "auto":
         return name
+    if triton_interprets():
+        return "host"
     if getattr(torch.version, "hip", None) and torch.cuda.is_available():
         return "hip"
     if torch.cuda.is_available():

@@ -35,8 +35,8 @@ class Context:
             AllGather-GEMM, GEMM-ReduceScatter and context-parallel attention move data between hosts through the
             process group's point-to-point (``wire``, producers.link), and AllReduce and GEMM + AllReduce take the
             process group's all_reduce.
-        backend: "cuda", "hip", "host", or "auto" (hip on ROCm torch, cuda when a CUDA GPU is present, host
-            otherwise).
+        backend: "cuda", "hip", "host", or "auto" (host where Triton interprets kernels, else hip on ROCm torch,
+            cuda when a CUDA GPU is present, host otherwise).
         timeout_s: how long any wait may last before it gives up with an error: the kernels' waits and the
             host-side exchanges alike (agreeing on shapes, set-up, growing a buffer, reset, close).
 
