@@ -34,8 +34,8 @@ import triton_overlap as to
 from moe_report import moe_row
 from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
 from triton_overlap.kernels.grouped_gemm import launch_ag_grouped
+from triton_overlap.ops.all_gather_moe import consumer_schedule
 from triton_overlap.ops.moe_routing import count_ids
-from triton_overlap.plan import ChunkLayout
 from triton_overlap.timing import capture, time_interleaved
 from triton_overlap.torchrun import say
 from triton_overlap.tuning import MOE_ROUTINGS as ROUTINGS, ZIPF_EXPONENT, zipf_popularity
@@ -138,14 +138,10 @@ def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out):
     without rs_grouped_gemm's claims and combine): ``ag_grouped_gemm`` as a world of one (one chunk, at arrival
     position 0: no tile waits), ``rows`` [R, K] as tokens of top-1 ``row_experts`` [R, 1], ``out`` [R, N] in the
     expert-sorted layout (the bound's). Returns the launch as a function."""
-    R = rows.shape[0]
-    layout = ChunkLayout(1, R, R)
-    sched = SimpleNamespace(gather=SimpleNamespace(layout=layout), cfg=cfg,
-                            chunk_pos=torch.zeros(1, dtype=torch.int64, device=rows.device),
-                            chunk_at=torch.zeros(1, dtype=torch.int32, device=rows.device))
+    sched = consumer_schedule(cfg, rows.shape[0], rows.device)
     _, routes, table = ag_op.route(sched, row_experts, w.shape[0], True)
     flags = torch.ones(1, dtype=torch.int32, device=rows.device)
-    return lambda: launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, layout, op=ag_op.op,
+    return lambda: launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, sched.layout, op=ag_op.op,
                                      rank=0)
 
 

@@ -1,6 +1,7 @@
 """Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel and the AllGather GEMM (Gluon), the
-attention kernels (the Gluon forward and backward among them), the AllReduce, the fused GEMM + AllReduce and the
-timing spin for a GPU target without a GPU: Triton's front end, LLVM and ptxas, as a launch on the device would.
+attention kernels (the Gluon forward and backward among them), the AllReduce, the fused GEMM + AllReduce, the MoE
+grouped GEMMs and routing kernels and the timing spin for a GPU target without a GPU: Triton's front end, LLVM and
+ptxas, as a launch on the device would.
 Catches compile errors before device time is spent, and prints registers, spills and whether ptxas serialised the
 wgmma pipeline (warnings C7514, C7515).
 
@@ -396,6 +397,34 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
     return failed
 
 
+def compile_routing(target) -> int:
+    """kernels.routing (the MoE ops' sort by expert) as ops.moe_routing launches it: int64 and int32 ids, 256
+    experts, the tiles ordered by their chunks and not."""
+    from triton_overlap.kernels import routing as r
+
+    failed = 0
+    e_pad, block = 256, 128
+    kernels = [(r.count_experts, dict(BLOCK=block, E_CHUNK=64)),
+               (r.scan_counts, dict(E_PAD=e_pad, SCAN_B=32, S_PAD=32)),
+               (r.place_pairs, dict(HAS_REMAP=True, DST=1, BLOCK=block)),
+               (r.place_pairs, dict(HAS_REMAP=False, DST=2, BLOCK=block)),
+               (r.cut_tiles, dict(BLOCK_M=128, E_PAD=e_pad, BS=32, BY_TAG=True, TAG_PAD=64)),
+               (r.cut_tiles, dict(BLOCK_M=128, E_PAD=e_pad, BS=32, BY_TAG=False, TAG_PAD=1))]
+    for (fn, consts), ids in itertools.product(kernels, ("*i64", "*i32")):
+        sig = {prm.name: "constexpr" if prm.is_constexpr else ids if prm.name == "ids_ptr"
+               else "*i64" if prm.name == "order_ptr" else "*i32" if prm.name.endswith("_ptr") else "i32"
+               for prm in fn.params}
+        name = f"{fn.fn.__name__} ids {ids[1:]} {consts}"
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
+                               options={"num_warps": 4})
+            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}")
+        except Exception as e:  # noqa: BLE001 - reported, the check goes on
+            failed += 1
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+    return failed
+
+
 def ptxas_report(cubin_ptx: str, arch: int) -> str:
     try:  # the ptxas Triton itself takes for this arch (newer Triton: a second, newer one from sm_90 up)
         from triton.backends.nvidia.compiler import get_ptxas
@@ -434,6 +463,7 @@ def main():
     failed += compile_attention_ws(target)
     failed += compile_attention_bwd_ws(target)
     failed += compile_grouped_gemm(target)
+    failed += compile_routing(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer

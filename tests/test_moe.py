@@ -1,6 +1,7 @@
 """Tensor-parallel MoE ops against float64 torch: AllGather + grouped GEMM (``ag_moe_gemm``) and grouped GEMM + top-k
 combine + ReduceScatter (``moe_gemm_rs``), each an OpSpec with its cases (tests/contract.py), then the sorted layout
-from one into the other, the routing tables, the ranks' disagreement on routing and the kernel's timeout.
+from one into the other, the ranks' disagreement on routing and the kernel's timeout (the routing tables:
+test_moe_routing.py).
 
 Inputs are bf16 (fp16 in a case) and the references float64 on the same rounded inputs. Tolerances
 (‖out − ref‖ / ‖ref‖): ag_moe_gemm 1e-2 for bf16, 2e-3 for fp16 (one rounding of a float32 accumulation);
@@ -9,7 +10,6 @@ Outputs are filled with NaN before each call and the receive/staging buffers wit
 (13, 7) so no tile or chunk boundary lines up with a rank's rows."""
 import zlib
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -318,78 +318,6 @@ def test_fallback_rule():
         assert (rs._use_fallback(64, 1024, 2), rs._use_fallback(1024, 1024, 2)) == (small, large), (world, rule)
 
 
-def test_tile_table_bounds_and_covers():
-    """Every (block, expert) group's rows are cut into block_m tiles that cover them exactly once, in expert order,
-    within the fixed number of slots (ceil(rows / block_m) + min(E, rows)), the rest empty; routings from empty
-    experts to all on one expert."""
-    from triton_overlap.ops.moe_routing import num_slots, tile_table
-
-    g = torch.Generator().manual_seed(0)
-    for B, E, rows, bm in ((1, 4, 37, 16), (3, 7, 20, 8), (1, 256, 44, 16), (2, 1, 9, 16), (1, 5, 64, 16)):
-        for kind in ("random", "one", "sparse"):
-            if kind == "one":
-                counts = torch.zeros(B, E, dtype=torch.int64)
-                counts[:, -1] = rows
-            else:
-                hi = E if kind == "random" else max(1, E // 3)
-                counts = torch.stack([torch.bincount(torch.randint(0, hi, (rows,), generator=g), minlength=E)
-                                      for _ in range(B)])
-            slots = num_slots(rows, E, bm)
-            table = tile_table(counts, bm, slots)
-            starts = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).reshape(B, E)
-            for b in range(B):
-                seen = []
-                for e, first, end in table[b].tolist():
-                    if end > first:
-                        assert end - first <= bm and starts[b, e] <= first and end <= starts[b, e] + counts[b, e]
-                        seen += list(range(first, end))
-                assert seen == list(range(int(starts[b, 0]), int(starts[b, 0]) + rows)), (B, E, rows, kind)
-
-
-def test_routing_orders_tiles():
-    """AllGather-MoE's tables (rank 1 of 3, two chunks a rank): every pair in exactly one tile, a tile's rows of one
-    expert, rows of an expert in chunk-arrival order (this rank's first), tiles ordered by the last chunk they need
-    (all-local tiles first), the chunks a tile waits for those of its rows. MoE-ReduceScatter's: each destination's
-    slots hold its own tokens' pairs only, in the order of ``dests`` (this rank last)."""
-    from triton_overlap.ops.moe_reduce_scatter import MoEReduceScatterSchedule
-    from triton_overlap.plan import ChunkLayout
-
-    W, m_local, topk, E = 3, 48, 2, 3
-    layout = ChunkLayout(W, m_local, 24)
-    cfg = to.MoEGEMMConfig(block_m=16, block_n=16, block_k=16, block_c=16)
-    # chunks 2 and 3 (rank 1's) here; then rank 0's, then rank 2's, at positions 1 to 4
-    at = [2, 0, 1, 4, 5]
-    pos = torch.zeros(6, dtype=torch.int64)
-    for i, c in enumerate(at[1:], start=1):
-        pos[c] = i
-    sched = SimpleNamespace(gather=SimpleNamespace(layout=layout), cfg=cfg, chunk_pos=pos,
-                            chunk_at=torch.tensor(at, dtype=torch.int32))
-    ids = torch.randint(0, E, (W * m_local, topk), generator=torch.Generator().manual_seed(1))
-    _, (src, dst, rowpos, _), table = to.AllGatherMoEGEMM.route(None, sched, ids, E, False)
-    seen, needs = [], []
-    for e, first, end in table.tolist():
-        if end == first:
-            needs.append(99)
-            continue
-        pairs = dst[first:end].long()
-        assert (ids.reshape(-1)[pairs] == e).all() and (src[first:end].long() == pairs // topk).all()
-        tok_chunks = {int(t) // m_local * 2 + int(t) % m_local // 24 for t in src[first:end]}
-        assert {at[int(p)] for p in rowpos[first:end] if p} == tok_chunks - {2, 3}  # what the tile waits for
-        assert (rowpos[first:end][1:] >= rowpos[first:end][:-1]).all()
-        needs.append(int(rowpos[end - 1]))
-        seen += pairs.tolist()
-    assert sorted(seen) == list(range(W * m_local * topk)) and needs == sorted(needs) and needs[0] == 0
-    # MoE-ReduceScatter at rank 1: destinations 2, 0, then 1
-    rs = MoEReduceScatterSchedule(cfg, SimpleNamespace(layout=layout), torch.tensor([2, 0, 1]),
-                                  torch.tensor([1, 2, 0]), None, None)
-    (src, _), table = to.MoEGEMMReduceScatter.route(None, rs, ids, E, None)
-    slots = table.shape[0] // W
-    for q, dest in enumerate((2, 0, 1)):
-        for e, first, end in table[q * slots:(q + 1) * slots].tolist():
-            pairs = src[first:end].long()
-            assert (pairs // topk // m_local == dest).all() and (ids.reshape(-1)[pairs] == e).all()
-
-
 def test_config_rejects_odd_tiles():
     with pytest.raises(ValueError, match="block_c"):
         to.MoEGEMMConfig(block_c=24)
@@ -410,6 +338,8 @@ def _ag_chunk_never_lands(timeout_s: float):
     """A peer's chunk that never lands: the grouped GEMM's wait times out naming the rank, the op, the peer and
     the chunk (a simulated world of two, as rank 0, with rank 1's flags down)."""
     from triton_overlap.kernels.grouped_gemm import launch_ag_grouped
+    from triton_overlap.ops.all_gather_moe import AllGatherMoESchedule
+    from triton_overlap.ops.moe_routing import arrival_segments
     from triton_overlap.plan import ChunkLayout
 
     with to.Context(timeout_s=timeout_s) as ctx:
@@ -421,11 +351,10 @@ def _ag_chunk_never_lands(timeout_s: float):
         w = rand((E, K, N), torch.bfloat16, dev, "w")
         ids = torch.arange(2 * m_local * 2, device=dev).view(-1, 2) % E
         cpr = layout.chunks_per_rank
-        sched = SimpleNamespace(gather=SimpleNamespace(layout=layout), cfg=cfg,
-                                chunk_pos=torch.tensor([0] * cpr + list(range(1, cpr + 1)), device=dev),
-                                chunk_at=torch.tensor([0] + list(range(cpr, 2 * cpr)), dtype=torch.int32,
-                                                      device=dev))
-        _, routes, table = to.AllGatherMoEGEMM.route(None, sched, ids, E, False)
+        arriving = list(range(cpr, 2 * cpr))
+        sched = AllGatherMoESchedule(cfg, None, layout, arrival_segments(layout, 0, arriving, dev),
+                                     torch.tensor([0] + arriving, dtype=torch.int32, device=dev))
+        _, routes, table = to.AllGatherMoEGEMM.route(sched, ids, E, False)
         out = torch.empty(ids.numel(), N, dtype=torch.bfloat16, device=dev)
         flags = torch.ones(layout.num_chunks, dtype=torch.int32, device=dev)
         ref = _per_pair(torch.cat([x, ws[m_local:]]), w, ids).reshape(-1, N)

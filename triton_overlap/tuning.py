@@ -16,7 +16,6 @@ import statistics
 import time
 from dataclasses import asdict, replace
 from itertools import product
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -28,13 +27,12 @@ from .kernels.capability import is_hopper
 from .kernels.gemm import plain_gemm
 from .kernels.grouped_gemm import launch_ag_grouped
 from .ops.all_gather_gemm import AllGatherGEMM
-from .ops.all_gather_moe import AllGatherMoEGEMM
+from .ops.all_gather_moe import AllGatherMoEGEMM, consumer_schedule
 from .ops.config import AllGatherGEMMConfig, AttentionConfig, GEMMReduceScatterConfig
 from .ops.gemm_reduce_scatter import GEMMReduceScatter
 from .ops.moe_config import MoEGEMMConfig
 from .ops.moe_reduce_scatter import MoEGEMMReduceScatter
 from .ops.moe_routing import grouped_matmul
-from .plan import ChunkLayout
 from .torchrun import say
 
 # block_m, block_n, block_k, num_warps, num_stages, tma (None: descriptors only for B passed as weight.t(); True:
@@ -362,15 +360,12 @@ def tune_moe_tiles(ctx, shape, routing, dry):
     ref = grouped_matmul(x.repeat_interleave(topk, dim=0), ids.reshape(-1), w)
     out = torch.empty(T * topk, N, device=dev, dtype=dt)
     op = AllGatherMoEGEMM(ctx, name="tune.moe_tiles")
-    layout = ChunkLayout(1, T, T)
     flags = torch.ones(1, dtype=torch.int32, device=dev)
 
     def make_run(cfg):
-        sched = SimpleNamespace(gather=SimpleNamespace(layout=layout), cfg=cfg,
-                                chunk_pos=torch.zeros(1, dtype=torch.int64, device=dev),
-                                chunk_at=torch.zeros(1, dtype=torch.int32, device=dev))
+        sched = consumer_schedule(cfg, T, dev)
         _, routes, table = op.route(sched, ids, E, False)
-        return lambda: launch_ag_grouped(ctx, cfg, x, x, w, out, routes, table, flags, layout, op=op.op, rank=0)
+        return lambda: launch_ag_grouped(ctx, cfg, x, x, w, out, routes, table, flags, sched.layout, op=op.op, rank=0)
 
     cands = moe_tile_candidates(ctx, MoEGEMMConfig.defaults(ctx), dry)
     say(f"tune moe {shape} ({routing}), grouped GEMM tiles alone on {T} tokens: {len(cands)} tile configs")

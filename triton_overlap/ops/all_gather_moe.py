@@ -4,7 +4,7 @@ experts' GEMM.
 Plan: each rank's tokens cut into chunks (ChunkLayout), moved by copy engines with a flag per chunk exactly as
 AllGather-GEMM moves its rows (producers.gather, push). Consumer: a persistent grouped GEMM (kernels.grouped_gemm)
 over the (token, k) pairs sorted by expert and, within an expert, by the arrival position of the token's chunk,
-this rank's own tokens first (ops.moe_routing, torch on the device); a tile waits only for the chunks its rows come
+this rank's own tokens first (ops.moe_routing: four small kernels on the device); a tile waits only for the chunks its rows come
 from, and tiles of rows already here run first. Fallback: NCCL all_gather + one torch matmul per expert.
 """
 from __future__ import annotations
@@ -20,8 +20,8 @@ from ..producers import pipeline
 from ..producers.gather import Gather
 from .base import with_overrides
 from .moe_config import MoEGEMMConfig, MoEOp, check_moe_operands, check_out, moe_table_shape
-from .moe_routing import (MoERouting, agree_on_routing, check_routing, count_ids, grouped_matmul, num_slots, sort_pairs,
-                          tile_table)
+from .moe_routing import (MoERouting, Segments, agree_on_routing, arrival_segments, check_routing, count_ids,
+                          grouped_matmul, num_slots, sort_by_expert, sort_pairs)
 
 #: fallback="auto" takes NCCL + torch below this many bytes of each rank's token shard
 FALLBACK_SHARD_BYTES = 1 << 20
@@ -29,14 +29,23 @@ FALLBACK_SHARD_BYTES = 1 << 20
 
 @dataclass(frozen=True, eq=False)
 class AllGatherMoESchedule:
-    """One call shape's decisions: ``cfg``, the gather's schedule, each chunk's arrival position on the device
-    (``chunk_pos``: 0 for this rank's own chunks, then 1, 2, ... in the order the others arrive), the chunk at
-    each position (``chunk_at``), and the call's header."""
+    """One call shape's decisions: ``cfg``, the gather's schedule (None for a consumer run alone on rows already
+    here, as the benchmark and tuning run it) and its chunk ``layout``, the runs of tokens in the order they are here
+    (``segments``: this rank's, then each peer's chunk as it arrives, tagged with its arrival position), the chunk
+    at each position on the device (``chunk_at``), and the call's header."""
     cfg: MoEGEMMConfig
-    gather: GatherSchedule
-    chunk_pos: torch.Tensor
+    gather: GatherSchedule | None
+    layout: ChunkLayout
+    segments: Segments
     chunk_at: torch.Tensor
-    call: object
+    call: object = None
+
+
+def consumer_schedule(cfg: MoEGEMMConfig, rows: int, device) -> AllGatherMoESchedule:
+    """The schedule of the grouped GEMM alone on ``rows`` tokens already here: a world of one, one chunk, no waits."""
+    layout = ChunkLayout(1, rows, rows)
+    return AllGatherMoESchedule(cfg, None, layout, arrival_segments(layout, 0, [], device),
+                                torch.zeros(1, dtype=torch.int32, device=device))
 
 
 class AllGatherMoEGEMM(MoEOp):
@@ -134,13 +143,10 @@ class AllGatherMoEGEMM(MoEOp):
                                      reset_by="producer", hold_for_link=ctx.holds_for_link)
             when = arrival_times(layout, ctx.rank, ctx.topology.hosts, cfg.num_streams)
             arriving = sorted(when, key=lambda c: (when[c], c))
-            pos = [0] * layout.num_chunks
-            for i, c in enumerate(arriving):
-                pos[c] = i + 1
             own = layout.chunk_id(ctx.rank, 0)
             call = self.call_header((m_local, K, x.dtype, layout.m_per_chunk, "push"), (m_local, K))
             found = self.state["schedules"][key] = AllGatherMoESchedule(
-                cfg, gather, torch.tensor(pos, dtype=torch.int64, device=ctx.device),
+                cfg, gather, layout, arrival_segments(layout, ctx.rank, arriving, ctx.device),
                 torch.tensor([own] + arriving, dtype=torch.int32, device=ctx.device), call)
         return found
 
@@ -149,7 +155,7 @@ class AllGatherMoEGEMM(MoEOp):
         while the copies go)."""
         ctx = self.ctx
         sched = self.schedule(x, overrides)
-        layout, cfg = sched.gather.layout, sched.cfg
+        layout, cfg = sched.layout, sched.cfg
         ws = ctx.symmetric(f"{self.name}.ws", (layout.world * layout.m_local, x.shape[1]), x.dtype)
         flags = ctx.symmetric(f"{self.name}.flags", (layout.num_chunks,), torch.int32)
         self.state["buffers"] = {"workspace": ws.local}
@@ -164,33 +170,21 @@ class AllGatherMoEGEMM(MoEOp):
         pipeline.run(ctx, producer, consumer)
         return made["routing"]
 
-    def route(self, sched: AllGatherMoESchedule, topk_ids, num_experts: int, sorted_output: bool):
-        """The consumer's routing, with torch on the device: pairs sorted by (expert, chunk position, pair); the
-        tile table (``block_m`` rows of one expert a tile), ordered by the last chunk position a tile needs (tiles
-        of this rank's rows first); and (src, dst, pos, chunk_at) for the kernel. Returns (MoERouting, those, table)."""
-        layout, bm = sched.gather.layout, sched.cfg.block_m
+    @staticmethod
+    def route(sched: AllGatherMoESchedule, topk_ids, num_experts: int, sorted_output: bool):
+        """The consumer's routing, by kernels.routing on the caller's stream: pairs sorted by (expert, arrival
+        position of the token's chunk, pair); the tile table (``block_m`` rows of one expert a tile), stably ordered
+        by the last arrival position a tile needs (tiles of this rank's rows first, empty slots last); and (src: each
+        row's token, dst: its output row, pos: its arrival position, chunk_at) for the kernel. Returns (MoERouting
+        where ``sorted_output``, those, table)."""
+        layout, bm = sched.layout, sched.cfg.block_m
         T, topk = topk_ids.shape
-        dev = topk_ids.device
-        pairs = T * topk
-        experts = topk_ids.reshape(-1).to(torch.int64)
-        token = torch.arange(pairs, device=dev, dtype=torch.int64) // topk
-        chunk = (token // layout.m_local) * layout.chunks_per_rank + (token % layout.m_local) // layout.m_per_chunk
-        cpos = sched.chunk_pos[chunk]
-        order, position = sort_pairs(experts, num_experts, cpos, layout.num_chunks + 1)
-        counts = count_ids(experts, num_experts)
-        table = tile_table(counts.view(1, -1), bm, num_slots(pairs, num_experts, bm))[0]
-        sorted_pos = cpos[order]
-        used = table[:, 2] > table[:, 1]
-        need = torch.where(used, sorted_pos[(table[:, 2] - 1).clamp(min=0)], layout.num_chunks + 1)
-        table = table[torch.sort(need.to(torch.int32), stable=True).indices].to(torch.int32).contiguous()
-        dst = order if not sorted_output else torch.arange(pairs, device=dev, dtype=torch.int64)
-        routes = ((order // topk).to(torch.int32), dst.to(torch.int32), sorted_pos.to(torch.int32), sched.chunk_at)
-        routing = None
-        if sorted_output:
-            offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=dev)
-            offsets[1:] = counts.cumsum(0)
-            routing = MoERouting(order, position, offsets, num_experts, topk)
-        return routing, routes, table
+        slots = num_slots(T * topk, num_experts, bm)
+        r = sort_by_expert(topk_ids, sched.segments, num_experts, bm, slots, per_segment=False, src_div=topk,
+                           dst=2 if sorted_output else 1, by_tag=layout.num_chunks + 1)
+        routes = (r["src"], r["dst"], r["tag"], sched.chunk_at)
+        routing = MoERouting(r["order"], r["position"], r["offsets"].view(-1), num_experts, topk) if sorted_output else None
+        return routing, routes, r["table"]
 
     def _fallback(self, x, w, topk_ids, rows, sorted_output) -> tuple[MoERouting | None, torch.Tensor]:
         """NCCL all_gather, then one torch matmul per expert: (the routing where sorted, the gathered tokens)."""
@@ -224,4 +218,4 @@ def ag_moe_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *, ctx
                                         return_gathered=return_gathered, out=out, **overrides)
 
 
-__all__ = ["AllGatherMoEGEMM", "ag_moe_gemm"]
+__all__ = ["AllGatherMoEGEMM", "AllGatherMoESchedule", "ag_moe_gemm", "consumer_schedule"]

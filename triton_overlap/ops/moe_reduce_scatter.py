@@ -3,7 +3,7 @@
 experts' GEMM.
 
 Plan: the (token, k) pairs sorted by destination (the rank that owns the token, in GEMM-RS's send order, this rank
-last), then expert (ops.moe_routing, torch on the device); each owner's tokens cut into chunks (ChunkLayout).
+last), then expert (ops.moe_routing: four small kernels on the device); each owner's tokens cut into chunks (ChunkLayout).
 Consumer: one persistent kernel (kernels.grouped_gemm.rs_grouped_gemm) that, destination by destination, runs the
 grouped GEMM tiles of its pairs and then its top-k combine tiles, which sum each token's k products in float32
 into a partial row and bump the chunk counters; producer: GEMM-RS's copy variant (producers.scatter), whose copy
@@ -25,8 +25,8 @@ from ..producers import pipeline
 from ..producers.scatter import Scatter, staging
 from .base import with_overrides
 from .moe_config import MoEGEMMConfig, MoEOp, check_moe_operands, check_out, moe_table_shape
-from .moe_routing import (MoERouting, agree_on_routing, check_routing, count_ids, grouped_matmul, num_slots, sort_pairs,
-                          tile_table)
+from .moe_routing import (MoERouting, Segments, agree_on_routing, check_routing, destination_segments, grouped_matmul,
+                          num_slots, sort_by_expert)
 
 #: fallback="auto" takes torch + NCCL below this many bytes of each rank's share of the output
 FALLBACK_PARTIAL_BYTES = 1 << 20
@@ -36,12 +36,12 @@ FALLBACK_PARTIAL_BYTES = 1 << 20
 class MoEReduceScatterSchedule:
     """One call shape's decisions: ``cfg``; the scatter's schedule, whose ``counts`` are the combine tiles' stores
     per chunk (the same for every owner, whatever the routing); ``dests``: the destinations in the order the kernel
-    computes them and ``dest_pos`` each rank's place in it, on the device; ``expected`` this rank's counts per
-    chunk on the device; the call's header."""
+    computes them, on the device, and ``segments`` the destinations' tokens in that order; ``expected`` this
+    rank's counts per chunk on the device; the call's header."""
     cfg: MoEGEMMConfig
     scatter: ScatterSchedule
     dests: torch.Tensor
-    dest_pos: torch.Tensor
+    segments: Segments
     expected: torch.Tensor
     call: object
 
@@ -152,15 +152,11 @@ class MoEGEMMReduceScatter(MoEOp):
             local = ctx.local_ranks
             ahead = [p for p in send_order(r, W) if p not in local] + [p for p in send_order(r, W) if p in local]
             dests = ahead + [r]
-            pos = [0] * W
-            for i, d in enumerate(dests):
-                pos[d] = i
             call = self.call_header((T, N, dtype, layout.m_per_chunk, cfg.block_c, cfg.block_n), (T, N))
             dev = ctx.device
             found = self.state["schedules"][key] = MoEReduceScatterSchedule(
-                cfg, scatter, torch.tensor(dests, dtype=torch.int32, device=dev),
-                torch.tensor(pos, dtype=torch.int64, device=dev), torch.tensor(counts, dtype=torch.int32, device=dev),
-                call)
+                cfg, scatter, torch.tensor(dests, dtype=torch.int32, device=dev), destination_segments(m_local, dests, dev),
+                torch.tensor(counts, dtype=torch.int32, device=dev), call)
         return found
 
     def _overlap(self, h, w, topk_ids, topk_weights, routing, out, overrides) -> None:
@@ -195,21 +191,16 @@ class MoEGEMMReduceScatter(MoEOp):
         if late:
             reduce()
 
-    def route(self, sched: MoEReduceScatterSchedule, topk_ids, num_experts: int, routing: MoERouting | None):
-        """The kernel's routing, with torch on the device: pairs sorted by (destination's place, expert, pair); the
-        tile table, a fixed number of slots per destination; (src: each sorted row's row of h, pos: each pair's
-        row of Y). Returns (routes, table)."""
+    @staticmethod
+    def route(sched: MoEReduceScatterSchedule, topk_ids, num_experts: int, routing: MoERouting | None):
+        """The kernel's routing, by kernels.routing on the caller's stream: pairs sorted by (destination's place,
+        expert, pair); the tile table, a fixed number of slots per destination; (src: each sorted row's row of h,
+        pos: each pair's row of Y). Returns (routes, table)."""
         layout, bm = sched.scatter.layout, sched.cfg.block_m
-        T, topk = topk_ids.shape
-        W, pairs = layout.world, T * topk
-        experts = topk_ids.reshape(-1).to(torch.int64)
-        token = torch.arange(pairs, device=topk_ids.device, dtype=torch.int64) // topk
-        dest = sched.dest_pos[token // layout.m_local]
-        order, position = sort_pairs(dest, W, experts, num_experts)
-        counts = count_ids(dest * num_experts + experts, W * num_experts).view(W, num_experts)
-        table = tile_table(counts, bm, num_slots(layout.m_local * topk, num_experts, bm))
-        src = order if routing is None else routing.position[order]
-        return (src.to(torch.int32), position), table.view(-1, 3).to(torch.int32).contiguous()
+        topk = topk_ids.shape[1]
+        r = sort_by_expert(topk_ids, sched.segments, num_experts, bm, num_slots(layout.m_local * topk, num_experts, bm),
+                           per_segment=True, remap=None if routing is None else routing.position)
+        return (r["src"], r["position"]), r["table"]
 
     def _fallback(self, h, w, topk_ids, topk_weights, routing, out) -> None:
         T, topk = topk_ids.shape

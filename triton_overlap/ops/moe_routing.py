@@ -1,12 +1,13 @@
-"""Routing for the tensor-parallel MoE ops: checking ``topk_ids``, sorting (token, k) pairs by expert, and the
-grouped GEMMs' tile tables, all computed with torch on the device (no host synchronisation), the plain-torch
-grouped matmul of the ops' fallbacks, and the experts' weight gradients (an MoE layer's backward).
+"""Routing for the tensor-parallel MoE ops: checking ``topk_ids``, sorting (token, k) pairs by expert with the grouped
+GEMMs' tile tables (on the device, no host synchronisation: the overlapped calls by kernels.routing's four kernels,
+the fallback's sorted layout by torch), the plain-torch grouped matmul of the ops' fallbacks, and the experts' weight
+gradients (an MoE layer's backward).
 
 A pair ``q = t * topk + j`` is token ``t``'s ``j``-th choice, expert ``topk_ids[t, j]``. Each op sorts the pairs by
-a key of its own (``sort_pairs``): AllGather-MoE by (expert, arrival position of the token's chunk, pair), so that
-a tile of an expert's rows needs as few chunks as possible and rows already here come first; MoE-ReduceScatter by
-(destination rank in send order, expert, pair). ``tile_table`` cuts each group of sorted rows into tiles of
-``block_m`` rows into a table of fixed length (kernels.grouped_gemm).
+a key of its own, given as runs of tokens (``Segments``): AllGather-MoE by (expert, arrival position of the token's
+chunk, pair), so that a tile of an expert's rows needs as few chunks as possible and rows already here come first;
+MoE-ReduceScatter by (destination rank in send order, expert, pair). Each group of sorted rows is cut into tiles of
+``block_m`` rows of one expert, in a table of fixed length (kernels.grouped_gemm reads it).
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..plan import cdiv
+from ..kernels.routing import sort_segments
+from ..plan import ChunkLayout, cdiv
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -31,6 +33,43 @@ class MoERouting:
     offsets: torch.Tensor
     num_experts: int
     topk: int
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """Runs of whole tokens in the order a routing sort keeps them (kernels.routing): ``table`` int32 [S, 3] on the
+    device (first token, tokens, tag), ``tokens`` the runs' token counts on the host (they size the kernels' grids).
+    Made once per schedule."""
+    table: torch.Tensor
+    tokens: tuple
+
+    @classmethod
+    def of(cls, runs: list[tuple[int, int, int]], device) -> Segments:
+        return cls(torch.tensor(runs, dtype=torch.int32, device=device).view(-1, 3), tuple(n for _, n, _ in runs))
+
+
+def arrival_segments(layout: ChunkLayout, rank: int, arriving: list[int], device) -> Segments:
+    """AllGather-MoE's runs: this rank's tokens (tag 0), then each chunk of ``arriving`` (chunk ids in arrival order)
+    tagged with its arrival position 1, 2, ...: sorted by expert within one group, an expert's rows follow the
+    order in which their tokens are here."""
+    runs = [(rank * layout.m_local, layout.m_local, 0)]
+    for i, c in enumerate(arriving, start=1):
+        rows = layout.rows(c // layout.chunks_per_rank, c % layout.chunks_per_rank)
+        runs.append((rows.start, rows.stop - rows.start, i))
+    return Segments.of(runs, device)
+
+
+def destination_segments(m_local: int, dests: list[int], device) -> Segments:
+    """MoE-ReduceScatter's runs: each destination's tokens, in the order the kernel computes them."""
+    return Segments.of([(d * m_local, m_local, 0) for d in dests], device)
+
+
+def sort_by_expert(topk_ids: torch.Tensor, segments: Segments, num_experts: int, block_m: int, slots: int, *,
+                   per_segment: bool, **kw) -> dict:
+    """kernels.routing.sort_segments on ``topk_ids`` (made contiguous): one group of every segment
+    (``per_segment=False``: rows by expert, then segment) or a group per segment (by segment, then expert)."""
+    return sort_segments(topk_ids.contiguous(), segments.table, list(segments.tokens),
+                         1 if per_segment else len(segments.tokens), num_experts, block_m, slots, **kw)
 
 
 def check_routing(op: str, ctx, topk_ids: torch.Tensor, tokens: int, num_experts: int) -> None:
@@ -101,25 +140,6 @@ def num_slots(rows: int, experts: int, block_m: int) -> int:
     return cdiv(rows, block_m) + min(experts, rows)
 
 
-def tile_table(counts: torch.Tensor, block_m: int, slots: int) -> torch.Tensor:
-    """``counts`` int64 [B, E]: the rows of each (block, expert) group, the groups' rows laid out one after another
-    (block-major). Returns int64 [B, slots, 3]: each block's tiles (expert, first row, end row) in expert order,
-    ``block_m`` rows at most, then empty slots (0, 0, 0)."""
-    B, E = counts.shape
-    tiles = (counts + block_m - 1) // block_m
-    starts = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).reshape(B, E)
-    tile_end = tiles.cumsum(1)
-    s = torch.arange(slots, device=counts.device, dtype=torch.int64).expand(B, slots).contiguous()
-    e = torch.searchsorted(tile_end, s, right=True)
-    used = e < E
-    e = e.clamp(max=E - 1)
-    local = s - (tile_end.gather(1, e) - tiles.gather(1, e))
-    first = starts.gather(1, e) + local * block_m
-    end = torch.minimum(first + block_m, starts.gather(1, e) + counts.gather(1, e))
-    zero = torch.zeros_like(first)
-    return torch.stack([torch.where(used, e, zero), torch.where(used, first, zero), torch.where(used, end, zero)], -1)
-
-
 def grouped_matmul(rows: torch.Tensor, experts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``rows[i] @ w[experts[i]]`` for every i, by torch: rows sorted by expert, one matmul per expert that has rows
     (the fallbacks' path; reads the counts back to the host)."""
@@ -154,5 +174,6 @@ def expert_grads(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> tor
     return out
 
 
-__all__ = ["MoERouting", "agree_on_routing", "check_routing", "count_ids", "expert_grads", "grouped_matmul", "num_slots",
-           "routing_digest", "sort_pairs", "tile_table"]
+__all__ = ["MoERouting", "Segments", "agree_on_routing", "arrival_segments", "check_routing", "count_ids",
+           "destination_segments", "expert_grads", "grouped_matmul", "num_slots", "routing_digest", "sort_by_expert",
+           "sort_pairs"]
