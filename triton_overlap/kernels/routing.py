@@ -173,7 +173,8 @@ def cut_tiles(totals_ptr, offsets_ptr, tag_ptr, table_ptr, E, SLOTS, LAST_TAG, B
 
 
 def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    """The least power of two >= n (>= 1), in plain Python (triton's helpers are slower from the host)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
 
 
 def sort_segments(ids, segments, seg_tokens: list[int], segs_per_group: int, num_experts: int, block_m: int,
@@ -225,7 +226,7 @@ def sort_segments(ids, segments, seg_tokens: list[int], segs_per_group: int, num
 
 def blocks_per_segment(seg_tokens: list[int], topk: int, block: int) -> int:
     """Blocks of ``block`` pairs the largest segment needs (the grids' second dimension)."""
-    return triton.cdiv(max(seg_tokens, default=0) * topk, block)
+    return -(-max(seg_tokens, default=0) * topk // block)
 
 
 __all__ = ["blocks_per_segment", "count_experts", "cut_tiles", "place_pairs", "scan_counts", "sort_segments"]
