@@ -404,12 +404,13 @@ def compile_routing(target) -> int:
 
     failed = 0
     e_pad, block = 256, 128
-    kernels = [(r.count_experts, dict(BLOCK=block, E_CHUNK=64)),
-               (r.scan_counts, dict(E_PAD=e_pad, SCAN_B=32, S_PAD=32)),
+    kernels = [(r.count_experts, dict(BLOCK=block, E_CHUNK=64)), (r.scan_counts, dict(E_TILE=32, SCAN_B=64)),
+               (r.expert_offsets, dict(E_PAD=e_pad)),
                (r.place_pairs, dict(HAS_REMAP=True, DST=1, BLOCK=block)),
                (r.place_pairs, dict(HAS_REMAP=False, DST=2, BLOCK=block)),
                (r.cut_tiles, dict(BLOCK_M=128, E_PAD=e_pad, BS=32, BY_TAG=True, TAG_PAD=64)),
-               (r.cut_tiles, dict(BLOCK_M=128, E_PAD=e_pad, BS=32, BY_TAG=False, TAG_PAD=1))]
+               (r.cut_tiles, dict(BLOCK_M=128, E_PAD=e_pad, BS=32, BY_TAG=False, TAG_PAD=1)),
+               (r.order_tiles, dict(BS=32, TAG_PAD=64, NB_PAD=64))]
     for (fn, consts), ids in itertools.product(kernels, ("*i64", "*i32")):
         sig = {prm.name: "constexpr" if prm.is_constexpr else ids if prm.name == "ids_ptr"
                else "*i64" if prm.name == "order_ptr" else "*i32" if prm.name.endswith("_ptr") else "i32"

@@ -85,10 +85,26 @@ def _ids(T, topk, E, kind, g, dtype):
 # (world, rank, m_local, m_per_chunk, topk, experts, block_m, routing)
 CASES = [(2, 0, 13, 5, 2, 4, 16, "random"), (3, 1, 48, 24, 2, 3, 16, "random"), (4, 3, 7, 7, 8, 256, 16, "random"),
          (2, 1, 33, 8, 1, 1, 16, "random"), (3, 2, 20, 6, 4, 64, 32, "skewed"), (2, 0, 9, 4, 3, 5, 16, "one"),
-         (1, 0, 70, 70, 2, 6, 16, "random"), (4, 1, 40, 13, 6, 37, 64, "skewed")]
+         (1, 0, 70, 70, 2, 6, 16, "random"), (4, 1, 40, 13, 6, 37, 64, "skewed"), (2, 1, 11, 3, 5, 2, 16, "random"),
+         (3, 0, 30, 4, 3, 300, 32, "random")]
 
 
-def _kernels_match_torch():
+def _kernels_match_torch(block):
+    """Every case, int64 and int32 ids, both ops and both layouts; ``block``: the pairs a program takes (None: the
+    backend's; 128, the GPUs', in the interpreter too)."""
+    from triton_overlap.ops import moe_routing
+
+    if block is not None:
+        moe_routing.block_size = lambda: block
+    try:
+        return _all_cases()
+    finally:
+        from triton_overlap.kernels.routing import block_size
+
+        moe_routing.block_size = block_size
+
+
+def _all_cases():
     dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     g = torch.Generator().manual_seed(3)
     done = 0
@@ -121,7 +137,8 @@ def _kernels_match_torch():
             rs = MoEReduceScatterSchedule(cfg, SimpleNamespace(layout=layout), None,
                                           destination_segments(m_local, dests, dev), None, None)
             remap = torch.randperm(ids.numel(), generator=g).to(torch.int32)
-            for given in (None, SimpleNamespace(position=remap.to(dev))):
+            strided = torch.stack([remap, -remap], 1)[:, 0]  # the same values, not contiguous
+            for given in (None, SimpleNamespace(position=remap.to(dev)), SimpleNamespace(position=strided.to(dev))):
                 (src, position), table = to.MoEGEMMReduceScatter.route(rs, ids.to(dev), E, given)
                 r_src, r_position, r_table = rs_reference(m_local, dests, ids, E, bm, None if given is None else remap)
                 for name, got, want in (("src", src, r_src), ("position", position, r_position),
@@ -131,8 +148,11 @@ def _kernels_match_torch():
     return done
 
 
-def test_routing_kernels_match_torch(pool):
-    assert pool.run(_kernels_match_torch) == [2 * len(CASES)] * pool.world
+@pytest.mark.parametrize("block", [None, 128], ids=["backend_block", "gpu_block"])
+def test_routing_kernels_match_torch(pool, block):
+    if block is not None and pool.backend != "host":
+        pytest.skip("the GPUs' block size is the backend's there")
+    assert pool.run(_kernels_match_torch, block) == [2 * len(CASES)] * pool.world
 
 
 def test_tile_table_reference_bounds_and_covers():

@@ -1,19 +1,24 @@
-"""Sorting an MoE call's (token, k) pairs by expert on the device, in four small kernels instead of a torch radix sort
-and some forty torch operations.
+"""Sorting an MoE call's (token, k) pairs by expert on the device: a stable counting sort in a few small kernels,
+each parallel over blocks of pairs, experts or tile slots, instead of a torch radix sort and some forty torch
+operations.
 
-A pair ``q = t * topk + j`` is token ``t``'s ``j``-th choice. The pairs come in segments: runs of whole tokens
-(int32 [S, 3]: first token, tokens, tag), given in the order the sort keeps them apart or together. The sort is a
-stable counting sort: the result orders pairs by (group, expert, segment, pair), where a group is ``segs_per_group``
-consecutive segments (one group of every segment: expert-major, as AllGather-MoE sorts by expert, then chunk
-arrival; one group a segment: segment-major, as MoE-ReduceScatter sorts by destination, then expert).
+A pair ``q = t * topk + j`` is token ``t``'s ``j``-th choice. The pairs come in runs of whole tokens (segments), in
+the order the sort keeps them apart or together; the host cuts them into blocks of at most ``BLOCK`` pairs (``Blocks``:
+int32 [blocks, 4]: first pair, pairs, tag, group) and groups of consecutive blocks. The result orders pairs by
+(group, expert, block, pair): one group of every segment sorts expert-major (AllGather-MoE: by expert, then chunk
+arrival); one group a segment sorts segment-major (MoE-ReduceScatter: by destination, then expert).
 
-1. ``count_experts``: each block of ``BLOCK`` pairs of a segment counts its experts (hist [blocks, E]).
-2. ``scan_counts``: per group, each expert's total and offset, and each block's first row per expert.
-3. ``place_pairs``: each pair's row = its block's first row for its expert + the pairs of that expert before it in
-   the block; writes the permutation both ways and what the grouped GEMM reads per row.
-4. ``cut_tiles``: each group's rows of one expert cut into tiles of ``block_m`` rows, a fixed number of slots per
-   group, optionally ordered (stably) by the tag of each tile's last row: AllGather-MoE's tiles by the last chunk they
-   need. Unused slots are (0, 0, 0).
+1. ``count_experts`` (a program per block): the block's pairs per expert (hist [blocks, E]).
+2. ``scan_counts`` (a program per group and tile of experts): each expert's total in the group and each block's
+   first row for it, counted from the expert's first row.
+3. ``expert_offsets`` (a program per group): each expert's first row (the group's first row + the totals before it).
+4. ``place_pairs`` (a program per block): a pair's row = its expert's first row + its block's start for the expert +
+   the pairs of that expert before it in the block; writes the permutation both ways and what the grouped GEMM
+   reads per row.
+5. ``cut_tiles`` (a program per group and block of slots): each group's rows of one expert in tiles of ``block_m``
+   rows, a fixed number of slots a group, unused slots (0, 0, 0). Ordered by the tag of each tile's last row
+   (AllGather-MoE's tiles by the last chunk they need), it writes the tiles and a histogram of tags per block of
+   slots, and ``order_tiles`` moves each to its place (stable).
 
 Every count and position is exact integer arithmetic, so the result does not depend on the launch or the GPU.
 """
@@ -27,22 +32,21 @@ from .cached_launch import launch, triton_interprets
 
 
 @triton.jit
-def _block_pairs(seg_ptr, s, b, topk, BLOCK: tl.constexpr):
-    """Pairs ``b * BLOCK ...`` of segment ``s``: (pair indices int64, in range, the segment's tag)."""
-    first = tl.load(seg_ptr + s * 3).to(tl.int64) * topk
-    n = tl.load(seg_ptr + s * 3 + 1).to(tl.int64) * topk
-    i = b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-    return first + i, i < n, tl.load(seg_ptr + s * 3 + 2)
+def _block_pairs(blocks_ptr, b, BLOCK: tl.constexpr):
+    """Block b's pairs: (pair indices int64, in range, tag, group)."""
+    first = tl.load(blocks_ptr + b * 4).to(tl.int64)
+    n = tl.load(blocks_ptr + b * 4 + 1)
+    i = tl.arange(0, BLOCK)
+    return first + i, i < n, tl.load(blocks_ptr + b * 4 + 2), tl.load(blocks_ptr + b * 4 + 3)
 
 
 @triton.jit
-def count_experts(ids_ptr, seg_ptr, hist_ptr, topk, E, NB, BLOCK: tl.constexpr, E_CHUNK: tl.constexpr):
-    """Grid (segments, NB): ``hist[s * NB + b, e]`` = pairs of expert e in block b of segment s."""
-    s = tl.program_id(0)
-    b = tl.program_id(1)
-    q, ok, _ = _block_pairs(seg_ptr, s, b, topk, BLOCK)
+def count_experts(ids_ptr, blocks_ptr, hist_ptr, E, BLOCK: tl.constexpr, E_CHUNK: tl.constexpr):
+    """Grid (blocks,): ``hist[b, e]`` = block b's pairs of expert e."""
+    b = tl.program_id(0)
+    q, ok, _, _ = _block_pairs(blocks_ptr, b, BLOCK)
     e = tl.load(ids_ptr + q, mask=ok, other=-1).to(tl.int32)
-    row = (s * NB + b).to(tl.int64) * E
+    row = b.to(tl.int64) * E
     for e0 in range(0, E, E_CHUNK):
         bins = e0 + tl.arange(0, E_CHUNK)
         n = tl.sum((e[:, None] == bins[None, :]).to(tl.int32), axis=0)
@@ -50,53 +54,51 @@ def count_experts(ids_ptr, seg_ptr, hist_ptr, topk, E, NB, BLOCK: tl.constexpr, 
 
 
 @triton.jit
-def scan_counts(hist_ptr, seg_ptr, base_ptr, totals_ptr, offsets_ptr, topk, E, NB, SEGS_PER_GROUP,
-                E_PAD: tl.constexpr, SCAN_B: tl.constexpr, S_PAD: tl.constexpr):
-    """Grid (groups,): group g's expert totals (``totals[g, e]``), first rows (``offsets[g, :E + 1]``, from the
-    pairs of the groups before it) and each of its blocks' first row per expert (``base[block, e]``)."""
+def scan_counts(hist_ptr, groups_ptr, base_ptr, totals_ptr, E, E_TILE: tl.constexpr, SCAN_B: tl.constexpr):
+    """Grid (groups, expert tiles): for experts ``[j * E_TILE, ...)`` of group g, ``totals[g, e]`` and
+    ``base[b, e]``, block b's first row for expert e counted from the expert's first row in the group."""
     g = tl.program_id(0)
-    bins = tl.arange(0, E_PAD)
+    bins = tl.program_id(1) * E_TILE + tl.arange(0, E_TILE)
     bok = bins < E
-    segs = tl.arange(0, S_PAD)
-    before = tl.load(seg_ptr + segs * 3 + 1, mask=segs < g * SEGS_PER_GROUP, other=0).to(tl.int64)
-    start = tl.sum(before, axis=0) * topk
-    blocks = SEGS_PER_GROUP * NB
-    first_block = g * blocks
-    total = tl.zeros((E_PAD,), dtype=tl.int64)
+    first = tl.load(groups_ptr + g * 3)
+    blocks = tl.load(groups_ptr + g * 3 + 1)
+    running = tl.zeros((E_TILE,), dtype=tl.int32)
     for r0 in range(0, blocks, SCAN_B):
         r = r0 + tl.arange(0, SCAN_B)
-        h = tl.load(hist_ptr + (first_block + r).to(tl.int64)[:, None] * E + bins[None, :],
-                    mask=(r < blocks)[:, None] & bok[None, :], other=0)
-        total += tl.sum(h.to(tl.int64), axis=0)
-    off = start + tl.cumsum(total, axis=0) - total
-    tl.store(totals_ptr + g * E + bins, total.to(tl.int32), mask=bok)
-    tl.store(offsets_ptr + g * (E + 1) + bins, off.to(tl.int32), mask=bok)
-    tl.store(offsets_ptr + g * (E + 1) + E, (start + tl.sum(total, axis=0)).to(tl.int32))
-    running = off
-    for r0 in range(0, blocks, SCAN_B):
-        r = r0 + tl.arange(0, SCAN_B)
-        at = (first_block + r).to(tl.int64)[:, None] * E + bins[None, :]
+        at = (first + r).to(tl.int64)[:, None] * E + bins[None, :]
         m = (r < blocks)[:, None] & bok[None, :]
-        h = tl.load(hist_ptr + at, mask=m, other=0).to(tl.int64)
-        tl.store(base_ptr + at, (tl.cumsum(h, axis=0) - h + running[None, :]).to(tl.int32), mask=m)
+        h = tl.load(hist_ptr + at, mask=m, other=0)
+        tl.store(base_ptr + at, tl.cumsum(h, axis=0) - h + running[None, :], mask=m)
         running += tl.sum(h, axis=0)
+    tl.store(totals_ptr + g * E + bins, running, mask=bok)
 
 
 @triton.jit
-def place_pairs(ids_ptr, seg_ptr, base_ptr, remap_ptr, position_ptr, order_ptr, src_ptr, dst_ptr, tag_ptr, topk,
-                E, NB, SRC_DIV, HAS_REMAP: tl.constexpr, DST: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (segments, NB): pair q's row p (stable within its expert); ``position[q] = p`` (int32), ``order[p] = q``
-    (int64), ``src[p]`` = (``remap[q]`` or q) // SRC_DIV, ``tag[p]`` its segment's tag, and ``dst[p]`` = q (DST 1),
+def expert_offsets(totals_ptr, groups_ptr, offsets_ptr, E, E_PAD: tl.constexpr):
+    """Grid (groups,): ``offsets[g, :E + 1]``, each expert's first row in group g, then the group's end."""
+    g = tl.program_id(0)
+    bins = tl.arange(0, E_PAD)
+    total = tl.load(totals_ptr + g * E + bins, mask=bins < E, other=0)
+    start = tl.load(groups_ptr + g * 3 + 2)
+    tl.store(offsets_ptr + g * (E + 1) + bins, start + tl.cumsum(total, axis=0) - total, mask=bins < E)
+    tl.store(offsets_ptr + g * (E + 1) + E, start + tl.sum(total, axis=0))
+
+
+@triton.jit
+def place_pairs(ids_ptr, blocks_ptr, base_ptr, offsets_ptr, remap_ptr, position_ptr, order_ptr, src_ptr, dst_ptr,
+                tag_ptr, E, SRC_DIV, HAS_REMAP: tl.constexpr, DST: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (blocks,): pair q's row p (stable within its expert); ``position[q] = p`` (int32), ``order[p] = q``
+    (int64), ``src[p]`` = (``remap[q]`` or q) // SRC_DIV, ``tag[p]`` its block's tag, and ``dst[p]`` = q (DST 1),
     p (DST 2) or nothing (DST 0)."""
-    s = tl.program_id(0)
-    b = tl.program_id(1)
-    q, ok, tag = _block_pairs(seg_ptr, s, b, topk, BLOCK)
+    b = tl.program_id(0)
+    q, ok, tag, g = _block_pairs(blocks_ptr, b, BLOCK)
     e = tl.load(ids_ptr + q, mask=ok, other=-1).to(tl.int32)
     i = tl.arange(0, BLOCK)
     before = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None])
     rank = tl.sum(before.to(tl.int32), axis=1)
-    row = (s * NB + b).to(tl.int64) * E
-    p = tl.load(base_ptr + row + tl.where(ok, e, 0), mask=ok, other=0) + rank
+    ec = tl.where(ok, e, 0)
+    p = (tl.load(offsets_ptr + g * (E + 1) + ec, mask=ok, other=0)
+         + tl.load(base_ptr + b.to(tl.int64) * E + ec, mask=ok, other=0) + rank)
     tl.store(position_ptr + q, p, mask=ok)
     tl.store(order_ptr + p, q, mask=ok)
     if HAS_REMAP:
@@ -112,64 +114,66 @@ def place_pairs(ids_ptr, seg_ptr, base_ptr, remap_ptr, position_ptr, order_ptr, 
 
 
 @triton.jit
-def _slot_tiles(totals_ptr, offsets_ptr, tag_ptr, g, s, E, SLOTS, LAST_TAG, BLOCK_M: tl.constexpr,
-                E_PAD: tl.constexpr):
-    """Slots ``s`` of group g: (expert, first row, end row, the tag of the last row; LAST_TAG for unused slots)."""
+def cut_tiles(totals_ptr, offsets_ptr, tag_ptr, table_ptr, need_ptr, tag_hist_ptr, E, SLOTS, LAST_TAG,
+              BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BY_TAG: tl.constexpr,
+              TAG_PAD: tl.constexpr):
+    """Grid (groups, slot blocks): slots ``s`` of group g hold its tiles in expert order (expert, first row, end
+    row), unused slots (0, 0, 0), into ``table[g * SLOTS + s]``; with BY_TAG also each slot's tag (the tag of its
+    last row; LAST_TAG where unused) into ``need`` and the block's histogram of tags into ``tag_hist[g, block]``."""
+    g = tl.program_id(0)
+    sb = tl.program_id(1)
+    s = sb * BS + tl.arange(0, BS)
     bins = tl.arange(0, E_PAD)
     bok = bins < E
     count = tl.load(totals_ptr + g * E + bins, mask=bok, other=0)
-    tiles = (count + BLOCK_M - 1) // BLOCK_M
-    tile_end = tl.cumsum(tiles, axis=0)
+    tile_end = tl.cumsum((count + BLOCK_M - 1) // BLOCK_M, axis=0)
     done = (tile_end[None, :] <= s[:, None]) & bok[None, :]
     e = tl.sum(done.to(tl.int32), axis=1)
-    used = (e < E) & (s < SLOTS)
-    tile_start = tl.max(tl.where(done, tile_end[None, :], 0), axis=1)
+    ok = s < SLOTS
+    used = (e < E) & ok
     ec = tl.minimum(e, E - 1)
     first_row = tl.load(offsets_ptr + g * (E + 1) + ec)
-    first = first_row + (s - tile_start) * BLOCK_M
+    first = first_row + (s - tl.max(tl.where(done, tile_end[None, :], 0), axis=1)) * BLOCK_M
     end = tl.minimum(first + BLOCK_M, first_row + tl.load(totals_ptr + g * E + ec))
-    need = tl.load(tag_ptr + tl.where(used, end - 1, 0), mask=used, other=LAST_TAG)
-    return tl.where(used, e, 0), tl.where(used, first, 0), tl.where(used, end, 0), tl.where(used, need, LAST_TAG)
+    at = (g * SLOTS + s).to(tl.int64)
+    tl.store(table_ptr + at * 3, tl.where(used, e, 0), mask=ok)
+    tl.store(table_ptr + at * 3 + 1, tl.where(used, first, 0), mask=ok)
+    tl.store(table_ptr + at * 3 + 2, tl.where(used, end, 0), mask=ok)
+    if BY_TAG:
+        need = tl.load(tag_ptr + tl.where(used, end - 1, 0), mask=used, other=LAST_TAG)
+        tl.store(need_ptr + at, need, mask=ok)
+        tags = tl.arange(0, TAG_PAD)
+        hist = tl.sum(((need[:, None] == tags[None, :]) & ok[:, None]).to(tl.int32), axis=0)
+        tl.store(tag_hist_ptr + (g * tl.num_programs(1) + sb) * TAG_PAD + tags, hist)
 
 
 @triton.jit
-def cut_tiles(totals_ptr, offsets_ptr, tag_ptr, table_ptr, E, SLOTS, LAST_TAG, BLOCK_M: tl.constexpr,
-              E_PAD: tl.constexpr, BS: tl.constexpr, BY_TAG: tl.constexpr, TAG_PAD: tl.constexpr):
-    """Grid (groups,): group g's tiles into ``table[g * SLOTS ...]`` (int32 [.., 3]: expert, first row, end row) in
-    expert order, or with BY_TAG stably ordered by the tag of their last row (tags in [0, LAST_TAG], unused slots
-    LAST_TAG, last)."""
+def order_tiles(tiles_ptr, need_ptr, tag_hist_ptr, table_ptr, SLOTS, BS: tl.constexpr, TAG_PAD: tl.constexpr,
+                NB_PAD: tl.constexpr):
+    """Grid (groups, slot blocks): each slot of ``tiles`` (cut_tiles' table) to its place in ``table``, the slots
+    of group g stably ordered by ``need``: the tag's first place (tiles of smaller tags before it), + the slots of
+    the same tag in earlier blocks, + those before it in its block."""
     g = tl.program_id(0)
-    if not BY_TAG:
-        for s0 in range(0, SLOTS, BS):
-            s = s0 + tl.arange(0, BS)
-            e, first, end, _ = _slot_tiles(totals_ptr, offsets_ptr, tag_ptr, g, s, E, SLOTS, LAST_TAG, BLOCK_M, E_PAD)
-            at = (g * SLOTS + s).to(tl.int64) * 3
-            ok = s < SLOTS
-            tl.store(table_ptr + at, e, mask=ok)
-            tl.store(table_ptr + at + 1, first, mask=ok)
-            tl.store(table_ptr + at + 2, end, mask=ok)
-    else:
-        tags = tl.arange(0, TAG_PAD)
-        hist = tl.zeros((TAG_PAD,), dtype=tl.int32)
-        for s0 in range(0, SLOTS, BS):
-            s = s0 + tl.arange(0, BS)
-            _, _, _, need = _slot_tiles(totals_ptr, offsets_ptr, tag_ptr, g, s, E, SLOTS, LAST_TAG, BLOCK_M, E_PAD)
-            hist += tl.sum(((need[:, None] == tags[None, :]) & (s < SLOTS)[:, None]).to(tl.int32), axis=0)
-        running = tl.cumsum(hist, axis=0) - hist
-        i = tl.arange(0, BS)
-        for s0 in range(0, SLOTS, BS):
-            s = s0 + i
-            ok = s < SLOTS
-            e, first, end, need = _slot_tiles(totals_ptr, offsets_ptr, tag_ptr, g, s, E, SLOTS, LAST_TAG, BLOCK_M,
-                                              E_PAD)
-            hot = (need[:, None] == tags[None, :]) & ok[:, None]
-            before = (need[:, None] == need[None, :]) & (i[None, :] < i[:, None]) & ok[None, :]
-            dest = tl.sum(tl.where(hot, running[None, :], 0), axis=1) + tl.sum(before.to(tl.int32), axis=1)
-            at = (g * SLOTS + dest).to(tl.int64) * 3
-            tl.store(table_ptr + at, e, mask=ok)
-            tl.store(table_ptr + at + 1, first, mask=ok)
-            tl.store(table_ptr + at + 2, end, mask=ok)
-            running += tl.sum(hot.to(tl.int32), axis=0)
+    sb = tl.program_id(1)
+    nb = tl.num_programs(1)
+    tags = tl.arange(0, TAG_PAD)
+    blocks = tl.arange(0, NB_PAD)
+    hist = tl.load(tag_hist_ptr + (g * nb + blocks)[:, None] * TAG_PAD + tags[None, :],
+                   mask=(blocks < nb)[:, None], other=0)
+    per_tag = tl.sum(hist, axis=0)
+    start = (tl.cumsum(per_tag, axis=0) - per_tag
+             + tl.sum(tl.where((blocks < sb)[:, None], hist, 0), axis=0))
+    i = tl.arange(0, BS)
+    s = sb * BS + i
+    ok = s < SLOTS
+    at = (g * SLOTS + s).to(tl.int64)
+    need = tl.load(need_ptr + at, mask=ok, other=-1)
+    before = (need[:, None] == need[None, :]) & (i[None, :] < i[:, None])
+    dest = (tl.sum(tl.where(need[:, None] == tags[None, :], start[None, :], 0), axis=1)
+            + tl.sum(before.to(tl.int32), axis=1))
+    to = (g * SLOTS + dest).to(tl.int64) * 3
+    for c in range(3):
+        tl.store(table_ptr + to + c, tl.load(tiles_ptr + at * 3 + c, mask=ok), mask=ok)
 
 
 def _pow2(n: int) -> int:
@@ -177,56 +181,81 @@ def _pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-def sort_segments(ids, segments, seg_tokens: list[int], segs_per_group: int, num_experts: int, block_m: int,
-                  slots: int, *, remap=None, src_div: int = 1, dst: int = 0, by_tag: int | None = None) -> dict:
-    """Launch the four kernels on the current stream; returns the tensors they write. ``ids`` [T, topk] int32 or
-    int64, contiguous; ``segments`` int32 [S, 3] on the device and ``seg_tokens`` its token counts on the host (they
-    size the grids); ``remap``, ``src_div``, ``dst``: what ``src`` and ``dst`` hold (place_pairs); ``by_tag``: order
-    each group's tiles by the tag of their last row, tags in [0, by_tag] (None: expert order). Returned, int32 but
-    ``order``: ``position`` [pairs], ``order`` int64 [pairs], ``src``, ``tag``, ``dst`` (DST 1 or 2) [pairs],
-    ``totals`` [groups, E], ``offsets`` [groups, E + 1], ``table`` [groups * slots, 3]; four allocations in all."""
-    topk, E, pairs = ids.shape[1], num_experts, ids.numel()
-    S = len(seg_tokens)
-    groups = S // segs_per_group
-    block = 32 if triton_interprets() else 128
-    nb = blocks_per_segment(seg_tokens, topk, block)
-    sizes = {"src": pairs, "tag": pairs, "dst": pairs if dst else 0, "totals": groups * E,
-             "table": groups * slots * 3, "hist": S * nb * E, "base": S * nb * E}
+def block_size() -> int:
+    """Pairs a program of count_experts and place_pairs takes: 128 on GPUs, 32 in the interpreter (whose cost grows
+    with BLOCK²)."""
+    return 32 if triton_interprets() else 128
+
+
+def cut_blocks(runs: list[tuple[int, int, int]], topk: int, segs_per_group: int, block: int):
+    """The host's tables for ``runs`` of (first token, tokens, tag): (blocks [[first pair, pairs, tag, group]],
+    groups [[first block, blocks, first row]]); a group is ``segs_per_group`` consecutive runs; empty runs have no
+    blocks."""
+    blocks, groups, row = [], [], 0
+    for g in range(len(runs) // segs_per_group):
+        first_block, first_row = len(blocks), row
+        for first, n, tag in runs[g * segs_per_group:(g + 1) * segs_per_group]:
+            for i in range(0, n * topk, block):
+                blocks.append((first * topk + i, min(block, n * topk - i), tag, g))
+            row += n * topk
+        groups.append((first_block, len(blocks) - first_block, first_row))
+    return blocks, groups
+
+
+def sort_segments(ids, blocks: torch.Tensor, groups: torch.Tensor, num_experts: int, block_m: int, slots: int, *,
+                  block: int, remap=None, src_div: int = 1, dst: int = 0, by_tag: int | None = None) -> dict:
+    """Launch the kernels on the current stream; returns the tensors they write. ``ids`` [T, topk] int32 or int64,
+    contiguous; ``blocks`` int32 [NB, 4] and ``groups`` int32 [G, 3] on the device (cut_blocks, with ``block``);
+    ``remap`` int32 [pairs] contiguous, ``src_div``, ``dst``: what ``src`` and ``dst`` hold (place_pairs); ``by_tag``:
+    order each group's tiles by the tag of their last row, tags in [0, by_tag] (None: expert order). Returned, int32
+    but ``order``: ``position`` [pairs], ``order`` int64 [pairs], ``src``, ``tag``, ``dst`` (DST 1 or 2) [pairs],
+    ``totals`` [G, E], ``offsets`` [G, E + 1], ``table`` [G * slots, 3]."""
+    E, pairs, dev = num_experts, ids.numel(), ids.device
+    nblk, G = blocks.shape[0], groups.shape[0]
+    e_pad = _pow2(E)
+    bs = max(16, min(128, 8192 // e_pad))
+    nsb = -(-slots // bs)
+    tag_pad = _pow2((by_tag or 0) + 1)
+    sizes = {"src": pairs, "tag": pairs, "dst": pairs if dst else 0, "totals": G * E, "table": G * slots * 3}
+    if by_tag is not None:
+        sizes.update(tiles=G * slots * 3, need=G * slots, tag_hist=G * nsb * tag_pad)
     padded = {k: -(-n // 4) * 4 for k, n in sizes.items()}  # 16-byte aligned views
-    buf = torch.empty(sum(padded.values()), dtype=torch.int32, device=ids.device)
+    buf = torch.empty(sum(padded.values()), dtype=torch.int32, device=dev)
     out, at = {}, 0
     for k, n in sizes.items():
         out[k] = buf[at:at + n]
         at += padded[k]
-    out["totals"], out["table"] = out["totals"].view(groups, E), out["table"].view(groups * slots, 3)
-    # what MoERouting keeps, each its own tensor (outputs of a custom op must not share storage)
-    out["order"] = torch.empty(pairs, dtype=torch.int64, device=ids.device)
-    out["position"] = torch.empty(pairs, dtype=torch.int32, device=ids.device)
-    out["offsets"] = torch.empty((groups, E + 1), dtype=torch.int32, device=ids.device)
-    e_pad = _pow2(E)
-    if nb > 0:
-        launch(count_experts, (S, nb), (ids, segments, out["hist"], topk, E, nb),
-               dict(BLOCK=block, E_CHUNK=min(e_pad, 64)), num_warps=4)
-    launch(scan_counts, (groups,), (out["hist"], segments, out["base"], out["totals"], out["offsets"], topk, E, nb,
-                                    segs_per_group),
-           dict(E_PAD=e_pad, SCAN_B=max(1, min(64, 8192 // e_pad)), S_PAD=_pow2(S)), num_warps=4)
-    if nb > 0:
-        launch(place_pairs, (S, nb), (ids, segments, out["base"], out["position"] if remap is None else remap,
+    out["totals"], out["table"] = out["totals"].view(G, E), out["table"].view(G * slots, 3)
+    # what MoERouting keeps, each its own tensor (outputs of a custom op must not share storage); and the scratch
+    out["order"] = torch.empty(pairs, dtype=torch.int64, device=dev)
+    out["position"] = torch.empty(pairs, dtype=torch.int32, device=dev)
+    out["offsets"] = torch.empty((G, E + 1), dtype=torch.int32, device=dev)
+    hist = torch.empty((2, nblk, E), dtype=torch.int32, device=dev)
+    if nblk:
+        launch(count_experts, (nblk,), (ids, blocks, hist[0], E), dict(BLOCK=block, E_CHUNK=min(e_pad, 64)),
+               num_warps=4)
+    e_tile = min(e_pad, 32)
+    launch(scan_counts, (G, -(-E // e_tile)), (hist[0], groups, hist[1], out["totals"], E),
+           dict(E_TILE=e_tile, SCAN_B=64), num_warps=4)
+    launch(expert_offsets, (G,), (out["totals"], groups, out["offsets"], E), dict(E_PAD=e_pad), num_warps=4)
+    if nblk:
+        launch(place_pairs, (nblk,), (ids, blocks, hist[1], out["offsets"], out["position"] if remap is None else remap,
                                       out["position"], out["order"], out["src"], out["dst"] if dst else out["src"],
-                                      out["tag"], topk, E, nb, src_div),
+                                      out["tag"], E, src_div),
                dict(HAS_REMAP=remap is not None, DST=dst, BLOCK=block), num_warps=4)
-    last = 0 if by_tag is None else by_tag
-    launch(cut_tiles, (groups,), (out["totals"], out["offsets"], out["tag"], out["table"], E, slots, last),
-           dict(BLOCK_M=block_m, E_PAD=e_pad, BS=max(16, min(128, 8192 // e_pad)), BY_TAG=by_tag is not None,
-                TAG_PAD=_pow2(last + 1)), num_warps=4)
-    for k in ("hist", "base"):
-        del out[k]
+    if slots:
+        tiles = out["table"] if by_tag is None else out["tiles"]
+        need, tag_hist = (out["need"], out["tag_hist"]) if by_tag is not None else (tiles, tiles)
+        launch(cut_tiles, (G, nsb), (out["totals"], out["offsets"], out["tag"], tiles, need, tag_hist, E, slots,
+                                     by_tag or 0),
+               dict(BLOCK_M=block_m, E_PAD=e_pad, BS=bs, BY_TAG=by_tag is not None, TAG_PAD=tag_pad), num_warps=4)
+        if by_tag is not None:
+            launch(order_tiles, (G, nsb), (tiles, need, tag_hist, out["table"], slots),
+                   dict(BS=bs, TAG_PAD=tag_pad, NB_PAD=_pow2(nsb)), num_warps=4)
+    for k in ("tiles", "need", "tag_hist"):
+        out.pop(k, None)
     return out
 
 
-def blocks_per_segment(seg_tokens: list[int], topk: int, block: int) -> int:
-    """Blocks of ``block`` pairs the largest segment needs (the grids' second dimension)."""
-    return -(-max(seg_tokens, default=0) * topk // block)
-
-
-__all__ = ["blocks_per_segment", "count_experts", "cut_tiles", "place_pairs", "scan_counts", "sort_segments"]
+__all__ = ["block_size", "count_experts", "cut_blocks", "cut_tiles", "expert_offsets", "order_tiles", "place_pairs",
+           "scan_counts", "sort_segments"]

@@ -4,7 +4,7 @@ experts' GEMM.
 Plan: each rank's tokens cut into chunks (ChunkLayout), moved by copy engines with a flag per chunk exactly as
 AllGather-GEMM moves its rows (producers.gather, push). Consumer: a persistent grouped GEMM (kernels.grouped_gemm)
 over the (token, k) pairs sorted by expert and, within an expert, by the arrival position of the token's chunk,
-this rank's own tokens first (ops.moe_routing: four small kernels on the device); a tile waits only for the chunks its rows come
+this rank's own tokens first (ops.moe_routing: small kernels on the device); a tile waits only for the chunks its rows come
 from, and tiles of rows already here run first. Fallback: NCCL all_gather + one torch matmul per expert.
 """
 from __future__ import annotations

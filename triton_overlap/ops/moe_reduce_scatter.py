@@ -3,7 +3,7 @@
 experts' GEMM.
 
 Plan: the (token, k) pairs sorted by destination (the rank that owns the token, in GEMM-RS's send order, this rank
-last), then expert (ops.moe_routing: four small kernels on the device); each owner's tokens cut into chunks (ChunkLayout).
+last), then expert (ops.moe_routing: small kernels on the device); each owner's tokens cut into chunks (ChunkLayout).
 Consumer: one persistent kernel (kernels.grouped_gemm.rs_grouped_gemm) that, destination by destination, runs the
 grouped GEMM tiles of its pairs and then its top-k combine tiles, which sum each token's k products in float32
 into a partial row and bump the chunk counters; producer: GEMM-RS's copy variant (producers.scatter), whose copy

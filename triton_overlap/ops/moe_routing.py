@@ -1,5 +1,5 @@
 """Routing for the tensor-parallel MoE ops: checking ``topk_ids``, sorting (token, k) pairs by expert with the grouped
-GEMMs' tile tables (on the device, no host synchronisation: the overlapped calls by kernels.routing's four kernels,
+GEMMs' tile tables (on the device, no host synchronisation: the overlapped calls by kernels.routing's kernels,
 the fallback's sorted layout by torch), the plain-torch grouped matmul of the ops' fallbacks, and the experts' weight
 gradients (an MoE layer's backward).
 
@@ -11,11 +11,11 @@ MoE-ReduceScatter by (destination rank in send order, expert, pair). Each group 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from ..kernels.routing import sort_segments
+from ..kernels.routing import block_size, cut_blocks, sort_segments
 from ..plan import ChunkLayout, cdiv
 
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -37,15 +37,26 @@ class MoERouting:
 
 @dataclass(frozen=True, eq=False)
 class Segments:
-    """Runs of whole tokens in the order a routing sort keeps them (kernels.routing): ``table`` int32 [S, 3] on the
-    device (first token, tokens, tag), ``tokens`` the runs' token counts on the host (they size the kernels' grids).
-    Made once per schedule."""
-    table: torch.Tensor
-    tokens: tuple
+    """Runs of whole tokens (first token, tokens, tag) in the order a routing sort keeps them (kernels.routing), with
+    the device tables the kernels read, made once per (topk, grouping) and kept here: a schedule holds one."""
+    runs: tuple
+    device: torch.device
+    _tables: dict = field(default_factory=dict, repr=False)
 
-    @classmethod
-    def of(cls, runs: list[tuple[int, int, int]], device) -> Segments:
-        return cls(torch.tensor(runs, dtype=torch.int32, device=device).view(-1, 3), tuple(n for _, n, _ in runs))
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n, _ in self.runs)
+
+    def tables(self, topk: int, segs_per_group: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(blocks int32 [NB, 4], groups int32 [G, 3]) on the device: kernels.routing.cut_blocks."""
+        key = (topk, segs_per_group, block)
+        found = self._tables.get(key)
+        if found is None:
+            blocks, groups = cut_blocks(list(self.runs), topk, segs_per_group, block)
+            found = self._tables[key] = (
+                torch.tensor(blocks, dtype=torch.int32, device=self.device).view(-1, 4),
+                torch.tensor(groups, dtype=torch.int32, device=self.device).view(-1, 3))
+        return found
 
 
 def arrival_segments(layout: ChunkLayout, rank: int, arriving: list[int], device) -> Segments:
@@ -56,20 +67,28 @@ def arrival_segments(layout: ChunkLayout, rank: int, arriving: list[int], device
     for i, c in enumerate(arriving, start=1):
         rows = layout.rows(c // layout.chunks_per_rank, c % layout.chunks_per_rank)
         runs.append((rows.start, rows.stop - rows.start, i))
-    return Segments.of(runs, device)
+    return Segments(tuple(runs), torch.device(device))
 
 
 def destination_segments(m_local: int, dests: list[int], device) -> Segments:
     """MoE-ReduceScatter's runs: each destination's tokens, in the order the kernel computes them."""
-    return Segments.of([(d * m_local, m_local, 0) for d in dests], device)
+    return Segments(tuple((d * m_local, m_local, 0) for d in dests), torch.device(device))
 
 
 def sort_by_expert(topk_ids: torch.Tensor, segments: Segments, num_experts: int, block_m: int, slots: int, *,
-                   per_segment: bool, **kw) -> dict:
-    """kernels.routing.sort_segments on ``topk_ids`` (made contiguous): one group of every segment
-    (``per_segment=False``: rows by expert, then segment) or a group per segment (by segment, then expert)."""
-    return sort_segments(topk_ids.contiguous(), segments.table, list(segments.tokens),
-                         1 if per_segment else len(segments.tokens), num_experts, block_m, slots, **kw)
+                   per_segment: bool, remap: torch.Tensor | None = None, **kw) -> dict:
+    """kernels.routing.sort_segments on ``topk_ids`` (made contiguous) over ``segments``, which must cover every
+    token once: one group of every segment (``per_segment=False``: rows by expert, then segment) or a group per
+    segment (by segment, then expert). ``remap``: read as a contiguous int32 vector."""
+    T, topk = topk_ids.shape
+    if segments.tokens != T:
+        raise ValueError(f"routing: the segments hold {segments.tokens} tokens, topk_ids {T}")
+    block = block_size()
+    blocks, groups = segments.tables(topk, 1 if per_segment else len(segments.runs), block)
+    if remap is not None:
+        remap = remap.reshape(-1).to(torch.int32).contiguous()
+    return sort_segments(topk_ids.contiguous(), blocks, groups, num_experts, block_m, slots, block=block,
+                         remap=remap, **kw)
 
 
 def check_routing(op: str, ctx, topk_ids: torch.Tensor, tokens: int, num_experts: int) -> None:
