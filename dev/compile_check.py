@@ -124,22 +124,12 @@ def compile_signals(target) -> int:
             n = prm.name
             sig[n] = ("constexpr" if prm.is_constexpr else "*i64" if n in ("peer_slots_ptr", "header_ptrs")
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget" else "i32")
-        try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
-                               options={"num_warps": 1})
-            print(f"{fn.fn.__name__}: {ptxas_report(k.asm['ptx'], target.arch)}")
-        except Exception as e:  # noqa: BLE001 - reported, the check goes on
-            failed += 1
-            print(f"{fn.fn.__name__}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+        failed += compile_one(target, fn.fn.__name__, ASTSource(fn=fn, signature=sig, constexprs=consts),
+                              {"num_warps": 1})
     for fn, dtype in itertools.product((one_shot_all_reduce, two_shot_all_reduce), ("bf16", "fp32")):  # AllReduce
         sig = collective_signature(fn, ("x_ptr", "out_ptr", "local_data"), dtype)
-        try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=dict(BLOCK=1024, BLOCK_W=8, CLOCK=1)),
-                               target=target, options={"num_warps": 4})
-            print(f"{fn.fn.__name__} {dtype}: {ptxas_report(k.asm['ptx'], target.arch)}")
-        except Exception as e:  # noqa: BLE001 - reported, the check goes on
-            failed += 1
-            print(f"{fn.fn.__name__} {dtype}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+        failed += compile_one(target, f"{fn.fn.__name__} {dtype}", ASTSource(
+            fn=fn, signature=sig, constexprs=dict(BLOCK=1024, BLOCK_W=8, CLOCK=1)), {"num_warps": 4})
     return failed
 
 
@@ -158,14 +148,10 @@ def compile_gemm_all_reduce(target) -> int:
         consts = {unit: 1, "stride_ak": 1, "HAS_BIAS": bias, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
                   "BLOCK_K": cfg.block_k, "BLOCK_W": 8, "EVEN_K": True, "DOT_F32": False, "CLOCK": 1}
         name = f"gemm_all_reduce M={m} tiles {cfg.block_m}x{cfg.block_n}x{cfg.block_k} bias={bias} b_kmajor={kmajor}"
-        try:
-            k = triton.compile(ASTSource(fn=gemm_all_reduce, signature=sig, constexprs=consts,
-                                         attrs=divisibility(sig, skip=("rank", "op", "world", "budget", "M"))),
-                               target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
-        except Exception as e:  # noqa: BLE001 - reported, the check goes on
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+        failed += compile_one(target, name, ASTSource(
+            fn=gemm_all_reduce, signature=sig, constexprs=consts,
+            attrs=divisibility(sig, skip=("rank", "op", "world", "budget", "M"))),
+            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     return failed
 
 
@@ -210,6 +196,18 @@ def gluon_desc_type(target, block, float32=False) -> str:
         t = torch.empty(*[2] * (len(block) - 2), 256, 256, dtype=dt)  # 3-D: a [1, rows, cols] block of planes
         d = TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, gdt))
     return native_specialize_impl(CUDABackend(target), d, False, True, True)[0]
+
+
+def compile_one(target, name, src, options) -> int:
+    """Compile Triton source ``src`` (an ASTSource); print its ptxas figures and shared memory, or the end of the
+    error. Returns 1 if it failed, else 0."""
+    try:
+        k = triton.compile(src, target=target, options=options)
+        print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
+        return 0
+    except Exception as e:  # noqa: BLE001 - reported, the check goes on
+        print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+        return 1
 
 
 def compile_gluon(target, name, fn, sig, consts, options, tail) -> int:
@@ -384,16 +382,11 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
                       else "*fp32" if n == "weights_ptr" else "*i64" if n in ("scatter_ptrs", "counter_ptrs")
                       else "*i32" if n.endswith("_ptr") else "i32")
         name = f"{fn.fn.__name__} tiles {cfg.block_m}x{cfg.block_n}x{cfg.block_k} B_DESC {b_desc}"
-        try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts,
-                                         attrs=divisibility(sig, skip=("rank", "op", "world", "budget", "SLOTS",
-                                                                       "TOPK", "M_LOCAL", "M_PER_CHUNK",
-                                                                       "CHUNKS_PER_RANK", "slots", "N", "K"))),
-                               target=target, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}, shared {k.metadata.shared} B")
-        except Exception as e:  # noqa: BLE001 - reported, the check goes on
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+        failed += compile_one(target, name, ASTSource(
+            fn=fn, signature=sig, constexprs=consts,
+            attrs=divisibility(sig, skip=("rank", "op", "world", "budget", "SLOTS", "TOPK", "M_LOCAL", "M_PER_CHUNK",
+                                          "CHUNKS_PER_RANK", "slots", "N", "K"))),
+            {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     return failed
 
 
@@ -416,13 +409,7 @@ def compile_routing(target) -> int:
                else "*i64" if prm.name == "order_ptr" else "*i32" if prm.name.endswith("_ptr") else "i32"
                for prm in fn.params}
         name = f"{fn.fn.__name__} ids {ids[1:]} {consts}"
-        try:
-            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=target,
-                               options={"num_warps": 4})
-            print(f"{name}: {ptxas_report(k.asm['ptx'], target.arch)}")
-        except Exception as e:  # noqa: BLE001 - reported, the check goes on
-            failed += 1
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[-600:]}")
+        failed += compile_one(target, name, ASTSource(fn=fn, signature=sig, constexprs=consts), {"num_warps": 4})
     return failed
 
 
