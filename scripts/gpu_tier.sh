@@ -50,8 +50,10 @@ files() {  # the part's test files, then its -k expression if it has one (after 
 run_part() {
   local name=$1 rc=0 start=$SECONDS spec paths select
   shift
-  spec=$(files "$name") || { echo "gpu_tier: no part $name (1..6, gemm, attention, backward, core, layers, rest, all)" >&2
-                            return 2; }
+  spec=$(files "$name") || {
+    echo "gpu_tier: no part $name (1..6, gemm, attention, backward, core, layers, rest, all)" >&2
+    return 2
+  }
   paths=${spec%%|*}
   select=()
   [[ "$spec" == *"|"* ]] && select=(-k "${spec#*|}")

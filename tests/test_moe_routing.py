@@ -72,6 +72,11 @@ def rs_reference(m_local, dests, ids, E, bm, remap):
     return order if remap is None else remap.long().cpu()[order], position, table
 
 
+def _device() -> torch.device:
+    """The pool rank's device: its GPU, else the CPU (the host backend)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _ids(T, topk, E, kind, g, dtype):
     if kind == "one":
         ids = torch.full((T, topk), E - 1)
@@ -105,7 +110,7 @@ def _kernels_match_torch(block):
 
 
 def _all_cases():
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = _device()
     g = torch.Generator().manual_seed(3)
     done = 0
     for W, rank, m_local, mpc, topk, E, bm, kind in CASES:
@@ -185,7 +190,7 @@ def _orders_tiles():
     expert, rows of an expert in chunk-arrival order (this rank's first), tiles ordered by the last chunk they need
     (all-local tiles first), the chunks a tile waits for those of its rows. MoE-ReduceScatter's: each destination's
     slots hold its own tokens' pairs only, in the order of ``dests`` (this rank last)."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    dev = _device()
     W, m_local, topk, E = 3, 48, 2, 3
     layout = ChunkLayout(W, m_local, 24)
     cfg = to.MoEGEMMConfig(block_m=16, block_n=16, block_k=16, block_c=16)

@@ -4,8 +4,8 @@ experts' GEMM.
 Plan: each rank's tokens cut into chunks (ChunkLayout), moved by copy engines with a flag per chunk exactly as
 AllGather-GEMM moves its rows (producers.gather, push). Consumer: a persistent grouped GEMM (kernels.grouped_gemm)
 over the (token, k) pairs sorted by expert and, within an expert, by the arrival position of the token's chunk,
-this rank's own tokens first (ops.moe_routing: small kernels on the device); a tile waits only for the chunks its rows come
-from, and tiles of rows already here run first. Fallback: NCCL all_gather + one torch matmul per expert.
+this rank's own tokens first (ops.moe_routing: small kernels on the device); a tile waits only for the chunks its
+rows come from, and tiles of rows already here run first. Fallback: NCCL all_gather + one torch matmul per expert.
 """
 from __future__ import annotations
 
@@ -183,8 +183,9 @@ class AllGatherMoEGEMM(MoEOp):
         r = sort_by_expert(topk_ids, sched.segments, num_experts, bm, slots, per_segment=False, src_div=topk,
                            dst=2 if sorted_output else 1, by_tag=layout.num_chunks + 1)
         routes = (r["src"], r["dst"], r["tag"], sched.chunk_at)
-        routing = MoERouting(r["order"], r["position"], r["offsets"].view(-1), num_experts, topk) if sorted_output else None
-        return routing, routes, r["table"]
+        if not sorted_output:
+            return None, routes, r["table"]
+        return MoERouting(r["order"], r["position"], r["offsets"].view(-1), num_experts, topk), routes, r["table"]
 
     def _fallback(self, x, w, topk_ids, rows, sorted_output) -> tuple[MoERouting | None, torch.Tensor]:
         """NCCL all_gather, then one torch matmul per expert: (the routing where sorted, the gathered tokens)."""

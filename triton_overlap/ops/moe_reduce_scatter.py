@@ -155,8 +155,8 @@ class MoEGEMMReduceScatter(MoEOp):
             call = self.call_header((T, N, dtype, layout.m_per_chunk, cfg.block_c, cfg.block_n), (T, N))
             dev = ctx.device
             found = self.state["schedules"][key] = MoEReduceScatterSchedule(
-                cfg, scatter, torch.tensor(dests, dtype=torch.int32, device=dev), destination_segments(m_local, dests, dev),
-                torch.tensor(counts, dtype=torch.int32, device=dev), call)
+                cfg, scatter, torch.tensor(dests, dtype=torch.int32, device=dev),
+                destination_segments(m_local, dests, dev), torch.tensor(counts, dtype=torch.int32, device=dev), call)
         return found
 
     def _overlap(self, h, w, topk_ids, topk_weights, routing, out, overrides) -> None:
