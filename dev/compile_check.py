@@ -413,6 +413,33 @@ def compile_routing(target) -> int:
     return failed
 
 
+def compile_ep_routing(target) -> int:
+    """kernels.ep_routing (expert-parallel routing) as ops.ep_routing launches it on GPUs: int64 and int32 ids, 256
+    experts, 2 and 8 ranks, top-1, 2, 6 and 8, bf16 rows; arguments not known divisible and (as Triton specialises
+    aligned pointers and sizes) known divisible by 16."""
+    from triton_overlap.kernels import ep_routing as r
+
+    failed = 0
+    bt, bh = r.GPU_TILES
+    for ids, K, w_pad, div in itertools.product(("*i64", "*i32"), (1, 2, 6, 8), (2, 8), (False, True)):
+        kp = 1 << (K - 1).bit_length()
+        kernels = [(r.ep_count, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, E_CHUNK=64)),
+                   (r.ep_record, dict(W_PAD=w_pad, E_PAD=256, SCAN_B=32)),
+                   (r.ep_pack, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh)),
+                   (r.ep_expand, dict(K=K, BR=bt, BLOCK_H=bh))]
+        for fn, consts in kernels:
+            rows = ("x_ptr", "rows_ptr", "tokens_ptr")
+            sig = {prm.name: "constexpr" if prm.is_constexpr else ids if prm.name == "ids_ptr"
+                   else "*bf16" if prm.name in rows else "*i64" if prm.name == "order_ptr"
+                   else "*i32" if prm.name.endswith("_ptr") else "i32" for prm in fn.params}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, prm in enumerate(fn.params)
+                     if div and not prm.is_constexpr}
+            name = f"{fn.fn.__name__} ids {ids[1:]} {consts} divisible {div}"
+            failed += compile_one(target, name, ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                                  {"num_warps": 4})
+    return failed
+
+
 def ptxas_report(cubin_ptx: str, arch: int) -> str:
     try:  # the ptxas Triton itself takes for this arch (newer Triton: a second, newer one from sm_90 up)
         from triton.backends.nvidia.compiler import get_ptxas
@@ -452,6 +479,7 @@ def main():
     failed += compile_attention_bwd_ws(target)
     failed += compile_grouped_gemm(target)
     failed += compile_routing(target)
+    failed += compile_ep_routing(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer

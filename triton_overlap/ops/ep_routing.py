@@ -1,23 +1,25 @@
-"""Expert-parallel dispatch and combine: the routing and layouts, with torch on the device (ops.expert_parallel
-has the protocol): who sends what to whom (Traffic, read from the counts every rank holds), this rank's route and
-packed rows, the expansion of received rows into expert order, the two weighted sums of a combine, the handle a
-dispatch returns, and the checks that need no communication."""
+"""Expert-parallel dispatch and combine: the routing and layouts, by kernels on the device (kernels.ep_routing,
+kernels.routing, kernels.row_sums; ops.expert_parallel has the protocol): who sends what to whom (Traffic, read
+from the counts every rank holds), this rank's route and packed rows, the expansion of received rows into expert
+order, the two weighted sums of a combine, the handle a dispatch returns, and the checks that need no
+communication."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels.ep_routing import launch_count, launch_expand, launch_pack, tiles
+from ..kernels.routing import block_size, sort_segments
 from ..kernels.row_sums import launch_gather_rows_sum
 from ..plan import cdiv
 from .checks import DTYPES
-from .moe_routing import INDEX_DTYPES
+from .moe_routing import INDEX_DTYPES, Segments
 
 #: a record's leading words: T_local, the smallest id, the largest id (then unique tokens per owner, pairs per expert)
 HEAD = 3
 #: a received row's metadata before its k local experts and k weights: source rank, source token
 META_HEAD = 2
-INT32_RANGE = (-(1 << 31), (1 << 31) - 1)
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,12 @@ class EPHandle:
 
 @dataclass(frozen=True, eq=False)
 class Route:
-    """This rank's routing on the device: ``record`` int32 (see Traffic), ``ids`` [T, k] int64 clamped into [0, E)
-    (meaningful only where the ids were in range: checked once every record is in), ``hit`` bool [T, W]: the owners
-    of each token."""
+    """This rank's routing on the device (kernels.ep_routing): ``record`` int32 (see Traffic), ``ids`` [T, k] the
+    caller's ids made contiguous, ``base`` int32 [blocks, W] what ep_pack reads."""
 
     record: torch.Tensor
     ids: torch.Tensor
-    hit: torch.Tensor
+    base: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
@@ -198,68 +199,58 @@ def check_combine(ctx, y, d, out) -> None:
 
 
 def route_tokens(topk_ids: torch.Tensor, num_experts: int, world: int) -> Route:
-    """This rank's routing, with torch on the device and no host synchronisation (no bincount, no nonzero)."""
+    """This rank's record, by kernels.ep_routing on the caller's stream, with no host synchronisation."""
     T = topk_ids.shape[0]
-    dev = topk_ids.device
-    ids = topk_ids.to(torch.int64)
-    if T:
-        bounds = torch.stack([ids.min(), ids.max()]).clamp(*INT32_RANGE)
-    else:
-        bounds = torch.zeros(2, dtype=torch.int64, device=dev)
-    ids = ids.clamp(0, num_experts - 1)
-    hit = torch.zeros((T, world), dtype=torch.bool, device=dev)
-    hit.scatter_(1, ids // (num_experts // world), True)
-    experts = torch.zeros(num_experts, dtype=torch.int64, device=dev)
-    experts.index_add_(0, ids.reshape(-1), torch.ones(ids.numel(), dtype=torch.int64, device=dev))
-    record = torch.cat([torch.full((1,), T, dtype=torch.int64, device=dev), bounds, hit.sum(0), experts])
-    return Route(record.to(torch.int32), ids, hit)
+    ids = topk_ids.contiguous()
+    dev = ids.device
+    nb = cdiv(T, tiles()[0])
+    width = HEAD - 1 + world + num_experts
+    scratch = torch.empty(nb * (width + world), dtype=torch.int32, device=dev)
+    part, base = scratch[:nb * width].view(nb, width), scratch[nb * width:].view(nb, world)
+    record = torch.empty(HEAD + world + num_experts, dtype=torch.int32, device=dev)
+    launch_count(ids, part, record, base, T, num_experts, world)
+    return Route(record, ids, base)
 
 
 def pack(x, route: Route, weights, rank: int, experts_per_rank: int, S: int) -> Sent:
     """This rank's ``S`` unique (token, owner) rows, owner-major and in token order within an owner, and their
-    metadata: [this rank, token, the owner's local expert of each choice or -1, each choice's weight (float32
-    bits)]."""
+    metadata: [this rank, token, the owner's local expert of each choice (``experts_per_rank``: another owner's),
+    each choice's weight (float32 bits)] (kernels.ep_routing.ep_pack)."""
     T, k = route.ids.shape
+    W = route.base.shape[1]
     dev = x.device
-    flat = route.hit.t().reshape(-1)  # [W * T], owner-major
-    order = torch.sort((~flat).to(torch.uint8), stable=True).indices[:S]  # the hits, in place order
-    token = order % max(T, 1)
-    owner = order // max(T, 1)
-    choices = route.ids.index_select(0, token)
-    local = torch.where(choices // experts_per_rank == owner[:, None], choices - owner[:, None] * experts_per_rank,
-                        -1)
-    bits = weights.index_select(0, token).contiguous().view(torch.int32).to(torch.int64)
-    meta = torch.cat([torch.full((S, 1), rank, dtype=torch.int64, device=dev), token[:, None], local, bits], 1)
-    W = route.hit.shape[1]
-    positions = torch.full((T * W,), -1, dtype=torch.int32, device=dev)
-    positions[token * W + owner] = torch.arange(S, dtype=torch.int32, device=dev)
-    return Sent(x.index_select(0, token), meta.to(torch.int32), positions.view(T, W))
+    rows = torch.empty((S, x.shape[1]), dtype=x.dtype, device=dev)
+    meta = torch.empty((S, META_HEAD + 2 * k), dtype=torch.int32, device=dev)
+    positions = torch.empty((T, W), dtype=torch.int32, device=dev)
+    launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32),
+                route.record, route.base, rows, meta, positions, experts_per_rank * W, W, rank)
+    return Sent(rows, meta, positions)
 
 
 def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, experts_per_rank: int, k: int) -> tuple:
     """The received unique rows ``rows`` [U, H] (sources in rank order, each in token order) and their ``meta``,
     expanded to the ``R`` (row, choice) pairs of this rank's experts, stably sorted by local expert: (tokens,
-    counts, offsets, source, token, weights, slots, slot_weights) (EPHandle)."""
-    dev, el = rows.device, experts_per_rank
-    local = meta[:, META_HEAD:META_HEAD + k].to(torch.int64)
-    # (ids outside [0, el) only where a wait gave up and the metadata is stale: kept in bounds, the Context faulted)
-    key = torch.where((local >= 0) & (local < el), local, el).reshape(-1)
-    order = torch.sort(key, stable=True).indices[:R]
-    rows_of = order // k
-    counts = torch.zeros(el + 1, dtype=torch.int32, device=dev)
-    counts.index_add_(0, key.index_select(0, order), torch.ones(R, dtype=torch.int32, device=dev))
-    counts = counts[:el]
-    offsets = torch.zeros(el + 1, dtype=torch.int32, device=dev)
-    offsets[1:] = counts.cumsum(0)
-    # a copy: ``meta`` is the receive buffer, which the next call overwrites (contiguous() would return it as it is
-    # where one row is received)
+    counts, offsets, source, token, weights, slots, slot_weights) (EPHandle). The sort is kernels.routing's counting
+    sort of the (row, choice) pairs by local expert, another owner's choices (local expert ``experts_per_rank``)
+    sorting last."""
+    dev, el, U = rows.device, experts_per_rank, rows.shape[0]
+    # clamped: ids outside [0, el] only where a wait gave up and the metadata is stale (the Context has faulted)
+    local = meta[:, META_HEAD:META_HEAD + k].clamp(0, el)
+    block = block_size()
+    blocks, groups = Segments(((0, U, 0),), dev).tables(k, 1, block)
+    sort = sort_segments(local, blocks, groups, el + 1, 1, 0, block=block)
+    offsets = sort["offsets"][0, :el + 1]
+    counts = offsets[1:] - offsets[:-1]
+    tokens = torch.empty((R, rows.shape[1]), dtype=rows.dtype, device=dev)
+    source = torch.empty(R, dtype=torch.int32, device=dev)
+    token = torch.empty(R, dtype=torch.int32, device=dev)
+    weights = torch.empty(R, dtype=torch.float32, device=dev)
+    launch_expand(rows, meta, sort["order"], tokens, source, token, weights.view(torch.int32), k)
+    position = sort["position"]
+    slots = torch.where(position < R, position, -1).view(U, k)
+    # a copy: ``meta`` is the receive buffer, which the next call overwrites
     slot_weights = meta[:, META_HEAD + k:META_HEAD + 2 * k].clone(memory_format=torch.contiguous_format)
-    slot_weights = slot_weights.view(torch.float32)
-    slots = torch.full((key.numel(),), -1, dtype=torch.int32, device=dev)
-    slots[order] = torch.arange(R, dtype=torch.int32, device=dev)
-    return (rows.index_select(0, rows_of), counts, offsets, meta[:, 0].index_select(0, rows_of),
-            meta[:, 1].index_select(0, rows_of), slot_weights.reshape(-1).index_select(0, order),
-            slots.view(-1, k), slot_weights)
+    return tokens, counts, offsets, source, token, weights, slots, slot_weights.view(torch.float32)
 
 
 def owner_partials(ctx, y: torch.Tensor, d: EPHandle) -> torch.Tensor:

@@ -8,9 +8,9 @@ token's own rank, ``out[t] = Σ_j topk_weights[t, j] · y_row(t, j)``.
 
 Plan of a dispatch (the overlapped path):
 
-1. **route** (torch on the device, this rank's tokens only): the owner of each choice, the unique (token, owner)
-   pairs, and this rank's *record*: [T_local, smallest id, largest id, unique tokens per owner (W), (token, choice)
-   pairs per expert (E)].
+1. **route** (kernels.ep_routing on the device, this rank's tokens only): the owner of each choice, the unique
+   (token, owner) pairs, and this rank's *record*: [T_local, smallest id, largest id, unique tokens per owner (W),
+   (token, choice) pairs per expert (E)].
 2. **counts** (producers.exchange.AllToAll, behind the call's barrier, which compares the ranks' call headers): copy
    engines write the record into slot r of every peer's symmetric counts table and raise that peer's count flag for
    r. The caller's stream waits for every source's count flag (kernels.arrivals, bounded), and the host reads the
@@ -20,17 +20,17 @@ Plan of a dispatch (the overlapped path):
    exchange has ended everywhere and no row has moved, so the Context stays usable); the receive buffers grow on
    every rank together when any rank needs more (symmetric allocation is collective); each source's block lands at
    the prefix of the counts of the sources before it.
-3. **rows**: this rank packs its rows per owner (owner-major, then token order; an index_select into a staging
+3. **rows**: this rank packs its rows per owner (owner-major, then token order; one kernel writes them into a staging
    tensor that only this rank's copies read, so it need not be symmetric) with their metadata (source rank, token,
-   the owner's local expert of each of the k choices or -1, the k weights); copy engines move each owner's block
-   into the owner's symmetric receive buffers at this source's offset and raise the owner's flag for this source:
-   one flag per source, raised even where the block is empty.
-4. **expand**: the caller's stream waits for every source's flag (bounded, naming the source that did not come),
-   then gathers the received rows into expert order with torch. The per-source flags exist so that an experts'
-   grouped GEMM can start on a source's rows as soon as they land: ``kernels.grouped_gemm.ag_grouped_gemm`` waits
-   on per-chunk flags, and a source's block here is such a chunk (one chunk per rank, flag value 1, chunk id =
-   source rank), while the counts table already gives, before any row lands, where each (expert, source) run of
-   rows will sit.
+   the owner's local expert of each of the k choices, E/W for another owner's, the k weights); copy engines move each
+   owner's block into the owner's symmetric receive buffers at this source's offset and raise the owner's flag for
+   this source: one flag per source, raised even where the block is empty.
+4. **expand**: the caller's stream waits for every source's flag (bounded, naming the source that did not come), then
+   gathers the received rows into expert order (a counting sort of the (row, choice) pairs by local expert,
+   kernels.routing, and one gather kernel). The per-source flags exist so that an experts' grouped GEMM can start on
+   a source's rows as soon as they land: ``kernels.grouped_gemm.ag_grouped_gemm`` waits on per-chunk flags, and a
+   source's block here is such a chunk (one chunk per rank, flag value 1, chunk id = source rank), while the counts
+   table already gives, before any row lands, where each (expert, source) run of rows will sit.
 
 Plan of a combine: behind its own barrier (header: the width, dtype and the dispatch it combines), the owner sums,
 for each token it received, ``weight · y`` over the token's choices among its experts in float32, rounds that
