@@ -14,7 +14,7 @@ from ..kernels.routing import block_size, sort_segments
 from ..kernels.row_sums import launch_gather_rows_sum
 from ..plan import cdiv
 from .checks import DTYPES
-from .moe_routing import INDEX_DTYPES, Segments
+from .moe_routing import INDEX_DTYPES
 
 #: a record's leading words: T_local, the smallest id, the largest id (then unique tokens per owner, pairs per expert)
 HEAD = 3
@@ -227,17 +227,44 @@ def pack(x, route: Route, weights, rank: int, experts_per_rank: int, S: int) -> 
     return Sent(rows, meta, positions)
 
 
+#: (device, block) -> (blocks int32 [cap, 4] = (b * block, block, 0, 0), groups int32 [cap + 1, 3] = (0, b, 0)):
+#: kernels.routing's tables for one run of whole blocks, grown as needed and sliced per call
+_WHOLE_BLOCKS: dict = {}
+
+
+def whole_blocks(n: int, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.routing's (blocks, groups) for ``n`` whole blocks of ``block`` pairs from pair 0, one group: views of
+    a table kept on the device, so a call with a new number of pairs builds nothing on the host."""
+    key = (str(device), block)
+    found = _WHOLE_BLOCKS.get(key)
+    if found is None or found[0].shape[0] < n:
+        cap = max(64, _pow2(n))
+        b = torch.arange(cap + 1, dtype=torch.int32, device=device)
+        zero = torch.zeros_like(b)
+        found = _WHOLE_BLOCKS[key] = (torch.stack([b * block, zero + block, zero, zero], 1)[:cap].contiguous(),
+                                      torch.stack([zero, b, zero], 1).contiguous())
+    return found[0][:n], found[1][n:n + 1]
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(n, 1) - 1).bit_length()
+
+
 def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, experts_per_rank: int, k: int) -> tuple:
     """The received unique rows ``rows`` [U, H] (sources in rank order, each in token order) and their ``meta``,
     expanded to the ``R`` (row, choice) pairs of this rank's experts, stably sorted by local expert: (tokens,
     counts, offsets, source, token, weights, slots, slot_weights) (EPHandle). The sort is kernels.routing's counting
     sort of the (row, choice) pairs by local expert, another owner's choices (local expert ``experts_per_rank``)
-    sorting last."""
+    sorting last, the pairs padded with such choices to whole blocks (whole_blocks)."""
     dev, el, U = rows.device, experts_per_rank, rows.shape[0]
-    # clamped: ids outside [0, el] only where a wait gave up and the metadata is stale (the Context has faulted)
-    local = meta[:, META_HEAD:META_HEAD + k].clamp(0, el)
     block = block_size()
-    blocks, groups = Segments(((0, U, 0),), dev).tables(k, 1, block)
+    pairs = U * k
+    nb = cdiv(pairs, block)
+    local = torch.empty(nb * block, dtype=torch.int32, device=dev)
+    local[pairs:].fill_(el)
+    # clamped: ids outside [0, el] only where a wait gave up and the metadata is stale (the Context has faulted)
+    torch.clamp(meta[:, META_HEAD:META_HEAD + k], 0, el, out=local[:pairs].view(U, k))
+    blocks, groups = whole_blocks(nb, block, dev)
     sort = sort_segments(local, blocks, groups, el + 1, 1, 0, block=block)
     offsets = sort["offsets"][0, :el + 1]
     counts = offsets[1:] - offsets[:-1]
@@ -246,7 +273,7 @@ def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, experts_per_rank: int
     token = torch.empty(R, dtype=torch.int32, device=dev)
     weights = torch.empty(R, dtype=torch.float32, device=dev)
     launch_expand(rows, meta, sort["order"], tokens, source, token, weights.view(torch.int32), k)
-    position = sort["position"]
+    position = sort["position"][:pairs]
     slots = torch.where(position < R, position, -1).view(U, k)
     # a copy: ``meta`` is the receive buffer, which the next call overwrites
     slot_weights = meta[:, META_HEAD + k:META_HEAD + 2 * k].clone(memory_format=torch.contiguous_format)
