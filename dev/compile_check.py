@@ -425,8 +425,9 @@ def compile_ep_routing(target) -> int:
         kp = 1 << (K - 1).bit_length()
         kernels = [(r.ep_count, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, E_CHUNK=64)),
                    (r.ep_record, dict(W_PAD=w_pad, E_PAD=256, SCAN_B=32)),
+                   (r.ep_dest, dict(W_PAD=w_pad, E_PAD=256, E_CHUNK=32)),
                    (r.ep_pack, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh)),
-                   (r.ep_expand, dict(K=K, BR=bt, BLOCK_H=bh))]
+                   (r.ep_expand, dict(K=K, BU=bt, BLOCK_H=bh))]
         for fn, consts in kernels:
             rows = ("x_ptr", "rows_ptr", "tokens_ptr")
             sig = {prm.name: "constexpr" if prm.is_constexpr else ids if prm.name == "ids_ptr"

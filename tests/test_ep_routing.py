@@ -22,41 +22,64 @@ def ref_record(ids, E, W):
     return torch.tensor([T] + bounds + hit.sum(0).tolist() + torch.bincount(c.reshape(-1), minlength=E).tolist())
 
 
-def ref_pack(x, ids, weights, rank, E, W):
+def ref_layout(all_ids, E, W):
+    """{(source, token, choice): its row in the owner's layout}: an owner's pairs by (local expert, source, token,
+    choice)."""
+    rows = {}
+    for d in range(W):
+        pairs = []
+        for s, ids in enumerate(all_ids):
+            c = ids.long().clamp(0, E - 1)
+            for t in range(ids.shape[0]):
+                for j in range(ids.shape[1]):
+                    if int(c[t, j]) // (E // W) == d:
+                        pairs.append((int(c[t, j]), s, t, j))
+        for p, (_, s, t, j) in enumerate(sorted(pairs)):
+            rows[(s, t, j)] = p
+    return rows
+
+
+def ref_pack(x, ids, weights, rank, E, W, layout):
     """(rows, meta, positions) in the send order: owner-major, then token order."""
     T, k = ids.shape
-    el = E // W
     c = ids.long().clamp(0, E - 1)
     bits = weights.contiguous().view(torch.int32)
     rows, meta, positions = [], [], torch.full((T, W), -1, dtype=torch.int32)
     for d in range(W):
         for t in range(T):
-            owner = c[t] // el
+            owner = c[t] // (E // W)
             if (owner == d).any():
                 positions[t, d] = len(rows)
                 rows.append(x[t])
-                local = torch.where(owner == d, c[t] - d * el, el)
-                meta.append(torch.cat([torch.tensor([rank, t]), local, bits[t].long()]))
+                dest = [layout[(rank, t, j)] if owner[j] == d else -1 for j in range(k)]
+                meta.append(torch.cat([torch.tensor([rank, t] + dest), bits[t].long()]))
     H = x.shape[1]
     return (torch.stack(rows) if rows else x.new_empty(0, H),
             torch.stack(meta).to(torch.int32) if meta else torch.empty(0, META_HEAD + 2 * k, dtype=torch.int32),
             positions)
 
 
-def ref_expand(rows, meta, el, k):
-    U = rows.shape[0]
-    local = meta[:, META_HEAD:META_HEAD + k].long().clamp(0, el).reshape(-1)
-    order = torch.sort(local, stable=True).indices
-    R = int((local < el).sum())
-    order = order[:R]
-    counts = torch.bincount(local[order], minlength=el)[:el]
-    slots = torch.full((U * k,), -1, dtype=torch.int64)
-    slots[order] = torch.arange(R)
+def ref_expand(rows, meta, counts, k):
+    """What a dispatch returns from the received ``rows`` and ``meta`` (rows whose layout row is outside [0, R):
+    none), and which layout rows some pair fills (where the metadata is stale, not all: those rows are not
+    compared)."""
+    U, R = rows.shape[0], int(counts.sum())
+    dest = meta[:, META_HEAD:META_HEAD + k].long()
+    slots = torch.where((dest >= 0) & (dest < R), dest, -1)
     w = meta[:, META_HEAD + k:].contiguous().view(torch.float32)
-    return dict(tokens=rows[order // k], counts=counts, offsets=torch.cat([torch.zeros(1, dtype=torch.int64),
-                                                                              counts.cumsum(0)]),
-                source=meta[order // k, 0], token=meta[order // k, 1], weights=w.reshape(-1)[order],
-                slots=slots.view(U, k), slot_weights=w), R
+    tokens = rows.new_zeros(R, rows.shape[1])
+    source, token, weights = (torch.zeros(R, dtype=torch.int64) for _ in range(3))
+    weights = torch.zeros(R)
+    for u in range(U):
+        for j in range(k):
+            p = int(slots[u, j])
+            if p >= 0:
+                tokens[p], source[p], token[p], weights[p] = rows[u], meta[u, 0], meta[u, 1], w[u, j]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    filled = torch.zeros(R, dtype=torch.bool)
+    filled[slots[slots >= 0]] = True
+    return dict(tokens=tokens, counts=counts, offsets=offsets, source=source, token=token, weights=weights,
+                slots=slots, slot_weights=w), R, filled
 
 
 def _ids(T, k, E, kind, g):
@@ -82,41 +105,47 @@ def _cases_match():
     done = 0
     for W, rank, T, k, E, H, kind in CASES:
         el = E // W
-        received_rows, received_meta = [], []
         for dtype in (torch.int64, torch.int32):
-            for s in range(W):  # every source's tokens: this rank's own, and what the others would send it
-                ids = _ids(T, k, E, kind, g).to(dtype)
-                x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-                weights = torch.rand(T, k, generator=g)
-                route = route_tokens(ids.to(dev), E, W)
+            all_ids = [_ids(T + s % 2 * (T > 0), k, E, kind, g).to(dtype) for s in range(W)]  # ranks' T differ
+            layout = ref_layout(all_ids, E, W)
+            routes = [route_tokens(ids.to(dev), E, W) for ids in all_ids]
+            table = torch.stack([r.record for r in routes])
+            received_rows, received_meta = [], []
+            for s, (ids, route) in enumerate(zip(all_ids, routes)):  # each source: this rank and the others
                 want = ref_record(ids, E, W)
-                assert torch.equal(route.record.cpu().long(), want), (W, rank, T, k, E, s, dtype)
-                S = int(want[3:3 + W].sum())
-                sent = pack(x.to(dev), route, weights.to(dev), s, el, S)
-                r_rows, r_meta, r_pos = ref_pack(x, ids, weights, s, E, W)
                 case = (W, rank, T, k, E, H, kind, s, dtype)
+                assert torch.equal(route.record.cpu().long(), want), case
+                x = torch.randn(ids.shape[0], H, generator=g).to(torch.bfloat16)
+                weights = torch.rand(ids.shape[0], k, generator=g)
+                sent = pack(x.to(dev), route, weights.to(dev), s, table, int(want[3:3 + W].sum()))
+                r_rows, r_meta, r_pos = ref_pack(x, ids, weights, s, E, W, layout)
                 assert torch.equal(sent.rows.cpu(), r_rows), case
                 assert torch.equal(sent.meta.cpu(), r_meta), case
                 assert torch.equal(sent.positions.cpu(), r_pos), case
-                if dtype == torch.int64:
-                    n = int(want[3 + rank])
-                    first = int(want[3:3 + rank].sum())
-                    received_rows.append(r_rows[first:first + n])
-                    received_meta.append(r_meta[first:first + n])
-        rows, meta = torch.cat(received_rows), torch.cat(received_meta)
-        if meta.shape[0]:  # stale metadata (a wait that gave up) is clamped into [0, el]
-            meta[0, META_HEAD] = -7
-            meta[-1, META_HEAD + k - 1] = el + 5
-        want, R = ref_expand(rows, meta, el, k)
-        got = expand(rows.to(dev), meta.to(dev), R, el, k)
-        names = ("tokens", "counts", "offsets", "source", "token", "weights", "slots", "slot_weights")
-        for name, value in zip(names, got):
-            assert value.device == dev, name
-            ref = want[name]
-            if value.dtype.is_floating_point:
-                assert value.dtype == ref.dtype and torch.equal(value.cpu(), ref), (name, W, rank, T, k, E)
-            else:
-                assert value.dtype == torch.int32 and torch.equal(value.cpu().long(), ref.long()), (name, W, T, k, E)
+                first, n = int(want[3:3 + rank].sum()), int(want[3 + rank])
+                received_rows.append(r_rows[first:first + n])
+                received_meta.append(r_meta[first:first + n])
+                if s == rank:
+                    offsets = sent.offsets
+            counts = sum(ref_record(ids, E, W)[3 + W + rank * el:3 + W + (rank + 1) * el] for ids in all_ids)
+            assert torch.equal(offsets.cpu().long(), torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                                counts.cumsum(0)])), (W, rank, T, k, E)
+            rows, meta = torch.cat(received_rows), torch.cat(received_meta)
+            if meta.shape[0]:  # stale metadata (a wait that gave up): rows outside the layout are dropped
+                meta[0, META_HEAD] = -7
+                meta[-1, META_HEAD + k - 1] = 1 << 20
+            want, R, filled = ref_expand(rows, meta, counts, k)
+            got = expand(rows.to(dev), meta.to(dev), R, offsets, k)
+            names = ("tokens", "counts", "offsets", "source", "token", "weights", "slots", "slot_weights")
+            for name, value in zip(names, got):
+                assert value.device == dev, name
+                ref = want[name]
+                if name in ("tokens", "source", "token", "weights"):
+                    value, ref = value.cpu()[filled], ref[filled]
+                if value.dtype.is_floating_point:
+                    assert value.dtype == ref.dtype and torch.equal(value.cpu(), ref), (name, W, rank, T, k, E)
+                else:
+                    assert value.dtype == torch.int32 and torch.equal(value.cpu().long(), ref.long()), (name, W, T)
         done += 1
     return done
 

@@ -1,21 +1,26 @@
-"""Expert-parallel routing on the device: this rank's record of what it sends, its packed rows per owner, and the
-received rows expanded into expert order, in a few kernels each parallel over blocks of tokens or rows (in place
-of some fifty torch operations per dispatch, which kept the call's host busier than its GPU).
+"""Expert-parallel routing on the device: this rank's record of what it sends, its packed rows per owner with each
+choice's row in the owner's expert-sorted layout, and the received rows expanded into that layout, in a few kernels
+each parallel over blocks of tokens or rows (in place of some fifty torch operations and a sort per dispatch, which
+kept the call's host busier than its GPU).
 
 Rank ``d`` owns experts ``[d * EL, (d + 1) * EL)``. Tokens go in blocks of ``BT``:
 
 1. ``ep_count`` (a program per block): the block's smallest and largest id, its tokens per owner (a token counts
-   once per owner, however many of its choices the owner has) and its pairs per expert (ids clamped into [0, E)).
+   once per owner, however many of its choices the owner has) and its pairs per expert (ids clamped into [0, E));
+   then kernels.routing's ``scan_counts`` gives each block's first place among this rank's pairs of each expert.
 2. ``ep_record`` (one program): the record (T, smallest id, largest id, tokens per owner, pairs per expert: what the
-   ranks exchange) and, per block and owner, the tokens of that owner in the blocks before it.
-3. ``ep_pack`` (a program per block and column tile, after the counts are in): each (token, owner) row's place in
-   the send order (owner-major, then token order), written as ``positions`` [T, W] (-1: not sent there), the row's
-   metadata [rank, token, the owner's local expert of each choice (EL: another owner's), the choices' weights as
-   float32 bits] and the row itself.
-4. ``ep_expand`` (a program per block of rows and column tile): the received rows in expert order, from the stable
-   counting sort of the (row, choice) pairs by local expert (kernels.routing, local expert EL sorting last).
+   ranks exchange) and, per block and owner, the owner's tokens in the blocks before it.
+3. ``ep_dest`` (one program, once every rank's record is in the counts table): where this rank's pairs of expert e
+   start in its owner's layout (the owner's experts before e, then e's pairs from the ranks before this one), and
+   this rank's own experts' offsets in its layout.
+4. ``ep_pack`` (a program per block and column tile): each (token, owner) row's place in the send order (owner-major,
+   then token order), written as ``positions`` [T, W] (-1: not sent there), the row's metadata [rank, token, the
+   owner's layout row of each choice (-1: another owner's), the choices' weights as float32 bits] and the row.
+5. ``ep_expand`` (a program per block of received rows and column tile): each received row copied to the layout
+   rows its metadata names, with what a combine reads back.
 
-All of it is exact integer arithmetic (no atomics), so the layouts do not depend on the launch or the GPU.
+The layout orders an owner's rows by (local expert, source rank, token, choice). All of it is exact integer
+arithmetic (no atomics), so the layouts do not depend on the launch or the GPU.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .cached_launch import launch, triton_interprets
+from .routing import scan_counts
 
 INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
 
@@ -51,16 +57,16 @@ def _before(h, N: tl.constexpr):
 
 
 @triton.jit
-def ep_count(ids_ptr, part_ptr, T, E, EL, W, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr,
+def ep_count(ids_ptr, part_ptr, hist_ptr, T, E, EL, W, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr,
              W_PAD: tl.constexpr, E_CHUNK: tl.constexpr):
-    """Grid (blocks,): ``part[b]`` = [smallest id, largest id (both clamped into int32), tokens per owner (W),
-    pairs per expert (E)] of block b's tokens."""
+    """Grid (blocks,): ``part[b]`` = [smallest id, largest id (both clamped into int32), tokens per owner (W)] of
+    block b's tokens, ``hist[b, e]`` its pairs of expert e."""
     b = tl.program_id(0)
     t, ok, raw, c, owner, hit = _owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
     wide = tl.minimum(tl.maximum(raw, -INT32_MAX - 1), INT32_MAX)
     lo = tl.min(tl.min(tl.where(ok, wide, INT32_MAX), axis=1), axis=0)
     hi = tl.max(tl.max(tl.where(ok, wide, -INT32_MAX - 1), axis=1), axis=0)
-    row = part_ptr + b.to(tl.int64) * (2 + W + E)
+    row = part_ptr + b.to(tl.int64) * (2 + W)
     tl.store(row, lo.to(tl.int32))
     tl.store(row + 1, hi.to(tl.int32))
     d = tl.arange(0, W_PAD)
@@ -69,19 +75,18 @@ def ep_count(ids_ptr, part_ptr, T, E, EL, W, K: tl.constexpr, K_PAD: tl.constexp
     for e0 in range(0, E, E_CHUNK):
         bins = e0 + tl.arange(0, E_CHUNK)
         n = tl.sum((flat[:, None] == bins[None, :]).to(tl.int32), axis=0)
-        tl.store(row + 2 + W + bins, n, mask=bins < E)
+        tl.store(hist_ptr + b.to(tl.int64) * E + bins, n, mask=bins < E)
 
 
 @triton.jit
-def ep_record(part_ptr, record_ptr, base_ptr, NB, T, E, W, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
+def ep_record(part_ptr, totals_ptr, record_ptr, base_ptr, NB, T, E, W, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
               SCAN_B: tl.constexpr):
     """Grid (1,): ``record`` = [T, smallest id, largest id (0, 0 without tokens), tokens per owner (W), pairs per
-    expert (E)] summed over the blocks, and ``base[b, d]``: owner d's tokens in the blocks before b."""
-    width = 2 + W + E
+    expert (E, from ``totals``)] over the blocks, and ``base[b, d]``: owner d's tokens in the blocks before b."""
+    width = 2 + W
     d = tl.arange(0, W_PAD)
     e = tl.arange(0, E_PAD)
     hits = tl.zeros((W_PAD,), dtype=tl.int32)
-    experts = tl.zeros((E_PAD,), dtype=tl.int32)
     lo = tl.full((SCAN_B,), INT32_MAX, tl.int32)
     hi = tl.full((SCAN_B,), -INT32_MAX - 1, tl.int32)
     for b0 in range(0, NB, SCAN_B):
@@ -94,22 +99,48 @@ def ep_record(part_ptr, record_ptr, base_ptr, NB, T, E, W, W_PAD: tl.constexpr, 
         tl.store(base_ptr + r.to(tl.int64)[:, None] * W + d[None, :], _before(h, SCAN_B) + hits[None, :],
                  mask=rm[:, None] & (d < W)[None, :])
         hits += tl.sum(h, axis=0)
-        experts += tl.sum(tl.load(at[:, None] + 2 + W + e[None, :], mask=rm[:, None] & (e < E)[None, :], other=0),
-                          axis=0)
     tl.store(record_ptr, T)
     tl.store(record_ptr + 1, tl.where(T > 0, tl.min(lo, axis=0), 0))
     tl.store(record_ptr + 2, tl.where(T > 0, tl.max(hi, axis=0), 0))
     tl.store(record_ptr + 3 + d, hits, mask=d < W)
-    tl.store(record_ptr + 3 + W + e, experts, mask=e < E)
+    tl.store(record_ptr + 3 + W + e, tl.load(totals_ptr + e, mask=e < E, other=0), mask=e < E)
 
 
 @triton.jit
-def ep_pack(x_ptr, ids_ptr, wbits_ptr, record_ptr, base_ptr, rows_ptr, meta_ptr, pos_ptr, T, H, E, EL, W, rank,
-            stride_x, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr,
+def ep_dest(table_ptr, dest_ptr, offsets_ptr, rank, E, EL, W, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
+            E_CHUNK: tl.constexpr):
+    """Grid (1,): from the counts table (every rank's record, rows ``3 + W + E`` wide), ``dest[e]``: the first row
+    of this rank's pairs of expert e in its owner's layout (the owner's experts before e, then e's pairs from the
+    ranks before this one), and ``offsets[i]`` (EL + 1): this rank's expert i's first row in its own layout."""
+    width = 3 + W + E
+    s = tl.arange(0, W_PAD)
+    e = tl.arange(0, E_PAD)
+    em = e < E
+    x = tl.load(table_ptr + s[:, None] * width + 3 + W + e[None, :], mask=(s < W)[:, None] & em[None, :], other=0)
+    before = tl.sum(tl.where((s < rank)[:, None], x, 0), axis=0)  # e's pairs from the ranks before this one
+    ahead = tl.zeros((E_PAD,), dtype=tl.int32)  # the owner's experts before e: their pairs from every rank
+    for e0 in range(0, E, E_CHUNK):
+        f = e0 + tl.arange(0, E_CHUNK)
+        tot = tl.sum(tl.load(table_ptr + s[:, None] * width + 3 + W + f[None, :],
+                             mask=(s < W)[:, None] & (f < E)[None, :], other=0), axis=0)
+        same = (f[None, :] < e[:, None]) & ((f // EL)[None, :] == (e // EL)[:, None])
+        ahead += tl.sum(tl.where(same, tot[None, :], 0), axis=1)
+    tl.store(dest_ptr + e, ahead + before, mask=em)
+    mine = (e >= rank * EL) & (e < (rank + 1) * EL)
+    tl.store(offsets_ptr + e - rank * EL, ahead, mask=mine)
+    total = tl.sum(tl.where(mine[None, :] & (s < W)[:, None], x, 0), axis=1)
+    tl.store(offsets_ptr + EL, tl.sum(total, axis=0))
+
+
+@triton.jit
+def ep_pack(x_ptr, ids_ptr, wbits_ptr, record_ptr, base_ptr, base_e_ptr, dest_ptr, rows_ptr, meta_ptr, pos_ptr, T, H,
+            E, EL, W, rank, stride_x, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr,
             BLOCK_H: tl.constexpr):
-    """Grid (blocks, column tiles): row ``p`` of the send order for each (token, owner) of block b: ``positions[t,
-    d] = p`` (-1: not sent there), the row's columns of this tile copied from x, and (column tile 0) its metadata
-    ``meta[p]`` = [rank, t, local expert of each choice (EL: another owner's), each choice's weight bits]."""
+    """Grid (blocks, column tiles): row ``p`` of the send order for each (token, owner) of block b: the row's columns
+    of this tile copied from x, and (column tile 0) ``positions[t, d] = p`` (-1: not sent there) and ``meta[p]`` =
+    [rank, t, each choice's row in the owner's layout (-1: another owner's), each choice's weight bits]. A pair's
+    layout row: ``dest[e]`` (ep_dest) + the block's first place among this rank's pairs of e (``base_e``) + the
+    pairs of e before it in the block."""
     b = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
     t, ok, raw, c, owner, hit = _owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
@@ -121,49 +152,71 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, record_ptr, base_ptr, rows_ptr, meta_ptr,
     pos = tl.where(hit > 0, start[None, :] + base[None, :] + _before(hit, BT), -1)
     tok = t < T
     t64 = t.to(tl.int64)
+    if h0 == 0:
+        tl.store(pos_ptr + t64[:, None] * W + d[None, :], pos, mask=tok[:, None] & dm[None, :])
+        j = tl.arange(0, K_PAD)
+        cm = tl.where(ok, c, -1)
+        # the block's pairs of the same expert before each pair: the earlier tokens' (one token at a time, to keep
+        # the comparison small), then the token's earlier choices
+        within = tl.sum(((cm[:, :, None] == cm[:, None, :]) & (j[None, None, :] < j[None, :, None])).to(tl.int32),
+                        axis=2)
+        for v in range(0, BT - 1):
+            tv = b * BT + v + tl.zeros_like(j)  # (a vector: Triton's interpreter takes no scalar in a mask)
+            vm = (j < K) & (tv < T)
+            cv = tl.load(ids_ptr + tv.to(tl.int64) * K + j, mask=vm, other=0).to(tl.int64)
+            cv = tl.where(vm, tl.minimum(tl.maximum(cv, 0), E - 1).to(tl.int32), -1)
+            n = tl.sum((cm[:, :, None] == cv[None, None, :]).to(tl.int32), axis=2)
+            within += tl.where((tl.arange(0, BT) > v)[:, None], n, 0)
+        row_of = (tl.load(dest_ptr + c, mask=ok, other=0) + tl.load(base_e_ptr + b.to(tl.int64) * E + c, mask=ok,
+                                                                      other=0) + within)
+        wb = tl.load(wbits_ptr + t64[:, None] * K + j[None, :], mask=ok, other=0)
+        MW = 2 + 2 * K
+        for dd in range(0, W):
+            p = tl.sum(tl.where(d[None, :] == dd, pos, 0), axis=1)
+            has = tok & (p >= 0)
+            m = meta_ptr + tl.where(has, p, 0).to(tl.int64) * MW
+            tl.store(m, tl.zeros_like(p) + rank, mask=has)
+            tl.store(m + 1, t, mask=has)
+            tl.store(m[:, None] + 2 + j[None, :], tl.where(owner == dd, row_of, -1), mask=has[:, None] & ok)
+            tl.store(m[:, None] + 2 + K + j[None, :], wb, mask=has[:, None] & ok)
     cols = h0 + tl.arange(0, BLOCK_H)
     cm = cols < H
     xv = tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=tok[:, None] & cm[None, :])
-    MW = 2 + 2 * K
-    j = tl.arange(0, K_PAD)
-    wb = tl.load(wbits_ptr + t64[:, None] * K + j[None, :], mask=ok, other=0)
-    if h0 == 0:
-        tl.store(pos_ptr + t64[:, None] * W + d[None, :], pos, mask=tok[:, None] & dm[None, :])
     for dd in range(0, W):
         p = tl.sum(tl.where(d[None, :] == dd, pos, 0), axis=1)
         has = tok & (p >= 0)
         at = tl.where(has, p, 0).to(tl.int64)
         tl.store(rows_ptr + at[:, None] * H + cols[None, :], xv, mask=has[:, None] & cm[None, :])
-        if h0 == 0:
-            m = meta_ptr + at * MW
-            tl.store(m, tl.zeros_like(p) + rank, mask=has)
-            tl.store(m + 1, t, mask=has)
-            local = tl.where(owner == dd, c - dd * EL, EL)
-            tl.store(m[:, None] + 2 + j[None, :], local, mask=has[:, None] & ok)
-            tl.store(m[:, None] + 2 + K + j[None, :], wb, mask=has[:, None] & ok)
 
 
 @triton.jit
-def ep_expand(rows_ptr, meta_ptr, order_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr, R, H, stride_rows,
-              K: tl.constexpr, BR: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Grid (row blocks, column tiles): expanded row ``p`` is pair ``q = order[p]``, choice ``q % K`` of received
-    row ``q // K``: ``tokens[p]`` that row's columns of this tile, and (column tile 0) ``source[p]``, ``token[p]``
-    and ``weights[p]`` (bits) from its metadata."""
-    p = tl.program_id(0) * BR + tl.arange(0, BR)
+def ep_expand(rows_ptr, meta_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr, slots_ptr, slot_w_ptr, U, R, H,
+              stride_rows, K: tl.constexpr, BU: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Grid (blocks of received rows, column tiles): received row u's columns of this tile to ``tokens[p]`` for each
+    choice's layout row p in its metadata (rows outside [0, R): none, as where a wait gave up and the metadata is
+    stale), and (column tile 0) ``source[p]``, ``token[p]``, ``weights[p]`` (bits), ``slots[u, j] = p`` (-1: none)
+    and ``slot_w[u, j]`` (bits)."""
+    u = tl.program_id(0) * BU + tl.arange(0, BU)
     h0 = tl.program_id(1) * BLOCK_H
-    pm = p < R
-    q = tl.load(order_ptr + p, mask=pm, other=0).to(tl.int64)
-    row = q // K
+    um = u < U
+    u64 = u.to(tl.int64)
     cols = h0 + tl.arange(0, BLOCK_H)
     cm = cols < H
-    m2 = pm[:, None] & cm[None, :]
-    v = tl.load(rows_ptr + row[:, None] * stride_rows + cols[None, :], mask=m2)
-    tl.store(tokens_ptr + p.to(tl.int64)[:, None] * H + cols[None, :], v, mask=m2)
-    if h0 == 0:
-        MW = 2 + 2 * K
-        tl.store(source_ptr + p, tl.load(meta_ptr + row * MW, mask=pm, other=0), mask=pm)
-        tl.store(token_ptr + p, tl.load(meta_ptr + row * MW + 1, mask=pm, other=0), mask=pm)
-        tl.store(weights_ptr + p, tl.load(meta_ptr + row * MW + 2 + K + q % K, mask=pm, other=0), mask=pm)
+    v = tl.load(rows_ptr + u64[:, None] * stride_rows + cols[None, :], mask=um[:, None] & cm[None, :])
+    MW = 2 + 2 * K
+    m = meta_ptr + u64 * MW
+    for j in tl.static_range(K):
+        p = tl.load(m + 2 + j, mask=um, other=-1)
+        ok = um & (p >= 0) & (p < R)
+        at = tl.where(ok, p, 0).to(tl.int64)
+        tl.store(tokens_ptr + at[:, None] * H + cols[None, :], v, mask=ok[:, None] & cm[None, :])
+        if h0 == 0:
+            w = tl.load(m + 2 + K + j, mask=um, other=0)
+            tl.store(source_ptr + at, tl.load(m, mask=ok, other=0), mask=ok)
+            tl.store(token_ptr + at, tl.load(m + 1, mask=ok, other=0), mask=ok)
+            tl.store(weights_ptr + at, w, mask=ok)
+            tl.store(slots_ptr + u64 * K + j, tl.where(ok, p, -1), mask=um)
+            tl.store(slot_w_ptr + u64 * K + j, w, mask=um)
 
 
 def _pow2(n: int) -> int:
@@ -179,41 +232,51 @@ def tiles() -> tuple[int, int]:
     return (8, 64) if triton_interprets() else GPU_TILES
 
 
-def launch_count(ids, part, record, base, T: int, E: int, W: int) -> None:
-    """ep_count then ep_record on the current stream: ``ids`` [T, K] int32/int64 contiguous, ``part`` int32
-    [NB, 2 + W + E], ``record`` int32 [3 + W + E], ``base`` int32 [NB, W] (NB = blocks of tiles()[0] tokens)."""
+def launch_count(ids, part, hist, base_e, totals, groups, record, base, T: int, E: int, W: int) -> None:
+    """ep_count, scan_counts and ep_record on the current stream: ``ids`` [T, K] int32/int64 contiguous; int32
+    ``part`` [NB, 2 + W], ``hist`` and ``base_e`` [NB, E], ``totals`` [E], ``groups`` [[0, NB, 0]], ``record``
+    [3 + W + E], ``base`` [NB, W] (NB: blocks of tiles()[0] tokens)."""
     K = ids.shape[1]
     bt = tiles()[0]
     nb = part.shape[0]
     w_pad, e_pad = _pow2(W), _pow2(E)
     if nb:
-        launch(ep_count, (nb,), (ids, part, T, E, E // W, W),
+        launch(ep_count, (nb,), (ids, part, hist, T, E, E // W, W),
                dict(K=K, K_PAD=_pow2(K), BT=bt, W_PAD=w_pad, E_CHUNK=min(e_pad, 64)), num_warps=4)
-    launch(ep_record, (1,), (part, record, base, nb, T, E, W), dict(W_PAD=w_pad, E_PAD=e_pad, SCAN_B=32),
+    e_tile = min(e_pad, 32)
+    launch(scan_counts, (1, -(-E // e_tile)), (hist, groups, base_e, totals, E), dict(E_TILE=e_tile, SCAN_B=64),
+           num_warps=4)
+    launch(ep_record, (1,), (part, totals, record, base, nb, T, E, W), dict(W_PAD=w_pad, E_PAD=e_pad, SCAN_B=32),
            num_warps=4)
 
 
-def launch_pack(x, ids, wbits, record, base, rows, meta, positions, E: int, W: int, rank: int) -> None:
-    """ep_pack on the current stream (after launch_count of the same ids)."""
+def launch_pack(x, ids, wbits, record, base, base_e, table, dest, offsets, rows, meta, positions, E: int, W: int,
+                rank: int) -> None:
+    """ep_dest then ep_pack on the current stream (after launch_count of the same ids; ``table`` int32 [W, 3 + W +
+    E] every rank's record): ``dest`` int32 [E], ``offsets`` int32 [E / W + 1] this rank's experts' offsets."""
     T, H = x.shape
     K = ids.shape[1]
     bt, bh = tiles()
+    e_pad = _pow2(E)
+    launch(ep_dest, (1,), (table, dest, offsets, rank, E, E // W, W),
+           dict(W_PAD=_pow2(W), E_PAD=e_pad, E_CHUNK=min(e_pad, 32)), num_warps=4)
     if T == 0:
         return
     launch(ep_pack, (-(-T // bt), -(-H // bh)),
-           (x, ids, wbits, record, base, rows, meta, positions, T, H, E, E // W, W, rank, x.stride(0)),
+           (x, ids, wbits, record, base, base_e, dest, rows, meta, positions, T, H, E, E // W, W, rank, x.stride(0)),
            dict(K=K, K_PAD=_pow2(K), BT=bt, W_PAD=_pow2(W), BLOCK_H=bh), num_warps=4)
 
 
-def launch_expand(rows, meta, order, tokens, source, token, wbits, K: int) -> None:
-    """ep_expand on the current stream: ``tokens`` [R, H] from ``rows`` (unit column stride) by ``order``."""
-    R, H = tokens.shape
-    if R == 0:
+def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, K: int) -> None:
+    """ep_expand on the current stream: ``rows`` [U, H] (unit column stride) into ``tokens`` [R, H]."""
+    U, H = rows.shape
+    if U == 0:
         return
-    br, bh = tiles()
-    launch(ep_expand, (-(-R // br), -(-H // bh)), (rows, meta, order, tokens, source, token, wbits, R, H,
-                                                    rows.stride(0)),
-           dict(K=K, BR=br, BLOCK_H=bh), num_warps=4)
+    bu, bh = tiles()
+    launch(ep_expand, (-(-U // bu), -(-H // bh)), (rows, meta, tokens, source, token, wbits, slots, slot_wbits, U,
+                                                    tokens.shape[0], H, rows.stride(0)),
+           dict(K=K, BU=bu, BLOCK_H=bh), num_warps=4)
 
 
-__all__ = ["ep_count", "ep_expand", "ep_pack", "ep_record", "launch_count", "launch_expand", "launch_pack", "tiles"]
+__all__ = ["GPU_TILES", "ep_count", "ep_dest", "ep_expand", "ep_pack", "ep_record", "launch_count", "launch_expand",
+           "launch_pack", "tiles"]

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.ep_routing import launch_count, launch_expand, launch_pack, tiles
-from ..kernels.routing import block_size, sort_segments
 from ..kernels.row_sums import launch_gather_rows_sum
 from ..plan import cdiv
 from .checks import DTYPES
@@ -122,21 +121,24 @@ class EPHandle:
 @dataclass(frozen=True, eq=False)
 class Route:
     """This rank's routing on the device (kernels.ep_routing): ``record`` int32 (see Traffic), ``ids`` [T, k] the
-    caller's ids made contiguous, ``base`` int32 [blocks, W] what ep_pack reads."""
+    caller's ids made contiguous, and what ep_pack reads: ``base`` int32 [blocks, W], ``base_e`` int32 [blocks, E]."""
 
     record: torch.Tensor
     ids: torch.Tensor
     base: torch.Tensor
+    base_e: torch.Tensor
 
 
 @dataclass(frozen=True, eq=False)
 class Sent:
-    """This rank's packed rows (owner-major, token order), their metadata int32 [S, 2 + 2k] and each token's
-    position in them per owner (int32 [T, W], -1: not sent there)."""
+    """This rank's packed rows (owner-major, token order), their metadata int32 [S, 2 + 2k], each token's position in
+    them per owner (int32 [T, W], -1: not sent there) and ``offsets`` int32 [E/W + 1]: this rank's experts' first
+    rows in its own expert-sorted layout (kernels.ep_routing.ep_dest)."""
 
     rows: torch.Tensor
     meta: torch.Tensor
     positions: torch.Tensor
+    offsets: torch.Tensor
 
 
 def capacity(rows: int) -> int:
@@ -198,86 +200,69 @@ def check_combine(ctx, y, d, out) -> None:
         raise ValueError(f"{op}: out must be {y.dtype} {shape} on {y.device}, got {got}")
 
 
+#: device -> int32 [cap + 1, 3] rows (0, b, 0): kernels.routing's group table of one group of b blocks, kept
+#: on the device and sliced per call
+_GROUPS: dict = {}
+
+
+def one_group(blocks: int, device) -> torch.Tensor:
+    """kernels.routing's groups table [[0, blocks, 0]] for scan_counts: a view of a table kept on the device, so a
+    call with a new number of tokens copies nothing from the host."""
+    key = str(device)
+    found = _GROUPS.get(key)
+    if found is None or found.shape[0] <= blocks:
+        cap = max(64, 1 << blocks.bit_length())
+        b = torch.arange(cap + 1, dtype=torch.int32, device=device)
+        found = _GROUPS[key] = torch.stack([torch.zeros_like(b), b, torch.zeros_like(b)], 1).contiguous()
+    return found[blocks:blocks + 1]
+
+
 def route_tokens(topk_ids: torch.Tensor, num_experts: int, world: int) -> Route:
     """This rank's record, by kernels.ep_routing on the caller's stream, with no host synchronisation."""
     T = topk_ids.shape[0]
     ids = topk_ids.contiguous()
     dev = ids.device
+    E = num_experts
     nb = cdiv(T, tiles()[0])
-    width = HEAD - 1 + world + num_experts
-    scratch = torch.empty(nb * (width + world), dtype=torch.int32, device=dev)
-    part, base = scratch[:nb * width].view(nb, width), scratch[nb * width:].view(nb, world)
-    record = torch.empty(HEAD + world + num_experts, dtype=torch.int32, device=dev)
-    launch_count(ids, part, record, base, T, num_experts, world)
-    return Route(record, ids, base)
+    sizes = (nb * (2 + world), nb * E, nb * E, E, HEAD + world + E, nb * world)
+    scratch = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
+    part, hist, base_e, totals, record, base = torch.split(scratch, sizes)
+    part, hist, base_e, base = part.view(nb, 2 + world), hist.view(nb, E), base_e.view(nb, E), base.view(nb, world)
+    launch_count(ids, part, hist, base_e, totals, one_group(nb, dev), record, base, T, E, world)
+    return Route(record, ids, base, base_e)
 
 
-def pack(x, route: Route, weights, rank: int, experts_per_rank: int, S: int) -> Sent:
+def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int) -> Sent:
     """This rank's ``S`` unique (token, owner) rows, owner-major and in token order within an owner, and their
-    metadata: [this rank, token, the owner's local expert of each choice (``experts_per_rank``: another owner's),
-    each choice's weight (float32 bits)] (kernels.ep_routing.ep_pack)."""
+    metadata: [this rank, token, each choice's row in the owner's expert-sorted layout (-1: another owner's), each
+    choice's weight (float32 bits)] (kernels.ep_routing.ep_pack); ``table`` int32 [W, record] every rank's record on
+    the device."""
     T, k = route.ids.shape
-    W = route.base.shape[1]
+    W, E = route.base.shape[1], route.base_e.shape[1]
     dev = x.device
     rows = torch.empty((S, x.shape[1]), dtype=x.dtype, device=dev)
     meta = torch.empty((S, META_HEAD + 2 * k), dtype=torch.int32, device=dev)
     positions = torch.empty((T, W), dtype=torch.int32, device=dev)
+    dest = torch.empty(E + E // W + 1, dtype=torch.int32, device=dev)
+    offsets = dest[E:]
     launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32),
-                route.record, route.base, rows, meta, positions, experts_per_rank * W, W, rank)
-    return Sent(rows, meta, positions)
+                route.record, route.base, route.base_e, table, dest[:E], offsets, rows, meta, positions, E, W, rank)
+    return Sent(rows, meta, positions, offsets.clone())
 
 
-#: (device, block) -> (blocks int32 [cap, 4] = (b * block, block, 0, 0), groups int32 [cap + 1, 3] = (0, b, 0)):
-#: kernels.routing's tables for one run of whole blocks, grown as needed and sliced per call
-_WHOLE_BLOCKS: dict = {}
-
-
-def whole_blocks(n: int, block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.routing's (blocks, groups) for ``n`` whole blocks of ``block`` pairs from pair 0, one group: views of
-    a table kept on the device, so a call with a new number of pairs builds nothing on the host."""
-    key = (str(device), block)
-    found = _WHOLE_BLOCKS.get(key)
-    if found is None or found[0].shape[0] < n:
-        cap = max(64, _pow2(n))
-        b = torch.arange(cap + 1, dtype=torch.int32, device=device)
-        zero = torch.zeros_like(b)
-        found = _WHOLE_BLOCKS[key] = (torch.stack([b * block, zero + block, zero, zero], 1)[:cap].contiguous(),
-                                      torch.stack([zero, b, zero], 1).contiguous())
-    return found[0][:n], found[1][n:n + 1]
-
-
-def _pow2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()
-
-
-def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, experts_per_rank: int, k: int) -> tuple:
+def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, offsets: torch.Tensor, k: int) -> tuple:
     """The received unique rows ``rows`` [U, H] (sources in rank order, each in token order) and their ``meta``,
-    expanded to the ``R`` (row, choice) pairs of this rank's experts, stably sorted by local expert: (tokens,
-    counts, offsets, source, token, weights, slots, slot_weights) (EPHandle). The sort is kernels.routing's counting
-    sort of the (row, choice) pairs by local expert, another owner's choices (local expert ``experts_per_rank``)
-    sorting last, the pairs padded with such choices to whole blocks (whole_blocks)."""
-    dev, el, U = rows.device, experts_per_rank, rows.shape[0]
-    block = block_size()
-    pairs = U * k
-    nb = cdiv(pairs, block)
-    local = torch.empty(nb * block, dtype=torch.int32, device=dev)
-    local[pairs:].fill_(el)
-    # clamped: ids outside [0, el] only where a wait gave up and the metadata is stale (the Context has faulted)
-    torch.clamp(meta[:, META_HEAD:META_HEAD + k], 0, el, out=local[:pairs].view(U, k))
-    blocks, groups = whole_blocks(nb, block, dev)
-    sort = sort_segments(local, blocks, groups, el + 1, 1, 0, block=block)
-    offsets = sort["offsets"][0, :el + 1]
-    counts = offsets[1:] - offsets[:-1]
+    expanded to the ``R`` (row, choice) pairs of this rank's experts in its expert-sorted layout, each copied to the
+    row its metadata names (kernels.ep_routing.ep_expand): (tokens, counts, offsets, source, token, weights, slots,
+    slot_weights) (EPHandle); ``offsets`` [E/W + 1] from pack."""
+    dev, U = rows.device, rows.shape[0]
     tokens = torch.empty((R, rows.shape[1]), dtype=rows.dtype, device=dev)
-    source = torch.empty(R, dtype=torch.int32, device=dev)
-    token = torch.empty(R, dtype=torch.int32, device=dev)
-    weights = torch.empty(R, dtype=torch.float32, device=dev)
-    launch_expand(rows, meta, sort["order"], tokens, source, token, weights.view(torch.int32), k)
-    position = sort["position"][:pairs]
-    slots = torch.where(position < R, position, -1).view(U, k)
-    # a copy: ``meta`` is the receive buffer, which the next call overwrites
-    slot_weights = meta[:, META_HEAD + k:META_HEAD + 2 * k].clone(memory_format=torch.contiguous_format)
-    return tokens, counts, offsets, source, token, weights, slots, slot_weights.view(torch.float32)
+    small = torch.empty(3 * R + 2 * U * k, dtype=torch.int32, device=dev)
+    source, token, weights, slots, slot_weights = torch.split(small, (R, R, R, U * k, U * k))
+    launch_expand(rows, meta, tokens, source, token, weights, slots, slot_weights, k)
+    counts = offsets[1:] - offsets[:-1]
+    return (tokens, counts, offsets, source, token, weights.view(torch.float32), slots.view(U, k),
+            slot_weights.view(torch.float32).view(U, k))
 
 
 def owner_partials(ctx, y: torch.Tensor, d: EPHandle) -> torch.Tensor:

@@ -130,16 +130,16 @@ class ExpertParallel(OverlapOp):
         fallback = self._use_fallback()
         self.last_path = "fallback" if fallback else "overlap"
         sched = None if fallback else self.schedule("dispatch", x.shape[1], x.dtype, num_experts, k)
-        table = self._counts_fallback(route.record) if fallback else self._counts(route.record, sched)
+        table, counts = self._counts_fallback(route.record) if fallback else self._counts(route.record, sched)
         traffic = Traffic.read(table, W, num_experts)
         bad = traffic.out_of_range()
         if bad:
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
                              + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
-        sent = pack(x, route, topk_weights, r, traffic.experts_per_rank, sum(traffic.rows[r]))
+        sent = pack(x, route, topk_weights, r, counts, sum(traffic.rows[r]))
         if fallback:
             rows, meta = self._rows_fallback(sent, traffic)
-            expanded = expand(rows, meta, traffic.expanded(r), traffic.experts_per_rank, k)
+            expanded = expand(rows, meta, traffic.expanded(r), sent.offsets, k)
         else:
             expanded = self._rows(sent, traffic, sched, x.shape[1], x.dtype, k)
         seq = self.state.get("dispatches", 0)
@@ -149,9 +149,10 @@ class ExpertParallel(OverlapOp):
                         sent=traffic.rows[r], traffic=traffic, slots=slots, slot_weights=slot_weights,
                         positions=sent.positions, rank=r, num_tokens=x.shape[0], seq=seq)
 
-    def _counts(self, record: torch.Tensor, sched: ExchangeSchedule) -> list:
+    def _counts(self, record: torch.Tensor, sched: ExchangeSchedule) -> tuple:
         """Step 2: every rank's record into every rank's counts table, behind the call's barrier; the table read
-        back to the host (the call's one host synchronisation)."""
+        back to the host (the call's one host synchronisation). Returns (the table as lists, the table on the
+        device)."""
         ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
         table = ctx.symmetric(f"{self.name}.counts", (W, record.numel()), torch.int32)
         flags = ctx.symmetric(f"{self.name}.count_flags", (W,), torch.int32)
@@ -165,7 +166,7 @@ class ExpertParallel(OverlapOp):
         pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call), consumer)
         got = table.local.tolist()
         ctx.check()  # a wait that gave up left the table as it was: never read past a fault
-        return got
+        return got, table.local
 
     def _rows(self, sent: Sent, traffic: Traffic, sched: ExchangeSchedule, H: int, dtype, k: int) -> tuple:
         """Steps 3 and 4: each owner's block into its receive buffers with this rank's flag there (no barrier: the
@@ -192,17 +193,16 @@ class ExpertParallel(OverlapOp):
                 rows.local[b:b + n].copy_(sent.rows[a:a + n])
                 meta.local[b:b + n].copy_(sent.meta[a:a + n])
             launch_wait_sources(ctx, flags.local, self.wait_ops["rows"])
-            made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), traffic.experts_per_rank,
-                                      k)
+            made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), sent.offsets, k)
 
         pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags), consumer)
         return made["expanded"]
 
-    def _counts_fallback(self, record: torch.Tensor) -> list:
+    def _counts_fallback(self, record: torch.Tensor) -> tuple:
         ctx, W = self.ctx, self.ctx.world_size
         table = torch.empty((W, record.numel()), dtype=torch.int32, device=record.device)
         dist.all_to_all_single(table, record.unsqueeze(0).expand(W, -1).contiguous(), group=ctx.group)
-        return table.tolist()
+        return table.tolist(), table
 
     def _rows_fallback(self, sent: Sent, traffic: Traffic) -> tuple:
         ctx, r = self.ctx, self.ctx.rank
