@@ -247,7 +247,7 @@ def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int) -> Se
     offsets = dest[E:]
     launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32),
                 route.record, route.base, route.base_e, table, dest[:E], offsets, rows, meta, positions, E, W, rank)
-    return Sent(rows, meta, positions, offsets.clone())
+    return Sent(rows, meta, positions, offsets)
 
 
 def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, offsets: torch.Tensor, k: int) -> tuple:
