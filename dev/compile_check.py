@@ -414,18 +414,23 @@ def compile_routing(target) -> int:
 
 
 def compile_ep_routing(target) -> int:
-    """kernels.ep_routing (expert-parallel routing) as ops.ep_routing launches it on GPUs: int64 and int32 ids, 256
-    experts, 2 and 8 ranks, top-1, 2, 6 and 8, bf16 rows; arguments not known divisible and (as Triton specialises
-    aligned pointers and sizes) known divisible by 16."""
+    """kernels.ep_routing (expert-parallel routing) and the scan it shares with kernels.routing, as ops.ep_routing
+    launches them on GPUs: int64 and int32 ids, 256 and 4 experts, 1, 2 and 8 ranks, top-1, 2, 6 and 8, bf16 rows;
+    arguments not known divisible and (as Triton specialises aligned pointers and sizes) known divisible by 16."""
     from triton_overlap.kernels import ep_routing as r
+    from triton_overlap.kernels.routing import scan_counts
 
     failed = 0
     bt, bh = r.GPU_TILES
-    for ids, K, w_pad, div in itertools.product(("*i64", "*i32"), (1, 2, 6, 8), (2, 8), (False, True)):
+    for ids, K, w_pad, e_pad, div in itertools.product(("*i64", "*i32"), (1, 2, 6, 8), (1, 2, 8), (4, 256),
+                                                      (False, True)):
+        if e_pad < w_pad:
+            continue
         kp = 1 << (K - 1).bit_length()
-        kernels = [(r.ep_count, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, E_CHUNK=64)),
-                   (r.ep_record, dict(W_PAD=w_pad, E_PAD=256, SCAN_B=32)),
-                   (r.ep_dest, dict(W_PAD=w_pad, E_PAD=256, E_CHUNK=32)),
+        kernels = [(r.ep_count, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, E_CHUNK=min(e_pad, 64))),
+                   (scan_counts, dict(E_TILE=min(e_pad, 32), SCAN_B=64)),
+                   (r.ep_record, dict(W_PAD=w_pad, E_PAD=e_pad, SCAN_B=32)),
+                   (r.ep_dest, dict(W_PAD=w_pad, E_PAD=e_pad, E_CHUNK=min(e_pad, 32))),
                    (r.ep_pack, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh)),
                    (r.ep_expand, dict(K=K, BU=bt, BLOCK_H=bh))]
         for fn, consts in kernels:

@@ -3,6 +3,7 @@ against a plain-torch version of the same layouts, element for element: the reco
 rows with their metadata and positions, and the received rows expanded into expert order. Integer results and
 copied rows, so equality is exact. Each rank of the pool runs every case on its device (the host backend: Triton's
 interpreter)."""
+import pytest
 import torch
 
 from triton_overlap.ops.ep_routing import META_HEAD, expand, pack, route_tokens
@@ -90,10 +91,32 @@ def _ids(T, k, E, kind, g):
     return torch.randint(0, E, (T, k), generator=g)
 
 
-# (world, rank, tokens, topk, experts, hidden, routing)
-CASES = [(2, 0, 13, 2, 4, 24, "random"), (3, 1, 37, 8, 12, 40, "random"), (4, 3, 5, 6, 256, 17, "skewed"),
-         (2, 1, 0, 2, 8, 16, "random"), (8, 5, 29, 3, 16, 8, "random"), (2, 0, 9, 1, 2, 70, "one"),
-         (1, 0, 20, 4, 6, 33, "random"), (4, 0, 64, 5, 300, 9, "random")]
+# (world, rank, tokens of each rank (an int: that many, one more on odd ranks), topk, experts, hidden, routing);
+# every case but the one with no tokens anywhere gives the checked rank rows to expand
+CASES = [(2, 0, 13, 2, 4, 24, "random"), (3, 1, 37, 8, 12, 40, "random"), (4, 0, 5, 6, 256, 17, "skewed"),
+         (2, 1, 0, 2, 8, 16, "random"), (8, 5, 29, 3, 16, 8, "random"), (2, 1, 9, 1, 2, 70, "one"),
+         (1, 0, 20, 4, 6, 33, "random"), (4, 0, 64, 5, 300, 9, "random"), (3, 0, (0, 11, 5), 7, 9, 65, "random")]
+
+
+def _strided(ids, x, weights):
+    """The same values in layouts a caller may pass: ids interleaved, x rows twice as far apart, weights
+    column-major."""
+    wide = torch.empty(x.shape[0], 2 * x.shape[1], dtype=x.dtype)
+    wide[:, :x.shape[1]] = x
+    return (torch.stack([ids, ids], -1)[..., 0], wide[:, :x.shape[1]], weights.t().contiguous().t())
+
+
+def _kernels_match(gpu_tiles: bool):
+    """Every case; ``gpu_tiles``: the GPUs' token block and column tile in the interpreter too."""
+    from triton_overlap.kernels import ep_routing as kernels
+    from triton_overlap.ops import ep_routing as ops
+
+    if gpu_tiles:
+        kernels.tiles = ops.tiles = lambda: kernels.GPU_TILES
+    try:
+        return _cases_match()
+    finally:
+        kernels.tiles = ops.tiles = kernels.backend_tiles
 
 
 def _cases_match():
@@ -105,8 +128,9 @@ def _cases_match():
     done = 0
     for W, rank, T, k, E, H, kind in CASES:
         el = E // W
-        for dtype in (torch.int64, torch.int32):
-            all_ids = [_ids(T + s % 2 * (T > 0), k, E, kind, g).to(dtype) for s in range(W)]  # ranks' T differ
+        tokens = T if isinstance(T, tuple) else tuple(T + s % 2 * (T > 0) for s in range(W))
+        for dtype in (torch.int64, torch.int32):  # int32 ids in strided layouts
+            all_ids = [_ids(tokens[s], k, E, kind, g).to(dtype) for s in range(W)]
             layout = ref_layout(all_ids, E, W)
             routes = [route_tokens(ids.to(dev), E, W) for ids in all_ids]
             table = torch.stack([r.record for r in routes])
@@ -117,7 +141,11 @@ def _cases_match():
                 assert torch.equal(route.record.cpu().long(), want), case
                 x = torch.randn(ids.shape[0], H, generator=g).to(torch.bfloat16)
                 weights = torch.rand(ids.shape[0], k, generator=g)
-                sent = pack(x.to(dev), route, weights.to(dev), s, table, int(want[3:3 + W].sum()))
+                given = (ids, x, weights) if dtype == torch.int64 else _strided(ids, x, weights)
+                if dtype == torch.int32:
+                    route = route_tokens(given[0].to(dev), E, W)
+                    assert torch.equal(route.record, table[s]), case
+                sent = pack(given[1].to(dev), route, given[2].to(dev), s, table, int(want[3:3 + W].sum()))
                 r_rows, r_meta, r_pos = ref_pack(x, ids, weights, s, E, W, layout)
                 assert torch.equal(sent.rows.cpu(), r_rows), case
                 assert torch.equal(sent.meta.cpu(), r_meta), case
@@ -135,6 +163,7 @@ def _cases_match():
                 meta[0, META_HEAD] = -7
                 meta[-1, META_HEAD + k - 1] = 1 << 20
             want, R, filled = ref_expand(rows, meta, counts, k)
+            assert R > 0 or sum(tokens) == 0, (W, rank, T, k, E)  # (the expansion compares something)
             got = expand(rows.to(dev), meta.to(dev), R, offsets, k)
             names = ("tokens", "counts", "offsets", "source", "token", "weights", "slots", "slot_weights")
             for name, value in zip(names, got):
@@ -150,5 +179,8 @@ def _cases_match():
     return done
 
 
-def test_ep_routing_kernels_match_torch(pool):
-    assert pool.run(_cases_match) == [len(CASES)] * pool.world
+@pytest.mark.parametrize("tiles", ["backend_tiles", "gpu_tiles"])
+def test_ep_routing_kernels_match_torch(pool, tiles):
+    if tiles == "gpu_tiles" and pool.backend != "host":
+        pytest.skip("the GPUs' tiles are the backend's there")
+    assert pool.run(_kernels_match, tiles == "gpu_tiles") == [len(CASES)] * pool.world

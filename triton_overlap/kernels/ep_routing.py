@@ -227,9 +227,12 @@ def _pow2(n: int) -> int:
 GPU_TILES = (16, 512)
 
 
-def tiles() -> tuple[int, int]:
+def backend_tiles() -> tuple[int, int]:
     """(tokens a block, columns a tile): smaller in the interpreter, whose cost grows with the tensors."""
     return (8, 64) if triton_interprets() else GPU_TILES
+
+
+tiles = backend_tiles
 
 
 def launch_count(ids, part, hist, base_e, totals, groups, record, base, T: int, E: int, W: int) -> None:
@@ -278,5 +281,5 @@ def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, K
            dict(K=K, BU=bu, BLOCK_H=bh), num_warps=4)
 
 
-__all__ = ["GPU_TILES", "ep_count", "ep_dest", "ep_expand", "ep_pack", "ep_record", "launch_count", "launch_expand",
-           "launch_pack", "tiles"]
+__all__ = ["GPU_TILES", "backend_tiles", "ep_count", "ep_dest", "ep_expand", "ep_pack", "ep_record", "launch_count",
+           "launch_expand", "launch_pack", "tiles"]

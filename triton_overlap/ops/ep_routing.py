@@ -89,8 +89,9 @@ class EPHandle:
     ``received``: unique tokens from each source; ``sent``: unique tokens this rank sent to each owner;
     ``traffic``: every rank's counts (Traffic). What combine reads: ``slots`` int32 [U, topk], the row of d.tokens
     that each received token's choice j became (-1: that choice is another rank's) and ``slot_weights`` float32
-    [U, topk] its weight; ``positions`` int32 [T_local, W], where this rank's token t sits in its block for owner d
-    (-1: not sent there). ``seq`` numbers the dispatch on its op (the same on every rank)."""
+    [U, topk] its weight; ``positions`` int32 [T_local, W], the row of this rank's send order (owner-major, then
+    token order) that token t took for owner d (-1: not sent there). ``seq`` numbers the dispatch on its op (the
+    same on every rank)."""
 
     tokens: torch.Tensor
     counts: torch.Tensor

@@ -22,15 +22,16 @@ Plan of a dispatch (the overlapped path):
    the prefix of the counts of the sources before it.
 3. **rows**: this rank packs its rows per owner (owner-major, then token order; one kernel writes them into a staging
    tensor that only this rank's copies read, so it need not be symmetric) with their metadata (source rank, token,
-   the owner's local expert of each of the k choices, E/W for another owner's, the k weights); copy engines move each
-   owner's block into the owner's symmetric receive buffers at this source's offset and raise the owner's flag for
-   this source: one flag per source, raised even where the block is empty.
-4. **expand**: the caller's stream waits for every source's flag (bounded, naming the source that did not come), then
-   gathers the received rows into expert order (a counting sort of the (row, choice) pairs by local expert,
-   kernels.routing, and one gather kernel). The per-source flags exist so that an experts' grouped GEMM can start on
-   a source's rows as soon as they land: ``kernels.grouped_gemm.ag_grouped_gemm`` waits on per-chunk flags, and a
-   source's block here is such a chunk (one chunk per rank, flag value 1, chunk id = source rank), while the counts
-   table already gives, before any row lands, where each (expert, source) run of rows will sit.
+   each of the k choices' row in the owner's expert-sorted layout, -1 for another owner's, the k weights): the
+   layout is known before any row moves, from the counts table every rank holds (kernels.ep_routing.ep_dest). Copy
+   engines move each owner's block into the owner's symmetric receive buffers at this source's offset and raise the
+   owner's flag for this source: one flag per source, raised even where the block is empty.
+4. **expand**: the caller's stream waits for every source's flag (bounded, naming the source that did not come),
+   then one kernel copies each received row to the layout rows its metadata names (no sort). The per-source flags
+   exist so that an experts' grouped GEMM can start on a source's rows as soon as they land:
+   ``kernels.grouped_gemm.ag_grouped_gemm`` waits on per-chunk flags, and a source's block here is such a chunk (one
+   chunk per rank, flag value 1, chunk id = source rank), while the counts table already gives, before any row
+   lands, where each (expert, source) run of rows will sit.
 
 Plan of a combine: behind its own barrier (header: the width, dtype and the dispatch it combines), the owner sums,
 for each token it received, ``weight · y`` over the token's choices among its experts in float32, rounds that
