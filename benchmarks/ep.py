@@ -19,8 +19,9 @@ Per shape (model, tokens per rank, routing), in one process group and one run:
   measured here.
 
 Timings as the other benchmarks: CUDA events around each call, the ranks lined up before it, median over
-iterations, max over ranks, the columns in turns (timing.time_interleaved). Not built: fp8 dispatch and the
-low-latency mode, so neither is timed. Writes ``ep-<gpu>x<W>.{json,md}`` (ep_report.py).
+iterations, max over ranks, the columns in turns (timing.time_interleaved). Not timed: fp8 dispatch (rows of
+float8_e4m3fn with their scales); not built: the low-latency mode. Writes ``ep-<gpu>x<W>.{json,md}``
+(ep_report.py).
 """
 from __future__ import annotations
 

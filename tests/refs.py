@@ -68,6 +68,8 @@ def attention_problem(dev, B, S, Hq, Hkv, D, causal, dtype, tag):
 def poison(t):
     if t.dtype.is_floating_point:
         t.fill_(float("nan"))
+    elif t.dtype == torch.uint8:  # (bytes: fp8 rows)
+        t.random_(0, 256)
     else:
         t.random_(-(2**31), 2**31 - 1)
     return t

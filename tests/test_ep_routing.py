@@ -40,8 +40,9 @@ def ref_layout(all_ids, E, W):
     return rows
 
 
-def ref_pack(x, ids, weights, rank, E, W, layout):
-    """(rows, meta, positions) in the send order: owner-major, then token order."""
+def ref_pack(x, ids, weights, rank, E, W, layout, scales=None):
+    """(rows, meta, positions) in the send order: owner-major, then token order; fp8 rows as their bytes, the
+    token's ``scales`` at the end of its metadata."""
     T, k = ids.shape
     c = ids.long().clamp(0, E - 1)
     bits = weights.contiguous().view(torch.int32)
@@ -53,10 +54,13 @@ def ref_pack(x, ids, weights, rank, E, W, layout):
                 positions[t, d] = len(rows)
                 rows.append(x[t])
                 dest = [layout[(rank, t, j)] if owner[j] == d else -1 for j in range(k)]
-                meta.append(torch.cat([torch.tensor([rank, t] + dest), bits[t].long()]))
+                extra = [] if scales is None else [scales[t].contiguous().view(torch.int32).long()]
+                meta.append(torch.cat([torch.tensor([rank, t] + dest), bits[t].long()] + extra))
     H = x.shape[1]
-    return (torch.stack(rows) if rows else x.new_empty(0, H),
-            torch.stack(meta).to(torch.int32) if meta else torch.empty(0, META_HEAD + 2 * k, dtype=torch.int32),
+    G = 0 if scales is None else scales.shape[1]
+    rows = torch.stack(rows) if rows else x.new_empty(0, H)
+    return (rows.view(torch.uint8) if rows.dtype == torch.float8_e4m3fn else rows,
+            torch.stack(meta).to(torch.int32) if meta else torch.empty(0, META_HEAD + 2 * k + G, dtype=torch.int32),
             positions)
 
 
@@ -67,7 +71,9 @@ def ref_expand(rows, meta, counts, k):
     U, R = rows.shape[0], int(counts.sum())
     dest = meta[:, META_HEAD:META_HEAD + k].long()
     slots = torch.where((dest >= 0) & (dest < R), dest, -1)
-    w = meta[:, META_HEAD + k:].contiguous().view(torch.float32)
+    w = meta[:, META_HEAD + k:META_HEAD + 2 * k].contiguous().view(torch.float32)
+    sc = meta[:, META_HEAD + 2 * k:].contiguous().view(torch.float32)
+    scales = torch.zeros(R, sc.shape[1])
     tokens = rows.new_zeros(R, rows.shape[1])
     source, token, weights = (torch.zeros(R, dtype=torch.int64) for _ in range(3))
     weights = torch.zeros(R)
@@ -76,11 +82,12 @@ def ref_expand(rows, meta, counts, k):
             p = int(slots[u, j])
             if p >= 0:
                 tokens[p], source[p], token[p], weights[p] = rows[u], meta[u, 0], meta[u, 1], w[u, j]
+                scales[p] = sc[u]
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
     filled = torch.zeros(R, dtype=torch.bool)
     filled[slots[slots >= 0]] = True
     return dict(tokens=tokens, counts=counts, offsets=offsets, source=source, token=token, weights=weights,
-                slots=slots, slot_weights=w), R, filled
+                slots=slots, slot_weights=w, scales=scales if sc.shape[1] else None), R, filled
 
 
 def _ids(T, k, E, kind, g):
@@ -106,6 +113,11 @@ def _strided(ids, x, weights):
     return (torch.stack([ids, ids], -1)[..., 0], wide[:, :x.shape[1]], weights.t().contiguous().t())
 
 
+def _fp8(x, g):
+    """fp8 e4m3 rows and per-token float32 scales [T, 3] (the values do not matter: they are moved, not read)."""
+    return x.to(torch.float8_e4m3fn), torch.rand(x.shape[0], 3, generator=g)
+
+
 def _kernels_match(gpu_tiles: bool):
     """Every case; ``gpu_tiles``: the GPUs' token block and column tile in the interpreter too."""
     from triton_overlap.kernels import ep_routing as kernels
@@ -129,7 +141,7 @@ def _cases_match():
     for W, rank, T, k, E, H, kind in CASES:
         el = E // W
         tokens = T if isinstance(T, tuple) else tuple(T + s % 2 * (T > 0) for s in range(W))
-        for dtype in (torch.int64, torch.int32):  # int32 ids in strided layouts
+        for dtype in (torch.int64, torch.int32):  # int32 ids: strided layouts, fp8 rows with scales
             all_ids = [_ids(tokens[s], k, E, kind, g).to(dtype) for s in range(W)]
             layout = ref_layout(all_ids, E, W)
             routes = [route_tokens(ids.to(dev), E, W) for ids in all_ids]
@@ -141,12 +153,16 @@ def _cases_match():
                 assert torch.equal(route.record.cpu().long(), want), case
                 x = torch.randn(ids.shape[0], H, generator=g).to(torch.bfloat16)
                 weights = torch.rand(ids.shape[0], k, generator=g)
+                scales = None
                 given = (ids, x, weights) if dtype == torch.int64 else _strided(ids, x, weights)
                 if dtype == torch.int32:
                     route = route_tokens(given[0].to(dev), E, W)
                     assert torch.equal(route.record, table[s]), case
-                sent = pack(given[1].to(dev), route, given[2].to(dev), s, table, int(want[3:3 + W].sum()))
-                r_rows, r_meta, r_pos = ref_pack(x, ids, weights, s, E, W, layout)
+                    x, scales = _fp8(x, g)
+                    given = (given[0], x, given[2])
+                sent = pack(given[1].to(dev), route, given[2].to(dev), s, table, int(want[3:3 + W].sum()),
+                            None if scales is None else scales.to(dev))
+                r_rows, r_meta, r_pos = ref_pack(x, ids, weights, s, E, W, layout, scales)
                 assert torch.equal(sent.rows.cpu(), r_rows), case
                 assert torch.equal(sent.meta.cpu(), r_meta), case
                 assert torch.equal(sent.positions.cpu(), r_pos), case
@@ -164,14 +180,20 @@ def _cases_match():
                 meta[-1, META_HEAD + k - 1] = 1 << 20
             want, R, filled = ref_expand(rows, meta, counts, k)
             assert R > 0 or sum(tokens) == 0, (W, rank, T, k, E)  # (the expansion compares something)
-            got = expand(rows.to(dev), meta.to(dev), R, offsets, k)
-            names = ("tokens", "counts", "offsets", "source", "token", "weights", "slots", "slot_weights")
+            fp8 = dtype == torch.int32
+            got = expand(rows.to(dev), meta.to(dev), R, offsets, k, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            assert got[0].dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            assert (got[8] is None) != fp8, "scales come back for fp8 rows only"
+            got = (got[0].view(torch.uint8) if fp8 else got[0],) + tuple(got[1:8]) + ((got[8],) if fp8 else ())
+            names = ("tokens", "counts", "offsets", "source", "token", "weights", "slots", "slot_weights", "scales")
             for name, value in zip(names, got):
                 assert value.device == dev, name
                 ref = want[name]
-                if name in ("tokens", "source", "token", "weights"):
+                if name in ("tokens", "source", "token", "weights", "scales"):
                     value, ref = value.cpu()[filled], ref[filled]
-                if value.dtype.is_floating_point:
+                if name == "tokens":  # (fp8 rows compared as their bytes)
+                    assert value.dtype == ref.dtype and torch.equal(value, ref), (name, W, rank, T, k, E)
+                elif value.dtype.is_floating_point:
                     assert value.dtype == ref.dtype and torch.equal(value.cpu(), ref), (name, W, rank, T, k, E)
                 else:
                     assert value.dtype == torch.int32 and torch.equal(value.cpu().long(), ref.long()), (name, W, T)

@@ -253,6 +253,43 @@ def test_ep_fallback_returns_the_same_tensors(pool):
     assert all(pool.run(_functional_and_fallback, case))
 
 
+def _fp8_dispatch(case):
+    """fp8 rows with per-token-group scales, on the overlap and on all_to_all_single: the received rows are the
+    senders' bytes and each row's scales come with it, in the layout of a 16-bit dispatch of the same routing."""
+    with to.Context(timeout_s=120) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        case = _at(case, W)
+        groups = -(-case.hidden // 128)
+        for fallback in ("never", "always"):
+            op = to.ExpertParallel(ctx, fallback=fallback)
+            for it in range(2):
+                x, ids, w = _inputs(case, W, r, it, dev)
+                scales = rand((x.shape[0], groups), torch.float32, dev, "scales", it, r)
+                _poison_buffers(op)
+                d = op.dispatch(x.to(torch.float8_e4m3fn), ids, w, num_experts=case.experts, scales=scales)
+                ctx.check()
+                assert op.last_path == ("fallback" if fallback == "always" else "overlap")
+                tokens, counts, offsets, source, token, weights = _expected(case, W, r, it, dev)
+                every = [rand((_tokens(case, s), groups), torch.float32, dev, "scales", it, s) for s in range(W)]
+                want = (torch.stack([every[s][t] for s, t in zip(source.tolist(), token.tolist())])
+                        if token.numel() else torch.empty(0, groups, device=dev))
+                assert d.tokens.dtype == torch.float8_e4m3fn
+                assert torch.equal(d.tokens.view(torch.uint8), tokens.to(torch.float8_e4m3fn).view(torch.uint8))
+                assert d.scales.dtype == torch.float32 and torch.equal(d.scales, want), f"rank {r}: scales"
+                assert torch.equal(d.counts.long(), counts) and torch.equal(d.offsets.long(), offsets)
+                assert torch.equal(d.source.long(), source) and torch.equal(d.token.long(), token)
+                assert torch.equal(d.weights, weights)
+        plain = op.dispatch(x, ids, w, num_experts=case.experts)  # 16-bit rows: no scales
+        assert plain.scales is None
+        return True
+
+
+def test_ep_fp8_dispatch_moves_rows_and_scales(pool):
+    case = (EPCase(tokens=9, hidden=40, experts=4 * pool.world, topk=3, empty=1) if pool.backend == "host"
+            else EPCase(tokens=300, hidden=2048, experts=8 * pool.world, topk=4, empty=1))
+    assert all(pool.run(_fp8_dispatch, case))
+
+
 def _interleaved(case, rounds):
     """Two dispatches in flight (a small one, then one that grows every receive buffer), combined in the other
     order; then ``rounds`` round trips whose token counts and routings change every call, with producer delays."""
@@ -313,7 +350,11 @@ def _bad_inputs():
             ("not divisible by the world size", lambda: op.dispatch(x, ids, w, num_experts=2 * W + 1)),
             ("positive int", lambda: op.dispatch(x, ids, w, num_experts=0)),
             ("x must be 2-D", lambda: op.dispatch(x[None], ids, w, num_experts=E)),
-            ("float16 or bfloat16", lambda: op.dispatch(x.float(), ids, w, num_experts=E)),
+            ("float16, bfloat16 or float8_e4m3fn", lambda: op.dispatch(x.float(), ids, w, num_experts=E)),
+            ("float8_e4m3fn x needs scales", lambda: op.dispatch(x.to(torch.float8_e4m3fn), ids, w, num_experts=E)),
+            (r"needs scales, float32 \[T_local, G\]",
+             lambda: op.dispatch(x.to(torch.float8_e4m3fn), ids, w, num_experts=E, scales=w[1:])),
+            ("scales are for float8_e4m3fn x", lambda: op.dispatch(x, ids, w, num_experts=E, scales=w)),
             ("int32 or int64", lambda: op.dispatch(x, ids.float(), w, num_experts=E)),
             (r"topk_ids must be \[T_local, topk\]", lambda: op.dispatch(x, ids[1:], w[1:], num_experts=E)),
             ("topk_weights must be float32", lambda: op.dispatch(x, ids, w.bfloat16(), num_experts=E)),

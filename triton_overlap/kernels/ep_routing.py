@@ -15,7 +15,8 @@ Rank ``d`` owns experts ``[d * EL, (d + 1) * EL)``. Tokens go in blocks of ``BT`
    this rank's own experts' offsets in its layout.
 4. ``ep_pack`` (a program per block and column tile): each (token, owner) row's place in the send order (owner-major,
    then token order), written as ``positions`` [T, W] (-1: not sent there), the row's metadata [rank, token, the
-   owner's layout row of each choice (-1: another owner's), the choices' weights as float32 bits] and the row.
+   owner's layout row of each choice (-1: another owner's), the choices' weights as float32 bits, for fp8 rows the
+   token's scales' bits] and the row (fp8 rows as their bytes).
 5. ``ep_expand`` (a program per block of received rows and column tile): each received row copied to the layout
    rows its metadata names, with what a combine reads back.
 
@@ -133,12 +134,13 @@ def ep_dest(table_ptr, dest_ptr, offsets_ptr, rank, E, EL, W, W_PAD: tl.constexp
 
 
 @triton.jit
-def ep_pack(x_ptr, ids_ptr, wbits_ptr, record_ptr, base_ptr, base_e_ptr, dest_ptr, rows_ptr, meta_ptr, pos_ptr, T, H,
-            E, EL, W, rank, stride_x, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr,
-            BLOCK_H: tl.constexpr):
+def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_ptr, dest_ptr, rows_ptr, meta_ptr,
+            pos_ptr, T, H, E, EL, W, rank, stride_x, G, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr,
+            W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr):
     """Grid (blocks, column tiles): row ``p`` of the send order for each (token, owner) of block b: the row's columns
     of this tile copied from x, and (column tile 0) ``positions[t, d] = p`` (-1: not sent there) and ``meta[p]`` =
-    [rank, t, each choice's row in the owner's layout (-1: another owner's), each choice's weight bits]. A pair's
+    [rank, t, each choice's row in the owner's layout (-1: another owner's), each choice's weight bits, then (G_PAD
+    > 0) the token's G scales' bits from ``sbits`` [T, G]]. A pair's
     layout row: ``dest[e]`` (ep_dest) + the block's first place among this rank's pairs of e (``base_e``) + the
     pairs of e before it in the block."""
     b = tl.program_id(0)
@@ -170,7 +172,11 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, record_ptr, base_ptr, base_e_ptr, dest_pt
         row_of = (tl.load(dest_ptr + c, mask=ok, other=0) + tl.load(base_e_ptr + b.to(tl.int64) * E + c, mask=ok,
                                                                       other=0) + within)
         wb = tl.load(wbits_ptr + t64[:, None] * K + j[None, :], mask=ok, other=0)
-        MW = 2 + 2 * K
+        MW = 2 + 2 * K + G
+        if G_PAD > 0:
+            gi = tl.arange(0, G_PAD)
+            gm = tok[:, None] & (gi < G)[None, :]
+            sb = tl.load(sbits_ptr + t64[:, None] * G + gi[None, :], mask=gm, other=0)
         for dd in range(0, W):
             p = tl.sum(tl.where(d[None, :] == dd, pos, 0), axis=1)
             has = tok & (p >= 0)
@@ -179,6 +185,8 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, record_ptr, base_ptr, base_e_ptr, dest_pt
             tl.store(m + 1, t, mask=has)
             tl.store(m[:, None] + 2 + j[None, :], tl.where(owner == dd, row_of, -1), mask=has[:, None] & ok)
             tl.store(m[:, None] + 2 + K + j[None, :], wb, mask=has[:, None] & ok)
+            if G_PAD > 0:
+                tl.store(m[:, None] + 2 + 2 * K + gi[None, :], sb, mask=has[:, None] & gm)
     cols = h0 + tl.arange(0, BLOCK_H)
     cm = cols < H
     xv = tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=tok[:, None] & cm[None, :])
@@ -190,12 +198,13 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, record_ptr, base_ptr, base_e_ptr, dest_pt
 
 
 @triton.jit
-def ep_expand(rows_ptr, meta_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr, slots_ptr, slot_w_ptr, U, R, H,
-              stride_rows, K: tl.constexpr, BU: tl.constexpr, BLOCK_H: tl.constexpr):
+def ep_expand(rows_ptr, meta_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr, slots_ptr, slot_w_ptr, scales_ptr,
+              U, R, H, stride_rows, G, K: tl.constexpr, BU: tl.constexpr, BLOCK_H: tl.constexpr,
+              G_PAD: tl.constexpr):
     """Grid (blocks of received rows, column tiles): received row u's columns of this tile to ``tokens[p]`` for each
     choice's layout row p in its metadata (rows outside [0, R): none, as where a wait gave up and the metadata is
     stale), and (column tile 0) ``source[p]``, ``token[p]``, ``weights[p]`` (bits), ``slots[u, j] = p`` (-1: none)
-    and ``slot_w[u, j]`` (bits)."""
+    and ``slot_w[u, j]`` (bits), and (G_PAD > 0) ``scales[p]`` [G] (bits) from the metadata's last G words."""
     u = tl.program_id(0) * BU + tl.arange(0, BU)
     h0 = tl.program_id(1) * BLOCK_H
     um = u < U
@@ -203,7 +212,7 @@ def ep_expand(rows_ptr, meta_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr
     cols = h0 + tl.arange(0, BLOCK_H)
     cm = cols < H
     v = tl.load(rows_ptr + u64[:, None] * stride_rows + cols[None, :], mask=um[:, None] & cm[None, :])
-    MW = 2 + 2 * K
+    MW = 2 + 2 * K + G
     m = meta_ptr + u64 * MW
     for j in tl.static_range(K):
         p = tl.load(m + 2 + j, mask=um, other=-1)
@@ -217,6 +226,11 @@ def ep_expand(rows_ptr, meta_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr
             tl.store(weights_ptr + at, w, mask=ok)
             tl.store(slots_ptr + u64 * K + j, tl.where(ok, p, -1), mask=um)
             tl.store(slot_w_ptr + u64 * K + j, w, mask=um)
+            if G_PAD > 0:  # (loaded per choice: a tile kept across the choices spills)
+                gi = tl.arange(0, G_PAD)
+                gm = ok[:, None] & (gi < G)[None, :]
+                sb = tl.load(m[:, None] + 2 + 2 * K + gi[None, :], mask=gm, other=0)
+                tl.store(scales_ptr + at[:, None] * G + gi[None, :], sb, mask=gm)
 
 
 def _pow2(n: int) -> int:
@@ -253,10 +267,11 @@ def launch_count(ids, part, hist, base_e, totals, groups, record, base, T: int, 
            num_warps=4)
 
 
-def launch_pack(x, ids, wbits, record, base, base_e, table, dest, offsets, rows, meta, positions, E: int, W: int,
-                rank: int) -> None:
+def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets, rows, meta, positions, E: int,
+                W: int, rank: int) -> None:
     """ep_dest then ep_pack on the current stream (after launch_count of the same ids; ``table`` int32 [W, 3 + W +
-    E] every rank's record): ``dest`` int32 [E], ``offsets`` int32 [E / W + 1] this rank's experts' offsets."""
+    E] every rank's record): ``dest`` int32 [E], ``offsets`` int32 [E / W + 1] this rank's experts' offsets;
+    ``sbits`` int32 [T, G] the scales' bits to carry in the metadata, or None."""
     T, H = x.shape
     K = ids.shape[1]
     bt, bh = tiles()
@@ -265,20 +280,25 @@ def launch_pack(x, ids, wbits, record, base, base_e, table, dest, offsets, rows,
            dict(W_PAD=_pow2(W), E_PAD=e_pad, E_CHUNK=min(e_pad, 32)), num_warps=4)
     if T == 0:
         return
+    G = 0 if sbits is None else sbits.shape[1]
     launch(ep_pack, (-(-T // bt), -(-H // bh)),
-           (x, ids, wbits, record, base, base_e, dest, rows, meta, positions, T, H, E, E // W, W, rank, x.stride(0)),
-           dict(K=K, K_PAD=_pow2(K), BT=bt, W_PAD=_pow2(W), BLOCK_H=bh), num_warps=4)
+           (x, ids, wbits, wbits if sbits is None else sbits, record, base, base_e, dest, rows, meta, positions, T, H, E,
+            E // W, W, rank, x.stride(0), G),
+           dict(K=K, K_PAD=_pow2(K), BT=bt, W_PAD=_pow2(W), BLOCK_H=bh, G_PAD=_pow2(G) if G else 0), num_warps=4)
 
 
-def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, K: int) -> None:
-    """ep_expand on the current stream: ``rows`` [U, H] (unit column stride) into ``tokens`` [R, H]."""
+def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, sbits, K: int) -> None:
+    """ep_expand on the current stream: ``rows`` [U, H] (unit column stride) into ``tokens`` [R, H]; ``sbits`` int32
+    [R, G] the scales' bits out of the metadata, or None."""
     U, H = rows.shape
     if U == 0:
         return
     bu, bh = tiles()
-    launch(ep_expand, (-(-U // bu), -(-H // bh)), (rows, meta, tokens, source, token, wbits, slots, slot_wbits, U,
-                                                    tokens.shape[0], H, rows.stride(0)),
-           dict(K=K, BU=bu, BLOCK_H=bh), num_warps=4)
+    G = 0 if sbits is None else sbits.shape[1]
+    launch(ep_expand, (-(-U // bu), -(-H // bh)), (rows, meta, tokens, source, token, wbits, slots, slot_wbits,
+                                                    wbits if sbits is None else sbits, U, tokens.shape[0], H,
+                                                    rows.stride(0), G),
+           dict(K=K, BU=bu, BLOCK_H=bh, G_PAD=_pow2(G) if G else 0), num_warps=4)
 
 
 __all__ = ["GPU_TILES", "backend_tiles", "ep_count", "ep_dest", "ep_expand", "ep_pack", "ep_record", "launch_count",

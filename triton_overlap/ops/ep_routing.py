@@ -12,7 +12,7 @@ import torch
 from ..kernels.ep_routing import launch_count, launch_expand, launch_pack, tiles
 from ..kernels.row_sums import launch_gather_rows_sum
 from ..plan import cdiv
-from .checks import DTYPES
+from .checks import DTYPES, FP8
 from .moe_routing import INDEX_DTYPES
 
 #: a record's leading words: T_local, the smallest id, the largest id (then unique tokens per owner, pairs per expert)
@@ -91,7 +91,8 @@ class EPHandle:
     that each received token's choice j became (-1: that choice is another rank's) and ``slot_weights`` float32
     [U, topk] its weight; ``positions`` int32 [T_local, W], the row of this rank's send order (owner-major, then
     token order) that token t took for owner d (-1: not sent there). ``seq`` numbers the dispatch on its op (the
-    same on every rank)."""
+    same on every rank). ``scales`` float32 [R, G]: for fp8 rows, each row's scales as its sender passed them
+    (None for 16-bit rows)."""
 
     tokens: torch.Tensor
     counts: torch.Tensor
@@ -108,6 +109,7 @@ class EPHandle:
     rank: int
     num_tokens: int
     seq: int
+    scales: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -149,7 +151,7 @@ def capacity(rows: int) -> int:
     return cdiv(max(rows, 64), step) * step
 
 
-def check_dispatch(ctx, x, topk_ids, topk_weights, num_experts) -> None:
+def check_dispatch(ctx, x, topk_ids, topk_weights, num_experts, scales=None) -> None:
     """ValueError, before anything is launched, for what needs no communication."""
     op, W = "ep_dispatch", ctx.world_size
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
@@ -164,8 +166,17 @@ def check_dispatch(ctx, x, topk_ids, topk_weights, num_experts) -> None:
             raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(t.shape)}")
         if t.device != ctx.device:
             raise ValueError(f"{op}: {name} is on {t.device}, the Context is on {ctx.device}")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"{op}: x must be float16 or bfloat16, got {x.dtype}")
+    if x.dtype not in DTYPES + (FP8,):
+        raise ValueError(f"{op}: x must be float16, bfloat16 or float8_e4m3fn, got {x.dtype}")
+    if x.dtype == FP8:
+        if (not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.dim() != 2
+                or scales.shape[0] != x.shape[0] or scales.shape[1] < 1 or scales.device != ctx.device):
+            got = (f"{scales.dtype} {tuple(scales.shape)} on {scales.device}" if isinstance(scales, torch.Tensor)
+                   else type(scales).__name__)
+            raise ValueError(f"{op}: float8_e4m3fn x needs scales, float32 [T_local, G] = [{x.shape[0]}, G >= 1] on "
+                             f"{ctx.device} (per-token groups, e.g. G = H / 128), got {got}")
+    elif scales is not None:
+        raise ValueError(f"{op}: scales are for float8_e4m3fn x, got x of {x.dtype}")
     if x.shape[1] == 0:
         raise ValueError(f"{op}: x must have a hidden size of at least 1, got shape {tuple(x.shape)}")
     if topk_ids.dtype not in INDEX_DTYPES:
@@ -233,37 +244,43 @@ def route_tokens(topk_ids: torch.Tensor, num_experts: int, world: int) -> Route:
     return Route(record, ids, base, base_e)
 
 
-def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int) -> Sent:
+def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scales=None) -> Sent:
     """This rank's ``S`` unique (token, owner) rows, owner-major and in token order within an owner, and their
     metadata: [this rank, token, each choice's row in the owner's expert-sorted layout (-1: another owner's), each
-    choice's weight (float32 bits)] (kernels.ep_routing.ep_pack); ``table`` int32 [W, record] every rank's record on
-    the device."""
+    choice's weight (float32 bits), then the token's ``scales`` (float32 bits) where given] (kernels.ep_routing.
+    ep_pack); ``table`` int32 [W, record] every rank's record on the device. fp8 rows travel as their bytes."""
     T, k = route.ids.shape
     W, E = route.base.shape[1], route.base_e.shape[1]
     dev = x.device
+    G = 0 if scales is None else scales.shape[1]
+    x = x.view(torch.uint8) if x.dtype == FP8 else x
     rows = torch.empty((S, x.shape[1]), dtype=x.dtype, device=dev)
-    meta = torch.empty((S, META_HEAD + 2 * k), dtype=torch.int32, device=dev)
+    meta = torch.empty((S, META_HEAD + 2 * k + G), dtype=torch.int32, device=dev)
     positions = torch.empty((T, W), dtype=torch.int32, device=dev)
     dest = torch.empty(E + E // W + 1, dtype=torch.int32, device=dev)
     offsets = dest[E:]
-    launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32),
+    sbits = None if scales is None else scales.contiguous().view(torch.int32)
+    launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32), sbits,
                 route.record, route.base, route.base_e, table, dest[:E], offsets, rows, meta, positions, E, W, rank)
     return Sent(rows, meta, positions, offsets)
 
 
-def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, offsets: torch.Tensor, k: int) -> tuple:
+def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, offsets: torch.Tensor, k: int, dtype) -> tuple:
     """The received unique rows ``rows`` [U, H] (sources in rank order, each in token order) and their ``meta``,
     expanded to the ``R`` (row, choice) pairs of this rank's experts in its expert-sorted layout, each copied to the
     row its metadata names (kernels.ep_routing.ep_expand): (tokens, counts, offsets, source, token, weights, slots,
-    slot_weights) (EPHandle); ``offsets`` [E/W + 1] from pack."""
+    slot_weights, scales) (EPHandle); ``offsets`` [E/W + 1] from pack; ``dtype`` the rows' (fp8: ``rows`` holds
+    their bytes, and the metadata's columns past the weights are each row's scales)."""
     dev, U = rows.device, rows.shape[0]
+    G = meta.shape[1] - META_HEAD - 2 * k
     tokens = torch.empty((R, rows.shape[1]), dtype=rows.dtype, device=dev)
-    small = torch.empty(3 * R + 2 * U * k, dtype=torch.int32, device=dev)
-    source, token, weights, slots, slot_weights = torch.split(small, (R, R, R, U * k, U * k))
-    launch_expand(rows, meta, tokens, source, token, weights, slots, slot_weights, k)
+    small = torch.empty(3 * R + 2 * U * k + R * G, dtype=torch.int32, device=dev)
+    source, token, weights, slots, slot_weights, scales = torch.split(small, (R, R, R, U * k, U * k, R * G))
+    launch_expand(rows, meta, tokens, source, token, weights, slots, slot_weights, scales.view(R, G) if G else None,
+                  k)
     counts = offsets[1:] - offsets[:-1]
-    return (tokens, counts, offsets, source, token, weights.view(torch.float32), slots.view(U, k),
-            slot_weights.view(torch.float32).view(U, k))
+    return (tokens.view(dtype), counts, offsets, source, token, weights.view(torch.float32), slots.view(U, k),
+            slot_weights.view(torch.float32).view(U, k), scales.view(torch.float32).view(R, G) if G else None)
 
 
 def owner_partials(ctx, y: torch.Tensor, d: EPHandle) -> torch.Tensor:

@@ -67,8 +67,8 @@ from ..kernels.arrivals import launch_wait_sources
 from ..producers import pipeline
 from ..producers.exchange import AllToAll, deal
 from .base import OverlapOp, agree_across_ranks
-from .ep_routing import (META_HEAD, EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand,
-                         owner_partials, pack, route_tokens, sum_partials)
+from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand, owner_partials,
+                         pack, route_tokens, sum_partials)
 
 
 @dataclass(frozen=True)
@@ -91,13 +91,15 @@ class ExchangeSchedule:
 class ExpertParallel(OverlapOp):
     """Expert-parallel dispatch and combine bound to a Context (normal mode; the module's docstring has the plan).
 
-    ``op.dispatch(x, topk_ids, topk_weights, *, num_experts)``: ``x`` [T_local, H] this rank's tokens (float16 or
-    bfloat16; T_local may differ between ranks and may be 0), ``topk_ids`` [T_local, topk] int32 or int64 in [0, E),
-    ``topk_weights`` [T_local, topk] float32. Returns an EPHandle. ``op.combine(y, d, *, out=None)``: ``y`` [R, N]
-    (float16 or bfloat16) the experts' outputs in ``d.tokens``' order; returns [T_local, N] in y's dtype.
+    ``op.dispatch(x, topk_ids, topk_weights, *, num_experts, scales=None)``: ``x`` [T_local, H] this rank's tokens
+    (float16, bfloat16, or float8_e4m3fn with ``scales`` float32 [T_local, G], per-token groups such as G = H / 128,
+    which travel with their rows into ``d.scales``; T_local may differ between ranks and may be 0), ``topk_ids``
+    [T_local, topk] int32 or int64 in [0, E), ``topk_weights`` [T_local, topk] float32. Returns an EPHandle.
+    ``op.combine(y, d, *, out=None)``: ``y`` [R, N] (float16 or bfloat16) the experts' outputs in ``d.tokens``'
+    order; returns [T_local, N] in y's dtype.
 
     Checked before anything is launched (ValueError, the Context stays usable): E divisible by W, shapes, dtypes,
-    devices, and the ranks' agreement on H, dtype, E and topk (combine: on N and dtype). Ids out of range raise
+    devices, and the ranks' agreement on H, dtype, E, topk and G (combine: on N and dtype). Ids out of range raise
     ValueError on every rank once the counts are in (module docstring, step 2), before any row moves.
 
     ``fallback``: "auto" (torch.distributed.all_to_all_single where W = 1 or the group spans hosts), "never",
@@ -121,34 +123,35 @@ class ExpertParallel(OverlapOp):
     # ------------------------------------------------------------------------------------------------ dispatch
     @torch.no_grad()
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                 num_experts: int) -> EPHandle:
+                 num_experts: int, scales: torch.Tensor | None = None) -> EPHandle:
         ctx = self.ctx
         ctx.ensure_usable()
-        check_dispatch(ctx, x, topk_ids, topk_weights, num_experts)
+        check_dispatch(ctx, x, topk_ids, topk_weights, num_experts, scales)
         W, r, k = ctx.world_size, ctx.rank, topk_ids.shape[1]
-        self._agree("ep_dispatch", ("dispatch", x.shape[1], str(x.dtype), num_experts, k))
+        G = 0 if scales is None else scales.shape[1]
+        self._agree("ep_dispatch", ("dispatch", x.shape[1], str(x.dtype), num_experts, k, G))
         route = route_tokens(topk_ids, num_experts, W)
         fallback = self._use_fallback()
         self.last_path = "fallback" if fallback else "overlap"
-        sched = None if fallback else self.schedule("dispatch", x.shape[1], x.dtype, num_experts, k)
+        sched = None if fallback else self.schedule("dispatch", x.shape[1], x.dtype, num_experts, (k, G))
         table, counts = self._counts_fallback(route.record) if fallback else self._counts(route.record, sched)
         traffic = Traffic.read(table, W, num_experts)
         bad = traffic.out_of_range()
         if bad:
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
                              + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
-        sent = pack(x, route, topk_weights, r, counts, sum(traffic.rows[r]))
+        sent = pack(x, route, topk_weights, r, counts, sum(traffic.rows[r]), scales)
         if fallback:
             rows, meta = self._rows_fallback(sent, traffic)
-            expanded = expand(rows, meta, traffic.expanded(r), sent.offsets, k)
+            expanded = expand(rows, meta, traffic.expanded(r), sent.offsets, k, x.dtype)
         else:
-            expanded = self._rows(sent, traffic, sched, x.shape[1], x.dtype, k)
+            expanded = self._rows(sent, traffic, sched, x.dtype, k)
         seq = self.state.get("dispatches", 0)
         self.state["dispatches"] = seq + 1
-        tokens, counts, offsets, source, token, weights, slots, slot_weights = expanded
+        tokens, counts, offsets, source, token, weights, slots, slot_weights, row_scales = expanded
         return EPHandle(tokens, counts, offsets, source, token, weights, received=traffic.received(r),
                         sent=traffic.rows[r], traffic=traffic, slots=slots, slot_weights=slot_weights,
-                        positions=sent.positions, rank=r, num_tokens=x.shape[0], seq=seq)
+                        positions=sent.positions, rank=r, num_tokens=x.shape[0], seq=seq, scales=row_scales)
 
     def _counts(self, record: torch.Tensor, sched: ExchangeSchedule) -> tuple:
         """Step 2: every rank's record into every rank's counts table, behind the call's barrier; the table read
@@ -169,13 +172,13 @@ class ExpertParallel(OverlapOp):
         ctx.check()  # a wait that gave up left the table as it was: never read past a fault
         return got, table.local
 
-    def _rows(self, sent: Sent, traffic: Traffic, sched: ExchangeSchedule, H: int, dtype, k: int) -> tuple:
+    def _rows(self, sent: Sent, traffic: Traffic, sched: ExchangeSchedule, dtype, k: int) -> tuple:
         """Steps 3 and 4: each owner's block into its receive buffers with this rank's flag there (no barrier: the
         call's opened with the counts), then, once every source's flag is up, the received rows in expert order."""
         ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
         most = traffic.most_received()
-        rows = self._receive("rows", most, H, dtype)
-        meta = self._receive("meta", most, META_HEAD + 2 * k, torch.int32)
+        rows = self._receive("rows", most, sent.rows.shape[1], sent.rows.dtype)  # (fp8 rows: their bytes)
+        meta = self._receive("meta", most, sent.meta.shape[1], torch.int32)
         flags = ctx.symmetric(f"{self.name}.row_flags", (W,), torch.int32)
         self.state["buffers"].update(rows=rows.local, meta=meta.local)
         blocks = {}
@@ -194,7 +197,7 @@ class ExpertParallel(OverlapOp):
                 rows.local[b:b + n].copy_(sent.rows[a:a + n])
                 meta.local[b:b + n].copy_(sent.meta[a:a + n])
             launch_wait_sources(ctx, flags.local, self.wait_ops["rows"])
-            made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), sent.offsets, k)
+            made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), sent.offsets, k, dtype)
 
         pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags), consumer)
         return made["expanded"]
@@ -264,10 +267,10 @@ class ExpertParallel(OverlapOp):
         pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call), consumer)
 
     # ------------------------------------------------------------------------------------- plan and buffers
-    def schedule(self, kind: str, width: int, dtype, num_experts: int, extra: int) -> ExchangeSchedule:
+    def schedule(self, kind: str, width: int, dtype, num_experts: int, extra) -> ExchangeSchedule:
         """The copy streams and the header of a ``kind`` ("dispatch" or "combine") call, made once per shape:
-        ``width`` (H, or the combine's N), ``dtype``, E and ``extra`` (the dispatch's topk; the combine's dispatch
-        number mod 64)."""
+        ``width`` (H, or the combine's N), ``dtype``, E and ``extra`` (the dispatch's topk and number of scales;
+        the combine's dispatch number mod 64)."""
         key = (kind, width, dtype, num_experts, extra, self.cfg)
         found = self.state.setdefault("schedules", {}).get(key)
         if found is None:
@@ -300,9 +303,9 @@ class ExpertParallel(OverlapOp):
 
 
 def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int,
-                ctx) -> EPHandle:
+                ctx, scales: torch.Tensor | None = None) -> EPHandle:
     """Functional form of ExpertParallel.dispatch: one op per Context, kept by the Context."""
-    return ExpertParallel.shared(ctx).dispatch(x, topk_ids, topk_weights, num_experts=num_experts)
+    return ExpertParallel.shared(ctx).dispatch(x, topk_ids, topk_weights, num_experts=num_experts, scales=scales)
 
 
 def ep_combine(y: torch.Tensor, d: EPHandle, *, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
