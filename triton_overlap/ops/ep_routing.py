@@ -17,7 +17,7 @@ from .moe_routing import INDEX_DTYPES
 
 #: a record's leading words: T_local, the smallest id, the largest id (then unique tokens per owner, pairs per expert)
 HEAD = 3
-#: a received row's metadata before its k local experts and k weights: source rank, source token
+#: a received row's metadata before its k layout rows, k weights and G scales: source rank, source token
 META_HEAD = 2
 
 
@@ -134,9 +134,9 @@ class Route:
 
 @dataclass(frozen=True, eq=False)
 class Sent:
-    """This rank's packed rows (owner-major, token order), their metadata int32 [S, 2 + 2k], each token's position in
-    them per owner (int32 [T, W], -1: not sent there) and ``offsets`` int32 [E/W + 1]: this rank's experts' first
-    rows in its own expert-sorted layout (kernels.ep_routing.ep_dest)."""
+    """This rank's packed rows (owner-major, token order), their metadata int32 [S, 2 + 2k + G] (pack), each token's
+    position in them per owner (int32 [T, W], -1: not sent there) and ``offsets`` int32 [E/W + 1]: this rank's
+    experts' first rows in its own expert-sorted layout (kernels.ep_routing.ep_dest)."""
 
     rows: torch.Tensor
     meta: torch.Tensor

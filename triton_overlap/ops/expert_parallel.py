@@ -134,13 +134,13 @@ class ExpertParallel(OverlapOp):
         fallback = self._use_fallback()
         self.last_path = "fallback" if fallback else "overlap"
         sched = None if fallback else self.schedule("dispatch", x.shape[1], x.dtype, num_experts, (k, G))
-        table, counts = self._counts_fallback(route.record) if fallback else self._counts(route.record, sched)
+        table, table_dev = self._counts_fallback(route.record) if fallback else self._counts(route.record, sched)
         traffic = Traffic.read(table, W, num_experts)
         bad = traffic.out_of_range()
         if bad:
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
                              + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
-        sent = pack(x, route, topk_weights, r, counts, sum(traffic.rows[r]), scales)
+        sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales)
         if fallback:
             rows, meta = self._rows_fallback(sent, traffic)
             expanded = expand(rows, meta, traffic.expanded(r), sent.offsets, k, x.dtype)
