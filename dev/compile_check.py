@@ -430,7 +430,7 @@ def compile_ep_routing(target) -> int:
         kp = 1 << (K - 1).bit_length()
         kernels = [(r.ep_count, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, E_CHUNK=min(e_pad, 64))),
                    (scan_counts, dict(E_TILE=min(e_pad, 32), SCAN_B=64)),
-                   (r.ep_record, dict(W_PAD=w_pad, E_PAD=e_pad, SCAN_B=32)),
+                   (r.ep_record, dict(W_PAD=w_pad, SCAN_B=32)),
                    (r.ep_dest, dict(W_PAD=w_pad, E_PAD=e_pad, E_CHUNK=min(e_pad, 32))),
                    (r.ep_pack, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh, G_PAD=0)),
                    (r.ep_expand, dict(K=K, BU=bt, BLOCK_H=bh, G_PAD=0)),

@@ -8,8 +8,9 @@ Rank ``d`` owns experts ``[d * EL, (d + 1) * EL)``. Tokens go in blocks of ``BT`
 1. ``ep_count`` (a program per block): the block's smallest and largest id, its tokens per owner (a token counts
    once per owner, however many of its choices the owner has) and its pairs per expert (ids clamped into [0, E));
    then kernels.routing's ``scan_counts`` gives each block's first place among this rank's pairs of each expert.
-2. ``ep_record`` (one program): the record (T, smallest id, largest id, tokens per owner, pairs per expert: what the
-   ranks exchange) and, per block and owner, the owner's tokens in the blocks before it.
+2. ``ep_record`` (one program): the record (T, smallest id, largest id, tokens per owner, then the pairs per expert
+   that scan_counts wrote as its totals: what the ranks exchange) and, per block and owner, the owner's tokens in
+   the blocks before it.
 3. ``ep_dest`` (one program, once every rank's record is in the counts table): where this rank's pairs of expert e
    start in its owner's layout (the owner's experts before e, then e's pairs from the ranks before this one), and
    this rank's own experts' offsets in its layout.
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .cached_launch import launch, triton_interprets
-from .routing import scan_counts
+from .routing import pow2, scan_counts
 
 INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
 
@@ -80,13 +81,12 @@ def ep_count(ids_ptr, part_ptr, hist_ptr, T, E, EL, W, K: tl.constexpr, K_PAD: t
 
 
 @triton.jit
-def ep_record(part_ptr, totals_ptr, record_ptr, base_ptr, NB, T, E, W, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
-              SCAN_B: tl.constexpr):
-    """Grid (1,): ``record`` = [T, smallest id, largest id (0, 0 without tokens), tokens per owner (W), pairs per
-    expert (E, from ``totals``)] over the blocks, and ``base[b, d]``: owner d's tokens in the blocks before b."""
+def ep_record(part_ptr, record_ptr, base_ptr, NB, T, W, W_PAD: tl.constexpr, SCAN_B: tl.constexpr):
+    """Grid (1,): ``record``'s first 3 + W words = [T, smallest id, largest id (0, 0 without tokens), tokens per
+    owner (W)] over the blocks (scan_counts writes the pairs per expert after them), and ``base[b, d]``: owner d's
+    tokens in the blocks before b."""
     width = 2 + W
     d = tl.arange(0, W_PAD)
-    e = tl.arange(0, E_PAD)
     hits = tl.zeros((W_PAD,), dtype=tl.int32)
     lo = tl.full((SCAN_B,), INT32_MAX, tl.int32)
     hi = tl.full((SCAN_B,), -INT32_MAX - 1, tl.int32)
@@ -104,7 +104,6 @@ def ep_record(part_ptr, totals_ptr, record_ptr, base_ptr, NB, T, E, W, W_PAD: tl
     tl.store(record_ptr + 1, tl.where(T > 0, tl.min(lo, axis=0), 0))
     tl.store(record_ptr + 2, tl.where(T > 0, tl.max(hi, axis=0), 0))
     tl.store(record_ptr + 3 + d, hits, mask=d < W)
-    tl.store(record_ptr + 3 + W + e, tl.load(totals_ptr + e, mask=e < E, other=0), mask=e < E)
 
 
 @triton.jit
@@ -233,10 +232,6 @@ def ep_expand(rows_ptr, meta_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr
                 tl.store(scales_ptr + at[:, None] * G + gi[None, :], sb, mask=gm)
 
 
-def _pow2(n: int) -> int:
-    return 1 << (max(int(n), 1) - 1).bit_length()
-
-
 #: (tokens a block, columns a tile) on GPUs
 GPU_TILES = (16, 512)
 
@@ -249,22 +244,21 @@ def backend_tiles() -> tuple[int, int]:
 tiles = backend_tiles
 
 
-def launch_count(ids, part, hist, base_e, totals, groups, record, base, T: int, E: int, W: int) -> None:
-    """ep_count, scan_counts and ep_record on the current stream: ``ids`` [T, K] int32/int64 contiguous; int32
-    ``part`` [NB, 2 + W], ``hist`` and ``base_e`` [NB, E], ``totals`` [E], ``groups`` [[0, NB, 0]], ``record``
-    [3 + W + E], ``base`` [NB, W] (NB: blocks of tiles()[0] tokens)."""
+def launch_count(ids, part, hist, base_e, groups, record, base, T: int, E: int, W: int) -> None:
+    """ep_count, scan_counts (its totals: the record's pairs per expert) and ep_record on the current stream:
+    ``ids`` [T, K] int32/int64 contiguous; int32 ``part`` [NB, 2 + W], ``hist`` and ``base_e`` [NB, E], ``groups``
+    [[0, NB, 0]], ``record`` [3 + W + E] contiguous, ``base`` [NB, W] (NB: blocks of tiles()[0] tokens)."""
     K = ids.shape[1]
     bt = tiles()[0]
     nb = part.shape[0]
-    w_pad, e_pad = _pow2(W), _pow2(E)
+    w_pad, e_pad = pow2(W), pow2(E)
     if nb:
         launch(ep_count, (nb,), (ids, part, hist, T, E, E // W, W),
-               dict(K=K, K_PAD=_pow2(K), BT=bt, W_PAD=w_pad, E_CHUNK=min(e_pad, 64)), num_warps=4)
+               dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=w_pad, E_CHUNK=min(e_pad, 64)), num_warps=4)
     e_tile = min(e_pad, 32)
-    launch(scan_counts, (1, -(-E // e_tile)), (hist, groups, base_e, totals, E), dict(E_TILE=e_tile, SCAN_B=64),
-           num_warps=4)
-    launch(ep_record, (1,), (part, totals, record, base, nb, T, E, W), dict(W_PAD=w_pad, E_PAD=e_pad, SCAN_B=32),
-           num_warps=4)
+    launch(scan_counts, (1, -(-E // e_tile)), (hist, groups, base_e, record[3 + W:], E),
+           dict(E_TILE=e_tile, SCAN_B=64), num_warps=4)
+    launch(ep_record, (1,), (part, record, base, nb, T, W), dict(W_PAD=w_pad, SCAN_B=32), num_warps=4)
 
 
 def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets, rows, meta, positions, E: int,
@@ -275,16 +269,16 @@ def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets
     T, H = x.shape
     K = ids.shape[1]
     bt, bh = tiles()
-    e_pad = _pow2(E)
+    e_pad = pow2(E)
     launch(ep_dest, (1,), (table, dest, offsets, rank, E, E // W, W),
-           dict(W_PAD=_pow2(W), E_PAD=e_pad, E_CHUNK=min(e_pad, 32)), num_warps=4)
+           dict(W_PAD=pow2(W), E_PAD=e_pad, E_CHUNK=min(e_pad, 32)), num_warps=4)
     if T == 0:
         return
     G = 0 if sbits is None else sbits.shape[1]
     launch(ep_pack, (-(-T // bt), -(-H // bh)),
            (x, ids, wbits, wbits if sbits is None else sbits, record, base, base_e, dest, rows, meta, positions, T, H, E,
             E // W, W, rank, x.stride(0), G),
-           dict(K=K, K_PAD=_pow2(K), BT=bt, W_PAD=_pow2(W), BLOCK_H=bh, G_PAD=_pow2(G) if G else 0), num_warps=4)
+           dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=pow2(W), BLOCK_H=bh, G_PAD=pow2(G) if G else 0), num_warps=4)
 
 
 def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, sbits, K: int) -> None:
@@ -298,7 +292,7 @@ def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, s
     launch(ep_expand, (-(-U // bu), -(-H // bh)), (rows, meta, tokens, source, token, wbits, slots, slot_wbits,
                                                     wbits if sbits is None else sbits, U, tokens.shape[0], H,
                                                     rows.stride(0), G),
-           dict(K=K, BU=bu, BLOCK_H=bh, G_PAD=_pow2(G) if G else 0), num_warps=4)
+           dict(K=K, BU=bu, BLOCK_H=bh, G_PAD=pow2(G) if G else 0), num_warps=4)
 
 
 __all__ = ["GPU_TILES", "backend_tiles", "ep_count", "ep_dest", "ep_expand", "ep_pack", "ep_record", "launch_count",

@@ -176,7 +176,7 @@ def order_tiles(tiles_ptr, need_ptr, tag_hist_ptr, table_ptr, SLOTS, BS: tl.cons
         tl.store(table_ptr + to + c, tl.load(tiles_ptr + at * 3 + c, mask=ok), mask=ok)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     """The least power of two >= n (>= 1), in plain Python (triton's helpers are slower from the host)."""
     return 1 << (max(int(n), 1) - 1).bit_length()
 
@@ -212,10 +212,10 @@ def sort_segments(ids, blocks: torch.Tensor, groups: torch.Tensor, num_experts: 
     ``totals`` [G, E], ``offsets`` [G, E + 1], ``table`` [G * slots, 3]."""
     E, pairs, dev = num_experts, ids.numel(), ids.device
     nblk, G = blocks.shape[0], groups.shape[0]
-    e_pad = _pow2(E)
+    e_pad = pow2(E)
     bs = max(16, min(128, 8192 // e_pad))
     nsb = -(-slots // bs)
-    tag_pad = _pow2((by_tag or 0) + 1)
+    tag_pad = pow2((by_tag or 0) + 1)
     sizes = {"src": pairs, "tag": pairs, "dst": pairs if dst else 0, "totals": G * E, "table": G * slots * 3}
     if by_tag is not None:
         sizes.update(tiles=G * slots * 3, need=G * slots, tag_hist=G * nsb * tag_pad)
@@ -251,11 +251,11 @@ def sort_segments(ids, blocks: torch.Tensor, groups: torch.Tensor, num_experts: 
                dict(BLOCK_M=block_m, E_PAD=e_pad, BS=bs, BY_TAG=by_tag is not None, TAG_PAD=tag_pad), num_warps=4)
         if by_tag is not None:
             launch(order_tiles, (G, nsb), (tiles, need, tag_hist, out["table"], slots),
-                   dict(BS=bs, TAG_PAD=tag_pad, NB_PAD=_pow2(nsb)), num_warps=4)
+                   dict(BS=bs, TAG_PAD=tag_pad, NB_PAD=pow2(nsb)), num_warps=4)
     for k in ("tiles", "need", "tag_hist"):
         out.pop(k, None)
     return out
 
 
 __all__ = ["block_size", "count_experts", "cut_blocks", "cut_tiles", "expert_offsets", "order_tiles", "place_pairs",
-           "scan_counts", "sort_segments"]
+           "pow2", "scan_counts", "sort_segments"]

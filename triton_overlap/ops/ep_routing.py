@@ -236,11 +236,11 @@ def route_tokens(topk_ids: torch.Tensor, num_experts: int, world: int) -> Route:
     dev = ids.device
     E = num_experts
     nb = cdiv(T, tiles()[0])
-    sizes = (nb * (2 + world), nb * E, nb * E, E, HEAD + world + E, nb * world)
+    sizes = (nb * (2 + world), nb * E, nb * E, HEAD + world + E, nb * world)
     scratch = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
-    part, hist, base_e, totals, record, base = torch.split(scratch, sizes)
+    part, hist, base_e, record, base = torch.split(scratch, sizes)
     part, hist, base_e, base = part.view(nb, 2 + world), hist.view(nb, E), base_e.view(nb, E), base.view(nb, world)
-    launch_count(ids, part, hist, base_e, totals, one_group(nb, dev), record, base, T, E, world)
+    launch_count(ids, part, hist, base_e, one_group(nb, dev), record, base, T, E, world)
     return Route(record, ids, base, base_e)
 
 
