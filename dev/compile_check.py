@@ -450,6 +450,40 @@ def compile_ep_routing(target) -> int:
     return failed
 
 
+def compile_ep_low_latency(target) -> int:
+    """kernels.ep_low_latency as ops.ep_low_latency launches them on GPUs: bf16 rows and fp8 rows (as bytes) with
+    56 scales, top-1 and 8, 1, 2 and 8 ranks, 4 and 256 experts; arguments not known divisible and known divisible
+    by 16 (but the waiter's)."""
+    from triton_overlap.kernels import ep_low_latency as ll
+    from triton_overlap.kernels.ep_routing import GPU_TILES
+
+    failed = 0
+    bt, bh = GPU_TILES
+    for K, w_pad, e, fp8, div in itertools.product((1, 8), (1, 2, 8), (4, 256), (False, True), (False, True)):
+        if e < w_pad:
+            continue
+        kp, el_pad = 1 << (K - 1).bit_length(), max(1, e // w_pad)
+        g = 64 if fp8 else 0
+        kernels = [(ll.ll_send, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh, G_PAD=g,
+                                     REC_PAD=1 << (3 + w_pad + e - 1).bit_length())),
+                   (ll.ll_layout, dict(W_PAD=w_pad, EL_PAD=el_pad, CLOCK=1)),
+                   (ll.ll_expand, dict(K=K, BU=bt, BLOCK_H=bh, G_PAD=g))]
+        if not fp8:
+            kernels += [(ll.ll_combine_send, dict(K=K, BU=16, BLOCK_N=256, W_PAD=w_pad)),
+                        (ll.ll_combine_recv, dict(BLOCK_M=16, BLOCK_N=256, CLOCK=1))]
+        for fn, consts in kernels:
+            rows = ("x_ptr", "rows_ptr", "tokens_ptr", "y_ptr", "back_ptr", "out_ptr")
+            sig = {prm.name: "constexpr" if prm.is_constexpr else WAITER if prm.name == "waiter"
+                   else ("*u8" if fp8 else "*bf16") if prm.name in rows else "*i64" if prm.name.endswith("_ptrs")
+                   else "*fp32" if prm.name == "slot_w_ptr" and fn is ll.ll_combine_send
+                   else "*i32" if prm.name.endswith("_ptr") else "i32" for prm in fn.params}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, prm in enumerate(fn.params)
+                     if div and not prm.is_constexpr and prm.name != "waiter"}
+            name = f"{fn.fn.__name__} {consts} fp8 {fp8} divisible {div}"
+            failed += compile_one(target, name, ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                                  {"num_warps": 4})
+    return failed
+
 def ptxas_report(cubin_ptx: str, arch: int) -> str:
     try:  # the ptxas Triton itself takes for this arch (newer Triton: a second, newer one from sm_90 up)
         from triton.backends.nvidia.compiler import get_ptxas
@@ -490,6 +524,7 @@ def main():
     failed += compile_grouped_gemm(target)
     failed += compile_routing(target)
     failed += compile_ep_routing(target)
+    failed += compile_ep_low_latency(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)
                 for fuse, desc, whole, local, split, claim, defer

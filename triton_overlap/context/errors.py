@@ -100,6 +100,9 @@ class Faults:
             return (f"rank {rank}: call {call}: ranks disagree on the call: rank {rank} called {op} {mine}, rank "
                     f"{peer} called {peer_op} {theirs}")
         what = word[sig.ERR_WHAT]
+        if word[sig.ERR_CODE] == sig.ERR_BAD_IDS:
+            return (f"rank {rank}: {op} (call {call}): rank {peer} passed expert ids from {word[sig.ERR_SEEN]} to "
+                    f"{word[sig.ERR_WANTED]}; topk_ids must lie in [0, {what}) (E = {what} experts)")
         if word[sig.ERR_CODE] == sig.ERR_RELAYED:
             return f"rank {rank} faulted ({op}, waiting for rank {peer})"
         waited = ("the ranks' programs to start" if what == sig.WHAT_STARTED

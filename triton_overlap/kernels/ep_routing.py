@@ -36,7 +36,7 @@ INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _owners(ids_ptr, b, T, E, EL, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr):
+def token_owners(ids_ptr, b, T, E, EL, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr):
     """Block b's tokens ``t`` [BT], the mask of real (token, choice) slots [BT, K_PAD], the raw ids (int64), the
     ids clamped into [0, E) (int32), each choice's owner, and ``hit`` [BT, W_PAD] (1: the token goes to owner d)."""
     t = b * BT + tl.arange(0, BT)
@@ -51,11 +51,31 @@ def _owners(ids_ptr, b, T, E, EL, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.c
 
 
 @triton.jit
-def _before(h, N: tl.constexpr):
+def rows_before(h, N: tl.constexpr):
     """``h`` [N, C] -> the sums of the rows before each row (an exclusive prefix sum along axis 0), as a masked sum
     rather than tl.cumsum, whose lowering in Triton 3.6 fails on some of these small layouts (two columns)."""
     i = tl.arange(0, N)
     return tl.sum((i[None, :] < i[:, None]).to(tl.int32)[:, :, None] * h[None, :, :], axis=1)
+
+
+@triton.jit
+def pair_places(ids_ptr, base_e_ptr, b, c, ok, T, E, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr):
+    """[BT, K_PAD]: each (token, choice) pair's place among this rank's pairs of its expert ``c`` (in token, then
+    choice order): the block's first place (``base_e`` from scan_counts), plus the block's pairs of the same expert
+    before it: the earlier tokens' (one token at a time, to keep the comparison small), then the token's earlier
+    choices."""
+    j = tl.arange(0, K_PAD)
+    cm = tl.where(ok, c, -1)
+    within = tl.sum(((cm[:, :, None] == cm[:, None, :]) & (j[None, None, :] < j[None, :, None])).to(tl.int32),
+                    axis=2)
+    for v in range(0, BT - 1):
+        tv = b * BT + v + tl.zeros_like(j)  # (a vector: Triton's interpreter takes no scalar in a mask)
+        vm = (j < K) & (tv < T)
+        cv = tl.load(ids_ptr + tv.to(tl.int64) * K + j, mask=vm, other=0).to(tl.int64)
+        cv = tl.where(vm, tl.minimum(tl.maximum(cv, 0), E - 1).to(tl.int32), -1)
+        n = tl.sum((cm[:, :, None] == cv[None, None, :]).to(tl.int32), axis=2)
+        within += tl.where((tl.arange(0, BT) > v)[:, None], n, 0)
+    return tl.load(base_e_ptr + b.to(tl.int64) * E + c, mask=ok, other=0) + within
 
 
 @triton.jit
@@ -64,7 +84,7 @@ def ep_count(ids_ptr, part_ptr, hist_ptr, T, E, EL, W, K: tl.constexpr, K_PAD: t
     """Grid (blocks,): ``part[b]`` = [smallest id, largest id (both clamped into int32), tokens per owner (W)] of
     block b's tokens, ``hist[b, e]`` its pairs of expert e."""
     b = tl.program_id(0)
-    t, ok, raw, c, owner, hit = _owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
+    t, ok, raw, c, owner, hit = token_owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
     wide = tl.minimum(tl.maximum(raw, -INT32_MAX - 1), INT32_MAX)
     lo = tl.min(tl.min(tl.where(ok, wide, INT32_MAX), axis=1), axis=0)
     hi = tl.max(tl.max(tl.where(ok, wide, -INT32_MAX - 1), axis=1), axis=0)
@@ -97,7 +117,7 @@ def ep_record(part_ptr, record_ptr, base_ptr, NB, T, W, W_PAD: tl.constexpr, SCA
         lo = tl.minimum(lo, tl.load(at, mask=rm, other=INT32_MAX))
         hi = tl.maximum(hi, tl.load(at + 1, mask=rm, other=-INT32_MAX - 1))
         h = tl.load(at[:, None] + 2 + d[None, :], mask=rm[:, None] & (d < W)[None, :], other=0)
-        tl.store(base_ptr + r.to(tl.int64)[:, None] * W + d[None, :], _before(h, SCAN_B) + hits[None, :],
+        tl.store(base_ptr + r.to(tl.int64)[:, None] * W + d[None, :], rows_before(h, SCAN_B) + hits[None, :],
                  mask=rm[:, None] & (d < W)[None, :])
         hits += tl.sum(h, axis=0)
     tl.store(record_ptr, T)
@@ -144,32 +164,20 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     pairs of e before it in the block."""
     b = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
-    t, ok, raw, c, owner, hit = _owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
+    t, ok, raw, c, owner, hit = token_owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
     d = tl.arange(0, W_PAD)
     dm = d < W
     sent = tl.load(record_ptr + 3 + d, mask=dm, other=0)
     start = tl.sum(tl.where(d[None, :] < d[:, None], sent[None, :], 0), axis=1)  # owner d's first row in the order
     base = tl.load(base_ptr + b.to(tl.int64) * W + d, mask=dm, other=0)
-    pos = tl.where(hit > 0, start[None, :] + base[None, :] + _before(hit, BT), -1)
+    pos = tl.where(hit > 0, start[None, :] + base[None, :] + rows_before(hit, BT), -1)
     tok = t < T
     t64 = t.to(tl.int64)
     if h0 == 0:
         tl.store(pos_ptr + t64[:, None] * W + d[None, :], pos, mask=tok[:, None] & dm[None, :])
         j = tl.arange(0, K_PAD)
-        cm = tl.where(ok, c, -1)
-        # the block's pairs of the same expert before each pair: the earlier tokens' (one token at a time, to keep
-        # the comparison small), then the token's earlier choices
-        within = tl.sum(((cm[:, :, None] == cm[:, None, :]) & (j[None, None, :] < j[None, :, None])).to(tl.int32),
-                        axis=2)
-        for v in range(0, BT - 1):
-            tv = b * BT + v + tl.zeros_like(j)  # (a vector: Triton's interpreter takes no scalar in a mask)
-            vm = (j < K) & (tv < T)
-            cv = tl.load(ids_ptr + tv.to(tl.int64) * K + j, mask=vm, other=0).to(tl.int64)
-            cv = tl.where(vm, tl.minimum(tl.maximum(cv, 0), E - 1).to(tl.int32), -1)
-            n = tl.sum((cm[:, :, None] == cv[None, None, :]).to(tl.int32), axis=2)
-            within += tl.where((tl.arange(0, BT) > v)[:, None], n, 0)
-        row_of = (tl.load(dest_ptr + c, mask=ok, other=0) + tl.load(base_e_ptr + b.to(tl.int64) * E + c, mask=ok,
-                                                                      other=0) + within)
+        row_of = tl.load(dest_ptr + c, mask=ok, other=0) + pair_places(ids_ptr, base_e_ptr, b, c, ok, T, E, K, K_PAD,
+                                                                         BT)
         wb = tl.load(wbits_ptr + t64[:, None] * K + j[None, :], mask=ok, other=0)
         MW = 2 + 2 * K + G
         if G_PAD > 0:
@@ -296,4 +304,4 @@ def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, s
 
 
 __all__ = ["GPU_TILES", "backend_tiles", "ep_count", "ep_dest", "ep_expand", "ep_pack", "ep_record", "launch_count",
-           "launch_expand", "launch_pack", "tiles"]
+           "launch_expand", "launch_pack", "pair_places", "rows_before", "tiles", "token_owners"]

@@ -42,8 +42,10 @@ ERR_OWN_FINGERPRINT = tl.constexpr(19)
 #: ERR_RELAYED: the code of the fault on the rank it came from (ERR_RANK)
 ERR_ORIGIN_CODE = tl.constexpr(20)
 ERR_WORDS = 24
-#: ERR_RELAYED: another rank's fault, written into this rank's word by that rank, so that every wait here stops too
-ERR_TIMEOUT, ERR_MISMATCH, ERR_RELAYED = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
+#: ERR_RELAYED: another rank's fault, written into this rank's word by that rank, so that every wait here stops too;
+#: ERR_BAD_IDS: a peer's expert ids, seen on the device, leave [0, E) (ERR_PEER the rank, ERR_SEEN and ERR_WANTED its
+#: smallest and largest id, ERR_WHAT E)
+ERR_TIMEOUT, ERR_MISMATCH, ERR_RELAYED, ERR_BAD_IDS = tl.constexpr(1), tl.constexpr(2), tl.constexpr(3), tl.constexpr(4)
 #: ERR_WHAT below zero: what was waited for, when it was not a chunk (WHAT_ANSWER: a host-side exchange;
 #: WHAT_OWN_TILES: this rank's own GEMM tiles for a peer's rows, a wait on nothing remote)
 WHAT_STARTED, WHAT_PEER_STARTED, WHAT_ARRIVAL, WHAT_PARTIALS, WHAT_ANSWER, WHAT_OWN_TILES = (

@@ -302,15 +302,4 @@ class ExpertParallel(OverlapOp):
 
 
 
-def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int,
-                ctx, scales: torch.Tensor | None = None) -> EPHandle:
-    """Functional form of ExpertParallel.dispatch: one op per Context, kept by the Context."""
-    return ExpertParallel.shared(ctx).dispatch(x, topk_ids, topk_weights, num_experts=num_experts, scales=scales)
-
-
-def ep_combine(y: torch.Tensor, d: EPHandle, *, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Functional form of ExpertParallel.combine (the op ``ep_dispatch`` uses on ``ctx``)."""
-    return ExpertParallel.shared(ctx).combine(y, d, out=out)
-
-
-__all__ = ["EPHandle", "ExpertParallel", "ExpertParallelConfig", "Traffic", "ep_combine", "ep_dispatch"]
+__all__ = ["EPHandle", "ExpertParallel", "ExpertParallelConfig", "Traffic"]

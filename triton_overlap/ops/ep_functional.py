@@ -1,0 +1,39 @@
+"""The functional forms of expert-parallel dispatch and combine: one op per Context (per capacity in low-latency
+mode), kept by the Context."""
+from __future__ import annotations
+
+import torch
+
+from .ep_low_latency import ExpertParallelLowLatency, LowLatencyHandle
+from .ep_routing import EPHandle
+from .expert_parallel import ExpertParallel
+
+
+def low_latency_op(ctx, max_tokens_per_rank: int) -> ExpertParallelLowLatency:
+    """The low-latency op the functional forms use on ``ctx`` for ``max_tokens_per_rank``."""
+    return ctx.cached(("functional op", ExpertParallelLowLatency.KIND, max_tokens_per_rank),
+                      lambda: ExpertParallelLowLatency(ctx, max_tokens_per_rank,
+                                                       name=f"{ExpertParallelLowLatency.KIND}.{max_tokens_per_rank}"))
+
+
+def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int,
+                ctx, scales: torch.Tensor | None = None, max_tokens_per_rank: int | None = None):
+    """ExpertParallel.dispatch (returns an EPHandle), or with ``max_tokens_per_rank`` the low-latency mode's
+    (ExpertParallelLowLatency.dispatch: no host synchronisation, fixed shapes; returns a LowLatencyHandle)."""
+    if max_tokens_per_rank is None:
+        return ExpertParallel.shared(ctx).dispatch(x, topk_ids, topk_weights, num_experts=num_experts, scales=scales)
+    return low_latency_op(ctx, max_tokens_per_rank).dispatch(x, topk_ids, topk_weights, num_experts=num_experts,
+                                                             scales=scales)
+
+
+def ep_combine(y: torch.Tensor, d, *, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The combine of the mode ``d`` came from: ExpertParallel.combine for an EPHandle, the low-latency op's for a
+    LowLatencyHandle."""
+    if isinstance(d, LowLatencyHandle):
+        return low_latency_op(ctx, d.capacity).combine(y, d, out=out)
+    if not isinstance(d, EPHandle):
+        raise ValueError(f"ep_combine: d must be the handle ep_dispatch returned, got {type(d).__name__}")
+    return ExpertParallel.shared(ctx).combine(y, d, out=out)
+
+
+__all__ = ["ep_combine", "ep_dispatch", "low_latency_op"]
