@@ -1,7 +1,7 @@
 """Side-by-side benchmarks of the overlapped ops, one sub-command per op.
 
     bash scripts/launch.sh benchmarks/bench.py ag_gemm|ag_gemm_fp8|gemm_rs|cp_attention|all_reduce|
-        all_reduce_rmsnorm|gemm_ar|moe|ep|model [--shapes ...] [--out DIR] [--shared-gpu] [--virtual-hosts N]
+        all_reduce_rmsnorm|gemm_ar|moe|ep|ep_ll|model [--shapes ...] [--out DIR] [--shared-gpu] [--virtual-hosts N]
 
 For every shape, in one process group and one run: ours; NCCL + cuBLAS (sequential); torch's fused symm_mem op;
 the bound (torch.matmul of the same work alone); our consumer GEMM alone (the kernel the op ran, named in the
@@ -12,7 +12,8 @@ kernels (nccl_symm.py, where torch and NCCL allow it), torch's symmetric-memory 
 residual + RMSNorm: ours fused against NCCL all_reduce + add + RMSNorm and our one-shot AllReduce + add + RMSNorm,
 eager, in graphs and back to back. GEMM + AllReduce: ours, torch.matmul + NCCL, the GEMM alone. MoE (moe.py):
 the MoE ops and layer against NCCL + sort + torch._grouped_mm, and the grouped GEMM alone. Expert parallel (ep.py):
-dispatch, combine and the EPMoE layer against the same exchange through all_to_all_single. Model (model.py): a
+dispatch, combine and the EPMoE layer against the same exchange through all_to_all_single; ep_ll
+(ep_low_latency.py): the low-latency mode in CUDA graphs at decode sizes. Model (model.py): a
 training and a decode step of Llama-shaped layers, ours against torch TP, async TP and our fallback. Distributed
 timings: CUDA events around each call, ranks aligned on the device before each iteration, median over iterations,
 max over ranks (triton_overlap.timing); the headline columns timed in turns within each iteration, so all see the
@@ -991,14 +992,15 @@ def _gather(a):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("op", choices=["ag_gemm", "ag_gemm_fp8", "gemm_rs", "cp_attention", "all_reduce",
-                                      "all_reduce_rmsnorm", "gemm_ar", "moe", "ep", "model"])
+                                      "all_reduce_rmsnorm", "gemm_ar", "moe", "ep", "ep_ll", "model"])
     p.add_argument("--shapes", nargs="*", help="ag_gemm, ag_gemm_fp8: M,K,N (M gathered, N per rank); gemm_rs: "
                    "M,K,N (K per rank, output [M/W, N]); cp_attention: B,S,Hq,Hkv,D,causal[,documents][,fp16|bf16] "
                    "(S in all, causal 0 or 1, documents: packed documents of random lengths; bf16 unless named); "
                    "all_reduce: bytes; all_reduce_rmsnorm: M,H (rows, hidden; bf16); gemm_ar: M,K,N (K over all "
                    "ranks); moe: model,tokens per rank,routing (moe.parse_shape, e.g. deepseek-v3,4096,zipf); ep: "
-                   "the same for ep.parse_shape's models; model: train|decode,8b|70b,layers,batch,tokens "
-                   "(model.parse_cases). Default: the standard list (cp_attention on one GPU: CP_SHAPES_ONE_GPU)")
+                   "the same for ep.parse_shape's models; ep_ll: model,tokens per rank,bf16|fp8; model: "
+                   "train|decode,8b|70b,layers,batch,tokens (model.parse_cases). Default: the standard list "
+                   "(cp_attention on one GPU: CP_SHAPES_ONE_GPU)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--b2b-calls", type=int, default=B2B_CALLS, metavar="CALLS",
                    help="all_reduce, all_reduce_rmsnorm: calls back to back in one CUDA graph for the *_b2b_us "
@@ -1031,7 +1033,7 @@ def main():
     if args.profile:
         profile_to(args.profile, stacks=args.profile_stacks)
     shapes = ([tuple(v if v in CP_DTYPES else int(v) for v in s.split(",")) for s in args.shapes]
-              if args.shapes and args.op not in ("moe", "ep", "model") else None)
+              if args.shapes and args.op not in ("moe", "ep", "ep_ll", "model") else None)
     if args.virtual_hosts:
         os.environ["TRITON_OVERLAP_VIRTUAL_HOSTS"] = str(args.virtual_hosts)
     with to.Context() as ctx:
@@ -1074,6 +1076,15 @@ def main():
             say(EP_HEADER)
             planned = [parse_ep(s) for s in args.shapes] if args.shapes else EP_SHAPES
             bench_ep(ctx, planned, args.iters, writer(write_ep, planned), gpu_name(), lead_us=LEAD_US)
+        elif args.op == "ep_ll":
+            from ep_low_latency import EP_LL_HEADER, EP_LL_SHAPES, bench_ep_low_latency, write_ep_low_latency
+            from ep_low_latency import parse_shape as parse_ep_ll
+            from moe import gpu_name
+
+            say(EP_LL_HEADER)
+            planned = [parse_ep_ll(s) for s in args.shapes] if args.shapes else EP_LL_SHAPES
+            bench_ep_low_latency(ctx, planned, args.iters, writer(write_ep_low_latency, planned), gpu_name(),
+                                 lead_us=LEAD_US)
         elif args.op == "model":
             from model import DEFAULT_CASES, bench_model, parse_cases
             from model_report import write_model
