@@ -54,7 +54,7 @@ def bench_ep_low_latency(ctx, shapes, iters, write_partial, gpu: str, lead_us: f
     for model, tokens, rows in shapes:
         E, topk, H, _ = MODELS[model]
         rec = {"model": model, "E": E, "topk": topk, "H": H, "tokens_per_rank": tokens, "rows": rows,
-               "world_size": ctx.world_size, "gpu": gpu, "lead_us": lead_us, "routing": "balanced"}
+               "world_size": ctx.world_size, "gpu": gpu, "lead_us": lead_us, "routing": "balanced", "note": ""}
         torch.manual_seed(ctx.rank)
         x = torch.randn(tokens, H, device=ctx.device).to(torch.bfloat16)
         scales = None
@@ -85,8 +85,8 @@ def bench_ep_low_latency(ctx, shapes, iters, write_partial, gpu: str, lead_us: f
         ctx.check()
         del graphs, fns
         records.append(rec)
-        write_partial(records)
         say(row(rec))
+        write_partial(records)
     return records
 
 
