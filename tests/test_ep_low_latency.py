@@ -265,3 +265,50 @@ def test_ep_low_latency_cuda_graph_replays(pool):
     case = EPCase(tokens=128, hidden=2048, experts=64, topk=8)
     assert all(e < TOL[torch.bfloat16] for e in pool.run(_graph_replays, case, 1000))
 
+
+# ----------------------------------------------------------------------------------------------- EPMoE decode
+def _layer_decode(dim: int, replays: int):
+    """EPMoE with max_tokens_per_rank: a forward without autograd takes the low-latency mode and returns what the
+    normal mode's layer returns (the same parameters); with autograd, or more tokens than the capacity, the normal
+    mode. On GPUs the decode forward is also captured in a CUDA graph and replayed on new tokens."""
+    from triton_overlap.nn import EPMoE
+
+    with to.Context(timeout_s=120) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        cap = 8 if ctx.backend == "host" else 64
+        torch.manual_seed(0)
+        layer = EPMoE(dim, dim, 4 * W, 2, ctx=ctx, fallback="never", max_tokens_per_rank=cap)
+        plain = EPMoE(dim, dim, 4 * W, 2, ctx=ctx, fallback="never")
+        plain.load_state_dict(layer.state_dict())
+        x = rand((cap - r, dim), torch.bfloat16, dev, "layer x", r)
+        with torch.no_grad():
+            got, want = layer(x), plain(x)
+            assert layer.decodes(x) and layer.last_path == "overlap" and layer._last is layer.decode_op
+            assert rel_err(got, want.double()) < 1e-2, rel_err(got, want.double())
+            big = rand((cap + 1, dim), torch.bfloat16, dev, "layer big", r)
+            assert not layer.decodes(big) and torch.equal(layer(big), plain(big))
+        assert not layer.decodes(x)  # autograd on: the normal mode, differentiable
+        layer(x).sum().backward()
+        assert layer.w13.grad is not None
+        if ctx.backend == "host":
+            return True
+        static = x.clone()
+        with torch.no_grad():
+            layer(static)
+            torch.cuda.synchronize()
+            torch.distributed.barrier(group=ctx.group)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = layer(static)
+            for i in range(replays):
+                static.copy_(rand((cap - r, dim), torch.bfloat16, dev, "layer replay", i, r))
+                graph.replay()
+                ref = plain(static)
+                assert rel_err(out, ref.double()) < 1e-2, f"replay {i}: {rel_err(out, ref.double()):.2e}"
+        ctx.check()
+        return True
+
+
+def test_ep_low_latency_in_epmoe(pool):
+    assert all(pool.run(_layer_decode, 16 if pool.backend == "host" else 1024, 20))
+

@@ -138,11 +138,12 @@ def ll_send(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
 
 
 @triton.jit
-def ll_layout(table_ptr, header_ptr, flags_ptr, state_ptr, place_ptr, offsets_ptr, received_ptr, waiter, E, EL, W,
+def ll_layout(table_ptr, header_ptr, flags_ptr, state_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr, waiter, E,
+              EL, W,
               table_slot, fingerprint, W_PAD: tl.constexpr, EL_PAD: tl.constexpr, CLOCK: tl.constexpr):
     """Grid (1,): once every source's flag is up, ``place[s, i]``: the first layout row of source s's pairs of local
     expert i (the experts before i, then i's pairs from the sources before s); ``offsets`` [EL + 1] the layout's
-    expert bounds; ``received[s]``: the rows source s stored here. Ids outside [0, E) on any source: ERR_BAD_IDS."""
+    expert bounds and ``counts`` [EL] its rows per expert; ``received[s]``: the rows source s stored here. Ids outside [0, E) on any source: ERR_BAD_IDS."""
     err_ptr, budget, rank, op = waiter
     e = tl.load(state_ptr) + 1
     half = e % 2
@@ -172,6 +173,7 @@ def ll_layout(table_ptr, header_ptr, flags_ptr, state_ptr, place_ptr, offsets_pt
     total = tl.sum(pairs, axis=0)  # [EL_PAD] every source's pairs of each local expert
     ahead = tl.cumsum(total, axis=0) - total
     tl.store(offsets_ptr + i, ahead, mask=im)
+    tl.store(counts_ptr + i, total, mask=im)
     tl.store(offsets_ptr + EL, tl.sum(total, axis=0))
     tl.store(place_ptr + s[:, None] * EL + i[None, :], ahead[None, :] + rows_before(pairs, W_PAD),
              mask=sm[:, None] & im[None, :])

@@ -41,7 +41,8 @@ overlapped with the experts' compute per source, nor the combine's with the down
 all: the router, the weights' gradient exchange (process group), the experts' weight gradients (local), and one
 host synchronisation per dispatch (the counts), so two per training step and layer. ``fallback="always"`` takes
 the process group's ``all_to_all_single`` for every exchange. The dispatch reads counts back to the host, so the
-layer runs outside ``torch.compile``'s graphs (a graph break) and cannot be captured in a CUDA graph.
+layer runs outside ``torch.compile``'s graphs (a graph break) and cannot be captured in a CUDA graph, but for its
+decode forward (``max_tokens_per_rank``, no autograd: ``ops.ep_low_latency``), which can.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..ops.ep_low_latency import ExpertParallelLowLatency
 from ..ops.expert_parallel import ExpertParallel
 from ..ops.moe_routing import expert_grads
 from .moe import ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
@@ -213,6 +215,11 @@ class EPMoE(ReplicatedRouter, nn.Module):
     Gradients: the experts' are complete on their owner. The router's covers this rank's tokens only: call
     ``sync_replicated_grads()`` after backward (a sum over ranks) or hand it to your data-parallel reducer.
 
+    Decode: with ``max_tokens_per_rank``, a forward without autograd (``torch.no_grad``, ``torch.inference_mode``)
+    of at most that many tokens per rank takes ``ExpertParallelLowLatency``'s dispatch and combine: no host
+    synchronisation where the experts' GEMM is one ``torch._grouped_mm`` (``takes_grouped_mm``), so a decode step
+    holding the layer can be captured in a CUDA graph (one eager call first).
+
     Parameters are bfloat16 (default) or float16; float32 parameters work under ``torch.autocast`` (cast per call,
     as ``nn.Linear`` is) and raise TypeError without it. ``fallback`` is the op's rule ("auto": the process group
     where W = 1 or across hosts; "never", "always"). Every rank must call the layer (forward and backward) in the
@@ -220,7 +227,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, *, ctx, renormalize: bool = True,
-                 dtype=None, device=None, fallback: str = "auto"):
+                 dtype=None, device=None, fallback: str = "auto", max_tokens_per_rank: int | None = None):
         super().__init__()
         W = ctx.world_size
         if num_experts % W:
@@ -233,6 +240,10 @@ class EPMoE(ReplicatedRouter, nn.Module):
         self.renormalize = renormalize
         self.experts_local = num_experts // W
         self.op = ep_op(ctx, fallback)
+        self.decode_op = (None if max_tokens_per_rank is None else ctx.cached(
+            ("nn ep_moe low-latency op", fallback, max_tokens_per_rank),
+            lambda: ExpertParallelLowLatency(ctx, max_tokens_per_rank, fallback=fallback,
+                                             name=f"nn.ep_moe.{fallback}.{max_tokens_per_rank}")))
         self.router = nn.Linear(dim, num_experts, bias=False, **kw)
         self.w13 = nn.Parameter(torch.empty(self.experts_local, dim, 2 * hidden, **kw))
         self.w2 = nn.Parameter(torch.empty(self.experts_local, hidden, dim, **kw))
@@ -242,7 +253,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
 
     @classmethod
     def from_full(cls, router: nn.Linear, experts, ctx, *, topk: int, renormalize: bool = True, dtype=None,
-                  device=None, fallback: str = "auto") -> "EPMoE":
+                  device=None, fallback: str = "auto", max_tokens_per_rank: int | None = None) -> "EPMoE":
         """This rank's experts of an unsharded MoE, the same on every rank (``TPMoE.from_full``'s arguments):
         ``router`` an ``nn.Linear(dim, E)`` without bias; ``experts`` either ``(w1, w3, w2)``, stacked tensors in
         ``nn.Linear``'s [out, in] convention (Mixtral's, Qwen3-MoE's): gate ``w1`` [E, hidden, dim], up ``w3``
@@ -253,7 +264,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
         w1, w3, w2, dtype = full_moe("EPMoE", router, experts, dtype)
         E, hidden, dim = w1.shape
         moe = cls(dim, hidden, E, topk, ctx=ctx, renormalize=renormalize, dtype=dtype, device=device,
-                  fallback=fallback)
+                  fallback=fallback, max_tokens_per_rank=max_tokens_per_rank)
         mine = slice(*moe.expert_range)
         moe.load(router, *shard_experts(w1[mine], w3[mine], w2[mine], 0, 1))  # whole experts: one "shard"
         return moe
@@ -268,7 +279,13 @@ class EPMoE(ReplicatedRouter, nn.Module):
     def last_path(self) -> str | None:
         """The path the layer's op took on its latest call (shared by every EPMoE with this Context and fallback
         rule): ``"overlap"``, ``"fallback"`` (the process group's all_to_all_single), or None before any call."""
-        return self.op.last_path
+        return self._last.last_path if getattr(self, "_last", None) is not None else self.op.last_path
+
+    def decodes(self, rows: torch.Tensor) -> bool:
+        """Whether a forward of ``rows`` takes the low-latency mode: the layer has ``max_tokens_per_rank``, autograd
+        is off (the mode has no backward) and ``rows`` are no more than that."""
+        return (self.decode_op is not None and not torch.is_grad_enabled()
+                and rows.shape[0] <= self.decode_op.capacity)
 
     def route(self, rows: torch.Tensor):
         """This rank's (top-k ids int64 [T_local, k], top-k weights float32 [T_local, k]): ``TPMoE``'s router,
@@ -281,7 +298,14 @@ class EPMoE(ReplicatedRouter, nn.Module):
         dtype = compute_dtype("EPMoE", x, self.w13)
         rows = x.reshape(-1, x.shape[-1]).to(dtype)
         ids, weights = self.route(rows)
-        y = ep_swiglu(rows, ids, weights, self.w13.to(dtype), self.w2.to(dtype), self.op, self.num_experts)
+        w13, w2 = self.w13.to(dtype), self.w2.to(dtype)
+        if self.decodes(rows):
+            self._last = self.decode_op
+            d = self.decode_op.dispatch(rows.contiguous(), ids, weights, num_experts=self.num_experts)
+            y = self.decode_op.combine(swiglu_rows(d.tokens, w13, w2, d.offsets), d)
+        else:
+            self._last = self.op
+            y = ep_swiglu(rows, ids, weights, w13, w2, self.op, self.num_experts)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -151,10 +151,10 @@ class ExpertParallelLowLatency(OverlapOp):
         call = self._call(self.dispatch_op, descriptor, (H, E))
         route = route_tokens(topk_ids, E, W)
         dev, EL, R = x.device, E // W, W * cap * k
-        small = torch.empty(W * EL + EL + 1 + W + 3 * R + 2 * W * cap * k + R * G + max(T, 1) * W,
+        small = torch.empty(W * EL + 2 * EL + 1 + W + 3 * R + 2 * W * cap * k + R * G + max(T, 1) * W,
                             dtype=torch.int32, device=dev)
-        place, offsets, received, source, token, weights, slots, slot_w, row_scales, positions = torch.split(
-            small, (W * EL, EL + 1, W, R, R, R, W * cap * k, W * cap * k, R * G, max(T, 1) * W))
+        place, offsets, counts, received, source, token, weights, slots, slot_w, row_scales, positions = torch.split(
+            small, (W * EL, EL + 1, EL, W, R, R, R, W * cap * k, W * cap * k, R * G, max(T, 1) * W))
         tokens = torch.empty((R, H), dtype=rows_dtype, device=dev)
         xs = x.view(torch.uint8) if x.dtype == FP8 else x
         xs = xs if xs.stride(1) == 1 else xs.contiguous()
@@ -175,7 +175,7 @@ class ExpertParallelLowLatency(OverlapOp):
                     REC_PAD=pow2(3 + W + E)), num_warps=4)
         ctx.after_launch()
         launch(ll_layout, (1,), (bufs.table.local, bufs.header.local, bufs.flags.local, bufs.state.local, place,
-                                 offsets, received, waiter(ctx, self.dispatch_op), E, EL, W, bufs.table_slot,
+                                 offsets, counts, received, waiter(ctx, self.dispatch_op), E, EL, W, bufs.table_slot,
                                  call.fingerprint),
                dict(W_PAD=w_pad, EL_PAD=pow2(EL), CLOCK=ctx.clock), num_warps=4)
         ctx.after_launch()
@@ -186,7 +186,7 @@ class ExpertParallelLowLatency(OverlapOp):
         ctx.after_launch()
         self.state["buffers"] = {"rows": bufs.data.local, "meta": bufs.meta.local, "table": bufs.table.local}
         return LowLatencyHandle(
-            tokens.view(x.dtype), offsets[1:] - offsets[:-1], offsets, source, token, weights.view(torch.float32),
+            tokens.view(x.dtype), counts, offsets, source, token, weights.view(torch.float32),
             row_scales.view(torch.float32).view(R, G) if G else None, slots.view(W * cap, k),
             slot_w.view(torch.float32).view(W * cap, k), positions[:T * W].view(T, W), received, r, W, T, E, cap)
 
