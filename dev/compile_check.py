@@ -467,7 +467,7 @@ def compile_ep_low_latency(target) -> int:
         kernels = [(ll.ll_send, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh, G_PAD=g,
                                      REC_PAD=1 << (3 + w_pad + e - 1).bit_length())),
                    (ll.ll_layout, dict(W_PAD=w_pad, EL_PAD=el_pad, CLOCK=1)),
-                   (ll.ll_expand, dict(K=K, BU=bt, BLOCK_H=bh, G_PAD=g))]
+                   (ll.ll_expand, dict(K=K, K_PAD=kp, BU=bt, BLOCK_H=bh, G_PAD=g))]
         if not fp8:
             kernels += [(ll.ll_combine_send, dict(K=K, BU=16, BLOCK_N=256, W_PAD=w_pad)),
                         (ll.ll_combine_recv, dict(BLOCK_M=16, BLOCK_N=256, CLOCK=1))]

@@ -182,11 +182,12 @@ def ll_layout(table_ptr, header_ptr, flags_ptr, state_ptr, place_ptr, offsets_pt
 @triton.jit
 def ll_expand(rows_ptr, meta_ptr, place_ptr, received_ptr, state_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr,
               slots_ptr, slot_w_ptr, scales_ptr, H, EL, W, cap, R, G, row_slot, meta_slot, K: tl.constexpr,
-              BU: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr):
+              K_PAD: tl.constexpr, BU: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr):
     """Grid (W · blocks of a slot, column tiles): source s's received rows u of this block (u < received[s]) to
     ``tokens[place[s, i] + k]`` for each choice's local expert i and place k, and (column tile 0) ``source``,
     ``token``, ``weights`` (bits) and ``scales`` (bits) per layout row, ``slots[s · cap + u, j]`` (-1: none) and
-    ``slot_w`` (bits) per received row; the last program out counts the call."""
+    ``slot_w`` (bits) per received row; the last program out counts the call. Every choice's metadata and layout
+    row are loaded at once, before any row moves (one round of loads, not one per choice)."""
     nbu = tl.cdiv(cap, BU)
     s = tl.program_id(0) // nbu
     u = (tl.program_id(0) % nbu) * BU + tl.arange(0, BU)
@@ -201,26 +202,36 @@ def ll_expand(rows_ptr, meta_ptr, place_ptr, received_ptr, state_ptr, tokens_ptr
     v = tl.load(rows_ptr + at[:, None] + cols[None, :], mask=um[:, None] & cm[None, :], cache_modifier=".cg")
     MW = 2 + 3 * K + G
     m = meta_ptr + slot * meta_slot + u.to(tl.int64) * MW
+    jj = tl.arange(0, K_PAD)
+    mk = um[:, None] & (jj < K)[None, :]
+    i = tl.load(m[:, None] + 2 + jj[None, :], mask=mk, other=-1, cache_modifier=".cg")
+    ok = mk & (i >= 0) & (i < EL)
+    p = (tl.load(place_ptr + s * EL + i, mask=ok, other=0)
+         + tl.load(m[:, None] + 2 + K + jj[None, :], mask=ok, other=0, cache_modifier=".cg"))
+    ok = ok & (p >= 0) & (p < R)
+    p = tl.where(ok, p, -1)
     g = (s * cap + u).to(tl.int64)  # the received row's index in slots
+    if h0 == 0:
+        w = tl.load(m[:, None] + 2 + 2 * K + jj[None, :], mask=mk, other=0, cache_modifier=".cg")
+        tl.store(slots_ptr + g[:, None] * K + jj[None, :], p, mask=mk)
+        tl.store(slot_w_ptr + g[:, None] * K + jj[None, :], w, mask=mk)
+        src = tl.load(m, mask=um, other=0, cache_modifier=".cg")
+        tok = tl.load(m + 1, mask=um, other=0, cache_modifier=".cg")
+        at_p = tl.where(ok, p, 0).to(tl.int64)
+        tl.store(source_ptr + at_p, src[:, None] + tl.zeros_like(p), mask=ok)
+        tl.store(token_ptr + at_p, tok[:, None] + tl.zeros_like(p), mask=ok)
+        tl.store(weights_ptr + at_p, w, mask=ok)
     for j in tl.static_range(K):
-        i = tl.load(m + 2 + j, mask=um, other=-1)
-        ok = um & (i >= 0) & (i < EL)
-        p = tl.load(place_ptr + s * EL + i, mask=ok, other=0) + tl.load(m + 2 + K + j, mask=ok, other=0)
-        ok = ok & (p >= 0) & (p < R)
-        at = tl.where(ok, p, 0).to(tl.int64)
-        tl.store(tokens_ptr + at[:, None] * H + cols[None, :], v, mask=ok[:, None] & cm[None, :])
+        pj = tl.sum(tl.where(jj[None, :] == j, p, 0), axis=1)
+        okj = pj >= 0
+        to = tl.where(okj, pj, 0).to(tl.int64)
+        tl.store(tokens_ptr + to[:, None] * H + cols[None, :], v, mask=okj[:, None] & cm[None, :])
         if h0 == 0:
-            w = tl.load(m + 2 + 2 * K + j, mask=um, other=0)
-            tl.store(source_ptr + at, tl.load(m, mask=ok, other=0), mask=ok)
-            tl.store(token_ptr + at, tl.load(m + 1, mask=ok, other=0), mask=ok)
-            tl.store(weights_ptr + at, w, mask=ok)
-            tl.store(slots_ptr + g * K + j, tl.where(ok, p, -1), mask=um)
-            tl.store(slot_w_ptr + g * K + j, w, mask=um)
             if G_PAD > 0:
                 gi = tl.arange(0, G_PAD)
-                gm = ok[:, None] & (gi < G)[None, :]
-                sb = tl.load(m[:, None] + 2 + 3 * K + gi[None, :], mask=gm, other=0)
-                tl.store(scales_ptr + at[:, None] * G + gi[None, :], sb, mask=gm)
+                gm = okj[:, None] & (gi < G)[None, :]
+                sb = tl.load(m[:, None] + 2 + 3 * K + gi[None, :], mask=gm, other=0, cache_modifier=".cg")
+                tl.store(scales_ptr + to[:, None] * G + gi[None, :], sb, mask=gm)
     count_call_when_done(state_ptr, e)
 
 

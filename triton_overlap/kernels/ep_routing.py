@@ -62,20 +62,22 @@ def rows_before(h, N: tl.constexpr):
 def pair_places(ids_ptr, base_e_ptr, b, c, ok, T, E, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr):
     """[BT, K_PAD]: each (token, choice) pair's place among this rank's pairs of its expert ``c`` (in token, then
     choice order): the block's first place (``base_e`` from scan_counts), plus the block's pairs of the same expert
-    before it: the earlier tokens' (one token at a time, to keep the comparison small), then the token's earlier
-    choices."""
-    j = tl.arange(0, K_PAD)
-    cm = tl.where(ok, c, -1)
-    within = tl.sum(((cm[:, :, None] == cm[:, None, :]) & (j[None, None, :] < j[None, :, None])).to(tl.int32),
-                    axis=2)
-    for v in range(0, BT - 1):
-        tv = b * BT + v + tl.zeros_like(j)  # (a vector: Triton's interpreter takes no scalar in a mask)
-        vm = (j < K) & (tv < T)
-        cv = tl.load(ids_ptr + tv.to(tl.int64) * K + j, mask=vm, other=0).to(tl.int64)
-        cv = tl.where(vm, tl.minimum(tl.maximum(cv, 0), E - 1).to(tl.int32), -1)
-        n = tl.sum((cm[:, :, None] == cv[None, None, :]).to(tl.int32), axis=2)
-        within += tl.where((tl.arange(0, BT) > v)[:, None], n, 0)
-    return tl.load(base_e_ptr + b.to(tl.int64) * E + c, mask=ok, other=0) + within
+    before it, each pair compared with the block's pairs a chunk of 32 at a time (the chunks' ids loaded anew, all
+    independent loads: no chain of dependent ones, and no [pairs, pairs] tile held whole)."""
+    N: tl.constexpr = BT * K_PAD
+    CH: tl.constexpr = 32 if N > 32 else N
+    flat = tl.reshape(tl.where(ok, c, -1), (N,))
+    q = tl.arange(0, N)
+    within = tl.zeros((N,), dtype=tl.int32)
+    for q0 in tl.static_range(0, N, CH):
+        r = q0 + tl.arange(0, CH)
+        t = b * BT + r // K_PAD
+        j = r % K_PAD
+        m = (t < T) & (j < K)
+        cv = tl.load(ids_ptr + t.to(tl.int64) * K + j, mask=m, other=0).to(tl.int64)
+        cv = tl.where(m, tl.minimum(tl.maximum(cv, 0), E - 1).to(tl.int32), -2)
+        within += tl.sum(((flat[:, None] == cv[None, :]) & (r[None, :] < q[:, None])).to(tl.int32), axis=1)
+    return tl.load(base_e_ptr + b.to(tl.int64) * E + c, mask=ok, other=0) + tl.reshape(within, (BT, K_PAD))
 
 
 @triton.jit

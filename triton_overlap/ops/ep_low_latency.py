@@ -182,7 +182,7 @@ class ExpertParallelLowLatency(OverlapOp):
         launch(ll_expand, (W * cdiv(cap, bt), cdiv(H, bh)),
                (bufs.data.local, bufs.meta.local, place, received, bufs.state.local, tokens, source, token, weights,
                 slots, slot_w, row_scales if G else small, H, EL, W, cap, R, G, bufs.slot, bufs.meta_slot),
-               dict(K=k, BU=bt, BLOCK_H=bh, G_PAD=pow2(G) if G else 0), num_warps=4)
+               dict(K=k, K_PAD=pow2(k), BU=bt, BLOCK_H=bh, G_PAD=pow2(G) if G else 0), num_warps=4)
         ctx.after_launch()
         self.state["buffers"] = {"rows": bufs.data.local, "meta": bufs.meta.local, "table": bufs.table.local}
         return LowLatencyHandle(
