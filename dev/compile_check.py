@@ -466,11 +466,11 @@ def compile_ep_low_latency(target) -> int:
         g = 64 if fp8 else 0
         kernels = [(ll.ll_send, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh, G_PAD=g,
                                      REC_PAD=1 << (3 + w_pad + e - 1).bit_length())),
-                   (ll.ll_layout, dict(W_PAD=w_pad, EL_PAD=el_pad, CLOCK=1)),
-                   (ll.ll_expand, dict(K=K, K_PAD=kp, BU=bt, BLOCK_H=bh, G_PAD=g))]
+                   (ll.ll_expand, dict(K=K, K_PAD=kp, BU=bt, BLOCK_H=bh, G_PAD=g, W_PAD=w_pad, EL_PAD=el_pad,
+                                       CLOCK=1))]
         if not fp8:
-            kernels += [(ll.ll_combine_send, dict(K=K, BU=16, BLOCK_N=256, W_PAD=w_pad)),
-                        (ll.ll_combine_recv, dict(BLOCK_M=16, BLOCK_N=256, CLOCK=1))]
+            kernels += [(ll.ll_combine_send, dict(K=K, K_PAD=kp, BU=16, BLOCK_N=256, W_PAD=w_pad)),
+                        (ll.ll_combine_recv, dict(W_PAD=w_pad, BLOCK_M=16, BLOCK_N=256, CLOCK=1))]
         for fn, consts in kernels:
             rows = ("x_ptr", "rows_ptr", "tokens_ptr", "y_ptr", "back_ptr", "out_ptr")
             sig = {prm.name: "constexpr" if prm.is_constexpr else WAITER if prm.name == "waiter"

@@ -16,12 +16,11 @@ Dispatch, after kernels.ep_routing's count kernels (the record: tokens per owner
    choice's local expert at that owner (-1: another owner's), its place among this rank's pairs of that expert,
    the weights' bits, the scales' bits]; program 0 stores the record into every peer's table and the call's
    header; the last program out raises this rank's flag in every peer.
-2. ``ll_layout`` (one program): waits for every source's flag (bounded), compares headers, checks every source's
-   ids against [0, E) (ERR_BAD_IDS otherwise: the Context faults, naming the rank), and from the received records
-   computes where each (source, local expert) run starts in the expert-sorted layout, the layout's offsets, and
-   the rows from each source.
-3. ``ll_expand`` (a program per block of a source's slot and column tile): each received row to the layout rows of
-   its choices, with what a combine reads; the last program out counts the call.
+2. ``ll_expand`` (a program per block of a source's slot and column tile): waits for every source's flag
+   (bounded), compares headers, checks every source's ids against [0, E) (ERR_BAD_IDS otherwise: the Context
+   faults, naming the rank), computes from the received records where each (source, local expert) run starts in the
+   expert-sorted layout (``place_runs``: every program the same values), then copies each received row to the
+   layout rows of its choices, with what a combine reads; the last program out counts the call.
 
 Combine: ``ll_combine_send`` sums each received row's choices (weight · y, in choice order, float32, rounded once:
 kernels.row_sums' arithmetic) and stores the partial into its source's slot [half][rank] at the row's place in the
@@ -138,36 +137,35 @@ def ll_send(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
 
 
 @triton.jit
-def ll_layout(table_ptr, header_ptr, flags_ptr, state_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr, waiter, E,
-              EL, W,
-              table_slot, fingerprint, W_PAD: tl.constexpr, EL_PAD: tl.constexpr, CLOCK: tl.constexpr):
-    """Grid (1,): once every source's flag is up, ``place[s, i]``: the first layout row of source s's pairs of local
-    expert i (the experts before i, then i's pairs from the sources before s); ``offsets`` [EL + 1] the layout's
-    expert bounds and ``counts`` [EL] its rows per expert; ``received[s]``: the rows source s stored here. Ids outside [0, E) on any source: ERR_BAD_IDS."""
+def place_runs(table_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr, waiter, e, half, E, EL, W, table_slot,
+               record, W_PAD: tl.constexpr, EL_PAD: tl.constexpr):
+    """From the records every source stored here (read once every source's flag is up): ``place[s, i]``, the first
+    layout row of source s's pairs of local expert i (the experts before i, then i's pairs from the sources before
+    s); ``offsets`` [EL + 1] the layout's expert bounds, ``counts`` [EL] its rows per expert, ``received[s]`` the
+    rows source s stored here. Every program of ll_expand stores the same values. Where ``record``: a source's ids
+    outside [0, E) are recorded as ERR_BAD_IDS."""
     err_ptr, budget, rank, op = waiter
-    e = tl.load(state_ptr) + 1
-    half = e % 2
-    wait_every_source(flags_ptr, header_ptr, e, half, waiter, W, fingerprint, CLOCK)
     i = tl.arange(0, EL_PAD)
     im = i < EL
     s = tl.arange(0, W_PAD)
     sm = s < W
     rec = table_ptr + (half * W + s).to(tl.int64) * table_slot  # [W_PAD] each source's record
     tl.store(received_ptr + s, tl.load(rec + 3 + rank, mask=sm, other=0, cache_modifier=".cg"), mask=sm)
-    n = tl.load(rec, mask=sm, other=0, cache_modifier=".cg")
-    lo = tl.load(rec + 1, mask=sm, other=0, cache_modifier=".cg")
-    hi = tl.load(rec + 2, mask=sm, other=0, cache_modifier=".cg")
-    bad = sm & (n > 0) & ((lo < 0) | (hi >= E))
-    first = tl.min(tl.where(bad, s, W_PAD), axis=0)
-    if first < W_PAD:
-        if tl.atomic_cas(err_ptr, 0, ERR_BAD_IDS, sem="acq_rel", scope="gpu") == 0:
-            tl.store(err_ptr + ERR_RANK, rank)
-            tl.store(err_ptr + ERR_OP, op)
-            tl.store(err_ptr + ERR_PEER, first)
-            tl.store(err_ptr + ERR_WHAT, E)
-            tl.store(err_ptr + ERR_SEEN, tl.sum(tl.where(s == first, lo, 0), axis=0))
-            tl.store(err_ptr + ERR_WANTED, tl.sum(tl.where(s == first, hi, 0), axis=0))
-            tl.store(err_ptr + ERR_CALL, e)
+    if record:
+        n = tl.load(rec, mask=sm, other=0, cache_modifier=".cg")
+        lo = tl.load(rec + 1, mask=sm, other=0, cache_modifier=".cg")
+        hi = tl.load(rec + 2, mask=sm, other=0, cache_modifier=".cg")
+        bad = sm & (n > 0) & ((lo < 0) | (hi >= E))
+        first = tl.min(tl.where(bad, s, W_PAD), axis=0)
+        if first < W_PAD:
+            if tl.atomic_cas(err_ptr, 0, ERR_BAD_IDS, sem="acq_rel", scope="gpu") == 0:
+                tl.store(err_ptr + ERR_RANK, rank)
+                tl.store(err_ptr + ERR_OP, op)
+                tl.store(err_ptr + ERR_PEER, first)
+                tl.store(err_ptr + ERR_WHAT, E)
+                tl.store(err_ptr + ERR_SEEN, tl.sum(tl.where(s == first, lo, 0), axis=0))
+                tl.store(err_ptr + ERR_WANTED, tl.sum(tl.where(s == first, hi, 0), axis=0))
+                tl.store(err_ptr + ERR_CALL, e)
     pairs = tl.load(rec[:, None] + 3 + W + rank * EL + i[None, :], mask=sm[:, None] & im[None, :], other=0,
                     cache_modifier=".cg")
     total = tl.sum(pairs, axis=0)  # [EL_PAD] every source's pairs of each local expert
@@ -180,10 +178,13 @@ def ll_layout(table_ptr, header_ptr, flags_ptr, state_ptr, place_ptr, offsets_pt
 
 
 @triton.jit
-def ll_expand(rows_ptr, meta_ptr, place_ptr, received_ptr, state_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr,
-              slots_ptr, slot_w_ptr, scales_ptr, H, EL, W, cap, R, G, row_slot, meta_slot, K: tl.constexpr,
-              K_PAD: tl.constexpr, BU: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr):
-    """Grid (W · blocks of a slot, column tiles): source s's received rows u of this block (u < received[s]) to
+def ll_expand(table_ptr, header_ptr, flags_ptr, rows_ptr, meta_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr,
+              state_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr, slots_ptr, slot_w_ptr, scales_ptr, waiter, E,
+              H, EL, W, cap, R, G, row_slot, meta_slot, table_slot, fingerprint, K: tl.constexpr, K_PAD: tl.constexpr,
+              BU: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr, W_PAD: tl.constexpr,
+              EL_PAD: tl.constexpr, CLOCK: tl.constexpr):
+    """Grid (W · blocks of a slot, column tiles). Once every source's flag is up (bounded waits; headers compared),
+    the layout (place_runs, in every program), then source s's received rows u of this block (u < received[s]) to
     ``tokens[place[s, i] + k]`` for each choice's local expert i and place k, and (column tile 0) ``source``,
     ``token``, ``weights`` (bits) and ``scales`` (bits) per layout row, ``slots[s · cap + u, j]`` (-1: none) and
     ``slot_w`` (bits) per received row; the last program out counts the call. Every choice's metadata and layout
@@ -194,7 +195,12 @@ def ll_expand(rows_ptr, meta_ptr, place_ptr, received_ptr, state_ptr, tokens_ptr
     h0 = tl.program_id(1) * BLOCK_H
     e = tl.load(state_ptr) + 1
     half = e % 2
-    um = u < tl.load(received_ptr + s)
+    wait_every_source(flags_ptr, header_ptr, e, half, waiter, W, fingerprint, CLOCK)
+    place_runs(table_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr, waiter, e, half, E, EL, W, table_slot,
+               (tl.program_id(0) == 0) & (h0 == 0), W_PAD, EL_PAD)
+    tl.debug_barrier()
+    rank = waiter[2]
+    um = u < tl.load(table_ptr + (half * W + s).to(tl.int64) * table_slot + 3 + rank, cache_modifier=".cg")
     slot = (half * W + s).to(tl.int64)
     cols = h0 + tl.arange(0, BLOCK_H)
     cm = cols < H
@@ -206,7 +212,7 @@ def ll_expand(rows_ptr, meta_ptr, place_ptr, received_ptr, state_ptr, tokens_ptr
     mk = um[:, None] & (jj < K)[None, :]
     i = tl.load(m[:, None] + 2 + jj[None, :], mask=mk, other=-1, cache_modifier=".cg")
     ok = mk & (i >= 0) & (i < EL)
-    p = (tl.load(place_ptr + s * EL + i, mask=ok, other=0)
+    p = (tl.load(place_ptr + s * EL + i, mask=ok, other=0, cache_modifier=".cg")
          + tl.load(m[:, None] + 2 + K + jj[None, :], mask=ok, other=0, cache_modifier=".cg"))
     ok = ok & (p >= 0) & (p < R)
     p = tl.where(ok, p, -1)
@@ -237,8 +243,8 @@ def ll_expand(rows_ptr, meta_ptr, place_ptr, received_ptr, state_ptr, tokens_ptr
 
 @triton.jit
 def ll_combine_send(y_ptr, slots_ptr, slot_w_ptr, received_ptr, back_ptrs, header_ptrs, flag_ptrs, state_ptr, N, W,
-                    rank, cap, stride_y, back_slot, op, fingerprint, K: tl.constexpr, BU: tl.constexpr,
-                    BLOCK_N: tl.constexpr, W_PAD: tl.constexpr):
+                    rank, cap, stride_y, back_slot, op, fingerprint, K: tl.constexpr, K_PAD: tl.constexpr,
+                    BU: tl.constexpr, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr):
     """Grid (W · blocks of a slot, column tiles): for source s's received rows u, Σ_j slot_w[g, j] · y[slots[g, j]]
     (g = s · cap + u; in choice order, float32, rounded once to y's dtype) into slot [half][rank] of s's combine
     buffer at row u; program 0 publishes the header, the last program out raises the flags."""
@@ -251,13 +257,17 @@ def ll_combine_send(y_ptr, slots_ptr, slot_w_ptr, received_ptr, back_ptrs, heade
     half = e % 2
     um = u < tl.load(received_ptr + s)
     g = (s * cap + u).to(tl.int64)
+    jj = tl.arange(0, K_PAD)
+    mk = um[:, None] & (jj < K)[None, :]
+    slots = tl.load(slots_ptr + g[:, None] * K + jj[None, :], mask=mk, other=-1)  # every choice's at once
+    ws = tl.load(slot_w_ptr + g[:, None] * K + jj[None, :], mask=mk & (slots >= 0), other=0.0)
     acc = tl.zeros((BU, BLOCK_N), dtype=tl.float32)
-    for j in range(0, K):
-        idx = tl.load(slots_ptr + g * K + j, mask=um, other=-1)
+    for j in tl.static_range(K):
+        idx = tl.sum(tl.where(jj[None, :] == j, slots, 0), axis=1)
         hit = idx >= 0
         vals = tl.load(y_ptr + tl.where(hit, idx, 0).to(tl.int64)[:, None] * stride_y + cols[None, :],
                        mask=hit[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        vals = vals * tl.load(slot_w_ptr + g * K + j, mask=hit, other=0.0)[:, None]
+        vals = vals * tl.sum(tl.where(jj[None, :] == j, ws, 0.0), axis=1)[:, None]
         acc += vals
     dest = tl.load(back_ptrs + s).to(tl.pointer_type(y_ptr.dtype.element_ty))
     at = (half * W + rank).to(tl.int64) * back_slot + u.to(tl.int64) * N
@@ -269,7 +279,8 @@ def ll_combine_send(y_ptr, slots_ptr, slot_w_ptr, received_ptr, back_ptrs, heade
 
 @triton.jit
 def ll_combine_recv(back_ptr, pos_ptr, out_ptr, header_ptr, flags_ptr, state_ptr, waiter, T, N, W, cap, back_slot,
-                    stride_out, fingerprint, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CLOCK: tl.constexpr):
+                    stride_out, fingerprint, W_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    CLOCK: tl.constexpr):
     """Grid (max(blocks of tokens, 1), column tiles): once every owner's flag is up, ``out[t]`` = Σ over owners d
     in rank order of the partial d returned for t (``positions[t, d]`` = d · cap + its place; -1: none), in
     float32, rounded once; the last program out counts the call."""
@@ -280,9 +291,11 @@ def ll_combine_recv(back_ptr, pos_ptr, out_ptr, header_ptr, flags_ptr, state_ptr
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < T
     col_ok = cols < N
+    dd = tl.arange(0, W_PAD)
+    pos = tl.load(pos_ptr + rows[:, None] * W + dd[None, :], mask=row_ok[:, None] & (dd < W)[None, :], other=-1)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for d in range(0, W):
-        idx = tl.load(pos_ptr + rows * W + d, mask=row_ok, other=-1)
+    for d in tl.static_range(W_PAD):
+        idx = tl.sum(tl.where(dd[None, :] == d, pos, 0), axis=1)
         hit = idx >= 0
         at = (half * W + idx // cap).to(tl.int64) * back_slot + (idx % cap).to(tl.int64) * N
         vals = tl.load(back_ptr + tl.where(hit, at, 0)[:, None] + cols[None, :], mask=hit[:, None] & col_ok[None, :],
@@ -293,4 +306,4 @@ def ll_combine_recv(back_ptr, pos_ptr, out_ptr, header_ptr, flags_ptr, state_ptr
     count_call_when_done(state_ptr, e)
 
 
-__all__ = ["ll_combine_recv", "ll_combine_send", "ll_expand", "ll_layout", "ll_send"]
+__all__ = ["ll_combine_recv", "ll_combine_send", "ll_expand", "ll_send", "place_runs"]

@@ -286,8 +286,8 @@ def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets
         return
     G = 0 if sbits is None else sbits.shape[1]
     launch(ep_pack, (-(-T // bt), -(-H // bh)),
-           (x, ids, wbits, wbits if sbits is None else sbits, record, base, base_e, dest, rows, meta, positions, T, H, E,
-            E // W, W, rank, x.stride(0), G),
+           (x, ids, wbits, wbits if sbits is None else sbits, record, base, base_e, dest, rows, meta, positions, T, H,
+            E, E // W, W, rank, x.stride(0), G),
            dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=pow2(W), BLOCK_H=bh, G_PAD=pow2(G) if G else 0), num_warps=4)
 
 

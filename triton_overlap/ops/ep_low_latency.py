@@ -7,10 +7,10 @@ receive buffers hold one slot of ``cap`` rows per source (per half: calls altern
 stores its rows for an owner straight into the owner's slot for it, at the token's place among those it sends
 there, without knowing what the other sources send. The kernels do every store (kernels.ep_low_latency: the module
 doc has the protocol); for decode's few rows a copy engine's start-up would cost more than the stores. One
-dispatch is six launches on the caller's stream: the count kernels of the normal mode (this rank's record), the
-send (rows, metadata, the record and the call's header into every owner, then one flag per owner), the layout (waits
-for every source, compares headers, checks ids, places each (source, expert) run), and the expansion into expert
-order. A combine is two: the owners' weighted partials stored into each source's slot, then the sums.
+dispatch is five launches on the caller's stream: the count kernels of the normal mode (this rank's record), the
+send (rows, metadata, the record and the call's header into every owner, then one flag per owner), and the
+expansion (waits for every source, compares headers, checks ids, places each (source, expert) run and copies the
+rows into expert order). A combine is two: the owners' weighted partials stored into each source's slot, then the sums.
 
 What a dispatch returns (LowLatencyHandle) has the same fields as the normal mode's handle, in fixed shapes:
 ``tokens`` [W · cap · topk, H] (the most (token, choice) pairs a rank can receive), whose first ``offsets[-1]`` rows
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.cached_launch import launch
-from ..kernels.ep_low_latency import ll_combine_recv, ll_combine_send, ll_expand, ll_layout, ll_send
+from ..kernels.ep_low_latency import ll_combine_recv, ll_combine_send, ll_expand, ll_send
 from ..kernels.ep_routing import tiles
 from ..kernels.routing import pow2
 from ..kernels.signal import waiter
@@ -174,15 +174,13 @@ class ExpertParallelLowLatency(OverlapOp):
                dict(K=k, K_PAD=pow2(k), BT=bt, W_PAD=w_pad, BLOCK_H=bh, G_PAD=pow2(G) if G else 0,
                     REC_PAD=pow2(3 + W + E)), num_warps=4)
         ctx.after_launch()
-        launch(ll_layout, (1,), (bufs.table.local, bufs.header.local, bufs.flags.local, bufs.state.local, place,
-                                 offsets, counts, received, waiter(ctx, self.dispatch_op), E, EL, W, bufs.table_slot,
-                                 call.fingerprint),
-               dict(W_PAD=w_pad, EL_PAD=pow2(EL), CLOCK=ctx.clock), num_warps=4)
-        ctx.after_launch()
         launch(ll_expand, (W * cdiv(cap, bt), cdiv(H, bh)),
-               (bufs.data.local, bufs.meta.local, place, received, bufs.state.local, tokens, source, token, weights,
-                slots, slot_w, row_scales if G else small, H, EL, W, cap, R, G, bufs.slot, bufs.meta_slot),
-               dict(K=k, K_PAD=pow2(k), BU=bt, BLOCK_H=bh, G_PAD=pow2(G) if G else 0), num_warps=4)
+               (bufs.table.local, bufs.header.local, bufs.flags.local, bufs.data.local, bufs.meta.local, place,
+                offsets, counts, received, bufs.state.local, tokens, source, token, weights, slots, slot_w,
+                row_scales if G else small, waiter(ctx, self.dispatch_op), E, H, EL, W, cap, R, G, bufs.slot,
+                bufs.meta_slot, bufs.table_slot, call.fingerprint),
+               dict(K=k, K_PAD=pow2(k), BU=bt, BLOCK_H=bh, G_PAD=pow2(G) if G else 0, W_PAD=w_pad, EL_PAD=pow2(EL),
+                    CLOCK=ctx.clock), num_warps=4)
         ctx.after_launch()
         self.state["buffers"] = {"rows": bufs.data.local, "meta": bufs.meta.local, "table": bufs.table.local}
         return LowLatencyHandle(
@@ -213,13 +211,14 @@ class ExpertParallelLowLatency(OverlapOp):
         launch(ll_combine_send, (W * cdiv(cap, bu), cdiv(N, bn)),
                (y, d.slots, d.slot_weights, d.received, bufs.data.ptrs, bufs.header.ptrs, bufs.flags.ptrs,
                 bufs.state.local, N, W, r, cap, y.stride(0), bufs.slot, self.combine_op, call.fingerprint),
-               dict(K=d.slots.shape[1], BU=bu, BLOCK_N=bn, W_PAD=w_pad), num_warps=warps)
+               dict(K=d.slots.shape[1], K_PAD=pow2(d.slots.shape[1]), BU=bu, BLOCK_N=bn, W_PAD=w_pad),
+               num_warps=warps)
         ctx.after_launch()
         positions = d.positions if T else d.received.new_full((1, W), -1)
         launch(ll_combine_recv, (max(cdiv(T, bu), 1), cdiv(N, bn)),
                (bufs.data.local, positions, target, bufs.header.local, bufs.flags.local, bufs.state.local,
                 waiter(ctx, self.combine_op), T, N, W, cap, bufs.slot, target.stride(0), call.fingerprint),
-               dict(BLOCK_M=bu, BLOCK_N=bn, CLOCK=ctx.clock), num_warps=warps)
+               dict(W_PAD=w_pad, BLOCK_M=bu, BLOCK_N=bn, CLOCK=ctx.clock), num_warps=warps)
         ctx.after_launch()
         self.state.setdefault("buffers", {})["partials"] = bufs.data.local
         if target is not out:
