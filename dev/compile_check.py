@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from triton_overlap.kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
+from triton_overlap.kernels.all_reduce import one_shot_all_reduce, one_shot_all_reduce_rmsnorm, two_shot_all_reduce
 from triton_overlap.kernels.attention import cp_attention_fwd
 from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
 from triton_overlap.kernels.gemm import gather_gemm, persistent_gemm, scatter_gemm
@@ -130,6 +130,14 @@ def compile_signals(target) -> int:
         sig = collective_signature(fn, ("x_ptr", "out_ptr", "local_data"), dtype)
         failed += compile_one(target, f"{fn.fn.__name__} {dtype}", ASTSource(
             fn=fn, signature=sig, constexprs=dict(BLOCK=1024, BLOCK_W=8, CLOCK=1)), {"num_warps": 4})
+    for out, fp8_max in (("*bf16", 0.0), ("*fp8e4nv", 448.0)):  # AllReduce + residual + RMSNorm, 16-bit or fp8 out
+        fn = one_shot_all_reduce_rmsnorm
+        sig = collective_signature(fn, ("x_ptr", "residual_ptr", "weight_ptr", "residual_out_ptr", "local_data"),
+                                   "bf16")
+        sig.update(out_ptr=out, scale_ptr="*fp32", eps="fp32")
+        failed += compile_one(target, f"{fn.fn.__name__} out {out[1:]}", ASTSource(
+            fn=fn, signature=sig, constexprs=dict(BLOCK=8192, BLOCK_W=8, CLOCK=1, FP8_MAX=fp8_max)),
+            {"num_warps": 16})
     return failed
 
 

@@ -150,6 +150,43 @@ def test_all_reduce_rmsnorm_fallback_paths(pool):
     assert all(pool.run(_paths))
 
 
+def _fp8_out(shapes):
+    """out_dtype=float8_e4m3fn on the kernel and on the process group: the residual as in 16 bits, each row's scale
+    its largest magnitude over 448 (which the fp8 row then reaches), ``normed * scale`` the norm within fp8's
+    rounding (e4m3: 3 mantissa bits, a relative step of at most 2^-4 per element); the two paths agree; every
+    rank's outputs for the comparison across ranks."""
+    with to.Context(timeout_s=30) as ctx:
+        digests = []
+        for fallback in ("never", "always"):
+            op = to.AllReduceRMSNorm(ctx, fallback=fallback)
+            for i, (m, h) in enumerate(shapes):
+                call = _inputs(ctx, RMSCase(m=m, h=h), ("fp8", i))
+                kwargs = dict(call.kwargs, out=poison(torch.empty(m, h, dtype=torch.float8_e4m3fn, device=ctx.device)))
+                normed, new_residual, scales = op(*call.args, out_dtype=torch.float8_e4m3fn, **kwargs)
+                ctx.check()
+                assert op.last_path == ("fallback" if fallback == "always" else "overlap")
+                assert normed.dtype == torch.float8_e4m3fn and normed.data_ptr() == kwargs["out"].data_ptr()
+                assert scales.dtype == torch.float32 and scales.shape == (m, 1)
+                assert rel_err(new_residual, call.expect["residual"]) < TOL[torch.bfloat16]
+                ref = call.ref
+                assert rel_err(scales, ref.abs().amax(-1, keepdim=True) / 448) < TOL[torch.bfloat16]
+                assert torch.equal(normed.float().abs().amax(-1), torch.full((m,), 448.0, device=ctx.device))
+                err = rel_err(normed.float() * scales, ref)
+                assert err < 0.05, f"rank {ctx.rank}: dequantised norm rel err {err:.3f}"
+                digests.append((normed.view(torch.uint8).tolist(), scales.tolist()))
+        with pytest.raises(ValueError, match="out_dtype must be"):
+            op(*call.args, eps=EPS, out_dtype=torch.float16)
+        with pytest.raises(ValueError, match="out must be a contiguous torch.float8_e4m3fn"):
+            op(*call.args, eps=EPS, out_dtype=torch.float8_e4m3fn, out=torch.empty_like(call.args[0]))
+        return digests
+
+
+def test_all_reduce_rmsnorm_fp8_out(pool):
+    shapes = [(3, 40), (1, 24), (6, 72)] if pool.backend == "host" else [(16, 4096), (1, 8192), (64, 5120)]
+    results = pool.run(_fp8_out, shapes)
+    assert all(r == results[0] for r in results), "ranks' outputs differ"
+
+
 def test_all_reduce_rmsnorm_is_exported():
     assert to.all_reduce_rmsnorm in vars(to).values() and "AllReduceRMSNorm" in to.__all__
     with pytest.raises(ValueError, match="fallback"):

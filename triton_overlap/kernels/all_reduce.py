@@ -57,15 +57,31 @@ def one_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local
 
 
 @triton.jit
-def one_shot_all_reduce_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, data_ptrs, flag_ptrs,
-                                header_ptrs, local_data, local_flags, local_header, state_ptr, rows, hidden, eps, cap,
-                                max_blocks, waiter, world, fingerprint,
-                                BLOCK: tl.constexpr, BLOCK_W: tl.constexpr, CLOCK: tl.constexpr):
+def e4m3_grid(y):
+    """float32 ``y`` (|y| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in float32: the
+    mantissa cut to 3 bits for normal values, multiples of 2^-9 below 2^-6 (e4m3's subnormals). The conversion of
+    the result to fp8 is then exact on every backend (Triton's interpreter rounds some values wrongly itself)."""
+    mag = tl.abs(y)
+    bits = mag.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
+    small = ((mag * 512.0 + 12582912.0) - 12582912.0) / 512.0  # (adding 1.5 * 2^23 rounds to an integer)
+    r = tl.where(mag < 0.015625, small, normal)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # (-0.0 stays -0.0)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def one_shot_all_reduce_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr, residual_out_ptr, data_ptrs,
+                                flag_ptrs, header_ptrs, local_data, local_flags, local_header, state_ptr, rows, hidden,
+                                eps, cap, max_blocks, waiter, world, fingerprint, BLOCK: tl.constexpr,
+                                BLOCK_W: tl.constexpr, CLOCK: tl.constexpr, FP8_MAX: tl.constexpr = 0.0):
     """The one-shot AllReduce of an [rows, hidden] tensor with one block per row (``BLOCK`` >= hidden), and each
     row's residual add and RMSNorm as the epilogue of its sum, so the three steps are one launch:
     ``residual_out = residual + sum``, rounded once to its dtype, and ``out = residual_out * rsqrt(mean(residual_out
     ** 2) + eps) * weight`` in float32 from the rounded residual (so ``out`` is the norm of exactly the residual
-    returned). Every rank sums in rank order and normalises the same bits, so every rank's outputs are equal."""
+    returned). Every rank sums in rank order and normalises the same bits, so every rank's outputs are equal.
+    ``FP8_MAX`` > 0 (the fp8 format's largest value): ``out`` is fp8 with a per-row float32 scale, ``scale[r] =
+    max(|norm row|) / FP8_MAX`` (at least 2^-126) and ``out = norm / scale``, so ``out * scale`` is the norm."""
     err_ptr, budget, rank, op = waiter
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -88,7 +104,12 @@ def one_shot_all_reduce_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, residu
         hf = h.to(tl.float32)  # masked columns are 0: they add nothing to the mean
         rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / hidden + eps)
         w = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)  # per row: fewer live registers
-        tl.store(out_ptr + offs, (hf * rstd * w).to(out_ptr.dtype.element_ty), mask=in_row)
+        y = hf * rstd * w
+        if FP8_MAX > 0:
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, 1.1754943508222875e-38)
+            tl.store(scale_ptr + r, scale)
+            y = e4m3_grid(y / scale)
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=in_row)
     count_call(state_ptr, e)
 
 @triton.jit

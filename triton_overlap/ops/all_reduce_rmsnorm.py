@@ -25,11 +25,24 @@ from .base import OverlapOp
 MAX_HIDDEN = 16384
 
 
-def rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``h * rsqrt(mean(h ** 2, last dim) + eps) * weight`` in float32, in ``h``'s dtype: the fallback's norm, the
-    kernel's arithmetic."""
+#: an fp8 output's largest value (float8_e4m3fn), and the smallest scale (float32's least normal)
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 2.0 ** -126
+
+
+def rmsnorm(h: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype=None) -> torch.Tensor:
+    """``h * rsqrt(mean(h ** 2, last dim) + eps) * weight`` in float32, in ``h``'s dtype (or ``out_dtype``): the
+    fallback's norm, the kernel's arithmetic."""
     hf = h.float()
-    return (hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(h.dtype)
+    return (hf * torch.rsqrt(hf.square().mean(-1, keepdim=True) + eps) * weight.float()).to(out_dtype or h.dtype)
+
+
+def quantize_rows(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [M, H] -> (fp8 [M, H], float32 scales [M, 1]) with ``scale = max(|row|) / FP8_MAX`` (at least
+    MIN_SCALE): the kernel's per-row quantisation."""
+    scale = (y.abs().amax(-1, keepdim=True) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (y / scale).to(FP8), scale
 
 
 class AllReduceRMSNorm(OverlapOp):
@@ -40,6 +53,9 @@ class AllReduceRMSNorm(OverlapOp):
     sum over ranks of ``x`` and the add are in float32, rounded once into ``new_residual``, and ``normed`` is the
     RMSNorm (float32) of that rounded residual times ``weight``, both in ``x``'s dtype and the same bits on every
     rank. ``x`` is not modified; ``residual_out`` may be ``residual`` (updated in place, as serving engines do).
+    ``out_dtype=torch.float8_e4m3fn``: ``normed`` in fp8 with a per-row scale, for an fp8 GEMM next; the call then
+    returns ``(normed, new_residual, scales)``, ``scales`` float32 [M, 1] with ``normed.float() * scales`` the norm
+    (each row's largest magnitude maps to 448).
 
     ``fallback``: "auto" takes the process group's all_reduce, then torch's add and RMSNorm, above ``max_bytes`` of
     ``x``, for H > MAX_HIDDEN, for W = 1 and on a group that spans hosts; "always" always does; "never" never does
@@ -59,28 +75,37 @@ class AllReduceRMSNorm(OverlapOp):
 
     @torch.no_grad()
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float,
-                 out: torch.Tensor | None = None,
-                 residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> tuple:
         ctx = self.ctx
         ctx.ensure_usable()
-        self._check(x, residual, weight, eps, out, residual_out)
+        if out_dtype not in (None, FP8):
+            raise ValueError(f"{self.KIND}: out_dtype must be None (x's dtype) or torch.float8_e4m3fn, got "
+                             f"{out_dtype!r}")
+        odt = out_dtype or getattr(x, "dtype", None)
+        self._check(x, residual, weight, eps, out, residual_out, odt)
         M, H = x.shape
-        self.agree((M, H, str(x.dtype), str(weight.dtype)))
-        out = torch.empty((M, H), dtype=x.dtype, device=x.device) if out is None else out
+        self.agree((M, H, str(x.dtype), str(weight.dtype), str(odt)))
+        out = torch.empty((M, H), dtype=odt, device=x.device) if out is None else out
         residual_out = torch.empty((M, H), dtype=x.dtype, device=x.device) if residual_out is None else residual_out
+        scales = torch.empty((M, 1), dtype=torch.float32, device=x.device) if odt == FP8 else None
         if self._kernel(x):
             self.last_path = "overlap"
             if x.numel():
                 self._launch(x.contiguous(), residual.contiguous(), weight.contiguous(), float(eps), out,
-                             residual_out)
-            return out, residual_out
-        self.last_path = "fallback"
-        total = process_group_sum(ctx, x.contiguous().clone())  # x is not modified
-        residual_out.copy_(residual + total)
-        out.copy_(rmsnorm(residual_out, weight, float(eps)))
-        return out, residual_out
+                             residual_out, scales)
+        else:
+            self.last_path = "fallback"
+            total = process_group_sum(ctx, x.contiguous().clone())  # x is not modified
+            residual_out.copy_(residual + total)
+            if scales is None:
+                out.copy_(rmsnorm(residual_out, weight, float(eps)))
+            else:
+                q, s = quantize_rows(rmsnorm(residual_out, weight, float(eps), torch.float32))
+                out.copy_(q), scales.copy_(s)
+        return (out, residual_out) if scales is None else (out, residual_out, scales)
 
-    def _check(self, x, residual, weight, eps, out, residual_out) -> None:
+    def _check(self, x, residual, weight, eps, out, residual_out, out_dtype) -> None:
         """ValueError for anything the kernel cannot take, before any launch."""
         kind, dev = self.KIND, self.ctx.device
         for name, t in (("x", x), ("residual", residual), ("weight", weight)):
@@ -100,12 +125,12 @@ class AllReduceRMSNorm(OverlapOp):
                              f"{weight.dtype} {tuple(weight.shape)}")
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
             raise ValueError(f"{kind}: eps must be a finite number >= 0, got {eps!r}")
-        for name, t in (("out", out), ("residual_out", residual_out)):
-            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != x.shape or t.dtype != x.dtype
+        for name, t, dt in (("out", out, out_dtype), ("residual_out", residual_out, x.dtype)):
+            if t is not None and (not isinstance(t, torch.Tensor) or t.shape != x.shape or t.dtype != dt
                                   or t.device != dev or not t.is_contiguous()):
                 got = (f"{'a non-contiguous ' if not t.is_contiguous() else ''}{t.dtype} {tuple(t.shape)} on "
                        f"{t.device}" if isinstance(t, torch.Tensor) else type(t).__name__)
-                raise ValueError(f"{kind}: {name} must be a contiguous {x.dtype} tensor of shape {tuple(x.shape)} "
+                raise ValueError(f"{kind}: {name} must be a contiguous {dt} tensor of shape {tuple(x.shape)} "
                                  f"on {dev}, got {got}")
         if x.numel() == 0:
             return
@@ -132,27 +157,30 @@ class AllReduceRMSNorm(OverlapOp):
             return True
         return fits and x.numel() * x.element_size() <= self.max_bytes
 
-    def _launch(self, x, residual, weight, eps, out, residual_out) -> None:
+    def _launch(self, x, residual, weight, eps, out, residual_out, scales) -> None:
         ctx = self.ctx
         M, H = x.shape
         ex = exchange_buffers(ctx, self.name, M * H, x.dtype, M)
         self.state["buffers"] = {"slots": ex.data.local}
-        call = self.call_header((M, H, x.dtype), (M, H))
+        call = self.call_header((M, H, x.dtype, out.dtype), (M, H))
         block = pow2_at_least(H)
         launch(one_shot_all_reduce_rmsnorm, (max(1, min(M, ctx.num_compute_units())),), (
-            x, residual, weight, out, residual_out, *ex.args(), M, H, eps, ex.cap, ex.blocks, waiter(ctx, self.op),
-            ctx.world_size, call.fingerprint),
-            dict(BLOCK=block, BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock),
+            x, residual, weight, out, out if scales is None else scales, residual_out, *ex.args(), M, H, eps, ex.cap,
+            ex.blocks, waiter(ctx, self.op), ctx.world_size, call.fingerprint),
+            dict(BLOCK=block, BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock,
+                 FP8_MAX=0.0 if scales is None else FP8_MAX),
             num_warps=max(4, min(16, block // 512)))
         ctx.after_launch()
 
 
 def all_reduce_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, *, eps: float, ctx,
-                       out: torch.Tensor | None = None,
-                       residual_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None) -> tuple:
     """Functional form of AllReduceRMSNorm: ``(rmsnorm(residual + sum over ranks of x) * weight, residual + sum over
-    ranks of x)``; one op per Context, kept by the Context."""
-    return AllReduceRMSNorm.shared(ctx)(x, residual, weight, eps=eps, out=out, residual_out=residual_out)
+    ranks of x)`` (``out_dtype=torch.float8_e4m3fn``: the norm in fp8, then its per-row scales third); one op per
+    Context, kept by the Context."""
+    return AllReduceRMSNorm.shared(ctx)(x, residual, weight, eps=eps, out=out, residual_out=residual_out,
+                                        out_dtype=out_dtype)
 
 
 __all__ = ["AllReduceRMSNorm", "all_reduce_rmsnorm"]
