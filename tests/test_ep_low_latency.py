@@ -11,7 +11,8 @@ its own) and outputs are poisoned before every call.
 
 Faults: more tokens than max_tokens_per_rank (ValueError naming the rank, before any launch), ids outside [0, E) on
 one rank (seen on the device: every rank's Context faults naming that rank), a rank that never calls (the bounded
-wait names the rank, the op and the silent source); reset() restores the Context. On a GPU backend
+wait names the rank, the op and the silent source), ranks combining different dispatches (a fault, not a sum of the
+wrong partials; combining two dispatches in the other order is right); reset() restores the Context. On a GPU backend
 (``cuda-shared:2`` on one GPU): dispatch → experts → combine captured in one CUDA graph and replayed 1,000 times
 with new tokens and routing written into its inputs before each replay, every output checked.
 """
@@ -207,6 +208,44 @@ def test_ep_low_latency_faults(pool):
     assert any(e is not None for e in pool.run(_faults, timeout_for(pool)))
 
 
+def _other_dispatch(T: float):
+    """Two dispatches, then their combines in the other order (right); then rank 0 combines one dispatch while the
+    others combine the other: the combine's header names the dispatch, so every rank's Context faults instead of
+    summing the wrong partials; reset() restores it."""
+    with to.Context(timeout_s=T) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        case = EPCase(tokens=6, hidden=16, experts=2 * W, topk=2)
+        cap = _cap(case, W)
+        op = to.ExpertParallelLowLatency(ctx, cap, fallback="never")
+        experts = _expert_weights(case, dev)
+        handles = []
+        for it in (0, 1):
+            x, ids, w = _inputs(case, W, r, it, dev)
+            d = op.dispatch(x, ids, w, num_experts=case.experts)
+            n = int(d.offsets[-1])
+            y = torch.zeros(d.num_rows, case.hidden, dtype=x.dtype, device=dev)
+            y[:n] = _run_experts(d.tokens[:n], d.offsets, experts, r, case.experts // W)
+            handles.append((it, d, y))
+        for it, d, y in reversed(handles):
+            ref = _reference_out(case, W, r, it, experts, dev)
+            assert rel_err(op.combine(y, d), ref) < TOL[torch.bfloat16]
+        ctx.check()
+        it, d, y = handles[0] if r == 0 else handles[1]
+        with pytest.raises(to.ContextError, match="ranks must combine the same dispatch|faulted"):
+            op.combine(y, d)
+            ctx.synchronize()
+            ctx.check()
+        ctx.reset()
+        _round_trip(op, to.ExpertParallel(ctx, fallback="never"), ctx, case, 2, experts, cap)
+        return True
+
+
+def test_ep_low_latency_combine_of_another_dispatch_faults(pool):
+    if pool.backend == "host" and pool.world == 4:
+        pytest.skip("W = 2 and 3 on the host backend")
+    assert all(pool.run(_other_dispatch, timeout_for(pool)))
+
+
 # ------------------------------------------------------------------------------------------------ CUDA graphs
 def _graph_replays(case, replays: int):
     """dispatch → experts (each row of local expert i times i + 1, which needs the device offsets) → combine, in one
@@ -283,11 +322,15 @@ def _layer_decode(dim: int, replays: int):
         x = rand((cap - r, dim), torch.bfloat16, dev, "layer x", r)
         with torch.no_grad():
             got, want = layer(x), plain(x)
-            assert layer.decodes(x) and layer.last_path == "overlap" and layer._last is layer.decode_op
+            assert layer.decodes() and layer.last_path == "overlap" and layer._last is layer.decode_op
             assert rel_err(got, want.double()) < 1e-2, rel_err(got, want.double())
             big = rand((cap + 1, dim), torch.bfloat16, dev, "layer big", r)
-            assert not layer.decodes(big) and torch.equal(layer(big), plain(big))
-        assert not layer.decodes(x)  # autograd on: the normal mode, differentiable
+            with pytest.raises(ValueError, match="more than max_tokens_per_rank"):
+                layer(big)
+            layer.low_latency = False  # a prefill: the normal mode, on every rank
+            assert not layer.decodes() and torch.equal(layer(big), plain(big))
+            layer.low_latency = True
+        assert not layer.decodes()  # autograd on: the normal mode, differentiable
         layer(x).sum().backward()
         assert layer.w13.grad is not None
         if ctx.backend == "host":

@@ -97,6 +97,9 @@ class Faults:
             if h[0] != call:
                 return (f"rank {rank}: call {call} ({op} {mine}) meets rank {peer} at its call {h[0]} ({peer_op} "
                         f"{theirs}): the ranks' calls are out of step")
+            if h[2] == word[sig.ERR_OWN_FINGERPRINT] and word[sig.ERR_SEEN] != h[3]:  # a low-latency combine
+                return (f"rank {rank}: call {call}: {op} of dispatch {word[sig.ERR_SEEN]} on this rank, of dispatch "
+                        f"{h[3]} on rank {peer}: ranks must combine the same dispatch")
             return (f"rank {rank}: call {call}: ranks disagree on the call: rank {rank} called {op} {mine}, rank "
                     f"{peer} called {peer_op} {theirs}")
         what = word[sig.ERR_WHAT]

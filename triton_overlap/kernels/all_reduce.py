@@ -106,9 +106,9 @@ def one_shot_all_reduce_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_
         w = tl.load(weight_ptr + cols, mask=in_row, other=0.0).to(tl.float32)  # per row: fewer live registers
         y = hf * rstd * w
         if FP8_MAX > 0:
-            scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, 1.1754943508222875e-38)
+            scale = tl.maximum(tl.div_rn(tl.max(tl.abs(y), axis=0), FP8_MAX), 1.1754943508222875e-38)
             tl.store(scale_ptr + r, scale)
-            y = e4m3_grid(y / scale)
+            y = e4m3_grid(tl.div_rn(y, scale))  # (correctly rounded divisions: torch's, not the fast one)
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=in_row)
     count_call(state_ptr, e)
 

@@ -5,9 +5,9 @@ captured in a CUDA graph and replayed (ops.ep_low_latency has the protocol and t
 Each rank's receive buffers hold two halves of W slots, one slot per source of ``cap`` rows (``cap``: the most
 tokens a rank may send, so a source never overflows its slot). Call ``e`` (counted on the device: a replayed graph
 counts on) uses half ``e % 2``, and a source raises its flag to ``e`` in every peer once all its stores are out;
-flags only grow. The halves' argument is the one-shot AllReduce's (kernels.all_reduce): a peer storing call
-``e + 1`` into this rank's half has seen this rank's call-``e + 1`` flag, raised after this rank's call ``e`` read
-its half, kernels of one stream running in order.
+flags only grow. A peer stores call ``e + 2`` into the half call ``e`` used only after its call ``e + 1`` ended,
+which waited for this rank's call-``e + 1`` flag, raised after this rank's call ``e`` had read that half (kernels of
+one stream run in order): the one-shot AllReduce's argument (kernels.all_reduce).
 
 Dispatch, after kernels.ep_routing's count kernels (the record: tokens per owner, pairs per expert):
 
@@ -25,7 +25,9 @@ Dispatch, after kernels.ep_routing's count kernels (the record: tokens per owner
 Combine: ``ll_combine_send`` sums each received row's choices (weight · y, in choice order, float32, rounded once:
 kernels.row_sums' arithmetic) and stores the partial into its source's slot [half][rank] at the row's place in the
 source's send order, then the last program out raises the flags; ``ll_combine_recv`` waits for every owner's flag
-and sums each token's partials in owner order, in float32, rounded once. The same bits as the normal mode.
+and sums each token's partials in owner order, in float32, rounded once. The same bits as the normal mode. The
+combine's header carries the number of the dispatch it combines (``ll_expand`` writes it into the handle): ranks
+combining different dispatches fault (ERR_MISMATCH) instead of summing each other's partials.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ import triton
 import triton.language as tl
 
 from .ep_routing import pair_places, rows_before, token_owners
-from .signal import ERR_BAD_IDS, ERR_CALL, ERR_OP, ERR_PEER, ERR_RANK, ERR_SEEN, ERR_WANTED, ERR_WHAT, check_header
-from .signal import wait_for
+from .signal import (ERR_BAD_IDS, ERR_CALL, ERR_MISMATCH, ERR_OP, ERR_OWN_FINGERPRINT, ERR_PEER, ERR_PEER_HEADER,
+                     ERR_RANK, ERR_SEEN, ERR_WANTED, ERR_WHAT, check_header, wait_for)
 from .slot_exchange import publish_header
 
 
@@ -71,6 +73,29 @@ def wait_every_source(flags_ptr, header_ptr, e, half, waiter, world, fingerprint
         if wait_for(flags_ptr + p, e, waiter, p, p, CLOCK):
             check_header(header_ptr + (half * world + p) * 4, e, op, fingerprint, err_ptr, rank, p, 4)
     tl.debug_barrier()
+
+
+@triton.jit
+def same_dispatch(header_ptr, number_ptr, e, half, waiter, world, W_PAD: tl.constexpr):
+    """Record ERR_MISMATCH, naming the first source whose combine header (its last word) names another dispatch
+    than this rank's ``number``, with that header."""
+    err_ptr, budget, rank, op = waiter
+    mine = tl.load(number_ptr)
+    p = tl.arange(0, W_PAD)
+    theirs = tl.load(header_ptr + (half * world + p) * 4 + 3, mask=p < world, other=0, volatile=True)
+    other = tl.min(tl.where((p < world) & (theirs != mine), p, W_PAD), axis=0)
+    if other < W_PAD:
+        if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
+            tl.store(err_ptr + ERR_RANK, rank)
+            tl.store(err_ptr + ERR_OP, op)
+            tl.store(err_ptr + ERR_PEER, other)
+            tl.store(err_ptr + ERR_CALL, e)
+            for i in range(0, 4):
+                tl.store(err_ptr + ERR_PEER_HEADER + i, tl.load(header_ptr + (half * world + other) * 4 + i,
+                                                                volatile=True))
+            tl.store(err_ptr + ERR_OWN_FINGERPRINT, tl.load(header_ptr + (half * world + rank) * 4 + 2,
+                                                           volatile=True))
+            tl.store(err_ptr + ERR_SEEN, mine)
 
 
 @triton.jit
@@ -179,7 +204,7 @@ def place_runs(table_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr, wait
 
 @triton.jit
 def ll_expand(table_ptr, header_ptr, flags_ptr, rows_ptr, meta_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr,
-              state_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr, slots_ptr, slot_w_ptr, scales_ptr, waiter, E,
+              number_ptr, state_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr, slots_ptr, slot_w_ptr, scales_ptr, waiter, E,
               H, EL, W, cap, R, G, row_slot, meta_slot, table_slot, fingerprint, K: tl.constexpr, K_PAD: tl.constexpr,
               BU: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr, W_PAD: tl.constexpr,
               EL_PAD: tl.constexpr, CLOCK: tl.constexpr):
@@ -187,8 +212,9 @@ def ll_expand(table_ptr, header_ptr, flags_ptr, rows_ptr, meta_ptr, place_ptr, o
     the layout (place_runs, in every program), then source s's received rows u of this block (u < received[s]) to
     ``tokens[place[s, i] + k]`` for each choice's local expert i and place k, and (column tile 0) ``source``,
     ``token``, ``weights`` (bits) and ``scales`` (bits) per layout row, ``slots[s · cap + u, j]`` (-1: none) and
-    ``slot_w`` (bits) per received row; the last program out counts the call. Every choice's metadata and layout
-    row are loaded at once, before any row moves (one round of loads, not one per choice)."""
+    ``slot_w`` (bits) per received row, ``number`` the call's number (what a combine of it names); the last
+    program out counts the call. Every choice's metadata and layout row are loaded at once, before any row moves
+    (one round of loads, not one per choice)."""
     nbu = tl.cdiv(cap, BU)
     s = tl.program_id(0) // nbu
     u = (tl.program_id(0) % nbu) * BU + tl.arange(0, BU)
@@ -198,9 +224,11 @@ def ll_expand(table_ptr, header_ptr, flags_ptr, rows_ptr, meta_ptr, place_ptr, o
     wait_every_source(flags_ptr, header_ptr, e, half, waiter, W, fingerprint, CLOCK)
     place_runs(table_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr, waiter, e, half, E, EL, W, table_slot,
                (tl.program_id(0) == 0) & (h0 == 0), W_PAD, EL_PAD)
+    tl.store(number_ptr, e)
     tl.debug_barrier()
     rank = waiter[2]
-    um = u < tl.load(table_ptr + (half * W + s).to(tl.int64) * table_slot + 3 + rank, cache_modifier=".cg")
+    um = (u < cap) & (u < tl.load(table_ptr + (half * W + s).to(tl.int64) * table_slot + 3 + rank,
+                                  cache_modifier=".cg"))
     slot = (half * W + s).to(tl.int64)
     cols = h0 + tl.arange(0, BLOCK_H)
     cm = cols < H
@@ -242,12 +270,13 @@ def ll_expand(table_ptr, header_ptr, flags_ptr, rows_ptr, meta_ptr, place_ptr, o
 
 
 @triton.jit
-def ll_combine_send(y_ptr, slots_ptr, slot_w_ptr, received_ptr, back_ptrs, header_ptrs, flag_ptrs, state_ptr, N, W,
-                    rank, cap, stride_y, back_slot, op, fingerprint, K: tl.constexpr, K_PAD: tl.constexpr,
-                    BU: tl.constexpr, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr):
+def ll_combine_send(y_ptr, slots_ptr, slot_w_ptr, received_ptr, number_ptr, back_ptrs, header_ptrs, flag_ptrs,
+                    state_ptr, N, W, rank, cap, stride_y, back_slot, op, fingerprint, K: tl.constexpr,
+                    K_PAD: tl.constexpr, BU: tl.constexpr, BLOCK_N: tl.constexpr, W_PAD: tl.constexpr):
     """Grid (W · blocks of a slot, column tiles): for source s's received rows u, Σ_j slot_w[g, j] · y[slots[g, j]]
     (g = s · cap + u; in choice order, float32, rounded once to y's dtype) into slot [half][rank] of s's combine
-    buffer at row u; program 0 publishes the header, the last program out raises the flags."""
+    buffer at row u; program 0 publishes the header (its last word the dispatch's ``number``), the last program out
+    raises the flags."""
     nbu = tl.cdiv(cap, BU)
     s = tl.program_id(0) // nbu
     u = (tl.program_id(0) % nbu) * BU + tl.arange(0, BU)
@@ -255,7 +284,7 @@ def ll_combine_send(y_ptr, slots_ptr, slot_w_ptr, received_ptr, back_ptrs, heade
     cm = cols < N
     e = tl.load(state_ptr) + 1
     half = e % 2
-    um = u < tl.load(received_ptr + s)
+    um = (u < cap) & (u < tl.load(received_ptr + s))
     g = (s * cap + u).to(tl.int64)
     jj = tl.arange(0, K_PAD)
     mk = um[:, None] & (jj < K)[None, :]
@@ -273,20 +302,23 @@ def ll_combine_send(y_ptr, slots_ptr, slot_w_ptr, received_ptr, back_ptrs, heade
     at = (half * W + rank).to(tl.int64) * back_slot + u.to(tl.int64) * N
     tl.store(dest + at[:, None] + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=um[:, None] & cm[None, :])
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-        publish_header(header_ptrs, e, half, rank, W, op, fingerprint, N, W_PAD)
+        publish_header(header_ptrs, e, half, rank, W, op, fingerprint, tl.load(number_ptr), W_PAD)
     raise_flags_when_done(state_ptr, flag_ptrs, e, rank, W, W_PAD)
 
 
 @triton.jit
-def ll_combine_recv(back_ptr, pos_ptr, out_ptr, header_ptr, flags_ptr, state_ptr, waiter, T, N, W, cap, back_slot,
-                    stride_out, fingerprint, W_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    CLOCK: tl.constexpr):
-    """Grid (max(blocks of tokens, 1), column tiles): once every owner's flag is up, ``out[t]`` = Σ over owners d
-    in rank order of the partial d returned for t (``positions[t, d]`` = d · cap + its place; -1: none), in
-    float32, rounded once; the last program out counts the call."""
+def ll_combine_recv(back_ptr, pos_ptr, out_ptr, number_ptr, header_ptr, flags_ptr, state_ptr, waiter, T, N, W, cap,
+                    back_slot, stride_out, fingerprint, W_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, CLOCK: tl.constexpr):
+    """Grid (max(blocks of tokens, 1), column tiles): once every owner's flag is up and its header names the same
+    dispatch as this rank's (else ERR_MISMATCH), ``out[t]`` = Σ over owners d in rank order of the partial d
+    returned for t (``positions[t, d]`` = d · cap + its place; -1: none), in float32, rounded once; the last program
+    out counts the call."""
     e = tl.load(state_ptr) + 1
     half = e % 2
     wait_every_source(flags_ptr, header_ptr, e, half, waiter, W, fingerprint, CLOCK)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        same_dispatch(header_ptr, number_ptr, e, half, waiter, W, W_PAD)
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < T

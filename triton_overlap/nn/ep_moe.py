@@ -216,9 +216,10 @@ class EPMoE(ReplicatedRouter, nn.Module):
     ``sync_replicated_grads()`` after backward (a sum over ranks) or hand it to your data-parallel reducer.
 
     Decode: with ``max_tokens_per_rank``, a forward without autograd (``torch.no_grad``, ``torch.inference_mode``)
-    of at most that many tokens per rank takes ``ExpertParallelLowLatency``'s dispatch and combine: no host
-    synchronisation where the experts' GEMM is one ``torch._grouped_mm`` (``takes_grouped_mm``), so a decode step
-    holding the layer can be captured in a CUDA graph (one eager call first).
+    takes ``ExpertParallelLowLatency``'s dispatch and combine: no host synchronisation where the experts' GEMM is
+    one ``torch._grouped_mm`` (``takes_grouped_mm``), so a decode step holding the layer can be captured in a CUDA
+    graph (one eager call first). A rank with more tokens raises ValueError; for a prefill without autograd set
+    ``layer.low_latency = False`` on every rank (the ranks must take the same mode).
 
     Parameters are bfloat16 (default) or float16; float32 parameters work under ``torch.autocast`` (cast per call,
     as ``nn.Linear`` is) and raise TypeError without it. ``fallback`` is the op's rule ("auto": the process group
@@ -240,6 +241,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
         self.renormalize = renormalize
         self.experts_local = num_experts // W
         self.op = ep_op(ctx, fallback)
+        self.low_latency = max_tokens_per_rank is not None
         self.decode_op = (None if max_tokens_per_rank is None else ctx.cached(
             ("nn ep_moe low-latency op", fallback, max_tokens_per_rank),
             lambda: ExpertParallelLowLatency(ctx, max_tokens_per_rank, fallback=fallback,
@@ -281,11 +283,11 @@ class EPMoE(ReplicatedRouter, nn.Module):
         rule): ``"overlap"``, ``"fallback"`` (the process group's all_to_all_single), or None before any call."""
         return self._last.last_path if getattr(self, "_last", None) is not None else self.op.last_path
 
-    def decodes(self, rows: torch.Tensor) -> bool:
-        """Whether a forward of ``rows`` takes the low-latency mode: the layer has ``max_tokens_per_rank``, autograd
-        is off (the mode has no backward) and ``rows`` are no more than that."""
-        return (self.decode_op is not None and not torch.is_grad_enabled()
-                and rows.shape[0] <= self.decode_op.capacity)
+    def decodes(self) -> bool:
+        """Whether a forward now takes the low-latency mode: the layer has ``max_tokens_per_rank``, ``low_latency``
+        is on and autograd is off (the mode has no backward). Not the token count: every rank must take the same
+        mode, and a rank knows only its own tokens."""
+        return self.decode_op is not None and self.low_latency and not torch.is_grad_enabled()
 
     def route(self, rows: torch.Tensor):
         """This rank's (top-k ids int64 [T_local, k], top-k weights float32 [T_local, k]): ``TPMoE``'s router,
@@ -299,7 +301,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
         rows = x.reshape(-1, x.shape[-1]).to(dtype)
         ids, weights = self.route(rows)
         w13, w2 = self.w13.to(dtype), self.w2.to(dtype)
-        if self.decodes(rows):
+        if self.decodes():
             self._last = self.decode_op
             d = self.decode_op.dispatch(rows.contiguous(), ids, weights, num_experts=self.num_experts)
             y = self.decode_op.combine(swiglu_rows(d.tokens, w13, w2, d.offsets), d)

@@ -79,10 +79,11 @@ class AllReduceRMSNorm(OverlapOp):
                  out_dtype: torch.dtype | None = None) -> tuple:
         ctx = self.ctx
         ctx.ensure_usable()
-        if out_dtype not in (None, FP8):
-            raise ValueError(f"{self.KIND}: out_dtype must be None (x's dtype) or torch.float8_e4m3fn, got "
+        xdt = getattr(x, "dtype", None)
+        if out_dtype not in (None, xdt, FP8):
+            raise ValueError(f"{self.KIND}: out_dtype must be None or x's dtype, or torch.float8_e4m3fn, got "
                              f"{out_dtype!r}")
-        odt = out_dtype or getattr(x, "dtype", None)
+        odt = out_dtype or xdt
         self._check(x, residual, weight, eps, out, residual_out, odt)
         M, H = x.shape
         self.agree((M, H, str(x.dtype), str(weight.dtype), str(odt)))

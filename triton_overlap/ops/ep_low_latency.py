@@ -19,9 +19,13 @@ hold the received pairs in expert order (as the normal mode's; the rows past the
 in the same order, and combines return the same bits.
 
 Faults: every wait is bounded and names the rank, the op and the source; the senders' headers are compared with the
-receiver's call (ranks calling with different shapes or out of step fault, naming both); ids outside [0, E) on any
-rank fault every rank's Context, naming that rank (the check needs every rank's ids, which the host never sees
-here); a Context faults until ``reset()``. Tokens beyond ``cap`` on a rank raise ValueError before any launch.
+receiver's call (ranks calling with different shapes or out of step fault, naming both; a combine's header names
+the dispatch it combines, so ranks combining different dispatches fault too); ids outside [0, E) on any rank fault
+every rank's Context, naming that rank (the check needs every rank's ids, which the host never sees here); a
+Context faults until ``reset()``. Unlike the normal mode, rows move before the headers are compared (there is no
+barrier), and a fault is seen on the device: the outputs of a faulted call are garbage, so call ``ctx.check()``
+after a replayed step. Tokens beyond ``cap`` on a rank raise
+ValueError on that rank before any launch (its peers then time out naming it).
 
 Make one eager call of each shape (H, dtype, topk, E, scales; the combine's N) before capturing: it allocates the
 symmetric buffers and agrees on the shapes across ranks, which cannot happen inside a capture.
@@ -52,8 +56,8 @@ class LowLatencyHandle:
     ``weights`` (float32), ``scales`` (float32 [rows, G] for fp8 rows, else None), as in EPHandle; rows past
     ``offsets[-1]`` are unspecified. What combine reads: ``slots`` int32 [W · cap, topk] and ``slot_weights`` per
     received row (source s's row u at s · cap + u), ``positions`` int32 [T_local, W] (d · cap + the token's place
-    among this rank's rows for owner d; -1: none) and ``received`` int32 [W] (rows from each source), all on the
-    device."""
+    among this rank's rows for owner d; -1: none), ``received`` int32 [W] (rows from each source) and ``number``
+    int32 [1] (the dispatch's call number, which the combine's header carries), all on the device."""
 
     tokens: torch.Tensor
     counts: torch.Tensor
@@ -66,6 +70,7 @@ class LowLatencyHandle:
     slot_weights: torch.Tensor
     positions: torch.Tensor
     received: torch.Tensor
+    number: torch.Tensor
     rank: int
     world: int
     num_tokens: int
@@ -151,10 +156,10 @@ class ExpertParallelLowLatency(OverlapOp):
         call = self._call(self.dispatch_op, descriptor, (H, E))
         route = route_tokens(topk_ids, E, W)
         dev, EL, R = x.device, E // W, W * cap * k
-        small = torch.empty(W * EL + 2 * EL + 1 + W + 3 * R + 2 * W * cap * k + R * G + max(T, 1) * W,
+        small = torch.empty(W * EL + 2 * EL + 2 + W + 3 * R + 2 * W * cap * k + R * G + max(T, 1) * W,
                             dtype=torch.int32, device=dev)
-        place, offsets, counts, received, source, token, weights, slots, slot_w, row_scales, positions = torch.split(
-            small, (W * EL, EL + 1, EL, W, R, R, R, W * cap * k, W * cap * k, R * G, max(T, 1) * W))
+        place, offsets, counts, received, number, source, token, weights, slots, slot_w, row_scales, positions = (
+            torch.split(small, (W * EL, EL + 1, EL, W, 1, R, R, R, W * cap * k, W * cap * k, R * G, max(T, 1) * W)))
         tokens = torch.empty((R, H), dtype=rows_dtype, device=dev)
         xs = x.view(torch.uint8) if x.dtype == FP8 else x
         xs = xs if xs.stride(1) == 1 else xs.contiguous()
@@ -176,17 +181,19 @@ class ExpertParallelLowLatency(OverlapOp):
         ctx.after_launch()
         launch(ll_expand, (W * cdiv(cap, bt), cdiv(H, bh)),
                (bufs.table.local, bufs.header.local, bufs.flags.local, bufs.data.local, bufs.meta.local, place,
-                offsets, counts, received, bufs.state.local, tokens, source, token, weights, slots, slot_w,
+                offsets, counts, received, number, bufs.state.local, tokens, source, token, weights, slots, slot_w,
                 row_scales if G else small, waiter(ctx, self.dispatch_op), E, H, EL, W, cap, R, G, bufs.slot,
                 bufs.meta_slot, bufs.table_slot, call.fingerprint),
                dict(K=k, K_PAD=pow2(k), BU=bt, BLOCK_H=bh, G_PAD=pow2(G) if G else 0, W_PAD=w_pad, EL_PAD=pow2(EL),
                     CLOCK=ctx.clock), num_warps=4)
         ctx.after_launch()
-        self.state["buffers"] = {"rows": bufs.data.local, "meta": bufs.meta.local, "table": bufs.table.local}
+        self.state.setdefault("buffers", {}).update(rows=bufs.data.local, meta=bufs.meta.local,
+                                                    table=bufs.table.local)
         return LowLatencyHandle(
             tokens.view(x.dtype), counts, offsets, source, token, weights.view(torch.float32),
             row_scales.view(torch.float32).view(R, G) if G else None, slots.view(W * cap, k),
-            slot_w.view(torch.float32).view(W * cap, k), positions[:T * W].view(T, W), received, r, W, T, E, cap)
+            slot_w.view(torch.float32).view(W * cap, k), positions[:T * W].view(T, W), received, number, r, W, T, E,
+            cap)
 
     # ------------------------------------------------------------------------------------------------- combine
     @torch.no_grad()
@@ -209,14 +216,14 @@ class ExpertParallelLowLatency(OverlapOp):
         bu, bn, warps = (8, 64, 1) if ctx.interpreted else (16, 256, 4)
         w_pad = pow2(W)
         launch(ll_combine_send, (W * cdiv(cap, bu), cdiv(N, bn)),
-               (y, d.slots, d.slot_weights, d.received, bufs.data.ptrs, bufs.header.ptrs, bufs.flags.ptrs,
+               (y, d.slots, d.slot_weights, d.received, d.number, bufs.data.ptrs, bufs.header.ptrs, bufs.flags.ptrs,
                 bufs.state.local, N, W, r, cap, y.stride(0), bufs.slot, self.combine_op, call.fingerprint),
                dict(K=d.slots.shape[1], K_PAD=pow2(d.slots.shape[1]), BU=bu, BLOCK_N=bn, W_PAD=w_pad),
                num_warps=warps)
         ctx.after_launch()
         positions = d.positions if T else d.received.new_full((1, W), -1)
         launch(ll_combine_recv, (max(cdiv(T, bu), 1), cdiv(N, bn)),
-               (bufs.data.local, positions, target, bufs.header.local, bufs.flags.local, bufs.state.local,
+               (bufs.data.local, positions, target, d.number, bufs.header.local, bufs.flags.local, bufs.state.local,
                 waiter(ctx, self.combine_op), T, N, W, cap, bufs.slot, target.stride(0), call.fingerprint),
                dict(W_PAD=w_pad, BLOCK_M=bu, BLOCK_N=bn, CLOCK=ctx.clock), num_warps=warps)
         ctx.after_launch()
