@@ -103,7 +103,6 @@ FAST = [
     "test_moe.py::test_sorted_layout_feeds_moe_gemm_rs[host-w2-never]",
     "test_moe.py::test_ag_moe_wait_times_out[host-w2]",
     "test_moe_routing.py::test_routing_kernels_match_torch[host-w2-backend_block]",
-    "test_moe_routing.py::test_routing_kernels_match_torch[host-w2-gpu_block]",
     "test_moe_routing.py::test_routing_orders_tiles[host-w2]",
     "test_moe_routing.py::test_tile_table_reference_bounds_and_covers",
     "test_moe.py::test_fallback_rule",
