@@ -135,12 +135,13 @@ class OverlapOp:
         """Every rank passes the same ``key`` (shapes, dtypes): checked once per key (a collective)."""
         agree_across_ranks(self.KIND, self.ctx, key, self.state.setdefault("agreed", set()))
 
-    def call_header(self, descriptor: tuple, dims=()):
-        """The header this op's call publishes at its barrier (Context.call), kept per descriptor."""
+    def call_header(self, descriptor: tuple, dims=(), op: int | None = None):
+        """The header this op's call publishes at its barrier (Context.call), kept per descriptor; ``op``: the op id
+        it names (None: this op's; ops with calls of two kinds, such as a dispatch and a combine, name each)."""
         headers = self.state.setdefault("headers", {})
         got = headers.get(descriptor)
         if got is None:
-            got = headers[descriptor] = self.ctx.call(self.op, descriptor, dims)
+            got = headers[descriptor] = self.ctx.call(self.op if op is None else op, descriptor, dims)
         return got
 
     def overlap_possible(self) -> bool:

@@ -153,7 +153,7 @@ class ExpertParallelLowLatency(OverlapOp):
         rows_dtype = torch.uint8 if x.dtype == FP8 else x.dtype
         MW = 2 + 3 * k + G
         bufs = self._slots("dispatch", cap * H, rows_dtype, meta=cap * MW, table=3 + W + E)
-        call = self._call(self.dispatch_op, descriptor, (H, E))
+        call = self.call_header(descriptor, (H, E), self.dispatch_op)
         route = route_tokens(topk_ids, E, W)
         dev, EL, R = x.device, E // W, W * cap * k
         small = torch.empty(W * EL + 2 * EL + 2 + W + 3 * R + 2 * W * cap * k + R * G + max(T, 1) * W,
@@ -211,7 +211,7 @@ class ExpertParallelLowLatency(OverlapOp):
         out = torch.empty((T, N), dtype=y.dtype, device=y.device) if out is None else out
         target = out if out.stride(-1) == 1 else torch.empty((T, N), dtype=y.dtype, device=y.device)
         bufs = self._slots("combine", cap * N, y.dtype)
-        call = self._call(self.combine_op, descriptor, (N,))
+        call = self.call_header(descriptor, (N,), self.combine_op)
         y = y if y.stride(1) == 1 else y.contiguous()
         bu, bn, warps = (8, 64, 1) if ctx.interpreted else (16, 256, 4)
         w_pad = pow2(W)
@@ -270,13 +270,6 @@ class ExpertParallelLowLatency(OverlapOp):
         return Slots(data, meta_buf, table_buf, ctx.symmetric(f"{p}.header", (2, W, 4), torch.int32),
                      ctx.symmetric(f"{p}.flags", (W,), torch.int32), ctx.symmetric(f"{p}.state", (4,), torch.int32),
                      slot, meta_slot, table_slot)
-
-    def _call(self, op: int, descriptor: tuple, dims: tuple):
-        headers = self.state.setdefault("headers", {})
-        got = headers.get(descriptor)
-        if got is None:
-            got = headers[descriptor] = self.ctx.call(op, descriptor, dims)
-        return got
 
     def _agree(self, op: str, key: tuple) -> None:
         agree_across_ranks(op, self.ctx, key, self.state.setdefault("agreed", set()))
