@@ -25,7 +25,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from triton_overlap.kernels.all_reduce import one_shot_all_reduce, one_shot_all_reduce_rmsnorm, two_shot_all_reduce
+from triton_overlap.kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
+from triton_overlap.kernels.all_reduce_rmsnorm import one_shot_all_reduce_rmsnorm, one_shot_all_reduce_rmsnorm_flags
 from triton_overlap.kernels.attention import cp_attention_fwd
 from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
 from triton_overlap.kernels.gemm import gather_gemm, persistent_gemm, scatter_gemm
@@ -126,18 +127,29 @@ def compile_signals(target) -> int:
                       else "*i32" if n.endswith("_ptr") else "i64" if n == "budget" else "i32")
         failed += compile_one(target, fn.fn.__name__, ASTSource(fn=fn, signature=sig, constexprs=consts),
                               {"num_warps": 1})
+    tagged = dict(local_words="*i64", local_header="*i64")  # the tagged exchange's slots and headers
     for fn, dtype in itertools.product((one_shot_all_reduce, two_shot_all_reduce), ("bf16", "fp32")):  # AllReduce
         sig = collective_signature(fn, ("x_ptr", "out_ptr", "local_data"), dtype)
-        failed += compile_one(target, f"{fn.fn.__name__} {dtype}", ASTSource(
-            fn=fn, signature=sig, constexprs=dict(BLOCK=1024, BLOCK_W=8, CLOCK=1)), {"num_warps": 4})
-    for out, fp8_max in (("*bf16", 0.0), ("*fp8e4nv", 448.0)):  # AllReduce + residual + RMSNorm, 16-bit or fp8 out
-        fn = one_shot_all_reduce_rmsnorm
+        consts = dict(BLOCK=1024, BLOCK_W=8, CLOCK=1)
+        if fn is one_shot_all_reduce:
+            sig.update(tagged)
+            consts.update(PACK=2 if dtype == "bf16" else 1, ONE_PROGRAM=dtype == "bf16", WORD_IO=dtype == "bf16")
+        failed += compile_one(target, f"{fn.fn.__name__} {dtype}", ASTSource(fn=fn, signature=sig, constexprs=consts),
+                              {"num_warps": 4})
+    for fn, out, fp8_max, word_io in itertools.product(
+            (one_shot_all_reduce_rmsnorm, one_shot_all_reduce_rmsnorm_flags), ("*bf16", "*fp8e4nv"), (0.0, 448.0),
+            (True, False)):  # AllReduce + residual + RMSNorm: 16-bit or fp8 out, 32-bit loads and stores or 16-bit ones
+        if (out == "*fp8e4nv") != (fp8_max > 0):
+            continue
         sig = collective_signature(fn, ("x_ptr", "residual_ptr", "weight_ptr", "residual_out_ptr", "local_data"),
                                    "bf16")
         sig.update(out_ptr=out, scale_ptr="*fp32", eps="fp32")
-        failed += compile_one(target, f"{fn.fn.__name__} out {out[1:]}", ASTSource(
-            fn=fn, signature=sig, constexprs=dict(BLOCK=8192, BLOCK_W=8, CLOCK=1, FP8_MAX=fp8_max)),
-            {"num_warps": 16})
+        consts = dict(BLOCK=8192, PACK=2, WORD_IO=word_io, BLOCK_W=8, CLOCK=1, FP8_MAX=fp8_max)
+        if fn is one_shot_all_reduce_rmsnorm:
+            sig.update(tagged)
+            consts["ONE_PROGRAM"] = False
+        failed += compile_one(target, f"{fn.fn.__name__} out {out[1:]} word_io {word_io}", ASTSource(
+            fn=fn, signature=sig, constexprs=consts), {"num_warps": 16})
     return failed
 
 

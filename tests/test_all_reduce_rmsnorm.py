@@ -21,7 +21,8 @@ EPS = 1e-6
 @dataclass(frozen=True, kw_only=True)
 class RMSCase:
     """Every rank's [m, h] ``x`` summed over ranks, plus ``residual``, normalised with ``weight`` (of
-    ``weight_dtype``, default the inputs' dtype); ``in_place``: the residual updated in place; ``iters`` calls."""
+    ``weight_dtype``, default the inputs' dtype); ``in_place``: the residual updated in place; ``iters`` calls;
+    ``flags``: over plain slots and a flag per row at any size (tagged_max_bytes=0), else the op's default."""
     m: int
     h: int
     dtype: str = "bfloat16"
@@ -29,6 +30,7 @@ class RMSCase:
     in_place: bool = False
     iters: int = 1
     fallback: str = "never"
+    flags: bool = False
 
 
 def _inputs(ctx, case, it):
@@ -80,11 +82,15 @@ def _bad_inputs(ctx):
 ALL_REDUCE_RMSNORM = OpSpec(
     name="all_reduce_rmsnorm", module=__name__, op=to.AllReduceRMSNorm, functional=to.all_reduce_rmsnorm,
     inputs=_inputs, tol=TOL, check=_check_residual, bad_inputs=_bad_inputs,
+    make=lambda ctx, case, fallback: to.AllReduceRMSNorm(ctx, fallback=fallback,
+                                                         **(dict(tagged_max_bytes=0) if case.flags else {})),
     cases=Cases(host=(RMSCase(m=1, h=24), RMSCase(m=3, h=40, dtype="float32"), RMSCase(m=17, h=24, iters=2),
                       RMSCase(m=5, h=40, dtype="float16", weight_dtype="float32", in_place=True),
-                      RMSCase(m=3, h=40, fallback="always")),
+                      RMSCase(m=3, h=40, fallback="always"), RMSCase(m=2, h=23), RMSCase(m=4, h=40, flags=True),
+                      RMSCase(m=3, h=23, flags=True, weight_dtype="float32")),
                 gpu=(RMSCase(m=1, h=4096), RMSCase(m=64, h=8192, iters=3), RMSCase(m=17, h=5000, dtype="float32"),
-                     RMSCase(m=3, h=16384, weight_dtype="float32", in_place=True))),
+                     RMSCase(m=3, h=16384, weight_dtype="float32", in_place=True), RMSCase(m=2, h=4096, flags=True),
+                     RMSCase(m=3, h=4100, flags=True))),
     # 1,000 replays; the first call sizes the slots, not allowed inside a capture
     replay=Variants(host=None, gpu=RMSCase(m=7, h=4096), calls=1000, warm=True),
 )
@@ -111,6 +117,36 @@ def _same_bits():
 def test_all_reduce_rmsnorm_same_bits_on_every_rank(pool):
     results = pool.run(_same_bits)
     assert all(r == results[0] for r in results), "ranks' outputs differ"
+
+
+def _exact_residual(shapes, dtype, iters: int):
+    """The new residual, call after call with new inputs, over tagged words and over flagged rows, equals torch's
+    float32 sum of every rank's x in rank order plus the residual, rounded once, to the bit (what the kernels
+    compute): a value taken from a slot before it held this call's would show."""
+    with to.Context(timeout_s=30) as ctx:
+        tagged = to.AllReduceRMSNorm(ctx, fallback="never", name="arn.tagged", tagged_max_bytes=1 << 30)
+        flags = to.AllReduceRMSNorm(ctx, fallback="never", name="arn.flags", tagged_max_bytes=0)
+        for i in range(iters):
+            for op, (m, h) in ((op, shape) for op in (tagged, flags) for shape in shapes):
+                xs = [rand((m, h), dtype, ctx.device, "exact", i, r) for r in range(ctx.world_size)]
+                residual = rand((m, h), dtype, ctx.device, "exact-r", i)
+                weight = rand((h,), dtype, ctx.device, "exact-w", i)
+                want = xs[0].float()
+                for x in xs[1:]:
+                    want = want + x.float()
+                want = (want + residual.float()).to(dtype)
+                _, got = op(xs[ctx.rank], residual, weight, eps=EPS, residual_out=poison(torch.empty_like(residual)))
+                ctx.check()
+                assert torch.equal(got, want), (i, m, h)
+        return True
+
+
+def test_all_reduce_rmsnorm_residual_is_exact(pool):
+    host = pool.backend == "host"
+    shapes = [(3, 40), (2, 23)] if host else [(1, 4096), (16, 4096), (64, 4096), (64, 8192), (5, 4100)]
+    # (Triton's interpreter rounds float32 to 16 bits toward zero, GPUs to nearest: 16 bits on GPUs only)
+    dtype = torch.float32 if host else torch.bfloat16
+    assert all(pool.run(_exact_residual, shapes, dtype, 2 if host else 20))
 
 
 def _paths():

@@ -91,7 +91,8 @@ except ImportError:  # older triton: the gfx9 (CDNA) instruction
 
 
 @triton.jit
-def _now(err_ptr, CLOCK: tl.constexpr):
+def now(err_ptr, CLOCK: tl.constexpr):
+    """The wait clock's reading (``CLOCK``: see the module doc)."""
     if CLOCK == 0:
         t = tl.load(err_ptr + ERR_NOW_MS, volatile=True).to(tl.int64)
     elif CLOCK == 1:
@@ -102,7 +103,8 @@ def _now(err_ptr, CLOCK: tl.constexpr):
 
 
 @triton.jit
-def _to_us(ticks, CLOCK: tl.constexpr):
+def to_us(ticks, CLOCK: tl.constexpr):
+    """``ticks`` of the wait clock in microseconds."""
     if CLOCK == 0:
         us = ticks * _US_PER_HOST_TICK
     elif CLOCK == 1:
@@ -126,6 +128,21 @@ def error_code(err_ptr):
 
 
 @triton.jit
+def record_timeout(err_ptr, rank, op, peer, what, seen, wanted, elapsed, call, CLOCK: tl.constexpr):
+    """The details of a timeout, once its compare-and-swap of ERR_TIMEOUT into the error word has won: the rank, op,
+    peer, what was waited for (a chunk or a WHAT_* code), the value seen and the one wanted, how long (``elapsed``
+    ticks of ``CLOCK``) and in which call. Stores only: no barrier, so a branch taken by one thread may call it."""
+    tl.store(err_ptr + ERR_RANK, rank)
+    tl.store(err_ptr + ERR_OP, op)
+    tl.store(err_ptr + ERR_PEER, peer)
+    tl.store(err_ptr + ERR_WHAT, what)
+    tl.store(err_ptr + ERR_SEEN, seen)
+    tl.store(err_ptr + ERR_WANTED, wanted)
+    tl.store(err_ptr + ERR_ELAPSED_US, to_us(elapsed, CLOCK).to(tl.int32))
+    tl.store(err_ptr + ERR_CALL, call)
+
+
+@triton.jit
 def wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: tl.constexpr):
     """Spin until ``(int32)(*flag_ptr - target) >= 0``; return True on success.
 
@@ -142,23 +159,17 @@ def wait_flag(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: tl
     """
     seen = load_acquire(flag_ptr)
     failed = error_code(err_ptr) != 0
-    start = _now(err_ptr, CLOCK)
+    start = now(err_ptr, CLOCK)
     while (seen - target < 0) & (~failed):
         if CLOCK == 0:
             HOST_PAUSE()
         seen = load_acquire(flag_ptr)
-        elapsed = _now(err_ptr, CLOCK) - start
+        elapsed = now(err_ptr, CLOCK) - start
         expired = (elapsed > budget) & (seen - target < 0)
         code = tl.atomic_cas(err_ptr, 0, tl.where(expired, ERR_TIMEOUT, 0), sem="acq_rel", scope="gpu")
         if expired & (code == 0):  # this swap recorded the timeout (stores only: no barrier in this branch)
-            tl.store(err_ptr + ERR_RANK, rank)
-            tl.store(err_ptr + ERR_OP, op)
-            tl.store(err_ptr + ERR_PEER, peer)
-            tl.store(err_ptr + ERR_WHAT, what)
-            tl.store(err_ptr + ERR_SEEN, seen)
-            tl.store(err_ptr + ERR_WANTED, target)
-            tl.store(err_ptr + ERR_ELAPSED_US, _to_us(elapsed, CLOCK).to(tl.int32))
-            tl.store(err_ptr + ERR_CALL, tl.load(err_ptr + ERR_CURRENT_CALL, volatile=True))
+            record_timeout(err_ptr, rank, op, peer, what, seen, target, elapsed,
+                           tl.load(err_ptr + ERR_CURRENT_CALL, volatile=True), CLOCK)
         failed = code != 0  # after a recording swap, the next pass's swap sees the code and ends the loop
     return seen - target >= 0
 
@@ -197,12 +208,12 @@ def add_release(counter_ptr, value, GPU_SCOPE: tl.constexpr = False):
 def spin_kernel(ticks, CLOCK: tl.constexpr):
     """Spin for ``ticks`` of the GPU's wall clock (CLOCK 1: CUDA %globaltimer, ns; 2: AMD s_memrealtime, 100 MHz),
     whatever the SM clock runs at (timing.time_dist's lead)."""
-    t0 = _now(0, CLOCK)
+    t0 = now(0, CLOCK)
     t = t0
     while t - t0 < ticks:
         if CLOCK == 0:
             HOST_PAUSE()
-        t = _now(0, CLOCK)
+        t = now(0, CLOCK)
 
 
 @triton.jit

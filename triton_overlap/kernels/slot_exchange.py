@@ -7,7 +7,7 @@ order as their flags arrive.
 * ``push`` and ``notify_block``: a block into every peer's slot, then its flag in every peer;
 * ``sum_parts`` (by way of ``wait_block``): a block's sum over ranks, each peer's part once its flag is up and its
   header matches this rank's call;
-* ``count_call``: the last program out records the call as done.
+* ``count_call`` (``close_call``): the last program out records the call as done.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def push(x, data_ptrs, offs, inside, cap, half, rank, world):
     """``x`` (a block at ``offs``) into slot [half][rank] of every peer."""
     for p in range(0, world):
         if p != rank:
-            base = tl.load(data_ptrs + p).to(tl.pointer_type(x.dtype))
+            base = tl.multiple_of(tl.load(data_ptrs + p).to(tl.pointer_type(x.dtype)), 16)  # (a heap allocation)
             tl.store(base + (half * world + rank) * cap + offs, x, mask=inside)
 
 
@@ -82,3 +82,13 @@ def count_call(state_ptr, e):
     if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.store(state_ptr + 1, 0)
         tl.store(state_ptr, e)
+
+
+@triton.jit
+def close_call(state_ptr, e, ONE_PROGRAM: tl.constexpr):
+    """Record call ``e`` as done: ``count_call``, or where the launch has one program (``ONE_PROGRAM``) a plain store,
+    which the next launch on the stream sees (no atomic on the kernel's last step)."""
+    if ONE_PROGRAM:
+        tl.store(state_ptr, e)
+    else:
+        count_call(state_ptr, e)

@@ -1,7 +1,8 @@
 """AllReduce for small messages (decode-time tensor parallelism): the sum over ranks of a tensor, in one kernel.
 
 Small messages are latency-bound: one kernel launch in which every rank stores its input into every peer's
-receive slot and sums the W slots as their per-block flags arrive (kernels.all_reduce). No barrier, no host
+receive slot as words that carry the call number, and sums the W slots as their words arrive (kernels.all_reduce,
+kernels.tagged_exchange). No barrier, no host
 synchronisation and no host-side call number, so it can be captured in a CUDA graph and replayed. Above
 ``one_shot_max_bytes`` the op hands the message to the process group (NCCL on GPUs).
 """
@@ -15,17 +16,31 @@ import torch.distributed as dist
 from ..kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
 from ..kernels.cached_launch import launch
 from ..kernels.signal import waiter
+from ..kernels.tagged_exchange import TAGGED_HEADER_WORDS
 from ..plan import cdiv
 from .base import OverlapOp
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 #: algorithm="auto": the one-shot kernel up to this many bytes, the two-shot up to TWO_SHOT_MAX_BYTES, then the
-#: process group (docs/decisions.md: the two-shot lost to NCCL wherever the one-shot did, so it is not picked)
+#: process group (docs/decisions.md: the two-shot lost to NCCL wherever the one-shot did, so it is not picked);
+#: at W = 2 the one-shot up to ONE_SHOT_MAX_BYTES_W2 (measured ahead of NCCL there)
 ONE_SHOT_MAX_BYTES = 128 << 10
+ONE_SHOT_MAX_BYTES_W2 = 2 << 20
 TWO_SHOT_MAX_BYTES = 128 << 10
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 #: elements per block (one flag per block and peer)
 BLOCK = 1024
+#: the one-shot's messages up to this many elements take one program (one_shot_tiling)
+ONE_PROGRAM_MAX = 4096
+
+
+def one_shot_tiling(n: int, units: int) -> tuple[int, int]:
+    """The one-shot's (elements a block, programs) for ``n`` elements: one program with one block up to
+    ONE_PROGRAM_MAX elements (one program counts the call without an atomic), else blocks of BLOCK, a program per
+    block up to a program per compute unit."""
+    if n <= ONE_PROGRAM_MAX:
+        return max(BLOCK, pow2_at_least(n)), 1
+    return BLOCK, max(1, min(cdiv(n, BLOCK), units))
 
 
 def pow2_at_least(n: int) -> int:
@@ -76,6 +91,43 @@ def exchange_buffers(ctx, name: str, n: int, dtype: torch.dtype, blocks: int) ->
                     ctx.symmetric(f"{name}.state", (2,), torch.int32), cap, blocks)
 
 
+@dataclass(frozen=True)
+class TaggedExchange:
+    """One call's symmetric buffers for the tagged exchange (kernels.tagged_exchange): ``words`` [2, W, cap] int64
+    slots, ``header`` [2, W, TAGGED_HEADER_WORDS] int64 (each sender's tagged call header per half), ``state`` [2]
+    (the call count, the programs out)."""
+    words: object
+    header: object
+    state: object
+    cap: int
+
+    def args(self) -> tuple:
+        """The kernels' buffer arguments: word_ptrs, header_ptrs, local_words, local_header, state_ptr."""
+        return self.words.ptrs, self.header.ptrs, self.words.local, self.header.local, self.state.local
+
+
+def values_per_word(dtype: torch.dtype) -> int:
+    """How many values of ``dtype`` (16 or 32 bits) one tagged word carries: its 4 data bytes' worth."""
+    return 4 // torch.empty((), dtype=dtype).element_size()
+
+
+def word_io(size: int, *tensors: torch.Tensor) -> bool:
+    """Whether the tagged kernels may read and write ``tensors`` (16-bit) 32 bits at a time, 16 bytes an access
+    (kernels.tagged_exchange.load_bits' WORD_IO): every one 16-byte aligned, ``size`` (the elements of a block's
+    limit: the message or a row) a multiple of 8, so every block's and row's start is aligned too."""
+    return size % 8 == 0 and all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def tagged_buffers(ctx, name: str, words: int) -> TaggedExchange:
+    """The buffers ``name``.words/.tagged_header/.state for a call of ``words`` tagged words a sender (grown
+    collectively on a size's first call, kept in place until then: slot_elements)."""
+    W = ctx.world_size
+    cap = slot_elements(ctx, f"{name}.words", words, torch.int64)
+    return TaggedExchange(ctx.symmetric(f"{name}.words", (2, W, cap), torch.int64),
+                          ctx.symmetric(f"{name}.tagged_header", (2, W, TAGGED_HEADER_WORDS.value), torch.int64),
+                          ctx.symmetric(f"{name}.state", (2,), torch.int32), cap)
+
+
 def process_group_only(op: OverlapOp) -> bool:
     """Whether ``op``'s fallback rule sends every call to the process group: "always", "auto" at W = 1, or a group
     the kernels cannot span (``overlap_possible``; with "never" that raises ValueError)."""
@@ -102,24 +154,28 @@ class AllReduce(OverlapOp):
     ``op(x, out=None)`` returns the sum over ranks of ``x`` (float32, float16 or bfloat16, any shape and size),
     summed in float32, with ``x``'s shape and dtype; ``x`` is not modified, and every rank gets the same bits.
 
-    ``algorithm="auto"`` takes the one-shot kernel up to ``one_shot_max_bytes``, the two-shot kernel up to
+    ``algorithm="auto"`` takes the one-shot kernel up to ``one_shot_max_bytes`` (None: ONE_SHOT_MAX_BYTES_W2 at
+    W = 2, ONE_SHOT_MAX_BYTES elsewhere), the two-shot kernel up to
     ``two_shot_max_bytes`` (each rank sums 1/W of the blocks and sends the sums: less traffic, one more wait), and
     above that, for W = 1 or on a group that spans hosts, the process group's all_reduce (NCCL on GPUs);
     ``"one_shot"`` or ``"two_shot"`` always that kernel. ``fallback="always"`` always takes the process group;
     ``"never"`` never does (sizes beyond ``two_shot_max_bytes`` take the two-shot kernel; across hosts it raises).
 
-    The receive slots grow to the largest message seen (2 x W x its size per rank, collectively, on a size's
-    first call); make one eager call at the largest size before capturing calls in a CUDA graph.
+    The receive slots grow to the largest message seen (2 x W x its size per rank, twice that for the one-shot's
+    tagged words of 16-bit values, collectively, on a size's first call); make one eager call at the largest size
+    before capturing calls in a CUDA graph.
     """
 
     KIND = "all_reduce"
 
     def __init__(self, ctx, *, algorithm: str = "auto", fallback: str = "auto",
-                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES, two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
+                 one_shot_max_bytes: int | None = None, two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
                  name: str | None = None):
         super().__init__(ctx, None, fallback=fallback, name=name, replay=False)  # one launch: nothing to replay
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        if one_shot_max_bytes is None:
+            one_shot_max_bytes = ONE_SHOT_MAX_BYTES_W2 if ctx.world_size == 2 else ONE_SHOT_MAX_BYTES
         self.algorithm = algorithm
         self.one_shot_max_bytes = int(one_shot_max_bytes)
         self.two_shot_max_bytes = int(two_shot_max_bytes)
@@ -157,7 +213,10 @@ class AllReduce(OverlapOp):
             out.copy_(x)  # the process group sums in place; x is not modified
             return self._sum_in_place(out)
         self.last_path = "overlap"
-        self._launch(two_shot_all_reduce if kind == "two_shot" else one_shot_all_reduce, x.contiguous(), out, n)
+        if kind == "two_shot":
+            self._launch(x.contiguous(), out, n)
+        else:
+            self._launch_one_shot(x.contiguous(), out, n)
         return out
 
     def _pick(self, nbytes: int) -> str:
@@ -172,14 +231,28 @@ class AllReduce(OverlapOp):
             return "two_shot"
         return "process group"
 
-    def _launch(self, kernel, x, out, n) -> None:
+    def _launch_one_shot(self, x, out, n) -> None:
+        ctx = self.ctx
+        pack = values_per_word(x.dtype)
+        block, programs = one_shot_tiling(n, ctx.num_compute_units())
+        ex = tagged_buffers(ctx, self.name, cdiv(n, block) * (block // pack))
+        self.state["buffers"] = {"slots": ex.words.local}
+        call = self.call_header((n, x.dtype), (n,))
+        launch(one_shot_all_reduce, (programs,), (x, out, *ex.args(), n, ex.cap, waiter(ctx, self.op), ctx.world_size,
+                                                  call.fingerprint),
+               dict(BLOCK=block, PACK=pack, WORD_IO=word_io(n, x, out), BLOCK_W=pow2_at_least(ctx.world_size),
+                    CLOCK=ctx.clock, ONE_PROGRAM=programs == 1), num_warps=4 if block <= 2 * BLOCK else 8)
+        ctx.after_launch()
+
+    def _launch(self, x, out, n) -> None:
+        """The two-shot kernel."""
         ctx = self.ctx
         ex = exchange_buffers(ctx, self.name, n, x.dtype, cdiv(n, BLOCK))
         self.state["buffers"] = {"slots": ex.data.local}
         call = self.call_header((n, x.dtype), (n,))
         programs = max(1, min(cdiv(n, BLOCK), ctx.num_compute_units()))
-        launch(kernel, (programs,), (x, out, *ex.args(), n, ex.cap, ex.blocks, waiter(ctx, self.op), ctx.world_size,
-                                     call.fingerprint),
+        launch(two_shot_all_reduce, (programs,), (x, out, *ex.args(), n, ex.cap, ex.blocks, waiter(ctx, self.op),
+                                                  ctx.world_size, call.fingerprint),
                dict(BLOCK=BLOCK, BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock), num_warps=4)
         ctx.after_launch()
 

@@ -2,11 +2,12 @@
 ``new_residual = residual + sum over ranks of x`` and ``normed = rmsnorm(new_residual) * weight``.
 
 At decode the three separate kernels' launches cost about as much as their work, so one kernel does all three
-(kernels.all_reduce.one_shot_all_reduce_rmsnorm): the one-shot AllReduce's slot exchange with one block per row,
-whose epilogue adds the residual and normalises the row. It shares the AllReduce op's slots, flags and call
-count protocol (ops.all_reduce.exchange_buffers), so it is graph-safe the same way: no barrier and no host
-synchronisation per call. Above ``max_bytes``, for rows longer than one program holds, for W = 1 and on a group
-that spans hosts, the process group's all_reduce, then torch's add and RMSNorm.
+(kernels.all_reduce_rmsnorm): the one-shot AllReduce with one block per row, whose epilogue adds the residual and
+normalises the row; small messages travel as tagged words (ops.all_reduce.tagged_buffers), larger ones as plain
+rows with a flag per row (ops.all_reduce.exchange_buffers). Both count calls on the device as the AllReduce does,
+so it is graph-safe the same way: no barrier and no host synchronisation per call. Above ``max_bytes``, for rows
+longer than one program holds, for W = 1 and on a group that spans hosts, the process group's all_reduce, then
+torch's add and RMSNorm.
 """
 from __future__ import annotations
 
@@ -14,15 +15,21 @@ import math
 
 import torch
 
-from ..kernels.all_reduce import one_shot_all_reduce_rmsnorm
+from ..kernels.all_reduce_rmsnorm import one_shot_all_reduce_rmsnorm, one_shot_all_reduce_rmsnorm_flags
 from ..kernels.cached_launch import launch
 from ..kernels.signal import waiter
 from .all_reduce import (DTYPES, ONE_SHOT_MAX_BYTES, exchange_buffers, pow2_at_least, process_group_only,
-                         process_group_sum)
+                         process_group_sum, tagged_buffers, values_per_word, word_io)
 from .base import OverlapOp
 
 #: the longest row one program normalises (its BLOCK, a power of two, holds the row in registers)
 MAX_HIDDEN = 16384
+#: fallback="auto": the fused kernel up to this many bytes of x at W = 2 (measured ahead of the three separate calls
+#: at every shape to 1 MiB, docs/decisions.md), up to the AllReduce's one-shot limit at other world sizes
+MAX_BYTES_W2 = 1 << 20
+#: messages up to this many bytes go over tagged words, larger ones over plain slots and a flag per row
+#: (kernels.all_reduce_rmsnorm; the crossing point measured on 2 H200s, docs/decisions.md)
+TAGGED_MAX_BYTES = 32 << 10
 
 
 #: an fp8 output's largest value (float8_e4m3fn), and the smallest scale (float32's least normal)
@@ -58,17 +65,23 @@ class AllReduceRMSNorm(OverlapOp):
     (each row's largest magnitude maps to 448).
 
     ``fallback``: "auto" takes the process group's all_reduce, then torch's add and RMSNorm, above ``max_bytes`` of
-    ``x``, for H > MAX_HIDDEN, for W = 1 and on a group that spans hosts; "always" always does; "never" never does
-    (H > MAX_HIDDEN raises ValueError). The receive slots grow to the largest message seen (collectively, on a
-    size's first call); make one eager call at the largest size before capturing calls in a CUDA graph.
+    ``x`` (None: MAX_BYTES_W2 at W = 2, the AllReduce's ONE_SHOT_MAX_BYTES elsewhere), for H > MAX_HIDDEN, for
+    W = 1 and on a group that spans hosts; "always" always does; "never" never does (H > MAX_HIDDEN raises
+    ValueError). The kernel moves messages up to ``tagged_max_bytes`` as tagged words (one trip over the link),
+    larger ones as plain rows and a flag per row (half the bytes). The receive slots grow to the largest message
+    seen (collectively, on a size's first call); make one eager call at the largest size before capturing calls in a
+    CUDA graph.
     """
 
     KIND = "all_reduce_rmsnorm"
 
-    def __init__(self, ctx, *, fallback: str = "auto", max_bytes: int = ONE_SHOT_MAX_BYTES,
-                 name: str | None = None):
+    def __init__(self, ctx, *, fallback: str = "auto", max_bytes: int | None = None,
+                 tagged_max_bytes: int = TAGGED_MAX_BYTES, name: str | None = None):
         super().__init__(ctx, None, fallback=fallback, name=name, replay=False)  # one launch: nothing to replay
+        if max_bytes is None:
+            max_bytes = MAX_BYTES_W2 if ctx.world_size == 2 else ONE_SHOT_MAX_BYTES
         self.max_bytes = int(max_bytes)
+        self.tagged_max_bytes = int(tagged_max_bytes)
 
     def default_config(self, shape, variant=""):
         return None
@@ -150,7 +163,7 @@ class AllReduceRMSNorm(OverlapOp):
             return False
         M, H = x.shape
         # slot offsets are int32 in the kernel: 2 x W slots of the message
-        fits = H <= MAX_HIDDEN and 2 * self.ctx.world_size * pow2_at_least(M * H) < 2 ** 31
+        fits = H <= MAX_HIDDEN and 2 * self.ctx.world_size * pow2_at_least(M * pow2_at_least(H)) < 2 ** 31
         if self.fallback == "never":
             if not fits:
                 raise ValueError(f"{self.KIND}: [{M}, {H}] is too large for the fused kernel (rows up to "
@@ -161,16 +174,26 @@ class AllReduceRMSNorm(OverlapOp):
     def _launch(self, x, residual, weight, eps, out, residual_out, scales) -> None:
         ctx = self.ctx
         M, H = x.shape
-        ex = exchange_buffers(ctx, self.name, M * H, x.dtype, M)
-        self.state["buffers"] = {"slots": ex.data.local}
         call = self.call_header((M, H, x.dtype, out.dtype), (M, H))
-        block = pow2_at_least(H)
-        launch(one_shot_all_reduce_rmsnorm, (max(1, min(M, ctx.num_compute_units())),), (
-            x, residual, weight, out, out if scales is None else scales, residual_out, *ex.args(), M, H, eps, ex.cap,
-            ex.blocks, waiter(ctx, self.op), ctx.world_size, call.fingerprint),
-            dict(BLOCK=block, BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock,
-                 FP8_MAX=0.0 if scales is None else FP8_MAX),
-            num_warps=max(4, min(16, block // 512)))
+        block, pack = pow2_at_least(H), values_per_word(x.dtype)
+        programs = max(1, min(M, ctx.num_compute_units()))
+        rows = (x, residual, weight, out, out if scales is None else scales, residual_out)  # (scale_ptr: any, unread)
+        common = dict(BLOCK=block, PACK=pack, WORD_IO=word_io(H, x, residual, weight, out, residual_out),
+                      BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock,
+                      FP8_MAX=0.0 if scales is None else FP8_MAX)
+        warps = max(4, min(16, block // 512))
+        if x.numel() * x.element_size() <= self.tagged_max_bytes:
+            ex = tagged_buffers(ctx, self.name, M * (block // pack))
+            self.state["buffers"] = {"slots": ex.words.local}
+            launch(one_shot_all_reduce_rmsnorm, (programs,), (*rows, *ex.args(), M, H, eps, ex.cap,
+                                                               waiter(ctx, self.op), ctx.world_size, call.fingerprint),
+                   dict(common, ONE_PROGRAM=programs == 1), num_warps=warps)
+        else:
+            ex = exchange_buffers(ctx, self.name, M * H, x.dtype, M)
+            self.state["buffers"] = {"slots": ex.data.local}
+            launch(one_shot_all_reduce_rmsnorm_flags, (programs,), (*rows, *ex.args(), M, H, eps, ex.cap, ex.blocks,
+                                                                     waiter(ctx, self.op), ctx.world_size,
+                                                                     call.fingerprint), common, num_warps=warps)
         ctx.after_launch()
 
 
