@@ -15,6 +15,14 @@ def rand(shape, dtype, device, *seed):
     return torch.randn(shape, generator=g, dtype=torch.float32).to(device=device, dtype=dtype)
 
 
+def exact_inputs(shape, dtype, device, whole: bool, *seed):
+    """``rand``'s values, or (``whole``) small whole numbers, whose sums over a few ranks every dtype holds exactly:
+    then the sum is the same bits however a backend rounds (Triton's interpreter rounds float32 to 16 bits toward
+    zero, GPUs to nearest)."""
+    x = rand(shape, torch.float32, device, *seed)
+    return (x * 4).round().to(dtype) if whole else x.to(dtype)
+
+
 def rel_err(out, ref):
     out, ref = out.double().cpu(), ref.double().cpu()
     assert not torch.isnan(out).any(), "output has NaN: an element was not written or read poison"

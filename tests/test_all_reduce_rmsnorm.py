@@ -10,7 +10,8 @@ import torch
 import contract
 import triton_overlap as to
 from contract import Call, Cases, OpSpec, Variants
-from refs import poison, rand, rel_err
+from refs import exact_inputs, poison, rand, rel_err
+from triton_overlap.ops.all_reduce_rmsnorm import TAGGED_MAX_BYTES
 
 #: ||out - ref|| / ||ref|| against float64: the residual is rounded to the dtype once, and the norm (of the rounded
 #: residual) once more
@@ -87,10 +88,11 @@ ALL_REDUCE_RMSNORM = OpSpec(
     cases=Cases(host=(RMSCase(m=1, h=24), RMSCase(m=3, h=40, dtype="float32"), RMSCase(m=17, h=24, iters=2),
                       RMSCase(m=5, h=40, dtype="float16", weight_dtype="float32", in_place=True),
                       RMSCase(m=3, h=40, fallback="always"), RMSCase(m=2, h=23), RMSCase(m=4, h=40, flags=True),
-                      RMSCase(m=3, h=23, flags=True, weight_dtype="float32")),
+                      RMSCase(m=3, h=23, flags=True, weight_dtype="float32"),
+                      RMSCase(m=2, h=23, weight_dtype="float32")),
                 gpu=(RMSCase(m=1, h=4096), RMSCase(m=64, h=8192, iters=3), RMSCase(m=17, h=5000, dtype="float32"),
                      RMSCase(m=3, h=16384, weight_dtype="float32", in_place=True), RMSCase(m=2, h=4096, flags=True),
-                     RMSCase(m=3, h=4100, flags=True))),
+                     RMSCase(m=3, h=4100, flags=True), RMSCase(m=1, h=1000, dtype="float32"))),
     # 1,000 replays; the first call sizes the slots, not allowed inside a capture
     replay=Variants(host=None, gpu=RMSCase(m=7, h=4096), calls=1000, warm=True),
 )
@@ -119,17 +121,20 @@ def test_all_reduce_rmsnorm_same_bits_on_every_rank(pool):
     assert all(r == results[0] for r in results), "ranks' outputs differ"
 
 
-def _exact_residual(shapes, dtype, iters: int):
-    """The new residual, call after call with new inputs, over tagged words and over flagged rows, equals torch's
+def _exact_residual(shapes, tagged_max_bytes: int, iters: int):
+    """The new residual, call after call with new inputs, over tagged words, over flagged rows and over both by turns
+    on one op (``tagged_max_bytes`` between the shapes' sizes: one call count for both kernels), equals torch's
     float32 sum of every rank's x in rank order plus the residual, rounded once, to the bit (what the kernels
-    compute): a value taken from a slot before it held this call's would show."""
+    compute): a value taken from a slot before it held this call's would show. Small whole numbers on the host
+    backend (refs.exact_inputs)."""
     with to.Context(timeout_s=30) as ctx:
-        tagged = to.AllReduceRMSNorm(ctx, fallback="never", name="arn.tagged", tagged_max_bytes=1 << 30)
-        flags = to.AllReduceRMSNorm(ctx, fallback="never", name="arn.flags", tagged_max_bytes=0)
+        ops = [to.AllReduceRMSNorm(ctx, fallback="never", name=f"arn.{limit}", tagged_max_bytes=limit)
+               for limit in (1 << 30, 0, tagged_max_bytes)]  # tagged words, flagged rows, both kernels by turns
+        whole, dtype = ctx.interpreted, torch.bfloat16
         for i in range(iters):
-            for op, (m, h) in ((op, shape) for op in (tagged, flags) for shape in shapes):
-                xs = [rand((m, h), dtype, ctx.device, "exact", i, r) for r in range(ctx.world_size)]
-                residual = rand((m, h), dtype, ctx.device, "exact-r", i)
+            for op, (m, h) in ((op, shape) for op in ops for shape in shapes):
+                xs = [exact_inputs((m, h), dtype, ctx.device, whole, "exact", i, r) for r in range(ctx.world_size)]
+                residual = exact_inputs((m, h), dtype, ctx.device, whole, "exact-r", i)
                 weight = rand((h,), dtype, ctx.device, "exact-w", i)
                 want = xs[0].float()
                 for x in xs[1:]:
@@ -143,10 +148,10 @@ def _exact_residual(shapes, dtype, iters: int):
 
 def test_all_reduce_rmsnorm_residual_is_exact(pool):
     host = pool.backend == "host"
+    # bf16 sizes: host 240 and 92 bytes, GPU 8 KiB to 1 MiB (the default tagged_max_bytes falls between)
     shapes = [(3, 40), (2, 23)] if host else [(1, 4096), (16, 4096), (64, 4096), (64, 8192), (5, 4100)]
-    # (Triton's interpreter rounds float32 to 16 bits toward zero, GPUs to nearest: 16 bits on GPUs only)
-    dtype = torch.float32 if host else torch.bfloat16
-    assert all(pool.run(_exact_residual, shapes, dtype, 2 if host else 20))
+    limit = 128 if host else TAGGED_MAX_BYTES
+    assert all(pool.run(_exact_residual, shapes, limit, 2 if host else 20))
 
 
 def _paths():
@@ -219,7 +224,8 @@ def _fp8_out(shapes):
 
 
 def test_all_reduce_rmsnorm_fp8_out(pool):
-    shapes = [(3, 40), (1, 24), (6, 72)] if pool.backend == "host" else [(16, 4096), (1, 8192), (64, 5120)]
+    shapes = [(3, 40), (1, 24), (6, 72), (2, 23)] if pool.backend == "host" else [(16, 4096), (1, 8192), (64, 5120),
+                                                                                  (2, 4100)]
     results = pool.run(_fp8_out, shapes)
     assert all(r == results[0] for r in results), "ranks' outputs differ"
 

@@ -6,9 +6,9 @@ stepping token by token under a CUDA graph.
 At decode time each step feeds a few tokens through the model, the row-parallel GEMM's output is a few KB to a few
 MB, and its AllReduce is bound by latency, not bandwidth. ``to.all_reduce(x, ctx=ctx)`` sums a tensor over the
 ranks in one Triton kernel: every rank stores its input into every peer's receive slot (symmetric memory, mapped
-by the Context) and raises a flag per block, and each rank sums the slots as the flags arrive. There is no host
-synchronisation and no call number kept on the host, so a decode step that contains it can be captured in a CUDA
-graph once and replayed for every token. ``to.gemm_ar(a, w, ctx=ctx)`` is the row-parallel GEMM and that
+by the Context) as words that each carry the call number, and each rank sums the slots as the words arrive. There
+is no host synchronisation and no call number kept on the host, so a decode step that contains it can be captured
+in a CUDA graph once and replayed for every token. ``to.gemm_ar(a, w, ctx=ctx)`` is the row-parallel GEMM and that
 AllReduce in one kernel at decode sizes (each tile of the partial product goes to every rank as soon as it is
 computed, and each rank sums the tiles as they arrive), and ``RowParallelLinear(..., sequence_parallel=False)`` is
 the layer. The block's end meets the next block's RMSNorm: ``RowParallelLinear.forward_rmsnorm`` does the

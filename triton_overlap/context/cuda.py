@@ -240,6 +240,7 @@ class CudaBackend(Backend):
         rt = _rt()
         ptr = int(check(rt.cudaMalloc(max(nbytes, 1)), "cudaMalloc"))
         check(rt.cudaMemset(ptr, 0, max(nbytes, 1)), "cudaMemset")
+        check(rt.cudaDeviceSynchronize(), "cudaDeviceSynchronize")  # zeroed before a peer can map it and store into it
         handle = check(rt.cudaIpcGetMemHandle(ptr), "cudaIpcGetMemHandle")
         raw = ctypes.string_at(int(handle.getPtr()), _IPC_HANDLE_BYTES)
         return wrap_pointer(ptr, nbytes, self._device), (raw, ptr)

@@ -68,6 +68,7 @@ class HipBackend(CudaBackend):
         hip = _hip()
         ptr = int(check(hip.hipMalloc(max(nbytes, 1)), "hipMalloc"))
         check(hip.hipMemset(ptr, 0, max(nbytes, 1)), "hipMemset")
+        check(hip.hipDeviceSynchronize(), "hipDeviceSynchronize")  # zeroed before a peer can map it and store into it
         handle = check(hip.hipIpcGetMemHandle(ptr), "hipIpcGetMemHandle")
         raw = ctypes.string_at(int(handle.getPtr()), _IPC_HANDLE_BYTES)
         return wrap_pointer(ptr, nbytes, self.device), (raw, ptr)

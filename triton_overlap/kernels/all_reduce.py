@@ -41,7 +41,7 @@ def one_shot_all_reduce(x_ptr, out_ptr, word_ptrs, header_ptrs, local_words, loc
     programs = tl.num_programs(0)
     rank = waiter[2]
     e = tl.load(state_ptr) + 1  # this call's number, the same on every rank
-    half = e % 2
+    half = e & 1
     n_blocks = tl.cdiv(n, BLOCK)
     WORDS: tl.constexpr = BLOCK // PACK
     publish_tagged_header(header_ptrs, e, half, rank, world, waiter[3], fingerprint, n, BLOCK_W)
@@ -72,7 +72,7 @@ def two_shot_all_reduce(x_ptr, out_ptr, data_ptrs, flag_ptrs, header_ptrs, local
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     e = tl.load(state_ptr) + 1
-    half = e % 2
+    half = e & 1
     n_blocks = tl.cdiv(n, BLOCK)
     publish_header(header_ptrs, e, half, rank, world, op, fingerprint, n, BLOCK_W)
     # parts: this rank's part of every block another rank owns, into the owner

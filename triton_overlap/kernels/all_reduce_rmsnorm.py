@@ -86,7 +86,7 @@ def one_shot_all_reduce_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     e = tl.load(state_ptr) + 1
-    half = e % 2
+    half = e & 1
     WORDS: tl.constexpr = BLOCK // PACK
     publish_tagged_header(header_ptrs, e, half, rank, world, waiter[3], fingerprint, rows * hidden, BLOCK_W)
     wcols = tl.arange(0, WORDS)
@@ -113,7 +113,7 @@ def one_shot_all_reduce_rmsnorm_flags(x_ptr, residual_ptr, weight_ptr, out_ptr, 
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     e = tl.load(state_ptr) + 1
-    half = e % 2
+    half = e & 1
     publish_header(header_ptrs, e, half, rank, world, waiter[3], fingerprint, rows * hidden, BLOCK_W)
     cols = tl.arange(0, BLOCK)
     for r in range(pid, rows, programs):

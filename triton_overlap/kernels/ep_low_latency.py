@@ -109,7 +109,7 @@ def ll_send(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     b = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
     e = tl.load(state_ptr) + 1
-    half = e % 2
+    half = e & 1
     t, ok, raw, c, owner, hit = token_owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
     d = tl.arange(0, W_PAD)
     dm = d < W
@@ -220,7 +220,7 @@ def ll_expand(table_ptr, header_ptr, flags_ptr, rows_ptr, meta_ptr, place_ptr, o
     u = (tl.program_id(0) % nbu) * BU + tl.arange(0, BU)
     h0 = tl.program_id(1) * BLOCK_H
     e = tl.load(state_ptr) + 1
-    half = e % 2
+    half = e & 1
     wait_every_source(flags_ptr, header_ptr, e, half, waiter, W, fingerprint, CLOCK)
     place_runs(table_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr, waiter, e, half, E, EL, W, table_slot,
                (tl.program_id(0) == 0) & (h0 == 0), W_PAD, EL_PAD)
@@ -283,7 +283,7 @@ def ll_combine_send(y_ptr, slots_ptr, slot_w_ptr, received_ptr, number_ptr, back
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cm = cols < N
     e = tl.load(state_ptr) + 1
-    half = e % 2
+    half = e & 1
     um = (u < cap) & (u < tl.load(received_ptr + s))
     g = (s * cap + u).to(tl.int64)
     jj = tl.arange(0, K_PAD)
@@ -315,7 +315,7 @@ def ll_combine_recv(back_ptr, pos_ptr, out_ptr, number_ptr, header_ptr, flags_pt
     returned for t (``positions[t, d]`` = d · cap + its place; -1: none), in float32, rounded once; the last program
     out counts the call."""
     e = tl.load(state_ptr) + 1
-    half = e % 2
+    half = e & 1
     wait_every_source(flags_ptr, header_ptr, e, half, waiter, W, fingerprint, CLOCK)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         same_dispatch(header_ptr, number_ptr, e, half, waiter, W, W_PAD)

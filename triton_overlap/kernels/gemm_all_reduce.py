@@ -9,9 +9,9 @@ each tile waits for its flag from every peer and sums the W slots in float32, in
 the same bits. No separate GEMM output goes through memory and there is one launch, where ``matmul`` + AllReduce
 take two.
 
-The workspace protocol is the one-shot AllReduce's (kernels.all_reduce): two halves of W slots, the call number
-counted on the device (graph-safe), flags that carry it and only grow, and every program's header into every peer
-before its first flag, compared on a tile's first wait per peer (a rank whose peer's call differs records
+The workspace protocol is the two-shot AllReduce's flag protocol (kernels.all_reduce, kernels.slot_exchange): two
+halves of W slots, the call number counted on the device (graph-safe), flags that carry it and only grow, and
+every program's header into every peer before its first flag, compared on a tile's first wait per peer (a rank whose peer's call differs records
 ERR_MISMATCH). Every program stores all its tiles before it waits on a peer's: with all programs resident no
 program waits for one that cannot run.
 """
@@ -62,7 +62,7 @@ def gemm_all_reduce(a_ptr, b_ptr, bias_ptr, out_ptr, data_ptrs, flag_ptrs, heade
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     e = tl.load(state_ptr) + 1  # this call's number, the same on every rank
-    half = e % 2
+    half = e & 1
     tiles_n = tl.cdiv(N, BLOCK_N)
     tiles = tl.cdiv(M, BLOCK_M) * tiles_n
     publish_header(header_ptrs, e, half, rank, world, op, fingerprint, M * N, BLOCK_W)

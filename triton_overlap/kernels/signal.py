@@ -264,7 +264,7 @@ def barrier_kernel(peer_slots_ptr, local_slots_ptr, count_ptr, header_ptrs, loca
     offs = tl.arange(0, BLOCK_W)
     mask = (offs < world) & (tl.load(peer_slots_ptr + offs, mask=offs < world, other=0) != 0)  # mapped peers
     e = tl.load(count_ptr) + 1
-    half = e % 2
+    half = e & 1
     peer_hdr = tl.load(header_ptrs + offs, mask=mask, other=0).to(tl.pointer_type(tl.int32))
     at = peer_hdr + (half * world + rank) * 8  # 8: HEADER_WORDS
     zero = tl.zeros((BLOCK_W,), tl.int32)

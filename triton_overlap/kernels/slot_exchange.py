@@ -1,7 +1,8 @@
-"""Device code of the slot exchange that the AllReduce kernels (kernels.all_reduce, whose module doc has the
-protocol) and GEMM + AllReduce (kernels.gemm_all_reduce) share: every rank stores its part of each block into its
-slot [half][rank] of every peer and raises the block's flag there, then sums the W slots of each block in rank
-order as their flags arrive.
+"""Device code of the flag protocol that the two-shot AllReduce and the larger messages of AllReduce + RMSNorm
+(kernels.all_reduce, whose module doc has the protocol; kernels.all_reduce_rmsnorm) and GEMM + AllReduce
+(kernels.gemm_all_reduce) share: every rank stores its part of each block into its slot [half][rank] of every peer
+and raises the block's flag there, then sums the W slots of each block in rank order as their flags arrive. (The
+one-shot's tagged words: kernels.tagged_exchange.)
 
 * ``publish_header``: the call's header into every peer, before any flag of the call;
 * ``push`` and ``notify_block``: a block into every peer's slot, then its flag in every peer;

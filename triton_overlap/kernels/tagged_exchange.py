@@ -2,15 +2,18 @@
 8-byte word a rank stores into a peer carries 4 bytes of data in its low half and the call number in its high half,
 so each word is its own flag. The reader spins on the words themselves until every one holds this call's number,
 and the values it spun on are the data: no fence between the data and a flag, no flag to wait for after the data,
-one trip over the link instead of two. An 8-byte store or load is single-copy atomic, so a word is never seen half
-written. The price is twice the bytes on the link, which at the one-shot's sizes (a few KB to 128 KB) costs less
-than the round trip it saves (docs/decisions.md, AllReduce).
+one trip over the link instead of two. It relies on an aligned 8-byte store (a part of a 16-byte vector store) and
+an aligned 8-byte load being performed whole, so a word is never seen half written: what NCCL's LL protocol relies
+on too; PTX promises it for strong accesses only, and the loads here are volatile, the stores plain. The price is
+twice the bytes on the link, which costs less than the round trip it saves up to a few hundred KB
+(docs/decisions.md, AllReduce).
 
-Slot [half][p] of the receiving rank holds sender ``p``'s words of calls of parity ``half``; a word holding an
-older call's number (two calls back, or zero after a reset) is stale and is waited past. Before its data a sender
-stores its call's header (op, fingerprint, size) as tagged words too; the reader compares it with its own call once
-its words are tagged: a difference is ERR_MISMATCH, so ranks that pass different sizes get an error, never a sum
-of mismatched buffers.
+Slot [half][p] of the receiving rank holds sender ``p``'s words of calls of parity ``half``; a word holding any
+other call's number (an older call's, or zero in new or reset memory) is waited past. The comparison is of 32 bits,
+so a word left unwritten for exactly a multiple of 2^32 calls of its op would pass for this call's. Before its data
+a sender stores its call's header (op, fingerprint, size) as tagged words too; the reader compares it with its own
+call as soon as it carries this call's number: a difference is ERR_MISMATCH, so ranks that pass different sizes get
+an error, never a sum of mismatched buffers.
 
 * ``load_bits`` / ``store_bits``, ``split_bits`` / ``join_bits``, ``pack``: a block of 16- or 32-bit values to and
   from the 32 data bits of its words (two 16-bit values a word, at even and odd places), and the bits tagged;
@@ -161,12 +164,33 @@ SPINS = tl.constexpr(8)
 
 
 @triton.jit
+def _header_differs(h, hword, e, n, fingerprint, err_ptr, rank, op, p):
+    """Whether peer ``p``'s tagged header ``h`` (this call's) differs from this call's (op, fingerprint, size ``n``):
+    then ERR_MISMATCH is recorded with the peer's header (the first failure wins). The same answer in every thread."""
+    low = (h & 0xFFFFFFFF).to(tl.int32)
+    want = tl.where(hword == 0, op, tl.where(hword == 1, fingerprint, tl.where(hword == 2, n, 0)))
+    differs = tl.max((low != want).to(tl.int32), axis=0) > 0
+    if differs:
+        if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
+            tl.store(err_ptr + ERR_RANK, rank)
+            tl.store(err_ptr + ERR_OP, op)
+            tl.store(err_ptr + ERR_PEER, p)
+            tl.store(err_ptr + ERR_CALL, e)
+            tl.store(err_ptr + ERR_PEER_HEADER, e)  # (call, op, fingerprint, size), as kernels.signal's header
+            tl.store(err_ptr + ERR_PEER_HEADER + 1 + hword, low, mask=hword < 3)
+            tl.store(err_ptr + ERR_OWN_FINGERPRINT, fingerprint)
+    return differs
+
+
+@triton.jit
 def wait_words(local_words, local_header, p, woffs, wmask, cap, e, half, n, waiter, world, fingerprint, b,
                CLOCK: tl.constexpr):
     """Peer ``p``'s words of this call at word offsets ``woffs`` of slot [half][p], waited for (bounded) until all of
-    them and its header carry call ``e``; then its header is compared with this call's (``fingerprint``, size ``n``):
-    a difference is ERR_MISMATCH. On timeout the failure is recorded (the peer, block ``b``, the smallest call number
-    seen) and the words returned are not this call's: the host raises before anyone reads the result.
+    them and its header carry call ``e``. Its header is compared with this call's (``fingerprint``, size ``n``) as
+    soon as it carries ``e``: a difference is ERR_MISMATCH and ends the wait, so a peer that sends fewer words faults
+    at once, not at the timeout. On timeout the failure is recorded (the peer, block ``b``, the smallest call number
+    seen); after a failure the words returned are not this call's, and the host raises before anyone reads the
+    result.
 
     Every branch is taken alike by all threads: the tag tests are reductions over the block, the error word is read
     by an atomic (kernels.signal.wait_flag has the reasoning)."""
@@ -181,7 +205,7 @@ def wait_words(local_words, local_header, p, woffs, wmask, cap, e, half, n, wait
     start = now(err_ptr, CLOCK)
     won = False
     while (~ready) & (~failed):
-        for _ in range(0, SPINS):  # the clock and the error word once every SPINS reads of the words
+        for _ in range(0, SPINS):  # the clock, the error word and the header once every SPINS reads of the words
             if ~ready:
                 if CLOCK == 0:
                     HOST_PAUSE()
@@ -195,22 +219,14 @@ def wait_words(local_words, local_header, p, woffs, wmask, cap, e, half, n, wait
             record_timeout(err_ptr, rank, op, p, b, 0, e, elapsed, e, CLOCK)
             won = True
         failed = code != 0
+        if (~ready) & (~failed) & _tagged(h, hword >= 0, e):  # the header is here, not every word yet
+            failed = _header_differs(h, hword, e, n, fingerprint, err_ptr, rank, op, p)
     if ~ready:  # (a reduction: in a branch every thread takes, not in the one only the recording thread may take)
         seen = tl.min(tl.where(wmask, (v >> 32).to(tl.int32), e), axis=0)
         if won:
             tl.store(err_ptr + ERR_SEEN, seen)
     else:
-        low = (h & 0xFFFFFFFF).to(tl.int32)
-        want = tl.where(hword == 0, op, tl.where(hword == 1, fingerprint, tl.where(hword == 2, n, 0)))
-        if tl.max((low != want).to(tl.int32), axis=0) > 0:
-            if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
-                tl.store(err_ptr + ERR_RANK, rank)
-                tl.store(err_ptr + ERR_OP, op)
-                tl.store(err_ptr + ERR_PEER, p)
-                tl.store(err_ptr + ERR_CALL, e)
-                tl.store(err_ptr + ERR_PEER_HEADER, e)  # (call, op, fingerprint, size), as kernels.signal's header
-                tl.store(err_ptr + ERR_PEER_HEADER + 1 + hword, low, mask=hword < 3)
-                tl.store(err_ptr + ERR_OWN_FINGERPRINT, fingerprint)
+        _header_differs(h, hword, e, n, fingerprint, err_ptr, rank, op, p)
     return v
 
 

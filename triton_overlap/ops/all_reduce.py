@@ -28,7 +28,7 @@ ONE_SHOT_MAX_BYTES = 128 << 10
 ONE_SHOT_MAX_BYTES_W2 = 2 << 20
 TWO_SHOT_MAX_BYTES = 128 << 10
 ALGORITHMS = ("auto", "one_shot", "two_shot")
-#: elements per block (one flag per block and peer)
+#: elements per block (the two-shot: one flag per block and peer)
 BLOCK = 1024
 #: the one-shot's messages up to this many elements take one program (one_shot_tiling)
 ONE_PROGRAM_MAX = 4096
@@ -162,8 +162,8 @@ class AllReduce(OverlapOp):
     ``"never"`` never does (sizes beyond ``two_shot_max_bytes`` take the two-shot kernel; across hosts it raises).
 
     The receive slots grow to the largest message seen (2 x W x its size per rank, twice that for the one-shot's
-    tagged words of 16-bit values, collectively, on a size's first call); make one eager call at the largest size
-    before capturing calls in a CUDA graph.
+    tagged words, collectively, on a size's first call); make one eager call at the largest size before capturing
+    calls in a CUDA graph.
     """
 
     KIND = "all_reduce"

@@ -178,7 +178,8 @@ class AllReduceRMSNorm(OverlapOp):
         block, pack = pow2_at_least(H), values_per_word(x.dtype)
         programs = max(1, min(M, ctx.num_compute_units()))
         rows = (x, residual, weight, out, out if scales is None else scales, residual_out)  # (scale_ptr: any, unread)
-        common = dict(BLOCK=block, PACK=pack, WORD_IO=word_io(H, x, residual, weight, out, residual_out),
+        wide = [t for t in (x, residual, weight, out, residual_out) if t.dtype == x.dtype]  # (read 32 bits at a time)
+        common = dict(BLOCK=block, PACK=pack, WORD_IO=word_io(H, *wide),
                       BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock,
                       FP8_MAX=0.0 if scales is None else FP8_MAX)
         warps = max(4, min(16, block // 512))

@@ -34,10 +34,12 @@ class GEMMAllReduce(OverlapOp):
     must agree.
 
     ``algorithm``: "auto" (the fused kernel up to ``fused_max_rows`` rows, above it torch.matmul and the
-    AllReduce op's own choice by ``one_shot_max_bytes`` / ``two_shot_max_bytes``), "fused" (always the fused
-    kernel), "one_shot" or "two_shot" (torch.matmul, then that AllReduce kernel). ``fallback``: "always" takes
-    torch.matmul + the process group's all_reduce; "auto" does so for W = 1 and on a group that spans hosts;
-    "never" never does. ``config``: the fused kernel's tiles (GEMMAllReduceConfig; None: tuned, else defaults).
+    AllReduce op's own choice by ``one_shot_max_bytes`` / ``two_shot_max_bytes``; ONE_SHOT_MAX_BYTES at every world
+    size, the limit measured for matmul + AllReduce in docs/decisions.md, not the AllReduce's own W = 2 default),
+    "fused" (always the fused kernel), "one_shot" or "two_shot" (torch.matmul, then that AllReduce kernel).
+    ``fallback``: "always" takes torch.matmul + the process group's all_reduce; "auto" does so for W = 1 and on a
+    group that spans hosts; "never" never does. ``config``: the fused kernel's tiles (GEMMAllReduceConfig; None:
+    tuned, else defaults).
 
     The fused kernel's slots grow to the largest output seen (2 x W x its size per rank, collectively, on a size's
     first call); make one eager call at the largest size before capturing calls in a CUDA graph.
