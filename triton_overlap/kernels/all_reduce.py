@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .slot_exchange import close_call, count_call, notify_block, publish_header, push, sum_parts, wait_block
-from .tagged_exchange import (join_bits, load_bits, pack, publish_tagged_header, push_words, store_bits, sum_words,
+from .tagged_exchange import (join_bits, load_bits, pack, publish_tagged_header, store_bits, sum_words,
                               words_below)
 
 
@@ -48,7 +48,7 @@ def one_shot_all_reduce(x_ptr, out_ptr, word_ptrs, header_ptrs, local_words, loc
     wcols = tl.arange(0, WORDS)
     for b in range(pid, n_blocks, programs):
         bits = load_bits(x_ptr + b * BLOCK, wcols, n - b * BLOCK, PACK, WORD_IO)
-        push_words(pack(bits, e), word_ptrs, b * WORDS + wcols, wcols < words_below(n - b * BLOCK, PACK, WORD_IO), cap,
+        push(pack(bits, e), word_ptrs, b * WORDS + wcols, wcols < words_below(n - b * BLOCK, PACK, WORD_IO), cap,
                    half, rank, world)
     dt = out_ptr.dtype.element_ty
     for b in range(pid, n_blocks, programs):

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .slot_exchange import close_call, count_call, notify_block, publish_header, push, wait_block
-from .tagged_exchange import (join_bits, load_bits, load_halves, pack, publish_tagged_header, push_words, split_bits,
+from .tagged_exchange import (join_bits, load_bits, load_halves, pack, publish_tagged_header, split_bits,
                               store_bits, sum_words, words_below)
 
 
@@ -92,7 +92,7 @@ def one_shot_all_reduce_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_
     wcols = tl.arange(0, WORDS)
     for r in range(pid, rows, programs):
         bits = load_bits(x_ptr + r * hidden, wcols, hidden, PACK, WORD_IO)
-        push_words(pack(bits, e), word_ptrs, r * WORDS + wcols, wcols < words_below(hidden, PACK, WORD_IO), cap, half,
+        push(pack(bits, e), word_ptrs, r * WORDS + wcols, wcols < words_below(hidden, PACK, WORD_IO), cap, half,
                    rank, world)
     for r in range(pid, rows, programs):
         lo, hi = sum_words(x_ptr + r * hidden, hidden, wcols, local_words, local_header, r * WORDS + wcols, cap, e,

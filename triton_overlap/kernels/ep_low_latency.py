@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from .ep_routing import pair_places, rows_before, token_owners
-from .signal import (ERR_BAD_IDS, ERR_CALL, ERR_MISMATCH, ERR_OP, ERR_OWN_FINGERPRINT, ERR_PEER, ERR_PEER_HEADER,
-                     ERR_RANK, ERR_SEEN, ERR_WANTED, ERR_WHAT, check_header, wait_for)
+from .signal import (ERR_BAD_IDS, ERR_MISMATCH, ERR_OWN_FINGERPRINT, ERR_PEER_HEADER, ERR_SEEN, ERR_WANTED, ERR_WHAT,
+                     check_header, claim_fault, wait_for)
 from .slot_exchange import publish_header
 
 
@@ -85,11 +85,7 @@ def same_dispatch(header_ptr, number_ptr, e, half, waiter, world, W_PAD: tl.cons
     theirs = tl.load(header_ptr + (half * world + p) * 4 + 3, mask=p < world, other=0, volatile=True)
     other = tl.min(tl.where((p < world) & (theirs != mine), p, W_PAD), axis=0)
     if other < W_PAD:
-        if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
-            tl.store(err_ptr + ERR_RANK, rank)
-            tl.store(err_ptr + ERR_OP, op)
-            tl.store(err_ptr + ERR_PEER, other)
-            tl.store(err_ptr + ERR_CALL, e)
+        if claim_fault(err_ptr, ERR_MISMATCH, rank, op, other, e):
             for i in range(0, 4):
                 tl.store(err_ptr + ERR_PEER_HEADER + i, tl.load(header_ptr + (half * world + other) * 4 + i,
                                                                 volatile=True))
@@ -183,14 +179,10 @@ def place_runs(table_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr, wait
         bad = sm & (n > 0) & ((lo < 0) | (hi >= E))
         first = tl.min(tl.where(bad, s, W_PAD), axis=0)
         if first < W_PAD:
-            if tl.atomic_cas(err_ptr, 0, ERR_BAD_IDS, sem="acq_rel", scope="gpu") == 0:
-                tl.store(err_ptr + ERR_RANK, rank)
-                tl.store(err_ptr + ERR_OP, op)
-                tl.store(err_ptr + ERR_PEER, first)
+            if claim_fault(err_ptr, ERR_BAD_IDS, rank, op, first, e):
                 tl.store(err_ptr + ERR_WHAT, E)
                 tl.store(err_ptr + ERR_SEEN, tl.sum(tl.where(s == first, lo, 0), axis=0))
                 tl.store(err_ptr + ERR_WANTED, tl.sum(tl.where(s == first, hi, 0), axis=0))
-                tl.store(err_ptr + ERR_CALL, e)
     pairs = tl.load(rec[:, None] + 3 + W + rank * EL + i[None, :], mask=sm[:, None] & im[None, :], other=0,
                     cache_modifier=".cg")
     total = tl.sum(pairs, axis=0)  # [EL_PAD] every source's pairs of each local expert

@@ -222,17 +222,27 @@ def wait_kernel(flag_ptr, target, err_ptr, budget, rank, op, peer, what, CLOCK: 
 
 
 @triton.jit
+def claim_fault(err_ptr, code, rank, op, peer, call):
+    """Record fault ``code`` in the error word if none is there yet (the first failure wins), with the rank, op, peer
+    and call; returns whether this call recorded it, so that the caller adds the fault's own details. The answer is
+    the same in every thread (a scalar atomic), so the caller may reduce in the branch it takes on it."""
+    won = tl.atomic_cas(err_ptr, 0, code, sem="acq_rel", scope="gpu") == 0
+    if won:
+        tl.store(err_ptr + ERR_RANK, rank)
+        tl.store(err_ptr + ERR_OP, op)
+        tl.store(err_ptr + ERR_PEER, peer)
+        tl.store(err_ptr + ERR_CALL, call)
+    return won
+
+
+@triton.jit
 def check_header(h, e, op, fingerprint, err_ptr, rank, peer, N_WORDS: tl.constexpr):
     """Compare peer ``peer``'s header at ``h`` (call, op, fingerprint, then sizes; read after the wait that saw the
     peer arrive) with this call's: a difference is recorded as ERR_MISMATCH with the peer's first N_WORDS words."""
     bad = (tl.load(h, volatile=True) != e) | (tl.load(h + 1, volatile=True) != op)
     bad = bad | (tl.load(h + 2, volatile=True) != fingerprint)
     if bad:
-        if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
-            tl.store(err_ptr + ERR_RANK, rank)
-            tl.store(err_ptr + ERR_OP, op)
-            tl.store(err_ptr + ERR_PEER, peer)
-            tl.store(err_ptr + ERR_CALL, e)
+        if claim_fault(err_ptr, ERR_MISMATCH, rank, op, peer, e):
             for i in range(0, N_WORDS):
                 tl.store(err_ptr + ERR_PEER_HEADER + i, tl.load(h + i, volatile=True))
             tl.store(err_ptr + ERR_OWN_FINGERPRINT, fingerprint)

@@ -18,7 +18,7 @@ an error, never a sum of mismatched buffers.
 * ``load_bits`` / ``store_bits``, ``split_bits`` / ``join_bits``, ``pack``: a block of 16- or 32-bit values to and
   from the 32 data bits of its words (two 16-bit values a word, at even and odd places), and the bits tagged;
 * ``publish_tagged_header``: the call's header into every peer;
-* ``push_words``: a block's words into every peer's slot;
+* a block's words go into every peer's slot through kernels.slot_exchange.push, as any block does;
 * ``wait_words``: a block's words from a peer, once tagged with this call (bounded, as every wait), header checked;
 * ``sum_words``: a block's sum over ranks, in rank order.
 """
@@ -27,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .signal import (ERR_CALL, ERR_MISMATCH, ERR_OP, ERR_OWN_FINGERPRINT, ERR_PEER, ERR_PEER_HEADER, ERR_RANK,
-                     ERR_SEEN, ERR_TIMEOUT, HOST_PAUSE, error_code, now, record_timeout)
+from .signal import (ERR_MISMATCH, ERR_OWN_FINGERPRINT, ERR_PEER_HEADER, ERR_SEEN, ERR_TIMEOUT, HOST_PAUSE, claim_fault,
+                     error_code, now, record_timeout)
 
 #: words of a call's tagged header: (op, fingerprint, size, 0), each tagged with the call
 TAGGED_HEADER_WORDS = tl.constexpr(4)
@@ -145,15 +145,6 @@ def publish_tagged_header(header_ptrs, e, half, rank, world, op, fingerprint, n,
 
 
 @triton.jit
-def push_words(words, word_ptrs, woffs, wmask, cap, half, rank, world):
-    """``words`` (a block's, at word offsets ``woffs``) into slot [half][rank] of every peer."""
-    for p in range(0, world):
-        if p != rank:
-            base = tl.multiple_of(tl.load(word_ptrs + p).to(tl.pointer_type(tl.int64)), 16)  # (a heap allocation)
-            tl.store(base + (half * world + rank) * cap + woffs, words, mask=wmask)
-
-
-@triton.jit
 def _tagged(v, mask, e):
     """Whether every word of ``v`` under ``mask`` carries call ``e`` (the same answer in every thread)."""
     return tl.min(((v >> 32).to(tl.int32) == e) | ~mask, axis=0).to(tl.int1)
@@ -171,11 +162,7 @@ def _header_differs(h, hword, e, n, fingerprint, err_ptr, rank, op, p):
     want = tl.where(hword == 0, op, tl.where(hword == 1, fingerprint, tl.where(hword == 2, n, 0)))
     differs = tl.max((low != want).to(tl.int32), axis=0) > 0
     if differs:
-        if tl.atomic_cas(err_ptr, 0, ERR_MISMATCH, sem="acq_rel", scope="gpu") == 0:
-            tl.store(err_ptr + ERR_RANK, rank)
-            tl.store(err_ptr + ERR_OP, op)
-            tl.store(err_ptr + ERR_PEER, p)
-            tl.store(err_ptr + ERR_CALL, e)
+        if claim_fault(err_ptr, ERR_MISMATCH, rank, op, p, e):
             tl.store(err_ptr + ERR_PEER_HEADER, e)  # (call, op, fingerprint, size), as kernels.signal's header
             tl.store(err_ptr + ERR_PEER_HEADER + 1 + hword, low, mask=hword < 3)
             tl.store(err_ptr + ERR_OWN_FINGERPRINT, fingerprint)
