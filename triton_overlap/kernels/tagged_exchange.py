@@ -131,14 +131,19 @@ def pack(bits, e):
 
 
 @triton.jit
+def header_values(word, op, fingerprint, n):
+    """The call header's values at its words ``word``: (op, fingerprint, size, 0)."""
+    return tl.where(word == 0, op, tl.where(word == 1, fingerprint, tl.where(word == 2, n, 0)))
+
+
+@triton.jit
 def publish_tagged_header(header_ptrs, e, half, rank, world, op, fingerprint, n, BLOCK_W: tl.constexpr):
     """This call's header (op, fingerprint, size, 0), tagged with ``e``, into every peer's table at [half][rank]."""
     peers = tl.arange(0, BLOCK_W)
     to_peer = peers < world
     tag = e.to(tl.int64) << 32
     word = tl.arange(0, TAGGED_HEADER_WORDS)
-    value = tl.where(word == 0, op, tl.where(word == 1, fingerprint, tl.where(word == 2, n, 0)))
-    value = (value.to(tl.int64) & 0xFFFFFFFF) | tag
+    value = (header_values(word, op, fingerprint, n).to(tl.int64) & 0xFFFFFFFF) | tag
     base = tl.load(header_ptrs + peers, mask=to_peer, other=0).to(tl.pointer_type(tl.int64))
     at = base[:, None] + (half * world + rank) * TAGGED_HEADER_WORDS + word[None, :]
     tl.store(at, tl.zeros((BLOCK_W, TAGGED_HEADER_WORDS), tl.int64) + value[None, :], mask=to_peer[:, None])
@@ -159,8 +164,7 @@ def _header_differs(h, hword, e, n, fingerprint, err_ptr, rank, op, p):
     """Whether peer ``p``'s tagged header ``h`` (this call's) differs from this call's (op, fingerprint, size ``n``):
     then ERR_MISMATCH is recorded with the peer's header (the first failure wins). The same answer in every thread."""
     low = (h & 0xFFFFFFFF).to(tl.int32)
-    want = tl.where(hword == 0, op, tl.where(hword == 1, fingerprint, tl.where(hword == 2, n, 0)))
-    differs = tl.max((low != want).to(tl.int32), axis=0) > 0
+    differs = tl.max((low != header_values(hword, op, fingerprint, n)).to(tl.int32), axis=0) > 0
     if differs:
         if claim_fault(err_ptr, ERR_MISMATCH, rank, op, p, e):
             tl.store(err_ptr + ERR_PEER_HEADER, e)  # (call, op, fingerprint, size), as kernels.signal's header
