@@ -764,8 +764,8 @@ def time_back_to_back(ctx, rec, fns, iters, calls: int | None = None, budget_s: 
     ctx.check()
 
 
-#: message sizes in bytes (bf16): 2 KiB to 128 MiB in powers of 4, and 256 MiB
-AR_SIZES = [2048 * 4 ** k for k in range(9)] + [256 << 20]
+#: message sizes in bytes (bf16): 2 KiB to 128 MiB in powers of 4, 256 KiB and 256 MiB
+AR_SIZES = sorted([2048 * 4 ** k for k in range(9)] + [256 << 10, 256 << 20])
 
 
 def bench_all_reduce(ctx, sizes, iters, write_partial, calls: int | None = None):
@@ -843,7 +843,7 @@ def bench_all_reduce(ctx, sizes, iters, write_partial, calls: int | None = None)
     return records
 
 
-#: AllReduce + residual + RMSNorm: batch rows M x hidden H (bf16), the decode shapes of issue 68's target
+#: AllReduce + residual + RMSNorm: batch rows M x hidden H (bf16), the decode shapes of the fused op's target (report.AR_RMSNORM_TARGET)
 AR_RMSNORM_SHAPES = [(m, h) for h in (4096, 8192) for m in (1, 4, 16, 64)]
 #: the RMSNorm's epsilon (Llama's)
 AR_RMSNORM_EPS = 1e-5
@@ -943,16 +943,18 @@ def bench_all_reduce_rmsnorm(ctx, shapes, iters, write_partial, calls: int | Non
     return records
 
 
-GEMM_AR_M = [1, 8, 16, 32, 128, 512, 2048, 8192]
+GEMM_AR_M = [1, 4, 16, 32, 64, 128, 256, 2048]
 GEMM_AR_KN = [(28672, 8192), (8192, 8192), (14336, 4096)]  # K over all ranks (each has K/W), N
 
 
 def bench_gemm_ar(ctx, shapes, iters, write_partial):
-    """GEMM + AllReduce, ``shapes`` (M, K, N) with K over all ranks: ours as a user gets it (the fused kernel up to
-    its threshold), our matmul + AllReduce path forced (``ours_unfused_us``), torch.matmul + dist.all_reduce (NCCL)
-    and the GEMM alone, eager and as CUDA-graph replays."""
+    """GEMM + AllReduce, ``shapes`` (M, K, N) with K over all ranks: ours as a user gets it (``ours_us``: the fused
+    kernel up to its row limit, above it matmul + our AllReduce), the fused kernel forced (``fused_us``), matmul +
+    our AllReduce forced (``ours_unfused_us``), torch.matmul + dist.all_reduce (NCCL) and the GEMM alone, eager and
+    as CUDA-graph replays: the fused and unfused columns side by side give the row limit."""
     W = ctx.world_size
     op = to.GEMMAllReduce(ctx)
+    fused = to.GEMMAllReduce(ctx, algorithm="fused", name="gemm_ar.fused")
     unfused = to.GEMMAllReduce(ctx, fused_max_rows=0, name="gemm_ar.unfused")
     records = []
     for M, K, N in shapes:
@@ -960,6 +962,7 @@ def bench_gemm_ar(ctx, shapes, iters, write_partial):
         a = torch.randn(M, K // W, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(N, K // W, device="cuda", dtype=torch.bfloat16).t()  # as nn.Linear's weight.t()
         out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+        out_f = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
         y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
 
         def nccl():
@@ -972,10 +975,14 @@ def bench_gemm_ar(ctx, shapes, iters, write_partial):
         dist.all_reduce(ref)
         rec["rel_err"] = float((out.double() - ref).norm() / ref.norm())
         rec["path"], rec["algorithm"] = op.last_path, op.last_algorithm
+        fns = {"ours_us": lambda: op(a, w, out=out), "nccl_us": nccl, "gemm_us": lambda: torch.matmul(a, w, out=y)}
+        if fused.fits(M, N):
+            fused(a, w, out=out_f)
+            rec["fused_rel_err"] = float((out_f.double() - ref).norm() / ref.norm())
+            fns["fused_us"] = lambda: fused(a, w, out=out_f)
         unfused(a, w, out=y)
         rec["unfused_algorithm"] = unfused.last_algorithm
-        fns = {"ours_us": lambda: op(a, w, out=out), "ours_unfused_us": lambda: unfused(a, w, out=y), "nccl_us": nccl,
-               "gemm_us": lambda: torch.matmul(a, w, out=y)}
+        fns["ours_unfused_us"] = lambda: unfused(a, w, out=y)
         time_columns(ctx, rec, fns, iters)
         records.append(rec)
         write_partial(records)

@@ -215,7 +215,7 @@ AR_RMSNORM_HEADER = ("| M | H | ours µs | NCCL + add + RMSNorm µs | one-shot +
 # torch.nn.functional.rms_norm; one-shot + add + RMSNorm: our AllReduce (one-shot forced), torch.add, rms_norm;
 # speed-ups: the other's time over ours; rel. err: ours' normed output against the NCCL path's
 
-#: AllReduce + RMSNorm's target (issue 68): fused over the three separate calls, in CUDA graphs
+#: AllReduce + RMSNorm's target: fused over the three separate calls, in CUDA graphs
 AR_RMSNORM_TARGET = 1.5
 
 
@@ -268,16 +268,22 @@ def write_all_reduce_rmsnorm(records, W, out_dir: str, pending=()) -> None:
                  lambda r: f"M={r['M']} H={r['H']}", pending, footer)
 
 
-GEMM_AR_HEADER = ("| M | K | N | ours µs | ours matmul + AllReduce µs | matmul + NCCL µs | GEMM alone µs | "
-                  "speed-up vs NCCL | ours graph µs | matmul + NCCL graph µs | speed-up, graphs |\n|" + "---|" * 11)
+GEMM_AR_HEADER = ("| M | K | N | ours µs | fused kernel µs | matmul + our AllReduce µs | matmul + NCCL µs | "
+                  "GEMM alone µs | speed-up vs NCCL | ours graph µs | fused kernel graph µs | "
+                  "matmul + our AllReduce graph µs | matmul + NCCL graph µs | speed-up vs NCCL, graphs |\n|"
+                  + "---|" * 14)
+# ours: GEMMAllReduce as a user gets it (its path in brackets); fused kernel: algorithm="fused"; matmul + our
+# AllReduce: fused_max_rows=0 (the AllReduce's own path); speed-ups: matmul + NCCL's time over ours
 
 
 def gemm_ar_row(r):
     f, ratio = _us, _speedup
     path = f" ({r['algorithm']})" if r.get("algorithm") else _ours_path(r)
-    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r.get('ours_us'))}{path} | {f(r.get('ours_unfused_us'))} | "
-            f"{f(r.get('nccl_us'))} | {f(r.get('gemm_us'))} | {ratio(r.get('nccl_us'), r.get('ours_us'))} | "
-            f"{f(r.get('ours_graph_us'))} | {f(r.get('nccl_graph_us'))} | "
+    unfused = f" ({r['unfused_algorithm']})" if r.get("unfused_algorithm") else ""
+    return (f"| {r['M']} | {r['K']} | {r['N']} | {f(r.get('ours_us'))}{path} | {f(r.get('fused_us'))} | "
+            f"{f(r.get('ours_unfused_us'))}{unfused} | {f(r.get('nccl_us'))} | {f(r.get('gemm_us'))} | "
+            f"{ratio(r.get('nccl_us'), r.get('ours_us'))} | {f(r.get('ours_graph_us'))} | "
+            f"{f(r.get('fused_graph_us'))} | {f(r.get('ours_unfused_graph_us'))} | {f(r.get('nccl_graph_us'))} | "
             f"{ratio(r.get('nccl_graph_us'), r.get('ours_graph_us'))} |")
 
 

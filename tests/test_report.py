@@ -60,3 +60,18 @@ def test_turn_orders_vary_who_goes_before_whom():
         after = Counter((a, b) for o in orders[:rows] for a, b in zip(o, o[1:]))
         assert set(after) == {(a, b) for a in range(n) for b in range(n) if a != b}, n
         assert len(set(after.values())) <= 1, f"n = {n}: uneven {after}"
+
+
+def test_gemm_ar_row_has_every_column_old_records_included():
+    """A row for each column of the header, with the paths ours and matmul + our AllReduce took; a record written
+    before the fused-kernel column (the committed W = 4 result) still makes a row, n/a where it has no value."""
+    header = report.GEMM_AR_HEADER.splitlines()[0]
+    new = {"M": 16, "K": 8192, "N": 8192, "algorithm": "fused", "unfused_algorithm": "one_shot", "ours_us": 20.0,
+           "fused_us": 20.0, "ours_unfused_us": 18.0, "nccl_us": 30.0, "gemm_us": 15.0, "ours_graph_us": 19.0,
+           "fused_graph_us": 19.0, "ours_unfused_graph_us": 17.0, "nccl_graph_us": 28.5}
+    row = report.gemm_ar_row(new)
+    assert row.count("|") == header.count("|") == 15, row
+    assert "(fused)" in row and "(one_shot)" in row and "| 1.50x |" in row and row.endswith("| 1.50x |"), row
+    old = _records("gemm_ar-H200x4.json")[0]
+    row = report.gemm_ar_row(old)
+    assert row.count("|") == 15 and "n/a" in row, row

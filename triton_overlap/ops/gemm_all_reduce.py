@@ -15,7 +15,7 @@ from ..kernels.cached_launch import launch
 from ..kernels.gemm_all_reduce import gemm_all_reduce
 from ..kernels.signal import waiter
 from ..plan import cdiv
-from .all_reduce import ONE_SHOT_MAX_BYTES, TWO_SHOT_MAX_BYTES, AllReduce, pow2_at_least, slot_elements
+from .all_reduce import TWO_SHOT_MAX_BYTES, AllReduce, pow2_at_least, slot_elements
 from .base import OverlapOp
 from .checks import check_operands
 from .config import GEMMAllReduceConfig
@@ -34,8 +34,7 @@ class GEMMAllReduce(OverlapOp):
     must agree.
 
     ``algorithm``: "auto" (the fused kernel up to ``fused_max_rows`` rows, above it torch.matmul and the
-    AllReduce op's own choice by ``one_shot_max_bytes`` / ``two_shot_max_bytes``; ONE_SHOT_MAX_BYTES at every world
-    size, the limit measured for matmul + AllReduce in docs/decisions.md, not the AllReduce's own W = 2 default),
+    AllReduce op's own choice by ``one_shot_max_bytes`` / ``two_shot_max_bytes``; None: the AllReduce's default),
     "fused" (always the fused kernel), "one_shot" or "two_shot" (torch.matmul, then that AllReduce kernel).
     ``fallback``: "always" takes torch.matmul + the process group's all_reduce; "auto" does so for W = 1 and on a
     group that spans hosts; "never" never does. ``config``: the fused kernel's tiles (GEMMAllReduceConfig; None:
@@ -49,7 +48,7 @@ class GEMMAllReduce(OverlapOp):
 
     def __init__(self, ctx, config: GEMMAllReduceConfig | None = None, *, algorithm: str = "auto",
                  fallback: str = "auto", fused_max_rows: int = FUSED_MAX_ROWS,
-                 one_shot_max_bytes: int = ONE_SHOT_MAX_BYTES, two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
+                 one_shot_max_bytes: int | None = None, two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
                  name: str | None = None):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=False)  # one launch: nothing to replay
         if algorithm not in ALGORITHMS:
@@ -101,14 +100,18 @@ class GEMMAllReduce(OverlapOp):
             return False
         if self.algorithm in ("one_shot", "two_shot") or not self.overlap_possible():
             return False
-        # slot offsets are int32 in the kernel: 2 x W slots of the output's size
-        fits = 2 * self.ctx.world_size * pow2_at_least(M * N) < 2 ** 31
+        fits = self.fits(M, N)
         if self.algorithm == "fused":
             if not fits:
                 raise ValueError(f"gemm_ar: an output of {M} x {N} is too large for the fused kernel's slots at "
                                  f"W = {self.ctx.world_size}; algorithm='auto' takes matmul + AllReduce there")
             return True
         return fits and M <= self.fused_max_rows
+
+    def fits(self, M: int, N: int) -> bool:
+        """Whether the fused kernel can take an [M, N] output: its slot offsets are int32, 2 x W slots of the
+        output's size."""
+        return 2 * self.ctx.world_size * pow2_at_least(M * N) < 2 ** 31
 
     def _launch(self, a, w, bias, out) -> None:
         ctx = self.ctx
