@@ -315,10 +315,17 @@ def _interleaved(case, rounds):
             assert out.shape[0] == T
             assert rel_err(out, _reference_out(c, W, r, it, experts, dev)) < TOL[out.dtype]
         routings = ("random", "one", "even", "own", "first")
+        exchanges = set()
         for i in range(rounds):
             c = replace(case, tokens=[3, case.tokens * 5, 1, case.tokens][i % 4], routing=routings[i % 5],
                         empty=i % W if i % 3 == 2 else None)
             _round_trip(op, ctx, c, 10 + i, experts)
+            exchanges.add(op.last_exchange)
+        huge = replace(case, tokens=case.tokens * 40)  # more rows than the buffers hold: they grow, by copies
+        _round_trip(op, ctx, huge, 99, experts)
+        exchanges.add(op.last_exchange)
+        _round_trip(op, ctx, huge, 99, experts)  # and the same call again fits them
+        assert exchanges == {"stores", "copies"} and op.last_exchange == "stores", (exchanges, op.last_exchange)
         ctx.check()
         assert all(op.buffers()[name].numel() >= n for name, n in grown.items())
         return True
@@ -377,6 +384,13 @@ def _bad_inputs():
                 call()
         experts = _expert_weights(case, dev)
         err, d = _round_trip(op, ctx, case, 0, experts)  # still usable
+        # ids out of range once the receive buffers exist (the rows would be stored before the host reads the
+        # counts): the kernel stores nothing, every rank raises, and the next call is right
+        with pytest.raises(ValueError, match=rf"rank {W - 1} has ids from \d+ to {E + 5}\b"):
+            op.dispatch(x, _with_id(ids, E + 5) if r == W - 1 else ids, w, num_experts=E)
+        err, d = _round_trip(op, ctx, case, 1, experts)
+        assert op.last_exchange == "stores", op.last_exchange
+        err, d = _round_trip(op, ctx, case, 0, experts)
         y = _run_experts(d.tokens, d.offsets, experts, r, E // W)
         for message, call in [
             ("EPHandle", lambda: op.combine(y, "d")),
@@ -410,7 +424,7 @@ def _silent_peer(what: str, T: float):
         _round_trip(op, ctx, case, 0, experts)  # shapes agreed, kernels built, ranks in step
         x, ids, w = _inputs(case, W, r, 1, dev)
         original = exchange.AllToAll.enqueue
-        flags = {"counts": ".count_flags", "rows": ".row_flags"}[what]
+        flags = {"counts": (".count_flags",), "rows": (".row_flags", ".push_flags")}[what]  # (rows: either path)
 
         def silent(self, ctx, streams):
             if not self.flags.name.endswith(flags):

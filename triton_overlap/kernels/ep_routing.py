@@ -156,14 +156,20 @@ def ep_dest(table_ptr, dest_ptr, offsets_ptr, rank, E, EL, W, W_PAD: tl.constexp
 
 @triton.jit
 def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_ptr, dest_ptr, rows_ptr, meta_ptr,
-            pos_ptr, T, H, E, EL, W, rank, stride_x, G, K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr,
-            W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr):
+            pos_ptr, rows_ptrs, meta_ptrs, table_ptr, T, H, E, EL, W, rank, stride_x, G, cap, K: tl.constexpr,
+            K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr,
+            PUSH: tl.constexpr):
     """Grid (blocks, column tiles): row ``p`` of the send order for each (token, owner) of block b: the row's columns
     of this tile copied from x, and (column tile 0) ``positions[t, d] = p`` (-1: not sent there) and ``meta[p]`` =
     [rank, t, each choice's row in the owner's layout (-1: another owner's), each choice's weight bits, then (G_PAD
     > 0) the token's G scales' bits from ``sbits`` [T, G]]. A pair's
     layout row: ``dest[e]`` (ep_dest) + the block's first place among this rank's pairs of e (``base_e``) + the
-    pairs of e before it in the block."""
+    pairs of e before it in the block.
+
+    PUSH: the row and its metadata go straight into owner d's receive buffers (``rows_ptrs[d]``, ``meta_ptrs[d]``:
+    every rank's, ``cap`` rows each) at this rank's block there (the rows of the ranks before it, from the counts
+    table, first), in place of ``rows`` and ``meta``; where any rank's ids leave [0, E) or any owner would receive
+    more than ``cap`` rows, nothing is stored (every rank decides the same from the same table)."""
     b = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
     t, ok, raw, c, owner, hit = token_owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
@@ -171,6 +177,18 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     dm = d < W
     sent = tl.load(record_ptr + 3 + d, mask=dm, other=0)
     start = tl.sum(tl.where(d[None, :] < d[:, None], sent[None, :], 0), axis=1)  # owner d's first row in the order
+    go = tl.full((BT,), 1, tl.int1)  # (PUSH: whether the rows move; one value for every token)
+    shift = tl.zeros((W_PAD,), dtype=tl.int32)
+    if PUSH:  # sources along axis 0, owners along axis 1
+        width = 3 + W + E
+        n = tl.load(table_ptr + d * width, mask=dm, other=0)
+        lo = tl.load(table_ptr + d * width + 1, mask=dm, other=0)
+        hi = tl.load(table_ptr + d * width + 2, mask=dm, other=0)
+        rows = tl.load(table_ptr + d[:, None] * width + 3 + d[None, :], mask=dm[:, None] & dm[None, :], other=0)
+        bad = tl.sum(((n > 0) & ((lo < 0) | (hi >= E))).to(tl.int32), axis=0)
+        over = tl.sum((tl.sum(rows, axis=0) > cap).to(tl.int32), axis=0)
+        go = go & (bad == 0) & (over == 0)
+        shift = tl.sum(tl.where((d < rank)[:, None], rows, 0), axis=0) - start  # send-order row -> owner's row
     base = tl.load(base_ptr + b.to(tl.int64) * W + d, mask=dm, other=0)
     pos = tl.where(hit > 0, start[None, :] + base[None, :] + rows_before(hit, BT), -1)
     tok = t < T
@@ -188,8 +206,12 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
             sb = tl.load(sbits_ptr + t64[:, None] * G + gi[None, :], mask=gm, other=0)
         for dd in range(0, W):
             p = tl.sum(tl.where(d[None, :] == dd, pos, 0), axis=1)
-            has = tok & (p >= 0)
-            m = meta_ptr + tl.where(has, p, 0).to(tl.int64) * MW
+            has = tok & (p >= 0) & go
+            if PUSH:
+                to = tl.load(meta_ptrs + dd).to(tl.pointer_type(tl.int32))
+                m = to + tl.where(has, p + tl.sum(tl.where(d == dd, shift, 0), axis=0), 0).to(tl.int64) * MW
+            else:
+                m = meta_ptr + tl.where(has, p, 0).to(tl.int64) * MW
             tl.store(m, tl.zeros_like(p) + rank, mask=has)
             tl.store(m + 1, t, mask=has)
             tl.store(m[:, None] + 2 + j[None, :], tl.where(owner == dd, row_of, -1), mask=has[:, None] & ok)
@@ -201,9 +223,14 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     xv = tl.load(x_ptr + t64[:, None] * stride_x + cols[None, :], mask=tok[:, None] & cm[None, :])
     for dd in range(0, W):
         p = tl.sum(tl.where(d[None, :] == dd, pos, 0), axis=1)
-        has = tok & (p >= 0)
-        at = tl.where(has, p, 0).to(tl.int64)
-        tl.store(rows_ptr + at[:, None] * H + cols[None, :], xv, mask=has[:, None] & cm[None, :])
+        has = tok & (p >= 0) & go
+        if PUSH:
+            to = tl.multiple_of(tl.load(rows_ptrs + dd).to(tl.pointer_type(xv.dtype)), 16)
+            at = tl.where(has, p + tl.sum(tl.where(d == dd, shift, 0), axis=0), 0).to(tl.int64)
+            tl.store(to + at[:, None] * H + cols[None, :], xv, mask=has[:, None] & cm[None, :])
+        else:
+            at = tl.where(has, p, 0).to(tl.int64)
+            tl.store(rows_ptr + at[:, None] * H + cols[None, :], xv, mask=has[:, None] & cm[None, :])
 
 
 @triton.jit
@@ -272,10 +299,12 @@ def launch_count(ids, part, hist, base_e, groups, record, base, T: int, E: int, 
 
 
 def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets, rows, meta, positions, E: int,
-                W: int, rank: int) -> None:
+                W: int, rank: int, push=None) -> None:
     """ep_dest then ep_pack on the current stream (after launch_count of the same ids; ``table`` int32 [W, 3 + W +
     E] every rank's record): ``dest`` int32 [E], ``offsets`` int32 [E / W + 1] this rank's experts' offsets;
-    ``sbits`` int32 [T, G] the scales' bits to carry in the metadata, or None."""
+    ``sbits`` int32 [T, G] the scales' bits to carry in the metadata, or None. ``push``: None (into ``rows`` and
+    ``meta``), or (rows_ptrs, meta_ptrs, cap): into the owners' receive buffers (ep_pack's PUSH; ``rows`` and
+    ``meta`` then give only the dtypes)."""
     T, H = x.shape
     K = ids.shape[1]
     bt, bh = tiles()
@@ -285,10 +314,12 @@ def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets
     if T == 0:
         return
     G = 0 if sbits is None else sbits.shape[1]
+    rows_ptrs, meta_ptrs, cap = (record, record, 0) if push is None else push
     launch(ep_pack, (-(-T // bt), -(-H // bh)),
-           (x, ids, wbits, wbits if sbits is None else sbits, record, base, base_e, dest, rows, meta, positions, T, H,
-            E, E // W, W, rank, x.stride(0), G),
-           dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=pow2(W), BLOCK_H=bh, G_PAD=pow2(G) if G else 0), num_warps=4)
+           (x, ids, wbits, wbits if sbits is None else sbits, record, base, base_e, dest, rows, meta, positions,
+            rows_ptrs, meta_ptrs, table, T, H, E, E // W, W, rank, x.stride(0), G, cap),
+           dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=pow2(W), BLOCK_H=bh, G_PAD=pow2(G) if G else 0,
+                PUSH=push is not None), num_warps=4)
 
 
 def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, sbits, K: int) -> None:

@@ -134,7 +134,8 @@ class Route:
 
 @dataclass(frozen=True, eq=False)
 class Sent:
-    """This rank's packed rows (owner-major, token order), their metadata int32 [S, 2 + 2k + G] (pack), each token's
+    """This rank's packed rows (owner-major, token order; None where pack pushed them to the owners), their
+    metadata int32 [S, 2 + 2k + G] (pack; None likewise), each token's
     position in them per owner (int32 [T, W], -1: not sent there) and ``offsets`` int32 [E/W + 1]: this rank's
     experts' first rows in its own expert-sorted layout (kernels.ep_routing.ep_dest)."""
 
@@ -244,25 +245,40 @@ def route_tokens(topk_ids: torch.Tensor, num_experts: int, world: int) -> Route:
     return Route(record, ids, base, base_e)
 
 
-def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scales=None) -> Sent:
+def meta_width(k: int, G: int) -> int:
+    """The int32 words of a sent row's metadata: its head, k layout rows, k weights and G scales."""
+    return META_HEAD + 2 * k + G
+
+
+def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scales=None, push=None) -> Sent:
     """This rank's ``S`` unique (token, owner) rows, owner-major and in token order within an owner, and their
     metadata: [this rank, token, each choice's row in the owner's expert-sorted layout (-1: another owner's), each
     choice's weight (float32 bits), then the token's ``scales`` (float32 bits) where given] (kernels.ep_routing.
-    ep_pack); ``table`` int32 [W, record] every rank's record on the device. fp8 rows travel as their bytes."""
+    ep_pack); ``table`` int32 [W, record] every rank's record on the device. fp8 rows travel as their bytes.
+    ``push``: None (into new tensors, Sent.rows and Sent.meta), or the symmetric receive buffers (rows, meta, cap):
+    straight into every owner's, at this rank's block there, unless any rank's ids are out of range or any owner
+    would receive more than ``cap`` rows (then nothing moves; Sent.rows and Sent.meta are None either way)."""
     T, k = route.ids.shape
     W, E = route.base.shape[1], route.base_e.shape[1]
     dev = x.device
     G = 0 if scales is None else scales.shape[1]
     x = x.view(torch.uint8) if x.dtype == FP8 else x
-    rows = torch.empty((S, x.shape[1]), dtype=x.dtype, device=dev)
-    meta = torch.empty((S, META_HEAD + 2 * k + G), dtype=torch.int32, device=dev)
+    if push is None:
+        rows = torch.empty((S, x.shape[1]), dtype=x.dtype, device=dev)
+        meta = torch.empty((S, meta_width(k, G)), dtype=torch.int32, device=dev)
+        target = None
+    else:
+        rows, meta, cap = push
+        target = (rows.ptrs, meta.ptrs, cap)
+        rows, meta = rows.local, meta.local
     positions = torch.empty((T, W), dtype=torch.int32, device=dev)
     dest = torch.empty(E + E // W + 1, dtype=torch.int32, device=dev)
     offsets = dest[E:]
     sbits = None if scales is None else scales.contiguous().view(torch.int32)
     launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32), sbits,
-                route.record, route.base, route.base_e, table, dest[:E], offsets, rows, meta, positions, E, W, rank)
-    return Sent(rows, meta, positions, offsets)
+                route.record, route.base, route.base_e, table, dest[:E], offsets, rows, meta, positions, E, W, rank,
+                target)
+    return Sent(rows, meta, positions, offsets) if push is None else Sent(None, None, positions, offsets)
 
 
 def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, offsets: torch.Tensor, k: int, dtype) -> tuple:
@@ -303,4 +319,4 @@ def sum_partials(ctx, back: torch.Tensor, d: EPHandle, out: torch.Tensor) -> Non
 
 
 __all__ = ["EPHandle", "Route", "Sent", "Traffic", "capacity", "check_combine", "check_dispatch", "expand",
-           "owner_partials", "pack", "route_tokens", "sum_partials"]
+           "meta_width", "owner_partials", "pack", "route_tokens", "sum_partials"]

@@ -67,8 +67,9 @@ from ..kernels.arrivals import launch_wait_sources
 from ..producers import pipeline
 from ..producers.exchange import AllToAll, deal
 from .base import OverlapOp, agree_across_ranks
-from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand, owner_partials,
-                         pack, route_tokens, sum_partials)
+from .checks import FP8
+from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand, meta_width,
+                         owner_partials, pack, route_tokens, sum_partials)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class ExpertParallel(OverlapOp):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
         self.cfg = config if config is not None else ExpertParallelConfig()
         self.dispatch_op, self.combine_op = ctx.op_id("ep_dispatch"), ctx.op_id("ep_combine")
+        self.last_exchange = None  # how the last overlapped dispatch moved its rows: "stores" or "copies"
         # what a wait that times out names: the counts or the rows of a dispatch, the partials of a combine
         self.wait_ops = {what: ctx.op_id(f"{kind} {what}") for kind, what in
                          (("ep_dispatch", "counts"), ("ep_dispatch", "rows"), ("ep_combine", "partials"))}
@@ -134,18 +136,35 @@ class ExpertParallel(OverlapOp):
         fallback = self._use_fallback()
         self.last_path = "fallback" if fallback else "overlap"
         sched = None if fallback else self.schedule("dispatch", x.shape[1], x.dtype, num_experts, (k, G))
-        table, table_dev = self._counts_fallback(route.record) if fallback else self._counts(route.record, sched)
+        sent = target = None
+        if fallback:
+            table, table_dev = self._counts_fallback(route.record)
+        else:
+            table_dev, read_table = self._counts(route.record, sched)
+            target = self._push_target(x.shape[1], torch.uint8 if x.dtype == FP8 else x.dtype, meta_width(k, G))
+            if target is not None:  # the rows move while the host reads the counts
+                sent = pack(x, route, topk_weights, r, table_dev, 0, scales, push=target)
+                self._raise_push_flags(sched)
+            table = read_table()
         traffic = Traffic.read(table, W, num_experts)
         bad = traffic.out_of_range()
         if bad:
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
                              + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
-        sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales)
-        if fallback:
-            rows, meta = self._rows_fallback(sent, traffic)
-            expanded = expand(rows, meta, traffic.expanded(r), sent.offsets, k, x.dtype)
+        self.last_exchange = None if fallback else "stores"
+        if sent is not None and traffic.most_received() <= target[2]:  # pushed (the kernel's own test)
+            U = sum(traffic.received(r))
+            self.state["buffers"].update(rows=target[0].local, meta=target[1].local)
+            expanded = expand(target[0].local[:U], target[1].local[:U], traffic.expanded(r), sent.offsets, k,
+                              x.dtype)
         else:
-            expanded = self._rows(sent, traffic, sched, x.dtype, k)
+            sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales)
+            if fallback:
+                rows, meta = self._rows_fallback(sent, traffic)
+                expanded = expand(rows, meta, traffic.expanded(r), sent.offsets, k, x.dtype)
+            else:
+                self.last_exchange = "copies"
+                expanded = self._rows(sent, traffic, sched, x.dtype, k)
         seq = self.state.get("dispatches", 0)
         self.state["dispatches"] = seq + 1
         tokens, counts, offsets, source, token, weights, slots, slot_weights, row_scales = expanded
@@ -154,9 +173,9 @@ class ExpertParallel(OverlapOp):
                         positions=sent.positions, rank=r, num_tokens=x.shape[0], seq=seq, scales=row_scales)
 
     def _counts(self, record: torch.Tensor, sched: ExchangeSchedule) -> tuple:
-        """Step 2: every rank's record into every rank's counts table, behind the call's barrier; the table read
-        back to the host (the call's one host synchronisation). Returns (the table as lists, the table on the
-        device)."""
+        """Step 2: every rank's record into every rank's counts table, behind the call's barrier, and its copy to
+        the host started. Returns (the table on the device, a function that waits for the copy and returns the
+        table as lists: the call's one host synchronisation, which waits for the counts alone)."""
         ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
         table = ctx.symmetric(f"{self.name}.counts", (W, record.numel()), torch.int32)
         flags = ctx.symmetric(f"{self.name}.count_flags", (W,), torch.int32)
@@ -168,9 +187,47 @@ class ExpertParallel(OverlapOp):
             launch_wait_sources(ctx, flags.local, self.wait_ops["counts"])
 
         pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call), consumer)
-        got = table.local.tolist()
-        ctx.check()  # a wait that gave up left the table as it was: never read past a fault
-        return got, table.local
+        if table.local.device.type == "cpu":
+            host, done = table.local, None
+        else:
+            host = self.state.get("counts_host")
+            if host is None or host.shape != table.local.shape:
+                host = self.state["counts_host"] = torch.empty(table.local.shape, dtype=torch.int32, pin_memory=True)
+            host.copy_(table.local, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+
+        def read() -> list:
+            if done is not None:
+                done.synchronize()
+            got = host.tolist()
+            ctx.check()  # a wait that gave up left the table as it was: never read past a fault
+            return got
+
+        return table.local, read
+
+    def _push_target(self, width: int, dtype, meta_words: int):
+        """The receive buffers (rows, meta, capacity in rows) as they are, for ep_pack to store into before the
+        host has the counts; None before their first allocation (the planned path allocates them). The capacity
+        is the same on every rank (symmetric buffers grow together), so is every rank's choice."""
+        ctx = self.ctx
+        rows_name, meta_name = f"{self.name}.rows", f"{self.name}.meta"
+        size = torch.empty((), dtype=dtype).element_size()
+        cap = min(ctx.symmetric_nbytes(rows_name) // (width * size),
+                  ctx.symmetric_nbytes(meta_name) // (meta_words * 4))
+        if cap < 1:
+            return None
+        return (ctx.symmetric(rows_name, (cap, width), dtype), ctx.symmetric(meta_name, (cap, meta_words), torch.int32),
+                cap)
+
+    def _raise_push_flags(self, sched: ExchangeSchedule) -> None:
+        """After the pushing ep_pack: this rank's flag in every owner (on the copy streams, which follow the
+        caller's stream, so after the kernel's stores), and the caller's stream waits for every source's. Raised
+        even where the kernel stored nothing (every rank's test fails alike): the flags are consumed either way."""
+        ctx = self.ctx
+        flags = ctx.symmetric(f"{self.name}.push_flags", (ctx.world_size,), torch.int32)
+        pipeline.run(ctx, AllToAll(sched.copy_streams, {}, flags),
+                     lambda: launch_wait_sources(ctx, flags.local, self.wait_ops["rows"]))
 
     def _rows(self, sent: Sent, traffic: Traffic, sched: ExchangeSchedule, dtype, k: int) -> tuple:
         """Steps 3 and 4: each owner's block into its receive buffers with this rank's flag there (no barrier: the
