@@ -13,19 +13,22 @@ Plan of a dispatch (the overlapped path):
    (token, choice) pairs per expert (E)].
 2. **counts** (producers.exchange.AllToAll, behind the call's barrier, which compares the ranks' call headers): copy
    engines write the record into slot r of every peer's symmetric counts table and raise that peer's count flag for
-   r. The caller's stream waits for every source's count flag (kernels.arrivals, bounded), and the host reads the
-   table: the call's one host synchronisation (the host needs the counts to size the output and to enqueue copies
-   of the right lengths at the right places). Every rank then holds every rank's record, so all take the same
-   decisions with no further exchange: ids out of range on any rank raise ValueError on every rank, naming it (the
-   exchange has ended everywhere and no row has moved, so the Context stays usable); the receive buffers grow on
-   every rank together when any rank needs more (symmetric allocation is collective); each source's block lands at
-   the prefix of the counts of the sources before it.
-3. **rows**: this rank packs its rows per owner (owner-major, then token order; one kernel writes them into a staging
-   tensor that only this rank's copies read, so it need not be symmetric) with their metadata (source rank, token,
-   each of the k choices' row in the owner's expert-sorted layout, -1 for another owner's, the k weights): the
-   layout is known before any row moves, from the counts table every rank holds (kernels.ep_routing.ep_dest). Copy
-   engines move each owner's block into the owner's symmetric receive buffers at this source's offset and raise the
-   owner's flag for this source: one flag per source, raised even where the block is empty.
+   r. The caller's stream waits for every source's count flag (kernels.arrivals, bounded), then copies the table
+   (and the error word) to the host behind an event, which the host waits for after step 3 is enqueued: the call's
+   one host synchronisation, on the counts alone (the host needs them to size the output). Every rank then holds
+   every rank's record, so all take the same decisions with no further exchange: ids out of range on any rank raise
+   ValueError on every rank, naming it (no row has moved, so the Context stays usable).
+3. **rows, stored by the pack kernel** (once the receive buffers exist): ep_pack reads the counts table on the
+   device and stores each (token, owner) row with its metadata (source rank, token, each of the k choices' row in
+   the owner's expert-sorted layout, -1 for another owner's, the k weights) straight into the owner's symmetric
+   receive buffers, at this source's block (the prefix of the counts of the sources before it); then copy streams
+   raise this rank's flag in every owner (one flag per source, raised even where the block is empty). Copy engines
+   would need the counts on the host before the first row could move, so the host's read would sit on the
+   critical path; the kernel's stores need none. Where any rank's ids are out of range or any owner would receive
+   more rows than the buffers hold, every rank's kernel stores nothing (each decides from the same table) and the
+   host, once it has the counts, packs into a staging tensor and copy engines move each owner's block (the path of
+   a first call, and of a call that grows the buffers on every rank together: symmetric allocation is
+   collective). ``op.last_exchange`` says which ("stores" or "copies").
 4. **expand**: the caller's stream waits for every source's flag (bounded, naming the source that did not come),
    then one kernel copies each received row to the layout rows its metadata names (no sort). The per-source flags
    exist so that an experts' grouped GEMM can start on a source's rows as soon as they land:
@@ -35,17 +38,18 @@ Plan of a dispatch (the overlapped path):
 
 Plan of a combine: behind its own barrier (header: the width, dtype and the dispatch it combines), the owner sums,
 for each token it received, ``weight · y`` over the token's choices among its experts in float32, rounds that
-partial once to y's dtype, and copy engines move each source's partials into the source's symmetric combine buffer
-at the place the source's block for this owner had in its send order, raising the source's flag for this owner; the
-source waits for every owner's flag and sums the (at most W) partials of each token in float32, rounding once. Both
-sums walk their terms in a fixed order (choice j, then owner rank: kernels.row_sums), so a combine returns the same
-bits on every call and on both paths. Two roundings to the 16-bit dtype in all: ‖out − ref‖ / ‖ref‖ stays within
-about two units of its rounding (2^-8 for bf16, 2^-11 for fp16) on top of whatever rounding y carries.
+partial once to y's dtype and stores it straight into the source's symmetric combine buffer, at the place the
+source's block for this owner had in its send order (kernels.row_sums, a launch per source, peers first); copy
+streams then raise the source's flag for this owner; the source waits for every owner's flag and sums the (at most
+W) partials of each token in float32, rounding once. Both sums walk their terms in a fixed order (choice j, then
+owner rank: kernels.row_sums), so a combine returns the same bits on every call and on both paths. Two roundings
+to the 16-bit dtype in all: ‖out − ref‖ / ‖ref‖ stays within about two units of its rounding (2^-8 for bf16,
+2^-11 for fp16) on top of whatever rounding y carries.
 
 Host synchronisations: one per dispatch (the counts), none in a combine. A dispatch makes one barrier, two waits on
-the caller's stream and two exchanges; a combine one barrier, one wait, one exchange. Every wait is bounded by the
-Context's timeout and a fault poisons the Context until ``reset()`` (docs/protocol.md); no path here is captured in
-a CUDA graph (the dispatch reads the counts back to the host).
+the caller's stream and two exchanges; a combine one barrier, one wait, one exchange of flags. Every wait is bounded
+by the Context's timeout and a fault poisons the Context until ``reset()`` (docs/protocol.md); no path here is
+captured in a CUDA graph (the dispatch reads the counts back to the host).
 
 Fallback: ``torch.distributed.all_to_all_single`` on the Context's group (NCCL on GPUs, gloo on the host backend)
 for the records, the rows and metadata, and the partials, with the same layouts, so both paths return the same
@@ -64,7 +68,10 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.arrivals import launch_wait_sources
+from ..kernels.row_sums import launch_gather_rows_sum
+from ..plan import send_order
 from ..producers import pipeline
+from ..producers.pipeline import BarrierOnly
 from ..producers.exchange import AllToAll, deal
 from .base import OverlapOp, agree_across_ranks
 from .checks import FP8
@@ -187,22 +194,25 @@ class ExpertParallel(OverlapOp):
             launch_wait_sources(ctx, flags.local, self.wait_ops["counts"])
 
         pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call), consumer)
-        if table.local.device.type == "cpu":
+        if table.local.device.type == "cpu":  # (launches are synchronous: the table is in)
             host, done = table.local, None
-        else:
+        else:  # the table and the error word to the host behind the wait, and an event there
             host = self.state.get("counts_host")
             if host is None or host.shape != table.local.shape:
                 host = self.state["counts_host"] = torch.empty(table.local.shape, dtype=torch.int32, pin_memory=True)
+            ctx.mirror_errors()
             host.copy_(table.local, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
 
         def read() -> list:
-            if done is not None:
+            # a wait that gave up left the table as it was: never read past a fault
+            if done is None:
+                ctx.check()
+            else:  # (not ctx.check(), which would wait for the rows as well)
                 done.synchronize()
-            got = host.tolist()
-            ctx.check()  # a wait that gave up left the table as it was: never read past a fault
-            return got
+                ctx.ensure_usable()
+            return host.tolist()
 
         return table.local, read
 
@@ -284,44 +294,43 @@ class ExpertParallel(OverlapOp):
         N = y.shape[1]
         self._agree("ep_combine", ("combine", N, str(y.dtype)))
         out = torch.empty((d.num_tokens, N), dtype=y.dtype, device=y.device) if out is None else out
-        partials = owner_partials(ctx, y.contiguous(), d)
         if self._use_fallback():
             self.last_path = "fallback"
+            partials = owner_partials(ctx, y.contiguous(), d)
             back = torch.empty((sum(d.sent), N), dtype=y.dtype, device=y.device)
             dist.all_to_all_single(back, partials, list(d.sent), list(d.received), group=ctx.group)
             sum_partials(ctx, back, d, out)
             return out
         self.last_path = "overlap"
-        self._combine(partials, d, out)
+        self._combine(y.contiguous(), d, out)
         return out
 
-    def _combine(self, partials: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
-        """Behind the combine's barrier: each source's partials into its combine buffer (at the place its block for
-        this rank had in its send order) with this rank's flag there; then, once every owner's flag is up, the sum."""
+    def _combine(self, y: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
+        """Behind the combine's barrier, each source's partials computed straight into its combine buffer (at the
+        place its block for this rank had in its send order; a kernel per source, peers first), then this rank's
+        flag in every source (on the copy streams, after those kernels); once every owner's flag is up, the sum."""
         ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
-        N, traffic = partials.shape[1], d.traffic
+        N, traffic = y.shape[1], d.traffic
         # the dispatch's number (mod 64) is in the header: ranks combining different dispatches fault at the barrier
-        sched = self.schedule("combine", N, partials.dtype, d.num_experts, d.seq % 64)
-        back = self._receive("partials", traffic.most_sent(), N, partials.dtype)
+        sched = self.schedule("combine", N, y.dtype, d.num_experts, d.seq % 64)
+        back = self._receive("partials", traffic.most_sent(), N, y.dtype)
         flags = ctx.symmetric(f"{self.name}.partial_flags", (W,), torch.int32)
         self.state.setdefault("buffers", {})["partials"] = back.local
-        blocks = {}
-        for s in range(W):
-            n = traffic.rows[s][r]
-            if s != r and n:
-                a, b = traffic.recv_offset(s, r), traffic.send_offset(s, r)
-                blocks[s] = [(back.peer(s)[b:b + n], partials[a:a + n])]
         S = sum(d.sent)
 
+        def partials():
+            for s in send_order(r, W) + [r]:
+                n = traffic.rows[s][r]
+                if n:
+                    a, b = traffic.recv_offset(s, r), traffic.send_offset(s, r)
+                    launch_gather_rows_sum(ctx, y, d.slots[a:a + n], d.slot_weights[a:a + n], back.peer(s)[b:b + n])
+
         def consumer():
-            n = traffic.rows[r][r]
-            if n:
-                a, b = traffic.recv_offset(r, r), traffic.send_offset(r, r)
-                back.local[b:b + n].copy_(partials[a:a + n])
             launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
             sum_partials(ctx, back.local[:S], d, out)
 
-        pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call), consumer)
+        pipeline.run(ctx, BarrierOnly(sched.call), partials)
+        pipeline.run(ctx, AllToAll(sched.copy_streams, {}, flags), consumer)
 
     # ------------------------------------------------------------------------------------- plan and buffers
     def schedule(self, kind: str, width: int, dtype, num_experts: int, extra) -> ExchangeSchedule:
