@@ -147,7 +147,7 @@ class GEMMAllReduceConfig:
     @classmethod
     def defaults(cls, ctx, m: int, n: int, units: int) -> "GEMMAllReduceConfig":
         """Interpreter-sized tiles where ``ctx``'s kernels are interpreted (the host backend). On GPUs, up to 64
-        rows (decode): 16 to 64 rows per tile (the fewest that cover M), 64 columns, or 32 where 64 would leave over
+        rows (decode): 16 rows per tile up to 16 rows, else 64, and 64 columns, or 32 where 64 would leave over
         a tenth of the ``units`` compute units idle over the waves of tiles and 32 fewer, and 128-deep steps (the
         GEMM streams the weight); 64 x 128 tiles up to 256 rows, 128 x 128 above (docs/decisions.md)."""
         if ctx.interpreted:
@@ -156,7 +156,7 @@ class GEMMAllReduceConfig:
             return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
         if m > 64:
             return cls(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
-        bm = max(16, 1 << (m - 1).bit_length())
+        bm = 16 if m <= 16 else 64  # (32-row tiles measured slower than 64-row ones at 32 rows: docs/decisions.md)
 
         def busy(bn):  # the share of compute units busy over the waves of tiles
             tiles = cdiv(m, bm) * cdiv(n, bn)
