@@ -20,8 +20,8 @@ from .base import OverlapOp
 from .checks import check_operands
 from .config import GEMMAllReduceConfig
 
-#: algorithm="auto": the fused kernel up to this many rows (docs/decisions.md: its GEMM against cuBLAS on one GPU)
-FUSED_MAX_ROWS = 16
+#: algorithm="auto": the fused kernel up to this many rows (docs/decisions.md: against matmul + the AllReduce, W = 2)
+FUSED_MAX_ROWS = 64
 ALGORITHMS = ("auto", "fused", "one_shot", "two_shot")
 
 
