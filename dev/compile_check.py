@@ -470,6 +470,22 @@ def compile_ep_routing(target) -> int:
     return failed
 
 
+def compile_row_sums(target) -> int:
+    """kernels.row_sums as ops.ep_routing and the combine launch it: bf16 rows, with and without weights, into local
+    memory and into a peer's (PEER)."""
+    from triton_overlap.kernels.row_sums import gather_rows_sum
+
+    failed = 0
+    for weight, peer in itertools.product((False, True), (False, True)):
+        consts = dict(HAS_WEIGHT=weight, BLOCK_M=16, BLOCK_N=256, PEER=peer)
+        sig = {prm.name: "constexpr" if prm.is_constexpr else "*bf16" if prm.name in ("src_ptr", "out_ptr")
+               else "*fp32" if prm.name == "weight_ptr" else "*i32" if prm.name.endswith("_ptr") else "i32"
+               for prm in gather_rows_sum.params}
+        failed += compile_one(target, f"gather_rows_sum {consts}", ASTSource(fn=gather_rows_sum, signature=sig,
+                                                                              constexprs=consts), {"num_warps": 4})
+    return failed
+
+
 def compile_ep_low_latency(target) -> int:
     """kernels.ep_low_latency as ops.ep_low_latency launches them on GPUs: bf16 rows and fp8 rows (as bytes) with
     56 scales, top-1 and 8, 1, 2 and 8 ranks, 4 and 256 experts; arguments not known divisible and known divisible
@@ -544,6 +560,7 @@ def main():
     failed += compile_grouped_gemm(target)
     failed += compile_routing(target)
     failed += compile_ep_routing(target)
+    failed += compile_row_sums(target)
     failed += compile_ep_low_latency(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from .cached_launch import launch, triton_interprets
 from .routing import pow2, scan_counts
+from .signal import error_code
 
 INT32_MAX: tl.constexpr = tl.constexpr(2147483647)
 
@@ -156,7 +157,7 @@ def ep_dest(table_ptr, dest_ptr, offsets_ptr, rank, E, EL, W, W_PAD: tl.constexp
 
 @triton.jit
 def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_ptr, dest_ptr, rows_ptr, meta_ptr,
-            pos_ptr, rows_ptrs, meta_ptrs, table_ptr, T, H, E, EL, W, rank, stride_x, G, cap, K: tl.constexpr,
+            pos_ptr, rows_ptrs, meta_ptrs, table_ptr, err_ptr, T, H, E, EL, W, rank, stride_x, G, cap, K: tl.constexpr,
             K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr,
             PUSH: tl.constexpr):
     """Grid (blocks, column tiles): row ``p`` of the send order for each (token, owner) of block b: the row's columns
@@ -169,7 +170,8 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     PUSH: the row and its metadata go straight into owner d's receive buffers (``rows_ptrs[d]``, ``meta_ptrs[d]``:
     every rank's, ``cap`` rows each) at this rank's block there (the rows of the ranks before it, from the counts
     table, first), in place of ``rows`` and ``meta``; where any rank's ids leave [0, E) or any owner would receive
-    more than ``cap`` rows, nothing is stored (every rank decides the same from the same table)."""
+    more than ``cap`` rows, nothing is stored (every rank decides the same from the same table), nor once the error
+    word ``err`` holds a fault (the ranks' calls may disagree)."""
     b = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
     t, ok, raw, c, owner, hit = token_owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
@@ -187,7 +189,7 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
         rows = tl.load(table_ptr + d[:, None] * width + 3 + d[None, :], mask=dm[:, None] & dm[None, :], other=0)
         bad = tl.sum(((n > 0) & ((lo < 0) | (hi >= E))).to(tl.int32), axis=0)
         over = tl.sum((tl.sum(rows, axis=0) > cap).to(tl.int32), axis=0)
-        go = go & (bad == 0) & (over == 0)
+        go = go & (bad == 0) & (over == 0) & (error_code(err_ptr) == 0)
         shift = tl.sum(tl.where((d < rank)[:, None], rows, 0), axis=0) - start  # send-order row -> owner's row
     base = tl.load(base_ptr + b.to(tl.int64) * W + d, mask=dm, other=0)
     pos = tl.where(hit > 0, start[None, :] + base[None, :] + rows_before(hit, BT), -1)
@@ -299,12 +301,12 @@ def launch_count(ids, part, hist, base_e, groups, record, base, T: int, E: int, 
 
 
 def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets, rows, meta, positions, E: int,
-                W: int, rank: int, push=None) -> None:
+                W: int, rank: int, push=None, err=None) -> None:
     """ep_dest then ep_pack on the current stream (after launch_count of the same ids; ``table`` int32 [W, 3 + W +
     E] every rank's record): ``dest`` int32 [E], ``offsets`` int32 [E / W + 1] this rank's experts' offsets;
     ``sbits`` int32 [T, G] the scales' bits to carry in the metadata, or None. ``push``: None (into ``rows`` and
     ``meta``), or (rows_ptrs, meta_ptrs, cap): into the owners' receive buffers (ep_pack's PUSH; ``rows`` and
-    ``meta`` then give only the dtypes)."""
+    ``meta`` then give only the dtypes; ``err``: the Context's error word)."""
     T, H = x.shape
     K = ids.shape[1]
     bt, bh = tiles()
@@ -317,7 +319,8 @@ def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets
     rows_ptrs, meta_ptrs, cap = (record, record, 0) if push is None else push
     launch(ep_pack, (-(-T // bt), -(-H // bh)),
            (x, ids, wbits, wbits if sbits is None else sbits, record, base, base_e, dest, rows, meta, positions,
-            rows_ptrs, meta_ptrs, table, T, H, E, E // W, W, rank, x.stride(0), G, cap),
+            rows_ptrs, meta_ptrs, table, record if err is None else err, T, H, E, E // W, W, rank, x.stride(0), G,
+            cap),
            dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=pow2(W), BLOCK_H=bh, G_PAD=pow2(G) if G else 0,
                 PUSH=push is not None), num_warps=4)
 

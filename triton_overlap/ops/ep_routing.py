@@ -255,9 +255,10 @@ def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scale
     metadata: [this rank, token, each choice's row in the owner's expert-sorted layout (-1: another owner's), each
     choice's weight (float32 bits), then the token's ``scales`` (float32 bits) where given] (kernels.ep_routing.
     ep_pack); ``table`` int32 [W, record] every rank's record on the device. fp8 rows travel as their bytes.
-    ``push``: None (into new tensors, Sent.rows and Sent.meta), or the symmetric receive buffers (rows, meta, cap):
-    straight into every owner's, at this rank's block there, unless any rank's ids are out of range or any owner
-    would receive more than ``cap`` rows (then nothing moves; Sent.rows and Sent.meta are None either way)."""
+    ``push``: None (into new tensors, Sent.rows and Sent.meta), or the symmetric receive buffers and the Context's
+    error word (rows, meta, cap, err): straight into every owner's, at this rank's block there, unless any rank's ids
+    are out of range, any owner would receive more than ``cap`` rows or ``err`` holds a fault (then nothing moves;
+    Sent.rows and Sent.meta are None either way)."""
     T, k = route.ids.shape
     W, E = route.base.shape[1], route.base_e.shape[1]
     dev = x.device
@@ -268,7 +269,7 @@ def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scale
         meta = torch.empty((S, meta_width(k, G)), dtype=torch.int32, device=dev)
         target = None
     else:
-        rows, meta, cap = push
+        rows, meta, cap, err = push
         target = (rows.ptrs, meta.ptrs, cap)
         rows, meta = rows.local, meta.local
     positions = torch.empty((T, W), dtype=torch.int32, device=dev)
@@ -277,7 +278,7 @@ def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scale
     sbits = None if scales is None else scales.contiguous().view(torch.int32)
     launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32), sbits,
                 route.record, route.base, route.base_e, table, dest[:E], offsets, rows, meta, positions, E, W, rank,
-                target)
+                target, None if push is None else err)
     return Sent(rows, meta, positions, offsets) if push is None else Sent(None, None, positions, offsets)
 
 

@@ -228,7 +228,7 @@ class ExpertParallel(OverlapOp):
         if cap < 1:
             return None
         return (ctx.symmetric(rows_name, (cap, width), dtype), ctx.symmetric(meta_name, (cap, meta_words), torch.int32),
-                cap)
+                cap, ctx.err)
 
     def _raise_push_flags(self, sched: ExchangeSchedule) -> None:
         """After the pushing ep_pack: this rank's flag in every owner (on the copy streams, which follow the
@@ -323,7 +323,8 @@ class ExpertParallel(OverlapOp):
                 n = traffic.rows[s][r]
                 if n:
                     a, b = traffic.recv_offset(s, r), traffic.send_offset(s, r)
-                    launch_gather_rows_sum(ctx, y, d.slots[a:a + n], d.slot_weights[a:a + n], back.peer(s)[b:b + n])
+                    launch_gather_rows_sum(ctx, y, d.slots[a:a + n], d.slot_weights[a:a + n], back.peer(s)[b:b + n],
+                                           peer=True)
 
         def consumer():
             launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
