@@ -12,6 +12,7 @@ import triton_overlap as to
 from contract import Call, OpSpec, Variants
 from refs import TOL, poison, rand, rel_err
 from triton_overlap.nn import RowParallelLinear
+from triton_overlap.ops.gemm_all_reduce import FUSED_MAX_ROWS, FUSED_MAX_ROWS_W2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +95,27 @@ def test_gemm_ar(pool, algorithm, fallback):
         assert took[:3] == ["fused"] * 3 and took[3] == "process group" and took[-1] == "fused", took
     else:
         assert set(took) == {algorithm}, took
+
+
+def _default_row_limit():
+    """The default op takes the fused kernel up to its row limit (64 rows at W = 2, 16 elsewhere) and matmul + the
+    AllReduce one row above it, both right."""
+    with to.Context(timeout_s=30) as ctx:
+        op = to.GEMMAllReduce(ctx)
+        limit = FUSED_MAX_ROWS_W2 if ctx.world_size == 2 else FUSED_MAX_ROWS
+        assert op.fused_max_rows == limit
+        took = []
+        for m in (limit, limit + 1):
+            c = _inputs(ctx, GARCase(m=m, k=8, n=12), m)
+            out = op(*c.args, out=poison(c.out))
+            assert rel_err(out, c.ref) < 2 * TOL[torch.bfloat16], m
+            took.append(op.last_algorithm)
+        assert took[0] == "fused" and took[1] != "fused", took
+        return limit
+
+
+def test_gemm_ar_default_row_limit(pool):
+    assert pool.run(_default_row_limit)[0] in (16, 64)
 
 
 def _gemm_ar_disagree(T: float):

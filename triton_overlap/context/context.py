@@ -88,6 +88,7 @@ class Context:
         # the error word, symmetric: a rank that faults writes its fault into every peer's, so their waits stop too
         self._faults.attach(self.symmetric("__errors", (sig.ERR_WORDS,), torch.int32), self._backend, self._mapped)
         self.err = self._faults.word
+        self._shared_memory = None
         self._barrier = Barrier(self.symmetric, self.rank, self.world_size, self.device, self.clock)
         self._barrier_count = self._barrier.count
         # the barrier kernel is built and loaded now, before any op's persistent kernel can spin (loading a module
@@ -278,6 +279,15 @@ class Context:
         there, and a consumer holding every SM while it waits for such a copy would wait for ever."""
         units = self._backend.num_compute_units()
         return max(1, units - 1) if self.ranks_on_device > 1 else units
+
+    def shared_memory_per_program(self) -> int:
+        """The shared memory (LDS) one program may use on this rank's device, in bytes: torch's opt-in limit per
+        block (0 on the host backend)."""
+        if self._shared_memory is None:
+            props = None if self.device.type == "cpu" else torch.cuda.get_device_properties(self.device)
+            self._shared_memory = 0 if props is None else int(getattr(props, "shared_memory_per_block_optin", 0)
+                                                              or getattr(props, "shared_memory_per_block", 0))
+        return self._shared_memory
 
     @property
     def producer_jitter_s(self) -> float:

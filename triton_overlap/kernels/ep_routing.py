@@ -17,7 +17,8 @@ Rank ``d`` owns experts ``[d * EL, (d + 1) * EL)``. Tokens go in blocks of ``BT`
 4. ``ep_pack`` (a program per block and column tile): each (token, owner) row's place in the send order (owner-major,
    then token order), written as ``positions`` [T, W] (-1: not sent there), the row's metadata [rank, token, the
    owner's layout row of each choice (-1: another owner's), the choices' weights as float32 bits, for fp8 rows the
-   token's scales' bits] and the row (fp8 rows as their bytes).
+   token's scales' bits] and the row (fp8 rows as their bytes), into a staging buffer, or (PUSH) straight into
+   each owner's receive buffers at this rank's block there, from the counts table on the device.
 5. ``ep_expand`` (a program per block of received rows and column tile): each received row copied to the layout
    rows its metadata names, with what a combine reads back.
 

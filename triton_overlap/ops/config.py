@@ -149,7 +149,9 @@ class GEMMAllReduceConfig:
         """Interpreter-sized tiles where ``ctx``'s kernels are interpreted (the host backend). On GPUs, up to 64
         rows (decode): 16 rows per tile up to 16 rows, else 64, and 64 columns, or 32 where 64 would leave over
         a tenth of the ``units`` compute units idle over the waves of tiles and 32 fewer, and 128-deep steps (the
-        GEMM streams the weight); 64 x 128 tiles up to 256 rows, 128 x 128 above (docs/decisions.md)."""
+        GEMM streams the weight) in 4 stages, fewer stages or 64-deep steps where a program's shared memory
+        (``ctx.shared_memory_per_program()``) cannot hold them; 64 x 128 tiles up to 256 rows, 128 x 128 above
+        (docs/decisions.md)."""
         if ctx.interpreted:
             return cls(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1)
         if m > 256:
@@ -157,13 +159,18 @@ class GEMMAllReduceConfig:
         if m > 64:
             return cls(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
         bm = 16 if m <= 16 else 64  # (32-row tiles measured slower than 64-row ones at 32 rows: docs/decisions.md)
+        shared = ctx.shared_memory_per_program()
 
         def busy(bn):  # the share of compute units busy over the waves of tiles
             tiles = cdiv(m, bm) * cdiv(n, bn)
             return tiles / (cdiv(tiles, units) * units)
 
         bn = 64 if busy(64) >= 0.9 or busy(64) >= busy(32) else 32
-        return cls(block_m=bm, block_n=bn, block_k=128, num_warps=4, num_stages=4)
+        # 4 stages where the operands' tiles fit the shared memory (with 4 KiB to spare), else fewer, then 64-deep
+        for bk, stages in ((128, 4), (128, 3), (64, 4), (64, 3), (64, 2)):
+            if (bm + bn) * bk * 2 * stages + (4 << 10) <= shared:
+                break
+        return cls(block_m=bm, block_n=bn, block_k=bk, num_warps=4, num_stages=stages)
 
 
 #: The key blocks (of 128) a query tile reads on average from which the Hopper forward at D = 64 runs three compute

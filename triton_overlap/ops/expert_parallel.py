@@ -47,7 +47,8 @@ to the 16-bit dtype in all: ‖out − ref‖ / ‖ref‖ stays within about two
 2^-11 for fp16) on top of whatever rounding y carries.
 
 Host synchronisations: one per dispatch (the counts), none in a combine. A dispatch makes one barrier, two waits on
-the caller's stream and two exchanges; a combine one barrier, one wait, one exchange of flags. Every wait is bounded
+the caller's stream and two exchanges (three of each where the copy engines move the rows, and growing buffers
+synchronise the device); a combine one barrier, one wait, one exchange of flags. Every wait is bounded
 by the Context's timeout and a fault poisons the Context until ``reset()`` (docs/protocol.md); no path here is
 captured in a CUDA graph (the dispatch reads the counts back to the host).
 
@@ -203,7 +204,7 @@ class ExpertParallel(OverlapOp):
             ctx.mirror_errors()
             host.copy_(table.local, non_blocking=True)
             done = torch.cuda.Event()
-            done.record()
+            done.record(ctx.current_stream().torch_stream)
 
         def read() -> list:
             # a wait that gave up left the table as it was: never read past a fault
@@ -217,9 +218,10 @@ class ExpertParallel(OverlapOp):
         return table.local, read
 
     def _push_target(self, width: int, dtype, meta_words: int):
-        """The receive buffers (rows, meta, capacity in rows) as they are, for ep_pack to store into before the
-        host has the counts; None before their first allocation (the planned path allocates them). The capacity
-        is the same on every rank (symmetric buffers grow together), so is every rank's choice."""
+        """The receive buffers as they are and the error word (rows, meta, capacity in rows, ctx.err), for ep_pack to
+        store into before the host has the counts; None before their first allocation (the copy-engine path
+        allocates them). The capacity is the same on every rank (symmetric buffers grow together), so is every
+        rank's choice."""
         ctx = self.ctx
         rows_name, meta_name = f"{self.name}.rows", f"{self.name}.meta"
         size = torch.empty((), dtype=dtype).element_size()
@@ -233,7 +235,8 @@ class ExpertParallel(OverlapOp):
     def _raise_push_flags(self, sched: ExchangeSchedule) -> None:
         """After the pushing ep_pack: this rank's flag in every owner (on the copy streams, which follow the
         caller's stream, so after the kernel's stores), and the caller's stream waits for every source's. Raised
-        even where the kernel stored nothing (every rank's test fails alike): the flags are consumed either way."""
+        even where the kernel stored nothing (bad ids or overflow: every rank's kernel alike; a fault: the Context
+        refuses the next call), so the flags are consumed either way."""
         ctx = self.ctx
         flags = ctx.symmetric(f"{self.name}.push_flags", (ctx.world_size,), torch.int32)
         pipeline.run(ctx, AllToAll(sched.copy_streams, {}, flags),

@@ -20,8 +20,10 @@ from .base import OverlapOp
 from .checks import check_operands
 from .config import GEMMAllReduceConfig
 
-#: algorithm="auto": the fused kernel up to this many rows (docs/decisions.md: against matmul + the AllReduce, W = 2)
-FUSED_MAX_ROWS = 64
+#: algorithm="auto": the fused kernel up to this many rows (docs/decisions.md: against matmul + the AllReduce), at
+#: W = 2 up to FUSED_MAX_ROWS_W2 (measured there with the tagged one-shot; other world sizes not since)
+FUSED_MAX_ROWS = 16
+FUSED_MAX_ROWS_W2 = 64
 ALGORITHMS = ("auto", "fused", "one_shot", "two_shot")
 
 
@@ -33,7 +35,8 @@ class GEMMAllReduce(OverlapOp):
     [M, N], the same on every rank. Ranks may hold different K_local (K not divisible by W); M, N and the dtype
     must agree.
 
-    ``algorithm``: "auto" (the fused kernel up to ``fused_max_rows`` rows, above it torch.matmul and the
+    ``algorithm``: "auto" (the fused kernel up to ``fused_max_rows`` rows, None: FUSED_MAX_ROWS_W2 at W = 2,
+    FUSED_MAX_ROWS elsewhere; above it torch.matmul and the
     AllReduce op's own choice by ``one_shot_max_bytes`` / ``two_shot_max_bytes``; None: the AllReduce's default),
     "fused" (always the fused kernel), "one_shot" or "two_shot" (torch.matmul, then that AllReduce kernel).
     ``fallback``: "always" takes torch.matmul + the process group's all_reduce; "auto" does so for W = 1 and on a
@@ -47,13 +50,15 @@ class GEMMAllReduce(OverlapOp):
     KIND = "gemm_ar"
 
     def __init__(self, ctx, config: GEMMAllReduceConfig | None = None, *, algorithm: str = "auto",
-                 fallback: str = "auto", fused_max_rows: int = FUSED_MAX_ROWS,
+                 fallback: str = "auto", fused_max_rows: int | None = None,
                  one_shot_max_bytes: int | None = None, two_shot_max_bytes: int = TWO_SHOT_MAX_BYTES,
                  name: str | None = None):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=False)  # one launch: nothing to replay
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.algorithm = algorithm
+        if fused_max_rows is None:
+            fused_max_rows = FUSED_MAX_ROWS_W2 if ctx.world_size == 2 else FUSED_MAX_ROWS
         self.fused_max_rows = int(fused_max_rows)
         self.all_reduce = AllReduce(ctx, algorithm="auto" if algorithm == "fused" else algorithm,
                                     fallback=fallback, one_shot_max_bytes=one_shot_max_bytes,
