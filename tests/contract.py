@@ -406,6 +406,10 @@ def peer_absent(spec: OpSpec, repeated: bool, T: float, case=None):
         op = spec.new_op(ctx, case, "never")
         if repeated:
             correct(spec, op, ctx, case)
+        # the ranks start the timed call together: a rank that started late would meet the first rank's relayed fault
+        # sooner than its own timeout (on 2 loaded cores, ranks had drifted 0.2 s apart after the correct calls)
+        ctx.barrier()
+        ctx.check()
         out = None
         if ctx.rank != 1:
             call = spec.inputs(ctx, case, 0)
