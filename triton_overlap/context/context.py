@@ -317,16 +317,17 @@ class Context:
         """
         self.ensure_open()
         stream = stream or self.current_stream()
-        self._backend.mirror_errors(stream, self.err, self._faults.seen)  # the previous calls' faults (ensure_usable)
+        self.mirror_errors(stream)  # the previous calls' faults (ensure_usable)
         with self.use_stream(stream):
             self._barrier.launch(self.err, self.barrier_budget, call or OWN_CALL)
         self.after_launch()
 
-    def mirror_errors(self) -> None:
-        """Enqueue on the current stream the copy of this rank's error word to its host copy, without synchronising:
-        once the host knows that the stream has passed this point (an event), ``ensure_usable()`` raises for any
-        fault recorded before it. Nothing to enqueue where the host reads the word itself (the host backend)."""
-        self._backend.mirror_errors(self.current_stream(), self.err, self._faults.seen)
+    def mirror_errors(self, stream: Stream | None = None) -> None:
+        """Enqueue on ``stream`` (default: current) the copy of this rank's error word to its host copy, without
+        synchronising: once the host knows that the stream has passed this point (an event), ``ensure_usable()``
+        raises for any fault recorded before it. Nothing to enqueue where the host reads the word itself (the host
+        backend)."""
+        self._backend.mirror_errors(stream or self.current_stream(), self.err, self._faults.seen)
 
     def check(self) -> None:
         """Raise ContextError if a wait of this Context timed out or ranks disagreed on a call (synchronises with

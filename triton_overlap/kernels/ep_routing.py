@@ -181,7 +181,7 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     sent = tl.load(record_ptr + 3 + d, mask=dm, other=0)
     start = tl.sum(tl.where(d[None, :] < d[:, None], sent[None, :], 0), axis=1)  # owner d's first row in the order
     go = tl.full((BT,), 1, tl.int1)  # (PUSH: whether the rows move; one value for every token)
-    shift = tl.zeros((W_PAD,), dtype=tl.int32)
+    shift = tl.zeros((W_PAD,), dtype=tl.int32)  # (PUSH: a send-order row's place at its owner, less the row)
     if PUSH:  # sources along axis 0, owners along axis 1
         width = 3 + W + E
         n = tl.load(table_ptr + d * width, mask=dm, other=0)
@@ -210,11 +210,11 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
         for dd in range(0, W):
             p = tl.sum(tl.where(d[None, :] == dd, pos, 0), axis=1)
             has = tok & (p >= 0) & go
+            q = tl.where(has, p + tl.sum(tl.where(d == dd, shift, 0), axis=0), 0).to(tl.int64)  # the row there
             if PUSH:
-                to = tl.load(meta_ptrs + dd).to(tl.pointer_type(tl.int32))
-                m = to + tl.where(has, p + tl.sum(tl.where(d == dd, shift, 0), axis=0), 0).to(tl.int64) * MW
+                m = tl.load(meta_ptrs + dd).to(tl.pointer_type(tl.int32)) + q * MW
             else:
-                m = meta_ptr + tl.where(has, p, 0).to(tl.int64) * MW
+                m = meta_ptr + q * MW
             tl.store(m, tl.zeros_like(p) + rank, mask=has)
             tl.store(m + 1, t, mask=has)
             tl.store(m[:, None] + 2 + j[None, :], tl.where(owner == dd, row_of, -1), mask=has[:, None] & ok)
@@ -227,13 +227,12 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     for dd in range(0, W):
         p = tl.sum(tl.where(d[None, :] == dd, pos, 0), axis=1)
         has = tok & (p >= 0) & go
+        q = tl.where(has, p + tl.sum(tl.where(d == dd, shift, 0), axis=0), 0).to(tl.int64)
         if PUSH:
             to = tl.multiple_of(tl.load(rows_ptrs + dd).to(tl.pointer_type(xv.dtype)), 16)
-            at = tl.where(has, p + tl.sum(tl.where(d == dd, shift, 0), axis=0), 0).to(tl.int64)
-            tl.store(to + at[:, None] * H + cols[None, :], xv, mask=has[:, None] & cm[None, :])
         else:
-            at = tl.where(has, p, 0).to(tl.int64)
-            tl.store(rows_ptr + at[:, None] * H + cols[None, :], xv, mask=has[:, None] & cm[None, :])
+            to = rows_ptr
+        tl.store(to + q[:, None] * H + cols[None, :], xv, mask=has[:, None] & cm[None, :])
 
 
 @triton.jit
