@@ -251,7 +251,7 @@ def bench_ops(ctx, ops, rec, iters) -> None:
            "ag_consumer_only_us": _graph(rec, "ag_consumer_only_us", consumer_alone(
                ctx, ag, cfg, rows_sorted, w13, sorted_experts, bound_out))}
     _timed(ctx, rec, {k: f for k, f in fns.items() if f is not None}, iters, lead)
-    rec["ag_user_path"] = ops.ag_user.last_path
+    rec["ag_user_path"], rec["ag_gemm"] = ops.ag_user.last_path, ag.last_gemm
     _replays(ctx, rec, {"ag_ours_graph_us": lambda: ag(x, w13, ids, out=out_ag), "ag_nccl_graph_us": nccl_ag},
              iters)
 
@@ -282,7 +282,7 @@ def bench_ops(ctx, ops, rec, iters) -> None:
            "rs_consumer_only_us": _graph(rec, "rs_consumer_only_us", consumer_alone(
                ctx, ag, rs_cfg, h_sorted, w2, sorted_experts, y_sorted))}
     _timed(ctx, rec, {k: f for k, f in fns.items() if f is not None}, iters, lead)
-    rec["rs_user_path"] = ops.rs_user.last_path
+    rec["rs_user_path"], rec["rs_gemm"] = ops.rs_user.last_path, rs.last_gemm
     _replays(ctx, rec, {"rs_ours_graph_us": lambda: rs(h, w2, ids, weights, out=out_rs),
                         "rs_nccl_graph_us": nccl_rs}, iters)
     for op, flop in (("ag", 2 * P * K * 2 * nl), ("rs", 2 * P * nl * K)):

@@ -1,7 +1,7 @@
 """Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel and the AllGather GEMM (Gluon), the
 attention kernels (the Gluon forward and backward among them), the AllReduce, the fused GEMM + AllReduce, the MoE
-grouped GEMMs and routing kernels and the timing spin for a GPU target without a GPU: Triton's front end, LLVM and
-ptxas, as a launch on the device would.
+grouped GEMMs (the Gluon ones among them) and routing kernels and the timing spin for a GPU target without a GPU:
+Triton's front end, LLVM and ptxas, as a launch on the device would.
 Catches compile errors before device time is spent, and prints registers, spills and whether ptxas serialised the
 wgmma pipeline (warnings C7514, C7515).
 
@@ -410,6 +410,34 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
     return failed
 
 
+def compile_grouped_hopper(target) -> int:
+    """kernels.grouped_gemm_hopper and kernels.grouped_gemm_hopper_rs (Gluon; sm_90 only) as the MoE ops launch
+    them: the weights [E, K, N] and their transpose [E, N, K]."""
+    if target.arch != 90:
+        return 0
+    from triton_overlap.kernels import grouped_gemm_hopper as gh
+    from triton_overlap.kernels import grouped_gemm_hopper_rs as ghr
+
+    bm, bn, bk = gh.TILES.block_m, gh.TILES.block_n, gh.TILES.block_k
+    failed = 0
+    for b_kmajor in (False, True):
+        b_type = gluon_desc_type(target, [1, bn, bk] if b_kmajor else [1, bk, bn])
+        consts = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=gh.TILES.num_stages,
+                      B_KMAJOR=b_kmajor, CLOCK=1, STORE_WARPS=gh.EPILOGUE_WARPS, STORE_REGS=gh.EPILOGUE_REGS,
+                      SUB_M=gh.SUB_M)
+        for fn, extra in ((gh.ag_grouped_hopper, {}), (ghr.rs_grouped_hopper, dict(BLOCK_C=64, SUB_C=ghr.SUB_C))):
+            sig = {}
+            for prm in fn.params:
+                n = prm.name
+                sig[n] = ("constexpr" if n in consts or n in extra else b_type if n == "b_desc"
+                          else "*bf16" if n in ("x_ptr", "ws_ptr", "out_ptr", "h_ptr", "y_ptr")
+                          else "*fp32" if n == "weights_ptr" else "*i64" if n in ("scatter_ptrs", "counter_ptrs")
+                          else "*i32" if n.endswith("_ptr") else WAITER if n == "waiter" else "i32")
+            failed += compile_gluon(target, f"{fn.fn.__name__} b_kmajor={b_kmajor}", fn, sig, dict(consts, **extra),
+                                    {"num_warps": 8, "maxnreg": gh.MAXNREG}, 1500)
+    return failed
+
+
 def compile_routing(target) -> int:
     """kernels.routing (the MoE ops' sort by expert) as ops.moe_routing launches it: int64 and int32 ids, 256
     experts, the tiles ordered by their chunks and not."""
@@ -558,6 +586,7 @@ def main():
     failed += compile_attention_ws(target)
     failed += compile_attention_bwd_ws(target)
     failed += compile_grouped_gemm(target)
+    failed += compile_grouped_hopper(target)
     failed += compile_routing(target)
     failed += compile_ep_routing(target)
     failed += compile_row_sums(target)

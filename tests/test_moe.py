@@ -136,13 +136,15 @@ def _ag_bad_inputs(ctx):
 
 
 # the GPU cases, the same shapes for both ops: odd rows per rank, one expert (B transposed), empty experts, E = 256,
-# every choice on one expert (fp16)
+# every choice on one expert (fp16), and K not a whole number of 64-deep steps (on Hopper AllGather-MoE's Triton
+# kernel; the others take its Gluon kernel there)
 GPU_CASES = (
     MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256),
     MoECase(m_local=512, k=512, n=256, experts=1, topk=1, transposed=True),
     MoECase(m_local=777, k=768, n=512, experts=64, topk=8, routing="even"),
     MoECase(m_local=600, k=512, n=384, experts=256, topk=4, m_per_chunk=160),
     MoECase(m_local=300, k=256, n=256, experts=5, topk=2, routing="one", dtype="float16"),
+    MoECase(m_local=257, k=328, n=200, experts=16, topk=4, transposed=True),
 )
 FALLS_BACK = Cases(host=(MoECase(m_local=7, k=32, n=24),), gpu=(MoECase(m_local=16, k=64, n=32),))
 BACK_TO_BACK = Variants(host=MoECase(m_local=7, k=32, n=16, experts=3),
@@ -316,6 +318,38 @@ def test_fallback_rule():
         assert (ag._use_fallback(x_small), ag._use_fallback(x_large)) == (small, large), (world, rule)
         rs = to.MoEGEMMReduceScatter(ctx, fallback=rule)
         assert (rs._use_fallback(64, 1024, 2), rs._use_fallback(1024, 1024, 2)) == (small, large), (world, rule)
+
+
+def _kernel_choice(_):
+    """The grouped GEMM each MoE call ran (op.last_gemm), each result checked against float64: on Hopper the Gluon
+    kernels where K is a whole number of their 64-deep steps, the Triton kernels otherwise and where the config asks
+    for them; elsewhere always the Triton kernels."""
+    from refs import rel_err
+    from triton_overlap.kernels.capability import gluon_available, is_hopper
+
+    with to.Context(timeout_s=120) as ctx:
+        big = ctx.backend == "cuda"
+        hopper = is_hopper(ctx) and gluon_available()
+        for spec, make, kernel, tol in ((AG_MOE, to.AllGatherMoEGEMM, "ag_grouped", 1e-2),
+                                        (RS_MOE, to.MoEGEMMReduceScatter, "rs_grouped", RS_TOL[torch.bfloat16])):
+            op = make(ctx, fallback="never")
+            seen = []
+            for k, gemm in ((256, "auto"), (200, "auto"), (256, "triton")) if big else ((32, "auto"),):
+                case = MoECase(m_local=130 if big else 7, k=k, n=96 if big else 24, experts=4, topk=2)
+                call = spec.inputs(ctx, case, 0)
+                got = op(*call.args, gemm=gemm)
+                ctx.check()
+                assert rel_err(got, call.ref) < tol
+                seen.append(op.last_gemm)
+            want = [f"{kernel}_hopper" if hopper else f"{kernel}_gemm", f"{kernel}_gemm", f"{kernel}_gemm"] if big \
+                else [f"{kernel}_gemm"]
+            assert seen == want, (seen, want)
+            with pytest.raises(ValueError, match="MoEGEMMConfig.gemm must be one of"):
+                op(*call.args, gemm="cutlass")
+
+
+def test_moe_kernel_choice(pool):
+    pool.run(_kernel_choice, None)
 
 
 def test_config_rejects_odd_tiles():

@@ -195,3 +195,14 @@ def store_plain(acc, c_ptr, c_desc, bias_ptr, row0, col0, out_rows, cols, col_ok
     else:
         c_ptrs = c_ptr + out_rows[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(out_rows[:, None] < M) & col_ok[None, :])
+
+
+@triton.jit
+def work_item(it, slots, num_pid_n, GROUP_M: tl.constexpr):
+    """Work item ``it`` as (slot, column tile): GROUP_M consecutive slots take each column tile in turn, so the
+    programs running at once share B's column tiles (an expert's weight read about once per group, not once per
+    tile of its rows) while the table's order (the slots) is kept group by group."""
+    group = GROUP_M * num_pid_n
+    first = (it // group) * GROUP_M
+    rows = tl.minimum(slots - first, GROUP_M)
+    return first + (it % group) % rows, (it % group) // rows

@@ -1,7 +1,7 @@
 """Gluon as the Gluon kernels use it (kernels.gemm_warp_specialized, kernels.gemm_gather_hopper,
-kernels.attention_hopper, kernels.attention_bwd_hopper), on every Triton this package supports: the names that
-differ between Triton 3.6 (the GPU machines') and newer ones, resolved once here, and Gluon's shared layouts, built
-once per block and dtype.
+kernels.grouped_gemm_hopper, kernels.attention_hopper, kernels.attention_bwd_hopper), on every Triton this package
+supports: the names that differ between Triton 3.6 (the GPU machines') and newer ones, resolved once here, and
+Gluon's shared layouts, built once per block and dtype.
 
 Importing this module needs Gluon; ``kernels.capability.gluon_available`` says whether this Triton has it."""
 from __future__ import annotations
@@ -9,12 +9,16 @@ from __future__ import annotations
 import functools
 
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
 
 #: A TMA load into shared memory: ``tma.async_load`` in newer Gluon, ``async_copy_global_to_shared`` in Triton 3.6.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 #: A TMA store from shared memory: ``tma.async_store`` in newer Gluon, ``async_copy_shared_to_global`` in Triton 3.6.
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+#: A cp.async load of a tensor of pointers into shared memory (masked elements read zeros): ``async_copy.async_load``
+#: in newer Gluon, ``async_copy.async_copy_global_to_shared`` in Triton 3.6.
+cp_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 #: A barrier of the calling partition's warps: ``gl.thread_barrier`` in Triton 3.6, ``gl.barrier`` in newer Gluon.
 barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 

@@ -29,16 +29,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .cached_launch import launch
 from .capability import supports_tma
-from .gemm_device import publish
+from . import grouped_gemm_hopper as hopper
+from .grouped_gemm_hopper_rs import SUB_C, launch_rs_grouped_hopper
+from .gemm_device import publish, work_item
 from .gemm_operands import aligned
 from .signal import WHAT_OWN_TILES, wait_for, waiter
 
 
 @triton.jit
-def _expert_tile(a_rows, row_ok, w, expert, col0, cols, col_ok, K, stride_we, stride_wk, stride_wn, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_DESC: tl.constexpr, DOT_F32: tl.constexpr):
-    """A[rows, :] @ w[expert][:, cols] in float32: ``a_rows`` the rows' start pointers (unit stride along K), ``cols`` = ``col0`` + arange; ``w``
-    the experts' [E, K, N] weights through pointers (B_DESC 0, any strides) or a 3-D tensor descriptor (B_DESC 1:
+def _expert_tile(a_rows, row_ok, w, expert, col0, cols, col_ok, K, stride_we, stride_wk, stride_wn,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_DESC: tl.constexpr,
+                 DOT_F32: tl.constexpr):
+    """A[rows, :] @ w[expert][:, cols] in float32: ``a_rows`` the rows' start pointers (unit stride along K),
+    ``cols`` = ``col0`` + arange; ``w`` the experts' [E, K, N] weights through pointers (B_DESC 0, any strides) or a 3-D tensor descriptor (B_DESC 1:
     [E, K, N] with blocks [1, BLOCK_K, BLOCK_N]; 2: its transpose [E, N, K], blocks [1, BLOCK_N, BLOCK_K]), which
     fills zeros past the expert's K and N; rows past ``row_ok`` and columns past ``col_ok`` read zeros."""
     offs_k = tl.arange(0, BLOCK_K)
@@ -64,17 +67,6 @@ def _expert_tile(a_rows, row_ok, w, expert, col0, cols, col_ok, K, stride_we, st
 
 
 @triton.jit
-def _item(it, slots, num_pid_n, GROUP_M: tl.constexpr):
-    """Work item ``it`` as (slot, column tile): GROUP_M consecutive slots take each column tile in turn, so the
-    programs running at once share B's column tiles (an expert's weight read about once per group, not once per
-    tile of its rows) while the table's order (the slots) is kept group by group."""
-    group = GROUP_M * num_pid_n
-    first = (it // group) * GROUP_M
-    rows = tl.minimum(slots - first, GROUP_M)
-    return first + (it % group) % rows, (it % group) // rows
-
-
-@triton.jit
 def ag_grouped_gemm(x_ptr, ws_ptr, w, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr, flags_ptr,
                     waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_we, stride_wk,
                     stride_wn, stride_om,
@@ -86,7 +78,7 @@ def ag_grouped_gemm(x_ptr, ws_ptr, w, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_
     rank = waiter[2]
     num_pid_n = tl.cdiv(N, BLOCK_N)
     for it in range(tl.program_id(0), slots * num_pid_n, NUM_PROGRAMS):
-        slot, pid_n = _item(it, slots, num_pid_n, GROUP_M)
+        slot, pid_n = work_item(it, slots, num_pid_n, GROUP_M)
         expert = tl.load(table_ptr + slot * 3)
         first = tl.load(table_ptr + slot * 3 + 1)
         end = tl.load(table_ptr + slot * 3 + 2)
@@ -117,7 +109,8 @@ def rs_grouped_gemm(h_ptr, w, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, d
                     scatter_ptrs, counter_ptrs, waiter, SLOTS, TOPK, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N, K,
                     stride_hm, stride_we, stride_wk, stride_wn, world,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                    GROUP_M: tl.constexpr, B_DESC: tl.constexpr, NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr, DOT_F32: tl.constexpr,
+                    GROUP_M: tl.constexpr, B_DESC: tl.constexpr, NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr,
+                    DOT_F32: tl.constexpr,
                     LOCAL_COUNTERS: tl.constexpr):
     """Y[p] = h[src[p]] @ w[expert of p] for every sorted row p, destination by destination (``dests_ptr``: the
     ranks in the order their rows are computed; the table holds SLOTS slots per destination, in that order), and
@@ -133,7 +126,7 @@ def rs_grouped_gemm(h_ptr, w, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, d
         q = item // per_dest
         r = item % per_dest
         if r < gemm_items:
-            s, pid_n = _item(r, SLOTS, num_pid_n, GROUP_M)
+            s, pid_n = work_item(r, SLOTS, num_pid_n, GROUP_M)
             slot = q * SLOTS + s
             cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             col_ok = cols < N
@@ -202,14 +195,20 @@ def expert_weights(ctx, tiles, w):
 
 
 def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, op: int = 0,
-                      rank: int | None = None) -> None:
-    """``ag_grouped_gemm`` on the caller's stream. ``tiles``: block sizes and warps (GemmTiles); ``x`` this rank's
-    [m_local, K] shard, ``ws`` the [M, K] workspace, ``w`` [E, K, N] (any strides), ``out`` rows of N (row stride
+                      rank: int | None = None) -> str:
+    """The AllGather grouped GEMM on the caller's stream: on Hopper the warp-specialized Gluon kernel
+    (kernels.grouped_gemm_hopper) where it can run and ``tiles.gemm`` is not "triton", else ``ag_grouped_gemm``.
+    Returns the kernel's name. ``tiles``: block sizes and warps (MoEGEMMConfig); ``x`` this rank's [m_local, K]
+    shard, ``ws`` the [M, K] workspace, ``w`` [E, K, N] (any strides), ``out`` rows of N (row stride
     ``out.stride(0)``, unit column stride); ``routes``: (src, dst, pos, chunk_at) int32 tensors; ``table``: int32
     [slots, 3]; ``flags``: this rank's flags; ``layout``: the gather's ChunkLayout; ``rank``: the rank it runs as
     (None: the Context's; tests simulate a world on one rank)."""
     N, K = w.shape[2], w.shape[1]
     slots = table.shape[0]
+    if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out):
+        programs = _programs(ctx, slots * triton.cdiv(N, hopper.TILES.block_n), free_sm=True)
+        hopper.launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs, op, rank)
+        return "ag_grouped_hopper"
     programs = _programs(ctx, slots * triton.cdiv(N, tiles.block_n), free_sm=True)
     b, b_desc = expert_weights(ctx, tiles, w)
     launch(ag_grouped_gemm, (programs,), (
@@ -219,18 +218,27 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
             B_DESC=b_desc, NUM_PROGRAMS=programs, CLOCK=ctx.clock, DOT_F32=ctx.interpreted),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     ctx.after_launch()
+    return "ag_grouped_gemm"
 
 
 def launch_rs_grouped(ctx, tiles, block_c: int, h, w, y, routes, weights, table, dests, counts, target, layout,
-                      op: int = 0) -> None:
-    """``rs_grouped_gemm`` on the caller's stream. ``h`` [rows, K] (unit stride along K), ``w`` [E, K, N] (any
-    strides), ``y`` [sorted rows, N] contiguous; ``routes``: (src, pos) int32; ``weights`` float32 [T * topk];
-    ``table`` int32 [W * slots, 3]; ``dests`` int32 [W]; ``counts``: int32 [W + 1] zeros (W destinations' done
-    counters, then the item counter); ``target``: producers.scatter.Staging (where partials go, which counters they
-    bump); ``layout``: the scatter's ChunkLayout."""
+                      op: int = 0) -> str:
+    """The grouped GEMM + top-k combine of MoE-GEMM-ReduceScatter on the caller's stream: on Hopper the
+    warp-specialized Gluon kernel (kernels.grouped_gemm_hopper_rs) where it can run and ``tiles.gemm`` is not
+    "triton", else ``rs_grouped_gemm``. Returns the kernel's name. ``h`` [rows, K] (unit stride along K), ``w``
+    [E, K, N] (any strides), ``y`` [sorted rows, N] contiguous; ``routes``: (src, pos) int32; ``weights`` float32
+    [T * topk]; ``table`` int32 [W * slots, 3]; ``dests`` int32 [W]; ``counts``: int32 [W + 1] zeros (W
+    destinations' done counters, then the item counter); ``target``: producers.scatter.Staging (where partials go,
+    which counters they bump); ``layout``: the scatter's ChunkLayout."""
     N, K = w.shape[2], w.shape[1]
     W = layout.world
     slots = table.shape[0] // W
+    if tiles.gemm != "triton" and block_c % SUB_C == 0 and hopper.usable(ctx, tiles, h, w, y):
+        npn = triton.cdiv(N, hopper.TILES.block_n)
+        programs = _programs(ctx, W * (slots * npn + triton.cdiv(layout.m_local, block_c) * npn))
+        launch_rs_grouped_hopper(ctx, block_c, h, w, y, routes, weights, table, dests, counts[:W], target, layout,
+                                 programs, op)
+        return "rs_grouped_hopper"
     npn = triton.cdiv(N, tiles.block_n)
     items = W * (slots * npn + triton.cdiv(layout.m_local, block_c) * npn)
     programs = _programs(ctx, items)
@@ -244,3 +252,4 @@ def launch_rs_grouped(ctx, tiles, block_c: int, h, w, y, routes, weights, table,
             LOCAL_COUNTERS=True),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     ctx.after_launch()
+    return "rs_grouped_gemm"

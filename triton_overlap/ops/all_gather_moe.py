@@ -165,7 +165,8 @@ class AllGatherMoEGEMM(MoEOp):
         def consumer():
             routing, routes, table = self.route(sched, topk_ids, w.shape[0], sorted_output)
             made["routing"] = routing
-            launch_ag_grouped(ctx, cfg, x, ws.local, w, rows, routes, table, flags.local, layout, op=self.op)
+            self.last_gemm = launch_ag_grouped(ctx, cfg, x, ws.local, w, rows, routes, table, flags.local, layout,
+                                               op=self.op)
 
         pipeline.run(ctx, producer, consumer)
         return made["routing"]

@@ -7,18 +7,24 @@ import torch
 
 from .base import OverlapOp
 from .checks import DTYPES
-from .config import ChunkedGemmConfig
+from .config import GEMMS, ChunkedGemmConfig
 
 
 @dataclass(frozen=True)
 class MoEGEMMConfig(ChunkedGemmConfig):
     """AllGather-MoE-GEMM's and MoE-GEMM-ReduceScatter's knobs: the grouped GEMM's tiles (``block_m`` rows of one
-    expert by ``block_n`` columns, ``block_k`` deep), the chunking of each rank's tokens (ChunkedGemmConfig), and
-    ``block_c``: the tokens of one top-k combine tile (MoE-GEMM-ReduceScatter)."""
+    expert by ``block_n`` columns, ``block_k`` deep), the chunking of each rank's tokens (ChunkedGemmConfig),
+    ``block_c``: the tokens of one top-k combine tile (MoE-GEMM-ReduceScatter), and ``gemm``: AllGather-MoE's
+    grouped GEMM, "auto" (or "gluon"): on Hopper with 16-bit operands and 128-row tiles the warp-specialized Gluon
+    kernel (kernels.grouped_gemm_hopper), where it can run, else kernels.grouped_gemm's; "triton": always the
+    latter."""
 
     block_c: int = 64
+    gemm: str = "auto"
 
     def __post_init__(self):
+        if self.gemm not in GEMMS:
+            raise ValueError(f"MoEGEMMConfig.gemm must be one of {GEMMS}, got {self.gemm!r}")
         for name in ("block_m", "block_n", "block_k", "block_c"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
@@ -82,8 +88,8 @@ def check_out(op: str, out, shape: tuple, dtype, device) -> None:
 class MoEOp(OverlapOp):
     """What both MoE ops share: their config class, no CUDA-graph replay of their own (each call's routing is new),
     ``check_routing`` (the ids' range and agreement across ranks, checked before launch at the cost of one
-    device-to-host copy and a host exchange; False where the caller guarantees them, as TPMoE does) and the
-    last call's shape in the tuned tables."""
+    device-to-host copy and a host exchange; False where the caller guarantees them, as TPMoE does), the last
+    call's shape in the tuned tables and ``last_gemm``, the grouped GEMM kernel the last overlapped call ran."""
 
     ACROSS_HOSTS = True
 
@@ -92,6 +98,7 @@ class MoEOp(OverlapOp):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
         self.check_routing = check_routing
         self.last_table_shape = None
+        self.last_gemm = None
 
     def default_config(self, shape, variant=""):
         return MoEGEMMConfig.defaults(self.ctx)

@@ -181,7 +181,7 @@ class MoEGEMMReduceScatter(MoEOp):
             routes, table = self.route(sched, topk_ids, w.shape[0], routing)
             y = torch.empty((T * topk, N), dtype=h.dtype, device=h.device)
             done = torch.zeros(W + 1, dtype=torch.int32, device=h.device)
-            launch_rs_grouped(ctx, cfg, cfg.block_c, h.view(-1, h.shape[-1]), w, y, routes,
+            self.last_gemm = launch_rs_grouped(ctx, cfg, cfg.block_c, h.view(-1, h.shape[-1]), w, y, routes,
                               topk_weights.reshape(-1).to(torch.float32).contiguous(), table, sched.dests, done,
                               stage, layout, op=self.op)
             if not late:

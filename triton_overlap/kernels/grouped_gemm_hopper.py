@@ -1,0 +1,353 @@
+"""AllGather-MoE's grouped GEMM for Hopper (sm_90), warp-specialized in Gluon: a tile's rows are gathered token by
+token with cp.async while the tensor cores work on the previous K steps, the next tile's first loads are issued
+during this tile's last steps, and a tile's stores run beside the next tile's K loop.
+
+Why a second kernel: in kernels.grouped_gemm's ``ag_grouped_gemm`` the rows of A are gathered through pointers by
+the warps that then multiply, so Triton does not pipeline the K loop's loads (masked along K and N), every tile
+pays the pipeline's fill, and the epilogue's scattered stores leave the tensor cores idle; measured 0.73-0.98x of
+``torch._grouped_mm`` on the models' shapes (docs/decisions.md, Tensor-parallel MoE). Gluon states the pipeline
+and the partitions outright.
+
+It computes what ``ag_grouped_gemm`` does from the same routing (kernels.routing: the tile table of (expert, first
+row, end row) slots, each sorted row's token ``src``, output row ``dst`` and chunk position ``pos``), taking the
+same work items in the same order (``work_item``: groups of GROUP_M slots take each column tile in turn), a
+program per SM but one, round-robin. Two partitions:
+
+* the K loop (the default partition, 8 warps: two warpgroups, 64 rows of the 128 x 256 tile each, on wgmma). The
+  same warps issue the loads NUM_STAGES - 1 K steps ahead, across tiles, into a ring of stages: A's rows by
+  cp.async (each row's token is read in place from this rank's shard or from the workspace the copy engines fill;
+  rows past the tile's end and columns past K read zeros), one commit group per K step; B by TMA from a 3-D
+  descriptor of the experts' weights (zeros past K and N), on a "ready" mbarrier per stage. A step waits for its
+  own cp.async group, fences it for the tensor cores and meets its partition at a barrier, then waits for B.
+  Before the first load of a tile whose rows come from a peer's chunks they wait (bounded) for the flag of each
+  chunk position its rows use, as ``ag_grouped_gemm`` does. After the K loop the tile goes, as the output dtype,
+  into a shared tile buffer ("full");
+* the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time, each row into its
+  output row ``dst``, then "free".
+
+Only for NVIDIA sm_90, 16-bit operands, 128 x 256 x 64 tiles (the routing's ``block_m`` must be 128), K a whole
+number of steps, at least NUM_STAGES - 1 and at most MAX_K deep, and weights a tensor descriptor can describe
+(``usable``). Gluon does not run in Triton's
+interpreter, so the host backend and other GPUs take kernels.grouped_gemm.
+"""
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+
+from .cached_launch import launch
+from .capability import gluon_available, is_sm90
+from .gemm_device import work_item
+from .gemm_hopper_tiles import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, SUB_M, TILES
+from .gemm_operands import aligned
+from .gluon_shims import barrier, cp_async_load, shared_layout, tma_load
+from .signal import wait_for, waiter
+
+
+@gluon.jit
+def grouped_item(t, it, num_pid_n, GROUP_M: gl.constexpr):
+    """Work item ``it`` (clamped to the last) as (expert, first row, end row, column tile, whether it is a GEMM tile
+    with rows). ``t`` = (table, slots, combine tiles, destinations): the items are, destination by destination,
+    ``slots`` table slots by ``num_pid_n`` column tiles (``work_item``'s order), then ``combine tiles`` by
+    ``num_pid_n`` items of MoE-GEMM-ReduceScatter's top-k combine (none in AllGather-MoE, one destination)."""
+    table_ptr, slots, combine, dests = t
+    gemm_items = slots * num_pid_n
+    per_dest = gemm_items + combine * num_pid_n
+    total = dests * per_dest
+    at = gl.minimum(it, total - 1)
+    rr = at % per_dest
+    s, pid_n = work_item(gl.minimum(rr, gemm_items - 1), slots, num_pid_n, GROUP_M)
+    slot = (at // per_dest) * slots + s
+    first = gl.load(table_ptr + slot * 3 + 1)
+    end = gl.load(table_ptr + slot * 3 + 2)
+    return gl.load(table_ptr + slot * 3), first, end, pid_n, (it < total) & (rr < gemm_items) & (end > first)
+
+
+@gluon.jit
+def _rows(r, first, end, LD: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The A row pointers of sorted rows [first, first + BLOCK_M), in the layout of A's loads: each row's token,
+    read in place from the shard ``x_ptr`` if it is this rank's, else from the workspace. Rows past ``end`` repeat
+    the tile's last row (their products are never stored), so the loads need no mask."""
+    x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, rank = r
+    offs = gl.minimum(first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD)), end - 1)
+    tok = gl.load(src_ptr + offs)
+    mine = (tok // M_LOCAL) == rank
+    return gl.where(mine, x_ptr + (tok - rank * M_LOCAL).to(gl.int64) * stride_xm,
+                    ws_ptr + tok.to(gl.int64) * stride_wsm)
+
+
+@gluon.jit
+def _arrived(f, first, end, BLOCK_M: gl.constexpr, CLOCK: gl.constexpr):
+    """Before the first load of the tile of sorted rows [first, end): wait (bounded) for the flag of the chunk at
+    each arrival position its rows use (positions are sorted within a tile; position 0, this rank's rows, needs
+    none)."""
+    pos_ptr, chunk_at_ptr, flags_ptr, waiter, CHUNKS_PER_RANK = f
+    lo = gl.maximum(gl.load(pos_ptr + first), 1)
+    hi = gl.load(pos_ptr + end - 1)
+    if hi >= lo:
+        offs = first + gl.arange(0, BLOCK_M, layout=gl.BlockedLayout([1], [32], [gl.num_warps()], [0]))
+        pos = gl.load(pos_ptr + offs, mask=offs < end, other=0)
+        for k in range(lo, hi + 1):
+            if gl.sum((pos == k).to(gl.int32), axis=0) > 0:
+                c = gl.load(chunk_at_ptr + k)
+                wait_for(flags_ptr + c, 1, waiter, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
+
+
+@gluon.jit
+def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr):
+    """Issue the loads of K step ``k`` of a tile into stage ``ld % NUM_STAGES``: A's rows by cp.async, 16 bytes a
+    copy (rows 16-byte aligned and K a whole number of steps: ``usable``), as one commit group; B's block of
+    ``expert`` at column ``col0`` by TMA on the stage's "ready" barrier."""
+    a_bufs, b_desc, b_bufs, ready, K, N = p
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    s = ld % STAGES
+    offs_k = k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows.type.layout.parent))
+    # each row's run of BLOCK_K elements is contiguous and 16-byte aligned (Triton cannot see it through the
+    # partition's arguments)
+    ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_k[None, :], [1, 16]), [1, BLOCK_K])
+    cp_async_load(a_bufs.index(s), ptrs)
+    async_copy.commit_group()
+    bar = ready.index(s)
+    mbarrier.expect(bar, b_desc.block_type.nbytes)
+    if B_KMAJOR:
+        tma_load(b_desc, [expert, col0, k * BLOCK_K], bar, b_bufs.index(s))
+    else:
+        tma_load(b_desc, [expert, k * BLOCK_K, col0], bar, b_bufs.index(s))
+
+
+@gluon.jit
+def _step(p, acc, g, B_KMAJOR: gl.constexpr):
+    """Consume K step ``g`` (this program's count): wait for its A rows (this thread's cp.async group, fenced for
+    the tensor cores, then every thread's) and its B block, issue its wgmma, and wait for the previous step's
+    (both warpgroups'), whose stage is then free."""
+    a_bufs, b_desc, b_bufs, ready, K, N = p
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    LEAD: gl.constexpr = STAGES - 1
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[2]
+    s = g % STAGES
+    async_copy.wait_group(LEAD - 1)
+    fence_async_shared()
+    barrier()
+    mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+    if B_KMAJOR:
+        b_tile = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
+    else:
+        b_tile = b_bufs.index(s).reshape([BLOCK_K, BLOCK_N])
+    acc = warpgroup_mma(a_bufs.index(s), b_tile, acc, is_async=True)
+    acc = warpgroup_mma_wait(1, deps=(acc, ))
+    barrier()
+    return acc
+
+
+@gluon.jit
+def grouped_k_loops(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
+                    WAIT: gl.constexpr, CLOCK: gl.constexpr):
+    """Every GEMM tile of this program (``grouped_item``): the K loop on wgmma, its loads issued LEAD =
+    NUM_STAGES - 1 steps ahead, then the tile as the output dtype into the shared tile buffer (``c``'s first three:
+    the buffer, "full", "free") for the store partition. WAIT: wait for the chunk flags of a tile's rows first.
+
+    A tile's K loop is its first k_tiles - LEAD steps, which load the same tile's later steps, and LEAD steps
+    written out, which load the next item's first ones when the program's next item is a GEMM tile with rows (else
+    commit empty groups, so that each step's wait counts the same groups); a tile whose first loads were not issued
+    so issues them when it starts."""
+    a_bufs, b_desc, b_bufs, ready, K, N = p
+    c_buf, tile_full, tile_free = c[0], c[1], c[2]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = c_buf.type.shape[1]
+    LEAD: gl.constexpr = a_bufs.type.shape[0] - 1
+    LD: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_K, BLOCK_K // 8], [gl.num_warps(), 1], [1, 0])
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[gl.num_warps(), 1],
+                                                  instr_shape=[16, BLOCK_N, 16])
+    k_tiles = gl.cdiv(K, BLOCK_K)
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    total = t[3] * (t[1] + t[2]) * num_pid_n
+    g = 0  # K steps consumed so far
+    done = 0  # tiles handed to the store partition so far
+    prefetched = 0  # whether this tile's first LEAD loads were issued by the previous tile
+    for it in range(gl.program_id(0), total, NUM_PROGRAMS):
+        expert, first, end, pid_n, busy = grouped_item(t, it, num_pid_n, GROUP_M)
+        if busy:
+            rows = _rows(r, first, end, LD, BLOCK_M)
+            if prefetched == 0:
+                if WAIT:
+                    _arrived(f, first, end, BLOCK_M, CLOCK)
+                for j in gl.static_range(LEAD):
+                    _load(p, g + j, rows, expert, pid_n * BLOCK_N, j, B_KMAJOR)
+            n_expert, n_first, n_end, n_pid_n, has_next = grouped_item(t, it + NUM_PROGRAMS, num_pid_n, GROUP_M)
+            n_rows = _rows(r, n_first, n_end, LD, BLOCK_M)
+            acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
+            for k in range(k_tiles - LEAD):
+                acc = _step(p, acc, g, B_KMAJOR)
+                _load(p, g + LEAD, rows, expert, pid_n * BLOCK_N, k + LEAD, B_KMAJOR)
+                g += 1
+            for j in gl.static_range(LEAD):
+                acc = _step(p, acc, g, B_KMAJOR)
+                if has_next:
+                    if WAIT and j == 0:
+                        _arrived(f, n_first, n_end, BLOCK_M, CLOCK)
+                    _load(p, g + LEAD, n_rows, n_expert, n_pid_n * BLOCK_N, j, B_KMAJOR)
+                else:
+                    async_copy.commit_group()
+                g += 1
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            mbarrier.wait(tile_free, done & 1)  # the store partition has read the previous tile
+            c_buf.store(acc.to(c_buf.dtype))
+            barrier()  # every warp's part of the tile is in the buffer
+            mbarrier.arrive(tile_full)
+            done += 1
+            prefetched = has_next.to(gl.int32)
+
+
+@gluon.jit
+def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SUB_M: gl.constexpr):
+    """Every tile of this program, from the shared tile buffer into the output rows ``dst`` of its sorted rows,
+    SUB_M rows at a time, beside the next tile's K loop."""
+    N = p[5]
+    c_buf, tile_full, tile_free, out_ptr, dst_ptr, stride_om = c
+    BLOCK_M: gl.constexpr = c_buf.type.shape[0]
+    BLOCK_N: gl.constexpr = c_buf.type.shape[1]
+    # each thread 16 bytes of a row, a warp a row of 256 columns
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [gl.num_warps(), 1],
+                                                 [1, 0])
+    rows_off = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, rows_layout))
+    cols_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
+    num_pid_n = gl.cdiv(N, BLOCK_N)
+    total = t[1] * num_pid_n
+    mbarrier.arrive(tile_free)
+    done = 0
+    for it in range(gl.program_id(0), total, NUM_PROGRAMS):
+        expert, first, end, pid_n, busy = grouped_item(t, it, num_pid_n, GROUP_M)
+        if busy:
+            cols = pid_n * BLOCK_N + cols_off
+            col_ok = cols < N
+            mbarrier.wait(tile_full, done & 1)
+            done += 1
+            for sub in gl.static_range(BLOCK_M // SUB_M):
+                if first + sub * SUB_M < end:
+                    vals = c_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
+                    rr = first + sub * SUB_M + rows_off
+                    rr_ok = rr < end
+                    dst = gl.load(dst_ptr + rr, mask=rr_ok, other=0).to(gl.int64)
+                    gl.store(out_ptr + dst[:, None] * stride_om + cols[None, :], vals,
+                             mask=rr_ok[:, None] & col_ok[None, :])
+            barrier()  # every warp of the partition has read the buffer
+            mbarrier.arrive(tile_free)
+
+
+@gluon.jit
+def grouped_buffers(a_ptr, b_desc, out_ptr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, NUM_STAGES: gl.constexpr,
+                    B_KMAJOR: gl.constexpr):
+    """The kernels' shared memory: NUM_STAGES stages of A [BLOCK_M, BLOCK_K] (A's dtype) and of B's blocks, the
+    tile buffer [BLOCK_M, BLOCK_N] of the output dtype, a "ready" mbarrier per stage and the tile buffer's "full"
+    and "free" mbarriers, initialised."""
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[2]
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
+                                       gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_buf = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N],
+                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
+                                                                           out_ptr.dtype.element_ty))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    tile_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # full, free
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(tile_bars.index(0), count=1)
+    mbarrier.init(tile_bars.index(1), count=1)
+    return a_bufs, b_bufs, c_buf, ready, tile_bars
+
+
+@gluon.jit
+def ag_grouped_hopper(x_ptr, ws_ptr, b_desc, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr, flags_ptr,
+                      waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_om,
+                      BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                      NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
+                      CLOCK: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
+                      SUB_M: gl.constexpr):
+    """out[dst[p]] = x_all[src[p]] @ w[expert of p] for every sorted row p (module doc; the arguments are
+    ``ag_grouped_gemm``'s). ``b_desc``: the experts' weights [E, K, N] in [1, BLOCK_K, BLOCK_N] blocks or, with
+    B_KMAJOR, their transpose [E, N, K] in [1, BLOCK_N, BLOCK_K] blocks."""
+    a_bufs, b_bufs, c_buf, ready, tile_bars = grouped_buffers(x_ptr, b_desc, out_ptr, BLOCK_M, BLOCK_K, NUM_STAGES,
+                                                              B_KMAJOR)
+    p = (a_bufs, b_desc, b_bufs, ready, K, N)
+    r = (x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, waiter[2])
+    f = (pos_ptr, chunk_at_ptr, flags_ptr, waiter, CHUNKS_PER_RANK)
+    t = (table_ptr, slots, 0, 1)
+    c = (c_buf, tile_bars.index(0), tile_bars.index(1), out_ptr, dst_ptr, stride_om)
+    gl.warp_specialize([
+        (grouped_k_loops, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, True, CLOCK)),
+        (_stores, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, SUB_M)),
+    ], [STORE_WARPS], [STORE_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------- launcher
+#: The deepest K this kernel takes: past it the Triton kernel's K loop was measured faster (the K loop's warps here
+#: also issue A's copies and meet at two barriers a step; docs/decisions.md, Tensor-parallel MoE).
+MAX_K = 4096
+
+
+def weights_layout(w) -> str | None:
+    """How a tensor descriptor describes the experts' weights ``w`` [E, K, N]: "kn" (unit stride along N), "nk"
+    (unit stride along K: a transposed weight, ``linear.weight.transpose(1, 2)``'s layout), or None (neither, or
+    a base or stride not 16-byte aligned)."""
+    if w.stride(2) == 1 and aligned(w, w.stride(0), w.stride(1)):
+        return "kn"
+    if w.stride(1) == 1 and aligned(w, w.stride(0), w.stride(2)):
+        return "nk"
+    return None
+
+
+def weights_descriptor(w):
+    """A Gluon tensor descriptor of the experts' weights ``w`` [E, K, N] in the kernels' blocks: [1, BLOCK_K,
+    BLOCK_N] blocks of ``w`` ("kn"), or [1, BLOCK_N, BLOCK_K] blocks of its transpose [E, N, K] ("nk")."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    E, K, N = w.shape
+    gdt = gl.bfloat16 if w.dtype == torch.bfloat16 else gl.float16
+    bk, bn = TILES.block_k, TILES.block_n
+    if weights_layout(w) == "kn":
+        block = [1, bk, bn]
+        return TensorDescriptor(w, [E, K, N], [w.stride(0), w.stride(1), 1], block, shared_layout(block, gdt))
+    block = [1, bn, bk]
+    return TensorDescriptor(w.transpose(1, 2), [E, N, K], [w.stride(0), w.stride(2), 1], block,
+                            shared_layout(block, gdt))
+
+
+def usable(ctx, tiles, x, w, out) -> bool:
+    """Whether this kernel can run the call: the cuda backend on compute capability 9.0 with Gluon, 16-bit
+    operands, the routing's tiles 128 rows (``tiles.block_m``, what the table was cut into), K a whole number of
+    K steps, at least NUM_STAGES - 1 and at most MAX_K deep, 16-byte aligned rows of A and of the output, the
+    weights describable (``weights_layout``)."""
+    if (ctx.backend != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or tiles.block_m != TILES.block_m
+            or not is_sm90(x.device.index) or not gluon_available()):
+        return False
+    K = w.shape[1]
+    if K % TILES.block_k or not (TILES.num_stages - 1) * TILES.block_k <= K <= MAX_K or out.stride(-1) != 1:
+        return False
+    return aligned(x, x.stride(0)) and aligned(out, out.stride(0)) and weights_layout(w) is not None
+
+
+def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs: int, op: int = 0,
+                             rank: int | None = None) -> None:
+    """``ag_grouped_hopper`` on the caller's stream, with kernels.grouped_gemm.launch_ag_grouped's arguments
+    (``usable`` must hold; ``programs``: the grid)."""
+    E, K, N = w.shape
+    bk = TILES.block_k
+    launch(ag_grouped_hopper, (programs,), (
+        x, ws, weights_descriptor(w), out, *routes, table, flags, waiter(ctx, op, rank), table.shape[0], layout.m_local,
+        layout.chunks_per_rank, N, K, x.stride(0), ws.stride(0), out.stride(0),
+    ), dict(BLOCK_M=TILES.block_m, BLOCK_K=bk, GROUP_M=TILES.group_m, NUM_PROGRAMS=programs,
+            NUM_STAGES=TILES.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,
+            STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M), num_warps=8, maxnreg=MAXNREG)
+    ctx.after_launch()
+
+
+__all__ = ["MAX_K", "SUB_M", "TILES", "ag_grouped_hopper", "grouped_buffers", "grouped_item", "grouped_k_loops",
+           "launch_ag_grouped_hopper", "usable", "weights_descriptor", "weights_layout"]
