@@ -410,9 +410,9 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
     return failed
 
 
-def compile_grouped_hopper(target) -> int:
+def compile_grouped_hopper(target, quick: bool = False) -> int:
     """kernels.grouped_gemm_hopper and kernels.grouped_gemm_hopper_rs (Gluon; sm_90 only) as the MoE ops launch
-    them: the weights [E, K, N] and their transpose [E, N, K]."""
+    them: the weights [E, K, N] and their transpose [E, N, K] (``quick``: [E, K, N] only)."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import grouped_gemm_hopper as gh
@@ -420,7 +420,7 @@ def compile_grouped_hopper(target) -> int:
 
     bm, bn, bk = gh.TILES.block_m, gh.TILES.block_n, gh.TILES.block_k
     failed = 0
-    for b_kmajor in (False, True):
+    for b_kmajor in (False,) if quick else (False, True):
         b_type = gluon_desc_type(target, [1, bn, bk] if b_kmajor else [1, bk, bn])
         consts = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=gh.TILES.num_stages,
                       B_KMAJOR=b_kmajor, CLOCK=1, STORE_WARPS=gh.EPILOGUE_WARPS, STORE_REGS=gh.EPILOGUE_REGS,

@@ -1,7 +1,7 @@
 """The Gluon kernels, which only run on a Hopper GPU, compile for sm_90 with this Triton without a GPU: front end,
 LLVM and the ptxas Triton ships (dev/compile_check.py, one configuration each: the warp-specialized GEMM-RS GEMM,
 the AllGather GEMM, the attention forward at its shipped blocks, the attention backward with its query heads
-split). What runs them is the GPU suite; this catches a Triton whose Gluon API or code generation no longer takes
+split, the MoE ops' grouped GEMMs). What runs them is the GPU suite; this catches a Triton whose Gluon API or code generation no longer takes
 them."""
 import importlib.util
 import os
@@ -24,7 +24,7 @@ def _compile_check():
 
 
 @pytest.mark.parametrize("kernel", ["compile_warp_specialized", "compile_gather_hopper", "compile_attention_ws",
-                                    "compile_attention_bwd_ws"])
+                                    "compile_attention_bwd_ws", "compile_grouped_hopper"])
 def test_gluon_kernel_compiles_for_hopper(kernel, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # its own cache: compiled here, whatever else runs
     cc = _compile_check()
