@@ -32,17 +32,18 @@ from .gluon_shims import barrier
 from .grouped_gemm_hopper import grouped_buffers, grouped_item, grouped_k_loops, weights_descriptor, weights_layout
 from .signal import WHAT_OWN_TILES, wait_for, waiter
 
-#: The tokens a combine item sums at a time: 16 tokens by 256 columns in float32 is 32 registers a thread of the
-#: store partition, which 32 spilled.
-SUB_C = 16
+#: The tokens a combine item sums at a time: 8 tokens by 256 columns, 16 float32 registers a thread of the store
+#: partition for the sum and 8 for each of the k rows' loads, all in flight at once (32 tokens spilled).
+SUB_C = 8
 
 
 @gluon.jit
-def _combine(y_ptr, cols, col_ok, dest, row0, m, BLOCK_C: gl.constexpr, SUB_C: gl.constexpr, LAYOUT: gl.constexpr):
+def _combine(y_ptr, cols, col_ok, dest, row0, m, TOPK: gl.constexpr, BLOCK_C: gl.constexpr, SUB_C: gl.constexpr,
+             LAYOUT: gl.constexpr):
     """Combine item: the destination's tokens [row0, row0 + BLOCK_C), columns ``cols``, summed over their top-k
     rows of Y in float32, SUB_C tokens at a time, and stored as the output dtype into the destination's staging
     rows for this rank."""
-    pos_ptr, weights_ptr, scatter_ptrs, counter_ptrs, waiter, TOPK, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N = m
+    pos_ptr, weights_ptr, scatter_ptrs, counter_ptrs, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N = m
     rank = waiter[2]
     base = gl.load(scatter_ptrs + dest).to(gl.pointer_type(y_ptr.dtype.element_ty))
     for sub in gl.static_range(BLOCK_C // SUB_C):
@@ -50,7 +51,7 @@ def _combine(y_ptr, cols, col_ok, dest, row0, m, BLOCK_C: gl.constexpr, SUB_C: g
         ok = rows < M_LOCAL
         pair0 = (dest * M_LOCAL + rows).to(gl.int64) * TOPK
         acc = gl.zeros([SUB_C, cols.shape[0]], gl.float32, LAYOUT)
-        for j in range(0, TOPK):
+        for j in gl.static_range(TOPK):  # unrolled: the k rows' loads all in flight before their sums
             p = gl.load(pos_ptr + pair0 + j, mask=ok, other=0).to(gl.int64)
             wt = gl.load(weights_ptr + pair0 + j, mask=ok, other=0.0)
             y = gl.load(y_ptr + p[:, None] * N + cols[None, :], mask=ok[:, None] & col_ok[None, :], other=0.0)
@@ -64,7 +65,7 @@ def _combine(y_ptr, cols, col_ok, dest, row0, m, BLOCK_C: gl.constexpr, SUB_C: g
 
 @gluon.jit
 def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SUB_M: gl.constexpr,
-            BLOCK_C: gl.constexpr, SUB_C: gl.constexpr, CLOCK: gl.constexpr):
+            TOPK: gl.constexpr, BLOCK_C: gl.constexpr, SUB_C: gl.constexpr, CLOCK: gl.constexpr):
     """Every item of this program in order: a GEMM tile from the shared tile buffer into Y, SUB_M rows at a time,
     then its destination's done counter; a combine item once that counter is full (module doc)."""
     c_buf, tile_full, tile_free, y_ptr, done_ptr, dests_ptr, m = c
@@ -107,14 +108,14 @@ def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SU
             # every GEMM item of this destination is done (each comes before this item in some program's order);
             # a timeout says it waited on this rank's own tiles
             wait_for(done_ptr + q, gemm_items, waiter, dest, WHAT_OWN_TILES, CLOCK)
-            _combine(y_ptr, cols, cols < N, dest, ((rr - gemm_items) // num_pid_n) * BLOCK_C, m, BLOCK_C, SUB_C,
-                     rows_layout)
+            _combine(y_ptr, cols, cols < N, dest, ((rr - gemm_items) // num_pid_n) * BLOCK_C, m, TOPK, BLOCK_C,
+                     SUB_C, rows_layout)
 
 
 @gluon.jit
 def rs_grouped_hopper(h_ptr, b_desc, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, dests_ptr, done_ptr,
-                      scatter_ptrs, counter_ptrs, waiter, SLOTS, TOPK, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N, K,
-                      stride_hm, world,
+                      scatter_ptrs, counter_ptrs, waiter, SLOTS, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N, K,
+                      stride_hm, world, TOPK: gl.constexpr,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_C: gl.constexpr, GROUP_M: gl.constexpr,
                       NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
                       CLOCK: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
@@ -128,11 +129,11 @@ def rs_grouped_hopper(h_ptr, b_desc, y_ptr, src_ptr, pos_ptr, weights_ptr, table
     r = (h_ptr, h_ptr, src_ptr, stride_hm, stride_hm, 1, -1)  # rank -1: every row is read from h (the "workspace")
     f = (pos_ptr, pos_ptr, done_ptr, waiter, CHUNKS_PER_RANK)  # (no chunk waits: WAIT is False)
     t = (table_ptr, SLOTS, gl.cdiv(M_LOCAL, BLOCK_C), world)
-    m = (pos_ptr, weights_ptr, scatter_ptrs, counter_ptrs, waiter, TOPK, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N)
+    m = (pos_ptr, weights_ptr, scatter_ptrs, counter_ptrs, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N)
     c = (c_buf, tile_bars.index(0), tile_bars.index(1), y_ptr, done_ptr, dests_ptr, m)
     gl.warp_specialize([
         (grouped_k_loops, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, False, CLOCK)),
-        (_stores, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, SUB_M, BLOCK_C, SUB_C, CLOCK)),
+        (_stores, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, SUB_M, TOPK, BLOCK_C, SUB_C, CLOCK)),
     ], [STORE_WARPS], [STORE_REGS])
 
 
@@ -145,9 +146,10 @@ def launch_rs_grouped_hopper(ctx, block_c: int, h, w, y, routes, weights, table,
     W = layout.world
     launch(rs_grouped_hopper, (programs,), (
         h, weights_descriptor(w), y, *routes, weights, table, dests, counts, target.ptrs, target.counter_ptrs,
-        waiter(ctx, op), table.shape[0] // W, weights.numel() // (W * layout.m_local), layout.m_local,
-        layout.m_per_chunk, layout.chunks_per_rank, N, K, h.stride(0), W,
-    ), dict(BLOCK_M=TILES.block_m, BLOCK_K=TILES.block_k, BLOCK_C=block_c, GROUP_M=TILES.group_m,
+        waiter(ctx, op), table.shape[0] // W, layout.m_local, layout.m_per_chunk, layout.chunks_per_rank, N, K,
+        h.stride(0), W,
+    ), dict(TOPK=weights.numel() // (W * layout.m_local), BLOCK_M=TILES.block_m, BLOCK_K=TILES.block_k,
+            BLOCK_C=block_c, GROUP_M=TILES.group_m,
             NUM_PROGRAMS=programs, NUM_STAGES=TILES.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,
             STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M, SUB_C=SUB_C), num_warps=8,
         maxnreg=MAXNREG)
