@@ -71,9 +71,12 @@ def grouped_item(t, it, num_pid_n, GROUP_M: gl.constexpr):
 def _rows(r, first, end, LD: gl.constexpr, BLOCK_M: gl.constexpr):
     """The A row pointers of sorted rows [first, first + BLOCK_M), in the layout of A's loads: each row's token,
     read in place from the shard ``x_ptr`` if it is this rank's, else from the workspace. Rows past ``end`` repeat
-    the tile's last row (their products are never stored), so the loads need no mask."""
+    the tile's last row (their products are never stored), so the loads need no mask; an empty slot (the table's
+    unused slots are (0, 0, 0): a next item that has no rows) reads sorted row 0's token, never the word before
+    ``src``."""
     x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, rank = r
-    offs = gl.minimum(first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD)), end - 1)
+    last = gl.where(end > first, end - 1, 0)
+    offs = gl.minimum(first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD)), last)
     tok = gl.load(src_ptr + offs)
     mine = (tok // M_LOCAL) == rank
     return gl.where(mine, x_ptr + (tok - rank * M_LOCAL).to(gl.int64) * stride_xm,
