@@ -1,12 +1,12 @@
-"""AllGather-MoE's grouped GEMM for Hopper (sm_90), warp-specialized in Gluon: a tile's rows are gathered token by
+"""The MoE ops' grouped GEMM for Hopper (sm_90), warp-specialized in Gluon: a tile's rows are gathered token by
 token with cp.async while the tensor cores work on the previous K steps, the next tile's first loads are issued
-during this tile's last steps, and a tile's stores run beside the next tile's K loop.
+during this tile's last steps, and a tile's stores run beside the next tile's K loop. AllGather-MoE's kernel is
+here; MoE-GEMM-ReduceScatter's (kernels.grouped_gemm_hopper_rs) shares its K loop (``grouped_k_loops``).
 
-Why a second kernel: in kernels.grouped_gemm's ``ag_grouped_gemm`` the rows of A are gathered through pointers by
-the warps that then multiply, so Triton does not pipeline the K loop's loads (masked along K and N), every tile
-pays the pipeline's fill, and the epilogue's scattered stores leave the tensor cores idle; measured 0.73-0.98x of
-``torch._grouped_mm`` on the models' shapes (docs/decisions.md, Tensor-parallel MoE). Gluon states the pipeline
-and the partitions outright.
+Why a second kernel: in kernels.grouped_gemm the rows of A are gathered through pointers by the warps that then
+multiply, so Triton does not pipeline the K loop's loads (masked along K and N), every tile pays the pipeline's
+fill, and the epilogue leaves the tensor cores idle; measured 0.73-0.98x of ``torch._grouped_mm`` on the models'
+shapes (docs/decisions.md, Tensor-parallel MoE). Gluon states the pipeline and the partitions outright.
 
 It computes what ``ag_grouped_gemm`` does from the same routing (kernels.routing: the tile table of (expert, first
 row, end row) slots, each sorted row's token ``src``, output row ``dst`` and chunk position ``pos``), taking the
@@ -15,20 +15,20 @@ program per SM but one, round-robin. Two partitions:
 
 * the K loop (the default partition, 8 warps: two warpgroups, 64 rows of the 128 x 256 tile each, on wgmma). The
   same warps issue the loads NUM_STAGES - 1 K steps ahead, across tiles, into a ring of stages: A's rows by
-  cp.async (each row's token is read in place from this rank's shard or from the workspace the copy engines fill;
-  rows past the tile's end and columns past K read zeros), one commit group per K step; B by TMA from a 3-D
-  descriptor of the experts' weights (zeros past K and N), on a "ready" mbarrier per stage. A step waits for its
-  own cp.async group, fences it for the tensor cores and meets its partition at a barrier, then waits for B.
-  Before the first load of a tile whose rows come from a peer's chunks they wait (bounded) for the flag of each
-  chunk position its rows use, as ``ag_grouped_gemm`` does. After the K loop the tile goes, as the output dtype,
-  into a shared tile buffer ("full");
+  cp.async, 16 bytes a copy (each row's token read in place from this rank's shard or from the workspace the copy
+  engines fill; rows past the tile's end repeat its last row), one commit group per K step; B by TMA from a 3-D
+  descriptor of the experts' weights (zeros past N), on a "ready" mbarrier per stage. A step waits for its own
+  cp.async group, fences it for the tensor cores and meets its partition at a barrier, then waits for B. Before
+  the first load of a tile whose rows come from a peer's chunks they wait (bounded) for the flag of each chunk
+  position its rows use, as ``ag_grouped_gemm`` does. After the K loop the tile goes, as the output dtype, into a
+  shared tile buffer ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time, each row into its
   output row ``dst``, then "free".
 
 Only for NVIDIA sm_90, 16-bit operands, 128 x 256 x 64 tiles (the routing's ``block_m`` must be 128), K a whole
 number of steps, at least NUM_STAGES - 1 and at most MAX_K deep, and weights a tensor descriptor can describe
-(``usable``). Gluon does not run in Triton's
-interpreter, so the host backend and other GPUs take kernels.grouped_gemm.
+(``usable``). Gluon does not run in Triton's interpreter, so the host backend and other GPUs take
+kernels.grouped_gemm.
 """
 from __future__ import annotations
 
