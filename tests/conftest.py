@@ -102,7 +102,8 @@ FAST = [
     "test_moe.py::test_moe_gemm_rs_bad_input_raises_before_launch[host-w3]",
     "test_moe.py::test_sorted_layout_feeds_moe_gemm_rs[host-w2-never]",
     "test_moe.py::test_ag_moe_wait_times_out[host-w2]",
-    "test_moe_routing.py::test_routing_kernels_match_torch[host-w2-backend_block]",
+    # (the routing kernels against torch, 30 s and 36 s on 2 cores, run in the full tier; the ops' cases here
+    # run those kernels end to end)
     "test_moe_routing.py::test_routing_orders_tiles[host-w2]",
     "test_moe_routing.py::test_tile_table_reference_bounds_and_covers",
     "test_moe.py::test_fallback_rule",
@@ -110,7 +111,6 @@ FAST = [
     "test_expert_parallel.py::test_ep_matches_reference[host-w3-1]",
     "test_expert_parallel.py::test_ep_bad_input_raises_before_launch[host-w2]",
     "test_expert_parallel.py::test_ep_silent_peer_faults[host-w2-rows]",
-    "test_ep_routing.py::test_ep_routing_kernels_match_torch[host-w2-backend_tiles]",
     "test_expert_parallel.py::test_ep_fp8_dispatch_moves_rows_and_scales[host-w2]",
     "test_ep_low_latency.py::test_ep_low_latency_matches_reference[host-w2]",
     # the nn layers and the block
