@@ -213,8 +213,7 @@ def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SU
     """Every tile of this program, from the shared tile buffer into the output rows ``dst`` of its sorted rows,
     SUB_M rows at a time, beside the next tile's K loop."""
     N = p[5]
-    c_buf, tile_full, tile_free, out_ptr, dst_ptr, stride_om = c
-    BLOCK_M: gl.constexpr = c_buf.type.shape[0]
+    c_buf, tile_free = c[0], c[2]
     BLOCK_N: gl.constexpr = c_buf.type.shape[1]
     # each thread 16 bytes of a row, a warp a row of 256 columns
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [gl.num_warps(), 1],
@@ -228,20 +227,31 @@ def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SU
     for it in range(gl.program_id(0), total, NUM_PROGRAMS):
         expert, first, end, pid_n, busy = grouped_item(t, it, num_pid_n, GROUP_M)
         if busy:
-            cols = pid_n * BLOCK_N + cols_off
-            col_ok = cols < N
-            mbarrier.wait(tile_full, done & 1)
+            store_tile(c, done, first, end, pid_n * BLOCK_N + cols_off, N, rows_off, True)
             done += 1
-            for sub in gl.static_range(BLOCK_M // SUB_M):
-                if first + sub * SUB_M < end:
-                    vals = c_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
-                    rr = first + sub * SUB_M + rows_off
-                    rr_ok = rr < end
-                    dst = gl.load(dst_ptr + rr, mask=rr_ok, other=0).to(gl.int64)
-                    gl.store(out_ptr + dst[:, None] * stride_om + cols[None, :], vals,
-                             mask=rr_ok[:, None] & col_ok[None, :])
-            barrier()  # every warp of the partition has read the buffer
-            mbarrier.arrive(tile_free)
+
+
+@gluon.jit
+def store_tile(c, done, first, end, cols, N, rows_off, SCATTER: gl.constexpr):
+    """A store partition's part of a GEMM tile of sorted rows [first, end): wait until the tile buffer holds it (the
+    ``done``-th tile handed over), store it SUB_M rows (``rows_off``' length) at a time, columns ``cols`` (those below
+    N), then hand the buffer back. ``c`` = (buffer, "full", "free", out, dst, row stride): with SCATTER each sorted
+    row into its output row ``dst``, else into the same row of ``out``."""
+    c_buf, tile_full, tile_free, out_ptr, dst_ptr, stride_om = c
+    SUB_M: gl.constexpr = rows_off.shape[0]
+    col_ok = cols < N
+    mbarrier.wait(tile_full, done & 1)
+    for sub in gl.static_range(c_buf.type.shape[0] // SUB_M):
+        if first + sub * SUB_M < end:
+            vals = c_buf.slice(sub * SUB_M, SUB_M).load(rows_off.type.layout.parent)
+            rows = first + sub * SUB_M + rows_off
+            ok = rows < end
+            if SCATTER:
+                rows = gl.load(dst_ptr + rows, mask=ok, other=0)
+            gl.store(out_ptr + rows.to(gl.int64)[:, None] * stride_om + cols[None, :], vals,
+                     mask=ok[:, None] & col_ok[None, :])
+    barrier()  # every warp of the partition has read the buffer and stored its rows
+    mbarrier.arrive(tile_free)
 
 
 @gluon.jit
@@ -353,4 +363,4 @@ def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, p
 
 
 __all__ = ["MAX_K", "SUB_M", "TILES", "ag_grouped_hopper", "grouped_buffers", "grouped_item", "grouped_k_loops",
-           "launch_ag_grouped_hopper", "usable", "weights_descriptor", "weights_layout"]
+           "launch_ag_grouped_hopper", "store_tile", "usable", "weights_descriptor", "weights_layout"]

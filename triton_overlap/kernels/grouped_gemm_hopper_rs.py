@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .cached_launch import launch
 from .gemm_device import publish
 from .gemm_hopper_tiles import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, SUB_M, TILES
-from .gluon_shims import barrier
-from .grouped_gemm_hopper import grouped_buffers, grouped_item, grouped_k_loops, weights_descriptor, weights_layout
+from .grouped_gemm_hopper import (grouped_buffers, grouped_item, grouped_k_loops, store_tile, weights_descriptor,
+                                  weights_layout)
 from .signal import WHAT_OWN_TILES, wait_for, waiter
 
 #: The tokens a combine item sums at a time: 8 tokens by 256 columns, 16 float32 registers a thread of the store
@@ -71,7 +71,6 @@ def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SU
     c_buf, tile_full, tile_free, y_ptr, done_ptr, dests_ptr, m = c
     waiter = m[4]
     N = p[5]
-    BLOCK_M: gl.constexpr = c_buf.type.shape[0]
     BLOCK_N: gl.constexpr = c_buf.type.shape[1]
     # each thread 16 bytes of a row, a warp a row of 256 columns
     rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [gl.num_warps(), 1],
@@ -89,18 +88,9 @@ def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SU
         if rr < gemm_items:
             expert, first, end, pid_n, busy = grouped_item(t, it, num_pid_n, GROUP_M)
             if busy:
-                cols = pid_n * BLOCK_N + cols_off
-                col_ok = cols < N
-                mbarrier.wait(tile_full, done & 1)
+                store_tile((c_buf, tile_full, tile_free, y_ptr, y_ptr, N), done, first, end,
+                           pid_n * BLOCK_N + cols_off, N, rows_off, False)
                 done += 1
-                for sub in gl.static_range(BLOCK_M // SUB_M):
-                    if first + sub * SUB_M < end:
-                        vals = c_buf.slice(sub * SUB_M, SUB_M).load(rows_layout)
-                        rows = first + sub * SUB_M + rows_off
-                        gl.store(y_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], vals,
-                                 mask=(rows < end)[:, None] & col_ok[None, :])
-                barrier()  # every warp of the partition has read the buffer and stored its rows
-                mbarrier.arrive(tile_free)
             gl.atomic_add(done_ptr + q, 1, sem="release", scope="gpu")
         else:
             cols = ((rr - gemm_items) % num_pid_n) * BLOCK_N + cols_off
