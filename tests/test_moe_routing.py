@@ -157,6 +157,9 @@ def _all_cases():
 def test_routing_kernels_match_torch(pool, block):
     if block is not None and pool.backend != "host":
         pytest.skip("the GPUs' block size is the backend's there")
+    if pool.backend == "host" and pool.world == 4:
+        pytest.skip("W = 2 and 3 on the host backend (1 to 1.5 min each on 2 cores at W = 4; test_topology runs the "
+                    "ops, routing included, at W = 4)")
     assert pool.run(_kernels_match_torch, block) == [2 * len(CASES)] * pool.world
 
 
