@@ -137,8 +137,8 @@ def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out):
     """Our grouped GEMM alone on rows already here (for the RS shapes too: the GEMM core both ops' kernels share,
     without MoE-GEMM-ReduceScatter's combine): the AllGather grouped GEMM that ``launch_ag_grouped`` picks for these
     operands (on Hopper the Gluon kernel where K <= grouped_gemm_hopper.MAX_K, as the ops pick theirs) as a world of
-    one (one chunk, at arrival position 0: no tile waits), ``rows`` [R, K] as tokens of top-1 ``row_experts`` [R, 1], ``out`` [R, N] in the
-    expert-sorted layout (the bound's). Returns the launch as a function."""
+    one (one chunk, at arrival position 0: no tile waits), ``rows`` [R, K] as tokens of top-1 ``row_experts``
+    [R, 1], ``out`` [R, N] in the expert-sorted layout (the bound's). Returns the launch as a function."""
     sched = consumer_schedule(cfg, rows.shape[0], rows.device)
     _, routes, table = ag_op.route(sched, row_experts, w.shape[0], True)
     flags = torch.ones(1, dtype=torch.int32, device=rows.device)

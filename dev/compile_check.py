@@ -425,7 +425,8 @@ def compile_grouped_hopper(target, quick: bool = False) -> int:
         consts = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=gh.TILES.num_stages,
                       B_KMAJOR=b_kmajor, CLOCK=1, STORE_WARPS=gh.EPILOGUE_WARPS, STORE_REGS=gh.EPILOGUE_REGS,
                       SUB_M=gh.SUB_M)
-        for fn, extra in ((gh.ag_grouped_hopper, {}), (ghr.rs_grouped_hopper, dict(TOPK=8, BLOCK_C=64, SUB_C=ghr.SUB_C))):
+        rs_consts = dict(TOPK=8, BLOCK_C=64, SUB_C=ghr.SUB_C)
+        for fn, extra in ((gh.ag_grouped_hopper, {}), (ghr.rs_grouped_hopper, rs_consts)):
             sig = {}
             for prm in fn.params:
                 n = prm.name

@@ -1,8 +1,8 @@
 """The Gluon kernels, which only run on a Hopper GPU, compile for sm_90 with this Triton without a GPU: front end,
 LLVM and the ptxas Triton ships (dev/compile_check.py, one configuration each: the warp-specialized GEMM-RS GEMM,
 the AllGather GEMM, the attention forward at its shipped blocks, the attention backward with its query heads
-split, the MoE ops' grouped GEMMs). What runs them is the GPU suite; this catches a Triton whose Gluon API or code generation no longer takes
-them."""
+split, the MoE ops' grouped GEMMs). What runs them is the GPU suite; this catches a Triton whose Gluon API or code
+generation no longer takes them."""
 import importlib.util
 import os
 import re

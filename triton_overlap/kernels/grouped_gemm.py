@@ -41,9 +41,10 @@ def _expert_tile(a_rows, row_ok, w, expert, col0, cols, col_ok, K, stride_we, st
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, B_DESC: tl.constexpr,
                  DOT_F32: tl.constexpr):
     """A[rows, :] @ w[expert][:, cols] in float32: ``a_rows`` the rows' start pointers (unit stride along K),
-    ``cols`` = ``col0`` + arange; ``w`` the experts' [E, K, N] weights through pointers (B_DESC 0, any strides) or a 3-D tensor descriptor (B_DESC 1:
-    [E, K, N] with blocks [1, BLOCK_K, BLOCK_N]; 2: its transpose [E, N, K], blocks [1, BLOCK_N, BLOCK_K]), which
-    fills zeros past the expert's K and N; rows past ``row_ok`` and columns past ``col_ok`` read zeros."""
+    ``cols`` = ``col0`` + arange; ``w`` the experts' [E, K, N] weights through pointers (B_DESC 0, any strides)
+    or a 3-D tensor descriptor (B_DESC 1: [E, K, N] with blocks [1, BLOCK_K, BLOCK_N]; 2: its transpose [E, N, K],
+    blocks [1, BLOCK_N, BLOCK_K]), which fills zeros past the expert's K and N; rows past ``row_ok`` and columns past
+    ``col_ok`` read zeros."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_ptr = w
