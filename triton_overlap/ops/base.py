@@ -170,11 +170,16 @@ class OverlapOp:
         """The eager rule (eager_host_bound) for a call of ``flop`` FLOPs. The first call of each shape takes the
         overlap anyway: it allocates the workspaces and builds the kernels, which cannot happen inside a CUDA-graph
         capture, so a later capture of the shape finds them ready. So does the first call of a shape after a
-        workspace allocation dropped the replay cache's graphs (ReplayCache.unprepared). Every rank takes the same
-        branch: allocations are collective, so generations change on all alike."""
+        workspace allocation dropped the replay cache's graphs (ReplayCache.unprepared). Where this op replays
+        (ReplayCache.on) every later call overlaps too, replayed or not: whether a call's key has a graph depends on
+        the addresses the rank's allocator handed out, which differ between ranks, and a rank that took NCCL while
+        its peer replayed would leave the two out of step. Every rank takes the same branch: allocations are
+        collective, so generations change on all alike, and the rest depends on shapes and settings only."""
         ran = self.state.setdefault("ran overlap", set())
         if shape_key not in ran or self.replays.unprepared(shape_key):
             ran.add(shape_key)
+            return False
+        if self.replays.on():
             return False
         return eager_host_bound(self.ctx.interpreted, self.ctx.world_size, flop, self.EAGER_MIN_FLOP_PER_PEER)
 

@@ -28,14 +28,17 @@ one key and one dictionary lookup. Rules:
   bias or not, overrides) ran the overlap eagerly in the current workspace
   generation (workspaces allocated and agreed on, kernels compiled, plans
   built: capturing must not need a collective or a compile); a call the eager
-  rule sent to NCCL counts as a sighting of its key too (``saw``), so a
-  repeating call of a shape under the eager threshold is captured whatever
-  its addresses;
+  rule sent to NCCL counts as a sighting of its key too (``saw``); where
+  replay is on, the eager rule sends no call to NCCL after a shape's first
+  (OverlapOp.eager_fallback: the ranks' keys differ, their paths must not);
 * when the Context allocates or frees a symmetric buffer (a workspace grew or
   moved) every graph of every op on it is dropped (they hold the old addresses);
 * at most ``capacity`` graphs per op, least recently used dropped first; an op
   whose captures are not reused (``4 x capacity`` captures, fewer replays than
-  captures) stops capturing.
+  captures) stops capturing. The layers of a model share one op per kind, so a
+  training step holds a key per layer and use (a Llama block: five AllGather-GEMM
+  calls forward and two backward); the capacity covers a few hundred of them, since
+  a graph that the LRU drops before its key comes round again is never replayed.
 
 A replay writes what the eager call would have written, into the caller's
 tensors: ``out=`` and the returned tensors are the caller's, never the graph's.
@@ -67,7 +70,7 @@ class ReplayCache:
 
     SEEN_LIMIT = 4096  # sightings remembered (keys, least recent dropped)
 
-    def __init__(self, ctx, enabled: bool = True, capacity: int = 16, after: int = 2):
+    def __init__(self, ctx, enabled: bool = True, capacity: int = 512, after: int = 2):
         self.ctx = ctx
         self.enabled = bool(enabled) and ctx.backend == "cuda"
         self.capacity = capacity
@@ -90,6 +93,11 @@ class ReplayCache:
         self._graphs.clear()
         self._seen.clear()
         self._prepared.clear()
+
+    def on(self) -> bool:
+        """Whether calls can replay at all (enabled, no producer jitter): the same on every rank, unlike whether a
+        given call finds its graph."""
+        return self.enabled and self.ctx.producer_jitter_s <= 0
 
     def _usable(self) -> bool:
         if not self.enabled or self.ctx.producer_jitter_s > 0:
