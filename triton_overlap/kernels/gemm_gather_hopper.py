@@ -199,6 +199,24 @@ def _stores(p, q, BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl
 
 
 @gluon.jit
+def stage_buffers(b_desc, c_ptr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """What the Hopper GEMMs' partitions share besides A's stages (the caller allocates those first): NUM_STAGES
+    stages of B's blocks, the tile buffer [BLOCK_M, BLOCK_N] of C's dtype the store partition reads, a "ready"
+    mbarrier per stage and the tile buffer's "full" and "free" mbarriers, initialised."""
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
+    c_buf = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N],
+                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
+                                                                           c_ptr.dtype.element_ty))
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    tile_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # full, free
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(tile_bars.index(0), count=1)
+    mbarrier.init(tile_bars.index(1), count=1)
+    return b_bufs, c_buf, ready, tile_bars
+
+
+@gluon.jit
 def ag_gemm_hopper(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, tile_order_ptr, tick_ptr, waiter, world, M, N, K,
                    M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, stride_cm, own_plane, ws_plane, own_shift,
                    BLOCK_N: gl.constexpr, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
@@ -216,16 +234,7 @@ def ag_gemm_hopper(a_desc, b_desc, c_ptr, bias_ptr, flags_ptr, tile_order_ptr, t
     pid = gl.program_id(0)
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[1]
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES] + a_desc.block_type.shape, a_desc.layout)
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_buf = gl.allocate_shared_memory(c_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
-                                                                           c_ptr.dtype.element_ty))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    tile_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # full, free
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    mbarrier.init(tile_bars.index(0), count=1)
-    mbarrier.init(tile_bars.index(1), count=1)
+    b_bufs, c_buf, ready, tile_bars = stage_buffers(b_desc, c_ptr, BLOCK_M, BLOCK_N, NUM_STAGES)
     p = ((a_desc, b_desc, a_bufs, b_bufs, ready, tile_order_ptr),
          (flags_ptr, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, own_plane, ws_plane, own_shift))
     q = (c_buf, tile_bars.index(0), tile_bars.index(1), c_ptr, bias_ptr, stride_cm, M, N, K, pid)

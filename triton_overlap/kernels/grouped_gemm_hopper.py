@@ -42,6 +42,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .cached_launch import launch
 from .capability import gluon_available, is_sm90
 from .gemm_device import work_item
+from .gemm_gather_hopper import stage_buffers
 from .gemm_hopper_tiles import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, SUB_M, TILES
 from .gemm_operands import aligned
 from .gluon_shims import barrier, cp_async_load, shared_layout, tma_load
@@ -215,11 +216,7 @@ def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SU
     N = p[5]
     c_buf, tile_free = c[0], c[2]
     BLOCK_N: gl.constexpr = c_buf.type.shape[1]
-    # each thread 16 bytes of a row, a warp a row of 256 columns
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [gl.num_warps(), 1],
-                                                 [1, 0])
-    rows_off = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, rows_layout))
-    cols_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
+    rows_off, cols_off = store_offsets(c_buf, SUB_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     total = t[1] * num_pid_n
     mbarrier.arrive(tile_free)
@@ -229,6 +226,17 @@ def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SU
         if busy:
             store_tile(c, done, first, end, pid_n * BLOCK_N + cols_off, N, rows_off, True)
             done += 1
+
+
+@gluon.jit
+def store_offsets(c_buf, SUB_M: gl.constexpr):
+    """A store partition's row offsets [SUB_M] and column offsets [BLOCK_N] into the tile buffer ``c_buf``, in the
+    layout its stores take: each thread 16 bytes of a row, a warp a row of 256 columns."""
+    BLOCK_N: gl.constexpr = c_buf.type.shape[1]
+    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [gl.num_warps(), 1],
+                                                 [1, 0])
+    return (gl.arange(0, SUB_M, layout=gl.SliceLayout(1, rows_layout)),
+            gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout)))
 
 
 @gluon.jit
@@ -264,16 +272,7 @@ def grouped_buffers(a_ptr, b_desc, out_ptr, BLOCK_M: gl.constexpr, BLOCK_K: gl.c
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_bufs = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, BLOCK_K],
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K], dtype))
-    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES] + b_desc.block_type.shape, b_desc.layout)
-    c_buf = gl.allocate_shared_memory(out_ptr.dtype.element_ty, [BLOCK_M, BLOCK_N],
-                                      gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
-                                                                           out_ptr.dtype.element_ty))
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    tile_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # full, free
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-    mbarrier.init(tile_bars.index(0), count=1)
-    mbarrier.init(tile_bars.index(1), count=1)
+    b_bufs, c_buf, ready, tile_bars = stage_buffers(b_desc, out_ptr, BLOCK_M, BLOCK_N, NUM_STAGES)
     return a_bufs, b_bufs, c_buf, ready, tile_bars
 
 
@@ -363,4 +362,4 @@ def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, p
 
 
 __all__ = ["MAX_K", "SUB_M", "TILES", "ag_grouped_hopper", "grouped_buffers", "grouped_item", "grouped_k_loops",
-           "launch_ag_grouped_hopper", "store_tile", "usable", "weights_descriptor", "weights_layout"]
+           "launch_ag_grouped_hopper", "store_offsets", "store_tile", "usable", "weights_descriptor", "weights_layout"]

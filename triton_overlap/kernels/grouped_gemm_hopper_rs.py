@@ -28,8 +28,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .cached_launch import launch
 from .gemm_device import publish
 from .gemm_hopper_tiles import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, SUB_M, TILES
-from .grouped_gemm_hopper import (grouped_buffers, grouped_item, grouped_k_loops, store_tile, weights_descriptor,
-                                  weights_layout)
+from .grouped_gemm_hopper import (grouped_buffers, grouped_item, grouped_k_loops, store_offsets, store_tile,
+                                  weights_descriptor, weights_layout)
 from .signal import WHAT_OWN_TILES, wait_for, waiter
 
 #: The tokens a combine item sums at a time: 8 tokens by 256 columns, 16 float32 registers a thread of the store
@@ -38,11 +38,11 @@ SUB_C = 8
 
 
 @gluon.jit
-def _combine(y_ptr, cols, col_ok, dest, row0, m, TOPK: gl.constexpr, BLOCK_C: gl.constexpr, SUB_C: gl.constexpr,
-             LAYOUT: gl.constexpr):
+def _combine(y_ptr, cols, col_ok, dest, row0, m, TOPK: gl.constexpr, BLOCK_C: gl.constexpr, SUB_C: gl.constexpr):
     """Combine item: the destination's tokens [row0, row0 + BLOCK_C), columns ``cols``, summed over their top-k
-    rows of Y in float32, SUB_C tokens at a time, and stored as the output dtype into the destination's staging
-    rows for this rank."""
+    rows of Y in float32, SUB_C tokens at a time (in the layout ``cols`` is a slice of), and stored as the output
+    dtype into the destination's staging rows for this rank."""
+    LAYOUT: gl.constexpr = cols.type.layout.parent
     pos_ptr, weights_ptr, scatter_ptrs, counter_ptrs, waiter, M_LOCAL, M_PER_CHUNK, CHUNKS_PER_RANK, N = m
     rank = waiter[2]
     base = gl.load(scatter_ptrs + dest).to(gl.pointer_type(y_ptr.dtype.element_ty))
@@ -72,11 +72,7 @@ def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SU
     waiter = m[4]
     N = p[5]
     BLOCK_N: gl.constexpr = c_buf.type.shape[1]
-    # each thread 16 bytes of a row, a warp a row of 256 columns
-    rows_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [gl.num_warps(), 1],
-                                                 [1, 0])
-    rows_off = gl.arange(0, SUB_M, layout=gl.SliceLayout(1, rows_layout))
-    cols_off = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, rows_layout))
+    rows_off, cols_off = store_offsets(c_buf, SUB_M)
     num_pid_n = gl.cdiv(N, BLOCK_N)
     gemm_items = t[1] * num_pid_n
     per_dest = gemm_items + t[2] * num_pid_n
@@ -99,7 +95,7 @@ def _stores(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, SU
             # a timeout says it waited on this rank's own tiles
             wait_for(done_ptr + q, gemm_items, waiter, dest, WHAT_OWN_TILES, CLOCK)
             _combine(y_ptr, cols, cols < N, dest, ((rr - gemm_items) // num_pid_n) * BLOCK_C, m, TOPK, BLOCK_C,
-                     SUB_C, rows_layout)
+                     SUB_C)
 
 
 @gluon.jit
