@@ -73,6 +73,7 @@ class ReplayCache:
     def __init__(self, ctx, enabled: bool = True, capacity: int = 512, after: int = 2):
         self.ctx = ctx
         self.enabled = bool(enabled) and ctx.backend == "cuda"
+        self._broken = False  # a capture failed on this rank: it stays eager (``on`` does not change)
         self.capacity = capacity
         self.after = after  # sightings of a key (this call included) before it is captured
         self._graphs: OrderedDict = OrderedDict()
@@ -96,11 +97,11 @@ class ReplayCache:
 
     def on(self) -> bool:
         """Whether calls can replay at all (enabled, no producer jitter): the same on every rank, unlike whether a
-        given call finds its graph."""
+        given call finds its graph (a capture that failed on one rank stops its captures, not this)."""
         return self.enabled and self.ctx.producer_jitter_s <= 0
 
     def _usable(self) -> bool:
-        if not self.enabled or self.ctx.producer_jitter_s > 0:
+        if not self.enabled or self._broken or self.ctx.producer_jitter_s > 0:
             return False
         if self.ctx.generation != self._generation:
             self.clear()
@@ -212,7 +213,7 @@ class ReplayCache:
                     g.capture_end()
                 except Exception:  # noqa: BLE001 - the enqueue's error is the one to report
                     pass
-                self.enabled = False  # something in the call cannot be captured: stay eager from now on
+                self._broken = True  # something in the call cannot be captured: stay eager from now on
                 raise
             g.capture_end()
         caller.wait_stream(self._stream)
