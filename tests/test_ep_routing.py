@@ -205,7 +205,7 @@ def _cases_match():
 def test_ep_routing_kernels_match_torch(pool, tiles):
     if tiles == "gpu_tiles" and pool.backend != "host":
         pytest.skip("the GPUs' tiles are the backend's there")
-    if pool.backend == "host" and pool.world == 4:
-        pytest.skip("W = 2 and 3 on the host backend (1 to 1.5 min each on 2 cores at W = 4; test_expert_parallel "
-                    "runs dispatch and combine, routing included, at W = 4)")
+    if pool.backend == "host" and pool.world != 2:
+        pytest.skip("on the host backend at W = 2 only: every rank checks the same cases (their worlds are the cases' "
+                    "own), so more ranks repeat the work (36-62 s each at W = 3 on 2 cores)")
     assert pool.run(_kernels_match, tiles == "gpu_tiles") == [len(CASES)] * pool.world

@@ -157,9 +157,9 @@ def _all_cases():
 def test_routing_kernels_match_torch(pool, block):
     if block is not None and pool.backend != "host":
         pytest.skip("the GPUs' block size is the backend's there")
-    if pool.backend == "host" and pool.world == 4:
-        pytest.skip("W = 2 and 3 on the host backend (1 to 1.5 min each on 2 cores at W = 4; test_topology runs the "
-                    "ops, routing included, at W = 4)")
+    if pool.backend == "host" and pool.world != 2:
+        pytest.skip("on the host backend at W = 2 only: every rank checks the same cases (their worlds are the cases' "
+                    "own, 1 to 4), so more ranks repeat the work (42-78 s each at W = 3 on 2 cores)")
     assert pool.run(_kernels_match_torch, block) == [2 * len(CASES)] * pool.world
 
 
