@@ -54,8 +54,8 @@ class AllGatherGEMM(OverlapOp):
 
     ``fallback="auto"`` takes NCCL all_gather + torch.matmul when the shard is under FALLBACK_SHARD_BYTES, when
     W = 1, and, where the op does not replay (ops.base.OverlapOp.eager_fallback), for an eager call whose GEMM is
-    too short to pay for the host's cost of an overlapped one. On a group
-    that spans hosts, other hosts' rows come through the process group (producers.link), in push mode.
+    too short to pay for the host's cost of an overlapped one. On a group that spans hosts, other hosts' rows come
+    through the process group (producers.link), in push mode.
     ``max_m``: the largest gathered M accepted (None: the workspace grows as needed). ``last_gemm``: the GEMM the
     last overlapped call ran, "gemm_gather_hopper" or "gemm".
     """

@@ -91,8 +91,8 @@ class GEMMReduceScatter(OverlapOp):
     ``fallback="auto"`` takes torch.matmul + NCCL reduce-scatter when each rank's share of the output is under
     FALLBACK_PARTIAL_BYTES, when W = 1, on GPUs when the GEMM's tiles fit in one wave (``one_wave``), and, where the
     op does not replay (ops.base.OverlapOp.eager_fallback), for an eager call whose GEMM is too short to pay for
-    the host's cost of an overlapped one. On a group that spans
-    hosts, the copy variant, with other hosts' owners served through the process group (producers.link).
+    the host's cost of an overlapped one. On a group that spans hosts, the copy variant, with other hosts' owners
+    served through the process group (producers.link).
     ``max_m``: the largest M accepted. ``last_gemm``: the GEMM the last overlapped call ran,
     "gemm_warp_specialized" or "gemm".
     """

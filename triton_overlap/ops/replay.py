@@ -101,7 +101,7 @@ class ReplayCache:
         return self.enabled and self.ctx.producer_jitter_s <= 0
 
     def _usable(self) -> bool:
-        if not self.enabled or self._broken or self.ctx.producer_jitter_s > 0:
+        if not self.on() or self._broken:
             return False
         if self.ctx.generation != self._generation:
             self.clear()
