@@ -316,8 +316,9 @@ def _eager_rule(m_local, k, n):
 
         check_replays(lambda: rs(big, w_rs, out=rs_out), rs_out, 5, load_rs)
         assert rs.last_path == "overlap"
-        # with replay on the eager rule sends nothing to NCCL (whether a key has its graph differs between ranks,
-        # the path must not): a new key of a prepared shape runs the overlap eagerly, and its repeat is captured
+        # with replay on the eager rule sends nothing to NCCL until the ranks agree that keys do not repeat (whether
+        # a key has its graph differs between ranks, the path must not): a new key of a prepared shape runs the
+        # overlap eagerly, and its repeat is captured
         rep = to.AllGatherGEMM(ctx, name="ag_gemm.rep")
         ref = load_ag(-3)
         rep(a, w, out=out)

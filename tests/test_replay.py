@@ -125,6 +125,73 @@ def test_replay_unprepared_after_a_new_generation():
     assert not _cpu_cache(enabled=False).unprepared("s")
 
 
+def test_replay_agreement_sets_the_small_calls_path_on_every_rank(monkeypatch):
+    """The eager rule's small calls (OverlapOp.eager_fallback, tick): they overlap until the ranks agree, every
+    AGREE_EVERY calls, that their keys do not repeat on some rank (under half of its calls had a key it had seen);
+    they then take NCCL on every rank, and the graphs of small shapes are dropped so that no rank replays one;
+    once every rank's keys repeat again they overlap again. A key this rank knows never decides its call's path."""
+    from triton_overlap.ops.base import AGREE_EVERY, OverlapOp
+
+    class Ctx:
+        backend, producer_jitter_s, generation, num_hosts, interpreted, world_size = "cuda", 0.0, 0, 1, False, 2
+        peer_rate = 1.0
+
+        def __init__(self):
+            self.store, self.exchanges = {}, 0
+
+        def op_id(self, kind):
+            return 0
+
+        def on_close(self, fn):
+            pass
+
+        def cached(self, key, make):
+            return self.store.setdefault(key, make())
+
+        def gather_object(self, obj, what):
+            self.exchanges += 1
+            return [obj, self.peer_rate]
+
+    class Small(OverlapOp):
+        KIND, EAGER_MIN_FLOP_PER_PEER = "small", 1e12
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (a CPU build has no CUDA)
+    ctx = Ctx()
+    op = Small(ctx)
+    op.replays._caller_capturing = lambda: False
+    op.replays._graph_of = _FakeGraph
+    assert op.eager_fallback("s", 1e9) is False  # a shape's first call overlaps (it prepares the shape)
+    op.replays.run("k", "s", lambda: None)
+    op.replays.run("k", "s", lambda: None)  # captured
+    assert op.replays.active
+    assert op.eager_fallback("s", 1e9) is False  # small, and the ranks have not agreed yet: overlap
+    assert op.eager_fallback("s", 1e13) is False  # large: always overlap
+    for _ in range(AGREE_EVERY):  # every call with a key this rank knows
+        op.tick()
+        op.seen("k")
+    assert ctx.exchanges == 1 and op.eager_fallback("s", 1e9) is False
+    ctx.peer_rate = 0.25  # the peer's keys stopped repeating
+    for _ in range(AGREE_EVERY):
+        op.tick()
+        op.seen("k")
+    assert ctx.exchanges == 2 and op.eager_fallback("s", 1e9) is True  # NCCL, on this rank too
+    assert not op.replays.active and op.replayed("k") is False  # the small shape's graph dropped
+    assert op.eager_fallback("s", 1e13) is False
+    ctx.peer_rate = 1.0
+    for _ in range(AGREE_EVERY):
+        op.tick()
+    assert op.eager_fallback("s", 1e9) is True  # this rank's keys were not known in that window: still NCCL
+    op.replays.saw("k", "s")  # a call sent to NCCL counts its key's sighting: the key is known from then on
+    for _ in range(AGREE_EVERY):
+        op.tick()
+        op.seen("k")
+    assert ctx.exchanges == 4 and op.eager_fallback("s", 1e9) is False
+    never = Small(ctx, fallback="never")
+    for _ in range(AGREE_EVERY):
+        never.tick()
+    assert ctx.exchanges == 4  # only fallback="auto" agrees
+
+
 def _ag_rs(m_local, k, n, replay_ranks):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -197,8 +264,9 @@ def test_gemm_ops_replay(gpu_pool, replay_ranks):
 
 def _small_shape_auto(m_local, k, n):
     """fallback="auto" on a shape under the eager threshold: repeated tensors overlap by replay; a call
-    with tensors not seen before overlaps too, eagerly (never NCCL + cuBLAS while replay is on: whether a call
-    finds its graph depends on the rank's addresses, and the ranks' paths must agree)."""
+    with tensors not seen before overlaps too, eagerly, until the ranks agree that keys do not repeat
+    (test_replay_agreement_sets_the_small_calls_path_on_every_rank): whether a call finds its graph depends on the
+    rank's addresses, and the ranks' paths must agree."""
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
         ag = to.AllGatherGEMM(ctx)

@@ -79,6 +79,7 @@ class AllGatherGEMM(OverlapOp):
                  return_gathered: bool = False, out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None,
                  scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, **overrides):
         self.ctx.ensure_usable()
+        self.tick()
         scales = () if scale_a is None and scale_b is None else (scale_a, scale_b)
         if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == 2 \
                 and w.dim() == 2:  # a repeat of a captured call replays, unchecked
@@ -106,7 +107,8 @@ class AllGatherGEMM(OverlapOp):
         ov = tuple(sorted(overrides.items()))
         shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, out.dtype, ov)
         key = call_key(ov, a, w, bias, out, *scales)
-        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key):
+        self.seen(key)
+        if self._use_fallback(a, w, shape_key):
             self.replays.saw(key, shape_key)
             self.last_path = "fallback"
             return self._fallback(a, w, bias, out, scales, return_gathered)

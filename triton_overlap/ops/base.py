@@ -11,6 +11,8 @@ from .replay import ReplayCache, call_key
 from .tuned import gpu_key, lookup
 
 FALLBACKS = ("auto", "never", "always")
+#: calls of an op between the ranks' agreements on whether its small eager calls replay (OverlapOp.tick)
+AGREE_EVERY = 16
 
 
 def eager_host_bound(interpreted: bool, world: int, flop: float, min_flop_per_peer: float,
@@ -85,6 +87,9 @@ class OverlapOp:
         ctx.on_close(self.replays.clear)
         self._configs: dict = {}  # (shape, variant) -> the config found for it
         self.last_path = None  # "overlap" or "fallback": what the last call took
+        # the eager rule's agreement on replays (tick): calls counted, of them with a key this rank had seen,
+        # whether small eager calls overlap (as the ranks last agreed), and the shapes the rule found small
+        self._ticks, self._known, self._small_replays, self._small_shapes = 0, 0, True, set()
 
     @classmethod
     def shared(cls, ctx):
@@ -166,22 +171,48 @@ class OverlapOp:
         seen.add(key)
         return was
 
+    def tick(self) -> None:
+        """Count a call, at its start (``replayed`` and ``seen`` count those whose key this rank knew). Every
+        AGREE_EVERY calls, where the op replays (fallback="auto", ReplayCache.on), the ranks agree
+        (a host exchange) whether the eager rule's small calls overlap: yes while at least half of every rank's
+        last calls repeated a key it had seen (they replay, or will once captured), else they take NCCL and the
+        graphs of small shapes are dropped, so that no rank replays one. Whether a key repeats depends on the
+        rank's addresses; the ranks' paths must not (docs/decisions.md, A model step on 2 GPUs)."""
+        if self.fallback != "auto" or not self.replays.on():
+            return
+        self._ticks += 1
+        if self._ticks % AGREE_EVERY == 0:
+            rates = self.ctx.gather_object(self._known / AGREE_EVERY, f"{self.KIND}: agreeing on replays")
+            self._known = 0
+            self._small_replays = min(rates) >= 0.5
+            if not self._small_replays:
+                self.replays.drop_shapes(self._small_shapes)
+
+    def seen(self, key) -> None:
+        """Count this call's ``key`` for the next agreement (tick) if this rank has seen it before."""
+        if self.fallback == "auto" and self.replays.known(key):
+            self._known += 1
+
     def eager_fallback(self, shape_key, flop: float) -> bool:
         """The eager rule (eager_host_bound) for a call of ``flop`` FLOPs. The first call of each shape takes the
         overlap anyway: it allocates the workspaces and builds the kernels, which cannot happen inside a CUDA-graph
         capture, so a later capture of the shape finds them ready. So does the first call of a shape after a
         workspace allocation dropped the replay cache's graphs (ReplayCache.unprepared). Where this op replays
-        (ReplayCache.on) every later call overlaps too, replayed or not: whether a call's key has a graph depends on
-        the addresses the rank's allocator handed out, which differ between ranks, and a rank that took NCCL while
-        its peer replayed would leave the two out of step. Every rank takes the same branch: allocations are
-        collective, so generations change on all alike, and the rest depends on shapes and settings only."""
+        (ReplayCache.on), a small call overlaps (replayed or eagerly) or takes NCCL as the ranks last agreed
+        (tick), never by whether its own key has a graph: that depends on the addresses the rank's allocator
+        handed out, and a rank that took NCCL while its peer replayed would leave the two out of step. Every rank
+        takes the same branch: allocations are collective, so generations change on all alike, and the rest
+        depends on shapes, settings and the agreement only."""
         ran = self.state.setdefault("ran overlap", set())
         if shape_key not in ran or self.replays.unprepared(shape_key):
             ran.add(shape_key)
             return False
-        if self.replays.on():
+        if not eager_host_bound(self.ctx.interpreted, self.ctx.world_size, flop, self.EAGER_MIN_FLOP_PER_PEER):
             return False
-        return eager_host_bound(self.ctx.interpreted, self.ctx.world_size, flop, self.EAGER_MIN_FLOP_PER_PEER)
+        if not self.replays.on():
+            return True
+        self._small_shapes.add(shape_key)
+        return not self._small_replays
 
     def enqueue(self, key, shape_key, fn) -> None:
         """Enqueue a call: ``fn()``, or a replay of the graph captured of it (ReplayCache.run)."""
@@ -189,7 +220,10 @@ class OverlapOp:
 
     def replayed(self, key) -> bool:
         """Replay the graph held for ``key``, before any check (a held key passed the checks when captured)."""
-        return self.replays.active and self.replays.hit(key)
+        if self.replays.active and self.replays.hit(key):
+            self._known += 1
+            return True
+        return False
 
 
 __all__ = ["OverlapOp", "agree_across_ranks", "call_key", "eager_host_bound", "with_overrides"]

@@ -114,6 +114,7 @@ class GEMMReduceScatter(OverlapOp):
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, **overrides):
         self.ctx.ensure_usable()
+        self.tick()
         W = self.ctx.world_size
         if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == 2 \
                 and w.dim() == 2 and a.shape[0] % W == 0:  # a repeat of a captured call replays, unchecked
@@ -141,7 +142,8 @@ class GEMMReduceScatter(OverlapOp):
         ov = tuple(sorted(overrides.items()))
         shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, out.dtype, ov)
         key = call_key(ov, a, w, bias, out)
-        if not self.replays.will_replay(key, shape_key) and self._use_fallback(a, w, shape_key, overrides):
+        self.seen(key)
+        if self._use_fallback(a, w, shape_key, overrides):
             self.replays.saw(key, shape_key)
             self.last_path = "fallback"
             return self._fallback(a, w, bias, out)

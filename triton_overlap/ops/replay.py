@@ -28,9 +28,9 @@ one key and one dictionary lookup. Rules:
   bias or not, overrides) ran the overlap eagerly in the current workspace
   generation (workspaces allocated and agreed on, kernels compiled, plans
   built: capturing must not need a collective or a compile); a call the eager
-  rule sent to NCCL counts as a sighting of its key too (``saw``); where
-  replay is on, the eager rule sends no call to NCCL after a shape's first
-  (OverlapOp.eager_fallback: the ranks' keys differ, their paths must not);
+  rule sent to NCCL counts as a sighting of its key too (``saw``); whether
+  the rule sends small calls to NCCL is agreed by the ranks every few calls
+  (OverlapOp.tick: the ranks' keys differ, their paths must not);
 * when the Context allocates or frees a symmetric buffer (a workspace grew or
   moved) every graph of every op on it is dropped (they hold the old addresses);
 * at most ``capacity`` graphs per op, least recently used dropped first; an op
@@ -78,6 +78,7 @@ class ReplayCache:
         self.after = after  # sightings of a key (this call included) before it is captured
         self._graphs: OrderedDict = OrderedDict()
         self._seen: OrderedDict = OrderedDict()
+        self._shape_of: dict = {}  # a held graph's key -> its call's shape key
         self._prepared: set = set()  # shape keys that ran eagerly in this workspace generation
         self._generation = getattr(ctx, "generation", 0)
         self._stream = None
@@ -92,6 +93,7 @@ class ReplayCache:
     def clear(self) -> None:
         self.stats["dropped"] += len(self._graphs)
         self._graphs.clear()
+        self._shape_of.clear()
         self._seen.clear()
         self._prepared.clear()
 
@@ -99,6 +101,17 @@ class ReplayCache:
         """Whether calls can replay at all (enabled, no producer jitter): the same on every rank, unlike whether a
         given call finds its graph (a capture that failed on one rank stops its captures, not this)."""
         return self.enabled and self.ctx.producer_jitter_s <= 0
+
+    def known(self, key) -> bool:
+        """Whether a call with ``key`` replays or will once captured: its graph is held, or its key was seen."""
+        return key is not None and self._usable() and (key in self._graphs or key in self._seen)
+
+    def drop_shapes(self, shapes) -> None:
+        """Drop the graphs of calls of these shape keys (``run``'s ``shape_key``)."""
+        for key in [k for k, s in self._shape_of.items() if s in shapes]:
+            self._shape_of.pop(key)
+            if self._graphs.pop(key, None) is not None:
+                self.stats["dropped"] += 1
 
     def _usable(self) -> bool:
         if not self.on() or self._broken:
@@ -175,6 +188,7 @@ class ReplayCache:
             return False
         g = self._graphs.get(key)
         if g is None:
+            self._shape_of[key] = shape_key
             self._capture(key, enqueue).replay()  # (the capture ran nothing: this replay does the work)
         else:
             self._replay_held(key, g)
@@ -192,7 +206,7 @@ class ReplayCache:
         self._graphs[key] = g
         self.stats["captures"] += 1
         while len(self._graphs) > self.capacity:
-            self._graphs.popitem(last=False)
+            self._shape_of.pop(self._graphs.popitem(last=False)[0], None)
             self.stats["dropped"] += 1
         return g
 
