@@ -500,18 +500,22 @@ def compile_ep_routing(target) -> int:
 
 
 def compile_row_sums(target) -> int:
-    """kernels.row_sums as ops.ep_routing and the combine launch it: bf16 rows, with and without weights, into local
-    memory and into a peer's (PEER)."""
-    from triton_overlap.kernels.row_sums import gather_rows_sum
+    """kernels.row_sums as ops.ep_routing and the combine launch them: bf16 rows with and without weights, top-1, 2
+    and 8 slots, the GPU tile; the combine's job launch."""
+    from triton_overlap.kernels.row_sums import TILE, gather_rows_sum, gather_rows_sum_jobs
 
     failed = 0
-    for weight, peer in itertools.product((False, True), (False, True)):
-        consts = dict(HAS_WEIGHT=weight, BLOCK_M=16, BLOCK_N=256, PEER=peer)
+    bm, bn, warps = TILE
+    for fn, weight, K in itertools.product((gather_rows_sum, gather_rows_sum_jobs), (False, True), (1, 2, 8)):
+        if fn is gather_rows_sum_jobs and not weight:
+            continue
+        consts = dict(K=K, HAS_WEIGHT=weight, BLOCK_M=bm, BLOCK_N=bn)
         sig = {prm.name: "constexpr" if prm.is_constexpr else "*bf16" if prm.name in ("src_ptr", "out_ptr")
-               else "*fp32" if prm.name == "weight_ptr" else "*i32" if prm.name.endswith("_ptr") else "i32"
-               for prm in gather_rows_sum.params}
-        failed += compile_one(target, f"gather_rows_sum {consts}", ASTSource(fn=gather_rows_sum, signature=sig,
-                                                                              constexprs=consts), {"num_warps": 4})
+               else "*fp32" if prm.name == "weight_ptr" else "*i64" if prm.name == "out_ptrs"
+               else "*i32" if prm.name.endswith(("_ptr", "_ptrs")) else "i32" for prm in fn.params}
+        failed += compile_one(target, f"{fn.fn.__name__} {consts}", ASTSource(fn=fn, signature=sig,
+                                                                               constexprs=consts),
+                              {"num_warps": warps})
     return failed
 
 

@@ -39,9 +39,10 @@ Plan of a dispatch (the overlapped path):
 Plan of a combine: behind its own barrier (header: the width, dtype and the dispatch it combines), the owner sums,
 for each token it received, ``weight · y`` over the token's choices among its experts in float32, rounds that
 partial once to y's dtype and stores it straight into the source's symmetric combine buffer, at the place the
-source's block for this owner had in its send order (kernels.row_sums, a launch per source, peers first); copy
-streams then raise the source's flag for this owner; the source waits for every owner's flag and sums the (at most
-W) partials of each token in float32, rounding once. Both sums walk their terms in a fixed order (choice j, then
+source's block for this owner had in its send order (kernels.row_sums: one launch for every source, whose tiles
+alternate between sources so that the local sums run while the peers' cross the link); copy streams then raise
+the source's flag for this owner; the source waits for every owner's flag and sums the (at most W) partials of
+each token in float32, rounding once. Both sums walk their terms in a fixed order (choice j, then
 owner rank: kernels.row_sums), so a combine returns the same bits on every call and on both paths. Two roundings
 to the 16-bit dtype in all: ‖out − ref‖ / ‖ref‖ stays within about two units of its rounding (2^-8 for bf16,
 2^-11 for fp16) on top of whatever rounding y carries.
@@ -69,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.arrivals import launch_wait_sources
-from ..kernels.row_sums import launch_gather_rows_sum
+from ..kernels.row_sums import job_table, launch_gather_rows_sum_jobs
 from ..plan import send_order
 from ..producers import pipeline
 from ..producers.pipeline import BarrierOnly
@@ -321,13 +322,10 @@ class ExpertParallel(OverlapOp):
         self.state.setdefault("buffers", {})["partials"] = back.local
         S = sum(d.sent)
 
+        jobs, most = self._combine_jobs(d)
+
         def partials():
-            for s in send_order(r, W) + [r]:
-                n = traffic.rows[s][r]
-                if n:
-                    a, b = traffic.recv_offset(s, r), traffic.send_offset(s, r)
-                    launch_gather_rows_sum(ctx, y, d.slots[a:a + n], d.slot_weights[a:a + n], back.peer(s)[b:b + n],
-                                           peer=True)
+            launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, back.ptrs, jobs, most, back.local.stride(0))
 
         def consumer():
             launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
@@ -335,6 +333,18 @@ class ExpertParallel(OverlapOp):
 
         pipeline.run(ctx, BarrierOnly(sched.call), partials)
         pipeline.run(ctx, AllToAll(sched.copy_streams, {}, flags), consumer)
+
+    def _combine_jobs(self, d: EPHandle) -> tuple:
+        """The combine's job table (kernels.row_sums.job_table: per source, peers in send order and then this rank,
+        the rows received from it and where they go in its partials buffer) and the largest job's rows; made once
+        per dispatch (a forward's combine and its backward's share it)."""
+        cached = self.state.get("combine jobs")
+        if cached is None or cached[0] is not d.traffic:
+            ctx, W, r, traffic = self.ctx, self.ctx.world_size, self.ctx.rank, d.traffic
+            rows = [(s, traffic.recv_offset(s, r), traffic.send_offset(s, r), traffic.rows[s][r])
+                    for s in send_order(r, W) + [r]]
+            cached = self.state["combine jobs"] = (d.traffic, job_table(ctx, rows), max(n for *_, n in rows))
+        return cached[1:]
 
     # ------------------------------------------------------------------------------------- plan and buffers
     def schedule(self, kind: str, width: int, dtype, num_experts: int, extra) -> ExchangeSchedule:
