@@ -311,8 +311,8 @@ class ExpertParallel(OverlapOp):
 
     def _combine(self, y: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
         """Behind the combine's barrier, each source's partials computed straight into its combine buffer (at the
-        place its block for this rank had in its send order; a kernel per source, peers first), then this rank's
-        flag in every source (on the copy streams, after those kernels); once every owner's flag is up, the sum."""
+        place its block for this rank had in its send order; one launch for all sources, _combine_jobs), then this
+        rank's flag in every source (on the copy streams, after the launch); once every owner's flag is up, the sum."""
         ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
         N, traffic = y.shape[1], d.traffic
         # the dispatch's number (mod 64) is in the header: ranks combining different dispatches fault at the barrier
