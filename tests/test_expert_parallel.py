@@ -15,9 +15,10 @@ NaN (integer buffers with random values) before every call, and producers are de
 Also: the functional forms and fallback="always" (the process group's all_to_all_single) return the same bits; two
 dispatches in flight combined in the other order, with a receive buffer that grows; bad input (ValueError on every
 rank, the Context usable after); a peer that never sends its counts or its rows (the bounded wait names the rank,
-the op, the peer and its block; reset() restores the Context); ranks that combine different dispatches (a mismatch
-at the combine's barrier). GPU cases (hundreds of tokens per rank, H 1024 to 4096) run where
-TRITON_OVERLAP_TEST_BACKENDS names a GPU backend (``cuda-shared:2`` on one GPU) and skip without one.
+the op, the peer and its block; reset() restores the Context), or never raises its combine's flags (alike);
+ranks that combine different dispatches (a mismatch at the combine's barrier). GPU cases (hundreds of tokens per
+rank, H 1024 to 4096) run where TRITON_OVERLAP_TEST_BACKENDS names a GPU backend (``cuda-shared:2`` on one GPU)
+and skip without one.
 """
 import time
 import zlib
@@ -477,6 +478,60 @@ def test_ep_silent_peer_faults(pool, what):
     if pool.backend == "host" and pool.world == 4:
         pytest.skip("W = 2 and 3 on the host backend")
     assert any(e is not None for e in pool.run(_silent_peer, what, timeout_for(pool)))
+
+
+def _silent_combine(T: float):
+    """Rank 1 makes a combine but never raises its partials' flags: every other rank's bounded wait gives up naming
+    the rank, ep_combine's partials and rank 1 (or reports the first such fault, relayed), rank 1 learns of it too,
+    calls are refused until reset(), and then they are right again."""
+    import re
+
+    from triton_overlap.producers import exchange
+
+    with to.Context(timeout_s=T) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        case = EPCase(tokens=6, hidden=16, experts=2 * W, topk=2)
+        op = to.ExpertParallel(ctx, fallback="never")
+        experts = _expert_weights(case, dev)
+        _round_trip(op, ctx, case, 0, experts)  # shapes agreed, kernels built, buffers grown
+        x, ids, w = _inputs(case, W, r, 1, dev)
+        d = op.dispatch(x, ids, w, num_experts=case.experts)
+        y = _run_experts(d.tokens, d.offsets, experts, r, case.experts // W)
+        original = exchange.AllToAll.enqueue
+
+        def silent(self, ctx, streams):
+            if not self.flags.name.endswith(".partial_flags"):
+                original(self, ctx, streams)
+
+        if r == 1:
+            exchange.AllToAll.enqueue = silent
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(to.ContextError) as info:
+                op.combine(y, d)
+                deadline = time.monotonic() + T + SLACK_S
+                while time.monotonic() < deadline:
+                    ctx.check()
+                    time.sleep(0.02)
+        finally:
+            exchange.AllToAll.enqueue = original
+        msg, elapsed = str(info.value), time.monotonic() - t0
+        own = rf"rank {r}: ep_combine partials \(call \d+\) timed out .*waiting for chunk 1 of rank 1"
+        relayed = rf"rank {r}: rank \d+ faulted: .*ep_combine partials.*rank 1"
+        assert re.search(own, msg) or re.search(relayed, msg), msg
+        assert elapsed <= T + SLACK_S, elapsed
+        with pytest.raises(to.ContextError, match="reset"):
+            op.dispatch(x, ids, w, num_experts=case.experts)
+        ctx.reset()
+        for it in (2, 3):
+            _round_trip(op, ctx, case, it, experts)
+        return True
+
+
+def test_ep_silent_combine_faults(pool):
+    if pool.backend == "host" and pool.world != 2:
+        pytest.skip("W = 2 on the host backend (the dispatch's silent peers cover W = 3)")
+    assert all(pool.run(_silent_combine, timeout_for(pool)))
 
 
 def _combine_other_dispatch(T: float):
