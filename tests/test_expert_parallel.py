@@ -15,8 +15,8 @@ NaN (integer buffers with random values) before every call, and producers are de
 Also: the functional forms and fallback="always" (the process group's all_to_all_single) return the same bits; two
 dispatches in flight combined in the other order, with a receive buffer that grows; bad input (ValueError on every
 rank, the Context usable after); a peer that never sends its counts or its rows (the bounded wait names the rank,
-the op, the peer and its block; reset() restores the Context), or never raises its combine's flags (alike);
-ranks that combine different dispatches (a mismatch at the combine's barrier). GPU cases (hundreds of tokens per
+the op, the peer and its block; reset() restores the Context), or never raises a combine's flags (alike); ranks
+that combine different dispatches (a mismatch at the combine's barrier). GPU cases (hundreds of tokens per
 rank, H 1024 to 4096) run where TRITON_OVERLAP_TEST_BACKENDS names a GPU backend (``cuda-shared:2`` on one GPU)
 and skip without one.
 """
@@ -417,9 +417,10 @@ def test_ep_bad_input_raises_before_launch(pool):
 
 # ---------------------------------------------------------------------------------------------------- faults
 def _silent_peer(what: str, T: float):
-    """Rank 1 makes the call but never sends its ``what`` ("counts" or "rows") to anyone: every other rank's bounded
-    wait gives up naming the rank, the op, rank 1 and its block (or reports the first such fault, relayed), rank 1
-    learns of it too, calls are refused until reset(), and then they are right again."""
+    """Rank 1 makes the call but never sends its ``what`` (a dispatch's "counts" or "rows", a combine's "partials")
+    to anyone: every other rank's bounded wait gives up naming the rank, the op, rank 1 and its block (or reports
+    the first such fault, relayed), rank 1 learns of it too, calls are refused until reset(), and then they are right
+    again."""
     from triton_overlap.producers import exchange
 
     with to.Context(timeout_s=T) as ctx:
@@ -429,8 +430,14 @@ def _silent_peer(what: str, T: float):
         experts = _expert_weights(case, dev)
         _round_trip(op, ctx, case, 0, experts)  # shapes agreed, kernels built, ranks in step
         x, ids, w = _inputs(case, W, r, 1, dev)
+        kind, call = "ep_dispatch", lambda: op.dispatch(x, ids, w, num_experts=case.experts)
+        if what == "partials":
+            d = call()
+            y = _run_experts(d.tokens, d.offsets, experts, r, case.experts // W)
+            kind, call = "ep_combine", lambda: op.combine(y, d)
         original = exchange.AllToAll.enqueue
-        flags = {"counts": (".count_flags",), "rows": (".row_flags", ".push_flags")}[what]  # (rows: either path)
+        flags = {"counts": (".count_flags",), "rows": (".row_flags", ".push_flags"),  # (rows: either path)
+                 "partials": (".partial_flags",)}[what]
 
         def silent(self, ctx, streams):
             if not self.flags.name.endswith(flags):
@@ -441,7 +448,7 @@ def _silent_peer(what: str, T: float):
             exchange.AllToAll.enqueue = silent
             try:
                 try:
-                    op.dispatch(x, ids, w, num_experts=case.experts)
+                    call()
                 except to.ContextError:
                     pass  # its own wait met a peer's relayed fault
                 deadline = time.monotonic() + T + SLACK_S
@@ -454,11 +461,11 @@ def _silent_peer(what: str, T: float):
         else:
             t0 = time.monotonic()
             with pytest.raises(to.ContextError) as info:
-                op.dispatch(x, ids, w, num_experts=case.experts)
+                call()
                 ctx.check()
             msg, elapsed = str(info.value), time.monotonic() - t0
-            own = rf"rank {r}: ep_dispatch {what} \(call \d+\) timed out .*waiting for chunk 1 of rank 1"
-            relayed = rf"rank {r}: rank \d+ faulted: .*ep_dispatch {what}.*rank 1"
+            own = rf"rank {r}: {kind} {what} \(call \d+\) timed out .*waiting for chunk 1 of rank 1"
+            relayed = rf"rank {r}: rank \d+ faulted: .*{kind} {what}.*rank 1"
             import re
             assert re.search(own, msg) or re.search(relayed, msg), msg
             assert f"timeout_s={T:g}" in msg or "faulted" in msg, msg
@@ -473,65 +480,11 @@ def _silent_peer(what: str, T: float):
         return elapsed
 
 
-@pytest.mark.parametrize("what", ["counts", "rows"])
+@pytest.mark.parametrize("what", ["counts", "rows", "partials"])
 def test_ep_silent_peer_faults(pool, what):
-    if pool.backend == "host" and pool.world == 4:
-        pytest.skip("W = 2 and 3 on the host backend")
+    if pool.backend == "host" and (pool.world == 4 or pool.world == 3 and what == "partials"):
+        pytest.skip("W = 2 and 3 on the host backend (a combine's: W = 2)")
     assert any(e is not None for e in pool.run(_silent_peer, what, timeout_for(pool)))
-
-
-def _silent_combine(T: float):
-    """Rank 1 makes a combine but never raises its partials' flags: every other rank's bounded wait gives up naming
-    the rank, ep_combine's partials and rank 1 (or reports the first such fault, relayed), rank 1 learns of it too,
-    calls are refused until reset(), and then they are right again."""
-    import re
-
-    from triton_overlap.producers import exchange
-
-    with to.Context(timeout_s=T) as ctx:
-        W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        case = EPCase(tokens=6, hidden=16, experts=2 * W, topk=2)
-        op = to.ExpertParallel(ctx, fallback="never")
-        experts = _expert_weights(case, dev)
-        _round_trip(op, ctx, case, 0, experts)  # shapes agreed, kernels built, buffers grown
-        x, ids, w = _inputs(case, W, r, 1, dev)
-        d = op.dispatch(x, ids, w, num_experts=case.experts)
-        y = _run_experts(d.tokens, d.offsets, experts, r, case.experts // W)
-        original = exchange.AllToAll.enqueue
-
-        def silent(self, ctx, streams):
-            if not self.flags.name.endswith(".partial_flags"):
-                original(self, ctx, streams)
-
-        if r == 1:
-            exchange.AllToAll.enqueue = silent
-        t0 = time.monotonic()
-        try:
-            with pytest.raises(to.ContextError) as info:
-                op.combine(y, d)
-                deadline = time.monotonic() + T + SLACK_S
-                while time.monotonic() < deadline:
-                    ctx.check()
-                    time.sleep(0.02)
-        finally:
-            exchange.AllToAll.enqueue = original
-        msg, elapsed = str(info.value), time.monotonic() - t0
-        own = rf"rank {r}: ep_combine partials \(call \d+\) timed out .*waiting for chunk 1 of rank 1"
-        relayed = rf"rank {r}: rank \d+ faulted: .*ep_combine partials.*rank 1"
-        assert re.search(own, msg) or re.search(relayed, msg), msg
-        assert elapsed <= T + SLACK_S, elapsed
-        with pytest.raises(to.ContextError, match="reset"):
-            op.dispatch(x, ids, w, num_experts=case.experts)
-        ctx.reset()
-        for it in (2, 3):
-            _round_trip(op, ctx, case, it, experts)
-        return True
-
-
-def test_ep_silent_combine_faults(pool):
-    if pool.backend == "host" and pool.world != 2:
-        pytest.skip("W = 2 on the host backend (the dispatch's silent peers cover W = 3)")
-    assert all(pool.run(_silent_combine, timeout_for(pool)))
 
 
 def _combine_other_dispatch(T: float):
