@@ -11,7 +11,8 @@ One module, three ways of running it, unmodified:
 
 And for decode (one token per step against a KV cache, every activation replicated): ``decode_plan_ours``
 (row-wise layers through GEMM + AllReduce), ``decode_plan_torch`` (torch's styles: matmul + NCCL all-reduce) and
-``decode_plan_symm_mem`` (torch's symmetric-memory one-shot all-reduce).
+``decode_plan_symm_mem`` (torch's symmetric-memory one-shot all-reduce); ``decode_fused_norm`` runs a step of
+the model under ``decode_plan_ours`` with each AllReduce, residual add and next RMSNorm in one kernel.
 
 Layout: batch-first ``[B, S, D]``; sequence parallel shards dim 1. Attention takes the sequence length and the
 local head count from tensor shapes (``view(bs, seqlen, -1, head_dim)`` with ``seqlen`` from its input's
@@ -124,6 +125,10 @@ class Attention(nn.Module):
         self.cache_v = torch.zeros(shape, dtype=dtype, device=device)
 
     def forward(self, x, cos, sin, input_pos):
+        return self.wo(self.attend(x, cos, sin, input_pos))
+
+    def attend(self, x, cos, sin, input_pos):
+        """The attention's output before ``wo``: ``[B, S, heads x head_dim]`` (this rank's heads)."""
         bs, seqlen, _ = x.shape  # the global sequence length where x is a sequence-sharded DTensor
         if hasattr(self, "wqkv"):  # fused (fuse_projections): this rank's [q | k | v] rows, in the heads' ratio
             qkv = self.wqkv(x)
@@ -145,7 +150,7 @@ class Attention(nn.Module):
             positions = torch.arange(self.cache_k.shape[2], device=x.device)
             mask = positions[None, :] <= input_pos[:, None]
             out = F.scaled_dot_product_attention(q, self.cache_k, self.cache_v, attn_mask=mask, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+        return out.transpose(1, 2).reshape(bs, seqlen, -1)
 
 
 class FeedForward(nn.Module):
@@ -158,11 +163,15 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(s.ffn_dim, s.dim, bias=False)
 
     def forward(self, x):
+        return self.w2(self.inner(x))
+
+    def inner(self, x):
+        """The SwiGLU's product before ``w2``: ``silu(x w1) * (x w3)`` (this rank's columns)."""
         if hasattr(self, "w13"):  # fused (fuse_projections): this rank's [w1 | w3] rows
             gate, up = self.w13(x).chunk(2, dim=-1)
         else:
             gate, up = self.w1(x), self.w3(x)
-        return self.w2(F.silu(gate) * up)
+        return F.silu(gate) * up
 
 
 class Block(nn.Module):
@@ -346,6 +355,33 @@ def decode_plan_symm_mem(group_name: str) -> dict:
     return {**{k: ColwiseParallel() for k in _COLUMNS}, **{k: SymmMemRowwise(group_name) for k in _ROWS}}
 
 
+def decode_fused_norm(model: Transformer, tokens, input_pos, op):
+    """A decode step of ``model`` parallelized with decode_plan_ours, in which each row-wise layer's partial
+    product goes with the residual to ``op`` (a triton_overlap AllReduceRMSNorm): the AllReduce, the residual add
+    and the next RMSNorm (the block's ffn_norm after ``wo``, the next block's attention_norm or the final norm
+    after ``w2``) in one kernel. Returns what ``model(tokens, input_pos)`` returns."""
+    x = model.tok_embeddings(tokens)
+    cos, sin = model.rope_cos[input_pos], model.rope_sin[input_pos]
+    layers = list(model.layers)
+    normed = layers[0].attention_norm(x)
+    for i, block in enumerate(layers):
+        after = layers[i + 1].attention_norm if i + 1 < len(layers) else model.norm
+        normed, h = _row_norm(block.attention.wo, block.attention.attend(normed, cos, sin, input_pos), x,
+                              block.ffn_norm, op)
+        normed, x = _row_norm(block.feed_forward.w2, block.feed_forward.inner(normed), h, after, op)
+    return normed
+
+
+def _row_norm(linear: nn.Linear, a, residual, norm: RMSNorm, op):
+    """``(norm(residual + Σ_ranks a Wᵀ), residual + Σ_ranks a Wᵀ)`` for a row-wise layer without bias (this rank's
+    columns of W), the sum, the add and the norm by ``op``."""
+    w = linear.weight
+    part = F.linear(a, w.to_local() if hasattr(w, "to_local") else w)
+    rows = part.reshape(-1, part.shape[-1])
+    normed, new_residual = op(rows, residual.reshape(rows.shape), norm.weight, eps=norm.eps)
+    return normed.view(part.shape), new_residual.view(part.shape)
+
+
 class SymmMemRowwise(ParallelStyle):
     """A row-wise ``nn.Linear`` (this rank's columns of the weight, a plain tensor) whose partial output the
     matmul writes straight into a symmetric-memory buffer, summed across ranks by torch's one-shot all-reduce.
@@ -399,5 +435,6 @@ def flops_per_token(s: Shape, n_layers: int, seq: int) -> float:
     return n_layers * (6 * per_layer + 6 * seq * s.n_heads * hd)
 
 
-__all__ = ["SHAPES", "Shape", "Transformer", "build", "decode_plan_ours", "decode_plan_symm_mem",
-           "decode_plan_torch", "flops_per_token", "mesh_of", "parallelize", "tp_plan_ours", "tp_plan_torch"]
+__all__ = ["SHAPES", "Shape", "Transformer", "build", "decode_fused_norm", "decode_plan_ours",
+           "decode_plan_symm_mem", "decode_plan_torch", "flops_per_token", "mesh_of", "parallelize", "tp_plan_ours",
+           "tp_plan_torch"]

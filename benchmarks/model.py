@@ -13,9 +13,10 @@ Training step (forward + backward, bf16 parameters, tensor + sequence parallel o
   (``_micro_pipeline_tp``) and symmetric memory enabled for the group: torchtitan's async TP.
 
 Decode step (one token per sequence against a KV cache, replicated activations, captured in a CUDA graph),
-µs per step of: ``ours`` (row-wise layers through GEMM + AllReduce), ``ours_fallback``, ``torch_tp`` (torch's
-styles: matmul + NCCL all-reduce) and ``torch_symm_mem`` (matmul into symmetric memory + torch's one-shot
-all-reduce).
+µs per step of: ``ours`` (row-wise layers through GEMM + AllReduce), ``ours_norm`` (the same layers, each
+row-wise layer's AllReduce, the residual add and the next RMSNorm in one kernel: llama.decode_fused_norm with
+triton_overlap's AllReduceRMSNorm), ``ours_fallback``, ``torch_tp`` (torch's styles: matmul + NCCL all-reduce)
+and ``torch_symm_mem`` (matmul into symmetric memory + torch's one-shot all-reduce).
 
 Timing as benchmarks/bench.py times ops: every variant is built and warmed up first (a variant that fails is
 recorded in the note and left out), then all are timed in turns within each iteration
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import llama
+import triton_overlap as to
 from model_report import DECODE_COLUMNS, DECODE_HEADER, TRAIN_COLUMNS, TRAIN_HEADER, decode_row, train_row
 from triton_overlap.timing import capture, time_interleaved
 from triton_overlap.torchrun import say
@@ -197,7 +199,9 @@ def bench_decode(ctx, shape, n_layers, batch, cache_len, iters, lead_us) -> dict
         return llama.decode_plan_symm_mem(group)
 
     plans = {"torch_tp": llama.decode_plan_torch, "ours": lambda: llama.decode_plan_ours(ctx),
+             "ours_norm": lambda: llama.decode_plan_ours(ctx),
              "ours_fallback": lambda: llama.decode_plan_ours(ctx, fallback="always"), "torch_symm_mem": symm_mem_plan}
+    norm_op = to.AllReduceRMSNorm(ctx, name="bench.model.ar_rmsnorm")
     replays, ref = {}, None
     for name, plan in plans.items():
         rec[f"{name}_us"] = None
@@ -206,9 +210,9 @@ def bench_decode(ctx, shape, n_layers, batch, cache_len, iters, lead_us) -> dict
                                   plan())
             m.setup_cache(batch, cache_len)
 
-            def step(m=m):
+            def step(m=m, fused=name == "ours_norm"):
                 with torch.no_grad():
-                    return m(tokens, input_pos)
+                    return llama.decode_fused_norm(m, tokens, input_pos, norm_op) if fused else m(tokens, input_pos)
 
             out = step()
             ctx.check()
@@ -216,7 +220,7 @@ def bench_decode(ctx, shape, n_layers, batch, cache_len, iters, lead_us) -> dict
                 ref, rec["rel_err_reference"] = out, name
             rec[f"{name}_rel_err"] = _rel_err(out, ref)
             if name.startswith("ours"):
-                rec[f"{name}_paths"] = ours_paths(m)
+                rec[f"{name}_paths"] = ours_paths(m) + ([f"norm {norm_op.last_path}"] if name == "ours_norm" else [])
             replays[name] = capture(step).replay
             ctx.check()
         except Exception as e:  # noqa: BLE001 - recorded in the note; the other variants go on

@@ -41,7 +41,7 @@ def _paths(model) -> set:
 
 #: the paths each plan must take: fallback="never" runs the overlapped kernels, "always" never does
 PATHS = {"torch": set(), "torch_fused": set(), "ours": {"overlap"}, "ours_fused": {"overlap"},
-         "ours_fallback": {"fallback"}}
+         "ours_fallback": {"fallback"}, "ours_norm": set()}  # (ours_norm: the row layers' products go to the norm op)
 
 
 def _fused_grads(ref, W) -> dict:
@@ -123,7 +123,9 @@ def _decode(plan_name):
         model = llama.build("tiny", N_LAYERS, dtype=torch.bfloat16, device=dev, max_seq=T).to(dtype)
         plan = {"torch": llama.decode_plan_torch,
                 "ours": lambda: llama.decode_plan_ours(ctx, fallback="never"),
+                "ours_norm": lambda: llama.decode_plan_ours(ctx, fallback="never"),
                 "ours_fallback": lambda: llama.decode_plan_ours(ctx, fallback="always")}[plan_name]()
+        norm_op = to.AllReduceRMSNorm(ctx, fallback="never")
         llama.parallelize(model, llama.mesh_of(ctx), plan)
         ref.setup_cache(B, T)
         model.setup_cache(B, T)
@@ -133,8 +135,12 @@ def _decode(plan_name):
             for pos in (5, 6):
                 tokens = torch.randint(0, ref.shape.vocab, (B, 1), generator=g).to(dev)
                 input_pos = torch.tensor([pos], device=dev)
-                errs.append(rel_err(model(tokens, input_pos), ref(tokens, input_pos)))
+                out = (llama.decode_fused_norm(model, tokens, input_pos, norm_op) if plan_name == "ours_norm"
+                       else model(tokens, input_pos))
+                errs.append(rel_err(out, ref(tokens, input_pos)))
         ctx.check()
+        if plan_name == "ours_norm":
+            assert norm_op.last_path == "overlap", norm_op.last_path
         want = PATHS[plan_name] | ({"local"} if plan_name != "torch" else set())  # column layers: a local matmul
         assert _paths(model) == want, _paths(model)
         tol = TOL_FLOAT32 if dtype == torch.float32 else TOL_OUT
@@ -142,8 +148,10 @@ def _decode(plan_name):
         return errs
 
 
-@pytest.mark.parametrize("plan_name", ["torch", "ours", "ours_fallback"])
+@pytest.mark.parametrize("plan_name", ["torch", "ours", "ours_norm", "ours_fallback"])
 def test_decode_step_matches_single_process(pool, plan_name):
+    """Each decode plan's step against the unsharded model; ours_norm: ours with each AllReduce, residual add and
+    next RMSNorm fused (llama.decode_fused_norm)."""
     if pool.world != 2:
         pytest.skip("W = 2 (the tiny shape's 2 KV heads shard over 2 ranks)")
     pool.run(_decode, plan_name)
