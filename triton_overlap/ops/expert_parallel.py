@@ -21,7 +21,7 @@ Plan of a dispatch (the overlapped path):
 3. **rows, stored by the pack kernel** (once the receive buffers exist): ep_pack reads the counts table on the
    device and stores each (token, owner) row with its metadata (source rank, token, each of the k choices' row in
    the owner's expert-sorted layout, -1 for another owner's, the k weights) straight into the owner's symmetric
-   receive buffers, at this source's block (the prefix of the counts of the sources before it); then copy streams
+   receive buffers, at this source's block (the prefix of the counts of the sources before it); then stream writes
    raise this rank's flag in every owner (one flag per source, raised even where the block is empty). Copy engines
    would need the counts on the host before the first row could move, so the host's read would sit on the
    critical path; the kernel's stores need none. Where any rank's ids are out of range or any owner would receive
@@ -40,8 +40,8 @@ Plan of a combine: behind its own barrier (header: the width, dtype and the disp
 for each token it received, ``weight · y`` over the token's choices among its experts in float32, rounds that
 partial once to y's dtype and stores it straight into the source's symmetric combine buffer, at the place the
 source's block for this owner had in its send order (kernels.row_sums: one launch for every source, whose tiles
-alternate between sources so that the local sums run while the peers' cross the link); copy streams then raise
-the source's flag for this owner; the source waits for every owner's flag and sums the (at most W) partials of
+alternate between sources so that the local sums run while the peers' cross the link); a stream write after it
+then raises the source's flag for this owner; the source waits for every owner's flag and sums the (at most W) partials of
 each token in float32, rounding once. Both sums walk their terms in a fixed order (choice j, then
 owner rank: kernels.row_sums), so a combine returns the same bits on every call and on both paths. Two roundings
 to the 16-bit dtype in all: ‖out − ref‖ / ‖ref‖ stays within about two units of its rounding (2^-8 for bf16,
@@ -72,9 +72,9 @@ import torch.distributed as dist
 from ..kernels.arrivals import launch_wait_sources
 from ..kernels.row_sums import job_table, launch_gather_rows_sum_jobs
 from ..plan import send_order
-from ..producers import pipeline
-from ..producers.pipeline import BarrierOnly
+from ..producers import exchange, pipeline
 from ..producers.exchange import AllToAll, deal
+from ..producers.pipeline import BarrierOnly
 from .base import OverlapOp, agree_across_ranks
 from .checks import FP8
 from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand, meta_width,
@@ -153,7 +153,7 @@ class ExpertParallel(OverlapOp):
             target = self._push_target(x.shape[1], torch.uint8 if x.dtype == FP8 else x.dtype, meta_width(k, G))
             if target is not None:  # the rows move while the host reads the counts
                 sent = pack(x, route, topk_weights, r, table_dev, 0, scales, push=target)
-                self._raise_push_flags(sched)
+                self._raise_push_flags()
             table = read_table()
         traffic = Traffic.read(table, W, num_experts)
         bad = traffic.out_of_range()
@@ -233,15 +233,16 @@ class ExpertParallel(OverlapOp):
         return (ctx.symmetric(rows_name, (cap, width), dtype), ctx.symmetric(meta_name, (cap, meta_words), torch.int32),
                 cap, ctx.err)
 
-    def _raise_push_flags(self, sched: ExchangeSchedule) -> None:
-        """After the pushing ep_pack: this rank's flag in every owner (on the copy streams, which follow the
-        caller's stream, so after the kernel's stores), and the caller's stream waits for every source's. Raised
-        even where the kernel stored nothing (bad ids or overflow: every rank's kernel alike; a fault: the Context
-        refuses the next call), so the flags are consumed either way."""
+    def _raise_push_flags(self) -> None:
+        """After the pushing ep_pack: this rank's flag in every owner (exchange.raise_flags: on the caller's stream,
+        after the kernel's stores), then the caller's stream waits for every source's, and the flags are reset.
+        Raised even where the kernel stored nothing (bad ids or overflow: every rank's kernel alike; a fault: the
+        Context refuses the next call), so the flags are consumed either way."""
         ctx = self.ctx
         flags = ctx.symmetric(f"{self.name}.push_flags", (ctx.world_size,), torch.int32)
-        pipeline.run(ctx, AllToAll(sched.copy_streams, {}, flags),
-                     lambda: launch_wait_sources(ctx, flags.local, self.wait_ops["rows"]))
+        exchange.raise_flags(ctx, flags)
+        launch_wait_sources(ctx, flags.local, self.wait_ops["rows"])
+        flags.local.zero_()
 
     def _rows(self, sent: Sent, traffic: Traffic, sched: ExchangeSchedule, dtype, k: int) -> tuple:
         """Steps 3 and 4: each owner's block into its receive buffers with this rank's flag there (no barrier: the
@@ -312,7 +313,7 @@ class ExpertParallel(OverlapOp):
     def _combine(self, y: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
         """Behind the combine's barrier, each source's partials computed straight into its combine buffer (at the
         place its block for this rank had in its send order; one launch for all sources, _combine_jobs), then this
-        rank's flag in every source (on the copy streams, after the launch); once every owner's flag is up, the sum."""
+        rank's flag in every source (exchange.raise_flags, after the launch); once every owner's flag is up, the sum."""
         ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
         N, traffic = y.shape[1], d.traffic
         # the dispatch's number (mod 64) is in the header: ranks combining different dispatches fault at the barrier
@@ -327,12 +328,14 @@ class ExpertParallel(OverlapOp):
         def partials():
             launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, back.ptrs, jobs, most, back.local.stride(0))
 
-        def consumer():
+        def call():
+            partials()
+            exchange.raise_flags(ctx, flags)
             launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
             sum_partials(ctx, back.local[:S], d, out)
+            flags.local.zero_()  # every flag was waited for, earlier on this stream
 
-        pipeline.run(ctx, BarrierOnly(sched.call), partials)
-        pipeline.run(ctx, AllToAll(sched.copy_streams, {}, flags), consumer)
+        pipeline.run(ctx, BarrierOnly(sched.call), call)
 
     def _combine_jobs(self, d: EPHandle) -> tuple:
         """The combine's job table (kernels.row_sums.job_table: per source, peers in send order and then this rank,

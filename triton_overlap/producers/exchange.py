@@ -20,6 +20,16 @@ from ..plan import send_order
 from .link import open_call
 
 
+def raise_flags(ctx, flags) -> None:
+    """This rank's flag in every peer's ``flags`` (``flags.peer(d)[r] := 1``, in send order) on the caller's stream,
+    after its earlier work: for an exchange whose data a kernel stored into the peers, with no copy to wait for. A
+    stream write is preceded by a memory fence, so a peer sees the flag only after that kernel's stores. The owner
+    resets its flags once it has waited for them, as ``AllToAll.finish`` does."""
+    stream, r = ctx.current_stream(), ctx.rank
+    for d in send_order(r, ctx.world_size):
+        stream.write_value(flags.peer(d)[r:r + 1], 1)
+
+
 def deal(rank: int, world: int, num_streams: int | None) -> tuple[tuple[int, ...], ...]:
     """Rank ``rank``'s peers in send order, dealt out to ``num_streams`` copy streams in turn (None: one per peer;
     at most one per peer): each stream's peers, in the order it serves them."""
@@ -61,4 +71,4 @@ class AllToAll:
         self.flags.local.zero_()  # every flag was waited for by the consumer, earlier on this stream
 
 
-__all__ = ["AllToAll", "deal"]
+__all__ = ["AllToAll", "deal", "raise_flags"]
