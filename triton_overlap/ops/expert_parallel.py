@@ -41,11 +41,11 @@ for each token it received, ``weight · y`` over the token's choices among its e
 partial once to y's dtype and stores it straight into the source's symmetric combine buffer, at the place the
 source's block for this owner had in its send order (kernels.row_sums: one launch for every source, whose tiles
 alternate between sources so that the local sums run while the peers' cross the link); a stream write after it
-then raises the source's flag for this owner; the source waits for every owner's flag and sums the (at most W) partials of
-each token in float32, rounding once. Both sums walk their terms in a fixed order (choice j, then
-owner rank: kernels.row_sums), so a combine returns the same bits on every call and on both paths. Two roundings
-to the 16-bit dtype in all: ‖out − ref‖ / ‖ref‖ stays within about two units of its rounding (2^-8 for bf16,
-2^-11 for fp16) on top of whatever rounding y carries.
+then raises the source's flag for this owner; the source waits for every owner's flag and sums the (at most W)
+partials of each token in float32, rounding once. Both sums walk their terms in a fixed order (choice j, then owner
+rank: kernels.row_sums), so a combine returns the same bits on every call and on both paths. Two roundings to the
+16-bit dtype in all: ‖out − ref‖ / ‖ref‖ stays within about two units of its rounding (2^-8 for bf16, 2^-11 for
+fp16) on top of whatever rounding y carries.
 
 Host synchronisations: one per dispatch (the counts), none in a combine. A dispatch makes one barrier, two waits on
 the caller's stream and two exchanges (three of each where the copy engines move the rows, and growing buffers
