@@ -34,8 +34,8 @@ Backward, piece by piece (``torch.autograd.Function``s below; the router and ``s
   reducer.
 
 What overlaps what: where the op takes its overlapped path (``last_path == "overlap"``), the rows of a dispatch or
-a combine move by copy engine into the peers' symmetric buffers, with a flag per source, while the other ranks'
-copies are in flight; but the experts' grouped GEMM starts only once every source's rows have landed (the
+a combine move into the peers' symmetric buffers (stored by kernels, or by copy engine where the receive buffers
+must grow), with a flag per source; but the experts' grouped GEMM starts only once every source's rows have landed (the
 dispatch waits for every flag before it expands the rows into expert order), so the transfers are not yet
 overlapped with the experts' compute per source, nor the combine's with the down projection. Not overlapped at
 all: the router, the weights' gradient exchange (process group), the experts' weight gradients (local), and one
