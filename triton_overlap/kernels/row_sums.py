@@ -7,7 +7,7 @@ atomic adds land in no fixed order, so two calls (or the overlapped path and the
 differ in the last bit. Here each output tile walks its K slots in order (choice j, or owner rank), loading only
 the rows that exist (``index < 0``: none, read as zero), so the sum is the same on every call and every path, and
 each source row is read once. K is a constexpr and its loop unrolled, so a tile's K gathers are in flight together
-(docs/decisions.md, Expert parallel: 1.5–1.6× faster than one gather at a time on an H200).
+(docs/decisions.md, Expert-parallel MoE, has the measurements).
 
 ``gather_rows_sum_jobs`` makes an owner's partials for every source in one launch: the launch's fastest grid axis
 walks the sources, so tiles whose stores cross the link to a peer run beside tiles of the local source, which read
@@ -23,7 +23,7 @@ from ..plan import cdiv
 from .cached_launch import launch
 from .signal import error_code
 
-#: (rows, columns, warps) of a tile on GPUs (docs/decisions.md, Expert parallel) and in the interpreter
+#: (rows, columns, warps) of a tile on GPUs (docs/decisions.md, Expert-parallel MoE) and in the interpreter
 TILE = (8, 256, 4)
 TILE_INTERPRETED = (32, 64, 1)
 
