@@ -314,22 +314,17 @@ class ExpertParallel(OverlapOp):
         """Behind the combine's barrier, each source's partials computed straight into its combine buffer (at the
         place its block for this rank had in its send order; one launch for all sources, _combine_jobs), then this
         rank's flag in every source (exchange.raise_flags, after the launch); once every owner's flag is up, the sum."""
-        ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
-        N, traffic = y.shape[1], d.traffic
+        ctx, N, traffic = self.ctx, y.shape[1], d.traffic
         # the dispatch's number (mod 64) is in the header: ranks combining different dispatches fault at the barrier
         sched = self.schedule("combine", N, y.dtype, d.num_experts, d.seq % 64)
         back = self._receive("partials", traffic.most_sent(), N, y.dtype)
-        flags = ctx.symmetric(f"{self.name}.partial_flags", (W,), torch.int32)
+        flags = ctx.symmetric(f"{self.name}.partial_flags", (ctx.world_size,), torch.int32)
         self.state.setdefault("buffers", {})["partials"] = back.local
         S = sum(d.sent)
-
         jobs, most = self._combine_jobs(d)
 
-        def partials():
-            launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, back.ptrs, jobs, most, back.local.stride(0))
-
         def call():
-            partials()
+            launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, back.ptrs, jobs, most, back.local.stride(0))
             exchange.raise_flags(ctx, flags)
             launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
             sum_partials(ctx, back.local[:S], d, out)

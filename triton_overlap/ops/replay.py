@@ -82,7 +82,6 @@ class ReplayCache:
         self._prepared: set = set()  # shape keys that ran eagerly in this workspace generation
         self._generation = getattr(ctx, "generation", 0)
         self._stream = None
-        self._last = None
         self.stats = {"replays": 0, "captures": 0, "dropped": 0}
 
     @property
@@ -138,10 +137,7 @@ class ReplayCache:
 
     def will_replay(self, key, shape_key) -> bool:
         """Whether a call with ``key`` will run as a replay (of a graph held, or captured by this call)."""
-        usable = key is not None and self._usable()
-        got = usable and self._decide(key, shape_key)
-        self._last = (key, usable, got)  # run() with the same key object reuses the answer
-        return got
+        return key is not None and self._usable() and self._decide(key, shape_key)
 
     def _decide(self, key, shape_key) -> bool:
         if key in self._graphs:
@@ -171,12 +167,8 @@ class ReplayCache:
 
     def run(self, key, shape_key, enqueue) -> bool:
         """Enqueue the call: ``enqueue()`` itself, or a replay of its graph. Returns whether it replayed."""
-        last, self._last = self._last, None
-        if last is not None and last[0] is key:
-            usable, replay = last[1], last[2]
-        else:
-            usable = key is not None and self._usable()
-            replay = usable and self._decide(key, shape_key)
+        usable = key is not None and self._usable()
+        replay = usable and self._decide(key, shape_key)
         if not replay:
             enqueue()
             if usable:
