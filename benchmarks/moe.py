@@ -15,7 +15,8 @@ exponent ZIPF_EXPONENT, in a random order); every rank draws the same (seeded). 
   nothing to wait for). The last two as CUDA-graph replays (GPU time only).
 * grouped GEMM + combine + ReduceScatter (``rs_*``), h [T, k, N/W] @ w2 -> this rank's [T/W, K]: ours (token-major
   h), ours on the sorted layout (``rs_ours_sorted_us``), NCCL: sort + ``torch._grouped_mm`` + top-k combine in
-  float32 + ``reduce_scatter`` of bf16 rows; the bound and our grouped GEMM alone on the sorted rows (no combine).
+  float32 + ``reduce_scatter`` of bf16 rows; the bound and our grouped GEMM alone on the sorted rows (no combine;
+  the rows read by TMA, as ``moe_gemm_rs`` reads the sorted layout).
 * the layer (``layer_*``): ``TPMoE`` forward + backward and forward alone, against the same layer written with
   torch autograd over NCCL all_gather / reduce_scatter and ``torch._grouped_mm`` (``torch_moe_layer``), on the
   same parameters. The router decides the routing there: "zipf" skews it with a bias along the inputs' mean.
@@ -133,17 +134,19 @@ def torch_moe_layer(x, router_w, w13, w2, topk: int, renormalize: bool = True):
     return _ReduceScatter.apply(combined.to(x.dtype))
 
 
-def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out):
+def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out, contig: bool = False):
     """Our grouped GEMM alone on rows already here (for the RS shapes too: the GEMM core both ops' kernels share,
     without MoE-GEMM-ReduceScatter's combine): the AllGather grouped GEMM that ``launch_ag_grouped`` picks for these
-    operands (on Hopper the Gluon kernel where K <= grouped_gemm_hopper.MAX_K, as the ops pick theirs) as a world of
-    one (one chunk, at arrival position 0: no tile waits), ``rows`` [R, K] as tokens of top-1 ``row_experts``
-    [R, 1], ``out`` [R, N] in the expert-sorted layout (the bound's). Returns the launch as a function."""
+    operands (on Hopper the Gluon kernel where K <= grouped_gemm_hopper.MAX_K or ``contig``, as the ops pick theirs)
+    as a world of one (one chunk, at arrival position 0: no tile waits), ``rows`` [R, K] as tokens of top-1
+    ``row_experts`` [R, 1], ``out`` [R, N] in the expert-sorted layout (the bound's). ``contig``: the rows are
+    sorted by expert, and each tile reads its consecutive rows by TMA, as moe_gemm_rs reads the sorted layout of
+    ag_moe_gemm; else it gathers them row by row, as ag_moe_gemm does. Returns the launch as a function."""
     sched = consumer_schedule(cfg, rows.shape[0], rows.device)
     _, routes, table = ag_op.route(sched, row_experts, w.shape[0], True)
     flags = torch.ones(1, dtype=torch.int32, device=rows.device)
     return lambda: launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, sched.layout, op=ag_op.op,
-                                     rank=0)
+                                     rank=0, contig=contig)
 
 
 # ---------------------------------------------------------------------------------------------------- timing
@@ -281,7 +284,7 @@ def bench_ops(ctx, ops, rec, iters) -> None:
            "rs_nccl_us": nccl_rs,
            "rs_bound_us": _graph(rec, "rs_bound_us", lambda: torch._grouped_mm(h_sorted, w2, offs=offs)),
            "rs_consumer_only_us": _graph(rec, "rs_consumer_only_us", consumer_alone(
-               ctx, ag, rs_cfg, h_sorted, w2, sorted_experts, y_sorted))}
+               ctx, ag, rs_cfg, h_sorted, w2, sorted_experts, y_sorted, contig=True))}
     _timed(ctx, rec, {k: f for k, f in fns.items() if f is not None}, iters, lead)
     rec["rs_user_path"], rec["rs_gemm"] = ops.rs_user.last_path, rs.last_gemm
     _replays(ctx, rec, {"rs_ours_graph_us": lambda: rs(h, w2, ids, weights, out=out_rs),

@@ -19,8 +19,9 @@ MOE_HEADER = ("| model | tokens/rank | routing | max/mean load | "
 # expert-sorted layout; user: fallback="auto" and routing checked); NCCL: all_gather + sort + torch._grouped_mm +
 # scatter back; bound: torch._grouped_mm alone on the gathered sorted rows; consumer: our grouped GEMM alone on them.
 # RS: moe_gemm_rs, h [T, k, N/W] -> [T/W, K]; NCCL: sort + torch._grouped_mm + combine + reduce_scatter; bound and
-# consumer: the grouped GEMM alone (no combine). vs NCCL: NCCL / ours; / bound: ours / bound; consumer vs bound:
-# bound / consumer. layer: TPMoE against the same layer in torch autograd over NCCL and torch._grouped_mm.
+# consumer: the grouped GEMM alone (no combine; ours reads the sorted rows by TMA, as moe_gemm_rs on the sorted
+# layout). vs NCCL: NCCL / ours; / bound: ours / bound; consumer vs bound: bound / consumer. layer: TPMoE against
+# the same layer in torch autograd over NCCL and torch._grouped_mm.
 
 
 def moe_row(r: dict) -> str:

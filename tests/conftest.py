@@ -107,6 +107,7 @@ FAST = [
     "test_moe_routing.py::test_routing_orders_tiles[host-w2]",
     "test_moe_routing.py::test_tile_table_reference_bounds_and_covers",
     "test_moe.py::test_fallback_rule",
+    "test_moe.py::test_rank_runs",
     # MoE expert-parallel: dispatch and combine at W = 3 (an empty rank, fp16), bad input, a peer that never sends
     "test_expert_parallel.py::test_ep_matches_reference[host-w3-1]",
     "test_expert_parallel.py::test_ep_bad_input_raises_before_launch[host-w2]",

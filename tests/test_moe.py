@@ -284,6 +284,12 @@ def _sorted_pipeline(case):
         total = torch.stack(ctx.gather_object(mine.cpu())).sum(0)[r * case.m_local:(r + 1) * case.m_local]
         err2 = rel_err(out, total)
         assert err2 < RS_TOL[torch.bfloat16], err2
+        if routing.rank_runs and case.fallback == "never":
+            # what lets moe_gemm_rs read h by TMA: each of its tiles' rows are consecutive sorted rows
+            (src, _), table = rs.route(rs.schedule(ids.shape[0], 16, got.dtype, {}), ids, case.experts, routing)
+            src = src.long().cpu()
+            for _, first, end in table.tolist():
+                assert torch.equal(src[first:end] - src[first], torch.arange(end - first)), (first, end)
         return max(err, err2)
 
 
@@ -305,6 +311,22 @@ def test_cases_at_every_world_size(pool, name, case):
 
 
 # ----------------------------------------------------------------------------------------- rules and tables
+def test_rank_runs():
+    """The sorted layout has rank runs (MoERouting.rank_runs) when the peers' chunks arrive rank by rank, each
+    rank's in order: with one copy stream within a host, not with several streams over three peers."""
+    from triton_overlap.ops.all_gather_moe import rank_runs
+    from triton_overlap.plan import ChunkLayout, arrival_times
+
+    layout = ChunkLayout(4, 8, 4)  # two chunks a rank
+    assert rank_runs(layout, [2, 3, 4, 5, 6, 7])
+    assert not rank_runs(layout, [2, 4, 3, 5, 6, 7])
+    assert not rank_runs(layout, [3, 2, 4, 5, 6, 7])
+    for streams, runs in ((1, True), (3, False)):
+        when = arrival_times(layout, 0, [(0, 1, 2, 3)], streams)
+        assert rank_runs(layout, sorted(when, key=lambda c: (when[c], c))) is runs
+    assert rank_runs(ChunkLayout(2, 8, 2), [4, 5, 6, 7])  # one peer
+
+
 def test_fallback_rule():
     """"auto" takes the torch path on one rank and below a MiB of shard (AllGather) or of each rank's output
     (ReduceScatter), the overlap above; "always" and "never" as they say."""

@@ -196,19 +196,21 @@ def expert_weights(ctx, tiles, w):
 
 
 def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, op: int = 0,
-                      rank: int | None = None) -> str:
+                      rank: int | None = None, contig: bool = False) -> str:
     """The AllGather grouped GEMM on the caller's stream: on Hopper the warp-specialized Gluon kernel
     (kernels.grouped_gemm_hopper) where it can run and ``tiles.gemm`` is not "triton", else ``ag_grouped_gemm``.
     Returns the kernel's name. ``tiles``: block sizes and warps (MoEGEMMConfig); ``x`` this rank's [m_local, K]
     shard, ``ws`` the [M, K] workspace, ``w`` [E, K, N] (any strides), ``out`` rows of N (row stride
     ``out.stride(0)``, unit column stride); ``routes``: (src, dst, pos, chunk_at) int32 tensors; ``table``: int32
     [slots, 3]; ``flags``: this rank's flags; ``layout``: the gather's ChunkLayout; ``rank``: the rank it runs as
-    (None: the Context's; tests simulate a world on one rank)."""
+    (None: the Context's; tests simulate a world on one rank); ``contig``: each tile's rows are consecutive rows of
+    ``ws`` (a grouped GEMM on rows already sorted by expert), which the Gluon kernel then reads by TMA."""
     N, K = w.shape[2], w.shape[1]
     slots = table.shape[0]
-    if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out):
+    if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, contig):
         programs = _programs(ctx, slots * triton.cdiv(N, hopper.TILES.block_n), free_sm=True)
-        hopper.launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs, op, rank)
+        hopper.launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs, op, rank,
+                                        contig)
         return "ag_grouped_hopper"
     programs = _programs(ctx, slots * triton.cdiv(N, tiles.block_n), free_sm=True)
     b, b_desc = expert_weights(ctx, tiles, w)
@@ -223,22 +225,23 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
 
 
 def launch_rs_grouped(ctx, tiles, block_c: int, h, w, y, routes, weights, table, dests, counts, target, layout,
-                      op: int = 0) -> str:
+                      op: int = 0, contig: bool = False) -> str:
     """The grouped GEMM + top-k combine of MoE-GEMM-ReduceScatter on the caller's stream: on Hopper the
     warp-specialized Gluon kernel (kernels.grouped_gemm_hopper_rs) where it can run and ``tiles.gemm`` is not
     "triton", else ``rs_grouped_gemm``. Returns the kernel's name. ``h`` [rows, K] (unit stride along K), ``w``
     [E, K, N] (any strides), ``y`` [sorted rows, N] contiguous; ``routes``: (src, pos) int32; ``weights`` float32
     [T * topk]; ``table`` int32 [W * slots, 3]; ``dests`` int32 [W]; ``counts``: int32 [W + 1] zeros (W
     destinations' done counters, then the item counter); ``target``: producers.scatter.Staging (where partials go,
-    which counters they bump); ``layout``: the scatter's ChunkLayout."""
+    which counters they bump); ``layout``: the scatter's ChunkLayout; ``contig``: each tile's rows are consecutive
+    rows of ``h`` (MoERouting.rank_runs), which the Gluon kernel then reads by TMA, at any K."""
     N, K = w.shape[2], w.shape[1]
     W = layout.world
     slots = table.shape[0] // W
-    if tiles.gemm != "triton" and block_c % SUB_C == 0 and hopper.usable(ctx, tiles, h, w, y):
+    if tiles.gemm != "triton" and block_c % SUB_C == 0 and hopper.usable(ctx, tiles, h, w, y, contig):
         npn = triton.cdiv(N, hopper.TILES.block_n)
         programs = _programs(ctx, W * (slots * npn + triton.cdiv(layout.m_local, block_c) * npn))
-        launch_rs_grouped_hopper(ctx, block_c, h, w, y, routes, weights, table, dests, counts[:W], target, layout,
-                                 programs, op)
+        launch_rs_grouped_hopper(ctx, block_c, h, w, y, routes, weights, table, dests, counts, target, layout,
+                                 programs, op, contig)
         return "rs_grouped_hopper"
     npn = triton.cdiv(N, tiles.block_n)
     items = W * (slots * npn + triton.cdiv(layout.m_local, block_c) * npn)

@@ -20,14 +20,17 @@ program per SM but one, round-robin. Two partitions:
   descriptor of the experts' weights (zeros past N), on a "ready" mbarrier per stage. A step waits for its own
   cp.async group, fences it for the tensor cores and meets its partition at a barrier, then waits for B. Before
   the first load of a tile whose rows come from a peer's chunks they wait (bounded) for the flag of each chunk
-  position its rows use, as ``ag_grouped_gemm`` does. After the K loop the tile goes, as the output dtype, into a
-  shared tile buffer ("full");
+  position its rows use, as ``ag_grouped_gemm`` does. Where each tile's rows are consecutive rows of A (CONTIG:
+  MoE-GEMM-ReduceScatter on the expert-sorted layout, MoERouting.rank_runs), A comes by TMA on the same barrier as
+  B instead, with no copies to issue, wait for or fence: 5-12 % faster on the models' shapes, and what lifts
+  Mixtral's wide experts to ``torch._grouped_mm`` (docs/decisions.md). After the K loop the tile goes, as the
+  output dtype, into a shared tile buffer ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time, each row into its
   output row ``dst``, then "free".
 
 Only for NVIDIA sm_90, 16-bit operands, 128 x 256 x 64 tiles (the routing's ``block_m`` must be 128), K a whole
-number of steps, at least NUM_STAGES - 1 and at most MAX_K deep, and weights a tensor descriptor can describe
-(``usable``). Gluon does not run in Triton's interpreter, so the host backend and other GPUs take
+number of steps, at least NUM_STAGES - 1 and (rows gathered) at most MAX_K deep, and weights a tensor descriptor
+can describe (``usable``). Gluon does not run in Triton's interpreter, so the host backend and other GPUs take
 kernels.grouped_gemm.
 """
 from __future__ import annotations
@@ -45,7 +48,7 @@ from .gemm_device import work_item
 from .gemm_gather_hopper import stage_buffers
 from .gemm_hopper_tiles import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, SUB_M, TILES
 from .gemm_operands import aligned
-from .gluon_shims import barrier, cp_async_load, shared_layout, tma_load
+from .gluon_shims import barrier, cp_async_load, shared_layout, tma_descriptor, tma_load
 from .signal import wait_for, waiter
 
 
@@ -54,11 +57,12 @@ def grouped_item(t, it, num_pid_n, GROUP_M: gl.constexpr):
     """Work item ``it`` (clamped to the last) as (expert, first row, end row, column tile, whether it is a GEMM tile
     with rows). ``t`` = (table, slots, combine tiles, destinations): the items are, destination by destination,
     ``slots`` table slots by ``num_pid_n`` column tiles (``work_item``'s order), then ``combine tiles`` by
-    ``num_pid_n`` items of MoE-GEMM-ReduceScatter's top-k combine (none in AllGather-MoE, one destination)."""
+    ``num_pid_n`` items of MoE-GEMM-ReduceScatter's top-k combine (none in AllGather-MoE, one destination), but
+    the last destination's combine items, which the programs claim as they finish (``static_items``)."""
     table_ptr, slots, combine, dests = t
     gemm_items = slots * num_pid_n
     per_dest = gemm_items + combine * num_pid_n
-    total = dests * per_dest
+    total = static_items(t, num_pid_n)
     at = gl.minimum(it, total - 1)
     rr = at % per_dest
     s, pid_n = work_item(gl.minimum(rr, gemm_items - 1), slots, num_pid_n, GROUP_M)
@@ -69,19 +73,31 @@ def grouped_item(t, it, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _rows(r, first, end, LD: gl.constexpr, BLOCK_M: gl.constexpr):
+def static_items(t, num_pid_n):
+    """How many work items ``grouped_item`` deals out round-robin: every destination's GEMM and combine items but
+    the last destination's combine items (``t``: grouped_item's)."""
+    return t[3] * (t[1] + t[2]) * num_pid_n - t[2] * num_pid_n
+
+
+@gluon.jit
+def _rows(r, first, end, LD: gl.constexpr, BLOCK_M: gl.constexpr, CONTIG: gl.constexpr):
     """The A row pointers of sorted rows [first, first + BLOCK_M), in the layout of A's loads: each row's token,
     read in place from the shard ``x_ptr`` if it is this rank's, else from the workspace. Rows past ``end`` repeat
     the tile's last row (their products are never stored), so the loads need no mask; an empty slot (the table's
     unused slots are (0, 0, 0): a next item that has no rows) reads sorted row 0's token, never the word before
-    ``src``."""
+    ``src``. CONTIG: the tile's rows are rows src[first], src[first] + 1, ... of A, and TMA takes the first's
+    index."""
     x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, rank = r
-    last = gl.where(end > first, end - 1, 0)
-    offs = gl.minimum(first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD)), last)
-    tok = gl.load(src_ptr + offs)
-    mine = (tok // M_LOCAL) == rank
-    return gl.where(mine, x_ptr + (tok - rank * M_LOCAL).to(gl.int64) * stride_xm,
-                    ws_ptr + tok.to(gl.int64) * stride_wsm)
+    if CONTIG:
+        rows = gl.load(src_ptr + first)
+    else:
+        last = gl.where(end > first, end - 1, 0)
+        offs = gl.minimum(first + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LD)), last)
+        tok = gl.load(src_ptr + offs)
+        mine = (tok // M_LOCAL) == rank
+        rows = gl.where(mine, x_ptr + (tok - rank * M_LOCAL).to(gl.int64) * stride_xm,
+                        ws_ptr + tok.to(gl.int64) * stride_wsm)
+    return rows
 
 
 @gluon.jit
@@ -102,22 +118,26 @@ def _arrived(f, first, end, BLOCK_M: gl.constexpr, CLOCK: gl.constexpr):
 
 
 @gluon.jit
-def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr):
+def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr):
     """Issue the loads of K step ``k`` of a tile into stage ``ld % NUM_STAGES``: A's rows by cp.async, 16 bytes a
     copy (rows 16-byte aligned and K a whole number of steps: ``usable``), as one commit group; B's block of
     ``expert`` at column ``col0`` by TMA on the stage's "ready" barrier."""
-    a_bufs, b_desc, b_bufs, ready, K, N = p
+    a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     s = ld % STAGES
-    offs_k = k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows.type.layout.parent))
-    # each row's run of BLOCK_K elements is contiguous and 16-byte aligned (Triton cannot see it through the
-    # partition's arguments)
-    ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_k[None, :], [1, 16]), [1, BLOCK_K])
-    cp_async_load(a_bufs.index(s), ptrs)
-    async_copy.commit_group()
     bar = ready.index(s)
-    mbarrier.expect(bar, b_desc.block_type.nbytes)
+    if CONTIG:
+        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+        tma_load(a_desc, [rows, k * BLOCK_K], bar, a_bufs.index(s))
+    else:
+        offs_k = k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows.type.layout.parent))
+        # each row's run of BLOCK_K elements is contiguous and 16-byte aligned (Triton cannot see it through the
+        # partition's arguments)
+        ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_k[None, :], [1, 16]), [1, BLOCK_K])
+        cp_async_load(a_bufs.index(s), ptrs)
+        async_copy.commit_group()
+        mbarrier.expect(bar, b_desc.block_type.nbytes)
     if B_KMAJOR:
         tma_load(b_desc, [expert, col0, k * BLOCK_K], bar, b_bufs.index(s))
     else:
@@ -125,19 +145,20 @@ def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr):
 
 
 @gluon.jit
-def _step(p, acc, g, B_KMAJOR: gl.constexpr):
+def _step(p, acc, g, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr):
     """Consume K step ``g`` (this program's count): wait for its A rows (this thread's cp.async group, fenced for
     the tensor cores, then every thread's) and its B block, issue its wgmma, and wait for the previous step's
     (both warpgroups'), whose stage is then free."""
-    a_bufs, b_desc, b_bufs, ready, K, N = p
+    a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     LEAD: gl.constexpr = STAGES - 1
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[2]
     s = g % STAGES
-    async_copy.wait_group(LEAD - 1)
-    fence_async_shared()
-    barrier()
+    if not CONTIG:
+        async_copy.wait_group(LEAD - 1)
+        fence_async_shared()
+        barrier()
     mbarrier.wait(ready.index(s), (g // STAGES) & 1)
     if B_KMAJOR:
         b_tile = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
@@ -151,16 +172,18 @@ def _step(p, acc, g, B_KMAJOR: gl.constexpr):
 
 @gluon.jit
 def grouped_k_loops(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
-                    WAIT: gl.constexpr, CLOCK: gl.constexpr):
+                    WAIT: gl.constexpr, CLOCK: gl.constexpr, CONTIG: gl.constexpr):
     """Every GEMM tile of this program (``grouped_item``): the K loop on wgmma, its loads issued LEAD =
     NUM_STAGES - 1 steps ahead, then the tile as the output dtype into the shared tile buffer (``c``'s first three:
     the buffer, "full", "free") for the store partition. WAIT: wait for the chunk flags of a tile's rows first.
+    CONTIG: each tile's rows are consecutive rows of A (``src[first]`` onwards), loaded by TMA through ``p``'s
+    last, A's descriptor, with B on the stage's barrier; else gathered row by row by cp.async.
 
     A tile's K loop is its first k_tiles - LEAD steps, which load the same tile's later steps, and LEAD steps
     written out, which load the next item's first ones when the program's next item is a GEMM tile with rows (else
     commit empty groups, so that each step's wait counts the same groups); a tile whose first loads were not issued
     so issues them when it starts."""
-    a_bufs, b_desc, b_bufs, ready, K, N = p
+    a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     c_buf, tile_full, tile_free = c[0], c[1], c[2]
     BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -171,33 +194,33 @@ def grouped_k_loops(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
                                                   instr_shape=[16, BLOCK_N, 16])
     k_tiles = gl.cdiv(K, BLOCK_K)
     num_pid_n = gl.cdiv(N, BLOCK_N)
-    total = t[3] * (t[1] + t[2]) * num_pid_n
+    total = static_items(t, num_pid_n)
     g = 0  # K steps consumed so far
     done = 0  # tiles handed to the store partition so far
     prefetched = 0  # whether this tile's first LEAD loads were issued by the previous tile
     for it in range(gl.program_id(0), total, NUM_PROGRAMS):
         expert, first, end, pid_n, busy = grouped_item(t, it, num_pid_n, GROUP_M)
         if busy:
-            rows = _rows(r, first, end, LD, BLOCK_M)
+            rows = _rows(r, first, end, LD, BLOCK_M, CONTIG)
             if prefetched == 0:
                 if WAIT:
                     _arrived(f, first, end, BLOCK_M, CLOCK)
                 for j in gl.static_range(LEAD):
-                    _load(p, g + j, rows, expert, pid_n * BLOCK_N, j, B_KMAJOR)
+                    _load(p, g + j, rows, expert, pid_n * BLOCK_N, j, B_KMAJOR, CONTIG)
             n_expert, n_first, n_end, n_pid_n, has_next = grouped_item(t, it + NUM_PROGRAMS, num_pid_n, GROUP_M)
-            n_rows = _rows(r, n_first, n_end, LD, BLOCK_M)
+            n_rows = _rows(r, n_first, n_end, LD, BLOCK_M, CONTIG)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
             for k in range(k_tiles - LEAD):
-                acc = _step(p, acc, g, B_KMAJOR)
-                _load(p, g + LEAD, rows, expert, pid_n * BLOCK_N, k + LEAD, B_KMAJOR)
+                acc = _step(p, acc, g, B_KMAJOR, CONTIG)
+                _load(p, g + LEAD, rows, expert, pid_n * BLOCK_N, k + LEAD, B_KMAJOR, CONTIG)
                 g += 1
             for j in gl.static_range(LEAD):
-                acc = _step(p, acc, g, B_KMAJOR)
+                acc = _step(p, acc, g, B_KMAJOR, CONTIG)
                 if has_next:
                     if WAIT and j == 0:
                         _arrived(f, n_first, n_end, BLOCK_M, CLOCK)
-                    _load(p, g + LEAD, n_rows, n_expert, n_pid_n * BLOCK_N, j, B_KMAJOR)
-                else:
+                    _load(p, g + LEAD, n_rows, n_expert, n_pid_n * BLOCK_N, j, B_KMAJOR, CONTIG)
+                elif not CONTIG:
                     async_copy.commit_group()
                 g += 1
             acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -277,31 +300,33 @@ def grouped_buffers(a_ptr, b_desc, out_ptr, BLOCK_M: gl.constexpr, BLOCK_K: gl.c
 
 
 @gluon.jit
-def ag_grouped_hopper(x_ptr, ws_ptr, b_desc, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr, flags_ptr,
-                      waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_om,
+def ag_grouped_hopper(x_ptr, ws_ptr, a_desc, b_desc, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr,
+                      flags_ptr, waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_om,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
                       CLOCK: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
-                      SUB_M: gl.constexpr):
+                      SUB_M: gl.constexpr, CONTIG: gl.constexpr):
     """out[dst[p]] = x_all[src[p]] @ w[expert of p] for every sorted row p (module doc; the arguments are
     ``ag_grouped_gemm``'s). ``b_desc``: the experts' weights [E, K, N] in [1, BLOCK_K, BLOCK_N] blocks or, with
-    B_KMAJOR, their transpose [E, N, K] in [1, BLOCK_N, BLOCK_K] blocks."""
+    B_KMAJOR, their transpose [E, N, K] in [1, BLOCK_N, BLOCK_K] blocks. CONTIG: ``a_desc`` describes the
+    workspace, whose rows each tile reads consecutively (``grouped_k_loops``); else it is not read."""
     a_bufs, b_bufs, c_buf, ready, tile_bars = grouped_buffers(x_ptr, b_desc, out_ptr, BLOCK_M, BLOCK_K, NUM_STAGES,
                                                               B_KMAJOR)
-    p = (a_bufs, b_desc, b_bufs, ready, K, N)
+    p = (a_bufs, b_desc, b_bufs, ready, K, N, a_desc)
     r = (x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, waiter[2])
     f = (pos_ptr, chunk_at_ptr, flags_ptr, waiter, CHUNKS_PER_RANK)
     t = (table_ptr, slots, 0, 1)
     c = (c_buf, tile_bars.index(0), tile_bars.index(1), out_ptr, dst_ptr, stride_om)
     gl.warp_specialize([
-        (grouped_k_loops, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, True, CLOCK)),
+        (grouped_k_loops, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, True, CLOCK, CONTIG)),
         (_stores, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, SUB_M)),
     ], [STORE_WARPS], [STORE_REGS])
 
 
 # ---------------------------------------------------------------------------------------------------- launcher
-#: The deepest K this kernel takes: past it the Triton kernel's K loop was measured faster (the K loop's warps here
-#: also issue A's copies and meet at two barriers a step; docs/decisions.md, Tensor-parallel MoE).
+#: The deepest K this kernel takes with A's rows gathered: past it the Triton kernel's K loop was measured faster
+#: (the K loop's warps here also issue A's copies and meet at two barriers a step; docs/decisions.md,
+#: Tensor-parallel MoE). Rows read by TMA (CONTIG) have no such limit.
 MAX_K = 4096
 
 
@@ -332,34 +357,47 @@ def weights_descriptor(w):
                             shared_layout(block, gdt))
 
 
-def usable(ctx, tiles, x, w, out) -> bool:
+def rows_descriptor(a):
+    """A Gluon tensor descriptor of A's rows ``a`` [R, K] (unit stride along K) in [BLOCK_M, BLOCK_K] blocks, for the
+    kernels' CONTIG loads (rows past R read as zeros)."""
+    gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
+    return tma_descriptor(a, list(a.shape), a.stride(0), [TILES.block_m, TILES.block_k], gdt)
+
+
+def usable(ctx, tiles, x, w, out, contig: bool = False) -> bool:
     """Whether this kernel can run the call: the cuda backend on compute capability 9.0 with Gluon, 16-bit
     operands, the routing's tiles 128 rows (``tiles.block_m``, what the table was cut into), K a whole number of
-    K steps, at least NUM_STAGES - 1 and at most MAX_K deep, 16-byte aligned rows of A and of the output, the
-    weights describable (``weights_layout``)."""
+    K steps, at least NUM_STAGES - 1 and, where A's rows are gathered (not ``contig``), at most MAX_K deep, 16-byte
+    aligned rows of A and of the output, the weights describable (``weights_layout``)."""
     if (ctx.backend != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or tiles.block_m != TILES.block_m
             or not is_sm90(x.device.index) or not gluon_available()):
         return False
     K = w.shape[1]
-    if K % TILES.block_k or not (TILES.num_stages - 1) * TILES.block_k <= K <= MAX_K or out.stride(-1) != 1:
+    if (K % TILES.block_k or K < (TILES.num_stages - 1) * TILES.block_k or (K > MAX_K and not contig)
+            or out.stride(-1) != 1):
         return False
     return aligned(x, x.stride(0)) and aligned(out, out.stride(0)) and weights_layout(w) is not None
 
 
 def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs: int, op: int = 0,
-                             rank: int | None = None) -> None:
+                             rank: int | None = None, contig: bool = False) -> None:
     """``ag_grouped_hopper`` on the caller's stream, with kernels.grouped_gemm.launch_ag_grouped's arguments
-    (``usable`` must hold; ``programs``: the grid)."""
+    (``usable`` must hold; ``programs``: the grid). ``contig``: each tile's rows are consecutive rows of ``ws``,
+    read by TMA."""
     E, K, N = w.shape
     bk = TILES.block_k
+    b_desc = weights_descriptor(w)
     launch(ag_grouped_hopper, (programs,), (
-        x, ws, weights_descriptor(w), out, *routes, table, flags, waiter(ctx, op, rank), table.shape[0], layout.m_local,
+        x, ws, rows_descriptor(ws) if contig else b_desc, b_desc, out, *routes, table, flags, waiter(ctx, op, rank),
+        table.shape[0], layout.m_local,
         layout.chunks_per_rank, N, K, x.stride(0), ws.stride(0), out.stride(0),
     ), dict(BLOCK_M=TILES.block_m, BLOCK_K=bk, GROUP_M=TILES.group_m, NUM_PROGRAMS=programs,
             NUM_STAGES=TILES.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,
-            STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M), num_warps=8, maxnreg=MAXNREG)
+            STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M, CONTIG=contig), num_warps=8,
+        maxnreg=MAXNREG)
     ctx.after_launch()
 
 
 __all__ = ["MAX_K", "SUB_M", "TILES", "ag_grouped_hopper", "grouped_buffers", "grouped_item", "grouped_k_loops",
-           "launch_ag_grouped_hopper", "store_offsets", "store_tile", "usable", "weights_descriptor", "weights_layout"]
+           "launch_ag_grouped_hopper", "rows_descriptor", "static_items", "store_offsets", "store_tile", "usable",
+           "weights_descriptor", "weights_layout"]

@@ -70,7 +70,7 @@ def swiglu_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids:
     h, order, position, offsets, _ = custom_ops.ag_moe(rows, w13, ids, ag, rs, world_size)
     gate, up = h.split(w13.shape[-1] // 2, dim=-1)
     return custom_ops.moe_rs(nn.functional.silu(gate) * up, w2, ids, weights, order, position, offsets, rs, ag,
-                             world_size)
+                             world_size, w13.shape[-1])
 
 
 def shard_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, rank: int, world_size: int):

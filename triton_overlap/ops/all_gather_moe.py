@@ -32,13 +32,24 @@ class AllGatherMoESchedule:
     """One call shape's decisions: ``cfg``, the gather's schedule (None for a consumer run alone on rows already
     here, as the benchmark and tuning run it) and its chunk ``layout``, the runs of tokens in the order they are here
     (``segments``: this rank's, then each peer's chunk as it arrives, tagged with its arrival position), the chunk
-    at each position on the device (``chunk_at``), and the call's header."""
+    at each position on the device (``chunk_at``), the call's header, and ``rank_runs`` (``rank_runs``)."""
     cfg: MoEGEMMConfig
     gather: GatherSchedule | None
     layout: ChunkLayout
     segments: Segments
     chunk_at: torch.Tensor
     call: object = None
+    rank_runs: bool = True
+
+
+def rank_runs(layout: ChunkLayout, arriving: list) -> bool:
+    """Whether the peers' chunks (ids ``arriving``, in arrival order) come rank by rank, each rank's in order. Then
+    in the expert-sorted layout (rows by expert, then arrival) each rank's rows of an expert are consecutive and in
+    token order, so moe_gemm_rs's tiles, a destination's rows of one expert, are runs of consecutive rows that it
+    reads by TMA (MoERouting.rank_runs). True with one copy stream within a host (the default) and with one peer;
+    several streams interleave their peers' chunks."""
+    n = layout.chunks_per_rank
+    return all(c == arriving[i - i % n] + i % n and arriving[i - i % n] % n == 0 for i, c in enumerate(arriving))
 
 
 def consumer_schedule(cfg: MoEGEMMConfig, rows: int, device) -> AllGatherMoESchedule:
@@ -141,13 +152,31 @@ class AllGatherMoEGEMM(MoEOp):
             layout = ChunkLayout(ctx.world_size, m_local, cfg.chunk_rows(m_local, K * x.element_size()))
             gather = gather_schedule(layout, ctx.rank, ctx.topology.hosts, mode="push", num_streams=cfg.num_streams,
                                      reset_by="producer", hold_for_link=ctx.holds_for_link)
-            when = arrival_times(layout, ctx.rank, ctx.topology.hosts, cfg.num_streams)
-            arriving = sorted(when, key=lambda c: (when[c], c))
+            arriving = self._arriving(layout, cfg)
             own = layout.chunk_id(ctx.rank, 0)
             call = self.call_header((m_local, K, x.dtype, layout.m_per_chunk, "push"), (m_local, K))
             found = self.state["schedules"][key] = AllGatherMoESchedule(
                 cfg, gather, layout, arrival_segments(layout, ctx.rank, arriving, ctx.device),
-                torch.tensor([own] + arriving, dtype=torch.int32, device=ctx.device), call)
+                torch.tensor([own] + arriving, dtype=torch.int32, device=ctx.device), call,
+                rank_runs(layout, arriving))
+        return found
+
+    def _arriving(self, layout: ChunkLayout, cfg: MoEGEMMConfig) -> list:
+        """The peers' chunk ids in the order they reach this rank."""
+        when = arrival_times(layout, self.ctx.rank, self.ctx.topology.hosts, cfg.num_streams)
+        return sorted(when, key=lambda c: (when[c], c))
+
+    def keeps_rank_runs(self, m_local: int, k: int, n: int, experts: int, topk: int, dtype) -> bool:
+        """Whether a call of this op on x [m_local, k] and w [experts, k, n] without overrides returns a sorted
+        layout with ``rank_runs`` (what its MoERouting would say), from the shapes alone: for a caller that holds
+        the layout's tensors but not the MoERouting (ops.custom_ops.moe_rs)."""
+        key = ("rank_runs", m_local, k, n, experts, topk, dtype)
+        found = self.state.get(key)
+        if found is None:
+            cfg = self.config_for(moe_table_shape(m_local * self.ctx.world_size, k, n, experts, topk))
+            elsize = torch.empty((), dtype=dtype).element_size()
+            layout = ChunkLayout(self.ctx.world_size, m_local, cfg.chunk_rows(m_local, k * elsize))
+            found = self.state[key] = rank_runs(layout, self._arriving(layout, cfg))
         return found
 
     def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides) -> MoERouting | None:
@@ -186,7 +215,8 @@ class AllGatherMoEGEMM(MoEOp):
         routes = (r["src"], r["dst"], r["tag"], sched.chunk_at)
         if not sorted_output:
             return None, routes, r["table"]
-        return MoERouting(r["order"], r["position"], r["offsets"].view(-1), num_experts, topk), routes, r["table"]
+        return (MoERouting(r["order"], r["position"], r["offsets"].view(-1), num_experts, topk, sched.rank_runs),
+                routes, r["table"])
 
     def _fallback(self, x, w, topk_ids, rows, sorted_output) -> tuple[MoERouting | None, torch.Tensor]:
         """NCCL all_gather, then one torch matmul per expert: (the routing where sorted, the gathered tokens)."""
@@ -203,7 +233,7 @@ class AllGatherMoEGEMM(MoEOp):
         counts = count_ids(experts, w.shape[0])
         offsets = torch.zeros(w.shape[0] + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = counts.cumsum(0)
-        return MoERouting(order, position, offsets, w.shape[0], topk), gathered
+        return MoERouting(order, position, offsets, w.shape[0], topk, True), gathered
 
 
 def _rows_view(out: torch.Tensor) -> bool:
@@ -220,4 +250,4 @@ def ag_moe_gemm(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *, ctx
                                         return_gathered=return_gathered, out=out, **overrides)
 
 
-__all__ = ["AllGatherMoEGEMM", "AllGatherMoESchedule", "ag_moe_gemm", "consumer_schedule"]
+__all__ = ["AllGatherMoEGEMM", "AllGatherMoESchedule", "ag_moe_gemm", "consumer_schedule", "rank_runs"]

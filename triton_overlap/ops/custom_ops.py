@@ -348,7 +348,7 @@ def _ag_moe_backward(ctx, grad_rows, *_):
     grad_rows = grad_rows.contiguous()
     # the input's gradient, sum over ranks and choices of grad_rows @ w^T, reduce-scattered: the converse op
     ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
-    grad_x = moe_rs(grad_rows, w.transpose(1, 2), ids, ones, order, position, offsets, rs, ag, ctx.world)
+    grad_x = moe_rs(grad_rows, w.transpose(1, 2), ids, ones, order, position, offsets, rs, ag, ctx.world, w.shape[2])
     grad_w = moe_expert_grads(gathered[order // ids.shape[1]], grad_rows, offsets) if ctx.needs_input_grad[1] \
         else None
     return grad_x, grad_w, None, None, None, None
@@ -359,20 +359,22 @@ ag_moe.register_autograd(_ag_moe_backward, setup_context=_ag_moe_setup)
 
 @torch.library.custom_op("triton_overlap::moe_rs", mutates_args=())
 def moe_rs(h: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, order: torch.Tensor,
-           position: torch.Tensor, offsets: torch.Tensor, rs: int, ag: int, world: int) -> torch.Tensor:
+           position: torch.Tensor, offsets: torch.Tensor, rs: int, ag: int, world: int, ag_n: int) -> torch.Tensor:
     """A MoEGEMMReduceScatter on ``h`` in the layout ``ag_moe`` returned (its order, position, offsets): this rank's
-    tokens [T / W, N]; ``ag`` names the AllGatherMoEGEMM its backward uses."""
-    routing = MoERouting(order, position, offsets, w.shape[0], ids.shape[1])
+    tokens [T / W, N]; ``ag`` names the AllGatherMoEGEMM that made the layout (from x [T / W, N] and w [E, N,
+    ``ag_n``], which say whether it has rank runs: AllGatherMoEGEMM.keeps_rank_runs) and that its backward uses."""
+    runs = op_of(ag).keeps_rank_runs(ids.shape[0] // world, w.shape[2], ag_n, w.shape[0], ids.shape[1], h.dtype)
+    routing = MoERouting(order, position, offsets, w.shape[0], ids.shape[1], runs)
     return op_of(rs)(h.contiguous(), w, ids, weights, routing=routing)
 
 
 @moe_rs.register_fake
-def _(h, w, ids, weights, order, position, offsets, rs, ag, world):
+def _(h, w, ids, weights, order, position, offsets, rs, ag, world, ag_n):
     return h.new_empty(ids.shape[0] // world, w.shape[2])
 
 
 def _moe_rs_setup(ctx, inputs, output):
-    h, w, ids, weights, order, position, offsets, rs, ag, world = inputs
+    h, w, ids, weights, order, position, offsets, rs, ag, world, _ = inputs
     ctx.save_for_backward(h, w, ids, weights, order, position, offsets)
     ctx.handles, ctx.world = (rs, ag), world
 
@@ -389,7 +391,7 @@ def _moe_rs_backward(ctx, grad_out):
     grad_weights = (g * h.float()).sum(1)[position.long()].view(ids.shape).to(weights.dtype)
     grad_w = moe_expert_grads((h.float() * scale).to(h.dtype), g_all[order // ids.shape[1]], offsets) \
         if ctx.needs_input_grad[1] else None
-    return grad_h, grad_w, None, grad_weights, None, None, None, None, None, None
+    return grad_h, grad_w, None, grad_weights, None, None, None, None, None, None, None
 
 
 moe_rs.register_autograd(_moe_rs_backward, setup_context=_moe_rs_setup)

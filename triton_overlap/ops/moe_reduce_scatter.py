@@ -183,7 +183,7 @@ class MoEGEMMReduceScatter(MoEOp):
             done = torch.zeros(W + 1, dtype=torch.int32, device=h.device)
             self.last_gemm = launch_rs_grouped(ctx, cfg, cfg.block_c, h.view(-1, h.shape[-1]), w, y, routes,
                               topk_weights.reshape(-1).to(torch.float32).contiguous(), table, sched.dests, done,
-                              stage, layout, op=self.op)
+                              stage, layout, op=self.op, contig=routing is not None and routing.rank_runs)
             if not late:
                 reduce()
 

@@ -27,12 +27,15 @@ class MoERouting:
     it beside its [T * topk, N] output: sorted row ``p`` holds pair ``order[p]`` (``t * topk + j``), pair ``q`` sits
     at row ``position[q]``, and expert ``e``'s rows are ``offsets[e]:offsets[e + 1]`` (``torch._grouped_mm``'s
     ``offs`` are ``offsets[1:]``). Within an expert the rows follow the order in which the token chunks reached this
-    rank, so the layout differs from rank to rank; ``moe_gemm_rs`` takes it as is."""
+    rank, so the layout differs from rank to rank; ``moe_gemm_rs`` takes it as is. ``rank_runs``: each rank's rows
+    of an expert are consecutive rows in token order (ops.all_gather_moe.rank_runs), which lets ``moe_gemm_rs`` read
+    them by TMA; False (the default) makes no such claim."""
     order: torch.Tensor
     position: torch.Tensor
     offsets: torch.Tensor
     num_experts: int
     topk: int
+    rank_runs: bool = False
 
 
 @dataclass(frozen=True, eq=False)
