@@ -22,9 +22,9 @@ program per SM but one, round-robin. Two partitions:
   the first load of a tile whose rows come from a peer's chunks they wait (bounded) for the flag of each chunk
   position its rows use, as ``ag_grouped_gemm`` does. Where each tile's rows are consecutive rows of A (CONTIG:
   MoE-GEMM-ReduceScatter on the expert-sorted layout, MoERouting.rank_runs), A comes by TMA on the same barrier as
-  B instead, with no copies to issue, wait for or fence: 5-12 % faster on the models' shapes, and what lifts
-  Mixtral's wide experts to ``torch._grouped_mm`` (docs/decisions.md). After the K loop the tile goes, as the
-  output dtype, into a shared tile buffer ("full");
+  B instead, with no copies to issue, wait for or fence (faster on every model shape measured, and without a K
+  limit: docs/decisions.md, Tensor-parallel MoE). After the K loop the tile goes, as the output dtype, into a
+  shared tile buffer ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time, each row into its
   output row ``dst``, then "free".
 
