@@ -120,8 +120,9 @@ def _arrived(f, first, end, BLOCK_M: gl.constexpr, CLOCK: gl.constexpr):
 @gluon.jit
 def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr):
     """Issue the loads of K step ``k`` of a tile into stage ``ld % NUM_STAGES``: A's rows by cp.async, 16 bytes a
-    copy (rows 16-byte aligned and K a whole number of steps: ``usable``), as one commit group; B's block of
-    ``expert`` at column ``col0`` by TMA on the stage's "ready" barrier."""
+    copy (rows 16-byte aligned and K a whole number of steps: ``usable``), as one commit group, or with CONTIG
+    their block from row ``rows`` by TMA; B's block of ``expert`` at column ``col0`` by TMA; the TMA loads on the
+    stage's "ready" barrier."""
     a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -147,8 +148,8 @@ def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.const
 @gluon.jit
 def _step(p, acc, g, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr):
     """Consume K step ``g`` (this program's count): wait for its A rows (this thread's cp.async group, fenced for
-    the tensor cores, then every thread's) and its B block, issue its wgmma, and wait for the previous step's
-    (both warpgroups'), whose stage is then free."""
+    the tensor cores, then every thread's; with CONTIG they come on the stage's barrier) and its B block, issue its
+    wgmma, and wait for the previous step's (both warpgroups'), whose stage is then free."""
     a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     LEAD: gl.constexpr = STAGES - 1
@@ -389,8 +390,7 @@ def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, p
     b_desc = weights_descriptor(w)
     launch(ag_grouped_hopper, (programs,), (
         x, ws, rows_descriptor(ws) if contig else b_desc, b_desc, out, *routes, table, flags, waiter(ctx, op, rank),
-        table.shape[0], layout.m_local,
-        layout.chunks_per_rank, N, K, x.stride(0), ws.stride(0), out.stride(0),
+        table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0), ws.stride(0), out.stride(0),
     ), dict(BLOCK_M=TILES.block_m, BLOCK_K=bk, GROUP_M=TILES.group_m, NUM_PROGRAMS=programs,
             NUM_STAGES=TILES.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,
             STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M, CONTIG=contig), num_warps=8,

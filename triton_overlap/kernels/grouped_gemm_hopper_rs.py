@@ -11,8 +11,8 @@ no GEMM is left to overlap: both partitions of every program claim its items thr
 with their own, so the whole GPU sums them. Two partitions:
 
 * the K loop (kernels.grouped_gemm_hopper.grouped_k_loops): a GEMM item's A rows are the rows ``src`` of ``h``,
-  gathered by cp.async; the tile goes into the shared tile buffer; combine items are skipped; then the last
-  destination's combine items;
+  gathered by cp.async, or read by TMA where they are consecutive (CONTIG); the tile goes into the shared tile
+  buffer; combine items are skipped; then the last destination's combine items;
 * the stores and the combine (STORE_WARPS warps): a GEMM item's tile into Y's rows (the sorted rows, contiguous),
   then a release on its destination's done counter (empty slots count too: the total is fixed); a combine item
   waits (bounded) until its destination's GEMM items are all done, sums ``topk_weights[t, j] * Y[pos[t, j]]`` over
