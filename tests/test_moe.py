@@ -252,8 +252,10 @@ globals().update(contract.tests(RS_MOE))
 def _sorted_pipeline(case):
     """ag_moe_gemm(sorted_output=True) into moe_gemm_rs(routing=...), the MoE MLP's two GEMMs without a scatter
     between them: the sorted rows are the token-major ones permuted by the routing, expert offsets right, the
-    second op's result the float64 sum of every rank's partial. Returns the worst relative error."""
+    second op's result the float64 sum of every rank's partial. Returns (the worst relative error, the second op's
+    grouped GEMM, whether the layout had rank runs, whether the GPU runs the Gluon kernels)."""
     from refs import poison, rel_err
+    from triton_overlap.kernels.capability import gluon_available, is_hopper
 
     with to.Context(timeout_s=120) as ctx:
         r, dev = ctx.rank, ctx.device
@@ -273,10 +275,10 @@ def _sorted_pipeline(case):
                            routing.offsets[1:].long().cpu())
         assert bool((experts[1:] >= experts[:-1]).all())
         # the second GEMM on the sorted rows (K of w2 = n here), each rank's own w2
-        w2 = rand((case.experts, case.n, 16), torch.bfloat16, dev, "w2s", r)
+        w2 = rand((case.experts, case.n, 24), torch.bfloat16, dev, "w2s", r)
         g = torch.softmax(rand(tuple(ids.shape), torch.float32, dev, "gs"), dim=1)
         rs = to.MoEGEMMReduceScatter(ctx, fallback=case.fallback)
-        out = poison(torch.empty(case.m_local, 16, dtype=torch.bfloat16, device=dev))
+        out = poison(torch.empty(case.m_local, 24, dtype=torch.bfloat16, device=dev))
         rs(got, w2, ids, g, routing=routing, out=out)
         ctx.check()
         hs = got[routing.position.long()].view(ids.shape[0], ids.shape[1], case.n).double()
@@ -286,16 +288,46 @@ def _sorted_pipeline(case):
         assert err2 < RS_TOL[torch.bfloat16], err2
         if routing.rank_runs and case.fallback == "never":
             # what lets moe_gemm_rs read h by TMA: each of its tiles' rows are consecutive sorted rows
-            (src, _), table = rs.route(rs.schedule(ids.shape[0], 16, got.dtype, {}), ids, case.experts, routing)
+            (src, _), table = rs.route(rs.schedule(ids.shape[0], 24, got.dtype, {}), ids, case.experts, routing)
             src = src.long().cpu()
             for _, first, end in table.tolist():
                 assert torch.equal(src[first:end] - src[first], torch.arange(end - first)), (first, end)
-        return max(err, err2)
+        return max(err, err2), rs.last_gemm, routing.rank_runs, is_hopper(ctx) and gluon_available()
 
 
 @pytest.mark.parametrize("fallback", ["never", "always"])
 def test_sorted_layout_feeds_moe_gemm_rs(pool, fallback):
     pool.run(_sorted_pipeline, MoECase(m_local=13, k=32, n=24, experts=5, topk=2, m_per_chunk=4, fallback=fallback))
+
+
+def test_sorted_layout_read_by_tma(pool):
+    """On Hopper, moe_gemm_rs on a sorted layout with rank runs (one copy stream: the default) at a K the Gluon
+    kernel takes: its grouped GEMM reads each tile's rows of h by TMA, checked against float64 as above (elsewhere
+    the same call on the other kernels)."""
+    if pool.backend == "host":
+        pytest.skip("the Gluon grouped GEMM runs on Hopper only; the host backend checks the layout's runs")
+    results = pool.run(_sorted_pipeline, MoECase(m_local=130, k=64, n=256, experts=4, topk=2, streams=1))
+    assert all(runs and (gemm == "rs_grouped_hopper") == hopper for _, gemm, runs, hopper in results), results
+
+
+def _rank_runs_agree(case):
+    """AllGatherMoEGEMM.keeps_rank_runs, from the shapes alone, says what the MoERouting of a call without
+    overrides says; returns it."""
+    with to.Context(timeout_s=120) as ctx:
+        x, w, ids = _ag_inputs(ctx, case, 0).args
+        ag = to.AllGatherMoEGEMM(ctx, fallback="never", check_routing=False)
+        _, routing = ag(x, w, ids, sorted_output=True)
+        ctx.check()
+        assert ag.keeps_rank_runs(case.m_local, case.k, case.n, case.experts, case.topk, x.dtype) \
+            is routing.rank_runs
+        return routing.rank_runs
+
+
+def test_keeps_rank_runs_agrees_with_the_call(pool):
+    """With one peer every layout has rank runs; with two or more, the host defaults' copy stream per peer
+    interleaves their chunks (40 rows a rank: two chunks), and it has none."""
+    runs = pool.run(_rank_runs_agree, MoECase(m_local=40, k=32, n=24, experts=5, topk=2))
+    assert runs == [pool.world == 2] * pool.world or pool.backend != "host", runs
 
 
 @pytest.mark.parametrize("name,case", [("ag_moe_gemm", 0), ("ag_moe_gemm", 5), ("moe_gemm_rs", 0),
