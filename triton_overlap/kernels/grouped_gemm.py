@@ -204,7 +204,9 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
     ``out.stride(0)``, unit column stride); ``routes``: (src, dst, pos, chunk_at) int32 tensors; ``table``: int32
     [slots, 3]; ``flags``: this rank's flags; ``layout``: the gather's ChunkLayout; ``rank``: the rank it runs as
     (None: the Context's; tests simulate a world on one rank); ``contig``: each tile's rows are consecutive rows of
-    ``ws`` (a grouped GEMM on rows already sorted by expert), which the Gluon kernel then reads by TMA."""
+    ``ws``, which the Gluon kernel then reads by TMA: only for the grouped GEMM alone on rows already sorted by
+    expert, all in ``ws`` with nothing to wait for (a world of one, as the benchmark times it); the op's own rows
+    are in ``x``, and its waits on flags are not fenced for TMA reads."""
     N, K = w.shape[2], w.shape[1]
     slots = table.shape[0]
     if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, contig):

@@ -39,15 +39,16 @@ class AllGatherMoESchedule:
     segments: Segments
     chunk_at: torch.Tensor
     call: object = None
-    rank_runs: bool = True
+    rank_runs: bool = False
 
 
 def rank_runs(layout: ChunkLayout, arriving: list) -> bool:
     """Whether the peers' chunks (ids ``arriving``, in arrival order) come rank by rank, each rank's in order. Then
     in the expert-sorted layout (rows by expert, then arrival) each rank's rows of an expert are consecutive and in
     token order, so moe_gemm_rs's tiles, a destination's rows of one expert, are runs of consecutive rows that it
-    reads by TMA (MoERouting.rank_runs). True with one copy stream within a host (the default) and with one peer;
-    several streams interleave their peers' chunks."""
+    reads by TMA (MoERouting.rank_runs). True with one chunk a rank, with one peer, and within a host with one copy
+    stream (the default); several streams interleave their peers' chunks, and so does the path between hosts the
+    chunks of two or more ranks on other hosts."""
     n = layout.chunks_per_rank
     return all(c == arriving[i - i % n] + i % n and arriving[i - i % n] % n == 0 for i, c in enumerate(arriving))
 
@@ -56,7 +57,7 @@ def consumer_schedule(cfg: MoEGEMMConfig, rows: int, device) -> AllGatherMoESche
     """The schedule of the grouped GEMM alone on ``rows`` tokens already here: a world of one, one chunk, no waits."""
     layout = ChunkLayout(1, rows, rows)
     return AllGatherMoESchedule(cfg, None, layout, arrival_segments(layout, 0, [], device),
-                                torch.zeros(1, dtype=torch.int32, device=device))
+                                torch.zeros(1, dtype=torch.int32, device=device), rank_runs=True)
 
 
 class AllGatherMoEGEMM(MoEOp):
@@ -170,10 +171,10 @@ class AllGatherMoEGEMM(MoEOp):
         """Whether a call of this op on x [m_local, k] and w [experts, k, n] without overrides returns a sorted
         layout with ``rank_runs`` (what its MoERouting would say), from the shapes alone: for a caller that holds
         the layout's tensors but not the MoERouting (ops.custom_ops.moe_rs)."""
-        key = ("rank_runs", m_local, k, n, experts, topk, dtype)
+        cfg = self.config_for(moe_table_shape(m_local * self.ctx.world_size, k, n, experts, topk))
+        key = ("rank_runs", m_local, k, dtype, cfg)
         found = self.state.get(key)
         if found is None:
-            cfg = self.config_for(moe_table_shape(m_local * self.ctx.world_size, k, n, experts, topk))
             elsize = torch.empty((), dtype=dtype).element_size()
             layout = ChunkLayout(self.ctx.world_size, m_local, cfg.chunk_rows(m_local, k * elsize))
             found = self.state[key] = rank_runs(layout, self._arriving(layout, cfg))
