@@ -3,12 +3,14 @@
 experts' GEMM.
 
 Plan: the (token, k) pairs sorted by destination (the rank that owns the token, in GEMM-RS's send order, this rank
-last), then expert (ops.moe_routing: small kernels on the device); each owner's tokens cut into chunks (ChunkLayout).
-Consumer: one persistent kernel (kernels.grouped_gemm.rs_grouped_gemm) that, destination by destination, runs the
-grouped GEMM tiles of its pairs and then its top-k combine tiles, which sum each token's k products in float32
-into a partial row and bump the chunk counters; producer: GEMM-RS's copy variant (producers.scatter), whose copy
-engines move each chunk of partials to its owner once its count is complete, while the kernel goes on with the next
-destination; then GEMM-RS's reduction kernel sums the W partials of this rank's rows as they land.
+last), then expert (ops.moe_routing: small kernels on the device); each owner's tokens cut into chunks
+(ChunkLayout). Consumer: one persistent kernel (kernels.grouped_gemm.rs_grouped_gemm) that, destination by
+destination, runs the grouped GEMM tiles of its pairs and then its top-k combine tiles, which sum each token's k
+products in float32 into a partial row and bump the chunk counters (on ag_moe_gemm's sorted layout with
+MoERouting.rank_runs, each tile's rows of h are consecutive, and the Gluon kernel on Hopper reads them by TMA);
+producer: GEMM-RS's copy variant (producers.scatter), whose copy engines move each chunk of partials to its owner
+once its count is complete, while the kernel goes on with the next destination; then GEMM-RS's reduction kernel sums
+the W partials of this rank's rows as they land.
 Fallback: one torch matmul per expert, the combine in float32 and NCCL reduce-scatter in float32.
 """
 from __future__ import annotations
