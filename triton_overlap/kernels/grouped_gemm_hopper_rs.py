@@ -110,14 +110,15 @@ def _last_combines(c, t, N, cols_off, TOPK: gl.constexpr, BLOCK_C: gl.constexpr,
     is left to overlap them, so every warp of the GPU joins in. Each waits (bounded) for the destination's GEMM
     items, as a combine item in ``_stores`` does."""
     y_ptr, done_ptr, dests_ptr, m = c[3], c[4], c[5], c[6]
-    num_pid_n = gl.cdiv(N, c[0].type.shape[1])
+    BLOCK_N: gl.constexpr = c[0].type.shape[1]
+    num_pid_n = gl.cdiv(N, BLOCK_N)
     q = t[3] - 1
     dest = gl.load(dests_ptr + q)
     items = t[2] * num_pid_n
     u = gl.atomic_add(done_ptr + t[3], 1, sem="relaxed", scope="gpu")
     while u < items:
         wait_for(done_ptr + q, t[1] * num_pid_n, m[4], dest, WHAT_OWN_TILES, CLOCK)
-        cols = (u % num_pid_n) * c[0].type.shape[1] + cols_off
+        cols = (u % num_pid_n) * BLOCK_N + cols_off
         _combine(y_ptr, cols, cols < N, dest, (u // num_pid_n) * BLOCK_C, m, TOPK, BLOCK_C, SUB_C)
         u = gl.atomic_add(done_ptr + t[3], 1, sem="relaxed", scope="gpu")
 
@@ -170,9 +171,8 @@ def launch_rs_grouped_hopper(ctx, block_c: int, h, w, y, routes, weights, table,
     b_desc = weights_descriptor(w)
     launch(rs_grouped_hopper, (programs,), (
         h, rows_descriptor(h) if contig else b_desc, b_desc, y, *routes, weights, table, dests, counts, target.ptrs,
-        target.counter_ptrs,
-        waiter(ctx, op), table.shape[0] // W, layout.m_local, layout.m_per_chunk, layout.chunks_per_rank, N, K,
-        h.stride(0), W,
+        target.counter_ptrs, waiter(ctx, op), table.shape[0] // W, layout.m_local, layout.m_per_chunk,
+        layout.chunks_per_rank, N, K, h.stride(0), W,
     ), dict(TOPK=weights.numel() // (W * layout.m_local), BLOCK_M=TILES.block_m, BLOCK_K=TILES.block_k,
             BLOCK_C=block_c, GROUP_M=TILES.group_m,
             NUM_PROGRAMS=programs, NUM_STAGES=TILES.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,

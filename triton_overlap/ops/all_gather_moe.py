@@ -150,10 +150,9 @@ class AllGatherMoEGEMM(MoEOp):
         key = (m_local, K, x.dtype, cfg)
         found = self.state.setdefault("schedules", {}).get(key)
         if found is None:
-            layout = ChunkLayout(ctx.world_size, m_local, cfg.chunk_rows(m_local, K * x.element_size()))
+            layout, arriving = self._chunks(cfg, m_local, K * x.element_size())
             gather = gather_schedule(layout, ctx.rank, ctx.topology.hosts, mode="push", num_streams=cfg.num_streams,
                                      reset_by="producer", hold_for_link=ctx.holds_for_link)
-            arriving = self._arriving(layout, cfg)
             own = layout.chunk_id(ctx.rank, 0)
             call = self.call_header((m_local, K, x.dtype, layout.m_per_chunk, "push"), (m_local, K))
             found = self.state["schedules"][key] = AllGatherMoESchedule(
@@ -162,10 +161,12 @@ class AllGatherMoEGEMM(MoEOp):
                 rank_runs(layout, arriving))
         return found
 
-    def _arriving(self, layout: ChunkLayout, cfg: MoEGEMMConfig) -> list:
-        """The peers' chunk ids in the order they reach this rank."""
+    def _chunks(self, cfg: MoEGEMMConfig, m_local: int, row_bytes: int) -> tuple:
+        """(the ChunkLayout of ``m_local`` rows of ``row_bytes`` per rank under ``cfg``, the peers' chunk ids in the
+        order they reach this rank)."""
+        layout = ChunkLayout(self.ctx.world_size, m_local, cfg.chunk_rows(m_local, row_bytes))
         when = arrival_times(layout, self.ctx.rank, self.ctx.topology.hosts, cfg.num_streams)
-        return sorted(when, key=lambda c: (when[c], c))
+        return layout, sorted(when, key=lambda c: (when[c], c))
 
     def keeps_rank_runs(self, m_local: int, k: int, n: int, experts: int, topk: int, dtype) -> bool:
         """Whether a call of this op on x [m_local, k] and w [experts, k, n] without overrides returns a sorted
@@ -176,8 +177,7 @@ class AllGatherMoEGEMM(MoEOp):
         found = self.state.get(key)
         if found is None:
             elsize = torch.empty((), dtype=dtype).element_size()
-            layout = ChunkLayout(self.ctx.world_size, m_local, cfg.chunk_rows(m_local, k * elsize))
-            found = self.state[key] = rank_runs(layout, self._arriving(layout, cfg))
+            found = self.state[key] = rank_runs(*self._chunks(cfg, m_local, k * elsize))
         return found
 
     def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides) -> MoERouting | None:
