@@ -89,6 +89,7 @@ FAST = [
     "test_all_reduce.py::test_sums[host-w2-never-one_shot]",
     "test_all_reduce.py::test_sums[host-w3-never-two_shot]",
     "test_all_reduce.py::test_consecutive_calls_never_share_slots",
+    "test_all_reduce.py::test_one_shot_tiling_keeps_every_program_resident",
     "test_all_reduce.py::test_peer_absent[host-w3]",
     "test_gemm_all_reduce.py::test_gemm_ar[host-w2-fused-never]",
     "test_gemm_all_reduce.py::test_gemm_ar[host-w3-two_shot-never]",

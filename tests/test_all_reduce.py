@@ -262,3 +262,20 @@ def test_consecutive_calls_never_share_slots():
                         assert hi <= plo or phi <= lo, (W, e, n, dtype, (lo, hi), (plo, phi))
             previous = regions
         assert buf.allocations <= 6, buf.allocations  # grown in powers of two only
+
+
+def test_one_shot_tiling_keeps_every_program_resident():
+    """Every program of the one-shot waits on its blocks from every peer, so a launch never has more programs than
+    compute units; blocks tile the message (a program loops over blocks past the units); one program stores the
+    call's count without an atomic only when it is alone; programmatic dependents only on CUDA Hopper."""
+    from triton_overlap.ops.all_reduce import PDL_MAX_WARPS, dependent_launch, one_shot_tiling
+
+    for units in (1, 8, 78, 132, 304):
+        for n in [1, 7, 1024, 1025, 4096, 4097, 30000, 33792, 33793, 65536, 1 << 20, 3_000_001]:
+            block, programs, warps = one_shot_tiling(n, units)
+            assert 1 <= programs <= units, (n, units, programs)
+            assert block & (block - 1) == 0 and block // 2 >= 32 * warps, (n, block, warps)  # a word a thread
+            assert programs <= -(-n // block), (n, block, programs)  # no program without a block
+    ctx = type("HostContext", (), {"backend": "host"})()
+    assert dependent_launch(ctx, 1) == ({}, {})
+    assert PDL_MAX_WARPS >= 1

@@ -24,7 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .slot_exchange import close_call, count_call, notify_block, publish_header, push, sum_parts, wait_block
+from .slot_exchange import (close_call, count_call, notify_block, open_call, publish_header, push, sum_parts,
+                            wait_block)
 from .tagged_exchange import (join_bits, load_bits, pack, publish_tagged_header, store_bits, sum_words,
                               words_below)
 
@@ -32,11 +33,14 @@ from .tagged_exchange import (join_bits, load_bits, pack, publish_tagged_header,
 @triton.jit
 def one_shot_all_reduce(x_ptr, out_ptr, word_ptrs, header_ptrs, local_words, local_header, state_ptr, n, cap, waiter,
                         world, fingerprint, BLOCK: tl.constexpr, PACK: tl.constexpr, WORD_IO: tl.constexpr,
-                        BLOCK_W: tl.constexpr, CLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr):
+                        BLOCK_W: tl.constexpr, CLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """The one-shot over the tagged exchange: block ``b`` of ``BLOCK`` elements is ``BLOCK // PACK`` tagged words
     at word ``b * BLOCK // PACK`` of each slot (PACK: values a word, 2 for 16-bit dtypes, 1 for float32; WORD_IO:
     x and out read and written 32 bits at a time, kernels.tagged_exchange.load_bits). ``ONE_PROGRAM``: the launch
-    has one program (it counts the call without an atomic)."""
+    has one program (it counts the call without an atomic). ``PDL``: launched as a programmatic dependent
+    (slot_exchange.open_call)."""
+    open_call(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     rank = waiter[2]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .slot_exchange import close_call, count_call, notify_block, publish_header, push, wait_block
+from .slot_exchange import close_call, count_call, notify_block, open_call, publish_header, push, wait_block
 from .tagged_exchange import (join_bits, load_bits, load_halves, pack, publish_tagged_header, split_bits,
                               store_bits, sum_words, words_below)
 
@@ -80,8 +80,10 @@ def one_shot_all_reduce_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, scale_
                                 header_ptrs, local_words, local_header, state_ptr, rows, hidden, eps, cap, waiter,
                                 world, fingerprint, BLOCK: tl.constexpr, PACK: tl.constexpr, WORD_IO: tl.constexpr,
                                 BLOCK_W: tl.constexpr, CLOCK: tl.constexpr, ONE_PROGRAM: tl.constexpr,
-                                FP8_MAX: tl.constexpr = 0.0):
-    """Over tagged words: row ``r`` is ``BLOCK // PACK`` words at word ``r * BLOCK // PACK`` of each slot."""
+                                FP8_MAX: tl.constexpr = 0.0, PDL: tl.constexpr = False):
+    """Over tagged words: row ``r`` is ``BLOCK // PACK`` words at word ``r * BLOCK // PACK`` of each slot.
+    ``PDL``: launched as a programmatic dependent (slot_exchange.open_call)."""
+    open_call(PDL)
     rank = waiter[2]
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -107,8 +109,11 @@ def one_shot_all_reduce_rmsnorm_flags(x_ptr, residual_ptr, weight_ptr, out_ptr, 
                                       data_ptrs, flag_ptrs, header_ptrs, local_data, local_flags, local_header,
                                       state_ptr, rows, hidden, eps, cap, max_blocks, waiter, world, fingerprint,
                                       BLOCK: tl.constexpr, PACK: tl.constexpr, WORD_IO: tl.constexpr,
-                                      BLOCK_W: tl.constexpr, CLOCK: tl.constexpr, FP8_MAX: tl.constexpr = 0.0):
-    """Over plain slots: row ``r`` at element ``r * hidden`` of each slot, then the row's flag in every peer."""
+                                      BLOCK_W: tl.constexpr, CLOCK: tl.constexpr, FP8_MAX: tl.constexpr = 0.0,
+                                      PDL: tl.constexpr = False):
+    """Over plain slots: row ``r`` at element ``r * hidden`` of each slot, then the row's flag in every peer.
+    ``PDL`` as in the tagged kernel."""
+    open_call(PDL)
     rank = waiter[2]
     pid = tl.program_id(0)
     programs = tl.num_programs(0)

@@ -8,12 +8,14 @@ one-shot's tagged words: kernels.tagged_exchange.)
 * ``push`` and ``notify_block``: a block into every peer's slot, then its flag in every peer;
 * ``sum_parts`` (by way of ``wait_block``): a block's sum over ranks, each peer's part once its flag is up and its
   header matches this rank's call;
-* ``count_call`` (``close_call``): the last program out records the call as done.
+* ``count_call`` (``close_call``): the last program out records the call as done;
+* ``open_call``: where launched as a programmatic dependent, the wait for the kernel before it.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .signal import check_header, wait_for
 
@@ -83,6 +85,17 @@ def count_call(state_ptr, e):
     if tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         tl.store(state_ptr + 1, 0)
         tl.store(state_ptr, e)
+
+
+@triton.jit
+def open_call(PDL: tl.constexpr):
+    """A kernel's first step where it is launched as a programmatic dependent (``PDL``, Hopper on): wait until the
+    kernel before it on the stream has finished and its stores are visible (nothing is read before this: the call
+    count, the inputs), then let the next kernel launch at once, so that its launch overlaps this call instead of
+    following it."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit

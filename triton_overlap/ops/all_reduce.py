@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.all_reduce import one_shot_all_reduce, two_shot_all_reduce
+from ..kernels.capability import capability
 from ..kernels.cached_launch import launch
 from ..kernels.signal import waiter
 from ..kernels.tagged_exchange import TAGGED_HEADER_WORDS
@@ -28,19 +29,36 @@ ONE_SHOT_MAX_BYTES = 128 << 10
 ONE_SHOT_MAX_BYTES_W2 = 2 << 20
 TWO_SHOT_MAX_BYTES = 128 << 10
 ALGORITHMS = ("auto", "one_shot", "two_shot")
-#: elements per block (the two-shot: one flag per block and peer)
+#: elements per block (the two-shot: one flag per block and peer; the one-shot's small and large messages)
 BLOCK = 1024
-#: the one-shot's messages up to this many elements take one program (one_shot_tiling)
-ONE_PROGRAM_MAX = 4096
+#: the largest launch (programs x warps) of the one-shot kernels made a programmatic dependent (dependent_launch)
+PDL_MAX_WARPS = 256
+#: elements per block of the one-shot's mid-sized messages, one warp a program (one_shot_tiling)
+SMALL_BLOCK = 256
 
 
-def one_shot_tiling(n: int, units: int) -> tuple[int, int]:
-    """The one-shot's (elements a block, programs) for ``n`` elements: one program with one block up to
-    ONE_PROGRAM_MAX elements (one program counts the call without an atomic), else blocks of BLOCK, a program per
-    block up to a program per compute unit."""
-    if n <= ONE_PROGRAM_MAX:
-        return max(BLOCK, pow2_at_least(n)), 1
-    return BLOCK, max(1, min(cdiv(n, BLOCK), units))
+def one_shot_tiling(n: int, units: int) -> tuple[int, int, int]:
+    """The one-shot's (elements a block, programs, warps a program) for ``n`` elements, as measured fastest back to
+    back at W = 2 (docs/decisions.md): one program of 8 warps up to BLOCK elements (one program counts the call
+    without an atomic); a program of 8 warps per block of BLOCK up to 4 blocks; then a program of one warp per block
+    of SMALL_BLOCK while that is a program per compute unit at most; above, blocks of BLOCK, a program of 4 warps per
+    block up to a program per compute unit. Never more programs than compute units: every program waits on its
+    blocks from every peer, so all must be resident at once."""
+    if n <= 4 * BLOCK:
+        return BLOCK, max(1, min(cdiv(n, BLOCK), units)), 8
+    if cdiv(n, SMALL_BLOCK) <= units:
+        return SMALL_BLOCK, cdiv(n, SMALL_BLOCK), 1
+    return BLOCK, max(1, min(cdiv(n, BLOCK), units)), 4
+
+
+def dependent_launch(ctx, warps: int) -> tuple[dict, dict]:
+    """The one-shot kernels' constexprs and launch options that launch them as programmatic dependents of the
+    kernel before them on the stream (kernels.slot_exchange.open_call), so that each call's launch overlaps the
+    kernel before it: CUDA on compute capability 9.0 and later, launches of at most PDL_MAX_WARPS ``warps`` in
+    all (docs/decisions.md has the measurements)."""
+    if ctx.backend == "cuda" and warps <= PDL_MAX_WARPS and capability(ctx.device.index)[0] >= 9:
+        return {"PDL": True}, {"launch_pdl": True}
+    return {}, {}
 
 
 def pow2_at_least(n: int) -> int:
@@ -234,14 +252,15 @@ class AllReduce(OverlapOp):
     def _launch_one_shot(self, x, out, n) -> None:
         ctx = self.ctx
         pack = values_per_word(x.dtype)
-        block, programs = one_shot_tiling(n, ctx.num_compute_units())
+        block, programs, warps = one_shot_tiling(n, ctx.num_compute_units())
+        pdl, pdl_option = dependent_launch(ctx, programs * warps)
         ex = tagged_buffers(ctx, self.name, cdiv(n, block) * (block // pack))
         self.state["buffers"] = {"slots": ex.words.local}
         call = self.call_header((n, x.dtype), (n,))
         launch(one_shot_all_reduce, (programs,), (x, out, *ex.args(), n, ex.cap, waiter(ctx, self.op), ctx.world_size,
                                                   call.fingerprint),
                dict(BLOCK=block, PACK=pack, WORD_IO=word_io(n, x, out), BLOCK_W=pow2_at_least(ctx.world_size),
-                    CLOCK=ctx.clock, ONE_PROGRAM=programs == 1), num_warps=4 if block <= 2 * BLOCK else 8)
+                    CLOCK=ctx.clock, ONE_PROGRAM=programs == 1, **pdl), num_warps=warps, **pdl_option)
         ctx.after_launch()
 
     def _launch(self, x, out, n) -> None:

@@ -18,8 +18,8 @@ import torch
 from ..kernels.all_reduce_rmsnorm import one_shot_all_reduce_rmsnorm, one_shot_all_reduce_rmsnorm_flags
 from ..kernels.cached_launch import launch
 from ..kernels.signal import waiter
-from .all_reduce import (DTYPES, ONE_SHOT_MAX_BYTES, exchange_buffers, pow2_at_least, process_group_only,
-                         process_group_sum, tagged_buffers, values_per_word, word_io)
+from .all_reduce import (DTYPES, ONE_SHOT_MAX_BYTES, dependent_launch, exchange_buffers, pow2_at_least,
+                         process_group_only, process_group_sum, tagged_buffers, values_per_word, word_io)
 from .base import OverlapOp
 
 #: the longest row one program normalises (its BLOCK, a power of two, holds the row in registers)
@@ -183,18 +183,21 @@ class AllReduceRMSNorm(OverlapOp):
                       BLOCK_W=pow2_at_least(ctx.world_size), CLOCK=ctx.clock,
                       FP8_MAX=0.0 if scales is None else FP8_MAX)
         warps = max(4, min(16, block // 512))
+        pdl, pdl_option = dependent_launch(ctx, programs * warps)
+        common.update(pdl)
         if x.numel() * x.element_size() <= self.tagged_max_bytes:
             ex = tagged_buffers(ctx, self.name, M * (block // pack))
             self.state["buffers"] = {"slots": ex.words.local}
             launch(one_shot_all_reduce_rmsnorm, (programs,), (*rows, *ex.args(), M, H, eps, ex.cap,
                                                                waiter(ctx, self.op), ctx.world_size, call.fingerprint),
-                   dict(common, ONE_PROGRAM=programs == 1), num_warps=warps)
+                   dict(common, ONE_PROGRAM=programs == 1), num_warps=warps, **pdl_option)
         else:
             ex = exchange_buffers(ctx, self.name, M * H, x.dtype, M)
             self.state["buffers"] = {"slots": ex.data.local}
             launch(one_shot_all_reduce_rmsnorm_flags, (programs,), (*rows, *ex.args(), M, H, eps, ex.cap, ex.blocks,
                                                                      waiter(ctx, self.op), ctx.world_size,
-                                                                     call.fingerprint), common, num_warps=warps)
+                                                                     call.fingerprint), common, num_warps=warps,
+                   **pdl_option)
         ctx.after_launch()
 
 
