@@ -38,9 +38,13 @@ def _inputs(ctx, case, it):
 ALL_REDUCE = OpSpec(
     name="all_reduce", module=__name__, op=to.AllReduce, inputs=_inputs, tol=TOL, paths=False,
     make=lambda ctx, case, fallback: to.AllReduce(ctx, algorithm=case.algorithm, fallback=fallback),
-    # 1,000 replays of each kernel; the first call sizes the slots, not allowed inside a capture
+    # 1,000 replays of each kernel, the one-shot in each of its tilings (ops.all_reduce.one_shot_tiling: programs of
+    # 8 warps, a one-warp program per 256 elements, a program of 4 warps per 1024 up to one per compute unit); the
+    # first call sizes the slots, not allowed inside a capture
     replay=Variants(host=None, gpu=ARCase(shape=(3001,)), calls=1000, warm=True,
-                    ids={"one_shot": dict(algorithm="one_shot"), "two_shot": dict(algorithm="two_shot")}),
+                    ids={"one_shot": dict(algorithm="one_shot"), "two_shot": dict(algorithm="two_shot"),
+                         "one_shot_mid": dict(algorithm="one_shot", shape=(20011,)),
+                         "one_shot_large": dict(algorithm="one_shot", shape=(200_003,))}),
 )
 
 # the contract's tests: test_all_reduce_cuda_graph_replay

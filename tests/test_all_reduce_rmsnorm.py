@@ -93,8 +93,10 @@ ALL_REDUCE_RMSNORM = OpSpec(
                 gpu=(RMSCase(m=1, h=4096), RMSCase(m=64, h=8192, iters=3), RMSCase(m=17, h=5000, dtype="float32"),
                      RMSCase(m=3, h=16384, weight_dtype="float32", in_place=True), RMSCase(m=2, h=4096, flags=True),
                      RMSCase(m=3, h=4100, flags=True), RMSCase(m=1, h=1000, dtype="float32"))),
-    # 1,000 replays; the first call sizes the slots, not allowed inside a capture
-    replay=Variants(host=None, gpu=RMSCase(m=7, h=4096), calls=1000, warm=True),
+    # 1,000 replays, on tagged words and on rows with flags (16 rows of 8192: launched as a programmatic dependent;
+    # 64: not); the first call sizes the slots, not allowed inside a capture
+    replay=Variants(host=None, gpu=RMSCase(m=7, h=4096), calls=1000, warm=True,
+                    ids={"tagged": {}, "flags_16": dict(m=16, h=8192), "flags_64": dict(m=64, h=8192)}),
 )
 
 # the contract's tests: matches_reference, bad_input_raises_before_launch, cuda_graph_replay
