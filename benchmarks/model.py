@@ -16,7 +16,9 @@ Decode step (one token per sequence against a KV cache, replicated activations, 
 µs per step of: ``ours`` (row-wise layers through GEMM + AllReduce), ``ours_norm`` (the same layers, each
 row-wise layer's AllReduce, the residual add and the next RMSNorm in one kernel: llama.decode_fused_norm with
 triton_overlap's AllReduceRMSNorm), ``ours_fallback``, ``torch_tp`` (torch's styles: matmul + NCCL all-reduce)
-and ``torch_symm_mem`` (matmul into symmetric memory + torch's one-shot all-reduce).
+and ``torch_symm_mem`` (matmul into symmetric memory + torch's one-shot all-reduce); ``ours_norm_fused`` and
+``torch_tp_fused``: ours_norm and torch TP with fused projections (one wqkv, one w13), as serving engines run
+decode: three column GEMMs a block instead of five.
 
 Timing as benchmarks/bench.py times ops: every variant is built and warmed up first (a variant that fails is
 recorded in the note and left out), then all are timed in turns within each iteration
@@ -200,17 +202,19 @@ def bench_decode(ctx, shape, n_layers, batch, cache_len, iters, lead_us) -> dict
 
     plans = {"torch_tp": llama.decode_plan_torch, "ours": lambda: llama.decode_plan_ours(ctx),
              "ours_norm": lambda: llama.decode_plan_ours(ctx),
-             "ours_fallback": lambda: llama.decode_plan_ours(ctx, fallback="always"), "torch_symm_mem": symm_mem_plan}
+             "ours_fallback": lambda: llama.decode_plan_ours(ctx, fallback="always"), "torch_symm_mem": symm_mem_plan,
+             "ours_norm_fused": lambda: llama.decode_plan_ours(ctx), "torch_tp_fused": llama.decode_plan_torch}
     norm_op = to.AllReduceRMSNorm(ctx, name="bench.model.ar_rmsnorm")
     replays, ref = {}, None
     for name, plan in plans.items():
         rec[f"{name}_us"] = None
         try:
-            m = llama.parallelize(llama.build(shape, n_layers, torch.bfloat16, dev, max_seq=cache_len), mesh,
-                                  plan())
+            fuse_for = ctx.world_size if name.endswith("_fused") else 0
+            m = llama.parallelize(llama.build(shape, n_layers, torch.bfloat16, dev, max_seq=cache_len,
+                                              fuse_for=fuse_for), mesh, plan())
             m.setup_cache(batch, cache_len)
 
-            def step(m=m, fused=name == "ours_norm"):
+            def step(m=m, fused=name.startswith("ours_norm")):
                 with torch.no_grad():
                     return llama.decode_fused_norm(m, tokens, input_pos, norm_op) if fused else m(tokens, input_pos)
 
@@ -220,7 +224,8 @@ def bench_decode(ctx, shape, n_layers, batch, cache_len, iters, lead_us) -> dict
                 ref, rec["rel_err_reference"] = out, name
             rec[f"{name}_rel_err"] = _rel_err(out, ref)
             if name.startswith("ours"):
-                rec[f"{name}_paths"] = ours_paths(m) + ([f"norm {norm_op.last_path}"] if name == "ours_norm" else [])
+                rec[f"{name}_paths"] = ours_paths(m) + ([f"norm {norm_op.last_path}"] if name.startswith("ours_norm")
+                                                        else [])
             replays[name] = capture(step).replay
             ctx.check()
         except Exception as e:  # noqa: BLE001 - recorded in the note; the other variants go on

@@ -120,10 +120,13 @@ def _decode(plan_name):
         dev, T = ctx.device, 8
         ref = llama.build("tiny", N_LAYERS, dtype=torch.bfloat16, device=dev, max_seq=T).float()
         dtype = torch.float32 if plan_name == "torch" else torch.bfloat16
-        model = llama.build("tiny", N_LAYERS, dtype=torch.bfloat16, device=dev, max_seq=T).to(dtype)
+        fuse_for = ctx.world_size if plan_name.endswith("_fused") else 0
+        model = llama.build("tiny", N_LAYERS, dtype=torch.bfloat16, device=dev, max_seq=T,
+                            fuse_for=fuse_for).to(dtype)
         plan = {"torch": llama.decode_plan_torch,
                 "ours": lambda: llama.decode_plan_ours(ctx, fallback="never"),
                 "ours_norm": lambda: llama.decode_plan_ours(ctx, fallback="never"),
+                "ours_norm_fused": lambda: llama.decode_plan_ours(ctx, fallback="never"),
                 "ours_fallback": lambda: llama.decode_plan_ours(ctx, fallback="always")}[plan_name]()
         norm_op = to.AllReduceRMSNorm(ctx, fallback="never")
         llama.parallelize(model, llama.mesh_of(ctx), plan)
@@ -135,23 +138,25 @@ def _decode(plan_name):
             for pos in (5, 6):
                 tokens = torch.randint(0, ref.shape.vocab, (B, 1), generator=g).to(dev)
                 input_pos = torch.tensor([pos], device=dev)
-                out = (llama.decode_fused_norm(model, tokens, input_pos, norm_op) if plan_name == "ours_norm"
-                       else model(tokens, input_pos))
+                out = (llama.decode_fused_norm(model, tokens, input_pos, norm_op)
+                       if plan_name.startswith("ours_norm") else model(tokens, input_pos))
                 errs.append(rel_err(out, ref(tokens, input_pos)))
         ctx.check()
-        if plan_name == "ours_norm":
+        if plan_name.startswith("ours_norm"):
             assert norm_op.last_path == "overlap", norm_op.last_path
-        want = PATHS[plan_name] | ({"local"} if plan_name != "torch" else set())  # column layers: a local matmul
+        # column layers: a local matmul
+        want = PATHS[plan_name.removesuffix("_fused")] | ({"local"} if plan_name != "torch" else set())
         assert _paths(model) == want, _paths(model)
         tol = TOL_FLOAT32 if dtype == torch.float32 else TOL_OUT
         assert max(errs) < tol, f"rank {ctx.rank}: {errs}"
         return errs
 
 
-@pytest.mark.parametrize("plan_name", ["torch", "ours", "ours_norm", "ours_fallback"])
+@pytest.mark.parametrize("plan_name", ["torch", "ours", "ours_norm", "ours_fallback", "ours_norm_fused"])
 def test_decode_step_matches_single_process(pool, plan_name):
     """Each decode plan's step against the unsharded model; ours_norm: ours with each AllReduce, residual add and
-    next RMSNorm fused (llama.decode_fused_norm)."""
+    next RMSNorm fused (llama.decode_fused_norm); ours_norm_fused: the same with fused projections (one wqkv, one
+    w13, llama.fuse_projections)."""
     if pool.world != 2:
         pytest.skip("W = 2 (the tiny shape's 2 KV heads shard over 2 ranks)")
     pool.run(_decode, plan_name)
