@@ -268,10 +268,12 @@ def test_consecutive_calls_never_share_slots():
         assert buf.allocations <= 6, buf.allocations  # grown in powers of two only
 
 
-def test_one_shot_tiling_keeps_every_program_resident():
+def test_one_shot_tiling_keeps_every_program_resident(monkeypatch):
     """Every program of the one-shot waits on its blocks from every peer, so a launch never has more programs than
-    compute units; blocks tile the message (a program loops over blocks past the units); one program stores the
-    call's count without an atomic only when it is alone; programmatic dependents only on CUDA Hopper."""
+    compute units, and never a program without a block (a program loops over blocks past the units). Programmatic
+    dependents: on CUDA from compute capability 9.0, up to PDL_MAX_WARPS warps a launch; never on the host."""
+    import sys
+
     from triton_overlap.ops.all_reduce import PDL_MAX_WARPS, dependent_launch, one_shot_tiling
 
     for units in (1, 8, 78, 132, 304):
@@ -279,7 +281,12 @@ def test_one_shot_tiling_keeps_every_program_resident():
             block, programs, warps = one_shot_tiling(n, units)
             assert 1 <= programs <= units, (n, units, programs)
             assert block & (block - 1) == 0 and block // 2 >= 32 * warps, (n, block, warps)  # a word a thread
-            assert programs <= -(-n // block), (n, block, programs)  # no program without a block
-    ctx = type("HostContext", (), {"backend": "host"})()
-    assert dependent_launch(ctx, 1) == ({}, {})
-    assert PDL_MAX_WARPS >= 1
+            assert programs <= -(-n // block), (n, block, programs)
+    device = torch.device("cuda", 0)
+    make = lambda backend: type("Ctx", (), {"backend": backend, "device": device})()  # noqa: E731
+    assert dependent_launch(make("host"), 1) == ({}, {})
+    module = sys.modules["triton_overlap.ops.all_reduce"]
+    for major, warps, want in ((9, PDL_MAX_WARPS, True), (9, PDL_MAX_WARPS + 1, False), (8, 1, False)):
+        monkeypatch.setattr(module, "capability", lambda index, major=major: (major, 0))
+        pdl, option = dependent_launch(make("cuda"), warps)
+        assert (pdl, option) == (({"PDL": True}, {"launch_pdl": True}) if want else ({}, {})), (major, warps)
