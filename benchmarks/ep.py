@@ -12,8 +12,9 @@ Per shape (model, tokens per rank, routing), in one process group and one run:
 * **combine**: ``ExpertParallel.combine`` of the dispatched rows (as the experts' outputs) on both paths; both return
   the same bits (the sums walk their terms in one fixed order), checked.
 * **layer**: ``nn.EPMoE`` forward + backward with ``fallback="never"`` against the same parameters with
-  ``fallback="always"`` (NCCL all_to_all_single for every exchange); the experts' grouped GEMMs are the same
-  ``torch._grouped_mm`` in both.
+  ``fallback="always"`` (NCCL all_to_all_single for every exchange), and the forward alone on both and on the
+  overlapped op with its experts' first GEMM after every row is in ("after": ``torch._grouped_mm``, the other
+  GEMMs' kernel in every column) rather than started per source as the rows land (ops.ep_experts).
 * **GB/s**: the bytes of rows the busiest rank sends to other ranks (dispatch: H-wide rows, once per (token, owner);
   combine: the partials back) over the call's time. The bound from the peers' measured copy bandwidth is not
   measured here.
@@ -25,6 +26,7 @@ float8_e4m3fn with their scales); not built: the low-latency mode. Writes ``ep-<
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -99,19 +101,26 @@ def exchange_case(ctx, ops, rec) -> dict:
 
 def layer_case(ctx, rec) -> dict:
     """The layer's columns: EPMoE forward + backward on the overlapped path and on all_to_all_single, the same
-    parameters (rec gains the relative error between the two outputs)."""
+    parameters (rec gains the relative error between the two outputs), and the forward alone on three: overlapped
+    (the gate and up projections started on each source's rows as they land, where the op can: ``layer_gemm``
+    names the kernel), the same op with that GEMM after every row is in (``torch._grouped_mm``, as before the
+    overlap), and all_to_all_single."""
     E, topk, H, hidden, tokens = (rec[k] for k in ("E", "topk", "H", "hidden", "tokens_per_rank"))
     torch.manual_seed(0)  # the replicated router: the same on every rank
     ours = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never")
     theirs = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="always")
-    theirs.load_state_dict(ours.state_dict())
+    after = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never")
+    after.op = to.ExpertParallel(ctx, fallback="never", name="bench.ep.after")
+    after.op.gemm_cfg = replace(after.op.gemm_cfg, gemm="triton")  # (no overlapped kernel: the GEMM by torch)
+    for m in (theirs, after):
+        m.load_state_dict(ours.state_dict())
     g = torch.Generator(device=ctx.device).manual_seed(2 + ctx.rank)
     x = torch.randn(tokens, H, device=ctx.device, generator=g).to(torch.bfloat16).requires_grad_()
     gy = torch.randn(tokens, H, device=ctx.device, generator=g).to(torch.bfloat16)
     with torch.no_grad():
         a, b = ours(x), theirs(x)
         rec["layer_rel_err"] = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-    rec["layer_path"] = ours.last_path
+    rec["layer_path"], rec["layer_gemm"] = ours.last_path, ours.op.last_gemm
 
     def step(m):
         def run():
@@ -120,7 +129,14 @@ def layer_case(ctx, rec) -> dict:
             m(x).backward(gy)
         return run
 
-    return {"layer_ours_us": step(ours), "layer_nccl_us": step(theirs)}
+    def forward(m):
+        def run():
+            with torch.no_grad():
+                m(x)
+        return run
+
+    return {"layer_ours_us": step(ours), "layer_nccl_us": step(theirs), "layer_fwd_ours_us": forward(ours),
+            "layer_fwd_after_us": forward(after), "layer_fwd_nccl_us": forward(theirs)}
 
 
 def _timed(ctx, rec, fns, iters, lead_us) -> None:

@@ -469,7 +469,8 @@ def compile_routing(target) -> int:
 def compile_ep_routing(target) -> int:
     """kernels.ep_routing (expert-parallel routing) and the scan it shares with kernels.routing, as ops.ep_routing
     launches them on GPUs: int64 and int32 ids, 256 and 4 experts, 1, 2 and 8 ranks, top-1, 2, 6 and 8, bf16 rows
-    and fp8 rows (as bytes) with 64 scales, the pack into a staging buffer and into the owners' (PUSH);
+    and fp8 rows (as bytes) with 64 scales, the pack into a staging buffer and into the owners' (PUSH), with and
+    without the owners' gather indexes (GATHER);
     arguments not known divisible and (as Triton specialises aligned pointers and sizes) known divisible by 16."""
     from triton_overlap.kernels import ep_routing as r
     from triton_overlap.kernels.routing import scan_counts
@@ -487,13 +488,15 @@ def compile_ep_routing(target) -> int:
                    (r.ep_dest, dict(W_PAD=w_pad, E_PAD=e_pad, E_CHUNK=min(e_pad, 32))),
                    (r.ep_expand, dict(K=K, BU=bt, BLOCK_H=bh, G_PAD=0)),
                    (r.ep_expand, dict(K=K, BU=bt, BLOCK_H=bh, G_PAD=64))]
-        kernels += [(r.ep_pack, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh, G_PAD=g, PUSH=push))
-                    for g in (0, 64) for push in (False, True)]  # G_PAD 64: fp8 rows with scales
+        kernels += [(r.ep_pack, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh, G_PAD=g, PUSH=push,
+                                     GATHER=gather))  # G_PAD 64: fp8 rows with scales; GATHER: 16-bit rows only
+                    for g in (0, 64) for push in (False, True) for gather in ((False, True) if g == 0 else (False,))]
         for fn, consts in kernels:
             rows = ("x_ptr", "rows_ptr", "tokens_ptr")
             row_type = "*u8" if consts.get("G_PAD") else "*bf16"
             sig = {prm.name: "constexpr" if prm.is_constexpr else ids if prm.name == "ids_ptr"
-                   else row_type if prm.name in rows else "*i64" if prm.name in ("order_ptr", "rows_ptrs", "meta_ptrs")
+                   else row_type if prm.name in rows
+                   else "*i64" if prm.name in ("order_ptr", "rows_ptrs", "meta_ptrs", "gather_ptrs")
                    else "*i32" if prm.name.endswith("_ptr") else "i32" for prm in fn.params}
             attrs = {(i,): [["tt.divisibility", 16]] for i, prm in enumerate(fn.params)
                      if div and not prm.is_constexpr}

@@ -155,10 +155,22 @@ def _round_trip(op, ctx, case, it, experts):
     W, r, dev = ctx.world_size, ctx.rank, ctx.device
     x, ids, w = _inputs(case, W, r, it, dev)
     _poison_buffers(op)
-    d = op.dispatch(x, ids, w, num_experts=case.experts)
+    el = case.experts // W
+    d = op.dispatch(x, ids, w, num_experts=case.experts, expert_weight=experts[r * el:(r + 1) * el])
     ctx.check()
     _check_dispatch(d, case, W, r, it)
-    y = _run_experts(d.tokens, d.offsets, experts, r, case.experts // W)
+    y = _run_experts(d.tokens, d.offsets, experts, r, el)
+    # the experts' product that the dispatch computed, overlapped with the rows' arrival where the op overlaps
+    assert d.projected.shape == y.shape and d.projected.dtype == y.dtype
+    if y.numel():
+        err = rel_err(d.projected, y.double())
+        assert err < TOL[y.dtype] / 2, f"rank {r} iter {it}: projected rel err {err:.2e}"
+    if op.last_path == "fallback":
+        assert op.last_gemm == "torch", op.last_gemm
+    elif ctx.interpreted:  # the overlapped GEMM, on every call (Gluon does not run in the interpreter)
+        assert op.last_gemm == ("ag_grouped_gemm" if y.shape[0] else "none"), op.last_gemm
+    else:
+        assert op.last_gemm in ("ag_grouped_hopper", "ag_grouped_gemm", "torch", "none"), op.last_gemm
     _poison_buffers(op)
     out = poison(torch.empty(x.shape[0], y.shape[1], dtype=y.dtype, device=dev))
     got = op.combine(y, d, out=out)

@@ -158,9 +158,9 @@ def ep_dest(table_ptr, dest_ptr, offsets_ptr, rank, E, EL, W, W_PAD: tl.constexp
 
 @triton.jit
 def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_ptr, dest_ptr, rows_ptr, meta_ptr,
-            pos_ptr, rows_ptrs, meta_ptrs, table_ptr, err_ptr, T, H, E, EL, W, rank, stride_x, G, cap, K: tl.constexpr,
-            K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr,
-            PUSH: tl.constexpr):
+            pos_ptr, rows_ptrs, meta_ptrs, gather_ptrs, table_ptr, err_ptr, T, H, E, EL, W, rank, stride_x, G, cap,
+            K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+            G_PAD: tl.constexpr, PUSH: tl.constexpr, GATHER: tl.constexpr):
     """Grid (blocks, column tiles): row ``p`` of the send order for each (token, owner) of block b: the row's columns
     of this tile copied from x, and (column tile 0) ``positions[t, d] = p`` (-1: not sent there) and ``meta[p]`` =
     [rank, t, each choice's row in the owner's layout (-1: another owner's), each choice's weight bits, then (G_PAD
@@ -172,7 +172,12 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     every rank's, ``cap`` rows each) at this rank's block there (the rows of the ranks before it, from the counts
     table, first), in place of ``rows`` and ``meta``; where any rank's ids leave [0, E) or any owner would receive
     more than ``cap`` rows, nothing is stored (every rank decides the same from the same table), nor once the error
-    word ``err`` holds a fault (the ranks' calls may disagree)."""
+    word ``err`` holds a fault (the ranks' calls may disagree).
+
+    GATHER: also, for each choice, the row its token takes in the owner's receive buffer, stored at the choice's
+    layout row of owner d's gather index (``gather_ptrs[d]``, int32): what lets the owner's grouped GEMM read its
+    rows in layout order straight from the receive buffer, before any expansion (ops.expert_parallel). Under PUSH it
+    moves with the rows (nothing where nothing moves); else the owners' indexes must hold their layouts' rows."""
     b = tl.program_id(0)
     h0 = tl.program_id(1) * BLOCK_H
     t, ok, raw, c, owner, hit = token_owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
@@ -182,7 +187,7 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     start = tl.sum(tl.where(d[None, :] < d[:, None], sent[None, :], 0), axis=1)  # owner d's first row in the order
     go = tl.full((BT,), 1, tl.int1)  # (PUSH: whether the rows move; one value for every token)
     shift = tl.zeros((W_PAD,), dtype=tl.int32)  # (PUSH: a send-order row's place at its owner, less the row)
-    if PUSH:  # sources along axis 0, owners along axis 1
+    if PUSH or GATHER:  # sources along axis 0, owners along axis 1
         width = 3 + W + E
         n = tl.load(table_ptr + d * width, mask=dm, other=0)
         lo = tl.load(table_ptr + d * width + 1, mask=dm, other=0)
@@ -190,7 +195,8 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
         rows = tl.load(table_ptr + d[:, None] * width + 3 + d[None, :], mask=dm[:, None] & dm[None, :], other=0)
         bad = tl.sum(((n > 0) & ((lo < 0) | (hi >= E))).to(tl.int32), axis=0)
         over = tl.sum((tl.sum(rows, axis=0) > cap).to(tl.int32), axis=0)
-        go = go & (bad == 0) & (over == 0) & (error_code(err_ptr) == 0)
+        if PUSH:
+            go = go & (bad == 0) & (over == 0) & (error_code(err_ptr) == 0)
         shift = tl.sum(tl.where((d < rank)[:, None], rows, 0), axis=0) - start  # send-order row -> owner's row
     base = tl.load(base_ptr + b.to(tl.int64) * W + d, mask=dm, other=0)
     pos = tl.where(hit > 0, start[None, :] + base[None, :] + rows_before(hit, BT), -1)
@@ -210,7 +216,12 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
         for dd in range(0, W):
             p = tl.sum(tl.where(d[None, :] == dd, pos, 0), axis=1)
             has = tok & (p >= 0) & go
-            q = tl.where(has, p + tl.sum(tl.where(d == dd, shift, 0), axis=0), 0).to(tl.int64)  # the row there
+            there = p + tl.sum(tl.where(d == dd, shift, 0), axis=0)  # the row in the owner's receive buffer
+            q = tl.where(has, there if PUSH else p, 0).to(tl.int64)  # where the row is stored
+            if GATHER:
+                g = tl.load(gather_ptrs + dd).to(tl.pointer_type(tl.int32))
+                tl.store(g + tl.where(owner == dd, row_of, 0), there[:, None] + tl.zeros_like(row_of),
+                         mask=has[:, None] & ok & (owner == dd))
             if PUSH:
                 m = tl.load(meta_ptrs + dd).to(tl.pointer_type(tl.int32)) + q * MW
             else:
@@ -227,7 +238,7 @@ def ep_pack(x_ptr, ids_ptr, wbits_ptr, sbits_ptr, record_ptr, base_ptr, base_e_p
     for dd in range(0, W):
         p = tl.sum(tl.where(d[None, :] == dd, pos, 0), axis=1)
         has = tok & (p >= 0) & go
-        q = tl.where(has, p + tl.sum(tl.where(d == dd, shift, 0), axis=0), 0).to(tl.int64)
+        q = tl.where(has, p + tl.sum(tl.where(d == dd, shift, 0), axis=0) if PUSH else p, 0).to(tl.int64)
         if PUSH:
             to = tl.multiple_of(tl.load(rows_ptrs + dd).to(tl.pointer_type(xv.dtype)), 16)
         else:
@@ -301,12 +312,13 @@ def launch_count(ids, part, hist, base_e, groups, record, base, T: int, E: int, 
 
 
 def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets, rows, meta, positions, E: int,
-                W: int, rank: int, push=None, err=None) -> None:
+                W: int, rank: int, push=None, err=None, gather=None) -> None:
     """ep_dest then ep_pack on the current stream (after launch_count of the same ids; ``table`` int32 [W, 3 + W +
     E] every rank's record): ``dest`` int32 [E], ``offsets`` int32 [E / W + 1] this rank's experts' offsets;
     ``sbits`` int32 [T, G] the scales' bits to carry in the metadata, or None. ``push``: None (into ``rows`` and
     ``meta``), or (rows_ptrs, meta_ptrs, cap): into the owners' receive buffers (ep_pack's PUSH; ``rows`` and
-    ``meta`` then give only the dtypes; ``err``: the Context's error word)."""
+    ``meta`` then give only the dtypes; ``err``: the Context's error word). ``gather``: None, or the owners' gather
+    indexes' pointers (ep_pack's GATHER)."""
     T, H = x.shape
     K = ids.shape[1]
     bt, bh = tiles()
@@ -319,10 +331,10 @@ def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets
     rows_ptrs, meta_ptrs, cap = (record, record, 0) if push is None else push
     launch(ep_pack, (-(-T // bt), -(-H // bh)),
            (x, ids, wbits, wbits if sbits is None else sbits, record, base, base_e, dest, rows, meta, positions,
-            rows_ptrs, meta_ptrs, table, record if err is None else err, T, H, E, E // W, W, rank, x.stride(0), G,
-            cap),
+            rows_ptrs, meta_ptrs, record if gather is None else gather, table, record if err is None else err, T, H,
+            E, E // W, W, rank, x.stride(0), G, cap),
            dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=pow2(W), BLOCK_H=bh, G_PAD=pow2(G) if G else 0,
-                PUSH=push is not None), num_warps=4)
+                PUSH=push is not None, GATHER=gather is not None), num_warps=4)
 
 
 def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, sbits, K: int) -> None:

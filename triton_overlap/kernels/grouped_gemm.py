@@ -68,6 +68,21 @@ def _expert_tile(a_rows, row_ok, w, expert, col0, cols, col_ok, K, stride_we, st
 
 
 @triton.jit
+def rounded_in_interpreter(acc, out_ty: tl.constexpr):
+    """float32 ``acc`` rounded to the nearest (ties to even) value of ``out_ty`` (bfloat16 or float16), still float32,
+    for kernels that Triton's interpreter runs: it truncates where it narrows float32 (GPUs round), which biases a
+    layer's products toward zero; narrowing the rounded value is then exact (float16's normal range)."""
+    bits = acc.to(tl.uint32, bitcast=True)
+    if out_ty == tl.bfloat16:
+        drop = 16
+    else:
+        drop = 13
+    half = (1 << (drop - 1)) - 1
+    bits = (bits + half + ((bits >> drop) & 1)) >> drop << drop
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def ag_grouped_gemm(x_ptr, ws_ptr, w, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr, flags_ptr,
                     waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_we, stride_wk,
                     stride_wn, stride_om,
@@ -101,6 +116,8 @@ def ag_grouped_gemm(x_ptr, ws_ptr, w, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_
             acc = _expert_tile(a_rows, row_ok, w, expert, pid_n * BLOCK_N, cols, col_ok, K, stride_we, stride_wk,
                                stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, B_DESC, DOT_F32)
             dst = tl.load(dst_ptr + offs, mask=row_ok, other=0).to(tl.int64)
+            if DOT_F32:
+                acc = rounded_in_interpreter(acc, out_ptr.dtype.element_ty)
             tl.store(out_ptr + dst[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & col_ok[None, :])
 

@@ -20,11 +20,12 @@ program per SM but one, round-robin. Two partitions:
   descriptor of the experts' weights (zeros past N), on a "ready" mbarrier per stage. A step waits for its own
   cp.async group, fences it for the tensor cores and meets its partition at a barrier, then waits for B. Before
   the first load of a tile whose rows come from a peer's chunks they wait (bounded) for the flag of each chunk
-  position its rows use, as ``ag_grouped_gemm`` does. Where each tile's rows are consecutive rows of A (CONTIG:
-  MoE-GEMM-ReduceScatter on the expert-sorted layout, MoERouting.rank_runs), A comes by TMA on the same barrier as
-  B instead, with no copies to issue, wait for or fence (faster on every model shape measured, and without a K
-  limit: docs/decisions.md, Tensor-parallel MoE). After the K loop the tile goes, as the output dtype, into a
-  shared tile buffer ("full");
+  position its rows use, as ``ag_grouped_gemm`` does, and only then read the rows' sources ``src`` (an
+  expert-parallel dispatch's peers store them with the rows: ops.ep_experts). Where each tile's rows are
+  consecutive rows of A (CONTIG: MoE-GEMM-ReduceScatter on the expert-sorted layout, MoERouting.rank_runs), A comes
+  by TMA on the same barrier as B instead, with no copies to issue, wait for or fence (faster on every model shape
+  measured, and without a K limit: docs/decisions.md, Tensor-parallel MoE). After the K loop the tile goes, as the
+  output dtype, into a shared tile buffer ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time, each row into its
   output row ``dst``, then "free".
 
@@ -202,24 +203,24 @@ def grouped_k_loops(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
     for it in range(gl.program_id(0), total, NUM_PROGRAMS):
         expert, first, end, pid_n, busy = grouped_item(t, it, num_pid_n, GROUP_M)
         if busy:
+            if WAIT and prefetched == 0:
+                _arrived(f, first, end, BLOCK_M, CLOCK)
             rows = _rows(r, first, end, LD, BLOCK_M, CONTIG)
             if prefetched == 0:
-                if WAIT:
-                    _arrived(f, first, end, BLOCK_M, CLOCK)
                 for j in gl.static_range(LEAD):
                     _load(p, g + j, rows, expert, pid_n * BLOCK_N, j, B_KMAJOR, CONTIG)
-            n_expert, n_first, n_end, n_pid_n, has_next = grouped_item(t, it + NUM_PROGRAMS, num_pid_n, GROUP_M)
-            n_rows = _rows(r, n_first, n_end, LD, BLOCK_M, CONTIG)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
             for k in range(k_tiles - LEAD):
                 acc = _step(p, acc, g, B_KMAJOR, CONTIG)
                 _load(p, g + LEAD, rows, expert, pid_n * BLOCK_N, k + LEAD, B_KMAJOR, CONTIG)
                 g += 1
+            n_expert, n_first, n_end, n_pid_n, has_next = grouped_item(t, it + NUM_PROGRAMS, num_pid_n, GROUP_M)
+            if WAIT and has_next:  # before the next tile's rows are read: their sources may write ``src`` too
+                _arrived(f, n_first, n_end, BLOCK_M, CLOCK)
+            n_rows = _rows(r, n_first, n_end, LD, BLOCK_M, CONTIG)
             for j in gl.static_range(LEAD):
                 acc = _step(p, acc, g, B_KMAJOR, CONTIG)
                 if has_next:
-                    if WAIT and j == 0:
-                        _arrived(f, n_first, n_end, BLOCK_M, CLOCK)
                     _load(p, g + LEAD, n_rows, n_expert, n_pid_n * BLOCK_N, j, B_KMAJOR, CONTIG)
                 elif not CONTIG:
                     async_copy.commit_group()

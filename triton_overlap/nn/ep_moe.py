@@ -6,11 +6,14 @@ the whole router (replicated) and E/W whole experts: rank r owns experts ``[r·E
 
 * the router on this rank's tokens, as ``TPMoE`` computes it (``nn.moe.route_local``: logits in float32, softmax,
   top-k, optionally renormalized);
-* ``dispatch``: each token's row to the ranks that own its choices (``ops.expert_parallel``), the received rows
-  grouped by local expert (``d.tokens``, bounds ``d.offsets``);
-* the SwiGLU experts on those rows: ``torch._grouped_mm`` where it takes the operands (bfloat16, widths multiples
-  of 8, CPU or a GPU of compute capability 9.0 or newer: ``ops.moe_routing.expert_grads``' rule), else a matmul per
-  expert (the offsets read back to the host);
+* ``dispatch`` with the experts' gate and up projections: each token's row to the ranks that own its choices
+  (``ops.expert_parallel``), the received rows grouped by local expert (``d.tokens``, bounds ``d.offsets``) and
+  their product with ``w13`` (``d.projected``), by a grouped GEMM that starts on each source's rows as they land
+  where the op overlaps and the kernel can run it (ops.ep_experts: Hopper, 16-bit, dim a multiple of 64 up to
+  4096), else after the rows, as the down projection;
+* ``silu(gate) * up`` and the down projection: ``torch._grouped_mm`` where it takes the operands (bfloat16, widths
+  multiples of 8, CPU or a GPU of compute capability 9.0 or newer: ``ops.moe_routing.expert_grads``' rule), else a
+  matmul per expert (the offsets read back to the host);
 * ``combine``: each token's ``Σ_j p[t, j] · y_row(t, j)`` back on its own rank, summed in float32.
 
 Backward, piece by piece (``torch.autograd.Function``s below; the router and ``silu(gate) * up`` by torch):
@@ -35,9 +38,9 @@ Backward, piece by piece (``torch.autograd.Function``s below; the router and ``s
 
 What overlaps what: where the op takes its overlapped path (``last_path == "overlap"``), the rows of a dispatch or
 a combine move into the peers' symmetric buffers (stored by kernels, or by copy engine where the receive buffers
-must grow), with a flag per source; but the experts' grouped GEMM starts only once every source's rows have landed (the
-dispatch waits for every flag before it expands the rows into expert order), so the transfers are not yet
-overlapped with the experts' compute per source, nor the combine's with the down projection. Not overlapped at
+must grow), with a flag per source, and the forward's gate and up projections start on each source's rows as its
+flag lands (``op.last_gemm`` names the kernel, "torch" where it ran after the rows). Not overlapped per source: the
+combine with the down projection, and the backward's GEMMs with their dispatch and combine. Not overlapped at
 all: the router, the weights' gradient exchange (process group), the experts' weight gradients (local), and one
 host synchronisation per dispatch (the counts), so two per training step and layer. ``fallback="always"`` takes
 the process group's ``all_to_all_single`` for every exchange. The dispatch reads counts back to the host, so the
@@ -54,7 +57,7 @@ from torch import nn
 
 from ..ops.ep_low_latency import ExpertParallelLowLatency
 from ..ops.expert_parallel import ExpertParallel
-from ..ops.moe_routing import expert_grads
+from ..ops.moe_routing import expert_grads, grouped_mm, takes_grouped_mm
 from .moe import ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
 from .precision import compute_dtype
 
@@ -67,30 +70,6 @@ def ep_op(ctx, fallback: str) -> ExpertParallel:
 
 
 # ----------------------------------------------------------------------------------------------- the experts
-def takes_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes ``a`` [R, K] @ ``w`` [E, K, N] (expert_grads' rule: bfloat16, K and N
-    multiples of 8 for its 16-byte strides, the CPU or a GPU of compute capability 9.0 or newer, rows present)."""
-    K, N = w.shape[1], w.shape[2]
-    return (hasattr(torch, "_grouped_mm") and a.dtype == torch.bfloat16 and w.dtype == a.dtype and K % 8 == 0
-            and N % 8 == 0 and a.shape[0] > 0 and (not a.is_cuda or torch.cuda.get_device_capability(a.device)
-                                                    >= (9, 0)))
-
-
-def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """[R, N]: ``a[o_e:o_{e+1}] @ w[e]`` for each expert e (``a`` [R, K] rows grouped by expert, ``offsets`` int32
-    [E + 1] their bounds, ``w`` [E, K, N], or a transposed view of one). One ``torch._grouped_mm`` where it takes
-    the operands, else a matmul per expert that has rows (the bounds read back to the host)."""
-    a = a.contiguous()
-    if takes_grouped_mm(a, w):
-        return torch._grouped_mm(a, w, offs=offsets[1:].contiguous())
-    out = a.new_empty((a.shape[0], w.shape[2]))
-    bounds = offsets.tolist()
-    for e in range(w.shape[0]):
-        if bounds[e + 1] > bounds[e]:
-            out[bounds[e]:bounds[e + 1]] = a[bounds[e]:bounds[e + 1]] @ w[e]
-    return out
-
-
 class GroupedMM(torch.autograd.Function):
     """``grouped_mm(rows, w, offsets)`` with its gradients: the rows' by the grouped GEMM with ``w^T``, the
     weights' by ``expert_grads`` (each expert's ``rows_e^T @ grad_e``, zero for experts without rows)."""
@@ -123,24 +102,6 @@ class Routing:
     top-k, detached)."""
 
     __slots__ = ("handle", "ids", "weights")
-
-
-class Dispatch(torch.autograd.Function):
-    """``op.dispatch`` as a function of the tokens: returns ``d.tokens`` [R, dim] and fills ``routing``. Backward:
-    the rows' gradient summed per token over its choices on each owner and sent back (module docstring)."""
-
-    @staticmethod
-    def forward(fctx, x, ids, weights, op, num_experts, routing):
-        d = op.dispatch(x.contiguous(), ids, weights, num_experts=num_experts)
-        routing.handle, routing.ids, routing.weights = replace(d, tokens=d.tokens.detach()), ids, weights
-        fctx.op, fctx.routing = op, routing
-        return d.tokens
-
-    @staticmethod
-    def backward(fctx, grad_rows):
-        d = fctx.routing.handle
-        unit = replace(d, slot_weights=torch.ones_like(d.slot_weights))  # the op's combine, unweighted
-        return fctx.op.combine(grad_rows.contiguous(), unit), None, None, None, None, None
 
 
 class Combine(torch.autograd.Function):
@@ -185,13 +146,42 @@ def weight_grads(ctx, y: torch.Tensor, g_rows: torch.Tensor, d) -> torch.Tensor:
     return back[torch.where(pos >= 0, pos, back.shape[0] - 1)].sum(1)
 
 
+class DispatchProject(torch.autograd.Function):
+    """``op.dispatch(..., expert_weight=w13)`` as a function of the tokens and of ``w13``: returns ``d.projected``
+    [R, 2 * hidden] (each received row @ w13[its local expert], computed as the rows land where the op overlaps:
+    ops.ep_experts) and fills ``routing``. Backward: the rows' gradient by the grouped GEMM with ``w13^T``, then
+    as Dispatch's; ``w13``'s by ``expert_grads`` over the received rows."""
+
+    @staticmethod
+    def forward(fctx, x, ids, weights, w13, op, num_experts, routing):
+        d = op.dispatch(x.contiguous(), ids, weights, num_experts=num_experts, expert_weight=w13)
+        routing.handle, routing.ids, routing.weights = replace(d, projected=None), ids, weights
+        fctx.save_for_backward(d.tokens, w13)
+        fctx.op, fctx.routing = op, routing
+        return d.projected
+
+    @staticmethod
+    def backward(fctx, grad):
+        tokens, w13 = fctx.saved_tensors
+        d = fctx.routing.handle
+        grad = grad.contiguous()
+        grad_w = expert_grads(tokens, grad, d.offsets) if fctx.needs_input_grad[3] else None
+        grad_x = None
+        if fctx.needs_input_grad[0]:
+            unit = replace(d, slot_weights=torch.ones_like(d.slot_weights))  # the op's combine, unweighted
+            grad_x = fctx.op.combine(grouped_mm(grad, w13.transpose(1, 2), d.offsets), unit)
+        return grad_x, None, None, grad_w, None, None, None
+
+
 def ep_swiglu(rows, ids, weights, w13, w2, op, num_experts: int) -> torch.Tensor:
     """This rank's tokens ``rows`` [T_local, dim] through their top-k experts wherever they live, back as
-    [T_local, dim]: dispatch, the local SwiGLU experts (``w13``, ``w2``: ``swiglu_rows``), combine, differentiable
-    in ``rows``, ``weights`` (float32 [T_local, k]), ``w13`` and ``w2``. ``ids`` int [T_local, k]."""
+    [T_local, dim]: dispatch with the gate and up projections (``DispatchProject``: started on each source's rows
+    as they land where the op overlaps), ``silu(gate) * up``, the down projection, combine, differentiable in
+    ``rows``, ``weights`` (float32 [T_local, k]), ``w13`` and ``w2``. ``ids`` int [T_local, k]."""
     routing = Routing()
-    tokens = Dispatch.apply(rows, ids, weights.detach(), op, num_experts, routing)
-    y = swiglu_rows(tokens, w13, w2, routing.handle.offsets)
+    gate, up = DispatchProject.apply(rows, ids, weights.detach(), w13, op, num_experts, routing).split(
+        w13.shape[-1] // 2, dim=-1)
+    y = GroupedMM.apply(nn.functional.silu(gate) * up, w2, routing.handle.offsets)
     return Combine.apply(y, weights, op, routing)
 
 
@@ -207,10 +197,10 @@ class EPMoE(ReplicatedRouter, nn.Module):
     with ``e = ids[t, j]``, ``(p, ids)`` the top-k of ``softmax(x @ router.weight^T)`` (``renormalize``: ``p``
     divided by its sum over the k choices), exactly ``TPMoE``'s router.
 
-    Overlapped: the rows of each dispatch and combine (forward and backward), by copy engine with a flag per source,
-    where the op takes its overlapped path. Not overlapped: the experts' GEMMs with those transfers (they start once
-    every source's rows are in), the top-k weights' gradient (``all_to_all_single`` on the process group), the
-    experts' weight gradients and the router. The module docstring says what each backward piece does.
+    Overlapped: the rows of each dispatch and combine (forward and backward), with a flag per source, where the op
+    takes its overlapped path, and the forward's gate and up projections with the dispatch's rows, source by source.
+    Not overlapped: the other GEMMs with their transfers, the top-k weights' gradient (``all_to_all_single`` on the
+    process group), the experts' weight gradients and the router. The module docstring says what each backward piece does.
 
     Gradients: the experts' are complete on their owner. The router's covers this rank's tokens only: call
     ``sync_replicated_grads()`` after backward (a sum over ranks) or hand it to your data-parallel reducer.
@@ -311,5 +301,5 @@ class EPMoE(ReplicatedRouter, nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-__all__ = ["Combine", "Dispatch", "EPMoE", "GroupedMM", "Routing", "ep_op", "ep_swiglu", "grouped_mm",
+__all__ = ["Combine", "DispatchProject", "EPMoE", "GroupedMM", "Routing", "ep_op", "ep_swiglu", "grouped_mm",
            "swiglu_rows", "takes_grouped_mm", "weight_grads"]

@@ -17,11 +17,18 @@ def low_latency_op(ctx, max_tokens_per_rank: int) -> ExpertParallelLowLatency:
 
 
 def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, num_experts: int,
-                ctx, scales: torch.Tensor | None = None, max_tokens_per_rank: int | None = None):
-    """ExpertParallel.dispatch (returns an EPHandle), or with ``max_tokens_per_rank`` the low-latency mode's
-    (ExpertParallelLowLatency.dispatch: no host synchronisation, fixed shapes; returns a LowLatencyHandle)."""
+                ctx, scales: torch.Tensor | None = None, max_tokens_per_rank: int | None = None,
+                expert_weight: torch.Tensor | None = None):
+    """ExpertParallel.dispatch (returns an EPHandle; ``expert_weight``: also ``d.projected``, the rows' product with
+    their experts' weight, started on each source's rows as they land), or with ``max_tokens_per_rank`` the
+    low-latency mode's (ExpertParallelLowLatency.dispatch: no host synchronisation, fixed shapes; returns a
+    LowLatencyHandle; no ``expert_weight``)."""
     if max_tokens_per_rank is None:
-        return ExpertParallel.shared(ctx).dispatch(x, topk_ids, topk_weights, num_experts=num_experts, scales=scales)
+        return ExpertParallel.shared(ctx).dispatch(x, topk_ids, topk_weights, num_experts=num_experts, scales=scales,
+                                                   expert_weight=expert_weight)
+    if expert_weight is not None:
+        raise ValueError("ep_dispatch: expert_weight is for the normal mode; the low-latency mode's rows are "
+                         "d.tokens [E/W, capacity, H], for the caller's grouped GEMM")
     return low_latency_op(ctx, max_tokens_per_rank).dispatch(x, topk_ids, topk_weights, num_experts=num_experts,
                                                              scales=scales)
 

@@ -92,7 +92,8 @@ class EPHandle:
     [U, topk] its weight; ``positions`` int32 [T_local, W], the row of this rank's send order (owner-major, then
     token order) that token t took for owner d (-1: not sent there). ``seq`` numbers the dispatch on its op (the
     same on every rank). ``scales`` float32 [R, G]: for fp8 rows, each row's scales as its sender passed them
-    (None for 16-bit rows)."""
+    (None for 16-bit rows). ``projected`` [R, N]: with the dispatch's ``expert_weight`` w, each row @ w[its local
+    expert], in d.tokens' order (ops.ep_experts), else None."""
 
     tokens: torch.Tensor
     counts: torch.Tensor
@@ -110,6 +111,7 @@ class EPHandle:
     num_tokens: int
     seq: int
     scales: torch.Tensor | None = None
+    projected: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
@@ -250,7 +252,8 @@ def meta_width(k: int, G: int) -> int:
     return META_HEAD + 2 * k + G
 
 
-def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scales=None, push=None) -> Sent:
+def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scales=None, push=None,
+         gather=None) -> Sent:
     """This rank's ``S`` unique (token, owner) rows, owner-major and in token order within an owner, and their
     metadata: [this rank, token, each choice's row in the owner's expert-sorted layout (-1: another owner's), each
     choice's weight (float32 bits), then the token's ``scales`` (float32 bits) where given] (kernels.ep_routing.
@@ -258,7 +261,9 @@ def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scale
     ``push``: None (into new tensors, Sent.rows and Sent.meta), or the symmetric receive buffers and the Context's
     error word (rows, meta, cap, err): straight into every owner's, at this rank's block there, unless any rank's ids
     are out of range, any owner would receive more than ``cap`` rows or ``err`` holds a fault (then nothing moves;
-    Sent.rows and Sent.meta are None either way)."""
+    Sent.rows and Sent.meta are None either way). ``gather``: None, or the owners' symmetric gather indexes (int32,
+    each at least as long as its owner's layout): each choice's row in its owner's receive buffer, stored at its
+    layout row there (kernels.ep_routing.ep_pack's GATHER)."""
     T, k = route.ids.shape
     W, E = route.base.shape[1], route.base_e.shape[1]
     dev = x.device
@@ -278,7 +283,7 @@ def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scale
     sbits = None if scales is None else scales.contiguous().view(torch.int32)
     launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32), sbits,
                 route.record, route.base, route.base_e, table, dest[:E], offsets, rows, meta, positions, E, W, rank,
-                target, None if push is None else err)
+                target, None if push is None else err, None if gather is None else gather.ptrs)
     return Sent(rows, meta, positions, offsets) if push is None else Sent(None, None, positions, offsets)
 
 

@@ -34,7 +34,8 @@ Plan of a dispatch (the overlapped path):
    exist so that an experts' grouped GEMM can start on a source's rows as soon as they land:
    ``kernels.grouped_gemm.ag_grouped_gemm`` waits on per-chunk flags, and a source's block here is such a chunk (one
    chunk per rank, flag value 1, chunk id = source rank), while the counts table already gives, before any row
-   lands, where each (expert, source) run of rows will sit.
+   lands, where each (expert, source) run of rows will sit. With ``expert_weight`` that GEMM runs between the rows'
+   exchange and the expansion, reading the rows in the receive buffers (ops.ep_experts).
 
 Plan of a combine: behind its own barrier (header: the width, dtype and the dispatch it combines), the owner sums,
 for each token it received, ``weight · y`` over the token's choices among its experts in float32, rounds that
@@ -76,7 +77,10 @@ from ..producers import exchange, pipeline
 from ..producers.exchange import AllToAll, deal
 from ..producers.pipeline import BarrierOnly
 from .base import OverlapOp, agree_across_ranks
+from .moe_config import MoEGEMMConfig
+from .moe_routing import grouped_mm
 from .checks import FP8
+from .ep_experts import check_expert_weight, projection
 from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand, meta_width,
                          owner_partials, pack, route_tokens, sum_partials)
 
@@ -105,7 +109,9 @@ class ExpertParallel(OverlapOp):
     (float16, bfloat16, or float8_e4m3fn with ``scales`` float32 [T_local, G], per-token groups such as G = H / 128,
     which travel with their rows into ``d.scales``; T_local may differ between ranks and may be 0), ``topk_ids``
     [T_local, topk] int32 or int64 in [0, E), ``topk_weights`` [T_local, topk] float32. Returns an EPHandle.
-    ``op.combine(y, d, *, out=None)``: ``y`` [R, N] (float16 or bfloat16) the experts' outputs in ``d.tokens``'
+    ``expert_weight``: None, or this rank's experts' first weight [E/W, H, N] (x's 16-bit dtype): ``d.projected`` is
+    then ``d.tokens`` @ it per expert, on the overlapped path by a grouped GEMM that starts on each source's rows as
+    they land (ops.ep_experts; ``op.last_gemm`` names what ran it). ``op.combine(y, d, *, out=None)``: ``y`` [R, N] (float16 or bfloat16) the experts' outputs in ``d.tokens``'
     order; returns [T_local, N] in y's dtype.
 
     Checked before anything is launched (ValueError, the Context stays usable): E divisible by W, shapes, dtypes,
@@ -124,6 +130,8 @@ class ExpertParallel(OverlapOp):
         self.cfg = config if config is not None else ExpertParallelConfig()
         self.dispatch_op, self.combine_op = ctx.op_id("ep_dispatch"), ctx.op_id("ep_combine")
         self.last_exchange = None  # how the last overlapped dispatch moved its rows: "stores" or "copies"
+        self.gemm_cfg = MoEGEMMConfig.defaults(ctx)  # the overlapped experts' GEMM's tiles (ops.ep_experts)
+        self.last_gemm = None  # what computed the last d.projected: a kernel's name, or "torch"
         # what a wait that times out names: the counts or the rows of a dispatch, the partials of a combine
         self.wait_ops = {what: ctx.op_id(f"{kind} {what}") for kind, what in
                          (("ep_dispatch", "counts"), ("ep_dispatch", "rows"), ("ep_combine", "partials"))}
@@ -134,13 +142,17 @@ class ExpertParallel(OverlapOp):
     # ------------------------------------------------------------------------------------------------ dispatch
     @torch.no_grad()
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-                 num_experts: int, scales: torch.Tensor | None = None) -> EPHandle:
+                 num_experts: int, scales: torch.Tensor | None = None,
+                 expert_weight: torch.Tensor | None = None) -> EPHandle:
         ctx = self.ctx
         ctx.ensure_usable()
         check_dispatch(ctx, x, topk_ids, topk_weights, num_experts, scales)
+        check_expert_weight(ctx, x, expert_weight, num_experts)
         W, r, k = ctx.world_size, ctx.rank, topk_ids.shape[1]
         G = 0 if scales is None else scales.shape[1]
-        self._agree("ep_dispatch", ("dispatch", x.shape[1], str(x.dtype), num_experts, k, G))
+        w = expert_weight
+        self._agree("ep_dispatch", ("dispatch", x.shape[1], str(x.dtype), num_experts, k, G,
+                                    0 if w is None else w.shape[2]))
         route = route_tokens(topk_ids, num_experts, W)
         fallback = self._use_fallback()
         self.last_path = "fallback" if fallback else "overlap"
@@ -150,36 +162,61 @@ class ExpertParallel(OverlapOp):
             table, table_dev = self._counts_fallback(route.record)
         else:
             table_dev, read_table = self._counts(route.record, sched)
-            target = self._push_target(x.shape[1], torch.uint8 if x.dtype == FP8 else x.dtype, meta_width(k, G))
+            target = self._push_target(x.shape[1], torch.uint8 if x.dtype == FP8 else x.dtype, meta_width(k, G),
+                                       0 if w is None else k)
             if target is not None:  # the rows move while the host reads the counts
-                sent = pack(x, route, topk_weights, r, table_dev, 0, scales, push=target)
-                self._raise_push_flags()
+                sent = pack(x, route, topk_weights, r, table_dev, 0, scales, push=target[:4], gather=target[4])
+                self._raise_push_flags(mine=w is not None)
             table = read_table()
         traffic = Traffic.read(table, W, num_experts)
         bad = traffic.out_of_range()
+        pushed = sent is not None and not bad and traffic.most_received() <= target[2]  # (the kernel's own test)
+        if sent is not None and not pushed:  # nothing was stored, but the flags were raised
+            self._settle_push_flags()
         if bad:
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
                              + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
         self.last_exchange = None if fallback else "stores"
-        if sent is not None and traffic.most_received() <= target[2]:  # pushed (the kernel's own test)
+        project = projection(self, traffic, x, w)
+        if pushed:
             U = sum(traffic.received(r))
             self.state["buffers"].update(rows=target[0].local, meta=target[1].local)
+            if project is not None:  # each source's rows as its flag lands
+                project(target[0].local, target[4].local,
+                        ctx.symmetric(f"{self.name}.push_flags", (W,), torch.int32).local)
+            self._settle_push_flags()
             expanded = expand(target[0].local[:U], target[1].local[:U], traffic.expanded(r), sent.offsets, k,
                               x.dtype)
         else:
-            sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales)
+            # (by expert_weight alone, which every rank agreed on: the index is allocated on every rank together)
+            gather = None if w is None or fallback else self._gather_buffer(traffic, x.shape[1], x.dtype, k)
+            sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales, gather=gather)
             if fallback:
                 rows, meta = self._rows_fallback(sent, traffic)
                 expanded = expand(rows, meta, traffic.expanded(r), sent.offsets, k, x.dtype)
             else:
                 self.last_exchange = "copies"
-                expanded = self._rows(sent, traffic, sched, x.dtype, k)
+                expanded = self._rows(sent, traffic, sched, x.dtype, k, project, gather)
         seq = self.state.get("dispatches", 0)
         self.state["dispatches"] = seq + 1
         tokens, counts, offsets, source, token, weights, slots, slot_weights, row_scales = expanded
+        projected = None
+        if w is not None:
+            projected = self.state.pop("projected", None)
+            if projected is None:  # after the rows are in, by torch
+                self.last_gemm = "torch"
+                projected = grouped_mm(tokens, w, offsets)
         return EPHandle(tokens, counts, offsets, source, token, weights, received=traffic.received(r),
                         sent=traffic.rows[r], traffic=traffic, slots=slots, slot_weights=slot_weights,
-                        positions=sent.positions, rank=r, num_tokens=x.shape[0], seq=seq, scales=row_scales)
+                        positions=sent.positions, rank=r, num_tokens=x.shape[0], seq=seq, scales=row_scales,
+                        projected=projected)
+
+    def _gather_buffer(self, traffic: Traffic, width: int, dtype, k: int):
+        """The symmetric gather index (int32) for the copy-engine path, before ep_pack writes it: as long as the
+        receive buffer's capacity times k (the stores path's test in _push_target), and every layout."""
+        cap = self._receive("rows", traffic.most_received(), width, dtype).local.shape[0]
+        most = max(traffic.expanded(d) for d in range(traffic.world))
+        return self._receive("gather", max(cap * k, most), 1, torch.int32)
 
     def _counts(self, record: torch.Tensor, sched: ExchangeSchedule) -> tuple:
         """Step 2: every rank's record into every rank's counts table, behind the call's barrier, and its copy to
@@ -218,35 +255,46 @@ class ExpertParallel(OverlapOp):
 
         return table.local, read
 
-    def _push_target(self, width: int, dtype, meta_words: int):
-        """The receive buffers as they are and the error word (rows, meta, capacity in rows, ctx.err), for ep_pack to
-        store into before the host has the counts; None before their first allocation (the copy-engine path
-        allocates them). The capacity is the same on every rank (symmetric buffers grow together), so is every
-        rank's choice."""
+    def _push_target(self, width: int, dtype, meta_words: int, k: int = 0):
+        """The receive buffers as they are and the error word (rows, meta, capacity in rows, ctx.err, gather index or
+        None), for ep_pack to store into before the host has the counts; None before their first allocation (the
+        copy-engine path allocates them), or where ``k`` (the top-k, for a gather index: 0 for none) times the
+        capacity would not fit the gather index. The capacity is the same on every rank (symmetric buffers grow
+        together), so is every rank's choice."""
         ctx = self.ctx
-        rows_name, meta_name = f"{self.name}.rows", f"{self.name}.meta"
+        rows_name, meta_name, gather_name = f"{self.name}.rows", f"{self.name}.meta", f"{self.name}.gather"
         size = torch.empty((), dtype=dtype).element_size()
         cap = min(ctx.symmetric_nbytes(rows_name) // (width * size),
                   ctx.symmetric_nbytes(meta_name) // (meta_words * 4))
-        if cap < 1:
+        if cap < 1 or ctx.symmetric_nbytes(gather_name) // 4 < cap * k:
             return None
+        gather = ctx.symmetric(gather_name, (cap * k, 1), torch.int32) if k else None
         return (ctx.symmetric(rows_name, (cap, width), dtype), ctx.symmetric(meta_name, (cap, meta_words), torch.int32),
-                cap, ctx.err)
+                cap, ctx.err, gather)
 
-    def _raise_push_flags(self) -> None:
+    def _raise_push_flags(self, mine: bool = False) -> None:
         """After the pushing ep_pack: this rank's flag in every owner (exchange.raise_flags: on the caller's stream,
-        after the kernel's stores), then the caller's stream waits for every source's, and the flags are reset.
+        after the kernel's stores), and with ``mine`` in its own (the overlapped GEMM waits for its own rows too).
         Raised even where the kernel stored nothing (bad ids or overflow: every rank's kernel alike; a fault: the
-        Context refuses the next call), so the flags are consumed either way."""
+        Context refuses the next call), so the flags are consumed either way (_settle_push_flags)."""
         ctx = self.ctx
         flags = ctx.symmetric(f"{self.name}.push_flags", (ctx.world_size,), torch.int32)
         exchange.raise_flags(ctx, flags)
+        if mine:
+            ctx.current_stream().write_value(flags.local[ctx.rank:ctx.rank + 1], 1)
+
+    def _settle_push_flags(self) -> None:
+        """The caller's stream waits for every source's push flag, then the flags are reset."""
+        ctx = self.ctx
+        flags = ctx.symmetric(f"{self.name}.push_flags", (ctx.world_size,), torch.int32)
         launch_wait_sources(ctx, flags.local, self.wait_ops["rows"])
         flags.local.zero_()
 
-    def _rows(self, sent: Sent, traffic: Traffic, sched: ExchangeSchedule, dtype, k: int) -> tuple:
+    def _rows(self, sent: Sent, traffic: Traffic, sched: ExchangeSchedule, dtype, k: int, project=None,
+              gather=None) -> tuple:
         """Steps 3 and 4: each owner's block into its receive buffers with this rank's flag there (no barrier: the
-        call's opened with the counts), then, once every source's flag is up, the received rows in expert order."""
+        call's opened with the counts), then, once every source's flag is up, the received rows in expert order.
+        ``project``: _projection's, launched between the two on the rows as they land."""
         ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
         most = traffic.most_received()
         rows = self._receive("rows", most, sent.rows.shape[1], sent.rows.dtype)  # (fp8 rows: their bytes)
@@ -268,6 +316,9 @@ class ExpertParallel(OverlapOp):
                 a, b = traffic.send_offset(r, r), traffic.recv_offset(r, r)
                 rows.local[b:b + n].copy_(sent.rows[a:a + n])
                 meta.local[b:b + n].copy_(sent.meta[a:a + n])
+            if project is not None:
+                ctx.current_stream().write_value(flags.local[r:r + 1], 1)  # (its own rows are in)
+                project(rows.local, gather.local, flags.local)
             launch_wait_sources(ctx, flags.local, self.wait_ops["rows"])
             made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), sent.offsets, k, dtype)
 

@@ -196,6 +196,30 @@ def expert_grads(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> tor
     return out
 
 
+def takes_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``a`` [R, K] @ ``w`` [E, K, N] (expert_grads' rule: bfloat16, K and N
+    multiples of 8 for its 16-byte strides, the CPU or a GPU of compute capability 9.0 or newer, rows present)."""
+    K, N = w.shape[1], w.shape[2]
+    return (hasattr(torch, "_grouped_mm") and a.dtype == torch.bfloat16 and w.dtype == a.dtype and K % 8 == 0
+            and N % 8 == 0 and a.shape[0] > 0 and (not a.is_cuda or torch.cuda.get_device_capability(a.device)
+                                                    >= (9, 0)))
+
+
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """[R, N]: ``a[o_e:o_{e+1}] @ w[e]`` for each expert e (``a`` [R, K] rows grouped by expert, ``offsets`` int32
+    [E + 1] their bounds, ``w`` [E, K, N], or a transposed view of one). One ``torch._grouped_mm`` where it takes
+    the operands, else a matmul per expert that has rows (the bounds read back to the host)."""
+    a = a.contiguous()
+    if takes_grouped_mm(a, w):
+        return torch._grouped_mm(a, w, offs=offsets[1:].contiguous())
+    out = a.new_empty((a.shape[0], w.shape[2]))
+    bounds = offsets.tolist()
+    for e in range(w.shape[0]):
+        if bounds[e + 1] > bounds[e]:
+            out[bounds[e]:bounds[e + 1]] = a[bounds[e]:bounds[e + 1]] @ w[e]
+    return out
+
+
 __all__ = ["MoERouting", "Segments", "agree_on_routing", "arrival_segments", "check_routing", "count_ids",
-           "destination_segments", "expert_grads", "grouped_matmul", "num_slots", "routing_digest", "sort_by_expert",
-           "sort_pairs"]
+           "destination_segments", "expert_grads", "grouped_matmul", "grouped_mm", "num_slots", "routing_digest",
+           "sort_by_expert", "sort_pairs", "takes_grouped_mm"]

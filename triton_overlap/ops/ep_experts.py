@@ -1,0 +1,134 @@
+"""The experts' first grouped GEMM of an expert-parallel dispatch, started on each source's rows as they land.
+
+``ExpertParallel.dispatch(..., expert_weight=w)`` returns, beside the rows, ``d.projected`` = each row @ w[its
+local expert] ([R, N], in d.tokens' order). Where the op's overlapped path moves the rows (stored by ep_pack or by
+copy engine, a flag per source), that product is one persistent grouped GEMM (kernels.grouped_gemm's
+``launch_ag_grouped``: on Hopper the warp-specialized Gluon kernel, else the Triton one) which reads every row
+straight from the owner's receive buffer and whose tiles wait only for the flags of the sources their rows come
+from; the expansion of the received rows into d.tokens runs after it. Without it the product would start only once
+every source's rows are in and expanded.
+
+What the GEMM reads, per layout row (the owner's rows by local expert, then source rank, token and choice):
+
+* ``src``: the row's place in the receive buffer, which its sender stores into the owner's symmetric gather index
+  (kernels.ep_routing.ep_pack's GATHER) before it raises its flag, so a tile reads it only after its waits;
+* ``pos``: its source rank + 1 (every row waits, this rank's own too: its flag is raised on the caller's stream
+  before the GEMM), ``chunk_at``: position -> source rank, one chunk per source;
+* the tile table (expert, first row, end row), built on the host from the counts every rank holds: tiles of up to
+  ``block_m`` rows of one expert, those of this rank's own rows first, then by the latest source they need in the
+  order this rank's peers send to it (plan.arrival_order).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.grouped_gemm import launch_ag_grouped
+from ..kernels.grouped_gemm_hopper import usable
+from ..plan import ChunkLayout
+from .ep_routing import Traffic
+from .moe_config import MoEGEMMConfig
+
+#: device -> int32 [n] 0, 1, ..., n - 1 (each layout row's output row), sliced per call
+_IDENTITY: dict = {}
+
+
+def identity_rows(n: int, device) -> torch.Tensor:
+    key = str(device)
+    found = _IDENTITY.get(key)
+    if found is None or found.numel() < n:
+        found = _IDENTITY[key] = torch.arange(max(n, 4096) * 2, dtype=torch.int32, device=device)
+    return found[:n]
+
+
+def arrival_rank(source: int, rank: int, world: int) -> int:
+    """Where ``source``'s rows come in this rank's order of waiting: 0 for its own, then the peers by how late
+    rank ``rank`` stands in their send order (peer s sends to s + 1 first)."""
+    return 0 if source == rank else (rank - source) % world
+
+
+def experts_plan(traffic: Traffic, rank: int, block_m: int, device) -> tuple:
+    """(pos int32 [R], chunk_at int32 [W + 1], table int32 [tiles, 3], R) for this rank's layout (module doc), with
+    one copy from the host."""
+    W, EL = traffic.world, traffic.experts_per_rank
+    runs = [[traffic.expert_rows(s, rank * EL + i) for s in range(W)] for i in range(EL)]
+    tiles, first = [], 0
+    for i, counts in enumerate(runs):
+        n = sum(counts)
+        ends = [sum(counts[:s + 1]) for s in range(W)]  # within the expert: the end of each source's run
+        for m0 in range(0, n, block_m):
+            m1 = min(m0 + block_m, n)
+            sources = [s for s in range(W) if counts[s] and ends[s] > m0 and ends[s] - counts[s] < m1]
+            tiles.append((max(arrival_rank(s, rank, W) for s in sources), len(tiles), i, first + m0, first + m1))
+        first += n
+    tiles.sort()
+    R = first
+    counts = torch.tensor([c for run in runs for c in run], dtype=torch.int64)
+    plan = torch.cat([torch.tensor([t[2:] for t in tiles], dtype=torch.int32).reshape(-1),
+                      torch.arange(W + 1, dtype=torch.int32).clamp_min(1) - 1,
+                      torch.arange(1, W + 1, dtype=torch.int32).repeat(EL).repeat_interleave(counts)])
+    plan = plan.to(device, non_blocking=True)
+    table, chunk_at, pos = plan.split((3 * len(tiles), W + 1, R))
+    return pos, chunk_at, table.view(-1, 3), R
+
+
+def overlaps(ctx, cfg: MoEGEMMConfig, rows: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the overlapped GEMM takes the call: the warp-specialized Gluon kernel can run it (on Hopper; the
+    Triton kernel's gathered K loop was measured 0.73-0.98x of ``torch._grouped_mm``, docs/decisions.md,
+    Tensor-parallel MoE, more than a dispatch's rows can hide), or kernels are interpreted (the host backend,
+    where the protocol is what is tested)."""
+    return ctx.interpreted or (cfg.gemm != "triton" and usable(ctx, cfg, rows, w, out))
+
+
+def projection(op, traffic: Traffic, x: torch.Tensor, w):
+    """Where the overlapped GEMM takes a dispatch of ExpertParallel ``op`` (``w`` given, the op's overlapped path,
+    ``overlaps``): a function of (receive buffer, gather index, flags) that launches it on the caller's stream into
+    ``op.state["projected"]``; else None (the dispatch computes the product after the rows, by torch)."""
+    if w is None or op.last_path != "overlap":
+        return None
+    ctx, R = op.ctx, traffic.expanded(op.ctx.rank)
+    out = torch.empty((R, w.shape[2]), dtype=x.dtype, device=x.device)
+    if not overlaps(ctx, op.gemm_cfg, x, w, out):
+        return None
+
+    def project(rows, gather, flags):
+        plan = experts_plan(traffic, ctx.rank, op.gemm_cfg.block_m, x.device)
+        op.last_gemm = launch_experts_gemm(ctx, op.gemm_cfg, rows, gather, w, out, plan, flags, op.wait_ops["rows"])
+        op.state["projected"] = out
+
+    return project
+
+
+def check_expert_weight(ctx, x: torch.Tensor, w, num_experts: int) -> None:
+    """ValueError, before any launch, unless ``w`` is None or this rank's experts' weight [E/W, H, N] of x's 16-bit
+    dtype on the Context's device."""
+    if w is None:
+        return
+    op, EL = "ep_dispatch", num_experts // ctx.world_size
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"{op}: expert_weight must be a torch.Tensor, got {type(w).__name__}")
+    if w.dim() != 3 or w.shape[0] != EL or w.shape[1] != x.shape[1] or w.shape[2] < 1:
+        raise ValueError(f"{op}: expert_weight must be [E/W, H, N] = [{EL}, {x.shape[1]}, N >= 1] (this rank's "
+                         f"experts), got {tuple(w.shape)}")
+    if w.dtype != x.dtype or w.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"{op}: expert_weight must be float16 or bfloat16 and x's dtype, got {w.dtype} for x of "
+                         f"{x.dtype}")
+    if w.device != ctx.device:
+        raise ValueError(f"{op}: expert_weight is on {w.device}, the Context is on {ctx.device}")
+
+
+def launch_experts_gemm(ctx, cfg: MoEGEMMConfig, rows: torch.Tensor, gather: torch.Tensor, w: torch.Tensor,
+                        out: torch.Tensor, plan: tuple, flags: torch.Tensor, op: int) -> str:
+    """``out[p] = rows[gather[p]] @ w[expert of p]`` for the R layout rows, on the caller's stream, each tile after
+    the flags of its rows' sources (``flags`` int32 [W], this rank's, one per source). ``rows``: this rank's receive
+    buffer [cap, H]; ``gather``: its gather index (int32, at least R); ``plan``: experts_plan's. Returns the
+    kernel's name."""
+    pos, chunk_at, table, R = plan
+    if R == 0 or table.shape[0] == 0:
+        return "none"
+    routes = (gather[:R], identity_rows(R, rows.device), pos, chunk_at)
+    layout = ChunkLayout(ctx.world_size, rows.shape[0], rows.shape[0])  # one chunk per source
+    return launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, layout, op)
+
+
+__all__ = ["arrival_rank", "check_expert_weight", "experts_plan", "identity_rows", "launch_experts_gemm",
+           "overlaps", "projection"]
