@@ -15,8 +15,9 @@ What the GEMM reads, per layout row (the owner's rows by local expert, then sour
 * ``pos``: its source rank + 1 (every row waits, this rank's own too: its flag is raised on the caller's stream
   before the GEMM), ``chunk_at``: position -> source rank, one chunk per source;
 * the tile table (expert, first row, end row), built on the host from the counts every rank holds: tiles of up to
-  ``block_m`` rows of one expert, those of this rank's own rows first, then by the latest source they need in the
-  order this rank's peers send to it (plan.arrival_order).
+  ``block_m`` rows of one expert, in expert order, so that consecutive programs share an expert's weights (GROUP_M
+  tiles a column tile). Ordering tiles by their sources' arrival instead would read each expert's weights once per
+  source run, while the rows of a dispatch whose kernel stores them are mostly in before the GEMM starts.
 """
 from __future__ import annotations
 
@@ -40,34 +41,26 @@ def identity_rows(n: int, device) -> torch.Tensor:
     return found[:n]
 
 
-def arrival_rank(source: int, rank: int, world: int) -> int:
-    """Where ``source``'s rows come in this rank's order of waiting: 0 for its own, then the peers by how late
-    rank ``rank`` stands in their send order (peer s sends to s + 1 first)."""
-    return 0 if source == rank else (rank - source) % world
-
-
 def experts_plan(traffic: Traffic, rank: int, block_m: int, device) -> tuple:
-    """(pos int32 [R], chunk_at int32 [W + 1], table int32 [tiles, 3], R) for this rank's layout (module doc), with
-    one copy from the host."""
+    """(pos int32 [R], chunk_at int32 [W + 1], table int32 [tiles, 3], R) for this rank's layout (module doc), built
+    by torch on the host from the counts and copied in one pinned, asynchronous copy (a copy from pageable memory
+    would first wait for the stream: for the rows' exchange this GEMM is meant to overlap)."""
     W, EL = traffic.world, traffic.experts_per_rank
-    runs = [[traffic.expert_rows(s, rank * EL + i) for s in range(W)] for i in range(EL)]
-    tiles, first = [], 0
-    for i, counts in enumerate(runs):
-        n = sum(counts)
-        ends = [sum(counts[:s + 1]) for s in range(W)]  # within the expert: the end of each source's run
-        for m0 in range(0, n, block_m):
-            m1 = min(m0 + block_m, n)
-            sources = [s for s in range(W) if counts[s] and ends[s] > m0 and ends[s] - counts[s] < m1]
-            tiles.append((max(arrival_rank(s, rank, W) for s in sources), len(tiles), i, first + m0, first + m1))
-        first += n
-    tiles.sort()
-    R = first
-    counts = torch.tensor([c for run in runs for c in run], dtype=torch.int64)
-    plan = torch.cat([torch.tensor([t[2:] for t in tiles], dtype=torch.int32).reshape(-1),
-                      torch.arange(W + 1, dtype=torch.int32).clamp_min(1) - 1,
-                      torch.arange(1, W + 1, dtype=torch.int32).repeat(EL).repeat_interleave(counts)])
-    plan = plan.to(device, non_blocking=True)
-    table, chunk_at, pos = plan.split((3 * len(tiles), W + 1, R))
+    counts = torch.tensor([traffic.experts[s][rank * EL:(rank + 1) * EL] for s in range(W)],
+                          dtype=torch.int64).reshape(W, EL).t()  # [EL, W]: rows of expert i from source s
+    n = counts.sum(1)
+    R = int(n.sum())
+    first = torch.cumsum(n, 0) - n
+    tiles = (n + block_m - 1) // block_m
+    expert = torch.repeat_interleave(torch.arange(EL), tiles)
+    start = first[expert] + (torch.arange(expert.numel()) - (torch.cumsum(tiles, 0) - tiles)[expert]) * block_m
+    table = torch.stack([expert, start, torch.minimum(start + block_m, first[expert] + n[expert])], 1)
+    pos = torch.repeat_interleave(torch.arange(1, W + 1).repeat(EL), counts.reshape(-1))
+    chunk_at = torch.arange(W + 1).clamp_min(1) - 1
+    plan = torch.empty(table.numel() + W + 1 + R, dtype=torch.int32, pin_memory=torch.cuda.is_available()
+                       and torch.device(device).type == "cuda")
+    torch.cat([table.reshape(-1), chunk_at, pos], out=plan)
+    table, chunk_at, pos = plan.to(device, non_blocking=True).split((table.numel(), W + 1, R))
     return pos, chunk_at, table.view(-1, 3), R
 
 
@@ -130,5 +123,5 @@ def launch_experts_gemm(ctx, cfg: MoEGEMMConfig, rows: torch.Tensor, gather: tor
     return launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, layout, op)
 
 
-__all__ = ["arrival_rank", "check_expert_weight", "experts_plan", "identity_rows", "launch_experts_gemm",
+__all__ = ["check_expert_weight", "experts_plan", "identity_rows", "launch_experts_gemm",
            "overlaps", "projection"]
