@@ -26,7 +26,6 @@ float8_e4m3fn with their scales); not built: the low-latency mode. Writes ``ep-<
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -110,8 +109,8 @@ def layer_case(ctx, rec) -> dict:
     ours = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never")
     theirs = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="always")
     after = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never")
-    after.op = to.ExpertParallel(ctx, fallback="never", name="bench.ep.after")
-    after.op.gemm_cfg = replace(after.op.gemm_cfg, gemm="triton")  # (no overlapped kernel: the GEMM by torch)
+    after.op = to.ExpertParallel(ctx, to.ExpertParallelConfig(experts_gemm="after"), fallback="never",
+                                 name="bench.ep.after")
     for m in (theirs, after):
         m.load_state_dict(ours.state_dict())
     g = torch.Generator(device=ctx.device).manual_seed(2 + ctx.rank)

@@ -470,8 +470,9 @@ def compile_ep_routing(target) -> int:
     """kernels.ep_routing (expert-parallel routing) and the scan it shares with kernels.routing, as ops.ep_routing
     launches them on GPUs: int64 and int32 ids, 256 and 4 experts, 1, 2 and 8 ranks, top-1, 2, 6 and 8, bf16 rows
     and fp8 rows (as bytes) with 64 scales, the pack into a staging buffer and into the owners' (PUSH), with and
-    without the owners' gather indexes (GATHER);
+    without the owners' gather indexes (GATHER), and kernels.ep_experts' plan of the overlapped GEMM;
     arguments not known divisible and (as Triton specialises aligned pointers and sizes) known divisible by 16."""
+    from triton_overlap.kernels import ep_experts as ee
     from triton_overlap.kernels import ep_routing as r
     from triton_overlap.kernels.routing import scan_counts
 
@@ -491,6 +492,8 @@ def compile_ep_routing(target) -> int:
         kernels += [(r.ep_pack, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, BLOCK_H=bh, G_PAD=g, PUSH=push,
                                      GATHER=gather))  # G_PAD 64: fp8 rows with scales; GATHER: 16-bit rows only
                     for g in (0, 64) for push in (False, True) for gather in ((False, True) if g == 0 else (False,))]
+        if K == 1 and ids == "*i64":  # (the GEMM plan reads no ids)
+            kernels.append((ee.ep_gemm_plan, dict(BLOCK_M=128, W_PAD=w_pad, EL_PAD=max(1, e_pad // w_pad), BLOCK=256)))
         for fn, consts in kernels:
             rows = ("x_ptr", "rows_ptr", "tokens_ptr")
             row_type = "*u8" if consts.get("G_PAD") else "*bf16"

@@ -14,7 +14,7 @@ What the GEMM reads, per layout row (the owner's rows by local expert, then sour
   (kernels.ep_routing.ep_pack's GATHER) before it raises its flag, so a tile reads it only after its waits;
 * ``pos``: its source rank + 1 (every row waits, this rank's own too: its flag is raised on the caller's stream
   before the GEMM), ``chunk_at``: position -> source rank, one chunk per source;
-* the tile table (expert, first row, end row), built on the host from the counts every rank holds: tiles of up to
+* the tile table (expert, first row, end row), from the counts every rank holds (kernels.ep_experts): tiles of up to
   ``block_m`` rows of one expert, in expert order, so that consecutive programs share an expert's weights (GROUP_M
   tiles a column tile). Ordering tiles by their sources' arrival instead would read each expert's weights once per
   source run, while the rows of a dispatch whose kernel stores them are mostly in before the GEMM starts.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.ep_experts import launch_gemm_plan
 from ..kernels.grouped_gemm import launch_ag_grouped
 from ..kernels.grouped_gemm_hopper import usable
 from ..plan import ChunkLayout
@@ -31,6 +32,8 @@ from .moe_config import MoEGEMMConfig
 
 #: device -> int32 [n] 0, 1, ..., n - 1 (each layout row's output row), sliced per call
 _IDENTITY: dict = {}
+#: (device, W) -> int32 [W + 1]: chunk_at (``sources``)
+_SOURCES: dict = {}
 
 
 def identity_rows(n: int, device) -> torch.Tensor:
@@ -41,38 +44,40 @@ def identity_rows(n: int, device) -> torch.Tensor:
     return found[:n]
 
 
-def experts_plan(traffic: Traffic, rank: int, block_m: int, device) -> tuple:
-    """(pos int32 [R], chunk_at int32 [W + 1], table int32 [tiles, 3], R) for this rank's layout (module doc), built
-    by torch on the host from the counts and copied in one pinned, asynchronous copy (a copy from pageable memory
-    would first wait for the stream: for the rows' exchange this GEMM is meant to overlap)."""
+def experts_plan(traffic: Traffic, rank: int, block_m: int, table: torch.Tensor) -> tuple:
+    """(pos int32 [R], chunk_at int32 [W + 1], tiles int32 [tiles, 3], R) for this rank's layout (module doc): sized
+    on the host from the counts, written on the device from the counts ``table`` (kernels.ep_experts)."""
     W, EL = traffic.world, traffic.experts_per_rank
-    counts = torch.tensor([traffic.experts[s][rank * EL:(rank + 1) * EL] for s in range(W)],
-                          dtype=torch.int64).reshape(W, EL).t()  # [EL, W]: rows of expert i from source s
-    n = counts.sum(1)
-    R = int(n.sum())
-    first = torch.cumsum(n, 0) - n
-    tiles = (n + block_m - 1) // block_m
-    expert = torch.repeat_interleave(torch.arange(EL), tiles)
-    start = first[expert] + (torch.arange(expert.numel()) - (torch.cumsum(tiles, 0) - tiles)[expert]) * block_m
-    table = torch.stack([expert, start, torch.minimum(start + block_m, first[expert] + n[expert])], 1)
-    pos = torch.repeat_interleave(torch.arange(1, W + 1).repeat(EL), counts.reshape(-1))
-    chunk_at = torch.arange(W + 1).clamp_min(1) - 1
-    plan = torch.empty(table.numel() + W + 1 + R, dtype=torch.int32, pin_memory=torch.cuda.is_available()
-                       and torch.device(device).type == "cuda")
-    torch.cat([table.reshape(-1), chunk_at, pos], out=plan)
-    table, chunk_at, pos = plan.to(device, non_blocking=True).split((table.numel(), W + 1, R))
-    return pos, chunk_at, table.view(-1, 3), R
+    lo = rank * EL
+    per = [sum(col) for col in zip(*(traffic.experts[s][lo:lo + EL] for s in range(W)))]
+    R, slots = sum(per), sum((n + block_m - 1) // block_m for n in per)
+    buf = torch.empty(R + 3 * slots, dtype=torch.int32, device=table.device)
+    pos, tiles = buf[:R], buf[R:].view(slots, 3)
+    if R:
+        launch_gemm_plan(table, pos, tiles, rank, traffic.num_experts, W, block_m)
+    return pos, sources(W, table.device), tiles, R
 
 
-def overlaps(ctx, cfg: MoEGEMMConfig, rows: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the overlapped GEMM takes the call: the warp-specialized Gluon kernel can run it (on Hopper; the
-    Triton kernel's gathered K loop was measured 0.73-0.98x of ``torch._grouped_mm``, docs/decisions.md,
-    Tensor-parallel MoE, more than a dispatch's rows can hide), or kernels are interpreted (the host backend,
-    where the protocol is what is tested)."""
+def sources(world: int, device) -> torch.Tensor:
+    """chunk_at for the grouped GEMM: position p (source rank + 1) -> chunk p - 1, the source; [0] unused."""
+    key = (str(device), world)
+    found = _SOURCES.get(key)
+    if found is None:
+        found = _SOURCES[key] = (torch.arange(world + 1, dtype=torch.int32).clamp_min(1) - 1).to(device)
+    return found
+
+
+def overlaps(ctx, mode: str, cfg: MoEGEMMConfig, rows: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the overlapped GEMM takes the call under ExpertParallelConfig.experts_gemm ``mode``: "auto" where the
+    warp-specialized Gluon kernel can run it (on Hopper; the Triton kernel's gathered K loop was measured
+    0.73-0.98x of ``torch._grouped_mm``, docs/decisions.md, Tensor-parallel MoE, more than a dispatch's rows can
+    hide) or kernels are interpreted (the host backend, where the protocol is what is tested)."""
+    if mode != "auto":
+        return mode == "overlap"
     return ctx.interpreted or (cfg.gemm != "triton" and usable(ctx, cfg, rows, w, out))
 
 
-def projection(op, traffic: Traffic, x: torch.Tensor, w):
+def projection(op, traffic: Traffic, x: torch.Tensor, w, table: torch.Tensor):
     """Where the overlapped GEMM takes a dispatch of ExpertParallel ``op`` (``w`` given, the op's overlapped path,
     ``overlaps``): a function of (receive buffer, gather index, flags) that launches it on the caller's stream into
     ``op.state["projected"]``; else None (the dispatch computes the product after the rows, by torch)."""
@@ -80,11 +85,11 @@ def projection(op, traffic: Traffic, x: torch.Tensor, w):
         return None
     ctx, R = op.ctx, traffic.expanded(op.ctx.rank)
     out = torch.empty((R, w.shape[2]), dtype=x.dtype, device=x.device)
-    if not overlaps(ctx, op.gemm_cfg, x, w, out):
+    if not overlaps(ctx, op.cfg.experts_gemm, op.gemm_cfg, x, w, out):
         return None
 
     def project(rows, gather, flags):
-        plan = experts_plan(traffic, ctx.rank, op.gemm_cfg.block_m, x.device)
+        plan = experts_plan(traffic, ctx.rank, op.gemm_cfg.block_m, table)
         op.last_gemm = launch_experts_gemm(ctx, op.gemm_cfg, rows, gather, w, out, plan, flags, op.wait_ops["rows"])
         op.state["projected"] = out
 
@@ -124,4 +129,4 @@ def launch_experts_gemm(ctx, cfg: MoEGEMMConfig, rows: torch.Tensor, gather: tor
 
 
 __all__ = ["check_expert_weight", "experts_plan", "identity_rows", "launch_experts_gemm",
-           "overlaps", "projection"]
+           "overlaps", "projection", "sources"]

@@ -88,9 +88,19 @@ from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check
 @dataclass(frozen=True)
 class ExpertParallelConfig:
     """``num_streams``: copy streams for the exchanges (None: one per peer, so that every link carries data at
-    once; not measured yet on GPUs, where AllGather-GEMM's sweep favoured one stream beside its GEMM)."""
+    once; not measured yet on GPUs, where AllGather-GEMM's sweep favoured one stream beside its GEMM).
+    ``experts_gemm``: how a dispatch with ``expert_weight`` computes ``d.projected`` (ops.ep_experts): "auto" (the
+    grouped GEMM started on each source's rows as they land where the warp-specialized kernel can run it, or where
+    kernels are interpreted; else after the rows), "overlap" (always that GEMM, with the Triton kernel where the
+    other cannot run), "after" (``torch._grouped_mm`` once every row is in)."""
 
     num_streams: int | None = None
+    experts_gemm: str = "auto"
+
+    def __post_init__(self):
+        if self.experts_gemm not in ("auto", "overlap", "after"):
+            raise ValueError(f"ExpertParallelConfig.experts_gemm must be 'auto', 'overlap' or 'after', got "
+                             f"{self.experts_gemm!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,7 +187,7 @@ class ExpertParallel(OverlapOp):
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
                              + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
         self.last_exchange = None if fallback else "stores"
-        project = projection(self, traffic, x, w)
+        project = projection(self, traffic, x, w, table_dev)
         if pushed:
             U = sum(traffic.received(r))
             self.state["buffers"].update(rows=target[0].local, meta=target[1].local)
