@@ -12,9 +12,9 @@ Per shape (model, tokens per rank, routing), in one process group and one run:
 * **combine**: ``ExpertParallel.combine`` of the dispatched rows (as the experts' outputs) on both paths; both return
   the same bits (the sums walk their terms in one fixed order), checked.
 * **layer**: ``nn.EPMoE`` forward + backward with ``fallback="never"`` against the same parameters with
-  ``fallback="always"`` (NCCL all_to_all_single for every exchange), and the forward alone on both and on the
-  overlapped op with its experts' first GEMM after every row is in ("after": ``torch._grouped_mm``, the other
-  GEMMs' kernel in every column) rather than started per source as the rows land (ops.ep_experts).
+  ``fallback="always"`` (NCCL all_to_all_single for every exchange), the experts' GEMMs ``torch._grouped_mm`` in
+  both; and the forward alone on both and with ``experts_gemm="overlap"`` (the first GEMM started on each source's
+  rows as they land, ops.ep_experts).
 * **GB/s**: the bytes of rows the busiest rank sends to other ranks (dispatch: H-wide rows, once per (token, owner);
   combine: the partials back) over the call's time. The bound from the peers' measured copy bandwidth is not
   measured here.
@@ -100,18 +100,15 @@ def exchange_case(ctx, ops, rec) -> dict:
 
 def layer_case(ctx, rec) -> dict:
     """The layer's columns: EPMoE forward + backward on the overlapped path and on all_to_all_single, the same
-    parameters (rec gains the relative error between the two outputs), and the forward alone on three: overlapped
-    (the gate and up projections started on each source's rows as they land, where the op can: ``layer_gemm``
-    names the kernel), the same op with that GEMM after every row is in (``torch._grouped_mm``, as before the
-    overlap), and all_to_all_single."""
+    parameters (rec gains the relative error between the two outputs), and the forward alone on both and with
+    ``experts_gemm="overlap"`` (the gate and up projections started on each source's rows as they land:
+    ``layer_overlap_gemm`` names the kernel)."""
     E, topk, H, hidden, tokens = (rec[k] for k in ("E", "topk", "H", "hidden", "tokens_per_rank"))
     torch.manual_seed(0)  # the replicated router: the same on every rank
     ours = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never")
     theirs = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="always")
-    after = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never")
-    after.op = to.ExpertParallel(ctx, to.ExpertParallelConfig(experts_gemm="after"), fallback="never",
-                                 name="bench.ep.after")
-    for m in (theirs, after):
+    per_source = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never", experts_gemm="overlap")
+    for m in (theirs, per_source):
         m.load_state_dict(ours.state_dict())
     g = torch.Generator(device=ctx.device).manual_seed(2 + ctx.rank)
     x = torch.randn(tokens, H, device=ctx.device, generator=g).to(torch.bfloat16).requires_grad_()
@@ -119,7 +116,8 @@ def layer_case(ctx, rec) -> dict:
     with torch.no_grad():
         a, b = ours(x), theirs(x)
         rec["layer_rel_err"] = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
-    rec["layer_path"], rec["layer_gemm"] = ours.last_path, ours.op.last_gemm
+        per_source(x)
+    rec["layer_path"], rec["layer_overlap_gemm"] = ours.last_path, per_source.op.last_gemm
 
     def step(m):
         def run():
@@ -135,7 +133,7 @@ def layer_case(ctx, rec) -> dict:
         return run
 
     return {"layer_ours_us": step(ours), "layer_nccl_us": step(theirs), "layer_fwd_ours_us": forward(ours),
-            "layer_fwd_after_us": forward(after), "layer_fwd_nccl_us": forward(theirs)}
+            "layer_fwd_overlap_us": forward(per_source), "layer_fwd_nccl_us": forward(theirs)}
 
 
 def _timed(ctx, rec, fns, iters, lead_us) -> None:

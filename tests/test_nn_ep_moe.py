@@ -142,7 +142,9 @@ def _stacked_layers(compiled):
         x_ref = x_all.clone().requires_grad_()
         y_ref = refs[1](torch.tanh(refs[0](x_ref)))
         (y_ref * gy_all.double()).sum().backward()
-        layers = [EPMoE.from_full(p.router, (p.w1, p.w3, p.w2), ctx, topk=2, fallback="never") for p in plains]
+        # the first GEMM started per source as the rows land (ops.ep_experts), against the unsharded modules
+        layers = [EPMoE.from_full(p.router, (p.w1, p.w3, p.w2), ctx, topk=2, fallback="never", experts_gemm="overlap")
+                  for p in plains]
 
         def model(x):
             return layers[1](torch.tanh(layers[0](x)))
@@ -152,6 +154,7 @@ def _stacked_layers(compiled):
         y = (torch.compile(model) if compiled else model)(x)
         (y.float() * gy_all[mine].to(dev)).sum().backward()
         ctx.check()
+        assert layers[0].op.last_gemm == ("ag_grouped_gemm" if ctx.interpreted else layers[0].op.last_gemm)
         errs = {"out": rel_err(y.detach(), y_ref[mine].detach()), "grad_x": rel_err(x.grad, x_ref.grad[mine])}
         assert errs["out"] < TOL_OUT and errs["grad_x"] < TOL_GRAD, f"rank {r}: {errs}"
         return errs

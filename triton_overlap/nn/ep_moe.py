@@ -8,9 +8,8 @@ the whole router (replicated) and E/W whole experts: rank r owns experts ``[r·E
   top-k, optionally renormalized);
 * ``dispatch`` with the experts' gate and up projections: each token's row to the ranks that own its choices
   (``ops.expert_parallel``), the received rows grouped by local expert (``d.tokens``, bounds ``d.offsets``) and
-  their product with ``w13`` (``d.projected``), by a grouped GEMM that starts on each source's rows as they land
-  where the op overlaps and the kernel can run it (ops.ep_experts: Hopper, 16-bit, dim a multiple of 64 up to
-  4096), else after the rows, as the down projection;
+  their product with ``w13`` (``d.projected``): after the rows, as the down projection, or with
+  ``experts_gemm="overlap"`` by a grouped GEMM that starts on each source's rows as they land (ops.ep_experts);
 * ``silu(gate) * up`` and the down projection: ``torch._grouped_mm`` where it takes the operands (bfloat16, widths
   multiples of 8, CPU or a GPU of compute capability 9.0 or newer: ``ops.moe_routing.expert_grads``' rule), else a
   matmul per expert (the offsets read back to the host);
@@ -38,9 +37,10 @@ Backward, piece by piece (``torch.autograd.Function``s below; the router and ``s
 
 What overlaps what: where the op takes its overlapped path (``last_path == "overlap"``), the rows of a dispatch or
 a combine move into the peers' symmetric buffers (stored by kernels, or by copy engine where the receive buffers
-must grow), with a flag per source, and the forward's gate and up projections start on each source's rows as its
-flag lands (``op.last_gemm`` names the kernel, "torch" where it ran after the rows). Not overlapped per source: the
-combine with the down projection, and the backward's GEMMs with their dispatch and combine. Not overlapped at
+must grow), with a flag per source; with ``experts_gemm="overlap"`` the forward's gate and up projections start on
+each source's rows as its flag lands (``op.last_gemm`` names the kernel, "torch" where they ran after the rows, the
+default). Not overlapped per source: the combine with the down projection, and the backward's GEMMs with their
+dispatch and combine. Not overlapped at
 all: the router, the weights' gradient exchange (process group), the experts' weight gradients (local), and one
 host synchronisation per dispatch (the counts), so two per training step and layer. ``fallback="always"`` takes
 the process group's ``all_to_all_single`` for every exchange. The dispatch reads counts back to the host, so the
@@ -56,17 +56,19 @@ import torch.distributed as dist
 from torch import nn
 
 from ..ops.ep_low_latency import ExpertParallelLowLatency
-from ..ops.expert_parallel import ExpertParallel
+from ..ops.expert_parallel import ExpertParallel, ExpertParallelConfig
 from ..ops.moe_routing import expert_grads, grouped_mm, takes_grouped_mm
 from .moe import ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
 from .precision import compute_dtype
 
 
-def ep_op(ctx, fallback: str) -> ExpertParallel:
-    """The ExpertParallel op of the EPMoE layers on ``ctx`` with the fallback rule ``fallback``: one per pair,
-    shared by the layers (its dispatches number themselves, so layers in flight together stay apart)."""
-    return ctx.cached(("nn ep_moe op", fallback),
-                      lambda: ExpertParallel(ctx, fallback=fallback, name=f"nn.ep_moe.{fallback}"))
+def ep_op(ctx, fallback: str, experts_gemm: str = "after") -> ExpertParallel:
+    """The ExpertParallel op of the EPMoE layers on ``ctx`` with the fallback rule ``fallback`` and
+    ExpertParallelConfig.experts_gemm ``experts_gemm``: one per pair, shared by the layers (its dispatches number
+    themselves, so layers in flight together stay apart)."""
+    return ctx.cached(("nn ep_moe op", fallback, experts_gemm),
+                      lambda: ExpertParallel(ctx, ExpertParallelConfig(experts_gemm=experts_gemm), fallback=fallback,
+                                             name=f"nn.ep_moe.{fallback}.{experts_gemm}"))
 
 
 # ----------------------------------------------------------------------------------------------- the experts
@@ -198,9 +200,11 @@ class EPMoE(ReplicatedRouter, nn.Module):
     divided by its sum over the k choices), exactly ``TPMoE``'s router.
 
     Overlapped: the rows of each dispatch and combine (forward and backward), with a flag per source, where the op
-    takes its overlapped path, and the forward's gate and up projections with the dispatch's rows, source by source.
-    Not overlapped: the other GEMMs with their transfers, the top-k weights' gradient (``all_to_all_single`` on the
-    process group), the experts' weight gradients and the router. The module docstring says what each backward piece does.
+    takes its overlapped path, and with ``experts_gemm="overlap"`` the forward's gate and up projections with the
+    dispatch's rows, source by source (default "after": ``torch._grouped_mm`` once the rows are in, measured faster on
+    2 H200s; ExpertParallelConfig). Not overlapped: the other GEMMs with their transfers, the top-k weights'
+    gradient (``all_to_all_single`` on the process group), the experts' weight gradients and the router. The module
+    docstring says what each backward piece does.
 
     Gradients: the experts' are complete on their owner. The router's covers this rank's tokens only: call
     ``sync_replicated_grads()`` after backward (a sum over ranks) or hand it to your data-parallel reducer.
@@ -218,7 +222,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, *, ctx, renormalize: bool = True,
-                 dtype=None, device=None, fallback: str = "auto", max_tokens_per_rank: int | None = None):
+                 dtype=None, device=None, fallback: str = "auto", max_tokens_per_rank: int | None = None,
+                 experts_gemm: str = "after"):
         super().__init__()
         W = ctx.world_size
         if num_experts % W:
@@ -230,7 +235,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
         self.dim, self.hidden, self.num_experts, self.topk = dim, hidden, num_experts, topk
         self.renormalize = renormalize
         self.experts_local = num_experts // W
-        self.op = ep_op(ctx, fallback)
+        self.op = ep_op(ctx, fallback, experts_gemm)
         self.low_latency = max_tokens_per_rank is not None
         self.decode_op = (None if max_tokens_per_rank is None else ctx.cached(
             ("nn ep_moe low-latency op", fallback, max_tokens_per_rank),
@@ -245,7 +250,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
 
     @classmethod
     def from_full(cls, router: nn.Linear, experts, ctx, *, topk: int, renormalize: bool = True, dtype=None,
-                  device=None, fallback: str = "auto", max_tokens_per_rank: int | None = None) -> "EPMoE":
+                  device=None, fallback: str = "auto", max_tokens_per_rank: int | None = None,
+                  experts_gemm: str = "after") -> "EPMoE":
         """This rank's experts of an unsharded MoE, the same on every rank (``TPMoE.from_full``'s arguments):
         ``router`` an ``nn.Linear(dim, E)`` without bias; ``experts`` either ``(w1, w3, w2)``, stacked tensors in
         ``nn.Linear``'s [out, in] convention (Mixtral's, Qwen3-MoE's): gate ``w1`` [E, hidden, dim], up ``w3``
@@ -256,7 +262,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
         w1, w3, w2, dtype = full_moe("EPMoE", router, experts, dtype)
         E, hidden, dim = w1.shape
         moe = cls(dim, hidden, E, topk, ctx=ctx, renormalize=renormalize, dtype=dtype, device=device,
-                  fallback=fallback, max_tokens_per_rank=max_tokens_per_rank)
+                  fallback=fallback, max_tokens_per_rank=max_tokens_per_rank, experts_gemm=experts_gemm)
         mine = slice(*moe.expert_range)
         moe.load(router, *shard_experts(w1[mine], w3[mine], w2[mine], 0, 1))  # whole experts: one "shard"
         return moe

@@ -1,12 +1,15 @@
 """The experts' first grouped GEMM of an expert-parallel dispatch, started on each source's rows as they land.
 
 ``ExpertParallel.dispatch(..., expert_weight=w)`` returns, beside the rows, ``d.projected`` = each row @ w[its
-local expert] ([R, N], in d.tokens' order). Where the op's overlapped path moves the rows (stored by ep_pack or by
-copy engine, a flag per source), that product is one persistent grouped GEMM (kernels.grouped_gemm's
+local expert] ([R, N], in d.tokens' order). With ``ExpertParallelConfig(experts_gemm="overlap")``, where the op's
+overlapped path moves the rows (stored by ep_pack or by copy engine, a flag per source), that product is one
+persistent grouped GEMM (kernels.grouped_gemm's
 ``launch_ag_grouped``: on Hopper the warp-specialized Gluon kernel, else the Triton one) which reads every row
 straight from the owner's receive buffer and whose tiles wait only for the flags of the sources their rows come
-from; the expansion of the received rows into d.tokens runs after it. Without it the product would start only once
-every source's rows are in and expanded.
+from; the expansion of the received rows into d.tokens runs after it. Otherwise (the default, "after") the product
+is ``torch._grouped_mm`` on d.tokens once every source's rows are in and expanded: on 2 H200s that was the faster
+(docs/decisions.md, Expert-parallel MoE), since the rows that a kernel stores are mostly in before the GEMM could
+start and the gathering kernel is slower than ``torch._grouped_mm`` on the expert-sorted rows.
 
 What the GEMM reads, per layout row (the owner's rows by local expert, then source rank, token and choice):
 
@@ -25,7 +28,6 @@ import torch
 
 from ..kernels.ep_experts import launch_gemm_plan
 from ..kernels.grouped_gemm import launch_ag_grouped
-from ..kernels.grouped_gemm_hopper import usable
 from ..plan import ChunkLayout
 from .ep_routing import Traffic
 from .moe_config import MoEGEMMConfig
@@ -67,26 +69,15 @@ def sources(world: int, device) -> torch.Tensor:
     return found
 
 
-def overlaps(ctx, mode: str, cfg: MoEGEMMConfig, rows: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
-    """Whether the overlapped GEMM takes the call under ExpertParallelConfig.experts_gemm ``mode``: "auto" where the
-    warp-specialized Gluon kernel can run it (on Hopper; the Triton kernel's gathered K loop was measured
-    0.73-0.98x of ``torch._grouped_mm``, docs/decisions.md, Tensor-parallel MoE, more than a dispatch's rows can
-    hide) or kernels are interpreted (the host backend, where the protocol is what is tested)."""
-    if mode != "auto":
-        return mode == "overlap"
-    return ctx.interpreted or (cfg.gemm != "triton" and usable(ctx, cfg, rows, w, out))
-
-
 def projection(op, traffic: Traffic, x: torch.Tensor, w, table: torch.Tensor):
     """Where the overlapped GEMM takes a dispatch of ExpertParallel ``op`` (``w`` given, the op's overlapped path,
-    ``overlaps``): a function of (receive buffer, gather index, flags) that launches it on the caller's stream into
-    ``op.state["projected"]``; else None (the dispatch computes the product after the rows, by torch)."""
-    if w is None or op.last_path != "overlap":
+    ``op.cfg.experts_gemm`` "overlap"): a function of (receive buffer, gather index, flags) that launches it on the
+    caller's stream into ``op.state["projected"]``; else None (the dispatch computes the product after the rows, by
+    torch)."""
+    if w is None or op.last_path != "overlap" or op.cfg.experts_gemm != "overlap":
         return None
     ctx, R = op.ctx, traffic.expanded(op.ctx.rank)
     out = torch.empty((R, w.shape[2]), dtype=x.dtype, device=x.device)
-    if not overlaps(ctx, op.cfg.experts_gemm, op.gemm_cfg, x, w, out):
-        return None
 
     def project(rows, gather, flags):
         plan = experts_plan(traffic, ctx.rank, op.gemm_cfg.block_m, table)
@@ -128,5 +119,4 @@ def launch_experts_gemm(ctx, cfg: MoEGEMMConfig, rows: torch.Tensor, gather: tor
     return launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, layout, op)
 
 
-__all__ = ["check_expert_weight", "experts_plan", "identity_rows", "launch_experts_gemm",
-           "overlaps", "projection", "sources"]
+__all__ = ["check_expert_weight", "experts_plan", "identity_rows", "launch_experts_gemm", "projection", "sources"]

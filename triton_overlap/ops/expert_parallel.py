@@ -89,17 +89,18 @@ from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check
 class ExpertParallelConfig:
     """``num_streams``: copy streams for the exchanges (None: one per peer, so that every link carries data at
     once; not measured yet on GPUs, where AllGather-GEMM's sweep favoured one stream beside its GEMM).
-    ``experts_gemm``: how a dispatch with ``expert_weight`` computes ``d.projected`` (ops.ep_experts): "auto" (the
-    grouped GEMM started on each source's rows as they land where the warp-specialized kernel can run it, or where
-    kernels are interpreted; else after the rows), "overlap" (always that GEMM, with the Triton kernel where the
-    other cannot run), "after" (``torch._grouped_mm`` once every row is in)."""
+    ``experts_gemm``: how a dispatch with ``expert_weight`` computes ``d.projected`` (ops.ep_experts): "after"
+    (``torch._grouped_mm`` once every row is in; the default: on 2 H200s the per-source GEMM below made the
+    EPMoE forward 0.86-0.92x as fast on Qwen3-30B-A3B, docs/decisions.md, Expert-parallel MoE) or "overlap" (a
+    grouped GEMM started on each source's rows as they land: the warp-specialized kernel on Hopper where it can
+    run, else the Triton one)."""
 
     num_streams: int | None = None
-    experts_gemm: str = "auto"
+    experts_gemm: str = "after"
 
     def __post_init__(self):
-        if self.experts_gemm not in ("auto", "overlap", "after"):
-            raise ValueError(f"ExpertParallelConfig.experts_gemm must be 'auto', 'overlap' or 'after', got "
+        if self.experts_gemm not in ("overlap", "after"):
+            raise ValueError(f"ExpertParallelConfig.experts_gemm must be 'overlap' or 'after', got "
                              f"{self.experts_gemm!r}")
 
 
@@ -121,7 +122,7 @@ class ExpertParallel(OverlapOp):
     [T_local, topk] int32 or int64 in [0, E), ``topk_weights`` [T_local, topk] float32. Returns an EPHandle.
     ``expert_weight``: None, or this rank's experts' first weight [E/W, H, N] (x's 16-bit dtype): ``d.projected`` is
     then ``d.tokens`` @ it per expert, on the overlapped path by a grouped GEMM that starts on each source's rows as
-    they land (ops.ep_experts; ``op.last_gemm`` names what ran it). ``op.combine(y, d, *, out=None)``: ``y`` [R, N] (float16 or bfloat16) the experts' outputs in ``d.tokens``'
+    they land where ``config.experts_gemm`` is "overlap" (ops.ep_experts; ``op.last_gemm`` names what ran it). ``op.combine(y, d, *, out=None)``: ``y`` [R, N] (float16 or bfloat16) the experts' outputs in ``d.tokens``'
     order; returns [T_local, N] in y's dtype.
 
     Checked before anything is launched (ValueError, the Context stays usable): E divisible by W, shapes, dtypes,
