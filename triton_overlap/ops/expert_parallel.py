@@ -122,7 +122,8 @@ class ExpertParallel(OverlapOp):
     [T_local, topk] int32 or int64 in [0, E), ``topk_weights`` [T_local, topk] float32. Returns an EPHandle.
     ``expert_weight``: None, or this rank's experts' first weight [E/W, H, N] (x's 16-bit dtype): ``d.projected`` is
     then ``d.tokens`` @ it per expert, on the overlapped path by a grouped GEMM that starts on each source's rows as
-    they land where ``config.experts_gemm`` is "overlap" (ops.ep_experts; ``op.last_gemm`` names what ran it). ``op.combine(y, d, *, out=None)``: ``y`` [R, N] (float16 or bfloat16) the experts' outputs in ``d.tokens``'
+    they land where ``config.experts_gemm`` is "overlap" (ops.ep_experts; ``op.last_gemm`` names what ran it).
+    ``op.combine(y, d, *, out=None)``: ``y`` [R, N] (float16 or bfloat16) the experts' outputs in ``d.tokens``'
     order; returns [T_local, N] in y's dtype.
 
     Checked before anything is launched (ValueError, the Context stays usable): E divisible by W, shapes, dtypes,
@@ -162,8 +163,9 @@ class ExpertParallel(OverlapOp):
         W, r, k = ctx.world_size, ctx.rank, topk_ids.shape[1]
         G = 0 if scales is None else scales.shape[1]
         w = expert_weight
+        gathers = w is not None and self.cfg.experts_gemm == "overlap"  # (the owners' gather indexes: ops.ep_experts)
         self._agree("ep_dispatch", ("dispatch", x.shape[1], str(x.dtype), num_experts, k, G,
-                                    0 if w is None else w.shape[2]))
+                                    0 if w is None else w.shape[2], gathers))
         route = route_tokens(topk_ids, num_experts, W)
         fallback = self._use_fallback()
         self.last_path = "fallback" if fallback else "overlap"
@@ -174,10 +176,10 @@ class ExpertParallel(OverlapOp):
         else:
             table_dev, read_table = self._counts(route.record, sched)
             target = self._push_target(x.shape[1], torch.uint8 if x.dtype == FP8 else x.dtype, meta_width(k, G),
-                                       0 if w is None else k)
+                                       k if gathers else 0)
             if target is not None:  # the rows move while the host reads the counts
                 sent = pack(x, route, topk_weights, r, table_dev, 0, scales, push=target[:4], gather=target[4])
-                self._raise_push_flags(mine=w is not None)
+                self._raise_push_flags(mine=gathers)
             table = read_table()
         traffic = Traffic.read(table, W, num_experts)
         bad = traffic.out_of_range()
@@ -199,8 +201,8 @@ class ExpertParallel(OverlapOp):
             expanded = expand(target[0].local[:U], target[1].local[:U], traffic.expanded(r), sent.offsets, k,
                               x.dtype)
         else:
-            # (by expert_weight alone, which every rank agreed on: the index is allocated on every rank together)
-            gather = None if w is None or fallback else self._gather_buffer(traffic, x.shape[1], x.dtype, k)
+            # (by what every rank agreed on: the index is allocated on every rank together)
+            gather = self._gather_buffer(traffic, x.shape[1], x.dtype, k) if gathers and not fallback else None
             sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales, gather=gather)
             if fallback:
                 rows, meta = self._rows_fallback(sent, traffic)
@@ -305,7 +307,7 @@ class ExpertParallel(OverlapOp):
               gather=None) -> tuple:
         """Steps 3 and 4: each owner's block into its receive buffers with this rank's flag there (no barrier: the
         call's opened with the counts), then, once every source's flag is up, the received rows in expert order.
-        ``project``: _projection's, launched between the two on the rows as they land."""
+        ``project``: ops.ep_experts.projection's, launched between the two on the rows as they land."""
         ctx, W, r = self.ctx, self.ctx.world_size, self.ctx.rank
         most = traffic.most_received()
         rows = self._receive("rows", most, sent.rows.shape[1], sent.rows.dtype)  # (fp8 rows: their bytes)
