@@ -150,9 +150,10 @@ def weight_grads(ctx, y: torch.Tensor, g_rows: torch.Tensor, d) -> torch.Tensor:
 
 class DispatchProject(torch.autograd.Function):
     """``op.dispatch(..., expert_weight=w13)`` as a function of the tokens and of ``w13``: returns ``d.projected``
-    [R, 2 * hidden] (each received row @ w13[its local expert], computed as the rows land where the op overlaps:
-    ops.ep_experts) and fills ``routing``. Backward: the rows' gradient by the grouped GEMM with ``w13^T``, then
-    as Dispatch's; ``w13``'s by ``expert_grads`` over the received rows."""
+    [R, 2 * hidden] (each received row @ w13[its local expert]; computed as the rows land where the op's
+    ``experts_gemm`` is "overlap": ops.ep_experts) and fills ``routing``. Backward: the rows' gradient by the grouped
+    GEMM with ``w13^T``, summed per token over its choices on each owner and sent back (the op's combine with unit
+    weights: module docstring); ``w13``'s by ``expert_grads`` over the received rows."""
 
     @staticmethod
     def forward(fctx, x, ids, weights, w13, op, num_experts, routing):

@@ -20,9 +20,10 @@ def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                 ctx, scales: torch.Tensor | None = None, max_tokens_per_rank: int | None = None,
                 expert_weight: torch.Tensor | None = None):
     """ExpertParallel.dispatch (returns an EPHandle; ``expert_weight``: also ``d.projected``, the rows' product with
-    their experts' weight, started on each source's rows as they land), or with ``max_tokens_per_rank`` the
-    low-latency mode's (ExpertParallelLowLatency.dispatch: no host synchronisation, fixed shapes; returns a
-    LowLatencyHandle; no ``expert_weight``)."""
+    their experts' weight, by torch after the rows: the GEMM started per source as they land needs an op with
+    ``ExpertParallelConfig(experts_gemm="overlap")``), or with ``max_tokens_per_rank`` the low-latency mode's
+    (ExpertParallelLowLatency.dispatch: no host synchronisation, fixed shapes; returns a LowLatencyHandle; no
+    ``expert_weight``)."""
     if max_tokens_per_rank is None:
         return ExpertParallel.shared(ctx).dispatch(x, topk_ids, topk_weights, num_experts=num_experts, scales=scales,
                                                    expert_weight=expert_weight)

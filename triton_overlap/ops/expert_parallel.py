@@ -193,7 +193,8 @@ class ExpertParallel(OverlapOp):
         project = projection(self, traffic, x, w, table_dev)
         if pushed:
             U = sum(traffic.received(r))
-            self.state["buffers"].update(rows=target[0].local, meta=target[1].local)
+            self.state["buffers"].update(rows=target[0].local, meta=target[1].local,
+                                         **({"gather": target[4].local} if gathers else {}))
             if project is not None:  # each source's rows as its flag lands
                 project(target[0].local, target[4].local,
                         ctx.symmetric(f"{self.name}.push_flags", (W,), torch.int32).local)
@@ -314,6 +315,8 @@ class ExpertParallel(OverlapOp):
         meta = self._receive("meta", most, sent.meta.shape[1], torch.int32)
         flags = ctx.symmetric(f"{self.name}.row_flags", (W,), torch.int32)
         self.state["buffers"].update(rows=rows.local, meta=meta.local)
+        if gather is not None:
+            self.state["buffers"]["gather"] = gather.local
         blocks = {}
         for d in range(W):
             n = traffic.rows[r][d]
@@ -441,7 +444,6 @@ class ExpertParallel(OverlapOp):
         if self.fallback != "auto":
             return self.fallback == "always"
         return self.ctx.world_size == 1
-
 
 
 __all__ = ["EPHandle", "ExpertParallel", "ExpertParallelConfig", "Traffic"]
