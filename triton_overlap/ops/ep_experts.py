@@ -3,10 +3,9 @@
 ``ExpertParallel.dispatch(..., expert_weight=w)`` returns, beside the rows, ``d.projected`` = each row @ w[its
 local expert] ([R, N], in d.tokens' order). With ``ExpertParallelConfig(experts_gemm="overlap")``, where the op's
 overlapped path moves the rows (stored by ep_pack or by copy engine, a flag per source), that product is one
-persistent grouped GEMM (kernels.grouped_gemm's
-``launch_ag_grouped``: on Hopper the warp-specialized Gluon kernel, else the Triton one) which reads every row
-straight from the owner's receive buffer and whose tiles wait only for the flags of the sources their rows come
-from; the expansion of the received rows into d.tokens runs after it. Otherwise (the default, "after") the product
+persistent grouped GEMM (kernels.grouped_gemm's ``launch_ag_grouped``: on Hopper the warp-specialized Gluon kernel,
+else the Triton one) which reads every row straight from the owner's receive buffer and whose tiles wait only for
+the flags of the sources their rows come from; the expansion of the received rows into d.tokens runs after it. Otherwise (the default, "after") the product
 is ``torch._grouped_mm`` on d.tokens once every source's rows are in and expanded: on 2 H200s that was the faster
 (docs/decisions.md, Expert-parallel MoE), since the rows that a kernel stores are mostly in before the GEMM could
 start and the gathering kernel is slower than ``torch._grouped_mm`` on the expert-sorted rows.
@@ -71,20 +70,19 @@ def sources(world: int, device) -> torch.Tensor:
 
 def projection(op, traffic: Traffic, x: torch.Tensor, w, table: torch.Tensor):
     """Where the overlapped GEMM takes a dispatch of ExpertParallel ``op`` (``w`` given, the op's overlapped path,
-    ``op.cfg.experts_gemm`` "overlap"): a function of (receive buffer, gather index, flags) that launches it on the
-    caller's stream into ``op.state["projected"]``; else None (the dispatch computes the product after the rows, by
-    torch)."""
+    ``op.cfg.experts_gemm`` "overlap"): (a function of (receive buffer, gather index, flags) that launches it on the
+    caller's stream, the [R, N] tensor it writes); else (None, None): the dispatch computes the product after the
+    rows, by torch."""
     if w is None or op.last_path != "overlap" or op.cfg.experts_gemm != "overlap":
-        return None
+        return None, None
     ctx, R = op.ctx, traffic.expanded(op.ctx.rank)
     out = torch.empty((R, w.shape[2]), dtype=x.dtype, device=x.device)
 
     def project(rows, gather, flags):
         plan = experts_plan(traffic, ctx.rank, op.gemm_cfg.block_m, table)
         op.last_gemm = launch_experts_gemm(ctx, op.gemm_cfg, rows, gather, w, out, plan, flags, op.wait_ops["rows"])
-        op.state["projected"] = out
 
-    return project
+    return project, out
 
 
 def check_expert_weight(ctx, x: torch.Tensor, w, num_experts: int) -> None:

@@ -190,7 +190,7 @@ class ExpertParallel(OverlapOp):
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
                              + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
         self.last_exchange = None if fallback else "stores"
-        project = projection(self, traffic, x, w, table_dev)
+        project, projected = projection(self, traffic, x, w, table_dev)
         if pushed:
             U = sum(traffic.received(r))
             self.state["buffers"].update(rows=target[0].local, meta=target[1].local,
@@ -214,12 +214,9 @@ class ExpertParallel(OverlapOp):
         seq = self.state.get("dispatches", 0)
         self.state["dispatches"] = seq + 1
         tokens, counts, offsets, source, token, weights, slots, slot_weights, row_scales = expanded
-        projected = None
-        if w is not None:
-            projected = self.state.pop("projected", None)
-            if projected is None:  # after the rows are in, by torch
-                self.last_gemm = "torch"
-                projected = grouped_mm(tokens, w, offsets)
+        if w is not None and projected is None:  # after the rows are in, by torch
+            self.last_gemm = "torch"
+            projected = grouped_mm(tokens, w, offsets)
         return EPHandle(tokens, counts, offsets, source, token, weights, received=traffic.received(r),
                         sent=traffic.rows[r], traffic=traffic, slots=slots, slot_weights=slot_weights,
                         positions=sent.positions, rank=r, num_tokens=x.shape[0], seq=seq, scales=row_scales,
