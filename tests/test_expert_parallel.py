@@ -166,7 +166,7 @@ def _round_trip(op, ctx, case, it, experts):
     if y.numel():
         err = rel_err(d.projected, y.double())
         assert err < TOL[y.dtype] / 2, f"rank {r} iter {it}: projected rel err {err:.2e}"
-    if op.last_path == "fallback" or op.cfg.experts_gemm == "after":
+    if op.last_path == "fallback" or op.cfg.experts_gemm == "after" or ctx.num_hosts > 1:  # (ops.ep_hosts)
         assert op.last_gemm == "torch", op.last_gemm
     elif ctx.interpreted:  # the overlapped GEMM, on every call (Gluon does not run in the interpreter)
         assert op.last_gemm == ("ag_grouped_gemm" if y.shape[0] else "none"), op.last_gemm
@@ -210,7 +210,7 @@ def _cases(pool):
     return HOST_CASES if pool.backend == "host" else GPU_CASES
 
 
-def _matches_reference(case):
+def ep_matches_reference(case):
     with to.Context(timeout_s=120) as ctx:
         case = _at(case, ctx.world_size)
         ctx.set_producer_jitter(case.jitter)
@@ -230,7 +230,7 @@ def test_ep_matches_reference(pool, case):
     cases = _cases(pool)
     if case >= len(cases):
         pytest.skip("no such case for this backend")
-    pool.run(_matches_reference, cases[case])
+    pool.run(ep_matches_reference, cases[case])
 
 
 def _functional_and_fallback(case):
@@ -429,7 +429,7 @@ def test_ep_bad_input_raises_before_launch(pool):
 
 
 # ---------------------------------------------------------------------------------------------------- faults
-def _silent_peer(what: str, T: float):
+def ep_silent_peer(what: str, T: float):
     """Rank 1 makes the call but never sends its ``what`` (a dispatch's "counts" or "rows", a combine's "partials")
     to anyone: every other rank's bounded wait gives up naming the rank, the op, rank 1 and its block (or reports
     the first such fault, relayed), rank 1 learns of it too, calls are refused until reset(), and then they are right
@@ -452,7 +452,7 @@ def _silent_peer(what: str, T: float):
         flags = {"counts": (".count_flags",), "rows": (".row_flags", ".push_flags"),  # (rows: either path)
                  "partials": (".partial_flags",)}[what]
 
-        raise_flags = exchange.raise_flags
+        raise_flags, between_hosts = exchange.raise_flags, exchange.between_hosts
 
         def silent(self, ctx, streams):
             if not self.flags.name.endswith(flags):
@@ -462,9 +462,13 @@ def _silent_peer(what: str, T: float):
             if not f.name.endswith(flags):
                 raise_flags(ctx, f)
 
+        def silent_link(ctx, stream, remote, f, *a):  # (a combine's partials between hosts)
+            if not f.name.endswith(flags):
+                between_hosts(ctx, stream, remote, f, *a)
+
         elapsed = None
         if r == 1:
-            exchange.AllToAll.enqueue, exchange.raise_flags = silent, silent_stores
+            exchange.AllToAll.enqueue, exchange.raise_flags, exchange.between_hosts = silent, silent_stores, silent_link
             try:
                 try:
                     call()
@@ -476,7 +480,8 @@ def _silent_peer(what: str, T: float):
                         ctx.check()
                         time.sleep(0.02)
             finally:
-                exchange.AllToAll.enqueue, exchange.raise_flags = original, raise_flags
+                exchange.AllToAll.enqueue, exchange.raise_flags, exchange.between_hosts = (original, raise_flags,
+                                                                                           between_hosts)
         else:
             t0 = time.monotonic()
             with pytest.raises(to.ContextError) as info:
@@ -503,7 +508,7 @@ def _silent_peer(what: str, T: float):
 def test_ep_silent_peer_faults(pool, what):
     if pool.backend == "host" and (pool.world == 4 or pool.world == 3 and what == "partials"):
         pytest.skip("W = 2 and 3 on the host backend (a combine's: W = 2)")
-    assert any(e is not None for e in pool.run(_silent_peer, what, timeout_for(pool)))
+    assert any(e is not None for e in pool.run(ep_silent_peer, what, timeout_for(pool)))
 
 
 def _combine_other_dispatch(T: float):

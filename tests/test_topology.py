@@ -1,8 +1,8 @@
 """Which ranks share a host: a Context finds it (hostname and boot id, or TRITON_OVERLAP_VIRTUAL_HOSTS blocks) and
-maps only its own host's peers; on a group that spans hosts AllGather-GEMM, GEMM-ReduceScatter and context-parallel
-attention move data between hosts through the process group (the op tests' own cases, run under virtual hosts), the
-AllReduce ops take their torch.distributed path, faults name the peer on the other host; one Context per host's
-group (the 2-D mesh) overlaps as on one machine."""
+maps only its own host's peers; on a group that spans hosts AllGather-GEMM, GEMM-ReduceScatter, context-parallel
+attention and expert-parallel dispatch / combine move data between hosts through the process group (the op tests'
+own cases, run under virtual hosts), the AllReduce ops take their torch.distributed path, faults name the peer on
+the other host; one Context per host's group (the 2-D mesh) overlaps as on one machine."""
 import os
 
 import pytest
@@ -14,6 +14,7 @@ import triton_overlap as to
 from refs import TOL, rand, rel_err, shm_files
 from test_ag_gemm import AG_GEMM, AGCase
 from test_cp_attention import CP_ATTENTION, CPCase
+from test_expert_parallel import EPCase, ep_matches_reference, ep_silent_peer
 from test_gemm_rs import GEMM_RS, RSCase
 from triton_overlap.context.topology import VIRTUAL_HOSTS_ENV, Topology
 from triton_overlap.plan import ChunkLayout, gather_schedule, scatter_schedule
@@ -221,6 +222,13 @@ BETWEEN_HOSTS = {
                               (CP_ATTENTION, CPCase(B=2, S=48, Hq=4, Hkv=2, D=64, causal=False, dtype="float16",
                                                     keep_kv=True)),
                               (CP_ATTENTION, CPCase(S=4096, Hq=16, Hkv=4, D=128, chunks_per_rank=4, keep_kv=True))),
+    "ep dispatch and combine": (ep_matches_reference,
+                                (EPCase(tokens=13, hidden=40, experts=8, topk=2, iters=2, jitter=0.003),),
+                                (EPCase(tokens=509, hidden=1024, experts=16, topk=4, iters=2, jitter=0.001),)),
+    "ep, rank without tokens": (ep_matches_reference,
+                                (EPCase(tokens=6, hidden=16, experts=16, topk=8, empty=1, n=24, dtype="float16"),),
+                                (EPCase(tokens=300, hidden=2048, experts=64, topk=8, routing="even", empty=1,
+                                        n=512),)),
 }
 
 
@@ -292,3 +300,14 @@ FAULTS = {"peer absent": (contract.peer_absent, True), "calls differ": (contract
 def test_faults_between_hosts(pool, what):
     fn, case = FAULTS[what]
     pool.run(_under_hosts, pool.world, fn, AG_GEMM, case, contract.timeout_for(pool))
+
+
+@pytest.mark.parametrize("what", ["counts", "rows", "partials"])
+def test_ep_faults_between_hosts(pool, what):
+    """Expert-parallel dispatch and combine, one rank per host: a peer that never sends its counts, rows or partials
+    through the Link is named by the others' bounded exchange (the rank, the op, the peer and its block), and after
+    reset() the calls are right again."""
+    if pool.backend == "host" and pool.world != 2:
+        pytest.skip("W = 2 on the host backend")
+    assert any(e is not None for e in pool.run(_under_hosts, pool.world, ep_silent_peer, what,
+                                               contract.timeout_for(pool)))

@@ -5,10 +5,11 @@ local expert] ([R, N], in d.tokens' order). With ``ExpertParallelConfig(experts_
 overlapped path moves the rows (stored by ep_pack or by copy engine, a flag per source), that product is one
 persistent grouped GEMM (kernels.grouped_gemm's ``launch_ag_grouped``: on Hopper the warp-specialized Gluon kernel,
 else the Triton one) which reads every row straight from the owner's receive buffer and whose tiles wait only for
-the flags of the sources their rows come from; the expansion of the received rows into d.tokens runs after it. Otherwise (the default, "after") the product
-is ``torch._grouped_mm`` on d.tokens once every source's rows are in and expanded: on 2 H200s that was the faster
-(docs/decisions.md, Expert-parallel MoE), since the rows that a kernel stores are mostly in before the GEMM could
-start and the gathering kernel is slower than ``torch._grouped_mm`` on the expert-sorted rows.
+the flags of the sources their rows come from; the expansion of the received rows into d.tokens runs after it.
+Otherwise (the default, "after") the product is ``torch._grouped_mm`` on d.tokens once every source's rows are in
+and expanded: on 2 H200s that was the faster (docs/decisions.md, Expert-parallel MoE), since the rows that a kernel
+stores are mostly in before the GEMM could start and the gathering kernel is slower than ``torch._grouped_mm`` on
+the expert-sorted rows.
 
 What the GEMM reads, per layout row (the owner's rows by local expert, then source rank, token and choice):
 
@@ -20,6 +21,11 @@ What the GEMM reads, per layout row (the owner's rows by local expert, then sour
   ``block_m`` rows of one expert, in expert order, so that consecutive programs share an expert's weights (GROUP_M
   tiles a column tile). Ordering tiles by their sources' arrival instead would read each expert's weights once per
   source run, while the rows of a dispatch whose kernel stores them are mostly in before the GEMM starts.
+
+A tile whose wait gives up (a source that never sent) still reads its rows' entries of the gather index and the rows
+they name: they hold this call's rows, an earlier call's, or zeros (symmetric buffers are zeroed when allocated, and
+ep_pack stores only rows below the receive buffer's capacity, which never shrinks), so every read stays inside the
+receive buffer; the Context is faulted, and ``ctx.check()`` and every later call raise until ``reset()``.
 """
 from __future__ import annotations
 
@@ -70,10 +76,10 @@ def sources(world: int, device) -> torch.Tensor:
 
 def projection(op, traffic: Traffic, x: torch.Tensor, w, table: torch.Tensor):
     """Where the overlapped GEMM takes a dispatch of ExpertParallel ``op`` (``w`` given, the op's overlapped path,
-    ``op.cfg.experts_gemm`` "overlap"): (a function of (receive buffer, gather index, flags) that launches it on the
-    caller's stream, the [R, N] tensor it writes); else (None, None): the dispatch computes the product after the
-    rows, by torch."""
-    if w is None or op.last_path != "overlap" or op.cfg.experts_gemm != "overlap":
+    ``op.cfg.experts_gemm`` "overlap", one host: ops.ep_hosts): (a function of (receive buffer, gather index, flags)
+    that launches it on the caller's stream, the [R, N] tensor it writes); else (None, None): the dispatch computes
+    the product after the rows, by torch."""
+    if w is None or op.last_path != "overlap" or op.cfg.experts_gemm != "overlap" or op.ctx.num_hosts > 1:
         return None, None
     ctx, R = op.ctx, traffic.expanded(op.ctx.rank)
     out = torch.empty((R, w.shape[2]), dtype=x.dtype, device=x.device)

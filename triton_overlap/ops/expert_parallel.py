@@ -52,7 +52,9 @@ Host synchronisations: one per dispatch (the counts), none in a combine. A dispa
 the caller's stream and two exchanges (three of each where the copy engines move the rows, and growing buffers
 synchronise the device); a combine one barrier, one wait, one exchange of flags. Every wait is bounded
 by the Context's timeout and a fault poisons the Context until ``reset()`` (docs/protocol.md); no path here is
-captured in a CUDA graph (the dispatch reads the counts back to the host).
+captured in a CUDA graph (the dispatch reads the counts back to the host). On a group that spans hosts (of one
+size), the blocks for ranks on other hosts travel through the Context's Link instead, in the same steps
+(ops.ep_hosts).
 
 Fallback: ``torch.distributed.all_to_all_single`` on the Context's group (NCCL on GPUs, gloo on the host backend)
 for the records, the rows and metadata, and the partials, with the same layouts, so both paths return the same
@@ -71,8 +73,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.arrivals import launch_wait_sources
-from ..kernels.row_sums import job_table, launch_gather_rows_sum_jobs
-from ..plan import send_order
+from ..kernels.row_sums import launch_gather_rows_sum_jobs
 from ..producers import exchange, pipeline
 from ..producers.exchange import AllToAll, deal
 from ..producers.pipeline import BarrierOnly
@@ -81,6 +82,7 @@ from .moe_config import MoEGEMMConfig
 from .moe_routing import grouped_mm
 from .checks import FP8
 from .ep_experts import check_expert_weight, projection
+from .ep_hosts import combine_jobs, counts_remote, partials_between_hosts, rows_remote
 from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand, meta_width,
                          owner_partials, pack, route_tokens, sum_partials)
 
@@ -130,11 +132,13 @@ class ExpertParallel(OverlapOp):
     devices, and the ranks' agreement on H, dtype, E, topk and G (combine: on N and dtype). Ids out of range raise
     ValueError on every rank once the counts are in (module docstring, step 2), before any row moves.
 
-    ``fallback``: "auto" (torch.distributed.all_to_all_single where W = 1 or the group spans hosts), "never",
+    ``fallback``: "auto" (torch.distributed.all_to_all_single where W = 1, or where the group spans hosts of
+    different sizes; between hosts of one size the Link carries the remote blocks: ops.ep_hosts), "never",
     "always". ``config``: ExpertParallelConfig. ``name``: the prefix of the op's symmetric buffers.
     """
 
     KIND = "expert_parallel"
+    ACROSS_HOSTS = True
 
     def __init__(self, ctx, config: ExpertParallelConfig | None = None, *, fallback: str = "auto",
                  name: str | None = None):
@@ -163,7 +167,8 @@ class ExpertParallel(OverlapOp):
         W, r, k = ctx.world_size, ctx.rank, topk_ids.shape[1]
         G = 0 if scales is None else scales.shape[1]
         w = expert_weight
-        gathers = w is not None and self.cfg.experts_gemm == "overlap"  # (the owners' gather indexes: ops.ep_experts)
+        # the owners' gather indexes (ops.ep_experts), within one host only (ops.ep_hosts)
+        gathers = w is not None and self.cfg.experts_gemm == "overlap" and ctx.num_hosts == 1
         self._agree("ep_dispatch", ("dispatch", x.shape[1], str(x.dtype), num_experts, k, G,
                                     0 if w is None else w.shape[2], gathers))
         route = route_tokens(topk_ids, num_experts, W)
@@ -237,13 +242,15 @@ class ExpertParallel(OverlapOp):
         table = ctx.symmetric(f"{self.name}.counts", (W, record.numel()), torch.int32)
         flags = ctx.symmetric(f"{self.name}.count_flags", (W,), torch.int32)
         self.state.setdefault("buffers", {})["counts"] = table.local
-        blocks = {d: [(table.peer(d)[r], record)] for d in range(W) if d != r}
+        blocks = {d: [(table.peer(d)[r], record)] for d in ctx.local_ranks if d != r}
 
         def consumer():
             table.local[r].copy_(record)
             launch_wait_sources(ctx, flags.local, self.wait_ops["counts"])
 
-        pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call), consumer)
+        pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call,
+                                   remote=counts_remote(ctx, table, record), what="ep_dispatch counts",
+                                   op=self.wait_ops["counts"]), consumer)
         if table.local.device.type == "cpu":  # (launches are synchronous: the table is in)
             host, done = table.local, None
         else:  # the table and the error word to the host behind the wait, and an event there
@@ -269,10 +276,12 @@ class ExpertParallel(OverlapOp):
     def _push_target(self, width: int, dtype, meta_words: int, k: int = 0):
         """The receive buffers as they are and the error word (rows, meta, capacity in rows, ctx.err, gather index or
         None), for ep_pack to store into before the host has the counts; None before their first allocation (the
-        copy-engine path allocates them), or where ``k`` (the top-k, for a gather index: 0 for none) times the
-        capacity would not fit the gather index. The capacity is the same on every rank (symmetric buffers grow
-        together), so is every rank's choice."""
+        copy-engine path allocates them), where ``k`` (the top-k, for a gather index: 0 for none) times the
+        capacity would not fit the gather index, or across hosts. The capacity is the same on every rank (symmetric
+        buffers grow together), so is every rank's choice."""
         ctx = self.ctx
+        if ctx.num_hosts > 1:  # (other hosts' memory is not mapped: ops.ep_hosts)
+            return None
         rows_name, meta_name, gather_name = f"{self.name}.rows", f"{self.name}.meta", f"{self.name}.gather"
         size = torch.empty((), dtype=dtype).element_size()
         cap = min(ctx.symmetric_nbytes(rows_name) // (width * size),
@@ -315,7 +324,7 @@ class ExpertParallel(OverlapOp):
         if gather is not None:
             self.state["buffers"]["gather"] = gather.local
         blocks = {}
-        for d in range(W):
+        for d in ctx.local_ranks:
             n = traffic.rows[r][d]
             if d != r and n:
                 a, b = traffic.send_offset(r, d), traffic.recv_offset(r, d)
@@ -335,7 +344,8 @@ class ExpertParallel(OverlapOp):
             launch_wait_sources(ctx, flags.local, self.wait_ops["rows"])
             made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), sent.offsets, k, dtype)
 
-        pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags), consumer)
+        pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, what="ep_dispatch rows", op=self.wait_ops["rows"],
+                                   remote=rows_remote(ctx, traffic, sent, rows, meta)), consumer)
         return made["expanded"]
 
     def _counts_fallback(self, record: torch.Tensor) -> tuple:
@@ -376,8 +386,9 @@ class ExpertParallel(OverlapOp):
 
     def _combine(self, y: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
         """Behind the combine's barrier, each source's partials computed straight into its combine buffer (at the
-        place its block for this rank had in its send order; one launch for all sources, _combine_jobs), then this
-        rank's flag in every source (exchange.raise_flags, after the launch); once every owner's flag is up, the sum."""
+        place its block for this rank had in its send order; one launch for all sources, ops.ep_hosts.combine_jobs),
+        then this rank's flag in every source (exchange.raise_flags, after the launch; across hosts the Link carries
+        the remote sources' partials and flags); once every owner's flag is up, the sum."""
         ctx, N, traffic = self.ctx, y.shape[1], d.traffic
         # the dispatch's number (mod 64) is in the header: ranks combining different dispatches fault at the barrier
         sched = self.schedule("combine", N, y.dtype, d.num_experts, d.seq % 64)
@@ -385,28 +396,18 @@ class ExpertParallel(OverlapOp):
         flags = ctx.symmetric(f"{self.name}.partial_flags", (ctx.world_size,), torch.int32)
         self.state.setdefault("buffers", {})["partials"] = back.local
         S = sum(d.sent)
-        jobs, most = self._combine_jobs(d)
+        jobs, most, ptrs, stage = combine_jobs(ctx, self.state, d, back)
 
         def call():
-            launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, back.ptrs, jobs, most, back.local.stride(0))
+            launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, ptrs, jobs, most, back.local.stride(0))
             exchange.raise_flags(ctx, flags)
+            if stage is not None:  # (ops.ep_hosts)
+                partials_between_hosts(ctx, d, back, stage, flags, self.wait_ops["partials"])
             launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
             sum_partials(ctx, back.local[:S], d, out)
             flags.local.zero_()  # every flag was waited for, earlier on this stream
 
         pipeline.run(ctx, BarrierOnly(sched.call), call)
-
-    def _combine_jobs(self, d: EPHandle) -> tuple:
-        """The combine's job table (kernels.row_sums.job_table: per source, peers in send order and then this rank,
-        the rows received from it and where they go in its partials buffer) and the largest job's rows; made once
-        per dispatch (a forward's combine and its backward's share it)."""
-        cached = self.state.get("combine jobs")
-        if cached is None or cached[0] is not d.traffic:
-            ctx, W, r, traffic = self.ctx, self.ctx.world_size, self.ctx.rank, d.traffic
-            rows = [(s, traffic.recv_offset(s, r), traffic.send_offset(s, r), traffic.rows[s][r])
-                    for s in send_order(r, W) + [r]]
-            cached = self.state["combine jobs"] = (d.traffic, job_table(ctx, rows), max(n for *_, n in rows))
-        return cached[1:]
 
     # ------------------------------------------------------------------------------------- plan and buffers
     def schedule(self, kind: str, width: int, dtype, num_experts: int, extra) -> ExchangeSchedule:
@@ -420,7 +421,8 @@ class ExpertParallel(OverlapOp):
             op = self.dispatch_op if kind == "dispatch" else self.combine_op
             descriptor = (kind, width, dtype, num_experts, extra)
             found = self.state["schedules"][key] = ExchangeSchedule(
-                deal(ctx.rank, ctx.world_size, self.cfg.num_streams), ctx.call(op, descriptor, (width, num_experts)))
+                deal(ctx.rank, ctx.world_size, self.cfg.num_streams, ctx.local_ranks),
+                ctx.call(op, descriptor, (width, num_experts)))
         return found
 
     def _receive(self, what: str, rows: int, width: int, dtype) -> object:

@@ -72,8 +72,12 @@ class Link:
     def exchange(self, stream, sends, recvs, what: str, op: int, waits: dict) -> None:
         """``sends`` and ``recvs``: (tensor, group rank) lists, through ``stream`` (Stream.exchange). ``op`` and
         ``waits`` (group rank -> the chunk, or a WHAT_* code, waited for from that rank) describe a peer that does
-        not answer within the timeout: the Context is faulted as a kernel's wait would fault it."""
+        not answer within the timeout: the Context is faulted as a kernel's wait would fault it. With nothing to
+        send or receive the exchange takes its tag and moves nothing (no peer sends this rank anything in it)."""
         ctx = self.ctx
+        if not sends and not recvs:
+            self.next_tag()
+            return
 
         def timed_out(late, elapsed):
             peer = late[0]

@@ -1,0 +1,106 @@
+"""Expert-parallel dispatch and combine on a group that spans hosts: which blocks travel by copy engine or kernel
+stores (the ranks of this rank's host, whose memory it maps) and which through the Context's Link (the ranks of
+other hosts: the process group's point-to-point, NCCL on GPUs, on a producer stream; producers.link).
+
+Every rank holds every rank's counts once the first exchange is done (ops.expert_parallel, step 2), so both sides of
+every exchange between hosts know its sizes without asking: a dispatch's record goes to every remote rank with the
+copies of the counts step, a source's block of rows (and metadata) for a remote owner goes straight into the owner's
+receive buffer at the same place a copy engine would put it, with the rows step, and a combine's partials for a
+remote source are summed into a local staging buffer by the same launch that stores the local sources' partials into
+their memory, then sent into the source's partials buffer at the place of its block. Each exchange raises the
+receiver's own flag for the sender, so the waits are those of one host.
+
+What does not cross hosts: the dispatch's pushing pack (it stores into the owners' memory before the host has the
+counts) and the per-source experts' GEMM (its gather index is stored into the owners' memory the same way); across
+hosts a dispatch packs once the counts are on the host and moves the rows by copy engine and Link, and
+``d.projected`` is computed after the rows are in (``op.last_gemm`` says "torch").
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.row_sums import job_table
+from ..plan import send_order
+from ..producers import exchange
+
+
+def remote_ranks(ctx) -> list | None:
+    """The ranks on other hosts, or None where the group is one host."""
+    if ctx.num_hosts == 1:
+        return None
+    mapped = set(ctx.local_ranks)
+    return [p for p in range(ctx.world_size) if p not in mapped]
+
+
+def counts_remote(ctx, table, record: torch.Tensor) -> dict | None:
+    """The counts step's exchange between hosts (producers.exchange.between_hosts): this rank's record to every
+    remote rank, each one's into its row of this rank's table; None on one host."""
+    remote = remote_ranks(ctx)
+    return None if remote is None else {d: ([record], [table.local[d]]) for d in remote}
+
+
+def rows_remote(ctx, traffic, sent, rows, meta) -> dict | None:
+    """The rows step's exchange between hosts: this rank's block (rows, metadata) for each remote owner, and each
+    remote source's block for this rank into the receive buffers at its place (Traffic.recv_offset); None on one
+    host."""
+    remote, r = remote_ranks(ctx), ctx.rank
+    if remote is None:
+        return None
+    out = {}
+    for d in remote:
+        a, n = traffic.send_offset(r, d), traffic.rows[r][d]
+        b, m = traffic.recv_offset(d, r), traffic.rows[d][r]
+        out[d] = ([sent.rows[a:a + n], sent.meta[a:a + n]], [rows.local[b:b + m], meta.local[b:b + m]])
+    return out
+
+
+def combine_jobs(ctx, state: dict, d, back) -> tuple:
+    """A combine's partials launch (kernels.row_sums.launch_gather_rows_sum_jobs): (job table, the largest job's
+    rows, the base addresses its jobs store at, the staging buffer of remote sources' partials or None). Per
+    source, peers in send order and then this rank: the rows received from it and where they go, in its partials
+    buffer (``back``) on this host, in the staging buffer (address entry W) for a source on another host. Made once
+    per dispatch and buffer (a forward's combine and its backward's share it)."""
+    key = (back.local.data_ptr(), back.local.shape[1], back.local.dtype)
+    cached = state.get("combine jobs")
+    if cached is not None and cached[0] is d.traffic and cached[1] == key:
+        return cached[2]
+    W, r, traffic = ctx.world_size, ctx.rank, d.traffic
+    remote, jobs, staged = set(remote_ranks(ctx) or ()), [], 0
+    for s in send_order(r, W) + [r]:
+        n = traffic.rows[s][r]
+        if s in remote:
+            jobs.append((W, traffic.recv_offset(s, r), staged, n))
+            staged += n
+        else:
+            jobs.append((s, traffic.recv_offset(s, r), traffic.send_offset(s, r), n))
+    stage, ptrs = None, back.ptrs
+    if remote:
+        stage = torch.empty((max(staged, 1), back.local.shape[1]), dtype=back.local.dtype, device=ctx.device)
+        ptrs = torch.cat([back.ptrs, torch.tensor([stage.data_ptr()], dtype=torch.int64, device=ctx.device)])
+    made = (job_table(ctx, jobs), max(n for *_, n in jobs), ptrs, stage)
+    state["combine jobs"] = (d.traffic, key, made)
+    return made
+
+
+def partials_between_hosts(ctx, d, back, stage, flags, op: int) -> None:
+    """After the partials launch on the caller's stream: on a producer stream, the staged partials to each remote
+    source and each remote owner's partials for this rank into ``back`` at its block (Traffic.send_offset), with
+    this rank's flag for each; the caller's stream then waits for that stream."""
+    remote, r, traffic = remote_ranks(ctx), ctx.rank, d.traffic
+    blocks, at = {}, 0
+    for s in send_order(r, ctx.world_size):
+        if s in remote:
+            n = traffic.rows[s][r]
+            blocks[s] = ([stage[at:at + n]], [])
+            at += n
+    for o in remote:
+        a, n = traffic.send_offset(r, o), traffic.rows[r][o]
+        blocks[o][1].append(back.local[a:a + n])
+    caller = ctx.current_stream()
+    stream = ctx.streams(1)[0]
+    stream.wait_stream(caller)
+    exchange.between_hosts(ctx, stream, blocks, flags, f"ep_combine partials with ranks {remote}", op)
+    caller.wait_stream(stream)
+
+
+__all__ = ["combine_jobs", "counts_remote", "partials_between_hosts", "remote_ranks", "rows_remote"]
