@@ -61,7 +61,7 @@ def _tokens(case, s):
     return 0 if s == case.empty else case.S + 2 * s
 
 
-def _layer_case(case):
+def ep_moe_layer_case(case):
     """EPMoE against PlainMoE in float64: returns the errors and the path the op took."""
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -121,7 +121,7 @@ def test_ep_moe_matches_plain_module(pool, name):
     if name not in cases:
         pytest.skip("no such case for this backend")
     case = cases[name]
-    results = pool.run(_layer_case, case)
+    results = pool.run(ep_moe_layer_case, case)
     want = "fallback" if case.fallback == "always" else "overlap"
     assert all(path == want for _, path, _ in results), results
 

@@ -15,6 +15,7 @@ from refs import TOL, rand, rel_err, shm_files
 from test_ag_gemm import AG_GEMM, AGCase
 from test_cp_attention import CP_ATTENTION, CPCase
 from test_expert_parallel import EPCase, ep_matches_reference, ep_silent_peer
+from test_nn_ep_moe import GPU_CASES as EP_LAYER_GPU, HOST_CASES as EP_LAYER_HOST, ep_moe_layer_case
 from test_gemm_rs import GEMM_RS, RSCase
 from triton_overlap.context.topology import VIRTUAL_HOSTS_ENV, Topology
 from triton_overlap.plan import ChunkLayout, gather_schedule, scatter_schedule
@@ -229,6 +230,7 @@ BETWEEN_HOSTS = {
                                 (EPCase(tokens=6, hidden=16, experts=16, topk=8, empty=1, n=24, dtype="float16"),),
                                 (EPCase(tokens=300, hidden=2048, experts=64, topk=8, routing="even", empty=1,
                                         n=512),)),
+    "ep layer, forward and backward": (ep_moe_layer_case, (EP_LAYER_HOST["empty_experts"],), (EP_LAYER_GPU["bf16"],)),
 }
 
 
