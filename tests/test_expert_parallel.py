@@ -431,9 +431,9 @@ def test_ep_bad_input_raises_before_launch(pool):
 # ---------------------------------------------------------------------------------------------------- faults
 def ep_silent_peer(what: str, T: float):
     """Rank 1 makes the call but never sends its ``what`` (a dispatch's "counts" or "rows", a combine's "partials")
-    to anyone: every other rank's bounded wait gives up naming the rank, the op, rank 1 and its block (or reports
-    the first such fault, relayed), rank 1 learns of it too, calls are refused until reset(), and then they are right
-    again."""
+    to anyone (between hosts it makes no exchange at all, so it receives nothing either): every other rank's bounded
+    wait gives up naming the rank, the op, rank 1 and its block (or reports the first such fault, relayed), rank 1
+    learns of it too (or times out itself), calls are refused until reset(), and then they are right again."""
     from triton_overlap.producers import exchange
 
     with to.Context(timeout_s=T) as ctx:

@@ -230,6 +230,10 @@ BETWEEN_HOSTS = {
                                 (EPCase(tokens=6, hidden=16, experts=16, topk=8, empty=1, n=24, dtype="float16"),),
                                 (EPCase(tokens=300, hidden=2048, experts=64, topk=8, routing="even", empty=1,
                                         n=512),)),
+    "ep, only rank 0 receives": (ep_matches_reference,  # (exchanges with nothing to move, between hosts too)
+                                 (EPCase(tokens=11, hidden=16, experts=8, topk=2, routing="first", empty=0),),
+                                 (EPCase(tokens=384, hidden=2048, experts=32, topk=4, routing="first", empty=0,
+                                         n=1024),)),
     "ep layer, forward and backward": (ep_moe_layer_case, (EP_LAYER_HOST["empty_experts"],), (EP_LAYER_GPU["bf16"],)),
 }
 
@@ -247,11 +251,12 @@ def test_ops_between_hosts(pool, what):
 def _held_for_link(n: int, fn, *args):
     """As _under_hosts, on Contexts that hold consumers for the exchanges between hosts (Context.holds_for_link, on
     GPUs where NCCL carries them): gathers hold their consumer, GEMM-RS sums the partials after the join. Returns
-    whether a gather held its consumer and how many separate reductions ran."""
+    whether a gather (or an all-to-all between hosts) held its consumer and how many separate reductions ran."""
     from triton_overlap.ops import gemm_reduce_scatter as rs
-    from triton_overlap.producers import gather
+    from triton_overlap.producers import exchange, gather
 
     init, make, reduce = to.Context.__init__, gather.Gather.__init__, rs.launch_reduce
+    make_a2a = exchange.AllToAll.__init__
     seen = {"held": False, "reductions": 0}
 
     def ctx_init(self, *a, **k):
@@ -262,22 +267,30 @@ def _held_for_link(n: int, fn, *args):
         make(self, *a, **k)
         seen["held"] |= self.hold_consumer
 
+    def a2a_init(self, *a, **k):
+        make_a2a(self, *a, **k)
+        seen["held"] |= self.hold_consumer
+
     def counted(*a, **k):
         seen["reductions"] += 1
         return reduce(*a, **k)
 
     to.Context.__init__, gather.Gather.__init__, rs.launch_reduce = ctx_init, gather_init, counted
+    exchange.AllToAll.__init__ = a2a_init
     try:
         _under_hosts(n, fn, *args)
     finally:
         to.Context.__init__, gather.Gather.__init__, rs.launch_reduce = init, make, reduce
+        exchange.AllToAll.__init__ = make_a2a
     return seen["held"], seen["reductions"]
 
 
-@pytest.mark.parametrize("what", ["ag push", "rs fused, delays", "cp forward", "cp backward"])
+@pytest.mark.parametrize("what", ["ag push", "rs fused, delays", "cp forward", "cp backward",
+                                  "ep dispatch and combine"])
 def test_ops_between_hosts_held_for_link(pool, what):
     """The order kept where NCCL carries the exchanges between hosts, on the host backend: the same cases, correct,
-    with the gathers' consumers held and GEMM-RS's reduction (fused where the case asks for it) after the join."""
+    with the gathers' and EP's consumers held and GEMM-RS's reduction (fused where the case asks for it) after the
+    join."""
     if pool.backend != "host":
         pytest.skip("GPUs whose group spans hosts over NCCL take this order in test_ops_between_hosts")
     if pool.world != 2:

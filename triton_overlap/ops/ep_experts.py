@@ -75,11 +75,11 @@ def sources(world: int, device) -> torch.Tensor:
 
 
 def projection(op, traffic: Traffic, x: torch.Tensor, w, table: torch.Tensor):
-    """Where the overlapped GEMM takes a dispatch of ExpertParallel ``op`` (``w`` given, the op's overlapped path,
-    ``op.cfg.experts_gemm`` "overlap", one host: ops.ep_hosts): (a function of (receive buffer, gather index, flags)
-    that launches it on the caller's stream, the [R, N] tensor it writes); else (None, None): the dispatch computes
-    the product after the rows, by torch."""
-    if w is None or op.last_path != "overlap" or op.cfg.experts_gemm != "overlap" or op.ctx.num_hosts > 1:
+    """For a dispatch of ExpertParallel ``op`` whose experts' GEMM starts per source (``w`` given: the dispatch
+    decided so, on its overlapped path within one host, ``op.cfg.experts_gemm`` "overlap"): (a function of
+    (receive buffer, gather index, flags) that launches it on the caller's stream, the [R, N] tensor it writes);
+    for ``w`` None, (None, None)."""
+    if w is None:
         return None, None
     ctx, R = op.ctx, traffic.expanded(op.ctx.rank)
     out = torch.empty((R, w.shape[2]), dtype=x.dtype, device=x.device)

@@ -24,26 +24,24 @@ from ..plan import send_order
 from ..producers import exchange
 
 
-def remote_ranks(ctx) -> list | None:
-    """The ranks on other hosts, or None where the group is one host."""
+def remote_ranks(ctx) -> tuple | None:
+    """The ranks on other hosts, or None where the group is one host (ExchangeSchedule.remote)."""
     if ctx.num_hosts == 1:
         return None
     mapped = set(ctx.local_ranks)
-    return [p for p in range(ctx.world_size) if p not in mapped]
+    return tuple(p for p in range(ctx.world_size) if p not in mapped)
 
 
-def counts_remote(ctx, table, record: torch.Tensor) -> dict | None:
-    """The counts step's exchange between hosts (producers.exchange.between_hosts): this rank's record to every
-    remote rank, each one's into its row of this rank's table; None on one host."""
-    remote = remote_ranks(ctx)
+def counts_remote(remote, table, record: torch.Tensor) -> dict | None:
+    """The counts step's exchange with the ``remote`` ranks (producers.exchange.between_hosts): this rank's record
+    to each, each one's into its row of this rank's table; None on one host (``remote`` None)."""
     return None if remote is None else {d: ([record], [table.local[d]]) for d in remote}
 
 
-def rows_remote(ctx, traffic, sent, rows, meta) -> dict | None:
-    """The rows step's exchange between hosts: this rank's block (rows, metadata) for each remote owner, and each
-    remote source's block for this rank into the receive buffers at its place (Traffic.recv_offset); None on one
-    host."""
-    remote, r = remote_ranks(ctx), ctx.rank
+def rows_remote(remote, r: int, traffic, sent, rows, meta) -> dict | None:
+    """The rows step's exchange with the ``remote`` ranks: rank r's block (rows, metadata) for each remote owner,
+    and each remote source's block for rank r into the receive buffers at its place (Traffic.recv_offset); None on
+    one host."""
     if remote is None:
         return None
     out = {}
@@ -54,18 +52,19 @@ def rows_remote(ctx, traffic, sent, rows, meta) -> dict | None:
     return out
 
 
-def combine_jobs(ctx, state: dict, d, back) -> tuple:
+def combine_jobs(ctx, remote, state: dict, d, back) -> tuple:
     """A combine's partials launch (kernels.row_sums.launch_gather_rows_sum_jobs): (job table, the largest job's
     rows, the base addresses its jobs store at, the staging buffer of remote sources' partials or None). Per
     source, peers in send order and then this rank: the rows received from it and where they go, in its partials
-    buffer (``back``) on this host, in the staging buffer (address entry W) for a source on another host. Made once
-    per dispatch and buffer (a forward's combine and its backward's share it)."""
+    buffer (``back``) on this host, in the staging buffer (address entry W) for a source among ``remote`` (the
+    ranks on other hosts, or None). Made once per dispatch and buffer (a forward's combine and its backward's share
+    it)."""
     key = (back.local.data_ptr(), back.local.shape[1], back.local.dtype)
     cached = state.get("combine jobs")
     if cached is not None and cached[0] is d.traffic and cached[1] == key:
         return cached[2]
     W, r, traffic = ctx.world_size, ctx.rank, d.traffic
-    remote, jobs, staged = set(remote_ranks(ctx) or ()), [], 0
+    remote, jobs, staged = set(remote or ()), [], 0
     for s in send_order(r, W) + [r]:
         n = traffic.rows[s][r]
         if s in remote:
@@ -76,17 +75,18 @@ def combine_jobs(ctx, state: dict, d, back) -> tuple:
     stage, ptrs = None, back.ptrs
     if remote:
         stage = torch.empty((max(staged, 1), back.local.shape[1]), dtype=back.local.dtype, device=ctx.device)
-        ptrs = torch.cat([back.ptrs, torch.tensor([stage.data_ptr()], dtype=torch.int64, device=ctx.device)])
+        extra = torch.tensor([stage.data_ptr()], dtype=torch.int64).to(ctx.device, non_blocking=True)
+        ptrs = torch.cat([back.ptrs, extra])
     made = (job_table(ctx, jobs), max(n for *_, n in jobs), ptrs, stage)
     state["combine jobs"] = (d.traffic, key, made)
     return made
 
 
-def partials_between_hosts(ctx, d, back, stage, flags, op: int) -> None:
+def partials_between_hosts(ctx, remote, d, back, stage, flags, op: int) -> None:
     """After the partials launch on the caller's stream: on a producer stream, the staged partials to each remote
     source and each remote owner's partials for this rank into ``back`` at its block (Traffic.send_offset), with
     this rank's flag for each; the caller's stream then waits for that stream."""
-    remote, r, traffic = remote_ranks(ctx), ctx.rank, d.traffic
+    r, traffic = ctx.rank, d.traffic
     blocks, at = {}, 0
     for s in send_order(r, ctx.world_size):
         if s in remote:
@@ -99,7 +99,7 @@ def partials_between_hosts(ctx, d, back, stage, flags, op: int) -> None:
     caller = ctx.current_stream()
     stream = ctx.streams(1)[0]
     stream.wait_stream(caller)
-    exchange.between_hosts(ctx, stream, blocks, flags, f"ep_combine partials with ranks {remote}", op)
+    exchange.between_hosts(ctx, stream, blocks, flags, f"ep_combine partials with ranks {list(remote)}", op)
     caller.wait_stream(stream)
 
 

@@ -53,8 +53,8 @@ the caller's stream and two exchanges (three of each where the copy engines move
 synchronise the device); a combine one barrier, one wait, one exchange of flags. Every wait is bounded
 by the Context's timeout and a fault poisons the Context until ``reset()`` (docs/protocol.md); no path here is
 captured in a CUDA graph (the dispatch reads the counts back to the host). On a group that spans hosts (of one
-size), the blocks for ranks on other hosts travel through the Context's Link instead, in the same steps
-(ops.ep_hosts).
+size), the blocks for ranks on other hosts travel through the Context's Link in the same steps (ops.ep_hosts),
+and the rows always take the copy-engine path of step 3 (the pushing pack stores into the owners' memory).
 
 Fallback: ``torch.distributed.all_to_all_single`` on the Context's group (NCCL on GPUs, gloo on the host backend)
 for the records, the rows and metadata, and the partials, with the same layouts, so both paths return the same
@@ -82,7 +82,7 @@ from .moe_config import MoEGEMMConfig
 from .moe_routing import grouped_mm
 from .checks import FP8
 from .ep_experts import check_expert_weight, projection
-from .ep_hosts import combine_jobs, counts_remote, partials_between_hosts, rows_remote
+from .ep_hosts import combine_jobs, counts_remote, partials_between_hosts, remote_ranks, rows_remote
 from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand, meta_width,
                          owner_partials, pack, route_tokens, sum_partials)
 
@@ -95,7 +95,7 @@ class ExpertParallelConfig:
     (``torch._grouped_mm`` once every row is in; the default: on 2 H200s the per-source GEMM below made the
     EPMoE forward 0.86-0.92x as fast on Qwen3-30B-A3B, docs/decisions.md, Expert-parallel MoE) or "overlap" (a
     grouped GEMM started on each source's rows as they land: the warp-specialized kernel on Hopper where it can
-    run, else the Triton one)."""
+    run, else the Triton one; within one host only, "after" across hosts: ops.ep_hosts)."""
 
     num_streams: int | None = None
     experts_gemm: str = "after"
@@ -108,11 +108,14 @@ class ExpertParallelConfig:
 
 @dataclass(frozen=True, eq=False)
 class ExchangeSchedule:
-    """One shape's decisions for a dispatch or a combine: each copy stream's peers in order (producers.exchange.deal)
-    and the call's header, compared across ranks at the call's barrier (Context.call)."""
+    """One shape's decisions for a dispatch or a combine: each copy stream's peers on this rank's host in order
+    (producers.exchange.deal), the call's header, compared across ranks at the call's barrier (Context.call), and
+    the ranks on other hosts, whose blocks travel through the Link (ops.ep_hosts; None on one host, where alone the
+    pushing pack and the per-source GEMM run: they store into the owners' memory)."""
 
     copy_streams: tuple
     call: object
+    remote: tuple | None = None
 
 
 class ExpertParallel(OverlapOp):
@@ -167,21 +170,21 @@ class ExpertParallel(OverlapOp):
         W, r, k = ctx.world_size, ctx.rank, topk_ids.shape[1]
         G = 0 if scales is None else scales.shape[1]
         w = expert_weight
-        # the owners' gather indexes (ops.ep_experts), within one host only (ops.ep_hosts)
-        gathers = w is not None and self.cfg.experts_gemm == "overlap" and ctx.num_hosts == 1
+        fallback = self._use_fallback()
+        sched = None if fallback else self.schedule("dispatch", x.shape[1], x.dtype, num_experts, (k, G))
+        # the per-source GEMM and the owners' gather indexes it reads (ops.ep_experts): within one host only
+        gathers = w is not None and self.cfg.experts_gemm == "overlap" and sched is not None and sched.remote is None
         self._agree("ep_dispatch", ("dispatch", x.shape[1], str(x.dtype), num_experts, k, G,
                                     0 if w is None else w.shape[2], gathers))
         route = route_tokens(topk_ids, num_experts, W)
-        fallback = self._use_fallback()
         self.last_path = "fallback" if fallback else "overlap"
-        sched = None if fallback else self.schedule("dispatch", x.shape[1], x.dtype, num_experts, (k, G))
         sent = target = None
         if fallback:
             table, table_dev = self._counts_fallback(route.record)
         else:
             table_dev, read_table = self._counts(route.record, sched)
-            target = self._push_target(x.shape[1], torch.uint8 if x.dtype == FP8 else x.dtype, meta_width(k, G),
-                                       k if gathers else 0)
+            target = None if sched.remote else self._push_target(
+                x.shape[1], torch.uint8 if x.dtype == FP8 else x.dtype, meta_width(k, G), k if gathers else 0)
             if target is not None:  # the rows move while the host reads the counts
                 sent = pack(x, route, topk_weights, r, table_dev, 0, scales, push=target[:4], gather=target[4])
                 self._raise_push_flags(mine=gathers)
@@ -195,7 +198,7 @@ class ExpertParallel(OverlapOp):
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
                              + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
         self.last_exchange = None if fallback else "stores"
-        project, projected = projection(self, traffic, x, w, table_dev)
+        project, projected = projection(self, traffic, x, w if gathers else None, table_dev)
         if pushed:
             U = sum(traffic.received(r))
             self.state["buffers"].update(rows=target[0].local, meta=target[1].local,
@@ -249,8 +252,8 @@ class ExpertParallel(OverlapOp):
             launch_wait_sources(ctx, flags.local, self.wait_ops["counts"])
 
         pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, call=sched.call,
-                                   remote=counts_remote(ctx, table, record), what="ep_dispatch counts",
-                                   op=self.wait_ops["counts"]), consumer)
+                                   remote=counts_remote(sched.remote, table, record), what="ep_dispatch counts",
+                                   op=self.wait_ops["counts"], holds_for_link=ctx.holds_for_link), consumer)
         if table.local.device.type == "cpu":  # (launches are synchronous: the table is in)
             host, done = table.local, None
         else:  # the table and the error word to the host behind the wait, and an event there
@@ -276,12 +279,10 @@ class ExpertParallel(OverlapOp):
     def _push_target(self, width: int, dtype, meta_words: int, k: int = 0):
         """The receive buffers as they are and the error word (rows, meta, capacity in rows, ctx.err, gather index or
         None), for ep_pack to store into before the host has the counts; None before their first allocation (the
-        copy-engine path allocates them), where ``k`` (the top-k, for a gather index: 0 for none) times the
-        capacity would not fit the gather index, or across hosts. The capacity is the same on every rank (symmetric
-        buffers grow together), so is every rank's choice."""
+        copy-engine path allocates them), or where ``k`` (the top-k, for a gather index: 0 for none) times the
+        capacity would not fit the gather index. The capacity is the same on every rank (symmetric buffers grow
+        together), so is every rank's choice. (Within one host only: the stores go into the owners' memory.)"""
         ctx = self.ctx
-        if ctx.num_hosts > 1:  # (other hosts' memory is not mapped: ops.ep_hosts)
-            return None
         rows_name, meta_name, gather_name = f"{self.name}.rows", f"{self.name}.meta", f"{self.name}.gather"
         size = torch.empty((), dtype=dtype).element_size()
         cap = min(ctx.symmetric_nbytes(rows_name) // (width * size),
@@ -345,7 +346,8 @@ class ExpertParallel(OverlapOp):
             made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), sent.offsets, k, dtype)
 
         pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, what="ep_dispatch rows", op=self.wait_ops["rows"],
-                                   remote=rows_remote(ctx, traffic, sent, rows, meta)), consumer)
+                                   remote=rows_remote(sched.remote, r, traffic, sent, rows, meta),
+                                   holds_for_link=ctx.holds_for_link), consumer)
         return made["expanded"]
 
     def _counts_fallback(self, record: torch.Tensor) -> tuple:
@@ -396,13 +398,13 @@ class ExpertParallel(OverlapOp):
         flags = ctx.symmetric(f"{self.name}.partial_flags", (ctx.world_size,), torch.int32)
         self.state.setdefault("buffers", {})["partials"] = back.local
         S = sum(d.sent)
-        jobs, most, ptrs, stage = combine_jobs(ctx, self.state, d, back)
+        jobs, most, ptrs, stage = combine_jobs(ctx, sched.remote, self.state, d, back)
 
         def call():
             launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, ptrs, jobs, most, back.local.stride(0))
             exchange.raise_flags(ctx, flags)
             if stage is not None:  # (ops.ep_hosts)
-                partials_between_hosts(ctx, d, back, stage, flags, self.wait_ops["partials"])
+                partials_between_hosts(ctx, sched.remote, d, back, stage, flags, self.wait_ops["partials"])
             launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
             sum_partials(ctx, back.local[:S], d, out)
             flags.local.zero_()  # every flag was waited for, earlier on this stream
@@ -422,7 +424,7 @@ class ExpertParallel(OverlapOp):
             descriptor = (kind, width, dtype, num_experts, extra)
             found = self.state["schedules"][key] = ExchangeSchedule(
                 deal(ctx.rank, ctx.world_size, self.cfg.num_streams, ctx.local_ranks),
-                ctx.call(op, descriptor, (width, num_experts)))
+                ctx.call(op, descriptor, (width, num_experts)), remote_ranks(ctx))
         return found
 
     def _receive(self, what: str, rows: int, width: int, dtype) -> object:

@@ -67,18 +67,20 @@ class AllToAll:
     symmetric memory, source view)]} (a peer with no entry gets its flag only); ``flags``: the symmetric int32 [W]
     flags, one per source; ``call``: the call's header (Context.call) for an exchange that opens the call with the
     barrier, None for a later exchange of the same call. ``remote``: on a group that spans hosts, the exchange
-    with the ranks of other hosts (``between_hosts``; None on one host), and ``what`` and ``op`` name it."""
-
-    hold_consumer = False
+    with the ranks of other hosts (``between_hosts``; None on one host), and ``what`` and ``op`` name it;
+    ``holds_for_link``: the Context's (where NCCL carries that exchange, the consumer starts after it: docs/hosts.md).
+    """
 
     def __init__(self, copy_streams, blocks: dict, flags, *, call=None, remote: dict | None = None,
-                 what: str = "", op: int = 0):
+                 what: str = "", op: int = 0, holds_for_link: bool = False):
         self.copy_streams, self.blocks, self.flags, self.call = copy_streams, blocks, flags, call
         self.remote, self.what, self.op = remote, what, op
         self.num_streams = len(copy_streams) + (remote is not None)
         #: across hosts the copies are enqueued before the consumer (an exchange may block the host), and the
         #: consumer starts after the opening's comparison of the call with the other hosts' ranks
         self.copies_first = self.gate_consumer = remote is not None
+        #: over NCCL no consumer waits for the exchange between hosts: it starts once that exchange is done
+        self.hold_consumer = remote is not None and holds_for_link
 
     def open(self, ctx, stream) -> None:
         if self.call is not None:
