@@ -218,8 +218,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
 
     Parameters are bfloat16 (default) or float16; float32 parameters work under ``torch.autocast`` (cast per call,
     as ``nn.Linear`` is) and raise TypeError without it. ``fallback`` is the op's rule ("auto": the process group
-    where W = 1 or across hosts; "never", "always"). Every rank must call the layer (forward and backward) in the
-    same order, as for any collective.
+    where W = 1 or across hosts of different sizes, and in low-latency mode across hosts; "never", "always"). Every
+    rank must call the layer (forward and backward) in the same order, as for any collective.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, *, ctx, renormalize: bool = True,
