@@ -8,7 +8,8 @@ copies of the counts step, a source's block of rows (and metadata) for a remote 
 receive buffer at the same place a copy engine would put it, with the rows step, and a combine's partials for a
 remote source are summed into a local staging buffer by the same launch that stores the local sources' partials into
 their memory, then sent into the source's partials buffer at the place of its block. Each exchange raises the
-receiver's own flag for the sender, so the waits are those of one host.
+receiver's own flag for the sender, so the waits are those of one host. A combine sums the remote sources'
+partials first, in a launch of their own, so that they cross while the local sources' are summed.
 
 What does not cross hosts: the dispatch's pushing pack (it stores into the owners' memory before the host has the
 counts) and the per-source experts' GEMM (its gather index is stored into the owners' memory the same way); across
@@ -16,6 +17,8 @@ hosts a dispatch packs once the counts are on the host and moves the rows by cop
 ``d.projected`` is computed after the rows are in (``op.last_gemm`` says "torch").
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -52,40 +55,53 @@ def rows_remote(remote, r: int, traffic, sent, rows, meta) -> dict | None:
     return out
 
 
-def combine_jobs(ctx, remote, state: dict, d, back) -> tuple:
-    """A combine's partials launch (kernels.row_sums.launch_gather_rows_sum_jobs): (job table, the largest job's
-    rows, the base addresses its jobs store at, the staging buffer of remote sources' partials or None). Per
-    source, peers in send order and then this rank: the rows received from it and where they go, in its partials
-    buffer (``back``) on this host, in the staging buffer (address entry W) for a source among ``remote`` (the
-    ranks on other hosts, or None). Made once per dispatch and buffer (a forward's combine and its backward's share
-    it)."""
+@dataclass(frozen=True, eq=False)
+class CombineJobs:
+    """A combine's partials launches (kernels.row_sums.launch_gather_rows_sum_jobs): ``local`` the job table of the
+    sources on this host (peers in send order, then this rank; each job: the rows received from it and where they
+    go in its partials buffer), ``remote`` that of the sources on other hosts, whose partials go to ``stage`` (entry
+    W of the addresses ``ptrs``) before they cross (None on one host); ``local_most`` and ``remote_most`` their
+    largest job's rows."""
+
+    local: torch.Tensor
+    local_most: int
+    ptrs: torch.Tensor
+    remote: torch.Tensor | None = None
+    remote_most: int = 0
+    stage: torch.Tensor | None = None
+
+
+def combine_jobs(ctx, remote, state: dict, d, back) -> CombineJobs:
+    """The CombineJobs of dispatch ``d``'s combine into the partials buffer ``back``, ``remote`` the ranks on other
+    hosts (or None); made once per dispatch and buffer (a forward's combine and its backward's share them)."""
     key = (back.local.data_ptr(), back.local.shape[1], back.local.dtype)
     cached = state.get("combine jobs")
     if cached is not None and cached[0] is d.traffic and cached[1] == key:
         return cached[2]
     W, r, traffic = ctx.world_size, ctx.rank, d.traffic
-    remote, jobs, staged = set(remote or ()), [], 0
+    remote, local_jobs, remote_jobs, staged = set(remote or ()), [], [], 0
     for s in send_order(r, W) + [r]:
         n = traffic.rows[s][r]
         if s in remote:
-            jobs.append((W, traffic.recv_offset(s, r), staged, n))
+            remote_jobs.append((W, traffic.recv_offset(s, r), staged, n))
             staged += n
         else:
-            jobs.append((s, traffic.recv_offset(s, r), traffic.send_offset(s, r), n))
-    stage, ptrs = None, back.ptrs
+            local_jobs.append((s, traffic.recv_offset(s, r), traffic.send_offset(s, r), n))
+    made = CombineJobs(job_table(ctx, local_jobs), max(n for *_, n in local_jobs), back.ptrs)
     if remote:
         stage = torch.empty((max(staged, 1), back.local.shape[1]), dtype=back.local.dtype, device=ctx.device)
         extra = torch.tensor([stage.data_ptr()], dtype=torch.int64).to(ctx.device, non_blocking=True)
-        ptrs = torch.cat([back.ptrs, extra])
-    made = (job_table(ctx, jobs), max(n for *_, n in jobs), ptrs, stage)
+        made = CombineJobs(made.local, made.local_most, torch.cat([back.ptrs, extra]), job_table(ctx, remote_jobs),
+                           max(n for *_, n in remote_jobs), stage)
     state["combine jobs"] = (d.traffic, key, made)
     return made
 
 
-def partials_between_hosts(ctx, remote, d, back, stage, flags, op: int) -> None:
-    """After the partials launch on the caller's stream: on a producer stream, the staged partials to each remote
-    source and each remote owner's partials for this rank into ``back`` at its block (Traffic.send_offset), with
-    this rank's flag for each; the caller's stream then waits for that stream."""
+def partials_between_hosts(ctx, remote, d, back, stage, flags, op: int):
+    """After the remote sources' partials launch on the caller's stream: on a producer stream, the staged partials
+    to each remote source and each remote owner's partials for this rank into ``back`` at its block
+    (Traffic.send_offset), with this rank's flag for each. Returns that stream (the caller's waits for it before
+    its wait for the flags)."""
     r, traffic = ctx.rank, d.traffic
     blocks, at = {}, 0
     for s in send_order(r, ctx.world_size):
@@ -96,11 +112,10 @@ def partials_between_hosts(ctx, remote, d, back, stage, flags, op: int) -> None:
     for o in remote:
         a, n = traffic.send_offset(r, o), traffic.rows[r][o]
         blocks[o][1].append(back.local[a:a + n])
-    caller = ctx.current_stream()
     stream = ctx.streams(1)[0]
-    stream.wait_stream(caller)
+    stream.wait_stream(ctx.current_stream())
     exchange.between_hosts(ctx, stream, blocks, flags, f"ep_combine partials with ranks {list(remote)}", op)
-    caller.wait_stream(stream)
+    return stream
 
 
-__all__ = ["combine_jobs", "counts_remote", "partials_between_hosts", "remote_ranks", "rows_remote"]
+__all__ = ["CombineJobs", "combine_jobs", "counts_remote", "partials_between_hosts", "remote_ranks", "rows_remote"]

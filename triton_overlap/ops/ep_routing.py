@@ -1,13 +1,14 @@
 """Expert-parallel dispatch and combine: the routing and layouts, by kernels on the device (kernels.ep_routing,
 kernels.routing, kernels.row_sums; ops.expert_parallel has the protocol): who sends what to whom (Traffic, read
 from the counts every rank holds), this rank's route and packed rows, the expansion of received rows into expert
-order, the two weighted sums of a combine, the handle a dispatch returns, and the checks that need no
-communication."""
+order, the two weighted sums of a combine, the handle a dispatch returns, the checks that need no
+communication, and the fallback's exchanges through the process group."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..kernels.ep_routing import launch_count, launch_expand, launch_pack, tiles
 from ..kernels.row_sums import launch_gather_rows_sum
@@ -324,5 +325,37 @@ def sum_partials(ctx, back: torch.Tensor, d: EPHandle, out: torch.Tensor) -> Non
         out.copy_(staged)
 
 
-__all__ = ["EPHandle", "Route", "Sent", "Traffic", "capacity", "check_combine", "check_dispatch", "expand",
-           "meta_width", "owner_partials", "pack", "route_tokens", "sum_partials"]
+def counts_by_group(ctx, record: torch.Tensor) -> tuple:
+    """Every rank's record through the process group's all_to_all_single (the fallback's counts): (the table as
+    lists, the table on the device)."""
+    W = ctx.world_size
+    table = torch.empty((W, record.numel()), dtype=torch.int32, device=record.device)
+    dist.all_to_all_single(table, record.unsqueeze(0).expand(W, -1).contiguous(), group=ctx.group)
+    return table.tolist(), table
+
+
+def rows_by_group(ctx, sent: Sent, traffic: Traffic) -> tuple:
+    """The fallback's rows and metadata through all_to_all_single, into the receive layout (sources in rank
+    order): (rows, meta)."""
+    r = ctx.rank
+    received, sends = list(traffic.received(r)), list(traffic.rows[r])
+    U = sum(received)
+    rows = torch.empty((U, sent.rows.shape[1]), dtype=sent.rows.dtype, device=sent.rows.device)
+    meta = torch.empty((U, sent.meta.shape[1]), dtype=torch.int32, device=sent.meta.device)
+    dist.all_to_all_single(rows, sent.rows, received, sends, group=ctx.group)
+    dist.all_to_all_single(meta, sent.meta, received, sends, group=ctx.group)
+    return rows, meta
+
+
+def combine_by_group(ctx, y: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
+    """The fallback's combine: the owner's partials (owner_partials) back to their sources through
+    all_to_all_single, then the sums into ``out``."""
+    partials = owner_partials(ctx, y, d)
+    back = torch.empty((sum(d.sent), y.shape[1]), dtype=y.dtype, device=y.device)
+    dist.all_to_all_single(back, partials, list(d.sent), list(d.received), group=ctx.group)
+    sum_partials(ctx, back, d, out)
+
+
+__all__ = ["EPHandle", "Route", "Sent", "Traffic", "capacity", "check_combine", "check_dispatch", "combine_by_group",
+           "counts_by_group", "expand", "meta_width", "owner_partials", "pack", "route_tokens", "rows_by_group",
+           "sum_partials"]

@@ -70,7 +70,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..kernels.arrivals import launch_wait_sources
 from ..kernels.row_sums import launch_gather_rows_sum_jobs
@@ -83,8 +82,8 @@ from .moe_routing import grouped_mm
 from .checks import FP8
 from .ep_experts import check_expert_weight, projection
 from .ep_hosts import combine_jobs, counts_remote, partials_between_hosts, remote_ranks, rows_remote
-from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, expand, meta_width,
-                         owner_partials, pack, route_tokens, sum_partials)
+from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, combine_by_group,
+                         counts_by_group, expand, meta_width, pack, route_tokens, rows_by_group, sum_partials)
 
 
 @dataclass(frozen=True)
@@ -180,7 +179,7 @@ class ExpertParallel(OverlapOp):
         self.last_path = "fallback" if fallback else "overlap"
         sent = target = None
         if fallback:
-            table, table_dev = self._counts_fallback(route.record)
+            table, table_dev = counts_by_group(ctx, route.record)
         else:
             table_dev, read_table = self._counts(route.record, sched)
             target = None if sched.remote else self._push_target(
@@ -214,7 +213,7 @@ class ExpertParallel(OverlapOp):
             gather = self._gather_buffer(traffic, x.shape[1], x.dtype, k) if gathers and not fallback else None
             sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales, gather=gather)
             if fallback:
-                rows, meta = self._rows_fallback(sent, traffic)
+                rows, meta = rows_by_group(ctx, sent, traffic)
                 expanded = expand(rows, meta, traffic.expanded(r), sent.offsets, k, x.dtype)
             else:
                 self.last_exchange = "copies"
@@ -350,22 +349,6 @@ class ExpertParallel(OverlapOp):
                                    holds_for_link=ctx.holds_for_link), consumer)
         return made["expanded"]
 
-    def _counts_fallback(self, record: torch.Tensor) -> tuple:
-        ctx, W = self.ctx, self.ctx.world_size
-        table = torch.empty((W, record.numel()), dtype=torch.int32, device=record.device)
-        dist.all_to_all_single(table, record.unsqueeze(0).expand(W, -1).contiguous(), group=ctx.group)
-        return table.tolist(), table
-
-    def _rows_fallback(self, sent: Sent, traffic: Traffic) -> tuple:
-        ctx, r = self.ctx, self.ctx.rank
-        received, sends = list(traffic.received(r)), list(traffic.rows[r])
-        U = sum(received)
-        rows = torch.empty((U, sent.rows.shape[1]), dtype=sent.rows.dtype, device=sent.rows.device)
-        meta = torch.empty((U, sent.meta.shape[1]), dtype=torch.int32, device=sent.meta.device)
-        dist.all_to_all_single(rows, sent.rows, received, sends, group=ctx.group)
-        dist.all_to_all_single(meta, sent.meta, received, sends, group=ctx.group)
-        return rows, meta
-
     # ------------------------------------------------------------------------------------------------- combine
     @torch.no_grad()
     def combine(self, y: torch.Tensor, d: EPHandle, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -377,10 +360,7 @@ class ExpertParallel(OverlapOp):
         out = torch.empty((d.num_tokens, N), dtype=y.dtype, device=y.device) if out is None else out
         if self._use_fallback():
             self.last_path = "fallback"
-            partials = owner_partials(ctx, y.contiguous(), d)
-            back = torch.empty((sum(d.sent), N), dtype=y.dtype, device=y.device)
-            dist.all_to_all_single(back, partials, list(d.sent), list(d.received), group=ctx.group)
-            sum_partials(ctx, back, d, out)
+            combine_by_group(ctx, y.contiguous(), d, out)
             return out
         self.last_path = "overlap"
         self._combine(y.contiguous(), d, out)
@@ -389,8 +369,9 @@ class ExpertParallel(OverlapOp):
     def _combine(self, y: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
         """Behind the combine's barrier, each source's partials computed straight into its combine buffer (at the
         place its block for this rank had in its send order; one launch for all sources, ops.ep_hosts.combine_jobs),
-        then this rank's flag in every source (exchange.raise_flags, after the launch; across hosts the Link carries
-        the remote sources' partials and flags); once every owner's flag is up, the sum."""
+        then this rank's flag in every source (exchange.raise_flags, after the launch; across hosts a launch for the
+        remote sources comes first, and the Link carries their partials and flags beside the local launch); once
+        every owner's flag is up, the sum."""
         ctx, N, traffic = self.ctx, y.shape[1], d.traffic
         # the dispatch's number (mod 64) is in the header: ranks combining different dispatches fault at the barrier
         sched = self.schedule("combine", N, y.dtype, d.num_experts, d.seq % 64)
@@ -398,13 +379,20 @@ class ExpertParallel(OverlapOp):
         flags = ctx.symmetric(f"{self.name}.partial_flags", (ctx.world_size,), torch.int32)
         self.state.setdefault("buffers", {})["partials"] = back.local
         S = sum(d.sent)
-        jobs, most, ptrs, stage = combine_jobs(ctx, sched.remote, self.state, d, back)
+        jobs = combine_jobs(ctx, sched.remote, self.state, d, back)
+        stride = back.local.stride(0)
 
         def call():
-            launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, ptrs, jobs, most, back.local.stride(0))
+            sending = None
+            if jobs.remote is not None:  # the remote sources' first: they cross while the local ones are summed
+                launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, jobs.ptrs, jobs.remote, jobs.remote_most,
+                                            stride)
+                sending = partials_between_hosts(ctx, sched.remote, d, back, jobs.stage, flags,
+                                                 self.wait_ops["partials"])
+            launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, jobs.ptrs, jobs.local, jobs.local_most, stride)
             exchange.raise_flags(ctx, flags)
-            if stage is not None:  # (ops.ep_hosts)
-                partials_between_hosts(ctx, sched.remote, d, back, stage, flags, self.wait_ops["partials"])
+            if sending is not None:
+                ctx.current_stream().wait_stream(sending)
             launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
             sum_partials(ctx, back.local[:S], d, out)
             flags.local.zero_()  # every flag was waited for, earlier on this stream
