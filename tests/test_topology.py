@@ -226,10 +226,6 @@ BETWEEN_HOSTS = {
     "ep dispatch and combine": (ep_matches_reference,
                                 (EPCase(tokens=13, hidden=40, experts=8, topk=2, iters=2, jitter=0.003),),
                                 (EPCase(tokens=509, hidden=1024, experts=16, topk=4, iters=2, jitter=0.001),)),
-    "ep, rank without tokens": (ep_matches_reference,
-                                (EPCase(tokens=6, hidden=16, experts=16, topk=8, empty=1, n=24, dtype="float16"),),
-                                (EPCase(tokens=300, hidden=2048, experts=64, topk=8, routing="even", empty=1,
-                                        n=512),)),
     "ep, only rank 0 receives": (ep_matches_reference,  # (exchanges with nothing to move, between hosts too)
                                  (EPCase(tokens=11, hidden=16, experts=8, topk=2, routing="first", empty=0),),
                                  (EPCase(tokens=384, hidden=2048, experts=32, topk=4, routing="first", empty=0,
@@ -244,6 +240,8 @@ def test_ops_between_hosts(pool, what):
     layouts = _layouts(pool.world)
     if pool.backend == "host" and pool.world >= 4:  # one rank per host runs at W = 2 and 3 (CI time)
         layouts = [n for n in layouts if n < pool.world]
+    if pool.backend == "host" and pool.world == 3 and what.startswith("ep"):
+        pytest.skip("EP between hosts on the host backend: 2 hosts of 1 and of 2 (W = 2, 4; CI time)")
     for n in layouts:
         pool.run(_under_hosts, n, fn, *(host_args if pool.backend == "host" else gpu_args))
 
