@@ -63,7 +63,6 @@ FAST = [
     "test_ag_gemm.py::test_pull_gates_the_consumer",
     # GEMM-ReduceScatter
     "test_gemm_rs.py::test_gemm_rs_matches_reference[host-w2-0]",
-    "test_gemm_rs.py::test_gemm_rs_matches_reference[host-w3-1]",
     "test_gemm_rs.py::test_gemm_rs_100_back_to_back_calls[host-w2-store]",
     "test_gemm_rs.py::test_one_wave_rule",
     "test_gemm_rs.py::test_scatter_auto_rule",
@@ -74,7 +73,6 @@ FAST = [
     "test_cp_attention.py::test_cp_attention_matches_full_sequence[host-w3-1]",
     "test_cp_attention.py::test_cp_attention_gradients_match_full_sequence[host-w2-0]",
     "test_cp_attention.py::test_cp_attention_gradients_match_full_sequence[host-w3-1]",
-    "test_cp_attention.py::test_cp_attention_packed_documents[host-w2-0]",
     "test_cp_attention.py::test_forward_wait_times_out[host-w2]",
     "test_cp_attention.py::test_backward_wait_times_out[host-w2]",
     "test_cp_attention.py::test_head_split_choice",
@@ -122,8 +120,6 @@ FAST = [
     "test_nn.py::test_layers_reject_unshardable_features[host-w2]",
     "test_nn.py::test_weight_gradients_come_out_in_the_weights_layout",
     "test_block.py::test_block_matches_full_sequence[host-w2-False]",
-    "test_block.py::test_block_matches_full_sequence[host-w3-True]",
-    "test_block.py::test_block_compiles_in_one_graph[host-w2-True]",
     # the MoE layer; parallel styles in an unmodified Hugging Face Llama; the benchmarks' model and MoE pieces
     "test_nn_moe.py::test_tp_moe_matches_plain_module[host-w2-bf16]",
     "test_nn_moe.py::test_tp_moe_matches_plain_module[host-w3-empty_experts]",
@@ -150,7 +146,6 @@ FAST = [
     "test_faults.py::test_close_on_one_rank_only[host-w2]",
     "test_faults.py::test_empty_inputs_raise_before_any_collective[host-w3]",
     "test_faults.py::test_rank_killed[mid_call]",
-    "test_faults.py::test_rank_killed[set_up]",
     # the Context, hosts, replay rules
     "test_context.py::test_peer_visibility[host-w2]",
     "test_context.py::test_flag_never_seen_before_data[host-w3-0.002]",
