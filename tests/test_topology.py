@@ -172,6 +172,8 @@ def test_topology_from_keys():
     t = Topology.from_keys(["b", "b", "a", "b", "a"])
     assert t.hosts == ((0, 1, 3), (2, 4)) and t.num_hosts == 2
     assert t.local_ranks(4) == [2, 4] and t.host_of(3) == 0
+    assert t.remote_ranks(4) == (0, 1, 3) and t.remote_ranks(0) == (2, 4)
+    assert Topology.from_keys(["x", "x"]).remote_ranks(0) == ()
     assert t.describe() == "ranks 0, 1, 3 on b; ranks 2, 4 on a"
     assert Topology.from_keys(["x"] * 3).describe() == "ranks 0-2 on x"
 

@@ -79,6 +79,11 @@ class Topology:
         """The group ranks on ``rank``'s host, ``rank`` included."""
         return list(self.hosts[self.host_of(rank)])
 
+    def remote_ranks(self, rank: int) -> tuple[int, ...]:
+        """The group ranks on the other hosts than ``rank``'s, in rank order."""
+        mine = set(self.local_ranks(rank))
+        return tuple(sorted(p for ranks in self.hosts for p in ranks if p not in mine))
+
     def describe(self) -> str:
         def span(ranks):
             return f"rank {ranks[0]}" if len(ranks) == 1 else (

@@ -29,10 +29,7 @@ from ..producers import exchange
 
 def remote_ranks(ctx) -> tuple | None:
     """The ranks on other hosts, or None where the group is one host (ExchangeSchedule.remote)."""
-    if ctx.num_hosts == 1:
-        return None
-    mapped = set(ctx.local_ranks)
-    return tuple(p for p in range(ctx.world_size) if p not in mapped)
+    return ctx.topology.remote_ranks(ctx.rank) or None
 
 
 def counts_remote(remote, table, record: torch.Tensor) -> dict | None:
@@ -59,16 +56,16 @@ def rows_remote(remote, r: int, traffic, sent, rows, meta) -> dict | None:
 class CombineJobs:
     """A combine's partials launches (kernels.row_sums.launch_gather_rows_sum_jobs): ``local`` the job table of the
     sources on this host (peers in send order, then this rank; each job: the rows received from it and where they
-    go in its partials buffer), ``remote`` that of the sources on other hosts, whose partials go to ``stage`` (entry
-    W of the addresses ``ptrs``) before they cross (None on one host); ``local_most`` and ``remote_most`` their
-    largest job's rows."""
+    go in its partials buffer), ``remote`` that of the sources on other hosts (None on one host), whose partials go
+    to a staging buffer (entry W of the addresses ``ptrs``) before they cross: ``staged``, each remote source's rows
+    of it; ``local_most`` and ``remote_most`` their largest job's rows."""
 
     local: torch.Tensor
     local_most: int
     ptrs: torch.Tensor
     remote: torch.Tensor | None = None
     remote_most: int = 0
-    stage: torch.Tensor | None = None
+    staged: dict | None = None
 
 
 def combine_jobs(ctx, remote, state: dict, d, back) -> CombineJobs:
@@ -79,39 +76,38 @@ def combine_jobs(ctx, remote, state: dict, d, back) -> CombineJobs:
     if cached is not None and cached[0] is d.traffic and cached[1] == key:
         return cached[2]
     W, r, traffic = ctx.world_size, ctx.rank, d.traffic
-    remote, local_jobs, remote_jobs, staged = set(remote or ()), [], [], 0
+    remote, local_jobs, remote_jobs, places, at = set(remote or ()), [], [], {}, 0
     for s in send_order(r, W) + [r]:
         n = traffic.rows[s][r]
         if s in remote:
-            remote_jobs.append((W, traffic.recv_offset(s, r), staged, n))
-            staged += n
+            remote_jobs.append((W, traffic.recv_offset(s, r), at, n))
+            places[s] = (at, n)
+            at += n
         else:
             local_jobs.append((s, traffic.recv_offset(s, r), traffic.send_offset(s, r), n))
-    made = CombineJobs(job_table(ctx, local_jobs), max(n for *_, n in local_jobs), back.ptrs)
+    ptrs, remote_table, remote_most, staged = back.ptrs, None, 0, None
     if remote:
-        stage = torch.empty((max(staged, 1), back.local.shape[1]), dtype=back.local.dtype, device=ctx.device)
+        stage = torch.empty((max(at, 1), back.local.shape[1]), dtype=back.local.dtype, device=ctx.device)
+        staged = {s: stage[a:a + n] for s, (a, n) in places.items()}  # (the views keep the buffer)
         extra = torch.tensor([stage.data_ptr()], dtype=torch.int64).to(ctx.device, non_blocking=True)
-        made = CombineJobs(made.local, made.local_most, torch.cat([back.ptrs, extra]), job_table(ctx, remote_jobs),
-                           max(n for *_, n in remote_jobs), stage)
+        ptrs = torch.cat([back.ptrs, extra])
+        remote_table, remote_most = job_table(ctx, remote_jobs), max(n for *_, n in remote_jobs)
+    made = CombineJobs(job_table(ctx, local_jobs), max(n for *_, n in local_jobs), ptrs, remote_table, remote_most,
+                       staged)
     state["combine jobs"] = (d.traffic, key, made)
     return made
 
 
-def partials_between_hosts(ctx, remote, d, back, stage, flags, op: int):
-    """After the remote sources' partials launch on the caller's stream: on a producer stream, the staged partials
-    to each remote source and each remote owner's partials for this rank into ``back`` at its block
-    (Traffic.send_offset), with this rank's flag for each. Returns that stream (the caller's waits for it before
-    its wait for the flags)."""
+def partials_between_hosts(ctx, remote, d, back, staged: dict, flags, op: int):
+    """After the remote sources' partials launch on the caller's stream: on a producer stream, the ``staged``
+    partials (CombineJobs.staged) to each remote source and each remote owner's partials for this rank into
+    ``back`` at its block (Traffic.send_offset), with this rank's flag for each. Returns that stream (the caller's
+    waits for it before its wait for the flags)."""
     r, traffic = ctx.rank, d.traffic
-    blocks, at = {}, 0
-    for s in send_order(r, ctx.world_size):
-        if s in remote:
-            n = traffic.rows[s][r]
-            blocks[s] = ([stage[at:at + n]], [])
-            at += n
+    blocks = {}
     for o in remote:
         a, n = traffic.send_offset(r, o), traffic.rows[r][o]
-        blocks[o][1].append(back.local[a:a + n])
+        blocks[o] = ([staged[o]], [back.local[a:a + n]])
     stream = ctx.streams(1)[0]
     stream.wait_stream(ctx.current_stream())
     exchange.between_hosts(ctx, stream, blocks, flags, f"ep_combine partials with ranks {list(remote)}", op)

@@ -210,7 +210,7 @@ class ExpertParallel(OverlapOp):
                               x.dtype)
         else:
             # (by what every rank agreed on: the index is allocated on every rank together)
-            gather = self._gather_buffer(traffic, x.shape[1], x.dtype, k) if gathers and not fallback else None
+            gather = self._gather_buffer(traffic, x.shape[1], x.dtype, k) if gathers else None
             sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales, gather=gather)
             if fallback:
                 rows, meta = rows_by_group(ctx, sent, traffic)
@@ -387,7 +387,7 @@ class ExpertParallel(OverlapOp):
             if jobs.remote is not None:  # the remote sources' first: they cross while the local ones are summed
                 launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, jobs.ptrs, jobs.remote, jobs.remote_most,
                                             stride)
-                sending = partials_between_hosts(ctx, sched.remote, d, back, jobs.stage, flags,
+                sending = partials_between_hosts(ctx, sched.remote, d, back, jobs.staged, flags,
                                                  self.wait_ops["partials"])
             launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, jobs.ptrs, jobs.local, jobs.local_most, stride)
             exchange.raise_flags(ctx, flags)

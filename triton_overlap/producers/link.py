@@ -52,7 +52,7 @@ class Link:
         host = topo.host_of(r)
         index = topo.hosts[host].index(r)
         self.counterparts = [ranks[index] for h, ranks in enumerate(topo.hosts) if h != host]
-        self.remote = [p for p in range(ctx.world_size) if p not in set(topo.hosts[host])]
+        self.remote = list(topo.remote_ranks(r))
         self.wire = ctx.wire
         if self.wire is None:
             raise RuntimeError(ctx.across_hosts("the link between hosts", "its hosts differ in size, and only hosts of "
