@@ -138,15 +138,17 @@ def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out, contig: bool = Fa
     """Our grouped GEMM alone on rows already here (for the RS shapes too: the GEMM core both ops' kernels share,
     without MoE-GEMM-ReduceScatter's combine): the AllGather grouped GEMM that ``launch_ag_grouped`` picks for these
     operands (on Hopper the Gluon kernel where K <= grouped_gemm_hopper.MAX_K or ``contig``, as the ops pick theirs)
-    as a world of one (one chunk, at arrival position 0: no tile waits), ``rows`` [R, K] as tokens of top-1
-    ``row_experts`` [R, 1], ``out`` [R, N] in the expert-sorted layout (the bound's). ``contig``: the rows are
-    sorted by expert, and each tile reads its consecutive rows by TMA, as moe_gemm_rs reads the sorted layout of
-    ag_moe_gemm; else it gathers them row by row, as ag_moe_gemm does. Returns the launch as a function."""
+    as a world of one (one chunk, at arrival position 0: no tile waits), ``rows`` [T, K] as tokens routed to
+    ``row_experts`` [T, topk], ``out`` [T * topk, N] in the expert-sorted layout (the bound's). ``contig``: the
+    rows are sorted by expert (top-1), and each tile reads its consecutive rows by TMA, as moe_gemm_rs reads the
+    sorted layout of ag_moe_gemm; else it gathers them as ag_moe_gemm does: staged in expert order first where
+    ``cfg.stage_min_n`` says so (all rows are this world's own), else row by row. Returns the launch as a
+    function."""
     sched = consumer_schedule(cfg, rows.shape[0], rows.device)
     _, routes, table = ag_op.route(sched, row_experts, w.shape[0], True)
     flags = torch.ones(1, dtype=torch.int32, device=rows.device)
     return lambda: launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, sched.layout, op=ag_op.op,
-                                     rank=0, contig=contig)
+                                     rank=0, contig=contig, stage=w.shape[2] >= cfg.stage_min_n)
 
 
 # ---------------------------------------------------------------------------------------------------- timing
@@ -253,7 +255,7 @@ def bench_ops(ctx, ops, rec, iters) -> None:
            "ag_nccl_us": nccl_ag,
            "ag_bound_us": _graph(rec, "ag_bound_us", lambda: torch._grouped_mm(rows_sorted, w13, offs=offs)),
            "ag_consumer_only_us": _graph(rec, "ag_consumer_only_us", consumer_alone(
-               ctx, ag, cfg, rows_sorted, w13, sorted_experts, bound_out))}
+               ctx, ag, cfg, gathered, w13, ids, bound_out))}
     _timed(ctx, rec, {k: f for k, f in fns.items() if f is not None}, iters, lead)
     rec["ag_user_path"], rec["ag_gemm"] = ops.ag_user.last_path, ag.last_gemm
     _replays(ctx, rec, {"ag_ours_graph_us": lambda: ag(x, w13, ids, out=out_ag), "ag_nccl_graph_us": nccl_ag},

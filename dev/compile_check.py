@@ -383,7 +383,7 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
     """kernels.grouped_gemm (plain Triton: the tensor-parallel MoE ops' consumers) at the GPU defaults' tiles
     (ops.moe_config.MoEGEMMConfig), bf16, as the ops launch them: B through pointers, and through a descriptor of a
     transposed weight (B_DESC 2, with ``tma=True``; ``quick``: pointers only)."""
-    from triton_overlap.kernels.grouped_gemm import ag_grouped_gemm, rs_grouped_gemm
+    from triton_overlap.kernels.grouped_gemm import ag_grouped_gemm, rs_grouped_gemm, stage_own_rows
     from triton_overlap.ops.moe_config import MoEGEMMConfig
 
     cfg = MoEGEMMConfig.defaults(types.SimpleNamespace(interpreted=False, backend="cuda"))
@@ -407,6 +407,12 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
             attrs=divisibility(sig, skip=("rank", "op", "world", "budget", "SLOTS", "TOPK", "M_LOCAL", "M_PER_CHUNK",
                                           "CHUNKS_PER_RANK", "slots", "N", "K"))),
             {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    sig = {n: "*bf16" if n in ("x_ptr", "staged_ptr") else "*i32" if n.endswith("_ptr") else "i32"
+           for n in stage_own_rows.arg_names if n not in ("BLOCK_R", "BLOCK_K")}
+    consts = dict(BLOCK_R=16, BLOCK_K=256)
+    failed += compile_one(target, "stage_own_rows", ASTSource(
+        fn=stage_own_rows, signature=dict(sig, BLOCK_R="constexpr", BLOCK_K="constexpr"), constexprs=consts,
+        attrs=divisibility(sig, skip=("pairs", "M_LOCAL", "rank", "K"))), {"num_warps": 4})
     return failed
 
 
@@ -421,14 +427,18 @@ def compile_grouped_hopper(target, quick: bool = False) -> int:
 
     bm, bn, bk = gh.TILES.block_m, gh.TILES.block_n, gh.TILES.block_k
     failed = 0
-    for b_kmajor, contig in ((False, False),) if quick else ((False, False), (True, False), (False, True)):
+    variants = ((False, False, False),) if quick else ((False, False, False), (True, False, False),
+                                                       (False, True, False), (False, False, True), (True, False, True))
+    for b_kmajor, contig, staged in variants:
         b_type = gluon_desc_type(target, [1, bn, bk] if b_kmajor else [1, bk, bn])
-        a_type = gluon_desc_type(target, [bm, bk]) if contig else b_type
+        a_type = gluon_desc_type(target, [bm, bk]) if contig or staged else b_type
         consts = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=gh.TILES.num_stages,
                       B_KMAJOR=b_kmajor, CLOCK=1, STORE_WARPS=gh.EPILOGUE_WARPS, STORE_REGS=gh.EPILOGUE_REGS,
                       SUB_M=gh.SUB_M, CONTIG=contig)
         rs_consts = dict(TOPK=8, BLOCK_C=64, SUB_C=ghr.SUB_C)
-        for fn, extra in ((gh.ag_grouped_hopper, {}), (ghr.rs_grouped_hopper, rs_consts)):
+        kernels = ((gh.ag_grouped_hopper, {"STAGED": staged}),) + (((ghr.rs_grouped_hopper, rs_consts),)
+                                                                    if not staged else ())
+        for fn, extra in kernels:
             sig = {}
             for prm in fn.params:
                 n = prm.name
@@ -437,9 +447,8 @@ def compile_grouped_hopper(target, quick: bool = False) -> int:
                           else "*bf16" if n in ("x_ptr", "ws_ptr", "out_ptr", "h_ptr", "y_ptr")
                           else "*fp32" if n == "weights_ptr" else "*i64" if n in ("scatter_ptrs", "counter_ptrs")
                           else "*i32" if n.endswith("_ptr") else WAITER if n == "waiter" else "i32")
-            failed += compile_gluon(target, f"{fn.fn.__name__} b_kmajor={b_kmajor} contig={contig}", fn, sig,
-                                    dict(consts, **extra),
-                                    {"num_warps": 8, "maxnreg": gh.MAXNREG}, 1500)
+            failed += compile_gluon(target, f"{fn.fn.__name__} b_kmajor={b_kmajor} contig={contig} staged={staged}",
+                                    fn, sig, dict(consts, **extra), {"num_warps": 8, "maxnreg": gh.MAXNREG}, 1500)
     return failed
 
 

@@ -28,7 +28,8 @@ class MoECase:
     expert's weight the transpose of an [n, k] tensor); each token's ``topk`` choices by ``routing``: "random"
     (distinct experts where topk <= experts), "one" (every choice the last expert), "even" (even experts only: the
     odd ones get no rows). ``iters`` calls, producers delayed up to ``jitter`` s; ``m_per_chunk``, ``streams``:
-    the call's chunking; ``fallback`` the op's rule; ``check_routing`` the op's."""
+    the call's chunking; ``fallback`` the op's rule; ``check_routing`` the op's; ``stage_min_n`` the config's
+    (0: AllGather-MoE's Gluon kernel stages this rank's rows in expert order; None: the default)."""
     m_local: int
     k: int
     n: int
@@ -43,6 +44,7 @@ class MoECase:
     streams: int | None = None
     fallback: str = "never"
     check_routing: bool = True
+    stage_min_n: int | None = None
 
 
 def _ids(case, tokens, dev, *seed):
@@ -70,7 +72,7 @@ def _make(op_class):
 
 
 def _overrides(case):
-    return set_fields(m_per_chunk=case.m_per_chunk, num_streams=case.streams)
+    return set_fields(m_per_chunk=case.m_per_chunk, num_streams=case.streams, stage_min_n=case.stage_min_n)
 
 
 # ------------------------------------------------------------------------------------------ AllGather + MoE GEMM
@@ -137,10 +139,10 @@ def _ag_bad_inputs(ctx):
 
 # the GPU cases, the same shapes for both ops: odd rows per rank, one expert (B transposed), empty experts, E = 256,
 # every choice on one expert (fp16), and K not a whole number of 64-deep steps (on Hopper AllGather-MoE's Triton
-# kernel; the others take its Gluon kernel there)
+# kernel; the others take its Gluon kernel there); the first two with this rank's rows staged in expert order
 GPU_CASES = (
-    MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256),
-    MoECase(m_local=512, k=512, n=256, experts=1, topk=1, transposed=True),
+    MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256, stage_min_n=0),
+    MoECase(m_local=512, k=512, n=256, experts=1, topk=1, transposed=True, stage_min_n=0),
     MoECase(m_local=777, k=768, n=512, experts=64, topk=8, routing="even"),
     MoECase(m_local=600, k=512, n=384, experts=256, topk=4, m_per_chunk=160),
     MoECase(m_local=300, k=256, n=256, experts=5, topk=2, routing="one", dtype="float16"),
@@ -376,8 +378,9 @@ def test_fallback_rule():
 
 def _kernel_choice(_):
     """The grouped GEMM each MoE call ran (op.last_gemm), each result checked against float64: on Hopper the Gluon
-    kernels where K is a whole number of their 64-deep steps, the Triton kernels otherwise and where the config asks
-    for them; elsewhere always the Triton kernels."""
+    kernels where K is a whole number of their 64-deep steps (AllGather-MoE's with this rank's rows staged where
+    ``stage_min_n`` <= N), the Triton kernels otherwise and where the config asks for them; elsewhere always the
+    Triton kernels."""
     from refs import rel_err
     from triton_overlap.kernels.capability import gluon_available, is_hopper
 
@@ -388,15 +391,17 @@ def _kernel_choice(_):
                                         (RS_MOE, to.MoEGEMMReduceScatter, "rs_grouped", RS_TOL[torch.bfloat16])):
             op = make(ctx, fallback="never")
             seen = []
-            for k, gemm in ((256, "auto"), (200, "auto"), (256, "triton")) if big else ((32, "auto"),):
+            calls = ((256, "auto", 8192), (200, "auto", 8192), (256, "triton", 8192), (256, "auto", 0))
+            for k, gemm, stage in calls if big else ((32, "auto", 0),):
                 case = MoECase(m_local=130 if big else 7, k=k, n=96 if big else 24, experts=4, topk=2)
                 call = spec.inputs(ctx, case, 0)
-                got = op(*call.args, gemm=gemm)
+                got = op(*call.args, gemm=gemm, stage_min_n=stage)
                 ctx.check()
                 assert rel_err(got, call.ref) < tol
                 seen.append(op.last_gemm)
-            want = [f"{kernel}_hopper" if hopper else f"{kernel}_gemm", f"{kernel}_gemm", f"{kernel}_gemm"] if big \
-                else [f"{kernel}_gemm"]
+            staged = "+staged" if kernel == "ag_grouped" else ""
+            want = [f"{kernel}_hopper" if hopper else f"{kernel}_gemm", f"{kernel}_gemm", f"{kernel}_gemm",
+                    f"{kernel}_hopper{staged}" if hopper else f"{kernel}_gemm"] if big else [f"{kernel}_gemm"]
             assert seen == want, (seen, want)
             with pytest.raises(ValueError, match="MoEGEMMConfig.gemm must be one of"):
                 op(*call.args, gemm="cutlass")
@@ -409,18 +414,19 @@ def test_moe_kernel_choice(pool):
 def _graph_replays(case):
     """Both ops captured in one CUDA graph each (the routing tables and the kernels' scratch then live in the
     graph's own memory pool, fresh segments where a read past a buffer's edge faults), replayed with new inputs
-    copied into the captured ones: every replay against float64."""
+    copied into the captured ones: every replay against float64; AllGather-MoE also with its rows staged."""
     from refs import rel_err
     from triton_overlap.timing import capture
 
     with to.Context(timeout_s=120) as ctx:
-        for spec, make, tol in ((AG_MOE, to.AllGatherMoEGEMM, 1e-2),
-                                (RS_MOE, to.MoEGEMMReduceScatter, RS_TOL[torch.bfloat16])):
+        for spec, make, tol, kw in ((AG_MOE, to.AllGatherMoEGEMM, 1e-2, {}),
+                                    (AG_MOE, to.AllGatherMoEGEMM, 1e-2, {"stage_min_n": 0}),
+                                    (RS_MOE, to.MoEGEMMReduceScatter, RS_TOL[torch.bfloat16], {})):
             op = make(ctx, fallback="never", check_routing=False)
             static = spec.inputs(ctx, case, 0)
             args = [a.clone() for a in static.args]
             out = {}
-            graph = capture(lambda: out.update(y=op(*args)))
+            graph = capture(lambda: out.update(y=op(*args, **kw)))
             for it in range(1, 4):
                 call = spec.inputs(ctx, case, it)
                 for a, b in zip(args, call.args):
@@ -435,6 +441,33 @@ def test_moe_graph_replays(pool):
     if pool.backend == "host":
         pytest.skip("CUDA graphs need a GPU")
     pool.run(_graph_replays, MoECase(m_local=384, k=256, n=320, experts=8, topk=4))
+
+
+def _staging(_):
+    """kernels.grouped_gemm.stage_own_rows as the Gluon kernel's launcher runs it: every sorted row at arrival
+    position 0 gets its token's row of this rank's shard, every other row keeps what it held (NaN); K not a whole
+    number of the kernel's column blocks, rows not a whole number of its row blocks."""
+    from triton_overlap.kernels.cached_launch import launch
+    from triton_overlap.kernels.grouped_gemm import stage_own_rows
+
+    with to.Context(timeout_s=120) as ctx:
+        m_local, K, pairs, r, dev = 37, 300, 101, ctx.rank, ctx.device
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(m_local, K, generator=g).to(torch.bfloat16).to(dev)
+        src = torch.randint(0, m_local * ctx.world_size, (pairs,), generator=g, dtype=torch.int32).to(dev)
+        pos = torch.where(src // m_local == r, 0, 1 + src // m_local).to(torch.int32)
+        staged = torch.full((pairs, K), float("nan"), dtype=torch.bfloat16, device=dev)
+        launch(stage_own_rows, ((pairs + 15) // 16,), (x, staged, src, pos, pairs, m_local, r, K, x.stride(0),
+                                                    staged.stride(0)), dict(BLOCK_R=16, BLOCK_K=256))
+        ctx.after_launch()
+        own = pos == 0
+        assert own.any() and (~own).any()
+        assert torch.equal(staged[own], x[(src[own] - r * m_local).long()])
+        assert staged[~own].isnan().all()
+
+
+def test_stage_own_rows(pool):
+    pool.run(_staging, None)
 
 
 def test_config_rejects_odd_tiles():

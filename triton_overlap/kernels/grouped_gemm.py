@@ -23,6 +23,7 @@ nothing is read back to the host: slots past the last tile are empty (first row 
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -187,6 +188,24 @@ def rs_grouped_gemm(h_ptr, w, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, d
                     dest * CHUNKS_PER_RANK + last // M_PER_CHUNK, rank, CHUNKS_PER_RANK, LOCAL_COUNTERS)
 
 
+@triton.jit
+def stage_own_rows(x_ptr, staged_ptr, src_ptr, pos_ptr, pairs, M_LOCAL, rank, K, stride_xm, stride_sm,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``staged[p] = x[src[p] - rank * M_LOCAL]`` for every sorted row p of this rank's own tokens (arrival
+    position 0): the expert-sorted copy of those rows, which the Gluon grouped GEMM's tiles of own rows read by TMA
+    (kernels.grouped_gemm_hopper, STAGED). The peers' rows are left as they are."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = rows < pairs
+    own = ok & (tl.load(pos_ptr + rows, mask=ok, other=1) == 0)
+    tok = tl.load(src_ptr + rows, mask=own, other=0)
+    src_rows = x_ptr + (tok - rank * M_LOCAL).to(tl.int64) * stride_xm
+    dst_rows = staged_ptr + rows.to(tl.int64) * stride_sm
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        m = own[:, None] & (cols < K)[None, :]
+        tl.store(dst_rows[:, None] + cols[None, :], tl.load(src_rows[:, None] + cols[None, :], mask=m), mask=m)
+
+
 # ---------------------------------------------------------------------------------------------------- launchers
 def _programs(ctx, items: int, free_sm: bool = False) -> int:
     """One program per SM (CU), at most one per item. ``free_sm``: leave one SM to the call's barrier kernel, which
@@ -213,7 +232,7 @@ def expert_weights(ctx, tiles, w):
 
 
 def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, op: int = 0,
-                      rank: int | None = None, contig: bool = False) -> str:
+                      rank: int | None = None, contig: bool = False, stage: bool = False) -> str:
     """The AllGather grouped GEMM on the caller's stream: on Hopper the warp-specialized Gluon kernel
     (kernels.grouped_gemm_hopper) where it can run and ``tiles.gemm`` is not "triton", else ``ag_grouped_gemm``.
     Returns the kernel's name. ``tiles``: block sizes and warps (MoEGEMMConfig); ``x`` this rank's [m_local, K]
@@ -222,15 +241,24 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
     [slots, 3]; ``flags``: this rank's flags; ``layout``: the gather's ChunkLayout; ``rank``: the rank it runs as
     (None: the Context's; tests simulate a world on one rank); ``contig``: each tile's rows are consecutive rows of
     ``ws``, which the Gluon kernel then reads by TMA: only for the grouped GEMM alone on rows already sorted by
-    expert, all in ``ws`` with nothing to wait for (a world of one, as the benchmark times it); the op's own rows
-    are in ``x``, and its waits on flags are not fenced for TMA reads."""
+    expert, all in ``ws`` with nothing to wait for (a world of one); the op's own rows are in ``x``, and its waits
+    on flags are not fenced for TMA reads. ``stage`` (not with ``contig``): where the Gluon kernel runs, this rank's
+    own rows are first copied in expert order into a fresh [sorted rows, K] buffer (``stage_own_rows``, a pass over
+    them on the whole GPU), from which the tiles of own rows read them by TMA (the name then ends in "+staged")."""
     N, K = w.shape[2], w.shape[1]
     slots = table.shape[0]
     if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, contig):
+        staged = None
+        if stage and not contig:
+            src, pos = routes[0], routes[2]
+            staged = torch.empty((src.numel(), K), dtype=x.dtype, device=x.device)
+            launch(stage_own_rows, (triton.cdiv(src.numel(), 16),), (
+                x, staged, src, pos, src.numel(), layout.m_local, ctx.rank if rank is None else rank, K, x.stride(0),
+                staged.stride(0)), dict(BLOCK_R=16, BLOCK_K=256), num_warps=4)
         programs = _programs(ctx, slots * triton.cdiv(N, hopper.TILES.block_n), free_sm=True)
         hopper.launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs, op, rank,
-                                        contig)
-        return "ag_grouped_hopper"
+                                        contig, staged)
+        return "ag_grouped_hopper" + ("+staged" if staged is not None else "")
     programs = _programs(ctx, slots * triton.cdiv(N, tiles.block_n), free_sm=True)
     b, b_desc = expert_weights(ctx, tiles, w)
     launch(ag_grouped_gemm, (programs,), (

@@ -3,10 +3,8 @@ token with cp.async while the tensor cores work on the previous K steps, the nex
 during this tile's last steps, and a tile's stores run beside the next tile's K loop. AllGather-MoE's kernel is
 here; MoE-GEMM-ReduceScatter's (kernels.grouped_gemm_hopper_rs) shares its K loop (``grouped_k_loops``).
 
-Why a second kernel: in kernels.grouped_gemm the rows of A are gathered through pointers by the warps that then
-multiply, so Triton does not pipeline the K loop's loads (masked along K and N), every tile pays the pipeline's
-fill, and the epilogue leaves the tensor cores idle; measured 0.73-0.98x of ``torch._grouped_mm`` on the models'
-shapes (docs/decisions.md, Tensor-parallel MoE). Gluon states the pipeline and the partitions outright.
+Why a second kernel: kernels.grouped_gemm's K loop is not pipelined and its epilogue idles the tensor cores
+(docs/decisions.md, Tensor-parallel MoE); Gluon states the pipeline and the partitions outright.
 
 It computes what ``ag_grouped_gemm`` does from the same routing (kernels.routing: the tile table of (expert, first
 row, end row) slots, each sorted row's token ``src``, output row ``dst`` and chunk position ``pos``), taking the
@@ -24,8 +22,10 @@ program per SM but one, round-robin. Two partitions:
   expert-parallel dispatch's peers store them with the rows: ops.ep_experts). Where each tile's rows are
   consecutive rows of A (CONTIG: MoE-GEMM-ReduceScatter on the expert-sorted layout, MoERouting.rank_runs), A comes
   by TMA on the same barrier as B instead, with no copies to issue, wait for or fence (faster on every model shape
-  measured, and without a K limit: docs/decisions.md, Tensor-parallel MoE). After the K loop the tile goes, as the
-  output dtype, into a shared tile buffer ("full");
+  measured, and without a K limit: docs/decisions.md, Tensor-parallel MoE). So too, with STAGED (AllGather-MoE on
+  wide weight shards, ``MoEGEMMConfig.stage_min_n``), for the tiles of this rank's own rows, which
+  kernels.grouped_gemm.stage_own_rows first copied in expert order; a tile with a peer's rows still gathers. After
+  the K loop the tile goes, as the output dtype, into a shared tile buffer ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time, each row into its
   output row ``dst``, then "free".
 
@@ -119,11 +119,35 @@ def _arrived(f, first, end, BLOCK_M: gl.constexpr, CLOCK: gl.constexpr):
 
 
 @gluon.jit
-def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr):
-    """Issue the loads of K step ``k`` of a tile into stage ``ld % NUM_STAGES``: A's rows by cp.async, 16 bytes a
-    copy (rows 16-byte aligned and K a whole number of steps: ``usable``), as one commit group, or with CONTIG
-    their block from row ``rows`` by TMA; B's block of ``expert`` at column ``col0`` by TMA; the TMA loads on the
-    stage's "ready" barrier."""
+def _tile_rows(r, f, first, end, LD: gl.constexpr, BLOCK_M: gl.constexpr, CONTIG: gl.constexpr,
+               STAGED: gl.constexpr):
+    """``_rows``' pointers, and with STAGED (them, ``first``, 1 where every row of the tile is this rank's, at
+    arrival position 0, else 0): such a tile reads its rows [first, first + BLOCK_M) of the staged copy by TMA."""
+    rows = _rows(r, first, end, LD, BLOCK_M, CONTIG)
+    if STAGED:
+        own = (gl.load(f[0] + gl.where(end > first, end - 1, 0)) == 0).to(gl.int32)
+        rows = (rows, first, own)
+    return rows
+
+
+@gluon.jit
+def _gather(buf, rows, k, BLOCK_K: gl.constexpr):
+    """K step ``k`` of the rows at pointers ``rows`` into ``buf`` by cp.async, 16 bytes a copy, one commit group."""
+    offs_k = k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows.type.layout.parent))
+    # each row's run of BLOCK_K elements is contiguous and 16-byte aligned (Triton cannot see it through the
+    # partition's arguments)
+    ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_k[None, :], [1, 16]), [1, BLOCK_K])
+    cp_async_load(buf, ptrs)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
+    """Issue the loads of K step ``k`` of a tile into stage ``ld % NUM_STAGES``: A's rows by cp.async (``_gather``:
+    rows 16-byte aligned and K a whole number of steps, ``usable``), or with CONTIG their block from row ``rows`` by
+    TMA, or with STAGED (``_tile_rows``) by TMA from the staged copy where the tile is this rank's own rows (and an
+    empty commit group, so that every step counts one); B's block of ``expert`` at column ``col0`` by TMA; the TMA
+    loads on the stage's "ready" barrier."""
     a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -132,13 +156,16 @@ def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.const
     if CONTIG:
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma_load(a_desc, [rows, k * BLOCK_K], bar, a_bufs.index(s))
+    elif STAGED:
+        if rows[2] != 0:
+            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            tma_load(a_desc, [rows[1], k * BLOCK_K], bar, a_bufs.index(s))
+            async_copy.commit_group()
+        else:
+            _gather(a_bufs.index(s), rows[0], k, BLOCK_K)
+            mbarrier.expect(bar, b_desc.block_type.nbytes)
     else:
-        offs_k = k * BLOCK_K + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, rows.type.layout.parent))
-        # each row's run of BLOCK_K elements is contiguous and 16-byte aligned (Triton cannot see it through the
-        # partition's arguments)
-        ptrs = gl.max_contiguous(gl.multiple_of(rows[:, None] + offs_k[None, :], [1, 16]), [1, BLOCK_K])
-        cp_async_load(a_bufs.index(s), ptrs)
-        async_copy.commit_group()
+        _gather(a_bufs.index(s), rows, k, BLOCK_K)
         mbarrier.expect(bar, b_desc.block_type.nbytes)
     if B_KMAJOR:
         tma_load(b_desc, [expert, col0, k * BLOCK_K], bar, b_bufs.index(s))
@@ -147,20 +174,29 @@ def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.const
 
 
 @gluon.jit
-def _step(p, acc, g, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr):
-    """Consume K step ``g`` (this program's count): wait for its A rows (this thread's cp.async group, fenced for
-    the tensor cores, then every thread's; with CONTIG they come on the stage's barrier) and its B block, issue its
+def _landed(LEAD: gl.constexpr):
+    """This thread's cp.async group of the step being consumed has landed (at most LEAD - 1 newer ones pending),
+    fenced for the tensor cores, and so has every thread's."""
+    async_copy.wait_group(LEAD - 1)
+    fence_async_shared()
+    barrier()
+
+
+@gluon.jit
+def _step(p, acc, g, own, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
+    """Consume K step ``g`` (this program's count): wait for its A rows (``_landed``; with CONTIG, or STAGED and
+    ``own`` (the tile read from the staged copy), they come on the stage's barrier) and its B block, issue its
     wgmma, and wait for the previous step's (both warpgroups'), whose stage is then free."""
     a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    LEAD: gl.constexpr = STAGES - 1
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[2]
     s = g % STAGES
-    if not CONTIG:
-        async_copy.wait_group(LEAD - 1)
-        fence_async_shared()
-        barrier()
+    if STAGED:
+        if own == 0:
+            _landed(STAGES - 1)
+    elif not CONTIG:
+        _landed(STAGES - 1)
     mbarrier.wait(ready.index(s), (g // STAGES) & 1)
     if B_KMAJOR:
         b_tile = b_bufs.index(s).reshape([BLOCK_N, BLOCK_K]).permute((1, 0))
@@ -174,12 +210,13 @@ def _step(p, acc, g, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr):
 
 @gluon.jit
 def grouped_k_loops(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
-                    WAIT: gl.constexpr, CLOCK: gl.constexpr, CONTIG: gl.constexpr):
+                    WAIT: gl.constexpr, CLOCK: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
     """Every GEMM tile of this program (``grouped_item``): the K loop on wgmma, its loads issued LEAD =
     NUM_STAGES - 1 steps ahead, then the tile as the output dtype into the shared tile buffer (``c``'s first three:
     the buffer, "full", "free") for the store partition. WAIT: wait for the chunk flags of a tile's rows first.
     CONTIG: each tile's rows are consecutive rows of A (``src[first]`` onwards), loaded by TMA through ``p``'s
-    last, A's descriptor, with B on the stage's barrier; else gathered row by row by cp.async.
+    last, A's descriptor, with B on the stage's barrier; else gathered row by row by cp.async, but with STAGED the
+    tiles of this rank's own rows, read by TMA from the staged copy that ``p``'s last describes (``_tile_rows``).
 
     A tile's K loop is its first k_tiles - LEAD steps, which load the same tile's later steps, and LEAD steps
     written out, which load the next item's first ones when the program's next item is a GEMM tile with rows (else
@@ -205,23 +242,26 @@ def grouped_k_loops(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
         if busy:
             if WAIT and prefetched == 0:
                 _arrived(f, first, end, BLOCK_M, CLOCK)
-            rows = _rows(r, first, end, LD, BLOCK_M, CONTIG)
+            rows = _tile_rows(r, f, first, end, LD, BLOCK_M, CONTIG, STAGED)
+            own = 0
+            if STAGED:
+                own = rows[2]
             if prefetched == 0:
                 for j in gl.static_range(LEAD):
-                    _load(p, g + j, rows, expert, pid_n * BLOCK_N, j, B_KMAJOR, CONTIG)
+                    _load(p, g + j, rows, expert, pid_n * BLOCK_N, j, B_KMAJOR, CONTIG, STAGED)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
             for k in range(k_tiles - LEAD):
-                acc = _step(p, acc, g, B_KMAJOR, CONTIG)
-                _load(p, g + LEAD, rows, expert, pid_n * BLOCK_N, k + LEAD, B_KMAJOR, CONTIG)
+                acc = _step(p, acc, g, own, B_KMAJOR, CONTIG, STAGED)
+                _load(p, g + LEAD, rows, expert, pid_n * BLOCK_N, k + LEAD, B_KMAJOR, CONTIG, STAGED)
                 g += 1
             n_expert, n_first, n_end, n_pid_n, has_next = grouped_item(t, it + NUM_PROGRAMS, num_pid_n, GROUP_M)
             if WAIT and has_next:  # before the next tile's rows are read: their sources may write ``src`` too
                 _arrived(f, n_first, n_end, BLOCK_M, CLOCK)
-            n_rows = _rows(r, n_first, n_end, LD, BLOCK_M, CONTIG)
+            n_rows = _tile_rows(r, f, n_first, n_end, LD, BLOCK_M, CONTIG, STAGED)
             for j in gl.static_range(LEAD):
-                acc = _step(p, acc, g, B_KMAJOR, CONTIG)
+                acc = _step(p, acc, g, own, B_KMAJOR, CONTIG, STAGED)
                 if has_next:
-                    _load(p, g + LEAD, n_rows, n_expert, n_pid_n * BLOCK_N, j, B_KMAJOR, CONTIG)
+                    _load(p, g + LEAD, n_rows, n_expert, n_pid_n * BLOCK_N, j, B_KMAJOR, CONTIG, STAGED)
                 elif not CONTIG:
                     async_copy.commit_group()
                 g += 1
@@ -307,11 +347,12 @@ def ag_grouped_hopper(x_ptr, ws_ptr, a_desc, b_desc, out_ptr, src_ptr, dst_ptr, 
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
                       CLOCK: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
-                      SUB_M: gl.constexpr, CONTIG: gl.constexpr):
+                      SUB_M: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
     """out[dst[p]] = x_all[src[p]] @ w[expert of p] for every sorted row p (module doc; the arguments are
     ``ag_grouped_gemm``'s). ``b_desc``: the experts' weights [E, K, N] in [1, BLOCK_K, BLOCK_N] blocks or, with
     B_KMAJOR, their transpose [E, N, K] in [1, BLOCK_N, BLOCK_K] blocks. CONTIG: ``a_desc`` describes the
-    workspace, whose rows each tile reads consecutively (``grouped_k_loops``); else it is not read."""
+    workspace, whose rows each tile reads consecutively (``grouped_k_loops``); STAGED: it describes the staged
+    copy of this rank's rows (``stage_own_rows``), which tiles of this rank's rows read; else it is not read."""
     a_bufs, b_bufs, c_buf, ready, tile_bars = grouped_buffers(x_ptr, b_desc, out_ptr, BLOCK_M, BLOCK_K, NUM_STAGES,
                                                               B_KMAJOR)
     p = (a_bufs, b_desc, b_bufs, ready, K, N, a_desc)
@@ -320,7 +361,7 @@ def ag_grouped_hopper(x_ptr, ws_ptr, a_desc, b_desc, out_ptr, src_ptr, dst_ptr, 
     t = (table_ptr, slots, 0, 1)
     c = (c_buf, tile_bars.index(0), tile_bars.index(1), out_ptr, dst_ptr, stride_om)
     gl.warp_specialize([
-        (grouped_k_loops, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, True, CLOCK, CONTIG)),
+        (grouped_k_loops, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, True, CLOCK, CONTIG, STAGED)),
         (_stores, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, SUB_M)),
     ], [STORE_WARPS], [STORE_REGS])
 
@@ -382,20 +423,22 @@ def usable(ctx, tiles, x, w, out, contig: bool = False) -> bool:
 
 
 def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs: int, op: int = 0,
-                             rank: int | None = None, contig: bool = False) -> None:
+                             rank: int | None = None, contig: bool = False, staged=None) -> None:
     """``ag_grouped_hopper`` on the caller's stream, with kernels.grouped_gemm.launch_ag_grouped's arguments
     (``usable`` must hold; ``programs``: the grid). ``contig``: each tile's rows are consecutive rows of ``ws``,
-    read by TMA."""
+    read by TMA; ``staged``: the expert-sorted copy of this rank's own rows, which their tiles read by TMA."""
     E, K, N = w.shape
     bk = TILES.block_k
     b_desc = weights_descriptor(w)
+    a = ws if contig else staged
     launch(ag_grouped_hopper, (programs,), (
-        x, ws, rows_descriptor(ws) if contig else b_desc, b_desc, out, *routes, table, flags, waiter(ctx, op, rank),
-        table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0), ws.stride(0), out.stride(0),
+        x, ws, b_desc if a is None else rows_descriptor(a), b_desc, out, *routes, table, flags,
+        waiter(ctx, op, rank), table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0),
+        ws.stride(0), out.stride(0),
     ), dict(BLOCK_M=TILES.block_m, BLOCK_K=bk, GROUP_M=TILES.group_m, NUM_PROGRAMS=programs,
             NUM_STAGES=TILES.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,
-            STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M, CONTIG=contig), num_warps=8,
-        maxnreg=MAXNREG)
+            STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M, CONTIG=contig,
+            STAGED=staged is not None and not contig), num_warps=8, maxnreg=MAXNREG)
     ctx.after_launch()
 
 

@@ -14,13 +14,16 @@ from .config import GEMMS, ChunkedGemmConfig
 class MoEGEMMConfig(ChunkedGemmConfig):
     """AllGather-MoE-GEMM's and MoE-GEMM-ReduceScatter's knobs: the grouped GEMM's tiles (``block_m`` rows of one
     expert by ``block_n`` columns, ``block_k`` deep), the chunking of each rank's tokens (ChunkedGemmConfig),
-    ``block_c``: the tokens of one top-k combine tile (MoE-GEMM-ReduceScatter), and ``gemm``: AllGather-MoE's
+    ``block_c``: the tokens of one top-k combine tile (MoE-GEMM-ReduceScatter), ``gemm``: AllGather-MoE's
     grouped GEMM, "auto" (or "gluon"): on Hopper with 16-bit operands and 128-row tiles the warp-specialized Gluon
     kernel (kernels.grouped_gemm_hopper), where it can run, else kernels.grouped_gemm's; "triton": always the
-    latter."""
+    latter; ``stage_min_n``: where the Gluon kernel runs AllGather-MoE on a weight shard of at least this many
+    columns, this rank's own rows are first copied into expert order (one pass over them), and their tiles read
+    A by TMA instead of gathering it token by token (0: always; docs/decisions.md, Tensor-parallel MoE)."""
 
     block_c: int = 64
     gemm: str = "auto"
+    stage_min_n: int = 6144
 
     def __post_init__(self):
         if self.gemm not in GEMMS:
@@ -29,6 +32,8 @@ class MoEGEMMConfig(ChunkedGemmConfig):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoEGEMMConfig.{name} must be a power of two >= 16, got {v}")
+        if self.stage_min_n < 0:
+            raise ValueError(f"MoEGEMMConfig.stage_min_n must be >= 0, got {self.stage_min_n}")
 
     @classmethod
     def defaults(cls, ctx) -> "MoEGEMMConfig":
