@@ -419,7 +419,7 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
 def compile_grouped_hopper(target, quick: bool = False) -> int:
     """kernels.grouped_gemm_hopper and kernels.grouped_gemm_hopper_rs (Gluon; sm_90 only) as the MoE ops launch
     them: the weights [E, K, N] and their transpose [E, N, K], A's rows gathered, (CONTIG) by TMA and (STAGED, the
-    AllGather kernel) both (``quick``: [E, K, N]: the AllGather kernel staged, the other gathered)."""
+    AllGather kernel) both (``quick``: [E, K, N], gathered, and the AllGather kernel staged)."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import grouped_gemm_hopper as gh
@@ -427,8 +427,9 @@ def compile_grouped_hopper(target, quick: bool = False) -> int:
 
     bm, bn, bk = gh.TILES.block_m, gh.TILES.block_n, gh.TILES.block_k
     failed = 0
-    variants = ((False, False, True),) if quick else ((False, False, False), (True, False, False),
-                                                      (False, True, False), (False, False, True), (True, False, True))
+    variants = ((False, False, False), (False, False, True))
+    if not quick:
+        variants += ((True, False, False), (False, True, False), (True, False, True))
     for b_kmajor, contig, staged in variants:
         b_type = gluon_desc_type(target, [1, bn, bk] if b_kmajor else [1, bk, bn])
         a_type = gluon_desc_type(target, [bm, bk]) if contig or staged else b_type
@@ -437,7 +438,7 @@ def compile_grouped_hopper(target, quick: bool = False) -> int:
                       SUB_M=gh.SUB_M, CONTIG=contig)
         rs_consts = dict(TOPK=8, BLOCK_C=64, SUB_C=ghr.SUB_C)
         kernels = ((gh.ag_grouped_hopper, {"STAGED": staged}),) + (((ghr.rs_grouped_hopper, rs_consts),)
-                                                                    if quick or not staged else ())
+                                                                    if not staged else ())
         for fn, extra in kernels:
             sig = {}
             for prm in fn.params:

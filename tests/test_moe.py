@@ -444,26 +444,27 @@ def test_moe_graph_replays(pool):
 
 
 def _staging(_):
-    """kernels.grouped_gemm.stage_own_rows as the Gluon kernel's launcher runs it: every sorted row at arrival
-    position 0 gets its token's row of this rank's shard, every other row keeps what it held (NaN); K not a whole
-    number of the kernel's column blocks, rows not a whole number of its row blocks."""
-    from triton_overlap.kernels.cached_launch import launch
-    from triton_overlap.kernels.grouped_gemm import stage_own_rows
+    """kernels.grouped_gemm.stage_rows as the Gluon kernel's launcher runs it: this rank's sorted rows (arrival
+    position 0), in their sorted order, each its token's row of this rank's shard, in a copy of 1/W of the sorted
+    rows; each sorted row's place in it; K not a whole number of the kernel's column blocks, rows not a whole number
+    of its row blocks."""
+    from types import SimpleNamespace
+
+    from triton_overlap.kernels.grouped_gemm import stage_rows
 
     with to.Context(timeout_s=120) as ctx:
-        m_local, K, pairs, r, dev = 37, 300, 101, ctx.rank, ctx.device
+        m_local, K, topk, r, W, dev = 37, 300, 3, ctx.rank, ctx.world_size, ctx.device
         g = torch.Generator().manual_seed(7)
         x = torch.randn(m_local, K, generator=g).to(torch.bfloat16).to(dev)
-        src = torch.randint(0, m_local * ctx.world_size, (pairs,), generator=g, dtype=torch.int32).to(dev)
+        tokens = torch.arange(m_local * W).repeat(topk)  # every (token, choice) pair, in a shuffled sorted order
+        src = tokens[torch.randperm(tokens.numel(), generator=g)].to(torch.int32).to(dev)
         pos = torch.where(src // m_local == r, 0, 1 + src // m_local).to(torch.int32)
-        staged = torch.full((pairs, K), float("nan"), dtype=torch.bfloat16, device=dev)
-        launch(stage_own_rows, ((pairs + 15) // 16,), (x, staged, src, pos, pairs, m_local, r, K, x.stride(0),
-                                                    staged.stride(0)), dict(BLOCK_R=16, BLOCK_K=256))
+        staged, at = stage_rows(ctx, x, (src, None, pos, None), SimpleNamespace(world=W, m_local=m_local), r)
         ctx.after_launch()
         own = pos == 0
-        assert own.any() and (~own).any()
-        assert torch.equal(staged[own], x[(src[own] - r * m_local).long()])
-        assert staged[~own].isnan().all()
+        assert staged.shape == (m_local * topk, K) and int(own.sum()) == m_local * topk
+        assert torch.equal(at[own].cpu(), torch.arange(m_local * topk, dtype=torch.int32))
+        assert torch.equal(staged, x[(src[own] - r * m_local).long()])
 
 
 def test_stage_own_rows(pool):

@@ -189,18 +189,20 @@ def rs_grouped_gemm(h_ptr, w, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, d
 
 
 @triton.jit
-def stage_own_rows(x_ptr, staged_ptr, src_ptr, pos_ptr, pairs, M_LOCAL, rank, K, stride_xm, stride_sm,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``staged[p] = x[src[p] - rank * M_LOCAL]`` for every sorted row p of this rank's own tokens (arrival
-    position 0): the expert-sorted copy of those rows, which the Gluon grouped GEMM's tiles of own rows read by TMA
-    (kernels.grouped_gemm_hopper, STAGED). The peers' rows are left as they are."""
+def stage_own_rows(x_ptr, staged_ptr, src_ptr, pos_ptr, staged_at_ptr, pairs, M_LOCAL, rank, K, stride_xm,
+                   stride_sm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``staged[staged_at[p]] = x[src[p] - rank * M_LOCAL]`` for every sorted row p of this rank's own tokens
+    (arrival position 0): those rows in expert-sorted order, consecutive, which the Gluon grouped GEMM's tiles of
+    own rows read by TMA (kernels.grouped_gemm_hopper, STAGED). A program with no own rows copies nothing."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < pairs
     own = ok & (tl.load(pos_ptr + rows, mask=ok, other=1) == 0)
     tok = tl.load(src_ptr + rows, mask=own, other=0)
+    at = tl.load(staged_at_ptr + rows, mask=own, other=0)
     src_rows = x_ptr + (tok - rank * M_LOCAL).to(tl.int64) * stride_xm
-    dst_rows = staged_ptr + rows.to(tl.int64) * stride_sm
-    for k0 in range(0, K, BLOCK_K):
+    dst_rows = staged_ptr + at.to(tl.int64) * stride_sm
+    k_end = tl.where(tl.max(own.to(tl.int32), axis=0) > 0, K, 0)
+    for k0 in range(0, k_end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         m = own[:, None] & (cols < K)[None, :]
         tl.store(dst_rows[:, None] + cols[None, :], tl.load(src_rows[:, None] + cols[None, :], mask=m), mask=m)
@@ -243,18 +245,15 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
     ``ws``, which the Gluon kernel then reads by TMA: only for the grouped GEMM alone on rows already sorted by
     expert, all in ``ws`` with nothing to wait for (a world of one); the op's own rows are in ``x``, and its waits
     on flags are not fenced for TMA reads. ``stage`` (not with ``contig``): where the Gluon kernel runs, this rank's
-    own rows are first copied in expert order into a fresh [sorted rows, K] buffer (``stage_own_rows``, a pass over
-    them on the whole GPU), from which the tiles of own rows read them by TMA (the name then ends in "+staged")."""
+    own rows are first copied in expert order into a fresh buffer of 1/W of the sorted rows (``stage_rows``, a pass
+    over them on the whole GPU), from which the tiles of own rows read them by TMA (the name then ends in
+    "+staged")."""
     N, K = w.shape[2], w.shape[1]
     slots = table.shape[0]
     if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, contig):
         staged = None
         if stage and not contig:
-            src, pos = routes[0], routes[2]
-            staged = torch.empty((src.numel(), K), dtype=x.dtype, device=x.device)
-            launch(stage_own_rows, (triton.cdiv(src.numel(), 16),), (
-                x, staged, src, pos, src.numel(), layout.m_local, ctx.rank if rank is None else rank, K, x.stride(0),
-                staged.stride(0)), dict(BLOCK_R=16, BLOCK_K=256), num_warps=4)
+            staged = stage_rows(ctx, x, routes, layout, ctx.rank if rank is None else rank)
         programs = _programs(ctx, slots * triton.cdiv(N, hopper.TILES.block_n), free_sm=True)
         hopper.launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs, op, rank,
                                         contig, staged)
@@ -269,6 +268,20 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
         num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     ctx.after_launch()
     return "ag_grouped_gemm"
+
+
+def stage_rows(ctx, x, routes, layout, rank: int) -> tuple:
+    """``stage_own_rows`` on the caller's stream: (the copy [own rows, K], int32 [sorted rows]: each sorted row's
+    place in it, counting this rank's rows in sorted order). This rank's rows are 1/W of the sorted rows (every
+    rank's tokens count alike), so is the copy."""
+    src, pos = routes[0], routes[2]
+    pairs, K = src.numel(), x.shape[1]
+    staged_at = torch.cumsum(pos == 0, 0, dtype=torch.int32).sub_(1)
+    staged = torch.empty((pairs // layout.world, K), dtype=x.dtype, device=x.device)
+    launch(stage_own_rows, (triton.cdiv(pairs, 16),), (
+        x, staged, src, pos, staged_at, pairs, layout.m_local, rank, K, x.stride(0), staged.stride(0)),
+        dict(BLOCK_R=16, BLOCK_K=256), num_warps=4)
+    return staged, staged_at
 
 
 def launch_rs_grouped(ctx, tiles, block_c: int, h, w, y, routes, weights, table, dests, counts, target, layout,

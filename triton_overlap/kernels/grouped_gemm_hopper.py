@@ -88,7 +88,7 @@ def _rows(r, first, end, LD: gl.constexpr, BLOCK_M: gl.constexpr, CONTIG: gl.con
     unused slots are (0, 0, 0): a next item that has no rows) reads sorted row 0's token, never the word before
     ``src``. CONTIG: the tile's rows are rows src[first], src[first] + 1, ... of A, and TMA takes the first's
     index."""
-    x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, rank = r
+    x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, rank = r[0], r[1], r[2], r[3], r[4], r[5], r[6]
     if CONTIG:
         rows = gl.load(src_ptr + first)
     else:
@@ -121,12 +121,14 @@ def _arrived(f, first, end, BLOCK_M: gl.constexpr, CLOCK: gl.constexpr):
 @gluon.jit
 def _tile_rows(r, f, first, end, LD: gl.constexpr, BLOCK_M: gl.constexpr, CONTIG: gl.constexpr,
                STAGED: gl.constexpr):
-    """``_rows``' pointers, and with STAGED (them, ``first``, 1 where every row of the tile is this rank's, at
-    arrival position 0, else 0): such a tile reads its rows [first, first + BLOCK_M) of the staged copy by TMA."""
+    """``_rows``' pointers, and with STAGED (them, the tile's first row in the staged copy (``r``'s last: each sorted
+    row's place there), 1 where every row of the tile is this rank's (arrival position 0), else 0). Such a tile
+    reads its consecutive rows there by TMA; the rows after them (another expert's, zeros past the copy's end) feed
+    products that are never stored."""
     rows = _rows(r, first, end, LD, BLOCK_M, CONTIG)
     if STAGED:
         own = (gl.load(f[0] + gl.where(end > first, end - 1, 0)) == 0).to(gl.int32)
-        rows = (rows, first, own)
+        rows = (rows, gl.load(r[7] + first), own)
     return rows
 
 
@@ -143,11 +145,10 @@ def _gather(buf, rows, k, BLOCK_K: gl.constexpr):
 
 @gluon.jit
 def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
-    """Issue the loads of K step ``k`` of a tile into stage ``ld % NUM_STAGES``: A's rows by cp.async (``_gather``:
-    rows 16-byte aligned and K a whole number of steps, ``usable``), or with CONTIG their block from row ``rows`` by
-    TMA, or with STAGED (``_tile_rows``) by TMA from the staged copy where the tile is this rank's own rows (and an
-    empty commit group, so that every step counts one); B's block of ``expert`` at column ``col0`` by TMA; the TMA
-    loads on the stage's "ready" barrier."""
+    """Issue the loads of K step ``k`` of a tile into stage ``ld % NUM_STAGES``: A's rows by cp.async (``_gather``;
+    ``usable``), or with CONTIG their block from row ``rows`` by TMA, or with STAGED by TMA from the staged copy
+    where the tile is this rank's own rows (``_tile_rows``; an empty commit group, so that every step counts one);
+    B's block of ``expert`` at column ``col0`` by TMA; the TMA loads on the stage's "ready" barrier."""
     a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -343,7 +344,7 @@ def grouped_buffers(a_ptr, b_desc, out_ptr, BLOCK_M: gl.constexpr, BLOCK_K: gl.c
 
 @gluon.jit
 def ag_grouped_hopper(x_ptr, ws_ptr, a_desc, b_desc, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr,
-                      flags_ptr, waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_om,
+                      flags_ptr, staged_at_ptr, waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_om,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
                       CLOCK: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
@@ -352,11 +353,12 @@ def ag_grouped_hopper(x_ptr, ws_ptr, a_desc, b_desc, out_ptr, src_ptr, dst_ptr, 
     ``ag_grouped_gemm``'s). ``b_desc``: the experts' weights [E, K, N] in [1, BLOCK_K, BLOCK_N] blocks or, with
     B_KMAJOR, their transpose [E, N, K] in [1, BLOCK_N, BLOCK_K] blocks. CONTIG: ``a_desc`` describes the
     workspace, whose rows each tile reads consecutively (``grouped_k_loops``); STAGED: it describes the staged
-    copy of this rank's rows (``stage_own_rows``), which tiles of this rank's rows read; else it is not read."""
+    copy of this rank's rows (``stage_own_rows``; ``staged_at``: each sorted row's place there), which tiles of this
+    rank's rows read; else it is not read."""
     a_bufs, b_bufs, c_buf, ready, tile_bars = grouped_buffers(x_ptr, b_desc, out_ptr, BLOCK_M, BLOCK_K, NUM_STAGES,
                                                               B_KMAJOR)
     p = (a_bufs, b_desc, b_bufs, ready, K, N, a_desc)
-    r = (x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, waiter[2])
+    r = (x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, waiter[2], staged_at_ptr)
     f = (pos_ptr, chunk_at_ptr, flags_ptr, waiter, CHUNKS_PER_RANK)
     t = (table_ptr, slots, 0, 1)
     c = (c_buf, tile_bars.index(0), tile_bars.index(1), out_ptr, dst_ptr, stride_om)
@@ -402,7 +404,7 @@ def weights_descriptor(w):
 
 def rows_descriptor(a):
     """A Gluon tensor descriptor of A's rows ``a`` [R, K] (unit stride along K) in [BLOCK_M, BLOCK_K] blocks, for the
-    kernels' CONTIG loads (rows past R read as zeros)."""
+    kernels' CONTIG and STAGED loads (rows past R read as zeros)."""
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
     return tma_descriptor(a, list(a.shape), a.stride(0), [TILES.block_m, TILES.block_k], gdt)
 
@@ -426,14 +428,15 @@ def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, p
                              rank: int | None = None, contig: bool = False, staged=None) -> None:
     """``ag_grouped_hopper`` on the caller's stream, with kernels.grouped_gemm.launch_ag_grouped's arguments
     (``usable`` must hold; ``programs``: the grid). ``contig``: each tile's rows are consecutive rows of ``ws``,
-    read by TMA; ``staged``: the expert-sorted copy of this rank's own rows, which their tiles read by TMA."""
+    read by TMA; ``staged``: (the expert-sorted copy of this rank's own rows, which their tiles read by TMA, each
+    sorted row's place in it)."""
     E, K, N = w.shape
     bk = TILES.block_k
     b_desc = weights_descriptor(w)
-    a = ws if contig else staged
+    a = ws if contig else None if staged is None else staged[0]
     launch(ag_grouped_hopper, (programs,), (
         x, ws, b_desc if a is None else rows_descriptor(a), b_desc, out, *routes, table, flags,
-        waiter(ctx, op, rank), table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0),
+        routes[0] if staged is None else staged[1], waiter(ctx, op, rank), table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0),
         ws.stride(0), out.stride(0),
     ), dict(BLOCK_M=TILES.block_m, BLOCK_K=bk, GROUP_M=TILES.group_m, NUM_PROGRAMS=programs,
             NUM_STAGES=TILES.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,

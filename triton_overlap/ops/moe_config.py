@@ -18,8 +18,9 @@ class MoEGEMMConfig(ChunkedGemmConfig):
     grouped GEMM, "auto" (or "gluon"): on Hopper with 16-bit operands and 128-row tiles the warp-specialized Gluon
     kernel (kernels.grouped_gemm_hopper), where it can run, else kernels.grouped_gemm's; "triton": always the
     latter; ``stage_min_n``: where the Gluon kernel runs AllGather-MoE on a weight shard of at least this many
-    columns, this rank's own rows are first copied into expert order (one pass over them), and their tiles read
-    A by TMA instead of gathering it token by token (0: always; docs/decisions.md, Tensor-parallel MoE)."""
+    columns, this rank's own rows are first copied into expert order (one pass over them, into a buffer of T/W *
+    topk rows of K for the call), and their tiles read A by TMA instead of gathering it token by token (0: always;
+    docs/decisions.md, Tensor-parallel MoE)."""
 
     block_c: int = 64
     gemm: str = "auto"
