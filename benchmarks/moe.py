@@ -142,13 +142,13 @@ def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out, contig: bool = Fa
     ``row_experts`` [T, topk], ``out`` [T * topk, N] in the expert-sorted layout (the bound's). ``contig``: the
     rows are sorted by expert (top-1), and each tile reads its consecutive rows by TMA, as moe_gemm_rs reads the
     sorted layout of ag_moe_gemm; else it gathers them as ag_moe_gemm does: staged in expert order first where
-    ``cfg.stage_min_n`` says so (all rows are this world's own), else row by row. Returns the launch as a
+    ``cfg.stages`` says so (all rows are this world's own), else row by row. Returns the launch as a
     function."""
     sched = consumer_schedule(cfg, rows.shape[0], rows.device)
     _, routes, table = ag_op.route(sched, row_experts, w.shape[0], True)
     flags = torch.ones(1, dtype=torch.int32, device=rows.device)
     return lambda: launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, sched.layout, op=ag_op.op,
-                                     rank=0, contig=contig, stage=w.shape[2] >= cfg.stage_min_n)
+                                     rank=0, contig=contig, stage=cfg.stages(w.shape[2]))
 
 
 # ---------------------------------------------------------------------------------------------------- timing

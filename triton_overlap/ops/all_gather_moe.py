@@ -196,7 +196,7 @@ class AllGatherMoEGEMM(MoEOp):
             routing, routes, table = self.route(sched, topk_ids, w.shape[0], sorted_output)
             made["routing"] = routing
             self.last_gemm = launch_ag_grouped(ctx, cfg, x, ws.local, w, rows, routes, table, flags.local, layout,
-                                               op=self.op, stage=w.shape[2] >= cfg.stage_min_n)
+                                               op=self.op, stage=cfg.stages(w.shape[2]))
 
         pipeline.run(ctx, producer, consumer)
         return made["routing"]

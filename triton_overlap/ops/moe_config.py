@@ -36,6 +36,10 @@ class MoEGEMMConfig(ChunkedGemmConfig):
         if self.stage_min_n < 0:
             raise ValueError(f"MoEGEMMConfig.stage_min_n must be >= 0, got {self.stage_min_n}")
 
+    def stages(self, n: int) -> bool:
+        """Whether AllGather-MoE stages this rank's rows for a weight shard of ``n`` columns (``stage_min_n``)."""
+        return n >= self.stage_min_n
+
     @classmethod
     def defaults(cls, ctx) -> "MoEGEMMConfig":
         """Interpreter-sized tiles where kernels are interpreted (the host backend); on GPUs 128 x 256 tiles, 64 deep,
