@@ -344,7 +344,8 @@ def grouped_buffers(a_ptr, b_desc, out_ptr, BLOCK_M: gl.constexpr, BLOCK_K: gl.c
 
 @gluon.jit
 def ag_grouped_hopper(x_ptr, ws_ptr, a_desc, b_desc, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr,
-                      flags_ptr, staged_at_ptr, waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm, stride_om,
+                      flags_ptr, staged_at_ptr, waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm,
+                      stride_om,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
                       CLOCK: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
@@ -428,15 +429,14 @@ def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, p
                              rank: int | None = None, contig: bool = False, staged=None) -> None:
     """``ag_grouped_hopper`` on the caller's stream, with kernels.grouped_gemm.launch_ag_grouped's arguments
     (``usable`` must hold; ``programs``: the grid). ``contig``: each tile's rows are consecutive rows of ``ws``,
-    read by TMA; ``staged``: (the expert-sorted copy of this rank's own rows, which their tiles read by TMA, each
-    sorted row's place in it)."""
+    read by TMA; ``staged``: kernels.grouped_gemm.stage_rows' (copy of this rank's rows, each sorted row's place)."""
     E, K, N = w.shape
     bk = TILES.block_k
     b_desc = weights_descriptor(w)
-    a = ws if contig else None if staged is None else staged[0]
+    rows_copy, staged_at = (ws if contig else None, routes[0]) if staged is None or contig else staged
     launch(ag_grouped_hopper, (programs,), (
-        x, ws, b_desc if a is None else rows_descriptor(a), b_desc, out, *routes, table, flags,
-        routes[0] if staged is None else staged[1], waiter(ctx, op, rank), table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0),
+        x, ws, b_desc if rows_copy is None else rows_descriptor(rows_copy), b_desc, out, *routes, table, flags,
+        staged_at, waiter(ctx, op, rank), table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0),
         ws.stride(0), out.stride(0),
     ), dict(BLOCK_M=TILES.block_m, BLOCK_K=bk, GROUP_M=TILES.group_m, NUM_PROGRAMS=programs,
             NUM_STAGES=TILES.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,
