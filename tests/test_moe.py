@@ -443,6 +443,63 @@ def test_moe_graph_replays(pool):
     pool.run(_graph_replays, MoECase(m_local=384, k=256, n=320, experts=8, topk=4))
 
 
+def _eager_replays(case):
+    """Eager calls that repeat their tensors, new tokens and a new routing copied in, replay the op's own graph
+    (ops.replay, with check_routing off): every call against float64; one capture, then replays. The sorted
+    layout's routing is copied out of the graph: equal to an op's that does not replay, and a routing returned
+    earlier keeps its values through later replays. With check_routing on (a host read per call) nothing is
+    captured."""
+    from refs import poison, rel_err
+
+    with to.Context(timeout_s=120) as ctx:
+        iters = 5
+        plain = to.AllGatherMoEGEMM(ctx, fallback="never", check_routing=False, replay=False, name="t.plain")
+        x, w, ids = (a.clone() for a in AG_MOE.inputs(ctx, case, 0).args)
+        plain(x, w, ids, sorted_output=True)  # its buffers allocated before the loop: no graph dropped in it
+        for spec, make, tol in ((AG_MOE, to.AllGatherMoEGEMM, 1e-2),
+                                (RS_MOE, to.MoEGEMMReduceScatter, RS_TOL[torch.bfloat16])):
+            op = make(ctx, fallback="never", check_routing=False)
+            checked = make(ctx, fallback="never", name=f"t.checked.{spec.name}")
+            first = spec.inputs(ctx, case, 0)
+            args, out = [a.clone() for a in first.args], first.out
+            checked(*args, out=out)  # (its buffers, before the loop)
+            for it in range(iters):
+                call = spec.inputs(ctx, case, it)
+                for a, b in zip(args, call.args):
+                    a.copy_(b)
+                assert op(*args, out=poison(out)) is out
+                ctx.check()
+                assert rel_err(out, call.ref) < tol, (spec.name, it)
+                checked(*args, out=poison(out))
+                assert rel_err(out, call.ref) < tol, (spec.name, "checked", it)
+            assert op.replays.stats == {"replays": iters - 2, "captures": 1, "dropped": 0}, op.replays.stats
+            assert checked.replays.stats["captures"] == 0
+        op = to.AllGatherMoEGEMM(ctx, fallback="never", check_routing=False, name="t.sorted")
+        y = torch.empty(ids.numel(), case.n, dtype=torch.bfloat16, device=ctx.device)
+        kept = []
+        for it in range(iters):
+            call = AG_MOE.inputs(ctx, case, it)
+            for a, b in zip((x, w, ids), call.args):
+                a.copy_(b)
+            got, routing = op(x, w, ids, sorted_output=True, out=poison(y))
+            want, want_routing = plain(x, w, ids, sorted_output=True)
+            ctx.check()
+            assert torch.equal(got.cpu(), want.cpu()), it
+            for f in ("order", "position", "offsets"):
+                assert torch.equal(getattr(routing, f).cpu(), getattr(want_routing, f).cpu()), (it, f)
+            kept.append((routing, want_routing))
+        for it, (routing, want_routing) in enumerate(kept):
+            for f in ("order", "position", "offsets"):
+                assert torch.equal(getattr(routing, f).cpu(), getattr(want_routing, f).cpu()), ("kept", it, f)
+        assert op.replays.stats["captures"] == 1 and op.replays.stats["replays"] == iters - 2, op.replays.stats
+
+
+def test_moe_eager_replays(pool):
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    pool.run(_eager_replays, MoECase(m_local=384, k=256, n=320, experts=8, topk=4))
+
+
 def _staging(_):
     """kernels.grouped_gemm.stage_rows as the Gluon kernel's launcher runs it: this rank's sorted rows (arrival
     position 0), in their sorted order, each its token's row of this rank's shard, in a copy of 1/W of the sorted

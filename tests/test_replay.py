@@ -74,6 +74,16 @@ def test_replay_decisions():
     assert lonely.stats["captures"] == 4
 
 
+def test_replay_keeps_what_the_call_returned():
+    """``last_outputs``: what the replayed call's enqueue returned while captured (an op copies it out of the
+    graph's memory), for the graph just captured and for one held."""
+    cache = _cpu_cache()
+    assert cache.run("k", "s", lambda: "made") is False and cache.last_outputs is None
+    assert cache.run("k", "s", lambda: "made") is True and cache.last_outputs == "made"
+    cache.last_outputs = None
+    assert cache.hit("k") and cache.last_outputs == "made"
+
+
 def test_replay_hit():
     """``hit`` (the unchecked path of a held key) replays only a held key, and not after a workspace moved or
     while the caller captures; it enqueues nothing when it does not replay."""

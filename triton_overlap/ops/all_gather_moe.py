@@ -93,6 +93,16 @@ class AllGatherMoEGEMM(MoEOp):
                  return_gathered: bool = False, out: torch.Tensor | None = None, **overrides):
         ctx = self.ctx
         ctx.ensure_usable()
+        args = (sorted_output, tuple(sorted(overrides.items())))
+        if self.replays.active and all(isinstance(t, torch.Tensor) for t in (x, w, topk_ids)) and x.dim() == 2 \
+                and w.dim() == 3 and topk_ids.dim() == 2:  # a repeat of a captured call replays, unchecked
+            T, topk, N = x.shape[0] * ctx.world_size, topk_ids.shape[1], w.shape[2]
+            out = torch.empty((T * topk, N) if sorted_output else (T, topk, N), dtype=x.dtype,
+                              device=x.device) if out is None else out
+            if self.held(self.replay_key(args, x, w, topk_ids, out)):
+                self.last_path = "overlap"
+                return _result(out, self.replayed_routing(), self._gathered(x) if return_gathered else None,
+                               sorted_output, return_gathered)
         check_moe_operands(self.KIND, ctx, x, w, "x", (2,))
         W = ctx.world_size
         T, E, N = x.shape[0] * W, w.shape[0], w.shape[2]
@@ -113,13 +123,15 @@ class AllGatherMoEGEMM(MoEOp):
             routing, gathered = self._fallback(x, w, topk_ids, rows, sorted_output)
         else:
             self.last_path = "overlap"
-            routing = self._overlap(x, w, topk_ids, rows, sorted_output, overrides)
+            key = self.replay_key(args, x, w, topk_ids, out) if direct else None
+            shape_key = (tuple(x.shape), x.dtype, tuple(w.shape), tuple(w.stride()), tuple(topk_ids.shape),
+                         topk_ids.dtype, args)
+            routing = self.run_replayed(key, shape_key,
+                                        lambda: self._overlap(x, w, topk_ids, rows, sorted_output, overrides))
             gathered = self._gathered(x) if return_gathered else None
         if not direct:
             out.copy_(rows.view(shape))
-        res = (out, routing) if sorted_output else (out,)
-        res += (gathered,) if return_gathered else ()
-        return res if len(res) > 1 else out
+        return _result(out, routing, gathered, sorted_output, return_gathered)
 
     def _gathered(self, x) -> torch.Tensor:
         """Every rank's tokens as the last call left them in this rank's workspace, with this rank's own (which the
@@ -235,6 +247,12 @@ class AllGatherMoEGEMM(MoEOp):
         offsets = torch.zeros(w.shape[0] + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = counts.cumsum(0)
         return MoERouting(order, position, offsets, w.shape[0], topk, True), gathered
+
+
+def _result(out, routing, gathered, sorted_output: bool, return_gathered: bool):
+    res = (out, routing) if sorted_output else (out,)
+    res += (gathered,) if return_gathered else ()
+    return res if len(res) > 1 else out
 
 
 def _rows_view(out: torch.Tensor) -> bool:

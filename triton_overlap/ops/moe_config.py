@@ -1,11 +1,11 @@
 """The tensor-parallel MoE ops' knobs (MoEGEMMConfig) and the operand checks they share."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .base import OverlapOp
+from .base import OverlapOp, call_key
 from .checks import DTYPES
 from .config import GEMMS, ChunkedGemmConfig
 
@@ -96,22 +96,52 @@ def check_out(op: str, out, shape: tuple, dtype, device) -> None:
 
 
 class MoEOp(OverlapOp):
-    """What both MoE ops share: their config class, no CUDA-graph replay of their own (each call's routing is new),
-    ``check_routing`` (the ids' range and agreement across ranks, checked before launch at the cost of one
-    device-to-host copy and a host exchange; False where the caller guarantees them, as TPMoE does), the last
-    call's shape in the tuned tables and ``last_gemm``, the grouped GEMM kernel the last overlapped call ran."""
+    """What both MoE ops share: their config class, ``check_routing`` (the ids' range and agreement across ranks,
+    checked before launch at the cost of one device-to-host copy and a host exchange; False where the caller
+    guarantees them, as TPMoE does), the last call's shape in the tuned tables and ``last_gemm``, the grouped GEMM
+    kernel the last overlapped call ran.
+
+    Eager replay (ops.replay) where ``check_routing`` is off: the routing is made on the device from the ids'
+    values, so a captured call replays correctly on new ids at the same address; the host's part of a call (about
+    ten kernel launches, the copies and their flags) becomes one graph launch. With ``check_routing`` every call
+    reads the ids' values on the host, so it runs as enqueued."""
 
     ACROSS_HOSTS = True
 
     def __init__(self, ctx, config: MoEGEMMConfig | None = None, *, fallback: str = "auto",
-                 check_routing: bool = True, name: str | None = None):
-        super().__init__(ctx, config, fallback=fallback, name=name, replay=False)
+                 check_routing: bool = True, name: str | None = None, replay: bool = True):
+        super().__init__(ctx, config, fallback=fallback, name=name, replay=replay)
         self.check_routing = check_routing
         self.last_table_shape = None
         self.last_gemm = None
 
     def default_config(self, shape, variant=""):
         return MoEGEMMConfig.defaults(self.ctx)
+
+    def replay_key(self, args: tuple, *tensors):
+        """A call's replay key (ops.replay.call_key of every tensor the enqueued work reads or writes), or None where
+        the call runs as enqueued: ``check_routing`` on (its host read depends on the ids' values, no key's part)."""
+        return None if self.check_routing else call_key(args, *tensors)
+
+    def held(self, key) -> bool:
+        """Replay the graph held for ``key`` (ReplayCache.hit), before any check: a held key passed them."""
+        return key is not None and self.replays.active and self.replays.hit(key)
+
+    def run_replayed(self, key, shape_key, enqueue):
+        """``enqueue()`` (which returns the call's MoERouting or None), or a replay of its graph (ReplayCache.run);
+        a replay's routing is copied out of the graph's memory, which the next replay rewrites."""
+        if key is None:
+            return enqueue()
+        made = []
+        if self.replays.run(key, shape_key, lambda: made.append(enqueue()) or made[-1]):
+            return self.replayed_routing()
+        return made[0]
+
+    def replayed_routing(self):
+        """The routing of the call just replayed, in tensors of the caller's (None where the call made none)."""
+        r = self.replays.last_outputs
+        return None if r is None else replace(r, order=r.order.clone(), position=r.position.clone(),
+                                              offsets=r.offsets.clone())
 
 
 __all__ = ["MoEGEMMConfig", "MoEOp", "check_moe_operands", "check_out", "moe_table_shape"]

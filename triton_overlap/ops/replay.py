@@ -42,6 +42,9 @@ one key and one dictionary lookup. Rules:
 
 A replay writes what the eager call would have written, into the caller's
 tensors: ``out=`` and the returned tensors are the caller's, never the graph's.
+What a call makes inside the captured part (the MoE ops' routing) is in the
+graph's memory, which every replay rewrites: ``last_outputs`` is what the
+enqueue returned while captured, for the op to copy out.
 """
 from __future__ import annotations
 
@@ -65,6 +68,21 @@ def call_key(args, *tensors):
     return (args, *(tensor_key(t) for t in tensors))
 
 
+class _Held:
+    """A captured call: its graph and what its enqueue returned while captured."""
+
+    __slots__ = ("graph", "outputs")
+
+    def __init__(self):
+        self.graph, self.outputs = None, None
+
+    def keep(self, outputs) -> None:
+        self.outputs = outputs
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
 class ReplayCache:
     """Per-op cache of captured calls; see the module docstring for when a call replays."""
 
@@ -83,6 +101,7 @@ class ReplayCache:
         self._generation = getattr(ctx, "generation", 0)
         self._stream = None
         self.stats = {"replays": 0, "captures": 0, "dropped": 0}
+        self.last_outputs = None  # what the replayed graph's enqueue returned while captured (its memory)
 
     @property
     def active(self) -> bool:
@@ -181,7 +200,9 @@ class ReplayCache:
         g = self._graphs.get(key)
         if g is None:
             self._shape_of[key] = shape_key
-            self._capture(key, enqueue).replay()  # (the capture ran nothing: this replay does the work)
+            held = self._capture(key, enqueue)
+            held.replay()  # (the capture ran nothing: this replay does the work)
+            self.last_outputs = held.outputs
         else:
             self._replay_held(key, g)
         return True
@@ -190,10 +211,13 @@ class ReplayCache:
         self._graphs.move_to_end(key)
         self.stats["replays"] += 1
         g.replay()  # on the caller's current stream
+        self.last_outputs = g.outputs
 
     def _capture(self, key, enqueue):
-        """Capture the call (``_graph_of``) and keep it, least recently used graphs dropped beyond capacity."""
-        g = self._graph_of(enqueue)
+        """Capture the call (``_graph_of``) and keep it with what ``enqueue`` returned, least recently used graphs
+        dropped beyond capacity."""
+        g = _Held()
+        g.graph = self._graph_of(lambda: g.keep(enqueue()))
         self._seen.pop(key, None)
         self._graphs[key] = g
         self.stats["captures"] += 1
