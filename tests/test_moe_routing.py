@@ -3,6 +3,7 @@ against a plain-torch sort of the same pairs, element for element: the permutati
 what the grouped GEMM reads per row and the tile tables; then the tables' properties on their own (every pair in
 exactly one tile of one expert, tiles in the order of the chunks they need). Integer results, so equality is exact.
 Each rank of the pool runs every case on its device (the host backend: Triton's interpreter)."""
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -35,8 +36,9 @@ def tile_table(counts: torch.Tensor, block_m: int, slots: int) -> torch.Tensor:
     return out
 
 
-def ag_reference(layout, rank, arriving, ids, E, bm, sorted_output):
-    """AllGather-MoE's routing by torch: (order, position, offsets, src, dst, pos, table)."""
+def ag_reference(layout, rank, arriving, ids, E, bm, sorted_output, lag=-1):
+    """AllGather-MoE's routing by torch: (order, position, offsets, src, dst, pos, table); ``lag`` as
+    kernels.routing.sort_segments takes it (the tiles' lanes in expert order)."""
     T, topk = ids.shape
     pairs = T * topk
     pos = torch.zeros(layout.num_chunks, dtype=torch.int64)
@@ -52,6 +54,11 @@ def ag_reference(layout, rank, arriving, ids, E, bm, sorted_output):
     sorted_pos = cpos[order]
     used = table[:, 2] > table[:, 1]
     need = torch.where(used, sorted_pos[(table[:, 2] - 1).clamp(min=0)], layout.num_chunks + 1)
+    if lag >= 0:  # a tile waits for its lane: min(its place in expert order // lag, the last arrival position)
+        lanes = len(arriving)
+        slot = torch.arange(table.shape[0])
+        lane = torch.full_like(slot, lanes) if lag == 0 else (slot // lag).clamp(max=lanes)
+        need = torch.where(used, torch.maximum(need, lane), need)
     table = table[torch.sort(need, stable=True).indices]
     dst = torch.arange(pairs) if sorted_output else order
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
@@ -141,6 +148,16 @@ def _all_cases():
                     assert torch.equal(routing.offsets.cpu().long(), offsets), case
                 else:
                     assert routing is None
+            # the tiles in expert order, held back to their lanes (MoEGEMMConfig.tile_lag): 0 is expert order
+            slots, chunks = num_slots(ids.numel(), E, bm), len(arriving)
+            for tile_lag in (0.0, 0.3) if dtype == torch.int64 else ():
+                lagged = replace(sched, cfg=replace(cfg, tile_lag=tile_lag))
+                _, (src, dst, pos, _), table = to.AllGatherMoEGEMM.route(lagged, ids.to(dev), E, False, (W, 16, 2))
+                lag = lagged.cfg.lag_tiles(slots, chunks, W, topk, 16, 2)
+                want = ag_reference(layout, rank, arriving, ids, E, bm, False, lag)
+                for name, got, ref in (("src", src, want[3]), ("dst", dst, want[4]), ("pos", pos, want[5]),
+                                       ("table", table, want[6])):
+                    assert torch.equal(got.cpu().long(), ref), (name, tile_lag, W, rank, E)
             # MoE-ReduceScatter: destinations in a shuffled order, with and without a sorted layout's positions
             dests = torch.randperm(W, generator=g).tolist()
             rs = MoEReduceScatterSchedule(cfg, SimpleNamespace(layout=layout), None,

@@ -17,8 +17,9 @@ arrival); one group a segment sorts segment-major (MoE-ReduceScatter: by destina
    reads per row.
 5. ``cut_tiles`` (a program per group and block of slots): each group's rows of one expert in tiles of ``block_m``
    rows, a fixed number of slots a group, unused slots (0, 0, 0). Ordered by the tag of each tile's last row
-   (AllGather-MoE's tiles by the last chunk they need), it writes the tiles and a histogram of tags per block of
-   slots, and ``order_tiles`` moves each to its place (stable).
+   (AllGather-MoE's tiles by the last chunk they need), or by that tag raised to the tile's lane in expert order
+   (sort_segments' ``lag``), it writes the tiles and a histogram of keys per block of slots, and ``order_tiles``
+   moves each to its place (stable).
 
 Every count and position is exact integer arithmetic, so the result does not depend on the launch or the GPU.
 """
@@ -114,12 +115,14 @@ def place_pairs(ids_ptr, blocks_ptr, base_ptr, offsets_ptr, remap_ptr, position_
 
 
 @triton.jit
-def cut_tiles(totals_ptr, offsets_ptr, tag_ptr, table_ptr, need_ptr, tag_hist_ptr, E, SLOTS, LAST_TAG,
+def cut_tiles(totals_ptr, offsets_ptr, tag_ptr, table_ptr, need_ptr, tag_hist_ptr, E, SLOTS, LAST_TAG, LAG, LANES,
               BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BS: tl.constexpr, BY_TAG: tl.constexpr,
               TAG_PAD: tl.constexpr):
     """Grid (groups, slot blocks): slots ``s`` of group g hold its tiles in expert order (expert, first row, end
-    row), unused slots (0, 0, 0), into ``table[g * SLOTS + s]``; with BY_TAG also each slot's tag (the tag of its
-    last row; LAST_TAG where unused) into ``need`` and the block's histogram of tags into ``tag_hist[g, block]``."""
+    row), unused slots (0, 0, 0), into ``table[g * SLOTS + s]``; with BY_TAG also each slot's key into ``need`` and
+    the block's histogram of keys into ``tag_hist[g, block]``. A used slot's key: the tag of its last row, raised to
+    its lane ``min(s // LAG, LANES)`` where LAG > 0 (LANES where LAG = 0, none where LAG < 0); LAST_TAG where
+    unused."""
     g = tl.program_id(0)
     sb = tl.program_id(1)
     s = sb * BS + tl.arange(0, BS)
@@ -141,6 +144,8 @@ def cut_tiles(totals_ptr, offsets_ptr, tag_ptr, table_ptr, need_ptr, tag_hist_pt
     tl.store(table_ptr + at * 3 + 2, tl.where(used, end, 0), mask=ok)
     if BY_TAG:
         need = tl.load(tag_ptr + tl.where(used, end - 1, 0), mask=used, other=LAST_TAG)
+        lane = tl.where(LAG > 0, tl.minimum(s // tl.maximum(LAG, 1), LANES), tl.where(LAG == 0, LANES, 0))
+        need = tl.where(used, tl.maximum(need, lane), need)
         tl.store(need_ptr + at, need, mask=ok)
         tags = tl.arange(0, TAG_PAD)
         hist = tl.sum(((need[:, None] == tags[None, :]) & ok[:, None]).to(tl.int32), axis=0)
@@ -203,11 +208,16 @@ def cut_blocks(runs: list[tuple[int, int, int]], topk: int, segs_per_group: int,
 
 
 def sort_segments(ids, blocks: torch.Tensor, groups: torch.Tensor, num_experts: int, block_m: int, slots: int, *,
-                  block: int, remap=None, src_div: int = 1, dst: int = 0, by_tag: int | None = None) -> dict:
+                  block: int, remap=None, src_div: int = 1, dst: int = 0, by_tag: int | None = None,
+                  lag: int = -1, lanes: int = 0) -> dict:
     """Launch the kernels on the current stream; returns the tensors they write. ``ids`` [T, topk] int32 or int64,
     contiguous; ``blocks`` int32 [NB, 4] and ``groups`` int32 [G, 3] on the device (cut_blocks, with ``block``);
     ``remap`` int32 [pairs] contiguous, ``src_div``, ``dst``: what ``src`` and ``dst`` hold (place_pairs); ``by_tag``:
-    order each group's tiles by the tag of their last row, tags in [0, by_tag] (None: expert order). Returned, int32
+    order each group's tiles by the tag of their last row, tags in [0, by_tag] (None: expert order); ``lag`` (with
+    ``by_tag``): a tile's key is its tag or its lane, whichever is larger, ``lanes`` the largest lane: slot ``s`` of
+    the expert order (a tile's place there) is in lane ``min(s // lag, lanes)`` where lag > 0, so each tile runs at
+    its place in expert order, or once the tiles before the tag's lane have run, whichever comes later (lag = 0:
+    expert order; lag < 0: by tag alone). Returned, int32
     but ``order``: ``position`` [pairs], ``order`` int64 [pairs], ``src``, ``tag``, ``dst`` (DST 1 or 2) [pairs],
     ``totals`` [G, E], ``offsets`` [G, E + 1], ``table`` [G * slots, 3]."""
     E, pairs, dev = num_experts, ids.numel(), ids.device
@@ -247,7 +257,7 @@ def sort_segments(ids, blocks: torch.Tensor, groups: torch.Tensor, num_experts: 
         tiles = out["table"] if by_tag is None else out["tiles"]
         need, tag_hist = (out["need"], out["tag_hist"]) if by_tag is not None else (tiles, tiles)
         launch(cut_tiles, (G, nsb), (out["totals"], out["offsets"], out["tag"], tiles, need, tag_hist, E, slots,
-                                     by_tag or 0),
+                                     by_tag or 0, lag, lanes),
                dict(BLOCK_M=block_m, E_PAD=e_pad, BS=bs, BY_TAG=by_tag is not None, TAG_PAD=tag_pad), num_warps=4)
         if by_tag is not None:
             launch(order_tiles, (G, nsb), (tiles, need, tag_hist, out["table"], slots),

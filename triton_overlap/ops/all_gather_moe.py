@@ -5,7 +5,9 @@ Plan: each rank's tokens cut into chunks (ChunkLayout), moved by copy engines wi
 AllGather-GEMM moves its rows (producers.gather, push). Consumer: a persistent grouped GEMM (kernels.grouped_gemm)
 over the (token, k) pairs sorted by expert and, within an expert, by the arrival position of the token's chunk,
 this rank's own tokens first (ops.moe_routing: small kernels on the device); a tile waits only for the chunks its
-rows come from, and tiles of rows already here run first. Fallback: NCCL all_gather + one torch matmul per expert.
+rows come from. Tiles run in expert order (an expert's weight read once while it is in L2), those that need a
+peer's chunk no earlier than the chunk is expected (MoEGEMMConfig.tile_lag). Fallback: NCCL all_gather + one torch
+matmul per expert.
 """
 from __future__ import annotations
 
@@ -205,7 +207,8 @@ class AllGatherMoEGEMM(MoEOp):
         made = {}
 
         def consumer():
-            routing, routes, table = self.route(sched, topk_ids, w.shape[0], sorted_output)
+            routing, routes, table = self.route(sched, topk_ids, w.shape[0], sorted_output,
+                                                (ctx.world_size, w.shape[2], x.element_size()))
             made["routing"] = routing
             self.last_gemm = launch_ag_grouped(ctx, cfg, x, ws.local, w, rows, routes, table, flags.local, layout,
                                                op=self.op, stage=cfg.stages(w.shape[2]))
@@ -214,17 +217,22 @@ class AllGatherMoEGEMM(MoEOp):
         return made["routing"]
 
     @staticmethod
-    def route(sched: AllGatherMoESchedule, topk_ids, num_experts: int, sorted_output: bool):
+    def route(sched: AllGatherMoESchedule, topk_ids, num_experts: int, sorted_output: bool,
+              gemm: tuple | None = None):
         """The consumer's routing, by kernels.routing on the caller's stream: pairs sorted by (expert, arrival
-        position of the token's chunk, pair); the tile table (``block_m`` rows of one expert a tile), stably ordered
-        by the last arrival position a tile needs (tiles of this rank's rows first, empty slots last); and (src: each
-        row's token, dst: its output row, pos: its arrival position, chunk_at) for the kernel. Returns (MoERouting
-        where ``sorted_output``, those, table)."""
-        layout, bm = sched.layout, sched.cfg.block_m
+        position of the token's chunk, pair); the tile table (``block_m`` rows of one expert a tile) in expert order,
+        each tile held back until the tiles before its last chunk's expected arrival have run (MoEGEMMConfig.tile_lag
+        for ``gemm`` = (world size, w's columns, bytes a value); None: by arrival alone), empty slots last; and
+        (src: each row's token, dst: its output row, pos: its arrival position, chunk_at) for the kernel. Returns
+        (MoERouting where ``sorted_output``, those, table)."""
+        layout, cfg = sched.layout, sched.cfg
         T, topk = topk_ids.shape
-        slots = num_slots(T * topk, num_experts, bm)
-        r = sort_by_expert(topk_ids, sched.segments, num_experts, bm, slots, per_segment=False, src_div=topk,
-                           dst=2 if sorted_output else 1, by_tag=layout.num_chunks + 1)
+        slots = num_slots(T * topk, num_experts, cfg.block_m)
+        chunks = len(sched.segments.runs) - 1  # the peers' chunks, tagged 1, 2, ... in arrival order
+        r = sort_by_expert(topk_ids, sched.segments, num_experts, cfg.block_m, slots, per_segment=False,
+                           src_div=topk, dst=2 if sorted_output else 1, by_tag=layout.num_chunks + 1,
+                           lag=-1 if gemm is None else cfg.lag_tiles(slots, chunks, gemm[0], topk, *gemm[1:]),
+                           lanes=chunks)
         routes = (r["src"], r["dst"], r["tag"], sched.chunk_at)
         if not sorted_output:
             return None, routes, r["table"]

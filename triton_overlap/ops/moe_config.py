@@ -1,6 +1,7 @@
 """The tensor-parallel MoE ops' knobs (MoEGEMMConfig) and the operand checks they share."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -20,11 +21,16 @@ class MoEGEMMConfig(ChunkedGemmConfig):
     latter; ``stage_min_n``: where the Gluon kernel runs AllGather-MoE on a weight shard of at least this many
     columns, this rank's own rows are first copied into expert order (one pass over them, into a buffer of T/W *
     topk rows of K for the call), and their tiles read A by TMA instead of gathering it token by token (0: always;
-    docs/decisions.md, Tensor-parallel MoE)."""
+    docs/decisions.md, Tensor-parallel MoE); ``tile_lag``: AllGather-MoE's tile order, the share of the grouped
+    GEMM's tiles expected to run while the peers' rows land: each tile runs at its place in expert order (an
+    expert's tiles together, its weight read once while it is in L2) or after the tiles that precede its last
+    chunk's expected arrival, whichever is later (0: expert order; ``inf``: all of this rank's tiles first, then by
+    arrival; None: estimated from the shapes, ``lag_estimate``)."""
 
     block_c: int = 64
     gemm: str = "auto"
     stage_min_n: int = 6144
+    tile_lag: float | None = None
 
     def __post_init__(self):
         if self.gemm not in GEMMS:
@@ -35,6 +41,17 @@ class MoEGEMMConfig(ChunkedGemmConfig):
                 raise ValueError(f"MoEGEMMConfig.{name} must be a power of two >= 16, got {v}")
         if self.stage_min_n < 0:
             raise ValueError(f"MoEGEMMConfig.stage_min_n must be >= 0, got {self.stage_min_n}")
+        if self.tile_lag is not None and not self.tile_lag >= 0:
+            raise ValueError(f"MoEGEMMConfig.tile_lag must be None or >= 0, got {self.tile_lag}")
+
+    def lag_tiles(self, tiles: int, chunks: int, world: int, topk: int, n: int, elsize: int) -> int:
+        """sort_segments' ``lag`` for a call whose tile table has ``tiles`` slots and ``chunks`` peer chunks
+        arriving: the tiles run between two chunks' expected arrivals (``tile_lag``, else ``lag_estimate``); -1
+        (by arrival alone) where that is the whole table."""
+        share = lag_estimate(world, topk, n, elsize) if self.tile_lag is None else self.tile_lag
+        if chunks < 1 or share >= chunks:
+            return -1
+        return math.ceil(share * tiles / chunks)
 
     def stages(self, n: int) -> bool:
         """Whether AllGather-MoE stages this rank's rows for a weight shard of ``n`` columns (``stage_min_n``)."""
@@ -52,6 +69,17 @@ class MoEGEMMConfig(ChunkedGemmConfig):
             return cls(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=2, min_chunk_bytes=16 << 20)
         return cls(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3,
                    min_chunk_bytes=16 << 20, num_streams=1)
+
+
+#: the estimate's rates (H200 figures, rounded): the grouped GEMM's FLOP/s and the bytes a second a rank receives
+LAG_GEMM_FLOPS, LAG_LINK_BYTES = 600e12, 300e9
+
+
+def lag_estimate(world: int, topk: int, n: int, elsize: int) -> float:
+    """The share of AllGather-MoE's grouped GEMM that runs while the peers' rows land: the (W - 1) / W of the T
+    tokens' rows of ``elsize``-byte values over the link against the GEMM's 2 * T * topk * n FLOPs a row of K, at
+    LAG_LINK_BYTES and LAG_GEMM_FLOPS (K and T cancel)."""
+    return (world - 1) / world * elsize * LAG_GEMM_FLOPS / (LAG_LINK_BYTES * 2 * topk * n)
 
 
 def moe_table_shape(tokens: int, k: int, n: int, experts: int, topk: int) -> tuple:
@@ -144,4 +172,4 @@ class MoEOp(OverlapOp):
                                               offsets=r.offsets.clone())
 
 
-__all__ = ["MoEGEMMConfig", "MoEOp", "check_moe_operands", "check_out", "moe_table_shape"]
+__all__ = ["MoEGEMMConfig", "MoEOp", "check_moe_operands", "check_out", "lag_estimate", "moe_table_shape"]
