@@ -447,8 +447,9 @@ def _eager_replays(case):
     """Eager calls that repeat their tensors, new tokens and a new routing copied in, replay the op's own graph
     (ops.replay, with check_routing off): every call against float64; one capture, then replays. The sorted
     layout's routing is copied out of the graph: equal to an op's that does not replay, and a routing returned
-    earlier keeps its values through later replays. With check_routing on (a host read per call) nothing is
-    captured."""
+    earlier keeps its values through later replays; the gathered tokens of a replayed call are this call's;
+    MoE-ReduceScatter on that layout (TPMoE's path), replayed, equal to an op's that does not replay. With
+    check_routing on (a host read per call) nothing is captured."""
     from refs import poison, rel_err
 
     with to.Context(timeout_s=120) as ctx:
@@ -475,23 +476,45 @@ def _eager_replays(case):
             assert op.replays.stats == {"replays": iters - 2, "captures": 1, "dropped": 0}, op.replays.stats
             assert checked.replays.stats["captures"] == 0
         op = to.AllGatherMoEGEMM(ctx, fallback="never", check_routing=False, name="t.sorted")
-        y = torch.empty(ids.numel(), case.n, dtype=torch.bfloat16, device=ctx.device)
+        rs = to.MoEGEMMReduceScatter(ctx, fallback="never", check_routing=False, name="t.sorted_rs")
+        rs_plain = to.MoEGEMMReduceScatter(ctx, fallback="never", check_routing=False, replay=False,
+                                           name="t.sorted_rs_plain")
+        dev, T = ctx.device, ids.shape[0]
+        y = torch.empty(ids.numel(), case.n, dtype=torch.bfloat16, device=dev)
+        w2 = rand((case.experts, case.n, 24), torch.bfloat16, dev, "w2s", ctx.rank)
+        g = torch.softmax(rand(tuple(ids.shape), torch.float32, dev, "gs"), dim=1)
+        fixed = None  # one routing's tensors at fixed addresses, so that moe_gemm_rs's key repeats
+        z, z_plain = (torch.empty(T // ctx.world_size, 24, dtype=torch.bfloat16, device=dev) for _ in range(2))
+        h0, r0 = plain(x, w, ids, sorted_output=True)
+        rs(h0, w2, ids, g, routing=r0)  # (their buffers, before the loop)
+        rs_plain(h0, w2, ids, g, routing=r0)
         kept = []
         for it in range(iters):
             call = AG_MOE.inputs(ctx, case, it)
             for a, b in zip((x, w, ids), call.args):
                 a.copy_(b)
-            got, routing = op(x, w, ids, sorted_output=True, out=poison(y))
+            got, routing, gathered = op(x, w, ids, sorted_output=True, return_gathered=True, out=poison(y))
             want, want_routing = plain(x, w, ids, sorted_output=True)
             ctx.check()
             assert torch.equal(got.cpu(), want.cpu()), it
+            assert torch.equal(gathered.cpu(), torch.cat(ctx.gather_object(x.cpu())).to(gathered.dtype)), it
             for f in ("order", "position", "offsets"):
                 assert torch.equal(getattr(routing, f).cpu(), getattr(want_routing, f).cpu()), (it, f)
             kept.append((routing, want_routing))
+            if fixed is None:
+                fixed = replace(routing, order=routing.order.clone(), position=routing.position.clone(),
+                                offsets=routing.offsets.clone())
+            for f in ("order", "position", "offsets"):
+                getattr(fixed, f).copy_(getattr(routing, f))
+            rs(got, w2, ids, g, routing=fixed, out=poison(z))
+            rs_plain(got, w2, ids, g, routing=fixed, out=poison(z_plain))
+            ctx.check()
+            assert torch.equal(z.cpu(), z_plain.cpu()), ("rs on the sorted layout", it)
         for it, (routing, want_routing) in enumerate(kept):
             for f in ("order", "position", "offsets"):
                 assert torch.equal(getattr(routing, f).cpu(), getattr(want_routing, f).cpu()), ("kept", it, f)
         assert op.replays.stats["captures"] == 1 and op.replays.stats["replays"] == iters - 2, op.replays.stats
+        assert rs.replays.stats["captures"] == 1 and rs.replays.stats["replays"] >= iters - 3, rs.replays.stats
 
 
 def test_moe_eager_replays(pool):
@@ -533,6 +556,25 @@ def test_stage_own_rows(pool):
 def test_config_rejects_odd_tiles():
     with pytest.raises(ValueError, match="block_c"):
         to.MoEGEMMConfig(block_c=24)
+    with pytest.raises(ValueError, match="tile_lag"):
+        to.MoEGEMMConfig(tile_lag=-0.5)
+
+
+def test_tile_lag():
+    """AllGather-MoE's lanes (MoEGEMMConfig.lag_tiles): W * share * slots / chunks slots between two chunks'
+    expected arrivals, so that this rank's ~1/W of them fill the share; by arrival (-1) where no chunk arrives or
+    the lanes would cover the table; expert order (0) for tile_lag 0; the estimate grows with the link's share
+    (more ranks, narrower experts, fewer choices)."""
+    from triton_overlap.ops.moe_config import lag_estimate
+
+    cfg = lambda lag: to.MoEGEMMConfig(tile_lag=lag)  # noqa: E731
+    assert cfg(0.1).lag_tiles(600, 1, 2, 8, 2048, 2) == 120 and cfg(0.1).lag_tiles(600, 3, 4, 8, 2048, 2) == 80
+    assert cfg(0.0).lag_tiles(600, 1, 2, 8, 2048, 2) == 0
+    assert cfg(0.5).lag_tiles(600, 1, 2, 8, 2048, 2) == -1 and cfg(float("inf")).lag_tiles(600, 1, 2, 8, 2048, 2) == -1
+    assert all(cfg(lag).lag_tiles(600, 0, 1, 8, 2048, 2) == -1 for lag in (None, 0.0, 0.1))
+    est = lag_estimate(2, 8, 2048, 2)
+    assert 0 < est < lag_estimate(4, 8, 2048, 2) and est < lag_estimate(2, 8, 768, 2) < lag_estimate(2, 2, 768, 2)
+    assert cfg(None).lag_tiles(600, 1, 2, 8, 2048, 2) == cfg(est).lag_tiles(600, 1, 2, 8, 2048, 2) > 0
 
 
 # ------------------------------------------------------------------------------------------------------ faults

@@ -11,7 +11,8 @@ nothing is read back to the host: slots past the last tile are empty (first row 
   (producers.gather). Within an expert, rows are sorted by the arrival position of their token's chunk (this rank's
   own chunks at position 0), so a tile's rows come from a run of positions; the tile waits for the flag of each
   position its rows actually use (``chunk_at``: the chunk at each position), never for chunks only other tiles
-  read. The table puts tiles of this rank's rows first, then by the latest chunk they need.
+  read. The table's order is the routing's (ops.all_gather_moe.route: expert order, a tile needing a peer's chunk
+  held back until the chunk is expected).
 * ``rs_grouped_gemm`` (grouped GEMM + top-k combine + ReduceScatter): rows are sorted by destination (the owner of
   the token, in GEMM-RS's send order, this rank last), then expert. The work items of each destination are its
   GEMM tiles (a fixed number of slots) and then its combine tiles: a combine tile waits until every GEMM item of

@@ -220,6 +220,8 @@ def sort_segments(ids, blocks: torch.Tensor, groups: torch.Tensor, num_experts: 
     expert order; lag < 0: by tag alone). Returned, int32
     but ``order``: ``position`` [pairs], ``order`` int64 [pairs], ``src``, ``tag``, ``dst`` (DST 1 or 2) [pairs],
     ``totals`` [G, E], ``offsets`` [G, E + 1], ``table`` [G * slots, 3]."""
+    if lag >= 0 and not (by_tag is not None and 0 <= lanes < by_tag):
+        raise ValueError(f"sort_segments: lag {lag} needs by_tag and 0 <= lanes < by_tag, got {by_tag}, {lanes}")
     E, pairs, dev = num_experts, ids.numel(), ids.device
     nblk, G = blocks.shape[0], groups.shape[0]
     e_pad = pow2(E)

@@ -95,7 +95,7 @@ class AllGatherMoEGEMM(MoEOp):
                  return_gathered: bool = False, out: torch.Tensor | None = None, **overrides):
         ctx = self.ctx
         ctx.ensure_usable()
-        args = (sorted_output, tuple(sorted(overrides.items())))
+        args = (sorted_output, tuple(sorted(overrides.items())), self.user_config)
         if self.replays.active and all(isinstance(t, torch.Tensor) for t in (x, w, topk_ids)) and x.dim() == 2 \
                 and w.dim() == 3 and topk_ids.dim() == 2:  # a repeat of a captured call replays, unchecked
             T, topk, N = x.shape[0] * ctx.world_size, topk_ids.shape[1], w.shape[2]
@@ -222,7 +222,8 @@ class AllGatherMoEGEMM(MoEOp):
         """The consumer's routing, by kernels.routing on the caller's stream: pairs sorted by (expert, arrival
         position of the token's chunk, pair); the tile table (``block_m`` rows of one expert a tile) in expert order,
         each tile held back until the tiles before its last chunk's expected arrival have run (MoEGEMMConfig.tile_lag
-        for ``gemm`` = (world size, w's columns, bytes a value); None: by arrival alone), empty slots last; and
+        for ``gemm`` = (world size, w's columns, bytes a value); ``gemm`` None: by arrival, tile_lag unused), empty
+        slots last; and
         (src: each row's token, dst: its output row, pos: its arrival position, chunk_at) for the kernel. Returns
         (MoERouting where ``sorted_output``, those, table)."""
         layout, cfg = sched.layout, sched.cfg

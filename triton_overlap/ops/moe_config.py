@@ -22,10 +22,11 @@ class MoEGEMMConfig(ChunkedGemmConfig):
     columns, this rank's own rows are first copied into expert order (one pass over them, into a buffer of T/W *
     topk rows of K for the call), and their tiles read A by TMA instead of gathering it token by token (0: always;
     docs/decisions.md, Tensor-parallel MoE); ``tile_lag``: AllGather-MoE's tile order, the share of the grouped
-    GEMM's tiles expected to run while the peers' rows land: each tile runs at its place in expert order (an
-    expert's tiles together, its weight read once while it is in L2) or after the tiles that precede its last
-    chunk's expected arrival, whichever is later (0: expert order; ``inf``: all of this rank's tiles first, then by
-    arrival; None: estimated from the shapes, ``lag_estimate``)."""
+    GEMM's time the peers' rows take to land: each tile runs at its place in expert order (an expert's tiles
+    together, its weight read once while it is in L2) or once enough of the tiles that need no peer (this rank's,
+    about 1/W of any stretch of the order) have run to fill the time until its last chunk is expected, whichever
+    comes later (``lag_tiles``; 0: expert order; W * tile_lag at least the peers' chunks, ``inf`` among them: all
+    of this rank's tiles first, then by arrival; None: estimated from the shapes, ``lag_estimate``)."""
 
     block_c: int = 64
     gemm: str = "auto"
@@ -46,12 +47,16 @@ class MoEGEMMConfig(ChunkedGemmConfig):
 
     def lag_tiles(self, tiles: int, chunks: int, world: int, topk: int, n: int, elsize: int) -> int:
         """sort_segments' ``lag`` for a call whose tile table has ``tiles`` slots and ``chunks`` peer chunks
-        arriving: the tiles run between two chunks' expected arrivals (``tile_lag``, else ``lag_estimate``); -1
-        (by arrival alone) where that is the whole table."""
-        share = lag_estimate(world, topk, n, elsize) if self.tile_lag is None else self.tile_lag
-        if chunks < 1 or share >= chunks:
+        arriving: the slots of expert order between two chunks' expected arrivals, ``world * share * tiles /
+        chunks`` with ``share`` = ``tile_lag`` (else ``lag_estimate``), so that this rank's tiles among them (about
+        1 / world) fill the time ``share`` of the GEMM's (slots, at least the tiles used, err on the late side); -1
+        (by arrival alone) where that is the whole table, or no chunk arrives."""
+        if chunks < 1:
             return -1
-        return math.ceil(share * tiles / chunks)
+        share = lag_estimate(world, topk, n, elsize) if self.tile_lag is None else self.tile_lag
+        if world * share >= chunks:
+            return -1
+        return math.ceil(world * share * tiles / chunks)
 
     def stages(self, n: int) -> bool:
         """Whether AllGather-MoE stages this rank's rows for a weight shard of ``n`` columns (``stage_min_n``)."""
@@ -131,14 +136,22 @@ class MoEOp(OverlapOp):
 
     Eager replay (ops.replay) where ``check_routing`` is off: the routing is made on the device from the ids'
     values, so a captured call replays correctly on new ids at the same address; the host's part of a call (about
-    ten kernel launches, the copies and their flags) becomes one graph launch. With ``check_routing`` every call
-    reads the ids' values on the host, so it runs as enqueued."""
+    ten kernel launches, the copies and their flags) becomes one graph launch (and, for a sorted call, three copies
+    of its routing out of the graph's memory). With ``check_routing`` every call reads the ids' values on the host,
+    so it runs as enqueued. The key holds the op's ``user_config`` besides the call's tensors and overrides. A
+    held graph keeps what its call allocated (MoE-ReduceScatter's [T * topk, N] products, the routing tables, the
+    staged rows), so an MoE op holds at most REPLAY_GRAPHS graphs: enough for the keys of one or two layers'
+    forward and backward; a model whose MoE layers share one op and take more keys replays the most recent."""
+
+    #: graphs an MoE op holds at most (ops.replay.ReplayCache's capacity), each with its call's scratch
+    REPLAY_GRAPHS = 4
 
     ACROSS_HOSTS = True
 
     def __init__(self, ctx, config: MoEGEMMConfig | None = None, *, fallback: str = "auto",
                  check_routing: bool = True, name: str | None = None, replay: bool = True):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=replay)
+        self.replays.capacity = self.REPLAY_GRAPHS
         self.check_routing = check_routing
         self.last_table_shape = None
         self.last_gemm = None

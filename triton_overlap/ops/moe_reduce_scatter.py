@@ -77,13 +77,15 @@ class MoEGEMMReduceScatter(MoEOp):
         ctx = self.ctx
         ctx.ensure_usable()
         op = self.KIND
-        args = (routing is not None and routing.rank_runs, tuple(sorted(overrides.items())))
-        remap = None if routing is None else routing.position
+        args = (tuple(sorted(overrides.items())), self.user_config,
+                None if routing is None else (routing.rank_runs, routing.num_experts, routing.topk))
+        # routing's tensors in the key: the call reads its positions, the checks the others' sizes and places
+        keyed = (None, None, None) if routing is None else (routing.position, routing.order, routing.offsets)
         if self.replays.active and all(isinstance(t, torch.Tensor) for t in (h, w, topk_ids, topk_weights)) \
                 and w.dim() == 3 and topk_ids.dim() == 2:  # a repeat of a captured call replays, unchecked
             out = torch.empty((topk_ids.shape[0] // ctx.world_size, w.shape[2]), dtype=h.dtype,
                               device=h.device) if out is None else out
-            if self.held(self.replay_key(args, h, w, topk_ids, topk_weights, remap, out)):
+            if self.held(self.replay_key(args, h, w, topk_ids, topk_weights, *keyed, out)):
                 self.last_path = "overlap"
                 return out
         check_moe_operands(op, ctx, h, w, "h", (2,) if routing is not None else (3,))
@@ -128,7 +130,7 @@ class MoEGEMMReduceScatter(MoEOp):
             self._fallback(h, w, topk_ids, topk_weights, routing, res)
         else:
             self.last_path = "overlap"
-            key = self.replay_key(args, h, w, topk_ids, topk_weights, remap, out) if res is out else None
+            key = self.replay_key(args, h, w, topk_ids, topk_weights, *keyed, out) if res is out else None
             shape_key = (tuple(h.shape), h.dtype, tuple(w.shape), tuple(w.stride()), tuple(topk_ids.shape),
                          topk_ids.dtype, topk_weights.dtype, args)
             self.run_replayed(key, shape_key,

@@ -111,6 +111,7 @@ class ReplayCache:
     def clear(self) -> None:
         self.stats["dropped"] += len(self._graphs)
         self._graphs.clear()
+        self.last_outputs = None
         self._shape_of.clear()
         self._seen.clear()
         self._prepared.clear()
@@ -228,7 +229,8 @@ class ReplayCache:
 
     def _graph_of(self, enqueue) -> torch.cuda.CUDAGraph:
         """Capture ``enqueue()`` on a side stream that follows the caller's (nothing runs: the replay that
-        follows does the work). No device synchronisation, no gc: this is an eager call, not a setup step."""
+        follows does the work). No device synchronisation, no gc: this is an eager call, not a setup step. Each
+        graph has its own memory pool: what the call allocates inside it stays reserved while the graph is held."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.ctx.device)
         caller = torch.cuda.current_stream(self.ctx.device)
