@@ -223,9 +223,8 @@ class AllGatherMoEGEMM(MoEOp):
         position of the token's chunk, pair); the tile table (``block_m`` rows of one expert a tile) in expert order,
         each tile held back until the tiles before its last chunk's expected arrival have run (MoEGEMMConfig.tile_lag
         for ``gemm`` = (world size, w's columns, bytes a value); ``gemm`` None: by arrival, tile_lag unused), empty
-        slots last; and
-        (src: each row's token, dst: its output row, pos: its arrival position, chunk_at) for the kernel. Returns
-        (MoERouting where ``sorted_output``, those, table)."""
+        slots last; and (src: each row's token, dst: its output row, pos: its arrival position, chunk_at) for the
+        kernel. Returns (MoERouting where ``sorted_output``, those, table)."""
         layout, cfg = sched.layout, sched.cfg
         T, topk = topk_ids.shape
         slots = num_slots(T * topk, num_experts, cfg.block_m)
