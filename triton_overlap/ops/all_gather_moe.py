@@ -101,7 +101,7 @@ class AllGatherMoEGEMM(MoEOp):
             T, topk, N = x.shape[0] * ctx.world_size, topk_ids.shape[1], w.shape[2]
             out = torch.empty((T * topk, N) if sorted_output else (T, topk, N), dtype=x.dtype,
                               device=x.device) if out is None else out
-            if self.held(self.replay_key(args, x, w, topk_ids, out)):
+            if self.replayed(self.replay_key(args, x, w, topk_ids, out)):
                 self.last_path = "overlap"
                 return _result(out, self.replayed_routing(), self._gathered(x) if return_gathered else None,
                                sorted_output, return_gathered)

@@ -161,12 +161,9 @@ class MoEOp(OverlapOp):
 
     def replay_key(self, args: tuple, *tensors):
         """A call's replay key (ops.replay.call_key of every tensor the enqueued work reads or writes), or None where
-        the call runs as enqueued: ``check_routing`` on (its host read depends on the ids' values, no key's part)."""
+        the call runs as enqueued: ``check_routing`` on (its host read depends on the ids' values, no key's part;
+        OverlapOp.replayed finds no graph for None)."""
         return None if self.check_routing else call_key(args, *tensors)
-
-    def held(self, key) -> bool:
-        """Replay the graph held for ``key`` (ReplayCache.hit), before any check: a held key passed them."""
-        return key is not None and self.replays.active and self.replays.hit(key)
 
     def run_replayed(self, key, shape_key, enqueue):
         """``enqueue()`` (which returns the call's MoERouting or None), or a replay of its graph (ReplayCache.run);

@@ -85,7 +85,7 @@ class MoEGEMMReduceScatter(MoEOp):
                 and w.dim() == 3 and topk_ids.dim() == 2:  # a repeat of a captured call replays, unchecked
             out = torch.empty((topk_ids.shape[0] // ctx.world_size, w.shape[2]), dtype=h.dtype,
                               device=h.device) if out is None else out
-            if self.held(self.replay_key(args, h, w, topk_ids, topk_weights, *keyed, out)):
+            if self.replayed(self.replay_key(args, h, w, topk_ids, topk_weights, *keyed, out)):
                 self.last_path = "overlap"
                 return out
         check_moe_operands(op, ctx, h, w, "h", (2,) if routing is not None else (3,))
