@@ -378,9 +378,9 @@ def test_fallback_rule():
 
 def _kernel_choice(_):
     """The grouped GEMM each MoE call ran (op.last_gemm), each result checked against float64: on Hopper the Gluon
-    kernels where K is a whole number of their 64-deep steps (AllGather-MoE's with this rank's rows staged where
-    ``stage_min_n`` <= N), the Triton kernels otherwise and where the config asks for them; elsewhere always the
-    Triton kernels."""
+    kernels where K is a whole number of their steps (64 deep; 32 where AllGather-MoE gathers rows; 200 is neither),
+    AllGather-MoE's with this rank's rows staged where ``stage_min_n`` <= N, the Triton kernels otherwise and where
+    the config asks for them; elsewhere always the Triton kernels."""
     from refs import rel_err
     from triton_overlap.kernels.capability import gluon_available, is_hopper
 

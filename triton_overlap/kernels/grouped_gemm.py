@@ -251,7 +251,8 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
     "+staged")."""
     N, K = w.shape[2], w.shape[1]
     slots = table.shape[0]
-    if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, contig):
+    if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, contig,
+                                                       hopper.TILES if contig else hopper.GATHER_STEPS):
         staged = None
         if stage and not contig:
             staged = stage_rows(ctx, x, routes, layout, ctx.rank if rank is None else rank)

@@ -22,19 +22,21 @@ program per SM but one, round-robin. Two partitions:
   expert-parallel dispatch's peers store them with the rows: ops.ep_experts). Where each tile's rows are
   consecutive rows of A (CONTIG: MoE-GEMM-ReduceScatter on the expert-sorted layout, MoERouting.rank_runs), A comes
   by TMA on the same barrier as B instead, with no copies to issue, wait for or fence (faster on every model shape
-  measured, and without a K limit: docs/decisions.md, Tensor-parallel MoE). So too, with STAGED (AllGather-MoE on
-  wide weight shards, ``MoEGEMMConfig.stage_min_n``), for the tiles of this rank's own rows, which
+  measured, and without a K limit: docs/decisions.md, Tensor-parallel MoE). So too, with STAGED (AllGather-MoE where
+  ``MoEGEMMConfig.stage_min_n`` asks for it), for the tiles of this rank's own rows, which
   kernels.grouped_gemm.stage_own_rows first copied in expert order; a tile with a peer's rows still gathers. After
   the K loop the tile goes, as the output dtype, into a shared tile buffer ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time, each row into its
   output row ``dst``, then "free".
 
-Only for NVIDIA sm_90, 16-bit operands, 128 x 256 x 64 tiles (the routing's ``block_m`` must be 128), K a whole
-number of steps, at least NUM_STAGES - 1 and (rows gathered) at most MAX_K deep, and weights a tensor descriptor
-can describe (``usable``). Gluon does not run in Triton's interpreter, so the host backend and other GPUs take
-kernels.grouped_gemm.
+Only for NVIDIA sm_90, 16-bit operands, 128 x 256 tiles (the routing's ``block_m`` must be 128), K steps 64 deep
+(32 where A is gathered: GATHER_STEPS), K a whole number of steps, at least NUM_STAGES - 1 and (rows gathered) at
+most MAX_K deep, and weights a tensor descriptor can describe (``usable``). Gluon does not run in Triton's
+interpreter, so the host backend and other GPUs take kernels.grouped_gemm.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from triton.experimental import gluon
@@ -145,10 +147,9 @@ def _gather(buf, rows, k, BLOCK_K: gl.constexpr):
 
 @gluon.jit
 def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
-    """Issue the loads of K step ``k`` of a tile into stage ``ld % NUM_STAGES``: A's rows by cp.async (``_gather``;
-    ``usable``), or with CONTIG their block from row ``rows`` by TMA, or with STAGED by TMA from the staged copy
-    where the tile is this rank's own rows (``_tile_rows``; an empty commit group, so that every step counts one);
-    B's block of ``expert`` at column ``col0`` by TMA; the TMA loads on the stage's "ready" barrier."""
+    """Issue K step ``k``'s loads into stage ``ld % NUM_STAGES``: A's rows by cp.async (``_gather``), or by TMA with
+    CONTIG (from row ``rows``) or STAGED where the tile is this rank's own rows (the staged copy; an empty commit
+    group, so every step counts one); B's block of ``expert`` at ``col0`` by TMA; TMA on the stage's "ready"."""
     a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -176,8 +177,7 @@ def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.const
 
 @gluon.jit
 def _landed(LEAD: gl.constexpr):
-    """This thread's cp.async group of the step being consumed has landed (at most LEAD - 1 newer ones pending),
-    fenced for the tensor cores, and so has every thread's."""
+    """Every thread's cp.async group of the step being consumed has landed (LEAD - 1 newer may pend), fenced."""
     async_copy.wait_group(LEAD - 1)
     fence_async_shared()
     barrier()
@@ -371,15 +371,16 @@ def ag_grouped_hopper(x_ptr, ws_ptr, a_desc, b_desc, out_ptr, src_ptr, dst_ptr, 
 
 # ---------------------------------------------------------------------------------------------------- launcher
 #: The deepest K this kernel takes with A's rows gathered: past it the Triton kernel's K loop was measured faster
-#: (the K loop's warps here also issue A's copies and meet at two barriers a step; docs/decisions.md,
-#: Tensor-parallel MoE). Rows read by TMA (CONTIG) have no such limit.
+#: (docs/decisions.md, Tensor-parallel MoE). Rows read by TMA (CONTIG) have no such limit.
 MAX_K = 4096
+#: AllGather-MoE's K steps where A's rows are gathered (not CONTIG): 32 deep in 6 stages, TILES' shared memory with
+#: 160 of K in flight, not 128 (docs/decisions.md, Tensor-parallel MoE); where all of A comes by TMA, TILES'.
+GATHER_STEPS = replace(TILES, block_k=32, num_stages=6)
 
 
 def weights_layout(w) -> str | None:
-    """How a tensor descriptor describes the experts' weights ``w`` [E, K, N]: "kn" (unit stride along N), "nk"
-    (unit stride along K: a transposed weight, ``linear.weight.transpose(1, 2)``'s layout), or None (neither, or
-    a base or stride not 16-byte aligned)."""
+    """How a tensor descriptor describes the experts' weights ``w`` [E, K, N]: "kn" (unit stride along N), "nk" (along
+    K: ``linear.weight.transpose(1, 2)``'s layout), or None (neither, or a base or stride not 16-byte aligned)."""
     if w.stride(2) == 1 and aligned(w, w.stride(0), w.stride(1)):
         return "kn"
     if w.stride(1) == 1 and aligned(w, w.stride(0), w.stride(2)):
@@ -387,14 +388,14 @@ def weights_layout(w) -> str | None:
     return None
 
 
-def weights_descriptor(w):
-    """A Gluon tensor descriptor of the experts' weights ``w`` [E, K, N] in the kernels' blocks: [1, BLOCK_K,
-    BLOCK_N] blocks of ``w`` ("kn"), or [1, BLOCK_N, BLOCK_K] blocks of its transpose [E, N, K] ("nk")."""
+def weights_descriptor(w, steps=TILES):
+    """A Gluon tensor descriptor of the experts' weights ``w`` [E, K, N] in ``steps``' blocks: [1, BLOCK_K, BLOCK_N]
+    blocks of ``w`` ("kn"), or [1, BLOCK_N, BLOCK_K] blocks of its transpose [E, N, K] ("nk")."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     E, K, N = w.shape
     gdt = gl.bfloat16 if w.dtype == torch.bfloat16 else gl.float16
-    bk, bn = TILES.block_k, TILES.block_n
+    bk, bn = steps.block_k, steps.block_n
     if weights_layout(w) == "kn":
         block = [1, bk, bn]
         return TensorDescriptor(w, [E, K, N], [w.stride(0), w.stride(1), 1], block, shared_layout(block, gdt))
@@ -403,23 +404,22 @@ def weights_descriptor(w):
                             shared_layout(block, gdt))
 
 
-def rows_descriptor(a):
-    """A Gluon tensor descriptor of A's rows ``a`` [R, K] (unit stride along K) in [BLOCK_M, BLOCK_K] blocks, for the
-    kernels' CONTIG and STAGED loads (rows past R read as zeros)."""
+def rows_descriptor(a, steps=TILES):
+    """A Gluon tensor descriptor of A's rows ``a`` [R, K] (unit stride along K) in [BLOCK_M, BLOCK_K] blocks
+    (``steps``'), for the kernels' CONTIG and STAGED loads (rows past R read as zeros)."""
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-    return tma_descriptor(a, list(a.shape), a.stride(0), [TILES.block_m, TILES.block_k], gdt)
+    return tma_descriptor(a, list(a.shape), a.stride(0), [steps.block_m, steps.block_k], gdt)
 
 
-def usable(ctx, tiles, x, w, out, contig: bool = False) -> bool:
-    """Whether this kernel can run the call: the cuda backend on compute capability 9.0 with Gluon, 16-bit
-    operands, the routing's tiles 128 rows (``tiles.block_m``, what the table was cut into), K a whole number of
-    K steps, at least NUM_STAGES - 1 and, where A's rows are gathered (not ``contig``), at most MAX_K deep, 16-byte
-    aligned rows of A and of the output, the weights describable (``weights_layout``)."""
+def usable(ctx, tiles, x, w, out, contig: bool = False, steps=TILES) -> bool:
+    """Whether this kernel can run the call in K steps ``steps``: cuda, sm_90, Gluon, 16-bit operands, 128-row tiles
+    (``tiles.block_m``), K a whole number of steps, at least NUM_STAGES - 1 and, gathered (not ``contig``), at most
+    MAX_K deep, A's and the output's rows 16-byte aligned, the weights describable (``weights_layout``)."""
     if (ctx.backend != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or tiles.block_m != TILES.block_m
             or not is_sm90(x.device.index) or not gluon_available()):
         return False
     K = w.shape[1]
-    if (K % TILES.block_k or K < (TILES.num_stages - 1) * TILES.block_k or (K > MAX_K and not contig)
+    if (K % steps.block_k or K < (steps.num_stages - 1) * steps.block_k or (K > MAX_K and not contig)
             or out.stride(-1) != 1):
         return False
     return aligned(x, x.stride(0)) and aligned(out, out.stride(0)) and weights_layout(w) is not None
@@ -431,20 +431,20 @@ def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, p
     (``usable`` must hold; ``programs``: the grid). ``contig``: each tile's rows are consecutive rows of ``ws``,
     read by TMA; ``staged``: kernels.grouped_gemm.stage_rows' (copy of this rank's rows, each sorted row's place)."""
     E, K, N = w.shape
-    bk = TILES.block_k
-    b_desc = weights_descriptor(w)
+    steps = TILES if contig else GATHER_STEPS
+    b_desc = weights_descriptor(w, steps)
     rows_copy, staged_at = (ws if contig else None, routes[0]) if staged is None or contig else staged
     launch(ag_grouped_hopper, (programs,), (
-        x, ws, b_desc if rows_copy is None else rows_descriptor(rows_copy), b_desc, out, *routes, table, flags,
+        x, ws, b_desc if rows_copy is None else rows_descriptor(rows_copy, steps), b_desc, out, *routes, table, flags,
         staged_at, waiter(ctx, op, rank), table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0),
         ws.stride(0), out.stride(0),
-    ), dict(BLOCK_M=TILES.block_m, BLOCK_K=bk, GROUP_M=TILES.group_m, NUM_PROGRAMS=programs,
-            NUM_STAGES=TILES.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,
+    ), dict(BLOCK_M=TILES.block_m, BLOCK_K=steps.block_k, GROUP_M=TILES.group_m, NUM_PROGRAMS=programs,
+            NUM_STAGES=steps.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,
             STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M, CONTIG=contig,
             STAGED=staged is not None and not contig), num_warps=8, maxnreg=MAXNREG)
     ctx.after_launch()
 
 
-__all__ = ["MAX_K", "SUB_M", "TILES", "ag_grouped_hopper", "grouped_buffers", "grouped_item", "grouped_k_loops",
-           "launch_ag_grouped_hopper", "rows_descriptor", "static_items", "store_offsets", "store_tile", "usable",
-           "weights_descriptor", "weights_layout"]
+__all__ = ["GATHER_STEPS", "MAX_K", "SUB_M", "TILES", "ag_grouped_hopper", "grouped_buffers", "grouped_item",
+           "grouped_k_loops", "launch_ag_grouped_hopper", "rows_descriptor", "static_items", "store_offsets",
+           "store_tile", "usable", "weights_descriptor", "weights_layout"]

@@ -21,6 +21,7 @@ class MoEGEMMConfig(ChunkedGemmConfig):
     latter; ``stage_min_n``: where the Gluon kernel runs AllGather-MoE on a weight shard of at least this many
     columns, this rank's own rows are first copied into expert order (one pass over them, into a buffer of T/W *
     topk rows of K for the call), and their tiles read A by TMA instead of gathering it token by token (0: always;
+    None, the default: never, since the gather's deeper pipeline beat it on every shape measured:
     docs/decisions.md, Tensor-parallel MoE); ``tile_lag``: AllGather-MoE's tile order, the share of the grouped
     GEMM's time the peers' rows take to land: each tile runs at its place in expert order (an expert's tiles
     together, its weight read once while it is in L2) or once enough of the tiles that need no peer (this rank's,
@@ -30,7 +31,7 @@ class MoEGEMMConfig(ChunkedGemmConfig):
 
     block_c: int = 64
     gemm: str = "auto"
-    stage_min_n: int = 6144
+    stage_min_n: int | None = None
     tile_lag: float | None = None
 
     def __post_init__(self):
@@ -40,8 +41,8 @@ class MoEGEMMConfig(ChunkedGemmConfig):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoEGEMMConfig.{name} must be a power of two >= 16, got {v}")
-        if self.stage_min_n < 0:
-            raise ValueError(f"MoEGEMMConfig.stage_min_n must be >= 0, got {self.stage_min_n}")
+        if self.stage_min_n is not None and self.stage_min_n < 0:
+            raise ValueError(f"MoEGEMMConfig.stage_min_n must be None or >= 0, got {self.stage_min_n}")
         if self.tile_lag is not None and not self.tile_lag >= 0:
             raise ValueError(f"MoEGEMMConfig.tile_lag must be None or >= 0, got {self.tile_lag}")
 
@@ -60,7 +61,7 @@ class MoEGEMMConfig(ChunkedGemmConfig):
 
     def stages(self, n: int) -> bool:
         """Whether AllGather-MoE stages this rank's rows for a weight shard of ``n`` columns (``stage_min_n``)."""
-        return n >= self.stage_min_n
+        return self.stage_min_n is not None and n >= self.stage_min_n
 
     @classmethod
     def defaults(cls, ctx) -> "MoEGEMMConfig":
