@@ -419,37 +419,39 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
 def compile_grouped_hopper(target, quick: bool = False) -> int:
     """kernels.grouped_gemm_hopper and kernels.grouped_gemm_hopper_rs (Gluon; sm_90 only) as the MoE ops launch
     them: the weights [E, K, N] and their transpose [E, N, K], A's rows gathered, (CONTIG) by TMA and (STAGED, the
-    AllGather kernel) both (``quick``: [E, K, N], gathered, and the AllGather kernel staged)."""
+    AllGather kernel) both, in the K steps each launches (the AllGather kernel's gathered ones GATHER_STEPS)
+    (``quick``: [E, K, N], gathered, and the AllGather kernel staged)."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import grouped_gemm_hopper as gh
     from triton_overlap.kernels import grouped_gemm_hopper_rs as ghr
 
-    bm, bn, bk = gh.TILES.block_m, gh.TILES.block_n, gh.TILES.block_k
     failed = 0
     variants = ((False, False, False), (False, False, True))
     if not quick:
         variants += ((True, False, False), (False, True, False), (True, False, True))
     for b_kmajor, contig, staged in variants:
-        b_type = gluon_desc_type(target, [1, bn, bk] if b_kmajor else [1, bk, bn])
-        a_type = gluon_desc_type(target, [bm, bk]) if contig or staged else b_type
-        consts = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=gh.TILES.num_stages,
-                      B_KMAJOR=b_kmajor, CLOCK=1, STORE_WARPS=gh.EPILOGUE_WARPS, STORE_REGS=gh.EPILOGUE_REGS,
-                      SUB_M=gh.SUB_M, CONTIG=contig)
-        rs_consts = dict(TOPK=8, BLOCK_C=64, SUB_C=ghr.SUB_C)
-        kernels = ((gh.ag_grouped_hopper, {"STAGED": staged}),) + (((ghr.rs_grouped_hopper, rs_consts),)
-                                                                    if not staged else ())
-        for fn, extra in kernels:
+        kernels = ((gh.ag_grouped_hopper, gh.TILES if contig else gh.GATHER_STEPS, {"STAGED": staged}),)
+        if not staged:
+            kernels += ((ghr.rs_grouped_hopper, gh.TILES, dict(TOPK=8, BLOCK_C=64, SUB_C=ghr.SUB_C)),)
+        for fn, steps, extra in kernels:
+            bm, bn, bk = steps.block_m, steps.block_n, steps.block_k
+            b_type = gluon_desc_type(target, [1, bn, bk] if b_kmajor else [1, bk, bn])
+            a_type = gluon_desc_type(target, [bm, bk]) if contig or staged else b_type
+            consts = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=steps.num_stages,
+                          B_KMAJOR=b_kmajor, CLOCK=1, STORE_WARPS=gh.EPILOGUE_WARPS, STORE_REGS=gh.EPILOGUE_REGS,
+                          SUB_M=gh.SUB_M, CONTIG=contig, **extra)
             sig = {}
             for prm in fn.params:
                 n = prm.name
-                sig[n] = ("constexpr" if n in consts or n in extra else b_type if n == "b_desc"
+                sig[n] = ("constexpr" if n in consts else b_type if n == "b_desc"
                           else a_type if n == "a_desc"
                           else "*bf16" if n in ("x_ptr", "ws_ptr", "out_ptr", "h_ptr", "y_ptr")
                           else "*fp32" if n == "weights_ptr" else "*i64" if n in ("scatter_ptrs", "counter_ptrs")
                           else "*i32" if n.endswith("_ptr") else WAITER if n == "waiter" else "i32")
-            failed += compile_gluon(target, f"{fn.fn.__name__} b_kmajor={b_kmajor} contig={contig} staged={staged}",
-                                    fn, sig, dict(consts, **extra), {"num_warps": 8, "maxnreg": gh.MAXNREG}, 1500)
+            failed += compile_gluon(target, f"{fn.fn.__name__} b_kmajor={b_kmajor} contig={contig} staged={staged} "
+                                    f"k={bk}x{steps.num_stages}", fn, sig, consts,
+                                    {"num_warps": 8, "maxnreg": gh.MAXNREG}, 1500)
     return failed
 
 
