@@ -251,14 +251,14 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
     "+staged")."""
     N, K = w.shape[2], w.shape[1]
     slots = table.shape[0]
-    if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, contig,
-                                                       hopper.TILES if contig else hopper.GATHER_STEPS):
+    steps = hopper.TILES if contig else hopper.GATHER_STEPS  # gathered rows: a deeper pipeline (GATHER_STEPS)
+    if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, contig, steps):
         staged = None
         if stage and not contig:
             staged = stage_rows(ctx, x, routes, layout, ctx.rank if rank is None else rank)
         programs = _programs(ctx, slots * triton.cdiv(N, hopper.TILES.block_n), free_sm=True)
         hopper.launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs, op, rank,
-                                        contig, staged)
+                                        contig, staged, steps=steps)
         return "ag_grouped_hopper" + ("+staged" if staged is not None else "")
     programs = _programs(ctx, slots * triton.cdiv(N, tiles.block_n), free_sm=True)
     b, b_desc = expert_weights(ctx, tiles, w)

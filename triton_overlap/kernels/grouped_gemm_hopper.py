@@ -426,12 +426,12 @@ def usable(ctx, tiles, x, w, out, contig: bool = False, steps=TILES) -> bool:
 
 
 def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs: int, op: int = 0,
-                             rank: int | None = None, contig: bool = False, staged=None) -> None:
+                             rank: int | None = None, contig: bool = False, staged=None, *, steps) -> None:
     """``ag_grouped_hopper`` on the caller's stream, with kernels.grouped_gemm.launch_ag_grouped's arguments
     (``usable`` must hold; ``programs``: the grid). ``contig``: each tile's rows are consecutive rows of ``ws``,
-    read by TMA; ``staged``: kernels.grouped_gemm.stage_rows' (copy of this rank's rows, each sorted row's place)."""
+    read by TMA; ``staged``: kernels.grouped_gemm.stage_rows' (copy of this rank's rows, each sorted row's place);
+    ``steps``: the K steps (``usable``'s)."""
     E, K, N = w.shape
-    steps = TILES if contig else GATHER_STEPS
     b_desc = weights_descriptor(w, steps)
     rows_copy, staged_at = (ws if contig else None, routes[0]) if staged is None or contig else staged
     launch(ag_grouped_hopper, (programs,), (
