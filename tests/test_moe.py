@@ -558,6 +558,16 @@ def test_config_rejects_odd_tiles():
         to.MoEGEMMConfig(block_c=24)
     with pytest.raises(ValueError, match="tile_lag"):
         to.MoEGEMMConfig(tile_lag=-0.5)
+    with pytest.raises(ValueError, match="stage_min_n"):
+        to.MoEGEMMConfig(stage_min_n=-1)
+
+
+def test_staging_is_opt_in():
+    """AllGather-MoE stages its own rows only where ``stage_min_n`` asks (docs/decisions.md: the gather's deeper
+    pipeline beat staging), from that width on."""
+    assert not any(to.MoEGEMMConfig().stages(n) for n in (1, 6144, 1 << 20))
+    assert to.MoEGEMMConfig(stage_min_n=0).stages(1)
+    assert [to.MoEGEMMConfig(stage_min_n=4096).stages(n) for n in (4095, 4096)] == [False, True]
 
 
 def test_tile_lag():
