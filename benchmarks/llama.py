@@ -374,9 +374,12 @@ def decode_fused_norm(model: Transformer, tokens, input_pos, op):
 
 def _row_norm(linear: nn.Linear, a, residual, norm: RMSNorm, op):
     """``(norm(residual + Σ_ranks a Wᵀ), residual + Σ_ranks a Wᵀ)`` for a row-wise layer without bias (this rank's
-    columns of W), the sum, the add and the norm by ``op``."""
+    columns of W), the sum, the add and the norm by ``op``; the partial product as the row-wise layer's
+    ``forward_rmsnorm`` takes it (triton_overlap.nn.local_linear)."""
+    from triton_overlap.nn import local_linear
+
     w = linear.weight
-    part = F.linear(a, w.to_local() if hasattr(w, "to_local") else w)
+    part = local_linear(a, w.to_local() if hasattr(w, "to_local") else w)
     rows = part.reshape(-1, part.shape[-1])
     normed, new_residual = op(rows, residual.reshape(rows.shape), norm.weight, eps=norm.eps)
     return normed.view(part.shape), new_residual.view(part.shape)

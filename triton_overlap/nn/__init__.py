@@ -4,11 +4,12 @@ attention, and parallel styles for parallelize_module (linear layers, the sequen
 sparse-MoE blocks)."""
 from .block import ParallelTransformerBlock
 from .ep_moe import EPMoE
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, RowParallelLinear, local_linear
 from .mlp import TPMLP
 from .moe import TPMoE
 from .parallel import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence
 from .parallel_moe import MoEParallel
 
 __all__ = ["ColumnParallelLinear", "ColwiseParallel", "EPMoE", "GatherSequence", "MoEParallel",
-           "ParallelTransformerBlock", "RowParallelLinear", "RowwiseParallel", "ShardSequence", "TPMLP", "TPMoE"]
+           "ParallelTransformerBlock", "RowParallelLinear", "RowwiseParallel", "ShardSequence", "TPMLP", "TPMoE",
+           "local_linear"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels import skinny_gemm
 from ..ops import custom_ops
 from ..ops.all_gather_gemm import AllGatherGEMM
 from ..ops.all_reduce_rmsnorm import AllReduceRMSNorm
@@ -52,6 +53,14 @@ def row_rows(x, weight, bias, ctx, fallback: str, sequence_parallel: bool = True
         return custom_ops.gemm_ar(x, weight.t(), bias, gemm_ar_op(ctx, fallback))
     ag, rs = layer_ops(ctx, fallback)
     return custom_ops.gemm_rs(x, weight.t(), bias, rs, ag, ctx.world_size)
+
+
+def local_linear(x, weight, bias=None):
+    """``F.linear(x, weight, bias)`` for a layer's local product (a column-wise layer without sequence parallelism,
+    a row-wise layer's partial before its AllReduce): at decode (no autograd to record, at most
+    ``kernels.skinny_gemm.MAX_ROWS`` rows of ``x``, a large 16-bit weight, on a GPU) a kernel that streams the
+    weight faster than cuBLAS's (docs/decisions.md, Decode's local products); otherwise ``F.linear`` itself."""
+    return skinny_gemm.linear(x, weight, bias)
 
 
 def _column(x, weight, bias, layer):
@@ -172,7 +181,7 @@ class RowParallelLinear(_TPLinear):
         GEMM's partial product (with the bias on rank 0 only, so the sum holds it once) goes to the fused kernel in
         place of GEMM + AllReduce; ``residual`` is not modified. Graph-safe as the AllReduce is."""
         x, weight, bias = compute_operands(type(self).__name__, x, self.weight, self.bias)
-        part = torch.nn.functional.linear(x, weight, bias if self.ctx.rank == 0 else None)
+        part = local_linear(x, weight, bias if self.ctx.rank == 0 else None)
         op = self.ctx.cached(("nn all_reduce_rmsnorm", self.fallback), lambda: AllReduceRMSNorm(
             self.ctx, fallback=self.fallback, name=f"nn.ar_rmsnorm.{self.fallback}"))
         rows = part.reshape(-1, part.shape[-1])
@@ -180,4 +189,5 @@ class RowParallelLinear(_TPLinear):
         return normed.view(part.shape), new_residual.view(part.shape)
 
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_rows", "gemm_ar_op", "layer_ops", "row_rows"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_rows", "gemm_ar_op", "layer_ops", "local_linear",
+           "row_rows"]

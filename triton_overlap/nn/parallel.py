@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
-from .linear import column_rows, gemm_ar_op, layer_ops, row_rows
+from .linear import column_rows, gemm_ar_op, layer_ops, local_linear, row_rows
 from .precision import compute_operands
 
 FALLBACKS = ("auto", "never", "always")
@@ -157,7 +157,7 @@ class ColwiseParallel(_LinearStyle):
             if torch.is_grad_enabled() and x.requires_grad:  # each rank's input gradient is a partial sum
                 x = DTensor.from_local(x, module.tp_mesh, [Replicate()], run_check=False).to_local(
                     grad_placements=[Partial()])
-            return nn.functional.linear(x, weight, bias)
+            return local_linear(x, weight, bias)
         W = style.ctx.world_size
         y = column_rows(x.reshape(-1, x.shape[-1]), weight, bias, style.ctx, style.fallback,
                         style.keep_gathered_input)  # rows (rank, then x's rows in order)
