@@ -155,10 +155,13 @@ def compile_signals(target) -> int:
 
 def compile_gemm_all_reduce(target) -> int:
     """The fused GEMM + AllReduce at the GPU defaults' tiles (ops.config.GEMMAllReduceConfig), with and without
-    the bias, B as [K, N] or as a transpose (stride 1 along K)."""
+    the bias, B as [K, N] or as a transpose (stride 1 along K); tiles of at most SWAP_MAX_ROWS rows swapped, as
+    the op launches them."""
     from triton_overlap.ops.config import GEMMAllReduceConfig
+    from triton_overlap.ops.gemm_all_reduce import SWAP_MAX_ROWS
 
-    gpu = types.SimpleNamespace(backend="cuda", interpreted=False)  # what the defaults read of a Context
+    gpu = types.SimpleNamespace(backend="cuda", interpreted=False,  # what the defaults read of a Context (sm_90's)
+                                shared_memory_per_program=lambda: 227 << 10)
     failed = 0
     for m, bias, kmajor in itertools.product((1, 128, 4096), (False, True), (False, True)):
         cfg = GEMMAllReduceConfig.defaults(gpu, m, 4096, 132)
@@ -166,7 +169,8 @@ def compile_gemm_all_reduce(target) -> int:
         unit = "stride_bk" if kmajor else "stride_bn"
         sig[unit] = sig["stride_ak"] = "constexpr"  # 1 at every launch: Triton specialises it as a constant
         consts = {unit: 1, "stride_ak": 1, "HAS_BIAS": bias, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-                  "BLOCK_K": cfg.block_k, "BLOCK_W": 8, "EVEN_K": True, "DOT_F32": False, "CLOCK": 1}
+                  "BLOCK_K": cfg.block_k, "BLOCK_W": 8, "EVEN_K": True, "DOT_F32": False, "CLOCK": 1,
+                  "SWAP_AB": cfg.block_m <= SWAP_MAX_ROWS}
         name = f"gemm_all_reduce M={m} tiles {cfg.block_m}x{cfg.block_n}x{cfg.block_k} bias={bias} b_kmajor={kmajor}"
         failed += compile_one(target, name, ASTSource(
             fn=gemm_all_reduce, signature=sig, constexprs=consts,

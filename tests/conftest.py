@@ -91,6 +91,7 @@ FAST = [
     # decode's local product
     "test_skinny_gemm.py::test_skinny_gemm_matches_reference[host-w2]",
     "test_skinny_gemm.py::test_rule",
+    "test_gemm_all_reduce.py::test_decode_tiles_rule",
     "test_all_reduce.py::test_peer_absent[host-w3]",
     "test_gemm_all_reduce.py::test_gemm_ar[host-w2-fused-never]",
     "test_gemm_all_reduce.py::test_gemm_ar[host-w3-two_shot-never]",

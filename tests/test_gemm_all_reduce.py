@@ -181,3 +181,23 @@ def _row_layer():
 
 def test_row_parallel_without_sequence_parallel(pool):
     assert all(pool.run(_row_layer))
+
+
+def test_decode_tiles_rule():
+    """GEMMAllReduceConfig.defaults on a GPU: 16-row tiles (computed swapped) in 256-deep steps where 4 stages fit
+    sm_90's shared memory, shallower where a program has less; 64-row tiles in 128-deep steps."""
+    from types import SimpleNamespace
+
+    from triton_overlap.ops.config import GEMMAllReduceConfig
+    from triton_overlap.ops.gemm_all_reduce import SWAP_MAX_ROWS
+
+    def gpu(shared):
+        return SimpleNamespace(backend="cuda", interpreted=False, shared_memory_per_program=lambda: shared)
+
+    cfg = GEMMAllReduceConfig.defaults(gpu(227 << 10), 1, 8192, 132)
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) == (16, 64, 256, 4)
+    assert cfg.block_m <= SWAP_MAX_ROWS
+    small = GEMMAllReduceConfig.defaults(gpu(99 << 10), 1, 8192, 84)
+    assert small.block_k <= 128 and (small.block_m + small.block_n) * small.block_k * 2 * small.num_stages <= 95 << 10
+    cfg = GEMMAllReduceConfig.defaults(gpu(227 << 10), 32, 8192, 132)
+    assert (cfg.block_m, cfg.block_k, cfg.num_stages) == (64, 128, 4) and cfg.block_m > SWAP_MAX_ROWS

@@ -26,28 +26,47 @@ from .slot_exchange import count_call, notify_block, publish_header, push, sum_p
 @triton.jit
 def _tile_product(a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                  DOT_F32: tl.constexpr):
-    """A[rows, :] @ B[:, cols] in float32 (rows and columns outside the matrices read as zero)."""
+                  DOT_F32: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A[rows, :] @ B[:, cols] in float32 (rows and columns outside the matrices read as zero). SWAP_AB: computed as
+    (B[:, cols].T @ A[rows, :].T).T, B's columns the MMA's tall side, for tiles of a few rows (the weight streams
+    through full-height MMAs: docs/decisions.md, Decode's local products)."""
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
     row_ok = rows < M
     col_ok = cols < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SWAP_AB:
+        a_ptrs = a_ptr + rows[None, :] * stride_am + offs_k[:, None] * stride_ak  # A.T's [BLOCK_K, BLOCK_M]
+        b_ptrs = b_ptr + offs_k[None, :] * stride_bk + cols[:, None] * stride_bn  # B.T's [BLOCK_N, BLOCK_K]
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
+        if SWAP_AB and EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None], other=0.0)
+        elif SWAP_AB:
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        elif EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=col_ok[None, :], other=0.0)
         else:
-            k_left = K - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & col_ok[None, :], other=0.0)
+            k_ok = offs_k < K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         if DOT_F32:  # host backend: Triton's interpreter multiplies bf16 operands as raw bits
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
+        if SWAP_AB:
+            acc_t = tl.dot(b, a, acc_t)
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
     return acc
 
 
@@ -56,7 +75,8 @@ def gemm_all_reduce(a_ptr, b_ptr, bias_ptr, out_ptr, data_ptrs, flag_ptrs, heade
                     local_header, state_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_bias, cap,
                     max_tiles, waiter, world, fingerprint,
                     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, CLOCK: tl.constexpr):
+                    BLOCK_W: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, CLOCK: tl.constexpr,
+                    SWAP_AB: tl.constexpr = False):
     """``waiter``: kernels.signal.waiter's (error word, budget, rank, op)."""
     err_ptr, budget, rank, op = waiter
     pid = tl.program_id(0)
@@ -72,7 +92,7 @@ def gemm_all_reduce(a_ptr, b_ptr, bias_ptr, out_ptr, data_ptrs, flag_ptrs, heade
         rows = (t // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = (t % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = _tile_product(a_ptr, b_ptr, rows, cols, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32)
+                            BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, DOT_F32, SWAP_AB)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         part = acc.to(out_ptr.dtype.element_ty)

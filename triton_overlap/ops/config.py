@@ -149,7 +149,8 @@ class GEMMAllReduceConfig:
         """Interpreter-sized tiles where ``ctx``'s kernels are interpreted (the host backend). On GPUs, up to 64
         rows (decode): 16 rows per tile up to 16 rows, else 64, and 64 columns, or 32 where 64 would leave over
         a tenth of the ``units`` compute units idle over the waves of tiles and 32 fewer, and 128-deep steps (the
-        GEMM streams the weight) in 4 stages, fewer stages or 64-deep steps where a program's shared memory
+        GEMM streams the weight; 256-deep for 16-row tiles, which the kernel computes swapped: ops.gemm_all_reduce's
+        SWAP_MAX_ROWS) in 4 stages, fewer stages or shallower steps where a program's shared memory
         (``ctx.shared_memory_per_program()``) cannot hold them; 64 x 128 tiles up to 256 rows, 128 x 128 above
         (docs/decisions.md)."""
         if ctx.interpreted:
@@ -167,7 +168,7 @@ class GEMMAllReduceConfig:
 
         bn = 64 if busy(64) >= 0.9 or busy(64) >= busy(32) else 32
         # 4 stages where the operands' tiles fit the shared memory (with 4 KiB to spare), else fewer, then 64-deep
-        for bk, stages in ((128, 4), (128, 3), (64, 4), (64, 3), (64, 2)):
+        for bk, stages in ((256, 4), (128, 4), (128, 3), (64, 4), (64, 3), (64, 2))[bm > 16:]:
             if (bm + bn) * bk * 2 * stages + (4 << 10) <= shared:
                 break
         return cls(block_m=bm, block_n=bn, block_k=bk, num_warps=4, num_stages=stages)

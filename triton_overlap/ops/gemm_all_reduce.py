@@ -24,6 +24,9 @@ from .config import GEMMAllReduceConfig
 #: W = 2 up to FUSED_MAX_ROWS_W2 (measured there with the tagged one-shot; other world sizes not since)
 FUSED_MAX_ROWS = 16
 FUSED_MAX_ROWS_W2 = 64
+#: tiles of at most this many rows compute the weight's columns as the MMA's tall side (kernels.gemm_all_reduce's
+#: SWAP_AB; docs/decisions.md, Decode's local products)
+SWAP_MAX_ROWS = 16
 ALGORITHMS = ("auto", "fused", "one_shot", "two_shot")
 
 
@@ -140,7 +143,8 @@ class GEMMAllReduce(OverlapOp):
             bias.stride(0) if has_bias else 0, cap, max_tiles, waiter(ctx, self.op), W, call.fingerprint),
             dict(HAS_BIAS=has_bias, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                  BLOCK_W=pow2_at_least(W), EVEN_K=K % cfg.block_k == 0, DOT_F32=ctx.interpreted,
-                 CLOCK=ctx.clock), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 CLOCK=ctx.clock, SWAP_AB=cfg.block_m <= SWAP_MAX_ROWS), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
         ctx.after_launch()
 
 
