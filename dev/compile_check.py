@@ -1,7 +1,7 @@
-"""Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel and the AllGather GEMM (Gluon), the
-attention kernels (the Gluon forward and backward among them), the AllReduce, the fused GEMM + AllReduce, the MoE
-grouped GEMMs (the Gluon ones among them) and routing kernels and the timing spin for a GPU target without a GPU:
-Triton's front end, LLVM and ptxas, as a launch on the device would.
+"""Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel and the AllGather GEMM (Gluon), decode's
+local product, the attention kernels (the Gluon forward and backward among them), the AllReduce, the fused GEMM +
+AllReduce, the MoE grouped GEMMs (the Gluon ones among them) and routing kernels and the timing spin for a GPU
+target without a GPU: Triton's front end, LLVM and ptxas, as a launch on the device would.
 Catches compile errors before device time is spent, and prints registers, spills and whether ptxas serialised the
 wgmma pipeline (warnings C7514, C7515).
 
@@ -176,6 +176,21 @@ def compile_gemm_all_reduce(target) -> int:
             fn=gemm_all_reduce, signature=sig, constexprs=consts,
             attrs=divisibility(sig, skip=("rank", "op", "world", "budget", "M"))),
             {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return failed
+
+
+def compile_skinny_gemm(target) -> int:
+    """Decode's local product (kernels.skinny_gemm) as skinny_linear launches it, with and without the bias."""
+    from triton_overlap.kernels import skinny_gemm as sg
+
+    failed = 0
+    for bias in (False, True):
+        sig = {p.name: ("constexpr" if p.is_constexpr else "*bf16" if p.name.endswith("_ptr") else "i32")
+               for p in sg.skinny_gemm.params}
+        consts = dict(BLOCK_N=sg.BLOCK_N, BLOCK_M=sg.MAX_ROWS, BLOCK_K=sg.BLOCK_K, HAS_BIAS=bias)
+        failed += compile_one(target, f"skinny_gemm bias={bias}", ASTSource(
+            fn=sg.skinny_gemm, signature=sig, constexprs=consts, attrs=divisibility(sig, skip=("M",))),
+            {"num_warps": sg.WARPS, "num_stages": sg.STAGES})
     return failed
 
 
@@ -611,6 +626,7 @@ def main():
     print("spin_kernel: compiled")
     failed += compile_signals(target)
     failed += compile_gemm_all_reduce(target)
+    failed += compile_skinny_gemm(target)
     failed += compile_attention(target)
     failed += compile_warp_specialized(target)
     failed += compile_gather_hopper(target)
