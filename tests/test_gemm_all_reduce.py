@@ -57,7 +57,7 @@ globals().update(contract.tests(GEMM_AR))
 
 CASES = [GARCase(m=1, k=16, n=19, bias=True, transposed=True), GARCase(m=5, k=24, n=33, dtype="float16"),
          GARCase(m=33, k=None, n=40, transposed=True), GARCase(m=64, k=32, n=72, bias=True),
-         GARCase(m=3, k=40, n=17, bias=True)]
+         GARCase(m=3, k=40, n=17, bias=True), GARCase(m=9, k=512, n=136, bias=True, transposed=True)]
 
 
 def _gemm_ar(algorithm: str, fallback: str):
@@ -181,6 +181,28 @@ def _row_layer():
 
 def test_row_parallel_without_sequence_parallel(pool):
     assert all(pool.run(_row_layer))
+
+
+def _unswapped_tiles():
+    """The fused kernel with tiles of more than SWAP_MAX_ROWS rows (computed A @ B, not swapped) on a few rows."""
+    from triton_overlap.ops.config import GEMMAllReduceConfig
+
+    with to.Context(timeout_s=30) as ctx:
+        cfg = GEMMAllReduceConfig(block_m=32, block_n=16, block_k=16, num_warps=1, num_stages=1)
+        op = to.GEMMAllReduce(ctx, cfg, algorithm="fused", fallback="never")
+        errs = []
+        for i, case in enumerate((GARCase(m=5, k=24, n=33, bias=True), GARCase(m=3, k=32, n=17, transposed=True))):
+            c = GEMM_AR.inputs(ctx, case, i)
+            got = op(*c.args, c.kwargs["bias"], out=poison(c.out))
+            ctx.check()
+            err, tol = GEMM_AR.error(got, c.ref)
+            assert err < tol and op.last_algorithm == "fused", (i, err)
+            errs.append(err)
+        return errs
+
+
+def test_unswapped_tiles(pool):
+    assert len(pool.run(_unswapped_tiles)[0]) == 2
 
 
 def test_decode_tiles_rule():

@@ -11,9 +11,9 @@ take two.
 
 The workspace protocol is the two-shot AllReduce's flag protocol (kernels.all_reduce, kernels.slot_exchange): two
 halves of W slots, the call number counted on the device (graph-safe), flags that carry it and only grow, and
-every program's header into every peer before its first flag, compared on a tile's first wait per peer (a rank whose peer's call differs records
-ERR_MISMATCH). Every program stores all its tiles before it waits on a peer's: with all programs resident no
-program waits for one that cannot run.
+every program's header into every peer before its first flag, compared on a tile's first wait per peer (a rank
+whose peer's call differs records ERR_MISMATCH). Every program stores all its tiles before it waits on a peer's:
+with all programs resident no program waits for one that cannot run.
 """
 from __future__ import annotations
 

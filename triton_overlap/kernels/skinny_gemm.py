@@ -16,13 +16,15 @@ import triton
 import triton.language as tl
 
 from .cached_launch import launch
+from .capability import is_sm90
 
 #: the most rows of ``x`` the kernel takes (one MMA's N side)
 MAX_ROWS = 16
 #: output columns (weight rows) per program, K per step, pipeline stages, warps
 BLOCK_N, BLOCK_K, STAGES, WARPS = 64, 256, 4, 4
 #: the weights [N, K] it takes: N from MIN_N to MAX_N (a program per 64 columns, up to about one per SM), K from
-#: MIN_K; outside them cuBLAS measured as fast or faster (docs/decisions.md, Decode's local products)
+#: MIN_K; outside them cuBLAS was as fast or faster on all but one of the shapes measured (docs/decisions.md,
+#: Decode's local products)
 MIN_N, MAX_N, MIN_K = 4096, 8192, 4096
 
 
@@ -37,7 +39,7 @@ def skinny_gemm(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     col_ok = cols < N
     row_ok = rows < M
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]
-    x_ptrs = x_ptr + rows[None, :] * stride_xm + ks[:, None]  # x.T's [BLOCK_K, BLOCK_M] block
+    x_ptrs = x_ptr + rows.to(tl.int64)[None, :] * stride_xm + ks[:, None]  # x.T's [BLOCK_K, BLOCK_M] block
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for _ in range(0, K, BLOCK_K):
         w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
@@ -47,25 +49,32 @@ def skinny_gemm(x_ptr, w_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
         x_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
+    tl.store(y_ptr + rows.to(tl.int64)[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=col_ok[:, None] & row_ok[None, :])
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether ``skinny_linear`` takes ``x`` [M, K] @ ``w`` [N, K].T on its device: a GPU (cuda, which ROCm's torch
-    reports too) and ``fits``."""
-    return x.device.type == "cuda" and fits(x, w, bias)
+    """Whether ``skinny_linear`` takes ``x`` [M, K] @ ``w`` [N, K].T where they are: plain tensors (not DTensor or
+    fake ones) on the current CUDA device, an NVIDIA GPU of compute capability 9.0 (where the rule was measured,
+    and whose shared memory holds the kernel's stages), and ``fits``."""
+    if torch.version.hip is not None or x.device.type != "cuda" or x.device.index != torch.cuda.current_device():
+        return False
+    if any(t is not None and (type(t) not in (torch.Tensor, torch.nn.Parameter) or t.device != x.device)
+           for t in (x, w, bias)):
+        return False
+    return is_sm90(x.device.index) and fits(x, w, bias)
 
 
 def fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """The kernel's rule, on any device: 16-bit operands of one dtype, 1 to MAX_ROWS rows, unit stride along K and
-    16-byte aligned rows, K a whole number of BLOCK_K steps, the weight's N in [MIN_N, MAX_N] and its K at least
-    MIN_K (elsewhere cuBLAS measured as fast)."""
-    if (x.dim() != 2 or w.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype
-            or (bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.stride(0) != 1))):
+    16-byte aligned rows, K a whole number of BLOCK_K steps, a bias of N values, the weight's N in [MIN_N, MAX_N]
+    and its K at least MIN_K (MIN_N's comment says why)."""
+    if x.dim() != 2 or w.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16) or w.dtype != x.dtype:
         return False
     M, K = x.shape
     N = w.shape[0]
+    if bias is not None and (bias.dtype != x.dtype or bias.shape != (N,) or bias.stride(0) != 1):
+        return False
     if not 1 <= M <= MAX_ROWS or w.shape[1] != K or not MIN_N <= N <= MAX_N or K < MIN_K or K % BLOCK_K:
         return False
     return (x.stride(1) == 1 and w.stride(1) == 1 and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
@@ -74,10 +83,12 @@ def fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear(x, w, bias)`` (``x`` [*, K]), through ``skinny_linear`` where it applies: its
-    rule (``usable``, on x's rows), no autograd to record and not inside ``torch.compile``'s tracing (which
-    keeps ``F.linear``); else ``F.linear`` itself."""
+    rule (``usable``, on x's rows), no autograd to record, no autocast to another dtype, and not inside
+    ``torch.compile``'s tracing (which keeps ``F.linear``); else ``F.linear`` itself. The kernel's sums differ from
+    cuBLAS's in rounding, so the same call on 17 rows, under autograd or compiled gives other low bits."""
     if (torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad
-                                                                        or (bias is not None and bias.requires_grad)))):
+                                                                        or (bias is not None and bias.requires_grad)))
+            or (torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") != x.dtype)):
         return torch.nn.functional.linear(x, w, bias)
     rows = x.reshape(-1, x.shape[-1])
     if not usable(rows, w, bias):
@@ -90,6 +101,10 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = 
     """``x @ w.T (+ bias)`` -> [M, N] (``out`` if given) on the current stream; ``usable(x, w, bias)`` must hold."""
     M, K = x.shape
     N = w.shape[0]
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.device != x.device
+                            or out.stride(1) != 1):
+        raise ValueError(f"skinny_linear: out must be [{M}, {N}] {x.dtype} on {x.device} with unit stride along N, "
+                         f"got {list(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}")
     y = torch.empty(M, N, device=x.device, dtype=x.dtype) if out is None else out
     launch(skinny_gemm, (triton.cdiv(N, BLOCK_N),), (
         x, w, bias if bias is not None else w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0),

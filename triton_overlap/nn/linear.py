@@ -57,9 +57,10 @@ def row_rows(x, weight, bias, ctx, fallback: str, sequence_parallel: bool = True
 
 def local_linear(x, weight, bias=None):
     """``F.linear(x, weight, bias)`` for a layer's local product (a column-wise layer without sequence parallelism,
-    a row-wise layer's partial before its AllReduce): at decode (no autograd to record, at most
-    ``kernels.skinny_gemm.MAX_ROWS`` rows of ``x``, a large 16-bit weight, on a GPU) a kernel that streams the
-    weight faster than cuBLAS's (docs/decisions.md, Decode's local products); otherwise ``F.linear`` itself."""
+    a row-wise layer's partial before ``forward_rmsnorm``'s fused AllReduce): at decode (no autograd to record, at
+    most ``kernels.skinny_gemm.MAX_ROWS`` rows of ``x``, a 16-bit weight of 4096 to 8192 rows by at least 4096, on
+    an H100 or H200: ``skinny_gemm.usable``) a kernel that streams the weight faster than cuBLAS
+    (docs/decisions.md, Decode's local products); otherwise ``F.linear`` itself."""
     return skinny_gemm.linear(x, weight, bias)
 
 

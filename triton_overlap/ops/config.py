@@ -167,7 +167,8 @@ class GEMMAllReduceConfig:
             return tiles / (cdiv(tiles, units) * units)
 
         bn = 64 if busy(64) >= 0.9 or busy(64) >= busy(32) else 32
-        # 4 stages where the operands' tiles fit the shared memory (with 4 KiB to spare), else fewer, then 64-deep
+        # the deepest steps in 4 stages whose operands' tiles fit the shared memory (with 4 KiB to spare), then fewer
+        # stages, then shallower steps (256-deep first for 16-row tiles)
         for bk, stages in ((256, 4), (128, 4), (128, 3), (64, 4), (64, 3), (64, 2))[bm > 16:]:
             if (bm + bn) * bk * 2 * stages + (4 << 10) <= shared:
                 break
