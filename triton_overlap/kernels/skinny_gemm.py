@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .cached_launch import launch
 from .capability import is_sm90
+from .gemm_operands import aligned
 
 #: the most rows of ``x`` the kernel takes (one MMA's N side)
 MAX_ROWS = 16
@@ -77,8 +78,7 @@ def fits(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> 
         return False
     if not 1 <= M <= MAX_ROWS or w.shape[1] != K or not MIN_N <= N <= MAX_N or K < MIN_K or K % BLOCK_K:
         return False
-    return (x.stride(1) == 1 and w.stride(1) == 1 and x.stride(0) % 8 == 0 and w.stride(0) % 8 == 0
-            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+    return x.stride(1) == 1 and w.stride(1) == 1 and aligned(x, x.stride(0)) and aligned(w, w.stride(0))
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
