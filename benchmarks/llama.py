@@ -303,23 +303,30 @@ def tp_plan_torch() -> dict:
     }
 
 
-def tp_plan_ours(ctx, fallback: str = "auto") -> dict:
+def tp_plan_ours(ctx, fallback: str = "auto", fused: bool = False, shared: bool = True) -> dict:
     """The same model on this project's styles (plan (c)): AllGather-GEMM in wq/wk/wv/w1/w3, GEMM-ReduceScatter
-    in wo/w2, the residual stream a DTensor sharded on the sequence. ``fallback="always"``: the same layers on
-    torch + the process group, no overlap kernels."""
+    in wo/w2, the residual stream a DTensor sharded on the sequence. Separate projections (``fused=False``) as
+    SharedInputColwise groups (wq/wk/wv, w1/w3: the input gathered once per group; ``shared=False``: a
+    ColwiseParallel each, which gathers once per projection); ``fused=True``: the model of fuse_projections (one
+    wqkv, one w13). ``fallback="always"``: the same layers on torch + the process group, no overlap kernels."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    from triton_overlap.nn import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence
+    from triton_overlap.nn import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
 
     col = lambda: ColwiseParallel(ctx, fallback=fallback)  # noqa: E731
     row = lambda: RowwiseParallel(ctx, fallback=fallback)  # noqa: E731
+    if fused or not shared:
+        columns = {"layers.*.attention.w[qkv]*": col(),  # wq, wk, wv, or the fused wqkv
+                   "layers.*.feed_forward.w[13]*": col()}  # w1, w3, or the fused w13
+    else:
+        columns = {"layers.*.attention": SharedInputColwise(ctx, ("wq", "wk", "wv"), fallback=fallback),
+                   "layers.*.feed_forward": SharedInputColwise(ctx, ("w1", "w3"), fallback=fallback)}
     return {
         "tok_embeddings": ShardSequence(ctx),
         "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.attention.w[qkv]*": col(),  # wq, wk, wv, or the fused wqkv
+        **columns,
         "layers.*.attention.wo": row(),
         "layers.*.ffn_norm": SequenceParallel(),
-        "layers.*.feed_forward.w[13]*": col(),  # w1, w3, or the fused w13
         "layers.*.feed_forward.w2": row(),
         "norm": GatherSequence(ctx),
     }

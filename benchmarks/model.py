@@ -2,11 +2,13 @@
 
 Training step (forward + backward, bf16 parameters, tensor + sequence parallel over W ranks), tokens/s of:
 
-* ``ours``: this project's styles (tp_plan_ours, ``fallback="auto"``, as a user gets them), eager;
+* ``ours``: this project's styles (tp_plan_ours, ``fallback="auto"``, as a user gets them: wq/wk/wv and w1/w3 as
+  SharedInputColwise groups, each group's input gathered once, as torch's plan gathers it), eager;
+* ``ours_unshared``: the same with a ColwiseParallel per projection, each gathering its input itself (three
+  gathers for wq/wk/wv, two for w1/w3);
 * ``ours_fused`` and ``torch_tp_fused``: ours and torch TP on the same weights with fused projections
-  (llama.fuse_projections: one wqkv, one w13): each of our column layers gathers its input itself, so separate
-  wq/wk/wv gather it three times where torch's plan gathers it once for all three;
-* ``ours_compiled``: the same, each block under ``torch.compile``;
+  (llama.fuse_projections: one wqkv, one w13; no weights concatenated per step);
+* ``ours_compiled`` and ``ours_compiled_fused``: ours and ours_fused, each block under ``torch.compile``;
 * ``ours_fallback``: the same layers with ``fallback="always"`` (torch + the process group, no overlap kernels);
 * ``torch_tp``: torch's own styles (tp_plan_torch), NCCL, eager;
 * ``torch_async_tp``: torch's styles, each block under ``torch.compile`` with inductor's micro-pipeline TP
@@ -40,7 +42,7 @@ from model_report import DECODE_COLUMNS, DECODE_HEADER, TRAIN_COLUMNS, TRAIN_HEA
 from triton_overlap.timing import capture, time_interleaved
 from triton_overlap.torchrun import say
 
-#: layers per shape: a stack deep enough that a step is several layers' work, small enough that the seven
+#: layers per shape: a stack deep enough that a step is several layers' work, small enough that the nine
 #: training variants' models (all kept, to be timed in turns) and one step's activations fit on one H200 at W = 2
 DEFAULT_LAYERS = {"8b": 4, "70b": 2}
 #: one sequence length per shape for training, three batch sizes for decode: what one run of ten minutes holds
@@ -134,9 +136,11 @@ def bench_train(ctx, shape, n_layers, batch, seq, iters, lead_us) -> dict:
 
     makers = {"torch_tp": lambda: model(llama.tp_plan_torch()),  # first: the reference the others are checked on
               "ours": lambda: model(llama.tp_plan_ours(ctx)),
-              "ours_fused": lambda: model(llama.tp_plan_ours(ctx), fused=True),
+              "ours_unshared": lambda: model(llama.tp_plan_ours(ctx, shared=False)),
+              "ours_fused": lambda: model(llama.tp_plan_ours(ctx, fused=True), fused=True),
               "torch_tp_fused": lambda: model(llama.tp_plan_torch(), fused=True),
               "ours_compiled": lambda: compile_blocks(model(llama.tp_plan_ours(ctx))),
+              "ours_compiled_fused": lambda: compile_blocks(model(llama.tp_plan_ours(ctx, fused=True), fused=True)),
               "ours_fallback": lambda: model(llama.tp_plan_ours(ctx, fallback="always")),
               "torch_async_tp": async_tp}
     steps, ref = {}, None

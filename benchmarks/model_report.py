@@ -8,7 +8,9 @@ import os
 from report import geomean, measured, pending_line, result_base, save_json
 
 #: (variant, its column's name), in the tables' order
-TRAIN_COLUMNS = (("ours", "ours"), ("ours_fused", "ours, fused projections"), ("ours_compiled", "ours compiled"),
+TRAIN_COLUMNS = (("ours", "ours"), ("ours_unshared", "ours, a gather per projection"),
+                 ("ours_fused", "ours, fused projections"), ("ours_compiled", "ours compiled"),
+                 ("ours_compiled_fused", "ours compiled, fused projections"),
                  ("ours_fallback", "ours, fallback=always"), ("torch_tp", "torch TP"),
                  ("torch_tp_fused", "torch TP, fused projections"), ("torch_async_tp", "torch async TP"))
 DECODE_COLUMNS = (("ours", "ours"), ("ours_norm", "ours, AllReduce + RMSNorm fused"),
@@ -19,7 +21,8 @@ DECODE_COLUMNS = (("ours", "ours"), ("ours_norm", "ours, AllReduce + RMSNorm fus
 #: the ratios each table reports: (ours, baseline), the speed-up being baseline time / ours time; the first ones
 #: also as geometric means under the table
 TRAIN_RATIOS = (("ours", "torch_tp"), ("ours", "torch_async_tp"), ("ours_fused", "torch_tp_fused"),
-                ("ours_fused", "torch_async_tp"), ("ours_compiled", "torch_async_tp"), ("ours", "ours_fallback"))
+                ("ours_fused", "torch_async_tp"), ("ours_compiled", "torch_async_tp"),
+                ("ours_compiled_fused", "torch_async_tp"), ("ours", "ours_fallback"), ("ours", "ours_unshared"))
 DECODE_RATIOS = (("ours", "torch_tp"), ("ours", "torch_symm_mem"), ("ours_norm", "torch_tp"),
                  ("ours_norm", "torch_symm_mem"), ("ours_norm_fused", "torch_tp_fused"), ("ours", "ours_fallback"))
 _NAMES = dict(TRAIN_COLUMNS + DECODE_COLUMNS)

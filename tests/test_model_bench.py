@@ -40,8 +40,9 @@ def _paths(model) -> set:
 
 
 #: the paths each plan must take: fallback="never" runs the overlapped kernels, "always" never does
-PATHS = {"torch": set(), "torch_fused": set(), "ours": {"overlap"}, "ours_fused": {"overlap"},
-         "ours_fallback": {"fallback"}, "ours_norm": set()}  # (ours_norm: the row layers' products go to the norm op)
+PATHS = {"torch": set(), "torch_fused": set(), "ours": {"overlap"}, "ours_unshared": {"overlap"},
+         "ours_fused": {"overlap"}, "ours_fallback": {"fallback"},
+         "ours_norm": set()}  # (ours_norm: the row layers' products go to the norm op)
 
 
 def _fused_grads(ref, W) -> dict:
@@ -79,7 +80,8 @@ def _training(plan_name):
         model.to(dtype)
         plan = {"torch": llama.tp_plan_torch, "torch_fused": llama.tp_plan_torch,
                 "ours": lambda: llama.tp_plan_ours(ctx, fallback="never"),
-                "ours_fused": lambda: llama.tp_plan_ours(ctx, fallback="never"),
+                "ours_unshared": lambda: llama.tp_plan_ours(ctx, fallback="never", shared=False),
+                "ours_fused": lambda: llama.tp_plan_ours(ctx, fallback="never", fused=True),
                 "ours_fallback": lambda: llama.tp_plan_ours(ctx, fallback="always")}[plan_name]()
         llama.parallelize(model, llama.mesh_of(ctx), plan)
         out = model(tokens)
@@ -101,10 +103,11 @@ def _training(plan_name):
         return errs
 
 
-@pytest.mark.parametrize("plan_name", ["torch", "torch_fused", "ours", "ours_fused", "ours_fallback"])
+@pytest.mark.parametrize("plan_name", ["torch", "torch_fused", "ours", "ours_unshared", "ours_fused", "ours_fallback"])
 def test_training_step_matches_single_process(pool, plan_name):
-    """Plan (b) (torch) and plan (c) (ours: overlap forced, and fallback="always") against the unsharded model;
-    *_fused: the same weights with fused projections (llama.fuse_projections)."""
+    """Plan (b) (torch) and plan (c) (ours: overlap forced, the projections as SharedInputColwise groups, or
+    ``ours_unshared`` a ColwiseParallel each, and fallback="always") against the unsharded model; *_fused: the same
+    weights with fused projections (llama.fuse_projections)."""
     if pool.world != 2:
         pytest.skip("W = 2 (the tiny shape's 2 KV heads shard over 2 ranks)")
     if plan_name.startswith("torch") and pool.backend == "cuda-shared":

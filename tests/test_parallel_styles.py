@@ -29,16 +29,23 @@ def _llama(W, dtype):
     return model.to(dtype)
 
 
-def _plan(ctx, fallback, sequence_parallel=True):
+def _plan(ctx, fallback, sequence_parallel=True, shared=False):
+    """The model's plan; ``shared``: q/k/v and gate/up as SharedInputColwise groups (one gather each)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    from triton_overlap.nn import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence
+    from triton_overlap.nn import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
 
     col = ColwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
     row = RowwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
     plan = {"model.layers.*.self_attn.[qkv]_proj": col, "model.layers.*.self_attn.o_proj": row,
             "model.layers.*.mlp.gate_proj": col, "model.layers.*.mlp.up_proj": col,
             "model.layers.*.mlp.down_proj": row}
+    if shared:
+        kw = dict(fallback=fallback, sequence_parallel=sequence_parallel)
+        del plan["model.layers.*.self_attn.[qkv]_proj"], plan["model.layers.*.mlp.gate_proj"], \
+            plan["model.layers.*.mlp.up_proj"]
+        plan.update({"model.layers.*.self_attn": SharedInputColwise(ctx, ("q_proj", "k_proj", "v_proj"), **kw),
+                     "model.layers.*.mlp": SharedInputColwise(ctx, ("gate_proj", "up_proj"), **kw)})
     if sequence_parallel:
         plan.update({"model.embed_tokens": ShardSequence(ctx), "model.layers.*.input_layernorm": SequenceParallel(),
                      "model.layers.*.post_attention_layernorm": SequenceParallel(),
@@ -61,10 +68,10 @@ def _grad_errors(model, reference, rank):
     return errs
 
 
-def _llama_case(B, mode, fallback):
+def _llama_case(B, mode, fallback, shared=False):
     """``mode``: "bf16" (bf16 parameters), "autocast" (float32 parameters under autocast), "compiled" (bf16, the
     model under torch.compile), "compiled_layers" (each decoder layer compiled) or "decode" (no sequence
-    parallelism: local column layers, GEMM + AllReduce rows)."""
+    parallelism: local column layers, GEMM + AllReduce rows); ``shared``: _plan's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -72,7 +79,7 @@ def _llama_case(B, mode, fallback):
         W, dev = ctx.world_size, ctx.device
         model = _llama(W, torch.float32 if mode == "autocast" else torch.bfloat16).to(dev)
         reference = copy.deepcopy(model).double()
-        parallelize_module(model, init_device_mesh(dev.type, (W,)), _plan(ctx, fallback, mode != "decode"))
+        parallelize_module(model, init_device_mesh(dev.type, (W,)), _plan(ctx, fallback, mode != "decode", shared))
         run = torch.compile(model) if mode == "compiled" else model
         if mode == "compiled_layers":  # each decoder layer compiled, as torchtitan does
             for i, layer in enumerate(model.model.layers):
@@ -97,7 +104,8 @@ def _llama_case(B, mode, fallback):
         return max(errs.values())
 
 
-LLAMA_CASES = [(2, "bf16", "never"), (1, "autocast", "never"), (2, "decode", "never"), (1, "bf16", "always")]
+LLAMA_CASES = [(2, "bf16", "never"), (1, "autocast", "never"), (2, "decode", "never"), (1, "bf16", "always"),
+               (2, "bf16", "never", True), (1, "autocast", "never", True), (2, "decode", "never", True)]
 
 
 @pytest.mark.parametrize("case", range(len(LLAMA_CASES)))
@@ -113,7 +121,82 @@ def test_llama_compiled_matches_unmodified_model(pool, what):
     pytest.importorskip("transformers")
     if pool.world > 2:
         pytest.skip("torch.compile of the model at W = 2 only: each rank compiles it, a minute on the host")
-    pool.run(_llama_case, 2, what, "never")
+    pool.run(_llama_case, 2, what, "never", what == "compiled_layers")  # (each layer: with SharedInputColwise)
+
+
+def _shared_input(B):
+    """Three column layers of one module reading one input (widths 4W, 2W, 2W; biases on two), as a
+    SharedInputColwise group: outputs, every gradient and the input's against the module unsharded in float64,
+    with the layers called in another order and one of them on another input; one AllGather-GEMM a call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import triton_overlap.nn.linear as linear
+    from triton_overlap.nn import SharedInputColwise
+
+    with to.Context(timeout_s=60) as ctx:
+        W, dev, r = ctx.world_size, ctx.device, ctx.rank
+        torch.manual_seed(0)
+        mod = nn.Module()
+        mod.q, mod.k, mod.v = nn.Linear(24, 8 * W), nn.Linear(24, 4 * W, bias=False), nn.Linear(24, 4 * W)
+        with torch.no_grad():
+            for p in mod.parameters():
+                p.copy_(p.bfloat16().float())
+        ref = copy.deepcopy(mod).to(dev).double()
+        mod = mod.to(dev, torch.bfloat16)
+        parallelize_module(mod, init_device_mesh(dev.type, (W,)),
+                           {"": SharedInputColwise(ctx, ("q", "k", "v"), fallback="never")})
+        g = torch.Generator().manual_seed(3)
+        x_full, x2_full = (torch.randn(B, 5 * W, 24, generator=g).bfloat16().to(dev) for _ in range(2))
+        x, x2 = (t[:, r * 5:(r + 1) * 5].clone().requires_grad_() for t in (x_full, x2_full))
+        calls, ag_gemm = [], linear.custom_ops.ag_gemm
+        linear.custom_ops.ag_gemm = lambda *a: calls.append(1) or ag_gemm(*a)
+        try:
+            k, q, v, v2 = mod.k(x), mod.q(x), mod.v(x), mod.v(x2)  # k first; v once more on another input
+        finally:
+            linear.custom_ops.ag_gemm = ag_gemm
+        assert len(calls) == 2, calls  # one for q, k, v on x; one for v on x2
+        xr, x2r = (t.double().requires_grad_() for t in (x_full, x2_full))
+        outs = [(q, ref.q(xr), "q"), (k, ref.k(xr), "k"), (v, ref.v(xr), "v"), (v2, ref.v(x2r), "v2")]
+        loss = ref_loss = 0
+        for i, (y, yr, name) in enumerate(outs):
+            n = y.shape[-1]
+            want = yr[..., r * n:(r + 1) * n]
+            assert y.shape == want.shape, (name, y.shape, want.shape)
+            assert rel_err(y, want) < TOL_LOGITS, (name, rel_err(y, want))
+            w = torch.randn(yr.shape, generator=torch.Generator().manual_seed(20 + i), dtype=torch.float64).to(dev)
+            loss = loss + (y.double() * w[..., r * n:(r + 1) * n]).sum()
+            ref_loss = ref_loss + (yr * w).sum()
+        loss.backward()
+        ref_loss.backward()
+        ctx.check()
+        errs = {"x": rel_err(x.grad, xr.grad[:, r * 5:(r + 1) * 5]),
+                "x2": rel_err(x2.grad, x2r.grad[:, r * 5:(r + 1) * 5])}
+        for name in ("q", "k", "v"):
+            m, full = getattr(mod, name), getattr(ref, name)
+            rows = m.weight.shape[0]
+            errs[name] = rel_err(m.weight.grad, full.weight.grad[r * rows:(r + 1) * rows])
+            if m.bias is not None:
+                errs[name + ".bias"] = rel_err(m.bias.grad, full.bias.grad[r * rows:(r + 1) * rows])
+        bad = {k: f"{e:.2e}" for k, e in errs.items() if e > TOL_GRAD}
+        assert not bad, f"rank {r}: {bad}"
+        kept = mod.q.tp_group.kept  # v's call on x2 left q's and k's outputs on x2 for their calls
+        assert kept[0] is x2 and sorted(kept[1]) == [0, 1], kept
+        pending = dict(kept[1])
+        assert mod.q(x2) is pending[0] and mod.k(x2) is pending[1]
+        assert mod.q.tp_group.kept is None  # nothing left behind once every layer took its output
+        with pytest.raises(ValueError, match="different widths"):
+            other = nn.Module()
+            other.a, other.b = nn.Linear(8, 4 * W), nn.Linear(12, 4 * W)
+            parallelize_module(other, init_device_mesh(dev.type, (W,)), {"": SharedInputColwise(ctx, ("a", "b"))})
+        with pytest.raises(TypeError, match="sequence"):
+            SharedInputColwise(ctx, "q")
+        return True
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_shared_input_colwise(pool, B):
+    assert all(pool.run(_shared_input, B))
 
 
 def _float32_without_autocast():

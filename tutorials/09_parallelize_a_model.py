@@ -4,7 +4,8 @@
 
 ``triton_overlap.nn``'s parallel styles plug into torch's ``parallelize_module`` as torch's own do, with a plan of
 module-name patterns. The residual stream between the layers is each rank's sequence shard; q/k/v and gate/up
-gather it inside their GEMM (AllGather-GEMM), o and down scatter their output back into it (GEMM-ReduceScatter).
+gather it inside their GEMM (AllGather-GEMM, once for each group: SharedInputColwise; ColwiseParallel is the style of
+a single column layer), o and down scatter their output back into it (GEMM-ReduceScatter).
 The norms use torch's ``SequenceParallel``. The model's code is not touched.
 
 The tutorial runs a small random Llama (bf16 weights) twice on the same tokens, unmodified and parallelized, and
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
 
 import triton_overlap as to
-from triton_overlap.nn import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence
+from triton_overlap.nn import GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
 from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
@@ -48,15 +49,15 @@ def main():
         # torch's path under fallback="auto"; "never" runs the overlapped kernels, here in Triton's interpreter.)
         mesh = init_device_mesh(device.type, (W,))
         fallback = "auto" if gpu else "never"
-        col, row = ColwiseParallel(ctx, fallback=fallback), RowwiseParallel(ctx, fallback=fallback)
+        row = RowwiseParallel(ctx, fallback=fallback)
         plan = {
             "model.embed_tokens": ShardSequence(ctx),  # the residual stream becomes this rank's S/W tokens
             "model.layers.*.input_layernorm": SequenceParallel(),
-            "model.layers.*.self_attn.[qkv]_proj": col,
+            # q, k and v read one input: one AllGather-GEMM for the three (ColwiseParallel each would gather thrice)
+            "model.layers.*.self_attn": SharedInputColwise(ctx, ("q_proj", "k_proj", "v_proj"), fallback=fallback),
             "model.layers.*.self_attn.o_proj": row,
             "model.layers.*.post_attention_layernorm": SequenceParallel(),
-            "model.layers.*.mlp.gate_proj": col,
-            "model.layers.*.mlp.up_proj": col,
+            "model.layers.*.mlp": SharedInputColwise(ctx, ("gate_proj", "up_proj"), fallback=fallback),
             "model.layers.*.mlp.down_proj": row,
             "model.norm": GatherSequence(ctx),  # the full sequence again for the LM head
         }

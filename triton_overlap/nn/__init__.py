@@ -7,9 +7,10 @@ from .ep_moe import EPMoE
 from .linear import ColumnParallelLinear, RowParallelLinear, local_linear
 from .mlp import TPMLP
 from .moe import TPMoE
-from .parallel import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence
+from .parallel import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
 from .parallel_moe import MoEParallel
 
 __all__ = ["ColumnParallelLinear", "ColwiseParallel", "EPMoE", "GatherSequence", "MoEParallel",
-           "ParallelTransformerBlock", "RowParallelLinear", "RowwiseParallel", "ShardSequence", "TPMLP", "TPMoE",
-           "local_linear"]
+           "ParallelTransformerBlock", "RowParallelLinear", "RowwiseParallel", "ShardSequence", "SharedInputColwise",
+           "TPMLP",
+           "TPMoE", "local_linear"]

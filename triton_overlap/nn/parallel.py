@@ -14,6 +14,9 @@ Face's attention) sees the true sequence length, while each rank holds ``S/W`` p
 * ``ColwiseParallel`` on the linear layers that read the residual stream (q/k/v, gate/up): AllGather-GEMM, the
   gather fused into the GEMM instead of torch's separate all-gather before attention and MLP; output this rank's
   columns of the full sequence, a plain tensor.
+* ``SharedInputColwise`` on a module whose column layers read one input (attention's q/k/v, the MLP's
+  gate/up), in place of their ``ColwiseParallel`` entries: one AllGather-GEMM for all of them, the input gathered
+  once (and its gradient reduce-scattered once), as torch's plan gathers it once.
 * ``RowwiseParallel`` on the linear layers that write it (o, down): GEMM-ReduceScatter, output the sequence shard.
 * ``MoEParallel`` (``nn.parallel_moe``) on a sparse-MoE block (Mixtral's, Qwen3-MoE's ``mlp``), in place of the
   MLP's column and row styles: its experts tensor parallel, the tokens gathered into their grouped GEMM; input and
@@ -151,6 +154,9 @@ class ColwiseParallel(_LinearStyle):
     def _forward(module, x):
         style = module.tp_style
         d = style.sequence_dim
+        group = getattr(module, "tp_group", None)
+        if group is not None and style.sequence_parallel:
+            return group.output(module, x)
         x = _local(x, "ColwiseParallel", d if style.sequence_parallel else None)
         x, weight, bias = compute_operands("ColwiseParallel", x, module.weight, module.bias)
         if not style.sequence_parallel:
@@ -158,16 +164,90 @@ class ColwiseParallel(_LinearStyle):
                 x = DTensor.from_local(x, module.tp_mesh, [Replicate()], run_check=False).to_local(
                     grad_placements=[Partial()])
             return local_linear(x, weight, bias)
-        W = style.ctx.world_size
-        y = column_rows(x.reshape(-1, x.shape[-1]), weight, bias, style.ctx, style.fallback,
-                        style.keep_gathered_input)  # rows (rank, then x's rows in order)
-        if d == 0:
-            return y.view(W * x.shape[0], *x.shape[1:-1], y.shape[-1])
-        B, s = x.shape[0], x.shape[1]
-        y = y.view(W, B, s, *x.shape[2:-1], y.shape[-1])
-        if B > 1:
-            y = y.transpose(0, 1).contiguous()
-        return y.view(B, W * s, *x.shape[2:-1], y.shape[-1])
+        return _gathered(x, weight, bias, style)
+
+
+def _gathered(x, weight, bias, style):
+    """AllGather-GEMM of this rank's sequence shard ``x`` with a column layer's (local) weight, in ``x``'s layout:
+    ``[B, S/W, in]`` -> ``[B, S, out/W]`` (``sequence_dim=0``: ``[S/W, *, in]`` -> ``[S, *, out/W]``)."""
+    d, W = style.sequence_dim, style.ctx.world_size
+    y = column_rows(x.reshape(-1, x.shape[-1]), weight, bias, style.ctx, style.fallback,
+                    style.keep_gathered_input)  # rows (rank, then x's rows in order)
+    if d == 0:
+        return y.view(W * x.shape[0], *x.shape[1:-1], y.shape[-1])
+    B, s = x.shape[0], x.shape[1]
+    y = y.view(W, B, s, *x.shape[2:-1], y.shape[-1])
+    if B > 1:
+        y = y.transpose(0, 1).contiguous()
+    return y.view(B, W * s, *x.shape[2:-1], y.shape[-1])
+
+
+class SharedInputColwise(ParallelStyle):
+    """Column-wise layers of one module that read the same input (attention's q/k/v projections, the MLP's gate
+    and up) as one AllGather-GEMM: applied to that module, naming them, e.g.
+    ``{"model.layers.*.self_attn": SharedInputColwise(ctx, ("q_proj", "k_proj", "v_proj"))}``.
+
+    Each named ``nn.Linear`` is made a ``ColwiseParallel`` layer (its own parameters, sharded as that style shards
+    them; the keywords are its); in the sequence-parallel region, the first of them called with an input computes
+    every one's output in one AllGather-GEMM over their weights concatenated (the input gathered once, as torch's
+    plan gathers it once with ``PrepareModuleInput``) and keeps the others' for their own calls with that same
+    input object; backward is one GEMM-ReduceScatter of the input's gradient instead of one each. Separate
+    ``ColwiseParallel`` layers gather the shard once each and reduce-scatter once each. A layer called with another
+    input (or again) computes afresh, so the result never depends on the calling order. The weights' concatenation
+    is a copy of this rank's shards per forward (its backward only slices the gradient); weights already stored
+    fused (one ``wqkv``) need no group: plain ``ColwiseParallel``. Without sequence parallelism (decode) each layer
+    multiplies locally, as ``ColwiseParallel``'s.
+    """
+
+    def __init__(self, ctx, layers, **colwise):
+        if isinstance(layers, str) or not layers:
+            raise TypeError(f"SharedInputColwise: layers must be a sequence of the linear layers' names, got "
+                            f"{layers!r}")
+        self.layers, self.colwise = tuple(layers), ColwiseParallel(ctx, **colwise)
+        self.ctx = ctx
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        members = [module.get_submodule(name) for name in self.layers]
+        sizes = {m.in_features for m in members if isinstance(m, nn.Linear)}
+        if len(sizes) > 1:
+            raise ValueError(f"SharedInputColwise: {list(self.layers)} of {type(module).__name__} read inputs of "
+                             f"different widths {sorted(sizes)}; they cannot share one")
+        for m in members:
+            self.colwise._apply(m, device_mesh)
+        group = _SharedInput(members)
+        for i, m in enumerate(members):
+            m.tp_group, m.tp_group_index = group, i
+        return module
+
+
+class _SharedInput:
+    """SharedInputColwise's layers at run time: computes them together and keeps each one's output until that
+    layer's call with the same input takes it."""
+
+    def __init__(self, members):
+        self.members, self.kept = members, None
+
+    def output(self, member, x):
+        i, kept = member.tp_group_index, self.kept
+        if kept is not None and kept[0] is x and i in kept[1]:
+            y = kept[1].pop(i)
+            if not kept[1]:
+                self.kept = None
+            return y
+        ys = self._all(x)
+        rest = {j: y for j, y in enumerate(ys) if j != i}
+        self.kept = (x, rest) if rest else None
+        return ys[i]
+
+    def _all(self, x):
+        ms = self.members
+        style = ms[0].tp_style
+        local = _local(x, "SharedInputColwise", style.sequence_dim)
+        weight = torch.cat([m.weight for m in ms])
+        bias = None if all(m.bias is None for m in ms) else torch.cat(
+            [m.weight.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias for m in ms])
+        local, weight, bias = compute_operands("SharedInputColwise", local, weight, bias)
+        return torch.split(_gathered(local, weight, bias, style), [m.weight.shape[0] for m in ms], dim=-1)
 
 
 class RowwiseParallel(_LinearStyle):
@@ -262,4 +342,5 @@ class GatherSequence(ParallelStyle):
         return module
 
 
-__all__ = ["ColwiseParallel", "GatherSequence", "RowwiseParallel", "ShardSequence", "check_mesh", "styled_class"]
+__all__ = ["ColwiseParallel", "GatherSequence", "RowwiseParallel", "ShardSequence", "SharedInputColwise", "check_mesh",
+           "styled_class"]
