@@ -173,10 +173,11 @@ def _cases_match():
                 received_rows.append(r_rows[first:first + n])
                 received_meta.append(r_meta[first:first + n])
                 if s == rank:
-                    offsets = sent.offsets
+                    mine = sent
             counts = sum(ref_record(ids, E, W)[3 + W + rank * el:3 + W + (rank + 1) * el] for ids in all_ids)
-            assert torch.equal(offsets.cpu().long(), torch.cat([torch.zeros(1, dtype=torch.int64),
-                                                                counts.cumsum(0)])), (W, rank, T, k, E)
+            assert torch.equal(mine.offsets.cpu().long(), torch.cat([torch.zeros(1, dtype=torch.int64),
+                                                                     counts.cumsum(0)])), (W, rank, T, k, E)
+            assert torch.equal(mine.counts.cpu().long(), counts), (W, rank, T, k, E)
             rows, meta = torch.cat(received_rows), torch.cat(received_meta)
             if meta.shape[0]:  # stale metadata (a wait that gave up): rows outside the layout are dropped
                 meta[0, META_HEAD] = -7
@@ -184,7 +185,7 @@ def _cases_match():
             want, R, filled = ref_expand(rows, meta, counts, k)
             assert R > 0 or sum(tokens) == 0, (W, rank, T, k, E)  # (the expansion compares something)
             fp8 = dtype == torch.int32
-            got = expand(rows.to(dev), meta.to(dev), R, offsets, k, torch.float8_e4m3fn if fp8 else torch.bfloat16)
+            got = expand(rows.to(dev), meta.to(dev), R, mine, k, torch.float8_e4m3fn if fp8 else torch.bfloat16)
             assert got[0].dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
             assert (got[8] is None) != fp8, "scales come back for fp8 rows only"
             got = (got[0].view(torch.uint8) if fp8 else got[0],) + tuple(got[1:8]) + ((got[8],) if fp8 else ())

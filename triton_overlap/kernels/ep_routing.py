@@ -131,11 +131,12 @@ def ep_record(part_ptr, record_ptr, base_ptr, NB, T, W, W_PAD: tl.constexpr, SCA
 
 
 @triton.jit
-def ep_dest(table_ptr, dest_ptr, offsets_ptr, rank, E, EL, W, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
+def ep_dest(table_ptr, dest_ptr, offsets_ptr, counts_ptr, rank, E, EL, W, W_PAD: tl.constexpr, E_PAD: tl.constexpr,
             E_CHUNK: tl.constexpr):
     """Grid (1,): from the counts table (every rank's record, rows ``3 + W + E`` wide), ``dest[e]``: the first row
     of this rank's pairs of expert e in its owner's layout (the owner's experts before e, then e's pairs from the
-    ranks before this one), and ``offsets[i]`` (EL + 1): this rank's expert i's first row in its own layout."""
+    ranks before this one), ``offsets[i]`` (EL + 1): this rank's expert i's first row in its own layout, and
+    ``counts[i]`` (EL): its rows."""
     width = 3 + W + E
     s = tl.arange(0, W_PAD)
     e = tl.arange(0, E_PAD)
@@ -152,6 +153,7 @@ def ep_dest(table_ptr, dest_ptr, offsets_ptr, rank, E, EL, W, W_PAD: tl.constexp
     tl.store(dest_ptr + e, ahead + before, mask=em)
     mine = (e >= rank * EL) & (e < (rank + 1) * EL)
     tl.store(offsets_ptr + e - rank * EL, ahead, mask=mine)
+    tl.store(counts_ptr + e - rank * EL, tl.sum(x, axis=0), mask=mine)
     total = tl.sum(tl.where(mine[None, :] & (s < W)[:, None], x, 0), axis=1)
     tl.store(offsets_ptr + EL, tl.sum(total, axis=0))
 
@@ -311,10 +313,11 @@ def launch_count(ids, part, hist, base_e, groups, record, base, T: int, E: int, 
     launch(ep_record, (1,), (part, record, base, nb, T, W), dict(W_PAD=w_pad, SCAN_B=32), num_warps=4)
 
 
-def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets, rows, meta, positions, E: int,
-                W: int, rank: int, push=None, err=None, gather=None) -> None:
+def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets, counts, rows, meta, positions,
+                E: int, W: int, rank: int, push=None, err=None, gather=None) -> None:
     """ep_dest then ep_pack on the current stream (after launch_count of the same ids; ``table`` int32 [W, 3 + W +
-    E] every rank's record): ``dest`` int32 [E], ``offsets`` int32 [E / W + 1] this rank's experts' offsets;
+    E] every rank's record): ``dest`` int32 [E], ``offsets`` int32 [E / W + 1] this rank's experts' offsets and
+    ``counts`` int32 [E / W] their rows;
     ``sbits`` int32 [T, G] the scales' bits to carry in the metadata, or None. ``push``: None (into ``rows`` and
     ``meta``), or (rows_ptrs, meta_ptrs, cap): into the owners' receive buffers (ep_pack's PUSH; ``rows`` and
     ``meta`` then give only the dtypes; ``err``: the Context's error word). ``gather``: None, or the owners' gather
@@ -323,7 +326,7 @@ def launch_pack(x, ids, wbits, sbits, record, base, base_e, table, dest, offsets
     K = ids.shape[1]
     bt, bh = tiles()
     e_pad = pow2(E)
-    launch(ep_dest, (1,), (table, dest, offsets, rank, E, E // W, W),
+    launch(ep_dest, (1,), (table, dest, offsets, counts, rank, E, E // W, W),
            dict(W_PAD=pow2(W), E_PAD=e_pad, E_CHUNK=min(e_pad, 32)), num_warps=4)
     if T == 0:
         return

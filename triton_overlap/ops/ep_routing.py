@@ -139,13 +139,15 @@ class Route:
 class Sent:
     """This rank's packed rows (owner-major, token order; None where pack pushed them to the owners), their
     metadata int32 [S, 2 + 2k + G] (pack; None likewise), each token's
-    position in them per owner (int32 [T, W], -1: not sent there) and ``offsets`` int32 [E/W + 1]: this rank's
-    experts' first rows in its own expert-sorted layout (kernels.ep_routing.ep_dest)."""
+    position in them per owner (int32 [T, W], -1: not sent there), ``offsets`` int32 [E/W + 1]: this rank's
+    experts' first rows in its own expert-sorted layout, and ``counts`` int32 [E/W] their rows
+    (kernels.ep_routing.ep_dest)."""
 
     rows: torch.Tensor
     meta: torch.Tensor
     positions: torch.Tensor
     offsets: torch.Tensor
+    counts: torch.Tensor
 
 
 def capacity(rows: int) -> int:
@@ -279,21 +281,23 @@ def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scale
         target = (rows.ptrs, meta.ptrs, cap)
         rows, meta = rows.local, meta.local
     positions = torch.empty((T, W), dtype=torch.int32, device=dev)
-    dest = torch.empty(E + E // W + 1, dtype=torch.int32, device=dev)
-    offsets = dest[E:]
+    EL = E // W
+    dest = torch.empty(E + 2 * EL + 1, dtype=torch.int32, device=dev)
+    offsets, counts = dest[E:E + EL + 1], dest[E + EL + 1:]
     sbits = None if scales is None else scales.contiguous().view(torch.int32)
     launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32), sbits,
-                route.record, route.base, route.base_e, table, dest[:E], offsets, rows, meta, positions, E, W, rank,
-                target, None if push is None else err, None if gather is None else gather.ptrs)
-    return Sent(rows, meta, positions, offsets) if push is None else Sent(None, None, positions, offsets)
+                route.record, route.base, route.base_e, table, dest[:E], offsets, counts, rows, meta, positions, E, W,
+                rank, target, None if push is None else err, None if gather is None else gather.ptrs)
+    return Sent(rows, meta, positions, offsets, counts) if push is None else Sent(None, None, positions, offsets,
+                                                                                counts)
 
 
-def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, offsets: torch.Tensor, k: int, dtype) -> tuple:
+def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, sent: Sent, k: int, dtype) -> tuple:
     """The received unique rows ``rows`` [U, H] (sources in rank order, each in token order) and their ``meta``,
     expanded to the ``R`` (row, choice) pairs of this rank's experts in its expert-sorted layout, each copied to the
     row its metadata names (kernels.ep_routing.ep_expand): (tokens, counts, offsets, source, token, weights, slots,
-    slot_weights, scales) (EPHandle); ``offsets`` [E/W + 1] from pack; ``dtype`` the rows' (fp8: ``rows`` holds
-    their bytes, and the metadata's columns past the weights are each row's scales)."""
+    slot_weights, scales) (EPHandle); ``sent``: pack's (its offsets and counts); ``dtype`` the rows' (fp8:
+    ``rows`` holds their bytes, and the metadata's columns past the weights are each row's scales)."""
     dev, U = rows.device, rows.shape[0]
     G = meta.shape[1] - META_HEAD - 2 * k
     tokens = torch.empty((R, rows.shape[1]), dtype=rows.dtype, device=dev)
@@ -301,8 +305,7 @@ def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, offsets: torch.Tensor
     source, token, weights, slots, slot_weights, scales = torch.split(small, (R, R, R, U * k, U * k, R * G))
     launch_expand(rows, meta, tokens, source, token, weights, slots, slot_weights, scales.view(R, G) if G else None,
                   k)
-    counts = offsets[1:] - offsets[:-1]
-    return (tokens.view(dtype), counts, offsets, source, token, weights.view(torch.float32), slots.view(U, k),
+    return (tokens.view(dtype), sent.counts, sent.offsets, source, token, weights.view(torch.float32), slots.view(U, k),
             slot_weights.view(torch.float32).view(U, k), scales.view(torch.float32).view(R, G) if G else None)
 
 

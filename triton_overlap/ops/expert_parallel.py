@@ -187,11 +187,14 @@ class ExpertParallel(OverlapOp):
             if target is not None:  # the rows move while the host reads the counts
                 sent = pack(x, route, topk_weights, r, table_dev, 0, scales, push=target[:4], gather=target[4])
                 self._raise_push_flags(mine=gathers)
+                if not gathers:  # no GEMM waits on them source by source: the stream waits now, and the host's
+                    self._settle_push_flags()  # work after the counts' read is only the expansion
             table = read_table()
         traffic = Traffic.read(table, W, num_experts)
         bad = traffic.out_of_range()
         pushed = sent is not None and not bad and traffic.most_received() <= target[2]  # (the kernel's own test)
-        if sent is not None and not pushed:  # nothing was stored, but the flags were raised
+        settled = sent is not None and not gathers
+        if sent is not None and not pushed and not settled:  # nothing was stored, but the flags were raised
             self._settle_push_flags()
         if bad:
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
@@ -205,8 +208,9 @@ class ExpertParallel(OverlapOp):
             if project is not None:  # each source's rows as its flag lands
                 project(target[0].local, target[4].local,
                         ctx.symmetric(f"{self.name}.push_flags", (W,), torch.int32).local)
-            self._settle_push_flags()
-            expanded = expand(target[0].local[:U], target[1].local[:U], traffic.expanded(r), sent.offsets, k,
+            if not settled:
+                self._settle_push_flags()
+            expanded = expand(target[0].local[:U], target[1].local[:U], traffic.expanded(r), sent, k,
                               x.dtype)
         else:
             # (by what every rank agreed on: the index is allocated on every rank together)
@@ -214,7 +218,7 @@ class ExpertParallel(OverlapOp):
             sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales, gather=gather)
             if fallback:
                 rows, meta = rows_by_group(ctx, sent, traffic)
-                expanded = expand(rows, meta, traffic.expanded(r), sent.offsets, k, x.dtype)
+                expanded = expand(rows, meta, traffic.expanded(r), sent, k, x.dtype)
             else:
                 self.last_exchange = "copies"
                 expanded = self._rows(sent, traffic, sched, x.dtype, k, project, gather)
@@ -342,7 +346,7 @@ class ExpertParallel(OverlapOp):
                 ctx.current_stream().write_value(flags.local[r:r + 1], 1)  # (its own rows are in)
                 project(rows.local, gather.local, flags.local)
             launch_wait_sources(ctx, flags.local, self.wait_ops["rows"])
-            made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), sent.offsets, k, dtype)
+            made["expanded"] = expand(rows.local[:U], meta.local[:U], traffic.expanded(r), sent, k, dtype)
 
         pipeline.run(ctx, AllToAll(sched.copy_streams, blocks, flags, what="ep_dispatch rows", op=self.wait_ops["rows"],
                                    remote=rows_remote(sched.remote, r, traffic, sent, rows, meta),
