@@ -92,11 +92,11 @@ def write_model(records, W, out_dir: str, pending=()) -> None:
                 "over ranks). Ratios: how many times faster ours ran (tokens/s for training, latency for decode).\n")
         if train:
             f.write("\nTraining step (forward + backward, tensor + sequence parallel over W; ours: this project's "
-                    "styles, fallback=\"auto\", eager; torch TP: torch's styles, NCCL, eager; torch async TP: torch's "
-                    "styles, each block compiled with inductor's micro-pipeline TP and symmetric memory; fused "
-                    "projections: wq/wk/wv as one wqkv and w1/w3 as one w13, so that a sequence-parallel column "
-                    "layer gathers its input once per attention and once per MLP, as torch's plan does), ms per "
-                    "step\n\n"
+                    "styles, fallback=\"auto\", eager, wq/wk/wv and w1/w3 each a SharedInputColwise group, which "
+                    "gathers its input once per attention and once per MLP, as torch's plan does; a gather per "
+                    "projection: a ColwiseParallel each; torch TP: torch's styles, NCCL, eager; torch async TP: "
+                    "torch's styles, each block compiled with inductor's micro-pipeline TP and symmetric memory; "
+                    "fused projections: wq/wk/wv stored as one wqkv and w1/w3 as one w13), ms per step\n\n"
                     f"{TRAIN_HEADER}\n" + "\n".join(train_row(r) for r in train) + "\n")
             for a, b in TRAIN_RATIOS[:5]:
                 g = geomean(speedup(r, a, b) for r in train)

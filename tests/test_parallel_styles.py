@@ -181,10 +181,30 @@ def _shared_input(B):
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > TOL_GRAD}
         assert not bad, f"rank {r}: {bad}"
         kept = mod.q.tp_group.kept  # v's call on x2 left q's and k's outputs on x2 for their calls
-        assert kept[0] is x2 and sorted(kept[1]) == [0, 1], kept
-        pending = dict(kept[1])
+        assert kept[0] is x2 and sorted(kept[2]) == [0, 1], kept
+        pending = dict(kept[2])
         assert mod.q(x2) is pending[0] and mod.k(x2) is pending[1]
         assert mod.q.tp_group.kept is None  # nothing left behind once every layer took its output
+        # the shards are consecutive rows of one tensor, read in place; a replaced weight is concatenated instead
+        q_bytes = mod.q.weight.numel() * mod.q.weight.element_size()
+        assert mod.k.weight.data_ptr() == mod.q.weight.data_ptr() + q_bytes
+        with torch.no_grad():
+            in_place = [mod.q(x), mod.k(x), mod.v(x)]
+            mod.k.weight = nn.Parameter(mod.k.weight.detach().clone())
+            copied = [mod.q(x), mod.k(x), mod.v(x)]
+        assert all(torch.equal(a, b) for a, b in zip(in_place, copied))
+        # a kept output is taken only by a call in the state it was computed in
+        x3 = x.detach().clone()
+        mod.q(x3)
+        x3.mul_(2)  # in place between the group's calls: k computes afresh
+        assert torch.equal(mod.k(x3), mod.k(x3.clone()))
+        with torch.no_grad():
+            mod.q(x)
+        assert mod.k(x).requires_grad  # grad on now: not the output kept under no_grad
+        with pytest.raises(ValueError, match="named twice"):
+            SharedInputColwise(ctx, ("q", "q"))
+        with pytest.raises(ValueError, match="already has a parallel style"):
+            parallelize_module(mod, init_device_mesh(dev.type, (W,)), {"": SharedInputColwise(ctx, ("q",))})
         with pytest.raises(ValueError, match="different widths"):
             other = nn.Module()
             other.a, other.b = nn.Linear(8, 4 * W), nn.Linear(12, 4 * W)

@@ -12,5 +12,4 @@ from .parallel_moe import MoEParallel
 
 __all__ = ["ColumnParallelLinear", "ColwiseParallel", "EPMoE", "GatherSequence", "MoEParallel",
            "ParallelTransformerBlock", "RowParallelLinear", "RowwiseParallel", "ShardSequence", "SharedInputColwise",
-           "TPMLP",
-           "TPMoE", "local_linear"]
+           "TPMLP", "TPMoE", "local_linear"]

@@ -40,7 +40,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
 from .linear import column_rows, gemm_ar_op, layer_ops, local_linear, row_rows
-from .precision import compute_operands
+from .precision import compute_dtype, compute_operands
 
 FALLBACKS = ("auto", "never", "always")
 
@@ -84,6 +84,9 @@ class _LinearStyle(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
             raise TypeError(f"{type(self).__name__} applies to nn.Linear, got {type(module).__name__}")
+        if hasattr(module, "tp_style"):  # (two plan entries matching one layer would shard it twice)
+            raise ValueError(f"{type(self).__name__}: this {type(module).__name__} already has a parallel style "
+                             f"({type(module.tp_style).__name__}); a plan must match each layer once")
         check_mesh(self, device_mesh)
         W, r = self.ctx.world_size, self.ctx.rank
         dim = 0 if self._shard_out else 1
@@ -192,17 +195,25 @@ class SharedInputColwise(ParallelStyle):
     every one's output in one AllGather-GEMM over their weights concatenated (the input gathered once, as torch's
     plan gathers it once with ``PrepareModuleInput``) and keeps the others' for their own calls with that same
     input object; backward is one GEMM-ReduceScatter of the input's gradient instead of one each. Separate
-    ``ColwiseParallel`` layers gather the shard once each and reduce-scatter once each. A layer called with another
-    input (or again) computes afresh, so the result never depends on the calling order. The weights' concatenation
-    is a copy of this rank's shards per forward (its backward only slices the gradient); weights already stored
-    fused (one ``wqkv``) need no group: plain ``ColwiseParallel``. Without sequence parallelism (decode) each layer
-    multiplies locally, as ``ColwiseParallel``'s.
+    ``ColwiseParallel`` layers gather the shard once each and reduce-scatter once each. For layers that read one
+    input: a layer called with another input object, after an in-place change of it, or under another grad or
+    autocast mode computes every layer afresh (correct, but the others' outputs are wasted work, kept until the
+    group's next call). The outputs are views of one product (non-contiguous, each row as wide as all the layers
+    together): autograd refuses an in-place op on them, where ``ColwiseParallel``'s output allows it. The layers'
+    weight shards
+    are laid out as consecutive rows of one tensor (each layer's ``weight`` a view of its rows), which the
+    AllGather-GEMM reads in place; where that no longer holds (a ``.to()`` or a wrapper replaced them), and under
+    ``torch.compile``, the weights are concatenated per forward (a copy). Weights already stored fused (one
+    ``wqkv``) need no group: plain ``ColwiseParallel``. Without sequence parallelism (decode) each layer multiplies
+    locally, as ``ColwiseParallel``'s.
     """
 
     def __init__(self, ctx, layers, **colwise):
         if isinstance(layers, str) or not layers:
             raise TypeError(f"SharedInputColwise: layers must be a sequence of the linear layers' names, got "
                             f"{layers!r}")
+        if len(set(layers)) != len(layers):
+            raise ValueError(f"SharedInputColwise: a layer named twice in {list(layers)}")
         self.layers, self.colwise = tuple(layers), ColwiseParallel(ctx, **colwise)
         self.ctx = ctx
 
@@ -214,6 +225,13 @@ class SharedInputColwise(ParallelStyle):
                              f"different widths {sorted(sizes)}; they cannot share one")
         for m in members:
             self.colwise._apply(m, device_mesh)
+        with torch.no_grad():  # the shards side by side in one tensor, each layer's weight a view of its rows
+            joined = torch.cat([m.weight for m in members])
+            row = 0
+            for m in members:
+                n = m.weight.shape[0]
+                m.weight = nn.Parameter(joined[row:row + n], requires_grad=m.weight.requires_grad)
+                row += n
         group = _SharedInput(members)
         for i, m in enumerate(members):
             m.tp_group, m.tp_group_index = group, i
@@ -228,26 +246,72 @@ class _SharedInput:
         self.members, self.kept = members, None
 
     def output(self, member, x):
-        i, kept = member.tp_group_index, self.kept
-        if kept is not None and kept[0] is x and i in kept[1]:
-            y = kept[1].pop(i)
-            if not kept[1]:
+        i, kept, state = member.tp_group_index, self.kept, _call_state(x)
+        if kept is not None and kept[0] is x and kept[1] == state and i in kept[2]:
+            y = kept[2].pop(i)
+            if not kept[2]:
                 self.kept = None
             return y
         ys = self._all(x)
         rest = {j: y for j, y in enumerate(ys) if j != i}
-        self.kept = (x, rest) if rest else None
+        self.kept = (x, state, rest) if rest else None
         return ys[i]
 
     def _all(self, x):
         ms = self.members
         style = ms[0].tp_style
         local = _local(x, "SharedInputColwise", style.sequence_dim)
-        weight = torch.cat([m.weight for m in ms])
+        dt = compute_dtype("SharedInputColwise", local, ms[0].weight)
+        weights = [m.weight for m in ms]
+        # (under autocast each weight is cast on its own, then the casts concatenated: float32 is never copied)
+        weight = _joined(weights) if weights[0].dtype == dt else torch.cat([w.to(dt) for w in weights])
         bias = None if all(m.bias is None for m in ms) else torch.cat(
-            [m.weight.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias for m in ms])
-        local, weight, bias = compute_operands("SharedInputColwise", local, weight, bias)
-        return torch.split(_gathered(local, weight, bias, style), [m.weight.shape[0] for m in ms], dim=-1)
+            [m.weight.new_zeros(m.weight.shape[0], dtype=dt) if m.bias is None else m.bias.to(dt) for m in ms])
+        y = _gathered(local.to(dt), weight, bias, style)
+        return torch.split(y, [m.weight.shape[0] for m in ms], dim=-1)
+
+
+def _call_state(x):
+    """What a kept output must have been computed under for a later call with ``x`` to take it: ``x``'s version
+    (an in-place change in between voids it; not readable while torch.compile traces, where the traced code is
+    the caller's), whether autograd records, and the autocast state of x's device."""
+    dev = x.device.type
+    autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    version = None if torch.compiler.is_compiling() else x._version
+    return version, torch.is_grad_enabled(), autocast
+
+
+def _joined(weights):
+    """The weights' rows in one tensor, with autograd to each: a view where they are still the consecutive rows
+    of one contiguous tensor (as SharedInputColwise lays them out), else their concatenation (a copy: after
+    ``.to()`` or a wrapper replaced them, and under ``torch.compile``, which traces the copy)."""
+    if len(weights) == 1:
+        return weights[0]
+    w0 = weights[0]
+    rows = sum(w.shape[0] for w in weights)
+    at = w0.data_ptr()
+    for w in weights:
+        if (not w.is_contiguous() or w.dtype != w0.dtype or w.device != w0.device or w.shape[1:] != w0.shape[1:]
+                or w.data_ptr() != at):
+            return torch.cat(weights)
+        at += w.numel() * w.element_size()
+    if torch.compiler.is_compiling():
+        return torch.cat(weights)
+    view = w0.detach().as_strided((rows, *w0.shape[1:]), w0.stride(), w0.storage_offset())
+    return _Rows.apply(view, *weights)
+
+
+class _Rows(torch.autograd.Function):
+    """``view`` (the weights' rows in place) forward; backward, each weight its rows of the gradient."""
+
+    @staticmethod
+    def forward(ctx, view, *weights):
+        ctx.rows = [w.shape[0] for w in weights]
+        return view.view_as(view)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *torch.split(grad, ctx.rows))
 
 
 class RowwiseParallel(_LinearStyle):
