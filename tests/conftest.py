@@ -133,6 +133,8 @@ FAST = [
     "test_parallel_styles.py::test_llama_matches_unmodified_model[host-w2-0]",
     "test_parallel_styles.py::test_llama_matches_unmodified_model[host-w3-1]",
     "test_parallel_styles.py::test_llama_matches_unmodified_model[host-w2-2]",
+    "test_parallel_styles.py::test_llama_matches_unmodified_model[host-w2-4]",
+    "test_parallel_styles.py::test_shared_input_colwise[host-w3-2]",
     "test_parallel_styles.py::test_float32_needs_autocast_and_styles_check_their_input[host-w2]",
     "test_parallel_styles.py::test_from_full_rejects_unknown_keywords",
     "test_parallel_moe.py::test_moe_model_matches_unmodified_model[host-w2-0]",
