@@ -199,13 +199,13 @@ class SharedInputColwise(ParallelStyle):
     input: a layer called with another input object, after an in-place change of it, or under another grad or
     autocast mode computes every layer afresh (correct, but the others' outputs are wasted work, kept until the
     group's next call). The outputs are views of one product (non-contiguous, each row as wide as all the layers
-    together): autograd refuses an in-place op on them, where ``ColwiseParallel``'s output allows it. The layers'
-    weight shards
-    are laid out as consecutive rows of one tensor (each layer's ``weight`` a view of its rows), which the
-    AllGather-GEMM reads in place; where that no longer holds (a ``.to()`` or a wrapper replaced them), and under
-    ``torch.compile``, the weights are concatenated per forward (a copy). Weights already stored fused (one
-    ``wqkv``) need no group: plain ``ColwiseParallel``. Without sequence parallelism (decode) each layer multiplies
-    locally, as ``ColwiseParallel``'s.
+    together): autograd refuses an in-place op on them, where ``ColwiseParallel``'s output allows it.
+
+    The layers' weight shards are laid out as consecutive rows of one tensor (each layer's ``weight`` a view of its
+    rows), which the AllGather-GEMM reads in place; where that no longer holds (a ``.to()`` or a wrapper replaced
+    them), and under ``torch.compile``, the weights are concatenated per forward (a copy). Weights already stored
+    fused (one ``wqkv``) need no group: plain ``ColwiseParallel``. Without sequence parallelism (decode) each layer
+    multiplies locally, as ``ColwiseParallel``'s.
     """
 
     def __init__(self, ctx, layers, **colwise):
@@ -287,6 +287,8 @@ def _joined(weights):
     ``.to()`` or a wrapper replaced them, and under ``torch.compile``, which traces the copy)."""
     if len(weights) == 1:
         return weights[0]
+    if torch.compiler.is_compiling():  # (traced tensors have no addresses to compare)
+        return torch.cat(weights)
     w0 = weights[0]
     rows = sum(w.shape[0] for w in weights)
     at = w0.data_ptr()
@@ -295,8 +297,6 @@ def _joined(weights):
                 or w.data_ptr() != at):
             return torch.cat(weights)
         at += w.numel() * w.element_size()
-    if torch.compiler.is_compiling():
-        return torch.cat(weights)
     view = w0.detach().as_strided((rows, *w0.shape[1:]), w0.stride(), w0.storage_offset())
     return _Rows.apply(view, *weights)
 
