@@ -6,8 +6,8 @@ One module, three ways of running it, unmodified:
 (b) under torch's tensor + sequence parallelism (``tp_plan_torch``: torchtitan's plan, with torch's
     ColwiseParallel, RowwiseParallel(output_layouts=Shard(1)), SequenceParallel and PrepareModuleInput);
 (c) under this project's styles (``tp_plan_ours``: triton_overlap.nn's SharedInputColwise on wq/wk/wv and on
-    w1/w3 (ColwiseParallel on a fused wqkv / w13), RowwiseParallel on wo/w2, torch's SequenceParallel on the norms, ShardSequence on the embedding,
-    GatherSequence on the final norm).
+    w1/w3 (ColwiseParallel on a fused wqkv / w13), RowwiseParallel on wo/w2, torch's SequenceParallel on the
+    norms, ShardSequence on the embedding, GatherSequence on the final norm).
 
 And for decode (one token per step against a KV cache, every activation replicated): ``decode_plan_ours``
 (row-wise layers through GEMM + AllReduce), ``decode_plan_torch`` (torch's styles: matmul + NCCL all-reduce) and

@@ -288,8 +288,9 @@ def pack(x, route: Route, weights, rank: int, table: torch.Tensor, S: int, scale
     launch_pack(x if x.stride(1) == 1 else x.contiguous(), route.ids, weights.contiguous().view(torch.int32), sbits,
                 route.record, route.base, route.base_e, table, dest[:E], offsets, counts, rows, meta, positions, E, W,
                 rank, target, None if push is None else err, None if gather is None else gather.ptrs)
-    return Sent(rows, meta, positions, offsets, counts) if push is None else Sent(None, None, positions, offsets,
-                                                                                counts)
+    if push is not None:  # (the rows went to the owners)
+        rows = meta = None
+    return Sent(rows, meta, positions, offsets, counts)
 
 
 def expand(rows: torch.Tensor, meta: torch.Tensor, R: int, sent: Sent, k: int, dtype) -> tuple:

@@ -178,6 +178,7 @@ class ExpertParallel(OverlapOp):
         route = route_tokens(topk_ids, num_experts, W)
         self.last_path = "fallback" if fallback else "overlap"
         sent = target = None
+        settled = False  # whether the stream already waits for the push flags (and resets them)
         if fallback:
             table, table_dev = counts_by_group(ctx, route.record)
         else:
@@ -189,11 +190,11 @@ class ExpertParallel(OverlapOp):
                 self._raise_push_flags(mine=gathers)
                 if not gathers:  # no GEMM waits on them source by source: the stream waits now, and the host's
                     self._settle_push_flags()  # work after the counts' read is only the expansion
+                    settled = True
             table = read_table()
         traffic = Traffic.read(table, W, num_experts)
         bad = traffic.out_of_range()
         pushed = sent is not None and not bad and traffic.most_received() <= target[2]  # (the kernel's own test)
-        settled = sent is not None and not gathers
         if sent is not None and not pushed and not settled:  # nothing was stored, but the flags were raised
             self._settle_push_flags()
         if bad:
