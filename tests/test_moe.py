@@ -27,9 +27,10 @@ class MoECase:
     """``m_local`` tokens per rank of width ``k``; ``experts`` experts of output width ``n`` (``transposed``: each
     expert's weight the transpose of an [n, k] tensor); each token's ``topk`` choices by ``routing``: "random"
     (distinct experts where topk <= experts), "one" (every choice the last expert), "even" (even experts only: the
-    odd ones get no rows). ``iters`` calls, producers delayed up to ``jitter`` s; ``m_per_chunk``, ``streams``:
-    the call's chunking; ``fallback`` the op's rule; ``check_routing`` the op's; ``stage_min_n`` the config's
-    (0: AllGather-MoE's Gluon kernel stages this rank's rows in expert order; None: the default)."""
+    odd ones get no rows), "edges" (top-1, expert e the first EDGE_ROWS[e] tokens of a shuffle, the last expert the
+    rest). ``iters`` calls, producers delayed up to ``jitter`` s; ``m_per_chunk``, ``streams``: the call's chunking;
+    ``fallback`` the op's rule; ``check_routing`` the op's; ``stage_min_n`` the config's (0: AllGather-MoE's Gluon
+    kernel stages this rank's rows in expert order; None: the default)."""
     m_local: int
     k: int
     n: int
@@ -47,10 +48,20 @@ class MoECase:
     stage_min_n: int | None = None
 
 
+#: the "edges" routing's rows per expert: a tile of 128 rows that ends at each side of 64 and 128 rows, one row,
+#: and two tiles
+EDGE_ROWS = (1, 63, 64, 65, 127, 128, 129, 192, 193)
+
+
 def _ids(case, tokens, dev, *seed):
     g = torch.Generator().manual_seed(zlib.crc32(repr(("ids",) + seed).encode()))  # the same on every rank
     E = case.experts
-    if case.routing == "one":
+    if case.routing == "edges":
+        counts = list(EDGE_ROWS[:E - 1]) + [tokens - sum(EDGE_ROWS[:E - 1])]
+        assert case.topk == 1 and counts[-1] >= 0, case
+        ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts))[torch.randperm(tokens, generator=g)]
+        ids = ids.view(tokens, 1)
+    elif case.routing == "one":
         ids = torch.full((tokens, case.topk), E - 1, dtype=torch.int64)
     elif case.routing == "even":
         ids = 2 * torch.randint(0, (E + 1) // 2, (tokens, case.topk), generator=g)
@@ -139,7 +150,8 @@ def _ag_bad_inputs(ctx):
 
 # the GPU cases, the same shapes for both ops: odd rows per rank, one expert (B transposed), empty experts, E = 256,
 # every choice on one expert (fp16), and K not a whole number of 64-deep steps (on Hopper AllGather-MoE's Triton
-# kernel; the others take its Gluon kernel there); the first two with this rank's rows staged in expert order
+# kernel; the others take its Gluon kernel there); the first two with this rank's rows staged in expert order; the
+# last with experts whose rows end a 128-row tile at each side of its half and its end
 GPU_CASES = (
     MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256, stage_min_n=0),
     MoECase(m_local=512, k=512, n=256, experts=1, topk=1, transposed=True, stage_min_n=0),
@@ -147,6 +159,7 @@ GPU_CASES = (
     MoECase(m_local=600, k=512, n=384, experts=256, topk=4, m_per_chunk=160),
     MoECase(m_local=300, k=256, n=256, experts=5, topk=2, routing="one", dtype="float16"),
     MoECase(m_local=257, k=328, n=200, experts=16, topk=4, transposed=True),
+    MoECase(m_local=500, k=256, n=320, experts=10, topk=1, routing="edges"),
 )
 FALLS_BACK = Cases(host=(MoECase(m_local=7, k=32, n=24),), gpu=(MoECase(m_local=16, k=64, n=32),))
 BACK_TO_BACK = Variants(host=MoECase(m_local=7, k=32, n=16, experts=3),
