@@ -10,8 +10,10 @@ grouped GEMM in place of each GEMM:
 
 * ``ag_moe_gemm`` gathers the ranks' tokens by copy engine while a persistent
   grouped GEMM (tiles of one expert's rows, each waiting only for the chunks
-  its rows come from) computes the gate/up projections, and returns its rows
-  sorted by expert;
+  its rows come from) computes the gate/up projections. Called alone it
+  returns ``[T, topk, N/W]`` in token order; the layer asks for its rows
+  sorted by expert instead (``sorted_output=True``), which the second op
+  reads in place;
 * ``moe_gemm_rs`` takes those rows as they are, runs the down projection,
   sums each token's k choices weighted by the router and sends each partial
   row to the rank that owns the token, behind its grouped GEMM.
@@ -23,8 +25,9 @@ expert). Its backward uses the converse ops, and it traces under
 
 This tutorial runs one forward and backward of the sharded layer in bf16 and
 checks every gradient against the unsharded layer in float32, then trains both
-for a few steps and compares the loss curves. ``benchmarks/moe.py`` times the
-ops and the layer against NCCL + ``torch._grouped_mm``.
+for a few steps and compares the loss curves. ``bash scripts/launch.sh
+benchmarks/bench.py moe`` times the ops and the layer against NCCL +
+``torch._grouped_mm`` (GPUs).
 """
 import torch
 import torch.distributed as dist
@@ -118,8 +121,9 @@ def main():
         ctx.check()
         say("paths taken: " + ", ".join(f"{type(op).__name__} {op.last_path}" for op in moe.ops))
         # Triton's interpreter (the host backend) rounds float32 to bf16 toward zero, GPUs to nearest: each of
-        # the kernels' roundings shrinks the output a little there, and the loss gap grows (about 1e-2 at step 0).
-        # A model that never trained would end 60% off: the host's bounds still tell.
+        # the kernels' roundings shrinks the output a little there, so the host's curves part by a few 1e-3
+        # (2.6e-3 to 3.2e-3 on 2 ranks); its bound, 2e-2, is still far below what a wrong layer gives (a layer
+        # that did not train would end some 60 % off its reference).
         tol_grad, tol_gap = (3e-2, 5e-3) if gpu else (4e-2, 2e-2)
         gap = max(abs(a - b) / b for a, b in zip(losses, ref_losses))
         say(f"largest relative gap between the curves {gap:.1e} (tolerance {tol_gap:.0e})")

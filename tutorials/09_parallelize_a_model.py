@@ -1,12 +1,13 @@
 """Tutorial 09: an unmodified Hugging Face Llama made tensor + sequence parallel by one parallelize_module call.
 
-    bash scripts/launch.sh tutorials/09_parallelize_a_model.py      (needs: pip install transformers)
+    bash scripts/launch.sh tutorials/09_parallelize_a_model.py      (needs: pip install -e ".[hf]")
 
 ``triton_overlap.nn``'s parallel styles plug into torch's ``parallelize_module`` as torch's own do, with a plan of
 module-name patterns. The residual stream between the layers is each rank's sequence shard; q/k/v and gate/up
 gather it inside their GEMM (AllGather-GEMM, once for each group: SharedInputColwise; ColwiseParallel is the style of
 a single column layer), o and down scatter their output back into it (GEMM-ReduceScatter).
-The norms use torch's ``SequenceParallel``. The model's code is not touched.
+The norms use torch's ``SequenceParallel``. The model's code is not touched. It takes token ids ``[B, S]``
+(batch-first), and the residual stream's sequence dimension (dim 1) is what the ranks split.
 
 The tutorial runs a small random Llama (bf16 weights) twice on the same tokens, unmodified and parallelized, and
 compares the logits and every gradient.
@@ -14,6 +15,7 @@ compares the logits and every gradient.
 import copy
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
@@ -39,6 +41,7 @@ def main():
         import transformers  # noqa: F401
     except ImportError:
         say("verdict: SKIP — tutorial 09 needs Hugging Face transformers (pip install -e '.[hf]')")
+        dist.destroy_process_group()
         return
     with to.Context(backend=backend_name(), timeout_s=120) as ctx:
         W, gpu = ctx.world_size, ctx.backend != "host"
@@ -90,7 +93,12 @@ def main():
         worst = max(errs, key=errs.get)
         say(f"{ctx}: logits rel err {errs['logits']:.1e}; worst of {len(errs) - 1} gradients {errs[worst]:.1e} "
             f"({worst}); o_proj took the {model.model.layers[-1].self_attn.o_proj.last_path} path")
-        verdict(max(errs.values()) < 3e-2, "parallelized Llama matches the unmodified one (bf16 tolerance 3e-2)")
+        # Triton's interpreter (the host backend) rounds float32 to bf16 toward zero: the norms' weight gradients,
+        # sums over every token, drift most there (2.6e-2 on 2 ranks), so the host's bound is wider
+        tol = 3e-2 if gpu else 5e-2
+        if not verdict(max(errs.values()) < tol, f"parallelized Llama matches the unmodified one (tolerance {tol})"):
+            raise SystemExit(1)
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,16 +5,18 @@
 Tensor-parallel MoE (tutorial 08) gives every rank a slice of every expert. Expert-parallel MoE gives rank r whole
 experts ``[r*E/W, (r+1)*E/W)``, and moves tokens instead of activations' slices:
 
-* ``to.ep_dispatch(x, topk_ids, topk_weights, num_experts=E, ctx=ctx)`` sends each of this rank's tokens once to
-  every rank that owns one of its top-k experts (by copy engine into the owner's symmetric receive buffer, a flag
-  per source) and returns a handle whose ``tokens`` are the rows this rank's experts must process, grouped by local
-  expert (``counts``, ``offsets``: ``torch._grouped_mm``'s layout);
+* ``to.ep_dispatch(x, topk_ids, topk_weights, num_experts=E, ctx=ctx)`` sends each of this rank's tokens
+  ``x`` [T_local, D] once to every rank that owns one of its top-k experts (a kernel stores them straight into the
+  owner's symmetric receive buffer, a flag per source; copy engines move them on a call whose buffers had to grow)
+  and returns a handle whose ``tokens`` are the rows this rank's experts must process, grouped by local expert
+  (``counts`` [E/W]; ``offsets`` [E/W + 1] from 0: ``torch._grouped_mm``'s ``offs`` are ``offsets[1:]``);
 * ``to.ep_combine(y, handle, ctx=ctx)`` sends the experts' outputs back and returns, on each token's own rank,
   ``sum_j topk_weights[t, j] * y_row(t, j)``, summed in float32 in a fixed order.
 
 A dispatch reads its counts back to the host once (the host sizes the output), so it is not captured in CUDA graphs;
 a combine never waits on the host. ``nn.EPMoE.from_full(router, (w1, w3, w2), ctx, topk=...)`` is the layer: the
-replicated router, this rank's SwiGLU experts, dispatch and combine with autograd through both.
+replicated router, this rank's SwiGLU experts, dispatch and combine with autograd through both; it takes this rank's
+own tokens ``[T_local, dim]`` (or ``[S, *, dim]``, flattened in order) and returns the same shape.
 
 This tutorial runs the ops on random routing, with a per-expert scale standing for the experts, against the same
 sum computed locally; then the layer's output and gradients against the unsharded MoE of tutorial 08's form.

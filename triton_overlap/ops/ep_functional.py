@@ -29,7 +29,8 @@ def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                                                    expert_weight=expert_weight)
     if expert_weight is not None:
         raise ValueError("ep_dispatch: expert_weight is for the normal mode; the low-latency mode's rows are "
-                         "d.tokens [E/W, capacity, H], for the caller's grouped GEMM")
+                         "d.tokens [W * capacity * topk, H] by local expert (d.offsets), for the caller's grouped "
+                         "GEMM")
     return low_latency_op(ctx, max_tokens_per_rank).dispatch(x, topk_ids, topk_weights, num_experts=num_experts,
                                                              scales=scales)
 
