@@ -26,11 +26,21 @@ _compiled: dict = {}
 
 
 def _spec(a):
+    """An argument's part of the specialisation key. Plain ints, bools and tuples are told by their exact type
+    first: most of a launch's arguments are sizes and strides, and the isinstance chain below costs them a few µs
+    a launch."""
+    t = type(a)
+    if t is int:
+        return a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)
+    if t is bool:
+        return "b", a
+    if t is tuple:  # (a waiter: kernels.signal.waiter) Triton specialises its items one by one
+        return tuple(map(_spec, a))
     if isinstance(a, torch.Tensor):
         return a.dtype, a.data_ptr() % 16 == 0
     if isinstance(a, TensorDescriptor) or hasattr(a, "block_shape") and hasattr(a, "layout"):  # (or Gluon's)
         return "desc", a.base.dtype, tuple(a.block_shape), a.padding, getattr(a, "layout", None)  # (frozen: hashable)
-    if isinstance(a, tuple):  # (a waiter: kernels.signal.waiter) Triton specialises its items one by one
+    if isinstance(a, tuple):
         return tuple(map(_spec, a))
     if isinstance(a, bool):
         return "b", a
