@@ -14,10 +14,11 @@ class Width(enum.IntEnum):
 
 
 def test_ints_by_value_class():
-    assert _spec(1) == (True, False, True)
-    assert _spec(0) == (False, True, True) and _spec(4096) == (False, True, True)
-    assert _spec(7) == (False, False, True) and _spec(-3) == (False, False, True)
-    assert _spec(1 << 31) == (False, True, False) and _spec(-(1 << 31)) == (False, True, True)
+    assert _spec(1) == (True, False, True, False)
+    assert _spec(0) == (False, True, True, False) and _spec(4096) == (False, True, True, False)
+    assert _spec(7) == (False, False, True, False) and _spec(-3) == (False, False, True, False)
+    assert _spec(1 << 31) == (False, True, False, False) and _spec(-(1 << 31)) == (False, True, True, False)
+    assert _spec(1 << 63) != _spec(1 << 40)  # Triton's u64 and i64
     assert _spec(Width.SIXTEEN) == _spec(16)  # an int subclass: by its value
 
 

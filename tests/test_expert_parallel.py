@@ -511,6 +511,51 @@ def test_ep_silent_peer_faults(pool, what):
     assert any(e is not None for e in pool.run(ep_silent_peer, what, timeout_for(pool)))
 
 
+def _host_error_mid_dispatch(case):
+    """An error raised on the host after a dispatch's rows were stored and its flags raised (here the experts' GEMM,
+    started per source, fails to launch, as an out-of-memory or a kernel that does not compile would): the dispatch
+    raises it, the Context then refuses calls until reset() (its raised flags would otherwise let the next call's
+    waits pass before that call's rows land), and after reset() calls are right again."""
+    import triton_overlap.ops.expert_parallel as epm
+
+    with to.Context(timeout_s=60) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        op = to.ExpertParallel(ctx, to.ExpertParallelConfig(experts_gemm="overlap"), fallback="never")
+        experts = _expert_weights(case, dev)
+        for it in (0, 1):  # the second call finds the receive buffers: its rows go by the kernel's stores
+            _round_trip(op, ctx, case, it, experts)
+        assert op.last_exchange == "stores", op.last_exchange
+        original = epm.projection
+
+        def failing(*a, **kw):
+            project, out = original(*a, **kw)
+
+            def launch(*_):
+                raise RuntimeError("injected: the experts' GEMM did not launch")
+            return launch, out
+
+        el = case.experts // W
+        x, ids, w = _inputs(case, W, r, 2, dev)
+        epm.projection = failing
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                op.dispatch(x, ids, w, num_experts=case.experts, expert_weight=experts[r * el:(r + 1) * el])
+        finally:
+            epm.projection = original
+        with pytest.raises(to.ContextError, match=f"rank {r}: ep_dispatch stopped on the host mid-call"):
+            op.dispatch(x, ids, w, num_experts=case.experts)
+        ctx.synchronize()
+        ctx.reset()
+        for it in (3, 4):
+            _round_trip(op, ctx, case, it, experts)
+
+
+def test_ep_host_error_mid_dispatch_faults_until_reset(pool):
+    if pool.backend == "host" and pool.world > 2:
+        pytest.skip("W = 2 on the host backend")
+    pool.run(_host_error_mid_dispatch, EPCase(tokens=6, hidden=16, experts=2 * pool.world, topk=2))
+
+
 def _combine_other_dispatch(T: float):
     """Rank 0 combines one dispatch while the others combine another: the combine's barrier finds the headers
     differ (ContextError on every rank naming ep_combine), and reset() makes the Context usable."""

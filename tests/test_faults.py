@@ -111,6 +111,40 @@ def test_timeout_then_reset_then_correct_calls(pool):
     pool.run(_late_peer, timeout_for(pool))
 
 
+def _host_error_mid_call():
+    """The consumer of an AllGather-GEMM call raises on the host (an allocation that fails, a kernel that does not
+    compile), after the call's barrier and its copies and flags were enqueued: the error reaches the caller, the
+    Context refuses calls until reset() (the flags and workspaces the call left would pass as the next call's),
+    and after reset() calls are correct again."""
+    from triton_overlap.ops import all_gather_gemm as module
+
+    with to.Context(timeout_s=60) as ctx:
+        op = to.AllGatherGEMM(ctx, fallback="never")
+        _correct(op, ctx)
+        original = module.launch_gemm
+
+        def failing(*a, **kw):
+            raise MemoryError("injected: no memory for the consumer")
+
+        module.launch_gemm = failing
+        try:
+            with pytest.raises(MemoryError, match="injected"):
+                _call(op, ctx, tag=1)()
+        finally:
+            module.launch_gemm = original
+        contract.refused(AG_GEMM, op, ctx, CASE, f"rank {ctx.rank}: ag_gemm stopped on the host mid-call")
+        ctx.synchronize()
+        ctx.reset()
+        for tag in range(2, 4):
+            _correct(op, ctx, tag=tag)
+
+
+def test_host_error_mid_call_faults_until_reset(pool):
+    if pool.world != 2:
+        pytest.skip("W = 2")
+    pool.run(_host_error_mid_call)
+
+
 # ------------------------------------------------------------------------------------------------- close()
 def _close_alone(T: float):
     """Rank 0 closes while rank 1 has not: rank 0's close() frees its resources and, within the timeout, raises

@@ -211,7 +211,32 @@ def _shared_input(B):
             parallelize_module(other, init_device_mesh(dev.type, (W,)), {"": SharedInputColwise(ctx, ("a", "b"))})
         with pytest.raises(TypeError, match="sequence"):
             SharedInputColwise(ctx, "q")
+        # a refused member leaves every layer of the module as it was
+        with pytest.raises(ValueError, match="not divisible"):
+            other = nn.Module()
+            other.a, other.b = nn.Linear(8, 4 * W), nn.Linear(8, 4 * W + 1)
+            parallelize_module(other, init_device_mesh(dev.type, (W,)), {"": SharedInputColwise(ctx, ("a", "b"))})
+        assert not hasattr(other.a, "tp_style") and other.a.weight.shape == (4 * W, 8)
+        with torch.inference_mode():  # inference tensors keep no version: the outputs are kept all the same
+            xi = x.detach().clone()
+            assert torch.equal(mod.k(xi), k.detach()) and torch.equal(mod.q(xi), q.detach())
         return True
+
+
+def test_shared_input_joins_separate_storages_by_copy():
+    """Weights in separate storages whose rows happen to lie back to back (as an allocator may place them after a
+    ``.to()``) are concatenated, never read as one tensor past the first one's storage."""
+    import numpy as np
+
+    from triton_overlap.nn.parallel import _joined
+
+    block = np.arange(3 * 4 * 6, dtype=np.float32).reshape(12, 6)
+    weights = [nn.Parameter(torch.from_numpy(block[i * 4:(i + 1) * 4])) for i in range(3)]
+    assert weights[1].data_ptr() == weights[0].data_ptr() + 4 * 6 * 4  # adjacent rows, three storages
+    joined = _joined(weights)
+    assert torch.equal(joined, torch.from_numpy(block))
+    joined.sum().backward()
+    assert all(torch.equal(w.grad, torch.ones(4, 6)) for w in weights)
 
 
 @pytest.mark.parametrize("B", [1, 2])

@@ -31,7 +31,7 @@ def _spec(a):
     a launch."""
     t = type(a)
     if t is int:
-        return a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)
+        return a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31), a >= 1 << 63
     if t is bool:
         return "b", a
     if t is tuple:  # (a waiter: kernels.signal.waiter) Triton specialises its items one by one
@@ -45,7 +45,7 @@ def _spec(a):
     if isinstance(a, bool):
         return "b", a
     if isinstance(a, int):
-        return a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)
+        return _spec(int(a))
     return type(a)
 
 
@@ -66,7 +66,9 @@ def launch(fn, grid: tuple, args: tuple, consts: dict, **options) -> None:
     if triton_interprets():
         fn[grid](*args, **consts, **options)
         return
-    key = (id(fn), grid, tuple(map(_spec, args)), tuple(consts.items()), tuple(options.items()))
+    # (the device too: Triton loads a kernel into the device current at its first launch)
+    key = (id(fn), torch.cuda.current_device(), grid, tuple(map(_spec, args)), tuple(consts.items()),
+           tuple(options.items()))
     hit = _compiled.get(key)
     if hit is None:
         kernel = fn[grid](*args, **consts, **options)

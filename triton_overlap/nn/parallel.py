@@ -198,8 +198,10 @@ class SharedInputColwise(ParallelStyle):
     ``ColwiseParallel`` layers gather the shard once each and reduce-scatter once each. For layers that read one
     input: a layer called with another input object, after an in-place change of it, or under another grad or
     autocast mode computes every layer afresh (correct, but the others' outputs are wasted work, kept until the
-    group's next call). The outputs are views of one product (non-contiguous, each row as wide as all the layers
-    together): autograd refuses an in-place op on them, where ``ColwiseParallel``'s output allows it.
+    group's next call). Under ``torch.compile``, and for inference tensors (``torch.inference_mode``), an input's
+    in-place changes are not counted: a change between the group's calls is not seen there. The outputs are views
+    of one product (non-contiguous, each row as wide as all the layers together): autograd refuses an in-place op on
+    them, where ``ColwiseParallel``'s output allows it.
 
     The layers' weight shards are laid out as consecutive rows of one tensor (each layer's ``weight`` a view of its
     rows), which the AllGather-GEMM reads in place; where that no longer holds (a ``.to()`` or a wrapper replaced
@@ -219,6 +221,9 @@ class SharedInputColwise(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         members = [module.get_submodule(name) for name in self.layers]
+        for m in members:  # (before any layer changes: a refused member leaves the module as it was)
+            if not isinstance(m, nn.Linear) or hasattr(m, "tp_style") or m.out_features % self.ctx.world_size:
+                self.colwise._apply(m, device_mesh)  # raises, saying why
         sizes = {m.in_features for m in members if isinstance(m, nn.Linear)}
         if len(sizes) > 1:
             raise ValueError(f"SharedInputColwise: {list(self.layers)} of {type(module).__name__} read inputs of "
@@ -274,10 +279,11 @@ class _SharedInput:
 def _call_state(x):
     """What a kept output must have been computed under for a later call with ``x`` to take it: ``x``'s version
     (an in-place change in between voids it; not readable while torch.compile traces, where the traced code is
-    the caller's), whether autograd records, and the autocast state of x's device."""
+    the caller's, nor kept for inference tensors), whether autograd records, and the autocast state of x's
+    device."""
     dev = x.device.type
     autocast = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-    version = None if torch.compiler.is_compiling() else x._version
+    version = None if torch.compiler.is_compiling() or x.is_inference() else x._version
     return version, torch.is_grad_enabled(), autocast
 
 
@@ -291,10 +297,10 @@ def _joined(weights):
         return torch.cat(weights)
     w0 = weights[0]
     rows = sum(w.shape[0] for w in weights)
-    at = w0.data_ptr()
-    for w in weights:
+    at, storage = w0.data_ptr(), w0.untyped_storage().data_ptr()
+    for w in weights:  # (adjacent rows of separate storages, as an allocator may place them, are not one tensor)
         if (not w.is_contiguous() or w.dtype != w0.dtype or w.device != w0.device or w.shape[1:] != w0.shape[1:]
-                or w.data_ptr() != at):
+                or w.data_ptr() != at or w.untyped_storage().data_ptr() != storage):
             return torch.cat(weights)
         at += w.numel() * w.element_size()
     view = w0.detach().as_strided((rows, *w0.shape[1:]), w0.stride(), w0.storage_offset())

@@ -67,6 +67,7 @@ instead of summing the wrong partials).
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +76,7 @@ from ..kernels.arrivals import launch_wait_sources
 from ..kernels.row_sums import launch_gather_rows_sum_jobs
 from ..producers import exchange, pipeline
 from ..producers.exchange import AllToAll, deal
-from ..producers.pipeline import BarrierOnly
+from ..producers.pipeline import BarrierOnly, guarded
 from .base import OverlapOp, agree_across_ranks
 from .moe_config import MoEGEMMConfig
 from .moe_routing import grouped_mm
@@ -200,29 +201,30 @@ class ExpertParallel(OverlapOp):
         if bad:
             raise ValueError(f"ep_dispatch: topk_ids must lie in [0, {num_experts}) (E = {num_experts} experts): "
                              + ", ".join(f"rank {s} has ids from {lo} to {hi}" for s, lo, hi in bad))
-        self.last_exchange = None if fallback else "stores"
-        project, projected = projection(self, traffic, x, w if gathers else None, table_dev)
-        if pushed:
-            U = sum(traffic.received(r))
-            self.state["buffers"].update(rows=target[0].local, meta=target[1].local,
-                                         **({"gather": target[4].local} if gathers else {}))
-            if project is not None:  # each source's rows as its flag lands
-                project(target[0].local, target[4].local,
-                        ctx.symmetric(f"{self.name}.push_flags", (W,), torch.int32).local)
-            if not settled:
-                self._settle_push_flags()
-            expanded = expand(target[0].local[:U], target[1].local[:U], traffic.expanded(r), sent, k,
-                              x.dtype)
-        else:
-            # (by what every rank agreed on: the index is allocated on every rank together)
-            gather = self._gather_buffer(traffic, x.shape[1], x.dtype, k) if gathers else None
-            sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales, gather=gather)
-            if fallback:
-                rows, meta = rows_by_group(ctx, sent, traffic)
-                expanded = expand(rows, meta, traffic.expanded(r), sent, k, x.dtype)
+        with nullcontext() if fallback else guarded(ctx, "ep_dispatch"):  # (flags raised: an error faults the Context)
+            self.last_exchange = None if fallback else "stores"
+            project, projected = projection(self, traffic, x, w if gathers else None, table_dev)
+            if pushed:
+                U = sum(traffic.received(r))
+                self.state["buffers"].update(rows=target[0].local, meta=target[1].local,
+                                             **({"gather": target[4].local} if gathers else {}))
+                if project is not None:  # each source's rows as its flag lands
+                    project(target[0].local, target[4].local,
+                            ctx.symmetric(f"{self.name}.push_flags", (W,), torch.int32).local)
+                if not settled:
+                    self._settle_push_flags()
+                expanded = expand(target[0].local[:U], target[1].local[:U], traffic.expanded(r), sent, k,
+                                  x.dtype)
             else:
-                self.last_exchange = "copies"
-                expanded = self._rows(sent, traffic, sched, x.dtype, k, project, gather)
+                # (by what every rank agreed on: the index is allocated on every rank together)
+                gather = self._gather_buffer(traffic, x.shape[1], x.dtype, k) if gathers else None
+                sent = pack(x, route, topk_weights, r, table_dev, sum(traffic.rows[r]), scales, gather=gather)
+                if fallback:
+                    rows, meta = rows_by_group(ctx, sent, traffic)
+                    expanded = expand(rows, meta, traffic.expanded(r), sent, k, x.dtype)
+                else:
+                    self.last_exchange = "copies"
+                    expanded = self._rows(sent, traffic, sched, x.dtype, k, project, gather)
         seq = self.state.get("dispatches", 0)
         self.state["dispatches"] = seq + 1
         tokens, counts, offsets, source, token, weights, slots, slot_weights, row_scales = expanded

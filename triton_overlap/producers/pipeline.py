@@ -22,11 +22,15 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    does not do it itself).
 
 A producer with no streams (its whole job is the barrier, or nothing) opens on the caller's stream, before the
-consumer.
+consumer. A call whose steps raise on the host (out of memory, a kernel that does not compile) faults the Context
+(``guarded``).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Protocol
+
+import torch
 
 from .link import open_call
 
@@ -73,6 +77,21 @@ class BarrierOnly:
         pass
 
 
+@contextlib.contextmanager
+def guarded(ctx, what: str):
+    """Fault ``ctx`` if the body raises, then raise on: a call stopped on the host between its first flag and its
+    resets leaves flags and workspaces that its next call would take for its own, so the Context refuses calls
+    until ``reset()``, which zeroes them. Not while a CUDA graph is being captured, where nothing has run."""
+    try:
+        yield
+    except BaseException as e:
+        if ctx.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            first = (str(e).splitlines() or [""])[0][:200]
+            ctx.faults.fail(f"rank {ctx.rank}: {what} stopped on the host mid-call ({type(e).__name__}: {first}); "
+                            f"its flags and workspaces are as it left them")
+        raise
+
+
 def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consumer_first: bool = False,
         gate: bool = False, after_copies: bool = False) -> None:
     """Enqueue one call: ``producer`` (None: the consumer alone) around ``consumer`` (a function that launches the
@@ -83,6 +102,13 @@ def run(ctx, producer: Producer | None, consumer: Callable[[], None], *, consume
     if producer is None:
         consumer()
         return
+    call = getattr(producer, "call", None)
+    what = getattr(producer, "what", None) or (ctx.op_name(call.op) if call is not None else "a call")
+    with guarded(ctx, what):
+        _steps(ctx, producer, consumer, consumer_first, gate, after_copies)
+
+
+def _steps(ctx, producer, consumer, consumer_first: bool, gate: bool, after_copies: bool) -> None:
     caller = ctx.current_stream()
     streams = ctx.streams(producer.num_streams) if producer.num_streams else []
     if not streams:
