@@ -42,9 +42,7 @@ def _spec(a):
         return "desc", a.base.dtype, tuple(a.block_shape), a.padding, getattr(a, "layout", None)  # (frozen: hashable)
     if isinstance(a, tuple):
         return tuple(map(_spec, a))
-    if isinstance(a, bool):
-        return "b", a
-    if isinstance(a, int):
+    if isinstance(a, int):  # (bool has no subclasses: every bool was taken above)
         return _spec(int(a))
     return type(a)
 

@@ -81,19 +81,25 @@ class _LinearStyle(ParallelStyle):
         self.ctx, self.sequence_parallel, self.sequence_dim, self.fallback = ctx, sequence_parallel, sequence_dim, \
             fallback
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def _check(self, module: nn.Module, device_mesh) -> None:
+        """Raise, before anything changes, where this style cannot apply to ``module``."""
         if not isinstance(module, nn.Linear):
             raise TypeError(f"{type(self).__name__} applies to nn.Linear, got {type(module).__name__}")
         if hasattr(module, "tp_style"):  # (two plan entries matching one layer would shard it twice)
             raise ValueError(f"{type(self).__name__}: this {type(module).__name__} already has a parallel style "
                              f"({type(module.tp_style).__name__}); a plan must match each layer once")
         check_mesh(self, device_mesh)
-        W, r = self.ctx.world_size, self.ctx.rank
         dim = 0 if self._shard_out else 1
-        n = module.weight.shape[dim]
+        n, W = module.weight.shape[dim], self.ctx.world_size
         if n % W:
             raise ValueError(f"{type(self).__name__}: {'out' if dim == 0 else 'in'}_features = {n} is not "
                              f"divisible by the world size {W}")
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        self._check(module, device_mesh)
+        W, r = self.ctx.world_size, self.ctx.rank
+        dim = 0 if self._shard_out else 1
+        n = module.weight.shape[dim]
         with torch.no_grad():
             module.weight = nn.Parameter(module.weight.narrow(dim, r * (n // W), n // W).clone())
             if module.bias is not None and self._shard_out:
@@ -222,8 +228,7 @@ class SharedInputColwise(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         members = [module.get_submodule(name) for name in self.layers]
         for m in members:  # (before any layer changes: a refused member leaves the module as it was)
-            if not isinstance(m, nn.Linear) or hasattr(m, "tp_style") or m.out_features % self.ctx.world_size:
-                self.colwise._apply(m, device_mesh)  # raises, saying why
+            self.colwise._check(m, device_mesh)
         sizes = {m.in_features for m in members if isinstance(m, nn.Linear)}
         if len(sizes) > 1:
             raise ValueError(f"SharedInputColwise: {list(self.layers)} of {type(module).__name__} read inputs of "
