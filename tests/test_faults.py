@@ -111,14 +111,14 @@ def test_timeout_then_reset_then_correct_calls(pool):
     pool.run(_late_peer, timeout_for(pool))
 
 
-def _host_error_mid_call():
+def _host_error_mid_call(T: float = 60.0, late_s: float = 0.0):
     """The consumer of an AllGather-GEMM call raises on the host (an allocation that fails, a kernel that does not
     compile), after the call's barrier and its copies and flags were enqueued: the error reaches the caller, the
     Context refuses calls until reset() (the flags and workspaces the call left would pass as the next call's),
-    and after reset() calls are correct again."""
+    and after reset() calls are correct again. The last rank comes to reset() ``late_s`` after the others."""
     from triton_overlap.ops import all_gather_gemm as module
 
-    with to.Context(timeout_s=60) as ctx:
+    with to.Context(timeout_s=T) as ctx:
         op = to.AllGatherGEMM(ctx, fallback="never")
         _correct(op, ctx)
         original = module.launch_gemm
@@ -134,6 +134,8 @@ def _host_error_mid_call():
             module.launch_gemm = original
         contract.refused(AG_GEMM, op, ctx, CASE, f"rank {ctx.rank}: ag_gemm stopped on the host mid-call")
         ctx.synchronize()
+        if ctx.rank == ctx.world_size - 1:
+            time.sleep(late_s)
         ctx.reset()
         for tag in range(2, 4):
             _correct(op, ctx, tag=tag)
@@ -143,6 +145,15 @@ def test_host_error_mid_call_faults_until_reset(pool):
     if pool.world != 2:
         pytest.skip("W = 2")
     pool.run(_host_error_mid_call)
+
+
+def test_reset_waits_for_a_peer_a_timeout_late(pool):
+    """Ranks learn of a fault at different times (one from its own wait, a peer from the wait that ends a timeout
+    later), so reset() waits for a peer longer than one timeout."""
+    if pool.world != 2:
+        pytest.skip("W = 2")
+    T = timeout_for(pool)
+    pool.run(_host_error_mid_call, T, 1.5 * T)
 
 
 # ------------------------------------------------------------------------------------------------- close()

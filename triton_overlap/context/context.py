@@ -357,8 +357,10 @@ class Context:
 
     # ------------------------------------------------------------------ reset
     def reset(self) -> None:
-        """Make a faulted Context usable again (collective: every rank calls it, and it waits at most timeout_s
-        for them). Every rank waits for its own work, then the barrier counts, call headers, flags, counters and
+        """Make a faulted Context usable again (collective: every rank calls it). It waits for the others at most
+        ``2 * timeout_s + 1`` seconds: a peer may learn of the fault up to one timeout after this rank (from a wait
+        of its own), and its own work, whose waits are bounded by ``timeout_s``, may take up to one more to drain.
+        Every rank waits for its own work, then the barrier counts, call headers, flags, counters and
         workspaces of every op are zeroed on every rank, and what ops built is dropped (plans, captured graphs,
         the link between hosts, whose communicator is made anew), so the next calls start from nothing, in step."""
         self.ensure_open()
@@ -370,12 +372,13 @@ class Context:
             self.synchronize()  # every kernel of this rank has ended (their waits are bounded)
         except Exception:  # noqa: BLE001 - a producer stream's recorded error: the reset goes on
             pass
-        self._control.barrier("reset", tag + "/a")  # every rank's work has ended: nothing writes into peers
+        wait_s = 2 * self.timeout_s + 1.0
+        self._control.barrier("reset", tag + "/a", wait_s)  # every rank's work has ended: nothing writes into peers
         self._heap.zero(keep="__errors")
         self._faults.zero_word()
         self._barrier_count.zero_()
         self._backend.synchronize()
-        self._control.barrier("reset", tag + "/b")  # every rank has zeroed
+        self._control.barrier("reset", tag + "/b", wait_s)  # every rank has zeroed
         self._control.resync(self._resets)
         self._cache.clear()
         self._open_wire()

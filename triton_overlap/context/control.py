@@ -92,16 +92,17 @@ class ControlPlane:
         return self._store.get(key).decode() if self._store.check([key]) else None
 
     # --------------------------------------------------------------------------------------- exchanges
-    def exchange(self, obj, what: str, tag: str | None = None) -> list:
-        """Every rank's ``obj`` (a collective), waiting at most ``timeout_s``: PeerTimeout names the ranks whose
-        part did not come, PeerFault says a rank that faulted meanwhile. ``tag``: a key of its own (reset and close
-        use fixed ones), else the next in sequence."""
+    def exchange(self, obj, what: str, tag: str | None = None, wait_s: float | None = None) -> list:
+        """Every rank's ``obj`` (a collective), waiting at most ``wait_s`` (default ``timeout_s``): PeerTimeout
+        names the ranks whose part did not come, PeerFault says a rank that faulted meanwhile. ``tag``: a key of its
+        own (reset and close use fixed ones), else the next in sequence."""
         if tag is None:
             tag = f"e{self._epoch}/x{self._seq}"
             self._seq += 1
         store = self._store
         keys = [f"{tag}/{r}" for r in range(self.world)]
         store.set(keys[self.rank], pickle.dumps(obj))
+        wait_s = self.timeout_s if wait_s is None else wait_s
         start = time.monotonic()
         pause = 2e-4
         while not store.check(keys):
@@ -110,12 +111,12 @@ class ControlPlane:
                 if fault is not None and not store.check(keys):  # (a rank that faulted after this exchange had
                     raise PeerFault(*fault)                        # every part does not make it fail)
             elapsed = time.monotonic() - start
-            if elapsed > self.timeout_s:
+            if elapsed > wait_s:
                 missing = [r for r in range(self.world) if not store.check([keys[r]])]
                 if missing:
                     raise PeerTimeout(f"{what}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-                                      f" did not answer within the timeout ({elapsed:.2f} s waited, timeout_s="
-                                      f"{self.timeout_s:g})", missing)
+                                      f" did not answer within the timeout ({elapsed:.2f} s waited, "
+                                      f"{'timeout_s=' if wait_s == self.timeout_s else 'allowed '}{wait_s:g})", missing)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         out = [pickle.loads(store.get(k)) for k in keys]
@@ -128,8 +129,8 @@ class ControlPlane:
         self._mine = [keys[self.rank]]
         return out
 
-    def barrier(self, what: str, tag: str | None = None) -> None:
-        self.exchange(None, what, tag)
+    def barrier(self, what: str, tag: str | None = None, wait_s: float | None = None) -> None:
+        self.exchange(None, what, tag, wait_s)
 
     def resync(self, n: int) -> None:
         """Start a new epoch of keys (after reset number ``n``, which every rank made)."""
