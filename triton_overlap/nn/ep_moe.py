@@ -35,17 +35,17 @@ Backward, piece by piece (``torch.autograd.Function``s below; the router and ``s
   tokens only: call ``sync_replicated_grads()`` after backward (a sum over ranks), or leave it to a data-parallel
   reducer.
 
-What overlaps what: where the op takes its overlapped path (``last_path == "overlap"``), the rows of a dispatch or
-a combine move into the peers' symmetric buffers (stored by kernels, or by copy engine where the receive buffers
-must grow), with a flag per source; with ``experts_gemm="overlap"`` the forward's gate and up projections start on
-each source's rows as its flag lands (``op.last_gemm`` names the kernel, "torch" where they ran after the rows, the
-default). Not overlapped per source: the combine with the down projection, and the backward's GEMMs with their
-dispatch and combine. Not overlapped at
-all: the router, the weights' gradient exchange (process group), the experts' weight gradients (local), and one
-host synchronisation per dispatch (the counts), so two per training step and layer. ``fallback="always"`` takes
-the process group's ``all_to_all_single`` for every exchange. The dispatch reads counts back to the host, so the
-layer runs outside ``torch.compile``'s graphs (a graph break) and cannot be captured in a CUDA graph, but for its
-decode forward (``max_tokens_per_rank``, no autograd: ``ops.ep_low_latency``), which can.
+What overlaps what: where the op takes its overlapped path (``last_path == "overlap"``), the rows of a dispatch or a
+combine move into the peers' symmetric buffers (stored by kernels, or by copy engine where the receive buffers must
+grow), with a flag per source; with ``experts_gemm="overlap"`` the forward's gate and up projections start on each
+source's rows as its flag lands (``op.last_gemm`` names the kernel, "torch" where they ran after the rows, the
+default). Not overlapped per source: the combine with the down projection (docs/decisions.md, Expert-parallel MoE,
+says why), and the backward's GEMMs with their dispatch and combine. Not overlapped at all: the router, the weights'
+gradient exchange (process group), the experts' weight gradients (local), and one host synchronisation per dispatch
+(the counts), so two per training step and layer. ``fallback="always"`` takes the process group's
+``all_to_all_single`` for every exchange. The dispatch reads counts back to the host, so the layer runs outside
+``torch.compile``'s graphs (a graph break) and cannot be captured in a CUDA graph, but for its decode forward
+(``max_tokens_per_rank``, no autograd: ``ops.ep_low_latency``), which can.
 """
 from __future__ import annotations
 
