@@ -79,6 +79,9 @@ def _worker(rank: int, world: int, backend: str, port: int, conn) -> None:
         module, name, args = msg
         try:
             fn = getattr(importlib.import_module(module), name)
+            # the ranks start together: a first import or build can take one rank seconds longer, and the bodies'
+            # Contexts wait for their peers' set-up no longer than their (short) timeouts
+            dist.barrier()
             conn.send(("ok", fn(*args)))
         except BaseException:  # noqa: BLE001 - reported to the parent
             conn.send(("err", traceback.format_exc()))

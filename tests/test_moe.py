@@ -428,7 +428,7 @@ def _graph_replays(case):
     """Both ops captured in one CUDA graph each (the routing tables and the kernels' scratch then live in the
     graph's own memory pool, fresh segments where a read past a buffer's edge faults), replayed with new inputs
     copied into the captured ones: every replay against float64; AllGather-MoE also with its rows staged."""
-    from refs import rel_err
+    from refs import poison, rel_err
     from triton_overlap.timing import capture
 
     with to.Context(timeout_s=120) as ctx:
@@ -444,6 +444,7 @@ def _graph_replays(case):
                 call = spec.inputs(ctx, case, it)
                 for a, b in zip(args, call.args):
                     a.copy_(b)
+                poison(out["y"])
                 graph.replay()
                 torch.cuda.synchronize()
                 ctx.check()

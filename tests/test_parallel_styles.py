@@ -251,14 +251,22 @@ def _float32_without_autocast():
     from triton_overlap.nn import ColumnParallelLinear, ColwiseParallel, RowwiseParallel
 
     with to.Context(timeout_s=60) as ctx:
-        W, dev = ctx.world_size, ctx.device
-        layer = ColumnParallelLinear.from_full_weight(nn.Linear(8 * W, 8 * W), ctx)
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        torch.manual_seed(0)  # the same full layer on every rank
+        full = nn.Linear(8 * W, 8 * W)
+        layer = ColumnParallelLinear.from_full_weight(full, ctx)
         assert layer.weight.dtype == torch.float32
         with pytest.raises(TypeError, match="autocast"):
             layer(torch.randn(4, 8 * W, device=dev))
+        xs = [torch.randn(4, 8 * W, generator=torch.Generator().manual_seed(10 + p)) for p in range(W)]
         with torch.autocast(dev.type, dtype=torch.bfloat16):  # the same layer runs under autocast
-            y = layer(torch.randn(4, 8 * W, device=dev))
+            y = layer(xs[r].to(dev))
         assert y.dtype == torch.bfloat16 and layer.last_path in ("overlap", "fallback")
+        # every rank's rows times this rank's columns, as autocast's nn.Linear computes them: bf16 operands
+        operands = [t.detach().bfloat16().float() for t in (torch.cat(xs), full.weight[r * 8:(r + 1) * 8],
+                                                          full.bias[r * 8:(r + 1) * 8])]
+        ref = torch.nn.functional.linear(*operands)
+        assert y.shape == ref.shape and rel_err(y, ref) < 1e-2, (y.shape, rel_err(y, ref))
         bf = ColumnParallelLinear.from_full_weight(nn.Linear(8 * W, 8 * W), ctx, dtype=torch.bfloat16)
         with pytest.raises(TypeError, match="input is torch.float32"):
             bf(torch.randn(4, 8 * W, device=dev))
