@@ -412,6 +412,12 @@ def in_time(msg: str, elapsed: float, T: float) -> bool:
     return (relayed(msg) or T * EARLIEST <= elapsed) and elapsed <= T + SLACK_S
 
 
+def timed_all_but_rank_1(times: list) -> None:
+    """The fault bodies whose rank 1 stays silent return each rank's time to its fault, None on rank 1: every
+    other rank must have timed one."""
+    assert [r for r, e in enumerate(times) if e is None] == [1], times
+
+
 def peer_absent(spec: OpSpec, repeated: bool, T: float, case=None):
     """Rank 1 does not make a call within the timeout: on a shape's first call the others' agreement on shapes
     times out; on a repeated call (agreed before), their call's barrier does. Either names rank 1. Then reset() on
