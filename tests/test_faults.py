@@ -52,33 +52,44 @@ def test_shapes_disagree(pool, case):
     pool.run(contract.shapes_disagree, AG_GEMM, case, timeout_for(pool))
 
 
-def _relay_met_own_fault():
-    """A peer's relay (its fields, then its code) and this rank's own kernel recording a mismatch (its code by
-    compare-and-swap while the code was still 0, then its fields) interleave: the word holds this rank's fields under
-    the relayed code. It reads as this rank's own mismatch, not as a fault relayed from itself."""
+def _relay_met_own_fault(own: str):
+    """A peer's relay (its fields, then its code) and this rank's own kernel recording a fault (its code by
+    compare-and-swap while the code was still 0, then its fields and ERR_OWN_CODE) interleave: the word holds this
+    rank's fields under the relayed code. It reads as this rank's own fault (``own``: a mismatch, or a peer's expert
+    ids out of range), not as a fault relayed from itself."""
     from triton_overlap.kernels import signal as sig
 
     with to.Context(timeout_s=5) as ctx:
         mine = ctx.call(ctx.op_id("ag_gemm"), (8, 32), (8, 32))
         theirs = ctx.call(ctx.op_id("ag_gemm"), (12, 32), (12, 32))
+        dispatch = ctx.op_id("ep_dispatch")
         ctx.gather_object(None)  # every rank's set-up is over before any relays its fault
         peer = (ctx.rank + 1) % ctx.world_size
         word = [0] * sig.ERR_WORDS
-        word[sig.ERR_CODE], word[sig.ERR_RANK], word[sig.ERR_OP] = int(sig.ERR_RELAYED), ctx.rank, mine.op
-        word[sig.ERR_PEER], word[sig.ERR_CALL], word[sig.ERR_OWN_FINGERPRINT] = peer, 3, mine.fingerprint
-        word[sig.ERR_ORIGIN_CODE] = int(sig.ERR_MISMATCH)
-        word[sig.ERR_PEER_HEADER:sig.ERR_PEER_HEADER + 7] = [3, theirs.op, theirs.fingerprint, 12, 32, 0, 0]
+        word[sig.ERR_CODE], word[sig.ERR_RANK], word[sig.ERR_PEER], word[sig.ERR_CALL] = (
+            int(sig.ERR_RELAYED), ctx.rank, peer, 3)
+        if own == "mismatch":
+            word[sig.ERR_OP], word[sig.ERR_OWN_FINGERPRINT] = mine.op, mine.fingerprint
+            word[sig.ERR_ORIGIN_CODE] = word[sig.ERR_OWN_CODE] = int(sig.ERR_MISMATCH)
+            word[sig.ERR_PEER_HEADER:sig.ERR_PEER_HEADER + 7] = [3, theirs.op, theirs.fingerprint, 12, 32, 0, 0]
+            want = f"rank {ctx.rank}: call 3: ranks disagree on the call"
+        else:  # the peer saw the same ids (its relay's origin code) and relayed first
+            word[sig.ERR_OP], word[sig.ERR_WHAT], word[sig.ERR_SEEN], word[sig.ERR_WANTED] = dispatch, 4, 0, 4
+            word[sig.ERR_ORIGIN_CODE] = word[sig.ERR_OWN_CODE] = int(sig.ERR_BAD_IDS)
+            want = (f"rank {ctx.rank}: ep_dispatch (call 3): rank {peer} passed expert ids from 0 to 4; topk_ids "
+                    f"must lie in [0, 4)")
         with pytest.raises(to.ContextError) as info:
             ctx.faults.observe(word)
             ctx.ensure_usable()
         msg = str(info.value)
-        assert f"rank {ctx.rank}: call 3: ranks disagree on the call" in msg and "ag_gemm 12 32" in msg, msg
+        assert want in msg and (own == "bad_ids" or "ag_gemm 12 32" in msg), msg
         ctx.reset()
         return True
 
 
-def test_relay_meeting_own_fault_reads_as_own(pool):
-    assert all(pool.run(_relay_met_own_fault))
+@pytest.mark.parametrize("own", ["mismatch", "bad_ids"])
+def test_relay_meeting_own_fault_reads_as_own(pool, own):
+    assert all(pool.run(_relay_met_own_fault, own))
 
 
 # ----------------------------------------------------------------------------------- a timeout, then correct
@@ -119,16 +130,23 @@ def test_timeout_then_reset_then_correct_calls(pool):
     pool.run(_late_peer, timeout_for(pool))
 
 
-def _host_error_mid_call(T: float = 60.0, late_s: float = 0.0):
+def _host_error_mid_call(T: float = 60.0, late_s: float = 0.0, repeated: bool = False):
     """The consumer of an AllGather-GEMM call raises on the host (an allocation that fails, a kernel that does not
     compile), after the call's barrier and its copies and flags were enqueued: the error reaches the caller, the
     Context refuses calls until reset() (the flags and workspaces the call left would pass as the next call's),
-    and after reset() calls are correct again. The last rank comes to reset() ``late_s`` after the others."""
+    and after reset() calls are correct again. The last rank comes to reset() ``late_s`` after the others.
+    ``repeated``: the failing call repeats an earlier call's tensors, so on GPUs the op captures it to replay it
+    (ops.replay), and it fails inside that capture."""
     from triton_overlap.ops import all_gather_gemm as module
 
     with to.Context(timeout_s=T) as ctx:
         op = to.AllGatherGEMM(ctx, fallback="never")
         _correct(op, ctx)
+        call = _call(op, ctx, tag=1)
+        if repeated:
+            call()
+            ctx.synchronize()
+            ctx.check()
         original = module.launch_gemm
 
         def failing(*a, **kw):
@@ -137,11 +155,12 @@ def _host_error_mid_call(T: float = 60.0, late_s: float = 0.0):
         module.launch_gemm = failing
         try:
             with pytest.raises(MemoryError, match="injected"):
-                _call(op, ctx, tag=1)()
+                call()
         finally:
             module.launch_gemm = original
         contract.refused(AG_GEMM, op, ctx, CASE, f"rank {ctx.rank}: ag_gemm stopped on the host mid-call")
         ctx.synchronize()
+        torch.empty(4, device=ctx.device).random_()  # a capture that failed left torch's generator usable
         if ctx.rank == ctx.world_size - 1:
             time.sleep(late_s)
         ctx.reset()
@@ -149,10 +168,11 @@ def _host_error_mid_call(T: float = 60.0, late_s: float = 0.0):
             _correct(op, ctx, tag=tag)
 
 
-def test_host_error_mid_call_faults_until_reset(pool):
+@pytest.mark.parametrize("repeated", [False, True], ids=["first_call", "repeated_call"])
+def test_host_error_mid_call_faults_until_reset(pool, repeated):
     if pool.world != 2:
         pytest.skip("W = 2")
-    pool.run(_host_error_mid_call)
+    pool.run(_host_error_mid_call, 60.0, 0.0, repeated)
 
 
 def test_reset_waits_for_a_peer_a_timeout_late(pool):

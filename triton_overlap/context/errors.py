@@ -163,6 +163,7 @@ class Faults:
         word[sig.ERR_CODE], word[sig.ERR_RANK], word[sig.ERR_OP] = int(sig.ERR_TIMEOUT), self.rank, op
         word[sig.ERR_PEER], word[sig.ERR_WHAT], word[sig.ERR_WANTED] = peer, what, 1
         word[sig.ERR_ELAPSED_US], word[sig.ERR_CALL] = int(elapsed_s * 1e6), call
+        word[sig.ERR_OWN_CODE] = int(sig.ERR_TIMEOUT)
         try:
             self._backend.relay_error(self.word, word)
         except Exception:  # noqa: BLE001 - the host-side fault below stands on its own
@@ -174,9 +175,10 @@ class Faults:
         word = list(word)
         if word[sig.ERR_CODE] == sig.ERR_RELAYED and word[sig.ERR_RANK] == self.rank:
             # no rank relays to itself: a peer's relay (fields, then its code) met this rank's own kernel recording
-            # a fault (its code by compare-and-swap while the code was still 0, then its fields), so the fields are
-            # this rank's own and only the code is the peer's. Only a mismatch records this rank's fingerprint.
-            word[sig.ERR_CODE] = int(sig.ERR_MISMATCH if word[sig.ERR_OWN_FINGERPRINT] else sig.ERR_TIMEOUT)
+            # a fault (its code by compare-and-swap while the code was still 0, then its fields, its code again in
+            # ERR_OWN_CODE), so the fields are this rank's own and only the code is the peer's.
+            word[sig.ERR_CODE] = int(word[sig.ERR_OWN_CODE] or (sig.ERR_MISMATCH if word[sig.ERR_OWN_FINGERPRINT]
+                                                                 else sig.ERR_TIMEOUT))
         if word[sig.ERR_CODE] == sig.ERR_RELAYED:
             origin = word[sig.ERR_RANK]
             try:

@@ -41,6 +41,9 @@ ERR_PEER_HEADER = tl.constexpr(11)
 ERR_OWN_FINGERPRINT = tl.constexpr(19)
 #: ERR_RELAYED: the code of the fault on the rank it came from (ERR_RANK)
 ERR_ORIGIN_CODE = tl.constexpr(20)
+#: the code of this rank's own fault, written with its fields: a peer's relay may overwrite ERR_CODE with
+#: ERR_RELAYED between this rank's compare-and-swap and its fields (context.errors, ``observe``)
+ERR_OWN_CODE = tl.constexpr(21)
 ERR_WORDS = 24
 #: ERR_RELAYED: another rank's fault, written into this rank's word by that rank, so that every wait here stops too;
 #: ERR_BAD_IDS: a peer's expert ids, seen on the device, leave [0, E) (ERR_PEER the rank, ERR_SEEN and ERR_WANTED its
@@ -140,6 +143,7 @@ def record_timeout(err_ptr, rank, op, peer, what, seen, wanted, elapsed, call, C
     tl.store(err_ptr + ERR_WANTED, wanted)
     tl.store(err_ptr + ERR_ELAPSED_US, to_us(elapsed, CLOCK).to(tl.int32))
     tl.store(err_ptr + ERR_CALL, call)
+    tl.store(err_ptr + ERR_OWN_CODE, ERR_TIMEOUT)
 
 
 @triton.jit
@@ -232,6 +236,7 @@ def claim_fault(err_ptr, code, rank, op, peer, call):
         tl.store(err_ptr + ERR_OP, op)
         tl.store(err_ptr + ERR_PEER, peer)
         tl.store(err_ptr + ERR_CALL, call)
+        tl.store(err_ptr + ERR_OWN_CODE, code)
     return won
 
 

@@ -52,6 +52,8 @@ from collections import OrderedDict
 
 import torch
 
+from ..producers.pipeline import own_capture
+
 
 def tensor_key(t):
     """What a captured call depends on of tensor ``t``: where it is and how it is laid out."""
@@ -230,13 +232,15 @@ class ReplayCache:
     def _graph_of(self, enqueue) -> torch.cuda.CUDAGraph:
         """Capture ``enqueue()`` on a side stream that follows the caller's (nothing runs: the replay that
         follows does the work). No device synchronisation, no gc: this is an eager call, not a setup step. Each
-        graph has its own memory pool: what the call allocates inside it stays reserved while the graph is held."""
+        graph has its own memory pool: what the call allocates inside it stays reserved while the graph is held.
+        A call that stops on the host inside the capture faults the Context as its eager run would
+        (producers.pipeline.own_capture): the peers make the call and wait for this rank's part."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=self.ctx.device)
         caller = torch.cuda.current_stream(self.ctx.device)
         self._stream.wait_stream(caller)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), own_capture():
             g.capture_begin(capture_error_mode="thread_local")
             try:
                 enqueue()

@@ -28,6 +28,7 @@ consumer. A call whose steps raise on the host (out of memory, a kernel that doe
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Callable, Protocol
 
 import torch
@@ -77,15 +78,32 @@ class BarrierOnly:
         pass
 
 
+_captures = threading.local()  # own: how many of an op's captures of its own calls are open on this thread
+
+
+@contextlib.contextmanager
+def own_capture():
+    """Mark the capture an op makes of its own eager call (ops.replay) on this thread: a call that stops on the host
+    inside it faults the Context as an eager call does (``guarded``), since the peers run that call eagerly or
+    replay it, and wait for this rank's part of it."""
+    _captures.own = getattr(_captures, "own", 0) + 1
+    try:
+        yield
+    finally:
+        _captures.own -= 1
+
+
 @contextlib.contextmanager
 def guarded(ctx, what: str):
     """Fault ``ctx`` if the body raises, then raise on: a call stopped on the host between its first flag and its
     resets leaves flags and workspaces that its next call would take for its own, so the Context refuses calls
-    until ``reset()``, which zeroes them. Not while a CUDA graph is being captured, where nothing has run."""
+    until ``reset()``, which zeroes them. Not while the caller captures a CUDA graph (every rank captures it, and
+    nothing has run); an op's capture of its own call (``own_capture``) faults as the eager call would."""
     try:
         yield
     except BaseException as e:
-        if ctx.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if (ctx.device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+                or getattr(_captures, "own", 0)):
             first = (str(e).splitlines() or [""])[0][:200]
             ctx.faults.fail(f"rank {ctx.rank}: {what} stopped on the host mid-call ({type(e).__name__}: {first}); "
                             f"its flags and workspaces are as it left them")
@@ -118,21 +136,25 @@ def _steps(ctx, producer, consumer, consumer_first: bool, gate: bool, after_copi
         return
     first = streams[0]
     first.wait_stream(caller)  # 1. follow
-    producer.open(ctx, first)  # 2. open
-    if gate or producer.gate_consumer:
-        caller.wait_stream(first)
-    for s in streams[1:]:
-        s.wait_stream(first)
-    # 3. (where a launch runs to its end, the host backend's, copies first)
-    if consumer_first and not ctx.synchronous_launches and not (producer.copies_first or producer.hold_consumer
-                                                                or after_copies):
-        consumer()
-        producer.enqueue(ctx, streams)
-    else:
-        producer.enqueue(ctx, streams)
-        for s in streams if after_copies else streams[-1:] if producer.hold_consumer else []:
+    forked = [first]
+    try:
+        producer.open(ctx, first)  # 2. open
+        if gate or producer.gate_consumer:
+            caller.wait_stream(first)
+        for s in streams[1:]:
+            s.wait_stream(first)
+            forked.append(s)
+        # 3. (where a launch runs to its end, the host backend's, copies first)
+        if consumer_first and not ctx.synchronous_launches and not (producer.copies_first or producer.hold_consumer
+                                                                    or after_copies):
+            consumer()
+            producer.enqueue(ctx, streams)
+        else:
+            producer.enqueue(ctx, streams)
+            for s in streams if after_copies else streams[-1:] if producer.hold_consumer else []:
+                caller.wait_stream(s)
+            consumer()
+    finally:  # 4. join (after a step that raised too, so that a capture of the call can end)
+        for s in forked:
             caller.wait_stream(s)
-        consumer()
-    for s in streams:  # 4. join
-        caller.wait_stream(s)
     producer.finish(ctx)  # 5. finish
