@@ -17,7 +17,8 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    GPU computes on local data while the host works, unless the producer asks for ``copies_first``. A producer
    that ``hold_consumer`` enqueues first, and the caller's stream waits for its last stream (the exchanges between
    hosts) before the consumer: NCCL's kernels there need SMs that a consumer's waiting programs could hold;
-4. **join**: the caller's stream waits for every producer stream;
+4. **join**: the caller's stream waits for every producer stream (also when a step raised, so that a capture of
+   the call can end);
 5. **finish**: the producer's closing steps on the caller's stream (resetting this rank's flags, where the consumer
    does not do it itself).
 
