@@ -515,7 +515,7 @@ def test_shard_copied_into_workspace(pool, case):
         pytest.skip("no such case for this backend")
     for err, calls in pool.run(_staged_case, AG_GEMM.cases.on(pool)[picks[case]]):
         assert err < 1e-2
-        assert calls > 0 or not host, "the descriptor path was not taken"
+        assert calls > 0, "the descriptor path was not taken"
 
 
 def test_plain_gluon_gemm(pool):
