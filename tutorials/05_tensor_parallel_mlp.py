@@ -5,8 +5,9 @@
 ``triton_overlap.nn`` has sequence-parallel layers: ``ColumnParallelLinear``
 ([S/W, *, in] -> [S, *, out/W], AllGather-GEMM) and ``RowParallelLinear``
 ([S, *, in/W] -> [S/W, *, out], GEMM-ReduceScatter); each one's backward uses
-the other op. ``TPMLP.from_full(gate, up, down, ctx)`` shards an existing
-SwiGLU MLP. ``ParallelTransformerBlock`` puts one beside context-parallel
+the other op. ``TPMLP.from_full(gate, up, down, ctx, dtype=torch.bfloat16)``
+shards an existing SwiGLU MLP (without ``dtype`` it keeps the source layers'
+dtype; float32 layers then need ``torch.autocast``). ``ParallelTransformerBlock`` puts one beside context-parallel
 attention, and ``torch.compile(model, fullgraph=True)`` traces both (the ops
 are torch custom ops with fake implementations and backward formulas).
 

@@ -90,7 +90,7 @@ from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check
 @dataclass(frozen=True)
 class ExpertParallelConfig:
     """``num_streams``: copy streams for the exchanges (None: one per peer, so that every link carries data at
-    once; not measured yet on GPUs, where AllGather-GEMM's sweep favoured one stream beside its GEMM).
+    once; unmeasured on GPUs, where AllGather-GEMM's sweep favoured one stream beside its GEMM).
     ``experts_gemm``: how a dispatch with ``expert_weight`` computes ``d.projected`` (ops.ep_experts): "after"
     (``torch._grouped_mm`` once every row is in; the default: on 2 H200s the per-source GEMM below made the
     EPMoE forward 0.86-0.92x as fast on Qwen3-30B-A3B, docs/decisions.md, Expert-parallel MoE) or "overlap" (a
