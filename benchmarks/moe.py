@@ -34,7 +34,7 @@ import torch.distributed as dist
 import triton_overlap as to
 from moe_report import moe_row
 from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_rows
-from triton_overlap.kernels.grouped_gemm import launch_ag_grouped
+from triton_overlap.kernels.grouped_gemm import launch_ag_grouped, reads_rows_by_tma, stage_rows
 from triton_overlap.ops.all_gather_moe import consumer_schedule
 from triton_overlap.ops.moe_routing import count_ids
 from triton_overlap.timing import capture, time_interleaved
@@ -137,18 +137,30 @@ def torch_moe_layer(x, router_w, w13, w2, topk: int, renormalize: bool = True):
 def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out, contig: bool = False):
     """Our grouped GEMM alone on rows already here (for the RS shapes too: the GEMM core both ops' kernels share,
     without MoE-GEMM-ReduceScatter's combine): the AllGather grouped GEMM that ``launch_ag_grouped`` picks for these
-    operands (on Hopper the Gluon kernel where K <= grouped_gemm_hopper.MAX_K or ``contig``, as the ops pick theirs)
-    as a world of one (one chunk, at arrival position 0: no tile waits), ``rows`` [T, K] as tokens routed to
-    ``row_experts`` [T, topk], ``out`` [T * topk, N] in the expert-sorted layout (the bound's). ``contig``: the
-    rows are sorted by expert (top-1), and each tile reads its consecutive rows by TMA, as moe_gemm_rs reads the
-    sorted layout of ag_moe_gemm; else it gathers them as ag_moe_gemm does: staged in expert order first where
-    ``cfg.stages`` says so (all rows are this world's own), else row by row. Returns the launch as a
-    function."""
-    sched = consumer_schedule(cfg, rows.shape[0], rows.device)
-    _, routes, table = ag_op.route(sched, row_experts, w.shape[0], True)
+    operands (on Hopper the Gluon kernel where K <= grouped_gemm_hopper.MAX_K or the rows are read by TMA, as the ops
+    pick theirs) as a world of one (no tile waits), ``rows`` [T, K] as tokens routed to ``row_experts`` [T, topk],
+    ``out`` [T * topk, N] in the expert-sorted layout (the bound's). ``contig``: the rows are sorted by expert
+    (top-1), and each tile reads its consecutive rows by TMA, as moe_gemm_rs reads the sorted layout of ag_moe_gemm;
+    else as ag_moe_gemm reads them: where its ranks would send rows sorted by expert (``ag_op.sends_rows``), the
+    rows first copied in expert order (the pass a rank makes over its own rows before sending them, here over all),
+    then read by TMA; else gathered token by token. Returns the launch as a function."""
+    T, topk = row_experts.shape
+    rows_sent = not contig and cfg.sends_rows(w.shape[2], reads_rows_by_tma(ctx, cfg, rows, w, out))
+    sched = consumer_schedule(cfg, T, rows.device, topk if rows_sent else None)
     flags = torch.ones(1, dtype=torch.int32, device=rows.device)
-    return lambda: launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, sched.layout, op=ag_op.op,
-                                     rank=0, contig=contig, stage=cfg.stages(w.shape[2]))
+    if not rows_sent:
+        _, routes, table = ag_op.route(sched, row_experts, w.shape[0], True)
+        return lambda: launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, sched.layout,
+                                         op=ag_op.op, rank=0, contig=contig)
+    _, routes, table, tokens = ag_op.route_rows(sched, row_experts, w.shape[0], True)
+    sent = torch.empty(T * topk, rows.shape[1], dtype=rows.dtype, device=rows.device)
+    by_tma = reads_rows_by_tma(ctx, cfg, rows, w, out)
+
+    def run():
+        stage_rows(ctx, rows, sent, tokens, sched.rows.pos, T, 0)
+        return launch_ag_grouped(ctx, cfg, sent, sent, w, out, routes, table, flags, sched.layout, op=ag_op.op,
+                                 rank=0, contig=by_tma)
+    return run
 
 
 # ---------------------------------------------------------------------------------------------------- timing

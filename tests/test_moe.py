@@ -29,8 +29,8 @@ class MoECase:
     (distinct experts where topk <= experts), "one" (every choice the last expert), "even" (even experts only: the
     odd ones get no rows), "edges" (top-1, expert e the first EDGE_ROWS[e] tokens of a shuffle, the last expert the
     rest). ``iters`` calls, producers delayed up to ``jitter`` s; ``m_per_chunk``, ``streams``: the call's chunking;
-    ``fallback`` the op's rule; ``check_routing`` the op's; ``stage_min_n`` the config's (0: AllGather-MoE's Gluon
-    kernel stages this rank's rows in expert order; None: the default)."""
+    ``fallback`` the op's rule; ``check_routing`` the op's; ``send_rows`` the config's (True: AllGather-MoE's ranks
+    send their rows sorted by expert; None: the default)."""
     m_local: int
     k: int
     n: int
@@ -45,7 +45,7 @@ class MoECase:
     streams: int | None = None
     fallback: str = "never"
     check_routing: bool = True
-    stage_min_n: int | None = None
+    send_rows: bool | None = None
 
 
 #: the "edges" routing's rows per expert: a tile of 128 rows that ends at each side of 64 and 128 rows, one row,
@@ -83,7 +83,7 @@ def _make(op_class):
 
 
 def _overrides(case):
-    return set_fields(m_per_chunk=case.m_per_chunk, num_streams=case.streams, stage_min_n=case.stage_min_n)
+    return set_fields(m_per_chunk=case.m_per_chunk, num_streams=case.streams, send_rows=case.send_rows)
 
 
 # ------------------------------------------------------------------------------------------ AllGather + MoE GEMM
@@ -150,11 +150,11 @@ def _ag_bad_inputs(ctx):
 
 # the GPU cases, the same shapes for both ops: odd rows per rank, one expert (B transposed), empty experts, E = 256,
 # every choice on one expert (fp16), and K not a whole number of 64-deep steps (on Hopper AllGather-MoE's Triton
-# kernel; the others take its Gluon kernel there); the first two with this rank's rows staged in expert order; the
+# kernel; the others take its Gluon kernel there); the first two with rows sent sorted by expert (read by TMA); the
 # last with experts whose rows end a 128-row tile at each side of its half and its end
 GPU_CASES = (
-    MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256, stage_min_n=0),
-    MoECase(m_local=512, k=512, n=256, experts=1, topk=1, transposed=True, stage_min_n=0),
+    MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256, send_rows=True),
+    MoECase(m_local=512, k=512, n=256, experts=1, topk=1, transposed=True, send_rows=True),
     MoECase(m_local=777, k=768, n=512, experts=64, topk=8, routing="even"),
     MoECase(m_local=600, k=512, n=384, experts=256, topk=4, m_per_chunk=160),
     MoECase(m_local=300, k=256, n=256, experts=5, topk=2, routing="one", dtype="float16"),
@@ -175,6 +175,9 @@ AG_MOE = OpSpec(
         MoECase(m_local=13, k=32, n=24, experts=6, topk=3, routing="even", m_per_chunk=4, streams=1),  # empty
         MoECase(m_local=9, k=24, n=16, experts=5, topk=2, routing="one", dtype="float16", jitter=0.003),  # all on 1
         MoECase(m_local=5, k=16, n=24, experts=8, topk=8, m_per_chunk=2),  # top-8, 8 experts
+        # rows sent sorted by expert: empty experts, tiles across chunks, calls back to back
+        MoECase(m_local=13, k=32, n=24, experts=6, topk=3, routing="even", m_per_chunk=4, iters=2, jitter=0.005,
+                send_rows=True),
         MoECase(m_local=11, k=32, n=16, experts=256, topk=4, m_per_chunk=3),  # E = 256: mostly empty experts
     ), gpu=GPU_CASES),
     falls_back=FALLS_BACK,
@@ -392,8 +395,8 @@ def test_fallback_rule():
 def _kernel_choice(_):
     """The grouped GEMM each MoE call ran (op.last_gemm), each result checked against float64: on Hopper the Gluon
     kernels where K is a whole number of their steps (64 deep; 32 where AllGather-MoE gathers rows; 200 is neither),
-    AllGather-MoE's with this rank's rows staged where ``stage_min_n`` <= N, the Triton kernels otherwise and where
-    the config asks for them; elsewhere always the Triton kernels."""
+    AllGather-MoE's reading rows by TMA where they are sent sorted (``send_rows``), the Triton kernels otherwise and
+    where the config asks for them; elsewhere always the Triton kernels, rows sent sorted or not."""
     from refs import rel_err
     from triton_overlap.kernels.capability import gluon_available, is_hopper
 
@@ -404,17 +407,17 @@ def _kernel_choice(_):
                                         (RS_MOE, to.MoEGEMMReduceScatter, "rs_grouped", RS_TOL[torch.bfloat16])):
             op = make(ctx, fallback="never")
             seen = []
-            calls = ((256, "auto", 8192), (200, "auto", 8192), (256, "triton", 8192), (256, "auto", 0))
-            for k, gemm, stage in calls if big else ((32, "auto", 0),):
+            calls = ((256, "auto", False), (200, "auto", False), (256, "triton", True), (256, "auto", True))
+            for k, gemm, rows in calls if big else ((32, "auto", False), (32, "auto", True)):
                 case = MoECase(m_local=130 if big else 7, k=k, n=96 if big else 24, experts=4, topk=2)
                 call = spec.inputs(ctx, case, 0)
-                got = op(*call.args, gemm=gemm, stage_min_n=stage)
+                got = op(*call.args, gemm=gemm, send_rows=rows)
                 ctx.check()
                 assert rel_err(got, call.ref) < tol
                 seen.append(op.last_gemm)
-            staged = "+staged" if kernel == "ag_grouped" else ""
+            by_tma = "+rows" if kernel == "ag_grouped" else ""
             want = [f"{kernel}_hopper" if hopper else f"{kernel}_gemm", f"{kernel}_gemm", f"{kernel}_gemm",
-                    f"{kernel}_hopper{staged}" if hopper else f"{kernel}_gemm"] if big else [f"{kernel}_gemm"]
+                    f"{kernel}_hopper{by_tma}" if hopper else f"{kernel}_gemm"] if big else [f"{kernel}_gemm"] * 2
             assert seen == want, (seen, want)
             with pytest.raises(ValueError, match="MoEGEMMConfig.gemm must be one of"):
                 op(*call.args, gemm="cutlass")
@@ -427,13 +430,13 @@ def test_moe_kernel_choice(pool):
 def _graph_replays(case):
     """Both ops captured in one CUDA graph each (the routing tables and the kernels' scratch then live in the
     graph's own memory pool, fresh segments where a read past a buffer's edge faults), replayed with new inputs
-    copied into the captured ones: every replay against float64; AllGather-MoE also with its rows staged."""
+    copied into the captured ones: every replay against float64; AllGather-MoE also with rows sent sorted."""
     from refs import poison, rel_err
     from triton_overlap.timing import capture
 
     with to.Context(timeout_s=120) as ctx:
         for spec, make, tol, kw in ((AG_MOE, to.AllGatherMoEGEMM, 1e-2, {}),
-                                    (AG_MOE, to.AllGatherMoEGEMM, 1e-2, {"stage_min_n": 0}),
+                                    (AG_MOE, to.AllGatherMoEGEMM, 1e-2, {"send_rows": True}),
                                     (RS_MOE, to.MoEGEMMReduceScatter, RS_TOL[torch.bfloat16], {})):
             op = make(ctx, fallback="never", check_routing=False)
             static = spec.inputs(ctx, case, 0)
@@ -463,29 +466,30 @@ def _eager_replays(case):
     layout's routing is copied out of the graph: equal to an op's that does not replay, and a routing returned
     earlier keeps its values through later replays; the gathered tokens of a replayed call are this call's;
     MoE-ReduceScatter on that layout (TPMoE's path), replayed, equal to an op's that does not replay. With
-    check_routing on (a host read per call) nothing is captured."""
+    check_routing on (a host read per call) nothing is captured. ``case.send_rows``: every AllGather-MoE call's."""
     from refs import poison, rel_err
 
     with to.Context(timeout_s=120) as ctx:
         iters = 5
         plain = to.AllGatherMoEGEMM(ctx, fallback="never", check_routing=False, replay=False, name="t.plain")
         x, w, ids = (a.clone() for a in AG_MOE.inputs(ctx, case, 0).args)
-        plain(x, w, ids, sorted_output=True)  # its buffers allocated before the loop: no graph dropped in it
+        ov = set_fields(send_rows=case.send_rows)
+        plain(x, w, ids, sorted_output=True, **ov)  # its buffers allocated before the loop: no graph dropped in it
         for spec, make, tol in ((AG_MOE, to.AllGatherMoEGEMM, 1e-2),
                                 (RS_MOE, to.MoEGEMMReduceScatter, RS_TOL[torch.bfloat16])):
             op = make(ctx, fallback="never", check_routing=False)
             checked = make(ctx, fallback="never", name=f"t.checked.{spec.name}")
             first = spec.inputs(ctx, case, 0)
             args, out = [a.clone() for a in first.args], first.out
-            checked(*args, out=out)  # (its buffers, before the loop)
+            checked(*args, out=out, **ov)  # (its buffers, before the loop)
             for it in range(iters):
                 call = spec.inputs(ctx, case, it)
                 for a, b in zip(args, call.args):
                     a.copy_(b)
-                assert op(*args, out=poison(out)) is out
+                assert op(*args, out=poison(out), **ov) is out
                 ctx.check()
                 assert rel_err(out, call.ref) < tol, (spec.name, it)
-                checked(*args, out=poison(out))
+                checked(*args, out=poison(out), **ov)
                 assert rel_err(out, call.ref) < tol, (spec.name, "checked", it)
             assert op.replays.stats == {"replays": iters - 2, "captures": 1, "dropped": 0}, op.replays.stats
             assert checked.replays.stats["captures"] == 0
@@ -499,7 +503,7 @@ def _eager_replays(case):
         g = torch.softmax(rand(tuple(ids.shape), torch.float32, dev, "gs"), dim=1)
         fixed = None  # one routing's tensors at fixed addresses, so that moe_gemm_rs's key repeats
         z, z_plain = (torch.empty(T // ctx.world_size, 24, dtype=torch.bfloat16, device=dev) for _ in range(2))
-        h0, r0 = plain(x, w, ids, sorted_output=True)
+        h0, r0 = plain(x, w, ids, sorted_output=True, **ov)
         rs(h0, w2, ids, g, routing=r0)  # (their buffers, before the loop)
         rs_plain(h0, w2, ids, g, routing=r0)
         kept = []
@@ -507,8 +511,8 @@ def _eager_replays(case):
             call = AG_MOE.inputs(ctx, case, it)
             for a, b in zip((x, w, ids), call.args):
                 a.copy_(b)
-            got, routing, gathered = op(x, w, ids, sorted_output=True, return_gathered=True, out=poison(y))
-            want, want_routing = plain(x, w, ids, sorted_output=True)
+            got, routing, gathered = op(x, w, ids, sorted_output=True, return_gathered=True, out=poison(y), **ov)
+            want, want_routing = plain(x, w, ids, sorted_output=True, **ov)
             ctx.check()
             assert torch.equal(got.cpu(), want.cpu()), it
             assert torch.equal(gathered.cpu(), torch.cat(ctx.gather_object(x.cpu())).to(gathered.dtype)), it
@@ -531,34 +535,33 @@ def _eager_replays(case):
         assert rs.replays.stats["captures"] == 1 and rs.replays.stats["replays"] >= iters - 3, rs.replays.stats
 
 
-def test_moe_eager_replays(pool):
+@pytest.mark.parametrize("send_rows", [None, True], ids=["default", "rows_sent"])
+def test_moe_eager_replays(pool, send_rows):
     if pool.backend == "host":
         pytest.skip("CUDA graphs need a GPU")
-    pool.run(_eager_replays, MoECase(m_local=384, k=256, n=320, experts=8, topk=4))
+    pool.run(_eager_replays, MoECase(m_local=384, k=256, n=320, experts=8, topk=4, send_rows=send_rows))
 
 
 def _staging(_):
-    """kernels.grouped_gemm.stage_rows as the Gluon kernel's launcher runs it: this rank's sorted rows (arrival
-    position 0), in their sorted order, each its token's row of this rank's shard, in a copy of 1/W of the sorted
-    rows; each sorted row's place in it; K not a whole number of the kernel's column blocks, rows not a whole number
-    of its row blocks."""
-    from types import SimpleNamespace
-
+    """kernels.grouped_gemm.stage_rows as AllGather-MoE runs it where rows are sent sorted: every row whose arrival
+    position is 0 (this rank's) becomes its token's row of this rank's shard, every other row is left as it was; K
+    not a whole number of the kernel's column blocks, rows not a whole number of its row blocks."""
     from triton_overlap.kernels.grouped_gemm import stage_rows
 
     with to.Context(timeout_s=120) as ctx:
         m_local, K, topk, r, W, dev = 37, 300, 3, ctx.rank, ctx.world_size, ctx.device
         g = torch.Generator().manual_seed(7)
         x = torch.randn(m_local, K, generator=g).to(torch.bfloat16).to(dev)
-        tokens = torch.arange(m_local * W).repeat(topk)  # every (token, choice) pair, in a shuffled sorted order
-        src = tokens[torch.randperm(tokens.numel(), generator=g)].to(torch.int32).to(dev)
-        pos = torch.where(src // m_local == r, 0, 1 + src // m_local).to(torch.int32)
-        staged, at = stage_rows(ctx, x, (src, None, pos, None), SimpleNamespace(world=W, m_local=m_local), r)
+        tokens = torch.arange(m_local * W).repeat(topk)  # every (token, choice) pair, in a shuffled order
+        tokens = tokens[torch.randperm(tokens.numel(), generator=g)].to(torch.int32).to(dev)
+        pos = torch.where(tokens // m_local == r, 0, 1 + tokens // m_local).to(torch.int32)
+        staged = torch.full((tokens.numel(), K), float("nan"), dtype=torch.bfloat16, device=dev)
+        stage_rows(ctx, x, staged, tokens, pos, m_local, r)
         ctx.after_launch()
         own = pos == 0
-        assert staged.shape == (m_local * topk, K) and int(own.sum()) == m_local * topk
-        assert torch.equal(at[own].cpu(), torch.arange(m_local * topk, dtype=torch.int32))
-        assert torch.equal(staged, x[(src[own] - r * m_local).long()])
+        assert int(own.sum()) == m_local * topk
+        assert torch.equal(staged[own], x[(tokens[own] - r * m_local).long()])
+        assert bool(staged[~own].isnan().all())
 
 
 def test_stage_own_rows(pool):
@@ -572,16 +575,45 @@ def test_config_rejects_odd_tiles():
         to.MoEGEMMConfig(block_c=24)
     with pytest.raises(ValueError, match="tile_lag"):
         to.MoEGEMMConfig(tile_lag=-0.5)
-    with pytest.raises(ValueError, match="stage_min_n"):
-        to.MoEGEMMConfig(stage_min_n=-1)
+    with pytest.raises(ValueError, match="send_rows"):
+        to.MoEGEMMConfig(send_rows="yes")
 
 
-def test_staging_is_opt_in():
-    """AllGather-MoE stages its own rows only where ``stage_min_n`` asks (docs/decisions.md: the gather's deeper
-    pipeline beat staging), from that width on."""
-    assert not any(to.MoEGEMMConfig().stages(n) for n in (1, 6144, 1 << 20))
-    assert to.MoEGEMMConfig(stage_min_n=0).stages(1)
-    assert [to.MoEGEMMConfig(stage_min_n=4096).stages(n) for n in (4095, 4096)] == [False, True]
+def test_rows_sent_where_read_by_tma():
+    """AllGather-MoE's ranks send rows sorted by expert by default only where its grouped GEMM reads them by TMA
+    and the weight shard has at least ROWS_MIN_N columns (docs/decisions.md); ``send_rows`` decides otherwise."""
+    from triton_overlap.ops.moe_config import ROWS_MIN_N
+
+    auto = to.MoEGEMMConfig()
+    assert [auto.sends_rows(n, True) for n in (ROWS_MIN_N - 1, ROWS_MIN_N, 1 << 20)] == [False, True, True]
+    assert not any(auto.sends_rows(n, False) for n in (1, ROWS_MIN_N, 1 << 20))
+    assert to.MoEGEMMConfig(send_rows=True).sends_rows(1, False)
+    assert not to.MoEGEMMConfig(send_rows=False).sends_rows(1 << 20, True)
+
+
+def _rows_against_tokens(case):
+    """The same calls with tokens sent and with rows sent sorted by expert (token-major and sorted outputs, the
+    gathered tokens, the routing): equal, and the sorted layout keeps each rank's rows of an expert together."""
+    with to.Context(timeout_s=120) as ctx:
+        op = to.AllGatherMoEGEMM(ctx, fallback="never", check_routing=False, name="t.rows")
+        for it in range(2):
+            x, w, ids = AG_MOE.inputs(ctx, case, it).args
+            base = dict(m_per_chunk=case.m_per_chunk)
+            tok = op(x, w, ids, **base)
+            rows = op(x, w, ids, send_rows=True, **base)
+            assert torch.equal(rows.cpu(), tok.cpu()), it
+            y_t, r_t, g_t = op(x, w, ids, sorted_output=True, return_gathered=True, **base)
+            y_r, r_r, g_r = op(x, w, ids, sorted_output=True, return_gathered=True, send_rows=True, **base)
+            ctx.check()
+            assert torch.equal(g_r.cpu(), torch.cat(ctx.gather_object(x.cpu()))), it
+            assert torch.equal(g_t.cpu(), g_r.cpu()) and r_r.rank_runs, it
+            for f in ("order", "position", "offsets"):
+                assert torch.equal(getattr(r_r, f).cpu(), getattr(r_t, f).cpu()) or not r_t.rank_runs, (it, f)
+            assert torch.equal(y_r.cpu()[r_r.position.cpu().long()], y_t.cpu()[r_t.position.cpu().long()]), it
+
+
+def test_rows_sent_against_tokens(pool):
+    pool.run(_rows_against_tokens, MoECase(m_local=11, k=32, n=24, experts=5, topk=3, m_per_chunk=4))
 
 
 def test_tile_lag():

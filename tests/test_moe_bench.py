@@ -4,6 +4,7 @@ the report it writes."""
 import json
 import os
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -101,7 +102,16 @@ def _baseline_and_consumer():
         ctx.check()
         err = rel_err(out, grouped_matmul(rows.double(), experts, w.double()))
         assert err < 1e-2, err
-        return errs + [err]
+        # as where rows are sent sorted by expert: top-2, the sorted layout (by expert, then pair)
+        ids = torch.randint(0, E, (37, 2), generator=torch.Generator().manual_seed(5)).to(dev)
+        pairs = torch.argsort(ids.reshape(-1), stable=True)
+        out2 = torch.full((74, 24), float("nan"), dtype=torch.bfloat16, device=dev)
+        cfg = replace(to.MoEGEMMConfig.defaults(ctx), send_rows=True)
+        moe_bench.consumer_alone(ctx, ag, cfg, rows, w, ids, out2)()
+        ctx.check()
+        err2 = rel_err(out2, grouped_matmul(rows[pairs // 2].double(), ids.reshape(-1)[pairs], w.double()))
+        assert err2 < 1e-2, err2
+        return errs + [err, err2]
 
 
 def test_baseline_layer_and_consumer_alone_agree_with_ours(pool):

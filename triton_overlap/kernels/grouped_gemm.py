@@ -24,7 +24,6 @@ nothing is read back to the host: slots past the last tile are empty (first row 
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -190,18 +189,17 @@ def rs_grouped_gemm(h_ptr, w, y_ptr, src_ptr, pos_ptr, weights_ptr, table_ptr, d
 
 
 @triton.jit
-def stage_own_rows(x_ptr, staged_ptr, src_ptr, pos_ptr, staged_at_ptr, pairs, M_LOCAL, rank, K, stride_xm,
-                   stride_sm, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``staged[staged_at[p]] = x[src[p] - rank * M_LOCAL]`` for every sorted row p of this rank's own tokens
-    (arrival position 0): those rows in expert-sorted order, consecutive, which the Gluon grouped GEMM's tiles of
-    own rows read by TMA (kernels.grouped_gemm_hopper, STAGED). A program with no own rows copies nothing."""
+def stage_own_rows(x_ptr, staged_ptr, src_ptr, pos_ptr, pairs, M_LOCAL, rank, K, stride_xm, stride_sm,
+                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``staged[p] = x[src[p] - rank * M_LOCAL]`` for every row p of this rank's own tokens (arrival position 0):
+    AllGather-MoE's rows sent sorted by expert, this rank's block of them, which its copy engines then send. A
+    program with no own rows copies nothing."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < pairs
     own = ok & (tl.load(pos_ptr + rows, mask=ok, other=1) == 0)
     tok = tl.load(src_ptr + rows, mask=own, other=0)
-    at = tl.load(staged_at_ptr + rows, mask=own, other=0)
     src_rows = x_ptr + (tok - rank * M_LOCAL).to(tl.int64) * stride_xm
-    dst_rows = staged_ptr + at.to(tl.int64) * stride_sm
+    dst_rows = staged_ptr + rows.to(tl.int64) * stride_sm
     k_end = tl.where(tl.max(own.to(tl.int32), axis=0) > 0, K, 0)
     for k0 in range(0, k_end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
@@ -235,7 +233,7 @@ def expert_weights(ctx, tiles, w):
 
 
 def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, op: int = 0,
-                      rank: int | None = None, contig: bool = False, stage: bool = False) -> str:
+                      rank: int | None = None, contig: bool = False) -> str:
     """The AllGather grouped GEMM on the caller's stream: on Hopper the warp-specialized Gluon kernel
     (kernels.grouped_gemm_hopper) where it can run and ``tiles.gemm`` is not "triton", else ``ag_grouped_gemm``.
     Returns the kernel's name. ``tiles``: block sizes and warps (MoEGEMMConfig); ``x`` this rank's [m_local, K]
@@ -243,23 +241,16 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
     ``out.stride(0)``, unit column stride); ``routes``: (src, dst, pos, chunk_at) int32 tensors; ``table``: int32
     [slots, 3]; ``flags``: this rank's flags; ``layout``: the gather's ChunkLayout; ``rank``: the rank it runs as
     (None: the Context's; tests simulate a world on one rank); ``contig``: each tile's rows are consecutive rows of
-    ``ws``, which the Gluon kernel then reads by TMA: only for the grouped GEMM alone on rows already sorted by
-    expert, all in ``ws`` with nothing to wait for (a world of one); the op's own rows are in ``x``, and its waits
-    on flags are not fenced for TMA reads. ``stage`` (not with ``contig``): where the Gluon kernel runs, this rank's
-    own rows are first copied in expert order into a fresh buffer of 1/W of the sorted rows (``stage_rows``, a pass
-    over them on the whole GPU), from which the tiles of own rows read them by TMA (the name then ends in
-    "+staged")."""
+    ``ws`` from ``src`` of its first row, which the Gluon kernel then reads by TMA (AllGather-MoE's rows sent
+    sorted by expert, ``x`` this rank's block of ``ws``; a tile that waited for chunks fences the async proxy)."""
     N, K = w.shape[2], w.shape[1]
     slots = table.shape[0]
     steps = hopper.TILES if contig else hopper.GATHER_STEPS  # gathered rows: a deeper pipeline (GATHER_STEPS)
     if tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, contig, steps):
-        staged = None
-        if stage and not contig:
-            staged = stage_rows(ctx, x, routes, layout, ctx.rank if rank is None else rank)
         programs = _programs(ctx, slots * triton.cdiv(N, hopper.TILES.block_n), free_sm=True)
         hopper.launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs, op, rank,
-                                        contig, staged, steps=steps)
-        return "ag_grouped_hopper" + ("+staged" if staged is not None else "")
+                                        contig, steps=steps)
+        return "ag_grouped_hopper" + ("+rows" if contig else "")
     programs = _programs(ctx, slots * triton.cdiv(N, tiles.block_n), free_sm=True)
     b, b_desc = expert_weights(ctx, tiles, w)
     launch(ag_grouped_gemm, (programs,), (
@@ -272,18 +263,19 @@ def launch_ag_grouped(ctx, tiles, x, ws, w, out, routes, table, flags, layout, o
     return "ag_grouped_gemm"
 
 
-def stage_rows(ctx, x, routes, layout, rank: int) -> tuple:
-    """``stage_own_rows`` on the caller's stream: (the copy [own rows, K], int32 [sorted rows]: each sorted row's
-    place in it, counting this rank's rows in sorted order). This rank's rows are 1/W of the sorted rows (every
-    rank's tokens count alike), so is the copy."""
-    src, pos = routes[0], routes[2]
-    pairs, K = src.numel(), x.shape[1]
-    staged_at = torch.cumsum(pos == 0, 0, dtype=torch.int32).sub_(1)
-    staged = torch.empty((pairs // layout.world, K), dtype=x.dtype, device=x.device)
+def reads_rows_by_tma(ctx, tiles, x, w, out) -> bool:
+    """Whether ``launch_ag_grouped`` with ``contig`` would run these operands on the Gluon kernel, which reads a
+    tile's consecutive rows by TMA (else rows are read one by one, as they are gathered)."""
+    return tiles.gemm != "triton" and hopper.usable(ctx, tiles, x, w, out, True, hopper.TILES)
+
+
+def stage_rows(ctx, x, staged, tokens, pos, m_local: int, rank: int) -> None:
+    """``stage_own_rows`` on the caller's stream for every row p of ``staged`` [P, K] whose arrival position
+    ``pos[p]`` is 0 (this rank's): ``staged[p] = x[tokens[p] - rank * m_local]``."""
+    pairs, K = staged.shape
     launch(stage_own_rows, (triton.cdiv(pairs, 16),), (
-        x, staged, src, pos, staged_at, pairs, layout.m_local, rank, K, x.stride(0), staged.stride(0)),
+        x, staged, tokens, pos, pairs, m_local, rank, K, x.stride(0), staged.stride(0)),
         dict(BLOCK_R=16, BLOCK_K=256), num_warps=4)
-    return staged, staged_at
 
 
 def launch_rs_grouped(ctx, tiles, block_c: int, h, w, y, routes, weights, table, dests, counts, target, layout,

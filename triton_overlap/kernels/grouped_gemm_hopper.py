@@ -20,12 +20,12 @@ program per SM but one, round-robin. Two partitions:
   the first load of a tile whose rows come from a peer's chunks they wait (bounded) for the flag of each chunk
   position its rows use, as ``ag_grouped_gemm`` does, and only then read the rows' sources ``src`` (an
   expert-parallel dispatch's peers store them with the rows: ops.ep_experts). Where each tile's rows are
-  consecutive rows of A (CONTIG: MoE-GEMM-ReduceScatter on the expert-sorted layout, MoERouting.rank_runs), A comes
-  by TMA on the same barrier as B instead, with no copies to issue, wait for or fence (faster on every model shape
-  measured, and without a K limit: docs/decisions.md, Tensor-parallel MoE). So too, with STAGED (AllGather-MoE where
-  ``MoEGEMMConfig.stage_min_n`` asks for it), for the tiles of this rank's own rows, which
-  kernels.grouped_gemm.stage_own_rows first copied in expert order; a tile with a peer's rows still gathers. After
-  the K loop the tile goes, as the output dtype, into a shared tile buffer ("full");
+  consecutive rows of A (CONTIG: MoE-GEMM-ReduceScatter on the expert-sorted layout, MoERouting.rank_runs, and
+  AllGather-MoE where the ranks send their rows sorted by expert, ``MoEGEMMConfig.send_rows``), A comes by TMA on the
+  same barrier as B instead, with no copies to issue, wait for or fence (faster on every model shape measured, and
+  without a K limit: docs/decisions.md, Tensor-parallel MoE); a tile that waited for a peer's chunks then fences the
+  async proxy before its loads. After the K loop the tile goes, as the output dtype, into a shared tile buffer
+  ("full");
 * the stores (a worker partition of STORE_WARPS warps): SUB_M rows of the buffer at a time, each row into its
   output row ``dst``, then "free".
 
@@ -47,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from .cached_launch import launch
 from .capability import gluon_available, is_sm90
-from .gemm_device import work_item
+from .gemm_device import fence_async_proxy, work_item
 from .gemm_gather_hopper import stage_buffers
 from .gemm_hopper_tiles import EPILOGUE_REGS, EPILOGUE_WARPS, MAXNREG, SUB_M, TILES
 from .gemm_operands import aligned
@@ -104,10 +104,10 @@ def _rows(r, first, end, LD: gl.constexpr, BLOCK_M: gl.constexpr, CONTIG: gl.con
 
 
 @gluon.jit
-def _arrived(f, first, end, BLOCK_M: gl.constexpr, CLOCK: gl.constexpr):
+def _arrived(f, first, end, BLOCK_M: gl.constexpr, CLOCK: gl.constexpr, CONTIG: gl.constexpr):
     """Before the first load of the tile of sorted rows [first, end): wait (bounded) for the flag of the chunk at
     each arrival position its rows use (positions are sorted within a tile; position 0, this rank's rows, needs
-    none)."""
+    none); with CONTIG (A by TMA) then order those acquires before the loads."""
     pos_ptr, chunk_at_ptr, flags_ptr, waiter, CHUNKS_PER_RANK = f
     lo = gl.maximum(gl.load(pos_ptr + first), 1)
     hi = gl.load(pos_ptr + end - 1)
@@ -118,20 +118,8 @@ def _arrived(f, first, end, BLOCK_M: gl.constexpr, CLOCK: gl.constexpr):
             if gl.sum((pos == k).to(gl.int32), axis=0) > 0:
                 c = gl.load(chunk_at_ptr + k)
                 wait_for(flags_ptr + c, 1, waiter, c // CHUNKS_PER_RANK, c % CHUNKS_PER_RANK, CLOCK)
-
-
-@gluon.jit
-def _tile_rows(r, f, first, end, LD: gl.constexpr, BLOCK_M: gl.constexpr, CONTIG: gl.constexpr,
-               STAGED: gl.constexpr):
-    """``_rows``' pointers, and with STAGED (them, the tile's first row in the staged copy (``r``'s last: each sorted
-    row's place there), 1 where every row of the tile is this rank's (arrival position 0), else 0). Such a tile
-    reads its consecutive rows there by TMA; the rows after them (another expert's, zeros past the copy's end) feed
-    products that are never stored."""
-    rows = _rows(r, first, end, LD, BLOCK_M, CONTIG)
-    if STAGED:
-        own = (gl.load(f[0] + gl.where(end > first, end - 1, 0)) == 0).to(gl.int32)
-        rows = (rows, gl.load(r[7] + first), own)
-    return rows
+        if CONTIG:
+            fence_async_proxy(CLOCK)
 
 
 @gluon.jit
@@ -146,10 +134,9 @@ def _gather(buf, rows, k, BLOCK_K: gl.constexpr):
 
 
 @gluon.jit
-def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
+def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr):
     """Issue K step ``k``'s loads into stage ``ld % NUM_STAGES``: A's rows by cp.async (``_gather``), or by TMA with
-    CONTIG (from row ``rows``) or STAGED where the tile is this rank's own rows (the staged copy; an empty commit
-    group, so every step counts one); B's block of ``expert`` at ``col0`` by TMA; TMA on the stage's "ready"."""
+    CONTIG (from row ``rows``); B's block of ``expert`` at ``col0`` by TMA; TMA on the stage's "ready"."""
     a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     STAGES: gl.constexpr = a_bufs.type.shape[0]
@@ -158,14 +145,6 @@ def _load(p, ld, rows, expert, col0, k, B_KMAJOR: gl.constexpr, CONTIG: gl.const
     if CONTIG:
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
         tma_load(a_desc, [rows, k * BLOCK_K], bar, a_bufs.index(s))
-    elif STAGED:
-        if rows[2] != 0:
-            mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            tma_load(a_desc, [rows[1], k * BLOCK_K], bar, a_bufs.index(s))
-            async_copy.commit_group()
-        else:
-            _gather(a_bufs.index(s), rows[0], k, BLOCK_K)
-            mbarrier.expect(bar, b_desc.block_type.nbytes)
     else:
         _gather(a_bufs.index(s), rows, k, BLOCK_K)
         mbarrier.expect(bar, b_desc.block_type.nbytes)
@@ -184,19 +163,16 @@ def _landed(LEAD: gl.constexpr):
 
 
 @gluon.jit
-def _step(p, acc, g, own, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
-    """Consume K step ``g`` (this program's count): wait for its A rows (``_landed``; with CONTIG, or STAGED and
-    ``own`` (the tile read from the staged copy), they come on the stage's barrier) and its B block, issue its
-    wgmma, and wait for the previous step's (both warpgroups'), whose stage is then free."""
+def _step(p, acc, g, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr):
+    """Consume K step ``g`` (this program's count): wait for its A rows (``_landed``; with CONTIG they come on the
+    stage's barrier) and its B block, issue its wgmma, and wait for the previous step's (both warpgroups'), whose
+    stage is then free."""
     a_bufs, b_desc, b_bufs, ready, K, N, a_desc = p
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1] if B_KMAJOR else b_desc.block_type.shape[2]
     s = g % STAGES
-    if STAGED:
-        if own == 0:
-            _landed(STAGES - 1)
-    elif not CONTIG:
+    if not CONTIG:
         _landed(STAGES - 1)
     mbarrier.wait(ready.index(s), (g // STAGES) & 1)
     if B_KMAJOR:
@@ -211,13 +187,12 @@ def _step(p, acc, g, own, B_KMAJOR: gl.constexpr, CONTIG: gl.constexpr, STAGED: 
 
 @gluon.jit
 def grouped_k_loops(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B_KMAJOR: gl.constexpr,
-                    WAIT: gl.constexpr, CLOCK: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
+                    WAIT: gl.constexpr, CLOCK: gl.constexpr, CONTIG: gl.constexpr):
     """Every GEMM tile of this program (``grouped_item``): the K loop on wgmma, its loads issued LEAD =
     NUM_STAGES - 1 steps ahead, then the tile as the output dtype into the shared tile buffer (``c``'s first three:
     the buffer, "full", "free") for the store partition. WAIT: wait for the chunk flags of a tile's rows first.
     CONTIG: each tile's rows are consecutive rows of A (``src[first]`` onwards), loaded by TMA through ``p``'s
-    last, A's descriptor, with B on the stage's barrier; else gathered row by row by cp.async, but with STAGED the
-    tiles of this rank's own rows, read by TMA from the staged copy that ``p``'s last describes (``_tile_rows``).
+    last, A's descriptor, with B on the stage's barrier; else gathered row by row by cp.async.
 
     A tile's K loop is its first k_tiles - LEAD steps, which load the same tile's later steps, and LEAD steps
     written out, which load the next item's first ones when the program's next item is a GEMM tile with rows (else
@@ -242,27 +217,24 @@ def grouped_k_loops(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.const
         expert, first, end, pid_n, busy = grouped_item(t, it, num_pid_n, GROUP_M)
         if busy:
             if WAIT and prefetched == 0:
-                _arrived(f, first, end, BLOCK_M, CLOCK)
-            rows = _tile_rows(r, f, first, end, LD, BLOCK_M, CONTIG, STAGED)
-            own = 0
-            if STAGED:
-                own = rows[2]
+                _arrived(f, first, end, BLOCK_M, CLOCK, CONTIG)
+            rows = _rows(r, first, end, LD, BLOCK_M, CONTIG)
             if prefetched == 0:
                 for j in gl.static_range(LEAD):
-                    _load(p, g + j, rows, expert, pid_n * BLOCK_N, j, B_KMAJOR, CONTIG, STAGED)
+                    _load(p, g + j, rows, expert, pid_n * BLOCK_N, j, B_KMAJOR, CONTIG)
             acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma)
             for k in range(k_tiles - LEAD):
-                acc = _step(p, acc, g, own, B_KMAJOR, CONTIG, STAGED)
-                _load(p, g + LEAD, rows, expert, pid_n * BLOCK_N, k + LEAD, B_KMAJOR, CONTIG, STAGED)
+                acc = _step(p, acc, g, B_KMAJOR, CONTIG)
+                _load(p, g + LEAD, rows, expert, pid_n * BLOCK_N, k + LEAD, B_KMAJOR, CONTIG)
                 g += 1
             n_expert, n_first, n_end, n_pid_n, has_next = grouped_item(t, it + NUM_PROGRAMS, num_pid_n, GROUP_M)
             if WAIT and has_next:  # before the next tile's rows are read: their sources may write ``src`` too
-                _arrived(f, n_first, n_end, BLOCK_M, CLOCK)
-            n_rows = _tile_rows(r, f, n_first, n_end, LD, BLOCK_M, CONTIG, STAGED)
+                _arrived(f, n_first, n_end, BLOCK_M, CLOCK, CONTIG)
+            n_rows = _rows(r, n_first, n_end, LD, BLOCK_M, CONTIG)
             for j in gl.static_range(LEAD):
-                acc = _step(p, acc, g, own, B_KMAJOR, CONTIG, STAGED)
+                acc = _step(p, acc, g, B_KMAJOR, CONTIG)
                 if has_next:
-                    _load(p, g + LEAD, n_rows, n_expert, n_pid_n * BLOCK_N, j, B_KMAJOR, CONTIG, STAGED)
+                    _load(p, g + LEAD, n_rows, n_expert, n_pid_n * BLOCK_N, j, B_KMAJOR, CONTIG)
                 elif not CONTIG:
                     async_copy.commit_group()
                 g += 1
@@ -344,27 +316,25 @@ def grouped_buffers(a_ptr, b_desc, out_ptr, BLOCK_M: gl.constexpr, BLOCK_K: gl.c
 
 @gluon.jit
 def ag_grouped_hopper(x_ptr, ws_ptr, a_desc, b_desc, out_ptr, src_ptr, dst_ptr, pos_ptr, chunk_at_ptr, table_ptr,
-                      flags_ptr, staged_at_ptr, waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm,
+                      flags_ptr, waiter, slots, M_LOCAL, CHUNKS_PER_RANK, N, K, stride_xm, stride_wsm,
                       stride_om,
                       BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                       NUM_PROGRAMS: gl.constexpr, NUM_STAGES: gl.constexpr, B_KMAJOR: gl.constexpr,
                       CLOCK: gl.constexpr, STORE_WARPS: gl.constexpr, STORE_REGS: gl.constexpr,
-                      SUB_M: gl.constexpr, CONTIG: gl.constexpr, STAGED: gl.constexpr):
+                      SUB_M: gl.constexpr, CONTIG: gl.constexpr):
     """out[dst[p]] = x_all[src[p]] @ w[expert of p] for every sorted row p (module doc; the arguments are
     ``ag_grouped_gemm``'s). ``b_desc``: the experts' weights [E, K, N] in [1, BLOCK_K, BLOCK_N] blocks or, with
     B_KMAJOR, their transpose [E, N, K] in [1, BLOCK_N, BLOCK_K] blocks. CONTIG: ``a_desc`` describes the
-    workspace, whose rows each tile reads consecutively (``grouped_k_loops``); STAGED: it describes the staged
-    copy of this rank's rows (``stage_own_rows``; ``staged_at``: each sorted row's place there), which tiles of this
-    rank's rows read; else it is not read."""
+    workspace, whose rows each tile reads consecutively (``grouped_k_loops``); else it is not read."""
     a_bufs, b_bufs, c_buf, ready, tile_bars = grouped_buffers(x_ptr, b_desc, out_ptr, BLOCK_M, BLOCK_K, NUM_STAGES,
                                                               B_KMAJOR)
     p = (a_bufs, b_desc, b_bufs, ready, K, N, a_desc)
-    r = (x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, waiter[2], staged_at_ptr)
+    r = (x_ptr, ws_ptr, src_ptr, stride_xm, stride_wsm, M_LOCAL, waiter[2])
     f = (pos_ptr, chunk_at_ptr, flags_ptr, waiter, CHUNKS_PER_RANK)
     t = (table_ptr, slots, 0, 1)
     c = (c_buf, tile_bars.index(0), tile_bars.index(1), out_ptr, dst_ptr, stride_om)
     gl.warp_specialize([
-        (grouped_k_loops, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, True, CLOCK, CONTIG, STAGED)),
+        (grouped_k_loops, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, True, CLOCK, CONTIG)),
         (_stores, (p, r, f, t, c, GROUP_M, NUM_PROGRAMS, SUB_M)),
     ], [STORE_WARPS], [STORE_REGS])
 
@@ -406,7 +376,7 @@ def weights_descriptor(w, steps=TILES):
 
 def rows_descriptor(a, steps=TILES):
     """A Gluon tensor descriptor of A's rows ``a`` [R, K] (unit stride along K) in [BLOCK_M, BLOCK_K] blocks
-    (``steps``'), for the kernels' CONTIG and STAGED loads (rows past R read as zeros)."""
+    (``steps``'), for the kernels' CONTIG loads (rows past R read as zeros)."""
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
     return tma_descriptor(a, list(a.shape), a.stride(0), [steps.block_m, steps.block_k], gdt)
 
@@ -426,22 +396,20 @@ def usable(ctx, tiles, x, w, out, contig: bool = False, steps=TILES) -> bool:
 
 
 def launch_ag_grouped_hopper(ctx, x, ws, w, out, routes, table, flags, layout, programs: int, op: int = 0,
-                             rank: int | None = None, contig: bool = False, staged=None, *, steps) -> None:
+                             rank: int | None = None, contig: bool = False, *, steps) -> None:
     """``ag_grouped_hopper`` on the caller's stream, with kernels.grouped_gemm.launch_ag_grouped's arguments
     (``usable`` must hold; ``programs``: the grid). ``contig``: each tile's rows are consecutive rows of ``ws``,
-    read by TMA; ``staged``: kernels.grouped_gemm.stage_rows' (copy of this rank's rows, each sorted row's place);
-    ``steps``: the K steps (``usable``'s)."""
+    read by TMA; ``steps``: the K steps (``usable``'s)."""
     E, K, N = w.shape
     b_desc = weights_descriptor(w, steps)
-    rows_copy, staged_at = (ws if contig else None, routes[0]) if staged is None or contig else staged
     launch(ag_grouped_hopper, (programs,), (
-        x, ws, b_desc if rows_copy is None else rows_descriptor(rows_copy, steps), b_desc, out, *routes, table, flags,
-        staged_at, waiter(ctx, op, rank), table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0),
+        x, ws, rows_descriptor(ws, steps) if contig else b_desc, b_desc, out, *routes, table, flags,
+        waiter(ctx, op, rank), table.shape[0], layout.m_local, layout.chunks_per_rank, N, K, x.stride(0),
         ws.stride(0), out.stride(0),
     ), dict(BLOCK_M=TILES.block_m, BLOCK_K=steps.block_k, GROUP_M=TILES.group_m, NUM_PROGRAMS=programs,
             NUM_STAGES=steps.num_stages, B_KMAJOR=weights_layout(w) == "nk", CLOCK=ctx.clock,
-            STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M, CONTIG=contig,
-            STAGED=staged is not None and not contig), num_warps=8, maxnreg=MAXNREG)
+            STORE_WARPS=EPILOGUE_WARPS, STORE_REGS=EPILOGUE_REGS, SUB_M=SUB_M, CONTIG=contig), num_warps=8,
+           maxnreg=MAXNREG)
     ctx.after_launch()
 
 

@@ -129,7 +129,7 @@ def _k_loops(p, r, f, t, c, GROUP_M: gl.constexpr, NUM_PROGRAMS: gl.constexpr, B
              CLOCK: gl.constexpr, CONTIG: gl.constexpr):
     """The K loop of every GEMM item of this program (kernels.grouped_gemm_hopper.grouped_k_loops), then the last
     destination's combine items that are left."""
-    grouped_k_loops(p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, False, CLOCK, CONTIG, False)
+    grouped_k_loops(p, r, f, t, c, GROUP_M, NUM_PROGRAMS, B_KMAJOR, False, CLOCK, CONTIG)
     _, cols_off = store_offsets(c[0], SUB_M)
     _last_combines(c, t, p[5], cols_off, TOPK, BLOCK_C, SUB_C, CLOCK)
 

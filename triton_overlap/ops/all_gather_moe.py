@@ -8,6 +8,13 @@ this rank's own tokens first (ops.moe_routing: small kernels on the device); a t
 rows come from. Tiles run in expert order (an expert's weight read once while it is in L2), those that need a
 peer's chunk no earlier than the chunk is expected (MoEGEMMConfig.tile_lag). Fallback: NCCL all_gather + one torch
 matmul per expert.
+
+Rows sent sorted (MoEGEMMConfig.send_rows; by default on Hopper for wide weight shards): each rank first copies its
+tokens' rows, one per top-k choice, sorted by (expert, pair), into its own block of the workspace, and the copy
+engines send that block instead of the tokens: topk times the bytes, but every tile (rows of one expert from one
+rank) is consecutive rows, which the Gluon kernel reads by TMA instead of gathering them token by token, and a
+peer's rows of an expert arrive in expert order. Tiles run expert by expert, this rank's first, then the peers' in
+arrival order.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..context.collectives import all_gather_rows
-from ..kernels.grouped_gemm import launch_ag_grouped
+from ..kernels.grouped_gemm import launch_ag_grouped, reads_rows_by_tma, stage_rows
 from ..plan import ChunkLayout, GatherSchedule, arrival_times, gather_schedule
 from ..producers import pipeline
 from ..producers.gather import Gather
@@ -42,6 +49,36 @@ class AllGatherMoESchedule:
     chunk_at: torch.Tensor
     call: object = None
     rank_runs: bool = False
+    rows: RowsPlan | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class RowsPlan:
+    """What a call whose ranks send rows sorted by expert (module doc) keeps per shape: ``by_rank`` (each rank's
+    tokens, in rank order: the workspace's blocks), ``by_arrival`` (the same runs in arrival order, this rank's
+    first: the sorted layout's), ``src`` int32 [P] (workspace row p: p), ``pos`` int32 [P] (the arrival position of
+    each workspace row's chunk, 0 for this rank's) and ``rank_key`` int64 [W] (a rank's place among an expert's
+    tiles: this rank first, then the peers as their first chunks arrive)."""
+    by_rank: Segments
+    by_arrival: Segments
+    src: torch.Tensor
+    pos: torch.Tensor
+    rank_key: torch.Tensor
+
+
+def rows_plan(layout: ChunkLayout, tokens: int, rank: int, arriving: list, device) -> RowsPlan:
+    """The RowsPlan of a rows ``layout`` (each rank's ``layout.m_local`` rows: ``tokens`` tokens times topk) on
+    ``rank``, the peers' chunks ``arriving`` in arrival order."""
+    W, n = layout.world, layout.chunks_per_rank
+    order = [rank] + list(dict.fromkeys(c // n for c in arriving))
+    at = {c: i for i, c in enumerate(arriving, start=1)}
+    chunk_pos = [0 if c // n == rank else at[c] for c in range(layout.num_chunks)]
+    p = torch.arange(W * layout.m_local, device=device)
+    chunk = (p // layout.m_local) * n + (p % layout.m_local) // layout.m_per_chunk
+    return RowsPlan(Segments(tuple((r * tokens, tokens, 0) for r in range(W)), torch.device(device)),
+                    Segments(tuple((r * tokens, tokens, i) for i, r in enumerate(order)), torch.device(device)),
+                    p.to(torch.int32), torch.tensor(chunk_pos, dtype=torch.int32, device=device)[chunk],
+                    torch.tensor([order.index(r) for r in range(W)], dtype=torch.int64, device=device))
 
 
 def rank_runs(layout: ChunkLayout, arriving: list) -> bool:
@@ -55,11 +92,14 @@ def rank_runs(layout: ChunkLayout, arriving: list) -> bool:
     return all(c == arriving[i - i % n] + i % n and arriving[i - i % n] % n == 0 for i, c in enumerate(arriving))
 
 
-def consumer_schedule(cfg: MoEGEMMConfig, rows: int, device) -> AllGatherMoESchedule:
-    """The schedule of the grouped GEMM alone on ``rows`` tokens already here: a world of one, one chunk, no waits."""
-    layout = ChunkLayout(1, rows, rows)
-    return AllGatherMoESchedule(cfg, None, layout, arrival_segments(layout, 0, [], device),
-                                torch.zeros(1, dtype=torch.int32, device=device), rank_runs=True)
+def consumer_schedule(cfg: MoEGEMMConfig, rows: int, device, topk: int | None = None) -> AllGatherMoESchedule:
+    """The schedule of the grouped GEMM alone on ``rows`` tokens already here: a world of one, one chunk, no waits;
+    ``topk``: as where rows are sent sorted by expert (``topk`` a token)."""
+    layout = ChunkLayout(1, rows * (topk or 1), rows * (topk or 1))
+    plan = None if topk is None else rows_plan(layout, rows, 0, [], device)
+    return AllGatherMoESchedule(cfg, None, layout, arrival_segments(layout, 0, [], device) if plan is None
+                                else plan.by_arrival, torch.zeros(1, dtype=torch.int32, device=device),
+                                rank_runs=True, rows=plan)
 
 
 class AllGatherMoEGEMM(MoEOp):
@@ -103,8 +143,9 @@ class AllGatherMoEGEMM(MoEOp):
                               device=x.device) if out is None else out
             if self.replayed(self.replay_key(args, x, w, topk_ids, out)):
                 self.last_path = "overlap"
-                return _result(out, self.replayed_routing(), self._gathered(x) if return_gathered else None,
-                               sorted_output, return_gathered)
+                gathered = self._gathered(x, w, topk_ids, out.view(T * topk, N), overrides) if return_gathered \
+                    else None
+                return _result(out, self.replayed_routing(), gathered, sorted_output, return_gathered)
         check_moe_operands(self.KIND, ctx, x, w, "x", (2,))
         W = ctx.world_size
         T, E, N = x.shape[0] * W, w.shape[0], w.shape[2]
@@ -130,16 +171,23 @@ class AllGatherMoEGEMM(MoEOp):
                          topk_ids.dtype, args)
             routing = self.run_replayed(key, shape_key,
                                         lambda: self._overlap(x, w, topk_ids, rows, sorted_output, overrides))
-            gathered = self._gathered(x) if return_gathered else None
+            gathered = self._gathered(x, w, topk_ids, rows, overrides) if return_gathered else None
         if not direct:
             out.copy_(rows.view(shape))
         return _result(out, routing, gathered, sorted_output, return_gathered)
 
-    def _gathered(self, x) -> torch.Tensor:
+    def _gathered(self, x, w, topk_ids, out_rows, overrides) -> torch.Tensor:
         """Every rank's tokens as the last call left them in this rank's workspace, with this rank's own (which the
-        producers do not copy here) in their place. Stream order keeps the workspace as it is until the copy has
-        read it: peers write into it again only after the next call's barrier, which follows this stream."""
-        ctx, m_local = self.ctx, x.shape[0]
+        producers do not copy here) in their place; where rows were sent sorted, each token's first row there (the
+        workspace's order made again: RowsPlan.by_rank). Stream order keeps the workspace as it is until the copy
+        has read it: peers write into it again only after the next call's barrier, which follows this stream."""
+        ctx, m_local, topk = self.ctx, x.shape[0], topk_ids.shape[1]
+        shape = moe_table_shape(m_local * ctx.world_size, x.shape[1], w.shape[2], w.shape[0], topk)
+        if self.sends_rows(x, w, out_rows, overrides, shape):
+            sched = self.schedule(x, overrides, shape, topk=topk)
+            ws = ctx.symmetric(f"{self.name}.rows", (sched.layout.world * sched.layout.m_local, x.shape[1]), x.dtype)
+            r = sort_by_expert(topk_ids, sched.rows.by_rank, w.shape[0], sched.cfg.block_m, 0, per_segment=True)
+            return ws.local.index_select(0, r["position"].view(-1, topk)[:, 0].long())
         ws = ctx.symmetric(f"{self.name}.ws", (ctx.world_size * m_local, x.shape[1]), x.dtype)
         gathered = ws.local.clone()
         gathered[ctx.rank * m_local:(ctx.rank + 1) * m_local].copy_(x)
@@ -153,26 +201,30 @@ class AllGatherMoEGEMM(MoEOp):
         return self.ctx.world_size == 1 or x.numel() * x.element_size() < FALLBACK_SHARD_BYTES
 
     # --------------------------------------------------------------------------- plan, consumer, fallback
-    def schedule(self, x, overrides, table_shape: tuple | None = None) -> AllGatherMoESchedule:
+    def schedule(self, x, overrides, table_shape: tuple | None = None, topk: int | None = None) -> AllGatherMoESchedule:
         """The config, the gather's schedule (push: copy engines write this rank's chunks into every peer's
         workspace and raise their flags; the pipeline zeroes this rank's flags after the join), the chunks' arrival
         positions and the call's header, made once per shape and configuration. ``table_shape``: where the config
-        is looked up (moe_table_shape); None: the last call's (for a caller inspecting the call it just made)."""
+        is looked up (moe_table_shape); None: the last call's (for a caller inspecting the call it just made).
+        ``topk``: the ranks send rows sorted by expert (RowsPlan), ``topk`` a token; None: they send the tokens."""
         ctx = self.ctx
         m_local, K = x.shape
         cfg = with_overrides(self.config_for(table_shape or self.last_table_shape), overrides)
-        key = (m_local, K, x.dtype, cfg)
+        key = (m_local, K, x.dtype, cfg, topk)
         found = self.state.setdefault("schedules", {}).get(key)
         if found is None:
-            layout, arriving = self._chunks(cfg, m_local, K * x.element_size())
+            rows = m_local * (topk or 1)
+            layout, arriving = self._chunks(cfg, rows, K * x.element_size())
             gather = gather_schedule(layout, ctx.rank, ctx.topology.hosts, mode="push", num_streams=cfg.num_streams,
                                      reset_by="producer", hold_for_link=ctx.holds_for_link)
             own = layout.chunk_id(ctx.rank, 0)
-            call = self.call_header((m_local, K, x.dtype, layout.m_per_chunk, "push"), (m_local, K))
+            sent = "push" if topk is None else f"push rows of {topk}"
+            call = self.call_header((m_local, K, x.dtype, layout.m_per_chunk, sent), (m_local, K))
+            plan = None if topk is None else rows_plan(layout, m_local, ctx.rank, arriving, ctx.device)
             found = self.state["schedules"][key] = AllGatherMoESchedule(
-                cfg, gather, layout, arrival_segments(layout, ctx.rank, arriving, ctx.device),
-                torch.tensor([own] + arriving, dtype=torch.int32, device=ctx.device), call,
-                rank_runs(layout, arriving))
+                cfg, gather, layout, arrival_segments(layout, ctx.rank, arriving, ctx.device) if plan is None
+                else plan.by_arrival, torch.tensor([own] + arriving, dtype=torch.int32, device=ctx.device), call,
+                plan is not None or rank_runs(layout, arriving), plan)
         return found
 
     def _chunks(self, cfg: MoEGEMMConfig, m_local: int, row_bytes: int) -> tuple:
@@ -194,10 +246,18 @@ class AllGatherMoEGEMM(MoEOp):
             found = self.state[key] = rank_runs(*self._chunks(cfg, m_local, k * elsize))
         return found
 
+    def sends_rows(self, x, w, out_rows, overrides, table_shape: tuple | None = None) -> bool:
+        """Whether this call's ranks send rows sorted by expert (MoEGEMMConfig.sends_rows, the grouped GEMM for
+        ``out_rows`` [T * topk, N]); ``table_shape``: schedule's."""
+        cfg = with_overrides(self.config_for(table_shape or self.last_table_shape), overrides)
+        return cfg.sends_rows(w.shape[2], reads_rows_by_tma(self.ctx, cfg, x, w, out_rows))
+
     def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides) -> MoERouting | None:
         """Enqueue one overlapped call: schedule, then run (the routing tables are made on the caller's stream
         while the copies go)."""
         ctx = self.ctx
+        if self.sends_rows(x, w, rows, overrides):
+            return self._overlap_rows(x, w, topk_ids, rows, sorted_output, overrides)
         sched = self.schedule(x, overrides)
         layout, cfg = sched.layout, sched.cfg
         ws = ctx.symmetric(f"{self.name}.ws", (layout.world * layout.m_local, x.shape[1]), x.dtype)
@@ -211,10 +271,57 @@ class AllGatherMoEGEMM(MoEOp):
                                                 (ctx.world_size, w.shape[2], x.element_size()))
             made["routing"] = routing
             self.last_gemm = launch_ag_grouped(ctx, cfg, x, ws.local, w, rows, routes, table, flags.local, layout,
-                                               op=self.op, stage=cfg.stages(w.shape[2]))
+                                               op=self.op)
 
         pipeline.run(ctx, producer, consumer)
         return made["routing"]
+
+    def _overlap_rows(self, x, w, topk_ids, rows, sorted_output, overrides) -> MoERouting | None:
+        """One overlapped call whose ranks send rows sorted by expert (module doc): the routing and this rank's
+        block of rows on the caller's stream first (the copies send that block), then the call."""
+        ctx = self.ctx
+        sched = self.schedule(x, overrides, topk=topk_ids.shape[1])
+        layout, cfg = sched.layout, sched.cfg
+        blocks = layout.world * layout.m_local
+        ws = ctx.symmetric(f"{self.name}.rows", (blocks, x.shape[1]), x.dtype)
+        flags = ctx.symmetric(f"{self.name}.rows_flags", (layout.num_chunks,), torch.int32)
+        self.state["buffers"] = {"rows": ws.local}
+        own = ws.local.narrow(0, ctx.rank * layout.m_local, layout.m_local)
+        with pipeline.guarded(ctx, self.KIND):
+            routing, routes, table, tokens = self.route_rows(sched, topk_ids, w.shape[0], sorted_output)
+            stage_rows(ctx, x, ws.local, tokens, sched.rows.pos, x.shape[0], ctx.rank)
+        producer = Gather(ctx, sched.gather, [(own, ws)], flags, call=sched.call)
+        contig = reads_rows_by_tma(ctx, cfg, x, w, rows)
+
+        def consumer():
+            self.last_gemm = launch_ag_grouped(ctx, cfg, own, ws.local, w, rows, routes, table, flags.local, layout,
+                                               op=self.op, contig=contig)
+
+        pipeline.run(ctx, producer, consumer)
+        return routing
+
+    @staticmethod
+    def route_rows(sched: AllGatherMoESchedule, topk_ids, num_experts: int, sorted_output: bool):
+        """route's counterpart where rows are sent sorted: the pairs sorted by (rank, expert, pair), the workspace's
+        order, cut into tiles of one rank's rows of one expert, the tiles then ordered by (expert, the rank's place:
+        RowsPlan.rank_key), empty slots last; each row's output row (its pair, or its row in the layout sorted by
+        (expert, arrival position of its rank, pair) where ``sorted_output``). Returns (MoERouting where
+        ``sorted_output``, (src, dst, pos, chunk_at), table, each workspace row's token)."""
+        layout, cfg, plan = sched.layout, sched.cfg, sched.rows
+        topk = topk_ids.shape[1]
+        slots = num_slots(layout.m_local, num_experts, cfg.block_m)
+        r = sort_by_expert(topk_ids, plan.by_rank, num_experts, cfg.block_m, slots, per_segment=True, src_div=topk,
+                           dst=1)
+        table = r["table"]
+        key = table[:, 0].to(torch.int64) * layout.world + plan.rank_key[table[:, 1] // layout.m_local]
+        key = torch.where(table[:, 2] > table[:, 1], key, layout.world * num_experts)
+        table = table[torch.argsort(key, stable=True)]
+        routing, dst = None, r["dst"]
+        if sorted_output:
+            e = sort_by_expert(topk_ids, plan.by_arrival, num_experts, cfg.block_m, 0, per_segment=False)
+            routing = MoERouting(e["order"], e["position"], e["offsets"].view(-1), num_experts, topk, True)
+            dst = e["position"][r["order"]]
+        return routing, (plan.src, dst, plan.pos, sched.chunk_at), table, r["src"]
 
     @staticmethod
     def route(sched: AllGatherMoESchedule, topk_ids, num_experts: int, sorted_output: bool,

@@ -18,11 +18,11 @@ class MoEGEMMConfig(ChunkedGemmConfig):
     ``block_c``: the tokens of one top-k combine tile (MoE-GEMM-ReduceScatter), ``gemm``: AllGather-MoE's
     grouped GEMM, "auto" (or "gluon"): on Hopper with 16-bit operands and 128-row tiles the warp-specialized Gluon
     kernel (kernels.grouped_gemm_hopper), where it can run, else kernels.grouped_gemm's; "triton": always the
-    latter; ``stage_min_n``: where the Gluon kernel runs AllGather-MoE on a weight shard of at least this many
-    columns, this rank's own rows are first copied into expert order (one pass over them, into a buffer of T/W *
-    topk rows of K for the call), and their tiles read A by TMA instead of gathering it token by token (0: always;
-    None, the default: never, since the gather's deeper pipeline beat it on every shape measured:
-    docs/decisions.md, Tensor-parallel MoE); ``tile_lag``: AllGather-MoE's tile order, the share of the grouped
+    latter; ``send_rows``: AllGather-MoE's ranks send their tokens' rows, one per top-k choice, sorted by expert
+    (ops.all_gather_moe, "Rows sent sorted": topk times the bytes, each tile's rows consecutive, read by TMA on
+    Hopper) instead of the tokens, which each tile gathers row by row; None (the default): where the Gluon kernel
+    reads rows by TMA and the weight shard has at least ROWS_MIN_N columns (docs/decisions.md, Tensor-parallel
+    MoE); ``tile_lag``: AllGather-MoE's tile order where tokens are sent, the share of the grouped
     GEMM's time the peers' rows take to land: each tile runs at its place in expert order (an expert's tiles
     together, its weight read once while it is in L2) or once enough of the tiles that need no peer (this rank's,
     about 1/W of any stretch of the order) have run to fill the time until its last chunk is expected, whichever
@@ -31,7 +31,7 @@ class MoEGEMMConfig(ChunkedGemmConfig):
 
     block_c: int = 64
     gemm: str = "auto"
-    stage_min_n: int | None = None
+    send_rows: bool | None = None
     tile_lag: float | None = None
 
     def __post_init__(self):
@@ -41,8 +41,8 @@ class MoEGEMMConfig(ChunkedGemmConfig):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ValueError(f"MoEGEMMConfig.{name} must be a power of two >= 16, got {v}")
-        if self.stage_min_n is not None and self.stage_min_n < 0:
-            raise ValueError(f"MoEGEMMConfig.stage_min_n must be None or >= 0, got {self.stage_min_n}")
+        if self.send_rows not in (None, True, False):
+            raise ValueError(f"MoEGEMMConfig.send_rows must be None, True or False, got {self.send_rows!r}")
         if self.tile_lag is not None and not self.tile_lag >= 0:
             raise ValueError(f"MoEGEMMConfig.tile_lag must be None or >= 0, got {self.tile_lag}")
 
@@ -59,9 +59,10 @@ class MoEGEMMConfig(ChunkedGemmConfig):
             return -1
         return math.ceil(world * share * tiles / chunks)
 
-    def stages(self, n: int) -> bool:
-        """Whether AllGather-MoE stages this rank's rows for a weight shard of ``n`` columns (``stage_min_n``)."""
-        return self.stage_min_n is not None and n >= self.stage_min_n
+    def sends_rows(self, n: int, by_tma: bool) -> bool:
+        """Whether AllGather-MoE sends rows sorted by expert (``send_rows``) for a weight shard of ``n`` columns,
+        ``by_tma``: whether its grouped GEMM would read such rows by TMA."""
+        return self.send_rows if self.send_rows is not None else by_tma and n >= ROWS_MIN_N
 
     @classmethod
     def defaults(cls, ctx) -> "MoEGEMMConfig":
@@ -76,6 +77,10 @@ class MoEGEMMConfig(ChunkedGemmConfig):
         return cls(block_m=128, block_n=256, block_k=64, group_m=8, num_warps=8, num_stages=3,
                    min_chunk_bytes=16 << 20, num_streams=1)
 
+
+#: AllGather-MoE sends rows sorted by expert by default from this many columns of the weight shard (Mixtral-8x7B's
+#: gate/up at W = 8; docs/decisions.md, Tensor-parallel MoE)
+ROWS_MIN_N = 3584
 
 #: the estimate's rates (H200 figures, rounded): the grouped GEMM's FLOP/s and the bytes a second a rank receives
 LAG_GEMM_FLOPS, LAG_LINK_BYTES = 600e12, 300e9
@@ -140,8 +145,8 @@ class MoEOp(OverlapOp):
     ten kernel launches, the copies and their flags) becomes one graph launch (and, for a sorted call, three copies
     of its routing out of the graph's memory). With ``check_routing`` every call reads the ids' values on the host,
     so it runs as enqueued. The key holds the op's ``user_config`` besides the call's tensors and overrides. A
-    held graph keeps what its call allocated (MoE-ReduceScatter's [T * topk, N] products, the routing tables, the
-    staged rows), so an MoE op holds at most REPLAY_GRAPHS graphs: enough for the keys of one or two layers'
+    held graph keeps what its call allocated (MoE-ReduceScatter's [T * topk, N] products, the routing tables), so
+    an MoE op holds at most REPLAY_GRAPHS graphs: enough for the keys of one or two layers'
     forward and backward; a model whose MoE layers share one op and take more keys replays the most recent."""
 
     #: graphs an MoE op holds at most (ops.replay.ReplayCache's capacity), each with its call's scratch
@@ -183,4 +188,5 @@ class MoEOp(OverlapOp):
                                               offsets=r.offsets.clone())
 
 
-__all__ = ["MoEGEMMConfig", "MoEOp", "check_moe_operands", "check_out", "lag_estimate", "moe_table_shape"]
+__all__ = ["ROWS_MIN_N", "MoEGEMMConfig", "MoEOp", "check_moe_operands", "check_out", "lag_estimate",
+           "moe_table_shape"]
