@@ -437,26 +437,25 @@ def compile_grouped_gemm(target, quick: bool = False) -> int:
 
 def compile_grouped_hopper(target, quick: bool = False) -> int:
     """kernels.grouped_gemm_hopper and kernels.grouped_gemm_hopper_rs (Gluon; sm_90 only) as the MoE ops launch
-    them: the weights [E, K, N] and their transpose [E, N, K], A's rows gathered, (CONTIG) by TMA and (STAGED, the
-    AllGather kernel) both, in the K steps each launches (the AllGather kernel's gathered ones GATHER_STEPS)
-    (``quick``: [E, K, N], gathered, and the AllGather kernel staged)."""
+    them: the weights [E, K, N] and their transpose [E, N, K], A's rows gathered and (CONTIG: AllGather-MoE's rows
+    sent sorted, MoE-ReduceScatter's sorted layout) by TMA, in the K steps each launches (the AllGather kernel's
+    gathered ones GATHER_STEPS) (``quick``: [E, K, N])."""
     if target.arch != 90:
         return 0
     from triton_overlap.kernels import grouped_gemm_hopper as gh
     from triton_overlap.kernels import grouped_gemm_hopper_rs as ghr
 
     failed = 0
-    variants = ((False, False, False), (False, False, True))
+    variants = ((False, False), (False, True))
     if not quick:
-        variants += ((True, False, False), (False, True, False), (True, False, True))
-    for b_kmajor, contig, staged in variants:
-        kernels = ((gh.ag_grouped_hopper, gh.TILES if contig else gh.GATHER_STEPS, {"STAGED": staged}),)
-        if not staged:
-            kernels += ((ghr.rs_grouped_hopper, gh.TILES, dict(TOPK=8, BLOCK_C=64, SUB_C=ghr.SUB_C)),)
+        variants += ((True, False), (True, True))
+    for b_kmajor, contig in variants:
+        kernels = ((gh.ag_grouped_hopper, gh.TILES if contig else gh.GATHER_STEPS, {}),
+                   (ghr.rs_grouped_hopper, gh.TILES, dict(TOPK=8, BLOCK_C=64, SUB_C=ghr.SUB_C)))
         for fn, steps, extra in kernels:
             bm, bn, bk = steps.block_m, steps.block_n, steps.block_k
             b_type = gluon_desc_type(target, [1, bn, bk] if b_kmajor else [1, bk, bn])
-            a_type = gluon_desc_type(target, [bm, bk]) if contig or staged else b_type
+            a_type = gluon_desc_type(target, [bm, bk]) if contig else b_type
             consts = dict(BLOCK_M=bm, BLOCK_K=bk, GROUP_M=8, NUM_PROGRAMS=131, NUM_STAGES=steps.num_stages,
                           B_KMAJOR=b_kmajor, CLOCK=1, STORE_WARPS=gh.EPILOGUE_WARPS, STORE_REGS=gh.EPILOGUE_REGS,
                           SUB_M=gh.SUB_M, CONTIG=contig, **extra)
@@ -468,7 +467,7 @@ def compile_grouped_hopper(target, quick: bool = False) -> int:
                           else "*bf16" if n in ("x_ptr", "ws_ptr", "out_ptr", "h_ptr", "y_ptr")
                           else "*fp32" if n == "weights_ptr" else "*i64" if n in ("scatter_ptrs", "counter_ptrs")
                           else "*i32" if n.endswith("_ptr") else WAITER if n == "waiter" else "i32")
-            failed += compile_gluon(target, f"{fn.fn.__name__} b_kmajor={b_kmajor} contig={contig} staged={staged} "
+            failed += compile_gluon(target, f"{fn.fn.__name__} b_kmajor={b_kmajor} contig={contig} "
                                     f"k={bk}x{steps.num_stages}", fn, sig, consts,
                                     {"num_warps": 8, "maxnreg": gh.MAXNREG}, 1500)
     return failed

@@ -143,6 +143,10 @@ def _ag_bad_inputs(ctx):
         # shapes no rank has passed before (a rank that had agreed on its shape would not ask again)
         ("ranks disagree", lambda: op(rand((20 + r, 32), bf, dev, "x"), w,
                                       torch.zeros((20 + r) * W, 2, dtype=torch.int64, device=dev))),
+        # what goes on the wire (rows sorted by expert on rank 0 only), at a shape no rank has agreed on
+        ("ranks disagree.*rows", lambda: op(rand((9, 32), bf, dev, "x"), w,
+                                            torch.zeros(9 * W, 2, dtype=torch.int64, device=dev),
+                                            send_rows=r == 0)),
     ]
     ref = _per_pair(torch.cat([x] * W), w, ids)
     return op, bad, Call((x, w, ids), {}, ref)
@@ -175,10 +179,10 @@ AG_MOE = OpSpec(
         MoECase(m_local=13, k=32, n=24, experts=6, topk=3, routing="even", m_per_chunk=4, streams=1),  # empty
         MoECase(m_local=9, k=24, n=16, experts=5, topk=2, routing="one", dtype="float16", jitter=0.003),  # all on 1
         MoECase(m_local=5, k=16, n=24, experts=8, topk=8, m_per_chunk=2),  # top-8, 8 experts
+        MoECase(m_local=11, k=32, n=16, experts=256, topk=4, m_per_chunk=3),  # E = 256: mostly empty experts
         # rows sent sorted by expert: empty experts, tiles across chunks, calls back to back
         MoECase(m_local=13, k=32, n=24, experts=6, topk=3, routing="even", m_per_chunk=4, iters=2, jitter=0.005,
                 send_rows=True),
-        MoECase(m_local=11, k=32, n=16, experts=256, topk=4, m_per_chunk=3),  # E = 256: mostly empty experts
     ), gpu=GPU_CASES),
     falls_back=FALLS_BACK,
     back_to_back=BACK_TO_BACK,

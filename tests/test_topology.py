@@ -1,8 +1,9 @@
 """Which ranks share a host: a Context finds it (hostname and boot id, or TRITON_OVERLAP_VIRTUAL_HOSTS blocks) and
 maps only its own host's peers; on a group that spans hosts AllGather-GEMM, GEMM-ReduceScatter, context-parallel
-attention and expert-parallel dispatch / combine move data between hosts through the process group (the op tests'
-own cases, run under virtual hosts), the AllReduce ops take their torch.distributed path, faults name the peer on
-the other host; one Context per host's group (the 2-D mesh) overlaps as on one machine."""
+attention, the tensor-parallel MoE ops and expert-parallel dispatch / combine move data between hosts through the
+process group (the op tests' own cases, run under virtual hosts), the AllReduce ops take their torch.distributed
+path, faults name the peer on the other host; one Context per host's group (the 2-D mesh) overlaps as on one
+machine."""
 import os
 
 import pytest
@@ -17,6 +18,7 @@ from test_cp_attention import CP_ATTENTION, CPCase
 from test_expert_parallel import EPCase, ep_matches_reference, ep_silent_peer
 from test_nn_ep_moe import GPU_CASES as EP_LAYER_GPU, HOST_CASES as EP_LAYER_HOST, ep_moe_layer_case
 from test_gemm_rs import GEMM_RS, RSCase
+from test_moe import AG_MOE, RS_MOE, MoECase
 from triton_overlap.context.topology import VIRTUAL_HOSTS_ENV, Topology
 from triton_overlap.plan import ChunkLayout, gather_schedule, scatter_schedule
 
@@ -225,6 +227,17 @@ BETWEEN_HOSTS = {
                               (CP_ATTENTION, CPCase(B=2, S=48, Hq=4, Hkv=2, D=64, causal=False, dtype="float16",
                                                     keep_kv=True)),
                               (CP_ATTENTION, CPCase(S=4096, Hq=16, Hkv=4, D=128, chunks_per_rank=4, keep_kv=True))),
+    "moe ag, tokens": (contract.matches_reference,
+                       (AG_MOE, MoECase(m_local=13, k=40, n=24, m_per_chunk=5, iters=2, jitter=0.003)),
+                       (AG_MOE, MoECase(m_local=777, k=768, n=512, experts=64, topk=8, routing="even"))),
+    "moe ag, rows sent": (contract.matches_reference,
+                          (AG_MOE, MoECase(m_local=13, k=32, n=24, experts=6, topk=3, m_per_chunk=4, iters=2,
+                                           send_rows=True)),
+                          (AG_MOE, MoECase(m_local=1021, k=1024, n=768, experts=8, topk=2, m_per_chunk=256,
+                                           send_rows=True))),
+    "moe rs": (contract.matches_reference,
+               (RS_MOE, MoECase(m_local=13, k=40, n=24, m_per_chunk=5, iters=2)),
+               (RS_MOE, MoECase(m_local=600, k=512, n=384, experts=256, topk=4, m_per_chunk=160))),
     "ep dispatch and combine": (ep_matches_reference,
                                 (EPCase(tokens=13, hidden=40, experts=8, topk=2, iters=2, jitter=0.003),),
                                 (EPCase(tokens=509, hidden=1024, experts=16, topk=4, iters=2, jitter=0.001),)),

@@ -154,14 +154,16 @@ class AllGatherMoEGEMM(MoEOp):
         shape = (T * topk, N) if sorted_output else (T, topk, N)
         check_out(self.KIND, out, shape, x.dtype, x.device)
         self.last_table_shape = moe_table_shape(T, x.shape[1], N, E, topk)
-        self.agree((tuple(x.shape), str(x.dtype), E, topk))
-        if self.check_routing:
-            agree_on_routing(self.KIND, ctx, topk_ids, E)
         x = x.contiguous()
         out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
         direct = _rows_view(out)  # the kernel stores rows of N one row stride apart: else through a tensor that is
         rows = out.view(T * topk, N) if direct else torch.empty((T * topk, N), dtype=x.dtype, device=x.device)
-        if self._use_fallback(x):
+        fallback = self._use_fallback(x)
+        sent = not fallback and self.sends_rows(x, w, rows, overrides)  # what goes on the wire: the ranks agree
+        self.agree((tuple(x.shape), str(x.dtype), E, topk, "rows" if sent else "tokens"))
+        if self.check_routing:
+            agree_on_routing(self.KIND, ctx, topk_ids, E)
+        if fallback:
             self.last_path = "fallback"
             routing, gathered = self._fallback(x, w, topk_ids, rows, sorted_output)
         else:
@@ -170,7 +172,7 @@ class AllGatherMoEGEMM(MoEOp):
             shape_key = (tuple(x.shape), x.dtype, tuple(w.shape), tuple(w.stride()), tuple(topk_ids.shape),
                          topk_ids.dtype, args)
             routing = self.run_replayed(key, shape_key,
-                                        lambda: self._overlap(x, w, topk_ids, rows, sorted_output, overrides))
+                                        lambda: self._overlap(x, w, topk_ids, rows, sorted_output, overrides, sent))
             gathered = self._gathered(x, w, topk_ids, rows, overrides) if return_gathered else None
         if not direct:
             out.copy_(rows.view(shape))
@@ -252,11 +254,11 @@ class AllGatherMoEGEMM(MoEOp):
         cfg = with_overrides(self.config_for(table_shape or self.last_table_shape), overrides)
         return cfg.sends_rows(w.shape[2], reads_rows_by_tma(self.ctx, cfg, x, w, out_rows))
 
-    def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides) -> MoERouting | None:
+    def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides, sent: bool) -> MoERouting | None:
         """Enqueue one overlapped call: schedule, then run (the routing tables are made on the caller's stream
-        while the copies go)."""
+        while the copies go); ``sent``: the ranks send rows sorted by expert (sends_rows)."""
         ctx = self.ctx
-        if self.sends_rows(x, w, rows, overrides):
+        if sent:
             return self._overlap_rows(x, w, topk_ids, rows, sorted_output, overrides)
         sched = self.schedule(x, overrides)
         layout, cfg = sched.layout, sched.cfg
