@@ -145,7 +145,8 @@ def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out, contig: bool = Fa
     rows first copied in expert order (the pass a rank makes over its own rows before sending them, here over all),
     then read by TMA; else gathered token by token. Returns the launch as a function."""
     T, topk = row_experts.shape
-    rows_sent = not contig and cfg.sends_rows(w.shape[2], reads_rows_by_tma(ctx, cfg, rows, w, out))
+    by_tma = reads_rows_by_tma(ctx, cfg, rows, w, out)
+    rows_sent = not contig and cfg.sends_rows(w.shape[2], by_tma)
     sched = consumer_schedule(cfg, T, rows.device, topk if rows_sent else None)
     flags = torch.ones(1, dtype=torch.int32, device=rows.device)
     if not rows_sent:
@@ -154,7 +155,6 @@ def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out, contig: bool = Fa
                                          op=ag_op.op, rank=0, contig=contig)
     _, routes, table, tokens = ag_op.route_rows(sched, row_experts, w.shape[0], True)
     sent = torch.empty(T * topk, rows.shape[1], dtype=rows.dtype, device=rows.device)
-    by_tma = reads_rows_by_tma(ctx, cfg, rows, w, out)
 
     def run():
         stage_rows(ctx, rows, sent, tokens, sched.rows.pos, T, 0)
