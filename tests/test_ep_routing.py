@@ -132,6 +132,25 @@ def _kernels_match(gpu_tiles: bool):
         kernels.tiles = ops.tiles = kernels.backend_tiles
 
 
+def _one_launch(ids, E, W, route) -> bool:
+    """Whether route_tokens with a ticket counts ``ids`` as ``route`` did (the three launches), leaves the ticket at
+    zero, and took kernels.ep_routing.ep_count_record where the tokens fill at most ONE_LAUNCH_BLOCKS blocks."""
+    from triton_overlap.kernels import ep_routing as kernels
+
+    ticket = torch.zeros(1, dtype=torch.int32, device=ids.device)
+    launched, launch = [], kernels.launch
+    kernels.launch = lambda fn, *args, **kw: launched.append(fn) or launch(fn, *args, **kw)
+    try:
+        one = route_tokens(ids, E, W, ticket)
+    finally:
+        kernels.launch = launch
+    blocks = -(-ids.shape[0] // kernels.tiles()[0])
+    took = kernels.ep_count_record in launched
+    return (took == (1 <= blocks <= kernels.ONE_LAUNCH_BLOCKS) and int(ticket) == 0
+            and all(torch.equal(a, b) for a, b in ((one.record, route.record), (one.base, route.base),
+                                                   (one.base_e, route.base_e))))
+
+
 def _cases_match():
     dev = _device()
     # the record's smallest and largest ids clamp into int32 (an int64 id past it still reads out of range)
@@ -149,6 +168,8 @@ def _cases_match():
             layout = ref_layout(all_ids, E, W)
             routes = [route_tokens(ids.to(dev), E, W) for ids in all_ids]
             table = torch.stack([r.record for r in routes])
+            for ids, route in zip(all_ids, routes):  # the count in one launch (a ticket): the same record and bases
+                assert _one_launch(ids.to(dev), E, W, route), (W, rank, T, k, E, dtype)
             received_rows, received_meta = [], []
             for s, (ids, route) in enumerate(zip(all_ids, routes)):  # each source: this rank and the others
                 want = ref_record(ids, E, W)

@@ -10,7 +10,8 @@ Rank ``d`` owns experts ``[d * EL, (d + 1) * EL)``. Tokens go in blocks of ``BT`
    then kernels.routing's ``scan_counts`` gives each block's first place among this rank's pairs of each expert.
 2. ``ep_record`` (one program): the record (T, smallest id, largest id, tokens per owner, then the pairs per expert
    that scan_counts wrote as its totals: what the ranks exchange) and, per block and owner, the owner's tokens in
-   the blocks before it.
+   the blocks before it. With a few blocks (ONE_LAUNCH_BLOCKS: decode) and a ticket from the caller, 1 and 2 are
+   one launch, ``ep_count_record``, whose last program out does the scan and the record.
 3. ``ep_dest`` (one program, once every rank's record is in the counts table): where this rank's pairs of expert e
    start in its owner's layout (the owner's experts before e, then e's pairs from the ranks before this one), and
    this rank's own experts' offsets in its layout.
@@ -23,7 +24,8 @@ Rank ``d`` owns experts ``[d * EL, (d + 1) * EL)``. Tokens go in blocks of ``BT`
    rows its metadata names, with what a combine reads back.
 
 The layout orders an owner's rows by (local expert, source rank, token, choice). All of it is exact integer
-arithmetic (no atomics), so the layouts do not depend on the launch or the GPU.
+arithmetic (the one atomic, ep_count_record's ticket, only picks the program that finishes), so the layouts do not
+depend on the launch or the GPU.
 """
 from __future__ import annotations
 
@@ -87,7 +89,12 @@ def ep_count(ids_ptr, part_ptr, hist_ptr, T, E, EL, W, K: tl.constexpr, K_PAD: t
              W_PAD: tl.constexpr, E_CHUNK: tl.constexpr):
     """Grid (blocks,): ``part[b]`` = [smallest id, largest id (both clamped into int32), tokens per owner (W)] of
     block b's tokens, ``hist[b, e]`` its pairs of expert e."""
-    b = tl.program_id(0)
+    count_block(ids_ptr, part_ptr, hist_ptr, tl.program_id(0), T, E, EL, W, K, K_PAD, BT, W_PAD, E_CHUNK)
+
+
+@triton.jit
+def count_block(ids_ptr, part_ptr, hist_ptr, b, T, E, EL, W, K: tl.constexpr, K_PAD: tl.constexpr,
+                BT: tl.constexpr, W_PAD: tl.constexpr, E_CHUNK: tl.constexpr):
     t, ok, raw, c, owner, hit = token_owners(ids_ptr, b, T, E, EL, K, K_PAD, BT, W_PAD)
     wide = tl.minimum(tl.maximum(raw, -INT32_MAX - 1), INT32_MAX)
     lo = tl.min(tl.min(tl.where(ok, wide, INT32_MAX), axis=1), axis=0)
@@ -109,6 +116,11 @@ def ep_record(part_ptr, record_ptr, base_ptr, NB, T, W, W_PAD: tl.constexpr, SCA
     """Grid (1,): ``record``'s first 3 + W words = [T, smallest id, largest id (0, 0 without tokens), tokens per
     owner (W)] over the blocks (scan_counts writes the pairs per expert after them), and ``base[b, d]``: owner d's
     tokens in the blocks before b."""
+    record_blocks(part_ptr, record_ptr, base_ptr, NB, T, W, W_PAD, SCAN_B)
+
+
+@triton.jit
+def record_blocks(part_ptr, record_ptr, base_ptr, NB, T, W, W_PAD: tl.constexpr, SCAN_B: tl.constexpr):
     width = 2 + W
     d = tl.arange(0, W_PAD)
     hits = tl.zeros((W_PAD,), dtype=tl.int32)
@@ -128,6 +140,29 @@ def ep_record(part_ptr, record_ptr, base_ptr, NB, T, W, W_PAD: tl.constexpr, SCA
     tl.store(record_ptr + 1, tl.where(T > 0, tl.min(lo, axis=0), 0))
     tl.store(record_ptr + 2, tl.where(T > 0, tl.max(hi, axis=0), 0))
     tl.store(record_ptr + 3 + d, hits, mask=d < W)
+
+
+@triton.jit
+def ep_count_record(ids_ptr, part_ptr, hist_ptr, base_e_ptr, record_ptr, base_ptr, ticket_ptr, T, E, EL, W, NB,
+                    K: tl.constexpr, K_PAD: tl.constexpr, BT: tl.constexpr, W_PAD: tl.constexpr,
+                    E_CHUNK: tl.constexpr, NB_PAD: tl.constexpr, E_TILE: tl.constexpr):
+    """Grid (NB,), NB <= NB_PAD: ep_count's block, then the last program out does scan_counts' and ep_record's work
+    for every block: one launch in place of three, for decode's few blocks. ``ticket`` int32 [1], zero before and
+    after: each program counts itself out (acquire-release at GPU scope, so every program's part and hist rows are
+    visible to the last one) and the last one sets it back to zero."""
+    count_block(ids_ptr, part_ptr, hist_ptr, tl.program_id(0), T, E, EL, W, K, K_PAD, BT, W_PAD, E_CHUNK)
+    tl.debug_barrier()
+    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu") == NB - 1:
+        tl.store(ticket_ptr, 0)
+        r = tl.arange(0, NB_PAD)
+        for e0 in range(0, E, E_TILE):
+            bins = e0 + tl.arange(0, E_TILE)
+            m = (r < NB)[:, None] & (bins < E)[None, :]
+            at = r.to(tl.int64)[:, None] * E + bins[None, :]
+            h = tl.load(hist_ptr + at, mask=m, other=0)
+            tl.store(base_e_ptr + at, tl.cumsum(h, axis=0) - h, mask=m)
+            tl.store(record_ptr + 3 + W + bins, tl.sum(h, axis=0), mask=bins < E)
+        record_blocks(part_ptr, record_ptr, base_ptr, NB, T, W, W_PAD, NB_PAD)
 
 
 @triton.jit
@@ -295,15 +330,26 @@ def backend_tiles() -> tuple[int, int]:
 
 tiles = backend_tiles
 
+#: the most blocks of tokens whose counts take one launch (ep_count_record): decode's calls (256 tokens on GPUs)
+ONE_LAUNCH_BLOCKS = 16
 
-def launch_count(ids, part, hist, base_e, groups, record, base, T: int, E: int, W: int) -> None:
+
+def launch_count(ids, part, hist, base_e, groups, record, base, T: int, E: int, W: int, ticket=None) -> None:
     """ep_count, scan_counts (its totals: the record's pairs per expert) and ep_record on the current stream:
     ``ids`` [T, K] int32/int64 contiguous; int32 ``part`` [NB, 2 + W], ``hist`` and ``base_e`` [NB, E], ``groups``
-    [[0, NB, 0]], ``record`` [3 + W + E] contiguous, ``base`` [NB, W] (NB: blocks of tiles()[0] tokens)."""
+    [[0, NB, 0]], ``record`` [3 + W + E] contiguous, ``base`` [NB, W] (NB: blocks of tiles()[0] tokens).
+    ``ticket``: an int32 [1] tensor at zero that no other launch uses until this one is done: with at most
+    ONE_LAUNCH_BLOCKS blocks, the three as one launch (ep_count_record)."""
     K = ids.shape[1]
     bt = tiles()[0]
     nb = part.shape[0]
     w_pad, e_pad = pow2(W), pow2(E)
+    if ticket is not None and 1 <= nb <= ONE_LAUNCH_BLOCKS:
+        nb_pad = max(pow2(nb), 2)
+        launch(ep_count_record, (nb,), (ids, part, hist, base_e, record, base, ticket, T, E, E // W, W, nb),
+               dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=w_pad, E_CHUNK=min(e_pad, 64), NB_PAD=nb_pad,
+                    E_TILE=min(e_pad, max(4096 // nb_pad, 16))), num_warps=4)
+        return
     if nb:
         launch(ep_count, (nb,), (ids, part, hist, T, E, E // W, W),
                dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=w_pad, E_CHUNK=min(e_pad, 64)), num_warps=4)
@@ -354,5 +400,6 @@ def launch_expand(rows, meta, tokens, source, token, wbits, slots, slot_wbits, s
            dict(K=K, BU=bu, BLOCK_H=bh, G_PAD=pow2(G) if G else 0), num_warps=4)
 
 
-__all__ = ["GPU_TILES", "backend_tiles", "ep_count", "ep_dest", "ep_expand", "ep_pack", "ep_record", "launch_count",
-           "launch_expand", "launch_pack", "pair_places", "rows_before", "tiles", "token_owners"]
+__all__ = ["GPU_TILES", "ONE_LAUNCH_BLOCKS", "backend_tiles", "count_block", "ep_count", "ep_count_record",
+           "ep_dest", "ep_expand", "ep_pack", "ep_record", "launch_count", "launch_expand", "launch_pack",
+           "pair_places", "record_blocks", "rows_before", "tiles", "token_owners"]

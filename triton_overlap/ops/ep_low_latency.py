@@ -3,14 +3,15 @@ fixed shapes, so a decode step that holds them can be captured in a CUDA graph a
 
 The normal mode (ops.expert_parallel) reads the counts back to the host once per dispatch, to size its output and to
 enqueue copies of the right lengths. Here the sizes are fixed by ``max_tokens_per_rank`` (``cap``): each rank's
-receive buffers hold one slot of ``cap`` rows per source (per half: calls alternate between two), so a source
-stores its rows for an owner straight into the owner's slot for it, at the token's place among those it sends
-there, without knowing what the other sources send. The kernels do every store (kernels.ep_low_latency: the module
-doc has the protocol); for decode's few rows a copy engine's start-up would cost more than the stores. One
-dispatch is five launches on the caller's stream: the count kernels of the normal mode (this rank's record), the
-send (rows, metadata, the record and the call's header into every owner, then one flag per owner), and the
-expansion (waits for every source, compares headers, checks ids, places each (source, expert) run and copies the
-rows into expert order). A combine is two: the owners' weighted partials stored into each source's slot, then the sums.
+receive buffers hold one slot of ``cap`` rows per source (per half: calls alternate between two), so a source stores
+its rows for an owner straight into the owner's slot for it, at the token's place among those it sends there,
+without knowing what the other sources send. The kernels do every store (kernels.ep_low_latency: the module doc has
+the protocol); for decode's few rows a copy engine's start-up would cost more than the stores. One dispatch is three
+launches on the caller's stream (five above 256 tokens a rank): the count kernel of the normal mode (this rank's
+record, kernels.ep_routing.ep_count_record), the send (rows, metadata, the record and the call's header into every
+owner, then one flag per owner), and the expansion (waits for every source, compares headers, checks ids, places
+each (source, expert) run and copies the rows into expert order). A combine is two: the owners' weighted partials
+stored into each source's slot, then the sums.
 
 What a dispatch returns (LowLatencyHandle) has the same fields as the normal mode's handle, in fixed shapes:
 ``tokens`` [W · cap · topk, H] (the most (token, choice) pairs a rank can receive), whose first ``offsets[-1]`` rows
@@ -87,7 +88,7 @@ class LowLatencyHandle:
 class Slots:
     """One exchange's symmetric buffers: ``data`` [2, W, slot] (and ``meta``, ``table`` for a dispatch), ``header``
     [2, W, 4], ``flags`` [W] (one per source, carrying the call number), ``state`` [4] (the calls done, the programs
-    out, the senders' ticket); ``slot`` and friends: elements between consecutive slots."""
+    out, the senders' ticket, the count kernel's ticket); ``slot`` and friends: elements between consecutive slots."""
 
     data: object
     meta: object
@@ -154,7 +155,7 @@ class ExpertParallelLowLatency(OverlapOp):
         MW = 2 + 3 * k + G
         bufs = self._slots("dispatch", cap * H, rows_dtype, meta=cap * MW, table=3 + W + E)
         call = self.call_header(descriptor, (H, E), self.dispatch_op)
-        route = route_tokens(topk_ids, E, W)
+        route = route_tokens(topk_ids, E, W, bufs.state.local[3:])
         dev, EL, R = x.device, E // W, W * cap * k
         small = torch.empty(W * EL + 2 * EL + 2 + W + 3 * R + 2 * W * cap * k + R * G + max(T, 1) * W,
                             dtype=torch.int32, device=dev)

@@ -235,8 +235,10 @@ def one_group(blocks: int, device) -> torch.Tensor:
     return found[blocks:blocks + 1]
 
 
-def route_tokens(topk_ids: torch.Tensor, num_experts: int, world: int) -> Route:
-    """This rank's record, by kernels.ep_routing on the caller's stream, with no host synchronisation."""
+def route_tokens(topk_ids: torch.Tensor, num_experts: int, world: int, ticket: torch.Tensor | None = None) -> Route:
+    """This rank's record, by kernels.ep_routing on the caller's stream, with no host synchronisation. ``ticket``:
+    an int32 [1] tensor at zero, owned by the caller's op (no other launch uses it meanwhile), which lets a call of
+    few tokens count in one launch (kernels.ep_routing.launch_count); None: three."""
     T = topk_ids.shape[0]
     ids = topk_ids.contiguous()
     dev = ids.device
@@ -246,7 +248,7 @@ def route_tokens(topk_ids: torch.Tensor, num_experts: int, world: int) -> Route:
     scratch = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
     part, hist, base_e, record, base = torch.split(scratch, sizes)
     part, hist, base_e, base = part.view(nb, 2 + world), hist.view(nb, E), base_e.view(nb, E), base.view(nb, world)
-    launch_count(ids, part, hist, base_e, one_group(nb, dev), record, base, T, E, world)
+    launch_count(ids, part, hist, base_e, one_group(nb, dev), record, base, T, E, world, ticket)
     return Route(record, ids, base, base_e)
 
 
