@@ -153,7 +153,7 @@ def consumer_alone(ctx, ag_op, cfg, rows, w, row_experts, out, contig: bool = Fa
         _, routes, table = ag_op.route(sched, row_experts, w.shape[0], True)
         return lambda: launch_ag_grouped(ctx, cfg, rows, rows, w, out, routes, table, flags, sched.layout,
                                          op=ag_op.op, rank=0, contig=contig)
-    _, routes, table, tokens = ag_op.route_rows(sched, row_experts, w.shape[0], True)
+    _, routes, table, tokens, _ = ag_op.route_rows(sched, row_experts, w.shape[0], True)
     sent = torch.empty(T * topk, rows.shape[1], dtype=rows.dtype, device=rows.device)
 
     def run():

@@ -143,9 +143,9 @@ class AllGatherMoEGEMM(MoEOp):
                               device=x.device) if out is None else out
             if self.replayed(self.replay_key(args, x, w, topk_ids, out)):
                 self.last_path = "overlap"
-                gathered = self._gathered(x, w, topk_ids, out.view(T * topk, N), overrides) if return_gathered \
-                    else None
-                return _result(out, self.replayed_routing(), gathered, sorted_output, return_gathered)
+                routing, first = self.replayed_outputs()
+                gathered = self._gathered(x, topk, first) if return_gathered else None
+                return _result(out, routing, gathered, sorted_output, return_gathered)
         check_moe_operands(self.KIND, ctx, x, w, "x", (2,))
         W = ctx.world_size
         T, E, N = x.shape[0] * W, w.shape[0], w.shape[2]
@@ -171,25 +171,23 @@ class AllGatherMoEGEMM(MoEOp):
             key = self.replay_key(args, x, w, topk_ids, out) if direct else None
             shape_key = (tuple(x.shape), x.dtype, tuple(w.shape), tuple(w.stride()), tuple(topk_ids.shape),
                          topk_ids.dtype, args)
-            routing = self.run_replayed(key, shape_key,
-                                        lambda: self._overlap(x, w, topk_ids, rows, sorted_output, overrides, sent))
-            gathered = self._gathered(x, w, topk_ids, rows, overrides) if return_gathered else None
+            routing, first = self.run_replayed(
+                key, shape_key, lambda: self._overlap(x, w, topk_ids, rows, sorted_output, overrides, sent))
+            gathered = self._gathered(x, topk, first) if return_gathered else None
         if not direct:
             out.copy_(rows.view(shape))
         return _result(out, routing, gathered, sorted_output, return_gathered)
 
-    def _gathered(self, x, w, topk_ids, out_rows, overrides) -> torch.Tensor:
-        """Every rank's tokens as the last call left them in this rank's workspace, with this rank's own (which the
-        producers do not copy here) in their place; where rows were sent sorted, each token's first row there (the
-        workspace's order made again: RowsPlan.by_rank). Stream order keeps the workspace as it is until the copy
-        has read it: peers write into it again only after the next call's barrier, which follows this stream."""
-        ctx, m_local, topk = self.ctx, x.shape[0], topk_ids.shape[1]
-        shape = moe_table_shape(m_local * ctx.world_size, x.shape[1], w.shape[2], w.shape[0], topk)
-        if self.sends_rows(x, w, out_rows, overrides, shape):
-            sched = self.schedule(x, overrides, shape, topk=topk)
-            ws = ctx.symmetric(f"{self.name}.rows", (sched.layout.world * sched.layout.m_local, x.shape[1]), x.dtype)
-            r = sort_by_expert(topk_ids, sched.rows.by_rank, w.shape[0], sched.cfg.block_m, 0, per_segment=True)
-            return ws.local.index_select(0, r["position"].view(-1, topk)[:, 0].long())
+    def _gathered(self, x, topk: int, first: torch.Tensor | None) -> torch.Tensor:
+        """Every rank's tokens as the call just made left them in this rank's workspace, with this rank's own (which
+        the producers do not copy here) in their place; where rows were sent sorted (``first``: each token's first
+        row in the rows' workspace, as _overlap_rows made it), those rows. Stream order keeps the workspace as it is
+        until the copy has read it: peers write into it again only after the next call's barrier, which follows this
+        stream."""
+        ctx, m_local = self.ctx, x.shape[0]
+        if first is not None:
+            ws = ctx.symmetric(f"{self.name}.rows", (ctx.world_size * m_local * topk, x.shape[1]), x.dtype)
+            return ws.local.index_select(0, first)
         ws = ctx.symmetric(f"{self.name}.ws", (ctx.world_size * m_local, x.shape[1]), x.dtype)
         gathered = ws.local.clone()
         gathered[ctx.rank * m_local:(ctx.rank + 1) * m_local].copy_(x)
@@ -254,9 +252,11 @@ class AllGatherMoEGEMM(MoEOp):
         cfg = with_overrides(self.config_for(table_shape or self.last_table_shape), overrides)
         return cfg.sends_rows(w.shape[2], reads_rows_by_tma(self.ctx, cfg, x, w, out_rows))
 
-    def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides, sent: bool) -> MoERouting | None:
+    def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides, sent: bool) -> tuple:
         """Enqueue one overlapped call: schedule, then run (the routing tables are made on the caller's stream
-        while the copies go); ``sent``: the ranks send rows sorted by expert (sends_rows)."""
+        while the copies go); ``sent``: the ranks send rows sorted by expert (sends_rows). Returns (the MoERouting
+        where ``sorted_output``, else None; where rows were sent, each token's first row in their workspace, else
+        None)."""
         ctx = self.ctx
         if sent:
             return self._overlap_rows(x, w, topk_ids, rows, sorted_output, overrides)
@@ -276,9 +276,9 @@ class AllGatherMoEGEMM(MoEOp):
                                                op=self.op)
 
         pipeline.run(ctx, producer, consumer)
-        return made["routing"]
+        return made["routing"], None
 
-    def _overlap_rows(self, x, w, topk_ids, rows, sorted_output, overrides) -> MoERouting | None:
+    def _overlap_rows(self, x, w, topk_ids, rows, sorted_output, overrides) -> tuple:
         """One overlapped call whose ranks send rows sorted by expert (module doc): the routing and this rank's
         block of rows on the caller's stream first (the copies send that block), then the call."""
         ctx = self.ctx
@@ -290,7 +290,7 @@ class AllGatherMoEGEMM(MoEOp):
         self.state["buffers"] = {"rows": ws.local}
         own = ws.local.narrow(0, ctx.rank * layout.m_local, layout.m_local)
         with pipeline.guarded(ctx, self.KIND):
-            routing, routes, table, tokens = self.route_rows(sched, topk_ids, w.shape[0], sorted_output)
+            routing, routes, table, tokens, first = self.route_rows(sched, topk_ids, w.shape[0], sorted_output)
             stage_rows(ctx, x, ws.local, tokens, sched.rows.pos, x.shape[0], ctx.rank)
         producer = Gather(ctx, sched.gather, [(own, ws)], flags, call=sched.call)
         contig = reads_rows_by_tma(ctx, cfg, x, w, rows)
@@ -300,7 +300,7 @@ class AllGatherMoEGEMM(MoEOp):
                                                op=self.op, contig=contig)
 
         pipeline.run(ctx, producer, consumer)
-        return routing
+        return routing, first
 
     @staticmethod
     def route_rows(sched: AllGatherMoESchedule, topk_ids, num_experts: int, sorted_output: bool):
@@ -308,7 +308,8 @@ class AllGatherMoEGEMM(MoEOp):
         order, cut into tiles of one rank's rows of one expert, the tiles then ordered by (expert, the rank's place:
         RowsPlan.rank_key), empty slots last; each row's output row (its pair, or its row in the layout sorted by
         (expert, arrival position of its rank, pair) where ``sorted_output``). Returns (MoERouting where
-        ``sorted_output``, (src, dst, pos, chunk_at), table, each workspace row's token)."""
+        ``sorted_output``, (src, dst, pos, chunk_at), table, each workspace row's token, each token's first row in
+        the workspace (int64))."""
         layout, cfg, plan = sched.layout, sched.cfg, sched.rows
         topk = topk_ids.shape[1]
         slots = num_slots(layout.m_local, num_experts, cfg.block_m)
@@ -323,7 +324,8 @@ class AllGatherMoEGEMM(MoEOp):
             e = sort_by_expert(topk_ids, plan.by_arrival, num_experts, cfg.block_m, 0, per_segment=False)
             routing = MoERouting(e["order"], e["position"], e["offsets"].view(-1), num_experts, topk, True)
             dst = e["position"][r["order"]]
-        return routing, (plan.src, dst, plan.pos, sched.chunk_at), table, r["src"]
+        first = r["position"].view(-1, topk)[:, 0].long()
+        return routing, (plan.src, dst, plan.pos, sched.chunk_at), table, r["src"], first
 
     @staticmethod
     def route(sched: AllGatherMoESchedule, topk_ids, num_experts: int, sorted_output: bool,

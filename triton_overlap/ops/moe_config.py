@@ -172,20 +172,29 @@ class MoEOp(OverlapOp):
         return None if self.check_routing else call_key(args, *tensors)
 
     def run_replayed(self, key, shape_key, enqueue):
-        """``enqueue()`` (which returns the call's MoERouting or None), or a replay of its graph (ReplayCache.run);
-        a replay's routing is copied out of the graph's memory, which the next replay rewrites."""
+        """``enqueue()`` (which returns what the call made: None, a MoERouting, a tensor or a tuple of them), or a
+        replay of its graph (ReplayCache.run), whose outputs come back as replayed_outputs."""
         if key is None:
             return enqueue()
         made = []
         if self.replays.run(key, shape_key, lambda: made.append(enqueue()) or made[-1]):
-            return self.replayed_routing()
+            return self.replayed_outputs()
         return made[0]
 
-    def replayed_routing(self):
-        """The routing of the call just replayed, in tensors of the caller's (None where the call made none)."""
-        r = self.replays.last_outputs
-        return None if r is None else replace(r, order=r.order.clone(), position=r.position.clone(),
-                                              offsets=r.offsets.clone())
+    def replayed_outputs(self):
+        """What the call just replayed made (run_replayed), its tensors copied out of the graph's memory, which the
+        next replay rewrites."""
+        return _copied(self.replays.last_outputs)
+
+
+def _copied(made):
+    if made is None:
+        return None
+    if isinstance(made, torch.Tensor):
+        return made.clone()
+    if isinstance(made, tuple):
+        return tuple(map(_copied, made))
+    return replace(made, order=made.order.clone(), position=made.position.clone(), offsets=made.offsets.clone())
 
 
 __all__ = ["ROWS_MIN_N", "MoEGEMMConfig", "MoEOp", "check_moe_operands", "check_out", "lag_estimate",
