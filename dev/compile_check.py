@@ -498,10 +498,11 @@ def compile_routing(target) -> int:
 
 def compile_ep_routing(target) -> int:
     """kernels.ep_routing (expert-parallel routing) and the scan it shares with kernels.routing, as ops.ep_routing
-    launches them on GPUs (the count in three launches and in one, for 2 and 16 blocks): int64 and int32 ids, 256 and 4 experts, 1, 2 and 8 ranks, top-1, 2, 6 and 8, bf16 rows
-    and fp8 rows (as bytes) with 64 scales, the pack into a staging buffer and into the owners' (PUSH), with and
-    without the owners' gather indexes (GATHER), and kernels.ep_experts' plan of the overlapped GEMM;
-    arguments not known divisible and (as Triton specialises aligned pointers and sizes) known divisible by 16."""
+    launches them on GPUs (the count in three launches, and in one for 2 and 16 blocks): int64 and int32 ids, 256
+    and 4 experts, 1, 2 and 8 ranks, top-1, 2, 6 and 8, bf16 rows and fp8 rows (as bytes) with 64 scales, the
+    pack into a staging buffer and into the owners' (PUSH), with and without the owners' gather indexes (GATHER),
+    and kernels.ep_experts' plan of the overlapped GEMM; arguments not known divisible and (as Triton specialises
+    aligned pointers and sizes) known divisible by 16."""
     from triton_overlap.kernels import ep_experts as ee
     from triton_overlap.kernels import ep_routing as r
     from triton_overlap.kernels.routing import scan_counts
@@ -517,7 +518,7 @@ def compile_ep_routing(target) -> int:
                    (scan_counts, dict(E_TILE=min(e_pad, 32), SCAN_B=64)),
                    (r.ep_record, dict(W_PAD=w_pad, SCAN_B=32)),
                    *((r.ep_count_record, dict(K=K, K_PAD=kp, BT=bt, W_PAD=w_pad, E_CHUNK=min(e_pad, 64),
-                                              NB_PAD=nb_pad, E_TILE=min(e_pad, 4096 // nb_pad)))
+                                              NB_PAD=nb_pad, E_TILE=max(16, min(e_pad, 4096 // nb_pad))))
                      for nb_pad in (2, r.ONE_LAUNCH_BLOCKS)),
                    (r.ep_dest, dict(W_PAD=w_pad, E_PAD=e_pad, E_CHUNK=min(e_pad, 32))),
                    (r.ep_expand, dict(K=K, BU=bt, BLOCK_H=bh, G_PAD=0)),

@@ -100,10 +100,12 @@ def _ids(T, k, E, kind, g):
 
 
 # (world, rank, tokens of each rank (an int: that many, one more on odd ranks), topk, experts, hidden, routing);
-# every case but the one with no tokens anywhere gives the checked rank rows to expand
+# every case but the one with no tokens anywhere gives the checked rank rows to expand; 256 and 257 tokens: the most
+# that the GPUs' blocks count in one launch, and one more
 CASES = [(2, 0, 13, 2, 4, 24, "random"), (3, 1, 37, 8, 12, 40, "random"), (4, 0, 5, 6, 256, 17, "skewed"),
          (2, 1, 0, 2, 8, 16, "random"), (8, 5, 29, 3, 16, 8, "random"), (2, 1, 9, 1, 2, 70, "one"),
-         (1, 0, 20, 4, 6, 33, "random"), (4, 0, 64, 5, 300, 9, "random"), (3, 0, (0, 11, 5), 7, 9, 65, "random")]
+         (1, 0, 20, 4, 6, 33, "random"), (4, 0, 64, 5, 300, 9, "random"), (3, 0, (0, 11, 5), 7, 9, 65, "random"),
+         (2, 1, 256, 2, 8, 16, "random")]
 
 
 def _strided(ids, x, weights):

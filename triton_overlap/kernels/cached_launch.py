@@ -14,8 +14,8 @@ dtype and whether its address is 16-byte aligned; each int's value class
 constexpr and launch option. In Triton's interpreter (host backend) kernels
 are simply called.
 
-Every GPU launch asks for FP fusion (a multiply and an add contracted into
-one FMA) unless the caller says otherwise: Triton's default up to 3.9, which
+Every GPU launch made here asks for FP fusion (a multiply and an add
+contracted into one FMA) unless the caller says otherwise: Triton's default up to 3.9, which
 the kernels' timings and tolerances were measured with; Triton 3.10 turns the
 default off.
 """

@@ -9,7 +9,7 @@ flags only grow. A peer stores call ``e + 2`` into the half call ``e`` used only
 which waited for this rank's call-``e + 1`` flag, raised after this rank's call ``e`` had read that half (kernels of
 one stream run in order): the one-shot AllReduce's argument (kernels.all_reduce).
 
-Dispatch, after kernels.ep_routing's count kernels (the record: tokens per owner, pairs per expert):
+Dispatch, after kernels.ep_routing's count (the record: tokens per owner, pairs per expert):
 
 1. ``ll_send`` (a program per block of tokens and column tile): each (token, owner) row into slot [half][rank] of
    the owner at the token's place among this rank's tokens for that owner, with its metadata [rank, token, each

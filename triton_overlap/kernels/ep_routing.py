@@ -348,7 +348,7 @@ def launch_count(ids, part, hist, base_e, groups, record, base, T: int, E: int, 
         nb_pad = max(pow2(nb), 2)
         launch(ep_count_record, (nb,), (ids, part, hist, base_e, record, base, ticket, T, E, E // W, W, nb),
                dict(K=K, K_PAD=pow2(K), BT=bt, W_PAD=w_pad, E_CHUNK=min(e_pad, 64), NB_PAD=nb_pad,
-                    E_TILE=min(e_pad, max(4096 // nb_pad, 16))), num_warps=4)
+                    E_TILE=max(16, min(e_pad, 4096 // nb_pad))), num_warps=4)
         return
     if nb:
         launch(ep_count, (nb,), (ids, part, hist, T, E, E // W, W),

@@ -309,7 +309,7 @@ class AllGatherMoEGEMM(MoEOp):
         RowsPlan.rank_key), empty slots last; each row's output row (its pair, or its row in the layout sorted by
         (expert, arrival position of its rank, pair) where ``sorted_output``). Returns (MoERouting where
         ``sorted_output``, (src, dst, pos, chunk_at), table, each workspace row's token, each token's first row in
-        the workspace (int64))."""
+        the workspace (int32))."""
         layout, cfg, plan = sched.layout, sched.cfg, sched.rows
         topk = topk_ids.shape[1]
         slots = num_slots(layout.m_local, num_experts, cfg.block_m)
@@ -324,7 +324,7 @@ class AllGatherMoEGEMM(MoEOp):
             e = sort_by_expert(topk_ids, plan.by_arrival, num_experts, cfg.block_m, 0, per_segment=False)
             routing = MoERouting(e["order"], e["position"], e["offsets"].view(-1), num_experts, topk, True)
             dst = e["position"][r["order"]]
-        first = r["position"].view(-1, topk)[:, 0].long()
+        first = r["position"].view(-1, topk)[:, 0]
         return routing, (plan.src, dst, plan.pos, sched.chunk_at), table, r["src"], first
 
     @staticmethod

@@ -7,11 +7,11 @@ receive buffers hold one slot of ``cap`` rows per source (per half: calls altern
 its rows for an owner straight into the owner's slot for it, at the token's place among those it sends there,
 without knowing what the other sources send. The kernels do every store (kernels.ep_low_latency: the module doc has
 the protocol); for decode's few rows a copy engine's start-up would cost more than the stores. One dispatch is three
-launches on the caller's stream (five above 256 tokens a rank): the count kernel of the normal mode (this rank's
-record, kernels.ep_routing.ep_count_record), the send (rows, metadata, the record and the call's header into every
-owner, then one flag per owner), and the expansion (waits for every source, compares headers, checks ids, places
-each (source, expert) run and copies the rows into expert order). A combine is two: the owners' weighted partials
-stored into each source's slot, then the sums.
+launches on the caller's stream (four with no tokens, five above 256 on GPUs): the count of the normal mode (this
+rank's record, in one launch: kernels.ep_routing.ep_count_record), the send (rows, metadata, the record and the
+call's header into every owner, then one flag per owner), and the expansion (waits for every source, compares
+headers, checks ids, places each (source, expert) run and copies the rows into expert order). A combine is two: the
+owners' weighted partials stored into each source's slot, then the sums.
 
 What a dispatch returns (LowLatencyHandle) has the same fields as the normal mode's handle, in fixed shapes:
 ``tokens`` [W · cap · topk, H] (the most (token, choice) pairs a rank can receive), whose first ``offsets[-1]`` rows

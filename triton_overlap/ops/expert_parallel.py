@@ -176,8 +176,10 @@ class ExpertParallel(OverlapOp):
         gathers = w is not None and self.cfg.experts_gemm == "overlap" and sched is not None and sched.remote is None
         self._agree("ep_dispatch", ("dispatch", x.shape[1], str(x.dtype), num_experts, k, G,
                                     0 if w is None else w.shape[2], gathers))
-        route = route_tokens(topk_ids, num_experts, W,
-                             None if fallback else ctx.symmetric(f"{self.name}.ticket", (1,), torch.int32).local)
+        ticket = None if fallback else self.state.get("ticket")
+        if ticket is None and not fallback:  # (the count's, kernels.ep_routing.launch_count: this op's own)
+            ticket = self.state["ticket"] = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        route = route_tokens(topk_ids, num_experts, W, ticket)
         self.last_path = "fallback" if fallback else "overlap"
         sent = target = None
         settled = False  # whether the stream already waits for the push flags (and resets them)
