@@ -843,7 +843,8 @@ def bench_all_reduce(ctx, sizes, iters, write_partial, calls: int | None = None)
     return records
 
 
-#: AllReduce + residual + RMSNorm: batch rows M x hidden H (bf16), the decode shapes of the fused op's target (report.AR_RMSNORM_TARGET)
+#: AllReduce + residual + RMSNorm: batch rows M x hidden H (bf16), the decode shapes of the fused op's target
+#: (report.AR_RMSNORM_TARGET)
 AR_RMSNORM_SHAPES = [(m, h) for h in (4096, 8192) for m in (1, 4, 16, 64)]
 #: the RMSNorm's epsilon (Llama's)
 AR_RMSNORM_EPS = 1e-5

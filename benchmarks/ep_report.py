@@ -27,7 +27,8 @@ def ep_row(r: dict) -> str:
              ratio_text(r.get("layer_nccl_us"), r.get("layer_ours_us")),
              us_text(r.get("layer_fwd_ours_us")), us_text(r.get("layer_fwd_nccl_us")),
              ratio_text(r.get("layer_fwd_nccl_us"), r.get("layer_fwd_ours_us")),
-             us_text(r.get("layer_fwd_overlap_us")), ratio_text(r.get("layer_fwd_ours_us"), r.get("layer_fwd_overlap_us")),
+             us_text(r.get("layer_fwd_overlap_us")),
+             ratio_text(r.get("layer_fwd_ours_us"), r.get("layer_fwd_overlap_us")),
              r.get("layer_overlap_gemm") or "n/a",
              "yes" if r.get("dispatch_equal") and r.get("combine_equal") else "NO"]
     return "| " + " | ".join(cols) + " |"

@@ -81,7 +81,8 @@ def write_moe(records, W, out_dir: str, pending=()) -> dict:
         json.dump(doc, f, indent=1)
     lead = records[0].get("lead_us", 0)
     with open(base + ".md", "w") as f:
-        f.write(f"Measured on commit {doc['commit']}, {doc['date']} (torch {doc['torch']}, triton {doc['triton']}).\n\n")
+        f.write(f"Measured on commit {doc['commit']}, {doc['date']} (torch {doc['torch']}, "
+                f"triton {doc['triton']}).\n\n")
         f.write(f"moe, {records[0]['gpu']} x{W}, bf16, median µs (max over ranks), each op's columns and the layer's "
                 f"timed in turns within each iteration; bound and consumer alone as CUDA-graph replays (GPU time); "
                 f"before each timed call the ranks are lined up on the device and the host is ahead ({lead:.0f} µs "

@@ -196,8 +196,9 @@ def place_runs(table_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr, wait
 
 @triton.jit
 def ll_expand(table_ptr, header_ptr, flags_ptr, rows_ptr, meta_ptr, place_ptr, offsets_ptr, counts_ptr, received_ptr,
-              number_ptr, state_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr, slots_ptr, slot_w_ptr, scales_ptr, waiter, E,
-              H, EL, W, cap, R, G, row_slot, meta_slot, table_slot, fingerprint, K: tl.constexpr, K_PAD: tl.constexpr,
+              number_ptr, state_ptr, tokens_ptr, source_ptr, token_ptr, weights_ptr, slots_ptr, slot_w_ptr,
+              scales_ptr, waiter, E, H, EL, W, cap, R, G, row_slot, meta_slot, table_slot, fingerprint,
+              K: tl.constexpr, K_PAD: tl.constexpr,
               BU: tl.constexpr, BLOCK_H: tl.constexpr, G_PAD: tl.constexpr, W_PAD: tl.constexpr,
               EL_PAD: tl.constexpr, CLOCK: tl.constexpr):
     """Grid (W · blocks of a slot, column tiles). Once every source's flag is up (bounded waits; headers compared),
