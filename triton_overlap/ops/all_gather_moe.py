@@ -159,7 +159,11 @@ class AllGatherMoEGEMM(MoEOp):
         direct = _rows_view(out)  # the kernel stores rows of N one row stride apart: else through a tensor that is
         rows = out.view(T * topk, N) if direct else torch.empty((T * topk, N), dtype=x.dtype, device=x.device)
         fallback = self._use_fallback(x)
-        sent = not fallback and self.sends_rows(x, w, rows, overrides)  # what goes on the wire: the ranks agree
+        sent = by_tma = False  # what goes on the wire (rows sorted by expert or tokens: the ranks agree on it)
+        if not fallback:
+            cfg = with_overrides(self.config_for(self.last_table_shape), overrides)
+            by_tma = reads_rows_by_tma(ctx, cfg, x, w, rows)  # whether the Gluon kernel would read sorted rows by TMA
+            sent = cfg.sends_rows(N, by_tma)
         self.agree((tuple(x.shape), str(x.dtype), E, topk, "rows" if sent else "tokens"))
         if self.check_routing:
             agree_on_routing(self.KIND, ctx, topk_ids, E)
@@ -172,7 +176,7 @@ class AllGatherMoEGEMM(MoEOp):
             shape_key = (tuple(x.shape), x.dtype, tuple(w.shape), tuple(w.stride()), tuple(topk_ids.shape),
                          topk_ids.dtype, args)
             routing, first = self.run_replayed(
-                key, shape_key, lambda: self._overlap(x, w, topk_ids, rows, sorted_output, overrides, sent))
+                key, shape_key, lambda: self._overlap(x, w, topk_ids, rows, sorted_output, overrides, sent, by_tma))
             gathered = self._gathered(x, topk, first) if return_gathered else None
         if not direct:
             out.copy_(rows.view(shape))
@@ -246,20 +250,15 @@ class AllGatherMoEGEMM(MoEOp):
             found = self.state[key] = rank_runs(*self._chunks(cfg, m_local, k * elsize))
         return found
 
-    def sends_rows(self, x, w, out_rows, overrides, table_shape: tuple | None = None) -> bool:
-        """Whether this call's ranks send rows sorted by expert (MoEGEMMConfig.sends_rows, the grouped GEMM for
-        ``out_rows`` [T * topk, N]); ``table_shape``: schedule's."""
-        cfg = with_overrides(self.config_for(table_shape or self.last_table_shape), overrides)
-        return cfg.sends_rows(w.shape[2], reads_rows_by_tma(self.ctx, cfg, x, w, out_rows))
-
-    def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides, sent: bool) -> tuple:
+    def _overlap(self, x, w, topk_ids, rows, sorted_output, overrides, sent: bool, by_tma: bool) -> tuple:
         """Enqueue one overlapped call: schedule, then run (the routing tables are made on the caller's stream
-        while the copies go); ``sent``: the ranks send rows sorted by expert (sends_rows). Returns (the MoERouting
+        while the copies go); ``sent``: the ranks send rows sorted by expert (MoEGEMMConfig.sends_rows), which the
+        grouped GEMM reads by TMA where ``by_tma`` (kernels.grouped_gemm.reads_rows_by_tma). Returns (the MoERouting
         where ``sorted_output``, else None; where rows were sent, each token's first row in their workspace, else
         None)."""
         ctx = self.ctx
         if sent:
-            return self._overlap_rows(x, w, topk_ids, rows, sorted_output, overrides)
+            return self._overlap_rows(x, w, topk_ids, rows, sorted_output, overrides, by_tma)
         sched = self.schedule(x, overrides)
         layout, cfg = sched.layout, sched.cfg
         ws = ctx.symmetric(f"{self.name}.ws", (layout.world * layout.m_local, x.shape[1]), x.dtype)
@@ -278,9 +277,10 @@ class AllGatherMoEGEMM(MoEOp):
         pipeline.run(ctx, producer, consumer)
         return made["routing"], None
 
-    def _overlap_rows(self, x, w, topk_ids, rows, sorted_output, overrides) -> tuple:
+    def _overlap_rows(self, x, w, topk_ids, rows, sorted_output, overrides, contig: bool) -> tuple:
         """One overlapped call whose ranks send rows sorted by expert (module doc): the routing and this rank's
-        block of rows on the caller's stream first (the copies send that block), then the call."""
+        block of rows on the caller's stream first (the copies send that block), then the call; ``contig``: the
+        grouped GEMM reads each tile's rows by TMA."""
         ctx = self.ctx
         sched = self.schedule(x, overrides, topk=topk_ids.shape[1])
         layout, cfg = sched.layout, sched.cfg
@@ -293,7 +293,6 @@ class AllGatherMoEGEMM(MoEOp):
             routing, routes, table, tokens, first = self.route_rows(sched, topk_ids, w.shape[0], sorted_output)
             stage_rows(ctx, x, ws.local, tokens, sched.rows.pos, x.shape[0], ctx.rank)
         producer = Gather(ctx, sched.gather, [(own, ws)], flags, call=sched.call)
-        contig = reads_rows_by_tma(ctx, cfg, x, w, rows)
 
         def consumer():
             self.last_gemm = launch_ag_grouped(ctx, cfg, own, ws.local, w, rows, routes, table, flags.local, layout,
