@@ -141,6 +141,7 @@ FAST = [
     "test_parallel_styles.py::test_shared_input_colwise[host-w3-2]",
     "test_parallel_styles.py::test_float32_needs_autocast_and_styles_check_their_input[host-w2]",
     "test_parallel_styles.py::test_from_full_rejects_unknown_keywords",
+    "test_parallel_styles.py::test_hf_plan_from_the_models_own",
     "test_parallel_moe.py::test_moe_model_matches_unmodified_model[host-w2-0]",
     "test_parallel_moe.py::test_moe_parallel_refuses_what_it_cannot_run[host-w2]",
     "test_moe_bench.py::test_routings_are_seeded_distinct_and_skewed_as_named",

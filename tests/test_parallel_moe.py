@@ -14,9 +14,10 @@ TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf
 VOCAB = 96
 
 
-def _model(kind, W, dtype):
+def _model(kind, W, dtype, dense_last=False):
     """A small random ``kind`` ("qwen3" or "mixtral") causal LM whose heads, KV heads, width and experts' width split
-    over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every rank."""
+    over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every rank. ``dense_last`` (qwen3): the
+    last layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
                   num_key_value_heads=W, head_dim=16, num_experts_per_tok=2, attn_implementation="sdpa",
                   experts_implementation="eager",  # the reference runs in float64: a loop over experts
@@ -25,7 +26,7 @@ def _model(kind, W, dtype):
         from transformers import Qwen3MoeConfig as Config, Qwen3MoeForCausalLM as Model
 
         config = Config(num_experts=4, moe_intermediate_size=8 * W, intermediate_size=8 * W, norm_topk_prob=True,
-                        **common)
+                        mlp_only_layers=[1] if dense_last else [], **common)
     else:
         from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
 
@@ -97,18 +98,22 @@ def _decisive_tokens(reference, B, S, dev):
     raise AssertionError("no draw of tokens routes without near ties")
 
 
-def _moe_case(kind, mode, fallback):
-    """``mode``: "bf16" (bf16 parameters) or "autocast" (float32 parameters under torch.autocast(bfloat16)).
-    Batch 2, sequence 4W. Returns the worst (name, error)."""
+def _moe_case(kind, mode, fallback, hf=False):
+    """``mode``: "bf16" (bf16 parameters) or "autocast" (float32 parameters under torch.autocast(bfloat16)); ``hf``:
+    the plan hf_plan makes of the model's own, on a model whose last layer is dense. Batch 2, sequence 4W. Returns
+    the worst (name, error)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
+    from triton_overlap.nn import hf_plan
+
     with to.Context(timeout_s=120) as ctx:
         W, dev = ctx.world_size, ctx.device
-        model = _model(kind, W, torch.float32 if mode == "autocast" else torch.bfloat16).to(dev)
+        model = _model(kind, W, torch.float32 if mode == "autocast" else torch.bfloat16, dense_last=hf).to(dev)
         reference = copy.deepcopy(model).double()
-        parallelize_module(model, init_device_mesh(dev.type, (W,)), _plan(ctx, kind, fallback))
+        plan = hf_plan(model, ctx, fallback=fallback) if hf else _plan(ctx, kind, fallback)
+        parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         mlp = model.model.layers[0].mlp
         assert isinstance(mlp.gate.weight, DTensor) and tuple(mlp.experts.gate_up_proj.shape) == (4, 32 * W, 16)
         B, S = 2, 4 * W
@@ -137,7 +142,7 @@ def _moe_case(kind, mode, fallback):
 
 
 MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral", "autocast", "never"),
-             ("qwen3", "bf16", "always")]
+             ("qwen3", "bf16", "always"), ("qwen3", "bf16", "never", True)]
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))

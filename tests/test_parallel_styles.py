@@ -71,15 +71,20 @@ def _grad_errors(model, reference, rank):
 def _llama_case(B, mode, fallback, shared=False):
     """``mode``: "bf16" (bf16 parameters), "autocast" (float32 parameters under autocast), "compiled" (bf16, the
     model under torch.compile), "compiled_layers" (each decoder layer compiled) or "decode" (no sequence
-    parallelism: local column layers, GEMM + AllReduce rows); ``shared``: _plan's."""
+    parallelism: local column layers, GEMM + AllReduce rows); ``shared``: _plan's, or "hf": the plan hf_plan makes
+    of the model's own."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.nn import hf_plan
 
     with to.Context(timeout_s=120) as ctx:
         W, dev = ctx.world_size, ctx.device
         model = _llama(W, torch.float32 if mode == "autocast" else torch.bfloat16).to(dev)
         reference = copy.deepcopy(model).double()
-        parallelize_module(model, init_device_mesh(dev.type, (W,)), _plan(ctx, fallback, mode != "decode", shared))
+        plan = hf_plan(model, ctx, fallback=fallback, sequence_parallel=mode != "decode") if shared == "hf" \
+            else _plan(ctx, fallback, mode != "decode", shared)
+        parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         run = torch.compile(model) if mode == "compiled" else model
         if mode == "compiled_layers":  # each decoder layer compiled, as torchtitan does
             for i, layer in enumerate(model.model.layers):
@@ -105,7 +110,8 @@ def _llama_case(B, mode, fallback, shared=False):
 
 
 LLAMA_CASES = [(2, "bf16", "never"), (1, "autocast", "never"), (2, "decode", "never"), (1, "bf16", "always"),
-               (2, "bf16", "never", True), (1, "autocast", "never", True), (2, "decode", "never", True)]
+               (2, "bf16", "never", True), (1, "autocast", "never", True), (2, "decode", "never", True),
+               (2, "bf16", "never", "hf"), (2, "decode", "never", "hf")]
 
 
 @pytest.mark.parametrize("case", range(len(LLAMA_CASES)))
@@ -343,3 +349,62 @@ def test_decode_styles_replay_in_cuda_graph(pool):
     if pool.backend == "host":
         pytest.skip("CUDA graphs need a GPU")
     assert all(pool.run(_decode_in_cuda_graph, 50))
+
+
+def test_hf_plan_from_the_models_own():
+    """hf_plan by concrete module name: the Llama plan of _plan (shared inputs, sequence parallel), a ColwiseParallel
+    a layer without shared inputs, no edges for decode, Qwen3-MoE's sparse and dense layers side by side; and what
+    it refuses, before any change to the model (the styles only keep the Context, so none is needed here)."""
+    pytest.importorskip("transformers")
+    from torch.distributed.tensor.parallel import SequenceParallel
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, \
+        Qwen3MoeForCausalLM
+
+    from triton_overlap.nn import (ColwiseParallel, GatherSequence, MoEParallel, RowwiseParallel, ShardSequence,
+                                   SharedInputColwise, hf_plan)
+
+    small = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2)
+    llama = LlamaForCausalLM(LlamaConfig(**small))
+    kinds = lambda plan: {k: type(v).__name__ for k, v in plan.items()}  # noqa: E731
+    want = {"model.embed_tokens": "ShardSequence", "model.norm": "GatherSequence"}
+    for i in range(2):
+        p = f"model.layers.{i}"
+        want.update({f"{p}.self_attn": "SharedInputColwise", f"{p}.self_attn.o_proj": "RowwiseParallel",
+                     f"{p}.mlp": "SharedInputColwise", f"{p}.mlp.down_proj": "RowwiseParallel",
+                     f"{p}.input_layernorm": "SequenceParallel", f"{p}.post_attention_layernorm": "SequenceParallel"})
+    plan = hf_plan(llama, None, fallback="never")
+    assert kinds(plan) == want
+    assert plan["model.layers.1.self_attn"].layers == ("q_proj", "k_proj", "v_proj")
+    assert plan["model.layers.0.mlp"].layers == ("gate_proj", "up_proj")
+    assert plan["model.layers.0.mlp"].colwise.fallback == "never"
+    separate = kinds(hf_plan(llama, None, shared_inputs=False))
+    assert separate["model.layers.0.self_attn.k_proj"] == "ColwiseParallel" and "model.layers.0.mlp" not in separate
+    decode = hf_plan(llama, None, sequence_parallel=False)
+    assert set(kinds(decode).values()) == {"SharedInputColwise", "RowwiseParallel"}
+    assert not decode["model.layers.0.mlp.down_proj"].sequence_parallel
+    assert kinds(hf_plan(llama.model, None)) == {k[len("model."):]: v for k, v in want.items()}  # the base model
+
+    qwen = Qwen3MoeForCausalLM(Qwen3MoeConfig(**small, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                              moe_intermediate_size=8, mlp_only_layers=[1]))
+    plan = hf_plan(qwen, None)
+    assert isinstance(plan["model.layers.0.mlp"], MoEParallel) and "model.layers.0.mlp.experts" not in plan
+    assert isinstance(plan["model.layers.1.mlp"], SharedInputColwise)  # the dense layer
+    norm = plan["model.layers.0.self_attn.q_norm"]  # per-head norms: SequenceParallel on the heads' dim
+    assert isinstance(norm, SequenceParallel) and norm.sequence_sharding[0].dim == 2
+    assert isinstance(plan["model.embed_tokens"], ShardSequence) and isinstance(plan["model.norm"], GatherSequence)
+    assert all(isinstance(v, (ColwiseParallel, RowwiseParallel, SharedInputColwise, MoEParallel, SequenceParallel,
+                              ShardSequence, GatherSequence)) for v in plan.values())
+
+    with pytest.raises(ValueError, match="base_model_tp_plan"):
+        hf_plan(nn.Linear(4, 4), None)
+    with pytest.raises(ValueError, match="sequence parallel only"):
+        hf_plan(qwen, None, sequence_parallel=False)
+    with pytest.raises(TypeError, match="shared expert"):
+        hf_plan(Qwen2MoeForCausalLM(Qwen2MoeConfig(**small, num_experts=4, num_experts_per_tok=2,
+                                                   moe_intermediate_size=8, shared_expert_intermediate_size=8)), None)
+    llama.config.base_model_tp_plan = {**llama.config.base_model_tp_plan, "layers.*.mlp.down_proj": "local_rowwise"}
+    with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj is 'local_rowwise'"):
+        hf_plan(llama, None)
+    assert isinstance(llama.model.layers[0].mlp.down_proj, nn.Linear) and not hasattr(llama.model.layers[0].mlp,
+                                                                                       "tp_style")

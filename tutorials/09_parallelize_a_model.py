@@ -3,11 +3,14 @@
     bash scripts/launch.sh tutorials/09_parallelize_a_model.py      (needs: pip install -e ".[hf]")
 
 ``triton_overlap.nn``'s parallel styles plug into torch's ``parallelize_module`` as torch's own do, with a plan of
-module-name patterns. The residual stream between the layers is each rank's sequence shard; q/k/v and gate/up
-gather it inside their GEMM (AllGather-GEMM, once for each group: SharedInputColwise; ColwiseParallel is the style of
-a single column layer), o and down scatter their output back into it (GEMM-ReduceScatter).
-The norms use torch's ``SequenceParallel``. The model's code is not touched. It takes token ids ``[B, S]``
-(batch-first), and the residual stream's sequence dimension (dim 1) is what the ranks split.
+module names. ``hf_plan`` makes the plan from the one the model ships (its config's ``base_model_tp_plan``), the
+plan by hand being the same dict: the embedding's output becomes each rank's sequence shard (``ShardSequence``), the
+residual stream between the layers stays so; q/k/v and gate/up gather it inside their GEMM (AllGather-GEMM, once for
+each group: ``SharedInputColwise``; ``ColwiseParallel`` is the style of a single column layer), o and down scatter
+their output back into it (GEMM-ReduceScatter: ``RowwiseParallel``); the norms run on the shard (torch's
+``SequenceParallel``) and the final norm gathers the full sequence for the LM head (``GatherSequence``). The model's
+code is not touched. It takes token ids ``[B, S]`` (batch-first), and the residual stream's sequence dimension (dim
+1) is what the ranks split.
 
 The tutorial runs a small random Llama (bf16 weights) twice on the same tokens, unmodified and parallelized, and
 compares the logits and every gradient.
@@ -18,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 import triton_overlap as to
-from triton_overlap.nn import GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
+from triton_overlap.nn import hf_plan
 from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
@@ -48,23 +51,14 @@ def main():
         model = tiny_llama(gpu).to(device)
         reference = copy.deepcopy(model)
 
-        # %% The whole change to the model: a mesh over the Context's ranks and one plan. (Shards this small take
-        # torch's path under fallback="auto"; "never" runs the overlapped kernels, here in Triton's interpreter.)
-        mesh = init_device_mesh(device.type, (W,))
+        # %% The whole change to the model: a mesh over the Context's ranks and one plan, made from the one the model
+        # ships (config.base_model_tp_plan). (Shards this small take torch's path under fallback="auto"; "never" runs
+        # the overlapped kernels, here in Triton's interpreter.)
         fallback = "auto" if gpu else "never"
-        row = RowwiseParallel(ctx, fallback=fallback)
-        plan = {
-            "model.embed_tokens": ShardSequence(ctx),  # the residual stream becomes this rank's S/W tokens
-            "model.layers.*.input_layernorm": SequenceParallel(),
-            # q, k and v read one input: one AllGather-GEMM for the three (ColwiseParallel each would gather thrice)
-            "model.layers.*.self_attn": SharedInputColwise(ctx, ("q_proj", "k_proj", "v_proj"), fallback=fallback),
-            "model.layers.*.self_attn.o_proj": row,
-            "model.layers.*.post_attention_layernorm": SequenceParallel(),
-            "model.layers.*.mlp": SharedInputColwise(ctx, ("gate_proj", "up_proj"), fallback=fallback),
-            "model.layers.*.mlp.down_proj": row,
-            "model.norm": GatherSequence(ctx),  # the full sequence again for the LM head
-        }
-        parallelize_module(model, mesh, plan)
+        plan = hf_plan(model, ctx, fallback=fallback)
+        parallelize_module(model, init_device_mesh(device.type, (W,)), plan)
+        say("the plan of layer 0: " + ", ".join(f"{k.removeprefix('model.layers.0.')}: {type(v).__name__}"
+                                                for k, v in plan.items() if k.startswith("model.layers.0.")))
 
         # %% The same tokens through both; every rank computes the same loss.
         S = 1024 if gpu else 8 * W

@@ -1,7 +1,7 @@
 """torch.nn layers built on the overlapped ops, with autograd: sequence-parallel linear layers, a tensor-parallel
 MLP, a tensor-parallel and an expert-parallel mixture of experts, a transformer block with context-parallel
 attention, and parallel styles for parallelize_module (linear layers, the sequence-parallel region's edges,
-sparse-MoE blocks)."""
+sparse-MoE blocks), and a Hugging Face model's whole plan from its own (hf_plan)."""
 from .block import ParallelTransformerBlock
 from .ep_moe import EPMoE
 from .linear import ColumnParallelLinear, RowParallelLinear, local_linear
@@ -9,7 +9,8 @@ from .mlp import TPMLP
 from .moe import TPMoE
 from .parallel import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
 from .parallel_moe import MoEParallel
+from .plans import hf_plan
 
 __all__ = ["ColumnParallelLinear", "ColwiseParallel", "EPMoE", "GatherSequence", "MoEParallel",
            "ParallelTransformerBlock", "RowParallelLinear", "RowwiseParallel", "ShardSequence", "SharedInputColwise",
-           "TPMLP", "TPMoE", "local_linear"]
+           "TPMLP", "TPMoE", "hf_plan", "local_linear"]

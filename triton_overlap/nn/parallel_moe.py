@@ -74,7 +74,7 @@ class MoEParallel(ParallelStyle):
         check_mesh(self, device_mesh)
         if hasattr(module, "tp_style"):
             raise ValueError(f"MoEParallel: {type(module).__name__} is parallelized already")
-        gate, experts, renormalize = _check_block(module)
+        gate, experts, renormalize = check_block(module)
         w1, w3, w2 = _full_experts(experts)
         if w1.shape[1] % W:
             raise ValueError(f"MoEParallel: the experts' hidden width {w1.shape[1]} is not divisible by the world "
@@ -92,7 +92,7 @@ class MoEParallel(ParallelStyle):
         return module
 
 
-def _check_block(block):
+def check_block(block):
     """(gate, experts, renormalize) of a block this style computes exactly, or TypeError naming what differs:
     nothing beside the router and the experts (no shared expert), a router of ``ROUTERS`` with a weight and no
     bias, and fused SwiGLU experts without biases."""

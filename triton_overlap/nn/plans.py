@@ -1,0 +1,122 @@
+"""A whole model's plan for ``parallelize_module`` from the tensor-parallel plan the model already ships: Hugging Face
+transformers' causal LMs declare which linear layers are column- and row-wise (``config.base_model_tp_plan``) and
+which modules open and close the stack of layers (``config.base_model_pp_plan``); ``hf_plan`` maps both onto this
+project's styles, so that ``parallelize_module(model, mesh, hf_plan(model, ctx))`` is the whole change to a model."""
+from __future__ import annotations
+
+import re
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
+
+from .parallel import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
+from .parallel_moe import MoEParallel, check_block
+
+#: the vocabulary's layers (the embedding and the LM head), which these styles keep whole on every rank
+KEPT_WHOLE = ("embedding_rowwise", "colwise_gather_output", "colwise_rep", "gather")
+#: the strategies inside a sparse-MoE block's experts, which MoEParallel on the block replaces
+EXPERTS = ("moe_tp_experts", "packed_colwise", "grouped_gemm", "local_colwise", "local_rowwise", "local")
+
+
+def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
+            shared_inputs: bool = True) -> dict[str, ParallelStyle]:
+    """The plan that makes a Hugging Face transformers model (``LlamaForCausalLM``, Mistral, Qwen2/3, Qwen3-MoE,
+    Mixtral, or their base models) tensor parallel over ``ctx``'s ranks with this project's styles, by concrete
+    module name, from the model's own ``config.base_model_tp_plan``:
+
+    * "colwise" linear layers: ``ColwiseParallel``; those of one module (q/k/v, gate/up) as one
+      ``SharedInputColwise`` on that module (``shared_inputs=False``: a ``ColwiseParallel`` each);
+    * "rowwise" linear layers: ``RowwiseParallel``;
+    * a sparse-MoE block ("moe_tp_experts" on its ``experts``): ``MoEParallel`` on the block;
+    * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
+      ``[B, S, heads, head_dim]``): torch's ``SequenceParallel`` on the heads' dimension, so that their weights'
+      gradients are summed over the ranks;
+    * the embedding and the LM head (vocabulary-parallel in the model's plan) stay whole on every rank.
+
+    ``sequence_parallel`` (the default, for training and prefill): the residual stream between the layers is each
+    rank's sequence shard: ``ShardSequence`` on the embedding, torch's ``SequenceParallel`` on the norms of each
+    decoder layer, ``GatherSequence`` on the final norm (the modules that ``config.base_model_pp_plan`` names
+    first, in the middle and last). ``False`` (decode): column layers multiply locally and row layers run GEMM +
+    AllReduce; a sparse-MoE block has no such path, so a model with one raises ValueError. ``fallback`` goes to
+    every style. A strategy that these styles do not reproduce raises ValueError naming the module, before any
+    change to the model. Every rank must hold the same full weights, as for torch's own styles."""
+    config = getattr(model, "config", None)
+    tp = getattr(config, "base_model_tp_plan", None)
+    if not tp:
+        raise ValueError(f"hf_plan: {type(model).__name__} has no config.base_model_tp_plan (a Hugging Face "
+                         f"transformers model declares one); write the plan by hand (tutorial 09 shows one)")
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    modules = dict(model.named_modules())
+    rules = [(re.compile(re.escape(prefix + k).replace(r"\*", r"[^.]+") + "$"), k, v) for k, v in tp.items()]
+    found = {}  # concrete module name -> (strategy, the tp plan's key)
+    for name in modules:
+        for pattern, key, strategy in rules:
+            if pattern.match(name):
+                found[name] = (strategy, key)
+    col = ColwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
+    row = RowwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
+    heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+    plan: dict[str, ParallelStyle] = {}
+    blocks = {_parent(n) for n, (s, _) in found.items() if s == "moe_tp_experts"}
+    if blocks and not sequence_parallel:
+        raise ValueError(f"hf_plan: {type(model).__name__} has sparse-MoE blocks ({sorted(blocks)[0]}, ...), "
+                         f"whose style (MoEParallel) runs sequence parallel only; sequence_parallel=False cannot "
+                         f"take them")
+    for block in sorted(blocks):
+        check_block(modules[block])  # (TypeError now, naming what the style cannot take, not halfway through)
+        plan[block] = MoEParallel(ctx, fallback=fallback)
+    columns: dict[str, list[str]] = {}
+    for name, (strategy, key) in found.items():
+        if any(name == b or name.startswith(b + ".") for b in blocks) and strategy in EXPERTS + ("rowwise",):
+            continue  # inside a sparse-MoE block: MoEParallel shards its experts
+        if strategy in KEPT_WHOLE:
+            continue
+        if strategy in ("colwise", "rowwise"):
+            if type(modules[name]) is not nn.Linear:
+                raise ValueError(f"hf_plan: {name} ({type(modules[name]).__name__}) is {strategy!r} in the model's "
+                                 f"plan ({key!r}); these styles take nn.Linear layers only")
+            if strategy == "colwise":
+                columns.setdefault(_parent(name), []).append(name)
+            else:
+                plan[name] = row
+        elif strategy == "replicated_with_grad_allreduce":
+            plan[name] = heads
+        else:
+            raise ValueError(f"hf_plan: {name} is {strategy!r} in the model's plan ({key!r}), which these styles do "
+                             f"not reproduce; write the plan by hand (tutorial 09 shows one)")
+    for parent, names in columns.items():
+        if shared_inputs and len(names) > 1:
+            plan[parent] = SharedInputColwise(ctx, tuple(n[len(parent) + 1:] for n in names), fallback=fallback,
+                                              sequence_parallel=sequence_parallel)
+        else:
+            plan.update({n: col for n in names})
+    if sequence_parallel:
+        plan.update(_sequence_edges(model, modules, prefix, ctx))
+    return plan
+
+
+def _sequence_edges(model, modules, prefix, ctx) -> dict[str, ParallelStyle]:
+    """The sequence-parallel region's edges and norms: ShardSequence on the embedding, SequenceParallel on each
+    decoder layer's own norms, GatherSequence on the final norm (``config.base_model_pp_plan``'s first, middle
+    and last modules)."""
+    stages = list(getattr(model.config, "base_model_pp_plan", None) or ())
+    names = [prefix + s for s in stages]
+    if len(names) != 3 or any(n not in modules for n in names):
+        raise ValueError(f"hf_plan: sequence parallelism needs the model's embedding, layers and final norm "
+                         f"(config.base_model_pp_plan), found {stages} in {type(model).__name__}; "
+                         f"sequence_parallel=False, or write the plan by hand")
+    embed, layers, norm = names
+    edges: dict[str, ParallelStyle] = {embed: ShardSequence(ctx), norm: GatherSequence(ctx)}
+    for layer_name, layer in modules[layers].named_children():
+        for child, m in layer.named_children():
+            if "norm" in type(m).__name__.lower():
+                edges[f"{layers}.{layer_name}.{child}"] = SequenceParallel()
+    return edges
+
+
+def _parent(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+__all__ = ["hf_plan"]
