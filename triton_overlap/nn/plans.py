@@ -20,9 +20,9 @@ EXPERTS = ("moe_tp_experts", "packed_colwise", "grouped_gemm", "local_colwise", 
 
 def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
             shared_inputs: bool = True) -> dict[str, ParallelStyle]:
-    """The plan that makes a Hugging Face transformers model (``LlamaForCausalLM``, Mistral, Qwen2/3, Qwen3-MoE,
-    Mixtral, or their base models) tensor parallel over ``ctx``'s ranks with this project's styles, by concrete
-    module name, from the model's own ``config.base_model_tp_plan``:
+    """The plan that makes a Hugging Face transformers model tensor parallel over ``ctx``'s ranks with this
+    project's styles, by concrete module name, from the model's own ``config.base_model_tp_plan`` (tested on Llama,
+    Qwen3-MoE and Mixtral causal LMs and a base model; Mistral's and Qwen2/3's plans name the same strategies):
 
     * "colwise" linear layers: ``ColwiseParallel``; those of one module (q/k/v, gate/up) as one
       ``SharedInputColwise`` on that module (``shared_inputs=False``: a ``ColwiseParallel`` each);
