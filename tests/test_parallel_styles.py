@@ -403,7 +403,22 @@ def test_hf_plan_from_the_models_own():
     with pytest.raises(TypeError, match="shared expert"):
         hf_plan(Qwen2MoeForCausalLM(Qwen2MoeConfig(**small, num_experts=4, num_experts_per_tok=2,
                                                    moe_intermediate_size=8, shared_expert_intermediate_size=8)), None)
-    llama.config.base_model_tp_plan = {**llama.config.base_model_tp_plan, "layers.*.mlp.down_proj": "local_rowwise"}
+    from transformers import ApertusConfig, ApertusForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
+
+    with pytest.raises(ValueError, match=r"mlp.act_fn \(XIELUActivation\) has parameters \['alpha_p', 'alpha_n'\]"):
+        hf_plan(ApertusForCausalLM(ApertusConfig(**small)), None)  # learned scalars on this rank's columns
+    neox = small | {"num_key_value_heads": None}  # pp plan: embedding, dropout, layers, final norm
+    plan = kinds(hf_plan(GPTNeoXForCausalLM(GPTNeoXConfig(**{k: v for k, v in neox.items() if v})), None))
+    assert plan["gpt_neox.embed_in"] == "ShardSequence" and plan["gpt_neox.final_layer_norm"] == "GatherSequence"
+    assert plan["gpt_neox.layers.1.attention.query_key_value"] == "ColwiseParallel"
+    only_embedding = {"embed_tokens": "embedding_rowwise"}  # (GPT-OSS's plan)
+    for tp, why in ((only_embedding, "names no column or row"),
+                    ({**llama.config.base_model_tp_plan, "layers.*.self_attn.q_proj": "colwise_gather_output"},
+                     "q_proj is 'colwise_gather_output'")):
+        llama.config.base_model_tp_plan = tp
+        with pytest.raises(ValueError, match=why):
+            hf_plan(llama, None)
+    llama.config.base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "layers.*.mlp.down_proj": "local_rowwise"}
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj is 'local_rowwise'"):
         hf_plan(llama, None)
     assert isinstance(llama.model.layers[0].mlp.down_proj, nn.Linear) and not hasattr(llama.model.layers[0].mlp,

@@ -12,8 +12,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from .parallel import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
 from .parallel_moe import MoEParallel, check_block
 
-#: the vocabulary's layers (the embedding and the LM head), which these styles keep whole on every rank
-KEPT_WHOLE = ("embedding_rowwise", "colwise_gather_output", "colwise_rep", "gather")
+#: a vocabulary-parallel embedding's strategies: these styles keep the embedding whole on every rank
+KEPT_WHOLE = ("embedding_rowwise", "embedding_colwise")
 #: the strategies inside a sparse-MoE block's experts, which MoEParallel on the block replaces
 EXPERTS = ("moe_tp_experts", "packed_colwise", "grouped_gemm", "local_colwise", "local_rowwise", "local")
 
@@ -33,13 +33,19 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
       gradients are summed over the ranks;
     * the embedding and the LM head (vocabulary-parallel in the model's plan) stay whole on every rank.
 
+    Refused with ValueError, naming the module, before any change to the model: a strategy these styles do not
+    reproduce (a fused q/k/v or gate/up layer whose output the model's plan gathers, "colwise_gather_output" and
+    "rowwise_split_input"; Hugging Face's other local or packed strategies), a plan with no column or row layer,
+    and a module inside the decoder layers with parameters that the plan leaves out (an activation's learned
+    scalars), whose gradient would be this rank's part only. A sparse-MoE block that ``MoEParallel`` cannot
+    compute raises its TypeError.
+
     ``sequence_parallel`` (the default, for training and prefill): the residual stream between the layers is each
     rank's sequence shard: ``ShardSequence`` on the embedding, torch's ``SequenceParallel`` on the norms of each
-    decoder layer, ``GatherSequence`` on the final norm (the modules that ``config.base_model_pp_plan`` names
-    first, in the middle and last). ``False`` (decode): column layers multiply locally and row layers run GEMM +
+    decoder layer, ``GatherSequence`` on the final norm (``config.base_model_pp_plan``'s first module, its list of
+    layers and its last module). ``False`` (decode): column layers multiply locally and row layers run GEMM +
     AllReduce; a sparse-MoE block has no such path, so a model with one raises ValueError. ``fallback`` goes to
-    every style. A strategy that these styles do not reproduce raises ValueError naming the module, before any
-    change to the model. Every rank must hold the same full weights, as for torch's own styles."""
+    every style. Every rank must hold the same full weights, as for torch's own styles."""
     config = getattr(model, "config", None)
     tp = getattr(config, "base_model_tp_plan", None)
     if not tp:
@@ -70,7 +76,7 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     for name, (strategy, key) in found.items():
         if any(name == b or name.startswith(b + ".") for b in blocks) and strategy in EXPERTS + ("rowwise",):
             continue  # inside a sparse-MoE block: MoEParallel shards its experts
-        if strategy in KEPT_WHOLE:
+        if strategy in KEPT_WHOLE and isinstance(modules[name], nn.Embedding):
             continue
         if strategy in ("colwise", "rowwise"):
             if type(modules[name]) is not nn.Linear:
@@ -85,6 +91,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
         else:
             raise ValueError(f"hf_plan: {name} is {strategy!r} in the model's plan ({key!r}), which these styles do "
                              f"not reproduce; write the plan by hand (tutorial 09 shows one)")
+    if not columns and not blocks:
+        raise ValueError(f"hf_plan: the plan of {type(model).__name__} names no column or row linear layer "
+                         f"({sorted(set(tp.values()))}); write the plan by hand (tutorial 09 shows one)")
     for parent, names in columns.items():
         if shared_inputs and len(names) > 1:
             plan[parent] = SharedInputColwise(ctx, tuple(n[len(parent) + 1:] for n in names), fallback=fallback,
@@ -92,21 +101,61 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
         else:
             plan.update({n: col for n in names})
     if sequence_parallel:
-        plan.update(_sequence_edges(model, modules, prefix, ctx))
+        plan.update(_sequence_edges(modules, _stages(model, modules, prefix), ctx))
+    _check_covered(modules, plan, _layers(model, modules, prefix, tp), sequence_parallel)
     return plan
 
 
-def _sequence_edges(model, modules, prefix, ctx) -> dict[str, ParallelStyle]:
-    """The sequence-parallel region's edges and norms: ShardSequence on the embedding, SequenceParallel on each
-    decoder layer's own norms, GatherSequence on the final norm (``config.base_model_pp_plan``'s first, middle
-    and last modules)."""
-    stages = list(getattr(model.config, "base_model_pp_plan", None) or ())
-    names = [prefix + s for s in stages]
-    if len(names) != 3 or any(n not in modules for n in names):
+def _stages(model, modules, prefix):
+    """(embedding, layers, final norm): ``config.base_model_pp_plan``'s first entry, its ModuleList and its last
+    entry (a dropout between the embedding and the layers is left as it is), or ValueError."""
+    stages = [prefix + s for s in getattr(model.config, "base_model_pp_plan", None) or ()]
+    lists = [s for s in stages[1:-1] if isinstance(modules.get(s), nn.ModuleList)]
+    if len(stages) < 3 or len(lists) != 1 or any(s not in modules for s in stages):
         raise ValueError(f"hf_plan: sequence parallelism needs the model's embedding, layers and final norm "
-                         f"(config.base_model_pp_plan), found {stages} in {type(model).__name__}; "
-                         f"sequence_parallel=False, or write the plan by hand")
-    embed, layers, norm = names
+                         f"(config.base_model_pp_plan), found {[s[len(prefix):] for s in stages]} in "
+                         f"{type(model).__name__}; sequence_parallel=False, or write the plan by hand")
+    return stages[0], lists[0], stages[-1]
+
+
+def _layers(model, modules, prefix, tp) -> str:
+    """The name of the decoder layers' ModuleList: the part of the plan's keys before their first ``.*``."""
+    heads = {prefix + k.split(".*", 1)[0] for k in tp if ".*" in k}
+    lists = sorted(h for h in heads if isinstance(modules.get(h), nn.ModuleList))
+    if len(lists) != 1:
+        raise ValueError(f"hf_plan: cannot tell the decoder layers of {type(model).__name__} from its plan's keys "
+                         f"({sorted(tp)}); write the plan by hand (tutorial 09 shows one)")
+    return lists[0]
+
+
+def _check_covered(modules, plan, layers: str, sequence_parallel: bool) -> None:
+    """ValueError for a module inside the decoder layers whose own parameters no style of ``plan`` takes, where
+    it reads part of the activations (this rank's heads or columns, or, sequence parallel, this rank's tokens) and
+    so its gradient would be this rank's part only. Without sequence parallelism a decoder layer and its direct
+    children read the whole residual stream, the same on every rank, and need no style."""
+    covered = set()
+    for name, style in plan.items():
+        if isinstance(style, SharedInputColwise):
+            covered.update(f"{name}.{m}" for m in style.layers)
+        elif isinstance(style, MoEParallel):
+            covered.update(n for n in modules if n == name or n.startswith(name + "."))
+        else:
+            covered.add(name)
+    for name, m in modules.items():
+        if not name.startswith(layers + ".") or name in covered:
+            continue
+        own = [n for n, _ in m.named_parameters(recurse=False)]
+        depth = name[len(layers) + 1:].count(".")  # 0: a decoder layer, 1: its direct child
+        if own and (sequence_parallel or depth > 1):
+            raise ValueError(f"hf_plan: {name} ({type(m).__name__}) has parameters {own} that the model's plan "
+                             f"leaves out; it reads this rank's part of the activations, so their gradients would "
+                             f"be this rank's part only; write the plan by hand (tutorial 09 shows one)")
+
+
+def _sequence_edges(modules, stages, ctx) -> dict[str, ParallelStyle]:
+    """The sequence-parallel region's edges and norms: ShardSequence on the embedding, SequenceParallel on each
+    decoder layer's own norms, GatherSequence on the final norm (``stages``: _stages')."""
+    embed, layers, norm = stages
     edges: dict[str, ParallelStyle] = {embed: ShardSequence(ctx), norm: GatherSequence(ctx)}
     for layer_name, layer in modules[layers].named_children():
         for child, m in layer.named_children():
