@@ -76,17 +76,16 @@ class Scatter:
         open_call(ctx, stream, self.call)  # every owner has reduced its previous call and reset its counters
 
     def enqueue(self, ctx, streams) -> None:
-        r, cpr = ctx.rank, self.layout.chunks_per_rank
-        for s, steps in zip(streams, self.schedule.copy_streams):
-            for d, j in steps:
-                rows = self.layout.local_rows(j)
-                count = self.stage.counts[d * cpr + j:d * cpr + j + 1]
-                want = self.counts[d][j]
-                s.wait_value(count, want, f"rank {r} gemm_rs chunk {j} for rank {d}")
-                ctx.jitter(s)
-                s.copy(self.recv.peer(d)[r, rows], self.stage.partials[d, rows])
-                s.write_value(self.counters.peer(d)[r * cpr + j:r * cpr + j + 1], want)
-                s.write_value(count, 0)
+        local = streams[:-1] if self.remote else streams
+        if local:
+            partials = self.stage.partials
+            for s, steps in ctx.cached(("scatter plan", self._key(ctx, local)), lambda: self._plan(ctx, local)):
+                for count, want, what, copy, counter in steps:
+                    s.wait_value(count, want, what)
+                    ctx.jitter(s)
+                    s.copy_planned(copy, partials)
+                    s.write_value(counter, want)
+                    s.write_value(count, 0)
         if self.remote:  # after the copies within the host: an exchange may block the host (Stream.exchange)
             self._between_hosts(ctx, streams[-1])
 
@@ -108,3 +107,27 @@ class Scatter:
 
     def finish(self, ctx) -> None:
         pass
+
+    def _key(self, ctx, streams):
+        """What the plan depends on: the schedule, the streams and every buffer's address (a grown one moves)."""
+        mapped = ctx.local_ranks
+        return (self.schedule, tuple(id(s) for s in streams), self.stage.partials.data_ptr(),
+                self.stage.counts.data_ptr(), tuple(self.recv.peer(d).data_ptr() for d in mapped),
+                tuple(self.counters.peer(d).data_ptr() for d in mapped))
+
+    def _plan(self, ctx, streams):
+        """Per stream: [(local count, its final value, what a timeout names, the planned copy, the owner's
+        counter)] in order, built once per key: the views and copy pieces cost the host more than the driver calls
+        that use them."""
+        r, cpr = ctx.rank, self.layout.chunks_per_rank
+        partials, plan = self.stage.partials, []
+        for s, steps in zip(streams, self.schedule.copy_streams):
+            planned = []
+            plan.append((s, planned))
+            for d, j in steps:
+                rows = self.layout.local_rows(j)
+                planned.append((self.stage.counts[d * cpr + j:d * cpr + j + 1], self.counts[d][j],
+                                f"rank {r} gemm_rs chunk {j} for rank {d}",
+                                s.plan_copy(self.recv.peer(d)[r, rows], partials[d, rows], partials),
+                                self.counters.peer(d)[r * cpr + j:r * cpr + j + 1]))
+        return plan
