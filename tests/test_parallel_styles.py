@@ -418,6 +418,18 @@ def test_hf_plan_from_the_models_own():
         llama.config.base_model_tp_plan = tp
         with pytest.raises(ValueError, match=why):
             hf_plan(llama, None)
+    from types import SimpleNamespace
+
+    with pytest.raises(ValueError, match=r"q_proj is 'colwise'.* output width 16 is not divisible by the world size 3"):
+        hf_plan(LlamaForCausalLM(LlamaConfig(**small)), SimpleNamespace(world_size=3))
+    scaled = LlamaForCausalLM(LlamaConfig(**small))  # a learned scalar on the MLP, which reads this rank's columns
+    scaled.model.layers[1].mlp.alpha = nn.Parameter(torch.ones(()))
+    for sp in (True, False):  # (decode too: the MLP holds sharded layers)
+        with pytest.raises(ValueError, match=r"layers.1.mlp \(LlamaMLP\) has parameters \['alpha'\]"):
+            hf_plan(scaled, None, sequence_parallel=sp)
+    scaled.config.base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "layers.*.mlp.alpha": "local"}
+    with pytest.raises(ValueError, match="layers.1.mlp.alpha is 'local'"):  # a plan entry naming a parameter
+        hf_plan(scaled, None)
     llama.config.base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "layers.*.mlp.down_proj": "local_rowwise"}
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj is 'local_rowwise'"):
         hf_plan(llama, None)

@@ -74,11 +74,8 @@ class MoEParallel(ParallelStyle):
         check_mesh(self, device_mesh)
         if hasattr(module, "tp_style"):
             raise ValueError(f"MoEParallel: {type(module).__name__} is parallelized already")
-        gate, experts, renormalize = check_block(module)
+        gate, experts, renormalize = check_block(module, W)
         w1, w3, w2 = _full_experts(experts)
-        if w1.shape[1] % W:
-            raise ValueError(f"MoEParallel: the experts' hidden width {w1.shape[1]} is not divisible by the world "
-                             f"size {W}")
         with torch.no_grad():
             w13, w2 = shard_experts(w1, w3, w2, ctx.rank, W)
             experts.gate_up_proj = nn.Parameter(w13, requires_grad=experts.gate_up_proj.requires_grad)
@@ -92,14 +89,19 @@ class MoEParallel(ParallelStyle):
         return module
 
 
-def check_block(block):
+def check_block(block, world: int | None = None):
     """(gate, experts, renormalize) of a block this style computes exactly, or TypeError naming what differs:
     nothing beside the router and the experts (no shared expert), a router of ``ROUTERS`` with a weight and no
-    bias, and fused SwiGLU experts without biases."""
+    bias, and fused SwiGLU experts without biases; with ``world``, ValueError where the experts' hidden width is
+    not divisible by it."""
     children = dict(block.named_children())
     if set(children) != {"gate", "experts"} or list(block.parameters(recurse=False)):
+        extra = sorted(set(children) - {"gate", "experts"}) + [n for n, _ in block.named_parameters(recurse=False)]
+        missing = sorted({"gate", "experts"} - set(children))
+        why = (f" without {missing}" if missing else "") + (f", with {extra} beside them" if extra else "") + \
+            (" (a shared expert is not supported)" if any("shared" in n for n in extra) else "")
         raise TypeError(f"MoEParallel applies to a sparse-MoE block of a router 'gate' and 'experts' only; "
-                        f"{type(block).__name__} has {sorted(children)} (a shared expert is not supported)")
+                        f"{type(block).__name__} has {sorted(children)}{why}")
     gate, experts = children["gate"], children["experts"]
     rule = ROUTERS.get(type(gate).__name__)
     if rule is None or [n for n, _ in gate.named_parameters()] != ["weight"]:
@@ -115,6 +117,9 @@ def check_block(block):
             not torch.allclose(experts.act_fn(probe), nn.functional.silu(probe)):
         raise TypeError(f"MoEParallel: experts {type(experts).__name__} are not SwiGLU experts "
                         f"silu(x @ gate) * (x @ up) @ down with concatenated gate/up and no biases ({flags})")
+    hidden = _full_experts(experts)[0].shape[1]
+    if world is not None and hidden % world:
+        raise ValueError(f"MoEParallel: the experts' hidden width {hidden} is not divisible by the world size {world}")
     return gate, experts, rule(gate)
 
 

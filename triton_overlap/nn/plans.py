@@ -21,8 +21,8 @@ EXPERTS = ("moe_tp_experts", "packed_colwise", "grouped_gemm", "local_colwise", 
 def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
             shared_inputs: bool = True) -> dict[str, ParallelStyle]:
     """The plan that makes a Hugging Face transformers model tensor parallel over ``ctx``'s ranks with this
-    project's styles, by concrete module name, from the model's own ``config.base_model_tp_plan`` (tested on Llama,
-    Qwen3-MoE and Mixtral causal LMs and a base model; Mistral's and Qwen2/3's plans name the same strategies):
+    project's styles, by concrete module name, from the model's own ``config.base_model_tp_plan`` (docs/design.md
+    lists the models it has run on). ``ctx`` may be None to inspect a plan (no width is then checked):
 
     * "colwise" linear layers: ``ColwiseParallel``; those of one module (q/k/v, gate/up) as one
       ``SharedInputColwise`` on that module (``shared_inputs=False``: a ``ColwiseParallel`` each);
@@ -35,10 +35,14 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
 
     Refused with ValueError, naming the module, before any change to the model: a strategy these styles do not
     reproduce (a fused q/k/v or gate/up layer whose output the model's plan gathers, "colwise_gather_output" and
-    "rowwise_split_input"; Hugging Face's other local or packed strategies), a plan with no column or row layer,
-    and a module inside the decoder layers with parameters that the plan leaves out (an activation's learned
-    scalars), whose gradient would be this rank's part only. A sparse-MoE block that ``MoEParallel`` cannot
-    compute raises its TypeError.
+    "rowwise_split_input"; Hugging Face's other local or packed strategies, also on a parameter), a plan with no
+    column or row layer, a sharded width not divisible by the world size, and a module inside the decoder layers
+    with parameters that the plan leaves out (an activation's learned scalars), whose gradient would be this
+    rank's part only. A sparse-MoE block that ``MoEParallel`` cannot compute raises its TypeError.
+
+    The model takes the full token ids ``[B, S]`` on every rank (S divisible by the world size, sequence parallel)
+    and returns the full logits on every rank. A model is parallelized once: prefill and decode with different
+    plans need two copies of it.
 
     ``sequence_parallel`` (the default, for training and prefill): the residual stream between the layers is each
     rank's sequence shard: ``ShardSequence`` on the embedding, torch's ``SequenceParallel`` on the norms of each
@@ -55,11 +59,12 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     prefix = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
     modules = dict(model.named_modules())
     rules = [(re.compile(re.escape(prefix + k).replace(r"\*", r"[^.]+") + "$"), k, v) for k, v in tp.items()]
-    found = {}  # concrete module name -> (strategy, the tp plan's key)
-    for name in modules:
+    found = {}  # concrete module or parameter name -> (strategy, the tp plan's key)
+    for name in [*modules, *(n for n, _ in model.named_parameters())]:
         for pattern, key, strategy in rules:
             if pattern.match(name):
                 found[name] = (strategy, key)
+    world = None if ctx is None else ctx.world_size
     col = ColwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
     row = RowwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
     heads = SequenceParallel(sequence_dim=2, use_local_output=True)
@@ -70,18 +75,24 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
                          f"whose style (MoEParallel) runs sequence parallel only; sequence_parallel=False cannot "
                          f"take them")
     for block in sorted(blocks):
-        check_block(modules[block])  # (TypeError now, naming what the style cannot take, not halfway through)
+        check_block(modules[block], world)  # (raised now, naming what the style cannot take, not halfway through)
         plan[block] = MoEParallel(ctx, fallback=fallback)
     columns: dict[str, list[str]] = {}
     for name, (strategy, key) in found.items():
         if any(name == b or name.startswith(b + ".") for b in blocks) and strategy in EXPERTS + ("rowwise",):
-            continue  # inside a sparse-MoE block: MoEParallel shards its experts
-        if strategy in KEPT_WHOLE and isinstance(modules[name], nn.Embedding):
+            continue  # inside a sparse-MoE block (its experts' parameters): MoEParallel shards the experts
+        if strategy in KEPT_WHOLE and isinstance(modules.get(name), nn.Embedding):
             continue
         if strategy in ("colwise", "rowwise"):
-            if type(modules[name]) is not nn.Linear:
-                raise ValueError(f"hf_plan: {name} ({type(modules[name]).__name__}) is {strategy!r} in the model's "
-                                 f"plan ({key!r}); these styles take nn.Linear layers only")
+            m = modules.get(name)
+            if type(m) is not nn.Linear:
+                raise ValueError(f"hf_plan: {name} ({type(m).__name__ if m is not None else 'a parameter'}) is "
+                                 f"{strategy!r} in the model's plan ({key!r}); these styles take nn.Linear layers")
+            width = m.out_features if strategy == "colwise" else m.in_features
+            if world is not None and width % world:
+                raise ValueError(f"hf_plan: {name} is {strategy!r} in the model's plan, but its "
+                                 f"{'output' if strategy == 'colwise' else 'input'} width {width} is not divisible "
+                                 f"by the world size {world}")
             if strategy == "colwise":
                 columns.setdefault(_parent(name), []).append(name)
             else:
@@ -95,7 +106,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
         raise ValueError(f"hf_plan: the plan of {type(model).__name__} names no column or row linear layer "
                          f"({sorted(set(tp.values()))}); write the plan by hand (tutorial 09 shows one)")
     for parent, names in columns.items():
-        if shared_inputs and len(names) > 1:
+        if shared_inputs and len({modules[n].in_features for n in names}) > 1:  # (not one input: each its own)
+            plan.update({n: col for n in names})
+        elif shared_inputs and len(names) > 1:
             plan[parent] = SharedInputColwise(ctx, tuple(n[len(parent) + 1:] for n in names), fallback=fallback,
                                               sequence_parallel=sequence_parallel)
         else:
@@ -131,8 +144,9 @@ def _layers(model, modules, prefix, tp) -> str:
 def _check_covered(modules, plan, layers: str, sequence_parallel: bool) -> None:
     """ValueError for a module inside the decoder layers whose own parameters no style of ``plan`` takes, where
     it reads part of the activations (this rank's heads or columns, or, sequence parallel, this rank's tokens) and
-    so its gradient would be this rank's part only. Without sequence parallelism a decoder layer and its direct
-    children read the whole residual stream, the same on every rank, and need no style."""
+    so its gradient would be this rank's part only. Without sequence parallelism a decoder layer's direct children
+    with no sharded layer inside them (its norms) read the whole residual stream, the same on every rank, and need
+    no style."""
     covered = set()
     for name, style in plan.items():
         if isinstance(style, SharedInputColwise):
@@ -146,7 +160,8 @@ def _check_covered(modules, plan, layers: str, sequence_parallel: bool) -> None:
             continue
         own = [n for n, _ in m.named_parameters(recurse=False)]
         depth = name[len(layers) + 1:].count(".")  # 0: a decoder layer, 1: its direct child
-        if own and (sequence_parallel or depth > 1):
+        sharded_below = any(c.startswith(name + ".") for c in covered)
+        if own and (sequence_parallel or depth > 1 or sharded_below):
             raise ValueError(f"hf_plan: {name} ({type(m).__name__}) has parameters {own} that the model's plan "
                              f"leaves out; it reads this rank's part of the activations, so their gradients would "
                              f"be this rank's part only; write the plan by hand (tutorial 09 shows one)")
@@ -159,7 +174,7 @@ def _sequence_edges(modules, stages, ctx) -> dict[str, ParallelStyle]:
     edges: dict[str, ParallelStyle] = {embed: ShardSequence(ctx), norm: GatherSequence(ctx)}
     for layer_name, layer in modules[layers].named_children():
         for child, m in layer.named_children():
-            if "norm" in type(m).__name__.lower():
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)) or type(m).__name__.lower().endswith("norm"):
                 edges[f"{layers}.{layer_name}.{child}"] = SequenceParallel()
     return edges
 

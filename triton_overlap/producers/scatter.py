@@ -109,10 +109,12 @@ class Scatter:
         pass
 
     def _key(self, ctx, streams):
-        """What the plan depends on: the schedule, the streams and every buffer's address (a grown one moves)."""
-        mapped = ctx.local_ranks
-        return (self.schedule, tuple(id(s) for s in streams), self.stage.partials.data_ptr(),
-                self.stage.counts.data_ptr(), tuple(self.recv.peer(d).data_ptr() for d in mapped),
+        """What the plan depends on: the schedule, the streams, every buffer's address (a grown one moves) and the
+        layouts its copy pieces were cut for."""
+        mapped, partials, recv = ctx.local_ranks, self.stage.partials, self.recv.local
+        return (self.schedule, tuple(id(s) for s in streams), partials.data_ptr(), tuple(partials.shape),
+                partials.dtype, tuple(recv.shape), tuple(recv.stride()), self.stage.counts.data_ptr(),
+                tuple(self.recv.peer(d).data_ptr() for d in mapped),
                 tuple(self.counters.peer(d).data_ptr() for d in mapped))
 
     def _plan(self, ctx, streams):
