@@ -422,6 +422,11 @@ def test_hf_plan_from_the_models_own():
 
     with pytest.raises(ValueError, match=r"q_proj is 'colwise'.* output width 16 is not divisible by the world size 3"):
         hf_plan(LlamaForCausalLM(LlamaConfig(**small)), SimpleNamespace(world_size=3))
+    odd = LlamaForCausalLM(LlamaConfig(**small))  # column layers of one module reading inputs of two widths
+    odd.model.layers[0].mlp.up_proj = nn.Linear(8, 16, bias=False)
+    plan = kinds(hf_plan(odd, None))
+    assert plan["model.layers.0.mlp.up_proj"] == plan["model.layers.0.mlp.gate_proj"] == "ColwiseParallel"
+    assert plan["model.layers.1.mlp"] == "SharedInputColwise" and "model.layers.0.mlp" not in plan
     scaled = LlamaForCausalLM(LlamaConfig(**small))  # a learned scalar on the MLP, which reads this rank's columns
     scaled.model.layers[1].mlp.alpha = nn.Parameter(torch.ones(()))
     for sp in (True, False):  # (decode too: the MLP holds sharded layers)
