@@ -105,10 +105,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     if not columns and not blocks:
         raise ValueError(f"hf_plan: the plan of {type(model).__name__} names no column or row linear layer "
                          f"({sorted(set(tp.values()))}); write the plan by hand (tutorial 09 shows one)")
-    for parent, names in columns.items():
-        if shared_inputs and len({modules[n].in_features for n in names}) > 1:  # (not one input: each its own)
-            plan.update({n: col for n in names})
-        elif shared_inputs and len(names) > 1:
+    for parent, names in columns.items():  # (layers reading inputs of different widths cannot share one)
+        if shared_inputs and len(names) > 1 and len({modules[n].in_features for n in names}) == 1:
             plan[parent] = SharedInputColwise(ctx, tuple(n[len(parent) + 1:] for n in names), fallback=fallback,
                                               sequence_parallel=sequence_parallel)
         else:
