@@ -111,22 +111,22 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
                                               sequence_parallel=sequence_parallel)
         else:
             plan.update({n: col for n in names})
+    layers = _layers(model, modules, prefix, tp)
     if sequence_parallel:
-        plan.update(_sequence_edges(modules, _stages(model, modules, prefix), ctx))
-    _check_covered(modules, plan, _layers(model, modules, prefix, tp), sequence_parallel)
+        plan.update(_sequence_edges(modules, *_ends(model, modules, prefix, layers), layers, ctx))
+    _check_covered(modules, plan, layers, sequence_parallel)
     return plan
 
 
-def _stages(model, modules, prefix):
-    """(embedding, layers, final norm): ``config.base_model_pp_plan``'s first entry, its ModuleList and its last
-    entry (a dropout between the embedding and the layers is left as it is), or ValueError."""
+def _ends(model, modules, prefix, layers: str):
+    """(embedding, final norm): ``config.base_model_pp_plan``'s first and last entries, with ``layers`` between
+    them (a dropout between the embedding and the layers is left as it is), or ValueError."""
     stages = [prefix + s for s in getattr(model.config, "base_model_pp_plan", None) or ()]
-    lists = [s for s in stages[1:-1] if isinstance(modules.get(s), nn.ModuleList)]
-    if len(stages) < 3 or len(lists) != 1 or any(s not in modules for s in stages):
+    if layers not in stages[1:-1] or any(s not in modules for s in stages):
         raise ValueError(f"hf_plan: sequence parallelism needs the model's embedding, layers and final norm "
                          f"(config.base_model_pp_plan), found {[s[len(prefix):] for s in stages]} in "
                          f"{type(model).__name__}; sequence_parallel=False, or write the plan by hand")
-    return stages[0], lists[0], stages[-1]
+    return stages[0], stages[-1]
 
 
 def _layers(model, modules, prefix, tp) -> str:
@@ -165,10 +165,9 @@ def _check_covered(modules, plan, layers: str, sequence_parallel: bool) -> None:
                              f"be this rank's part only; write the plan by hand (tutorial 09 shows one)")
 
 
-def _sequence_edges(modules, stages, ctx) -> dict[str, ParallelStyle]:
+def _sequence_edges(modules, embed: str, norm: str, layers: str, ctx) -> dict[str, ParallelStyle]:
     """The sequence-parallel region's edges and norms: ShardSequence on the embedding, SequenceParallel on each
-    decoder layer's own norms, GatherSequence on the final norm (``stages``: _stages')."""
-    embed, layers, norm = stages
+    decoder layer's own norms, GatherSequence on the final norm."""
     edges: dict[str, ParallelStyle] = {embed: ShardSequence(ctx), norm: GatherSequence(ctx)}
     for layer_name, layer in modules[layers].named_children():
         for child, m in layer.named_children():

@@ -119,8 +119,8 @@ class Scatter:
 
     def _plan(self, ctx, streams):
         """Per stream: [(local count, its final value, what a timeout names, the planned copy, the owner's
-        counter)] in order, built once per key: the views and copy pieces cost the host more than the driver calls
-        that use them."""
+        counter)] in order, built once per key, as the gather's plan is: no views sliced or copy pieces cut per
+        call."""
         r, cpr = ctx.rank, self.layout.chunks_per_rank
         partials, plan = self.stage.partials, []
         for s, steps in zip(streams, self.schedule.copy_streams):
