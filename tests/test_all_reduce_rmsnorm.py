@@ -123,6 +123,24 @@ def test_all_reduce_rmsnorm_same_bits_on_every_rank(pool):
     assert all(r == results[0] for r in results), "ranks' outputs differ"
 
 
+def _eps_disagree():
+    """Ranks that pass different ``eps`` would norm alike sums differently: ValueError on every rank, the first
+    time (the agreement on shapes holds it), and the Context stays usable."""
+    with to.Context(timeout_s=30) as ctx:
+        op = to.AllReduceRMSNorm(ctx, fallback="never")
+        call = _inputs(ctx, RMSCase(m=3, h=24, dtype="float32"), "eps")
+        with pytest.raises(ValueError, match="ranks disagree"):
+            op(*call.args, **dict(call.kwargs, eps=EPS * (1 + ctx.rank)))
+        normed, _ = op(*call.args, **call.kwargs)
+        ctx.check()
+        assert rel_err(normed, call.ref) < TOL[normed.dtype]
+        return True
+
+
+def test_all_reduce_rmsnorm_eps_must_agree(pool):
+    assert all(pool.run(_eps_disagree))
+
+
 def _exact_residual(shapes, tagged_max_bytes: int, iters: int):
     """The new residual, call after call with new inputs, over tagged words, over flagged rows and over both by turns
     on one op (``tagged_max_bytes`` between the shapes' sizes: one call count for both kernels), equals torch's

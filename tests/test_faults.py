@@ -52,6 +52,44 @@ def test_shapes_disagree(pool, case):
     pool.run(contract.shapes_disagree, AG_GEMM, case, timeout_for(pool))
 
 
+def _one_rank_refuses(when: str, T: float):
+    """The last rank's input is bad (an ``out`` of the wrong shape: ValueError there, before any exchange), the
+    others' good. ``when`` "first": on a shape's first call the others wait for it in the agreement on shapes and
+    raise ValueError at once, naming it and its error, and every Context stays usable. "repeated" (the shape agreed
+    before): the others go on to the call's barrier, time out there, and their ContextError says why the last rank
+    did not come."""
+    with to.Context(timeout_s=T) as ctx:
+        r, W = ctx.rank, ctx.world_size
+        op = to.AllGatherGEMM(ctx, fallback="never", replay=False)
+        if when == "repeated":
+            _correct(op, ctx)
+        a, w = AG_GEMM.inputs(ctx, CASE, 1).args[:2]
+        out = torch.empty(a.shape[0] * W + (r == W - 1), w.shape[1], dtype=a.dtype, device=a.device)
+        ctx.barrier()
+        t0 = time.monotonic()
+        if r == W - 1:
+            with pytest.raises(ValueError, match="out must be"):
+                op(a, w, out=out)
+        elif when == "first":
+            with pytest.raises(ValueError, match=rf"rank {W - 1} raised before it came: ValueError: ag_gemm: "
+                                                 rf"out must be"):
+                op(a, w, out=out)
+            assert time.monotonic() - t0 < SLACK_S
+        else:
+            msg, elapsed = contract.timed(ctx, lambda: op(a, w, out=out))
+            assert f"rank {W - 1}'s call raised before it began: ValueError: ag_gemm: out must be" in msg, msg
+            assert contract.in_time(msg, elapsed, T), (elapsed, msg)
+        if when == "repeated":
+            ctx.reset()  # the others are faulted; reset() is every rank's
+        _correct(op, ctx, tag=2)  # usable, correct
+        return True
+
+
+@pytest.mark.parametrize("when", ["first", "repeated"])
+def test_one_rank_refuses_its_input(pool, when):
+    assert all(pool.run(_one_rank_refuses, when, timeout_for(pool)))
+
+
 def _relay_met_own_fault(own: str):
     """A peer's relay (its fields, then its code) and this rank's own kernel recording a fault (its code by
     compare-and-swap while the code was still 0, then its fields and ERR_OWN_CODE) interleave: the word holds this

@@ -181,6 +181,11 @@ def _refusals():
         # the experts as modules (Qwen3-MoE's names) shard the same as stacked tensors
         again = TPMoE.from_full(plain.router, expert_modules(plain), ctx, topk=2)
         assert torch.equal(again.w13, moe.w13) and torch.equal(again.w2, moe.w2)
+        # ranks with different numbers of tokens: ValueError on every rank before the routing's all-gather (over
+        # gloo a gather of unequal sizes aborts the process), and the layer runs on after it
+        with pytest.raises(ValueError, match=r"all_gather_rows .*ranks disagree.*rank 1: \(\(5,"):
+            moe(torch.randn(4 + ctx.rank, 16, device=dev, dtype=torch.bfloat16))
+        assert moe(torch.randn(4, 16, device=dev, dtype=torch.bfloat16)).shape == (4, 16)
         return True
 
 

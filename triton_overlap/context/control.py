@@ -26,6 +26,24 @@ class PeerTimeout(RuntimeError):
         self.missing = missing
 
 
+class PeerRefused(RuntimeError):
+    """Another rank raised on its own input (ValueError, TypeError) before its call's first exchange, so it will not
+    come to the exchange this rank waits in (``rank``: that rank, the text its error's)."""
+
+    def __init__(self, rank: int, text: str):
+        super().__init__(text)
+        self.rank = rank
+
+
+class PeerOutOfStep(RuntimeError):
+    """A rank's part of a host-side exchange came from another of its calls than this rank's (``rank``: that
+    rank): one rank went on past a call that its peers are still in."""
+
+    def __init__(self, msg: str, rank: int):
+        super().__init__(msg)
+        self.rank = rank
+
+
 class PeerFault(RuntimeError):
     """Another rank's Context faulted while this rank waited for it (``rank``: that rank, the text its fault's)."""
 
@@ -55,6 +73,10 @@ class ControlPlane:
         self._epoch = 0
         self._seq = 0
         self._mine: list[str] = []  # our exchange keys still in the store
+        #: op calls begun on this rank (counted alike on every rank, so that a refusal names the call it refused)
+        self.calls = 0
+        self.depth = 0  # op calls in progress (an op may call another: only the outermost counts)
+        self._refused = None  # (call count, exchange) of this rank's latest refusal (refuse)
 
     @property
     def store(self):
@@ -91,35 +113,94 @@ class ControlPlane:
         key = f"e{self._epoch}/fault/{rank}"
         return self._store.get(key).decode() if self._store.check([key]) else None
 
+    # -------------------------------------------------------------------------------------- refusals
+    @property
+    def seq(self) -> int:
+        """The number of this rank's next sequenced exchange."""
+        return self._seq
+
+    def begin_call(self) -> None:
+        """Count an op call. Every rank counts alike, and each sequenced exchange carries the count, so a rank whose
+        calls are out of step with a peer's is found out rather than paired with another call."""
+        self.calls += 1
+
+    def refuse(self, text: str) -> None:
+        """This rank's current call raised (``text``) before its first exchange, so it will not come to it. A peer
+        waiting for this rank there raises PeerRefused at once and takes its part back; the note names the call and
+        the exchange, so it never matches a later one."""
+        self._refused = (self.calls, self._seq)
+        try:
+            self._store.set(self._refusal_key(self.rank), pickle.dumps((self.calls, self._seq, text)))
+        except Exception:  # noqa: BLE001 - the store is gone (the group destroyed): the peers' waits are bounded
+            pass
+
+    def refusal(self, rank: int) -> tuple | None:
+        """``rank``'s latest refusal in this epoch: (its call count, the exchange it did not come to, the text)."""
+        key = self._refusal_key(rank)
+        return pickle.loads(self._store.get(key)) if self._store.check([key]) else None
+
+    def _refusal_key(self, rank: int) -> str:
+        return f"e{self._epoch}/refused/{rank}"
+
+    def _refused_by(self, rank: int, seq: int, keys: list) -> None:
+        """Raise PeerRefused if ``rank`` refused this rank's current call at exchange ``seq``, taking back this rank's
+        part and number first, so that its next exchange is numbered as the refusing rank's is."""
+        note = self.refusal(rank)
+        if note is None or note[:2] != (self.calls, seq):
+            return
+        self._store.set(keys[self.rank], pickle.dumps(None))  # withdrawn (not deleted: a peer may be reading it)
+        self._seq = seq
+        raise PeerRefused(rank, note[2])
+
     # --------------------------------------------------------------------------------------- exchanges
     def exchange(self, obj, what: str, tag: str | None = None, wait_s: float | None = None) -> list:
         """Every rank's ``obj`` (a collective), waiting at most ``wait_s`` (default ``timeout_s``): PeerTimeout
-        names the ranks whose part did not come, PeerFault says a rank that faulted meanwhile. ``tag``: a key of its
-        own (reset and close use fixed ones), else the next in sequence."""
+        names the ranks whose part did not come, PeerFault says a rank that faulted meanwhile, PeerRefused one that
+        raised before coming (``refuse``), PeerOutOfStep one whose part belongs to another call. ``tag``: a key of
+        its own (reset and close use fixed ones, and take any rank's part), else the next in sequence."""
+        seq = None
         if tag is None:
-            tag = f"e{self._epoch}/x{self._seq}"
+            seq = self._seq
+            tag = f"e{self._epoch}/x{seq}"
             self._seq += 1
         store = self._store
         keys = [f"{tag}/{r}" for r in range(self.world)]
-        store.set(keys[self.rank], pickle.dumps(obj))
+        store.set(keys[self.rank], pickle.dumps((self.calls, obj)))
+        parts = {self.rank: obj}
         wait_s = self.timeout_s if wait_s is None else wait_s
         start = time.monotonic()
         pause = 2e-4
-        while not store.check(keys):
+        while True:
+            for r in range(self.world):
+                if r not in parts and store.check([keys[r]]):
+                    part = pickle.loads(store.get(keys[r]))
+                    if part is None:  # withdrawn: its rank will post again
+                        continue
+                    calls, got = part
+                    if seq is None or calls == self.calls:
+                        parts[r] = got
+                    elif self._refused != (calls, seq):  # (else: its part of the call this rank refused, which it
+                        self._refused_by(r, seq, keys)   # takes back: wait for its next)
+                        raise PeerOutOfStep(f"{what}: rank {r} came from its call {calls}, this rank is at its call "
+                                            f"{self.calls}: the ranks' calls are out of step", r)
+            if len(parts) == self.world:
+                break
             if tag.startswith(f"e{self._epoch}/"):  # (reset and close go on whatever a peer posted)
                 fault = self.fault_of_others()
                 if fault is not None and not store.check(keys):  # (a rank that faulted after this exchange had
                     raise PeerFault(*fault)                        # every part does not make it fail)
+            missing = [r for r in range(self.world) if r not in parts]
+            if seq is not None:
+                for r in missing:
+                    self._refused_by(r, seq, keys)
             elapsed = time.monotonic() - start
             if elapsed > wait_s:
-                missing = [r for r in range(self.world) if not store.check([keys[r]])]
-                if missing:
-                    raise PeerTimeout(f"{what}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-                                      f" did not answer within the timeout ({elapsed:.2f} s waited, "
-                                      f"{'timeout_s=' if wait_s == self.timeout_s else 'allowed '}{wait_s:g})", missing)
+                raise PeerTimeout(f"{what}: rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+                                  f" did not answer within the timeout ({elapsed:.2f} s waited, "
+                                  f"{'timeout_s=' if wait_s == self.timeout_s else 'allowed '}{wait_s:g})", missing)
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
-        out = [pickle.loads(store.get(k)) for k in keys]
+        out = [parts[r] for r in range(self.world)]
         # every peer wrote this exchange's key, so it has read our previous one: drop it
         for old in self._mine:
             try:
@@ -134,4 +215,4 @@ class ControlPlane:
 
     def resync(self, n: int) -> None:
         """Start a new epoch of keys (after reset number ``n``, which every rank made)."""
-        self._epoch, self._seq = n, 0
+        self._epoch, self._seq, self.calls, self._refused = n, 0, 0, None

@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass
 
 from ..kernels import signal as sig
-from .control import PeerFault, PeerTimeout
+from .control import PeerFault, PeerOutOfStep, PeerRefused, PeerTimeout
 
 
 def op_id(name: str) -> int:
@@ -117,7 +117,18 @@ class Faults:
                   else f"chunk {what} of rank {peer}")
         return (f"rank {rank}: {op} (call {call}) timed out after {word[sig.ERR_ELAPSED_US] / 1e6:.2f} s "
                 f"(timeout_s={self.timeout_s:g}) waiting for {waited} (saw {word[sig.ERR_SEEN]}, waited for "
-                f"{word[sig.ERR_WANTED]})")
+                f"{word[sig.ERR_WANTED]}){self._refused(peer)}")
+
+    def _refused(self, peer: int) -> str:
+        """Why ``peer`` did not come, where its call raised before it began (ControlPlane.refuse): its refusal of
+        this rank's current call or of the one before (a fault on GPUs may be read at the next call's start)."""
+        try:
+            note = self.control.refusal(peer) if peer != self.rank else None
+        except Exception:  # noqa: BLE001 - the store is gone: the word alone
+            note = None
+        if note is None or note[0] < self.control.calls - 1:
+            return ""
+        return f"; rank {peer}'s call raised before it began: {note[2]}"
 
     # ------------------------------------------------------------------------------------------ faults
     def exchange(self, obj, what: str, tag: str | None = None) -> list:
@@ -130,6 +141,11 @@ class Faults:
                                                        sig.WHAT_ANSWER)) from None
         except PeerFault as e:
             raise self.peer_faulted(e.rank, str(e)) from None
+        except PeerRefused as e:  # the call ends on every rank as on the one that raised; none is faulted
+            raise ValueError(f"{what}: rank {e.rank} raised before it came: {e}") from None
+        except PeerOutOfStep as e:
+            raise self.fail(f"rank {self.rank}: {e}", (sig.ERR_RELAYED, self.rank, 0, e.rank, sig.WHAT_ANSWER)) \
+                from None
 
     def fail(self, text: str, relay=None) -> ContextError:
         """Fault the Context with ``text`` (the first fault's text stays) and return the error to raise. ``relay``:

@@ -213,8 +213,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
     Decode: with ``max_tokens_per_rank``, a forward without autograd (``torch.no_grad``, ``torch.inference_mode``)
     takes ``ExpertParallelLowLatency``'s dispatch and combine: no host synchronisation where the experts' GEMM is
     one ``torch._grouped_mm`` (``takes_grouped_mm``), so a decode step holding the layer can be captured in a CUDA
-    graph (one eager call first). A rank with more tokens raises ValueError; for a prefill without autograd set
-    ``layer.low_latency = False`` on every rank (the ranks must take the same mode).
+    graph (one eager call first). A rank with more tokens raises ValueError (its peers: ops.ep_low_latency); for a
+    prefill without autograd set ``layer.low_latency = False`` on every rank (the ranks must take the same mode).
 
     Parameters are bfloat16 (default) or float16; float32 parameters work under ``torch.autocast`` (cast per call,
     as ``nn.Linear`` is) and raise TypeError without it. ``fallback`` is the op's rule ("auto": the process group

@@ -99,7 +99,7 @@ class AllReduceRMSNorm(OverlapOp):
         odt = out_dtype or xdt
         self._check(x, residual, weight, eps, out, residual_out, odt)
         M, H = x.shape
-        self.agree((M, H, str(x.dtype), str(weight.dtype), str(odt)))
+        self.agree((M, H, str(x.dtype), str(weight.dtype), str(odt), float(eps)))
         out = torch.empty((M, H), dtype=odt, device=x.device) if out is None else out
         residual_out = torch.empty((M, H), dtype=x.dtype, device=x.device) if residual_out is None else residual_out
         scales = torch.empty((M, 1), dtype=torch.float32, device=x.device) if odt == FP8 else None
@@ -174,7 +174,7 @@ class AllReduceRMSNorm(OverlapOp):
     def _launch(self, x, residual, weight, eps, out, residual_out, scales) -> None:
         ctx = self.ctx
         M, H = x.shape
-        call = self.call_header((M, H, x.dtype, out.dtype), (M, H))
+        call = self.call_header((M, H, x.dtype, out.dtype, eps), (M, H))  # (eps too: every rank's norm alike)
         block, pack = pow2_at_least(H), values_per_word(x.dtype)
         programs = max(1, min(M, ctx.num_compute_units()))
         rows = (x, residual, weight, out, out if scales is None else scales, residual_out)  # (scale_ptr: any, unread)

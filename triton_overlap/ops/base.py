@@ -56,6 +56,33 @@ def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
     seen.add(key)
 
 
+#: the methods of an op that a user (or a layer) calls: each is one call, ControlPlane.begin_call / refuse
+ENTRY_POINTS = ("__call__", "forward", "backward", "dispatch", "combine")
+
+
+def _refusing(method):
+    """``method`` of an op, counted as a call (ControlPlane.begin_call); where it raises before the call's first
+    exchange (bad input: ValueError, TypeError), the peers that wait for this rank in that exchange are told
+    (ControlPlane.refuse) and raise ValueError too, rather than waiting out their timeout."""
+    @functools.wraps(method)
+    def entry(self, *args, **kwargs):
+        control = self.ctx.faults.control
+        outer = control.depth == 0
+        if outer:
+            control.begin_call()
+            seq = control.seq
+        control.depth += 1
+        try:
+            return method(self, *args, **kwargs)
+        except Exception as e:
+            if outer and control.seq == seq:
+                control.refuse(f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            control.depth -= 1
+    return entry
+
+
 class OverlapOp:
     """The base of every op: a Context, a config (the caller's, else tuned, else the defaults), a fallback rule,
     the ranks' agreement on shapes, and eager replay (ops.replay).
@@ -73,6 +100,12 @@ class OverlapOp:
     ACROSS_HOSTS = False
     #: eager_host_bound's threshold for this op (docs/decisions.md says where each figure comes from)
     EAGER_MIN_FLOP_PER_PEER = 0.0
+
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw)
+        for name in ENTRY_POINTS:
+            if name in cls.__dict__:
+                setattr(cls, name, _refusing(cls.__dict__[name]))
 
     def __init__(self, ctx, config=None, *, fallback: str = "auto", name: str | None = None, replay: bool = True):
         if fallback not in FALLBACKS:

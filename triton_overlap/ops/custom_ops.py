@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..context.collectives import all_gather_rows as _all_gather_rows
 from ..context.collectives import reduce_scatter_rows as _reduce_scatter_rows
+from .base import agree_across_ranks
 from .moe_routing import MoERouting, expert_grads
 
 if dist.is_available() and not dist.is_initialized():
@@ -51,6 +52,16 @@ def op_of(h: int):
     return op
 
 
+def _rows_agreed(a: torch.Tensor, h: int, what: str):
+    """The op ``h`` names, once every rank passed ``a`` of the same shape and dtype to the process group's
+    collective ``what`` (checked once per shape: a gather or reduce-scatter of rows of different sizes aborts the
+    process over gloo and is undefined over NCCL)."""
+    op = op_of(h)
+    agree_across_ranks(f"{what} (every rank's rows: TPMoE's tokens, GatherSequence's sequence shard)", op.ctx,
+                       (tuple(a.shape), str(a.dtype)), op.state.setdefault(f"agreed {what}", set()))
+    return op
+
+
 # ------------------------------------------------------------------ AllGather-GEMM
 @torch.library.custom_op("triton_overlap::ag_gemm", mutates_args=())
 def ag_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, ag: int, rs: int, world: int,
@@ -71,7 +82,7 @@ def _(a, w, bias, ag, rs, world, keep):
 def all_gather_rows(a: torch.Tensor, ag: int, world: int) -> torch.Tensor:
     """Every rank's ``a`` stacked along dim 0, in rank order (NCCL/gloo all-gather on the op's group)."""
     out = a.new_empty(a.shape[0] * world, *a.shape[1:])
-    return _all_gather_rows(out, a.contiguous(), group=op_of(ag).ctx.group)
+    return _all_gather_rows(out, a.contiguous(), group=_rows_agreed(a, ag, "all_gather_rows").ctx.group)
 
 
 @all_gather_rows.register_fake
@@ -299,7 +310,7 @@ def _(a, ag, world):
 def reduce_scatter_rows(a: torch.Tensor, ag: int, world: int) -> torch.Tensor:
     """This rank's rows of the sum over ranks of ``a`` (NCCL/gloo reduce-scatter on the op's group)."""
     out = a.new_empty(a.shape[0] // world, *a.shape[1:])
-    return _reduce_scatter_rows(out, a.contiguous(), group=op_of(ag).ctx.group)
+    return _reduce_scatter_rows(out, a.contiguous(), group=_rows_agreed(a, ag, "reduce_scatter_rows").ctx.group)
 
 
 @reduce_scatter_rows.register_fake
