@@ -13,7 +13,7 @@ from ..kernels import signal as sig
 from . import backends, wire as wires
 from .barrier import BARRIER_SHARE, Barrier
 from .backend import Stream
-from .control import ControlPlane, PeerTimeout
+from .control import CLOSE, ControlPlane, PeerTimeout
 from .errors import OWN_CALL, Call, ContextError, Faults, op_id
 from .heap import SymmetricHeap, SymmetricTensor
 from .topology import Topology, host_key
@@ -192,6 +192,7 @@ class Context:
             raise ContextError(f"{self._faults.text} (this Context refuses calls until every rank calls ctx.reset(), "
                                f"or ctx.close())")
 
+    closed = property(lambda self: self._closed, doc="Whether ``close()`` was called.")
     faults = property(lambda self: self._faults, doc="This Context's faults (errors.Faults): the first fault's "
                       "text, faulting it, the peers' faults, and what ranks post while they wait between hosts.")
 
@@ -396,7 +397,7 @@ class Context:
         error = None
         try:
             self.synchronize()
-            self._control.barrier("close", "close")  # no peer still uses our memory when we free it
+            self._control.barrier("close", CLOSE)  # no peer still uses our memory when we free it
         except Exception as e:  # noqa: BLE001 - freed below all the same, then raised
             error = e
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import threading
 import time
 
 import torch.distributed as dist
@@ -52,6 +53,10 @@ class PeerFault(RuntimeError):
         self.rank = rank
 
 
+#: the tag of Context.close's barrier: a rank that posted its part there launches nothing more
+CLOSE = "close"
+
+
 def _default_store():
     """The key-value store torch.distributed was initialised with (torch keeps it with the default group)."""
     from torch.distributed import distributed_c10d
@@ -66,17 +71,20 @@ class ControlPlane:
     ``resync``) and a sequence number, so a late rank's writes from before a fault never satisfy a later exchange.
     """
 
-    def __init__(self, group, rank: int, world: int, timeout_s: float):
+    def __init__(self, group, rank: int, world: int, timeout_s: float, store=None):
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         name = getattr(group, "group_name", None) or "world"
-        self._store = dist.PrefixStore(f"triton_overlap/{name}/{next(_contexts)}", _default_store())
+        #: the process group's store under this Context's prefix (``store``: another, e.g. a torch HashStore)
+        self._store = store or dist.PrefixStore(f"triton_overlap/{name}/{next(_contexts)}", _default_store())
         self._epoch = 0
         self._seq = 0
         self._mine: list[str] = []  # our exchange keys still in the store
-        #: op calls begun on this rank (counted alike on every rank, so that a refusal names the call it refused)
-        self.calls = 0
-        self.depth = 0  # op calls in progress (an op may call another: only the outermost counts)
-        self._refused = None  # (call count, exchange) of this rank's latest refusal (refuse)
+        #: where this rank is among op calls, alike on every rank: odd inside the outermost call of an op, even
+        #: between calls (each call adds 2); every sequenced exchange carries it (begin_call, end_call)
+        self.phase = 0
+        self._local = threading.local()  # depth: op calls in progress on this thread (an op may call another)
+        self._refused = None  # (phase, exchange) of this rank's latest refusal (refuse)
+        self._notes: list[str] = []  # our refusal notes still in the store
 
     @property
     def store(self):
@@ -119,38 +127,74 @@ class ControlPlane:
         """The number of this rank's next sequenced exchange."""
         return self._seq
 
-    def begin_call(self) -> None:
-        """Count an op call. Every rank counts alike, and each sequenced exchange carries the count, so a rank whose
-        calls are out of step with a peer's is found out rather than paired with another call."""
-        self.calls += 1
+    def begin_call(self) -> bool:
+        """An op call starts on this thread; True where it is the outermost (the phase turns odd)."""
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth == 0:
+            self.phase += 1
+        return depth == 0
 
-    def refuse(self, text: str) -> None:
-        """This rank's current call raised (``text``) before its first exchange, so it will not come to it. A peer
-        waiting for this rank there raises PeerRefused at once and takes its part back; the note names the call and
-        the exchange, so it never matches a later one."""
-        self._refused = (self.calls, self._seq)
-        try:
-            self._store.set(self._refusal_key(self.rank), pickle.dumps((self.calls, self._seq, text)))
-        except Exception:  # noqa: BLE001 - the store is gone (the group destroyed): the peers' waits are bounded
-            pass
+    def end_call(self, outer: bool) -> None:
+        """The call ``begin_call`` started ends (the outermost: the phase turns even)."""
+        self._local.depth -= 1
+        if outer:
+            self.phase += 1
 
-    def refusal(self, rank: int) -> tuple | None:
-        """``rank``'s latest refusal in this epoch: (its call count, the exchange it did not come to, the text)."""
-        key = self._refusal_key(rank)
+    def refuse(self, text: str) -> tuple | None:
+        """This rank's current call raised (``text``) on the host, before launching anything: tell the peers and wait
+        until each is settled. A peer waiting for this rank in the call's next exchange reads the note, takes its
+        part back and raises too (PeerRefused); a peer that refused the call as well posted a note of its own; a
+        peer in ``Context.close`` launches nothing more. Returns None once every peer is one of these; else (peer,
+        why): a peer went on past the call without an exchange (it launched the call and waits for this rank on the
+        device), or did not come within the timeout, and the caller faults the Context, so that this rank's next
+        call never meets the peer's launch of this one. Raises PeerFault if a peer faulted meanwhile."""
+        phase, seq = self.phase, self._seq
+        key = self._note_key(self.rank, phase)
+        self._refused = (phase, seq)
+        self._store.set(key, pickle.dumps((seq, text)))
+        self._store.add(f"e{self._epoch}/refusals", 1)
+        self._notes.append(key)
+        keys = [f"e{self._epoch}/x{seq}/{r}" for r in range(self.world)]
+        pending = [r for r in range(self.world) if r != self.rank]
+        start, pause = time.monotonic(), 2e-4
+        while pending:
+            for r in list(pending):
+                part = pickle.loads(self._store.get(keys[r])) if self._store.check([keys[r]]) else False
+                if (part is None or (part and part[0] == phase) or (self.note(r, phase) or (None,))[0] == seq
+                        or self._store.check([f"{CLOSE}/{r}"])):
+                    pending.remove(r)  # withdrawn after reading the note, waiting there, refused too, or closing
+                elif part and part[0] > phase:
+                    return r, f"rank {r} went on past the call without an exchange (it launched it)"
+            fault = self.fault_of_others() if pending else None
+            if fault is not None:
+                raise PeerFault(*fault)
+            if pending and time.monotonic() - start > self.timeout_s:
+                return pending[0], (f"rank{'s' if len(pending) > 1 else ''} {', '.join(map(str, pending))} did not "
+                                    f"come to the call's exchange within the timeout (timeout_s={self.timeout_s:g}): "
+                                    f"{'they' if len(pending) > 1 else 'it'} launched the call, or wait elsewhere")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        return None
+
+    def note(self, rank: int, phase: int) -> tuple | None:
+        """``rank``'s refusal of its call at ``phase`` in this epoch: (the exchange it did not come to, the text)."""
+        key = self._note_key(rank, phase)
         return pickle.loads(self._store.get(key)) if self._store.check([key]) else None
 
-    def _refusal_key(self, rank: int) -> str:
-        return f"e{self._epoch}/refused/{rank}"
+    def _note_key(self, rank: int, phase: int) -> str:
+        return f"e{self._epoch}/refused/{rank}/{phase}"
 
     def _refused_by(self, rank: int, seq: int, keys: list) -> None:
         """Raise PeerRefused if ``rank`` refused this rank's current call at exchange ``seq``, taking back this rank's
         part and number first, so that its next exchange is numbered as the refusing rank's is."""
-        note = self.refusal(rank)
-        if note is None or note[:2] != (self.calls, seq):
+        note = self.note(rank, self.phase)
+        if note is None or note[0] != seq:
             return
         self._store.set(keys[self.rank], pickle.dumps(None))  # withdrawn (not deleted: a peer may be reading it)
         self._seq = seq
-        raise PeerRefused(rank, note[2])
+        self._refused = (self.phase, seq)  # (this call ends here too: a peer's part of it is stale from now on)
+        raise PeerRefused(rank, note[1])
 
     # --------------------------------------------------------------------------------------- exchanges
     def exchange(self, obj, what: str, tag: str | None = None, wait_s: float | None = None) -> list:
@@ -165,32 +209,38 @@ class ControlPlane:
             self._seq += 1
         store = self._store
         keys = [f"{tag}/{r}" for r in range(self.world)]
-        store.set(keys[self.rank], pickle.dumps((self.calls, obj)))
+        store.set(keys[self.rank], pickle.dumps((self.phase, obj)))
         parts = {self.rank: obj}
         wait_s = self.timeout_s if wait_s is None else wait_s
+        refusals = f"e{self._epoch}/refusals"
         start = time.monotonic()
         pause = 2e-4
         while True:
-            for r in range(self.world):
-                if r not in parts and store.check([keys[r]]):
-                    part = pickle.loads(store.get(keys[r]))
-                    if part is None:  # withdrawn: its rank will post again
-                        continue
-                    calls, got = part
-                    if seq is None or calls == self.calls:
-                        parts[r] = got
-                    elif self._refused != (calls, seq):  # (else: its part of the call this rank refused, which it
-                        self._refused_by(r, seq, keys)   # takes back: wait for its next)
-                        raise PeerOutOfStep(f"{what}: rank {r} came from its call {calls}, this rank is at its call "
-                                            f"{self.calls}: the ranks' calls are out of step", r)
+            missing = [r for r in range(self.world) if r not in parts]
+            if missing and store.check([keys[r] for r in missing]):
+                ready = missing  # (the usual case: one look for all)
+            else:
+                ready = [r for r in missing if store.check([keys[r]])] if len(missing) > 1 else []
+            for r in ready:
+                part = pickle.loads(store.get(keys[r]))
+                if part is None:  # withdrawn: its rank will post again
+                    continue
+                phase, got = part
+                if seq is None or phase == self.phase:
+                    parts[r] = got
+                elif self._refused != (phase, seq):  # (else: its part of the call this rank refused, which it
+                    self._refused_by(r, seq, keys)   # takes back: wait for its next)
+                    raise PeerOutOfStep(f"{what}: rank {r} came from another call than this rank's (phase {phase}, "
+                                        f"this rank {self.phase}: odd within a call): the ranks' calls are out of "
+                                        f"step", r)
             if len(parts) == self.world:
                 break
+            missing = [r for r in range(self.world) if r not in parts]
             if tag.startswith(f"e{self._epoch}/"):  # (reset and close go on whatever a peer posted)
                 fault = self.fault_of_others()
-                if fault is not None and not store.check(keys):  # (a rank that faulted after this exchange had
-                    raise PeerFault(*fault)                        # every part does not make it fail)
-            missing = [r for r in range(self.world) if r not in parts]
-            if seq is not None:
+                if fault is not None and not store.check([keys[r] for r in missing]):  # (a rank that faulted
+                    raise PeerFault(*fault)  # after this exchange had every part does not make it fail: read them)
+            if seq is not None and store.add(refusals, 0):
                 for r in missing:
                     self._refused_by(r, seq, keys)
             elapsed = time.monotonic() - start
@@ -208,6 +258,13 @@ class ControlPlane:
             except Exception:  # noqa: BLE001 - a store without deletion keeps the key
                 pass
         self._mine = [keys[self.rank]]
+        if seq is not None:  # every peer is past the calls our notes refused
+            for old in self._notes:
+                try:
+                    store.delete_key(old)
+                except Exception:  # noqa: BLE001 - a store without deletion keeps it: it names a past phase
+                    pass
+            self._notes = []
         return out
 
     def barrier(self, what: str, tag: str | None = None, wait_s: float | None = None) -> None:
@@ -215,4 +272,4 @@ class ControlPlane:
 
     def resync(self, n: int) -> None:
         """Start a new epoch of keys (after reset number ``n``, which every rank made)."""
-        self._epoch, self._seq, self.calls, self._refused = n, 0, 0, None
+        self._epoch, self._seq, self.phase, self._refused, self._notes = n, 0, 0, None, []

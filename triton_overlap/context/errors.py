@@ -120,15 +120,34 @@ class Faults:
                 f"{word[sig.ERR_WANTED]}){self._refused(peer)}")
 
     def _refused(self, peer: int) -> str:
-        """Why ``peer`` did not come, where its call raised before it began (ControlPlane.refuse): its refusal of
-        this rank's current call or of the one before (a fault on GPUs may be read at the next call's start)."""
+        """Why ``peer`` did not come, where it refused this rank's current or latest call (ControlPlane.refuse): a
+        fault on GPUs is read after the call or at the next call's start."""
+        phase = self.control.phase
+        for p in (phase, phase - 1, phase - 2) if peer != self.rank else ():
+            if p % 2:
+                try:
+                    note = self.control.note(peer, p)
+                except Exception:  # noqa: BLE001 - the store is gone: the word alone
+                    return ""
+                if note is not None:
+                    return f"; rank {peer}'s call raised before it launched: {note[1]}"
+        return ""
+
+    def refuse(self, error: Exception) -> ContextError | None:
+        """This rank's call raised ``error`` on the host before launching anything (ControlPlane.refuse). None where
+        every peer settled it (they raise too); else the ContextError to raise: the Context is faulted and the
+        peers told, since a peer launched the call and this rank's next call must not meet it."""
+        text = f"{type(error).__name__}: {error}"
         try:
-            note = self.control.refusal(peer) if peer != self.rank else None
-        except Exception:  # noqa: BLE001 - the store is gone: the word alone
-            note = None
-        if note is None or note[0] < self.control.calls - 1:
-            return ""
-        return f"; rank {peer}'s call raised before it began: {note[2]}"
+            late = self.control.refuse(text)
+        except PeerFault as e:
+            return self.peer_faulted(e.rank, str(e))
+        except Exception:  # noqa: BLE001 - the store is gone (the group destroyed): the call's own error stands
+            return None
+        if late is None:
+            return None
+        peer, why = late
+        return self.fail(f"rank {self.rank}: {text}; {why}", (sig.ERR_RELAYED, self.rank, 0, peer, sig.WHAT_ANSWER))
 
     # ------------------------------------------------------------------------------------------ faults
     def exchange(self, obj, what: str, tag: str | None = None) -> list:

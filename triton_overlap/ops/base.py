@@ -56,30 +56,33 @@ def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
     seen.add(key)
 
 
-#: the methods of an op that a user (or a layer) calls: each is one call, ControlPlane.begin_call / refuse
+#: the methods of an op that a user (or a layer) calls: each is one call (ControlPlane.begin_call)
 ENTRY_POINTS = ("__call__", "forward", "backward", "dispatch", "combine")
 
 
-def _refusing(method):
-    """``method`` of an op, counted as a call (ControlPlane.begin_call); where it raises before the call's first
-    exchange (bad input: ValueError, TypeError), the peers that wait for this rank in that exchange are told
-    (ControlPlane.refuse) and raise ValueError too, rather than waiting out their timeout."""
+def _counted(method):
+    """``method`` of an op, counted as a call (ControlPlane.begin_call, end_call; not while torch.compile traces:
+    the custom op's call at run time counts). Where the outermost call raises on the host and the Context is not
+    faulted (nothing was launched: a call that stops mid-way faults it), the peers are told (Faults.refuse): those
+    waiting for this rank in the call's exchange raise too; if a peer launched the call instead, the Context
+    faults, so that this rank's next call never meets the peer's launch of this one."""
     @functools.wraps(method)
     def entry(self, *args, **kwargs):
-        control = self.ctx.faults.control
-        outer = control.depth == 0
-        if outer:
-            control.begin_call()
-            seq = control.seq
-        control.depth += 1
+        if torch.compiler.is_compiling():
+            return method(self, *args, **kwargs)
+        faults = self.ctx.faults
+        control = faults.control
+        outer = control.begin_call()
         try:
             return method(self, *args, **kwargs)
         except Exception as e:
-            if outer and control.seq == seq:
-                control.refuse(f"{type(e).__name__}: {e}")
+            if outer and not faults.faulted and not self.ctx.closed:
+                fault = faults.refuse(e)
+                if fault is not None:
+                    raise fault from e
             raise
         finally:
-            control.depth -= 1
+            control.end_call(outer)
     return entry
 
 
@@ -105,7 +108,7 @@ class OverlapOp:
         super().__init_subclass__(**kw)
         for name in ENTRY_POINTS:
             if name in cls.__dict__:
-                setattr(cls, name, _refusing(cls.__dict__[name]))
+                setattr(cls, name, _counted(cls.__dict__[name]))
 
     def __init__(self, ctx, config=None, *, fallback: str = "auto", name: str | None = None, replay: bool = True):
         if fallback not in FALLBACKS:

@@ -26,8 +26,8 @@ every rank's Context, naming that rank (the check needs every rank's ids, which 
 Context faults until ``reset()``. Unlike the normal mode, rows move before the headers are compared (there is no
 barrier), and a fault is seen on the device: the outputs of a faulted call are garbage, so call ``ctx.check()``
 after a replayed step. Tokens beyond ``cap`` on a rank raise
-ValueError on that rank before any launch; its peers raise ValueError too on a shape's first call, else time out,
-naming it and its error (docs/protocol.md, Inputs).
+ValueError on that rank before any launch; its peers raise ValueError too on a shape's first call, else every
+rank's Context faults, naming it and its error (docs/protocol.md, Inputs).
 
 Make one eager call of each shape (H, dtype, topk, E, scales; the combine's N) before capturing: it allocates the
 symmetric buffers and agrees on the shapes across ranks, which cannot happen inside a capture.
