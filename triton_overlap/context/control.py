@@ -28,8 +28,8 @@ class PeerTimeout(RuntimeError):
 
 
 class PeerRefused(RuntimeError):
-    """Another rank raised on its own input (ValueError, TypeError) before its call's first exchange, so it will not
-    come to the exchange this rank waits in (``rank``: that rank, the text its error's)."""
+    """Another rank's call raised on the host before launching anything (ControlPlane.refuse), so it will not come
+    to the exchange this rank waits in (``rank``: that rank, the text its error's)."""
 
     def __init__(self, rank: int, text: str):
         super().__init__(text)
@@ -122,11 +122,6 @@ class ControlPlane:
         return self._store.get(key).decode() if self._store.check([key]) else None
 
     # -------------------------------------------------------------------------------------- refusals
-    @property
-    def seq(self) -> int:
-        """The number of this rank's next sequenced exchange."""
-        return self._seq
-
     def begin_call(self) -> bool:
         """An op call starts on this thread; True where it is the outermost (the phase turns odd)."""
         depth = getattr(self._local, "depth", 0)

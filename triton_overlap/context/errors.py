@@ -147,7 +147,7 @@ class Faults:
         if late is None:
             return None
         peer, why = late
-        return self.fail(f"rank {self.rank}: {text}; {why}", (sig.ERR_RELAYED, self.rank, 0, peer, sig.WHAT_ANSWER))
+        return self._unanswered(f"rank {self.rank}: {text}; {why}", peer)
 
     # ------------------------------------------------------------------------------------------ faults
     def exchange(self, obj, what: str, tag: str | None = None) -> list:
@@ -156,15 +156,17 @@ class Faults:
         try:
             return self.control.exchange(obj, what, tag)
         except PeerTimeout as e:
-            raise self.fail(f"rank {self.rank}: {e}", (sig.ERR_RELAYED, self.rank, 0, e.missing[0],
-                                                       sig.WHAT_ANSWER)) from None
+            raise self._unanswered(f"rank {self.rank}: {e}", e.missing[0]) from None
         except PeerFault as e:
             raise self.peer_faulted(e.rank, str(e)) from None
         except PeerRefused as e:  # the call ends on every rank as on the one that raised; none is faulted
             raise ValueError(f"{what}: rank {e.rank} raised before it came: {e}") from None
         except PeerOutOfStep as e:
-            raise self.fail(f"rank {self.rank}: {e}", (sig.ERR_RELAYED, self.rank, 0, e.rank, sig.WHAT_ANSWER)) \
-                from None
+            raise self._unanswered(f"rank {self.rank}: {e}", e.rank) from None
+
+    def _unanswered(self, text: str, peer: int) -> ContextError:
+        """Fault with ``text``, a host-side wait on ``peer`` that ended without its answer, relayed to the peers."""
+        return self.fail(text, (sig.ERR_RELAYED, self.rank, 0, peer, sig.WHAT_ANSWER))
 
     def fail(self, text: str, relay=None) -> ContextError:
         """Fault the Context with ``text`` (the first fault's text stays) and return the error to raise. ``relay``:
