@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from triton_overlap.context.control import ControlPlane, PeerOutOfStep, PeerRefused
+from triton_overlap.context.control import ControlPlane, PeerMismatch, PeerOutOfStep, PeerRefused
 
 T = 2.0  # each plane's timeout (s)
 
@@ -106,3 +106,24 @@ def test_parts_of_different_calls_never_pair():
     call(b, lambda: None)
     got = run(lambda: call(a, lambda: a.exchange("a", "x")), lambda: call(b, lambda: b.exchange("b", "x")))
     assert all(isinstance(g, PeerOutOfStep) for g in got), got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parts_of_different_exchanges_never_pair(world):
+    """The last rank skips the call's first exchange (an agreement on a shape it had passed before): its second
+    meets the others' first. Every rank raises PeerMismatch naming the other exchange, each settles its refusal
+    (None), and the next call pairs the right parts."""
+    ps = planes(world)
+
+    def one(p, names):
+        def body():
+            with pytest.raises(PeerMismatch) as info:
+                for name in names:
+                    p.exchange((name, p.rank), name)
+            assert info.value.what in ("shapes", "routing") and info.value.what != names[0]
+            assert p.refuse(f"ValueError: {info.value}") is None
+        call(p, body)
+        return call(p, lambda: p.exchange(("next", p.rank), "shapes"))
+
+    got = run(*(lambda p=p: one(p, ("shapes", "routing")) for p in ps[:-1]), lambda: one(ps[-1], ("routing",)))
+    assert got == [[("next", r) for r in range(world)]] * world, got

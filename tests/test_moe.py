@@ -17,7 +17,7 @@ import torch
 import contract
 import triton_overlap as to
 from contract import Call, Cases, Faults, OpSpec, Variants, set_fields
-from refs import assert_own_fault, late_chunk_faults, rand
+from refs import assert_own_fault, late_chunk_faults, rand, rel_err
 
 RS_TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
@@ -350,6 +350,43 @@ def test_keeps_rank_runs_agrees_with_the_call(pool):
     interleaves their chunks (40 rows a rank: two chunks), and it has none."""
     runs = pool.run(_rank_runs_agree, MoECase(m_local=40, k=32, n=24, experts=5, topk=2))
     assert runs == [pool.world == 2] * pool.world or pool.backend != "host", runs
+
+
+def _no_tokens(fallback):
+    """No rank has a token: both ops return empty results (sorted too, with an empty layout) and launch nothing; a
+    rank with tokens beside ranks without is refused on every rank; the ops run on after."""
+    with to.Context(timeout_s=60) as ctx:
+        dev, W, r, bf = ctx.device, ctx.world_size, ctx.rank, torch.bfloat16
+        ag, rs = to.AllGatherMoEGEMM(ctx, fallback=fallback), to.MoEGEMMReduceScatter(ctx, fallback=fallback)
+        w1, w2 = rand((5, 32, 24), bf, dev, "w1"), rand((5, 24, 16), bf, dev, "w2")
+        ids = torch.empty(0, 2, dtype=torch.int64, device=dev)
+        weights = torch.empty(0, 2, device=dev)
+        y = ag(torch.empty(0, 32, dtype=bf, device=dev), w1, ids)
+        rows, routing = ag(torch.empty(0, 32, dtype=bf, device=dev), w1, ids, sorted_output=True)
+        assert y.shape == (0, 2, 24) and rows.shape == (0, 24) and routing.offsets.tolist() == [0] * 6
+        out = rs(rows, w2, ids, weights, routing=routing)
+        assert out.shape == (0, 16) and rs(y, w2, ids, weights).shape == (0, 16)
+        some, got = 3 * (r == W - 1), None
+        try:
+            ag(torch.zeros(some, 32, dtype=bf, device=dev), w1, torch.zeros(some * W, 2, dtype=torch.int64,
+                                                                              device=dev))
+        except ValueError as e:
+            got = str(e)
+        # the ranks without tokens had agreed on their shape: they skip to the routing's agreement, the rank with
+        # tokens asks for one on its shape, and each finds the other at another exchange of the call
+        assert got is not None and "the ranks' calls differ" in got, got
+        x = rand((3, 32), bf, dev, "x")
+        ids = torch.randint(0, 5, (3 * W, 2), generator=torch.Generator().manual_seed(1)).to(dev)
+        err = rel_err(ag(x, w1, ids), _per_pair(torch.cat([x] * W), w1, ids))
+        ctx.check()
+        return err
+
+
+@pytest.mark.parametrize("fallback", ["never", "auto"])
+def test_no_tokens(pool, fallback):
+    if pool.world > 3:
+        pytest.skip("W = 2 and 3")
+    assert max(pool.run(_no_tokens, fallback)) < 2e-2
 
 
 @pytest.mark.parametrize("name,case", [("ag_moe_gemm", 0), ("ag_moe_gemm", 5), ("moe_gemm_rs", 0),

@@ -189,6 +189,27 @@ def _refusals():
         return True
 
 
+def _no_tokens(fallback):
+    """No rank has a token: an empty output, an empty input gradient and zero parameter gradients (as nn.Linear's on
+    an empty batch), on either path."""
+    with to.Context(timeout_s=30) as ctx:
+        plain = PlainMoE(16, 8 * ctx.world_size, 4, 2, True)
+        moe = TPMoE.from_full(plain.router, (plain.w1, plain.w3, plain.w2), ctx, topk=2, fallback=fallback)
+        x = torch.empty(0, 16, device=ctx.device, dtype=torch.bfloat16, requires_grad=True)
+        y = moe(x)
+        y.sum().backward()
+        assert y.shape == (0, 16) and x.grad.shape == (0, 16)
+        assert all(p.grad is not None and not p.grad.any() for p in moe.parameters())
+        return True
+
+
+@pytest.mark.parametrize("fallback", ["never", "always"])
+def test_tp_moe_without_tokens(pool, fallback):
+    if pool.world != 2:
+        pytest.skip("W = 2")
+    assert all(pool.run(_no_tokens, fallback))
+
+
 def test_tp_moe_refuses_what_it_cannot_run(pool):
     if pool.world != 2:
         pytest.skip("W = 2")

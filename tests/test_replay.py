@@ -139,12 +139,13 @@ def test_replay_agreement_sets_the_small_calls_path_on_every_rank(monkeypatch):
     """The eager rule's small calls (OverlapOp.eager_fallback, tick): they overlap until the ranks agree, every
     AGREE_EVERY calls, that their keys do not repeat on some rank (under half of its calls had a key it had seen);
     they then take NCCL on every rank, and the graphs of small shapes are dropped so that no rank replays one;
-    once every rank's keys repeat again they overlap again. A key this rank knows never decides its call's path."""
+    once every rank's keys repeat again they overlap again. A key this rank knows never decides its call's path.
+    ctx.reset() starts the count anew."""
     from triton_overlap.ops.base import AGREE_EVERY, OverlapOp
 
     class Ctx:
         backend, producer_jitter_s, generation, num_hosts, interpreted, world_size = "cuda", 0.0, 0, 1, False, 2
-        peer_rate = 1.0
+        peer_rate, resets = 1.0, 0
 
         def __init__(self):
             self.store, self.exchanges = {}, 0
@@ -200,6 +201,15 @@ def test_replay_agreement_sets_the_small_calls_path_on_every_rank(monkeypatch):
     for _ in range(AGREE_EVERY):
         never.tick()
     assert ctx.exchanges == 4  # only fallback="auto" agrees
+    ctx.peer_rate = 0.25
+    for _ in range(AGREE_EVERY - 1):
+        op.tick()
+    ctx.resets += 1  # ctx.reset(): the count starts anew
+    for _ in range(AGREE_EVERY - 1):
+        op.tick()
+    assert ctx.exchanges == 4
+    op.tick()
+    assert ctx.exchanges == 5 and op.eager_fallback("s", 1e9) is True
 
 
 def _ag_rs(m_local, k, n, replay_ranks):

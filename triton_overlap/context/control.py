@@ -45,6 +45,16 @@ class PeerOutOfStep(RuntimeError):
         self.rank = rank
 
 
+class PeerMismatch(RuntimeError):
+    """A rank's part of a host-side exchange came from the same call as this rank's but from another of its
+    exchanges (``rank``: that rank, ``what``: its exchange's name): the ranks' calls took different courses on the
+    host (an agreement one rank skips for a shape it has passed before, say), so no rank may use the parts."""
+
+    def __init__(self, rank: int, what: str):
+        super().__init__(what)
+        self.rank, self.what = rank, what
+
+
 class PeerFault(RuntimeError):
     """Another rank's Context faulted while this rank waited for it (``rank``: that rank, the text its fault's)."""
 
@@ -195,8 +205,8 @@ class ControlPlane:
     def exchange(self, obj, what: str, tag: str | None = None, wait_s: float | None = None) -> list:
         """Every rank's ``obj`` (a collective), waiting at most ``wait_s`` (default ``timeout_s``): PeerTimeout
         names the ranks whose part did not come, PeerFault says a rank that faulted meanwhile, PeerRefused one that
-        raised before coming (``refuse``), PeerOutOfStep one whose part belongs to another call. ``tag``: a key of
-        its own (reset and close use fixed ones, and take any rank's part), else the next in sequence."""
+        raised before coming (``refuse``), PeerOutOfStep one whose part belongs to another call, PeerMismatch one
+        whose part belongs to another exchange of this call (``what`` names the exchange). ``tag``: a key of its own (reset and close use fixed ones, and take any rank's part), else the next in sequence."""
         seq = None
         if tag is None:
             seq = self._seq
@@ -204,7 +214,7 @@ class ControlPlane:
             self._seq += 1
         store = self._store
         keys = [f"{tag}/{r}" for r in range(self.world)]
-        store.set(keys[self.rank], pickle.dumps((self.phase, obj)))
+        store.set(keys[self.rank], pickle.dumps((self.phase, what, obj)))
         parts = {self.rank: obj}
         wait_s = self.timeout_s if wait_s is None else wait_s
         refusals = f"e{self._epoch}/refusals"
@@ -220,8 +230,10 @@ class ControlPlane:
                 part = pickle.loads(store.get(keys[r]))
                 if part is None:  # withdrawn: its rank will post again
                     continue
-                phase, got = part
+                phase, label, got = part
                 if seq is None or phase == self.phase:
+                    if seq is not None and label != what:  # (every rank sees a differing part: they all raise)
+                        raise PeerMismatch(r, label)
                     parts[r] = got
                 elif self._refused != (phase, seq):  # (else: its part of the call this rank refused, which it
                     self._refused_by(r, seq, keys)   # takes back: wait for its next)

@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass
 
 from ..kernels import signal as sig
-from .control import PeerFault, PeerOutOfStep, PeerRefused, PeerTimeout
+from .control import PeerFault, PeerMismatch, PeerOutOfStep, PeerRefused, PeerTimeout
 
 
 def op_id(name: str) -> int:
@@ -161,6 +161,9 @@ class Faults:
             raise self.peer_faulted(e.rank, str(e)) from None
         except PeerRefused as e:  # the call ends on every rank as on the one that raised; none is faulted
             raise ValueError(f"{what}: rank {e.rank} raised before it came: {e}") from None
+        except PeerMismatch as e:  # every rank sees it and raises: the call ends as a refusal (refuse)
+            raise ValueError(f"{what}: rank {e.rank} came to another exchange of this call ({e.what}): the ranks' "
+                             f"calls differ (an input of another shape or setting on some rank?)") from None
         except PeerOutOfStep as e:
             raise self._unanswered(f"rank {self.rank}: {e}", e.rank) from None
 

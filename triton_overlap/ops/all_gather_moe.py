@@ -109,7 +109,7 @@ class AllGatherMoEGEMM(MoEOp):
     (float16 or bfloat16); ``w`` the experts' column shards [E, K, N_local], any strided view (e.g.
     ``w_nk.transpose(1, 2)``); ``topk_ids`` [T, topk] int32 or int64 expert ids of every token (rank 0's tokens
     first), the same tensor on every rank. Returns [T, topk, N_local], ``out[t, j] = x_all[t] @ w[topk_ids[t, j]]``,
-    accumulated in float32 and rounded once to x's dtype. With ``sorted_output=True`` returns ``(y, routing)``
+    accumulated in float32 and rounded once to x's dtype; no tokens (T = 0) returns an empty result. With ``sorted_output=True`` returns ``(y, routing)``
     instead: ``y`` [T * topk, N_local] in this rank's expert-sorted layout and ``routing`` (ops.moe_routing.MoERouting)
     its permutation and expert offsets, which ``moe_gemm_rs`` takes as they are (no scatter back to token order).
     ``return_gathered=True`` appends the gathered tokens [T, K] to what is returned (a fresh tensor, copied from the
@@ -158,7 +158,7 @@ class AllGatherMoEGEMM(MoEOp):
         out = torch.empty(shape, dtype=x.dtype, device=x.device) if out is None else out
         direct = _rows_view(out)  # the kernel stores rows of N one row stride apart: else through a tensor that is
         rows = out.view(T * topk, N) if direct else torch.empty((T * topk, N), dtype=x.dtype, device=x.device)
-        fallback = self._use_fallback(x)
+        fallback = T == 0 or self._use_fallback(x)
         sent = by_tma = False  # what goes on the wire (rows sorted by expert or tokens: the ranks agree on it)
         if not fallback:
             cfg = with_overrides(self.config_for(self.last_table_shape), overrides)
@@ -167,6 +167,11 @@ class AllGatherMoEGEMM(MoEOp):
         self.agree((tuple(x.shape), str(x.dtype), E, topk, "rows" if sent else "tokens"))
         if self.check_routing:
             agree_on_routing(self.KIND, ctx, topk_ids, E)
+        if T == 0:  # no rank has a token (the ranks agreed on x's shape): nothing to move or multiply
+            self.last_path = "fallback"
+            routing = MoERouting(topk_ids.new_empty(0, dtype=torch.int64), topk_ids.new_empty(0, dtype=torch.int32),
+                                 topk_ids.new_zeros(E + 1, dtype=torch.int32), E, topk, True)
+            return _result(out, routing, x.new_empty(x.shape), sorted_output, return_gathered)
         if fallback:
             self.last_path = "fallback"
             routing, gathered = self._fallback(x, w, topk_ids, rows, sorted_output)
@@ -241,7 +246,9 @@ class AllGatherMoEGEMM(MoEOp):
     def keeps_rank_runs(self, m_local: int, k: int, n: int, experts: int, topk: int, dtype) -> bool:
         """Whether a call of this op on x [m_local, k] and w [experts, k, n] without overrides returns a sorted
         layout with ``rank_runs`` (what its MoERouting would say), from the shapes alone: for a caller that holds
-        the layout's tensors but not the MoERouting (ops.custom_ops.moe_rs)."""
+        the layout's tensors but not the MoERouting (ops.custom_ops.moe_rs). True for no tokens (an empty layout)."""
+        if m_local == 0:
+            return True
         cfg = self.config_for(moe_table_shape(m_local * self.ctx.world_size, k, n, experts, topk))
         key = ("rank_runs", m_local, k, dtype, cfg)
         found = self.state.get(key)

@@ -126,6 +126,7 @@ class OverlapOp:
         # the eager rule's agreement on replays (tick): calls counted, of them with a key this rank had seen,
         # whether small eager calls overlap (as the ranks last agreed), and the shapes the rule found small
         self._ticks, self._known, self._small_replays, self._small_shapes = 0, 0, True, set()
+        self._counted_since = ctx.resets  # the reset the counts start from (ctx.reset() starts them anew)
 
     @classmethod
     def shared(cls, ctx):
@@ -212,10 +213,14 @@ class OverlapOp:
         AGREE_EVERY calls, where the op replays (fallback="auto", ReplayCache.on), the ranks agree
         (a host exchange) whether the eager rule's small calls overlap: yes while at least half of every rank's
         last calls repeated a key it had seen (they replay, or will once captured), else they take NCCL and the
-        graphs of small shapes are dropped, so that no rank replays one. Whether a key repeats depends on the
+        graphs of small shapes are dropped, so that no rank replays one; ``ctx.reset()`` starts the counts anew
+        (a call that faulted may have been counted on some ranks only). Whether a key repeats depends on the
         rank's addresses; the ranks' paths must not (docs/decisions.md, A model step on 2 GPUs)."""
         if self.fallback != "auto" or not self.replays.on():
             return
+        if self._counted_since != self.ctx.resets:  # a reset: the ranks' counts may differ, start them in step
+            self._ticks, self._known, self._small_replays, self._small_shapes = 0, 0, True, set()
+            self._counted_since = self.ctx.resets
         self._ticks += 1
         if self._ticks % AGREE_EVERY == 0:
             rates = self.ctx.gather_object(self._known / AGREE_EVERY, f"{self.KIND}: agreeing on replays")

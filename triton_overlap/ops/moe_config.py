@@ -108,7 +108,8 @@ def moe_table_shape(tokens: int, k: int, n: int, experts: int, topk: int) -> tup
 
 def check_moe_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, a_name: str, a_dims: tuple) -> None:
     """``a`` (``a_name``) of one of the ``a_dims`` ranks and ``w`` [E, K, N] of the same 16-bit dtype on the
-    Context's device, K matching ``a``'s last dimension, nothing empty (ValueError, before any launch)."""
+    Context's device, K matching ``a``'s last dimension (ValueError, before any launch). ``a`` may hold no tokens
+    (its first dimension 0: the op returns an empty result); nothing else may be empty."""
     for name, t, dims in ((a_name, a, a_dims), ("w", w, (3,))):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -119,7 +120,7 @@ def check_moe_operands(op: str, ctx, a: torch.Tensor, w: torch.Tensor, a_name: s
             raise ValueError(f"{op}: {name} must be float16 or bfloat16, got {t.dtype}")
         if t.device != ctx.device:
             raise ValueError(f"{op}: {name} is on {t.device}, the Context is on {ctx.device}")
-        if t.numel() == 0:
+        if 0 in (t.shape[1:] if t is a else t.shape):
             raise ValueError(f"{op}: empty operand: {name} {tuple(t.shape)}")
     if a.dtype != w.dtype:
         raise ValueError(f"{op}: {a_name} and w have different dtypes ({a.dtype} vs {w.dtype})")

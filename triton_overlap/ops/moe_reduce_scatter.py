@@ -56,7 +56,7 @@ class MoEGEMMReduceScatter(MoEOp):
     ``ag_moe_gemm(..., sorted_output=True)`` returned), [T * topk, K_local] rows in that expert-sorted layout; ``w``
     [E, K_local, N], any strided view; ``topk_ids`` [T, topk] int32/int64, the same on every rank; ``topk_weights``
     [T, topk], any float dtype. Returns this rank's tokens [T/W, N] of
-    ``sum over ranks and j of topk_weights[t, j] * h[t, j] @ w[topk_ids[t, j]]`` in h's dtype.
+    ``sum over ranks and j of topk_weights[t, j] * h[t, j] @ w[topk_ids[t, j]]`` in h's dtype (empty where T = 0).
 
     Rounding: each product ``h[t, j] @ w[e]`` is accumulated in float32 and rounded once to h's dtype; the top-k
     combine multiplies by the weights (as float32) and sums in float32, rounding each rank's partial row once; the
@@ -124,6 +124,9 @@ class MoEGEMMReduceScatter(MoEOp):
             agree_on_routing(op, ctx, topk_ids, E)
         h = h.contiguous()
         out = torch.empty(want, dtype=h.dtype, device=h.device) if out is None else out
+        if T == 0:  # no rank has a token (the ranks agreed on h's shape): nothing to multiply or reduce
+            self.last_path = "fallback"
+            return out
         res = out if out.stride(1) == 1 else torch.empty(want, dtype=h.dtype, device=h.device)
         if self._use_fallback(T // W, N, h.element_size()):
             self.last_path = "fallback"

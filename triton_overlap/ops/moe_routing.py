@@ -112,7 +112,10 @@ def check_routing(op: str, ctx, topk_ids: torch.Tensor, tokens: int, num_experts
 
 def routing_digest(topk_ids: torch.Tensor) -> list[int]:
     """[smallest id, largest id, two wrapping hashes of every id and its place], read back to the host at once: the
-    one device-to-host copy of a call that checks its routing (ids in range, the same on every rank)."""
+    one device-to-host copy of a call that checks its routing (ids in range, the same on every rank). No tokens:
+    [0, -1, 0, 0] (no id out of range), with no copy."""
+    if topk_ids.numel() == 0:
+        return [0, -1, 0, 0]
     ids = topk_ids.reshape(-1).to(torch.int64)
     place = torch.arange(ids.numel(), device=ids.device, dtype=torch.int64)
     mix = (ids + 1) * (place * 0x9E3779B1 + 0x7F4A7C15)
