@@ -110,6 +110,7 @@ class OfflineContext:
         self.generation = 0
         self.num_hosts = 1
         self.producer_jitter_s = 0.0
+        self.resets = 0
         self._cache = {}
 
     def cached(self, key, make):

@@ -16,7 +16,8 @@ Also: the functional forms and fallback="always" (the process group's all_to_all
 dispatches in flight combined in the other order, with a receive buffer that grows; bad input (ValueError on every
 rank, the Context usable after); a peer that never sends its counts or its rows (the bounded wait names the rank,
 the op, the peer and its block; reset() restores the Context), or never raises a combine's flags (alike); ranks
-that combine different dispatches (a mismatch at the combine's barrier). GPU cases (hundreds of tokens per
+that combine different dispatches (a mismatch at the combine's barrier); the combine computing the experts' down
+projection in stages (``expert_weight``, ExpertParallelConfig.combine_stages). GPU cases (hundreds of tokens per
 rank, H 1024 to 4096) run where TRITON_OVERLAP_TEST_BACKENDS names a GPU backend (``cuda-shared:2`` on one GPU)
 and skip without one.
 """
@@ -28,6 +29,7 @@ import pytest
 import torch
 
 import triton_overlap as to
+from triton_overlap.ops.ep_combine import stage_cuts
 from contract import SLACK_S, EARLIEST, timed_all_but_rank_1, timeout_for
 from refs import OfflineContext, poison, rand, rel_err
 
@@ -265,6 +267,59 @@ def test_ep_fallback_returns_the_same_tensors(pool):
     case = (EPCase(tokens=13, hidden=24, experts=6 * pool.world, topk=3, empty=1) if pool.backend == "host"
             else EPCase(tokens=300, hidden=1024, experts=8 * pool.world, topk=4, empty=1))
     assert all(pool.run(_functional_and_fallback, case))
+
+
+def _staged_down_projection(case):
+    """combine(h, d, expert_weight=w) with the down projection in 1, 2, 3 and 64 stages (more than the experts:
+    as many as have rows): the parts are the projection, and the output is the combine of their concatenation to
+    the bit, with buffers and output poisoned first; on the fallback as well."""
+    with to.Context(timeout_s=120) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        case = _at(case, W)
+        el, dtype = case.experts // W, getattr(torch, case.dtype)
+        down = rand((case.experts, case.n or case.hidden, 16), dtype, dev, "down")
+        x, ids, w = _inputs(case, W, r, 0, dev)
+        op = to.ExpertParallel(ctx, fallback=case.fallback)
+        d = op.dispatch(x, ids, w, num_experts=case.experts)
+        h = rand((d.num_rows, down.shape[1]), dtype, dev, "h", r)
+        y = _run_experts(h, d.offsets, down, r, el)
+        plain = op.combine(y, d)
+        worst = 0.0
+        for stages in (1, 2, 3, 64):
+            staged = to.ExpertParallel(ctx, to.ExpertParallelConfig(combine_stages=stages), fallback=case.fallback)
+            _poison_buffers(staged)
+            out = poison(torch.empty(x.shape[0], 16, dtype=dtype, device=dev))
+            got, parts = staged.combine(h, d, out=out, expert_weight=down[r * el:(r + 1) * el])
+            ctx.check()
+            assert got.data_ptr() == out.data_ptr() and staged.last_path == op.last_path
+            projected = torch.cat(parts) if parts else y[:0]
+            cuts = stage_cuts(d.counts.tolist(), stages) if op.last_path == "overlap" else [0] * bool(y.shape[0])
+            assert projected.shape == y.shape and len(parts) == len(cuts), (projected.shape, len(parts), cuts)
+            if y.numel():
+                worst = max(worst, rel_err(projected, y.double()))
+            assert torch.equal(out, op.combine(projected, d)), f"rank {r}, {stages} stages"
+            if plain.numel():
+                worst = max(worst, rel_err(out, plain.double()))
+        assert worst < TOL[dtype], worst
+        return worst
+
+
+def test_stage_cuts():
+    """Consecutive experts, cut where the rows' running sum first reaches each even share; no stage without rows."""
+    assert stage_cuts([3, 0, 5, 2, 0], 2) == [(0, 3, 0, 8), (3, 4, 8, 10)]
+    assert stage_cuts([4, 4, 4, 4], 4) == [(0, 1, 0, 4), (1, 2, 4, 8), (2, 3, 8, 12), (3, 4, 12, 16)]
+    assert stage_cuts([1, 99], 2) == [(0, 2, 0, 100)]
+    assert stage_cuts([0, 0, 7], 3) == [(0, 3, 0, 7)] and stage_cuts([0, 0], 2) == []
+    assert stage_cuts([2, 2, 2], 1) == [(0, 3, 0, 6)]
+
+
+@pytest.mark.parametrize("case", [0, 1, 2, 5], ids=["uneven", "even-empty-fp16", "one", "E256"])
+def test_ep_down_projection_in_stages(pool, case):
+    cases = _cases(pool)
+    case = cases[case % len(cases)]
+    pool.run(_staged_down_projection, case)
+    if case.fallback == "never":
+        pool.run(_staged_down_projection, replace(case, fallback="always"))
 
 
 def _fp8_dispatch(case):

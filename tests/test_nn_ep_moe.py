@@ -1,7 +1,8 @@
 """EPMoE, the expert-parallel MoE layer: output and every gradient (input, router, this rank's experts) against the
 unsharded plain module of tests/test_nn_moe.py in float64, on every rank's own tokens; both paths of the op
 (fallback "never": copy engines and flags, "always": the process group's all_to_all_single); experts without
-tokens, a rank without tokens, top-1; float32 parameters under autocast; two layers in flight together, eager and
+tokens, a rank without tokens, top-1; float32 parameters under autocast; the down projection in stages
+(``combine_stages``: DownCombine); two layers in flight together, eager and
 inside torch.compile; what it refuses. And the property the combine's backward rests on: dispatching other rows
 with the same ids returns them in the same order.
 
@@ -36,6 +37,7 @@ class LayerCase:
     mode: str = "bf16"
     empty: int | None = None
     expect_empty: bool = False
+    stages: int | None = None  # EPMoE's combine_stages
 
 
 HOST_CASES = {
@@ -48,12 +50,17 @@ HOST_CASES = {
     "top1": LayerCase(S=6, B=1, dim=36, hidden=20, E=6, topk=1, renormalize=False),
     "top1_fallback": LayerCase(S=6, B=1, dim=36, hidden=20, E=6, topk=1, renormalize=False, fallback="always"),
     "autocast": LayerCase(S=4, B=2, dim=32, hidden=48, E=12, topk=3, mode="autocast"),
+    # the down projection in stages, each stage's partials sent as it ends; experts and a rank without tokens
+    "staged": LayerCase(S=5, B=2, dim=32, hidden=48, E=12, topk=3, stages=3),
+    "staged_empty": LayerCase(S=2, B=2, dim=32, hidden=48, E=24, topk=2, empty=1, expect_empty=True, stages=4),
+    "staged_fallback": LayerCase(S=5, B=2, dim=32, hidden=48, E=6, topk=2, fallback="always", stages=2),
 }
 GPU_CASES = {
     "bf16": LayerCase(S=300, B=2, dim=1024, hidden=512, E=16, topk=4),
     "fallback": LayerCase(S=300, B=2, dim=1024, hidden=512, E=16, topk=4, fallback="always"),
     "empty_experts": LayerCase(S=3, B=2, dim=1024, hidden=512, E=96, topk=2, empty=1, expect_empty=True),
     "top1": LayerCase(S=500, B=1, dim=1020, hidden=360, E=6, topk=1, renormalize=False),  # a matmul per expert
+    "staged": LayerCase(S=300, B=2, dim=1024, hidden=512, E=16, topk=4, stages=3),
 }
 
 
@@ -81,7 +88,8 @@ def ep_moe_layer_case(case):
 
         dtype = torch.float32 if case.mode == "autocast" else torch.bfloat16
         moe = EPMoE.from_full(plain.router, (plain.w1, plain.w3, plain.w2), ctx, topk=case.topk,
-                              renormalize=case.renormalize, dtype=dtype, fallback=case.fallback)
+                              renormalize=case.renormalize, dtype=dtype, fallback=case.fallback,
+                              combine_stages=case.stages)
         lo = sum(sizes[:r])
         mine = slice(lo, lo + sizes[r])
         x = x_all[mine].to(dev, dtype).requires_grad_()

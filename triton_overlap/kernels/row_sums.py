@@ -29,15 +29,31 @@ TILE_INTERPRETED = (32, 64, 1)
 
 
 @triton.jit
+def _row_offsets(at, parts_ptr, num_parts, stride_src, PARTS: tl.constexpr):
+    """Element offsets from ``src`` of source rows ``at`` (int64): ``at * stride_src``, or, with PARTS, rows held in
+    ``num_parts`` tensors of consecutive rows: ``parts`` int64 [2, num_parts], each part's first row, then its
+    first element's offset from ``src`` (in elements, which may be negative)."""
+    if PARTS:
+        part = tl.zeros_like(at)
+        for i in range(1, num_parts):
+            part += (at >= tl.load(parts_ptr + i)).to(tl.int64)
+        first = tl.load(parts_ptr + part)
+        return tl.load(parts_ptr + num_parts + part) + (at - first) * stride_src
+    else:
+        return at * stride_src
+
+
+@triton.jit
 def _weighted_rows(src_ptr, index_ptr, weight_ptr, rows, row_ok, cols, col_ok, stride_src, K: tl.constexpr,
-                   HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, parts_ptr, num_parts,
+                   PARTS: tl.constexpr):
     """The float32 [BLOCK_M, BLOCK_N] sums of index rows ``rows`` (int64) over their K slots, slot 0 first."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for j in tl.static_range(K):
         idx = tl.load(index_ptr + rows * K + j, mask=row_ok, other=-1)
         hit = idx >= 0
-        at = tl.where(hit, idx, 0).to(tl.int64)
-        vals = tl.load(src_ptr + at[:, None] * stride_src + cols[None, :], mask=hit[:, None] & col_ok[None, :],
+        at = _row_offsets(tl.where(hit, idx, 0).to(tl.int64), parts_ptr, num_parts, stride_src, PARTS)
+        vals = tl.load(src_ptr + at[:, None] + cols[None, :], mask=hit[:, None] & col_ok[None, :],
                        other=0.0).to(tl.float32)
         if HAS_WEIGHT:
             w = tl.load(weight_ptr + rows * K + j, mask=hit, other=0.0)
@@ -56,18 +72,21 @@ def gather_rows_sum(src_ptr, index_ptr, weight_ptr, out_ptr, M, N, stride_src, s
     row_ok = rows < M
     col_ok = cols < N
     acc = _weighted_rows(src_ptr, index_ptr, weight_ptr, rows, row_ok, cols, col_ok, stride_src, K, HAS_WEIGHT,
-                         BLOCK_M, BLOCK_N)
+                         BLOCK_M, BLOCK_N, index_ptr, 1, False)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
 def gather_rows_sum_jobs(src_ptr, index_ptr, weight_ptr, out_ptrs, jobs_ptr, err_ptr, N, stride_src, stride_out,
-                         K: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         stage_ptr, stage, parts_ptr, num_parts, K: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGED: tl.constexpr, PARTS: tl.constexpr):
     """``jobs`` int32 [J, 4]: per job (grid axis 0) the rank whose buffer (``out_ptrs``, int64 base addresses) takes
     its rows, its first index row, its first row there and its row count; axis 1 the job's row tiles (past its
     rows: nothing to do), axis 2 the column tiles. The buffers hold rows ``stride_out`` apart of ``src``'s dtype.
-    Nothing is stored once the error word ``err`` holds a fault (the ranks' calls may disagree)."""
+    Nothing is stored once the error word ``err`` holds a fault (the ranks' calls may disagree). With STAGED, only
+    the index rows whose ``stage_ptr`` entry (int32, one per index row) is ``stage``; with PARTS, the source rows
+    are in parts (_row_offsets)."""
     job = jobs_ptr + tl.program_id(0) * 4
     first = tl.load(job + 1).to(tl.int64)
     count = tl.load(job + 3)
@@ -78,8 +97,10 @@ def gather_rows_sum_jobs(src_ptr, index_ptr, weight_ptr, out_ptrs, jobs_ptr, err
         cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         row_ok = (r < count) & (tl.full((BLOCK_M,), 1, tl.int1) & (error_code(err_ptr) == 0))
+        if STAGED:
+            row_ok = row_ok & (tl.load(stage_ptr + first + r, mask=row_ok, other=-1) == stage)
         acc = _weighted_rows(src_ptr, index_ptr, weight_ptr, first + r, row_ok, cols, col_ok, stride_src, K,
-                             HAS_WEIGHT, BLOCK_M, BLOCK_N)
+                             HAS_WEIGHT, BLOCK_M, BLOCK_N, parts_ptr, num_parts, PARTS)
         tl.store(base + out_rows[:, None] * stride_out + cols[None, :], acc.to(src_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
@@ -108,19 +129,38 @@ def job_table(ctx, jobs: list) -> torch.Tensor:
 
 
 def launch_gather_rows_sum_jobs(ctx, src, index, weight, out_ptrs, jobs: torch.Tensor, most_rows: int,
-                                stride_out: int) -> None:
+                                stride_out: int, stages: torch.Tensor | None = None, stage: int = 0,
+                                parts: torch.Tensor | None = None) -> None:
     """For each job of ``jobs`` (job_table) the weighted sums of its ``rows`` index rows from ``first``, stored at
     row ``first out row`` of its rank's buffer (``out_ptrs``); one launch, on the caller's stream. ``most_rows``:
-    the largest job's rows. Nothing is stored once the Context has a fault."""
+    the largest job's rows. Nothing is stored once the Context has a fault. ``stages`` (int32, one per index row):
+    only the rows of stage ``stage``; ``parts`` (part_table): ``src`` is the first of the tensors holding the source
+    rows."""
     N = src.shape[1]
     if most_rows == 0 or N == 0:
         return
     block_m, block_n, warps = _tile(ctx)
     launch(gather_rows_sum_jobs, (jobs.shape[0], cdiv(most_rows, block_m), cdiv(N, block_n)), (
-        src, index, weight, out_ptrs, jobs, ctx.err, N, src.stride(0), stride_out),
-        dict(K=index.shape[1], HAS_WEIGHT=True, BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
+        src, index, weight, out_ptrs, jobs, ctx.err, N, src.stride(0), stride_out,
+        index if stages is None else stages, stage, jobs if parts is None else parts,
+        1 if parts is None else parts.numel() // 2),
+        dict(K=index.shape[1], HAS_WEIGHT=True, BLOCK_M=block_m, BLOCK_N=block_n, STAGED=stages is not None,
+             PARTS=parts is not None), num_warps=warps)
     ctx.after_launch()
 
 
+def part_table(ctx, parts: list) -> torch.Tensor:
+    """The int64 [2, P] device table of ``parts`` (tensors of consecutive source rows, one row stride and dtype,
+    the first holding row 0) for launch_gather_rows_sum_jobs: each part's first row, then its first element's
+    offset from the first part's."""
+    firsts, at = [], 0
+    for t in parts:
+        firsts.append(at)
+        at += t.shape[0]
+    size, base = parts[0].element_size(), parts[0].data_ptr()
+    offsets = [(t.data_ptr() - base) // size for t in parts]
+    return torch.tensor([firsts, offsets], dtype=torch.int64).to(ctx.device, non_blocking=True)
+
+
 __all__ = ["TILE", "gather_rows_sum", "gather_rows_sum_jobs", "job_table", "launch_gather_rows_sum",
-           "launch_gather_rows_sum_jobs"]
+           "launch_gather_rows_sum_jobs", "part_table"]

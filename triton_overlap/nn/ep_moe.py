@@ -39,10 +39,11 @@ What overlaps what: where the op takes its overlapped path (``last_path == "over
 combine move into the peers' symmetric buffers (stored by kernels, or by copy engine where the receive buffers must
 grow), with a flag per source; with ``experts_gemm="overlap"`` the forward's gate and up projections start on each
 source's rows as its flag lands (``op.last_gemm`` names the kernel, "torch" where they ran after the rows, the
-default). Not overlapped per source: the combine with the down projection (docs/decisions.md, Expert-parallel MoE,
-says why), and the backward's GEMMs with their dispatch and combine. Not overlapped at all: the router, the weights'
-gradient exchange (process group), the experts' weight gradients (local), and one host synchronisation per dispatch
-(the counts), so two per training step and layer. ``fallback="always"`` takes the process group's
+default); with ``combine_stages`` the forward's down projection runs in stages over consecutive experts, each
+stage's partials sent as it ends (``DownCombine``, ops.ep_combine; docs/decisions.md, Expert-parallel MoE, says
+where that can pay). Not overlapped: the backward's GEMMs with their dispatch and combine. Not overlapped at all:
+the router, the weights' gradient exchange (process group), the experts' weight gradients (local), and one host
+synchronisation per dispatch (the counts), so two per training step and layer. ``fallback="always"`` takes the process group's
 ``all_to_all_single`` for every exchange. The dispatch reads counts back to the host, so the layer runs outside
 ``torch.compile``'s graphs (a graph break) and cannot be captured in a CUDA graph, but for its decode forward
 (``max_tokens_per_rank``, no autograd: ``ops.ep_low_latency``), which can.
@@ -62,13 +63,14 @@ from .moe import ReplicatedRouter, check_moe_layer, full_moe, route_local, shard
 from .precision import compute_dtype
 
 
-def ep_op(ctx, fallback: str, experts_gemm: str = "after") -> ExpertParallel:
+def ep_op(ctx, fallback: str, experts_gemm: str = "after", combine_stages: int | None = None) -> ExpertParallel:
     """The ExpertParallel op of the EPMoE layers on ``ctx`` with the fallback rule ``fallback`` and
-    ExpertParallelConfig.experts_gemm ``experts_gemm``: one per pair, shared by the layers (its dispatches number
-    themselves, so layers in flight together stay apart)."""
-    return ctx.cached(("nn ep_moe op", fallback, experts_gemm),
-                      lambda: ExpertParallel(ctx, ExpertParallelConfig(experts_gemm=experts_gemm), fallback=fallback,
-                                             name=f"nn.ep_moe.{fallback}.{experts_gemm}"))
+    ExpertParallelConfig's ``experts_gemm`` and ``combine_stages`` (None: 1): one per setting, shared by the layers
+    (its dispatches number themselves, so layers in flight together stay apart)."""
+    cfg = ExpertParallelConfig(experts_gemm=experts_gemm, combine_stages=combine_stages or 1)
+    return ctx.cached(("nn ep_moe op", fallback, experts_gemm, combine_stages),
+                      lambda: ExpertParallel(ctx, cfg, fallback=fallback,
+                                             name=f"nn.ep_moe.{fallback}.{experts_gemm}.{combine_stages}"))
 
 
 # ----------------------------------------------------------------------------------------------- the experts
@@ -119,29 +121,64 @@ class Combine(torch.autograd.Function):
     @staticmethod
     def backward(fctx, grad_out):
         (y,) = fctx.saved_tensors
-        op, routing = fctx.op, fctx.routing
-        d = routing.handle
-        g = op.dispatch(grad_out.to(y.dtype).contiguous(), routing.ids, routing.weights, num_experts=d.num_experts)
-        if g.traffic != d.traffic:  # the same ids move the same counts; anything else is a bug (or changed ids)
-            raise RuntimeError(f"EPMoE backward: rank {d.rank}: the output gradient's dispatch moved other counts than "
-                               f"the forward's ({g.traffic} vs {d.traffic})")
-        rows = g.tokens.float()  # row i: g[t] of the token of the forward's row i
+        op, d = fctx.op, fctx.routing.handle
+        rows = output_grad_rows(op, fctx.routing, grad_out, y.dtype)
         grad_y = (rows * d.weights[:, None]).to(y.dtype) if fctx.needs_input_grad[0] else None
         grad_w = weight_grads(op.ctx, y, rows, d) if fctx.needs_input_grad[1] else None
         return grad_y, grad_w, None, None
 
 
-def weight_grads(ctx, y: torch.Tensor, g_rows: torch.Tensor, d) -> torch.Tensor:
+class DownCombine(torch.autograd.Function):
+    """``op.combine(a, routing.handle, expert_weight=w2)`` (the down projection in the op's ``combine_stages``,
+    each stage's partials sent as it ends: ops.ep_combine) as a function of the activations ``a`` [R, hidden], of
+    ``w2`` and of the top-k ``weights``. Backward: Combine's for the projection's rows, then GroupedMM's."""
+
+    @staticmethod
+    def forward(fctx, a, w2, weights, op, routing):
+        out, parts = op.combine(a.contiguous(), routing.handle, expert_weight=w2)
+        fctx.save_for_backward(a, w2, *parts)
+        fctx.op, fctx.routing = op, routing
+        return out
+
+    @staticmethod
+    def backward(fctx, grad_out):
+        a, w2, *parts = fctx.saved_tensors
+        op, d = fctx.op, fctx.routing.handle
+        rows = output_grad_rows(op, fctx.routing, grad_out, a.dtype)
+        grad_y = (rows * d.weights[:, None]).to(a.dtype)
+        grad_a = grouped_mm(grad_y, w2.transpose(1, 2), d.offsets) if fctx.needs_input_grad[0] else None
+        grad_w2 = expert_grads(a, grad_y, d.offsets) if fctx.needs_input_grad[1] else None
+        grad_w = weight_grads(op.ctx, parts, rows, d) if fctx.needs_input_grad[2] else None
+        return grad_a, grad_w2, grad_w, None, None
+
+
+def output_grad_rows(op, routing: Routing, grad_out: torch.Tensor, dtype) -> torch.Tensor:
+    """float32 [R, N]: the output gradient of each row's token (row i: ``g[t]`` of the forward's row i), dispatched
+    with the forward's ids and weights through ``op`` (module docstring)."""
+    d = routing.handle
+    g = op.dispatch(grad_out.to(dtype).contiguous(), routing.ids, routing.weights, num_experts=d.num_experts)
+    if g.traffic != d.traffic:  # the same ids move the same counts; anything else is a bug (or changed ids)
+        raise RuntimeError(f"EPMoE backward: rank {d.rank}: the output gradient's dispatch moved other counts than "
+                           f"the forward's ({g.traffic} vs {d.traffic})")
+    return g.tokens.float()
+
+
+def weight_grads(ctx, y, g_rows: torch.Tensor, d) -> torch.Tensor:
     """float32 [T_local, k]: ``dL/dp[t, j] = <y_row(t, j), g[t]>``. On the owner, the dot of each row ``y`` [R, N]
-    with its token's output gradient ``g_rows`` [R, N] (float32), placed per received token and choice [U, k] (0
+    (or a sequence of its consecutive pieces) with its token's output gradient ``g_rows`` [R, N] (float32),
+    placed per received token and choice [U, k] (0
     where the choice is another rank's); ``all_to_all_single`` on the Context's group sends each source its
     tokens' values in float32 (the combine fallback's layout: received tokens per source, back in each source's send
     order), where each token's values are summed over its owners."""
     R, k = d.num_rows, d.slots.shape[1]
-    dots = torch.cat([(y.float() * g_rows).sum(1), torch.zeros(1, dtype=torch.float32, device=y.device)])
+    parts, at, dots = (y,) if isinstance(y, torch.Tensor) else y, 0, []
+    for p in parts:
+        dots.append((p.float() * g_rows[at:at + p.shape[0]]).sum(1))
+        at += p.shape[0]
+    dots = torch.cat(dots + [torch.zeros(1, dtype=torch.float32, device=g_rows.device)])
     slots = d.slots.long()
     per = dots[torch.where(slots >= 0, slots, R)].contiguous()  # [U, k], index R: the zero
-    back = torch.empty((sum(d.sent), k), dtype=torch.float32, device=y.device)
+    back = torch.empty((sum(d.sent), k), dtype=torch.float32, device=g_rows.device)
     dist.all_to_all_single(back, per, list(d.sent), list(d.received), group=ctx.group)
     back = torch.cat([back, back.new_zeros(1, k)])
     pos = d.positions.long()  # [T_local, W]: the token's row in the send order per owner, -1: not sent there
@@ -176,14 +213,17 @@ class DispatchProject(torch.autograd.Function):
         return grad_x, None, None, grad_w, None, None, None
 
 
-def ep_swiglu(rows, ids, weights, w13, w2, op, num_experts: int) -> torch.Tensor:
+def ep_swiglu(rows, ids, weights, w13, w2, op, num_experts: int, staged: bool = False) -> torch.Tensor:
     """This rank's tokens ``rows`` [T_local, dim] through their top-k experts wherever they live, back as
     [T_local, dim]: dispatch with the gate and up projections (``DispatchProject``: started on each source's rows
     as they land where the op overlaps), ``silu(gate) * up``, the down projection, combine, differentiable in
-    ``rows``, ``weights`` (float32 [T_local, k]), ``w13`` and ``w2``. ``ids`` int [T_local, k]."""
+    ``rows``, ``weights`` (float32 [T_local, k]), ``w13`` and ``w2``. ``ids`` int [T_local, k]. ``staged``: the
+    down projection by the op's combine, in its ``combine_stages`` (``DownCombine``), else by torch before it."""
     routing = Routing()
     gate, up = DispatchProject.apply(rows, ids, weights.detach(), w13, op, num_experts, routing).split(
         w13.shape[-1] // 2, dim=-1)
+    if staged:
+        return DownCombine.apply(nn.functional.silu(gate) * up, w2, weights, op, routing)
     y = GroupedMM.apply(nn.functional.silu(gate) * up, w2, routing.handle.offsets)
     return Combine.apply(y, weights, op, routing)
 
@@ -203,8 +243,10 @@ class EPMoE(ReplicatedRouter, nn.Module):
     Overlapped: the rows of each dispatch and combine (forward and backward), with a flag per source, where the op
     takes its overlapped path, and with ``experts_gemm="overlap"`` the forward's gate and up projections with the
     dispatch's rows, source by source (default "after": ``torch._grouped_mm`` once the rows are in, measured faster on
-    2 H200s; ExpertParallelConfig). Not overlapped: the other GEMMs with their transfers, the top-k weights'
-    gradient (``all_to_all_single`` on the process group), the experts' weight gradients and the router. The module
+    2 H200s; ExpertParallelConfig). With ``combine_stages`` (an int), the forward's down projection runs in that
+    many launches over consecutive experts, each stage's partials sent to their tokens' ranks as it ends
+    (ops.ep_combine; None, the default: by torch, then the combine). Not overlapped: the other GEMMs with their
+    transfers, the top-k weights' gradient (``all_to_all_single`` on the process group), the experts' weight gradients and the router. The module
     docstring says what each backward piece does.
 
     Gradients: the experts' are complete on their owner. The router's covers this rank's tokens only: call
@@ -224,7 +266,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
 
     def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, *, ctx, renormalize: bool = True,
                  dtype=None, device=None, fallback: str = "auto", max_tokens_per_rank: int | None = None,
-                 experts_gemm: str = "after"):
+                 experts_gemm: str = "after", combine_stages: int | None = None):
         super().__init__()
         W = ctx.world_size
         if num_experts % W:
@@ -236,7 +278,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
         self.dim, self.hidden, self.num_experts, self.topk = dim, hidden, num_experts, topk
         self.renormalize = renormalize
         self.experts_local = num_experts // W
-        self.op = ep_op(ctx, fallback, experts_gemm)
+        self.op = ep_op(ctx, fallback, experts_gemm, combine_stages)
+        self.combine_stages = combine_stages
         self.low_latency = max_tokens_per_rank is not None
         self.decode_op = (None if max_tokens_per_rank is None else ctx.cached(
             ("nn ep_moe low-latency op", fallback, max_tokens_per_rank),
@@ -252,7 +295,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
     @classmethod
     def from_full(cls, router: nn.Linear, experts, ctx, *, topk: int, renormalize: bool = True, dtype=None,
                   device=None, fallback: str = "auto", max_tokens_per_rank: int | None = None,
-                  experts_gemm: str = "after") -> "EPMoE":
+                  experts_gemm: str = "after", combine_stages: int | None = None) -> "EPMoE":
         """This rank's experts of an unsharded MoE, the same on every rank (``TPMoE.from_full``'s arguments):
         ``router`` an ``nn.Linear(dim, E)`` without bias; ``experts`` either ``(w1, w3, w2)``, stacked tensors in
         ``nn.Linear``'s [out, in] convention (Mixtral's, Qwen3-MoE's): gate ``w1`` [E, hidden, dim], up ``w3``
@@ -263,7 +306,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
         w1, w3, w2, dtype = full_moe("EPMoE", router, experts, dtype)
         E, hidden, dim = w1.shape
         moe = cls(dim, hidden, E, topk, ctx=ctx, renormalize=renormalize, dtype=dtype, device=device,
-                  fallback=fallback, max_tokens_per_rank=max_tokens_per_rank, experts_gemm=experts_gemm)
+                  fallback=fallback, max_tokens_per_rank=max_tokens_per_rank, experts_gemm=experts_gemm,
+                  combine_stages=combine_stages)
         mine = slice(*moe.expert_range)
         moe.load(router, *shard_experts(w1[mine], w3[mine], w2[mine], 0, 1))  # whole experts: one "shard"
         return moe
@@ -304,9 +348,9 @@ class EPMoE(ReplicatedRouter, nn.Module):
             y = self.decode_op.combine(swiglu_rows(d.tokens, w13, w2, d.offsets), d)
         else:
             self._last = self.op
-            y = ep_swiglu(rows, ids, weights, w13, w2, self.op, self.num_experts)
+            y = ep_swiglu(rows, ids, weights, w13, w2, self.op, self.num_experts, self.combine_stages is not None)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-__all__ = ["Combine", "DispatchProject", "EPMoE", "GroupedMM", "Routing", "ep_op", "ep_swiglu", "grouped_mm",
+__all__ = ["Combine", "DispatchProject", "DownCombine", "EPMoE", "GroupedMM", "Routing", "ep_op", "ep_swiglu", "grouped_mm",
            "swiglu_rows", "takes_grouped_mm", "weight_grads"]

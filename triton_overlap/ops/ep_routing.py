@@ -195,7 +195,9 @@ def check_dispatch(ctx, x, topk_ids, topk_weights, num_experts, scales=None) -> 
                          f"{topk_weights.dtype} {tuple(topk_weights.shape)}")
 
 
-def check_combine(ctx, y, d, out) -> None:
+def check_combine(ctx, y, d, out, weight=None) -> None:
+    """``y`` [R, N] (or, with the down projection's ``weight`` [E/W, N, N_out], its input) for handle ``d``, and
+    ``out`` [T_local, N or N_out] (ValueError, before any launch)."""
     op = "ep_combine"
     if not isinstance(d, EPHandle):
         raise ValueError(f"{op}: d must be the EPHandle ep_dispatch returned, got {type(d).__name__}")
@@ -211,7 +213,17 @@ def check_combine(ctx, y, d, out) -> None:
         raise ValueError(f"{op}: y must be float16 or bfloat16, got {y.dtype}")
     if y.device != ctx.device:
         raise ValueError(f"{op}: y is on {y.device}, the Context is on {ctx.device}")
-    shape = (d.num_tokens, y.shape[1])
+    if weight is not None:
+        el = d.traffic.experts_per_rank
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.shape[0] != el \
+                or weight.shape[1] != y.shape[1] or weight.shape[2] == 0:
+            got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise ValueError(f"{op}: expert_weight must be [E/W, K, N] = [{el}, {y.shape[1]}, N] (this rank's "
+                             f"experts, K the width of y), got {got}")
+        if weight.dtype != y.dtype or weight.device != y.device:
+            raise ValueError(f"{op}: expert_weight must be {y.dtype} on {y.device} as y is, got {weight.dtype} on "
+                             f"{weight.device}")
+    shape = (d.num_tokens, y.shape[1] if weight is None else weight.shape[2])
     if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != y.dtype
                             or out.device != y.device):
         got = f"{out.dtype} {tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__

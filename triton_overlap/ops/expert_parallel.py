@@ -73,7 +73,6 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.arrivals import launch_wait_sources
-from ..kernels.row_sums import launch_gather_rows_sum_jobs
 from ..producers import exchange, pipeline
 from ..producers.exchange import AllToAll, deal
 from ..producers.pipeline import BarrierOnly, guarded
@@ -81,8 +80,9 @@ from .base import OverlapOp, agree_across_ranks
 from .moe_config import MoEGEMMConfig
 from .moe_routing import grouped_mm
 from .checks import FP8
+from .ep_combine import combine_overlapped, projected_whole, staged_combine
 from .ep_experts import check_expert_weight, projection
-from .ep_hosts import combine_jobs, counts_remote, partials_between_hosts, remote_ranks, rows_remote
+from .ep_hosts import counts_remote, remote_ranks, rows_remote
 from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, combine_by_group,
                          counts_by_group, expand, meta_width, pack, route_tokens, rows_by_group, sum_partials)
 
@@ -95,15 +95,20 @@ class ExpertParallelConfig:
     (``torch._grouped_mm`` once every row is in; the default: on 2 H200s the per-source GEMM below made the
     EPMoE forward 0.86-0.92x as fast on Qwen3-30B-A3B, docs/decisions.md, Expert-parallel MoE) or "overlap" (a
     grouped GEMM started on each source's rows as they land: the warp-specialized kernel on Hopper where it can
-    run, else the Triton one; within one host only, "after" across hosts: ops.ep_hosts)."""
+    run, else the Triton one; within one host only, "after" across hosts: ops.ep_hosts).
+    ``combine_stages``: the launches of a combine's down projection (``combine(..., expert_weight=w)``), each
+    followed by the partials of the tokens it completes (ops.ep_combine; 1: the projection, then every partial)."""
 
     num_streams: int | None = None
     experts_gemm: str = "after"
+    combine_stages: int = 1
 
     def __post_init__(self):
         if self.experts_gemm not in ("overlap", "after"):
             raise ValueError(f"ExpertParallelConfig.experts_gemm must be 'overlap' or 'after', got "
                              f"{self.experts_gemm!r}")
+        if not isinstance(self.combine_stages, int) or self.combine_stages < 1:
+            raise ValueError(f"ExpertParallelConfig.combine_stages must be an int >= 1, got {self.combine_stages!r}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,7 +134,10 @@ class ExpertParallel(OverlapOp):
     then ``d.tokens`` @ it per expert, on the overlapped path by a grouped GEMM that starts on each source's rows as
     they land where ``config.experts_gemm`` is "overlap" (ops.ep_experts; ``op.last_gemm`` names what ran it).
     ``op.combine(y, d, *, out=None)``: ``y`` [R, N] (float16 or bfloat16) the experts' outputs in ``d.tokens``'
-    order; returns [T_local, N] in y's dtype.
+    order; returns [T_local, N] in y's dtype. ``expert_weight``: None, or this rank's experts' down projection
+    [E/W, K, N] (y's dtype): ``y`` [R, K] is then its input, and the op returns ``(out, parts)``, ``parts`` the
+    projection's rows in consecutive pieces (``torch.cat(parts)`` is each row @ w[its local expert]), computed in
+    ``config.combine_stages`` launches whose partials leave as each ends (ops.ep_combine).
 
     Checked before anything is launched (ValueError, the Context stays usable): E divisible by W, shapes, dtypes,
     devices, and the ranks' agreement on H, dtype, E, topk and G (combine: on N and dtype). Ids out of range raise
@@ -361,53 +369,25 @@ class ExpertParallel(OverlapOp):
 
     # ------------------------------------------------------------------------------------------------- combine
     @torch.no_grad()
-    def combine(self, y: torch.Tensor, d: EPHandle, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        ctx = self.ctx
+    def combine(self, y: torch.Tensor, d: EPHandle, *, out: torch.Tensor | None = None,
+                expert_weight: torch.Tensor | None = None):
+        ctx, w = self.ctx, expert_weight
         ctx.ensure_usable()
-        check_combine(ctx, y, d, out)
-        N = y.shape[1]
-        self._agree("ep_combine", ("combine", N, str(y.dtype)))
+        check_combine(ctx, y, d, out, w)
+        N, stages = y.shape[1] if w is None else w.shape[2], self.cfg.combine_stages
+        self._agree("ep_combine", ("combine", N, str(y.dtype)) + (() if w is None else (y.shape[1], stages)))
         out = torch.empty((d.num_tokens, N), dtype=y.dtype, device=y.device) if out is None else out
-        if self._use_fallback():
-            self.last_path = "fallback"
-            combine_by_group(ctx, y.contiguous(), d, out)
-            return out
-        self.last_path = "overlap"
-        self._combine(y.contiguous(), d, out)
-        return out
-
-    def _combine(self, y: torch.Tensor, d: EPHandle, out: torch.Tensor) -> None:
-        """Behind the combine's barrier, each source's partials computed straight into its combine buffer (at the
-        place its block for this rank had in its send order; one launch for all sources, ops.ep_hosts.combine_jobs),
-        then this rank's flag in every source (exchange.raise_flags, after the launch; across hosts a launch for the
-        remote sources comes first, and the Link carries their partials and flags beside the local launch); once
-        every owner's flag is up, the sum."""
-        ctx, N, traffic = self.ctx, y.shape[1], d.traffic
-        # the dispatch's number (mod 64) is in the header: ranks combining different dispatches fault at the barrier
-        sched = self.schedule("combine", N, y.dtype, d.num_experts, d.seq % 64)
-        back = self._receive("partials", traffic.most_sent(), N, y.dtype)
-        flags = ctx.symmetric(f"{self.name}.partial_flags", (ctx.world_size,), torch.int32)
-        self.state.setdefault("buffers", {})["partials"] = back.local
-        S = sum(d.sent)
-        jobs = combine_jobs(ctx, sched.remote, self.state, d, back)
-        stride = back.local.stride(0)
-
-        def call():
-            sending = None
-            if jobs.remote is not None:  # the remote sources' first: they cross while the local ones are summed
-                launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, jobs.ptrs, jobs.remote, jobs.remote_most,
-                                            stride)
-                sending = partials_between_hosts(ctx, sched.remote, d, back, jobs.staged, flags,
-                                                 self.wait_ops["partials"])
-            launch_gather_rows_sum_jobs(ctx, y, d.slots, d.slot_weights, jobs.ptrs, jobs.local, jobs.local_most, stride)
-            exchange.raise_flags(ctx, flags)
-            if sending is not None:
-                ctx.current_stream().wait_stream(sending)
-            launch_wait_sources(ctx, flags.local, self.wait_ops["partials"])
-            sum_partials(ctx, back.local[:S], d, out)
-            flags.local.zero_()  # every flag was waited for, earlier on this stream
-
-        pipeline.run(ctx, BarrierOnly(sched.call), call)
+        fallback, y = self._use_fallback(), y.contiguous()
+        self.last_path = "fallback" if fallback else "overlap"
+        if w is not None and not fallback and ctx.num_hosts == 1:
+            return out, staged_combine(self, y, w, d, out, stages)
+        parts = None if w is None else projected_whole(y, w, d)
+        y = y if parts is None else parts[0] if parts else y.new_empty((0, N))
+        if fallback:
+            combine_by_group(ctx, y, d, out)
+        else:
+            combine_overlapped(self, y, d, out)
+        return out if w is None else (out, parts)
 
     # ------------------------------------------------------------------------------------- plan and buffers
     def schedule(self, kind: str, width: int, dtype, num_experts: int, extra) -> ExchangeSchedule:
