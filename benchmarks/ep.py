@@ -13,8 +13,9 @@ Per shape (model, tokens per rank, routing), in one process group and one run:
   the same bits (the sums walk their terms in one fixed order), checked.
 * **layer**: ``nn.EPMoE`` forward + backward with ``fallback="never"`` against the same parameters with
   ``fallback="always"`` (NCCL all_to_all_single for every exchange), the experts' GEMMs ``torch._grouped_mm`` in
-  both; and the forward alone on both and with ``experts_gemm="overlap"`` (the first GEMM started on each source's
-  rows as they land, ops.ep_experts).
+  both; and the forward alone on both, with ``experts_gemm="overlap"`` (the first GEMM started on each source's
+  rows as they land, ops.ep_experts) and with ``combine_stages=4`` (the down projection in four launches, each
+  stage's partials sent as it ends, ops.ep_combine).
 * **GB/s**: the bytes of rows the busiest rank sends to other ranks (dispatch: H-wide rows, once per (token, owner);
   combine: the partials back) over the call's time. The bound from the peers' measured copy bandwidth is not
   measured here.
@@ -44,6 +45,7 @@ MODELS = {"deepseek-v3": (256, 8, 7168, 2048), "qwen3-30b-a3b": (128, 8, 2048, 7
 TOKENS_PER_RANK = (4096,)
 EP_SHAPES = [(m, t, r) for m in MODELS for t in TOKENS_PER_RANK for r in ROUTINGS]
 BUDGET_S = 2.0  # seconds of timed calls per column at most (time_interleaved's budget_s)
+COMBINE_STAGES = 4  # the staged layer's ExpertParallelConfig.combine_stages
 
 
 def parse_shape(text: str) -> tuple:
@@ -102,13 +104,15 @@ def layer_case(ctx, rec) -> dict:
     """The layer's columns: EPMoE forward + backward on the overlapped path and on all_to_all_single, the same
     parameters (rec gains the relative error between the two outputs), and the forward alone on both and with
     ``experts_gemm="overlap"`` (the gate and up projections started on each source's rows as they land:
-    ``layer_overlap_gemm`` names the kernel)."""
+    ``layer_overlap_gemm`` names the kernel) and with ``combine_stages=COMBINE_STAGES`` (the down projection in
+    stages, each stage's partials sent as it ends; rec gains its output's relative error against ours)."""
     E, topk, H, hidden, tokens = (rec[k] for k in ("E", "topk", "H", "hidden", "tokens_per_rank"))
     torch.manual_seed(0)  # the replicated router: the same on every rank
     ours = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never")
     theirs = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="always")
     per_source = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never", experts_gemm="overlap")
-    for m in (theirs, per_source):
+    staged = EPMoE(H, hidden, E, topk, ctx=ctx, fallback="never", combine_stages=COMBINE_STAGES)
+    for m in (theirs, per_source, staged):
         m.load_state_dict(ours.state_dict())
     g = torch.Generator(device=ctx.device).manual_seed(2 + ctx.rank)
     x = torch.randn(tokens, H, device=ctx.device, generator=g).to(torch.bfloat16).requires_grad_()
@@ -117,7 +121,10 @@ def layer_case(ctx, rec) -> dict:
         a, b = ours(x), theirs(x)
         rec["layer_rel_err"] = float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
         per_source(x)
+        c = staged(x)
+        rec["layer_staged_rel_err"] = float((c.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30))
     rec["layer_path"], rec["layer_overlap_gemm"] = ours.last_path, per_source.op.last_gemm
+    rec["combine_stages"] = COMBINE_STAGES
 
     def step(m):
         def run():
@@ -133,7 +140,8 @@ def layer_case(ctx, rec) -> dict:
         return run
 
     return {"layer_ours_us": step(ours), "layer_nccl_us": step(theirs), "layer_fwd_ours_us": forward(ours),
-            "layer_fwd_overlap_us": forward(per_source), "layer_fwd_nccl_us": forward(theirs)}
+            "layer_fwd_overlap_us": forward(per_source), "layer_fwd_staged_us": forward(staged),
+            "layer_fwd_nccl_us": forward(theirs)}
 
 
 def _timed(ctx, rec, fns, iters, lead_us) -> None:

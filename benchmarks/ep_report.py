@@ -9,12 +9,14 @@ EP_HEADER = ("| model | tokens/rank | routing | dispatch ours µs | dispatch NCC
              "dispatch GB/s | combine ours µs | combine NCCL µs | combine vs NCCL | combine GB/s | "
              "layer fwd+bwd ours µs | layer fwd+bwd NCCL µs | layer vs NCCL | layer fwd ours µs | "
              "layer fwd NCCL µs | fwd vs NCCL | layer fwd, first GEMM per source µs | per source vs ours | "
-             "its kernel | equal to NCCL's |\n|" + "---|" * 21)
+             "its kernel | layer fwd, down projection in stages µs | staged vs ours | equal to NCCL's |\n|"
+             + "---|" * 23)
 # dispatch / combine: ExpertParallel overlapped against the same exchange through all_to_all_single (its
 # fallback="always"); GB/s: the busiest rank's bytes to its peers over ours' time; layer: EPMoE forward + backward on
 # both paths; layer fwd: the forward alone, ours, NCCL, and ours with experts_gemm="overlap" (the gate/up GEMM
-# started on each source's rows as they land; its kernel); equal: the dispatched rows and the combined output
-# bit-equal between the two paths.
+# started on each source's rows as they land; its kernel), and with the down projection in combine_stages launches,
+# each stage's partials sent as it ends; equal: the dispatched rows and the combined output bit-equal between the
+# two paths.
 
 
 def ep_row(r: dict) -> str:
@@ -30,6 +32,8 @@ def ep_row(r: dict) -> str:
              us_text(r.get("layer_fwd_overlap_us")),
              ratio_text(r.get("layer_fwd_ours_us"), r.get("layer_fwd_overlap_us")),
              r.get("layer_overlap_gemm") or "n/a",
+             us_text(r.get("layer_fwd_staged_us")),
+             ratio_text(r.get("layer_fwd_ours_us"), r.get("layer_fwd_staged_us")),
              "yes" if r.get("dispatch_equal") and r.get("combine_equal") else "NO"]
     return "| " + " | ".join(cols) + " |"
 

@@ -76,7 +76,8 @@ def _cases():
         fns = ep_bench.layer_case(ctx, rec)
         assert rec["layer_path"] == "overlap" and rec["layer_rel_err"] < 1e-2, rec
         assert rec["layer_overlap_gemm"] == "ag_grouped_gemm", rec  # the first GEMM per source (interpreted)
-        assert {"layer_fwd_ours_us", "layer_fwd_overlap_us", "layer_fwd_nccl_us"} <= set(fns)
+        assert {"layer_fwd_ours_us", "layer_fwd_overlap_us", "layer_fwd_staged_us", "layer_fwd_nccl_us"} <= set(fns)
+        assert rec["layer_staged_rel_err"] < 1e-2, rec
         for fn in fns.values():
             fn()
         ctx.check()

@@ -79,14 +79,12 @@ def gather_rows_sum(src_ptr, index_ptr, weight_ptr, out_ptr, M, N, stride_src, s
 
 @triton.jit
 def gather_rows_sum_jobs(src_ptr, index_ptr, weight_ptr, out_ptrs, jobs_ptr, err_ptr, N, stride_src, stride_out,
-                         stage_ptr, stage, parts_ptr, num_parts, K: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGED: tl.constexpr, PARTS: tl.constexpr):
+                         K: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
     """``jobs`` int32 [J, 4]: per job (grid axis 0) the rank whose buffer (``out_ptrs``, int64 base addresses) takes
     its rows, its first index row, its first row there and its row count; axis 1 the job's row tiles (past its
     rows: nothing to do), axis 2 the column tiles. The buffers hold rows ``stride_out`` apart of ``src``'s dtype.
-    Nothing is stored once the error word ``err`` holds a fault (the ranks' calls may disagree). With STAGED, only
-    the index rows whose ``stage_ptr`` entry (int32, one per index row) is ``stage``; with PARTS, the source rows
-    are in parts (_row_offsets)."""
+    Nothing is stored once the error word ``err`` holds a fault (the ranks' calls may disagree)."""
     job = jobs_ptr + tl.program_id(0) * 4
     first = tl.load(job + 1).to(tl.int64)
     count = tl.load(job + 3)
@@ -97,12 +95,33 @@ def gather_rows_sum_jobs(src_ptr, index_ptr, weight_ptr, out_ptrs, jobs_ptr, err
         cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
         row_ok = (r < count) & (tl.full((BLOCK_M,), 1, tl.int1) & (error_code(err_ptr) == 0))
-        if STAGED:
-            row_ok = row_ok & (tl.load(stage_ptr + first + r, mask=row_ok, other=-1) == stage)
         acc = _weighted_rows(src_ptr, index_ptr, weight_ptr, first + r, row_ok, cols, col_ok, stride_src, K,
-                             HAS_WEIGHT, BLOCK_M, BLOCK_N, parts_ptr, num_parts, PARTS)
+                             HAS_WEIGHT, BLOCK_M, BLOCK_N, index_ptr, 1, False)
         tl.store(base + out_rows[:, None] * stride_out + cols[None, :], acc.to(src_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def gather_rows_sum_listed(src_ptr, index_ptr, weight_ptr, out_ptr, dest_ptr, list_ptr, bounds_ptr, err_ptr, N,
+                           stride_src, parts_ptr, num_parts, K: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
+    """The weighted sums of the index rows ``list[bounds[0]:bounds[1]]`` (``list`` int64, ``bounds`` two int32),
+    each stored at element ``dest[u]`` (int64) of ``out``'s memory (rows of out's dtype; ``dest`` may point into
+    another buffer mapped here: a peer's); grid axis 0 the list's row tiles (past its end: nothing to do), axis 1
+    the column tiles; source rows as _row_offsets. Nothing is stored once ``err`` holds a fault."""
+    start = tl.load(bounds_ptr)
+    end = tl.load(bounds_ptr + 1)
+    if start + tl.program_id(0) * BLOCK_M < end:
+        p = start + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        ok = (p < end) & (tl.full((BLOCK_M,), 1, tl.int1) & (error_code(err_ptr) == 0))
+        u = tl.load(list_ptr + p, mask=ok, other=0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        acc = _weighted_rows(src_ptr, index_ptr, weight_ptr, u, ok, cols, col_ok, stride_src, K, True, BLOCK_M,
+                             BLOCK_N, parts_ptr, num_parts, PARTS)
+        dest = tl.load(dest_ptr + u, mask=ok, other=0)
+        tl.store(out_ptr + dest[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=ok[:, None] & col_ok[None, :])
 
 
 def _tile(ctx) -> tuple:
@@ -129,23 +148,33 @@ def job_table(ctx, jobs: list) -> torch.Tensor:
 
 
 def launch_gather_rows_sum_jobs(ctx, src, index, weight, out_ptrs, jobs: torch.Tensor, most_rows: int,
-                                stride_out: int, stages: torch.Tensor | None = None, stage: int = 0,
-                                parts: torch.Tensor | None = None) -> None:
+                                stride_out: int) -> None:
     """For each job of ``jobs`` (job_table) the weighted sums of its ``rows`` index rows from ``first``, stored at
     row ``first out row`` of its rank's buffer (``out_ptrs``); one launch, on the caller's stream. ``most_rows``:
-    the largest job's rows. Nothing is stored once the Context has a fault. ``stages`` (int32, one per index row):
-    only the rows of stage ``stage``; ``parts`` (part_table): ``src`` is the first of the tensors holding the source
-    rows."""
+    the largest job's rows. Nothing is stored once the Context has a fault."""
     N = src.shape[1]
     if most_rows == 0 or N == 0:
         return
     block_m, block_n, warps = _tile(ctx)
     launch(gather_rows_sum_jobs, (jobs.shape[0], cdiv(most_rows, block_m), cdiv(N, block_n)), (
-        src, index, weight, out_ptrs, jobs, ctx.err, N, src.stride(0), stride_out,
-        index if stages is None else stages, stage, jobs if parts is None else parts,
-        1 if parts is None else parts.numel() // 2),
-        dict(K=index.shape[1], HAS_WEIGHT=True, BLOCK_M=block_m, BLOCK_N=block_n, STAGED=stages is not None,
-             PARTS=parts is not None), num_warps=warps)
+        src, index, weight, out_ptrs, jobs, ctx.err, N, src.stride(0), stride_out),
+        dict(K=index.shape[1], HAS_WEIGHT=True, BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
+    ctx.after_launch()
+
+
+def launch_gather_rows_sum_listed(ctx, src, index, weight, out, dest, listed, bounds, most_rows: int,
+                                  parts: torch.Tensor | None = None) -> None:
+    """gather_rows_sum_listed on the caller's stream: the index rows ``listed[bounds[0]:bounds[1]]`` (at most
+    ``most_rows``), each row's sum stored at element ``dest[u]`` of ``out``'s memory; ``parts`` (part_table):
+    ``src`` is the first of the tensors holding the source rows."""
+    N = src.shape[1]
+    if most_rows == 0 or N == 0:
+        return
+    block_m, block_n, warps = _tile(ctx)
+    launch(gather_rows_sum_listed, (cdiv(most_rows, block_m), cdiv(N, block_n)), (
+        src, index, weight, out, dest, listed, bounds, ctx.err, N, src.stride(0),
+        index if parts is None else parts, 1 if parts is None else parts.numel() // 2),
+        dict(K=index.shape[1], BLOCK_M=block_m, BLOCK_N=block_n, PARTS=parts is not None), num_warps=warps)
     ctx.after_launch()
 
 
@@ -162,5 +191,5 @@ def part_table(ctx, parts: list) -> torch.Tensor:
     return torch.tensor([firsts, offsets], dtype=torch.int64).to(ctx.device, non_blocking=True)
 
 
-__all__ = ["TILE", "gather_rows_sum", "gather_rows_sum_jobs", "job_table", "launch_gather_rows_sum",
-           "launch_gather_rows_sum_jobs", "part_table"]
+__all__ = ["TILE", "gather_rows_sum", "gather_rows_sum_jobs", "gather_rows_sum_listed", "job_table",
+           "launch_gather_rows_sum", "launch_gather_rows_sum_jobs", "launch_gather_rows_sum_listed", "part_table"]

@@ -7,9 +7,10 @@ expert]``. An owner's partial for a token sums the token's choices over every lo
 once the last of them is computed. With ``ExpertParallelConfig.combine_stages`` = S, the projection runs as S
 ``torch._grouped_mm`` launches over consecutive local experts (cut where the rows are split most evenly: the rows are
 expert-major, so each launch is a slice and every weight is still read once), and after each, on a side stream, one
-launch of the partials of the tokens whose last local row that stage holds (kernels.row_sums with a stage per
-received token). The partials of a stage cross to their sources while the next stage's GEMM runs; the flags are
-raised after the last stage, and the sum on each token's rank is the unstaged combine's.
+launch of the partials of the tokens whose last local row that stage holds (kernels.row_sums'
+gather_rows_sum_listed, over the received tokens listed by stage). The partials of a stage cross to their sources
+while the next stage's GEMM runs; the flags are raised after the last stage, and the sum on each token's rank is the
+unstaged combine's.
 
 What it can gain: with ``k`` choices per owner the share of tokens ready after a fraction ``f`` of the experts is
 about ``f^k``, so staging pays where an owner holds few of a token's choices (more ranks: DeepSeek-V3's top-8 over
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.arrivals import launch_wait_sources
-from ..kernels.row_sums import launch_gather_rows_sum_jobs, part_table
+from ..kernels.row_sums import launch_gather_rows_sum_jobs, launch_gather_rows_sum_listed, part_table
 from ..producers import exchange, pipeline
 from ..producers.link import open_call
 from ..producers.pipeline import BarrierOnly, guarded
@@ -85,13 +86,38 @@ def projected_whole(h: torch.Tensor, w: torch.Tensor, d) -> tuple:
     return (grouped_mm(h, w, d.offsets),) if h.shape[0] else ()
 
 
+def partial_places(op, d, back) -> torch.Tensor:
+    """int64 [U]: where each received token's partial goes, as an element offset from ``back.local`` (into its
+    source's partials buffer, mapped here, at the place its block for this rank had in the source's send order);
+    made once per dispatch and buffer."""
+    ctx, traffic, r = op.ctx, d.traffic, op.ctx.rank
+    key = (back.local.data_ptr(), back.local.shape[1], back.local.dtype)
+    cached = op.state.get("partial places")
+    if cached is not None and cached[0] is traffic and cached[1] == key:
+        return cached[2]
+    stride, size, base = back.local.stride(0), back.local.element_size(), back.local.data_ptr()
+    counts, adjust = [], []
+    for s in range(traffic.world):  # index rows: the sources' blocks in rank order
+        buf = back.local if s == r else back.peer(s)
+        counts.append(traffic.rows[s][r])
+        moved = traffic.send_offset(s, r) - traffic.recv_offset(s, r)  # (its row there less its index row)
+        adjust.append((buf.data_ptr() - base) // size + moved * stride)
+    U = sum(counts)
+    table = torch.tensor([adjust, counts], dtype=torch.int64).to(ctx.device, non_blocking=True)
+    places = torch.repeat_interleave(table[0], table[1], output_size=U) + torch.arange(U, device=ctx.device) * stride
+    op.state["partial places"] = (traffic, key, places)
+    return places
+
+
 def staged_combine(op, h: torch.Tensor, w: torch.Tensor, d, out: torch.Tensor, stages: int) -> tuple:
     """The overlapped combine with the projection in ``stages`` (module docstring), within one host: returns the
     parts of the projection, in row order. Behind the combine's barrier (on the side stream: the first GEMM does not
     wait for the peers), each stage's partials go straight into their sources' combine buffers; this rank's flag in
-    every source after the last; once every owner's flag is up, the sum into ``out``."""
+    every source after the last; once every owner's flag is up, the sum into ``out``. The received tokens are
+    listed by stage (a stable sort of each token's stage, the one holding its last local row) on the device, and
+    each stage's launch sums its own tokens only."""
     ctx, traffic, r = op.ctx, d.traffic, op.ctx.rank
-    N, el = w.shape[2], traffic.experts_per_rank
+    N, el, U = w.shape[2], traffic.experts_per_rank, sum(d.received)
     counts = [sum(traffic.experts[s][r * el + e] for s in range(traffic.world)) for e in range(el)]
     cuts = stage_cuts(counts, stages)
     sched = op.schedule("combine", N, h.dtype, d.num_experts, d.seq % 64)
@@ -99,24 +125,28 @@ def staged_combine(op, h: torch.Tensor, w: torch.Tensor, d, out: torch.Tensor, s
     flags = ctx.symmetric(f"{op.name}.partial_flags", (ctx.world_size,), torch.int32)
     op.state.setdefault("buffers", {})["partials"] = back.local
     jobs = combine_jobs(ctx, None, op.state, d, back)
+    if len(cuts) > 1:
+        places = partial_places(op, d, back)
+        bounds = torch.tensor([b0 for _, _, b0, _ in cuts[1:]], dtype=torch.int32).to(ctx.device, non_blocking=True)
+        stage_of, listed = torch.sort(torch.bucketize(d.slots.max(dim=1).values, bounds, right=True), stable=True)
+        starts = torch.searchsorted(stage_of, torch.arange(len(cuts) + 1, device=ctx.device))
     caller, side = ctx.current_stream(), ctx.streams(1)[0]
-    parts = []
+    parts, tables = [], []  # (the tables live until the side stream is joined: its launches read them)
     with guarded(ctx, "ep_combine"):
-        if len(cuts) > 1:  # each received token's stage: the one holding its last local row
-            bounds = torch.tensor([b0 for _, _, b0, _ in cuts[1:]], dtype=torch.int32).to(ctx.device,
-                                                                                           non_blocking=True)
-            stage_of = torch.bucketize(d.slots.max(dim=1).values, bounds, right=True).to(torch.int32)
         side.wait_stream(caller)
         try:
             open_call(ctx, side, sched.call)
             for i, (e0, e1, b0, b1) in enumerate(cuts):
                 parts.append(grouped_mm(h[b0:b1], w[e0:e1], d.offsets[e0:e1 + 1] - b0))
-                table = part_table(ctx, parts) if len(parts) > 1 else None
+                tables.append(part_table(ctx, parts) if i else None)
                 side.wait_stream(caller)
                 with ctx.use_stream(side):
-                    launch_gather_rows_sum_jobs(ctx, parts[0], d.slots, d.slot_weights, jobs.ptrs, jobs.local,
-                                                jobs.local_most, back.local.stride(0),
-                                                stage_of if len(cuts) > 1 else None, i, table)
+                    if len(cuts) == 1:
+                        launch_gather_rows_sum_jobs(ctx, parts[0], d.slots, d.slot_weights, jobs.ptrs, jobs.local,
+                                                    jobs.local_most, back.local.stride(0))
+                    else:
+                        launch_gather_rows_sum_listed(ctx, parts[0], d.slots, d.slot_weights, back.local, places,
+                                                      listed, starts[i:i + 2], U, tables[-1])
             with ctx.use_stream(side):
                 exchange.raise_flags(ctx, flags)
         finally:
@@ -127,4 +157,4 @@ def staged_combine(op, h: torch.Tensor, w: torch.Tensor, d, out: torch.Tensor, s
     return tuple(parts)
 
 
-__all__ = ["combine_overlapped", "projected_whole", "stage_cuts", "staged_combine"]
+__all__ = ["combine_overlapped", "partial_places", "projected_whole", "stage_cuts", "staged_combine"]
