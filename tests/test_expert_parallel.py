@@ -300,6 +300,9 @@ def _staged_down_projection(case):
             assert torch.equal(out, op.combine(projected, d)), f"rank {r}, {stages} stages"
             if plain.numel():
                 worst = max(worst, rel_err(out, plain.double()))
+        # the functional form (the shared op: one stage)
+        got, parts = to.ep_combine(h, d, ctx=ctx, expert_weight=down[r * el:(r + 1) * el])
+        assert torch.equal(got, op.combine(torch.cat(parts) if parts else y[:0], d))
         assert worst < TOL[dtype], worst
         return worst
 

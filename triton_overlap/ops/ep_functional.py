@@ -35,14 +35,19 @@ def ep_dispatch(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
                                                              scales=scales)
 
 
-def ep_combine(y: torch.Tensor, d, *, ctx, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The combine of the mode ``d`` came from: ExpertParallel.combine for an EPHandle, the low-latency op's for a
+def ep_combine(y: torch.Tensor, d, *, ctx, out: torch.Tensor | None = None,
+               expert_weight: torch.Tensor | None = None):
+    """The combine of the mode ``d`` came from: ExpertParallel.combine for an EPHandle (with ``expert_weight``: the
+    down projection computed by the combine, ``(out, parts)`` returned), the low-latency op's for a
     LowLatencyHandle."""
     if isinstance(d, LowLatencyHandle):
+        if expert_weight is not None:
+            raise ValueError("ep_combine: expert_weight is for the normal mode; in the low-latency mode y is the "
+                             "experts' output")
         return low_latency_op(ctx, d.capacity).combine(y, d, out=out)
     if not isinstance(d, EPHandle):
         raise ValueError(f"ep_combine: d must be the handle ep_dispatch returned, got {type(d).__name__}")
-    return ExpertParallel.shared(ctx).combine(y, d, out=out)
+    return ExpertParallel.shared(ctx).combine(y, d, out=out, expert_weight=expert_weight)
 
 
 __all__ = ["ep_combine", "ep_dispatch", "low_latency_op"]
