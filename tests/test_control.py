@@ -112,7 +112,8 @@ def test_parts_of_different_calls_never_pair():
 def test_parts_of_different_exchanges_never_pair(world):
     """The last rank skips the call's first exchange (an agreement on a shape it had passed before): its second
     meets the others' first. Every rank raises PeerMismatch naming the other exchange, each settles its refusal
-    (None), and the next call pairs the right parts."""
+    (None), and the next call pairs the right parts; then no rank's part of an earlier exchange is left in the
+    store."""
     ps = planes(world)
 
     def one(p, names):
@@ -127,3 +128,7 @@ def test_parts_of_different_exchanges_never_pair(world):
 
     got = run(*(lambda p=p: one(p, ("shapes", "routing")) for p in ps[:-1]), lambda: one(ps[-1], ("routing",)))
     assert got == [[("next", r) for r in range(world)]] * world, got
+    store = ps[0]._store
+    for p in ps:
+        left = [s for s in range(p._seq) if store.check([f"e{p._epoch}/x{s}/{p.rank}"])]
+        assert left == [p._seq - 1], (p.rank, left)  # the last exchange's part only

@@ -223,6 +223,9 @@ def _refusals():
             EPMoE(16, 8, 2 * W, 2 * W + 1, ctx=ctx)
         with pytest.raises(ValueError, match="fallback"):
             EPMoE(16, 8, 2 * W, 2, ctx=ctx, fallback="sometimes")
+        for stages in (0, 1.5):
+            with pytest.raises(ValueError, match="combine_stages must be None or an int >= 1"):
+                EPMoE(16, 8, 2 * W, 2, ctx=ctx, combine_stages=stages)
         with pytest.raises(ValueError, match="experts must be"):
             EPMoE.from_full(plain.router, (plain.w1, plain.w1, plain.w2[:, :, :1]), ctx, topk=2)
         moe32 = EPMoE.from_full(plain.router, experts, ctx, topk=2, dtype=torch.float32)

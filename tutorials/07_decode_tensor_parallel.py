@@ -16,7 +16,8 @@ AllReduce, the residual add and the norm in one kernel (``to.all_reduce_rmsnorm`
 
 This tutorial builds a SwiGLU MLP block sharded over the ranks (gate/up by output columns, down by input rows),
 steps it over 16 tokens (on GPUs as replays of one captured step), and compares every step's output with the
-unsharded block (then the same steps through the next block's norm), and on GPUs its time per step with the same block using ``dist.all_reduce`` (NCCL).
+unsharded block (then the same steps through the next block's norm), and on GPUs its time per step with the same
+block using ``dist.all_reduce`` (NCCL).
 """
 import torch
 import torch.distributed as dist

@@ -206,7 +206,8 @@ class ControlPlane:
         """Every rank's ``obj`` (a collective), waiting at most ``wait_s`` (default ``timeout_s``): PeerTimeout
         names the ranks whose part did not come, PeerFault says a rank that faulted meanwhile, PeerRefused one that
         raised before coming (``refuse``), PeerOutOfStep one whose part belongs to another call, PeerMismatch one
-        whose part belongs to another exchange of this call (``what`` names the exchange). ``tag``: a key of its own (reset and close use fixed ones, and take any rank's part), else the next in sequence."""
+        whose part belongs to another exchange of this call (``what`` names the exchange). ``tag``: a key of its
+        own (reset and close use fixed ones, and take any rank's part), else the next in sequence."""
         seq = None
         if tag is None:
             seq = self._seq
@@ -215,6 +216,8 @@ class ControlPlane:
         store = self._store
         keys = [f"{tag}/{r}" for r in range(self.world)]
         store.set(keys[self.rank], pickle.dumps((self.phase, what, obj)))
+        if keys[self.rank] not in self._mine:  # (deleted once every peer is past it, even where this one raises)
+            self._mine.append(keys[self.rank])
         parts = {self.rank: obj}
         wait_s = self.timeout_s if wait_s is None else wait_s
         refusals = f"e{self._epoch}/refusals"
@@ -258,8 +261,10 @@ class ControlPlane:
             time.sleep(pause)
             pause = min(pause * 2, 0.01)
         out = [parts[r] for r in range(self.world)]
-        # every peer wrote this exchange's key, so it has read our previous one: drop it
+        # every peer wrote this exchange's key, so it has read our previous ones: drop them
         for old in self._mine:
+            if old == keys[self.rank]:
+                continue
             try:
                 store.delete_key(old)
             except Exception:  # noqa: BLE001 - a store without deletion keeps the key

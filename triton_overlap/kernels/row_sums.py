@@ -105,7 +105,7 @@ def gather_rows_sum_jobs(src_ptr, index_ptr, weight_ptr, out_ptrs, jobs_ptr, err
 def gather_rows_sum_listed(src_ptr, index_ptr, weight_ptr, out_ptr, dest_ptr, list_ptr, bounds_ptr, err_ptr, N,
                            stride_src, parts_ptr, num_parts, K: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, PARTS: tl.constexpr):
-    """The weighted sums of the index rows ``list[bounds[0]:bounds[1]]`` (``list`` int64, ``bounds`` two int32),
+    """The weighted sums of the index rows ``list[bounds[0]:bounds[1]]`` (``list`` and ``bounds`` int64),
     each stored at element ``dest[u]`` (int64) of ``out``'s memory (rows of out's dtype; ``dest`` may point into
     another buffer mapped here: a peer's); grid axis 0 the list's row tiles (past its end: nothing to do), axis 1
     the column tiles; source rows as _row_offsets. Nothing is stored once ``err`` holds a fault."""
@@ -180,7 +180,7 @@ def launch_gather_rows_sum_listed(ctx, src, index, weight, out, dest, listed, bo
 
 def part_table(ctx, parts: list) -> torch.Tensor:
     """The int64 [2, P] device table of ``parts`` (tensors of consecutive source rows, one row stride and dtype,
-    the first holding row 0) for launch_gather_rows_sum_jobs: each part's first row, then its first element's
+    the first holding row 0) for launch_gather_rows_sum_listed: each part's first row, then its first element's
     offset from the first part's."""
     firsts, at = [], 0
     for t in parts:

@@ -43,10 +43,10 @@ default); with ``combine_stages`` the forward's down projection runs in stages o
 stage's partials sent as it ends (``DownCombine``, ops.ep_combine; docs/decisions.md, Expert-parallel MoE, says
 where that can pay). Not overlapped: the backward's GEMMs with their dispatch and combine. Not overlapped at all:
 the router, the weights' gradient exchange (process group), the experts' weight gradients (local), and one host
-synchronisation per dispatch (the counts), so two per training step and layer. ``fallback="always"`` takes the process group's
-``all_to_all_single`` for every exchange. The dispatch reads counts back to the host, so the layer runs outside
-``torch.compile``'s graphs (a graph break) and cannot be captured in a CUDA graph, but for its decode forward
-(``max_tokens_per_rank``, no autograd: ``ops.ep_low_latency``), which can.
+synchronisation per dispatch (the counts), so two per training step and layer. ``fallback="always"`` takes the
+process group's ``all_to_all_single`` for every exchange. The dispatch reads counts back to the host, so the
+layer runs outside ``torch.compile``'s graphs (a graph break) and cannot be captured in a CUDA graph, but for its
+decode forward (``max_tokens_per_rank``, no autograd: ``ops.ep_low_latency``), which can.
 """
 from __future__ import annotations
 
@@ -67,10 +67,11 @@ def ep_op(ctx, fallback: str, experts_gemm: str = "after", combine_stages: int |
     """The ExpertParallel op of the EPMoE layers on ``ctx`` with the fallback rule ``fallback`` and
     ExpertParallelConfig's ``experts_gemm`` and ``combine_stages`` (None: 1): one per setting, shared by the layers
     (its dispatches number themselves, so layers in flight together stay apart)."""
-    cfg = ExpertParallelConfig(experts_gemm=experts_gemm, combine_stages=combine_stages or 1)
-    return ctx.cached(("nn ep_moe op", fallback, experts_gemm, combine_stages),
+    stages = 1 if combine_stages is None else combine_stages
+    cfg = ExpertParallelConfig(experts_gemm=experts_gemm, combine_stages=stages)
+    return ctx.cached(("nn ep_moe op", fallback, experts_gemm, stages),
                       lambda: ExpertParallel(ctx, cfg, fallback=fallback,
-                                             name=f"nn.ep_moe.{fallback}.{experts_gemm}.{combine_stages}"))
+                                             name=f"nn.ep_moe.{fallback}.{experts_gemm}.{stages}"))
 
 
 # ----------------------------------------------------------------------------------------------- the experts
@@ -145,9 +146,11 @@ class DownCombine(torch.autograd.Function):
         a, w2, *parts = fctx.saved_tensors
         op, d = fctx.op, fctx.routing.handle
         rows = output_grad_rows(op, fctx.routing, grad_out, a.dtype)
-        grad_y = (rows * d.weights[:, None]).to(a.dtype)
-        grad_a = grouped_mm(grad_y, w2.transpose(1, 2), d.offsets) if fctx.needs_input_grad[0] else None
-        grad_w2 = expert_grads(a, grad_y, d.offsets) if fctx.needs_input_grad[1] else None
+        grad_a = grad_w2 = None
+        if fctx.needs_input_grad[0] or fctx.needs_input_grad[1]:
+            grad_y = (rows * d.weights[:, None]).to(a.dtype)
+            grad_a = grouped_mm(grad_y, w2.transpose(1, 2), d.offsets) if fctx.needs_input_grad[0] else None
+            grad_w2 = expert_grads(a, grad_y, d.offsets) if fctx.needs_input_grad[1] else None
         grad_w = weight_grads(op.ctx, parts, rows, d) if fctx.needs_input_grad[2] else None
         return grad_a, grad_w2, grad_w, None, None
 
@@ -165,11 +168,10 @@ def output_grad_rows(op, routing: Routing, grad_out: torch.Tensor, dtype) -> tor
 
 def weight_grads(ctx, y, g_rows: torch.Tensor, d) -> torch.Tensor:
     """float32 [T_local, k]: ``dL/dp[t, j] = <y_row(t, j), g[t]>``. On the owner, the dot of each row ``y`` [R, N]
-    (or a sequence of its consecutive pieces) with its token's output gradient ``g_rows`` [R, N] (float32),
-    placed per received token and choice [U, k] (0
-    where the choice is another rank's); ``all_to_all_single`` on the Context's group sends each source its
-    tokens' values in float32 (the combine fallback's layout: received tokens per source, back in each source's send
-    order), where each token's values are summed over its owners."""
+    (or a sequence of its consecutive pieces) with its token's output gradient ``g_rows`` [R, N] (float32), placed
+    per received token and choice [U, k] (0 where the choice is another rank's); ``all_to_all_single`` on the
+    Context's group sends each source its tokens' values in float32 (the combine fallback's layout: received tokens
+    per source, back in each source's send order), where each token's values are summed over its owners."""
     R, k = d.num_rows, d.slots.shape[1]
     parts, at, dots = (y,) if isinstance(y, torch.Tensor) else y, 0, []
     for p in parts:
@@ -246,8 +248,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
     2 H200s; ExpertParallelConfig). With ``combine_stages`` (an int), the forward's down projection runs in that
     many launches over consecutive experts, each stage's partials sent to their tokens' ranks as it ends
     (ops.ep_combine; None, the default: by torch, then the combine). Not overlapped: the other GEMMs with their
-    transfers, the top-k weights' gradient (``all_to_all_single`` on the process group), the experts' weight gradients and the router. The module
-    docstring says what each backward piece does.
+    transfers, the top-k weights' gradient (``all_to_all_single`` on the process group), the experts' weight
+    gradients and the router. The module docstring says what each backward piece does.
 
     Gradients: the experts' are complete on their owner. The router's covers this rank's tokens only: call
     ``sync_replicated_grads()`` after backward (a sum over ranks) or hand it to your data-parallel reducer.
@@ -273,6 +275,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
             raise ValueError(f"EPMoE: num_experts = {num_experts} is not divisible by the world size {W} (rank r "
                              f"owns experts [r*E/W, (r+1)*E/W))")
         check_moe_layer("EPMoE", num_experts, topk, fallback)
+        if combine_stages is not None and (not isinstance(combine_stages, int) or combine_stages < 1):
+            raise ValueError(f"EPMoE: combine_stages must be None or an int >= 1, got {combine_stages!r}")
         kw = {"dtype": dtype or torch.bfloat16, "device": device or ctx.device}
         self.ctx, self.fallback = ctx, fallback
         self.dim, self.hidden, self.num_experts, self.topk = dim, hidden, num_experts, topk
@@ -352,5 +356,5 @@ class EPMoE(ReplicatedRouter, nn.Module):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-__all__ = ["Combine", "DispatchProject", "DownCombine", "EPMoE", "GroupedMM", "Routing", "ep_op", "ep_swiglu", "grouped_mm",
-           "swiglu_rows", "takes_grouped_mm", "weight_grads"]
+__all__ = ["Combine", "DispatchProject", "DownCombine", "EPMoE", "GroupedMM", "Routing", "ep_op", "ep_swiglu",
+           "grouped_mm", "swiglu_rows", "takes_grouped_mm", "weight_grads"]

@@ -109,9 +109,10 @@ class AllGatherMoEGEMM(MoEOp):
     (float16 or bfloat16); ``w`` the experts' column shards [E, K, N_local], any strided view (e.g.
     ``w_nk.transpose(1, 2)``); ``topk_ids`` [T, topk] int32 or int64 expert ids of every token (rank 0's tokens
     first), the same tensor on every rank. Returns [T, topk, N_local], ``out[t, j] = x_all[t] @ w[topk_ids[t, j]]``,
-    accumulated in float32 and rounded once to x's dtype; no tokens (T = 0) returns an empty result. With ``sorted_output=True`` returns ``(y, routing)``
-    instead: ``y`` [T * topk, N_local] in this rank's expert-sorted layout and ``routing`` (ops.moe_routing.MoERouting)
-    its permutation and expert offsets, which ``moe_gemm_rs`` takes as they are (no scatter back to token order).
+    accumulated in float32 and rounded once to x's dtype; no tokens (T = 0) returns an empty result. With
+    ``sorted_output=True`` returns ``(y, routing)`` instead: ``y`` [T * topk, N_local] in this rank's expert-sorted
+    layout and ``routing`` (ops.moe_routing.MoERouting) its permutation and expert offsets, which ``moe_gemm_rs``
+    takes as they are (no scatter back to token order).
     ``return_gathered=True`` appends the gathered tokens [T, K] to what is returned (a fresh tensor, copied from the
     workspace after the call: what an MoE layer's backward needs for the experts' weight gradients, without a second
     all_gather). ``overrides`` set MoEGEMMConfig fields for this call.

@@ -5,8 +5,9 @@ experts' outputs, and with the experts' down projection in stages, each stage's 
 order, rows grouped by local expert) instead of their outputs, and computes the outputs itself: ``h_row @ w[its local
 expert]``. An owner's partial for a token sums the token's choices over every local expert, so it can leave only
 once the last of them is computed. With ``ExpertParallelConfig.combine_stages`` = S, the projection runs as S
-``torch._grouped_mm`` launches over consecutive local experts (cut where the rows are split most evenly: the rows are
-expert-major, so each launch is a slice and every weight is still read once), and after each, on a side stream, one
+``torch._grouped_mm`` launches over consecutive local experts (each cut at the first expert boundary at or past an
+even share of the rows: the rows are expert-major, so each launch is a slice and every weight is still read once;
+stages without rows are left out, so there may be fewer), and after each, on a side stream, one
 launch of the partials of the tokens whose last local row that stage holds (kernels.row_sums'
 gather_rows_sum_listed, over the received tokens listed by stage). The partials of a stage cross to their sources
 while the next stage's GEMM runs; the flags are raised after the last stage, and the sum on each token's rank is the
@@ -38,7 +39,8 @@ from .moe_routing import grouped_mm
 
 def stage_cuts(counts: list, stages: int) -> list:
     """(first expert, end expert, first row, end row) of each stage of ``stages`` over experts with ``counts`` rows,
-    consecutive, cut at the expert boundaries nearest to even shares of the rows; stages without rows left out."""
+    consecutive, each cut at the first expert boundary at or past the next even share of the rows; stages without
+    rows left out."""
     total, cuts, e0, b0, acc = sum(counts), [], 0, 0, 0
     for e, c in enumerate(counts):
         acc += c
@@ -48,18 +50,33 @@ def stage_cuts(counts: list, stages: int) -> list:
     return cuts
 
 
+def _combine_buffers(op, d, N: int, dtype) -> tuple:
+    """(schedule, partials buffer, flags) of a combine of width ``N``; the dispatch's number (mod 64) is in the
+    header: ranks combining different dispatches fault at the barrier."""
+    ctx = op.ctx
+    sched = op.schedule("combine", N, dtype, d.num_experts, d.seq % 64)
+    back = op._receive("partials", d.traffic.most_sent(), N, dtype)
+    flags = ctx.symmetric(f"{op.name}.partial_flags", (ctx.world_size,), torch.int32)
+    op.state.setdefault("buffers", {})["partials"] = back.local
+    return sched, back, flags
+
+
+def _sum_when_flagged(op, d, back, flags, out: torch.Tensor) -> None:
+    """On the caller's stream: once every owner's flag is up, the sum of the partials into ``out``; the flags
+    cleared (each was waited for, earlier on this stream)."""
+    launch_wait_sources(op.ctx, flags.local, op.wait_ops["partials"])
+    sum_partials(op.ctx, back.local[:sum(d.sent)], d, out)
+    flags.local.zero_()
+
+
 def combine_overlapped(op, y: torch.Tensor, d, out: torch.Tensor) -> None:
     """The combine of the experts' outputs ``y``: behind the combine's barrier, each source's partials computed
     straight into its combine buffer (at the place its block for this rank had in its send order; one launch for all
     sources, ops.ep_hosts.combine_jobs), then this rank's flag in every source (exchange.raise_flags, after the
     launch; across hosts a launch for the remote sources comes first, and the Link carries their partials and flags
     beside the local launch); once every owner's flag is up, the sum."""
-    ctx, N, traffic = op.ctx, y.shape[1], d.traffic
-    # the dispatch's number (mod 64) is in the header: ranks combining different dispatches fault at the barrier
-    sched = op.schedule("combine", N, y.dtype, d.num_experts, d.seq % 64)
-    back = op._receive("partials", traffic.most_sent(), N, y.dtype)
-    flags = ctx.symmetric(f"{op.name}.partial_flags", (ctx.world_size,), torch.int32)
-    op.state.setdefault("buffers", {})["partials"] = back.local
+    ctx = op.ctx
+    sched, back, flags = _combine_buffers(op, d, y.shape[1], y.dtype)
     jobs = combine_jobs(ctx, sched.remote, op.state, d, back)
     stride = back.local.stride(0)
 
@@ -74,9 +91,7 @@ def combine_overlapped(op, y: torch.Tensor, d, out: torch.Tensor) -> None:
         exchange.raise_flags(ctx, flags)
         if sending is not None:
             ctx.current_stream().wait_stream(sending)
-        launch_wait_sources(ctx, flags.local, op.wait_ops["partials"])
-        sum_partials(ctx, back.local[:sum(d.sent)], d, out)
-        flags.local.zero_()  # every flag was waited for, earlier on this stream
+        _sum_when_flagged(op, d, back, flags, out)
 
     pipeline.run(ctx, BarrierOnly(sched.call), call)
 
@@ -117,13 +132,13 @@ def staged_combine(op, h: torch.Tensor, w: torch.Tensor, d, out: torch.Tensor, s
     listed by stage (a stable sort of each token's stage, the one holding its last local row) on the device, and
     each stage's launch sums its own tokens only."""
     ctx, traffic, r = op.ctx, d.traffic, op.ctx.rank
-    N, el, U = w.shape[2], traffic.experts_per_rank, sum(d.received)
+    el, U = traffic.experts_per_rank, sum(d.received)
     counts = [sum(traffic.experts[s][r * el + e] for s in range(traffic.world)) for e in range(el)]
+    bounds_here = [0]  # the rows' expert bounds on the host (d.offsets, not read back)
+    for c in counts:
+        bounds_here.append(bounds_here[-1] + c)
     cuts = stage_cuts(counts, stages)
-    sched = op.schedule("combine", N, h.dtype, d.num_experts, d.seq % 64)
-    back = op._receive("partials", traffic.most_sent(), N, h.dtype)
-    flags = ctx.symmetric(f"{op.name}.partial_flags", (ctx.world_size,), torch.int32)
-    op.state.setdefault("buffers", {})["partials"] = back.local
+    sched, back, flags = _combine_buffers(op, d, w.shape[2], h.dtype)
     jobs = combine_jobs(ctx, None, op.state, d, back)
     if len(cuts) > 1:
         places = partial_places(op, d, back)
@@ -137,7 +152,8 @@ def staged_combine(op, h: torch.Tensor, w: torch.Tensor, d, out: torch.Tensor, s
         try:
             open_call(ctx, side, sched.call)
             for i, (e0, e1, b0, b1) in enumerate(cuts):
-                parts.append(grouped_mm(h[b0:b1], w[e0:e1], d.offsets[e0:e1 + 1] - b0))
+                parts.append(grouped_mm(h[b0:b1], w[e0:e1], d.offsets[e0:e1 + 1] - b0,
+                                        [b - b0 for b in bounds_here[e0:e1 + 1]]))
                 tables.append(part_table(ctx, parts) if i else None)
                 side.wait_stream(caller)
                 with ctx.use_stream(side):
@@ -145,15 +161,14 @@ def staged_combine(op, h: torch.Tensor, w: torch.Tensor, d, out: torch.Tensor, s
                         launch_gather_rows_sum_jobs(ctx, parts[0], d.slots, d.slot_weights, jobs.ptrs, jobs.local,
                                                     jobs.local_most, back.local.stride(0))
                     else:
+                        # a token of stage i has its last local row there: at most b1 - b0 of them
                         launch_gather_rows_sum_listed(ctx, parts[0], d.slots, d.slot_weights, back.local, places,
-                                                      listed, starts[i:i + 2], U, tables[-1])
+                                                      listed, starts[i:i + 2], min(U, b1 - b0), tables[-1])
             with ctx.use_stream(side):
                 exchange.raise_flags(ctx, flags)
         finally:
             caller.wait_stream(side)
-        launch_wait_sources(ctx, flags.local, op.wait_ops["partials"])
-        sum_partials(ctx, back.local[:sum(d.sent)], d, out)
-        flags.local.zero_()  # every flag was waited for, earlier on this stream
+        _sum_when_flagged(op, d, back, flags, out)
     return tuple(parts)
 
 

@@ -75,7 +75,7 @@ import torch
 from ..kernels.arrivals import launch_wait_sources
 from ..producers import exchange, pipeline
 from ..producers.exchange import AllToAll, deal
-from ..producers.pipeline import BarrierOnly, guarded
+from ..producers.pipeline import guarded
 from .base import OverlapOp, agree_across_ranks
 from .moe_config import MoEGEMMConfig
 from .moe_routing import grouped_mm
@@ -84,7 +84,7 @@ from .ep_combine import combine_overlapped, projected_whole, staged_combine
 from .ep_experts import check_expert_weight, projection
 from .ep_hosts import counts_remote, remote_ranks, rows_remote
 from .ep_routing import (EPHandle, Sent, Traffic, capacity, check_combine, check_dispatch, combine_by_group,
-                         counts_by_group, expand, meta_width, pack, route_tokens, rows_by_group, sum_partials)
+                         counts_by_group, expand, meta_width, pack, route_tokens, rows_by_group)
 
 
 @dataclass(frozen=True)
@@ -133,11 +133,12 @@ class ExpertParallel(OverlapOp):
     ``expert_weight``: None, or this rank's experts' first weight [E/W, H, N] (x's 16-bit dtype): ``d.projected`` is
     then ``d.tokens`` @ it per expert, on the overlapped path by a grouped GEMM that starts on each source's rows as
     they land where ``config.experts_gemm`` is "overlap" (ops.ep_experts; ``op.last_gemm`` names what ran it).
-    ``op.combine(y, d, *, out=None)``: ``y`` [R, N] (float16 or bfloat16) the experts' outputs in ``d.tokens``'
-    order; returns [T_local, N] in y's dtype. ``expert_weight``: None, or this rank's experts' down projection
-    [E/W, K, N] (y's dtype): ``y`` [R, K] is then its input, and the op returns ``(out, parts)``, ``parts`` the
-    projection's rows in consecutive pieces (``torch.cat(parts)`` is each row @ w[its local expert]), computed in
-    ``config.combine_stages`` launches whose partials leave as each ends (ops.ep_combine).
+    ``op.combine(y, d, *, out=None, expert_weight=None)``: ``y`` [R, N] (float16 or bfloat16) the experts'
+    outputs in ``d.tokens``' order; returns [T_local, N] in y's dtype. ``expert_weight``: None, or this rank's
+    experts' down projection [E/W, K, N] (y's dtype): ``y`` [R, K] is then its input, and the op returns
+    ``(out, parts)``, ``parts`` the projection's rows in consecutive pieces (``torch.cat(parts)`` is each row @
+    w[its local expert]), computed in at most ``config.combine_stages`` launches whose partials leave as each ends
+    (ops.ep_combine).
 
     Checked before anything is launched (ValueError, the Context stays usable): E divisible by W, shapes, dtypes,
     devices, and the ranks' agreement on H, dtype, E, topk and G (combine: on N and dtype). Ids out of range raise

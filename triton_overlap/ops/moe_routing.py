@@ -208,15 +208,16 @@ def takes_grouped_mm(a: torch.Tensor, w: torch.Tensor) -> bool:
                                                     >= (9, 0)))
 
 
-def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, bounds: list | None = None) -> torch.Tensor:
     """[R, N]: ``a[o_e:o_{e+1}] @ w[e]`` for each expert e (``a`` [R, K] rows grouped by expert, ``offsets`` int32
     [E + 1] their bounds, ``w`` [E, K, N], or a transposed view of one). One ``torch._grouped_mm`` where it takes
-    the operands, else a matmul per expert that has rows (the bounds read back to the host)."""
+    the operands, else a matmul per expert that has rows (at ``bounds``, the offsets on the host where the caller
+    has them, else read back)."""
     a = a.contiguous()
     if takes_grouped_mm(a, w):
         return torch._grouped_mm(a, w, offs=offsets[1:].contiguous())
     out = a.new_empty((a.shape[0], w.shape[2]))
-    bounds = offsets.tolist()
+    bounds = offsets.tolist() if bounds is None else bounds
     for e in range(w.shape[0]):
         if bounds[e + 1] > bounds[e]:
             out[bounds[e]:bounds[e + 1]] = a[bounds[e]:bounds[e + 1]] @ w[e]
