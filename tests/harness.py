@@ -5,8 +5,11 @@ reused by every test; ``pool.run(fn, *args)`` calls the module-level function
 ``fn(*args)`` on all ranks and returns their results, or raises with the
 traceback of each rank that failed. A call that does not finish in time kills
 the pool (the next test gets a fresh one) and fails, so a hang is a failure,
-not a stuck CI; the hung ranks print their stacks to stderr first. The host
-backend's workers set TRITON_INTERPRET=1 before anything imports triton.
+not a stuck CI; the failure names what each hung rank was doing: its threads'
+states and kernel wait channels (from /proc, where there is one: "D" is a rank
+inside a driver call) and every thread's Python stack (faulthandler, into a file
+per rank, read back; absent where the rank could not run its signal handler).
+The host backend's workers set TRITON_INTERPRET=1 before anything imports triton.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 
@@ -39,6 +43,31 @@ def gpu_count() -> int:
         return 0
 
 
+def _stack_file(pid: int) -> str:
+    """Where the worker ``pid`` writes its threads' stacks when asked (SIGUSR1)."""
+    return os.path.join(tempfile.gettempdir(), f"triton_overlap-test-stacks-{pid}.txt")
+
+
+def _threads(pid: int) -> str:
+    """Each thread of ``pid``: its state (R running, S sleeping, D uninterruptible: inside the kernel, e.g. a
+    driver call) and what it waits in (wchan); empty where /proc has none."""
+    lines = []
+    try:
+        for tid in sorted(os.listdir(f"/proc/{pid}/task"), key=int):
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+            name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+            try:
+                with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+                    wchan = f.read().strip() or "-"
+            except OSError:
+                wchan = "?"
+            lines.append(f"  thread {tid} ({name}): state {state}, waits in {wchan}")
+    except (OSError, ValueError):
+        return ""
+    return "\n".join(lines)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,7 +75,8 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, backend: str, port: int, conn) -> None:
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks a hung rank where it is
+    stacks = open(_stack_file(os.getpid()), "w")  # the parent asks a hung rank where it is, and reads this file
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     if backend == "host":
         os.environ["TRITON_INTERPRET"] = "1"
     else:
@@ -86,6 +116,8 @@ def _worker(rank: int, world: int, backend: str, port: int, conn) -> None:
         except BaseException:  # noqa: BLE001 - reported to the parent
             conn.send(("err", traceback.format_exc()))
     dist.destroy_process_group()
+    stacks.close()
+    os.unlink(stacks.name)
 
 
 class RankPool:
@@ -135,21 +167,33 @@ class RankPool:
                         replies[r] = ("err", f"rank {r} died (exit code {self.procs[r].exitcode})")
             if time.monotonic() > deadline and len(replies) < self.world:
                 missing = [r for r in range(self.world) if r not in replies]
-                self.dump_stacks(missing)
+                where = self.dump_stacks(missing)
                 self.kill()
                 errors = [f"--- rank {r} ---\n{v}" for r, (st, v) in sorted(replies.items()) if st == "err"]
-                raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish (pool killed)\n" + "\n".join(errors))
+                raise TimeoutError(f"{fn.__name__}: ranks {missing} did not finish (pool killed)\n"
+                                   + "\n".join(errors + where))
         errors = [f"--- rank {r} ---\n{v}" for r, (st, v) in sorted(replies.items()) if st == "err"]
         if errors:
             raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return [replies[r][1] for r in range(self.world)]
 
-    def dump_stacks(self, ranks) -> None:
-        """Have ``ranks`` print every thread's Python stack to stderr (what a hung rank was doing)."""
-        for r in ranks:
-            if self.procs[r].is_alive():
-                os.kill(self.procs[r].pid, signal.SIGUSR1)
+    def dump_stacks(self, ranks) -> list[str]:
+        """What each of the hung ``ranks`` was doing: its threads' states (before it is signalled), then every
+        thread's Python stack, which it writes into its stack file when signalled."""
+        states = {r: _threads(self.procs[r].pid) for r in ranks if self.procs[r].is_alive()}
+        for r in states:
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
         time.sleep(1.0)
+        out = []
+        for r, threads in states.items():
+            try:
+                with open(_stack_file(self.procs[r].pid)) as f:
+                    stack = f.read().strip()
+            except OSError:
+                stack = ""
+            out.append(f"--- rank {r} (hung) ---\n{threads or '  (no /proc)'}\n"
+                       + (stack or "  no Python stack came within 1 s (a thread inside the kernel runs no handler)"))
+        return out
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -160,6 +204,8 @@ class RankPool:
                 p.kill()
         for p in self.procs:
             p.join(timeout=10)
+            if p.pid is not None and os.path.exists(_stack_file(p.pid)):
+                os.unlink(_stack_file(p.pid))
 
     def close(self):
         for c in self.conns:
