@@ -25,6 +25,8 @@ materialised) for a backward that needs them (the top-k weights' gradient).
 """
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 
 from ..kernels.arrivals import launch_wait_sources
@@ -134,9 +136,7 @@ def staged_combine(op, h: torch.Tensor, w: torch.Tensor, d, out: torch.Tensor, s
     ctx, traffic, r = op.ctx, d.traffic, op.ctx.rank
     el, U = traffic.experts_per_rank, sum(d.received)
     counts = [sum(traffic.experts[s][r * el + e] for s in range(traffic.world)) for e in range(el)]
-    bounds_here = [0]  # the rows' expert bounds on the host (d.offsets, not read back)
-    for c in counts:
-        bounds_here.append(bounds_here[-1] + c)
+    bounds_here = [0, *accumulate(counts)]  # the rows' expert bounds on the host (d.offsets, not read back)
     cuts = stage_cuts(counts, stages)
     sched, back, flags = _combine_buffers(op, d, w.shape[2], h.dtype)
     jobs = combine_jobs(ctx, None, op.state, d, back)
