@@ -120,6 +120,25 @@ def test_one_shot_sum_is_exact(pool):
     assert all(pool.run(_exact, shapes, 2 if host else 20))
 
 
+def _small_calls(calls: int):
+    """Many one-shot calls of a few elements, each waited for: a peer's header and words land while the kernel
+    reads them, call after call, and every call must end with the exact sum (a wait whose threads disagreed on
+    whether they had landed hung the kernel past its timeout)."""
+    with to.Context(timeout_s=30) as ctx:
+        op = to.AllReduce(ctx, algorithm="one_shot", fallback="never")
+        for i in range(calls):
+            shape, dtype = [(1,), (7,), (40,), (300,)][i % 4], [torch.float32, torch.bfloat16][i // 4 % 2]
+            xs = [exact_inputs(shape, dtype, ctx.device, True, "small", i, r) for r in range(ctx.world_size)]
+            got = op(xs[ctx.rank], out=poison(torch.empty_like(xs[0])))
+            ctx.check()
+            assert torch.equal(got, sum(x.float() for x in xs).to(dtype)), (i, shape, dtype)
+        return True
+
+
+def test_many_small_one_shot_calls(pool):
+    assert all(pool.run(_small_calls, 12 if pool.backend == "host" else 2000))
+
+
 def _changing_sizes(seed: int):
     """Calls whose sizes grow and shrink, with other ops' calls between them and ranks arriving at random times."""
     rng = random.Random(seed)  # the same draws on every rank

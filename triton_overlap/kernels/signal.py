@@ -83,6 +83,29 @@ def _cuda_globaltimer():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
 
+@triton.jit
+def _cuda_all_threads(x):
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.and.pred q, 0, p; selp.s32 $0, 1, 0, q; }", "=r,r", [x],
+        dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def all_threads(pred, CLOCK: tl.constexpr):
+    """Whether ``pred`` (a scalar) holds in every thread of the program, the same answer in each: a wait that
+    branches on what it read from memory a peer is writing must branch alike in every thread, and a reduction does
+    not make it so where the layout holds an element in several threads (a tensor smaller than the program: each
+    copy is loaded on its own, and a copy loaded before the peer's store and one after reduce to different
+    answers; the threads that leave the loop then meet barriers the others never reach, and the kernel hangs past
+    any timeout). CUDA: one barrier-reduction of the program (``bar.red.and``). The interpreter runs the program as
+    one thread; on HIP, the reduction's answer (a vote is not built there)."""
+    if CLOCK == 1:
+        out = _cuda_all_threads(pred.to(tl.int32)) != 0
+    else:
+        out = pred
+    return out
+
+
 try:  # triton's own helper knows the instruction for each gfx generation
     from triton.language.extra.hip.utils import memrealtime as _hip_realtime
 except ImportError:  # older triton: the gfx9 (CDNA) instruction

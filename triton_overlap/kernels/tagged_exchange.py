@@ -27,8 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .signal import (ERR_MISMATCH, ERR_OWN_FINGERPRINT, ERR_PEER_HEADER, ERR_SEEN, ERR_TIMEOUT, HOST_PAUSE, claim_fault,
-                     error_code, now, record_timeout)
+from .signal import (ERR_MISMATCH, ERR_OWN_FINGERPRINT, ERR_PEER_HEADER, ERR_SEEN, ERR_TIMEOUT, HOST_PAUSE, all_threads,
+                     claim_fault, error_code, now, record_timeout)
 
 #: words of a call's tagged header: (op, fingerprint, size, 0), each tagged with the call
 TAGGED_HEADER_WORDS = tl.constexpr(4)
@@ -151,7 +151,8 @@ def publish_tagged_header(header_ptrs, e, half, rank, world, op, fingerprint, n,
 
 @triton.jit
 def _tagged(v, mask, e):
-    """Whether every word of ``v`` under ``mask`` carries call ``e`` (the same answer in every thread)."""
+    """Whether every word of ``v`` under ``mask`` carries call ``e``: in each thread, for the copies of the words it
+    holds (a thread's answer can differ from another's that holds other copies: ``all_threads`` makes it one)."""
     return tl.min(((v >> 32).to(tl.int32) == e) | ~mask, axis=0).to(tl.int1)
 
 
@@ -183,15 +184,16 @@ def wait_words(local_words, local_header, p, woffs, wmask, cap, e, half, n, wait
     seen); after a failure the words returned are not this call's, and the host raises before anyone reads the
     result.
 
-    Every branch is taken alike by all threads: the tag tests are reductions over the block, the error word is read
-    by an atomic (kernels.signal.wait_flag has the reasoning)."""
+    Every branch is taken alike by all threads: the tag tests are put to a vote of the program (``all_threads``:
+    the header's four words are held by many threads, each loading its copy), the error word is read by an atomic
+    (kernels.signal.wait_flag has the reasoning)."""
     err_ptr, budget, rank, op = waiter
     slot = local_words + (half * world + p) * cap + woffs
     hword = tl.arange(0, TAGGED_HEADER_WORDS)
     hdr_ptr = local_header + (half * world + p) * TAGGED_HEADER_WORDS + hword
     v = tl.load(slot, mask=wmask, other=0, volatile=True)
     h = tl.load(hdr_ptr, volatile=True)
-    ready = _tagged(v, wmask, e) & _tagged(h, hword >= 0, e)
+    ready = all_threads(_tagged(v, wmask, e) & _tagged(h, hword >= 0, e), CLOCK)
     failed = error_code(err_ptr) != 0
     start = now(err_ptr, CLOCK)
     won = False
@@ -202,7 +204,7 @@ def wait_words(local_words, local_header, p, woffs, wmask, cap, e, half, n, wait
                     HOST_PAUSE()
                 v = tl.load(slot, mask=wmask, other=0, volatile=True)
                 h = tl.load(hdr_ptr, volatile=True)
-                ready = _tagged(v, wmask, e) & _tagged(h, hword >= 0, e)
+                ready = all_threads(_tagged(v, wmask, e) & _tagged(h, hword >= 0, e), CLOCK)
         elapsed = now(err_ptr, CLOCK) - start
         expired = (elapsed > budget) & ~ready
         code = tl.atomic_cas(err_ptr, 0, tl.where(expired, ERR_TIMEOUT, 0), sem="acq_rel", scope="gpu")
@@ -210,7 +212,8 @@ def wait_words(local_words, local_header, p, woffs, wmask, cap, e, half, n, wait
             record_timeout(err_ptr, rank, op, p, b, 0, e, elapsed, e, CLOCK)
             won = True
         failed = code != 0
-        if (~ready) & (~failed) & _tagged(h, hword >= 0, e):  # the header is here, not every word yet
+        header_here = all_threads(_tagged(h, hword >= 0, e), CLOCK)
+        if (~ready) & (~failed) & header_here:  # the header is here, not every word yet
             failed = _header_differs(h, hword, e, n, fingerprint, err_ptr, rank, op, p)
     if ~ready:  # (a reduction: in a branch every thread takes, not in the one only the recording thread may take)
         seen = tl.min(tl.where(wmask, (v >> 32).to(tl.int32), e), axis=0)
