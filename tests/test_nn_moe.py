@@ -1,6 +1,6 @@
 """TPMoE, the tensor-parallel MoE layer: output and every gradient (input, router, experts) against the unsharded
-plain module in float64, eager, under torch.autocast with float32 parameters, and compiled; empty experts; what it
-refuses.
+plain module in float64, eager, under torch.autocast with float32 parameters, and compiled; empty experts; a shared
+expert, gated and not; what it refuses.
 
 The plain module (``PlainMoE``) keeps the experts as Mixtral and Qwen3-MoE do, nn.Linear's [out, in] per expert:
 gate ``w1`` [E, hidden, dim], up ``w3`` [E, hidden, dim], down ``w2`` [E, dim, hidden], and a router
@@ -25,7 +25,7 @@ class PlainMoE(nn.Module):
     choices summing to 1), SwiGLU experts ``down(silu(gate(x)) * up(x))``; rows [T, dim] in, [T, dim] out, in the
     parameters' dtype."""
 
-    def __init__(self, dim, hidden, E, topk, renormalize, seed=0):
+    def __init__(self, dim, hidden, E, topk, renormalize, seed=0, shared=0, gated=False):
         super().__init__()
         g = torch.Generator().manual_seed(seed)  # the same on every rank
         r16 = lambda *shape, scale: (torch.randn(*shape, generator=g) * scale).bfloat16().float()  # noqa: E731
@@ -36,6 +36,15 @@ class PlainMoE(nn.Module):
         self.w1 = nn.Parameter(r16(E, hidden, dim, scale=dim ** -0.5))
         self.w3 = nn.Parameter(r16(E, hidden, dim, scale=dim ** -0.5))
         self.w2 = nn.Parameter(r16(E, dim, hidden, scale=hidden ** -0.5))
+        self.shared = None  # a shared expert of width ``shared`` (its own MLP), its output gated where ``gated``
+        if shared:
+            self.shared = nn.ParameterList([nn.Parameter(r16(shared, dim, scale=dim ** -0.5)),
+                                            nn.Parameter(r16(shared, dim, scale=dim ** -0.5)),
+                                            nn.Parameter(r16(dim, shared, scale=shared ** -0.5))])
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if gated else None
+        if gated:
+            with torch.no_grad():
+                self.shared_gate.weight.copy_(r16(1, dim, scale=dim ** -0.5))
 
     def routing(self, x):
         weights, ids = torch.softmax(self.router(x), dim=-1).topk(self.topk, dim=-1)
@@ -52,29 +61,42 @@ class PlainMoE(nn.Module):
                 xe = x[tok]
                 h = nn.functional.silu(xe @ self.w1[e].t()) * (xe @ self.w3[e].t())
                 out = out.index_add(0, tok, weights[tok, j].unsqueeze(1) * (h @ self.w2[e].t()))
+        if self.shared is not None:
+            s1, s3, s2 = self.shared
+            y = (nn.functional.silu(x @ s1.t()) * (x @ s3.t())) @ s2.t()
+            out = out + (torch.sigmoid(self.shared_gate(x)) * y if self.shared_gate is not None else y)
         return out
 
 
 def _sharded_grads(moe, ref, r):
-    """The reference's gradients as rank r's shards of TPMoE's parameters."""
-    n = moe.hidden_local
+    """The reference's gradients as rank r's shards of TPMoE's parameters (a shared expert's after the routed
+    experts', its width cut into pieces of the experts' width)."""
+    n, (w1, w3, w2) = moe.hidden_local, (ref.w1.grad, ref.w3.grad, ref.w2.grad)
+    if ref.shared is not None:
+        s1, s3, s2 = (p.grad for p in ref.shared)
+        m, hidden, dim = s1.shape[0] // w1.shape[1], w1.shape[1], w1.shape[2]
+        w1, w3 = torch.cat([w1, s1.reshape(m, hidden, dim)]), torch.cat([w3, s3.reshape(m, hidden, dim)])
+        w2 = torch.cat([w2, torch.stack(s2.split(hidden, dim=1))])
     cols = slice(r * n, (r + 1) * n)
-    return {"router": ref.router.weight.grad, "w13": torch.cat([ref.w1.grad[:, cols], ref.w3.grad[:, cols]],
-                                                                  dim=1).transpose(1, 2),
-            "w2": ref.w2.grad[:, :, cols].transpose(1, 2)}
+    grads = {"router": ref.router.weight.grad, "w13": torch.cat([w1[:, cols], w3[:, cols]], dim=1).transpose(1, 2),
+             "w2": w2[:, :, cols].transpose(1, 2)}
+    if ref.shared_gate is not None:
+        grads["shared_gate"] = ref.shared_gate.weight.grad
+    return grads
 
 
-def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_empty=False):
+def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_empty=False, shared=0, gated=False):
     """TPMoE against PlainMoE in float64 on every rank's S/W positions of [S, B, dim]. ``mode``: "bf16" (bf16
     parameters), "autocast" (float32 parameters under torch.autocast(bfloat16)), "compile" (bf16, compiled with
-    fullgraph=True by inductor, against eager too). Returns the errors."""
+    fullgraph=True by inductor, against eager too); ``shared``, ``gated``: a shared expert of that width, gated.
+    Returns the errors."""
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        plain = PlainMoE(dim, hidden, E, topk, renormalize)
+        plain = PlainMoE(dim, hidden, E, topk, renormalize, shared=shared, gated=gated)
         g = torch.Generator().manual_seed(3)
         x_full = torch.randn(S, B, dim, generator=g).bfloat16().double()
         gy = torch.randn(S, B, dim, generator=g)
-        ref = PlainMoE(dim, hidden, E, topk, renormalize).double()
+        ref = PlainMoE(dim, hidden, E, topk, renormalize, shared=shared, gated=gated).double()
         ref.load_state_dict(plain.state_dict())
         x_ref = x_full.clone().requires_grad_()
         y_ref = ref(x_ref.reshape(-1, dim)).reshape(S, B, dim)
@@ -85,7 +107,9 @@ def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_
 
         dtype = torch.float32 if mode == "autocast" else torch.bfloat16
         moe = TPMoE.from_full(plain.router, (plain.w1, plain.w3, plain.w2), ctx, topk=topk, renormalize=renormalize,
-                              dtype=dtype, fallback=fallback)
+                              dtype=dtype, fallback=fallback, shared=plain.shared and tuple(plain.shared),
+                              shared_gate=plain.shared_gate)
+        assert moe.num_shared == shared // hidden
         rows = slice(r * S // W, (r + 1) * S // W)
         gy_local = gy[rows].to(dev)
 
@@ -97,15 +121,16 @@ def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_
             assert y.shape == (S // W, B, dim) and y.dtype == torch.bfloat16
             (y.float() * gy_local).sum().backward()
             moe.sync_replicated_grads()
-            return {"out": y.detach(), "grad_x": x.grad, "router": moe.router.weight.grad, "w13": moe.w13.grad,
-                    "w2": moe.w2.grad}
+            got = {"out": y.detach(), "grad_x": x.grad, "router": moe.router.weight.grad, "w13": moe.w13.grad,
+                   "w2": moe.w2.grad}
+            return got if moe.shared_gate is None else {**got, "shared_gate": moe.shared_gate.weight.grad}
 
         got = run(moe)
         ctx.check()
         want = {"out": y_ref[rows].detach(), "grad_x": x_ref.grad[rows], **_sharded_grads(moe, ref, r)}
         errs = {k: rel_err(got[k], want[k]) for k in want}
         if mode == "autocast":
-            assert all(got[k].dtype == torch.float32 for k in ("grad_x", "router", "w13", "w2"))
+            assert all(got[k].dtype == torch.float32 for k in want if k != "out")
         if mode == "compile":
             compiled = run(torch.compile(moe, fullgraph=True))  # inductor; a graph break is an error
             ctx.check()
@@ -124,6 +149,10 @@ CASES = {  # S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_emp
     "top1": (12, 1, 40, 24, 3, 1, False, "never", "bf16"),  # Switch Transformer's: the weight is the probability
     "autocast": (12, 2, 32, 48, 4, 2, True, "never", "autocast"),
     "compile": (12, 2, 32, 48, 4, 2, True, "never", "compile"),
+    # a shared expert twice the experts' width with Qwen2-MoE's sigmoid gate; one as wide, ungated (DeepSeek's)
+    "shared_gated": (12, 2, 32, 48, 4, 2, False, "never", "bf16", False, 96, True),
+    "shared_compile": (12, 2, 32, 48, 4, 2, True, "never", "compile", False, 48, False),
+    "shared_fallback": (12, 2, 32, 48, 4, 2, True, "always", "autocast", False, 96, True),
 }
 
 
@@ -134,8 +163,9 @@ def test_tp_moe_matches_plain_module(pool, name):
     case = CASES[name]
     if pool.backend != "host":  # GPU sizes: tiles of 128 rows and columns, every path of the kernels (the empty
         # experts' case keeps its few tokens: more would reach every expert)
-        S, B, dim, hidden, E, topk, renorm, fallback, mode, *rest = case
-        case = (S * (1 if rest else 64), B, dim * 32, hidden * 32, E, topk, renorm, fallback, mode, *rest)
+        S, B, dim, hidden, E, topk, renorm, fallback, mode, empty, shared, gated = (*case, *(False, 0, False)[len(case) - 9:])
+        case = (S * (1 if empty else 64), B, dim * 32, hidden * 32, E, topk, renorm, fallback, mode, empty,
+                shared * 32, gated)
     results = pool.run(_layer_case, *case)
     want = "fallback" if case[7] == "always" else "overlap"
     assert all(set(used.values()) == {want} for _, used, _ in results), results
@@ -171,6 +201,11 @@ def _refusals():
             TPMoE(16, 8 * W, 4, 5, ctx=ctx)
         with pytest.raises(ValueError, match="experts must be"):
             TPMoE.from_full(plain.router, (plain.w1, plain.w1, plain.w2[:, :, :1]), ctx, topk=2)
+        with pytest.raises(ValueError, match="shared expert's width 5 is not a multiple"):
+            TPMoE.from_full(plain.router, experts, ctx, topk=2,
+                            shared=(plain.w1[0, :5], plain.w3[0, :5], plain.w2[0, :, :5]))
+        with pytest.raises(ValueError, match="shared_gate without a shared expert"):
+            TPMoE.from_full(plain.router, experts, ctx, topk=2, shared_gate=nn.Linear(16, 1, bias=False))
         moe32 = TPMoE.from_full(plain.router, experts, ctx, topk=2, dtype=torch.float32)
         x = torch.randn(4, 16, device=dev)
         with pytest.raises(TypeError, match="bfloat16 or float16.*autocast"):

@@ -47,6 +47,41 @@ def route_local(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: b
     return logits, weights, ids
 
 
+def fold_shared(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, shared, layer: str):
+    """The routed experts (gate ``w1``, up ``w3`` [E, hidden, dim], down ``w2`` [E, dim, hidden]) followed by a
+    shared expert ``shared`` = (gate [H, dim], up [H, dim], down [dim, H]) cut into ``m = H / hidden`` experts of
+    width ``hidden``, its hidden units in order: ((w1, w3, w2) [E + m, ...], m). A SwiGLU MLP is a sum over its
+    hidden units, so the m parts, each given every token with one weight (``add_shared_routes``), compute the
+    shared expert exactly, inside the routed experts' gather and reduce-scatter (docs/decisions.md). ValueError
+    naming ``layer`` where H is not a multiple of ``hidden`` or the shapes differ."""
+    s1, s3, s2 = (t.detach().to(w1.dtype) for t in shared)
+    _, hidden, dim = w1.shape
+    H = s1.shape[0]
+    if tuple(s1.shape) != (H, dim) or tuple(s3.shape) != (H, dim) or tuple(s2.shape) != (dim, H):
+        raise ValueError(f"{layer}: the shared expert must be gate, up [H, {dim}] and down [{dim}, H], got "
+                         f"{tuple(s1.shape)}, {tuple(s3.shape)}, {tuple(s2.shape)}")
+    if H == 0 or H % hidden:
+        raise ValueError(f"{layer}: the shared expert's width {H} is not a multiple of the experts' width {hidden}")
+    m = H // hidden
+    return (torch.cat([w1, s1.reshape(m, hidden, dim)]), torch.cat([w3, s3.reshape(m, hidden, dim)]),
+            torch.cat([w2, s2.reshape(dim, m, hidden).transpose(0, 1)]), m)
+
+
+def add_shared_routes(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                      num_shared: int, gate_weight: torch.Tensor | None = None):
+    """This rank's routes (top-k weights float32 [T, k], ids [T, k]) with the shared expert's ``num_shared`` parts
+    (``fold_shared``) appended for every token: ids ``E .. E + m - 1``, each weighted by ``sigmoid(x @ gate^T)``
+    in float32 where the shared expert has a gate ``gate_weight`` [1, dim] (Qwen2-MoE's, Qwen3-Next's), else by 1.
+    Returns (weights [T, k + m], ids [T, k + m])."""
+    if not num_shared:
+        return weights, ids
+    T = x.shape[0]
+    with torch.autocast(x.device.type, enabled=False):
+        g = weights.new_ones(T, 1) if gate_weight is None else torch.sigmoid(x.float() @ gate_weight.float().t())
+    extra = torch.arange(num_experts, num_experts + num_shared, device=ids.device, dtype=ids.dtype)
+    return torch.cat([weights, g.expand(T, num_shared)], dim=1), torch.cat([ids, extra.expand(T, num_shared)], dim=1)
+
+
 def gather_routes(weights: torch.Tensor, ids: torch.Tensor, ag, world_size: int):
     """Every rank's choices from this rank's (top-k weights float32 [T/W, k], ids [T/W, k]): one all-gather through
     the op ``ag``'s process group of ``[T/W, 2k]`` float32 (the ids as exact small integers), differentiable in the
@@ -111,14 +146,17 @@ class ReplicatedRouter:
     """What both MoE layers do with their replicated router (a mixin on nn.Module): load a full MoE's router and
     this rank's expert weights, and sum the router's gradient over the ranks after backward."""
 
-    def load(self, router: nn.Linear, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    def load(self, router: nn.Linear, w13: torch.Tensor, w2: torch.Tensor, shared_gate: nn.Linear | None = None):
         with torch.no_grad():
             self.router.weight.copy_(router.weight)
             self.w13.copy_(w13)
             self.w2.copy_(w2)
+            if shared_gate is not None:
+                self.shared_gate.weight.copy_(shared_gate.weight)
 
     def replicated_parameters(self):
-        return list(self.router.parameters())
+        gate = getattr(self, "shared_gate", None)
+        return list(self.router.parameters()) + (list(gate.parameters()) if gate is not None else [])
 
     @torch.no_grad()
     def sync_replicated_grads(self):
@@ -160,42 +198,64 @@ class TPMoE(ReplicatedRouter, nn.Module):
     Parameters are bfloat16 (default) or float16; float32 parameters work under ``torch.autocast`` (cast per call
     to the autocast dtype, as ``nn.Linear`` is) and raise TypeError without it. ``fallback`` is passed to the ops
     ("auto": NCCL + torch for small shards; "never", "always").
+
+    Shared expert (Qwen2-MoE's, Qwen3-Next's, DeepSeek's): ``shared_hidden`` > 0 adds a SwiGLU expert of that width
+    (a multiple of ``hidden``) that every token passes through, weighted by ``sigmoid(x @ shared_gate.weight^T)``
+    where ``shared_gate`` (an ``nn.Linear(dim, 1, bias=False)``, replicated), else by 1. It is held as
+    ``num_shared = shared_hidden / hidden`` more experts at the end of ``w13`` and ``w2`` (``fold_shared``) that
+    every token is routed to: it runs in the same grouped GEMMs and rides the same gather and reduce-scatter, so
+    it adds no communication.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, *, ctx, renormalize: bool = True,
-                 dtype=None, device=None, fallback: str = "auto"):
+                 dtype=None, device=None, fallback: str = "auto", shared_hidden: int = 0, shared_gate: bool = False):
         super().__init__()
         W = ctx.world_size
         if hidden % W:
             raise ValueError(f"TPMoE: hidden = {hidden} is not divisible by the world size {W}")
+        if shared_hidden < 0 or shared_hidden % hidden or (shared_gate and not shared_hidden):
+            raise ValueError(f"TPMoE: shared_hidden = {shared_hidden} must be 0 or a multiple of hidden = {hidden}"
+                             + (", and > 0 with shared_gate" if shared_gate else ""))
         check_moe_layer("TPMoE", num_experts, topk, fallback)
         kw = {"dtype": dtype or torch.bfloat16, "device": device or ctx.device}
         self.ctx, self.fallback = ctx, fallback
         self.dim, self.hidden, self.num_experts, self.topk = dim, hidden, num_experts, topk
         self.renormalize = renormalize
         self.hidden_local = hidden // W
+        self.num_shared = shared_hidden // hidden
         self._handles = moe_ops(ctx, fallback)
         self.router = nn.Linear(dim, num_experts, bias=False, **kw)
-        self.w13 = nn.Parameter(torch.empty(num_experts, dim, 2 * self.hidden_local, **kw))
-        self.w2 = nn.Parameter(torch.empty(num_experts, self.hidden_local, dim, **kw))
+        self.shared_gate = nn.Linear(dim, 1, bias=False, **kw) if shared_gate else None
+        slots = num_experts + self.num_shared
+        self.w13 = nn.Parameter(torch.empty(slots, dim, 2 * self.hidden_local, **kw))
+        self.w2 = nn.Parameter(torch.empty(slots, self.hidden_local, dim, **kw))
         with torch.no_grad():  # nn.Linear's default range: fan-in of each projection
             self.w13.uniform_(-dim ** -0.5, dim ** -0.5)
             self.w2.uniform_(-hidden ** -0.5, hidden ** -0.5)
 
     @classmethod
     def from_full(cls, router: nn.Linear, experts, ctx, *, topk: int, renormalize: bool = True, dtype=None,
-                  device=None, fallback: str = "auto") -> "TPMoE":
+                  device=None, fallback: str = "auto", shared=None, shared_gate: nn.Linear | None = None) -> "TPMoE":
         """Shard an unsharded MoE, the same on every rank: ``router`` an ``nn.Linear(dim, E)`` without bias;
         ``experts`` either ``(w1, w3, w2)``, stacked tensors in ``nn.Linear``'s [out, in] convention (Mixtral's,
         Qwen3-MoE's): gate ``w1`` [E, hidden, dim], up ``w3`` [E, hidden, dim], down ``w2`` [E, dim, hidden]; or a
         sequence of E expert modules, each with ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj``
         ``nn.Linear`` layers without bias. ``dtype``: the parameters' (default: the router's where 16-bit, else
-        bfloat16)."""
+        bfloat16). ``shared``: a shared expert, (gate [H, dim], up [H, dim], down [dim, H]) tensors or a module
+        with w1/w3/w2 or gate_proj/up_proj/down_proj linears, H a multiple of the experts' width; ``shared_gate``:
+        its ``nn.Linear(dim, 1, bias=False)`` gate, if it has one."""
         w1, w3, w2, dtype = full_moe("TPMoE", router, experts, dtype)
         E, hidden, dim = w1.shape
+        if shared is None and shared_gate is not None:
+            raise ValueError("TPMoE.from_full: shared_gate without a shared expert")
+        if shared is not None:
+            w1, w3, w2, _ = fold_shared(w1, w3, w2, shared_weights(shared, "TPMoE.from_full"), "TPMoE.from_full")
+            if shared_gate is not None and (shared_gate.bias is not None or
+                                            tuple(shared_gate.weight.shape) != (1, dim)):
+                raise ValueError(f"TPMoE.from_full: shared_gate must be nn.Linear({dim}, 1, bias=False)")
         moe = cls(dim, hidden, E, topk, ctx=ctx, renormalize=renormalize, dtype=dtype, device=device,
-                  fallback=fallback)
-        moe.load(router, *shard_experts(w1, w3, w2, ctx.rank, ctx.world_size))
+                  fallback=fallback, shared_hidden=(w1.shape[0] - E) * hidden, shared_gate=shared_gate is not None)
+        moe.load(router, *shard_experts(w1, w3, w2, ctx.rank, ctx.world_size), shared_gate)
         return moe
 
     @property
@@ -216,8 +276,11 @@ class TPMoE(ReplicatedRouter, nn.Module):
 
     def route(self, x: torch.Tensor):
         """Every token's (top-k ids int64 [T, k], top-k weights float32 [T, k]) from this rank's tokens ``x``
-        [T/W, dim]: the router in float32 here, then one all-gather."""
+        [T/W, dim]: the router in float32 here, the shared expert's parts appended (k grows by ``num_shared``),
+        then one all-gather."""
         _, weights, ids = route_local(x, self.router.weight, self.topk, self.renormalize)
+        gate = None if self.shared_gate is None else self.shared_gate.weight
+        weights, ids = add_shared_routes(x, weights, ids, self.num_experts, self.num_shared, gate)
         return gather_routes(weights, ids, self._handles[0], self.ctx.world_size)
 
     def forward(self, x):
@@ -227,6 +290,16 @@ class TPMoE(ReplicatedRouter, nn.Module):
         y = swiglu_experts(rows, self.w13.to(dtype), self.w2.to(dtype), ids, weights, self._handles,
                            self.ctx.world_size)
         return y.reshape(-1, *x.shape[1:-1], y.shape[-1])
+
+
+def shared_weights(shared, layer: str):
+    """A shared expert's (gate [H, dim], up [H, dim], down [dim, H]) from three tensors or a module with
+    w1/w3/w2 or gate_proj/up_proj/down_proj linears."""
+    if isinstance(shared, (tuple, list)):
+        if len(shared) == 3 and all(isinstance(t, torch.Tensor) and t.dim() == 2 for t in shared):
+            return tuple(shared)
+        raise ValueError(f"{layer}: a shared expert given as tensors must be three 2-D tensors (gate, up, down)")
+    return tuple(t[0] for t in stacked_experts([shared], layer))
 
 
 def stacked_experts(experts, layer: str = "TPMoE"):
@@ -246,5 +319,6 @@ def stacked_experts(experts, layer: str = "TPMoE"):
                      "gate_proj/up_proj/down_proj nn.Linear layers")
 
 
-__all__ = ["ReplicatedRouter", "TPMoE", "check_moe_layer", "full_moe", "gather_routes", "moe_ops", "route_local",
-           "shard_experts", "stacked_experts", "swiglu_experts"]
+__all__ = ["ReplicatedRouter", "TPMoE", "add_shared_routes", "check_moe_layer", "fold_shared", "full_moe",
+           "gather_routes", "moe_ops", "route_local", "shard_experts", "shared_weights", "stacked_experts",
+           "swiglu_experts"]
