@@ -1,7 +1,9 @@
-"""MoEParallel (triton_overlap.nn.parallel_moe) in torch's parallelize_module: unmodified Hugging Face Qwen3-MoE and
-Mixtral causal LMs, tensor + sequence parallel with the Llama plan of test_parallel_styles.py and the style on every
-sparse-MoE block, against the same model unsharded in float64: logits and every gradient (the experts' as this
-rank's shards, the routers' replicated DTensors summed over ranks); and the blocks the style refuses."""
+"""MoEParallel (triton_overlap.nn.parallel_moe) in torch's parallelize_module: unmodified Hugging Face Qwen3-MoE,
+Mixtral and Qwen2-MoE (a gated shared expert) causal LMs, tensor + sequence parallel with the Llama plan of
+test_parallel_styles.py and the style on every sparse-MoE block, against the same model unsharded in float64: logits
+and every gradient (the experts' as this rank's shards, the shared expert's among them, the routers' and the shared
+expert gate's replicated DTensors summed over ranks); Qwen3-Next's and Qwen3.5-MoE's blocks alone; and the blocks the
+style refuses."""
 import copy
 
 import pytest
@@ -15,9 +17,9 @@ VOCAB = 96
 
 
 def _model(kind, W, dtype, dense_last=False):
-    """A small random ``kind`` ("qwen3" or "mixtral") causal LM whose heads, KV heads, width and experts' width split
-    over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every rank. ``dense_last`` (qwen3): the
-    last layer's MLP dense."""
+    """A small random ``kind`` ("qwen3", "mixtral" or "qwen2": a shared expert twice an expert's width, gated) causal
+    LM whose heads, KV heads, width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16
+    and the same on every rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
                   num_key_value_heads=W, head_dim=16, num_experts_per_tok=2, attn_implementation="sdpa",
                   experts_implementation="eager",  # the reference runs in float64: a loop over experts
@@ -27,6 +29,11 @@ def _model(kind, W, dtype, dense_last=False):
 
         config = Config(num_experts=4, moe_intermediate_size=8 * W, intermediate_size=8 * W, norm_topk_prob=True,
                         mlp_only_layers=[1] if dense_last else [], **common)
+    elif kind == "qwen2":
+        from transformers import Qwen2MoeConfig as Config, Qwen2MoeForCausalLM as Model
+
+        config = Config(num_experts=4, moe_intermediate_size=8 * W, shared_expert_intermediate_size=16 * W,
+                        intermediate_size=8 * W, norm_topk_prob=False, **common)
     else:
         from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
 
@@ -59,7 +66,7 @@ def _plan(ctx, kind, fallback):
 def _grad_errors(model, reference, rank, W):
     """Every parameter's gradient against the reference's: a DTensor's summed over ranks; a linear layer's shard
     against its rows or columns; the experts' shards against the same shards of the reference's
-    (nn.moe.shard_experts of its gate, up and down)."""
+    (nn.moe.shard_experts of its gate, up and down, a shared expert's after them, cut into the experts' width)."""
     from torch.distributed.tensor import DTensor
 
     from triton_overlap.nn.moe import shard_experts
@@ -68,14 +75,25 @@ def _grad_errors(model, reference, rank, W):
     for name, p in model.named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         full = ref[name].grad
-        if ".experts." in name:
-            prefix = name.rsplit(".", 1)[0]
-            gate_up, down = ref[f"{prefix}.gate_up_proj"].grad, ref[f"{prefix}.down_proj"].grad
-            full = shard_experts(*gate_up.chunk(2, dim=1), down, rank, W)[name.endswith("down_proj")]
+        if name.startswith("experts.") or ".experts." in name:
+            block = name[:name.rindex("experts.")]  # "model.layers.0.mlp." or, for a block alone, ""
+            gate_up, down = ref[f"{block}experts.gate_up_proj"].grad, ref[f"{block}experts.down_proj"].grad
+            gate, up = gate_up.chunk(2, dim=1)
+            if f"{block}shared_expert.gate_proj.weight" in ref:
+                hidden = gate.shape[1]
+                s1, s3, s2 = (ref[f"{block}shared_expert.{n}_proj.weight"].grad for n in ("gate", "up", "down"))
+                gate, up = (torch.cat([w, torch.stack(s.split(hidden))]) for w, s in ((gate, s1), (up, s3)))
+                down = torch.cat([down, torch.stack(s2.split(hidden, dim=1))])
+            full = shard_experts(gate, up, down, rank, W)[name.endswith("down_proj")]
         elif g.shape != full.shape:
             dim = 0 if g.shape[0] != full.shape[0] else 1
             full = full.narrow(dim, rank * g.shape[dim], g.shape[dim])
         errs[name] = rel_err(g, full)
+        if name.endswith("k_proj.bias"):  # a key bias adds one constant to each query's scores, to which softmax
+            # is blind: its gradient is 0 but for rounding, measured against the value bias's (Qwen2's) instead
+            value = ref[name.replace("k_proj", "v_proj")].grad
+            value = value.narrow(0, rank * g.shape[0], g.shape[0])
+            errs[name] = float((g.double().cpu() - full.cpu()).norm() / value.double().cpu().norm())
     return errs
 
 
@@ -116,7 +134,10 @@ def _moe_case(kind, mode, fallback, hf=False):
         plan = hf_plan(model, ctx, fallback=fallback) if hf else _plan(ctx, kind, fallback)
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         mlp = model.model.layers[0].mlp
-        assert isinstance(mlp.gate.weight, DTensor) and tuple(mlp.experts.gate_up_proj.shape) == (4, 32 * W, 16)
+        slots = 4 + 2 * (kind == "qwen2")  # the shared expert as two more experts
+        assert isinstance(mlp.gate.weight, DTensor) and tuple(mlp.experts.gate_up_proj.shape) == (slots, 32 * W, 16)
+        assert (kind == "qwen2") == isinstance(getattr(mlp, "shared_expert_gate", None), torch.nn.Module)
+        assert not hasattr(mlp, "shared_expert")
         B, S = 2, 4 * W
         tokens = _decisive_tokens(reference, B, S, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
@@ -144,17 +165,85 @@ def _moe_case(kind, mode, fallback, hf=False):
 
 MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral", "autocast", "never"),
              ("qwen3", "bf16", "always"), ("qwen3", "bf16", "never", True),
-             ("mixtral", "bf16", "never", True)]
+             ("mixtral", "bf16", "never", True), ("qwen2", "bf16", "never"), ("qwen2", "autocast", "never", True)]
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
 def test_moe_model_matches_unmodified_model(pool, case):
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
+    hf_qwen2 = MOE_CASES[case][0] == "qwen2" and len(MOE_CASES[case]) > 3
+    if hf_qwen2 and "moe_tp_experts" not in transformers.Qwen2MoeConfig().base_model_tp_plan.values():
+        pytest.skip("hf_plan: transformers before 5.24 ships Qwen2-MoE's plan without its experts")
     if pool.world > 3:
         pytest.skip("W = 2, 3 on the host backend (heads, KV heads, width and experts' width divide by 3)")
     if pool.world == 3 and MOE_CASES[case][1:] != ("bf16", "never"):
         pytest.skip("autocast and the fallback at W = 2")
     pool.run(_moe_case, *MOE_CASES[case])
+
+
+def _shared_block(kind, W):
+    """A Qwen3-Next ("qwen3_next") or Qwen3.5-MoE ("qwen3_5_moe") sparse-MoE block with a gated shared expert four
+    times an expert's width; 4 experts, top-2; weights rounded to bf16, the same on every rank."""
+    small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
+                 shared_expert_intermediate_size=32 * W, experts_implementation="eager")
+    if kind == "qwen3_next":
+        from transformers import Qwen3NextConfig as Config
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock as Block
+    else:
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig as Config
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock as Block
+    torch.manual_seed(1)
+    block = Block(Config(**small))
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_((torch.randn_like(p) * 0.2).bfloat16().float())
+    return block
+
+
+def _shared_block_case(kind):
+    """The block alone, parallelized by MoEParallel, against itself unsharded in float64 on tokens [2, 4W, 32]
+    routed without near ties: this rank's output and input gradient, every parameter's gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.nn import MoEParallel
+
+    with to.Context(timeout_s=120) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        block = _shared_block(kind, W).to(dev)
+        reference = copy.deepcopy(block).double()
+        B, S, s = 2, 4 * W, 4
+        for seed in range(1000):  # the first draw whose top-2 choice has no near tie (_decisive_tokens)
+            x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(seed)).bfloat16().double().to(dev)
+            top = (x @ reference.gate.weight.t()).topk(3, dim=-1).values
+            if ((top[..., 1] - top[..., 2]) >= ROUTING_MARGIN * top[..., 0].abs()).all():
+                break
+        gy = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(7)).double().to(dev)
+        x_ref = x.clone().requires_grad_()
+        (reference(x_ref) * gy).sum().backward()
+        parallelize_module(block.bfloat16(), init_device_mesh(dev.type, (W,)), MoEParallel(ctx, fallback="never"))
+        mine = slice(r * s, (r + 1) * s)
+        x_local = x[:, mine].bfloat16().requires_grad_()
+        out = block(x_local)
+        assert isinstance(out, DTensor) and out.to_local().shape == (B, s, 32)
+        (out.to_local().float() * gy[:, mine].float()).sum().backward()
+        ctx.check()
+        errs = {"out": rel_err(out.to_local().detach(), reference(x)[:, mine].detach()),
+                "grad_x": rel_err(x_local.grad, x_ref.grad[:, mine]),
+                **_grad_errors(block, reference, r, W)}
+        bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "out" else TOL_GRAD)}
+        assert not bad, f"rank {r}: {bad}"
+        assert block.last_path == "overlap" and tuple(block.experts.gate_up_proj.shape) == (8, 32, 16)
+        return max(errs.items(), key=lambda kv: kv[1])
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
+def test_shared_expert_block_matches_unmodified_block(pool, kind):
+    pytest.importorskip(f"transformers.models.{kind}")
+    if pool.world == 4:
+        pytest.skip("W = 2, 3 on the host backend")
+    pool.run(_shared_block_case, kind)
 
 
 def _refusals():
@@ -172,9 +261,19 @@ def _refusals():
         small = dict(hidden_size=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W)
         with pytest.raises(ValueError, match="fallback"):
             MoEParallel(ctx, fallback="sometimes")
-        with pytest.raises(TypeError, match="shared expert"):
+        with pytest.raises(ValueError, match="shared expert's width 8 is not a multiple of the experts' width"):
             parallelize_module(Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(shared_expert_intermediate_size=8, **small)),
                                mesh, MoEParallel(ctx))
+        gelu = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(shared_expert_intermediate_size=16 * W, **small))
+        with torch.no_grad():
+            for p in gelu.parameters():
+                p.normal_()
+        gelu.shared_expert.act_fn = torch.nn.GELU()
+        with pytest.raises(TypeError, match=r"does not compute down\(silu"):
+            parallelize_module(gelu, mesh, MoEParallel(ctx))
+        del gelu.shared_expert_gate
+        with pytest.raises(TypeError, match=r"without \['shared_expert_gate'\]"):
+            parallelize_module(gelu, mesh, MoEParallel(ctx))
         other = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**small))
         other.gate.__class__ = type("SigmoidRouter", (type(other.gate),), {})  # a rule MoEParallel does not know
         with pytest.raises(TypeError, match="router SigmoidRouter"):

@@ -401,12 +401,14 @@ def test_hf_plan_from_the_models_own():
     with pytest.raises(ValueError, match="sequence parallel only"):
         hf_plan(qwen, None, sequence_parallel=False)
     qwen2 = Qwen2MoeForCausalLM(Qwen2MoeConfig(**small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
-                                               shared_expert_intermediate_size=8))
+                                               shared_expert_intermediate_size=16))
     # transformers 5.17 ships Qwen2-MoE's plan without its experts (5.24 has them): the router's weight is left out
-    moe = "moe_tp_experts" in qwen2.config.base_model_tp_plan.values()
-    error, why = (TypeError, "shared expert") if moe else (ValueError, r"mlp.gate .*leaves out")
-    with pytest.raises(error, match=why):
-        hf_plan(qwen2, None)
+    if "moe_tp_experts" in qwen2.config.base_model_tp_plan.values():
+        plan = hf_plan(qwen2, None)  # the block with its shared expert and the expert's gate: MoEParallel
+        assert isinstance(plan["model.layers.0.mlp"], MoEParallel) and not any(".mlp." in k for k in plan)
+    else:
+        with pytest.raises(ValueError, match=r"mlp.gate .*leaves out"):
+            hf_plan(qwen2, None)
     from transformers import ApertusConfig, ApertusForCausalLM, GPTNeoXConfig, GPTNeoXForCausalLM
 
     with pytest.raises(ValueError, match=r"mlp.act_fn \(XIELUActivation\) has parameters \['alpha_p', 'alpha_n'\]"):

@@ -4,9 +4,10 @@ as ``TPMoE`` does, inside the sequence-parallel region of ``nn.parallel``'s plan
 
 Transformers 5 stores a block's experts as two fused parameters, ``experts.gate_up_proj`` [E, 2 * hidden, dim]
 (every expert's gate rows, then its up rows) and ``experts.down_proj`` [E, dim, hidden], and its router
-(``gate``) as a weight [E, dim] with the top-k rule beside it. The style keeps the module objects and swaps the
-classes of the block and of its router for subclasses with the parallel forwards, as ``nn.parallel`` does for
-linear layers.
+(``gate``) as a weight [E, dim] with the top-k rule beside it; Qwen2-MoE's, Qwen3-Next's and Qwen3.5-MoE's blocks
+add a shared expert (an MLP every token passes through) and its sigmoid gate. The style keeps the module objects
+(but the shared expert's, whose weights move into the experts') and swaps the classes of the block and of its router
+for subclasses with the parallel forwards, as ``nn.parallel`` does for linear layers.
 """
 from __future__ import annotations
 
@@ -16,14 +17,20 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
-from .moe import gather_routes, moe_ops, route_local, shard_experts, swiglu_experts
+from .moe import (add_shared_routes, fold_shared, gather_routes, moe_ops, route_local, shard_experts, shared_weights,
+                  swiglu_experts)
 from .parallel import FALLBACKS, check_mesh, styled_class
 from .precision import compute_operands
 
 #: routers whose rule is softmax over the experts, top-k, optionally the k weights renormalized to sum 1 (the rule
 #: ``route_local`` computes), by class name, with how each says whether it renormalizes; a router of another model
 #: with this rule is one entry more
-ROUTERS = {"MixtralTopKRouter": lambda gate: True, "Qwen3MoeTopKRouter": lambda gate: bool(gate.norm_topk_prob)}
+ROUTERS = {"MixtralTopKRouter": lambda gate: True, "Qwen3MoeTopKRouter": lambda gate: bool(gate.norm_topk_prob),
+           "Qwen2MoeTopKRouter": lambda gate: bool(gate.norm_topk_prob),
+           "Qwen3NextTopKRouter": lambda gate: bool(gate.norm_topk_prob), "Qwen3_5MoeTopKRouter": lambda gate: True}
+
+#: a shared expert's child name beside the router and the experts -> the name of its sigmoid gate (None: ungated)
+SHARED = {"shared_expert": "shared_expert_gate", "shared_experts": None}
 
 #: the experts' layout flags of transformers' ``use_experts_implementation``, as the style requires them
 _EXPERT_FLAGS = {"has_bias": False, "has_gate": True, "is_concatenated": True, "has_post_expert_norm": False}
@@ -31,13 +38,21 @@ _EXPERT_FLAGS = {"has_bias": False, "has_gate": True, "is_concatenated": True, "
 
 class MoEParallel(ParallelStyle):
     """A Hugging Face sparse-MoE block (``gate`` + ``experts``: Mixtral's ``MixtralSparseMoeBlock``, Qwen3-MoE's
-    ``Qwen3MoeSparseMoeBlock``; the routers of ``ROUTERS``), tensor parallel: every rank keeps every expert, with
-    its ``hidden/W`` slice of each expert's width, and the tokens of all ranks meet at each rank's experts.
+    ``Qwen3MoeSparseMoeBlock``; the routers of ``ROUTERS``; with a shared expert: Qwen2-MoE's, Qwen3-Next's,
+    Qwen3.5-MoE's), tensor parallel: every rank keeps every expert, with its ``hidden/W`` slice of each expert's
+    width, and the tokens of all ranks meet at each rank's experts.
 
     Applied, the block holds rank r's shard in the ops' [E, K, N] layout: ``experts.gate_up_proj``
     [E, dim, 2 * hidden/W] (r's columns of each expert's gate, then of its up projection) and
     ``experts.down_proj`` [E, hidden/W, dim] (r's rows of its down projection), dtype and ``requires_grad`` kept;
-    the experts' own forward is no longer called. ``gate.weight`` becomes a replicated DTensor. Every rank must
+    the experts' own forward is no longer called. ``gate.weight`` becomes a replicated DTensor.
+
+    Shared expert (``shared_expert``, gated by ``sigmoid(shared_expert_gate(x))``, or ``shared_experts``, ungated):
+    an MLP of width ``m * hidden``, cut into m experts of the routed experts' width appended to the experts'
+    parameters (``experts.gate_up_proj`` [E + m, ...], ``nn.moe.fold_shared``); every token is routed to them too,
+    with the gate's weight. It so runs in the routed experts' grouped GEMMs and adds no communication. The shared
+    expert's module is removed from the block (its weights live in the experts'); ``shared_expert_gate.weight``
+    becomes a replicated DTensor, as the router's. Every rank must
     hold the same full weights when the style is applied (the same checkpoint or seed), as for torch's
     ``SequenceParallel``.
 
@@ -74,14 +89,21 @@ class MoEParallel(ParallelStyle):
         check_mesh(self, device_mesh)
         if hasattr(module, "tp_style"):
             raise ValueError(f"MoEParallel: {type(module).__name__} is parallelized already")
-        gate, experts, renormalize = check_block(module, W)
+        gate, experts, renormalize, shared, shared_gate = check_block(module, W)
         w1, w3, w2 = _full_experts(experts)
+        module.tp_experts, module.tp_shared = w1.shape[0], 0
+        if shared is not None:
+            full = shared_weights(getattr(module, shared), "MoEParallel")
+            w1, w3, w2, module.tp_shared = fold_shared(w1, w3, w2, full, "MoEParallel")
+            delattr(module, shared)
         with torch.no_grad():
             w13, w2 = shard_experts(w1, w3, w2, ctx.rank, W)
             experts.gate_up_proj = nn.Parameter(w13, requires_grad=experts.gate_up_proj.requires_grad)
             experts.down_proj = nn.Parameter(w2, requires_grad=experts.down_proj.requires_grad)
-            gate.weight = nn.Parameter(DTensor.from_local(gate.weight.detach(), device_mesh, [Replicate()],
-                                                          run_check=False), requires_grad=gate.weight.requires_grad)
+            for m in (gate, shared_gate) if shared_gate is not None else (gate,):
+                m.weight = nn.Parameter(DTensor.from_local(m.weight.detach(), device_mesh, [Replicate()],
+                                                           run_check=False), requires_grad=m.weight.requires_grad)
+        module.tp_shared_gate = SHARED[shared] if shared_gate is not None else None  # (a name: not a second child)
         gate.tp_renormalize = renormalize
         gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
         module.tp_style, module.tp_mesh, module.tp_handles = self, device_mesh, moe_ops(ctx, self.fallback)
@@ -90,18 +112,22 @@ class MoEParallel(ParallelStyle):
 
 
 def check_block(block, world: int | None = None):
-    """(gate, experts, renormalize) of a block this style computes exactly, or TypeError naming what differs:
-    nothing beside the router and the experts (no shared expert), a router of ``ROUTERS`` with a weight and no
-    bias, and fused SwiGLU experts without biases; with ``world``, ValueError where the experts' hidden width is
-    not divisible by it."""
+    """(gate, experts, renormalize, the shared expert's child name or None, its gate or None) of a block this
+    style computes exactly, or TypeError naming what differs: beside the router and the experts at most a shared
+    expert of ``SHARED`` (with its gate where it has one), a router of ``ROUTERS`` with a weight and no bias, fused
+    SwiGLU experts without biases, a shared expert computing ``down(silu(gate(x)) * up(x))`` without biases; with
+    ``world``, ValueError where the experts' hidden width is not divisible by it; ValueError where the shared
+    expert's width is not a multiple of the experts'."""
     children = dict(block.named_children())
-    if set(children) != {"gate", "experts"} or list(block.parameters(recurse=False)):
-        extra = sorted(set(children) - {"gate", "experts"}) + [n for n, _ in block.named_parameters(recurse=False)]
-        missing = sorted({"gate", "experts"} - set(children))
-        why = (f" without {missing}" if missing else "") + (f", with {extra} beside them" if extra else "") + \
-            (" (a shared expert is not supported)" if any("shared" in n for n in extra) else "")
-        raise TypeError(f"MoEParallel applies to a sparse-MoE block of a router 'gate' and 'experts' only; "
-                        f"{type(block).__name__} has {sorted(children)}{why}")
+    shared = next((n for n in SHARED if n in children), None)
+    allowed = {"gate", "experts"} | ({shared, SHARED[shared]} - {None} if shared else set())
+    if not {"gate", "experts"} <= set(children) <= allowed or list(block.parameters(recurse=False)) or \
+            (shared and SHARED[shared] and SHARED[shared] not in children):
+        extra = sorted(set(children) - allowed) + [n for n, _ in block.named_parameters(recurse=False)]
+        missing = sorted(allowed - set(children))
+        why = (f" without {missing}" if missing else "") + (f", with {extra} beside them" if extra else "")
+        raise TypeError(f"MoEParallel applies to a sparse-MoE block of a router 'gate' and 'experts', and a shared "
+                        f"expert of {sorted(SHARED)} with its gate; {type(block).__name__} has {sorted(children)}{why}")
     gate, experts = children["gate"], children["experts"]
     rule = ROUTERS.get(type(gate).__name__)
     if rule is None or [n for n, _ in gate.named_parameters()] != ["weight"]:
@@ -120,7 +146,33 @@ def check_block(block, world: int | None = None):
     hidden = _full_experts(experts)[0].shape[1]
     if world is not None and hidden % world:
         raise ValueError(f"MoEParallel: the experts' hidden width {hidden} is not divisible by the world size {world}")
-    return gate, experts, rule(gate)
+    shared_gate = children.get(SHARED[shared]) if shared else None
+    if shared:
+        _check_shared(children[shared], shared_gate, hidden, gate.weight.shape[1])
+    return gate, experts, rule(gate), shared, shared_gate
+
+
+def _check_shared(mlp, gate, hidden: int, dim: int) -> None:
+    """TypeError unless ``mlp`` holds exactly gate_proj, up_proj and down_proj linears without biases and computes
+    ``down(silu(gate(x)) * up(x))`` (checked on a probe), and ``gate`` (if any) is ``nn.Linear(dim, 1)`` without
+    bias; ValueError where its width is not a multiple of ``hidden``."""
+    names = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+    if sorted(n for n, _ in mlp.named_parameters()) != sorted(names) or \
+            not all(type(getattr(mlp, n.split(".")[0], None)) is nn.Linear for n in names):
+        raise TypeError(f"MoEParallel: shared expert {type(mlp).__name__} must hold exactly gate_proj, up_proj and "
+                        f"down_proj nn.Linear layers without biases")
+    if gate is not None and (type(gate) is not nn.Linear or gate.bias is not None or gate.out_features != 1):
+        raise TypeError(f"MoEParallel: the shared expert's gate must be nn.Linear({dim}, 1, bias=False)")
+    w1, w3, w2 = (mlp.get_parameter(n).detach() for n in names)
+    if w1.shape[0] % hidden:
+        raise ValueError(f"MoEParallel: the shared expert's width {w1.shape[0]} is not a multiple of the experts' "
+                         f"width {hidden}")
+    probe = torch.linspace(-1, 1, 3 * dim, dtype=w1.dtype, device=w1.device).view(3, dim)
+    with torch.no_grad(), torch.autocast(w1.device.type, enabled=False):
+        got, want = mlp(probe), (nn.functional.silu(probe @ w1.t()) * (probe @ w3.t())) @ w2.t()
+    if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2 * float(want.abs().max()) + 1e-6):
+        raise TypeError(f"MoEParallel: shared expert {type(mlp).__name__} does not compute "
+                        f"down(silu(gate(x)) * up(x))")
 
 
 def _full_experts(experts):
@@ -146,10 +198,12 @@ def _last_path(block) -> str | None:
 def _router_forward(gate, rows):
     """The router on this rank's rows [T/W, dim]: (logits float32 [T/W, E], top-k weights float32, ids), the
     replicated weight's gradient left partial (this rank's tokens' part; DTensor sums it where read)."""
-    weight = gate.weight
-    if isinstance(weight, DTensor):
-        weight = weight.to_local(grad_placements=[Partial()])
-    return route_local(rows, weight, gate.top_k, gate.tp_renormalize)
+    return route_local(rows, _local(gate.weight), gate.top_k, gate.tp_renormalize)
+
+
+def _local(weight):
+    """A replicated DTensor weight as this rank's tensor, its gradient left partial (this rank's tokens' part)."""
+    return weight.to_local(grad_placements=[Partial()]) if isinstance(weight, DTensor) else weight
 
 
 def _block_forward(block, hidden_states):
@@ -170,9 +224,13 @@ def _block_forward(block, hidden_states):
     x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
     rows = x.reshape(-1, x.shape[-1])
     _, weights, ids = block.gate(rows)
+    if block.tp_shared:
+        name = block.tp_shared_gate
+        gate = None if name is None else _local(getattr(block, name).weight)
+        weights, ids = add_shared_routes(rows, weights, ids, block.tp_experts, block.tp_shared, gate)
     ids, weights = gather_routes(weights, ids, block.tp_handles[0], W)
     y = swiglu_experts(rows, w13, w2, ids, weights, block.tp_handles, W)
     return DTensor.from_local(y.view(x.shape), block.tp_mesh, placements, run_check=False)
 
 
-__all__ = ["MoEParallel", "ROUTERS"]
+__all__ = ["MoEParallel", "ROUTERS", "SHARED"]

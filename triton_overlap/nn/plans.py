@@ -14,8 +14,6 @@ from .parallel_moe import MoEParallel, check_block
 
 #: a vocabulary-parallel embedding's strategies: these styles keep the embedding whole on every rank
 KEPT_WHOLE = ("embedding_rowwise", "embedding_colwise")
-#: the strategies inside a sparse-MoE block's experts, which MoEParallel on the block replaces
-EXPERTS = ("moe_tp_experts", "packed_colwise", "grouped_gemm", "local_colwise", "local_rowwise", "local")
 
 
 def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
@@ -79,8 +77,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
         plan[block] = MoEParallel(ctx, fallback=fallback)
     columns: dict[str, list[str]] = {}
     for name, (strategy, key) in found.items():
-        if any(name == b or name.startswith(b + ".") for b in blocks) and strategy in EXPERTS + ("rowwise",):
-            continue  # inside a sparse-MoE block (its experts' parameters): MoEParallel shards the experts
+        if any(name == b or name.startswith(b + ".") for b in blocks):
+            continue  # inside a sparse-MoE block (its experts, its shared expert): MoEParallel takes the whole block
         if strategy in KEPT_WHOLE and isinstance(modules.get(name), nn.Embedding):
             continue
         if strategy in ("colwise", "rowwise"):
