@@ -199,12 +199,12 @@ class TPMoE(ReplicatedRouter, nn.Module):
     to the autocast dtype, as ``nn.Linear`` is) and raise TypeError without it. ``fallback`` is passed to the ops
     ("auto": NCCL + torch for small shards; "never", "always").
 
-    Shared expert (Qwen2-MoE's, Qwen3-Next's, DeepSeek's): ``shared_hidden`` > 0 adds a SwiGLU expert of that width
-    (a multiple of ``hidden``) that every token passes through, weighted by ``sigmoid(x @ shared_gate.weight^T)``
-    where ``shared_gate`` (an ``nn.Linear(dim, 1, bias=False)``, replicated), else by 1. It is held as
-    ``num_shared = shared_hidden / hidden`` more experts at the end of ``w13`` and ``w2`` (``fold_shared``) that
-    every token is routed to: it runs in the same grouped GEMMs and rides the same gather and reduce-scatter, so
-    it adds no communication.
+    Shared expert (Qwen2-MoE's and Qwen3-Next's, gated; DeepSeekMoE's, ungated): ``shared_hidden`` > 0 adds a
+    SwiGLU expert of that width (a multiple of ``hidden``) that every token passes through, weighted by
+    ``sigmoid(x @ shared_gate.weight^T)`` where ``shared_gate`` (an ``nn.Linear(dim, 1, bias=False)``, replicated),
+    else by 1. It is held as ``num_shared = shared_hidden / hidden`` more experts at the end of ``w13`` and ``w2``
+    (``fold_shared``) that every token is routed to: it runs in the same grouped GEMMs and rides the same gather
+    and reduce-scatter, so it adds no communication.
     """
 
     def __init__(self, dim: int, hidden: int, num_experts: int, topk: int, *, ctx, renormalize: bool = True,

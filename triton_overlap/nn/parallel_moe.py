@@ -29,8 +29,9 @@ ROUTERS = {"MixtralTopKRouter": lambda gate: True, "Qwen3MoeTopKRouter": lambda 
            "Qwen2MoeTopKRouter": lambda gate: bool(gate.norm_topk_prob),
            "Qwen3NextTopKRouter": lambda gate: bool(gate.norm_topk_prob), "Qwen3_5MoeTopKRouter": lambda gate: True}
 
-#: a shared expert's child name beside the router and the experts -> the name of its sigmoid gate (None: ungated)
-SHARED = {"shared_expert": "shared_expert_gate", "shared_experts": None}
+#: a shared expert's child name beside the router and the experts -> the name of its sigmoid gate (None: ungated,
+#: as a block with such a shared expert and a router of ROUTERS would name it)
+SHARED = {"shared_expert": "shared_expert_gate"}
 
 #: the experts' layout flags of transformers' ``use_experts_implementation``, as the style requires them
 _EXPERT_FLAGS = {"has_bias": False, "has_gate": True, "is_concatenated": True, "has_post_expert_norm": False}
@@ -45,16 +46,16 @@ class MoEParallel(ParallelStyle):
     Applied, the block holds rank r's shard in the ops' [E, K, N] layout: ``experts.gate_up_proj``
     [E, dim, 2 * hidden/W] (r's columns of each expert's gate, then of its up projection) and
     ``experts.down_proj`` [E, hidden/W, dim] (r's rows of its down projection), dtype and ``requires_grad`` kept;
-    the experts' own forward is no longer called. ``gate.weight`` becomes a replicated DTensor.
-
-    Shared expert (``shared_expert``, gated by ``sigmoid(shared_expert_gate(x))``, or ``shared_experts``, ungated):
-    an MLP of width ``m * hidden``, cut into m experts of the routed experts' width appended to the experts'
-    parameters (``experts.gate_up_proj`` [E + m, ...], ``nn.moe.fold_shared``); every token is routed to them too,
-    with the gate's weight. It so runs in the routed experts' grouped GEMMs and adds no communication. The shared
-    expert's module is removed from the block (its weights live in the experts'); ``shared_expert_gate.weight``
-    becomes a replicated DTensor, as the router's. Every rank must
-    hold the same full weights when the style is applied (the same checkpoint or seed), as for torch's
+    the experts' own forward is no longer called. ``gate.weight`` becomes a replicated DTensor. Every rank must hold
+    the same full weights when the style is applied (the same checkpoint or seed), as for torch's
     ``SequenceParallel``.
+
+    Shared expert (``shared_expert``, gated by ``sigmoid(shared_expert_gate(x))``): an MLP of width ``m * hidden``,
+    cut into m experts of the routed experts' width appended to the experts' parameters (``experts.gate_up_proj``
+    [E + m, ...], ``nn.moe.fold_shared``); every token is routed to them too, with the gate's weight. It so runs in
+    the routed experts' grouped GEMMs and adds no communication. The shared expert's module is removed from the
+    block (its weights live in the experts'); ``shared_expert_gate.weight`` becomes a replicated DTensor, as the
+    router's.
 
     Forward: the input is this rank's sequence shard (a DTensor ``Shard(d)``, or the plain local ``[B, S/W, dim]``,
     taken as ``Shard(1)``); the block is token-wise, so the shard may lie on any dim but the last and no row is

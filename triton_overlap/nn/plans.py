@@ -14,6 +14,9 @@ from .parallel_moe import MoEParallel, check_block
 
 #: a vocabulary-parallel embedding's strategies: these styles keep the embedding whole on every rank
 KEPT_WHOLE = ("embedding_rowwise", "embedding_colwise")
+#: the strategies that mark a sparse-MoE block's ``experts``: "moe_tp_experts" in ``base_model_tp_plan`` (transformers
+#: up to 5.24), "ep_dispatch_experts" in ``base_model_ep_plan`` (from 5.25, where the tp plan no longer names experts)
+EXPERTS = ("moe_tp_experts", "ep_dispatch_experts")
 
 
 def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
@@ -25,7 +28,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     * "colwise" linear layers: ``ColwiseParallel``; those of one module (q/k/v, gate/up) as one
       ``SharedInputColwise`` on that module (``shared_inputs=False``: a ``ColwiseParallel`` each);
     * "rowwise" linear layers: ``RowwiseParallel``;
-    * a sparse-MoE block ("moe_tp_experts" on its ``experts``): ``MoEParallel`` on the block;
+    * a sparse-MoE block (its ``experts`` marked in the model's tp or ep plan, ``EXPERTS``): ``MoEParallel`` on the
+      block;
     * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
       ``[B, S, heads, head_dim]``): torch's ``SequenceParallel`` on the heads' dimension, so that their weights'
       gradients are summed over the ranks;
@@ -56,7 +60,7 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     prefix = getattr(model, "base_model_prefix", "")
     prefix = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
     modules = dict(model.named_modules())
-    rules = [(re.compile(re.escape(prefix + k).replace(r"\*", r"[^.]+") + "$"), k, v) for k, v in tp.items()]
+    rules = [(_pattern(prefix, k), k, v) for k, v in tp.items()]
     found = {}  # concrete module or parameter name -> (strategy, the tp plan's key)
     for name in [*modules, *(n for n, _ in model.named_parameters())]:
         for pattern, key, strategy in rules:
@@ -67,7 +71,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     row = RowwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
     heads = SequenceParallel(sequence_dim=2, use_local_output=True)
     plan: dict[str, ParallelStyle] = {}
-    blocks = {_parent(n) for n, (s, _) in found.items() if s == "moe_tp_experts"}
+    experts = [_pattern(prefix, k) for k in expert_keys(config)]
+    blocks = {_parent(n) for n in modules if any(p.match(n) for p in experts)}
     if blocks and not sequence_parallel:
         raise ValueError(f"hf_plan: {type(model).__name__} has sparse-MoE blocks ({sorted(blocks)[0]}, ...), "
                          f"whose style (MoEParallel) runs sequence parallel only; sequence_parallel=False cannot "
@@ -114,6 +119,17 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
         plan.update(_sequence_edges(modules, *_ends(model, modules, prefix, layers), layers, ctx))
     _check_covered(modules, plan, layers, sequence_parallel)
     return plan
+
+
+def expert_keys(config) -> list[str]:
+    """The keys of a Hugging Face config's tp and ep plans that mark a sparse-MoE block's experts (``EXPERTS``)."""
+    plans = (getattr(config, "base_model_tp_plan", None) or {}, getattr(config, "base_model_ep_plan", None) or {})
+    return [k for plan in plans for k, v in plan.items() if v in EXPERTS]
+
+
+def _pattern(prefix: str, key: str) -> re.Pattern:
+    """A plan's key (``layers.*.mlp.experts``) as the pattern of the concrete names it stands for."""
+    return re.compile(re.escape(prefix + key).replace(r"\*", r"[^.]+") + "$")
 
 
 def _ends(model, modules, prefix, layers: str):
