@@ -18,8 +18,8 @@ collects them under it, so test ids read ``test_<name>_<contract>[...]``):
 - ``test_<name>_gradients_match_reference[i]`` (``grad_cases``): the op through autograd, this rank's inputs'
   gradients against float32 autograd on the unsharded computation;
 - ``test_<name>_<key>`` for each of ``large_cases``: the same on every backend, at W = 2 only on the host backend;
-- ``test_<name>_100_back_to_back_calls[variant]`` (``back_to_back``): 100 calls without host synchronisation (a
-  quarter on the host backend, ``harness.stress_rounds``), every output checked after one synchronisation;
+- ``test_<name>_100_back_to_back_calls[variant]`` (``back_to_back``): 100 calls without host synchronisation (an
+  eighth on the host backend, ``harness.stress_rounds``), every output checked after one synchronisation;
 - ``test_<name>_bad_input_raises_before_launch`` (``bad_inputs``): each bad call raises ValueError naming what is
   wrong, ranks that disagree on shapes get it on every rank, and the op and Context still work after;
 - ``test_<name>_small_shapes_fall_back`` (``falls_back``): fallback="auto" (through the functional form) takes

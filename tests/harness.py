@@ -239,10 +239,10 @@ def _close_all():
 
 
 def stress_rounds(pool, n: int) -> int:
-    """How many rounds a stress test (calls back to back, barrier rounds) makes: ``n`` on GPUs, a quarter of it on
+    """How many rounds a stress test (calls back to back, barrier rounds) makes: ``n`` on GPUs, an eighth of it on
     the host backend, whose interpreted kernels make each round take milliseconds where a GPU takes microseconds
     (and at W > 2 the ranks outnumber a CI machine's cores)."""
-    return n if pool.backend != "host" else max(1, n // 4)
+    return n if pool.backend != "host" else max(1, n // 8)
 
 
 def host_case_share(pool, case: int) -> None:

@@ -203,8 +203,8 @@ def _faults(T: float):
 
 
 def test_ep_low_latency_faults(pool):
-    if pool.backend == "host" and pool.world == 4:
-        pytest.skip("W = 2 and 3 on the host backend")
+    if pool.backend == "host" and pool.world > 2:
+        pytest.skip("W = 2 on the host backend (CI time)")
     times = pool.run(_faults, timeout_for(pool))
     timed_all_but_rank_1(times)
 

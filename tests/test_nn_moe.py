@@ -158,9 +158,9 @@ CASES = {  # S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_emp
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_tp_moe_matches_plain_module(pool, name):
-    if pool.backend == "host" and pool.world == 4:
-        pytest.skip("W = 2, 3 on the host backend")
     case = CASES[name]
+    if pool.backend == "host" and pool.world == 3 and case[8] == "compile":
+        pytest.skip("torch.compile on the host backend at W = 2: each rank compiles the layer (CI time)")
     if pool.backend != "host":  # GPU sizes: tiles of 128 rows and columns, every path of the kernels (the empty
         # experts' case keeps its few tokens: more would reach every expert)
         S, B, dim, hidden, E, topk, renorm, fallback, mode, empty, shared, gated = (*case, *(False, 0, False)[len(case) - 9:])

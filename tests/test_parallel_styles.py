@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import triton_overlap as to
+from harness import host_case_share
 from refs import rel_err
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
@@ -117,6 +118,7 @@ LLAMA_CASES = [(2, "bf16", "never"), (1, "autocast", "never"), (2, "decode", "ne
 @pytest.mark.parametrize("case", range(len(LLAMA_CASES)))
 def test_llama_matches_unmodified_model(pool, case):
     pytest.importorskip("transformers")
+    host_case_share(pool, case)
     pool.run(_llama_case, *LLAMA_CASES[case])
 
 

@@ -257,6 +257,8 @@ def test_ops_between_hosts(pool, what):
         layouts = [n for n in layouts if n < pool.world]
     if pool.backend == "host" and pool.world == 3 and what.startswith("ep"):
         pytest.skip("EP between hosts on the host backend: 2 hosts of 1 and of 2 (W = 2, 4; CI time)")
+    if pool.backend == "host" and pool.world == 3 and list(BETWEEN_HOSTS).index(what) % 2 == 0:
+        pytest.skip("the host backend at W = 3 (hosts of 2 and 1) runs every other op (CI time); W = 2 and 4 run all")
     for n in layouts:
         pool.run(_under_hosts, n, fn, *(host_args if pool.backend == "host" else gpu_args))
 
