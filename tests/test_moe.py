@@ -393,7 +393,8 @@ def test_no_tokens(pool, fallback):
                                        ("moe_gemm_rs", 2)])
 def test_cases_at_every_world_size(pool, name, case):
     """Cases of each op at W = 3 and 4 too, whatever harness.host_case_share leaves out there (W = 2 runs them in
-    the contract's tests): chunks of three and four ranks, arrival orders over three peers."""
+    the contract's tests): chunks of three and four ranks, arrival orders over three peers. (The host backend's W = 4
+    runs the MoE ops as two hosts of two in test_topology only: tests/conftest.py HOST_W4.)"""
     if pool.world == 2:
         pytest.skip("W = 2: the contract's test_<op>_matches_reference runs the case")
     spec = contract.SPECS[name]
