@@ -163,7 +163,8 @@ def test_tp_moe_matches_plain_module(pool, name):
         pytest.skip("torch.compile on the host backend at W = 2: each rank compiles the layer (CI time)")
     if pool.backend != "host":  # GPU sizes: tiles of 128 rows and columns, every path of the kernels (the empty
         # experts' case keeps its few tokens: more would reach every expert)
-        S, B, dim, hidden, E, topk, renorm, fallback, mode, empty, shared, gated = (*case, *(False, 0, False)[len(case) - 9:])
+        S, B, dim, hidden, E, topk, renorm, fallback, mode, empty, shared, gated = (
+            *case, *(False, 0, False)[len(case) - 9:])
         case = (S * (1 if empty else 64), B, dim * 32, hidden * 32, E, topk, renorm, fallback, mode, empty,
                 shared * 32, gated)
     results = pool.run(_layer_case, *case)
