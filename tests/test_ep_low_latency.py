@@ -242,8 +242,6 @@ def _other_dispatch(T: float):
 
 
 def test_ep_low_latency_combine_of_another_dispatch_faults(pool):
-    if pool.backend == "host" and pool.world == 4:
-        pytest.skip("W = 2 and 3 on the host backend")
     assert all(pool.run(_other_dispatch, timeout_for(pool)))
 
 

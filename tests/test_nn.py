@@ -75,8 +75,6 @@ def _layers(S, B, d_in, d_out, fallback, keep=True):
 @pytest.mark.parametrize("fallback,keep", [("never", True), ("always", True), ("never", False)])
 def test_linear_layers_match_unsharded_module(pool, fallback, keep):
     """keep=False: the column layer's weight grad comes from the input gathered again in backward."""
-    if pool.backend == "host" and pool.world == 4:
-        pytest.skip("W = 2, 3 on the host backend")
     S, B, d_in, d_out = (24, 2, 48, 36) if pool.backend == "host" else (1024, 2, 1024, 1536)
     results = pool.run(_layers, S, B, d_in, d_out, fallback, keep)
     want = "overlap" if fallback == "never" else "fallback"
@@ -148,8 +146,6 @@ def _mlp_training(S, B, dim, hidden, steps, lr, fallback):
 
 @pytest.mark.parametrize("fallback", ["never", "always"])
 def test_tp_mlp_follows_single_process_loss_curve(pool, fallback):
-    if pool.backend == "host" and pool.world == 4:
-        pytest.skip("W = 2, 3 on the host backend")
     shape = (24, 2, 32, 48) if pool.backend == "host" else (512, 2, 1024, 2816)
     results = pool.run(_mlp_training, *shape, 5, 0.5, fallback)
     assert all(res == results[0] for res in results), "ranks disagree on the loss curve"
