@@ -171,8 +171,9 @@ def _host_error_mid_call(T: float = 60.0, late_s: float = 0.0, repeated: bool = 
     compile), after the call's barrier and its copies and flags were enqueued: the error reaches the caller, the
     Context refuses calls until reset() (the flags and workspaces the call left would pass as the next call's),
     and after reset() calls are correct again. The last rank comes to reset() ``late_s`` after the others.
-    ``repeated``: the failing call repeats an earlier call's tensors, so on GPUs the op captures it to replay it
-    (ops.replay), and it fails inside that capture."""
+    ``repeated``: the failing call comes after two calls of its layout (at other addresses), so on GPUs the op
+    captures it to check it against the layout's first capture (ops.replay rebinds), and it fails inside that
+    capture."""
     from triton_overlap.ops import all_gather_gemm as module
 
     with to.Context(timeout_s=T) as ctx:
@@ -188,6 +189,8 @@ def _host_error_mid_call(T: float = 60.0, late_s: float = 0.0, repeated: bool = 
         def failing(*a, **kw):
             raise MemoryError("injected: no memory for the consumer")
 
+        if repeated:
+            call = _call(op, ctx, tag=1)  # new tensors (the earlier call's still held): a capture, not a replay
         module.launch_gemm = failing
         try:
             with pytest.raises(MemoryError, match="injected"):

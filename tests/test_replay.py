@@ -8,7 +8,7 @@ import torch
 
 import triton_overlap as to
 from refs import GRAD_TOL, TOL, attention, attention_problem, poison, rand, rel_err
-from triton_overlap.ops.replay import ReplayCache
+from triton_overlap.ops.replay import ReplayCache, call_key, layout_of
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_replay_decisions():
     ran = []
     go = lambda key, shape="s": cache.run(key, shape, lambda: ran.append(key))  # noqa: E731
     assert [go("a"), go("a"), go("a")] == [False, True, True] and ran == ["a"] * 3  # a replay enqueues the same work
-    assert cache.stats == {"replays": 1, "captures": 1, "dropped": 0}
+    assert cache.stats == {"replays": 1, "captures": 1, "dropped": 0, "rebound": 0}
     assert not cache.will_replay("b", "other shape")  # never ran eagerly: no capture even when seen often
     assert go("b", "t") is False and go("b", "t") is True and go("c", "t") is False and go("c", "t") is True
     assert cache.stats["dropped"] == 1 and "a" not in cache._graphs  # capacity 2: the least recent went
@@ -72,6 +72,120 @@ def test_replay_decisions():
     lonely.run(99, "s", lambda: None)
     assert lonely.run(99, "s", lambda: None) is False  # stopped capturing
     assert lonely.stats["captures"] == 4
+
+
+class _FakePatch:
+    """A GraphPatch stand-in: the bases it is bound to, the rebinds applied, and a fingerprint set by the test."""
+
+    def __init__(self, ranges, tag="same", fail=False):
+        self.bases, self.applied, self.tag, self.fail = tuple(lo for lo, _ in ranges), [], tag, fail
+
+    def fingerprint(self, bases):
+        return self.tag
+
+    def apply(self, bases):
+        if self.fail and tuple(bases) != self.bases:
+            raise RuntimeError("cuGraphExecKernelNodeSetParams failed")
+        if tuple(bases) != self.bases:
+            self.applied.append(tuple(bases))
+        self.bases = tuple(bases)
+
+
+def _rebind_cache(tags=None, **kw):
+    """A rebinding ReplayCache on fake graphs; ``tags``: the fingerprints its captures get, in order (default all
+    equal), or None for a graph without a patch."""
+    cache = _cpu_cache(rebind=True, **kw)
+    made = []
+    tags = list(tags) if tags is not None else None
+
+    def patch_of(graph, ranges):
+        tag = tags.pop(0) if tags else "same"
+        made.append(None if tag is None else _FakePatch(ranges, tag))
+        return made[-1]
+    cache._patch_of = patch_of
+    return cache, made
+
+
+def _call(*tensors, args=()):
+    return call_key(args, *tensors)
+
+
+def test_layout_key():
+    """``layout_of``: what a call's key holds without the addresses (shapes, strides, dtypes, devices, address
+    modulo 16, how the call's tensors overlap) and its tensors' byte ranges."""
+    a, b = torch.empty(64, 32), torch.empty(64, 32)
+    la, ra = layout_of(_call(a, None))
+    lb, rb = layout_of(_call(b, None))
+    assert la == lb and ra != rb and ra == [(a.data_ptr(), a.data_ptr() + a.numel() * 4)]
+    assert layout_of(_call(a.t(), None))[0] != la  # strides
+    assert layout_of(_call(a.half(), None))[0] != la  # dtype
+    assert layout_of(_call(a[:, 1:], None))[0] != layout_of(_call(a[:, :-1], None))[0]  # 4 bytes off alignment
+    assert layout_of(_call(a, args=(("block", 64),)))[0] != layout_of(_call(a))[0]  # arguments
+    # overlaps: the same tensor twice, a view inside another, two tensors apart
+    assert layout_of(_call(a, a))[0] == layout_of(_call(b, b))[0] != layout_of(_call(a, b))[0]
+    assert layout_of(_call(a, a[8:]))[0] != layout_of(_call(a, a[16:]))[0]
+    empty = a[0:0]
+    assert layout_of(_call(empty, b))[1][0] == (empty.data_ptr(), empty.data_ptr())  # an empty tensor: no bytes
+
+
+def test_rebind_decisions():
+    """A rebinding op whose calls never repeat their addresses: the first call runs eagerly, the second is
+    captured (the layout's candidate, held under its exact key too), the third is captured and compared with
+    the candidate rebound to its addresses; equal, every later call of the layout replays that graph rebound
+    (``hit`` too, the ops' unchecked path). A call at the candidate's own addresses replays the candidate by its
+    exact key. A new generation drops it all."""
+    cache, made = _rebind_cache()
+    ran, keep = [], []
+
+    def go(*shape):
+        t = torch.empty(*shape)
+        keep.append(t)
+        return cache.run(_call(t), ("s", shape), lambda: ran.append(shape))
+
+    assert [go(8, 4), go(8, 4), go(8, 4)] == [False, True, True]
+    assert cache.stats == {"replays": 0, "captures": 2, "dropped": 0, "rebound": 0}  # (captures replay uncounted)
+    assert len(cache._rebound) == 1 and not cache._candidates and cache.last_refusal is None
+    assert [go(8, 4) for _ in range(3)] == [True] * 3
+    assert cache.stats["rebound"] == 3 and cache.stats["captures"] == 2
+    held = next(iter(cache._rebound.values()))
+    assert held.patch.applied == [(t.data_ptr(),) for t in keep[3:]]
+    t = torch.empty(8, 4)
+    keep.append(t)
+    assert cache.hit(_call(t)) and held.patch.bases == (t.data_ptr(),) and cache.stats["rebound"] == 4
+    assert cache.known(_call(torch.empty(8, 4))) and not cache.known(_call(torch.empty(4, 8)))
+    assert cache.hit(_call(keep[1])) and cache.stats["rebound"] == 4  # the candidate's key: its own graph
+    assert go(4, 8) is False  # another layout: its own first call
+    cache.ctx.generation += 1
+    assert go(8, 4) is False and not cache._rebound and not cache.active
+
+
+def test_rebind_refused():
+    """A layout whose second capture differs from its candidate rebound to it (an address-derived value), or
+    whose graph has no patch, is left to exact keys: never rebound, its repeating keys still captured and
+    replayed; ``last_refusal`` says why. A driver error while rebinding drops the layout and the call runs
+    eagerly."""
+    for tags in (["first", "second"], [None]):
+        cache, _ = _rebind_cache(tags)
+        keep, ran = [], []
+        for _ in range(4):
+            t = torch.empty(8, 4)
+            keep.append(t)
+            cache.run(_call(t), "s", lambda: ran.append(1))
+        assert cache.stats["rebound"] == 0 and not cache._rebound and len(cache._fixed) == 1
+        assert cache.last_refusal is not None
+        captures = cache.stats["captures"]
+        assert cache.run(_call(keep[-1]), "s", lambda: None) is True  # its key's second sighting: captured
+        assert cache.stats["captures"] == captures + 1 and cache.hit(_call(keep[-1]))
+        assert cache.stats["rebound"] == 0
+    cache, made = _rebind_cache()
+    keep = [torch.empty(8, 4) for _ in range(4)]
+    for t in keep[:3]:
+        cache.run(_call(t), "s", lambda: None)
+    assert len(cache._rebound) == 1
+    next(iter(cache._rebound.values())).patch.fail = True
+    ran = []
+    assert cache.run(_call(keep[3]), "s", lambda: ran.append(1)) is False and ran == [1]
+    assert not cache._rebound and "updating the graph failed" in cache.last_refusal
 
 
 def test_replay_keeps_what_the_call_returned():
@@ -248,16 +362,21 @@ def _ag_rs(m_local, k, n, replay_ranks):
             # RS: call 1 enqueued, call 2 captured, the rest replayed. AG the same one call later: RS's first call
             # allocated its buffers after AG's first, which drops what AG knew (AG's call 2 is enqueued again).
             # The gathered copy is outside the graph: a fresh tensor per call does not make a new key.
-            assert rs.replays.stats == {"replays": iters - 2, "captures": 1, "dropped": 0}, rs.replays.stats
-            assert ag.replays.stats == {"replays": iters - 3, "captures": 1, "dropped": 0}, ag.replays.stats
-            # another output tensor: a new key, enqueued (seen once), then captured
+            assert rs.replays.stats == {"replays": iters - 2, "captures": 1, "dropped": 0, "rebound": 0}, \
+                rs.replays.stats
+            assert ag.replays.stats == {"replays": iters - 3, "captures": 1, "dropped": 0, "rebound": 0}, \
+                ag.replays.stats
+            # another output tensor: a new key of the same layout, captured and checked against the layout's first
+            # capture rebound to it; the next call at other addresses replays that graph rebound
             other = torch.empty_like(rs_out)
             caps = rs.replays.stats["captures"]
             rs(big, w_rs, out=other)
-            assert rs.replays.stats["captures"] == caps
-            rs(big, w_rs, out=other)
-            assert rs.replays.stats["captures"] == caps + 1
+            assert rs.replays.stats["captures"] == caps + 1 and rs.replays.last_refusal is None
             assert torch.equal(other.cpu(), rs_out.cpu())
+            third = poison(torch.empty_like(rs_out))
+            rs(big, w_rs, out=third)
+            assert rs.replays.stats["captures"] == caps + 1 and rs.replays.stats["rebound"] == 1
+            assert torch.equal(third.cpu(), rs_out.cpu()) and torch.equal(other.cpu(), rs_out.cpu())
         else:
             rs(big, w_rs, out=rs_out)
             rs(big, w_rs, out=rs_out)
@@ -282,11 +401,54 @@ def test_gemm_ops_replay(gpu_pool, replay_ranks):
     assert all(gpu_pool.run(_ag_rs, 1024, 512, 768, replay_ranks))
 
 
+def _fresh_tensors(m_local, k, n, calls):
+    """Calls whose tensors never come back at the same addresses (a training step's activations), two weights in
+    turn (two layers sharing one op): the rebinding ops capture one call, check a later one against it, and replay
+    the rest rebound to each call's tensors. Every result right on poisoned outputs, and every earlier output still
+    right after the later calls (a graph that kept an old address would write there)."""
+    with to.Context(timeout_s=30) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        bf16 = torch.bfloat16
+        ag = to.AllGatherGEMM(ctx, fallback="never")
+        rs = to.GEMMReduceScatter(ctx, fallback="never")
+        ws = [rand((k, n), bf16, dev, "w", r, j) for j in range(2)]
+        ws_rs = [rand((k, n), bf16, dev, "w_rs", j) for j in range(2)]
+        kept = []
+        for i in range(calls):
+            shards = [rand((m_local, k), bf16, dev, "a", i, s) for s in range(W)]
+            a, w = shards[r].clone(), ws[i % 2]
+            out = poison(torch.empty((m_local * W, n), dtype=bf16, device=dev))
+            assert ag(a, w, out=out) is out
+            ref = torch.cat(shards).float() @ w.float()
+            assert rel_err(out, ref) < TOL[bf16], f"rank {r} ag call {i}: rel err {rel_err(out, ref):.2e}"
+            parts = [rand((m_local * W, k), bf16, dev, "rs", i, s) for s in range(W)]
+            x, w2 = parts[r].clone(), ws_rs[i % 2]
+            y = poison(torch.empty((m_local, n), dtype=bf16, device=dev))
+            rs(x, w2, out=y)
+            ref_rs = (sum(p.float() for p in parts) @ w2.float())[r * m_local:(r + 1) * m_local]
+            assert rel_err(y, ref_rs) < TOL[bf16], f"rank {r} rs call {i}: rel err {rel_err(y, ref_rs):.2e}"
+            kept.append((a, out, ref, x, y, ref_rs))  # alive: no later call gets these addresses
+        for i, (_, out, ref, _, y, ref_rs) in enumerate(kept):
+            assert rel_err(out, ref) < TOL[bf16] and rel_err(y, ref_rs) < TOL[bf16], f"call {i}'s output changed"
+        ctx.check()
+        # RS: call 1 eager, 2 captured, 3 captured and checked, the rest rebound. AG one call later: RS's first call
+        # allocated its buffers, which dropped what AG knew.
+        assert rs.replays.last_refusal is None and ag.replays.last_refusal is None, \
+            (rs.replays.last_refusal, ag.replays.last_refusal)
+        assert rs.replays.stats["rebound"] == calls - 3, rs.replays.stats
+        assert ag.replays.stats["rebound"] == calls - 4, ag.replays.stats
+        return True
+
+
+def test_fresh_tensors_replay_rebound(gpu_pool):
+    assert all(gpu_pool.run(_fresh_tensors, 512, 256, 384, 9))
+
+
 def _small_shape_auto(m_local, k, n):
     """fallback="auto" on a shape under the eager threshold: repeated tensors overlap by replay; a call
-    with tensors not seen before overlaps too, eagerly, until the ranks agree that keys do not repeat
-    (test_replay_agreement_sets_the_small_calls_path_on_every_rank): whether a call finds its graph depends on the
-    rank's addresses, and the ranks' paths must agree."""
+    with tensors not seen before overlaps too (captured and checked, then rebound), until the ranks agree that keys
+    do not repeat (test_replay_agreement_sets_the_small_calls_path_on_every_rank): whether a call finds its graph
+    depends on the rank's addresses, and the ranks' paths must agree."""
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
         ag = to.AllGatherGEMM(ctx)
@@ -310,15 +472,19 @@ def _small_shape_auto(m_local, k, n):
         assert paths == ["overlap"] * 4, paths
         assert ag.replays.stats["captures"] == 1 and ag.replays.stats["replays"] == 2
         fresh = poison(torch.empty_like(out))
-        ag(a, w, out=fresh)
-        assert ag.last_path == "overlap" and ag.replays.stats["replays"] == 2  # eager
+        ag(a, w, out=fresh)  # captured, and checked against the first capture rebound to it
+        assert ag.last_path == "overlap" and ag.replays.stats["captures"] == 2
         assert rel_err(fresh, ref) < TOL[torch.bfloat16]
+        again = poison(torch.empty_like(out))
+        ag(a, w, out=again)  # replayed rebound to its output
+        assert ag.last_path == "overlap" and ag.replays.stats["rebound"] == 1, ag.replays.last_refusal
+        assert rel_err(again, ref) < TOL[torch.bfloat16] and rel_err(fresh, ref) < TOL[torch.bfloat16]
         # another buffer's allocation drops every graph: the shape runs the overlap eagerly once more, then its
         # repeating calls are captured again
         ctx.symmetric("test.other", (4096,), torch.int32)
         paths = repeat(3)
         assert paths == ["overlap"] * 3, paths
-        assert ag.replays.stats["captures"] == 2 and ag.replays.stats["replays"] == 3, ag.replays.stats
+        assert ag.replays.stats["captures"] == 3 and ag.replays.stats["replays"] == 4, ag.replays.stats
         ctx.check()
         return True
 
@@ -405,7 +571,7 @@ def _cp(B, S, Hq, Hkv, D, causal):
             lse_err = rel_err(lse, to.zigzag.shard(ref_lse, ctx, dim=2))
             assert lse_err < 1e-3, f"call {i}: lse rel err {lse_err:.2e}"
         ctx.check()
-        assert op.replays.stats == {"replays": 3, "captures": 1, "dropped": 0}, op.replays.stats
+        assert op.replays.stats == {"replays": 3, "captures": 1, "dropped": 0, "rebound": 0}, op.replays.stats
         return True
 
 

@@ -39,6 +39,11 @@ def _drv():
     return driver
 
 
+def driver():
+    """cuda-python's driver API module."""
+    return _drv()
+
+
 def runtime_available() -> bool:
     """Whether cuda-python is installed."""
     try:

@@ -269,12 +269,13 @@ def layout_for(ctx, a, ws, w, c, m_local: int) -> str | None:
 
 
 def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, order, flags, exit_counts,
-                   op: int = 0, rank: int | None = None, world: int | None = None) -> None:
+                   op: int = 0, rank: int | None = None, world: int | None = None, in_place: bool = True) -> None:
     """The AllGather GEMM on the caller's stream: ``c`` [W * m_local, N] = the gathered rows (``a``, this rank's
     shard, read in place; the peers' from ``ws``, the [W * m_local, K] workspace, once their flags are set) @ ``w``
     (+ ``bias``). ``order``: the m-tiles in the order programs take them; ``flags``: this rank's chunk flags;
     ``exit_counts``: two int32s, zero at launch, zeroed again with the flags by the last program. ``rank`` /
-    ``world``: as which rank of how many (None: the Context's)."""
+    ``world``: as which rank of how many (None: the Context's). ``in_place`` False: the shard is copied into the
+    workspace first (kernels.gemm_operands.gather_a)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     W = ctx.world_size if world is None else world
@@ -282,7 +283,7 @@ def launch_ag_gemm(ctx, b_layout: str, a, ws, w, c, bias, layout: ChunkLayout, o
     m_local, K = a.shape
     M, N = W * m_local, w.shape[1]
     gdt = gl.bfloat16 if a.dtype == torch.bfloat16 else gl.float16
-    base, shape, strides, planes = gather_a(a, ws, M, rank)
+    base, shape, strides, planes = gather_a(a, ws, M, rank, in_place)
     block = [1, TILES.block_m, TILES.block_k]
     a_desc = TensorDescriptor(base, shape, strides, block, shared_layout(block, gdt))
     grid = programs(ctx, M, N, peer_stores=False)  # an SM left to the producer's barrier kernel

@@ -69,18 +69,20 @@ def pair_gap(a, ws) -> int | None:
     return gap // e if gap % 16 == 0 and gap < (1 << 40) and a.stride(0) == ws.stride(0) else None
 
 
-def gather_a(a, ws, M: int, rank: int):
+def gather_a(a, ws, M: int, rank: int, in_place: bool = True):
     """AllGather's A for one 3-D descriptor [planes, M, K], so a GEMM's one K loop reads this rank's rows and its
     peers' by plane index (the kernels' ``own_plane``, ``ws_plane`` and ``own_shift``): the shard and the workspace
     as two planes, the lower in memory plane 0 and the other ``pair_gap`` elements past it (only the shard plane's
     first M_LOCAL rows are real; no tile reads others there: whole tiles of rows per rank); the shard alone when
     ``ws`` is ``a`` (one rank); else, where one descriptor cannot span the two, the workspace alone, after copying
     the shard into its own rows on the current stream (peers write only their own rows; in pull mode the producer
-    puts the same bytes there). Returns (base tensor, shape, strides, (own_plane, ws_plane, own_shift))."""
+    puts the same bytes there), and so too with ``in_place`` False (the descriptor then depends on the workspace's
+    address alone, not on the gap between the two: ops.replay rebinds such a call to another shard). Returns
+    (base tensor, shape, strides, (own_plane, ws_plane, own_shift))."""
     m_local, K = a.shape
     if ws.data_ptr() == a.data_ptr():
         return a, [1, M, K], [M * a.stride(0), a.stride(0), 1], (0, 0, 0)
-    gap = pair_gap(a, ws)
+    gap = pair_gap(a, ws) if in_place else None
     if gap is None:
         ws.narrow(0, rank * m_local, m_local).copy_(a)
         return ws, [1, M, K], [M * ws.stride(0), ws.stride(0), 1], (0, 0, 0)

@@ -63,6 +63,7 @@ class AllGatherGEMM(OverlapOp):
     KIND = "ag_gemm"
     ACROSS_HOSTS = True
     EAGER_MIN_FLOP_PER_PEER = 2e11
+    REBIND = True
 
     def __init__(self, ctx, config: AllGatherGEMMConfig | None = None, *, fallback: str = "auto",
                  max_m: int | None = None, name: str | None = None, replay: bool = True):
@@ -153,11 +154,13 @@ class AllGatherGEMM(OverlapOp):
         producer = Gather(ctx, sched.gather, [(a, ws)], flags, call=sched.call)
         layout, order, cfg = sched.gather.layout, sched.order, sched.cfg
 
+        in_place = self._reads_shard_in_place(sched)
+
         def consumer():  # its last program zeroes the flags (sched.gather.reset_by): every one was seen, peers set
             # them again only after the next barrier
             if sched.b_layout is not None:
                 gather_hopper.launch_ag_gemm(ctx, sched.b_layout, a, ws.local, w, out, bias, layout, order,
-                                             flags.local, self._exit_counts(), op=self.op)
+                                             flags.local, self._exit_counts(), op=self.op, in_place=in_place)
                 return
             launch_gemm(ctx, cfg, a, w, out, order=order, flags=flags.local, layout=layout, bias=bias,
                         scales=scales or None, workspace=ws.local, exit_counts=self._exit_counts(), op=self.op,
@@ -165,6 +168,19 @@ class AllGatherGEMM(OverlapOp):
 
         first = cfg.consumer_first and self.warm((layout, sched.gather.mode))
         pipeline.run(ctx, producer, consumer, consumer_first=first)
+
+    def _reads_shard_in_place(self, sched) -> bool:
+        """Whether the Gluon GEMM reads this rank's shard where the caller holds it. Not in a capture of a call
+        that ops.replay may rebind to other tensors (its descriptor would hold the gap between the shard and the
+        workspace): the shard is copied into the workspace, and the first call of each schedule does so too,
+        eagerly, so that the kernel a capture launches is built before it."""
+        if not (self.replays.rebind and self.replays.on()):
+            return True
+        built = self.state.setdefault("copied shard", set())
+        if self.replays.capturing or sched not in built:
+            built.add(sched)
+            return False
+        return True
 
     def schedule(self, a, ws, w, out, overrides, fp8: bool) -> "AllGatherGEMMSchedule":
         """Every decision of a call of these operands, made once per shape, configuration and consumer: the config,

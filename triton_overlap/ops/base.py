@@ -103,6 +103,8 @@ class OverlapOp:
     ACROSS_HOSTS = False
     #: eager_host_bound's threshold for this op (docs/decisions.md says where each figure comes from)
     EAGER_MIN_FLOP_PER_PEER = 0.0
+    #: whether the op's graphs are rebound to new tensors' addresses (ops.replay: calls keyed by layout too)
+    REBIND = False
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -119,7 +121,7 @@ class OverlapOp:
         self.fallback = fallback
         self.op = ctx.op_id(self.KIND)
         # across hosts a call's exchanges go through the process group: it is enqueued anew every time
-        self.replays = ReplayCache(ctx, enabled=replay and ctx.num_hosts == 1)
+        self.replays = ReplayCache(ctx, enabled=replay and ctx.num_hosts == 1, rebind=self.REBIND)
         ctx.on_close(self.replays.clear)
         self._configs: dict = {}  # (shape, variant) -> the config found for it
         self.last_path = None  # "overlap" or "fallback": what the last call took

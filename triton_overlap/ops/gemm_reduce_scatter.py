@@ -98,6 +98,7 @@ class GEMMReduceScatter(OverlapOp):
     """
 
     KIND = "gemm_rs"
+    REBIND = True
     ACROSS_HOSTS = True
     EAGER_MIN_FLOP_PER_PEER = 3e11
 

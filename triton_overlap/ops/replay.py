@@ -40,6 +40,26 @@ one key and one dictionary lookup. Rules:
   calls forward and two backward); the capacity covers a few hundred of them, since
   a graph that the LRU drops before its key comes round again is never replayed.
 
+Rebinding (ops that set ``OverlapOp.REBIND``): a graph is bound to the
+addresses it was captured with, and a training step's activations rarely come
+back at the same addresses (the allocator's reuse depends on timing), so their
+keys never repeat. Such an op's cache also keys calls by layout alone
+(``layout_of``: shapes, strides, dtypes, device, each address's low bits and
+how the call's tensors overlap one another) and rewrites a held graph's
+addresses for the call at hand (context.graphs.GraphPatch: kernel parameters,
+TMA descriptors' base addresses, copies, memsets) before replaying it. That is
+correct only if the addresses are all that differ between two calls of a
+layout, which a host computation could break (a value derived from an
+address); so a layout is rebound only after a check: its second sighting is
+captured (a candidate), and a later call of the layout at other addresses is
+captured too and compared, node by node and word by word, with the candidate
+rewritten to that call's addresses. Equal: the layout is rebound from then on.
+Different, or a node that cannot be rewritten: its calls replay by exact keys
+only, as above. While a rebinding op captures, ``capturing`` is true, so that
+its enqueue can choose what it captures (AllGatherGEMM copies its shard into
+the workspace rather than describing both with one descriptor whose stride is
+the gap between them, a value derived from two addresses).
+
 A replay writes what the eager call would have written, into the caller's
 tensors: ``out=`` and the returned tensors are the caller's, never the graph's.
 What a call makes inside the captured part (the MoE ops' routing) is in the
@@ -52,14 +72,45 @@ from collections import OrderedDict
 
 import torch
 
+from ..context.graphs import GraphPatch
 from ..producers.pipeline import own_capture
+
+#: a layout key keeps each address modulo this: every decision on alignment made here (16-byte TMA bases, Triton's
+#: specialisation on divisibility by 16) sees the same bits in every call of the layout; tensors the allocator
+#: hands out are all 0 here, so their layouts do not split by address
+ALIGNMENT = 16
 
 
 def tensor_key(t):
-    """What a captured call depends on of tensor ``t``: where it is and how it is laid out."""
+    """What a captured call depends on of tensor ``t``: where it is (address, device) and how it is laid out."""
     if t is None:
         return None
-    return t.data_ptr(), t.shape, t.stride(), t.dtype
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()
+
+
+def layout_of(key):
+    """A call's key without its addresses, and the byte ranges [lo, hi) of its tensors (in order, None skipped).
+    The layout key holds each tensor's shape, strides, dtype, device and address modulo ALIGNMENT, and which of
+    the call's tensors overlap which, at what distance: two calls of one layout differ in where their tensors
+    are, not in how they relate."""
+    args, *tensors = key
+    layout, ranges = [], []
+    for tk in tensors:
+        if tk is None:
+            layout.append(None)
+            continue
+        ptr, shape, stride, dtype, device = tk
+        layout.append((shape, stride, dtype, device, ptr % ALIGNMENT))
+        span = 1  # elements from the first to the last, inclusive; none in an empty tensor (its address means
+        for size, step in zip(shape, stride):  # nothing: where a graph holds one, the check sees it differ)
+            if size == 0:
+                span = 0
+                break
+            span += (size - 1) * step
+        ranges.append((ptr, ptr + span * dtype.itemsize))
+    overlaps = tuple((i, j, ranges[i][0] - ranges[j][0]) for i in range(len(ranges)) for j in range(i)
+                     if ranges[i][0] < ranges[j][1] and ranges[j][0] < ranges[i][1])
+    return ("layout", args, tuple(layout), overlaps), ranges
 
 
 def call_key(args, *tensors):
@@ -71,12 +122,12 @@ def call_key(args, *tensors):
 
 
 class _Held:
-    """A captured call: its graph and what its enqueue returned while captured."""
+    """A captured call: its graph, what its enqueue returned while captured, and its GraphPatch where rebinding."""
 
-    __slots__ = ("graph", "outputs")
+    __slots__ = ("graph", "outputs", "patch")
 
     def __init__(self):
-        self.graph, self.outputs = None, None
+        self.graph, self.outputs, self.patch = None, None, None
 
     def keep(self, outputs) -> None:
         self.outputs = outputs
@@ -90,9 +141,16 @@ class ReplayCache:
 
     SEEN_LIMIT = 4096  # sightings remembered (keys, least recent dropped)
 
-    def __init__(self, ctx, enabled: bool = True, capacity: int = 512, after: int = 2):
+    def __init__(self, ctx, enabled: bool = True, capacity: int = 512, after: int = 2, rebind: bool = False):
         self.ctx = ctx
         self.enabled = bool(enabled) and ctx.backend == "cuda"
+        self.rebind = bool(rebind)  # calls are keyed by layout too, and held graphs rebound to their addresses
+        self.capturing = False  # true while this cache captures a call (rebinding ops choose what they enqueue)
+        self._rebound: OrderedDict = OrderedDict()  # layout key -> _Held with a checked patch
+        self._candidates: dict = {}  # layout key -> the GraphPatch of its first capture, awaiting the check
+        self._fixed: set = set()  # layout keys whose graphs replay by exact keys only (the check failed)
+        self._layouts: OrderedDict = OrderedDict()  # layout key -> sightings
+        self.last_refusal = None  # why the last layout was left to exact keys
         self._broken = False  # a capture failed on this rank: it stays eager (``on`` does not change)
         self.capacity = capacity
         self.after = after  # sightings of a key (this call included) before it is captured
@@ -102,17 +160,21 @@ class ReplayCache:
         self._prepared: set = set()  # shape keys that ran eagerly in this workspace generation
         self._generation = getattr(ctx, "generation", 0)
         self._stream = None
-        self.stats = {"replays": 0, "captures": 0, "dropped": 0}
+        self.stats = {"replays": 0, "captures": 0, "dropped": 0, "rebound": 0}
         self.last_outputs = None  # what the replayed graph's enqueue returned while captured (its memory)
 
     @property
     def active(self) -> bool:
         """Whether any graph is held (else ``hit`` cannot replay, and an op skips building a key for it)."""
-        return bool(self._graphs)
+        return bool(self._graphs) or bool(self._rebound)
 
     def clear(self) -> None:
-        self.stats["dropped"] += len(self._graphs)
+        self.stats["dropped"] += len(self._graphs) + len(self._rebound)
         self._graphs.clear()
+        self._rebound.clear()
+        self._candidates.clear()
+        self._fixed.clear()
+        self._layouts.clear()
         self.last_outputs = None
         self._shape_of.clear()
         self._seen.clear()
@@ -124,14 +186,23 @@ class ReplayCache:
         return self.enabled and self.ctx.producer_jitter_s <= 0
 
     def known(self, key) -> bool:
-        """Whether a call with ``key`` replays or will once captured: its graph is held, or its key was seen."""
-        return key is not None and self._usable() and (key in self._graphs or key in self._seen)
+        """Whether a call with ``key`` replays or will once captured: its graph is held, or its key was seen (or,
+        where rebinding, its layout's)."""
+        if key is None or not self._usable():
+            return False
+        if key in self._graphs or key in self._seen:
+            return True
+        if not self.rebind:
+            return False
+        layout = layout_of(key)[0]
+        return layout in self._rebound or (layout in self._layouts and layout not in self._fixed)
 
     def drop_shapes(self, shapes) -> None:
         """Drop the graphs of calls of these shape keys (``run``'s ``shape_key``)."""
         for key in [k for k, s in self._shape_of.items() if s in shapes]:
             self._shape_of.pop(key)
-            if self._graphs.pop(key, None) is not None:
+            self._candidates.pop(key, None)
+            if self._graphs.pop(key, None) is not None or self._rebound.pop(key, None) is not None:
                 self.stats["dropped"] += 1
 
     def _usable(self) -> bool:
@@ -148,14 +219,21 @@ class ReplayCache:
 
     def hit(self, key) -> bool:
         """Replay the graph held for ``key`` and return True; False (nothing enqueued) when there is none or
-        replay is off for this call. The op has not checked the call: a held key passed its checks before."""
-        if not self._graphs or not self._usable():
+        replay is off for this call. The op has not checked the call: a held key passed its checks before (where
+        rebinding, a call of the same layout did: checks look at shapes, strides, dtypes, devices, alignment and
+        how the call's tensors overlap, all of which the layout key holds)."""
+        if not self.active or not self._usable():
             return False
         g = self._graphs.get(key)
-        if g is None:
-            return False
-        self._replay_held(key, g)
-        return True
+        if g is not None:
+            self._replay_held(key, g)
+            return True
+        if self._rebound:
+            layout, ranges = layout_of(key)
+            held = self._rebound.get(layout)
+            if held is not None:
+                return self._replay_rebound(layout, held, ranges)
+        return False
 
     def will_replay(self, key, shape_key) -> bool:
         """Whether a call with ``key`` will run as a replay (of a graph held, or captured by this call)."""
@@ -164,9 +242,27 @@ class ReplayCache:
     def _decide(self, key, shape_key) -> bool:
         if key in self._graphs:
             return True
-        if self.stats["captures"] >= 4 * self.capacity and self.stats["replays"] < self.stats["captures"]:
-            return False  # keys do not repeat here: captures would be pure cost
+        if self.rebind and self._layout_replays(key, shape_key):
+            return True
+        if self._stopped():
+            return False
         return shape_key in self._prepared and self._seen.get(key, 0) + 1 >= self.after
+
+    def _layout_replays(self, key, shape_key) -> bool:
+        """Whether ``_by_layout`` enqueues this call (a replay, or a capture replayed)."""
+        layout, ranges = layout_of(key)
+        if layout in self._rebound:
+            return True
+        if layout in self._fixed or shape_key not in self._prepared or self._stopped():
+            return False
+        candidate = self._candidates.get(layout)
+        if candidate is None:
+            return self._layouts.get(layout, 0) + 1 >= self.after
+        return tuple(lo for lo, _ in ranges) != candidate.bases
+
+    def _stopped(self) -> bool:
+        """Whether captures stopped: many, and fewer replays than captures (keys do not repeat here)."""
+        return self.stats["captures"] >= 4 * self.capacity and self.stats["replays"] < self.stats["captures"]
 
     def unprepared(self, shape_key) -> bool:
         """Whether replay is usable for this call and ``shape_key`` has not run the overlap eagerly in the current
@@ -186,10 +282,17 @@ class ReplayCache:
         self._seen[key] = self._seen.pop(key, 0) + 1
         while len(self._seen) > self.SEEN_LIMIT:
             self._seen.popitem(last=False)
+        if self.rebind:
+            layout = layout_of(key)[0]
+            self._layouts[layout] = self._layouts.pop(layout, 0) + 1
+            while len(self._layouts) > self.SEEN_LIMIT:
+                self._layouts.popitem(last=False)
 
     def run(self, key, shape_key, enqueue) -> bool:
         """Enqueue the call: ``enqueue()`` itself, or a replay of its graph. Returns whether it replayed."""
         usable = key is not None and self._usable()
+        if usable and self.rebind and key not in self._graphs and self._by_layout(key, shape_key, enqueue):
+            return True
         replay = usable and self._decide(key, shape_key)
         if not replay:
             enqueue()
@@ -210,24 +313,104 @@ class ReplayCache:
             self._replay_held(key, g)
         return True
 
+    def _by_layout(self, key, shape_key, enqueue) -> bool:
+        """A rebinding op's call whose exact key has no graph: replay its layout's graph rebound to its addresses,
+        or capture it as the layout's candidate (its sighting ``after``), or capture it and check the candidate
+        against it (a later sighting at other addresses). False: nothing enqueued, the exact-key path goes on."""
+        layout, ranges = layout_of(key)
+        held = self._rebound.get(layout)
+        if held is not None:
+            return self._replay_rebound(layout, held, ranges)
+        if layout in self._fixed or shape_key not in self._prepared or self._stopped():
+            return False
+        candidate = self._candidates.get(layout)
+        bases = tuple(lo for lo, _ in ranges)
+        if candidate is None:
+            if self._layouts.get(layout, 0) + 1 < self.after:
+                return False
+            self._shape_of[key] = shape_key
+            held = self._capture(key, enqueue, ranges)  # this key's graph, and the layout's candidate
+            self._layouts.pop(layout, None)
+            if held.patch is None:
+                self._fix(layout, GraphPatch.last_refusal)
+            else:
+                self._candidates[layout] = held.patch
+                self._shape_of[layout] = shape_key
+        elif bases == candidate.bases:
+            return False  # the candidate's own addresses: its exact key (captured or dropped) decides
+        else:
+            held = self._capture(None, enqueue, ranges)
+            del self._candidates[layout]
+            if held.patch is not None and held.patch.fingerprint(bases) == candidate.fingerprint(bases):
+                self._rebound[layout] = held
+                while len(self._rebound) > self.capacity:
+                    self._shape_of.pop(self._rebound.popitem(last=False)[0], None)
+                    self.stats["dropped"] += 1
+            else:
+                self._fix(layout, GraphPatch.last_refusal if held.patch is None else
+                          "a capture at other addresses differs from the candidate rebound to them")
+                self._shape_of.pop(layout, None)
+                self._keep(key, held)
+                self._shape_of[key] = shape_key
+        held.replay()  # (the capture ran nothing: this replay does the work)
+        self.last_outputs = held.outputs
+        return True
+
+    def _replay_rebound(self, layout, held, ranges) -> bool:
+        """Rebind the layout's graph to ``ranges`` and replay it; False (nothing enqueued, the layout no longer
+        rebound) where the driver refuses the update."""
+        try:
+            held.patch.apply(tuple(lo for lo, _ in ranges))
+        except RuntimeError as e:
+            self._rebound.pop(layout)
+            self.stats["dropped"] += 1
+            self._fix(layout, f"updating the graph failed: {e}")
+            return False
+        self._rebound.move_to_end(layout)
+        self.stats["replays"] += 1
+        self.stats["rebound"] += 1
+        held.replay()
+        self.last_outputs = held.outputs
+        return True
+
+    def _fix(self, layout, why) -> None:
+        """Replay ``layout``'s calls by exact keys only from now on; ``why`` goes to ``last_refusal``."""
+        self._fixed.add(layout)
+        self.last_refusal = why or "the graph holds nodes that cannot be rebound"
+
     def _replay_held(self, key, g) -> None:
         self._graphs.move_to_end(key)
         self.stats["replays"] += 1
         g.replay()  # on the caller's current stream
         self.last_outputs = g.outputs
 
-    def _capture(self, key, enqueue):
-        """Capture the call (``_graph_of``) and keep it with what ``enqueue`` returned, least recently used graphs
-        dropped beyond capacity."""
+    def _capture(self, key, enqueue, ranges=None):
+        """Capture the call (``_graph_of``) with what ``enqueue`` returned, kept under ``key`` (None: not kept),
+        least recently used graphs dropped beyond capacity; with ``ranges`` (a rebinding op's call), with its
+        GraphPatch for those ranges (None where it has none)."""
         g = _Held()
-        g.graph = self._graph_of(lambda: g.keep(enqueue()))
-        self._seen.pop(key, None)
-        self._graphs[key] = g
+        self.capturing = self.rebind
+        try:
+            g.graph = self._graph_of(lambda: g.keep(enqueue()))
+        finally:
+            self.capturing = False
         self.stats["captures"] += 1
+        if ranges is not None:
+            g.patch = self._patch_of(g.graph, ranges)
+        if key is not None:
+            self._seen.pop(key, None)
+            self._keep(key, g)
+        return g
+
+    def _keep(self, key, g) -> None:
+        self._graphs[key] = g
         while len(self._graphs) > self.capacity:
             self._shape_of.pop(self._graphs.popitem(last=False)[0], None)
             self.stats["dropped"] += 1
-        return g
+
+    def _patch_of(self, graph, ranges):
+        """The graph's GraphPatch for ``ranges`` (context.graphs), or None."""
+        return GraphPatch.of(graph, ranges)
 
     def _graph_of(self, enqueue) -> torch.cuda.CUDAGraph:
         """Capture ``enqueue()`` on a side stream that follows the caller's (nothing runs: the replay that
@@ -239,7 +422,7 @@ class ReplayCache:
             self._stream = torch.cuda.Stream(device=self.ctx.device)
         caller = torch.cuda.current_stream(self.ctx.device)
         self._stream.wait_stream(caller)
-        g = torch.cuda.CUDAGraph()
+        g = torch.cuda.CUDAGraph(keep_graph=True) if self.rebind else torch.cuda.CUDAGraph()
         with torch.cuda.stream(self._stream), own_capture():
             g.capture_begin(capture_error_mode="thread_local")
             try:
@@ -253,4 +436,6 @@ class ReplayCache:
                 raise
             g.capture_end()
         caller.wait_stream(self._stream)
+        if self.rebind:
+            g.instantiate()  # (keep_graph: the graph stays readable, and the exec exists before the first replay)
         return g
