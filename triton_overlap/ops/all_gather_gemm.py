@@ -68,6 +68,7 @@ class AllGatherGEMM(OverlapOp):
     def __init__(self, ctx, config: AllGatherGEMMConfig | None = None, *, fallback: str = "auto",
                  max_m: int | None = None, name: str | None = None, replay: bool = True):
         super().__init__(ctx, config, fallback=fallback, name=name, replay=replay)
+        self.replays.ready = self._rebind_ready
         self.max_m = max_m
         self.last_gemm = None
 
@@ -114,7 +115,7 @@ class AllGatherGEMM(OverlapOp):
             self.last_path = "fallback"
             return self._fallback(a, w, bias, out, scales, return_gathered)
         self.last_path = "overlap"
-        self.enqueue(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides, scales))
+        self.enqueue(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides, scales, shape_key))
         return self._returned(a, out, return_gathered)
 
     def _use_fallback(self, a, w, shape_key) -> bool:
@@ -143,8 +144,9 @@ class AllGatherGEMM(OverlapOp):
         return out, gathered
 
     # --------------------------------------------------------------------------- plan, consumer, fallback
-    def _overlap(self, a, w, bias, out, overrides, scales=()) -> None:
-        """Enqueue one overlapped call (what ReplayCache captures): schedule, then run."""
+    def _overlap(self, a, w, bias, out, overrides, scales=(), shape_key=None) -> None:
+        """Enqueue one overlapped call (what ReplayCache captures): schedule, then run. ``shape_key``: the call's
+        (``_call``'s), for the shard's copy where the call may be rebound (``_reads_shard_in_place``)."""
         ctx = self.ctx
         ws = self._workspace(a)
         sched = self.schedule(a, ws, w, out, overrides, bool(scales))
@@ -154,7 +156,7 @@ class AllGatherGEMM(OverlapOp):
         producer = Gather(ctx, sched.gather, [(a, ws)], flags, call=sched.call)
         layout, order, cfg = sched.gather.layout, sched.order, sched.cfg
 
-        in_place = self._reads_shard_in_place(sched)
+        in_place = self._reads_shard_in_place(shape_key, sched.b_layout is not None)
 
         def consumer():  # its last program zeroes the flags (sched.gather.reset_by): every one was seen, peers set
             # them again only after the next barrier
@@ -169,18 +171,36 @@ class AllGatherGEMM(OverlapOp):
         first = cfg.consumer_first and self.warm((layout, sched.gather.mode))
         pipeline.run(ctx, producer, consumer, consumer_first=first)
 
-    def _reads_shard_in_place(self, sched) -> bool:
-        """Whether the Gluon GEMM reads this rank's shard where the caller holds it. Not in a capture of a call
-        that ops.replay may rebind to other tensors (its descriptor would hold the gap between the shard and the
-        workspace): the shard is copied into the workspace, and the first call of each schedule does so too,
-        eagerly, so that the kernel a capture launches is built before it."""
-        if not (self.replays.rebind and self.replays.on()):
+    def _reads_shard_in_place(self, shape_key, gluon: bool) -> bool:
+        """Whether the Gluon GEMM (``gluon``; the Triton GEMM takes the shard and the workspace as two pointers)
+        reads this rank's shard where the caller holds it. Not in a graph that ops.replay may rebind to other
+        tensors: its descriptor would hold the gap between the shard and the workspace, so the shard is copied into
+        the workspace instead. That launch is another specialisation of the kernel, built by an eager call before
+        any such capture: a shape's second eager overlapped call takes it (its first builds the in-place one,
+        which eager calls and graphs captured for their own addresses launch), and ``_rebind_ready`` holds the
+        layout's captures until then."""
+        if not (self.replays.rebind and self.replays.on()) or shape_key is None:
             return True
-        built = self.state.setdefault("copied shard", set())
-        if self.replays.capturing or sched not in built:
-            built.add(sched)
+        if not gluon:
+            self.state.setdefault("pointers", set()).add(shape_key)
+            return True
+        if self.replays.rebinding:
             return False
+        if self.replays.capturing:
+            return True
+        ran, copied = self.state.setdefault("ran in place", set()), self.state.setdefault("copied shard", set())
+        if shape_key in copied:
+            return True
+        if shape_key in ran:
+            copied.add(shape_key)
+            return False
+        ran.add(shape_key)
         return True
+
+    def _rebind_ready(self, shape_key) -> bool:
+        """Whether a call of ``shape_key`` can be captured for rebinding: its GEMM reads the shard by pointer, or
+        the launch that copies it is built (``_reads_shard_in_place``)."""
+        return shape_key in self.state.get("copied shard", ()) or shape_key in self.state.get("pointers", ())
 
     def schedule(self, a, ws, w, out, overrides, fp8: bool) -> "AllGatherGEMMSchedule":
         """Every decision of a call of these operands, made once per shape, configuration and consumer: the config,

@@ -51,14 +51,17 @@ TMA descriptors' base addresses, copies, memsets) before replaying it. That is
 correct only if the addresses are all that differ between two calls of a
 layout, which a host computation could break (a value derived from an
 address); so a layout is rebound only after a check: its second sighting is
-captured (a candidate), and a later call of the layout at other addresses is
-captured too and compared, node by node and word by word, with the candidate
+captured (a candidate, kept for the check only), and a later call of the
+layout at other addresses is captured too and compared, node by node and word by word, with the candidate
 rewritten to that call's addresses. Equal: the layout is rebound from then on.
 Different, or a node that cannot be rewritten: its calls replay by exact keys
-only, as above. While a rebinding op captures, ``capturing`` is true, so that
-its enqueue can choose what it captures (AllGatherGEMM copies its shard into
-the workspace rather than describing both with one descriptor whose stride is
-the gap between them, a value derived from two addresses).
+only, as above. While the cache captures a call, ``capturing`` is true, and
+``rebinding`` too where the graph is a layout's (a candidate or its check), so
+that an op can choose what it enqueues: AllGatherGEMM copies its shard into the
+workspace for a rebound graph, rather than describing both with one descriptor
+whose stride is the gap between them, a value derived from two addresses. An
+op whose rebound graphs launch other kernels than its eager calls says when
+they are built (``ready(shape_key)``; a layout is captured only after that).
 
 A replay writes what the eager call would have written, into the caller's
 tensors: ``out=`` and the returned tensors are the caller's, never the graph's.
@@ -145,7 +148,10 @@ class ReplayCache:
         self.ctx = ctx
         self.enabled = bool(enabled) and ctx.backend == "cuda"
         self.rebind = bool(rebind)  # calls are keyed by layout too, and held graphs rebound to their addresses
-        self.capturing = False  # true while this cache captures a call (rebinding ops choose what they enqueue)
+        self.capturing = False  # true while this cache captures a call
+        self.rebinding = False  # true while it captures a layout's graph (a candidate, or its check)
+        #: whether a call of this shape key can be captured for rebinding (the op's: its kernels are built)
+        self.ready = lambda shape_key: True
         self._rebound: OrderedDict = OrderedDict()  # layout key -> _Held with a checked patch
         self._candidates: dict = {}  # layout key -> the GraphPatch of its first capture, awaiting the check
         self._fixed: set = set()  # layout keys whose graphs replay by exact keys only (the check failed)
@@ -253,7 +259,7 @@ class ReplayCache:
         layout, ranges = layout_of(key)
         if layout in self._rebound:
             return True
-        if layout in self._fixed or shape_key not in self._prepared or self._stopped():
+        if layout in self._fixed or shape_key not in self._prepared or self._stopped() or not self.ready(shape_key):
             return False
         candidate = self._candidates.get(layout)
         if candidate is None:
@@ -321,23 +327,29 @@ class ReplayCache:
         held = self._rebound.get(layout)
         if held is not None:
             return self._replay_rebound(layout, held, ranges)
-        if layout in self._fixed or shape_key not in self._prepared or self._stopped():
+        if layout in self._fixed or shape_key not in self._prepared or self._stopped() or not self.ready(shape_key):
             return False
         candidate = self._candidates.get(layout)
         bases = tuple(lo for lo, _ in ranges)
         if candidate is None:
             if self._layouts.get(layout, 0) + 1 < self.after:
                 return False
-            self._shape_of[key] = shape_key
-            held = self._capture(key, enqueue, ranges)  # this key's graph, and the layout's candidate
+            # the layout's candidate, not this key's graph: an op may capture other launches for a graph it will
+            # rebind (AllGatherGEMM's copy of its shard), and a key that repeats gets its own capture
+            held = self._capture(None, enqueue, ranges)
             self._layouts.pop(layout, None)
             if held.patch is None:
                 self._fix(layout, GraphPatch.last_refusal)
+                self._keep(key, held)  # (a graph of this call all the same)
+                self._shape_of[key] = shape_key
             else:
                 self._candidates[layout] = held.patch
                 self._shape_of[layout] = shape_key
+                while len(self._candidates) > self.capacity:
+                    self._shape_of.pop(next(iter(self._candidates)), None)
+                    del self._candidates[next(iter(self._candidates))]
         elif bases == candidate.bases:
-            return False  # the candidate's own addresses: its exact key (captured or dropped) decides
+            return False  # the candidate's own addresses: the call's exact key decides
         else:
             held = self._capture(None, enqueue, ranges)
             del self._candidates[layout]
@@ -389,11 +401,11 @@ class ReplayCache:
         least recently used graphs dropped beyond capacity; with ``ranges`` (a rebinding op's call), with its
         GraphPatch for those ranges (None where it has none)."""
         g = _Held()
-        self.capturing = self.rebind
+        self.capturing, self.rebinding = True, ranges is not None
         try:
             g.graph = self._graph_of(lambda: g.keep(enqueue()))
         finally:
-            self.capturing = False
+            self.capturing = self.rebinding = False
         self.stats["captures"] += 1
         if ranges is not None:
             g.patch = self._patch_of(g.graph, ranges)
