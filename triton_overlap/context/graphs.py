@@ -12,7 +12,8 @@ computation can derive other values from an address (a gap between two tensors, 
 memory). ``fingerprint`` describes the whole graph (nodes, their parameters with the ranges' words rewritten to
 given addresses, and edges), so that a caller can compare a graph rebound to a second call's addresses with a
 capture of that second call and rebind only when the two are the same (ops.replay does). Graphs with nodes this
-module cannot read or rewrite (host nodes, child graphs, copies from host memory, allocations) get no patch.
+module cannot read or rewrite (host nodes, child graphs, allocations, copies from host memory, flag writes and
+waits on the tensors' own memory, kernels whose parameters cannot be listed) get no patch.
 """
 from __future__ import annotations
 
@@ -35,23 +36,16 @@ class GraphPatch:
         self._edges = edges
         self.bases = tuple(lo for lo, _ in ranges)
 
-    #: why the last ``of`` returned None (for tests and benchmarks' records)
-    last_refusal = None
-
     @classmethod
-    def of(cls, graph, ranges) -> "GraphPatch | None":
+    def read(cls, graph, ranges) -> "GraphPatch | str":
         """The patch of ``graph`` (a torch.cuda.CUDAGraph captured with keep_graph=True, instantiated) for the
-        tensors at ``ranges``; None where a node cannot be read or rewritten (``last_refusal`` says which). A
-        driver call that fails while reading the graph refuses it too: the graph then replays only for the
-        addresses it was captured with."""
+        tensors at ``ranges``, or why there is none: a node that cannot be read or rewritten, or a driver call
+        that failed while reading the graph (the graph then replays only for the addresses it was captured
+        with)."""
         try:
-            found = cls._read(graph, ranges)
+            return cls._read(graph, ranges)
         except (RuntimeError, TypeError, ValueError, AttributeError) as e:
-            found = f"reading the graph failed: {e}"
-        if isinstance(found, str):
-            GraphPatch.last_refusal = found
-            return None
-        return found
+            return f"reading the graph failed: {e}"
 
     @classmethod
     def _read(cls, graph, ranges):
@@ -64,7 +58,10 @@ class GraphPatch:
         for node in handles:
             kind = check(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
             if kind == T.CU_GRAPH_NODE_TYPE_KERNEL:
-                nodes.append(("kernel", node, _KernelNode(node, ranges)))
+                k = _KernelNode(node, ranges)
+                if k.unreadable:
+                    return k.unreadable
+                nodes.append(("kernel", node, k))
             elif kind == T.CU_GRAPH_NODE_TYPE_MEMCPY:
                 m = _MemcpyNode(node, ranges)
                 if m.from_host:
@@ -129,12 +126,20 @@ class _KernelNode:
         drv = driver()
         p = check(drv.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
         sizes, i = [], 0
+        self.unreadable = None  # why its parameters could not be read
+        past_end = int(drv.CUresult.CUDA_ERROR_INVALID_VALUE)
         while True:
             err, _, size = drv.cuFuncGetParamInfo(p.func, i)
-            if int(err) != 0:
+            if int(err) == past_end:
                 break
+            if int(err) != 0:
+                self.unreadable = f"a kernel's parameter {i} could not be read: {err!r}"
+                return
             sizes.append(size)
             i += 1
+        if not sizes and int(p.kernelParams or 0) != 0:
+            self.unreadable = "a kernel whose parameters could not be listed"
+            return
         ptrs = (ctypes.c_void_p * len(sizes)).from_address(int(p.kernelParams)) if sizes else []
         self.values = [ctypes.string_at(ptrs[j], size) for j, size in enumerate(sizes)]
         self.head = (int(p.func), p.gridDimX, p.gridDimY, p.gridDimZ, p.blockDimX, p.blockDimY, p.blockDimZ,

@@ -288,7 +288,7 @@ def scatter_gemm(
 # ---------------------------------------------------------------------------------------------------- launcher
 def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLayout | None = None, bias=None,
                 scales=None, workspace=None, scatter: ScatterTarget | None = None, exit_counts=None, op: int = 0,
-                tma_store: bool = True) -> None:
+                tma_store: bool = True, in_place: bool = True) -> None:
     """``c = a @ b (+ bias)`` on the caller's stream, by the persistent GEMM for the job: ``gather_gemm`` with a
     ``workspace``, ``scatter_gemm`` with a ``scatter``, else ``persistent_gemm``.
 
@@ -297,7 +297,9 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
     ``workspace`` (GATHER): the [M, K] workspace other ranks' rows land in; ``a`` is this rank's shard, read in
     place. ``scatter``: see ScatterTarget. ``exit_counts`` (RESET_AT_EXIT, with GATHER or REDUCE_OWN): two
     int32s, zero at launch; the last program zeroes them and ``flags``. ``scales``: fp8's (scale_a, scale_b).
-    ``tma_store``: store C through a descriptor where it can be described (not with SCATTER)."""
+    ``tma_store``: store C through a descriptor where it can be described (not with SCATTER). ``in_place`` False
+    (GATHER): where A is read through a descriptor, the shard is copied into the workspace first
+    (gemm_operands.gather_a)."""
     gather = workspace is not None
     if scatter is not None and (gather or scales is not None):
         raise ValueError("launch_gemm: a scatter (GEMM-RS) takes neither a workspace nor fp8 scales")
@@ -317,7 +319,7 @@ def launch_gemm(ctx, tiles: GemmTiles, a, b, c, *, order, flags, layout: ChunkLa
     if b_layout is not None:
         bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
         if gather:
-            base, shape, strides, planes = gather_a(a, workspace, M, ctx.rank)
+            base, shape, strides, planes = gather_a(a, workspace, M, ctx.rank, in_place)
             a_desc = TensorDescriptor(base, shape, strides, [1, bm, bk])
         else:
             a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [bm, bk])

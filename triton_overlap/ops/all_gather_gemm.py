@@ -115,7 +115,8 @@ class AllGatherGEMM(OverlapOp):
             self.last_path = "fallback"
             return self._fallback(a, w, bias, out, scales, return_gathered)
         self.last_path = "overlap"
-        self.enqueue(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides, scales, shape_key))
+        layout = self.replays.layout(key) if self.replays.rebind and self.replays.on() else None
+        self.enqueue(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides, scales, layout))
         return self._returned(a, out, return_gathered)
 
     def _use_fallback(self, a, w, shape_key) -> bool:
@@ -144,9 +145,9 @@ class AllGatherGEMM(OverlapOp):
         return out, gathered
 
     # --------------------------------------------------------------------------- plan, consumer, fallback
-    def _overlap(self, a, w, bias, out, overrides, scales=(), shape_key=None) -> None:
-        """Enqueue one overlapped call (what ReplayCache captures): schedule, then run. ``shape_key``: the call's
-        (``_call``'s), for the shard's copy where the call may be rebound (``_reads_shard_in_place``)."""
+    def _overlap(self, a, w, bias, out, overrides, scales=(), layout=None) -> None:
+        """Enqueue one overlapped call (what ReplayCache captures): schedule, then run. ``layout``: the call's
+        layout key where its graphs may be rebound (``_reads_shard_in_place``), else None."""
         ctx = self.ctx
         ws = self._workspace(a)
         sched = self.schedule(a, ws, w, out, overrides, bool(scales))
@@ -154,53 +155,50 @@ class AllGatherGEMM(OverlapOp):
         flags = ctx.symmetric(f"{self.name}.flags", (sched.gather.layout.num_chunks,), torch.int32)
         self.state["buffers"] = {"workspace": ws.local}
         producer = Gather(ctx, sched.gather, [(a, ws)], flags, call=sched.call)
-        layout, order, cfg = sched.gather.layout, sched.order, sched.cfg
+        chunks, order, cfg = sched.gather.layout, sched.order, sched.cfg
 
-        in_place = self._reads_shard_in_place(shape_key, sched.b_layout is not None)
+        in_place = self._reads_shard_in_place(layout)
 
         def consumer():  # its last program zeroes the flags (sched.gather.reset_by): every one was seen, peers set
             # them again only after the next barrier
             if sched.b_layout is not None:
-                gather_hopper.launch_ag_gemm(ctx, sched.b_layout, a, ws.local, w, out, bias, layout, order,
+                gather_hopper.launch_ag_gemm(ctx, sched.b_layout, a, ws.local, w, out, bias, chunks, order,
                                              flags.local, self._exit_counts(), op=self.op, in_place=in_place)
                 return
-            launch_gemm(ctx, cfg, a, w, out, order=order, flags=flags.local, layout=layout, bias=bias,
+            launch_gemm(ctx, cfg, a, w, out, order=order, flags=flags.local, layout=chunks, bias=bias,
                         scales=scales or None, workspace=ws.local, exit_counts=self._exit_counts(), op=self.op,
-                        tma_store=cfg.tma_store)
+                        tma_store=cfg.tma_store, in_place=in_place)
 
-        first = cfg.consumer_first and self.warm((layout, sched.gather.mode))
+        first = cfg.consumer_first and self.warm((chunks, sched.gather.mode))
         pipeline.run(ctx, producer, consumer, consumer_first=first)
 
-    def _reads_shard_in_place(self, shape_key, gluon: bool) -> bool:
-        """Whether the Gluon GEMM (``gluon``; the Triton GEMM takes the shard and the workspace as two pointers)
-        reads this rank's shard where the caller holds it. Not in a graph that ops.replay may rebind to other
-        tensors: its descriptor would hold the gap between the shard and the workspace, so the shard is copied into
-        the workspace instead. That launch is another specialisation of the kernel, built by an eager call before
-        any such capture: a shape's second eager overlapped call takes it (its first builds the in-place one,
-        which eager calls and graphs captured for their own addresses launch), and ``_rebind_ready`` holds the
-        layout's captures until then."""
-        if not (self.replays.rebind and self.replays.on()) or shape_key is None:
-            return True
-        if not gluon:
-            self.state.setdefault("pointers", set()).add(shape_key)
+    def _reads_shard_in_place(self, layout) -> bool:
+        """Whether the GEMM reads this rank's shard where the caller holds it. Not in a graph that ops.replay may
+        rebind to other tensors: where the shard and the workspace are read through one descriptor, its stride is
+        the distance between them, so the shard is copied into the workspace instead (gemm_operands.gather_a).
+        That launch is another specialisation of the kernel, built by an eager call before a layout's graph is
+        captured: a layout's second eager overlapped call takes it (its first builds the in-place one, which eager
+        calls and graphs captured for their own addresses launch), and ``_rebind_ready`` holds the layout's
+        captures until then. ``layout`` None (no rebinding), or a capture of the caller's: in place, no change."""
+        if layout is None:
             return True
         if self.replays.rebinding:
             return False
-        if self.replays.capturing:
+        if self.replays.capturing or torch.cuda.is_current_stream_capturing():
             return True
         ran, copied = self.state.setdefault("ran in place", set()), self.state.setdefault("copied shard", set())
-        if shape_key in copied:
+        if layout in copied:
             return True
-        if shape_key in ran:
-            copied.add(shape_key)
+        if layout in ran:
+            copied.add(layout)
             return False
-        ran.add(shape_key)
+        ran.add(layout)
         return True
 
-    def _rebind_ready(self, shape_key) -> bool:
-        """Whether a call of ``shape_key`` can be captured for rebinding: its GEMM reads the shard by pointer, or
-        the launch that copies it is built (``_reads_shard_in_place``)."""
-        return shape_key in self.state.get("copied shard", ()) or shape_key in self.state.get("pointers", ())
+    def _rebind_ready(self, layout) -> bool:
+        """Whether a call of ``layout`` can be captured for rebinding: the launch that copies its shard is built
+        (``_reads_shard_in_place``)."""
+        return layout in self.state.get("copied shard", ())
 
     def schedule(self, a, ws, w, out, overrides, fp8: bool) -> "AllGatherGEMMSchedule":
         """Every decision of a call of these operands, made once per shape, configuration and consumer: the config,

@@ -94,7 +94,8 @@ class OverlapOp:
     calls), "never" (always overlap) or "always" (always the plain torch.distributed + torch path).
     ``name``: the prefix of the op's symmetric workspaces and the key of the state it keeps on the Context: ops
     with the same name on one Context share both. ``replay``: an eager call that repeats an earlier one's tensors
-    and arguments replays a CUDA graph of it (one graph launch instead of the host's enqueueing); False: every call
+    and arguments replays a CUDA graph of it (one graph launch instead of the host's enqueueing; ops with REBIND
+    also for the same call on tensors elsewhere, the graph's addresses rewritten: ops.replay); False: every call
     is enqueued anew (always on a group that spans hosts).
     """
 

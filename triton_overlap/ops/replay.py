@@ -16,16 +16,15 @@ before runs eagerly.
 
 A call whose key already has a graph takes ``hit``, before the op's checks:
 every check an op makes depends only on what the key holds (shapes, strides,
-dtypes; the device is implied by the address, since CUDA's unified addressing
-gives every device and the host distinct address ranges), and a call with this
-key passed them when it was captured. The rest of a call's host work is then
+dtypes, devices, and the addresses themselves), and a call with this key passed
+them when it was captured. The rest of a call's host work is then
 one key and one dictionary lookup. Rules:
 
 * never on the host backend, never while the caller is capturing (the call
   then joins the caller's graph), never with producer jitter (a testing aid
   that must vary per call); on hip it is off until it has run on an AMD GPU;
-* a key is captured only after a call of its shape and layout (B's strides,
-  bias or not, overrides) ran the overlap eagerly in the current workspace
+* a key is captured only after a call of its shape key (shapes, B's strides,
+  bias or not, overrides: the op's ``shape_key``) ran the overlap eagerly in the current workspace
   generation (workspaces allocated and agreed on, kernels compiled, plans
   built: capturing must not need a collective or a compile); a call the eager
   rule sent to NCCL counts as a sighting of its key too (``saw``); whether
@@ -44,24 +43,28 @@ Rebinding (ops that set ``OverlapOp.REBIND``): a graph is bound to the
 addresses it was captured with, and a training step's activations rarely come
 back at the same addresses (the allocator's reuse depends on timing), so their
 keys never repeat. Such an op's cache also keys calls by layout alone
-(``layout_of``: shapes, strides, dtypes, device, each address's low bits and
-how the call's tensors overlap one another) and rewrites a held graph's
-addresses for the call at hand (context.graphs.GraphPatch: kernel parameters,
-TMA descriptors' base addresses, copies, memsets) before replaying it. That is
-correct only if the addresses are all that differ between two calls of a
-layout, which a host computation could break (a value derived from an
-address); so a layout is rebound only after a check: its second sighting is
-captured (a candidate, kept for the check only), and a later call of the
-layout at other addresses is captured too and compared, node by node and word by word, with the candidate
-rewritten to that call's addresses. Equal: the layout is rebound from then on.
-Different, or a node that cannot be rewritten: its calls replay by exact keys
-only, as above. While the cache captures a call, ``capturing`` is true, and
-``rebinding`` too where the graph is a layout's (a candidate or its check), so
-that an op can choose what it enqueues: AllGatherGEMM copies its shard into the
-workspace for a rebound graph, rather than describing both with one descriptor
-whose stride is the gap between them, a value derived from two addresses. An
-op whose rebound graphs launch other kernels than its eager calls says when
-they are built (``ready(shape_key)``; a layout is captured only after that).
+(``layout_of``: shapes, strides, dtypes, device, each address modulo 16, and
+which of the call's tensors overlap which, at what distance) and rewrites a
+held graph's addresses for the call at hand (context.graphs.GraphPatch: kernel
+parameters, TMA descriptors' base addresses, copies, memsets) before replaying
+it. That is correct only if the addresses are all that differ between two
+calls of a layout, which a host computation could break (a value derived from
+an address, or from the distance between two), so it is checked, tensor by
+tensor. A layout's sighting ``after`` is captured as its graph. A later call
+where some tensor sits elsewhere is captured too and compared, node by node
+and word by word, with the layout's graph rewritten to that call's addresses;
+equal, the tensors that moved (each by a distance no other moved by) are
+verified; different, or a graph with a node that cannot be rewritten, the
+layout replays by exact keys only, as above. A call replays the layout's graph
+rebound when each of its tensors is where that graph was captured or has been
+verified. In a training step a weight verifies when the next layer's call
+(same layout, other weights) is checked, so a layout is typically captured
+twice and rebound from then on. While the cache captures a call, ``capturing`` is true,
+and ``rebinding`` too where the graph is a layout's, so that an op can choose
+what it enqueues: AllGatherGEMM copies its shard into the workspace for a
+layout's graph rather than describe both with one descriptor whose stride is
+the distance between them. An op whose layout graphs launch other kernels
+than its eager calls says when they are built (``ready(layout)``).
 
 A replay writes what the eager call would have written, into the caller's
 tensors: ``out=`` and the returned tensors are the caller's, never the graph's.
@@ -124,13 +127,28 @@ def call_key(args, *tensors):
     return (args, *(tensor_key(t) for t in tensors))
 
 
-class _Held:
-    """A captured call: its graph, what its enqueue returned while captured, and its GraphPatch where rebinding."""
+def _bases(ranges) -> tuple:
+    """The tensors' addresses: each range's start."""
+    return tuple(lo for lo, _ in ranges)
 
-    __slots__ = ("graph", "outputs", "patch")
+
+def _covers(held, ranges) -> bool:
+    """Whether ``held``'s graph may be rebound to ``ranges``: each tensor is where it was captured, or has been
+    verified (ReplayCache._check). Not before a first check: until then the graph is only the layout's reference."""
+    return bool(held.verified) and all(lo == at or i in held.verified
+                                       for i, ((lo, _), at) in enumerate(zip(ranges, held.captured)))
+
+
+class _Held:
+    """A captured call: its graph, what its enqueue returned while captured, and where rebinding its GraphPatch
+    (``refusal``: why it has none), the addresses it was captured at (``captured``) and the tensors, by index,
+    whose rewriting a check has confirmed (``verified``)."""
+
+    __slots__ = ("graph", "outputs", "patch", "refusal", "captured", "verified")
 
     def __init__(self):
-        self.graph, self.outputs, self.patch = None, None, None
+        self.graph, self.outputs, self.patch, self.refusal = None, None, None, None
+        self.captured, self.verified = (), frozenset()
 
     def keep(self, outputs) -> None:
         self.outputs = outputs
@@ -149,14 +167,14 @@ class ReplayCache:
         self.enabled = bool(enabled) and ctx.backend == "cuda"
         self.rebind = bool(rebind)  # calls are keyed by layout too, and held graphs rebound to their addresses
         self.capturing = False  # true while this cache captures a call
-        self.rebinding = False  # true while it captures a layout's graph (a candidate, or its check)
-        #: whether a call of this shape key can be captured for rebinding (the op's: its kernels are built)
-        self.ready = lambda shape_key: True
-        self._rebound: OrderedDict = OrderedDict()  # layout key -> _Held with a checked patch
-        self._candidates: dict = {}  # layout key -> the GraphPatch of its first capture, awaiting the check
-        self._fixed: set = set()  # layout keys whose graphs replay by exact keys only (the check failed)
+        self.rebinding = False  # true while it captures a layout's graph (its first, or a check)
+        #: whether a call of this layout key can be captured for rebinding (the op's: its kernels are built)
+        self.ready = lambda layout: True
+        self._rebound: OrderedDict = OrderedDict()  # layout key -> its _Held graph (with a GraphPatch)
+        self._fixed: set = set()  # layout keys replayed by exact keys only (no patch, a check failed, the driver)
         self._layouts: OrderedDict = OrderedDict()  # layout key -> sightings
         self.last_refusal = None  # why the last layout was left to exact keys
+        self._last_layout = (None, None)  # (key, layout_of(key)) of the last key asked about
         self._broken = False  # a capture failed on this rank: it stays eager (``on`` does not change)
         self.capacity = capacity
         self.after = after  # sightings of a key (this call included) before it is captured
@@ -178,7 +196,6 @@ class ReplayCache:
         self.stats["dropped"] += len(self._graphs) + len(self._rebound)
         self._graphs.clear()
         self._rebound.clear()
-        self._candidates.clear()
         self._fixed.clear()
         self._layouts.clear()
         self.last_outputs = None
@@ -200,14 +217,13 @@ class ReplayCache:
             return True
         if not self.rebind:
             return False
-        layout = layout_of(key)[0]
-        return layout in self._rebound or (layout in self._layouts and layout not in self._fixed)
+        layout = self._layout_of(key)[0]
+        return layout not in self._fixed and (layout in self._rebound or layout in self._layouts)
 
     def drop_shapes(self, shapes) -> None:
         """Drop the graphs of calls of these shape keys (``run``'s ``shape_key``)."""
         for key in [k for k, s in self._shape_of.items() if s in shapes]:
             self._shape_of.pop(key)
-            self._candidates.pop(key, None)
             if self._graphs.pop(key, None) is not None or self._rebound.pop(key, None) is not None:
                 self.stats["dropped"] += 1
 
@@ -218,6 +234,16 @@ class ReplayCache:
             self.clear()
             self._generation = self.ctx.generation
         return not self._caller_capturing()
+
+    def layout(self, key):
+        """The layout key of a call's ``key`` (``layout_of``)."""
+        return self._layout_of(key)[0]
+
+    def _layout_of(self, key):
+        """``layout_of(key)``, kept for the last key: one call asks for it several times (known, run, _count)."""
+        if self._last_layout[0] is not key:
+            self._last_layout = (key, layout_of(key))
+        return self._last_layout[1]
 
     @staticmethod
     def _caller_capturing() -> bool:
@@ -235,9 +261,9 @@ class ReplayCache:
             self._replay_held(key, g)
             return True
         if self._rebound:
-            layout, ranges = layout_of(key)
+            layout, ranges = self._layout_of(key)
             held = self._rebound.get(layout)
-            if held is not None:
+            if held is not None and _covers(held, ranges):
                 return self._replay_rebound(layout, held, ranges)
         return False
 
@@ -256,15 +282,20 @@ class ReplayCache:
 
     def _layout_replays(self, key, shape_key) -> bool:
         """Whether ``_by_layout`` enqueues this call (a replay, or a capture replayed)."""
-        layout, ranges = layout_of(key)
-        if layout in self._rebound:
+        layout, ranges = self._layout_of(key)
+        held = self._rebound.get(layout)
+        if held is not None and _covers(held, ranges):
             return True
-        if layout in self._fixed or shape_key not in self._prepared or self._stopped() or not self.ready(shape_key):
+        if not self._may_capture(layout, shape_key):
             return False
-        candidate = self._candidates.get(layout)
-        if candidate is None:
+        if held is None:
             return self._layouts.get(layout, 0) + 1 >= self.after
-        return tuple(lo for lo, _ in ranges) != candidate.bases
+        return _bases(ranges) != held.captured
+
+    def _may_capture(self, layout, shape_key) -> bool:
+        """Whether a call of ``layout`` may be captured for rebinding now."""
+        return layout not in self._fixed and shape_key in self._prepared and not self._stopped() \
+            and self.ready(layout)
 
     def _stopped(self) -> bool:
         """Whether captures stopped: many, and fewer replays than captures (keys do not repeat here)."""
@@ -279,8 +310,8 @@ class ReplayCache:
 
     def saw(self, key, shape_key) -> None:
         """Count a sighting of ``key`` by a call that did not enqueue the op (an eager call the op's eager rule
-        sent to NCCL): its next sighting captures, once its shape and layout (``shape_key``) have run the
-        overlap eagerly in this generation, so the graph's kernels are built."""
+        sent to NCCL): its next sighting captures, once its shape key has run the overlap eagerly in this
+        generation, so the graph's kernels are built."""
         if key is not None and self._usable() and shape_key in self._prepared:
             self._count(key)
 
@@ -289,7 +320,7 @@ class ReplayCache:
         while len(self._seen) > self.SEEN_LIMIT:
             self._seen.popitem(last=False)
         if self.rebind:
-            layout = layout_of(key)[0]
+            layout = self._layout_of(key)[0]
             self._layouts[layout] = self._layouts.pop(layout, 0) + 1
             while len(self._layouts) > self.SEEN_LIMIT:
                 self._layouts.popitem(last=False)
@@ -320,61 +351,71 @@ class ReplayCache:
         return True
 
     def _by_layout(self, key, shape_key, enqueue) -> bool:
-        """A rebinding op's call whose exact key has no graph: replay its layout's graph rebound to its addresses,
-        or capture it as the layout's candidate (its sighting ``after``), or capture it and check the candidate
-        against it (a later sighting at other addresses). False: nothing enqueued, the exact-key path goes on."""
-        layout, ranges = layout_of(key)
+        """A rebinding op's call whose exact key has no graph. Its layout's graph replays rebound to the call's
+        addresses where every tensor that moved since that graph's capture has been verified; where one has not,
+        the call is captured and checked against the layout's graph rewritten to its addresses (equal: the moved
+        tensors are verified; different: the layout is fixed). A layout's first capture comes at its sighting
+        ``after``; a call at that graph's own addresses before any check goes by its exact key (its own capture,
+        which an op may enqueue differently: AllGatherGEMM reads the shard in place there). False: nothing
+        enqueued, the exact-key path goes on."""
+        layout, ranges = self._layout_of(key)
         held = self._rebound.get(layout)
-        if held is not None:
+        if held is not None and _covers(held, ranges):
             return self._replay_rebound(layout, held, ranges)
-        if layout in self._fixed or shape_key not in self._prepared or self._stopped() or not self.ready(shape_key):
+        if not self._may_capture(layout, shape_key):
             return False
-        candidate = self._candidates.get(layout)
-        bases = tuple(lo for lo, _ in ranges)
-        if candidate is None:
+        if held is None:
             if self._layouts.get(layout, 0) + 1 < self.after:
                 return False
-            # the layout's candidate, not this key's graph: an op may capture other launches for a graph it will
-            # rebind (AllGatherGEMM's copy of its shard), and a key that repeats gets its own capture
-            held = self._capture(None, enqueue, ranges)
+            g = self._capture(None, enqueue, ranges)
             self._layouts.pop(layout, None)
-            if held.patch is None:
-                self._fix(layout, GraphPatch.last_refusal)
-                self._keep(key, held)  # (a graph of this call all the same)
+            if g.patch is None:
+                self._fix(layout, g.refusal)
+                self._seen.pop(key, None)
+                self._keep(key, g)  # (a graph of this call all the same)
                 self._shape_of[key] = shape_key
             else:
-                self._candidates[layout] = held.patch
+                self._rebound[layout] = g
                 self._shape_of[layout] = shape_key
-                while len(self._candidates) > self.capacity:
-                    self._shape_of.pop(next(iter(self._candidates)), None)
-                    del self._candidates[next(iter(self._candidates))]
-        elif bases == candidate.bases:
-            return False  # the candidate's own addresses: the call's exact key decides
-        else:
-            held = self._capture(None, enqueue, ranges)
-            del self._candidates[layout]
-            if held.patch is not None and held.patch.fingerprint(bases) == candidate.fingerprint(bases):
-                self._rebound[layout] = held
                 while len(self._rebound) > self.capacity:
                     self._shape_of.pop(self._rebound.popitem(last=False)[0], None)
                     self.stats["dropped"] += 1
-            else:
-                self._fix(layout, GraphPatch.last_refusal if held.patch is None else
-                          "a capture at other addresses differs from the candidate rebound to them")
-                self._shape_of.pop(layout, None)
-                self._keep(key, held)
-                self._shape_of[key] = shape_key
-        held.replay()  # (the capture ran nothing: this replay does the work)
-        self.last_outputs = held.outputs
+        elif _bases(ranges) == held.captured:
+            return False  # (not yet checked, at its own addresses: the call's exact key decides)
+        else:
+            g = self._check(key, layout, held, ranges, shape_key, enqueue)
+        g.replay()  # (the capture ran nothing: this replay does the work)
+        self.last_outputs = g.outputs
         return True
+
+    def _check(self, key, layout, held, ranges, shape_key, enqueue):
+        """Capture this call and compare it with ``held`` rewritten to its addresses. Equal: the tensors that
+        moved, each by a distance no other moved by, are verified (a value derived from the distance between two
+        tensors that moved alike would look unchanged). Different: the layout is fixed, and the capture kept as
+        this call's graph. Returns the capture, for the caller to replay."""
+        bases = _bases(ranges)
+        g = self._capture(None, enqueue, ranges)
+        if g.patch is not None and g.patch.fingerprint(bases) == held.patch.fingerprint(bases):
+            moved = {i: b - c for i, (b, c) in enumerate(zip(bases, held.captured)) if b != c}
+            distances = list(moved.values())
+            held.verified = held.verified | {i for i, d in moved.items() if distances.count(d) == 1}
+            return g
+        self._rebound.pop(layout, None)
+        self._shape_of.pop(layout, None)
+        self._fix(layout, g.refusal if g.patch is None else
+                  "a capture at other addresses differs from the layout's graph rewritten to them")
+        self._keep(key, g)
+        self._shape_of[key] = shape_key
+        return g
 
     def _replay_rebound(self, layout, held, ranges) -> bool:
         """Rebind the layout's graph to ``ranges`` and replay it; False (nothing enqueued, the layout no longer
         rebound) where the driver refuses the update."""
         try:
-            held.patch.apply(tuple(lo for lo, _ in ranges))
+            held.patch.apply(_bases(ranges))
         except RuntimeError as e:
             self._rebound.pop(layout)
+            self._shape_of.pop(layout, None)
             self.stats["dropped"] += 1
             self._fix(layout, f"updating the graph failed: {e}")
             return False
@@ -408,7 +449,11 @@ class ReplayCache:
             self.capturing = self.rebinding = False
         self.stats["captures"] += 1
         if ranges is not None:
-            g.patch = self._patch_of(g.graph, ranges)
+            found = self._patch_of(g.graph, ranges)
+            if isinstance(found, str):
+                g.refusal = found
+            else:
+                g.patch, g.captured = found, _bases(ranges)
         if key is not None:
             self._seen.pop(key, None)
             self._keep(key, g)
@@ -421,8 +466,8 @@ class ReplayCache:
             self.stats["dropped"] += 1
 
     def _patch_of(self, graph, ranges):
-        """The graph's GraphPatch for ``ranges`` (context.graphs), or None."""
-        return GraphPatch.of(graph, ranges)
+        """The graph's GraphPatch for ``ranges`` (context.graphs), or why it has none."""
+        return GraphPatch.read(graph, ranges)
 
     def _graph_of(self, enqueue) -> torch.cuda.CUDAGraph:
         """Capture ``enqueue()`` on a side stream that follows the caller's (nothing runs: the replay that
