@@ -172,8 +172,7 @@ def _host_error_mid_call(T: float = 60.0, late_s: float = 0.0, repeated: bool = 
     Context refuses calls until reset() (the flags and workspaces the call left would pass as the next call's),
     and after reset() calls are correct again. The last rank comes to reset() ``late_s`` after the others.
     ``repeated``: the failing call comes after two calls of its layout (at other addresses), so on GPUs the op
-    captures it to check it against the layout's first capture (ops.replay rebinds), and it fails inside that
-    capture."""
+    captures it as its layout's graph (ops.replay rebinds layouts), and it fails inside that capture."""
     from triton_overlap.ops import all_gather_gemm as module
 
     with to.Context(timeout_s=T) as ctx:

@@ -161,7 +161,7 @@ def test_rebind_decisions():
 def test_rebind_verifies_each_tensor():
     """A tensor that sat at the same address in the two captures compared is not verified (a value derived from
     it would have looked unchanged): a call that moves it is captured and checked again before the layout's graph
-    replays rebound for it; tensors that moved by the same distance are not verified either. Until its first
+    replays rebound for it; tensors that moved by the same distance are verified as a group only. Until its first
     check the layout's graph is a reference only: a call at its addresses goes by its exact key."""
     cache, _ = _rebind_cache()
     w0, w1, keep = torch.empty(8, 4), torch.empty(8, 4), []
@@ -183,14 +183,20 @@ def test_rebind_verifies_each_tensor():
     assert go(w1) is True and cache.stats["captures"] == 3 and cache.stats["rebound"] == 1  # w moved: checked
     assert held.verified == {0, 1}
     assert go(w1) is True and go(w0) is True and cache.stats["rebound"] == 3 and cache.stats["captures"] == 3
-    # two tensors moved by the same distance: neither verified by that check
+    # two tensors that moved by the same distance are verified as a group: rebound while they move together,
+    # checked again when they move apart
     cache, _ = _rebind_cache()
-    base = torch.empty(64)
-    a, b = base[0:8], base[16:24]
-    cache.run(_call(a, b), "s", lambda: None)
-    cache.run(_call(a, b), "s", lambda: None)  # the layout's graph (a and b at their places in base)
-    cache.run(_call(base[8:16], base[24:32]), "s", lambda: None)  # both moved by 8 elements: checked
-    assert next(iter(cache._rebound.values())).verified == frozenset() and cache.stats["captures"] == 2
+    base = torch.empty(256)
+    at = lambda i, j: _call(base[i:i + 8], base[j:j + 8])  # noqa: E731
+    cache.run(at(0, 16), "s", lambda: None)
+    cache.run(at(0, 16), "s", lambda: None)  # the layout's graph
+    cache.run(at(32, 48), "s", lambda: None)  # both moved by 32 elements: checked
+    held = next(iter(cache._rebound.values()))
+    assert held.verified == frozenset() and held.groups == (frozenset({0, 1}),) and cache.stats["captures"] == 2
+    assert cache.run(at(64, 80), "s", lambda: None) and cache.stats["rebound"] == 1  # together again
+    assert cache.run(at(96, 144), "s", lambda: None) and cache.stats["captures"] == 3  # apart: checked
+    assert held.verified == {0, 1} and cache.stats["rebound"] == 1
+    assert cache.run(at(128, 200), "s", lambda: None) and cache.stats["rebound"] == 2
 
 
 def test_rebind_refused():
@@ -565,7 +571,9 @@ def _unchecked_path(m_local, k):
         big = rand((m_local * W, k), torch.bfloat16, dev, "big")  # the same on every rank: the sum is W x
         ref = (W * (big.float() @ w.float()))[r * m_local:(r + 1) * m_local]
         rs_out = torch.empty((m_local, k), dtype=torch.bfloat16, device=dev)
-        for i in range(3):  # an output of the caller's: the key repeats whatever the allocator does
+        # an output of the caller's: the key repeats whatever the allocator does (eager, the layout's reference,
+        # the key's own capture, replayed)
+        for i in range(4):
             poison(rs_out)
             assert rs(big, w, out=rs_out) is rs_out
             assert rel_err(rs_out, ref) < TOL[torch.bfloat16], f"rs call {i}"

@@ -13,7 +13,8 @@ memory). ``fingerprint`` describes the whole graph (nodes, their parameters with
 given addresses, and edges), so that a caller can compare a graph rebound to a second call's addresses with a
 capture of that second call and rebind only when the two are the same (ops.replay does). Graphs with nodes this
 module cannot read or rewrite (host nodes, child graphs, allocations, copies from host memory, flag writes and
-waits on the tensors' own memory, kernels whose parameters cannot be listed) get no patch.
+waits on the tensors' own memory, kernels whose parameters cannot be listed or were passed in ``extra``) get no
+patch.
 """
 from __future__ import annotations
 
@@ -137,8 +138,11 @@ class _KernelNode:
                 return
             sizes.append(size)
             i += 1
-        if not sizes and int(p.kernelParams or 0) != 0:
+        if not sizes and _num(p.kernelParams) != 0:
             self.unreadable = "a kernel whose parameters could not be listed"
+            return
+        if _num(p.extra) != 0:
+            self.unreadable = "a kernel launched with its parameters in 'extra'"
             return
         ptrs = (ctypes.c_void_p * len(sizes)).from_address(int(p.kernelParams)) if sizes else []
         self.values = [ctypes.string_at(ptrs[j], size) for j, size in enumerate(sizes)]

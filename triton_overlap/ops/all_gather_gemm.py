@@ -14,6 +14,7 @@ import torch
 from ..context.collectives import all_gather_rows
 from ..kernels import gemm_gather_hopper as gather_hopper
 from ..kernels.gemm import launch_gemm, plain_gemm
+from ..kernels.gemm_operands import pair_gap
 from ..plan import ChunkLayout, GatherSchedule, gather_schedule
 from ..producers import pipeline
 from ..producers.gather import Gather
@@ -157,7 +158,7 @@ class AllGatherGEMM(OverlapOp):
         producer = Gather(ctx, sched.gather, [(a, ws)], flags, call=sched.call)
         chunks, order, cfg = sched.gather.layout, sched.order, sched.cfg
 
-        in_place = self._reads_shard_in_place(layout)
+        in_place = self._reads_shard_in_place(layout, a, ws.local)
 
         def consumer():  # its last program zeroes the flags (sched.gather.reset_by): every one was seen, peers set
             # them again only after the next barrier
@@ -169,31 +170,35 @@ class AllGatherGEMM(OverlapOp):
                         scales=scales or None, workspace=ws.local, exit_counts=self._exit_counts(), op=self.op,
                         tma_store=cfg.tma_store, in_place=in_place)
 
-        first = cfg.consumer_first and self.warm((chunks, sched.gather.mode))
+        # (a launch's first use builds its kernel: the copies go first, so that the peers do not wait for the build)
+        first = cfg.consumer_first and self.warm((chunks, sched.gather.mode, in_place))
         pipeline.run(ctx, producer, consumer, consumer_first=first)
 
-    def _reads_shard_in_place(self, layout) -> bool:
-        """Whether the GEMM reads this rank's shard where the caller holds it. Not in a graph that ops.replay may
-        rebind to other tensors: where the shard and the workspace are read through one descriptor, its stride is
-        the distance between them, so the shard is copied into the workspace instead (gemm_operands.gather_a).
-        That launch is another specialisation of the kernel, built by an eager call before a layout's graph is
-        captured: a layout's second eager overlapped call takes it (its first builds the in-place one, which eager
-        calls and graphs captured for their own addresses launch), and ``_rebind_ready`` holds the layout's
-        captures until then. ``layout`` None (no rebinding), or a capture of the caller's: in place, no change."""
+    def _reads_shard_in_place(self, layout, a, ws) -> bool:
+        """Whether the GEMM reads this rank's shard ``a`` where the caller holds it. Not in a graph that ops.replay
+        may rebind to other tensors: where the shard and the workspace ``ws`` are read through one descriptor, its
+        stride is the distance between them, so the shard is copied into the workspace instead
+        (gemm_operands.gather_a). That launch is another specialisation of the kernel, built by an eager call
+        before a layout's graph is captured: a layout's second eager overlapped call takes it (its first builds
+        the in-place one), and ``_rebind_ready`` holds the layout's captures until then. The in-place launch is
+        specialised on where the shard lies (below or above the workspace, within one descriptor's reach or not),
+        so a capture reads in place only where an eager call built that launch, else it copies (where that
+        launch is built). ``layout`` None (no rebinding): in place, nothing recorded."""
         if layout is None:
             return True
         if self.replays.rebinding:
             return False
+        placed = (layout, a.data_ptr() < ws.data_ptr(), pair_gap(a, ws) is None)
+        built, copied = self.state.setdefault("in place", set()), self.state.setdefault("copied shard", set())
         if self.replays.capturing or torch.cuda.is_current_stream_capturing():
+            return placed in built or layout not in copied
+        ran = self.state.setdefault("ran in place", set())
+        if layout in copied or layout not in ran:
+            ran.add(layout)
+            built.add(placed)
             return True
-        ran, copied = self.state.setdefault("ran in place", set()), self.state.setdefault("copied shard", set())
-        if layout in copied:
-            return True
-        if layout in ran:
-            copied.add(layout)
-            return False
-        ran.add(layout)
-        return True
+        copied.add(layout)
+        return False
 
     def _rebind_ready(self, layout) -> bool:
         """Whether a call of ``layout`` can be captured for rebinding: the launch that copies its shard is built

@@ -50,21 +50,25 @@ parameters, TMA descriptors' base addresses, copies, memsets) before replaying
 it. That is correct only if the addresses are all that differ between two
 calls of a layout, which a host computation could break (a value derived from
 an address, or from the distance between two), so it is checked, tensor by
-tensor. A layout's sighting ``after`` is captured as its graph. A later call
-where some tensor sits elsewhere is captured too and compared, node by node
-and word by word, with the layout's graph rewritten to that call's addresses;
-equal, the tensors that moved (each by a distance no other moved by) are
-verified; different, or a graph with a node that cannot be rewritten, the
+tensor. A layout's sighting ``after`` is captured as its graph, a reference
+that replays for no call until it is checked. A later call where some tensor
+sits elsewhere is captured too and compared, node by node and word by word,
+with the layout's graph rewritten to that call's addresses. Equal: a tensor
+that moved by a distance no other moved by is verified alone, tensors that
+moved by one distance are verified as a group (rebound only while they move
+together: a value derived from the distance between two of them looked
+unchanged). Different, or a graph with a node that cannot be rewritten: the
 layout replays by exact keys only, as above. A call replays the layout's graph
-rebound when each of its tensors is where that graph was captured or has been
-verified. In a training step a weight verifies when the next layer's call
+rebound when each of its tensors is where that graph was captured or verified
+as above; a call at the reference's own addresses before any check goes by its
+exact key. In a training step a weight verifies when the next layer's call
 (same layout, other weights) is checked, so a layout is typically captured
-twice and rebound from then on. While the cache captures a call, ``capturing`` is true,
-and ``rebinding`` too where the graph is a layout's, so that an op can choose
-what it enqueues: AllGatherGEMM copies its shard into the workspace for a
-layout's graph rather than describe both with one descriptor whose stride is
-the distance between them. An op whose layout graphs launch other kernels
-than its eager calls says when they are built (``ready(layout)``).
+twice and rebound from then on. While the cache captures a call,
+``capturing`` is true, and ``rebinding`` too where the graph is a layout's, so
+that an op can choose what it enqueues: AllGatherGEMM copies its shard into the
+workspace for a layout's graph rather than describe both with one descriptor
+whose stride is the distance between them. An op whose layout graphs launch
+other kernels than its eager calls says when they are built (``ready``).
 
 A replay writes what the eager call would have written, into the caller's
 tensors: ``out=`` and the returned tensors are the caller's, never the graph's.
@@ -134,21 +138,26 @@ def _bases(ranges) -> tuple:
 
 def _covers(held, ranges) -> bool:
     """Whether ``held``'s graph may be rebound to ``ranges``: each tensor is where it was captured, or has been
-    verified (ReplayCache._check). Not before a first check: until then the graph is only the layout's reference."""
-    return bool(held.verified) and all(lo == at or i in held.verified
-                                       for i, ((lo, _), at) in enumerate(zip(ranges, held.captured)))
+    verified alone, or moved with a group verified together (ReplayCache._check) by the same distance as the rest
+    of that group. Not before a first check: until then the graph is only the layout's reference."""
+    if not (held.verified or held.groups):
+        return False
+    moved = [lo - at for (lo, _), at in zip(ranges, held.captured)]
+    return all(d == 0 or i in held.verified or any(i in g and all(moved[j] == d for j in g) for g in held.groups)
+               for i, d in enumerate(moved))
 
 
 class _Held:
     """A captured call: its graph, what its enqueue returned while captured, and where rebinding its GraphPatch
-    (``refusal``: why it has none), the addresses it was captured at (``captured``) and the tensors, by index,
-    whose rewriting a check has confirmed (``verified``)."""
+    (``refusal``: why it has none), the addresses it was captured at (``captured``), the tensors, by index, whose
+    rewriting a check has confirmed alone (``verified``) and the groups it confirmed only together (``groups``:
+    tensors that moved by one distance in that check)."""
 
-    __slots__ = ("graph", "outputs", "patch", "refusal", "captured", "verified")
+    __slots__ = ("graph", "outputs", "patch", "refusal", "captured", "verified", "groups")
 
     def __init__(self):
         self.graph, self.outputs, self.patch, self.refusal = None, None, None, None
-        self.captured, self.verified = (), frozenset()
+        self.captured, self.verified, self.groups = (), frozenset(), ()
 
     def keep(self, outputs) -> None:
         self.outputs = outputs
@@ -389,18 +398,25 @@ class ReplayCache:
         return True
 
     def _check(self, key, layout, held, ranges, shape_key, enqueue):
-        """Capture this call and compare it with ``held`` rewritten to its addresses. Equal: the tensors that
-        moved, each by a distance no other moved by, are verified (a value derived from the distance between two
-        tensors that moved alike would look unchanged). Different: the layout is fixed, and the capture kept as
-        this call's graph. Returns the capture, for the caller to replay."""
+        """Capture this call and compare it with ``held`` rewritten to its addresses. Equal: a tensor that moved
+        by a distance no other moved by is verified alone; tensors that moved by one distance are verified as a
+        group, to be rebound only while they move together (a value derived from the distance between two of them
+        looked unchanged). Different: the layout is fixed, and the capture kept as this call's graph. Returns the
+        capture, for the caller to replay."""
         bases = _bases(ranges)
+        self._rebound.move_to_end(layout)
         g = self._capture(None, enqueue, ranges)
         if g.patch is not None and g.patch.fingerprint(bases) == held.patch.fingerprint(bases):
-            moved = {i: b - c for i, (b, c) in enumerate(zip(bases, held.captured)) if b != c}
-            distances = list(moved.values())
-            held.verified = held.verified | {i for i, d in moved.items() if distances.count(d) == 1}
+            by_distance: dict = {}
+            for i, (b, c) in enumerate(zip(bases, held.captured)):
+                if b != c:
+                    by_distance.setdefault(b - c, []).append(i)
+            held.verified = held.verified | {m[0] for m in by_distance.values() if len(m) == 1}
+            held.groups = held.groups + tuple(frozenset(m) for m in by_distance.values()
+                                              if len(m) > 1 and frozenset(m) not in held.groups)
             return g
         self._rebound.pop(layout, None)
+        self.stats["dropped"] += 1
         self._shape_of.pop(layout, None)
         self._fix(layout, g.refusal if g.patch is None else
                   "a capture at other addresses differs from the layout's graph rewritten to them")
