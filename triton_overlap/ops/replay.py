@@ -278,12 +278,12 @@ class ReplayCache:
 
     def will_replay(self, key, shape_key) -> bool:
         """Whether a call with ``key`` will run as a replay (of a graph held, or captured by this call)."""
-        return key is not None and self._usable() and self._decide(key, shape_key)
+        return key is not None and self._usable() and (
+            self._decide(key, shape_key) or self.rebind and self._layout_replays(key, shape_key))
 
     def _decide(self, key, shape_key) -> bool:
+        """Whether the call replays by its exact key (``run`` has let the layout's path decide first)."""
         if key in self._graphs:
-            return True
-        if self.rebind and self._layout_replays(key, shape_key):
             return True
         if self._stopped():
             return False
@@ -386,9 +386,7 @@ class ReplayCache:
             else:
                 self._rebound[layout] = g
                 self._shape_of[layout] = shape_key
-                while len(self._rebound) > self.capacity:
-                    self._shape_of.pop(self._rebound.popitem(last=False)[0], None)
-                    self.stats["dropped"] += 1
+                self._bound(self._rebound)
         elif _bases(ranges) == held.captured:
             return False  # (not yet checked, at its own addresses: the call's exact key decides)
         else:
@@ -415,11 +413,8 @@ class ReplayCache:
             held.groups = held.groups + tuple(frozenset(m) for m in by_distance.values()
                                               if len(m) > 1 and frozenset(m) not in held.groups)
             return g
-        self._rebound.pop(layout, None)
-        self.stats["dropped"] += 1
-        self._shape_of.pop(layout, None)
-        self._fix(layout, g.refusal if g.patch is None else
-                  "a capture at other addresses differs from the layout's graph rewritten to them")
+        self._unrebind(layout, g.refusal if g.patch is None else
+                       "a capture at other addresses differs from the layout's graph rewritten to them")
         self._keep(key, g)
         self._shape_of[key] = shape_key
         return g
@@ -430,10 +425,7 @@ class ReplayCache:
         try:
             held.patch.apply(_bases(ranges))
         except RuntimeError as e:
-            self._rebound.pop(layout)
-            self._shape_of.pop(layout, None)
-            self.stats["dropped"] += 1
-            self._fix(layout, f"updating the graph failed: {e}")
+            self._unrebind(layout, f"updating the graph failed: {e}")
             return False
         self._rebound.move_to_end(layout)
         self.stats["replays"] += 1
@@ -441,6 +433,13 @@ class ReplayCache:
         held.replay()
         self.last_outputs = held.outputs
         return True
+
+    def _unrebind(self, layout, why) -> None:
+        """Drop ``layout``'s graph and fix the layout (``_fix``)."""
+        self._rebound.pop(layout, None)
+        self._shape_of.pop(layout, None)
+        self.stats["dropped"] += 1
+        self._fix(layout, why)
 
     def _fix(self, layout, why) -> None:
         """Replay ``layout``'s calls by exact keys only from now on; ``why`` goes to ``last_refusal``."""
@@ -477,8 +476,12 @@ class ReplayCache:
 
     def _keep(self, key, g) -> None:
         self._graphs[key] = g
-        while len(self._graphs) > self.capacity:
-            self._shape_of.pop(self._graphs.popitem(last=False)[0], None)
+        self._bound(self._graphs)
+
+    def _bound(self, held: OrderedDict) -> None:
+        """Drop ``held``'s least recently used graphs beyond ``capacity``."""
+        while len(held) > self.capacity:
+            self._shape_of.pop(held.popitem(last=False)[0], None)
             self.stats["dropped"] += 1
 
     def _patch_of(self, graph, ranges):
