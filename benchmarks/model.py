@@ -33,12 +33,16 @@ A case is ``("train", shape, n_layers, batch, seq)`` or ``("decode", shape, n_la
 """
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 import torch.distributed as dist
 
 import llama
 import triton_overlap as to
 from model_report import DECODE_COLUMNS, DECODE_HEADER, TRAIN_COLUMNS, TRAIN_HEADER, decode_row, train_row
+from triton_overlap.nn import overlap_ops
 from triton_overlap.timing import capture, time_interleaved
 from triton_overlap.torchrun import say
 
@@ -55,6 +59,10 @@ DECODE_VARIANTS = tuple(k for k, _ in DECODE_COLUMNS)
 TRAIN_BUDGET_S = 5.0
 #: decode steps take a millisecond or less: more iterations than a training step's
 DECODE_MIN_ITERS = 50
+#: training steps per eager variant whose host time is measured, after the timed ones (host_us)
+HOST_STEPS = 5
+#: the eager training variants: their host time per step is measured, and ours' replays counted
+EAGER_TRAIN = ("ours", "ours_unshared", "ours_fused", "ours_fallback", "torch_tp", "torch_tp_fused")
 
 
 def parse_cases(specs) -> list[tuple]:
@@ -103,6 +111,27 @@ def ours_paths(model) -> list:
     return sorted({str(m.last_path) for m in model.modules() if getattr(m, "last_path", None) is not None})
 
 
+def host_us(ctx, step, model) -> tuple[float, dict]:
+    """The host's time to enqueue one step (``step()`` returning), each started on an idle device, median over
+    HOST_STEPS, max over ranks; near the step's time, the step is host-bound. And what the model's overlapped
+    calls did per step meanwhile, on this rank (nn.overlap_ops' replay counts): ``replays`` of captured graphs (of
+    them ``rebound`` to new addresses) and ``captures``."""
+    ops = overlap_ops(model)
+    before = [dict(op.replays.stats) for op in ops]
+    times = []
+    for _ in range(HOST_STEPS):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    t = torch.tensor([statistics.median(times) * 1e6], device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    calls = {k: sum(op.replays.stats[k] - b[k] for op, b in zip(ops, before)) / HOST_STEPS
+             for k in ("replays", "rebound", "captures")}
+    return float(t), calls
+
+
 def _record(ctx, kind, shape, n_layers, batch, seq, lead_us) -> dict:
     s = llama.SHAPES[shape]
     return {"kind": kind, "model": s.name, "dim": s.dim, "n_heads": s.n_heads, "n_kv_heads": s.n_kv_heads,
@@ -143,7 +172,7 @@ def bench_train(ctx, shape, n_layers, batch, seq, iters, lead_us) -> dict:
               "ours_compiled_fused": lambda: compile_blocks(model(llama.tp_plan_ours(ctx, fused=True), fused=True)),
               "ours_fallback": lambda: model(llama.tp_plan_ours(ctx, fallback="always")),
               "torch_async_tp": async_tp}
-    steps, ref = {}, None
+    steps, models, ref = {}, {}, None
     for name, make in makers.items():
         rec[f"{name}_us"] = None
         try:
@@ -170,13 +199,20 @@ def bench_train(ctx, shape, n_layers, batch, seq, iters, lead_us) -> dict:
             if name.startswith("ours"):
                 rec[f"{name}_paths"] = ours_paths(m)
             steps[name] = step
+            models[name] = m
         except Exception as e:  # noqa: BLE001 - recorded in the note; the other variants go on
             _note(rec, name, e)
     if steps:
         rec.update({f"{k}_us": v for k, v in time_interleaved(steps, iters, budget_s=TRAIN_BUDGET_S,
                                                               lead_us=lead_us).items()})
+        for name in EAGER_TRAIN:
+            if name in steps:
+                rec[f"{name}_host_us"], calls = host_us(ctx, steps[name], models[name])
+                if name.startswith("ours"):
+                    rec[f"{name}_calls_per_step"] = calls
         ctx.check()
     steps.clear()
+    models.clear()
     torch._dynamo.reset()  # the compiled blocks hold the case's models
     tokens_per_step = batch * seq
     flops = llama.flops_per_token(llama.SHAPES[shape], n_layers, seq) * tokens_per_step

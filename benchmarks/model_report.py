@@ -35,7 +35,8 @@ def _header(lead, columns, unit, ratios, tail=()) -> str:
 
 
 TRAIN_HEADER = _header(("model", "layers", "batch x seq"), TRAIN_COLUMNS, "ms", TRAIN_RATIOS,
-                       ("ours tokens/s", "ours TFLOP/s per GPU"))
+                       ("ours tokens/s", "ours TFLOP/s per GPU", "ours host ms", "torch TP host ms",
+                        "ours replays (rebound) per step"))
 DECODE_HEADER = _header(("model", "layers", "batch", "KV cache"), DECODE_COLUMNS, "µs", DECODE_RATIOS)
 
 
@@ -58,7 +59,14 @@ def train_row(r) -> str:
     return (f"| {r['model']} | {r['n_layers']} | {r['batch']} x {r['seq']} | "
             + " | ".join(_f(r.get(f"{k}_us"), 1e-3, 2) for k, _ in TRAIN_COLUMNS) + " | "
             + " | ".join(_x(speedup(r, a, b)) for a, b in TRAIN_RATIOS)
-            + f" | {_f(r.get('ours_tokens_per_s'), 1, 0)} | {_f(r.get('ours_tflops_per_gpu'), 1, 0)} |")
+            + f" | {_f(r.get('ours_tokens_per_s'), 1, 0)} | {_f(r.get('ours_tflops_per_gpu'), 1, 0)} | "
+            + f"{_f(r.get('ours_host_us'), 1e-3, 2)} | {_f(r.get('torch_tp_host_us'), 1e-3, 2)} | {_calls(r)} |")
+
+
+def _calls(r) -> str:
+    """Ours' replays per step, and of them those rebound to new addresses (host_us's counts)."""
+    c = r.get("ours_calls_per_step")
+    return "n/a" if not c else f"{c['replays']:.0f} ({c['rebound']:.0f})"
 
 
 def decode_row(r) -> str:
@@ -96,7 +104,10 @@ def write_model(records, W, out_dir: str, pending=()) -> None:
                     "gathers its input once per attention and once per MLP, as torch's plan does; a gather per "
                     "projection: a ColwiseParallel each; torch TP: torch's styles, NCCL, eager; torch async TP: "
                     "torch's styles, each block compiled with inductor's micro-pipeline TP and symmetric memory; "
-                    "fused projections: wq/wk/wv stored as one wqkv and w1/w3 as one w13), ms per step\n\n"
+                    "fused projections: wq/wk/wv stored as one wqkv and w1/w3 as one w13), ms per step; host ms: the "
+                    "host's time to enqueue one step started on an idle GPU (median of 5, max over ranks: near the "
+                    "step's time, the step is host-bound); replays per step: ours' overlapped calls that replayed "
+                    "a captured graph, and of them those rebound to new addresses (rank 0)\n\n"
                     f"{TRAIN_HEADER}\n" + "\n".join(train_row(r) for r in train) + "\n")
             for a, b in TRAIN_RATIOS[:5]:
                 g = geomean(speedup(r, a, b) for r in train)

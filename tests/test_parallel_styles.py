@@ -77,7 +77,7 @@ def _llama_case(B, mode, fallback, shared=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from triton_overlap.nn import hf_plan
+    from triton_overlap.nn import hf_plan, overlap_ops
 
     with to.Context(timeout_s=120) as ctx:
         W, dev = ctx.world_size, ctx.device
@@ -105,6 +105,9 @@ def _llama_case(B, mode, fallback, shared=False):
         o_proj = model.model.layers[0].self_attn.o_proj
         path = o_proj.last_path
         assert path == ("fallback" if fallback == "always" else "overlap"), path
+        kinds = [type(op).__name__ for op in overlap_ops(model)]  # the ops the model's layers share
+        assert kinds == (["GEMMAllReduce"] if mode == "decode" else ["AllGatherGEMM", "GEMMReduceScatter"]), kinds
+        assert all(op.fallback == fallback for op in overlap_ops(model)) and o_proj.ops[0] in overlap_ops(model)
         if mode == "autocast":  # float32 parameters keep float32 gradients
             assert o_proj.weight.dtype == torch.float32 and o_proj.weight.grad.dtype == torch.float32
         return max(errs.values())

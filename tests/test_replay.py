@@ -487,6 +487,74 @@ def test_fresh_tensors_replay_rebound(gpu_pool):
     assert all(gpu_pool.run(_fresh_tensors, 512, 256, 384, 9))
 
 
+#: three residual bf16 SwiGLU layers against float32 on the same bf16-rounded weights: torch's own bf16 stack is
+#: 6e-3 off on outputs and 8e-3 on gradients at these sizes; a graph that wrote stale or misplaced rows is off by
+#: the MLP's share of each row, tens of percent
+STACK_TOL, STACK_GRAD_TOL = 2e-2, 4e-2
+
+
+def _training_steps(m_local, dim, hidden, layers, steps):
+    """Training steps through a stack of residual TPMLP layers (one AllGather-GEMM and one GEMM-RS op shared by
+    all, as a model holds them), new inputs every step and earlier steps' tensors kept alive, so that no activation
+    comes back at an address it had: the calls of each layout (forward and backward, per op) are captured, checked
+    and then replayed rebound, layer after layer and step after step. Every step's output, input gradient and down
+    projections' weight gradients against the unsharded float32 stack."""
+    from torch import nn
+    from triton_overlap.nn import TPMLP
+
+    with to.Context(timeout_s=60) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        S, n = m_local * W, hidden // W
+        rows = slice(r * m_local, (r + 1) * m_local)
+        full = []
+        for i in range(layers):
+            lins = [nn.Linear(a, b, bias=False) for a, b in ((dim, hidden), (dim, hidden), (hidden, dim))]
+            with torch.no_grad():
+                for j, (lin, a) in enumerate(zip(lins, (dim, dim, hidden))):
+                    lin.weight.copy_(rand(lin.weight.shape, torch.bfloat16, "cpu", "layer", i, j) / a ** 0.5)
+            full.append(lins)
+        stack = nn.Sequential(*(TPMLP.from_full(*lins, ctx, dtype=torch.bfloat16, device=dev, fallback="never")
+                                for lins in full))
+        ref = [[lin.to(dev) for lin in lins] for lins in full]
+        kept = []
+        for step in range(steps):
+            x_full = rand((S, 1, dim), torch.bfloat16, dev, "x", step).float()
+            gy = rand((S, 1, dim), torch.float32, dev, "gy", step)
+            x_ref = x_full.clone().requires_grad_()
+            y_ref = x_ref
+            for gate, up, down in ref:
+                y_ref = y_ref + down(nn.functional.silu(gate(y_ref)) * up(y_ref))
+            (y_ref * gy).sum().backward()
+            x = x_full[rows].to(torch.bfloat16).requires_grad_()
+            y = x
+            for mlp in stack:
+                y = y + mlp(y)
+            (y.float() * gy[rows]).sum().backward()
+            where = f"rank {r} step {step}"
+            assert rel_err(y, y_ref[rows]) < STACK_TOL, f"{where}: output {rel_err(y, y_ref[rows]):.2e}"
+            assert rel_err(x.grad, x_ref.grad[rows]) < STACK_GRAD_TOL, \
+                f"{where}: input gradient {rel_err(x.grad, x_ref.grad[rows]):.2e}"
+            for i, (mlp, (_, _, down)) in enumerate(zip(stack, ref)):
+                err = rel_err(mlp.down.weight.grad, down.weight.grad[:, r * n:(r + 1) * n])
+                assert err < STACK_GRAD_TOL, f"{where}: layer {i}'s down weight gradient {err:.2e}"
+            for p in [*stack.parameters(), *(lin.weight for lins in ref for lin in lins)]:
+                p.grad = None
+            kept.append((x, y))
+        ctx.check()
+        ag, rs = stack[0].gate_up.ops
+        assert ag is stack[-1].down.ops[0] and rs is stack[-1].down.ops[1], "the layers do not share their ops"
+        for op in (ag, rs):
+            assert op.replays.last_refusal is None, (op.name, op.replays.last_refusal)
+            # per op, two layouts (forward, backward) of `layers` calls a step; each eager, captured, checked, then
+            # rebound, from its first step without a workspace allocation (which drops every graph) at the latest
+            assert op.replays.stats["rebound"] >= steps * layers, (op.name, op.replays.stats)
+        return True
+
+
+def test_training_steps_replay_rebound(gpu_pool):
+    assert all(gpu_pool.run(_training_steps, 256, 256, 768, 3, 5))
+
+
 def _small_shape_auto(m_local, k, n):
     """fallback="auto" on a shape under the eager threshold: repeated tensors overlap by replay; a call
     with tensors not seen before overlaps too (captured and checked, then rebound), until the ranks agree that keys

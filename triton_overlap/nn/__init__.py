@@ -7,10 +7,11 @@ from .ep_moe import EPMoE
 from .linear import ColumnParallelLinear, RowParallelLinear, local_linear
 from .mlp import TPMLP
 from .moe import TPMoE
-from .parallel import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
+from .parallel import (ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise,
+                       overlap_ops)
 from .parallel_moe import MoEParallel
 from .plans import hf_plan
 
 __all__ = ["ColumnParallelLinear", "ColwiseParallel", "EPMoE", "GatherSequence", "MoEParallel",
            "ParallelTransformerBlock", "RowParallelLinear", "RowwiseParallel", "ShardSequence", "SharedInputColwise",
-           "TPMLP", "TPMoE", "hf_plan", "local_linear"]
+           "TPMLP", "TPMoE", "hf_plan", "local_linear", "overlap_ops"]

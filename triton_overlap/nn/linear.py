@@ -173,6 +173,13 @@ class RowParallelLinear(_TPLinear):
         self.sequence_parallel = sequence_parallel
         self._forward_op = custom_ops.op_of(self._handles[1] if sequence_parallel else gemm_ar_op(ctx, fallback))
 
+    @property
+    def ops(self):
+        """The ops this layer's forward and backward call: the AllGatherGEMM and the GEMMReduceScatter where
+        sequence-parallel, the GEMMAllReduce alone without it (its backward is local); shared by every layer with
+        the same Context and fallback rule."""
+        return super().ops if self.sequence_parallel else (self._forward_op,)
+
     @torch.no_grad()
     def forward_rmsnorm(self, x, residual, norm_weight, eps: float):
         """Decode (inference, no autograd): this layer's output added to ``residual``, then the next block's

@@ -105,25 +105,52 @@ class _LinearStyle(ParallelStyle):
             if module.bias is not None and self._shard_out:
                 module.bias = nn.Parameter(module.bias.narrow(0, r * (n // W), n // W).clone())
         module.tp_style, module.tp_mesh = self, device_mesh
-        module.__class__ = styled_class(type(module), self._forward, type(self).__name__, _last_path)
+        module.__class__ = styled_class(type(module), self._forward, type(self).__name__, _last_path, _style_ops)
         return module
 
 
-def styled_class(base, forward, name: str, last_path=None):
-    """``base`` with ``forward`` replaced and, given, a ``last_path`` property (one subclass per base class and
-    forward, named ``name + base's name``), so that ``parallelize_module``, which keeps the module objects it is
-    given, sees the parallel forward; a style swaps the module's class for it."""
+def styled_class(base, forward, name: str, last_path=None, ops=None):
+    """``base`` with ``forward`` replaced and, given, ``last_path`` and ``ops`` properties (one subclass per base
+    class and forward, named ``name + base's name``), so that ``parallelize_module``, which keeps the module objects
+    it is given, sees the parallel forward; a style swaps the module's class for it."""
     key = (base, forward)
     cls = _STYLED.get(key)
     if cls is None:
         attrs = {"forward": forward}
         if last_path is not None:
             attrs["last_path"] = property(last_path, doc=last_path.__doc__)
+        if ops is not None:
+            attrs["ops"] = property(ops, doc=ops.__doc__)
         cls = _STYLED[key] = type(f"{name}{base.__name__}", (base,), attrs)
     return cls
 
 
 _STYLED: dict = {}
+
+
+def overlap_ops(model: nn.Module) -> list:
+    """The overlapped ops (``OverlapOp``) that ``model``'s layers call, each once, in the order first met: the
+    layers' ``ops`` (this package's layers and modules a parallel style took). Layers with one Context and fallback
+    rule share one op per kind, so a model has a few: each op's ``last_path`` says how its latest call ran, and its
+    ``replays.stats`` how many calls replayed a captured graph (``rebound``: at new addresses) and how many were
+    captured (ops.replay)."""
+    found: dict = {}
+    for m in model.modules():
+        for op in getattr(m, "ops", ()):
+            found.setdefault(id(op), op)
+    return list(found.values())
+
+
+def _style_ops(module) -> tuple:
+    """The ops this layer's forward and backward call: AllGather-GEMM and GEMM-RS where sequence-parallel, the
+    GEMM + AllReduce for a row layer without it (its backward is a local matmul), none for a column layer without
+    it. Shared by every layer with the same Context and fallback rule."""
+    style = module.tp_style
+    if isinstance(style, ColwiseParallel) and not style.sequence_parallel:
+        return ()
+    if isinstance(style, RowwiseParallel) and not style.sequence_parallel:
+        return (custom_ops.op_of(gemm_ar_op(style.ctx, style.fallback)),)
+    return tuple(custom_ops.op_of(h) for h in layer_ops(style.ctx, style.fallback))
 
 
 def _last_path(module) -> str | None:
@@ -418,4 +445,4 @@ class GatherSequence(ParallelStyle):
 
 
 __all__ = ["ColwiseParallel", "GatherSequence", "RowwiseParallel", "ShardSequence", "SharedInputColwise", "check_mesh",
-           "styled_class"]
+           "overlap_ops", "styled_class"]

@@ -108,7 +108,7 @@ class MoEParallel(ParallelStyle):
         gate.tp_renormalize = renormalize
         gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
         module.tp_style, module.tp_mesh, module.tp_handles = self, device_mesh, moe_ops(ctx, self.fallback)
-        module.__class__ = styled_class(type(module), _block_forward, "MoEParallel", _last_path)
+        module.__class__ = styled_class(type(module), _block_forward, "MoEParallel", _last_path, _block_ops)
         return module
 
 
@@ -194,6 +194,12 @@ def _last_path(block) -> str | None:
     """The path the block's MoE ops took on their latest call (shared by every block with the same Context and
     fallback rule): ``"overlap"``, ``"fallback"``, or None before any call."""
     return custom_ops.op_of(block.tp_handles[0]).last_path
+
+
+def _block_ops(block) -> tuple:
+    """The AllGatherMoEGEMM and the MoEGEMMReduceScatter the block's forward and backward call (shared by every
+    block with the same Context and fallback rule)."""
+    return tuple(custom_ops.op_of(h) for h in block.tp_handles)
 
 
 def _router_forward(gate, rows):
