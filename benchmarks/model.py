@@ -33,9 +33,6 @@ A case is ``("train", shape, n_layers, batch, seq)`` or ``("decode", shape, n_la
 """
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.distributed as dist
 
@@ -43,7 +40,7 @@ import llama
 import triton_overlap as to
 from model_report import DECODE_COLUMNS, DECODE_HEADER, TRAIN_COLUMNS, TRAIN_HEADER, decode_row, train_row
 from triton_overlap.nn import overlap_ops
-from triton_overlap.timing import capture, time_interleaved
+from triton_overlap.timing import capture, host_us, time_interleaved
 from triton_overlap.torchrun import say
 
 #: layers per shape: a stack deep enough that a step is several layers' work, small enough that the nine
@@ -59,7 +56,7 @@ DECODE_VARIANTS = tuple(k for k, _ in DECODE_COLUMNS)
 TRAIN_BUDGET_S = 5.0
 #: decode steps take a millisecond or less: more iterations than a training step's
 DECODE_MIN_ITERS = 50
-#: training steps per eager variant whose host time is measured, after the timed ones (host_us)
+#: training steps per eager variant whose host time is measured, after the timed ones (step_host_us)
 HOST_STEPS = 5
 #: the eager training variants: their host time per step is measured, and ours' replays counted
 EAGER_TRAIN = ("ours", "ours_unshared", "ours_fused", "ours_fallback", "torch_tp", "torch_tp_fused")
@@ -111,25 +108,17 @@ def ours_paths(model) -> list:
     return sorted({str(m.last_path) for m in model.modules() if getattr(m, "last_path", None) is not None})
 
 
-def host_us(ctx, step, model) -> tuple[float, dict]:
-    """The host's time to enqueue one step (``step()`` returning), each started on an idle device, median over
-    HOST_STEPS, max over ranks; near the step's time, the step is host-bound. And what the model's overlapped
-    calls did per step meanwhile, on this rank (nn.overlap_ops' replay counts): ``replays`` of captured graphs (of
-    them ``rebound`` to new addresses) and ``captures``."""
+def step_host_us(step, model) -> tuple[float, dict]:
+    """The host's time to enqueue one step (timing.host_us: each started on an idle device, median over
+    HOST_STEPS, max over ranks; near the step's time, the step is host-bound), and what the model's overlapped calls
+    did per step meanwhile, on this rank (nn.overlap_ops' replay counts): ``replays`` of captured graphs (of them
+    ``rebound`` to new addresses) and ``captures``."""
     ops = overlap_ops(model)
     before = [dict(op.replays.stats) for op in ops]
-    times = []
-    for _ in range(HOST_STEPS):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    t = torch.tensor([statistics.median(times) * 1e6], device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    us = host_us(step, HOST_STEPS)
     calls = {k: sum(op.replays.stats[k] - b[k] for op, b in zip(ops, before)) / HOST_STEPS
              for k in ("replays", "rebound", "captures")}
-    return float(t), calls
+    return us, calls
 
 
 def _record(ctx, kind, shape, n_layers, batch, seq, lead_us) -> dict:
@@ -207,7 +196,7 @@ def bench_train(ctx, shape, n_layers, batch, seq, iters, lead_us) -> dict:
                                                               lead_us=lead_us).items()})
         for name in EAGER_TRAIN:
             if name in steps:
-                rec[f"{name}_host_us"], calls = host_us(ctx, steps[name], models[name])
+                rec[f"{name}_host_us"], calls = step_host_us(steps[name], models[name])
                 if name.startswith("ours"):
                     rec[f"{name}_calls_per_step"] = calls
         ctx.check()

@@ -64,7 +64,7 @@ def train_row(r) -> str:
 
 
 def _calls(r) -> str:
-    """Ours' replays per step, and of them those rebound to new addresses (host_us's counts)."""
+    """Ours' replays per step, and of them those rebound to new addresses (model.step_host_us's counts)."""
     c = r.get("ours_calls_per_step")
     return "n/a" if not c else f"{c['replays']:.0f} ({c['rebound']:.0f})"
 
