@@ -271,6 +271,9 @@ def bench_model(ctx, cases=None, iters: int = 10, write_partial=None, lead_us: f
     ``write_partial(records)`` after each, so a run cut short keeps what it measured."""
     if not torch.cuda.is_available():
         raise SystemExit("model: needs GPUs")
+    if dist.get_backend() != "nccl":  # (--shared-gpu: gloo)
+        raise SystemExit(f"model: needs an NCCL process group, not {dist.get_backend()}: torch TP's DTensor "
+                         "all-gather over gloo on CUDA tensors crashed the process (SIGSEGV, torch 2.11)")
     cases = DEFAULT_CASES if cases is None else [c if isinstance(c, tuple) else parse_cases([c])[0] for c in cases]
     records, last_kind = [], None
     for kind, shape, n_layers, batch, seq in cases:
