@@ -74,6 +74,23 @@ def test_replay_decisions():
     assert lonely.stats["captures"] == 4
 
 
+def test_replay_waits_until_the_call_is_built():
+    """A call whose launch the op says is not built (run's ``built``: AllGatherGEMM's in-place launch for where the
+    shard lies) runs eagerly where it would be captured, its sightings counted; once built, it is captured; a held
+    graph replays without asking."""
+    cache = _cpu_cache()
+    asked = []
+
+    def go(built):
+        return cache.run("a", "s", lambda: None, built=lambda: asked.append(built) or built)
+
+    assert go(False) is False and asked == []  # the first sighting runs eagerly: nothing to capture yet
+    assert go(False) is False and go(False) is False and asked == [False, False]
+    assert cache.stats["captures"] == 0
+    assert go(True) is True and cache.stats["captures"] == 1
+    assert go(False) is True and asked == [False, False, True] and cache.stats["replays"] == 1
+
+
 class _FakePatch:
     """A GraphPatch stand-in: the bases it is bound to, the rebinds applied, and a fingerprint set by the test."""
 

@@ -26,7 +26,9 @@ one key and one dictionary lookup. Rules:
 * a key is captured only after a call of its shape key (shapes, B's strides,
   bias or not, overrides: the op's ``shape_key``) ran the overlap eagerly in the current workspace
   generation (workspaces allocated and agreed on, kernels compiled, plans
-  built: capturing must not need a collective or a compile); a call the eager
+  built: capturing must not need a collective or a compile), and where the op
+  says what the call enqueues is built (``run``'s ``built``: AllGatherGEMM's
+  in-place launch is specialised on where the shard lies); a call the eager
   rule sent to NCCL counts as a sighting of its key too (``saw``); whether
   the rule sends small calls to NCCL is agreed by the ranks every few calls
   (OverlapOp.tick: the ranks' keys differ, their paths must not);
@@ -276,18 +278,19 @@ class ReplayCache:
                 return self._replay_rebound(layout, held, ranges)
         return False
 
-    def will_replay(self, key, shape_key) -> bool:
+    def will_replay(self, key, shape_key, built=None) -> bool:
         """Whether a call with ``key`` will run as a replay (of a graph held, or captured by this call)."""
         return key is not None and self._usable() and (
-            self._decide(key, shape_key) or self.rebind and self._layout_replays(key, shape_key))
+            self._decide(key, shape_key, built) or self.rebind and self._layout_replays(key, shape_key))
 
-    def _decide(self, key, shape_key) -> bool:
+    def _decide(self, key, shape_key, built=None) -> bool:
         """Whether the call replays by its exact key (``run`` has let the layout's path decide first)."""
         if key in self._graphs:
             return True
         if self._stopped():
             return False
-        return shape_key in self._prepared and self._seen.get(key, 0) + 1 >= self.after
+        return shape_key in self._prepared and self._seen.get(key, 0) + 1 >= self.after \
+            and (built is None or built())
 
     def _layout_replays(self, key, shape_key) -> bool:
         """Whether ``_by_layout`` enqueues this call (a replay, or a capture replayed)."""
@@ -334,12 +337,16 @@ class ReplayCache:
             while len(self._layouts) > self.SEEN_LIMIT:
                 self._layouts.popitem(last=False)
 
-    def run(self, key, shape_key, enqueue) -> bool:
-        """Enqueue the call: ``enqueue()`` itself, or a replay of its graph. Returns whether it replayed."""
+    def run(self, key, shape_key, enqueue, built=None) -> bool:
+        """Enqueue the call: ``enqueue()`` itself, or a replay of its graph. Returns whether it replayed.
+        ``built()``, asked only before a capture by the call's exact key: whether what the call would enqueue is
+        built (the op's word: a shape that ran eagerly can still need another specialisation of a kernel for
+        these addresses, which must not be compiled inside a capture); False: the call runs eagerly and builds
+        it. None: built once its shape ran eagerly."""
         usable = key is not None and self._usable()
         if usable and self.rebind and key not in self._graphs and self._by_layout(key, shape_key, enqueue):
             return True
-        replay = usable and self._decide(key, shape_key)
+        replay = usable and self._decide(key, shape_key, built)
         if not replay:
             enqueue()
             if usable:
