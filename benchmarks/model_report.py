@@ -7,6 +7,8 @@ import os
 
 from report import geomean, measured, pending_line, result_base, save_json
 
+#: training steps per eager variant whose host time is measured, after the timed ones (model.step_host_us)
+HOST_STEPS = 5
 #: (variant, its column's name), in the tables' order
 TRAIN_COLUMNS = (("ours", "ours"), ("ours_unshared", "ours, a gather per projection"),
                  ("ours_fused", "ours, fused projections"), ("ours_compiled", "ours compiled"),
@@ -105,8 +107,9 @@ def write_model(records, W, out_dir: str, pending=()) -> None:
                     "projection: a ColwiseParallel each; torch TP: torch's styles, NCCL, eager; torch async TP: "
                     "torch's styles, each block compiled with inductor's micro-pipeline TP and symmetric memory; "
                     "fused projections: wq/wk/wv stored as one wqkv and w1/w3 as one w13), ms per step; host ms: the "
-                    "host's time to enqueue one step started on an idle GPU (median of 5, max over ranks: near the "
-                    "step's time, the step is host-bound); replays per step: ours' overlapped calls that replayed "
+                    "host's time to enqueue one step started on an idle GPU (median of "
+                    f"{HOST_STEPS}, max over ranks: near the step's time, the step is host-bound); replays per "
+                    "step: ours' overlapped calls that replayed "
                     "a captured graph, and of them those rebound to new addresses (rank 0)\n\n"
                     f"{TRAIN_HEADER}\n" + "\n".join(train_row(r) for r in train) + "\n")
             for a, b in TRAIN_RATIOS[:5]:

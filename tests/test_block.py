@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import triton_overlap as to
-from triton_overlap.nn import TPMLP, ParallelTransformerBlock
+from triton_overlap.nn import TPMLP, ParallelTransformerBlock, overlap_ops
 from refs import attention, attention_docs, rel_err
 
 TOL_OUT, TOL_GRAD = 2e-2, 3e-2  # a bf16 block against float32 on the same (bf16-rounded) weights and inputs
@@ -29,6 +29,8 @@ def _build(ctx, dim, heads, kv_heads, hidden):
             lin.weight.copy_(lin.weight.bfloat16().float())
         lins.append(lin)
     block.mlp = TPMLP.from_full(*lins, ctx, dtype=torch.bfloat16, fallback="never")
+    kinds = [type(op).__name__ for op in overlap_ops(block)]  # the attention, then the MLP's two ops
+    assert kinds == ["ContextParallelAttention", "AllGatherGEMM", "GEMMReduceScatter"], kinds
     return block, lins
 
 

@@ -19,7 +19,7 @@ import torch
 import triton_overlap as to
 from refs import rand, rel_err
 from test_nn_moe import TOL_GRAD, TOL_OUT, PlainMoE, expert_modules
-from triton_overlap.nn import EPMoE
+from triton_overlap.nn import EPMoE, overlap_ops
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,6 +242,7 @@ def _refusals():
         # after the refusals the layer runs
         y = moe(x.bfloat16())
         assert y.shape == x.shape and moe.last_path == "overlap"
+        assert overlap_ops(moe) == [moe.op]  # (held as an attribute; no low-latency op without max_tokens_per_rank)
         ctx.check()
         return True
 

@@ -208,7 +208,7 @@ def _shared_block_case(kind):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from triton_overlap.nn import MoEParallel
+    from triton_overlap.nn import MoEParallel, overlap_ops
 
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -236,7 +236,6 @@ def _shared_block_case(kind):
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "out" else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad}"
         assert block.last_path == "overlap" and tuple(block.experts.gate_up_proj.shape) == (8, 32, 16)
-        from triton_overlap.nn import overlap_ops
         assert [type(op).__name__ for op in overlap_ops(block)] == ["AllGatherMoEGEMM", "MoEGEMMReduceScatter"]
         return max(errs.items(), key=lambda kv: kv[1])
 

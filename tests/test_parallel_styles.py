@@ -107,7 +107,7 @@ def _llama_case(B, mode, fallback, shared=False):
         assert path == ("fallback" if fallback == "always" else "overlap"), path
         kinds = [type(op).__name__ for op in overlap_ops(model)]  # the ops the model's layers share
         assert kinds == (["GEMMAllReduce"] if mode == "decode" else ["AllGatherGEMM", "GEMMReduceScatter"]), kinds
-        assert all(op.fallback == fallback for op in overlap_ops(model)) and o_proj.ops[0] in overlap_ops(model)
+        assert all(op.fallback == fallback for op in overlap_ops(model)) and o_proj.tp_ops[0] in overlap_ops(model)
         if mode == "autocast":  # float32 parameters keep float32 gradients
             assert o_proj.weight.dtype == torch.float32 and o_proj.weight.grad.dtype == torch.float32
         return max(errs.values())

@@ -75,20 +75,53 @@ def test_replay_decisions():
 
 
 def test_replay_waits_until_the_call_is_built():
-    """A call whose launch the op says is not built (run's ``built``: AllGatherGEMM's in-place launch for where the
-    shard lies) runs eagerly where it would be captured, its sightings counted; once built, it is captured; a held
-    graph replays without asking."""
+    """A call whose launch the op says is not built (run's ``capturable``: AllGatherGEMM's in-place launch for where
+    the shard lies) runs eagerly where it would be captured, its sightings counted; once built, it is captured; a
+    held graph replays without asking."""
     cache = _cpu_cache()
     asked = []
 
     def go(built):
-        return cache.run("a", "s", lambda: None, built=lambda: asked.append(built) or built)
+        return cache.run("a", "s", lambda: None, capturable=lambda: asked.append(built) or built)
 
     assert go(False) is False and asked == []  # the first sighting runs eagerly: nothing to capture yet
     assert go(False) is False and go(False) is False and asked == [False, False]
     assert cache.stats["captures"] == 0
     assert go(True) is True and cache.stats["captures"] == 1
     assert go(False) is True and asked == [False, False, True] and cache.stats["replays"] == 1
+
+
+def test_ag_gemm_says_capturable_where_its_capture_launch_is_built(monkeypatch):
+    """AllGatherGEMM's word to the cache (``_placement_built``) agrees with the launch its capture of a call by the
+    call's exact key takes (``_reads_shard_in_place``): the in-place launch is specialised on where the shard lies
+    against the workspace (here: one descriptor can span the two, or not), so a placement no eager call ran is
+    capturable only once the layout's copying launch is built, and its capture copies."""
+    from types import SimpleNamespace
+
+    from triton_overlap.ops.all_gather_gemm import AllGatherGEMM
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # (no CUDA here)
+    ws = torch.empty(64, 16, dtype=torch.bfloat16)
+    buf = torch.empty(32 * 16 + 1, dtype=torch.bfloat16)
+    spanned, apart = buf[:512].view(32, 16), buf[1:].view(32, 16)  # the second 2 bytes off: no descriptor spans it
+    op = SimpleNamespace(state={}, replays=SimpleNamespace(rebinding=False, capturing=False),
+                         _workspace=lambda a: SimpleNamespace(local=ws))
+
+    def capturable(a):
+        return AllGatherGEMM._placement_built(op, "layout", a)
+
+    def in_place(a, capturing=False, rebinding=False):
+        op.replays.capturing, op.replays.rebinding = capturing, rebinding
+        return AllGatherGEMM._reads_shard_in_place(op, "layout", a, ws)
+
+    assert not capturable(spanned) and not capturable(apart)
+    assert in_place(spanned)  # the layout's first eager call reads in place: that launch is built
+    assert capturable(spanned) and not capturable(apart)  # (apart: its in-place launch was never built)
+    assert in_place(spanned, capturing=True)
+    assert not in_place(apart)  # the layout's second eager call builds the copying launch
+    assert capturable(apart) and not in_place(apart, capturing=True)  # captured, it copies: built
+    assert capturable(spanned) and in_place(spanned, capturing=True)
+    assert not in_place(spanned, capturing=True, rebinding=True)  # a layout's graph always copies
 
 
 class _FakePatch:
@@ -512,10 +545,10 @@ STACK_TOL, STACK_GRAD_TOL = 2e-2, 4e-2
 
 def _training_steps(m_local, dim, hidden, layers, steps):
     """Training steps through a stack of residual TPMLP layers (one AllGather-GEMM and one GEMM-RS op shared by
-    all, as a model holds them), new inputs every step and earlier steps' tensors kept alive, so that no activation
-    comes back at an address it had: the calls of each layout (forward and backward, per op) are captured, checked
-    and then replayed rebound, layer after layer and step after step. Every step's output, input gradient and down
-    projections' weight gradients against the unsharded float32 stack."""
+    all, as a model holds them), new inputs every step (earlier steps' inputs and outputs kept alive, so that those
+    never come back at an address): each op's calls of a layout (forward and backward) are captured, checked
+    and then replayed rebound, layer after layer (each with its own weights) and step after step. Every step's
+    output, input gradient and down projections' weight gradients against the unsharded float32 stack."""
     from torch import nn
     from triton_overlap.nn import TPMLP
 

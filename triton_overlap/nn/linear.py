@@ -176,8 +176,8 @@ class RowParallelLinear(_TPLinear):
     @property
     def ops(self):
         """The ops this layer's forward and backward call: the AllGatherGEMM and the GEMMReduceScatter where
-        sequence-parallel, the GEMMAllReduce alone without it (its backward is local); shared by every layer with
-        the same Context and fallback rule."""
+        sequence-parallel, the GEMMAllReduce alone without it (its backward is local; ``forward_rmsnorm`` takes an
+        AllReduceRMSNorm instead); shared by every layer with the same Context and fallback rule."""
         return super().ops if self.sequence_parallel else (self._forward_op,)
 
     @torch.no_grad()

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
+from ..ops.base import OverlapOp
 from .linear import column_rows, gemm_ar_op, layer_ops, local_linear, row_rows
 from .precision import compute_dtype, compute_operands
 
@@ -110,9 +111,10 @@ class _LinearStyle(ParallelStyle):
 
 
 def styled_class(base, forward, name: str, last_path=None, ops=None):
-    """``base`` with ``forward`` replaced and, given, ``last_path`` and ``ops`` properties (one subclass per base
-    class and forward, named ``name + base's name``), so that ``parallelize_module``, which keeps the module objects
-    it is given, sees the parallel forward; a style swaps the module's class for it."""
+    """``base`` with ``forward`` replaced and, given, ``last_path`` and ``tp_ops`` properties (one subclass per base
+    class and forward, named ``name + base's name``, made with the properties of its first call), so that
+    ``parallelize_module``, which keeps the module objects it is given, sees the parallel forward; a style swaps
+    the module's class for it."""
     key = (base, forward)
     cls = _STYLED.get(key)
     if cls is None:
@@ -120,7 +122,7 @@ def styled_class(base, forward, name: str, last_path=None, ops=None):
         if last_path is not None:
             attrs["last_path"] = property(last_path, doc=last_path.__doc__)
         if ops is not None:
-            attrs["ops"] = property(ops, doc=ops.__doc__)
+            attrs["tp_ops"] = property(ops, doc=ops.__doc__)
         cls = _STYLED[key] = type(f"{name}{base.__name__}", (base,), attrs)
     return cls
 
@@ -129,15 +131,18 @@ _STYLED: dict = {}
 
 
 def overlap_ops(model: nn.Module) -> list:
-    """The overlapped ops (``OverlapOp``) that ``model``'s layers call, each once, in the order first met: the
-    layers' ``ops`` (this package's layers and modules a parallel style took). Layers with one Context and fallback
-    rule share one op per kind, so a model has a few: each op's ``last_path`` says how its latest call ran, and its
-    ``replays.stats`` how many calls replayed a captured graph (``rebound``: at new addresses) and how many were
-    captured (ops.replay)."""
+    """The overlapped ops (``OverlapOp``) that ``model``'s modules hold, each once, in the order first met: this
+    package's layers' ``ops``, a styled module's ``tp_ops``, and ops held as attributes (a block's attention, an
+    EPMoE's dispatch and combine). Layers with one Context and fallback rule share one op per kind, so a model has
+    a few: each op's ``last_path`` says how its latest call ran, and its ``replays.stats`` how many calls replayed a
+    captured graph (``rebound``: at new addresses) and how many were captured (ops.replay). Not included: ops made
+    per Context outside the modules (``RowParallelLinear.forward_rmsnorm``'s AllReduce + RMSNorm)."""
     found: dict = {}
     for m in model.modules():
-        for op in getattr(m, "ops", ()):
-            found.setdefault(id(op), op)
+        listed = [getattr(m, name, ()) for name in ("ops", "tp_ops")]
+        for op in [*vars(m).values(), *(op for ops in listed if isinstance(ops, (tuple, list)) for op in ops)]:
+            if isinstance(op, OverlapOp):
+                found.setdefault(id(op), op)
     return list(found.values())
 
 

@@ -118,7 +118,7 @@ class AllGatherGEMM(OverlapOp):
         self.last_path = "overlap"
         layout = self.replays.layout(key) if self.replays.rebind and self.replays.on() else None
         self.enqueue(key, shape_key, lambda: self._overlap(a, w, bias, out, overrides, scales, layout),
-                     built=None if layout is None else lambda: self._placement_built(layout, a))
+                     capturable=None if layout is None else lambda: self._placement_built(layout, a))
         return self._returned(a, out, return_gathered)
 
     def _use_fallback(self, a, w, shape_key) -> bool:
@@ -204,7 +204,8 @@ class AllGatherGEMM(OverlapOp):
     def _placement_built(self, layout, a) -> bool:
         """Whether a capture of this call by its exact key finds its launch built (``_reads_shard_in_place``): the
         in-place one for where ``a`` lies against the workspace, or the layout's copying one. Neither (the layout's
-        only eager overlapped runs had the shard elsewhere, the calls since sent to NCCL): the call runs eagerly."""
+        eager overlapped runs, if any, had the shard elsewhere; its calls since then went to NCCL): the call runs
+        eagerly, and builds one."""
         ws = self._workspace(a).local
         placed = (layout, a.data_ptr() < ws.data_ptr(), pair_gap(a, ws) is None)
         return placed in self.state.get("in place", ()) or layout in self.state.get("copied shard", ())

@@ -258,9 +258,9 @@ class OverlapOp:
         self._small_shapes.add(shape_key)
         return not self._small_replays
 
-    def enqueue(self, key, shape_key, fn, built=None) -> None:
-        """Enqueue a call: ``fn()``, or a replay of the graph captured of it (ReplayCache.run, ``built`` too)."""
-        self.replays.run(key, shape_key, fn, built)
+    def enqueue(self, key, shape_key, fn, capturable=None) -> None:
+        """Enqueue a call: ``fn()``, or a replay of the graph captured of it (ReplayCache.run, ``capturable`` too)."""
+        self.replays.run(key, shape_key, fn, capturable)
 
     def replayed(self, key) -> bool:
         """Replay the graph held for ``key``, before any check (a held key passed the checks when captured)."""

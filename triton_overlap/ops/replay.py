@@ -27,7 +27,7 @@ one key and one dictionary lookup. Rules:
   bias or not, overrides: the op's ``shape_key``) ran the overlap eagerly in the current workspace
   generation (workspaces allocated and agreed on, kernels compiled, plans
   built: capturing must not need a collective or a compile), and where the op
-  says what the call enqueues is built (``run``'s ``built``: AllGatherGEMM's
+  says what the call enqueues is built (``run``'s ``capturable``: AllGatherGEMM's
   in-place launch is specialised on where the shard lies); a call the eager
   rule sent to NCCL counts as a sighting of its key too (``saw``); whether
   the rule sends small calls to NCCL is agreed by the ranks every few calls
@@ -278,19 +278,21 @@ class ReplayCache:
                 return self._replay_rebound(layout, held, ranges)
         return False
 
-    def will_replay(self, key, shape_key, built=None) -> bool:
-        """Whether a call with ``key`` will run as a replay (of a graph held, or captured by this call)."""
+    def will_replay(self, key, shape_key, capturable=None) -> bool:
+        """Whether a call with ``key`` will run as a replay (of a graph held, or captured by this call; ``run``'s
+        ``capturable`` likewise)."""
         return key is not None and self._usable() and (
-            self._decide(key, shape_key, built) or self.rebind and self._layout_replays(key, shape_key))
+            self.rebind and self._layout_replays(key, shape_key) or self._decide(key, shape_key, capturable))
 
-    def _decide(self, key, shape_key, built=None) -> bool:
+    def _decide(self, key, shape_key, capturable=None) -> bool:
         """Whether the call replays by its exact key (``run`` has let the layout's path decide first)."""
         if key in self._graphs:
             return True
         if self._stopped():
             return False
+        # (capturable last: the shape ran eagerly in this generation, so what the op looks up for it exists)
         return shape_key in self._prepared and self._seen.get(key, 0) + 1 >= self.after \
-            and (built is None or built())
+            and (capturable is None or capturable())
 
     def _layout_replays(self, key, shape_key) -> bool:
         """Whether ``_by_layout`` enqueues this call (a replay, or a capture replayed)."""
@@ -337,16 +339,16 @@ class ReplayCache:
             while len(self._layouts) > self.SEEN_LIMIT:
                 self._layouts.popitem(last=False)
 
-    def run(self, key, shape_key, enqueue, built=None) -> bool:
+    def run(self, key, shape_key, enqueue, capturable=None) -> bool:
         """Enqueue the call: ``enqueue()`` itself, or a replay of its graph. Returns whether it replayed.
-        ``built()``, asked only before a capture by the call's exact key: whether what the call would enqueue is
-        built (the op's word: a shape that ran eagerly can still need another specialisation of a kernel for
+        ``capturable()``, asked only before a capture by the call's exact key: whether what the call would enqueue
+        is built (the op's word: a shape that ran eagerly can still need another specialisation of a kernel for
         these addresses, which must not be compiled inside a capture); False: the call runs eagerly and builds
-        it. None: built once its shape ran eagerly."""
+        it. None: capturable once its shape ran eagerly. (``ready`` answers the same for a layout's captures.)"""
         usable = key is not None and self._usable()
         if usable and self.rebind and key not in self._graphs and self._by_layout(key, shape_key, enqueue):
             return True
-        replay = usable and self._decide(key, shape_key, built)
+        replay = usable and self._decide(key, shape_key, capturable)
         if not replay:
             enqueue()
             if usable:
