@@ -75,3 +75,20 @@ def test_gemm_ar_row_has_every_column_old_records_included():
     old = _records("gemm_ar-H200x4.json")[0]
     row = report.gemm_ar_row(old)
     assert row.count("|") == 15 and "n/a" in row, row
+
+
+def test_model_train_row_has_every_column_old_records_included():
+    """The model benchmark's training row: a cell for each column of the header, ours' host time and replays per
+    step among them; a record written before those columns (the committed W = 2 result) still makes a row, n/a
+    where it has no value."""
+    model_report = pytest.importorskip("model_report")
+    header = model_report.TRAIN_HEADER.splitlines()[0]
+    old = _records("model-H200x2.json")[0]
+    assert old["kind"] == "train" and "ours_host_us" not in old
+    new = dict(old, ours_host_us=12345.0, torch_tp_host_us=4000.0,
+               ours_calls_per_step={"replays": 40.0, "rebound": 38.0, "captures": 0.0})
+    row = model_report.train_row(new)
+    assert row.count("|") == header.count("|"), (row, header)
+    assert row.endswith("| 12.35 | 4.00 | 40 (38) |"), row
+    row = model_report.train_row(old)
+    assert row.count("|") == header.count("|") and row.endswith("| n/a | n/a | n/a |"), row
