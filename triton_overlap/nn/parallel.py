@@ -162,15 +162,10 @@ def _last_path(module) -> str | None:
     """The path this layer's forward took on its latest call through its op (shared by every layer with the same
     Context, style kind and fallback rule): ``"overlap"`` or ``"fallback"`` (torch + the process group); ``"local"``
     for a column layer without sequence parallelism (a local matmul); None before any call."""
-    style = module.tp_style
-    if isinstance(style, ColwiseParallel) and not style.sequence_parallel:
+    style, ops = module.tp_style, _style_ops(module)
+    if not ops:
         return "local"
-    ag, rs = layer_ops(style.ctx, style.fallback)
-    if isinstance(style, RowwiseParallel):
-        h = rs if style.sequence_parallel else gemm_ar_op(style.ctx, style.fallback)
-    else:
-        h = ag
-    return custom_ops.op_of(h).last_path
+    return (ops[1] if isinstance(style, RowwiseParallel) and style.sequence_parallel else ops[0]).last_path
 
 
 class ColwiseParallel(_LinearStyle):

@@ -193,7 +193,7 @@ def _full_experts(experts):
 def _last_path(block) -> str | None:
     """The path the block's MoE ops took on their latest call (shared by every block with the same Context and
     fallback rule): ``"overlap"``, ``"fallback"``, or None before any call."""
-    return custom_ops.op_of(block.tp_handles[0]).last_path
+    return _block_ops(block)[0].last_path
 
 
 def _block_ops(block) -> tuple:

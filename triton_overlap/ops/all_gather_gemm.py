@@ -40,6 +40,12 @@ class AllGatherGEMMSchedule:
     call: object
 
 
+def _placement(layout, a, ws) -> tuple:
+    """What the in-place launch of a call of ``layout`` is specialised on: whether the shard ``a`` lies below the
+    workspace ``ws``, and whether one descriptor can span the two (gemm_operands.pair_gap)."""
+    return layout, a.data_ptr() < ws.data_ptr(), pair_gap(a, ws) is None
+
+
 class AllGatherGEMM(OverlapOp):
     """Reusable AllGather-GEMM bound to a Context: holds its workspace, flags and config.
 
@@ -189,7 +195,7 @@ class AllGatherGEMM(OverlapOp):
             return True
         if self.replays.rebinding:
             return False
-        placed = (layout, a.data_ptr() < ws.data_ptr(), pair_gap(a, ws) is None)
+        placed = _placement(layout, a, ws)
         built, copied = self.state.setdefault("in place", set()), self.state.setdefault("copied shard", set())
         if self.replays.capturing or torch.cuda.is_current_stream_capturing():
             return placed in built or layout not in copied
@@ -206,8 +212,7 @@ class AllGatherGEMM(OverlapOp):
         in-place one for where ``a`` lies against the workspace, or the layout's copying one. Neither (the layout's
         eager overlapped runs, if any, had the shard elsewhere; its calls since then went to NCCL): the call runs
         eagerly, and builds one."""
-        ws = self._workspace(a).local
-        placed = (layout, a.data_ptr() < ws.data_ptr(), pair_gap(a, ws) is None)
+        placed = _placement(layout, a, self._workspace(a).local)
         return placed in self.state.get("in place", ()) or layout in self.state.get("copied shard", ())
 
     def _rebind_ready(self, layout) -> bool:
