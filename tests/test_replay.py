@@ -416,6 +416,94 @@ def test_replay_agreement_sets_the_small_calls_path_on_every_rank(monkeypatch):
     assert ctx.exchanges == 5 and op.eager_fallback("s", 1e9) is True
 
 
+def test_replay_across_hosts_only_where_allowed(monkeypatch):
+    """On a group that spans hosts an op replays only where its path between hosts runs on the device
+    (REPLAYS_ACROSS_HOSTS) and the Context allows it (``replays_across_hosts``: NCCL carries the exchanges), by
+    exact keys only (no rebinding), every replay through the link's watch; the eager calls, a capture itself and a
+    Context on one host never go through it."""
+    from triton_overlap.ops import base
+    from triton_overlap.ops.base import OverlapOp
+
+    watched = []
+
+    class Link:
+        def watched(self, play, op):
+            watched.append(op)
+            play()
+
+    class Ctx:
+        backend, producer_jitter_s, generation, interpreted, world_size, resets = "cuda", 0.0, 0, False, 2, 0
+
+        def __init__(self, hosts, allowed):
+            self.num_hosts, self.replays_across_hosts = hosts, allowed
+
+        def op_id(self, kind):
+            return 7
+
+        def on_close(self, fn):
+            pass
+
+    class Device(OverlapOp):
+        KIND, REBIND, REPLAYS_ACROSS_HOSTS = "device path", True, True
+
+    class Host(OverlapOp):
+        KIND, REBIND = "host path", True
+
+    monkeypatch.setattr(base, "link", lambda ctx: Link())
+    for hosts, allowed, kind, replays, rebinds in [(1, False, Device, True, True), (1, False, Host, True, True),
+                                                   (2, False, Device, False, False), (2, True, Host, False, False),
+                                                   (2, True, Device, True, False)]:
+        op = kind(Ctx(hosts, allowed))
+        assert (op.replays.enabled, op.replays.rebind) == (replays, rebinds), (hosts, allowed, kind.KIND)
+        assert (op.replays.watch is None) == (hosts == 1)
+        assert not kind(Ctx(hosts, allowed), replay=False).replays.enabled
+    op.replays._caller_capturing = lambda: False
+    op.replays._graph_of = _FakeGraph
+    ran = []
+    go = lambda: op.replays.run("k", "s", lambda: ran.append(len(watched)))  # noqa: E731
+    assert [go(), go(), go()] == [False, True, True]
+    assert op.replays.hit("k") and ran == [0, 1, 2, 3]  # each replay inside the watch, the eager call outside
+    assert watched == [7, 7, 7] and op.replays.stats["captures"] == 1
+
+
+def test_link_watches_a_replay(monkeypatch):
+    """Link.watched: events around the replay on the current stream, followed by the Watch with every rank on
+    another host as the peer it may name; refused once the Watch ended the link after a fault."""
+    from triton_overlap.producers.link import Link
+
+    order = []
+
+    class Event:
+        def record(self, stream):
+            order.append(("record", stream))
+
+    class Watch:
+        aborted = False
+
+        def refuse_if_aborted(self):
+            if self.aborted:
+                raise to.ContextError("ended")
+
+        def follow(self, begin, end, op, waits):
+            order.append(("follow", begin, end, op, waits))
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    ln = Link.__new__(Link)
+    ln.ctx, ln.remote, ln.watch = type("Ctx", (), {"device": "cuda:0"})(), [2, 3], Watch()
+    ln.watched(lambda: order.append("replay"), 5)
+    assert order[:3] == [("record", "stream"), "replay", ("record", "stream")]
+    follow = order[3]
+    assert follow[0] == "follow" and follow[3] == 5 and sorted(follow[4]) == [2, 3]
+    ln.watch.aborted = True
+    with pytest.raises(to.ContextError):
+        ln.watched(lambda: order.append("late"), 5)
+    assert "late" not in order
+    ln.watch = None  # (not over NCCL: nothing to bound)
+    ln.watched(lambda: order.append("plain"), 5)
+    assert order[-1] == "plain"
+
+
 def _ag_rs(m_local, k, n, replay_ranks):
     with to.Context(timeout_s=30) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
