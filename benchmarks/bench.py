@@ -1019,9 +1019,6 @@ def main():
     p.add_argument("--virtual-hosts", type=int, default=None, metavar="N",
                    help="treat the ranks as N hosts of equal size (TRITON_OVERLAP_VIRTUAL_HOSTS): data between them "
                    "goes through the process group, as between machines")
-    p.add_argument("--replay-across-hosts", action="store_true",
-                   help="with --virtual-hosts: Context(replay_across_hosts=True), so that ours replays repeated eager "
-                   "calls across hosts too (docs/hosts.md)")
     p.add_argument("--profile", metavar="DIR", help="also profile every timed column (timing.profile_to): one "
                    "table of kernels per column and case in DIR")
     p.add_argument("--profile-stacks", action="store_true", help="with --profile: also a table by Python stack")
@@ -1047,10 +1044,10 @@ def main():
               if args.shapes and args.op not in ("moe", "ep", "ep_ll", "model") else None)
     if args.virtual_hosts:
         os.environ["TRITON_OVERLAP_VIRTUAL_HOSTS"] = str(args.virtual_hosts)
-    with to.Context(replay_across_hosts=args.replay_across_hosts) as ctx:
-        def hosts(recs):  # every record says how many hosts the group spans, and whether ours replays across them
+    with to.Context() as ctx:
+        def hosts(recs):  # every record says how many hosts the group spans
             for r in recs:
-                r["num_hosts"], r["replays_across_hosts"] = ctx.num_hosts, ctx.replays_across_hosts
+                r["num_hosts"] = ctx.num_hosts
             return recs
 
         def writer(write_fn, planned, *lead):

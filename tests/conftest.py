@@ -191,7 +191,6 @@ FAST = [
     "test_replay.py::test_replay_hit",
     "test_replay.py::test_replay_counts_calls_sent_to_nccl",
     "test_replay.py::test_replay_unprepared_after_a_new_generation",
-    "test_replay.py::test_replay_across_hosts_only_where_allowed",
     # tuning tables, reports, the repository, entry points, the Gluon kernels' compilation, the first tutorial
     "test_tuning.py::test_lookup_prefers_world_size_then_any_then_nearest",
     "test_tuning.py::test_the_shipped_table_is_read",

@@ -92,29 +92,3 @@ def test_model_train_row_has_every_column_old_records_included():
     assert row.endswith("| 12.35 | 4.00 | 40 (38) |"), row
     row = model_report.train_row(old)
     assert row.count("|") == header.count("|") and row.endswith("| n/a | n/a | n/a |"), row
-
-
-@pytest.mark.parametrize("kind", ["ag_gemm", "cp_attention"])
-def test_results_across_hosts_say_whether_ours_replayed(tmp_path, kind):
-    """A run whose group spans hosts says so in its caption, and whether ours replayed repeated eager calls there
-    (bench.py --replay-across-hosts); records written before the flag (the committed 2-host results) did not."""
-    name = f"{kind}-H200x4-2hosts"
-    records = _records(name + ".json")[:2]
-    write = (report.write_cp if kind == "cp_attention"
-             else lambda recs, W, out: report.write("ag_gemm", recs, W, out))
-
-    def md(recs):
-        write(recs, 4, str(tmp_path))
-        with open(os.path.join(tmp_path, name + ".md")) as f:
-            return f.read()
-
-    old = md(records)
-    assert "spans 2 (virtual) hosts" in old and "enqueues every eager call anew" in old, old
-    assert kind == "cp_attention" or "(eager, fallback=\"auto\", no replay across hosts)" in old
-    new = md([dict(r, replays_across_hosts=True) for r in records])
-    assert "replays repeated eager calls across them" in new, new
-    assert kind == "cp_attention" or "(eager, fallback=\"auto\", replay on)" in new
-    one = os.path.join(tmp_path, f"{kind}-H200x4.md")
-    write([dict(r, num_hosts=1) for r in records], 4, str(tmp_path))
-    with open(one) as f:
-        assert "hosts" not in f.read().split("\n\n")[1]

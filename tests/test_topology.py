@@ -5,7 +5,6 @@ process group (the op tests' own cases, run under virtual hosts), the AllReduce 
 path, faults name the peer on the other host; one Context per host's group (the 2-D mesh) overlaps as on one
 machine."""
 import os
-import time
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch.distributed as dist
 
 import contract
 import triton_overlap as to
-from refs import TOL, attention_problem, poison, rand, rel_err, shm_files
+from refs import TOL, rand, rel_err, shm_files
 from test_ag_gemm import AG_GEMM, AGCase
 from test_cp_attention import CP_ATTENTION, CPCase
 from test_expert_parallel import EPCase, ep_matches_reference, ep_silent_peer
@@ -316,78 +315,6 @@ def test_ops_between_hosts_held_for_link(pool, what):
     assert all(held) == (not what.startswith("rs")) and any(held) == all(held)
     if what.startswith("rs"):
         assert all(n > 0 for n in reductions), reductions
-
-
-def _replaying_between_hosts(n: int, T: float):
-    """On a Context across ``n`` virtual hosts that allows replay there (``replay_across_hosts``): AllGather-GEMM,
-    GEMM-RS and attention's forward, four calls each on the same tensors with new values, every one right on
-    poisoned outputs; the second is captured, exchanges between hosts included, and the rest replay. Then rank 1
-    stays away from a call that replays on the others: they fault within about the timeout, naming rank 1 (the
-    replay's exchanges are bounded as an eager call's are), and after reset() the calls are right again. Over
-    NCCL only: elsewhere the exchanges block the host and nothing replays (returns None)."""
-    os.environ[VIRTUAL_HOSTS_ENV] = str(n)
-    try:
-        with to.Context(timeout_s=T, replay_across_hosts=True) as ctx:
-            assert ctx.replays_across_hosts == ctx.holds_for_link
-            if not ctx.holds_for_link:
-                return None
-            W, r, dev, bf16 = ctx.world_size, ctx.rank, ctx.device, torch.bfloat16
-            ag, rs = to.AllGatherGEMM(ctx, fallback="never"), to.GEMMReduceScatter(ctx, fallback="never")
-            cp = to.ContextParallelAttention(ctx)
-            assert ag.replays.enabled and not ag.replays.rebind and rs.replays.enabled and cp.replays.enabled
-            m, k, n_out = 1024, 512, 768
-            a, big = torch.empty((m, k), dtype=bf16, device=dev), torch.empty((m * W, k), dtype=bf16, device=dev)
-            w, w_rs = rand((k, n_out), bf16, dev, "xr-w", r), rand((k, n_out), bf16, dev, "xr-wrs")
-            out, y = torch.empty((m * W, n_out), dtype=bf16, device=dev), torch.empty((m, n_out), dtype=bf16,
-                                                                                      device=dev)
-            qkv = [torch.empty((1, 4096 // W, h, 128), dtype=bf16, device=dev) for h in (8, 2, 2)]
-            o = torch.empty_like(qkv[0])
-            lse = torch.empty((1, 8, qkv[0].shape[1]), dtype=torch.float32, device=dev)
-
-            def calls(tag):
-                for i in range(4):
-                    shards = [rand((m, k), bf16, dev, "xr-a", tag, i, s) for s in range(W)]
-                    a.copy_(shards[r])
-                    ag(a, w, out=poison(out))
-                    assert rel_err(out, torch.cat(shards).float() @ w.float()) < TOL[bf16], (tag, i)
-                    parts = [rand((m * W, k), bf16, dev, "xr-rs", tag, i, s) for s in range(W)]
-                    big.copy_(parts[r])
-                    rs(big, w_rs, out=poison(y))
-                    ref = (sum(p.float() for p in parts) @ w_rs.float())[r * m:(r + 1) * m]
-                    assert rel_err(y, ref) < TOL[bf16], (tag, i)
-                    inputs, want = attention_problem(dev, 1, 4096, 8, 2, 128, True, bf16, ("xr", tag, i))
-                    for dst, src in zip(qkv, inputs):
-                        dst.copy_(to.zigzag.shard(src, ctx))
-                    cp(*qkv, causal=True, out=poison(o), lse=lse)
-                    assert rel_err(o, to.zigzag.shard(want[0], ctx)) < TOL[bf16], (tag, i)
-                ctx.check()
-
-            calls(0)
-            for op in (ag, rs, cp):
-                assert op.replays.stats["captures"] == 1 and op.replays.stats["replays"] >= 2, op.replays.stats
-            ctx.barrier()
-            ctx.check()
-            elapsed = None
-            if r != 1:
-                msg, elapsed = contract.timed(ctx, lambda: ag(a, w, out=out))
-                assert "rank 1" in msg and "ag_gemm" in msg, msg
-                assert elapsed < 3 * T, (elapsed, msg)
-            else:
-                time.sleep(T + 0.5)  # absent for the whole timeout, then back for the reset
-            ctx.reset()
-            calls(1)  # the graphs went with the reset (new workspaces' generation, a new link): captured again
-            return elapsed
-    finally:
-        os.environ.pop(VIRTUAL_HOSTS_ENV, None)
-
-
-def test_replay_between_hosts(pool):
-    """Eager replay across hosts (Context(replay_across_hosts=True)), one rank per host, on GPUs whose group spans
-    hosts over NCCL."""
-    if pool.backend == "host" or pool.backend.startswith("cuda-shared"):
-        pytest.skip("replay across hosts needs NCCL between the ranks (a GPU each); the host backend never replays")
-    times = pool.run(_replaying_between_hosts, pool.world, contract.timeout_for(pool))
-    contract.timed_all_but_rank_1(times)
 
 
 # The fault tests' cases (the contract's fault bodies with AllGather-GEMM's call), one rank per host: a peer on

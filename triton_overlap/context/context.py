@@ -39,16 +39,13 @@ class Context:
             cuda when a CUDA GPU is present, host otherwise).
         timeout_s: how long any wait may last before it gives up with an error: the kernels' waits and the
             host-side exchanges alike (agreeing on shapes, set-up, growing a buffer, reset, close).
-        replay_across_hosts: on a group that spans hosts over NCCL, let AllGather-GEMM, GEMM-ReduceScatter and
-            context-parallel attention replay repeated eager calls from CUDA graphs that hold the exchanges between
-            hosts too (``replays_across_hosts``; ops.replay, by exact keys only). Off by default: docs/hosts.md.
 
     After a fault (a wait that timed out, ranks that disagree on a call) the Context refuses every call with the
     first fault's text until ``reset()``, which every rank calls, restores it. Tests delay producers with
     ``set_producer_jitter``.
     """
 
-    def __init__(self, group=None, backend: str = "auto", timeout_s: float = 30.0, replay_across_hosts: bool = False):
+    def __init__(self, group=None, backend: str = "auto", timeout_s: float = 30.0):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("triton_overlap.Context needs torch.distributed.init_process_group() first")
         self._group = group if group is not None else dist.group.WORLD
@@ -75,9 +72,6 @@ class Context:
         #: for their data could keep them from ever delivering it (docs/hosts.md)
         self.holds_for_link = (self.topology.num_hosts > 1 and self.device.type == "cuda"
                                and dist.get_backend(self._group) == "nccl")
-        #: whether ops with a device-side path between hosts replay eager calls here (``replay_across_hosts``): only
-        #: where NCCL carries the exchanges, which a CUDA graph can hold (elsewhere they block the host)
-        self.replays_across_hosts = bool(replay_across_hosts) and self.holds_for_link
         self.budget = self._backend.timeout_budget(self.timeout_s)
         #: the barrier gives up first: a peer that never arrives is named as absent, not as the data it never sent
         #: (a consumer launched beside the barrier waits for that data as long as the barrier waits for the peer)

@@ -69,7 +69,6 @@ class AllGatherGEMM(OverlapOp):
 
     KIND = "ag_gemm"
     ACROSS_HOSTS = True
-    REPLAYS_ACROSS_HOSTS = True
     EAGER_MIN_FLOP_PER_PEER = 2e11
     REBIND = True
 

@@ -7,7 +7,6 @@ from dataclasses import replace
 
 import torch
 
-from ..producers.link import link
 from .replay import ReplayCache, call_key
 from .tuned import gpu_key, lookup
 
@@ -97,8 +96,7 @@ class OverlapOp:
     with the same name on one Context share both. ``replay``: an eager call that repeats an earlier one's tensors
     and arguments replays a CUDA graph of it (one graph launch instead of the host's enqueueing; ops with REBIND
     also for the same call on tensors elsewhere, the graph's addresses rewritten: ops.replay); False: every call
-    is enqueued anew. On a group that spans hosts it replays only where the op sets REPLAYS_ACROSS_HOSTS and the
-    Context allows it (``Context.replays_across_hosts``), by exact keys only.
+    is enqueued anew (always on a group that spans hosts).
     """
 
     KIND = "?"  # the op's name in error messages and tuned tables
@@ -108,9 +106,6 @@ class OverlapOp:
     EAGER_MIN_FLOP_PER_PEER = 0.0
     #: whether the op's graphs are rebound to new tensors' addresses (ops.replay: calls keyed by layout too)
     REBIND = False
-    #: whether the op's path between hosts runs on the device alone (no host wait, no host-side read), so that a
-    #: CUDA graph can hold a call across hosts, exchanges included (Context.replays_across_hosts)
-    REPLAYS_ACROSS_HOSTS = False
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -126,9 +121,8 @@ class OverlapOp:
         self.user_config = config
         self.fallback = fallback
         self.op = ctx.op_id(self.KIND)
-        across = ctx.num_hosts > 1  # (a call's exchanges between hosts go through the process group)
-        self.replays = ReplayCache(ctx, enabled=replay and (not across or self.replays_between_hosts()),
-                                   rebind=self.REBIND and not across, watch=self._watched if across else None)
+        # across hosts a call's exchanges go through the process group: it is enqueued anew every time
+        self.replays = ReplayCache(ctx, enabled=replay and ctx.num_hosts == 1, rebind=self.REBIND)
         ctx.on_close(self.replays.clear)
         self._configs: dict = {}  # (shape, variant) -> the config found for it
         self.last_path = None  # "overlap" or "fallback": what the last call took
@@ -136,15 +130,6 @@ class OverlapOp:
         # whether small eager calls overlap (as the ranks last agreed), and the shapes the rule found small
         self._ticks, self._known, self._small_replays, self._small_shapes = 0, 0, True, set()
         self._counted_since = ctx.resets  # the reset the counts start from (ctx.reset() starts them anew)
-
-    def replays_between_hosts(self) -> bool:
-        """Whether this op replays calls on a group that spans hosts: where its path between hosts runs on the
-        device (REPLAYS_ACROSS_HOSTS) and the Context allows it (``Context.replays_across_hosts``)."""
-        return self.REPLAYS_ACROSS_HOSTS and bool(getattr(self.ctx, "replays_across_hosts", False))
-
-    def _watched(self, play) -> None:
-        """A replay of a call across hosts, bounded as its exchanges are (producers.link.Link.watched)."""
-        link(self.ctx).watched(play, self.op)
 
     @classmethod
     def shared(cls, ctx):

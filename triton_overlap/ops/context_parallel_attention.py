@@ -54,7 +54,6 @@ class ContextParallelAttention(OverlapOp):
 
     KIND = "cp_attention"
     ACROSS_HOSTS = True
-    REPLAYS_ACROSS_HOSTS = True
 
     def __init__(self, ctx, *, chunks_per_rank: int | None = None, config: AttentionConfig | None = None,
                  keep_kv: bool = False, name: str | None = None, replay: bool = True):
@@ -69,8 +68,7 @@ class ContextParallelAttention(OverlapOp):
         self.overlap_possible()  # ValueError on hosts of different sizes: there is no other path
         self.chunks_per_rank = chunks_per_rank
         self.keep_kv = keep_kv
-        self.backward_replays = ReplayCache(ctx, enabled=self.replays.enabled,  # (the forward's: self.replays)
-                                            watch=self.replays.watch)
+        self.backward_replays = ReplayCache(ctx, enabled=self.replays.enabled)  # (the forward's: self.replays)
         ctx.on_close(self.backward_replays.clear)
         from . import custom_ops
 

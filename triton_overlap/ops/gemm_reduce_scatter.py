@@ -100,7 +100,6 @@ class GEMMReduceScatter(OverlapOp):
     KIND = "gemm_rs"
     REBIND = True
     ACROSS_HOSTS = True
-    REPLAYS_ACROSS_HOSTS = True
     EAGER_MIN_FLOP_PER_PEER = 3e11
 
     def __init__(self, ctx, config: GEMMReduceScatterConfig | None = None, *, fallback: str = "auto",

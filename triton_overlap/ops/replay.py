@@ -23,11 +23,6 @@ one key and one dictionary lookup. Rules:
 * never on the host backend, never while the caller is capturing (the call
   then joins the caller's graph), never with producer jitter (a testing aid
   that must vary per call); on hip it is off until it has run on an AMD GPU;
-  on a group that spans hosts only where the Context allows it
-  (``Context.replays_across_hosts``: NCCL carries the exchanges between hosts,
-  and a graph holds them), by exact keys only (no rebinding: NCCL's kernels
-  may reach the tensors through memory of their own, which a patch cannot
-  see), each replay bounded as a whole by the link's watch (``watch``);
 * a key is captured only after a call of its shape key (shapes, B's strides,
   bias or not, overrides: the op's ``shape_key``) ran the overlap eagerly in the current workspace
   generation (workspaces allocated and agreed on, kernels compiled, plans
@@ -178,14 +173,10 @@ class ReplayCache:
 
     SEEN_LIMIT = 4096  # sightings remembered (keys, least recent dropped)
 
-    def __init__(self, ctx, enabled: bool = True, capacity: int = 512, after: int = 2, rebind: bool = False,
-                 watch=None):
+    def __init__(self, ctx, enabled: bool = True, capacity: int = 512, after: int = 2, rebind: bool = False):
         self.ctx = ctx
         self.enabled = bool(enabled) and ctx.backend == "cuda"
         self.rebind = bool(rebind)  # calls are keyed by layout too, and held graphs rebound to their addresses
-        #: ``watch(play)`` runs every replay (``play()``) where the graphs hold exchanges between hosts, which it
-        #: bounds (producers.link.Link.watched); None: a replay is ``play()``
-        self.watch = watch
         self.capturing = False  # true while this cache captures a call
         self.rebinding = False  # true while it captures a layout's graph (its first, or a check)
         #: whether a call of this layout key can be captured for rebinding (the op's: its kernels are built)
@@ -371,7 +362,7 @@ class ReplayCache:
         if g is None:
             self._shape_of[key] = shape_key
             held = self._capture(key, enqueue)
-            self._play(held)  # (the capture ran nothing: this replay does the work)
+            held.replay()  # (the capture ran nothing: this replay does the work)
             self.last_outputs = held.outputs
         else:
             self._replay_held(key, g)
@@ -409,7 +400,7 @@ class ReplayCache:
             return False  # (not yet checked, at its own addresses: the call's exact key decides)
         else:
             g = self._check(key, layout, held, ranges, shape_key, enqueue)
-        self._play(g)  # (the capture ran nothing: this replay does the work)
+        g.replay()  # (the capture ran nothing: this replay does the work)
         self.last_outputs = g.outputs
         return True
 
@@ -448,7 +439,7 @@ class ReplayCache:
         self._rebound.move_to_end(layout)
         self.stats["replays"] += 1
         self.stats["rebound"] += 1
-        self._play(held)
+        held.replay()
         self.last_outputs = held.outputs
         return True
 
@@ -467,15 +458,8 @@ class ReplayCache:
     def _replay_held(self, key, g) -> None:
         self._graphs.move_to_end(key)
         self.stats["replays"] += 1
-        self._play(g)  # on the caller's current stream
+        g.replay()  # on the caller's current stream
         self.last_outputs = g.outputs
-
-    def _play(self, held) -> None:
-        """Launch ``held``'s graph on the caller's current stream (through ``watch`` where there is one)."""
-        if self.watch is None:
-            held.replay()
-        else:
-            self.watch(held.replay)
 
     def _capture(self, key, enqueue, ranges=None):
         """Capture the call (``_graph_of``) with what ``enqueue`` returned, kept under ``key`` (None: not kept),

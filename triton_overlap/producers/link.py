@@ -103,23 +103,6 @@ class Link:
             end.record(stream.torch_stream)
             watch.follow(begin, end, op, waits)
 
-    def watched(self, play, op: int) -> None:
-        """``play()``: a replay, on the current stream, of a call captured with its exchanges between hosts (ops.replay
-        where ``Context.replays_across_hosts``), bounded by the Watch as a whole, as each exchange of an eager call
-        is: still running ``timeout_s`` after the stream reached it, it faults the Context naming a peer on another
-        host that did not post that it waits too (which exchange of the call it was, NCCL cannot say)."""
-        watch = self.watch
-        if watch is None:
-            play()
-            return
-        watch.refuse_if_aborted()
-        stream = torch.cuda.current_stream(self.ctx.device)
-        begin, end = torch.cuda.Event(), torch.cuda.Event()
-        begin.record(stream)
-        play()
-        end.record(stream)
-        watch.follow(begin, end, op, {p: int(sig.WHAT_ANSWER) for p in self.remote})
-
     def _call_number(self, stream) -> int:
         """The number of the call in progress (read after this stream's work, which includes the call's barrier)."""
         number = self.ctx.call_number
