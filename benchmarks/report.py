@@ -130,7 +130,8 @@ def write_cp(records, W, out_dir: str, pending=()) -> None:
     caption = ("median µs (max over ranks); efficiency = SDPA 1 GPU / (W x ours), flash or cuDNN backend"
                + ("; ours, NCCL + kernel, SDPA and our kernel alone timed in turns within each iteration (forward, "
                   "and forward + backward, each a group), so all see the same GPU clock (the values timed one "
-                  "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else ""))
+                  "after another: *_seq_us in the JSON)" if "ours_seq_us" in records[0] else "")
+               + across_hosts(records))
     write_table("cp_attention", records, W, out_dir, caption, CP_HEADER, _cp_row,
                  lambda r: f"S={r['S']} D={r['D']} Hkv={r['Hkv']} {r.get('dtype', 'bf16')} causal={r['causal']}",
                  pending)
@@ -336,6 +337,15 @@ def _wt_row(r):
             f"{r['consumer_only_wt_us']:.1f} | {r['bound_wt_us'] / r['consumer_only_wt_us']:.2f} |")
 
 
+def across_hosts(records) -> str:
+    """The caption's words on the hosts a run's group spans (nothing on one host)."""
+    hosts = records[0].get("num_hosts", 1)
+    if hosts == 1:
+        return ""
+    return (f"; the group spans {hosts} (virtual) hosts, data between them through NCCL; ours enqueues every eager "
+            f"call anew (no replay across hosts: docs/hosts.md)")
+
+
 def write(op_name, records, W, out_dir: str, pending=()) -> float:
     """The JSON, table and plot of a GEMM op's records (``pending``: the run's shapes not measured yet); returns the
     geometric-mean speed-up over NCCL + cuBLAS."""
@@ -357,9 +367,10 @@ def write(op_name, records, W, out_dir: str, pending=()) -> float:
                    if lead else "the GPU idles before each call until the host has enqueued it")
                 + ("; ours, NCCL + cuBLAS, torch fused, bound and consumer alone timed in turns within each "
                    "iteration, so all see the same GPU clock (the values timed one after another: *_seq_us in the "
-                   "JSON)" if "ours_seq_us" in records[0] else "") + f"\n\n{HEADER}\n")
+                   "JSON)" if "ours_seq_us" in records[0] else "") + across_hosts(records) + f"\n\n{HEADER}\n")
         f.write("\n".join(_row(r) for r in records))
-        f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", replay on): {geo:.3f}x\n")
+        replay = "replay on" if records[0].get("num_hosts", 1) == 1 else "no replay across hosts"
+        f.write(f"\n\ngeometric-mean speed-up over NCCL + cuBLAS (eager, fallback=\"auto\", {replay}): {geo:.3f}x\n")
         idle = [r["nccl_idle_us"] / r["ours_idle_us"] for r in records
                 if r.get("ours_idle_us") and r.get("nccl_idle_us")]
         if idle:

@@ -92,3 +92,26 @@ def test_model_train_row_has_every_column_old_records_included():
     assert row.endswith("| 12.35 | 4.00 | 40 (38) |"), row
     row = model_report.train_row(old)
     assert row.count("|") == header.count("|") and row.endswith("| n/a | n/a | n/a |"), row
+
+
+@pytest.mark.parametrize("kind", ["ag_gemm", "cp_attention"])
+def test_results_across_hosts_say_so(tmp_path, kind):
+    """A run whose group spans hosts says so in its caption, and that ours did not replay there (its summary line
+    too); a run on one host says neither."""
+    name = f"{kind}-H200x4-2hosts"
+    records = _records(name + ".json")[:2]
+    write = (report.write_cp if kind == "cp_attention"
+             else lambda recs, W, out: report.write("ag_gemm", recs, W, out))
+
+    def caption(recs, base):
+        write(recs, 4, str(tmp_path))
+        with open(os.path.join(tmp_path, base + ".md")) as f:
+            text = f.read()
+        return text.split("\n\n")[1], text
+
+    words, text = caption(records, name)
+    assert "spans 2 (virtual) hosts" in words and "enqueues every eager call anew" in words, words
+    assert kind == "cp_attention" or "(eager, fallback=\"auto\", no replay across hosts)" in text
+    words, text = caption([dict(r, num_hosts=1) for r in records], f"{kind}-H200x4")
+    assert "hosts" not in words, words
+    assert kind == "cp_attention" or "(eager, fallback=\"auto\", replay on)" in text
