@@ -343,7 +343,7 @@ def across_hosts(records) -> str:
     if hosts == 1:
         return ""
     return (f"; the group spans {hosts} (virtual) hosts, data between them through NCCL; ours enqueues every eager "
-            f"call anew (no replay across hosts: docs/hosts.md)")
+            "call anew (no replay across hosts: docs/hosts.md)")
 
 
 def write(op_name, records, W, out_dir: str, pending=()) -> float:
