@@ -5,6 +5,7 @@ process group (the op tests' own cases, run under virtual hosts), the AllReduce 
 path, faults name the peer on the other host; one Context per host's group (the 2-D mesh) overlaps as on one
 machine."""
 import os
+import time
 
 import pytest
 import torch
@@ -94,6 +95,66 @@ def _across_hosts(n: int):
         os.environ.pop(VIRTUAL_HOSTS_ENV, None)
     assert shm_files() <= before, shm_files() - before
     return ctx.num_hosts
+
+
+def test_wire_end_is_bounded(monkeypatch):
+    """Ending the wire's NCCL communicator waits at most the timeout: NCCL (2.26 and later) ends one only after
+    every CUDA graph that captured its operations is destroyed, and a caller's graph may still hold it. Without
+    NCCL there is nothing to end."""
+    import threading
+
+    from triton_overlap.context import wire as wires
+
+    release, ended = threading.Event(), []
+
+    def held(group):  # an abort that waits for a graph to go
+        release.wait(10)
+        ended.append(group)
+
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", held)
+    wire = wires.Wire("comm", None, 0, (0, 1), 1.0, True)
+    t0 = time.monotonic()
+    assert wires.end(wire, 0.2) is False and 0.15 < time.monotonic() - t0 < 5
+    release.set()  # the graph is destroyed: the ending goes on and completes
+    for _ in range(100):
+        if ended:
+            break
+        time.sleep(0.05)
+    assert ended == ["comm"]
+    assert wires.end(wire, 5.0) is True  # (released: it ends at once)
+    assert wires.end(wires.Wire("gloo", None, 0, (0, 1), 1.0, False), 0.0) is True
+    assert "destroy the graphs" in wires.HELD_WIRE.format(1.0)
+
+
+def _held_wire():
+    """A Context across 2 virtual hosts whose wire does not end in time (as where a CUDA graph holds NCCL's
+    communicator): reset() warns, naming the cause, and the Context works after it; close() frees everything and
+    then raises, naming the cause."""
+    from triton_overlap.context import context as context_module
+
+    os.environ[VIRTUAL_HOSTS_ENV] = "2"
+    end = context_module.wires.end
+    context_module.wires.end = lambda wire, timeout_s: False
+    try:
+        ctx = to.Context(timeout_s=30)
+        assert ctx.wire is not None
+        with pytest.warns(UserWarning, match=f"rank {ctx.rank}: the communicator between hosts did not end"):
+            ctx.reset()
+        xs = [rand((17,), torch.float32, ctx.device, "held", i) for i in range(ctx.world_size)]
+        assert rel_err(to.AllReduce(ctx)(xs[ctx.rank]), sum(x.double() for x in xs)) < 1e-6
+        with pytest.raises(to.ContextError, match="destroy the graphs.*resources are freed"):
+            ctx.close()
+        ctx.close()  # (closed: nothing more to do)
+    finally:
+        context_module.wires.end = end
+        os.environ.pop(VIRTUAL_HOSTS_ENV, None)
+    return True
+
+
+def test_held_wire_is_named(pool):
+    if pool.world != 2:
+        pytest.skip("once, at W = 2")
+    assert all(pool.run(_held_wire))
 
 
 @pytest.mark.parametrize("hosts", [1, 2, 3])

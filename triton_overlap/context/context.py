@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -157,13 +158,15 @@ class Context:
     wire = property(lambda self: self._wire, doc="What exchanges between hosts travel on (producers.link), made "
                     "at set-up and again by ``reset()``; None on one host and on hosts of different sizes.")
 
-    def end_wire(self, wire: Wire | None) -> None:
+    def end_wire(self, wire: Wire | None) -> bool:
         """End ``wire``'s communicator of its own (over NCCL), if it is this Context's current one and not ended
         yet: exchanges still open on it end with an error, so every stream behind them drains (what a fault across
-        hosts does: producers.link.Watch). ``reset()`` and ``close()`` end it too."""
+        hosts does: producers.link.Watch). ``reset()`` and ``close()`` end it too. Returns False where it did not
+        end within ``timeout_s`` (a CUDA graph holds it: wire.end); ``reset()`` then warns, ``close()`` raises."""
         if wire is not None and wire is self._wire and not self._wire_ended:
             self._wire_ended = True
-            wires.end(wire)
+            return wires.end(wire, self.timeout_s)
+        return True
 
     def _open_wire(self) -> None:
         """Make the wire now, while every rank is known to be here (set-up, reset; over NCCL a collective)."""
@@ -368,7 +371,7 @@ class Context:
         self._resets += 1
         tag = f"reset{self._resets}"
         self._run_reset_hooks()
-        self.end_wire(self._wire)
+        ended = self.end_wire(self._wire)
         try:
             self.synchronize()  # every kernel of this rank has ended (their waits are bounded)
         except Exception:  # noqa: BLE001 - a producer stream's recorded error: the reset goes on
@@ -385,6 +388,9 @@ class Context:
         self._open_wire()
         self._heap.generation += 1  # ops drop their captured graphs
         self._faults.clear(self.device.type)
+        if not ended:
+            warnings.warn(f"triton_overlap: rank {self.rank}: " + wires.HELD_WIRE.format(self.timeout_s)
+                          + "; reset() made a new one", stacklevel=2)
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
@@ -402,7 +408,9 @@ class Context:
             error = e
         finally:
             self._run_reset_hooks()
-            self.end_wire(self._wire)
+            if not self.end_wire(self._wire) and error is None:
+                error = ContextError(f"triton_overlap: rank {self.rank}: " + wires.HELD_WIRE.format(self.timeout_s)
+                                     + "; this rank's resources are freed")
             for fn in self._on_close:
                 fn()
             self._on_close.clear()
@@ -429,8 +437,6 @@ class Context:
             try:
                 self.close()
             except Exception as e:  # noqa: BLE001 - reported beside the exception in flight
-                import warnings
-
                 warnings.warn(f"Context.close() during an exception: {e}", stacklevel=2)
         return False
 

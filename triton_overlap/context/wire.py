@@ -6,6 +6,7 @@ once, and which a fault ends (``end``) so that exchanges still open on it drain.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -81,14 +82,31 @@ def open_wire(group, rank: int, topology, device: torch.device, store, timeout_s
     return Wire(own or group, store, rank, ranks, timeout_s, nccl)
 
 
-def end(wire: Wire) -> None:
-    """End ``wire``'s communicator of its own (over NCCL; nothing otherwise): exchanges still open on it end."""
+def end(wire: Wire, timeout_s: float) -> bool:
+    """End ``wire``'s communicator of its own (over NCCL; nothing otherwise): exchanges still open on it end.
+    Returns whether it ended within ``timeout_s``. NCCL (2.26 and later) ends a communicator only once every CUDA
+    graph that captured its operations is destroyed, so a caller's graph that still holds a call across hosts keeps
+    it from ending: the ending then goes on in a thread of its own, and the Context says so (HELD_WIRE)."""
     if not wire.nccl:
-        return
-    try:
-        dist.distributed_c10d._abort_process_group(wire.group)
-    except Exception:  # noqa: BLE001 - already gone (destroyed with the default group)
-        pass
+        return True
+    done = threading.Event()
+
+    def abort():
+        try:
+            dist.distributed_c10d._abort_process_group(wire.group)
+        except Exception:  # noqa: BLE001 - already gone (destroyed with the default group)
+            pass
+        finally:
+            done.set()
+
+    threading.Thread(target=abort, name="triton_overlap wire end", daemon=True).start()
+    return done.wait(timeout_s)
+
+
+#: what a Context says where its wire's communicator did not end in time (``end``)
+HELD_WIRE = ("the communicator between hosts did not end within timeout_s={:g} s: NCCL (2.26 and later) ends a "
+             "communicator only once every CUDA graph that captured its operations is destroyed; destroy the graphs "
+             "that captured calls across hosts before reset() or close() (docs/hosts.md)")
 
 
 def _global_rank(group, rank: int) -> int:
