@@ -112,18 +112,18 @@ def test_wire_end_is_bounded(monkeypatch):
         ended.append(group)
 
     monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", held)
-    wire = wires.Wire("comm", None, 0, (0, 1), 1.0, True)
+    wire = wires.Wire("comm", None, 0, (0, 1), 0.2, True)
     t0 = time.monotonic()
-    assert wires.end(wire, 0.2) is False and 0.15 < time.monotonic() - t0 < 5
+    assert wires.end(wire) is False and 0.15 < time.monotonic() - t0 < 5
     release.set()  # the graph is destroyed: the ending goes on and completes
     for _ in range(100):
         if ended:
             break
         time.sleep(0.05)
     assert ended == ["comm"]
-    assert wires.end(wire, 5.0) is True  # (released: it ends at once)
-    assert wires.end(wires.Wire("gloo", None, 0, (0, 1), 1.0, False), 0.0) is True
-    assert "destroy the graphs" in wires.HELD_WIRE.format(1.0)
+    assert wires.end(wires.Wire("comm", None, 0, (0, 1), 5.0, True)) is True  # (released: it ends at once)
+    assert wires.end(wires.Wire("gloo", None, 0, (0, 1), 0.0, False)) is True
+    assert "destroy the graphs" in wires.HELD_WIRE.format(0, 1.0)
 
 
 def _held_wire():
@@ -134,7 +134,7 @@ def _held_wire():
 
     os.environ[VIRTUAL_HOSTS_ENV] = "2"
     end = context_module.wires.end
-    context_module.wires.end = lambda wire, timeout_s: False
+    context_module.wires.end = lambda wire: False
     try:
         ctx = to.Context(timeout_s=30)
         assert ctx.wire is not None

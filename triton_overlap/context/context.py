@@ -165,8 +165,12 @@ class Context:
         end within ``timeout_s`` (a CUDA graph holds it: wire.end); ``reset()`` then warns, ``close()`` raises."""
         if wire is not None and wire is self._wire and not self._wire_ended:
             self._wire_ended = True
-            return wires.end(wire, self.timeout_s)
+            return wires.end(wire)
         return True
+
+    def _held_wire(self, then: str) -> str:
+        """What reset() and close() say where the wire's communicator did not end in time (wire.HELD_WIRE)."""
+        return f"triton_overlap: {wires.HELD_WIRE.format(self.rank, self.timeout_s)}; {then}"
 
     def _open_wire(self) -> None:
         """Make the wire now, while every rank is known to be here (set-up, reset; over NCCL a collective)."""
@@ -389,8 +393,7 @@ class Context:
         self._heap.generation += 1  # ops drop their captured graphs
         self._faults.clear(self.device.type)
         if not ended:
-            warnings.warn(f"triton_overlap: rank {self.rank}: " + wires.HELD_WIRE.format(self.timeout_s)
-                          + "; reset() made a new one", stacklevel=2)
+            warnings.warn(self._held_wire("reset() made a new one"), stacklevel=2)
 
     # ------------------------------------------------------------------ close
     def close(self) -> None:
@@ -409,8 +412,7 @@ class Context:
         finally:
             self._run_reset_hooks()
             if not self.end_wire(self._wire) and error is None:
-                error = ContextError(f"triton_overlap: rank {self.rank}: " + wires.HELD_WIRE.format(self.timeout_s)
-                                     + "; this rank's resources are freed")
+                error = ContextError(self._held_wire("this rank's resources are freed"))
             for fn in self._on_close:
                 fn()
             self._on_close.clear()

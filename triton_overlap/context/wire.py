@@ -82,11 +82,11 @@ def open_wire(group, rank: int, topology, device: torch.device, store, timeout_s
     return Wire(own or group, store, rank, ranks, timeout_s, nccl)
 
 
-def end(wire: Wire, timeout_s: float) -> bool:
+def end(wire: Wire) -> bool:
     """End ``wire``'s communicator of its own (over NCCL; nothing otherwise): exchanges still open on it end.
-    Returns whether it ended within ``timeout_s``. NCCL (2.26 and later) ends a communicator only once every CUDA
-    graph that captured its operations is destroyed, so a caller's graph that still holds a call across hosts keeps
-    it from ending: the ending then goes on in a thread of its own, and the Context says so (HELD_WIRE)."""
+    Returns whether it ended within the wire's ``timeout_s``. NCCL (2.26 and later) ends a communicator only once
+    every CUDA graph that captured its operations is destroyed, so a caller's graph that still holds a call across
+    hosts keeps it from ending: the ending then goes on in a thread of its own, and the Context says so (HELD_WIRE)."""
     if not wire.nccl:
         return True
     done = threading.Event()
@@ -100,13 +100,13 @@ def end(wire: Wire, timeout_s: float) -> bool:
             done.set()
 
     threading.Thread(target=abort, name="triton_overlap wire end", daemon=True).start()
-    return done.wait(timeout_s)
+    return done.wait(wire.timeout_s)
 
 
 #: what a Context says where its wire's communicator did not end in time (``end``)
-HELD_WIRE = ("the communicator between hosts did not end within timeout_s={:g} s: NCCL (2.26 and later) ends a "
-             "communicator only once every CUDA graph that captured its operations is destroyed; destroy the graphs "
-             "that captured calls across hosts before reset() or close() (docs/hosts.md)")
+HELD_WIRE = ("rank {}: the communicator between hosts did not end within timeout_s={:g} s: NCCL (2.26 and "
+             "later) ends a communicator only once every CUDA graph that captured its operations is destroyed; "
+             "destroy the graphs that captured calls across hosts before reset() or close() (docs/hosts.md)")
 
 
 def _global_rank(group, rank: int) -> int:
