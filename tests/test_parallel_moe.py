@@ -1,9 +1,10 @@
 """MoEParallel (triton_overlap.nn.parallel_moe) in torch's parallelize_module: unmodified Hugging Face Qwen3-MoE,
-Mixtral and Qwen2-MoE (a gated shared expert) causal LMs, tensor + sequence parallel with the Llama plan of
-test_parallel_styles.py and the style on every sparse-MoE block, against the same model unsharded in float64: logits
-and every gradient (the experts' as this rank's shards, the shared expert's among them, the routers' and the shared
-expert gate's replicated DTensors summed over ranks); Qwen3-Next's and Qwen3.5-MoE's blocks alone; and the blocks the
-style refuses."""
+Mixtral, Qwen2-MoE (a gated shared expert) and GLM-4.5 (DeepSeek-V3's sigmoid router with a correction bias, an
+ungated shared expert, a dense first layer) causal LMs, tensor + sequence parallel with the Llama plan of
+test_parallel_styles.py and the style on every sparse-MoE block (or hf_plan's plan), against the same model unsharded
+in float64: logits and every gradient (the experts' as this rank's shards, the shared expert's among them, the
+routers' and the shared expert gate's replicated DTensors summed over ranks); Qwen3-Next's, Qwen3.5-MoE's,
+DeepSeek-V3's (grouped routing) and OLMoE's blocks alone; and the blocks the style refuses."""
 import copy
 
 import pytest
@@ -17,9 +18,11 @@ VOCAB = 96
 
 
 def _model(kind, W, dtype, dense_last=False):
-    """A small random ``kind`` ("qwen3", "mixtral" or "qwen2": a shared expert twice an expert's width, gated) causal
-    LM whose heads, KV heads, width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16
-    and the same on every rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
+    """A small random ``kind`` ("qwen3", "mixtral", "qwen2": a shared expert twice an expert's width, gated, or
+    "glm4": the same ungated, DeepSeek-V3's router with a random correction bias, routed weights scaled by 2.5, the
+    first layer dense, attention biases, per-head q/k norms that its plan leaves out) causal LM whose heads, KV heads, width and experts' width split over W
+    ranks; 4 experts, top-2; weights rounded to bf16 and the same on every rank. ``dense_last`` (qwen3): the last
+    layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
                   num_key_value_heads=W, head_dim=16, num_experts_per_tok=2, attn_implementation="sdpa",
                   experts_implementation="eager",  # the reference runs in float64: a loop over experts
@@ -34,6 +37,12 @@ def _model(kind, W, dtype, dense_last=False):
 
         config = Config(num_experts=4, moe_intermediate_size=8 * W, shared_expert_intermediate_size=16 * W,
                         intermediate_size=8 * W, norm_topk_prob=False, **common)
+    elif kind == "glm4":
+        from transformers import Glm4MoeConfig as Config, Glm4MoeForCausalLM as Model
+
+        config = Config(n_routed_experts=4, moe_intermediate_size=8 * W, n_shared_experts=2, intermediate_size=8 * W,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
+                        **common)
     else:
         from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
 
@@ -43,6 +52,9 @@ def _model(kind, W, dtype, dense_last=False):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_((p if p.abs().max() > 0 else torch.randn_like(p) * 0.1).bfloat16().float())  # Qwen3's router: 0s
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
     return model.to(dtype)
 
 
@@ -79,9 +91,11 @@ def _grad_errors(model, reference, rank, W):
             block = name[:name.rindex("experts.")]  # "model.layers.0.mlp." or, for a block alone, ""
             gate_up, down = ref[f"{block}experts.gate_up_proj"].grad, ref[f"{block}experts.down_proj"].grad
             gate, up = gate_up.chunk(2, dim=1)
-            if f"{block}shared_expert.gate_proj.weight" in ref:
+            shared = next((f"{block}{n}." for n in ("shared_expert", "shared_experts")
+                           if f"{block}{n}.gate_proj.weight" in ref), None)
+            if shared:
                 hidden = gate.shape[1]
-                s1, s3, s2 = (ref[f"{block}shared_expert.{n}_proj.weight"].grad for n in ("gate", "up", "down"))
+                s1, s3, s2 = (ref[f"{shared}{n}_proj.weight"].grad for n in ("gate", "up", "down"))
                 gate, up = (torch.cat([w, torch.stack(s.split(hidden))]) for w, s in ((gate, s1), (up, s3)))
                 down = torch.cat([down, torch.stack(s2.split(hidden, dim=1))])
             full = shard_experts(gate, up, down, rank, W)[name.endswith("down_proj")]
@@ -100,18 +114,41 @@ def _grad_errors(model, reference, rank, W):
 ROUTING_MARGIN = 0.04  # bf16 activations move router logits by ~1 % of their size; ties closer than this flip
 
 
+def _decisive(gate, logits) -> bool:
+    """Whether the router ``gate``'s choice from float64 ``logits`` [T, E] has no near tie: for a softmax router the
+    k-th largest logit exceeds the next by ROUTING_MARGIN of the token's largest; for DeepSeek-V3's (a correction
+    bias, groups) the same margin, a quarter of it after the sigmoid (whose slope is at most 1/4), between the kept
+    groups' scores and the next group's, and between the k-th choice among the kept groups' experts and the next."""
+    k, margin = gate.top_k, ROUTING_MARGIN * logits.abs().amax(-1)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is None:
+        top = logits.topk(k + 1, dim=-1).values
+        return bool((top[:, k - 1] - top[:, k] >= margin).all())
+    choice, margin = torch.sigmoid(logits) + bias.double(), margin / 4
+    T, E = choice.shape
+    groups, keep = gate.num_group, gate.topk_group
+    if keep < groups:
+        best = choice.view(T, groups, E // groups).topk(min(2, E // groups), dim=-1).values.sum(-1)
+        top = best.topk(keep + 1, dim=-1)
+        if not (top.values[:, keep - 1] - top.values[:, keep] >= margin).all():
+            return False
+        kept = torch.zeros_like(best).scatter_(1, top.indices[:, :keep], 1.0).bool()
+        choice = choice.masked_fill(~kept.unsqueeze(-1).expand(T, groups, E // groups).reshape(T, E), -torch.inf)
+    top = choice.topk(min(k + 1, E), dim=-1).values  # (a -inf next choice: no tie)
+    return k == E or bool((top[:, k - 1] - top[:, k] >= margin).all())
+
+
 def _decisive_tokens(reference, B, S, dev):
-    """Tokens ``[B, S]`` whose routing in ``reference`` has no near tie: in every layer and for every token, the
-    k-th largest router logit exceeds the next by ROUTING_MARGIN of the token's largest. A near tie routes a token
-    to another expert in bf16 than in float64, which changes that expert's gradient by tens of percent (with 8 to
-    12 tokens a rank); the first of a fixed sequence of draws that qualifies, the same on every rank."""
-    k = reference.config.num_experts_per_tok
+    """Tokens ``[B, S]`` whose routing in ``reference`` has no near tie (``_decisive``) in any layer. A near tie
+    routes a token to another expert in bf16 than in float64, which changes that expert's gradient by tens of
+    percent (with 8 to 12 tokens a rank); the first of a fixed sequence of draws that qualifies, the same on every
+    rank."""
+    gates = [m for m in reference.modules() if type(m).__name__.lower().endswith("router")]
     for seed in range(1000):
         tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed)).to(dev)
         with torch.no_grad():
             logits = reference(tokens, output_router_logits=True).router_logits
-        top = [lg.topk(k + 1, dim=-1).values for lg in logits]
-        if all(((t[:, k - 1] - t[:, k]) >= ROUTING_MARGIN * lg.abs().amax(-1)).all() for t, lg in zip(top, logits)):
+        if all(_decisive(g, lg.double()) for g, lg in zip(gates, logits, strict=True)):
             return tokens
     raise AssertionError("no draw of tokens routes without near ties")
 
@@ -133,11 +170,11 @@ def _moe_case(kind, mode, fallback, hf=False):
         reference = copy.deepcopy(model).double()
         plan = hf_plan(model, ctx, fallback=fallback) if hf else _plan(ctx, kind, fallback)
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
-        mlp = model.model.layers[0].mlp
-        slots = 4 + 2 * (kind == "qwen2")  # the shared expert as two more experts
+        mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+        slots = 4 + 2 * (kind in ("qwen2", "glm4"))  # the shared expert as two more experts
         assert isinstance(mlp.gate.weight, DTensor) and tuple(mlp.experts.gate_up_proj.shape) == (slots, 32 * W, 16)
         assert (kind == "qwen2") == isinstance(getattr(mlp, "shared_expert_gate", None), torch.nn.Module)
-        assert not hasattr(mlp, "shared_expert")
+        assert not hasattr(mlp, "shared_expert") and not hasattr(mlp, "shared_experts")
         B, S = 2, 4 * W
         tokens = _decisive_tokens(reference, B, S, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
@@ -154,7 +191,7 @@ def _moe_case(kind, mode, fallback, hf=False):
         for i, (got, full) in enumerate(zip(out.router_logits, ref_out.router_logits, strict=True)):
             mine = full.detach().view(B, S, -1)[:, r * s:(r + 1) * s].reshape(got.shape)
             errs[f"router_logits.{i}"] = rel_err(got.detach(), mine)
-        assert torch.isfinite(out.aux_loss)
+        assert out.aux_loss is None if kind == "glm4" else torch.isfinite(out.aux_loss)
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
         assert mlp.last_path == ("fallback" if fallback == "always" else "overlap"), mlp.last_path
@@ -165,16 +202,20 @@ def _moe_case(kind, mode, fallback, hf=False):
 
 MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral", "autocast", "never"),
              ("qwen3", "bf16", "always"), ("qwen3", "bf16", "never", True),
-             ("mixtral", "bf16", "never", True), ("qwen2", "bf16", "never"), ("qwen2", "autocast", "never", True)]
+             ("mixtral", "bf16", "never", True), ("qwen2", "bf16", "never"), ("qwen2", "autocast", "never", True),
+             ("glm4", "bf16", "never", True)]
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
 def test_moe_model_matches_unmodified_model(pool, case):
     transformers = pytest.importorskip("transformers")
-    hf_qwen2 = MOE_CASES[case][0] == "qwen2" and len(MOE_CASES[case]) > 3
+    kind, hf = MOE_CASES[case][0], len(MOE_CASES[case]) > 3
     from triton_overlap.nn.plans import expert_keys
-    if hf_qwen2 and not expert_keys(transformers.Qwen2MoeConfig()):
-        pytest.skip("hf_plan: transformers before 5.24 ships Qwen2-MoE's plans without its experts")
+    config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig"}.get(kind)
+    if config and not hasattr(transformers, config):
+        pytest.skip(f"transformers {transformers.__version__} has no {config}")
+    if hf and config and not expert_keys(getattr(transformers, config)()):
+        pytest.skip(f"hf_plan: this transformers ships {config}'s plans without its experts")
     if pool.world > 3:
         pytest.skip("W = 2, 3 on the host backend (heads, KV heads, width and experts' width divide by 3)")
     if pool.world == 3 and MOE_CASES[case] != ("qwen2", "bf16", "never"):
@@ -182,12 +223,29 @@ def test_moe_model_matches_unmodified_model(pool, case):
     pool.run(_moe_case, *MOE_CASES[case])
 
 
-def _shared_block(kind, W):
+BLOCKS = {"qwen3_next": 8, "qwen3_5_moe": 8, "deepseek_v3": 8, "olmoe": 4}  # kind -> experts + shared parts
+
+
+def _block(kind, W):
     """A Qwen3-Next ("qwen3_next") or Qwen3.5-MoE ("qwen3_5_moe") sparse-MoE block with a gated shared expert four
-    times an expert's width; 4 experts, top-2; weights rounded to bf16, the same on every rank."""
+    times an expert's width, DeepSeek-V3's ("deepseek_v3": 2 groups of 2 experts, one kept, a random correction
+    bias, weights scaled by 2.5, an ungated shared expert four times an expert's width) or OLMoE's ("olmoe":
+    softmax top-k without renormalization, no shared expert); 4 experts, top-2; weights rounded to bf16, the same
+    on every rank."""
     small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
                  shared_expert_intermediate_size=32 * W, experts_implementation="eager")
-    if kind == "qwen3_next":
+    if kind == "deepseek_v3":
+        from transformers import DeepseekV3Config as Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE as Block
+        small = dict(hidden_size=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
+                     n_shared_experts=4, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                     experts_implementation="eager")
+    elif kind == "olmoe":
+        from transformers import OlmoeConfig as Config
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock as Block
+        small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=8 * W,
+                     norm_topk_prob=False, experts_implementation="eager")
+    elif kind == "qwen3_next":
         from transformers import Qwen3NextConfig as Config
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock as Block
     else:
@@ -198,10 +256,12 @@ def _shared_block(kind, W):
     with torch.no_grad():
         for p in block.parameters():
             p.copy_((torch.randn_like(p) * 0.2).bfloat16().float())
+        for b in block.buffers():  # DeepSeek-V3's correction bias
+            b.copy_(torch.randn_like(b) * 0.1)
     return block
 
 
-def _shared_block_case(kind):
+def _block_case(kind):
     """The block alone, parallelized by MoEParallel, against itself unsharded in float64 on tokens [2, 4W, 32]
     routed without near ties: this rank's output and input gradient, every parameter's gradient."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -212,13 +272,12 @@ def _shared_block_case(kind):
 
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
-        block = _shared_block(kind, W).to(dev)
+        block = _block(kind, W).to(dev)
         reference = copy.deepcopy(block).double()
         B, S, s = 2, 4 * W, 4
         for seed in range(1000):  # the first draw whose top-2 choice has no near tie (_decisive_tokens)
             x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(seed)).bfloat16().double().to(dev)
-            top = (x @ reference.gate.weight.t()).topk(3, dim=-1).values
-            if ((top[..., 1] - top[..., 2]) >= ROUTING_MARGIN * top[..., 0].abs()).all():
+            if _decisive(reference.gate, (x @ reference.gate.weight.t()).view(B * S, -1)):
                 break
         gy = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(7)).double().to(dev)
         x_ref = x.clone().requires_grad_()
@@ -235,17 +294,17 @@ def _shared_block_case(kind):
                 **_grad_errors(block, reference, r, W)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "out" else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad}"
-        assert block.last_path == "overlap" and tuple(block.experts.gate_up_proj.shape) == (8, 32, 16)
+        assert block.last_path == "overlap" and tuple(block.experts.gate_up_proj.shape) == (BLOCKS[kind], 32, 16)
         assert [type(op).__name__ for op in overlap_ops(block)] == ["AllGatherMoEGEMM", "MoEGEMMReduceScatter"]
         return max(errs.items(), key=lambda kv: kv[1])
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5_moe"])
-def test_shared_expert_block_matches_unmodified_block(pool, kind):
+@pytest.mark.parametrize("kind", list(BLOCKS))
+def test_moe_block_matches_unmodified_block(pool, kind):
     pytest.importorskip(f"transformers.models.{kind}")
     if pool.world == 4:
         pytest.skip("W = 2, 3 on the host backend")
-    pool.run(_shared_block_case, kind)
+    pool.run(_block_case, kind)
 
 
 def _refusals():
@@ -256,6 +315,7 @@ def _refusals():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     from triton_overlap.nn import MoEParallel
+    from triton_overlap.nn.routers import Softmax
 
     with to.Context(timeout_s=60) as ctx:
         W, dev = ctx.world_size, ctx.device
@@ -276,10 +336,27 @@ def _refusals():
         del gelu.shared_expert_gate
         with pytest.raises(TypeError, match=r"without \['shared_expert_gate'\]"):
             parallelize_module(gelu, mesh, MoEParallel(ctx))
+        renamed = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**small))  # a router is taken by its rule, not its name
+        renamed.gate.__class__ = type("RenamedRouter", (type(renamed.gate),), {})
+        parallelize_module(renamed, mesh, MoEParallel(ctx))
+        assert renamed.gate.tp_rule == Softmax(bool(renamed.gate.norm_topk_prob))
+
+        def halved(gate, rows):  # softmax top-k, the weights halved: no rule of nn.routers
+            logits, weights, ids = type(gate).__mro__[1].forward(gate, rows)
+            return logits, weights / 2, ids
+
         other = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**small))
-        other.gate.__class__ = type("SigmoidRouter", (type(other.gate),), {})  # a rule MoEParallel does not know
-        with pytest.raises(TypeError, match="router SigmoidRouter"):
+        other.gate.__class__ = type("HalvingRouter", (type(other.gate),), {"forward": halved})
+        with pytest.raises(TypeError, match="router HalvingRouter computes none of the rules"):
             parallelize_module(other, mesh, MoEParallel(ctx))
+        try:  # MiniMax-M2's router takes the block's correction bias as a second argument
+            from transformers.models.minimax_m2 import modeling_minimax_m2 as minimax
+        except ImportError:
+            minimax = None
+        if minimax is not None:
+            block = minimax.MiniMaxM2SparseMoeBlock(minimax.MiniMaxM2Config(**{**small, "num_local_experts": 4}))
+            with pytest.raises(TypeError, match="router MiniMaxM2TopKRouter's forward on rows"):
+                parallelize_module(block, mesh, MoEParallel(ctx))
         odd = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**{**small, "moe_intermediate_size": 8 * W + 1}))
         with pytest.raises(ValueError, match="not divisible"):
             parallelize_module(odd, mesh, MoEParallel(ctx))

@@ -402,6 +402,19 @@ def test_hf_plan_from_the_models_own():
     assert all(isinstance(v, (ColwiseParallel, RowwiseParallel, SharedInputColwise, MoEParallel, SequenceParallel,
                               ShardSequence, GatherSequence)) for v in plan.values())
 
+    import transformers
+    if hasattr(transformers, "Glm4MoeConfig") and expert_keys(transformers.Glm4MoeConfig()):
+        moe = dict(num_experts_per_tok=2, moe_intermediate_size=8, n_routed_experts=4, first_k_dense_replace=1)
+        glm = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**small, **moe, head_dim=8, use_qk_norm=True))
+        plan = hf_plan(glm, None)  # per-head q/k norms its plan leaves out, the DeepSeek-V3 router, shared experts
+        assert isinstance(plan["model.layers.1.mlp"], MoEParallel) and not any("1.mlp." in k for k in plan)
+        assert isinstance(plan["model.layers.0.mlp"], SharedInputColwise)  # the dense first layer
+        norm = plan["model.layers.1.self_attn.k_norm"]
+        assert isinstance(norm, SequenceParallel) and norm.sequence_sharding[0].dim == 2
+        deepseek = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**small, **moe, n_group=2,
+                                                                                    topk_group=1))
+        with pytest.raises(ValueError, match="kv_a_proj_with_mqa is 'mla_kv_a_proj'"):  # multi-head latent attention
+            hf_plan(deepseek, None)
     with pytest.raises(ValueError, match="base_model_tp_plan"):
         hf_plan(nn.Linear(4, 4), None)
     with pytest.raises(ValueError, match="sequence parallel only"):

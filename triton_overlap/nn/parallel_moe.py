@@ -17,21 +17,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
-from .moe import (add_shared_routes, fold_shared, gather_routes, moe_ops, route_local, shard_experts, shared_weights,
-                  swiglu_experts)
+from .moe import add_shared_routes, fold_shared, gather_routes, moe_ops, shard_experts, shared_weights, swiglu_experts
 from .parallel import FALLBACKS, check_mesh, styled_class
 from .precision import compute_operands
-
-#: routers whose rule is softmax over the experts, top-k, optionally the k weights renormalized to sum 1 (the rule
-#: ``route_local`` computes), by class name, with how each says whether it renormalizes; a router of another model
-#: with this rule is one entry more
-ROUTERS = {"MixtralTopKRouter": lambda gate: True, "Qwen3MoeTopKRouter": lambda gate: bool(gate.norm_topk_prob),
-           "Qwen2MoeTopKRouter": lambda gate: bool(gate.norm_topk_prob),
-           "Qwen3NextTopKRouter": lambda gate: bool(gate.norm_topk_prob), "Qwen3_5MoeTopKRouter": lambda gate: True}
+from .routers import router_rule
 
 #: a shared expert's child name beside the router and the experts -> the name of its sigmoid gate (None: ungated,
-#: as a block with such a shared expert and a router of ROUTERS would name it)
-SHARED = {"shared_expert": "shared_expert_gate"}
+#: added to every token with weight 1: DeepSeek-V3's and GLM-4.5's ``shared_experts``)
+SHARED = {"shared_expert": "shared_expert_gate", "shared_experts": None}
 
 #: the experts' layout flags of transformers' ``use_experts_implementation``, as the style requires them
 _EXPERT_FLAGS = {"has_bias": False, "has_gate": True, "is_concatenated": True, "has_post_expert_norm": False}
@@ -39,9 +32,11 @@ _EXPERT_FLAGS = {"has_bias": False, "has_gate": True, "is_concatenated": True, "
 
 class MoEParallel(ParallelStyle):
     """A Hugging Face sparse-MoE block (``gate`` + ``experts``: Mixtral's ``MixtralSparseMoeBlock``, Qwen3-MoE's
-    ``Qwen3MoeSparseMoeBlock``; the routers of ``ROUTERS``; with a shared expert: Qwen2-MoE's, Qwen3-Next's,
-    Qwen3.5-MoE's), tensor parallel: every rank keeps every expert, with its ``hidden/W`` slice of each expert's
-    width, and the tokens of all ranks meet at each rank's experts.
+    ``Qwen3MoeSparseMoeBlock``, OLMoE's; with a shared expert: Qwen2-MoE's, Qwen3-Next's, Qwen3.5-MoE's, and
+    DeepSeek-V3's and GLM-4.5's ``shared_experts``), tensor parallel: every rank keeps every expert, with its
+    ``hidden/W`` slice of each expert's width, and the tokens of all ranks meet at each rank's experts. The router
+    may be of any class whose rule is one ``nn.routers`` computes (softmax top-k; DeepSeek-V3's sigmoid top-k with
+    a correction bias and groups): the style matches it by running both on a probe when applied.
 
     Applied, the block holds rank r's shard in the ops' [E, K, N] layout: ``experts.gate_up_proj``
     [E, dim, 2 * hidden/W] (r's columns of each expert's gate, then of its up projection) and
@@ -50,7 +45,8 @@ class MoEParallel(ParallelStyle):
     the same full weights when the style is applied (the same checkpoint or seed), as for torch's
     ``SequenceParallel``.
 
-    Shared expert (``shared_expert``, gated by ``sigmoid(shared_expert_gate(x))``): an MLP of width ``m * hidden``,
+    Shared expert (``shared_expert``, gated by ``sigmoid(shared_expert_gate(x))``, or ``shared_experts``, ungated:
+    weight 1): an MLP of width ``m * hidden``,
     cut into m experts of the routed experts' width appended to the experts' parameters (``experts.gate_up_proj``
     [E + m, ...], ``nn.moe.fold_shared``); every token is routed to them too, with the gate's weight. It so runs in
     the routed experts' grouped GEMMs and adds no communication. The shared expert's module is removed from the
@@ -59,7 +55,7 @@ class MoEParallel(ParallelStyle):
 
     Forward: the input is this rank's sequence shard (a DTensor ``Shard(d)``, or the plain local ``[B, S/W, dim]``,
     taken as ``Shard(1)``); the block is token-wise, so the shard may lie on any dim but the last and no row is
-    permuted. The router runs on this rank's tokens (``route_local``: logits in float32), one
+    permuted. The router's rule runs on this rank's tokens (``nn.routers``: in float32), one
     all-gather gives every rank every token's top-k ids and weights (``gather_routes``), and ``swiglu_experts``
     computes ``ag_moe`` (the tokens gathered by copy engine behind the gate/up grouped GEMM), ``silu(gate) * up``
     and ``moe_rs`` (down grouped GEMM, top-k combine, reduce-scatter to each token's owner). The output is the
@@ -90,7 +86,7 @@ class MoEParallel(ParallelStyle):
         check_mesh(self, device_mesh)
         if hasattr(module, "tp_style"):
             raise ValueError(f"MoEParallel: {type(module).__name__} is parallelized already")
-        gate, experts, renormalize, shared, shared_gate = check_block(module, W)
+        gate, experts, rule, shared, shared_gate = check_block(module, W)
         w1, w3, w2 = _full_experts(experts)
         module.tp_experts, module.tp_shared = w1.shape[0], 0
         if shared is not None:
@@ -105,7 +101,7 @@ class MoEParallel(ParallelStyle):
                 m.weight = nn.Parameter(DTensor.from_local(m.weight.detach(), device_mesh, [Replicate()],
                                                            run_check=False), requires_grad=m.weight.requires_grad)
         module.tp_shared_gate = SHARED[shared] if shared_gate is not None else None  # (a name: not a second child)
-        gate.tp_renormalize = renormalize
+        gate.tp_rule = rule
         gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
         module.tp_style, module.tp_mesh, module.tp_handles = self, device_mesh, moe_ops(ctx, self.fallback)
         module.__class__ = styled_class(type(module), _block_forward, "MoEParallel", _last_path, _block_ops)
@@ -113,10 +109,10 @@ class MoEParallel(ParallelStyle):
 
 
 def check_block(block, world: int | None = None):
-    """(gate, experts, renormalize, the shared expert's child name or None, its gate or None) of a block this
+    """(gate, experts, its router's rule, the shared expert's child name or None, its gate or None) of a block this
     style computes exactly, or TypeError naming what differs: beside the router and the experts at most a shared
-    expert of ``SHARED`` (with its gate where it has one), a router of ``ROUTERS`` with a weight and no bias, fused
-    SwiGLU experts without biases, a shared expert computing ``down(silu(gate(x)) * up(x))`` without biases; with
+    expert of ``SHARED`` (with its gate where it has one), a router whose rule ``nn.routers.router_rule`` finds
+    (a weight and no bias), fused SwiGLU experts without biases, a shared expert computing ``down(silu(gate(x)) * up(x))`` without biases; with
     ``world``, ValueError where the experts' hidden width is not divisible by it; ValueError where the shared
     expert's width is not a multiple of the experts'."""
     children = dict(block.named_children())
@@ -128,12 +124,8 @@ def check_block(block, world: int | None = None):
         missing = sorted(allowed - set(children))
         why = (f" without {missing}" if missing else "") + (f", with {extra} beside them" if extra else "")
         raise TypeError(f"MoEParallel applies to a sparse-MoE block of a router 'gate' and 'experts', and a shared "
-                        f"expert of {sorted(SHARED)} with its gate; {type(block).__name__} has {sorted(children)}{why}")
+                        f"expert of {sorted(SHARED)} with its gate where it has one; {type(block).__name__} has {sorted(children)}{why}")
     gate, experts = children["gate"], children["experts"]
-    rule = ROUTERS.get(type(gate).__name__)
-    if rule is None or [n for n, _ in gate.named_parameters()] != ["weight"]:
-        raise TypeError(f"MoEParallel: router {type(gate).__name__} is not one it reproduces "
-                        f"({', '.join(ROUTERS)}: softmax, top-k, a weight without bias)")
     if [n for n, _ in experts.named_parameters()] != ["gate_up_proj", "down_proj"]:
         raise TypeError(f"MoEParallel: experts {type(experts).__name__} must hold exactly gate_up_proj and "
                         f"down_proj (transformers 5's fused layout)")
@@ -150,7 +142,7 @@ def check_block(block, world: int | None = None):
     shared_gate = children.get(SHARED[shared]) if shared else None
     if shared:
         _check_shared(children[shared], shared_gate, hidden, gate.weight.shape[1])
-    return gate, experts, rule(gate), shared, shared_gate
+    return gate, experts, router_rule(gate, "MoEParallel"), shared, shared_gate
 
 
 def _check_shared(mlp, gate, hidden: int, dim: int) -> None:
@@ -205,7 +197,7 @@ def _block_ops(block) -> tuple:
 def _router_forward(gate, rows):
     """The router on this rank's rows [T/W, dim]: (logits float32 [T/W, E], top-k weights float32, ids), the
     replicated weight's gradient left partial (this rank's tokens' part; DTensor sums it where read)."""
-    return route_local(rows, _local(gate.weight), gate.top_k, gate.tp_renormalize)
+    return gate.tp_rule(gate, rows, _local(gate.weight))
 
 
 def _local(weight):
@@ -240,4 +232,4 @@ def _block_forward(block, hidden_states):
     return DTensor.from_local(y.view(x.shape), block.tp_mesh, placements, run_check=False)
 
 
-__all__ = ["MoEParallel", "ROUTERS", "SHARED"]
+__all__ = ["MoEParallel", "SHARED"]

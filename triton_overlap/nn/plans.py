@@ -31,8 +31,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     * a sparse-MoE block (its ``experts`` marked in the model's tp or ep plan, ``EXPERTS``): ``MoEParallel`` on the
       block;
     * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
-      ``[B, S, heads, head_dim]``): torch's ``SequenceParallel`` on the heads' dimension, so that their weights'
-      gradients are summed over the ranks;
+      ``[B, S, heads, head_dim]``; and those the plan leaves out, GLM-4.5's: a norm of ``head_dim`` elements beside
+      a column-wise layer): torch's ``SequenceParallel`` on the heads' dimension, so that their weights' gradients
+      are summed over the ranks;
     * the embedding and the LM head (vocabulary-parallel in the model's plan) stay whole on every rank.
 
     Refused with ValueError, naming the module, before any change to the model: a strategy these styles do not
@@ -115,6 +116,7 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
         else:
             plan.update({n: col for n in names})
     layers = _layers(model, modules, prefix, tp)
+    plan.update({n: heads for n in _head_norms(modules, found, layers) if n not in plan})
     if sequence_parallel:
         plan.update(_sequence_edges(modules, *_ends(model, modules, prefix, layers), layers, ctx))
     _check_covered(modules, plan, layers, sequence_parallel)
@@ -151,6 +153,22 @@ def _layers(model, modules, prefix, tp) -> str:
         raise ValueError(f"hf_plan: cannot tell the decoder layers of {type(model).__name__} from its plan's keys "
                          f"({sorted(tp)}); write the plan by hand (tutorial 09 shows one)")
     return lists[0]
+
+
+def _head_norms(modules, found, layers: str) -> list[str]:
+    """Per-head norms that the model's plan leaves out (GLM-4.5's q/k norms): a norm inside the decoder layers, its
+    weight ``head_dim`` elements of the module holding it, which has a layer the plan shards column-wise. It reads
+    this rank's heads ``[B, S, heads, head_dim]``, as Qwen3's q/k norms, which that model's plan marks
+    "replicated_with_grad_allreduce", so it takes their style (torch's ``SequenceParallel`` on the heads' dim)."""
+    norms = []
+    for name, m in modules.items():
+        parent = _parent(name)
+        head_dim, weight = getattr(modules.get(parent), "head_dim", None), getattr(m, "weight", None)
+        if name.startswith(layers + ".") and name not in found and type(m).__name__.lower().endswith("norm") \
+                and isinstance(head_dim, int) and isinstance(weight, nn.Parameter) and weight.numel() == head_dim \
+                and any(n.startswith(parent + ".") and s == "colwise" for n, (s, _) in found.items()):
+            norms.append(name)
+    return norms
 
 
 def _check_covered(modules, plan, layers: str, sequence_parallel: bool) -> None:

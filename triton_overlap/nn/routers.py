@@ -1,0 +1,130 @@
+"""The routing rules ``MoEParallel`` computes on this rank's tokens, and how a Hugging Face router is matched to
+one: the router's own forward and each rule run side by side on a probe (a float64 copy of the router with random
+weights and buffers, on random rows), and the first rule that gives the same logits, expert ids and weights is the
+router's. So a router of any model whose rule is one of these is taken whatever its class is called, and any other
+router is refused, by name, before the model changes.
+
+The rules (each in float32 whatever the autocast state, as ``nn.moe.route_local``: the top-k choice turns on small
+differences):
+
+* ``Softmax(renormalize)``: softmax over the experts' logits, the k largest, divided by their sum where
+  ``renormalize`` (Mixtral, Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE).
+* ``GroupedSigmoid()``: DeepSeek-V3's (GLM-4.5, dots.llm1 and the models that copy its router): scores
+  ``sigmoid(logits)``; the choice among ``scores + e_score_correction_bias`` (a buffer of the router, read at every
+  call: training updates it outside autograd), restricted to the ``topk_group`` groups (of ``num_group`` equal
+  groups of experts) whose two best choice scores sum highest; the weights are the chosen experts' scores, divided
+  by their sum (+ 1e-20) where ``norm_topk_prob``, times ``routed_scaling_factor``.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from .moe import route_local
+
+#: rows and seed of the probe that matches a router to its rule
+PROBE_ROWS, PROBE_SEED = 32, 20261204
+
+
+@dataclass(frozen=True)
+class Softmax:
+    """Softmax over the experts, the top ``gate.top_k``, divided by their sum where ``renormalize``."""
+    renormalize: bool
+
+    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor):
+        """(logits float32 [T, E], weights float32 [T, k], ids int64 [T, k]) of rows [T, dim]."""
+        return route_local(rows, weight, gate.top_k, self.renormalize)
+
+
+@dataclass(frozen=True)
+class GroupedSigmoid:
+    """DeepSeek-V3's rule (module docstring), its parameters read from the router at every call."""
+
+    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor):
+        groups, keep = _groups(gate)
+        with torch.autocast(rows.device.type, enabled=False):
+            logits = rows.float() @ weight.float().t()
+            scores = torch.sigmoid(logits)
+            choice = scores + gate.e_score_correction_bias.float()
+            if keep < groups:
+                T, E = choice.shape
+                per_group = choice.view(T, groups, E // groups)
+                best = per_group.topk(min(2, E // groups), dim=-1).values.sum(-1)
+                chosen = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1).indices, 1.0)
+                allowed = chosen.bool().unsqueeze(-1).expand(T, groups, E // groups).reshape(T, E)
+                choice = choice.masked_fill(~allowed, float("-inf"))
+            ids = choice.topk(gate.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+            if getattr(gate, "norm_topk_prob", False):
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            weights = weights * float(getattr(gate, "routed_scaling_factor", 1.0))
+        return logits, weights, ids
+
+
+def _groups(gate) -> tuple[int, int]:
+    """(groups, groups kept) of a grouped router (``num_group`` or ``n_group``, ``topk_group``; 1, 1 if none)."""
+    groups = int(getattr(gate, "num_group", getattr(gate, "n_group", None)) or 1)
+    return groups, int(getattr(gate, "topk_group", None) or groups)
+
+
+def router_rule(gate, layer: str):
+    """The rule of ``RULES`` that reproduces the router ``gate`` (a module with a ``weight`` [E, dim], no other
+    parameter, ``top_k``, and a forward from rows [T, dim] to (logits [T, E], top-k weights, top-k ids)), found by
+    the probe of the module docstring; TypeError naming ``layer`` and the router where none does."""
+    name = type(gate).__name__
+    params = [n for n, _ in gate.named_parameters()]
+    weight = getattr(gate, "weight", None)
+    if params != ["weight"] or weight.dim() != 2 or not isinstance(getattr(gate, "top_k", None), int):
+        raise TypeError(f"{layer}: router {name} must hold one parameter, weight [E, dim], and top_k (it has "
+                        f"{params})")
+    E, dim = weight.shape
+    probe = copy.deepcopy(gate).to("cpu", torch.float64)
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    with torch.no_grad():
+        for t in [*probe.parameters(), *(b for b in probe.buffers() if b.is_floating_point())]:
+            t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype) * (dim ** -0.5 if t is probe.weight else 0.5))
+        rows = torch.randn(PROBE_ROWS, dim, generator=g, dtype=torch.float64)  # (logits about N(0, 1))
+        try:
+            own = type(probe).forward(probe, rows)  # (not its hooks: transformers' recorders may hold some)
+        except Exception as e:  # (a router whose forward takes more than the rows)
+            raise TypeError(f"{layer}: router {name}'s forward on rows [T, dim] failed: {e}") from None
+        k = probe.top_k
+        if not (isinstance(own, tuple) and len(own) == 3 and tuple(own[0].shape) == (PROBE_ROWS, E)
+                and all(tuple(t.shape) == (PROBE_ROWS, k) for t in own[1:])):
+            raise TypeError(f"{layer}: router {name} must return (logits [T, E], weights [T, k], ids [T, k]) "
+                            f"as transformers 5's routers do")
+        for rule in _candidates(probe):
+            try:
+                mine = rule(probe, rows, probe.weight)
+            except (AttributeError, RuntimeError):  # (a rule needing what this router does not hold)
+                continue
+            if _same_routes(own, mine):
+                return rule
+    raise TypeError(f"{layer}: router {name} computes none of the rules it reproduces (softmax top-k with or "
+                    f"without renormalization; DeepSeek-V3's sigmoid top-k with a correction bias and groups)")
+
+
+def _candidates(gate) -> list:
+    rules = [Softmax(True), Softmax(False)]
+    bias = getattr(gate, "e_score_correction_bias", None)
+    groups, keep = _groups(gate)
+    if isinstance(bias, torch.Tensor) and gate.weight.shape[0] % groups == 0 and 0 < keep <= groups:
+        rules.append(GroupedSigmoid())
+    return rules
+
+
+def _same_routes(own, mine) -> bool:
+    """Whether two routers' (logits, weights, ids) agree: the same logits, the same set of ids per row and each
+    id's weight (a router may return its k choices in any order), to float32's precision."""
+    (l1, w1, i1), (l2, w2, i2) = own, mine
+    o1, o2 = i1.long().sort(-1), i2.long().sort(-1)
+    if not torch.equal(o1.values, o2.values):
+        return False
+    w1, w2 = w1.double().gather(1, o1.indices), w2.double().gather(1, o2.indices)
+    return bool(torch.allclose(l1.double(), l2.double(), rtol=1e-4, atol=1e-5)
+                and torch.allclose(w1, w2, rtol=1e-4, atol=1e-6))
+
+
+__all__ = ["GroupedSigmoid", "Softmax", "router_rule"]
