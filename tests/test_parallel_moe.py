@@ -20,9 +20,9 @@ VOCAB = 96
 def _model(kind, W, dtype, dense_last=False):
     """A small random ``kind`` ("qwen3", "mixtral", "qwen2": a shared expert twice an expert's width, gated, or
     "glm4": the same ungated, DeepSeek-V3's router with a random correction bias, routed weights scaled by 2.5, the
-    first layer dense, attention biases, per-head q/k norms that its plan leaves out) causal LM whose heads, KV heads, width and experts' width split over W
-    ranks; 4 experts, top-2; weights rounded to bf16 and the same on every rank. ``dense_last`` (qwen3): the last
-    layer's MLP dense."""
+    first layer dense, attention biases, per-head q/k norms that its plan leaves out) causal LM whose heads, KV
+    heads, width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on
+    every rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
                   num_key_value_heads=W, head_dim=16, num_experts_per_tok=2, attn_implementation="sdpa",
                   experts_implementation="eager",  # the reference runs in float64: a loop over experts

@@ -112,9 +112,9 @@ def check_block(block, world: int | None = None):
     """(gate, experts, its router's rule, the shared expert's child name or None, its gate or None) of a block this
     style computes exactly, or TypeError naming what differs: beside the router and the experts at most a shared
     expert of ``SHARED`` (with its gate where it has one), a router whose rule ``nn.routers.router_rule`` finds
-    (a weight and no bias), fused SwiGLU experts without biases, a shared expert computing ``down(silu(gate(x)) * up(x))`` without biases; with
-    ``world``, ValueError where the experts' hidden width is not divisible by it; ValueError where the shared
-    expert's width is not a multiple of the experts'."""
+    (a weight and no bias), fused SwiGLU experts without biases, a shared expert computing
+    ``down(silu(gate(x)) * up(x))`` without biases; with ``world``, ValueError where the experts' hidden width is
+    not divisible by it; ValueError where the shared expert's width is not a multiple of the experts'."""
     children = dict(block.named_children())
     shared = next((n for n in SHARED if n in children), None)
     allowed = {"gate", "experts"} | ({shared, SHARED[shared]} - {None} if shared else set())
@@ -124,7 +124,8 @@ def check_block(block, world: int | None = None):
         missing = sorted(allowed - set(children))
         why = (f" without {missing}" if missing else "") + (f", with {extra} beside them" if extra else "")
         raise TypeError(f"MoEParallel applies to a sparse-MoE block of a router 'gate' and 'experts', and a shared "
-                        f"expert of {sorted(SHARED)} with its gate where it has one; {type(block).__name__} has {sorted(children)}{why}")
+                        f"expert of {sorted(SHARED)} with its gate where it has one; {type(block).__name__} has "
+                        f"{sorted(children)}{why}")
     gate, experts = children["gate"], children["experts"]
     if [n for n, _ in experts.named_parameters()] != ["gate_up_proj", "down_proj"]:
         raise TypeError(f"MoEParallel: experts {type(experts).__name__} must hold exactly gate_up_proj and "
