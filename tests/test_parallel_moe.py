@@ -58,9 +58,10 @@ def _model(kind, W, dtype, dense_last=False):
     return model.to(dtype)
 
 
-def _plan(ctx, kind, fallback):
-    """test_parallel_styles.py's Llama plan with the MoE block's style in place of the MLP's linear styles; Qwen3's
-    per-head q/k norms (replicated weights read by this rank's heads) as torch's SequenceParallel on the head dim."""
+def _plan(ctx, kind, fallback, ep=False):
+    """test_parallel_styles.py's Llama plan with the MoE block's style (``ep``: expert parallel) in place of the MLP's
+    linear styles; Qwen3's per-head q/k norms (replicated weights read by this rank's heads) as torch's
+    SequenceParallel on the head dim."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     from triton_overlap.nn import ColwiseParallel, GatherSequence, MoEParallel, RowwiseParallel, ShardSequence
@@ -69,16 +70,18 @@ def _plan(ctx, kind, fallback):
     plan = {"model.embed_tokens": ShardSequence(ctx), "model.layers.*.input_layernorm": SequenceParallel(),
             "model.layers.*.self_attn.[qkv]_proj": col, "model.layers.*.self_attn.o_proj": row,
             "model.layers.*.post_attention_layernorm": SequenceParallel(),
-            "model.layers.*.mlp": MoEParallel(ctx, fallback=fallback), "model.norm": GatherSequence(ctx)}
+            "model.layers.*.mlp": MoEParallel(ctx, fallback=fallback, expert_parallel=ep),
+            "model.norm": GatherSequence(ctx)}
     if kind == "qwen3":
         plan["model.layers.*.self_attn.[qk]_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     return plan
 
 
-def _grad_errors(model, reference, rank, W):
+def _grad_errors(model, reference, rank, W, ep=False):
     """Every parameter's gradient against the reference's: a DTensor's summed over ranks; a linear layer's shard
     against its rows or columns; the experts' shards against the same shards of the reference's
-    (nn.moe.shard_experts of its gate, up and down, a shared expert's after them, cut into the experts' width)."""
+    (nn.moe.shard_experts of its gate, up and down, a shared expert's after them, cut into the experts' width;
+    ``ep``: this rank's whole experts, a shared expert's weights replicated DTensors)."""
     from torch.distributed.tensor import DTensor
 
     from triton_overlap.nn.moe import shard_experts
@@ -91,6 +94,12 @@ def _grad_errors(model, reference, rank, W):
             block = name[:name.rindex("experts.")]  # "model.layers.0.mlp." or, for a block alone, ""
             gate_up, down = ref[f"{block}experts.gate_up_proj"].grad, ref[f"{block}experts.down_proj"].grad
             gate, up = gate_up.chunk(2, dim=1)
+            if ep:
+                local = g.shape[0]
+                mine = slice(rank * local, (rank + 1) * local)
+                errs[name] = rel_err(g, shard_experts(gate[mine], up[mine], down[mine], 0, 1)[
+                    name.endswith("down_proj")])
+                continue
             shared = next((f"{block}{n}." for n in ("shared_expert", "shared_experts")
                            if f"{block}{n}.gate_proj.weight" in ref), None)
             if shared:
@@ -159,10 +168,10 @@ def _decisive_tokens(reference, B, S, dev):
     raise AssertionError("no draw of tokens routes without near ties")
 
 
-def _moe_case(kind, mode, fallback, hf=False):
+def _moe_case(kind, mode, fallback, hf=False, ep=False):
     """``mode``: "bf16" (bf16 parameters) or "autocast" (float32 parameters under torch.autocast(bfloat16)); ``hf``:
-    the plan hf_plan makes of the model's own (Qwen3-MoE's with its last layer dense). Batch 2, sequence 4W. Returns
-    the worst (name, error)."""
+    the plan hf_plan makes of the model's own (Qwen3-MoE's with its last layer dense); ``ep``: the MoE blocks expert
+    parallel. Batch 2, sequence 4W. Returns the worst (name, error)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -174,13 +183,19 @@ def _moe_case(kind, mode, fallback, hf=False):
         dtype = torch.float32 if mode == "autocast" else torch.bfloat16
         model = _model(kind, W, dtype, dense_last=hf and kind == "qwen3").to(dev)
         reference = copy.deepcopy(model).double()
-        plan = hf_plan(model, ctx, fallback=fallback) if hf else _plan(ctx, kind, fallback)
+        plan = hf_plan(model, ctx, fallback=fallback, expert_parallel=ep) if hf else _plan(ctx, kind, fallback, ep)
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
-        slots = 4 + 2 * (kind in ("qwen2", "glm4"))  # the shared expert as two more experts
-        assert isinstance(mlp.gate.weight, DTensor) and tuple(mlp.experts.gate_up_proj.shape) == (slots, 32 * W, 16)
+        shared = kind in ("qwen2", "glm4")
         assert (kind == "qwen2") == isinstance(getattr(mlp, "shared_expert_gate", None), torch.nn.Module)
-        assert not hasattr(mlp, "shared_expert") and not hasattr(mlp, "shared_experts")
+        if ep:  # this rank's whole experts; a shared expert kept, its weights replicated
+            assert tuple(mlp.experts.gate_up_proj.shape) == (4 // W, 32 * W, 16 * W)
+            kept = getattr(mlp, "shared_expert", getattr(mlp, "shared_experts", None))
+            assert shared == (kept is not None) and (not shared or isinstance(kept.up_proj.weight, DTensor))
+        else:  # the shared expert as two more experts
+            assert tuple(mlp.experts.gate_up_proj.shape) == (4 + 2 * shared, 32 * W, 16)
+            assert not hasattr(mlp, "shared_expert") and not hasattr(mlp, "shared_experts")
+        assert isinstance(mlp.gate.weight, DTensor)
         B, S = 2, 4 * W
         tokens = _decisive_tokens(reference, B, S, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
@@ -192,7 +207,7 @@ def _moe_case(kind, mode, fallback, hf=False):
         ref_logits.square().mean().backward()
         ctx.check()
         errs = {"logits": rel_err(logits.detach(), ref_logits.detach()),
-                **_grad_errors(model, reference, ctx.rank, W)}
+                **_grad_errors(model, reference, ctx.rank, W, ep)}
         r, s = ctx.rank, S // W  # transformers' router-logit recorder saw each router's logits of this rank's tokens
         recorded = getattr(out, "router_logits", None) is not None  # (GLM-4.5's before transformers 5.25: not)
         for i, (got, full) in enumerate(zip(out.router_logits, ref_out.router_logits, strict=True) if recorded else ()):
@@ -210,13 +225,14 @@ def _moe_case(kind, mode, fallback, hf=False):
 MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral", "autocast", "never"),
              ("qwen3", "bf16", "always"), ("qwen3", "bf16", "never", True),
              ("mixtral", "bf16", "never", True), ("qwen2", "bf16", "never"), ("qwen2", "autocast", "never", True),
-             ("glm4", "bf16", "never", True)]
+             ("glm4", "bf16", "never", True), ("mixtral", "bf16", "never", False, True),
+             ("qwen2", "autocast", "never", False, True), ("glm4", "bf16", "never", True, True)]
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
 def test_moe_model_matches_unmodified_model(pool, case):
     transformers = pytest.importorskip("transformers")
-    kind, hf = MOE_CASES[case][0], len(MOE_CASES[case]) > 3
+    kind, hf, ep = MOE_CASES[case][0], MOE_CASES[case][3:4] == (True,), MOE_CASES[case][4:] == (True,)
     from triton_overlap.nn.plans import expert_keys
     config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig"}.get(kind)
     if config and not hasattr(transformers, config):
@@ -225,6 +241,8 @@ def test_moe_model_matches_unmodified_model(pool, case):
         pytest.skip(f"hf_plan: this transformers ships {config}'s plans without its experts")
     if pool.world > 3:
         pytest.skip("W = 2, 3 on the host backend (heads, KV heads, width and experts' width divide by 3)")
+    if pool.world == 3 and ep:
+        pytest.skip("expert parallel: the 4 experts split over W = 2")
     if pool.world == 3 and MOE_CASES[case] != ("qwen2", "bf16", "never"):
         pytest.skip("W = 3: the Qwen2-MoE model with its shared expert (CI time); every case at W = 2")
     pool.run(_moe_case, *MOE_CASES[case])
@@ -367,6 +385,10 @@ def _refusals():
         odd = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**{**small, "moe_intermediate_size": 8 * W + 1}))
         with pytest.raises(ValueError, match="not divisible"):
             parallelize_module(odd, mesh, MoEParallel(ctx))
+        parallelize_module(odd, mesh, MoEParallel(ctx, expert_parallel=True))  # whole experts: any width
+        three = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**{**small, "num_experts": 2 * W + 1}))
+        with pytest.raises(ValueError, match=rf"the {2 * W + 1} experts are not divisible by the world size {W}"):
+            parallelize_module(three, mesh, MoEParallel(ctx, expert_parallel=True))
         block = parallelize_module(Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**small)), mesh, MoEParallel(ctx))
         with pytest.raises(ValueError, match="parallelized already"):
             parallelize_module(block, mesh, MoEParallel(ctx))

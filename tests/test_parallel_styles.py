@@ -395,6 +395,8 @@ def test_hf_plan_from_the_models_own():
                                               moe_intermediate_size=8, mlp_only_layers=[1]))
     plan = hf_plan(qwen, None)
     assert isinstance(plan["model.layers.0.mlp"], MoEParallel) and "model.layers.0.mlp.experts" not in plan
+    assert not plan["model.layers.0.mlp"].expert_parallel
+    assert hf_plan(qwen, None, expert_parallel=True)["model.layers.0.mlp"].expert_parallel
     assert isinstance(plan["model.layers.1.mlp"], SharedInputColwise)  # the dense layer
     norm = plan["model.layers.0.self_attn.q_norm"]  # per-head norms: SequenceParallel on the heads' dim
     assert isinstance(norm, SequenceParallel) and norm.sequence_sharding[0].dim == 2

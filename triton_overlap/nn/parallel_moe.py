@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..ops import custom_ops
 from .moe import add_shared_routes, fold_shared, gather_routes, moe_ops, shard_experts, shared_weights, swiglu_experts
 from .parallel import FALLBACKS, check_mesh, styled_class
+from .ep_moe import ep_op, ep_swiglu
 from .precision import compute_operands
 from .routers import router_rule
 
@@ -73,12 +74,22 @@ class MoEParallel(ParallelStyle):
     from them is that of this rank's tokens, as under data parallelism it is that of the rank's batch.
 
     ``fallback`` is passed to the MoE ops ("auto": NCCL + torch for small shards; "never"; "always").
+
+    ``expert_parallel=True``: the block's experts are spread over the ranks instead (rank r keeps experts
+    ``[r·E/W, (r+1)·E/W)`` whole, ``experts.gate_up_proj`` [E/W, dim, 2 * hidden] and ``experts.down_proj``
+    [E/W, hidden, dim]; E divisible by W), and this rank's tokens go to the ranks that own their choices and back
+    (``nn.ep_moe.ep_swiglu``: ``ExpertParallel``'s dispatch and combine, the rows moved into the owners'
+    symmetric memory with a flag per source, as ``EPMoE`` runs them), the attention staying tensor + sequence
+    parallel around it. A shared expert is not spread: every rank computes it on its own tokens with the full
+    weights, which become replicated DTensors (their gradients left partial, as the router's). The dispatch reads
+    its counts back to the host, so the routed part runs outside ``torch.compile``'s graphs. No low-latency
+    (decode) mode: the style runs sequence parallel only. The experts' gradients are complete on their owner.
     """
 
-    def __init__(self, ctx, *, fallback: str = "auto"):
+    def __init__(self, ctx, *, fallback: str = "auto", expert_parallel: bool = False):
         if fallback not in FALLBACKS:
             raise ValueError(f"MoEParallel: fallback must be one of {FALLBACKS}, got {fallback!r}")
-        self.ctx, self.fallback = ctx, fallback
+        self.ctx, self.fallback, self.expert_parallel = ctx, fallback, bool(expert_parallel)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         ctx = self.ctx
@@ -86,9 +97,11 @@ class MoEParallel(ParallelStyle):
         check_mesh(self, device_mesh)
         if hasattr(module, "tp_style"):
             raise ValueError(f"MoEParallel: {type(module).__name__} is parallelized already")
-        gate, experts, rule, shared, shared_gate = check_block(module, W)
+        gate, experts, rule, shared, shared_gate = check_block(module, W, self.expert_parallel)
         w1, w3, w2 = _full_experts(experts)
         module.tp_experts, module.tp_shared = w1.shape[0], 0
+        if self.expert_parallel:
+            return self._spread(module, device_mesh, gate, rule, (w1, w3, w2), shared)
         if shared is not None:
             full = shared_weights(getattr(module, shared), "MoEParallel")
             w1, w3, w2, module.tp_shared = fold_shared(w1, w3, w2, full, "MoEParallel")
@@ -107,14 +120,42 @@ class MoEParallel(ParallelStyle):
         module.__class__ = styled_class(type(module), _block_forward, "MoEParallel", _last_path, _block_ops)
         return module
 
+    def _spread(self, module, device_mesh, gate, rule, full, shared):
+        """``expert_parallel``: this rank's whole experts, the router's and the shared expert's (and its gate's)
+        weights replicated DTensors, the block's forward ``_ep_block_forward``."""
+        ctx, (w1, w3, w2) = self.ctx, full
+        local = w1.shape[0] // ctx.world_size
+        mine = slice(ctx.rank * local, (ctx.rank + 1) * local)
+        experts = module.experts
+        replicated = [gate]
+        if shared is not None:
+            mlp = getattr(module, shared)
+            replicated += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+            if SHARED[shared] is not None:
+                replicated.append(getattr(module, SHARED[shared]))
+        with torch.no_grad():
+            w13, w2 = shard_experts(w1[mine], w3[mine], w2[mine], 0, 1)  # whole experts: one "shard"
+            experts.gate_up_proj = nn.Parameter(w13, requires_grad=experts.gate_up_proj.requires_grad)
+            experts.down_proj = nn.Parameter(w2, requires_grad=experts.down_proj.requires_grad)
+            for m in replicated:
+                m.weight = nn.Parameter(DTensor.from_local(m.weight.detach(), device_mesh, [Replicate()],
+                                                           run_check=False), requires_grad=m.weight.requires_grad)
+        module.tp_shared_name = shared
+        gate.tp_rule = rule
+        gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
+        module.tp_style, module.tp_mesh, module.tp_ep_op = self, device_mesh, ep_op(ctx, self.fallback)
+        module.__class__ = styled_class(type(module), _ep_block_forward, "MoEParallel", _ep_last_path, _ep_ops)
+        return module
 
-def check_block(block, world: int | None = None):
+
+def check_block(block, world: int | None = None, expert_parallel: bool = False):
     """(gate, experts, its router's rule, the shared expert's child name or None, its gate or None) of a block this
     style computes exactly, or TypeError naming what differs: beside the router and the experts at most a shared
     expert of ``SHARED`` (with its gate where it has one), a router whose rule ``nn.routers.router_rule`` finds
     (a weight and no bias), fused SwiGLU experts without biases, a shared expert computing
-    ``down(silu(gate(x)) * up(x))`` without biases; with ``world``, ValueError where the experts' hidden width is
-    not divisible by it; ValueError where the shared expert's width is not a multiple of the experts'."""
+    ``down(silu(gate(x)) * up(x))`` without biases; with ``world``, ValueError where the experts' hidden width
+    (with ``expert_parallel``, their number) is not divisible by it; ValueError where the shared expert's width is
+    not a multiple of the experts' (tensor parallel: it joins them)."""
     children = dict(block.named_children())
     shared = next((n for n in SHARED if n in children), None)
     allowed = {"gate", "experts"} | ({shared, SHARED[shared]} - {None} if shared else set())
@@ -137,19 +178,22 @@ def check_block(block, world: int | None = None):
             not torch.allclose(experts.act_fn(probe), nn.functional.silu(probe)):
         raise TypeError(f"MoEParallel: experts {type(experts).__name__} are not SwiGLU experts "
                         f"silu(x @ gate) * (x @ up) @ down with concatenated gate/up and no biases ({flags})")
-    hidden = _full_experts(experts)[0].shape[1]
-    if world is not None and hidden % world:
+    num, hidden = _full_experts(experts)[0].shape[:2]
+    if world is not None and expert_parallel and num % world:
+        raise ValueError(f"MoEParallel(expert_parallel=True): the {num} experts are not divisible by the world "
+                         f"size {world} (rank r owns experts [r*E/W, (r+1)*E/W))")
+    if world is not None and not expert_parallel and hidden % world:
         raise ValueError(f"MoEParallel: the experts' hidden width {hidden} is not divisible by the world size {world}")
     shared_gate = children.get(SHARED[shared]) if shared else None
     if shared:
-        _check_shared(children[shared], shared_gate, hidden, gate.weight.shape[1])
+        _check_shared(children[shared], shared_gate, None if expert_parallel else hidden, gate.weight.shape[1])
     return gate, experts, router_rule(gate, "MoEParallel"), shared, shared_gate
 
 
 def _check_shared(mlp, gate, hidden: int, dim: int) -> None:
     """TypeError unless ``mlp`` holds exactly gate_proj, up_proj and down_proj linears without biases and computes
     ``down(silu(gate(x)) * up(x))`` (checked on a probe), and ``gate`` (if any) is ``nn.Linear(dim, 1)`` without
-    bias; ValueError where its width is not a multiple of ``hidden``."""
+    bias; ValueError where its width is not a multiple of ``hidden`` (None: any width)."""
     names = ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
     if sorted(n for n, _ in mlp.named_parameters()) != sorted(names) or \
             not all(type(getattr(mlp, n.split(".")[0], None)) is nn.Linear for n in names):
@@ -158,7 +202,7 @@ def _check_shared(mlp, gate, hidden: int, dim: int) -> None:
     if gate is not None and (type(gate) is not nn.Linear or gate.bias is not None or gate.out_features != 1):
         raise TypeError(f"MoEParallel: the shared expert's gate must be nn.Linear({dim}, 1, bias=False)")
     w1, w3, w2 = (mlp.get_parameter(n).detach() for n in names)
-    if w1.shape[0] % hidden:
+    if hidden is not None and w1.shape[0] % hidden:
         raise ValueError(f"MoEParallel: the shared expert's width {w1.shape[0]} is not a multiple of the experts' "
                          f"width {hidden}")
     probe = torch.linspace(-1, 1, 3 * dim, dtype=w1.dtype, device=w1.device).view(3, dim)
@@ -206,9 +250,8 @@ def _local(weight):
     return weight.to_local(grad_placements=[Partial()]) if isinstance(weight, DTensor) else weight
 
 
-def _block_forward(block, hidden_states):
-    style = block.tp_style
-    W = style.ctx.world_size
+def _local_tokens(block, hidden_states):
+    """(this rank's tokens as a plain tensor, router jitter applied in training, the output's placements)."""
     placements = [Shard(1)]
     x = hidden_states
     if isinstance(x, DTensor):
@@ -220,6 +263,12 @@ def _block_forward(block, hidden_states):
     jitter = getattr(block, "jitter_noise", 0.0)
     if block.training and jitter > 0:  # Mixtral's router jitter, on this rank's tokens
         x = x * torch.empty_like(x).uniform_(1.0 - jitter, 1.0 + jitter)
+    return x, placements
+
+
+def _block_forward(block, hidden_states):
+    W = block.tp_style.ctx.world_size
+    x, placements = _local_tokens(block, hidden_states)
     experts = block.experts
     x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
     rows = x.reshape(-1, x.shape[-1])
@@ -231,6 +280,47 @@ def _block_forward(block, hidden_states):
     ids, weights = gather_routes(weights, ids, block.tp_handles[0], W)
     y = swiglu_experts(rows, w13, w2, ids, weights, block.tp_handles, W)
     return DTensor.from_local(y.view(x.shape), block.tp_mesh, placements, run_check=False)
+
+
+def _ep_block_forward(block, hidden_states):
+    x, placements = _local_tokens(block, hidden_states)
+    experts = block.experts
+    x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
+    rows = x.reshape(-1, x.shape[-1])
+    _, weights, ids = block.gate(rows)
+    y = _routed(rows, ids, weights, w13, w2, block.tp_ep_op, block.tp_experts)
+    if block.tp_shared_name is not None:
+        y = y + _shared_local(block, rows)
+    return DTensor.from_local(y.view(x.shape), block.tp_mesh, placements, run_check=False)
+
+
+@torch.compiler.disable  # the dispatch reads its counts back to the host: no graph can hold it
+def _routed(rows, ids, weights, w13, w2, op, num_experts):
+    return ep_swiglu(rows, ids, weights, w13, w2, op, num_experts)
+
+
+def _shared_local(block, rows):
+    """The shared expert on this rank's rows with its full (replicated) weights, gated by its sigmoid gate where
+    the block has one; the weights' gradients left partial."""
+    name = block.tp_shared_name
+    mlp, gate = getattr(block, name), (getattr(block, SHARED[name]) if SHARED[name] else None)
+    w1, w3, w2 = (_local(getattr(mlp, n).weight).to(rows.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+    out = nn.functional.linear(nn.functional.silu(rows @ w1.t()) * (rows @ w3.t()), w2)
+    if gate is not None:
+        with torch.autocast(rows.device.type, enabled=False):
+            out = out * torch.sigmoid(rows.float() @ _local(gate.weight).float().t()).to(out.dtype)
+    return out
+
+
+def _ep_last_path(block) -> str | None:
+    """The path the block's ExpertParallel op took on its latest call (shared by every block with the same Context
+    and fallback rule): ``"overlap"``, ``"fallback"``, or None before any call."""
+    return block.tp_ep_op.last_path
+
+
+def _ep_ops(block) -> tuple:
+    """The ExpertParallel op the block's dispatches and combines run on."""
+    return (block.tp_ep_op,)
 
 
 __all__ = ["MoEParallel", "SHARED"]

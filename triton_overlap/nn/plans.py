@@ -20,7 +20,7 @@ EXPERTS = ("moe_tp_experts", "ep_dispatch_experts")
 
 
 def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
-            shared_inputs: bool = True) -> dict[str, ParallelStyle]:
+            shared_inputs: bool = True, expert_parallel: bool = False) -> dict[str, ParallelStyle]:
     """The plan that makes a Hugging Face transformers model tensor parallel over ``ctx``'s ranks with this
     project's styles, by concrete module name, from the model's own ``config.base_model_tp_plan`` (docs/design.md
     lists the models it has run on). ``ctx`` may be None to inspect a plan (no width is then checked):
@@ -29,7 +29,7 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
       ``SharedInputColwise`` on that module (``shared_inputs=False``: a ``ColwiseParallel`` each);
     * "rowwise" linear layers: ``RowwiseParallel``;
     * a sparse-MoE block (its ``experts`` marked in the model's tp or ep plan, ``EXPERTS``): ``MoEParallel`` on the
-      block;
+      block (``expert_parallel=True``: its experts spread over the ranks, ``MoEParallel``'s docstring);
     * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
       ``[B, S, heads, head_dim]``; and those the plan leaves out, GLM-4.5's: a norm of ``head_dim`` elements beside
       a column-wise layer): torch's ``SequenceParallel`` on the heads' dimension, so that their weights' gradients
@@ -79,8 +79,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
                          f"whose style (MoEParallel) runs sequence parallel only; sequence_parallel=False cannot "
                          f"take them")
     for block in sorted(blocks):
-        check_block(modules[block], world)  # (raised now, naming what the style cannot take, not halfway through)
-        plan[block] = MoEParallel(ctx, fallback=fallback)
+        check_block(modules[block], world, expert_parallel)  # (raised now, naming what the style cannot take)
+        plan[block] = MoEParallel(ctx, fallback=fallback, expert_parallel=expert_parallel)
     columns: dict[str, list[str]] = {}
     for name, (strategy, key) in found.items():
         if any(name == b or name.startswith(b + ".") for b in blocks):
