@@ -19,8 +19,8 @@ VOCAB = 96
 
 def _model(kind, W, dtype, dense_last=False):
     """A small random ``kind`` ("qwen3", "mixtral", "qwen2": a shared expert twice an expert's width, gated, or
-    "glm4": the same ungated, DeepSeek-V3's router with a random correction bias, routed weights scaled by 2.5, the
-    first layer dense, attention biases, per-head q/k norms that its plan leaves out) causal LM whose heads, KV
+    "glm4": the same ungated, DeepSeek-V3's router with a random correction bias and two groups of experts, one
+    kept, routed weights scaled by 2.5, the first layer dense, attention biases, per-head q/k norms that its plan leaves out) causal LM whose heads, KV
     heads, width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on
     every rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
@@ -42,7 +42,7 @@ def _model(kind, W, dtype, dense_last=False):
 
         config = Config(n_routed_experts=4, moe_intermediate_size=8 * W, n_shared_experts=2, intermediate_size=8 * W,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
-                        **common)
+                        n_group=2, topk_group=1, **common)
     else:
         from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
 
@@ -137,7 +137,7 @@ def _decisive(gate, logits) -> bool:
     T, E = choice.shape
     groups, keep = gate.num_group, gate.topk_group
     if keep < groups:
-        best = choice.view(T, groups, E // groups).topk(min(2, E // groups), dim=-1).values.sum(-1)
+        best = choice.view(T, groups, E // groups).topk(2, dim=-1).values.sum(-1)
         top = best.topk(keep + 1, dim=-1)
         if not (top.values[:, keep - 1] - top.values[:, keep] >= margin).all():
             return False
@@ -210,6 +210,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
                 **_grad_errors(model, reference, ctx.rank, W, ep)}
         r, s = ctx.rank, S // W  # transformers' router-logit recorder saw each router's logits of this rank's tokens
         recorded = getattr(out, "router_logits", None) is not None  # (GLM-4.5's before transformers 5.25: not)
+        assert recorded == (getattr(ref_out, "router_logits", None) is not None)
         for i, (got, full) in enumerate(zip(out.router_logits, ref_out.router_logits, strict=True) if recorded else ()):
             mine = full.detach().view(B, S, -1)[:, r * s:(r + 1) * s].reshape(got.shape)
             errs[f"router_logits.{i}"] = rel_err(got.detach(), mine)

@@ -360,7 +360,7 @@ def test_hf_plan_from_the_models_own():
     """hf_plan by concrete module name: the Llama plan of _plan (shared inputs, sequence parallel), a ColwiseParallel
     a layer without shared inputs, no edges for decode, Qwen3-MoE's sparse and dense layers side by side; and what
     it refuses, before any change to the model (the styles only keep the Context, so none is needed here)."""
-    pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")
     from torch.distributed.tensor.parallel import SequenceParallel
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, \
         Qwen3MoeForCausalLM
@@ -397,6 +397,9 @@ def test_hf_plan_from_the_models_own():
     assert isinstance(plan["model.layers.0.mlp"], MoEParallel) and "model.layers.0.mlp.experts" not in plan
     assert not plan["model.layers.0.mlp"].expert_parallel
     assert hf_plan(qwen, None, expert_parallel=True)["model.layers.0.mlp"].expert_parallel
+    with torch.device("meta"):  # a plan of a model too large to load: its router matched on a CPU probe
+        meta = transformers.MixtralForCausalLM(transformers.MixtralConfig(**small, num_local_experts=4))
+    assert isinstance(hf_plan(meta, None)["model.layers.1.mlp"], MoEParallel)
     assert isinstance(plan["model.layers.1.mlp"], SharedInputColwise)  # the dense layer
     norm = plan["model.layers.0.self_attn.q_norm"]  # per-head norms: SequenceParallel on the heads' dim
     assert isinstance(norm, SequenceParallel) and norm.sequence_sharding[0].dim == 2
@@ -404,7 +407,6 @@ def test_hf_plan_from_the_models_own():
     assert all(isinstance(v, (ColwiseParallel, RowwiseParallel, SharedInputColwise, MoEParallel, SequenceParallel,
                               ShardSequence, GatherSequence)) for v in plan.values())
 
-    import transformers
     if hasattr(transformers, "Glm4MoeConfig") and expert_keys(transformers.Glm4MoeConfig()):
         moe = dict(num_experts_per_tok=2, moe_intermediate_size=8, n_routed_experts=4, first_k_dense_replace=1)
         glm = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**small, **moe, head_dim=8, use_qk_norm=True))

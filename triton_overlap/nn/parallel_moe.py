@@ -1,13 +1,15 @@
 """A parallel style for the sparse-MoE block of a Hugging Face model (transformers 5), for
 ``torch.distributed.tensor.parallel.parallelize_module``: the block becomes tensor parallel in place and computes
-as ``TPMoE`` does, inside the sequence-parallel region of ``nn.parallel``'s plan.
+as ``TPMoE`` does, or with ``expert_parallel=True`` spreads its whole experts over the ranks and computes as
+``EPMoE`` does, inside the sequence-parallel region of ``nn.parallel``'s plan.
 
 Transformers 5 stores a block's experts as two fused parameters, ``experts.gate_up_proj`` [E, 2 * hidden, dim]
 (every expert's gate rows, then its up rows) and ``experts.down_proj`` [E, dim, hidden], and its router
-(``gate``) as a weight [E, dim] with the top-k rule beside it; Qwen2-MoE's, Qwen3-Next's and Qwen3.5-MoE's blocks
-add a shared expert (an MLP every token passes through) and its sigmoid gate. The style keeps the module objects
-(but the shared expert's, whose weights move into the experts') and swaps the classes of the block and of its router
-for subclasses with the parallel forwards, as ``nn.parallel`` does for linear layers.
+(``gate``) as a weight [E, dim] with the top-k rule beside it (``nn.routers`` matches the rule); Qwen2-MoE's,
+Qwen3-Next's and Qwen3.5-MoE's blocks add a shared expert (an MLP every token passes through) and its sigmoid gate,
+DeepSeek-V3's and GLM-4.5's an ungated one (``shared_experts``). The style keeps the module objects (but, tensor
+parallel, the shared expert's, whose weights move into the experts') and swaps the classes of the block and of its
+router for subclasses with the parallel forwards, as ``nn.parallel`` does for linear layers.
 """
 from __future__ import annotations
 

@@ -79,7 +79,10 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
                          f"whose style (MoEParallel) runs sequence parallel only; sequence_parallel=False cannot "
                          f"take them")
     for block in sorted(blocks):
-        check_block(modules[block], world, expert_parallel)  # (raised now, naming what the style cannot take)
+        try:  # (raised now, naming the block and what the style cannot take, not halfway through)
+            check_block(modules[block], world, expert_parallel)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"hf_plan: {block}: {e}") from None
         plan[block] = MoEParallel(ctx, fallback=fallback, expert_parallel=expert_parallel)
     columns: dict[str, list[str]] = {}
     for name, (strategy, key) in found.items():
@@ -157,7 +160,7 @@ def _layers(model, modules, prefix, tp) -> str:
 
 def _head_norms(modules, found, layers: str) -> list[str]:
     """Per-head norms that the model's plan leaves out (GLM-4.5's q/k norms): a norm inside the decoder layers, its
-    weight ``head_dim`` elements of the module holding it, which has a layer the plan shards column-wise. It reads
+    weight ``head_dim`` elements of the module holding it, beside a layer the plan shards column-wise. It reads
     this rank's heads ``[B, S, heads, head_dim]``, as Qwen3's q/k norms, which that model's plan marks
     "replicated_with_grad_allreduce", so it takes their style (torch's ``SequenceParallel`` on the heads' dim)."""
     norms = []
@@ -166,7 +169,7 @@ def _head_norms(modules, found, layers: str) -> list[str]:
         head_dim, weight = getattr(modules.get(parent), "head_dim", None), getattr(m, "weight", None)
         if name.startswith(layers + ".") and name not in found and type(m).__name__.lower().endswith("norm") \
                 and isinstance(head_dim, int) and isinstance(weight, nn.Parameter) and weight.numel() == head_dim \
-                and any(n.startswith(parent + ".") and s == "colwise" for n, (s, _) in found.items()):
+                and any(_parent(n) == parent and s == "colwise" for n, (s, _) in found.items()):
             norms.append(name)
     return norms
 

@@ -43,6 +43,8 @@ class GroupedSigmoid:
     """DeepSeek-V3's rule (module docstring), its parameters read from the router at every call."""
 
     def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor):
+        """(logits float32 [T, E], weights float32 [T, k], ids int64 [T, k]) of rows [T, dim]; a group's score is
+        the sum of its two best choice scores, as transformers computes it (so groups of two experts or more)."""
         groups, keep = _groups(gate)
         with torch.autocast(rows.device.type, enabled=False):
             logits = rows.float() @ weight.float().t()
@@ -51,7 +53,7 @@ class GroupedSigmoid:
             if keep < groups:
                 T, E = choice.shape
                 per_group = choice.view(T, groups, E // groups)
-                best = per_group.topk(min(2, E // groups), dim=-1).values.sum(-1)
+                best = per_group.topk(2, dim=-1).values.sum(-1)
                 chosen = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1).indices, 1.0)
                 allowed = chosen.bool().unsqueeze(-1).expand(T, groups, E // groups).reshape(T, E)
                 choice = choice.masked_fill(~allowed, float("-inf"))
@@ -69,31 +71,34 @@ def _groups(gate) -> tuple[int, int]:
     return groups, int(getattr(gate, "topk_group", None) or groups)
 
 
-def router_rule(gate, layer: str):
-    """The rule of ``RULES`` that reproduces the router ``gate`` (a module with a ``weight`` [E, dim], no other
-    parameter, ``top_k``, and a forward from rows [T, dim] to (logits [T, E], top-k weights, top-k ids)), found by
-    the probe of the module docstring; TypeError naming ``layer`` and the router where none does."""
+def router_rule(gate, who: str):
+    """The rule (``Softmax`` or ``GroupedSigmoid``) that reproduces the router ``gate`` (a module with a ``weight``
+    [E, dim], no other parameter, ``top_k``, and a forward from rows [T, dim] to (logits [T, E], top-k weights,
+    top-k ids)), found by the probe of the module docstring; TypeError naming ``who`` (the caller) and the router's
+    class where none does. The probe is a copy on the CPU whatever device the router is on (``meta`` included):
+    every floating tensor of it is drawn anew."""
     name = type(gate).__name__
     params = [n for n, _ in gate.named_parameters()]
     weight = getattr(gate, "weight", None)
     if params != ["weight"] or weight.dim() != 2 or not isinstance(getattr(gate, "top_k", None), int):
-        raise TypeError(f"{layer}: router {name} must hold one parameter, weight [E, dim], and top_k (it has "
+        raise TypeError(f"{who}: router {name} must hold one parameter, weight [E, dim], and top_k (it has "
                         f"{params})")
     E, dim = weight.shape
-    probe = copy.deepcopy(gate).to("cpu", torch.float64)
+    probe = copy.deepcopy(gate).to_empty(device="cpu").to(torch.float64)
     g = torch.Generator().manual_seed(PROBE_SEED)
+    cpu = dict(generator=g, dtype=torch.float64, device="cpu")  # (not the default device a caller may have set)
     with torch.no_grad():
         for t in [*probe.parameters(), *(b for b in probe.buffers() if b.is_floating_point())]:
-            t.copy_(torch.randn(t.shape, generator=g, dtype=t.dtype) * (dim ** -0.5 if t is probe.weight else 0.5))
-        rows = torch.randn(PROBE_ROWS, dim, generator=g, dtype=torch.float64)  # (logits about N(0, 1))
+            t.copy_(torch.randn(t.shape, **cpu) * (dim ** -0.5 if t is probe.weight else 0.5))
+        rows = torch.randn(PROBE_ROWS, dim, **cpu)  # (logits about N(0, 1))
         try:
             own = type(probe).forward(probe, rows)  # (not its hooks: transformers' recorders may hold some)
         except Exception as e:  # (a router whose forward takes more than the rows)
-            raise TypeError(f"{layer}: router {name}'s forward on rows [T, dim] failed: {e}") from None
+            raise TypeError(f"{who}: router {name}'s forward on rows [T, dim] failed: {e}") from None
         k = probe.top_k
         if not (isinstance(own, tuple) and len(own) == 3 and tuple(own[0].shape) == (PROBE_ROWS, E)
                 and all(tuple(t.shape) == (PROBE_ROWS, k) for t in own[1:])):
-            raise TypeError(f"{layer}: router {name} must return (logits [T, E], weights [T, k], ids [T, k]) "
+            raise TypeError(f"{who}: router {name} must return (logits [T, E], weights [T, k], ids [T, k]) "
                             f"as transformers 5's routers do")
         for rule in _candidates(probe):
             try:
@@ -102,11 +107,13 @@ def router_rule(gate, layer: str):
                 continue
             if _same_routes(own, mine):
                 return rule
-    raise TypeError(f"{layer}: router {name} computes none of the rules it reproduces (softmax top-k with or "
+    raise TypeError(f"{who}: router {name} computes none of the rules it reproduces (softmax top-k with or "
                     f"without renormalization; DeepSeek-V3's sigmoid top-k with a correction bias and groups)")
 
 
 def _candidates(gate) -> list:
+    """The rules to try on ``gate``, in order: softmax with and without renormalization, and DeepSeek-V3's where the
+    router holds a correction bias and its groups divide its experts."""
     rules = [Softmax(True), Softmax(False)]
     bias = getattr(gate, "e_score_correction_bias", None)
     groups, keep = _groups(gate)
