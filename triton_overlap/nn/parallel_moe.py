@@ -102,51 +102,37 @@ class MoEParallel(ParallelStyle):
         gate, experts, rule, shared, shared_gate = check_block(module, W, self.expert_parallel)
         w1, w3, w2 = _full_experts(experts)
         module.tp_experts, module.tp_shared = w1.shape[0], 0
-        if self.expert_parallel:
-            return self._spread(module, device_mesh, gate, rule, (w1, w3, w2), shared)
-        if shared is not None:
-            full = shared_weights(getattr(module, shared), "MoEParallel")
-            w1, w3, w2, module.tp_shared = fold_shared(w1, w3, w2, full, "MoEParallel")
-            delattr(module, shared)
-        with torch.no_grad():
-            w13, w2 = shard_experts(w1, w3, w2, ctx.rank, W)
-            experts.gate_up_proj = nn.Parameter(w13, requires_grad=experts.gate_up_proj.requires_grad)
-            experts.down_proj = nn.Parameter(w2, requires_grad=experts.down_proj.requires_grad)
-            for m in (gate, shared_gate) if shared_gate is not None else (gate,):
-                m.weight = nn.Parameter(DTensor.from_local(m.weight.detach(), device_mesh, [Replicate()],
-                                                           run_check=False), requires_grad=m.weight.requires_grad)
-        module.tp_shared_gate = SHARED[shared] if shared_gate is not None else None  # (a name: not a second child)
-        gate.tp_rule = rule
-        gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
-        module.tp_style, module.tp_mesh, module.tp_handles = self, device_mesh, moe_ops(ctx, self.fallback)
-        module.__class__ = styled_class(type(module), _block_forward, "MoEParallel", _last_path, _block_ops)
-        return module
-
-    def _spread(self, module, device_mesh, gate, rule, full, shared):
-        """``expert_parallel``: this rank's whole experts, the router's and the shared expert's (and its gate's)
-        weights replicated DTensors, the block's forward ``_ep_block_forward``."""
-        ctx, (w1, w3, w2) = self.ctx, full
-        local = w1.shape[0] // ctx.world_size
-        mine = slice(ctx.rank * local, (ctx.rank + 1) * local)
-        experts = module.experts
-        replicated = [gate]
-        if shared is not None:
-            mlp = getattr(module, shared)
-            replicated += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-            if SHARED[shared] is not None:
-                replicated.append(getattr(module, SHARED[shared]))
-        with torch.no_grad():
+        replicated = [gate]  # the modules whose weights every rank keeps whole, as replicated DTensors
+        if self.expert_parallel:  # this rank's whole experts; a shared expert stays, computed on its own tokens
+            local = w1.shape[0] // W
+            mine = slice(ctx.rank * local, (ctx.rank + 1) * local)
             w13, w2 = shard_experts(w1[mine], w3[mine], w2[mine], 0, 1)  # whole experts: one "shard"
+            if shared is not None:
+                mlp = getattr(module, shared)
+                replicated += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+            module.tp_shared_name, module.tp_ep_op = shared, ep_op(ctx, self.fallback)
+            forward, last_path, ops = _ep_block_forward, _ep_last_path, _ep_ops
+        else:  # this rank's columns of every expert, a shared expert's among them
+            if shared is not None:
+                full = shared_weights(getattr(module, shared), "MoEParallel")
+                w1, w3, w2, module.tp_shared = fold_shared(w1, w3, w2, full, "MoEParallel")
+                delattr(module, shared)
+            w13, w2 = shard_experts(w1, w3, w2, ctx.rank, W)
+            module.tp_shared_gate = SHARED[shared] if shared_gate is not None else None  # (a name, not a child)
+            module.tp_handles = moe_ops(ctx, self.fallback)
+            forward, last_path, ops = _block_forward, _last_path, _block_ops
+        if shared_gate is not None:
+            replicated.append(shared_gate)
+        with torch.no_grad():
             experts.gate_up_proj = nn.Parameter(w13, requires_grad=experts.gate_up_proj.requires_grad)
             experts.down_proj = nn.Parameter(w2, requires_grad=experts.down_proj.requires_grad)
             for m in replicated:
                 m.weight = nn.Parameter(DTensor.from_local(m.weight.detach(), device_mesh, [Replicate()],
                                                            run_check=False), requires_grad=m.weight.requires_grad)
-        module.tp_shared_name = shared
         gate.tp_rule = rule
         gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
-        module.tp_style, module.tp_mesh, module.tp_ep_op = self, device_mesh, ep_op(ctx, self.fallback)
-        module.__class__ = styled_class(type(module), _ep_block_forward, "MoEParallel", _ep_last_path, _ep_ops)
+        module.tp_style, module.tp_mesh = self, device_mesh
+        module.__class__ = styled_class(type(module), forward, "MoEParallel", last_path, ops)
         return module
 
 
