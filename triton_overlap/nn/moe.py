@@ -76,10 +76,16 @@ def add_shared_routes(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     if not num_shared:
         return weights, ids
     T = x.shape[0]
-    with torch.autocast(x.device.type, enabled=False):
-        g = weights.new_ones(T, 1) if gate_weight is None else torch.sigmoid(x.float() @ gate_weight.float().t())
+    g = weights.new_ones(T, 1) if gate_weight is None else shared_gate(x, gate_weight)
     extra = torch.arange(num_experts, num_experts + num_shared, device=ids.device, dtype=ids.dtype)
     return torch.cat([weights, g.expand(T, num_shared)], dim=1), torch.cat([ids, extra.expand(T, num_shared)], dim=1)
+
+
+def shared_gate(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """A shared expert's gate on rows ``x`` [T, dim]: ``sigmoid(x @ gate_weight^T)`` [T, 1] in float32 whatever the
+    autocast state."""
+    with torch.autocast(x.device.type, enabled=False):
+        return torch.sigmoid(x.float() @ gate_weight.float().t())
 
 
 def gather_routes(weights: torch.Tensor, ids: torch.Tensor, ag, world_size: int):
@@ -320,5 +326,5 @@ def stacked_experts(experts, layer: str = "TPMoE"):
 
 
 __all__ = ["ReplicatedRouter", "TPMoE", "add_shared_routes", "check_moe_layer", "fold_shared", "full_moe",
-           "gather_routes", "moe_ops", "route_local", "shard_experts", "shared_weights", "stacked_experts",
-           "swiglu_experts"]
+           "gather_routes", "moe_ops", "route_local", "shard_experts", "shared_gate", "shared_weights",
+           "stacked_experts", "swiglu_experts"]

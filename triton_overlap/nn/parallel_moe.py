@@ -19,7 +19,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
-from .moe import add_shared_routes, fold_shared, gather_routes, moe_ops, shard_experts, shared_weights, swiglu_experts
+from .moe import (add_shared_routes, fold_shared, gather_routes, moe_ops, shard_experts, shared_gate, shared_weights,
+                  swiglu_experts)
 from .parallel import FALLBACKS, check_mesh, styled_class
 from .ep_moe import ep_op, ep_swiglu
 from .precision import compute_operands
@@ -178,7 +179,7 @@ def check_block(block, world: int | None = None, expert_parallel: bool = False):
     return gate, experts, router_rule(gate, "MoEParallel"), shared, shared_gate
 
 
-def _check_shared(mlp, gate, hidden: int, dim: int) -> None:
+def _check_shared(mlp, gate, hidden: int | None, dim: int) -> None:
     """TypeError unless ``mlp`` holds exactly gate_proj, up_proj and down_proj linears without biases and computes
     ``down(silu(gate(x)) * up(x))`` (checked on a probe), and ``gate`` (if any) is ``nn.Linear(dim, 1)`` without
     bias; ValueError where its width is not a multiple of ``hidden`` (None: any width)."""
@@ -294,10 +295,7 @@ def _shared_local(block, rows):
     mlp, gate = getattr(block, name), (getattr(block, SHARED[name]) if SHARED[name] else None)
     w1, w3, w2 = (_local(getattr(mlp, n).weight).to(rows.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
     out = nn.functional.linear(nn.functional.silu(rows @ w1.t()) * (rows @ w3.t()), w2)
-    if gate is not None:
-        with torch.autocast(rows.device.type, enabled=False):
-            out = out * torch.sigmoid(rows.float() @ _local(gate.weight).float().t()).to(out.dtype)
-    return out
+    return out if gate is None else out * shared_gate(rows, _local(gate.weight)).to(out.dtype)
 
 
 def _ep_last_path(block) -> str | None:
