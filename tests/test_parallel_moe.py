@@ -3,8 +3,9 @@ Mixtral, Qwen2-MoE (a gated shared expert) and GLM-4.5 (DeepSeek-V3's sigmoid ro
 ungated shared expert, a dense first layer) causal LMs, tensor + sequence parallel with the Llama plan of
 test_parallel_styles.py and the style on every sparse-MoE block (or hf_plan's plan), against the same model unsharded
 in float64: logits and every gradient (the experts' as this rank's shards, the shared expert's among them, the
-routers' and the shared expert gate's replicated DTensors summed over ranks); Qwen3-Next's, Qwen3.5-MoE's,
-DeepSeek-V3's (grouped routing) and OLMoE's blocks alone; and the blocks the style refuses."""
+routers' and the shared expert gate's replicated DTensors summed over ranks), also expert parallel and without
+sequence parallelism (decode); Qwen3-Next's, Qwen3.5-MoE's, DeepSeek-V3's (grouped routing) and OLMoE's blocks
+alone, DeepSeek-V3's decode block replayed in a CUDA graph; and the blocks the style refuses."""
 import copy
 
 import pytest
@@ -169,7 +170,8 @@ def _decisive_tokens(reference, B, S, dev):
 
 
 def _moe_case(kind, mode, fallback, hf=False, ep=False):
-    """``mode``: "bf16" (bf16 parameters) or "autocast" (float32 parameters under torch.autocast(bfloat16)); ``hf``:
+    """``mode``: "bf16" (bf16 parameters), "autocast" (float32 parameters under torch.autocast(bfloat16)) or
+    "decode" (bf16, hf_plan's plan without sequence parallelism: every token on every rank, 3 of them); ``hf``:
     the plan hf_plan makes of the model's own (Qwen3-MoE's with its last layer dense); ``ep``: the MoE blocks expert
     parallel. Batch 2, sequence 4W. Returns the worst (name, error)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -183,7 +185,9 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         dtype = torch.float32 if mode == "autocast" else torch.bfloat16
         model = _model(kind, W, dtype, dense_last=hf and kind == "qwen3").to(dev)
         reference = copy.deepcopy(model).double()
-        plan = hf_plan(model, ctx, fallback=fallback, expert_parallel=ep) if hf else _plan(ctx, kind, fallback, ep)
+        decode = mode == "decode"
+        plan = hf_plan(model, ctx, fallback=fallback, expert_parallel=ep, sequence_parallel=not decode) if hf \
+            else _plan(ctx, kind, fallback, ep)
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
         shared = kind in ("qwen2", "glm4")
@@ -196,7 +200,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
             assert tuple(mlp.experts.gate_up_proj.shape) == (4 + 2 * shared, 32 * W, 16)
             assert not hasattr(mlp, "shared_expert") and not hasattr(mlp, "shared_experts")
         assert isinstance(mlp.gate.weight, DTensor)
-        B, S = 2, 4 * W
+        B, S = 2, 3 if decode else 4 * W
         tokens = _decisive_tokens(reference, B, S, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
             out = model(tokens, output_router_logits=True)
@@ -208,7 +212,8 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         ctx.check()
         errs = {"logits": rel_err(logits.detach(), ref_logits.detach()),
                 **_grad_errors(model, reference, ctx.rank, W, ep)}
-        r, s = ctx.rank, S // W  # transformers' router-logit recorder saw each router's logits of this rank's tokens
+        # transformers' router-logit recorder saw each router's logits of this rank's tokens (decode: all tokens)
+        r, s = (0, S) if decode else (ctx.rank, S // W)
         recorded = getattr(out, "router_logits", None) is not None  # (GLM-4.5's before transformers 5.25: not)
         assert recorded == (getattr(ref_out, "router_logits", None) is not None)
         for i, (got, full) in enumerate(zip(out.router_logits, ref_out.router_logits, strict=True) if recorded else ()):
@@ -218,6 +223,8 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
         assert mlp.last_path == ("fallback" if fallback == "always" else "overlap"), mlp.last_path
+        assert [type(op).__name__ for op in mlp.tp_ops] == (
+            ["AllReduce"] if decode else ["ExpertParallel"] if ep else ["AllGatherMoEGEMM", "MoEGEMMReduceScatter"])
         if mode == "autocast":  # float32 parameters keep float32 gradients
             assert all(p.grad.dtype == torch.float32 for p in mlp.parameters())
         return max(errs.items(), key=lambda kv: kv[1])
@@ -227,7 +234,9 @@ MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral
              ("qwen3", "bf16", "always"), ("qwen3", "bf16", "never", True),
              ("mixtral", "bf16", "never", True), ("qwen2", "bf16", "never"), ("qwen2", "autocast", "never", True),
              ("glm4", "bf16", "never", True), ("mixtral", "bf16", "never", False, True),
-             ("qwen2", "autocast", "never", False, True), ("glm4", "bf16", "never", True, True)]
+             ("qwen2", "autocast", "never", False, True), ("glm4", "bf16", "never", True, True),
+             ("mixtral", "decode", "never", True), ("qwen2", "decode", "never", True),
+             ("glm4", "decode", "never", True, True), ("qwen2", "decode", "never", True, True)]
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
@@ -287,9 +296,10 @@ def _block(kind, W):
     return block
 
 
-def _block_case(kind):
+def _block_case(kind, decode=False, ep=False):
     """The block alone, parallelized by MoEParallel, against itself unsharded in float64 on tokens [2, 4W, 32]
-    routed without near ties: this rank's output and input gradient, every parameter's gradient."""
+    routed without near ties: this rank's output and input gradient, every parameter's gradient. ``decode``:
+    without sequence parallelism (every token on every rank, the whole output); ``ep``: expert parallel."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
@@ -308,29 +318,85 @@ def _block_case(kind):
         gy = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(7)).double().to(dev)
         x_ref = x.clone().requires_grad_()
         (reference(x_ref) * gy).sum().backward()
-        parallelize_module(block.bfloat16(), init_device_mesh(dev.type, (W,)), MoEParallel(ctx, fallback="never"))
-        mine = slice(r * s, (r + 1) * s)
+        parallelize_module(block.bfloat16(), init_device_mesh(dev.type, (W,)),
+                           MoEParallel(ctx, fallback="never", sequence_parallel=not decode, expert_parallel=ep))
+        mine = slice(0, S) if decode else slice(r * s, (r + 1) * s)
         x_local = x[:, mine].bfloat16().requires_grad_()
         out = block(x_local)
-        assert isinstance(out, DTensor) and out.to_local().shape == (B, s, 32)
-        (out.to_local().float() * gy[:, mine].float()).sum().backward()
+        assert isinstance(out, DTensor) != decode
+        out = out if decode else out.to_local()
+        assert out.shape == x_local.shape
+        (out.float() * gy[:, mine].float()).sum().backward()
         ctx.check()
-        errs = {"out": rel_err(out.to_local().detach(), reference(x)[:, mine].detach()),
+        errs = {"out": rel_err(out.detach(), reference(x)[:, mine].detach()),
                 "grad_x": rel_err(x_local.grad, x_ref.grad[:, mine]),
-                **_grad_errors(block, reference, r, W)}
+                **_grad_errors(block, reference, r, W, ep)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "out" else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad}"
-        assert block.last_path == "overlap" and tuple(block.experts.gate_up_proj.shape) == (BLOCKS[kind], 32, 16)
-        assert [type(op).__name__ for op in overlap_ops(block)] == ["AllGatherMoEGEMM", "MoEGEMMReduceScatter"]
+        shape = (4 // W, 32, 16 * W) if ep else (BLOCKS[kind], 32, 16)
+        assert block.last_path == "overlap" and tuple(block.experts.gate_up_proj.shape) == shape
+        assert [type(op).__name__ for op in overlap_ops(block)] == (
+            ["AllReduce"] if decode else ["ExpertParallel"] if ep else ["AllGatherMoEGEMM", "MoEGEMMReduceScatter"])
         return max(errs.items(), key=lambda kv: kv[1])
 
 
-@pytest.mark.parametrize("kind", list(BLOCKS))
-def test_moe_block_matches_unmodified_block(pool, kind):
+#: (kind, decode, expert parallel): every block tensor + sequence parallel; DeepSeek-V3's (grouped routing, an
+#: ungated shared expert) and Qwen3-Next's (a gated shared expert) also without sequence parallelism, tensor and
+#: expert parallel
+BLOCK_CASES = [(kind, False, False) for kind in BLOCKS] + [
+    ("deepseek_v3", True, False), ("deepseek_v3", True, True), ("qwen3_next", True, True)]
+
+
+@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: c[0] + ("_decode" if c[1] else "") + ("_ep" if c[2] else ""))
+def test_moe_block_matches_unmodified_block(pool, case):
+    kind, decode, ep = case
     pytest.importorskip(f"transformers.models.{kind}")
-    if pool.world == 4:
-        pytest.skip("W = 2, 3 on the host backend")
-    pool.run(_block_case, kind)
+    if pool.world == 4 or (ep and pool.world != 2):
+        pytest.skip("W = 2, 3 on the host backend; expert parallel: the 4 experts split over W = 2")
+    pool.run(_block_case, kind, decode, ep)
+
+
+def _decode_replays(ep, steps):
+    """DeepSeek-V3's block without sequence parallelism (tensor or expert parallel), batch 4 of one token, captured
+    once in a CUDA graph and replayed on new tokens: each replay against the unsharded block in float32, the
+    output poisoned before every replay."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from refs import check_replays
+    from triton_overlap.nn import MoEParallel
+
+    with to.Context(timeout_s=30) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        block = _block("deepseek_v3", W).to(dev)
+        reference = copy.deepcopy(block)
+        parallelize_module(block.bfloat16(), init_device_mesh(dev.type, (W,)),
+                           MoEParallel(ctx, fallback="never", sequence_parallel=False, expert_parallel=ep))
+        x = torch.empty(4, 1, 32, device=dev, dtype=torch.bfloat16)
+        out = torch.empty_like(x)
+
+        def load(i):
+            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + i)).to(dev, x.dtype))
+            with torch.no_grad():
+                return reference(x.float())
+
+        load(-1)
+        with torch.no_grad():
+            block(x)  # one eager call first: it sizes the AllReduce's slots (not allowed inside a capture)
+            check_replays(lambda: out.copy_(block(x)), out, steps, load)
+        ctx.check()
+        assert block.last_path == "overlap"
+        return True
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_decode_block_replays_in_cuda_graph(pool, ep):
+    pytest.importorskip("transformers.models.deepseek_v3")
+    if pool.backend == "host":
+        pytest.skip("CUDA graphs need a GPU")
+    if ep and pool.world != 2:
+        pytest.skip("expert parallel: the 4 experts split over W = 2")
+    assert all(pool.run(_decode_replays, ep, 50))
 
 
 def _refusals():
@@ -395,6 +461,19 @@ def _refusals():
             parallelize_module(block, mesh, MoEParallel(ctx))
         with pytest.raises(TypeError, match="bfloat16 or float16.*autocast"):  # float32 parameters, no autocast
             block(torch.randn(1, 2, 16, device=dev))
+        from torch.distributed.tensor import DTensor, Shard
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+        jitter = MixtralSparseMoeBlock(MixtralConfig(hidden_size=16, num_local_experts=4, intermediate_size=8 * W,
+                                                     router_jitter_noise=0.1)).bfloat16().to(dev)
+        parallelize_module(jitter, mesh, MoEParallel(ctx, sequence_parallel=False))
+        x = torch.randn(1, 2 * W, 16, device=dev, dtype=torch.bfloat16)
+        with pytest.raises(ValueError, match="router jitter"):  # each rank would draw its own noise
+            jitter.train()(x)
+        with pytest.raises(ValueError, match=r"placed \(Shard\(dim=1\),\); expected Replicate"):
+            jitter.eval()(DTensor.from_local(x, mesh, [Shard(1)], run_check=False))
+        assert jitter(x).shape == x.shape  # evaluation: no jitter
         ctx.check()
         return True
 

@@ -421,8 +421,8 @@ def test_hf_plan_from_the_models_own():
             hf_plan(deepseek, None)  # multi-head latent attention (its plan marks it from transformers 5.25)
     with pytest.raises(ValueError, match="base_model_tp_plan"):
         hf_plan(nn.Linear(4, 4), None)
-    with pytest.raises(ValueError, match="sequence parallel only"):
-        hf_plan(qwen, None, sequence_parallel=False)
+    decode = hf_plan(qwen, None, sequence_parallel=False, expert_parallel=True)["model.layers.0.mlp"]
+    assert not decode.sequence_parallel and decode.expert_parallel
     qwen2 = Qwen2MoeForCausalLM(Qwen2MoeConfig(**small, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                                                shared_expert_intermediate_size=16))
     # transformers 5.17 ships Qwen2-MoE's plans without its experts (5.24 has them): the router's weight is left out

@@ -58,7 +58,7 @@ from torch import nn
 
 from ..ops.ep_low_latency import ExpertParallelLowLatency
 from ..ops.expert_parallel import ExpertParallel, ExpertParallelConfig
-from ..ops.moe_routing import expert_grads, grouped_mm, takes_grouped_mm
+from ..ops.moe_routing import count_ids, expert_grads, grouped_mm, sort_pairs, takes_grouped_mm
 from .moe import ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
 from .precision import compute_dtype
 
@@ -98,6 +98,33 @@ def swiglu_rows(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets
     2 * hidden] (gate columns, then up), ``w2`` [E/W, hidden, dim]. Returns [R, dim] in the rows' dtype."""
     gate, up = GroupedMM.apply(rows, w13, offsets).split(w13.shape[-1] // 2, dim=-1)
     return GroupedMM.apply(nn.functional.silu(gate) * up, w2, offsets)
+
+
+def partial_experts(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """This rank's share of the SwiGLU experts on ``rows`` [T, dim] that every rank holds (decode: no tokens to
+    gather): ``Σ_j weights[t, j] · (silu(rows[t] @ gate_e) * (rows[t] @ up_e)) @ down_e`` over the choices
+    ``e = ids[t, j]`` among this rank's experts ``first .. first + E_local`` (``w13`` [E_local, dim, 2 * width]: gate
+    columns, then up; ``w2`` [E_local, width, dim]); the other choices add nothing. The ranks' shares sum to the
+    layer's output: each rank's slice of every expert's width (tensor parallel, ``first = 0``), or its whole
+    experts (expert parallel). float32 [T, dim], with autograd.
+
+    The (token, choice) pairs are sorted by expert on the device, this rank's experts first, and the two grouped
+    GEMMs (``swiglu_rows``: one ``torch._grouped_mm`` each where it takes the operands) cover only those; the
+    other pairs' rows are never computed and ``torch.where`` (not a product with 0, which would carry a NaN of
+    unwritten memory, forward or backward) keeps them out of the sum and of the gradients. No host synchronisation where ``torch._grouped_mm``
+    takes the operands, so a decode step holding it can be captured in a CUDA graph."""
+    E, (T, k) = w13.shape[0], ids.shape
+    local = (ids - first).reshape(-1)
+    group = torch.where((local >= 0) & (local < E), local, E)  # another rank's expert: the last group, uncomputed
+    order, _ = sort_pairs(group, E + 1, None, 1)
+    offsets = torch.zeros(E + 1, dtype=torch.int32, device=rows.device)
+    offsets[1:] = torch.cumsum(count_ids(group, E + 1)[:E], 0)
+    mine = (group[order] < E).unsqueeze(1)
+    token = order // k
+    a = torch.where(mine, rows[token], 0)
+    y = torch.where(mine, swiglu_rows(a, w13, w2, offsets).float(), 0) * weights.reshape(-1)[order].unsqueeze(1)
+    return torch.zeros(T, y.shape[1], dtype=torch.float32, device=rows.device).index_add(0, token, y)
 
 
 # ------------------------------------------------------------------------------------- dispatch and combine
@@ -357,4 +384,4 @@ class EPMoE(ReplicatedRouter, nn.Module):
 
 
 __all__ = ["Combine", "DispatchProject", "DownCombine", "EPMoE", "GroupedMM", "Routing", "ep_op", "ep_swiglu",
-           "grouped_mm", "swiglu_rows", "takes_grouped_mm", "weight_grads"]
+           "grouped_mm", "partial_experts", "swiglu_rows", "takes_grouped_mm", "weight_grads"]

@@ -19,10 +19,11 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
+from ..ops.all_reduce import AllReduce
 from .moe import (add_shared_routes, fold_shared, gather_routes, moe_ops, shard_experts, shared_gate, shared_weights,
                   swiglu_experts)
 from .parallel import FALLBACKS, check_mesh, styled_class
-from .ep_moe import ep_op, ep_swiglu
+from .ep_moe import ep_op, ep_swiglu, partial_experts
 from .precision import compute_operands
 from .routers import router_rule
 
@@ -85,14 +86,27 @@ class MoEParallel(ParallelStyle):
     symmetric memory with a flag per source, as ``EPMoE`` runs them), the attention staying tensor + sequence
     parallel around it. A shared expert is not spread: every rank computes it on its own tokens with the full
     weights, which become replicated DTensors (their gradients left partial, as the router's). The dispatch reads
-    its counts back to the host, so the routed part runs outside ``torch.compile``'s graphs. No low-latency
-    (decode) mode: the style runs sequence parallel only. The experts' gradients are complete on their owner.
+    its counts back to the host, so the routed part runs outside ``torch.compile``'s graphs. The experts'
+    gradients are complete on their owner.
+
+    ``sequence_parallel=False`` (decode, as the linear styles' flag): the input is the whole activation, the same
+    on every rank (a plain tensor or a replicated DTensor), and so is the output, a plain tensor. Every rank routes
+    every token (the same choices on every rank: the same rows and router), computes its share of the experts
+    (``nn.ep_moe.partial_experts``: its slice of every expert's width, or with ``expert_parallel`` its whole
+    experts, a shared expert's slice of width among them), and one AllReduce (``ops.all_reduce``, graph-safe) sums
+    the shares: no token moves, and where ``torch._grouped_mm`` takes the operands (bfloat16, widths multiples of
+    8, compute capability 9.0 or newer) nothing reads back to the host, so a decode step holding the block can be
+    captured in a CUDA graph (one eager call first) and traced by ``torch.compile``. The same weights' layouts as
+    above. Backward works too (tensor parallel without sequence parallelism): the input's gradient is summed over
+    the ranks, the router's and the shared expert's replicated weights' left partial. Mixtral's router jitter in
+    training is refused there (each rank would draw other noise, hence other choices).
     """
 
-    def __init__(self, ctx, *, fallback: str = "auto", expert_parallel: bool = False):
+    def __init__(self, ctx, *, fallback: str = "auto", expert_parallel: bool = False, sequence_parallel: bool = True):
         if fallback not in FALLBACKS:
             raise ValueError(f"MoEParallel: fallback must be one of {FALLBACKS}, got {fallback!r}")
         self.ctx, self.fallback, self.expert_parallel = ctx, fallback, bool(expert_parallel)
+        self.sequence_parallel = bool(sequence_parallel)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         ctx = self.ctx
@@ -111,7 +125,9 @@ class MoEParallel(ParallelStyle):
             if shared is not None:
                 mlp = getattr(module, shared)
                 replicated += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-            module.tp_shared_name, module.tp_ep_op = shared, ep_op(ctx, self.fallback)
+            module.tp_shared_name, module.tp_first = shared, ctx.rank * local
+            if self.sequence_parallel:
+                module.tp_ep_op = ep_op(ctx, self.fallback)
             forward, last_path, ops = _ep_block_forward, _ep_last_path, _ep_ops
         else:  # this rank's columns of every expert, a shared expert's among them
             if shared is not None:
@@ -120,8 +136,12 @@ class MoEParallel(ParallelStyle):
                 delattr(module, shared)
             w13, w2 = shard_experts(w1, w3, w2, ctx.rank, W)
             module.tp_shared_gate = SHARED[shared] if shared_gate is not None else None  # (a name, not a child)
-            module.tp_handles = moe_ops(ctx, self.fallback)
+            if self.sequence_parallel:
+                module.tp_handles = moe_ops(ctx, self.fallback)
             forward, last_path, ops = _block_forward, _last_path, _block_ops
+        if not self.sequence_parallel:  # every rank's share of every token, summed by one AllReduce
+            module.tp_all_reduce = all_reduce_op(ctx, self.fallback)
+            forward, last_path, ops = _replicated_block_forward, _ar_last_path, _ar_ops
         if shared_gate is not None:
             replicated.append(shared_gate)
         with torch.no_grad():
@@ -288,14 +308,68 @@ def _routed(rows, ids, weights, w13, w2, op, num_experts):
     return ep_swiglu(rows, ids, weights, w13, w2, op, num_experts)
 
 
-def _shared_local(block, rows):
-    """The shared expert on this rank's rows with its full (replicated) weights, gated by its sigmoid gate where
-    the block has one; the weights' gradients left partial."""
+def _shared_local(block, rows, part: int = 0, parts: int = 1):
+    """The shared expert on ``rows`` with its (replicated) weights, gated by its sigmoid gate where the block has
+    one; the weights' gradients left partial. ``part`` of ``parts``: that slice of its width only (the slices'
+    outputs sum to the whole; any width)."""
     name = block.tp_shared_name
     mlp, gate = getattr(block, name), (getattr(block, SHARED[name]) if SHARED[name] else None)
     w1, w3, w2 = (_local(getattr(mlp, n).weight).to(rows.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+    lo, hi = w1.shape[0] * part // parts, w1.shape[0] * (part + 1) // parts
+    w1, w3, w2 = w1[lo:hi], w3[lo:hi], w2[:, lo:hi]
     out = nn.functional.linear(nn.functional.silu(rows @ w1.t()) * (rows @ w3.t()), w2)
     return out if gate is None else out * shared_gate(rows, _local(gate.weight)).to(out.dtype)
+
+
+def all_reduce_op(ctx, fallback: str) -> int:
+    """The handle of the AllReduce per (Context, fallback rule) that MoE blocks without sequence parallelism
+    share."""
+    return ctx.cached(("nn moe all_reduce", fallback), lambda: custom_ops.handle(
+        AllReduce(ctx, fallback=fallback, name=f"nn.moe_ar.{fallback}")))
+
+
+def _replicated_block_forward(block, hidden_states):
+    """sequence_parallel=False: every token on every rank; this rank's share of the experts, summed over the ranks
+    by one AllReduce (the class docstring)."""
+    style, x = block.tp_style, hidden_states
+    if isinstance(x, DTensor):
+        if not all(isinstance(p, Replicate) for p in x.placements):
+            raise ValueError(f"MoEParallel(sequence_parallel=False): input DTensor placed {x.placements}; expected "
+                             f"Replicate()")
+        x = x.to_local()
+    if block.training and getattr(block, "jitter_noise", 0.0) > 0:
+        raise ValueError("MoEParallel(sequence_parallel=False): Mixtral's router jitter in training would draw other "
+                         "noise on each rank, hence other choices; set router_jitter_noise = 0 or run sequence "
+                         "parallel")
+    experts = block.experts
+    x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
+    if torch.is_grad_enabled() and x.requires_grad:  # each rank's input gradient is a partial sum
+        x = DTensor.from_local(x, block.tp_mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()])
+    rows = x.reshape(-1, x.shape[-1])
+    _, weights, ids = block.gate(rows)
+    if style.expert_parallel:
+        y = partial_experts(rows, ids, weights, w13, w2, block.tp_first)
+        if block.tp_shared_name is not None:
+            y = y + _shared_local(block, rows, style.ctx.rank, style.ctx.world_size)
+    else:
+        if block.tp_shared:
+            name = block.tp_shared_gate
+            gate = None if name is None else _local(getattr(block, name).weight)
+            weights, ids = add_shared_routes(rows, weights, ids, block.tp_experts, block.tp_shared, gate)
+        y = partial_experts(rows, ids, weights, w13, w2)
+    return custom_ops.all_reduce(y.to(x.dtype), block.tp_all_reduce).view(x.shape)
+
+
+def _ar_last_path(block) -> str | None:
+    """The path the block's AllReduce took on its latest call (shared by every such block with the same Context and
+    fallback rule): ``"overlap"`` (its kernels), ``"fallback"`` (the process group), or None before any call."""
+    return _ar_ops(block)[0].last_path
+
+
+def _ar_ops(block) -> tuple:
+    """The AllReduce that sums the block's shares over the ranks."""
+    return (custom_ops.op_of(block.tp_all_reduce),)
 
 
 def _ep_last_path(block) -> str | None:

@@ -51,8 +51,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     rank's sequence shard: ``ShardSequence`` on the embedding, torch's ``SequenceParallel`` on the norms of each
     decoder layer, ``GatherSequence`` on the final norm (``config.base_model_pp_plan``'s first module, its list of
     layers and its last module). ``False`` (decode): column layers multiply locally and row layers run GEMM +
-    AllReduce; a sparse-MoE block has no such path, so a model with one raises ValueError. ``fallback`` goes to
-    every style. Every rank must hold the same full weights, as for torch's own styles."""
+    AllReduce; a sparse-MoE block computes this rank's share of its experts for every token, summed by one
+    AllReduce (``MoEParallel``'s docstring). ``fallback`` goes to every style. Every rank must hold the same full
+    weights, as for torch's own styles."""
     config = getattr(model, "config", None)
     tp = getattr(config, "base_model_tp_plan", None)
     if not tp:
@@ -74,16 +75,13 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     plan: dict[str, ParallelStyle] = {}
     experts = [_pattern(prefix, k) for k in expert_keys(config)]
     blocks = {_parent(n) for n in modules if any(p.match(n) for p in experts)}
-    if blocks and not sequence_parallel:
-        raise ValueError(f"hf_plan: {type(model).__name__} has sparse-MoE blocks ({sorted(blocks)[0]}, ...), "
-                         f"whose style (MoEParallel) runs sequence parallel only; sequence_parallel=False cannot "
-                         f"take them")
     for block in sorted(blocks):
         try:  # (raised now, naming the block and what the style cannot take, not halfway through)
             check_block(modules[block], world, expert_parallel)
         except (TypeError, ValueError) as e:
             raise type(e)(f"hf_plan: {block}: {e}") from None
-        plan[block] = MoEParallel(ctx, fallback=fallback, expert_parallel=expert_parallel)
+        plan[block] = MoEParallel(ctx, fallback=fallback, expert_parallel=expert_parallel,
+                                  sequence_parallel=sequence_parallel)
     columns: dict[str, list[str]] = {}
     for name, (strategy, key) in found.items():
         if any(name == b or name.startswith(b + ".") for b in blocks):

@@ -1,10 +1,10 @@
 """The overlapped ops registered as torch custom ops, with autograd, so ``torch.compile`` traces models that use
 them.
 
-``torch.ops.triton_overlap.ag_gemm``, ``.gemm_rs``, ``.gemm_ar``, ``.cp_attention``, ``.cp_attention_bwd``,
-``.ag_moe`` and ``.moe_rs`` take an integer ``handle`` naming an op object (an AllGatherGEMM, GEMMReduceScatter,
-GEMMAllReduce, ContextParallelAttention, AllGatherMoEGEMM or MoEGEMMReduceScatter bound to a Context) registered
-with :func:`handle`; a traced graph keeps the integer, and
+``torch.ops.triton_overlap.ag_gemm``, ``.gemm_rs``, ``.gemm_ar``, ``.all_reduce``, ``.cp_attention``,
+``.cp_attention_bwd``, ``.ag_moe`` and ``.moe_rs`` take an integer ``handle`` naming an op object (an AllGatherGEMM,
+GEMMReduceScatter, GEMMAllReduce, AllReduce, ContextParallelAttention, AllGatherMoEGEMM or MoEGEMMReduceScatter
+bound to a Context) registered with :func:`handle`; a traced graph keeps the integer, and
 the op's Context keeps the object (this module names it weakly) until it closes. Each has a fake (meta)
 implementation that gives output shapes without running anything, and the GEMM pairs (dense and MoE) and attention
 have backward formulas written with the same custom ops, so forward and backward graphs trace without breaks.
@@ -294,6 +294,22 @@ def _ar_backward(ctx, grad_out):
 gemm_ar.register_autograd(_ar_backward, setup_context=_ar_setup)
 
 
+
+# ------------------------------------------------------------------ AllReduce
+@torch.library.custom_op("triton_overlap::all_reduce", mutates_args=())
+def all_reduce(x: torch.Tensor, op: int) -> torch.Tensor:
+    """The sum over ranks of ``x`` on every rank (an AllReduce)."""
+    return op_of(op)(x)
+
+
+@all_reduce.register_fake
+def _(x, op):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+# the output is the same on every rank and so is its gradient: each rank's summand gets it whole, as gemm_ar's
+all_reduce.register_autograd(lambda ctx, grad: (grad, None))
+
 # ------------------------------------------------------------------ MoE: AllGather + grouped GEMM, grouped GEMM + RS
 @torch.library.custom_op("triton_overlap::all_gather_rows_with_grad", mutates_args=())
 def all_gather_rows_with_grad(a: torch.Tensor, ag: int, world: int) -> torch.Tensor:
@@ -419,5 +435,5 @@ def _(a, b, offsets):
     return a.new_empty(offsets.shape[0] - 1, a.shape[1], b.shape[1])
 
 
-__all__ = ["ag_gemm", "ag_moe", "all_gather_rows", "all_gather_rows_with_grad", "cp_attention", "cp_attention_bwd",
-           "gemm_ar", "gemm_rs", "handle", "moe_expert_grads", "moe_rs", "op_of", "reduce_scatter_rows"]
+__all__ = ["ag_gemm", "ag_moe", "all_gather_rows", "all_gather_rows_with_grad", "all_reduce", "cp_attention",
+           "cp_attention_bwd", "gemm_ar", "gemm_rs", "handle", "moe_expert_grads", "moe_rs", "op_of", "reduce_scatter_rows"]
