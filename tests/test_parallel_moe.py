@@ -148,24 +148,29 @@ def _decisive(gate, logits) -> bool:
     return k == E or bool((top[:, k - 1] - top[:, k] >= margin).all())
 
 
-def _decisive_tokens(reference, B, S, dev):
-    """Tokens ``[B, S]`` whose routing in ``reference`` has no near tie (``_decisive``) in any layer. A near tie
-    routes a token to another expert in bf16 than in float64, which changes that expert's gradient by tens of
-    percent (with 8 to 12 tokens a rank); the first of a fixed sequence of draws that qualifies, the same on every
-    rank."""
+def _routes_decisively(reference, tokens) -> bool:
+    """Whether ``tokens``' routing in ``reference`` has no near tie (``_decisive``) in any layer."""
     gates = [m for m in reference.modules() if type(m).__name__.lower().endswith("router")]
     logits = {}  # router -> its logits of the latest forward (not every model returns them: GLM-4.5 before 5.25)
     hooks = [g.register_forward_hook(lambda m, args, out: logits.__setitem__(m, out[0])) for g in gates]
     try:
-        for seed in range(1000):
-            tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed)).to(dev)
-            with torch.no_grad():
-                reference(tokens)
-            if all(_decisive(g, logits[g].double()) for g in gates):
-                return tokens
+        with torch.no_grad():
+            reference(tokens)
     finally:
         for h in hooks:
             h.remove()
+    return all(_decisive(g, logits[g].double()) for g in gates)
+
+
+def _decisive_tokens(reference, B, S, dev):
+    """Tokens ``[B, S]`` whose routing in ``reference`` has no near tie (``_routes_decisively``). A near tie
+    routes a token to another expert in bf16 than in float64, which changes that expert's gradient by tens of
+    percent (with 8 to 12 tokens a rank); the first of a fixed sequence of draws that qualifies, the same on every
+    rank."""
+    for seed in range(1000):
+        tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed)).to(dev)
+        if _routes_decisively(reference, tokens):
+            return tokens
     raise AssertionError("no draw of tokens routes without near ties")
 
 
@@ -256,6 +261,53 @@ def test_moe_model_matches_unmodified_model(pool, case):
     if pool.world == 3 and MOE_CASES[case] != ("qwen2", "bf16", "never"):
         pytest.skip("W = 3: the Qwen2-MoE model with its shared expert (CI time); every case at W = 2")
     pool.run(_moe_case, *MOE_CASES[case])
+
+
+def _generate_case(kind, ep, cache):
+    """``model.generate`` (greedy, 6 new tokens after a prompt of 5, a ``cache`` "dynamic" or "static" KV cache) on
+    the model parallelized by hf_plan's decode plan (``ep``: expert parallel): every step's logits against the
+    unmodified model's in float64 on the generated sequence (teacher forced), for the first prompt whose sequence
+    routes without near ties. On a GPU a static cache makes transformers compile the decode steps (torch.compile's
+    "reduce-overhead": CUDA graphs), the styles' custom ops inside."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.nn import hf_plan
+
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        model = _model(kind, W, torch.bfloat16).to(dev)
+        reference = copy.deepcopy(model).double()
+        parallelize_module(model, init_device_mesh(dev.type, (W,)),
+                           hf_plan(model, ctx, fallback="never", sequence_parallel=False, expert_parallel=ep))
+        for seed in range(20):
+            prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(seed)).to(dev)
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False,
+                                 use_cache=True, cache_implementation=cache, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+            ctx.check()
+            assert out.sequences.shape == (2, 11) and len(out.logits) == 6
+            if _routes_decisively(reference, out.sequences):  # (the same sequences on every rank)
+                break
+        else:
+            raise AssertionError("no prompt's generated sequence routes without near ties")
+        # transformers compiles the decode steps (mode "reduce-overhead": CUDA graphs) where the cache is static on a
+        # GPU, and keeps the compiled call (a private attribute of its models)
+        assert hasattr(model, "_compiled_call") == (dev.type == "cuda" and cache == "static")
+        err = rel_err(torch.stack(out.logits, 1), reference(out.sequences).logits[:, 4:-1].detach())
+        assert err < TOL_LOGITS, f"rank {ctx.rank}: logits rel err {err:.2e}"
+        return err
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("case", [("mixtral", False), ("glm4", True)], ids=["mixtral", "glm4_ep"])
+def test_generate_with_the_decode_plan(pool, case, cache):
+    transformers = pytest.importorskip("transformers")
+    if case[0] == "glm4" and not hasattr(transformers, "Glm4MoeConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Glm4MoeConfig")
+    if pool.world != 2:
+        pytest.skip("W = 2")
+    pool.run(_generate_case, *case, cache)
 
 
 BLOCKS = {"qwen3_next": 8, "qwen3_5_moe": 8, "deepseek_v3": 8, "olmoe": 4}  # kind -> experts + shared parts
