@@ -38,6 +38,15 @@ def _model(kind, W, dtype, dense_last=False):
 
         config = Config(num_experts=4, moe_intermediate_size=8 * W, shared_expert_intermediate_size=16 * W,
                         intermediate_size=8 * W, norm_topk_prob=False, **common)
+    elif kind == "deepseek_v3":  # multi-head latent attention (q and kv latents), GLM-4.5's MoE
+        from transformers import DeepseekV3Config as Config, DeepseekV3ForCausalLM as Model
+
+        common.pop("head_dim")
+        common["num_key_value_heads"] = common["num_attention_heads"]  # (latent attention: a key per query head)
+        config = Config(n_routed_experts=4, moe_intermediate_size=8 * W, n_shared_experts=2, intermediate_size=8 * W,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
+                        q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        **common)
     elif kind == "glm4":
         from transformers import Glm4MoeConfig as Config, Glm4MoeForCausalLM as Model
 
@@ -195,7 +204,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
             else _plan(ctx, kind, fallback, ep)
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
-        shared = kind in ("qwen2", "glm4")
+        shared = kind in ("qwen2", "glm4", "deepseek_v3")
         assert (kind == "qwen2") == isinstance(getattr(mlp, "shared_expert_gate", None), torch.nn.Module)
         if ep:  # this rank's whole experts; a shared expert kept, its weights replicated
             assert tuple(mlp.experts.gate_up_proj.shape) == (4 // W, 32 * W, 16 * W)
@@ -224,7 +233,8 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         for i, (got, full) in enumerate(zip(out.router_logits, ref_out.router_logits, strict=True) if recorded else ()):
             mine = full.detach().view(B, S, -1)[:, r * s:(r + 1) * s].reshape(got.shape)
             errs[f"router_logits.{i}"] = rel_err(got.detach(), mine)
-        assert getattr(out, "aux_loss", None) is None if kind == "glm4" else torch.isfinite(out.aux_loss)
+        assert getattr(out, "aux_loss", None) is None if kind in ("glm4", "deepseek_v3") else \
+            torch.isfinite(out.aux_loss)
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
         assert mlp.last_path == ("fallback" if fallback == "always" else "overlap"), mlp.last_path
@@ -241,19 +251,15 @@ MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral
              ("glm4", "bf16", "never", True), ("mixtral", "bf16", "never", False, True),
              ("qwen2", "autocast", "never", False, True), ("glm4", "bf16", "never", True, True),
              ("mixtral", "decode", "never", True), ("qwen2", "decode", "never", True),
-             ("glm4", "decode", "never", True, True), ("qwen2", "decode", "never", True, True)]
+             ("glm4", "decode", "never", True, True), ("qwen2", "decode", "never", True, True),
+             ("deepseek_v3", "bf16", "never", True), ("deepseek_v3", "decode", "never", True, True)]
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
 def test_moe_model_matches_unmodified_model(pool, case):
     transformers = pytest.importorskip("transformers")
     kind, hf, ep = MOE_CASES[case][0], MOE_CASES[case][3:4] == (True,), MOE_CASES[case][4:] == (True,)
-    from triton_overlap.nn.plans import expert_keys
-    config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig"}.get(kind)
-    if config and not hasattr(transformers, config):
-        pytest.skip(f"transformers {transformers.__version__} has no {config}")
-    if hf and config and not expert_keys(getattr(transformers, config)()):
-        pytest.skip(f"hf_plan: this transformers ships {config}'s plans without its experts")
+    _skip_unshipped(transformers, kind, hf)
     if pool.world > 3:
         pytest.skip("W = 2, 3 on the host backend (heads, KV heads, width and experts' width divide by 3)")
     if pool.world == 3 and ep:
@@ -261,6 +267,19 @@ def test_moe_model_matches_unmodified_model(pool, case):
     if pool.world == 3 and MOE_CASES[case] != ("qwen2", "bf16", "never"):
         pytest.skip("W = 3: the Qwen2-MoE model with its shared expert (CI time); every case at W = 2")
     pool.run(_moe_case, *MOE_CASES[case])
+
+
+def _skip_unshipped(transformers, kind, hf=True):
+    """Skip where this transformers lacks the model ``kind``, or (``hf``) ships plans hf_plan cannot take whole."""
+    from triton_overlap.nn.plans import MLA_STRATEGY, expert_keys
+
+    config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config"}.get(kind)
+    if config and not hasattr(transformers, config):
+        pytest.skip(f"transformers {transformers.__version__} has no {config}")
+    if hf and config and not expert_keys(getattr(transformers, config)()):
+        pytest.skip(f"hf_plan: this transformers ships {config}'s plans without its experts")
+    if hf and kind == "deepseek_v3" and MLA_STRATEGY not in transformers.DeepseekV3Config.base_model_tp_plan.values():
+        pytest.skip("hf_plan: this transformers ships DeepSeek-V3's plan without its attention")
 
 
 def _generate_case(kind, ep, cache):
@@ -300,11 +319,10 @@ def _generate_case(kind, ep, cache):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("case", [("mixtral", False), ("glm4", True)], ids=["mixtral", "glm4_ep"])
+@pytest.mark.parametrize("case", [("mixtral", False), ("glm4", True), ("deepseek_v3", False)],
+                         ids=["mixtral", "glm4_ep", "deepseek_v3"])
 def test_generate_with_the_decode_plan(pool, case, cache):
-    transformers = pytest.importorskip("transformers")
-    if case[0] == "glm4" and not hasattr(transformers, "Glm4MoeConfig"):
-        pytest.skip(f"transformers {transformers.__version__} has no Glm4MoeConfig")
+    _skip_unshipped(pytest.importorskip("transformers"), case[0])
     if pool.world != 2:
         pytest.skip("W = 2")
     pool.run(_generate_case, *case, cache)
@@ -399,7 +417,8 @@ BLOCK_CASES = [(kind, False, False) for kind in BLOCKS] + [
     ("deepseek_v3", True, False), ("deepseek_v3", True, True), ("qwen3_next", True, True)]
 
 
-@pytest.mark.parametrize("case", BLOCK_CASES, ids=lambda c: c[0] + ("_decode" if c[1] else "") + ("_ep" if c[2] else ""))
+@pytest.mark.parametrize("case", BLOCK_CASES,
+                         ids=lambda c: c[0] + ("_decode" if c[1] else "") + ("_ep" if c[2] else ""))
 def test_moe_block_matches_unmodified_block(pool, case):
     kind, decode, ep = case
     pytest.importorskip(f"transformers.models.{kind}")

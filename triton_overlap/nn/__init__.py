@@ -1,17 +1,18 @@
 """torch.nn layers built on the overlapped ops, with autograd: sequence-parallel linear layers, a tensor-parallel
 MLP, a tensor-parallel and an expert-parallel mixture of experts, a transformer block with context-parallel
 attention, and parallel styles for parallelize_module (linear layers, the sequence-parallel region's edges,
-sparse-MoE blocks), and a Hugging Face model's whole plan from its own (hf_plan)."""
+sparse-MoE blocks, latent attention's down-projections), and a Hugging Face model's whole plan from its own
+(hf_plan)."""
 from .block import ParallelTransformerBlock
 from .ep_moe import EPMoE
 from .linear import ColumnParallelLinear, RowParallelLinear, local_linear
 from .mlp import TPMLP
 from .moe import TPMoE
-from .parallel import (ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise,
-                       overlap_ops)
+from .parallel import (ColwiseParallel, GatherSequence, ReplicatedLatent, RowwiseParallel, ShardSequence,
+                       SharedInputColwise, overlap_ops)
 from .parallel_moe import MoEParallel
 from .plans import hf_plan
 
 __all__ = ["ColumnParallelLinear", "ColwiseParallel", "EPMoE", "GatherSequence", "MoEParallel",
-           "ParallelTransformerBlock", "RowParallelLinear", "RowwiseParallel", "ShardSequence", "SharedInputColwise",
-           "TPMLP", "TPMoE", "hf_plan", "local_linear", "overlap_ops"]
+           "ParallelTransformerBlock", "ReplicatedLatent", "RowParallelLinear", "RowwiseParallel", "ShardSequence",
+           "SharedInputColwise", "TPMLP", "TPMoE", "hf_plan", "local_linear", "overlap_ops"]

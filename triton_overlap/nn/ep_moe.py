@@ -112,8 +112,9 @@ def partial_experts(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     The (token, choice) pairs are sorted by expert on the device, this rank's experts first, and the two grouped
     GEMMs (``swiglu_rows``: one ``torch._grouped_mm`` each where it takes the operands) cover only those; the
     other pairs' rows are never computed and ``torch.where`` (not a product with 0, which would carry a NaN of
-    unwritten memory, forward or backward) keeps them out of the sum and of the gradients. No host synchronisation where ``torch._grouped_mm``
-    takes the operands, so a decode step holding it can be captured in a CUDA graph."""
+    unwritten memory, forward or backward) keeps them out of the sum and of the gradients. No host
+    synchronisation where ``torch._grouped_mm`` takes the operands, so a decode step holding it can be captured in
+    a CUDA graph."""
     E, (T, k) = w13.shape[0], ids.shape
     local = (ids - first).reshape(-1)
     group = torch.where((local >= 0) & (local < E), local, E)  # another rank's expert: the last group, uncomputed

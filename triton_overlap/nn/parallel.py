@@ -395,6 +395,76 @@ class RowwiseParallel(_LinearStyle):
         return DTensor.from_local(y, module.tp_mesh, [Shard(d)], run_check=False)
 
 
+class ReplicatedLatent(ParallelStyle):
+    """A low-rank down-projection that every rank keeps whole and whose output every rank needs for every token:
+    multi-head latent attention's ``q_a_proj`` and ``kv_a_proj_with_mqa`` (DeepSeek-V2/V3, Kimi K2), whose
+    up-projections (``q_b_proj``, ``kv_b_proj``) are ``ColwiseParallel(sequence_parallel=False)`` layers over the
+    latent and whose latent norms run on it unstyled.
+
+    Sequence parallel (default): the input is this rank's sequence shard (a DTensor ``Shard(sequence_dim)`` or the
+    plain local shard); the product of its rows is gathered to the full sequence, a plain ``[B, S, out]``. The
+    latent is far narrower than the residual stream (DeepSeek-V3: 576 and 1536 against 7168), so gathering it
+    moves that much less than gathering the input for the up-projections would. The weight (and bias) become
+    replicated DTensors whose gradients are left partial (this rank's rows), summed where read, as a norm's under
+    torch's ``SequenceParallel``. Backward: the gather's gradient is this rank's slice of it; the up-projections
+    sum their input's gradient over the ranks (each feeds its own heads), and the output's last ``partial_tail``
+    columns (``kv_a_proj_with_mqa``'s rotary key, which feeds this rank's heads directly) have their gradient
+    summed over the ranks here. ``sequence_parallel=False`` (decode): every token on every rank, a local product,
+    the weights plain tensors (their gradients complete on every rank). The product is one ``nn.Linear`` call,
+    following autocast (``nn.precision``).
+    """
+
+    def __init__(self, ctx, *, sequence_parallel: bool = True, sequence_dim: int = 1, partial_tail: int = 0):
+        if sequence_dim not in (0, 1):
+            raise ValueError(f"ReplicatedLatent: sequence_dim must be 0 (sequence-first) or 1 (batch-first), got "
+                             f"{sequence_dim}")
+        if partial_tail < 0:
+            raise ValueError(f"ReplicatedLatent: partial_tail must be >= 0, got {partial_tail}")
+        self.ctx, self.sequence_parallel, self.sequence_dim = ctx, sequence_parallel, sequence_dim
+        self.partial_tail = partial_tail
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"ReplicatedLatent applies to nn.Linear, got {type(module).__name__}")
+        if hasattr(module, "tp_style"):
+            raise ValueError(f"ReplicatedLatent: this {type(module).__name__} already has a parallel style "
+                             f"({type(module.tp_style).__name__}); a plan must match each layer once")
+        check_mesh(self, device_mesh)
+        if self.partial_tail > module.out_features:
+            raise ValueError(f"ReplicatedLatent: partial_tail = {self.partial_tail} exceeds out_features = "
+                             f"{module.out_features}")
+        if self.sequence_parallel:
+            with torch.no_grad():
+                for name in ("weight", "bias"):
+                    p = getattr(module, name)
+                    if p is not None:
+                        setattr(module, name, nn.Parameter(DTensor.from_local(p.detach(), device_mesh, [Replicate()],
+                                                                              run_check=False),
+                                                           requires_grad=p.requires_grad))
+        module.tp_style, module.tp_mesh = self, device_mesh
+        module.__class__ = styled_class(type(module), _latent_forward, "ReplicatedLatent")
+        return module
+
+
+def _latent_forward(module, x):
+    style = module.tp_style
+    d, W = style.sequence_dim, style.ctx.world_size
+    weight, bias = (p.to_local(grad_placements=[Partial()]) if isinstance(p, DTensor) else p
+                    for p in (module.weight, module.bias))
+    x = _local(x, "ReplicatedLatent", d if style.sequence_parallel else None)
+    x, weight, bias = compute_operands("ReplicatedLatent", x, weight, bias)
+    y = nn.functional.linear(x, weight, bias)
+    if style.sequence_parallel:
+        y = custom_ops.gather_sequence(y, layer_ops(style.ctx, "auto")[0], W, d % y.ndim)
+    tail = style.partial_tail
+    if tail and torch.is_grad_enabled() and y.requires_grad:  # this rank's heads' part of its gradient: summed
+        head, rot = y.split([y.shape[-1] - tail, tail], dim=-1)
+        rot = DTensor.from_local(rot, module.tp_mesh, [Replicate()], run_check=False).to_local(
+            grad_placements=[Partial()])
+        y = torch.cat([head, rot], dim=-1)
+    return y
+
+
 class ShardSequence(ParallelStyle):
     """Makes a module's output (the full activation, the same on every rank: a token embedding) this rank's
     sequence shard, a DTensor ``Shard(sequence_dim)`` whose global shape is the full one. Backward gathers the gradient,
@@ -444,5 +514,5 @@ class GatherSequence(ParallelStyle):
         return module
 
 
-__all__ = ["ColwiseParallel", "GatherSequence", "RowwiseParallel", "ShardSequence", "SharedInputColwise", "check_mesh",
-           "overlap_ops", "styled_class"]
+__all__ = ["ColwiseParallel", "GatherSequence", "ReplicatedLatent", "RowwiseParallel", "ShardSequence",
+           "SharedInputColwise", "check_mesh", "overlap_ops", "styled_class"]

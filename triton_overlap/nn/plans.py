@@ -9,7 +9,8 @@ import re
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
-from .parallel import ColwiseParallel, GatherSequence, RowwiseParallel, ShardSequence, SharedInputColwise
+from .parallel import (ColwiseParallel, GatherSequence, ReplicatedLatent, RowwiseParallel, ShardSequence,
+                       SharedInputColwise)
 from .parallel_moe import MoEParallel, check_block
 
 #: a vocabulary-parallel embedding's strategies: these styles keep the embedding whole on every rank
@@ -17,6 +18,10 @@ KEPT_WHOLE = ("embedding_rowwise", "embedding_colwise")
 #: the strategies that mark a sparse-MoE block's ``experts``: "moe_tp_experts" in ``base_model_tp_plan`` (transformers
 #: up to 5.24), "ep_dispatch_experts" in ``base_model_ep_plan`` (from 5.25, where the tp plan no longer names experts)
 EXPERTS = ("moe_tp_experts", "ep_dispatch_experts")
+#: the strategy that marks multi-head latent attention's kv down-projection (transformers 5.25), and that attention's
+#: down-projections as DeepSeek-V2/V3 name them -> (the latent's norm, its up-projection)
+MLA_STRATEGY = "mla_kv_a_proj"
+MLA = {"kv_a_proj_with_mqa": ("kv_a_layernorm", "kv_b_proj"), "q_a_proj": ("q_a_layernorm", "q_b_proj")}
 
 
 def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
@@ -28,6 +33,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     * "colwise" linear layers: ``ColwiseParallel``; those of one module (q/k/v, gate/up) as one
       ``SharedInputColwise`` on that module (``shared_inputs=False``: a ``ColwiseParallel`` each);
     * "rowwise" linear layers: ``RowwiseParallel``;
+    * multi-head latent attention (DeepSeek-V2/V3, Kimi K2: its kv down-projection "mla_kv_a_proj"): the
+      down-projections ``ReplicatedLatent`` (the narrow latent gathered), the up-projections local
+      ``ColwiseParallel`` layers over it;
     * a sparse-MoE block (its ``experts`` marked in the model's tp or ep plan, ``EXPERTS``): ``MoEParallel`` on the
       block (``expert_parallel=True``: its experts spread over the ranks, ``MoEParallel``'s docstring);
     * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
@@ -82,11 +90,13 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
             raise type(e)(f"hf_plan: {block}: {e}") from None
         plan[block] = MoEParallel(ctx, fallback=fallback, expert_parallel=expert_parallel,
                                   sequence_parallel=sequence_parallel)
+    latent = _latent_attention(modules, found, config, ctx, sequence_parallel)
+    plan.update(latent.styles)
     columns: dict[str, list[str]] = {}
     for name, (strategy, key) in found.items():
         if any(name == b or name.startswith(b + ".") for b in blocks):
             continue  # inside a sparse-MoE block (its experts, its shared expert): MoEParallel takes the whole block
-        if strategy in KEPT_WHOLE and isinstance(modules.get(name), nn.Embedding):
+        if strategy in KEPT_WHOLE and isinstance(modules.get(name), nn.Embedding) or name in latent.styles:
             continue
         if strategy in ("colwise", "rowwise"):
             m = modules.get(name)
@@ -98,7 +108,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
                 raise ValueError(f"hf_plan: {name} is {strategy!r} in the model's plan, but its "
                                  f"{'output' if strategy == 'colwise' else 'input'} width {width} is not divisible "
                                  f"by the world size {world}")
-            if strategy == "colwise":
+            if strategy == "colwise" and name in latent.ups:  # reads the gathered latent: a local product
+                plan[name] = ColwiseParallel(ctx, fallback=fallback, sequence_parallel=False)
+            elif strategy == "colwise":
                 columns.setdefault(_parent(name), []).append(name)
             else:
                 plan[name] = row
@@ -120,8 +132,48 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     plan.update({n: heads for n in _head_norms(modules, found, layers) if n not in plan})
     if sequence_parallel:
         plan.update(_sequence_edges(modules, *_ends(model, modules, prefix, layers), layers, ctx))
-    _check_covered(modules, plan, layers, sequence_parallel)
+    _check_covered(modules, plan, layers, sequence_parallel, latent.norms)
     return plan
+
+
+class _Latent:
+    """What ``_latent_attention`` found: ``styles`` (down-projection name -> ReplicatedLatent), ``ups`` (the
+    up-projections' names) and ``norms`` (the latents' norms' names)."""
+
+    def __init__(self):
+        self.styles, self.ups, self.norms = {}, set(), set()
+
+
+def _latent_attention(modules, found, config, ctx, sequence_parallel: bool) -> _Latent:
+    """Multi-head latent attention (DeepSeek-V2/V3's, Kimi K2's), where the model's plan marks a kv down-projection
+    ``MLA_STRATEGY``: each down-projection of ``MLA`` becomes a ``ReplicatedLatent`` (the kv one with its rotary
+    key's ``config.qk_rope_head_dim`` columns as ``partial_tail``), its up-projection a ``ColwiseParallel`` without
+    sequence parallelism (it reads the gathered latent), and its norm runs unstyled on the latent, which every rank
+    holds whole. ValueError, naming the module, for any other layout."""
+    latent = _Latent()
+    for name, (strategy, key) in found.items():
+        if strategy != MLA_STRATEGY:
+            continue
+        parent, rope = _parent(name), getattr(config, "qk_rope_head_dim", None)
+        attn = modules.get(parent)
+        norm, up = MLA["kv_a_proj_with_mqa"]
+        if not name.endswith(".kv_a_proj_with_mqa") or not isinstance(rope, int) or not isinstance(
+                getattr(attn, up, None), nn.Linear) or not isinstance(getattr(attn, norm, None), nn.Module):
+            raise ValueError(f"hf_plan: {name} is {strategy!r} in the model's plan ({key!r}); these styles take "
+                             f"DeepSeek-V2/V3's latent attention (kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, and "
+                             f"config.qk_rope_head_dim); write the plan by hand")
+        for down, (norm, up) in MLA.items():
+            if getattr(attn, down, None) is None:  # (no q_a_proj where q_lora_rank is None: q_proj reads the stream)
+                continue
+            if found.get(f"{parent}.{up}", ("",))[0] != "colwise":
+                raise ValueError(f"hf_plan: {parent}.{up} reads the latent of {parent}.{down} but is not 'colwise' "
+                                 f"in the model's plan; write the plan by hand")
+            tail = rope if down == "kv_a_proj_with_mqa" else 0
+            latent.styles[f"{parent}.{down}"] = ReplicatedLatent(ctx, sequence_parallel=sequence_parallel,
+                                                                 partial_tail=tail)
+            latent.ups.add(f"{parent}.{up}")
+            latent.norms.add(f"{parent}.{norm}")
+    return latent
 
 
 def expert_keys(config) -> list[str]:
@@ -172,13 +224,14 @@ def _head_norms(modules, found, layers: str) -> list[str]:
     return norms
 
 
-def _check_covered(modules, plan, layers: str, sequence_parallel: bool) -> None:
+def _check_covered(modules, plan, layers: str, sequence_parallel: bool, whole=()) -> None:
     """ValueError for a module inside the decoder layers whose own parameters no style of ``plan`` takes, where
     it reads part of the activations (this rank's heads or columns, or, sequence parallel, this rank's tokens) and
     so its gradient would be this rank's part only. Without sequence parallelism a decoder layer's direct children
     with no sharded layer inside them (its norms) read the whole residual stream, the same on every rank, and need
-    no style."""
-    covered = set()
+    no style; nor do the modules named in ``whole``, which read activations every rank holds whole (latent
+    attention's norms)."""
+    covered = set(whole)
     for name, style in plan.items():
         if isinstance(style, SharedInputColwise):
             covered.update(f"{name}.{m}" for m in style.layers)
