@@ -4,8 +4,9 @@ ungated shared expert, a dense first layer) causal LMs, tensor + sequence parall
 test_parallel_styles.py and the style on every sparse-MoE block (or hf_plan's plan), against the same model unsharded
 in float64: logits and every gradient (the experts' as this rank's shards, the shared expert's among them, the
 routers' and the shared expert gate's replicated DTensors summed over ranks), also expert parallel and without
-sequence parallelism (decode); Qwen3-Next's, Qwen3.5-MoE's, DeepSeek-V3's (grouped routing) and OLMoE's blocks
-alone, DeepSeek-V3's decode block replayed in a CUDA graph; and the blocks the style refuses."""
+sequence parallelism (decode), DeepSeek-V3 (latent attention) through hf_plan; generate() on the decode plan;
+Qwen3-Next's, Qwen3.5-MoE's, DeepSeek-V3's (grouped routing) and OLMoE's blocks alone, DeepSeek-V3's decode block
+replayed in a CUDA graph; and the blocks the style refuses."""
 import copy
 
 import pytest
@@ -18,12 +19,19 @@ TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf
 VOCAB = 96
 
 
+#: DeepSeek-V3's attention in its tensor-parallel plan, as transformers 5.25 ships it
+MLA_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
+            "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "layers.*.self_attn.kv_b_proj": "colwise",
+            "layers.*.self_attn.o_proj": "rowwise"}
+
+
 def _model(kind, W, dtype, dense_last=False):
-    """A small random ``kind`` ("qwen3", "mixtral", "qwen2": a shared expert twice an expert's width, gated, or
+    """A small random ``kind`` ("qwen3", "mixtral", "qwen2": a shared expert twice an expert's width, gated;
     "glm4": the same ungated, DeepSeek-V3's router with a random correction bias and two groups of experts, one
-    kept, routed weights scaled by 2.5, the first layer dense, attention biases, per-head q/k norms that its plan leaves out) causal LM whose heads, KV
-    heads, width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on
-    every rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
+    kept, routed weights scaled by 2.5, the first layer dense, attention biases, per-head q/k norms that its plan
+    leaves out; "deepseek_v3": GLM-4.5's MoE under multi-head latent attention) causal LM whose heads, KV heads,
+    width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every
+    rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
                   num_key_value_heads=W, head_dim=16, num_experts_per_tok=2, attn_implementation="sdpa",
                   experts_implementation="eager",  # the reference runs in float64: a loop over experts
@@ -47,6 +55,8 @@ def _model(kind, W, dtype, dense_last=False):
                         first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
                         q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                         **common)
+        if "mla_kv_a_proj" not in config.base_model_tp_plan.values():  # (before transformers 5.25: its attention's
+            config.base_model_tp_plan = {**config.base_model_tp_plan, **MLA_PLAN}  # entries, as 5.25 ships them)
     elif kind == "glm4":
         from transformers import Glm4MoeConfig as Config, Glm4MoeForCausalLM as Model
 
@@ -271,15 +281,13 @@ def test_moe_model_matches_unmodified_model(pool, case):
 
 def _skip_unshipped(transformers, kind, hf=True):
     """Skip where this transformers lacks the model ``kind``, or (``hf``) ships plans hf_plan cannot take whole."""
-    from triton_overlap.nn.plans import MLA_STRATEGY, expert_keys
+    from triton_overlap.nn.plans import expert_keys
 
     config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config"}.get(kind)
     if config and not hasattr(transformers, config):
         pytest.skip(f"transformers {transformers.__version__} has no {config}")
     if hf and config and not expert_keys(getattr(transformers, config)()):
         pytest.skip(f"hf_plan: this transformers ships {config}'s plans without its experts")
-    if hf and kind == "deepseek_v3" and MLA_STRATEGY not in transformers.DeepseekV3Config.base_model_tp_plan.values():
-        pytest.skip("hf_plan: this transformers ships DeepSeek-V3's plan without its attention")
 
 
 def _generate_case(kind, ep, cache):
