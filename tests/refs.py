@@ -100,6 +100,23 @@ def check_replays(call, out, replays, load, tol=TOL):
         assert err < tol[out.dtype], f"replay {i}: rel err {err:.2e}"
 
 
+def check_decode_replays(block, reference, x, steps):
+    """``block`` (a decode module) captured once in a CUDA graph and replayed ``steps`` times on new random inputs
+    written into ``x``: each replay's output against ``reference`` on the same input in float32 (check_replays),
+    without autograd, after one eager call (it sizes an AllReduce's slots, which no capture may do)."""
+    out = torch.empty_like(x)
+
+    def load(i):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + i)).to(x.device, x.dtype))
+        with torch.no_grad():
+            return reference(x.float())
+
+    load(-1)
+    with torch.no_grad():
+        block(x)
+        check_replays(lambda: out.copy_(block(x)), out, steps, load)
+
+
 class OfflineContext:
     """Enough of a Context for the ops' host-side rules (configs, tuned tables), with no process group."""
 

@@ -442,7 +442,7 @@ def _decode_replays(ep, steps):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from refs import check_replays
+    from refs import check_decode_replays
     from triton_overlap.nn import MoEParallel
 
     with to.Context(timeout_s=30) as ctx:
@@ -451,18 +451,7 @@ def _decode_replays(ep, steps):
         reference = copy.deepcopy(block)
         parallelize_module(block.bfloat16(), init_device_mesh(dev.type, (W,)),
                            MoEParallel(ctx, fallback="never", sequence_parallel=False, expert_parallel=ep))
-        x = torch.empty(4, 1, 32, device=dev, dtype=torch.bfloat16)
-        out = torch.empty_like(x)
-
-        def load(i):
-            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + i)).to(dev, x.dtype))
-            with torch.no_grad():
-                return reference(x.float())
-
-        load(-1)
-        with torch.no_grad():
-            block(x)  # one eager call first: it sizes the AllReduce's slots (not allowed inside a capture)
-            check_replays(lambda: out.copy_(block(x)), out, steps, load)
+        check_decode_replays(block, reference, torch.empty(4, 1, 32, device=dev, dtype=torch.bfloat16), steps)
         ctx.check()
         assert block.last_path == "overlap"
         return True

@@ -318,7 +318,7 @@ def _decode_in_cuda_graph(steps):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from refs import check_replays
+    from refs import check_decode_replays
     from triton_overlap.nn import ColwiseParallel, RowwiseParallel
 
     with to.Context(timeout_s=30) as ctx:
@@ -334,17 +334,7 @@ def _decode_in_cuda_graph(steps):
             "0": ColwiseParallel(ctx, sequence_parallel=False, fallback="never"),
             "2": RowwiseParallel(ctx, sequence_parallel=False, fallback="never")})
         x = torch.empty(4, 1, 256, device=dev, dtype=torch.bfloat16)  # batch 4, one token each
-        out = torch.empty(4, 1, 256, device=dev, dtype=torch.bfloat16)
-
-        def load(i):
-            x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + i)).to(dev, x.dtype))
-            with torch.no_grad():
-                return reference(x.float())
-
-        load(-1)
-        with torch.no_grad():
-            block(x)  # one eager call first: it sizes the AllReduce's slots (not allowed inside a capture)
-            check_replays(lambda: out.copy_(block(x)), out, steps, load)
+        check_decode_replays(block, reference, x, steps)
         ctx.check()
         assert block[2].last_path == "overlap"
         return True
