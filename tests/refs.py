@@ -117,6 +117,20 @@ def check_decode_replays(block, reference, x, steps):
         check_replays(lambda: out.copy_(block(x)), out, steps, load)
 
 
+#: DeepSeek-V3's attention in its tensor-parallel plan, as transformers 5.25 ships it
+MLA_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
+            "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "layers.*.self_attn.kv_b_proj": "colwise",
+            "layers.*.self_attn.o_proj": "rowwise"}
+
+
+def with_latent_attention_plan(config):
+    """A DeepSeek-V3 ``config`` whose tensor-parallel plan has its attention's entries (MLA_PLAN): transformers
+    before 5.25 (the suite's floor, 5.17) ships the plan without them."""
+    if "mla_kv_a_proj" not in config.base_model_tp_plan.values():
+        config.base_model_tp_plan = {**config.base_model_tp_plan, **MLA_PLAN}
+    return config
+
+
 class OfflineContext:
     """Enough of a Context for the ops' host-side rules (configs, tuned tables), with no process group."""
 

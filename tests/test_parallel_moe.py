@@ -13,16 +13,10 @@ import pytest
 import torch
 
 import triton_overlap as to
-from refs import rel_err
+from refs import rel_err, with_latent_attention_plan
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 VOCAB = 96
-
-
-#: DeepSeek-V3's attention in its tensor-parallel plan, as transformers 5.25 ships it
-MLA_PLAN = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.q_b_proj": "colwise",
-            "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj", "layers.*.self_attn.kv_b_proj": "colwise",
-            "layers.*.self_attn.o_proj": "rowwise"}
 
 
 def _model(kind, W, dtype, dense_last=False):
@@ -55,8 +49,7 @@ def _model(kind, W, dtype, dense_last=False):
                         first_k_dense_replace=1, routed_scaling_factor=2.5, n_group=2, topk_group=1,
                         q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                         **common)
-        if "mla_kv_a_proj" not in config.base_model_tp_plan.values():  # (before transformers 5.25: its attention's
-            config.base_model_tp_plan = {**config.base_model_tp_plan, **MLA_PLAN}  # entries, as 5.25 ships them)
+        with_latent_attention_plan(config)
     elif kind == "glm4":
         from transformers import Glm4MoeConfig as Config, Glm4MoeForCausalLM as Model
 
@@ -231,8 +224,11 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         ref_out = reference(tokens, output_router_logits=True)
         logits, ref_logits = out.logits, ref_out.logits
         assert logits.shape == (B, S, VOCAB)
-        logits.float().square().mean().backward()
-        ref_logits.square().mean().backward()
+        loss, ref_loss = logits.float().square().mean(), ref_logits.square().mean()
+        if decode and getattr(out, "aux_loss", None) is not None:  # every token's load-balancing loss on every rank
+            loss, ref_loss = loss + out.aux_loss, ref_loss + ref_out.aux_loss
+        loss.backward()
+        ref_loss.backward()
         ctx.check()
         errs = {"logits": rel_err(logits.detach(), ref_logits.detach()),
                 **_grad_errors(model, reference, ctx.rank, W, ep)}

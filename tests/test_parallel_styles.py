@@ -349,7 +349,8 @@ def test_decode_styles_replay_in_cuda_graph(pool):
 def test_hf_plan_from_the_models_own():
     """hf_plan by concrete module name: the Llama plan of _plan (shared inputs, sequence parallel), a ColwiseParallel
     a layer without shared inputs, no edges for decode, Qwen3-MoE's sparse and dense layers side by side,
-    DeepSeek-V3's latent attention; and what it refuses, before any change to the model (the styles only keep the Context, so none is needed here)."""
+    DeepSeek-V3's latent attention; and what it refuses, before any change to the model (the styles only keep the
+    Context, so none is needed here)."""
     transformers = pytest.importorskip("transformers")
     from torch.distributed.tensor.parallel import SequenceParallel
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, \
@@ -357,6 +358,7 @@ def test_hf_plan_from_the_models_own():
 
     from triton_overlap.nn import (ColwiseParallel, GatherSequence, MoEParallel, ReplicatedLatent, RowwiseParallel,
                                    ShardSequence, SharedInputColwise, hf_plan)
+    from refs import with_latent_attention_plan
     from triton_overlap.nn.plans import MLA_STRATEGY, expert_keys
 
     small = dict(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -407,20 +409,20 @@ def test_hf_plan_from_the_models_own():
         assert isinstance(norm, SequenceParallel) and norm.sequence_sharding[0].dim == 2
         deepseek = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**small, **moe, n_group=2,
                                                                                     topk_group=1))
-        if MLA_STRATEGY in deepseek.config.base_model_tp_plan.values():  # latent attention (transformers 5.25)
-            plan, attn = hf_plan(deepseek, None), "model.layers.1.self_attn."
-            kv, q = plan[attn + "kv_a_proj_with_mqa"], plan[attn + "q_a_proj"]
-            assert isinstance(kv, ReplicatedLatent) and kv.partial_tail == deepseek.config.qk_rope_head_dim
-            assert isinstance(q, ReplicatedLatent) and q.partial_tail == 0 and q.sequence_parallel
-            assert not plan[attn + "q_b_proj"].sequence_parallel and not plan[attn + "kv_b_proj"].sequence_parallel
-            assert attn + "kv_a_layernorm" not in plan  # it runs unstyled on the gathered latent
-            deepseek.config.base_model_tp_plan = {**deepseek.config.base_model_tp_plan,
-                                                  "layers.*.self_attn.kv_b_proj": "rowwise"}
-            with pytest.raises(ValueError, match=r"kv_b_proj reads the latent .* not 'colwise'"):
-                hf_plan(deepseek, None)
-        else:  # its plan leaves the attention out: the latent projections read this rank's tokens
-            with pytest.raises(ValueError, match=r"self_attn\.(kv_a_proj_with_mqa|q_a_proj)"):
-                hf_plan(deepseek, None)
+        if MLA_STRATEGY not in deepseek.config.base_model_tp_plan.values():  # before transformers 5.25, whose plan
+            with pytest.raises(ValueError, match=r"self_attn\.(kv_a_proj_with_mqa|q_a_proj)"):  # marks it: refused
+                hf_plan(deepseek, None)  # (its latent projections read this rank's tokens, in no style)
+            with_latent_attention_plan(deepseek.config)
+        plan, attn = hf_plan(deepseek, None), "model.layers.1.self_attn."  # latent attention
+        kv, q = plan[attn + "kv_a_proj_with_mqa"], plan[attn + "q_a_proj"]
+        assert isinstance(kv, ReplicatedLatent) and kv.partial_tail == deepseek.config.qk_rope_head_dim
+        assert isinstance(q, ReplicatedLatent) and q.partial_tail == 0 and q.sequence_parallel
+        assert not plan[attn + "q_b_proj"].sequence_parallel and not plan[attn + "kv_b_proj"].sequence_parallel
+        assert attn + "kv_a_layernorm" not in plan  # it runs unstyled on the gathered latent
+        deepseek.config.base_model_tp_plan = {**deepseek.config.base_model_tp_plan,
+                                              "layers.*.self_attn.kv_b_proj": "rowwise"}
+        with pytest.raises(ValueError, match=r"kv_b_proj reads the latent .* not 'colwise'"):
+            hf_plan(deepseek, None)
     with pytest.raises(ValueError, match="base_model_tp_plan"):
         hf_plan(nn.Linear(4, 4), None)
     decode = hf_plan(qwen, None, sequence_parallel=False, expert_parallel=True)["model.layers.0.mlp"]

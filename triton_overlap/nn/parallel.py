@@ -19,13 +19,18 @@ Face's attention) sees the true sequence length, while each rank holds ``S/W`` p
   once (and its gradient reduce-scattered once), as torch's plan gathers it once.
 * ``RowwiseParallel`` on the linear layers that write it (o, down): GEMM-ReduceScatter, output the sequence shard.
 * ``MoEParallel`` (``nn.parallel_moe``) on a sparse-MoE block (Mixtral's, Qwen3-MoE's ``mlp``), in place of the
-  MLP's column and row styles: its experts tensor parallel, the tokens gathered into their grouped GEMM; input and
-  output the sequence shard.
+  MLP's column and row styles: its experts tensor (or expert) parallel, the tokens gathered into their grouped
+  GEMM; input and output the sequence shard.
+* ``ReplicatedLatent`` on multi-head latent attention's down-projections (DeepSeek-V3's ``q_a_proj`` and
+  ``kv_a_proj_with_mqa``): the narrow latent gathered to the full sequence, its up-projections local
+  ``ColwiseParallel(sequence_parallel=False)`` layers.
 * ``GatherSequence`` on the module after the region (the final norm): its input is gathered to the full sequence;
   the gradient of a gather is this rank's slice.
 
-Decode (one token per step, nothing to shard along the sequence): ``sequence_parallel=False`` on both linear
-styles: column layers multiply locally, row layers run GEMM + AllReduce; no DTensor is involved.
+Decode (one token per step, nothing to shard along the sequence): ``sequence_parallel=False`` on the linear, MoE
+and latent styles, and no region edges: column layers multiply locally, row layers run GEMM + AllReduce, an MoE
+block sums each rank's share of its experts by one AllReduce; activations are plain replicated tensors (DTensor
+only carries the sum of the input gradients over the ranks in backward).
 
 Batch-first rows of ``B > 1`` are not contiguous per rank: column layers permute their output and row layers
 their input (one copy each); ``B = 1`` and ``sequence_dim=0`` move no data. The linear styles follow
@@ -455,7 +460,7 @@ def _latent_forward(module, x):
     x, weight, bias = compute_operands("ReplicatedLatent", x, weight, bias)
     y = nn.functional.linear(x, weight, bias)
     if style.sequence_parallel:
-        y = custom_ops.gather_sequence(y, layer_ops(style.ctx, "auto")[0], W, d % y.ndim)
+        y = _gather_latent(y, layer_ops(style.ctx, "auto")[0], W, d % y.ndim)
     tail = style.partial_tail
     if tail and torch.is_grad_enabled() and y.requires_grad:  # this rank's heads' part of its gradient: summed
         head, rot = y.split([y.shape[-1] - tail, tail], dim=-1)
@@ -463,6 +468,11 @@ def _latent_forward(module, x):
             grad_placements=[Partial()])
         y = torch.cat([head, rot], dim=-1)
     return y
+
+
+@torch.compiler.disable  # as GatherSequence's gather: outside torch.compile's graphs
+def _gather_latent(y, handle: int, world: int, dim: int):
+    return custom_ops.gather_sequence(y, handle, world, dim)
 
 
 class ShardSequence(ParallelStyle):

@@ -1,7 +1,8 @@
 """A parallel style for the sparse-MoE block of a Hugging Face model (transformers 5), for
 ``torch.distributed.tensor.parallel.parallelize_module``: the block becomes tensor parallel in place and computes
 as ``TPMoE`` does, or with ``expert_parallel=True`` spreads its whole experts over the ranks and computes as
-``EPMoE`` does, inside the sequence-parallel region of ``nn.parallel``'s plan.
+``EPMoE`` does, inside the sequence-parallel region of ``nn.parallel``'s plan; without sequence parallelism
+(decode) each rank computes its share of the experts for every token and one AllReduce sums them.
 
 Transformers 5 stores a block's experts as two fused parameters, ``experts.gate_up_proj`` [E, 2 * hidden, dim]
 (every expert's gate rows, then its up rows) and ``experts.down_proj`` [E, dim, hidden], and its router
@@ -75,7 +76,8 @@ class MoEParallel(ParallelStyle):
 
     Router logits: the router module is still called, on this rank's tokens, so its forward hooks (transformers'
     ``output_router_logits`` recorder) see this rank's float32 logits; an auxiliary load-balancing loss computed
-    from them is that of this rank's tokens, as under data parallelism it is that of the rank's batch.
+    from them is that of this rank's tokens, as under data parallelism it is that of the rank's batch (without
+    sequence parallelism: every token's, the same on every rank, its gradient counted once).
 
     ``fallback`` is passed to the MoE ops ("auto": NCCL + torch for small shards; "never"; "always").
 
@@ -151,6 +153,7 @@ class MoEParallel(ParallelStyle):
                 m.weight = nn.Parameter(DTensor.from_local(m.weight.detach(), device_mesh, [Replicate()],
                                                            run_check=False), requires_grad=m.weight.requires_grad)
         gate.tp_rule = rule
+        gate.tp_replicated_world = 0 if self.sequence_parallel else W
         gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
         module.tp_style, module.tp_mesh = self, device_mesh
         module.__class__ = styled_class(type(module), forward, "MoEParallel", last_path, ops)
@@ -250,8 +253,26 @@ def _block_ops(block) -> tuple:
 
 def _router_forward(gate, rows):
     """The router on this rank's rows [T/W, dim]: (logits float32 [T/W, E], top-k weights float32, ids), the
-    replicated weight's gradient left partial (this rank's tokens' part; DTensor sums it where read)."""
-    return gate.tp_rule(gate, rows, _local(gate.weight))
+    replicated weight's gradient left partial (this rank's tokens' part; DTensor sums it where read). Without
+    sequence parallelism every rank routes every token: the top-k weights scale this rank's share of the experts,
+    so their gradient is a partial sum as before, but the logits (which an auxiliary loss reads, the same on every
+    rank) pass their gradient divided by W, which the ranks' sum makes whole again."""
+    logits, weights, ids = gate.tp_rule(gate, rows, _local(gate.weight))
+    world = getattr(gate, "tp_replicated_world", 0)
+    return (_ScaleGrad.apply(logits, 1.0 / world) if world else logits), weights, ids
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """``x`` forward; its gradient times ``scale`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
 
 
 def _local(weight):
@@ -314,9 +335,9 @@ def _shared_local(block, rows, part: int = 0, parts: int = 1):
     outputs sum to the whole; any width)."""
     name = block.tp_shared_name
     mlp, gate = getattr(block, name), (getattr(block, SHARED[name]) if SHARED[name] else None)
-    w1, w3, w2 = (_local(getattr(mlp, n).weight).to(rows.dtype) for n in ("gate_proj", "up_proj", "down_proj"))
+    w1, w3, w2 = (_local(getattr(mlp, n).weight) for n in ("gate_proj", "up_proj", "down_proj"))
     lo, hi = w1.shape[0] * part // parts, w1.shape[0] * (part + 1) // parts
-    w1, w3, w2 = w1[lo:hi], w3[lo:hi], w2[:, lo:hi]
+    w1, w3, w2 = (w.to(rows.dtype) for w in (w1[lo:hi], w3[lo:hi], w2[:, lo:hi]))
     out = nn.functional.linear(nn.functional.silu(rows @ w1.t()) * (rows @ w3.t()), w2)
     return out if gate is None else out * shared_gate(rows, _local(gate.weight)).to(out.dtype)
 

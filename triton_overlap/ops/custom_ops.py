@@ -294,7 +294,6 @@ def _ar_backward(ctx, grad_out):
 gemm_ar.register_autograd(_ar_backward, setup_context=_ar_setup)
 
 
-
 # ------------------------------------------------------------------ AllReduce
 @torch.library.custom_op("triton_overlap::all_reduce", mutates_args=())
 def all_reduce(x: torch.Tensor, op: int) -> torch.Tensor:
@@ -309,6 +308,7 @@ def _(x, op):
 
 # the output is the same on every rank and so is its gradient: each rank's summand gets it whole, as gemm_ar's
 all_reduce.register_autograd(lambda ctx, grad: (grad, None))
+
 
 # ------------------------------------------------------------------ MoE: AllGather + grouped GEMM, grouped GEMM + RS
 @torch.library.custom_op("triton_overlap::all_gather_rows_with_grad", mutates_args=())
@@ -436,4 +436,5 @@ def _(a, b, offsets):
 
 
 __all__ = ["ag_gemm", "ag_moe", "all_gather_rows", "all_gather_rows_with_grad", "all_reduce", "cp_attention",
-           "cp_attention_bwd", "gemm_ar", "gemm_rs", "handle", "moe_expert_grads", "moe_rs", "op_of", "reduce_scatter_rows"]
+           "cp_attention_bwd", "gemm_ar", "gemm_rs", "handle", "moe_expert_grads", "moe_rs", "op_of",
+           "reduce_scatter_rows"]
