@@ -34,7 +34,7 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
       ``SharedInputColwise`` on that module (``shared_inputs=False``: a ``ColwiseParallel`` each);
     * "rowwise" linear layers: ``RowwiseParallel``;
     * multi-head latent attention (DeepSeek-V2/V3, Kimi K2: its kv down-projection "mla_kv_a_proj"): the
-      down-projections ``ReplicatedLatent`` (the narrow latent gathered), the up-projections local
+      down-projections ``ReplicatedLatent`` (sequence parallel: the narrow latent gathered), the up-projections local
       ``ColwiseParallel`` layers over it;
     * a sparse-MoE block (its ``experts`` marked in the model's tp or ep plan, ``EXPERTS``): ``MoEParallel`` on the
       block (``expert_parallel=True``: its experts spread over the ranks, ``MoEParallel``'s docstring);
@@ -60,8 +60,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     decoder layer, ``GatherSequence`` on the final norm (``config.base_model_pp_plan``'s first module, its list of
     layers and its last module). ``False`` (decode): column layers multiply locally and row layers run GEMM +
     AllReduce; a sparse-MoE block computes this rank's share of its experts for every token, summed by one
-    AllReduce (``MoEParallel``'s docstring). ``fallback`` goes to every style. Every rank must hold the same full
-    weights, as for torch's own styles."""
+    AllReduce (``MoEParallel``'s docstring). ``fallback`` goes to every style that takes one. Every rank must hold
+    the same full weights, as for torch's own styles."""
     config = getattr(model, "config", None)
     tp = getattr(config, "base_model_tp_plan", None)
     if not tp:
