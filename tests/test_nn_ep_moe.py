@@ -274,3 +274,49 @@ def test_grouped_mm_matches_a_matmul_per_expert():
         errs = rel_err(y.detach(), y64.detach()), rel_err(a.grad, a64.grad), rel_err(w.grad, w64.grad)
         assert max(errs) < 1e-2, (K, N, dtype, errs)
         assert w.grad[1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("first", [0, 3], ids=["all_experts", "experts_3_to_5"])
+def test_partial_experts_leaves_out_rows_it_never_computes(monkeypatch, first):
+    """partial_experts (a decode block's share of the experts) against a loop over (token, choice) pairs in
+    float64, with the grouped GEMM's rows past the last expert's filled with NaN, as memory it never wrote may hold,
+    forward and backward: the output and every gradient equal the loop's and are finite; no token gives an empty
+    output. ``first``: this rank's experts are ``first .. first + 3`` of 6 (3: the choices of experts 0-2 are
+    another rank's)."""
+    import triton_overlap.nn.ep_moe as ep_moe
+
+    real = ep_moe.grouped_mm
+
+    def unwritten_nan(a, w, offsets, bounds=None):
+        out = real(a, w, offsets, bounds).clone()
+        out[int(offsets[-1]):] = float("nan")
+        return out
+
+    monkeypatch.setattr(ep_moe, "grouped_mm", unwritten_nan)
+    g = torch.Generator().manual_seed(1)
+    T, k, dim, width, E = 5, 3, 8, 4, 3
+    rows = torch.randn(T, dim, generator=g, dtype=torch.float64).requires_grad_()
+    ids = torch.stack([torch.randperm(6, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g, dtype=torch.float64).requires_grad_()
+    w13 = torch.randn(E, dim, 2 * width, generator=g, dtype=torch.float64).requires_grad_()
+    w2 = torch.randn(E, width, dim, generator=g, dtype=torch.float64).requires_grad_()
+    gy = torch.randn(T, dim, generator=g, dtype=torch.float64)
+    out = ep_moe.partial_experts(rows, ids, weights, w13, w2, first)
+    (out * gy).sum().backward()
+    got = [out.detach(), rows.grad, weights.grad, w13.grad, w2.grad]
+    for p in (rows, weights, w13, w2):
+        p.grad = None
+    want = torch.zeros(T, dim, dtype=torch.float64)
+    for t in range(T):
+        for j in range(k):
+            e = int(ids[t, j]) - first
+            if 0 <= e < E:
+                gate, up = (rows[t] @ w13[e]).split(width)
+                want = want.index_add(0, torch.tensor([t]), (weights[t, j] * (torch.nn.functional.silu(gate) * up)
+                                                             @ w2[e]).unsqueeze(0))
+    (want * gy).sum().backward()
+    for name, a, b in zip(("out", "rows", "weights", "w13", "w2"), got,
+                          [want.detach(), rows.grad, weights.grad, w13.grad, w2.grad]):
+        assert torch.isfinite(a).all() and rel_err(a, b) < 1e-12, name
+    none = ep_moe.partial_experts(rows[:0], ids[:0], weights[:0], w13, w2, first)
+    assert none.shape == (0, dim)

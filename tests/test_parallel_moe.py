@@ -431,6 +431,38 @@ def test_moe_block_matches_unmodified_block(pool, case):
     pool.run(_block_case, kind, decode, ep)
 
 
+def _compiled_decode_block(ep):
+    """DeepSeek-V3's block without sequence parallelism (tensor or expert parallel) under
+    ``torch.compile(fullgraph=True)``: one graph (a break raises), its output within bf16 rounding of the eager
+    block's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.nn import MoEParallel
+
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        block = _block("deepseek_v3", W).to(dev)
+        parallelize_module(block.bfloat16(), init_device_mesh(dev.type, (W,)),
+                           MoEParallel(ctx, fallback="never", sequence_parallel=False, expert_parallel=ep))
+        x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(0)).to(dev, torch.bfloat16)
+        with torch.no_grad():
+            want = block(x)
+            got = torch.compile(block, fullgraph=True)(x)
+        ctx.check()
+        err = rel_err(got, want)
+        assert err < TOL_LOGITS, f"rank {ctx.rank}: {err:.2e}"
+        return err
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp", "ep"])
+def test_decode_block_compiles_to_one_graph(pool, ep):
+    pytest.importorskip("transformers.models.deepseek_v3")
+    if pool.world != 2:
+        pytest.skip("W = 2")
+    pool.run(_compiled_decode_block, ep)
+
+
 def _decode_replays(ep, steps):
     """DeepSeek-V3's block without sequence parallelism (tensor or expert parallel), batch 4 of one token, captured
     once in a CUDA graph and replayed on new tokens: each replay against the unsharded block in float32, the

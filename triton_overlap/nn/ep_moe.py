@@ -107,7 +107,7 @@ def partial_experts(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ``e = ids[t, j]`` among this rank's experts ``first .. first + E_local`` (``w13`` [E_local, dim, 2 * width]: gate
     columns, then up; ``w2`` [E_local, width, dim]); the other choices add nothing. The ranks' shares sum to the
     layer's output: each rank's slice of every expert's width (tensor parallel, ``first = 0``), or its whole
-    experts (expert parallel). float32 [T, dim], with autograd.
+    experts (expert parallel). [T, dim] in float32 (float64 for float64 rows), with autograd.
 
     The (token, choice) pairs are sorted by expert on the device, this rank's experts first, and the two grouped
     GEMMs (``swiglu_rows``: one ``torch._grouped_mm`` each where it takes the operands) cover only those; the
@@ -124,8 +124,9 @@ def partial_experts(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     mine = (group[order] < E).unsqueeze(1)
     token = order // k
     a = torch.where(mine, rows[token], 0)
-    y = torch.where(mine, swiglu_rows(a, w13, w2, offsets).float(), 0) * weights.reshape(-1)[order].unsqueeze(1)
-    return torch.zeros(T, y.shape[1], dtype=torch.float32, device=rows.device).index_add(0, token, y)
+    acc = torch.promote_types(rows.dtype, torch.float32)
+    y = torch.where(mine, swiglu_rows(a, w13, w2, offsets).to(acc), 0) * weights.reshape(-1)[order].unsqueeze(1).to(acc)
+    return torch.zeros(T, y.shape[1], dtype=acc, device=rows.device).index_add(0, token, y)
 
 
 # ------------------------------------------------------------------------------------- dispatch and combine
