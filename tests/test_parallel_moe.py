@@ -258,7 +258,8 @@ MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral
              ("qwen2", "autocast", "never", False, True), ("glm4", "bf16", "never", True, True),
              ("mixtral", "decode", "never", True), ("qwen2", "decode", "never", True),
              ("glm4", "decode", "never", True, True), ("qwen2", "decode", "never", True, True),
-             ("deepseek_v3", "bf16", "never", True), ("deepseek_v3", "decode", "never", True, True)]
+             ("deepseek_v3", "bf16", "never", True), ("deepseek_v3", "decode", "never", True, True),
+             ("mixtral", "decode", "always", True)]
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
