@@ -77,6 +77,28 @@ def _local(x, where, shard_dim):
     raise ValueError(f"{where}: input DTensor placed {x.placements}; expected {want}")
 
 
+def summed_grad(x, mesh):
+    """``x`` (the same on every rank) forward; backward, its gradient summed over the ranks of ``mesh``, where
+    each rank's is a partial sum (a replicated input read by this rank's heads, columns or experts only): the
+    gradient of a replicated DTensor whose local part's gradient is ``Partial``. Where autograd does not record
+    ``x``, ``x`` itself."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def replicated_local(p):
+    """A replicated DTensor parameter as this rank's tensor, its gradient left partial (this rank's tokens' part,
+    summed by DTensor where read); a plain tensor as it is."""
+    return p.to_local(grad_placements=[Partial()]) if isinstance(p, DTensor) else p
+
+
+def replicated_parameter(p, mesh) -> nn.Parameter:
+    """``p``'s values as a parameter that is a replicated DTensor over ``mesh``, ``requires_grad`` kept."""
+    return nn.Parameter(DTensor.from_local(p.detach(), mesh, [Replicate()], run_check=False),
+                        requires_grad=p.requires_grad)
+
+
 class _LinearStyle(ParallelStyle):
     def __init__(self, ctx, *, sequence_parallel: bool = True, sequence_dim: int = 1, fallback: str = "auto"):
         if fallback not in FALLBACKS:
@@ -200,11 +222,8 @@ class ColwiseParallel(_LinearStyle):
             return group.output(module, x)
         x = _local(x, "ColwiseParallel", d if style.sequence_parallel else None)
         x, weight, bias = compute_operands("ColwiseParallel", x, module.weight, module.bias)
-        if not style.sequence_parallel:
-            if torch.is_grad_enabled() and x.requires_grad:  # each rank's input gradient is a partial sum
-                x = DTensor.from_local(x, module.tp_mesh, [Replicate()], run_check=False).to_local(
-                    grad_placements=[Partial()])
-            return local_linear(x, weight, bias)
+        if not style.sequence_parallel:  # (each rank's input gradient is a partial sum)
+            return local_linear(summed_grad(x, module.tp_mesh), weight, bias)
         return _gathered(x, weight, bias, style)
 
 
@@ -441,11 +460,8 @@ class ReplicatedLatent(ParallelStyle):
         if self.sequence_parallel:
             with torch.no_grad():
                 for name in ("weight", "bias"):
-                    p = getattr(module, name)
-                    if p is not None:
-                        setattr(module, name, nn.Parameter(DTensor.from_local(p.detach(), device_mesh, [Replicate()],
-                                                                              run_check=False),
-                                                           requires_grad=p.requires_grad))
+                    if getattr(module, name) is not None:
+                        setattr(module, name, replicated_parameter(getattr(module, name), device_mesh))
         module.tp_style, module.tp_mesh = self, device_mesh
         module.__class__ = styled_class(type(module), _latent_forward, "ReplicatedLatent")
         return module
@@ -454,8 +470,7 @@ class ReplicatedLatent(ParallelStyle):
 def _latent_forward(module, x):
     style = module.tp_style
     d, W = style.sequence_dim, style.ctx.world_size
-    weight, bias = (p.to_local(grad_placements=[Partial()]) if isinstance(p, DTensor) else p
-                    for p in (module.weight, module.bias))
+    weight, bias = replicated_local(module.weight), replicated_local(module.bias)
     x = _local(x, "ReplicatedLatent", d if style.sequence_parallel else None)
     x, weight, bias = compute_operands("ReplicatedLatent", x, weight, bias)
     y = nn.functional.linear(x, weight, bias)
@@ -464,9 +479,7 @@ def _latent_forward(module, x):
     tail = style.partial_tail
     if tail and torch.is_grad_enabled() and y.requires_grad:  # this rank's heads' part of its gradient: summed
         head, rot = y.split([y.shape[-1] - tail, tail], dim=-1)
-        rot = DTensor.from_local(rot, module.tp_mesh, [Replicate()], run_check=False).to_local(
-            grad_placements=[Partial()])
-        y = torch.cat([head, rot], dim=-1)
+        y = torch.cat([head, summed_grad(rot, module.tp_mesh)], dim=-1)
     return y
 
 
@@ -525,4 +538,5 @@ class GatherSequence(ParallelStyle):
 
 
 __all__ = ["ColwiseParallel", "GatherSequence", "ReplicatedLatent", "RowwiseParallel", "ShardSequence",
-           "SharedInputColwise", "check_mesh", "overlap_ops", "styled_class"]
+           "SharedInputColwise", "check_mesh", "overlap_ops", "replicated_local", "replicated_parameter",
+           "styled_class", "summed_grad"]

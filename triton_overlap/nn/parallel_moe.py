@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
 from ..ops.all_reduce import AllReduce
 from .moe import (add_shared_routes, fold_shared, gather_routes, moe_ops, shard_experts, shared_gate, shared_weights,
                   swiglu_experts)
-from .parallel import FALLBACKS, check_mesh, styled_class
+from .parallel import FALLBACKS, check_mesh, replicated_local, replicated_parameter, styled_class, summed_grad
 from .ep_moe import ep_op, ep_swiglu, partial_experts
 from .precision import compute_operands
 from .routers import router_rule
@@ -150,8 +150,7 @@ class MoEParallel(ParallelStyle):
             experts.gate_up_proj = nn.Parameter(w13, requires_grad=experts.gate_up_proj.requires_grad)
             experts.down_proj = nn.Parameter(w2, requires_grad=experts.down_proj.requires_grad)
             for m in replicated:
-                m.weight = nn.Parameter(DTensor.from_local(m.weight.detach(), device_mesh, [Replicate()],
-                                                           run_check=False), requires_grad=m.weight.requires_grad)
+                m.weight = replicated_parameter(m.weight, device_mesh)
         gate.tp_rule = rule
         gate.tp_replicated_world = 0 if self.sequence_parallel else W
         gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
@@ -257,7 +256,7 @@ def _router_forward(gate, rows):
     sequence parallelism every rank routes every token: the top-k weights scale this rank's share of the experts,
     so their gradient is a partial sum as before, but the logits (which an auxiliary loss reads, the same on every
     rank) pass their gradient divided by W, which the ranks' sum makes whole again."""
-    logits, weights, ids = gate.tp_rule(gate, rows, _local(gate.weight))
+    logits, weights, ids = gate.tp_rule(gate, rows, replicated_local(gate.weight))
     world = getattr(gate, "tp_replicated_world", 0)
     return (_ScaleGrad.apply(logits, 1.0 / world) if world else logits), weights, ids
 
@@ -273,11 +272,6 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.scale, None
-
-
-def _local(weight):
-    """A replicated DTensor weight as this rank's tensor, its gradient left partial (this rank's tokens' part)."""
-    return weight.to_local(grad_placements=[Partial()]) if isinstance(weight, DTensor) else weight
 
 
 def _local_tokens(block, hidden_states):
@@ -305,7 +299,7 @@ def _block_forward(block, hidden_states):
     _, weights, ids = block.gate(rows)
     if block.tp_shared:
         name = block.tp_shared_gate
-        gate = None if name is None else _local(getattr(block, name).weight)
+        gate = None if name is None else replicated_local(getattr(block, name).weight)
         weights, ids = add_shared_routes(rows, weights, ids, block.tp_experts, block.tp_shared, gate)
     ids, weights = gather_routes(weights, ids, block.tp_handles[0], W)
     y = swiglu_experts(rows, w13, w2, ids, weights, block.tp_handles, W)
@@ -335,11 +329,11 @@ def _shared_local(block, rows, part: int = 0, parts: int = 1):
     outputs sum to the whole; any width)."""
     name = block.tp_shared_name
     mlp, gate = getattr(block, name), (getattr(block, SHARED[name]) if SHARED[name] else None)
-    w1, w3, w2 = (_local(getattr(mlp, n).weight) for n in ("gate_proj", "up_proj", "down_proj"))
+    w1, w3, w2 = (replicated_local(getattr(mlp, n).weight) for n in ("gate_proj", "up_proj", "down_proj"))
     lo, hi = w1.shape[0] * part // parts, w1.shape[0] * (part + 1) // parts
     w1, w3, w2 = (w.to(rows.dtype) for w in (w1[lo:hi], w3[lo:hi], w2[:, lo:hi]))
     out = nn.functional.linear(nn.functional.silu(rows @ w1.t()) * (rows @ w3.t()), w2)
-    return out if gate is None else out * shared_gate(rows, _local(gate.weight)).to(out.dtype)
+    return out if gate is None else out * shared_gate(rows, replicated_local(gate.weight)).to(out.dtype)
 
 
 def all_reduce_op(ctx, fallback: str) -> int:
@@ -364,9 +358,7 @@ def _replicated_block_forward(block, hidden_states):
                          "parallel")
     experts = block.experts
     x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
-    if torch.is_grad_enabled() and x.requires_grad:  # each rank's input gradient is a partial sum
-        x = DTensor.from_local(x, block.tp_mesh, [Replicate()], run_check=False).to_local(
-            grad_placements=[Partial()])
+    x = summed_grad(x, block.tp_mesh)  # (each rank's input gradient is a partial sum)
     rows = x.reshape(-1, x.shape[-1])
     _, weights, ids = block.gate(rows)
     if style.expert_parallel:
@@ -376,7 +368,7 @@ def _replicated_block_forward(block, hidden_states):
     else:
         if block.tp_shared:
             name = block.tp_shared_gate
-            gate = None if name is None else _local(getattr(block, name).weight)
+            gate = None if name is None else replicated_local(getattr(block, name).weight)
             weights, ids = add_shared_routes(rows, weights, ids, block.tp_experts, block.tp_shared, gate)
         y = partial_experts(rows, ids, weights, w13, w2)
     return custom_ops.all_reduce(y.to(x.dtype), block.tp_all_reduce).view(x.shape)
