@@ -23,7 +23,8 @@ def _model(kind, W, dtype, dense_last=False):
     """A small random ``kind`` ("qwen3", "mixtral", "qwen2": a shared expert twice an expert's width, gated;
     "glm4": the same ungated, DeepSeek-V3's router with a random correction bias and two groups of experts, one
     kept, routed weights scaled by 2.5, the first layer dense, attention biases, per-head q/k norms that its plan
-    leaves out; "deepseek_v3": GLM-4.5's MoE under multi-head latent attention) causal LM whose heads, KV heads,
+    leaves out; "deepseek_v3": GLM-4.5's MoE under multi-head latent attention; "minimax_m2": sigmoid top-k with
+    the block's random correction bias, q/k norms over all heads) causal LM whose heads, KV heads,
     width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every
     rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
@@ -56,6 +57,10 @@ def _model(kind, W, dtype, dense_last=False):
         config = Config(n_routed_experts=4, moe_intermediate_size=8 * W, n_shared_experts=2, intermediate_size=8 * W,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
                         n_group=2, topk_group=1, **common)
+    elif kind == "minimax_m2":
+        from transformers import MiniMaxM2Config as Config, MiniMaxM2ForCausalLM as Model
+
+        config = Config(num_local_experts=4, intermediate_size=8 * W, rotary_dim=8, **common)
     else:
         from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
 
@@ -136,19 +141,26 @@ def _grad_errors(model, reference, rank, W, ep=False):
 ROUTING_MARGIN = 0.04  # bf16 activations move router logits by ~1 % of their size; ties closer than this flip
 
 
-def _decisive(gate, logits) -> bool:
+def _decisive(gate, logits, bias=None) -> bool:
     """Whether the router ``gate``'s choice from float64 ``logits`` [T, E] has no near tie: for a softmax router the
     k-th largest logit exceeds the next by ROUTING_MARGIN of the token's largest; for DeepSeek-V3's (a correction
     bias, groups) the same margin, a quarter of it after the sigmoid (whose slope is at most 1/4), between the kept
-    groups' scores and the next group's, and between the k-th choice among the kept groups' experts and the next."""
+    groups' scores and the next group's, and between the k-th choice among the kept groups' experts and the next;
+    MiniMax-M2's (``bias``: the block's correction bias) also the softmax router's margin, which its model's
+    load-balancing loss reads."""
     k, margin = gate.top_k, ROUTING_MARGIN * logits.abs().amax(-1)
-    bias = getattr(gate, "e_score_correction_bias", None)
+    from_block = bias is not None  # (MiniMax-M2: the block's bias)
+    bias = getattr(gate, "e_score_correction_bias", None) if bias is None else bias
     if bias is None:
         top = logits.topk(k + 1, dim=-1).values
         return bool((top[:, k - 1] - top[:, k] >= margin).all())
+    if from_block:  # MiniMax-M2's load-balancing loss picks the top k of the softmax of the logits
+        top = logits.topk(k + 1, dim=-1).values
+        if not bool((top[:, k - 1] - top[:, k] >= margin).all()):
+            return False
     choice, margin = torch.sigmoid(logits) + bias.double(), margin / 4
     T, E = choice.shape
-    groups, keep = gate.num_group, gate.topk_group
+    groups, keep = getattr(gate, "num_group", 1), getattr(gate, "topk_group", 1)
     if keep < groups:
         best = choice.view(T, groups, E // groups).topk(2, dim=-1).values.sum(-1)
         top = best.topk(keep + 1, dim=-1)
@@ -164,14 +176,14 @@ def _routes_decisively(reference, tokens) -> bool:
     """Whether ``tokens``' routing in ``reference`` has no near tie (``_decisive``) in any layer."""
     gates = [m for m in reference.modules() if type(m).__name__.lower().endswith("router")]
     logits = {}  # router -> its logits of the latest forward (not every model returns them: GLM-4.5 before 5.25)
-    hooks = [g.register_forward_hook(lambda m, args, out: logits.__setitem__(m, out[0])) for g in gates]
+    hooks = [g.register_forward_hook(lambda m, args, out: logits.__setitem__(m, (out[0], args[1:]))) for g in gates]
     try:
         with torch.no_grad():
             reference(tokens)
     finally:
         for h in hooks:
             h.remove()
-    return all(_decisive(g, logits[g].double()) for g in gates)
+    return all(_decisive(g, logits[g][0].double(), *logits[g][1]) for g in gates)  # (MiniMax-M2: the bias)
 
 
 def _decisive_tokens(reference, B, S, dev):
@@ -259,10 +271,11 @@ MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral
              ("mixtral", "decode", "never", True), ("qwen2", "decode", "never", True),
              ("glm4", "decode", "never", True, True), ("qwen2", "decode", "never", True, True),
              ("deepseek_v3", "bf16", "never", True), ("deepseek_v3", "decode", "never", True, True),
-             ("mixtral", "decode", "always", True)]
+             ("mixtral", "decode", "always", True), ("minimax_m2", "bf16", "never", True),
+             ("minimax_m2", "decode", "never", True)]
 #: MOE_CASES the host backend skips: the decode cases but Mixtral's (tensor parallel) and DeepSeek-V3's (expert
 #: parallel), which cover both modes
-HOST_SKIPS = (13, 14, 15, 18)
+HOST_SKIPS = (13, 14, 15, 18, 20)
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
@@ -287,7 +300,8 @@ def _skip_unshipped(transformers, kind, hf=True):
     """Skip where this transformers lacks the model ``kind``, or (``hf``) ships plans hf_plan cannot take whole."""
     from triton_overlap.nn.plans import expert_keys
 
-    config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config"}.get(kind)
+    config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
+              "minimax_m2": "MiniMaxM2Config"}.get(kind)
     if config and not hasattr(transformers, config):
         pytest.skip(f"transformers {transformers.__version__} has no {config}")
     if hf and config and not expert_keys(getattr(transformers, config)()):
@@ -342,15 +356,17 @@ def test_generate_with_the_decode_plan(pool, case, cache):
     pool.run(_generate_case, *case, cache)
 
 
-BLOCKS = {"qwen3_next": 8, "qwen3_5_moe": 8, "deepseek_v3": 8, "olmoe": 4}  # kind -> experts + shared parts
+#: kind -> experts + shared parts
+BLOCKS = {"qwen3_next": 8, "qwen3_5_moe": 8, "deepseek_v3": 8, "olmoe": 4, "minimax_m2": 4}
 
 
 def _block(kind, W):
     """A Qwen3-Next ("qwen3_next") or Qwen3.5-MoE ("qwen3_5_moe") sparse-MoE block with a gated shared expert four
     times an expert's width, DeepSeek-V3's ("deepseek_v3": 2 groups of 2 experts, one kept, a random correction
     bias, weights scaled by 2.5, an ungated shared expert four times an expert's width) or OLMoE's ("olmoe":
-    softmax top-k without renormalization, no shared expert); 4 experts, top-2; weights rounded to bf16, the same
-    on every rank."""
+    softmax top-k without renormalization, no shared expert) or MiniMax-M2's ("minimax_m2": sigmoid top-k, the
+    block's random correction bias passed to the router); 4 experts, top-2; weights rounded to bf16, the same on
+    every rank."""
     small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
                  shared_expert_intermediate_size=32 * W, experts_implementation="eager")
     if kind == "deepseek_v3":
@@ -364,6 +380,11 @@ def _block(kind, W):
         from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock as Block
         small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=8 * W,
                      norm_topk_prob=False, experts_implementation="eager")
+    elif kind == "minimax_m2":
+        from transformers import MiniMaxM2Config as Config
+        from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock as Block
+        small = dict(hidden_size=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8 * W,
+                     experts_implementation="eager")
     elif kind == "qwen3_next":
         from transformers import Qwen3NextConfig as Config
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock as Block
@@ -397,7 +418,8 @@ def _block_case(kind, decode=False, ep=False):
         B, S, s = 2, 4 * W, 4
         for seed in range(1000):  # the first draw whose top-2 choice has no near tie (_decisive_tokens)
             x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(seed)).bfloat16().double().to(dev)
-            if _decisive(reference.gate, (x @ reference.gate.weight.t()).view(B * S, -1)):
+            if _decisive(reference.gate, (x @ reference.gate.weight.t()).view(B * S, -1),
+                         getattr(reference, "e_score_correction_bias", None)):
                 break
         gy = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(7)).double().to(dev)
         x_ref = x.clone().requires_grad_()
@@ -426,9 +448,10 @@ def _block_case(kind, decode=False, ep=False):
 
 #: (kind, decode, expert parallel): every block tensor + sequence parallel; DeepSeek-V3's (grouped routing, an
 #: ungated shared expert) and Qwen3-Next's (a gated shared expert) also without sequence parallelism, tensor and
-#: expert parallel
+#: expert parallel; MiniMax-M2's (the block's correction bias) without sequence parallelism, tensor parallel
 BLOCK_CASES = [(kind, False, False) for kind in BLOCKS] + [
-    ("deepseek_v3", True, False), ("deepseek_v3", True, True), ("qwen3_next", True, True)]
+    ("deepseek_v3", True, False), ("deepseek_v3", True, True), ("qwen3_next", True, True),
+    ("minimax_m2", True, False)]
 
 
 @pytest.mark.parametrize("case", BLOCK_CASES,
@@ -515,7 +538,7 @@ def _refusals():
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     from triton_overlap.nn import MoEParallel
-    from triton_overlap.nn.routers import Softmax
+    from triton_overlap.nn.routers import GroupedSigmoid, Softmax
 
     with to.Context(timeout_s=60) as ctx:
         W, dev = ctx.world_size, ctx.device
@@ -555,8 +578,13 @@ def _refusals():
             minimax = None
         if minimax is not None:
             block = minimax.MiniMaxM2SparseMoeBlock(minimax.MiniMaxM2Config(**{**small, "num_local_experts": 4}))
-            with pytest.raises(TypeError, match="router MiniMaxM2TopKRouter's forward on rows"):
-                parallelize_module(block, mesh, MoEParallel(ctx))
+            parallelize_module(block, mesh, MoEParallel(ctx))
+            assert block.gate.tp_rule == GroupedSigmoid(renormalize=True) and block.tp_router_bias
+            plain = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**small))  # a router of two arguments, no bias: refused
+            plain.gate.__class__ = type("TwoArgumentRouter", (type(plain.gate),), {
+                "forward": lambda gate, rows, scale: type(gate).__mro__[1].forward(gate, rows * scale)})
+            with pytest.raises(TypeError, match="router TwoArgumentRouter's forward on rows"):
+                parallelize_module(plain, mesh, MoEParallel(ctx))
         odd = Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**{**small, "moe_intermediate_size": 8 * W + 1}))
         with pytest.raises(ValueError, match="not divisible"):
             parallelize_module(odd, mesh, MoEParallel(ctx))

@@ -14,17 +14,19 @@ router for subclasses with the parallel forwards, as ``nn.parallel`` does for li
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
-from ..ops.all_reduce import AllReduce
 from .moe import (add_shared_routes, fold_shared, gather_routes, moe_ops, shard_experts, shared_gate, shared_weights,
                   swiglu_experts)
 from .parallel import FALLBACKS, check_mesh, replicated_local, replicated_parameter, styled_class, summed_grad
 from .ep_moe import ep_op, ep_swiglu, partial_experts
+from .linear import all_reduce_op
 from .precision import compute_operands
 from .routers import router_rule
 
@@ -42,7 +44,8 @@ class MoEParallel(ParallelStyle):
     DeepSeek-V3's and GLM-4.5's ``shared_experts``), tensor parallel: every rank keeps every expert, with its
     ``hidden/W`` slice of each expert's width, and the tokens of all ranks meet at each rank's experts. The router
     may be of any class whose rule is one ``nn.routers`` computes (softmax top-k; DeepSeek-V3's sigmoid top-k with
-    a correction bias and groups): the style matches it by running both on a probe when applied.
+    a correction bias and groups; MiniMax-M2's, whose block holds the correction bias and passes it to the router):
+    the style matches it by running both on a probe when applied.
 
     Applied, the block holds rank r's shard in the ops' [E, K, N] layout: ``experts.gate_up_proj``
     [E, dim, 2 * hidden/W] (r's columns of each expert's gate, then of its up projection) and
@@ -117,6 +120,7 @@ class MoEParallel(ParallelStyle):
         if hasattr(module, "tp_style"):
             raise ValueError(f"MoEParallel: {type(module).__name__} is parallelized already")
         gate, experts, rule, shared, shared_gate = check_block(module, W, self.expert_parallel)
+        module.tp_router_bias = _block_bias(module, gate) is not None
         w1, w3, w2 = _full_experts(experts)
         module.tp_experts, module.tp_shared = w1.shape[0], 0
         replicated = [gate]  # the modules whose weights every rank keeps whole, as replicated DTensors
@@ -198,7 +202,21 @@ def check_block(block, world: int | None = None, expert_parallel: bool = False):
     shared_gate = children.get(SHARED[shared]) if shared else None
     if shared:
         _check_shared(children[shared], shared_gate, None if expert_parallel else hidden, gate.weight.shape[1])
-    return gate, experts, router_rule(gate, "MoEParallel"), shared, shared_gate
+    return gate, experts, router_rule(gate, "MoEParallel", _block_bias(block, gate)), shared, shared_gate
+
+
+def _block_bias(block, gate) -> torch.Tensor | None:
+    """The block's ``e_score_correction_bias`` where its router's forward takes it after the rows (MiniMax-M2's),
+    else None."""
+    params = list(inspect.signature(type(gate).forward).parameters.values())[1:]
+    takes = len(params) >= 2 and params[1].default is inspect.Parameter.empty
+    bias = getattr(block, "e_score_correction_bias", None)
+    return bias if takes and isinstance(bias, torch.Tensor) else None
+
+
+def _route(block, rows):
+    """The block's router on ``rows`` [T, dim], passed the block's correction bias where it takes it."""
+    return block.gate(rows, block.e_score_correction_bias) if block.tp_router_bias else block.gate(rows)
 
 
 def _check_shared(mlp, gate, hidden: int | None, dim: int) -> None:
@@ -250,13 +268,14 @@ def _block_ops(block) -> tuple:
     return tuple(custom_ops.op_of(h) for h in block.tp_handles)
 
 
-def _router_forward(gate, rows):
-    """The router on this rank's rows [T/W, dim]: (logits float32 [T/W, E], top-k weights float32, ids), the
-    replicated weight's gradient left partial (this rank's tokens' part; DTensor sums it where read). Without
+def _router_forward(gate, rows, bias=None):
+    """The router on this rank's rows [T/W, dim] (``bias``: the block's correction bias, where the block holds
+    it): (logits float32 [T/W, E], top-k weights float32, ids), the replicated weight's gradient left partial (this
+    rank's tokens' part; DTensor sums it where read). Without
     sequence parallelism every rank routes every token: the top-k weights scale this rank's share of the experts,
     so their gradient is a partial sum as before, but the logits (which an auxiliary loss reads, the same on every
     rank) pass their gradient divided by W, which the ranks' sum makes whole again."""
-    logits, weights, ids = gate.tp_rule(gate, rows, replicated_local(gate.weight))
+    logits, weights, ids = gate.tp_rule(gate, rows, replicated_local(gate.weight), bias)
     world = getattr(gate, "tp_replicated_world", 0)
     return (_ScaleGrad.apply(logits, 1.0 / world) if world else logits), weights, ids
 
@@ -296,7 +315,7 @@ def _block_forward(block, hidden_states):
     experts = block.experts
     x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
     rows = x.reshape(-1, x.shape[-1])
-    _, weights, ids = block.gate(rows)
+    _, weights, ids = _route(block, rows)
     if block.tp_shared:
         name = block.tp_shared_gate
         gate = None if name is None else replicated_local(getattr(block, name).weight)
@@ -311,7 +330,7 @@ def _ep_block_forward(block, hidden_states):
     experts = block.experts
     x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
     rows = x.reshape(-1, x.shape[-1])
-    _, weights, ids = block.gate(rows)
+    _, weights, ids = _route(block, rows)
     y = _routed(rows, ids, weights, w13, w2, block.tp_ep_op, block.tp_experts)
     if block.tp_shared_name is not None:
         y = y + _shared_local(block, rows)
@@ -336,13 +355,6 @@ def _shared_local(block, rows, part: int = 0, parts: int = 1):
     return out if gate is None else out * shared_gate(rows, replicated_local(gate.weight)).to(out.dtype)
 
 
-def all_reduce_op(ctx, fallback: str) -> int:
-    """The handle of the AllReduce per (Context, fallback rule) that MoE blocks without sequence parallelism
-    share."""
-    return ctx.cached(("nn moe all_reduce", fallback), lambda: custom_ops.handle(
-        AllReduce(ctx, fallback=fallback, name=f"nn.moe_ar.{fallback}")))
-
-
 def _replicated_block_forward(block, hidden_states):
     """sequence_parallel=False: every token on every rank; this rank's share of the experts, summed over the ranks
     by one AllReduce (the class docstring)."""
@@ -360,7 +372,7 @@ def _replicated_block_forward(block, hidden_states):
     x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
     x = summed_grad(x, block.tp_mesh)  # (each rank's input gradient is a partial sum)
     rows = x.reshape(-1, x.shape[-1])
-    _, weights, ids = block.gate(rows)
+    _, weights, ids = _route(block, rows)
     if style.expert_parallel:
         y = partial_experts(rows, ids, weights, w13, w2, block.tp_first)
         if block.tp_shared_name is not None:

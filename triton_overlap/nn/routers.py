@@ -14,6 +14,9 @@ differences):
   call: training updates it outside autograd), restricted to the ``topk_group`` groups (of ``num_group`` equal
   groups of experts) whose two best choice scores sum highest; the weights are the chosen experts' scores, divided
   by their sum (+ 1e-20) where ``norm_topk_prob``, times ``routed_scaling_factor``.
+* ``GroupedSigmoid(renormalize=True)``: the same with the weights always divided by their sum: MiniMax-M2's, whose
+  router has no groups and takes the correction bias, a buffer of the block, as its forward's second argument
+  (``router_rule``'s ``bias``; the block's forward passes it at every call).
 """
 from __future__ import annotations
 
@@ -33,23 +36,27 @@ class Softmax:
     """Softmax over the experts, the top ``gate.top_k``, divided by their sum where ``renormalize``."""
     renormalize: bool
 
-    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor):
-        """(logits float32 [T, E], weights float32 [T, k], ids int64 [T, k]) of rows [T, dim]."""
+    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """(logits float32 [T, E], weights float32 [T, k], ids int64 [T, k]) of rows [T, dim] (``bias``: unused)."""
         return route_local(rows, weight, gate.top_k, self.renormalize)
 
 
 @dataclass(frozen=True)
 class GroupedSigmoid:
-    """DeepSeek-V3's rule (module docstring), its parameters read from the router at every call."""
+    """DeepSeek-V3's rule (module docstring), its parameters read from the router at every call. ``renormalize``:
+    None, the router's ``norm_topk_prob`` says whether the weights are divided by their sum; True, always."""
+    renormalize: bool | None = None
 
-    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor):
+    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
         """(logits float32 [T, E], weights float32 [T, k], ids int64 [T, k]) of rows [T, dim]; a group's score is
-        the sum of its two best choice scores, as transformers computes it (so groups of two experts or more)."""
+        the sum of its two best choice scores, as transformers computes it (so groups of two experts or more).
+        ``bias``: the correction bias where the block holds it (None: the router's ``e_score_correction_bias``)."""
         groups, keep = _groups(gate)
+        bias = gate.e_score_correction_bias if bias is None else bias
         with torch.autocast(rows.device.type, enabled=False):
             logits = rows.float() @ weight.float().t()
             scores = torch.sigmoid(logits)
-            choice = scores + gate.e_score_correction_bias.float()
+            choice = scores + bias.float()
             if keep < groups:
                 T, E = choice.shape
                 per_group = choice.view(T, groups, E // groups)
@@ -59,7 +66,7 @@ class GroupedSigmoid:
                 choice = choice.masked_fill(~allowed, float("-inf"))
             ids = choice.topk(gate.top_k, dim=-1).indices
             weights = scores.gather(1, ids)
-            if getattr(gate, "norm_topk_prob", False):
+            if self.renormalize if self.renormalize is not None else getattr(gate, "norm_topk_prob", False):
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
             weights = weights * float(getattr(gate, "routed_scaling_factor", 1.0))
         return logits, weights, ids
@@ -71,12 +78,14 @@ def _groups(gate) -> tuple[int, int]:
     return groups, int(getattr(gate, "topk_group", None) or groups)
 
 
-def router_rule(gate, who: str):
+def router_rule(gate, who: str, bias: torch.Tensor | None = None):
     """The rule (``Softmax`` or ``GroupedSigmoid``) that reproduces the router ``gate`` (a module with a ``weight``
     [E, dim], no other parameter, ``top_k``, and a forward from rows [T, dim] to (logits [T, E], top-k weights,
     top-k ids)), found by the probe of the module docstring; TypeError naming ``who`` (the caller) and the router's
     class where none does. The probe is a copy on the CPU whatever device the router is on (``meta`` included):
-    every floating tensor of it is drawn anew."""
+    every floating tensor of it is drawn anew. ``bias``: the correction bias [E] that the block passes to the
+    router's forward after the rows (MiniMax-M2's), or None where the forward takes the rows alone; the probe draws
+    it anew too."""
     name = type(gate).__name__
     params = [n for n, _ in gate.named_parameters()]
     weight = getattr(gate, "weight", None)
@@ -91,8 +100,9 @@ def router_rule(gate, who: str):
         for t in [*probe.parameters(), *(b for b in probe.buffers() if b.is_floating_point())]:
             t.copy_(torch.randn(t.shape, **cpu) * (dim ** -0.5 if t is probe.weight else 0.5))
         rows = torch.randn(PROBE_ROWS, dim, **cpu)  # (logits about N(0, 1))
+        extra = () if bias is None else (torch.randn(tuple(bias.shape), **cpu) * 0.5,)
         try:
-            own = type(probe).forward(probe, rows)  # (not its hooks: transformers' recorders may hold some)
+            own = type(probe).forward(probe, rows, *extra)  # (not its hooks: transformers' recorders may hold some)
         except Exception as e:  # (a router whose forward takes more than the rows)
             raise TypeError(f"{who}: router {name}'s forward on rows [T, dim] failed: {e}") from None
         k = probe.top_k
@@ -100,9 +110,9 @@ def router_rule(gate, who: str):
                 and all(tuple(t.shape) == (PROBE_ROWS, k) for t in own[1:])):
             raise TypeError(f"{who}: router {name} must return (logits [T, E], weights [T, k], ids [T, k]) "
                             f"as transformers 5's routers do")
-        for rule in _candidates(probe):
+        for rule in _candidates(probe, *extra):
             try:
-                mine = rule(probe, rows, probe.weight)
+                mine = rule(probe, rows, probe.weight, *extra)
             except (AttributeError, RuntimeError):  # (a rule needing what this router does not hold)
                 continue
             if _same_routes(own, mine):
@@ -111,14 +121,15 @@ def router_rule(gate, who: str):
                     f"without renormalization; DeepSeek-V3's sigmoid top-k with a correction bias and groups)")
 
 
-def _candidates(gate) -> list:
-    """The rules to try on ``gate``, in order: softmax with and without renormalization, and DeepSeek-V3's where the
-    router holds a correction bias and its groups divide its experts."""
+def _candidates(gate, bias: torch.Tensor | None = None) -> list:
+    """The rules to try on ``gate``, in order: softmax with and without renormalization, and DeepSeek-V3's (as the
+    router's ``norm_topk_prob`` says, then always renormalized) where there is a correction bias (the router's, or
+    ``bias`` from the block) and the router's groups divide its experts."""
     rules = [Softmax(True), Softmax(False)]
-    bias = getattr(gate, "e_score_correction_bias", None)
+    bias = getattr(gate, "e_score_correction_bias", None) if bias is None else bias
     groups, keep = _groups(gate)
     if isinstance(bias, torch.Tensor) and gate.weight.shape[0] % groups == 0 and 0 < keep <= groups:
-        rules.append(GroupedSigmoid())
+        rules += [GroupedSigmoid(), GroupedSigmoid(renormalize=True)]
     return rules
 
 
