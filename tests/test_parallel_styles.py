@@ -1,6 +1,7 @@
 """The parallel styles (triton_overlap.nn.parallel) in torch's parallelize_module: an unmodified Hugging Face Llama,
 tensor + sequence parallel and for decode, against the same model unsharded in float64: logits and every gradient,
-eager, compiled and under autocast with float32 parameters; and the layers' honest constructors and dtype rules."""
+eager, compiled and under autocast with float32 parameters; OLMo-2 (q/k norms over all heads: ColwiseRMSNorm)
+through hf_plan; and the layers' honest constructors and dtype rules."""
 import copy
 
 import pytest
@@ -14,19 +15,19 @@ from refs import rel_err
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 
 
-def _llama(W, dtype):
-    """A small random Llama whose heads, KV heads and MLP split over W ranks; weights rounded to bf16 and the
-    same on every rank."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _llama(W, dtype, kind="llama"):
+    """A small random Llama (``kind`` "olmo2": OLMo-2, its q/k norms over all heads, norms after attention and
+    MLP) whose heads, KV heads and MLP split over W ranks; weights rounded to bf16 and the same on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Olmo2Config, Olmo2ForCausalLM
 
-    config = LlamaConfig(vocab_size=96, hidden_size=16 * 2 * W, intermediate_size=24 * W, num_hidden_layers=2,
-                         num_attention_heads=2 * W, num_key_value_heads=W, attn_implementation="sdpa",
-                         use_cache=False)
+    Config, Model = (Olmo2Config, Olmo2ForCausalLM) if kind == "olmo2" else (LlamaConfig, LlamaForCausalLM)
+    config = Config(vocab_size=96, hidden_size=16 * 2 * W, intermediate_size=24 * W, num_hidden_layers=2,
+                    num_attention_heads=2 * W, num_key_value_heads=W, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = Model(config)
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.bfloat16().float())
+            p.copy_((p if kind == "llama" else p + torch.randn_like(p) * 0.1).bfloat16().float())  # (norms: not 1)
     return model.to(dtype)
 
 
@@ -69,11 +70,11 @@ def _grad_errors(model, reference, rank):
     return errs
 
 
-def _llama_case(B, mode, fallback, shared=False):
+def _llama_case(B, mode, fallback, shared=False, kind="llama"):
     """``mode``: "bf16" (bf16 parameters), "autocast" (float32 parameters under autocast), "compiled" (bf16, the
     model under torch.compile), "compiled_layers" (each decoder layer compiled) or "decode" (no sequence
     parallelism: local column layers, GEMM + AllReduce rows); ``shared``: _plan's, or "hf": the plan hf_plan makes
-    of the model's own."""
+    of the model's own; ``kind``: _llama's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -81,7 +82,7 @@ def _llama_case(B, mode, fallback, shared=False):
 
     with to.Context(timeout_s=120) as ctx:
         W, dev = ctx.world_size, ctx.device
-        model = _llama(W, torch.float32 if mode == "autocast" else torch.bfloat16).to(dev)
+        model = _llama(W, torch.float32 if mode == "autocast" else torch.bfloat16, kind).to(dev)
         reference = copy.deepcopy(model).double()
         plan = hf_plan(model, ctx, fallback=fallback, sequence_parallel=mode != "decode") if shared == "hf" \
             else _plan(ctx, fallback, mode != "decode", shared)
@@ -106,7 +107,10 @@ def _llama_case(B, mode, fallback, shared=False):
         path = o_proj.last_path
         assert path == ("fallback" if fallback == "always" else "overlap"), path
         kinds = [type(op).__name__ for op in overlap_ops(model)]  # the ops the model's layers share
-        assert kinds == (["GEMMAllReduce"] if mode == "decode" else ["AllGatherGEMM", "GEMMReduceScatter"]), kinds
+        assert kinds == (["GEMMAllReduce"] if mode == "decode" else ["AllGatherGEMM", "GEMMReduceScatter"]) + (
+            ["AllReduce"] if kind == "olmo2" else []), kinds  # (OLMo-2's q/k norms sum their squares)
+        if kind == "olmo2":
+            assert type(model.model.layers[0].self_attn.q_norm.tp_style).__name__ == "ColwiseRMSNorm"
         assert all(op.fallback == fallback for op in overlap_ops(model)) and o_proj.tp_ops[0] in overlap_ops(model)
         if mode == "autocast":  # float32 parameters keep float32 gradients
             assert o_proj.weight.dtype == torch.float32 and o_proj.weight.grad.dtype == torch.float32
@@ -115,7 +119,8 @@ def _llama_case(B, mode, fallback, shared=False):
 
 LLAMA_CASES = [(2, "bf16", "never"), (1, "autocast", "never"), (2, "decode", "never"), (1, "bf16", "always"),
                (2, "bf16", "never", True), (1, "autocast", "never", True), (2, "decode", "never", True),
-               (2, "bf16", "never", "hf"), (2, "decode", "never", "hf")]
+               (2, "bf16", "never", "hf"), (2, "decode", "never", "hf"), (2, "bf16", "never", "hf", "olmo2"),
+               (1, "decode", "never", "hf", "olmo2")]
 
 
 @pytest.mark.parametrize("case", range(len(LLAMA_CASES)))

@@ -16,6 +16,7 @@ from torch import nn
 from ..kernels import skinny_gemm
 from ..ops import custom_ops
 from ..ops.all_gather_gemm import AllGatherGEMM
+from ..ops.all_reduce import AllReduce
 from ..ops.all_reduce_rmsnorm import AllReduceRMSNorm
 from ..ops.gemm_all_reduce import GEMMAllReduce
 from ..ops.gemm_reduce_scatter import GEMMReduceScatter
@@ -36,6 +37,13 @@ def gemm_ar_op(ctx, fallback: str) -> int:
     share."""
     return ctx.cached(("nn gemm_ar", fallback), lambda: custom_ops.handle(
         GEMMAllReduce(ctx, fallback=fallback, name=f"nn.ar.{fallback}")))
+
+
+def all_reduce_op(ctx, fallback: str) -> int:
+    """The handle of the AllReduce per (Context, fallback rule) that MoE blocks without sequence parallelism and
+    norms over column-parallel outputs share."""
+    return ctx.cached(("nn all_reduce", fallback), lambda: custom_ops.handle(
+        AllReduce(ctx, fallback=fallback, name=f"nn.all_reduce.{fallback}")))
 
 
 def column_rows(x, weight, bias, ctx, fallback: str, keep_gathered_input: bool = True):

@@ -24,6 +24,8 @@ Face's attention) sees the true sequence length, while each rank holds ``S/W`` p
 * ``ReplicatedLatent`` on multi-head latent attention's down-projections (DeepSeek-V3's ``q_a_proj`` and
   ``kv_a_proj_with_mqa``): the narrow latent gathered to the full sequence, its up-projections local
   ``ColwiseParallel(sequence_parallel=False)`` layers.
+* ``ColwiseRMSNorm`` (``nn.parallel_norm``) on a norm over the whole output of a column layer (OLMo-2's and
+  MiniMax-M2's q/k norms over all heads): each rank normalizes its columns, the mean square summed by one AllReduce.
 * ``GatherSequence`` on the module after the region (the final norm): its input is gathered to the full sequence;
   the gradient of a gather is this rank's slice.
 

@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from .parallel import (ColwiseParallel, GatherSequence, ReplicatedLatent, RowwiseParallel, ShardSequence,
                        SharedInputColwise)
 from .parallel_moe import MoEParallel, check_block
+from .parallel_norm import ColwiseRMSNorm, check_norm
 
 #: a vocabulary-parallel embedding's strategies: these styles keep the embedding whole on every rank
 KEPT_WHOLE = ("embedding_rowwise", "embedding_colwise")
@@ -22,6 +23,11 @@ EXPERTS = ("moe_tp_experts", "ep_dispatch_experts")
 #: down-projections as DeepSeek-V2/V3 name them -> (the latent's norm, its up-projection)
 MLA_STRATEGY = "mla_kv_a_proj"
 MLA = {"kv_a_proj_with_mqa": ("kv_a_layernorm", "kv_b_proj"), "q_a_proj": ("q_a_layernorm", "q_b_proj")}
+#: attention whose plan gathers q/k/v to their full width for a norm over all heads (OLMo-2/3, OLMoE, FlexOlmo,
+#: MiniMax-M2): "colwise_gather_output" layers of these names -> the whole-width norm that reads each (None: none),
+#: and the "rowwise_split_input" output projection beside them
+GATHERED = {"q_proj": "q_norm", "k_proj": "k_norm", "v_proj": None}
+GATHERED_OUT = "o_proj"
 
 
 def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
@@ -38,6 +44,11 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
       ``ColwiseParallel`` layers over it;
     * a sparse-MoE block (its ``experts`` marked in the model's tp or ep plan, ``EXPERTS``): ``MoEParallel`` on the
       block (``expert_parallel=True``: its experts spread over the ranks, ``MoEParallel``'s docstring);
+    * attention whose plan gathers q/k/v to the full width for a norm over all heads and splits the output
+      projection's input again ("colwise_gather_output" on ``q_proj``/``k_proj``/``v_proj``, "rowwise_split_input"
+      on ``o_proj``: OLMo-2/3, OLMoE, FlexOlmo, MiniMax-M2): the projections column- and row-wise as above, each
+      rank keeping its heads, and the whole-width ``q_norm``/``k_norm`` ``ColwiseRMSNorm`` (their mean square summed
+      over the ranks by one AllReduce);
     * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
       ``[B, S, heads, head_dim]``; and those the plan leaves out, GLM-4.5's: a norm of ``head_dim`` elements beside
       a column-wise layer): torch's ``SequenceParallel`` on the heads' dimension, so that their weights' gradients
@@ -46,7 +57,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
 
     Refused with ValueError, naming the module, before any change to the model: a strategy these styles do not
     reproduce (a fused q/k/v or gate/up layer whose output the model's plan gathers, "colwise_gather_output" and
-    "rowwise_split_input"; Hugging Face's other local or packed strategies, also on a parameter), a plan with no
+    "rowwise_split_input" but on the attention above; Hugging Face's other local or packed strategies, also on a
+    parameter), a plan with no
     column or row layer, a sharded width not divisible by the world size, and a module inside the decoder layers
     with parameters that the plan leaves out (an activation's learned scalars), whose gradient would be this
     rank's part only. A sparse-MoE block that ``MoEParallel`` cannot compute raises its TypeError.
@@ -92,6 +104,7 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
                                   sequence_parallel=sequence_parallel)
     latent = _latent_attention(modules, found, config, ctx, sequence_parallel)
     plan.update(latent.styles)
+    plan.update(_gathered_attention(modules, found, ctx, fallback))
     columns: dict[str, list[str]] = {}
     for name, (strategy, key) in found.items():
         if any(name == b or name.startswith(b + ".") for b in blocks):
@@ -142,6 +155,42 @@ class _Latent:
 
     def __init__(self):
         self.styles, self.ups, self.norms = {}, set(), set()
+
+
+def _gathered_attention(modules, found, ctx, fallback: str) -> dict[str, ParallelStyle]:
+    """Attention whose plan gathers q/k/v ("colwise_gather_output", ``GATHERED``) for a norm over all heads and
+    splits ``o_proj``'s input ("rowwise_split_input"): its entries in ``found`` become "colwise" and "rowwise" (each
+    rank keeps its heads), and a whole-width norm of a projection's output is returned with ``ColwiseRMSNorm``
+    (a per-head norm, ``head_dim`` wide, is then left to ``_head_norms``). Other layouts are left as they are
+    (and refused)."""
+    styles: dict[str, ParallelStyle] = {}
+    for out, (strategy, key) in list(found.items()):
+        parent = _parent(out)
+        if strategy != "rowwise_split_input" or out != f"{parent}.{GATHERED_OUT}" or \
+                type(modules.get(out)) is not nn.Linear:
+            continue
+        gathered = [n for n, (s, _) in found.items() if _parent(n) == parent and s == "colwise_gather_output"]
+        if not gathered or any(n.rsplit(".", 1)[1] not in GATHERED or type(modules.get(n)) is not nn.Linear
+                               for n in gathered):
+            continue
+        norms = {}
+        head_dim = getattr(modules.get(parent), "head_dim", None)
+        for n in gathered:
+            norm = GATHERED[n.rsplit(".", 1)[1]]
+            m = modules.get(f"{parent}.{norm}") if norm else None
+            weight = getattr(m, "weight", None)
+            if m is None or not isinstance(weight, nn.Parameter) or weight.numel() == head_dim:
+                continue  # no norm, or a per-head one
+            if weight.numel() != modules[n].out_features:
+                raise ValueError(f"hf_plan: {parent}.{norm} reads {n}'s output ({modules[n].out_features} wide) but "
+                                 f"its weight has {weight.numel()} elements; write the plan by hand")
+            check_norm(m, f"hf_plan: {parent}.{norm}")
+            norms[f"{parent}.{norm}"] = ColwiseRMSNorm(ctx, fallback=fallback)
+        styles.update(norms)
+        for n in gathered:
+            found[n] = ("colwise", found[n][1])
+        found[out] = ("rowwise", key)
+    return styles
 
 
 def _latent_attention(modules, found, config, ctx, sequence_parallel: bool) -> _Latent:
