@@ -293,6 +293,22 @@ def _float32_without_autocast():
             parallelize_module(nn.Linear(4, 4 * W + 1), mesh, ColwiseParallel(ctx))
         with pytest.raises(ValueError, match="fallback"):
             RowwiseParallel(ctx, fallback="sometimes")
+        with pytest.raises(ValueError, match="the device mesh is 2-D; these styles take a 1-D mesh"):
+            parallelize_module(nn.Linear(4, 4 * W), init_device_mesh(dev.type, (1, W)), ColwiseParallel(ctx))
+        from triton_overlap.nn import ColwiseRMSNorm, GatherSequence, ShardSequence
+
+        for style in (ShardSequence, GatherSequence):
+            with pytest.raises(ValueError, match="sequence_dim must be 0 .* or 1 .*, got 2"):
+                style(ctx, sequence_dim=2)
+        norm = nn.RMSNorm(4 * W, eps=1e-6)
+        parallelize_module(norm, mesh, ColwiseRMSNorm(ctx))
+        assert tuple(norm.weight.shape) == (4,)
+        with pytest.raises(ValueError, match="parallelized already"):
+            parallelize_module(norm, mesh, ColwiseRMSNorm(ctx))
+        with pytest.raises(TypeError, match=r"LayerNorm does not compute x \* rsqrt"):  # (centred: not an RMSNorm)
+            parallelize_module(nn.LayerNorm(4 * W, bias=False), mesh, ColwiseRMSNorm(ctx))
+        with pytest.raises(ValueError, match="width 7 is not divisible"):
+            parallelize_module(nn.RMSNorm(7, eps=1e-6), mesh, ColwiseRMSNorm(ctx))
         ctx.check()
         return True
 
@@ -476,5 +492,9 @@ def test_hf_plan_from_the_models_own():
     llama.config.base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "layers.*.mlp.down_proj": "local_rowwise"}
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj is 'local_rowwise'"):
         hf_plan(llama, None)
+    llama.model.layers[1].mlp.tp_style = object()  # (what a style leaves on a module it applied to)
+    with pytest.raises(ValueError, match=r"parallelized already \(model.layers.1.mlp has a parallel style\)"):
+        hf_plan(llama, None)
+    del llama.model.layers[1].mlp.tp_style
     assert isinstance(llama.model.layers[0].mlp.down_proj, nn.Linear) and not hasattr(llama.model.layers[0].mlp,
                                                                                        "tp_style")

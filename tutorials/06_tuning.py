@@ -45,7 +45,7 @@ def main():
         dist.broadcast_object_list(table, src=0)
         os.environ["TRITON_OVERLAP_TUNED"] = table[0]
 
-        # %% The sweep (what scripts/tune.py runs: triton_overlap.tuning), shortened to two candidates a stage.
+        # %% The sweep (what scripts/tune.py runs: triton_overlap.tuning), shortened to two values of each knob.
         us, best = tune_gemm(ctx, "gemm_rs", shape, dry=True)
         if r == 0:
             tuned.save(table[0], "gemm_rs", tuned.gpu_key(ctx), W, list(shape), best)

@@ -25,6 +25,8 @@ class ParallelTransformerBlock(nn.Module):
     Packed documents: ``block(x, cu_seqlens=...)`` with B = 1 and ``x`` sharded
     with the same boundaries (``zigzag.shard(x, ctx, cu_seqlens=...)``); attention
     stays within each document, the MLP is row-wise.
+    ``fallback`` is the MLP's (``TPMLP``); attention has no torch path (``ContextParallelAttention`` always runs
+    its kernels).
     """
 
     def __init__(self, dim, n_heads, n_kv_heads, hidden, *, ctx, causal=True, dtype=None, device=None,

@@ -60,7 +60,11 @@ def check_mesh(style, device_mesh):
     if device_mesh is None:
         raise ValueError(f"{type(style).__name__}: parallelize_module needs a device_mesh over the Context's ranks")
     ranks = device_mesh.mesh.flatten().tolist()
-    if device_mesh.ndim != 1 or ranks != list(range(ctx.world_size)):
+    if device_mesh.ndim != 1:
+        raise ValueError(f"{type(style).__name__}: the device mesh is {device_mesh.ndim}-D; these styles take a 1-D "
+                         f"mesh over the Context's {ctx.world_size} ranks in order, e.g. "
+                         f"init_device_mesh({ctx.device.type!r}, ({ctx.world_size},))")
+    if ranks != list(range(ctx.world_size)):
         raise ValueError(f"{type(style).__name__}: the device mesh {ranks} is not the Context's "
                          f"{ctx.world_size} ranks in order (a 1-D mesh over them, e.g. "
                          f"init_device_mesh({ctx.device.type!r}, ({ctx.world_size},)))")
@@ -490,13 +494,20 @@ def _gather_latent(y, handle: int, world: int, dim: int):
     return custom_ops.gather_sequence(y, handle, world, dim)
 
 
+def _sequence_dim(style: str, dim: int) -> int:
+    """``dim`` where it is 0 (sequence-first) or 1 (batch-first), else ValueError naming ``style``."""
+    if dim not in (0, 1):
+        raise ValueError(f"{style}: sequence_dim must be 0 (sequence-first) or 1 (batch-first), got {dim}")
+    return dim
+
+
 class ShardSequence(ParallelStyle):
     """Makes a module's output (the full activation, the same on every rank: a token embedding) this rank's
     sequence shard, a DTensor ``Shard(sequence_dim)`` whose global shape is the full one. Backward gathers the gradient,
     so the module before the region gets the whole of it."""
 
     def __init__(self, ctx, *, sequence_dim: int = 1):
-        self.ctx, self.sequence_dim = ctx, sequence_dim
+        self.ctx, self.sequence_dim = ctx, _sequence_dim("ShardSequence", sequence_dim)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         check_mesh(self, device_mesh)
@@ -523,7 +534,7 @@ class GatherSequence(ParallelStyle):
     final norm, then the LM head and the loss). Backward: this rank's slice of the gradient."""
 
     def __init__(self, ctx, *, sequence_dim: int = 1):
-        self.ctx, self.sequence_dim = ctx, sequence_dim
+        self.ctx, self.sequence_dim = ctx, _sequence_dim("GatherSequence", sequence_dim)
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         check_mesh(self, device_mesh)
@@ -540,5 +551,4 @@ class GatherSequence(ParallelStyle):
 
 
 __all__ = ["ColwiseParallel", "GatherSequence", "ReplicatedLatent", "RowwiseParallel", "ShardSequence",
-           "SharedInputColwise", "check_mesh", "overlap_ops", "replicated_local", "replicated_parameter",
-           "styled_class", "summed_grad"]
+           "SharedInputColwise", "overlap_ops"]

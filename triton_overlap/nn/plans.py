@@ -78,10 +78,14 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     tp = getattr(config, "base_model_tp_plan", None)
     if not tp:
         raise ValueError(f"hf_plan: {type(model).__name__} has no config.base_model_tp_plan (a Hugging Face "
-                         f"transformers model declares one); write the plan by hand (tutorial 09 shows one)")
+                         f"transformers model declares one); write the plan by hand (README, 'Using it': the styles)")
     prefix = getattr(model, "base_model_prefix", "")
     prefix = prefix + "." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
     modules = dict(model.named_modules())
+    styled = next((n for n, m in modules.items() if hasattr(m, "tp_style")), None)
+    if styled is not None:
+        raise ValueError(f"hf_plan: {type(model).__name__} is parallelized already ({styled} has a parallel style); "
+                         f"a model is parallelized once: make the plan of an unmodified copy")
     rules = [(_pattern(prefix, k), k, v) for k, v in tp.items()]
     found = {}  # concrete module or parameter name -> (strategy, the tp plan's key)
     for name in [*modules, *(n for n, _ in model.named_parameters())]:
@@ -131,10 +135,10 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
             plan[name] = heads
         else:
             raise ValueError(f"hf_plan: {name} is {strategy!r} in the model's plan ({key!r}), which these styles do "
-                             f"not reproduce; write the plan by hand (tutorial 09 shows one)")
+                             f"not reproduce; write the plan by hand (README, 'Using it': the styles)")
     if not columns and not blocks:
         raise ValueError(f"hf_plan: the plan of {type(model).__name__} names no column or row linear layer "
-                         f"({sorted(set(tp.values()))}); write the plan by hand (tutorial 09 shows one)")
+                         f"({sorted(set(tp.values()))}); write the plan by hand (README, 'Using it': the styles)")
     for parent, names in columns.items():  # (layers reading inputs of different widths cannot share one)
         if shared_inputs and len(names) > 1 and len({modules[n].in_features for n in names}) == 1:
             plan[parent] = SharedInputColwise(ctx, tuple(n[len(parent) + 1:] for n in names), fallback=fallback,
@@ -253,7 +257,7 @@ def _layers(model, modules, prefix, tp) -> str:
     lists = sorted(h for h in heads if isinstance(modules.get(h), nn.ModuleList))
     if len(lists) != 1:
         raise ValueError(f"hf_plan: cannot tell the decoder layers of {type(model).__name__} from its plan's keys "
-                         f"({sorted(tp)}); write the plan by hand (tutorial 09 shows one)")
+                         f"({sorted(tp)}); write the plan by hand (README, 'Using it': the styles)")
     return lists[0]
 
 
@@ -297,7 +301,7 @@ def _check_covered(modules, plan, layers: str, sequence_parallel: bool, whole=()
         if own and (sequence_parallel or depth > 1 or sharded_below):
             raise ValueError(f"hf_plan: {name} ({type(m).__name__}) has parameters {own} that the model's plan "
                              f"leaves out; it reads this rank's part of the activations, so their gradients would "
-                             f"be this rank's part only; write the plan by hand (tutorial 09 shows one)")
+                             f"be this rank's part only; write the plan by hand (README, 'Using it': the styles)")
 
 
 def _sequence_edges(modules, embed: str, norm: str, layers: str, ctx) -> dict[str, ParallelStyle]:

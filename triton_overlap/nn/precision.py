@@ -20,7 +20,8 @@ def compute_dtype(where: str, x: torch.Tensor, weight: torch.Tensor) -> torch.dt
         return dt
     if weight.dtype not in COMPUTE_DTYPES:
         raise TypeError(f"{where}: parameters are {weight.dtype}; the kernels compute in bfloat16 or float16. Build "
-                        f"the layer with dtype=torch.bfloat16 (or float16), or call it under "
+                        f"the layer with dtype=torch.bfloat16 (or float16; a model: model.to(torch.bfloat16), or "
+                        f"from_pretrained(..., dtype=torch.bfloat16)), or call it under "
                         f"torch.autocast(device_type={dev!r}, dtype=torch.bfloat16) to keep float32 parameters")
     if x.dtype != weight.dtype:
         raise TypeError(f"{where}: input is {x.dtype} but the parameters are {weight.dtype}; pass "
