@@ -24,7 +24,8 @@ def _model(kind, W, dtype, dense_last=False):
     "glm4": the same ungated, DeepSeek-V3's router with a random correction bias and two groups of experts, one
     kept, routed weights scaled by 2.5, the first layer dense, attention biases, per-head q/k norms that its plan
     leaves out; "deepseek_v3": GLM-4.5's MoE under multi-head latent attention; "minimax_m2": sigmoid top-k with
-    the block's random correction bias, q/k norms over all heads) causal LM whose heads, KV heads,
+    the block's random correction bias, q/k norms over all heads; "olmoe": softmax top-k without renormalization,
+    q/k norms over all heads, no pipeline plan) causal LM whose heads, KV heads,
     width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every
     rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
@@ -57,6 +58,10 @@ def _model(kind, W, dtype, dense_last=False):
         config = Config(n_routed_experts=4, moe_intermediate_size=8 * W, n_shared_experts=2, intermediate_size=8 * W,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
                         n_group=2, topk_group=1, **common)
+    elif kind == "olmoe":  # no pipeline plan: hf_plan finds the region's edges by their names
+        from transformers import OlmoeConfig as Config, OlmoeForCausalLM as Model
+
+        config = Config(num_experts=4, intermediate_size=8 * W, norm_topk_prob=False, **common)
     elif kind == "minimax_m2":
         from transformers import MiniMaxM2Config as Config, MiniMaxM2ForCausalLM as Model
 
@@ -143,7 +148,8 @@ ROUTING_MARGIN = 0.04  # bf16 activations move router logits by ~1 % of their si
 
 def _decisive(gate, logits, bias=None) -> bool:
     """Whether the router ``gate``'s choice from float64 ``logits`` [T, E] has no near tie: for a softmax router the
-    k-th largest logit exceeds the next by ROUTING_MARGIN of the token's largest; for DeepSeek-V3's (a correction
+    k-th largest logit exceeds the next by ROUTING_MARGIN of the token's largest (DeepSeek-V2's: also between its
+    kept groups' best logits and the next group's, the k-th among the kept groups); for DeepSeek-V3's (a correction
     bias, groups) the same margin, a quarter of it after the sigmoid (whose slope is at most 1/4), between the kept
     groups' scores and the next group's, and between the k-th choice among the kept groups' experts and the next;
     MiniMax-M2's (``bias``: the block's correction bias) also the softmax router's margin, which its model's
@@ -152,8 +158,17 @@ def _decisive(gate, logits, bias=None) -> bool:
     from_block = bias is not None  # (MiniMax-M2: the block's bias)
     bias = getattr(gate, "e_score_correction_bias", None) if bias is None else bias
     if bias is None:
-        top = logits.topk(k + 1, dim=-1).values
-        return bool((top[:, k - 1] - top[:, k] >= margin).all())
+        groups, keep = getattr(gate, "num_group", 1), getattr(gate, "topk_group", 1)
+        if getattr(gate, "topk_method", None) == "group_limited_greedy" and keep < groups:  # DeepSeek-V2's
+            T, E = logits.shape  # (a group's best softmax score ranks as its best logit)
+            best = logits.view(T, groups, E // groups).amax(-1).topk(keep + 1, dim=-1)
+            if not (best.values[:, keep - 1] - best.values[:, keep] >= margin).all():
+                return False
+            kept = torch.zeros(T, groups, dtype=torch.bool, device=logits.device)
+            kept.scatter_(1, best.indices[:, :keep], True)
+            logits = logits.masked_fill(~kept.unsqueeze(-1).expand(T, groups, E // groups).reshape(T, E), -torch.inf)
+        top = logits.topk(min(k + 1, logits.shape[1]), dim=-1).values
+        return k == logits.shape[1] or bool((top[:, k - 1] - top[:, k] >= margin).all())
     if from_block:  # MiniMax-M2's load-balancing loss picks the top k of the softmax of the logits
         top = logits.topk(k + 1, dim=-1).values
         if not bool((top[:, k - 1] - top[:, k] >= margin).all()):
@@ -272,7 +287,7 @@ MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral
              ("glm4", "decode", "never", True, True), ("qwen2", "decode", "never", True, True),
              ("deepseek_v3", "bf16", "never", True), ("deepseek_v3", "decode", "never", True, True),
              ("mixtral", "decode", "always", True), ("minimax_m2", "bf16", "never", True),
-             ("minimax_m2", "decode", "never", True)]
+             ("minimax_m2", "decode", "never", True), ("olmoe", "bf16", "never", True)]
 #: MOE_CASES the host backend skips: the decode cases but Mixtral's (tensor parallel) and DeepSeek-V3's (expert
 #: parallel), which cover both modes
 HOST_SKIPS = (13, 14, 15, 18, 20)
@@ -301,7 +316,7 @@ def _skip_unshipped(transformers, kind, hf=True):
     from triton_overlap.nn.plans import expert_keys
 
     config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
-              "minimax_m2": "MiniMaxM2Config"}.get(kind)
+              "minimax_m2": "MiniMaxM2Config", "olmoe": "OlmoeConfig"}.get(kind)
     if config and not hasattr(transformers, config):
         pytest.skip(f"transformers {transformers.__version__} has no {config}")
     if hf and config and not expert_keys(getattr(transformers, config)()):
@@ -357,16 +372,19 @@ def test_generate_with_the_decode_plan(pool, case, cache):
 
 
 #: kind -> experts + shared parts
-BLOCKS = {"qwen3_next": 8, "qwen3_5_moe": 8, "deepseek_v3": 8, "olmoe": 4, "minimax_m2": 4}
+BLOCKS = {"qwen3_next": 8, "qwen3_5_moe": 8, "deepseek_v3": 8, "olmoe": 4, "minimax_m2": 4, "deepseek_v2": 8,
+          "granitemoe": 4}
 
 
 def _block(kind, W):
     """A Qwen3-Next ("qwen3_next") or Qwen3.5-MoE ("qwen3_5_moe") sparse-MoE block with a gated shared expert four
     times an expert's width, DeepSeek-V3's ("deepseek_v3": 2 groups of 2 experts, one kept, a random correction
     bias, weights scaled by 2.5, an ungated shared expert four times an expert's width) or OLMoE's ("olmoe":
-    softmax top-k without renormalization, no shared expert) or MiniMax-M2's ("minimax_m2": sigmoid top-k, the
-    block's random correction bias passed to the router); 4 experts, top-2; weights rounded to bf16, the same on
-    every rank."""
+    softmax top-k without renormalization, no shared expert), MiniMax-M2's ("minimax_m2": sigmoid top-k, the
+    block's random correction bias passed to the router), DeepSeek-V2's ("deepseek_v2": softmax top-k within the
+    best of 2 groups of 2 experts, weights scaled by 16, an ungated shared expert four times an expert's width) or
+    Granite-MoE's ("granitemoe": the router named ``router``); 4 experts, top-2; weights rounded to bf16, the same
+    on every rank."""
     small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
                  shared_expert_intermediate_size=32 * W, experts_implementation="eager")
     if kind == "deepseek_v3":
@@ -380,6 +398,17 @@ def _block(kind, W):
         from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock as Block
         small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=8 * W,
                      norm_topk_prob=False, experts_implementation="eager")
+    elif kind == "deepseek_v2":
+        from transformers import DeepseekV2Config as Config
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Moe as Block
+        small = dict(hidden_size=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
+                     n_shared_experts=4, n_group=2, topk_group=1, topk_method="group_limited_greedy",
+                     routed_scaling_factor=16.0, experts_implementation="eager")
+    elif kind == "granitemoe":
+        from transformers import GraniteMoeConfig as Config
+        from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE as Block
+        small = dict(hidden_size=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8 * W,
+                     experts_implementation="eager")
     elif kind == "minimax_m2":
         from transformers import MiniMaxM2Config as Config
         from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock as Block
@@ -418,7 +447,8 @@ def _block_case(kind, decode=False, ep=False):
         B, S, s = 2, 4 * W, 4
         for seed in range(1000):  # the first draw whose top-2 choice has no near tie (_decisive_tokens)
             x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(seed)).bfloat16().double().to(dev)
-            if _decisive(reference.gate, (x @ reference.gate.weight.t()).view(B * S, -1),
+            gate = getattr(reference, "gate", None) or reference.router  # (Granite-MoE's is "router")
+            if _decisive(gate, (x @ gate.weight.t()).view(B * S, -1),
                          getattr(reference, "e_score_correction_bias", None)):
                 break
         gy = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(7)).double().to(dev)

@@ -44,8 +44,9 @@ class MoEParallel(ParallelStyle):
     DeepSeek-V3's and GLM-4.5's ``shared_experts``), tensor parallel: every rank keeps every expert, with its
     ``hidden/W`` slice of each expert's width, and the tokens of all ranks meet at each rank's experts. The router
     may be of any class whose rule is one ``nn.routers`` computes (softmax top-k; DeepSeek-V3's sigmoid top-k with
-    a correction bias and groups; MiniMax-M2's, whose block holds the correction bias and passes it to the router):
-    the style matches it by running both on a probe when applied.
+    a correction bias and groups; MiniMax-M2's, whose block holds the correction bias and passes it to the router;
+    DeepSeek-V2's softmax top-k with groups and a scale), named ``gate`` or ``router`` (Granite-MoE's): the style
+    matches it by running both on a probe when applied.
 
     Applied, the block holds rank r's shard in the ops' [E, K, N] layout: ``experts.gate_up_proj``
     [E, dim, 2 * hidden/W] (r's columns of each expert's gate, then of its up projection) and
@@ -120,7 +121,7 @@ class MoEParallel(ParallelStyle):
         if hasattr(module, "tp_style"):
             raise ValueError(f"MoEParallel: {type(module).__name__} is parallelized already")
         gate, experts, rule, shared, shared_gate = check_block(module, W, self.expert_parallel)
-        module.tp_router_bias = _block_bias(module, gate) is not None
+        module.tp_router, module.tp_router_bias = router_name(module), _block_bias(module, gate) is not None
         w1, w3, w2 = _full_experts(experts)
         module.tp_experts, module.tp_shared = w1.shape[0], 0
         replicated = [gate]  # the modules whose weights every rank keeps whole, as replicated DTensors
@@ -173,16 +174,17 @@ def check_block(block, world: int | None = None, expert_parallel: bool = False):
     not a multiple of the experts' (tensor parallel: it joins them)."""
     children = dict(block.named_children())
     shared = next((n for n in SHARED if n in children), None)
-    allowed = {"gate", "experts"} | ({shared, SHARED[shared]} - {None} if shared else set())
-    if not {"gate", "experts"} <= set(children) <= allowed or list(block.parameters(recurse=False)) or \
+    router = router_name(block)
+    allowed = {router, "experts"} | ({shared, SHARED[shared]} - {None} if shared else set())
+    if not {router, "experts"} <= set(children) <= allowed or list(block.parameters(recurse=False)) or \
             (shared and SHARED[shared] and SHARED[shared] not in children):
         extra = sorted(set(children) - allowed) + [n for n, _ in block.named_parameters(recurse=False)]
         missing = sorted(allowed - set(children))
         why = (f" without {missing}" if missing else "") + (f", with {extra} beside them" if extra else "")
-        raise TypeError(f"MoEParallel applies to a sparse-MoE block of a router 'gate' and 'experts', and a shared "
-                        f"expert of {sorted(SHARED)} with its gate where it has one; {type(block).__name__} has "
-                        f"{sorted(children)}{why}")
-    gate, experts = children["gate"], children["experts"]
+        raise TypeError(f"MoEParallel applies to a sparse-MoE block of a router ('gate' or 'router') and 'experts', "
+                        f"and a shared expert of {sorted(SHARED)} with its gate where it has one; "
+                        f"{type(block).__name__} has {sorted(children)}{why}")
+    gate, experts = children[router], children["experts"]
     if [n for n, _ in experts.named_parameters()] != ["gate_up_proj", "down_proj"]:
         raise TypeError(f"MoEParallel: experts {type(experts).__name__} must hold exactly gate_up_proj and "
                         f"down_proj (transformers 5's fused layout)")
@@ -214,9 +216,15 @@ def _block_bias(block, gate) -> torch.Tensor | None:
     return bias if takes and isinstance(bias, torch.Tensor) else None
 
 
+def router_name(block) -> str:
+    """The name of a block's router child: ``gate`` (most models), else ``router`` (Granite-MoE's, Jamba's, Aria's)."""
+    return "router" if "router" in dict(block.named_children()) and not hasattr(block, "gate") else "gate"
+
+
 def _route(block, rows):
     """The block's router on ``rows`` [T, dim], passed the block's correction bias where it takes it."""
-    return block.gate(rows, block.e_score_correction_bias) if block.tp_router_bias else block.gate(rows)
+    gate = getattr(block, block.tp_router)
+    return gate(rows, block.e_score_correction_bias) if block.tp_router_bias else gate(rows)
 
 
 def _check_shared(mlp, gate, hidden: int | None, dim: int) -> None:

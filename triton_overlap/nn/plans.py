@@ -70,9 +70,10 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     ``sequence_parallel`` (the default, for training and prefill): the residual stream between the layers is each
     rank's sequence shard: ``ShardSequence`` on the embedding, torch's ``SequenceParallel`` on the norms of each
     decoder layer, ``GatherSequence`` on the final norm (``config.base_model_pp_plan``'s first module, its list of
-    layers and its last module). ``False`` (decode): column layers multiply locally and row layers run GEMM +
-    AllReduce; a sparse-MoE block computes this rank's share of its experts for every token, summed by one
-    AllReduce (``MoEParallel``'s docstring). ``fallback`` goes to every style that takes one. Every rank must hold
+    layers and its last module; without that plan, the base model's ``embed_tokens``, ``layers`` and ``norm``).
+    ``False`` (decode): column layers multiply locally and row layers run GEMM + AllReduce; a sparse-MoE block
+    computes this rank's share of its experts for every token, summed by one AllReduce (``MoEParallel``'s
+    docstring). ``fallback`` goes to every style that takes one. Every rank must hold
     the same full weights, as for torch's own styles."""
     config = getattr(model, "config", None)
     tp = getattr(config, "base_model_tp_plan", None)
@@ -242,8 +243,17 @@ def _pattern(prefix: str, key: str) -> re.Pattern:
 
 def _ends(model, modules, prefix, layers: str):
     """(embedding, final norm): ``config.base_model_pp_plan``'s first and last entries, with ``layers`` between
-    them (a dropout between the embedding and the layers is left as it is), or ValueError."""
+    them (a dropout between the embedding and the layers is left as it is); without that plan, transformers'
+    convention: ``embed_tokens`` (an ``nn.Embedding``), ``layers`` and ``norm`` (a norm), children of one module in
+    that order (OLMoE, Granite-MoE, Hunyuan-MoE); else ValueError."""
     stages = [prefix + s for s in getattr(model.config, "base_model_pp_plan", None) or ()]
+    base = layers[:-len("layers")]  # "model." (or "" for a base model)
+    if not stages and layers.endswith("layers") and (not base or base.endswith(".")):
+        names = [n for n, _ in modules[base[:-1]].named_children()]
+        embed, norm = modules.get(f"{base}embed_tokens"), modules.get(f"{base}norm")
+        if isinstance(embed, nn.Embedding) and norm is not None and type(norm).__name__.lower().endswith("norm") \
+                and names.index("embed_tokens") < names.index("layers") < names.index("norm"):
+            return f"{base}embed_tokens", f"{base}norm"
     if layers not in stages[1:-1] or any(s not in modules for s in stages):
         raise ValueError(f"hf_plan: sequence parallelism needs the model's embedding, layers and final norm "
                          f"(config.base_model_pp_plan), found {[s[len(prefix):] for s in stages]} in "

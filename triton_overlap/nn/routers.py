@@ -16,7 +16,12 @@ differences):
   by their sum (+ 1e-20) where ``norm_topk_prob``, times ``routed_scaling_factor``.
 * ``GroupedSigmoid(renormalize=True)``: the same with the weights always divided by their sum: MiniMax-M2's, whose
   router has no groups and takes the correction bias, a buffer of the block, as its forward's second argument
-  (``router_rule``'s ``bias``; the block's forward passes it at every call).
+  (``router_rule``'s ``bias``; the block's forward passes it at every call). The scale may be named
+  ``router_scaling_factor`` (Hunyuan's).
+* ``GroupedSoftmax()``: DeepSeek-V2's (V2, V2-Lite, V2.5): softmax over the experts; with ``topk_method``
+  "group_limited_greedy" the choice is restricted to the ``topk_group`` groups (of ``num_group``) whose best
+  expert scores highest; the weights are the chosen scores (divided by their sum + 1e-20 where ``norm_topk_prob``)
+  times ``routed_scaling_factor``.
 """
 from __future__ import annotations
 
@@ -68,8 +73,38 @@ class GroupedSigmoid:
             weights = scores.gather(1, ids)
             if self.renormalize if self.renormalize is not None else getattr(gate, "norm_topk_prob", False):
                 weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-            weights = weights * float(getattr(gate, "routed_scaling_factor", 1.0))
+            weights = weights * _scale(gate)
         return logits, weights, ids
+
+
+@dataclass(frozen=True)
+class GroupedSoftmax:
+    """DeepSeek-V2's rule (module docstring), its parameters read from the router at every call."""
+
+    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """(logits float32 [T, E], weights float32 [T, k], ids int64 [T, k]) of rows [T, dim] (``bias``: unused)."""
+        groups, keep = _groups(gate)
+        with torch.autocast(rows.device.type, enabled=False):
+            logits = rows.float() @ weight.float().t()
+            scores = logits.softmax(-1)
+            choice = scores
+            if getattr(gate, "topk_method", "greedy") == "group_limited_greedy" and keep < groups:
+                T, E = scores.shape
+                best = scores.view(T, groups, E // groups).amax(-1)
+                chosen = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1).indices, 1.0)
+                allowed = chosen.bool().unsqueeze(-1).expand(T, groups, E // groups).reshape(T, E)
+                choice = scores.masked_fill(~allowed, 0.0)
+            ids = choice.topk(gate.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+            if getattr(gate, "norm_topk_prob", False):
+                weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+            weights = weights * _scale(gate)
+        return logits, weights, ids
+
+
+def _scale(gate) -> float:
+    """A router's scale of its weights: ``routed_scaling_factor`` (or ``router_scaling_factor``), else 1."""
+    return float(getattr(gate, "routed_scaling_factor", getattr(gate, "router_scaling_factor", 1.0)) or 1.0)
 
 
 def _groups(gate) -> tuple[int, int]:
@@ -118,19 +153,22 @@ def router_rule(gate, who: str, bias: torch.Tensor | None = None):
             if _same_routes(own, mine):
                 return rule
     raise TypeError(f"{who}: router {name} computes none of the rules it reproduces (softmax top-k with or "
-                    f"without renormalization; DeepSeek-V3's sigmoid top-k with a correction bias and groups)")
+                    f"without renormalization; DeepSeek-V3's sigmoid top-k with a correction bias and groups; "
+                    f"DeepSeek-V2's softmax top-k with groups and a scale)")
 
 
 def _candidates(gate, bias: torch.Tensor | None = None) -> list:
-    """The rules to try on ``gate``, in order: softmax with and without renormalization, and DeepSeek-V3's (as the
+    """The rules to try on ``gate``, in order: softmax with and without renormalization, DeepSeek-V3's (as the
     router's ``norm_topk_prob`` says, then always renormalized) where there is a correction bias (the router's, or
-    ``bias`` from the block) and the router's groups divide its experts."""
+    ``bias`` from the block), and DeepSeek-V2's; the grouped rules where the router's groups divide its experts."""
     rules = [Softmax(True), Softmax(False)]
     bias = getattr(gate, "e_score_correction_bias", None) if bias is None else bias
     groups, keep = _groups(gate)
-    if isinstance(bias, torch.Tensor) and gate.weight.shape[0] % groups == 0 and 0 < keep <= groups:
+    if gate.weight.shape[0] % groups or not 0 < keep <= groups:
+        return rules
+    if isinstance(bias, torch.Tensor):
         rules += [GroupedSigmoid(), GroupedSigmoid(renormalize=True)]
-    return rules
+    return rules + [GroupedSoftmax()]
 
 
 def _same_routes(own, mine) -> bool:
@@ -145,4 +183,4 @@ def _same_routes(own, mine) -> bool:
                 and torch.allclose(w1, w2, rtol=1e-4, atol=1e-6))
 
 
-__all__ = ["GroupedSigmoid", "Softmax", "router_rule"]
+__all__ = ["GroupedSigmoid", "GroupedSoftmax", "Softmax", "router_rule"]
