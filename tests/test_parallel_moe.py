@@ -111,6 +111,8 @@ def _grad_errors(model, reference, rank, W, ep=False):
 
     errs, ref = {}, dict(reference.named_parameters())
     for name, p in model.named_parameters():
+        if not p.requires_grad:  # (Ernie 4.5's correction bias)
+            continue
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         full = ref[name].grad
         if name.startswith("experts.") or ".experts." in name:
@@ -153,10 +155,16 @@ def _decisive(gate, logits, bias=None) -> bool:
     bias, groups) the same margin, a quarter of it after the sigmoid (whose slope is at most 1/4), between the kept
     groups' scores and the next group's, and between the k-th choice among the kept groups' experts and the next;
     MiniMax-M2's (``bias``: the block's correction bias) also the softmax router's margin, which its model's
-    load-balancing loss reads."""
+    load-balancing loss reads; for Ernie 4.5's (softmax plus a correction bias) a quarter of the margin between the
+    k-th choice score and the next."""
+    from triton_overlap.nn.routers import BiasedSoftmax, correction_bias, router_rule
+
     k, margin = gate.top_k, ROUTING_MARGIN * logits.abs().amax(-1)
     from_block = bias is not None  # (MiniMax-M2: the block's bias)
-    bias = getattr(gate, "e_score_correction_bias", None) if bias is None else bias
+    bias = correction_bias(gate) if bias is None else bias
+    if bias is not None and isinstance(router_rule(gate, "_decisive", bias if from_block else None), BiasedSoftmax):
+        top = (logits.softmax(-1) + bias.double().reshape(-1)).topk(k + 1, dim=-1).values
+        return bool((top[:, k - 1] - top[:, k] >= margin / 4).all())
     if bias is None:
         groups, keep = getattr(gate, "num_group", 1), getattr(gate, "topk_group", 1)
         if getattr(gate, "topk_method", None) == "group_limited_greedy" and keep < groups:  # DeepSeek-V2's
@@ -373,7 +381,7 @@ def test_generate_with_the_decode_plan(pool, case, cache):
 
 #: kind -> experts + shared parts
 BLOCKS = {"qwen3_next": 8, "qwen3_5_moe": 8, "deepseek_v3": 8, "olmoe": 4, "minimax_m2": 4, "deepseek_v2": 8,
-          "granitemoe": 4}
+          "granitemoe": 4, "ernie4_5_moe": 8}
 
 
 def _block(kind, W):
@@ -383,8 +391,9 @@ def _block(kind, W):
     softmax top-k without renormalization, no shared expert), MiniMax-M2's ("minimax_m2": sigmoid top-k, the
     block's random correction bias passed to the router), DeepSeek-V2's ("deepseek_v2": softmax top-k within the
     best of 2 groups of 2 experts, weights scaled by 16, an ungated shared expert four times an expert's width) or
-    Granite-MoE's ("granitemoe": the router named ``router``); 4 experts, top-2; weights rounded to bf16, the same
-    on every rank."""
+    Granite-MoE's ("granitemoe": the router named ``router``) or Ernie 4.5's ("ernie4_5_moe": softmax top-k plus a
+    random correction bias, a parameter of the router's child; an ungated shared expert four times an expert's
+    width); 4 experts, top-2; weights rounded to bf16, the same on every rank."""
     small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
                  shared_expert_intermediate_size=32 * W, experts_implementation="eager")
     if kind == "deepseek_v3":
@@ -404,6 +413,11 @@ def _block(kind, W):
         small = dict(hidden_size=32, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
                      n_shared_experts=4, n_group=2, topk_group=1, topk_method="group_limited_greedy",
                      routed_scaling_factor=16.0, experts_implementation="eager")
+    elif kind == "ernie4_5_moe":
+        from transformers import Ernie4_5_MoeConfig as Config
+        from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeSparseMoeBlock as Block
+        small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
+                     moe_num_shared_experts=4, experts_implementation="eager")
     elif kind == "granitemoe":
         from transformers import GraniteMoeConfig as Config
         from transformers.models.granitemoe.modeling_granitemoe import GraniteMoeMoE as Block

@@ -45,8 +45,8 @@ class MoEParallel(ParallelStyle):
     ``hidden/W`` slice of each expert's width, and the tokens of all ranks meet at each rank's experts. The router
     may be of any class whose rule is one ``nn.routers`` computes (softmax top-k; DeepSeek-V3's sigmoid top-k with
     a correction bias and groups; MiniMax-M2's, whose block holds the correction bias and passes it to the router;
-    DeepSeek-V2's softmax top-k with groups and a scale), named ``gate`` or ``router`` (Granite-MoE's): the style
-    matches it by running both on a probe when applied.
+    DeepSeek-V2's softmax top-k with groups and a scale; Ernie 4.5's softmax top-k with a correction bias), named
+    ``gate`` or ``router`` (Granite-MoE's): the style matches it by running both on a probe when applied.
 
     Applied, the block holds rank r's shard in the ops' [E, K, N] layout: ``experts.gate_up_proj``
     [E, dim, 2 * hidden/W] (r's columns of each expert's gate, then of its up projection) and

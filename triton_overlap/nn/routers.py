@@ -22,6 +22,13 @@ differences):
   "group_limited_greedy" the choice is restricted to the ``topk_group`` groups (of ``num_group``) whose best
   expert scores highest; the weights are the chosen scores (divided by their sum + 1e-20 where ``norm_topk_prob``)
   times ``routed_scaling_factor``.
+* ``BiasedSoftmax(renormalize)``: Ernie 4.5's: softmax over the experts; the choice among ``scores +
+  e_score_correction_bias`` (a parameter without gradient, which Ernie keeps in the router's child
+  ``moe_statics``); the weights are the chosen scores, divided by their sum (at least ``norm_min``) where
+  ``renormalize``, times the router's scale where it has one.
+
+A router holds one trainable parameter, its ``weight``; a correction bias may be a buffer or a parameter without
+gradient, of the router or of a child of it.
 """
 from __future__ import annotations
 
@@ -57,11 +64,11 @@ class GroupedSigmoid:
         the sum of its two best choice scores, as transformers computes it (so groups of two experts or more).
         ``bias``: the correction bias where the block holds it (None: the router's ``e_score_correction_bias``)."""
         groups, keep = _groups(gate)
-        bias = gate.e_score_correction_bias if bias is None else bias
+        bias = correction_bias(gate) if bias is None else bias
         with torch.autocast(rows.device.type, enabled=False):
             logits = rows.float() @ weight.float().t()
             scores = torch.sigmoid(logits)
-            choice = scores + bias.float()
+            choice = scores + bias.float().reshape(-1)
             if keep < groups:
                 T, E = choice.shape
                 per_group = choice.view(T, groups, E // groups)
@@ -102,6 +109,34 @@ class GroupedSoftmax:
         return logits, weights, ids
 
 
+@dataclass(frozen=True)
+class BiasedSoftmax:
+    """Ernie 4.5's rule (module docstring)."""
+    renormalize: bool
+
+    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """(logits float32 [T, E], weights float32 [T, k], ids int64 [T, k]) of rows [T, dim]; ``bias``: the
+        correction bias where the block holds it (None: the router's)."""
+        bias = correction_bias(gate) if bias is None else bias
+        with torch.autocast(rows.device.type, enabled=False):
+            logits = rows.float() @ weight.float().t()
+            scores = logits.softmax(-1)
+            ids = (scores + bias.float().reshape(-1)).topk(gate.top_k, dim=-1).indices
+            weights = scores.gather(1, ids)
+            if self.renormalize:
+                weights = weights / weights.sum(-1, keepdim=True).clamp(min=float(getattr(gate, "norm_min", 0.0)))
+            weights = weights * _scale(gate)
+        return logits, weights, ids
+
+
+def correction_bias(gate) -> torch.Tensor | None:
+    """The router's ``e_score_correction_bias`` (a buffer, or a parameter without gradient, of the router or of a
+    child of it: Ernie 4.5's ``moe_statics``), or None."""
+    found = [t for n, t in [*gate.named_buffers(), *gate.named_parameters()]
+             if n.rpartition(".")[2] == "e_score_correction_bias"]
+    return found[0] if len(found) == 1 else None
+
+
 def _scale(gate) -> float:
     """A router's scale of its weights: ``routed_scaling_factor`` (or ``router_scaling_factor``), else 1."""
     return float(getattr(gate, "routed_scaling_factor", getattr(gate, "router_scaling_factor", 1.0)) or 1.0)
@@ -122,11 +157,11 @@ def router_rule(gate, who: str, bias: torch.Tensor | None = None):
     router's forward after the rows (MiniMax-M2's), or None where the forward takes the rows alone; the probe draws
     it anew too."""
     name = type(gate).__name__
-    params = [n for n, _ in gate.named_parameters()]
+    params = [n for n, p in gate.named_parameters() if p.requires_grad or n == "weight"]
     weight = getattr(gate, "weight", None)
     if params != ["weight"] or weight.dim() != 2 or not isinstance(getattr(gate, "top_k", None), int):
-        raise TypeError(f"{who}: router {name} must hold one parameter, weight [E, dim], and top_k (it has "
-                        f"{params})")
+        raise TypeError(f"{who}: router {name} must hold one trainable parameter, weight [E, dim], and top_k (it "
+                        f"has {params})")
     E, dim = weight.shape
     probe = copy.deepcopy(gate).to_empty(device="cpu").to(torch.float64)
     g = torch.Generator().manual_seed(PROBE_SEED)
@@ -154,15 +189,19 @@ def router_rule(gate, who: str, bias: torch.Tensor | None = None):
                 return rule
     raise TypeError(f"{who}: router {name} computes none of the rules it reproduces (softmax top-k with or "
                     f"without renormalization; DeepSeek-V3's sigmoid top-k with a correction bias and groups; "
-                    f"DeepSeek-V2's softmax top-k with groups and a scale)")
+                    f"DeepSeek-V2's softmax top-k with groups and a scale; Ernie 4.5's softmax top-k with a "
+                    f"correction bias)")
 
 
 def _candidates(gate, bias: torch.Tensor | None = None) -> list:
-    """The rules to try on ``gate``, in order: softmax with and without renormalization, DeepSeek-V3's (as the
-    router's ``norm_topk_prob`` says, then always renormalized) where there is a correction bias (the router's, or
-    ``bias`` from the block), and DeepSeek-V2's; the grouped rules where the router's groups divide its experts."""
+    """The rules to try on ``gate``, in order: softmax with and without renormalization; where there is a
+    correction bias (the router's, or ``bias`` from the block) Ernie 4.5's with and without, then DeepSeek-V3's (as
+    the router's ``norm_topk_prob`` says, then always renormalized); and DeepSeek-V2's. The grouped rules where the
+    router's groups divide its experts."""
     rules = [Softmax(True), Softmax(False)]
-    bias = getattr(gate, "e_score_correction_bias", None) if bias is None else bias
+    bias = correction_bias(gate) if bias is None else bias
+    if isinstance(bias, torch.Tensor):
+        rules += [BiasedSoftmax(True), BiasedSoftmax(False)]
     groups, keep = _groups(gate)
     if gate.weight.shape[0] % groups or not 0 < keep <= groups:
         return rules
@@ -183,4 +222,4 @@ def _same_routes(own, mine) -> bool:
                 and torch.allclose(w1, w2, rtol=1e-4, atol=1e-6))
 
 
-__all__ = ["GroupedSigmoid", "GroupedSoftmax", "Softmax", "router_rule"]
+__all__ = ["BiasedSoftmax", "GroupedSigmoid", "GroupedSoftmax", "Softmax", "correction_bias", "router_rule"]
