@@ -25,7 +25,8 @@ def _model(kind, W, dtype, dense_last=False):
     kept, routed weights scaled by 2.5, the first layer dense, attention biases, per-head q/k norms that its plan
     leaves out; "deepseek_v3": GLM-4.5's MoE under multi-head latent attention; "minimax_m2": sigmoid top-k with
     the block's random correction bias, q/k norms over all heads; "olmoe": softmax top-k without renormalization,
-    q/k norms over all heads, no pipeline plan) causal LM whose heads, KV heads,
+    q/k norms over all heads, no pipeline plan; "qwen3_5_moe": a gated delta-rule linear attention layer, then a
+    full attention one, Qwen2-MoE's block) causal LM whose heads, KV heads,
     width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every
     rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
@@ -58,6 +59,13 @@ def _model(kind, W, dtype, dense_last=False):
         config = Config(n_routed_experts=4, moe_intermediate_size=8 * W, n_shared_experts=2, intermediate_size=8 * W,
                         first_k_dense_replace=1, routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True,
                         n_group=2, topk_group=1, **common)
+    elif kind == "qwen3_5_moe":  # a gated delta-rule layer, then a full attention layer (gated, per-head q/k norms)
+        from transformers import Qwen3_5MoeForCausalLM as Model
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig as Config
+
+        config = Config(num_experts=4, moe_intermediate_size=8 * W, shared_expert_intermediate_size=16 * W,
+                        linear_num_key_heads=W, linear_num_value_heads=2 * W, linear_key_head_dim=8,
+                        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], **common)
     elif kind == "olmoe":  # no pipeline plan: hf_plan finds the region's edges by their names
         from transformers import OlmoeConfig as Config, OlmoeForCausalLM as Model
 
@@ -115,6 +123,14 @@ def _grad_errors(model, reference, rank, W, ep=False):
             continue
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         full = ref[name].grad
+        if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):
+            # (Qwen3.5's gated delta-rule layer: this rank's query, key and value channels)
+            layer = reference.get_submodule(name[:name.index("linear_attn") + len("linear_attn")])
+            k, v = layer.key_dim // W, layer.value_dim // W
+            rows = [*range(rank * k, (rank + 1) * k), *range(layer.key_dim + rank * k, layer.key_dim + (rank + 1) * k),
+                    *range(2 * layer.key_dim + rank * v, 2 * layer.key_dim + (rank + 1) * v)]
+            errs[name] = rel_err(g, full[rows])
+            continue
         if name.startswith("experts.") or ".experts." in name:
             block = name[:name.rindex("experts.")]  # "model.layers.0.mlp." or, for a block alone, ""
             gate_up, down = ref[f"{block}experts.gate_up_proj"].grad, ref[f"{block}experts.down_proj"].grad
@@ -242,8 +258,9 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
             else _plan(ctx, kind, fallback, ep)
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
-        shared = kind in ("qwen2", "glm4", "deepseek_v3")
-        assert (kind == "qwen2") == isinstance(getattr(mlp, "shared_expert_gate", None), torch.nn.Module)
+        shared = kind in ("qwen2", "glm4", "deepseek_v3", "qwen3_5_moe")
+        assert (kind in ("qwen2", "qwen3_5_moe")) == isinstance(getattr(mlp, "shared_expert_gate", None),
+                                                                torch.nn.Module)
         if ep:  # this rank's whole experts; a shared expert kept, its weights replicated
             assert tuple(mlp.experts.gate_up_proj.shape) == (4 // W, 32 * W, 16 * W)
             kept = getattr(mlp, "shared_expert", getattr(mlp, "shared_experts", None))
@@ -295,7 +312,8 @@ MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral
              ("glm4", "decode", "never", True, True), ("qwen2", "decode", "never", True, True),
              ("deepseek_v3", "bf16", "never", True), ("deepseek_v3", "decode", "never", True, True),
              ("mixtral", "decode", "always", True), ("minimax_m2", "bf16", "never", True),
-             ("minimax_m2", "decode", "never", True), ("olmoe", "bf16", "never", True)]
+             ("minimax_m2", "decode", "never", True), ("olmoe", "bf16", "never", True),
+             ("qwen3_5_moe", "bf16", "never", True), ("qwen3_5_moe", "decode", "never", True)]
 #: MOE_CASES the host backend skips: the decode cases but Mixtral's (tensor parallel) and DeepSeek-V3's (expert
 #: parallel), which cover both modes
 HOST_SKIPS = (13, 14, 15, 18, 20)
@@ -324,7 +342,7 @@ def _skip_unshipped(transformers, kind, hf=True):
     from triton_overlap.nn.plans import expert_keys
 
     config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
-              "minimax_m2": "MiniMaxM2Config", "olmoe": "OlmoeConfig"}.get(kind)
+              "minimax_m2": "MiniMaxM2Config", "olmoe": "OlmoeConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig"}.get(kind)
     if config and not hasattr(transformers, config):
         pytest.skip(f"transformers {transformers.__version__} has no {config}")
     if hf and config and not expert_keys(getattr(transformers, config)()):
@@ -368,8 +386,8 @@ def _generate_case(kind, ep, cache):
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
-@pytest.mark.parametrize("case", [("mixtral", False), ("glm4", True), ("deepseek_v3", False)],
-                         ids=["mixtral", "glm4_ep", "deepseek_v3"])
+@pytest.mark.parametrize("case", [("mixtral", False), ("glm4", True), ("deepseek_v3", False), ("qwen3_5_moe", False)],
+                         ids=["mixtral", "glm4_ep", "deepseek_v3", "qwen3_5_moe"])
 def test_generate_with_the_decode_plan(pool, case, cache):
     _skip_unshipped(pytest.importorskip("transformers"), case[0])
     if pool.world != 2:

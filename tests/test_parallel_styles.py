@@ -309,6 +309,10 @@ def _float32_without_autocast():
             parallelize_module(nn.LayerNorm(4 * W, bias=False), mesh, ColwiseRMSNorm(ctx))
         with pytest.raises(ValueError, match="width 7 is not divisible"):
             parallelize_module(nn.RMSNorm(7, eps=1e-6), mesh, ColwiseRMSNorm(ctx))
+        from triton_overlap.nn import GatedDeltaNetParallel
+
+        with pytest.raises(TypeError, match="Linear is not a gated delta-rule layer"):
+            parallelize_module(nn.Linear(4, 4), mesh, GatedDeltaNetParallel(ctx))
         ctx.check()
         return True
 
@@ -492,6 +496,18 @@ def test_hf_plan_from_the_models_own():
     llama.config.base_model_tp_plan = {**LlamaConfig.base_model_tp_plan, "layers.*.mlp.down_proj": "local_rowwise"}
     with pytest.raises(ValueError, match="model.layers.0.mlp.down_proj is 'local_rowwise'"):
         hf_plan(llama, None)
+    try:  # Qwen3.5's linear attention: its heads split over the ranks, or refused, naming the layer
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    except ImportError:
+        Qwen3_5ForCausalLM = None
+    if Qwen3_5ForCausalLM is not None:
+        qwen35 = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**small, layer_types=["linear_attention", "full_attention"],
+                                                       linear_num_key_heads=2, linear_num_value_heads=4,
+                                                       linear_key_head_dim=8, linear_value_head_dim=8))
+        assert kinds(hf_plan(qwen35, None))["model.layers.0.linear_attn"] == "GatedDeltaNetParallel"
+        with pytest.raises(ValueError, match=r"layers.0.linear_attn: .*2 key heads and 4 value heads must be "
+                                             r"divisible by the world size 3"):
+            hf_plan(qwen35, SimpleNamespace(world_size=3))
     llama.model.layers[1].mlp.tp_style = object()  # (what a style leaves on a module it applied to)
     with pytest.raises(ValueError, match=r"parallelized already \(model.layers.1.mlp has a parallel style\)"):
         hf_plan(llama, None)

@@ -12,6 +12,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from .parallel import (ColwiseParallel, GatherSequence, ReplicatedLatent, RowwiseParallel, ShardSequence,
                        SharedInputColwise)
 from .parallel_moe import MoEParallel, check_block
+from .parallel_linear_attention import IN_PROJ, GatedDeltaNetParallel, check_layer
 from .parallel_norm import ColwiseRMSNorm, check_norm
 
 #: a vocabulary-parallel embedding's strategies: these styles keep the embedding whole on every rank
@@ -49,6 +50,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
       on ``o_proj``: OLMo-2/3, OLMoE, FlexOlmo, MiniMax-M2): the projections column- and row-wise as above, each
       rank keeping its heads, and the whole-width ``q_norm``/``k_norm`` ``ColwiseRMSNorm`` (their mean square summed
       over the ranks by one AllReduce);
+    * Qwen3.5's gated delta-rule linear attention (every projection "colwise_gather_output" in its plan):
+      ``GatedDeltaNetParallel`` on the layer, each rank keeping its heads;
     * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
       ``[B, S, heads, head_dim]``; and those the plan leaves out, GLM-4.5's: a norm of ``head_dim`` elements beside
       a column-wise layer): torch's ``SequenceParallel`` on the heads' dimension, so that their weights' gradients
@@ -110,10 +113,12 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     latent = _latent_attention(modules, found, config, ctx, sequence_parallel)
     plan.update(latent.styles)
     plan.update(_gathered_attention(modules, found, ctx, fallback))
+    plan.update(_linear_attention(modules, found, ctx, fallback, sequence_parallel))
     columns: dict[str, list[str]] = {}
+    whole = blocks | {n for n, style in plan.items() if isinstance(style, GatedDeltaNetParallel)}
     for name, (strategy, key) in found.items():
-        if any(name == b or name.startswith(b + ".") for b in blocks):
-            continue  # inside a sparse-MoE block (its experts, its shared expert): MoEParallel takes the whole block
+        if any(name == b or name.startswith(b + ".") for b in whole):
+            continue  # inside a sparse-MoE block or a linear attention layer: its style takes the whole module
         if strategy in KEPT_WHOLE and isinstance(modules.get(name), nn.Embedding) or name in latent.styles:
             continue
         if strategy in ("colwise", "rowwise"):
@@ -195,6 +200,26 @@ def _gathered_attention(modules, found, ctx, fallback: str) -> dict[str, Paralle
         for n in gathered:
             found[n] = ("colwise", found[n][1])
         found[out] = ("rowwise", key)
+    return styles
+
+
+def _linear_attention(modules, found, ctx, fallback: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Qwen3.5's gated delta-rule layers, whose plan gathers every projection ("colwise_gather_output" on
+    ``IN_PROJ`` and ``out_proj``): ``GatedDeltaNetParallel`` on the layer, which keeps each rank's heads (its
+    TypeError or ValueError, naming the layer, where it cannot take it)."""
+    styles: dict[str, ParallelStyle] = {}
+    world = None if ctx is None else ctx.world_size
+    for name, (strategy, _) in found.items():
+        parent = _parent(name)
+        if strategy != "colwise_gather_output" or name != f"{parent}.{IN_PROJ[0]}" or parent in styles:
+            continue
+        if any(found.get(f"{parent}.{n}", ("",))[0] != "colwise_gather_output" for n in (*IN_PROJ, "out_proj")):
+            continue
+        try:
+            check_layer(modules[parent], "GatedDeltaNetParallel", world)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"hf_plan: {parent}: {e}") from None
+        styles[parent] = GatedDeltaNetParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel)
     return styles
 
 
@@ -298,7 +323,7 @@ def _check_covered(modules, plan, layers: str, sequence_parallel: bool, whole=()
     for name, style in plan.items():
         if isinstance(style, SharedInputColwise):
             covered.update(f"{name}.{m}" for m in style.layers)
-        elif isinstance(style, MoEParallel):
+        elif isinstance(style, (MoEParallel, GatedDeltaNetParallel)):
             covered.update(n for n in modules if n == name or n.startswith(name + "."))
         else:
             covered.add(name)
