@@ -26,7 +26,8 @@ def _model(kind, W, dtype, dense_last=False):
     leaves out; "deepseek_v3": GLM-4.5's MoE under multi-head latent attention; "minimax_m2": sigmoid top-k with
     the block's random correction bias, q/k norms over all heads; "olmoe": softmax top-k without renormalization,
     q/k norms over all heads, no pipeline plan; "qwen3_5_moe": a gated delta-rule linear attention layer, then a
-    full attention one, Qwen2-MoE's block) causal LM whose heads, KV heads,
+    full attention one, Qwen2-MoE's block; "qwen3_next": the same with Qwen3-Next's fused projections) causal LM
+    whose heads, KV heads,
     width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every
     rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
     common = dict(vocab_size=VOCAB, hidden_size=16 * 2 * W, num_hidden_layers=2, num_attention_heads=2 * W,
@@ -62,6 +63,12 @@ def _model(kind, W, dtype, dense_last=False):
     elif kind == "qwen3_5_moe":  # a gated delta-rule layer, then a full attention layer (gated, per-head q/k norms)
         from transformers import Qwen3_5MoeForCausalLM as Model
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig as Config
+
+        config = Config(num_experts=4, moe_intermediate_size=8 * W, shared_expert_intermediate_size=16 * W,
+                        linear_num_key_heads=W, linear_num_value_heads=2 * W, linear_key_head_dim=8,
+                        linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"], **common)
+    elif kind == "qwen3_next":  # Qwen3.5-MoE's layers, the linear attention's projections laid out by key head
+        from transformers import Qwen3NextConfig as Config, Qwen3NextForCausalLM as Model
 
         config = Config(num_experts=4, moe_intermediate_size=8 * W, shared_expert_intermediate_size=16 * W,
                         linear_num_key_heads=W, linear_num_value_heads=2 * W, linear_key_head_dim=8,
@@ -123,7 +130,7 @@ def _grad_errors(model, reference, rank, W, ep=False):
             continue
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         full = ref[name].grad
-        if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):
+        if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):  # (Qwen3.5's)
             # (Qwen3.5's gated delta-rule layer: this rank's query, key and value channels)
             layer = reference.get_submodule(name[:name.index("linear_attn") + len("linear_attn")])
             k, v = layer.key_dim // W, layer.value_dim // W
@@ -258,9 +265,9 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
             else _plan(ctx, kind, fallback, ep)
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
-        shared = kind in ("qwen2", "glm4", "deepseek_v3", "qwen3_5_moe")
-        assert (kind in ("qwen2", "qwen3_5_moe")) == isinstance(getattr(mlp, "shared_expert_gate", None),
-                                                                torch.nn.Module)
+        shared = kind in ("qwen2", "glm4", "deepseek_v3", "qwen3_5_moe", "qwen3_next")
+        assert (kind in ("qwen2", "qwen3_5_moe", "qwen3_next")) == isinstance(
+            getattr(mlp, "shared_expert_gate", None), torch.nn.Module)
         if ep:  # this rank's whole experts; a shared expert kept, its weights replicated
             assert tuple(mlp.experts.gate_up_proj.shape) == (4 // W, 32 * W, 16 * W)
             kept = getattr(mlp, "shared_expert", getattr(mlp, "shared_experts", None))
@@ -313,7 +320,8 @@ MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral
              ("deepseek_v3", "bf16", "never", True), ("deepseek_v3", "decode", "never", True, True),
              ("mixtral", "decode", "always", True), ("minimax_m2", "bf16", "never", True),
              ("minimax_m2", "decode", "never", True), ("olmoe", "bf16", "never", True),
-             ("qwen3_5_moe", "bf16", "never", True), ("qwen3_5_moe", "decode", "never", True)]
+             ("qwen3_5_moe", "bf16", "never", True), ("qwen3_5_moe", "decode", "never", True),
+             ("qwen3_next", "bf16", "never", True)]
 #: MOE_CASES the host backend skips: the decode cases but Mixtral's (tensor parallel) and DeepSeek-V3's (expert
 #: parallel), which cover both modes
 HOST_SKIPS = (13, 14, 15, 18, 20)
@@ -342,7 +350,8 @@ def _skip_unshipped(transformers, kind, hf=True):
     from triton_overlap.nn.plans import expert_keys
 
     config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
-              "minimax_m2": "MiniMaxM2Config", "olmoe": "OlmoeConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig"}.get(kind)
+              "minimax_m2": "MiniMaxM2Config", "olmoe": "OlmoeConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig",
+              "qwen3_next": "Qwen3NextConfig"}.get(kind)
     if config and not hasattr(transformers, config):
         pytest.skip(f"transformers {transformers.__version__} has no {config}")
     if hf and config and not expert_keys(getattr(transformers, config)()):

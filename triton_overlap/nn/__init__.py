@@ -1,8 +1,8 @@
 """torch.nn layers built on the overlapped ops, with autograd: sequence-parallel linear layers, a tensor-parallel
 MLP, a tensor-parallel and an expert-parallel mixture of experts, a transformer block with context-parallel
 attention, and parallel styles for parallelize_module (linear layers, the sequence-parallel region's edges,
-sparse-MoE blocks, latent attention's down-projections, norms over column layers' whole outputs, Qwen3.5's linear
-attention), and a Hugging Face model's whole plan from its own (hf_plan)."""
+sparse-MoE blocks, latent attention's down-projections, norms over column layers' whole outputs, Qwen3.5's and
+Qwen3-Next's linear attention), and a Hugging Face model's whole plan from its own (hf_plan)."""
 from .block import ParallelTransformerBlock
 from .ep_moe import EPMoE
 from .linear import ColumnParallelLinear, RowParallelLinear, local_linear

@@ -26,7 +26,7 @@ Face's attention) sees the true sequence length, while each rank holds ``S/W`` p
   ``ColwiseParallel(sequence_parallel=False)`` layers.
 * ``ColwiseRMSNorm`` (``nn.parallel_norm``) on a norm over the whole output of a column layer (OLMo-2's and
   MiniMax-M2's q/k norms over all heads): each rank normalizes its columns, the mean square summed by one AllReduce.
-* ``GatedDeltaNetParallel`` (``nn.parallel_linear_attention``) on Qwen3.5's gated delta-rule linear attention layer:
+* ``GatedDeltaNetParallel`` (``nn.parallel_linear_attention``) on Qwen3.5's (Qwen3-Next's) gated delta-rule layer:
   its heads split over the ranks, its projections a ``SharedInputColwise`` group and a ``RowwiseParallel`` layer.
 * ``GatherSequence`` on the module after the region (the final norm): its input is gathered to the full sequence;
   the gradient of a gather is this rank's slice.

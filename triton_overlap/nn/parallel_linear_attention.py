@@ -1,13 +1,16 @@
-"""A parallel style for the gated delta-rule linear attention of Hugging Face's Qwen3.5 models (transformers 5's
-``Qwen3_5GatedDeltaNet`` and ``Qwen3_5MoeGatedDeltaNet``), for ``torch.distributed.tensor.parallel.parallelize_module``.
+"""A parallel style for the gated delta-rule linear attention of Hugging Face's Qwen3.5 and Qwen3-Next models
+(transformers 5's ``Qwen3_5GatedDeltaNet``, ``Qwen3_5MoeGatedDeltaNet`` and ``Qwen3NextGatedDeltaNet``), for
+``torch.distributed.tensor.parallel.parallelize_module``.
 
 Their own plan gathers every projection to its full width on every rank ("colwise_gather_output"), so each rank
 would compute every head's recurrence. Here each rank keeps its heads, as attention's column and row layers do: the
 layer's heads are independent (its depthwise convolution mixes positions, not channels; its per-head decay
 ``A_log``, ``dt_bias`` and gates read their own head), so rank r keeps key heads ``[r·Hk/W, (r+1)·Hk/W)`` and
-value heads ``[r·Hv/W, (r+1)·Hv/W)`` of everything. The fused ``in_proj_qkv`` (query, key and value channels one
-after the other) and the convolution over the same channels are reordered once, when the style is applied, so that
-each rank's contiguous shard holds its query, key and value channels in that order.
+value heads ``[r·Hv/W, (r+1)·Hv/W)`` of everything. Qwen3.5's fused ``in_proj_qkv`` (query, key and value channels
+one after the other) and the convolution over the same channels are reordered once, when the style is applied, so
+that each rank's contiguous shard holds its query, key and value channels in that order; Qwen3-Next's
+``in_proj_qkvz`` and ``in_proj_ba`` are laid out by key head already (each key head's query, key, values and gates
+together), so that their contiguous shards are a rank's heads as they are, and only its convolution is reordered.
 """
 from __future__ import annotations
 
@@ -20,26 +23,30 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from .parallel import (FALLBACKS, RowwiseParallel, SharedInputColwise, check_mesh, replicated_local,
                        replicated_parameter, styled_class)
 
-#: the projections that read the layer's input, in the order they are grouped into one AllGather-GEMM
+#: the projections that read the layer's input, in the order they are grouped into one AllGather-GEMM: Qwen3.5's,
+#: and Qwen3-Next's (by key head)
 IN_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+IN_PROJ_BY_HEAD = ("in_proj_qkvz", "in_proj_ba")
 #: the attributes the layer's forward reads its widths from (made this rank's when applied)
 WIDTHS = ("num_k_heads", "num_v_heads", "key_dim", "value_dim", "conv_dim")
 
 
 class GatedDeltaNetParallel(ParallelStyle):
-    """Qwen3.5's gated delta-rule layer (``linear_attn``), tensor parallel by heads (module docstring).
+    """Qwen3.5's or Qwen3-Next's gated delta-rule layer (``linear_attn``), tensor parallel by heads (module
+    docstring).
 
-    Applied to the layer: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` become one
-    ``SharedInputColwise`` group (sequence parallel: the layer's input gathered once into one AllGather-GEMM),
-    ``out_proj`` a ``RowwiseParallel`` layer (GEMM-ReduceScatter; without sequence parallelism GEMM + AllReduce);
-    the convolution keeps this rank's channels, ``A_log`` and ``dt_bias`` its value heads (their gradients are
-    complete: each head's sees every token); the gated norm's weight, shared by every head, becomes a replicated
-    DTensor whose gradient is left partial (this rank's heads' part, summed by DTensor where read), as the router's
-    of ``MoEParallel``. The layer's width attributes (``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``,
-    ``conv_dim``) become this rank's, so that its own forward reshapes its local heads; a KV cache holds this rank's
-    heads' states. Both head counts must be divisible by W. ``fallback`` and ``sequence_parallel`` as the linear
-    styles'. The gated norm's rule is checked on a probe when applied (``x * rsqrt(mean(x²) + eps) * weight``, times
-    ``silu(gate)``)."""
+    Applied to the layer: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (Qwen3-Next:
+    ``in_proj_qkvz`` and ``in_proj_ba``) become one ``SharedInputColwise`` group (sequence parallel: the layer's
+    input gathered once into one AllGather-GEMM), ``out_proj`` a ``RowwiseParallel`` layer (GEMM-ReduceScatter;
+    without sequence parallelism GEMM + AllReduce); the convolution keeps this rank's channels, ``A_log`` and
+    ``dt_bias`` its value heads (their gradients are complete: each head's sees every token); the gated norm's
+    weight, shared by every head, becomes a replicated DTensor whose gradient is left partial (this rank's heads'
+    part, summed by DTensor where read), as the router's of ``MoEParallel``. The layer's width attributes
+    (``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``, ``conv_dim``) become this rank's, so that its own
+    forward reshapes its local heads; a KV cache holds this rank's heads' states. Both head counts must be divisible
+    by W. ``fallback`` and ``sequence_parallel`` as the linear styles'. The gated norm's rule is checked on a probe
+    when applied (``x * rsqrt(mean(x²) + eps) * weight``, times ``silu(gate)``).
+    """
 
     def __init__(self, ctx, *, fallback: str = "auto", sequence_parallel: bool = True):
         if fallback not in FALLBACKS:
@@ -50,14 +57,15 @@ class GatedDeltaNetParallel(ParallelStyle):
         check_mesh(self, device_mesh)
         if hasattr(module, "tp_style"):
             raise ValueError(f"GatedDeltaNetParallel: {type(module).__name__} is parallelized already")
-        check_layer(module, "GatedDeltaNetParallel", self.ctx.world_size)
+        projections = check_layer(module, "GatedDeltaNetParallel", self.ctx.world_size)
         W, r = self.ctx.world_size, self.ctx.rank
         order = _rank_major(module.key_dim, module.value_dim, W)
         conv = module.conv1d
         local = module.conv_dim // W
         with torch.no_grad():  # every rank's query, key and value channels side by side, then this rank's
-            qkv = module.in_proj_qkv
-            qkv.weight = nn.Parameter(qkv.weight[order].clone(), requires_grad=qkv.weight.requires_grad)
+            if projections == IN_PROJ:
+                qkv = module.in_proj_qkv
+                qkv.weight = nn.Parameter(qkv.weight[order].clone(), requires_grad=qkv.weight.requires_grad)
             conv.weight = nn.Parameter(conv.weight[order][r * local:(r + 1) * local].clone(),
                                        requires_grad=conv.weight.requires_grad)
             heads = module.num_v_heads // W
@@ -67,7 +75,7 @@ class GatedDeltaNetParallel(ParallelStyle):
             module.norm.weight = replicated_parameter(module.norm.weight, device_mesh)
         conv.in_channels = conv.out_channels = conv.groups = local
         kw = dict(fallback=self.fallback, sequence_parallel=self.sequence_parallel)
-        SharedInputColwise(self.ctx, IN_PROJ, **kw)._apply(module, device_mesh)
+        SharedInputColwise(self.ctx, projections, **kw)._apply(module, device_mesh)
         RowwiseParallel(self.ctx, **kw)._apply(module.out_proj, device_mesh)
         for name in WIDTHS:
             setattr(module, name, getattr(module, name) // W)
@@ -76,31 +84,37 @@ class GatedDeltaNetParallel(ParallelStyle):
         return module
 
 
-def check_layer(module: nn.Module, who: str, world: int | None = None) -> None:
-    """TypeError naming ``who`` where ``module`` is not a gated delta-rule layer laid out as Qwen3.5's (the
-    projections of ``IN_PROJ`` and ``out_proj`` as ``nn.Linear`` without biases, a depthwise ``conv1d`` over the
-    query, key and value channels, ``A_log`` and ``dt_bias`` per value head, a gated RMSNorm ``norm`` of one head's
-    width); ValueError where a head count is not divisible by ``world``."""
+def check_layer(module: nn.Module, who: str, world: int | None = None) -> tuple:
+    """The layer's input projections (``IN_PROJ``, or Qwen3-Next's ``IN_PROJ_BY_HEAD``); TypeError naming ``who``
+    where ``module`` is not a gated delta-rule layer laid out as Qwen3.5's or Qwen3-Next's (those projections and
+    ``out_proj`` as ``nn.Linear`` without biases, a depthwise ``conv1d`` over the query, key and value channels,
+    ``A_log`` and ``dt_bias`` per value head, a gated RMSNorm ``norm`` of one head's width); ValueError where a head
+    count is not divisible by ``world``."""
     name = type(module).__name__
-    linears = [getattr(module, n, None) for n in (*IN_PROJ, "out_proj")]
+    projections = IN_PROJ_BY_HEAD if hasattr(module, IN_PROJ_BY_HEAD[0]) else IN_PROJ
+    linears = [getattr(module, n, None) for n in (*projections, "out_proj")]
     conv = getattr(module, "conv1d", None)
     widths = [getattr(module, n, None) for n in WIDTHS]
     if not all(type(m) is nn.Linear and m.bias is None for m in linears) or not isinstance(conv, nn.Conv1d) or \
             not all(isinstance(w, int) for w in widths):
-        raise TypeError(f"{who}: {name} is not a gated delta-rule layer laid out as Qwen3.5's ({list(IN_PROJ)} and "
-                        f"out_proj without biases, a depthwise conv1d, {list(WIDTHS)})")
+        raise TypeError(f"{who}: {name} is not a gated delta-rule layer laid out as Qwen3.5's ({list(IN_PROJ)}) or "
+                        f"Qwen3-Next's ({list(IN_PROJ_BY_HEAD)}), out_proj, all without biases, a depthwise conv1d, "
+                        f"{list(WIDTHS)})")
     nk, nv, key_dim, value_dim, conv_dim = widths
-    if conv_dim != 2 * key_dim + value_dim or conv.groups != conv_dim or conv.bias is not None or \
-            module.in_proj_qkv.out_features != conv_dim or module.in_proj_z.out_features != value_dim or \
-            {module.in_proj_b.out_features, module.in_proj_a.out_features, module.A_log.numel(),
-             module.dt_bias.numel()} != {nv} or module.out_proj.in_features != value_dim:
-        raise TypeError(f"{who}: {name}'s widths are not Qwen3.5's (query, key and value channels "
-                        f"{key_dim} + {key_dim} + {value_dim} through a depthwise conv1d of {conv_dim}, per value "
-                        f"head A_log, dt_bias, in_proj_b, in_proj_a)")
+    outs = [m.out_features for m in linears[:-1]]
+    want = [conv_dim, value_dim, nv, nv] if projections == IN_PROJ else [conv_dim + value_dim, 2 * nv]
+    if conv_dim != 2 * key_dim + value_dim or conv.groups != conv_dim or conv.bias is not None or outs != want or \
+            {module.A_log.numel(), module.dt_bias.numel()} != {nv} or module.out_proj.in_features != value_dim or \
+            nv % nk:
+        raise TypeError(f"{who}: {name}'s widths are not a gated delta-rule layer's (query, key and value channels "
+                        f"{key_dim} + {key_dim} + {value_dim} through a depthwise conv1d of {conv_dim}, "
+                        f"{list(projections)} {want} wide, A_log and dt_bias per value head, value heads a multiple of "
+                        f"key heads)")
     _check_gated_norm(module.norm, who, value_dim // nv)
     if world is not None and (nk % world or nv % world):
         raise ValueError(f"{who}: {name}'s {nk} key heads and {nv} value heads must be divisible by the world size "
                          f"{world}")
+    return projections
 
 
 def _rank_major(key_dim: int, value_dim: int, world: int) -> torch.Tensor:
@@ -147,4 +161,4 @@ def _gated_norm_forward(norm, hidden_states, gate):
     return _gated_norm(hidden_states, gate, replicated_local(norm.weight), norm.variance_epsilon)
 
 
-__all__ = ["GatedDeltaNetParallel", "check_layer"]
+__all__ = ["GatedDeltaNetParallel", "IN_PROJ", "IN_PROJ_BY_HEAD", "check_layer"]

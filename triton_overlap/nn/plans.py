@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 from .parallel import (ColwiseParallel, GatherSequence, ReplicatedLatent, RowwiseParallel, ShardSequence,
                        SharedInputColwise)
 from .parallel_moe import MoEParallel, check_block
-from .parallel_linear_attention import IN_PROJ, GatedDeltaNetParallel, check_layer
+from .parallel_linear_attention import IN_PROJ, IN_PROJ_BY_HEAD, GatedDeltaNetParallel, check_layer
 from .parallel_norm import ColwiseRMSNorm, check_norm
 
 #: a vocabulary-parallel embedding's strategies: these styles keep the embedding whole on every rank
@@ -50,7 +50,7 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
       on ``o_proj``: OLMo-2/3, OLMoE, FlexOlmo, MiniMax-M2): the projections column- and row-wise as above, each
       rank keeping its heads, and the whole-width ``q_norm``/``k_norm`` ``ColwiseRMSNorm`` (their mean square summed
       over the ranks by one AllReduce);
-    * Qwen3.5's gated delta-rule linear attention (every projection "colwise_gather_output" in its plan):
+    * Qwen3.5's and Qwen3-Next's gated delta-rule linear attention (every projection "colwise_gather_output"):
       ``GatedDeltaNetParallel`` on the layer, each rank keeping its heads;
     * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
       ``[B, S, heads, head_dim]``; and those the plan leaves out, GLM-4.5's: a norm of ``head_dim`` elements beside
@@ -204,16 +204,18 @@ def _gathered_attention(modules, found, ctx, fallback: str) -> dict[str, Paralle
 
 
 def _linear_attention(modules, found, ctx, fallback: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
-    """Qwen3.5's gated delta-rule layers, whose plan gathers every projection ("colwise_gather_output" on
-    ``IN_PROJ`` and ``out_proj``): ``GatedDeltaNetParallel`` on the layer, which keeps each rank's heads (its
-    TypeError or ValueError, naming the layer, where it cannot take it)."""
+    """Qwen3.5's and Qwen3-Next's gated delta-rule layers, whose plans gather every projection
+    ("colwise_gather_output" on ``IN_PROJ`` or ``IN_PROJ_BY_HEAD`` and ``out_proj``): ``GatedDeltaNetParallel`` on
+    the layer, which keeps each rank's heads (its TypeError or ValueError, naming the layer, where it cannot take
+    it)."""
     styles: dict[str, ParallelStyle] = {}
     world = None if ctx is None else ctx.world_size
     for name, (strategy, _) in found.items():
         parent = _parent(name)
-        if strategy != "colwise_gather_output" or name != f"{parent}.{IN_PROJ[0]}" or parent in styles:
+        projections = next((p for p in (IN_PROJ, IN_PROJ_BY_HEAD) if name == f"{parent}.{p[0]}"), None)
+        if strategy != "colwise_gather_output" or projections is None or parent in styles:
             continue
-        if any(found.get(f"{parent}.{n}", ("",))[0] != "colwise_gather_output" for n in (*IN_PROJ, "out_proj")):
+        if any(found.get(f"{parent}.{n}", ("",))[0] != "colwise_gather_output" for n in (*projections, "out_proj")):
             continue
         try:
             check_layer(modules[parent], "GatedDeltaNetParallel", world)
