@@ -18,6 +18,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .parallel import (FALLBACKS, RowwiseParallel, SharedInputColwise, check_mesh, replicated_local,
@@ -43,9 +44,11 @@ class GatedDeltaNetParallel(ParallelStyle):
     weight, shared by every head, becomes a replicated DTensor whose gradient is left partial (this rank's heads'
     part, summed by DTensor where read), as the router's of ``MoEParallel``. The layer's width attributes
     (``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``, ``conv_dim``) become this rank's, so that its own
-    forward reshapes its local heads; a KV cache holds this rank's heads' states. Both head counts must be divisible
-    by W. ``fallback`` and ``sequence_parallel`` as the linear styles'. The gated norm's rule is checked on a probe
-    when applied (``x * rsqrt(mean(x²) + eps) * weight``, times ``silu(gate)``).
+    forward reshapes its local heads; a KV cache holds this rank's heads' states; a padding mask is applied to the
+    sequence shard before the gather. Both head counts must be divisible by W. The input projections are always one
+    group (``hf_plan``'s ``shared_inputs`` does not apply). ``fallback`` and ``sequence_parallel`` as the linear
+    styles'. The gated norm's rule is checked on a probe when applied (``x * rsqrt(mean(x²) + eps) * weight``, times
+    ``silu(gate)``).
     """
 
     def __init__(self, ctx, *, fallback: str = "auto", sequence_parallel: bool = True):
@@ -81,7 +84,22 @@ class GatedDeltaNetParallel(ParallelStyle):
             setattr(module, name, getattr(module, name) // W)
         module.norm.__class__ = styled_class(type(module.norm), _gated_norm_forward, "GatedDeltaNetParallel")
         module.tp_style, module.tp_mesh = self, device_mesh
+        module.__class__ = styled_class(type(module), _layer_forward, "GatedDeltaNetParallel")
         return module
+
+
+def _layer_forward(module, hidden_states, *args, attention_mask=None, **kwargs):
+    """The layer's own forward; in the sequence-parallel region (a DTensor sequence shard) a padding mask
+    ``[B, S]`` is applied here, to this rank's positions, as the layer's first step applies it to the whole
+    sequence (the mask is a plain tensor, which a DTensor does not multiply)."""
+    if isinstance(hidden_states, DTensor) and attention_mask is not None:
+        x = hidden_states
+        W, r = module.tp_mesh.size(), module.tp_mesh.get_local_rank()
+        s = x.shape[1] // W  # (batch-first: the sequence shard is dim 1, as torch's SequenceParallel places it)
+        local = attention_mask.narrow(1, r * s, s)[:, :, None].to(x.dtype)
+        hidden_states = (x * DTensor.from_local(local, module.tp_mesh, [Shard(1)], run_check=False)).to(x.dtype)
+        attention_mask = None
+    return type(module).__mro__[1].forward(module, hidden_states, *args, attention_mask=attention_mask, **kwargs)
 
 
 def check_layer(module: nn.Module, who: str, world: int | None = None) -> tuple:

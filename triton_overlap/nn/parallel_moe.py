@@ -168,7 +168,8 @@ def check_block(block, world: int | None = None, expert_parallel: bool = False):
     """(gate, experts, its router's rule, the shared expert's child name or None, its gate or None) of a block this
     style computes exactly, or TypeError naming what differs: beside the router and the experts at most a shared
     expert of ``SHARED`` (with its gate where it has one), a router whose rule ``nn.routers.router_rule`` finds
-    (a weight and no bias), fused SwiGLU experts without biases, a shared expert computing
+    (one trainable weight; a correction bias besides, of the router or the block), fused SwiGLU experts without
+    biases, a shared expert computing
     ``down(silu(gate(x)) * up(x))`` without biases; with ``world``, ValueError where the experts' hidden width
     (with ``expert_parallel``, their number) is not divisible by it; ValueError where the shared expert's width is
     not a multiple of the experts' (tensor parallel: it joins them)."""

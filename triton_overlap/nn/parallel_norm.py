@@ -10,6 +10,7 @@ slice of the weight; the attention stays tensor parallel.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -32,8 +33,9 @@ class ColwiseRMSNorm(ParallelStyle):
     Applied, the module keeps rank r's slice ``weight[r·N/W : (r+1)·N/W]`` as a plain parameter, as
     ``ColwiseParallel`` keeps its rows (its gradient is complete: the slice sees every token of its columns).
     Forward: the sum of squares of this rank's columns, in float32, summed over the ranks by one AllReduce
-    (``ops.all_reduce``: graph-safe; ``fallback`` as the other styles'), then this rank's columns normalized and
-    scaled in float32 and returned in the input's dtype (``[..., N/W]``, a plain tensor). Backward: through the
+    (``ops.all_reduce``: graph-safe; ``fallback`` as the other styles'), then this rank's columns normalized in
+    float32 and scaled by the weight with the module's own order of cast (``check_norm``), ``[..., N/W]``, a plain
+    tensor. Backward: through the
     AllReduce, the sum of the ranks' gradients of the mean square. A DTensor input must be sharded on its last
     dim."""
 
@@ -46,7 +48,7 @@ class ColwiseRMSNorm(ParallelStyle):
         check_mesh(self, device_mesh)
         if hasattr(module, "tp_style"):
             raise ValueError(f"ColwiseRMSNorm: {type(module).__name__} is parallelized already")
-        eps = check_norm(module, "ColwiseRMSNorm")
+        eps, cast_first = check_norm(module, "ColwiseRMSNorm")
         W, r = self.ctx.world_size, self.ctx.rank
         n = module.weight.shape[0]
         if n % W:
@@ -55,16 +57,20 @@ class ColwiseRMSNorm(ParallelStyle):
             module.weight = nn.Parameter(module.weight[r * (n // W):(r + 1) * (n // W)].clone(),
                                          requires_grad=module.weight.requires_grad)
         module.tp_style, module.tp_mesh, module.tp_width, module.tp_eps = self, device_mesh, n, eps
+        module.tp_cast_first = cast_first
         module.tp_all_reduce = all_reduce_op(self.ctx, self.fallback)
         module.__class__ = styled_class(type(module), _norm_forward, "ColwiseRMSNorm", _last_path, _ops)
         return module
 
 
-def check_norm(module: nn.Module, who: str) -> float:
-    """The epsilon of ``module`` where it is an RMSNorm of one weight [N] that computes
-    ``x * rsqrt(mean(x², -1) + eps) * weight`` (checked on a float64 probe on the CPU, random weight and rows, to
-    float32's precision: norms compute in float32);
-    TypeError naming ``who`` and the module's class otherwise."""
+def check_norm(module: nn.Module, who: str) -> tuple[float, bool]:
+    """(the epsilon, whether the weight multiplies the normalized rows after they are cast back to the input's dtype)
+    of ``module`` where it is an RMSNorm of one weight [N] that computes ``x * rsqrt(mean(x², -1) + eps) * weight``
+    (checked on a float64 probe on the CPU, random weight and rows, to float32's precision: norms compute in
+    float32). The order of the cast: Llama's, OLMoE's and MiniMax-M2's norms multiply ``weight * normed.to(dtype)``
+    (a float32 weight under autocast then returns float32), OLMo-2's ``(weight * normed).to(dtype)``; a bfloat16
+    probe with a float32 weight tells them apart by the dtype it returns. TypeError naming ``who`` and the module's
+    class otherwise."""
     name = type(module).__name__
     params = [n for n, _ in module.named_parameters()]
     eps = next((getattr(module, e) for e in EPS_NAMES if isinstance(getattr(module, e, None), float)), None)
@@ -83,7 +89,11 @@ def check_norm(module: nn.Module, who: str) -> float:
                                                                                          atol=1e-6)
     if not same:
         raise TypeError(f"{who}: {name} does not compute x * rsqrt(mean(x^2) + eps) * weight")
-    return eps
+    probe = probe.to(torch.float32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch's RMSNorm warns of the mixed dtypes)
+        cast = type(probe).forward(probe, x.to(torch.bfloat16)).dtype
+    return eps, cast == torch.float32
 
 
 def _norm_forward(module, x):
@@ -98,6 +108,8 @@ def _norm_forward(module, x):
         squares = summed_grad(xf.pow(2).sum(-1, keepdim=True), module.tp_mesh)
         total = custom_ops.all_reduce(squares, module.tp_all_reduce)
         normed = xf * torch.rsqrt(total / module.tp_width + module.tp_eps)
+        if module.tp_cast_first:  # (check_norm: the module's own order)
+            return module.weight * normed.to(x.dtype)
         return (normed * module.weight.float()).to(x.dtype)
 
 

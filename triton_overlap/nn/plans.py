@@ -38,7 +38,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     lists the models it has run on). ``ctx`` may be None to inspect a plan (no width is then checked):
 
     * "colwise" linear layers: ``ColwiseParallel``; those of one module (q/k/v, gate/up) as one
-      ``SharedInputColwise`` on that module (``shared_inputs=False``: a ``ColwiseParallel`` each);
+      ``SharedInputColwise`` on that module (``shared_inputs=False``, and models that clamp q/k/v in place,
+      ``config.clip_qkv``: a ``ColwiseParallel`` each);
     * "rowwise" linear layers: ``RowwiseParallel``;
     * multi-head latent attention (DeepSeek-V2/V3, Kimi K2: its kv down-projection "mla_kv_a_proj"): the
       down-projections ``ReplicatedLatent`` (sequence parallel: the narrow latent gathered), the up-projections local
@@ -64,7 +65,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     parameter), a plan with no
     column or row layer, a sharded width not divisible by the world size, and a module inside the decoder layers
     with parameters that the plan leaves out (an activation's learned scalars), whose gradient would be this
-    rank's part only. A sparse-MoE block that ``MoEParallel`` cannot compute raises its TypeError.
+    rank's part only. A sparse-MoE block that ``MoEParallel`` cannot compute raises its TypeError, as do a norm or
+    a linear attention layer that ``ColwiseRMSNorm`` or ``GatedDeltaNetParallel`` cannot.
 
     The model takes the full token ids ``[B, S]`` on every rank (S divisible by the world size, sequence parallel)
     and returns the full logits on every rank. A model is parallelized once: prefill and decode with different
@@ -145,8 +147,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     if not columns and not blocks:
         raise ValueError(f"hf_plan: the plan of {type(model).__name__} names no column or row linear layer "
                          f"({sorted(set(tp.values()))}); write the plan by hand (README, 'Using it': the styles)")
+    clipped = getattr(config, "clip_qkv", None) is not None  # (OLMo's q/k/v clamped in place: no shared views)
     for parent, names in columns.items():  # (layers reading inputs of different widths cannot share one)
-        if shared_inputs and len(names) > 1 and len({modules[n].in_features for n in names}) == 1:
+        if shared_inputs and not clipped and len(names) > 1 and len({modules[n].in_features for n in names}) == 1:
             plan[parent] = SharedInputColwise(ctx, tuple(n[len(parent) + 1:] for n in names), fallback=fallback,
                                               sequence_parallel=sequence_parallel)
         else:
@@ -189,8 +192,11 @@ def _gathered_attention(modules, found, ctx, fallback: str) -> dict[str, Paralle
             norm = GATHERED[n.rsplit(".", 1)[1]]
             m = modules.get(f"{parent}.{norm}") if norm else None
             weight = getattr(m, "weight", None)
-            if m is None or not isinstance(weight, nn.Parameter) or weight.numel() == head_dim:
+            if m is None or isinstance(weight, nn.Parameter) and weight.numel() == head_dim:
                 continue  # no norm, or a per-head one
+            if not isinstance(weight, nn.Parameter):
+                raise ValueError(f"hf_plan: {parent}.{norm} reads {n}'s output and has no weight; ColwiseRMSNorm "
+                                 f"takes an RMSNorm with one; write the plan by hand")
             if weight.numel() != modules[n].out_features:
                 raise ValueError(f"hf_plan: {parent}.{norm} reads {n}'s output ({modules[n].out_features} wide) but "
                                  f"its weight has {weight.numel()} elements; write the plan by hand")

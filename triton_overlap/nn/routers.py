@@ -149,11 +149,11 @@ def _groups(gate) -> tuple[int, int]:
 
 
 def router_rule(gate, who: str, bias: torch.Tensor | None = None):
-    """The rule (``Softmax`` or ``GroupedSigmoid``) that reproduces the router ``gate`` (a module with a ``weight``
-    [E, dim], no other parameter, ``top_k``, and a forward from rows [T, dim] to (logits [T, E], top-k weights,
-    top-k ids)), found by the probe of the module docstring; TypeError naming ``who`` (the caller) and the router's
-    class where none does. The probe is a copy on the CPU whatever device the router is on (``meta`` included):
-    every floating tensor of it is drawn anew. ``bias``: the correction bias [E] that the block passes to the
+    """The rule (one of the module docstring's) that reproduces the router ``gate`` (a module with a ``weight``
+    [E, dim], no other trainable parameter, ``top_k``, and a forward from rows [T, dim] to (logits [T, E], top-k
+    weights, top-k ids)), found by the probe of the module docstring; TypeError naming ``who`` (the caller) and the
+    router's class where none does. The probe is a copy on the CPU whatever device the router is on (``meta``
+    included): every floating tensor of it is drawn anew. ``bias``: the correction bias [E] that the block passes to the
     router's forward after the rows (MiniMax-M2's), or None where the forward takes the rows alone; the probe draws
     it anew too."""
     name = type(gate).__name__
