@@ -508,6 +508,21 @@ def test_hf_plan_from_the_models_own():
         with pytest.raises(ValueError, match=r"layers.0.linear_attn: .*2 key heads and 4 value heads must be "
                                              r"divisible by the world size 3"):
             hf_plan(qwen35, SimpleNamespace(world_size=3))
+    from transformers import Olmo2Config, Olmo2ForCausalLM, OlmoeConfig, OlmoeForCausalLM
+
+    olmo = Olmo2ForCausalLM(Olmo2Config(**small))  # q/k norms over all heads: ColwiseRMSNorm
+    assert kinds(hf_plan(olmo, None))["model.layers.0.self_attn.q_norm"] == "ColwiseRMSNorm"
+    olmo.model.layers[0].self_attn.k_norm = nn.RMSNorm(4, eps=1e-6)  # neither the whole width nor one head's
+    with pytest.raises(ValueError, match=r"layers.0.self_attn.k_norm reads .*k_proj's output \(16 wide\) but its "
+                                         r"weight has 4 elements"):
+        hf_plan(olmo, None)
+    olmo.model.layers[0].self_attn.k_norm = nn.RMSNorm(16, eps=1e-6, elementwise_affine=False)
+    with pytest.raises(ValueError, match="k_norm reads .* and has no weight"):
+        hf_plan(olmo, None)
+    olmoe = OlmoeForCausalLM(OlmoeConfig(**small, num_experts=4, num_experts_per_tok=2, clip_qkv=8.0))
+    plan = kinds(hf_plan(olmoe, None))  # q/k/v clamped in place: no shared views; edges found by their names
+    assert plan["model.layers.0.self_attn.q_proj"] == "ColwiseParallel" and "model.layers.0.self_attn" not in plan
+    assert plan["model.embed_tokens"] == "ShardSequence" and plan["model.norm"] == "GatherSequence"
     llama.model.layers[1].mlp.tp_style = object()  # (what a style leaves on a module it applied to)
     with pytest.raises(ValueError, match=r"parallelized already \(model.layers.1.mlp has a parallel style\)"):
         hf_plan(llama, None)
