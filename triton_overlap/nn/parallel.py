@@ -126,23 +126,33 @@ class _LinearStyle(ParallelStyle):
                              f"({type(module.tp_style).__name__}); a plan must match each layer once")
         check_mesh(self, device_mesh)
         dim = 0 if self._shard_out else 1
-        n, W = module.weight.shape[dim], self.ctx.world_size
-        if n % W:
+        n, W, parts = module.weight.shape[dim], self.ctx.world_size, getattr(self, "chunks", 1)
+        if n % (W * parts):
             raise ValueError(f"{type(self).__name__}: {'out' if dim == 0 else 'in'}_features = {n} is not "
-                             f"divisible by the world size {W}")
+                             f"divisible by the world size {W}" + (f" times chunks = {parts}" if parts > 1 else ""))
 
     def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
         self._check(module, device_mesh)
         W, r = self.ctx.world_size, self.ctx.rank
         dim = 0 if self._shard_out else 1
         n = module.weight.shape[dim]
+        rows = _chunk_rows(n, W, r, getattr(self, "chunks", 1)) if dim == 0 else slice(r * (n // W), (r + 1) * (n // W))
         with torch.no_grad():
-            module.weight = nn.Parameter(module.weight.narrow(dim, r * (n // W), n // W).clone())
+            module.weight = nn.Parameter((module.weight[rows] if dim == 0 else module.weight[:, rows]).clone())
             if module.bias is not None and self._shard_out:
-                module.bias = nn.Parameter(module.bias.narrow(0, r * (n // W), n // W).clone())
+                module.bias = nn.Parameter(module.bias[rows].clone())
         module.tp_style, module.tp_mesh = self, device_mesh
         module.__class__ = styled_class(type(module), self._forward, type(self).__name__, _last_path, _style_ops)
         return module
+
+
+def _chunk_rows(n: int, world: int, rank: int, chunks: int):
+    """The output rows rank ``rank`` keeps of a column layer of ``n`` outputs that its module splits into ``chunks``
+    equal parts: its slice of each part, in order (one part: a contiguous slice)."""
+    if chunks == 1:
+        return slice(rank * (n // world), (rank + 1) * (n // world))
+    part, mine = n // chunks, n // chunks // world
+    return torch.cat([torch.arange(c * part + rank * mine, c * part + (rank + 1) * mine) for c in range(chunks)])
 
 
 def styled_class(base, forward, name: str, last_path=None, ops=None):
@@ -211,15 +221,19 @@ class ColwiseParallel(_LinearStyle):
     ``[B, S, out/W]``. Backward: GEMM-ReduceScatter for the input's gradient (ColumnParallelLinear's).
     ``sequence_parallel=False``: the input is replicated, the product local, nothing communicated forward;
     backward sums the input's gradient over the ranks (an all-reduce, through DTensor), where one is needed.
-    ``keep_gathered_input``: as ColumnParallelLinear's.
+    ``keep_gathered_input``: as ColumnParallelLinear's. ``chunks``: the module splits the layer's output into that
+    many equal parts (GLM-4's and Phi-3's fused ``gate_up_proj``, ``chunk(2)``): this rank keeps its slice of each
+    part, in order, so that the same split of its output gives its columns of each part.
     """
 
     _shard_out = True
 
     def __init__(self, ctx, *, sequence_parallel: bool = True, sequence_dim: int = 1, fallback: str = "auto",
-                 keep_gathered_input: bool = True):
+                 keep_gathered_input: bool = True, chunks: int = 1):
         super().__init__(ctx, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, fallback=fallback)
-        self.keep_gathered_input = keep_gathered_input
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"ColwiseParallel: chunks must be a positive int, got {chunks!r}")
+        self.keep_gathered_input, self.chunks = keep_gathered_input, chunks
 
     @staticmethod
     def _forward(module, x):

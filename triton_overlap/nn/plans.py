@@ -4,8 +4,10 @@ which modules open and close the stack of layers (``config.base_model_pp_plan``)
 project's styles, so that ``parallelize_module(model, mesh, hf_plan(model, ctx))`` is the whole change to a model."""
 from __future__ import annotations
 
+import copy
 import re
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
@@ -29,6 +31,9 @@ MLA = {"kv_a_proj_with_mqa": ("kv_a_layernorm", "kv_b_proj"), "q_a_proj": ("q_a_
 #: and the "rowwise_split_input" output projection beside them
 GATHERED = {"q_proj": "q_norm", "k_proj": "k_norm", "v_proj": None}
 GATHERED_OUT = "o_proj"
+#: an MLP whose plan gathers its fused gate/up layer because the model splits its output in two (GLM-4, Phi-3):
+#: (that layer, the "rowwise_split_input" down-projection)
+HALVED = ("gate_up_proj", "down_proj")
 
 
 def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
@@ -46,6 +51,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
       ``ColwiseParallel`` layers over it;
     * a sparse-MoE block (its ``experts`` marked in the model's tp or ep plan, ``EXPERTS``): ``MoEParallel`` on the
       block (``expert_parallel=True``: its experts spread over the ranks, ``MoEParallel``'s docstring);
+    * an MLP whose plan gathers its fused ``gate_up_proj`` for the model to split it in two ("colwise_gather_output",
+      "rowwise_split_input" on ``down_proj``: GLM-4, Phi-3): ``ColwiseParallel(chunks=2)``, this rank's half of the
+      gate's and of the up's columns, and ``RowwiseParallel`` (a probe checks that the MLP sums over its columns);
     * attention whose plan gathers q/k/v to the full width for a norm over all heads and splits the output
       projection's input again ("colwise_gather_output" on ``q_proj``/``k_proj``/``v_proj``, "rowwise_split_input"
       on ``o_proj``: OLMo-2/3, OLMoE, FlexOlmo, MiniMax-M2): the projections column- and row-wise as above, each
@@ -115,6 +123,7 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     latent = _latent_attention(modules, found, config, ctx, sequence_parallel)
     plan.update(latent.styles)
     plan.update(_gathered_attention(modules, found, ctx, fallback))
+    halved = _halved_mlps(modules, found)
     plan.update(_linear_attention(modules, found, ctx, fallback, sequence_parallel))
     columns: dict[str, list[str]] = {}
     whole = blocks | {n for n, style in plan.items() if isinstance(style, GatedDeltaNetParallel)}
@@ -135,6 +144,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
                                  f"by the world size {world}")
             if strategy == "colwise" and name in latent.ups:  # reads the gathered latent: a local product
                 plan[name] = ColwiseParallel(ctx, fallback=fallback, sequence_parallel=False)
+            elif name in halved:  # its output split in two by the model: this rank's half of each
+                plan[name] = ColwiseParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel, chunks=2)
             elif strategy == "colwise":
                 columns.setdefault(_parent(name), []).append(name)
             else:
@@ -207,6 +218,54 @@ def _gathered_attention(modules, found, ctx, fallback: str) -> dict[str, Paralle
             found[n] = ("colwise", found[n][1])
         found[out] = ("rowwise", key)
     return styles
+
+
+def _halved_mlps(modules, found) -> set[str]:
+    """The fused gate/up layers (``HALVED``) whose plan gathers their output for the model to split it in two
+    ("colwise_gather_output", the down-projection "rowwise_split_input"), where the MLP computes a sum over its
+    hidden columns (checked on a float64 probe: the MLP equals the sum of two halves, each with its half of the
+    gate's and of the up's columns and the matching down columns): their entries in ``found`` become "colwise" and
+    "rowwise", and their names are returned (``ColwiseParallel(chunks=2)``). Other layouts are left as they are
+    (and refused)."""
+    halved = set()
+    fused, down = HALVED
+    for name, (strategy, key) in list(found.items()):
+        parent = _parent(name)
+        if strategy != "colwise_gather_output" or name != f"{parent}.{fused}" or \
+                found.get(f"{parent}.{down}", ("",))[0] != "rowwise_split_input" or \
+                not _sums_halves(modules[parent], fused, down):
+            continue
+        found[name] = ("colwise", key)
+        found[f"{parent}.{down}"] = ("rowwise", found[f"{parent}.{down}"][1])
+        halved.add(name)
+    return halved
+
+
+def _sums_halves(mlp, fused: str, down: str) -> bool:
+    """Whether ``mlp`` (its ``fused`` gate/up and ``down`` nn.Linear layers without biases) computes the sum of two
+    halves that each keep half of the gate's and of the up's outputs and the matching down columns (float64 probe
+    on the CPU)."""
+    up, out = getattr(mlp, fused, None), getattr(mlp, down, None)
+    if type(up) is not nn.Linear or type(out) is not nn.Linear or up.bias is not None or out.bias is not None or \
+            up.out_features % 4 or out.in_features * 2 != up.out_features:
+        return False
+    probe = copy.deepcopy(mlp).to_empty(device="cpu").to(torch.float64)
+    g = torch.Generator().manual_seed(0)
+    cpu = dict(generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        for p in probe.parameters():
+            p.copy_(torch.randn(p.shape, **cpu) * p.shape[-1] ** -0.5)
+        x = torch.randn(4, up.in_features, **cpu)
+        whole = probe(x)
+        w_up, w_down = getattr(probe, fused).weight.clone(), getattr(probe, down).weight.clone()
+        total, n = torch.zeros_like(whole), out.in_features
+        for r in range(2):
+            half = torch.arange(r * n // 2, (r + 1) * n // 2)
+            rows = torch.cat([half, n + half])  # (this half's gate rows, then its up rows)
+            getattr(probe, fused).weight = nn.Parameter(w_up[rows])
+            getattr(probe, down).weight = nn.Parameter(w_down[:, r * n // 2:(r + 1) * n // 2])
+            total += probe(x)
+    return bool(torch.allclose(total, whole, rtol=1e-9, atol=1e-12))
 
 
 def _linear_attention(modules, found, ctx, fallback: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
