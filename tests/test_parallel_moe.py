@@ -141,6 +141,7 @@ def _grad_errors(model, reference, rank, W, ep=False):
             # the loss); measured against in_proj_a's (Qwen3-Next: in_proj_ba's) weight's, which the same path feeds
             layer = name.rpartition(".")[0]
             scale = ref.get(f"{layer}.in_proj_a.weight", ref.get(f"{layer}.in_proj_ba.weight")).grad
+            scale = scale.narrow(0, rank * scale.shape[0] // W, scale.shape[0] // W)  # (this rank's heads' rows)
             full = full.narrow(0, rank * g.shape[0], g.shape[0])
             errs[name] = float((g.double().cpu() - full.cpu()).norm() / scale.double().cpu().norm())
             continue
@@ -360,7 +361,7 @@ def test_moe_model_matches_unmodified_model(pool, case):
 
 
 def _padded_case(kind):
-    """A batch of two, the first sequence left-padded by W + 1 positions, through hf_plan's sequence-parallel plan:
+    """A batch of two, the first sequence left-padded past rank 0's positions, through hf_plan's sequence-parallel plan:
     the logits of the positions the mask keeps against the unmodified model's with the same mask (Qwen3.5's and
     Qwen3-Next's linear attention zero the padded positions' input; GatedDeltaNetParallel does it on each rank's
     shard)."""
@@ -377,7 +378,7 @@ def _padded_case(kind):
         S = 4 * W
         tokens = _decisive_tokens(reference, 2, S, dev)
         mask = torch.ones(2, S, dtype=torch.long, device=dev)
-        mask[0, :W + 1] = 0
+        mask[0, :S // W + 1] = 0  # (past rank 0's positions)
         with torch.no_grad():
             logits = model(tokens, attention_mask=mask).logits
             ref_logits = reference(tokens, attention_mask=mask).logits

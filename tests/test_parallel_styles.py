@@ -541,9 +541,14 @@ def test_hf_plan_from_the_models_own():
     plan = hf_plan(glm, None)
     assert plan["model.layers.0.mlp.gate_up_proj"].chunks == 2
     assert kinds(plan)["model.layers.0.mlp.down_proj"] == "RowwiseParallel"
-    mlp = glm.model.layers[1].mlp  # an MLP that is not a sum over its hidden columns: refused
-    base = type(mlp)
-    mlp.__class__ = type("SquashedMLP", (base,), {"forward": lambda m, x: torch.tanh(base.forward(m, x))})
+    mlp = glm.model.layers[1].mlp  # an MLP whose hidden columns depend on each other (normalized): refused
+
+    def normed(m, x):
+        gate, up = m.gate_up_proj(x).chunk(2, dim=-1)
+        h = up * m.activation_fn(gate)
+        return m.down_proj(h / h.norm(dim=-1, keepdim=True))
+
+    mlp.__class__ = type("NormedMLP", (type(mlp),), {"forward": normed})
     with pytest.raises(ValueError, match="layers.1.mlp.gate_up_proj is 'colwise_gather_output'"):
         hf_plan(glm, None)
     llama.model.layers[1].mlp.tp_style = object()  # (what a style leaves on a module it applied to)

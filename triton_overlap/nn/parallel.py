@@ -138,9 +138,10 @@ class _LinearStyle(ParallelStyle):
         n = module.weight.shape[dim]
         rows = _chunk_rows(n, W, r, getattr(self, "chunks", 1)) if dim == 0 else slice(r * (n // W), (r + 1) * (n // W))
         with torch.no_grad():
-            module.weight = nn.Parameter((module.weight[rows] if dim == 0 else module.weight[:, rows]).clone())
+            module.weight = nn.Parameter((module.weight[rows] if dim == 0 else module.weight[:, rows]).clone(),
+                                         requires_grad=module.weight.requires_grad)
             if module.bias is not None and self._shard_out:
-                module.bias = nn.Parameter(module.bias[rows].clone())
+                module.bias = nn.Parameter(module.bias[rows].clone(), requires_grad=module.bias.requires_grad)
         module.tp_style, module.tp_mesh = self, device_mesh
         module.__class__ = styled_class(type(module), self._forward, type(self).__name__, _last_path, _style_ops)
         return module
@@ -222,7 +223,7 @@ class ColwiseParallel(_LinearStyle):
     ``sequence_parallel=False``: the input is replicated, the product local, nothing communicated forward;
     backward sums the input's gradient over the ranks (an all-reduce, through DTensor), where one is needed.
     ``keep_gathered_input``: as ColumnParallelLinear's. ``chunks``: the module splits the layer's output into that
-    many equal parts (GLM-4's and Phi-3's fused ``gate_up_proj``, ``chunk(2)``): this rank keeps its slice of each
+    many equal parts (GLM-4's fused ``gate_up_proj``, ``chunk(2)``): this rank keeps its slice of each
     part, in order, so that the same split of its output gives its columns of each part.
     """
 

@@ -88,7 +88,7 @@ class GatedDeltaNetParallel(ParallelStyle):
         return module
 
 
-def _layer_forward(module, hidden_states, *args, attention_mask=None, **kwargs):
+def _layer_forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
     """The layer's own forward; in the sequence-parallel region (a DTensor sequence shard) a padding mask
     ``[B, S]`` is applied here, to this rank's positions, as the layer's first step applies it to the whole
     sequence (the mask is a plain tensor, which a DTensor does not multiply)."""
@@ -99,7 +99,7 @@ def _layer_forward(module, hidden_states, *args, attention_mask=None, **kwargs):
         local = attention_mask.narrow(1, r * s, s)[:, :, None].to(x.dtype)
         hidden_states = (x * DTensor.from_local(local, module.tp_mesh, [Shard(1)], run_check=False)).to(x.dtype)
         attention_mask = None
-    return type(module).__mro__[1].forward(module, hidden_states, *args, attention_mask=attention_mask, **kwargs)
+    return type(module).__mro__[1].forward(module, hidden_states, cache, attention_mask, **kwargs)
 
 
 def check_layer(module: nn.Module, who: str, world: int | None = None) -> tuple:

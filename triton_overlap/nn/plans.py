@@ -31,7 +31,7 @@ MLA = {"kv_a_proj_with_mqa": ("kv_a_layernorm", "kv_b_proj"), "q_a_proj": ("q_a_
 #: and the "rowwise_split_input" output projection beside them
 GATHERED = {"q_proj": "q_norm", "k_proj": "k_norm", "v_proj": None}
 GATHERED_OUT = "o_proj"
-#: an MLP whose plan gathers its fused gate/up layer because the model splits its output in two (GLM-4, Phi-3):
+#: an MLP whose plan gathers its fused gate/up layer because the model splits its output in two (GLM-4's):
 #: (that layer, the "rowwise_split_input" down-projection)
 HALVED = ("gate_up_proj", "down_proj")
 
@@ -52,8 +52,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     * a sparse-MoE block (its ``experts`` marked in the model's tp or ep plan, ``EXPERTS``): ``MoEParallel`` on the
       block (``expert_parallel=True``: its experts spread over the ranks, ``MoEParallel``'s docstring);
     * an MLP whose plan gathers its fused ``gate_up_proj`` for the model to split it in two ("colwise_gather_output",
-      "rowwise_split_input" on ``down_proj``: GLM-4, Phi-3): ``ColwiseParallel(chunks=2)``, this rank's half of the
-      gate's and of the up's columns, and ``RowwiseParallel`` (a probe checks that the MLP sums over its columns);
+      "rowwise_split_input" on ``down_proj``: GLM-4): ``ColwiseParallel(chunks=2)``, this rank's half of the gate's
+      and of the up's columns, and ``RowwiseParallel`` (a probe checks that the down-projection reads each hidden
+      column from its own gate and up);
     * attention whose plan gathers q/k/v to the full width for a norm over all heads and splits the output
       projection's input again ("colwise_gather_output" on ``q_proj``/``k_proj``/``v_proj``, "rowwise_split_input"
       on ``o_proj``: OLMo-2/3, OLMoE, FlexOlmo, MiniMax-M2): the projections column- and row-wise as above, each
@@ -160,7 +161,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
                          f"({sorted(set(tp.values()))}); write the plan by hand (README, 'Using it': the styles)")
     clipped = getattr(config, "clip_qkv", None) is not None  # (OLMo's q/k/v clamped in place: no shared views)
     for parent, names in columns.items():  # (layers reading inputs of different widths cannot share one)
-        if shared_inputs and not clipped and len(names) > 1 and len({modules[n].in_features for n in names}) == 1:
+        clamped = clipped and any(n.endswith(("q_proj", "k_proj", "v_proj")) for n in names)
+        if shared_inputs and not clamped and len(names) > 1 and len({modules[n].in_features for n in names}) == 1:
             plan[parent] = SharedInputColwise(ctx, tuple(n[len(parent) + 1:] for n in names), fallback=fallback,
                                               sequence_parallel=sequence_parallel)
         else:
@@ -203,7 +205,8 @@ def _gathered_attention(modules, found, ctx, fallback: str) -> dict[str, Paralle
             norm = GATHERED[n.rsplit(".", 1)[1]]
             m = modules.get(f"{parent}.{norm}") if norm else None
             weight = getattr(m, "weight", None)
-            if m is None or isinstance(weight, nn.Parameter) and weight.numel() == head_dim:
+            if m is None or isinstance(m, nn.Identity) or isinstance(weight, nn.Parameter) and \
+                    weight.numel() == head_dim:
                 continue  # no norm, or a per-head one
             if not isinstance(weight, nn.Parameter):
                 raise ValueError(f"hf_plan: {parent}.{norm} reads {n}'s output and has no weight; ColwiseRMSNorm "
@@ -222,18 +225,17 @@ def _gathered_attention(modules, found, ctx, fallback: str) -> dict[str, Paralle
 
 def _halved_mlps(modules, found) -> set[str]:
     """The fused gate/up layers (``HALVED``) whose plan gathers their output for the model to split it in two
-    ("colwise_gather_output", the down-projection "rowwise_split_input"), where the MLP computes a sum over its
-    hidden columns (checked on a float64 probe: the MLP equals the sum of two halves, each with its half of the
-    gate's and of the up's columns and the matching down columns): their entries in ``found`` become "colwise" and
-    "rowwise", and their names are returned (``ColwiseParallel(chunks=2)``). Other layouts are left as they are
-    (and refused)."""
+    ("colwise_gather_output", the down-projection "rowwise_split_input"), where the down-projection reads each
+    hidden column from that column's gate and up alone (``_splits_by_column``): their entries in ``found`` become
+    "colwise" and "rowwise", and their names are returned (``ColwiseParallel(chunks=2)``). Other layouts are left as
+    they are (and refused)."""
     halved = set()
     fused, down = HALVED
     for name, (strategy, key) in list(found.items()):
         parent = _parent(name)
         if strategy != "colwise_gather_output" or name != f"{parent}.{fused}" or \
                 found.get(f"{parent}.{down}", ("",))[0] != "rowwise_split_input" or \
-                not _sums_halves(modules[parent], fused, down):
+                not _splits_by_column(modules[parent], fused, down):
             continue
         found[name] = ("colwise", key)
         found[f"{parent}.{down}"] = ("rowwise", found[f"{parent}.{down}"][1])
@@ -241,31 +243,46 @@ def _halved_mlps(modules, found) -> set[str]:
     return halved
 
 
-def _sums_halves(mlp, fused: str, down: str) -> bool:
-    """Whether ``mlp`` (its ``fused`` gate/up and ``down`` nn.Linear layers without biases) computes the sum of two
-    halves that each keep half of the gate's and of the up's outputs and the matching down columns (float64 probe
-    on the CPU)."""
+def _splits_by_column(mlp, fused: str, down: str) -> bool:
+    """Whether ``mlp`` (its ``fused`` gate/up and ``down`` nn.Linear layers, no other parameter) feeds ``down`` a
+    function of each hidden column's gate and up alone: with half of the gate's and of the up's outputs, ``down``'s
+    input is those columns of the whole layer's (so each rank's down-projection reads its own columns). Checked on a
+    probe: a shallow copy of the MLP whose two layers are small float64 stand-ins on the CPU (8 hidden columns), so
+    that the check costs nothing at a real model's size; any error of the probe is a no."""
     up, out = getattr(mlp, fused, None), getattr(mlp, down, None)
-    if type(up) is not nn.Linear or type(out) is not nn.Linear or up.bias is not None or out.bias is not None or \
-            up.out_features % 4 or out.in_features * 2 != up.out_features:
+    if type(up) is not nn.Linear or type(out) is not nn.Linear or out.in_features * 2 != up.out_features or \
+            any(n.partition(".")[0] not in (fused, down) for n, _ in mlp.named_parameters()):
         return False
-    probe = copy.deepcopy(mlp).to_empty(device="cpu").to(torch.float64)
     g = torch.Generator().manual_seed(0)
-    cpu = dict(generator=g, dtype=torch.float64)
-    with torch.no_grad():
-        for p in probe.parameters():
-            p.copy_(torch.randn(p.shape, **cpu) * p.shape[-1] ** -0.5)
-        x = torch.randn(4, up.in_features, **cpu)
-        whole = probe(x)
-        w_up, w_down = getattr(probe, fused).weight.clone(), getattr(probe, down).weight.clone()
-        total, n = torch.zeros_like(whole), out.in_features
-        for r in range(2):
-            half = torch.arange(r * n // 2, (r + 1) * n // 2)
-            rows = torch.cat([half, n + half])  # (this half's gate rows, then its up rows)
-            getattr(probe, fused).weight = nn.Parameter(w_up[rows])
-            getattr(probe, down).weight = nn.Parameter(w_down[:, r * n // 2:(r + 1) * n // 2])
-            total += probe(x)
-    return bool(torch.allclose(total, whole, rtol=1e-9, atol=1e-12))
+    hidden, dim = 8, 4
+    gate_up = nn.Linear(dim, 2 * hidden, bias=up.bias is not None).to(torch.float64)
+    downs = nn.Linear(hidden, dim, bias=out.bias is not None).to(torch.float64)
+    probe = copy.copy(mlp)
+    probe._modules = {**mlp._modules, fused: gate_up, down: downs}
+    seen = []
+    downs.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach().clone()))
+    try:
+        with torch.no_grad():
+            for p in (*gate_up.parameters(), *downs.parameters()):
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+            x = torch.randn(3, dim, generator=g, dtype=torch.float64)
+            type(mlp).forward(probe, x)  # (not the MLP's hooks)
+            whole, full = seen.pop(), [t.clone() for t in gate_up.parameters()]
+            for r in range(2):
+                half = torch.arange(r * hidden // 2, (r + 1) * hidden // 2)
+                rows = torch.cat([half, hidden + half])  # (this half's gate rows, then its up rows)
+                gate_up._parameters["weight"] = nn.Parameter(full[0][rows])
+                if gate_up.bias is not None:
+                    gate_up._parameters["bias"] = nn.Parameter(full[1][rows])
+                gate_up.out_features, downs.in_features = hidden, hidden // 2
+                downs._parameters["weight"] = nn.Parameter(torch.randn(dim, hidden // 2, generator=g,
+                                                                       dtype=torch.float64))
+                type(mlp).forward(probe, x)
+                if not torch.allclose(seen.pop(), whole[:, half], rtol=1e-12, atol=1e-12):
+                    return False
+    except Exception:  # noqa: BLE001 - an MLP the probe cannot run is not one this style can take
+        return False
+    return True
 
 
 def _linear_attention(modules, found, ctx, fallback: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
