@@ -21,8 +21,8 @@ def _llama(W, dtype, kind="llama"):
     and MLP split over W ranks; weights rounded to bf16 and the same on every rank."""
     import transformers
 
-    Config, Model = (getattr(transformers, f"{n}{s}") for n in (
-        {"olmo2": "Olmo2", "glm4": "Glm4"}.get(kind, "Llama"),) for s in ("Config", "ForCausalLM"))
+    name = {"olmo2": "Olmo2", "glm4": "Glm4"}.get(kind, "Llama")
+    Config, Model = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
     config = Config(vocab_size=96, hidden_size=16 * 2 * W, intermediate_size=24 * W, num_hidden_layers=2,
                     num_attention_heads=2 * W, num_key_value_heads=W, attn_implementation="sdpa", use_cache=False,
                     **({"pad_token_id": 0} if kind == "glm4" else {}))  # (GLM-4's default is past this vocabulary)

@@ -42,6 +42,8 @@ their input (one copy each); ``B = 1`` and ``sequence_dim=0`` move no data. The 
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -72,7 +74,7 @@ def check_mesh(style, device_mesh):
                          f"init_device_mesh({ctx.device.type!r}, ({ctx.world_size},)))")
 
 
-def _local(x, where, shard_dim):
+def local_input(x, where, shard_dim):
     """A plain tensor from an input: a DTensor must be sharded on ``shard_dim`` (None: replicated) and gives its
     local part; a plain tensor is taken as that already."""
     if not isinstance(x, DTensor):
@@ -108,6 +110,8 @@ def replicated_parameter(p, mesh) -> nn.Parameter:
 
 
 class _LinearStyle(ParallelStyle):
+    chunks = 1  # (ColwiseParallel's: the parts of the output its module splits)
+
     def __init__(self, ctx, *, sequence_parallel: bool = True, sequence_dim: int = 1, fallback: str = "auto"):
         if fallback not in FALLBACKS:
             raise ValueError(f"{type(self).__name__}: fallback must be one of {FALLBACKS}, got {fallback!r}")
@@ -126,7 +130,7 @@ class _LinearStyle(ParallelStyle):
                              f"({type(module.tp_style).__name__}); a plan must match each layer once")
         check_mesh(self, device_mesh)
         dim = 0 if self._shard_out else 1
-        n, W, parts = module.weight.shape[dim], self.ctx.world_size, getattr(self, "chunks", 1)
+        n, W, parts = module.weight.shape[dim], self.ctx.world_size, self.chunks
         if n % (W * parts):
             raise ValueError(f"{type(self).__name__}: {'out' if dim == 0 else 'in'}_features = {n} is not "
                              f"divisible by the world size {W}" + (f" times chunks = {parts}" if parts > 1 else ""))
@@ -136,7 +140,7 @@ class _LinearStyle(ParallelStyle):
         W, r = self.ctx.world_size, self.ctx.rank
         dim = 0 if self._shard_out else 1
         n = module.weight.shape[dim]
-        rows = _chunk_rows(n, W, r, getattr(self, "chunks", 1)) if dim == 0 else slice(r * (n // W), (r + 1) * (n // W))
+        rows = shard_rows([n // self.chunks] * self.chunks if dim == 0 else [n], W, r)
         with torch.no_grad():
             module.weight = nn.Parameter((module.weight[rows] if dim == 0 else module.weight[:, rows]).clone(),
                                          requires_grad=module.weight.requires_grad)
@@ -147,13 +151,16 @@ class _LinearStyle(ParallelStyle):
         return module
 
 
-def _chunk_rows(n: int, world: int, rank: int, chunks: int):
-    """The output rows rank ``rank`` keeps of a column layer of ``n`` outputs that its module splits into ``chunks``
-    equal parts: its slice of each part, in order (one part: a contiguous slice)."""
-    if chunks == 1:
-        return slice(rank * (n // world), (rank + 1) * (n // world))
-    part, mine = n // chunks, n // chunks // world
-    return torch.cat([torch.arange(c * part + rank * mine, c * part + (rank + 1) * mine) for c in range(chunks)])
+def shard_rows(sizes, world: int, rank: int):
+    """The rows rank ``rank`` keeps of a tensor whose rows are parts of ``sizes`` one after another, each split
+    evenly over ``world`` ranks: its slice of each part, in order (an index tensor; one part: a slice). A column
+    layer whose module splits its output into parts (``ColwiseParallel(chunks=)``) keeps these rows, so that the
+    same split of its output gives this rank's columns of each part."""
+    if len(sizes) == 1:
+        return slice(rank * (sizes[0] // world), (rank + 1) * (sizes[0] // world))
+    starts = itertools.accumulate([0, *sizes[:-1]])
+    return torch.cat([torch.arange(s + rank * (n // world), s + (rank + 1) * (n // world))
+                      for s, n in zip(starts, sizes)])
 
 
 def styled_class(base, forward, name: str, last_path=None, ops=None):
@@ -243,7 +250,7 @@ class ColwiseParallel(_LinearStyle):
         group = getattr(module, "tp_group", None)
         if group is not None and style.sequence_parallel:
             return group.output(module, x)
-        x = _local(x, "ColwiseParallel", d if style.sequence_parallel else None)
+        x = local_input(x, "ColwiseParallel", d if style.sequence_parallel else None)
         x, weight, bias = compute_operands("ColwiseParallel", x, module.weight, module.bias)
         if not style.sequence_parallel:  # (each rank's input gradient is a partial sum)
             return local_linear(summed_grad(x, module.tp_mesh), weight, bias)
@@ -344,7 +351,7 @@ class _SharedInput:
     def _all(self, x):
         ms = self.members
         style = ms[0].tp_style
-        local = _local(x, "SharedInputColwise", style.sequence_dim)
+        local = local_input(x, "SharedInputColwise", style.sequence_dim)
         dt = compute_dtype("SharedInputColwise", local, ms[0].weight)
         weights = [m.weight for m in ms]
         # (under autocast each weight is cast on its own, then the casts concatenated: float32 is never copied)
@@ -421,7 +428,7 @@ class RowwiseParallel(_LinearStyle):
     def _forward(module, x):
         style = module.tp_style
         d = style.sequence_dim
-        x = _local(x, "RowwiseParallel", -1)
+        x = local_input(x, "RowwiseParallel", -1)
         x, weight, bias = compute_operands("RowwiseParallel", x, module.weight, module.bias)
         if not style.sequence_parallel:
             y = row_rows(x.reshape(-1, x.shape[-1]), weight, bias, style.ctx, style.fallback, False)
@@ -494,7 +501,7 @@ def _latent_forward(module, x):
     style = module.tp_style
     d, W = style.sequence_dim, style.ctx.world_size
     weight, bias = replicated_local(module.weight), replicated_local(module.bias)
-    x = _local(x, "ReplicatedLatent", d if style.sequence_parallel else None)
+    x = local_input(x, "ReplicatedLatent", d if style.sequence_parallel else None)
     x, weight, bias = compute_operands("ReplicatedLatent", x, weight, bias)
     y = nn.functional.linear(x, weight, bias)
     if style.sequence_parallel:
@@ -560,7 +567,7 @@ class GatherSequence(ParallelStyle):
 
         @torch.compiler.disable  # as ShardSequence's
         def gather(_, args):
-            x = _local(args[0], "GatherSequence", dim)
+            x = local_input(args[0], "GatherSequence", dim)
             return (custom_ops.gather_sequence(x, handle, W, dim % x.ndim), *args[1:])
 
         module.register_forward_pre_hook(gather)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .parallel import (FALLBACKS, RowwiseParallel, SharedInputColwise, check_mesh, replicated_local,
-                       replicated_parameter, styled_class)
+                       replicated_parameter, shard_rows, styled_class)
 
 #: the projections that read the layer's input, in the order they are grouped into one AllGather-GEMM: Qwen3.5's,
 #: and Qwen3-Next's (by key head)
@@ -62,21 +62,21 @@ class GatedDeltaNetParallel(ParallelStyle):
             raise ValueError(f"GatedDeltaNetParallel: {type(module).__name__} is parallelized already")
         projections = check_layer(module, "GatedDeltaNetParallel", self.ctx.world_size)
         W, r = self.ctx.world_size, self.ctx.rank
-        order = _rank_major(module.key_dim, module.value_dim, W)
+        parts = (module.key_dim, module.key_dim, module.value_dim)  # the query, key and value channels
         conv = module.conv1d
-        local = module.conv_dim // W
-        with torch.no_grad():  # every rank's query, key and value channels side by side, then this rank's
-            if projections == IN_PROJ:
+        with torch.no_grad():
+            if projections == IN_PROJ:  # every rank's query, key and value channels side by side, rank by rank
                 qkv = module.in_proj_qkv
+                order = torch.cat([shard_rows(parts, W, q) for q in range(W)])
                 qkv.weight = nn.Parameter(qkv.weight[order].clone(), requires_grad=qkv.weight.requires_grad)
-            conv.weight = nn.Parameter(conv.weight[order][r * local:(r + 1) * local].clone(),
+            conv.weight = nn.Parameter(conv.weight[shard_rows(parts, W, r)].clone(),
                                        requires_grad=conv.weight.requires_grad)
-            heads = module.num_v_heads // W
             for name in ("A_log", "dt_bias"):
                 p = getattr(module, name)
-                setattr(module, name, nn.Parameter(p[r * heads:(r + 1) * heads].clone(), requires_grad=p.requires_grad))
+                setattr(module, name, nn.Parameter(p[shard_rows([p.shape[0]], W, r)].clone(),
+                                                   requires_grad=p.requires_grad))
             module.norm.weight = replicated_parameter(module.norm.weight, device_mesh)
-        conv.in_channels = conv.out_channels = conv.groups = local
+        conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
         kw = dict(fallback=self.fallback, sequence_parallel=self.sequence_parallel)
         SharedInputColwise(self.ctx, projections, **kw)._apply(module, device_mesh)
         RowwiseParallel(self.ctx, **kw)._apply(module.out_proj, device_mesh)
@@ -133,17 +133,6 @@ def check_layer(module: nn.Module, who: str, world: int | None = None) -> tuple:
         raise ValueError(f"{who}: {name}'s {nk} key heads and {nv} value heads must be divisible by the world size "
                          f"{world}")
     return projections
-
-
-def _rank_major(key_dim: int, value_dim: int, world: int) -> torch.Tensor:
-    """The order of ``in_proj_qkv``'s output channels (query, key, value) in which rank r's contiguous shard is its
-    query channels, then its key channels, then its value channels."""
-    parts = []
-    for r in range(world):
-        k, v = key_dim // world, value_dim // world
-        parts += [torch.arange(r * k, (r + 1) * k), torch.arange(key_dim + r * k, key_dim + (r + 1) * k),
-                  torch.arange(2 * key_dim + r * v, 2 * key_dim + (r + 1) * v)]
-    return torch.cat(parts)
 
 
 def _check_gated_norm(norm: nn.Module, who: str, width: int) -> None:

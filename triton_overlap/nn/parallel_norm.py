@@ -14,12 +14,11 @@ import warnings
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
 from .linear import all_reduce_op
-from .parallel import FALLBACKS, check_mesh, styled_class, summed_grad
+from .parallel import FALLBACKS, check_mesh, local_input, styled_class, summed_grad
 
 #: the attribute names under which an RMSNorm module holds its epsilon (Hugging Face's, torch's)
 EPS_NAMES = ("variance_epsilon", "eps")
@@ -98,11 +97,7 @@ def check_norm(module: nn.Module, who: str) -> tuple[float, bool]:
 
 def _norm_forward(module, x):
     """This rank's columns of the whole-width RMSNorm (class docstring)."""
-    if isinstance(x, DTensor):
-        p = x.placements[0]
-        if not (p.is_shard() and p.dim % x.ndim == x.ndim - 1):
-            raise ValueError(f"ColwiseRMSNorm: input DTensor placed {x.placements}; expected Shard({x.ndim - 1})")
-        x = x.to_local()
+    x = local_input(x, "ColwiseRMSNorm", -1)
     with torch.autocast(x.device.type, enabled=False):
         xf = x.float()
         squares = summed_grad(xf.pow(2).sum(-1, keepdim=True), module.tp_mesh)

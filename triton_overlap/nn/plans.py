@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from .parallel import (ColwiseParallel, GatherSequence, ReplicatedLatent, RowwiseParallel, ShardSequence,
-                       SharedInputColwise)
+                       SharedInputColwise, shard_rows)
 from .parallel_moe import MoEParallel, check_block
 from .parallel_linear_attention import IN_PROJ, IN_PROJ_BY_HEAD, GatedDeltaNetParallel, check_layer
 from .parallel_norm import ColwiseRMSNorm, check_norm
@@ -270,7 +270,7 @@ def _splits_by_column(mlp, fused: str, down: str) -> bool:
             whole, full = seen.pop(), [t.clone() for t in gate_up.parameters()]
             for r in range(2):
                 half = torch.arange(r * hidden // 2, (r + 1) * hidden // 2)
-                rows = torch.cat([half, hidden + half])  # (this half's gate rows, then its up rows)
+                rows = shard_rows((hidden, hidden), 2, r)  # (this half's gate rows, then its up rows)
                 gate_up._parameters["weight"] = nn.Parameter(full[0][rows])
                 if gate_up.bias is not None:
                     gate_up._parameters["bias"] = nn.Parameter(full[1][rows])

@@ -69,13 +69,9 @@ class GroupedSigmoid:
             logits = rows.float() @ weight.float().t()
             scores = torch.sigmoid(logits)
             choice = scores + bias.float().reshape(-1)
-            if keep < groups:
-                T, E = choice.shape
-                per_group = choice.view(T, groups, E // groups)
-                best = per_group.topk(2, dim=-1).values.sum(-1)
-                chosen = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1).indices, 1.0)
-                allowed = chosen.bool().unsqueeze(-1).expand(T, groups, E // groups).reshape(T, E)
-                choice = choice.masked_fill(~allowed, float("-inf"))
+            if keep < groups:  # a group's score: the sum of its two best choice scores
+                best = choice.view(choice.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
+                choice = choice.masked_fill(~_kept_groups(best, keep, choice.shape[1]), float("-inf"))
             ids = choice.topk(gate.top_k, dim=-1).indices
             weights = scores.gather(1, ids)
             if self.renormalize if self.renormalize is not None else getattr(gate, "norm_topk_prob", False):
@@ -96,11 +92,8 @@ class GroupedSoftmax:
             scores = logits.softmax(-1)
             choice = scores
             if getattr(gate, "topk_method", "greedy") == "group_limited_greedy" and keep < groups:
-                T, E = scores.shape
-                best = scores.view(T, groups, E // groups).amax(-1)
-                chosen = torch.zeros_like(best).scatter_(1, best.topk(keep, dim=-1).indices, 1.0)
-                allowed = chosen.bool().unsqueeze(-1).expand(T, groups, E // groups).reshape(T, E)
-                choice = scores.masked_fill(~allowed, 0.0)
+                best = scores.view(scores.shape[0], groups, -1).amax(-1)  # (a group's score: its best expert's)
+                choice = scores.masked_fill(~_kept_groups(best, keep, scores.shape[1]), 0.0)
             ids = choice.topk(gate.top_k, dim=-1).indices
             weights = scores.gather(1, ids)
             if getattr(gate, "norm_topk_prob", False):
@@ -129,11 +122,21 @@ class BiasedSoftmax:
         return logits, weights, ids
 
 
+def _kept_groups(best: torch.Tensor, keep: int, experts: int) -> torch.Tensor:
+    """bool [T, experts]: the experts of the ``keep`` groups of highest score ``best`` [T, groups] (equal groups of
+    consecutive experts)."""
+    chosen = torch.zeros_like(best, dtype=torch.bool).scatter_(1, best.topk(keep, dim=-1).indices, True)
+    return chosen.unsqueeze(-1).expand(-1, -1, experts // best.shape[1]).reshape(best.shape[0], experts)
+
+
 def correction_bias(gate) -> torch.Tensor | None:
     """The router's ``e_score_correction_bias`` (a buffer, or a parameter without gradient, of the router or of a
-    child of it: Ernie 4.5's ``moe_statics``), or None."""
-    found = [t for n, t in [*gate.named_buffers(), *gate.named_parameters()]
-             if n.rpartition(".")[2] == "e_score_correction_bias"]
+    child of it: Ernie 4.5's ``moe_statics``), or None: attribute reads only, as every call of a rule reads it."""
+    found = []
+    for m in (gate, *gate.children()):
+        bias = getattr(m, "e_score_correction_bias", None)
+        if isinstance(bias, torch.Tensor):
+            found.append(bias)
     return found[0] if len(found) == 1 else None
 
 
