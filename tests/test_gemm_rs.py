@@ -21,7 +21,8 @@ class RSCase(GemmCase):
     or copy, ``fuse`` (fuse_reduce; the reduction is in the GEMM where every rank's rows are whole tiles),
     ``claim``, ``defer`` (defer_release), ``streams`` (copy streams); ``gemm`` "gluon" (the warp-specialized GEMM)
     or "triton", and with "gluon" and the reduction fused it checks, on compute capability 9.0, that the op ran
-    the warp-specialized GEMM."""
+    the warp-specialized GEMM; ``in_host`` (reduce_in_host: across hosts, the host's partials summed before they
+    cross)."""
     m: int = 0
     m_local: int = 0
     strided_out: bool = False
@@ -29,6 +30,7 @@ class RSCase(GemmCase):
     fuse: bool | None = None
     claim: int | None = None
     defer: bool | None = None
+    in_host: bool | None = None
 
     def rows(self, world: int) -> int:
         return self.m or self.m_local * world
@@ -46,7 +48,8 @@ def _inputs(ctx, case, it):
     rows = full[r * (m // W):(r + 1) * (m // W)]
     b = rand((n,), dtype, dev, "b", it) if case.bias else None
     overrides = set_fields(m_per_chunk=case.m_per_chunk, scatter=case.scatter, fuse_reduce=case.fuse, tma=case.tma,
-                           claim=case.claim, defer_release=case.defer, gemm=case.gemm, num_streams=case.streams)
+                           claim=case.claim, defer_release=case.defer, gemm=case.gemm, num_streams=case.streams,
+                           reduce_in_host=case.in_host)
     if case.strided_out:  # a transposed view: columns m // W elements apart
         out = torch.empty((n, m // W), dtype=dtype, device=dev).t()
     else:

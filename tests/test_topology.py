@@ -4,6 +4,7 @@ attention, the tensor-parallel MoE ops and expert-parallel dispatch / combine mo
 process group (the op tests' own cases, run under virtual hosts), the AllReduce ops take their torch.distributed
 path, faults name the peer on the other host; one Context per host's group (the 2-D mesh) overlaps as on one
 machine."""
+import dataclasses
 import os
 import time
 
@@ -231,6 +232,67 @@ def test_tile_orders_between_hosts():
     assert sched.copy and sched.remote == (2, 3) and sched.copy_streams == (((1, 0), (1, 1)),)
 
 
+@pytest.mark.parametrize("hosts", [((0, 1), (2, 3)), ((0, 1, 2), (3, 4, 5)), ((0, 1), (2, 3), (4, 5))],
+                         ids=["2x2", "2x3", "3x2"])
+def test_partials_summed_within_the_host(hosts):
+    """GEMM-RS's schedule with the host's partials summed before they cross: every partial of every rank reaches
+    its owner exactly once, directly within the host or through one sum per host; each rank sends one partial per
+    other host (1 / L of the direct path's), and reduces only its host's ranks and its counterparts."""
+    W, L = sum(map(len, hosts)), len(hosts[0])
+    layout = ChunkLayout(W, 10, 4)  # 3 chunks per rank, the last of 2 rows
+    cpr = layout.chunks_per_rank
+    crossing = {True: 0, False: 0}
+    for in_host in (True, False):
+        reached = {}  # (source, owner, chunk) -> how: "own", "copy", "forwarded by f", "direct"
+        for r in range(W):
+            s = scatter_schedule(layout, r, hosts, copy=True, num_streams=2, block_m=4, n_tiles=1, fused=False,
+                                 reduce_in_host=in_host)
+            local = next(h for h in hosts if r in h)
+            assert s.reduce_after_join == in_host and s.local == local
+            if not in_host:
+                assert s.counterparts == () and s.sources == tuple(range(W))
+                for d in s.remote:
+                    for j in range(cpr):
+                        reached[r, d, j] = "direct"
+                crossing[False] += len(s.remote) * cpr
+            else:
+                mine = tuple(h[local.index(r)] for h in hosts if h != local)
+                assert s.counterparts == mine and s.sources == tuple(sorted(local + mine))
+                for k, d in enumerate(mine):
+                    assert s.forwarder(d) == r and s.other_host(d) == k
+                crossing[True] += len(mine) * cpr
+            moved = [step for stream in s.copy_streams for step in stream]
+            assert len(moved) == len(set(moved))
+            for d, j in moved:
+                reached[r, d, j] = "copy" if d in local else f"forwarded by {s.forwarder(d)}"
+            for d in local:
+                if d != r:
+                    assert all((d, j) in moved for j in range(cpr))
+            if in_host:  # the forwarder sums its host's partials for its counterparts: every rank of the host
+                for d in s.counterparts:
+                    for q in local:
+                        for j in range(cpr):
+                            reached.setdefault((q, d, j), "own" if q == r else None)
+        for src in range(W):
+            for d in range(W):
+                for j in range(cpr):
+                    how = reached.get((src, d, j), "own" if src == d else None)
+                    assert how is not None, (in_host, src, d, j)
+                    if how.startswith("forwarded by"):
+                        f = int(how.split()[-1])
+                        assert f in next(h for h in hosts if src in h) and d in scatter_schedule(
+                            layout, f, hosts, copy=True, block_m=4, n_tiles=1, fused=False,
+                            reduce_in_host=True).counterparts
+    assert crossing[False] == L * crossing[True]
+    with pytest.raises(ValueError, match="cannot be fused"):
+        scatter_schedule(layout, 0, hosts, copy=True, block_m=4, n_tiles=1, fused=True, reduce_in_host=True)
+    # one rank per host, or hosts of different sizes: the partials cross directly
+    for hs in (((0,), (1,)), ((0, 1), (2,))):
+        s = scatter_schedule(ChunkLayout(len(sum(hs, ())), 10, 4), 0, hs, copy=True, block_m=4, n_tiles=1,
+                             fused=False, reduce_in_host=True)
+        assert s.counterparts == () and len(s.sources) == len(sum(hs, ()))
+
+
 def test_topology_from_keys():
     t = Topology.from_keys(["b", "b", "a", "b", "a"])
     assert t.hosts == ((0, 1, 3), (2, 4)) and t.num_hosts == 2
@@ -376,6 +438,87 @@ def test_ops_between_hosts_held_for_link(pool, what):
     assert all(held) == (not what.startswith("rs")) and any(held) == all(held)
     if what.startswith("rs"):
         assert all(n > 0 for n in reductions), reductions
+
+
+def _counting_sums(n: int, fn, *args):
+    """As _under_hosts, returning how many chunks' within-host sums this rank ran (producers.scatter)."""
+    from triton_overlap.producers import scatter
+
+    original, seen = scatter.launch_sum_forwarded, [0]
+
+    def counted(*a, **k):
+        seen[0] += 1
+        return original(*a, **k)
+
+    scatter.launch_sum_forwarded = counted
+    try:
+        _under_hosts(n, fn, *args)
+    finally:
+        scatter.launch_sum_forwarded = original
+    return seen[0]
+
+
+@pytest.mark.parametrize("in_host", [True, False], ids=["summed_in_host", "direct"])
+def test_rs_partials_between_hosts(pool, in_host):
+    """Two hosts of W / 2 ranks: GEMM-RS is right with the host's partials for each owner on the other host summed
+    before they cross (every rank sums its chunks) and with each rank's partials crossing directly (no sum)."""
+    if pool.world < 4 or pool.world % 2:
+        pytest.skip("needs two hosts of two ranks or more")
+    fn, host_args, gpu_args = BETWEEN_HOSTS["rs reduction kernel"]
+    spec, case = host_args if pool.backend == "host" else gpu_args
+    sums = pool.run(_counting_sums, 2, fn, spec, dataclasses.replace(case, in_host=in_host))
+    assert all(n > 0 for n in sums) if in_host else sums == [0] * pool.world, sums
+
+
+def _forwarder_starved(T: float):
+    """Two hosts of two ranks, the host's partials summed before they cross: rank 1 leaves out its copies into its
+    forwarder's slots (rank 0's) for one call. Rank 0's sum gives up within the timeout, naming rank 1 and the
+    chunk; rank 2, whose sums from rank 0 never come, names rank 0; after reset() calls are right again."""
+    from triton_overlap.producers import scatter
+
+    init = scatter.Scatter.__init__
+    case = RSCase(m=8 * 24, k=32, n=24, m_per_chunk=4, scatter="copy")
+
+    def starved(self, ctx, schedule, *a, **k):
+        if ctx.rank == 1:
+            schedule = dataclasses.replace(schedule, copy_streams=tuple(
+                tuple(step for step in stream if step[0] in schedule.local) for stream in schedule.copy_streams))
+        init(self, ctx, schedule, *a, **k)
+
+    os.environ[VIRTUAL_HOSTS_ENV] = "2"
+    try:
+        with to.Context(timeout_s=T) as ctx:
+            op = to.GEMMReduceScatter(ctx, fallback="never")
+            contract.correct(GEMM_RS, op, ctx, case)
+            call = GEMM_RS.inputs(ctx, case, 1)
+            scatter.Scatter.__init__ = starved
+            msg = ""
+            t0 = time.monotonic()
+            try:
+                op(*call.args, **call.kwargs)
+                ctx.check()
+            except to.ContextError as e:
+                msg = str(e)
+            finally:
+                scatter.Scatter.__init__ = init
+            elapsed = time.monotonic() - t0
+            ctx.reset()
+            for tag in (2, 3):
+                contract.correct(GEMM_RS, op, ctx, case, tag=tag)
+    finally:
+        os.environ.pop(VIRTUAL_HOSTS_ENV, None)
+    return msg, elapsed
+
+
+def test_forwarder_starved(pool):
+    if pool.world != 4:
+        pytest.skip("two hosts of two ranks")
+    T = contract.timeout_for(pool)
+    results = pool.run(_forwarder_starved, T)
+    (m0, t0), (m2, _) = results[0], results[2]
+    assert "gemm_rs" in m0 and "chunk 0 of rank 1" in m0 and not contract.relayed(m0), m0
+    assert T * contract.EARLIEST <= t0, (t0, m0)
+    assert "rank 0" in m2, m2
 
 
 # The fault tests' cases (the contract's fault bodies with AllGather-GEMM's call), one rank per host: a peer on

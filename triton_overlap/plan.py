@@ -199,7 +199,15 @@ class ScatterSchedule:
     summed after the exchanges between hosts, by a reduction kernel (where NCCL carries them, nothing waits for
     them while they run). ``reset_by``: who zeroes this rank's
     counters after the call: "consumer" (the GEMM's last program, where it sums the partials itself) or
-    "reduction" (the reduction kernel's stream, after it)."""
+    "reduction" (the reduction kernel's stream, after it).
+
+    With the partials summed within the host first (``counterparts`` not empty: the ranks at this rank's local
+    index on the other hosts, in host order), an owner on another host gets one partial per host: its chunks go
+    by copy engine to ``forwarder(owner)``, the rank of this host at the owner's local index (this rank's own
+    partials for its counterparts stay here), which sums the host's partials and sends the sum to the owner.
+    ``copy_streams`` then also move the chunks of owners on other hosts, and ``sources`` (the ranks whose
+    receive slots this rank's reduction sums: every rank, or with the sums, this host's ranks and the
+    counterparts) have fewer ranks than the group."""
 
     layout: ChunkLayout
     rank: int
@@ -212,39 +220,62 @@ class ScatterSchedule:
     counts: tuple
     reset_by: str
     reduce_after_join: bool = False
+    hosts: tuple = ()
+    counterparts: tuple = ()
+    sources: tuple = ()
 
     @property
     def num_streams(self) -> int:
         """Producer streams: the copy streams, and one for the exchanges between hosts."""
         return len(self.copy_streams) + int(bool(self.remote))
 
+    def forwarder(self, owner: int) -> int:
+        """The rank of this host that sums the host's partials for ``owner`` (on another host) and sends the sum:
+        the one at ``owner``'s local index."""
+        theirs = next(h for h in self.hosts if owner in h)
+        return self.local[theirs.index(owner)]
+
+    def other_host(self, owner: int) -> int:
+        """The position of ``owner``'s host among the hosts other than this rank's (the forwarders' slots)."""
+        return [h for h in self.hosts if h != self.local].index(next(h for h in self.hosts if owner in h))
+
 
 def scatter_schedule(layout: ChunkLayout, rank: int, hosts, *, copy: bool, num_streams: int | None = None,
-                     block_m: int, n_tiles: int, fused: bool, hold_for_link: bool = False) -> ScatterSchedule:
+                     block_m: int, n_tiles: int, fused: bool, hold_for_link: bool = False,
+                     reduce_in_host: bool = False) -> ScatterSchedule:
     """The schedule of a GEMM-RS call of ``layout`` on ``rank`` (``hosts``: the group's hosts, each a tuple of
     ranks). ``copy``: copy engines move the peers' chunks (else the GEMM stores them into the peers itself); across
     hosts always. ``num_streams``: copy streams (None: one per peer), at most one per chunk sent. ``block_m`` and
     ``n_tiles``: the GEMM's m-tile and its tiles across the columns. ``fused``: the GEMM sums the partials (not
-    with ``hold_for_link`` across hosts, Context.holds_for_link: there a reduction kernel runs after the join)."""
+    with ``hold_for_link`` across hosts, Context.holds_for_link, nor with the partials summed within the host:
+    there a reduction kernel runs after the join). ``reduce_in_host``: across hosts of several ranks each, sum
+    the host's partials for an owner on another host before they cross (ScatterSchedule)."""
     W, cpr = layout.world, layout.chunks_per_rank
+    hosts = tuple(tuple(h) for h in hosts)
     local = _host_of(rank, hosts)
     remote = tuple(p for p in range(W) if p not in local)
     peers = [d for d in send_order(rank, W) if d in local]
+    index = local.index(rank)
+    in_host = reduce_in_host and bool(remote) and len(local) > 1 and len({len(h) for h in hosts}) == 1
+    counterparts = tuple(h[index] for h in hosts if h != local) if in_host else ()
+    forwarded = [d for d in send_order(rank, W) if d in remote and d not in counterparts] if in_host else []
     copy = copy or bool(remote)
     streams: tuple = ()
-    if copy and peers:
-        n = max(1, min(num_streams or len(peers), len(peers) * cpr))
+    moved = forwarded + peers
+    if copy and moved:
+        n = max(1, min(num_streams or len(moved), len(moved) * cpr))
         per: list[list] = [[] for _ in range(n)]
-        for i, d in enumerate(peers):
+        for i, d in enumerate(moved):
             for j in range(cpr):
-                per[(i + len(peers) * j) % n].append((d, j))
+                per[(i + len(moved) * j) % n].append((d, j))
         streams = tuple(tuple(p) for p in per)
     ordered = [p for p in send_order(rank, W) if p not in local] + peers
     when = {layout.chunk_id(p, j): (i, j) for i, p in enumerate(ordered) for j in range(cpr)}
     tiles = tuple(layout.tile_order(block_m, when, last=True))
     counts = tuple(tuple(c) for c in layout.tile_stores(block_m, n_tiles))
-    late = hold_for_link and bool(remote)
+    late = (hold_for_link or in_host) and bool(remote)
     if late and fused:
         raise ValueError("scatter_schedule: partials summed after the exchanges between hosts cannot be fused")
+    sources = tuple(sorted(local + counterparts)) if in_host else tuple(range(W))
     return ScatterSchedule(layout, rank, local, copy, streams, remote, tiles, (W - 1) * layout.m_local // block_m,
-                           counts, "consumer" if fused else "reduction", late)
+                           counts, "consumer" if fused else "reduction", late, hosts, counterparts, sources)

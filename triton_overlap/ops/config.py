@@ -103,6 +103,10 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
     with the reduction fused, on Hopper, the warp-specialized Gluon GEMM (kernels.gemm_warp_specialized: the
     epilogue in a partition of its own, beside the next tile's K loop) with its own tiles, where it can run (else
     kernels.gemm); "triton", kernels.gemm. The Gluon GEMM never runs with ``claim=1`` or deferred counters.
+    ``reduce_in_host``: on a group that spans hosts of several ranks each, the partials of an owner on another host
+    are summed within this host first and one sum per host crosses to it (a link between hosts then carries 1 / L
+    of the partials, for L ranks per host; producers.scatter); False: each rank sends its own partial to each
+    owner on another host.
     """
 
     scatter: str = "auto"
@@ -112,6 +116,7 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
     gemm: str = "auto"
     copy_bytes: int = 32 << 20
     copy_bytes_fused: int = 4 << 20
+    reduce_in_host: bool = True
 
     def __post_init__(self):
         if self.gemm not in GEMMS:

@@ -26,7 +26,7 @@ from ..kernels.gemm_operands import ScatterTarget
 from ..kernels.reduce import launch_reduce
 from ..plan import ChunkLayout, ScatterSchedule, cdiv, scatter_schedule
 from ..producers import pipeline
-from ..producers.scatter import Scatter, staging
+from ..producers.scatter import Scatter, forwarding, staging
 from .base import OverlapOp, call_key, with_overrides, with_tiles
 from .checks import check_operands
 from .config import GEMMReduceScatterConfig
@@ -39,6 +39,13 @@ def fuses(cfg: GEMMReduceScatterConfig, m: int, world: int) -> bool:
     """Whether the reduction runs in the GEMM for ``m`` rows in all: ``cfg.fuse_reduce`` (None: yes), where every
     rank's rows are whole ``block_m`` tiles (own-row tiles then hold one rank's rows only)."""
     return cfg.fuse_reduce is not False and (m // world) % cfg.block_m == 0
+
+
+def sums_in_host(ctx, cfg) -> bool:
+    """Whether a call on ``ctx`` sums the host's partials for an owner on another host before they cross:
+    ``cfg.reduce_in_host``, on a group that spans hosts of one size, several ranks each."""
+    hosts = ctx.topology.hosts
+    return cfg.reduce_in_host and len(hosts) > 1 and ctx.topology.uniform and len(hosts[0]) > 1
 
 
 def scatter_mode(cfg: GEMMReduceScatterConfig, m: int, n: int, elsize: int, copy_engines: bool, world: int) -> str:
@@ -92,7 +99,8 @@ class GEMMReduceScatter(OverlapOp):
     FALLBACK_PARTIAL_BYTES, when W = 1, on GPUs when the GEMM's tiles fit in one wave (``one_wave``), and, where the
     op does not replay (ops.base.OverlapOp.eager_fallback), for an eager call whose GEMM is too short to pay for
     the host's cost of an overlapped one. On a group that spans hosts, the copy variant, with other hosts' owners
-    served through the process group (producers.link).
+    served through the process group (producers.link), the host's partials for each of them summed before they
+    cross (``reduce_in_host``, producers.scatter).
     ``max_m``: the largest M accepted. ``last_gemm``: the GEMM the last overlapped call ran,
     "gemm_warp_specialized" or "gemm".
     """
@@ -180,8 +188,9 @@ class GEMMReduceScatter(OverlapOp):
         (M, K), N = a.shape, w.shape[1]
         cfg = with_overrides(self.config_for((M, K, N)), overrides)
         # across hosts over NCCL (Context.holds_for_link) nothing waits for other hosts' partials while the
-        # exchanges run: a separate reduction, after the join
-        fuse = fuses(cfg, M, ctx.world_size) and not ctx.holds_for_link
+        # exchanges run, and the host's partials summed before they cross come from several ranks: a separate
+        # reduction, after the join
+        fuse = fuses(cfg, M, ctx.world_size) and not ctx.holds_for_link and not sums_in_host(ctx, cfg)
         b_layout = (warp_specialized.layout_for(ctx, a, w, M // ctx.world_size)
                     if fuse and wants_warp_specialized(cfg) else None)
         if b_layout is not None:  # the warp-specialized GEMM's own tiles, and so its own plan
@@ -206,9 +215,12 @@ class GEMMReduceScatter(OverlapOp):
         c = recv.local.view(W * m_local, N)
         self.state["buffers"] = {"receive slots": recv.local}
         if copy:  # peers' tiles to a local staging buffer; copy engines move them on
-            stage = staging(ctx, recv, counters, layout)
+            forward = forwarding(ctx, self.name, sched.scatter, N, a.dtype)
+            stage = staging(ctx, recv, counters, layout, forward, sched.scatter)
             self.state["buffers"]["staging"] = stage.partials
-            producer = Scatter(ctx, sched.scatter, stage, recv, counters, call=sched.call)
+            if forward is not None:
+                self.state["buffers"]["forwarding slots"] = forward.slots.local
+            producer = Scatter(ctx, sched.scatter, stage, recv, counters, call=sched.call, forward=forward)
             ptrs, counter_ptrs = stage.ptrs, stage.counter_ptrs
         else:  # peers' tiles straight into their receive slots, once every owner's previous call is done and every
             # rank makes the same call (the barrier; the warp-specialized GEMM also waits for each owner's start)
@@ -218,7 +230,8 @@ class GEMMReduceScatter(OverlapOp):
         resets = sched.scatter.reset_by  # who zeroes this rank's counters: the GEMM's last program, or the reduction
 
         def reduce():  # a reduction kernel sums the partials; its counters are then reset on this stream
-            launch_reduce(ctx, recv.local, out, bias, counters.local, expected, layout, op=self.op)
+            launch_reduce(ctx, recv.local, out, bias, counters.local, expected, layout, op=self.op,
+                          sources=sched.scatter.sources)
             counters.local.zero_()  # every count was seen; peers add again only after the next barrier
 
         def consumer():
@@ -259,9 +272,10 @@ class GEMMReduceScatter(OverlapOp):
             layout = ChunkLayout(W, m_local, cfg.chunk_rows(m_local, N * a.element_size()))
             scatter = scatter_schedule(layout, ctx.rank, ctx.topology.hosts, copy=copy, num_streams=cfg.num_streams,
                                        block_m=cfg.block_m, n_tiles=cdiv(N, cfg.block_n), fused=fuse,
-                                       hold_for_link=ctx.holds_for_link)
+                                       hold_for_link=ctx.holds_for_link, reduce_in_host=cfg.reduce_in_host)
             call = self.call_header((M, N, a.dtype, "copy" if scatter.copy else "store", fuse, b_layout is not None,
-                                     layout.m_per_chunk, cfg.block_m, cfg.block_n), (M, N))
+                                     layout.m_per_chunk, cfg.block_m, cfg.block_n, bool(scatter.counterparts)),
+                                    (M, N))
             found = self.state["schedules"][key] = GEMMReduceScatterSchedule(
                 cfg, fuse, "gemm_warp_specialized" if b_layout is not None else "gemm", b_layout, scatter,
                 torch.tensor(scatter.tile_order, dtype=torch.int32, device=ctx.device),

@@ -27,12 +27,15 @@ class MoEGEMMConfig(ChunkedGemmConfig):
     together, its weight read once while it is in L2) or once enough of the tiles that need no peer (this rank's,
     about 1/W of any stretch of the order) have run to fill the time until its last chunk is expected, whichever
     comes later (``lag_tiles``; 0: expert order; W * tile_lag at least the peers' chunks, ``inf`` among them: all
-    of this rank's tiles first, then by arrival; None: estimated from the shapes, ``lag_estimate``)."""
+    of this rank's tiles first, then by arrival; None: estimated from the shapes, ``lag_estimate``);
+    ``reduce_in_host``: MoE-GEMM-ReduceScatter's partials for an owner on another host summed within the host
+    before they cross, as GEMMReduceScatterConfig's."""
 
     block_c: int = 64
     gemm: str = "auto"
     send_rows: bool | None = None
     tile_lag: float | None = None
+    reduce_in_host: bool = True
 
     def __post_init__(self):
         if self.gemm not in GEMMS:

@@ -24,7 +24,7 @@ from ..kernels.grouped_gemm import launch_rs_grouped
 from ..kernels.reduce import launch_reduce
 from ..plan import ChunkLayout, ScatterSchedule, cdiv, scatter_schedule, send_order
 from ..producers import pipeline
-from ..producers.scatter import Scatter, staging
+from ..producers.scatter import Scatter, forwarding, staging
 from .base import with_overrides
 from .moe_config import MoEGEMMConfig, MoEOp, check_moe_operands, check_out, moe_table_shape
 from .moe_routing import (MoERouting, Segments, agree_on_routing, check_routing, destination_segments, grouped_matmul,
@@ -167,12 +167,13 @@ class MoEGEMMReduceScatter(MoEOp):
             counts = tuple(ChunkLayout(1, m_local, layout.m_per_chunk).tile_stores(cfg.block_c, npn)[0])
             scatter = scatter_schedule(layout, r, ctx.topology.hosts, copy=True, num_streams=cfg.num_streams,
                                        block_m=cfg.block_c, n_tiles=npn, fused=False,
-                                       hold_for_link=ctx.holds_for_link)
+                                       hold_for_link=ctx.holds_for_link, reduce_in_host=cfg.reduce_in_host)
             scatter = replace(scatter, counts=(counts,) * W)
             local = ctx.local_ranks
             ahead = [p for p in send_order(r, W) if p not in local] + [p for p in send_order(r, W) if p in local]
             dests = ahead + [r]
-            call = self.call_header((T, N, dtype, layout.m_per_chunk, cfg.block_c, cfg.block_n), (T, N))
+            call = self.call_header((T, N, dtype, layout.m_per_chunk, cfg.block_c, cfg.block_n,
+                                     bool(scatter.counterparts)), (T, N))
             dev = ctx.device
             found = self.state["schedules"][key] = MoEReduceScatterSchedule(
                 cfg, scatter, torch.tensor(dests, dtype=torch.int32, device=dev),
@@ -188,13 +189,17 @@ class MoEGEMMReduceScatter(MoEOp):
         W = layout.world
         recv = ctx.symmetric(f"{self.name}.recv", (W, layout.m_local, N), h.dtype)
         counters = ctx.symmetric(f"{self.name}.counters", (layout.num_chunks,), torch.int32)
-        stage = staging(ctx, recv, counters, layout)
+        forward = forwarding(ctx, self.name, sched.scatter, N, h.dtype)
+        stage = staging(ctx, recv, counters, layout, forward, sched.scatter)
         self.state["buffers"] = {"receive slots": recv.local, "staging": stage.partials}
-        producer = Scatter(ctx, sched.scatter, stage, recv, counters, call=sched.call)
+        if forward is not None:
+            self.state["buffers"]["forwarding slots"] = forward.slots.local
+        producer = Scatter(ctx, sched.scatter, stage, recv, counters, call=sched.call, forward=forward)
         late = sched.scatter.reduce_after_join
 
         def reduce():  # this rank's rows: the W partials summed in float32 as they land; then its counters reset
-            launch_reduce(ctx, recv.local, out, None, counters.local, sched.expected, layout, op=self.op)
+            launch_reduce(ctx, recv.local, out, None, counters.local, sched.expected, layout, op=self.op,
+                          sources=sched.scatter.sources)
             counters.local.zero_()  # every count was seen; peers add again only after the next barrier
 
         def consumer():

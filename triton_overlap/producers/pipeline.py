@@ -16,7 +16,9 @@ get wrong (every value written is a constant or lives in device memory), so a ca
    flags, in the order asked. ``consumer_first`` launches the consumer before the host enqueues the copies, so the
    GPU computes on local data while the host works, unless the producer asks for ``copies_first``. A producer
    that ``hold_consumer`` enqueues first, and the caller's stream waits for its last stream (the exchanges between
-   hosts) before the consumer: NCCL's kernels there need SMs that a consumer's waiting programs could hold;
+   hosts) before the consumer: NCCL's kernels there need SMs that a consumer's waiting programs could hold.
+   A producer's ``after_consumer`` steps come after the consumer in every order (kernels of its own that wait for
+   what the consumer produces: on the host backend a launch runs to its end);
 4. **join**: the caller's stream waits for every producer stream (also when a step raised, so that a capture of
    the call can end);
 5. **finish**: the producer's closing steps on the caller's stream (resetting this rank's flags, where the consumer
@@ -41,7 +43,8 @@ class Producer(Protocol):
     """What a producer tells the pipeline. ``num_streams``: how many producer streams it uses (0: none);
     ``copies_first``: enqueue before the consumer, whatever the call's ``consumer_first``; ``hold_consumer``: that,
     and the consumer starts after the producer's last stream (step 3); ``gate_consumer``: the consumer starts after
-    the opening steps (step 2), as with the call's ``gate``."""
+    the opening steps (step 2), as with the call's ``gate``. A producer may also have ``after_consumer(ctx,
+    streams)``: the last part of step 3, enqueued after the consumer."""
 
     num_streams: int
     copies_first: bool
@@ -155,6 +158,9 @@ def _steps(ctx, producer, consumer, consumer_first: bool, gate: bool, after_copi
             for s in streams if after_copies else streams[-1:] if producer.hold_consumer else []:
                 caller.wait_stream(s)
             consumer()
+        after = getattr(producer, "after_consumer", None)
+        if after is not None:
+            after(ctx, streams)
     finally:  # 4. join (after a step that raised too, so that a capture of the call can end)
         for s in forked:
             caller.wait_stream(s)
