@@ -38,7 +38,7 @@ from triton_overlap.context.collectives import all_gather_rows, reduce_scatter_r
 from triton_overlap.kernels.gemm import plain_gemm
 from triton_overlap.kernels.gemm_gather_hopper import plain_gemm_hopper
 from triton_overlap.kernels.gemm_warp_specialized import plain_gemm_ws
-from triton_overlap.ops.gemm_reduce_scatter import scatter_mode
+from triton_overlap.ops.gemm_reduce_scatter import scatter_mode, sums_in_host
 from triton_overlap.timing import capture, host_us, profile_to, spin, time_dist, time_interleaved
 from triton_overlap.torchrun import init, say
 
@@ -377,7 +377,10 @@ def bench_gemm_rs(ctx, shapes, iters, write_partial):
         rec["scatter"] = scatter_mode(op.config_for((M, K, N)), M, N, a.element_size(), ctx.copy_engines, W)
         other = "store" if rec["scatter"] == "copy" else "copy"  # the scatter "auto" did not pick, as the variant
         write_partial(records)
-        time_variant(ctx, rec, f"ours_{other}", lambda: op(a, w, out=out, scatter=other), iters)
+        if sums_in_host(ctx, op.config_for((M, K, N))):  # across hosts (always copy): partials crossing directly
+            time_variant(ctx, rec, "ours_direct", lambda: op(a, w, out=out, reduce_in_host=False), iters)
+        else:
+            time_variant(ctx, rec, f"ours_{other}", lambda: op(a, w, out=out, scatter=other), iters)
         write_partial(records)
         say(_row(rec))
     return records

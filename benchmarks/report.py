@@ -310,8 +310,12 @@ def _row(r):
             f"{'n/a' if fused is None else f'{fused:.2f}x'} | "
             f"{vs_bound:.2f} | {r['bound_us'] / r['consumer_only_us']:.2f} | {f(r.get('ours_graph_us'))} | "
             f"{f(r.get('nccl_graph_us'))} | {'n/a' if gsp is None else f'{gsp:.2f}x'} | "
-            f"{f(r.get('ours_pull_us', r.get('ours_copy_us', r.get('ours_store_us'))))} | "
-            f"{f(r.get('ours_pull_graph_us', r.get('ours_copy_graph_us', r.get('ours_store_graph_us'))))} |")
+            f"{f(_variant(r, ''))} | {f(_variant(r, '_graph'))} |")
+
+
+def _variant(r, kind: str):
+    """The variant column's time (``kind``: "" eager, "_graph" replayed): the first of the records' variants."""
+    return next((r[k] for k in (f"ours_{v}{kind}_us" for v in ("pull", "copy", "store", "direct")) if k in r), None)
 
 
 HEADER = ("| M | K | N | ours µs | ours, no replay µs | overlap forced, no replay µs | host enqueue µs | "
@@ -323,7 +327,9 @@ HEADER = ("| M | K | N | ours µs | ours, no replay µs | overlap forced, no rep
 # no replay: the same with replay=False; overlap forced: fallback="never", replay=False; host enqueue: host µs of
 # one forced call, GPU idle; host, replayed: the same for ours
 # variant: AllGather-GEMM pull mode (ours_pull_*); GEMM-ReduceScatter: the scatter mode "auto" did not pick
-# (ours_copy_* where ours stored, ours_store_* where ours copied; the record's "scatter" names ours)
+# (ours_copy_* where ours stored, ours_store_* where ours copied; the record's "scatter" names ours), or across hosts
+# of several GPUs each, where ours sums a host's partials before they cross, each partial crossing directly
+# (ours_direct_*)
 
 
 WT_HEADER = ("| M | K | N | ours µs | NCCL+cuBLAS µs | speed-up vs NCCL | bound µs | ours / bound | "

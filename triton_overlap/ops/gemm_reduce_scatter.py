@@ -303,4 +303,5 @@ def gemm_rs(a: torch.Tensor, w: torch.Tensor, *, ctx, bias: torch.Tensor | None 
     return GEMMReduceScatter.shared(ctx)(a, w, bias, out=out, **overrides)
 
 
-__all__ = ["GEMMReduceScatter", "fuses", "gemm_rs", "one_wave", "scatter_mode", "wants_warp_specialized"]
+__all__ = ["GEMMReduceScatter", "fuses", "gemm_rs", "one_wave", "scatter_mode", "sums_in_host",
+           "wants_warp_specialized"]
