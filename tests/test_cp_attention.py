@@ -20,9 +20,9 @@ from refs import (GRAD_TOL, TOL, OfflineContext, assert_own_fault, attention, at
 class CPCase:
     """q [B, S, Hq, D] and k, v [B, S, Hkv, D] over the full sequence of S (48 | S: W = 2, 3, 4, 8), zigzag-sharded;
     ``iters`` calls on one op with ``chunks_per_rank``, producers delayed at random up to ``jitter`` s;
-    ``num_streams``: the copy streams (the rest of the config as the op picks it); ``keep_kv``: backward reads the
-    K/V the forward kept, else gathers them again. A gradient case rounds S up to a length every rank's shard
-    splits into its chunks."""
+    ``num_streams``: the copy streams, ``in_host``: reduce_in_host (the rest of the config as the op picks it);
+    ``keep_kv``: backward reads the K/V the forward kept, else gathers them again. A gradient case rounds S up to a
+    length every rank's shard splits into its chunks."""
     B: int = 1
     S: int
     Hq: int
@@ -35,13 +35,15 @@ class CPCase:
     jitter: float = 0.0
     num_streams: int | None = None
     keep_kv: bool = False
+    in_host: bool | None = None
 
 
 def _make(ctx, case, fallback):
     op = to.ContextParallelAttention(ctx, chunks_per_rank=case.chunks_per_rank, keep_kv=case.keep_kv)
-    if case.num_streams is not None:  # the copy streams set, the rest of the config as the op would pick it
+    fields = {k: v for k, v in (("num_streams", case.num_streams), ("reduce_in_host", case.in_host)) if v is not None}
+    if fields:  # these fields set, the rest of the config as the op would pick it
         cfg = op.config_for((case.S, case.Hq, case.Hkv, case.D, int(case.causal)))
-        op = to.ContextParallelAttention(ctx, config=dataclasses.replace(cfg, num_streams=case.num_streams))
+        op = to.ContextParallelAttention(ctx, config=dataclasses.replace(cfg, **fields), keep_kv=case.keep_kv)
     return op
 
 

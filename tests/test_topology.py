@@ -441,7 +441,9 @@ def test_ops_between_hosts_held_for_link(pool, what):
 
 
 def _counting_sums(n: int, fn, *args):
-    """As _under_hosts, returning how many chunks' within-host sums this rank ran (producers.scatter)."""
+    """As _under_hosts, returning how many within-host sums of partials this rank ran (GEMM-RS's chunks,
+    attention's dK/dV)."""
+    from triton_overlap.ops import context_parallel_attention as cp
     from triton_overlap.producers import scatter
 
     original, seen = scatter.launch_sum_forwarded, [0]
@@ -450,23 +452,25 @@ def _counting_sums(n: int, fn, *args):
         seen[0] += 1
         return original(*a, **k)
 
-    scatter.launch_sum_forwarded = counted
+    scatter.launch_sum_forwarded = cp.launch_sum_forwarded = counted
     try:
         _under_hosts(n, fn, *args)
     finally:
-        scatter.launch_sum_forwarded = original
+        scatter.launch_sum_forwarded = cp.launch_sum_forwarded = original
     return seen[0]
 
 
+@pytest.mark.parametrize("what", ["rs reduction kernel", "cp backward"])
 @pytest.mark.parametrize("in_host", [True, False], ids=["summed_in_host", "direct"])
-def test_rs_partials_between_hosts(pool, in_host):
-    """Two hosts of W / 2 ranks: GEMM-RS is right with the host's partials for each owner on the other host summed
-    before they cross (every rank sums its chunks) and with each rank's partials crossing directly (no sum)."""
+def test_partials_between_hosts(pool, in_host, what):
+    """Two hosts of W / 2 ranks: GEMM-RS and attention's backward are right with the host's partials for each
+    owner on the other host summed before they cross (every rank sums its share) and with each rank's partials
+    crossing directly (no sum)."""
     if pool.world < 4 or pool.world % 2:
         pytest.skip("needs two hosts of two ranks or more")
-    fn, host_args, gpu_args = BETWEEN_HOSTS["rs reduction kernel"]
-    spec, case = host_args if pool.backend == "host" else gpu_args
-    sums = pool.run(_counting_sums, 2, fn, spec, dataclasses.replace(case, in_host=in_host))
+    fn, host_args, gpu_args = BETWEEN_HOSTS[what]
+    *spec, case = host_args if pool.backend == "host" else gpu_args
+    sums = pool.run(_counting_sums, 2, fn, *spec, dataclasses.replace(case, in_host=in_host))
     assert all(n > 0 for n in sums) if in_host else sums == [0] * pool.world, sums
 
 

@@ -264,17 +264,20 @@ def cp_attention_dkdv(
 
 
 @triton.jit
-def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, waiter, world, N_ELEM, BLOCK: tl.constexpr,
-                CLOCK: tl.constexpr):
-    """dK, dV (this rank's own K/V) = sum over the W slots; slot s holds [dK | dV] partials from rank s."""
+def reduce_dkdv(recv_ptr, dk_ptr, dv_ptr, counters_ptr, expected, waiter, sources_ptr, num_sources, N_ELEM,
+                BLOCK: tl.constexpr, CLOCK: tl.constexpr):
+    """dK, dV (this rank's own K/V) = sum over the slots of the ``num_sources`` ranks in ``sources_ptr``; slot s
+    holds [dK | dV] partials from rank s (or, summed within its host, from rank s's host)."""
     pid = tl.program_id(0)
-    for s in range(0, world):
+    for i in range(0, num_sources):
+        s = tl.load(sources_ptr + i)
         wait_for(counters_ptr + s, expected, waiter, s, WHAT_PARTIALS, CLOCK)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N_ELEM
     dk = tl.zeros((BLOCK,), tl.float32)
     dv = tl.zeros((BLOCK,), tl.float32)
-    for s in range(0, world):
+    for i in range(0, num_sources):
+        s = tl.load(sources_ptr + i).to(tl.int64)
         dk += tl.load(recv_ptr + s * 2 * N_ELEM + offs, mask=ok, other=0.0)
         dv += tl.load(recv_ptr + (s * 2 + 1) * N_ELEM + offs, mask=ok, other=0.0)
     tl.store(dk_ptr + offs, dk.to(dk_ptr.dtype.element_ty), mask=ok)
@@ -382,11 +385,14 @@ def head_split_for(ctx, programs: int, group: int, waves: int = HEAD_SPLIT_WAVES
     return split
 
 
-def launch_reduce_dkdv(ctx, recv, dk, dv, counters, expected: int, op: int = 0) -> None:
-    """dK, dV = the sum of the W partials in ``recv`` (this rank's receive slots), once every source's count in
-    ``counters`` has reached ``expected``."""
+def launch_reduce_dkdv(ctx, recv, dk, dv, counters, expected: int, op: int = 0, sources: tuple | None = None) -> None:
+    """dK, dV = the sum of the partials in ``recv`` (this rank's receive slots) of ``sources`` (None: every rank),
+    once each source's count in ``counters`` has reached ``expected``."""
     n = dk.numel()
     block = 1024 if ctx.interpreted else 2048
-    launch(reduce_dkdv, (cdiv(n, block),), (recv, dk, dv, counters, expected, waiter(ctx, op), ctx.world_size, n),
-           dict(BLOCK=block, CLOCK=ctx.clock))
+    sources = tuple(range(ctx.world_size)) if sources is None else tuple(sources)
+    ranks = ctx.cached(("reduce sources", sources), lambda: torch.tensor(sources, dtype=torch.int32,
+                                                                         device=ctx.device))
+    launch(reduce_dkdv, (cdiv(n, block),), (recv, dk, dv, counters, expected, waiter(ctx, op), ranks, len(sources),
+                                           n), dict(BLOCK=block, CLOCK=ctx.clock))
     ctx.after_launch()

@@ -59,12 +59,12 @@ def reduce_partials(recv_ptr, out_ptr, bias_ptr, counters_ptr, expected_ptr, wai
 
 @triton.jit
 def sum_forwarded(slots_ptr, counters_ptr, expected_ptr, out_ptr, dests_ptr, names_ptr, waiter, K, L, M_LOCAL, N,
-                  ROW0, ROWS, J, CHUNKS_PER_RANK,
+                  ROW0, ROWS, J, CHUNKS_PER_RANK, WHAT,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_PROGRAMS: tl.constexpr, CLOCK: tl.constexpr):
     """Rows ``ROW0 .. ROW0 + ROWS`` (chunk ``J``) of ``out[dests[k]]`` = the sum over ``i < L`` of ``slots[k, i]``
     ([K, L, M_LOCAL, N]: the host's i-th rank's partial for the owner on the k-th other host), each slot once its
     counter ``counters[k, i, J]`` reaches ``expected[k, J]`` (bounded waits naming ``names[i]``, the rank that
-    sends it, and the chunk)."""
+    sends it, and ``WHAT``: the chunk, or a WHAT_* code)."""
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     per_k = tl.cdiv(ROWS, BLOCK_M) * num_pid_n
@@ -74,7 +74,8 @@ def sum_forwarded(slots_ptr, counters_ptr, expected_ptr, out_ptr, dests_ptr, nam
         pid_n = tile % num_pid_n
         want = tl.load(expected_ptr + k * CHUNKS_PER_RANK + J)
         for i in range(0, L):
-            wait_for(counters_ptr + (k * L + i) * CHUNKS_PER_RANK + J, want, waiter, tl.load(names_ptr + i), J, CLOCK)
+            wait_for(counters_ptr + (k * L + i) * CHUNKS_PER_RANK + J, want, waiter, tl.load(names_ptr + i), WHAT,
+                     CLOCK)
         rows = ROW0 + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < ROW0 + ROWS) & (cols[None, :] < N)
@@ -111,10 +112,11 @@ def launch_reduce(ctx, recv, out, bias, counters, expected, layout: ChunkLayout,
 
 
 def launch_sum_forwarded(ctx, slots, counters, expected, out, dests, names, layout: ChunkLayout, j: int,
-                         op: int = 0) -> None:
+                         op: int = 0, what: int | None = None) -> None:
     """Chunk ``j`` of the host's partials for the owners on other hosts, summed (sum_forwarded): ``slots``
     [K, L, m_local, N], ``counters`` [K, L, chunks_per_rank], ``expected`` [K, chunks_per_rank] and ``dests``
-    [K] (int32: the slot of ``out`` [W, m_local, N] each sum goes to), ``names`` [L] (int32: the host's ranks)."""
+    [K] (int32: the slot of ``out`` [W, m_local, N] each sum goes to), ``names`` [L] (int32: the host's ranks);
+    ``what``: what a wait that times out names (None: chunk ``j``)."""
     K, L, m_local, N = slots.shape
     rows = layout.local_rows(j)
     block_m, block_n = _blocks(ctx)
@@ -123,6 +125,6 @@ def launch_sum_forwarded(ctx, slots, counters, expected, out, dests, names, layo
     programs = max(1, min(max(1, ctx.num_compute_units() // 4), tiles))
     launch(sum_forwarded, (programs,), (
         slots, counters, expected, out, dests, names, waiter(ctx, op), K, L, m_local, N, rows.start,
-        rows.stop - rows.start, j, layout.chunks_per_rank,
+        rows.stop - rows.start, j, layout.chunks_per_rank, j if what is None else int(what),
     ), dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_PROGRAMS=programs, CLOCK=ctx.clock), num_warps=4)
     ctx.after_launch()

@@ -191,7 +191,10 @@ class AttentionConfig:
     (even: the two zigzag halves are never mixed in one chunk). One ``Blocks`` per kernel: forward, backward dQ,
     backward dK/dV. ``consumer_first``: launch the forward kernel before enqueueing the copies (not on a shape's
     first call; the backward always enqueues its copies first). ``num_streams``: the copy streams that push this
-    rank's K/V to its peers (peer ``i`` of the send order on stream ``i % num_streams``; None: one per peer)."""
+    rank's K/V to its peers (peer ``i`` of the send order on stream ``i % num_streams``; None: one per peer).
+    ``reduce_in_host``: on a group that spans hosts of several ranks each, the backward's dK/dV partials for an
+    owner on another host are summed within this host first, one sum per host crossing (GEMMReduceScatterConfig's
+    knob of that name); False: each rank sends its own."""
 
     chunks_per_rank: int = 2
     fwd: Blocks = field(default_factory=lambda: Blocks(block_m=128, block_n=64, num_warps=8, num_stages=3))
@@ -199,6 +202,7 @@ class AttentionConfig:
     dkdv: Blocks = field(default_factory=lambda: Blocks(block_m=64, block_n=128, num_warps=8, num_stages=2))
     consumer_first: bool = True
     num_streams: int | None = None
+    reduce_in_host: bool = True
 
     def __post_init__(self):
         if self.chunks_per_rank < 2 or self.chunks_per_rank % 2:

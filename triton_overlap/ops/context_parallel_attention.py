@@ -16,11 +16,13 @@ import torch
 from ..kernels.attention import Blocks, launch_fwd, persistent_fwd
 from ..kernels.attention_bwd import backward_scratch, launch_bwd, launch_reduce_dkdv
 from ..kernels.capability import is_hopper
+from ..kernels.reduce import launch_sum_forwarded
 from ..kernels.signal import WHAT_PARTIALS
 from ..plan import ChunkLayout, GatherSchedule, gather_schedule
 from ..producers import pipeline
 from ..producers.gather import Gather
 from ..producers.link import link
+from ..producers.scatter import Forwarding
 from ..zigzag import as_ints, int_vector, local_cu_seqlens
 from .attention_on_gathered import all_ready, documents, slot_base
 from .base import OverlapOp, call_key
@@ -214,11 +216,13 @@ class ContextParallelAttention(OverlapOp):
         """The producer: K and V moved together, chunk by chunk, as ``sched`` says."""
         return Gather(self.ctx, sched, [(k, kws), (v, vws)], flags, dim=1, call=call)
 
-    def _header(self, step: str, k, local_cu, kept: bool = False):
-        """The call's header: what every rank's K/V, chunking and documents must agree on."""
+    def _header(self, step: str, k, local_cu, kept: bool = False, in_host: bool = False):
+        """The call's header: what every rank's K/V, chunking and documents must agree on (and, backward, whether
+        the partials are summed within the host before they cross hosts)."""
         B, S, Hkv, D = k.shape
         docs = hash(tuple(local_cu)) if local_cu is not None else 0
-        return self.call_header((step, B, S, Hkv, D, k.dtype, self.chunks_per_rank, docs, kept), (B, S, Hkv, D))
+        return self.call_header((step, B, S, Hkv, D, k.dtype, self.chunks_per_rank, docs, kept, in_host),
+                                (B, S, Hkv, D))
 
     def _forward(self, q, k, v, out, lse, causal, scale, local_cu=None):
         """Enqueue one forward (what ReplayCache captures); returns the gathered K and V ([B, W * S_local, Hkv, D]).
@@ -254,7 +258,9 @@ class ContextParallelAttention(OverlapOp):
     def backward(self, q, k, v, out, lse, dout, causal, scale, kept_k=None, kept_v=None, cu=()):
         """dq, dk, dv for this rank's shards. K/V come from ``kept_k``/``kept_v`` (the gathered workspaces that
         ``forward(keep=True)`` returned) or, when those are None, are gathered again by the copy engines. Partial
-        dK/dV go straight to their owners, who sum them in float32. ``cu`` as in forward (checked there).
+        dK/dV go straight to their owners, who sum them in float32 (across hosts of several ranks, those for an
+        owner on another host summed within the host first: ``_send_partials``). ``cu`` as in forward (checked
+        there).
         Replayed like the forward (``replay``): a call whose tensors, scratch included, sit where an earlier one's
         did replays the graph captured of it (``backward_replays``)."""
         ctx = self.ctx
@@ -273,7 +279,8 @@ class ContextParallelAttention(OverlapOp):
         docs_dkdv = documents(ctx, local_cu, cfg.dkdv.block_n)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         kept = kept_k is not None
-        call = self._header("backward", k, local_cu, kept=kept)
+        forward = self._forwarding(recv, cfg, sched)
+        call = self._header("backward", k, local_cu, kept=kept, in_host=forward is not None)
         if W == 1:  # one rank: nothing to gather and no peer to meet or store into; the kernels alone
             kw, vw, ready, producer = k, v, all_ready(ctx, layout.num_chunks), None
         elif kept:  # no gather: every chunk is ready; the barrier orders our dK/dV stores into peers
@@ -284,9 +291,12 @@ class ContextParallelAttention(OverlapOp):
             producer = self._gather(sched, k, v, kws, vws, flags, call)
         scratch = backward_scratch(ctx, q, k, v, kw, vw, dq, ready, cfg.dkdv, W, docs_dkdv)
 
-        recv_ptrs, counter_ptrs, staged = recv.ptrs, counters.ptrs, None
-        if sched.counterparts:  # other hosts' owners: partials staged here, then sent (_send_partials)
-            recv_ptrs, counter_ptrs, staged = self._staging(recv, counters)
+        recv_ptrs, counter_ptrs, staged, sources = recv.ptrs, counters.ptrs, None, None
+        if sched.counterparts:  # other hosts' owners: partials staged here (or summed within the host), then sent
+            recv_ptrs, counter_ptrs, staged = self._staging(recv, counters, forward, sched)  # (_send_partials)
+        if forward is not None:
+            sources = tuple(sorted(sched.local + sched.counterparts))
+            self.state["buffers"]["dK/dV forwarding slots"] = forward.slots.local
 
         def consumer():
             # the tables again: a capture of this call pins them (DocumentTables), as it reads them at every replay
@@ -295,8 +305,8 @@ class ContextParallelAttention(OverlapOp):
                                   layout.m_per_chunk, layout.chunks_per_rank, scale, causal, cfg.dq, cfg.dkdv,
                                   docs_dq=docs[0], docs_dkdv=docs[1], op=self.op, scratch=scratch)
             if staged is not None:
-                self._send_partials(recv, counters, staged, expected)
-            launch_reduce_dkdv(ctx, recv.local, dk, dv, counters.local, expected, op=self.op)
+                self._send_partials(recv, counters, staged, expected, forward, sched)
+            launch_reduce_dkdv(ctx, recv.local, dk, dv, counters.local, expected, op=self.op, sources=sources)
             counters.local.zero_()  # every count was seen; peers add again only after the next call's barrier
 
         key = call_key((bool(causal), float(scale), tuple(cu)), q, k, v, out, lse, dout, kept_k, kept_v, dq, dk, dv,
@@ -309,9 +319,27 @@ class ContextParallelAttention(OverlapOp):
                                                                        after_copies=ctx.ranks_on_device > 1))
         return dq, dk, dv
 
-    def _staging(self, recv, counters):
+    def _forwarding(self, recv, cfg, sched) -> Forwarding | None:
+        """The buffers where this host's dK/dV partials for the owners at this rank's local index on the other
+        hosts are summed before they cross (producers.scatter.Forwarding, one chunk: the whole slot), where the group
+        spans hosts of several ranks and ``cfg.reduce_in_host``; else None."""
+        if not (sched.counterparts and cfg.reduce_in_host and len(sched.local) > 1):
+            return None
+        ctx = self.ctx
+        K, L = len(sched.counterparts), len(sched.local)
+        W, two, B, S, Hkv, D = recv.local.shape
+        slots = ctx.symmetric(f"{self.name}.dkv_forward", (K, L, two * B * S * Hkv, D), torch.float32)
+        counters = ctx.symmetric(f"{self.name}.dkv_forward_count", (K, L, 1), torch.int32)
+        dests, names = ctx.cached(("dkdv forwarding", sched.counterparts, sched.local), lambda: (
+            torch.tensor(sched.counterparts, dtype=torch.int32, device=ctx.device),
+            torch.tensor(sched.local, dtype=torch.int32, device=ctx.device)))
+        return Forwarding(slots, counters, None, dests, names)  # (expected: per call, _send_partials)
+
+    def _staging(self, recv, counters, forward: Forwarding | None, sched):
         """Address tables for the dK/dV kernel on a group that spans hosts: owners on this host as always, owners on
-        other hosts aimed at a local buffer (their slots of it; counters bumped locally, never waited for)."""
+        other hosts aimed at a local buffer (their slots of it; counters bumped locally, never waited for), or with
+        ``forward``, at the forwarding slot for this rank of the host's rank at the owner's local index (the
+        counterparts' at this rank's own)."""
         ctx = self.ctx
 
         def make():
@@ -322,26 +350,54 @@ class ContextParallelAttention(OverlapOp):
             ptrs = [p if o in local else slot_base(staged, o, r) for o, p in enumerate(recv.ptrs.tolist())]
             cptrs = [p if o in local else bumps.data_ptr() + (o - r) * bumps.element_size()
                      for o, p in enumerate(counters.ptrs.tolist())]
+            if forward is not None:
+                hosts, i = [tuple(h) for h in ctx.topology.hosts], sched.local.index(r)
+                others = [h for h in hosts if h != sched.local]
+                slot = recv.local[0].numel() * recv.local.element_size()
+                for k, theirs in enumerate(others):
+                    for o in theirs:
+                        f = sched.local[theirs.index(o)]
+                        ptrs[o] = forward.slots.peer(f)[k, i].data_ptr() - r * slot
+                        cptrs[o] = forward.counters.peer(f)[k, i].data_ptr() - r * bumps.element_size()
             return (torch.tensor(ptrs, dtype=torch.int64, device=ctx.device),
                     torch.tensor(cptrs, dtype=torch.int64, device=ctx.device), staged, bumps)
 
-        key = ("dkdv staging", self.name, recv.local.data_ptr(), tuple(recv.local.shape), counters.local.data_ptr())
+        key = ("dkdv staging", self.name, recv.local.data_ptr(), tuple(recv.local.shape), counters.local.data_ptr(),
+               None if forward is None else (forward.slots.local.data_ptr(), tuple(forward.slots.local.shape),
+                                             forward.counters.local.data_ptr()))
         got = ctx.cached(key, make)
         return got[0], got[1], got[2]
 
-    def _send_partials(self, recv, counters, staged, expected: int) -> None:
-        """After the dK/dV kernel, on a producer stream: this rank's partials to each owner on another host, theirs
-        for this rank into its receive slots, and this rank's counter for each such source set to its final count.
-        The caller's stream then waits for it, so the reduction that follows finds every count complete."""
+    def _send_partials(self, recv, counters, staged, expected: int, forward: Forwarding | None, sched) -> None:
+        """After the dK/dV kernel, on a producer stream: this rank's partials to each owner on another host (with
+        ``forward``: the sum of this host's partials for each counterpart, a bounded wait for each of the host's
+        ranks), theirs for this rank into its receive slots, and this rank's counter for each such source set to
+        its final count. The caller's stream then waits for it, so the reduction that follows finds every count
+        complete."""
         ctx = self.ctx
         caller, s = ctx.current_stream(), ctx.streams(1)[0]
-        remote = link(ctx).remote
+        peers = list(sched.counterparts) if forward is not None else list(link(ctx).remote)
         s.wait_stream(caller)
-        link(ctx).exchange(s, [(staged[o], o) for o in remote], [(recv.local[o], o) for o in remote],
-                           f"cp_attention dK/dV partials with ranks {remote}", self.op,
-                           {o: int(WHAT_PARTIALS) for o in remote})
-        for o in remote:
+        what = "dK/dV partials"
+        if forward is not None:
+            K, L, rows, D = forward.slots.local.shape
+            W = staged.shape[0]
+            want = ctx.cached(("dkdv forwarding expected", K, expected), lambda: torch.full(
+                (K, 1), expected, dtype=torch.int32, device=ctx.device))
+            with ctx.use_stream(s):
+                launch_sum_forwarded(ctx, forward.slots.local, forward.counters.local, want, staged.view(W, rows, D),
+                                     forward.dests, forward.names, ChunkLayout(W, rows, rows), 0, op=self.op,
+                                     what=int(WHAT_PARTIALS))
+            what = "dK/dV partials (this host's sums)"
+        link(ctx).exchange(s, [(staged[o], o) for o in peers], [(recv.local[o], o) for o in peers],
+                           f"cp_attention {what} with ranks {peers}", self.op,
+                           {o: int(WHAT_PARTIALS) for o in peers})
+        for o in peers:
             s.write_value(counters.local[o:o + 1], expected)
+        if forward is not None:  # (no rank of the host adds to them again before the next call's barrier)
+            for k in range(forward.counters.local.shape[0]):
+                for i in range(forward.counters.local.shape[1]):
+                    s.write_value(forward.counters.local[k, i], 0)
         caller.wait_stream(s)
 
 
