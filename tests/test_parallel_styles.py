@@ -17,15 +17,17 @@ TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf
 
 def _llama(W, dtype, kind="llama"):
     """A small random Llama (``kind`` "olmo2": OLMo-2, its q/k norms over all heads, norms after attention and
-    MLP; "glm4": GLM-4, its MLP's gate and up one fused layer whose output it splits in two) whose heads, KV heads
-    and MLP split over W ranks; weights rounded to bf16 and the same on every rank."""
+    MLP; "glm4": GLM-4, its MLP's gate and up one fused layer whose output it splits in two; "phi3": Phi-3, that
+    and its q/k/v one fused layer sliced at offsets from its config) whose heads, KV heads and MLP split over W
+    ranks; weights rounded to bf16 and the same on every rank."""
     import transformers
 
-    name = {"olmo2": "Olmo2", "glm4": "Glm4"}.get(kind, "Llama")
+    name = {"olmo2": "Olmo2", "glm4": "Glm4", "phi3": "Phi3"}.get(kind, "Llama")
     Config, Model = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
     config = Config(vocab_size=96, hidden_size=16 * 2 * W, intermediate_size=24 * W, num_hidden_layers=2,
                     num_attention_heads=2 * W, num_key_value_heads=W, attn_implementation="sdpa", use_cache=False,
-                    **({"pad_token_id": 0} if kind == "glm4" else {}))  # (GLM-4's default is past this vocabulary)
+                    **({"pad_token_id": 0} if kind == "glm4" else {}),  # (defaults past this vocabulary)
+                    **({"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2} if kind == "phi3" else {}))
     torch.manual_seed(0)
     model = Model(config)
     with torch.no_grad():
@@ -58,10 +60,13 @@ def _plan(ctx, fallback, sequence_parallel=True, shared=False):
     return plan
 
 
-def _grad_errors(model, reference, rank):
+def _grad_errors(model, reference, rank, world=None):
     """Every parameter's gradient against the reference's (a sharded weight against its rows or columns; a fused
-    gate/up layer's against this rank's half of the gate's rows and of the up's)."""
+    gate/up layer's against this rank's half of the gate's rows and of the up's, a fused q/k/v layer's against its
+    rows of each)."""
     from torch.distributed.tensor import DTensor
+
+    from triton_overlap.nn.parallel import shard_rows
 
     errs, ref = {}, dict(reference.named_parameters())
     for name, p in model.named_parameters():
@@ -70,6 +75,11 @@ def _grad_errors(model, reference, rank):
         if name.endswith("gate_up_proj.weight"):
             half, n = g.shape[0] // 2, full.shape[0] // 2
             full = torch.cat([full[rank * half:(rank + 1) * half], full[n + rank * half:n + (rank + 1) * half]])
+        if name.endswith("qkv_proj.weight"):  # (Phi-3's: query heads' rows, then the key heads', the value heads')
+            cfg = reference.config
+            d = cfg.hidden_size // cfg.num_attention_heads
+            sizes = (cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d)
+            full = full[shard_rows(sizes, world, rank)]
         if g.shape != full.shape:
             dim = 0 if g.shape[0] != full.shape[0] else 1
             full = full.narrow(dim, rank * g.shape[dim], g.shape[dim])
@@ -112,7 +122,7 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
         logits.float().square().mean().backward()
         ref_logits.square().mean().backward()
         ctx.check()
-        errs = {"logits": rel_err(logits, ref_logits), **_grad_errors(model, reference, ctx.rank)}
+        errs = {"logits": rel_err(logits, ref_logits), **_grad_errors(model, reference, ctx.rank, W)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "logits" else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
         o_proj = model.model.layers[0].self_attn.o_proj
@@ -123,6 +133,10 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
             ["AllReduce"] if kind == "olmo2" else []), kinds  # (OLMo-2's q/k norms sum their squares)
         if kind == "olmo2":
             assert type(model.model.layers[0].self_attn.q_norm.tp_style).__name__ == "ColwiseRMSNorm"
+        if kind == "phi3":  # this rank's heads, read through the attention's own config
+            attn = model.model.layers[0].self_attn
+            assert type(attn.tp_style).__name__ == "FusedQKVParallel" and attn.config.num_attention_heads == 2
+            assert attn.num_key_value_heads == 1 and model.config.num_attention_heads == 2 * W
         assert all(op.fallback == fallback for op in overlap_ops(model)) and o_proj.tp_ops[0] in overlap_ops(model)
         if mode == "autocast":  # float32 parameters keep float32 gradients
             assert o_proj.weight.dtype == torch.float32 and o_proj.weight.grad.dtype == torch.float32
@@ -132,7 +146,8 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
 LLAMA_CASES = [(2, "bf16", "never"), (1, "autocast", "never"), (2, "decode", "never"), (1, "bf16", "always"),
                (2, "bf16", "never", True), (1, "autocast", "never", True), (2, "decode", "never", True),
                (2, "bf16", "never", "hf"), (2, "decode", "never", "hf"), (2, "bf16", "never", "hf", "olmo2"),
-               (1, "decode", "never", "hf", "olmo2"), (1, "bf16", "never", "hf", "glm4")]
+               (1, "decode", "never", "hf", "olmo2"), (1, "bf16", "never", "hf", "glm4"),
+               (2, "bf16", "never", "hf", "phi3"), (1, "decode", "never", "hf", "phi3")]
 
 
 @pytest.mark.parametrize("case", range(len(LLAMA_CASES)))
@@ -551,6 +566,31 @@ def test_hf_plan_from_the_models_own():
     mlp.__class__ = type("NormedMLP", (type(mlp),), {"forward": normed})
     with pytest.raises(ValueError, match="layers.1.mlp.gate_up_proj is 'colwise_gather_output'"):
         hf_plan(glm, None)
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from triton_overlap.nn.parallel_attention import LocalHeadsConfig
+
+    phi = Phi3ForCausalLM(Phi3Config(**small, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    plan = kinds(hf_plan(phi, None))  # q/k/v fused and sliced at offsets from the config; gate/up fused
+    assert plan["model.layers.0.self_attn"] == "FusedQKVParallel" and "model.layers.0.self_attn.qkv_proj" not in plan
+    assert plan["model.layers.0.mlp.gate_up_proj"] == "ColwiseParallel"
+    with pytest.raises(ValueError, match=r"layers.0.self_attn: .*2 query and 2 key/value heads are not divisible by "
+                                         r"the world size 3"):
+        hf_plan(phi, SimpleNamespace(world_size=3))
+    phi.model.layers[1].self_attn.scale = nn.Parameter(torch.ones(2))  # a parameter the style would not split
+    with pytest.raises(TypeError, match=r"layers.1.self_attn: .*parameters of its own \['scale'\]"):
+        hf_plan(phi, None)
+    view = LocalHeadsConfig(phi.config, 1, 1)  # this rank's head counts, the rest read from the model's config
+    assert view.num_attention_heads == 1 and view.hidden_size == 16 and copy.deepcopy(view).num_key_value_heads == 1
+    two = SimpleNamespace(world_size=2)  # a Context of two ranks and a 1-D mesh over them, for the style's checks
+    mesh = SimpleNamespace(mesh=torch.arange(2), ndim=1)
+    for sizes in ((8, 4), (9, 7)):
+        with pytest.raises(ValueError, match=rf"chunks \({sizes[0]}, {sizes[1]}\) must sum to out_features = 16, "
+                                             r"each divisible by the world size 2"):
+            ColwiseParallel(two, chunks=sizes)._check(nn.Linear(4, 16), mesh)
+    ColwiseParallel(two, chunks=(8, 4, 4))._check(nn.Linear(4, 16), mesh)
+    with pytest.raises(ValueError, match="positive int or a tuple"):
+        ColwiseParallel(None, chunks=(8, 0))
     llama.model.layers[1].mlp.tp_style = object()  # (what a style leaves on a module it applied to)
     with pytest.raises(ValueError, match=r"parallelized already \(model.layers.1.mlp has a parallel style\)"):
         hf_plan(llama, None)

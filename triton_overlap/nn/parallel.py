@@ -131,7 +131,11 @@ class _LinearStyle(ParallelStyle):
         check_mesh(self, device_mesh)
         dim = 0 if self._shard_out else 1
         n, W, parts = module.weight.shape[dim], self.ctx.world_size, self.chunks
-        if n % (W * parts):
+        if isinstance(parts, tuple):
+            if sum(parts) != n or any(p % W for p in parts):
+                raise ValueError(f"{type(self).__name__}: chunks {parts} must sum to out_features = {n}, each "
+                                 f"divisible by the world size {W}")
+        elif n % (W * parts):
             raise ValueError(f"{type(self).__name__}: {'out' if dim == 0 else 'in'}_features = {n} is not "
                              f"divisible by the world size {W}" + (f" times chunks = {parts}" if parts > 1 else ""))
 
@@ -140,7 +144,8 @@ class _LinearStyle(ParallelStyle):
         W, r = self.ctx.world_size, self.ctx.rank
         dim = 0 if self._shard_out else 1
         n = module.weight.shape[dim]
-        rows = shard_rows([n // self.chunks] * self.chunks if dim == 0 else [n], W, r)
+        parts = list(self.chunks) if isinstance(self.chunks, tuple) else [n // self.chunks] * self.chunks
+        rows = shard_rows(parts if dim == 0 else [n], W, r)
         with torch.no_grad():
             module.weight = nn.Parameter((module.weight[rows] if dim == 0 else module.weight[:, rows]).clone(),
                                          requires_grad=module.weight.requires_grad)
@@ -230,17 +235,21 @@ class ColwiseParallel(_LinearStyle):
     ``sequence_parallel=False``: the input is replicated, the product local, nothing communicated forward;
     backward sums the input's gradient over the ranks (an all-reduce, through DTensor), where one is needed.
     ``keep_gathered_input``: as ColumnParallelLinear's. ``chunks``: the module splits the layer's output into that
-    many equal parts (GLM-4's fused ``gate_up_proj``, ``chunk(2)``): this rank keeps its slice of each
-    part, in order, so that the same split of its output gives its columns of each part.
+    many equal parts (GLM-4's fused ``gate_up_proj``, ``chunk(2)``), or into parts of these sizes (a tuple of
+    output features: Phi-3's fused q/k/v, ``nn.parallel_attention``): this rank keeps its slice of each part, in
+    order, so that the same split of its output gives its columns of each part.
     """
 
     _shard_out = True
 
     def __init__(self, ctx, *, sequence_parallel: bool = True, sequence_dim: int = 1, fallback: str = "auto",
-                 keep_gathered_input: bool = True, chunks: int = 1):
+                 keep_gathered_input: bool = True, chunks: int | tuple = 1):
         super().__init__(ctx, sequence_parallel=sequence_parallel, sequence_dim=sequence_dim, fallback=fallback)
-        if not isinstance(chunks, int) or chunks < 1:
-            raise ValueError(f"ColwiseParallel: chunks must be a positive int, got {chunks!r}")
+        sizes = isinstance(chunks, (tuple, list)) and chunks and all(isinstance(c, int) and c > 0 for c in chunks)
+        if not sizes and (not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1):
+            raise ValueError(f"ColwiseParallel: chunks must be a positive int or a tuple of positive part sizes, "
+                             f"got {chunks!r}")
+        chunks = tuple(chunks) if sizes else chunks
         self.keep_gathered_input, self.chunks = keep_gathered_input, chunks
 
     @staticmethod

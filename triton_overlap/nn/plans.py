@@ -13,6 +13,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from .parallel import (ColwiseParallel, GatherSequence, ReplicatedLatent, RowwiseParallel, ShardSequence,
                        SharedInputColwise, shard_rows)
+from .parallel_attention import FusedQKVParallel, check_fused_qkv
 from .parallel_moe import MoEParallel, check_block
 from .parallel_linear_attention import IN_PROJ, IN_PROJ_BY_HEAD, GatedDeltaNetParallel, check_layer
 from .parallel_norm import ColwiseRMSNorm, check_norm
@@ -34,6 +35,9 @@ GATHERED_OUT = "o_proj"
 #: an MLP whose plan gathers its fused gate/up layer because the model splits its output in two (GLM-4's):
 #: (that layer, the "rowwise_split_input" down-projection)
 HALVED = ("gate_up_proj", "down_proj")
+#: attention whose plan gathers its fused q/k/v layer because the module slices it at offsets computed from its head
+#: counts (Phi-3's, Phi-4's): (that layer, the "rowwise_split_input" output projection)
+FUSED_QKV = ("qkv_proj", "o_proj")
 
 
 def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel: bool = True,
@@ -60,6 +64,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
       on ``o_proj``: OLMo-2/3, OLMoE, FlexOlmo, MiniMax-M2): the projections column- and row-wise as above, each
       rank keeping its heads, and the whole-width ``q_norm``/``k_norm`` ``ColwiseRMSNorm`` (their mean square summed
       over the ranks by one AllReduce);
+    * attention whose plan gathers its fused ``qkv_proj`` for the module to slice it at offsets computed from its
+      head counts ("colwise_gather_output", ``o_proj`` "rowwise_split_input": Phi-3, Phi-4): ``FusedQKVParallel``
+      on the attention, each rank keeping its query and key/value heads, the module's head counts this rank's;
     * Qwen3.5's and Qwen3-Next's gated delta-rule linear attention (every projection "colwise_gather_output"):
       ``GatedDeltaNetParallel`` on the layer, each rank keeping its heads;
     * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
@@ -69,9 +76,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     * the embedding and the LM head (vocabulary-parallel in the model's plan) stay whole on every rank.
 
     Refused with ValueError, naming the module, before any change to the model: a strategy these styles do not
-    reproduce (a fused q/k/v or gate/up layer whose output the model's plan gathers, "colwise_gather_output" and
-    "rowwise_split_input" but on the attention above; Hugging Face's other local or packed strategies, also on a
-    parameter), a plan with no
+    reproduce ("colwise_gather_output" and "rowwise_split_input" but on the attention and MLPs above; Hugging Face's
+    other local or packed strategies, also on a parameter), a plan with no
     column or row layer, a sharded width not divisible by the world size, and a module inside the decoder layers
     with parameters that the plan leaves out (an activation's learned scalars), whose gradient would be this
     rank's part only. A sparse-MoE block that ``MoEParallel`` cannot compute raises its TypeError, as do a norm or
@@ -126,11 +132,12 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     plan.update(_gathered_attention(modules, found, ctx, fallback))
     halved = _halved_mlps(modules, found)
     plan.update(_linear_attention(modules, found, ctx, fallback, sequence_parallel))
+    plan.update(_fused_qkv_attention(modules, found, ctx, fallback, sequence_parallel))
     columns: dict[str, list[str]] = {}
-    whole = blocks | {n for n, style in plan.items() if isinstance(style, GatedDeltaNetParallel)}
+    whole = blocks | {n for n, style in plan.items() if isinstance(style, (GatedDeltaNetParallel, FusedQKVParallel))}
     for name, (strategy, key) in found.items():
         if any(name == b or name.startswith(b + ".") for b in whole):
-            continue  # inside a sparse-MoE block or a linear attention layer: its style takes the whole module
+            continue  # inside a sparse-MoE block or an attention layer whose style takes the whole module
         if strategy in KEPT_WHOLE and isinstance(modules.get(name), nn.Embedding) or name in latent.styles:
             continue
         if strategy in ("colwise", "rowwise"):
@@ -156,7 +163,7 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
         else:
             raise ValueError(f"hf_plan: {name} is {strategy!r} in the model's plan ({key!r}), which these styles do "
                              f"not reproduce; write the plan by hand (README, 'Using it': the styles)")
-    if not columns and not blocks:
+    if not columns and not plan:
         raise ValueError(f"hf_plan: the plan of {type(model).__name__} names no column or row linear layer "
                          f"({sorted(set(tp.values()))}); write the plan by hand (README, 'Using it': the styles)")
     clipped = getattr(config, "clip_qkv", None) is not None  # (OLMo's q/k/v clamped in place: no shared views)
@@ -307,6 +314,27 @@ def _linear_attention(modules, found, ctx, fallback: str, sequence_parallel: boo
     return styles
 
 
+def _fused_qkv_attention(modules, found, ctx, fallback: str, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    """Attention whose plan gathers its fused q/k/v layer ("colwise_gather_output" on ``FUSED_QKV[0]``,
+    "rowwise_split_input" on ``FUSED_QKV[1]``: Phi-3's, Phi-4's): ``FusedQKVParallel`` on the attention module (its
+    TypeError or ValueError, naming the module, where it cannot take it)."""
+    styles: dict[str, ParallelStyle] = {}
+    world = None if ctx is None else ctx.world_size
+    qkv, out = FUSED_QKV
+    for name, (strategy, _) in found.items():
+        parent = _parent(name)
+        if strategy != "colwise_gather_output" or name != f"{parent}.{qkv}" or \
+                found.get(f"{parent}.{out}", ("",))[0] != "rowwise_split_input":
+            continue
+        try:
+            check_fused_qkv(modules[parent], world, qkv, out)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"hf_plan: {parent}: {e}") from None
+        styles[parent] = FusedQKVParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel, qkv=qkv,
+                                          out=out)
+    return styles
+
+
 def _latent_attention(modules, found, config, ctx, sequence_parallel: bool) -> _Latent:
     """Multi-head latent attention (DeepSeek-V2/V3's, Kimi K2's), where the model's plan marks a kv down-projection
     ``MLA_STRATEGY``: each down-projection of ``MLA`` becomes a ``ReplicatedLatent`` (the kv one with its rotary
@@ -407,7 +435,7 @@ def _check_covered(modules, plan, layers: str, sequence_parallel: bool, whole=()
     for name, style in plan.items():
         if isinstance(style, SharedInputColwise):
             covered.update(f"{name}.{m}" for m in style.layers)
-        elif isinstance(style, (MoEParallel, GatedDeltaNetParallel)):
+        elif isinstance(style, (MoEParallel, GatedDeltaNetParallel, FusedQKVParallel)):
             covered.update(n for n in modules if n == name or n.startswith(name + "."))
         else:
             covered.add(name)

@@ -1,0 +1,97 @@
+"""A parallel style for attention whose query, key and value projections are one linear layer that the module
+slices at offsets computed from its head counts (Phi-3's and Phi-4's ``qkv_proj``): each rank keeps its query and
+key/value heads, and the module's head counts become this rank's, so that its own slicing finds them."""
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .parallel import FALLBACKS, ColwiseParallel, RowwiseParallel, check_mesh
+
+#: the module attributes holding head counts that the style makes this rank's
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
+
+
+class LocalHeadsConfig:
+    """A view of a model's config in which ``num_attention_heads`` and ``num_key_value_heads`` are one rank's;
+    every other attribute is read from the model's config when asked (live: a later change of the attention
+    implementation is seen)."""
+
+    def __init__(self, config, heads: int, kv_heads: int):
+        self._config = config
+        self.num_attention_heads, self.num_key_value_heads = heads, kv_heads
+
+    def __getattr__(self, name):
+        if name == "_config":  # (not set yet: a copy being made)
+            raise AttributeError(name)
+        return getattr(self._config, name)
+
+
+def check_fused_qkv(module: nn.Module, world: int | None = None, qkv: str = "qkv_proj", out: str = "o_proj"):
+    """(query heads, key/value heads, head_dim) of attention this style takes, or TypeError / ValueError naming
+    what differs: ``qkv`` and ``out`` plain ``nn.Linear`` layers, the module's ``head_dim``, its config's
+    ``num_attention_heads`` and a key/value head count (the module's ``num_key_value_heads``, else the config's),
+    ``qkv`` producing the query heads, then the key heads, then the value heads (``(H + 2 * H_kv) * head_dim``
+    features), ``out`` reading ``H * head_dim``, no parameters of the module's own; with ``world``, both head counts
+    divisible by it."""
+    name = type(module).__name__
+    layers = getattr(module, qkv, None), getattr(module, out, None)
+    config, head_dim = getattr(module, "config", None), getattr(module, "head_dim", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(module, "num_key_value_heads", getattr(config, "num_key_value_heads", None))
+    if any(type(m) is not nn.Linear for m in layers) or not all(isinstance(v, int) for v in (head_dim, heads, kv)):
+        raise TypeError(f"FusedQKVParallel: {name} must hold nn.Linear {qkv} and {out}, an int head_dim and its "
+                        f"config's num_attention_heads and num_key_value_heads")
+    if isinstance(config, LocalHeadsConfig):
+        raise ValueError(f"FusedQKVParallel: {name} is parallelized already")
+    if layers[0].out_features != (heads + 2 * kv) * head_dim or layers[1].in_features != heads * head_dim:
+        raise TypeError(f"FusedQKVParallel: {name}.{qkv} has {layers[0].out_features} output features and {out} "
+                        f"{layers[1].in_features} input features; with {heads} query and {kv} key/value heads of "
+                        f"{head_dim} they must be {(heads + 2 * kv) * head_dim} and {heads * head_dim}")
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise TypeError(f"FusedQKVParallel: {name} has parameters of its own {own}, which the style would not split")
+    if world is not None and (heads % world or kv % world):
+        raise ValueError(f"FusedQKVParallel: {name}'s {heads} query and {kv} key/value heads are not divisible by "
+                         f"the world size {world}")
+    return heads, kv, head_dim
+
+
+class FusedQKVParallel(ParallelStyle):
+    """Attention with one fused q/k/v layer that the module slices at offsets it computes from its head counts
+    (Phi-3, Phi-4: ``qkv_proj``, rows of the query heads, then of the key heads, then of the value heads; its
+    model's own plan gathers that layer's output to the full width on every rank, "colwise_gather_output", and
+    splits ``o_proj``'s input again). Here each rank keeps its heads instead: ``ColwiseParallel(chunks=(H * D,
+    H_kv * D, H_kv * D))`` on ``qkv_proj`` (its slice of each part), ``RowwiseParallel`` on ``o_proj``, and the
+    module's head counts become this rank's: its ``config`` is a ``LocalHeadsConfig`` over the model's, and its
+    own ``num_heads``, ``num_attention_heads``, ``num_key_value_heads`` attributes are divided by W. Its other
+    attributes (``head_dim``, the groups of query heads per key/value head) are unchanged. ``sequence_parallel``
+    and ``fallback`` go to both layers' styles."""
+
+    def __init__(self, ctx, *, fallback: str = "auto", sequence_parallel: bool = True, qkv: str = "qkv_proj",
+                 out: str = "o_proj"):
+        if fallback not in FALLBACKS:
+            raise ValueError(f"FusedQKVParallel: fallback must be one of {FALLBACKS}, got {fallback!r}")
+        self.ctx, self.fallback, self.sequence_parallel = ctx, fallback, bool(sequence_parallel)
+        self.qkv, self.out = qkv, out
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        check_mesh(self, device_mesh)
+        W = self.ctx.world_size
+        heads, kv, d = check_fused_qkv(module, W, self.qkv, self.out)
+        kw = dict(fallback=self.fallback, sequence_parallel=self.sequence_parallel)
+        styles = ((ColwiseParallel(self.ctx, chunks=(heads * d, kv * d, kv * d), **kw), getattr(module, self.qkv)),
+                  (RowwiseParallel(self.ctx, **kw), getattr(module, self.out)))
+        for style, layer in styles:  # (both checked before either changes)
+            style._check(layer, device_mesh)
+        for style, layer in styles:
+            style._apply(layer, device_mesh)
+        module.config = LocalHeadsConfig(module.config, heads // W, kv // W)
+        for attr in HEAD_COUNTS:
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, getattr(module, attr) // W)
+        module.tp_style = self
+        return module
+
+
+__all__ = ["FusedQKVParallel", "LocalHeadsConfig", "check_fused_qkv"]
