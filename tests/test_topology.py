@@ -477,7 +477,8 @@ def test_partials_between_hosts(pool, in_host, what):
 def _forwarder_starved(T: float):
     """Two hosts of two ranks, the host's partials summed before they cross: rank 1 leaves out its copies into its
     forwarder's slots (rank 0's) for one call. Rank 0's sum gives up within the timeout, naming rank 1 and the
-    chunk; rank 2, whose sums from rank 0 never come, names rank 0; after reset() calls are right again."""
+    chunk; rank 2, whose sums from rank 0 never come, names rank 0; after reset() calls are right again, the same
+    op taking the direct path and the sums by turns."""
     from triton_overlap.producers import scatter
 
     init = scatter.Scatter.__init__
@@ -507,8 +508,8 @@ def _forwarder_starved(T: float):
                 scatter.Scatter.__init__ = init
             elapsed = time.monotonic() - t0
             ctx.reset()
-            for tag in (2, 3):
-                contract.correct(GEMM_RS, op, ctx, case, tag=tag)
+            for tag, in_host in ((2, False), (3, True), (4, False)):
+                contract.correct(GEMM_RS, op, ctx, dataclasses.replace(case, in_host=in_host), tag=tag)
     finally:
         os.environ.pop(VIRTUAL_HOSTS_ENV, None)
     return msg, elapsed

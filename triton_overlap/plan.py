@@ -191,7 +191,8 @@ class ScatterSchedule:
 
     ``copy_streams`` (copy variant): per copy stream, the (owner, chunk) pairs it moves in order; a peer's chunks
     take turns among the streams where there are more streams than peers. ``remote``: the owners on other hosts,
-    whose chunks go through the process group on one more stream (empty within one host). ``tile_order``: the
+    whose chunks (or the host's sums of them) go through the process group on one more stream (empty within one
+    host). ``tile_order``: the
     GEMM's m-tiles, other hosts' owners' rows first (they take the network), then this host's peers' in send order
     and chunk by chunk, this rank's own last; ``peer_tiles``: how many of its first m-tiles hold peers' rows (with
     whole tiles of rows per rank). ``counts[owner][j]``: the count chunk ``j`` of each owner's rows
@@ -262,8 +263,8 @@ def scatter_schedule(layout: ChunkLayout, rank: int, hosts, *, copy: bool, num_s
     copy = copy or bool(remote)
     streams: tuple = ()
     moved = forwarded + peers
-    if copy and moved:
-        n = max(1, min(num_streams or len(moved), len(moved) * cpr))
+    if copy and moved:  # (None: a stream per peer of the host, which every moved chunk goes to)
+        n = max(1, min(num_streams or len(peers), len(moved) * cpr))
         per: list[list] = [[] for _ in range(n)]
         for i, d in enumerate(moved):
             for j in range(cpr):

@@ -121,7 +121,8 @@ def launch_sum_forwarded(ctx, slots, counters, expected, out, dests, names, layo
     rows = layout.local_rows(j)
     block_m, block_n = _blocks(ctx)
     tiles = K * cdiv(rows.stop - rows.start, block_m) * cdiv(N, block_n)
-    # a quarter of the SMs at most: it runs beside the GEMM, whose programs hold the rest
+    # a quarter of the SMs at most: it runs beside the GEMM's programs, which hold their SMs already (the stream
+    # waits for this rank's own partials of the chunk first: producers.scatter)
     programs = max(1, min(max(1, ctx.num_compute_units() // 4), tiles))
     launch(sum_forwarded, (programs,), (
         slots, counters, expected, out, dests, names, waiter(ctx, op), K, L, m_local, N, rows.start,

@@ -10,7 +10,7 @@ products in float32 into a partial row and bump the chunk counters (on ag_moe_ge
 MoERouting.rank_runs, each tile's rows of h are consecutive, and the Gluon kernel on Hopper reads them by TMA);
 producer: GEMM-RS's copy variant (producers.scatter), whose copy engines move each chunk of partials to its owner
 once its count is complete, while the kernel goes on with the next destination; then GEMM-RS's reduction kernel sums
-the W partials of this rank's rows as they land.
+the partials of this rank's rows as they land (the W ranks', or across hosts, the host's and the other hosts' sums).
 Fallback: one torch matmul per expert, the combine in float32 and NCCL reduce-scatter in float32.
 """
 from __future__ import annotations
@@ -60,8 +60,9 @@ class MoEGEMMReduceScatter(MoEOp):
 
     Rounding: each product ``h[t, j] @ w[e]`` is accumulated in float32 and rounded once to h's dtype; the top-k
     combine multiplies by the weights (as float32) and sums in float32, rounding each rank's partial row once; the
-    sum over ranks is float32, rounded once to the output. (The fallback: products rounded once, combine and
-    reduce-scatter in float32, one rounding at the end.)
+    sum over ranks is float32, rounded once to the output (across hosts of several ranks, a host's partials for an
+    owner on another host are summed in float32 and rounded once more before they cross: producers.scatter). (The
+    fallback: products rounded once, combine and reduce-scatter in float32, one rounding at the end.)
 
     Checks before anything is launched, as AllGatherMoEGEMM's (``check_routing`` likewise). ``routing`` is trusted
     to be this rank's layout of these ``topk_ids``. ``fallback="auto"`` takes the torch path when W = 1 or each
@@ -197,7 +198,7 @@ class MoEGEMMReduceScatter(MoEOp):
         producer = Scatter(ctx, sched.scatter, stage, recv, counters, call=sched.call, forward=forward)
         late = sched.scatter.reduce_after_join
 
-        def reduce():  # this rank's rows: the W partials summed in float32 as they land; then its counters reset
+        def reduce():  # this rank's rows: the sources' partials summed in float32 as they land; then its counters reset
             launch_reduce(ctx, recv.local, out, None, counters.local, sched.expected, layout, op=self.op,
                           sources=sched.scatter.sources)
             counters.local.zero_()  # every count was seen; peers add again only after the next barrier

@@ -5,7 +5,9 @@ Ranks are placed as ``(host, local index)``. Every host has the same number of r
 counterparts are the ranks ``(h', i)`` of the other hosts. A gather moves each shard across hosts once per host,
 between counterparts, and the receiving rank forwards it to its own host's peers by copy engine (a link between
 hosts carries ``1 / L`` of what a direct exchange with every remote rank would, for L ranks per host). Partial
-outputs (GEMM-ReduceScatter, attention's dK/dV) go straight from each rank to each owner on another host.
+outputs (GEMM-ReduceScatter's, attention's dK/dV) for an owner on another host are summed within the host first, by
+the rank at the owner's local index, which sends the sum to it (producers.scatter); or, where asked, they go
+straight from each rank to each owner on another host.
 
 Each call's first exchange between hosts carries the ranks' call headers (call number, op, fingerprint, sizes), and
 a kernel compares them on the device (kernels.signal.remote_header_kernel) before any of the peer's chunks is

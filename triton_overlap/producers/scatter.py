@@ -18,8 +18,10 @@ process group on one more stream (the last), in one of two ways:
   the host's partials in float32 (kernels.reduce.sum_forwarded, whose waits for the host's ranks are bounded),
   exchanges the sums with the counterparts (one partial per host crosses each link between hosts, in place of one
   per rank), sets this rank's counter for each counterpart to its final count and zeroes the forwarding counters.
-  This runs after the consumer is enqueued (``after_consumer``): on the host backend a launch runs to its end, and
-  the sum waits for the GEMM's stores;
+  Each sum is launched once this rank's own partials of its chunk are stored (a stream wait on counts its own GEMM
+  writes), so its waiting programs never keep a GEMM program from an SM. This runs after the consumer is enqueued
+  (``after_consumer``): on the host backend a launch runs to its end, and the sum waits for the GEMM's stores. The
+  sums are rounded to the partials' dtype before they cross (one rounding more than the direct path's);
 * direct: it waits for a chunk's count for every remote owner, exchanges the chunk with them (this rank's partials
   out, theirs for this rank in), sets this rank's counter for each source to its final count and zeroes the local
   counts (producers.link).
@@ -75,12 +77,13 @@ def forwarding(ctx, name: str, schedule: ScatterSchedule, n: int, dtype) -> Forw
     slots = ctx.symmetric(f"{name}.forward", (len(cps), L, layout.m_local, n), dtype)
     counters = ctx.symmetric(f"{name}.forward_counters", (len(cps), L, layout.chunks_per_rank), torch.int32)
 
+    counts = [schedule.counts[d] for d in cps]
+
     def small():
         dev = ctx.device
-        return (torch.tensor([schedule.counts[d] for d in cps], dtype=torch.int32, device=dev),
-                torch.tensor(cps, dtype=torch.int32, device=dev),
+        return (torch.tensor(counts, dtype=torch.int32, device=dev), torch.tensor(cps, dtype=torch.int32, device=dev),
                 torch.tensor(schedule.local, dtype=torch.int32, device=dev))
-    expected, dests, names = ctx.cached(("forwarding", schedule), small)
+    expected, dests, names = ctx.cached(("forwarding", cps, schedule.local, tuple(counts)), small)
     return Forwarding(slots, counters, expected, dests, names)
 
 
@@ -180,9 +183,15 @@ class Scatter:
         counters zeroed (no rank of the host adds to them again before this call's join and the next barrier)."""
         r, cpr, fw = ctx.rank, self.layout.chunks_per_rank, self.forward
         cps = list(self.schedule.counterparts)
-        L = len(self.schedule.local)
+        L, i = len(self.schedule.local), self.schedule.local.index(r)
         for j in range(cpr):
             rows = self.layout.local_rows(j)
+            # the sum's programs start only once this rank's GEMM has stored its own partials of the chunk (values
+            # its own kernel writes, which waits on nothing): by then every GEMM program holds its SM, and none waits
+            # behind a sum program spinning for the host's other partials
+            for k, d in enumerate(cps):
+                s.wait_value(fw.counters.local[k, i, j:j + 1], self.counts[d][j],
+                             f"rank {r} {self.op_name} chunk {j} for rank {d}")
             ctx.jitter(s)
             with ctx.use_stream(s):
                 launch_sum_forwarded(ctx, fw.slots.local, fw.counters.local, fw.expected, self.stage.partials,
