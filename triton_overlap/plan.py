@@ -231,14 +231,21 @@ class ScatterSchedule:
         return len(self.copy_streams) + int(bool(self.remote))
 
     def forwarder(self, owner: int) -> int:
-        """The rank of this host that sums the host's partials for ``owner`` (on another host) and sends the sum:
-        the one at ``owner``'s local index."""
-        theirs = next(h for h in self.hosts if owner in h)
-        return self.local[theirs.index(owner)]
+        return forwarder(self.local, self.hosts, owner)
 
     def other_host(self, owner: int) -> int:
-        """The position of ``owner``'s host among the hosts other than this rank's (the forwarders' slots)."""
-        return [h for h in self.hosts if h != self.local].index(next(h for h in self.hosts if owner in h))
+        return other_host(self.local, self.hosts, owner)
+
+
+def forwarder(local: tuple, hosts, owner: int) -> int:
+    """The rank of host ``local`` that sums the host's partials for ``owner`` (on another host of ``hosts``) and
+    sends the sum: the one at ``owner``'s local index."""
+    return local[_host_of(owner, hosts).index(owner)]
+
+
+def other_host(local: tuple, hosts, owner: int) -> int:
+    """The position of ``owner``'s host among ``hosts`` other than ``local`` (a forwarder's slots for it)."""
+    return [tuple(h) for h in hosts if tuple(h) != tuple(local)].index(_host_of(owner, hosts))
 
 
 def scatter_schedule(layout: ChunkLayout, rank: int, hosts, *, copy: bool, num_streams: int | None = None,

@@ -18,7 +18,7 @@ from ..kernels.attention_bwd import backward_scratch, launch_bwd, launch_reduce_
 from ..kernels.capability import is_hopper
 from ..kernels.reduce import launch_sum_forwarded
 from ..kernels.signal import WHAT_PARTIALS
-from ..plan import ChunkLayout, GatherSchedule, gather_schedule
+from ..plan import ChunkLayout, GatherSchedule, forwarder, gather_schedule, other_host
 from ..producers import pipeline
 from ..producers.gather import Gather
 from ..producers.link import link
@@ -351,14 +351,12 @@ class ContextParallelAttention(OverlapOp):
             cptrs = [p if o in local else bumps.data_ptr() + (o - r) * bumps.element_size()
                      for o, p in enumerate(counters.ptrs.tolist())]
             if forward is not None:
-                hosts, i = [tuple(h) for h in ctx.topology.hosts], sched.local.index(r)
-                others = [h for h in hosts if h != sched.local]
+                hosts, i = ctx.topology.hosts, sched.local.index(r)
                 slot = recv.local[0].numel() * recv.local.element_size()
-                for k, theirs in enumerate(others):
-                    for o in theirs:
-                        f = sched.local[theirs.index(o)]
-                        ptrs[o] = forward.slots.peer(f)[k, i].data_ptr() - r * slot
-                        cptrs[o] = forward.counters.peer(f)[k, i].data_ptr() - r * bumps.element_size()
+                for o in (o for o in range(W) if o not in local):
+                    f, k = forwarder(sched.local, hosts, o), other_host(sched.local, hosts, o)
+                    ptrs[o] = forward.slots.peer(f)[k, i].data_ptr() - r * slot
+                    cptrs[o] = forward.counters.peer(f)[k, i].data_ptr() - r * bumps.element_size()
             return (torch.tensor(ptrs, dtype=torch.int64, device=ctx.device),
                     torch.tensor(cptrs, dtype=torch.int64, device=ctx.device), staged, bumps)
 
