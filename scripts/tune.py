@@ -38,6 +38,9 @@ def main():
                    help="GEMM ops and moe: tile sizes of the GEMM alone, no communication (one GPU is enough), "
                         'stored under world size "any"')
     args = p.parse_args()
+    if not args.dry_run and backend_name() == "host":
+        raise SystemExit("tune: needs GPUs (times on the host backend mean nothing, and its interpreted sweeps take "
+                         "hours); --dry-run checks the script there")
     if args.dry_run and backend_name() != "host":
         raise SystemExit("tune: --dry-run runs on the host backend: TRITON_OVERLAP_BACKEND=host bash scripts/launch.sh "
                          "scripts/tune.py ... --dry-run")
