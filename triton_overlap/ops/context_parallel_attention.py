@@ -392,10 +392,8 @@ class ContextParallelAttention(OverlapOp):
                            {o: int(WHAT_PARTIALS) for o in peers})
         for o in peers:
             s.write_value(counters.local[o:o + 1], expected)
-        if forward is not None:  # (no rank of the host adds to them again before the next call's barrier)
-            for k in range(forward.counters.local.shape[0]):
-                for i in range(forward.counters.local.shape[1]):
-                    s.write_value(forward.counters.local[k, i], 0)
+        if forward is not None:
+            forward.zero(s, 0)
         caller.wait_stream(s)
 
 

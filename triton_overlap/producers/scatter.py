@@ -66,6 +66,14 @@ class Forwarding:
     dests: torch.Tensor
     names: torch.Tensor
 
+    def zero(self, stream, j: int) -> None:
+        """Zero every slot's counter of chunk ``j`` on ``stream``, after the sum that waited for them (no rank of the
+        host adds to them again before this call's join and the next barrier)."""
+        counters = self.counters.local
+        for k in range(counters.shape[0]):
+            for i in range(counters.shape[1]):
+                stream.write_value(counters[k, i, j:j + 1], 0)
+
 
 def forwarding(ctx, name: str, schedule: ScatterSchedule, n: int, dtype) -> Forwarding | None:
     """The forwarding buffers of op ``name`` for ``schedule`` (None where the partials cross hosts directly):
@@ -180,10 +188,10 @@ class Scatter:
     def _sums_between_hosts(self, ctx, s) -> None:
         """Per chunk, on the last stream: the host's partials for the counterparts summed (a bounded wait for each
         of the host's ranks), the sums exchanged with the counterparts, their counters raised, the forwarding
-        counters zeroed (no rank of the host adds to them again before this call's join and the next barrier)."""
+        counters zeroed (Forwarding.zero)."""
         r, cpr, fw = ctx.rank, self.layout.chunks_per_rank, self.forward
         cps = list(self.schedule.counterparts)
-        L, i = len(self.schedule.local), self.schedule.local.index(r)
+        i = self.schedule.local.index(r)
         for j in range(cpr):
             rows = self.layout.local_rows(j)
             # the sum's programs start only once this rank's GEMM has stored its own partials of the chunk (values
@@ -202,9 +210,7 @@ class Scatter:
                                {d: j for d in cps})
             for d in cps:
                 s.write_value(self.counters.local[d * cpr + j:d * cpr + j + 1], self.counts[r][j])
-            for k in range(len(cps)):
-                for i in range(L):
-                    s.write_value(fw.counters.local[k, i, j:j + 1], 0)
+            fw.zero(s, j)
 
     def finish(self, ctx) -> None:
         pass
