@@ -237,6 +237,13 @@ class ScatterSchedule:
         return other_host(self.local, self.hosts, owner)
 
 
+def sums_within_host(hosts, reduce_in_host: bool) -> bool:
+    """Whether partials for an owner on another host are summed within the host before they cross: asked for
+    (``reduce_in_host``), on several hosts of one size, several ranks each."""
+    sizes = {len(h) for h in hosts}
+    return bool(reduce_in_host) and len(hosts) > 1 and len(sizes) == 1 and sizes != {1}
+
+
 def forwarder(local: tuple, hosts, owner: int) -> int:
     """The rank of host ``local`` that sums the host's partials for ``owner`` (on another host of ``hosts``) and
     sends the sum: the one at ``owner``'s local index."""
@@ -264,7 +271,7 @@ def scatter_schedule(layout: ChunkLayout, rank: int, hosts, *, copy: bool, num_s
     remote = tuple(p for p in range(W) if p not in local)
     peers = [d for d in send_order(rank, W) if d in local]
     index = local.index(rank)
-    in_host = reduce_in_host and bool(remote) and len(local) > 1 and len({len(h) for h in hosts}) == 1
+    in_host = sums_within_host(hosts, reduce_in_host)
     counterparts = tuple(h[index] for h in hosts if h != local) if in_host else ()
     forwarded = [d for d in send_order(rank, W) if d in remote and d not in counterparts] if in_host else []
     copy = copy or bool(remote)

@@ -18,7 +18,7 @@ from ..kernels.attention_bwd import backward_scratch, launch_bwd, launch_reduce_
 from ..kernels.capability import is_hopper
 from ..kernels.reduce import launch_sum_forwarded
 from ..kernels.signal import WHAT_PARTIALS
-from ..plan import ChunkLayout, GatherSchedule, forwarder, gather_schedule, other_host
+from ..plan import ChunkLayout, GatherSchedule, forwarder, gather_schedule, other_host, sums_within_host
 from ..producers import pipeline
 from ..producers.gather import Gather
 from ..producers.link import link
@@ -323,9 +323,9 @@ class ContextParallelAttention(OverlapOp):
         """The buffers where this host's dK/dV partials for the owners at this rank's local index on the other
         hosts are summed before they cross (producers.scatter.Forwarding, one chunk: the whole slot), where the group
         spans hosts of several ranks and ``cfg.reduce_in_host``; else None."""
-        if not (sched.counterparts and cfg.reduce_in_host and len(sched.local) > 1):
-            return None
         ctx = self.ctx
+        if not sums_within_host(ctx.topology.hosts, cfg.reduce_in_host):
+            return None
         K, L = len(sched.counterparts), len(sched.local)
         W, two, B, S, Hkv, D = recv.local.shape
         slots = ctx.symmetric(f"{self.name}.dkv_forward", (K, L, two * B * S * Hkv, D), torch.float32)

@@ -24,7 +24,7 @@ from ..kernels import gemm_warp_specialized as warp_specialized
 from ..kernels.gemm import launch_gemm
 from ..kernels.gemm_operands import ScatterTarget
 from ..kernels.reduce import launch_reduce
-from ..plan import ChunkLayout, ScatterSchedule, cdiv, scatter_schedule
+from ..plan import ChunkLayout, ScatterSchedule, cdiv, scatter_schedule, sums_within_host
 from ..producers import pipeline
 from ..producers.scatter import Scatter, forwarding, staging
 from .base import OverlapOp, call_key, with_overrides, with_tiles
@@ -43,9 +43,8 @@ def fuses(cfg: GEMMReduceScatterConfig, m: int, world: int) -> bool:
 
 def sums_in_host(ctx, cfg) -> bool:
     """Whether a call on ``ctx`` sums the host's partials for an owner on another host before they cross:
-    ``cfg.reduce_in_host``, on a group that spans hosts of one size, several ranks each."""
-    hosts = ctx.topology.hosts
-    return cfg.reduce_in_host and len(hosts) > 1 and ctx.topology.uniform and len(hosts[0]) > 1
+    ``cfg.reduce_in_host``, on a group that spans hosts of one size, several ranks each (plan.sums_within_host)."""
+    return sums_within_host(ctx.topology.hosts, cfg.reduce_in_host)
 
 
 def scatter_mode(cfg: GEMMReduceScatterConfig, m: int, n: int, elsize: int, copy_engines: bool, world: int) -> str:
