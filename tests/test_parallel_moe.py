@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 
 import triton_overlap as to
 from refs import rel_err, with_latent_attention_plan
@@ -155,8 +156,14 @@ def _grad_errors(model, reference, rank, W, ep=False):
             continue
         if name.startswith("experts.") or ".experts." in name:
             block = name[:name.rindex("experts.")]  # "model.layers.0.mlp." or, for a block alone, ""
-            gate_up, down = ref[f"{block}experts.gate_up_proj"].grad, ref[f"{block}experts.down_proj"].grad
-            gate, up = gate_up.chunk(2, dim=1)
+            gate, up, down, biases = _expert_grads(reference.get_submodule(f"{block}experts"))
+            if name.endswith("_bias"):  # (GPT-OSS's: gate/up's as their columns, down's whole or this rank's)
+                b1, b3, b2 = biases
+                mine = slice(rank * g.shape[0], (rank + 1) * g.shape[0]) if ep else slice(None)
+                cols = slice(None) if ep else slice(rank * b1.shape[1] // W, (rank + 1) * b1.shape[1] // W)
+                full = b2[mine] if name.endswith("down_proj_bias") else torch.cat([b1[mine, cols], b3[mine, cols]], 1)
+                errs[name] = rel_err(g, full)
+                continue
             if ep:
                 local = g.shape[0]
                 mine = slice(rank * local, (rank + 1) * local)
@@ -175,12 +182,32 @@ def _grad_errors(model, reference, rank, W, ep=False):
             dim = 0 if g.shape[0] != full.shape[0] else 1
             full = full.narrow(dim, rank * g.shape[dim], g.shape[dim])
         errs[name] = rel_err(g, full)
+        if name.endswith("router.bias"):  # (GPT-OSS's) a softmax's logit gradients sum to 0 over a token's
+            # choices, so an expert's sum over tokens cancels in part: measured against the size of its terms, which
+            # the router weight's gradient row (the same terms times rows of unit mean square) carries times sqrt(dim)
+            weight = ref[name.replace(".bias", ".weight")].grad
+            errs[name] = float((g.double().cpu() - full.double().cpu()).norm() * weight.shape[1] ** 0.5
+                               / weight.double().cpu().norm())
         if name.endswith("k_proj.bias"):  # a key bias adds one constant to each query's scores, to which softmax
             # is blind: its gradient is 0 but for rounding, measured against the value bias's (Qwen2's) instead
             value = ref[name.replace("k_proj", "v_proj")].grad
             value = value.narrow(0, rank * g.shape[0], g.shape[0])
             errs[name] = float((g.double().cpu() - full.cpu()).norm() / value.double().cpu().norm())
     return errs
+
+
+def _expert_grads(experts):
+    """The gradients of a reference's experts as (gate, up [E, hidden, dim], down [E, dim, hidden], biases): their
+    fused parameters' (transposed and interleaved where the experts say so: GPT-OSS's), ``biases`` (gate, up
+    [E, hidden], down [E, dim]) or None."""
+    gate_up, down = experts.gate_up_proj.grad, experts.down_proj.grad
+    if getattr(experts, "is_transposed", False):
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    interleaved = not getattr(experts, "is_concatenated", True)
+    halves = (lambda t: (t[:, 0::2], t[:, 1::2])) if interleaved else (lambda t: t.chunk(2, dim=1))
+    bias = getattr(experts, "gate_up_proj_bias", None)
+    biases = None if bias is None else (*halves(bias.grad), experts.down_proj_bias.grad)
+    return *halves(gate_up), down, biases
 
 
 ROUTING_MARGIN = 0.04  # bf16 activations move router logits by ~1 % of their size; ties closer than this flip
@@ -461,7 +488,7 @@ def test_generate_with_the_decode_plan(pool, case, cache):
 
 #: kind -> experts + shared parts
 BLOCKS = {"qwen3_next": 8, "qwen3_5_moe": 8, "deepseek_v3": 8, "olmoe": 4, "minimax_m2": 4, "deepseek_v2": 8,
-          "granitemoe": 4, "ernie4_5_moe": 8}
+          "granitemoe": 4, "ernie4_5_moe": 8, "gpt_oss": 4}
 
 
 def _block(kind, W):
@@ -473,7 +500,9 @@ def _block(kind, W):
     best of 2 groups of 2 experts, weights scaled by 16, an ungated shared expert four times an expert's width) or
     Granite-MoE's ("granitemoe": the router named ``router``) or Ernie 4.5's ("ernie4_5_moe": softmax top-k plus a
     random correction bias, a parameter of the router's child; an ungated shared expert four times an expert's
-    width); 4 experts, top-2; weights rounded to bf16, the same on every rank."""
+    width) or GPT-OSS's ("gpt_oss": a router with a bias, experts with biases, gate and up interleaved, the clamped
+    activation, whose limit the draws cross; the block returns a pair); 4 experts, top-2; weights rounded to bf16,
+    the same on every rank."""
     small = dict(hidden_size=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8 * W,
                  shared_expert_intermediate_size=32 * W, experts_implementation="eager")
     if kind == "deepseek_v3":
@@ -511,6 +540,11 @@ def _block(kind, W):
     elif kind == "qwen3_next":
         from transformers import Qwen3NextConfig as Config
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock as Block
+    elif kind == "gpt_oss":
+        from transformers import GptOssConfig as Config
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP as Block
+        small = dict(hidden_size=32, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8 * W,
+                     swiglu_limit=2.5, experts_implementation="eager")
     else:
         from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig as Config
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock as Block
@@ -522,6 +556,20 @@ def _block(kind, W):
         for b in block.buffers():  # DeepSeek-V3's correction bias
             b.copy_(torch.randn_like(b) * 0.1)
     return block
+
+
+CLAMP_MARGIN = 0.02  # bf16 rounding moves GPT-OSS's gate/up values by ~0.4 %: ~0.01 near a limit of 2.5
+
+
+def _clamps_decisively(experts, x) -> bool:
+    """Whether GPT-OSS's ``experts`` clamp some gate or up value of rows ``x`` [T, dim] (at every expert) and none
+    lies within CLAMP_MARGIN of the limit: the clamp's gradient is 0 past it and 1 before, so a value that bf16
+    rounding moves across the limit changes its gradient by its whole size."""
+    h = torch.einsum("td,edn->ten", x, experts.gate_up_proj.double()) + experts.gate_up_proj_bias.double()
+    gate, up = h[..., 0::2], h[..., 1::2].abs()
+    limit = experts.limit
+    near = ((gate - limit).abs() < CLAMP_MARGIN).any() or ((up - limit).abs() < CLAMP_MARGIN).any()
+    return bool(not near and ((gate > limit).any() or (up > limit).any()))
 
 
 def _block_case(kind, decode=False, ep=False):
@@ -539,26 +587,34 @@ def _block_case(kind, decode=False, ep=False):
         block = _block(kind, W).to(dev)
         reference = copy.deepcopy(block).double()
         B, S, s = 2, 4 * W, 4
+        pair = kind == "gpt_oss"  # (its block returns (output, the router's top-k scores))
+        first = (lambda o: o[0]) if pair else (lambda o: o)  # noqa: E731
         for seed in range(1000):  # the first draw whose top-2 choice has no near tie (_decisive_tokens)
             x = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(seed)).bfloat16().double().to(dev)
             gate = getattr(reference, "gate", None) or reference.router  # (Granite-MoE's is "router")
-            if _decisive(gate, (x @ gate.weight.t()).view(B * S, -1),
-                         getattr(reference, "e_score_correction_bias", None)):
+            logits = nn.functional.linear(x, gate.weight, getattr(gate, "bias", None))  # (GPT-OSS's: a bias)
+            if _decisive(gate, logits.view(B * S, -1), getattr(reference, "e_score_correction_bias", None)) and \
+                    (not pair or _clamps_decisively(reference.experts, x.view(B * S, -1))):
                 break
         gy = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(7)).double().to(dev)
         x_ref = x.clone().requires_grad_()
-        (reference(x_ref) * gy).sum().backward()
+        (first(reference(x_ref)) * gy).sum().backward()
         parallelize_module(block.bfloat16(), init_device_mesh(dev.type, (W,)),
                            MoEParallel(ctx, fallback="never", sequence_parallel=not decode, expert_parallel=ep))
         mine = slice(0, S) if decode else slice(r * s, (r + 1) * s)
         x_local = x[:, mine].bfloat16().requires_grad_()
         out = block(x_local)
+        if pair:  # this rank's tokens' top-k weights, as the block's router scores them
+            assert isinstance(out, tuple) and len(out) == 2, type(out)
+            scores, ref_scores = out[1], reference(x)[1].view(B, S, -1)[:, mine].reshape(out[1].shape)
+            assert rel_err(scores.sort(-1).values, ref_scores.sort(-1).values) < TOL_LOGITS
+            out = out[0]
         assert isinstance(out, DTensor) != decode
         out = out if decode else out.to_local()
         assert out.shape == x_local.shape
         (out.float() * gy[:, mine].float()).sum().backward()
         ctx.check()
-        errs = {"out": rel_err(out.detach(), reference(x)[:, mine].detach()),
+        errs = {"out": rel_err(out.detach(), first(reference(x))[:, mine].detach()),
                 "grad_x": rel_err(x_local.grad, x_ref.grad[:, mine]),
                 **_grad_errors(block, reference, r, W, ep)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "out" else TOL_GRAD)}
@@ -575,7 +631,7 @@ def _block_case(kind, decode=False, ep=False):
 #: expert parallel; MiniMax-M2's (the block's correction bias) without sequence parallelism, tensor parallel
 BLOCK_CASES = [(kind, False, False) for kind in BLOCKS] + [
     ("deepseek_v3", True, False), ("deepseek_v3", True, True), ("qwen3_next", True, True),
-    ("minimax_m2", True, False)]
+    ("minimax_m2", True, False), ("gpt_oss", True, False), ("gpt_oss", True, True), ("gpt_oss", False, True)]
 
 
 @pytest.mark.parametrize("case", BLOCK_CASES,
@@ -585,8 +641,9 @@ def test_moe_block_matches_unmodified_block(pool, case):
     pytest.importorskip(f"transformers.models.{kind}")
     if pool.world == 4 or (ep and pool.world != 2):
         pytest.skip("W = 2, 3 on the host backend; expert parallel: the 4 experts split over W = 2")
-    if pool.backend == "host" and decode and (pool.world == 3 or kind != "deepseek_v3"):
-        pytest.skip("the host backend runs DeepSeek-V3's decode block at W = 2 (CI time); GPUs every case")
+    if pool.backend == "host" and decode and (pool.world == 3 or kind not in ("deepseek_v3", "gpt_oss") or ep):
+        pytest.skip("the host backend runs DeepSeek-V3's and GPT-OSS's tensor-parallel decode blocks at W = 2 (CI "
+                    "time); GPUs every case")
     pool.run(_block_case, kind, decode, ep)
 
 

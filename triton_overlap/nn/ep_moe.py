@@ -59,7 +59,7 @@ from torch import nn
 from ..ops.ep_low_latency import ExpertParallelLowLatency
 from ..ops.expert_parallel import ExpertParallel, ExpertParallelConfig
 from ..ops.moe_routing import count_ids, expert_grads, grouped_mm, sort_pairs, takes_grouped_mm
-from .moe import ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
+from .moe import SWIGLU, Activation, ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
 from .precision import compute_dtype
 
 
@@ -93,21 +93,37 @@ class GroupedMM(torch.autograd.Function):
         return grad_rows, grad_w, None
 
 
-def swiglu_rows(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """The local SwiGLU experts on ``rows`` [R, dim] grouped by expert (bounds ``offsets``): ``w13`` [E/W, dim,
-    2 * hidden] (gate columns, then up), ``w2`` [E/W, hidden, dim]. Returns [R, dim] in the rows' dtype."""
-    gate, up = GroupedMM.apply(rows, w13, offsets).split(w13.shape[-1] // 2, dim=-1)
-    return GroupedMM.apply(nn.functional.silu(gate) * up, w2, offsets)
+def row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """The expert of each of ``rows`` rows grouped by expert (bounds ``offsets`` [E + 1], from 0): int64 [rows];
+    rows past the last group count as the last expert's."""
+    at = torch.arange(rows, dtype=offsets.dtype, device=offsets.device)
+    return torch.searchsorted(offsets[1:], at, right=True).clamp(max=offsets.shape[0] - 2)
+
+
+def swiglu_rows(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
+                act: Activation = SWIGLU, bias13: torch.Tensor | None = None) -> torch.Tensor:
+    """The local experts on ``rows`` [R, dim] grouped by expert (bounds ``offsets``): ``w13`` [E/W, dim,
+    2 * hidden] (gate columns, then up), ``act`` (``silu(gate) * up``; after ``bias13`` [R, 2 * hidden], each row's
+    expert's gate/up bias, where the experts have them), ``w2`` [E/W, hidden, dim]. Returns [R, dim] in the rows'
+    dtype (down-projection biases not added)."""
+    h = GroupedMM.apply(rows, w13, offsets)
+    if bias13 is not None:
+        h = h + bias13.to(h.dtype)
+    return GroupedMM.apply(act(h), w2, offsets)
 
 
 def partial_experts(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                    w2: torch.Tensor, first: int = 0) -> torch.Tensor:
-    """This rank's share of the SwiGLU experts on ``rows`` [T, dim] that every rank holds (decode: no tokens to
-    gather): ``Σ_j weights[t, j] · (silu(rows[t] @ gate_e) * (rows[t] @ up_e)) @ down_e`` over the choices
-    ``e = ids[t, j]`` among this rank's experts ``first .. first + E_local`` (``w13`` [E_local, dim, 2 * width]: gate
-    columns, then up; ``w2`` [E_local, width, dim]); the other choices add nothing. The ranks' shares sum to the
-    layer's output: each rank's slice of every expert's width (tensor parallel, ``first = 0``), or its whole
-    experts (expert parallel). [T, dim] in float32 (float64 for float64 rows), with autograd.
+                    w2: torch.Tensor, first: int = 0, act: Activation = SWIGLU,
+                    biases: tuple | None = None) -> torch.Tensor:
+    """This rank's share of the experts on ``rows`` [T, dim] that every rank holds (decode: no tokens to
+    gather): ``Σ_j weights[t, j] · (silu(rows[t] @ gate_e) * (rows[t] @ up_e)) @ down_e`` (``act`` in place of
+    ``silu(gate) * up``) over the choices ``e = ids[t, j]`` among this rank's experts ``first .. first + E_local``
+    (``w13`` [E_local, dim, 2 * width]: gate columns, then up; ``w2`` [E_local, width, dim]); the other choices add
+    nothing. ``biases``: (gate/up [E_local, 2 * width] in ``w13``'s column order, down [E_local, dim] or None), the
+    experts' biases (GPT-OSS's), added where each expert's products are (a down bias belongs in one rank's share
+    only). The ranks' shares sum to the layer's output: each rank's slice of every expert's width (tensor parallel,
+    ``first = 0``), or its whole experts (expert parallel). [T, dim] in float32 (float64 for float64 rows), with
+    autograd.
 
     The (token, choice) pairs are sorted by expert on the device, this rank's experts first, and the two grouped
     GEMMs (``swiglu_rows``: one ``torch._grouped_mm`` each where it takes the operands) cover only those; the
@@ -125,7 +141,12 @@ def partial_experts(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     token = order // k
     a = torch.where(mine, rows[token], 0)
     acc = torch.promote_types(rows.dtype, torch.float32)
-    y = torch.where(mine, swiglu_rows(a, w13, w2, offsets).to(acc), 0) * weights.reshape(-1)[order].unsqueeze(1).to(acc)
+    expert = group[order].clamp(max=E - 1)  # (another rank's pairs: any expert, their rows never summed)
+    b13, b2 = biases if biases is not None else (None, None)
+    y = swiglu_rows(a, w13, w2, offsets, act, None if b13 is None else b13[expert]).to(acc)
+    if b2 is not None:
+        y = y + b2[expert].to(acc)
+    y = torch.where(mine, y, 0) * weights.reshape(-1)[order].unsqueeze(1).to(acc)
     return torch.zeros(T, y.shape[1], dtype=acc, device=rows.device).index_add(0, token, y)
 
 
@@ -244,18 +265,27 @@ class DispatchProject(torch.autograd.Function):
         return grad_x, None, None, grad_w, None, None, None
 
 
-def ep_swiglu(rows, ids, weights, w13, w2, op, num_experts: int, staged: bool = False) -> torch.Tensor:
+def ep_swiglu(rows, ids, weights, w13, w2, op, num_experts: int, staged: bool = False, act: Activation = SWIGLU,
+              biases: tuple | None = None) -> torch.Tensor:
     """This rank's tokens ``rows`` [T_local, dim] through their top-k experts wherever they live, back as
     [T_local, dim]: dispatch with the gate and up projections (``DispatchProject``: started on each source's rows
-    as they land where the op overlaps), ``silu(gate) * up``, the down projection, combine, differentiable in
-    ``rows``, ``weights`` (float32 [T_local, k]), ``w13`` and ``w2``. ``ids`` int [T_local, k]. ``staged``: the
-    down projection by the op's combine, in its ``combine_stages`` (``DownCombine``), else by torch before it."""
+    as they land where the op overlaps), ``act`` (``silu(gate) * up``), the down projection, combine,
+    differentiable in ``rows``, ``weights`` (float32 [T_local, k]), ``w13`` and ``w2``. ``ids`` int [T_local, k].
+    ``staged``: the down projection by the op's combine, in its ``combine_stages`` (``DownCombine``), else by torch
+    before it. ``biases``: (gate/up [E/W, 2 * hidden], down [E/W, dim]) of this rank's experts (GPT-OSS's), added
+    to each received row by its expert before the combine (not with ``staged``)."""
+    if biases is not None and staged:
+        raise ValueError("ep_swiglu: the experts' biases need the down projection by torch (staged=False)")
     routing = Routing()
-    gate, up = DispatchProject.apply(rows, ids, weights.detach(), w13, op, num_experts, routing).split(
-        w13.shape[-1] // 2, dim=-1)
+    h = DispatchProject.apply(rows, ids, weights.detach(), w13, op, num_experts, routing)
+    if biases is not None:
+        expert = row_experts(routing.handle.offsets, h.shape[0])
+        h = h + biases[0][expert].to(h.dtype)
     if staged:
-        return DownCombine.apply(nn.functional.silu(gate) * up, w2, weights, op, routing)
-    y = GroupedMM.apply(nn.functional.silu(gate) * up, w2, routing.handle.offsets)
+        return DownCombine.apply(act(h), w2, weights, op, routing)
+    y = GroupedMM.apply(act(h), w2, routing.handle.offsets)
+    if biases is not None:
+        y = y + biases[1][expert].to(y.dtype)
     return Combine.apply(y, weights, op, routing)
 
 

@@ -16,6 +16,8 @@ traces forward and backward without graph breaks.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -35,12 +37,16 @@ def moe_ops(ctx, fallback: str):
                                                name=f"nn.moe_rs.{fallback}"))))
 
 
-def route_local(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bool):
-    """The router on rows ``x`` [T, dim] with ``weight`` [E, dim], in float32 whatever the autocast state (the top-k
-    choice turns on small differences): (logits [T, E], top-k weights [T, k], top-k ids int64 [T, k]), the weights
-    of ``softmax(logits)`` divided by their sum over the k choices where ``renormalize``."""
+def route_local(x: torch.Tensor, weight: torch.Tensor, topk: int, renormalize: bool,
+                bias: torch.Tensor | None = None):
+    """The router on rows ``x`` [T, dim] with ``weight`` [E, dim] (and ``bias`` [E] added to the logits, GPT-OSS's
+    router's), in float32 whatever the autocast state (the top-k choice turns on small differences): (logits
+    [T, E], top-k weights [T, k], top-k ids int64 [T, k]), the weights of ``softmax(logits)`` divided by their sum
+    over the k choices where ``renormalize`` (which is the softmax of the k largest logits)."""
     with torch.autocast(x.device.type, enabled=False):
         logits = x.float() @ weight.float().t()
+        if bias is not None:
+            logits = logits + bias.float()
         weights, ids = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
         if renormalize:
             weights = weights / weights.sum(-1, keepdim=True)
@@ -100,18 +106,49 @@ def gather_routes(weights: torch.Tensor, ids: torch.Tensor, ag, world_size: int)
     return both[:, k:].long(), both[:, :k]
 
 
+@dataclass(frozen=True)
+class Activation:
+    """What the experts compute between their gate/up and down projections, on rows [R, 2 * width] (gate columns,
+    then up): ``silu(gate) * up`` (SwiGLU, ``alpha`` None), or GPT-OSS's clamped form, ``gate`` clamped above at
+    ``limit`` and ``up`` to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``. Row-wise, so
+    the rows may come in any order (the experts' sorted layouts)."""
+    alpha: float | None = None
+    limit: float | None = None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = h.split(h.shape[-1] // 2, dim=-1)
+        if self.alpha is None:
+            return nn.functional.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+#: the SwiGLU experts' activation (Mixtral's, Qwen's, DeepSeek's)
+SWIGLU = Activation()
+
+
+def routed_bias(weights: torch.Tensor, ids: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """The experts' down-projection biases ``bias`` [E, dim] as the top-k combine weighs their outputs:
+    ``Σ_j weights[t, j] · bias[ids[t, j]]``, [T, dim] in float32 (``weights`` [T, k], ``ids`` [T, k])."""
+    with torch.autocast(weights.device.type, enabled=False):
+        return (weights.float().unsqueeze(-1) * bias.float()[ids]).sum(1)
+
+
 def swiglu_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
-                   weights: torch.Tensor, handles, world_size: int) -> torch.Tensor:
-    """This rank's rows [T/W, dim] through every rank's share of the SwiGLU experts and back, summed over ranks:
-    ``ag_moe`` (gather + gate/up grouped GEMM, rows in expert-sorted order), ``silu(gate) * up`` in that order,
-    ``moe_rs`` (down grouped GEMM, top-k weighted combine, reduce-scatter). ``w13`` [E, dim, 2 * hidden/W] (gate
-    columns, then up), ``w2`` [E, hidden/W, dim], both in ``rows``' dtype; ``ids``/``weights`` every rank's
-    (``gather_routes``); ``handles`` from ``moe_ops``. Returns [T/W, dim]."""
+                   weights: torch.Tensor, handles, world_size: int, act: Activation = SWIGLU,
+                   bias13: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's rows [T/W, dim] through every rank's share of the experts and back, summed over ranks:
+    ``ag_moe`` (gather + gate/up grouped GEMM, rows in expert-sorted order), ``act`` (``silu(gate) * up``; after
+    ``bias13`` [E, 2 * hidden/W], this rank's columns of the gate/up biases, where the experts have them) in that
+    order, ``moe_rs`` (down grouped GEMM, top-k weighted combine, reduce-scatter). ``w13`` [E, dim, 2 * hidden/W]
+    (gate columns, then up), ``w2`` [E, hidden/W, dim], both in ``rows``' dtype; ``ids``/``weights`` every rank's
+    (``gather_routes``); ``handles`` from ``moe_ops``. Returns [T/W, dim] (down-projection biases not added:
+    ``routed_bias``)."""
     ag, rs = handles
     h, order, position, offsets, _ = custom_ops.ag_moe(rows, w13, ids, ag, rs, world_size)
-    gate, up = h.split(w13.shape[-1] // 2, dim=-1)
-    return custom_ops.moe_rs(nn.functional.silu(gate) * up, w2, ids, weights, order, position, offsets, rs, ag,
-                             world_size, w13.shape[-1])
+    if bias13 is not None:  # (sorted row p holds the pair order[p] = t * topk + j)
+        h = h + bias13[ids.reshape(-1)[order]].to(h.dtype)
+    return custom_ops.moe_rs(act(h), w2, ids, weights, order, position, offsets, rs, ag, world_size, w13.shape[-1])
 
 
 def shard_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, rank: int, world_size: int):

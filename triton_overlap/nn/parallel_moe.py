@@ -14,7 +14,9 @@ router for subclasses with the parallel forwards, as ``nn.parallel`` does for li
 """
 from __future__ import annotations
 
+import ast
 import inspect
+import textwrap
 
 import torch
 from torch import nn
@@ -22,20 +24,25 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..ops import custom_ops
-from .moe import (add_shared_routes, fold_shared, gather_routes, moe_ops, shard_experts, shared_gate, shared_weights,
-                  swiglu_experts)
+from .moe import (SWIGLU, Activation, add_shared_routes, fold_shared, gather_routes, moe_ops, routed_bias,
+                  shard_experts, shared_gate, shared_weights, swiglu_experts)
 from .parallel import FALLBACKS, check_mesh, replicated_local, replicated_parameter, styled_class, summed_grad
 from .ep_moe import ep_op, ep_swiglu, partial_experts
 from .linear import all_reduce_op
 from .precision import compute_operands
-from .routers import router_rule
+from .routers import logit_bias, router_rule
 
 #: a shared expert's child name beside the router and the experts -> the name of its sigmoid gate (None: ungated,
 #: added to every token with weight 1: DeepSeek-V3's and GLM-4.5's ``shared_experts``)
 SHARED = {"shared_expert": "shared_expert_gate", "shared_experts": None}
 
-#: the experts' layout flags of transformers' ``use_experts_implementation``, as the style requires them
+#: the experts' layout flags of transformers' ``use_experts_implementation``, as the style requires them: SwiGLU
+#: experts (gate rows, then up rows), and GPT-OSS's (gate and up rows interleaved, biases, a clamped activation)
 _EXPERT_FLAGS = {"has_bias": False, "has_gate": True, "is_concatenated": True, "has_post_expert_norm": False}
+_CLAMPED_FLAGS = {**_EXPERT_FLAGS, "has_bias": True, "is_concatenated": False}
+#: their parameters' names, in order
+_EXPERT_PARAMS = {False: ["gate_up_proj", "down_proj"],
+                  True: ["gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"]}
 
 
 class MoEParallel(ParallelStyle):
@@ -122,13 +129,17 @@ class MoEParallel(ParallelStyle):
             raise ValueError(f"MoEParallel: {type(module).__name__} is parallelized already")
         gate, experts, rule, shared, shared_gate = check_block(module, W, self.expert_parallel)
         module.tp_router, module.tp_router_bias = router_name(module), _block_bias(module, gate) is not None
+        module.tp_act, module.tp_pair = experts_activation(experts)[0], _returns_pair(module)
         w1, w3, w2 = _full_experts(experts)
+        biases = _full_biases(experts)
         module.tp_experts, module.tp_shared = w1.shape[0], 0
         replicated = [gate]  # the modules whose weights every rank keeps whole, as replicated DTensors
         if self.expert_parallel:  # this rank's whole experts; a shared expert stays, computed on its own tokens
             local = w1.shape[0] // W
             mine = slice(ctx.rank * local, (ctx.rank + 1) * local)
             w13, w2 = shard_experts(w1[mine], w3[mine], w2[mine], 0, 1)  # whole experts: one "shard"
+            if biases is not None:
+                biases = _shard_biases(*(b[mine] for b in biases), 0, 1)
             if shared is not None:
                 mlp = getattr(module, shared)
                 replicated += [getattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
@@ -142,6 +153,8 @@ class MoEParallel(ParallelStyle):
                 w1, w3, w2, module.tp_shared = fold_shared(w1, w3, w2, full, "MoEParallel")
                 delattr(module, shared)
             w13, w2 = shard_experts(w1, w3, w2, ctx.rank, W)
+            if biases is not None:
+                biases = _shard_biases(*biases, ctx.rank, W)
             module.tp_shared_gate = SHARED[shared] if shared_gate is not None else None  # (a name, not a child)
             if self.sequence_parallel:
                 module.tp_handles = moe_ops(ctx, self.fallback)
@@ -156,6 +169,14 @@ class MoEParallel(ParallelStyle):
             experts.down_proj = nn.Parameter(w2, requires_grad=experts.down_proj.requires_grad)
             for m in replicated:
                 m.weight = replicated_parameter(m.weight, device_mesh)
+            if logit_bias(gate) is not None:  # (GPT-OSS's router)
+                gate.bias = replicated_parameter(gate.bias, device_mesh)
+            if biases is not None:  # this rank's gate/up biases; the down biases replicated (tensor parallel)
+                b13, b2 = biases
+                experts.gate_up_proj_bias = nn.Parameter(b13, requires_grad=experts.gate_up_proj_bias.requires_grad)
+                b2.requires_grad_(experts.down_proj_bias.requires_grad)
+                experts.down_proj_bias = nn.Parameter(b2, requires_grad=b2.requires_grad) if self.expert_parallel \
+                    else replicated_parameter(b2, device_mesh)
         gate.tp_rule = rule
         gate.tp_replicated_world = 0 if self.sequence_parallel else W
         gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
@@ -186,17 +207,16 @@ def check_block(block, world: int | None = None, expert_parallel: bool = False):
                         f"and a shared expert of {sorted(SHARED)} with its gate where it has one; "
                         f"{type(block).__name__} has {sorted(children)}{why}")
     gate, experts = children[router], children["experts"]
-    if [n for n, _ in experts.named_parameters()] != ["gate_up_proj", "down_proj"]:
-        raise TypeError(f"MoEParallel: experts {type(experts).__name__} must hold exactly gate_up_proj and "
-                        f"down_proj (transformers 5's fused layout)")
-    flags = {k: getattr(experts, k, v) for k, v in _EXPERT_FLAGS.items()}
-    apply_gate = getattr(type(experts), "_apply_gate", None)
-    probe = torch.linspace(-4, 4, 17)
-    if flags != _EXPERT_FLAGS or (apply_gate is not None and apply_gate.__name__ != "_default_apply_gate") or \
-            not torch.allclose(experts.act_fn(probe), nn.functional.silu(probe)):
-        raise TypeError(f"MoEParallel: experts {type(experts).__name__} are not SwiGLU experts "
-                        f"silu(x @ gate) * (x @ up) @ down with concatenated gate/up and no biases ({flags})")
+    biased = experts_activation(experts)[1]
+    if biased and shared:
+        raise TypeError(f"MoEParallel: experts with biases ({type(experts).__name__}) beside a shared expert are "
+                        f"not supported")
     num, hidden = _full_experts(experts)[0].shape[:2]
+    biases = _full_biases(experts)
+    if biased and (biases[0].shape != (num, hidden) or biases[2].shape != (num, gate.weight.shape[1])):
+        raise TypeError(f"MoEParallel: experts' biases gate_up_proj_bias {tuple(experts.gate_up_proj_bias.shape)} "
+                        f"and down_proj_bias {tuple(experts.down_proj_bias.shape)} are not [E, 2 * hidden] and "
+                        f"[E, dim]")
     if world is not None and expert_parallel and num % world:
         raise ValueError(f"MoEParallel(expert_parallel=True): the {num} experts are not divisible by the world "
                          f"size {world} (rank r owns experts [r*E/W, (r+1)*E/W))")
@@ -206,6 +226,53 @@ def check_block(block, world: int | None = None, expert_parallel: bool = False):
     if shared:
         _check_shared(children[shared], shared_gate, None if expert_parallel else hidden, gate.weight.shape[1])
     return gate, experts, router_rule(gate, "MoEParallel", _block_bias(block, gate)), shared, shared_gate
+
+
+def experts_activation(experts) -> tuple[Activation, bool]:
+    """(their activation, whether they have biases) of experts this style computes, else TypeError: SwiGLU experts
+    without biases in transformers 5's fused layout (gate rows, then up rows; ``act_fn`` silu), or GPT-OSS's (gate
+    and up rows interleaved, biases, ``_apply_gate`` the clamped ``Activation`` of the experts' ``alpha`` and
+    ``limit``, checked on a probe that crosses the limit)."""
+    name = type(experts).__name__
+    params = [n for n, _ in experts.named_parameters()]
+    biased = params == _EXPERT_PARAMS[True]
+    if params != _EXPERT_PARAMS[biased]:
+        raise TypeError(f"MoEParallel: experts {name} must hold exactly gate_up_proj and down_proj (transformers 5's "
+                        f"fused layout), or those and their biases (GPT-OSS's); it has {params}")
+    flags = {k: getattr(experts, k, v) for k, v in _EXPERT_FLAGS.items()}
+    apply_gate = getattr(type(experts), "_apply_gate", None)
+    if not biased:
+        probe = torch.linspace(-4, 4, 17)
+        if flags == _EXPERT_FLAGS and (apply_gate is None or apply_gate.__name__ == "_default_apply_gate") and \
+                torch.allclose(experts.act_fn(probe), nn.functional.silu(probe)):
+            return SWIGLU, False
+    else:
+        alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+        if flags == _CLAMPED_FLAGS and apply_gate is not None and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in (alpha, limit)):
+            act = Activation(float(alpha), float(limit))
+            interleaved = torch.linspace(-2.5 * limit, 2.5 * limit, 40, dtype=torch.float64).view(2, 20)
+            try:
+                got = apply_gate(experts, interleaved)
+            except Exception:  # noqa: BLE001 - a gate the probe cannot run is not this one
+                got = None
+            want = act(torch.cat([interleaved[:, ::2], interleaved[:, 1::2]], dim=-1))
+            if isinstance(got, torch.Tensor) and got.shape == want.shape and torch.allclose(got.double(), want):
+                return act, True
+    raise TypeError(f"MoEParallel: experts {name} are neither SwiGLU experts silu(x @ gate) * (x @ up) @ down with "
+                    f"concatenated gate/up and no biases, nor GPT-OSS's (interleaved gate/up, biases, its clamped "
+                    f"activation) ({flags})")
+
+
+def _returns_pair(block) -> bool:
+    """Whether the block's own forward returns a pair (GPT-OSS's: the output and the router's top-k scores), as
+    its source says: every ``return`` in it returns two values."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(block).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    returns = [n for n in ast.walk(tree) if isinstance(n, ast.Return)]
+    return bool(returns) and all(isinstance(r.value, ast.Tuple) and len(r.value.elts) == 2 for r in returns)
 
 
 def _block_bias(block, gate) -> torch.Tensor | None:
@@ -253,7 +320,8 @@ def _check_shared(mlp, gate, hidden: int | None, dim: int) -> None:
 
 def _full_experts(experts):
     """(w1, w3, w2): gate and up [E, hidden, dim], down [E, dim, hidden], views of the experts' fused parameters
-    (stored [E, 2 * hidden, dim] / [E, dim, hidden], or transposed where the experts say ``is_transposed``)."""
+    (stored [E, 2 * hidden, dim] / [E, dim, hidden], or transposed where the experts say ``is_transposed``; gate and
+    up rows interleaved where they say ``is_concatenated = False``, GPT-OSS's)."""
     gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
     if getattr(experts, "is_transposed", False):
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
@@ -262,7 +330,41 @@ def _full_experts(experts):
         raise TypeError(f"MoEParallel: experts' gate_up_proj {tuple(gate_up.shape)} and down_proj "
                         f"{tuple(down.shape)} are not [E, 2 * hidden, dim] and [E, dim, hidden]")
     hidden = two_hidden // 2
+    if not getattr(experts, "is_concatenated", True):
+        return gate_up[:, 0::2], gate_up[:, 1::2], down
     return gate_up[:, :hidden], gate_up[:, hidden:], down
+
+
+def _full_biases(experts):
+    """(gate, up [E, hidden], down [E, dim]) biases of experts that have them (GPT-OSS's, gate and up interleaved as
+    their weights), views; None for experts without."""
+    b13 = getattr(experts, "gate_up_proj_bias", None)
+    if not isinstance(b13, torch.Tensor):
+        return None
+    b13, b2 = b13.detach(), experts.down_proj_bias.detach()
+    if not getattr(experts, "is_concatenated", True):
+        return b13[:, 0::2], b13[:, 1::2], b2
+    return *b13.chunk(2, dim=1), b2
+
+
+def _shard_biases(b1, b3, b2, rank: int, world_size: int):
+    """Rank ``rank``'s share of the experts' biases (gate ``b1``, up ``b3`` [E, hidden], down ``b2`` [E, dim]) as
+    ``shard_experts`` shares their weights: (gate/up [E, 2 * hidden/W], its hidden columns of gate then of up, new;
+    ``b2`` whole, new), the down bias added once per token whatever the share."""
+    n = b1.shape[1] // world_size
+    cols = slice(rank * n, (rank + 1) * n)
+    return torch.cat([b1[:, cols], b3[:, cols]], dim=1).contiguous(), b2.clone()
+
+
+def _biases(block):
+    """(gate/up, down) biases of the block's experts as the style keeps them, or (None, None)."""
+    experts = block.experts
+    return getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+
+
+def _output(block, y, weights):
+    """The block's output: ``y``, or (``y``, this rank's top-k weights) where its own forward returns a pair."""
+    return (y, weights) if block.tp_pair else y
 
 
 def _last_path(block) -> str | None:
@@ -284,7 +386,9 @@ def _router_forward(gate, rows, bias=None):
     sequence parallelism every rank routes every token: the top-k weights scale this rank's share of the experts,
     so their gradient is a partial sum as before, but the logits (which an auxiliary loss reads, the same on every
     rank) pass their gradient divided by W, which the ranks' sum makes whole again."""
-    logits, weights, ids = gate.tp_rule(gate, rows, replicated_local(gate.weight), bias)
+    own = logit_bias(gate)  # (GPT-OSS's router: a bias of the logits, replicated as the weight)
+    extra = {} if own is None else {"logit_bias": replicated_local(own)}
+    logits, weights, ids = gate.tp_rule(gate, rows, replicated_local(gate.weight), bias, **extra)
     world = getattr(gate, "tp_replicated_world", 0)
     return (_ScaleGrad.apply(logits, 1.0 / world) if world else logits), weights, ids
 
@@ -325,13 +429,17 @@ def _block_forward(block, hidden_states):
     x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
     rows = x.reshape(-1, x.shape[-1])
     _, weights, ids = _route(block, rows)
+    mine = weights, ids
     if block.tp_shared:
         name = block.tp_shared_gate
         gate = None if name is None else replicated_local(getattr(block, name).weight)
         weights, ids = add_shared_routes(rows, weights, ids, block.tp_experts, block.tp_shared, gate)
     ids, weights = gather_routes(weights, ids, block.tp_handles[0], W)
-    y = swiglu_experts(rows, w13, w2, ids, weights, block.tp_handles, W)
-    return DTensor.from_local(y.view(x.shape), block.tp_mesh, placements, run_check=False)
+    b13, b2 = _biases(block)
+    y = swiglu_experts(rows, w13, w2, ids, weights, block.tp_handles, W, block.tp_act, b13)
+    if b2 is not None:  # (each token's down biases once, on its own rank)
+        y = y + routed_bias(*mine, replicated_local(b2)).to(y.dtype)
+    return _output(block, DTensor.from_local(y.view(x.shape), block.tp_mesh, placements, run_check=False), mine[0])
 
 
 def _ep_block_forward(block, hidden_states):
@@ -340,15 +448,17 @@ def _ep_block_forward(block, hidden_states):
     x, w13, w2 = compute_operands("MoEParallel", x, experts.gate_up_proj, experts.down_proj)
     rows = x.reshape(-1, x.shape[-1])
     _, weights, ids = _route(block, rows)
-    y = _routed(rows, ids, weights, w13, w2, block.tp_ep_op, block.tp_experts)
+    b13, b2 = _biases(block)
+    y = _routed(rows, ids, weights, w13, w2, block.tp_ep_op, block.tp_experts, block.tp_act,
+                None if b13 is None else (b13, b2))
     if block.tp_shared_name is not None:
         y = y + _shared_local(block, rows)
-    return DTensor.from_local(y.view(x.shape), block.tp_mesh, placements, run_check=False)
+    return _output(block, DTensor.from_local(y.view(x.shape), block.tp_mesh, placements, run_check=False), weights)
 
 
 @torch.compiler.disable  # the dispatch reads its counts back to the host: no graph can hold it
-def _routed(rows, ids, weights, w13, w2, op, num_experts):
-    return ep_swiglu(rows, ids, weights, w13, w2, op, num_experts)
+def _routed(rows, ids, weights, w13, w2, op, num_experts, act=SWIGLU, biases=None):
+    return ep_swiglu(rows, ids, weights, w13, w2, op, num_experts, act=act, biases=biases)
 
 
 def _shared_local(block, rows, part: int = 0, parts: int = 1):
@@ -382,8 +492,10 @@ def _replicated_block_forward(block, hidden_states):
     x = summed_grad(x, block.tp_mesh)  # (each rank's input gradient is a partial sum)
     rows = x.reshape(-1, x.shape[-1])
     _, weights, ids = _route(block, rows)
-    if style.expert_parallel:
-        y = partial_experts(rows, ids, weights, w13, w2, block.tp_first)
+    mine, (b13, b2) = weights, _biases(block)
+    if style.expert_parallel:  # (this rank's whole experts, their down biases among them)
+        y = partial_experts(rows, ids, weights, w13, w2, block.tp_first, block.tp_act,
+                            None if b13 is None else (b13, b2))
         if block.tp_shared_name is not None:
             y = y + _shared_local(block, rows, style.ctx.rank, style.ctx.world_size)
     else:
@@ -391,8 +503,11 @@ def _replicated_block_forward(block, hidden_states):
             name = block.tp_shared_gate
             gate = None if name is None else replicated_local(getattr(block, name).weight)
             weights, ids = add_shared_routes(rows, weights, ids, block.tp_experts, block.tp_shared, gate)
-        y = partial_experts(rows, ids, weights, w13, w2)
-    return custom_ops.all_reduce(y.to(x.dtype), block.tp_all_reduce).view(x.shape)
+        # (the replicated down biases: a W-th in each rank's share, so that the sum holds them once and each rank's
+        # gradient is a W-th of the whole, as DTensor's partial gradient sums them)
+        biases = None if b13 is None else (b13, replicated_local(b2) / style.ctx.world_size)
+        y = partial_experts(rows, ids, weights, w13, w2, act=block.tp_act, biases=biases)
+    return _output(block, custom_ops.all_reduce(y.to(x.dtype), block.tp_all_reduce).view(x.shape), mine)
 
 
 def _ar_last_path(block) -> str | None:

@@ -8,7 +8,7 @@ The rules (each in float32 whatever the autocast state, as ``nn.moe.route_local`
 differences):
 
 * ``Softmax(renormalize)``: softmax over the experts' logits, the k largest, divided by their sum where
-  ``renormalize`` (Mixtral, Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE).
+  ``renormalize`` (Mixtral, Qwen2/3-MoE, Qwen3-Next, Qwen3.5-MoE, OLMoE; GPT-OSS's, its logits biased).
 * ``GroupedSigmoid()``: DeepSeek-V3's (GLM-4.5, dots.llm1 and the models that copy its router): scores
   ``sigmoid(logits)``; the choice among ``scores + e_score_correction_bias`` (a buffer of the router, read at every
   call: training updates it outside autograd), restricted to the ``topk_group`` groups (of ``num_group`` equal
@@ -27,8 +27,9 @@ differences):
   ``moe_statics``); the weights are the chosen scores, divided by their sum (at least ``norm_min``) where
   ``renormalize``, times the router's scale where it has one.
 
-A router holds one trainable parameter, its ``weight``; a correction bias may be a buffer or a parameter without
-gradient, of the router or of a child of it.
+A router holds one trainable parameter, its ``weight``, or two where the second is a ``bias`` [E] added to the
+logits (GPT-OSS's: softmax over its k largest logits, which is ``Softmax(renormalize=True)`` on biased logits); a
+correction bias may be a buffer or a parameter without gradient, of the router or of a child of it.
 """
 from __future__ import annotations
 
@@ -48,9 +49,11 @@ class Softmax:
     """Softmax over the experts, the top ``gate.top_k``, divided by their sum where ``renormalize``."""
     renormalize: bool
 
-    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """(logits float32 [T, E], weights float32 [T, k], ids int64 [T, k]) of rows [T, dim] (``bias``: unused)."""
-        return route_local(rows, weight, gate.top_k, self.renormalize)
+    def __call__(self, gate, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 logit_bias: torch.Tensor | None = None):
+        """(logits float32 [T, E], weights float32 [T, k], ids int64 [T, k]) of rows [T, dim] (``bias``: unused;
+        ``logit_bias``: the router's own bias [E], added to the logits)."""
+        return route_local(rows, weight, gate.top_k, self.renormalize, logit_bias)
 
 
 @dataclass(frozen=True)
@@ -160,11 +163,13 @@ def router_rule(gate, who: str, bias: torch.Tensor | None = None):
     router's forward after the rows (MiniMax-M2's), or None where the forward takes the rows alone; the probe draws
     it anew too."""
     name = type(gate).__name__
-    params = [n for n, p in gate.named_parameters() if p.requires_grad or n == "weight"]
+    params = [n for n, p in gate.named_parameters() if p.requires_grad or n in ("weight", "bias")]
     weight = getattr(gate, "weight", None)
-    if params != ["weight"] or weight.dim() != 2 or not isinstance(getattr(gate, "top_k", None), int):
-        raise TypeError(f"{who}: router {name} must hold one trainable parameter, weight [E, dim], and top_k (it "
-                        f"has {params})")
+    if params not in (["weight"], ["weight", "bias"]) or weight.dim() != 2 or \
+            not isinstance(getattr(gate, "top_k", None), int) or \
+            params[1:] and tuple(gate.bias.shape) != (weight.shape[0],):
+        raise TypeError(f"{who}: router {name} must hold one trainable parameter, weight [E, dim] (and a bias [E] of "
+                        f"its logits), and top_k (it has {params})")
     E, dim = weight.shape
     probe = copy.deepcopy(gate).to_empty(device="cpu").to(torch.float64)
     g = torch.Generator().manual_seed(PROBE_SEED)
@@ -183,17 +188,24 @@ def router_rule(gate, who: str, bias: torch.Tensor | None = None):
                 and all(tuple(t.shape) == (PROBE_ROWS, k) for t in own[1:])):
             raise TypeError(f"{who}: router {name} must return (logits [T, E], weights [T, k], ids [T, k]) "
                             f"as transformers 5's routers do")
-        for rule in _candidates(probe, *extra):
+        biased = logit_bias(probe) is not None
+        for rule in [Softmax(True), Softmax(False)] if biased else _candidates(probe, *extra):
             try:
-                mine = rule(probe, rows, probe.weight, *extra)
+                mine = rule(probe, rows, probe.weight, *extra, **({"logit_bias": probe.bias} if biased else {}))
             except (AttributeError, RuntimeError):  # (a rule needing what this router does not hold)
                 continue
             if _same_routes(own, mine):
                 return rule
     raise TypeError(f"{who}: router {name} computes none of the rules it reproduces (softmax top-k with or "
-                    f"without renormalization; DeepSeek-V3's sigmoid top-k with a correction bias and groups; "
+                    f"without renormalization, of biased logits too; DeepSeek-V3's sigmoid top-k with a correction bias and groups; "
                     f"DeepSeek-V2's softmax top-k with groups and a scale; Ernie 4.5's softmax top-k with a "
                     f"correction bias)")
+
+
+def logit_bias(gate) -> torch.Tensor | None:
+    """The router's own bias [E] of its logits (a parameter ``bias``, GPT-OSS's), or None."""
+    bias = getattr(gate, "bias", None)
+    return bias if isinstance(bias, torch.Tensor) and bias.dim() == 1 else None
 
 
 def _candidates(gate, bias: torch.Tensor | None = None) -> list:
@@ -225,4 +237,5 @@ def _same_routes(own, mine) -> bool:
                 and torch.allclose(w1, w2, rtol=1e-4, atol=1e-6))
 
 
-__all__ = ["BiasedSoftmax", "GroupedSigmoid", "GroupedSoftmax", "Softmax", "correction_bias", "router_rule"]
+__all__ = ["BiasedSoftmax", "GroupedSigmoid", "GroupedSoftmax", "Softmax", "correction_bias", "logit_bias",
+           "router_rule"]
