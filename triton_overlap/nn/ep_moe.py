@@ -93,11 +93,13 @@ class GroupedMM(torch.autograd.Function):
         return grad_rows, grad_w, None
 
 
-def row_experts(offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """The expert of each of ``rows`` rows grouped by expert (bounds ``offsets`` [E + 1], from 0): int64 [rows];
-    rows past the last group count as the last expert's."""
+def row_biases(bias: torch.Tensor, offsets: torch.Tensor, rows: int) -> torch.Tensor:
+    """``bias`` [E, n] of each of ``rows`` rows grouped by expert (bounds ``offsets`` [E + 1], from 0): [rows, n],
+    0 on rows past the last group. The grouped GEMMs leave those rows unwritten, forward and backward, so their
+    gradient is whatever memory held: ``torch.where`` keeps it from the bias's."""
     at = torch.arange(rows, dtype=offsets.dtype, device=offsets.device)
-    return torch.searchsorted(offsets[1:], at, right=True).clamp(max=offsets.shape[0] - 2)
+    expert = torch.searchsorted(offsets[1:], at, right=True).clamp(max=offsets.shape[0] - 2)
+    return torch.where((at < offsets[-1]).unsqueeze(1), bias[expert], 0)
 
 
 def swiglu_rows(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
@@ -141,11 +143,10 @@ def partial_experts(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     token = order // k
     a = torch.where(mine, rows[token], 0)
     acc = torch.promote_types(rows.dtype, torch.float32)
-    expert = group[order].clamp(max=E - 1)  # (another rank's pairs: any expert, their rows never summed)
-    b13, b2 = biases if biases is not None else (None, None)
-    y = swiglu_rows(a, w13, w2, offsets, act, None if b13 is None else b13[expert]).to(acc)
+    b13, b2 = biases if biases is not None else (None, None)  # (other ranks' pairs: past the last group)
+    y = swiglu_rows(a, w13, w2, offsets, act, None if b13 is None else row_biases(b13, offsets, T * k)).to(acc)
     if b2 is not None:
-        y = y + b2[expert].to(acc)
+        y = y + row_biases(b2, offsets, T * k).to(acc)
     y = torch.where(mine, y, 0) * weights.reshape(-1)[order].unsqueeze(1).to(acc)
     return torch.zeros(T, y.shape[1], dtype=acc, device=rows.device).index_add(0, token, y)
 
@@ -279,13 +280,12 @@ def ep_swiglu(rows, ids, weights, w13, w2, op, num_experts: int, staged: bool = 
     routing = Routing()
     h = DispatchProject.apply(rows, ids, weights.detach(), w13, op, num_experts, routing)
     if biases is not None:
-        expert = row_experts(routing.handle.offsets, h.shape[0])
-        h = h + biases[0][expert].to(h.dtype)
+        h = h + row_biases(biases[0], routing.handle.offsets, h.shape[0]).to(h.dtype)
     if staged:
         return DownCombine.apply(act(h), w2, weights, op, routing)
     y = GroupedMM.apply(act(h), w2, routing.handle.offsets)
     if biases is not None:
-        y = y + biases[1][expert].to(y.dtype)
+        y = y + row_biases(biases[1], routing.handle.offsets, y.shape[0]).to(y.dtype)
     return Combine.apply(y, weights, op, routing)
 
 
