@@ -375,13 +375,14 @@ class ContextParallelAttention(OverlapOp):
         ctx = self.ctx
         caller, s = ctx.current_stream(), ctx.streams(1)[0]
         peers = list(sched.counterparts) if forward is not None else list(link(ctx).remote)
+        if forward is not None:  # (filled on the caller's stream, before the producer stream waits for it)
+            K, L, rows, D = forward.slots.local.shape
+            want = ctx.cached(("dkdv forwarding expected", K, expected), lambda: torch.full(
+                (K, 1), expected, dtype=torch.int32, device=ctx.device))
         s.wait_stream(caller)
         what = "dK/dV partials"
         if forward is not None:
-            K, L, rows, D = forward.slots.local.shape
             W = staged.shape[0]
-            want = ctx.cached(("dkdv forwarding expected", K, expected), lambda: torch.full(
-                (K, 1), expected, dtype=torch.int32, device=ctx.device))
             with ctx.use_stream(s):
                 launch_sum_forwarded(ctx, forward.slots.local, forward.counters.local, want, staged.view(W, rows, D),
                                      forward.dests, forward.names, ChunkLayout(W, rows, rows), 0, op=self.op,
@@ -389,7 +390,7 @@ class ContextParallelAttention(OverlapOp):
             what = "dK/dV partials (this host's sums)"
         link(ctx).exchange(s, [(staged[o], o) for o in peers], [(recv.local[o], o) for o in peers],
                            f"cp_attention {what} with ranks {peers}", self.op,
-                           {o: int(WHAT_PARTIALS) for o in peers})
+                           {o: int(WHAT_PARTIALS) for o in peers}, guarded=True)
         for o in peers:
             s.write_value(counters.local[o:o + 1], expected)
         if forward is not None:
