@@ -476,9 +476,10 @@ def test_partials_between_hosts(pool, in_host, what):
 
 def _forwarder_starved(T: float):
     """Two hosts of two ranks, the host's partials summed before they cross: rank 1 leaves out its copies into its
-    forwarder's slots (rank 0's) for one call. Rank 0's sum gives up within the timeout, naming rank 1 and the
-    chunk; rank 2, whose sums from rank 0 never come, names rank 0; after reset() calls are right again, the same
-    op taking the direct path and the sums by turns."""
+    forwarder's slots (rank 0's) for one call. Rank 0 gives up within the timeout, naming rank 1 and the chunk (its
+    sum's wait; on GPUs possibly its reduction's, naming rank 2's sum that its own sum holds back); rank 2, whose
+    sums from rank 0 never come, names rank 0; after reset() calls are right again, the same op taking the direct
+    path and the sums by turns."""
     from triton_overlap.producers import scatter
 
     init = scatter.Scatter.__init__
@@ -521,9 +522,65 @@ def test_forwarder_starved(pool):
     T = contract.timeout_for(pool)
     results = pool.run(_forwarder_starved, T)
     (m0, t0), (m2, _) = results[0], results[2]
-    assert "gemm_rs" in m0 and "chunk 0 of rank 1" in m0 and not contract.relayed(m0), m0
+    # rank 0's sum waits for rank 1's chunk, and its reduction for rank 2's sum, which rank 0's own sum holds back
+    # (it precedes the exchange): both waits start together, and on GPUs either may give up first
+    starved_by = ("chunk 0 of rank 1",) if pool.backend == "host" else ("chunk 0 of rank 1", "of rank 2")
+    assert "gemm_rs" in m0 and any(s in m0 for s in starved_by) and not contract.relayed(m0), m0
     assert T * contract.EARLIEST <= t0, (t0, m0)
     assert "rank 0" in m2, m2
+
+
+def _guarded_exchange(T: float):
+    """Two hosts of two ranks: each rank sends its counterpart data along with its error word (Link.exchange's
+    ``guarded``), rank 0's word holding a fault (a wait of its own that gave up, as a sum of partials would leave
+    it). Its counterpart, rank 2, raises the fault relayed from rank 0 before the data is read; rank 3's data from
+    rank 1 lands intact. After reset() the same exchange is clean on every rank."""
+    from triton_overlap.kernels import signal as sig
+    from triton_overlap.producers.link import link
+
+    os.environ[VIRTUAL_HOSTS_ENV] = "2"
+    try:
+        with to.Context(timeout_s=T) as ctx:
+            op, msgs, got = ctx.op_id("gemm_rs"), [], []
+            ctx.barrier()  # every rank is past its set-up, whose last check would see rank 0's fault relayed
+            ctx.synchronize()
+            for faulty in (True, False):
+                ln, r = link(ctx), ctx.rank
+                (c,) = ln.counterparts
+                if faulty and r == 0:
+                    word = [0] * sig.ERR_WORDS
+                    word[sig.ERR_CODE], word[sig.ERR_RANK], word[sig.ERR_OP] = int(sig.ERR_TIMEOUT), 0, op
+                    word[sig.ERR_PEER], word[sig.ERR_WHAT], word[sig.ERR_OWN_CODE] = 1, 3, int(sig.ERR_TIMEOUT)
+                    ctx.err.copy_(torch.tensor(word, dtype=torch.int32))
+                x = torch.full((5,), 10 * r + int(faulty), dtype=torch.float32, device=ctx.device)
+                y = torch.full((5,), -1.0, dtype=torch.float32, device=ctx.device)
+                caller, s = ctx.current_stream(), ctx.streams(1)[0]
+                s.wait_stream(caller)
+                msg = ""
+                try:
+                    ln.exchange(s, [(x, c)], [(y, c)], "test data", op, {c: 0}, guarded=True)
+                    caller.wait_stream(s)
+                    ctx.check()
+                except to.ContextError as e:
+                    msg = str(e)
+                msgs.append(msg)
+                got.append(y.cpu().tolist())
+                ctx.reset()
+    finally:
+        os.environ.pop(VIRTUAL_HOSTS_ENV, None)
+    return msgs, got
+
+
+def test_guarded_exchange(pool):
+    if pool.world != 4:
+        pytest.skip("two hosts of two ranks")
+    results = pool.run(_guarded_exchange, contract.timeout_for(pool))
+    msgs = [m for m, _ in results]
+    assert "chunk 3 of rank 1" in msgs[0][0] and not contract.relayed(msgs[0][0]), msgs[0]
+    assert "rank 2: rank 0 faulted" in msgs[2][0] and "gemm_rs" in msgs[2][0], msgs[2]
+    assert results[3][1][0] == [11.0] * 5, results[3]
+    assert all(m[1] == "" for m in msgs), msgs
+    assert [got[1] for _, got in results] == [[10.0 * c] * 5 for c in (2, 3, 0, 1)], results
 
 
 # The fault tests' cases (the contract's fault bodies with AllGather-GEMM's call), one rank per host: a peer on

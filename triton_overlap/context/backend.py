@@ -49,6 +49,13 @@ class Stream(abc.ABC):
         this rank's own kernels, which wait on nothing, are sure to write. ``what`` names the wait in errors."""
         raise NotImplementedError(f"{type(self).__name__} has no stream wait-value")
 
+    def call(self, fn) -> None:
+        """Have ``fn``'s work follow this stream's earlier work, without blocking the host: on GPUs ``fn`` runs at
+        once with this stream current (the kernels it launches join the stream); where the stream is a thread of
+        the host (the host backend) that thread runs ``fn`` in turn, so ``fn`` must not run Triton's interpreter,
+        which runs one kernel at a time per process."""
+        raise NotImplementedError(f"{type(self).__name__} has no calls")
+
     @abc.abstractmethod
     def wait_stream(self, other: "Stream") -> None:
         """Work enqueued on this stream later runs after all work enqueued on ``other`` so far."""

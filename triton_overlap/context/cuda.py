@@ -129,6 +129,10 @@ class CudaStream(Stream):
         self._wait32 = drv.cuStreamWaitValue32
         self._wait_flags = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ  # (int32)(*addr - value) >= 0
 
+    def call(self, fn):
+        with torch.cuda.stream(self.torch_stream):
+            fn()
+
     def _copy2d(self, dptr, dp, sptr, sp, w, h):
         if h == 1:
             check(self._memcpy(dptr, sptr, w, self._d2d, self.handle), self._names[0])

@@ -82,6 +82,9 @@ class _Main(Stream):
     def wait_value(self, flag, value, what=""):
         _spin_until(flag, value, self.timeout_s, what)
 
+    def call(self, fn):
+        fn()
+
     def wait_stream(self, other):
         if isinstance(other, HostStream):
             other.synchronize()
@@ -144,6 +147,9 @@ class HostStream(Stream):
 
     def wait_value(self, flag, value, what=""):
         self._q.put(lambda: _spin_until(flag, value, self.timeout_s, what))
+
+    def call(self, fn):
+        self._q.put(fn)
 
     def wait_stream(self, other):
         if not isinstance(other, HostStream) or other is self:

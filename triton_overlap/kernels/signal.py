@@ -330,3 +330,36 @@ def remote_header_kernel(h_ptr, count_ptr, err_ptr, rank, peer, op, fingerprint)
     rank's barrier of the call) with this rank's call, ``count_ptr`` holding its number: a difference is recorded as
     ERR_MISMATCH, before any of the peer's chunks is flagged ready."""
     check_header(h_ptr, tl.load(count_ptr), op, fingerprint, err_ptr, rank, peer, 7)
+
+
+@triton.jit
+def remote_status_kernel(status_ptr, peers_ptr, num_peers, err_ptr, N_WORDS: tl.constexpr):
+    """Read the error words that ranks on other hosts sent along with data a kernel of theirs made (producers.link,
+    ``Link.exchange``'s ``guarded``): ``status_ptr`` [world, N_WORDS], the rows of the ``num_peers`` ranks at
+    ``peers_ptr``. A sender whose word held a fault may have sent what a wait that gave up left behind: its fault is
+    recorded here as relayed from the rank it began on (ERR_RELAYED), before anything received is flagged ready, so
+    that every wait of this rank stops and the host raises rather than return that data."""
+    for i in range(0, num_peers):
+        s = status_ptr + tl.load(peers_ptr + i) * N_WORDS
+        code = tl.load(s + ERR_CODE, volatile=True)
+        if code != 0:
+            origin_code = tl.where(code == ERR_RELAYED, tl.load(s + ERR_ORIGIN_CODE), code)
+            if claim_fault(err_ptr, ERR_RELAYED, tl.load(s + ERR_RANK), tl.load(s + ERR_OP), tl.load(s + ERR_PEER),
+                           tl.load(s + ERR_CALL)):
+                tl.store(err_ptr + ERR_WHAT, tl.load(s + ERR_WHAT))
+                tl.store(err_ptr + ERR_ORIGIN_CODE, origin_code)
+
+
+def relay_status(status, peers, err) -> None:
+    """``remote_status_kernel`` where streams are threads of the host (the host backend): the first fault of the
+    ``peers``' rows of ``status`` recorded in the error word ``err`` (its code last), unless it holds one."""
+    code, relayed, origin_code = int(ERR_CODE), int(ERR_RELAYED), int(ERR_ORIGIN_CODE)
+    for p in peers:
+        s = [int(v) for v in status[p]]
+        if s[code] == 0 or int(err[code]) != 0:
+            continue
+        for i in (ERR_RANK, ERR_OP, ERR_PEER, ERR_CALL, ERR_WHAT):
+            err[int(i)] = s[int(i)]
+        err[origin_code] = s[origin_code] if s[code] == relayed else s[code]
+        err[int(ERR_OWN_CODE)] = relayed
+        err[code] = relayed

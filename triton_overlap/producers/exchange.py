@@ -44,7 +44,7 @@ def between_hosts(ctx, stream, remote: dict, flags, what: str, op: int) -> None:
     with the late rank's block as chunk (as kernels.arrivals names a source within the host)."""
     sends = [(t, d) for d, (out, _) in remote.items() for t in out if t.numel()]
     recvs = [(t, d) for d, (_, into) in remote.items() for t in into if t.numel()]
-    link(ctx).exchange(stream, sends, recvs, what, op, {d: d for d in remote})
+    link(ctx).exchange(stream, sends, recvs, what, op, {d: d for d in remote}, guarded=True)
     for d in remote:
         stream.write_value(flags.local[d:d + 1], 1)
 

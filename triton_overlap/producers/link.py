@@ -13,6 +13,9 @@ Each call's first exchange between hosts carries the ranks' call headers (call n
 a kernel compares them on the device (kernels.signal.remote_header_kernel) before any of the peer's chunks is
 flagged ready: the barrier compares headers within a host only. Where exchanges block the host (not NCCL), a
 difference is raised before any data moves; over NCCL every wait of the call gives up and the Context reports it.
+Data that a kernel of the call made (sums of partials, dK/dV partials, experts' rows) travels with the sender's
+error word, which the receiver checks on the device before the data is flagged ready (``Link.exchange``): a peer on
+another host does not map this rank's word, and a sender whose wait gave up would otherwise hand it a wrong answer.
 
 The exchanges travel on the Context's ``wire``: over NCCL a communicator of its own (a group over the Context's
 ranks), which the Context makes at set-up and again at every reset, while every rank is present (every rank must
@@ -65,21 +68,50 @@ class Link:
         self._epoch = ctx.resets % 64
         self._seq = 0
         self._headers = torch.zeros((ctx.world_size, sig.HEADER_WORDS), dtype=torch.int32, device=ctx.device)
+        #: error words: this rank's row is what it sends along guarded data, the others' what they sent
+        self._status = torch.zeros((ctx.world_size, sig.ERR_WORDS), dtype=torch.int32, device=ctx.device)
         self._mine: dict = {}  # call -> this rank's header to send (its call number filled in on the stream)
 
     def next_tag(self) -> int:
         self._seq += 1
         return TAG_BASE + ((self._epoch << 24) | (self._seq & 0xFFFFFF)) % ((1 << 31) - TAG_BASE)
 
-    def exchange(self, stream, sends, recvs, what: str, op: int, waits: dict) -> None:
+    def exchange(self, stream, sends, recvs, what: str, op: int, waits: dict, guarded: bool = False) -> None:
         """``sends`` and ``recvs``: (tensor, group rank) lists, through ``stream`` (Stream.exchange). ``op`` and
         ``waits`` (group rank -> the chunk, or a WHAT_* code, waited for from that rank) describe a peer that does
         not answer within the timeout: the Context is faulted as a kernel's wait would fault it. With nothing to
-        send or receive the exchange takes its tag and moves nothing (no peer sends this rank anything in it)."""
+        send or receive the exchange takes its tag and moves nothing (no peer sends this rank anything in it).
+
+        ``guarded``: what is sent was made by a kernel of this call whose waits may give up (a sum of the host's
+        partials, dK/dV partials, experts' rows), and a peer on another host does not see this rank's error word.
+        Each side sends along its error word as it stands on ``stream`` before the exchange, and the receiver
+        records a sender's fault before anything that follows on ``stream`` flags the data ready
+        (kernels.signal.remote_status_kernel): a fault of the sender's becomes an error of the receiver's, never a
+        wrong answer."""
         ctx = self.ctx
         if not sends and not recvs:
             self.next_tag()
             return
+        if guarded:
+            mine = self._status[ctx.rank]
+            stream.copy(mine, ctx.err[:sig.ERR_WORDS])
+            froms = sorted({p for _, p in recvs})
+            sends = sends + [(mine, p) for p in sorted({p for _, p in sends})]
+            recvs = recvs + [(self._status[p], p) for p in froms]
+            self._exchange(stream, sends, recvs, what, op, waits)
+            if froms:
+                peers = ctx.cached(("link status peers", tuple(froms)),
+                                   lambda: torch.tensor(froms, dtype=torch.int32, device=ctx.device))
+                if ctx.interpreted:  # (the host stream's thread may not run Triton's interpreter: the same in torch)
+                    stream.call(lambda: sig.relay_status(self._status, froms, ctx.err))
+                else:
+                    stream.call(lambda: launch(sig.remote_status_kernel, (1,), (self._status, peers, len(froms),
+                                                                                ctx.err), {"N_WORDS": sig.ERR_WORDS}))
+            return
+        self._exchange(stream, sends, recvs, what, op, waits)
+
+    def _exchange(self, stream, sends, recvs, what: str, op: int, waits: dict) -> None:
+        ctx = self.ctx
 
         def timed_out(late, elapsed):
             peer = late[0]

@@ -180,7 +180,8 @@ class Scatter:
             ctx.jitter(s)
             link(ctx).exchange(s, [(self.stage.partials[d, rows], d) for d in remote],
                                [(self.recv.local[d, rows], d) for d in remote],
-                               f"{self.op_name} chunk {j} with ranks {remote}", self.call.op, {d: j for d in remote})
+                               f"{self.op_name} chunk {j} with ranks {remote}", self.call.op, {d: j for d in remote},
+                               guarded=True)
             for d, count in zip(remote, counts):
                 s.write_value(self.counters.local[d * cpr + j:d * cpr + j + 1], self.counts[r][j])
                 s.write_value(count, 0)
@@ -207,7 +208,7 @@ class Scatter:
             link(ctx).exchange(s, [(self.stage.partials[d, rows], d) for d in cps],
                                [(self.recv.local[d, rows], d) for d in cps],
                                f"{self.op_name} chunk {j} (this host's sums) with ranks {cps}", self.call.op,
-                               {d: j for d in cps})
+                               {d: j for d in cps}, guarded=True)
             for d in cps:
                 s.write_value(self.counters.local[d * cpr + j:d * cpr + j + 1], self.counts[r][j])
             fw.zero(s, j)
