@@ -30,7 +30,8 @@ def _model(kind, W, dtype, dense_last=False):
     leaves out; "deepseek_v3": GLM-4.5's MoE under multi-head latent attention; "minimax_m2": sigmoid top-k with
     the block's random correction bias, q/k norms over all heads; "olmoe": softmax top-k without renormalization,
     q/k norms over all heads, no pipeline plan; "qwen3_5_moe": a gated delta-rule linear attention layer, then a
-    full attention one, Qwen2-MoE's block; "qwen3_next": the same with Qwen3-Next's fused projections) causal LM
+    full attention one, Qwen2-MoE's block; "qwen3_next": the same with Qwen3-Next's fused projections; "gpt_oss":
+    attention with sinks, a sliding window of 3 on the first layer, GPT-OSS's block) causal LM
     whose heads, KV heads,
     width and experts' width split over W ranks; 4 experts, top-2; weights rounded to bf16 and the same on every
     rank. ``dense_last`` (qwen3): the last layer's MLP dense."""
@@ -85,6 +86,11 @@ def _model(kind, W, dtype, dense_last=False):
         from transformers import MiniMaxM2Config as Config, MiniMaxM2ForCausalLM as Model
 
         config = Config(num_local_experts=4, intermediate_size=8 * W, rotary_dim=8, **common)
+    elif kind == "gpt_oss":  # attention with sinks, which its plan leaves out, a sliding window on its first layer
+        from transformers import GptOssConfig as Config, GptOssForCausalLM as Model
+
+        common["attn_implementation"] = "eager"  # (its sdpa path takes no sinks)
+        config = Config(num_local_experts=4, intermediate_size=8 * W, sliding_window=3, **common)
     else:
         from transformers import MixtralConfig as Config, MixtralForCausalLM as Model
 
@@ -317,7 +323,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         else:  # the shared expert as two more experts
             assert tuple(mlp.experts.gate_up_proj.shape) == (4 + 2 * shared, 32 * W, 16)
             assert not hasattr(mlp, "shared_expert") and not hasattr(mlp, "shared_experts")
-        assert isinstance(mlp.gate.weight, DTensor)
+        assert isinstance(getattr(mlp, mlp.tp_router).weight, DTensor)  # (GPT-OSS's router: "router")
         B, S = 2, 3 if decode else 4 * W
         tokens = _decisive_tokens(reference, B, S, dev)
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
@@ -363,10 +369,13 @@ MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral
              ("mixtral", "decode", "always", True), ("minimax_m2", "bf16", "never", True),
              ("minimax_m2", "decode", "never", True), ("olmoe", "bf16", "never", True),
              ("qwen3_5_moe", "bf16", "never", True), ("qwen3_5_moe", "decode", "never", True),
-             ("qwen3_next", "bf16", "never", True), ("qwen3_next", "decode", "never", True)]
+             ("qwen3_next", "bf16", "never", True), ("qwen3_next", "decode", "never", True),
+             ("gpt_oss", "bf16", "never", True), ("gpt_oss", "decode", "never", True),
+             ("gpt_oss", "bf16", "never", True, True)]
 #: MOE_CASES the host backend skips (CI time): decode cases but Mixtral's (tensor parallel), DeepSeek-V3's (expert
-#: parallel) and Qwen3.5-MoE's (linear attention), which cover the modes; Mixtral's decode through the fallback
-HOST_SKIPS = (13, 14, 15, 18, 20, 25)
+#: parallel) and Qwen3.5-MoE's (linear attention), which cover the modes; Mixtral's decode through the fallback;
+#: GPT-OSS's decode and expert-parallel models (its blocks alone run both there)
+HOST_SKIPS = (13, 14, 15, 18, 20, 25, 27, 28)
 
 
 @pytest.mark.parametrize("case", range(len(MOE_CASES)))
@@ -383,7 +392,7 @@ def test_moe_model_matches_unmodified_model(pool, case):
                     "blocks alone at W = 3); every case at W = 2")
     if pool.backend == "host" and case in HOST_SKIPS:
         pytest.skip("decode cases the host backend leaves to GPUs (CI time): its decode cases are Mixtral's and "
-                    "DeepSeek-V3's")
+                    "DeepSeek-V3's; GPT-OSS's decode and expert-parallel models, whose blocks alone it runs")
     pool.run(_moe_case, *MOE_CASES[case])
 
 
@@ -431,7 +440,7 @@ def _skip_unshipped(transformers, kind, hf=True):
 
     config = {"qwen2": "Qwen2MoeConfig", "glm4": "Glm4MoeConfig", "deepseek_v3": "DeepseekV3Config",
               "minimax_m2": "MiniMaxM2Config", "olmoe": "OlmoeConfig", "qwen3_5_moe": "Qwen3_5MoeTextConfig",
-              "qwen3_next": "Qwen3NextConfig"}.get(kind)
+              "qwen3_next": "Qwen3NextConfig", "gpt_oss": "GptOssConfig"}.get(kind)
     if config and not hasattr(transformers, config):
         pytest.skip(f"transformers {transformers.__version__} has no {config}")
     if hf and config and not expert_keys(getattr(transformers, config)()):
@@ -791,6 +800,20 @@ def _refusals():
         with pytest.raises(ValueError, match=r"placed \(Shard\(dim=1\),\); expected Replicate"):
             jitter.eval()(DTensor.from_local(x, mesh, [Shard(1)], run_check=False))
         assert jitter(x).shape == x.shape  # evaluation: no jitter
+        try:
+            from transformers import GptOssConfig, GptOssForCausalLM
+        except ImportError:
+            GptOssConfig = None
+        if GptOssConfig is not None:  # attention with sinks whose 3 heads do not split over the ranks
+            from triton_overlap.nn import hf_plan
+
+            gpt = GptOssForCausalLM(GptOssConfig(
+                vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=1,
+                head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=8 * W))
+            with pytest.raises(ValueError, match=r"hf_plan: model.layers.0.self_attn: SinkAttentionParallel: "
+                                                 rf"GptOssAttention's 3 query and 1 key/value heads are not divisible "
+                                                 rf"by the world size {W}"):
+                hf_plan(gpt, ctx)
         ctx.check()
         return True
 

@@ -2,13 +2,14 @@
 MLP, a tensor-parallel and an expert-parallel mixture of experts, a transformer block with context-parallel
 attention, and parallel styles for parallelize_module (linear layers, the sequence-parallel region's edges,
 sparse-MoE blocks, latent attention's down-projections, norms over column layers' whole outputs, Qwen3.5's and
-Qwen3-Next's linear attention, Phi-3's fused q/k/v attention), and a Hugging Face model's whole plan from its own (hf_plan)."""
+Qwen3-Next's linear attention, Phi-3's fused q/k/v attention, GPT-OSS's attention with sinks), and a Hugging Face
+model's whole plan from its own (hf_plan)."""
 from .block import ParallelTransformerBlock
 from .ep_moe import EPMoE
 from .linear import ColumnParallelLinear, RowParallelLinear, local_linear
 from .mlp import TPMLP
 from .moe import TPMoE
-from .parallel_attention import FusedQKVParallel
+from .parallel_attention import FusedQKVParallel, SinkAttentionParallel
 from .parallel import (ColwiseParallel, GatherSequence, ReplicatedLatent, RowwiseParallel, ShardSequence,
                        SharedInputColwise, overlap_ops)
 from .parallel_linear_attention import GatedDeltaNetParallel
@@ -19,5 +20,5 @@ from .plans import hf_plan
 __all__ = ["ColumnParallelLinear", "ColwiseParallel", "ColwiseRMSNorm", "EPMoE", "FusedQKVParallel",
            "GatedDeltaNetParallel",
            "GatherSequence", "MoEParallel", "ParallelTransformerBlock", "ReplicatedLatent", "RowParallelLinear",
-           "RowwiseParallel", "ShardSequence", "SharedInputColwise", "TPMLP", "TPMoE", "hf_plan", "local_linear",
-           "overlap_ops"]
+           "RowwiseParallel", "ShardSequence", "SharedInputColwise", "SinkAttentionParallel", "TPMLP", "TPMoE",
+           "hf_plan", "local_linear", "overlap_ops"]

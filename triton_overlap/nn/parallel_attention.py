@@ -1,12 +1,15 @@
-"""A parallel style for attention whose query, key and value projections are one linear layer that the module
-slices at offsets computed from its head counts (Phi-3's and Phi-4's ``qkv_proj``): each rank keeps its query and
-key/value heads, and the module's head counts become this rank's, so that its own slicing finds them."""
+"""Parallel styles for attention that the model's own plan does not shard as Llama's: one whose query, key and value
+projections are one linear layer that the module slices at offsets computed from its head counts (Phi-3's and
+Phi-4's ``qkv_proj``: each rank keeps its query and key/value heads, and the module's head counts become this
+rank's, so that its own slicing finds them), and one with a learned sink per query head that the model's plan
+leaves out altogether (GPT-OSS's)."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from .parallel import FALLBACKS, ColwiseParallel, RowwiseParallel, check_mesh
+from .parallel import FALLBACKS, ColwiseParallel, RowwiseParallel, SharedInputColwise, check_mesh, shard_rows
 
 #: the module attributes holding head counts that the style makes this rank's
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
@@ -94,4 +97,76 @@ class FusedQKVParallel(ParallelStyle):
         return module
 
 
-__all__ = ["FusedQKVParallel", "LocalHeadsConfig", "check_fused_qkv"]
+#: the projections of attention with sinks (q, k, v, then the output projection)
+SINK_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def check_sink_attention(module: nn.Module, world: int | None = None) -> tuple[int, int]:
+    """(query heads, key/value heads) of attention ``SinkAttentionParallel`` takes, or TypeError / ValueError naming
+    what differs: plain ``nn.Linear`` ``q_proj``, ``k_proj``, ``v_proj`` and ``o_proj``, an int ``head_dim`` that
+    divides their widths, a parameter ``sinks`` of one value per query head and no other parameter of the module's
+    own; with ``world``, both head counts divisible by it."""
+    name = type(module).__name__
+    layers = [getattr(module, n, None) for n in SINK_LAYERS]
+    head_dim, sinks = getattr(module, "head_dim", None), getattr(module, "sinks", None)
+    if any(type(m) is not nn.Linear for m in layers) or not isinstance(head_dim, int) or \
+            not isinstance(sinks, nn.Parameter) or sinks.dim() != 1:
+        raise TypeError(f"SinkAttentionParallel: {name} must hold nn.Linear {', '.join(SINK_LAYERS)}, an int head_dim "
+                        f"and a parameter sinks [heads]")
+    q, k, v, o = layers
+    heads, kv = q.out_features // head_dim, k.out_features // head_dim
+    if q.out_features % head_dim or k.out_features % head_dim or v.out_features != k.out_features or \
+            o.in_features != q.out_features or sinks.numel() != heads:
+        raise TypeError(f"SinkAttentionParallel: {name}'s widths (q {q.out_features}, k {k.out_features}, v "
+                        f"{v.out_features}, o reads {o.in_features}, {sinks.numel()} sinks) are not those of heads "
+                        f"of {head_dim} with one sink each")
+    own = [n for n, _ in module.named_parameters(recurse=False) if n != "sinks"]
+    if own:
+        raise TypeError(f"SinkAttentionParallel: {name} has parameters of its own {own}, which the style would not "
+                        f"split")
+    if world is not None and (heads % world or kv % world):
+        raise ValueError(f"SinkAttentionParallel: {name}'s {heads} query and {kv} key/value heads are not divisible "
+                         f"by the world size {world}")
+    return heads, kv
+
+
+class SinkAttentionParallel(ParallelStyle):
+    """Attention with a learned sink per query head (GPT-OSS's ``sinks`` [H]: a logit that each head's softmax
+    counts beside the keys', then drops), whose model's plan leaves the attention out: each rank keeps its heads.
+    ``q_proj``, ``k_proj`` and ``v_proj`` column-wise (one ``SharedInputColwise``: the input gathered once for all
+    three; ``shared_inputs=False``: a ``ColwiseParallel`` each), ``o_proj`` ``RowwiseParallel``, and ``sinks`` this
+    rank's heads' values ([H/W]: the heads whose rows ``q_proj`` keeps), whose gradient is then theirs whole. The
+    module splits its projections' outputs into heads of ``head_dim`` (their number inferred), so it needs no
+    attribute of its own changed. ``sequence_parallel`` and ``fallback`` go to the layers' styles."""
+
+    def __init__(self, ctx, *, fallback: str = "auto", sequence_parallel: bool = True, shared_inputs: bool = True):
+        if fallback not in FALLBACKS:
+            raise ValueError(f"SinkAttentionParallel: fallback must be one of {FALLBACKS}, got {fallback!r}")
+        self.ctx, self.fallback, self.sequence_parallel = ctx, fallback, bool(sequence_parallel)
+        self.shared_inputs = bool(shared_inputs)
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        check_mesh(self, device_mesh)
+        W, r = self.ctx.world_size, self.ctx.rank
+        heads, _ = check_sink_attention(module, W)
+        kw = dict(fallback=self.fallback, sequence_parallel=self.sequence_parallel)
+        col, row = ColwiseParallel(self.ctx, **kw), RowwiseParallel(self.ctx, **kw)
+        *inputs, out = (getattr(module, n) for n in SINK_LAYERS)
+        for layer in inputs:  # (every layer checked before any changes)
+            col._check(layer, device_mesh)
+        row._check(out, device_mesh)
+        if self.shared_inputs:
+            SharedInputColwise(self.ctx, SINK_LAYERS[:3], **kw)._apply(module, device_mesh)
+        else:
+            for layer in inputs:
+                col._apply(layer, device_mesh)
+        row._apply(out, device_mesh)
+        with torch.no_grad():
+            module.sinks = nn.Parameter(module.sinks[shard_rows([heads], W, r)].clone(),
+                                        requires_grad=module.sinks.requires_grad)
+        module.tp_style = self
+        return module
+
+
+__all__ = ["FusedQKVParallel", "LocalHeadsConfig", "SinkAttentionParallel", "check_fused_qkv",
+           "check_sink_attention"]

@@ -52,8 +52,16 @@ class MoEParallel(ParallelStyle):
     ``hidden/W`` slice of each expert's width, and the tokens of all ranks meet at each rank's experts. The router
     may be of any class whose rule is one ``nn.routers`` computes (softmax top-k; DeepSeek-V3's sigmoid top-k with
     a correction bias and groups; MiniMax-M2's, whose block holds the correction bias and passes it to the router;
-    DeepSeek-V2's softmax top-k with groups and a scale; Ernie 4.5's softmax top-k with a correction bias), named
-    ``gate`` or ``router`` (Granite-MoE's): the style matches it by running both on a probe when applied.
+    DeepSeek-V2's softmax top-k with groups and a scale; Ernie 4.5's softmax top-k with a correction bias; GPT-OSS's
+    softmax over its k largest logits, the logits with a trainable bias), named ``gate`` or ``router`` (Granite-MoE's,
+    GPT-OSS's): the style matches it by running both on a probe when applied.
+
+    GPT-OSS's block (``GptOssMLP``) adds biases to its experts (``gate_up_proj_bias``, ``down_proj_bias``), stores
+    each expert's gate and up rows interleaved and clamps its SwiGLU (``nn.moe.Activation``, matched on a probe);
+    its biases are sharded as the weights they add to (tensor parallel, the down bias, which each rank's partial
+    sum would add again, is a replicated DTensor added once per routed token after the reduction; without sequence
+    parallelism, a W-th of it in each rank's share), its router's bias is replicated as its weight, and the block
+    returns (output, this rank's tokens' top-k weights), as it does.
 
     Applied, the block holds rank r's shard in the ops' [E, K, N] layout: ``experts.gate_up_proj``
     [E, dim, 2 * hidden/W] (r's columns of each expert's gate, then of its up projection) and
@@ -189,8 +197,9 @@ def check_block(block, world: int | None = None, expert_parallel: bool = False):
     """(gate, experts, its router's rule, the shared expert's child name or None, its gate or None) of a block this
     style computes exactly, or TypeError naming what differs: beside the router and the experts at most a shared
     expert of ``SHARED`` (with its gate where it has one), a router whose rule ``nn.routers.router_rule`` finds
-    (one trainable weight; a correction bias besides, of the router or the block), fused SwiGLU experts without
-    biases, a shared expert computing
+    (one trainable weight; a correction bias besides, of the router or the block; or GPT-OSS's bias of the logits),
+    fused SwiGLU experts without biases or GPT-OSS's (biases, gate and up interleaved, the clamped SwiGLU), a shared
+    expert computing
     ``down(silu(gate(x)) * up(x))`` without biases; with ``world``, ValueError where the experts' hidden width
     (with ``expert_parallel``, their number) is not divisible by it; ValueError where the shared expert's width is
     not a multiple of the experts' (tensor parallel: it joins them)."""

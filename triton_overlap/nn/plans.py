@@ -13,7 +13,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, SequenceParallel
 
 from .parallel import (ColwiseParallel, GatherSequence, ReplicatedLatent, RowwiseParallel, ShardSequence,
                        SharedInputColwise, shard_rows)
-from .parallel_attention import FusedQKVParallel, check_fused_qkv
+from .parallel_attention import SINK_LAYERS, FusedQKVParallel, SinkAttentionParallel, check_fused_qkv, \
+    check_sink_attention
 from .parallel_moe import MoEParallel, check_block
 from .parallel_linear_attention import IN_PROJ, IN_PROJ_BY_HEAD, GatedDeltaNetParallel, check_layer
 from .parallel_norm import ColwiseRMSNorm, check_norm
@@ -32,6 +33,8 @@ MLA = {"kv_a_proj_with_mqa": ("kv_a_layernorm", "kv_b_proj"), "q_a_proj": ("q_a_
 #: and the "rowwise_split_input" output projection beside them
 GATHERED = {"q_proj": "q_norm", "k_proj": "k_norm", "v_proj": None}
 GATHERED_OUT = "o_proj"
+#: the styles that take a whole attention module (its layers inside it are no plan entries of their own)
+WHOLE_MODULE = (GatedDeltaNetParallel, FusedQKVParallel, SinkAttentionParallel)
 #: an MLP whose plan gathers its fused gate/up layer because the model splits its output in two (GLM-4's):
 #: (that layer, the "rowwise_split_input" down-projection)
 HALVED = ("gate_up_proj", "down_proj")
@@ -67,6 +70,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     * attention whose plan gathers its fused ``qkv_proj`` for the module to slice it at offsets computed from its
       head counts ("colwise_gather_output", ``o_proj`` "rowwise_split_input": Phi-3, Phi-4): ``FusedQKVParallel``
       on the attention, each rank keeping its query and key/value heads, the module's head counts this rank's;
+    * attention with a learned sink per query head (a parameter ``sinks``: GPT-OSS, whose plan leaves the attention
+      out): ``SinkAttentionParallel`` on the attention, q/k/v column-wise, ``o_proj`` row-wise, each rank keeping
+      its heads and their sinks;
     * Qwen3.5's and Qwen3-Next's gated delta-rule linear attention (every projection "colwise_gather_output"):
       ``GatedDeltaNetParallel`` on the layer, each rank keeping its heads;
     * per-head norms ("replicated_with_grad_allreduce": Qwen3's q/k norms, which read this rank's heads of
@@ -133,8 +139,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     halved = _halved_mlps(modules, found)
     plan.update(_linear_attention(modules, found, ctx, fallback, sequence_parallel))
     plan.update(_fused_qkv_attention(modules, found, ctx, fallback, sequence_parallel))
+    plan.update(_sink_attention(modules, found, ctx, fallback, sequence_parallel, shared_inputs))
     columns: dict[str, list[str]] = {}
-    whole = blocks | {n for n, style in plan.items() if isinstance(style, (GatedDeltaNetParallel, FusedQKVParallel))}
+    whole = blocks | {n for n, style in plan.items() if isinstance(style, WHOLE_MODULE)}
     for name, (strategy, key) in found.items():
         if any(name == b or name.startswith(b + ".") for b in whole):
             continue  # inside a sparse-MoE block or an attention layer whose style takes the whole module
@@ -227,6 +234,28 @@ def _gathered_attention(modules, found, ctx, fallback: str) -> dict[str, Paralle
         for n in gathered:
             found[n] = ("colwise", found[n][1])
         found[out] = ("rowwise", key)
+    return styles
+
+
+def _sink_attention(modules, found, ctx, fallback: str, sequence_parallel: bool,
+                    shared_inputs: bool) -> dict[str, ParallelStyle]:
+    """Attention with a parameter ``sinks`` of its own (a learned sink per query head: GPT-OSS's, whose plan names
+    none of its layers): ``SinkAttentionParallel`` on the module, where the plan leaves its q/k/v/o layers out or
+    names them "colwise" and "rowwise" (other strategies are left to the rules, and refused)."""
+    world = None if ctx is None else ctx.world_size
+    styles: dict[str, ParallelStyle] = {}
+    for name, m in modules.items():
+        if "sinks" not in dict(m.named_parameters(recurse=False)):
+            continue
+        planned = {n: found[f"{name}.{n}"][0] for n in SINK_LAYERS if f"{name}.{n}" in found}
+        if any(strategy != ("rowwise" if n == SINK_LAYERS[-1] else "colwise") for n, strategy in planned.items()):
+            continue
+        try:
+            check_sink_attention(m, world)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"hf_plan: {name}: {e}") from None
+        styles[name] = SinkAttentionParallel(ctx, fallback=fallback, sequence_parallel=sequence_parallel,
+                                             shared_inputs=shared_inputs)
     return styles
 
 
@@ -399,13 +428,16 @@ def _ends(model, modules, prefix, layers: str):
 
 
 def _layers(model, modules, prefix, tp) -> str:
-    """The name of the decoder layers' ModuleList: the part of the plan's keys before their first ``.*``."""
-    heads = {prefix + k.split(".*", 1)[0] for k in tp if ".*" in k}
-    lists = sorted(h for h in heads if isinstance(modules.get(h), nn.ModuleList))
-    if len(lists) != 1:
-        raise ValueError(f"hf_plan: cannot tell the decoder layers of {type(model).__name__} from its plan's keys "
-                         f"({sorted(tp)}); write the plan by hand (README, 'Using it': the styles)")
-    return lists[0]
+    """The name of the decoder layers' ModuleList: the part of the tp plan's keys (and the ep plan's, where the tp
+    plan names no layer: GPT-OSS's) before their first ``.*``."""
+    ep = getattr(model.config, "base_model_ep_plan", None) or {}
+    for keys in (tp, [*tp, *ep]):
+        heads = {prefix + k.split(".*", 1)[0] for k in keys if ".*" in k}
+        lists = sorted(h for h in heads if isinstance(modules.get(h), nn.ModuleList))
+        if len(lists) == 1:
+            return lists[0]
+    raise ValueError(f"hf_plan: cannot tell the decoder layers of {type(model).__name__} from its plan's keys "
+                     f"({sorted(tp)}); write the plan by hand (README, 'Using it': the styles)")
 
 
 def _head_norms(modules, found, layers: str) -> list[str]:
@@ -435,7 +467,7 @@ def _check_covered(modules, plan, layers: str, sequence_parallel: bool, whole=()
     for name, style in plan.items():
         if isinstance(style, SharedInputColwise):
             covered.update(f"{name}.{m}" for m in style.layers)
-        elif isinstance(style, (MoEParallel, GatedDeltaNetParallel, FusedQKVParallel)):
+        elif isinstance(style, (MoEParallel, *WHOLE_MODULE)):
             covered.update(n for n in modules if n == name or n.startswith(name + "."))
         else:
             covered.add(name)

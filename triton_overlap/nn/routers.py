@@ -197,9 +197,9 @@ def router_rule(gate, who: str, bias: torch.Tensor | None = None):
             if _same_routes(own, mine):
                 return rule
     raise TypeError(f"{who}: router {name} computes none of the rules it reproduces (softmax top-k with or "
-                    f"without renormalization, of biased logits too; DeepSeek-V3's sigmoid top-k with a correction bias and groups; "
-                    f"DeepSeek-V2's softmax top-k with groups and a scale; Ernie 4.5's softmax top-k with a "
-                    f"correction bias)")
+                    f"without renormalization, of biased logits too; DeepSeek-V3's sigmoid top-k with a correction "
+                    f"bias and groups; DeepSeek-V2's softmax top-k with groups and a scale; Ernie 4.5's softmax top-k "
+                    f"with a correction bias)")
 
 
 def logit_bias(gate) -> torch.Tensor | None:
