@@ -542,8 +542,7 @@ def _guarded_exchange(T: float):
     try:
         with to.Context(timeout_s=T) as ctx:
             op, msgs, got = ctx.op_id("gemm_rs"), [], []
-            ctx.barrier()  # every rank is past its set-up, whose last check would see rank 0's fault relayed
-            ctx.synchronize()
+            dist.barrier()  # every rank is past its set-up, whose last check would see rank 0's fault relayed
             for faulty in (True, False):
                 ln, r = link(ctx), ctx.rank
                 (c,) = ln.counterparts

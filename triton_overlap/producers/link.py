@@ -70,6 +70,7 @@ class Link:
         self._headers = torch.zeros((ctx.world_size, sig.HEADER_WORDS), dtype=torch.int32, device=ctx.device)
         #: error words: this rank's row is what it sends along guarded data, the others' what they sent
         self._status = torch.zeros((ctx.world_size, sig.ERR_WORDS), dtype=torch.int32, device=ctx.device)
+        self._remote_ids = torch.tensor(self.remote, dtype=torch.int32, device=ctx.device)
         self._mine: dict = {}  # call -> this rank's header to send (its call number filled in on the stream)
 
     def next_tag(self) -> int:
@@ -99,14 +100,13 @@ class Link:
             sends = sends + [(mine, p) for p in sorted({p for _, p in sends})]
             recvs = recvs + [(self._status[p], p) for p in froms]
             self._exchange(stream, sends, recvs, what, op, waits)
-            if froms:
-                peers = ctx.cached(("link status peers", tuple(froms)),
-                                   lambda: torch.tensor(froms, dtype=torch.int32, device=ctx.device))
+            if froms:  # (every remote rank's row is read: one a rank did not send in this exchange holds what it
+                # sent earlier on this Link, a fault of which is this rank's fault already)
                 if ctx.interpreted:  # (the host stream's thread may not run Triton's interpreter: the same in torch)
-                    stream.call(lambda: sig.relay_status(self._status, froms, ctx.err))
+                    stream.call(lambda: sig.relay_status(self._status, self.remote, ctx.err))
                 else:
-                    stream.call(lambda: launch(sig.remote_status_kernel, (1,), (self._status, peers, len(froms),
-                                                                                ctx.err), {"N_WORDS": sig.ERR_WORDS}))
+                    stream.call(lambda: launch(sig.remote_status_kernel, (1,), (
+                        self._status, self._remote_ids, len(self.remote), ctx.err), {"N_WORDS": sig.ERR_WORDS}))
             return
         self._exchange(stream, sends, recvs, what, op, waits)
 
