@@ -31,7 +31,8 @@ from triton_overlap.kernels.attention import cp_attention_fwd
 from triton_overlap.kernels.attention_bwd import cp_attention_dkdv, cp_attention_dq
 from triton_overlap.kernels.gemm import gather_gemm, persistent_gemm, scatter_gemm
 from triton_overlap.kernels.gemm_all_reduce import gemm_all_reduce
-from triton_overlap.kernels.signal import barrier_kernel, remote_header_kernel, spin_kernel, wait_kernel
+from triton_overlap.kernels.signal import (ERR_WORDS, barrier_kernel, remote_header_kernel, remote_status_kernel,
+                                           spin_kernel, wait_kernel)
 
 PTRS = ("a_ptr", "ws_ptr", "b_ptr", "c_ptr", "bias_ptr", "out_ptr")
 I32_PTRS = ("tile_order_ptr", "flags_ptr", "err_ptr", "expected_ptr", "tick_ptr")
@@ -115,11 +116,11 @@ def collective_signature(fn, data: tuple, dtype: str) -> dict:
 
 
 def compile_signals(target) -> int:
-    """The barrier (with the call headers), a bare wait and the comparison of headers from other hosts, as the Context
-    launches them; the one-shot AllReduce."""
+    """The barrier (with the call headers), a bare wait, the comparison of headers from other hosts and the check of
+    the error words they send, as the Context launches them; the one-shot AllReduce."""
     failed = 0
     for fn, consts in ((barrier_kernel, dict(BLOCK_W=8, CLOCK=1)), (wait_kernel, dict(CLOCK=1)),
-                       (remote_header_kernel, {})):
+                       (remote_header_kernel, {}), (remote_status_kernel, dict(N_WORDS=ERR_WORDS))):
         sig = {}
         for prm in fn.params:
             n = prm.name

@@ -96,6 +96,8 @@ class Context:
         # while a kernel that waits on peers occupies the GPU may wait for that kernel); built alone first, so that
         # the ranks' first barrier starts in step rather than a kernel build apart
         self._barrier.build(self.budget)
+        if self.topology.num_hosts > 1 and not self._backend.interpreted:  # (and the Link's check of a sender's word)
+            sig.build_remote_status(self.device, self.world_size, len(self.topology.remote_ranks(self.rank)))
         self._backend.synchronize()
         gpu = (None if self.device.type != "cuda"  # what tells this rank's GPU from the group's other GPUs
                else (self.topology.host_of(self.rank), str(torch.cuda.get_device_properties(self.device).uuid)))

@@ -350,6 +350,21 @@ def remote_status_kernel(status_ptr, peers_ptr, num_peers, err_ptr, N_WORDS: tl.
                 tl.store(err_ptr + ERR_ORIGIN_CODE, origin_code)
 
 
+def build_remote_status(device, world: int, num_peers: int) -> None:
+    """Run ``remote_status_kernel`` once on scratch memory where no rank has faulted, specialised as a Link launches
+    it (``num_peers`` ranks on other hosts): it is built and loaded at a Context's set-up, before any consumer can
+    spin, since loading a module while a kernel that waits on peers occupies the GPU may wait for that kernel (the
+    caller synchronises)."""
+    import torch
+
+    from .cached_launch import launch
+
+    status = torch.zeros((world, ERR_WORDS), dtype=torch.int32, device=device)
+    peers = torch.zeros(num_peers, dtype=torch.int32, device=device)
+    err = torch.zeros(ERR_WORDS, dtype=torch.int32, device=device)
+    launch(remote_status_kernel, (1,), (status, peers, num_peers, err), {"N_WORDS": ERR_WORDS})
+
+
 def relay_status(status, peers, err) -> None:
     """``remote_status_kernel`` where streams are threads of the host (the host backend): the first fault of the
     ``peers``' rows of ``status`` recorded in the error word ``err`` (its code last), unless it holds one."""

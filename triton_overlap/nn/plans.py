@@ -102,8 +102,9 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
     docstring). ``fallback`` goes to every style that takes one. Every rank must hold
     the same full weights, as for torch's own styles."""
     config = getattr(model, "config", None)
-    tp = getattr(config, "base_model_tp_plan", None)
-    if not tp:
+    # (GPT-OSS declares no tp plan before transformers 5.25: its ep plan marks the experts)
+    tp = getattr(config, "base_model_tp_plan", None) or {}
+    if not tp and not expert_keys(config):
         raise ValueError(f"hf_plan: {type(model).__name__} has no config.base_model_tp_plan (a Hugging Face "
                          f"transformers model declares one); write the plan by hand (README, 'Using it': the styles)")
     prefix = getattr(model, "base_model_prefix", "")
