@@ -93,13 +93,14 @@ class GroupedMM(torch.autograd.Function):
         return grad_rows, grad_w, None
 
 
-def row_biases(bias: torch.Tensor, offsets: torch.Tensor, rows: int) -> torch.Tensor:
-    """``bias`` [E, n] of each of ``rows`` rows grouped by expert (bounds ``offsets`` [E + 1], from 0): [rows, n],
-    0 on rows past the last group. The grouped GEMMs leave those rows unwritten, forward and backward, so their
-    gradient is whatever memory held: ``torch.where`` keeps it from the bias's."""
+def row_biases(biases: tuple, offsets: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """Each of ``biases`` ([E, n] each) of each of ``rows`` rows grouped by expert (bounds ``offsets`` [E + 1], from
+    0): [rows, n] each, 0 on rows past the last group. The grouped GEMMs leave those rows unwritten, forward and
+    backward, so their gradient is whatever memory held: ``torch.where`` keeps it from the biases'."""
     at = torch.arange(rows, dtype=offsets.dtype, device=offsets.device)
     expert = torch.searchsorted(offsets[1:], at, right=True).clamp(max=offsets.shape[0] - 2)
-    return torch.where((at < offsets[-1]).unsqueeze(1), bias[expert], 0)
+    inside = (at < offsets[-1]).unsqueeze(1)
+    return [torch.where(inside, bias[expert], 0) for bias in biases]
 
 
 def swiglu_rows(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, offsets: torch.Tensor,
@@ -143,10 +144,11 @@ def partial_experts(rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     token = order // k
     a = torch.where(mine, rows[token], 0)
     acc = torch.promote_types(rows.dtype, torch.float32)
-    b13, b2 = biases if biases is not None else (None, None)  # (other ranks' pairs: past the last group)
-    y = swiglu_rows(a, w13, w2, offsets, act, None if b13 is None else row_biases(b13, offsets, T * k)).to(acc)
+    # (other ranks' pairs: past the last group)
+    b13, b2 = row_biases(biases, offsets, T * k) if biases is not None else (None, None)
+    y = swiglu_rows(a, w13, w2, offsets, act, b13).to(acc)
     if b2 is not None:
-        y = y + row_biases(b2, offsets, T * k).to(acc)
+        y = y + b2.to(acc)
     y = torch.where(mine, y, 0) * weights.reshape(-1)[order].unsqueeze(1).to(acc)
     return torch.zeros(T, y.shape[1], dtype=acc, device=rows.device).index_add(0, token, y)
 
@@ -280,12 +282,13 @@ def ep_swiglu(rows, ids, weights, w13, w2, op, num_experts: int, staged: bool = 
     routing = Routing()
     h = DispatchProject.apply(rows, ids, weights.detach(), w13, op, num_experts, routing)
     if biases is not None:
-        h = h + row_biases(biases[0], routing.handle.offsets, h.shape[0]).to(h.dtype)
+        b13, b2 = row_biases(biases, routing.handle.offsets, h.shape[0])
+        h = h + b13.to(h.dtype)
     if staged:
         return DownCombine.apply(act(h), w2, weights, op, routing)
     y = GroupedMM.apply(act(h), w2, routing.handle.offsets)
     if biases is not None:
-        y = y + row_biases(biases[1], routing.handle.offsets, y.shape[0]).to(y.dtype)
+        y = y + b2.to(y.dtype)
     return Combine.apply(y, weights, op, routing)
 
 
