@@ -255,6 +255,43 @@ def test_close_on_one_rank_only(pool):
     pool.run(_close_alone, timeout_for(pool))
 
 
+def _producer_failed():
+    raise RuntimeError("a producer step failed")
+
+
+def _stream_errors_at_reset_and_close():
+    """A producer stream that holds an error does not cut short the wait for the others: reset() zeroes nothing
+    before a later stream's late flag into a peer has landed (else the flag outlives the reset), and close() still
+    meets every rank before it frees, then raises that error on its own rank only."""
+    import torch.distributed as dist
+
+    ctx = to.Context(timeout_s=TIMEOUT_S)
+    flags = ctx.symmetric("late_flags", (ctx.world_size,), torch.int32)
+    failed, late = ctx.streams(2)
+    failed.call(_producer_failed)
+    late.call(lambda: time.sleep(1.0))
+    late.write_value(flags.peer((ctx.rank + 1) % ctx.world_size)[ctx.rank:ctx.rank + 1], 1)
+    ctx.reset()
+    dist.barrier()  # (the harness's group) every rank's late write would have landed by now
+    assert flags.local.eq(0).all(), flags.local.tolist()
+    if ctx.rank == 0:
+        late.call(_producer_failed)
+    t0 = time.monotonic()
+    if ctx.rank == 0:
+        with pytest.raises(RuntimeError, match="a producer step failed"):
+            ctx.close()
+    else:
+        ctx.close()
+    assert time.monotonic() - t0 < SLACK_S
+    return True
+
+
+def test_stream_errors_at_reset_and_close(pool):
+    if pool.backend != "host":
+        pytest.skip("host backend: a stream there holds a producer step's error")
+    assert all(pool.run(_stream_errors_at_reset_and_close))
+
+
 # -------------------------------------------------------------------------------------------- empty inputs
 def _empty_inputs():
     """Empty operands get the op's ValueError before any collective, so a rank alone gets it too (its peers wait

@@ -129,7 +129,7 @@ def test_wire_end_is_bounded(monkeypatch):
 
 def _held_wire():
     """A Context across 2 virtual hosts whose wire does not end in time (as where a CUDA graph holds NCCL's
-    communicator): reset() warns, naming the cause, and the Context works after it; close() frees everything and
+    communicator), also where a fault ended it before: reset() warns, naming the cause, and the Context works after it; close() frees everything and
     then raises, naming the cause."""
     from triton_overlap.context import context as context_module
 
@@ -139,6 +139,7 @@ def _held_wire():
     try:
         ctx = to.Context(timeout_s=30)
         assert ctx.wire is not None
+        assert ctx.end_wire(ctx.wire) is False  # a fault's Watch ends it first: reset() must still say so
         with pytest.warns(UserWarning, match=f"rank {ctx.rank}: the communicator between hosts did not end"):
             ctx.reset()
         xs = [rand((17,), torch.float32, ctx.device, "held", i) for i in range(ctx.world_size)]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ..kernels import signal as sig
 from . import backends, wire as wires
 from .barrier import BARRIER_SHARE, Barrier
-from .backend import Stream
+from .backend import Stream, each
 from .control import CLOSE, ControlPlane, PeerTimeout
 from .errors import OWN_CALL, Call, ContextError, Faults, op_id
 from .heap import SymmetricHeap, SymmetricTensor
@@ -85,7 +85,7 @@ class Context:
         self._kept: list = []
         self._on_reset: list = []
         self._wire: Wire | None = None
-        self._wire_ended = False
+        self._wire_ended: bool | None = None  # how the current wire's ending went; None: not ended
         # the error word, symmetric: a rank that faults writes its fault into every peer's, so their waits stop too
         self._faults.attach(self.symmetric("__errors", (sig.ERR_WORDS,), torch.int32), self._backend, self._mapped)
         self.err = self._faults.word
@@ -164,11 +164,13 @@ class Context:
         """End ``wire``'s communicator of its own (over NCCL), if it is this Context's current one and not ended
         yet: exchanges still open on it end with an error, so every stream behind them drains (what a fault across
         hosts does: producers.link.Watch). ``reset()`` and ``close()`` end it too. Returns False where it did not
-        end within ``timeout_s`` (a CUDA graph holds it: wire.end); ``reset()`` then warns, ``close()`` raises."""
-        if wire is not None and wire is self._wire and not self._wire_ended:
-            self._wire_ended = True
-            return wires.end(wire)
-        return True
+        end within ``timeout_s`` (a CUDA graph holds it: wire.end), at this call or at the one that ended it
+        (a Watch's, before ``reset()``); ``reset()`` then warns, ``close()`` raises."""
+        if wire is None or wire is not self._wire:
+            return True
+        if self._wire_ended is None:
+            self._wire_ended = wires.end(wire)
+        return self._wire_ended
 
     def _held_wire(self, then: str) -> str:
         """What reset() and close() say where the wire's communicator did not end in time (wire.HELD_WIRE)."""
@@ -177,7 +179,7 @@ class Context:
     def _open_wire(self) -> None:
         """Make the wire now, while every rank is known to be here (set-up, reset; over NCCL a collective)."""
         self._wire = wires.open_wire(self._group, self.rank, self.topology, self.device, self.store, self.timeout_s)
-        self._wire_ended = False
+        self._wire_ended = None
 
     # ------------------------------------------------------------------ faults
     def gather_object(self, obj, what: str = "exchange") -> list:
@@ -360,10 +362,9 @@ class Context:
             self.check()
 
     def synchronize(self) -> None:
-        """Wait for all of this rank's device and producer work."""
-        for s in self._streams:
-            s.synchronize()
-        self._backend.synchronize()
+        """Wait for all of this rank's device and producer work: for every stream, also where one raises (a
+        producer stream's recorded error, raised once all have ended), so that nothing of this rank still runs."""
+        each([*self._streams, self._backend], lambda s: s.synchronize())
 
     # ------------------------------------------------------------------ reset
     def reset(self) -> None:
@@ -407,10 +408,13 @@ class Context:
         self._closed = True
         error = None
         try:
-            self.synchronize()
+            try:
+                self.synchronize()
+            except Exception as e:  # noqa: BLE001 - a stream's recorded error: raised once closed
+                error = e
             self._control.barrier("close", CLOSE)  # no peer still uses our memory when we free it
         except Exception as e:  # noqa: BLE001 - freed below all the same, then raised
-            error = e
+            error = error or e
         finally:
             self._run_reset_hooks()
             if not self.end_wire(self._wire) and error is None:

@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from .backend import Backend, Stream
+from .backend import Backend, Stream, each
 from .wire import wire_exchange
 
 _pending_files: set[str] = set()
@@ -277,8 +277,7 @@ class HostBackend(Backend):
         return int(os.environ.get("TRITON_OVERLAP_HOST_PROGRAMS", "4"))
 
     def synchronize(self):
-        for s in self._streams:
-            s.synchronize()
+        each(self._streams, lambda s: s.synchronize())
 
     def close(self):
         for s in self._streams:

@@ -36,6 +36,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from ..context.backend import each
 from .link import open_call
 
 
@@ -161,7 +162,6 @@ def _steps(ctx, producer, consumer, consumer_first: bool, gate: bool, after_copi
         after = getattr(producer, "after_consumer", None)
         if after is not None:
             after(ctx, streams)
-    finally:  # 4. join (after a step that raised too, so that a capture of the call can end)
-        for s in forked:
-            caller.wait_stream(s)
+    finally:  # 4. join (after a step that raised too, so that a capture of the call can end), every stream
+        each(forked, caller.wait_stream)
     producer.finish(ctx)  # 5. finish
