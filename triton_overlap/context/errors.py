@@ -106,15 +106,20 @@ class Faults:
         if word[sig.ERR_CODE] == sig.ERR_BAD_IDS:
             return (f"rank {rank}: {op} (call {call}): rank {peer} passed expert ids from {word[sig.ERR_SEEN]} to "
                     f"{word[sig.ERR_WANTED]}; topk_ids must lie in [0, {what}) (E = {what} experts)")
-        if word[sig.ERR_CODE] == sig.ERR_RELAYED:
-            return f"rank {rank} faulted ({op}, waiting for rank {peer})"
         waited = ("the ranks' programs to start" if what == sig.WHAT_STARTED
                   else f"rank {peer}'s call to start (before storing into its receive slot)"
                   if what == sig.WHAT_PEER_STARTED
                   else f"rank {peer} to arrive at the call's barrier" if what == sig.WHAT_ARRIVAL
                   else f"rank {peer}'s dK/dV partials" if what == sig.WHAT_PARTIALS
                   else f"this rank's own GEMM tiles of rank {peer}'s rows" if what == sig.WHAT_OWN_TILES
+                  else f"rank {peer}'s answer" if what == sig.WHAT_ANSWER
                   else f"chunk {what} of rank {peer}")
+        if word[sig.ERR_CODE] == sig.ERR_RELAYED:  # (the word alone: the rank's own text was not posted yet)
+            origin = word[sig.ERR_ORIGIN_CODE]
+            why = (f"its call disagrees with rank {peer}'s" if origin == sig.ERR_MISMATCH
+                   else f"rank {peer} passed expert ids out of range" if origin == sig.ERR_BAD_IDS
+                   else f"waiting for {waited}")
+            return f"rank {rank} faulted ({op}{f' call {call}' if call else ''}: {why})"
         return (f"rank {rank}: {op} (call {call}) timed out after {word[sig.ERR_ELAPSED_US] / 1e6:.2f} s "
                 f"(timeout_s={self.timeout_s:g}) waiting for {waited} (saw {word[sig.ERR_SEEN]}, waited for "
                 f"{word[sig.ERR_WANTED]}){self._refused(peer)}")

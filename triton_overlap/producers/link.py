@@ -72,6 +72,8 @@ class Link:
         self._status = torch.zeros((ctx.world_size, sig.ERR_WORDS), dtype=torch.int32, device=ctx.device)
         self._remote_ids = torch.tensor(self.remote, dtype=torch.int32, device=ctx.device)
         self._mine: dict = {}  # call -> this rank's header to send (its call number filled in on the stream)
+        #: the stream the tensors above were zeroed on (the caller's), until a producer stream has waited for it
+        self.made_on = ctx.current_stream()
 
     def next_tag(self) -> int:
         self._seq += 1
@@ -283,6 +285,9 @@ def open_call(ctx, stream, call) -> None:
     ctx.barrier(stream, call)
     if ctx.num_hosts > 1:
         ln = link(ctx)
+        if ln.made_on is not None:  # a new Link: its headers and error words are received into after their zeroing
+            stream.wait_stream(ln.made_on)
+            ln.made_on = None
         ln.check_call(stream, call, ln.counterparts)
 
 
