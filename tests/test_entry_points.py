@@ -64,3 +64,38 @@ def test_auto_backend_follows_the_interpreter(monkeypatch):
         monkeypatch.setattr(torch.version, "hip", None)
         assert backends.pick("auto") == want, (interprets, gpu)
         assert backends.pick("cuda") == "cuda"
+
+
+def _misspelt_keywords():
+    """A call's keywords must name fields of the op's config: a misspelt one raises TypeError naming it, also where
+    the call would fall back to torch (fallback="auto" on small shapes, which never reads the config), and a bad
+    value of a real one raises ValueError; both before any launch, and the Context works after them."""
+    import triton_overlap as to
+
+    with to.Context(timeout_s=30) as ctx:
+        W, bf, dev = ctx.world_size, torch.bfloat16, ctx.device
+        a, w = torch.randn(4 * W, 16, dtype=bf, device=dev), torch.randn(16, 8, dtype=bf, device=dev)
+        x, we = torch.randn(4, 16, dtype=bf, device=dev), torch.randn(3, 16, 8, dtype=bf, device=dev)
+        ids = torch.arange(4 * W * 2, device=dev).remainder(3).view(4 * W, 2)
+        h, wd = torch.randn(4 * W, 2, 8, dtype=bf, device=dev), torch.randn(3, 8, 16, dtype=bf, device=dev)
+        tw = torch.full((4 * W, 2), 0.5, device=dev)
+        before = int(ctx.call_number.item())
+        for name, call in (("return_gatherd", lambda: to.ag_gemm(a, w, ctx=ctx, return_gatherd=True)),
+                           ("scatterr", lambda: to.gemm_rs(a, w, ctx=ctx, scatterr="copy")),
+                           ("sortd_output", lambda: to.ag_moe_gemm(x, we, ids, ctx=ctx, sortd_output=True)),
+                           ("blok_m", lambda: to.moe_gemm_rs(h, wd, ids, tw, ctx=ctx, blok_m=None))):
+            with pytest.raises(TypeError, match=f"'{name}'.*fields of"):
+                call()
+        for field, call in (("block_m", lambda: to.AllGatherGEMM(ctx, fallback="never")(a, w, block_m=24)),
+                            ("chunks_per_rank", lambda: to.gemm_rs(a, w, ctx=ctx, chunks_per_rank=0)),
+                            ("num_streams", lambda: to.ag_moe_gemm(x, we, ids, ctx=ctx, num_streams=0))):
+            with pytest.raises(ValueError, match=f"{field} must be"):
+                call()
+        assert int(ctx.call_number.item()) == before, "a refused call passed a barrier"
+        assert to.ag_gemm(a, w, ctx=ctx).shape == (4 * W * W, 8)
+        ctx.check()
+    return True
+
+
+def test_misspelt_keywords_raise_on_every_path(pool):
+    assert all(pool.run(_misspelt_keywords))

@@ -68,6 +68,7 @@ class AllGatherGEMM(OverlapOp):
     """
 
     KIND = "ag_gemm"
+    CONFIG = AllGatherGEMMConfig
     ACROSS_HOSTS = True
     EAGER_MIN_FLOP_PER_PEER = 2e11
     REBIND = True
@@ -88,6 +89,7 @@ class AllGatherGEMM(OverlapOp):
                  return_gathered: bool = False, out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None,
                  scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, **overrides):
         self.ctx.ensure_usable()
+        self.check_overrides(overrides)
         self.tick()
         scales = () if scale_a is None and scale_b is None else (scale_a, scale_b)
         if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == 2 \

@@ -2,6 +2,7 @@
 eager replay, and the state it keeps on the Context."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import replace
 
@@ -39,6 +40,11 @@ def with_tiles(cfg, tiles):
     made once per pair: dataclasses.replace costs µs on every call."""
     return replace(cfg, block_m=tiles.block_m, block_n=tiles.block_n, block_k=tiles.block_k,
                    num_stages=tiles.num_stages)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(config_cls) -> tuple:
+    return tuple(sorted(f.name for f in dataclasses.fields(config_cls)))
 
 
 def agree_across_ranks(op: str, ctx, key: tuple, seen: set) -> None:
@@ -106,6 +112,8 @@ class OverlapOp:
     EAGER_MIN_FLOP_PER_PEER = 0.0
     #: whether the op's graphs are rebound to new tensors' addresses (ops.replay: calls keyed by layout too)
     REBIND = False
+    #: the config class whose fields a call's keywords may override (None: the op takes no such keywords)
+    CONFIG = None
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
@@ -126,10 +134,35 @@ class OverlapOp:
         ctx.on_close(self.replays.clear)
         self._configs: dict = {}  # (shape, variant) -> the config found for it
         self.last_path = None  # "overlap" or "fallback": what the last call took
+        self._checked: set = set()  # the sets of call keywords found good (check_overrides)
         # the eager rule's agreement on replays (tick): calls counted, of them with a key this rank had seen,
         # whether small eager calls overlap (as the ranks last agreed), and the shapes the rule found small
         self._ticks, self._known, self._small_replays, self._small_shapes = 0, 0, True, set()
         self._counted_since = ctx.resets  # the reset the counts start from (ctx.reset() starts them anew)
+
+    def check_overrides(self, overrides: dict) -> None:
+        """A call's keywords must name fields of the op's config (TypeError) and hold values it takes (ValueError),
+        checked on every path before any launch: a call that falls back to torch never reads them. Each set of
+        keywords is checked once."""
+        if not overrides:
+            return
+        try:
+            key = tuple(sorted(overrides.items()))
+            if key in self._checked:
+                return
+        except TypeError:  # (a value that cannot be hashed: checked every time)
+            key = None
+        known = _field_names(self.CONFIG)
+        unknown = sorted(k for k in overrides if k not in known)
+        if unknown:
+            raise TypeError(f"{self.KIND}: unexpected keyword argument(s) {', '.join(map(repr, unknown))}; a "
+                            f"call's keywords override fields of {self.CONFIG.__name__}: {', '.join(known)}")
+        base = self.user_config if isinstance(self.user_config, self.CONFIG) else self.CONFIG.defaults(self.ctx)
+        with_overrides(base, overrides)  # the config's own checks
+        if key is not None:
+            if len(self._checked) >= 64:
+                self._checked.clear()
+            self._checked.add(key)
 
     @classmethod
     def shared(cls, ctx):

@@ -32,6 +32,24 @@ class ChunkedGemmConfig(GemmTiles):
     min_chunk_bytes: int = 0
     num_streams: int | None = None
 
+    def __post_init__(self):
+        """Bad knobs raise ValueError here, before any launch (a tile Triton cannot build would fail inside one)."""
+        name = type(self).__name__
+        for f in ("block_m", "block_n", "block_k"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"{name}.{f} must be a power of two >= 16, got {v!r}")
+        if not isinstance(self.num_warps, int) or self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
+            raise ValueError(f"{name}.num_warps must be a power of two >= 1, got {self.num_warps!r}")
+        for f in ("group_m", "num_stages", "num_xcds", "chunks_per_rank"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
+                raise ValueError(f"{name}.{f} must be an integer >= 1, got {getattr(self, f)!r}")
+        for f in ("m_per_chunk", "num_streams"):
+            if getattr(self, f) is not None and (not isinstance(getattr(self, f), int) or getattr(self, f) < 1):
+                raise ValueError(f"{name}.{f} must be None or an integer >= 1, got {getattr(self, f)!r}")
+        if self.min_chunk_bytes < 0:
+            raise ValueError(f"{name}.min_chunk_bytes must be >= 0, got {self.min_chunk_bytes!r}")
+
     def chunk_rows(self, m_local: int, row_bytes: int = 0) -> int:
         """Rows per chunk for ``m_local`` rows per rank of ``row_bytes`` each (0: ignore min_chunk_bytes)."""
         if self.m_per_chunk is not None:
@@ -64,6 +82,7 @@ class AllGatherGEMMConfig(ChunkedGemmConfig):
     gemm: str = "auto"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.mode not in ("push", "pull"):
             raise ValueError(f"AllGatherGEMMConfig.mode must be 'push' or 'pull', got {self.mode!r}")
         if self.gemm not in GEMMS:
@@ -119,6 +138,7 @@ class GEMMReduceScatterConfig(ChunkedGemmConfig):
     reduce_in_host: bool = True
 
     def __post_init__(self):
+        super().__post_init__()
         if self.gemm not in GEMMS:
             raise ValueError(f"GEMMReduceScatterConfig.gemm must be one of {GEMMS}, got {self.gemm!r}")
         if self.claim not in (0, 1):

@@ -105,6 +105,7 @@ class GEMMReduceScatter(OverlapOp):
     """
 
     KIND = "gemm_rs"
+    CONFIG = GEMMReduceScatterConfig
     REBIND = True
     ACROSS_HOSTS = True
     EAGER_MIN_FLOP_PER_PEER = 3e11
@@ -122,6 +123,7 @@ class GEMMReduceScatter(OverlapOp):
     def __call__(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, *,
                  out: torch.Tensor | None = None, **overrides):
         self.ctx.ensure_usable()
+        self.check_overrides(overrides)
         self.tick()
         W = self.ctx.world_size
         if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == 2 \

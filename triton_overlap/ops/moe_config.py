@@ -38,12 +38,11 @@ class MoEGEMMConfig(ChunkedGemmConfig):
     reduce_in_host: bool = True
 
     def __post_init__(self):
+        super().__post_init__()
         if self.gemm not in GEMMS:
             raise ValueError(f"MoEGEMMConfig.gemm must be one of {GEMMS}, got {self.gemm!r}")
-        for name in ("block_m", "block_n", "block_k", "block_c"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"MoEGEMMConfig.{name} must be a power of two >= 16, got {v}")
+        if self.block_c < 16 or self.block_c & (self.block_c - 1):
+            raise ValueError(f"MoEGEMMConfig.block_c must be a power of two >= 16, got {self.block_c}")
         if self.send_rows not in (None, True, False):
             raise ValueError(f"MoEGEMMConfig.send_rows must be None, True or False, got {self.send_rows!r}")
         if self.tile_lag is not None and not self.tile_lag >= 0:
@@ -155,6 +154,7 @@ class MoEOp(OverlapOp):
 
     #: graphs an MoE op holds at most (ops.replay.ReplayCache's capacity), each with its call's scratch
     REPLAY_GRAPHS = 4
+    CONFIG = MoEGEMMConfig
 
     ACROSS_HOSTS = True
 

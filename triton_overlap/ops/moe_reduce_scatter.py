@@ -77,6 +77,7 @@ class MoEGEMMReduceScatter(MoEOp):
                  routing: MoERouting | None = None, out: torch.Tensor | None = None, **overrides):
         ctx = self.ctx
         ctx.ensure_usable()
+        self.check_overrides(overrides)
         op = self.KIND
         args = (tuple(sorted(overrides.items())), self.user_config,
                 None if routing is None else (routing.rank_runs, routing.num_experts, routing.topk))
