@@ -507,6 +507,9 @@ def test_hf_plan_from_the_models_own():
 
     with pytest.raises(ValueError, match=r"q_proj is 'colwise'.* output width 16 is not divisible by the world size 3"):
         hf_plan(LlamaForCausalLM(LlamaConfig(**small)), SimpleNamespace(world_size=3))
+    mqa = small | {"num_key_value_heads": 1, "head_dim": 8}  # k/v 8 wide: divisible by 2, but one head
+    with pytest.raises(ValueError, match=r"k_proj is 'colwise'.* its 1 heads \(of 8\) are not divisible by the world"):
+        hf_plan(LlamaForCausalLM(LlamaConfig(**mqa)), SimpleNamespace(world_size=2))
     odd = LlamaForCausalLM(LlamaConfig(**small))  # column layers of one module reading inputs of two widths
     odd.model.layers[0].mlp.up_proj = nn.Linear(8, 16, bias=False)
     plan = kinds(hf_plan(odd, None))

@@ -83,8 +83,8 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
 
     Refused with ValueError, naming the module, before any change to the model: a strategy these styles do not
     reproduce ("colwise_gather_output" and "rowwise_split_input" but on the attention and MLPs above; Hugging Face's
-    other local or packed strategies, also on a parameter), a plan with no
-    column or row layer, a sharded width not divisible by the world size, and a module inside the decoder layers
+    other local or packed strategies, also on a parameter), a plan with no column or row layer, a sharded width
+    (or an attention projection's heads) not divisible by the world size, and a module inside the decoder layers
     with parameters that the plan leaves out (an activation's learned scalars), whose gradient would be this
     rank's part only. A sparse-MoE block that ``MoEParallel`` cannot compute raises its TypeError, as do a norm or
     a linear attention layer that ``ColwiseRMSNorm`` or ``GatedDeltaNetParallel`` cannot.
@@ -158,6 +158,12 @@ def hf_plan(model: nn.Module, ctx, *, fallback: str = "auto", sequence_parallel:
                 raise ValueError(f"hf_plan: {name} is {strategy!r} in the model's plan, but its "
                                  f"{'output' if strategy == 'colwise' else 'input'} width {width} is not divisible "
                                  f"by the world size {world}")
+            head_dim = getattr(modules.get(_parent(name)), "head_dim", None)  # (an attention layer's projection)
+            if world is not None and isinstance(head_dim, int) and head_dim > 0 and width % head_dim == 0 \
+                    and width // head_dim % world:
+                raise ValueError(f"hf_plan: {name} is {strategy!r} in the model's plan, but its {width // head_dim} "
+                                 f"heads (of {head_dim}) are not divisible by the world size {world}: a rank would "
+                                 f"hold part of a head")
             if strategy == "colwise" and name in latent.ups:  # reads the gathered latent: a local product
                 plan[name] = ColwiseParallel(ctx, fallback=fallback, sequence_parallel=False)
             elif name in halved:  # its output split in two by the model: this rank's half of each
