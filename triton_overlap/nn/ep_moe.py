@@ -98,7 +98,8 @@ def row_biases(biases: tuple, offsets: torch.Tensor, rows: int) -> list[torch.Te
     0): [rows, n] each, 0 on rows past the last group. The grouped GEMMs leave those rows unwritten, forward and
     backward, so their gradient is whatever memory held: ``torch.where`` keeps it from the biases'."""
     at = torch.arange(rows, dtype=offsets.dtype, device=offsets.device)
-    expert = torch.searchsorted(offsets[1:], at, right=True).clamp(max=offsets.shape[0] - 2)
+    # (bounds from 0: the search of all of them, less one; Inductor in torch 2.11 cannot lower a search of a slice)
+    expert = (torch.searchsorted(offsets, at, right=True) - 1).clamp(max=offsets.shape[0] - 2)
     inside = (at < offsets[-1]).unsqueeze(1)
     return [torch.where(inside, bias[expert], 0) for bias in biases]
 
