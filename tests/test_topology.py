@@ -129,8 +129,8 @@ def test_wire_end_is_bounded(monkeypatch):
 
 def _held_wire():
     """A Context across 2 virtual hosts whose wire does not end in time (as where a CUDA graph holds NCCL's
-    communicator), also where a fault ended it before: reset() warns, naming the cause, and the Context works after it; close() frees everything and
-    then raises, naming the cause."""
+    communicator), also where a fault ended it before: reset() warns, naming the cause, and the Context works after
+    it; close() frees everything and then raises, naming the cause."""
     from triton_overlap.context import context as context_module
 
     os.environ[VIRTUAL_HOSTS_ENV] = "2"
