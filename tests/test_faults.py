@@ -274,10 +274,9 @@ def _stream_errors_at_reset_and_close():
     ctx.reset()
     dist.barrier()  # (the harness's group) every rank's late write would have landed by now
     assert flags.local.eq(0).all(), flags.local.tolist()
-    if ctx.rank == 0:
-        late.call(_producer_failed)
     t0 = time.monotonic()
     if ctx.rank == 0:
+        late.call(_producer_failed)
         with pytest.raises(RuntimeError, match="a producer step failed"):
             ctx.close()
     else:

@@ -16,7 +16,6 @@ from ..kernels.signal import TICKS_PER_SECOND
 from .wire import Wire, wire_exchange  # noqa: F401 - what Stream.exchange takes, and how backends without NCCL send
 
 
-
 def each(items, fn) -> None:
     """``fn(item)`` for every item, also after one raises; the first exception is raised once all have run. A join
     of streams that stopped at the first one holding an error would leave the others running, still writing."""
@@ -28,6 +27,8 @@ def each(items, fn) -> None:
             error = error or e
     if error is not None:
         raise error
+
+
 class Stream(abc.ABC):
     """An in-order queue of copy-engine work on one rank.
 

@@ -17,6 +17,23 @@ from ..plan import cdiv
 GEMMS = ("auto", "gluon", "triton")
 
 
+def require(cfg, names: tuple, ok, want: str) -> None:
+    """ValueError naming ``cfg``'s class, the field and ``want`` for the first of ``names`` whose value ``ok``
+    refuses."""
+    for name in names:
+        v = getattr(cfg, name)
+        if not ok(v):
+            raise ValueError(f"{type(cfg).__name__}.{name} must be {want}, got {v!r}")
+
+
+def power_of_two(least: int):
+    return lambda v: isinstance(v, int) and v >= least and not v & (v - 1)
+
+
+def _positive(v) -> bool:
+    return isinstance(v, int) and v >= 1
+
+
 @dataclass(frozen=True)
 class ChunkedGemmConfig(GemmTiles):
     """The GEMM ops' common knobs: the persistent GEMM's tiles (kernels.gemm_operands.GemmTiles) and how each rank's
@@ -34,21 +51,11 @@ class ChunkedGemmConfig(GemmTiles):
 
     def __post_init__(self):
         """Bad knobs raise ValueError here, before any launch (a tile Triton cannot build would fail inside one)."""
-        name = type(self).__name__
-        for f in ("block_m", "block_n", "block_k"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < 16 or v & (v - 1):
-                raise ValueError(f"{name}.{f} must be a power of two >= 16, got {v!r}")
-        if not isinstance(self.num_warps, int) or self.num_warps < 1 or self.num_warps & (self.num_warps - 1):
-            raise ValueError(f"{name}.num_warps must be a power of two >= 1, got {self.num_warps!r}")
-        for f in ("group_m", "num_stages", "num_xcds", "chunks_per_rank"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) < 1:
-                raise ValueError(f"{name}.{f} must be an integer >= 1, got {getattr(self, f)!r}")
-        for f in ("m_per_chunk", "num_streams"):
-            if getattr(self, f) is not None and (not isinstance(getattr(self, f), int) or getattr(self, f) < 1):
-                raise ValueError(f"{name}.{f} must be None or an integer >= 1, got {getattr(self, f)!r}")
-        if self.min_chunk_bytes < 0:
-            raise ValueError(f"{name}.min_chunk_bytes must be >= 0, got {self.min_chunk_bytes!r}")
+        require(self, ("block_m", "block_n", "block_k"), power_of_two(16), "a power of two >= 16")
+        require(self, ("num_warps",), power_of_two(1), "a power of two >= 1")
+        require(self, ("group_m", "num_stages", "num_xcds", "chunks_per_rank"), _positive, "an integer >= 1")
+        require(self, ("m_per_chunk", "num_streams"), lambda v: v is None or _positive(v), "None or an integer >= 1")
+        require(self, ("min_chunk_bytes",), lambda v: v >= 0, ">= 0")
 
     def chunk_rows(self, m_local: int, row_bytes: int = 0) -> int:
         """Rows per chunk for ``m_local`` rows per rank of ``row_bytes`` each (0: ignore min_chunk_bytes)."""

@@ -8,7 +8,7 @@ import torch
 
 from .base import OverlapOp, call_key
 from .checks import DTYPES
-from .config import GEMMS, ChunkedGemmConfig
+from .config import GEMMS, ChunkedGemmConfig, power_of_two, require
 
 
 @dataclass(frozen=True)
@@ -41,8 +41,7 @@ class MoEGEMMConfig(ChunkedGemmConfig):
         super().__post_init__()
         if self.gemm not in GEMMS:
             raise ValueError(f"MoEGEMMConfig.gemm must be one of {GEMMS}, got {self.gemm!r}")
-        if self.block_c < 16 or self.block_c & (self.block_c - 1):
-            raise ValueError(f"MoEGEMMConfig.block_c must be a power of two >= 16, got {self.block_c}")
+        require(self, ("block_c",), power_of_two(16), "a power of two >= 16")
         if self.send_rows not in (None, True, False):
             raise ValueError(f"MoEGEMMConfig.send_rows must be None, True or False, got {self.send_rows!r}")
         if self.tile_lag is not None and not self.tile_lag >= 0:
