@@ -196,10 +196,11 @@ class ScatterSchedule:
     GEMM's m-tiles, other hosts' owners' rows first (they take the network), then this host's peers' in send order
     and chunk by chunk, this rank's own last; ``peer_tiles``: how many of its first m-tiles hold peers' rows (with
     whole tiles of rows per rank). ``counts[owner][j]``: the count chunk ``j`` of each owner's rows
-    reaches once every tile over it is stored (ChunkLayout.tile_stores). ``reduce_after_join``: the partials are
-    summed after the exchanges between hosts, by a reduction kernel (where NCCL carries them, nothing waits for
-    them while they run). ``reset_by``: who zeroes this rank's
-    counters after the call: "consumer" (the GEMM's last program, where it sums the partials itself) or
+    reaches once every tile over it is stored (ChunkLayout.tile_stores). ``reduce_after_join``: across hosts, the
+    partials are summed by a reduction kernel after the exchanges between hosts, unless the GEMM sums them itself
+    (it leaves them an SM): a reduction waiting on every SM would starve the exchanges' own kernels (NCCL's, the
+    guarded exchange's check of the sender's error word). ``reset_by``: who zeroes this rank's counters after the
+    call: "consumer" (the GEMM's last program, where it sums the partials itself) or
     "reduction" (the reduction kernel's stream, after it).
 
     With the partials summed within the host first (``counterparts`` not empty: the ranks at this rank's local
@@ -288,7 +289,7 @@ def scatter_schedule(layout: ChunkLayout, rank: int, hosts, *, copy: bool, num_s
     when = {layout.chunk_id(p, j): (i, j) for i, p in enumerate(ordered) for j in range(cpr)}
     tiles = tuple(layout.tile_order(block_m, when, last=True))
     counts = tuple(tuple(c) for c in layout.tile_stores(block_m, n_tiles))
-    late = (hold_for_link or in_host) and bool(remote)
+    late = bool(remote) and (hold_for_link or in_host or not fused)
     if late and fused:
         raise ValueError("scatter_schedule: partials summed after the exchanges between hosts cannot be fused")
     sources = tuple(sorted(local + counterparts)) if in_host else tuple(range(W))
