@@ -98,6 +98,19 @@ def _across_hosts(n: int):
     return ctx.num_hosts
 
 
+def test_wire_tags_never_repeat_through_the_store():
+    """A key that a faulted exchange left in the store is never taken by a later exchange: through the store a tag
+    keeps the whole reset count (it wrapped at 64 resets); over NCCL, a new communicator at every reset, tags wrap
+    within NCCL's 31 bits and differ within one reset."""
+    from triton_overlap.producers.link import wire_tag
+    seqs = (1, 2, 0xFFFFFF)
+    through_store = {wire_tag(r, q, nccl=False) for r in range(200) for q in seqs}
+    assert len(through_store) == 200 * len(seqs)
+    over_nccl = [wire_tag(r, q, nccl=True) for r in range(200) for q in seqs]
+    assert all(0 < t < 1 << 31 for t in over_nccl)
+    assert len({wire_tag(5, q, nccl=True) for q in range(1, 5000)}) == 4999
+
+
 def test_wire_end_is_bounded(monkeypatch):
     """Ending the wire's NCCL communicator waits at most the timeout: NCCL (2.26 and later) ends one only after
     every CUDA graph that captured its operations is destroyed, and a caller's graph may still hold it. Without

@@ -41,6 +41,16 @@ from ..kernels.cached_launch import launch
 TAG_BASE = 1 << 20
 
 
+def wire_tag(resets: int, seq: int, nccl: bool) -> int:
+    """The tag of exchange ``seq`` after ``resets`` resets. Over NCCL a tag is a 31-bit int and the reset count
+    wraps at 64: harmless, since every reset makes the wire a new communicator. Through the store (which outlives
+    resets, and may keep a key a faulted exchange never took) the reset count is kept whole, so that such a key is
+    never taken by a later exchange."""
+    if nccl:
+        return TAG_BASE + (((resets % 64) << 24) | (seq & 0xFFFFFF)) % ((1 << 31) - TAG_BASE)
+    return TAG_BASE + ((resets << 24) | (seq & 0xFFFFFF))
+
+
 class Link:
     """The Context's point-to-point between hosts (made at the first call that spans hosts, and again after
     ``reset()``).
@@ -65,7 +75,7 @@ class Link:
         self.watch = Watch(ctx, self.wire) if self.wire.nccl else None
         if self.watch is not None:
             ctx.on_reset(self.watch.close)
-        self._epoch = ctx.resets % 64
+        self._resets = ctx.resets
         self._seq = 0
         self._headers = torch.zeros((ctx.world_size, sig.HEADER_WORDS), dtype=torch.int32, device=ctx.device)
         #: error words: this rank's row is what it sends along guarded data, the others' what they sent
@@ -77,7 +87,7 @@ class Link:
 
     def next_tag(self) -> int:
         self._seq += 1
-        return TAG_BASE + ((self._epoch << 24) | (self._seq & 0xFFFFFF)) % ((1 << 31) - TAG_BASE)
+        return wire_tag(self._resets, self._seq, self.wire.nccl)
 
     def exchange(self, stream, sends, recvs, what: str, op: int, waits: dict, guarded: bool = False) -> None:
         """``sends`` and ``recvs``: (tensor, group rank) lists, through ``stream`` (Stream.exchange). ``op`` and
