@@ -79,6 +79,11 @@ def open_wire(group, rank: int, topology, device: torch.device, store, timeout_s
     ranks = tuple(_global_rank(group, p) for p in range(dist.get_world_size(group)))
     nccl = device.type == "cuda" and dist.get_backend(group) == "nccl"
     own = dist.new_group(list(ranks), backend="nccl", use_local_synchronization=True) if nccl else None
+    if own is not None:
+        # start the communicator now, while every rank is here: NCCL makes it at its first operation (the
+        # exchanges' batched point-to-point uses the group's communicator, as a collective does), and a first
+        # exchange whose peer never came would block this host in NCCL's set-up, where no timeout reaches
+        dist.all_reduce(torch.zeros(1, device=device), group=own)
     return Wire(own or group, store, rank, ranks, timeout_s, nccl)
 
 
