@@ -111,6 +111,27 @@ def test_wire_tags_never_repeat_through_the_store():
     assert len({wire_tag(5, q, nccl=True) for q in range(1, 5000)}) == 4999
 
 
+def test_wire_keys_left_by_a_fault_are_dropped():
+    """Through the store, a receive taken in time deletes what it took; one that gave up leaves its sender's data
+    in the store, which keeps it as long as the process group: reset() and close() drop what this rank sent
+    (wire.drop_left, once every rank's work has ended)."""
+    from triton_overlap.context import wire as wires
+
+    store = dist.HashStore()
+    a, b = (wires.Wire("group", store, r, (0, 1), 0.5, False) for r in (0, 1))
+    x, got = torch.arange(6, dtype=torch.float32), torch.zeros(6)
+    wires.wire_exchange(a, [(x, 1)], [], 7, "taken")
+    wires.wire_exchange(b, [], [(got, 0)], 7, "taken")
+    assert torch.equal(got, x) and not store.check(list(a.sent[0]))
+    wires.wire_exchange(a, [(x, 1)], [], 8, "left")  # (its receiver gave up before it came)
+    left = list(a.sent[-1])
+    assert store.check(left)
+    wires.drop_left(a)
+    assert not store.check(left) and not a.sent
+    with pytest.raises(TimeoutError, match="no answer in 0.5 s from ranks \\[0\\]"):
+        wires.wire_exchange(b, [], [(got, 0)], 8, "left")
+
+
 def test_wire_end_is_bounded(monkeypatch):
     """Ending the wire's NCCL communicator waits at most the timeout: NCCL (2.26 and later) ends one only after
     every CUDA graph that captured its operations is destroyed, and a caller's graph may still hold it. Without

@@ -385,6 +385,7 @@ class Context:
             pass
         wait_s = 2 * self.timeout_s + 1.0
         self._control.barrier("reset", tag + "/a", wait_s)  # every rank's work has ended: nothing writes into peers
+        wires.drop_left(self._wire)
         self._heap.zero(keep="__errors")
         self._faults.zero_word()
         self._barrier_count.zero_()
@@ -413,6 +414,7 @@ class Context:
             except Exception as e:  # noqa: BLE001 - a stream's recorded error: raised once closed
                 error = e
             self._control.barrier("close", CLOSE)  # no peer still uses our memory when we free it
+            wires.drop_left(self._wire)
         except Exception as e:  # noqa: BLE001 - freed below all the same, then raised
             error = error or e
         finally:

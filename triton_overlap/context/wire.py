@@ -7,7 +7,8 @@ once, and which a fault ends (``end``) so that exchanges still open on it drain.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,10 +26,16 @@ class Wire:
     global_ranks: tuple
     timeout_s: float
     nccl: bool
+    #: the store keys of this rank's last WIRE_KEPT sends: a receive that gave up leaves its sender's keys behind
+    #: (``drop_left``)
+    sent: deque = field(default_factory=lambda: deque(maxlen=WIRE_KEPT), compare=False, repr=False)
 
 
 #: the largest value wire_exchange puts in the store at once (torch's TCPStore takes 8 MiB)
 WIRE_PIECE = 4 << 20
+#: how many sends a wire remembers for ``drop_left``: a faulted Context refuses calls, so only the sends of the calls
+#: in flight at the fault can be left (a call makes a few exchanges per chunk)
+WIRE_KEPT = 256
 
 
 def wire_exchange(wire: Wire, sends, recvs, tag: int, what: str, on_timeout=None) -> None:
@@ -46,7 +53,9 @@ def wire_exchange(wire: Wire, sends, recvs, tag: int, what: str, on_timeout=None
     for t, peer in sends:
         i = sent[peer] = sent.get(peer, -1) + 1
         data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-        for p, k in enumerate(keys(wire.rank, peer, i, len(data))):
+        ks = keys(wire.rank, peer, i, len(data))
+        wire.sent.append(ks)
+        for p, k in enumerate(ks):
             wire.store.set(k, data[p * WIRE_PIECE:(p + 1) * WIRE_PIECE])
     late, got, t0 = [], {}, time.monotonic()
     for t, peer in recvs:
@@ -69,6 +78,17 @@ def wire_exchange(wire: Wire, sends, recvs, tag: int, what: str, on_timeout=None
         if on_timeout is not None:
             on_timeout(late, time.monotonic() - t0)
         raise TimeoutError(f"{what}: no answer in {wire.timeout_s:g} s from ranks {late}")
+
+
+def drop_left(wire: Wire | None) -> None:
+    """Delete from the store what this rank's sends left there (a receiver that gave up never took it), which
+    would otherwise stay as long as the store. Only once every rank's work has ended (reset's and close's
+    barriers), so that no receive still waits for it."""
+    if wire is None:
+        return
+    while wire.sent:
+        for k in wire.sent.popleft():
+            wire.store.delete_key(k)
 
 
 def open_wire(group, rank: int, topology, device: torch.device, store, timeout_s: float) -> Wire | None:
