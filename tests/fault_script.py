@@ -50,11 +50,11 @@ def main():
         if rank == 1:  # its copies the whole jitter late (not a random part of it), so that it dies before them
             host.random = types.SimpleNamespace(uniform=lambda lo, hi: hi)
         ctx = to.Context(timeout_s=timeout_s)
-        ctx.set_producer_jitter(0.5 if rank == 1 else 0.0)
         op = to.AllGatherGEMM(ctx, fallback="never")
         a = torch.randn(64, 32, dtype=torch.bfloat16)
         w = torch.randn(32, 16, dtype=torch.bfloat16)
-        op(a, w)  # a first call: the shape agreed, the kernels built
+        op(a, w)  # a first call, undelayed: the shape agreed, the kernels built
+        ctx.set_producer_jitter(0.5 if rank == 1 else 0.0)
         dist.barrier()
         if rank == 1:
             threading.Timer(0.2, os._exit, args=(0,)).start()  # while its delayed copies are still to come
