@@ -199,8 +199,8 @@ class ScatterSchedule:
     reaches once every tile over it is stored (ChunkLayout.tile_stores). ``reduce_after_join``: across hosts, the
     partials are summed by a reduction kernel after the exchanges between hosts, unless the GEMM sums them itself
     (and leaves the exchanges an SM): a reduction waiting on every SM would starve the exchanges' own kernels
-    (NCCL's, the guarded exchange's check of the sender's error word). ``reset_by``: who zeroes this rank's counters after the
-    call: "consumer" (the GEMM's last program, where it sums the partials itself) or
+    (NCCL's, the guarded exchange's check of the sender's error word). ``reset_by``: who zeroes this rank's
+    counters after the call: "consumer" (the GEMM's last program, where it sums the partials itself) or
     "reduction" (the reduction kernel's stream, after it).
 
     With the partials summed within the host first (``counterparts`` not empty: the ranks at this rank's local
