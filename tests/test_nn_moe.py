@@ -250,3 +250,53 @@ def test_tp_moe_refuses_what_it_cannot_run(pool):
     if pool.world != 2:
         pytest.skip("W = 2")
     assert all(pool.run(_refusals))
+
+
+def _row_passes(shapes):
+    """kernels.moe_rows through their custom ops, against torch on the same bf16 values: SwiGLU and its gradient
+    within 1e-2 of float64 (one bf16 rounding: ~4e-3), no worse than torch's own bf16 SwiGLU plus 1e-3; the
+    backward's row pass bit-equal to torch's float32 products rounded once where launches round to nearest (GPUs;
+    Triton's interpreter rounds toward zero: within one bf16 ulp there), its dot within 1e-5. Outputs are new
+    tensors, so rows a kernel skipped would show as the empty tensor's garbage, which the checks read."""
+    from triton_overlap.ops import custom_ops
+
+    out = []
+    with to.Context(timeout_s=60) as ctx:
+        g = torch.Generator(device=ctx.device).manual_seed(5)
+        for R, n in shapes:
+            h = torch.randn(R, 2 * n, device=ctx.device, generator=g).to(torch.bfloat16).requires_grad_()
+            dy = torch.randn(R, n, device=ctx.device, generator=g).to(torch.bfloat16)
+            y = custom_ops.swiglu(h)
+            y.backward(dy)
+            h64 = h.detach().double().requires_grad_()
+            ref = nn.functional.silu(h64[:, :n]) * h64[:, n:]
+            ref.backward(dy.double())
+            hb = h.detach().clone().requires_grad_()
+            theirs = nn.functional.silu(hb[:, :n]) * hb[:, n:]
+            theirs.backward(dy)
+            if R:
+                assert rel_err(y, ref) < min(1e-2, rel_err(theirs, ref) + 1e-3), (R, n, rel_err(y, ref))
+                assert rel_err(h.grad, h64.grad) < min(1e-2, rel_err(hb.grad, h64.grad) + 1e-3), (R, n)
+            assert y.shape == (R, n) and h.grad.shape == (R, 2 * n)
+            rows = torch.randn(R + 5, n, device=ctx.device, generator=g).to(torch.bfloat16)
+            src = torch.randperm(R + 5, device=ctx.device, generator=g)[:R].to(torch.int32)
+            scale = torch.rand(R, device=ctx.device, generator=g)
+            a = h.detach()[:, :n].contiguous()
+            grad_a, a_scaled, dots = custom_ops.moe_row_grads(rows, src, scale, a)
+            picked = rows[src.long()].float()
+            want = [(picked * scale[:, None]).to(a.dtype), (a.float() * scale[:, None]).to(a.dtype)]
+            for got, ref_t in zip((grad_a, a_scaled), want):
+                if ctx.interpreted:
+                    assert (got.float() - ref_t.float()).abs().le(ref_t.float().abs() * 2 ** -7).all(), (R, n)
+                else:
+                    assert torch.equal(got, ref_t), (R, n)
+            assert torch.allclose(dots, (picked * a.float()).sum(1), rtol=1e-5, atol=1e-5), (R, n)
+            out.append(True)
+    return all(out)
+
+
+def test_moe_row_passes(pool):
+    """SwiGLU and the MoE-RS backward's row pass (kernels.moe_rows) at odd sizes, one row and none."""
+    if pool.world != 2:
+        pytest.skip("W = 2 (each rank checks alone)")
+    assert all(pool.run(_row_passes, [(37, 19), (130, 333), (1, 8), (0, 16)]))

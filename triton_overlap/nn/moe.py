@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..kernels import moe_rows
 from ..ops import custom_ops
 from ..ops.all_gather_moe import AllGatherMoEGEMM
 from ..ops.moe_reduce_scatter import MoEGEMMReduceScatter
@@ -111,11 +112,15 @@ class Activation:
     """What the experts compute between their gate/up and down projections, on rows [R, 2 * width] (gate columns,
     then up): ``silu(gate) * up`` (SwiGLU, ``alpha`` None), or GPT-OSS's clamped form, ``gate`` clamped above at
     ``limit`` and ``up`` to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``. Row-wise, so
-    the rows may come in any order (the experts' sorted layouts)."""
+    the rows may come in any order (the experts' sorted layouts). SwiGLU on 2-D rows on a GPU or in Triton's
+    interpreter is one kernel each way (``custom_ops.swiglu``, kernels.moe_rows), in float32 with one rounding;
+    the clamped form is torch's."""
     alpha: float | None = None
     limit: float | None = None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        if self.alpha is None and h.dim() == 2 and moe_rows.runs_kernels(h):
+            return custom_ops.swiglu(h)  # (one pass each way: kernels.moe_rows)
         gate, up = h.split(h.shape[-1] // 2, dim=-1)
         if self.alpha is None:
             return nn.functional.silu(gate) * up

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from ..context.collectives import all_gather_rows as _all_gather_rows
 from ..context.collectives import reduce_scatter_rows as _reduce_scatter_rows
+from ..kernels import moe_rows
 from .base import agree_across_ranks
 from .moe_routing import MoERouting, expert_grads
 
@@ -411,17 +412,59 @@ def _moe_rs_backward(ctx, grad_out):
     rs, ag = ctx.handles
     # every token's grad_out @ w[e]^T through the converse op, moved from its sorted layout into the forward's
     g_rows, _, g_position, _, g_all = ag_moe(grad_out.contiguous(), w.transpose(1, 2), ids, ag, rs, ctx.world)
-    g = g_rows[g_position.long()[order]].float()
-    scale = weights.reshape(-1)[order].float().unsqueeze(1)  # each sorted row's top-k weight
-    grad_h = (g * scale).to(h.dtype)
+    scale = weights.reshape(-1)[order].float()  # each sorted row's top-k weight
     # d out / d weights[t, j] = <grad_out[t], h[t, j] @ w[e]> = <g[t, j], h[t, j]>: this rank's part of the sum
-    grad_weights = (g * h.float()).sum(1)[position.long()].view(ids.shape).to(weights.dtype)
-    grad_w = moe_expert_grads((h.float() * scale).to(h.dtype), g_all[order // ids.shape[1]], offsets) \
-        if ctx.needs_input_grad[1] else None
+    grad_h, h_scaled, dots = moe_row_grads(g_rows, g_position[order], scale, h)
+    grad_weights = dots[position.long()].view(ids.shape).to(weights.dtype)
+    grad_w = moe_expert_grads(h_scaled, g_all[order // ids.shape[1]], offsets) if ctx.needs_input_grad[1] else None
     return grad_h, grad_w, None, grad_weights, None, None, None, None, None, None, None
 
 
 moe_rs.register_autograd(_moe_rs_backward, setup_context=_moe_rs_setup)
+
+
+@torch.library.custom_op("triton_overlap::moe_row_grads", mutates_args=())
+def moe_row_grads(g: torch.Tensor, src: torch.Tensor, scale: torch.Tensor,
+                  h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_rs's backward of each sorted row p in one pass (kernels.moe_rows.scaled_grads): (``scale[p] · g[src[p]]``
+    and ``scale[p] · h[p]`` in ``h``'s dtype [P, N], ``<g[src[p]], h[p]>`` float32 [P]); ``g`` rows of N, ``src`` int
+    [P], ``scale`` float32 [P], ``h`` [P, N]."""
+    return moe_rows.scaled_grads(g.contiguous(), src.contiguous(), scale.contiguous(), h.contiguous())
+
+
+@moe_row_grads.register_fake
+def _(g, src, scale, h):
+    return torch.empty_like(h), torch.empty_like(h), h.new_empty(h.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("triton_overlap::swiglu", mutates_args=())
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of rows ``h`` [R, 2n] (gate columns, then up) -> [R, n], in one pass
+    (kernels.moe_rows.swiglu; float32 arithmetic, one rounding)."""
+    return moe_rows.swiglu(h.contiguous())
+
+
+@swiglu.register_fake
+def _(h):
+    return h.new_empty(h.shape[0], h.shape[1] // 2)
+
+
+@torch.library.custom_op("triton_overlap::swiglu_grad", mutates_args=())
+def swiglu_grad(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``swiglu`` at rows ``h`` [R, 2n] for the output's gradient ``grad`` [R, n]: [R, 2n]."""
+    return moe_rows.swiglu_grad(h.contiguous(), grad.contiguous())
+
+
+@swiglu_grad.register_fake
+def _(h, grad):
+    return torch.empty_like(h)
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+swiglu.register_autograd(lambda ctx, grad: swiglu_grad(ctx.saved_tensors[0], grad), setup_context=_swiglu_setup)
 
 
 @torch.library.custom_op("triton_overlap::moe_expert_grads", mutates_args=())
@@ -436,5 +479,5 @@ def _(a, b, offsets):
 
 
 __all__ = ["ag_gemm", "ag_moe", "all_gather_rows", "all_gather_rows_with_grad", "all_reduce", "cp_attention",
-           "cp_attention_bwd", "gemm_ar", "gemm_rs", "handle", "moe_expert_grads", "moe_rs", "op_of",
-           "reduce_scatter_rows"]
+           "cp_attention_bwd", "gemm_ar", "gemm_rs", "handle", "moe_expert_grads", "moe_row_grads", "moe_rs",
+           "op_of", "reduce_scatter_rows", "swiglu", "swiglu_grad"]
