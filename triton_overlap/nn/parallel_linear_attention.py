@@ -88,18 +88,25 @@ class GatedDeltaNetParallel(ParallelStyle):
         return module
 
 
-def _layer_forward(module, hidden_states, cache=None, attention_mask=None, **kwargs):
+def _layer_forward(module, hidden_states, *args, **kwargs):
     """The layer's own forward; in the sequence-parallel region (a DTensor sequence shard) a padding mask
     ``[B, S]`` is applied here, to this rank's positions, as the layer's first step applies it to the whole
-    sequence (the mask is a plain tensor, which a DTensor does not multiply)."""
+    sequence (the mask is a plain tensor, which a DTensor does not multiply). The other arguments pass through as
+    given: the cache is ``cache_params`` in transformers 5.17, ``cache`` in later releases; the mask comes after
+    it, by name or third."""
+    named = "attention_mask" in kwargs
+    attention_mask = kwargs.get("attention_mask") if named else (args[1] if len(args) > 1 else None)
     if isinstance(hidden_states, DTensor) and attention_mask is not None:
         x = hidden_states
         W, r = module.tp_mesh.size(), module.tp_mesh.get_local_rank()
         s = x.shape[1] // W  # (batch-first: the sequence shard is dim 1, as torch's SequenceParallel places it)
         local = attention_mask.narrow(1, r * s, s)[:, :, None].to(x.dtype)
         hidden_states = (x * DTensor.from_local(local, module.tp_mesh, [Shard(1)], run_check=False)).to(x.dtype)
-        attention_mask = None
-    return type(module).__mro__[1].forward(module, hidden_states, cache, attention_mask, **kwargs)
+        if named:
+            kwargs["attention_mask"] = None
+        else:
+            args = (args[0], None, *args[2:])
+    return type(module).__mro__[1].forward(module, hidden_states, *args, **kwargs)
 
 
 def check_layer(module: nn.Module, who: str, world: int | None = None) -> tuple:
