@@ -1,6 +1,6 @@
 """Compile the GEMM kernel's variants, the warp-specialized GEMM-RS kernel and the AllGather GEMM (Gluon), decode's
 local product, the attention kernels (the Gluon forward and backward among them), the AllReduce, the fused GEMM +
-AllReduce, the MoE grouped GEMMs (the Gluon ones among them) and routing kernels and the timing spin for a GPU
+AllReduce, the MoE grouped GEMMs (the Gluon ones among them), routing and row kernels and the timing spin for a GPU
 target without a GPU: Triton's front end, LLVM and ptxas, as a launch on the device would.
 Catches compile errors before device time is spent, and prints registers, spills and whether ptxas serialised the
 wgmma pipeline (warnings C7514, C7515).
@@ -564,6 +564,24 @@ def compile_row_sums(target) -> int:
     return failed
 
 
+def compile_moe_rows(target) -> int:
+    """kernels.moe_rows as the MoE layers launch them on GPUs: SwiGLU forward and backward and moe_rs's backward row
+    pass on bf16 rows, the GPU tile."""
+    from triton_overlap.kernels.moe_rows import TILE, scaled_row_grads, swiglu_rows, swiglu_rows_grad
+
+    failed = 0
+    bm, bn, warps = TILE
+    for fn in (swiglu_rows, swiglu_rows_grad, scaled_row_grads):
+        consts = dict(BLOCK_M=bm, BLOCK_N=bn)
+        sig = {prm.name: "constexpr" if prm.is_constexpr else "*fp32" if prm.name in ("scale_ptr", "dot_ptr")
+               else "*i32" if prm.name == "src_ptr" else "*bf16" if prm.name.endswith("_ptr") else "i32"
+               for prm in fn.params}
+        failed += compile_one(target, f"{fn.fn.__name__} {consts}", ASTSource(fn=fn, signature=sig,
+                                                                               constexprs=consts),
+                              {"num_warps": warps})
+    return failed
+
+
 def compile_ep_low_latency(target) -> int:
     """kernels.ep_low_latency as ops.ep_low_latency launches them on GPUs: bf16 rows and fp8 rows (as bytes) with
     56 scales, top-1 and 8, 1, 2 and 8 ranks, 4 and 256 experts; arguments not known divisible and known divisible
@@ -641,6 +659,7 @@ def main():
     failed += compile_routing(target)
     failed += compile_ep_routing(target)
     failed += compile_row_sums(target)
+    failed += compile_moe_rows(target)
     failed += compile_ep_low_latency(target)
     # (GATHER, SCATTER, REDUCE_OWN, DESC, WHOLE_TILES, LOCAL_COUNTERS, SPLIT_EPILOGUE, CLAIM, DEFER_RELEASE)
     variants = [(False, True, fuse, desc, whole, local, split, claim, defer, False)

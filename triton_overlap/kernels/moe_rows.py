@@ -1,9 +1,8 @@
 """Row-wise passes of the MoE layers between their grouped GEMMs, each one pass over the rows.
 
 * SwiGLU on the gate/up rows ``h`` [R, 2n] (gate columns, then up): ``silu(gate) * up`` forward, and both halves'
-  gradients backward. In torch that is three kernels forward (the sigmoid-weighted gate, the product, the split's
-  views) and five backward, each over [R, n] and the last a concatenation; here one each, in float32 with one
-  rounding.
+  gradients backward. In torch that is two kernels forward (the sigmoid-weighted gate, the product) and four
+  backward, each over [R, n] and the last a concatenation; here one each, in float32 with one rounding.
 * The row pass of a MoE-GEMM-ReduceScatter's backward. The forward's output is ``Σ_j s[t, j] · h[t, j] @ w[e]``
   summed over ranks (``s`` the top-k weights, ``h`` the rows in the expert-sorted layout). Given ``g = grad_out @
   w[e]^T`` per row (the converse AllGather-MoE's output, in its own sorted layout), the backward needs of every row
@@ -15,6 +14,8 @@
 docs/decisions.md (Mixture of experts, the layer's backward) has the measurements.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -28,10 +29,15 @@ TILE = (8, 256, 4)
 TILE_INTERPRETED = (64, 64, 1)
 
 
+#: the dtypes the kernels take (float32 arithmetic: float64 rows stay with torch)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def runs_kernels(t: torch.Tensor) -> bool:
-    """Whether ``t``'s rows go through these kernels: on a GPU, or in Triton's interpreter (the host backend);
-    elsewhere (a CPU without the interpreter) the layers use torch. Traceable by torch.compile."""
-    return t.is_cuda or _interprets()
+    """Whether ``t``'s rows go through these kernels: 16-bit or float32 rows on a GPU, or in Triton's interpreter
+    (the host backend); elsewhere (float64, a CPU without the interpreter) the layers use torch. Traceable by
+    torch.compile."""
+    return t.dtype in DTYPES and (t.is_cuda or _interprets())
 
 
 @torch.compiler.assume_constant_result
@@ -43,15 +49,26 @@ def _tile(t: torch.Tensor) -> tuple:
     return TILE if t.is_cuda else TILE_INTERPRETED
 
 
+def _on(t: torch.Tensor):
+    """``t``'s device made current for a launch (Triton launches on the current one)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 @triton.jit
-def swiglu_rows(h_ptr, out_ptr, R, N, stride_h, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``out[r, n] = silu(h[r, n]) · h[r, N + n]`` for a tile of rows (axis 0) and columns (axis 1)."""
+def _gate_up(h_ptr, R, N, stride_h, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's tile of rows (axis 0) and columns (axis 1): (rows int64, columns, mask, gate, up float32)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = (rows < R)[:, None] & (cols < N)[None, :]
     at = h_ptr + rows[:, None] * stride_h + cols[None, :]
-    gate = tl.load(at, mask=m, other=0.0).to(tl.float32)
-    up = tl.load(at + N, mask=m, other=0.0).to(tl.float32)
+    return rows, cols, m, tl.load(at, mask=m, other=0.0).to(tl.float32), tl.load(at + N, mask=m, other=0.0).to(
+        tl.float32)
+
+
+@triton.jit
+def swiglu_rows(h_ptr, out_ptr, R, N, stride_h, stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``out[r, n] = silu(h[r, n]) · h[r, N + n]`` for a tile of rows (axis 0) and columns (axis 1)."""
+    rows, cols, m, gate, up = _gate_up(h_ptr, R, N, stride_h, BLOCK_M, BLOCK_N)
     out = gate * tl.sigmoid(gate) * up
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
 
@@ -61,12 +78,7 @@ def swiglu_rows_grad(h_ptr, grad_ptr, grad_h_ptr, R, N, stride_h, stride_grad, s
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The gradient of swiglu_rows: ``grad_h[r, n] = grad · up · σ(gate) · (1 + gate · (1 − σ(gate)))`` and
     ``grad_h[r, N + n] = grad · silu(gate)``."""
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m = (rows < R)[:, None] & (cols < N)[None, :]
-    at = h_ptr + rows[:, None] * stride_h + cols[None, :]
-    gate = tl.load(at, mask=m, other=0.0).to(tl.float32)
-    up = tl.load(at + N, mask=m, other=0.0).to(tl.float32)
+    rows, cols, m, gate, up = _gate_up(h_ptr, R, N, stride_h, BLOCK_M, BLOCK_N)
     g = tl.load(grad_ptr + rows[:, None] * stride_grad + cols[None, :], mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     out = grad_h_ptr + rows[:, None] * stride_grad_h + cols[None, :]
@@ -100,12 +112,15 @@ def scaled_row_grads(g_ptr, src_ptr, scale_ptr, h_ptr, grad_h_ptr, hs_ptr, dot_p
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """``silu(gate) · up`` of rows ``h`` [R, 2n] (unit column stride) -> [R, n] in ``h``'s dtype, on the current
     stream."""
+    if h.shape[1] % 2:
+        raise ValueError(f"swiglu: the rows [R, 2n] hold gate then up columns, got an odd width {h.shape[1]}")
     R, N = h.shape[0], h.shape[1] // 2
     out = h.new_empty(R, N)
     if R and N:
         block_m, block_n, warps = _tile(h)
-        launch(swiglu_rows, (cdiv(R, block_m), cdiv(N, block_n)), (h, out, R, N, h.stride(0), out.stride(0)),
-               dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
+        with _on(h):
+            launch(swiglu_rows, (cdiv(R, block_m), cdiv(N, block_n)), (h, out, R, N, h.stride(0), out.stride(0)),
+                   dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
     return out
 
 
@@ -116,9 +131,10 @@ def swiglu_grad(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format)
     if R and N:
         block_m, block_n, warps = _tile(h)
-        launch(swiglu_rows_grad, (cdiv(R, block_m), cdiv(N, block_n)), (
-            h, grad, grad_h, R, N, h.stride(0), grad.stride(0), grad_h.stride(0)),
-            dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
+        with _on(h):
+            launch(swiglu_rows_grad, (cdiv(R, block_m), cdiv(N, block_n)), (
+                h, grad, grad_h, R, N, h.stride(0), grad.stride(0), grad_h.stride(0)),
+                dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
     return grad_h
 
 
@@ -127,15 +143,19 @@ def scaled_grads(g: torch.Tensor, src: torch.Tensor, scale: torch.Tensor, h: tor
     ``src`` and ``scale`` contiguous): (``scale[p] · g[src[p]]`` and ``scale[p] · h[p]`` [P, N] in ``h``'s dtype,
     ``<g[src[p]], h[p]>`` float32 [P]), on the current stream."""
     P, N = h.shape
+    if g.shape[1] != N or src.shape != (P,) or scale.shape != (P,):
+        raise ValueError(f"scaled_grads: rows g {tuple(g.shape)}, src {tuple(src.shape)} and scale "
+                         f"{tuple(scale.shape)} do not fit h {tuple(h.shape)}")
     grad_h, hs = h.new_empty(P, N), h.new_empty(P, N)
     dot = torch.empty(P, dtype=torch.float32, device=h.device)
     if P:
         block_m, block_n, warps = _tile(h)
-        launch(scaled_row_grads, (cdiv(P, block_m),), (
-            g, src, scale, h, grad_h, hs, dot, P, N, g.stride(0), h.stride(0), grad_h.stride(0)),
-            dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
+        with _on(h):
+            launch(scaled_row_grads, (cdiv(P, block_m),), (
+                g, src, scale, h, grad_h, hs, dot, P, N, g.stride(0), h.stride(0), grad_h.stride(0)),
+                dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
     return grad_h, hs, dot
 
 
-__all__ = ["runs_kernels", "scaled_grads", "scaled_row_grads", "swiglu", "swiglu_grad", "swiglu_rows",
+__all__ = ["DTYPES", "runs_kernels", "scaled_grads", "scaled_row_grads", "swiglu", "swiglu_grad", "swiglu_rows",
            "swiglu_rows_grad"]

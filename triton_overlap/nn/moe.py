@@ -112,9 +112,9 @@ class Activation:
     """What the experts compute between their gate/up and down projections, on rows [R, 2 * width] (gate columns,
     then up): ``silu(gate) * up`` (SwiGLU, ``alpha`` None), or GPT-OSS's clamped form, ``gate`` clamped above at
     ``limit`` and ``up`` to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``. Row-wise, so
-    the rows may come in any order (the experts' sorted layouts). SwiGLU on 2-D rows on a GPU or in Triton's
-    interpreter is one kernel each way (``custom_ops.swiglu``, kernels.moe_rows), in float32 with one rounding;
-    the clamped form is torch's."""
+    the rows may come in any order (the experts' sorted layouts). SwiGLU on 2-D 16-bit or float32 rows on a GPU or
+    in Triton's interpreter is one kernel each way (``custom_ops.swiglu``, kernels.moe_rows), in float32 with one
+    rounding, differentiable once; float64 rows and the clamped form are torch's."""
     alpha: float | None = None
     limit: float | None = None
 

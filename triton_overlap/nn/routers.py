@@ -184,8 +184,9 @@ def router_rule(gate, who: str, bias: torch.Tensor | None = None):
         except Exception as e:  # (a router whose forward takes more than the rows)
             raise TypeError(f"{who}: router {name}'s forward on rows [T, dim] failed: {e}") from None
         k = probe.top_k
-        if isinstance(own, tuple) and len(own) == 3 and not own[0].is_floating_point():
-            own = own[::-1]  # (ids, weights, logits): Granite-MoE's order in transformers 5.17
+        if isinstance(own, tuple) and len(own) == 3 and isinstance(own[0], torch.Tensor) and \
+                not own[0].is_floating_point():
+            own = own[::-1]  # (ids, weights, logits): the Granite models' routers' order in transformers 5.17
         if not (isinstance(own, tuple) and len(own) == 3 and tuple(own[0].shape) == (PROBE_ROWS, E)
                 and all(tuple(t.shape) == (PROBE_ROWS, k) for t in own[1:])):
             raise TypeError(f"{who}: router {name} must return (logits [T, E], weights [T, k], ids [T, k]) "

@@ -434,13 +434,14 @@ def moe_row_grads(g: torch.Tensor, src: torch.Tensor, scale: torch.Tensor,
 
 @moe_row_grads.register_fake
 def _(g, src, scale, h):
-    return torch.empty_like(h), torch.empty_like(h), h.new_empty(h.shape[0], dtype=torch.float32)
+    return h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty(h.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("triton_overlap::swiglu", mutates_args=())
 def swiglu(h: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of rows ``h`` [R, 2n] (gate columns, then up) -> [R, n], in one pass
-    (kernels.moe_rows.swiglu; float32 arithmetic, one rounding)."""
+    (kernels.moe_rows.swiglu; float32 arithmetic, one rounding). Differentiable once: its backward is one kernel
+    too, without a backward of its own."""
     return moe_rows.swiglu(h.contiguous())
 
 
@@ -457,7 +458,7 @@ def swiglu_grad(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
 
 @swiglu_grad.register_fake
 def _(h, grad):
-    return torch.empty_like(h)
+    return h.new_empty(h.shape)
 
 
 def _swiglu_setup(ctx, inputs, output):
