@@ -8,7 +8,8 @@ bound to a Context) registered with :func:`handle`; a traced graph keeps the int
 the op's Context keeps the object (this module names it weakly) until it closes. Each has a fake (meta)
 implementation that gives output shapes without running anything, and the GEMM pairs (dense and MoE) and attention
 have backward formulas written with the same custom ops, so forward and backward graphs trace without breaks.
-``triton_overlap.nn`` goes through these.
+``.swiglu`` (backward ``.swiglu_grad``) and ``.moe_row_grads`` are the MoE layers' local row passes
+(kernels.moe_rows), one kernel each. ``triton_overlap.nn`` goes through these.
 """
 from __future__ import annotations
 
