@@ -88,7 +88,8 @@ def _sharded_grads(moe, ref, r):
 def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_empty=False, shared=0, gated=False):
     """TPMoE against PlainMoE in float64 on every rank's S/W positions of [S, B, dim]. ``mode``: "bf16" (bf16
     parameters), "autocast" (float32 parameters under torch.autocast(bfloat16)), "compile" (bf16, compiled with
-    fullgraph=True by inductor, against eager too); ``shared``, ``gated``: a shared expert of that width, gated.
+    fullgraph=True by inductor, against eager too), "frozen" (bf16, the experts' weights need no gradient: the
+    backward skips their left operands); ``shared``, ``gated``: a shared expert of that width, gated.
     Returns the errors."""
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -110,6 +111,9 @@ def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_
                               dtype=dtype, fallback=fallback, shared=plain.shared and tuple(plain.shared),
                               shared_gate=plain.shared_gate)
         assert moe.num_shared == shared // hidden
+        if mode == "frozen":
+            moe.w13.requires_grad_(False)
+            moe.w2.requires_grad_(False)
         rows = slice(r * S // W, (r + 1) * S // W)
         gy_local = gy[rows].to(dev)
 
@@ -128,6 +132,9 @@ def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_
         got = run(moe)
         ctx.check()
         want = {"out": y_ref[rows].detach(), "grad_x": x_ref.grad[rows], **_sharded_grads(moe, ref, r)}
+        if mode == "frozen":
+            assert got.pop("w13") is None and got.pop("w2") is None
+            del want["w13"], want["w2"]
         errs = {k: rel_err(got[k], want[k]) for k in want}
         if mode == "autocast":
             assert all(got[k].dtype == torch.float32 for k in want if k != "out")
@@ -148,6 +155,7 @@ CASES = {  # S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_emp
     "empty_experts": (6, 2, 32, 48, 32, 2, True, "never", "bf16", True),  # 12 tokens x 2 < 32 experts
     "top1": (12, 1, 40, 24, 3, 1, False, "never", "bf16"),  # Switch Transformer's: the weight is the probability
     "autocast": (12, 2, 32, 48, 4, 2, True, "never", "autocast"),
+    "frozen_experts": (12, 2, 32, 48, 4, 2, True, "never", "frozen"),
     "compile": (12, 2, 32, 48, 4, 2, True, "never", "compile"),
     # a shared expert twice the experts' width with Qwen2-MoE's sigmoid gate; one as wide, ungated (DeepSeek's)
     "shared_gated": (12, 2, 32, 48, 4, 2, False, "never", "bf16", False, 96, True),
@@ -296,6 +304,8 @@ def _row_passes(shapes):
                 else:
                     assert torch.equal(got, ref_t), (R, n)
             assert torch.allclose(dots, (picked * a.float()).sum(1), rtol=1e-5, atol=1e-5), (R, n)
+            unscaled = custom_ops.moe_row_grads(rows, src, scale, a, False)  # (no weight gradient wanted)
+            assert unscaled[1].shape == (0, n) and torch.equal(unscaled[0], grad_a) and torch.equal(unscaled[2], dots)
             out.append(True)
         x = torch.randn(64, 24, device=ctx.device, generator=g, dtype=torch.float64)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -314,6 +324,8 @@ def _row_passes(shapes):
         src = torch.tensor([2, 0, 1], dtype=torch.int32, device=ctx.device)
         torch.library.opcheck(custom_ops.moe_row_grads, (small.detach()[:4, :5], src, torch.rand(
             3, device=ctx.device, generator=g), small.detach().t()[:3]))  # (h [3, 5] column-major)
+        torch.library.opcheck(custom_ops.moe_row_grads, (small.detach()[:4, :5], src, torch.rand(
+            3, device=ctx.device, generator=g), small.detach()[:3, :5], False))
         with pytest.raises(ValueError, match="do not fit"):
             custom_ops.moe_row_grads(small.detach(), src, torch.rand(3, device=ctx.device), small.detach()[:3, :5])
     return all(out)

@@ -88,10 +88,10 @@ def swiglu_rows_grad(h_ptr, grad_ptr, grad_h_ptr, R, N, stride_h, stride_grad, s
 
 @triton.jit
 def scaled_row_grads(g_ptr, src_ptr, scale_ptr, h_ptr, grad_h_ptr, hs_ptr, dot_ptr, P, N, stride_g, stride_h,
-                     stride_out, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     stride_out, SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows ``p`` of a tile (grid axis 0), walking their N columns in steps of BLOCK_N: ``grad_h[p] = scale[p] ·
-    g[src[p]]``, ``hs[p] = scale[p] · h[p]`` (both rounded once to their dtype, rows ``stride_out`` apart) and
-    ``dot[p] = Σ_n g[src[p], n] · h[p, n]`` (float32)."""
+    g[src[p]]``, where SCALED ``hs[p] = scale[p] · h[p]`` (both rounded once to their dtype, rows ``stride_out``
+    apart) and ``dot[p] = Σ_n g[src[p], n] · h[p, n]`` (float32)."""
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     ok = rows < P
     src = tl.load(src_ptr + rows, mask=ok, other=0).to(tl.int64)
@@ -105,7 +105,8 @@ def scaled_row_grads(g_ptr, src_ptr, scale_ptr, h_ptr, grad_h_ptr, hs_ptr, dot_p
         dot += tl.sum(g * h, axis=1)
         at = rows[:, None] * stride_out + cols[None, :]
         tl.store(grad_h_ptr + at, (g * s[:, None]).to(grad_h_ptr.dtype.element_ty), mask=m)
-        tl.store(hs_ptr + at, (h * s[:, None]).to(hs_ptr.dtype.element_ty), mask=m)
+        if SCALED:
+            tl.store(hs_ptr + at, (h * s[:, None]).to(hs_ptr.dtype.element_ty), mask=m)
     tl.store(dot_ptr + rows, dot, mask=ok)
 
 
@@ -138,22 +139,23 @@ def swiglu_grad(h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     return grad_h
 
 
-def scaled_grads(g: torch.Tensor, src: torch.Tensor, scale: torch.Tensor, h: torch.Tensor):
+def scaled_grads(g: torch.Tensor, src: torch.Tensor, scale: torch.Tensor, h: torch.Tensor, scaled: bool = True):
     """``g`` [*, N] rows to read at ``src`` int [P]; ``scale`` float32 [P]; ``h`` [P, N] (unit column strides,
     ``src`` and ``scale`` contiguous): (``scale[p] · g[src[p]]`` and ``scale[p] · h[p]`` [P, N] in ``h``'s dtype,
-    ``<g[src[p]], h[p]>`` float32 [P]), on the current stream."""
+    ``<g[src[p]], h[p]>`` float32 [P]), on the current stream. ``scaled=False`` (no weight gradient to compute)
+    skips ``scale[p] · h[p]`` and returns it empty, [0, N]."""
     P, N = h.shape
     if g.shape[1] != N or src.shape != (P,) or scale.shape != (P,):
         raise ValueError(f"scaled_grads: rows g {tuple(g.shape)}, src {tuple(src.shape)} and scale "
                          f"{tuple(scale.shape)} do not fit h {tuple(h.shape)}")
-    grad_h, hs = h.new_empty(P, N), h.new_empty(P, N)
+    grad_h, hs = h.new_empty(P, N), h.new_empty(P if scaled else 0, N)
     dot = torch.empty(P, dtype=torch.float32, device=h.device)
     if P:
         block_m, block_n, warps = _tile(h)
         with _on(h):
             launch(scaled_row_grads, (cdiv(P, block_m),), (
-                g, src, scale, h, grad_h, hs, dot, P, N, g.stride(0), h.stride(0), grad_h.stride(0)),
-                dict(BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
+                g, src, scale, h, grad_h, hs if scaled else grad_h, dot, P, N, g.stride(0), h.stride(0), grad_h.stride(0)),
+                dict(SCALED=scaled, BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
     return grad_h, hs, dot
 
 

@@ -415,7 +415,7 @@ def _moe_rs_backward(ctx, grad_out):
     g_rows, _, g_position, _, g_all = ag_moe(grad_out.contiguous(), w.transpose(1, 2), ids, ag, rs, ctx.world)
     scale = weights.reshape(-1)[order].float()  # each sorted row's top-k weight
     # d out / d weights[t, j] = <grad_out[t], h[t, j] @ w[e]> = <g[t, j], h[t, j]>: this rank's part of the sum
-    grad_h, h_scaled, dots = moe_row_grads(g_rows, g_position[order], scale, h)
+    grad_h, h_scaled, dots = moe_row_grads(g_rows, g_position[order], scale, h, ctx.needs_input_grad[1])
     grad_weights = dots[position.long()].view(ids.shape).to(weights.dtype)
     grad_w = moe_expert_grads(h_scaled, g_all[order // ids.shape[1]], offsets) if ctx.needs_input_grad[1] else None
     return grad_h, grad_w, None, grad_weights, None, None, None, None, None, None, None
@@ -425,17 +425,19 @@ moe_rs.register_autograd(_moe_rs_backward, setup_context=_moe_rs_setup)
 
 
 @torch.library.custom_op("triton_overlap::moe_row_grads", mutates_args=())
-def moe_row_grads(g: torch.Tensor, src: torch.Tensor, scale: torch.Tensor,
-                  h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_row_grads(g: torch.Tensor, src: torch.Tensor, scale: torch.Tensor, h: torch.Tensor,
+                  scaled: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """moe_rs's backward of each sorted row p in one pass (kernels.moe_rows.scaled_grads): (``scale[p] · g[src[p]]``
     and ``scale[p] · h[p]`` in ``h``'s dtype [P, N], ``<g[src[p]], h[p]>`` float32 [P]); ``g`` rows of N, ``src`` int
-    [P], ``scale`` float32 [P], ``h`` [P, N]."""
-    return moe_rows.scaled_grads(g.contiguous(), src.contiguous(), scale.contiguous(), h.contiguous())
+    [P], ``scale`` float32 [P], ``h`` [P, N]; ``scaled=False`` (the experts' weights need no gradient) leaves the
+    second out, empty [0, N]."""
+    return moe_rows.scaled_grads(g.contiguous(), src.contiguous(), scale.contiguous(), h.contiguous(), scaled)
 
 
 @moe_row_grads.register_fake
-def _(g, src, scale, h):
-    return h.new_empty(h.shape), h.new_empty(h.shape), h.new_empty(h.shape[0], dtype=torch.float32)
+def _(g, src, scale, h, scaled=True):
+    return (h.new_empty(h.shape), h.new_empty(h.shape[0] if scaled else 0, h.shape[1]),
+            h.new_empty(h.shape[0], dtype=torch.float32))
 
 
 @torch.library.custom_op("triton_overlap::swiglu", mutates_args=())
