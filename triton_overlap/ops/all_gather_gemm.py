@@ -89,14 +89,14 @@ class AllGatherGEMM(OverlapOp):
                  return_gathered: bool = False, out: torch.Tensor | None = None, scale_a: torch.Tensor | None = None,
                  scale_b: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, **overrides):
         self.ctx.ensure_usable()
-        self.check_overrides(overrides)
+        ov = self.check_overrides(overrides)
         self.tick()
         scales = () if scale_a is None and scale_b is None else (scale_a, scale_b)
         if self.replays.active and isinstance(a, torch.Tensor) and isinstance(w, torch.Tensor) and a.dim() == 2 \
                 and w.dim() == 2:  # a repeat of a captured call replays, unchecked
             out = torch.empty((a.shape[0] * self.ctx.world_size, w.shape[1]), dtype=result_dtype(a.dtype, out_dtype),
                               device=a.device) if out is None else out
-            if self.replayed(call_key(overrides, a, w, bias, out, *scales)):
+            if self.replayed(call_key(ov, a, w, bias, out, *scales)):
                 self.last_path = "overlap"
                 return self._returned(a, out, return_gathered)
         return self._call(a, w, bias, return_gathered, out, overrides, (scale_a, scale_b), out_dtype)

@@ -136,8 +136,7 @@ class AllGatherMoEGEMM(MoEOp):
                  return_gathered: bool = False, out: torch.Tensor | None = None, **overrides):
         ctx = self.ctx
         ctx.ensure_usable()
-        self.check_overrides(overrides)
-        args = (sorted_output, tuple(sorted(overrides.items())), self.user_config)
+        args = (sorted_output, self.check_overrides(overrides), self.user_config)
         if self.replays.active and all(isinstance(t, torch.Tensor) for t in (x, w, topk_ids)) and x.dim() == 2 \
                 and w.dim() == 3 and topk_ids.dim() == 2:  # a repeat of a captured call replays, unchecked
             T, topk, N = x.shape[0] * ctx.world_size, topk_ids.shape[1], w.shape[2]

@@ -140,18 +140,18 @@ class OverlapOp:
         self._ticks, self._known, self._small_replays, self._small_shapes = 0, 0, True, set()
         self._counted_since = ctx.resets  # the reset the counts start from (ctx.reset() starts them anew)
 
-    def check_overrides(self, overrides: dict) -> None:
+    def check_overrides(self, overrides: dict) -> tuple:
         """A call's keywords must name fields of the op's config (TypeError) and hold values it takes (ValueError),
         checked on every path before any launch: a call that falls back to torch never reads them. Each set of
-        keywords is checked once."""
-        if not overrides:
-            return
+        keywords is checked once. Returns them as sorted (name, value) pairs, the form call keys hold."""
+        key = tuple(sorted(overrides.items())) if overrides else ()
+        if not key:
+            return key
         try:
-            key = tuple(sorted(overrides.items()))
             if key in self._checked:
-                return
+                return key
         except TypeError:  # (a value that cannot be hashed: checked every time)
-            key = None
+            pass
         known = _field_names(self.CONFIG)
         unknown = sorted(k for k in overrides if k not in known)
         if unknown:
@@ -159,10 +159,13 @@ class OverlapOp:
                             f"call's keywords override fields of {self.CONFIG.__name__}: {', '.join(known)}")
         base = self.user_config if isinstance(self.user_config, self.CONFIG) else self.CONFIG.defaults(self.ctx)
         with_overrides(base, overrides)  # the config's own checks
-        if key is not None:
+        try:
             if len(self._checked) >= 64:
                 self._checked.clear()
             self._checked.add(key)
+        except TypeError:
+            pass
+        return key
 
     @classmethod
     def shared(cls, ctx):

@@ -77,9 +77,8 @@ class MoEGEMMReduceScatter(MoEOp):
                  routing: MoERouting | None = None, out: torch.Tensor | None = None, **overrides):
         ctx = self.ctx
         ctx.ensure_usable()
-        self.check_overrides(overrides)
         op = self.KIND
-        args = (tuple(sorted(overrides.items())), self.user_config,
+        args = (self.check_overrides(overrides), self.user_config,
                 None if routing is None else (routing.rank_runs, routing.num_experts, routing.topk))
         # routing's tensors in the key: the call reads its positions, the checks the others' sizes and places
         keyed = (None, None, None) if routing is None else (routing.position, routing.order, routing.offsets)
