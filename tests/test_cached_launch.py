@@ -1,12 +1,17 @@
 """The launch cache's specialisation key (kernels.cached_launch._spec): arguments that Triton compiles apart must
 get different keys, and equal ones the same, whatever their Python type (exact ints, bools, tuples, tensors and
-their subclasses), or a cached launch would run a kernel built for another specialisation. CPU only."""
+their subclasses), or a cached launch would run a kernel built for another specialisation; and one entry serves
+every grid (on a GPU)."""
 import enum
 from collections import namedtuple
 
+import pytest
 import torch
+import triton
+import triton.language as tl
 
-from triton_overlap.kernels.cached_launch import _spec
+from triton_overlap.kernels import cached_launch
+from triton_overlap.kernels.cached_launch import _spec, launch, triton_interprets
 
 
 class Width(enum.IntEnum):
@@ -46,3 +51,21 @@ def test_tuples_item_by_item():
 
 def test_anything_else_by_type():
     assert _spec(None) is type(None) and _spec(1.5) is float
+
+
+@triton.jit
+def _fill(out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, offs.to(tl.float32), mask=offs < n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or triton_interprets(), reason="the cache serves GPU launches")
+def test_one_entry_serves_every_grid():
+    """Calls whose sizes differ (within a value class) reuse one compiled kernel, each on its own grid."""
+    before = len(cached_launch._compiled)
+    for n in (100, 1000, 5000):  # (none a multiple of 16: one specialisation)
+        out = torch.full((n,), -1.0, device="cuda")
+        launch(_fill, (triton.cdiv(n, 128),), (out, n), dict(BLOCK=128))
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.arange(n, device="cuda", dtype=torch.float32)), n
+    assert len(cached_launch._compiled) == before + 1

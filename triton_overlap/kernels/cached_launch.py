@@ -7,6 +7,8 @@ before the GPU has its work. ``launch`` makes the first call of a
 specialisation through Triton and keeps the CompiledKernel it returns; later
 calls with the same specialisation go straight to the compiled kernel's
 launcher (``CompiledKernel[grid](*args)``, the form Triton's own run ends in).
+The grid is not part of the key (a compiled kernel runs on any grid), so calls
+whose row counts vary share one entry.
 
 The specialisation key mirrors what Triton specialises on: each tensor's
 dtype and whether its address is 16-byte aligned; each int's value class
@@ -71,7 +73,7 @@ def launch(fn, grid: tuple, args: tuple, consts: dict, **options) -> None:
         return
     options.setdefault("enable_fp_fusion", True)
     # (the device too: Triton loads a kernel into the device current at its first launch)
-    key = (id(fn), torch.cuda.current_device(), grid, tuple(map(_spec, args)), tuple(consts.items()),
+    key = (id(fn), torch.cuda.current_device(), tuple(map(_spec, args)), tuple(consts.items()),
            tuple(options.items()))
     hit = _compiled.get(key)
     if hit is None:
@@ -80,7 +82,7 @@ def launch(fn, grid: tuple, args: tuple, consts: dict, **options) -> None:
         defaults = {n: p.default for n, p in fn.signature.parameters.items()}
         tail = tuple(consts[n] if n in consts else defaults[n] for n in names)
         if kernel is not None and hasattr(kernel, "__getitem__"):
-            _compiled[key] = (kernel[tuple(grid) + (1,) * (3 - len(grid))], tail)
+            _compiled[key] = (kernel, tail)
         return
-    runner, tail = hit
-    runner(*args, *tail)
+    kernel, tail = hit
+    kernel[tuple(grid) + (1,) * (3 - len(grid))](*args, *tail)
