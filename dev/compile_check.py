@@ -566,13 +566,14 @@ def compile_row_sums(target) -> int:
 
 def compile_moe_rows(target) -> int:
     """kernels.moe_rows as the MoE layers launch them on GPUs: SwiGLU forward and backward and moe_rs's backward row
-    pass on bf16 rows, the GPU tile."""
+    pass on bf16 rows (with and without the scaled left operand), the GPU tile."""
     from triton_overlap.kernels.moe_rows import TILE, scaled_row_grads, swiglu_rows, swiglu_rows_grad
 
     failed = 0
     bm, bn, warps = TILE
-    for fn in (swiglu_rows, swiglu_rows_grad, scaled_row_grads):
-        consts = dict(BLOCK_M=bm, BLOCK_N=bn)
+    for fn, extra in ((swiglu_rows, {}), (swiglu_rows_grad, {}), (scaled_row_grads, dict(SCALED=True)),
+                      (scaled_row_grads, dict(SCALED=False))):
+        consts = dict(extra, BLOCK_M=bm, BLOCK_N=bn)
         sig = {prm.name: "constexpr" if prm.is_constexpr else "*fp32" if prm.name in ("scale_ptr", "dot_ptr")
                else "*i32" if prm.name == "src_ptr" else "*bf16" if prm.name.endswith("_ptr") else "i32"
                for prm in fn.params}

@@ -153,9 +153,9 @@ def scaled_grads(g: torch.Tensor, src: torch.Tensor, scale: torch.Tensor, h: tor
     if P:
         block_m, block_n, warps = _tile(h)
         with _on(h):
-            launch(scaled_row_grads, (cdiv(P, block_m),), (
-                g, src, scale, h, grad_h, hs if scaled else grad_h, dot, P, N, g.stride(0), h.stride(0), grad_h.stride(0)),
-                dict(SCALED=scaled, BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
+            launch(scaled_row_grads, (cdiv(P, block_m),), (  # (unscaled: grad_h stands in for the unused hs)
+                g, src, scale, h, grad_h, hs if scaled else grad_h, dot, P, N, g.stride(0), h.stride(0),
+                grad_h.stride(0)), dict(SCALED=scaled, BLOCK_M=block_m, BLOCK_N=block_n), num_warps=warps)
     return grad_h, hs, dot
 
 
