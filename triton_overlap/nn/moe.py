@@ -237,11 +237,12 @@ class TPMoE(ReplicatedRouter, nn.Module):
     * grad of the input: ``moe_gemm_rs`` of the gate/up rows' gradient with ``w13^T`` and unit weights, on the
       forward's sorted layout (the reduce-scatter overlapped); ``w13``'s gradient from the tokens the forward
       gathered (kept until backward, [T, dim] per layer).
-    * not overlapped: the experts' weight gradients (one ``torch._grouped_mm`` each where it takes the operands,
-      else a matmul per expert: local work after the op), the gradient of the top-k weights (this rank's part of
-      each ``<grad_out[t], h[t, j] @ w2[e]>``, reduce-scattered by the process group: [T, 2k] float32), and the
-      router's, which is local to each rank's tokens: the router's gradient is per rank partial, so call
-      ``sync_replicated_grads()`` after backward (a sum over ranks) or hand it to your data-parallel reducer.
+    * not overlapped: the experts' weight gradients (one ``torch._grouped_mm`` each where it takes the operands, else a
+      matmul per expert: local work after the op; none for frozen experts, nor their left operands), the gradient of the
+      top-k weights (this rank's part of each ``<grad_out[t], h[t, j] @ w2[e]>``, reduce-scattered by the process group:
+      [T, 2k] float32), and the router's, which is local to each rank's tokens: the router's gradient is per rank
+      partial, so call ``sync_replicated_grads()`` after backward (a sum over ranks) or hand it to your data-parallel
+      reducer.
 
     Parameters are bfloat16 (default) or float16; float32 parameters work under ``torch.autocast`` (cast per call
     to the autocast dtype, as ``nn.Linear`` is) and raise TypeError without it. ``fallback`` is passed to the ops
