@@ -81,6 +81,69 @@ def test_linear_layers_match_unsharded_module(pool, fallback, keep):
     assert all(used == {"ag": want, "rs": want} for _, used in results)
 
 
+def _frozen(S, B, d_in, d_out, fallback, frozen):
+    """The column and row layers (and the row layer without sequence parallelism) with their weights and biases
+    frozen (``frozen="weights"``: a fine-tuned model's base layers) or their input needing no gradient ("input"):
+    the gradients asked for match the unsharded module's, the others stay None, and the backward makes no
+    collective call that only those need (torch.profiler's record of the ops: the column layer's backward no
+    GEMM-ReduceScatter for a frozen input and no gather for a frozen weight; the row layer's no AllGather-GEMM for a
+    frozen input)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with to.Context(timeout_s=120) as ctx:
+        W, r, dev = ctx.world_size, ctx.rank, ctx.device
+        g = torch.Generator().manual_seed(7)
+        x_full = torch.randn(S, B, d_in, generator=g).bfloat16().float()
+        gy = torch.randn(S, B, d_out, generator=g)
+        rows, errs, called = slice(r * S // W, (r + 1) * S // W), {}, {}
+        for name, seq in (("col", True), ("row", True), ("row_ar", False)):
+            full = _bf16_rounded_linear(d_in, d_out, 3)
+            x_ref = x_full.clone().requires_grad_()
+            y_ref = full(x_ref)
+            if name == "col":
+                layer = ColumnParallelLinear.from_full_weight(full, ctx, dtype=torch.bfloat16, fallback=fallback)
+                x_in, part = x_full[rows], (slice(None), slice(None), slice(r * d_out // W, (r + 1) * d_out // W))
+                want_x, want_w = (lambda t: t[rows]), (lambda t: t[part[2]])
+            else:
+                layer = RowParallelLinear.from_full_weight(full, ctx, dtype=torch.bfloat16, fallback=fallback,
+                                                           sequence_parallel=seq)
+                ins = slice(r * d_in // W, (r + 1) * d_in // W)
+                x_in, part = x_full[..., ins], (rows if seq else slice(None),)
+                want_x, want_w = (lambda t: t[..., ins]), (lambda t: t[:, ins])
+            (y_ref * gy).sum().backward()
+            layer.requires_grad_(frozen != "weights")
+            x = x_in.to(dev, torch.bfloat16).requires_grad_(frozen != "input")
+            y = layer(x)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                (y.float() * gy[part].to(dev)).sum().backward()
+            called[name] = {e.key.removeprefix("triton_overlap::") for e in prof.key_averages()
+                            if e.key.startswith("triton_overlap::")}
+            errs[f"{name}.out"] = rel_err(y, y_ref[part].detach())
+            if frozen == "weights":
+                assert layer.weight.grad is None and layer.bias.grad is None, name
+                errs[f"{name}.grad_x"] = rel_err(x.grad, want_x(x_ref.grad))
+            else:
+                assert x.grad is None, name
+                errs[f"{name}.grad_w"] = rel_err(layer.weight.grad, want_w(full.weight.grad))
+                bias = full.bias.grad if name != "col" else full.bias.grad[part[2]]
+                errs[f"{name}.grad_b"] = rel_err(layer.bias.grad, bias)
+        ctx.check()
+        bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k.endswith("out") else TOL_GRAD)}
+        assert not bad, f"rank {r}: {bad}"
+        if frozen == "weights":
+            assert "all_gather_rows" not in called["col"], called
+        else:
+            assert "gemm_rs" not in called["col"] and "ag_gemm" not in called["row"], called
+            assert "all_gather_rows" in called["row"], called
+        return True
+
+
+@pytest.mark.parametrize("frozen", ["weights", "input"])
+def test_frozen_weights_or_input(pool, frozen):
+    S, B, d_in, d_out = (24, 2, 48, 36) if pool.backend == "host" else (1024, 2, 1024, 1536)
+    assert all(pool.run(_frozen, S, B, d_in, d_out, "never", frozen))
+
+
 def _bad_features():
     with to.Context(timeout_s=30) as ctx:
         W = ctx.world_size

@@ -89,7 +89,8 @@ def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_
     """TPMoE against PlainMoE in float64 on every rank's S/W positions of [S, B, dim]. ``mode``: "bf16" (bf16
     parameters), "autocast" (float32 parameters under torch.autocast(bfloat16)), "compile" (bf16, compiled with
     fullgraph=True by inductor, against eager too), "frozen" (bf16, the experts' weights need no gradient: the
-    backward skips their left operands); ``shared``, ``gated``: a shared expert of that width, gated.
+    backward skips their left operands), "frozen_input" (bf16, the input needs no gradient: no converse
+    MoE-ReduceScatter); ``shared``, ``gated``: a shared expert of that width, gated.
     Returns the errors."""
     with to.Context(timeout_s=120) as ctx:
         W, r, dev = ctx.world_size, ctx.rank, ctx.device
@@ -119,7 +120,7 @@ def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_
 
         def run(fn):
             moe.zero_grad(set_to_none=True)
-            x = x_full[rows].to(dev, dtype).requires_grad_()
+            x = x_full[rows].to(dev, dtype).requires_grad_(mode != "frozen_input")
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
                 y = fn(x)
             assert y.shape == (S // W, B, dim) and y.dtype == torch.bfloat16
@@ -135,6 +136,9 @@ def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_
         if mode == "frozen":
             assert got.pop("w13") is None and got.pop("w2") is None
             del want["w13"], want["w2"]
+        if mode == "frozen_input":
+            assert got.pop("grad_x") is None
+            del want["grad_x"]
         errs = {k: rel_err(got[k], want[k]) for k in want}
         if mode == "autocast":
             assert all(got[k].dtype == torch.float32 for k in want if k != "out")
@@ -156,6 +160,7 @@ CASES = {  # S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_emp
     "top1": (12, 1, 40, 24, 3, 1, False, "never", "bf16"),  # Switch Transformer's: the weight is the probability
     "autocast": (12, 2, 32, 48, 4, 2, True, "never", "autocast"),
     "frozen_experts": (12, 2, 32, 48, 4, 2, True, "never", "frozen"),
+    "frozen_input": (12, 2, 32, 48, 4, 2, True, "never", "frozen_input"),
     "compile": (12, 2, 32, 48, 4, 2, True, "never", "compile"),
     # a shared expert twice the experts' width with Qwen2-MoE's sigmoid gate; one as wide, ungated (DeepSeek's)
     "shared_gated": (12, 2, 32, 48, 4, 2, False, "never", "bf16", False, 96, True),

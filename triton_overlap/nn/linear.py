@@ -48,9 +48,12 @@ def all_reduce_op(ctx, fallback: str) -> int:
 
 def column_rows(x, weight, bias, ctx, fallback: str, keep_gathered_input: bool = True):
     """AllGather-GEMM on rows, with autograd: ``x`` ``[R, in]`` this rank's rows, ``weight`` ``[out/W, in]`` (as
-    ``nn.Linear`` stores it) -> ``[W*R, out/W]``, every rank's rows in rank order."""
+    ``nn.Linear`` stores it) -> ``[W*R, out/W]``, every rank's rows in rank order. The gathered input is kept for
+    the weight's gradient only where it will have one (a frozen weight's layer, and a call without autograd,
+    keep nothing)."""
     ag, rs = layer_ops(ctx, fallback)
-    return custom_ops.ag_gemm(x, weight.t(), bias, ag, rs, ctx.world_size, keep_gathered_input)[0]
+    keep = keep_gathered_input and weight.requires_grad and torch.is_grad_enabled()
+    return custom_ops.ag_gemm(x, weight.t(), bias, ag, rs, ctx.world_size, keep)[0]
 
 
 def row_rows(x, weight, bias, ctx, fallback: str, sequence_parallel: bool = True):

@@ -164,15 +164,21 @@ def _ag_setup(ctx, inputs, output):
 
 
 def _ag_backward(ctx, grad_out, _grad_gathered):
+    """Only the gradients asked for (a frozen weight needs neither its product nor the input gathered again; an
+    input without a gradient, no GEMM-ReduceScatter). Whether each is asked for is the model's structure, the same
+    on every rank, so the ranks make the same collective calls."""
     saved, w = ctx.saved_tensors
     ag, rs = ctx.handles
     if grad_out is None:  # (grads are not materialised: the output took no part in the loss)
         return None, None, None, None, None, None, None
+    need_a, need_w, need_b = ctx.needs_input_grad[:3]
     grad_out = grad_out.contiguous()
-    grad_a = gemm_rs(grad_out, w.t(), None, rs, ag, ctx.world)  # rows of this rank of sum_r grad_out @ w^T
-    gathered = saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)  # kept from forward, or gathered again
-    grad_w = weight_grad(gathered, grad_out, w)
-    grad_b = grad_out.sum(0) if ctx.has_bias else None
+    grad_a = gemm_rs(grad_out, w.t(), None, rs, ag, ctx.world) if need_a else None  # this rank's rows of the sum
+    grad_w = None
+    if need_w:
+        gathered = saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)  # kept from forward, or gathered again
+        grad_w = weight_grad(gathered, grad_out, w)
+    grad_b = grad_out.sum(0) if ctx.has_bias and need_b else None
     return grad_a, grad_w, grad_b, None, None, None, None
 
 
@@ -199,11 +205,20 @@ def _rs_setup(ctx, inputs, output):
 
 
 def _rs_backward(ctx, grad_out):
+    """Only the gradients asked for, as ``_ag_backward``: the weight's and the bias's need the output gradient
+    gathered, the input's the AllGather-GEMM (which gathers it on the way)."""
     a, w = ctx.saved_tensors
     rs, ag = ctx.handles
-    grad_a, grad_full = ag_gemm(grad_out.contiguous(), w.t(), None, ag, rs, ctx.world, True)
-    grad_w = weight_grad(a, grad_full, w)
-    grad_b = grad_full.sum(0) if ctx.has_bias else None  # the bias is added once: its gradient sees every row
+    need_a, need_w, need_b = ctx.needs_input_grad[:3]
+    need_full = need_w or (ctx.has_bias and need_b)
+    grad_out = grad_out.contiguous()
+    if need_a:
+        grad_a, grad_full = ag_gemm(grad_out, w.t(), None, ag, rs, ctx.world, need_full)
+    else:
+        grad_a, grad_full = None, all_gather_rows(grad_out, ag, ctx.world) if need_full else None
+    grad_w = weight_grad(a, grad_full, w) if need_w else None
+    # the bias is added once: its gradient sees every row
+    grad_b = grad_full.sum(0) if ctx.has_bias and need_b else None
     return grad_a, grad_w, grad_b, None, None, None
 
 
@@ -289,8 +304,9 @@ def _ar_setup(ctx, inputs, output):
 def _ar_backward(ctx, grad_out):
     # the output is the same on every rank and so is its gradient: each rank's inputs get their share locally
     a, w = ctx.saved_tensors
-    grad_b = grad_out.sum(0) if ctx.has_bias else None
-    return grad_out @ w.t(), weight_grad(a, grad_out, w), grad_b, None
+    need_a, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_b = grad_out.sum(0) if ctx.has_bias and need_b else None
+    return grad_out @ w.t() if need_a else None, weight_grad(a, grad_out, w) if need_w else None, grad_b, None
 
 
 gemm_ar.register_autograd(_ar_backward, setup_context=_ar_setup)
@@ -375,9 +391,13 @@ def _ag_moe_backward(ctx, grad_rows, *_):
     w, ids, order, position, offsets, gathered = ctx.saved_tensors
     ag, rs = ctx.handles
     grad_rows = grad_rows.contiguous()
-    # the input's gradient, sum over ranks and choices of grad_rows @ w^T, reduce-scattered: the converse op
-    ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
-    grad_x = moe_rs(grad_rows, w.transpose(1, 2), ids, ones, order, position, offsets, rs, ag, ctx.world, w.shape[2])
+    # the input's gradient, sum over ranks and choices of grad_rows @ w^T, reduce-scattered: the converse op (where
+    # asked for: the model's structure, the same on every rank)
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+        grad_x = moe_rs(grad_rows, w.transpose(1, 2), ids, ones, order, position, offsets, rs, ag, ctx.world,
+                        w.shape[2])
     grad_w = moe_expert_grads(gathered[order // ids.shape[1]], grad_rows, offsets) if ctx.needs_input_grad[1] \
         else None
     return grad_x, grad_w, None, None, None, None
