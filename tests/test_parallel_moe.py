@@ -293,7 +293,8 @@ def _decisive_tokens(reference, B, S, dev):
 
 
 def _moe_case(kind, mode, fallback, hf=False, ep=False):
-    """``mode``: "bf16" (bf16 parameters), "autocast" (float32 parameters under torch.autocast(bfloat16)) or
+    """``mode``: "bf16" (bf16 parameters), "autocast" (float32 parameters under torch.autocast(bfloat16)),
+    "checkpointed" (bf16, transformers' activation checkpointing on: each layer runs again in backward) or
     "decode" (bf16, hf_plan's plan without sequence parallelism: every token on every rank, 3 of them); ``hf``:
     the plan hf_plan makes of the model's own (Qwen3-MoE's with its last layer dense); ``ep``: the MoE blocks expert
     parallel. Batch 2, sequence 4W. Returns the worst (name, error)."""
@@ -312,7 +313,11 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         plan = hf_plan(model, ctx, fallback=fallback, expert_parallel=ep, sequence_parallel=not decode) if hf \
             else _plan(ctx, kind, fallback, ep)
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
+        if mode == "checkpointed":
+            model.gradient_checkpointing_enable({"use_reentrant": False})
         mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
+        calls = []  # the MoE block's forward calls: a checkpointed layer runs again in backward
+        mlp.register_forward_pre_hook(lambda *_: calls.append(1))
         shared = kind in ("qwen2", "glm4", "deepseek_v3", "qwen3_5_moe", "qwen3_next")
         assert (kind in ("qwen2", "qwen3_5_moe", "qwen3_next")) == isinstance(
             getattr(mlp, "shared_expert_gate", None), torch.nn.Module)
@@ -337,6 +342,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         loss.backward()
         ref_loss.backward()
         ctx.check()
+        assert len(calls) == (2 if mode == "checkpointed" else 1), (mode, len(calls))
         errs = {"logits": rel_err(logits.detach(), ref_logits.detach()),
                 **_grad_errors(model, reference, ctx.rank, W, ep)}
         # transformers' router-logit recorder saw each router's logits of this rank's tokens (decode: all tokens)
@@ -371,7 +377,8 @@ MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral
              ("qwen3_5_moe", "bf16", "never", True), ("qwen3_5_moe", "decode", "never", True),
              ("qwen3_next", "bf16", "never", True), ("qwen3_next", "decode", "never", True),
              ("gpt_oss", "bf16", "never", True), ("gpt_oss", "decode", "never", True),
-             ("gpt_oss", "bf16", "never", True, True)]
+             ("gpt_oss", "bf16", "never", True, True), ("mixtral", "checkpointed", "never", True),
+             ("mixtral", "checkpointed", "never", True, True)]
 #: MOE_CASES the host backend skips (CI time): decode cases but Mixtral's (tensor parallel), DeepSeek-V3's (expert
 #: parallel) and Qwen3.5-MoE's (linear attention), which cover the modes; Mixtral's decode through the fallback;
 #: GPT-OSS's decode and expert-parallel models (its blocks alone run both there)

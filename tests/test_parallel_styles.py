@@ -94,9 +94,11 @@ def _grad_errors(model, reference, rank, world=None):
 
 def _llama_case(B, mode, fallback, shared=False, kind="llama"):
     """``mode``: "bf16" (bf16 parameters), "autocast" (float32 parameters under autocast), "compiled" (bf16, the
-    model under torch.compile), "compiled_layers" (each decoder layer compiled) or "decode" (no sequence
-    parallelism: local column layers, GEMM + AllReduce rows); ``shared``: _plan's, or "hf": the plan hf_plan makes
-    of the model's own; ``kind``: _llama's."""
+    model under torch.compile), "compiled_layers" (each decoder layer compiled), "decode" (no sequence
+    parallelism: local column layers, GEMM + AllReduce rows), "checkpointed" or "checkpointed_reentrant" (bf16, the
+    model's own activation checkpointing on, its layers run again in backward: transformers'
+    ``gradient_checkpointing_enable``); ``shared``: _plan's, or "hf": the plan hf_plan makes of the model's own;
+    ``kind``: _llama's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -109,6 +111,11 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
         plan = hf_plan(model, ctx, fallback=fallback, sequence_parallel=mode != "decode") if shared == "hf" \
             else _plan(ctx, fallback, mode != "decode", shared)
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
+        calls = []  # o_proj's forward calls: a checkpointed layer runs again in backward
+        model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda *_: calls.append(1))
+        if mode.startswith("checkpointed"):
+            model.gradient_checkpointing_enable({"use_reentrant": mode.endswith("reentrant")})
+            assert model.is_gradient_checkpointing
         run = torch.compile(model) if mode == "compiled" else model
         if mode == "compiled_layers":  # each decoder layer compiled, as torchtitan does
             for i, layer in enumerate(model.model.layers):
@@ -122,6 +129,8 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
         logits.float().square().mean().backward()
         ref_logits.square().mean().backward()
         ctx.check()
+        if not mode.startswith("compiled"):
+            assert len(calls) == (2 if mode.startswith("checkpointed") else 1), (mode, len(calls))
         errs = {"logits": rel_err(logits, ref_logits), **_grad_errors(model, reference, ctx.rank, W)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "logits" else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
@@ -147,7 +156,8 @@ LLAMA_CASES = [(2, "bf16", "never"), (1, "autocast", "never"), (2, "decode", "ne
                (2, "bf16", "never", True), (1, "autocast", "never", True), (2, "decode", "never", True),
                (2, "bf16", "never", "hf"), (2, "decode", "never", "hf"), (2, "bf16", "never", "hf", "olmo2"),
                (1, "decode", "never", "hf", "olmo2"), (1, "bf16", "never", "hf", "glm4"),
-               (2, "bf16", "never", "hf", "phi3"), (1, "decode", "never", "hf", "phi3")]
+               (2, "bf16", "never", "hf", "phi3"), (1, "decode", "never", "hf", "phi3"),
+               (2, "checkpointed", "never", "hf"), (1, "checkpointed_reentrant", "never", "hf")]
 
 
 @pytest.mark.parametrize("case", range(len(LLAMA_CASES)))
