@@ -177,6 +177,54 @@ def test_llama_compiled_matches_unmodified_model(pool, what):
     pool.run(_llama_case, 2, what, "never", what == "compiled_layers")  # (each layer: with SharedInputColwise)
 
 
+def _beside_fsdp():
+    """Tensor parallel within each half of a 2 x 2 mesh and FSDP2 (``fully_shard``) across the halves, as torchtitan
+    composes them: a Context on each rank's ``mesh["tp"]`` group, hf_plan's plan on ``mesh["tp"]`` (the second
+    half's mesh holds global ranks 2 and 3), each data-parallel half its own 2 sequences of the batch; the logits
+    against the unmodified model's in float64 and every gradient (FSDP2 averages them over the halves) against the
+    gradient of the whole batch's mean."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.nn import hf_plan
+
+    from triton_overlap.kernels.cached_launch import triton_interprets
+
+    dev = "cpu" if triton_interprets() else "cuda"  # (the host backend where Triton interprets)
+    mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("dp", "tp"))
+    with to.Context(mesh["tp"].get_group(), timeout_s=120) as ctx:
+        assert ctx.world_size == 2 and ctx.device.type == dev
+        model = _llama(2, torch.bfloat16).to(ctx.device)
+        reference = copy.deepcopy(model).double()
+        parallelize_module(model, mesh["tp"], hf_plan(model, ctx, fallback="never"))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        half = mesh["dp"].get_local_rank()
+        tokens = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(1)).to(ctx.device)
+        logits = model(tokens[2 * half:2 * half + 2]).logits
+        logits.float().square().mean().backward()
+        ref_logits = reference(tokens).logits
+        ref_logits.square().mean().backward()
+        ctx.check()
+        errs = {"logits": rel_err(logits, ref_logits[2 * half:2 * half + 2]),
+                **_grad_errors(model, reference, ctx.rank, 2)}
+        bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "logits" else TOL_GRAD)}
+        assert not bad, f"rank {mesh.get_rank()}: {bad}"
+        assert model.model.layers[0].self_attn.o_proj.last_path == "overlap"
+        return max(errs.values())
+
+
+def test_tensor_parallel_beside_fsdp(pool):
+    pytest.importorskip("transformers")
+    if pool.world != 4:
+        pytest.skip("a 2 x 2 mesh: W = 4")
+    if pool.backend == "cuda-shared":
+        pytest.skip("FSDP2's collectives of CUDA tensors over gloo (ranks sharing a GPU) end the ranks with SIGSEGV")
+    pool.run(_beside_fsdp)
+
+
 def _shared_input(B):
     """Three column layers of one module reading one input (widths 4W, 2W, 2W; biases on two), as a
     SharedInputColwise group: outputs, every gradient and the input's against the module unsharded in float64,
@@ -332,6 +380,10 @@ def _float32_without_autocast():
             RowwiseParallel(ctx, fallback="sometimes")
         with pytest.raises(ValueError, match="the device mesh is 2-D; these styles take a 1-D mesh"):
             parallelize_module(nn.Linear(4, 4 * W), init_device_mesh(dev.type, (1, W)), ColwiseParallel(ctx))
+        from torch.distributed.device_mesh import DeviceMesh
+
+        with pytest.raises(ValueError, match=r"ranks \[.*\] are not the Context's group's \[0, 1"):
+            parallelize_module(nn.Linear(4, 4 * W), DeviceMesh(dev.type, list(range(W))[::-1]), ColwiseParallel(ctx))
         from triton_overlap.nn import ColwiseRMSNorm, GatherSequence, ShardSequence
 
         for style in (ShardSequence, GatherSequence):

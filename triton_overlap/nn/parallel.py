@@ -39,12 +39,17 @@ only carries the sum of the input gradients over the ranks in backward).
 Batch-first rows of ``B > 1`` are not contiguous per rank: column layers permute their output and row layers
 their input (one copy each); ``B = 1`` and ``sequence_dim=0`` move no data. The linear styles follow
 ``torch.autocast`` (``nn.precision``).
+
+The mesh is the Context's group, 1-D. Beside data parallelism (torchtitan's FSDP2 x TP), a 2-D mesh's
+tensor-parallel dimension: ``ctx = Context(mesh["tp"].get_group())``, ``parallelize_module(model, mesh["tp"],
+plan)``, then ``fully_shard`` over ``mesh["dp"]``.
 """
 from __future__ import annotations
 
 import itertools
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
@@ -59,7 +64,9 @@ FALLBACKS = ("auto", "never", "always")
 
 def check_mesh(style, device_mesh):
     """The mesh torch passes must be the Context's ranks, in order: the ops and DTensor then agree on who is
-    rank r. ``style``: a style holding its Context as ``ctx``."""
+    rank r. ``style``: a style holding its Context as ``ctx``. A Context on a subgroup (the tensor-parallel group
+    of a 2-D mesh, beside data parallelism: ``Context(mesh["tp"].get_group())``) takes that group's 1-D mesh
+    (``mesh["tp"]``); the ranks compared are global."""
     ctx = style.ctx
     if device_mesh is None:
         raise ValueError(f"{type(style).__name__}: parallelize_module needs a device_mesh over the Context's ranks")
@@ -67,11 +74,13 @@ def check_mesh(style, device_mesh):
     if device_mesh.ndim != 1:
         raise ValueError(f"{type(style).__name__}: the device mesh is {device_mesh.ndim}-D; these styles take a 1-D "
                          f"mesh over the Context's {ctx.world_size} ranks in order, e.g. "
-                         f"init_device_mesh({ctx.device.type!r}, ({ctx.world_size},))")
-    if ranks != list(range(ctx.world_size)):
-        raise ValueError(f"{type(style).__name__}: the device mesh {ranks} is not the Context's "
-                         f"{ctx.world_size} ranks in order (a 1-D mesh over them, e.g. "
-                         f"init_device_mesh({ctx.device.type!r}, ({ctx.world_size},)))")
+                         f"init_device_mesh({ctx.device.type!r}, ({ctx.world_size},)) or a 2-D mesh's mesh['tp']")
+    group = getattr(ctx, "group", None)  # (None: the default group's ranks, as torch reads it)
+    want = list(range(ctx.world_size)) if group is None else dist.get_process_group_ranks(group)
+    if ranks != want:
+        raise ValueError(f"{type(style).__name__}: the device mesh's ranks {ranks} are not the Context's group's "
+                         f"{want}, in order (a 1-D mesh over them, e.g. init_device_mesh({ctx.device.type!r}, "
+                         f"({ctx.world_size},)) or a 2-D mesh's mesh['tp'] with Context(mesh['tp'].get_group()))")
 
 
 def local_input(x, where, shard_dim):
