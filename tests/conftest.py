@@ -41,11 +41,11 @@ CONFIGS = _configs()
 
 # The host backend at W = 4 runs these tests only (test ids under tests/: a file or a test): the Context, the faults,
 # AllReduce (its two-shot's power-of-two split) and the ops between two hosts of two (test_topology, which runs the
-# dense, attention, MoE and EP ops' cases there), and tensor parallel beside FSDP2 on a 2 x 2 mesh. Four ranks of
-# interpreted kernels outnumber a CI machine's two cores, and the rest of the suite at W = 4 took a third of CI's time.
-# W = 2 and 3 run the rest (W = 3 with the cuts docs/testing.md lists), and every GPU world every test.
+# dense, attention, MoE and EP ops' cases there), and tensor (and expert) parallel beside FSDP2 on a 2 x 2 mesh. Four
+# ranks of interpreted kernels outnumber a CI machine's two cores, and the rest of the suite at W = 4 took a third of
+# CI's time. W = 2 and 3 run the rest (W = 3 with the cuts docs/testing.md lists), and every GPU world every test.
 HOST_W4 = ["test_context.py", "test_faults.py", "test_topology.py", "test_all_reduce.py",
-           "test_parallel_styles.py::test_tensor_parallel_beside_fsdp"]
+           "test_parallel_styles.py::test_tensor_parallel_beside_fsdp", "test_parallel_moe.py::test_moe_beside_fsdp"]
 
 
 def _listed(nodeid: str, entry: str) -> bool:

@@ -364,6 +364,52 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         return max(errs.items(), key=lambda kv: kv[1])
 
 
+def _moe_beside_fsdp(ep):
+    """Mixtral's MoE blocks tensor (``ep``: expert) parallel within each half of a 2 x 2 mesh, FSDP2 across the
+    halves (test_parallel_styles' dense case, for MoEParallel): each half its own 2 sequences; logits and every
+    gradient (FSDP2's mean over the halves) against the unmodified model's on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.kernels.cached_launch import triton_interprets
+    from triton_overlap.nn import hf_plan
+
+    mesh = init_device_mesh("cpu" if triton_interprets() else "cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+    with to.Context(mesh["tp"].get_group(), timeout_s=120) as ctx:
+        model = _model("mixtral", 2, torch.bfloat16).to(ctx.device)
+        reference = copy.deepcopy(model).double()
+        parallelize_module(model, mesh["tp"], hf_plan(model, ctx, fallback="never", expert_parallel=ep))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        half = mesh["dp"].get_local_rank()
+        tokens = _decisive_tokens(reference, 4, 8, ctx.device)
+        logits = model(tokens[2 * half:2 * half + 2]).logits
+        logits.float().square().mean().backward()
+        ref_logits = reference(tokens).logits
+        ref_logits.square().mean().backward()
+        ctx.check()
+        errs = {"logits": rel_err(logits.detach(), ref_logits[2 * half:2 * half + 2].detach()),
+                **_grad_errors(model, reference, ctx.rank, 2, ep)}
+        bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
+        assert not bad, f"rank {mesh.get_rank()}: {bad}"
+        mlp = model.model.layers[0].mlp
+        assert mlp.last_path == "overlap" and type(mlp.tp_ops[0]).__name__ == (
+            "ExpertParallel" if ep else "AllGatherMoEGEMM")
+        return max(errs.values())
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tensor_parallel", "expert_parallel"])
+def test_moe_beside_fsdp(pool, ep):
+    pytest.importorskip("transformers")
+    if pool.world != 4:
+        pytest.skip("a 2 x 2 mesh: W = 4")
+    if pool.backend == "cuda-shared":
+        pytest.skip("FSDP2's collectives of CUDA tensors over gloo (ranks sharing a GPU) end the ranks with SIGSEGV")
+    pool.run(_moe_beside_fsdp, ep)
+
+
 MOE_CASES = [("qwen3", "bf16", "never"), ("mixtral", "bf16", "never"), ("mixtral", "autocast", "never"),
              ("qwen3", "bf16", "always"), ("qwen3", "bf16", "never", True),
              ("mixtral", "bf16", "never", True), ("qwen2", "bf16", "never"), ("qwen2", "autocast", "never", True),
