@@ -83,11 +83,12 @@ def test_linear_layers_match_unsharded_module(pool, fallback, keep):
 
 def _frozen(S, B, d_in, d_out, fallback, frozen):
     """The column and row layers (and the row layer without sequence parallelism) with their weights and biases
-    frozen (``frozen="weights"``: a fine-tuned model's base layers) or their input needing no gradient ("input"):
-    the gradients asked for match the unsharded module's, the others stay None, and the backward makes no
-    collective call that only those need (torch.profiler's record of the ops: the column layer's backward no
-    GEMM-ReduceScatter for a frozen input and no gather for a frozen weight; the row layer's no AllGather-GEMM for a
-    frozen input)."""
+    frozen (``frozen="weights"``: a fine-tuned model's base layers), their weights only ("weights_not_bias": the
+    biases trained) or their input needing no gradient ("input"): the gradients asked for match the unsharded
+    module's, the others stay None, and the backward makes no collective call that only those need (torch.profiler's
+    record of the ops: the column layer's backward no GEMM-ReduceScatter for a frozen input and no gather for a
+    frozen weight; the row layer's no AllGather-GEMM for a frozen input); the column layer's forward keeps the
+    gathered input [S * B, in] for its weight's gradient only."""
     from torch.profiler import ProfilerActivity, profile
 
     with to.Context(timeout_s=120) as ctx:
@@ -111,34 +112,42 @@ def _frozen(S, B, d_in, d_out, fallback, frozen):
                 x_in, part = x_full[..., ins], (rows if seq else slice(None),)
                 want_x, want_w = (lambda t: t[..., ins]), (lambda t: t[:, ins])
             (y_ref * gy).sum().backward()
-            layer.requires_grad_(frozen != "weights")
+            layer.requires_grad_(not frozen.startswith("weights"))
+            layer.bias.requires_grad_(frozen != "weights")
             x = x_in.to(dev, torch.bfloat16).requires_grad_(frozen != "input")
-            y = layer(x)
+            saved = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+                y = layer(x)
+            if name == "col":
+                assert ((S * B, d_in) in saved) == (frozen == "input"), (frozen, saved)
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 (y.float() * gy[part].to(dev)).sum().backward()
             called[name] = {e.key.removeprefix("triton_overlap::") for e in prof.key_averages()
                             if e.key.startswith("triton_overlap::")}
             errs[f"{name}.out"] = rel_err(y, y_ref[part].detach())
-            if frozen == "weights":
-                assert layer.weight.grad is None and layer.bias.grad is None, name
+            bias = full.bias.grad if name != "col" else full.bias.grad[part[2]]
+            if frozen.startswith("weights"):
+                assert layer.weight.grad is None, name
+                assert (layer.bias.grad is None) == (frozen == "weights"), name
                 errs[f"{name}.grad_x"] = rel_err(x.grad, want_x(x_ref.grad))
+                if frozen == "weights_not_bias":
+                    errs[f"{name}.grad_b"] = rel_err(layer.bias.grad, bias)
             else:
                 assert x.grad is None, name
                 errs[f"{name}.grad_w"] = rel_err(layer.weight.grad, want_w(full.weight.grad))
-                bias = full.bias.grad if name != "col" else full.bias.grad[part[2]]
                 errs[f"{name}.grad_b"] = rel_err(layer.bias.grad, bias)
         ctx.check()
         bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k.endswith("out") else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad}"
-        if frozen == "weights":
-            assert "all_gather_rows" not in called["col"], called
+        if frozen.startswith("weights"):
+            assert "all_gather_rows" not in called["col"] and "ag_gemm" in called["row"], called
         else:
             assert "gemm_rs" not in called["col"] and "ag_gemm" not in called["row"], called
             assert "all_gather_rows" in called["row"], called
         return True
 
 
-@pytest.mark.parametrize("frozen", ["weights", "input"])
+@pytest.mark.parametrize("frozen", ["weights", "weights_not_bias", "input"])
 def test_frozen_weights_or_input(pool, frozen):
     S, B, d_in, d_out = (24, 2, 48, 36) if pool.backend == "host" else (1024, 2, 1024, 1536)
     assert all(pool.run(_frozen, S, B, d_in, d_out, "never", frozen))

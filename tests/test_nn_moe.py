@@ -12,6 +12,7 @@ tests/test_block.py). Measured on the host backend: 1.5e-2 for the output and gr
 import pytest
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import triton_overlap as to
 from triton_overlap.nn import TPMoE
@@ -118,20 +119,30 @@ def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_
         rows = slice(r * S // W, (r + 1) * S // W)
         gy_local = gy[rows].to(dev)
 
+        saved = []  # the shapes autograd saves in eager runs (the gathered tokens [S * B, dim] for w13's gradient)
+
         def run(fn):
             moe.zero_grad(set_to_none=True)
             x = x_full[rows].to(dev, dtype).requires_grad_(mode != "frozen_input")
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=mode == "autocast"), \
+                    torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
                 y = fn(x)
             assert y.shape == (S // W, B, dim) and y.dtype == torch.bfloat16
-            (y.float() * gy_local).sum().backward()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                (y.float() * gy_local).sum().backward()
+            backward_ops.update(e.key for e in prof.key_averages() if e.key.startswith("triton_overlap::"))
             moe.sync_replicated_grads()
             got = {"out": y.detach(), "grad_x": x.grad, "router": moe.router.weight.grad, "w13": moe.w13.grad,
                    "w2": moe.w2.grad}
             return got if moe.shared_gate is None else {**got, "shared_gate": moe.shared_gate.weight.grad}
 
+        backward_ops = set()
         got = run(moe)
         ctx.check()
+        if mode in ("bf16", "frozen", "frozen_input") and fallback == "never":
+            # frozen experts keep no gathered tokens; an input without a gradient has no converse MoE-RS
+            assert ((S * B, dim) in saved) == (mode != "frozen"), (mode, saved)
+            assert ("triton_overlap::moe_rs" in backward_ops) == (mode != "frozen_input"), (mode, backward_ops)
         want = {"out": y_ref[rows].detach(), "grad_x": x_ref.grad[rows], **_sharded_grads(moe, ref, r)}
         if mode == "frozen":
             assert got.pop("w13") is None and got.pop("w2") is None

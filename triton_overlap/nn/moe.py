@@ -150,7 +150,8 @@ def swiglu_experts(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids:
     (``gather_routes``); ``handles`` from ``moe_ops``. Returns [T/W, dim] (down-projection biases not added:
     ``routed_bias``)."""
     ag, rs = handles
-    h, order, position, offsets, _ = custom_ops.ag_moe(rows, w13, ids, ag, rs, world_size)
+    keep = w13.requires_grad and torch.is_grad_enabled()  # (the gathered rows, for w13's gradient)
+    h, order, position, offsets, _ = custom_ops.ag_moe(rows, w13, ids, ag, rs, world_size, keep)
     if bias13 is not None:  # (sorted row p holds the pair order[p] = t * topk + j)
         h = h + bias13[ids.reshape(-1)[order]].to(h.dtype)
     return custom_ops.moe_rs(act(h), w2, ids, weights, order, position, offsets, rs, ag, world_size, w13.shape[-1])

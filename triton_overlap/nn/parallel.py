@@ -75,7 +75,7 @@ def check_mesh(style, device_mesh):
         raise ValueError(f"{type(style).__name__}: the device mesh is {device_mesh.ndim}-D; these styles take a 1-D "
                          f"mesh over the Context's {ctx.world_size} ranks in order, e.g. "
                          f"init_device_mesh({ctx.device.type!r}, ({ctx.world_size},)) or a 2-D mesh's mesh['tp']")
-    group = getattr(ctx, "group", None)  # (None: the default group's ranks, as torch reads it)
+    group = getattr(ctx, "group", None)  # (a stand-in Context without a group, as the plan checks use: 0..W-1)
     want = list(range(ctx.world_size)) if group is None else dist.get_process_group_ranks(group)
     if ranks != want:
         raise ValueError(f"{type(style).__name__}: the device mesh's ranks {ranks} are not the Context's group's "

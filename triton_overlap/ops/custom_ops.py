@@ -361,34 +361,38 @@ all_gather_rows_with_grad.register_autograd(
 
 
 @torch.library.custom_op("triton_overlap::ag_moe", mutates_args=())
-def ag_moe(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, ag: int, rs: int,
-           world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def ag_moe(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, ag: int, rs: int, world: int,
+           keep: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """An AllGatherMoEGEMM in the expert-sorted layout: (rows [T * topk, N], the routing's order [P] int64,
-    position [P] int32 and offsets [E + 1] int32, the gathered x [T, K]); ``rs`` names the MoEGEMMReduceScatter its
-    backward uses."""
+    position [P] int32 and offsets [E + 1] int32, the gathered x [T, K], or with ``keep=False`` an empty tensor:
+    the weights' gradient gathers x again); ``rs`` names the MoEGEMMReduceScatter its backward uses."""
+    if not keep:
+        rows, routing = op_of(ag)(x.contiguous(), w, ids, sorted_output=True)
+        return rows, routing.order, routing.position, routing.offsets, x.new_empty(0)
     rows, routing, gathered = op_of(ag)(x.contiguous(), w, ids, sorted_output=True, return_gathered=True)
     return rows, routing.order, routing.position, routing.offsets, gathered
 
 
 @ag_moe.register_fake
-def _(x, w, ids, ag, rs, world):
+def _(x, w, ids, ag, rs, world, keep=True):
     P = ids.shape[0] * ids.shape[1]
     return (x.new_empty(P, w.shape[2]), ids.new_empty(P, dtype=torch.int64), ids.new_empty(P, dtype=torch.int32),
-            ids.new_empty(w.shape[0] + 1, dtype=torch.int32), x.new_empty(x.shape[0] * world, x.shape[1]))
+            ids.new_empty(w.shape[0] + 1, dtype=torch.int32),
+            x.new_empty((x.shape[0] * world, x.shape[1]) if keep else (0,)))
 
 
 def _ag_moe_setup(ctx, inputs, output):
-    x, w, ids, ag, rs, world = inputs
-    ctx.save_for_backward(w, ids, *output[1:])
-    ctx.handles, ctx.world = (ag, rs), world
+    x, w, ids, ag, rs, world, keep = inputs
+    ctx.save_for_backward(w, ids, *output[1:4], output[4] if keep else x)
+    ctx.handles, ctx.world, ctx.keep = (ag, rs), world, keep
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
 
 
 def _ag_moe_backward(ctx, grad_rows, *_):
     if grad_rows is None:
-        return None, None, None, None, None, None
-    w, ids, order, position, offsets, gathered = ctx.saved_tensors
+        return None, None, None, None, None, None, None
+    w, ids, order, position, offsets, saved = ctx.saved_tensors
     ag, rs = ctx.handles
     grad_rows = grad_rows.contiguous()
     # the input's gradient, sum over ranks and choices of grad_rows @ w^T, reduce-scattered: the converse op (where
@@ -398,9 +402,11 @@ def _ag_moe_backward(ctx, grad_rows, *_):
         ones = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
         grad_x = moe_rs(grad_rows, w.transpose(1, 2), ids, ones, order, position, offsets, rs, ag, ctx.world,
                         w.shape[2])
-    grad_w = moe_expert_grads(gathered[order // ids.shape[1]], grad_rows, offsets) if ctx.needs_input_grad[1] \
-        else None
-    return grad_x, grad_w, None, None, None, None
+    grad_w = None
+    if ctx.needs_input_grad[1]:
+        gathered = saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)  # kept from forward, or gathered again
+        grad_w = moe_expert_grads(gathered[order // ids.shape[1]], grad_rows, offsets)
+    return grad_x, grad_w, None, None, None, None, None
 
 
 ag_moe.register_autograd(_ag_moe_backward, setup_context=_ag_moe_setup)
@@ -432,7 +438,8 @@ def _moe_rs_backward(ctx, grad_out):
     h, w, ids, weights, order, position, offsets = ctx.saved_tensors
     rs, ag = ctx.handles
     # every token's grad_out @ w[e]^T through the converse op, moved from its sorted layout into the forward's
-    g_rows, _, g_position, _, g_all = ag_moe(grad_out.contiguous(), w.transpose(1, 2), ids, ag, rs, ctx.world)
+    g_rows, _, g_position, _, g_all = ag_moe(grad_out.contiguous(), w.transpose(1, 2), ids, ag, rs, ctx.world,
+                                             ctx.needs_input_grad[1])  # (the gathered grad_out: w's gradient)
     scale = weights.reshape(-1)[order].float()  # each sorted row's top-k weight
     # d out / d weights[t, j] = <grad_out[t], h[t, j] @ w[e]> = <g[t, j], h[t, j]>: this rank's part of the sum
     grad_h, h_scaled, dots = moe_row_grads(g_rows, g_position[order], scale, h, ctx.needs_input_grad[1])
