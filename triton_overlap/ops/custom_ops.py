@@ -155,6 +155,12 @@ def weight_grad(x: torch.Tensor, grad_out: torch.Tensor, w: torch.Tensor) -> tor
     return x.t() @ grad_out
 
 
+def _kept_or_gathered(ctx, saved: torch.Tensor, ag: int) -> torch.Tensor:
+    """The gathered input a forward kept for the weight's gradient (``ctx.keep``), else ``saved``, this rank's rows,
+    gathered again."""
+    return saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)
+
+
 def _ag_setup(ctx, inputs, output):
     a, w, bias, ag, rs, world, keep = inputs
     ctx.save_for_backward(output[1] if keep else a, w)
@@ -176,8 +182,7 @@ def _ag_backward(ctx, grad_out, _grad_gathered):
     grad_a = gemm_rs(grad_out, w.t(), None, rs, ag, ctx.world) if need_a else None  # this rank's rows of the sum
     grad_w = None
     if need_w:
-        gathered = saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)  # kept from forward, or gathered again
-        grad_w = weight_grad(gathered, grad_out, w)
+        grad_w = weight_grad(_kept_or_gathered(ctx, saved, ag), grad_out, w)
     grad_b = grad_out.sum(0) if ctx.has_bias and need_b else None
     return grad_a, grad_w, grad_b, None, None, None, None
 
@@ -404,8 +409,7 @@ def _ag_moe_backward(ctx, grad_rows, *_):
                         w.shape[2])
     grad_w = None
     if ctx.needs_input_grad[1]:
-        gathered = saved if ctx.keep else all_gather_rows(saved, ag, ctx.world)  # kept from forward, or gathered again
-        grad_w = moe_expert_grads(gathered[order // ids.shape[1]], grad_rows, offsets)
+        grad_w = moe_expert_grads(_kept_or_gathered(ctx, saved, ag)[order // ids.shape[1]], grad_rows, offsets)
     return grad_x, grad_w, None, None, None, None, None
 
 
