@@ -99,10 +99,10 @@ class AllGatherGEMM(OverlapOp):
             if self.replayed(call_key(ov, a, w, bias, out, *scales)):
                 self.last_path = "overlap"
                 return self._returned(a, out, return_gathered)
-        return self._call(a, w, bias, return_gathered, out, overrides, (scale_a, scale_b), out_dtype)
+        return self._call(a, w, bias, return_gathered, out, overrides, ov, (scale_a, scale_b), out_dtype)
 
     @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
-    def _call(self, a, w, bias, return_gathered, out, overrides, scales, out_dtype):
+    def _call(self, a, w, bias, return_gathered, out, overrides, ov, scales, out_dtype):
         ctx = self.ctx
         dtype = check_operands(self.KIND, ctx, a, w, bias, *scales, out_dtype, fp8=True)
         W = ctx.world_size
@@ -115,7 +115,6 @@ class AllGatherGEMM(OverlapOp):
         scales = scales if a.dtype == FP8 else ()
         a = a.contiguous()
         out = torch.empty(want, dtype=dtype, device=a.device) if out is None else out
-        ov = tuple(sorted(overrides.items()))
         shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, out.dtype, ov)
         key = call_key(ov, a, w, bias, out, *scales)
         self.seen(key)

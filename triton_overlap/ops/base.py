@@ -144,9 +144,9 @@ class OverlapOp:
         """A call's keywords must name fields of the op's config (TypeError) and hold values it takes (ValueError),
         checked on every path before any launch: a call that falls back to torch never reads them. Each set of
         keywords is checked once. Returns them as sorted (name, value) pairs, the form call keys hold."""
-        key = tuple(sorted(overrides.items())) if overrides else ()
-        if not key:
-            return key
+        if not overrides:
+            return ()
+        key = tuple(sorted(overrides.items()))
         try:
             if key in self._checked:
                 return key

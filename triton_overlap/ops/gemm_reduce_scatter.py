@@ -132,10 +132,10 @@ class GEMMReduceScatter(OverlapOp):
             if self.replayed(call_key(ov, a, w, bias, out)):
                 self.last_path = "overlap"
                 return out
-        return self._call(a, w, bias, out, overrides)
+        return self._call(a, w, bias, out, overrides, ov)
 
     @torch.no_grad()  # not differentiable itself (nn wraps it in autograd Functions); workspaces are reset in place
-    def _call(self, a, w, bias, out, overrides):
+    def _call(self, a, w, bias, out, overrides, ov):
         ctx = self.ctx
         check_operands(self.KIND, ctx, a, w, bias)
         M, W = a.shape[0], ctx.world_size
@@ -149,7 +149,6 @@ class GEMMReduceScatter(OverlapOp):
         self.agree((tuple(a.shape), w.shape[1], str(a.dtype)))
         a = a.contiguous()
         out = torch.empty(want, dtype=a.dtype, device=a.device) if out is None else out
-        ov = tuple(sorted(overrides.items()))
         shape_key = (tuple(a.shape), w.shape[1], a.dtype, tuple(w.stride()), bias is None, out.dtype, ov)
         key = call_key(ov, a, w, bias, out)
         self.seen(key)
