@@ -253,3 +253,27 @@ def shm_files(pid=None):
     except OSError:
         return set()
     return {n for n in names if n.startswith(PREFIX) and mark in n[len(PREFIX):].split("-")}
+
+
+def check_full_state_dict(model, expected: dict, seed: int = 7):
+    """``nn.full_state_dict(model)`` (a model parallelized by the styles) against ``expected``, the unmodified
+    model's state dict in the parameters' dtype: the same names, shapes and dtypes, every tensor bit for bit; then
+    ``load_full_state_dict`` of a changed copy (each float tensor plus noise, the same on every rank) and gathered
+    again: the copy, bit for bit, whatever each rank loaded in between; then the original weights loaded back."""
+    from triton_overlap.nn import full_state_dict, load_full_state_dict
+
+    def same(got, want, what):
+        assert list(got) == list(want) or sorted(got) == sorted(want), \
+            f"{what}: keys differ: missing {sorted(set(want) - set(got))[:4]}, extra {sorted(set(got) - set(want))[:4]}"
+        for k, v in want.items():
+            assert got[k].shape == v.shape and got[k].dtype == v.dtype, (what, k, got[k].shape, v.shape, got[k].dtype)
+            assert torch.equal(got[k].cpu(), v.cpu()), f"{what}: {k} differs"
+
+    same(full_state_dict(model), expected, "full_state_dict")
+    g = torch.Generator().manual_seed(seed)
+    changed = {k: v + torch.randn(v.shape, generator=g).to(v.dtype).to(v.device) if v.is_floating_point() else v
+               for k, v in expected.items()}
+    load_full_state_dict(model, changed)
+    same(full_state_dict(model, device="cpu"), changed, "after load_full_state_dict")
+    load_full_state_dict(model, expected)
+    same(full_state_dict(model), expected, "loaded back")

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import triton_overlap as to
-from refs import rel_err, with_latent_attention_plan
+from refs import check_full_state_dict, rel_err, with_latent_attention_plan
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 #: parameters of attention that transformers initializes to one value, drawn at random instead (a slice of the wrong
@@ -312,7 +312,9 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         decode = mode == "decode"
         plan = hf_plan(model, ctx, fallback=fallback, expert_parallel=ep, sequence_parallel=not decode) if hf \
             else _plan(ctx, kind, fallback, ep)
+        unmodified = {k: v.clone() for k, v in model.state_dict().items()}
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
+        check_full_state_dict(model, unmodified)
         if mode == "checkpointed":
             model.gradient_checkpointing_enable({"use_reentrant": False})
         mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
@@ -379,10 +381,12 @@ def _moe_beside_fsdp(ep):
     with to.Context(mesh["tp"].get_group(), timeout_s=120) as ctx:
         model = _model("mixtral", 2, torch.bfloat16).to(ctx.device)
         reference = copy.deepcopy(model).double()
+        unmodified = {k: v.clone() for k, v in model.state_dict().items()}
         parallelize_module(model, mesh["tp"], hf_plan(model, ctx, fallback="never", expert_parallel=ep))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+        check_full_state_dict(model, unmodified)  # (FSDP2's shards of the tensor-parallel shards)
         half = mesh["dp"].get_local_rank()
         tokens = _decisive_tokens(reference, 4, 8, ctx.device)
         logits = model(tokens[2 * half:2 * half + 2]).logits
@@ -663,8 +667,10 @@ def _block_case(kind, decode=False, ep=False):
         gy = torch.randn(B, S, 32, generator=torch.Generator().manual_seed(7)).double().to(dev)
         x_ref = x.clone().requires_grad_()
         (first(reference(x_ref)) * gy).sum().backward()
+        unmodified = {k: v.bfloat16() if v.is_floating_point() else v.clone() for k, v in block.state_dict().items()}
         parallelize_module(block.bfloat16(), init_device_mesh(dev.type, (W,)),
                            MoEParallel(ctx, fallback="never", sequence_parallel=not decode, expert_parallel=ep))
+        check_full_state_dict(block, unmodified)
         mine = slice(0, S) if decode else slice(r * s, (r + 1) * s)
         x_local = x[:, mine].bfloat16().requires_grad_()
         out = block(x_local)

@@ -10,7 +10,7 @@ from torch import nn
 
 import triton_overlap as to
 from harness import host_case_share
-from refs import rel_err
+from refs import check_full_state_dict, rel_err
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 
@@ -110,7 +110,9 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
         reference = copy.deepcopy(model).double()
         plan = hf_plan(model, ctx, fallback=fallback, sequence_parallel=mode != "decode") if shared == "hf" \
             else _plan(ctx, fallback, mode != "decode", shared)
+        unmodified = {k: v.clone() for k, v in model.state_dict().items()}
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
+        check_full_state_dict(model, unmodified)
         calls = []  # o_proj's forward calls: a checkpointed layer runs again in backward
         model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda *_: calls.append(1))
         if mode.startswith("checkpointed"):
@@ -197,10 +199,12 @@ def _beside_fsdp():
         assert ctx.world_size == 2 and ctx.device.type == dev
         model = _llama(2, torch.bfloat16).to(ctx.device)
         reference = copy.deepcopy(model).double()
+        unmodified = {k: v.clone() for k, v in model.state_dict().items()}
         parallelize_module(model, mesh["tp"], hf_plan(model, ctx, fallback="never"))
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
+        check_full_state_dict(model, unmodified)  # (FSDP2's shards of the tensor-parallel shards)
         half = mesh["dp"].get_local_rank()
         tokens = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(1)).to(ctx.device)
         logits = model(tokens[2 * half:2 * half + 2]).logits

@@ -16,9 +16,10 @@ from .parallel_linear_attention import GatedDeltaNetParallel
 from .parallel_moe import MoEParallel
 from .parallel_norm import ColwiseRMSNorm
 from .plans import hf_plan
+from .state_dict import full_state_dict, load_full_state_dict
 
 __all__ = ["ColumnParallelLinear", "ColwiseParallel", "ColwiseRMSNorm", "EPMoE", "FusedQKVParallel",
            "GatedDeltaNetParallel",
            "GatherSequence", "MoEParallel", "ParallelTransformerBlock", "ReplicatedLatent", "RowParallelLinear",
            "RowwiseParallel", "ShardSequence", "SharedInputColwise", "SinkAttentionParallel", "TPMLP", "TPMoE",
-           "hf_plan", "local_linear", "overlap_ops"]
+           "full_state_dict", "hf_plan", "load_full_state_dict", "local_linear", "overlap_ops"]

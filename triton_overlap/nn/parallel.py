@@ -58,6 +58,7 @@ from ..ops import custom_ops
 from ..ops.base import OverlapOp
 from .linear import column_rows, gemm_ar_op, layer_ops, local_linear, row_rows
 from .precision import compute_dtype, compute_operands
+from .state_dict import rows_of
 
 FALLBACKS = ("auto", "never", "always")
 
@@ -160,6 +161,10 @@ class _LinearStyle(ParallelStyle):
                                          requires_grad=module.weight.requires_grad)
             if module.bias is not None and self._shard_out:
                 module.bias = nn.Parameter(module.bias[rows].clone(), requires_grad=module.bias.requires_grad)
+        every = [shard_rows(parts if dim == 0 else [n], W, q) for q in range(W)]  # (for nn.state_dict)
+        rows_of(module, "weight", dim, every, self.ctx)
+        if module.bias is not None and self._shard_out:
+            rows_of(module, "bias", 0, every, self.ctx)
         module.tp_style, module.tp_mesh = self, device_mesh
         module.__class__ = styled_class(type(module), self._forward, type(self).__name__, _last_path, _style_ops)
         return module

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .parallel import FALLBACKS, ColwiseParallel, RowwiseParallel, SharedInputColwise, check_mesh, shard_rows
+from .state_dict import rows_of
 
 #: the module attributes holding head counts that the style makes this rank's
 HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
@@ -164,6 +165,7 @@ class SinkAttentionParallel(ParallelStyle):
         with torch.no_grad():
             module.sinks = nn.Parameter(module.sinks[shard_rows([heads], W, r)].clone(),
                                         requires_grad=module.sinks.requires_grad)
+        rows_of(module, "sinks", 0, [shard_rows([heads], W, q) for q in range(W)], self.ctx)
         module.tp_style = self
         return module
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .parallel import (FALLBACKS, RowwiseParallel, SharedInputColwise, check_mesh, replicated_local,
                        replicated_parameter, shard_rows, styled_class)
+from .state_dict import rows_of
 
 #: the projections that read the layer's input, in the order they are grouped into one AllGather-GEMM: Qwen3.5's,
 #: and Qwen3-Next's (by key head)
@@ -80,6 +81,13 @@ class GatedDeltaNetParallel(ParallelStyle):
         kw = dict(fallback=self.fallback, sequence_parallel=self.sequence_parallel)
         SharedInputColwise(self.ctx, projections, **kw)._apply(module, device_mesh)
         RowwiseParallel(self.ctx, **kw)._apply(module.out_proj, device_mesh)
+        every = [shard_rows(parts, W, q) for q in range(W)]  # rank q's channels of the unmodified layer (state_dict)
+        if projections == IN_PROJ:  # (reordered above: rank q's contiguous rows are these)
+            rows_of(module.in_proj_qkv, "weight", 0, every, self.ctx)
+        rows_of(conv, "weight", 0, every, self.ctx)
+        for name in ("A_log", "dt_bias"):
+            n = getattr(module, name).shape[0] * W
+            rows_of(module, name, 0, [shard_rows([n], W, q) for q in range(W)], self.ctx)
         for name in WIDTHS:
             setattr(module, name, getattr(module, name) // W)
         module.norm.__class__ = styled_class(type(module.norm), _gated_norm_forward, "GatedDeltaNetParallel")

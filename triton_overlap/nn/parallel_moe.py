@@ -31,6 +31,7 @@ from .ep_moe import ep_op, ep_swiglu, partial_experts
 from .linear import all_reduce_op
 from .precision import compute_operands
 from .routers import logit_bias, router_rule
+from .state_dict import Piece, record, selection
 
 #: a shared expert's child name beside the router and the experts -> the name of its sigmoid gate (None: ungated,
 #: added to every token with weight 1: DeepSeek-V3's and GLM-4.5's ``shared_experts``)
@@ -140,6 +141,7 @@ class MoEParallel(ParallelStyle):
         module.tp_act, module.tp_pair = experts_activation(experts)[0], _returns_pair(module)
         w1, w3, w2 = _full_experts(experts)
         biases = _full_biases(experts)
+        layouts = _layouts(module, experts, shared, W, self.expert_parallel)  # (for nn.state_dict, before changes)
         module.tp_experts, module.tp_shared = w1.shape[0], 0
         replicated = [gate]  # the modules whose weights every rank keeps whole, as replicated DTensors
         if self.expert_parallel:  # this rank's whole experts; a shared expert stays, computed on its own tokens
@@ -185,6 +187,8 @@ class MoEParallel(ParallelStyle):
                 b2.requires_grad_(experts.down_proj_bias.requires_grad)
                 experts.down_proj_bias = nn.Parameter(b2, requires_grad=b2.requires_grad) if self.expert_parallel \
                     else replicated_parameter(b2, device_mesh)
+        for name, pieces in layouts.items():
+            record(module, name, pieces, ctx)
         gate.tp_rule = rule
         gate.tp_replicated_world = 0 if self.sequence_parallel else W
         gate.__class__ = styled_class(type(gate), _router_forward, "MoEParallel")
@@ -342,6 +346,57 @@ def _full_experts(experts):
     if not getattr(experts, "is_concatenated", True):
         return gate_up[:, 0::2], gate_up[:, 1::2], down
     return gate_up[:, :hidden], gate_up[:, hidden:], down
+
+
+def _layouts(block, experts, shared, world: int, expert_parallel: bool) -> dict:
+    """How the style builds the experts' tensors from the unmodified block's, as ``nn.state_dict.record`` takes them
+    (name relative to the block -> pieces): what ``_full_experts``, ``fold_shared`` (tensor parallel with a shared
+    expert: its parts after the routed experts), ``shard_experts`` and ``_shard_biases`` do, for every rank."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    turned = (("transpose", 1, 2),) if getattr(experts, "is_transposed", False) else ()
+    E, hidden = down.shape[0], _full_experts(experts)[0].shape[1]
+    interleaved = not getattr(experts, "is_concatenated", True)
+    n = hidden if expert_parallel else hidden // world
+    mine = [slice(q * (E // world), (q + 1) * (E // world)) if expert_parallel else slice(0, E)
+            for q in range(world)]
+
+    def columns(q):  # rank q's gate then up rows of the unmodified [E, 2 * hidden, dim] (``shard_experts``' order)
+        cols = torch.arange(n) + (0 if expert_parallel else q * n)
+        return torch.cat([2 * cols, 2 * cols + 1]) if interleaved else torch.cat([cols, hidden + cols])
+
+    # gate and up rows: rank q's of every expert (tensor parallel), or every one of its experts in order
+    rows = () if expert_parallel and not interleaved else (selection(1, [columns(q) for q in range(world)]),)
+    hidden_cols = [slice(q * n, (q + 1) * n) for q in range(world)]  # down's columns (tensor parallel)
+    owned = (selection(0, mine),) if expert_parallel else ()  # the experts (expert parallel)
+    down_cols = () if expert_parallel else (selection(2, hidden_cols),)
+    last = (("transpose", 1, 2),)  # (the ops' [E, K, N] layout)
+    m = 0 if expert_parallel or shared is None else getattr(block, shared).get_submodule(
+        _shared_names(getattr(block, shared))[0]).weight.shape[0] // hidden
+    routed = ((0, 0, E),) if m else ()
+    pieces = {"experts.gate_up_proj": [Piece("experts.gate_up_proj", tuple(gate_up.shape),
+                                             turned + owned + rows + last, routed)],
+              "experts.down_proj": [Piece("experts.down_proj", tuple(down.shape), turned + owned + down_cols + last,
+                                          routed)]}
+    if m:  # the shared expert's hidden units as m experts of width hidden, after the routed ones
+        g, u, d = (f"{shared}.{name}.weight" for name in _shared_names(getattr(block, shared)))
+        H, dim = m * hidden, down.shape[2] if turned else down.shape[1]
+        split = (("view", (m, hidden, dim)), selection(1, hidden_cols)) + last
+        pieces["experts.gate_up_proj"] += [Piece(name, (H, dim), split, ((0, E, E + m), part))
+                                           for name, part in ((g, (2, 0, n)), (u, (2, n, 2 * n)))]
+        pieces["experts.down_proj"].append(Piece(d, (dim, H), (("view", (dim, m, hidden)), ("transpose", 0, 1),
+                                                               selection(2, hidden_cols)) + last, ((0, E, E + m),)))
+    bias = getattr(experts, "gate_up_proj_bias", None)
+    if isinstance(bias, torch.Tensor):
+        pieces["experts.gate_up_proj_bias"] = [Piece("experts.gate_up_proj_bias", tuple(bias.shape), owned + rows)]
+        if expert_parallel:  # (tensor parallel: the down biases are replicated DTensors, whole)
+            b2 = experts.down_proj_bias
+            pieces["experts.down_proj_bias"] = [Piece("experts.down_proj_bias", tuple(b2.shape), owned)]
+    return {name: p for name, p in pieces.items() if any(piece.ops for piece in p)}
+
+
+def _shared_names(mlp) -> tuple:
+    """A shared expert's gate, up and down layers' names (``shared_weights`` reads them)."""
+    return ("gate_proj", "up_proj", "down_proj") if hasattr(mlp, "gate_proj") else ("w1", "w3", "w2")
 
 
 def _full_biases(experts):

@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..ops import custom_ops
 from .linear import all_reduce_op
 from .parallel import FALLBACKS, check_mesh, local_input, styled_class, summed_grad
+from .state_dict import rows_of
 
 #: the attribute names under which an RMSNorm module holds its epsilon (Hugging Face's, torch's)
 EPS_NAMES = ("variance_epsilon", "eps")
@@ -55,6 +56,7 @@ class ColwiseRMSNorm(ParallelStyle):
         with torch.no_grad():
             module.weight = nn.Parameter(module.weight[r * (n // W):(r + 1) * (n // W)].clone(),
                                          requires_grad=module.weight.requires_grad)
+        rows_of(module, "weight", 0, [slice(q * (n // W), (q + 1) * (n // W)) for q in range(W)], self.ctx)
         module.tp_style, module.tp_mesh, module.tp_width, module.tp_eps = self, device_mesh, n, eps
         module.tp_cast_first = cast_first
         module.tp_all_reduce = all_reduce_op(self.ctx, self.fallback)

@@ -1,0 +1,223 @@
+"""A parallelized model's weights in the unmodified model's layout, and back.
+
+The styles keep each rank's shards as plain tensors under the unmodified model's names (``state_dict()`` then holds
+this rank's rows, columns, heads or experts), and ``MoEParallel`` joins a shared expert to the routed experts. So:
+
+* ``full_state_dict(model)``: the state dict of the model as it was before ``parallelize_module``: every name, shape
+  and layout it had (a shared expert's weights included), each sharded tensor gathered from the ranks of its style's
+  Context. Collective: every rank of the group calls it, and every rank gets the whole state dict (``device="cpu"``
+  moves each tensor there once gathered). What ``save_pretrained`` or ``torch.save`` writes of it, the unmodified
+  model loads.
+* ``load_full_state_dict(model, state_dict)``: such a state dict (the unmodified model's, a checkpoint's) loaded into
+  the parallelized model, each rank copying its own shards; no communication.
+
+How each style shards a tensor is recorded when it is applied (``record``): a tensor of the parallelized module is
+made of pieces, each one tensor of the unmodified module (its ``source``, by name relative to the recording module)
+through views that are the same on every rank (a reshape, a transpose) and selections along a dim that differ per rank
+(this rank's slice, or its rows of an index), placed at a region of the tensor. Loading runs the pieces forward on
+the given tensors; gathering collects every rank's tensor and writes each piece back where it came from. Tensors no
+style sharded (the norms', the embeddings', replicated DTensors, FSDP2's shards: their full value) pass as they are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..context.collectives import all_gather_rows
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a sharded tensor: the unmodified module's tensor ``source`` (a name relative to the recording module)
+    of shape ``shape``, through ``ops`` in order, fills ``region`` of the tensor (``(dim, start, stop)`` narrowings;
+    empty: the whole). An op is ``("view", shape)``, ``("transpose", a, b)`` or ``("select", dim, per_rank)``, with
+    ``per_rank[r]`` rank r's slice (step 1) or index tensor along ``dim``. After a selection by index only
+    transposes may follow."""
+    source: str
+    shape: tuple
+    ops: tuple
+    region: tuple = ()
+
+
+def selection(dim: int, per_rank) -> tuple:
+    """A select op of a Piece: ``per_rank`` (rank r's slice or index tensor, for every rank) along ``dim``."""
+    return ("select", dim, tuple(i if isinstance(i, slice) else torch.as_tensor(i, dtype=torch.int64).cpu()
+                                 for i in per_rank))
+
+
+def record(owner: nn.Module, name: str, pieces, ctx) -> None:
+    """Note on ``owner`` that its tensor ``name`` (relative to ``owner``, e.g. ``"weight"``, ``"experts.down_proj"``)
+    is made of ``pieces`` over the ranks of ``ctx``'s group, replacing what was noted for ``name`` before."""
+    if "tp_full" not in owner.__dict__:
+        owner.tp_full = {}
+    owner.tp_full[name] = (tuple(pieces), ctx)
+
+
+def rows_of(owner: nn.Module, name: str, dim: int, per_rank, ctx) -> None:
+    """``record`` of the common case: ``name`` is rank r's ``per_rank[r]`` along ``dim`` of the unmodified tensor
+    of that name, whose shape is the recorded one but along ``dim``, where it is the sum over ranks."""
+    local = _tensor(owner, name).shape
+    shape = list(local)
+    shape[dim] = sum(_length(i, local[dim]) for i in per_rank)
+    record(owner, name, [Piece(name, tuple(shape), (selection(dim, per_rank),))], ctx)
+
+
+def _length(index, _) -> int:
+    return index.stop - index.start if isinstance(index, slice) else len(index)
+
+
+def _tensor(module: nn.Module, name: str):
+    owner, _, leaf = name.rpartition(".")
+    m = module.get_submodule(owner) if owner else module
+    return m._parameters[leaf] if leaf in m._parameters else m._buffers[leaf]
+
+
+def _records(model: nn.Module) -> dict:
+    """state-dict key of every recorded tensor -> (the recording module's key prefix, pieces, ctx)."""
+    found = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, (pieces, ctx) in module.__dict__.get("tp_full", {}).items():
+            found[f"{prefix}.{name}" if prefix else name] = (f"{prefix}." if prefix else "", pieces, ctx)
+    return found
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    """A state dict's tensor as a plain one: a DTensor's full value (replicated: this rank's; FSDP2's shards:
+    gathered over its mesh)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _forward(t: torch.Tensor, ops, rank: int) -> torch.Tensor:
+    for op in ops:
+        if op[0] == "view":
+            t = t.reshape(op[1])
+        elif op[0] == "transpose":
+            t = t.transpose(op[1], op[2])
+        else:
+            dim, index = op[1], op[2][rank]
+            t = t.narrow(dim, index.start, index.stop - index.start) if isinstance(index, slice) \
+                else t.index_select(dim, index.to(t.device))
+    return t
+
+
+def _place(full: torch.Tensor, ops, local: torch.Tensor, rank: int) -> None:
+    """Write rank ``rank``'s ``local`` (``_forward(full, ops, rank)``'s value) into ``full``."""
+    v = full
+    for i, op in enumerate(ops):
+        if op[0] == "view":
+            v = v.view(op[1])
+        elif op[0] == "transpose":
+            v = v.transpose(op[1], op[2])
+        else:
+            dim, index = op[1], op[2][rank]
+            if isinstance(index, slice):
+                v = v.narrow(dim, index.start, index.stop - index.start)
+                continue
+            for later in reversed(ops[i + 1:]):
+                if later[0] != "transpose":
+                    raise ValueError(f"state_dict: a {later[0]} after a selection by index cannot be undone")
+                local = local.transpose(later[1], later[2])
+            v.index_copy_(dim, index.to(v.device), local.to(v.dtype))
+            return
+    v.copy_(local)
+
+
+def _region(t: torch.Tensor, region) -> torch.Tensor:
+    for dim, start, stop in region:
+        t = t.narrow(dim, start, stop - start)
+    return t
+
+
+def _gather(local: torch.Tensor, ctx) -> list[torch.Tensor]:
+    """Every rank's ``local`` (the same shape and dtype on every rank), in rank order."""
+    W = ctx.world_size
+    flat = local.detach().contiguous().view(-1).view(torch.uint8)
+    out = torch.empty((W, flat.numel()), dtype=torch.uint8, device=flat.device)
+    all_gather_rows(out, flat.view(1, -1), group=ctx.group)
+    return [row.view(local.dtype).view(local.shape) for row in out]
+
+
+def full_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tensor]:
+    """The unmodified model's state dict from ``model`` parallelized by this package's styles (module docstring):
+    its names, shapes and layouts, every sharded tensor gathered over its Context's group. Collective over every
+    rank of the groups; every rank returns the whole dict. ``device``: where each tensor goes once gathered (e.g.
+    ``"cpu"``, so that at most one gathered tensor is on the GPU at a time); None: where the parameter is. The
+    dtypes are the parameters' (float32 parameters under autocast stay float32)."""
+    records = _records(model)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in model.state_dict().items():
+        t = _value(t.detach())
+        if key not in records:
+            out[key] = t if device is None else t.to(device)
+            continue
+        prefix, pieces, ctx = records[key]
+        ranks = _gather(t, ctx)
+        for piece in pieces:
+            full = torch.empty(piece.shape, dtype=t.dtype, device=t.device)
+            for r, local in enumerate(ranks):
+                _place(full, piece.ops, _region(local, piece.region), r)
+            out[prefix + piece.source] = full if device is None else full.to(device)
+    return out
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict, *, strict: bool = True) -> None:
+    """Load ``state_dict`` in the unmodified model's layout (``full_state_dict``'s, or a checkpoint of the model
+    before ``parallelize_module``) into ``model`` parallelized: each rank copies its shards of every tensor a style
+    sharded (into the parameters in place: optimizers and FSDP2 keep them) and the rest whole. ``strict``: a key
+    missing from ``state_dict``, one the model has no place for, or a tensor of another shape raises KeyError /
+    ValueError before anything is copied; otherwise such keys are skipped."""
+    records = _records(model)
+    own = model.state_dict(keep_vars=True)
+    plan, used = [], set()
+    for key, target in own.items():
+        if key in records:
+            prefix, pieces, ctx = records[key]
+            names = [prefix + p.source for p in pieces]
+            missing = [n for n in names if n not in state_dict]
+            bad = [n for n, p in zip(names, pieces) if n in state_dict and tuple(state_dict[n].shape) != p.shape]
+            if not missing and not bad:
+                plan.append((target, [(state_dict[n], p, ctx) for n, p in zip(names, pieces)]))
+            used.update(names)
+        else:
+            names, missing = [key], [] if key in state_dict else [key]
+            bad = [key] if not missing and tuple(state_dict[key].shape) != tuple(target.shape) else []
+            if not missing and not bad:
+                plan.append((target, state_dict[key]))
+            used.add(key)
+        if strict and missing:
+            raise KeyError(f"load_full_state_dict: the state dict has no {missing[0]!r} (of {len(names)} tensors "
+                           f"the model's {key!r} is made of)")
+        if strict and bad:
+            want = pieces[names.index(bad[0])].shape if key in records else tuple(target.shape)
+            raise ValueError(f"load_full_state_dict: {bad[0]!r} is {tuple(state_dict[bad[0]].shape)}, the "
+                             f"unmodified model's is {want}")
+    unexpected = sorted(set(state_dict) - used)
+    if strict and unexpected:
+        raise KeyError(f"load_full_state_dict: the model has no place for {unexpected[:3]}"
+                       f"{' and more' if len(unexpected) > 3 else ''}")
+    with torch.no_grad():
+        for target, source in plan:
+            if isinstance(source, torch.Tensor):
+                _copy(target, source)
+                continue
+            local = torch.empty(tuple(target.shape), dtype=target.dtype, device=target.device)  # (a DTensor's:
+            # the global shape, the tensor-parallel shard that FSDP2 splits)
+            for full, piece, ctx in source:
+                _region(local, piece.region).copy_(_forward(full.to(local.device), piece.ops, ctx.rank))
+            _copy(target, local)
+
+
+def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
+    """``target`` (a parameter or buffer; a DTensor: replicated, or FSDP2's shard of it) = ``value``, its full
+    value."""
+    if isinstance(target, DTensor):
+        value = value.to(device=target.device, dtype=target.dtype)
+        target.copy_(distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None))
+    else:
+        target.copy_(value)
+
+
+__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "record", "rows_of", "selection"]
