@@ -416,6 +416,42 @@ def test_float32_needs_autocast_and_styles_check_their_input(pool):
     assert all(pool.run(_float32_without_autocast))
 
 
+def _state_dict_refusals():
+    """load_full_state_dict refuses, before it copies anything, a state dict with a tensor missing, one of another
+    shape or one the model has no place for; ``strict=False`` skips those and loads the rest."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.nn import full_state_dict, hf_plan, load_full_state_dict
+
+    with to.Context(timeout_s=120) as ctx:
+        W = ctx.world_size
+        model = _llama(W, torch.bfloat16).to(ctx.device)
+        parallelize_module(model, init_device_mesh(ctx.device.type, (W,)), hf_plan(model, ctx, fallback="never"))
+        full = full_state_dict(model)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        changed = {k: v + 1 if v.is_floating_point() else v for k, v in full.items()}
+        cases = {"missing": ({k: v for k, v in changed.items() if k != q}, KeyError, "has no 'model.layers.0"),
+                 "shape": ({**changed, q: changed[q][:-1]}, ValueError, "the unmodified model's is"),
+                 "extra": ({**changed, "model.extra.weight": changed[q]}, KeyError, "no place for")}
+        for name, (state, error, words) in cases.items():
+            with pytest.raises(error, match=words):
+                load_full_state_dict(model, state)
+            now = full_state_dict(model)
+            assert all(torch.equal(now[k], full[k]) for k in full), f"{name}: a tensor changed before the error"
+        load_full_state_dict(model, cases["missing"][0], strict=False)  # everything but q_proj's weight
+        now = full_state_dict(model)
+        assert torch.equal(now[q], full[q]) and all(torch.equal(now[k], changed[k]) for k in full if k != q)
+        return True
+
+
+def test_load_full_state_dict_refuses_what_does_not_fit(pool):
+    pytest.importorskip("transformers")
+    if pool.world == 4:
+        pytest.skip("W = 2, 3 (the checks are the host's, whatever W)")
+    assert all(pool.run(_state_dict_refusals))
+
+
 def test_from_full_rejects_unknown_keywords():
     """A misspelt keyword raises instead of leaving the layer on its default (checked before any Context use)."""
     from triton_overlap.nn import ColumnParallelLinear, RowParallelLinear, TPMLP

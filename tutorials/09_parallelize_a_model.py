@@ -13,7 +13,9 @@ code is not touched. It takes token ids ``[B, S]`` (batch-first), and the residu
 1) is what the ranks split.
 
 The tutorial runs a small random Llama (bf16 weights) twice on the same tokens, unmodified and parallelized, and
-compares the logits and every gradient.
+compares the logits and every gradient. Then both take one SGD step, and ``full_state_dict`` gathers the
+parallelized model's weights into the unmodified model's names and layout (what ``save_pretrained`` would write),
+which a fresh unmodified model loads as it is.
 """
 import copy
 
@@ -24,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import triton_overlap as to
-from triton_overlap.nn import hf_plan
+from triton_overlap.nn import full_state_dict, hf_plan
 from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
@@ -87,6 +89,20 @@ def main():
         worst = max(errs, key=errs.get)
         say(f"{ctx}: logits rel err {errs['logits']:.1e}; worst of {len(errs) - 1} gradients {errs[worst]:.1e} "
             f"({worst}); o_proj took the {model.model.layers[-1].self_attn.o_proj.last_path} path")
+
+        # %% One optimizer step on each (every rank updates its shards), then the parallelized model's weights in the
+        # unmodified model's layout: collective, every rank gets them (device="cpu": each moves there once gathered).
+        for m in (model, reference):
+            torch.optim.SGD(m.parameters(), lr=0.5).step()
+        saved = full_state_dict(model, device="cpu")
+        fresh = tiny_llama(gpu)
+        fresh.load_state_dict(saved)  # (strict: the same names and shapes as the unmodified model's)
+        expected = reference.state_dict()
+        steps = {name: rel(saved[name], expected[name]) for name in expected}
+        worst_step = max(steps, key=steps.get)
+        errs["saved " + worst_step] = steps[worst_step]
+        say(f"full_state_dict after a step: {len(saved)} tensors, worst against the unmodified model's "
+            f"{steps[worst_step]:.1e} ({worst_step})")
         # Triton's interpreter (the host backend) rounds float32 to bf16 toward zero: the norms' weight gradients,
         # sums over every token, drift most there (2.6e-2 on 2 ranks), so the host's bound is wider
         tol = 3e-2 if gpu else 5e-2
