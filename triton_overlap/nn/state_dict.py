@@ -61,12 +61,8 @@ def rows_of(owner: nn.Module, name: str, dim: int, per_rank, ctx) -> None:
     of that name, whose shape is the recorded one but along ``dim``, where it is the sum over ranks."""
     local = _tensor(owner, name).shape
     shape = list(local)
-    shape[dim] = sum(_length(i, local[dim]) for i in per_rank)
+    shape[dim] = sum(i.stop - i.start if isinstance(i, slice) else len(i) for i in per_rank)
     record(owner, name, [Piece(name, tuple(shape), (selection(dim, per_rank),))], ctx)
-
-
-def _length(index, _) -> int:
-    return index.stop - index.start if isinstance(index, slice) else len(index)
 
 
 def _tensor(module: nn.Module, name: str):
