@@ -155,13 +155,13 @@ class _LinearStyle(ParallelStyle):
         dim = 0 if self._shard_out else 1
         n = module.weight.shape[dim]
         parts = list(self.chunks) if isinstance(self.chunks, tuple) else [n // self.chunks] * self.chunks
-        rows = shard_rows(parts if dim == 0 else [n], W, r)
+        every = [shard_rows(parts if dim == 0 else [n], W, q) for q in range(W)]  # (every rank's: nn.state_dict)
+        rows = every[r]
         with torch.no_grad():
             module.weight = nn.Parameter((module.weight[rows] if dim == 0 else module.weight[:, rows]).clone(),
                                          requires_grad=module.weight.requires_grad)
             if module.bias is not None and self._shard_out:
                 module.bias = nn.Parameter(module.bias[rows].clone(), requires_grad=module.bias.requires_grad)
-        every = [shard_rows(parts if dim == 0 else [n], W, q) for q in range(W)]  # (for nn.state_dict)
         rows_of(module, "weight", dim, every, self.ctx)
         if module.bias is not None and self._shard_out:
             rows_of(module, "bias", 0, every, self.ctx)

@@ -162,10 +162,10 @@ class SinkAttentionParallel(ParallelStyle):
             for layer in inputs:
                 col._apply(layer, device_mesh)
         row._apply(out, device_mesh)
+        every = [shard_rows([heads], W, q) for q in range(W)]
         with torch.no_grad():
-            module.sinks = nn.Parameter(module.sinks[shard_rows([heads], W, r)].clone(),
-                                        requires_grad=module.sinks.requires_grad)
-        rows_of(module, "sinks", 0, [shard_rows([heads], W, q) for q in range(W)], self.ctx)
+            module.sinks = nn.Parameter(module.sinks[every[r]].clone(), requires_grad=module.sinks.requires_grad)
+        rows_of(module, "sinks", 0, every, self.ctx)
         module.tp_style = self
         return module
 

@@ -65,29 +65,25 @@ class GatedDeltaNetParallel(ParallelStyle):
         W, r = self.ctx.world_size, self.ctx.rank
         parts = (module.key_dim, module.key_dim, module.value_dim)  # the query, key and value channels
         conv = module.conv1d
+        every = [shard_rows(parts, W, q) for q in range(W)]  # each rank's channels (nn.state_dict records them)
         with torch.no_grad():
             if projections == IN_PROJ:  # every rank's query, key and value channels side by side, rank by rank
                 qkv = module.in_proj_qkv
-                order = torch.cat([shard_rows(parts, W, q) for q in range(W)])
-                qkv.weight = nn.Parameter(qkv.weight[order].clone(), requires_grad=qkv.weight.requires_grad)
-            conv.weight = nn.Parameter(conv.weight[shard_rows(parts, W, r)].clone(),
-                                       requires_grad=conv.weight.requires_grad)
+                qkv.weight = nn.Parameter(qkv.weight[torch.cat(every)].clone(), requires_grad=qkv.weight.requires_grad)
+            conv.weight = nn.Parameter(conv.weight[every[r]].clone(), requires_grad=conv.weight.requires_grad)
+            rows_of(conv, "weight", 0, every, self.ctx)
             for name in ("A_log", "dt_bias"):
                 p = getattr(module, name)
-                setattr(module, name, nn.Parameter(p[shard_rows([p.shape[0]], W, r)].clone(),
-                                                   requires_grad=p.requires_grad))
+                heads = [shard_rows([p.shape[0]], W, q) for q in range(W)]
+                setattr(module, name, nn.Parameter(p[heads[r]].clone(), requires_grad=p.requires_grad))
+                rows_of(module, name, 0, heads, self.ctx)
             module.norm.weight = replicated_parameter(module.norm.weight, device_mesh)
         conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
         kw = dict(fallback=self.fallback, sequence_parallel=self.sequence_parallel)
         SharedInputColwise(self.ctx, projections, **kw)._apply(module, device_mesh)
         RowwiseParallel(self.ctx, **kw)._apply(module.out_proj, device_mesh)
-        every = [shard_rows(parts, W, q) for q in range(W)]  # rank q's channels of the unmodified layer (state_dict)
-        if projections == IN_PROJ:  # (reordered above: rank q's contiguous rows are these)
+        if projections == IN_PROJ:  # (reordered above: rank q's contiguous rows are its rows of the unmodified one)
             rows_of(module.in_proj_qkv, "weight", 0, every, self.ctx)
-        rows_of(conv, "weight", 0, every, self.ctx)
-        for name in ("A_log", "dt_bias"):
-            n = getattr(module, name).shape[0] * W
-            rows_of(module, name, 0, [shard_rows([n], W, q) for q in range(W)], self.ctx)
         for name in WIDTHS:
             setattr(module, name, getattr(module, name) // W)
         module.norm.__class__ = styled_class(type(module.norm), _gated_norm_forward, "GatedDeltaNetParallel")

@@ -53,10 +53,10 @@ class ColwiseRMSNorm(ParallelStyle):
         n = module.weight.shape[0]
         if n % W:
             raise ValueError(f"ColwiseRMSNorm: the norm's width {n} is not divisible by the world size {W}")
+        every = [slice(q * (n // W), (q + 1) * (n // W)) for q in range(W)]
         with torch.no_grad():
-            module.weight = nn.Parameter(module.weight[r * (n // W):(r + 1) * (n // W)].clone(),
-                                         requires_grad=module.weight.requires_grad)
-        rows_of(module, "weight", 0, [slice(q * (n // W), (q + 1) * (n // W)) for q in range(W)], self.ctx)
+            module.weight = nn.Parameter(module.weight[every[r]].clone(), requires_grad=module.weight.requires_grad)
+        rows_of(module, "weight", 0, every, self.ctx)
         module.tp_style, module.tp_mesh, module.tp_width, module.tp_eps = self, device_mesh, n, eps
         module.tp_cast_first = cast_first
         module.tp_all_reduce = all_reduce_op(self.ctx, self.fallback)

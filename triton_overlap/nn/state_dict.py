@@ -168,40 +168,33 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, *, strict: bool = T
     records = _records(model)
     own = model.state_dict(keep_vars=True)
     plan, used = [], set()
-    for key, target in own.items():
-        if key in records:
-            prefix, pieces, ctx = records[key]
-            names = [prefix + p.source for p in pieces]
-            missing = [n for n in names if n not in state_dict]
-            bad = [n for n, p in zip(names, pieces) if n in state_dict and tuple(state_dict[n].shape) != p.shape]
-            if not missing and not bad:
-                plan.append((target, [(state_dict[n], p, ctx) for n, p in zip(names, pieces)]))
-            used.update(names)
-        else:
-            names, missing = [key], [] if key in state_dict else [key]
-            bad = [key] if not missing and tuple(state_dict[key].shape) != tuple(target.shape) else []
-            if not missing and not bad:
-                plan.append((target, state_dict[key]))
-            used.add(key)
+    for key, target in own.items():  # (a tensor no style sharded: one piece, itself whole)
+        prefix, pieces, ctx = records.get(key) or ("", (Piece(key, tuple(target.shape), ()),), None)
+        names = [prefix + p.source for p in pieces]
+        missing = [n for n in names if n not in state_dict]
+        bad = [(n, p) for n, p in zip(names, pieces) if n in state_dict and tuple(state_dict[n].shape) != p.shape]
+        if not missing and not bad:
+            plan.append((target, [(state_dict[n], p) for n, p in zip(names, pieces)], ctx))
+        used.update(names)
         if strict and missing:
-            raise KeyError(f"load_full_state_dict: the state dict has no {missing[0]!r} (of {len(names)} tensors "
-                           f"the model's {key!r} is made of)")
+            raise KeyError(f"load_full_state_dict: the state dict has no {missing[0]!r}" + (
+                f" (of {len(names)} tensors the model's {key!r} is made of)" if key in records else ""))
         if strict and bad:
-            want = pieces[names.index(bad[0])].shape if key in records else tuple(target.shape)
-            raise ValueError(f"load_full_state_dict: {bad[0]!r} is {tuple(state_dict[bad[0]].shape)}, the "
-                             f"unmodified model's is {want}")
+            name, piece = bad[0]
+            raise ValueError(f"load_full_state_dict: {name!r} is {tuple(state_dict[name].shape)}, the unmodified "
+                             f"model's is {piece.shape}")
     unexpected = sorted(set(state_dict) - used)
     if strict and unexpected:
         raise KeyError(f"load_full_state_dict: the model has no place for {unexpected[:3]}"
                        f"{' and more' if len(unexpected) > 3 else ''}")
     with torch.no_grad():
-        for target, source in plan:
-            if isinstance(source, torch.Tensor):
-                _copy(target, source)
+        for target, sources, ctx in plan:
+            if ctx is None:  # (whole)
+                _copy(target, sources[0][0])
                 continue
             local = torch.empty(tuple(target.shape), dtype=target.dtype, device=target.device)  # (a DTensor's:
             # the global shape, the tensor-parallel shard that FSDP2 splits)
-            for full, piece, ctx in source:
+            for full, piece in sources:
                 _region(local, piece.region).copy_(_forward(full.to(local.device), piece.ops, ctx.rank))
             _copy(target, local)
 
