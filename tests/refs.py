@@ -263,7 +263,7 @@ def check_full_state_dict(model, expected: dict, seed: int = 7):
     from triton_overlap.nn import full_state_dict, load_full_state_dict
 
     def same(got, want, what):
-        assert list(got) == list(want) or sorted(got) == sorted(want), \
+        assert sorted(got) == sorted(want), \
             f"{what}: keys differ: missing {sorted(set(want) - set(got))[:4]}, extra {sorted(set(got) - set(want))[:4]}"
         for k, v in want.items():
             assert got[k].shape == v.shape and got[k].dtype == v.dtype, (what, k, got[k].shape, v.shape, got[k].dtype)
