@@ -277,3 +277,24 @@ def check_full_state_dict(model, expected: dict, seed: int = 7):
     same(full_state_dict(model, device="cpu"), changed, "after load_full_state_dict")
     load_full_state_dict(model, expected)
     same(full_state_dict(model), expected, "loaded back")
+
+
+def check_grad_clipping(model, reference, grad_errors, tol: float):
+    """``nn.grad_norm(model)`` (a model parallelized by the styles or layers, after backward) against torch's norm
+    of ``reference``'s gradients (the unmodified model's), orders 2, 1 and inf, within ``tol`` relative; then both
+    clipped to half that 2-norm (``nn.clip_grad_norm_`` and torch's) and every gradient compared again by
+    ``grad_errors()`` (the test's own comparison: name -> relative error), within ``tol``. A rank clipping by
+    another factor than the unmodified model's fails the second check."""
+    from triton_overlap.nn import clip_grad_norm_, grad_norm
+
+    grads = [p.grad for p in reference.parameters() if p.grad is not None]
+    want = {}
+    for q in (2.0, 1.0, float("inf")):
+        got, want[q] = float(grad_norm(model, q)), float(torch.nn.utils.get_total_norm(grads, q))
+        assert abs(got - want[q]) <= tol * want[q], f"grad_norm of order {q}: {got} against {want[q]}"
+    max_norm = want[2.0] / 2
+    total = float(clip_grad_norm_(model, max_norm))
+    assert abs(total - want[2.0]) <= tol * want[2.0], (total, want[2.0])
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+    bad = {k: f"{e:.2e}" for k, e in grad_errors().items() if e > tol}
+    assert not bad, f"after clip_grad_norm_: {bad}"

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 import triton_overlap as to
-from triton_overlap.nn import ColumnParallelLinear, RowParallelLinear
+from triton_overlap.nn import ColumnParallelLinear, RowParallelLinear, clip_grad_norm_, grad_norm
 from refs import rel_err
 
 TOL_OUT, TOL_GRAD = 1e-2, 2e-2  # bf16 layers against float32 on the same (bf16-rounded) values
@@ -65,6 +65,10 @@ def _layers(S, B, d_in, d_out, fallback, keep=True):
             "row.grad_w": rel_err(row.weight.grad, full2.weight.grad[:, ins]),
             "row.grad_b": rel_err(row.bias.grad, full2.bias.grad),
         })
+        for name, layer, lin in (("col", col, full), ("row", row, full2)):  # (the column layer's bias partitioned,
+            # the row layer's replicated)
+            want = float(torch.nn.utils.get_total_norm([lin.weight.grad, lin.bias.grad]))
+            errs[f"{name}.grad_norm"] = abs(float(grad_norm(layer)) - want) / want
         ctx.check()
         bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k.endswith("out") else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad}"
@@ -172,7 +176,9 @@ def test_layers_reject_unshardable_features(pool):
 
 
 def _mlp_training(S, B, dim, hidden, steps, lr, fallback):
-    """TPMLP follows the unsharded float32 MLP: same output and grads at step 0, same loss curve over SGD steps."""
+    """TPMLP follows the unsharded float32 MLP: same output and grads at step 0, same loss curve over SGD steps,
+    the gradients clipped at each step to half the unsharded MLP's first gradient norm (nn.clip_grad_norm_ against
+    torch's)."""
     from triton_overlap.nn import TPMLP
 
     with to.Context(timeout_s=120) as ctx:
@@ -188,7 +194,7 @@ def _mlp_training(S, B, dim, hidden, steps, lr, fallback):
         target = torch.randn(S, B, dim, generator=g)
         rows = slice(r * S // W, (r + 1) * S // W)
         x = x_full[rows].to(dev, torch.bfloat16)
-        ref_losses, losses = [], []
+        ref_losses, losses, max_norm = [], [], None
         for _ in range(steps):
             y_ref = down(nn.functional.silu(gate(x_full)) * up(x_full))
             loss_ref = ((y_ref - target) ** 2).mean()
@@ -199,6 +205,10 @@ def _mlp_training(S, B, dim, hidden, steps, lr, fallback):
             part.backward()
             total = part.detach().clone()
             torch.distributed.all_reduce(total)
+            max_norm = max_norm or float(torch.nn.utils.get_total_norm([p.grad for p in ref_params])) / 2
+            ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_params, max_norm))
+            norm = float(clip_grad_norm_(mlp, max_norm))
+            assert abs(norm - ref_norm) < 1e-2 * ref_norm, f"rank {r}: gradient norm {norm} against {ref_norm}"
             ref_losses.append(float(loss_ref))
             losses.append(float(total))
             with torch.no_grad():

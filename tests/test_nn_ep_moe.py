@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import triton_overlap as to
-from refs import rand, rel_err
+from refs import check_grad_clipping, rand, rel_err
 from test_nn_moe import TOL_GRAD, TOL_OUT, PlainMoE, expert_modules
 from triton_overlap.nn import EPMoE, overlap_ops
 
@@ -118,6 +118,13 @@ def ep_moe_layer_case(case):
                 assert got[k].abs().sum() == 0, f"rank {r}: {k} should be zero"
         bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k == "out" else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad} (all: {errs})"
+
+        def param_errors():  # (this rank's experts against the reference's, both clipped)
+            want = {"router": ref.router.weight.grad, "w2": ref.w2.grad[experts].transpose(1, 2),
+                    "w13": torch.cat([ref.w1.grad[experts], ref.w3.grad[experts]], dim=1).transpose(1, 2)}
+            got = {"router": moe.router.weight.grad, "w13": moe.w13.grad, "w2": moe.w2.grad}
+            return {k: rel_err(got[k], v) for k, v in want.items() if v.abs().sum() > 0}
+        check_grad_clipping(moe, ref, param_errors, TOL_GRAD)
         return errs, moe.last_path, empty
 
 

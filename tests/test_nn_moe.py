@@ -16,7 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import triton_overlap as to
 from triton_overlap.nn import TPMoE
-from refs import rel_err
+from refs import check_grad_clipping, rel_err
 
 TOL_OUT, TOL_GRAD = 2e-2, 3e-2
 
@@ -160,6 +160,10 @@ def _layer_case(S, B, dim, hidden, E, topk, renormalize, fallback, mode, expect_
             errs.update({f"compiled_vs_eager.{k}": rel_err(compiled[k], got[k]) for k in want})
         bad = {k: v for k, v in errs.items() if v > (TOL_OUT if k.endswith("out") else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad} (all: {errs})"
+        if mode != "frozen":  # (frozen experts have no gradient here, the reference's do)
+            gate = {} if moe.shared_gate is None else {"shared_gate": moe.shared_gate.weight.grad}
+            check_grad_clipping(moe, ref, lambda: {k: rel_err(g, _sharded_grads(moe, ref, r)[k]) for k, g in {
+                "router": moe.router.weight.grad, "w13": moe.w13.grad, "w2": moe.w2.grad, **gate}.items()}, TOL_GRAD)
         used = {type(op).__name__: op.last_path for op in moe.ops}
         return errs, used, empty
 

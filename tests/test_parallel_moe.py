@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import triton_overlap as to
-from refs import check_full_state_dict, rel_err, with_latent_attention_plan
+from refs import check_full_state_dict, check_grad_clipping, rel_err, with_latent_attention_plan
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 #: parameters of attention that transformers initializes to one value, drawn at random instead (a slice of the wrong
@@ -358,6 +358,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
             torch.isfinite(out.aux_loss)
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
+        check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, W, ep), TOL_GRAD)
         assert mlp.last_path == ("fallback" if fallback == "always" else "overlap"), mlp.last_path
         assert [type(op).__name__ for op in mlp.tp_ops] == (
             ["AllReduce"] if decode else ["ExpertParallel"] if ep else ["AllGatherMoEGEMM", "MoEGEMMReduceScatter"])
@@ -398,6 +399,7 @@ def _moe_beside_fsdp(ep):
                 **_grad_errors(model, reference, ctx.rank, 2, ep)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
         assert not bad, f"rank {mesh.get_rank()}: {bad}"
+        check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, 2, ep), TOL_GRAD)
         mlp = model.model.layers[0].mlp
         assert mlp.last_path == "overlap" and type(mlp.tp_ops[0]).__name__ == (
             "ExpertParallel" if ep else "AllGatherMoEGEMM")
@@ -689,6 +691,7 @@ def _block_case(kind, decode=False, ep=False):
                 **_grad_errors(block, reference, r, W, ep)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "out" else TOL_GRAD)}
         assert not bad, f"rank {r}: {bad}"
+        check_grad_clipping(block, reference, lambda: _grad_errors(block, reference, r, W, ep), TOL_GRAD)
         shape = (4 // W, 32, 16 * W) if ep else (BLOCKS[kind], 32, 16)
         assert block.last_path == "overlap" and tuple(block.experts.gate_up_proj.shape) == shape
         assert [type(op).__name__ for op in overlap_ops(block)] == (

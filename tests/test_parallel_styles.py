@@ -10,7 +10,7 @@ from torch import nn
 
 import triton_overlap as to
 from harness import host_case_share
-from refs import check_full_state_dict, rel_err
+from refs import check_full_state_dict, check_grad_clipping, rel_err
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 
@@ -136,6 +136,7 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
         errs = {"logits": rel_err(logits, ref_logits), **_grad_errors(model, reference, ctx.rank, W)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "logits" else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
+        check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, W), TOL_GRAD)
         o_proj = model.model.layers[0].self_attn.o_proj
         path = o_proj.last_path
         assert path == ("fallback" if fallback == "always" else "overlap"), path
@@ -216,6 +217,8 @@ def _beside_fsdp():
                 **_grad_errors(model, reference, ctx.rank, 2)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "logits" else TOL_GRAD)}
         assert not bad, f"rank {mesh.get_rank()}: {bad}"
+        # (the norm of FSDP2's shards over each half, then of the tensor-parallel shards over the halves' ranks)
+        check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, 2), TOL_GRAD)
         assert model.model.layers[0].self_attn.o_proj.last_path == "overlap"
         return max(errs.values())
 

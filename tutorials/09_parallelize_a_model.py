@@ -13,7 +13,8 @@ code is not touched. It takes token ids ``[B, S]`` (batch-first), and the residu
 1) is what the ranks split.
 
 The tutorial runs a small random Llama (bf16 weights) twice on the same tokens, unmodified and parallelized, and
-compares the logits and every gradient. Then both take one SGD step, and ``full_state_dict`` gathers the
+compares the logits and every gradient. Then both clip their gradients (``clip_grad_norm_``: the unmodified model's
+norm, which torch's own cannot compute over shards) and take one SGD step, and ``full_state_dict`` gathers the
 parallelized model's weights into the unmodified model's names and layout (what ``save_pretrained`` would write),
 which a fresh unmodified model loads as it is.
 """
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import triton_overlap as to
-from triton_overlap.nn import full_state_dict, hf_plan
+from triton_overlap.nn import clip_grad_norm_, full_state_dict, hf_plan
 from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
@@ -90,8 +91,15 @@ def main():
         say(f"{ctx}: logits rel err {errs['logits']:.1e}; worst of {len(errs) - 1} gradients {errs[worst]:.1e} "
             f"({worst}); o_proj took the {model.model.layers[-1].self_attn.o_proj.last_path} path")
 
-        # %% One optimizer step on each (every rank updates its shards), then the parallelized model's weights in the
-        # unmodified model's layout: collective, every rank gets them (device="cpu": each moves there once gathered).
+        # %% Gradients clipped (ours: collective, every rank gets the unmodified model's norm and scales by the same
+        # factor) and one optimizer step on each (every rank updates its shards), then the parallelized model's
+        # weights in the unmodified model's layout: collective, every rank gets them (device="cpu": each moves there
+        # once gathered).
+        max_norm = 0.02  # (below both models' norms: the clipping acts)
+        norm = float(clip_grad_norm_(model, max_norm))
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm))
+        errs["gradient norm"] = abs(norm - ref_norm) / ref_norm
+        say(f"gradient norm {norm:.4f} (unmodified model: {ref_norm:.4f}), clipped to {max_norm}")
         for m in (model, reference):
             torch.optim.SGD(m.parameters(), lr=0.5).step()
         saved = full_state_dict(model, device="cpu")

@@ -60,6 +60,7 @@ from ..ops.ep_low_latency import ExpertParallelLowLatency
 from ..ops.expert_parallel import ExpertParallel, ExpertParallelConfig
 from ..ops.moe_routing import count_ids, expert_grads, grouped_mm, sort_pairs, takes_grouped_mm
 from .moe import SWIGLU, Activation, ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
+from .grads import partitioned
 from .precision import compute_dtype
 
 
@@ -355,6 +356,7 @@ class EPMoE(ReplicatedRouter, nn.Module):
         self.router = nn.Linear(dim, num_experts, bias=False, **kw)
         self.w13 = nn.Parameter(torch.empty(self.experts_local, dim, 2 * hidden, **kw))
         self.w2 = nn.Parameter(torch.empty(self.experts_local, hidden, dim, **kw))
+        partitioned(self, ["w13", "w2"], ctx)  # (for grads.grad_norm)
         with torch.no_grad():  # nn.Linear's default range: fan-in of each projection
             self.w13.uniform_(-dim ** -0.5, dim ** -0.5)
             self.w2.uniform_(-hidden ** -0.5, hidden ** -0.5)

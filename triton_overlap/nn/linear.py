@@ -20,6 +20,7 @@ from ..ops.all_reduce import AllReduce
 from ..ops.all_reduce_rmsnorm import AllReduceRMSNorm
 from ..ops.gemm_all_reduce import GEMMAllReduce
 from ..ops.gemm_reduce_scatter import GEMMReduceScatter
+from .grads import partitioned
 from .precision import compute_operands
 
 
@@ -101,6 +102,7 @@ class _TPLinear(nn.Module):
         n_bias = out_features // W if shard_out else out_features
         self.bias = nn.Parameter(torch.zeros(n_bias, **kw)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        partitioned(self, ["weight"] + (["bias"] if bias and shard_out else []), ctx)  # (for grads.grad_norm)
 
     @classmethod
     def from_full_weight(cls, linear: nn.Linear, ctx, **kw):

@@ -25,6 +25,7 @@ from ..kernels import moe_rows
 from ..ops import custom_ops
 from ..ops.all_gather_moe import AllGatherMoEGEMM
 from ..ops.moe_reduce_scatter import MoEGEMMReduceScatter
+from .grads import partitioned
 from .precision import COMPUTE_DTYPES, compute_dtype
 
 
@@ -279,6 +280,7 @@ class TPMoE(ReplicatedRouter, nn.Module):
         slots = num_experts + self.num_shared
         self.w13 = nn.Parameter(torch.empty(slots, dim, 2 * self.hidden_local, **kw))
         self.w2 = nn.Parameter(torch.empty(slots, self.hidden_local, dim, **kw))
+        partitioned(self, ["w13", "w2"], ctx)  # (for grads.grad_norm)
         with torch.no_grad():  # nn.Linear's default range: fan-in of each projection
             self.w13.uniform_(-dim ** -0.5, dim ** -0.5)
             self.w2.uniform_(-hidden ** -0.5, hidden ** -0.5)

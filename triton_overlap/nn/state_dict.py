@@ -71,6 +71,13 @@ def _tensor(module: nn.Module, name: str):
     return m._parameters[leaf] if leaf in m._parameters else m._buffers[leaf]
 
 
+def recorded(model: nn.Module):
+    """(module, name relative to it, Context) of every tensor of ``model`` a style recorded."""
+    for module in model.modules():
+        for name, (_, ctx) in module.__dict__.get("tp_full", {}).items():
+            yield module, name, ctx
+
+
 def _records(model: nn.Module) -> dict:
     """state-dict key of every recorded tensor -> (the recording module's key prefix, pieces, ctx)."""
     found = {}
@@ -209,4 +216,4 @@ def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
         target.copy_(value)
 
 
-__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "record", "rows_of", "selection"]
+__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "record", "recorded", "rows_of", "selection"]

@@ -1,0 +1,132 @@
+"""The gradient norm of a parallelized model, and clipping by it, as the unmodified model would have them.
+
+``torch.nn.utils.clip_grad_norm_`` cannot serve a model parallelized by this package's styles or layers: their
+sharded weights are plain tensors holding this rank's rows, columns or experts, beside replicated DTensors (norms,
+latent down-projections), and torch raises on a mix of Tensor and DTensor gradients; over plain tensors alone it
+would take each rank's shards for the whole model, so each rank would clip by another factor and the ranks' shards
+would drift apart. Here:
+
+* a weight a style or layer partitions over its Context's ranks (each element of the unmodified weight on exactly
+  one rank: the tensors ``state_dict.record`` notes, and those the ``from_full`` layers mark with ``partitioned``)
+  adds its shard's part on every rank, summed over the group (one all-reduce of a scalar per group);
+* a DTensor gradient (a replicated weight's, partial or not; FSDP2's shards) is taken at its full value over its
+  mesh, as torch takes it;
+* any other gradient is the same on every rank (a weight outside the parallel region, or a layer's replicated
+  weight after its ``sync_replicated_grads()``) and is counted once.
+
+Collective over the groups of every partitioned weight: every rank calls it. Every rank gets the same norm and
+scales its gradients by the same factor; no host synchronisation (unless ``error_if_nonfinite``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .state_dict import recorded
+
+
+def partitioned(owner: nn.Module, names, ctx) -> None:
+    """Note on ``owner`` that its parameters ``names`` (relative to ``owner``) each hold this rank's part of a
+    weight partitioned over the ranks of ``ctx``'s group (what the ``from_full`` layers' sharded weights are)."""
+    if "tp_partitioned" not in owner.__dict__:
+        owner.tp_partitioned = {}
+    for name in names:
+        owner.tp_partitioned[name] = ctx
+
+
+def _parameter(module: nn.Module, name: str):
+    owner, _, leaf = name.rpartition(".")
+    m = module.get_submodule(owner) if owner else module
+    return m._parameters.get(leaf)
+
+
+def _groups(model: nn.Module) -> dict:
+    """id of each partitioned parameter -> its Context (the parameter as it is now: FSDP2's DTensor included)."""
+    found = {}
+    for owner, name, ctx in recorded(model):
+        p = _parameter(owner, name)
+        if p is not None:
+            found[id(p)] = ctx
+    for module in model.modules():
+        for name, ctx in module.__dict__.get("tp_partitioned", {}).items():
+            p = _parameter(module, name)
+            if p is not None:
+                found[id(p)] = ctx
+    return found
+
+
+def _norm(grads, q: float, device) -> torch.Tensor:
+    """The q-norm of ``grads`` (plain tensors, or DTensors at their full value over their mesh) as a float32
+    tensor on ``device``; 0 for none."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    by_mesh: dict = {}
+    for g in grads:  # (torch's norm takes a list of DTensors on one mesh at a time)
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    parts = []
+    for mesh, gs in by_mesh.items():
+        n = torch.nn.utils.get_total_norm(gs, q)
+        parts.append((n.full_tensor() if isinstance(n, DTensor) else n).to(device=device, dtype=torch.float32))
+    return torch.nn.utils.get_total_norm(parts, q) if len(parts) > 1 else parts[0]
+
+
+@torch.no_grad()
+def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """The ``norm_type``-norm (a positive number or ``inf``) of every gradient of ``model`` as the unmodified model
+    would have it (module docstring): a float32 scalar tensor on the parameters' device, the same on every rank.
+    Collective: every rank of the partitioned weights' groups calls it."""
+    q = float(norm_type)
+    if not q > 0:
+        raise ValueError(f"grad_norm: norm_type must be positive or inf, got {norm_type}")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError("grad_norm: the model has no parameters")
+    device = params[0].device
+    groups = _groups(model)
+    whole, by_ctx, ctxs = [], {}, {}
+    for p in params:  # every partitioned weight's group, grad or not: the same all-reduces on every rank
+        ctx = groups.get(id(p))
+        if ctx is not None:
+            ctxs.setdefault(id(ctx), ctx)
+            by_ctx.setdefault(id(ctx), [])
+        if p.grad is not None:
+            (whole if ctx is None else by_ctx[id(ctx)]).append(p.grad)
+    parts = [_norm(whole, q, device)]
+    for key, grads in by_ctx.items():
+        local = _norm(grads, q, device)
+        if math.isinf(q):
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctxs[key].group)
+            parts.append(local)
+        else:
+            total = local.pow(q)
+            dist.all_reduce(total, group=ctxs[key].group)
+            parts.append(total.pow(1.0 / q))
+    return torch.nn.utils.get_total_norm(parts, q) if len(parts) > 1 else parts[0]
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model parallelized by this package: scales every gradient of
+    ``model`` in place by ``min(1, max_norm / (norm + 1e-6))``, ``norm`` being ``grad_norm(model, norm_type)``
+    (the unmodified model's, the same on every rank), and returns ``norm``. ``error_if_nonfinite``: raise
+    RuntimeError where the norm is nan or inf (reads it back to the host). Collective, as ``grad_norm``. Layers
+    whose replicated weights' gradients are per-rank partial (``TPMoE``, ``EPMoE``, ``ParallelTransformerBlock``)
+    need their ``sync_replicated_grads()`` first."""
+    total = grad_norm(model, norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {float(norm_type)} of the gradients is "
+                           f"{float(total)}; error_if_nonfinite=False clips anyway")
+    coef = (float(max_norm) / (total + 1e-6)).clamp(max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            g.mul_(coef.to(g.device))
+    return total
+
+
+__all__ = ["clip_grad_norm_", "grad_norm", "partitioned"]
