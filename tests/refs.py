@@ -259,7 +259,8 @@ def check_full_state_dict(model, expected: dict, seed: int = 7):
     """``nn.full_state_dict(model)`` (a model parallelized by the styles) against ``expected``, the unmodified
     model's state dict in the parameters' dtype: the same names, shapes and dtypes, every tensor bit for bit; then
     ``load_full_state_dict`` of a changed copy (each float tensor plus noise, the same on every rank) and gathered
-    again: the copy, bit for bit, whatever each rank loaded in between; then the original weights loaded back."""
+    again: the copy, bit for bit, whatever each rank loaded in between; then the original weights loaded back, and
+    gathered to global rank 0 alone (``rank0_only``: the others get an empty dict)."""
     from triton_overlap.nn import full_state_dict, load_full_state_dict
 
     def same(got, want, what):
@@ -277,6 +278,11 @@ def check_full_state_dict(model, expected: dict, seed: int = 7):
     same(full_state_dict(model, device="cpu"), changed, "after load_full_state_dict")
     load_full_state_dict(model, expected)
     same(full_state_dict(model), expected, "loaded back")
+    on_rank0 = full_state_dict(model, device="cpu", rank0_only=True)
+    if torch.distributed.get_rank() == 0:
+        same(on_rank0, expected, "rank0_only")
+    else:
+        assert on_rank0 == {}, sorted(on_rank0)[:4]
 
 
 def check_grad_clipping(model, reference, grad_errors, tol: float):

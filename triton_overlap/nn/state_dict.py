@@ -6,7 +6,7 @@ this rank's rows, columns, heads or experts), and ``MoEParallel`` joins a shared
 * ``full_state_dict(model)``: the state dict of the model as it was before ``parallelize_module``: every name, shape
   and layout it had (a shared expert's weights included), each sharded tensor gathered from the ranks of its style's
   Context. Collective: every rank of the group calls it, and every rank gets the whole state dict (``device="cpu"``
-  moves each tensor there once gathered). What ``save_pretrained`` or ``torch.save`` writes of it, the unmodified
+  moves each tensor there once gathered; ``rank0_only=True`` keeps it on global rank 0 alone). What ``save_pretrained`` or ``torch.save`` writes of it, the unmodified
   model loads.
 * ``load_full_state_dict(model, state_dict)``: such a state dict (the unmodified model's, a checkpoint's) loaded into
   the parallelized model, each rank copying its own shards; no communication.
@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -143,22 +144,26 @@ def _gather(local: torch.Tensor, ctx) -> list[torch.Tensor]:
     return [row.view(local.dtype).view(local.shape) for row in out]
 
 
-def full_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tensor]:
+def full_state_dict(model: nn.Module, *, device=None, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The unmodified model's state dict from ``model`` parallelized by this package's styles (module docstring):
     its names, shapes and layouts, every sharded tensor gathered over its Context's group. Collective over every
-    rank of the groups; every rank returns the whole dict. ``device``: where each tensor goes once gathered (e.g.
-    ``"cpu"``, so that at most one gathered tensor is on the GPU at a time); None: where the parameter is. The
-    dtypes are the parameters' (float32 parameters under autocast stay float32)."""
+    rank of the groups; every rank returns the whole dict, or with ``rank0_only`` global rank 0 alone (the others
+    take part in every gather and return an empty dict: a large model's whole state in one process's memory, not in
+    every rank's). ``device``: where each tensor goes once gathered (e.g. ``"cpu"``, so that at most one gathered
+    tensor is on the GPU at a time); None: where the parameter is. The dtypes are the parameters' (float32
+    parameters under autocast stay float32)."""
     records = _records(model)
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict().items():
-        t = _value(t.detach())
+        t = _value(t.detach())  # (collective for FSDP2's shards: every rank)
         if key not in records:
-            out[key] = t if device is None else t.to(device)
+            if keep:
+                out[key] = t if device is None else t.to(device)
             continue
         prefix, pieces, ctx = records[key]
         ranks = _gather(t, ctx)
-        for piece in pieces:
+        for piece in (pieces if keep else ()):
             full = torch.empty(piece.shape, dtype=t.dtype, device=t.device)
             for r, local in enumerate(ranks):
                 _place(full, piece.ops, _region(local, piece.region), r)
