@@ -455,6 +455,53 @@ def test_load_full_state_dict_refuses_what_does_not_fit(pool):
     assert all(pool.run(_state_dict_refusals))
 
 
+def _multi_tensor_optimizers():
+    """AdamW's foreach and fused steps over ``nn.param_groups`` of a styled Llama (float32 parameters under autocast;
+    its shards plain tensors, its norms replicated DTensors: one list of both makes torch's multi-tensor kernels
+    raise) against AdamW's loop over ``model.parameters()`` on an equal copy: three steps of each on the same
+    tokens, the weights compared after each (gathered by full_state_dict). Returns the worst relative difference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.nn import full_state_dict, param_groups
+
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        base = _llama(W, torch.float32).to(dev)  # (float32 parameters under autocast: the steps' roundings agree)
+        tokens = torch.randint(0, 96, (2, 4 * W), generator=torch.Generator().manual_seed(1)).to(dev)
+        worst = 0.0
+        for kind in ("foreach", "fused"):
+            models = [copy.deepcopy(base) for _ in range(2)]
+            for m in models:
+                parallelize_module(m, init_device_mesh(dev.type, (W,)), _plan(ctx, "never", shared=True))
+            groups = param_groups(models[0], weight_decay=0.1)
+            assert [all(isinstance(p, DTensor) for p in g["params"]) for g in groups] == [False, True]
+            assert all(g["weight_decay"] == 0.1 for g in groups)
+            opts = [torch.optim.AdamW(groups, lr=1e-2, **{kind: True}),
+                    torch.optim.AdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1, foreach=False)]
+            for _ in range(3):
+                for m, opt in zip(models, opts):
+                    opt.zero_grad()
+                    with torch.autocast(dev.type, dtype=torch.bfloat16):
+                        loss = m(tokens).logits.float().square().mean()
+                    loss.backward()
+                    opt.step()
+                got, want = full_state_dict(models[0]), full_state_dict(models[1])
+                errs = {k: rel_err(got[k], want[k]) for k in want}
+                assert max(errs.values()) < 1e-5, (kind, max(errs.items(), key=lambda kv: kv[1]))
+                worst = max(worst, *errs.values())
+        ctx.check()
+        return worst
+
+
+def test_multi_tensor_optimizers_take_param_groups(pool):
+    pytest.importorskip("transformers")
+    if pool.world == 4:
+        pytest.skip("W = 2, 3")
+    pool.run(_multi_tensor_optimizers)
+
+
 def test_from_full_rejects_unknown_keywords():
     """A misspelt keyword raises instead of leaving the layer on its default (checked before any Context use)."""
     from triton_overlap.nn import ColumnParallelLinear, RowParallelLinear, TPMLP

@@ -4,10 +4,11 @@ attention, and parallel styles for parallelize_module (linear layers, the sequen
 sparse-MoE blocks, latent attention's down-projections, norms over column layers' whole outputs, Qwen3.5's and
 Qwen3-Next's linear attention, Phi-3's fused q/k/v attention, GPT-OSS's attention with sinks), and a Hugging Face
 model's whole plan from its own (hf_plan); a parallelized model's weights in the unmodified model's layout
-(full_state_dict) and its gradient norm (grad_norm, clip_grad_norm_)."""
+(full_state_dict), its gradient norm (grad_norm, clip_grad_norm_) and its parameters in groups torch's multi-tensor
+optimizers take (param_groups)."""
 from .block import ParallelTransformerBlock
 from .ep_moe import EPMoE
-from .grads import clip_grad_norm_, grad_norm
+from .grads import clip_grad_norm_, grad_norm, param_groups
 from .linear import ColumnParallelLinear, RowParallelLinear, local_linear
 from .mlp import TPMLP
 from .moe import TPMoE
@@ -25,4 +26,4 @@ __all__ = ["ColumnParallelLinear", "ColwiseParallel", "ColwiseRMSNorm", "EPMoE",
            "GatherSequence", "MoEParallel", "ParallelTransformerBlock", "ReplicatedLatent", "RowParallelLinear",
            "RowwiseParallel", "ShardSequence", "SharedInputColwise", "SinkAttentionParallel", "TPMLP", "TPMoE",
            "clip_grad_norm_", "full_state_dict", "grad_norm", "hf_plan", "load_full_state_dict", "local_linear",
-           "overlap_ops"]
+           "overlap_ops", "param_groups"]

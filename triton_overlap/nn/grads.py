@@ -1,4 +1,5 @@
-"""The gradient norm of a parallelized model, and clipping by it, as the unmodified model would have them.
+"""The gradient norm of a parallelized model, and clipping by it, as the unmodified model would have them; and its
+parameters in the groups torch's foreach and fused optimizers take.
 
 ``torch.nn.utils.clip_grad_norm_`` cannot serve a model parallelized by this package's styles or layers: their
 sharded weights are plain tensors holding this rank's rows, columns or experts, beside replicated DTensors (norms,
@@ -16,6 +17,11 @@ would drift apart. Here:
 
 Collective over the groups of every partitioned weight: every rank calls it. Every rank gets the same norm and
 scales its gradients by the same factor; no host synchronisation (unless ``error_if_nonfinite``).
+
+The same mix keeps torch's optimizers from their multi-tensor kernels: ``foreach=True`` and ``fused=True`` (torchtitan's
+and Hugging Face's defaults) raise on a list holding both plain tensors and DTensors, and by default torch takes one
+kernel per parameter (it does not batch DTensors). An optimizer steps each parameter group with its own kernels, so
+``param_groups(model)`` (plain tensors in one group, the DTensors of each mesh in another) lets them run.
 """
 from __future__ import annotations
 
@@ -129,4 +135,15 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     return total
 
 
-__all__ = ["clip_grad_norm_", "grad_norm", "partitioned"]
+def param_groups(model: nn.Module, **options) -> list[dict]:
+    """``model``'s parameters as torch optimizer parameter groups, each of one kind: the plain tensors, then the
+    DTensors of each device mesh (module docstring), each group a dict with ``"params"`` and ``options`` (e.g.
+    ``weight_decay``). ``torch.optim.AdamW(param_groups(model), lr=..., fused=True)`` then runs where
+    ``AdamW(model.parameters(), fused=True)`` raises; the step is the same."""
+    kinds: dict = {}
+    for p in model.parameters():
+        kinds.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    return [{"params": ps, **options} for ps in kinds.values()]
+
+
+__all__ = ["clip_grad_norm_", "grad_norm", "param_groups", "partitioned"]
