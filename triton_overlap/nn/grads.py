@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .state_dict import recorded
+from .state_dict import recorded, tensor_at
 
 
 def partitioned(owner: nn.Module, names, ctx) -> None:
@@ -44,24 +44,13 @@ def partitioned(owner: nn.Module, names, ctx) -> None:
         owner.tp_partitioned[name] = ctx
 
 
-def _parameter(module: nn.Module, name: str):
-    owner, _, leaf = name.rpartition(".")
-    m = module.get_submodule(owner) if owner else module
-    return m._parameters.get(leaf)
-
-
 def _groups(model: nn.Module) -> dict:
-    """id of each partitioned parameter -> its Context (the parameter as it is now: FSDP2's DTensor included)."""
-    found = {}
-    for owner, name, ctx in recorded(model):
-        p = _parameter(owner, name)
-        if p is not None:
-            found[id(p)] = ctx
+    """id of each partitioned tensor -> its Context (the tensor as its module holds it now: FSDP2's DTensor
+    included; a recorded buffer's id matches no parameter)."""
+    found = {id(tensor_at(owner, name)): ctx for _, owner, name, _, ctx in recorded(model)}
     for module in model.modules():
         for name, ctx in module.__dict__.get("tp_partitioned", {}).items():
-            p = _parameter(module, name)
-            if p is not None:
-                found[id(p)] = ctx
+            found[id(tensor_at(module, name))] = ctx
     return found
 
 
@@ -93,23 +82,21 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
         raise ValueError("grad_norm: the model has no parameters")
     device = params[0].device
     groups = _groups(model)
-    whole, by_ctx, ctxs = [], {}, {}
+    whole, by_ctx = [], {}  # by_ctx: id(ctx) -> (ctx, its partitioned weights' gradients)
     for p in params:  # every partitioned weight's group, grad or not: the same all-reduces on every rank
         ctx = groups.get(id(p))
-        if ctx is not None:
-            ctxs.setdefault(id(ctx), ctx)
-            by_ctx.setdefault(id(ctx), [])
+        grads = whole if ctx is None else by_ctx.setdefault(id(ctx), (ctx, []))[1]
         if p.grad is not None:
-            (whole if ctx is None else by_ctx[id(ctx)]).append(p.grad)
+            grads.append(p.grad)
     parts = [_norm(whole, q, device)]
-    for key, grads in by_ctx.items():
+    for ctx, grads in by_ctx.values():
         local = _norm(grads, q, device)
         if math.isinf(q):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctxs[key].group)
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=ctx.group)
             parts.append(local)
         else:
             total = local.pow(q)
-            dist.all_reduce(total, group=ctxs[key].group)
+            dist.all_reduce(total, group=ctx.group)
             parts.append(total.pow(1.0 / q))
     return torch.nn.utils.get_total_norm(parts, q) if len(parts) > 1 else parts[0]
 

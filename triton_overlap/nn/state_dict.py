@@ -6,8 +6,8 @@ this rank's rows, columns, heads or experts), and ``MoEParallel`` joins a shared
 * ``full_state_dict(model)``: the state dict of the model as it was before ``parallelize_module``: every name, shape
   and layout it had (a shared expert's weights included), each sharded tensor gathered from the ranks of its style's
   Context. Collective: every rank of the group calls it, and every rank gets the whole state dict (``device="cpu"``
-  moves each tensor there once gathered; ``rank0_only=True`` keeps it on global rank 0 alone). What ``save_pretrained`` or ``torch.save`` writes of it, the unmodified
-  model loads.
+  moves each tensor there once gathered; ``rank0_only=True`` keeps it on global rank 0 alone). What
+  ``save_pretrained`` or ``torch.save`` writes of it, the unmodified model loads.
 * ``load_full_state_dict(model, state_dict)``: such a state dict (the unmodified model's, a checkpoint's) loaded into
   the parallelized model, each rank copying its own shards; no communication.
 
@@ -60,32 +60,30 @@ def record(owner: nn.Module, name: str, pieces, ctx) -> None:
 def rows_of(owner: nn.Module, name: str, dim: int, per_rank, ctx) -> None:
     """``record`` of the common case: ``name`` is rank r's ``per_rank[r]`` along ``dim`` of the unmodified tensor
     of that name, whose shape is the recorded one but along ``dim``, where it is the sum over ranks."""
-    local = _tensor(owner, name).shape
+    local = tensor_at(owner, name).shape
     shape = list(local)
     shape[dim] = sum(i.stop - i.start if isinstance(i, slice) else len(i) for i in per_rank)
     record(owner, name, [Piece(name, tuple(shape), (selection(dim, per_rank),))], ctx)
 
 
-def _tensor(module: nn.Module, name: str):
+def tensor_at(module: nn.Module, name: str):
+    """The parameter or buffer ``name`` (dotted, relative to ``module``) as the module holds it now."""
     owner, _, leaf = name.rpartition(".")
     m = module.get_submodule(owner) if owner else module
     return m._parameters[leaf] if leaf in m._parameters else m._buffers[leaf]
 
 
 def recorded(model: nn.Module):
-    """(module, name relative to it, Context) of every tensor of ``model`` a style recorded."""
-    for module in model.modules():
-        for name, (_, ctx) in module.__dict__.get("tp_full", {}).items():
-            yield module, name, ctx
+    """(the recording module's state-dict key prefix, the module, the tensor's name relative to it, pieces, Context)
+    of every tensor of ``model`` a style recorded, under every name a shared module has."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, (pieces, ctx) in module.__dict__.get("tp_full", {}).items():
+            yield f"{prefix}." if prefix else "", module, name, pieces, ctx
 
 
 def _records(model: nn.Module) -> dict:
     """state-dict key of every recorded tensor -> (the recording module's key prefix, pieces, ctx)."""
-    found = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, (pieces, ctx) in module.__dict__.get("tp_full", {}).items():
-            found[f"{prefix}.{name}" if prefix else name] = (f"{prefix}." if prefix else "", pieces, ctx)
-    return found
+    return {prefix + name: (prefix, pieces, ctx) for prefix, _, name, pieces, ctx in recorded(model)}
 
 
 def _value(t: torch.Tensor) -> torch.Tensor:
@@ -221,4 +219,5 @@ def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
         target.copy_(value)
 
 
-__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "record", "recorded", "rows_of", "selection"]
+__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "record", "recorded", "rows_of", "selection",
+           "tensor_at"]
