@@ -285,6 +285,55 @@ def check_full_state_dict(model, expected: dict, seed: int = 7):
         assert on_rank0 == {}, sorted(on_rank0)[:4]
 
 
+def check_sharded_checkpoint(model, expected: dict, seed: int = 11):
+    """A DCP checkpoint (torch.distributed.checkpoint) of ``model`` parallelized by the styles, through
+    ``nn.sharded_state_dict``: its names and global shapes are ``expected``'s (the unmodified model's state dict);
+    loaded into plain tensors of those shapes (each rank reads the whole of every tensor) it is ``expected`` bit for
+    bit; a DCP checkpoint of a changed unmodified state dict (plain tensors, the same on every rank) loaded into
+    ``sharded_state_dict(model)`` and ``load_sharded_state_dict`` makes ``full_state_dict(model)`` that copy bit for
+    bit (DCP reads each rank's slices); the first checkpoint loaded back restores ``expected``. Collective over the
+    default group (DCP's); the directory is rank 0's, made and removed here."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    from triton_overlap.nn import full_state_dict, load_sharded_state_dict, sharded_state_dict
+
+    dist = torch.distributed
+    where = [tempfile.mkdtemp(prefix="triton_overlap_dcp_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    styled, unmodified = f"{where[0]}/styled", f"{where[0]}/unmodified"
+    try:
+        sd = sharded_state_dict(model)
+        assert sorted(sd) == sorted(expected), sorted(set(sd) ^ set(expected))[:4]
+        for k, v in expected.items():
+            assert sd[k].shape == v.shape and sd[k].dtype == v.dtype, (k, sd[k].shape, v.shape)
+        assert any(isinstance(v, DTensor) for v in sd.values()), "no tensor saved as a shard"
+        dcp.save(sd, checkpoint_id=styled)
+        plain = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else torch.zeros_like(v)
+                 for k, v in expected.items()}
+        dcp.load(plain, checkpoint_id=styled)
+        for k, v in expected.items():
+            assert torch.equal(plain[k].cpu(), v.cpu()), f"the DCP checkpoint's {k} differs from the unmodified model's"
+        g = torch.Generator().manual_seed(seed)
+        changed = {k: v + torch.randn(v.shape, generator=g).to(v.dtype).to(v.device) if v.is_floating_point() else v
+                   for k, v in expected.items()}
+        dcp.save(changed, checkpoint_id=unmodified)
+        for source, want in ((unmodified, changed), (styled, expected)):
+            sd = sharded_state_dict(model)
+            dcp.load(sd, checkpoint_id=source)
+            load_sharded_state_dict(model, sd)
+            got = full_state_dict(model, device="cpu")
+            bad = [k for k, v in want.items() if not torch.equal(got[k], v.cpu())]
+            assert not bad, f"loaded from {source.rsplit('/', 1)[1]}: {bad[:4]} differ"
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+
+
 def check_grad_clipping(model, reference, grad_errors, tol: float):
     """``nn.grad_norm(model)`` (a model parallelized by the styles or layers, after backward) against torch's norm
     of ``reference``'s gradients (the unmodified model's), orders 2, 1 and inf, within ``tol`` relative; then both

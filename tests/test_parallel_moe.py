@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import triton_overlap as to
-from refs import check_full_state_dict, check_grad_clipping, rel_err, with_latent_attention_plan
+from refs import check_full_state_dict, check_grad_clipping, check_sharded_checkpoint, rel_err, with_latent_attention_plan
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 #: parameters of attention that transformers initializes to one value, drawn at random instead (a slice of the wrong
@@ -315,6 +315,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         unmodified = {k: v.clone() for k, v in model.state_dict().items()}
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         check_full_state_dict(model, unmodified)
+        check_sharded_checkpoint(model, unmodified)
         if mode == "checkpointed":
             model.gradient_checkpointing_enable({"use_reentrant": False})
         mlp = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts"))
@@ -388,6 +389,7 @@ def _moe_beside_fsdp(ep):
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         check_full_state_dict(model, unmodified)  # (FSDP2's shards of the tensor-parallel shards)
+        check_sharded_checkpoint(model, unmodified)
         half = mesh["dp"].get_local_rank()
         tokens = _decisive_tokens(reference, 4, 8, ctx.device)
         logits = model(tokens[2 * half:2 * half + 2]).logits
@@ -673,6 +675,7 @@ def _block_case(kind, decode=False, ep=False):
         parallelize_module(block.bfloat16(), init_device_mesh(dev.type, (W,)),
                            MoEParallel(ctx, fallback="never", sequence_parallel=not decode, expert_parallel=ep))
         check_full_state_dict(block, unmodified)
+        check_sharded_checkpoint(block, unmodified)
         mine = slice(0, S) if decode else slice(r * s, (r + 1) * s)
         x_local = x[:, mine].bfloat16().requires_grad_()
         out = block(x_local)

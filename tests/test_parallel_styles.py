@@ -10,7 +10,7 @@ from torch import nn
 
 import triton_overlap as to
 from harness import host_case_share
-from refs import check_full_state_dict, check_grad_clipping, rel_err
+from refs import check_full_state_dict, check_grad_clipping, check_sharded_checkpoint, rel_err
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 
@@ -113,6 +113,8 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
         unmodified = {k: v.clone() for k, v in model.state_dict().items()}
         parallelize_module(model, init_device_mesh(dev.type, (W,)), plan)
         check_full_state_dict(model, unmodified)
+        if shared == "hf":  # (the plans of the models' own: every kind of record, sharded or gathered for DCP)
+            check_sharded_checkpoint(model, unmodified)
         calls = []  # o_proj's forward calls: a checkpointed layer runs again in backward
         model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda *_: calls.append(1))
         if mode.startswith("checkpointed"):
@@ -206,6 +208,7 @@ def _beside_fsdp():
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         check_full_state_dict(model, unmodified)  # (FSDP2's shards of the tensor-parallel shards)
+        check_sharded_checkpoint(model, unmodified)
         half = mesh["dp"].get_local_rank()
         tokens = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(1)).to(ctx.device)
         logits = model(tokens[2 * half:2 * half + 2]).logits

@@ -17,6 +17,16 @@ through views that are the same on every rank (a reshape, a transpose) and selec
 (this rank's slice, or its rows of an index), placed at a region of the tensor. Loading runs the pieces forward on
 the given tensors; gathering collects every rank's tensor and writes each piece back where it came from. Tensors no
 style sharded (the norms', the embeddings', replicated DTensors, FSDP2's shards: their full value) pass as they are.
+
+For ``torch.distributed.checkpoint`` (DCP), which writes each rank's part of a tensor and reshards on load:
+
+* ``sharded_state_dict(model)``: the unmodified model's names and shapes, each tensor a style split in equal
+  consecutive slices along one dim (the column and row layers', the norms' over heads) a DTensor ``Shard(dim)`` over
+  its Context's group whose local tensor is the parameter itself; tensors no style sharded as the model holds them;
+  the others (experts' fused or interleaved layouts, selections by index, uneven slices, FSDP2's shards of a
+  tensor-parallel shard) gathered whole as ``full_state_dict`` does, so DCP writes them once;
+* ``load_sharded_state_dict(model, state_dict)``: after ``dcp.load`` into such a dict, what it loaded copied into
+  the parameters (the shards were loaded in place; the gathered tensors give each rank its pieces).
 """
 from __future__ import annotations
 
@@ -25,7 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from ..context.collectives import all_gather_rows
 
@@ -219,5 +230,101 @@ def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
         target.copy_(value)
 
 
-__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "record", "recorded", "rows_of", "selection",
-           "tensor_at"]
+def _even_shard(t: torch.Tensor, pieces, name: str, ctx) -> int | None:
+    """The dim along which ``t`` (a recorded tensor, ``pieces`` its record) is rank r's r-th of W equal consecutive
+    slices of the unmodified tensor of the same name, which DCP reads as a DTensor ``Shard(dim)``; None otherwise."""
+    if isinstance(t, DTensor) or len(pieces) != 1:
+        return None
+    (piece,) = pieces
+    if piece.source != name or piece.region or len(piece.ops) != 1 or piece.ops[0][0] != "select":
+        return None
+    _, dim, per_rank = piece.ops[0]
+    W, n = ctx.world_size, t.shape[dim]
+    want = tuple(slice(r * n, (r + 1) * n) for r in range(W))
+    even = len(per_rank) == W and all(isinstance(i, slice) and (i.start, i.stop, i.step in (None, 1)) == (
+        w.start, w.stop, True) for i, w in zip(per_rank, want))
+    return dim if even and piece.shape == tuple(n * W if d == dim else s for d, s in enumerate(t.shape)) else None
+
+
+def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tensor]:
+    """The unmodified model's state dict from ``model`` parallelized by this package's styles, for
+    ``torch.distributed.checkpoint`` (module docstring): every name and global shape ``full_state_dict`` has; a
+    tensor sharded in equal consecutive slices along one dim as a DTensor ``Shard(dim)`` over its Context's group,
+    its local tensor the parameter itself (no copy: ``dcp.load`` writes the shard in place); one sharded otherwise
+    gathered whole over the group (collective, as ``full_state_dict``; ``device``: where such a tensor goes once
+    gathered, e.g. ``"cpu"``); the rest as ``model.state_dict()`` holds it (plain tensors, replicated DTensors,
+    FSDP2's shards), which DCP saves as it saves any model's. Every rank of the groups calls it. Save it with
+    ``dcp.save(sd, checkpoint_id=...)``; load with ``dcp.load`` into a fresh ``sharded_state_dict`` of the model,
+    then ``load_sharded_state_dict``. A checkpoint of the unmodified model (any world size, or none) loads the same
+    way: DCP reads each rank's slices of it."""
+    records = _records(model)
+    meshes: dict[int, DeviceMesh] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in model.state_dict().items():
+        if key not in records:
+            out[key] = t
+            continue
+        prefix, pieces, ctx = records[key]
+        dim = _even_shard(t, pieces, key[len(prefix):], ctx)
+        if dim is None:
+            ranks = _gather(_value(t.detach()), ctx)
+            for piece in pieces:
+                full = torch.empty(piece.shape, dtype=t.dtype, device=t.device)
+                for r, local in enumerate(ranks):
+                    _place(full, piece.ops, _region(local, piece.region), r)
+                out[prefix + piece.source] = full if device is None else full.to(device)
+            continue
+        mesh = meshes.get(id(ctx))
+        if mesh is None:
+            mesh = meshes[id(ctx)] = DeviceMesh.from_group(ctx.group, t.device.type)
+        shape = pieces[0].shape
+        stride = tuple(int(torch.Size(shape[d + 1:]).numel()) for d in range(len(shape)))
+        out[key] = DTensor.from_local(t.detach(), mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
+                                      stride=stride)
+    return out
+
+
+def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
+    """Copy into ``model`` (parallelized by the styles) what ``dcp.load`` loaded into ``state_dict``, a
+    ``sharded_state_dict(model)``: each DTensor shard's local tensor and each tensor no style sharded into its
+    parameter where it is not that parameter already; each gathered tensor's pieces into this rank's shards (no
+    communication). A key of the model missing from ``state_dict`` raises KeyError before anything is copied."""
+    records = _records(model)
+    own = model.state_dict(keep_vars=True)
+    plan = []
+    for key, target in own.items():
+        prefix, pieces, ctx = records.get(key) or ("", (Piece(key, tuple(target.shape), ()),), None)
+        names = [prefix + p.source for p in pieces]
+        missing = [n for n in names if n not in state_dict]
+        if missing:
+            raise KeyError(f"load_sharded_state_dict: the state dict has no {missing[0]!r} (not a "
+                           f"sharded_state_dict of this model?)")
+        plan.append((target, [(state_dict[n], p) for n, p in zip(names, pieces)], ctx))
+    with torch.no_grad():
+        for target, sources, ctx in plan:
+            value = sources[0][0]
+            if isinstance(value, DTensor) and ctx is not None:  # (a shard: this rank's, loaded in place)
+                value = value.to_local()
+                if value.data_ptr() != _local(target).data_ptr():
+                    target.copy_(value)
+                continue
+            if ctx is None:  # (a tensor no style sharded: loaded in place, or copied whole)
+                if _local(value).data_ptr() == _local(target).data_ptr():
+                    continue
+                if isinstance(value, DTensor) and isinstance(target, DTensor):
+                    target.copy_(value)
+                else:
+                    _copy(target, _value(value))
+                continue
+            local = torch.empty(tuple(target.shape), dtype=target.dtype, device=target.device)
+            for full, piece in sources:
+                _region(local, piece.region).copy_(_forward(full.to(local.device), piece.ops, ctx.rank))
+            _copy(target, local)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "record", "recorded",
+           "rows_of", "selection", "sharded_state_dict", "tensor_at"]
