@@ -499,6 +499,65 @@ def _multi_tensor_optimizers():
         return worst
 
 
+def _grad_scaler():
+    """float16 training with ``nn.GradScaler`` on a styled Llama (float32 parameters under float16 autocast, SGD's
+    foreach step over ``nn.param_groups``): after ``unscale_`` every gradient against the unmodified model's in
+    float64 (its loss unscaled); the step taken, the scale kept; then an inf in one shard's gradient on the last rank
+    only: every rank skips the step (the weights unchanged bit for bit) and halves its scale. torch's GradScaler
+    raises on the same model. Returns the worst gradient error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from triton_overlap.nn import GradScaler, full_state_dict, hf_plan, param_groups
+
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        model = _llama(W, torch.float32).to(dev)
+        reference = copy.deepcopy(model).double()
+        parallelize_module(model, init_device_mesh(dev.type, (W,)), hf_plan(model, ctx, fallback="never"))
+        tokens = torch.randint(0, 96, (2, 4 * W), generator=torch.Generator().manual_seed(1)).to(dev)
+        opt = torch.optim.SGD(param_groups(model), lr=0.1, foreach=True)
+        scaler = GradScaler(dev.type, init_scale=2.0 ** 10)
+
+        def backward(scaler):
+            opt.zero_grad()
+            with torch.autocast(dev.type, dtype=torch.float16):
+                logits = model(tokens).logits
+            scaler.scale(logits.float().square().mean()).backward()
+
+        backward(scaler)
+        reference(tokens).logits.square().mean().backward()
+        scaler.unscale_(opt)
+        errs = _grad_errors(model, reference, ctx.rank, W)
+        bad = {k: f"{e:.2e}" for k, e in errs.items() if e > TOL_GRAD}
+        assert not bad, f"rank {ctx.rank}, after unscale_: {bad}"
+        before = full_state_dict(model)
+        scaler.step(opt)
+        scaler.update()
+        stepped = full_state_dict(model)
+        assert scaler.get_scale() == 2.0 ** 10 and any(not torch.equal(stepped[k], before[k]) for k in before)
+        backward(scaler)
+        if ctx.rank == W - 1:  # an overflow in this rank's shard alone
+            model.model.layers[0].self_attn.o_proj.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        now = full_state_dict(model)
+        changed = [k for k in stepped if not torch.equal(now[k], stepped[k])]
+        assert not changed and scaler.get_scale() == 2.0 ** 9, (ctx.rank, changed[:3], scaler.get_scale())
+        backward(torch_scaler := torch.amp.GradScaler(dev.type, init_scale=2.0 ** 10))
+        with pytest.raises(RuntimeError, match="DTensor"):
+            torch_scaler.unscale_(opt)
+        ctx.check()
+        return max(errs.values())
+
+
+def test_grad_scaler_steps_or_skips_on_every_rank(pool):
+    pytest.importorskip("transformers")
+    if pool.world == 4:
+        pytest.skip("W = 2, 3")
+    pool.run(_grad_scaler)
+
+
 def test_multi_tensor_optimizers_take_param_groups(pool):
     pytest.importorskip("transformers")
     if pool.world != 2:

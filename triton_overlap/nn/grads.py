@@ -22,10 +22,17 @@ The same mix keeps torch's optimizers from their multi-tensor kernels: ``foreach
 and Hugging Face's defaults) raise on a list holding both plain tensors and DTensors, and by default torch takes one
 kernel per parameter (it does not batch DTensors). An optimizer steps each parameter group with its own kernels, so
 ``param_groups(model)`` (plain tensors in one group, the DTensors of each mesh in another) lets them run.
+
+float16 training's loss scaling has both problems: ``torch.amp.GradScaler`` unscales every gradient of an optimizer
+in one multi-tensor call per device and dtype (which raises on the mix), and each rank checks only its own shards for
+inf or nan, so one rank could skip a step the others take (its shards then lag the others', and where the step of a
+DTensor communicates, as for a partial gradient, the ranks' collectives no longer match and hang). ``GradScaler`` here unscales DTensors' local tensors beside
+the plain ones and takes the maximum of the overflow flag over every rank before the step is taken or skipped.
 """
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -133,4 +140,41 @@ def param_groups(model: nn.Module, **options) -> list[dict]:
     return [{"params": ps, **options} for ps in kinds.values()]
 
 
-__all__ = ["clip_grad_norm_", "grad_norm", "param_groups", "partitioned"]
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for a model parallelized by this package's styles or layers (module docstring): the
+    same arguments and use (``scale``, ``unscale_``, ``step``, ``update``), plus ``group``: the ranks that must step or
+    skip together (None: every rank of the default group). ``unscale_`` (and ``step`` without it) unscales plain and
+    DTensor gradients (their local tensors) in place, then takes the maximum of the inf / nan flag over ``group`` (one
+    all-reduce of a scalar per unscale), so every rank skips the step, and lowers its scale, where any rank found
+    one."""
+
+    def __init__(self, device: str = "cuda", *args, group=None, **kwargs):
+        super().__init__(device, *args, **kwargs)
+        self.group = group
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        by_device: dict = defaultdict(lambda: defaultdict(list))
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    g = p.grad
+                    if g is None:
+                        continue
+                    if not allow_fp16 and g.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")  # (torch's words)
+                    g = g.to_local() if isinstance(g, DTensor) else g
+                    if g.is_sparse:
+                        g = g.coalesce()._values() if g.dtype == torch.float16 else g._values()
+                    by_device[g.device][g.dtype].append(g)
+            for device, per_dtype in by_device.items():
+                flag = found_inf if device == found_inf.device else torch.zeros_like(found_inf, device=device)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+                if flag is not found_inf:
+                    found_inf.copy_(torch.maximum(found_inf, flag.to(found_inf.device)))
+            if dist.is_initialized():
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self.group)
+        return {found_inf.device: found_inf}
+
+
+__all__ = ["GradScaler", "clip_grad_norm_", "grad_norm", "param_groups", "partitioned"]
