@@ -24,10 +24,11 @@ kernel per parameter (it does not batch DTensors). An optimizer steps each param
 ``param_groups(model)`` (plain tensors in one group, the DTensors of each mesh in another) lets them run.
 
 float16 training's loss scaling has both problems: ``torch.amp.GradScaler`` unscales every gradient of an optimizer
-in one multi-tensor call per device and dtype (which raises on the mix), and each rank checks only its own shards for
-inf or nan, so one rank could skip a step the others take (its shards then lag the others', and where the step of a
-DTensor communicates, as for a partial gradient, the ranks' collectives no longer match and hang). ``GradScaler`` here unscales DTensors' local tensors beside
-the plain ones and takes the maximum of the overflow flag over every rank before the step is taken or skipped.
+in one multi-tensor call per device and dtype (which raises on the mix), and each rank checks only its own shards
+for inf or nan, so one rank could skip a step the others take (its shards then lag the others', and where the step
+of a DTensor communicates, as for a partial gradient, the ranks' collectives no longer match and hang).
+``GradScaler`` here unscales DTensors' local tensors beside the plain ones and takes the maximum of the overflow
+flag over every rank before the step is taken or skipped.
 """
 from __future__ import annotations
 
