@@ -1,4 +1,5 @@
 """Inputs every rank can rebuild for every other rank, and the plain-torch references (attention's among them)."""
+import contextlib
 import math
 import os
 import zlib
@@ -285,6 +286,51 @@ def check_full_state_dict(model, expected: dict, seed: int = 7):
         assert on_rank0 == {}, sorted(on_rank0)[:4]
 
 
+@contextlib.contextmanager
+def shared_directory():
+    """A temporary directory every rank of the default group names (global rank 0's, removed after a barrier
+    once every rank is done with it): where a DCP checkpoint goes."""
+    import shutil
+    import tempfile
+
+    dist = torch.distributed
+    where = [tempfile.mkdtemp(prefix="triton_overlap_dcp_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    try:
+        yield where[0]
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(where[0], ignore_errors=True)
+
+
+def check_resume(model, optimizer):
+    """A training step resumed from a DCP checkpoint of ``model`` (parallelized by the styles, gradients in place)
+    and ``optimizer``: a step, the checkpoint (``sharded_state_dict``, ``sharded_optimizer_state_dict``), a second
+    step on the same gradients; then the checkpoint loaded back (``load_sharded_state_dict``,
+    ``load_sharded_optimizer_state_dict``) and the second step again: the weights the first second step made, bit
+    for bit (a rank loading another's shards or state would differ)."""
+    import torch.distributed.checkpoint as dcp
+
+    from triton_overlap.nn import (full_state_dict, load_sharded_optimizer_state_dict, load_sharded_state_dict,
+                                   sharded_optimizer_state_dict, sharded_state_dict)
+
+    with shared_directory() as where:
+        optimizer.step()
+        dcp.save({"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer)},
+                 checkpoint_id=where)
+        optimizer.step()
+        want = full_state_dict(model)
+        state = {"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, optimizer)}
+        dcp.load(state, checkpoint_id=where)
+        load_sharded_state_dict(model, state["model"])
+        load_sharded_optimizer_state_dict(model, optimizer, state["optim"])
+        optimizer.step()
+        got = full_state_dict(model)
+        bad = [k for k, v in want.items() if not torch.equal(got[k], v)]
+        assert not bad, f"resumed from the checkpoint: {bad[:4]} differ"
+
+
 def check_sharded_checkpoint(model, expected: dict, seed: int = 11):
     """A DCP checkpoint (torch.distributed.checkpoint) of ``model`` parallelized by the styles, through
     ``nn.sharded_state_dict``: its names and global shapes are ``expected``'s (the unmodified model's state dict);
@@ -293,19 +339,13 @@ def check_sharded_checkpoint(model, expected: dict, seed: int = 11):
     ``sharded_state_dict(model)`` and ``load_sharded_state_dict`` makes ``full_state_dict(model)`` that copy bit for
     bit (DCP reads each rank's slices); the first checkpoint loaded back restores ``expected``. Collective over the
     default group (DCP's); the directory is rank 0's, made and removed here."""
-    import shutil
-    import tempfile
-
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor
 
     from triton_overlap.nn import full_state_dict, load_sharded_state_dict, sharded_state_dict
 
-    dist = torch.distributed
-    where = [tempfile.mkdtemp(prefix="triton_overlap_dcp_") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(where, src=0)
-    styled, unmodified = f"{where[0]}/styled", f"{where[0]}/unmodified"
-    try:
+    with shared_directory() as where:
+        styled, unmodified = f"{where}/styled", f"{where}/unmodified"
         sd = sharded_state_dict(model)
         assert sorted(sd) == sorted(expected), sorted(set(sd) ^ set(expected))[:4]
         for k, v in expected.items():
@@ -328,10 +368,6 @@ def check_sharded_checkpoint(model, expected: dict, seed: int = 11):
             got = full_state_dict(model, device="cpu")
             bad = [k for k, v in want.items() if not torch.equal(got[k], v.cpu())]
             assert not bad, f"loaded from {source.rsplit('/', 1)[1]}: {bad[:4]} differ"
-    finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(where[0], ignore_errors=True)
 
 
 def check_grad_clipping(model, reference, grad_errors, tol: float):

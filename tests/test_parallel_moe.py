@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 import triton_overlap as to
-from refs import check_full_state_dict, check_grad_clipping, check_sharded_checkpoint, rel_err, with_latent_attention_plan
+from refs import (check_full_state_dict, check_grad_clipping, check_resume, check_sharded_checkpoint, rel_err,
+                  with_latent_attention_plan)
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 #: parameters of attention that transformers initializes to one value, drawn at random instead (a slice of the wrong
@@ -302,7 +303,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from triton_overlap.nn import hf_plan
+    from triton_overlap.nn import hf_plan, param_groups
 
     with to.Context(timeout_s=120) as ctx:
         W, dev = ctx.world_size, ctx.device
@@ -360,6 +361,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
         check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, W, ep), TOL_GRAD)
+        check_resume(model, torch.optim.AdamW(param_groups(model), lr=1e-3))
         assert mlp.last_path == ("fallback" if fallback == "always" else "overlap"), mlp.last_path
         assert [type(op).__name__ for op in mlp.tp_ops] == (
             ["AllReduce"] if decode else ["ExpertParallel"] if ep else ["AllGatherMoEGEMM", "MoEGEMMReduceScatter"])
@@ -377,7 +379,7 @@ def _moe_beside_fsdp(ep):
     from torch.distributed.tensor.parallel import parallelize_module
 
     from triton_overlap.kernels.cached_launch import triton_interprets
-    from triton_overlap.nn import hf_plan
+    from triton_overlap.nn import hf_plan, param_groups
 
     mesh = init_device_mesh("cpu" if triton_interprets() else "cuda", (2, 2), mesh_dim_names=("dp", "tp"))
     with to.Context(mesh["tp"].get_group(), timeout_s=120) as ctx:
@@ -402,6 +404,7 @@ def _moe_beside_fsdp(ep):
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
         assert not bad, f"rank {mesh.get_rank()}: {bad}"
         check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, 2, ep), TOL_GRAD)
+        check_resume(model, torch.optim.AdamW(param_groups(model), lr=1e-3))  # (FSDP2's shards of the TP shards)
         mlp = model.model.layers[0].mlp
         assert mlp.last_path == "overlap" and type(mlp.tp_ops[0]).__name__ == (
             "ExpertParallel" if ep else "AllGatherMoEGEMM")

@@ -10,7 +10,7 @@ from torch import nn
 
 import triton_overlap as to
 from harness import host_case_share
-from refs import check_full_state_dict, check_grad_clipping, check_sharded_checkpoint, rel_err
+from refs import check_full_state_dict, check_grad_clipping, check_resume, check_sharded_checkpoint, rel_err
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 
@@ -192,7 +192,7 @@ def _beside_fsdp():
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from triton_overlap.nn import hf_plan
+    from triton_overlap.nn import hf_plan, param_groups
 
     from triton_overlap.kernels.cached_launch import triton_interprets
 
@@ -222,6 +222,7 @@ def _beside_fsdp():
         assert not bad, f"rank {mesh.get_rank()}: {bad}"
         # (the norm of FSDP2's shards over each half, then of the tensor-parallel shards over the halves' ranks)
         check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, 2), TOL_GRAD)
+        check_resume(model, torch.optim.AdamW(param_groups(model), lr=1e-3))  # (FSDP2's shards of the TP shards)
         assert model.model.layers[0].self_attn.o_proj.last_path == "overlap"
         return max(errs.values())
 
@@ -424,11 +425,12 @@ def test_float32_needs_autocast_and_styles_check_their_input(pool):
 
 def _state_dict_refusals():
     """load_full_state_dict refuses, before it copies anything, a state dict with a tensor missing, one of another
-    shape or one the model has no place for; ``strict=False`` skips those and loads the rest."""
+    shape or one the model has no place for; ``strict=False`` skips those and loads the rest. load_sharded_state_dict
+    refuses a full state dict and one with a tensor missing, before it copies anything."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from triton_overlap.nn import full_state_dict, hf_plan, load_full_state_dict
+    from triton_overlap.nn import full_state_dict, hf_plan, load_full_state_dict, load_sharded_state_dict
 
     with to.Context(timeout_s=120) as ctx:
         W = ctx.world_size
@@ -445,6 +447,11 @@ def _state_dict_refusals():
                 load_full_state_dict(model, state)
             now = full_state_dict(model)
             assert all(torch.equal(now[k], full[k]) for k in full), f"{name}: a tensor changed before the error"
+        with pytest.raises(ValueError, match="a plain tensor where"):  # (a full state dict given for DCP's)
+            load_sharded_state_dict(model, changed)
+        with pytest.raises(KeyError, match="has no 'model.layers.0"):
+            load_sharded_state_dict(model, cases["missing"][0])
+        assert all(torch.equal(v, full[k]) for k, v in full_state_dict(model).items())
         load_full_state_dict(model, cases["missing"][0], strict=False)  # everything but q_proj's weight
         now = full_state_dict(model)
         assert torch.equal(now[q], full[q]) and all(torch.equal(now[k], changed[k]) for k in full if k != q)
@@ -556,6 +563,85 @@ def test_grad_scaler_steps_or_skips_on_every_rank(pool):
     if pool.world == 4:
         pytest.skip("W = 2, 3")
     pool.run(_grad_scaler)
+
+
+def _training_checkpoint():
+    """A training run's DCP checkpoint, weights and AdamW's state, and the run resumed from it: a styled Llama
+    (float32 parameters under autocast; its shards saved as DTensor shards, Phi-3's fused q/k/v gathered) and a
+    TPMLP (``from_full``: every rank's shards as rows) each take two steps, are saved (``sharded_state_dict``,
+    ``sharded_optimizer_state_dict``) and take a third; a fresh copy with other weights and a fresh optimizer loads
+    the checkpoint and takes the third step: the same weights as the first, within 1e-6."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from refs import shared_directory
+    from triton_overlap.nn import (TPMLP, full_state_dict, hf_plan, load_sharded_optimizer_state_dict,
+                                   load_sharded_state_dict, param_groups, sharded_optimizer_state_dict,
+                                   sharded_state_dict)
+
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        tokens = torch.randint(0, 96, (2, 4 * W), generator=torch.Generator().manual_seed(1)).to(dev)
+        x = torch.randn(4 * W, 2, 32, generator=torch.Generator().manual_seed(2))[ctx.rank * 4:][:4].to(dev)
+
+        def llama(seed):
+            model = _llama(W, torch.float32, "phi3").to(dev)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(seed)).to(dev) * 0.01)
+            parallelize_module(model, init_device_mesh(dev.type, (W,)), hf_plan(model, ctx, fallback="never"))
+            return model, lambda: model(tokens).logits.float().square().mean()
+
+        def mlp(seed):
+            torch.manual_seed(seed)
+            linears = [nn.Linear(32, 16 * W, bias=False), nn.Linear(32, 16 * W, bias=False),
+                       nn.Linear(16 * W, 32, bias=False)]
+            model = TPMLP.from_full(*linears, ctx, dtype=torch.float32, fallback="never")
+            return model, lambda: model(x).float().square().mean()
+
+        worst = 0.0
+        with shared_directory() as where:
+            for i, make in enumerate((llama, mlp)):
+                runs = []
+                for seed in (3, 4):
+                    model, loss = make(seed)
+                    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
+                    runs.append((model, loss, opt))
+
+                def step(model, loss, opt):
+                    opt.zero_grad()
+                    with torch.autocast(dev.type, dtype=torch.bfloat16):
+                        loss().backward()
+                    opt.step()
+
+                model, loss, opt = runs[0]
+                for _ in range(2):
+                    step(model, loss, opt)
+                path = f"{where}/{i}"
+                dcp.save({"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, opt)},
+                         checkpoint_id=path)
+                step(model, loss, opt)
+                want = full_state_dict(model) if i == 0 else model.state_dict()
+                fresh, fresh_loss, fresh_opt = runs[1]
+                state = {"model": sharded_state_dict(fresh), "optim": sharded_optimizer_state_dict(fresh, fresh_opt)}
+                dcp.load(state, checkpoint_id=path)
+                load_sharded_state_dict(fresh, state["model"])
+                load_sharded_optimizer_state_dict(fresh, fresh_opt, state["optim"])
+                step(fresh, fresh_loss, fresh_opt)
+                got = full_state_dict(fresh) if i == 0 else fresh.state_dict()
+                errs = {k: rel_err(got[k], want[k]) for k in want}
+                assert max(errs.values()) <= 1e-6, (make.__name__, max(errs.items(), key=lambda kv: kv[1]))
+                worst = max(worst, *errs.values())
+        ctx.check()
+        return worst
+
+
+def test_training_resumes_from_a_dcp_checkpoint(pool):
+    pytest.importorskip("transformers")
+    if pool.world == 4:
+        pytest.skip("W = 2, 3")
+    pool.run(_training_checkpoint)
 
 
 def test_multi_tensor_optimizers_take_param_groups(pool):

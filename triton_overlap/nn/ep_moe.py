@@ -60,8 +60,8 @@ from ..ops.ep_low_latency import ExpertParallelLowLatency
 from ..ops.expert_parallel import ExpertParallel, ExpertParallelConfig
 from ..ops.moe_routing import count_ids, expert_grads, grouped_mm, sort_pairs, takes_grouped_mm
 from .moe import SWIGLU, Activation, ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
-from .grads import partitioned
 from .precision import compute_dtype
+from .state_dict import partitioned
 
 
 def ep_op(ctx, fallback: str, experts_gemm: str = "after", combine_stages: int | None = None) -> ExpertParallel:

@@ -43,15 +43,6 @@ from torch.distributed.tensor import DTensor
 from .state_dict import recorded, tensor_at
 
 
-def partitioned(owner: nn.Module, names, ctx) -> None:
-    """Note on ``owner`` that its parameters ``names`` (relative to ``owner``) each hold this rank's part of a
-    weight partitioned over the ranks of ``ctx``'s group (what the ``from_full`` layers' sharded weights are)."""
-    if "tp_partitioned" not in owner.__dict__:
-        owner.tp_partitioned = {}
-    for name in names:
-        owner.tp_partitioned[name] = ctx
-
-
 def _groups(model: nn.Module) -> dict:
     """id of each partitioned tensor -> its Context (the tensor as its module holds it now: FSDP2's DTensor
     included; a recorded buffer's id matches no parameter)."""
@@ -178,4 +169,4 @@ class GradScaler(torch.amp.GradScaler):
         return {found_inf.device: found_inf}
 
 
-__all__ = ["GradScaler", "clip_grad_norm_", "grad_norm", "param_groups", "partitioned"]
+__all__ = ["GradScaler", "clip_grad_norm_", "grad_norm", "param_groups"]

@@ -20,8 +20,8 @@ from ..ops.all_reduce import AllReduce
 from ..ops.all_reduce_rmsnorm import AllReduceRMSNorm
 from ..ops.gemm_all_reduce import GEMMAllReduce
 from ..ops.gemm_reduce_scatter import GEMMReduceScatter
-from .grads import partitioned
 from .precision import compute_operands
+from .state_dict import partitioned
 
 
 def layer_ops(ctx, fallback: str):

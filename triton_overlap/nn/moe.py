@@ -25,8 +25,8 @@ from ..kernels import moe_rows
 from ..ops import custom_ops
 from ..ops.all_gather_moe import AllGatherMoEGEMM
 from ..ops.moe_reduce_scatter import MoEGEMMReduceScatter
-from .grads import partitioned
 from .precision import COMPUTE_DTYPES, compute_dtype
+from .state_dict import partitioned
 
 
 def moe_ops(ctx, fallback: str):

@@ -77,6 +77,17 @@ def rows_of(owner: nn.Module, name: str, dim: int, per_rank, ctx) -> None:
     record(owner, name, [Piece(name, tuple(shape), (selection(dim, per_rank),))], ctx)
 
 
+def partitioned(owner: nn.Module, names, ctx) -> None:
+    """Note on ``owner`` that its parameters ``names`` (relative to ``owner``) each hold this rank's part of a
+    weight partitioned over the ranks of ``ctx``'s group (what the ``from_full`` layers' sharded weights are, under
+    their own names: no unmodified layout to record). grads.grad_norm sums their parts over the group;
+    sharded_state_dict saves every rank's."""
+    if "tp_partitioned" not in owner.__dict__:
+        owner.tp_partitioned = {}
+    for name in names:
+        owner.tp_partitioned[name] = ctx
+
+
 def tensor_at(module: nn.Module, name: str):
     """The parameter or buffer ``name`` (dotted, relative to ``module``) as the module holds it now."""
     owner, _, leaf = name.rpartition(".")
@@ -246,69 +257,113 @@ def _even_shard(t: torch.Tensor, pieces, name: str, ctx) -> int | None:
     return dim if even and piece.shape == tuple(n * W if d == dim else s for d, s in enumerate(t.shape)) else None
 
 
+class _ForDCP:
+    """How each of a model's tensors goes into a DCP state dict (sharded_state_dict's docstring): by state-dict
+    key, its record (prefix, pieces, ctx) and the dim of an even shard, or the Context of a ``partitioned`` weight;
+    the device meshes of the Contexts' groups."""
+
+    def __init__(self, model: nn.Module):
+        self.records = _records(model)
+        self.marks = {f"{prefix}.{name}" if prefix else name: ctx
+                      for prefix, module in model.named_modules(remove_duplicate=False)
+                      for name, ctx in module.__dict__.get("tp_partitioned", {}).items()}
+        self.meshes: dict[int, DeviceMesh] = {}
+        own = model.state_dict(keep_vars=True)
+        self.even = {key: _even_shard(own[key], pieces, key[len(prefix):], ctx)
+                     for key, (prefix, pieces, ctx) in self.records.items() if key in own}
+
+    def _mesh(self, ctx, t: torch.Tensor) -> DeviceMesh:
+        mesh = self.meshes.get(id(ctx))
+        if mesh is None:
+            mesh = self.meshes[id(ctx)] = DeviceMesh.from_group(ctx.group, t.device.type)
+        return mesh
+
+    def kind(self, key: str):
+        """("shard", ctx, dim, global shape), ("pieces", ctx) (gathered whole), ("stacked", ctx) (each rank's
+        tensor a row of [W, ...]) or None (as it is)."""
+        if key in self.records:
+            prefix, pieces, ctx = self.records[key]
+            dim = self.even.get(key)
+            return ("pieces", ctx) if dim is None else ("shard", ctx, dim, pieces[0].shape)
+        return ("stacked", self.marks[key]) if key in self.marks else None
+
+    def shard(self, t: torch.Tensor, ctx, dim: int, shape) -> DTensor:
+        """``t`` (this rank's slice) as the DTensor ``Shard(dim)`` of global ``shape``, sharing t's storage."""
+        stride = tuple(int(torch.Size(shape[d + 1:]).numel()) for d in range(len(shape)))
+        return DTensor.from_local(t.detach(), self._mesh(ctx, t), [Shard(dim)], run_check=False,
+                                  shape=torch.Size(shape), stride=stride)
+
+    def stacked(self, t: torch.Tensor, ctx) -> DTensor:
+        """Every rank's ``t`` (the same shape on each; a DTensor: its full value) as the rows of [W, *t.shape]: a
+        checkpoint that loads at the same world size and layout only."""
+        t = _value(t.detach())
+        return self.shard(t.unsqueeze(0), ctx, 0, (ctx.world_size, *t.shape))
+
+
 def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tensor]:
     """The unmodified model's state dict from ``model`` parallelized by this package's styles, for
     ``torch.distributed.checkpoint`` (module docstring): every name and global shape ``full_state_dict`` has; a
     tensor sharded in equal consecutive slices along one dim as a DTensor ``Shard(dim)`` over its Context's group,
     its local tensor the parameter itself (no copy: ``dcp.load`` writes the shard in place); one sharded otherwise
     gathered whole over the group (collective, as ``full_state_dict``; ``device``: where such a tensor goes once
-    gathered, e.g. ``"cpu"``); the rest as ``model.state_dict()`` holds it (plain tensors, replicated DTensors,
-    FSDP2's shards), which DCP saves as it saves any model's. Every rank of the groups calls it. Save it with
-    ``dcp.save(sd, checkpoint_id=...)``; load with ``dcp.load`` into a fresh ``sharded_state_dict`` of the model,
-    then ``load_sharded_state_dict``. A checkpoint of the unmodified model (any world size, or none) loads the same
-    way: DCP reads each rank's slices of it."""
-    records = _records(model)
-    meshes: dict[int, DeviceMesh] = {}
+    gathered, e.g. ``"cpu"``); a weight of a ``from_full`` layer (ColumnParallelLinear, TPMoE, EPMoE: its own names,
+    no unmodified layout) under its name as the rows of [W, ...], one per rank, which loads at the same world size
+    only; the rest as ``model.state_dict()`` holds it (plain tensors, replicated DTensors, FSDP2's shards), which DCP
+    saves as it saves any model's. Every rank of the groups calls it. Save it with ``dcp.save(sd,
+    checkpoint_id=...)``; load with ``dcp.load`` into a fresh ``sharded_state_dict`` of the model, then
+    ``load_sharded_state_dict``. A checkpoint of the unmodified model (any world size, or none) loads the same way:
+    DCP reads each rank's slices of it."""
+    how = _ForDCP(model)
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict().items():
-        if key not in records:
+        kind = how.kind(key)
+        if kind is None:
             out[key] = t
-            continue
-        prefix, pieces, ctx = records[key]
-        dim = _even_shard(t, pieces, key[len(prefix):], ctx)
-        if dim is None:
+        elif kind[0] == "shard":
+            out[key] = how.shard(t, *kind[1:])
+        elif kind[0] == "stacked":
+            out[key] = how.stacked(t, kind[1])
+        else:
+            prefix, pieces, ctx = how.records[key]
             ranks = _gather(_value(t.detach()), ctx)
             for piece in pieces:
                 full = torch.empty(piece.shape, dtype=t.dtype, device=t.device)
                 for r, local in enumerate(ranks):
                     _place(full, piece.ops, _region(local, piece.region), r)
                 out[prefix + piece.source] = full if device is None else full.to(device)
-            continue
-        mesh = meshes.get(id(ctx))
-        if mesh is None:
-            mesh = meshes[id(ctx)] = DeviceMesh.from_group(ctx.group, t.device.type)
-        shape = pieces[0].shape
-        stride = tuple(int(torch.Size(shape[d + 1:]).numel()) for d in range(len(shape)))
-        out[key] = DTensor.from_local(t.detach(), mesh, [Shard(dim)], run_check=False, shape=torch.Size(shape),
-                                      stride=stride)
     return out
 
 
 def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
     """Copy into ``model`` (parallelized by the styles) what ``dcp.load`` loaded into ``state_dict``, a
-    ``sharded_state_dict(model)``: each DTensor shard's local tensor and each tensor no style sharded into its
-    parameter where it is not that parameter already; each gathered tensor's pieces into this rank's shards (no
-    communication). A key of the model missing from ``state_dict`` raises KeyError before anything is copied."""
-    records = _records(model)
+    ``sharded_state_dict(model)``: each shard's local tensor (a ``from_full`` layer's: its row) and each tensor no
+    style sharded into its parameter where it is not that parameter already; each gathered tensor's pieces into this
+    rank's shards (no communication). A key of the model missing from ``state_dict`` raises KeyError, a plain tensor
+    where a shard belongs ValueError, before anything is copied."""
+    how = _ForDCP(model)
     own = model.state_dict(keep_vars=True)
     plan = []
     for key, target in own.items():
-        prefix, pieces, ctx = records.get(key) or ("", (Piece(key, tuple(target.shape), ()),), None)
+        prefix, pieces, _ = how.records.get(key) or ("", (Piece(key, tuple(target.shape), ()),), None)
         names = [prefix + p.source for p in pieces]
         missing = [n for n in names if n not in state_dict]
         if missing:
             raise KeyError(f"load_sharded_state_dict: the state dict has no {missing[0]!r} (not a "
                            f"sharded_state_dict of this model?)")
-        plan.append((target, [(state_dict[n], p) for n, p in zip(names, pieces)], ctx))
+        kind = how.kind(key)
+        if kind is not None and kind[0] != "pieces" and not isinstance(state_dict[key], DTensor):
+            raise ValueError(f"load_sharded_state_dict: {key!r} is a plain tensor where sharded_state_dict(model) "
+                             f"has a DTensor of this rank's part (a full state dict: load_full_state_dict)")
+        plan.append((target, [(state_dict[n], p) for n, p in zip(names, pieces)], kind))
     with torch.no_grad():
-        for target, sources, ctx in plan:
+        for target, sources, kind in plan:
             value = sources[0][0]
-            if isinstance(value, DTensor) and ctx is not None:  # (a shard: this rank's, loaded in place)
-                value = value.to_local()
+            if kind is not None and kind[0] != "pieces":  # (a shard or a row: this rank's, loaded in place)
+                value = value.to_local()[0] if kind[0] == "stacked" else value.to_local()
                 if value.data_ptr() != _local(target).data_ptr():
-                    target.copy_(value)
+                    _copy(target, value)
                 continue
-            if ctx is None:  # (a tensor no style sharded: loaded in place, or copied whole)
+            if kind is None:  # (a tensor no style sharded: loaded in place, or copied whole)
                 if _local(value).data_ptr() == _local(target).data_ptr():
                     continue
                 if isinstance(value, DTensor) and isinstance(target, DTensor):
@@ -318,13 +373,60 @@ def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
                 continue
             local = torch.empty(tuple(target.shape), dtype=target.dtype, device=target.device)
             for full, piece in sources:
-                _region(local, piece.region).copy_(_forward(full.to(local.device), piece.ops, ctx.rank))
+                _region(local, piece.region).copy_(_forward(full.to(local.device), piece.ops, kind[1].rank))
             _copy(target, local)
+
+
+def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """``optimizer``'s state for ``torch.distributed.checkpoint``, as torch's ``get_optimizer_state_dict(model,
+    optimizer)`` gives it (keyed by parameter names), with each state tensor of a parameter's shape made what
+    ``sharded_state_dict`` makes of that parameter: a DTensor ``Shard(dim)`` over the Context's group for an even
+    shard (it reshards on load as the weights do), else every rank's tensor as the rows of [W, ...] (loads at the
+    same world size and layout only: a gathered layout's optimizer state has no meaning in the unmodified model's
+    names). The local tensors are the optimizer's own (``dcp.load`` writes them in place). Collective where FSDP2
+    shards a sharded weight (its state gathered over FSDP2's mesh first)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, optimizer)
+    how = _ForDCP(model)
+    own = model.state_dict(keep_vars=True)
+    for name, state in osd["state"].items():
+        kind = how.kind(name)
+        if kind is None:
+            continue
+        osd["state"][name] = {  # (a new dict: torch's may be the optimizer's own)
+            k: t if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(own[name].shape)
+            else how.shard(t, *kind[1:]) if kind[0] == "shard" else how.stacked(t, kind[1]) for k, t in state.items()}
+    return osd
+
+
+def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Load into ``optimizer`` what ``dcp.load`` loaded into ``state_dict``, a ``sharded_optimizer_state_dict(model,
+    optimizer)``: each shard back to this rank's tensor (a DTensor again where the parameter is one), then torch's
+    ``set_optimizer_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    how = _ForDCP(model)
+    own = model.state_dict(keep_vars=True)
+    plain = {"state": {}, "param_groups": state_dict["param_groups"]}
+    for name, state in state_dict["state"].items():
+        kind, param = how.kind(name), own.get(name)
+        local = {}
+        made = None if kind is None else kind[3] if kind[0] == "shard" else (kind[1].world_size, *param.shape)
+        for k, t in state.items():
+            if made is not None and isinstance(t, DTensor) and tuple(t.shape) == tuple(made):  # (made above)
+                t = t.to_local() if kind[0] == "shard" else t.to_local()[0]
+                if isinstance(param, DTensor):  # (FSDP2's shard of the parameter: this rank's part again)
+                    t = distribute_tensor(t, param.device_mesh, param.placements, src_data_rank=None)
+            local[k] = t
+        plain["state"][name] = local
+    set_optimizer_state_dict(model, optimizer, plain)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "load_sharded_state_dict", "record", "recorded",
-           "rows_of", "selection", "sharded_state_dict", "tensor_at"]
+__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
+           "load_sharded_state_dict", "partitioned", "record", "recorded", "rows_of", "selection",
+           "sharded_optimizer_state_dict", "sharded_state_dict", "tensor_at"]
