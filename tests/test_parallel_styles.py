@@ -566,11 +566,12 @@ def test_grad_scaler_steps_or_skips_on_every_rank(pool):
 
 
 def _training_checkpoint():
-    """A training run's DCP checkpoint, weights and AdamW's state, and the run resumed from it: a styled Llama
-    (float32 parameters under autocast; its shards saved as DTensor shards, Phi-3's fused q/k/v gathered) and a
-    TPMLP (``from_full``: every rank's shards as rows) each take two steps, are saved (``sharded_state_dict``,
-    ``sharded_optimizer_state_dict``) and take a third; a fresh copy with other weights and a fresh optimizer loads
-    the checkpoint and takes the third step: the same weights as the first, within 1e-6."""
+    """A training run's DCP checkpoint, weights and optimizer state, and the run resumed from it: a styled Llama
+    (float32 parameters under autocast; its shards saved as DTensor shards, Phi-3's fused q/k/v gathered) with AdamW
+    and with Adafactor (its factored second moments of other shapes than the weights': stacked per rank), and a
+    TPMLP (``from_full``: every rank's shards as rows) with AdamW, each take two steps, are saved
+    (``sharded_state_dict``, ``sharded_optimizer_state_dict``) and take a third; a fresh copy with other weights and
+    a fresh optimizer loads the checkpoint and takes the third step: the same weights as the first, within 1e-6."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -602,11 +603,12 @@ def _training_checkpoint():
 
         worst = 0.0
         with shared_directory() as where:
-            for i, make in enumerate((llama, mlp)):
+            for i, (make, optimizer) in enumerate(((llama, torch.optim.AdamW), (mlp, torch.optim.AdamW),
+                                                   (llama, torch.optim.Adafactor))):
                 runs = []
                 for seed in (3, 4):
                     model, loss = make(seed)
-                    opt = torch.optim.AdamW(param_groups(model), lr=1e-2, weight_decay=0.1)
+                    opt = optimizer(param_groups(model), lr=1e-2, weight_decay=0.1)
                     runs.append((model, loss, opt))
 
                 def step(model, loss, opt):
@@ -622,16 +624,19 @@ def _training_checkpoint():
                 dcp.save({"model": sharded_state_dict(model), "optim": sharded_optimizer_state_dict(model, opt)},
                          checkpoint_id=path)
                 step(model, loss, opt)
-                want = full_state_dict(model) if i == 0 else model.state_dict()
+                want = full_state_dict(model) if make is llama else model.state_dict()
                 fresh, fresh_loss, fresh_opt = runs[1]
+                with torch.autocast(dev.type, dtype=torch.bfloat16):  # (gradients present before the load: torch's
+                    fresh_loss().backward()  # get_optimizer_state_dict would leave the fresh state empty)
                 state = {"model": sharded_state_dict(fresh), "optim": sharded_optimizer_state_dict(fresh, fresh_opt)}
                 dcp.load(state, checkpoint_id=path)
                 load_sharded_state_dict(fresh, state["model"])
                 load_sharded_optimizer_state_dict(fresh, fresh_opt, state["optim"])
                 step(fresh, fresh_loss, fresh_opt)
-                got = full_state_dict(fresh) if i == 0 else fresh.state_dict()
+                got = full_state_dict(fresh) if make is llama else fresh.state_dict()
                 errs = {k: rel_err(got[k], want[k]) for k in want}
-                assert max(errs.values()) <= 1e-6, (make.__name__, max(errs.items(), key=lambda kv: kv[1]))
+                assert max(errs.values()) <= 1e-6, (make.__name__, optimizer.__name__,
+                                                    max(errs.items(), key=lambda kv: kv[1]))
                 worst = max(worst, *errs.values())
         ctx.check()
         return worst

@@ -144,6 +144,11 @@ class GradScaler(torch.amp.GradScaler):
         super().__init__(device, *args, **kwargs)
         self.group = group
 
+    def __getstate__(self):  # (a process group does not pickle: a copy takes the default group)
+        state = super().__getstate__()
+        state["group"] = None
+        return state
+
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         by_device: dict = defaultdict(lambda: defaultdict(list))
         with torch.no_grad():

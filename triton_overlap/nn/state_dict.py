@@ -23,8 +23,8 @@ For ``torch.distributed.checkpoint`` (DCP), which writes each rank's part of a t
 * ``sharded_state_dict(model)``: the unmodified model's names and shapes, each tensor a style split in equal
   consecutive slices along one dim (the column and row layers', the norms' over heads) a DTensor ``Shard(dim)`` over
   its Context's group whose local tensor is the parameter itself; tensors no style sharded as the model holds them;
-  the others (experts' fused or interleaved layouts, selections by index, uneven slices, FSDP2's shards of a
-  tensor-parallel shard) gathered whole as ``full_state_dict`` does, so DCP writes them once;
+  the others (experts' fused or interleaved layouts, selections by index, FSDP2's shards of a tensor-parallel shard)
+  gathered whole as ``full_state_dict`` does, so DCP writes them once;
 * ``load_sharded_state_dict(model, state_dict)``: after ``dcp.load`` into such a dict, what it loaded copied into
   the parameters (the shards were loaded in place; the gathered tensors give each rank its pieces).
 """
@@ -306,7 +306,8 @@ def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tens
     tensor sharded in equal consecutive slices along one dim as a DTensor ``Shard(dim)`` over its Context's group,
     its local tensor the parameter itself (no copy: ``dcp.load`` writes the shard in place); one sharded otherwise
     gathered whole over the group (collective, as ``full_state_dict``; ``device``: where such a tensor goes once
-    gathered, e.g. ``"cpu"``); a weight of a ``from_full`` layer (ColumnParallelLinear, TPMoE, EPMoE: its own names,
+    gathered, e.g. ``"cpu"``; beside FSDP2 every sharded weight is FSDP2's DTensor and takes this path, the whole
+    model on every rank while the dict lives); a weight of a ``from_full`` layer (ColumnParallelLinear, TPMoE, EPMoE: its own names,
     no unmodified layout) under its name as the rows of [W, ...], one per rank, which loads at the same world size
     only; the rest as ``model.state_dict()`` holds it (plain tensors, replicated DTensors, FSDP2's shards), which DCP
     saves as it saves any model's. Every rank of the groups calls it. Save it with ``dcp.save(sd,
@@ -379,31 +380,54 @@ def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
 
 def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """``optimizer``'s state for ``torch.distributed.checkpoint``, as torch's ``get_optimizer_state_dict(model,
-    optimizer)`` gives it (keyed by parameter names), with each state tensor of a parameter's shape made what
-    ``sharded_state_dict`` makes of that parameter: a DTensor ``Shard(dim)`` over the Context's group for an even
-    shard (it reshards on load as the weights do), else every rank's tensor as the rows of [W, ...] (loads at the
-    same world size and layout only: a gathered layout's optimizer state has no meaning in the unmodified model's
-    names). The local tensors are the optimizer's own (``dcp.load`` writes them in place). Collective where FSDP2
-    shards a sharded weight (its state gathered over FSDP2's mesh first)."""
+    optimizer)`` gives it (keyed by parameter names), with every state tensor but scalars of a weight that a style or
+    a ``from_full`` layer shards made a DTensor: a state of the weight's shape, where ``sharded_state_dict`` makes the
+    weight a ``Shard(dim)``, the same ``Shard(dim)`` (it reshards on load as the weight does); any other (a gathered
+    layout's, a ``from_full`` layer's, FSDP2's shard of a tensor-parallel shard, a state of another shape such as a
+    factored second moment) every rank's tensor as the rows of [W, ...], which loads at the same world size and
+    layout only. The local tensors are the optimizer's own (``dcp.load`` writes them in place). Collective where
+    FSDP2 shards a sharded weight (its state is gathered over FSDP2's mesh first). An optimizer without state yet gets
+    its initial state (torch's step at lr 0 on zero gradients) even where parameters hold gradients, where torch's
+    function would leave it empty and a checkpoint's state would find no place to load into."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    osd = get_optimizer_state_dict(model, optimizer)
+    grads = {}
+    if not optimizer.state:  # (torch initialises an empty state only where no parameter holds a gradient)
+        grads = {p: p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None}
+        for p in grads:
+            p.grad = None
+    try:
+        osd = get_optimizer_state_dict(model, optimizer)
+    finally:
+        for p, g in grads.items():
+            p.grad = g
     how = _ForDCP(model)
     own = model.state_dict(keep_vars=True)
     for name, state in osd["state"].items():
         kind = how.kind(name)
-        if kind is None:
-            continue
-        osd["state"][name] = {  # (a new dict: torch's may be the optimizer's own)
-            k: t if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(own[name].shape)
-            else how.shard(t, *kind[1:]) if kind[0] == "shard" else how.stacked(t, kind[1]) for k, t in state.items()}
+        if kind is not None:  # (a new dict: torch's may be the optimizer's own)
+            osd["state"][name] = {k: _state_for_dcp(how, kind, t, own[name]) for k, t in state.items()}
     return osd
+
+
+def _state_for_dcp(how: _ForDCP, kind: tuple, t, param: torch.Tensor):
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return t
+    if _as_shard(kind, t, param):
+        return how.shard(t, *kind[1:])
+    return how.stacked(t, kind[1])
+
+
+def _as_shard(kind: tuple, local: torch.Tensor, param: torch.Tensor) -> bool:
+    """Whether an optimizer state of ``param`` (a weight of ``kind``), of ``local``'s local shape, goes into DCP as
+    its weight's ``Shard(dim)`` (else stacked)."""
+    return kind[0] == "shard" and not isinstance(local, DTensor) and tuple(local.shape) == tuple(param.shape)
 
 
 def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
     """Load into ``optimizer`` what ``dcp.load`` loaded into ``state_dict``, a ``sharded_optimizer_state_dict(model,
-    optimizer)``: each shard back to this rank's tensor (a DTensor again where the parameter is one), then torch's
-    ``set_optimizer_state_dict``."""
+    optimizer)``: each shard or row back to this rank's tensor (a DTensor again where the state was one: FSDP2's),
+    then torch's ``set_optimizer_state_dict``."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     how = _ForDCP(model)
@@ -411,13 +435,16 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     plain = {"state": {}, "param_groups": state_dict["param_groups"]}
     for name, state in state_dict["state"].items():
         kind, param = how.kind(name), own.get(name)
+        now = optimizer.state.get(param, {})  # (the optimizer's state: the local shapes the DTensors were made of)
         local = {}
-        made = None if kind is None else kind[3] if kind[0] == "shard" else (kind[1].world_size, *param.shape)
         for k, t in state.items():
-            if made is not None and isinstance(t, DTensor) and tuple(t.shape) == tuple(made):  # (made above)
-                t = t.to_local() if kind[0] == "shard" else t.to_local()[0]
-                if isinstance(param, DTensor):  # (FSDP2's shard of the parameter: this rank's part again)
-                    t = distribute_tensor(t, param.device_mesh, param.placements, src_data_rank=None)
+            if kind is not None and isinstance(t, DTensor) and t.dim() > 0:  # (made by sharded_optimizer_state_dict)
+                mine = now.get(k)
+                shard = _as_shard(kind, mine, param) if isinstance(mine, torch.Tensor) else (
+                    kind[0] == "shard" and tuple(t.shape) == tuple(kind[3]))
+                t = t.to_local() if shard else t.to_local()[0]
+                if isinstance(mine, DTensor):  # (FSDP2's: this rank's part of it again)
+                    t = distribute_tensor(t, mine.device_mesh, mine.placements, src_data_rank=None)
             local[k] = t
         plain["state"][name] = local
     set_optimizer_state_dict(model, optimizer, plain)
