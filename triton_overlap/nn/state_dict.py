@@ -302,18 +302,17 @@ class _ForDCP:
 
 def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tensor]:
     """The unmodified model's state dict from ``model`` parallelized by this package's styles, for
-    ``torch.distributed.checkpoint`` (module docstring): every name and global shape ``full_state_dict`` has; a
-    tensor sharded in equal consecutive slices along one dim as a DTensor ``Shard(dim)`` over its Context's group,
-    its local tensor the parameter itself (no copy: ``dcp.load`` writes the shard in place); one sharded otherwise
-    gathered whole over the group (collective, as ``full_state_dict``; ``device``: where such a tensor goes once
-    gathered, e.g. ``"cpu"``; beside FSDP2 every sharded weight is FSDP2's DTensor and takes this path, the whole
-    model on every rank while the dict lives); a weight of a ``from_full`` layer (ColumnParallelLinear, TPMoE, EPMoE: its own names,
-    no unmodified layout) under its name as the rows of [W, ...], one per rank, which loads at the same world size
-    only; the rest as ``model.state_dict()`` holds it (plain tensors, replicated DTensors, FSDP2's shards), which DCP
-    saves as it saves any model's. Every rank of the groups calls it. Save it with ``dcp.save(sd,
-    checkpoint_id=...)``; load with ``dcp.load`` into a fresh ``sharded_state_dict`` of the model, then
-    ``load_sharded_state_dict``. A checkpoint of the unmodified model (any world size, or none) loads the same way:
-    DCP reads each rank's slices of it."""
+    ``torch.distributed.checkpoint`` (module docstring): every name and global shape ``full_state_dict`` has; a tensor
+    sharded in equal consecutive slices along one dim as a DTensor ``Shard(dim)`` over its Context's group, its local
+    tensor the parameter itself (no copy: ``dcp.load`` writes the shard in place); one sharded otherwise gathered whole
+    over the group (collective, as ``full_state_dict``; ``device``: where such a tensor goes once gathered, e.g.
+    ``"cpu"``; beside FSDP2 every sharded weight is FSDP2's DTensor and takes this path, the whole model on every rank
+    while the dict lives); a weight of a ``from_full`` layer (ColumnParallelLinear, TPMoE, EPMoE: its own names, no
+    unmodified layout) under its name as the rows of [W, ...], one per rank, which loads at the same world size only;
+    the rest as ``model.state_dict()`` holds it (plain tensors, replicated DTensors, FSDP2's shards), which DCP saves as
+    it saves any model's. Every rank of the groups calls it. Save it with ``dcp.save(sd, checkpoint_id=...)``; load with
+    ``dcp.load`` into a fresh ``sharded_state_dict`` of the model, then ``load_sharded_state_dict``. A checkpoint of the
+    unmodified model (any world size, or none) loads the same way: DCP reads each rank's slices of it."""
     how = _ForDCP(model)
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict().items():
