@@ -331,14 +331,15 @@ def check_resume(model, optimizer):
         assert not bad, f"resumed from the checkpoint: {bad[:4]} differ"
 
 
-def check_sharded_checkpoint(model, expected: dict, seed: int = 11):
+def check_sharded_checkpoint(model, expected: dict, seed: int = 11, shards: bool = True):
     """A DCP checkpoint (torch.distributed.checkpoint) of ``model`` parallelized by the styles, through
     ``nn.sharded_state_dict``: its names and global shapes are ``expected``'s (the unmodified model's state dict);
     loaded into plain tensors of those shapes (each rank reads the whole of every tensor) it is ``expected`` bit for
     bit; a DCP checkpoint of a changed unmodified state dict (plain tensors, the same on every rank) loaded into
     ``sharded_state_dict(model)`` and ``load_sharded_state_dict`` makes ``full_state_dict(model)`` that copy bit for
-    bit (DCP reads each rank's slices); the first checkpoint loaded back restores ``expected``. Collective over the
-    default group (DCP's); the directory is rank 0's, made and removed here."""
+    bit (DCP reads each rank's slices); the first checkpoint loaded back restores ``expected``. ``shards``: some
+    tensor is saved as a ``Shard`` (outside FSDP2: every such one the parameter itself). Collective over the default
+    group (DCP's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor, Shard
 
@@ -352,9 +353,10 @@ def check_sharded_checkpoint(model, expected: dict, seed: int = 11):
             assert sd[k].shape == v.shape and sd[k].dtype == v.dtype, (k, sd[k].shape, v.shape)
         own = model.state_dict()
         fsdp = any(isinstance(v, DTensor) and any(isinstance(p, Shard) for p in v.placements) for v in own.values())
-        views = [k for k, v in sd.items() if isinstance(v, DTensor) and isinstance(v.placements[0], Shard)
-                 and k in own and v.to_local().data_ptr() == own[k].data_ptr()]
-        assert fsdp or views, "no tensor saved as a Shard of its parameter"  # (beside FSDP2: every one gathered)
+        split = [k for k, v in sd.items() if isinstance(v, DTensor) and isinstance(v.placements[0], Shard)]
+        assert split or not shards, "no tensor saved as a Shard"
+        copies = [k for k in split if not fsdp and sd[k].to_local().data_ptr() != own[k].data_ptr()]
+        assert not copies, f"Shards that are not their parameter: {copies[:4]}"  # (beside FSDP2: gathered copies)
         dcp.save(sd, checkpoint_id=styled)
         plain = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else torch.zeros_like(v)
                  for k, v in expected.items()}

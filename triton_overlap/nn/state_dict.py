@@ -22,9 +22,10 @@ For ``torch.distributed.checkpoint`` (DCP), which writes each rank's part of a t
 
 * ``sharded_state_dict(model)``: the unmodified model's names and shapes, each tensor a style split in equal
   consecutive slices along one dim (the column and row layers', the norms' over heads) a DTensor ``Shard(dim)`` over
-  its Context's group whose local tensor is the parameter itself; tensors no style sharded as the model holds them;
-  the others (experts' fused or interleaved layouts, selections by index, FSDP2's shards of a tensor-parallel shard)
-  gathered whole as ``full_state_dict`` does, so DCP writes them once;
+  its Context's group whose local tensor is the parameter itself (beside FSDP2, which splits that shard again over
+  its own mesh: the shard gathered over FSDP2's mesh, a copy); tensors no style sharded as the model holds them; the
+  others (experts' fused or interleaved layouts, selections by index) gathered whole as ``full_state_dict`` does, so
+  DCP writes them once;
 * ``load_sharded_state_dict(model, state_dict)``: after ``dcp.load`` into such a dict, what it loaded copied into
   the parameters (the shards were loaded in place; the gathered tensors give each rank its pieces).
 """
@@ -243,8 +244,9 @@ def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
 
 def _even_shard(t: torch.Tensor, pieces, name: str, ctx) -> int | None:
     """The dim along which ``t`` (a recorded tensor, ``pieces`` its record) is rank r's r-th of W equal consecutive
-    slices of the unmodified tensor of the same name, which DCP reads as a DTensor ``Shard(dim)``; None otherwise."""
-    if isinstance(t, DTensor) or len(pieces) != 1:
+    slices of the unmodified tensor of the same name, which DCP reads as a DTensor ``Shard(dim)``; None otherwise.
+    (FSDP2's DTensor of such a shard: by its full shape, the shard's.)"""
+    if len(pieces) != 1:
         return None
     (piece,) = pieces
     if piece.source != name or piece.region or len(piece.ops) != 1 or piece.ops[0][0] != "select":
@@ -288,9 +290,11 @@ class _ForDCP:
         return ("stacked", self.marks[key]) if key in self.marks else None
 
     def shard(self, t: torch.Tensor, ctx, dim: int, shape) -> DTensor:
-        """``t`` (this rank's slice) as the DTensor ``Shard(dim)`` of global ``shape``, sharing t's storage."""
+        """``t`` (this rank's slice) as the DTensor ``Shard(dim)`` of global ``shape``, sharing t's storage (FSDP2's
+        DTensor: its full value over FSDP2's mesh, gathered)."""
+        t = _value(t.detach())
         stride = tuple(int(torch.Size(shape[d + 1:]).numel()) for d in range(len(shape)))
-        return DTensor.from_local(t.detach(), self._mesh(ctx, t), [Shard(dim)], run_check=False,
+        return DTensor.from_local(t, self._mesh(ctx, t), [Shard(dim)], run_check=False,
                                   shape=torch.Size(shape), stride=stride)
 
     def stacked(self, t: torch.Tensor, ctx) -> DTensor:
@@ -306,8 +310,7 @@ def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tens
     sharded in equal consecutive slices along one dim as a DTensor ``Shard(dim)`` over its Context's group, its local
     tensor the parameter itself (no copy: ``dcp.load`` writes the shard in place); one sharded otherwise gathered whole
     over the group (collective, as ``full_state_dict``; ``device``: where such a tensor goes once gathered, e.g.
-    ``"cpu"``; beside FSDP2 every sharded weight is FSDP2's DTensor and takes this path, the whole model on every rank
-    while the dict lives); a weight of a ``from_full`` layer (ColumnParallelLinear, TPMoE, EPMoE: its own names, no
+    ``"cpu"``); a weight of a ``from_full`` layer (ColumnParallelLinear, TPMoE, EPMoE: its own names, no
     unmodified layout) under its name as the rows of [W, ...], one per rank, which loads at the same world size only;
     the rest as ``model.state_dict()`` holds it (plain tensors, replicated DTensors, FSDP2's shards), which DCP saves as
     it saves any model's. Every rank of the groups calls it. Save it with ``dcp.save(sd, checkpoint_id=...)``; load with
@@ -379,15 +382,15 @@ def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
 
 def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """``optimizer``'s state for ``torch.distributed.checkpoint``, as torch's ``get_optimizer_state_dict(model,
-    optimizer)`` gives it (keyed by parameter names), with every state tensor but scalars of a weight that a style or
-    a ``from_full`` layer shards made a DTensor: a state of the weight's shape, where ``sharded_state_dict`` makes the
+    optimizer)`` gives it (keyed by parameter names), with every state tensor but scalars of a weight that a style or a
+    ``from_full`` layer shards made a DTensor: a state of the weight's shape, where ``sharded_state_dict`` makes the
     weight a ``Shard(dim)``, the same ``Shard(dim)`` (it reshards on load as the weight does); any other (a gathered
-    layout's, a ``from_full`` layer's, FSDP2's shard of a tensor-parallel shard, a state of another shape such as a
-    factored second moment) every rank's tensor as the rows of [W, ...], which loads at the same world size and
-    layout only. The local tensors are the optimizer's own (``dcp.load`` writes them in place). Collective where
-    FSDP2 shards a sharded weight (its state is gathered over FSDP2's mesh first). An optimizer without state yet gets
-    its initial state (torch's step at lr 0 on zero gradients) even where parameters hold gradients, where torch's
-    function would leave it empty and a checkpoint's state would find no place to load into."""
+    layout's, a ``from_full`` layer's, a state of another shape such as a factored second moment) every rank's tensor as
+    the rows of [W, ...], which loads at the same world size and layout only. The local tensors are the optimizer's own
+    (``dcp.load`` writes them in place), but where FSDP2 shards a sharded weight: its state is gathered over FSDP2's
+    mesh first (collective), a copy. An optimizer without state yet gets its initial state (torch's step at lr 0 on zero
+    gradients) even where parameters hold gradients, where torch's function would leave it empty and a checkpoint's
+    state would find no place to load into."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     grads = {}
@@ -420,7 +423,7 @@ def _state_for_dcp(how: _ForDCP, kind: tuple, t, param: torch.Tensor):
 def _as_shard(kind: tuple, local: torch.Tensor, param: torch.Tensor) -> bool:
     """Whether an optimizer state of ``param`` (a weight of ``kind``), of ``local``'s local shape, goes into DCP as
     its weight's ``Shard(dim)`` (else stacked)."""
-    return kind[0] == "shard" and not isinstance(local, DTensor) and tuple(local.shape) == tuple(param.shape)
+    return kind[0] == "shard" and tuple(local.shape) == tuple(param.shape)
 
 
 def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
