@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import triton_overlap as to
-from triton_overlap.nn import clip_grad_norm_, full_state_dict, hf_plan, sharded_state_dict
+from triton_overlap.nn import clip_grad_norm_, full_state_dict, hf_plan, param_groups, sharded_state_dict
 from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
@@ -79,7 +79,7 @@ def main():
         ctx.check()
 
         def rel(a, b):
-            a, b = a.detach().float(), b.detach().float()
+            a, b = a.detach().float().cpu(), b.detach().float().cpu()
             return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
         errs = {"logits": rel(logits, ref_logits)}
@@ -105,8 +105,8 @@ def main():
         ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm))
         errs["gradient norm"] = abs(norm - ref_norm) / ref_norm
         say(f"gradient norm {norm:.4f} (unmodified model: {ref_norm:.4f}), clipped to {max_norm}")
-        for m in (model, reference):
-            torch.optim.SGD(m.parameters(), lr=0.5).step()
+        torch.optim.SGD(param_groups(model), lr=0.5).step()  # (plain shards and DTensors in separate groups: on
+        torch.optim.SGD(reference.parameters(), lr=0.5).step()  # GPUs torch's foreach step raises on one list of both)
         saved = full_state_dict(model, device="cpu")
         fresh = tiny_llama(gpu)
         fresh.load_state_dict(saved)  # (strict: the same names and shapes as the unmodified model's)
