@@ -40,16 +40,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .state_dict import recorded, tensor_at
+from .state_dict import marked, recorded, tensor_at
 
 
 def _groups(model: nn.Module) -> dict:
     """id of each partitioned tensor -> its Context (the tensor as its module holds it now: FSDP2's DTensor
     included; a recorded buffer's id matches no parameter)."""
     found = {id(tensor_at(owner, name)): ctx for _, owner, name, _, ctx in recorded(model)}
-    for module in model.modules():
-        for name, ctx in module.__dict__.get("tp_partitioned", {}).items():
-            found[id(tensor_at(module, name))] = ctx
+    found.update((id(tensor_at(owner, name)), ctx) for _, owner, name, ctx in marked(model))
     return found
 
 

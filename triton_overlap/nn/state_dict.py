@@ -104,6 +104,14 @@ def recorded(model: nn.Module):
             yield f"{prefix}." if prefix else "", module, name, pieces, ctx
 
 
+def marked(model: nn.Module):
+    """(the marking module's state-dict key prefix, the module, the parameter's name relative to it, Context) of
+    every weight of ``model`` noted ``partitioned``, under every name a shared module has."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, ctx in module.__dict__.get("tp_partitioned", {}).items():
+            yield f"{prefix}." if prefix else "", module, name, ctx
+
+
 def _records(model: nn.Module) -> dict:
     """state-dict key of every recorded tensor -> (the recording module's key prefix, pieces, ctx)."""
     return {prefix + name: (prefix, pieces, ctx) for prefix, _, name, pieces, ctx in recorded(model)}
@@ -165,6 +173,28 @@ def _gather(local: torch.Tensor, ctx) -> list[torch.Tensor]:
     return [row.view(local.dtype).view(local.shape) for row in out]
 
 
+def _unmodified(t: torch.Tensor, pieces, ctx, keep: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """(source, the unmodified tensor) of each piece, from every rank's ``t`` (a plain tensor) gathered over
+    ``ctx``'s group. Collective; ``keep=False``: this rank takes part in the gather and builds nothing."""
+    ranks = _gather(t, ctx)
+    out = []
+    for piece in (pieces if keep else ()):
+        full = torch.empty(piece.shape, dtype=t.dtype, device=t.device)
+        for r, local in enumerate(ranks):
+            _place(full, piece.ops, _region(local, piece.region), r)
+        out.append((piece.source, full))
+    return out
+
+
+def _shard_of(target: torch.Tensor, sources, rank: int) -> torch.Tensor:
+    """``target``'s value on rank ``rank`` (its global shape where it is a DTensor: the tensor-parallel shard that
+    FSDP2 splits) from ``sources``, (unmodified tensor, piece) of each of its pieces."""
+    local = torch.empty(tuple(target.shape), dtype=target.dtype, device=target.device)
+    for full, piece in sources:
+        _region(local, piece.region).copy_(_forward(full.to(local.device), piece.ops, rank))
+    return local
+
+
 def full_state_dict(model: nn.Module, *, device=None, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The unmodified model's state dict from ``model`` parallelized by this package's styles (module docstring):
     its names, shapes and layouts, every sharded tensor gathered over its Context's group. Collective over every
@@ -183,12 +213,8 @@ def full_state_dict(model: nn.Module, *, device=None, rank0_only: bool = False) 
                 out[key] = t if device is None else t.to(device)
             continue
         prefix, pieces, ctx = records[key]
-        ranks = _gather(t, ctx)
-        for piece in (pieces if keep else ()):
-            full = torch.empty(piece.shape, dtype=t.dtype, device=t.device)
-            for r, local in enumerate(ranks):
-                _place(full, piece.ops, _region(local, piece.region), r)
-            out[prefix + piece.source] = full if device is None else full.to(device)
+        for source, full in _unmodified(t, pieces, ctx, keep):
+            out[prefix + source] = full if device is None else full.to(device)
     return out
 
 
@@ -225,11 +251,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict, *, strict: bool = T
             if ctx is None:  # (whole)
                 _copy(target, sources[0][0])
                 continue
-            local = torch.empty(tuple(target.shape), dtype=target.dtype, device=target.device)  # (a DTensor's:
-            # the global shape, the tensor-parallel shard that FSDP2 splits)
-            for full, piece in sources:
-                _region(local, piece.region).copy_(_forward(full.to(local.device), piece.ops, ctx.rank))
-            _copy(target, local)
+            _copy(target, _shard_of(target, sources, ctx.rank))
 
 
 def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
@@ -262,17 +284,15 @@ def _even_shard(t: torch.Tensor, pieces, name: str, ctx) -> int | None:
 class _ForDCP:
     """How each of a model's tensors goes into a DCP state dict (sharded_state_dict's docstring): by state-dict
     key, its record (prefix, pieces, ctx) and the dim of an even shard, or the Context of a ``partitioned`` weight;
-    the device meshes of the Contexts' groups."""
+    the tensors as the modules hold them (``own``); the device meshes of the Contexts' groups."""
 
     def __init__(self, model: nn.Module):
         self.records = _records(model)
-        self.marks = {f"{prefix}.{name}" if prefix else name: ctx
-                      for prefix, module in model.named_modules(remove_duplicate=False)
-                      for name, ctx in module.__dict__.get("tp_partitioned", {}).items()}
+        self.marks = {prefix + name: ctx for prefix, _, name, ctx in marked(model)}
         self.meshes: dict[int, DeviceMesh] = {}
-        own = model.state_dict(keep_vars=True)
-        self.even = {key: _even_shard(own[key], pieces, key[len(prefix):], ctx)
-                     for key, (prefix, pieces, ctx) in self.records.items() if key in own}
+        self.own = model.state_dict(keep_vars=True)  # (the tensors as the modules hold them)
+        self.even = {key: _even_shard(self.own[key], pieces, key[len(prefix):], ctx)
+                     for key, (prefix, pieces, ctx) in self.records.items() if key in self.own}
 
     def _mesh(self, ctx, t: torch.Tensor) -> DeviceMesh:
         mesh = self.meshes.get(id(ctx))
@@ -328,12 +348,8 @@ def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tens
             out[key] = how.stacked(t, kind[1])
         else:
             prefix, pieces, ctx = how.records[key]
-            ranks = _gather(_value(t.detach()), ctx)
-            for piece in pieces:
-                full = torch.empty(piece.shape, dtype=t.dtype, device=t.device)
-                for r, local in enumerate(ranks):
-                    _place(full, piece.ops, _region(local, piece.region), r)
-                out[prefix + piece.source] = full if device is None else full.to(device)
+            for source, full in _unmodified(_value(t.detach()), pieces, ctx):
+                out[prefix + source] = full if device is None else full.to(device)
     return out
 
 
@@ -344,9 +360,8 @@ def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
     rank's shards (no communication). A key of the model missing from ``state_dict`` raises KeyError, a plain tensor
     where a shard belongs ValueError, before anything is copied."""
     how = _ForDCP(model)
-    own = model.state_dict(keep_vars=True)
     plan = []
-    for key, target in own.items():
+    for key, target in how.own.items():
         prefix, pieces, _ = how.records.get(key) or ("", (Piece(key, tuple(target.shape), ()),), None)
         names = [prefix + p.source for p in pieces]
         missing = [n for n in names if n not in state_dict]
@@ -374,10 +389,7 @@ def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
                 else:
                     _copy(target, _value(value))
                 continue
-            local = torch.empty(tuple(target.shape), dtype=target.dtype, device=target.device)
-            for full, piece in sources:
-                _region(local, piece.region).copy_(_forward(full.to(local.device), piece.ops, kind[1].rank))
-            _copy(target, local)
+            _copy(target, _shard_of(target, sources, kind[1].rank))
 
 
 def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -404,11 +416,10 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
         for p, g in grads.items():
             p.grad = g
     how = _ForDCP(model)
-    own = model.state_dict(keep_vars=True)
     for name, state in osd["state"].items():
         kind = how.kind(name)
         if kind is not None:  # (a new dict: torch's may be the optimizer's own)
-            osd["state"][name] = {k: _state_for_dcp(how, kind, t, own[name]) for k, t in state.items()}
+            osd["state"][name] = {k: _state_for_dcp(how, kind, t, how.own[name]) for k, t in state.items()}
     return osd
 
 
@@ -433,10 +444,9 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     how = _ForDCP(model)
-    own = model.state_dict(keep_vars=True)
     plain = {"state": {}, "param_groups": state_dict["param_groups"]}
     for name, state in state_dict["state"].items():
-        kind, param = how.kind(name), own.get(name)
+        kind, param = how.kind(name), how.own.get(name)
         now = optimizer.state.get(param, {})  # (the optimizer's state: the local shapes the DTensors were made of)
         local = {}
         for k, t in state.items():
@@ -457,5 +467,5 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["Piece", "full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
-           "load_sharded_state_dict", "partitioned", "record", "recorded", "rows_of", "selection",
+           "load_sharded_state_dict", "marked", "partitioned", "record", "recorded", "rows_of", "selection",
            "sharded_optimizer_state_dict", "sharded_state_dict", "tensor_at"]
