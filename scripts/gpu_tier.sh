@@ -8,13 +8,14 @@
 # 4 core        test_context, test_faults, test_all_reduce, test_gemm_all_reduce, test_block, test_compile,
 #               test_entry_points
 # 5 layers      test_nn, test_nn_moe, test_nn_ep_moe, test_expert_parallel, test_model_bench, test_all_reduce_rmsnorm
-# 6 rest        every other test file: test_replay, test_topology, test_tuning, the EP routing and low-latency
-#               tests, the benchmarks' and report's tests, test_repository
+# 6 rest        every other test file: test_checkpoints, test_replay, test_topology, test_tuning, the EP routing
+#               and low-latency tests, the benchmarks' and report's tests, test_repository
 # 7 moe         test_moe
 # 8 tutorials   test_tutorials (every tutorial through the launcher)
 # 9 styles      test_parallel_styles (parallelize_module's linear and norm styles in Hugging Face models)
 # 10 moe_styles test_parallel_moe (MoEParallel in Hugging Face models, hf_plan on MoE models, generate)
 # all           the ten parts one after another (up to 90 minutes); its exit status is the first failing part's
+# GPU_TIER_BACKENDS: other configurations for the same parts, e.g. cuda:8 where eight GPUs are lent (conftest.py).
 # Each part is stopped after PART_TIMEOUT seconds (default 540; exit status 124); a hung call fails its test after
 # TRITON_OVERLAP_TEST_TIMEOUT seconds (default here 180: past the tests' Context timeout of 120 s, so that a hung wait
 # fails with its ContextError, naming rank, op, peer and chunk, before the pool is killed).
@@ -25,7 +26,7 @@ part="${1:?usage: bash scripts/gpu_tier.sh 1..10|gemm|attention|backward|core|la
 shift
 export NCCL_NVLS_ENABLE="${NCCL_NVLS_ENABLE:-0}" TORCH_SYMM_MEM_DISABLE_MULTICAST="${TORCH_SYMM_MEM_DISABLE_MULTICAST:-1}" NVSHMEM_DISABLE_NVLS="${NVSHMEM_DISABLE_NVLS:-1}"
 unset TRITON_INTERPRET
-export TRITON_OVERLAP_TEST_BACKENDS="cuda-shared:2"
+export TRITON_OVERLAP_TEST_BACKENDS="${GPU_TIER_BACKENDS:-cuda-shared:2}"
 export TRITON_OVERLAP_TEST_TIMEOUT="${TRITON_OVERLAP_TEST_TIMEOUT:-180}"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)

@@ -59,9 +59,9 @@ from torch import nn
 from ..ops.ep_low_latency import ExpertParallelLowLatency
 from ..ops.expert_parallel import ExpertParallel, ExpertParallelConfig
 from ..ops.moe_routing import count_ids, expert_grads, grouped_mm, sort_pairs, takes_grouped_mm
-from .moe import SWIGLU, Activation, ReplicatedRouter, check_moe_layer, full_moe, route_local, shard_experts
+from .moe import (SWIGLU, Activation, ReplicatedRouter, check_moe_layer, full_moe, record_experts, route_local,
+                  shard_experts)
 from .precision import compute_dtype
-from .state_dict import partitioned
 
 
 def ep_op(ctx, fallback: str, experts_gemm: str = "after", combine_stages: int | None = None) -> ExpertParallel:
@@ -304,7 +304,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
     dim] (its down projection), in the ops' [E, K, N] layout (``TPMoE``'s, with whole experts); rank r's local
     expert i is expert ``r·E/W + i``. ``out[t] = sum_j p[t, j] * (silu(x[t] @ gate_e) * (x[t] @ up_e)) @ down_e``
     with ``e = ids[t, j]``, ``(p, ids)`` the top-k of ``softmax(x @ router.weight^T)`` (``renormalize``: ``p``
-    divided by its sum over the k choices), exactly ``TPMoE``'s router.
+    divided by its sum over the k choices), exactly ``TPMoE``'s router. Checkpoints (nn.state_dict: full, and DCP
+    at any world size) hold ``TPMoE``'s unmodified experts ``w1``, ``w3`` and ``w2``: one layer's loads into the other.
 
     Overlapped: the rows of each dispatch and combine (forward and backward), with a flag per source, where the op
     takes its overlapped path, and with ``experts_gemm="overlap"`` the forward's gate and up projections with the
@@ -356,7 +357,8 @@ class EPMoE(ReplicatedRouter, nn.Module):
         self.router = nn.Linear(dim, num_experts, bias=False, **kw)
         self.w13 = nn.Parameter(torch.empty(self.experts_local, dim, 2 * hidden, **kw))
         self.w2 = nn.Parameter(torch.empty(self.experts_local, hidden, dim, **kw))
-        partitioned(self, ["w13", "w2"], ctx)  # (for grads.grad_norm)
+        k = self.experts_local
+        record_experts(self, [slice(0, hidden)] * W, [slice(q * k, (q + 1) * k) for q in range(W)], ctx)
         with torch.no_grad():  # nn.Linear's default range: fan-in of each projection
             self.w13.uniform_(-dim ** -0.5, dim ** -0.5)
             self.w2.uniform_(-hidden ** -0.5, hidden ** -0.5)

@@ -8,8 +8,8 @@ would take each rank's shards for the whole model, so each rank would clip by an
 would drift apart. Here:
 
 * a weight a style or layer partitions over its Context's ranks (each element of the unmodified weight on exactly
-  one rank: the tensors ``state_dict.record`` notes, and those the ``from_full`` layers mark with ``partitioned``)
-  adds its shard's part on every rank, summed over the group (one all-reduce of a scalar per group);
+  one rank: the tensors ``state_dict.record`` notes, for the styles and the ``from_full`` layers alike) adds its
+  shard's part on every rank, summed over the group (one all-reduce of a scalar per group);
 * a DTensor gradient (a replicated weight's, partial or not; FSDP2's shards) is taken at its full value over its
   mesh, as torch takes it;
 * any other gradient is the same on every rank (a weight outside the parallel region, or a layer's replicated
@@ -40,15 +40,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .state_dict import marked, recorded, tensor_at
+from .state_dict import recorded, tensor_at
 
 
 def _groups(model: nn.Module) -> dict:
     """id of each partitioned tensor -> its Context (the tensor as its module holds it now: FSDP2's DTensor
     included; a recorded buffer's id matches no parameter)."""
-    found = {id(tensor_at(owner, name)): ctx for _, owner, name, _, ctx in recorded(model)}
-    found.update((id(tensor_at(owner, name)), ctx) for _, owner, name, ctx in marked(model))
-    return found
+    return {id(tensor_at(owner, name)): ctx for _, owner, name, _, ctx in recorded(model)}
 
 
 def _norm(grads, q: float, device) -> torch.Tensor:

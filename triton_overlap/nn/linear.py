@@ -21,7 +21,7 @@ from ..ops.all_reduce_rmsnorm import AllReduceRMSNorm
 from ..ops.gemm_all_reduce import GEMMAllReduce
 from ..ops.gemm_reduce_scatter import GEMMReduceScatter
 from .precision import compute_operands
-from .state_dict import partitioned
+from .state_dict import rows_of
 
 
 def layer_ops(ctx, fallback: str):
@@ -102,7 +102,11 @@ class _TPLinear(nn.Module):
         n_bias = out_features // W if shard_out else out_features
         self.bias = nn.Parameter(torch.zeros(n_bias, **kw)) if bias else None
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
-        partitioned(self, ["weight"] + (["bias"] if bias and shard_out else []), ctx)  # (for grads.grad_norm)
+        # the unmodified nn.Linear's layout (nn.state_dict: full and DCP checkpoints, grads.grad_norm)
+        every = [slice(q * (dim // W), (q + 1) * (dim // W)) for q in range(W)]
+        rows_of(self, "weight", 0 if shard_out else 1, every, ctx)
+        if bias and shard_out:
+            rows_of(self, "bias", 0, every, ctx)
 
     @classmethod
     def from_full_weight(cls, linear: nn.Linear, ctx, **kw):

@@ -5,12 +5,15 @@ import torch
 from torch import nn
 
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .state_dict import Piece, record, selection
 
 
 class TPMLP(nn.Module):
     """SwiGLU MLP: gate and up column-parallel (fused into one layer, so ``x`` is gathered once), down row-parallel.
 
-    ``[S/W, *, dim]`` -> ``[S/W, *, dim]``; the hidden activations live as ``[S, *, hidden/W]``.
+    ``[S/W, *, dim]`` -> ``[S/W, *, dim]``; the hidden activations live as ``[S, *, hidden/W]``. Rank r's rows of
+    ``gate_up`` are its rows of the gate, then of the up projection; full and DCP checkpoints (nn.state_dict) hold
+    the unmodified MLP's ``gate``, ``up`` and ``down`` weights (and biases), whatever the world size.
     """
 
     def __init__(self, dim, hidden, *, ctx, bias=False, dtype=None, device=None, fallback="auto",
@@ -20,6 +23,21 @@ class TPMLP(nn.Module):
         self.gate_up = ColumnParallelLinear(dim, 2 * hidden, ctx=ctx, bias=bias, dtype=dtype, device=device,
                                             fallback=fallback, keep_gathered_input=keep_gathered_input)
         self.down = RowParallelLinear(hidden, dim, ctx=ctx, bias=bias, dtype=dtype, device=device, fallback=fallback)
+        self._record()
+
+    def _record(self) -> None:
+        """Note (nn.state_dict.record) that ``gate_up``'s rows are rank r's rows of ``gate`` and then of ``up``, in
+        place of the column layer's own note (consecutive rows of one fused weight)."""
+        W, n = self.gate_up.ctx.world_size, self.hidden_local
+        every = [slice(q * n, (q + 1) * n) for q in range(W)]
+        for name in ("weight", "bias"):
+            t = getattr(self.gate_up, name)
+            self.gate_up.tp_full.pop(name, None)
+            if t is not None:
+                shape = (n * W, *t.shape[1:])
+                record(self, f"gate_up.{name}", [Piece(f"{part}.{name}", shape, (selection(0, every),),
+                                                       ((0, start, start + n),))
+                                                 for part, start in (("gate", 0), ("up", n))], self.gate_up.ctx)
 
     @classmethod
     def from_full(cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear, ctx, **kw):
@@ -46,6 +64,7 @@ class TPMLP(nn.Module):
         mlp.gate_up = ColumnParallelLinear.from_full_weight(fused, ctx, **kw)
         mlp.down = RowParallelLinear.from_full_weight(down, ctx, **{k: v for k, v in kw.items()
                                                                    if k != "keep_gathered_input"})
+        mlp._record()
         return mlp
 
     def forward(self, x):

@@ -26,7 +26,7 @@ from ..ops import custom_ops
 from ..ops.all_gather_moe import AllGatherMoEGEMM
 from ..ops.moe_reduce_scatter import MoEGEMMReduceScatter
 from .precision import COMPUTE_DTYPES, compute_dtype
-from .state_dict import partitioned
+from .state_dict import Piece, record, selection
 
 
 def moe_ops(ctx, fallback: str):
@@ -168,6 +168,24 @@ def shard_experts(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, rank: in
             w2[:, :, cols].transpose(1, 2).contiguous())
 
 
+def record_experts(layer: nn.Module, columns, experts, ctx) -> None:
+    """Note on an MoE layer (nn.state_dict.record) how its ``w13`` [E_local, dim, 2 * n] and ``w2`` [E_local, n,
+    dim] come from the unmodified experts ``w1``, ``w3`` [E, hidden, dim] and ``w2`` [E, dim, hidden] (``from_full``'s,
+    in ``nn.Linear``'s [out, in]): rank q's hidden units ``columns[q]`` (tensor parallel) and its experts
+    ``experts[q]`` (expert parallel; None: every expert), as ``shard_experts`` takes them. Full and DCP checkpoints
+    then hold ``w1``, ``w3`` and ``w2``, whatever the world size or the kind of parallelism."""
+    E, dim, n = layer.w13.shape[0], layer.w13.shape[1], layer.w13.shape[2] // 2
+    W = len(columns)
+    hidden = sum(c.stop - c.start for c in columns) if experts is None else n
+    total = E if experts is None else E * W
+    turn = ("transpose", 1, 2)
+    pick = (selection(2, columns),) if experts is None else (selection(0, experts),)
+    rows = (selection(1, columns),) if experts is None else (selection(0, experts),)
+    record(layer, "w13", [Piece(name, (total, hidden, dim), (turn,) + pick, ((2, start, start + n),))
+                          for name, start in (("w1", 0), ("w3", n))], ctx)
+    record(layer, "w2", [Piece("w2", (total, dim, hidden), (turn,) + rows)], ctx)
+
+
 def check_moe_layer(layer: str, num_experts: int, topk: int, fallback: str) -> None:
     """The arguments every MoE layer checks (ValueError naming ``layer``)."""
     if not 1 <= topk <= num_experts:
@@ -223,7 +241,8 @@ class TPMoE(ReplicatedRouter, nn.Module):
     gate, then of its up projection) and ``w2`` [E, hidden/W, dim] (rank r's rows of each expert's down projection),
     in the ops' [E, K, N] layout. ``out[t] = sum_j p[t, j] * (silu(x[t] @ gate_e) * (x[t] @ up_e)) @ down_e`` with
     ``e = ids[t, j]``, ``(p, ids)`` the top-k of ``softmax(x @ router.weight^T)`` (``renormalize``: ``p`` divided by
-    its sum over the k choices).
+    its sum over the k choices). Checkpoints (nn.state_dict: full, and DCP at any world size) hold the unmodified
+    experts as ``from_full`` takes them, ``w1``, ``w3`` [E, hidden, dim] and ``w2`` [E, dim, hidden], as ``EPMoE``'s do.
 
     Routing: each rank computes the logits of its own tokens (in float32: the top-k choice turns on small
     differences, and the router is a sliver of the layer's work) and its top-k, then one all-gather (process group)
@@ -280,7 +299,8 @@ class TPMoE(ReplicatedRouter, nn.Module):
         slots = num_experts + self.num_shared
         self.w13 = nn.Parameter(torch.empty(slots, dim, 2 * self.hidden_local, **kw))
         self.w2 = nn.Parameter(torch.empty(slots, self.hidden_local, dim, **kw))
-        partitioned(self, ["w13", "w2"], ctx)  # (for grads.grad_norm)
+        n = self.hidden_local
+        record_experts(self, [slice(q * n, (q + 1) * n) for q in range(W)], None, ctx)
         with torch.no_grad():  # nn.Linear's default range: fan-in of each projection
             self.w13.uniform_(-dim ** -0.5, dim ** -0.5)
             self.w2.uniform_(-hidden ** -0.5, hidden ** -0.5)
@@ -372,5 +392,5 @@ def stacked_experts(experts, layer: str = "TPMoE"):
 
 
 __all__ = ["ReplicatedRouter", "TPMoE", "add_shared_routes", "check_moe_layer", "fold_shared", "full_moe",
-           "gather_routes", "moe_ops", "route_local", "shard_experts", "shared_gate", "shared_weights",
-           "stacked_experts", "swiglu_experts"]
+           "gather_routes", "moe_ops", "record_experts", "route_local", "shard_experts", "shared_gate",
+           "shared_weights", "stacked_experts", "swiglu_experts"]

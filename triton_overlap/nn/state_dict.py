@@ -1,7 +1,10 @@
 """A parallelized model's weights in the unmodified model's layout, and back.
 
 The styles keep each rank's shards as plain tensors under the unmodified model's names (``state_dict()`` then holds
-this rank's rows, columns, heads or experts), and ``MoEParallel`` joins a shared expert to the routed experts. So:
+this rank's rows, columns, heads or experts), and ``MoEParallel`` joins a shared expert to the routed experts; the
+``from_full`` layers hold theirs under their own names (TPMLP's ``gate_up``, the MoE layers' ``w13``), their
+unmodified tensors being what ``from_full`` took (an ``nn.Linear``'s, the MLP's ``gate``/``up``/``down``, the experts'
+``w1``/``w3``/``w2``). So:
 
 * ``full_state_dict(model)``: the state dict of the model as it was before ``parallelize_module``: every name, shape
   and layout it had (a shared expert's weights included), each sharded tensor gathered from the ranks of its style's
@@ -11,23 +14,25 @@ this rank's rows, columns, heads or experts), and ``MoEParallel`` joins a shared
 * ``load_full_state_dict(model, state_dict)``: such a state dict (the unmodified model's, a checkpoint's) loaded into
   the parallelized model, each rank copying its own shards; no communication.
 
-How each style shards a tensor is recorded when it is applied (``record``): a tensor of the parallelized module is
-made of pieces, each one tensor of the unmodified module (its ``source``, by name relative to the recording module)
-through views that are the same on every rank (a reshape, a transpose) and selections along a dim that differ per rank
-(this rank's slice, or its rows of an index), placed at a region of the tensor. Loading runs the pieces forward on
-the given tensors; gathering collects every rank's tensor and writes each piece back where it came from. Tensors no
-style sharded (the norms', the embeddings', replicated DTensors, FSDP2's shards: their full value) pass as they are.
+How each style shards a tensor is recorded when it is applied, and each ``from_full`` layer's when it is built
+(``record``): a tensor of the parallelized module is made of pieces, each one tensor of the unmodified module (its
+``source``, by name relative to the recording module) through views that are the same on every rank (a reshape, a
+transpose) and selections along a dim that differ per rank (this rank's slice, or its rows of an index), placed at a
+region of the tensor. Loading runs the pieces forward on the given tensors; gathering collects every rank's tensor
+and writes each piece back where it came from. Tensors no style sharded (the norms', the embeddings', replicated
+DTensors, FSDP2's shards: their full value) pass as they are.
 
 For ``torch.distributed.checkpoint`` (DCP), which writes each rank's part of a tensor and reshards on load:
 
-* ``sharded_state_dict(model)``: the unmodified model's names and shapes, each tensor a style split in equal
-  consecutive slices along one dim (the column and row layers', the norms' over heads) a DTensor ``Shard(dim)`` over
-  its Context's group whose local tensor is the parameter itself (beside FSDP2, which splits that shard again over
-  its own mesh: the shard gathered over FSDP2's mesh, a copy); tensors no style sharded as the model holds them; the
-  others (experts' fused or interleaved layouts, selections by index) gathered whole as ``full_state_dict`` does, so
-  DCP writes them once;
+* ``sharded_state_dict(model)``: the unmodified model's names and shapes, each tensor of which every rank holds its
+  r-th of W equal consecutive slices along one dim (the column and row layers', the norms' over heads, the
+  ``from_full`` layers') a DTensor ``Shard(dim)`` over its Context's group whose local tensor is a view of the
+  parameter (beside FSDP2, which splits that shard again over its own mesh: of the shard gathered over FSDP2's mesh, a
+  copy); tensors no style sharded as the model holds them; the others (Hugging Face experts' fused or interleaved
+  layouts, selections by index) gathered whole as ``full_state_dict`` does, so DCP writes them once;
 * ``load_sharded_state_dict(model, state_dict)``: after ``dcp.load`` into such a dict, what it loaded copied into
-  the parameters (the shards were loaded in place; the gathered tensors give each rank its pieces).
+  the parameters (the shards were loaded in place; the gathered tensors give each rank its pieces);
+* ``sharded_optimizer_state_dict`` / ``load_sharded_optimizer_state_dict``: an optimizer's state in the same layout.
 """
 from __future__ import annotations
 
@@ -78,17 +83,6 @@ def rows_of(owner: nn.Module, name: str, dim: int, per_rank, ctx) -> None:
     record(owner, name, [Piece(name, tuple(shape), (selection(dim, per_rank),))], ctx)
 
 
-def partitioned(owner: nn.Module, names, ctx) -> None:
-    """Note on ``owner`` that its parameters ``names`` (relative to ``owner``) each hold this rank's part of a
-    weight partitioned over the ranks of ``ctx``'s group (what the ``from_full`` layers' sharded weights are, under
-    their own names: no unmodified layout to record). grads.grad_norm sums their parts over the group;
-    sharded_state_dict saves every rank's."""
-    if "tp_partitioned" not in owner.__dict__:
-        owner.tp_partitioned = {}
-    for name in names:
-        owner.tp_partitioned[name] = ctx
-
-
 def tensor_at(module: nn.Module, name: str):
     """The parameter or buffer ``name`` (dotted, relative to ``module``) as the module holds it now."""
     owner, _, leaf = name.rpartition(".")
@@ -102,14 +96,6 @@ def recorded(model: nn.Module):
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name, (pieces, ctx) in module.__dict__.get("tp_full", {}).items():
             yield f"{prefix}." if prefix else "", module, name, pieces, ctx
-
-
-def marked(model: nn.Module):
-    """(the marking module's state-dict key prefix, the module, the parameter's name relative to it, Context) of
-    every weight of ``model`` noted ``partitioned``, under every name a shared module has."""
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, ctx in module.__dict__.get("tp_partitioned", {}).items():
-            yield f"{prefix}." if prefix else "", module, name, ctx
 
 
 def _records(model: nn.Module) -> dict:
@@ -174,16 +160,18 @@ def _gather(local: torch.Tensor, ctx) -> list[torch.Tensor]:
 
 
 def _unmodified(t: torch.Tensor, pieces, ctx, keep: bool = True) -> list[tuple[str, torch.Tensor]]:
-    """(source, the unmodified tensor) of each piece, from every rank's ``t`` (a plain tensor) gathered over
-    ``ctx``'s group. Collective; ``keep=False``: this rank takes part in the gather and builds nothing."""
+    """(source, the unmodified tensor) of each source of ``pieces`` (several pieces may come from one source), from
+    every rank's ``t`` (a plain tensor) gathered over ``ctx``'s group. Collective; ``keep=False``: this rank takes
+    part in the gather and builds nothing."""
     ranks = _gather(t, ctx)
-    out = []
+    out: dict[str, torch.Tensor] = {}
     for piece in (pieces if keep else ()):
-        full = torch.empty(piece.shape, dtype=t.dtype, device=t.device)
+        full = out.get(piece.source)
+        if full is None:
+            full = out[piece.source] = torch.empty(piece.shape, dtype=t.dtype, device=t.device)
         for r, local in enumerate(ranks):
             _place(full, piece.ops, _region(local, piece.region), r)
-        out.append((piece.source, full))
-    return out
+    return list(out.items())
 
 
 def _shard_of(target: torch.Tensor, sources, rank: int) -> torch.Tensor:
@@ -264,35 +252,74 @@ def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
         target.copy_(value)
 
 
-def _even_shard(t: torch.Tensor, pieces, name: str, ctx) -> int | None:
-    """The dim along which ``t`` (a recorded tensor, ``pieces`` its record) is rank r's r-th of W equal consecutive
-    slices of the unmodified tensor of the same name, which DCP reads as a DTensor ``Shard(dim)``; None otherwise.
-    (FSDP2's DTensor of such a shard: by its full shape, the shard's.)"""
-    if len(pieces) != 1:
+@dataclass(frozen=True)
+class _Slice:
+    """A piece of a recorded tensor that is rank r's r-th of W equal consecutive slices of its source along one dim,
+    which DCP reads as the DTensor ``Shard(dim)`` of the source: ``key`` the source's state-dict key, ``shape`` its
+    global shape, ``dim`` in the source's dims; the piece's ``region`` of the tensor and the transposes its record
+    takes before and after the selection."""
+    key: str
+    dim: int
+    shape: tuple
+    region: tuple
+    before: tuple
+    after: tuple
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the source in the source's layout: a view of ``t`` (the recorded tensor's local
+        value, or an optimizer state of its shape)."""
+        t = _region(t, self.region)
+        for _, a, b in reversed(self.after + self.before):
+            t = t.transpose(a, b)
+        return t
+
+
+def _even_slices(t: torch.Tensor, prefix: str, pieces, ctx) -> list[_Slice] | None:
+    """Each piece of ``t`` (a recorded tensor, ``pieces`` its record; FSDP2's DTensor: by its full shape, the
+    tensor-parallel shard's) as a ``_Slice`` where every piece is one: its own source, transposes around one selection
+    of rank r's r-th of W equal consecutive slices; None otherwise (the tensor is gathered whole for DCP)."""
+    if len({p.source for p in pieces}) != len(pieces):
         return None
-    (piece,) = pieces
-    if piece.source != name or piece.region or len(piece.ops) != 1 or piece.ops[0][0] != "select":
-        return None
-    _, dim, per_rank = piece.ops[0]
-    W, n = ctx.world_size, t.shape[dim]
-    want = tuple(slice(r * n, (r + 1) * n) for r in range(W))
-    even = len(per_rank) == W and all(isinstance(i, slice) and (i.start, i.stop, i.step in (None, 1)) == (
-        w.start, w.stop, True) for i, w in zip(per_rank, want))
-    return dim if even and piece.shape == tuple(n * W if d == dim else s for d, s in enumerate(t.shape)) else None
+    W, out = ctx.world_size, []
+    for piece in pieces:
+        kinds = [op[0] for op in piece.ops]
+        if kinds.count("select") != 1 or "view" in kinds:
+            return None
+        i = kinds.index("select")
+        _, dim, per_rank = piece.ops[i]
+        before, after = piece.ops[:i], piece.ops[i + 1:]
+        shape = list(t.shape)  # the piece's local shape, taken back through the transposes to the source's dims
+        for d, start, stop in piece.region:
+            shape[d] = stop - start
+        perm = list(range(len(shape)))
+        for _, a, b in before:
+            perm[a], perm[b] = perm[b], perm[a]
+        for _, a, b in reversed(after + before):
+            shape[a], shape[b] = shape[b], shape[a]
+        n, src_dim = shape[perm[dim]], perm[dim]
+        even = len(per_rank) == W and all(isinstance(s, slice) and s.step in (None, 1) and (s.start, s.stop) == (
+            r * n, (r + 1) * n) for r, s in enumerate(per_rank))
+        if not even or tuple(piece.shape) != tuple(n * W if d == src_dim else s for d, s in enumerate(shape)):
+            return None
+        out.append(_Slice(prefix + piece.source, src_dim, tuple(piece.shape), piece.region, before, after))
+    return out
+
+
+def _contiguous_stride(shape) -> tuple:
+    return tuple(int(torch.Size(shape[d + 1:]).numel()) for d in range(len(shape)))
 
 
 class _ForDCP:
     """How each of a model's tensors goes into a DCP state dict (sharded_state_dict's docstring): by state-dict
-    key, its record (prefix, pieces, ctx) and the dim of an even shard, or the Context of a ``partitioned`` weight;
-    the tensors as the modules hold them (``own``); the device meshes of the Contexts' groups."""
+    key, its record (prefix, pieces, ctx) and its ``_Slice``s where it is made of even slices; the tensors as the
+    modules hold them (``own``); the device meshes of the Contexts' groups."""
 
     def __init__(self, model: nn.Module):
         self.records = _records(model)
-        self.marks = {prefix + name: ctx for prefix, _, name, ctx in marked(model)}
         self.meshes: dict[int, DeviceMesh] = {}
         self.own = model.state_dict(keep_vars=True)  # (the tensors as the modules hold them)
-        self.even = {key: _even_shard(self.own[key], pieces, key[len(prefix):], ctx)
-                     for key, (prefix, pieces, ctx) in self.records.items() if key in self.own}
+        self.slices = {key: _even_slices(self.own[key], prefix, pieces, ctx)
+                       for key, (prefix, pieces, ctx) in self.records.items() if key in self.own}
 
     def _mesh(self, ctx, t: torch.Tensor) -> DeviceMesh:
         mesh = self.meshes.get(id(ctx))
@@ -301,41 +328,64 @@ class _ForDCP:
         return mesh
 
     def kind(self, key: str):
-        """("shard", ctx, dim, global shape), ("pieces", ctx) (gathered whole), ("stacked", ctx) (each rank's
-        tensor a row of [W, ...]) or None (as it is)."""
-        if key in self.records:
-            prefix, pieces, ctx = self.records[key]
-            dim = self.even.get(key)
-            return ("pieces", ctx) if dim is None else ("shard", ctx, dim, pieces[0].shape)
-        return ("stacked", self.marks[key]) if key in self.marks else None
+        """("shard", ctx, its _Slices), ("pieces", ctx) (gathered whole) or None (not recorded: as it is)."""
+        if key not in self.records:
+            return None
+        slices = self.slices.get(key)
+        return ("pieces", self.records[key][2]) if slices is None else ("shard", self.records[key][2], slices)
 
-    def shard(self, t: torch.Tensor, ctx, dim: int, shape) -> DTensor:
-        """``t`` (this rank's slice) as the DTensor ``Shard(dim)`` of global ``shape``, sharing t's storage (FSDP2's
-        DTensor: its full value over FSDP2's mesh, gathered)."""
-        t = _value(t.detach())
-        stride = tuple(int(torch.Size(shape[d + 1:]).numel()) for d in range(len(shape)))
-        return DTensor.from_local(t, self._mesh(ctx, t), [Shard(dim)], run_check=False,
-                                  shape=torch.Size(shape), stride=stride)
+    def sources(self, key: str) -> list[str]:
+        """The state-dict keys of the unmodified tensors that the tensor ``key`` is made of, in order, each once."""
+        if key not in self.records:
+            return [key]
+        prefix, pieces, _ = self.records[key]
+        return list(dict.fromkeys(prefix + p.source for p in pieces))
+
+    def shard(self, t: torch.Tensor, ctx, s: _Slice) -> DTensor:
+        """``s``'s slice of ``t`` (the recorded tensor's value, or an optimizer state of its shape) as the DTensor
+        ``Shard(s.dim)`` of the source, a view of t (FSDP2's DTensor: of its full value over FSDP2's mesh,
+        gathered)."""
+        local = s.local(_value(t.detach()))
+        return DTensor.from_local(local, self._mesh(ctx, local), [Shard(s.dim)], run_check=False,
+                                  shape=torch.Size(s.shape), stride=_contiguous_stride(s.shape))
 
     def stacked(self, t: torch.Tensor, ctx) -> DTensor:
         """Every rank's ``t`` (the same shape on each; a DTensor: its full value) as the rows of [W, *t.shape]: a
         checkpoint that loads at the same world size and layout only."""
-        t = _value(t.detach())
-        return self.shard(t.unsqueeze(0), ctx, 0, (ctx.world_size, *t.shape))
+        t = _value(t.detach()).unsqueeze(0)
+        shape = (ctx.world_size, *t.shape[1:])
+        return DTensor.from_local(t, self._mesh(ctx, t), [Shard(0)], run_check=False, shape=torch.Size(shape),
+                                  stride=_contiguous_stride(shape))
+
+
+def _assembled(like: torch.Tensor, parts) -> torch.Tensor:
+    """A recorded tensor's local value (``like``'s shape and dtype, FSDP2's DTensor: its full value) from ``parts``,
+    (DTensor, _Slice) of each of its slices: ``like`` itself where DCP loaded every slice into it in place, else a
+    copy of it with each slice written in."""
+    base = _value(like.detach())
+    if all(v.to_local().data_ptr() == s.local(base).data_ptr() for v, s in parts):
+        return base
+    local = base.clone()
+    for v, s in parts:
+        s.local(local).copy_(v.to_local())
+    return local
 
 
 def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tensor]:
-    """The unmodified model's state dict from ``model`` parallelized by this package's styles, for
-    ``torch.distributed.checkpoint`` (module docstring): every name and global shape ``full_state_dict`` has; a tensor
-    sharded in equal consecutive slices along one dim as a DTensor ``Shard(dim)`` over its Context's group, its local
-    tensor the parameter itself (no copy: ``dcp.load`` writes the shard in place); one sharded otherwise gathered whole
-    over the group (collective, as ``full_state_dict``; ``device``: where such a tensor goes once gathered, e.g.
-    ``"cpu"``); a weight of a ``from_full`` layer (ColumnParallelLinear, TPMoE, EPMoE: its own names, no
-    unmodified layout) under its name as the rows of [W, ...], one per rank, which loads at the same world size only;
-    the rest as ``model.state_dict()`` holds it (plain tensors, replicated DTensors, FSDP2's shards), which DCP saves as
-    it saves any model's. Every rank of the groups calls it. Save it with ``dcp.save(sd, checkpoint_id=...)``; load with
-    ``dcp.load`` into a fresh ``sharded_state_dict`` of the model, then ``load_sharded_state_dict``. A checkpoint of the
-    unmodified model (any world size, or none) loads the same way: DCP reads each rank's slices of it."""
+    """The unmodified model's state dict from ``model`` parallelized by this package's styles or built by the
+    ``from_full`` layers, for ``torch.distributed.checkpoint`` (module docstring): every name and global shape
+    ``full_state_dict`` has; each unmodified tensor of which every rank holds its r-th of W equal consecutive slices
+    along one dim (the column and row layers' weights and biases, the norms over heads, TPMLP's gate and up, TPMoE's
+    and EPMoE's experts) a DTensor ``Shard(dim)`` over its Context's group whose local tensor is a view of the
+    parameter (no copy: ``dcp.load`` writes the slice in place); a tensor sharded otherwise (Hugging Face experts'
+    fused, interleaved or folded layouts, selections by index) gathered whole as ``full_state_dict`` does, so DCP
+    writes it once (collective; ``device``: where such a tensor goes once gathered, e.g. ``"cpu"``); the rest as
+    ``model.state_dict()`` holds it (plain tensors, replicated DTensors, FSDP2's shards), which DCP saves as it saves
+    any model's. Beside FSDP2, which splits a tensor-parallel shard again over its mesh, the shard is gathered over
+    FSDP2's mesh first (a copy). Every rank of the groups calls it. Save it with ``dcp.save(sd, checkpoint_id=...)``;
+    load with ``dcp.load`` into a fresh ``sharded_state_dict`` of the model, then ``load_sharded_state_dict``. DCP
+    reshards on load, so a checkpoint of the unmodified model, or of this one at another world size, loads the same
+    way."""
     how = _ForDCP(model)
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict().items():
@@ -343,9 +393,8 @@ def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tens
         if kind is None:
             out[key] = t
         elif kind[0] == "shard":
-            out[key] = how.shard(t, *kind[1:])
-        elif kind[0] == "stacked":
-            out[key] = how.stacked(t, kind[1])
+            for s in kind[2]:
+                out[s.key] = how.shard(t, kind[1], s)
         else:
             prefix, pieces, ctx = how.records[key]
             for source, full in _unmodified(_value(t.detach()), pieces, ctx):
@@ -354,55 +403,61 @@ def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tens
 
 
 def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
-    """Copy into ``model`` (parallelized by the styles) what ``dcp.load`` loaded into ``state_dict``, a
-    ``sharded_state_dict(model)``: each shard's local tensor (a ``from_full`` layer's: its row) and each tensor no
-    style sharded into its parameter where it is not that parameter already; each gathered tensor's pieces into this
-    rank's shards (no communication). A key of the model missing from ``state_dict`` raises KeyError, a plain tensor
-    where a shard belongs ValueError, before anything is copied."""
+    """Copy into ``model`` (parallelized by the styles, or built by the ``from_full`` layers) what ``dcp.load``
+    loaded into ``state_dict``, a ``sharded_state_dict(model)``: each shard where DCP did not load it into the
+    parameter in place (beside FSDP2), each tensor no style sharded where it is not that parameter already, and each
+    gathered tensor's pieces into this rank's shards (no communication). A key missing from ``state_dict`` raises
+    KeyError, a plain tensor where a shard belongs ValueError, before anything is copied."""
     how = _ForDCP(model)
     plan = []
     for key, target in how.own.items():
-        prefix, pieces, _ = how.records.get(key) or ("", (Piece(key, tuple(target.shape), ()),), None)
-        names = [prefix + p.source for p in pieces]
+        names = how.sources(key)
         missing = [n for n in names if n not in state_dict]
         if missing:
             raise KeyError(f"load_sharded_state_dict: the state dict has no {missing[0]!r} (not a "
                            f"sharded_state_dict of this model?)")
         kind = how.kind(key)
-        if kind is not None and kind[0] != "pieces" and not isinstance(state_dict[key], DTensor):
-            raise ValueError(f"load_sharded_state_dict: {key!r} is a plain tensor where sharded_state_dict(model) "
-                             f"has a DTensor of this rank's part (a full state dict: load_full_state_dict)")
-        plan.append((target, [(state_dict[n], p) for n, p in zip(names, pieces)], kind))
+        if kind is not None and kind[0] == "shard":
+            plain = [n for n in names if not isinstance(state_dict[n], DTensor)]
+            if plain:
+                raise ValueError(f"load_sharded_state_dict: {plain[0]!r} is a plain tensor where "
+                                 f"sharded_state_dict(model) has a DTensor of this rank's part (a full state dict: "
+                                 f"load_full_state_dict)")
+            plan.append((target, [(state_dict[s.key], s) for s in kind[2]], kind))
+        elif kind is not None:
+            prefix, pieces, _ = how.records[key]
+            plan.append((target, [(state_dict[prefix + p.source], p) for p in pieces], kind))
+        else:
+            plan.append((target, state_dict[key], None))
     with torch.no_grad():
         for target, sources, kind in plan:
-            value = sources[0][0]
-            if kind is not None and kind[0] != "pieces":  # (a shard or a row: this rank's, loaded in place)
-                value = value.to_local()[0] if kind[0] == "stacked" else value.to_local()
-                if value.data_ptr() != _local(target).data_ptr():
-                    _copy(target, value)
-                continue
             if kind is None:  # (a tensor no style sharded: loaded in place, or copied whole)
-                if _local(value).data_ptr() == _local(target).data_ptr():
+                if _local(sources).data_ptr() == _local(target).data_ptr():
                     continue
-                if isinstance(value, DTensor) and isinstance(target, DTensor):
-                    target.copy_(value)
+                if isinstance(sources, DTensor) and isinstance(target, DTensor):
+                    target.copy_(sources)
                 else:
-                    _copy(target, _value(value))
-                continue
-            _copy(target, _shard_of(target, sources, kind[1].rank))
+                    _copy(target, _value(sources))
+            elif kind[0] == "shard":  # (this rank's slices: loaded in place, or copied)
+                local = _assembled(target, sources)
+                if local.data_ptr() != _local(target).data_ptr():
+                    _copy(target, local)
+            else:
+                _copy(target, _shard_of(target, sources, kind[1].rank))
 
 
 def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer``'s state for ``torch.distributed.checkpoint``, as torch's ``get_optimizer_state_dict(model,
-    optimizer)`` gives it (keyed by parameter names), with every state tensor but scalars of a weight that a style or a
-    ``from_full`` layer shards made a DTensor: a state of the weight's shape, where ``sharded_state_dict`` makes the
-    weight a ``Shard(dim)``, the same ``Shard(dim)`` (it reshards on load as the weight does); any other (a gathered
-    layout's, a ``from_full`` layer's, a state of another shape such as a factored second moment) every rank's tensor as
-    the rows of [W, ...], which loads at the same world size and layout only. The local tensors are the optimizer's own
-    (``dcp.load`` writes them in place), but where FSDP2 shards a sharded weight: its state is gathered over FSDP2's
-    mesh first (collective), a copy. An optimizer without state yet gets its initial state (torch's step at lr 0 on zero
-    gradients) even where parameters hold gradients, where torch's function would leave it empty and a checkpoint's
-    state would find no place to load into."""
+    """``optimizer``'s state for ``torch.distributed.checkpoint`` in the unmodified model's layout: torch's
+    ``get_optimizer_state_dict(model, optimizer)`` (keyed by parameter names), where every state tensor of a sharded
+    weight's shape goes where ``sharded_state_dict`` puts the weight: under the unmodified tensors' names, as the same
+    ``Shard(dim)`` views (they reshard on load as the weights do) or gathered whole (collective), and scalars (a step
+    count) under each of those names. A state of another shape (a factored second moment) is stacked per rank into
+    [W, ...] under the first name, which loads at the same world size and layout only. The param groups name the
+    unmodified tensors. So the checkpoint also loads into the unmodified model's optimizer (``get_optimizer_state_dict``
+    of it), and theirs into this one, wherever one weight here is one tensor there. Beside FSDP2 a sharded weight's
+    state is gathered over FSDP2's mesh first (collective), a copy. An optimizer without state yet gets its initial
+    state (torch's step at lr 0 on zero gradients) even where parameters hold gradients, where torch's function would
+    leave it empty and a checkpoint's state would find no place to load into."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     grads = {}
@@ -416,50 +471,85 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
         for p, g in grads.items():
             p.grad = g
     how = _ForDCP(model)
-    for name, state in osd["state"].items():
+    state = {}
+    for name, st in osd["state"].items():
         kind = how.kind(name)
-        if kind is not None:  # (a new dict: torch's may be the optimizer's own)
-            osd["state"][name] = {k: _state_for_dcp(how, kind, t, how.own[name]) for k, t in state.items()}
+        if kind is None:
+            state[name] = st
+            continue
+        names = how.sources(name)
+        for n in names:
+            state[n] = {}
+        for k, t in st.items():
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                for n in names:
+                    state[n][k] = t
+            elif tuple(t.shape) != tuple(how.own[name].shape):
+                state[names[0]][k] = how.stacked(t, kind[1])
+            elif kind[0] == "shard":
+                for s in kind[2]:
+                    state[s.key][k] = how.shard(t, kind[1], s)
+            else:
+                prefix, pieces, ctx = how.records[name]
+                for source, full in _unmodified(_value(t.detach()), pieces, ctx):
+                    state[prefix + source][k] = full
+    osd["state"] = state
+    osd["param_groups"] = [{**g, "params": [n for p in g["params"] for n in how.sources(p)]}
+                           for g in osd["param_groups"]]
     return osd
-
-
-def _state_for_dcp(how: _ForDCP, kind: tuple, t, param: torch.Tensor):
-    if not isinstance(t, torch.Tensor) or t.dim() == 0:
-        return t
-    if _as_shard(kind, t, param):
-        return how.shard(t, *kind[1:])
-    return how.stacked(t, kind[1])
-
-
-def _as_shard(kind: tuple, local: torch.Tensor, param: torch.Tensor) -> bool:
-    """Whether an optimizer state of ``param`` (a weight of ``kind``), of ``local``'s local shape, goes into DCP as
-    its weight's ``Shard(dim)`` (else stacked)."""
-    return kind[0] == "shard" and tuple(local.shape) == tuple(param.shape)
 
 
 def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
     """Load into ``optimizer`` what ``dcp.load`` loaded into ``state_dict``, a ``sharded_optimizer_state_dict(model,
-    optimizer)``: each shard or row back to this rank's tensor (a DTensor again where the state was one: FSDP2's),
-    then torch's ``set_optimizer_state_dict``."""
+    optimizer)``: each weight's state from the unmodified tensors' (its slices, or this rank's pieces of the gathered
+    tensors, or its row of a stacked state; a DTensor again where the state was one: FSDP2's), then torch's
+    ``set_optimizer_state_dict``."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     how = _ForDCP(model)
-    plain = {"state": {}, "param_groups": state_dict["param_groups"]}
-    for name, state in state_dict["state"].items():
-        kind, param = how.kind(name), how.own.get(name)
-        now = optimizer.state.get(param, {})  # (the optimizer's state: the local shapes the DTensors were made of)
+    saved, plain, back = state_dict["state"], {}, {}
+    for name, param in how.own.items():
+        names = how.sources(name)
+        back.update((n, name if i == 0 else None) for i, n in enumerate(names))  # (None: a weight's other sources)
+        kind = how.kind(name)
+        if kind is None:
+            if name in saved:
+                plain[name] = saved[name]
+            continue
+        if not any(n in saved for n in names):
+            continue
+        now = optimizer.state.get(param, {})  # (the optimizer's own state: the local shapes and placements)
         local = {}
-        for k, t in state.items():
-            if kind is not None and isinstance(t, DTensor) and t.dim() > 0:  # (made by sharded_optimizer_state_dict)
-                mine = now.get(k)
-                shard = _as_shard(kind, mine, param) if isinstance(mine, torch.Tensor) else (
-                    kind[0] == "shard" and tuple(t.shape) == tuple(kind[3]))
-                t = t.to_local() if shard else t.to_local()[0]
-                if isinstance(mine, DTensor):  # (FSDP2's: this rank's part of it again)
+        for k in dict.fromkeys(k for n in names for k in saved.get(n, {})):
+            t, mine = saved[names[0]].get(k), now.get(k)
+            if isinstance(t, torch.Tensor) and t.dim() > 0:
+                if _stacked(kind, t, mine, param):
+                    t = t.to_local()[0]  # (this rank's row)
+                else:
+                    like = mine if isinstance(mine, torch.Tensor) else torch.empty(
+                        tuple(param.shape), dtype=t.dtype, device=_local(param).device)
+                    if kind[0] == "shard":
+                        t = _assembled(like, [(saved[s.key][k], s) for s in kind[2]])
+                    else:
+                        prefix, pieces, _ = how.records[name]
+                        t = _shard_of(_value(like.detach()), [(saved[prefix + p.source][k], p) for p in pieces],
+                                      kind[1].rank)
+                if isinstance(mine, DTensor) and not isinstance(t, DTensor):  # (FSDP2's: this rank's part again)
                     t = distribute_tensor(t, mine.device_mesh, mine.placements, src_data_rank=None)
             local[k] = t
-        plain["state"][name] = local
-    set_optimizer_state_dict(model, optimizer, plain)
+        plain[name] = local
+    groups = [{**g, "params": [back.get(n, n) for n in g["params"] if back.get(n, n) is not None]}
+              for g in state_dict["param_groups"]]
+    set_optimizer_state_dict(model, optimizer, {"state": plain, "param_groups": groups})
+
+
+def _stacked(kind: tuple, t: torch.Tensor, mine, param: torch.Tensor) -> bool:
+    """Whether ``t``, a loaded state of ``param`` (a weight of ``kind``), is one ``sharded_optimizer_state_dict``
+    stacked per rank: where the optimizer holds the state (``mine``), one of another shape than the weight's; else a
+    DTensor that is not the weight's slice (a gathered layout's states are plain tensors)."""
+    if isinstance(mine, torch.Tensor) and mine.dim() > 0:
+        return tuple(mine.shape) != tuple(param.shape)
+    return isinstance(t, DTensor) and not (kind[0] == "shard" and tuple(t.shape) == kind[2][0].shape)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -467,5 +557,5 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["Piece", "full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
-           "load_sharded_state_dict", "marked", "partitioned", "record", "recorded", "rows_of", "selection",
+           "load_sharded_state_dict", "record", "recorded", "rows_of", "selection",
            "sharded_optimizer_state_dict", "sharded_state_dict", "tensor_at"]

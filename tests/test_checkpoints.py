@@ -1,0 +1,181 @@
+"""Checkpoints of the layers ``from_full`` builds (ColumnParallelLinear, RowParallelLinear, TPMLP, TPMoE with and
+without a shared expert, EPMoE), on the host backend at W = 2 and 3:
+
+* ``nn.full_state_dict`` gives the unmodified module's tensors (an ``nn.Linear``'s weight and bias; the MLP's
+  ``gate``, ``up`` and ``down``; the experts' ``w1``, ``w3`` and ``w2`` in ``nn.Linear``'s [out, in], as ``from_full``
+  takes them, a shared expert as more experts after the routed ones), bit for bit, and ``load_full_state_dict``
+  loads them back (refs.check_full_state_dict);
+* ``nn.sharded_state_dict`` holds each of them as a DTensor ``Shard`` that is a view of its parameter; its DCP
+  checkpoint read into plain tensors is the unmodified module's, so it loads at any world size, and a checkpoint of
+  the unmodified module loads into the layer (refs.check_sharded_checkpoint); TPMoE's loads into an EPMoE;
+* the optimizer's state: AdamW's after a step of TPMoE and EPMoE, saved through ``sharded_optimizer_state_dict``,
+  loads into the unmodified module's AdamW (torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``)
+  with each moment equal bit for bit to the layer's gathered by hand; that state saved by the unmodified module
+  loads into a fresh layer's AdamW as the layer's own, bit for bit.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import triton_overlap as to
+from refs import check_full_state_dict, check_sharded_checkpoint, shared_directory
+
+DIM = 8
+
+
+def _seeded(*shape, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))  # (the same on every rank)
+
+
+def _linear(n_in, n_out, seed, bias=True):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out, bias=bias)
+
+
+def _experts(E, hidden, seed):
+    return _seeded(E, hidden, DIM, seed=seed), _seeded(E, hidden, DIM, seed=seed + 1), _seeded(E, DIM, hidden,
+                                                                                                 seed=seed + 2)
+
+
+def _layer_checkpoints():
+    import torch.distributed.checkpoint as dcp
+
+    from triton_overlap.nn import (TPMLP, ColumnParallelLinear, EPMoE, RowParallelLinear, TPMoE, full_state_dict,
+                                   load_sharded_state_dict, sharded_state_dict)
+
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        hidden = 4 * W
+
+        def on(d):
+            return {k: v.detach().to(dev) for k, v in d.items()}
+
+        col, row = _linear(DIM, hidden, 1), _linear(hidden, DIM, 2)
+        gate, up, down = _linear(DIM, hidden, 3), _linear(DIM, hidden, 4), _linear(hidden, DIM, 5)
+        router = _linear(DIM, 2 * W, 6, bias=False)
+        w1, w3, w2 = _experts(2 * W, hidden, 7)
+        s1, s3, s2 = _seeded(2 * hidden, DIM, seed=10), _seeded(2 * hidden, DIM, seed=11), _seeded(DIM, 2 * hidden,
+                                                                                                   seed=12)
+        shared_gate = _linear(DIM, 1, 13, bias=False)
+        f32 = {"dtype": torch.float32}
+        cases = {
+            "ColumnParallelLinear": (ColumnParallelLinear.from_full_weight(col, ctx, **f32), col.state_dict()),
+            "RowParallelLinear": (RowParallelLinear.from_full_weight(row, ctx, **f32), row.state_dict()),
+            "TPMLP": (TPMLP.from_full(gate, up, down, ctx, **f32), {
+                **{f"gate.{k}": v for k, v in gate.state_dict().items()},
+                **{f"up.{k}": v for k, v in up.state_dict().items()},
+                **{f"down.{k}": v for k, v in down.state_dict().items()}}),
+            "TPMoE": (TPMoE.from_full(router, (w1, w3, w2), ctx, topk=2, **f32),
+                      {"router.weight": router.weight, "w1": w1, "w3": w3, "w2": w2}),
+            # the shared expert's 2 * hidden units: two more experts of width hidden after the routed ones
+            "TPMoE, shared expert": (TPMoE.from_full(router, (w1, w3, w2), ctx, topk=2, shared=(s1, s3, s2),
+                                                     shared_gate=shared_gate, **f32), {
+                "router.weight": router.weight, "shared_gate.weight": shared_gate.weight,
+                "w1": torch.cat([w1, s1.reshape(2, hidden, DIM)]), "w3": torch.cat([w3, s3.reshape(2, hidden, DIM)]),
+                "w2": torch.cat([w2, s2.reshape(DIM, 2, hidden).transpose(0, 1)])}),
+            "EPMoE": (EPMoE.from_full(router, (w1, w3, w2), ctx, topk=2, **f32),
+                      {"router.weight": router.weight, "w1": w1, "w3": w3, "w2": w2}),
+        }
+        for name, (layer, unmodified) in cases.items():
+            try:
+                check_full_state_dict(layer, on(unmodified))
+                check_sharded_checkpoint(layer, on(unmodified))
+            except AssertionError as e:
+                raise AssertionError(f"{name}: {e}") from e
+        # the same unmodified tensors: a tensor-parallel MoE's checkpoint loads into an expert-parallel one
+        tp = cases["TPMoE"][0]
+        ep = EPMoE.from_full(_linear(DIM, 2 * W, 14, bias=False), _experts(2 * W, hidden, 15), ctx, topk=2, **f32)
+        with shared_directory() as where:
+            dcp.save(sharded_state_dict(tp), checkpoint_id=where)
+            sd = sharded_state_dict(ep)
+            dcp.load(sd, checkpoint_id=where)
+            load_sharded_state_dict(ep, sd)
+        got, want = full_state_dict(ep), full_state_dict(tp)
+        assert all(torch.equal(got[k], v) for k, v in want.items()), "EPMoE loaded from TPMoE's checkpoint differs"
+        ctx.check()
+        return True
+
+
+def test_from_full_layers_checkpoint_in_the_unmodified_layout(pool):
+    if pool.world == 4:
+        pytest.skip("W = 2, 3")
+    assert all(pool.run(_layer_checkpoints))
+
+
+class _Unmodified(nn.Module):
+    """An MoE's parameters as ``from_full`` takes them (the unmodified module, for its optimizer's state)."""
+
+    def __init__(self, E, hidden, seed):
+        super().__init__()
+        self.router = _linear(DIM, E, seed, bias=False)
+        self.w1, self.w3, self.w2 = (nn.Parameter(t) for t in _experts(E, hidden, seed + 1))
+
+
+def _gathered(t, ctx):
+    parts = [torch.empty_like(t) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, t.contiguous(), group=ctx.group)
+    return parts
+
+
+def _optimizer_interop():
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from triton_overlap.nn import EPMoE, TPMoE, load_sharded_optimizer_state_dict, sharded_optimizer_state_dict
+
+    with to.Context(timeout_s=120) as ctx:
+        W, dev = ctx.world_size, ctx.device
+        E, hidden, n = 2 * W, 4 * W, 4
+        x = _seeded(4 * W, DIM, seed=20)[ctx.rank * 4:][:4].to(dev)
+        with shared_directory() as where:
+            for cls in (TPMoE, EPMoE):
+                plain = _Unmodified(E, hidden, 30).to(dev)
+                layer = cls.from_full(plain.router, (plain.w1, plain.w3, plain.w2), ctx, topk=2,
+                                      dtype=torch.float32, fallback="never")
+                opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+                with torch.autocast(dev.type, dtype=torch.bfloat16):
+                    layer(x).float().square().sum().backward()
+                layer.sync_replicated_grads()  # (the router's state then the same on every rank)
+                opt.step()
+                dcp.save({"optim": sharded_optimizer_state_dict(layer, opt)}, checkpoint_id=f"{where}/{cls.__name__}")
+
+                popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+                state = {"optim": get_optimizer_state_dict(plain, popt)}
+                dcp.load(state, checkpoint_id=f"{where}/{cls.__name__}")
+                set_optimizer_state_dict(plain, popt, state["optim"])
+                for k in ("step", "exp_avg", "exp_avg_sq"):
+                    if k == "step":  # (a scalar: the same for every weight)
+                        want = dict.fromkeys(("w1", "w3", "w2"), opt.state[layer.w13][k])
+                    else:
+                        w13, down = (_gathered(opt.state[p][k], ctx) for p in (layer.w13, layer.w2))
+                        if cls is TPMoE:  # rank r's hidden units of every expert: [E, dim, 2n], [E, n, dim]
+                            want = {"w1": torch.cat([t[:, :, :n] for t in w13], 2),
+                                    "w3": torch.cat([t[:, :, n:] for t in w13], 2), "w2": torch.cat(down, 1)}
+                        else:  # rank r's experts, whole
+                            want = {"w1": torch.cat([t[:, :, :hidden] for t in w13]),
+                                    "w3": torch.cat([t[:, :, hidden:] for t in w13]), "w2": torch.cat(down)}
+                        want = {name: v.transpose(1, 2) for name, v in want.items()}  # (nn.Linear's [out, in])
+                    want["router"] = opt.state[layer.router.weight][k]
+                    got = {"w1": plain.w1, "w3": plain.w3, "w2": plain.w2, "router": plain.router.weight}
+                    bad = [name for name, p in got.items() if not torch.equal(popt.state[p][k], want[name])]
+                    assert not bad, f"{cls.__name__}: the unmodified module's {k} of {bad} differs from the layer's"
+
+                dcp.save({"optim": get_optimizer_state_dict(plain, popt)},
+                         checkpoint_id=f"{where}/{cls.__name__}-unmodified")
+                fresh = cls(DIM, hidden, E, 2, ctx=ctx, dtype=torch.float32, fallback="never")
+                fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+                state = {"optim": sharded_optimizer_state_dict(fresh, fopt)}
+                dcp.load(state, checkpoint_id=f"{where}/{cls.__name__}-unmodified")
+                load_sharded_optimizer_state_dict(fresh, fopt, state["optim"])
+                for mine, theirs in zip(fresh.parameters(), layer.parameters()):
+                    for k, v in opt.state[theirs].items():
+                        assert torch.equal(fopt.state[mine][k], v), f"{cls.__name__}: {k} of {tuple(v.shape)} differs"
+        ctx.check()
+        return True
+
+
+def test_optimizer_state_loads_into_the_unmodified_module_and_back(pool):
+    if pool.world == 4:
+        pytest.skip("W = 2, 3")
+    assert all(pool.run(_optimizer_interop))
