@@ -45,7 +45,8 @@ CONFIGS = _configs()
 # ranks of interpreted kernels outnumber a CI machine's two cores, and the rest of the suite at W = 4 took a third of
 # CI's time. W = 2 and 3 run the rest (W = 3 with the cuts docs/testing.md lists), and every GPU world every test.
 HOST_W4 = ["test_context.py", "test_faults.py", "test_topology.py", "test_all_reduce.py",
-           "test_parallel_styles.py::test_tensor_parallel_beside_fsdp", "test_parallel_moe.py::test_moe_beside_fsdp"]
+           "test_parallel_styles.py::test_tensor_parallel_beside_fsdp", "test_parallel_moe.py::test_moe_beside_fsdp",
+           "test_checkpoints.py::test_from_full_layers_beside_fsdp"]
 
 
 def _listed(nodeid: str, entry: str) -> bool:

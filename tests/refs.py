@@ -336,10 +336,10 @@ def check_sharded_checkpoint(model, expected: dict, seed: int = 11, shards: bool
     ``nn.sharded_state_dict``: its names and global shapes are ``expected``'s (the unmodified model's state dict);
     loaded into plain tensors of those shapes (each rank reads the whole of every tensor) it is ``expected`` bit for
     bit; a DCP checkpoint of a changed unmodified state dict (plain tensors, the same on every rank) loaded into
-    ``sharded_state_dict(model)`` and ``load_sharded_state_dict`` makes ``full_state_dict(model)`` that copy bit for
-    bit (DCP reads each rank's slices); the first checkpoint loaded back restores ``expected``. ``shards``: some
-    tensor is saved as a ``Shard`` (outside FSDP2: every such one a view of a parameter). Collective over the default
-    group (DCP's)."""
+    ``sharded_state_dict(model)`` and ``load_sharded_state_dict`` makes ``full_state_dict(model)`` that copy bit for bit
+    (DCP reads each rank's slices); the first checkpoint loaded back restores ``expected``. ``shards``: some tensor is
+    saved as a ``Shard`` (every such one a view of a parameter, or of FSDP2's local tensor of one). Collective over the
+    default group (DCP's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor, Shard
 
@@ -352,12 +352,11 @@ def check_sharded_checkpoint(model, expected: dict, seed: int = 11, shards: bool
         for k, v in expected.items():
             assert sd[k].shape == v.shape and sd[k].dtype == v.dtype, (k, sd[k].shape, v.shape)
         own = model.state_dict()
-        fsdp = any(isinstance(v, DTensor) and any(isinstance(p, Shard) for p in v.placements) for v in own.values())
         split = [k for k, v in sd.items() if isinstance(v, DTensor) and isinstance(v.placements[0], Shard)]
         assert split or not shards, "no tensor saved as a Shard"
-        storages = {v.untyped_storage().data_ptr() for v in own.values() if not isinstance(v, DTensor)}
-        copies = [k for k in split if not fsdp and sd[k].to_local().untyped_storage().data_ptr() not in storages]
-        assert not copies, f"Shards that are not views of a parameter: {copies[:4]}"  # (beside FSDP2: copies)
+        storages = {(v.to_local() if isinstance(v, DTensor) else v).untyped_storage().data_ptr() for v in own.values()}
+        copies = [k for k in split if sd[k].to_local().untyped_storage().data_ptr() not in storages]
+        assert not copies, f"Shards that are not views of a parameter: {copies[:4]}"  # (FSDP2's local tensors too)
         dcp.save(sd, checkpoint_id=styled)
         plain = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else torch.zeros_like(v)
                  for k, v in expected.items()}

@@ -179,3 +179,51 @@ def test_optimizer_state_loads_into_the_unmodified_module_and_back(pool):
     if pool.world == 4:
         pytest.skip("W = 2, 3")
     assert all(pool.run(_optimizer_interop))
+
+
+def _from_full_beside_fsdp():
+    """Tensor parallel within each half of a 2 x 2 mesh, FSDP2 across the halves: each layer's shards split again by
+    FSDP2 unevenly (3 rows of a column layer's shard as 2 and 1, 5 rows of a row layer's as 3 and 2). The checkpoint
+    holds FSDP2's local tensors themselves as the unmodified tensors' DTensors on a (tensor-parallel, FSDP2) mesh
+    (refs.check_sharded_checkpoint), where a slice is the whole of its parameter, and after an AdamW step it resumes
+    bit for bit (refs.check_resume)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from refs import check_resume
+    from triton_overlap.kernels.cached_launch import triton_interprets
+    from triton_overlap.nn import ColumnParallelLinear, RowParallelLinear, TPMoE
+
+    dev = "cpu" if triton_interprets() else "cuda"  # (the host backend where Triton interprets)
+    mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("dp", "tp"))
+    with to.Context(mesh["tp"].get_group(), timeout_s=120) as ctx:
+        col, row = _linear(DIM, 6, 1), _linear(6, 5, 2)
+        router = _linear(DIM, 4, 3, bias=False)
+        w1, w3, w2 = _experts(4, 6, 4)
+        f32 = {"dtype": torch.float32, "fallback": "never"}
+        model = nn.ModuleDict({"col": ColumnParallelLinear.from_full_weight(col, ctx, **f32),
+                               "row": RowParallelLinear.from_full_weight(row, ctx, **f32),
+                               "moe": TPMoE.from_full(router, (w1, w3, w2), ctx, topk=2, **f32)})
+        unmodified = {**{f"col.{k}": v for k, v in col.state_dict().items()},
+                      **{f"row.{k}": v for k, v in row.state_dict().items()},
+                      "moe.router.weight": router.weight, "moe.w1": w1, "moe.w3": w3, "moe.w2": w2}
+        unmodified = {k: v.detach().to(ctx.device) for k, v in unmodified.items()}
+        model["moe"].router.weight.requires_grad_(False)  # (its gradient is each rank's part: ranks would drift)
+        for layer in model.values():
+            fully_shard(layer, mesh=mesh["dp"])
+        check_full_state_dict(model, unmodified)
+        check_sharded_checkpoint(model, unmodified)
+        x = _seeded(8, 2, DIM, seed=5)[ctx.rank * 4:][:4].to(ctx.device)  # [S/W, B, DIM]
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
+            h = model["row"](model["col"](x))
+            loss = h.float().square().sum() + model["moe"](x).float().square().sum()
+        loss.backward()
+        check_resume(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        ctx.check()
+        return True
+
+
+def test_from_full_layers_beside_fsdp(pool):
+    if pool.world != 4:
+        pytest.skip("a 2 x 2 mesh: W = 4")
+    assert all(pool.run(_from_full_beside_fsdp))

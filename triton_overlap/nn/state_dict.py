@@ -24,11 +24,11 @@ DTensors, FSDP2's shards: their full value) pass as they are.
 
 For ``torch.distributed.checkpoint`` (DCP), which writes each rank's part of a tensor and reshards on load:
 
-* ``sharded_state_dict(model)``: the unmodified model's names and shapes, each tensor of which every rank holds its
-  r-th of W equal consecutive slices along one dim (the column and row layers', the norms' over heads, the
-  ``from_full`` layers') a DTensor ``Shard(dim)`` over its Context's group whose local tensor is a view of the
-  parameter (beside FSDP2, which splits that shard again over its own mesh: of the shard gathered over FSDP2's mesh, a
-  copy); tensors no style sharded as the model holds them; the others (Hugging Face experts' fused or interleaved
+* ``sharded_state_dict(model)``: the unmodified model's names and shapes, each tensor of which every rank holds its r-th
+  of W equal consecutive slices along one dim (the column and row layers', the norms' over heads, the ``from_full``
+  layers') a DTensor ``Shard(dim)`` over its Context's group whose local tensor is a view of the parameter (beside
+  FSDP2, which splits that shard again over its own mesh: of FSDP2's local tensor, the DTensor on a mesh of both
+  groups); tensors no style sharded as the model holds them; the others (Hugging Face experts' fused or interleaved
   layouts, selections by index) gathered whole as ``full_state_dict`` does, so DCP writes them once;
 * ``load_sharded_state_dict(model, state_dict)``: after ``dcp.load`` into such a dict, what it loaded copied into
   the parameters (the shards were loaded in place; the gathered tensors give each rank its pieces);
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..context.collectives import all_gather_rows
 
@@ -316,7 +316,7 @@ class _ForDCP:
 
     def __init__(self, model: nn.Module):
         self.records = _records(model)
-        self.meshes: dict[int, DeviceMesh] = {}
+        self.meshes: dict = {}  # id(ctx), or (id(ctx), id(FSDP2's mesh)) -> DeviceMesh
         self.own = model.state_dict(keep_vars=True)  # (the tensors as the modules hold them)
         self.slices = {key: _even_slices(self.own[key], prefix, pieces, ctx)
                        for key, (prefix, pieces, ctx) in self.records.items() if key in self.own}
@@ -343,11 +343,37 @@ class _ForDCP:
 
     def shard(self, t: torch.Tensor, ctx, s: _Slice) -> DTensor:
         """``s``'s slice of ``t`` (the recorded tensor's value, or an optimizer state of its shape) as the DTensor
-        ``Shard(s.dim)`` of the source, a view of t (FSDP2's DTensor: of its full value over FSDP2's mesh,
-        gathered)."""
-        local = s.local(_value(t.detach()))
+        ``Shard(s.dim)`` of the source, a view of t. Beside FSDP2 (t its DTensor, split along one dim over its mesh),
+        where the slice spans that dim of t: the slice of FSDP2's local tensor as the source's DTensor on a
+        (tensor-parallel, FSDP2) mesh, sharded along ``s.dim`` and then along the dim FSDP2 splits, a view too;
+        elsewhere beside FSDP2 (a slice of t along the dim FSDP2 splits) of t's full value over FSDP2's mesh,
+        gathered (a copy)."""
+        t = t.detach()
+        if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) \
+                and all(d != t.placements[0].dim for d, _, _ in s.region):
+            q = t.placements[0].dim  # (the dim FSDP2 splits, taken to the source's dims as s.local takes t's)
+            for _, a, b in reversed(s.after + s.before):
+                q = b if q == a else a if q == b else q
+            local = s.local(t.to_local())
+            return DTensor.from_local(local, self._grid(ctx, t.device_mesh), [Shard(s.dim), Shard(q)],
+                                      run_check=False, shape=torch.Size(s.shape), stride=_contiguous_stride(s.shape))
+        local = s.local(_value(t))
         return DTensor.from_local(local, self._mesh(ctx, local), [Shard(s.dim)], run_check=False,
                                   shape=torch.Size(s.shape), stride=_contiguous_stride(s.shape))
+
+    def _grid(self, ctx, fsdp: DeviceMesh) -> DeviceMesh:
+        """The 2-D mesh of ``ctx``'s group (dim 0) and FSDP2's mesh ``fsdp`` (dim 1): every rank's place, from its
+        FSDP2 coordinate and its tensor-parallel group's ranks (collective over the default group, once)."""
+        mesh = self.meshes.get((id(ctx), id(fsdp)))
+        if mesh is None:
+            tp = dist.get_process_group_ranks(ctx.group)
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, (fsdp.get_local_rank(), tp))
+            groups = dict(every)  # FSDP2 coordinate -> the tensor-parallel group's ranks there
+            grid = torch.tensor([[groups[f][r] for f in range(fsdp.size())] for r in range(len(tp))])
+            mesh = self.meshes[(id(ctx), id(fsdp))] = DeviceMesh.from_group(
+                [ctx.group, fsdp.get_group()], fsdp.device_type, mesh=grid, mesh_dim_names=("tp", "dp"))
+        return mesh
 
     def stacked(self, t: torch.Tensor, ctx) -> DTensor:
         """Every rank's ``t`` (the same shape on each; a DTensor: its full value) as the rows of [W, *t.shape]: a
@@ -358,15 +384,16 @@ class _ForDCP:
                                   stride=_contiguous_stride(shape))
 
 
-def _assembled(like: torch.Tensor, parts) -> torch.Tensor:
-    """A recorded tensor's local value (``like``'s shape and dtype, FSDP2's DTensor: its full value) from ``parts``,
-    (DTensor, _Slice) of each of its slices: ``like`` itself where DCP loaded every slice into it in place, else a
-    copy of it with each slice written in."""
-    base = _value(like.detach())
-    if all(v.to_local().data_ptr() == s.local(base).data_ptr() for v, s in parts):
-        return base
-    local = base.clone()
+def _assembled(like: torch.Tensor, parts) -> torch.Tensor | None:
+    """A recorded tensor's local value (``like``'s shape and dtype; FSDP2's DTensor: its full value) from ``parts``,
+    (DTensor, _Slice) of each of its slices: None where DCP loaded every slice into ``like`` in place, else a copy of
+    it with each slice written in (a slice on a (tensor-parallel, FSDP2) mesh gathered over FSDP2's mesh first)."""
+    if all(v.to_local().data_ptr() == s.local(_local(like.detach())).data_ptr() for v, s in parts):
+        return None
+    local = _value(like.detach()).clone()
     for v, s in parts:
+        if v.device_mesh.ndim > 1:
+            v = v.redistribute(v.device_mesh, [v.placements[0]] + [Replicate()] * (v.device_mesh.ndim - 1))
         s.local(local).copy_(v.to_local())
     return local
 
@@ -375,17 +402,17 @@ def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tens
     """The unmodified model's state dict from ``model`` parallelized by this package's styles or built by the
     ``from_full`` layers, for ``torch.distributed.checkpoint`` (module docstring): every name and global shape
     ``full_state_dict`` has; each unmodified tensor of which every rank holds its r-th of W equal consecutive slices
-    along one dim (the column and row layers' weights and biases, the norms over heads, TPMLP's gate and up, TPMoE's
-    and EPMoE's experts) a DTensor ``Shard(dim)`` over its Context's group whose local tensor is a view of the
-    parameter (no copy: ``dcp.load`` writes the slice in place); a tensor sharded otherwise (Hugging Face experts'
-    fused, interleaved or folded layouts, selections by index) gathered whole as ``full_state_dict`` does, so DCP
-    writes it once (collective; ``device``: where such a tensor goes once gathered, e.g. ``"cpu"``); the rest as
-    ``model.state_dict()`` holds it (plain tensors, replicated DTensors, FSDP2's shards), which DCP saves as it saves
-    any model's. Beside FSDP2, which splits a tensor-parallel shard again over its mesh, the shard is gathered over
-    FSDP2's mesh first (a copy). Every rank of the groups calls it. Save it with ``dcp.save(sd, checkpoint_id=...)``;
-    load with ``dcp.load`` into a fresh ``sharded_state_dict`` of the model, then ``load_sharded_state_dict``. DCP
-    reshards on load, so a checkpoint of the unmodified model, or of this one at another world size, loads the same
-    way."""
+    along one dim (the column and row layers' weights and biases, the norms over heads, TPMLP's gate and up, TPMoE's and
+    EPMoE's experts) a DTensor ``Shard(dim)`` over its Context's group whose local tensor is a view of the parameter (no
+    copy: ``dcp.load`` writes the slice in place); a tensor sharded otherwise (Hugging Face experts' fused, interleaved
+    or folded layouts, selections by index) gathered whole as ``full_state_dict`` does, so DCP writes it once
+    (collective; ``device``: where such a tensor goes once gathered, e.g. ``"cpu"``); the rest as ``model.state_dict()``
+    holds it (plain tensors, replicated DTensors, FSDP2's shards), which DCP saves as it saves any model's. Beside
+    FSDP2, which splits a tensor-parallel shard again over its mesh, a view of FSDP2's local tensor on a
+    (tensor-parallel, FSDP2) mesh (``_ForDCP.shard``). Every rank of the groups calls it. Save it with ``dcp.save(sd,
+    checkpoint_id=...)``; load with ``dcp.load`` into a fresh ``sharded_state_dict`` of the model, then
+    ``load_sharded_state_dict``. DCP reshards on load, so a checkpoint of the unmodified model, or of this one at
+    another world size, loads the same way."""
     how = _ForDCP(model)
     out: dict[str, torch.Tensor] = {}
     for key, t in model.state_dict().items():
@@ -405,7 +432,7 @@ def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tens
 def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
     """Copy into ``model`` (parallelized by the styles, or built by the ``from_full`` layers) what ``dcp.load``
     loaded into ``state_dict``, a ``sharded_state_dict(model)``: each shard where DCP did not load it into the
-    parameter in place (beside FSDP2), each tensor no style sharded where it is not that parameter already, and each
+    parameter in place, each tensor no style sharded where it is not that parameter already, and each
     gathered tensor's pieces into this rank's shards (no communication). A key missing from ``state_dict`` raises
     KeyError, a plain tensor where a shard belongs ValueError, before anything is copied."""
     how = _ForDCP(model)
@@ -440,7 +467,7 @@ def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
                     _copy(target, _value(sources))
             elif kind[0] == "shard":  # (this rank's slices: loaded in place, or copied)
                 local = _assembled(target, sources)
-                if local.data_ptr() != _local(target).data_ptr():
+                if local is not None:
                     _copy(target, local)
             else:
                 _copy(target, _shard_of(target, sources, kind[1].rank))
@@ -454,8 +481,8 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     count) under each of those names. A state of another shape (a factored second moment) is stacked per rank into
     [W, ...] under the first name, which loads at the same world size and layout only. The param groups name the
     unmodified tensors. So the checkpoint also loads into the unmodified model's optimizer (``get_optimizer_state_dict``
-    of it), and theirs into this one, wherever one weight here is one tensor there. Beside FSDP2 a sharded weight's
-    state is gathered over FSDP2's mesh first (collective), a copy. An optimizer without state yet gets its initial
+    of it), and theirs into this one, wherever one weight here is one tensor there. Beside FSDP2 the same views of
+    FSDP2's local tensors as the weights'. An optimizer without state yet gets its initial
     state (torch's step at lr 0 on zero gradients) even where parameters hold gradients, where torch's function would
     leave it empty and a checkpoint's state would find no place to load into."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -530,6 +557,7 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
                         tuple(param.shape), dtype=t.dtype, device=_local(param).device)
                     if kind[0] == "shard":
                         t = _assembled(like, [(saved[s.key][k], s) for s in kind[2]])
+                        t = like if t is None else t
                     else:
                         prefix, pieces, _ = how.records[name]
                         t = _shard_of(_value(like.detach()), [(saved[prefix + p.source][k], p) for p in pieces],
