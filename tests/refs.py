@@ -338,8 +338,8 @@ def check_sharded_checkpoint(model, expected: dict, seed: int = 11, shards: bool
     bit; a DCP checkpoint of a changed unmodified state dict (plain tensors, the same on every rank) loaded into
     ``sharded_state_dict(model)`` and ``load_sharded_state_dict`` makes ``full_state_dict(model)`` that copy bit for bit
     (DCP reads each rank's slices); the first checkpoint loaded back restores ``expected``. ``shards``: some tensor is
-    saved as a ``Shard`` (every such one a view of a parameter, or of FSDP2's local tensor of one). Collective over the
-    default group (DCP's)."""
+    saved as a ``Shard``, each a view of a parameter or of FSDP2's local tensor of one (beside FSDP2, some such view;
+    a slice that narrows the dim FSDP2 splits may be a copy). Collective over the default group (DCP's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import DTensor, Shard
 
@@ -352,11 +352,17 @@ def check_sharded_checkpoint(model, expected: dict, seed: int = 11, shards: bool
         for k, v in expected.items():
             assert sd[k].shape == v.shape and sd[k].dtype == v.dtype, (k, sd[k].shape, v.shape)
         own = model.state_dict()
+        fsdp = any(isinstance(v, DTensor) and any(isinstance(p, Shard) for p in v.placements) for v in own.values())
         split = [k for k, v in sd.items() if isinstance(v, DTensor) and isinstance(v.placements[0], Shard)]
         assert split or not shards, "no tensor saved as a Shard"
         storages = {(v.to_local() if isinstance(v, DTensor) else v).untyped_storage().data_ptr() for v in own.values()}
-        copies = [k for k in split if sd[k].to_local().untyped_storage().data_ptr() not in storages]
-        assert not copies, f"Shards that are not views of a parameter: {copies[:4]}"  # (FSDP2's local tensors too)
+        views = [k for k in split if sd[k].to_local().untyped_storage().data_ptr() in storages]
+        # beside FSDP2 a slice that narrows the dim FSDP2 splits is gathered over FSDP2's mesh (a copy, on the
+        # tensor-parallel mesh alone); every other Shard is a view of a parameter or of FSDP2's local tensor of one
+        copies = [k for k in split if k not in views and not (fsdp and sd[k].device_mesh.ndim == 1)]
+        assert not copies, f"Shards that are not views of a parameter: {copies[:4]}"
+        assert not (fsdp and shards) or any(sd[k].device_mesh.ndim == 2 for k in views), \
+            "beside FSDP2, no Shard is a view of FSDP2's local tensor"
         dcp.save(sd, checkpoint_id=styled)
         plain = {k: torch.full_like(v, float("nan")) if v.is_floating_point() else torch.zeros_like(v)
                  for k, v in expected.items()}

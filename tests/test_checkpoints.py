@@ -38,6 +38,38 @@ def _experts(E, hidden, seed):
                                                                                                  seed=seed + 2)
 
 
+def test_even_slices_undo_the_transposes_in_order():
+    """``state_dict._even_slices`` on records whose transposes before and after the selection differ (3-D sources,
+    every pair of transposes, every dim selected, W = 3): each accepted slice's ``local`` view of rank r's tensor is
+    rank r's slice of the source, element for element (undoing the transposes in the wrong order passes the shape
+    checks in some of these cases and reads the wrong elements)."""
+    from types import SimpleNamespace
+
+    from triton_overlap.nn.state_dict import Piece, _even_slices, _forward, selection
+
+    W, turns = 3, [(), (("transpose", 0, 1),), (("transpose", 1, 2),), (("transpose", 0, 2),)]
+    src = torch.arange(6 * 9 * 12, dtype=torch.float32).reshape(6, 9, 12)
+    accepted = 0
+    for before in turns:
+        for after in turns:
+            for dim in range(3):
+                n = _forward(src, before, 0).shape[dim] // W
+                ops = before + (selection(dim, [slice(r * n, (r + 1) * n) for r in range(W)]),) + after
+                piece = Piece("w", tuple(src.shape), ops)
+                perm = list(range(3))
+                for _, a, b in before:
+                    perm[a], perm[b] = perm[b], perm[a]
+                for r in range(W):
+                    local = _forward(src, ops, r)
+                    slices = _even_slices(local, "", [piece], SimpleNamespace(world_size=W, rank=r))
+                    assert slices is not None, (before, after, dim)
+                    (s,) = slices
+                    assert s.dim == perm[dim]
+                    assert torch.equal(s.local(local), src.narrow(s.dim, r * n, n)), (before, after, dim, r)
+                    accepted += 1
+    assert accepted == len(turns) ** 2 * 3 * W
+
+
 def _layer_checkpoints():
     import torch.distributed.checkpoint as dcp
 
@@ -112,6 +144,15 @@ class _Unmodified(nn.Module):
         self.w1, self.w3, self.w2 = (nn.Parameter(t) for t in _experts(E, hidden, seed + 1))
 
 
+class _MLP(nn.Module):
+    """A SwiGLU MLP's linears as ``TPMLP.from_full`` takes them (the unmodified module)."""
+
+    def __init__(self, hidden, seed):
+        super().__init__()
+        self.gate, self.up = _linear(DIM, hidden, seed), _linear(DIM, hidden, seed + 1)
+        self.down = _linear(hidden, DIM, seed + 2, bias=False)  # (a row layer's bias: each rank's gradient part)
+
+
 def _gathered(t, ctx):
     parts = [torch.empty_like(t) for _ in range(ctx.world_size)]
     dist.all_gather(parts, t.contiguous(), group=ctx.group)
@@ -122,7 +163,8 @@ def _optimizer_interop():
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from triton_overlap.nn import EPMoE, TPMoE, load_sharded_optimizer_state_dict, sharded_optimizer_state_dict
+    from triton_overlap.nn import (TPMLP, EPMoE, RowParallelLinear, TPMoE, load_sharded_optimizer_state_dict,
+                                   sharded_optimizer_state_dict)
 
     with to.Context(timeout_s=120) as ctx:
         W, dev = ctx.world_size, ctx.device
@@ -171,6 +213,42 @@ def _optimizer_interop():
                 for mine, theirs in zip(fresh.parameters(), layer.parameters()):
                     for k, v in opt.state[theirs].items():
                         assert torch.equal(fopt.state[mine][k], v), f"{cls.__name__}: {k} of {tuple(v.shape)} differs"
+            # TPMLP (its gate_up: two slices, of gate and of up) under torch.compile's wrapper, whose parameters'
+            # names in state dicts hold ``_orig_mod.`` where torch's optimizer state dicts do not
+            plain = nn.ModuleDict({"mlp": _MLP(hidden, 40)}).to(dev)
+            mlp = TPMLP.from_full(plain.mlp.gate, plain.mlp.up, plain.mlp.down, ctx, dtype=torch.float32,
+                                  fallback="never")
+            model = nn.ModuleDict({"mlp": torch.compile(mlp, backend="eager")})
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                model["mlp"](x.view(4, 1, DIM)).float().square().sum().backward()
+            opt.step()
+            dcp.save({"optim": sharded_optimizer_state_dict(model, opt)}, checkpoint_id=f"{where}/mlp")
+            popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+            state = {"optim": get_optimizer_state_dict(plain, popt)}
+            dcp.load(state, checkpoint_id=f"{where}/mlp")
+            set_optimizer_state_dict(plain, popt, state["optim"])
+            for k in ("exp_avg", "exp_avg_sq"):
+                gate_up, gate_up_bias, down = (_gathered(opt.state[p][k], ctx) for p in (
+                    mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight))
+                want = {"gate.weight": torch.cat([t[:n] for t in gate_up]),
+                        "up.weight": torch.cat([t[n:] for t in gate_up]),
+                        "gate.bias": torch.cat([t[:n] for t in gate_up_bias]),
+                        "up.bias": torch.cat([t[n:] for t in gate_up_bias]), "down.weight": torch.cat(down, 1)}
+                got = dict(plain.mlp.named_parameters())
+                bad = [name for name, v in want.items() if not torch.equal(popt.state[got[name]][k], v)]
+                assert not bad, f"TPMLP: the unmodified MLP's {k} of {bad} differs from the layer's"
+            dcp.save({"optim": get_optimizer_state_dict(plain, popt)}, checkpoint_id=f"{where}/mlp-unmodified")
+            fresh = TPMLP(DIM, hidden, ctx=ctx, bias=True, dtype=torch.float32, fallback="never")
+            fresh.down = RowParallelLinear(hidden, DIM, ctx=ctx, bias=False, dtype=torch.float32, fallback="never")
+            fresh_model = nn.ModuleDict({"mlp": torch.compile(fresh, backend="eager")})
+            fopt = torch.optim.AdamW(fresh_model.parameters(), lr=1e-2)
+            state = {"optim": sharded_optimizer_state_dict(fresh_model, fopt)}
+            dcp.load(state, checkpoint_id=f"{where}/mlp-unmodified")
+            load_sharded_optimizer_state_dict(fresh_model, fopt, state["optim"])
+            for mine, theirs in zip(fresh_model.parameters(), model.parameters()):
+                for k, v in opt.state[theirs].items():
+                    assert torch.equal(fopt.state[mine][k], v), f"TPMLP: {k} of {tuple(v.shape)} differs"
         ctx.check()
         return True
 
@@ -182,17 +260,18 @@ def test_optimizer_state_loads_into_the_unmodified_module_and_back(pool):
 
 
 def _from_full_beside_fsdp():
-    """Tensor parallel within each half of a 2 x 2 mesh, FSDP2 across the halves: each layer's shards split again by
-    FSDP2 unevenly (3 rows of a column layer's shard as 2 and 1, 5 rows of a row layer's as 3 and 2). The checkpoint
-    holds FSDP2's local tensors themselves as the unmodified tensors' DTensors on a (tensor-parallel, FSDP2) mesh
-    (refs.check_sharded_checkpoint), where a slice is the whole of its parameter, and after an AdamW step it resumes
-    bit for bit (refs.check_resume)."""
+    """Tensor parallel within each half of a 2 x 2 mesh: first the halves alike (data parallel as under DDP), the
+    checkpoint then written once and read back into both; then FSDP2 across the halves: each layer's shards split again
+    by FSDP2, unevenly (3 rows of a column layer's shard as 2 and 1, 5 rows of a row layer's as 3 and 2). The checkpoint
+    holds views of FSDP2's local tensors as the unmodified tensors' DTensors on a (tensor-parallel, FSDP2) mesh where a
+    slice spans the dim FSDP2 splits, and gathered copies where it narrows it (TPMLP's gate and up rows)
+    (refs.check_sharded_checkpoint); after an AdamW step it resumes bit for bit (refs.check_resume)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from refs import check_resume
     from triton_overlap.kernels.cached_launch import triton_interprets
-    from triton_overlap.nn import ColumnParallelLinear, RowParallelLinear, TPMoE
+    from triton_overlap.nn import TPMLP, ColumnParallelLinear, EPMoE, RowParallelLinear, TPMoE
 
     dev = "cpu" if triton_interprets() else "cuda"  # (the host backend where Triton interprets)
     mesh = init_device_mesh(dev, (2, 2), mesh_dim_names=("dp", "tp"))
@@ -201,14 +280,22 @@ def _from_full_beside_fsdp():
         router = _linear(DIM, 4, 3, bias=False)
         w1, w3, w2 = _experts(4, 6, 4)
         f32 = {"dtype": torch.float32, "fallback": "never"}
+        gate, up, down = _linear(DIM, 6, 5), _linear(DIM, 6, 6), _linear(6, DIM, 7, bias=False)
         model = nn.ModuleDict({"col": ColumnParallelLinear.from_full_weight(col, ctx, **f32),
                                "row": RowParallelLinear.from_full_weight(row, ctx, **f32),
-                               "moe": TPMoE.from_full(router, (w1, w3, w2), ctx, topk=2, **f32)})
+                               "mlp": TPMLP.from_full(gate, up, down, ctx, **f32),
+                               "moe": TPMoE.from_full(router, (w1, w3, w2), ctx, topk=2, **f32),
+                               "ep": EPMoE.from_full(router, (w1, w3, w2), ctx, topk=2, **f32)})
         unmodified = {**{f"col.{k}": v for k, v in col.state_dict().items()},
                       **{f"row.{k}": v for k, v in row.state_dict().items()},
-                      "moe.router.weight": router.weight, "moe.w1": w1, "moe.w3": w3, "moe.w2": w2}
+                      **{f"mlp.{name}.{k}": v for name, lin in (("gate", gate), ("up", up), ("down", down))
+                         for k, v in lin.state_dict().items()},
+                      **{f"{m}.{k}": v for m in ("moe", "ep") for k, v in (("router.weight", router.weight),
+                                                                            ("w1", w1), ("w3", w3), ("w2", w2))}}
         unmodified = {k: v.detach().to(ctx.device) for k, v in unmodified.items()}
-        model["moe"].router.weight.requires_grad_(False)  # (its gradient is each rank's part: ranks would drift)
+        check_sharded_checkpoint(model, unmodified)  # (the halves alike, as under DDP: DCP writes each slice once)
+        for m in ("moe", "ep"):  # (a router's gradient is each rank's part: the ranks' routers would drift)
+            model[m].router.weight.requires_grad_(False)
         for layer in model.values():
             fully_shard(layer, mesh=mesh["dp"])
         check_full_state_dict(model, unmodified)
@@ -216,7 +303,7 @@ def _from_full_beside_fsdp():
         x = _seeded(8, 2, DIM, seed=5)[ctx.rank * 4:][:4].to(ctx.device)  # [S/W, B, DIM]
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16):
             h = model["row"](model["col"](x))
-            loss = h.float().square().sum() + model["moe"](x).float().square().sum()
+            loss = sum(y.float().square().sum() for y in (h, model["mlp"](x), model["moe"](x), model["ep"](x)))
         loss.backward()
         check_resume(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
         ctx.check()

@@ -604,7 +604,7 @@ def _training_checkpoint():
         worst = 0.0
         with shared_directory() as where:
             for i, (make, optimizer) in enumerate(((llama, torch.optim.AdamW), (mlp, torch.optim.AdamW),
-                                                   (llama, torch.optim.Adafactor))):
+                                                   (llama, torch.optim.Adafactor), (mlp, torch.optim.Adafactor))):
                 runs = []
                 for seed in (3, 4):
                     model, loss = make(seed)

@@ -269,7 +269,7 @@ class _Slice:
         """This rank's slice of the source in the source's layout: a view of ``t`` (the recorded tensor's local
         value, or an optimizer state of its shape)."""
         t = _region(t, self.region)
-        for _, a, b in reversed(self.after + self.before):
+        for _, a, b in reversed(self.before + self.after):
             t = t.transpose(a, b)
         return t
 
@@ -294,7 +294,7 @@ def _even_slices(t: torch.Tensor, prefix: str, pieces, ctx) -> list[_Slice] | No
         perm = list(range(len(shape)))
         for _, a, b in before:
             perm[a], perm[b] = perm[b], perm[a]
-        for _, a, b in reversed(after + before):
+        for _, a, b in reversed(before + after):
             shape[a], shape[b] = shape[b], shape[a]
         n, src_dim = shape[perm[dim]], perm[dim]
         even = len(per_rank) == W and all(isinstance(s, slice) and s.step in (None, 1) and (s.start, s.stop) == (
@@ -318,6 +318,8 @@ class _ForDCP:
         self.records = _records(model)
         self.meshes: dict = {}  # id(ctx), or (id(ctx), id(FSDP2's mesh)) -> DeviceMesh
         self.own = model.state_dict(keep_vars=True)  # (the tensors as the modules hold them)
+        # torch's optimizer state dicts name parameters without torch.compile's wrappers (``_orig_mod.``)
+        self.by_fqn = {_fqn(k): k for k in self.own}
         self.slices = {key: _even_slices(self.own[key], prefix, pieces, ctx)
                        for key, (prefix, pieces, ctx) in self.records.items() if key in self.own}
 
@@ -352,7 +354,7 @@ class _ForDCP:
         if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and isinstance(t.placements[0], Shard) \
                 and all(d != t.placements[0].dim for d, _, _ in s.region):
             q = t.placements[0].dim  # (the dim FSDP2 splits, taken to the source's dims as s.local takes t's)
-            for _, a, b in reversed(s.after + s.before):
+            for _, a, b in reversed(s.before + s.after):
                 q = b if q == a else a if q == b else q
             local = s.local(t.to_local())
             return DTensor.from_local(local, self._grid(ctx, t.device_mesh), [Shard(s.dim), Shard(q)],
@@ -362,13 +364,13 @@ class _ForDCP:
                                   shape=torch.Size(s.shape), stride=_contiguous_stride(s.shape))
 
     def _grid(self, ctx, fsdp: DeviceMesh) -> DeviceMesh:
-        """The 2-D mesh of ``ctx``'s group (dim 0) and FSDP2's mesh ``fsdp`` (dim 1): every rank's place, from its
-        FSDP2 coordinate and its tensor-parallel group's ranks (collective over the default group, once)."""
+        """The 2-D mesh of ``ctx``'s group (dim 0) and FSDP2's mesh ``fsdp`` (dim 1): the tensor-parallel groups'
+        ranks at each FSDP2 coordinate, gathered over FSDP2's group (collective there, once)."""
         mesh = self.meshes.get((id(ctx), id(fsdp)))
         if mesh is None:
             tp = dist.get_process_group_ranks(ctx.group)
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, (fsdp.get_local_rank(), tp))
+            every = [None] * fsdp.size()
+            dist.all_gather_object(every, (fsdp.get_local_rank(), tp), group=fsdp.get_group())
             groups = dict(every)  # FSDP2 coordinate -> the tensor-parallel group's ranks there
             grid = torch.tensor([[groups[f][r] for f in range(fsdp.size())] for r in range(len(tp))])
             mesh = self.meshes[(id(ctx), id(fsdp))] = DeviceMesh.from_group(
@@ -382,6 +384,11 @@ class _ForDCP:
         shape = (ctx.world_size, *t.shape[1:])
         return DTensor.from_local(t, self._mesh(ctx, t), [Shard(0)], run_check=False, shape=torch.Size(shape),
                                   stride=_contiguous_stride(shape))
+
+
+def _fqn(key: str) -> str:
+    """A state-dict key as torch's optimizer state dicts name it: without torch.compile's wrappers."""
+    return key.replace("_orig_mod.", "")
 
 
 def _assembled(like: torch.Tensor, parts) -> torch.Tensor | None:
@@ -500,28 +507,29 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
     how = _ForDCP(model)
     state = {}
     for name, st in osd["state"].items():
-        kind = how.kind(name)
+        key = how.by_fqn.get(name, name)
+        kind = how.kind(key)
         if kind is None:
             state[name] = st
             continue
-        names = how.sources(name)
+        names = [_fqn(n) for n in how.sources(key)]
         for n in names:
             state[n] = {}
         for k, t in st.items():
             if not isinstance(t, torch.Tensor) or t.dim() == 0:
                 for n in names:
                     state[n][k] = t
-            elif tuple(t.shape) != tuple(how.own[name].shape):
+            elif tuple(t.shape) != tuple(how.own[key].shape):
                 state[names[0]][k] = how.stacked(t, kind[1])
             elif kind[0] == "shard":
                 for s in kind[2]:
-                    state[s.key][k] = how.shard(t, kind[1], s)
+                    state[_fqn(s.key)][k] = how.shard(t, kind[1], s)
             else:
-                prefix, pieces, ctx = how.records[name]
+                prefix, pieces, ctx = how.records[key]
                 for source, full in _unmodified(_value(t.detach()), pieces, ctx):
-                    state[prefix + source][k] = full
+                    state[_fqn(prefix + source)][k] = full
     osd["state"] = state
-    osd["param_groups"] = [{**g, "params": [n for p in g["params"] for n in how.sources(p)]}
+    osd["param_groups"] = [{**g, "params": [_fqn(n) for p in g["params"] for n in how.sources(how.by_fqn.get(p, p))]}
                            for g in osd["param_groups"]]
     return osd
 
@@ -535,20 +543,19 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
 
     how = _ForDCP(model)
     saved, plain, back = state_dict["state"], {}, {}
-    for name, param in how.own.items():
-        names = how.sources(name)
-        back.update((n, name if i == 0 else None) for i, n in enumerate(names))  # (None: a weight's other sources)
-        kind = how.kind(name)
-        if kind is None:
-            if name in saved:
-                plain[name] = saved[name]
+    for key, param in how.own.items():
+        kind = how.kind(key)
+        if kind is None:  # (a tensor no style sharded: its state passes as it is, below)
             continue
+        name, names = _fqn(key), [_fqn(n) for n in how.sources(key)]
+        back.update((n, name if i == 0 else None) for i, n in enumerate(names))  # (None: a weight's other sources)
         if not any(n in saved for n in names):
             continue
         now = optimizer.state.get(param, {})  # (the optimizer's own state: the local shapes and placements)
         local = {}
         for k in dict.fromkeys(k for n in names for k in saved.get(n, {})):
-            t, mine = saved[names[0]].get(k), now.get(k)
+            t = next(saved[n][k] for n in names if k in saved.get(n, {}))
+            mine = now.get(k)
             if isinstance(t, torch.Tensor) and t.dim() > 0:
                 if _stacked(kind, t, mine, param):
                     t = t.to_local()[0]  # (this rank's row)
@@ -556,16 +563,16 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
                     like = mine if isinstance(mine, torch.Tensor) else torch.empty(
                         tuple(param.shape), dtype=t.dtype, device=_local(param).device)
                     if kind[0] == "shard":
-                        t = _assembled(like, [(saved[s.key][k], s) for s in kind[2]])
+                        t = _assembled(like, [(saved[_fqn(s.key)][k], s) for s in kind[2]])
                         t = like if t is None else t
                     else:
-                        prefix, pieces, _ = how.records[name]
-                        t = _shard_of(_value(like.detach()), [(saved[prefix + p.source][k], p) for p in pieces],
-                                      kind[1].rank)
+                        prefix, pieces, _ = how.records[key]
+                        t = _shard_of(like, [(saved[_fqn(prefix + p.source)][k], p) for p in pieces], kind[1].rank)
                 if isinstance(mine, DTensor) and not isinstance(t, DTensor):  # (FSDP2's: this rank's part again)
                     t = distribute_tensor(t, mine.device_mesh, mine.placements, src_data_rank=None)
             local[k] = t
         plain[name] = local
+    plain.update((n, st) for n, st in saved.items() if n not in back)  # (tensors no style sharded, by their names)
     groups = [{**g, "params": [back.get(n, n) for n in g["params"] if back.get(n, n) is not None]}
               for g in state_dict["param_groups"]]
     set_optimizer_state_dict(model, optimizer, {"state": plain, "param_groups": groups})
