@@ -170,6 +170,28 @@ def _optimizer_interop():
         W, dev = ctx.world_size, ctx.device
         E, hidden, n = 2 * W, 4 * W, 4
         x = _seeded(4 * W, DIM, seed=20)[ctx.rank * 4:][:4].to(dev)
+
+        def into_unmodified(model, opt, plain, path):
+            """``opt``'s state saved through sharded_optimizer_state_dict, loaded into ``plain``'s new AdamW."""
+            dcp.save({"optim": sharded_optimizer_state_dict(model, opt)}, checkpoint_id=path)
+            popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+            state = {"optim": get_optimizer_state_dict(plain, popt)}
+            dcp.load(state, checkpoint_id=path)
+            set_optimizer_state_dict(plain, popt, state["optim"])
+            return popt
+
+        def back_into(fresh, plain, popt, model, opt, path, what):
+            """``popt``'s state saved by the unmodified module, loaded into ``fresh``'s new AdamW: ``opt``'s state of
+            ``model``, bit for bit."""
+            dcp.save({"optim": get_optimizer_state_dict(plain, popt)}, checkpoint_id=path)
+            fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+            state = {"optim": sharded_optimizer_state_dict(fresh, fopt)}
+            dcp.load(state, checkpoint_id=path)
+            load_sharded_optimizer_state_dict(fresh, fopt, state["optim"])
+            for mine, theirs in zip(fresh.parameters(), model.parameters()):
+                for k, v in opt.state[theirs].items():
+                    assert torch.equal(fopt.state[mine][k], v), f"{what}: {k} of {tuple(v.shape)} differs"
+
         with shared_directory() as where:
             for cls in (TPMoE, EPMoE):
                 plain = _Unmodified(E, hidden, 30).to(dev)
@@ -180,12 +202,7 @@ def _optimizer_interop():
                     layer(x).float().square().sum().backward()
                 layer.sync_replicated_grads()  # (the router's state then the same on every rank)
                 opt.step()
-                dcp.save({"optim": sharded_optimizer_state_dict(layer, opt)}, checkpoint_id=f"{where}/{cls.__name__}")
-
-                popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-                state = {"optim": get_optimizer_state_dict(plain, popt)}
-                dcp.load(state, checkpoint_id=f"{where}/{cls.__name__}")
-                set_optimizer_state_dict(plain, popt, state["optim"])
+                popt = into_unmodified(layer, opt, plain, f"{where}/{cls.__name__}")
                 for k in ("step", "exp_avg", "exp_avg_sq"):
                     if k == "step":  # (a scalar: the same for every weight)
                         want = dict.fromkeys(("w1", "w3", "w2"), opt.state[layer.w13][k])
@@ -203,16 +220,8 @@ def _optimizer_interop():
                     bad = [name for name, p in got.items() if not torch.equal(popt.state[p][k], want[name])]
                     assert not bad, f"{cls.__name__}: the unmodified module's {k} of {bad} differs from the layer's"
 
-                dcp.save({"optim": get_optimizer_state_dict(plain, popt)},
-                         checkpoint_id=f"{where}/{cls.__name__}-unmodified")
                 fresh = cls(DIM, hidden, E, 2, ctx=ctx, dtype=torch.float32, fallback="never")
-                fopt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
-                state = {"optim": sharded_optimizer_state_dict(fresh, fopt)}
-                dcp.load(state, checkpoint_id=f"{where}/{cls.__name__}-unmodified")
-                load_sharded_optimizer_state_dict(fresh, fopt, state["optim"])
-                for mine, theirs in zip(fresh.parameters(), layer.parameters()):
-                    for k, v in opt.state[theirs].items():
-                        assert torch.equal(fopt.state[mine][k], v), f"{cls.__name__}: {k} of {tuple(v.shape)} differs"
+                back_into(fresh, plain, popt, layer, opt, f"{where}/{cls.__name__}-unmodified", cls.__name__)
             # TPMLP (its gate_up: two slices, of gate and of up) under torch.compile's wrapper, whose parameters'
             # names in state dicts hold ``_orig_mod.`` where torch's optimizer state dicts do not
             plain = nn.ModuleDict({"mlp": _MLP(hidden, 40)}).to(dev)
@@ -223,11 +232,7 @@ def _optimizer_interop():
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 model["mlp"](x.view(4, 1, DIM)).float().square().sum().backward()
             opt.step()
-            dcp.save({"optim": sharded_optimizer_state_dict(model, opt)}, checkpoint_id=f"{where}/mlp")
-            popt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
-            state = {"optim": get_optimizer_state_dict(plain, popt)}
-            dcp.load(state, checkpoint_id=f"{where}/mlp")
-            set_optimizer_state_dict(plain, popt, state["optim"])
+            popt = into_unmodified(model, opt, plain, f"{where}/mlp")
             for k in ("exp_avg", "exp_avg_sq"):
                 gate_up, gate_up_bias, down = (_gathered(opt.state[p][k], ctx) for p in (
                     mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight))
@@ -238,17 +243,10 @@ def _optimizer_interop():
                 got = dict(plain.mlp.named_parameters())
                 bad = [name for name, v in want.items() if not torch.equal(popt.state[got[name]][k], v)]
                 assert not bad, f"TPMLP: the unmodified MLP's {k} of {bad} differs from the layer's"
-            dcp.save({"optim": get_optimizer_state_dict(plain, popt)}, checkpoint_id=f"{where}/mlp-unmodified")
             fresh = TPMLP(DIM, hidden, ctx=ctx, bias=True, dtype=torch.float32, fallback="never")
             fresh.down = RowParallelLinear(hidden, DIM, ctx=ctx, bias=False, dtype=torch.float32, fallback="never")
-            fresh_model = nn.ModuleDict({"mlp": torch.compile(fresh, backend="eager")})
-            fopt = torch.optim.AdamW(fresh_model.parameters(), lr=1e-2)
-            state = {"optim": sharded_optimizer_state_dict(fresh_model, fopt)}
-            dcp.load(state, checkpoint_id=f"{where}/mlp-unmodified")
-            load_sharded_optimizer_state_dict(fresh_model, fopt, state["optim"])
-            for mine, theirs in zip(fresh_model.parameters(), model.parameters()):
-                for k, v in opt.state[theirs].items():
-                    assert torch.equal(fopt.state[mine][k], v), f"TPMLP: {k} of {tuple(v.shape)} differs"
+            back_into(nn.ModuleDict({"mlp": torch.compile(fresh, backend="eager")}), plain, popt, model, opt,
+                      f"{where}/mlp-unmodified", "TPMLP")
         ctx.check()
         return True
 

@@ -305,8 +305,10 @@ def _even_slices(t: torch.Tensor, prefix: str, pieces, ctx) -> list[_Slice] | No
     return out
 
 
-def _contiguous_stride(shape) -> tuple:
-    return tuple(int(torch.Size(shape[d + 1:]).numel()) for d in range(len(shape)))
+def _dtensor(local: torch.Tensor, mesh: DeviceMesh, placements, shape) -> DTensor:
+    """``local`` as this rank's part of the DTensor of global ``shape`` (contiguous) placed by ``placements``."""
+    stride = tuple(int(torch.Size(shape[d + 1:]).numel()) for d in range(len(shape)))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 class _ForDCP:
@@ -356,12 +358,9 @@ class _ForDCP:
             q = t.placements[0].dim  # (the dim FSDP2 splits, taken to the source's dims as s.local takes t's)
             for _, a, b in reversed(s.before + s.after):
                 q = b if q == a else a if q == b else q
-            local = s.local(t.to_local())
-            return DTensor.from_local(local, self._grid(ctx, t.device_mesh), [Shard(s.dim), Shard(q)],
-                                      run_check=False, shape=torch.Size(s.shape), stride=_contiguous_stride(s.shape))
+            return _dtensor(s.local(t.to_local()), self._grid(ctx, t.device_mesh), [Shard(s.dim), Shard(q)], s.shape)
         local = s.local(_value(t))
-        return DTensor.from_local(local, self._mesh(ctx, local), [Shard(s.dim)], run_check=False,
-                                  shape=torch.Size(s.shape), stride=_contiguous_stride(s.shape))
+        return _dtensor(local, self._mesh(ctx, local), [Shard(s.dim)], s.shape)
 
     def _grid(self, ctx, fsdp: DeviceMesh) -> DeviceMesh:
         """The 2-D mesh of ``ctx``'s group (dim 0) and FSDP2's mesh ``fsdp`` (dim 1): the tensor-parallel groups'
@@ -381,9 +380,26 @@ class _ForDCP:
         """Every rank's ``t`` (the same shape on each; a DTensor: its full value) as the rows of [W, *t.shape]: a
         checkpoint that loads at the same world size and layout only."""
         t = _value(t.detach()).unsqueeze(0)
-        shape = (ctx.world_size, *t.shape[1:])
-        return DTensor.from_local(t, self._mesh(ctx, t), [Shard(0)], run_check=False, shape=torch.Size(shape),
-                                  stride=_contiguous_stride(shape))
+        return _dtensor(t, self._mesh(ctx, t), [Shard(0)], (ctx.world_size, *t.shape[1:]))
+
+    def unmodified(self, key: str, t: torch.Tensor):
+        """(name, tensor) of each unmodified tensor that ``t`` (the recorded tensor ``key``'s value, or an optimizer
+        state of its shape) is part of: its ``shard`` DTensors, or the tensors gathered whole (collective)."""
+        kind = self.kind(key)
+        if kind[0] == "shard":
+            return [(s.key, self.shard(t, kind[1], s)) for s in kind[2]]
+        prefix, pieces, ctx = self.records[key]
+        return [(prefix + source, full) for source, full in _unmodified(_value(t.detach()), pieces, ctx)]
+
+    def local_of(self, key: str, like: torch.Tensor, loaded) -> torch.Tensor | None:
+        """This rank's value of the recorded tensor ``key`` (``like``'s shape and dtype) from ``loaded(name)``, the
+        tensor DCP loaded for each unmodified tensor ``unmodified`` named: its slices (None where they were loaded
+        into ``like`` in place: ``_assembled``), or its pieces of the gathered tensors."""
+        kind = self.kind(key)
+        if kind[0] == "shard":
+            return _assembled(like, [(loaded(s.key), s) for s in kind[2]])
+        prefix, pieces, ctx = self.records[key]
+        return _shard_of(like, [(loaded(prefix + p.source), p) for p in pieces], ctx.rank)
 
 
 def _fqn(key: str) -> str:
@@ -426,13 +442,9 @@ def sharded_state_dict(model: nn.Module, *, device=None) -> dict[str, torch.Tens
         kind = how.kind(key)
         if kind is None:
             out[key] = t
-        elif kind[0] == "shard":
-            for s in kind[2]:
-                out[s.key] = how.shard(t, kind[1], s)
-        else:
-            prefix, pieces, ctx = how.records[key]
-            for source, full in _unmodified(_value(t.detach()), pieces, ctx):
-                out[prefix + source] = full if device is None else full.to(device)
+            continue
+        for name, v in how.unmodified(key, t):
+            out[name] = v if device is None or isinstance(v, DTensor) else v.to(device)
     return out
 
 
@@ -457,27 +469,21 @@ def load_sharded_state_dict(model: nn.Module, state_dict: dict) -> None:
                 raise ValueError(f"load_sharded_state_dict: {plain[0]!r} is a plain tensor where "
                                  f"sharded_state_dict(model) has a DTensor of this rank's part (a full state dict: "
                                  f"load_full_state_dict)")
-            plan.append((target, [(state_dict[s.key], s) for s in kind[2]], kind))
-        elif kind is not None:
-            prefix, pieces, _ = how.records[key]
-            plan.append((target, [(state_dict[prefix + p.source], p) for p in pieces], kind))
-        else:
-            plan.append((target, state_dict[key], None))
+        plan.append((key, target, kind))
     with torch.no_grad():
-        for target, sources, kind in plan:
-            if kind is None:  # (a tensor no style sharded: loaded in place, or copied whole)
-                if _local(sources).data_ptr() == _local(target).data_ptr():
-                    continue
-                if isinstance(sources, DTensor) and isinstance(target, DTensor):
-                    target.copy_(sources)
-                else:
-                    _copy(target, _value(sources))
-            elif kind[0] == "shard":  # (this rank's slices: loaded in place, or copied)
-                local = _assembled(target, sources)
+        for key, target, kind in plan:
+            if kind is not None:  # (this rank's slices, loaded in place or copied; its pieces of gathered tensors)
+                local = how.local_of(key, target, state_dict.__getitem__)
                 if local is not None:
                     _copy(target, local)
+                continue
+            value = state_dict[key]  # (a tensor no style sharded: loaded in place, or copied whole)
+            if _local(value).data_ptr() == _local(target).data_ptr():
+                continue
+            if isinstance(value, DTensor) and isinstance(target, DTensor):
+                target.copy_(value)
             else:
-                _copy(target, _shard_of(target, sources, kind[1].rank))
+                _copy(target, _value(value))
 
 
 def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -521,13 +527,9 @@ def sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimi
                     state[n][k] = t
             elif tuple(t.shape) != tuple(how.own[key].shape):
                 state[names[0]][k] = how.stacked(t, kind[1])
-            elif kind[0] == "shard":
-                for s in kind[2]:
-                    state[_fqn(s.key)][k] = how.shard(t, kind[1], s)
             else:
-                prefix, pieces, ctx = how.records[key]
-                for source, full in _unmodified(_value(t.detach()), pieces, ctx):
-                    state[_fqn(prefix + source)][k] = full
+                for n, v in how.unmodified(key, t):
+                    state[_fqn(n)][k] = v
     osd["state"] = state
     osd["param_groups"] = [{**g, "params": [_fqn(n) for p in g["params"] for n in how.sources(how.by_fqn.get(p, p))]}
                            for g in osd["param_groups"]]
@@ -562,12 +564,8 @@ def load_sharded_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.O
                 else:
                     like = mine if isinstance(mine, torch.Tensor) else torch.empty(
                         tuple(param.shape), dtype=t.dtype, device=_local(param).device)
-                    if kind[0] == "shard":
-                        t = _assembled(like, [(saved[_fqn(s.key)][k], s) for s in kind[2]])
-                        t = like if t is None else t
-                    else:
-                        prefix, pieces, _ = how.records[key]
-                        t = _shard_of(like, [(saved[_fqn(prefix + p.source)][k], p) for p in pieces], kind[1].rank)
+                    t = how.local_of(key, like, lambda n, k=k: saved[_fqn(n)][k])
+                    t = like if t is None else t
                 if isinstance(mine, DTensor) and not isinstance(t, DTensor):  # (FSDP2's: this rank's part again)
                     t = distribute_tensor(t, mine.device_mesh, mine.placements, src_data_rank=None)
             local[k] = t
