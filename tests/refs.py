@@ -286,6 +286,30 @@ def check_full_state_dict(model, expected: dict, seed: int = 7):
         assert on_rank0 == {}, sorted(on_rank0)[:4]
 
 
+def check_full_grads(model, reference, tol: float, scale=None) -> float:
+    """``nn.full_grads(model)`` (a model parallelized by the styles, after its backward) against the gradients of
+    ``reference`` (the unmodified model, after the same backward): the same names (a compiled layer's
+    ``_orig_mod.`` dropped) as the reference's parameters that have a gradient, the same shapes, each within ``tol``
+    relative to its reference gradient, or to ``scale(name)``'s norm where that gives a tensor (a gradient that is 0
+    but for rounding, measured against a related one's, as the test's own comparison does). Returns the worst."""
+    from triton_overlap.nn import full_grads
+
+    got = {k.replace("._orig_mod", ""): v for k, v in full_grads(model).items()}
+    want = {k: p.grad for k, p in reference.state_dict(keep_vars=True).items()
+            if isinstance(p, torch.nn.Parameter) and p.grad is not None}
+    assert sorted(got) == sorted(want), \
+        f"full_grads: keys differ: missing {sorted(set(want) - set(got))[:4]}, extra {sorted(set(got) - set(want))[:4]}"
+    errs = {}
+    for k, v in want.items():
+        assert got[k].shape == v.shape, (k, tuple(got[k].shape), tuple(v.shape))
+        other = scale(k) if scale is not None else None
+        errs[k] = rel_err(got[k], v) if other is None else \
+            float((got[k].double().cpu() - v.double().cpu()).norm() / other.double().cpu().norm())
+    worst = max(errs, key=errs.get)
+    assert errs[worst] <= tol, f"full_grads: {worst} {errs[worst]:.2e} > {tol:.0e}"
+    return errs[worst]
+
+
 @contextlib.contextmanager
 def shared_directory():
     """A temporary directory every rank of the default group names (global rank 0's, removed after a barrier

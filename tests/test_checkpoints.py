@@ -11,7 +11,9 @@ without a shared expert, EPMoE), on the host backend at W = 2 and 3:
 * the optimizer's state: AdamW's after a step of TPMoE and EPMoE, saved through ``sharded_optimizer_state_dict``,
   loads into the unmodified module's AdamW (torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``)
   with each moment equal bit for bit to the layer's gathered by hand; that state saved by the unmodified module
-  loads into a fresh layer's AdamW as the layer's own, bit for bit.
+  loads into a fresh layer's AdamW as the layer's own, bit for bit;
+* ``nn.full_grads``: the layers' gradients after a backward in the same layout, by the unmodified module's names,
+  equal bit for bit to the layer's gathered by hand.
 """
 import pytest
 import torch
@@ -163,8 +165,8 @@ def _optimizer_interop():
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-    from triton_overlap.nn import (TPMLP, EPMoE, RowParallelLinear, TPMoE, load_sharded_optimizer_state_dict,
-                                   sharded_optimizer_state_dict)
+    from triton_overlap.nn import (TPMLP, EPMoE, RowParallelLinear, TPMoE, full_grads,
+                                   load_sharded_optimizer_state_dict, sharded_optimizer_state_dict)
 
     with to.Context(timeout_s=120) as ctx:
         W, dev = ctx.world_size, ctx.device
@@ -201,20 +203,29 @@ def _optimizer_interop():
                 with torch.autocast(dev.type, dtype=torch.bfloat16):
                     layer(x).float().square().sum().backward()
                 layer.sync_replicated_grads()  # (the router's state then the same on every rank)
+
+                def unmodified(of):
+                    """``of(p)`` of the layer's experts' weights gathered by hand into the unmodified w1, w3, w2."""
+                    w13, down = (_gathered(of(p), ctx) for p in (layer.w13, layer.w2))
+                    if cls is TPMoE:  # rank r's hidden units of every expert: [E, dim, 2n], [E, n, dim]
+                        got = {"w1": torch.cat([t[:, :, :n] for t in w13], 2),
+                               "w3": torch.cat([t[:, :, n:] for t in w13], 2), "w2": torch.cat(down, 1)}
+                    else:  # rank r's experts, whole
+                        got = {"w1": torch.cat([t[:, :, :hidden] for t in w13]),
+                               "w3": torch.cat([t[:, :, hidden:] for t in w13]), "w2": torch.cat(down)}
+                    return {name: v.transpose(1, 2) for name, v in got.items()}  # (nn.Linear's [out, in])
+
+                grads = full_grads(layer)  # the gradients in the same layout, by the unmodified module's names
+                want = {**unmodified(lambda p: p.grad), "router.weight": layer.router.weight.grad}
+                assert sorted(grads) == sorted(want), sorted(grads)
+                assert all(torch.equal(grads[k], v) for k, v in want.items()), f"{cls.__name__}: full_grads differs"
                 opt.step()
                 popt = into_unmodified(layer, opt, plain, f"{where}/{cls.__name__}")
                 for k in ("step", "exp_avg", "exp_avg_sq"):
                     if k == "step":  # (a scalar: the same for every weight)
                         want = dict.fromkeys(("w1", "w3", "w2"), opt.state[layer.w13][k])
                     else:
-                        w13, down = (_gathered(opt.state[p][k], ctx) for p in (layer.w13, layer.w2))
-                        if cls is TPMoE:  # rank r's hidden units of every expert: [E, dim, 2n], [E, n, dim]
-                            want = {"w1": torch.cat([t[:, :, :n] for t in w13], 2),
-                                    "w3": torch.cat([t[:, :, n:] for t in w13], 2), "w2": torch.cat(down, 1)}
-                        else:  # rank r's experts, whole
-                            want = {"w1": torch.cat([t[:, :, :hidden] for t in w13]),
-                                    "w3": torch.cat([t[:, :, hidden:] for t in w13]), "w2": torch.cat(down)}
-                        want = {name: v.transpose(1, 2) for name, v in want.items()}  # (nn.Linear's [out, in])
+                        want = unmodified(lambda p: opt.state[p][k])
                     want["router"] = opt.state[layer.router.weight][k]
                     got = {"w1": plain.w1, "w3": plain.w3, "w2": plain.w2, "router": plain.router.weight}
                     bad = [name for name, p in got.items() if not torch.equal(popt.state[p][k], want[name])]
@@ -231,15 +242,24 @@ def _optimizer_interop():
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 model["mlp"](x.view(4, 1, DIM)).float().square().sum().backward()
-            opt.step()
-            popt = into_unmodified(model, opt, plain, f"{where}/mlp")
-            for k in ("exp_avg", "exp_avg_sq"):
-                gate_up, gate_up_bias, down = (_gathered(opt.state[p][k], ctx) for p in (
+
+            def unmodified_mlp(of):
+                """``of(p)`` of the MLP's weights gathered by hand into the unmodified gate, up and down."""
+                gate_up, gate_up_bias, down = (_gathered(of(p), ctx) for p in (
                     mlp.gate_up.weight, mlp.gate_up.bias, mlp.down.weight))
-                want = {"gate.weight": torch.cat([t[:n] for t in gate_up]),
+                return {"gate.weight": torch.cat([t[:n] for t in gate_up]),
                         "up.weight": torch.cat([t[n:] for t in gate_up]),
                         "gate.bias": torch.cat([t[:n] for t in gate_up_bias]),
                         "up.bias": torch.cat([t[n:] for t in gate_up_bias]), "down.weight": torch.cat(down, 1)}
+
+            # (names as the model's state_dict() has them, as full_state_dict's: under the compiled module's _orig_mod)
+            grads, want = full_grads(model), unmodified_mlp(lambda p: p.grad)
+            assert sorted(grads) == sorted(f"mlp._orig_mod.{k}" for k in want), sorted(grads)
+            assert all(torch.equal(grads[f"mlp._orig_mod.{k}"], v) for k, v in want.items()), "TPMLP: full_grads"
+            opt.step()
+            popt = into_unmodified(model, opt, plain, f"{where}/mlp")
+            for k in ("exp_avg", "exp_avg_sq"):
+                want = unmodified_mlp(lambda p: opt.state[p][k])
                 got = dict(plain.mlp.named_parameters())
                 bad = [name for name, v in want.items() if not torch.equal(popt.state[got[name]][k], v)]
                 assert not bad, f"TPMLP: the unmodified MLP's {k} of {bad} differs from the layer's"

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import triton_overlap as to
-from refs import (check_full_state_dict, check_grad_clipping, check_resume, check_sharded_checkpoint, rel_err,
-                  with_latent_attention_plan)
+from refs import (check_full_grads, check_full_state_dict, check_grad_clipping, check_resume, check_sharded_checkpoint,
+                  rel_err, with_latent_attention_plan)
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 #: parameters of attention that transformers initializes to one value, drawn at random instead (a slice of the wrong
@@ -203,6 +203,21 @@ def _grad_errors(model, reference, rank, W, ep=False):
     return errs
 
 
+def _grad_scale(reference, name):
+    """What _grad_errors measures a nearly vanishing gradient against, whole (refs.check_full_grads' ``scale``):
+    the decay's against in_proj_a's (in_proj_ba's) weight's, a router bias's against its weight's over sqrt(dim), a
+    key bias's against the value bias's; None: the gradient's own."""
+    if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
+        layer = reference.get_submodule(name.rpartition(".")[0])
+        return getattr(layer, "in_proj_a", getattr(layer, "in_proj_ba", None)).weight.grad
+    if name.endswith("router.bias"):
+        weight = reference.get_parameter(name.replace(".bias", ".weight")).grad
+        return weight / weight.shape[1] ** 0.5
+    if name.endswith("k_proj.bias"):
+        return reference.get_parameter(name.replace("k_proj", "v_proj")).grad
+    return None
+
+
 def _expert_grads(experts):
     """The gradients of a reference's experts as (gate, up [E, hidden, dim], down [E, dim, hidden], biases): their
     fused parameters' (transposed and interleaved where the experts say so: GPT-OSS's), ``biases`` (gate, up
@@ -360,6 +375,7 @@ def _moe_case(kind, mode, fallback, hf=False, ep=False):
             torch.isfinite(out.aux_loss)
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
+        check_full_grads(model, reference, TOL_GRAD, lambda name: _grad_scale(reference, name))
         check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, W, ep), TOL_GRAD)
         check_resume(model, torch.optim.AdamW(param_groups(model), lr=1e-3))
         assert mlp.last_path == ("fallback" if fallback == "always" else "overlap"), mlp.last_path

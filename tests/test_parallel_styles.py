@@ -10,7 +10,8 @@ from torch import nn
 
 import triton_overlap as to
 from harness import host_case_share
-from refs import check_full_state_dict, check_grad_clipping, check_resume, check_sharded_checkpoint, rel_err
+from refs import (check_full_grads, check_full_state_dict, check_grad_clipping, check_resume, check_sharded_checkpoint,
+                  rel_err)
 
 TOL_LOGITS, TOL_GRAD = 2e-2, 4e-2  # bf16 kernels against float64 on the same bf16-rounded weights
 
@@ -138,6 +139,9 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
         errs = {"logits": rel_err(logits, ref_logits), **_grad_errors(model, reference, ctx.rank, W)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "logits" else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
+        if shared == "hf":  # the same gradients in the unmodified layout, name by name (the key bias's as above)
+            check_full_grads(model, reference, TOL_GRAD, lambda k: reference.get_parameter(
+                k.replace("k_proj", "v_proj")).grad if k.endswith("k_proj.bias") else None)
         check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, W), TOL_GRAD)
         o_proj = model.model.layers[0].self_attn.o_proj
         path = o_proj.last_path

@@ -13,12 +13,13 @@ code is not touched. It takes token ids ``[B, S]`` (batch-first), and the residu
 1) is what the ranks split.
 
 The tutorial runs a small random Llama (bf16 weights) twice on the same tokens, unmodified and parallelized, and
-compares the logits and every gradient. Then both clip their gradients (``clip_grad_norm_``: the unmodified model's
-norm, which torch's own cannot compute over shards) and take one SGD step, and ``full_state_dict`` gathers the
-parallelized model's weights into the unmodified model's names and layout (what ``save_pretrained`` would write),
-which a fresh unmodified model loads as it is. Last, a sharded checkpoint: ``sharded_state_dict`` gives
-``torch.distributed.checkpoint`` the same names with each rank's slices, which every rank writes in parallel and
-which an unmodified model (or the parallelized one, through ``load_sharded_state_dict``) loads back.
+compares the logits and every gradient (``full_grads``: in the unmodified model's names and layout). Then both clip
+their gradients (``clip_grad_norm_``: the unmodified model's norm, which torch's own cannot compute over shards) and
+take one SGD step, and ``full_state_dict`` gathers the parallelized model's weights into the unmodified model's names
+and layout (what ``save_pretrained`` would write), which a fresh unmodified model loads as it is. Last, a sharded
+checkpoint: ``sharded_state_dict`` gives ``torch.distributed.checkpoint`` the same names with each rank's slices, which
+every rank writes in parallel and which an unmodified model (or the parallelized one, through
+``load_sharded_state_dict``) loads back.
 """
 import copy
 import shutil
@@ -28,11 +29,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 import triton_overlap as to
-from triton_overlap.nn import clip_grad_norm_, full_state_dict, hf_plan, param_groups, sharded_state_dict
+from triton_overlap.nn import clip_grad_norm_, full_grads, full_state_dict, hf_plan, param_groups, sharded_state_dict
 from triton_overlap.torchrun import backend_name, init, say, verdict
 
 
@@ -82,16 +82,11 @@ def main():
             a, b = a.detach().float().cpu(), b.detach().float().cpu()
             return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
+        # Sharded weights hold this rank's rows or columns of their gradient; full_grads gathers every gradient into
+        # the unmodified model's names and layout (collective), to compare name by name.
         errs = {"logits": rel(logits, ref_logits)}
-        ref_params = dict(reference.named_parameters())
-        for name, p in model.named_parameters():  # sharded weights hold this rank's rows or columns of the grad
-            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-            full = ref_params[name].grad
-            if g.shape != full.shape:
-                dim = 0 if g.shape[0] != full.shape[0] else 1
-                n = g.shape[dim]
-                full = full.narrow(dim, ctx.rank * n, n)
-            errs[name] = rel(g, full)
+        for name, grad in full_grads(model).items():
+            errs[name] = rel(grad, reference.get_parameter(name).grad)
         worst = max(errs, key=errs.get)
         say(f"{ctx}: logits rel err {errs['logits']:.1e}; worst of {len(errs) - 1} gradients {errs[worst]:.1e} "
             f"({worst}); o_proj took the {model.model.layers[-1].self_attn.o_proj.last_path} path")

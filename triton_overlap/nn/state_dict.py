@@ -10,7 +10,8 @@ unmodified tensors being what ``from_full`` took (an ``nn.Linear``'s, the MLP's 
   and layout it had (a shared expert's weights included), each sharded tensor gathered from the ranks of its style's
   Context. Collective: every rank of the group calls it, and every rank gets the whole state dict (``device="cpu"``
   moves each tensor there once gathered; ``rank0_only=True`` keeps it on global rank 0 alone). What
-  ``save_pretrained`` or ``torch.save`` writes of it, the unmodified model loads.
+  ``save_pretrained`` or ``torch.save`` writes of it, the unmodified model loads. ``full_grads(model)``: the
+  parameters' gradients so, after a backward, to compare with the unmodified model's.
 * ``load_full_state_dict(model, state_dict)``: such a state dict (the unmodified model's, a checkpoint's) loaded into
   the parallelized model, each rank copying its own shards; no communication.
 
@@ -191,10 +192,29 @@ def full_state_dict(model: nn.Module, *, device=None, rank0_only: bool = False) 
     every rank's). ``device``: where each tensor goes once gathered (e.g. ``"cpu"``, so that at most one gathered
     tensor is on the GPU at a time); None: where the parameter is. The dtypes are the parameters' (float32
     parameters under autocast stay float32)."""
+    return _full(model, model.state_dict().items(), device, rank0_only)
+
+
+def full_grads(model: nn.Module, *, device=None, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The gradients the unmodified model's parameters would hold, from ``model``'s after a backward: by the
+    unmodified model's parameter names (as ``full_state_dict``'s keys), each sharded gradient gathered into the
+    unmodified layout, a DTensor's its full value (a replicated parameter's partial gradients summed over its
+    mesh); parameters without a gradient are left out. So a parallelized model's backward compares with the
+    unmodified model's name by name. Gradients a layer leaves for the user to sum (``sync_replicated_grads``) are
+    taken as they are: call it first. Collective as ``full_state_dict``, with the same ``device`` and
+    ``rank0_only``."""
+    grads = [(k, p.grad) for k, p in model.state_dict(keep_vars=True).items()
+             if isinstance(p, nn.Parameter) and p.grad is not None]
+    return _full(model, grads, device, rank0_only)
+
+
+def _full(model: nn.Module, items, device, rank0_only: bool) -> dict[str, torch.Tensor]:
+    """``items``, (a key of ``model``'s state dict, a tensor of its parameter's layout), in the unmodified layout
+    (full_state_dict)."""
     records = _records(model)
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
-    for key, t in model.state_dict().items():
+    for key, t in items:
         t = _value(t.detach())  # (collective for FSDP2's shards: every rank)
         if key not in records:
             if keep:
