@@ -288,13 +288,18 @@ def check_full_state_dict(model, expected: dict, seed: int = 7):
 
 def check_full_grads(model, reference, tol: float, scale=None) -> float:
     """``nn.full_grads(model)`` (a model parallelized by the styles, after its backward) against the gradients of
-    ``reference`` (the unmodified model, after the same backward): the same names (a compiled layer's
-    ``_orig_mod.`` dropped) as the reference's parameters that have a gradient, the same shapes, each within ``tol``
-    relative to its reference gradient, or to ``scale(name)``'s norm where that gives a tensor (a gradient that is 0
-    but for rounding, measured against a related one's, as the test's own comparison does). Returns the worst."""
+    ``reference`` (the unmodified model, after the same backward): the same names (a compiled module's
+    ``_orig_mod.`` dropped) as the reference's parameters that have a gradient, the same shapes, the parameters'
+    dtypes, each within ``tol`` relative to its reference gradient, or to ``scale(name)``'s norm where that gives a
+    tensor (a gradient that is 0 but for rounding, measured against a related one's, as the test's own comparison
+    does); then gathered to global rank 0 alone (``rank0_only``: the same there, an empty dict elsewhere). Returns
+    the worst error."""
     from triton_overlap.nn import full_grads
 
-    got = {k.replace("._orig_mod", ""): v for k, v in full_grads(model).items()}
+    def names(d):
+        return {k.replace("_orig_mod.", ""): v for k, v in d.items()}
+
+    got, dtypes = names(full_grads(model)), names({k: p.dtype for k, p in model.state_dict(keep_vars=True).items()})
     want = {k: p.grad for k, p in reference.state_dict(keep_vars=True).items()
             if isinstance(p, torch.nn.Parameter) and p.grad is not None}
     assert sorted(got) == sorted(want), \
@@ -302,11 +307,17 @@ def check_full_grads(model, reference, tol: float, scale=None) -> float:
     errs = {}
     for k, v in want.items():
         assert got[k].shape == v.shape, (k, tuple(got[k].shape), tuple(v.shape))
+        assert got[k].dtype == dtypes.get(k, got[k].dtype), (k, got[k].dtype, dtypes.get(k))
         other = scale(k) if scale is not None else None
         errs[k] = rel_err(got[k], v) if other is None else \
             float((got[k].double().cpu() - v.double().cpu()).norm() / other.double().cpu().norm())
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"full_grads: {worst} {errs[worst]:.2e} > {tol:.0e}"
+    on_rank0 = names(full_grads(model, device="cpu", rank0_only=True))
+    if torch.distributed.get_rank() == 0:
+        assert sorted(on_rank0) == sorted(got) and all(torch.equal(on_rank0[k], got[k].cpu()) for k in got)
+    else:
+        assert on_rank0 == {}, sorted(on_rank0)[:4]
     return errs[worst]
 
 

@@ -219,6 +219,14 @@ def _optimizer_interop():
                 want = {**unmodified(lambda p: p.grad), "router.weight": layer.router.weight.grad}
                 assert sorted(grads) == sorted(want), sorted(grads)
                 assert all(torch.equal(grads[k], v) for k, v in want.items()), f"{cls.__name__}: full_grads differs"
+                router = layer.router.weight.grad  # (a tensor no style sharded: returned as a copy all the same)
+                assert grads["router.weight"].untyped_storage().data_ptr() != router.untyped_storage().data_ptr()
+                kept = layer.w2.grad
+                if ctx.rank == W - 1:  # one rank without a gradient: every rank raises before any gather
+                    layer.w2.grad = None
+                with pytest.raises(ValueError, match=r"different parameters: \['w2'\]"):
+                    full_grads(layer)
+                layer.w2.grad = kept
                 opt.step()
                 popt = into_unmodified(layer, opt, plain, f"{where}/{cls.__name__}")
                 for k in ("step", "exp_avg", "exp_avg_sq"):

@@ -419,6 +419,7 @@ def _moe_beside_fsdp(ep):
                 **_grad_errors(model, reference, ctx.rank, 2, ep)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if "logits" in k else TOL_GRAD)}
         assert not bad, f"rank {mesh.get_rank()}: {bad}"
+        check_full_grads(model, reference, TOL_GRAD, lambda name: _grad_scale(reference, name))  # (over dp, then tp)
         check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, 2, ep), TOL_GRAD)
         check_resume(model, torch.optim.AdamW(param_groups(model), lr=1e-3))  # (FSDP2's shards of the TP shards)
         mlp = model.model.layers[0].mlp

@@ -93,6 +93,11 @@ def _grad_errors(model, reference, rank, world=None):
     return errs
 
 
+def _key_bias_scale(reference, name):
+    """refs.check_full_grads' ``scale``: a key bias's gradient against the value bias's (_grad_errors' rule)."""
+    return reference.get_parameter(name.replace("k_proj", "v_proj")).grad if name.endswith("k_proj.bias") else None
+
+
 def _llama_case(B, mode, fallback, shared=False, kind="llama"):
     """``mode``: "bf16" (bf16 parameters), "autocast" (float32 parameters under autocast), "compiled" (bf16, the
     model under torch.compile), "compiled_layers" (each decoder layer compiled), "decode" (no sequence
@@ -139,9 +144,7 @@ def _llama_case(B, mode, fallback, shared=False, kind="llama"):
         errs = {"logits": rel_err(logits, ref_logits), **_grad_errors(model, reference, ctx.rank, W)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "logits" else TOL_GRAD)}
         assert not bad, f"rank {ctx.rank}: {bad}"
-        if shared == "hf":  # the same gradients in the unmodified layout, name by name (the key bias's as above)
-            check_full_grads(model, reference, TOL_GRAD, lambda k: reference.get_parameter(
-                k.replace("k_proj", "v_proj")).grad if k.endswith("k_proj.bias") else None)
+        check_full_grads(model, reference, TOL_GRAD, lambda k: _key_bias_scale(reference, k))  # (name by name)
         check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, W), TOL_GRAD)
         o_proj = model.model.layers[0].self_attn.o_proj
         path = o_proj.last_path
@@ -224,6 +227,7 @@ def _beside_fsdp():
                 **_grad_errors(model, reference, ctx.rank, 2)}
         bad = {k: f"{e:.2e}" for k, e in errs.items() if e > (TOL_LOGITS if k == "logits" else TOL_GRAD)}
         assert not bad, f"rank {mesh.get_rank()}: {bad}"
+        check_full_grads(model, reference, TOL_GRAD, lambda k: _key_bias_scale(reference, k))  # (over dp, then tp)
         # (the norm of FSDP2's shards over each half, then of the tensor-parallel shards over the halves' ranks)
         check_grad_clipping(model, reference, lambda: _grad_errors(model, reference, ctx.rank, 2), TOL_GRAD)
         check_resume(model, torch.optim.AdamW(param_groups(model), lr=1e-3))  # (FSDP2's shards of the TP shards)

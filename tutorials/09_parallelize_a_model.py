@@ -83,10 +83,12 @@ def main():
             return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
         # Sharded weights hold this rank's rows or columns of their gradient; full_grads gathers every gradient into
-        # the unmodified model's names and layout (collective), to compare name by name.
+        # the unmodified model's names and layout, to compare name by name (collective; every rank gets them all: for
+        # a large model, device="cpu" or rank0_only=True).
+        grads = full_grads(model)
+        assert grads.keys() == {name for name, p in reference.named_parameters() if p.grad is not None}
         errs = {"logits": rel(logits, ref_logits)}
-        for name, grad in full_grads(model).items():
-            errs[name] = rel(grad, reference.get_parameter(name).grad)
+        errs.update({name: rel(grad, reference.get_parameter(name).grad) for name, grad in grads.items()})
         worst = max(errs, key=errs.get)
         say(f"{ctx}: logits rel err {errs['logits']:.1e}; worst of {len(errs) - 1} gradients {errs[worst]:.1e} "
             f"({worst}); o_proj took the {model.model.layers[-1].self_attn.o_proj.last_path} path")

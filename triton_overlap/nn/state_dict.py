@@ -10,8 +10,8 @@ unmodified tensors being what ``from_full`` took (an ``nn.Linear``'s, the MLP's 
   and layout it had (a shared expert's weights included), each sharded tensor gathered from the ranks of its style's
   Context. Collective: every rank of the group calls it, and every rank gets the whole state dict (``device="cpu"``
   moves each tensor there once gathered; ``rank0_only=True`` keeps it on global rank 0 alone). What
-  ``save_pretrained`` or ``torch.save`` writes of it, the unmodified model loads. ``full_grads(model)``: the
-  parameters' gradients so, after a backward, to compare with the unmodified model's.
+  ``save_pretrained`` or ``torch.save`` writes of it, the unmodified model loads. ``full_grads(model)``: the same
+  for the parameters' gradients after a backward, e.g. to compare them with the unmodified model's.
 * ``load_full_state_dict(model, state_dict)``: such a state dict (the unmodified model's, a checkpoint's) loaded into
   the parallelized model, each rank copying its own shards; no communication.
 
@@ -196,21 +196,31 @@ def full_state_dict(model: nn.Module, *, device=None, rank0_only: bool = False) 
 
 
 def full_grads(model: nn.Module, *, device=None, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """The gradients the unmodified model's parameters would hold, from ``model``'s after a backward: by the
-    unmodified model's parameter names (as ``full_state_dict``'s keys), each sharded gradient gathered into the
-    unmodified layout, a DTensor's its full value (a replicated parameter's partial gradients summed over its
-    mesh); parameters without a gradient are left out. So a parallelized model's backward compares with the
-    unmodified model's name by name. Gradients a layer leaves for the user to sum (``sync_replicated_grads``) are
-    taken as they are: call it first. Collective as ``full_state_dict``, with the same ``device`` and
-    ``rank0_only``."""
-    grads = [(k, p.grad) for k, p in model.state_dict(keep_vars=True).items()
-             if isinstance(p, nn.Parameter) and p.grad is not None]
-    return _full(model, grads, device, rank0_only)
+    """The gradients the unmodified model's parameters would hold, from ``model``'s after a backward, under
+    ``full_state_dict``'s keys (the unmodified model's names; under a ``torch.compile``'d submodule with its
+    ``_orig_mod.``, as ``state_dict()`` has them): each sharded gradient gathered into the unmodified layout, a
+    DTensor's its full value (a replicated parameter's partial gradients summed over its mesh), each a copy (a later
+    backward or clipping does not change it); parameters without a gradient are left out. So a parallelized model's
+    backward compares with the unmodified model's name by name. Gradients a layer leaves for the user to sum
+    (``sync_replicated_grads``) are taken as they are: call it first. Collective as ``full_state_dict``, with the
+    same ``device`` (e.g. ``"cpu"``: a large model's gradients gathered one at a time on the GPU) and ``rank0_only``;
+    every rank must hold a gradient for the same parameters (checked over the default group first: ValueError naming
+    the parameters where the ranks differ)."""
+    params = [(k, p) for k, p in model.state_dict(keep_vars=True).items() if isinstance(p, nn.Parameter)]
+    have = [k for k, p in params if p.grad is not None]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, have)
+        differ = sorted(set().union(*map(set, every)) - set.intersection(*map(set, every)))
+        if differ:
+            raise ValueError(f"full_grads: the ranks hold gradients for different parameters: {differ[:4]} (ranks "
+                             f"with them: {[r for r, keys in enumerate(every) if differ[0] in keys]})")
+    return _full(model, [(k, p.grad) for k, p in params if p.grad is not None], device, rank0_only, copy=True)
 
 
-def _full(model: nn.Module, items, device, rank0_only: bool) -> dict[str, torch.Tensor]:
+def _full(model: nn.Module, items, device, rank0_only: bool, copy: bool = False) -> dict[str, torch.Tensor]:
     """``items``, (a key of ``model``'s state dict, a tensor of its parameter's layout), in the unmodified layout
-    (full_state_dict)."""
+    (full_state_dict); ``copy``: the tensors no gather made are copies too, not the items' own."""
     records = _records(model)
     keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     out: dict[str, torch.Tensor] = {}
@@ -218,7 +228,7 @@ def _full(model: nn.Module, items, device, rank0_only: bool) -> dict[str, torch.
         t = _value(t.detach())  # (collective for FSDP2's shards: every rank)
         if key not in records:
             if keep:
-                out[key] = t if device is None else t.to(device)
+                out[key] = t.to(t.device if device is None else device, copy=copy)
             continue
         prefix, pieces, ctx = records[key]
         for source, full in _unmodified(t, pieces, ctx, keep):
@@ -609,6 +619,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-__all__ = ["Piece", "full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
+__all__ = ["Piece", "full_grads", "full_state_dict", "load_full_state_dict", "load_sharded_optimizer_state_dict",
            "load_sharded_state_dict", "record", "recorded", "rows_of", "selection",
            "sharded_optimizer_state_dict", "sharded_state_dict", "tensor_at"]
