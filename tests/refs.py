@@ -256,6 +256,27 @@ def shm_files(pid=None):
     return {n for n in names if n.startswith(PREFIX) and mark in n[len(PREFIX):].split("-")}
 
 
+def _same_keys(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), \
+        f"{what}: keys differ: missing {sorted(set(want) - set(got))[:4]}, extra {sorted(set(got) - set(want))[:4]}"
+
+
+def _same_tensors(got: dict, want: dict, what: str) -> None:
+    """The same keys, and under each a tensor of the same shape, dtype and values, bit for bit."""
+    _same_keys(got, want, what)
+    for k, v in want.items():
+        assert got[k].shape == v.shape and got[k].dtype == v.dtype, (what, k, got[k].shape, v.shape, got[k].dtype)
+        assert torch.equal(got[k].cpu(), v.cpu()), f"{what}: {k} differs"
+
+
+def _same_on_rank0(got: dict, want: dict, what: str) -> None:
+    """What a ``rank0_only`` gather returned: ``want`` on global rank 0 (_same_tensors), an empty dict elsewhere."""
+    if torch.distributed.get_rank() == 0:
+        _same_tensors(got, want, what)
+    else:
+        assert got == {}, sorted(got)[:4]
+
+
 def check_full_state_dict(model, expected: dict, seed: int = 7):
     """``nn.full_state_dict(model)`` (a model parallelized by the styles) against ``expected``, the unmodified
     model's state dict in the parameters' dtype: the same names, shapes and dtypes, every tensor bit for bit; then
@@ -264,26 +285,15 @@ def check_full_state_dict(model, expected: dict, seed: int = 7):
     gathered to global rank 0 alone (``rank0_only``: the others get an empty dict)."""
     from triton_overlap.nn import full_state_dict, load_full_state_dict
 
-    def same(got, want, what):
-        assert sorted(got) == sorted(want), \
-            f"{what}: keys differ: missing {sorted(set(want) - set(got))[:4]}, extra {sorted(set(got) - set(want))[:4]}"
-        for k, v in want.items():
-            assert got[k].shape == v.shape and got[k].dtype == v.dtype, (what, k, got[k].shape, v.shape, got[k].dtype)
-            assert torch.equal(got[k].cpu(), v.cpu()), f"{what}: {k} differs"
-
-    same(full_state_dict(model), expected, "full_state_dict")
+    _same_tensors(full_state_dict(model), expected, "full_state_dict")
     g = torch.Generator().manual_seed(seed)
     changed = {k: v + torch.randn(v.shape, generator=g).to(v.dtype).to(v.device) if v.is_floating_point() else v
                for k, v in expected.items()}
     load_full_state_dict(model, changed)
-    same(full_state_dict(model, device="cpu"), changed, "after load_full_state_dict")
+    _same_tensors(full_state_dict(model, device="cpu"), changed, "after load_full_state_dict")
     load_full_state_dict(model, expected)
-    same(full_state_dict(model), expected, "loaded back")
-    on_rank0 = full_state_dict(model, device="cpu", rank0_only=True)
-    if torch.distributed.get_rank() == 0:
-        same(on_rank0, expected, "rank0_only")
-    else:
-        assert on_rank0 == {}, sorted(on_rank0)[:4]
+    _same_tensors(full_state_dict(model), expected, "loaded back")
+    _same_on_rank0(full_state_dict(model, device="cpu", rank0_only=True), expected, "rank0_only")
 
 
 def check_full_grads(model, reference, tol: float, scale=None) -> float:
@@ -302,8 +312,7 @@ def check_full_grads(model, reference, tol: float, scale=None) -> float:
     got, dtypes = names(full_grads(model)), names({k: p.dtype for k, p in model.state_dict(keep_vars=True).items()})
     want = {k: p.grad for k, p in reference.state_dict(keep_vars=True).items()
             if isinstance(p, torch.nn.Parameter) and p.grad is not None}
-    assert sorted(got) == sorted(want), \
-        f"full_grads: keys differ: missing {sorted(set(want) - set(got))[:4]}, extra {sorted(set(got) - set(want))[:4]}"
+    _same_keys(got, want, "full_grads")
     errs = {}
     for k, v in want.items():
         assert got[k].shape == v.shape, (k, tuple(got[k].shape), tuple(v.shape))
@@ -313,11 +322,7 @@ def check_full_grads(model, reference, tol: float, scale=None) -> float:
             float((got[k].double().cpu() - v.double().cpu()).norm() / other.double().cpu().norm())
     worst = max(errs, key=errs.get)
     assert errs[worst] <= tol, f"full_grads: {worst} {errs[worst]:.2e} > {tol:.0e}"
-    on_rank0 = names(full_grads(model, device="cpu", rank0_only=True))
-    if torch.distributed.get_rank() == 0:
-        assert sorted(on_rank0) == sorted(got) and all(torch.equal(on_rank0[k], got[k].cpu()) for k in got)
-    else:
-        assert on_rank0 == {}, sorted(on_rank0)[:4]
+    _same_on_rank0(names(full_grads(model, device="cpu", rank0_only=True)), got, "full_grads, rank0_only")
     return errs[worst]
 
 

@@ -144,15 +144,6 @@ def _grad_errors(model, reference, rank, W, ep=False):
             continue
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         full = ref[name].grad
-        if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
-            # the decay's gradients nearly vanish with few tokens (about 1e-7 in decode: below bf16's resolution of
-            # the loss); measured against in_proj_a's (Qwen3-Next: in_proj_ba's) weight's, which the same path feeds
-            layer = name.rpartition(".")[0]
-            scale = ref.get(f"{layer}.in_proj_a.weight", ref.get(f"{layer}.in_proj_ba.weight")).grad
-            scale = scale.narrow(0, rank * scale.shape[0] // W, scale.shape[0] // W)  # (this rank's heads' rows)
-            full = full.narrow(0, rank * g.shape[0], g.shape[0])
-            errs[name] = float((g.double().cpu() - full.cpu()).norm() / scale.double().cpu().norm())
-            continue
         if name.endswith(("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight")):  # (Qwen3.5's)
             # (Qwen3.5's gated delta-rule layer: this rank's query, key and value channels)
             layer = reference.get_submodule(name[:name.index("linear_attn") + len("linear_attn")])
@@ -189,24 +180,26 @@ def _grad_errors(model, reference, rank, W, ep=False):
             dim = 0 if g.shape[0] != full.shape[0] else 1
             full = full.narrow(dim, rank * g.shape[dim], g.shape[dim])
         errs[name] = rel_err(g, full)
-        if name.endswith("router.bias"):  # (GPT-OSS's) a softmax's logit gradients sum to 0 over a token's
-            # choices, so an expert's sum over tokens cancels in part: measured against the size of its terms, which
-            # the router weight's gradient row (the same terms times rows of unit mean square) carries times sqrt(dim)
-            weight = ref[name.replace(".bias", ".weight")].grad
-            errs[name] = float((g.double().cpu() - full.double().cpu()).norm() * weight.shape[1] ** 0.5
-                               / weight.double().cpu().norm())
-        if name.endswith("k_proj.bias"):  # a key bias adds one constant to each query's scores, to which softmax
-            # is blind: its gradient is 0 but for rounding, measured against the value bias's (Qwen2's) instead
-            value = ref[name.replace("k_proj", "v_proj")].grad
-            value = value.narrow(0, rank * g.shape[0], g.shape[0])
-            errs[name] = float((g.double().cpu() - full.cpu()).norm() / value.double().cpu().norm())
+        other = _grad_scale(reference, name)
+        if other is not None:  # (a gradient that is 0 but for rounding: this rank's rows of the other where g is)
+            if g.shape != ref[name].grad.shape:
+                other = other.narrow(0, rank * other.shape[0] // W, other.shape[0] // W)
+            errs[name] = float((g.double().cpu() - full.double().cpu()).norm() / other.double().cpu().norm())
     return errs
 
 
 def _grad_scale(reference, name):
-    """What _grad_errors measures a nearly vanishing gradient against, whole (refs.check_full_grads' ``scale``):
-    the decay's against in_proj_a's (in_proj_ba's) weight's, a router bias's against its weight's over sqrt(dim), a
-    key bias's against the value bias's; None: the gradient's own."""
+    """The reference gradient, whole, whose norm a gradient that is 0 but for rounding is measured against
+    (_grad_errors; refs.check_full_grads' ``scale``); None: the gradient's own.
+
+    * The decay's (``A_log``, ``dt_bias``): its gradients nearly vanish with few tokens (about 1e-7 in decode:
+      below bf16's resolution of the loss); against in_proj_a's (Qwen3-Next: in_proj_ba's) weight's, which the same
+      path feeds.
+    * A router bias's (GPT-OSS's): a softmax's logit gradients sum to 0 over a token's choices, so an expert's sum
+      over tokens cancels in part; against the size of its terms, which the router weight's gradient row (the same
+      terms times rows of unit mean square) carries times sqrt(dim).
+    * A key bias's: it adds one constant to each query's scores, to which softmax is blind; against the value
+      bias's (Qwen2's)."""
     if name.endswith(("linear_attn.A_log", "linear_attn.dt_bias")):
         layer = reference.get_submodule(name.rpartition(".")[0])
         return getattr(layer, "in_proj_a", getattr(layer, "in_proj_ba", None)).weight.grad

@@ -84,17 +84,16 @@ def _grad_errors(model, reference, rank, world=None):
         if g.shape != full.shape:
             dim = 0 if g.shape[0] != full.shape[0] else 1
             full = full.narrow(dim, rank * g.shape[dim], g.shape[dim])
-        if name.endswith("k_proj.bias"):  # softmax is nearly blind to a shift of the keys: the key bias's gradient
-            # is about 0 but for rounding; measured against the value bias's (test_parallel_moe's rule)
-            value = ref[name.replace("k_proj", "v_proj")].grad
-            errs[name] = float((g.double() - full).norm() / value.narrow(0, rank * g.shape[0], g.shape[0]).norm())
-            continue
-        errs[name] = rel_err(g, full)
+        value = _key_bias_scale(reference, name.replace("._orig_mod", ""))
+        errs[name] = rel_err(g, full) if value is None else \
+            float((g.double() - full).norm() / value.narrow(0, rank * g.shape[0], g.shape[0]).norm())
     return errs
 
 
 def _key_bias_scale(reference, name):
-    """refs.check_full_grads' ``scale``: a key bias's gradient against the value bias's (_grad_errors' rule)."""
+    """The value bias's gradient for a key bias (None for any other): softmax is nearly blind to a shift of the
+    keys, so the key bias's gradient is about 0 but for rounding, measured against the value bias's instead
+    (test_parallel_moe's rule; _grad_errors and refs.check_full_grads' ``scale``)."""
     return reference.get_parameter(name.replace("k_proj", "v_proj")).grad if name.endswith("k_proj.bias") else None
 
 
